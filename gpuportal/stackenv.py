@@ -1,0 +1,48 @@
+"""The `<data dir>/stack.env` file through which `up` tells processes started beside it
+which PostgreSQL and Redis to use. Plain KEY=VALUE lines, so a shell can `source` it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STACK_KEYS = ("DATABASE_URL", "REDIS_URL")
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("GPUPORTAL_DATA_DIR") or Path.cwd() / "var").resolve()
+
+
+def read_stack_env(path: Path) -> dict[str, str]:
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, PermissionError):
+        return {}
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.removeprefix("export ").partition("=")
+        values[key.strip()] = value.strip().strip("'\"")
+    return values
+
+
+def write_stack_env(path: Path, values: dict[str, str]) -> None:
+    lines = ["# Written by `manage.py up`: the servers of the running stack."]
+    lines += [f"export {key}={value}" for key, value in values.items()]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+
+
+def resolve_stack_urls(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    """URLs from the environment first, then from a running `up`'s stack.env."""
+    urls = {key: environ[key] for key in STACK_KEYS if environ.get(key)}
+    if len(urls) < len(STACK_KEYS):
+        data_dir = Path(environ.get("GPUPORTAL_DATA_DIR") or Path.cwd() / "var")
+        from_file = read_stack_env(data_dir / "stack.env")
+        for key in STACK_KEYS:
+            if key not in urls and from_file.get(key):
+                urls[key] = from_file[key]
+    return urls

@@ -1,0 +1,50 @@
+"""Real PostgreSQL and Redis for the test session.
+
+With DATABASE_URL and REDIS_URL set, the tests use those servers. Otherwise this plugin starts
+embedded ones once per session. It must run before pytest-django imports the settings (which read
+the URLs), hence a wrapper around `pytest_load_initial_conftests`, loaded with `-p` from pyproject.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpuportal.stack import EmbeddedPostgres, EmbeddedRedis
+
+_started: list[EmbeddedPostgres | EmbeddedRedis] = []
+_tmp_dirs: list[Path] = []
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    if not os.environ.get("DATABASE_URL") or not os.environ.get("REDIS_URL"):
+        root = Path(tempfile.mkdtemp(prefix="gpuportal-test-stack-"))
+        _tmp_dirs.append(root)
+        if not os.environ.get("DATABASE_URL"):
+            pg = EmbeddedPostgres(pgdata=root / "postgres" / "data", durable=False)
+            _started.append(pg)
+            os.environ["DATABASE_URL"] = pg.start()
+        if not os.environ.get("REDIS_URL"):
+            rd = EmbeddedRedis(data_dir=root / "redis", persist=False)
+            _started.append(rd)
+            os.environ["REDIS_URL"] = rd.start()
+    return (yield)
+
+
+def pytest_report_header(config):
+    return [
+        f"gpuportal: DATABASE_URL={os.environ.get('DATABASE_URL')} REDIS_URL={os.environ.get('REDIS_URL')}"
+        + (" (embedded, this session)" if _started else "")
+    ]
+
+
+def pytest_unconfigure(config):
+    while _started:
+        _started.pop().stop()
+    while _tmp_dirs:
+        shutil.rmtree(_tmp_dirs.pop(), ignore_errors=True)

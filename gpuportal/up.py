@@ -1,0 +1,314 @@
+"""`manage.py up`: the whole portal on one machine.
+
+Order matters both ways. Start: servers (embedded unless URLs are given) → stack.env →
+migrate → admin user → web, control worker, beat, node agent. Stop: the app processes first
+(so they can still record that they stop), then Redis, then PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from gpuportal.stack import (
+    EmbeddedPostgres,
+    EmbeddedRedis,
+    StackError,
+    die_with_parent,
+    port_in_use,
+)
+from gpuportal.stackenv import write_stack_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    process: subprocess.Popen | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    def last_error(self) -> str:
+        for line in reversed(self.tail):
+            text = line.strip()
+            if text and not text.startswith(("Traceback", "File ", "^")):
+                return text
+        return "no output"
+
+
+@dataclass
+class Options:
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    node: str = "local"
+    virtual_gpus: str | None = None
+    quiet: bool = False
+    database_url: str | None = None
+    redis_url: str | None = None
+
+
+class Portal:
+    def __init__(self, options: Options, out: TextIO = sys.stdout):
+        self.options = options
+        self.out = out
+        self.children: list[Child] = []
+        self.postgres: EmbeddedPostgres | None = None
+        self.redis: EmbeddedRedis | None = None
+        self.stopping = threading.Event()
+        self.env: dict[str, str] = {}
+        self.log_lock = threading.Lock()
+
+    # -- start -------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Fail before starting anything: nothing is left running on these errors."""
+        opts = self.options
+        if port_in_use(opts.port, opts.host):
+            raise StackError(f"port {opts.port} on {opts.host} is already in use (another `up`? try --port)")
+        try:
+            opts.data_dir.mkdir(parents=True, exist_ok=True)
+            probe = opts.data_dir / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise StackError(f"cannot use data directory {opts.data_dir}: {err.strerror or err}") from None
+
+    def start_servers(self) -> dict[str, str]:
+        opts = self.options
+        urls = {}
+        if opts.database_url:
+            urls["DATABASE_URL"] = opts.database_url
+        else:
+            self.postgres = EmbeddedPostgres(pgdata=opts.data_dir / "postgres" / "data")
+            urls["DATABASE_URL"] = self.postgres.start()
+        if opts.redis_url:
+            urls["REDIS_URL"] = opts.redis_url
+        else:
+            self.redis = EmbeddedRedis(data_dir=opts.data_dir / "redis")
+            urls["REDIS_URL"] = self.redis.start()
+        return urls
+
+    def child_env(self, urls: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        metrics_dir = self.options.data_dir / "prometheus"
+        # Counters of the previous run's processes would be summed with this run's.
+        if metrics_dir.exists():
+            for stale in metrics_dir.glob("*.db"):
+                stale.unlink()
+        metrics_dir.mkdir(exist_ok=True)
+        env.update(urls)
+        env.update(
+            {
+                "GPUPORTAL_DATA_DIR": str(self.options.data_dir),
+                "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+                "PYTHONUNBUFFERED": "1",
+                "DJANGO_SETTINGS_MODULE": "gpuportal.settings",
+            }
+        )
+        if self.options.host not in {"127.0.0.1", "localhost"} and "GPUPORTAL_ALLOWED_HOSTS" not in env:
+            env["GPUPORTAL_ALLOWED_HOSTS"] = "*"
+        return env
+
+    def manage(self, *args: str, capture: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "manage.py"), *args],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=capture,
+            text=True,
+        )
+
+    def prepare_database(self) -> None:
+        result = self.manage("migrate", "--noinput")
+        if result.returncode != 0:
+            raise StackError(f"migrate failed: {_last_line(result.stderr or result.stdout)}")
+        result = self.manage("ensure_admin")
+        if result.returncode != 0:
+            raise StackError(f"could not create the admin user: {_last_line(result.stderr or result.stdout)}")
+        self.say(result.stdout.rstrip())
+
+    def plan_children(self) -> list[Child]:
+        opts = self.options
+        python = sys.executable
+        manage = str(ROOT / "manage.py")
+        celery = [python, "-m", "celery", "-A", "gpuportal"]
+        agent = [python, manage, "agent", "--node", opts.node]
+        if opts.virtual_gpus:
+            agent += ["--virtual-gpus", opts.virtual_gpus]
+        return [
+            Child("web", [python, manage, "runserver", f"{opts.host}:{opts.port}", "--noreload", "--insecure"]),
+            Child(
+                "control",
+                [*celery, "worker", "-Q", "control", "-n", "control@%h", "--concurrency", "2", "-l", "INFO"],
+            ),
+            Child(
+                "beat",
+                [
+                    *celery,
+                    "beat",
+                    "-l",
+                    "INFO",
+                    "--scheduler",
+                    "django_celery_beat.schedulers:DatabaseScheduler",
+                    "--pidfile",
+                    str(opts.data_dir / "beat.pid"),
+                ],
+            ),
+            Child("agent", agent),
+        ]
+
+    def spawn(self, child: Child) -> None:
+        log_dir = self.options.data_dir / "logs"
+        log_dir.mkdir(exist_ok=True)
+        child.process = subprocess.Popen(
+            child.argv,
+            env=self.env,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            # Own session: a terminal's Ctrl-C reaches only `up`, which then stops children in order;
+            # and a whole group (a worker and its pool) can be killed at once if it hangs.
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
+        threading.Thread(target=self._pump, args=(child, log_dir / f"{child.name}.log"), daemon=True).start()
+
+    def _pump(self, child: Child, log_path: Path) -> None:
+        assert child.process is not None and child.process.stdout is not None
+        with open(log_path, "a") as log:
+            for line in child.process.stdout:
+                child.tail.append(line)
+                log.write(line)
+                log.flush()
+                if not self.options.quiet:
+                    with self.log_lock:
+                        self.out.write(f"{child.name:<8}| {line}")
+                        self.out.flush()
+
+    def wait_web_ready(self, timeout: float = 120.0) -> None:
+        url = f"http://{self.options.host}:{self.options.port}/healthz"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            self.raise_if_child_died()
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+            time.sleep(0.2)
+        if not self.stopping.is_set():
+            raise StackError(f"web server did not answer {url} within {timeout:.0f} s")
+
+    def raise_if_child_died(self) -> None:
+        for child in self.children:
+            code = child.process.poll() if child.process else None
+            if code is not None:
+                time.sleep(0.2)  # let the pump thread read the last lines it printed
+                raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
+
+    # -- run and stop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.check()
+        self._install_signal_handlers()
+        try:
+            urls = self.start_servers()
+            self.env = self.child_env(urls)
+            write_stack_env(self.options.data_dir / "stack.env", urls)
+            self.prepare_database()
+            for child in self.plan_children():
+                if self.stopping.is_set():
+                    break
+                self.children.append(child)
+                self.spawn(child)
+            self.wait_web_ready()
+            if not self.stopping.is_set():
+                self.banner(urls)
+            while not self.stopping.wait(0.5):
+                self.raise_if_child_died()
+            self.say("stopping: the portal's processes, then its servers")
+            return 0
+        finally:
+            self.shutdown()
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self.stopping.set()
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    def shutdown(self) -> None:
+        running = [c for c in self.children if c.process and c.process.poll() is None]
+        # All at once, then wait: each child's warm shutdown overlaps the others'.
+        for child in reversed(running):
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for child in running:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{child.name} did not stop in time; killing it")
+        for child in self.children:
+            if child.process is None:
+                continue
+            # Kill what is left of each child's session: a stuck child, or a pool process it left behind.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(5)
+        if self.redis is not None:
+            self.redis.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
+        if self.redis is not None or self.postgres is not None:
+            # The servers it names are gone: an agent started now must not try to join them.
+            with contextlib.suppress(FileNotFoundError):
+                (self.options.data_dir / "stack.env").unlink()
+
+    def say(self, text: str) -> None:
+        with self.log_lock:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def banner(self, urls: dict[str, str]) -> None:
+        base = f"http://{self.options.host}:{self.options.port}"
+        pg = "embedded, " + str(self.postgres.pgdata) if self.postgres else "external"
+        rd = "embedded, " + str(self.redis.data_dir) if self.redis else "external"
+        self.say(
+            "\n".join(
+                [
+                    "",
+                    f"gpuportal is up on {socket.gethostname()} (node agent: {self.options.node})",
+                    f"  admin:      {base}/admin/",
+                    f"  API docs:   {base}/api/docs/",
+                    f"  health:     {base}/healthz  (ready: {base}/readyz, metrics: {base}/metrics)",
+                    f"  PostgreSQL: {urls['DATABASE_URL']}  ({pg})",
+                    f"  Redis:      {urls['REDIS_URL']}  ({rd})",
+                    f"  stack.env:  {self.options.data_dir / 'stack.env'}  (agents and shells started here join it)",
+                    f"  logs:       {self.options.data_dir / 'logs'}",
+                    "Press Ctrl-C to stop everything.",
+                    "",
+                ]
+            )
+        )
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"

@@ -1,0 +1,117 @@
+"""The node agent: registers its node and GPUs, heartbeats, and runs a Celery worker on the
+node's own queue (where the control plane sends replica work for this host)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import psutil
+from django.conf import settings
+from django.db import close_old_connections, connection
+
+from gpuportal.celery import app
+from inference.devices import discover
+from scheduling.models import Node
+from scheduling.services import nodes
+
+log = logging.getLogger(__name__)
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: str = "auto",
+        virtual_spec: str | None = None,
+        cpu_cache_bytes: int | None = None,
+        heartbeat_s: float | None = None,
+        concurrency: int = 4,
+    ):
+        self.name = name
+        self.backend = backend
+        self.virtual_spec = virtual_spec or settings.GPUPORTAL_VIRTUAL_GPUS
+        # Default room for sleeping weights: half the host's RAM.
+        self.cpu_cache_bytes = cpu_cache_bytes if cpu_cache_bytes is not None else psutil.virtual_memory().total // 2
+        self.heartbeat_s = heartbeat_s or settings.GPUPORTAL_HEARTBEAT_S
+        self.concurrency = concurrency
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    @property
+    def queue(self) -> str:
+        return nodes.node_queue(self.name)
+
+    def register(self) -> Node:
+        devices = discover(self.name, backend=self.backend, virtual_spec=self.virtual_spec)
+        virtual = all(d.virtual for d in devices)
+        node = nodes.register_node(
+            self.name,
+            devices,
+            hostname=socket.gethostname(),
+            cpu_cache_bytes=self.cpu_cache_bytes,
+            virtual=virtual,
+        )
+        log.info(
+            "node %s registered: %d %s GPU(s), queue %s",
+            self.name,
+            len(devices),
+            "virtual" if virtual else "NVIDIA",
+            self.queue,
+        )
+        return node
+
+    def start_heartbeat(self) -> None:
+        self._heartbeat_thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
+        self._heartbeat_thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                # Why close_old_connections: a database restart leaves this thread's connection
+                # dead; Django drops it here so the next query reconnects instead of failing forever.
+                close_old_connections()
+                nodes.heartbeat(self.name)
+            except Exception:
+                log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
+        connection.close()
+
+    def stop(self, reason: str = "agent stopped") -> None:
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=self.heartbeat_s + 5)
+        try:
+            close_old_connections()
+            nodes.mark_stopped(self.name, reason)
+        except Exception:
+            log.exception("could not mark node %s stopped; the heartbeat timeout will", self.name)
+
+    def run_worker(self, loglevel: str = "INFO") -> None:
+        """Blocks until the worker shuts down (SIGTERM or SIGINT: a warm shutdown)."""
+        app.worker_main(
+            [
+                "worker",
+                "--queues",
+                self.queue,
+                "--hostname",
+                f"agent.{self.name}@%h",
+                "--pool",
+                "threads",
+                "--concurrency",
+                str(self.concurrency),
+                "--loglevel",
+                loglevel,
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
+
+    def run(self, loglevel: str = "INFO") -> None:
+        self.register()
+        self.start_heartbeat()
+        try:
+            self.run_worker(loglevel)
+        finally:
+            self.stop()

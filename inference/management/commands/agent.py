@@ -1,0 +1,54 @@
+import re
+
+from django.core.management.base import BaseCommand, CommandError
+
+from inference.agent import NodeAgent
+from inference.devices import parse_size, parse_virtual_spec
+
+
+class Command(BaseCommand):
+    help = (
+        "Run this host's node agent: register the node and its GPUs (NVML, or virtual GPUs where "
+        "there is no NVIDIA GPU), heartbeat, and run a Celery worker on the node's queue."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("--node", required=True, help="Node name (a slug: letters, digits, - and _).")
+        parser.add_argument(
+            "--virtual-gpus",
+            default=None,
+            help="Virtual GPUs when no NVIDIA GPU is present, e.g. 2x24GiB or 1x80GiB,2x24GiB "
+            "(default: GPUPORTAL_VIRTUAL_GPUS or 2x24GiB).",
+        )
+        parser.add_argument(
+            "--backend",
+            choices=["auto", "nvml", "virtual"],
+            default="auto",
+            help="auto: NVML when it finds a GPU, else virtual.",
+        )
+        parser.add_argument("--cpu-cache", default=None, help="Host RAM for sleeping weights (default: half).")
+        parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
+        parser.add_argument("--loglevel", default="INFO")
+
+    def handle(self, *args, node: str, virtual_gpus, backend, cpu_cache, concurrency, loglevel, **options):
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,100}", node):
+            raise CommandError(f"--node {node!r} is not a valid node name: use letters, digits, '-' and '_'")
+        try:
+            if virtual_gpus is not None:
+                parse_virtual_spec(virtual_gpus)
+            cache = parse_size(cpu_cache) if cpu_cache else None
+        except ValueError as err:
+            raise CommandError(f"invalid size: {err}") from None
+        if concurrency < 1:
+            raise CommandError("--concurrency must be at least 1")
+        agent = NodeAgent(
+            node,
+            backend=backend,
+            virtual_spec=virtual_gpus,
+            cpu_cache_bytes=cache,
+            concurrency=concurrency,
+        )
+        try:
+            agent.run(loglevel=loglevel)
+        except ValueError as err:
+            raise CommandError(str(err)) from None

@@ -1,0 +1,284 @@
+"""The portal's state (DESIGN §3). PostgreSQL is the source of truth; only `ledger` and
+`services` write these rows."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import F, Q
+
+
+def new_replica_id() -> str:
+    # Opaque on purpose (seed 002): clients must not parse meaning out of replica ids.
+    return uuid.uuid4().hex
+
+
+class Node(models.Model):
+    class Status(models.TextChoices):
+        ONLINE = "online"
+        DRAINING = "draining"
+        OFFLINE = "offline"
+
+    name = models.SlugField(max_length=100, unique=True)
+    queue = models.CharField(max_length=150, unique=True, help_text="Celery queue the node agent consumes.")
+    hostname = models.CharField(max_length=255, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE, db_index=True)
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    cpu_cache_bytes = models.BigIntegerField(default=0, help_text="Host RAM available for sleeping weights.")
+    virtual = models.BooleanField(default=False, help_text="GPUs are simulated on the CPU (no NVIDIA GPU).")
+    registered_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.CheckConstraint(condition=Q(cpu_cache_bytes__gte=0), name="node_cpu_cache_nonneg")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class GPU(models.Model):
+    class Health(models.TextChoices):
+        OK = "ok"
+        DEGRADED = "degraded"
+        LOST = "lost"
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveIntegerField()
+    uuid = models.CharField(max_length=100, unique=True)
+    product = models.CharField(max_length=200)
+    virtual = models.BooleanField(default=False)
+    total_bytes = models.BigIntegerField()
+    # Derived (total − Σ occupants' reserved_bytes) but stored, so a plan's fit check and the
+    # API read one row; the ledger recomputes it under the row lock on every commit.
+    available_bytes = models.BigIntegerField()
+    # Compare-and-swap version: bumped by every commit that touches this GPU.
+    version = models.BigIntegerField(default=0)
+    wake_lock_holder = models.ForeignKey(
+        "Replica", null=True, blank=True, on_delete=models.SET_NULL, related_name="wake_locks"
+    )
+    wake_lock_expires_at = models.DateTimeField(null=True, blank=True)
+    health = models.CharField(max_length=16, choices=Health.choices, default=Health.OK)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["node__name", "index"]
+        verbose_name = "GPU"
+        constraints = [
+            models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_node_index"),
+            models.CheckConstraint(condition=Q(total_bytes__gt=0), name="gpu_total_positive"),
+            # The over-commit invariant (DESIGN §3.1) as a last line of defence under the ledger.
+            models.CheckConstraint(
+                condition=Q(available_bytes__gte=0) & Q(available_bytes__lte=F("total_bytes")),
+                name="gpu_available_within_total",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}/{self.index}"
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.total_bytes - self.available_bytes
+
+
+class Deployment(models.Model):
+    class Loader(models.TextChoices):
+        TRANSFORMERS = "transformers", "Hugging Face transformers causal LM"
+        TORCH_MODULE = "torch-module", "PyTorch module from a factory path"
+
+    class DType(models.TextChoices):
+        FLOAT32 = "float32"
+        FLOAT16 = "float16"
+        BFLOAT16 = "bfloat16"
+
+    name = models.SlugField(max_length=100, unique=True)
+    model_source = models.CharField(max_length=1000, help_text="Local model directory or factory path.")
+    loader = models.CharField(max_length=32, choices=Loader.choices, default=Loader.TRANSFORMERS)
+    dtype = models.CharField(max_length=16, choices=DType.choices, default=DType.FLOAT32)
+    replicas_wanted = models.PositiveIntegerField(default=1)
+    dedicated = models.BooleanField(default=False, help_text="Never evicted to make room for others.")
+    # Fairness (seed 001).
+    min_runtime_s = models.FloatField(default=10.0)
+    max_wait_s = models.FloatField(default=5.0)
+    popular = models.BooleanField(default=False, help_text="Never preempted and never idle-slept.")
+    # Sleep.
+    idle_timeout_s = models.FloatField(default=300.0, help_text="0 means never sleep when idle.")
+    drain_timeout_s = models.FloatField(default=30.0)
+    # Memory, in order of trust: override, measured (per GPU), estimate.
+    memory_override_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_measured_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_estimate_bytes = models.BigIntegerField(null=True, blank=True)
+    max_tokens = models.PositiveIntegerField(default=2048)
+    failover_standby = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(condition=Q(min_runtime_s__gte=0), name="deployment_min_runtime_nonneg"),
+            models.CheckConstraint(condition=Q(max_wait_s__gte=0), name="deployment_max_wait_nonneg"),
+            models.CheckConstraint(condition=Q(idle_timeout_s__gte=0), name="deployment_idle_timeout_nonneg"),
+            models.CheckConstraint(condition=Q(drain_timeout_s__gte=0), name="deployment_drain_timeout_nonneg"),
+            models.CheckConstraint(
+                condition=Q(memory_override_bytes__isnull=True) | Q(memory_override_bytes__gt=0),
+                name="deployment_override_positive",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def memory_need_bytes(self) -> int | None:
+        return self.memory_override_bytes or self.memory_measured_bytes or self.memory_estimate_bytes
+
+
+class Replica(models.Model):
+    class Role(models.TextChoices):
+        PRIMARY = "primary"
+        STANDBY = "standby"
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        LOADING = "loading"
+        SERVING = "serving"
+        DRAINING = "draining"
+        SLEEPING = "sleeping"
+        WAKING = "waking"
+        STANDBY = "standby"
+        STOPPING = "stopping"
+        STOPPED = "stopped"
+        FAILED = "failed"
+
+    id = models.CharField(primary_key=True, max_length=32, default=new_replica_id, editable=False)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replicas")
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="replicas")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.PRIMARY)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING, db_index=True)
+    # {"<gpu index>": bytes} on its node, as in the REST shape of DESIGN §7.
+    gpu_mem_bytes_by_id = models.JSONField(default=dict, blank=True)
+    gpu_memory_fraction = models.FloatField(null=True, blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    serving_since = models.DateTimeField(null=True, blank=True)
+    last_accessed = models.DateTimeField(null=True, blank=True)
+    epoch = models.BigIntegerField(default=0)
+    failure_reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["deployment__name", "created_at"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(gpu_memory_fraction__isnull=True)
+                | (Q(gpu_memory_fraction__gte=0.01) & Q(gpu_memory_fraction__lte=0.99)),
+                name="replica_fraction_in_range",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.id[:8]}"
+
+
+class Occupant(models.Model):
+    """A replica's reservation on one GPU; a multi-GPU replica has one per GPU."""
+
+    gpu = models.ForeignKey(GPU, on_delete=models.CASCADE, related_name="occupants")
+    # PROTECT: releasing a reservation must go through the ledger (which keeps available_bytes
+    # and the version in step); a cascade from deleting a replica would silently skip it.
+    replica = models.ForeignKey(Replica, on_delete=models.PROTECT, related_name="occupancies")
+    reserved_bytes = models.BigIntegerField()
+    since = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["gpu_id", "since"]
+        constraints = [
+            models.UniqueConstraint(fields=["gpu", "replica"], name="occupant_unique_gpu_replica"),
+            models.CheckConstraint(condition=Q(reserved_bytes__gte=0), name="occupant_reserved_nonneg"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.replica_id[:8]} on gpu {self.gpu_id}: {self.reserved_bytes} B"
+
+
+class PreemptionIntent(models.Model):
+    class Status(models.TextChoices):
+        WAITING = "waiting"
+        VICTIM_CHOSEN = "victim_chosen"
+        SATISFIED = "satisfied"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+
+    gpu = models.ForeignKey(GPU, on_delete=models.CASCADE, related_name="intents")
+    waiting_replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="intents")
+    needed_bytes = models.BigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    deadline = models.DateTimeField(help_text="created_at + the waiting deployment's max_wait.")
+    victim = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="preempted_by")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.WAITING, db_index=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            models.CheckConstraint(condition=Q(needed_bytes__gt=0), name="intent_needed_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.waiting_replica_id[:8]} needs {self.needed_bytes} B on gpu {self.gpu_id}"
+
+
+class FailoverLease(models.Model):
+    """Persistent half of a failover pair's lock (seed 004): who holds it at which epoch.
+    The lock itself is a PostgreSQL advisory lock held by the replica process."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="failover_leases")
+    slot = models.PositiveIntegerField(default=0, help_text="Which pair of the deployment.")
+    holder = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="leases")
+    epoch = models.BigIntegerField(default=0)
+    granted_at = models.DateTimeField(null=True, blank=True)
+    reconnect_deadline = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["deployment__name", "slot"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "slot"], name="lease_unique_deployment_slot"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}#{self.slot} epoch {self.epoch}"
+
+
+class Event(models.Model):
+    """The audit trail: why each thing happened (DESIGN §3.1 invariant 6)."""
+
+    class Kind(models.TextChoices):
+        NODE_REGISTERED = "node.registered"
+        NODE_ONLINE = "node.online"
+        NODE_OFFLINE = "node.offline"
+        NODE_STOPPED = "node.stopped"
+        GPU_REGISTERED = "gpu.registered"
+        GPU_CHANGED = "gpu.changed"
+        GPU_RESERVED = "gpu.reserved"
+        GPU_RELEASED = "gpu.released"
+        REPLICA_STATE = "replica.state"
+        DEPLOYMENT_CHANGED = "deployment.changed"
+
+    time = models.DateTimeField(auto_now_add=True, db_index=True)
+    kind = models.CharField(max_length=64, choices=Kind.choices, db_index=True)
+    subject = models.CharField(max_length=255, help_text='What it happened to, e.g. "gpu node1/0".')
+    reason = models.TextField()
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+    # Plain names rather than foreign keys: the trail outlives what it describes.
+    node = models.CharField(max_length=100, blank=True, db_index=True)
+    gpu = models.CharField(max_length=120, blank=True, db_index=True)
+    deployment = models.CharField(max_length=100, blank=True, db_index=True)
+    replica = models.CharField(max_length=32, blank=True, db_index=True)
+
+    class Meta:
+        ordering = ["-time", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.time:%Y-%m-%d %H:%M:%S} {self.kind} {self.subject}"

@@ -1,0 +1,156 @@
+"""Node lifecycle: registration by its agent, heartbeats, and expiry when they stop."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from scheduling import events, ledger
+from scheduling.models import Event, Node
+from scheduling.state import DeviceInfo
+
+INVENTORY_EVENT = {
+    "added": Event.Kind.GPU_REGISTERED,
+    "resized": Event.Kind.GPU_CHANGED,
+    "lost": Event.Kind.GPU_CHANGED,
+    "found": Event.Kind.GPU_CHANGED,
+}
+INVENTORY_REASON = {
+    "added": "reported by the node agent at registration",
+    "resized": "the node agent reports a different memory size",
+    "lost": "no longer reported by the node agent",
+    "found": "reported again by the node agent",
+}
+
+
+def node_queue(name: str) -> str:
+    return f"node.{name}"
+
+
+def register_node(
+    name: str,
+    devices: list[DeviceInfo],
+    *,
+    hostname: str = "",
+    cpu_cache_bytes: int = 0,
+    virtual: bool = False,
+) -> Node:
+    """Create or refresh a node and its GPUs as its agent reports them; the node is online after."""
+    now = timezone.now()
+    with transaction.atomic():
+        node, created = Node.objects.select_for_update().get_or_create(
+            name=name,
+            defaults={"queue": node_queue(name), "status": Node.Status.ONLINE, "last_heartbeat": now},
+        )
+        before = {"status": node.status, "virtual": node.virtual, "gpus": node.gpus.count()}
+        previous_status = node.status
+        node.hostname, node.cpu_cache_bytes, node.virtual = hostname, cpu_cache_bytes, virtual
+        node.status, node.last_heartbeat = Node.Status.ONLINE, now
+        node.save()
+        changes = ledger.sync_inventory(node.pk, node.name, devices)
+        summary = ", ".join(f"{d.index}: {d.product} {d.total_bytes} B" for d in devices) or "no GPUs"
+        kind = "virtual" if virtual else "NVIDIA"
+        if created:
+            events.record(
+                Event.Kind.NODE_REGISTERED,
+                f"node {name}",
+                f"agent registered with {len(devices)} {kind} GPU(s) ({summary})",
+                after={"status": node.status, "virtual": virtual, "gpus": len(devices)},
+                node=name,
+            )
+        else:
+            was = "" if previous_status == Node.Status.ONLINE else f" (was {previous_status})"
+            events.record(
+                Event.Kind.NODE_ONLINE,
+                f"node {name}",
+                f"agent re-registered with {len(devices)} {kind} GPU(s){was}",
+                before=before,
+                after={"status": node.status, "virtual": virtual, "gpus": len(devices)},
+                node=name,
+            )
+        for change in changes:
+            events.record(
+                INVENTORY_EVENT[change.kind],
+                f"gpu {change.label}",
+                f"{change.kind}: {INVENTORY_REASON[change.kind]}",
+                before=change.before,
+                after=change.after,
+                node=name,
+                gpu=change.label,
+            )
+    return node
+
+
+def heartbeat(name: str, *, now: datetime | None = None) -> Node:
+    """Record that the node's agent is alive; a node that had been marked offline comes back."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(name=name)
+        node.last_heartbeat = now
+        fields = ["last_heartbeat"]
+        if node.status == Node.Status.OFFLINE:
+            node.status = Node.Status.ONLINE
+            fields.append("status")
+            events.record(
+                Event.Kind.NODE_ONLINE,
+                f"node {name}",
+                "heartbeat resumed",
+                before={"status": Node.Status.OFFLINE},
+                after={"status": Node.Status.ONLINE},
+                node=name,
+            )
+        node.save(update_fields=fields)
+    return node
+
+
+def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = None) -> list[str]:
+    """Mark offline every node whose agent has been silent longer than the timeout."""
+    now = now or timezone.now()
+    timeout_s = settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S if timeout_s is None else timeout_s
+    cutoff = now - timedelta(seconds=timeout_s)
+    expired: list[str] = []
+    with transaction.atomic():
+        # skip_locked: a node being registered or heartbeating right now is, by definition, alive.
+        stale = (
+            Node.objects.select_for_update(skip_locked=True)
+            .exclude(status=Node.Status.OFFLINE)
+            .filter(last_heartbeat__lt=cutoff)
+            .order_by("pk")
+        )
+        for node in stale:
+            silent = (now - node.last_heartbeat).total_seconds()
+            before = node.status
+            node.status = Node.Status.OFFLINE
+            node.save(update_fields=["status"])
+            events.record(
+                Event.Kind.NODE_OFFLINE,
+                f"node {node.name}",
+                f"no heartbeat for {silent:.0f} s (timeout {timeout_s:.0f} s)",
+                before={"status": before, "last_heartbeat": node.last_heartbeat.isoformat()},
+                after={"status": Node.Status.OFFLINE},
+                node=node.name,
+            )
+            expired.append(node.name)
+    return expired
+
+
+def mark_stopped(name: str, reason: str) -> None:
+    """The agent is shutting down on purpose: say so now rather than after the heartbeat timeout."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(name=name).first()
+        if node is None or node.status == Node.Status.OFFLINE:
+            return
+        before = node.status
+        node.status = Node.Status.OFFLINE
+        node.save(update_fields=["status"])
+        events.record(
+            Event.Kind.NODE_STOPPED,
+            f"node {name}",
+            reason,
+            before={"status": before},
+            after={"status": Node.Status.OFFLINE},
+            node=name,
+        )
