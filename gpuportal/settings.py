@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -115,8 +116,10 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = Path(os.environ.get("GPUPORTAL_STATIC_ROOT", BASE_DIR / "var" / "static"))
-# Without collectstatic (dev, `up`, tests) WhiteNoise finds files through the app finders.
+# Without collectstatic (dev, `up`, tests) WhiteNoise finds files through the app finders, so
+# an absent STATIC_ROOT is expected there; only images run collectstatic (docker/Dockerfile).
 WHITENOISE_USE_FINDERS = True
+warnings.filterwarnings("ignore", message="No directory at", category=UserWarning)
 
 REST_FRAMEWORK = {
     # Token first: DRF answers anonymous requests with the first class's challenge, so 401 not 403.

@@ -10,18 +10,16 @@ from dataclasses import dataclass, replace
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Prefetch, Sum
+from django.db.models import Sum
 from django.utils import timezone
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from scheduling import events
+from scheduling import events, selectors
 from scheduling.metrics import CAS_CONFLICTS, COMMITS
-from scheduling.models import GPU, Event, Occupant, PreemptionIntent
+from scheduling.models import GPU, Event, Occupant
 from scheduling.state import DeviceInfo, GPUView, IntentView, OccupantView, Plan, Snapshot
 
 log = logging.getLogger(__name__)
-
-ACTIVE_INTENTS = (PreemptionIntent.Status.WAITING, PreemptionIntent.Status.VICTIM_CHOSEN)
 
 
 class CasConflict(Exception):
@@ -56,19 +54,7 @@ def snapshot(gpu_ids: Iterable[int] | None = None) -> Snapshot:
     occupants: any commit landing in between bumps that version, so a plan built on the mix
     fails its compare-and-swap instead of acting on it.
     """
-    gpus = (
-        GPU.objects.select_related("node")
-        .prefetch_related(
-            Prefetch("occupants", queryset=Occupant.objects.select_related("replica__deployment")),
-            Prefetch(
-                "intents",
-                queryset=PreemptionIntent.objects.filter(status__in=ACTIVE_INTENTS).select_related(
-                    "waiting_replica__deployment"
-                ),
-            ),
-        )
-        .order_by("pk")
-    )
+    gpus = selectors.gpus().order_by("pk")
     if gpu_ids is not None:
         gpus = gpus.filter(pk__in=list(gpu_ids))
     return Snapshot(gpus={g.pk: gpu_view(g) for g in gpus}, taken_at=timezone.now())
@@ -109,7 +95,7 @@ def gpu_view(gpu: GPU) -> GPUView:
                 deadline=i.deadline,
                 status=i.status,
             )
-            for i in gpu.intents.all()
+            for i in gpu.active_intents
         ),
         wake_lock_holder=gpu.wake_lock_holder_id,
         wake_lock_expires_at=gpu.wake_lock_expires_at,

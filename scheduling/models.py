@@ -229,6 +229,10 @@ class PreemptionIntent(models.Model):
         return f"{self.waiting_replica_id[:8]} needs {self.needed_bytes} B on gpu {self.gpu_id}"
 
 
+# Intents still in play; satisfied, failed and cancelled ones are history (see Events).
+ACTIVE_INTENT_STATUSES = (PreemptionIntent.Status.WAITING, PreemptionIntent.Status.VICTIM_CHOSEN)
+
+
 class FailoverLease(models.Model):
     """Persistent half of a failover pair's lock (seed 004): who holds it at which epoch.
     The lock itself is a PostgreSQL advisory lock held by the replica process."""

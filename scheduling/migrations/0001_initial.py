@@ -6,200 +6,409 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Event',
+            name="Event",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('time', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('kind', models.CharField(choices=[('node.registered', 'Node Registered'), ('node.online', 'Node Online'), ('node.offline', 'Node Offline'), ('node.stopped', 'Node Stopped'), ('gpu.registered', 'Gpu Registered'), ('gpu.changed', 'Gpu Changed'), ('gpu.reserved', 'Gpu Reserved'), ('gpu.released', 'Gpu Released'), ('replica.state', 'Replica State'), ('deployment.changed', 'Deployment Changed')], db_index=True, max_length=64)),
-                ('subject', models.CharField(help_text='What it happened to, e.g. "gpu node1/0".', max_length=255)),
-                ('reason', models.TextField()),
-                ('before', models.JSONField(blank=True, null=True)),
-                ('after', models.JSONField(blank=True, null=True)),
-                ('node', models.CharField(blank=True, db_index=True, max_length=100)),
-                ('gpu', models.CharField(blank=True, db_index=True, max_length=120)),
-                ('deployment', models.CharField(blank=True, db_index=True, max_length=100)),
-                ('replica', models.CharField(blank=True, db_index=True, max_length=32)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("time", models.DateTimeField(auto_now_add=True, db_index=True)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("node.registered", "Node Registered"),
+                            ("node.online", "Node Online"),
+                            ("node.offline", "Node Offline"),
+                            ("node.stopped", "Node Stopped"),
+                            ("gpu.registered", "Gpu Registered"),
+                            ("gpu.changed", "Gpu Changed"),
+                            ("gpu.reserved", "Gpu Reserved"),
+                            ("gpu.released", "Gpu Released"),
+                            ("replica.state", "Replica State"),
+                            ("deployment.changed", "Deployment Changed"),
+                        ],
+                        db_index=True,
+                        max_length=64,
+                    ),
+                ),
+                ("subject", models.CharField(help_text='What it happened to, e.g. "gpu node1/0".', max_length=255)),
+                ("reason", models.TextField()),
+                ("before", models.JSONField(blank=True, null=True)),
+                ("after", models.JSONField(blank=True, null=True)),
+                ("node", models.CharField(blank=True, db_index=True, max_length=100)),
+                ("gpu", models.CharField(blank=True, db_index=True, max_length=120)),
+                ("deployment", models.CharField(blank=True, db_index=True, max_length=100)),
+                ("replica", models.CharField(blank=True, db_index=True, max_length=32)),
             ],
             options={
-                'ordering': ['-time', '-id'],
+                "ordering": ["-time", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='Deployment',
+            name="Deployment",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=100, unique=True)),
-                ('model_source', models.CharField(help_text='Local model directory or factory path.', max_length=1000)),
-                ('loader', models.CharField(choices=[('transformers', 'Hugging Face transformers causal LM'), ('torch-module', 'PyTorch module from a factory path')], default='transformers', max_length=32)),
-                ('dtype', models.CharField(choices=[('float32', 'Float32'), ('float16', 'Float16'), ('bfloat16', 'Bfloat16')], default='float32', max_length=16)),
-                ('replicas_wanted', models.PositiveIntegerField(default=1)),
-                ('dedicated', models.BooleanField(default=False, help_text='Never evicted to make room for others.')),
-                ('min_runtime_s', models.FloatField(default=10.0)),
-                ('max_wait_s', models.FloatField(default=5.0)),
-                ('popular', models.BooleanField(default=False, help_text='Never preempted and never idle-slept.')),
-                ('idle_timeout_s', models.FloatField(default=300.0, help_text='0 means never sleep when idle.')),
-                ('drain_timeout_s', models.FloatField(default=30.0)),
-                ('memory_override_bytes', models.BigIntegerField(blank=True, null=True)),
-                ('memory_measured_bytes', models.BigIntegerField(blank=True, null=True)),
-                ('memory_estimate_bytes', models.BigIntegerField(blank=True, null=True)),
-                ('max_tokens', models.PositiveIntegerField(default=2048)),
-                ('failover_standby', models.BooleanField(default=False)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=100, unique=True)),
+                ("model_source", models.CharField(help_text="Local model directory or factory path.", max_length=1000)),
+                (
+                    "loader",
+                    models.CharField(
+                        choices=[
+                            ("transformers", "Hugging Face transformers causal LM"),
+                            ("torch-module", "PyTorch module from a factory path"),
+                        ],
+                        default="transformers",
+                        max_length=32,
+                    ),
+                ),
+                (
+                    "dtype",
+                    models.CharField(
+                        choices=[("float32", "Float32"), ("float16", "Float16"), ("bfloat16", "Bfloat16")],
+                        default="float32",
+                        max_length=16,
+                    ),
+                ),
+                ("replicas_wanted", models.PositiveIntegerField(default=1)),
+                ("dedicated", models.BooleanField(default=False, help_text="Never evicted to make room for others.")),
+                ("min_runtime_s", models.FloatField(default=10.0)),
+                ("max_wait_s", models.FloatField(default=5.0)),
+                ("popular", models.BooleanField(default=False, help_text="Never preempted and never idle-slept.")),
+                ("idle_timeout_s", models.FloatField(default=300.0, help_text="0 means never sleep when idle.")),
+                ("drain_timeout_s", models.FloatField(default=30.0)),
+                ("memory_override_bytes", models.BigIntegerField(blank=True, null=True)),
+                ("memory_measured_bytes", models.BigIntegerField(blank=True, null=True)),
+                ("memory_estimate_bytes", models.BigIntegerField(blank=True, null=True)),
+                ("max_tokens", models.PositiveIntegerField(default=2048)),
+                ("failover_standby", models.BooleanField(default=False)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('min_runtime_s__gte', 0)), name='deployment_min_runtime_nonneg'), models.CheckConstraint(condition=models.Q(('max_wait_s__gte', 0)), name='deployment_max_wait_nonneg'), models.CheckConstraint(condition=models.Q(('idle_timeout_s__gte', 0)), name='deployment_idle_timeout_nonneg'), models.CheckConstraint(condition=models.Q(('drain_timeout_s__gte', 0)), name='deployment_drain_timeout_nonneg'), models.CheckConstraint(condition=models.Q(('memory_override_bytes__isnull', True), ('memory_override_bytes__gt', 0), _connector='OR'), name='deployment_override_positive')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("min_runtime_s__gte", 0)), name="deployment_min_runtime_nonneg"
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("max_wait_s__gte", 0)), name="deployment_max_wait_nonneg"
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("idle_timeout_s__gte", 0)), name="deployment_idle_timeout_nonneg"
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("drain_timeout_s__gte", 0)), name="deployment_drain_timeout_nonneg"
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            ("memory_override_bytes__isnull", True), ("memory_override_bytes__gt", 0), _connector="OR"
+                        ),
+                        name="deployment_override_positive",
+                    ),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=100, unique=True)),
-                ('queue', models.CharField(help_text='Celery queue the node agent consumes.', max_length=150, unique=True)),
-                ('hostname', models.CharField(blank=True, max_length=255)),
-                ('status', models.CharField(choices=[('online', 'Online'), ('draining', 'Draining'), ('offline', 'Offline')], db_index=True, default='online', max_length=16)),
-                ('last_heartbeat', models.DateTimeField(blank=True, null=True)),
-                ('cpu_cache_bytes', models.BigIntegerField(default=0, help_text='Host RAM available for sleeping weights.')),
-                ('virtual', models.BooleanField(default=False, help_text='GPUs are simulated on the CPU (no NVIDIA GPU).')),
-                ('registered_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=100, unique=True)),
+                (
+                    "queue",
+                    models.CharField(help_text="Celery queue the node agent consumes.", max_length=150, unique=True),
+                ),
+                ("hostname", models.CharField(blank=True, max_length=255)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[("online", "Online"), ("draining", "Draining"), ("offline", "Offline")],
+                        db_index=True,
+                        default="online",
+                        max_length=16,
+                    ),
+                ),
+                ("last_heartbeat", models.DateTimeField(blank=True, null=True)),
+                (
+                    "cpu_cache_bytes",
+                    models.BigIntegerField(default=0, help_text="Host RAM available for sleeping weights."),
+                ),
+                (
+                    "virtual",
+                    models.BooleanField(default=False, help_text="GPUs are simulated on the CPU (no NVIDIA GPU)."),
+                ),
+                ("registered_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('cpu_cache_bytes__gte', 0)), name='node_cpu_cache_nonneg')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("cpu_cache_bytes__gte", 0)), name="node_cpu_cache_nonneg"
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='GPU',
+            name="GPU",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('index', models.PositiveIntegerField()),
-                ('uuid', models.CharField(max_length=100, unique=True)),
-                ('product', models.CharField(max_length=200)),
-                ('virtual', models.BooleanField(default=False)),
-                ('total_bytes', models.BigIntegerField()),
-                ('available_bytes', models.BigIntegerField()),
-                ('version', models.BigIntegerField(default=0)),
-                ('wake_lock_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('health', models.CharField(choices=[('ok', 'Ok'), ('degraded', 'Degraded'), ('lost', 'Lost')], default='ok', max_length=16)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='gpus', to='scheduling.node')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("index", models.PositiveIntegerField()),
+                ("uuid", models.CharField(max_length=100, unique=True)),
+                ("product", models.CharField(max_length=200)),
+                ("virtual", models.BooleanField(default=False)),
+                ("total_bytes", models.BigIntegerField()),
+                ("available_bytes", models.BigIntegerField()),
+                ("version", models.BigIntegerField(default=0)),
+                ("wake_lock_expires_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "health",
+                    models.CharField(
+                        choices=[("ok", "Ok"), ("degraded", "Degraded"), ("lost", "Lost")], default="ok", max_length=16
+                    ),
+                ),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="gpus", to="scheduling.node"
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'GPU',
-                'ordering': ['node__name', 'index'],
+                "verbose_name": "GPU",
+                "ordering": ["node__name", "index"],
             },
         ),
         migrations.CreateModel(
-            name='Replica',
+            name="Replica",
             fields=[
-                ('id', models.CharField(default=scheduling.models.new_replica_id, editable=False, max_length=32, primary_key=True, serialize=False)),
-                ('role', models.CharField(choices=[('primary', 'Primary'), ('standby', 'Standby')], default='primary', max_length=16)),
-                ('state', models.CharField(choices=[('pending', 'Pending'), ('loading', 'Loading'), ('serving', 'Serving'), ('draining', 'Draining'), ('sleeping', 'Sleeping'), ('waking', 'Waking'), ('standby', 'Standby'), ('stopping', 'Stopping'), ('stopped', 'Stopped'), ('failed', 'Failed')], db_index=True, default='pending', max_length=16)),
-                ('gpu_mem_bytes_by_id', models.JSONField(blank=True, default=dict)),
-                ('gpu_memory_fraction', models.FloatField(blank=True, null=True)),
-                ('pid', models.IntegerField(blank=True, null=True)),
-                ('serving_since', models.DateTimeField(blank=True, null=True)),
-                ('last_accessed', models.DateTimeField(blank=True, null=True)),
-                ('epoch', models.BigIntegerField(default=0)),
-                ('failure_reason', models.TextField(blank=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('deployment', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='replicas', to='scheduling.deployment')),
-                ('node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='replicas', to='scheduling.node')),
+                (
+                    "id",
+                    models.CharField(
+                        default=scheduling.models.new_replica_id,
+                        editable=False,
+                        max_length=32,
+                        primary_key=True,
+                        serialize=False,
+                    ),
+                ),
+                (
+                    "role",
+                    models.CharField(
+                        choices=[("primary", "Primary"), ("standby", "Standby")], default="primary", max_length=16
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("loading", "Loading"),
+                            ("serving", "Serving"),
+                            ("draining", "Draining"),
+                            ("sleeping", "Sleeping"),
+                            ("waking", "Waking"),
+                            ("standby", "Standby"),
+                            ("stopping", "Stopping"),
+                            ("stopped", "Stopped"),
+                            ("failed", "Failed"),
+                        ],
+                        db_index=True,
+                        default="pending",
+                        max_length=16,
+                    ),
+                ),
+                ("gpu_mem_bytes_by_id", models.JSONField(blank=True, default=dict)),
+                ("gpu_memory_fraction", models.FloatField(blank=True, null=True)),
+                ("pid", models.IntegerField(blank=True, null=True)),
+                ("serving_since", models.DateTimeField(blank=True, null=True)),
+                ("last_accessed", models.DateTimeField(blank=True, null=True)),
+                ("epoch", models.BigIntegerField(default=0)),
+                ("failure_reason", models.TextField(blank=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "deployment",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="replicas", to="scheduling.deployment"
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="replicas",
+                        to="scheduling.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['deployment__name', 'created_at'],
+                "ordering": ["deployment__name", "created_at"],
             },
         ),
         migrations.CreateModel(
-            name='PreemptionIntent',
+            name="PreemptionIntent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('needed_bytes', models.BigIntegerField()),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('deadline', models.DateTimeField(help_text="created_at + the waiting deployment's max_wait.")),
-                ('status', models.CharField(choices=[('waiting', 'Waiting'), ('victim_chosen', 'Victim Chosen'), ('satisfied', 'Satisfied'), ('failed', 'Failed'), ('cancelled', 'Cancelled')], db_index=True, default='waiting', max_length=16)),
-                ('gpu', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='intents', to='scheduling.gpu')),
-                ('victim', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='preempted_by', to='scheduling.replica')),
-                ('waiting_replica', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='intents', to='scheduling.replica')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("needed_bytes", models.BigIntegerField()),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("deadline", models.DateTimeField(help_text="created_at + the waiting deployment's max_wait.")),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("waiting", "Waiting"),
+                            ("victim_chosen", "Victim Chosen"),
+                            ("satisfied", "Satisfied"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        db_index=True,
+                        default="waiting",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "gpu",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="intents", to="scheduling.gpu"
+                    ),
+                ),
+                (
+                    "victim",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="preempted_by",
+                        to="scheduling.replica",
+                    ),
+                ),
+                (
+                    "waiting_replica",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="intents", to="scheduling.replica"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['created_at'],
+                "ordering": ["created_at"],
             },
         ),
         migrations.CreateModel(
-            name='Occupant',
+            name="Occupant",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('reserved_bytes', models.BigIntegerField()),
-                ('since', models.DateTimeField(auto_now_add=True)),
-                ('gpu', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='occupants', to='scheduling.gpu')),
-                ('replica', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='occupancies', to='scheduling.replica')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("reserved_bytes", models.BigIntegerField()),
+                ("since", models.DateTimeField(auto_now_add=True)),
+                (
+                    "gpu",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="occupants", to="scheduling.gpu"
+                    ),
+                ),
+                (
+                    "replica",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, related_name="occupancies", to="scheduling.replica"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['gpu_id', 'since'],
+                "ordering": ["gpu_id", "since"],
             },
         ),
         migrations.AddField(
-            model_name='gpu',
-            name='wake_lock_holder',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='wake_locks', to='scheduling.replica'),
+            model_name="gpu",
+            name="wake_lock_holder",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="wake_locks",
+                to="scheduling.replica",
+            ),
         ),
         migrations.CreateModel(
-            name='FailoverLease',
+            name="FailoverLease",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('slot', models.PositiveIntegerField(default=0, help_text='Which pair of the deployment.')),
-                ('epoch', models.BigIntegerField(default=0)),
-                ('granted_at', models.DateTimeField(blank=True, null=True)),
-                ('reconnect_deadline', models.DateTimeField(blank=True, null=True)),
-                ('deployment', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='failover_leases', to='scheduling.deployment')),
-                ('holder', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='leases', to='scheduling.replica')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("slot", models.PositiveIntegerField(default=0, help_text="Which pair of the deployment.")),
+                ("epoch", models.BigIntegerField(default=0)),
+                ("granted_at", models.DateTimeField(blank=True, null=True)),
+                ("reconnect_deadline", models.DateTimeField(blank=True, null=True)),
+                (
+                    "deployment",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="failover_leases",
+                        to="scheduling.deployment",
+                    ),
+                ),
+                (
+                    "holder",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="leases",
+                        to="scheduling.replica",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['deployment__name', 'slot'],
+                "ordering": ["deployment__name", "slot"],
             },
         ),
         migrations.AddConstraint(
-            model_name='replica',
-            constraint=models.CheckConstraint(condition=models.Q(('gpu_memory_fraction__isnull', True), models.Q(('gpu_memory_fraction__gte', 0.01), ('gpu_memory_fraction__lte', 0.99)), _connector='OR'), name='replica_fraction_in_range'),
+            model_name="replica",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    ("gpu_memory_fraction__isnull", True),
+                    models.Q(("gpu_memory_fraction__gte", 0.01), ("gpu_memory_fraction__lte", 0.99)),
+                    _connector="OR",
+                ),
+                name="replica_fraction_in_range",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='preemptionintent',
-            constraint=models.CheckConstraint(condition=models.Q(('needed_bytes__gt', 0)), name='intent_needed_positive'),
+            model_name="preemptionintent",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("needed_bytes__gt", 0)), name="intent_needed_positive"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='occupant',
-            constraint=models.UniqueConstraint(fields=('gpu', 'replica'), name='occupant_unique_gpu_replica'),
+            model_name="occupant",
+            constraint=models.UniqueConstraint(fields=("gpu", "replica"), name="occupant_unique_gpu_replica"),
         ),
         migrations.AddConstraint(
-            model_name='occupant',
-            constraint=models.CheckConstraint(condition=models.Q(('reserved_bytes__gte', 0)), name='occupant_reserved_nonneg'),
+            model_name="occupant",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("reserved_bytes__gte", 0)), name="occupant_reserved_nonneg"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='gpu',
-            constraint=models.UniqueConstraint(fields=('node', 'index'), name='gpu_unique_node_index'),
+            model_name="gpu",
+            constraint=models.UniqueConstraint(fields=("node", "index"), name="gpu_unique_node_index"),
         ),
         migrations.AddConstraint(
-            model_name='gpu',
-            constraint=models.CheckConstraint(condition=models.Q(('total_bytes__gt', 0)), name='gpu_total_positive'),
+            model_name="gpu",
+            constraint=models.CheckConstraint(condition=models.Q(("total_bytes__gt", 0)), name="gpu_total_positive"),
         ),
         migrations.AddConstraint(
-            model_name='gpu',
-            constraint=models.CheckConstraint(condition=models.Q(('available_bytes__gte', 0), ('available_bytes__lte', models.F('total_bytes'))), name='gpu_available_within_total'),
+            model_name="gpu",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("available_bytes__gte", 0), ("available_bytes__lte", models.F("total_bytes"))),
+                name="gpu_available_within_total",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='failoverlease',
-            constraint=models.UniqueConstraint(fields=('deployment', 'slot'), name='lease_unique_deployment_slot'),
+            model_name="failoverlease",
+            constraint=models.UniqueConstraint(fields=("deployment", "slot"), name="lease_unique_deployment_slot"),
         ),
     ]

@@ -1,0 +1,100 @@
+"""GET /metrics: Prometheus text, unauthenticated like most exporters.
+
+Two kinds of series: counters incremented where things happen (scheduling.metrics; summed
+across processes when PROMETHEUS_MULTIPROC_DIR is set), and gauges of the state read from
+PostgreSQL at scrape time, so they are right whichever process changed the rows."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+
+from django.db import DatabaseError
+from django.db.models import Count
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+import scheduling.metrics  # noqa: F401  registers the control plane's counters
+from scheduling.models import GPU, Node, Replica
+
+logger = logging.getLogger(__name__)
+
+
+class StateCollector:
+    """Gauges of GPUs, nodes and replicas, read from the database on each collect()."""
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            metrics = self._state_metrics()
+        except DatabaseError:
+            # The counters are still worth serving; the missing gauges and db_up=0 say why.
+            logger.warning("metrics: cannot read the state from the database", exc_info=True)
+            metrics = []
+            up = 0
+        else:
+            up = 1
+        yield from metrics
+        yield GaugeMetricFamily("gpuportal_db_up", "Whether this scrape could read the state (1) or not.", up)
+
+    def _state_metrics(self) -> list[Metric]:
+        total = GaugeMetricFamily("gpuportal_gpu_total_bytes", "GPU memory.", labels=["node", "gpu", "virtual"])
+        reserved = GaugeMetricFamily(
+            "gpuportal_gpu_reserved_bytes", "GPU memory reserved by occupants.", labels=["node", "gpu"]
+        )
+        available = GaugeMetricFamily(
+            "gpuportal_gpu_available_bytes", "GPU memory free to place replicas.", labels=["node", "gpu"]
+        )
+        rows = GPU.objects.values_list("node__name", "index", "virtual", "total_bytes", "available_bytes")
+        for node, index, virtual, total_bytes, available_bytes in rows:
+            gpu = str(index)
+            total.add_metric([node, gpu, "true" if virtual else "false"], total_bytes)
+            reserved.add_metric([node, gpu], total_bytes - available_bytes)
+            available.add_metric([node, gpu], available_bytes)
+
+        nodes = _count_by("gpuportal_nodes", "Nodes by status.", "status", Node, Node.Status.values)
+        replicas = _count_by("gpuportal_replicas", "Replicas by state.", "state", Replica, Replica.State.values)
+        return [total, reserved, available, nodes, replicas]
+
+
+def _count_by(name: str, documentation: str, field: str, model: type, values: Iterable[str]) -> Metric:
+    # Every value gets a sample, 0 included, so a series does not vanish when its last row leaves.
+    counts = dict(model.objects.values_list(field).annotate(n=Count("pk")).order_by())
+    family = GaugeMetricFamily(name, documentation, labels=[field])
+    for value in values:
+        family.add_metric([value], counts.get(value, 0))
+    return family
+
+
+class _Delegate:
+    """Exposes another registry's metrics inside a per-scrape registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        return self.registry.collect()
+
+
+def scrape_registry() -> CollectorRegistry:
+    """A fresh registry for one scrape: this process's (or all processes') counters plus the
+    state gauges. Fresh, so the DB-reading collector never lands on the global REGISTRY, where
+    any other exporter in the process would run its queries."""
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        MultiProcessCollector(registry)
+    else:
+        registry.register(_Delegate(REGISTRY))
+    registry.register(StateCollector())
+    return registry
+
+
+@never_cache
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(generate_latest(scrape_registry()), content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,287 @@
+"""Admin registrations.
+
+The admin looks at everything but must never be a second writer beside the ledger: GPU bytes,
+versions and wake locks, occupants, intents, leases, replica state and the audit trail change
+only through `scheduling.ledger` / `scheduling.services`, which keep the invariants of DESIGN §3
+and write an Event for each change. So those are read-only here, and deletes that would
+cascade into occupants are refused (Django checks delete permission on every cascaded row).
+Controls (drain, sleep, wake, evict) belong in admin actions that call services."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.db.models import Count, QuerySet
+from django.http import HttpRequest
+
+from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, PreemptionIntent, Replica
+
+GIB = 1024**3
+
+
+def gib(n_bytes: int | None) -> str:
+    return "-" if n_bytes is None else f"{n_bytes / GIB:.2f} GiB"
+
+
+def short_id(replica_id: str | None) -> str:
+    return (replica_id or "")[:8] or "-"
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Viewable, never added, changed or deleted from the admin."""
+
+    def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+class ReadOnlyInline(admin.TabularInline):
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(Node)
+class NodeAdmin(ReadOnlyAdmin):
+    list_display = ["name", "status", "hostname", "queue", "virtual", "gpu_count", "cpu_cache", "last_heartbeat"]
+    list_filter = ["status", "virtual"]
+    search_fields = ["name", "hostname", "queue"]
+    # Node agents register nodes and report these; status moves through services (heartbeats, drain).
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Node]:
+        return super().get_queryset(request).annotate(gpu_count=Count("gpus"))
+
+    @admin.display(description="GPUs", ordering="gpu_count")
+    def gpu_count(self, obj: Node) -> int:
+        return obj.gpu_count
+
+    @admin.display(description="CPU cache", ordering="cpu_cache_bytes")
+    def cpu_cache(self, obj: Node) -> str:
+        return gib(obj.cpu_cache_bytes)
+
+
+class OccupantInline(ReadOnlyInline):
+    model = Occupant
+    fields = ["replica", "deployment", "state", "reserved", "since"]
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Occupant]:
+        return super().get_queryset(request).select_related("replica__deployment")
+
+    @admin.display(description="deployment")
+    def deployment(self, obj: Occupant) -> str:
+        return obj.replica.deployment.name
+
+    @admin.display(description="state")
+    def state(self, obj: Occupant) -> str:
+        return obj.replica.state
+
+    @admin.display(description="reserved")
+    def reserved(self, obj: Occupant) -> str:
+        return gib(obj.reserved_bytes)
+
+
+class IntentInline(ReadOnlyInline):
+    model = PreemptionIntent
+    fk_name = "gpu"
+    fields = ["waiting_replica", "needed_bytes", "status", "victim", "created_at", "deadline"]
+    readonly_fields = fields
+
+
+@admin.register(GPU)
+class GPUAdmin(ReadOnlyAdmin):
+    list_display = [
+        "__str__",
+        "node",
+        "index",
+        "product",
+        "virtual",
+        "total",
+        "available",
+        "version",
+        "health",
+        "wake_lock",
+    ]
+    list_filter = ["health", "virtual", "node"]
+    search_fields = ["uuid", "product", "node__name"]
+    list_select_related = ["node", "wake_lock_holder__deployment"]
+    fields = [
+        "node",
+        "index",
+        "uuid",
+        "product",
+        "virtual",
+        "health",
+        "total_bytes",
+        "available_bytes",
+        "available",
+        "version",
+        "wake_lock_holder",
+        "wake_lock_expires_at",
+        "updated_at",
+    ]
+    # Inventory comes from the node agent and bytes, version and wake lock from the ledger.
+    readonly_fields = fields
+    inlines = [OccupantInline, IntentInline]
+
+    @admin.display(description="total", ordering="total_bytes")
+    def total(self, obj: GPU) -> str:
+        return gib(obj.total_bytes)
+
+    @admin.display(description="available", ordering="available_bytes")
+    def available(self, obj: GPU) -> str:
+        return gib(obj.available_bytes)
+
+    @admin.display(description="wake lock")
+    def wake_lock(self, obj: GPU) -> str:
+        holder = obj.wake_lock_holder
+        return "-" if holder is None else str(holder)
+
+
+class ReplicaInline(ReadOnlyInline):
+    model = Replica
+    fields = ["id", "node", "role", "state", "gpu_memory_fraction", "last_accessed"]
+    readonly_fields = fields
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(ReadOnlyAdmin):
+    """Read-only until deploy/scale services exist: an edit here would change desired state
+    without placing anything or recording an Event. Controls arrive as admin actions."""
+
+    list_display = [
+        "name",
+        "loader",
+        "dtype",
+        "replicas_wanted",
+        "replica_count",
+        "dedicated",
+        "popular",
+        "memory_need",
+        "failover_standby",
+        "updated_at",
+    ]
+    list_filter = ["loader", "dtype", "dedicated", "popular", "failover_standby"]
+    search_fields = ["name", "model_source"]
+    inlines = [ReplicaInline]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Deployment]:
+        return super().get_queryset(request).annotate(replica_count=Count("replicas"))
+
+    @admin.display(description="replicas", ordering="replica_count")
+    def replica_count(self, obj: Deployment) -> int:
+        return obj.replica_count
+
+    @admin.display(description="memory need")
+    def memory_need(self, obj: Deployment) -> str:
+        return gib(obj.memory_need_bytes)
+
+
+class ReplicaOccupantInline(ReadOnlyInline):
+    model = Occupant
+    fields = ["gpu", "reserved", "since"]
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Occupant]:
+        return super().get_queryset(request).select_related("gpu__node")
+
+    @admin.display(description="reserved")
+    def reserved(self, obj: Occupant) -> str:
+        return gib(obj.reserved_bytes)
+
+
+@admin.register(Replica)
+class ReplicaAdmin(ReadOnlyAdmin):
+    list_display = [
+        "short_id",
+        "deployment",
+        "node",
+        "role",
+        "state",
+        "gpu_memory_fraction",
+        "pid",
+        "epoch",
+        "last_accessed",
+    ]
+    list_filter = ["state", "role", "node", "deployment"]
+    search_fields = ["id", "deployment__name", "node__name"]
+    list_select_related = ["deployment", "node"]
+    inlines = [ReplicaOccupantInline]
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: Replica) -> str:
+        return short_id(obj.id)
+
+
+@admin.register(Occupant)
+class OccupantAdmin(ReadOnlyAdmin):
+    list_display = ["gpu", "replica_short", "deployment", "reserved", "since"]
+    list_filter = ["gpu__node"]
+    search_fields = ["replica__id", "replica__deployment__name", "gpu__uuid"]
+    list_select_related = ["gpu__node", "replica__deployment"]
+
+    @admin.display(description="replica", ordering="replica_id")
+    def replica_short(self, obj: Occupant) -> str:
+        return short_id(obj.replica_id)
+
+    @admin.display(description="deployment", ordering="replica__deployment__name")
+    def deployment(self, obj: Occupant) -> str:
+        return obj.replica.deployment.name
+
+    @admin.display(description="reserved", ordering="reserved_bytes")
+    def reserved(self, obj: Occupant) -> str:
+        return gib(obj.reserved_bytes)
+
+
+@admin.register(PreemptionIntent)
+class PreemptionIntentAdmin(ReadOnlyAdmin):
+    list_display = ["gpu", "waiting", "needed", "status", "victim_short", "created_at", "deadline"]
+    list_filter = ["status"]
+    search_fields = ["waiting_replica__id", "waiting_replica__deployment__name", "victim__id"]
+    list_select_related = ["gpu__node", "waiting_replica__deployment"]
+
+    @admin.display(description="waiting replica", ordering="waiting_replica_id")
+    def waiting(self, obj: PreemptionIntent) -> str:
+        return str(obj.waiting_replica)
+
+    @admin.display(description="needed", ordering="needed_bytes")
+    def needed(self, obj: PreemptionIntent) -> str:
+        return gib(obj.needed_bytes)
+
+    @admin.display(description="victim", ordering="victim_id")
+    def victim_short(self, obj: PreemptionIntent) -> str:
+        return short_id(obj.victim_id)
+
+
+@admin.register(FailoverLease)
+class FailoverLeaseAdmin(ReadOnlyAdmin):
+    list_display = ["deployment", "slot", "holder_short", "epoch", "granted_at", "reconnect_deadline"]
+    search_fields = ["deployment__name", "holder__id"]
+    list_select_related = ["deployment"]
+
+    @admin.display(description="holder", ordering="holder_id")
+    def holder_short(self, obj: FailoverLease) -> str:
+        return short_id(obj.holder_id)
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    list_display = ["time", "kind", "subject", "reason"]
+    list_filter = ["kind"]
+    search_fields = ["subject", "reason", "node", "gpu", "deployment", "replica"]
+    date_hierarchy = "time"
+    # The trail grows without bound; counting all of it on every page view is wasted work.
+    show_full_result_count = False

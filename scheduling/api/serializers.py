@@ -1,0 +1,258 @@
+"""REST shapes of DESIGN §7. Field names here are a contract with clients: add, never rename.
+
+The serializers expect querysets from `scheduling.selectors` (related rows already loaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    heartbeat_age_s = serializers.SerializerMethodField(help_text="Seconds since the last heartbeat.")
+    gpu_count = serializers.IntegerField(read_only=True)
+
+    class Meta:
+        model = Node
+        fields = [
+            "name",
+            "queue",
+            "hostname",
+            "status",
+            "last_heartbeat",
+            "heartbeat_age_s",
+            "cpu_cache_bytes",
+            "virtual",
+            "gpu_count",
+            "registered_at",
+        ]
+        read_only_fields = fields
+
+    def get_heartbeat_age_s(self, obj: Node) -> float | None:
+        if obj.last_heartbeat is None:
+            return None
+        return round((timezone.now() - obj.last_heartbeat).total_seconds(), 3)
+
+
+class ReplicaSerializer(serializers.ModelSerializer):
+    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    gpus = serializers.SerializerMethodField(help_text="Indexes, on its node, of the GPUs it occupies.")
+    gpu_mem_bytes_by_id = serializers.DictField(
+        child=serializers.IntegerField(), read_only=True, help_text='{"<gpu index>": bytes} on its node.'
+    )
+    # Filled in by the failover and KV-cache issues; null until then so clients can rely on the keys.
+    failover_state = serializers.SerializerMethodField()
+    kv = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Replica
+        fields = [
+            "id",
+            "deployment",
+            "node",
+            "role",
+            "state",
+            "gpus",
+            "gpu_mem_bytes_by_id",
+            "gpu_memory_fraction",
+            "pid",
+            "serving_since",
+            "last_accessed",
+            "epoch",
+            "failover_state",
+            "kv",
+            "failure_reason",
+        ]
+        read_only_fields = fields
+
+    def get_gpus(self, obj: Replica) -> list[int]:
+        return sorted(occupancy.gpu.index for occupancy in obj.occupancies.all())
+
+    @extend_schema_field(serializers.DictField(allow_null=True))
+    def get_failover_state(self, obj: Replica) -> dict[str, Any] | None:
+        return None
+
+    @extend_schema_field(serializers.DictField(allow_null=True))
+    def get_kv(self, obj: Replica) -> dict[str, Any] | None:
+        return None
+
+
+# Deployment settings are grouped as in the POST body of DESIGN §7; each group reads from the
+# deployment's own flat columns (source="*"), so the same classes can take writes later.
+
+
+class DeploymentModelSerializer(serializers.Serializer):
+    source = serializers.CharField(source="model_source")
+    loader = serializers.ChoiceField(choices=Deployment.Loader.choices)
+    dtype = serializers.ChoiceField(choices=Deployment.DType.choices)
+
+
+class DeploymentMemorySerializer(serializers.Serializer):
+    override_bytes = serializers.IntegerField(source="memory_override_bytes", allow_null=True)
+    max_tokens = serializers.IntegerField()
+    estimate_bytes = serializers.IntegerField(source="memory_estimate_bytes", allow_null=True, read_only=True)
+    measured_bytes = serializers.IntegerField(source="memory_measured_bytes", allow_null=True, read_only=True)
+    need_bytes = serializers.IntegerField(
+        source="memory_need_bytes",
+        allow_null=True,
+        read_only=True,
+        help_text="What placement reserves: override, else measured, else estimate.",
+    )
+
+
+class DeploymentFairnessSerializer(serializers.Serializer):
+    min_runtime_s = serializers.FloatField()
+    max_wait_s = serializers.FloatField()
+    popular = serializers.BooleanField()
+
+
+class DeploymentSleepSerializer(serializers.Serializer):
+    idle_timeout_s = serializers.FloatField()
+    drain_timeout_s = serializers.FloatField()
+
+
+class DeploymentFailoverSerializer(serializers.Serializer):
+    standby = serializers.BooleanField(source="failover_standby")
+
+
+class DeploymentSerializer(serializers.ModelSerializer):
+    model = DeploymentModelSerializer(source="*", read_only=True)
+    replicas = ReplicaSerializer(many=True, read_only=True)
+    memory = DeploymentMemorySerializer(source="*", read_only=True)
+    fairness = DeploymentFairnessSerializer(source="*", read_only=True)
+    sleep = DeploymentSleepSerializer(source="*", read_only=True)
+    failover = DeploymentFailoverSerializer(source="*", read_only=True)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "name",
+            "model",
+            "replicas",
+            "replicas_wanted",
+            "dedicated",
+            "memory",
+            "fairness",
+            "sleep",
+            "failover",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+
+class OccupantSerializer(serializers.ModelSerializer):
+    replica = serializers.CharField(source="replica_id", read_only=True)
+    deployment = serializers.CharField(source="replica.deployment.name", read_only=True)
+    state = serializers.ChoiceField(source="replica.state", choices=Replica.State.choices, read_only=True)
+
+    class Meta:
+        model = Occupant
+        fields = ["replica", "deployment", "state", "reserved_bytes", "since"]
+        read_only_fields = fields
+
+
+class IntentSerializer(serializers.ModelSerializer):
+    replica = serializers.CharField(source="waiting_replica_id", read_only=True)
+    deployment = serializers.CharField(source="waiting_replica.deployment.name", read_only=True)
+    victim = serializers.CharField(source="victim_id", read_only=True, allow_null=True)
+
+    class Meta:
+        model = PreemptionIntent
+        fields = ["replica", "deployment", "needed_bytes", "created_at", "deadline", "status", "victim"]
+        read_only_fields = fields
+
+
+class WakeLockSerializer(serializers.Serializer):
+    """Read from the GPU row: who may wake a replica on it now, and until when."""
+
+    holder = serializers.CharField(source="wake_lock_holder_id", help_text="Replica id.")
+    deployment = serializers.CharField(source="wake_lock_holder.deployment.name")
+    expires_at = serializers.DateTimeField(source="wake_lock_expires_at", allow_null=True)
+
+
+class GPUSerializer(serializers.ModelSerializer):
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    reserved_bytes = serializers.IntegerField(read_only=True)
+    occupants = OccupantSerializer(many=True, read_only=True)
+    intents = IntentSerializer(
+        source="active_intents",
+        many=True,
+        read_only=True,
+        help_text="Preemption intents still waiting or with a victim chosen.",
+    )
+    wake_lock = serializers.SerializerMethodField()
+
+    class Meta:
+        model = GPU
+        fields = [
+            "id",
+            "node",
+            "index",
+            "uuid",
+            "product",
+            "virtual",
+            "total_bytes",
+            "available_bytes",
+            "reserved_bytes",
+            "version",
+            "health",
+            "occupants",
+            "intents",
+            "wake_lock",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(WakeLockSerializer(allow_null=True))
+    def get_wake_lock(self, obj: GPU) -> dict[str, Any] | None:
+        if obj.wake_lock_holder is None:
+            return None
+        return WakeLockSerializer(obj).data
+
+
+class EventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Event
+        fields = [
+            "id",
+            "time",
+            "kind",
+            "subject",
+            "reason",
+            "before",
+            "after",
+            "node",
+            "gpu",
+            "deployment",
+            "replica",
+        ]
+        read_only_fields = fields
+
+
+# Query-string filters, validated like bodies so bad input gets a 400 naming the parameter.
+
+
+class GPUFilterSerializer(serializers.Serializer):
+    node = serializers.CharField(required=False, allow_blank=True, help_text="Node name.")
+
+
+class ReplicaFilterSerializer(serializers.Serializer):
+    deployment = serializers.CharField(required=False, allow_blank=True, help_text="Deployment name.")
+    state = serializers.ChoiceField(choices=Replica.State.choices, required=False, allow_blank=True)
+    node = serializers.CharField(required=False, allow_blank=True, help_text="Node name.")
+
+
+class EventFilterSerializer(serializers.Serializer):
+    kind = serializers.CharField(required=False, allow_blank=True, help_text='Event kind, e.g. "replica.state".')
+    deployment = serializers.CharField(required=False, allow_blank=True)
+    gpu = serializers.CharField(required=False, allow_blank=True, help_text='GPU as recorded, e.g. "node1/0".')
+    node = serializers.CharField(required=False, allow_blank=True)
+    replica = serializers.CharField(required=False, allow_blank=True, help_text="Replica id.")
+    since = serializers.DateTimeField(required=False, help_text="ISO 8601; only events at or after it.")

@@ -1,0 +1,83 @@
+"""Read-side queries. Every list a view or page shows comes from here, shaped with
+select_related / prefetch_related so a list costs a fixed number of queries however many rows
+it holds. Nothing here writes."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db.models import Count, Prefetch, QuerySet
+
+from scheduling.models import (
+    ACTIVE_INTENT_STATUSES,
+    GPU,
+    Deployment,
+    Event,
+    Node,
+    Occupant,
+    PreemptionIntent,
+    Replica,
+)
+
+
+def nodes() -> QuerySet[Node]:
+    return Node.objects.annotate(gpu_count=Count("gpus")).order_by("name")
+
+
+def _occupancies_with_gpu() -> Prefetch:
+    return Prefetch("occupancies", queryset=Occupant.objects.select_related("gpu"))
+
+
+def replicas(*, deployment: str | None = None, state: str | None = None, node: str | None = None) -> QuerySet[Replica]:
+    qs = Replica.objects.select_related("deployment", "node").prefetch_related(_occupancies_with_gpu())
+    if deployment:
+        qs = qs.filter(deployment__name=deployment)
+    if state:
+        qs = qs.filter(state=state)
+    if node:
+        qs = qs.filter(node__name=node)
+    return qs
+
+
+def deployments() -> QuerySet[Deployment]:
+    return Deployment.objects.prefetch_related(
+        Prefetch(
+            "replicas",
+            queryset=Replica.objects.select_related("node").prefetch_related(_occupancies_with_gpu()),
+        )
+    )
+
+
+def gpus(*, node: str | None = None) -> QuerySet[GPU]:
+    """GPUs with occupants, active intents (as `active_intents`) and the wake-lock holder."""
+    qs = GPU.objects.select_related("node", "wake_lock_holder__deployment").prefetch_related(
+        Prefetch("occupants", queryset=Occupant.objects.select_related("replica__deployment")),
+        Prefetch(
+            "intents",
+            queryset=PreemptionIntent.objects.filter(status__in=ACTIVE_INTENT_STATUSES).select_related(
+                "waiting_replica__deployment"
+            ),
+            to_attr="active_intents",
+        ),
+    )
+    if node:
+        qs = qs.filter(node__name=node)
+    return qs
+
+
+def events(
+    *,
+    kind: str | None = None,
+    deployment: str | None = None,
+    gpu: str | None = None,
+    node: str | None = None,
+    replica: str | None = None,
+    since: datetime | None = None,
+) -> QuerySet[Event]:
+    """Newest first (the model's ordering); each filter is an exact match on the stored name."""
+    qs = Event.objects.all()
+    exact = {"kind": kind, "deployment": deployment, "gpu": gpu, "node": node, "replica": replica}
+    qs = qs.filter(**{field: value for field, value in exact.items() if value})
+    if since is not None:
+        qs = qs.filter(time__gte=since)
+    return qs

@@ -1,0 +1,57 @@
+"""Test rows made straight with the ORM. Placing a replica here writes the Occupant and the
+GPU's available_bytes together, keeping invariant 1 of DESIGN §3 as the ledger would."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import F
+from django.utils import timezone
+
+from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
+
+GIB = 1024**3
+_seq = itertools.count(1)
+
+
+def node(name: str | None = None, **fields: Any) -> Node:
+    name = name or f"node{next(_seq)}"
+    fields.setdefault("queue", f"node.{name}")
+    fields.setdefault("last_heartbeat", timezone.now())
+    return Node.objects.create(name=name, **fields)
+
+
+def gpu(on: Node, index: int = 0, total_bytes: int = 24 * GIB, **fields: Any) -> GPU:
+    fields.setdefault("uuid", f"GPU-{on.name}-{index}-{next(_seq)}")
+    fields.setdefault("product", "Virtual GPU")
+    fields.setdefault("virtual", True)
+    return GPU.objects.create(node=on, index=index, total_bytes=total_bytes, available_bytes=total_bytes, **fields)
+
+
+def deployment(name: str | None = None, **fields: Any) -> Deployment:
+    fields.setdefault("model_source", "/srv/models/tiny")
+    return Deployment.objects.create(name=name or f"dep{next(_seq)}", **fields)
+
+
+def replica(of: Deployment, on: Node | None = None, **fields: Any) -> Replica:
+    return Replica.objects.create(deployment=of, node=on, **fields)
+
+
+def occupy(rep: Replica, on: GPU, reserved_bytes: int) -> Occupant:
+    occupant = Occupant.objects.create(gpu=on, replica=rep, reserved_bytes=reserved_bytes)
+    GPU.objects.filter(pk=on.pk).update(available_bytes=F("available_bytes") - reserved_bytes, version=F("version") + 1)
+    on.refresh_from_db()
+    return occupant
+
+
+def intent(waiting: Replica, on: GPU, needed_bytes: int, **fields: Any) -> PreemptionIntent:
+    fields.setdefault("deadline", timezone.now() + timedelta(seconds=5))
+    return PreemptionIntent.objects.create(gpu=on, waiting_replica=waiting, needed_bytes=needed_bytes, **fields)
+
+
+def event(kind: str = Event.Kind.REPLICA_STATE, **fields: Any) -> Event:
+    fields.setdefault("subject", "replica x")
+    fields.setdefault("reason", "test")
+    return Event.objects.create(kind=kind, **fields)

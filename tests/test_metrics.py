@@ -1,0 +1,95 @@
+"""GET /metrics: Prometheus text with the counters and the state gauges."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduling.models import Node, Replica
+from tests import factories as f
+
+pytestmark = pytest.mark.django_db
+
+
+def scrape() -> dict[str, dict[tuple, float]]:
+    """{sample name: {sorted label items: value}}"""
+    response = Client().get("/metrics")
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain")
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def test_metrics_report_gpu_bytes_nodes_and_replicas_from_the_database() -> None:
+    node = f.node("node1")
+    f.node("node2", status=Node.Status.DRAINING)
+    gpu0 = f.gpu(node, 0, total_bytes=24 * f.GIB)
+    f.gpu(node, 1, total_bytes=16 * f.GIB, virtual=False)
+    dep = f.deployment()
+    f.occupy(f.replica(dep, node, state=Replica.State.SERVING), gpu0, 3 * f.GIB)
+    f.replica(dep, node, state=Replica.State.SERVING)
+    f.replica(dep, node, state=Replica.State.SLEEPING)
+
+    samples = scrape()
+
+    total = samples["gpuportal_gpu_total_bytes"]
+    assert total[(("gpu", "0"), ("node", "node1"), ("virtual", "true"))] == 24 * f.GIB
+    assert total[(("gpu", "1"), ("node", "node1"), ("virtual", "false"))] == 16 * f.GIB
+    assert samples["gpuportal_gpu_reserved_bytes"] == {
+        (("gpu", "0"), ("node", "node1")): 3 * f.GIB,
+        (("gpu", "1"), ("node", "node1")): 0,
+    }
+    assert samples["gpuportal_gpu_available_bytes"] == {
+        (("gpu", "0"), ("node", "node1")): 21 * f.GIB,
+        (("gpu", "1"), ("node", "node1")): 16 * f.GIB,
+    }
+    assert samples["gpuportal_nodes"] == {
+        (("status", "online"),): 1,
+        (("status", "draining"),): 1,
+        (("status", "offline"),): 0,
+    }
+    replicas = samples["gpuportal_replicas"]
+    assert set(replicas) == {(("state", state),) for state in Replica.State.values}
+    assert replicas[(("state", "serving"),)] == 2
+    assert replicas[(("state", "sleeping"),)] == 1
+    assert replicas[(("state", "failed"),)] == 0
+    assert samples["gpuportal_db_up"] == {(): 1}
+
+
+def test_metrics_include_the_cas_conflict_counter_and_follow_it() -> None:
+    from scheduling.metrics import CAS_CONFLICTS
+
+    before = scrape()["gpuportal_cas_conflicts_total"][()]
+    CAS_CONFLICTS.inc()
+    assert scrape()["gpuportal_cas_conflicts_total"][()] == before + 1
+
+
+def test_metrics_need_no_auth_and_state_reads_are_fresh_each_scrape() -> None:
+    assert scrape()["gpuportal_nodes"][(("status", "online"),)] == 0
+    f.node()
+    assert scrape()["gpuportal_nodes"][(("status", "online"),)] == 1
+
+
+def test_metrics_aggregate_processes_in_multiprocess_mode(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import values
+    from prometheus_client.metrics import Counter
+
+    # A counter written by "another process" into the shared directory.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    values.ValueClass = values.get_value_class()
+    try:
+        other = Counter("gpuportal_test_other_total", "Written through the multiprocess files.", registry=None)
+        other.inc(3)
+    finally:
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+        values.ValueClass = values.get_value_class()
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    samples = scrape()
+
+    assert samples["gpuportal_test_other_total"] == {(): 3}
+    assert "gpuportal_replicas" in samples
