@@ -4,10 +4,13 @@ node's own queue (where the control plane sends replica work for this host)."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import threading
 
 import psutil
+from celery.signals import worker_ready
 from django.conf import settings
 from django.db import close_old_connections, connection
 
@@ -38,6 +41,7 @@ class NodeAgent:
         self.heartbeat_s = heartbeat_s or settings.GPUPORTAL_HEARTBEAT_S
         self.concurrency = concurrency
         self._stop = threading.Event()
+        self._stop_requested = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
     @property
@@ -109,9 +113,24 @@ class NodeAgent:
         )
 
     def run(self, loglevel: str = "INFO") -> None:
+        # A stop can be asked for while the agent registers, before Celery installs its own
+        # signal handlers; without these the default action would kill the agent mid-way and
+        # the node would wait out the heartbeat timeout instead of saying it stopped.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._early_stop)
         self.register()
         self.start_heartbeat()
         try:
-            self.run_worker(loglevel)
+            if not self._stop_requested.is_set():
+                worker_ready.connect(self._pass_on_early_stop, weak=False)
+                self.run_worker(loglevel)
         finally:
             self.stop()
+
+    def _early_stop(self, signum: int, frame: object) -> None:
+        self._stop_requested.set()
+
+    def _pass_on_early_stop(self, **kwargs: object) -> None:
+        # Celery has replaced our handlers by now: hand it the stop that arrived while it started.
+        if self._stop_requested.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)

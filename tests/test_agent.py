@@ -221,3 +221,29 @@ def test_the_agent_rejects_a_bad_node_name_in_one_line():
     assert result.stderr.strip() == (
         "CommandError: --node 'bad name!' is not a valid node name: use letters, digits, '-' and '_'"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_path):
+    from django.conf import settings
+
+    agent = subprocess.Popen(
+        [sys.executable, "manage.py", "agent", "--node", "brief", "--virtual-gpus", "1x1GiB"],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": database_url_of_this_test(), "REDIS_URL": settings.REDIS_URL},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Registration comes before the Celery worker installs its signal handlers: stop it right then.
+        wait_for(lambda: Node.objects.filter(name="brief").exists(), 60, "the agent to register")
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert code == 0, agent.stderr.read()
+    assert Node.objects.get(name="brief").status == Node.Status.OFFLINE
+    assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node="brief").exists()

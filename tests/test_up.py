@@ -141,6 +141,24 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
             ("box", 0, True, 1024**3),
             ("box", 1, True, 1024**3),
         ]
+        # An agent started beside `up` with no URLs set finds the stack through stack.env.
+        second = subprocess.Popen(
+            [sys.executable, "manage.py", "agent", "--node", "second", "--virtual-gpus", "1x2GiB"],
+            cwd=ROOT,
+            env=env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            names = wait_until(
+                lambda: {n["name"] for n in up.get("/api/nodes/", token)[1].get("results", [])} >= {"box", "second"},
+                60,
+                "the second agent to join the same stack",
+            )
+            assert names
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(30) == 0
         running = processes_of(data_dir)
         # web, control worker (+ its pool), beat, agent, PostgreSQL (+ its workers), Redis
         assert len(running) >= 7, running
