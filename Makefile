@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.commit_path
+	$(BIN)/python -m bench.commit_path $(ARGS)
 
 clean:
 	rm -rf $(VENV) var

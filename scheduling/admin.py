@@ -26,7 +26,7 @@ def short_id(replica_id: str | None) -> str:
     return (replica_id or "")[:8] or "-"
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ViewOnly:
     """Viewable, never added, changed or deleted from the admin."""
 
     def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
@@ -39,19 +39,14 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyAdmin(ViewOnly, admin.ModelAdmin):
+    pass
+
+
+class ReadOnlyInline(ViewOnly, admin.TabularInline):
     extra = 0
     can_delete = False
     show_change_link = True
-
-    def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
 
 
 @admin.register(Node)

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from inference.devices import discover, parse_size, parse_virtual_spec, virtual_
 from scheduling.models import GPU, Event, Node
 from scheduling.services import nodes
 from scheduling.tasks import expire_heartbeats
+from tests.waiting import wait_until
 
 GiB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,17 +151,6 @@ def database_url_of_this_test() -> str:
     return f"postgres://{auth}@{s['HOST']}:{s['PORT']}/{s['NAME']}"
 
 
-def wait_for(predicate, timeout: float, what: str):
-    # Waiting on another process's writes to PostgreSQL: nothing to block on but the rows.
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_stops(tmp_path):
@@ -185,11 +174,11 @@ def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_sto
         stderr=subprocess.STDOUT,
     )
     try:
-        node = wait_for(lambda: Node.objects.filter(name="edge1").first(), 60, "the agent to register")
+        node = wait_until(lambda: Node.objects.filter(name="edge1").first(), 60, "the agent to register")
         assert node.virtual and node.queue == "node.edge1"
         assert GPU.objects.filter(node=node, virtual=True).count() == 2
         first_beat = node.last_heartbeat
-        wait_for(
+        wait_until(
             lambda: Node.objects.get(name="edge1").last_heartbeat > first_beat, 30, "a heartbeat after registration"
         )
 
@@ -238,7 +227,7 @@ def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_pa
     )
     try:
         # Registration comes before the Celery worker installs its signal handlers: stop it right then.
-        wait_for(lambda: Node.objects.filter(name="brief").exists(), 60, "the agent to register")
+        wait_until(lambda: Node.objects.filter(name="brief").exists(), 60, "the agent to register")
         agent.send_signal(signal.SIGTERM)
         code = agent.wait(30)
     finally:

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from gpuportal.stack import free_port
 from gpuportal.stackenv import read_stack_env
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -109,17 +109,6 @@ def processes_of(data_dir: Path) -> list[str]:
         if proc.pid != os.getpid() and (str(data_dir) in cmdline or env_dir == str(data_dir)):
             found.append(f"{proc.pid}: {cmdline}")
     return found
-
-
-def wait_until(predicate, timeout: float, what: str):
-    # Polling an HTTP API of another process: there is nothing else to block on.
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_path):

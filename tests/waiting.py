@@ -1,0 +1,21 @@
+"""Waiting on another process (an agent, `up`) whose only trace is rows or HTTP answers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, every: float = 0.1) -> T:
+    # Another process writes to PostgreSQL or answers HTTP: there is no Event to block on, so poll
+    # with a deadline that fails the test with what was awaited.
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
