@@ -236,3 +236,16 @@ def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_pa
     assert code == 0, agent.stderr.read()
     assert Node.objects.get(name="brief").status == Node.Status.OFFLINE
     assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node="brief").exists()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_host_auto_discovery_reports_the_real_gpus_from_nvml():
+    import torch
+
+    devices = discover("gpuhost", backend="auto")
+
+    assert devices and not any(d.virtual for d in devices)
+    assert len(devices) == torch.cuda.device_count()
+    for device in devices:
+        _free, total = torch.cuda.mem_get_info(device.index)
+        assert device.total_bytes == total and device.uuid.startswith("GPU-")

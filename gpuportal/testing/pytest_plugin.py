@@ -48,3 +48,26 @@ def pytest_unconfigure(config):
         _started.pop().stop()
     while _tmp_dirs:
         shutil.rmtree(_tmp_dirs.pop(), ignore_errors=True)
+
+
+def _why_no_cuda() -> str | None:
+    """None when CUDA works here, else the reason `gpu` tests cannot run."""
+    from inference.devices import nvidia_gpus
+
+    if not nvidia_gpus():
+        return "needs an NVIDIA GPU: NVML finds none on this machine"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"needs CUDA: this torch {torch.__version__} build cannot use the GPU NVML sees"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = _why_no_cuda()
+    if reason:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
