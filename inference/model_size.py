@@ -1,0 +1,183 @@
+"""Read a model directory's shape for the memory estimate (scheduling.memory) without loading weights.
+
+Weight bytes come from the safetensors headers (a few KiB read per file, however big the model) or,
+for checkpoints without safetensors, from a build on the meta device, which allocates no storage.
+torch and transformers are imported inside the functions: the web process calls this at deploy
+time and should not pay their import on start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+from scheduling.memory import DTYPE_BYTES, ModelShape, dtype_bytes
+
+# safetensors dtype codes whose tensors a loader casts to the requested dtype. Integer, boolean and
+# 8-bit float tensors are quantised data or indices, which loaders keep as stored, so they are not
+# rescaled.
+_CASTABLE = {"F64", "F32", "F16", "BF16"}
+# A header is a few KiB to a few MiB of JSON; a bigger length field means the file is not safetensors,
+# and reading it would be a memory bomb.
+_MAX_HEADER_BYTES = 100 * 1024**2
+
+
+def shape_from_model_dir(path: str | Path, dtype: str | None = None) -> ModelShape:
+    """The shape of the causal LM in `path` as it will run in `dtype` (None: the checkpoint's own dtype).
+
+    Raises ValueError naming what is missing or malformed; the API reports it on `model.source`.
+    """
+    root = _model_dir(path)
+    config = _load_config(root)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    run_dtype = str(dtype).removeprefix("torch.") if dtype is not None else _config_dtype(config)
+    run_bytes = dtype_bytes(run_dtype)
+
+    layers = _config_int(text, root, "num_hidden_layers")
+    heads = _config_int(text, root, "num_attention_heads")
+    hidden = _config_int(text, root, "hidden_size")
+    # Without GQA/MQA the config leaves num_key_value_heads out (or None): every head has its own K and V.
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    # Some models (Gemma, Qwen3) set head_dim independently of hidden / heads.
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+
+    files = _safetensors_files(root)
+    weight_bytes = (
+        sum(_safetensors_bytes(f, run_bytes) for f in files) if files else _meta_bytes(config, root, run_bytes)
+    )
+    return ModelShape(
+        weight_bytes=weight_bytes,
+        num_layers=layers,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        dtype_bytes=run_bytes,
+        hidden_size=hidden,
+        intermediate_size=_optional_int(text, "intermediate_size"),
+        vocab_size=_optional_int(text, "vocab_size"),
+    )
+
+
+def _model_dir(path: str | Path) -> Path:
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"not a model directory: {root} does not exist")
+    if not root.is_dir():
+        raise ValueError(f"not a model directory: {root} is not a directory")
+    if not (root / "config.json").is_file():
+        raise ValueError(f"no config.json in {root}")
+    return root
+
+
+def _load_config(root: Path) -> Any:
+    # Through transformers rather than json.load: a saved config omits values equal to its class's
+    # defaults (Mistral's num_key_value_heads=8, for one), and only the config class knows them.
+    from transformers import AutoConfig
+
+    try:
+        json.loads((root / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a model directory: {root / 'config.json'} is not valid JSON ({exc})") from exc
+    try:
+        return AutoConfig.from_pretrained(root, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers raises ValueError, KeyError, OSError... for unknown configs
+        raise ValueError(f"not a model directory: cannot read {root / 'config.json'} ({exc})") from exc
+
+
+def _config_dtype(config: Any) -> str:
+    # transformers 5 calls it dtype, older releases torch_dtype; a config without either loads as float32.
+    # Reading torch_dtype on a transformers 5 config logs a deprecation warning, hence the hasattr.
+    value = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    value = value or "float32"
+    name = str(value).removeprefix("torch.")
+    return name if name in DTYPE_BYTES else "float32"
+
+
+def _config_int(config: Any, root: Path, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json in {root} has no {name} (a positive integer)")
+    return value
+
+
+def _optional_int(config: Any, name: str) -> int | None:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    # The index decides when present: a directory may also hold a consolidated copy (Mistral ships
+    # consolidated.safetensors beside the shards) that would otherwise be counted twice.
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a model directory: {index} is not a safetensors index ({exc})") from exc
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise ValueError(f"not a model directory: {index} lists missing shards: {', '.join(missing)}")
+        return [root / n for n in names]
+    single = root / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(root.glob("*.safetensors"))
+
+
+def safetensors_tensor_sizes(path: Path) -> dict[str, tuple[str, int, int]]:
+    """{name: (dtype code, element count, stored bytes)} from the header alone.
+
+    The format is an 8-byte little-endian header length, then that many bytes of JSON; the tensor
+    data after it is never read.
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError("shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", head)
+            if length > _MAX_HEADER_BYTES or length > path.stat().st_size - 8:
+                raise ValueError(f"header length {length} does not fit the file")
+            header = json.loads(f.read(length))
+        sizes = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            sizes[name] = (info["dtype"], math.prod(info["shape"]), end - begin)
+        return sizes
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a model directory: {path} is not a safetensors file ({exc})") from exc
+
+
+def _safetensors_bytes(path: Path, run_bytes: int) -> int:
+    return sum(
+        numel * run_bytes if code in _CASTABLE else stored
+        for code, numel, stored in safetensors_tensor_sizes(path).values()
+    )
+
+
+def _meta_bytes(config: Any, root: Path, run_bytes: int) -> int:
+    """Bytes of the model's parameters and saved buffers, counted on a storage-less meta-device build."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        # include_buffers: buffers too stay off the host, so even a huge model costs only its metadata.
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # any failure to build means we cannot size it; say why
+        raise ValueError(
+            f"not a model directory: no safetensors in {root} and its config does not build a causal LM ({exc})"
+        ) from exc
+
+    # parameters() yields tied weights once, as save_pretrained stores them once. Non-persistent buffers
+    # (rotary tables) are excluded: they are not in a checkpoint either, so both paths agree.
+    tensors = list(model.parameters())
+    for module in model.modules():
+        skip = module._non_persistent_buffers_set
+        tensors.extend(b for name, b in module.named_buffers(recurse=False) if name not in skip)
+    return sum(t.numel() * (run_bytes if t.is_floating_point() else t.element_size()) for t in tensors)

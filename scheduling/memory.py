@@ -1,0 +1,315 @@
+"""How many GPU bytes a replica needs (DESIGN §5). Pure: no Django, no torch, no I/O.
+
+In order of trust a replica's need is the operator's override, the bytes measured after its
+first load, or an estimate from the model's shape:
+
+    weights + KV-cache pool + activation reserve + CUDA context
+
+The KV-cache formula here is the only one in the project: the scheduler reserves with
+`kv_cache_bytes` and the replica's block pool (issue 7) sizes itself with `kv_pool_blocks`, which
+inverts the same arithmetic, so what is reserved is what gets allocated.
+
+The seed-000 heuristic (model size × 3, fractional only below 0.8 of a GPU) is kept as the named
+policy ``ndif`` so benchmarks can compare it with ours (``gpuportal``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+# Bytes per element of the dtypes a deployment may ask for (scheduling.models.Deployment.DType).
+DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# What a CUDA context costs on a real GPU (driver, kernels, cuBLAS handles): ~400–500 MiB on
+# recent drivers. It is never a default here, the caller passes it, because a virtual GPU has
+# none and only the caller knows which kind of GPU it plans for.
+TYPICAL_CUDA_CONTEXT_BYTES = 500 * MiB
+
+# Tokens per KV block: the pool's allocation unit, so a sequence wastes under one block.
+DEFAULT_BLOCK_TOKENS = 16
+
+# Activation budget, per token of one forward step. Inference keeps no autograd graph, so only one
+# decoder layer's temporaries are alive at a time; the widest is the MLP: residual + normed input +
+# down-projection output (3 × hidden) and gate, up and their product (3 × intermediate). Attention
+# peaks lower (≈ 7 × hidden) with SDPA, which never materialises the tokens² score matrix. The ×2
+# covers the caching allocator's rounding and fragmentation, which keeps freed blocks it cannot
+# reuse for a differently sized tensor.
+ACTIVATION_HIDDEN_TENSORS = 3
+ACTIVATION_INTERMEDIATE_TENSORS = 3
+ACTIVATION_SLACK = 2
+# Without an intermediate size in the config, assume the classic 4 × hidden MLP.
+DEFAULT_INTERMEDIATE_RATIO = 4
+# Floor, whatever the model: cuBLAS workspaces, the allocator's 2 MiB segment granularity, the
+# sampling step's logits and small temporaries do not shrink with the model.
+ACTIVATION_FLOOR_BYTES = 64 * MiB
+
+# The seed's heuristic, verbatim.
+NDIF_FACTOR = 3
+NDIF_MAX_FRACTION = 0.8
+
+Source = Literal["override", "measured", "estimate", "ndif"]
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element for a deployment dtype name ("float16"; "torch.float16" also accepted)."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})") from None
+
+
+def human_bytes(n: int) -> str:
+    """For Events and logs: '734 MiB', '13.5 GiB'."""
+    if n >= 10 * GiB:
+        return f"{n / GiB:.1f} GiB"
+    if n >= MiB:
+        return f"{round(n / MiB)} MiB"
+    if n >= KiB:
+        return f"{round(n / KiB)} KiB"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a model, read without loading its weights.
+
+    dtype_bytes is the element size of the KV cache and of the activations: both are computed in the
+    dtype the model runs in, which is not necessarily the one its checkpoint was saved in.
+    """
+
+    weight_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    hidden_size: int
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_bytes < 0:
+            raise ValueError(f"weight_bytes must be >= 0, got {self.weight_bytes}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights_bytes: int
+    kv_bytes: int
+    activation_bytes: int
+    context_bytes: int
+    # The KV part in the pool's own units, so an Event or the pool can show them without recomputing.
+    kv_block_bytes: int
+    kv_blocks: int
+    block_tokens: int
+    max_tokens: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.context_bytes
+
+    def describe(self) -> str:
+        return (
+            f"weights {human_bytes(self.weights_bytes)} + kv {human_bytes(self.kv_bytes)} "
+            f"({self.kv_blocks} blocks for {self.max_tokens} tokens) + activations "
+            f"{human_bytes(self.activation_bytes)} + context {human_bytes(self.context_bytes)} "
+            f"= {human_bytes(self.total_bytes)}"
+        )
+
+
+@dataclass(frozen=True)
+class Need:
+    bytes: int
+    source: Source
+
+    def __str__(self) -> str:
+        return f"need {human_bytes(self.bytes)} ({self.source})"
+
+
+def kv_block_bytes(shape: ModelShape, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """Bytes of one KV block across all layers: K and V for block_tokens tokens.
+
+    All layers are in one block because a sequence's token needs a slot in every layer at once
+    (the seed's formula left the layers out and so undercounted by that factor).
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    return 2 * block_tokens * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes * shape.num_layers
+
+
+def kv_blocks(tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    return math.ceil(tokens / block_tokens)
+
+
+def kv_cache_bytes(shape: ModelShape, tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """Whole blocks, because the pool hands out nothing smaller."""
+    return kv_blocks(tokens, block_tokens) * kv_block_bytes(shape, block_tokens)
+
+
+def activation_reserve_bytes(shape: ModelShape, max_tokens: int) -> int:
+    """A budget, not an allocation: PyTorch's allocator serves activations from whatever the cap leaves.
+
+    Sized for one forward step over max_tokens tokens (a whole prompt's prefill is the worst case);
+    see the ACTIVATION_* constants for the reasoning. Not covered: eager attention (tokens² scores)
+    and forward passes that keep logits for every position instead of the last.
+    """
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    intermediate = shape.intermediate_size or DEFAULT_INTERMEDIATE_RATIO * shape.hidden_size
+    per_token = (
+        ACTIVATION_HIDDEN_TENSORS * shape.hidden_size + ACTIVATION_INTERMEDIATE_TENSORS * intermediate
+    ) * shape.dtype_bytes
+    return max(ACTIVATION_FLOOR_BYTES, ACTIVATION_SLACK * per_token * max_tokens)
+
+
+def estimate(
+    shape: ModelShape,
+    *,
+    max_tokens: int,
+    cuda_context_bytes: int,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> MemoryEstimate:
+    """The bytes a replica serving up to max_tokens tokens of KV cache at once will hold on its GPU."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if cuda_context_bytes < 0:
+        raise ValueError(f"cuda_context_bytes must be >= 0, got {cuda_context_bytes}")
+    blocks = kv_blocks(max_tokens, block_tokens)
+    block = kv_block_bytes(shape, block_tokens)
+    return MemoryEstimate(
+        weights_bytes=shape.weight_bytes,
+        kv_bytes=blocks * block,
+        activation_bytes=activation_reserve_bytes(shape, max_tokens),
+        context_bytes=cuda_context_bytes,
+        kv_block_bytes=block,
+        kv_blocks=blocks,
+        block_tokens=block_tokens,
+        max_tokens=max_tokens,
+    )
+
+
+def kv_pool_blocks(
+    shape: ModelShape,
+    *,
+    cap_bytes: int,
+    max_tokens: int,
+    cuda_context_bytes: int,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> int:
+    """Blocks a replica's KV pool gets inside its cap: what is left after weights, activations, context.
+
+    The inverse of `estimate`: a cap of exactly estimate(...).total_bytes yields exactly its
+    kv_blocks, and a larger cap (a measured or overridden need) yields more, never fewer.
+    """
+    left = cap_bytes - shape.weight_bytes - activation_reserve_bytes(shape, max_tokens) - cuda_context_bytes
+    return max(0, left // kv_block_bytes(shape, block_tokens))
+
+
+def need_bytes(
+    *,
+    override: int | None,
+    measured: int | None,
+    estimate: int | MemoryEstimate | None,
+) -> Need:
+    """The most trusted need available: the operator knows best, then what the process really used."""
+    # A zero or negative value can only be a placeholder (nothing runs in no memory), so it is skipped
+    # rather than trusted.
+    if override is not None and override > 0:
+        return Need(override, "override")
+    if measured is not None and measured > 0:
+        return Need(measured, "measured")
+    if isinstance(estimate, MemoryEstimate):
+        estimate = estimate.total_bytes
+    if estimate is not None and estimate > 0:
+        return Need(estimate, "estimate")
+    raise ValueError("no memory need: no override, no measurement and no estimate")
+
+
+def ndif_need(weight_bytes: int) -> Need:
+    """Seed 000: model size × 3 covers 'CUDA context, KV cache, etc.'; blind to the KV cache's size."""
+    if weight_bytes <= 0:
+        raise ValueError(f"weight_bytes must be > 0, got {weight_bytes}")
+    return Need(weight_bytes * NDIF_FACTOR, "ndif")
+
+
+def fraction_for(need: int, gpu_total: int, max_fraction: float) -> float:
+    """Fraction of one GPU to reserve: need / total when below max_fraction of it, else the whole GPU (1.0).
+
+    Not clamped to [0.01, 0.99]: that is for the cap handed to torch, which placement computes.
+    """
+    if gpu_total <= 0:
+        raise ValueError(f"gpu_total must be > 0, got {gpu_total}")
+    if need < 0:
+        raise ValueError(f"need must be >= 0, got {need}")
+    return need / gpu_total if need < max_fraction * gpu_total else 1.0
+
+
+def ndif_fraction(need: int, gpu_total: int) -> float:
+    """Seed 000: share a GPU only when the need is under 0.8 of it; otherwise take it whole."""
+    return fraction_for(need, gpu_total, NDIF_MAX_FRACTION)
+
+
+@dataclass(frozen=True)
+class NeedInputs:
+    """Everything either policy may look at; each takes what it trusts."""
+
+    weight_bytes: int | None = None
+    estimate_bytes: int | None = None
+    override_bytes: int | None = None
+    measured_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    need: Callable[[NeedInputs], Need]
+    # Below this fraction of a GPU a replica shares it; at or above, it takes the GPU whole.
+    max_fraction: float
+
+    def fraction(self, need: int, gpu_total: int) -> float:
+        return fraction_for(need, gpu_total, self.max_fraction)
+
+
+def _gpuportal_need(inputs: NeedInputs) -> Need:
+    return need_bytes(override=inputs.override_bytes, measured=inputs.measured_bytes, estimate=inputs.estimate_bytes)
+
+
+def _ndif_need(inputs: NeedInputs) -> Need:
+    # The seed had no override or measurement; ignoring them keeps the comparison with it honest.
+    if inputs.weight_bytes is None:
+        raise ValueError("the ndif policy needs the model's weight bytes")
+    return ndif_need(inputs.weight_bytes)
+
+
+POLICIES: Mapping[str, Policy] = {
+    # Our need already counts the KV cache and the context, so any need that fits may share a GPU.
+    "gpuportal": Policy("gpuportal", _gpuportal_need, max_fraction=1.0),
+    "ndif": Policy("ndif", _ndif_need, max_fraction=NDIF_MAX_FRACTION),
+}
+
+
+def policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown memory policy {name!r} (known: {', '.join(POLICIES)})") from None
+
+
+def need_for(name: str, inputs: NeedInputs) -> Need:
+    return policy(name).need(inputs)
