@@ -130,6 +130,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PAGINATION_CLASS": "gpuportal.pagination.Pagination",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "gpuportal.errors.exception_handler",
 }
 
 SPECTACULAR_SETTINGS = {
@@ -163,6 +164,12 @@ GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
 GPUPORTAL_CAS_ATTEMPTS = int(os.environ.get("GPUPORTAL_CAS_ATTEMPTS", "8"))
 GPUPORTAL_CAS_BACKOFF_MAX_S = env_float("GPUPORTAL_CAS_BACKOFF_MAX_S", 0.05)
 GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
+# What a CUDA context holds on a real GPU; virtual GPUs have none. Added to a replica's need.
+GPUPORTAL_CUDA_CONTEXT_BYTES = int(os.environ.get("GPUPORTAL_CUDA_CONTEXT_BYTES", str(500 * 1024**2)))
+# A replica that hits a CUDA device-side assert is restarted at most this many times per hour.
+GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER_HOUR", "3"))
+# How long a node waits for replicas evicted to make room to release their memory before loading.
+GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
 
 LOGGING = {
     "version": 1,

@@ -13,6 +13,7 @@ from django.contrib import admin
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
+from scheduling import admin_actions
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, PreemptionIntent, Replica
 
 GIB = 1024**3
@@ -154,8 +155,10 @@ class ReplicaInline(ReadOnlyInline):
 
 @admin.register(Deployment)
 class DeploymentAdmin(ReadOnlyAdmin):
-    """Read-only until deploy/scale services exist: an edit here would change desired state
-    without placing anything or recording an Event. Controls arrive as admin actions."""
+    """No edit form: a change here would bypass placement and the Event trail. Controls are
+    the actions below (and the REST API), which go through the services."""
+
+    actions = [admin_actions.scale_deployments, admin_actions.evict_deployments]
 
     list_display = [
         "name",
@@ -200,6 +203,7 @@ class ReplicaOccupantInline(ReadOnlyInline):
 
 @admin.register(Replica)
 class ReplicaAdmin(ReadOnlyAdmin):
+    actions = [admin_actions.evict_replicas]
     list_display = [
         "short_id",
         "deployment",

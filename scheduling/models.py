@@ -109,6 +109,9 @@ class Deployment(models.Model):
     memory_override_bytes = models.BigIntegerField(null=True, blank=True)
     memory_measured_bytes = models.BigIntegerField(null=True, blank=True)
     memory_estimate_bytes = models.BigIntegerField(null=True, blank=True)
+    # Weight bytes read from the model without loading it: the `ndif` policy's size × 3 needs it.
+    weight_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_policy = models.CharField(max_length=32, default="gpuportal")
     max_tokens = models.PositiveIntegerField(default=2048)
     failover_standby = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -165,6 +168,8 @@ class Replica(models.Model):
     last_accessed = models.DateTimeField(null=True, blank=True)
     epoch = models.BigIntegerField(default=0)
     failure_reason = models.TextField(blank=True)
+    # Loading or waking progress reported by the replica process, 0-100.
+    progress = models.PositiveSmallIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -267,6 +272,7 @@ class Event(models.Model):
         GPU_RESERVED = "gpu.reserved"
         GPU_RELEASED = "gpu.released"
         REPLICA_STATE = "replica.state"
+        REPLICA_RESTARTED = "replica.restarted"
         DEPLOYMENT_CHANGED = "deployment.changed"
 
     time = models.DateTimeField(auto_now_add=True, db_index=True)

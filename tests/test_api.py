@@ -83,13 +83,6 @@ def test_a_logged_in_session_can_read_the_api(user: User) -> None:
     assert client.get("/api/gpus/").status_code == 200
 
 
-def test_the_api_is_read_only_for_now(api: APIClient) -> None:
-    f.deployment("tiny-a")
-    assert api.post("/api/deployments/", {"name": "x"}, format="json").status_code == 405
-    assert api.patch("/api/deployments/tiny-a/", {"dedicated": True}, format="json").status_code == 405
-    assert api.delete("/api/deployments/tiny-a/").status_code == 405
-
-
 # --- GPUs ---------------------------------------------------------------------------------
 
 

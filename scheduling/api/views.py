@@ -6,12 +6,29 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
-from drf_spectacular.utils import extend_schema, extend_schema_view
-from rest_framework import serializers, viewsets
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import permissions, serializers, status, viewsets
 from rest_framework.authtoken.views import ObtainAuthToken
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
 
 from scheduling import selectors
+from scheduling.api import inputs
 from scheduling.api import serializers as s
+from scheduling.services import deployments as deployment_services
+from scheduling.services import replicas as replica_services
+
+READ_ACTIONS = {"list", "retrieve"}
+
+
+class StaffControls:
+    """Anyone signed in may look; only staff may change anything (403 for others)."""
+
+    def get_permissions(self) -> list[permissions.BasePermission]:
+        if self.action in READ_ACTIONS:
+            return [permissions.IsAuthenticated()]
+        return [permissions.IsAdminUser()]
 
 
 def query_filters(request: Any, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
@@ -39,22 +56,79 @@ class GPUViewSet(viewsets.ReadOnlyModelViewSet):
         return selectors.gpus()
 
 
-class DeploymentViewSet(viewsets.ReadOnlyModelViewSet):
+PLACEMENT_ERRORS = {
+    400: OpenApiResponse(description="A field is invalid; the body names it."),
+    404: OpenApiResponse(description="No such deployment."),
+    409: OpenApiResponse(description="Cannot be placed; the body gives the reason per node. Nothing applied."),
+}
+
+
+class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.DeploymentSerializer
     lookup_field = "name"
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
     def get_queryset(self) -> QuerySet:
         return selectors.deployments()
 
+    def shown(self, name: str, code: int = status.HTTP_200_OK) -> Response:
+        return Response(s.DeploymentSerializer(selectors.deployments().get(name=name)).data, status=code)
+
+    @extend_schema(request=inputs.DeploymentInput, responses={201: s.DeploymentSerializer, **PLACEMENT_ERRORS})
+    def create(self, request: Request) -> Response:
+        data = inputs.DeploymentInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        deployment = deployment_services.create(data.to_spec())
+        return self.shown(deployment.name, status.HTTP_201_CREATED)
+
+    @extend_schema(request=inputs.DeploymentPatch, responses={200: s.DeploymentSerializer, **PLACEMENT_ERRORS})
+    def partial_update(self, request: Request, name: str) -> Response:
+        data = inputs.DeploymentPatch(data=request.data)
+        data.is_valid(raise_exception=True)
+        deployment_services.update(name, data.to_changes())
+        return self.shown(name)
+
+    @extend_schema(responses={204: None, 404: PLACEMENT_ERRORS[404]})
+    def destroy(self, request: Request, name: str) -> Response:
+        deployment_services.delete(name)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=inputs.ScaleInput, responses={200: s.DeploymentSerializer, **PLACEMENT_ERRORS})
+    @action(detail=True, methods=["post"])
+    def scale(self, request: Request, name: str) -> Response:
+        data = inputs.ScaleInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        deployment_services.scale(name, data.validated_data["replicas"])
+        return self.shown(name)
+
+    @extend_schema(request=None, responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]})
+    @action(detail=True, methods=["post"])
+    def evict(self, request: Request, name: str) -> Response:
+        deployment_services.evict(name)
+        return self.shown(name)
+
 
 @extend_schema_view(list=extend_schema(parameters=[s.ReplicaFilterSerializer]))
-class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
+class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.ReplicaSerializer
 
     def get_queryset(self) -> QuerySet:
         if self.action == "list":
             return selectors.replicas(**query_filters(self.request, s.ReplicaFilterSerializer))
         return selectors.replicas()
+
+    @extend_schema(
+        request=None,
+        responses={
+            200: s.ReplicaSerializer,
+            404: OpenApiResponse(description="No such replica."),
+            409: OpenApiResponse(description="Only a serving replica can be evicted."),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def evict(self, request: Request, pk: str) -> Response:
+        replica_services.evict(pk)
+        return Response(s.ReplicaSerializer(selectors.replicas().get(pk=pk)).data)
 
 
 @extend_schema_view(list=extend_schema(parameters=[s.EventFilterSerializer]))

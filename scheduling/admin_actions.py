@@ -1,0 +1,81 @@
+"""Admin actions: controls that go through the services (so each is planned, committed and
+recorded as an Event), with the outcome reported as a message per item."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+
+from scheduling.models import Deployment, Replica
+from scheduling.services import deployments as deployment_services
+from scheduling.services import replicas as replica_services
+from scheduling.services.errors import ServiceError
+
+
+def report_each(
+    admin_view: admin.ModelAdmin, request: HttpRequest, items: Iterable[str], act: Callable[[str], str]
+) -> None:
+    """Run `act` on each item: one failure does not stop the others, and each outcome is shown."""
+    for item in items:
+        try:
+            admin_view.message_user(request, act(item), messages.SUCCESS)
+        except ServiceError as err:
+            admin_view.message_user(request, f"{item}: {err}", messages.ERROR)
+
+
+class ScaleForm(forms.Form):
+    replicas = forms.IntegerField(min_value=0, max_value=256, label="Replicas wanted")
+
+
+@admin.action(description="Scale selected deployments…")
+def scale_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]):
+    names = list(queryset.values_list("name", flat=True))
+    form = ScaleForm(request.POST if "apply" in request.POST else None)
+    if "apply" in request.POST and form.is_valid():
+        wanted = form.cleaned_data["replicas"]
+
+        def act(name: str) -> str:
+            deployment_services.scale(name, wanted, reason="scaled from the admin")
+            return f"{name}: scaled to {wanted} replica(s)"
+
+        report_each(admin_view, request, names, act)
+        return None
+    return TemplateResponse(
+        request,
+        "admin/scheduling/scale.html",
+        {
+            **admin_view.admin_site.each_context(request),
+            "title": "Scale deployments",
+            "form": form,
+            "names": names,
+            "selected": request.POST.getlist(admin.helpers.ACTION_CHECKBOX_NAME),
+            "opts": admin_view.model._meta,
+            "action": "scale_deployments",
+        },
+    )
+
+
+@admin.action(description="Evict selected deployments to the CPU cache")
+def evict_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+    def act(name: str) -> str:
+        evicted = deployment_services.evict(name, reason="evicted from the admin")
+        return f"{name}: {len(evicted)} serving replica(s) going to sleep"
+
+    report_each(admin_view, request, queryset.values_list("name", flat=True), act)
+
+
+@admin.action(description="Evict selected replicas to the CPU cache")
+def evict_replicas(
+    admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Replica]
+) -> HttpResponse | None:
+    def act(replica_id: str) -> str:
+        replica = replica_services.evict(replica_id, reason="evicted from the admin")
+        return f"{replica}: going to sleep"
+
+    report_each(admin_view, request, queryset.values_list("id", flat=True), act)
+    return None

@@ -1,0 +1,143 @@
+"""What clients may send, validated field by field: a 400 names the field (nested as in the
+request, e.g. {"memory": {"max_tokens": [...]}}) and nothing is applied."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rest_framework import serializers
+
+from scheduling.models import Deployment
+from scheduling.services.deployments import DeploymentSpec
+
+
+class StrictSerializer(serializers.Serializer):
+    """Rejects keys it does not know: a misspelt field silently ignored is a setting not applied."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError({key: ["unknown field"] for key in unknown})
+        return super().to_internal_value(data)
+
+
+class FiniteFloatField(serializers.FloatField):
+    def to_internal_value(self, data: Any) -> float:
+        value = super().to_internal_value(data)
+        if not math.isfinite(value):
+            raise serializers.ValidationError("must be a finite number")
+        return value
+
+
+class ModelInput(StrictSerializer):
+    source = serializers.CharField(max_length=1000, help_text="A local model directory, or package.module:factory.")
+    loader = serializers.ChoiceField(choices=Deployment.Loader.values, default=Deployment.Loader.TRANSFORMERS)
+    dtype = serializers.ChoiceField(choices=Deployment.DType.values, default=Deployment.DType.FLOAT32)
+
+
+class MemoryInput(StrictSerializer):
+    override_bytes = serializers.IntegerField(min_value=1, allow_null=True, required=False, default=None)
+    max_tokens = serializers.IntegerField(min_value=1, max_value=1_048_576, required=False, default=2048)
+    policy = serializers.ChoiceField(choices=["gpuportal", "ndif"], required=False, default="gpuportal")
+
+
+class FairnessInput(StrictSerializer):
+    min_runtime_s = FiniteFloatField(min_value=0, max_value=86_400, required=False, default=10.0)
+    max_wait_s = FiniteFloatField(min_value=0, max_value=3_600, required=False, default=5.0)
+    popular = serializers.BooleanField(required=False, default=False)
+
+
+class SleepInput(StrictSerializer):
+    idle_timeout_s = FiniteFloatField(min_value=0, max_value=30 * 86_400, required=False, default=300.0)
+    drain_timeout_s = FiniteFloatField(min_value=0, max_value=3_600, required=False, default=30.0)
+
+
+class FailoverInput(StrictSerializer):
+    standby = serializers.BooleanField(required=False, default=False)
+
+
+class DeploymentInput(StrictSerializer):
+    name = serializers.SlugField(max_length=100)
+    model = ModelInput()
+    replicas = serializers.IntegerField(min_value=0, max_value=256, required=False, default=1)
+    dedicated = serializers.BooleanField(required=False, default=False)
+    memory = MemoryInput(required=False)
+    fairness = FairnessInput(required=False)
+    sleep = SleepInput(required=False)
+    failover = FailoverInput(required=False)
+
+    def to_spec(self) -> DeploymentSpec:
+        data = self.validated_data
+
+        def group(name: str, serializer: serializers.Serializer) -> dict[str, Any]:
+            # An omitted group gets every default, exactly as if it had been sent empty.
+            return data.get(name) or serializer.run_validation({})
+
+        memory = group("memory", MemoryInput())
+        fairness = group("fairness", FairnessInput())
+        sleep = group("sleep", SleepInput())
+        failover = group("failover", FailoverInput())
+        return DeploymentSpec(
+            name=data["name"],
+            source=data["model"]["source"],
+            loader=data["model"]["loader"],
+            dtype=data["model"]["dtype"],
+            replicas=data["replicas"],
+            dedicated=data["dedicated"],
+            override_bytes=memory["override_bytes"],
+            max_tokens=memory["max_tokens"],
+            memory_policy=memory["policy"],
+            min_runtime_s=fairness["min_runtime_s"],
+            max_wait_s=fairness["max_wait_s"],
+            popular=fairness["popular"],
+            idle_timeout_s=sleep["idle_timeout_s"],
+            drain_timeout_s=sleep["drain_timeout_s"],
+            standby=failover["standby"],
+        )
+
+
+def _partial(serializer_class: type[StrictSerializer]) -> StrictSerializer:
+    serializer = serializer_class(required=False)
+    for field in serializer.fields.values():
+        # A PATCH changes what it names and nothing else: no defaults filled in.
+        field.required, field.default = False, serializers.empty
+    return serializer
+
+
+class DeploymentPatch(StrictSerializer):
+    """PATCH: settings groups, each partial. The model and the name cannot change."""
+
+    name = serializers.CharField(required=False)
+    model = serializers.JSONField(required=False)
+    replicas = serializers.IntegerField(min_value=0, max_value=256, required=False)
+    dedicated = serializers.BooleanField(required=False)
+    memory = _partial(MemoryInput)
+    fairness = _partial(FairnessInput)
+    sleep = _partial(SleepInput)
+    failover = _partial(FailoverInput)
+
+    def validate_name(self, value: str) -> str:
+        raise serializers.ValidationError("cannot be changed; create a new deployment instead")
+
+    def validate_model(self, value: Any) -> Any:
+        raise serializers.ValidationError("cannot be changed; create a new deployment instead")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "policy" in attrs.get("memory", {}):
+            raise serializers.ValidationError({"memory": {"policy": ["cannot be changed on an existing deployment"]}})
+        return attrs
+
+    def to_changes(self) -> dict[str, Any]:
+        data = self.validated_data
+        changes: dict[str, Any] = {k: data[k] for k in ("replicas", "dedicated") if k in data}
+        for group in ("memory", "fairness", "sleep"):
+            changes.update(data.get(group, {}))
+        if "standby" in data.get("failover", {}):
+            changes["standby"] = data["failover"]["standby"]
+        return changes
+
+
+class ScaleInput(StrictSerializer):
+    replicas = serializers.IntegerField(min_value=0, max_value=256)

@@ -1,0 +1,406 @@
+"""Deploy, change, scale, evict and delete deployments: snapshot → plan → commit → dispatch.
+
+Lock order, the same everywhere (so two services never wait on each other in a cycle):
+the deployment row, then GPU rows in primary-key order (the ledger), then replica rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+
+from scheduling import events, ledger, memory
+from scheduling.models import Deployment, Event, Replica, new_replica_id
+from scheduling.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest
+from scheduling.planning import place_all
+from scheduling.services import dispatch
+from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
+from scheduling.state import OccupantView, Plan, Release, Snapshot
+
+log = logging.getLogger(__name__)
+
+# Replicas that are, or are about to be, on their GPUs: what `replicas` counts.
+AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
+# Replicas whose process is gone or going; they hold no reservation.
+GONE = (Replica.State.STOPPING, Replica.State.STOPPED, Replica.State.FAILED)
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """A validated deployment as a user asked for it (the REST shape of DESIGN §7, flattened)."""
+
+    name: str
+    source: str
+    loader: str = Deployment.Loader.TRANSFORMERS
+    dtype: str = Deployment.DType.FLOAT32
+    replicas: int = 1
+    dedicated: bool = False
+    override_bytes: int | None = None
+    max_tokens: int = 2048
+    min_runtime_s: float = 10.0
+    max_wait_s: float = 5.0
+    popular: bool = False
+    idle_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    standby: bool = False
+    memory_policy: str = "gpuportal"
+
+
+# Deployment fields a PATCH may change, by spec name. Model, loader and dtype are not among them:
+# a different model is a different deployment.
+MUTABLE = {
+    "dedicated": "dedicated",
+    "override_bytes": "memory_override_bytes",
+    "max_tokens": "max_tokens",
+    "min_runtime_s": "min_runtime_s",
+    "max_wait_s": "max_wait_s",
+    "popular": "popular",
+    "idle_timeout_s": "idle_timeout_s",
+    "drain_timeout_s": "drain_timeout_s",
+    "standby": "failover_standby",
+}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    weight_bytes: int
+    estimate_bytes: int
+    detail: str = ""
+
+
+@dataclass
+class _Decision:
+    """What the last planning attempt decided, for the effects after the commit."""
+
+    placements: tuple[Placement, ...] = ()
+    new_ids: list[str] = field(default_factory=list)
+
+
+def inspect_model(source: str, loader: str, dtype: str, max_tokens: int) -> ModelFacts:
+    """Weight bytes and the estimated need, without loading weights. Bad sources name the field."""
+    try:
+        if loader == Deployment.Loader.TRANSFORMERS:
+            from inference.model_size import shape_from_model_dir
+
+            shape = shape_from_model_dir(source, dtype)
+            estimate = memory.estimate(shape, max_tokens=max_tokens, cuda_context_bytes=0)
+            return ModelFacts(shape.weight_bytes, estimate.total_bytes, estimate.describe())
+        from inference.loaders import factory_weight_bytes
+
+        weights = factory_weight_bytes(source, dtype)
+        return ModelFacts(weights, weights + memory.ACTIVATION_FLOOR_BYTES, "weights + activation floor")
+    except ValueError as err:
+        raise InvalidInput("model.source", str(err)) from None
+
+
+def get(name: str, *, lock: bool = False) -> Deployment:
+    query = Deployment.objects.select_for_update() if lock else Deployment.objects
+    try:
+        return query.get(name=name)
+    except Deployment.DoesNotExist:
+        raise NotFound(f"no deployment named {name!r}") from None
+
+
+def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployment:
+    """Create the deployment and place all its replicas, or nothing at all (409 with reasons)."""
+    if memory.POLICIES.get(spec.memory_policy) is None:
+        raise InvalidInput("memory.policy", f"unknown policy {spec.memory_policy!r} (gpuportal or ndif)")
+    facts = facts or inspect_model(spec.source, spec.loader, spec.dtype, spec.max_tokens)
+    with transaction.atomic():
+        if Deployment.objects.filter(name=spec.name).exists():
+            raise InvalidInput("name", f"a deployment named {spec.name!r} already exists")
+        deployment = Deployment.objects.create(
+            name=spec.name,
+            model_source=spec.source,
+            loader=spec.loader,
+            dtype=spec.dtype,
+            replicas_wanted=spec.replicas,
+            dedicated=spec.dedicated,
+            memory_override_bytes=spec.override_bytes,
+            memory_estimate_bytes=facts.estimate_bytes,
+            weight_bytes=facts.weight_bytes,
+            memory_policy=spec.memory_policy,
+            max_tokens=spec.max_tokens,
+            min_runtime_s=spec.min_runtime_s,
+            max_wait_s=spec.max_wait_s,
+            popular=spec.popular,
+            idle_timeout_s=spec.idle_timeout_s,
+            drain_timeout_s=spec.drain_timeout_s,
+            failover_standby=spec.standby,
+        )
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {spec.name}",
+            f"created with {spec.replicas} replica(s) of {spec.source} ({spec.loader}, {spec.dtype}); "
+            f"estimated need {memory.human_bytes(facts.estimate_bytes)}: {facts.detail}".rstrip(": "),
+            after={"replicas": spec.replicas, "estimate_bytes": facts.estimate_bytes},
+            deployment=spec.name,
+        )
+        if spec.replicas:
+            _add_replicas(deployment, spec.replicas, reason=f"deploy {spec.name}")
+    return deployment
+
+
+def update(name: str, changes: dict[str, Any]) -> Deployment:
+    """Change settings (and the replica count, through scale). Unknown fields are a caller bug."""
+    unknown = set(changes) - set(MUTABLE) - {"replicas"}
+    if unknown:
+        raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
+    with transaction.atomic():
+        deployment = get(name, lock=True)
+        before = {key: getattr(deployment, MUTABLE[key]) for key in changes if key in MUTABLE}
+        after = {key: value for key, value in changes.items() if key in MUTABLE and before[key] != value}
+        for key, value in after.items():
+            setattr(deployment, MUTABLE[key], value)
+        if after:
+            deployment.save()
+            events.record(
+                Event.Kind.DEPLOYMENT_CHANGED,
+                f"deployment {name}",
+                "settings changed: " + ", ".join(f"{k} {before[k]!r} → {v!r}" for k, v in after.items()),
+                before={k: before[k] for k in after},
+                after=after,
+                deployment=name,
+            )
+        if "replicas" in changes:
+            scale(name, changes["replicas"])
+    deployment.refresh_from_db()
+    return deployment
+
+
+def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") -> Deployment:
+    """Bring the number of awake replicas to `replicas`: cached ones are promoted before new ones
+    are created; scaling down stops the most recently started first (they have served least)."""
+    if replicas < 0:
+        raise InvalidInput("replicas", "must be 0 or more")
+    with transaction.atomic():
+        # The deployment row lock serialises scale operations of one deployment.
+        deployment = get(name, lock=True)
+        awake = list(deployment.replicas.filter(state__in=AWAKE).order_by("-created_at"))
+        before = deployment.replicas_wanted
+        if replicas > len(awake):
+            _add_replicas(deployment, replicas - len(awake), reason=f"{reason}: {len(awake)} → {replicas}")
+        elif replicas < len(awake):
+            _stop_replicas(deployment, awake[: len(awake) - replicas], reason=f"{reason}: {len(awake)} → {replicas}")
+        deployment.replicas_wanted = replicas
+        deployment.save(update_fields=["replicas_wanted", "updated_at"])
+        if before != replicas:
+            events.record(
+                Event.Kind.DEPLOYMENT_CHANGED,
+                f"deployment {name}",
+                f"{reason}: {before} → {replicas} replica(s)",
+                before={"replicas": before},
+                after={"replicas": replicas},
+                deployment=name,
+            )
+    return deployment
+
+
+def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
+    """Put every serving replica of the deployment to sleep (weights to CPU RAM)."""
+    from scheduling.services import replicas as replica_services
+
+    with transaction.atomic():
+        deployment = get(name, lock=True)
+        serving = list(deployment.replicas.filter(state=Replica.State.SERVING).values_list("id", flat=True))
+        for replica_id in serving:
+            replica_services.evict(replica_id, reason=reason, deployment=deployment)
+    return serving
+
+
+def delete(name: str, *, reason: str = "deleted by an operator") -> None:
+    """Release every reservation, stop every process, and forget the deployment."""
+    with transaction.atomic():
+        deployment = get(name, lock=True)
+        replicas = list(deployment.replicas.select_related("node"))
+        ledger.commit_with_retry(releasing({r.id for r in replicas}, f"{reason}: deployment {name}"))
+        for replica in replicas:
+            if replica.node is not None and replica.state not in (Replica.State.STOPPED, Replica.State.FAILED):
+                dispatch.to_node(replica.node.queue, dispatch.STOP, replica.id)
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {name}",
+            f"{reason}: {len(replicas)} replica(s) stopped and their reservations released",
+            before={"replicas": len(replicas)},
+            deployment=name,
+        )
+        deployment.delete()
+
+
+# -- placing and stopping replicas -------------------------------------------------------------
+
+
+def releasing(replica_ids: set[str], reason: str) -> Callable[[Snapshot], Plan | None]:
+    """A decision releasing every reservation the replicas hold, or None when they hold none."""
+
+    def decide(snap: Snapshot) -> Plan | None:
+        releases = [
+            Release(gpu.id, o.replica_id)
+            for gpu in snap.gpus.values()
+            for o in gpu.occupants
+            if o.replica_id in replica_ids
+        ]
+        return Plan.against(snap, reason, releases=releases) if releases else None
+
+    return decide
+
+
+def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
+    """The replica's need under the deployment's policy, plus a CUDA context where GPUs are real."""
+    need = memory.need_for(
+        deployment.memory_policy,
+        memory.NeedInputs(
+            weight_bytes=deployment.weight_bytes,
+            estimate_bytes=deployment.memory_estimate_bytes,
+            override_bytes=deployment.memory_override_bytes,
+            measured_bytes=deployment.memory_measured_bytes,
+        ),
+    )
+    # A measured need already includes the context the process really had; others do not.
+    if need.source != "measured" and any(not g.virtual for g in snapshot.gpus.values()):
+        need = replace(need, bytes=need.bytes + settings.GPUPORTAL_CUDA_CONTEXT_BYTES)
+    return need
+
+
+def _add_replicas(deployment: Deployment, count: int, *, reason: str) -> _Decision:
+    cached = tuple(
+        CachedReplica(replica_id, node)
+        for replica_id, node in deployment.replicas.filter(
+            state=Replica.State.SLEEPING, node__isnull=False
+        ).values_list("id", "node__name")
+    )
+    decision = _Decision(new_ids=[new_replica_id() for _ in range(count)])
+
+    def occupant_for(placement: Placement) -> OccupantView:
+        return OccupantView(
+            replica_id=placement.replica_id,
+            deployment=deployment.name,
+            state=Replica.State.PENDING,
+            reserved_bytes=0,
+            dedicated=deployment.dedicated,
+            popular=deployment.popular,
+            min_runtime_s=deployment.min_runtime_s,
+        )
+
+    def decide(snap: Snapshot) -> Plan:
+        need = need_bytes(deployment, snap)
+        requests = [
+            PlacementRequest(
+                deployment=deployment.name,
+                replica_id=replica_id,
+                need_bytes=need.bytes,
+                dedicated=deployment.dedicated,
+                cached=cached,
+            )
+            for replica_id in decision.new_ids
+        ]
+        result = place_all(
+            snap,
+            requests,
+            occupant_for=occupant_for,
+            reason=f"{reason} ({need})",
+            policy=deployment.memory_policy,
+        )
+        if isinstance(result, CantAccommodate):
+            raise CannotPlace(result.reason, result.reasons)
+        decision.placements = result.placements
+        return result.plan
+
+    # Rows for new replicas first, so the occupants the commit writes point at something real.
+    Replica.objects.bulk_create([Replica(id=i, deployment=deployment) for i in decision.new_ids])
+    ledger.commit_with_retry(decide, apply=lambda plan: _apply_placements(deployment, decision))
+    unused = set(decision.new_ids) - {p.replica_id for p in decision.placements}
+    Replica.objects.filter(id__in=unused).delete()  # ids set aside for replicas a promotion made unneeded
+    return decision
+
+
+def _apply_placements(deployment: Deployment, decision: _Decision) -> None:
+    """Inside the commit: record where each replica went, then send the agents to work."""
+    from scheduling.models import GPU
+
+    gpus = {
+        g.pk: g
+        for g in GPU.objects.select_related("node").filter(
+            pk__in={gpu_id for p in decision.placements for gpu_id in p.gpu_ids}
+        )
+    }
+    victims = {e.replica_id for p in decision.placements for e in p.evictions}
+    for victim in Replica.objects.select_related("node", "deployment").filter(id__in=victims).order_by("pk"):
+        _mark_evicted(victim, next(p for p in decision.placements if victim.id in p.evicted_replicas))
+    for placement in decision.placements:
+        node = gpus[placement.gpu_ids[0]].node
+        by_index = {str(gpus[g].index): placement.bytes_by_gpu[g] for g in placement.gpu_ids}
+        promoted = placement.promoted is not None
+        replica = Replica.objects.get(pk=placement.replica_id)
+        before = {"state": replica.state, "node": replica.node_id and node.name, "gpus": replica.gpu_mem_bytes_by_id}
+        replica.node = node
+        replica.gpu_mem_bytes_by_id = by_index
+        replica.gpu_memory_fraction = placement.fraction
+        replica.state = Replica.State.WAKING if promoted else Replica.State.PENDING
+        replica.progress = 0
+        replica.failure_reason = ""
+        replica.save()
+        events.record(
+            Event.Kind.REPLICA_STATE,
+            f"replica {replica.id[:8]}",
+            ("promoted from the CPU cache: " if promoted else "placed: ") + placement.reason,
+            before=before,
+            after={"state": replica.state, "node": node.name, "gpus": by_index, "level": placement.level.name},
+            node=node.name,
+            gpu=f"{node.name}/{gpus[placement.gpu_ids[0]].index}",
+            deployment=deployment.name,
+            replica=replica.id,
+        )
+        wait_for = [e.replica_id for e in placement.evictions]
+        if promoted:
+            dispatch.to_node(node.queue, dispatch.FROM_CACHE, replica.id, wait_for)
+        else:
+            dispatch.to_node(node.queue, dispatch.START, replica.id, wait_for)
+
+
+def _mark_evicted(victim: Replica, placement: Placement) -> None:
+    before = victim.state
+    victim.state = Replica.State.DRAINING
+    victim.save(update_fields=["state", "updated_at"])
+    events.record(
+        Event.Kind.REPLICA_STATE,
+        f"replica {victim.id[:8]}",
+        f"evicted to the CPU cache to make room: {placement.reason}",
+        before={"state": before},
+        after={"state": victim.state},
+        node=victim.node.name if victim.node else "",
+        deployment=victim.deployment.name,
+        replica=victim.id,
+    )
+    if victim.node is not None:
+        dispatch.to_node(victim.node.queue, dispatch.TO_CACHE, victim.id)
+
+
+def _stop_replicas(deployment: Deployment, replicas: list[Replica], *, reason: str) -> None:
+    ids = {r.id for r in replicas}
+
+    def apply(plan: Plan | None = None) -> None:
+        for replica in Replica.objects.select_related("node").filter(id__in=ids).order_by("pk"):
+            before = replica.state
+            replica.state = Replica.State.STOPPING
+            replica.save(update_fields=["state", "updated_at"])
+            events.record(
+                Event.Kind.REPLICA_STATE,
+                f"replica {replica.id[:8]}",
+                f"stopping: {reason}",
+                before={"state": before},
+                after={"state": replica.state},
+                node=replica.node.name if replica.node else "",
+                deployment=deployment.name,
+                replica=replica.id,
+            )
+            if replica.node is not None:
+                dispatch.to_node(replica.node.queue, dispatch.STOP, replica.id)
+
+    if ledger.commit_with_retry(releasing(ids, reason), apply=apply) is None:
+        apply()  # nothing was reserved (e.g. still pending): stop them all the same

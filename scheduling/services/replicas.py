@@ -1,0 +1,243 @@
+"""One replica's life: evicting it to the CPU cache, and what its process reports through the
+node agent (loading progress, serving, sleeping, woken, failed, stopped)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from scheduling import events, ledger, memory
+from scheduling.models import Deployment, Event, Replica
+from scheduling.services import dispatch
+from scheduling.services.errors import InvalidState, NotFound
+from scheduling.state import Plan, Release, Reservation, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+def get(replica_id: str) -> Replica:
+    try:
+        return Replica.objects.select_related("deployment", "node").get(pk=replica_id)
+    except Replica.DoesNotExist:
+        raise NotFound(f"no replica with id {replica_id!r}") from None
+
+
+def evict(replica_id: str, *, reason: str = "evicted by an operator", deployment: Deployment | None = None) -> Replica:
+    """Send a serving replica to the CPU cache. Its reservation is kept until its process says
+    what it still holds (on a real GPU, its CUDA context), so the ledger never under-counts."""
+    with transaction.atomic():
+        replica = get(replica_id)
+        # Lock order: the deployment row before anything the ledger locks.
+        deployment = deployment or Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+        replica = Replica.objects.select_for_update(of=("self",)).select_related("node").get(pk=replica_id)
+        if replica.state != Replica.State.SERVING:
+            raise InvalidState(f"replica {replica_id} is {replica.state}, only a serving replica can be evicted")
+        _set_state(replica, Replica.State.DRAINING, f"evicting to the CPU cache: {reason}")
+        if deployment.replicas_wanted > 0:
+            deployment.replicas_wanted -= 1
+            deployment.save(update_fields=["replicas_wanted", "updated_at"])
+        dispatch.to_node(replica.node.queue, dispatch.TO_CACHE, replica.id)
+    return replica
+
+
+# -- reports from replica processes, relayed by their node agent -------------------------------
+
+
+def report(replica_id: str, event: dict[str, Any]) -> None:
+    """Apply one event from a replica process. Unknown replicas (deleted meanwhile) are ignored."""
+    kind = event.get("event")
+    handler = HANDLERS.get(kind)
+    if handler is None:
+        log.warning("replica %s reported an unknown event %r", replica_id, kind)
+        return
+    with transaction.atomic():
+        replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
+        if replica is None:
+            log.info("replica %s reported %s after it was deleted; ignoring", replica_id, kind)
+            return
+        handler(replica, event)
+
+
+def _progress(replica: Replica, event: dict[str, Any]) -> None:
+    percent = max(0, min(100, int(event.get("percent") or 0)))
+    if replica.state == Replica.State.PENDING:
+        _set_state(replica, Replica.State.LOADING, f"loading weights: {event.get('detail') or 'started'}")
+    Replica.objects.filter(pk=replica.pk).update(progress=percent)
+
+
+def _serving(replica: Replica, event: dict[str, Any]) -> None:
+    if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
+        return
+    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+    measured = _measured_bytes(deployment, event)
+    if measured and measured != deployment.memory_measured_bytes:
+        before = deployment.memory_measured_bytes
+        deployment.memory_measured_bytes = measured
+        deployment.save(update_fields=["memory_measured_bytes", "updated_at"])
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {deployment.name}",
+            f"measured {memory.human_bytes(measured)} per replica after loading "
+            f"(estimate was {memory.human_bytes(deployment.memory_estimate_bytes or 0)}); "
+            "placement uses the measurement from now on",
+            before={"measured_bytes": before},
+            after={"measured_bytes": measured},
+            deployment=deployment.name,
+            replica=replica.id,
+        )
+    now = timezone.now()
+    replica.pid = event.get("pid") or replica.pid
+    replica.serving_since = now
+    replica.last_accessed = replica.last_accessed or now
+    replica.progress = 100
+    weights = event.get("weights_bytes")
+    detail = f"loaded ({memory.human_bytes(weights)} of weights)" if weights else "loaded"
+    _set_state(replica, Replica.State.SERVING, detail, extra=["pid", "serving_since", "last_accessed", "progress"])
+
+
+def _woken(replica: Replica, event: dict[str, Any]) -> None:
+    if replica.state != Replica.State.WAKING:
+        return
+    replica.serving_since = timezone.now()
+    replica.progress = 100
+    _set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
+
+
+def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
+    residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}
+    held = sum(residual.values())
+    _reserve_exactly(
+        replica,
+        {int(index): bytes_ for index, bytes_ in residual.items() if bytes_ > 0},
+        reason=f"asleep in the CPU cache, still holding {memory.human_bytes(held)} on its GPU(s)",
+    )
+    replica.gpu_mem_bytes_by_id = {k: v for k, v in residual.items() if v > 0}
+    replica.gpu_memory_fraction = None
+    replica.serving_since = None
+    _set_state(
+        replica,
+        Replica.State.SLEEPING,
+        f"weights moved to CPU RAM; holds {memory.human_bytes(held)} on its GPU(s)",
+        extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since"],
+    )
+
+
+def _failed(replica: Replica, event: dict[str, Any]) -> None:
+    reason = str(event.get("reason") or "replica process failed")
+    if replica.state in (Replica.State.STOPPING, Replica.State.STOPPED):
+        _stopped(replica, event)
+        return
+    restartable = _restarts_in_last_hour(replica) < settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR
+    if event.get("kind") == "cuda_assert" and restartable:
+        # A device-side assert poisons the CUDA context for good: only a fresh process recovers.
+        # The reservation stays; the new process loads into the same place.
+        replica.failure_reason = reason
+        replica.progress = 0
+        _set_state(
+            replica,
+            Replica.State.PENDING,
+            f"restarting after a CUDA device-side assert: {reason}",
+            extra=["failure_reason", "progress"],
+            kind=Event.Kind.REPLICA_RESTARTED,
+        )
+        dispatch.to_node(replica.node.queue, dispatch.START, replica.id, [])
+        return
+    _reserve_exactly(replica, {}, reason=f"replica failed: {reason}")
+    replica.failure_reason = reason
+    replica.pid = None
+    replica.serving_since = None
+    _set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
+
+
+def _stopped(replica: Replica, event: dict[str, Any]) -> None:
+    _reserve_exactly(replica, {}, reason="replica stopped")
+    replica.pid = None
+    replica.serving_since = None
+    _set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
+
+
+HANDLERS = {
+    "progress": _progress,
+    "serving": _serving,
+    "woken": _woken,
+    "sleeping": _sleeping,
+    "failed": _failed,
+    "stopped": _stopped,
+}
+
+
+def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None:
+    """NVML's per-process figure on a real GPU; on a virtual one, the tensor bytes the replica
+    really holds plus the reserves (KV cache, activations) the estimate budgets beside them."""
+    if event.get("process_bytes"):
+        return int(event["process_bytes"])
+    weights = event.get("weights_bytes")
+    if not weights:
+        return None
+    reserves = max(0, (deployment.memory_estimate_bytes or 0) - (deployment.weight_bytes or 0))
+    return int(weights) + reserves
+
+
+def _restarts_in_last_hour(replica: Replica) -> int:
+    since = timezone.now() - timedelta(hours=1)
+    return Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_RESTARTED, time__gte=since).count()
+
+
+def _reserve_exactly(replica: Replica, bytes_by_index: dict[int, int], *, reason: str) -> None:
+    """Make the replica's reservations exactly `bytes_by_index` on its node's GPUs."""
+    if replica.node_id is None:
+        return
+    replica_id = replica.id
+
+    def decide(snap: Snapshot) -> Plan | None:
+        on_node = {g.index: g for g in snap.gpus.values() if g.node == replica.node.name}
+        releases = [
+            Release(g.id, replica_id)
+            for g in on_node.values()
+            if g.index not in bytes_by_index and any(o.replica_id == replica_id for o in g.occupants)
+        ]
+        reservations = []
+        for index, wanted in bytes_by_index.items():
+            gpu = on_node.get(index)
+            if gpu is None:
+                continue
+            held = next((o.reserved_bytes for o in gpu.occupants if o.replica_id == replica_id), 0)
+            if held != wanted:
+                # What the process still holds is real memory: record it even if the GPU is full,
+                # by taking no more than is free, and say so, rather than failing the report.
+                reservations.append(Reservation(gpu.id, replica_id, min(wanted, held + gpu.available_bytes)))
+        if not releases and not reservations:
+            return None
+        return Plan.against(snap, reason, reservations=reservations, releases=releases)
+
+    ledger.commit_with_retry(decide)
+
+
+def _set_state(
+    replica: Replica,
+    state: str,
+    reason: str,
+    *,
+    extra: list[str] | None = None,
+    kind: str = Event.Kind.REPLICA_STATE,
+) -> None:
+    before = replica.state
+    replica.state = state
+    replica.save(update_fields=["state", "updated_at", *(extra or [])])
+    if before == state and kind == Event.Kind.REPLICA_STATE:
+        return
+    events.record(
+        kind,
+        f"replica {replica.id[:8]}",
+        reason,
+        before={"state": before},
+        after={"state": state},
+        node=replica.node.name if replica.node else "",
+        deployment=replica.deployment.name,
+        replica=replica.id,
+    )
