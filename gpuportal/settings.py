@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from gpuportal.stackenv import resolve_stack_urls
+from gpuportal.stackenv import default_data_dir, resolve_stack_urls
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -163,6 +163,7 @@ GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
 # Commit path: attempts and the cap of the jittered backoff between them.
 GPUPORTAL_CAS_ATTEMPTS = int(os.environ.get("GPUPORTAL_CAS_ATTEMPTS", "8"))
 GPUPORTAL_CAS_BACKOFF_MAX_S = env_float("GPUPORTAL_CAS_BACKOFF_MAX_S", 0.05)
+GPUPORTAL_DATA_DIR = str(default_data_dir())
 GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
 # What a CUDA context holds on a real GPU; virtual GPUs have none. Added to a replica's need.
 GPUPORTAL_CUDA_CONTEXT_BYTES = int(os.environ.get("GPUPORTAL_CUDA_CONTEXT_BYTES", str(500 * 1024**2)))

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+from pathlib import Path
 
 import psutil
 from celery.signals import worker_ready
@@ -16,10 +17,29 @@ from django.db import close_old_connections, connection
 
 from gpuportal.celery import app
 from inference.devices import discover
+from inference.supervisor import Supervisor
 from scheduling.models import Node
 from scheduling.services import nodes
 
 log = logging.getLogger(__name__)
+
+# The agent of this process, if it is one: node tasks run in its worker threads and use its
+# supervisor, which owns this host's replica processes.
+_current: NodeAgent | None = None
+
+
+def current() -> NodeAgent:
+    if _current is None:
+        raise RuntimeError("this process is not a node agent: node tasks must run on `manage.py agent`")
+    return _current
+
+
+def supervisor() -> Supervisor:
+    return current().supervisor
+
+
+def node_name() -> str:
+    return current().name
 
 
 class NodeAgent:
@@ -42,6 +62,7 @@ class NodeAgent:
         self.concurrency = concurrency
         self._stop = threading.Event()
         self._stop_requested = threading.Event()
+        self.supervisor = Supervisor(Path(settings.GPUPORTAL_DATA_DIR) / "replicas" / name)
         self._heartbeat_thread: threading.Thread | None = None
 
     @property
@@ -83,6 +104,8 @@ class NodeAgent:
         connection.close()
 
     def stop(self, reason: str = "agent stopped") -> None:
+        # Replicas first: each reports `stopped` (releasing its reservation) while we can still write.
+        self.supervisor.stop_all()
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=self.heartbeat_s + 5)
@@ -113,6 +136,8 @@ class NodeAgent:
         )
 
     def run(self, loglevel: str = "INFO") -> None:
+        global _current
+        _current = self
         # A stop can be asked for while the agent registers, before Celery installs its own
         # signal handlers; without these the default action would kill the agent mid-way and
         # the node would wait out the heartbeat timeout instead of saying it stopped.

@@ -1,10 +1,26 @@
-"""Tasks that run on a node agent's own queue (`node.<name>`)."""
+"""Tasks that run on a node agent's own queue (`node.<name>`): they drive this host's replica
+processes through the agent's supervisor, and relay what the processes report to the services."""
 
+from __future__ import annotations
+
+import logging
 import socket
+import time
 
 from celery import shared_task
+from django.conf import settings
+from django.db import close_old_connections, connection
 
-from scheduling.models import Node
+from inference import agent
+from inference.supervisor import ReplicaSpec
+from scheduling.models import Node, Replica
+from scheduling.services import replicas as replica_services
+
+log = logging.getLogger(__name__)
+
+# States in which an evicted replica still holds its GPU memory.
+HOLDING = (Replica.State.SERVING, Replica.State.DRAINING)
+TERMINAL_EVENTS = {"stopped", "failed"}
 
 
 @shared_task(name="inference.tasks.describe_node")
@@ -16,3 +32,99 @@ def describe_node(name: str) -> dict:
         "hostname": socket.gethostname(),
         "gpus": [{"index": g.index, "uuid": g.uuid, "total_bytes": g.total_bytes} for g in node.gpus.all()],
     }
+
+
+def relay(replica_id: str, event: dict) -> None:
+    """Called on the supervisor's reader threads: one database connection per replica thread."""
+    try:
+        close_old_connections()
+        replica_services.report(replica_id, event)
+    except Exception:
+        log.exception("could not record %s of replica %s", event.get("event"), replica_id)
+    finally:
+        if event.get("event") in TERMINAL_EVENTS:
+            connection.close()  # the thread ends with the process; its connection must not linger
+
+
+def wait_released(replica_ids: list[str], timeout: float | None = None) -> list[str]:
+    """Wait until replicas evicted to make room have let go of their GPU memory; returns those
+    that had not when the timeout passed (loading then proceeds and may fail like an OOM)."""
+    deadline = time.monotonic() + (settings.GPUPORTAL_EVICTION_WAIT_S if timeout is None else timeout)
+    pending = list(replica_ids)
+    while pending:
+        pending = list(Replica.objects.filter(pk__in=pending, state__in=HOLDING).values_list("pk", flat=True))
+        if not pending or time.monotonic() > deadline:
+            break
+        # The victim's agent reports through PostgreSQL; there is nothing else to block on.
+        time.sleep(0.2)
+    return pending
+
+
+def spec_for(replica: Replica) -> ReplicaSpec:
+    deployment = replica.deployment
+    return ReplicaSpec(
+        replica_id=replica.id,
+        source=deployment.model_source,
+        loader=deployment.loader,
+        dtype=deployment.dtype,
+        gpus=tuple(sorted(int(index) for index in replica.gpu_mem_bytes_by_id)),
+        reserved_bytes_by_gpu={str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()},
+        fraction=replica.gpu_memory_fraction,
+        backend="virtual" if replica.node.virtual else "cuda",
+    )
+
+
+@shared_task(name="inference.tasks.start_replica")
+def start_replica(replica_id: str, wait_for: list[str]) -> str:
+    replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
+    if replica is None or replica.state != Replica.State.PENDING:
+        return f"skipped: replica is {replica.state if replica else 'gone'}"
+    if late := wait_released(wait_for):
+        log.warning("replica %s starts while %s still hold memory", replica_id, ", ".join(late))
+    supervisor = agent.supervisor()
+    if replica_id in supervisor.running():
+        supervisor.stop(replica_id)  # a restart (e.g. after a CUDA assert): a fresh process
+    supervisor.start(spec_for(replica), on_event=relay)
+    return "started"
+
+
+@shared_task(name="inference.tasks.replica_to_cache")
+def replica_to_cache(replica_id: str) -> str:
+    return _command(replica_id, {"cmd": "sleep"})
+
+
+@shared_task(name="inference.tasks.replica_from_cache")
+def replica_from_cache(replica_id: str, wait_for: list[str]) -> str:
+    replica = Replica.objects.select_related("node").filter(pk=replica_id).first()
+    if replica is None or replica.state != Replica.State.WAKING:
+        return f"skipped: replica is {replica.state if replica else 'gone'}"
+    wait_released(wait_for)
+    mapping = {str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()}
+    command = {
+        "cmd": "wake",
+        "gpus": sorted(int(k) for k in mapping),
+        "reserved_bytes_by_gpu": mapping,
+        "fraction": replica.gpu_memory_fraction,
+    }
+    return _command(replica_id, command)
+
+
+@shared_task(name="inference.tasks.stop_replica")
+def stop_replica(replica_id: str) -> str:
+    supervisor = agent.supervisor()
+    if replica_id in supervisor.running():
+        supervisor.stop(replica_id)
+        return "stopped"
+    relay(replica_id, {"event": "stopped"})
+    return "not running here"
+
+
+def _command(replica_id: str, command: dict) -> str:
+    try:
+        agent.supervisor().send(replica_id, command)
+    except (KeyError, ProcessLookupError):
+        # The process is gone (the agent restarted, or it died unnoticed): say so rather than wait.
+        reason = f"no process for this replica on {agent.node_name()}"
+        relay(replica_id, {"event": "failed", "kind": "crash", "reason": reason})
+        return "no process"
+    return "sent"

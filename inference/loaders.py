@@ -1,0 +1,213 @@
+"""How a replica builds its model (DESIGN §1, issue 3): the loaders a deployment may name.
+
+- ``transformers``: a Hugging Face causal LM from a local directory. Never the hub: nodes have no
+  network in production either, and a silent download would blow the memory plan.
+- ``torch-module``: a plain PyTorch module from a factory path ``package.module:factory``.
+
+torch, transformers and accelerate are imported inside the functions: the web process validates
+sources at deploy time and should not pay seconds of imports on start-up for that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+LOADERS = ("transformers", "torch-module")
+DTYPES = ("float32", "float16", "bfloat16")
+# What transformers can load weights from; an index file alone is not weights.
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+_FACTORY_PATH = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
+# max_memory as accelerate takes it: GPU index → bytes (0 forbids the GPU), plus "cpu"/"disk".
+MaxMemory = Mapping[int | str, int]
+
+
+def validate_source(source: str, loader: str) -> None:
+    """Raise ValueError saying why `source` cannot be loaded with `loader`; cheap, loads no weights."""
+    if loader not in LOADERS:
+        raise ValueError(f"unknown loader {loader!r} (known: {', '.join(LOADERS)})")
+    if not source or not source.strip():
+        raise ValueError("model source is empty")
+    if loader == "transformers":
+        _model_dir(source)
+    else:
+        resolve_factory(source)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    clean = str(name).removeprefix("torch.")
+    if clean not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(DTYPES)})")
+    return getattr(torch, clean)
+
+
+def load_model(
+    source: str,
+    loader: str,
+    dtype: str,
+    *,
+    device: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: MaxMemory | None = None,
+) -> nn.Module:
+    """The model of `source`, in eval mode, cast to `dtype`.
+
+    Without `device_map` it lands on `device` (default CPU). With one (a real GPU: "auto" plus
+    `max_memory`), accelerate places it, so weights never exceed what each GPU may hold.
+    """
+    validate_source(source, loader)
+    run_dtype = torch_dtype(dtype)
+    if loader == "transformers":
+        model = _load_transformers(Path(source), run_dtype, device_map, max_memory)
+    else:
+        model = _load_torch_module(source, run_dtype, device_map, max_memory)
+    if device_map is None and device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes held by the module's parameters and buffers; tied weights count once, as they are stored once."""
+    return sum(tensor_bytes_by_device(module).values())
+
+
+def tensor_bytes_by_device(module: nn.Module) -> dict[str, int]:
+    """{"cuda:0": bytes, "cpu": bytes, ...}: where the module's memory actually is."""
+    sizes: Counter[str] = Counter()
+    # parameters() and buffers() drop duplicates (tied weights) by identity.
+    for tensor in (*module.parameters(), *module.buffers()):
+        sizes[str(tensor.device)] += tensor.numel() * tensor.element_size()
+    return dict(sizes)
+
+
+def parameter_devices(module: nn.Module) -> set[str]:
+    return {str(p.device) for p in module.parameters()}
+
+
+def place_on_gpus(model: nn.Module, max_memory: MaxMemory) -> nn.Module:
+    """Dispatch a CPU model onto the GPUs that `max_memory` allows, with accelerate.
+
+    One GPU needs no hooks: a plain move is enough and keeps forward() free of accelerate's
+    per-module device checks. Several GPUs get a device map and the hooks that move activations.
+    """
+    gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
+    if len(gpus) == 1:
+        model = model.to(f"cuda:{gpus[0]}")
+        device_map: dict[str, Any] = {"": gpus[0]}
+    else:
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        device_map = infer_auto_device_map(
+            model,
+            max_memory=dict(max_memory),
+            no_split_module_classes=getattr(model, "_no_split_modules", None),
+        )
+        model = dispatch_model(model, device_map=device_map)
+    if hasattr(model, "hf_device_map"):
+        # transformers reads it (generate, model.device helpers): it must describe where weights are now.
+        model.hf_device_map = device_map
+    return model
+
+
+def resolve_factory(source: str) -> Callable[[], Any]:
+    """The callable named by 'package.module:factory' (the part after ':' may be dotted: 'mod:Class.build')."""
+    if not _FACTORY_PATH.match(source):
+        raise ValueError(f"not a factory path: {source!r} (expected 'package.module:factory')")
+    module_name, attr_path = source.split(":", 1)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # an import runs arbitrary code: any failure means the path is unusable
+        raise ValueError(f"cannot import module {module_name!r} of factory {source!r}: {exc}") from exc
+    for attr in attr_path.split("."):
+        try:
+            target = getattr(target, attr)
+        except AttributeError:
+            raise ValueError(f"factory {source!r} not found: {module_name!r} has no {attr_path!r}") from None
+    if not callable(target):
+        raise ValueError(f"factory {source!r} is not callable (it is a {type(target).__name__})")
+    return target
+
+
+def _model_dir(source: str) -> Path:
+    root = Path(source)
+    if not root.exists():
+        raise ValueError(f"not a model directory: {root} does not exist")
+    if not root.is_dir():
+        raise ValueError(f"not a model directory: {root} is not a directory")
+    config = root / "config.json"
+    if not config.is_file():
+        raise ValueError(f"not a model directory: no config.json in {root}")
+    try:
+        json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a model directory: {config} is not valid JSON ({exc})") from exc
+    if not any(any(root.glob(pattern)) for pattern in _WEIGHT_GLOBS):
+        raise ValueError(f"not a model directory: no weights in {root} (expected *.safetensors or pytorch_model*.bin)")
+    return root
+
+
+def _dtype_kwarg() -> str:
+    # transformers 4.56 renamed torch_dtype to dtype; 5.x warns on the old name, <4.56 ignores the new.
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _load_transformers(
+    root: Path, dtype: torch.dtype, device_map: str | dict[str, Any] | None, max_memory: MaxMemory | None
+) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False, _dtype_kwarg(): dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        if max_memory is not None:
+            kwargs["max_memory"] = dict(max_memory)
+    return AutoModelForCausalLM.from_pretrained(root, **kwargs)
+
+
+def _load_torch_module(
+    source: str, dtype: torch.dtype, device_map: str | dict[str, Any] | None, max_memory: MaxMemory | None
+) -> nn.Module:
+    from torch import nn
+
+    model = resolve_factory(source)()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"factory {source!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    # Module.to(dtype) casts floating tensors only: integer buffers (indices, masks) keep their type.
+    model = model.to(dtype=dtype)
+    if device_map is not None:
+        if max_memory is None:
+            raise ValueError("placing a torch-module model with a device_map needs max_memory")
+        model = place_on_gpus(model, max_memory)
+    return model
+
+
+def factory_weight_bytes(source: str, dtype: str) -> int:
+    """Bytes of the factory's module in `dtype`, counted on the meta device: no memory is
+    allocated and nothing is initialised, so a large model costs nothing to measure."""
+    import torch
+
+    factory = resolve_factory(source)
+    with torch.device("meta"):
+        module = factory()
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"factory {source!r} returned a {type(module).__name__}, not a torch.nn.Module")
+    itemsize = torch_dtype(dtype).itemsize
+    return sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for t in _tensors(module))
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]

@@ -1,0 +1,674 @@
+"""The replica host program: one OS process per replica (DESIGN §2), started by the node agent.
+
+    python -m inference.replica --replica-id ID --source S --loader L --dtype D --gpus 0 \\
+        --reserved-bytes-by-gpu '{"0": 734003200}' --fraction 0.03 --backend virtual|cuda
+
+It speaks JSON lines: commands on stdin, events on stdout (one object a line, flushed), logs on
+stderr. Only the protocol may reach stdout, so whatever else writes to file descriptor 1 (a
+library's print, a C extension) is sent to stderr instead.
+
+Events:   progress {state, percent, detail} · serving {pid, weights_bytes, process_bytes,
+          gpu_mem_bytes_by_id, ...} · sleeping {residual_bytes_by_id, ...} · woken {gpu_mem_bytes_by_id, ...}
+          · pong {state, pid} · error {cmd, reason} (a command refused; the replica carries on)
+          · failed {reason, kind: oom|load|cuda_assert|crash}, then exit 1 · stopped, then exit 0.
+Commands: sleep · wake {gpus, reserved_bytes_by_gpu, fraction} · stop · ping. EOF on stdin: the
+          agent is gone, exit.
+
+`--backend cuda` follows seed 000: target the first GPU, cap the process with
+set_per_process_memory_fraction, place weights with accelerate under max_memory (0 on GPUs it does
+not own) and check where they landed; sleep parks them in pinned CPU memory and lifts the cap; wake
+targets the possibly new GPUs and re-dispatches. `--backend virtual` runs the same host on CPU and
+enforces the reservation in software: weights bigger than it fail exactly like an out-of-memory.
+
+No Django here: the process must start fast and must not hold database connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
+
+if TYPE_CHECKING:
+    from torch import nn
+
+log = logging.getLogger("inference.replica")
+
+PR_SET_PDEATHSIG = 1
+BACKENDS = ("virtual", "cuda")
+FAILURE_KINDS = ("oom", "load", "cuda_assert", "crash")
+MiB = 1024**2
+_MAX_REASON = 500
+
+
+class ReplicaFailure(Exception):
+    """Ends the replica: reported as a `failed` event of this kind, then the process exits non-zero."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+class CommandRejected(Exception):
+    """A command that makes no sense now (sleep while loading, bad fields): answered with `error`."""
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.1f} MiB"
+
+
+def classify_failure(exc: BaseException, default_kind: str) -> ReplicaFailure:
+    """Name what went wrong the way the agent acts on it (a device-side assert is restarted)."""
+    if isinstance(exc, ReplicaFailure):
+        return exc
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if "device-side assert" in text:
+        kind = "cuda_assert"
+    elif type(exc).__name__ in {"OutOfMemoryError", "MemoryError"} or "out of memory" in text.lower():
+        kind = "oom"
+        text = text if text.lower().startswith("out of memory") else f"out of memory: {text}"
+    else:
+        kind = default_kind
+        # ValueError is how the loaders say what is wrong with a source; other types name a bug.
+        text = text if isinstance(exc, ValueError) else f"{type(exc).__name__}: {text}"
+    return ReplicaFailure(kind, text[:_MAX_REASON])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the replica runs and what it may use there: GPU ids, reserved bytes per GPU, fraction cap."""
+
+    gpus: tuple[int, ...]
+    reserved_bytes_by_gpu: dict[str, int]
+    # Only a single-GPU replica is capped by fraction; a multi-GPU replica owns whole GPUs.
+    fraction: float | None
+
+    @classmethod
+    def parse(cls, gpus: Any, reserved: Any, fraction: Any) -> Placement:
+        """From a command or the command line; ValueError naming the bad field."""
+        if not isinstance(gpus, list | tuple) or not gpus:
+            raise ValueError(f"gpus must be a non-empty list of GPU ids, got {gpus!r}")
+        if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+            raise ValueError(f"gpus must be non-negative integers, got {gpus!r}")
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"gpus lists a GPU twice: {gpus!r}")
+        if not isinstance(reserved, dict) or set(reserved) != {str(g) for g in gpus}:
+            raise ValueError(f"reserved_bytes_by_gpu must have one entry per GPU in {list(gpus)}, got {reserved!r}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in reserved.values()):
+            raise ValueError(f"reserved_bytes_by_gpu values must be positive byte counts, got {reserved!r}")
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, int | float)):
+            raise ValueError(f"fraction must be a number or null, got {fraction!r}")
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+        return cls(tuple(gpus), dict(reserved), float(fraction) if fraction is not None and len(gpus) == 1 else None)
+
+    @property
+    def reserved_total(self) -> int:
+        return sum(self.reserved_bytes_by_gpu.values())
+
+    def max_memory(self, device_count: int) -> dict[int | str, int]:
+        """accelerate's max_memory: the reservation on each own GPU, 0 on every other one.
+
+        No "cpu" entry: weights that do not fit must fail, not run from host memory. accelerate still
+        sends overflow to "disk", so CudaBackend checks the size first and verify() catches any spill.
+        """
+        limits: dict[int | str, int] = dict.fromkeys(range(device_count), 0)
+        for gpu in self.gpus:
+            limits[gpu] = self.reserved_bytes_by_gpu[str(gpu)]
+        return limits
+
+
+def check_cap(weights: int, placement: Placement) -> None:
+    """The reservation as a hard limit on weights: what a virtual GPU enforces, and a real one checks first."""
+    if weights > placement.reserved_total:
+        raise ReplicaFailure(
+            "oom",
+            f"out of memory: weights need {mib(weights)} ({weights} bytes), reservation is "
+            f"{mib(placement.reserved_total)} ({placement.reserved_total} bytes) on GPUs {list(placement.gpus)}",
+        )
+
+
+class EventWriter:
+    """One JSON object per line on the protocol stream; thread-safe (issue 4's serving threads write too)."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, **fields}, separators=(",", ":"))
+        with self._lock:
+            try:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                # Nobody reads our events any more: the agent is gone, and so is our reason to run.
+                log.error("event stream closed while writing %s; exiting", event)
+                _exit(1)
+
+
+class Backend(Protocol):
+    name: str
+
+    def attach(self, placement: Placement) -> None: ...
+    def load(self, source: str, loader: str, dtype: str, placement: Placement) -> nn.Module: ...
+    def verify(self, model: nn.Module, placement: Placement) -> None: ...
+    def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]: ...
+    def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module: ...
+    def process_bytes_by_id(self) -> dict[str, int] | None: ...
+    def release(self) -> None: ...
+
+
+class VirtualBackend:
+    """CPU stands in for the GPUs; the reservation is enforced by ReplicaHost's software cap."""
+
+    name = "virtual"
+
+    def attach(self, placement: Placement) -> None:
+        pass  # nothing to target: every virtual GPU is this host's CPU memory
+
+    def load(self, source: str, loader: str, dtype: str, placement: Placement) -> nn.Module:
+        from inference.loaders import load_model
+
+        return load_model(source, loader, dtype, device="cpu")
+
+    def verify(self, model: nn.Module, placement: Placement) -> None:
+        pass  # everything is on the CPU by construction
+
+    def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]:
+        # The weights already live in host memory; a virtual GPU keeps nothing of a sleeping replica.
+        return {str(g): 0 for g in placement.gpus}
+
+    def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module:
+        return model
+
+    def process_bytes_by_id(self) -> dict[str, int] | None:
+        return None
+
+    def release(self) -> None:
+        gc.collect()
+
+
+class CudaBackend:
+    """Real NVIDIA GPUs: torch.cuda for targeting and the cap, accelerate for placement, NVML to measure."""
+
+    name = "cuda"
+
+    def attach(self, placement: Placement) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ReplicaFailure("load", f"--backend cuda, but this torch {torch.__version__} cannot use a GPU here")
+        count = torch.cuda.device_count()
+        missing = [g for g in placement.gpus if g >= count]
+        if missing:
+            raise ReplicaFailure("load", f"GPU {missing} not visible to this process (torch sees {count})")
+        # The CUDA context (~500 MiB) lands on the current device: make it ours, not GPU 0.
+        torch.cuda.set_device(placement.gpus[0])
+        if placement.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(placement.fraction, placement.gpus[0])
+
+    def load(self, source: str, loader: str, dtype: str, placement: Placement) -> nn.Module:
+        import torch
+
+        from inference.loaders import load_model, place_on_gpus, tensor_bytes
+
+        limits = placement.max_memory(torch.cuda.device_count())
+        # Check the size before any weight reaches a GPU: accelerate would otherwise put what does not
+        # fit on "disk", and the failure would read as a disk-offload error instead of out-of-memory.
+        if loader == "torch-module":
+            model = load_model(source, loader, dtype)  # built on the CPU, where its size is known
+            check_cap(tensor_bytes(model), placement)
+            return place_on_gpus(model, limits)
+        from inference.model_size import shape_from_model_dir
+
+        try:
+            expected = shape_from_model_dir(source, dtype).weight_bytes
+        except ValueError as exc:  # a config model_size cannot read: verify() still catches a spill
+            log.warning("weights not sized before loading: %s", exc)
+        else:
+            check_cap(expected, placement)
+        return load_model(source, loader, dtype, device_map="auto", max_memory=limits)
+
+    def verify(self, model: nn.Module, placement: Placement) -> None:
+        """Fail loudly if any parameter is outside this replica's GPUs (seed 000 only warned)."""
+        allowed = {f"cuda:{g}" for g in placement.gpus}
+        stray: dict[str, int] = {}
+        for param in model.parameters():
+            device = str(param.device)
+            if device not in allowed:
+                stray[device] = stray.get(device, 0) + param.numel() * param.element_size()
+        if not stray:
+            return
+        where = ", ".join(f"{mib(n)} on {d}" for d, n in sorted(stray.items()))
+        if any(d.startswith("cuda") for d in stray):
+            raise ReplicaFailure("load", f"parameters landed outside GPUs {list(placement.gpus)}: {where}")
+        # accelerate puts on cpu/disk/meta what max_memory has no room for: the reservation is too small.
+        raise ReplicaFailure(
+            "oom",
+            f"out of memory: weights do not fit the reservation of {mib(placement.reserved_total)} "
+            f"on GPUs {list(placement.gpus)}: {where}",
+        )
+
+    def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]:
+        import torch
+        from accelerate.hooks import remove_hook_from_module
+
+        # The hooks would move activations back to the old GPUs on the next forward; drop them.
+        remove_hook_from_module(model, recurse=True)
+        _move_to_pinned_cpu(model)
+        for gpu in placement.gpus:  # the copies are asynchronous, on every GPU the weights were on
+            torch.cuda.synchronize(gpu)
+        torch.cuda.empty_cache()
+        for gpu in placement.gpus:
+            torch.cuda.set_per_process_memory_fraction(1.0, gpu)
+        return self._residual(placement)
+
+    def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module:
+        import torch
+
+        from inference.loaders import place_on_gpus
+
+        self.attach(placement)
+        return place_on_gpus(model, placement.max_memory(torch.cuda.device_count()))
+
+    def process_bytes_by_id(self) -> dict[str, int] | None:
+        # Empty means NVML cannot see this process (it surely holds a context): unknown, not 0.
+        return nvml_process_bytes(os.getpid()) or None
+
+    def release(self) -> None:
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def _residual(self, placement: Placement) -> dict[str, int | None]:
+        """What NVML says this process still holds: its CUDA context, on each GPU it ever touched."""
+        measured = nvml_process_bytes(os.getpid())
+        if not measured:
+            # NVML lists host PIDs; in a container without the host PID namespace it never finds us.
+            # null tells the control plane to keep its own context estimate instead of trusting 0.
+            log.warning("NVML does not list this process; residual GPU memory unknown")
+            return {str(g): None for g in placement.gpus}
+        residual: dict[str, int | None] = {str(g): 0 for g in placement.gpus}
+        residual.update(measured)
+        return residual
+
+
+def _move_to_pinned_cpu(model: nn.Module) -> None:
+    """Every parameter and buffer to page-locked host memory, so the next wake copies at full speed."""
+    import torch
+
+    def pinned(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor  # a tied weight already moved through another module
+        try:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        except RuntimeError:
+            # Pinned memory is a limited resource (ulimit -l, container limits): pageable still works.
+            log.warning("pinned memory unavailable; parking %s in pageable memory", tuple(tensor.shape))
+            return tensor.to("cpu")
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            param.data = pinned(param.data)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = pinned(buffer)
+
+
+def nvml_process_bytes(pid: int) -> dict[str, int] | None:
+    """{GPU index: bytes} that NVML attributes to `pid`, on every GPU where it has memory; None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # no library, no driver: nothing to measure with
+        log.warning("NVML unavailable: %s", exc)
+        return None
+    try:
+        found: dict[str, int] = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            used = [p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid]
+            if used:
+                found[str(index)] = int(sum(used))
+        return found
+    finally:
+        with contextlib.suppress(Exception):  # shutdown failing changes nothing we measured
+            pynvml.nvmlShutdown()
+
+
+class ReplicaHost:
+    """One replica's model and its lifecycle: load, sleep (to cache), wake (from cache), stop.
+
+    Transitions run one at a time under `lock`; issue 4's serving threads will take the same lock
+    to read `state` and use `model`, so a request never sees weights half-way to the CPU.
+    """
+
+    def __init__(
+        self,
+        *,
+        replica_id: str,
+        source: str,
+        loader: str,
+        dtype: str,
+        placement: Placement,
+        backend: Backend,
+        events: EventWriter,
+    ):
+        self.replica_id = replica_id
+        self.source = source
+        self.loader = loader
+        self.dtype = dtype
+        self.placement = placement
+        self.backend = backend
+        self.events = events
+        self.model: nn.Module | None = None
+        self.weights_bytes = 0
+        self.residual_bytes_by_id: dict[str, int | None] = {}
+        self.state = "starting"
+        self.lock = threading.RLock()
+
+    # -- transitions -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        with self.lock, self._failing_as("load"):
+            started = time.monotonic()
+            self.state = "loading"
+            self._progress(0, f"starting on {self.backend.name} GPUs {list(self.placement.gpus)}")
+            from inference.loaders import validate_source
+
+            # Before the slow imports and the device: a mistyped directory fails in milliseconds.
+            validate_source(self.source, self.loader)
+            self._progress(10, "preparing the device")
+            self.backend.attach(self.placement)
+            self._progress(25, f"loading weights from {self.source} ({self.loader}, {self.dtype})")
+            model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
+            self._progress(85, "checking placement and memory cap")
+            self._adopt(model, self.placement)
+            self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
+            self.state = "serving"
+            self.events.emit("serving", pid=os.getpid(), **self._where())
+
+    def sleep(self) -> None:
+        with self.lock:
+            if self.state == "sleeping":  # a retried sleep: already done
+                self._emit_sleeping()
+                return
+            self._require("serving", "sleep")
+            with self._failing_as("crash"):
+                # State first: a serving loop checks it before taking work, so nothing new starts.
+                self.state = "draining"
+                assert self.model is not None
+                self.residual_bytes_by_id = self.backend.to_cache(self.model, self.placement)
+                self.state = "sleeping"
+                self._emit_sleeping()
+
+    def wake(self, gpus: Any, reserved_bytes_by_gpu: Any, fraction: Any = None) -> None:
+        try:
+            target = Placement.parse(gpus, reserved_bytes_by_gpu, fraction)
+        except ValueError as exc:
+            raise CommandRejected(f"bad wake: {exc}") from None
+        with self.lock:
+            if self.state == "serving" and target == self.placement:
+                self.events.emit("woken", **self._where())  # a retried wake: already done
+                return
+            self._require("sleeping", "wake")
+            with self._failing_as("load"):
+                self.state = "waking"
+                # Before moving anything: a reservation too small for the weights fails like a CUDA OOM would.
+                check_cap(self.weights_bytes, target)
+                assert self.model is not None
+                model = self.backend.from_cache(self.model, target)
+                self._adopt(model, target)
+                self.state = "serving"
+                self.events.emit("woken", **self._where())
+
+    def stop(self) -> None:
+        with self.lock:
+            self.state = "stopping"
+            self.model = None
+            self.backend.release()
+            self.state = "stopped"
+            self.events.emit("stopped")
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def handle(self, command: Mapping[str, Any]) -> None:
+        """Run one command; a refused one is answered with an `error` event and changes nothing."""
+        name = command.get("cmd")
+        try:
+            if name == "ping":
+                self.ping()
+            elif name == "sleep":
+                self.sleep()
+            elif name == "wake":
+                self.wake(command.get("gpus"), command.get("reserved_bytes_by_gpu"), command.get("fraction"))
+            elif name == "stop":
+                self.stop()
+            else:
+                raise CommandRejected(f"unknown command {name!r} (known: sleep, wake, stop, ping)")
+        except CommandRejected as exc:
+            log.warning("refused %s: %s", name, exc)
+            self.events.emit("error", cmd=name, reason=str(exc))
+
+    def ping(self) -> None:
+        # No lock: a ping must be answered even while a load holds it for minutes.
+        self.events.emit("pong", state=self.state, pid=os.getpid())
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _adopt(self, model: nn.Module, placement: Placement) -> None:
+        from inference.loaders import tensor_bytes
+
+        self.backend.verify(model, placement)
+        self.weights_bytes = tensor_bytes(model)
+        check_cap(self.weights_bytes, placement)
+        self.model = model
+        self.placement = placement
+
+    def _where(self) -> dict[str, Any]:
+        from inference.loaders import parameter_devices
+
+        by_id = self.backend.process_bytes_by_id()
+        return {
+            "weights_bytes": self.weights_bytes,
+            "process_bytes": sum(by_id.values()) if by_id is not None else None,
+            "process_bytes_by_id": by_id,
+            "gpu_mem_bytes_by_id": dict(self.placement.reserved_bytes_by_gpu),
+            "gpus": list(self.placement.gpus),
+            "fraction": self.placement.fraction,
+            "param_devices": sorted(parameter_devices(self.model)) if self.model is not None else [],
+        }
+
+    def _emit_sleeping(self) -> None:
+        # cpu_bytes: what the parked weights take of the node's CPU cache.
+        self.events.emit("sleeping", residual_bytes_by_id=self.residual_bytes_by_id, cpu_bytes=self.weights_bytes)
+
+    def _require(self, state: str, action: str) -> None:
+        if self.state != state:
+            raise CommandRejected(f"cannot {action} while {self.state}")
+
+    def _progress(self, percent: int, detail: str) -> None:
+        log.info("%s %d%%: %s", self.replica_id, percent, detail)
+        self.events.emit("progress", state="loading", percent=percent, detail=detail)
+
+    def _failing_as(self, kind: str) -> _FailingAs:
+        return _FailingAs(self, kind)
+
+
+class _FailingAs:
+    """Turn any exception inside a transition into a ReplicaFailure of the right kind."""
+
+    def __init__(self, host: ReplicaHost, kind: str):
+        self.host = host
+        self.kind = kind
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or isinstance(exc, CommandRejected):
+            return False
+        if not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: let them through
+        failure = classify_failure(exc, self.kind)
+        self.host.state = "failed"
+        if failure is not exc:
+            log.error("%s failed (%s)", self.host.replica_id, failure.kind, exc_info=(exc_type, exc, tb))
+            raise failure from exc
+        return False
+
+
+# -- the process ---------------------------------------------------------------------------------
+
+
+def die_with_parent() -> None:
+    """SIGKILL when the agent dies, however it dies (the supervisor also sets this before exec)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError as exc:  # not Linux: the agent's stdin EOF still ends us
+        log.warning("cannot set PR_SET_PDEATHSIG: %s", exc)
+
+
+def protocol_stream() -> TextIO:
+    """Keep the real stdout for events and point fd 1 at stderr, so stray prints cannot corrupt the protocol."""
+    sys.stdout.flush()
+    events_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
+
+
+def read_commands(stream: Iterable[str], host: ReplicaHost, commands: queue.Queue[dict[str, Any]]) -> None:
+    """The stdin thread: answer pings at once, queue the rest for the main thread, exit on EOF."""
+    for line in stream:
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            command = json.loads(text)
+        except json.JSONDecodeError:
+            command = None
+        if not isinstance(command, dict) or not isinstance(command.get("cmd"), str):
+            host.events.emit("error", cmd=None, reason=f"not a JSON command object: {text[:200]!r}")
+            continue
+        if command["cmd"] == "ping":
+            host.ping()
+        elif command["cmd"] == "stop" and host.state in {"starting", "loading"}:
+            # A load can take minutes and cannot be interrupted; nothing is worth saving yet.
+            log.info("stop while loading: exiting now")
+            host.events.emit("stopped")
+            _exit(0)
+        else:
+            commands.put(command)
+    log.info("stdin closed: the agent is gone; exiting")
+    _exit(0)
+
+
+def run(host: ReplicaHost, commands: queue.Queue[dict[str, Any]]) -> int:
+    """The main thread: load, then run queued commands until stopped. Returns the exit code."""
+    try:
+        host.load()
+        while host.state != "stopped":
+            host.handle(commands.get())
+        return 0
+    except ReplicaFailure as failure:
+        log.error("%s failed (%s): %s", host.replica_id, failure.kind, failure.reason)
+        host.events.emit("failed", reason=failure.reason, kind=failure.kind)
+        return 1
+    except Exception as exc:  # a bug in this program: still tell the agent why before dying
+        failure = classify_failure(exc, "crash")
+        log.exception("%s crashed", host.replica_id)
+        host.events.emit("failed", reason=failure.reason, kind=failure.kind)
+        return 1
+
+
+def _exit(code: int) -> None:
+    # os._exit, not sys.exit: the stdin thread may be blocked in a read, and interpreter shutdown
+    # with a daemon thread inside stdin's buffer lock can abort instead of exiting.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m inference.replica", description=__doc__.split("\n")[0])
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--source", required=True, help="Model directory, or package.module:factory.")
+    parser.add_argument("--loader", required=True, choices=["transformers", "torch-module"])
+    parser.add_argument("--dtype", required=True, choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--gpus", required=True, help="GPU ids, comma-separated: 0 or 0,1.")
+    parser.add_argument("--reserved-bytes-by-gpu", required=True, help='JSON: {"0": 734003200}')
+    parser.add_argument("--fraction", default=None, help="Memory fraction cap of a single-GPU replica.")
+    parser.add_argument("--backend", choices=BACKENDS, default="virtual")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def placement_from_args(args: argparse.Namespace) -> Placement:
+    try:
+        gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus must be comma-separated GPU ids, got {args.gpus!r}") from None
+    try:
+        reserved = json.loads(args.reserved_bytes_by_gpu)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--reserved-bytes-by-gpu is not JSON: {exc}") from None
+    fraction = None if args.fraction in (None, "", "none", "null") else float(args.fraction)
+    return Placement.parse(gpus, reserved, fraction)
+
+
+def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
+    args = parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s replica {args.replica_id} pid {os.getpid()}: %(message)s",
+    )
+    # Never the hub, whatever the environment says: a node has no network and a download would
+    # blow the memory plan. PCI bus order makes torch's GPU indices NVML's, which the agent reports.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # Progress bars redraw with carriage returns: noise in a log file, and progress goes out as events.
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    events = EventWriter(protocol_stream())
+    try:
+        placement = placement_from_args(args)
+    except ValueError as exc:
+        events.emit("failed", reason=f"bad arguments: {exc}", kind="load")
+        _exit(2)
+    backend: Backend = CudaBackend() if args.backend == "cuda" else VirtualBackend()
+    host = ReplicaHost(
+        replica_id=args.replica_id,
+        source=args.source,
+        loader=args.loader,
+        dtype=args.dtype,
+        placement=placement,
+        backend=backend,
+        events=events,
+    )
+    commands: queue.Queue[dict[str, Any]] = queue.Queue()
+    threading.Thread(target=read_commands, args=(sys.stdin, host, commands), name="stdin", daemon=True).start()
+    _exit(run(host, commands))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""Starts and watches the replica processes of one node (inside the node agent).
+
+One OS process per replica (DESIGN §2). The supervisor spawns `python -m inference.replica`, writes
+commands to its stdin, and a reader thread per replica turns its stdout events into `on_event`
+calls. It knows nothing of Django or of the control plane: the agent passes callbacks.
+
+Guarantees the agent can build on:
+- every replica ends with exactly one final event, `stopped` or `failed`, delivered only once its
+  process has exited and its id is free again (so a restart from inside the callback works);
+- a process that dies without saying why is reported as `failed`, kind `crash`, with its exit code,
+  signal and last stderr line;
+- replicas die with the agent (PR_SET_PDEATHSIG, SIGKILL), even when the agent is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuportal.stack import die_with_parent
+
+log = logging.getLogger(__name__)
+
+EventCallback = Callable[[str, dict[str, Any]], None]
+
+BACKENDS = ("virtual", "cuda")
+FINAL_EVENTS = ("stopped", "failed")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The id names the log file: keep it to characters that are safe in a path.
+_REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# How long a replica that announced stopped/failed may take to exit before it is killed.
+EXIT_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What the agent asks for: one replica, its model, and where it runs under which cap."""
+
+    replica_id: str
+    source: str
+    loader: str
+    dtype: str
+    gpus: tuple[int, ...]
+    reserved_bytes_by_gpu: dict[str, int]
+    fraction: float | None = None
+    backend: str = "virtual"
+
+    def __post_init__(self) -> None:
+        if not _REPLICA_ID.match(self.replica_id):
+            raise ValueError(f"replica id {self.replica_id!r} must be letters, digits, '.', '_' or '-'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r} (known: {', '.join(BACKENDS)})")
+        # Accept a list from JSON, keep a tuple: the spec is a value, shared between threads.
+        object.__setattr__(self, "gpus", tuple(self.gpus))
+        if not self.gpus:
+            raise ValueError("a replica needs at least one GPU id")
+
+    def argv(self, python: str = sys.executable) -> list[str]:
+        args = [
+            python,
+            "-m",
+            "inference.replica",
+            "--replica-id",
+            self.replica_id,
+            "--source",
+            self.source,
+            "--loader",
+            self.loader,
+            "--dtype",
+            self.dtype,
+            "--gpus",
+            ",".join(str(g) for g in self.gpus),
+            "--reserved-bytes-by-gpu",
+            json.dumps(self.reserved_bytes_by_gpu),
+            "--backend",
+            self.backend,
+        ]
+        if self.fraction is not None:
+            args += ["--fraction", repr(float(self.fraction))]
+        return args
+
+
+@dataclass
+class _Replica:
+    spec: ReplicaSpec
+    process: subprocess.Popen
+    on_event: EventCallback
+    log_path: Path
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set by stop(): an exit without `stopped` is then the stop we asked for, not a crash.
+    stopping: bool = False
+    # Set once the final event has been delivered.
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Supervisor:
+    """Thread-safe: the agent calls it from a pool of Celery task threads."""
+
+    def __init__(self, log_dir: str | Path, *, python: str = sys.executable, env: dict[str, str] | None = None):
+        self.log_dir = Path(log_dir)
+        self.python = python
+        self.env = env
+        self._lock = threading.Lock()
+        self._replicas: dict[str, _Replica] = {}
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Celery
+        # task threads may come and go, so every fork happens on this one thread, which lives as long as
+        # the supervisor (an executor never retires an idle worker).
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-spawner")
+
+    # -- API -----------------------------------------------------------------------------------
+
+    def start(self, spec: ReplicaSpec, on_event: EventCallback) -> None:
+        """Spawn the replica process; its events (progress, serving, ...) arrive on `on_event`."""
+        with self._lock:
+            if spec.replica_id in self._replicas:
+                pid = self._replicas[spec.replica_id].process.pid
+                raise ValueError(f"replica {spec.replica_id} is already running (pid {pid})")
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"replica-{spec.replica_id}.log"
+            process = self._spawner.submit(self._spawn, spec, log_path).result()
+            replica = _Replica(spec=spec, process=process, on_event=on_event, log_path=log_path)
+            self._replicas[spec.replica_id] = replica
+        log.info("replica %s started: pid %d, log %s", spec.replica_id, process.pid, log_path)
+        threading.Thread(target=self._watch, args=(replica,), name=f"replica-{spec.replica_id}", daemon=True).start()
+
+    def send(self, replica_id: str, command: dict[str, Any]) -> None:
+        """Write one command. KeyError for an unknown replica; ProcessLookupError if it has just exited."""
+        self._write(self._get(replica_id), command)
+
+    def stop(self, replica_id: str, timeout: float = 10.0) -> int | None:
+        """Ask the replica to stop, kill it after `timeout`; returns once its final event was delivered.
+
+        Returns the exit code (negative: the signal that ended it). KeyError for an unknown replica.
+        """
+        replica = self._get(replica_id)
+        replica.stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            self._write(replica, {"cmd": "stop"})
+        self._wait_or_kill(replica, timeout)
+        replica.done.wait(EXIT_GRACE_S)
+        return replica.process.returncode
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """Stop every replica at once (they unload in parallel), killing those still alive after `timeout`."""
+        with self._lock:
+            replicas = list(self._replicas.values())
+        for replica in replicas:
+            replica.stopping = True
+            with contextlib.suppress(ProcessLookupError):
+                self._write(replica, {"cmd": "stop"})
+        deadline = time.monotonic() + timeout
+        for replica in replicas:
+            self._wait_or_kill(replica, max(0.0, deadline - time.monotonic()))
+        for replica in replicas:
+            replica.done.wait(EXIT_GRACE_S)
+
+    def pid(self, replica_id: str) -> int | None:
+        with self._lock:
+            replica = self._replicas.get(replica_id)
+        return replica.process.pid if replica is not None else None
+
+    def running(self) -> list[str]:
+        with self._lock:
+            return sorted(self._replicas)
+
+    def log_path(self, replica_id: str) -> Path:
+        return self.log_dir / f"replica-{replica_id}.log"
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen:
+        with log_path.open("ab") as log_file:
+            return subprocess.Popen(
+                spec.argv(self.python),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                env=self._child_env(spec),
+                preexec_fn=die_with_parent(signal.SIGKILL),
+                close_fds=True,
+            )
+
+    def _child_env(self, spec: ReplicaSpec) -> dict[str, str]:
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["HF_HUB_OFFLINE"] = "1"
+        # The agent reports NVML's GPU indices; PCI bus order makes them torch's indices too.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        if spec.backend == "cuda":
+            # The replica targets its GPUs itself (set_device, max_memory), by NVML index: it must see them all.
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        # `python -m inference.replica` must import this project whatever the agent's working directory.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def _watch(self, replica: _Replica) -> None:
+        """The reader thread: deliver events until the final one, then reap the process and report its end."""
+        final: dict[str, Any] | None = None
+        assert replica.process.stdout is not None
+        for raw in replica.process.stdout:
+            event = self._parse(replica, raw)
+            if event is None:
+                continue
+            if event["event"] in FINAL_EVENTS:
+                final = event
+                break
+            self._deliver(replica, event)
+        code = self._reap(replica)
+        with self._lock:
+            if self._replicas.get(replica.spec.replica_id) is replica:
+                del self._replicas[replica.spec.replica_id]
+        if final is None:
+            final = self._unannounced_exit(replica, code)
+        self._deliver(replica, {**final, "exit_code": code})
+        replica.done.set()
+
+    def _reap(self, replica: _Replica) -> int:
+        process = replica.process
+        try:
+            code = process.wait(EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "replica %s still alive %.0f s after its last event; killing it", replica.spec.replica_id, EXIT_GRACE_S
+            )
+            process.kill()
+            code = process.wait()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        return code
+
+    def _unannounced_exit(self, replica: _Replica, code: int) -> dict[str, Any]:
+        how = describe_exit(code)
+        if replica.stopping:
+            # We asked it to stop and then had to kill it (or it died on the way): still a stop.
+            return {"event": "stopped", "forced": True, "reason": f"replica process {how} while stopping"}
+        last = last_line(replica.log_path) or "nothing on stderr"
+        return {"event": "failed", "kind": "crash", "reason": f"replica process {how}: {last}"}
+
+    def _wait_or_kill(self, replica: _Replica, timeout: float) -> None:
+        try:
+            replica.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("replica %s still running %.0f s after stop; killing it", replica.spec.replica_id, timeout)
+            with contextlib.suppress(ProcessLookupError):
+                replica.process.kill()
+            replica.process.wait()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _get(self, replica_id: str) -> _Replica:
+        with self._lock:
+            try:
+                return self._replicas[replica_id]
+            except KeyError:
+                raise KeyError(f"no running replica {replica_id!r} on this node") from None
+
+    def _write(self, replica: _Replica, command: dict[str, Any]) -> None:
+        line = (json.dumps(command, separators=(",", ":")) + "\n").encode()
+        with replica.write_lock:
+            try:
+                assert replica.process.stdin is not None
+                replica.process.stdin.write(line)
+                replica.process.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):  # ValueError: the pipe was closed on reap
+                raise ProcessLookupError(f"replica {replica.spec.replica_id} has exited") from None
+
+    def _parse(self, replica: _Replica, raw: bytes) -> dict[str, Any] | None:
+        text = raw.decode("utf-8", errors="replace").strip()
+        if not text:
+            return None
+        try:
+            event = json.loads(text)
+        except json.JSONDecodeError:
+            event = None
+        if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+            log.warning("replica %s wrote a line that is not an event: %.200s", replica.spec.replica_id, text)
+            return None
+        return event
+
+    def _deliver(self, replica: _Replica, event: dict[str, Any]) -> None:
+        try:
+            replica.on_event(replica.spec.replica_id, event)
+        except Exception:  # the callback's bug must not stop us reading (and so block the replica's stdout)
+            log.exception("on_event failed for replica %s event %s", replica.spec.replica_id, event.get("event"))
+
+
+def describe_exit(code: int) -> str:
+    """'exited with code -9 (signal SIGKILL)' or 'exited with code 1'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"exited with code {code} (signal {name})"
+    return f"exited with code {code}"
+
+
+def last_line(path: Path, max_bytes: int = 4096) -> str:
+    """The last non-empty line of a log, read from its end (a replica's log can grow large)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
