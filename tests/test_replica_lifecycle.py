@@ -1,0 +1,139 @@
+"""End to end on virtual GPUs: a real node agent, real replica processes loading a tiny model,
+driven through the REST API: deploy, scale, evict to the CPU cache, promote, delete."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import connection
+from rest_framework.test import APIClient
+
+from inference.management.commands.make_tiny_model import write_tiny_model
+from scheduling.models import GPU, Event, Node, Occupant, Replica
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1024**2
+LOAD_TIMEOUT = 180  # each replica process imports torch and transformers: seconds on 2 cores
+
+
+def database_url() -> str:
+    s = connection.settings_dict
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+    return f"postgres://{auth}@{s['HOST']}:{s['PORT']}/{s['NAME']}"
+
+
+@pytest.fixture
+def agent(tmp_path):
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "REDIS_URL": settings.REDIS_URL,
+        "GPUPORTAL_DATA_DIR": str(tmp_path),
+        "GPUPORTAL_HEARTBEAT_S": "1",
+    }
+    log = open(tmp_path / "agent.log", "w+")  # noqa: SIM115 - read back when the test fails
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "agent", "--node", "e2e", "--virtual-gpus", "2x1GiB"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: Node.objects.filter(name="e2e", status="online").exists(), 60, "the agent to register")
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        log.seek(0)
+        print(log.read()[-5000:])  # shown by pytest only when the test failed
+
+
+@pytest.fixture
+def staff() -> APIClient:
+    client = APIClient()
+    client.force_authenticate(User.objects.create_user("ops", is_staff=True))
+    return client
+
+
+def states(deployment: str) -> dict[str, str]:
+    return dict(Replica.objects.filter(deployment__name=deployment).values_list("id", "state"))
+
+
+def all_in(deployment: str, state: str, count: int):
+    def check():
+        found = states(deployment)
+        failed = {k: v for k, v in found.items() if v == "failed"}
+        assert not failed, Replica.objects.filter(pk__in=failed).values_list("failure_reason", flat=True)
+        return len(found) == count and set(found.values()) == {state}
+
+    return check
+
+
+def test_deploy_scale_evict_promote_and_delete_with_real_replica_processes(agent, staff, tmp_path):
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=1).path
+    deploy = {
+        "name": "tiny-a",
+        "model": {"source": str(model), "loader": "transformers", "dtype": "float32"},
+        "replicas": 1,
+        "memory": {"override_bytes": 200 * MiB, "max_tokens": 128},
+    }
+
+    assert staff.post("/api/deployments/", deploy, format="json").status_code == 201
+    wait_until(all_in("tiny-a", "serving", 1), LOAD_TIMEOUT, "the first replica to serve")
+    first = Replica.objects.get()
+    assert first.pid and psutil.pid_exists(first.pid)
+    assert Event.objects.filter(replica=first.id, reason__startswith="loading weights").exists()
+
+    assert staff.post("/api/deployments/tiny-a/scale/", {"replicas": 3}, format="json").status_code == 200
+    wait_until(all_in("tiny-a", "serving", 3), LOAD_TIMEOUT, "three replicas to serve")
+    pids = dict(Replica.objects.values_list("id", "pid"))
+    assert len(set(pids.values())) == 3, "one OS process per replica"
+
+    victim = first.id
+    assert staff.post(f"/api/replicas/{victim}/evict/").status_code == 200
+    wait_until(lambda: states("tiny-a")[victim] == "sleeping", 60, "the evicted replica to sleep")
+    assert not Occupant.objects.filter(replica_id=victim).exists(), "asleep on a virtual GPU it holds nothing"
+    assert psutil.pid_exists(pids[victim]), "its process lives on, weights in CPU RAM"
+
+    assert staff.post("/api/deployments/tiny-a/scale/", {"replicas": 3}, format="json").status_code == 200
+    wait_until(all_in("tiny-a", "serving", 3), LOAD_TIMEOUT, "the cached replica to be promoted")
+    assert set(states("tiny-a")) == set(pids), "promoted from the cache, not created anew"
+    assert Replica.objects.get(pk=victim).pid == pids[victim]
+    assert Event.objects.filter(replica=victim, reason="woken from the CPU cache").exists()
+
+    assert staff.delete("/api/deployments/tiny-a/").status_code == 204
+    wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids.values()), 60, "the processes to exit")
+    assert all(g.available_bytes == g.total_bytes for g in GPU.objects.all())
+
+
+def test_a_model_bigger_than_its_reservation_fails_like_an_out_of_memory(agent, staff, tmp_path):
+    model = write_tiny_model(tmp_path / "tiny", size_mb=4, seed=2).path
+    deploy = {
+        "name": "cramped",
+        "model": {"source": str(model)},
+        "memory": {"override_bytes": 1 * MiB},
+    }
+
+    assert staff.post("/api/deployments/", deploy, format="json").status_code == 201
+
+    wait_until(lambda: set(states("cramped").values()) == {"failed"}, LOAD_TIMEOUT, "the replica to fail")
+    replica = Replica.objects.get()
+    assert replica.failure_reason.startswith("out of memory: weights need")
+    assert not Occupant.objects.filter(replica_id=replica.id).exists(), "its reservation was released"
+    assert Event.objects.filter(replica=replica.id, reason=replica.failure_reason).exists()
