@@ -28,6 +28,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.commit_path $(ARGS)
+	$(BIN)/python -m bench.placement $(ARGS)
 
 clean:
 	rm -rf $(VENV) var

@@ -14,56 +14,21 @@ Uses DATABASE_URL when set (in a fresh database `gpuportal_bench`), else an embe
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-
-def setup_database() -> object | None:
-    """Point Django at a fresh benchmark database; returns the embedded server to stop, if any."""
-    import psycopg
-
-    from gpuportal.stack import EmbeddedPostgres
-
-    server = None
-    url = os.environ.get("DATABASE_URL")
-    if not url:
-        server = EmbeddedPostgres(
-            pgdata=Path(tempfile.mkdtemp(prefix="gpuportal-bench-")) / "pg" / "data", durable=False
-        )
-        url = server.start()
-    base, _, _ = url.rpartition("/")
-    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
-        conn.execute("DROP DATABASE IF EXISTS gpuportal_bench WITH (FORCE)")
-        conn.execute("CREATE DATABASE gpuportal_bench")
-    os.environ["DATABASE_URL"] = f"{base}/gpuportal_bench"
-    os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")  # not contacted by this benchmark
-    os.environ["GPUPORTAL_CONN_MAX_AGE"] = "600"
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gpuportal.settings")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
-    return server
+from bench.common import register_cluster, setup_database, stop
 
 
 def populate(nodes: int, gpus_per_node: int, replicas: int) -> tuple[list[int], list[str]]:
-    from inference.devices import virtual_gpus
-    from scheduling.models import GPU, Deployment, Replica
-    from scheduling.services.nodes import register_node
+    from scheduling.models import Deployment, Replica
 
-    for n in range(nodes):
-        name = f"node{n:03d}"
-        register_node(name, virtual_gpus(name, f"{gpus_per_node}x80GiB"), virtual=True)
+    gpu_ids = register_cluster(nodes, gpus_per_node, "80GiB")
     dep = Deployment.objects.create(name="bench", model_source="/srv/models/bench")
     ids = [Replica.objects.create(deployment=dep).id for _ in range(replicas)]
-    return list(GPU.objects.order_by("pk").values_list("pk", flat=True)), ids
+    return gpu_ids, ids
 
 
 def run(mode: str, gpu_ids: list[int], replica_ids: list[str], clients: int, seconds: float) -> dict:
@@ -144,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     client_counts = [int(c) for c in args.clients.split(",")]
 
-    server = setup_database()
+    server = setup_database("gpuportal_bench")
     try:
         from bench.report import record, table
 
@@ -183,11 +148,7 @@ def main() -> None:
                 "same run.\n\n" + report,
             )
     finally:
-        if server is not None:
-            from django.db import connections
-
-            connections.close_all()
-            server.stop()
+        stop(server)
 
 
 HEADERS = [

@@ -28,8 +28,13 @@ def database_from_url(url: str) -> dict:
     parts = urlsplit(url)
     if parts.scheme not in {"postgres", "postgresql", "pgsql"}:
         raise ValueError(f"DATABASE_URL must be a postgres:// URL, got scheme {parts.scheme!r}")
-    options = dict(parse_qsl(parts.query))
+    options: dict = dict(parse_qsl(parts.query))
     host = unquote(parts.hostname or "") or options.pop("host", "")
+    # The ledger's hot statements run on server-binding cursors, which psycopg prepares after
+    # this many runs (Django's own cursors bind on the client and are unaffected). Set it empty
+    # behind a transaction-pooling proxy, where prepared statements do not survive.
+    threshold = os.environ.get("GPUPORTAL_DB_PREPARE_THRESHOLD", "5")
+    options["prepare_threshold"] = int(threshold) if threshold else None
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": unquote(parts.path.lstrip("/")) or "gpuportal",

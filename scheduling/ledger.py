@@ -4,19 +4,22 @@ Occupant rows; services call it, nothing else does."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from datetime import datetime
 
+import psycopg
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Sum
+from django.db import connection, transaction
+from django.db.models import Func
 from django.utils import timezone
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from scheduling import events, selectors
 from scheduling.metrics import CAS_CONFLICTS, COMMITS
-from scheduling.models import GPU, Event, Occupant
+from scheduling.models import GPU
 from scheduling.state import DeviceInfo, GPUView, IntentView, OccupantView, Plan, Snapshot
 
 log = logging.getLogger(__name__)
@@ -47,119 +50,200 @@ class CommitResult:
     attempts: int = 1
 
 
-def snapshot(gpu_ids: Iterable[int] | None = None) -> Snapshot:
-    """Read GPUs with their versions, occupants and active intents, without locking.
+# One statement, so PostgreSQL answers from one consistent view: each GPU with its version and,
+# built as JSON on the server, its occupants and active intents (no ORM: this is the hot path).
+SNAPSHOT_SQL = """
+SELECT g.id, n.name, n.status, g.index, g.total_bytes, g.available_bytes, g.version, g.virtual, g.health,
+       g.wake_lock_holder_id, g.wake_lock_expires_at,
+       COALESCE((SELECT json_agg(json_build_array(o.replica_id, d.name, r.state, o.reserved_bytes, o.since,
+                                                  r.last_accessed, r.serving_since, d.dedicated, d.popular,
+                                                  d.min_runtime_s) ORDER BY o.since, o.id)
+                 FROM scheduling_occupant o
+                 JOIN scheduling_replica r ON r.id = o.replica_id
+                 JOIN scheduling_deployment d ON d.id = r.deployment_id
+                 WHERE o.gpu_id = g.id), '[]'),
+       COALESCE((SELECT json_agg(json_build_array(i.id, i.waiting_replica_id, d.name, i.needed_bytes, i.deadline,
+                                                  i.status) ORDER BY i.created_at, i.id)
+                 FROM scheduling_preemptionintent i
+                 JOIN scheduling_replica r ON r.id = i.waiting_replica_id
+                 JOIN scheduling_deployment d ON d.id = r.deployment_id
+                 WHERE i.gpu_id = g.id AND i.status IN ('waiting', 'victim_chosen')), '[]'),
+       x.xmin
+FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin) x
+LEFT JOIN (scheduling_gpu g JOIN scheduling_node n ON n.id = g.node_id) ON {where}
+ORDER BY g.id
+"""
 
-    Reads are not one transaction, but each GPU row (with its version) is read before its
-    occupants: any commit landing in between bumps that version, so a plan built on the mix
-    fails its compare-and-swap instead of acting on it.
-    """
-    gpus = selectors.gpus().order_by("pk")
-    if gpu_ids is not None:
-        gpus = gpus.filter(pk__in=list(gpu_ids))
-    return Snapshot(gpus={g.pk: gpu_view(g) for g in gpus}, taken_at=timezone.now())
+
+def _read(where: str, params: list) -> tuple[dict[int, GPUView], int]:
+    """GPUs matching `where`, and the xmin of the snapshot they were read in (one statement)."""
+    with _cursor() as cursor:
+        cursor.execute(SNAPSHOT_SQL.format(where=where), params)
+        rows = cursor.fetchall()
+    # The xmin comes on every row, and on a row of NULLs when no GPU matched.
+    return {row[0]: _gpu_view(row) for row in rows if row[0] is not None}, rows[0][-1]
 
 
-def gpu_view(gpu: GPU) -> GPUView:
+def _gpu_view(row: tuple) -> GPUView:
+    (gpu_id, node, node_status, index, total, available, version, virtual, health, holder, expires) = row[:11]
+    occupants, intents = _json(row[11]), _json(row[12])
     return GPUView(
-        id=gpu.pk,
-        node=gpu.node.name,
-        node_status=gpu.node.status,
-        index=gpu.index,
-        total_bytes=gpu.total_bytes,
-        available_bytes=gpu.available_bytes,
-        version=gpu.version,
-        virtual=gpu.virtual,
-        health=gpu.health,
+        id=gpu_id,
+        node=node,
+        node_status=node_status,
+        index=index,
+        total_bytes=total,
+        available_bytes=available,
+        version=version,
+        virtual=virtual,
+        health=health,
         occupants=tuple(
             OccupantView(
-                replica_id=o.replica_id,
-                deployment=o.replica.deployment.name,
-                state=o.replica.state,
-                reserved_bytes=o.reserved_bytes,
-                since=o.since,
-                last_accessed=o.replica.last_accessed,
-                serving_since=o.replica.serving_since,
-                dedicated=o.replica.deployment.dedicated,
-                popular=o.replica.deployment.popular,
-                min_runtime_s=o.replica.deployment.min_runtime_s,
+                replica_id=o[0],
+                deployment=o[1],
+                state=o[2],
+                reserved_bytes=o[3],
+                since=_time(o[4]),
+                last_accessed=_time(o[5]),
+                serving_since=_time(o[6]),
+                dedicated=o[7],
+                popular=o[8],
+                min_runtime_s=o[9],
             )
-            for o in gpu.occupants.all()
+            for o in occupants
         ),
         intents=tuple(
-            IntentView(
-                id=i.pk,
-                replica_id=i.waiting_replica_id,
-                deployment=i.waiting_replica.deployment.name,
-                needed_bytes=i.needed_bytes,
-                deadline=i.deadline,
-                status=i.status,
-            )
-            for i in gpu.active_intents
+            IntentView(id=i[0], replica_id=i[1], deployment=i[2], needed_bytes=i[3], deadline=_time(i[4]), status=i[5])
+            for i in intents
         ),
-        wake_lock_holder=gpu.wake_lock_holder_id,
-        wake_lock_expires_at=gpu.wake_lock_expires_at,
+        wake_lock_holder=holder,
+        wake_lock_expires_at=expires,
     )
+
+
+def _json(value: str | list) -> list:
+    # json arrives parsed or as text depending on the cursor's loaders.
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value) if value else None
+
+
+def snapshot(gpu_ids: Iterable[int] | None = None) -> Snapshot:
+    """Read GPUs with their versions, occupants and active intents, without locking."""
+    if gpu_ids is None:
+        gpus, _ = _read("TRUE", [])
+    else:
+        gpus, _ = _read("g.id = ANY(%s)", [list(gpu_ids)])
+    return Snapshot(gpus=gpus, taken_at=timezone.now())
+
+
+class Mirror:
+    """A snapshot kept in memory and refreshed with only the GPUs written since the last read.
+
+    For a loop that decides often (the placement benchmark, a busy scheduler): a full read of
+    hundreds of GPUs costs milliseconds, a refresh of the few that changed costs little. It may
+    lag a commit that lands between refresh and decision, like any snapshot; the compare-and-swap
+    at commit catches that, and the retry refreshes again. Not thread-safe: one per thread.
+    """
+
+    def __init__(self) -> None:
+        self._gpus: dict[int, GPUView] = {}
+        self._xmin: int | None = None
+
+    def snapshot(self, gpu_ids: Iterable[int] | None = None) -> Snapshot:
+        if self._xmin is None:
+            self._gpus, self._xmin = _read("TRUE", [])
+        else:
+            # Every transaction below the previous read's xmin had finished by then, so whatever
+            # committed since carries a changed_txid at or above it: nothing is missed.
+            changed, xmin = _read("g.changed_txid >= %s", [self._xmin])
+            self._gpus.update(changed)
+            self._xmin = xmin
+        gpus = self._gpus if gpu_ids is None else {i: self._gpus[i] for i in gpu_ids if i in self._gpus}
+        return Snapshot(gpus=dict(gpus), taken_at=timezone.now())
+
+    def forget(self, gpu_ids: Iterable[int]) -> None:
+        """Drop GPUs found gone at commit (their node was deleted)."""
+        for gpu_id in gpu_ids:
+            self._gpus.pop(gpu_id, None)
+
+
+def _cursor() -> psycopg.Cursor:
+    # Server-side binding: psycopg prepares a statement after a few runs, so PostgreSQL stops
+    # re-planning the ledger's hot statements (Django's own cursors bind on the client).
+    connection.ensure_connection()
+    return psycopg.Cursor(connection.connection)
+
+
+COMMIT_SQL = (
+    "SELECT gpu_id, version, available, outcome FROM gpuportal_ledger_commit(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
 
 
 def commit(plan: Plan, *, apply: Callable[[Plan], None] | None = None) -> CommitResult:
     """Apply `plan` if every GPU it writes still has the version it was planned against.
 
-    `apply` runs inside the same transaction, after the checks, so a service's writes to other
-    rows (replica state, placement) land together with the reservation or not at all.
+    The compare-and-swap itself is one call of the server-side function `gpuportal_ledger_commit`
+    (migration 0005): lock the GPU rows in primary-key order, check versions, apply, refuse an
+    over-commit, recompute available bytes, bump versions, record Events. Alone it is one
+    statement and one round trip. `apply` runs in the same transaction right after, so a
+    service's writes to other rows (replica state, placement) land with the reservation or not
+    at all.
     """
     plan.validate()
-    with transaction.atomic():
-        # Why primary-key order: every commit locks GPU rows in the same global order, so two
-        # commits can wait on each other but never in a cycle (no deadlock).
-        locked = {g.pk: g for g in GPU.objects.select_for_update().filter(pk__in=plan.gpu_ids).order_by("pk")}
-        stale = [
-            (gpu_id, expected, locked[gpu_id].version if gpu_id in locked else None)
-            for gpu_id, expected in sorted(plan.expected_versions.items())
-            if gpu_id not in locked or locked[gpu_id].version != expected
-        ]
-        if stale:
-            raise CasConflict(stale)
-
-        before: dict[int, dict[str, int]] = {gpu_id: {} for gpu_id in plan.gpu_ids}
-        for gpu_id, replica_id, held in Occupant.objects.filter(gpu_id__in=plan.gpu_ids).values_list(
-            "gpu_id", "replica_id", "reserved_bytes"
-        ):
-            before[gpu_id][replica_id] = held
-        for release in plan.releases:
-            Occupant.objects.filter(gpu_id=release.gpu_id, replica_id=release.replica_id).delete()
-        for reservation in plan.reservations:
-            Occupant.objects.update_or_create(
-                gpu_id=reservation.gpu_id,
-                replica_id=reservation.replica_id,
-                defaults={"reserved_bytes": reservation.reserved_bytes},
-            )
-
-        # Recomputed from the occupant rows, not adjusted by deltas: the rows are the truth and
-        # nobody else writes them while we hold the GPU locks.
-        reserved = dict(
-            Occupant.objects.filter(gpu_id__in=plan.gpu_ids)
-            .values_list("gpu_id")
-            .annotate(total=Sum("reserved_bytes"))
-            .values_list("gpu_id", "total")
-        )
-        versions: dict[int, int] = {}
-        available: dict[int, int] = {}
-        for gpu_id in plan.gpu_ids:
-            gpu = locked[gpu_id]
-            used = reserved.get(gpu_id, 0)
-            if used > gpu.total_bytes:
-                raise OverCommit(plan.labels.get(gpu_id, str(gpu_id)), gpu.total_bytes, used)
-            gpu.available_bytes = gpu.total_bytes - used
-            gpu.version += 1
-            gpu.save(update_fields=["available_bytes", "version", "updated_at"])
-            versions[gpu_id], available[gpu_id] = gpu.version, gpu.available_bytes
-
-        _record_changes(plan, locked, before)
-        if apply is not None:
-            apply(plan)
+    if apply is None and not connection.in_atomic_block:
+        rows = _call_commit(plan)
+    else:
+        with transaction.atomic():
+            rows = _call_commit(plan)
+            if apply is not None:
+                apply(plan)
     COMMITS.inc()
-    return CommitResult(plan=plan, versions=versions, available=available)
+    return CommitResult(
+        plan=plan,
+        versions={gpu_id: version for gpu_id, version, _, _ in rows},
+        available={gpu_id: available for gpu_id, _, available, _ in rows},
+    )
+
+
+def _call_commit(plan: Plan) -> list[tuple[int, int, int, str]]:
+    ids = plan.gpu_ids
+    args = [
+        ids,
+        [plan.expected_versions[gpu_id] for gpu_id in ids],
+        [plan.labels.get(gpu_id, str(gpu_id)) for gpu_id in ids],
+        [r.gpu_id for r in plan.releases],
+        [r.replica_id for r in plan.releases],
+        [r.gpu_id for r in plan.reservations],
+        [r.replica_id for r in plan.reservations],
+        [r.reserved_bytes for r in plan.reservations],
+        plan.reason,
+    ]
+    try:
+        with _cursor() as cursor:
+            cursor.execute(COMMIT_SQL, args)
+            rows = cursor.fetchall()
+    except psycopg.Error as err:
+        over = OVER_COMMIT.search(str(err)) if err.sqlstate == OVER_COMMIT_SQLSTATE else None
+        if over is None:
+            raise
+        gpu_id, total, used = (int(x) for x in over.groups())
+        raise OverCommit(plan.labels.get(gpu_id, str(gpu_id)), total, used) from None
+    stale = [
+        (gpu_id, plan.expected_versions[gpu_id], version)
+        for gpu_id, version, _, outcome in rows
+        if outcome == "conflict"
+    ]
+    if stale:
+        raise CasConflict(stale)
+    return rows
+
+
+# Raised by gpuportal_ledger_commit (migration 0005) with the GPU, its total and the reservation.
+OVER_COMMIT_SQLSTATE = "GP001"
+OVER_COMMIT = re.compile(r"gpuportal over-commit (\d+)/(\d+)/(\d+)")
 
 
 def commit_with_retry(
@@ -168,14 +252,16 @@ def commit_with_retry(
     gpu_ids: Iterable[int] | None = None,
     apply: Callable[[Plan], None] | None = None,
     attempts: int | None = None,
+    mirror: Mirror | None = None,
 ) -> CommitResult | None:
     """Snapshot → decide → commit, again from a fresh snapshot after each conflict.
 
     `decide` returns None when there is nothing to do. Backoff is jittered so that clients
     that collided do not collide again in lockstep; after `attempts` conflicts the last one
-    is raised to the caller.
+    is raised to the caller. With a `mirror`, snapshots are its incremental refreshes.
     """
     scope = list(gpu_ids) if gpu_ids is not None else None
+    take = mirror.snapshot if mirror is not None else snapshot
     retrying = Retrying(
         retry=retry_if_exception_type(CasConflict),
         stop=stop_after_attempt(attempts or settings.GPUPORTAL_CAS_ATTEMPTS),
@@ -184,47 +270,17 @@ def commit_with_retry(
     )
     for attempt in retrying:
         with attempt:
-            plan = decide(snapshot(scope))
+            plan = decide(take(scope))
             if plan is None:
                 return None
             try:
                 result = commit(plan, apply=apply)
-            except CasConflict:
+            except CasConflict as conflict:
                 CAS_CONFLICTS.inc()
+                if mirror is not None:
+                    mirror.forget(gpu_id for gpu_id, _, actual in conflict.stale if actual is None)
                 raise
     return replace(result, attempts=retrying.statistics["attempt_number"])
-
-
-def _record_changes(plan: Plan, locked: dict[int, GPU], before: dict[int, dict[str, int]]) -> None:
-    for release in plan.releases:
-        freed = before[release.gpu_id].get(release.replica_id)
-        if freed is None:
-            continue
-        label = plan.labels.get(release.gpu_id, str(release.gpu_id))
-        events.record(
-            Event.Kind.GPU_RELEASED,
-            f"gpu {label}",
-            f"released {freed} B of replica {release.replica_id[:8]}: {plan.reason}",
-            before={"reserved_bytes": freed},
-            after={"reserved_bytes": 0, "available_bytes": locked[release.gpu_id].available_bytes},
-            gpu=label,
-            replica=release.replica_id,
-        )
-    for reservation in plan.reservations:
-        label = plan.labels.get(reservation.gpu_id, str(reservation.gpu_id))
-        previous = before[reservation.gpu_id].get(reservation.replica_id, 0)
-        events.record(
-            Event.Kind.GPU_RESERVED,
-            f"gpu {label}",
-            f"reserved {reservation.reserved_bytes} B for replica {reservation.replica_id[:8]}: {plan.reason}",
-            before={"reserved_bytes": previous},
-            after={
-                "reserved_bytes": reservation.reserved_bytes,
-                "available_bytes": locked[reservation.gpu_id].available_bytes,
-            },
-            gpu=label,
-            replica=reservation.replica_id,
-        )
 
 
 @dataclass(frozen=True)
@@ -289,6 +345,9 @@ def sync_inventory(node_id: int, node_name: str, devices: list[DeviceInfo]) -> l
                 gpu.version += 1
                 gpu.save(update_fields=["health", "version", "updated_at"])
                 changes.append(InventoryChange(gpu.pk, f"{node_name}/{index}", "lost", before, _inventory_fields(gpu)))
+        if changes:
+            # Stamped like a commit, so mirrors pick up new, resized and lost GPUs.
+            GPU.objects.filter(pk__in=[c.gpu_id for c in changes]).update(changed_txid=Func(function="txid_current"))
     return changes
 
 

@@ -54,6 +54,10 @@ class GPU(models.Model):
     available_bytes = models.BigIntegerField()
     # Compare-and-swap version: bumped by every commit that touches this GPU.
     version = models.BigIntegerField(default=0)
+    # The transaction id of the last writer (txid_current()). A reader that remembers the xmin of
+    # its previous snapshot can fetch exactly the rows changed since (ledger.Mirror): any
+    # transaction that commits later has an id at or above that xmin.
+    changed_txid = models.BigIntegerField(default=0, db_index=True)
     wake_lock_holder = models.ForeignKey(
         "Replica", null=True, blank=True, on_delete=models.SET_NULL, related_name="wake_locks"
     )

@@ -207,10 +207,8 @@ def place(
     # only asked whether it can host (stopping at the first GPU that can); the full GPU search
     # runs on the chosen node alone, which keeps a placement over hundreds of nodes cheap.
     for allow_evictions in (False, True):
-        hosting = [t for t in tickets if _can_host(by_node[t.node], t, allow_evictions)]
-        if hosting:
-            best = min(_ticket_level(t, allow_evictions) for t in hosting)
-            ticket = _pick([t for t in hosting if _ticket_level(t, allow_evictions) == best], rng)
+        ticket = _first_hosting(tickets, by_node, allow_evictions, rng)
+        if ticket is not None:
             option = _node_option(by_node[ticket.node], ticket, allow_evictions, rng)
             if not isinstance(option, _Option):
                 raise AssertionError(f"node {ticket.node} said it could host, then could not: {option}")
@@ -346,17 +344,20 @@ def _candidate_gpus(ordered: list[GPUView]) -> tuple[dict[str, list[GPUView]], d
     """Healthy GPUs of online nodes, by node; and why each other node is out."""
     by_node: dict[str, list[GPUView]] = {}
     unhealthy: dict[str, list[GPUView]] = {}
-    status: dict[str, str] = {}
     for gpu in ordered:
-        status[gpu.node] = gpu.node_status
-        usable = gpu.node_status == "online" and gpu.health == "ok"
-        (by_node if usable else unhealthy).setdefault(gpu.node, []).append(gpu)
+        if gpu.node_status == "online" and gpu.health == "ok":
+            group = by_node.get(gpu.node)
+            if group is None:
+                by_node[gpu.node] = group = []
+            group.append(gpu)
+        else:
+            unhealthy.setdefault(gpu.node, []).append(gpu)
     reasons: dict[str, str] = {}
     for node, gpus in unhealthy.items():
         if node in by_node:
             continue
-        if status[node] != "online":
-            reasons[node] = f"node is {status[node]}"
+        if gpus[0].node_status != "online":
+            reasons[node] = f"node is {gpus[0].node_status}"
         else:
             reasons[node] = "no healthy GPU (" + ", ".join(f"{g.label} {g.health}" for g in gpus) + ")"
     return by_node, reasons
@@ -408,15 +409,49 @@ def _node_option(gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool, rn
     return f"{single_reason}; split over whole GPUs: {multi}"
 
 
+def _first_hosting(
+    tickets: list[_Ticket], by_node: Mapping[str, list[GPUView]], allow_evictions: bool, rng: random.Random
+) -> _Ticket | None:
+    """A ticket chosen uniformly at random among those that can host at the best level.
+
+    Level by level, best first: the first hosting ticket of a random order is a uniform choice
+    among the hosting ones, found after asking a few nodes rather than all of them (placement
+    runs on every decision, over hundreds of nodes).
+    """
+    by_level: dict[CandidateLevel, list[_Ticket]] = {}
+    for ticket in tickets:
+        by_level.setdefault(_ticket_level(ticket, allow_evictions), []).append(ticket)
+    for level in sorted(by_level):
+        candidates = by_level[level]
+        order = rng.sample(candidates, len(candidates)) if len(candidates) > 1 else candidates
+        for ticket in order:
+            if _can_host(by_node[ticket.node], ticket, allow_evictions):
+                return ticket
+    return None
+
+
 def _can_host(gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool) -> bool:
     """Whether `_node_option` would find an option: the same tree, stopping at the first."""
     need, span = ticket.request.need_bytes, ticket.request.gpus
     if span == 1 or (span is None and need <= max(g.total_bytes for g in gpus)):
-        if any(_on_gpu(g, ticket, allow_evictions) is not None for g in gpus):
+        fits = _on_gpu if allow_evictions else _fits_as_is
+        if any(fits(g, ticket, allow_evictions) for g in gpus):
             return True
         if span == 1:
             return False
     return _whole_gpus_reachable(_whole_eligible(gpus, ticket, allow_evictions), need, span)
+
+
+def _fits_as_is(gpu: GPUView, ticket: _Ticket, allow_evictions: bool = False) -> bool:
+    """`_on_gpu(gpu, ticket, False) is not None`, without building the option: asked of every
+    GPU of every node on each placement, so it must be cheap. Free memory is what `_on_gpu`
+    computes: available plus the replica's own residual (all else the GPU holds is others')."""
+    need, total = ticket.request.need_bytes, gpu.total_bytes
+    if need > total:
+        return False
+    if need >= ticket.policy.whole_gpu_from * total:
+        return not ticket.others(gpu)
+    return gpu.available_bytes + ticket.residual.get(gpu.id, 0) >= need
 
 
 def _single_gpu(gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:

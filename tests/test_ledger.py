@@ -304,3 +304,69 @@ def test_sixteen_concurrent_clients_never_over_commit_a_gpu():
         assert gpu.version == commits_per_gpu[gpu.pk], "every commit, and only a commit, bumps the version"
     assert conflicts_counted() - counted == expected_conflicts
     assert ledger.snapshot().gpus.keys() == set(gpu_ids)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_mirror_sees_a_commit_that_lands_after_its_read_started():
+    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
+    first, second = GPU.objects.order_by("pk").values_list("pk", flat=True)
+    early, late = make_replicas(2)
+    mirror = ledger.Mirror()
+    assert set(mirror.snapshot().gpus) == {first, second}
+    written, release = threading.Event(), threading.Event()
+
+    def slow_writer() -> None:
+        # Writes (taking its transaction id) before the mirror reads, commits only afterwards:
+        # the case an "everything newer than what I saw" watermark would miss.
+        try:
+            with transaction.atomic():
+                commit(Plan.against(snapshot([first]), "slow", [Reservation(first, late, 100 * MiB)]))
+                written.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    writer = threading.Thread(target=slow_writer)
+    writer.start()
+    assert written.wait(30)
+    commit(Plan.against(snapshot([second]), "quick", [Reservation(second, early, 200 * MiB)]))
+
+    seen = mirror.snapshot()
+    assert seen.gpus[second].available_bytes == GiB - 200 * MiB, "a committed change is picked up"
+    assert seen.gpus[first].available_bytes == GiB, "an uncommitted one is not visible yet"
+
+    release.set()
+    writer.join()
+    assert mirror.snapshot().gpus[first].available_bytes == GiB - 100 * MiB, "nor is it lost once it commits"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_mirror_costs_a_retry_not_an_over_commit():
+    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    gpu_id = GPU.objects.get().pk
+    mine, theirs = make_replicas(2)
+    mirror = ledger.Mirror()
+    sizes: list[int] = []
+
+    def other_client() -> None:
+        try:
+            commit(Plan.against(snapshot([gpu_id]), "theirs", [Reservation(gpu_id, theirs, 900 * MiB)]))
+        finally:
+            connection.close()
+
+    def decide(snap):
+        sizes.append(snap.gpus[gpu_id].available_bytes)
+        if len(sizes) == 1:
+            # Lands between the mirror's refresh and our commit: the mirror is now stale.
+            writer = threading.Thread(target=other_client)
+            writer.start()
+            writer.join()
+        # Takes all that the snapshot says is free.
+        return Plan.against(snap, "mine", [Reservation(gpu_id, mine, snap.gpus[gpu_id].available_bytes)])
+
+    result = commit_with_retry(decide, mirror=mirror, gpu_ids=[gpu_id])
+
+    assert sizes == [GiB, GiB - 900 * MiB], "the retry refreshed the mirror"
+    assert result.attempts == 2
+    assert invariant_violations() == []
+    assert GPU.objects.get().available_bytes == 0

@@ -32,4 +32,4 @@ def test_database_urls_become_django_settings():
         "6543",
         "portal",
     )
-    assert db["OPTIONS"] == {"sslmode": "require"}
+    assert db["OPTIONS"] == {"sslmode": "require", "prepare_threshold": 5}
