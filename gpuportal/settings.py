@@ -174,6 +174,11 @@ GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
 GPUPORTAL_CUDA_CONTEXT_BYTES = int(os.environ.get("GPUPORTAL_CUDA_CONTEXT_BYTES", str(500 * 1024**2)))
 # A replica that hits a CUDA device-side assert is restarted at most this many times per hour.
 GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER_HOUR", "3"))
+# A request whose replica died is run again on another, at most this many times in all.
+GPUPORTAL_REQUEST_ATTEMPTS = int(os.environ.get("GPUPORTAL_REQUEST_ATTEMPTS", "3"))
+# /infer/ waits this long by default, and never longer than the maximum, before answering 202.
+GPUPORTAL_INFER_TIMEOUT_S = env_float("GPUPORTAL_INFER_TIMEOUT_S", 30.0)
+GPUPORTAL_INFER_MAX_TIMEOUT_S = env_float("GPUPORTAL_INFER_MAX_TIMEOUT_S", 300.0)
 # How long a node waits for replicas evicted to make room to release their memory before loading.
 GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
 

@@ -41,6 +41,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from inference.requestqueue import RequestQueue
+from inference.serving import Executor, Server
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -381,8 +384,26 @@ class ReplicaHost:
         self.model: nn.Module | None = None
         self.weights_bytes = 0
         self.residual_bytes_by_id: dict[str, int | None] = {}
-        self.state = "starting"
+        self.tokenizer: Any | None = None
+        # Set while serving: the serving thread waits on it rather than polling the state.
+        self.accepting = threading.Event()
+        self._state = "starting"
         self.lock = threading.RLock()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        if value == "serving":
+            self.accepting.set()
+        else:
+            self.accepting.clear()
+
+    def executor(self) -> Executor:
+        return Executor(self.model, self.tokenizer)
 
     # -- transitions -------------------------------------------------------------------------
 
@@ -399,6 +420,7 @@ class ReplicaHost:
             self.backend.attach(self.placement)
             self._progress(25, f"loading weights from {self.source} ({self.loader}, {self.dtype})")
             model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
+            self.tokenizer = load_tokenizer(self.source, self.loader)
             self._progress(85, "checking placement and memory cap")
             self._adopt(model, self.placement)
             self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
@@ -538,6 +560,19 @@ class _FailingAs:
 # -- the process ---------------------------------------------------------------------------------
 
 
+def load_tokenizer(source: str, loader: str) -> Any | None:
+    """The model directory's tokenizer, if it has one (a torch-module deployment takes tensors)."""
+    if loader != "transformers":
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer in %s (%s): only tensor requests can be served", source, exc)
+        return None
+
+
 def die_with_parent() -> None:
     """SIGKILL when the agent dies, however it dies (the supervisor also sets this before exec)."""
     try:
@@ -618,6 +653,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reserved-bytes-by-gpu", required=True, help='JSON: {"0": 734003200}')
     parser.add_argument("--fraction", default=None, help="Memory fraction cap of a single-GPU replica.")
     parser.add_argument("--backend", choices=BACKENDS, default="virtual")
+    parser.add_argument("--deployment", default="", help="Serve this deployment's request queue.")
+    parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -667,6 +704,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     commands: queue.Queue[dict[str, Any]] = queue.Queue()
     threading.Thread(target=read_commands, args=(sys.stdin, host, commands), name="stdin", daemon=True).start()
+    if args.deployment and args.redis_url:
+        Server(host, RequestQueue.from_url(args.redis_url), args.deployment).start()
     _exit(run(host, commands))
 
 

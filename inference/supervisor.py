@@ -57,6 +57,9 @@ class ReplicaSpec:
     reserved_bytes_by_gpu: dict[str, int]
     fraction: float | None = None
     backend: str = "virtual"
+    # The request queue it serves; empty in tests of the process layer alone.
+    deployment: str = ""
+    redis_url: str = ""
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):
@@ -90,6 +93,8 @@ class ReplicaSpec:
         ]
         if self.fraction is not None:
             args += ["--fraction", repr(float(self.fraction))]
+        if self.deployment and self.redis_url:
+            args += ["--deployment", self.deployment, "--redis-url", self.redis_url]
         return args
 
 

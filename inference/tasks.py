@@ -71,6 +71,8 @@ def spec_for(replica: Replica) -> ReplicaSpec:
         reserved_bytes_by_gpu={str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()},
         fraction=replica.gpu_memory_fraction,
         backend="virtual" if replica.node.virtual else "cuda",
+        deployment=deployment.name,
+        redis_url=settings.REDIS_URL,
     )
 
 

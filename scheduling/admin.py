@@ -158,7 +158,12 @@ class DeploymentAdmin(ReadOnlyAdmin):
     """No edit form: a change here would bypass placement and the Event trail. Controls are
     the actions below (and the REST API), which go through the services."""
 
-    actions = [admin_actions.scale_deployments, admin_actions.evict_deployments]
+    actions = [
+        admin_actions.scale_deployments,
+        admin_actions.evict_deployments,
+        admin_actions.sleep_deployments,
+        admin_actions.wake_deployments,
+    ]
 
     list_display = [
         "name",
@@ -203,7 +208,7 @@ class ReplicaOccupantInline(ReadOnlyInline):
 
 @admin.register(Replica)
 class ReplicaAdmin(ReadOnlyAdmin):
-    actions = [admin_actions.evict_replicas]
+    actions = [admin_actions.evict_replicas, admin_actions.sleep_replicas, admin_actions.wake_replicas]
     list_display = [
         "short_id",
         "deployment",

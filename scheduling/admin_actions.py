@@ -14,6 +14,7 @@ from django.template.response import TemplateResponse
 from scheduling.models import Deployment, Replica
 from scheduling.services import deployments as deployment_services
 from scheduling.services import replicas as replica_services
+from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import ServiceError
 
 
@@ -79,3 +80,39 @@ def evict_replicas(
 
     report_each(admin_view, request, queryset.values_list("id", flat=True), act)
     return None
+
+
+@admin.action(description="Put selected deployments to sleep")
+def sleep_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+    def act(name: str) -> str:
+        slept = sleep_services.sleep_deployment(name, reason="put to sleep from the admin")
+        return f"{name}: {len(slept)} serving replica(s) going to sleep"
+
+    report_each(admin_view, request, queryset.values_list("name", flat=True), act)
+
+
+@admin.action(description="Wake selected deployments")
+def wake_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+    def act(name: str) -> str:
+        woken = sleep_services.wake_deployment(name, reason="woken from the admin")
+        return f"{name}: waking {len(woken)} replica(s)" if woken else f"{name}: already awake"
+
+    report_each(admin_view, request, queryset.values_list("name", flat=True), act)
+
+
+@admin.action(description="Put selected replicas to sleep")
+def sleep_replicas(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Replica]) -> None:
+    def act(replica_id: str) -> str:
+        replica = sleep_services.sleep_replica(replica_id, reason="put to sleep from the admin")
+        return f"{replica}: going to sleep"
+
+    report_each(admin_view, request, queryset.values_list("id", flat=True), act)
+
+
+@admin.action(description="Wake selected replicas")
+def wake_replicas(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Replica]) -> None:
+    def act(replica_id: str) -> str:
+        replica = sleep_services.wake_replica(replica_id, reason="woken from the admin")
+        return f"{replica}: waking on {replica.node}"
+
+    report_each(admin_view, request, queryset.values_list("id", flat=True), act)

@@ -10,7 +10,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
@@ -18,7 +17,7 @@ from inference.devices import discover, parse_size, parse_virtual_spec, virtual_
 from scheduling.models import GPU, Event, Node
 from scheduling.services import nodes
 from scheduling.tasks import expire_heartbeats
-from tests.waiting import wait_until
+from tests.processes import database_url_of_this_test, wait_until
 
 GiB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,12 +142,6 @@ def test_the_beat_task_expires_heartbeats_and_is_scheduled():
 
     schedule = PeriodicTask.objects.get(task="scheduling.tasks.expire_heartbeats")
     assert schedule.enabled and schedule.interval.every == 5 and schedule.queue == "control"
-
-
-def database_url_of_this_test() -> str:
-    s = connection.settings_dict
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
-    return f"postgres://{auth}@{s['HOST']}:{s['PORT']}/{s['NAME']}"
 
 
 @pytest.mark.slow

@@ -27,30 +27,6 @@ START, TO_CACHE, FROM_CACHE, STOP = (
 )
 
 
-@pytest.fixture
-def cluster(db):
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
-    register_node("node2", virtual_gpus("node2", "2x1GiB"), virtual=True)
-
-
-@pytest.fixture
-def staff(db) -> APIClient:
-    client = APIClient()
-    client.force_authenticate(User.objects.create_user("ops", is_staff=True))
-    return client
-
-
-@pytest.fixture
-def api(staff, django_capture_on_commit_callbacks, dispatched):
-    """POST/PATCH/DELETE as staff, running what would run after commit (the dispatches)."""
-
-    def call(method: str, path: str, body: dict | None = None):
-        with django_capture_on_commit_callbacks(execute=True):
-            return getattr(staff, method)(path, body, format="json")
-
-    return call
-
-
 def body(name: str, model_dir, **overrides) -> dict:
     data = {
         "name": name,

@@ -37,8 +37,8 @@ from inference.replica import (
     classify_failure,
 )
 from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line
+from tests.processes import wait_until
 from tests.test_loaders import tiny_mlp
-from tests.waiting import wait_until
 
 MiB = 1024**2
 GiB = 1024**3

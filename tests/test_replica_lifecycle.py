@@ -3,72 +3,20 @@ driven through the REST API: deploy, scale, evict to the CPU cache, promote, del
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
-from django.conf import settings
-from django.contrib.auth.models import User
-from django.db import connection
-from rest_framework.test import APIClient
 
 from inference.management.commands.make_tiny_model import write_tiny_model
-from scheduling.models import GPU, Event, Node, Occupant, Replica
-from tests.waiting import wait_until
+from scheduling.models import GPU, Event, Occupant, Replica
+from tests.processes import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024**2
 LOAD_TIMEOUT = 180  # each replica process imports torch and transformers: seconds on 2 cores
-
-
-def database_url() -> str:
-    s = connection.settings_dict
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
-    return f"postgres://{auth}@{s['HOST']}:{s['PORT']}/{s['NAME']}"
-
-
-@pytest.fixture
-def agent(tmp_path):
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url(),
-        "REDIS_URL": settings.REDIS_URL,
-        "GPUPORTAL_DATA_DIR": str(tmp_path),
-        "GPUPORTAL_HEARTBEAT_S": "1",
-    }
-    log = open(tmp_path / "agent.log", "w+")  # noqa: SIM115 - read back when the test fails
-    process = subprocess.Popen(
-        [sys.executable, "manage.py", "agent", "--node", "e2e", "--virtual-gpus", "2x1GiB"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_until(lambda: Node.objects.filter(name="e2e", status="online").exists(), 60, "the agent to register")
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        log.seek(0)
-        print(log.read()[-5000:])  # shown by pytest only when the test failed
-
-
-@pytest.fixture
-def staff() -> APIClient:
-    client = APIClient()
-    client.force_authenticate(User.objects.create_user("ops", is_staff=True))
-    return client
 
 
 def states(deployment: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ import pytest
 
 from gpuportal.stack import free_port
 from gpuportal.stackenv import read_stack_env
-from tests.waiting import wait_until
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.slow
 

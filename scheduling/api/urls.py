@@ -3,7 +3,7 @@
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from scheduling.api import views
+from scheduling.api import requests, views
 
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="node")
@@ -14,5 +14,8 @@ router.register("events", views.EventViewSet, basename="event")
 
 urlpatterns = [
     path("auth/token/", views.ObtainTokenView.as_view(), name="auth-token"),
+    path("deployments/<slug:name>/infer/", requests.InferView.as_view(), name="deployment-infer"),
+    path("requests/", requests.RequestListView.as_view(), name="request-list"),
+    path("requests/<str:pk>/", requests.RequestDetailView.as_view(), name="request-detail"),
     *router.urls,
 ]

@@ -18,6 +18,7 @@ from scheduling.api import inputs
 from scheduling.api import serializers as s
 from scheduling.services import deployments as deployment_services
 from scheduling.services import replicas as replica_services
+from scheduling.services import sleep as sleep_services
 
 READ_ACTIONS = {"list", "retrieve"}
 
@@ -107,6 +108,30 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         deployment_services.evict(name)
         return self.shown(name)
 
+    @extend_schema(
+        request=None,
+        summary="Put every serving replica to sleep (weights to CPU RAM); replicas wanted stays.",
+        responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]},
+    )
+    @action(detail=True, methods=["post"])
+    def sleep(self, request: Request, name: str) -> Response:
+        sleep_services.sleep_deployment(name, reason="put to sleep by an operator")
+        return self.shown(name)
+
+    @extend_schema(
+        request=None,
+        summary="Wake replicas until max(1, replicas wanted) are awake: cached ones first, else new ones.",
+        responses={
+            200: s.DeploymentSerializer,
+            404: PLACEMENT_ERRORS[404],
+            409: OpenApiResponse(description="Not even one replica fits; the body gives the reason per node."),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def wake(self, request: Request, name: str) -> Response:
+        sleep_services.wake_deployment(name, reason="woken by an operator")
+        return self.shown(name)
+
 
 @extend_schema_view(list=extend_schema(parameters=[s.ReplicaFilterSerializer]))
 class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
@@ -128,6 +153,37 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     @action(detail=True, methods=["post"])
     def evict(self, request: Request, pk: str) -> Response:
         replica_services.evict(pk)
+        return Response(s.ReplicaSerializer(selectors.replicas().get(pk=pk)).data)
+
+    @extend_schema(
+        request=None,
+        summary="Put a serving replica to sleep (weights to CPU RAM); replicas wanted stays.",
+        responses={
+            200: s.ReplicaSerializer,
+            404: OpenApiResponse(description="No such replica."),
+            409: OpenApiResponse(description="Only a serving replica can be put to sleep."),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def sleep(self, request: Request, pk: str) -> Response:
+        sleep_services.sleep_replica(pk, reason="put to sleep by an operator")
+        return self.shown(pk)
+
+    @extend_schema(
+        request=None,
+        summary="Promote a sleeping replica back onto a GPU of its node.",
+        responses={
+            200: s.ReplicaSerializer,
+            404: OpenApiResponse(description="No such replica."),
+            409: OpenApiResponse(description="Not sleeping, or no room on its node (the body says why)."),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def wake(self, request: Request, pk: str) -> Response:
+        sleep_services.wake_replica(pk, reason="woken by an operator")
+        return self.shown(pk)
+
+    def shown(self, pk: str) -> Response:
         return Response(s.ReplicaSerializer(selectors.replicas().get(pk=pk)).data)
 
 

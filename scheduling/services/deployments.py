@@ -267,13 +267,28 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
     return need
 
 
-def _add_replicas(deployment: Deployment, count: int, *, reason: str) -> _Decision:
-    cached = tuple(
-        CachedReplica(replica_id, node)
-        for replica_id, node in deployment.replicas.filter(
-            state=Replica.State.SLEEPING, node__isnull=False
-        ).values_list("id", "node__name")
-    )
+def _add_replicas(
+    deployment: Deployment,
+    count: int,
+    *,
+    reason: str,
+    cached: tuple[CachedReplica, ...] | None = None,
+    allow_new: bool = True,
+) -> _Decision:
+    """Place `count` more replicas as one all-or-nothing decision, promoting sleeping ones first.
+
+    `cached` narrows the sleeping replicas that may be promoted (default: all of the
+    deployment's); `allow_new=False` only promotes, which is how one named replica is woken.
+    The caller holds the deployment row lock.
+    """
+    if cached is None:
+        cached = tuple(
+            CachedReplica(replica_id, node)
+            for replica_id, node in deployment.replicas.filter(
+                state=Replica.State.SLEEPING, node__isnull=False
+            ).values_list("id", "node__name")
+        )
+    # Placement needs an id per request even when it may only promote; those ids never get rows.
     decision = _Decision(new_ids=[new_replica_id() for _ in range(count)])
 
     def occupant_for(placement: Placement) -> OccupantView:
@@ -296,6 +311,7 @@ def _add_replicas(deployment: Deployment, count: int, *, reason: str) -> _Decisi
                 need_bytes=need.bytes,
                 dedicated=deployment.dedicated,
                 cached=cached,
+                allow_new=allow_new,
             )
             for replica_id in decision.new_ids
         ]
@@ -312,15 +328,18 @@ def _add_replicas(deployment: Deployment, count: int, *, reason: str) -> _Decisi
         return result.plan
 
     # Rows for new replicas first, so the occupants the commit writes point at something real.
-    Replica.objects.bulk_create([Replica(id=i, deployment=deployment) for i in decision.new_ids])
-    ledger.commit_with_retry(decide, apply=lambda plan: _apply_placements(deployment, decision))
-    unused = set(decision.new_ids) - {p.replica_id for p in decision.placements}
-    Replica.objects.filter(id__in=unused).delete()  # ids set aside for replicas a promotion made unneeded
+    if allow_new:
+        Replica.objects.bulk_create([Replica(id=i, deployment=deployment) for i in decision.new_ids])
+    ledger.commit_with_retry(decide, apply=lambda plan: _apply_placements(deployment, decision, reason))
+    if allow_new:
+        unused = set(decision.new_ids) - {p.replica_id for p in decision.placements}
+        Replica.objects.filter(id__in=unused).delete()  # ids set aside for replicas a promotion made unneeded
     return decision
 
 
-def _apply_placements(deployment: Deployment, decision: _Decision) -> None:
-    """Inside the commit: record where each replica went, then send the agents to work."""
+def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) -> None:
+    """Inside the commit: record where each replica went (and, after the placement's own reason,
+    the caller's: deploy, scale, wake), then send the agents to work."""
     from scheduling.models import GPU
 
     gpus = {
@@ -348,7 +367,7 @@ def _apply_placements(deployment: Deployment, decision: _Decision) -> None:
         events.record(
             Event.Kind.REPLICA_STATE,
             f"replica {replica.id[:8]}",
-            ("promoted from the CPU cache: " if promoted else "placed: ") + placement.reason,
+            ("promoted from the CPU cache: " if promoted else "placed: ") + f"{placement.reason}; {reason}",
             before=before,
             after={"state": replica.state, "node": node.name, "gpus": by_index, "level": placement.level.name},
             node=node.name,

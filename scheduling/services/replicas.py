@@ -28,19 +28,54 @@ def get(replica_id: str) -> Replica:
 
 
 def evict(replica_id: str, *, reason: str = "evicted by an operator", deployment: Deployment | None = None) -> Replica:
-    """Send a serving replica to the CPU cache. Its reservation is kept until its process says
-    what it still holds (on a real GPU, its CUDA context), so the ledger never under-counts."""
+    """Send a serving replica to the CPU cache and want one replica fewer: an operator's scale-down
+    that keeps the weights at hand (a later scale-up promotes it rather than loading anew)."""
+    return to_cache(
+        replica_id,
+        reason=f"evicting to the CPU cache: {reason}",
+        deployment=deployment,
+        scale_down=True,
+        refused="only a serving replica can be evicted",
+    )
+
+
+def to_cache(
+    replica_id: str,
+    *,
+    reason: str,
+    deployment: Deployment | None = None,
+    scale_down: bool,
+    refused: str,
+) -> Replica:
+    """Move a serving replica's weights to CPU RAM (draining, then the process reports `sleeping`).
+
+    Its reservation is kept until its process says what it still holds (on a real GPU, its CUDA
+    context), so the ledger never under-counts. `scale_down` also lowers `replicas_wanted`
+    (evict); without it the deployment still wants the replica back (idle sleep). `deployment`,
+    when given, is already locked by the caller. `refused` ends the 409 of a replica that is
+    not serving.
+    """
     with transaction.atomic():
         replica = get(replica_id)
-        # Lock order: the deployment row before anything the ledger locks.
+        # Lock order: the deployment row before anything the ledger locks, then the replica row.
         deployment = deployment or Deployment.objects.select_for_update().get(pk=replica.deployment_id)
         replica = Replica.objects.select_for_update(of=("self",)).select_related("node").get(pk=replica_id)
         if replica.state != Replica.State.SERVING:
-            raise InvalidState(f"replica {replica_id} is {replica.state}, only a serving replica can be evicted")
-        _set_state(replica, Replica.State.DRAINING, f"evicting to the CPU cache: {reason}")
-        if deployment.replicas_wanted > 0:
+            raise InvalidState(f"replica {replica_id} is {replica.state}, {refused}")
+        _set_state(replica, Replica.State.DRAINING, reason)
+        if scale_down and deployment.replicas_wanted > 0:
+            before = deployment.replicas_wanted
             deployment.replicas_wanted -= 1
             deployment.save(update_fields=["replicas_wanted", "updated_at"])
+            events.record(
+                Event.Kind.DEPLOYMENT_CHANGED,
+                f"deployment {deployment.name}",
+                f"{reason} (replica {replica_id[:8]}): {before} → {deployment.replicas_wanted} replica(s) wanted",
+                before={"replicas": before},
+                after={"replicas": deployment.replicas_wanted},
+                deployment=deployment.name,
+                replica=replica_id,
+            )
         dispatch.to_node(replica.node.queue, dispatch.TO_CACHE, replica.id)
     return replica
 
@@ -132,6 +167,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state in (Replica.State.STOPPING, Replica.State.STOPPED):
         _stopped(replica, event)
         return
+    _requeue_taken(replica, f"replica {replica.id[:8]} failed: {reason}")
     restartable = _restarts_in_last_hour(replica) < settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR
     if event.get("kind") == "cuda_assert" and restartable:
         # A device-side assert poisons the CUDA context for good: only a fresh process recovers.
@@ -155,10 +191,23 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
 
 
 def _stopped(replica: Replica, event: dict[str, Any]) -> None:
+    _requeue_taken(replica, f"replica {replica.id[:8]} stopped")
     _reserve_exactly(replica, {}, reason="replica stopped")
     replica.pid = None
     replica.serving_since = None
     _set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
+
+
+def _requeue_taken(replica: Replica, reason: str) -> None:
+    """Requests the replica had taken go back to its deployment's queue: nothing accepted is lost.
+
+    Right away rather than on commit: if this transaction rolled back, the requests would merely
+    have been re-queued early, whereas deferring could lose them to a crash in between.
+    """
+    # Imported here: the request service builds on this module's neighbours (wake, placement).
+    from scheduling.services import requests as request_services
+
+    request_services.requeue_from(replica.id, reason)
 
 
 HANDLERS = {

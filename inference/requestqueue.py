@@ -1,0 +1,289 @@
+"""Inference requests in Redis: one queue per deployment, taken by replicas as they have room.
+
+Shared by the web process (submit, wait, read, cancel, re-queue) and the replica processes (take,
+finish, fail), so it imports nothing of Django. The reliable-queue pattern keeps every accepted
+request somewhere at every instant:
+
+    gp:queue:<deployment>   ids waiting, oldest at the right end
+    gp:proc:<replica>       ids a replica has taken (BLMOVE from the queue, atomically)
+    gp:req:<id>             the request: status, timestamps, input, params, output or error
+    gp:done:<id>            a token pushed when the request ends, for waiters to block on
+    gp:stream:<id>          chunks of a streamed answer, in order, then an end marker
+    gp:last:<replica>       when the replica last finished a request (for idle sleep)
+
+A replica that dies leaves its ids in gp:proc:<replica>; `requeue_from` puts them back at the
+head of the queue (or fails them once they used their attempts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+TTL_S = 24 * 3600
+FINAL = ("done", "failed", "cancelled")
+STREAM_END = "\x00end"
+
+
+def now() -> float:
+    return time.time()
+
+
+def queue_key(deployment: str) -> str:
+    return f"gp:queue:{deployment}"
+
+
+def processing_key(replica_id: str) -> str:
+    return f"gp:proc:{replica_id}"
+
+
+def request_key(request_id: str) -> str:
+    return f"gp:req:{request_id}"
+
+
+def done_key(request_id: str) -> str:
+    return f"gp:done:{request_id}"
+
+
+def stream_key(request_id: str) -> str:
+    return f"gp:stream:{request_id}"
+
+
+def last_key(replica_id: str) -> str:
+    return f"gp:last:{replica_id}"
+
+
+@dataclass
+class Request:
+    id: str
+    deployment: str
+    kind: str  # "generate", "chat" or "forward"
+    input: Any
+    params: dict[str, Any] = field(default_factory=dict)
+    status: str = "queued"
+    owner: str = ""
+    attempts: int = 0
+    replica: str = ""
+    output: Any = None
+    error: str = ""
+    error_kind: str = ""
+    created_at: float | None = None
+    dispatched_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL
+
+    @classmethod
+    def from_hash(cls, request_id: str, raw: dict[bytes, bytes]) -> Request:
+        data = {k.decode(): v.decode() for k, v in raw.items()}
+
+        def stamp(name: str) -> float | None:
+            return float(data[name]) if data.get(name) else None
+
+        return cls(
+            id=request_id,
+            deployment=data.get("deployment", ""),
+            kind=data.get("kind", "generate"),
+            input=json.loads(data.get("input", "null")),
+            params=json.loads(data.get("params", "{}")),
+            status=data.get("status", "queued"),
+            owner=data.get("owner", ""),
+            attempts=int(data.get("attempts", "0")),
+            replica=data.get("replica", ""),
+            output=json.loads(data["output"]) if data.get("output") else None,
+            error=data.get("error", ""),
+            error_kind=data.get("error_kind", ""),
+            created_at=stamp("created_at"),
+            dispatched_at=stamp("dispatched_at"),
+            started_at=stamp("started_at"),
+            finished_at=stamp("finished_at"),
+        )
+
+
+class RequestQueue:
+    def __init__(self, client: redis.Redis):
+        self.redis = client
+
+    @classmethod
+    def from_url(cls, url: str) -> RequestQueue:
+        return cls(redis.Redis.from_url(url, health_check_interval=30))
+
+    # -- the web side --------------------------------------------------------------------------
+
+    def submit(
+        self, deployment: str, *, kind: str, input: Any, params: dict[str, Any], owner: str, status: str = "queued"
+    ) -> Request:
+        request = Request(
+            id=uuid.uuid4().hex,
+            deployment=deployment,
+            kind=kind,
+            input=input,
+            params=params,
+            owner=owner,
+            status=status,
+            created_at=now(),
+        )
+        key = request_key(request.id)
+        # MULTI/EXEC: the request exists in full before any replica can take its id.
+        with self.redis.pipeline() as pipe:
+            pipe.hset(
+                key,
+                mapping={
+                    "deployment": deployment,
+                    "kind": kind,
+                    "input": json.dumps(input),
+                    "params": json.dumps(params),
+                    "owner": owner,
+                    "status": status,
+                    "attempts": 0,
+                    "created_at": request.created_at,
+                },
+            )
+            pipe.expire(key, TTL_S)
+            pipe.lpush(queue_key(deployment), request.id)
+            pipe.execute()
+        return request
+
+    def get(self, request_id: str) -> Request | None:
+        raw = self.redis.hgetall(request_key(request_id))
+        return Request.from_hash(request_id, raw) if raw else None
+
+    def wait(self, request_id: str, timeout: float) -> Request | None:
+        """The request once final, or as it stands when the timeout passes."""
+        request = self.get(request_id)
+        if request is None or request.final or timeout <= 0:
+            return request
+        token = self.redis.blpop([done_key(request_id)], timeout=timeout)
+        if token is not None:
+            # Put the token back for any other waiter on the same request.
+            self.redis.rpush(done_key(request_id), b"1")
+        return self.get(request_id)
+
+    def set_status(self, request_id: str, status: str) -> None:
+        self.redis.hset(request_key(request_id), "status", status)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request still waiting in its queue; one already taken runs to its end."""
+        request = self.get(request_id)
+        if request is None or request.final:
+            return False
+        if not self.redis.lrem(queue_key(request.deployment), 1, request_id):
+            return False
+        self._end(request_id, "cancelled", {"error": "cancelled by its owner"})
+        return True
+
+    def depth(self, deployment: str) -> int:
+        return int(self.redis.llen(queue_key(deployment)))
+
+    def requeue_from(self, replica_id: str, *, max_attempts: int, reason: str) -> dict[str, str]:
+        """Give back what a gone replica had taken: to the head of its queue, or failed once it
+        used its attempts. Returns {request id: "requeued" | "failed"}."""
+        outcomes: dict[str, str] = {}
+        proc = processing_key(replica_id)
+        while (raw := self.redis.rpop(proc)) is not None:
+            request_id = raw.decode()
+            request = self.get(request_id)
+            if request is None or request.final:
+                continue
+            if request.attempts >= max_attempts:
+                self._end(
+                    request_id,
+                    "failed",
+                    {"error": f"{reason}; gave up after {request.attempts} attempt(s)", "error_kind": "replica"},
+                )
+                outcomes[request_id] = "failed"
+                continue
+            with self.redis.pipeline() as pipe:
+                pipe.hset(request_key(request_id), mapping={"status": "queued", "replica": ""})
+                # The right end is taken next: a request that lost its replica goes first.
+                pipe.rpush(queue_key(request.deployment), request_id)
+                pipe.execute()
+            outcomes[request_id] = "requeued"
+        return outcomes
+
+    def fail_queued(self, deployment: str, *, reason: str, kind: str = "placement") -> list[str]:
+        """End every request waiting for `deployment`: it cannot be served (e.g. cannot wake)."""
+        failed = []
+        while (raw := self.redis.rpop(queue_key(deployment))) is not None:
+            request_id = raw.decode()
+            self._end(request_id, "failed", {"error": reason, "error_kind": kind})
+            failed.append(request_id)
+        return failed
+
+    # -- the replica side ----------------------------------------------------------------------
+
+    def take(self, deployment: str, replica_id: str, timeout: float) -> Request | None:
+        """The oldest waiting request, moved atomically into this replica's processing list."""
+        raw = self.redis.blmove(queue_key(deployment), processing_key(replica_id), timeout, "RIGHT", "LEFT")
+        if raw is None:
+            return None
+        request_id = raw.decode()
+        with self.redis.pipeline() as pipe:
+            pipe.hset(
+                request_key(request_id), mapping={"status": "dispatched", "replica": replica_id, "dispatched_at": now()}
+            )
+            pipe.hincrby(request_key(request_id), "attempts", 1)
+            pipe.hgetall(request_key(request_id))
+            raw_hash = pipe.execute()[-1]
+        return Request.from_hash(request_id, raw_hash)
+
+    def give_back(self, request: Request, replica_id: str) -> None:
+        """Return a request taken but not started (the replica began to sleep): first in line again."""
+        with self.redis.pipeline() as pipe:
+            pipe.lrem(processing_key(replica_id), 1, request.id)
+            pipe.hset(request_key(request.id), mapping={"status": "queued", "replica": ""})
+            pipe.hincrby(request_key(request.id), "attempts", -1)  # it never ran: not an attempt
+            pipe.rpush(queue_key(request.deployment), request.id)
+            pipe.execute()
+
+    def start(self, request_id: str) -> None:
+        self.redis.hset(request_key(request_id), mapping={"status": "running", "started_at": now()})
+
+    def chunk(self, request_id: str, text: str) -> None:
+        with self.redis.pipeline() as pipe:
+            pipe.rpush(stream_key(request_id), text)
+            pipe.expire(stream_key(request_id), TTL_S)
+            pipe.execute()
+
+    def finish(self, request_id: str, replica_id: str, output: Any) -> None:
+        self._end(request_id, "done", {"output": json.dumps(output)}, replica_id=replica_id)
+
+    def fail(self, request_id: str, replica_id: str, error: str, kind: str) -> None:
+        self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id)
+
+    def read_stream(self, request_id: str, start: int, timeout: float) -> tuple[list[str], bool]:
+        """Chunks from index `start` on, waiting up to `timeout` for the first; and whether the
+        stream has ended."""
+        deadline = time.monotonic() + timeout
+        while True:
+            chunks = [c.decode() for c in self.redis.lrange(stream_key(request_id), start, -1)]
+            ended = bool(chunks) and chunks[-1] == STREAM_END
+            if ended:
+                chunks = chunks[:-1]
+            if chunks or ended or time.monotonic() >= deadline:
+                if not ended and not chunks:
+                    request = self.get(request_id)
+                    ended = request is None or request.final
+                return chunks, ended
+            # A list has no blocking read from an offset; the stream is short-lived, so poll it.
+            time.sleep(0.005)
+
+    def _end(self, request_id: str, status: str, fields: dict[str, Any], replica_id: str = "") -> None:
+        with self.redis.pipeline() as pipe:
+            pipe.hset(request_key(request_id), mapping={"status": status, "finished_at": now(), **fields})
+            pipe.rpush(stream_key(request_id), STREAM_END)
+            pipe.expire(stream_key(request_id), TTL_S)
+            pipe.rpush(done_key(request_id), b"1")
+            pipe.expire(done_key(request_id), TTL_S)
+            if replica_id:
+                pipe.lrem(processing_key(replica_id), 1, request_id)
+                pipe.set(last_key(replica_id), now(), ex=TTL_S)
+            pipe.execute()

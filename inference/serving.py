@@ -1,0 +1,177 @@
+"""What a replica does with a request: generate text (causal LMs), or run a forward pass on JSON
+tensors (plain PyTorch modules). Runs inside the replica process; no Django.
+
+`Server` is the replica's serving thread: it takes one request at a time from its deployment's
+queue while the replica is serving (seed 002: whichever replica is idle first wins), runs it
+under the host's lock (so a sleep or stop waits for the request in flight), and records the
+outcome in the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from inference.requestqueue import Request, RequestQueue
+
+if TYPE_CHECKING:
+    from inference.replica import ReplicaHost
+
+log = logging.getLogger("inference.serving")
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class BadInput(Exception):
+    """The request cannot run on this model as sent (too long, wrong shape): the client's to fix."""
+
+
+class Executor:
+    """Runs requests on a loaded model."""
+
+    def __init__(self, model: Any, tokenizer: Any | None):
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def run(self, request: Request, on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
+        if request.kind == "forward":
+            return self.forward(request.input)
+        if self.tokenizer is None:
+            raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
+        prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
+        result = self.generate(prompt, request.params, on_chunk)
+        if request.kind == "chat":
+            result["message"] = {"role": "assistant", "content": result["text"]}
+        return result
+
+    def chat_prompt(self, messages: Any) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # A model without a chat template still answers: a plain transcript, then its turn.
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join([*lines, "assistant:"])
+
+    def generate(self, prompt: str, params: dict[str, Any], on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
+        import torch
+
+        max_tokens = int(params.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        temperature = float(params.get("temperature", 0.0) or 0.0)
+        stop = params.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and ids.shape[1] + max_tokens > limit:
+            raise BadInput(
+                f"input too long: {ids.shape[1]} prompt tokens plus max_tokens {max_tokens} exceed "
+                f"the model's context of {limit} tokens"
+            )
+        device = next(self.model.parameters()).device
+        eos = self.tokenizer.eos_token_id
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_tokens,
+            "pad_token_id": self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
+            "do_sample": temperature > 0,
+        }
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=float(params.get("top_p", 1.0)))
+        if on_chunk is not None:
+            kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
+        with torch.no_grad():
+            out = self.model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), **kwargs)
+        new = out[0, ids.shape[1] :]
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        finish = "length" if len(new) >= max_tokens else "stop"
+        cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+        return {
+            "text": text,
+            "finish_reason": finish,
+            "usage": {
+                "prompt_tokens": int(ids.shape[1]),
+                "completion_tokens": len(new),
+                "total_tokens": int(ids.shape[1] + len(new)),
+            },
+        }
+
+    def forward(self, data: Any) -> dict[str, Any]:
+        import torch
+
+        parameter = next(self.model.parameters())
+        try:
+            tensor = torch.tensor(data, dtype=parameter.dtype, device=parameter.device)
+        except (TypeError, ValueError) as exc:
+            raise BadInput(f"input is not a tensor of numbers: {exc}") from None
+        try:
+            with torch.no_grad():
+                out = self.model(tensor)
+        except RuntimeError as exc:  # shape mismatches surface as RuntimeError
+            raise BadInput(f"the model cannot take this input: {' '.join(str(exc).split())}") from None
+        return {"output": out.float().cpu().tolist(), "shape": list(out.shape)}
+
+
+class _ChunkStreamer:
+    """A transformers streamer that hands each newly decoded piece of text to `emit`."""
+
+    def __init__(self, tokenizer: Any, emit: Callable[[str], None]):
+        self.tokenizer, self.emit = tokenizer, emit
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:  # generate() first hands over the prompt itself
+            self.prompt_seen = True
+            return
+        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        # Decoding a prefix can change its tail (merged bytes): only what is settled goes out.
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.emit(text[len(self.sent) :])
+            self.sent = text
+
+    def end(self) -> None:
+        pass
+
+
+class Server(threading.Thread):
+    """The replica's serving loop."""
+
+    def __init__(self, host: ReplicaHost, queue: RequestQueue, deployment: str, poll_s: float = 1.0):
+        super().__init__(name=f"serve-{host.replica_id[:8]}", daemon=True)
+        self.host, self.queue, self.deployment, self.poll_s = host, queue, deployment, poll_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            if not self.host.accepting.wait(timeout=self.poll_s):
+                continue
+            try:
+                request = self.queue.take(self.deployment, self.host.replica_id, timeout=self.poll_s)
+            except Exception:
+                log.exception("cannot take requests from the queue; retrying")
+                self.stopped.wait(self.poll_s)
+                continue
+            if request is not None:
+                self.serve(request)
+
+    def serve(self, request: Request) -> None:
+        with self.host.lock:
+            if self.host.state != "serving" or self.host.model is None:
+                # Taken just as the replica began to sleep or stop: back to the head of the queue.
+                self.queue.give_back(request, self.host.replica_id)
+                return
+            self.queue.start(request.id)
+            on_chunk = (lambda c: self.queue.chunk(request.id, c)) if request.params.get("stream") else None
+            try:
+                output = self.host.executor().run(request, on_chunk)
+            except BadInput as exc:
+                self.queue.fail(request.id, self.host.replica_id, str(exc), "bad_input")
+                return
+            except Exception as exc:
+                log.exception("request %s failed", request.id)
+                self.queue.fail(request.id, self.host.replica_id, " ".join(str(exc).split())[:500], "error")
+                return
+            self.queue.finish(request.id, self.host.replica_id, output)

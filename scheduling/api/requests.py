@@ -1,0 +1,185 @@
+"""Inference requests over REST: run and wait (`/infer/`), or submit and poll (`/api/requests/`)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import permissions, serializers, status
+from rest_framework.request import Request as HttpRequest
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from inference.requestqueue import Request
+from scheduling.api.inputs import FiniteFloatField, StrictSerializer
+from scheduling.models import Deployment
+from scheduling.services import requests as request_services
+
+
+class ParamsInput(StrictSerializer):
+    max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, default=16)
+    temperature = FiniteFloatField(min_value=0, max_value=2, required=False, default=0.0)
+    top_p = FiniteFloatField(min_value=0, max_value=1, required=False, default=1.0)
+    stop = serializers.JSONField(required=False, default=list)
+
+    def validate_top_p(self, value: float) -> float:
+        if value <= 0:
+            raise serializers.ValidationError("must be greater than 0")
+        return value
+
+    def validate_stop(self, value: Any) -> list[str]:
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+            raise serializers.ValidationError("must be a string or a list of at most 4 non-empty strings")
+        return stops
+
+
+class RequestInput(StrictSerializer):
+    deployment = serializers.SlugField(max_length=100)
+    input = serializers.JSONField(help_text="Text, a list of chat messages, or a tensor as nested lists.")
+    params = ParamsInput(required=False)
+
+
+class InferInput(StrictSerializer):
+    input = serializers.JSONField(help_text="Text, a list of chat messages, or a tensor as nested lists.")
+    params = ParamsInput(required=False)
+    timeout_s = FiniteFloatField(min_value=0, required=False)
+
+    def validate_timeout_s(self, value: float) -> float:
+        if value > settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:
+            raise serializers.ValidationError(f"must be at most {settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:g}")
+        return value
+
+
+class RequestSerializer(serializers.Serializer):
+    """The shape of a request; `GET /api/requests/{id}/` returns the same."""
+
+    id = serializers.CharField()
+    deployment = serializers.CharField()
+    kind = serializers.CharField()
+    status = serializers.ChoiceField(
+        choices=["queued", "waking", "dispatched", "running", "done", "failed", "cancelled"]
+    )
+    replica = serializers.CharField(allow_blank=True)
+    attempts = serializers.IntegerField()
+    output = serializers.JSONField(allow_null=True)
+    error = serializers.CharField(allow_blank=True)
+    created_at = serializers.DateTimeField(allow_null=True)
+    dispatched_at = serializers.DateTimeField(allow_null=True)
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+
+
+def shape(request: Request) -> dict[str, Any]:
+    def at(stamp: float | None) -> str | None:
+        return datetime.fromtimestamp(stamp, tz=UTC).isoformat() if stamp else None
+
+    return {
+        "id": request.id,
+        "deployment": request.deployment,
+        "kind": request.kind,
+        "status": request.status,
+        "replica": request.replica,
+        "attempts": request.attempts,
+        "output": request.output,
+        "error": request.error,
+        "created_at": at(request.created_at),
+        "dispatched_at": at(request.dispatched_at),
+        "started_at": at(request.started_at),
+        "finished_at": at(request.finished_at),
+    }
+
+
+def kind_of(deployment_name: str, data: Any) -> str:
+    """Text generates, a list of chat messages chats, a plain module takes tensors."""
+    loader = Deployment.objects.filter(name=deployment_name).values_list("loader", flat=True).first()
+    if loader == Deployment.Loader.TORCH_MODULE:
+        return "forward"
+    if isinstance(data, str):
+        return "generate"
+    if isinstance(data, list) and data and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in data):
+        return "chat"
+    raise serializers.ValidationError({"input": ["must be text, or a list of {role, content} chat messages"]})
+
+
+def params_of(validated: dict[str, Any]) -> dict[str, Any]:
+    return dict(validated.get("params") or ParamsInput().run_validation({}))
+
+
+# A failed request's HTTP answer when the caller waited for it: input the model cannot take is
+# the client's to fix (400); what cannot be placed is a conflict (409); anything else is ours (503).
+FAILURE_STATUS = {"bad_input": 400, "placement": 409}
+
+
+class InferView(APIView):
+    permission_classes = [permissions.IsAuthenticated]
+
+    @extend_schema(
+        request=InferInput,
+        responses={
+            200: RequestSerializer,
+            202: OpenApiResponse(RequestSerializer, description="Not finished within timeout_s: poll its id."),
+            400: OpenApiResponse(description="A field is invalid, or the input is too long for the model."),
+            404: OpenApiResponse(description="No such deployment."),
+            409: OpenApiResponse(description="The deployment can never be placed; the body says why."),
+        },
+    )
+    def post(self, request: HttpRequest, name: str) -> Response:
+        data = InferInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        kind = kind_of(name, data.validated_data["input"])
+        submitted = request_services.submit(
+            name, kind=kind, input=data.validated_data["input"], params=params_of(data.validated_data),
+            owner=str(request.user.pk),
+        )  # fmt: skip
+        timeout = data.validated_data.get("timeout_s", settings.GPUPORTAL_INFER_TIMEOUT_S)
+        result = request_services.wait(submitted.id, timeout) or submitted
+        if not result.final:
+            return Response(shape(result), status=status.HTTP_202_ACCEPTED)
+        if result.status == "failed":
+            code = FAILURE_STATUS.get(result.error_kind, status.HTTP_503_SERVICE_UNAVAILABLE)
+            body = shape(result)
+            if code == 400:
+                body["input"] = [result.error]
+            return Response(body, status=code)
+        return Response(shape(result))
+
+
+class RequestListView(APIView):
+    permission_classes = [permissions.IsAuthenticated]
+
+    @extend_schema(request=RequestInput, responses={202: RequestSerializer})
+    def post(self, request: HttpRequest) -> Response:
+        data = RequestInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        name = data.validated_data["deployment"]
+        submitted = request_services.submit(
+            name,
+            kind=kind_of(name, data.validated_data["input"]),
+            input=data.validated_data["input"],
+            params=params_of(data.validated_data),
+            owner=str(request.user.pk),
+        )
+        return Response(shape(submitted), status=status.HTTP_202_ACCEPTED)
+
+
+class RequestDetailView(APIView):
+    permission_classes = [permissions.IsAuthenticated]
+
+    @extend_schema(responses={200: RequestSerializer, 404: OpenApiResponse(description="No such request.")})
+    def get(self, request: HttpRequest, pk: str) -> Response:
+        found = request_services.get(pk, user_id=str(request.user.pk), staff=request.user.is_staff)
+        return Response(shape(found))
+
+    @extend_schema(
+        responses={
+            200: RequestSerializer,
+            404: OpenApiResponse(description="No such request."),
+            409: OpenApiResponse(description="Already taken by a replica: it runs to its end."),
+        }
+    )
+    def delete(self, request: HttpRequest, pk: str) -> Response:
+        cancelled = request_services.cancel(pk, user_id=str(request.user.pk), staff=request.user.is_staff)
+        return Response(shape(cancelled))

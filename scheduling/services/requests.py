@@ -1,0 +1,117 @@
+"""Inference requests: accept, wake what must serve them, wait, read, cancel, re-queue.
+
+Requests live in Redis (inference.requestqueue): the hot path writes no database row, so a
+request costs a few Redis round trips on top of the model. What the scheduler needs from them
+(a replica's last access, for idle sleep) is copied into PostgreSQL by `sync_last_accessed`.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from functools import cache
+from typing import Any
+
+from django.conf import settings
+
+from inference.requestqueue import Request, RequestQueue, last_key
+from scheduling import ledger
+from scheduling.models import GPU, Deployment, Replica
+from scheduling.services import deployments, sleep
+from scheduling.services.errors import CannotPlace, InvalidInput, InvalidState, NotFound
+
+log = logging.getLogger(__name__)
+
+AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
+
+
+@cache
+def queue() -> RequestQueue:
+    return RequestQueue.from_url(settings.REDIS_URL)
+
+
+def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str) -> Request:
+    """Accept a request: it waits in its deployment's queue until an awake replica takes it.
+
+    A deployment with no awake replica is woken first (a cached replica promoted, or a new one
+    placed); the request then shows `waking` until a replica takes it. One that can never be
+    placed anywhere is refused with 409, and nothing is queued.
+    """
+    deployment = Deployment.objects.filter(name=deployment_name).first()
+    if deployment is None:
+        raise NotFound(f"no deployment named {deployment_name!r}")
+    if kind in ("generate", "chat") and deployment.loader != Deployment.Loader.TRANSFORMERS:
+        raise InvalidInput("input", f"{deployment_name} is a plain PyTorch module: send a tensor as JSON lists")
+    if not deployment.replicas.filter(state__in=AWAKE).exists():
+        _refuse_if_never_placeable(deployment)
+        sleep.wake_deployment(deployment_name, reason="woken by a request")
+    status = "queued" if deployment.replicas.filter(state=Replica.State.SERVING).exists() else "waking"
+    return queue().submit(deployment_name, kind=kind, input=input, params=params, owner=owner, status=status)
+
+
+def _refuse_if_never_placeable(deployment: Deployment) -> None:
+    """409 when no node could host a replica even empty: waiting would never end."""
+    snapshot = ledger.snapshot()
+    need = deployments.need_bytes(deployment, snapshot).bytes
+    per_node: dict[str, int] = {}
+    for gpu in snapshot.gpus.values():
+        if gpu.node_status == "online" and gpu.health == GPU.Health.OK:
+            per_node[gpu.node] = per_node.get(gpu.node, 0) + gpu.total_bytes
+    if not per_node:
+        raise CannotPlace(f"cannot serve {deployment.name}: no online node with a healthy GPU", {})
+    if need > max(per_node.values()):
+        reasons = {node: f"all its GPUs hold {total} B, the replica needs {need} B" for node, total in per_node.items()}
+        raise CannotPlace(f"cannot serve {deployment.name}: no node can ever hold its {need} B", reasons)
+
+
+def wait(request_id: str, timeout: float) -> Request | None:
+    return queue().wait(request_id, timeout)
+
+
+def get(request_id: str, *, user_id: str, staff: bool) -> Request:
+    """A user sees only their own requests; staff see all. Others' are answered as not found."""
+    request = queue().get(request_id)
+    if request is None or (not staff and request.owner != user_id):
+        raise NotFound(f"no request with id {request_id!r}")
+    return request
+
+
+def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
+    request = get(request_id, user_id=user_id, staff=staff)
+    if not queue().cancel(request_id):
+        raise InvalidState(f"request {request_id} is {request.status}: only a waiting request can be cancelled")
+    return get(request_id, user_id=user_id, staff=staff)
+
+
+def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
+    """What a stopped or failed replica had taken goes back to its queue (never dropped)."""
+    outcomes = queue().requeue_from(replica_id, max_attempts=settings.GPUPORTAL_REQUEST_ATTEMPTS, reason=reason)
+    if outcomes:
+        log.info("replica %s gone (%s): %s", replica_id, reason, outcomes)
+    return outcomes
+
+
+def fail_waiting(deployment_name: str, reason: str) -> list[str]:
+    """End the waiting requests of a deployment that cannot be woken, saying why."""
+    return queue().fail_queued(deployment_name, reason=reason)
+
+
+def sync_last_accessed() -> int:
+    """Copy replicas' last request times from Redis into PostgreSQL (for idle sleep and the API)."""
+    replicas = list(Replica.objects.filter(state__in=AWAKE).values_list("id", "last_accessed"))
+    if not replicas:
+        return 0
+    stamps = queue().redis.mget([last_key(replica_id) for replica_id, _ in replicas])
+    changed = 0
+    for (replica_id, known), raw in zip(replicas, stamps, strict=True):
+        if raw is None:
+            continue
+        seen = datetime.fromtimestamp(float(raw), tz=UTC)
+        if known is None or seen > known:
+            Replica.objects.filter(pk=replica_id).update(last_accessed=seen)
+            changed += 1
+    return changed
+
+
+def queue_depth(deployment_name: str) -> int:
+    return queue().depth(deployment_name)

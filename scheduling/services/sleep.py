@@ -1,0 +1,166 @@
+"""Sleep and wake: idle replicas park their weights in CPU RAM and come back on demand.
+
+Sleep is temporary: unlike an operator's evict it leaves `replicas_wanted` alone, so the
+deployment still wants its replicas and the next wake brings back as many. A wake promotes
+sleeping replicas first (their process and weights are still there) and places new ones only
+when none is cached.
+
+Lock order, as in `deployments`: the deployment row, then GPU rows (the ledger), then replica rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.db.models import DurationField, ExpressionWrapper, F
+from django.db.models.functions import Greatest
+from django.utils import timezone
+
+from scheduling.models import Deployment, Replica
+from scheduling.placement import CachedReplica
+from scheduling.services import deployments
+from scheduling.services import replicas as replica_services
+from scheduling.services.deployments import AWAKE
+from scheduling.services.errors import CannotPlace, InvalidState, ServiceError
+
+log = logging.getLogger(__name__)
+
+
+def sleep_replica(replica_id: str, *, reason: str, deployment: Deployment | None = None) -> Replica:
+    """Put one serving replica to sleep (weights to the CPU cache); `reason` is the Event's.
+    InvalidState (409) when it is not serving."""
+    return replica_services.to_cache(
+        replica_id,
+        reason=reason,
+        deployment=deployment,
+        scale_down=False,
+        refused="only a serving replica can be put to sleep",
+    )
+
+
+def sleep_deployment(name: str, *, reason: str) -> list[str]:
+    """Put every serving replica of the deployment to sleep; returns their ids."""
+    with transaction.atomic():
+        deployment = deployments.get(name, lock=True)
+        serving = list(
+            deployment.replicas.filter(state=Replica.State.SERVING).order_by("pk").values_list("id", flat=True)
+        )
+        for replica_id in serving:
+            sleep_replica(replica_id, reason=reason, deployment=deployment)
+    return serving
+
+
+def wake_replica(replica_id: str, *, reason: str) -> Replica:
+    """Promote this sleeping replica back onto a GPU of its own node (its weights are in that
+    node's RAM). CannotPlace (409, with reasons) when it does not fit there; InvalidState (409)
+    when it is not sleeping."""
+    replica = replica_services.get(replica_id)
+    with transaction.atomic():
+        # The deployment row lock serialises this with scale, evict, sleep and other wakes, so
+        # the state read below cannot be changed by another service before the commit.
+        deployment = deployments.get(replica.deployment.name, lock=True)
+        replica = replica_services.get(replica_id)
+        if replica.state != Replica.State.SLEEPING or replica.node is None:
+            raise InvalidState(f"replica {replica_id} is {replica.state}, only a sleeping replica can be woken")
+        deployments._add_replicas(
+            deployment,
+            1,
+            reason=f"{reason}: wake replica {replica_id[:8]}",
+            cached=(CachedReplica(replica.id, replica.node.name),),
+            allow_new=False,
+        )
+    return replica_services.get(replica_id)
+
+
+def wake_deployment(name: str, *, reason: str) -> list[str]:
+    """Make sure at least max(1, replicas_wanted) replicas are awake (pending, loading, serving or
+    waking): sleeping ones are promoted first, new ones placed for the rest. Returns the ids of
+    the replicas this call promoted or placed; [] when enough were already awake.
+
+    Safe to call concurrently (the request path calls it for every request that finds no awake
+    replica): the deployment row lock makes wakes of one deployment take turns, and each counts
+    the replicas the previous one added. When not all wanted replicas fit, one is enough to
+    serve: it places one rather than refusing, and refuses (CannotPlace, 409) only when not even
+    one fits.
+    """
+    if _awake_enough(Deployment.objects.filter(name=name).first()):
+        return []  # the common case, without taking the row lock
+    with transaction.atomic():
+        deployment = deployments.get(name, lock=True)
+        awake = deployment.replicas.filter(state__in=AWAKE).count()
+        missing = max(1, deployment.replicas_wanted) - awake
+        if missing <= 0:
+            return []
+        why = f"{reason}: {awake} → {awake + missing} awake"
+        try:
+            with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
+                decision = deployments._add_replicas(deployment, missing, reason=why)
+        except CannotPlace:
+            if awake > 0 or missing == 1:
+                raise
+            decision = deployments._add_replicas(
+                deployment, 1, reason=f"{reason}: 0 → 1 awake (not all {missing} wanted fit)"
+            )
+    return [p.replica_id for p in decision.placements]
+
+
+def _awake_enough(deployment: Deployment | None) -> bool:
+    if deployment is None:
+        return False  # let the locked path raise NotFound
+    awake = deployment.replicas.filter(state__in=AWAKE).count()
+    return awake >= max(1, deployment.replicas_wanted)
+
+
+def sweep_idle(now: datetime | None = None) -> list[str]:
+    """Put to sleep every serving replica idle for longer than its deployment's idle_timeout_s
+    (0: never; popular deployments: never). Returns the ids put to sleep.
+
+    Idle since the later of its last request and its start of serving: a replica just woken
+    by an operator has not been asked anything yet, and must not go straight back to sleep.
+    Deployments and replicas another transaction holds (a wake, a request touching the replica)
+    are skipped this round; beat runs the sweep again in a few seconds.
+    """
+    now = now or timezone.now()
+    idle_since = Greatest(F("last_accessed"), F("serving_since"))
+    timeout = ExpressionWrapper(F("deployment__idle_timeout_s") * timedelta(seconds=1), output_field=DurationField())
+    candidates = (
+        Replica.objects.filter(
+            state=Replica.State.SERVING,
+            deployment__idle_timeout_s__gt=0,
+            deployment__popular=False,
+        )
+        .annotate(idle_since=idle_since)
+        .filter(idle_since__lt=now - timeout)
+        .values_list("deployment_id", flat=True)
+        .distinct()
+    )
+    slept: list[str] = []
+    for deployment_id in sorted(candidates):
+        try:
+            slept += _sleep_idle_of(deployment_id, now)
+        except ServiceError as err:
+            # One deployment's trouble must not keep the others awake.
+            log.warning("idle sweep of deployment %s: %s", deployment_id, err)
+    return slept
+
+
+def _sleep_idle_of(deployment_id: int, now: datetime) -> list[str]:
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update(skip_locked=True).filter(pk=deployment_id).first()
+        # Re-checked under the lock: the settings may have changed since the candidates were read.
+        if deployment is None or deployment.popular or deployment.idle_timeout_s <= 0:
+            return []
+        cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
+        idle = list(
+            Replica.objects.select_for_update(skip_locked=True, of=("self",))
+            .filter(deployment=deployment, state=Replica.State.SERVING)
+            .annotate(idle_since=Greatest(F("last_accessed"), F("serving_since")))
+            .filter(idle_since__lt=cutoff)
+            .order_by("pk")
+        )
+        for replica in idle:
+            idle_s = int((now - replica.idle_since).total_seconds())
+            sleep_replica(replica.id, reason=f"slept after {idle_s} s idle", deployment=deployment)
+    return [r.id for r in idle]

@@ -1,0 +1,290 @@
+"""Inference requests: the Redis queue's guarantees, and the REST path (a stand-in replica thread
+serves the queue here; tests/test_serving.py runs real replica processes)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import redis
+from django.conf import settings
+from django.contrib.auth.models import User
+from rest_framework.test import APIClient
+
+from inference.devices import virtual_gpus
+from inference.requestqueue import RequestQueue, processing_key, queue_key
+from scheduling.models import Deployment, Replica
+from scheduling.services import replicas as replica_services
+from scheduling.services import requests as request_services
+from scheduling.services.nodes import register_node
+
+MiB = 1024**2
+
+
+@pytest.fixture
+def rq() -> RequestQueue:
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    # Only the queue's own keys: REDIS_URL may point at a developer's Redis.
+    for key in client.scan_iter("gp:*"):
+        client.delete(key)
+    return RequestQueue(client)
+
+
+def submit(rq: RequestQueue, deployment: str = "tiny", text: str = "hi") -> str:
+    return rq.submit(deployment, kind="generate", input=text, params={}, owner="1").id
+
+
+# -- the queue -----------------------------------------------------------------------------------
+
+
+def test_requests_are_taken_oldest_first_and_end_with_their_output(rq):
+    first, second = submit(rq, text="one"), submit(rq, text="two")
+
+    taken = rq.take("tiny", "replica-a", timeout=1)
+    assert (taken.id, taken.status, taken.replica, taken.attempts) == (first, "dispatched", "replica-a", 1)
+    rq.start(first)
+    rq.finish(first, "replica-a", {"text": "ONE"})
+
+    done = rq.wait(first, timeout=1)
+    assert done.status == "done" and done.output == {"text": "ONE"}
+    assert done.created_at <= done.dispatched_at <= done.started_at <= done.finished_at
+    assert rq.redis.llen(processing_key("replica-a")) == 0
+    assert rq.take("tiny", "replica-b", timeout=1).id == second
+
+
+def test_what_a_dead_replica_had_taken_goes_back_to_the_head_of_the_queue(rq):
+    lost, waiting = submit(rq, text="lost"), submit(rq, text="waiting")
+    assert rq.take("tiny", "dead", timeout=1).id == lost
+
+    assert rq.requeue_from("dead", max_attempts=3, reason="replica died") == {lost: "requeued"}
+
+    again = rq.take("tiny", "alive", timeout=1)
+    assert again.id == lost and again.attempts == 2, "first in line again, its attempts counted"
+    assert rq.take("tiny", "alive", timeout=1).id == waiting
+
+
+def test_a_request_that_used_its_attempts_fails_saying_why(rq):
+    request_id = submit(rq)
+    for replica in ("a", "b"):
+        rq.take("tiny", replica, timeout=1)
+        rq.requeue_from(replica, max_attempts=2, reason=f"replica {replica} died")
+
+    failed = rq.get(request_id)
+    assert failed.status == "failed" and failed.error == "replica b died; gave up after 2 attempt(s)"
+    assert rq.depth("tiny") == 0
+
+
+def test_a_request_taken_as_its_replica_sleeps_is_given_back_without_costing_an_attempt(rq):
+    request_id = submit(rq)
+    taken = rq.take("tiny", "sleepy", timeout=1)
+
+    rq.give_back(taken, "sleepy")
+
+    back = rq.take("tiny", "other", timeout=1)
+    assert back.id == request_id and back.attempts == 1
+
+
+def test_only_a_waiting_request_can_be_cancelled(rq):
+    waiting, taken = submit(rq), submit(rq)
+    rq.redis.lrem(queue_key("tiny"), 1, taken)  # as if a replica held it
+    assert rq.cancel(waiting) and rq.get(waiting).status == "cancelled"
+    assert not rq.cancel(taken)
+
+
+def test_waiters_block_until_the_end_and_all_of_them_see_it(rq):
+    request_id = submit(rq)
+    seen: list[str] = []
+    ready = threading.Barrier(3)
+
+    def waiter() -> None:
+        ready.wait()
+        seen.append(RequestQueue.from_url(settings.REDIS_URL).wait(request_id, timeout=10).status)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    rq.take("tiny", "a", timeout=1)
+    rq.finish(request_id, "a", {"text": "x"})
+    for thread in threads:
+        thread.join()
+    assert seen == ["done", "done"]
+
+
+def test_streamed_chunks_arrive_in_order_then_the_end(rq):
+    request_id = submit(rq)
+    rq.take("tiny", "a", timeout=1)
+    for piece in ("Hel", "lo", "!"):
+        rq.chunk(request_id, piece)
+    rq.finish(request_id, "a", {"text": "Hello!"})
+
+    chunks, ended = rq.read_stream(request_id, 0, timeout=1)
+    assert chunks == ["Hel", "lo", "!"] and ended
+
+
+# -- the REST path -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serving_deployment(db, rq, tiny_model_dir):
+    """A deployment with one replica marked serving (no process: a thread answers its queue)."""
+    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    replica = Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+    request_services.queue.cache_clear()
+    return replica
+
+
+class StandIn(threading.Thread):
+    """Answers the queue like a replica would: upper-cases text, or fails what says 'too long'."""
+
+    def __init__(self, replica_id: str, count: int):
+        super().__init__(daemon=True)
+        self.replica_id, self.count = replica_id, count
+        self.queue = RequestQueue.from_url(settings.REDIS_URL)
+
+    def run(self) -> None:
+        for _ in range(self.count):
+            request = self.queue.take("tiny", self.replica_id, timeout=10)
+            if request is None:
+                return
+            self.queue.start(request.id)
+            if "too long" in str(request.input):
+                self.queue.fail(request.id, self.replica_id, "input too long: 300 prompt tokens", "bad_input")
+            else:
+                self.queue.finish(request.id, self.replica_id, {"text": str(request.input).upper()})
+
+
+@pytest.fixture
+def user_client(db) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(User.objects.create_user("alice"))
+    return client
+
+
+def test_infer_runs_the_request_and_answers_with_its_output(serving_deployment, user_client):
+    StandIn(serving_deployment.id, 1).start()
+
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "hello", "timeout_s": 10}, format="json")
+
+    assert response.status_code == 200, response.json()
+    body = response.json()
+    assert body["status"] == "done" and body["output"] == {"text": "HELLO"}
+    assert body["replica"] == serving_deployment.id and body["kind"] == "generate"
+    assert all(body[k] for k in ("created_at", "dispatched_at", "started_at", "finished_at"))
+
+
+def test_infer_answers_202_with_the_id_when_the_timeout_passes_first(serving_deployment, user_client):
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "hello", "timeout_s": 0.2}, format="json")
+
+    assert response.status_code == 202 and response.json()["status"] == "queued"
+    request_id = response.json()["id"]
+    StandIn(serving_deployment.id, 1).run()
+    assert user_client.get(f"/api/requests/{request_id}/").json()["status"] == "done"
+
+
+def test_submit_then_poll_and_only_the_owner_or_staff_sees_it(serving_deployment, user_client):
+    response = user_client.post("/api/requests/", {"deployment": "tiny", "input": "poll me"}, format="json")
+    assert response.status_code == 202
+    request_id = response.json()["id"]
+    StandIn(serving_deployment.id, 1).run()
+
+    assert user_client.get(f"/api/requests/{request_id}/").json()["output"] == {"text": "POLL ME"}
+    stranger = APIClient()
+    stranger.force_authenticate(User.objects.create_user("mallory"))
+    assert stranger.get(f"/api/requests/{request_id}/").status_code == 404
+    staff = APIClient()
+    staff.force_authenticate(User.objects.create_user("ops", is_staff=True))
+    assert staff.get(f"/api/requests/{request_id}/").status_code == 200
+    assert APIClient().get(f"/api/requests/{request_id}/").status_code == 401
+
+
+def test_an_input_too_long_for_the_model_is_a_400(serving_deployment, user_client):
+    StandIn(serving_deployment.id, 1).start()
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "too long", "timeout_s": 10}, format="json")
+    assert response.status_code == 400 and response.json()["input"] == ["input too long: 300 prompt tokens"]
+
+
+def test_a_waiting_request_can_be_cancelled_by_its_owner(serving_deployment, user_client):
+    request_id = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json").json()["id"]
+
+    response = user_client.delete(f"/api/requests/{request_id}/")
+
+    assert response.status_code == 200 and response.json()["status"] == "cancelled"
+    assert user_client.delete(f"/api/requests/{request_id}/").status_code == 409
+
+
+@pytest.mark.parametrize(
+    ("path", "data", "field"),
+    [
+        ("/api/deployments/tiny/infer/", {}, "input"),
+        ("/api/deployments/tiny/infer/", {"input": 5}, "input"),
+        ("/api/deployments/tiny/infer/", {"input": [{"role": "user"}]}, "input"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "timeout_s": -1}, "timeout_s"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "timeout_s": 10_000}, "timeout_s"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"max_tokens": 0}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"temperature": 3}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"top_p": 0}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"stop": [1]}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"beams": 4}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "extra": 1}, "extra"),
+        ("/api/requests/", {"input": "x"}, "deployment"),
+        ("/api/requests/", {"deployment": "Not A Slug", "input": "x"}, "deployment"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field_and_queues_nothing(serving_deployment, user_client, rq, path, data, field):
+    response = user_client.post(path, data, format="json")
+
+    assert response.status_code == 400 and field in response.json(), response.json()
+    assert rq.depth("tiny") == 0
+
+
+def test_unknown_deployments_and_requests_are_404(serving_deployment, user_client):
+    assert user_client.post("/api/deployments/nope/infer/", {"input": "x"}, format="json").status_code == 404
+    assert user_client.get(f"/api/requests/{uuid.uuid4().hex}/").status_code == 404
+
+
+def test_a_deployment_that_can_never_be_placed_is_refused_at_once_with_409(db, rq, user_client, tiny_model_dir):
+    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    Deployment.objects.create(name="giant", model_source=str(tiny_model_dir), memory_override_bytes=2 * 1024**3)
+    request_services.queue.cache_clear()
+
+    response = user_client.post("/api/deployments/giant/infer/", {"input": "x"}, format="json")
+
+    assert response.status_code == 409 and "no node can ever hold" in response.json()["detail"]
+    assert rq.depth("giant") == 0 and not Replica.objects.exists()
+
+
+def test_a_request_for_a_sleeping_deployment_wakes_it_and_says_waking(db, rq, user_client, tiny_model_dir, dispatched):
+    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    Deployment.objects.create(
+        name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB, replicas_wanted=0
+    )
+    request_services.queue.cache_clear()
+
+    response = user_client.post("/api/requests/", {"deployment": "tiny", "input": "wake up"}, format="json")
+
+    assert response.status_code == 202 and response.json()["status"] == "waking"
+    assert Replica.objects.filter(deployment__name="tiny", state="pending").count() == 1
+    assert rq.depth("tiny") == 1
+
+
+def test_requests_of_a_failed_replica_are_requeued_not_lost(serving_deployment, user_client, rq):
+    request_id = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json").json()["id"]
+    rq.take("tiny", serving_deployment.id, timeout=1)
+
+    replica_services.report(serving_deployment.id, {"event": "failed", "kind": "crash", "reason": "killed"})
+
+    back = rq.get(request_id)
+    assert back.status == "queued" and rq.depth("tiny") == 1
+
+
+def test_last_access_is_copied_into_the_database(serving_deployment, rq):
+    request_id = submit(rq)
+    rq.take("tiny", serving_deployment.id, timeout=1)
+    rq.finish(request_id, serving_deployment.id, {"text": "x"})
+
+    assert request_services.sync_last_accessed() == 1
+    serving_deployment.refresh_from_db()
+    assert serving_deployment.last_accessed is not None

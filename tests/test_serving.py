@@ -1,0 +1,121 @@
+"""Serving end to end on virtual GPUs: a real agent, real replica processes generating text with a
+tiny model, requests through the REST API; replicas killed or stopped while they hold requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from rest_framework.test import APIClient
+
+from inference.management.commands.make_tiny_model import write_tiny_model
+from scheduling.models import Replica
+from scheduling.services import requests as request_services
+from tests.processes import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+MiB = 1024**2
+LOAD_TIMEOUT = 180
+
+
+def serving(count: int):
+    def check():
+        states = list(Replica.objects.filter(deployment__name="tiny").values_list("state", flat=True))
+        assert "failed" not in states, Replica.objects.values_list("failure_reason", flat=True)
+        return states.count("serving") == count
+
+    return check
+
+
+@pytest.fixture
+def deployed(agent, staff, tmp_path):
+    request_services.queue.cache_clear()
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3).path
+    body = {
+        "name": "tiny",
+        "model": {"source": str(model)},
+        "replicas": 2,
+        "memory": {"override_bytes": 200 * MiB, "max_tokens": 256},
+    }
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    wait_until(serving(2), LOAD_TIMEOUT, "two replicas to serve")
+    return staff
+
+
+def test_infer_generates_text_with_usage_and_polling_sees_the_same(deployed: APIClient):
+    response = deployed.post(
+        "/api/deployments/tiny/infer/", {"input": "Hello", "params": {"max_tokens": 8}, "timeout_s": 60}, format="json"
+    )
+
+    assert response.status_code == 200, response.json()
+    body = response.json()
+    assert body["status"] == "done" and isinstance(body["output"]["text"], str)
+    assert body["output"]["usage"]["completion_tokens"] <= 8 and body["output"]["usage"]["prompt_tokens"] > 0
+    assert body["replica"] in set(Replica.objects.values_list("id", flat=True))
+
+    submitted = deployed.post("/api/requests/", {"deployment": "tiny", "input": "Hello again"}, format="json").json()
+    done = wait_until(
+        lambda: (r := deployed.get(f"/api/requests/{submitted['id']}/").json())["status"] == "done" and r,
+        60,
+        "the submitted request to finish",
+    )
+    assert done["output"]["text"] is not None
+
+    too_long = deployed.post(
+        "/api/deployments/tiny/infer/", {"input": "word " * 2100, "params": {"max_tokens": 8}}, format="json"
+    )
+    assert too_long.status_code == 400 and "input too long" in too_long.json()["input"][0]
+
+
+def test_a_replica_killed_mid_request_loses_nothing(deployed: APIClient):
+    ids = [
+        deployed.post(
+            "/api/requests/",
+            {"deployment": "tiny", "input": f"story {n}", "params": {"max_tokens": 200}},
+            format="json",
+        ).json()["id"]
+        for n in range(4)
+    ]
+    running = wait_until(
+        lambda: next((r for i in ids if (r := request_services.queue().get(i)).status == "running"), None),
+        60,
+        "a request to be running",
+    )
+    victim = Replica.objects.get(pk=running.replica)
+    os.kill(victim.pid, signal.SIGKILL)
+
+    finished = wait_until(
+        lambda: (
+            all(request_services.queue().get(i).final for i in ids) and [request_services.queue().get(i) for i in ids]
+        ),
+        120,
+        "every request to finish",
+    )
+    assert [r.status for r in finished] == ["done"] * 4, [(r.status, r.error) for r in finished]
+    rerun = next(r for r in finished if r.id == running.id)
+    assert rerun.attempts == 2 and rerun.replica != victim.id, "run again on the other replica"
+
+
+def test_scaling_down_while_requests_are_in_flight_loses_none(deployed: APIClient):
+    ids = [
+        deployed.post(
+            "/api/requests/", {"deployment": "tiny", "input": f"tale {n}", "params": {"max_tokens": 120}}, format="json"
+        ).json()["id"]
+        for n in range(6)
+    ]
+    wait_until(
+        lambda: any(request_services.queue().get(i).status == "running" for i in ids), 60, "requests to be running"
+    )
+
+    assert deployed.post("/api/deployments/tiny/scale/", {"replicas": 1}, format="json").status_code == 200
+
+    finished = wait_until(
+        lambda: (
+            all(request_services.queue().get(i).final for i in ids) and [request_services.queue().get(i) for i in ids]
+        ),
+        180,
+        "every request to finish",
+    )
+    assert [r.status for r in finished] == ["done"] * 6, [(r.status, r.error) for r in finished]
