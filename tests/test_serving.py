@@ -119,3 +119,31 @@ def test_scaling_down_while_requests_are_in_flight_loses_none(deployed: APIClien
         "every request to finish",
     )
     assert [r.status for r in finished] == ["done"] * 6, [(r.status, r.error) for r in finished]
+
+
+def test_an_idle_deployment_sleeps_and_the_next_request_wakes_it_and_completes(agent, staff, tmp_path):
+    from scheduling.tasks import sleep_idle
+
+    request_services.queue.cache_clear()
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=4).path
+    body = {
+        "name": "tiny",
+        "model": {"source": str(model)},
+        "memory": {"override_bytes": 200 * MiB},
+        "sleep": {"idle_timeout_s": 1},
+    }
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    wait_until(serving(1), LOAD_TIMEOUT, "the replica to serve")
+    first = staff.post("/api/deployments/tiny/infer/", {"input": "Hi", "timeout_s": 60}, format="json")
+    assert first.status_code == 200
+    replica = Replica.objects.get()
+
+    # Beat is not running in tests: run its task until the replica has been idle long enough.
+    wait_until(lambda: sleep_idle.apply().get() == [replica.id], 30, "the idle sweep to put the replica to sleep")
+    wait_until(lambda: Replica.objects.get().state == "sleeping", 60, "the replica to sleep")
+
+    again = staff.post("/api/deployments/tiny/infer/", {"input": "Hi again", "timeout_s": 120}, format="json")
+
+    assert again.status_code == 200 and again.json()["status"] == "done", again.json()
+    assert again.json()["replica"] == replica.id, "the cached replica was woken, not a new one placed"
+    assert Replica.objects.get().state == "serving"

@@ -122,6 +122,11 @@ def sweep_idle(now: datetime | None = None) -> list[str]:
     Deployments and replicas another transaction holds (a wake, a request touching the replica)
     are skipped this round; beat runs the sweep again in a few seconds.
     """
+    # Requests record their replica's last access in Redis; bring it over before judging idleness.
+    # Imported here: the request service itself wakes deployments through this module.
+    from scheduling.services import requests as request_services
+
+    request_services.sync_last_accessed()
     now = now or timezone.now()
     idle_since = Greatest(F("last_accessed"), F("serving_since"))
     timeout = ExpressionWrapper(F("deployment__idle_timeout_s") * timedelta(seconds=1), output_field=DurationField())
