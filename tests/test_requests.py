@@ -18,6 +18,7 @@ from scheduling.models import Deployment, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
+from tests.processes import StandIn
 
 MiB = 1024**2
 
@@ -136,26 +137,6 @@ def serving_deployment(db, rq, tiny_model_dir):
     return replica
 
 
-class StandIn(threading.Thread):
-    """Answers the queue like a replica would: upper-cases text, or fails what says 'too long'."""
-
-    def __init__(self, replica_id: str, count: int):
-        super().__init__(daemon=True)
-        self.replica_id, self.count = replica_id, count
-        self.queue = RequestQueue.from_url(settings.REDIS_URL)
-
-    def run(self) -> None:
-        for _ in range(self.count):
-            request = self.queue.take("tiny", self.replica_id, timeout=10)
-            if request is None:
-                return
-            self.queue.start(request.id)
-            if "too long" in str(request.input):
-                self.queue.fail(request.id, self.replica_id, "input too long: 300 prompt tokens", "bad_input")
-            else:
-                self.queue.finish(request.id, self.replica_id, {"text": str(request.input).upper()})
-
-
 @pytest.fixture
 def user_client(db) -> APIClient:
     client = APIClient()
@@ -170,7 +151,7 @@ def test_infer_runs_the_request_and_answers_with_its_output(serving_deployment, 
 
     assert response.status_code == 200, response.json()
     body = response.json()
-    assert body["status"] == "done" and body["output"] == {"text": "HELLO"}
+    assert body["status"] == "done" and body["output"]["text"] == "HELLO"
     assert body["replica"] == serving_deployment.id and body["kind"] == "generate"
     assert all(body[k] for k in ("created_at", "dispatched_at", "started_at", "finished_at"))
 
@@ -190,7 +171,7 @@ def test_submit_then_poll_and_only_the_owner_or_staff_sees_it(serving_deployment
     request_id = response.json()["id"]
     StandIn(serving_deployment.id, 1).run()
 
-    assert user_client.get(f"/api/requests/{request_id}/").json()["output"] == {"text": "POLL ME"}
+    assert user_client.get(f"/api/requests/{request_id}/").json()["output"]["text"] == "POLL ME"
     stranger = APIClient()
     stranger.force_authenticate(User.objects.create_user("mallory"))
     assert stranger.get(f"/api/requests/{request_id}/").status_code == 404

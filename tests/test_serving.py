@@ -147,3 +147,22 @@ def test_an_idle_deployment_sleeps_and_the_next_request_wakes_it_and_completes(a
     assert again.status_code == 200 and again.json()["status"] == "done", again.json()
     assert again.json()["replica"] == replica.id, "the cached replica was woken, not a new one placed"
     assert Replica.objects.get().state == "serving"
+
+
+def test_the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(deployed, live_server):
+    import openai
+    from django.contrib.auth.models import User
+    from rest_framework.authtoken.models import Token
+
+    key = Token.objects.create(user=User.objects.get(username="ops")).key
+    with openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=key, max_retries=0, timeout=120) as client:
+        plain = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=12
+        )
+        chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, stream=True))
+
+    assert plain.choices[0].message.role == "assistant" and plain.usage.completion_tokens <= 12
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
+    assert len(chunks) > 2, "text arrived as it was generated, not all at the end"
+    assert isinstance(streamed, str)

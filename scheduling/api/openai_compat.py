@@ -1,0 +1,284 @@
+"""OpenAI-compatible endpoints for causal-LM deployments (the model is the deployment's name):
+`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, with `stream: true` as
+server-sent events. Requests go through the same queue as `/api/.../infer/`."""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from django.conf import settings
+from django.http import StreamingHttpResponse
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.utils import extend_schema
+from rest_framework import exceptions, permissions, serializers
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.request import Request as HttpRequest
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from inference.requestqueue import Request
+from scheduling.api.inputs import FiniteFloatField
+from scheduling.api.requests import ParamsInput
+from scheduling.models import Deployment
+from scheduling.services import requests as request_services
+from scheduling.services.errors import ServiceError
+
+# Streams poll Redis in slices this long, so a dropped client is noticed between slices.
+STREAM_SLICE_S = 1.0
+
+
+class BearerTokenAuthentication(TokenAuthentication):
+    """The portal's API tokens, sent the way OpenAI clients send keys: `Authorization: Bearer <key>`."""
+
+    keyword = "Bearer"
+
+
+class BearerTokenScheme(OpenApiAuthenticationExtension):
+    """Tells the OpenAPI schema that /v1 takes the portal's tokens as HTTP bearer tokens."""
+
+    target_class = BearerTokenAuthentication
+    name = "bearerAuth"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {"type": "http", "scheme": "bearer"}
+
+
+class CompletionInput(serializers.Serializer):
+    """What OpenAI clients send; fields this portal does not use are accepted and ignored."""
+
+    model = serializers.CharField()
+    max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
+    max_completion_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
+    temperature = FiniteFloatField(min_value=0, max_value=2, required=False, allow_null=True)
+    top_p = FiniteFloatField(min_value=0, max_value=1, required=False, allow_null=True)
+    stop = serializers.JSONField(required=False, allow_null=True)
+    n = serializers.IntegerField(required=False, allow_null=True)
+    stream = serializers.BooleanField(required=False, default=False)
+
+    def validate_n(self, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise serializers.ValidationError("only n=1 is supported")
+        return value
+
+    def params(self) -> dict[str, Any]:
+        data = self.validated_data
+        raw = {
+            "max_tokens": data.get("max_tokens") or data.get("max_completion_tokens"),
+            "temperature": data.get("temperature"),
+            "top_p": data.get("top_p"),
+            "stop": data.get("stop"),
+        }
+        params = ParamsInput(data={k: v for k, v in raw.items() if v is not None})
+        if not params.is_valid():
+            raise serializers.ValidationError(params.errors)
+        return {**params.validated_data, "stream": data["stream"]}
+
+
+class PromptInput(CompletionInput):
+    prompt = serializers.CharField(allow_blank=True, trim_whitespace=False)
+
+
+class MessageInput(serializers.Serializer):
+    role = serializers.ChoiceField(choices=["system", "user", "assistant", "developer"])
+    content = serializers.CharField(allow_blank=True, trim_whitespace=False)
+
+
+class ChatInput(CompletionInput):
+    messages = MessageInput(many=True, allow_empty=False)
+
+
+def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Response:
+    return Response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
+
+
+class OpenAIView(APIView):
+    authentication_classes = [BearerTokenAuthentication, TokenAuthentication, SessionAuthentication]
+    permission_classes = [permissions.IsAuthenticated]
+
+    def handle_exception(self, exc: Exception) -> Response:
+        """Errors in OpenAI's shape, so its clients raise their usual exceptions with our message."""
+        if isinstance(exc, exceptions.ValidationError):
+            param, message = _first_error(exc.detail)
+            return openai_error(400, f"{param}: {message}" if param else message, param)
+        if isinstance(exc, exceptions.AuthenticationFailed | exceptions.NotAuthenticated):
+            return openai_error(401, str(exc.detail), kind="authentication_error")
+        if isinstance(exc, ServiceError):
+            return openai_error(
+                exc.status, str(exc), kind="invalid_request_error" if exc.status < 500 else "server_error"
+            )
+        return super().handle_exception(exc)
+
+
+def _first_error(detail: Any, field: str = "") -> tuple[str, str]:
+    """The first error in DRF's nested detail, as (dotted field name, message)."""
+    if isinstance(detail, dict) and detail:
+        key, value = next(iter(detail.items()))
+        # A list- or object-level error belongs to the field holding it.
+        inner = field if key == "non_field_errors" else (f"{field}.{key}" if field else str(key))
+        return _first_error(value, inner)
+    if isinstance(detail, list) and detail:
+        return _first_error(detail[0], field)
+    return field, str(detail)
+
+
+class ModelsView(OpenAIView):
+    @extend_schema(responses={200: dict})
+    def get(self, request: HttpRequest) -> Response:
+        rows = Deployment.objects.filter(loader=Deployment.Loader.TRANSFORMERS).values_list("name", "created_at")
+        return Response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": "gpuportal"}
+                    for name, created in rows
+                ],
+            }
+        )
+
+
+class _Generate(OpenAIView, ABC):
+    """What completions and chat completions share; each says what its input and output are."""
+
+    input_class: type[CompletionInput]
+    kind: str
+    object_name: str
+    id_prefix: str
+
+    def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
+        data = self.input_class(data=request.data)
+        data.is_valid(raise_exception=True)
+        model = data.validated_data["model"]
+        loader = Deployment.objects.filter(name=model).values_list("loader", flat=True).first()
+        if loader is None:
+            return openai_error(404, f"The model `{model}` does not exist", "model", "model_not_found")
+        if loader != Deployment.Loader.TRANSFORMERS:
+            return openai_error(400, f"`{model}` is not a causal language model", "model")
+        params = data.params()
+        submitted = request_services.submit(
+            model, kind=self.kind, input=self.input_of(data.validated_data), params=params, owner=str(request.user.pk)
+        )
+        if params["stream"]:
+            response = StreamingHttpResponse(self.events(submitted, model), content_type="text/event-stream")
+            response["Cache-Control"] = "no-cache"
+            return response
+        result = request_services.wait(submitted.id, settings.GPUPORTAL_INFER_MAX_TIMEOUT_S)
+        if result is None or not result.final:
+            return openai_error(
+                504,
+                f"request {submitted.id} did not finish in time; poll /api/requests/{submitted.id}/",
+                kind="timeout",
+            )
+        if result.status != "done":
+            code = 400 if result.error_kind == "bad_input" else 503
+            return openai_error(
+                code,
+                result.error,
+                "messages" if self.kind == "chat" else "prompt",
+                "server_error" if code == 503 else "invalid_request_error",
+            )
+        return Response(self.body(result, model))
+
+    @abstractmethod
+    def input_of(self, data: dict[str, Any]) -> Any: ...
+
+    @abstractmethod
+    def choice(self, output: dict[str, Any]) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def delta(self, text: str, first: bool) -> dict[str, Any]: ...
+
+    def body(self, result: Request, model: str) -> dict[str, Any]:
+        output = result.output or {}
+        return {
+            "id": f"{self.id_prefix}-{result.id}",
+            "object": self.object_name,
+            "created": int(result.created_at or time.time()),
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output)}],
+            "usage": output.get("usage", {}),
+        }
+
+    def events(self, submitted: Request, model: str) -> Iterator[bytes]:
+        """Server-sent events: a chunk per piece of text as it is generated, then [DONE]."""
+        queue = request_services.queue()
+        sent, first, deadline = 0, True, time.monotonic() + settings.GPUPORTAL_INFER_MAX_TIMEOUT_S
+        base = {
+            "id": f"{self.id_prefix}-{submitted.id}",
+            "object": f"{self.object_name}.chunk" if self.kind == "chat" else self.object_name,
+            "model": model,
+            "created": int(time.time()),
+        }
+        while time.monotonic() < deadline:
+            chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
+            for text in chunks:
+                yield _sse({**base, "choices": [{"index": 0, "finish_reason": None, **self.delta(text, first)}]})
+                first = False
+            sent += len(chunks)
+            if ended:
+                break
+        final = queue.get(submitted.id)
+        output = (final.output if final else None) or {}
+        if final is not None and final.status == "failed":
+            yield _sse({"error": {"message": final.error, "type": "server_error", "param": None, "code": None}})
+        else:
+            yield _sse(
+                {
+                    **base,
+                    "choices": [
+                        {"index": 0, "finish_reason": output.get("finish_reason", "stop"), **self.delta("", first)}
+                    ],
+                    "usage": output.get("usage"),
+                }
+            )
+        yield b"data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+class CompletionsView(_Generate):
+    input_class = PromptInput
+    kind = "generate"
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    @extend_schema(request=PromptInput, responses={200: dict})
+    def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
+        return super().post(request)
+
+    def input_of(self, data: dict[str, Any]) -> Any:
+        return data["prompt"]
+
+    def choice(self, output: dict[str, Any]) -> dict[str, Any]:
+        return {"text": output.get("text", ""), "logprobs": None}
+
+    def delta(self, text: str, first: bool) -> dict[str, Any]:
+        return {"text": text, "logprobs": None}
+
+
+class ChatCompletionsView(_Generate):
+    input_class = ChatInput
+    kind = "chat"
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    @extend_schema(request=ChatInput, responses={200: dict})
+    def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
+        return super().post(request)
+
+    def input_of(self, data: dict[str, Any]) -> Any:
+        return [dict(m) for m in data["messages"]]
+
+    def choice(self, output: dict[str, Any]) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": output.get("text", "")}}
+
+    def delta(self, text: str, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if first:
+            delta["role"] = "assistant"
+        return {"delta": delta}
