@@ -14,7 +14,6 @@ from rest_framework.views import APIView
 
 from inference.requestqueue import Request
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
-from scheduling.models import Deployment
 from scheduling.services import requests as request_services
 
 
@@ -92,16 +91,18 @@ def shape(request: Request) -> dict[str, Any]:
     }
 
 
-def kind_of(deployment_name: str, data: Any) -> str:
-    """Text generates, a list of chat messages chats, a plain module takes tensors."""
-    loader = Deployment.objects.filter(name=deployment_name).values_list("loader", flat=True).first()
-    if loader == Deployment.Loader.TORCH_MODULE:
-        return "forward"
+def kind_of(data: Any) -> str:
+    """Text generates, a list of chat messages chats, anything else is a tensor for a plain
+    module (submit refuses text for a module, and tensors for a causal LM fail at the model)."""
     if isinstance(data, str):
         return "generate"
-    if isinstance(data, list) and data and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in data):
-        return "chat"
-    raise serializers.ValidationError({"input": ["must be text, or a list of {role, content} chat messages"]})
+    if isinstance(data, list) and data and all(isinstance(m, dict) for m in data):
+        if all({"role", "content"} <= set(m) for m in data):
+            return "chat"
+        raise serializers.ValidationError({"input": ["chat messages need a role and a content"]})
+    if isinstance(data, list):
+        return "forward"
+    raise serializers.ValidationError({"input": ["must be text, a list of {role, content} messages, or a tensor"]})
 
 
 def params_of(validated: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +130,7 @@ class InferView(APIView):
     def post(self, request: HttpRequest, name: str) -> Response:
         data = InferInput(data=request.data)
         data.is_valid(raise_exception=True)
-        kind = kind_of(name, data.validated_data["input"])
+        kind = kind_of(data.validated_data["input"])
         submitted = request_services.submit(
             name, kind=kind, input=data.validated_data["input"], params=params_of(data.validated_data),
             owner=str(request.user.pk),
@@ -157,7 +158,7 @@ class RequestListView(APIView):
         name = data.validated_data["deployment"]
         submitted = request_services.submit(
             name,
-            kind=kind_of(name, data.validated_data["input"]),
+            kind=kind_of(data.validated_data["input"]),
             input=data.validated_data["input"],
             params=params_of(data.validated_data),
             owner=str(request.user.pk),

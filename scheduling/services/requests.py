@@ -13,6 +13,7 @@ from functools import cache
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Exists, OuterRef
 
 from inference.requestqueue import Request, RequestQueue, last_key
 from scheduling import ledger
@@ -37,15 +38,28 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
     placed); the request then shows `waking` until a replica takes it. One that can never be
     placed anywhere is refused with 409, and nothing is queued.
     """
-    deployment = Deployment.objects.filter(name=deployment_name).first()
-    if deployment is None:
+    # One query for all the hot path needs to know: on a serving deployment this is the only
+    # database access of a request.
+    found = (
+        Deployment.objects.filter(name=deployment_name)
+        .annotate(
+            awake=Exists(Replica.objects.filter(deployment=OuterRef("pk"), state__in=AWAKE)),
+            serving=Exists(Replica.objects.filter(deployment=OuterRef("pk"), state=Replica.State.SERVING)),
+        )
+        .values("loader", "awake", "serving")
+        .first()
+    )
+    if found is None:
         raise NotFound(f"no deployment named {deployment_name!r}")
-    if kind in ("generate", "chat") and deployment.loader != Deployment.Loader.TRANSFORMERS:
+    is_lm = found["loader"] == Deployment.Loader.TRANSFORMERS
+    if kind in ("generate", "chat") and not is_lm:
         raise InvalidInput("input", f"{deployment_name} is a plain PyTorch module: send a tensor as JSON lists")
-    if not deployment.replicas.filter(state__in=AWAKE).exists():
-        _refuse_if_never_placeable(deployment)
+    if kind == "forward" and is_lm:
+        raise InvalidInput("input", f"{deployment_name} is a causal LM: send text or chat messages")
+    if not found["awake"]:
+        _refuse_if_never_placeable(Deployment.objects.get(name=deployment_name))
         sleep.wake_deployment(deployment_name, reason="woken by a request")
-    status = "queued" if deployment.replicas.filter(state=Replica.State.SERVING).exists() else "waking"
+    status = "queued" if found["serving"] else "waking"
     return queue().submit(deployment_name, kind=kind, input=input, params=params, owner=owner, status=status)
 
 
