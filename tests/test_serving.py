@@ -166,3 +166,28 @@ def test_the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(de
     assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
     assert len(chunks) > 2, "text arrived as it was generated, not all at the end"
     assert isinstance(streamed, str)
+
+
+def test_a_plain_pytorch_module_takes_json_tensors_on_infer(agent, staff):
+    request_services.queue.cache_clear()
+    body = {
+        "name": "mlp",
+        "model": {"source": "tests.test_loaders:tiny_mlp", "loader": "torch-module"},
+        "memory": {"override_bytes": 64 * MiB},
+    }
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    wait_until(
+        lambda: Replica.objects.filter(deployment__name="mlp", state="serving").exists(), LOAD_TIMEOUT, "the module"
+    )
+
+    response = staff.post(
+        "/api/deployments/mlp/infer/", {"input": [[0.5] * 64, [1.0] * 64], "timeout_s": 60}, format="json"
+    )
+
+    assert response.status_code == 200, response.json()
+    output = response.json()["output"]
+    assert output["shape"] == [2, 64] and len(output["output"]) == 2 and len(output["output"][0]) == 64
+    wrong = staff.post("/api/deployments/mlp/infer/", {"input": [[1.0] * 3], "timeout_s": 60}, format="json")
+    assert wrong.status_code == 400 and "cannot take this input" in wrong.json()["input"][0]
+    text = staff.post("/api/deployments/mlp/infer/", {"input": "hello"}, format="json")
+    assert text.status_code == 400 and "plain PyTorch module" in text.json()["input"][0]
