@@ -19,6 +19,7 @@ from scheduling.models import Deployment, Event, Replica, new_replica_id
 from scheduling.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest
 from scheduling.planning import place_all
 from scheduling.services import dispatch
+from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.state import OccupantView, Plan, Release, Snapshot
 
@@ -203,8 +204,6 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
 
 def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
     """Put every serving replica of the deployment to sleep (weights to CPU RAM)."""
-    from scheduling.services import replicas as replica_services
-
     with transaction.atomic():
         deployment = get(name, lock=True)
         serving = list(deployment.replicas.filter(state=Replica.State.SERVING).values_list("id", flat=True))
@@ -383,18 +382,8 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
 
 
 def _mark_evicted(victim: Replica, placement: Placement) -> None:
-    before = victim.state
-    victim.state = Replica.State.DRAINING
-    victim.save(update_fields=["state", "updated_at"])
-    events.record(
-        Event.Kind.REPLICA_STATE,
-        f"replica {victim.id[:8]}",
-        f"evicted to the CPU cache to make room: {placement.reason}",
-        before={"state": before},
-        after={"state": victim.state},
-        node=victim.node.name if victim.node else "",
-        deployment=victim.deployment.name,
-        replica=victim.id,
+    replica_services.set_state(
+        victim, Replica.State.DRAINING, f"evicted to the CPU cache to make room: {placement.reason}"
     )
     if victim.node is not None:
         dispatch.to_node(victim.node.queue, dispatch.TO_CACHE, victim.id)
@@ -404,20 +393,8 @@ def _stop_replicas(deployment: Deployment, replicas: list[Replica], *, reason: s
     ids = {r.id for r in replicas}
 
     def apply(plan: Plan | None = None) -> None:
-        for replica in Replica.objects.select_related("node").filter(id__in=ids).order_by("pk"):
-            before = replica.state
-            replica.state = Replica.State.STOPPING
-            replica.save(update_fields=["state", "updated_at"])
-            events.record(
-                Event.Kind.REPLICA_STATE,
-                f"replica {replica.id[:8]}",
-                f"stopping: {reason}",
-                before={"state": before},
-                after={"state": replica.state},
-                node=replica.node.name if replica.node else "",
-                deployment=deployment.name,
-                replica=replica.id,
-            )
+        for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):
+            replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {reason}")
             if replica.node is not None:
                 dispatch.to_node(replica.node.queue, dispatch.STOP, replica.id)
 

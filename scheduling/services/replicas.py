@@ -62,7 +62,7 @@ def to_cache(
         replica = Replica.objects.select_for_update(of=("self",)).select_related("node").get(pk=replica_id)
         if replica.state != Replica.State.SERVING:
             raise InvalidState(f"replica {replica_id} is {replica.state}, {refused}")
-        _set_state(replica, Replica.State.DRAINING, reason)
+        set_state(replica, Replica.State.DRAINING, reason)
         if scale_down and deployment.replicas_wanted > 0:
             before = deployment.replicas_wanted
             deployment.replicas_wanted -= 1
@@ -101,7 +101,7 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
 def _progress(replica: Replica, event: dict[str, Any]) -> None:
     percent = max(0, min(100, int(event.get("percent") or 0)))
     if replica.state == Replica.State.PENDING:
-        _set_state(replica, Replica.State.LOADING, f"loading weights: {event.get('detail') or 'started'}")
+        set_state(replica, Replica.State.LOADING, f"loading weights: {event.get('detail') or 'started'}")
     Replica.objects.filter(pk=replica.pk).update(progress=percent)
 
 
@@ -132,7 +132,7 @@ def _serving(replica: Replica, event: dict[str, Any]) -> None:
     replica.progress = 100
     weights = event.get("weights_bytes")
     detail = f"loaded ({memory.human_bytes(weights)} of weights)" if weights else "loaded"
-    _set_state(replica, Replica.State.SERVING, detail, extra=["pid", "serving_since", "last_accessed", "progress"])
+    set_state(replica, Replica.State.SERVING, detail, extra=["pid", "serving_since", "last_accessed", "progress"])
 
 
 def _woken(replica: Replica, event: dict[str, Any]) -> None:
@@ -140,7 +140,7 @@ def _woken(replica: Replica, event: dict[str, Any]) -> None:
         return
     replica.serving_since = timezone.now()
     replica.progress = 100
-    _set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
+    set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
 
 
 def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
@@ -154,7 +154,7 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
     replica.gpu_mem_bytes_by_id = {k: v for k, v in residual.items() if v > 0}
     replica.gpu_memory_fraction = None
     replica.serving_since = None
-    _set_state(
+    set_state(
         replica,
         Replica.State.SLEEPING,
         f"weights moved to CPU RAM; holds {memory.human_bytes(held)} on its GPU(s)",
@@ -174,7 +174,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
         # The reservation stays; the new process loads into the same place.
         replica.failure_reason = reason
         replica.progress = 0
-        _set_state(
+        set_state(
             replica,
             Replica.State.PENDING,
             f"restarting after a CUDA device-side assert: {reason}",
@@ -187,7 +187,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     replica.failure_reason = reason
     replica.pid = None
     replica.serving_since = None
-    _set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
+    set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
 
 
 def _stopped(replica: Replica, event: dict[str, Any]) -> None:
@@ -195,7 +195,7 @@ def _stopped(replica: Replica, event: dict[str, Any]) -> None:
     _reserve_exactly(replica, {}, reason="replica stopped")
     replica.pid = None
     replica.serving_since = None
-    _set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
+    set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
 
 
 def _requeue_taken(replica: Replica, reason: str) -> None:
@@ -267,7 +267,7 @@ def _reserve_exactly(replica: Replica, bytes_by_index: dict[int, int], *, reason
     ledger.commit_with_retry(decide)
 
 
-def _set_state(
+def set_state(
     replica: Replica,
     state: str,
     reason: str,
