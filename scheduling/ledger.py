@@ -5,7 +5,6 @@ Occupant rows; services call it, nothing else does."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -21,8 +20,6 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from scheduling.metrics import CAS_CONFLICTS, COMMITS
 from scheduling.models import GPU
 from scheduling.state import DeviceInfo, GPUView, IntentView, OccupantView, Plan, Snapshot
-
-log = logging.getLogger(__name__)
 
 
 class CasConflict(Exception):

@@ -6,7 +6,6 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,8 +21,6 @@ from scheduling.services import dispatch
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.state import OccupantView, Plan, Release, Snapshot
-
-log = logging.getLogger(__name__)
 
 # Replicas that are, or are about to be, on their GPUs: what `replicas` counts.
 AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
@@ -143,7 +140,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
             deployment=spec.name,
         )
         if spec.replicas:
-            _add_replicas(deployment, spec.replicas, reason=f"deploy {spec.name}")
+            add_replicas(deployment, spec.replicas, reason=f"deploy {spec.name}")
     return deployment
 
 
@@ -185,7 +182,7 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
         awake = list(deployment.replicas.filter(state__in=AWAKE).order_by("-created_at"))
         before = deployment.replicas_wanted
         if replicas > len(awake):
-            _add_replicas(deployment, replicas - len(awake), reason=f"{reason}: {len(awake)} → {replicas}")
+            add_replicas(deployment, replicas - len(awake), reason=f"{reason}: {len(awake)} → {replicas}")
         elif replicas < len(awake):
             _stop_replicas(deployment, awake[: len(awake) - replicas], reason=f"{reason}: {len(awake)} → {replicas}")
         deployment.replicas_wanted = replicas
@@ -266,7 +263,7 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
     return need
 
 
-def _add_replicas(
+def add_replicas(
     deployment: Deployment,
     count: int,
     *,

@@ -64,7 +64,7 @@ def wake_replica(replica_id: str, *, reason: str) -> Replica:
         replica = replica_services.get(replica_id)
         if replica.state != Replica.State.SLEEPING or replica.node is None:
             raise InvalidState(f"replica {replica_id} is {replica.state}, only a sleeping replica can be woken")
-        deployments._add_replicas(
+        deployments.add_replicas(
             deployment,
             1,
             reason=f"{reason}: wake replica {replica_id[:8]}",
@@ -96,11 +96,11 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         why = f"{reason}: {awake} → {awake + missing} awake"
         try:
             with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
-                decision = deployments._add_replicas(deployment, missing, reason=why)
+                decision = deployments.add_replicas(deployment, missing, reason=why)
         except CannotPlace:
             if awake > 0 or missing == 1:
                 raise
-            decision = deployments._add_replicas(
+            decision = deployments.add_replicas(
                 deployment, 1, reason=f"{reason}: 0 → 1 awake (not all {missing} wanted fit)"
             )
     return [p.replica_id for p in decision.placements]
