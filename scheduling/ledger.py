@@ -1,6 +1,8 @@
 """The one commit path (DESIGN §4): snapshot GPUs, let a pure module plan, commit with
-compare-and-swap on the GPU rows. This module is the only writer of GPU bytes, versions and
-Occupant rows; services call it, nothing else does."""
+compare-and-swap on the GPU rows. This module (with the server-side function it calls,
+`gpuportal_ledger_commit` of migration 0005) is the only writer of GPU bytes, versions and
+Occupant rows; services call it, nothing else does. Global lock order: deployment rows, then GPU
+rows by primary key, then replica rows."""
 
 from __future__ import annotations
 
@@ -142,7 +144,10 @@ class Mirror:
     For a loop that decides often (the placement benchmark, a busy scheduler): a full read of
     hundreds of GPUs costs milliseconds, a refresh of the few that changed costs little. It may
     lag a commit that lands between refresh and decision, like any snapshot; the compare-and-swap
-    at commit catches that, and the retry refreshes again. Not thread-safe: one per thread.
+    at commit catches that, and the retry refreshes again. Occupant details that change without
+    a ledger commit (a replica's state or last access) are refreshed only when their GPU is next
+    written, so a decision that weighs them (fairness) should read a fresh `snapshot()` of the
+    GPUs it acts on. Not thread-safe: one per thread.
     """
 
     def __init__(self) -> None:
