@@ -1,0 +1,463 @@
+"""Which occupant is preempted when a waking replica does not fit (seed 001), as pure functions.
+
+The wake path (effects, elsewhere) writes a PreemptionIntent, waits up to the deployment's
+`max_wait` for memory to be freed voluntarily (`wait_deadline`, `should_preempt`), and then asks
+`choose_victim` which occupants must sleep. Nothing here reads the database or the clock: `now`
+is a parameter, so the trace simulator can run the same rules on a simulated clock.
+
+The seed's rules, in its order, on the GPUs the waiting replica needs and nowhere else:
+
+    candidates = occupants of the needed GPUs
+      -> filter: state == serving          (anything else frees nothing now, or is mid-transition)
+      -> filter: not popular                (popular replicas are never preempted)
+      -> filter: serving >= min_runtime     (what prevents thrashing, see below)
+      -> filter: not the waiting replica itself
+      -> sort: least recently accessed first, ties by replica id
+      -> preempt in that order until every needed GPU has room
+
+Where this goes beyond the seed, on purpose:
+
+- The seed evicts one candidate; a replica may need several GPUs, or more than one occupant's
+  memory, so we take candidates in LRU order until *every* needed GPU has room. A candidate
+  that frees nothing on a GPU that is still short is passed over: sleeping it would help no one.
+  Then victims that turned out redundant (a later, larger victim freed their bytes too) are
+  dropped again, most recently used first, so no replica is put to sleep for nothing. The
+  result is irredundant: without any one of the victims some needed GPU would be short.
+- A `dedicated` replica is not a victim either: the Deployment model documents it as "never
+  evicted to make room for others", and placement (DESIGN §4) keeps that rule too.
+- A replica with no `serving_since` is not eligible: nothing proves it has served its
+  min_runtime, and guessing in its disfavour is what thrashing is made of.
+- `last_accessed = None` counts as the *oldest*: a serving replica that no request has reached
+  since it started is the one whose sleep costs nobody anything. Putting it last instead would
+  shield exactly the replicas nobody uses. It cannot cause thrashing: min_runtime still
+  protects a replica that has just woken, whatever its last_accessed says.
+- If nothing needs freeing (every needed GPU already has room), the answer is a `VictimChoice`
+  with no victims: fitting is not a failure.
+
+Why min_runtime prevents thrashing (DESIGN invariant 3, issue 5's thrash check): a replica is a
+victim only once `now - serving_since >= min_runtime_s`. As long as the wake path sets
+`serving_since` to the time the replica (re)starts serving, and never carries it over a sleep,
+a replica woken at t cannot be preempted before t + min_runtime. Two deployments that fit a GPU
+only one at a time therefore swap at most once per min_runtime however fast they are
+requested: each swap preempts the replica the previous swap woke. `tests/test_fairness.py`
+checks this as a property by simulating such request streams.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+from scheduling.state import GPUView, OccupantView
+
+SERVING = "serving"
+
+
+class Cause(StrEnum):
+    """Why a needed GPU cannot be given room, for callers that branch on it (metrics, 503s)."""
+
+    NO_OCCUPANTS = "no other occupants"
+    SELF = "the waiting replica itself"
+    POPULAR = "popular"
+    DEDICATED = "dedicated"
+    MIN_RUNTIME = "within min_runtime"
+    NOT_SERVING = "not serving"
+    NOT_ENOUGH_MEMORY = "not enough memory"
+
+
+@dataclass(frozen=True)
+class Victim:
+    """One replica to preempt, what sleeping it frees, and why it was picked."""
+
+    replica_id: str
+    deployment: str
+    # Bytes freed on every GPU of the input it occupies (needed or not), for the commit plan.
+    freed_bytes_by_gpu: Mapping[int, int]
+    last_accessed: datetime | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class VictimChoice:
+    """The replicas to preempt, least recently used first. Empty when everything already fits."""
+
+    waiting_replica_id: str
+    victims: tuple[Victim, ...]
+    reason: str
+    # Occupants of the needed GPUs that are not eligible: replica id -> why not (for Events).
+    skipped: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def victim_ids(self) -> tuple[str, ...]:
+        return tuple(v.replica_id for v in self.victims)
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A needed GPU that stays short even if every eligible occupant were preempted."""
+
+    gpu_id: int
+    label: str
+    needed_bytes: int
+    available_bytes: int
+    freeable_bytes: int  # by preempting every eligible occupant of this GPU
+    causes: tuple[Cause, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class NoVictim:
+    """No set of eligible occupants frees enough: the wake fails, with this reason."""
+
+    waiting_replica_id: str
+    shortfalls: tuple[Shortfall, ...]  # only the GPUs that stay short, by GPU id
+    skipped: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(s.reason for s in self.shortfalls)
+
+    @property
+    def causes(self) -> frozenset[Cause]:
+        return frozenset(c for s in self.shortfalls for c in s.causes)
+
+
+def eligible(occupant: OccupantView, *, waiting_replica_id: str, now: datetime) -> tuple[bool, str]:
+    """Whether `occupant` may be preempted for `waiting_replica_id` at `now`, and why (not)."""
+    cause, why = _verdict(occupant, waiting_replica_id, now)
+    return cause is None, why
+
+
+def choose_victim(
+    gpus: Sequence[GPUView],
+    *,
+    waiting_replica_id: str,
+    needed_bytes_by_gpu: Mapping[int, int],
+    now: datetime,
+    kept_bytes_by_gpu: Mapping[int, int] | None = None,
+) -> VictimChoice | NoVictim:
+    """Who must sleep so that `waiting_replica_id` fits. Pure: the views are not changed.
+
+    `needed_bytes_by_gpu` maps GPU id -> the bytes that must be *available* on it for the wake:
+    the replica's reservation there minus what it already holds (its sleeping residual). Every
+    key must be one of `gpus`; `gpus` may hold more GPUs than are needed, and a victim's freed
+    bytes are reported on all of them. `kept_bytes_by_gpu` is what a replica still holds on a
+    GPU once asleep (its CUDA context on a real GPU; 0, the default, on a virtual one), so that
+    the freed bytes are the ones that really come back.
+
+    Raises ValueError for a caller bug: no needed GPU, a negative need, a needed GPU that is
+    not in `gpus`, or the same GPU twice.
+    """
+    by_id = _index(gpus)
+    _check_needs(needed_bytes_by_gpu, by_id)
+    kept = kept_bytes_by_gpu or {}
+    needed_ids = sorted(needed_bytes_by_gpu)
+    short = {
+        gpu_id: needed_bytes_by_gpu[gpu_id] - by_id[gpu_id].available_bytes
+        for gpu_id in needed_ids
+        if needed_bytes_by_gpu[gpu_id] > by_id[gpu_id].available_bytes
+    }
+    candidates, ineligible = _candidates(by_id, needed_ids, waiting_replica_id, now, kept)
+    skipped = {rid: why for rid, (_, why) in sorted(ineligible.items())}
+    if not short:
+        room = ", ".join(
+            f"{by_id[g].label} has {_fmt_bytes(by_id[g].available_bytes)} of {_fmt_bytes(needed_bytes_by_gpu[g])}"
+            for g in needed_ids
+        )
+        return VictimChoice(waiting_replica_id, (), f"no preemption needed: {room}", skipped)
+    chosen = _greedy_lru(candidates, short)
+    if chosen is None:
+        return NoVictim(
+            waiting_replica_id,
+            tuple(
+                _shortfall(by_id[g], needed_bytes_by_gpu[g], candidates, ineligible, waiting_replica_id, kept)
+                for g in sorted(short)
+                if _freeable(candidates, g) < short[g]
+            ),
+            skipped,
+        )
+    victims = tuple(_victim(c, chosen, candidates, by_id, short, now) for c in chosen)
+    return VictimChoice(waiting_replica_id, victims, "; ".join(v.reason for v in victims), skipped)
+
+
+def wait_deadline(created_at: datetime, max_wait_s: float) -> datetime:
+    """When the fairness wait of an intent created at `created_at` ends (seed 001's maxWaitTime)."""
+    if not math.isfinite(max_wait_s) or max_wait_s < 0:
+        raise ValueError(f"max_wait_s must be a finite number >= 0, got {max_wait_s}")
+    return created_at + timedelta(seconds=max_wait_s)
+
+
+def should_preempt(now: datetime, deadline: datetime, freed_voluntarily: bool) -> bool:
+    """Whether the waiter stops waiting for a voluntary sleep and picks a victim now.
+
+    Memory freed voluntarily (an idle sleep, a scale-down) inside the wait means no one is
+    preempted at all; otherwise the waiter is patient until the deadline, then preempts.
+    """
+    return not freed_voluntarily and now >= deadline
+
+
+# --- the pieces ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    replica_id: str
+    deployment: str
+    last_accessed: datetime | None
+    freed: Mapping[int, int]  # gpu id -> bytes freed, on every input GPU it occupies
+
+
+def _sort_key(c: _Candidate) -> tuple:
+    # None first (see the module docstring), then oldest access, then id: a total order, so the
+    # answer never depends on the order in which the snapshot listed occupants.
+    if c.last_accessed is None:
+        return (0, "", c.replica_id)
+    return (1, c.last_accessed, c.replica_id)
+
+
+def _verdict(occupant: OccupantView, waiting_replica_id: str, now: datetime) -> tuple[Cause | None, str]:
+    """(None, why eligible) or (the first rule it fails, why)."""
+    name = _name(occupant)
+    if occupant.replica_id == waiting_replica_id:
+        return Cause.SELF, f"{name} is the waiting replica itself"
+    if occupant.state != SERVING:
+        return Cause.NOT_SERVING, f"{name} is {occupant.state}, not serving"
+    if occupant.popular:
+        return Cause.POPULAR, f"{name} is popular (never preempted)"
+    if occupant.dedicated:
+        return Cause.DEDICATED, f"{name} is dedicated (never evicted to make room)"
+    if occupant.serving_since is None:
+        return Cause.MIN_RUNTIME, f"{name} has no serving_since, so its min_runtime cannot be shown to have passed"
+    served = (now - occupant.serving_since).total_seconds()
+    if served < occupant.min_runtime_s:
+        until = occupant.serving_since + timedelta(seconds=occupant.min_runtime_s)
+        return Cause.MIN_RUNTIME, (
+            f"{name} has served {_fmt_s(served)}, less than its min_runtime of {_fmt_s(occupant.min_runtime_s)} "
+            f"(eligible from {until.isoformat()})"
+        )
+    return None, (
+        f"{name} is eligible: serving for {_fmt_s(served)}, at least its min_runtime of "
+        f"{_fmt_s(occupant.min_runtime_s)}"
+    )
+
+
+def _index(gpus: Sequence[GPUView]) -> dict[int, GPUView]:
+    by_id: dict[int, GPUView] = {}
+    for gpu in gpus:
+        if gpu.id in by_id:
+            raise ValueError(f"GPU {gpu.id} ({gpu.label}) is listed twice")
+        by_id[gpu.id] = gpu
+    return by_id
+
+
+def _check_needs(needed: Mapping[int, int], by_id: Mapping[int, GPUView]) -> None:
+    if not needed:
+        raise ValueError("needed_bytes_by_gpu is empty: a waking replica needs at least one GPU")
+    unknown = sorted(set(needed) - set(by_id))
+    if unknown:
+        raise ValueError(f"needed GPUs not among the given GPUs: {unknown}")
+    negative = sorted(g for g, n in needed.items() if n < 0)
+    if negative:
+        raise ValueError(f"negative need on GPUs {negative}")
+
+
+def _candidates(
+    by_id: Mapping[int, GPUView],
+    needed_ids: list[int],
+    waiting_replica_id: str,
+    now: datetime,
+    kept: Mapping[int, int],
+) -> tuple[list[_Candidate], dict[str, tuple[Cause, str]]]:
+    """Eligible replicas occupying a needed GPU, in LRU order; and the ineligible ones, why.
+
+    A replica is judged on every view of it the input holds (one per GPU it occupies): the
+    views of one replica should agree, and if a torn snapshot makes them disagree, the most
+    protective verdict wins.
+    """
+    needed = set(needed_ids)
+    views: dict[str, list[tuple[GPUView, OccupantView]]] = {}
+    for gpu_id in sorted(by_id):
+        for o in by_id[gpu_id].occupants:
+            views.setdefault(o.replica_id, []).append((by_id[gpu_id], o))
+    candidates: list[_Candidate] = []
+    ineligible: dict[str, tuple[Cause, str]] = {}
+    for replica_id in sorted(views):
+        held = views[replica_id]
+        if replica_id == waiting_replica_id or not any(g.id in needed for g, _ in held):
+            continue
+        refusal: tuple[Cause, str] | None = None
+        for _, o in held:
+            cause, why = _verdict(o, waiting_replica_id, now)
+            if cause is not None:
+                refusal = (cause, why)
+                break
+        if refusal is not None:
+            ineligible[replica_id] = refusal
+            continue
+        accesses = [o.last_accessed for _, o in held if o.last_accessed is not None]
+        freed: dict[int, int] = {}
+        for g, o in held:
+            freed[g.id] = freed.get(g.id, 0) + max(0, o.reserved_bytes - kept.get(g.id, 0))
+        candidates.append(
+            _Candidate(
+                replica_id=replica_id,
+                deployment=held[0][1].deployment,
+                # The most recent access any view shows: in doubt, count it as more used.
+                last_accessed=max(accesses) if accesses else None,
+                freed=freed,
+            )
+        )
+    candidates.sort(key=_sort_key)
+    return candidates, ineligible
+
+
+def _greedy_lru(candidates: list[_Candidate], short: Mapping[int, int]) -> list[_Candidate] | None:
+    """Candidates in LRU order until no needed GPU is short, then without the redundant ones.
+
+    None when even all of them are not enough. Skipping a candidate that frees nothing on a
+    still-short GPU never loses a solution: the set of short GPUs only shrinks, so it would
+    never help later either.
+    """
+    remaining = dict(short)
+    chosen: list[_Candidate] = []
+    for c in candidates:
+        helps = [g for g in remaining if c.freed.get(g, 0) > 0]
+        if not helps:
+            continue
+        chosen.append(c)
+        for g in helps:
+            remaining[g] -= c.freed[g]
+            if remaining[g] <= 0:
+                del remaining[g]
+        if not remaining:
+            break
+    if remaining:
+        return None
+    # Most recently used first, so that when either of two victims would do, the older one goes.
+    for i in range(len(chosen) - 1, -1, -1):
+        without = chosen[:i] + chosen[i + 1 :]
+        if _enough(without, short):
+            chosen = without
+    return chosen
+
+
+def _enough(chosen: list[_Candidate], short: Mapping[int, int]) -> bool:
+    return all(sum(c.freed.get(g, 0) for c in chosen) >= need for g, need in short.items())
+
+
+def _freeable(candidates: Iterable[_Candidate], gpu_id: int) -> int:
+    return sum(c.freed.get(gpu_id, 0) for c in candidates)
+
+
+def _victim(
+    c: _Candidate,
+    chosen: list[_Candidate],
+    candidates: list[_Candidate],
+    by_id: Mapping[int, GPUView],
+    short: Mapping[int, int],
+    now: datetime,
+) -> Victim:
+    on = sorted(g for g in short if c.freed.get(g, 0) > 0)
+    older = [o for o in candidates if _sort_key(o) < _sort_key(c) and any(o.freed.get(g, 0) > 0 for g in on)]
+    # Older candidates on the same short GPUs that are not victims were dropped as redundant:
+    # this victim frees what they would have, so sleeping them as well would help no one.
+    spared = [o for o in older if o not in chosen]
+    if spared:
+        rank = "eligible occupant"
+        why_not_older = (
+            f"; spares {_plural(len(spared), 'older eligible occupant')} "
+            f"({', '.join(_short(o.replica_id) for o in spared)}), not needed once this one sleeps"
+        )
+    else:
+        rank = "next least recently used eligible occupant" if older else "least recently used eligible occupant"
+        why_not_older = ""
+    if c.last_accessed is None:
+        idle = "never accessed since it started serving"
+    else:
+        idle = f"idle since {c.last_accessed.isoformat()} ({_fmt_s((now - c.last_accessed).total_seconds())} ago)"
+    frees = ", ".join(f"{_fmt_bytes(c.freed[g])} on {by_id[g].label}" for g in on)
+    return Victim(
+        replica_id=c.replica_id,
+        deployment=c.deployment,
+        freed_bytes_by_gpu=dict(sorted(c.freed.items())),
+        last_accessed=c.last_accessed,
+        reason=(
+            f"{rank} of {_labels(by_id[g] for g in on)}: {c.deployment} ({_short(c.replica_id)}), "
+            f"{idle}, frees {frees}{why_not_older}"
+        ),
+    )
+
+
+def _shortfall(
+    gpu: GPUView,
+    needed: int,
+    candidates: list[_Candidate],
+    ineligible: Mapping[str, tuple[Cause, str]],
+    waiting_replica_id: str,
+    kept: Mapping[int, int],
+) -> Shortfall:
+    others = sorted({o.replica_id for o in gpu.occupants if o.replica_id != waiting_replica_id})
+    refused = [ineligible[rid] for rid in others if rid in ineligible]
+    freeable = _freeable(candidates, gpu.id)
+    need = f"needs {_fmt_bytes(needed)}, {_fmt_bytes(gpu.available_bytes)} available"
+    label = _labels([gpu])
+    if not others:
+        return Shortfall(
+            gpu.id,
+            gpu.label,
+            needed,
+            gpu.available_bytes,
+            0,
+            (Cause.NO_OCCUPANTS,),
+            f"{label} has no other occupant to preempt ({need})",
+        )
+    # In the seed's order, so that the same mix always reads the same way.
+    order = (Cause.POPULAR, Cause.DEDICATED, Cause.MIN_RUNTIME, Cause.NOT_SERVING)
+    present = tuple(c for c in order if any(r[0] is c for r in refused))
+    details = "; ".join(why for _, why in refused)
+    if not any(rid not in ineligible for rid in others):
+        reason = f"all occupants of {label} are {' or '.join(present)} ({need}): {details}"
+        return Shortfall(gpu.id, gpu.label, needed, gpu.available_bytes, 0, present, reason)
+    eligible_count = sum(1 for c in candidates if gpu.id in c.freed)
+    reason = (
+        f"not enough memory on {label} even after preempting every eligible occupant: {need} "
+        f"+ {_fmt_bytes(freeable)} from {_plural(eligible_count, 'eligible occupant')}"
+    )
+    if kept.get(gpu.id):
+        reason += f" (each keeps {_fmt_bytes(kept[gpu.id])} once asleep)"
+    if details:
+        reason += f"; the others: {details}"
+    return Shortfall(
+        gpu.id, gpu.label, needed, gpu.available_bytes, freeable, (Cause.NOT_ENOUGH_MEMORY, *present), reason
+    )
+
+
+def _name(o: OccupantView) -> str:
+    return f"{o.deployment} ({_short(o.replica_id)})"
+
+
+def _short(replica_id: str) -> str:
+    return replica_id[:8]
+
+
+def _labels(gpus: Iterable[GPUView]) -> str:
+    labels = [g.label for g in gpus]
+    return ("gpu " if len(labels) == 1 else "gpus ") + ", ".join(labels)
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if abs(seconds) >= 10 or seconds == int(seconds) else f"{seconds:.1f} s"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
