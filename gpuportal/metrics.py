@@ -21,7 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import scheduling.metrics  # noqa: F401  registers the control plane's counters
-from scheduling.models import GPU, Node, Replica
+from scheduling.models import GPU, Deployment, Node, Replica
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,33 @@ class StateCollector:
 
         nodes = _count_by("gpuportal_nodes", "Nodes by status.", "status", Node, Node.Status.values)
         replicas = _count_by("gpuportal_replicas", "Replicas by state.", "state", Replica, Replica.State.values)
-        return [total, reserved, available, nodes, replicas]
+        return [total, reserved, available, nodes, replicas, _queue_depths()]
+
+
+def _queue_depths() -> Metric:
+    """Requests waiting per deployment, read from Redis at scrape time (one round trip)."""
+    from redis.exceptions import RedisError
+
+    from inference.requestqueue import queue_key
+    from scheduling.services import requests as request_services
+
+    family = GaugeMetricFamily(
+        "gpuportal_queue_depth", "Requests waiting for a replica, per deployment.", labels=["deployment"]
+    )
+    names = list(Deployment.objects.order_by("name").values_list("name", flat=True))
+    if not names:
+        return family
+    try:
+        with request_services.queue().redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.llen(queue_key(name))
+            depths = pipe.execute()
+    except RedisError:
+        logger.warning("metrics: cannot read queue depths from Redis", exc_info=True)
+        return family
+    for name, depth in zip(names, depths, strict=True):
+        family.add_metric([name], depth)
+    return family
 
 
 def _count_by(name: str, documentation: str, field: str, model: type, values: Iterable[str]) -> Metric:

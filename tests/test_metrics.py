@@ -93,3 +93,21 @@ def test_metrics_aggregate_processes_in_multiprocess_mode(tmp_path, monkeypatch:
 
     assert samples["gpuportal_test_other_total"] == {(): 3}
     assert "gpuportal_replicas" in samples
+
+
+def test_metrics_show_the_queue_depth_of_each_deployment(client) -> None:
+    from scheduling.services import requests as request_services
+
+    f.deployment("busy")
+    f.deployment("quiet")
+    request_services.queue.cache_clear()
+    queue = request_services.queue()
+    for key in queue.redis.scan_iter("gp:*"):
+        queue.redis.delete(key)
+    for n in range(3):
+        queue.submit("busy", kind="generate", input=f"q{n}", params={}, owner="1")
+
+    families = {m.name: m for m in text_string_to_metric_families(client.get("/metrics").content.decode())}
+
+    depths = {s.labels["deployment"]: s.value for s in families["gpuportal_queue_depth"].samples}
+    assert depths == {"busy": 3.0, "quiet": 0.0}
