@@ -181,6 +181,9 @@ GPUPORTAL_INFER_TIMEOUT_S = env_float("GPUPORTAL_INFER_TIMEOUT_S", 30.0)
 GPUPORTAL_INFER_MAX_TIMEOUT_S = env_float("GPUPORTAL_INFER_MAX_TIMEOUT_S", 300.0)
 # How long a node waits for replicas evicted to make room to release their memory before loading.
 GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
+# How long a GPU's wake lock lasts unless its holder renews it: a waker that died (SIGKILL, a
+# lost worker) stops renewing, and the next wake takes the lock over once this has passed.
+GPUPORTAL_WAKE_LOCK_TTL_S = env_float("GPUPORTAL_WAKE_LOCK_TTL_S", 60.0)
 
 LOGGING = {
     "version": 1,

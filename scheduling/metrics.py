@@ -2,10 +2,34 @@
 gpuportal.metrics; counters here are incremented where the thing happens, in any process
 (multiprocess mode aggregates them when PROMETHEUS_MULTIPROC_DIR is set, as `up` does)."""
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 CAS_CONFLICTS = Counter(
     "gpuportal_cas_conflicts_total",
     "Plans whose GPU versions changed between snapshot and commit (retried from a fresh snapshot).",
 )
 COMMITS = Counter("gpuportal_commits_total", "Plans committed through the ledger.")
+
+# The fair wake path (seed 001). Buckets reach minutes: a wake may wait out max_wait, then a
+# victim's drain_timeout, then a load.
+_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+
+PREEMPTIONS = Counter(
+    "gpuportal_preemptions_total",
+    "Replicas put to sleep by the fair wake path to make room for a waking one.",
+)
+PREEMPTION_WAIT_SECONDS = Histogram(
+    "gpuportal_preemption_wait_seconds",
+    "From a preemption intent's creation to its outcome (placed, or failed).",
+    buckets=_WAIT_BUCKETS,
+)
+WAKE_SECONDS = Histogram(
+    "gpuportal_wake_seconds",
+    "From a replica entering `waking` to its process reporting it serves again.",
+    buckets=_WAIT_BUCKETS,
+)
+SLEEP_SECONDS = Histogram(
+    "gpuportal_sleep_seconds",
+    "From a replica entering `draining` to its process reporting it sleeps.",
+    buckets=_WAIT_BUCKETS,
+)

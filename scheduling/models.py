@@ -271,6 +271,7 @@ class Event(models.Model):
         NODE_ONLINE = "node.online"
         NODE_OFFLINE = "node.offline"
         NODE_STOPPED = "node.stopped"
+        NODE_DRAINING = "node.draining"
         GPU_REGISTERED = "gpu.registered"
         GPU_CHANGED = "gpu.changed"
         GPU_RESERVED = "gpu.reserved"
@@ -278,6 +279,11 @@ class Event(models.Model):
         REPLICA_STATE = "replica.state"
         REPLICA_RESTARTED = "replica.restarted"
         DEPLOYMENT_CHANGED = "deployment.changed"
+        # The fair wake path (seed 001): lock takes/releases/takeovers, intents, victims, outcomes.
+        GPU_WAKE_LOCK = "gpu.wake_lock"
+        PREEMPTION_INTENT = "preemption.intent"
+        PREEMPTION_VICTIM = "preemption.victim"
+        PREEMPTION_OUTCOME = "preemption.outcome"
 
     time = models.DateTimeField(auto_now_add=True, db_index=True)
     kind = models.CharField(max_length=64, choices=Kind.choices, db_index=True)

@@ -84,6 +84,9 @@ class Policy:
     # DESIGN invariant 3: popular replicas, and those inside their min_runtime, are never
     # victims. Off, the seed's rule applies: only a dedicated request may evict a young replica.
     protect_fairness: bool
+    # False: never evict anyone, only use free memory. The fair wake path (services/preemption)
+    # places with this off, because who sleeps for a wake is fairness.py's call, after max_wait.
+    evictions: bool = True
 
 
 GPUPORTAL = Policy("gpuportal", whole_gpu_from=MAX_FRACTION, best_fit=True, victims="fewest", protect_fairness=True)
@@ -206,7 +209,7 @@ def place(
     # needs one (CACHED_AND_FULL, FULL) ranks below every level that does not. Each node is
     # only asked whether it can host (stopping at the first GPU that can); the full GPU search
     # runs on the chosen node alone, which keeps a placement over hundreds of nodes cheap.
-    for allow_evictions in (False, True):
+    for allow_evictions in (False, True) if chosen_policy.evictions else (False,):
         ticket = _first_hosting(tickets, by_node, allow_evictions, rng)
         if ticket is not None:
             option = _node_option(by_node[ticket.node], ticket, allow_evictions, rng)
@@ -214,7 +217,7 @@ def place(
                 raise AssertionError(f"node {ticket.node} said it could host, then could not: {option}")
             return _placement(ordered, ticket, option, _ticket_level(ticket, allow_evictions))
     for ticket in tickets:
-        why = _node_option(by_node[ticket.node], ticket, True, rng)
+        why = _node_option(by_node[ticket.node], ticket, chosen_policy.evictions, rng)
         reasons[ticket.node] = _join(reasons.get(ticket.node), str(why))
     return CantAccommodate(request.deployment, request.need_bytes, reasons)
 

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from scheduling.placement import CantAccommodate, Placement, PlacementRequest, place
+from scheduling.placement import CantAccommodate, Placement, PlacementRequest, Policy, place
 from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
 
 
@@ -50,7 +50,7 @@ def place_all(
     *,
     occupant_for: Callable[[Placement], OccupantView],
     reason: str,
-    policy: str = "gpuportal",
+    policy: str | Policy = "gpuportal",
     rng: random.Random | None = None,
 ) -> MultiPlacement | CantAccommodate:
     """Place every request or none. `occupant_for` describes the placed replica as an occupant

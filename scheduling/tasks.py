@@ -1,8 +1,13 @@
 """Control-plane Celery tasks. Tasks only call services (they hold no logic of their own)."""
 
+import logging
+
 from celery import shared_task
 
-from scheduling.services import nodes, sleep
+from scheduling.services import nodes, preemption, sleep
+from scheduling.services.errors import ServiceError
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(name="scheduling.tasks.expire_heartbeats", ignore_result=True)
@@ -13,3 +18,21 @@ def expire_heartbeats() -> list[str]:
 @shared_task(name="scheduling.tasks.sleep_idle", ignore_result=True)
 def sleep_idle() -> list[str]:
     return sleep.sweep_idle()
+
+
+@shared_task(name="scheduling.tasks.preempt", ignore_result=True)
+def preempt(intent_ids: list[int]) -> str:
+    """The fair wake's wait, victim choice and placement (runs for up to max_wait + a drain)."""
+    outcome = preemption.run_preemption(intent_ids)
+    return f"{outcome.status}: {outcome.reason}"
+
+
+@shared_task(name="scheduling.tasks.wake", ignore_result=True)
+def wake(name: str, reason: str) -> list[str]:
+    """A wake that found another wake holding the GPU's lock, asked again."""
+    try:
+        return sleep.wake_deployment(name, reason=reason)
+    except ServiceError as err:
+        # Deleted meanwhile, or it can never fit: nothing to retry; the error says why.
+        log.warning("retried wake of %s: %s", name, err)
+        return []

@@ -17,6 +17,7 @@ from scheduling import selectors
 from scheduling.api import inputs
 from scheduling.api import serializers as s
 from scheduling.services import deployments as deployment_services
+from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
 
@@ -39,12 +40,38 @@ def query_filters(request: Any, serializer_class: type[serializers.Serializer]) 
     return params.validated_data
 
 
-class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.NodeSerializer
     lookup_field = "name"
 
     def get_queryset(self) -> QuerySet:
         return selectors.nodes()
+
+    @extend_schema(
+        request=None,
+        responses={
+            200: s.NodeSerializer,
+            404: OpenApiResponse(description="No such node."),
+            409: OpenApiResponse(description="The node is offline."),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, name: str) -> Response:
+        node_services.drain(name)
+        return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
+
+    @extend_schema(
+        request=None,
+        responses={
+            200: s.NodeSerializer,
+            404: OpenApiResponse(description="No such node."),
+            409: OpenApiResponse(description="The node is not draining."),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def undrain(self, request: Request, name: str) -> Response:
+        node_services.undrain(name)
+        return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
 
 
 @extend_schema_view(list=extend_schema(parameters=[s.GPUFilterSerializer]))

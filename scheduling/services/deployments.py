@@ -15,7 +15,7 @@ from django.db import transaction
 
 from scheduling import events, ledger, memory
 from scheduling.models import Deployment, Event, Replica, new_replica_id
-from scheduling.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest
+from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all
 from scheduling.services import dispatch
 from scheduling.services import replicas as replica_services
@@ -270,12 +270,16 @@ def add_replicas(
     reason: str,
     cached: tuple[CachedReplica, ...] | None = None,
     allow_new: bool = True,
+    evictions: bool = True,
+    new_ids: list[str] | None = None,
 ) -> _Decision:
     """Place `count` more replicas as one all-or-nothing decision, promoting sleeping ones first.
 
     `cached` narrows the sleeping replicas that may be promoted (default: all of the
     deployment's); `allow_new=False` only promotes, which is how one named replica is woken.
-    The caller holds the deployment row lock.
+    `evictions=False` uses only free memory (the fair wake path: victims are fairness.py's
+    call, not placement's). `new_ids` are rows the caller already created (a waker that held a
+    wake lock under that id); they are kept even if unused. The caller holds the deployment row lock.
     """
     if cached is None:
         cached = tuple(
@@ -285,7 +289,10 @@ def add_replicas(
             ).values_list("id", "node__name")
         )
     # Placement needs an id per request even when it may only promote; those ids never get rows.
-    decision = _Decision(new_ids=[new_replica_id() for _ in range(count)])
+    decision = _Decision(new_ids=list(new_ids) if new_ids is not None else [new_replica_id() for _ in range(count)])
+    policy: str | Policy = deployment.memory_policy
+    if not evictions:
+        policy = replace(POLICIES[deployment.memory_policy], evictions=False)
 
     def occupant_for(placement: Placement) -> OccupantView:
         return OccupantView(
@@ -316,7 +323,7 @@ def add_replicas(
             requests,
             occupant_for=occupant_for,
             reason=f"{reason} ({need})",
-            policy=deployment.memory_policy,
+            policy=policy,
         )
         if isinstance(result, CantAccommodate):
             raise CannotPlace(result.reason, result.reasons)
@@ -324,10 +331,10 @@ def add_replicas(
         return result.plan
 
     # Rows for new replicas first, so the occupants the commit writes point at something real.
-    if allow_new:
+    if allow_new and new_ids is None:
         Replica.objects.bulk_create([Replica(id=i, deployment=deployment) for i in decision.new_ids])
     ledger.commit_with_retry(decide, apply=lambda plan: _apply_placements(deployment, decision, reason))
-    if allow_new:
+    if allow_new and new_ids is None:
         unused = set(decision.new_ids) - {p.replica_id for p in decision.placements}
         Replica.objects.filter(id__in=unused).delete()  # ids set aside for replicas a promotion made unneeded
     return decision

@@ -9,7 +9,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from scheduling import events, ledger
-from scheduling.models import Event, Node
+from scheduling.models import Event, Node, Replica
+from scheduling.services.errors import InvalidState, NotFound
 from scheduling.state import DeviceInfo
 
 INVENTORY_EVENT = {
@@ -154,3 +155,54 @@ def mark_stopped(name: str, reason: str) -> None:
             after={"status": Node.Status.OFFLINE},
             node=name,
         )
+
+
+def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
+    """Take a node out of service: nothing new is placed on it (placement skips nodes that are
+    not online) and its serving replicas go to sleep. Returns the replicas put to sleep."""
+    from scheduling.services import sleep  # the sleep service builds on placement, which builds on this
+
+    with transaction.atomic():
+        node = _locked(name)
+        if node.status == Node.Status.OFFLINE:
+            raise InvalidState(f"node {name} is offline: there is nothing to drain")
+        if node.status != Node.Status.DRAINING:
+            node.status = Node.Status.DRAINING
+            node.save(update_fields=["status"])
+            events.record(
+                Event.Kind.NODE_DRAINING,
+                f"node {name}",
+                f"{reason}: no new placements; its serving replicas go to sleep",
+                before={"status": Node.Status.ONLINE},
+                after={"status": Node.Status.DRAINING},
+                node=name,
+            )
+        serving = list(node.replicas.filter(state=Replica.State.SERVING).order_by("pk").values_list("id", flat=True))
+    for replica_id in serving:
+        sleep.sleep_replica(replica_id, reason=f"node {name} {reason}")
+    return serving
+
+
+def undrain(name: str, *, reason: str = "returned to service by an operator") -> Node:
+    with transaction.atomic():
+        node = _locked(name)
+        if node.status != Node.Status.DRAINING:
+            raise InvalidState(f"node {name} is {node.status}, not draining")
+        node.status = Node.Status.ONLINE
+        node.save(update_fields=["status"])
+        events.record(
+            Event.Kind.NODE_ONLINE,
+            f"node {name}",
+            reason,
+            before={"status": Node.Status.DRAINING},
+            after={"status": Node.Status.ONLINE},
+            node=name,
+        )
+    return node
+
+
+def _locked(name: str) -> Node:
+    try:
+        return Node.objects.select_for_update().get(name=name)
+    except Node.DoesNotExist:
+        raise NotFound(f"no node named {name!r}") from None

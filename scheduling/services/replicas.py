@@ -4,7 +4,7 @@ node agent (loading progress, serving, sleeping, woken, failed, stopped)."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from scheduling import events, ledger, memory
+from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import dispatch
 from scheduling.services.errors import InvalidState, NotFound
@@ -126,6 +127,8 @@ def _serving(replica: Replica, event: dict[str, Any]) -> None:
             replica=replica.id,
         )
     now = timezone.now()
+    if replica.state == Replica.State.WAKING:
+        WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, now))
     replica.pid = event.get("pid") or replica.pid
     replica.serving_since = now
     replica.last_accessed = replica.last_accessed or now
@@ -139,11 +142,14 @@ def _woken(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state != Replica.State.WAKING:
         return
     replica.serving_since = timezone.now()
+    WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, replica.serving_since))
     replica.progress = 100
     set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
 
 
 def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
+    if replica.state == Replica.State.DRAINING:
+        SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
     residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}
     held = sum(residual.values())
     _reserve_exactly(
@@ -230,6 +236,18 @@ def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None
         return None
     reserves = max(0, (deployment.memory_estimate_bytes or 0) - (deployment.weight_bytes or 0))
     return int(weights) + reserves
+
+
+def _seconds_in(replica: Replica, state: str, now: datetime) -> float:
+    """How long the replica has been in `state`: since the Event that put it there (updated_at
+    moves with unrelated saves, the Event does not)."""
+    entered = (
+        Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_STATE, after__state=state)
+        .order_by("-time")
+        .values_list("time", flat=True)
+        .first()
+    )
+    return max(0.0, (now - (entered or replica.updated_at)).total_seconds())
 
 
 def _restarts_in_last_hour(replica: Replica) -> int:

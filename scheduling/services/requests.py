@@ -43,7 +43,9 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
     found = (
         Deployment.objects.filter(name=deployment_name)
         .annotate(
-            awake=Exists(Replica.objects.filter(deployment=OuterRef("pk"), state__in=AWAKE)),
+            # A fair wake's waiter without a place yet is not awake: asking again is what lets
+            # a wake whose preempt task died start over (sleep.awake_replicas).
+            awake=Exists(Replica.objects.filter(deployment=OuterRef("pk"), state__in=AWAKE, node__isnull=False)),
             serving=Exists(Replica.objects.filter(deployment=OuterRef("pk"), state=Replica.State.SERVING)),
         )
         .values("loader", "awake", "serving")

@@ -14,13 +14,13 @@ import logging
 from datetime import datetime, timedelta
 
 from django.db import transaction
-from django.db.models import DurationField, ExpressionWrapper, F
+from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from scheduling.models import Deployment, Replica
 from scheduling.placement import CachedReplica
-from scheduling.services import deployments
+from scheduling.services import deployments, preemption
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import AWAKE
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError
@@ -52,10 +52,19 @@ def sleep_deployment(name: str, *, reason: str) -> list[str]:
     return serving
 
 
+def awake_replicas(deployment: Deployment) -> QuerySet[Replica]:
+    """Replicas that count as awake for a wake: AWAKE, less a fair wake's waiter that has no
+    place yet (it exists only to hold a wake lock and intents; a dead preempt task must not
+    leave it counting as awake forever, see preemption.in_progress)."""
+    return deployment.replicas.filter(state__in=AWAKE).exclude(state=Replica.State.PENDING, node=None)
+
+
 def wake_replica(replica_id: str, *, reason: str) -> Replica:
     """Promote this sleeping replica back onto a GPU of its own node (its weights are in that
-    node's RAM). CannotPlace (409, with reasons) when it does not fit there; InvalidState (409)
-    when it is not sleeping."""
+    node's RAM). When it fits only by evicting someone, the fair wake path (services.preemption)
+    takes over: the replica stays sleeping until the preempt task places it. CannotPlace (409,
+    with reasons) when not even evictions would make room; InvalidState (409) when it is not
+    sleeping, or when another wake holds the lock of the GPU it needs (try again later)."""
     replica = replica_services.get(replica_id)
     with transaction.atomic():
         # The deployment row lock serialises this with scale, evict, sleep and other wakes, so
@@ -64,13 +73,17 @@ def wake_replica(replica_id: str, *, reason: str) -> Replica:
         replica = replica_services.get(replica_id)
         if replica.state != Replica.State.SLEEPING or replica.node is None:
             raise InvalidState(f"replica {replica_id} is {replica.state}, only a sleeping replica can be woken")
-        deployments.add_replicas(
-            deployment,
-            1,
-            reason=f"{reason}: wake replica {replica_id[:8]}",
-            cached=(CachedReplica(replica.id, replica.node.name),),
-            allow_new=False,
-        )
+        if replica_id in preemption.in_progress(deployment):
+            return replica
+        why = f"{reason}: wake replica {replica_id[:8]}"
+        cached = (CachedReplica(replica.id, replica.node.name),)
+        try:
+            with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
+                deployments.add_replicas(deployment, 1, reason=why, cached=cached, allow_new=False, evictions=False)
+        except CannotPlace:
+            outcome = preemption.start(deployment, reason=why, cached=cached, allow_new=False)
+            if isinstance(outcome, preemption.WaitingForLock):
+                raise InvalidState(f"replica {replica_id} is {outcome.reason}; try again later") from None
     return replica_services.get(replica_id)
 
 
@@ -82,35 +95,50 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
     Safe to call concurrently (the request path calls it for every request that finds no awake
     replica): the deployment row lock makes wakes of one deployment take turns, and each counts
     the replicas the previous one added. When not all wanted replicas fit, one is enough to
-    serve: it places one rather than refusing, and refuses (CannotPlace, 409) only when not even
-    one fits.
+    serve: it places one rather than refusing.
+
+    Placement here never evicts (issue 5). When not even one fits in free memory, the fair wake
+    path starts (services.preemption): a wake lock and intents on the GPUs it needs, and the
+    preempt task waits out max_wait before choosing a victim; this returns the id of the replica
+    that waits. A wake that finds another wake holding the lock returns [] and retries from the
+    control queue. CannotPlace (409) only when not even evicting everyone evictable would help.
+    (Operator scale-ups, deployments.scale, still evict at once: the operator asked for it.)
     """
     if _awake_enough(Deployment.objects.filter(name=name).first()):
         return []  # the common case, without taking the row lock
     with transaction.atomic():
         deployment = deployments.get(name, lock=True)
-        awake = deployment.replicas.filter(state__in=AWAKE).count()
+        waiting = preemption.in_progress(deployment)
+        if waiting:
+            return waiting  # a fair wake is already under way: one is enough
+        awake = awake_replicas(deployment).count()
         missing = max(1, deployment.replicas_wanted) - awake
         if missing <= 0:
             return []
         why = f"{reason}: {awake} → {awake + missing} awake"
-        try:
-            with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
-                decision = deployments.add_replicas(deployment, missing, reason=why)
-        except CannotPlace:
-            if awake > 0 or missing == 1:
-                raise
-            decision = deployments.add_replicas(
-                deployment, 1, reason=f"{reason}: 0 → 1 awake (not all {missing} wanted fit)"
-            )
-    return [p.replica_id for p in decision.placements]
+        attempts = [(missing, why)]
+        if awake == 0 and missing > 1:
+            attempts.append((1, f"{reason}: 0 → 1 awake (not all {missing} wanted fit)"))
+        for count, because in attempts:
+            try:
+                with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
+                    decision = deployments.add_replicas(deployment, count, reason=because, evictions=False)
+                return [p.replica_id for p in decision.placements]
+            except CannotPlace:
+                continue
+        outcome = preemption.start(deployment, reason=f"{reason}: {awake} → {awake + 1} awake")
+        if isinstance(outcome, preemption.Placed):
+            return list(outcome.replica_ids)
+        if isinstance(outcome, preemption.Preempting):
+            return [outcome.replica_id]
+        preemption.retry_later(name, reason)
+        return []
 
 
 def _awake_enough(deployment: Deployment | None) -> bool:
     if deployment is None:
         return False  # let the locked path raise NotFound
-    awake = deployment.replicas.filter(state__in=AWAKE).count()
-    return awake >= max(1, deployment.replicas_wanted)
+    return awake_replicas(deployment).count() >= max(1, deployment.replicas_wanted)
 
 
 def sweep_idle(now: datetime | None = None) -> list[str]:
