@@ -269,3 +269,17 @@ def test_last_access_is_copied_into_the_database(serving_deployment, rq):
     assert request_services.sync_last_accessed() == 1
     serving_deployment.refresh_from_db()
     assert serving_deployment.last_accessed is not None
+
+
+def test_deleting_a_deployment_ends_its_waiting_requests_saying_why(serving_deployment, user_client, rq):
+    from scheduling.services import deployments
+
+    request_id = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json").json()["id"]
+
+    from django.test import TestCase
+
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        deployments.delete("tiny")
+
+    ended = user_client.get(f"/api/requests/{request_id}/").json()
+    assert ended["status"] == "failed" and ended["error"] == "deployment tiny was deleted"

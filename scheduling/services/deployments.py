@@ -226,6 +226,12 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
             deployment=name,
         )
         deployment.delete()
+        # Nothing will ever serve what still waits in its queue: end it now, saying why (once the
+        # delete has committed). Requests already taken finish first: stopping waits for them.
+        # Imported here: the request service itself builds on this module.
+        from scheduling.services import requests as request_services
+
+        transaction.on_commit(lambda: request_services.fail_waiting(name, f"deployment {name} was deleted"))
 
 
 # -- placing and stopping replicas -------------------------------------------------------------
