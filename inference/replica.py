@@ -11,8 +11,12 @@ Events:   progress {state, percent, detail} · serving {pid, weights_bytes, proc
           gpu_mem_bytes_by_id, ...} · sleeping {residual_bytes_by_id, ...} · woken {gpu_mem_bytes_by_id, ...}
           · pong {state, pid} · error {cmd, reason} (a command refused; the replica carries on)
           · failed {reason, kind: oom|load|cuda_assert|crash}, then exit 1 · stopped, then exit 0.
-Commands: sleep · wake {gpus, reserved_bytes_by_gpu, fraction} · stop · ping. EOF on stdin: the
-          agent is gone, exit.
+Commands: sleep {drain_timeout_s} · wake {gpus, reserved_bytes_by_gpu, fraction} · stop {drain_timeout_s}
+          · ping. EOF on stdin: the agent is gone, exit.
+
+Sleep and stop pass the preemption barrier (issue 5): no new request starts, the one in flight
+has `drain_timeout_s` (default 30) to finish, then it is cut short and given back to the head of
+its queue, and only then are the weights moved or released.
 
 `--backend cuda` follows seed 000: target the first GPU, cap the process with
 set_per_process_memory_fraction, place weights with accelerate under max_memory (0 on GPUs it does
@@ -54,6 +58,10 @@ BACKENDS = ("virtual", "cuda")
 FAILURE_KINDS = ("oom", "load", "cuda_assert", "crash")
 MiB = 1024**2
 _MAX_REASON = 500
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# Once aborted, a generation stops at its next token; a forward pass runs to its end. Say so in the
+# log at this interval while waiting for it.
+_ABORT_LOG_EVERY_S = 10.0
 
 
 class ReplicaFailure(Exception):
@@ -364,8 +372,10 @@ def nvml_process_bytes(pid: int) -> dict[str, int] | None:
 class ReplicaHost:
     """One replica's model and its lifecycle: load, sleep (to cache), wake (from cache), stop.
 
-    Transitions run one at a time under `lock`; issue 4's serving threads will take the same lock
-    to read `state` and use `model`, so a request never sees weights half-way to the CPU.
+    Transitions run one at a time on the main thread; those that move or drop the weights do it
+    under `lock`, which the serving thread holds while it runs a request, so a request never sees
+    weights half-way to the CPU. Sleep and stop do not wait for the request on that lock: they
+    drain first (see `drain`), with the lock free, and take it once nothing is in flight.
     """
 
     def __init__(
@@ -394,6 +404,11 @@ class ReplicaHost:
         self.accepting = threading.Event()
         self._state = "starting"
         self.lock = threading.RLock()
+        # The barrier: requests in flight, counted under `_flight` together with the state check,
+        # and the flag a drain sets at its deadline to cut the request in flight short.
+        self._flight = threading.Condition(threading.Lock())
+        self._in_flight = 0
+        self.abort = threading.Event()
 
     @property
     def state(self) -> str:
@@ -408,7 +423,51 @@ class ReplicaHost:
             self.accepting.clear()
 
     def executor(self) -> Executor:
-        return Executor(self.model, self.tokenizer)
+        return Executor(self.model, self.tokenizer, self.abort)
+
+    # -- the barrier ---------------------------------------------------------------------------
+
+    def begin_request(self) -> bool:
+        """The serving thread, before running a request: False if the replica no longer serves."""
+        with self._flight:
+            if self.state != "serving" or self.model is None:
+                return False
+            self._in_flight += 1
+            return True
+
+    def end_request(self) -> None:
+        """The serving thread, once the request's outcome (or its return to the queue) is recorded."""
+        with self._flight:
+            self._in_flight -= 1
+            self._flight.notify_all()
+
+    def drain(self, timeout_s: float, state: str = "draining") -> bool:
+        """Stop taking requests (`state`), let the one in flight finish for up to `timeout_s`, then
+        cut it short; returns once nothing is in flight. True if it finished on its own.
+
+        Called without `lock`: the serving thread holds it while the request runs.
+        """
+        with self._flight:
+            self.abort.clear()
+            # Under the same mutex as begin_request's check: a request either started before this
+            # (and is counted) or sees the new state and goes back to the queue untouched.
+            self.state = state
+            if self._flight.wait_for(lambda: self._in_flight == 0, timeout_s):
+                return True
+            log.warning(
+                "%s: a request still running after the drain timeout of %.1f s; cutting it short",
+                self.replica_id,
+                timeout_s,
+            )
+            self.abort.set()
+            try:
+                # A generation stops at its next token and gives itself back; a forward pass cannot be
+                # interrupted and runs to its end.
+                while not self._flight.wait_for(lambda: self._in_flight == 0, _ABORT_LOG_EVERY_S):
+                    log.warning("%s: still waiting for the aborted request to return", self.replica_id)
+            finally:
+                self.abort.clear()
+            return False
 
     # -- transitions -------------------------------------------------------------------------
 
@@ -432,15 +491,16 @@ class ReplicaHost:
             self.state = "serving"
             self.events.emit("serving", pid=os.getpid(), **self._where())
 
-    def sleep(self) -> None:
-        with self.lock:
-            if self.state == "sleeping":  # a retried sleep: already done
-                self._emit_sleeping()
-                return
-            self._require("serving", "sleep")
-            with self._failing_as("crash"):
-                # State first: a serving loop checks it before taking work, so nothing new starts.
-                self.state = "draining"
+    def sleep(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        # Transitions all run on the main thread: no other can change the state under this check.
+        if self.state == "sleeping":  # a retried sleep: already done
+            self._emit_sleeping()
+            return
+        self._require("serving", "sleep")
+        with self._failing_as("crash"):
+            # State first, so nothing new starts; the request in flight finishes or is given back.
+            self.drain(drain_timeout_s, "draining")
+            with self.lock:
                 assert self.model is not None
                 self.residual_bytes_by_id = self.backend.to_cache(self.model, self.placement)
                 self.state = "sleeping"
@@ -466,7 +526,9 @@ class ReplicaHost:
                 self.state = "serving"
                 self.events.emit("woken", **self._where())
 
-    def stop(self) -> None:
+    def stop(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        # A scale-down loses nothing: the request in flight finishes or goes back to its queue.
+        self.drain(drain_timeout_s, "stopping")
         with self.lock:
             self.state = "stopping"
             self.model = None
@@ -483,11 +545,16 @@ class ReplicaHost:
             if name == "ping":
                 self.ping()
             elif name == "sleep":
-                self.sleep()
+                self.sleep(drain_timeout(command))
             elif name == "wake":
                 self.wake(command.get("gpus"), command.get("reserved_bytes_by_gpu"), command.get("fraction"))
             elif name == "stop":
-                self.stop()
+                try:
+                    drain = drain_timeout(command)
+                except CommandRejected as exc:  # a stop is never refused: drain for the default instead
+                    log.warning("stop: %s; draining for %.0f s", exc, DEFAULT_DRAIN_TIMEOUT_S)
+                    drain = DEFAULT_DRAIN_TIMEOUT_S
+                self.stop(drain)
             else:
                 raise CommandRejected(f"unknown command {name!r} (known: sleep, wake, stop, ping)")
         except CommandRejected as exc:
@@ -537,6 +604,16 @@ class ReplicaHost:
 
     def _failing_as(self, kind: str) -> _FailingAs:
         return _FailingAs(self, kind)
+
+
+def drain_timeout(command: Mapping[str, Any]) -> float:
+    """A command's optional drain_timeout_s: seconds >= 0, the default when absent or null."""
+    value = command.get("drain_timeout_s")
+    if value is None:
+        return DEFAULT_DRAIN_TIMEOUT_S
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+        raise CommandRejected(f"drain_timeout_s must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 class _FailingAs:

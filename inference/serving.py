@@ -3,8 +3,14 @@ tensors (plain PyTorch modules). Runs inside the replica process; no Django.
 
 `Server` is the replica's serving thread: it takes one request at a time from its deployment's
 queue while the replica is serving (seed 002: whichever replica is idle first wins), runs it
-under the host's lock (so a sleep or stop waits for the request in flight), and records the
-outcome in the queue.
+under the host's lock (so weights never move under a running request), and records the outcome
+in the queue.
+
+The preemption barrier (issue 5): a sleep or stop first turns the replica to draining, so nothing
+new starts, then waits up to its drain timeout for the request in flight. Past the deadline it sets
+the host's abort flag: generation stops at its next token (`AbortOnFlag`), the request is given
+back to the head of its queue (not counted as an attempt), and only then do the weights move. A
+forward pass cannot be interrupted: it finishes, and its answer is kept.
 """
 
 from __future__ import annotations
@@ -28,12 +34,37 @@ class BadInput(Exception):
     """The request cannot run on this model as sent (too long, wrong shape): the client's to fix."""
 
 
+class Aborted(Exception):
+    """The replica is going to sleep or stopping and cut the request short: give it back, unfinished."""
+
+
+class AbortOnFlag:
+    """A transformers stopping criterion: stop every sequence once `flag` is set (a drain's deadline).
+
+    Duck-typed rather than a StoppingCriteria subclass, so this module imports no transformers;
+    generate() only calls it. `fired` tells a generation cut short from one that ended on its own.
+    """
+
+    def __init__(self, flag: threading.Event):
+        self.flag = flag
+        self.fired = False
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        stop = self.flag.is_set()
+        self.fired = self.fired or stop
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
 class Executor:
     """Runs requests on a loaded model."""
 
-    def __init__(self, model: Any, tokenizer: Any | None):
+    def __init__(self, model: Any, tokenizer: Any | None, abort: threading.Event | None = None):
         self.model = model
         self.tokenizer = tokenizer
+        # Set by a drain past its deadline: generation stops at its next token and raises Aborted.
+        self.abort = abort if abort is not None else threading.Event()
 
     def run(self, request: Request, on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
         if request.kind == "forward":
@@ -78,8 +109,18 @@ class Executor:
             kwargs.update(temperature=temperature, top_p=float(params.get("top_p", 1.0)))
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
+        from transformers import StoppingCriteriaList
+
+        abort = AbortOnFlag(self.abort)
         with torch.no_grad():
-            out = self.model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), **kwargs)
+            out = self.model.generate(
+                ids.to(device),
+                attention_mask=torch.ones_like(ids).to(device),
+                stopping_criteria=StoppingCriteriaList([abort]),
+                **kwargs,
+            )
+        if abort.fired:
+            raise Aborted("cut short by a drain past its deadline")
         new = out[0, ids.shape[1] :]
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         finish = "length" if len(new) >= max_tokens else "stop"
@@ -158,20 +199,35 @@ class Server(threading.Thread):
                 self.serve(request)
 
     def serve(self, request: Request) -> None:
-        with self.host.lock:
-            if self.host.state != "serving" or self.host.model is None:
-                # Taken just as the replica began to sleep or stop: back to the head of the queue.
-                self.queue.give_back(request, self.host.replica_id)
-                return
-            self.queue.start(request.id)
-            on_chunk = (lambda c: self.queue.chunk(request.id, c)) if request.params.get("stream") else None
-            try:
-                output = self.host.executor().run(request, on_chunk)
-            except BadInput as exc:
-                self.queue.fail(request.id, self.host.replica_id, str(exc), "bad_input")
-                return
-            except Exception as exc:
-                log.exception("request %s failed", request.id)
-                self.queue.fail(request.id, self.host.replica_id, " ".join(str(exc).split())[:500], "error")
-                return
-            self.queue.finish(request.id, self.host.replica_id, output)
+        if not self.host.begin_request():
+            # Taken just as the replica began to sleep or stop: back to the head of the queue.
+            self.queue.give_back(request, self.host.replica_id)
+            return
+        # Counted in flight from here: a drain waits for end_request, which comes only once the
+        # outcome is in the queue, so a replica that reports `sleeping` holds no request.
+        try:
+            with self.host.lock:
+                self._run(request)
+        finally:
+            self.host.end_request()
+
+    def _run(self, request: Request) -> None:
+        if self.host.abort.is_set():  # the drain's deadline passed before it could start
+            self.queue.give_back(request, self.host.replica_id)
+            return
+        self.queue.start(request.id)
+        on_chunk = (lambda c: self.queue.chunk(request.id, c)) if request.params.get("stream") else None
+        try:
+            output = self.host.executor().run(request, on_chunk)
+        except Aborted:
+            log.info("request %s cut short by a drain; giving it back to the queue", request.id)
+            self.queue.give_back(request, self.host.replica_id)
+            return
+        except BadInput as exc:
+            self.queue.fail(request.id, self.host.replica_id, str(exc), "bad_input")
+            return
+        except Exception as exc:
+            log.exception("request %s failed", request.id)
+            self.queue.fail(request.id, self.host.replica_id, " ".join(str(exc).split())[:500], "error")
+            return
+        self.queue.finish(request.id, self.host.replica_id, output)

@@ -43,6 +43,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # How long a replica that announced stopped/failed may take to exit before it is killed.
 EXIT_GRACE_S = 10.0
+# A replica's drain on stop when the command names none: inference.replica.DEFAULT_DRAIN_TIMEOUT_S
+# (not imported: the agent need not load the replica program's modules).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -145,16 +148,25 @@ class Supervisor:
         """Write one command. KeyError for an unknown replica; ProcessLookupError if it has just exited."""
         self._write(self._get(replica_id), command)
 
-    def stop(self, replica_id: str, timeout: float = 10.0) -> int | None:
+    def stop(self, replica_id: str, timeout: float = 10.0, drain_timeout_s: float | None = None) -> int | None:
         """Ask the replica to stop, kill it after `timeout`; returns once its final event was delivered.
 
-        Returns the exit code (negative: the signal that ended it). KeyError for an unknown replica.
+        With `drain_timeout_s`, the replica first lets its request in flight finish for that long (or
+        gives it back to its queue), and the kill waits that much longer. Without it, the replica
+        drains for its own default (inference.replica.DEFAULT_DRAIN_TIMEOUT_S), so the kill waits
+        for that. Returns the exit code (negative: the signal that ended it). KeyError for an unknown
+        replica.
         """
         replica = self._get(replica_id)
         replica.stopping = True
+        command: dict[str, Any] = {"cmd": "stop"}
+        if drain_timeout_s is not None:
+            command["drain_timeout_s"] = drain_timeout_s
+        drain = DEFAULT_DRAIN_TIMEOUT_S if drain_timeout_s is None else drain_timeout_s
         with contextlib.suppress(ProcessLookupError):
-            self._write(replica, {"cmd": "stop"})
-        self._wait_or_kill(replica, timeout)
+            self._write(replica, command)
+        # The kill comes only after the drain had its time, plus `timeout` to release and exit.
+        self._wait_or_kill(replica, drain + timeout)
         replica.done.wait(EXIT_GRACE_S)
         return replica.process.returncode
 

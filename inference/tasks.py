@@ -90,9 +90,17 @@ def start_replica(replica_id: str, wait_for: list[str]) -> str:
     return "started"
 
 
+def drain_timeout_of(replica_id: str) -> float | None:
+    """The replica's deployment's drain_timeout_s (the barrier of issue 5); None if the row is gone."""
+    return Replica.objects.filter(pk=replica_id).values_list("deployment__drain_timeout_s", flat=True).first()
+
+
 @shared_task(name="inference.tasks.replica_to_cache")
 def replica_to_cache(replica_id: str) -> str:
-    return _command(replica_id, {"cmd": "sleep"})
+    command: dict = {"cmd": "sleep"}
+    if (drain := drain_timeout_of(replica_id)) is not None:
+        command["drain_timeout_s"] = drain
+    return _command(replica_id, command)
 
 
 @shared_task(name="inference.tasks.replica_from_cache")
@@ -115,7 +123,8 @@ def replica_from_cache(replica_id: str, wait_for: list[str]) -> str:
 def stop_replica(replica_id: str) -> str:
     supervisor = agent.supervisor()
     if replica_id in supervisor.running():
-        supervisor.stop(replica_id)
+        # Drains first: the request in flight finishes or goes back to its queue (scale-down loses nothing).
+        supervisor.stop(replica_id, drain_timeout_s=drain_timeout_of(replica_id))
         return "stopped"
     relay(replica_id, {"event": "stopped"})
     return "not running here"
