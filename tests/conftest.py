@@ -67,44 +67,120 @@ def api(staff, django_capture_on_commit_callbacks, dispatched):
     return call
 
 
-@pytest.fixture
-def agent(tmp_path):
-    """A real node agent, `e2e` with 2x1GiB virtual GPUs, on this test's database and Redis
-    (tests using it need `django_db(transaction=True)` so the agent sees their rows)."""
-    import os
+def _stop(process, log, grace: float = 60) -> None:
+    """SIGTERM, then SIGKILL after `grace`; print the process's log (pytest shows it on failure)."""
     import signal
     import subprocess
-    import sys
+
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    log.seek(0)
+    print(log.read()[-5000:])  # shown by pytest only when the test failed
+
+
+def _process_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    import os
 
     from django.conf import settings
 
-    from scheduling.models import Node
-    from tests.processes import database_url_of_this_test, wait_until
+    from tests.processes import database_url_of_this_test
 
-    env = {
+    return {
         **os.environ,
         "DATABASE_URL": database_url_of_this_test(),
         "REDIS_URL": settings.REDIS_URL,
         "GPUPORTAL_DATA_DIR": str(tmp_path),
-        "GPUPORTAL_HEARTBEAT_S": "1",
+        **extra,
     }
-    log = open(tmp_path / "agent.log", "w+")  # noqa: SIM115 - read back when the test fails
-    process = subprocess.Popen(
-        [sys.executable, "manage.py", "agent", "--node", "e2e", "--virtual-gpus", "2x1GiB"],
-        cwd=Path(__file__).resolve().parent.parent,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+
+
+@pytest.fixture
+def start_agent(tmp_path):
+    """Starts real node agents on this test's database and Redis: `start_agent(node, gpus)`, e.g.
+    `start_agent("e2e", "1x1GiB")`; each is stopped (SIGTERM) at the end of the test."""
+    import subprocess
+    import sys
+
+    from scheduling.models import Node
+    from tests.processes import wait_until
+
+    started = []
+
+    def start(node: str = "e2e", virtual_gpus: str = "2x1GiB"):
+        log = open(tmp_path / f"agent-{node}.log", "w+")  # noqa: SIM115 - read back when the test fails
+        process = subprocess.Popen(
+            [sys.executable, "manage.py", "agent", "--node", node, "--virtual-gpus", virtual_gpus],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=_process_env(tmp_path, GPUPORTAL_HEARTBEAT_S="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        started.append((process, log))
+        wait_until(lambda: Node.objects.filter(name=node, status="online").exists(), 60, f"agent {node} to register")
+        return process
+
     try:
-        wait_until(lambda: Node.objects.filter(name="e2e", status="online").exists(), 60, "the agent to register")
-        yield process
+        yield start
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        log.seek(0)
-        print(log.read()[-5000:])  # shown by pytest only when the test failed
+        for process, log in reversed(started):
+            _stop(process, log)
+
+
+@pytest.fixture
+def agent(start_agent):
+    """A real node agent, `e2e` with 2x1GiB virtual GPUs, on this test's database and Redis
+    (tests using it need `django_db(transaction=True)` so the agent sees their rows)."""
+    return start_agent("e2e", "2x1GiB")
+
+
+@pytest.fixture
+def control_worker(tmp_path):
+    """Starts real control-plane Celery workers (`-Q control`, 2 threads) on this test's database
+    and Redis: `control_worker(**env)` returns the process once it is ready; extra env such as
+    GPUPORTAL_WAKE_LOCK_TTL_S="3" is passed to it. Each is stopped (SIGTERM) at the end of the
+    test, and its log printed (shown when the test failed)."""
+    import subprocess
+    import sys
+
+    import redis
+    from django.conf import settings
+
+    from tests.processes import wait_until
+
+    # Leftovers of earlier tests in the shared Redis (retries with a countdown, tasks of killed
+    # workers) must not run against this test's rows.
+    redis.Redis.from_url(settings.REDIS_URL).delete("control")
+    started = []
+
+    def start(**env: str):
+        n = len(started)
+        path = tmp_path / f"control-{n}.log"
+        log = open(path, "w+")  # noqa: SIM115 - read back when the test fails
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "celery", "-A", "gpuportal", "worker"),
+                *("-Q", "control", "--concurrency", "2", "--pool", "threads", "-l", "info"),
+                *("-n", f"control{n}-{tmp_path.name}@%h", "--without-gossip", "--without-mingle"),
+            ],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=_process_env(tmp_path, **env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        started.append((process, log))
+        wait_until(
+            lambda: process.poll() is not None or " ready." in path.read_text(), 60, "the control worker to be ready"
+        )
+        assert process.poll() is None, path.read_text()[-3000:]
+        return process
+
+    try:
+        yield start
+    finally:
+        for process, log in reversed(started):
+            _stop(process, log, grace=30)

@@ -352,6 +352,12 @@ def run_preemption(
         renewer.renew()
         sleep(min(CHECK_EVERY_S, max(0.0, end_of_wait - clock())))
 
+    # Least recently used means the last request, which replicas record in Redis; bring those
+    # times into the rows the snapshot reads, or a replica that just served could look idle.
+    # Imported here: the request service wakes deployments through this module.
+    from scheduling.services import requests as request_services
+
+    request_services.sync_last_accessed()
     snap = ledger.snapshot([i.gpu_id for i in intents])
     kept = {g.id: settings.GPUPORTAL_CUDA_CONTEXT_BYTES for g in snap.gpus.values() if not g.virtual}
     choice = fairness.choose_victim(
