@@ -159,6 +159,7 @@ class DeploymentAdmin(ReadOnlyAdmin):
     the actions below (and the REST API), which go through the services."""
 
     actions = [
+        admin_actions.edit_settings,
         admin_actions.scale_deployments,
         admin_actions.evict_deployments,
         admin_actions.sleep_deployments,

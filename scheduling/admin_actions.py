@@ -33,6 +33,28 @@ class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=0, max_value=256, label="Replicas wanted")
 
 
+def form_page(
+    admin_view: admin.ModelAdmin, request: HttpRequest, form: forms.Form, names: list[str], *, action: str, title: str,
+    intro: str, submit: str,
+) -> TemplateResponse:  # fmt: skip
+    """The intermediate page of an action that needs input; it posts back to the same action."""
+    return TemplateResponse(
+        request,
+        "admin/scheduling/action_form.html",
+        {
+            **admin_view.admin_site.each_context(request),
+            "title": title,
+            "intro": intro,
+            "submit": submit,
+            "form": form,
+            "names": names,
+            "selected": request.POST.getlist(admin.helpers.ACTION_CHECKBOX_NAME),
+            "opts": admin_view.model._meta,
+            "action": action,
+        },
+    )
+
+
 @admin.action(description="Scale selected deployments…")
 def scale_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]):
     names = list(queryset.values_list("name", flat=True))
@@ -46,19 +68,41 @@ def scale_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
 
         report_each(admin_view, request, names, act)
         return None
-    return TemplateResponse(
-        request,
-        "admin/scheduling/scale.html",
-        {
-            **admin_view.admin_site.each_context(request),
-            "title": "Scale deployments",
-            "form": form,
-            "names": names,
-            "selected": request.POST.getlist(admin.helpers.ACTION_CHECKBOX_NAME),
-            "opts": admin_view.model._meta,
-            "action": "scale_deployments",
-        },
-    )
+    return form_page(
+        admin_view, request, form, names, action="scale_deployments", title="Scale deployments", submit="Scale",
+        intro="Cached replicas are promoted before new ones are created; scaling down stops replicas. Scale",
+    )  # fmt: skip
+
+
+class SettingsForm(forms.Form):
+    """Fairness and sleep settings; a blank field leaves the setting as it is."""
+
+    min_runtime_s = forms.FloatField(required=False, min_value=0, max_value=86_400, label="Min runtime (s)")
+    max_wait_s = forms.FloatField(required=False, min_value=0, max_value=3_600, label="Max wait (s)")
+    popular = forms.NullBooleanField(required=False, label="Popular (never preempted, never idle-slept)")
+    idle_timeout_s = forms.FloatField(required=False, min_value=0, max_value=30 * 86_400, label="Idle timeout (s)")
+    drain_timeout_s = forms.FloatField(required=False, min_value=0, max_value=3_600, label="Drain timeout (s)")
+
+
+@admin.action(description="Edit fairness and sleep settings…")
+def edit_settings(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]):
+    names = list(queryset.values_list("name", flat=True))
+    form = SettingsForm(request.POST if "apply" in request.POST else None)
+    if "apply" in request.POST and form.is_valid():
+        changes = {k: v for k, v in form.cleaned_data.items() if v is not None}
+
+        def act(name: str) -> str:
+            deployment_services.update(name, changes)
+            return f"{name}: settings saved" if changes else f"{name}: nothing to change"
+
+        report_each(admin_view, request, names, act)
+        for warning in deployment_services.popular_warnings():
+            admin_view.message_user(request, warning, messages.WARNING)
+        return None
+    return form_page(
+        admin_view, request, form, names, action="edit_settings", title="Edit fairness and sleep settings",
+        submit="Save", intro="Blank fields stay as they are. Change",
+    )  # fmt: skip
 
 
 @admin.action(description="Evict selected deployments to the CPU cache")

@@ -461,3 +461,22 @@ def _fmt_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def popular_crowding(gpus: Sequence[GPUView], *, smallest_other_need: int | None) -> list[str]:
+    """Warnings for GPUs where popular replicas (never preempted) leave too little for anything
+    else: less than the smallest need of the non-popular deployments, or nothing at all."""
+    warnings = []
+    for gpu in sorted(gpus, key=lambda g: g.id):
+        popular = sum(o.reserved_bytes for o in gpu.occupants if o.popular)
+        if not popular:
+            continue
+        left = gpu.total_bytes - popular
+        floor = smallest_other_need if smallest_other_need is not None else 1
+        if left < floor:
+            needed = f", and the smallest other deployment needs {smallest_other_need} B" if smallest_other_need else ""
+            warnings.append(
+                f"popular deployments hold {popular} B of gpu {gpu.label} ({gpu.total_bytes} B): only {left} B "
+                f"is left for anything else{needed}; popular replicas are never preempted"
+            )
+    return warnings

@@ -442,3 +442,38 @@ def test_admin_actions_scale_and_evict_through_the_services(cluster, api, admin_
     serve(replica_ids[1])
     admin_client.post(changelist, {**selected, "action": "evict_deployments"})
     assert Replica.objects.get(pk=replica_ids[1]).state == "draining"
+
+
+def test_the_api_warns_when_popular_deployments_leave_a_gpu_no_room(cluster, api, tiny_model_dir):
+    quiet = api("post", "/api/deployments/", body("small", tiny_model_dir, memory={"override_bytes": 100 * MiB}))
+    assert quiet.status_code == 201 and quiet.json()["warnings"] == []
+
+    crowded = api(
+        "post",
+        "/api/deployments/",
+        body("hog", tiny_model_dir, fairness={"popular": True}, memory={"override_bytes": 1000 * MiB}),
+    )
+
+    assert crowded.status_code == 201
+    [warning] = crowded.json()["warnings"]
+    assert "popular deployments hold" in warning and "smallest other deployment needs" in warning
+    assert api("patch", "/api/deployments/hog/", {"fairness": {"popular": False}}).json()["warnings"] == []
+
+
+def test_admin_edits_fairness_and_sleep_settings_through_the_service(cluster, api, admin_client, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    deployment = Deployment.objects.get()
+    changelist = "/admin/scheduling/deployment/"
+    selected = {"_selected_action": [deployment.pk], "action": "edit_settings"}
+
+    form = admin_client.post(changelist, selected)
+    assert form.status_code == 200 and "Max wait (s)" in form.content.decode()
+    refused = admin_client.post(changelist, {**selected, "apply": "1", "max_wait_s": -1})
+    assert refused.status_code == 200 and Deployment.objects.get().max_wait_s == 5.0, "invalid: nothing saved"
+
+    done = admin_client.post(changelist, {**selected, "apply": "1", "max_wait_s": 12, "popular": "true"})
+
+    assert done.status_code == 302
+    deployment.refresh_from_db()
+    assert (deployment.max_wait_s, deployment.popular, deployment.min_runtime_s) == (12.0, True, 10.0)
+    assert Event.objects.filter(reason__startswith="settings changed:", deployment="tiny-a").exists()

@@ -256,3 +256,17 @@ class EventFilterSerializer(serializers.Serializer):
     node = serializers.CharField(required=False, allow_blank=True)
     replica = serializers.CharField(required=False, allow_blank=True, help_text="Replica id.")
     since = serializers.DateTimeField(required=False, help_text="ISO 8601; only events at or after it.")
+
+
+class DeploymentChangedSerializer(DeploymentSerializer):
+    """A deployment as create and PATCH return it: with warnings about what the change implies."""
+
+    warnings = serializers.ListField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="E.g. GPUs where popular (never preempted) replicas leave no room for anything else.",
+    )
+
+    class Meta(DeploymentSerializer.Meta):
+        fields = [*DeploymentSerializer.Meta.fields, "warnings"]
+        read_only_fields = fields

@@ -99,22 +99,26 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def get_queryset(self) -> QuerySet:
         return selectors.deployments()
 
-    def shown(self, name: str, code: int = status.HTTP_200_OK) -> Response:
-        return Response(s.DeploymentSerializer(selectors.deployments().get(name=name)).data, status=code)
+    def shown(self, name: str, code: int = status.HTTP_200_OK, *, warn: bool = False) -> Response:
+        data = s.DeploymentSerializer(selectors.deployments().get(name=name)).data
+        if warn:
+            # Only where a change can crowd GPUs with never-preempted replicas: create and PATCH.
+            data["warnings"] = deployment_services.popular_warnings()
+        return Response(data, status=code)
 
-    @extend_schema(request=inputs.DeploymentInput, responses={201: s.DeploymentSerializer, **PLACEMENT_ERRORS})
+    @extend_schema(request=inputs.DeploymentInput, responses={201: s.DeploymentChangedSerializer, **PLACEMENT_ERRORS})
     def create(self, request: Request) -> Response:
         data = inputs.DeploymentInput(data=request.data)
         data.is_valid(raise_exception=True)
         deployment = deployment_services.create(data.to_spec())
-        return self.shown(deployment.name, status.HTTP_201_CREATED)
+        return self.shown(deployment.name, status.HTTP_201_CREATED, warn=True)
 
-    @extend_schema(request=inputs.DeploymentPatch, responses={200: s.DeploymentSerializer, **PLACEMENT_ERRORS})
+    @extend_schema(request=inputs.DeploymentPatch, responses={200: s.DeploymentChangedSerializer, **PLACEMENT_ERRORS})
     def partial_update(self, request: Request, name: str) -> Response:
         data = inputs.DeploymentPatch(data=request.data)
         data.is_valid(raise_exception=True)
         deployment_services.update(name, data.to_changes())
-        return self.shown(name)
+        return self.shown(name, warn=True)
 
     @extend_schema(responses={204: None, 404: PLACEMENT_ERRORS[404]})
     def destroy(self, request: Request, name: str) -> Response:

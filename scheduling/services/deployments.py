@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from scheduling import events, ledger, memory
+from scheduling import events, fairness, ledger, memory
 from scheduling.models import Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all
@@ -410,3 +410,11 @@ def _stop_replicas(deployment: Deployment, replicas: list[Replica], *, reason: s
 
     if ledger.commit_with_retry(releasing(ids, reason), apply=apply) is None:
         apply()  # nothing was reserved (e.g. still pending): stop them all the same
+
+
+def popular_warnings() -> list[str]:
+    """What the API tells an operator who marks deployments popular: GPUs left with no room."""
+    snap = ledger.snapshot()
+    others = [d for d in Deployment.objects.filter(popular=False) if d.memory_need_bytes]
+    smallest = min((d.memory_need_bytes for d in others), default=None)
+    return fairness.popular_crowding(list(snap.gpus.values()), smallest_other_need=smallest)
