@@ -286,7 +286,9 @@ class Event(models.Model):
         PREEMPTION_OUTCOME = "preemption.outcome"
 
     time = models.DateTimeField(auto_now_add=True, db_index=True)
-    kind = models.CharField(max_length=64, choices=Kind.choices, db_index=True)
+    # Named in Kind, but not constrained to it: kinds grow with the product, and a choices list
+    # would make every new one a migration.
+    kind = models.CharField(max_length=64, db_index=True)
     subject = models.CharField(max_length=255, help_text='What it happened to, e.g. "gpu node1/0".')
     reason = models.TextField()
     before = models.JSONField(null=True, blank=True)
