@@ -269,6 +269,17 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
     return need
 
 
+def cached_of(deployment: Deployment) -> tuple[CachedReplica, ...]:
+    """The deployment's sleeping replicas, each on the node whose RAM holds its weights: the
+    replicas placement promotes before it creates new ones."""
+    return tuple(
+        CachedReplica(replica_id, node)
+        for replica_id, node in deployment.replicas.filter(
+            state=Replica.State.SLEEPING, node__isnull=False
+        ).values_list("id", "node__name")
+    )
+
+
 def add_replicas(
     deployment: Deployment,
     count: int,
@@ -288,12 +299,7 @@ def add_replicas(
     wake lock under that id); they are kept even if unused. The caller holds the deployment row lock.
     """
     if cached is None:
-        cached = tuple(
-            CachedReplica(replica_id, node)
-            for replica_id, node in deployment.replicas.filter(
-                state=Replica.State.SLEEPING, node__isnull=False
-            ).values_list("id", "node__name")
-        )
+        cached = cached_of(deployment)
     # Placement needs an id per request even when it may only promote; those ids never get rows.
     decision = _Decision(new_ids=list(new_ids) if new_ids is not None else [new_replica_id() for _ in range(count)])
     policy: str | Policy = deployment.memory_policy

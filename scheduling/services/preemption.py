@@ -141,12 +141,7 @@ def start(
     even evicting every evictable occupant would make room: no wait could help then.
     """
     if cached is None:
-        cached = tuple(
-            CachedReplica(replica_id, node)
-            for replica_id, node in deployment.replicas.filter(
-                state=Replica.State.SLEEPING, node__isnull=False
-            ).values_list("id", "node__name")
-        )
+        cached = deployments.cached_of(deployment)
     snap = ledger.snapshot()
     need = deployments.need_bytes(deployment, snap)
     # Targeting only: where the waker would go if every non-dedicated occupant of other
