@@ -59,7 +59,37 @@ class StateCollector:
 
         nodes = _count_by("gpuportal_nodes", "Nodes by status.", "status", Node, Node.Status.values)
         replicas = _count_by("gpuportal_replicas", "Replicas by state.", "state", Replica, Replica.State.values)
-        return [total, reserved, available, nodes, replicas, _queue_depths()]
+        return [total, reserved, available, nodes, replicas, _queue_depths(), *_failover_states()]
+
+
+def _failover_states() -> list[Metric]:
+    """Each live pair member's state, and per failover deployment how many members are active:
+    0 is an outage, more than 1 a split brain (DESIGN invariant 4)."""
+    states = GaugeMetricFamily(
+        "gpuportal_failover_state",
+        "1 for each failover pair member in the state it reports (init, standby, waking, active, dead).",
+        labels=["deployment", "replica", "state"],
+    )
+    active = GaugeMetricFamily(
+        "gpuportal_failover_active",
+        "Failover pair members active per deployment (per pair: 1 is healthy, 0 an outage, 2 split-brain).",
+        labels=["deployment"],
+    )
+    counts: dict[str, int] = dict.fromkeys(
+        Deployment.objects.filter(failover_standby=True).values_list("name", flat=True), 0
+    )
+    members = (
+        Replica.objects.filter(lease__isnull=False)
+        .exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
+        .values_list("deployment__name", "id", "failover_state")
+    )
+    for deployment, replica_id, state in members:
+        states.add_metric([deployment, replica_id, state or "init"], 1)
+        if state == "active":
+            counts[deployment] = counts.get(deployment, 0) + 1
+    for deployment, n in sorted(counts.items()):
+        active.add_metric([deployment], n)
+    return [states, active]
 
 
 def _queue_depths() -> Metric:

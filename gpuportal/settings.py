@@ -184,6 +184,12 @@ GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
 # How long a GPU's wake lock lasts unless its holder renews it: a waker that died (SIGKILL, a
 # lost worker) stops renewing, and the next wake takes the lock over once this has passed.
 GPUPORTAL_WAKE_LOCK_TTL_S = env_float("GPUPORTAL_WAKE_LOCK_TTL_S", 60.0)
+# Failover pairs (seed 004). After a PostgreSQL restart the previous lock holder has this long to
+# re-acquire before its standby takes over; a takeover's wake past its timeout ends the process;
+# an active member silent past the liveness timeout is killed by its node agent.
+GPUPORTAL_FAILOVER_RECONNECT_WINDOW_S = env_float("GPUPORTAL_FAILOVER_RECONNECT_WINDOW_S", 10.0)
+GPUPORTAL_FAILOVER_WAKE_TIMEOUT_S = env_float("GPUPORTAL_FAILOVER_WAKE_TIMEOUT_S", 60.0)
+GPUPORTAL_FAILOVER_LIVENESS_TIMEOUT_S = env_float("GPUPORTAL_FAILOVER_LIVENESS_TIMEOUT_S", 3.0)
 
 LOGGING = {
     "version": 1,

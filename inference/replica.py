@@ -45,11 +45,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from inference.requestqueue import RequestQueue
+from inference.requestqueue import Fence, RequestQueue
 from inference.serving import Executor, Server
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from inference.pairing import PairMember
 
 log = logging.getLogger("inference.replica")
 
@@ -179,6 +181,9 @@ class Backend(Protocol):
     def verify(self, model: nn.Module, placement: Placement) -> None: ...
     def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]: ...
     def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module: ...
+    def load_to_cache(
+        self, source: str, loader: str, dtype: str, placement: Placement
+    ) -> tuple[nn.Module, dict[str, int | None]]: ...
     def process_bytes_by_id(self) -> dict[str, int] | None: ...
     def release(self) -> None: ...
 
@@ -210,6 +215,12 @@ class VirtualBackend:
 
     def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module:
         return model
+
+    def load_to_cache(
+        self, source: str, loader: str, dtype: str, placement: Placement
+    ) -> tuple[nn.Module, dict[str, int | None]]:
+        self.attach(placement)
+        return self.load(source, loader, dtype, placement), {str(g): 0 for g in placement.gpus}
 
     def process_bytes_by_id(self) -> dict[str, int] | None:
         return None
@@ -301,6 +312,19 @@ class CudaBackend:
         self.attach(placement)
         return place_on_gpus(model, placement.max_memory(torch.cuda.device_count()))
 
+    def load_to_cache(
+        self, source: str, loader: str, dtype: str, placement: Placement
+    ) -> tuple[nn.Module, dict[str, int | None]]:
+        """A failover standby: weights straight into pinned host memory, never onto the GPU its
+        active partner fills; only the CUDA context is created there, so the wake is a copy."""
+        from inference.loaders import load_model
+
+        self.attach(placement)
+        model = load_model(source, loader, dtype, device="cpu")
+        _pin(model)
+        torch_module().cuda.set_per_process_memory_fraction(1.0, placement.gpus[0])
+        return model, self._residual(placement)
+
     def process_bytes_by_id(self) -> dict[str, int] | None:
         # Empty means NVML cannot see this process (it surely holds a context): unknown, not 0.
         return nvml_process_bytes(os.getpid()) or None
@@ -345,6 +369,28 @@ def _move_to_pinned_cpu(model: nn.Module) -> None:
             param.data = pinned(param.data)
         for name, buffer in list(module.named_buffers(recurse=False)):
             module._buffers[name] = pinned(buffer)
+
+
+def torch_module() -> Any:
+    import torch
+
+    return torch
+
+
+def _pin(model: nn.Module) -> None:
+    """Host tensors into page-locked memory, where a wake copies them to the GPU at full speed."""
+    import torch
+
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if not param.data.is_pinned():
+                try:
+                    param.data = param.data.pin_memory()
+                except RuntimeError:  # pinned memory is limited (ulimit -l): pageable still works
+                    return
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if isinstance(buffer, torch.Tensor) and not buffer.is_pinned():
+                module._buffers[name] = buffer.pin_memory()
 
 
 def nvml_process_bytes(pid: int) -> dict[str, int] | None:
@@ -409,6 +455,10 @@ class ReplicaHost:
         self._flight = threading.Condition(threading.Lock())
         self._in_flight = 0
         self.abort = threading.Event()
+        # Failover pair members (inference.pairing): the epoch results are written under, and
+        # fields added to the `serving` event (the epoch, the liveness state).
+        self.fence: Fence | None = None
+        self.serving_tags: dict[str, Any] = {}
 
     @property
     def state(self) -> str:
@@ -489,7 +539,48 @@ class ReplicaHost:
             self._adopt(model, self.placement)
             self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
             self.state = "serving"
-            self.events.emit("serving", pid=os.getpid(), **self._where())
+            self.events.emit("serving", pid=os.getpid(), **self._where(), **self.serving_tags)
+
+    def load_standby(self) -> None:
+        """A failover standby's init: the same weights, loaded and parked in host memory at once."""
+        with self.lock, self._failing_as("load"):
+            started = time.monotonic()
+            self.state = "loading"
+            self._progress(0, f"starting as a standby on {self.backend.name} GPUs {list(self.placement.gpus)}")
+            from inference.loaders import tensor_bytes, validate_source
+
+            validate_source(self.source, self.loader)
+            self._progress(25, f"loading weights from {self.source} into host memory")
+            model, residual = self.backend.load_to_cache(self.source, self.loader, self.dtype, self.placement)
+            self.tokenizer = load_tokenizer(self.source, self.loader)
+            self.weights_bytes = tensor_bytes(model)
+            # A standby that could never wake into its reservation is no standby: fail now, not at takeover.
+            check_cap(self.weights_bytes, self.placement)
+            self.model = model
+            self.residual_bytes_by_id = residual
+            self._progress(100, f"standing by with {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
+            self.state = "standby"
+            self.events.emit(
+                "standby", pid=os.getpid(), weights_bytes=self.weights_bytes, residual_bytes_by_id=residual
+            )
+
+    def wake_standby(self) -> None:
+        """Onto the memory the dead active member freed (the lock grant proved it is gone)."""
+        with self.lock:
+            self._require("standby", "take over")
+            with self._failing_as("load"):
+                self.state = "waking"
+                check_cap(self.weights_bytes, self.placement)
+                assert self.model is not None
+                self._adopt(self.backend.from_cache(self.model, self.placement), self.placement)
+
+    def on_stale(self, reason: str) -> None:
+        """Our failover epoch was superseded: stop serving at once and exit, so two never serve."""
+        self.accepting.clear()
+        self._state = "stale"
+        log.error("%s: %s; exiting", self.replica_id, reason)
+        self.events.emit("failed", reason=f"superseded: {reason}", kind="stale")
+        _exit(1)
 
     def sleep(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         # Transitions all run on the main thread: no other can change the state under this check.
@@ -673,7 +764,7 @@ def protocol_stream() -> TextIO:
     return os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
 
 
-def read_commands(stream: Iterable[str], host: ReplicaHost, commands: queue.Queue[dict[str, Any]]) -> None:
+def read_commands(stream: Iterable[str], host: ReplicaHost, commands: queue.Queue[Any]) -> None:
     """The stdin thread: answer pings at once, queue the rest for the main thread, exit on EOF."""
     for line in stream:
         text = line.strip()
@@ -699,12 +790,18 @@ def read_commands(stream: Iterable[str], host: ReplicaHost, commands: queue.Queu
     _exit(0)
 
 
-def run(host: ReplicaHost, commands: queue.Queue[dict[str, Any]]) -> int:
+def run(host: ReplicaHost, commands: queue.Queue[Any], pair: PairMember | None = None) -> int:
     """The main thread: load, then run queued commands until stopped. Returns the exit code."""
     try:
-        host.load()
+        if pair is None:
+            host.load()
+        else:
+            pair.start(commands)
         while host.state != "stopped":
-            host.handle(commands.get())
+            command = commands.get()
+            # Callables come from this process's own threads (a failover lock grant): they run
+            # here so that every transition stays on the main thread.
+            command() if callable(command) else host.handle(command)
         return 0
     except ReplicaFailure as failure:
         log.error("%s failed (%s): %s", host.replica_id, failure.kind, failure.reason)
@@ -737,6 +834,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=BACKENDS, default="virtual")
     parser.add_argument("--deployment", default="", help="Serve this deployment's request queue.")
     parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
+    parser.add_argument("--failover-lease", type=int, default=None, help="Member of this failover pair's lease.")
+    parser.add_argument("--role", choices=["primary", "standby"], default="primary")
+    parser.add_argument("--reconnect-window", type=float, default=10.0, help="Seconds (seed 004).")
+    parser.add_argument("--wake-timeout", type=float, default=60.0, help="A takeover's wake past this exits.")
+    parser.add_argument("--liveness-every", type=float, default=0.5, help="Seconds between `alive` events.")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -784,11 +886,21 @@ def main(argv: list[str] | None = None) -> None:
         backend=backend,
         events=events,
     )
-    commands: queue.Queue[dict[str, Any]] = queue.Queue()
+    commands: queue.Queue[Any] = queue.Queue()
     threading.Thread(target=read_commands, args=(sys.stdin, host, commands), name="stdin", daemon=True).start()
-    if args.deployment and args.redis_url:
-        Server(host, RequestQueue.from_url(args.redis_url), args.deployment).start()
-    _exit(run(host, commands))
+    requests = RequestQueue.from_url(args.redis_url) if args.redis_url else None
+    if args.deployment and requests is not None:
+        Server(host, requests, args.deployment).start()
+    pair = None
+    if args.failover_lease is not None:
+        from inference.pairing import PairMember
+
+        dsn = os.environ.get("GPUPORTAL_FAILOVER_DSN", "")
+        if not dsn or requests is None:
+            events.emit("failed", reason="a failover member needs GPUPORTAL_FAILOVER_DSN and --redis-url", kind="load")
+            _exit(2)
+        pair = PairMember.from_args(host, requests, dsn, args)
+    _exit(run(host, commands, pair))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,45 @@ def last_key(replica_id: str) -> str:
     return f"gp:last:{replica_id}"
 
 
+def epoch_key(lease_id: int) -> str:
+    return f"gp:epoch:{lease_id}"
+
+
+class StaleEpoch(Exception):
+    """A failover pair member wrote with an epoch that has been superseded: the write was refused."""
+
+
+# Raise the pair's epoch, never lower it: a slow writer of an old epoch cannot undo a takeover.
+_RAISE_EPOCH = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return math.max(current, tonumber(ARGV[1]))
+"""
+
+# _end behind an epoch check, in one step: a superseded member's result never lands (seed 004 fencing).
+# KEYS: epoch, request, stream, done, processing, last.
+# ARGV: epoch, request id, ttl, now, stream end marker, then the request's field/value pairs.
+_FENCED_END = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+redis.call('RPUSH', KEYS[3], ARGV[5])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('RPUSH', KEYS[4], '1')
+redis.call('EXPIRE', KEYS[4], ARGV[3])
+redis.call('LREM', KEYS[5], 1, ARGV[2])
+redis.call('SET', KEYS[6], ARGV[4], 'EX', ARGV[3])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A failover pair member's right to write results: its lease and the epoch it holds."""
+
+    lease_id: int
+    epoch: int
+
+
 @dataclass
 class Request:
     id: str
@@ -111,6 +150,8 @@ class Request:
 class RequestQueue:
     def __init__(self, client: redis.Redis):
         self.redis = client
+        self._raise_epoch = client.register_script(_RAISE_EPOCH)
+        self._fenced_end = client.register_script(_FENCED_END)
 
     @classmethod
     def from_url(cls, url: str) -> RequestQueue:
@@ -253,11 +294,15 @@ class RequestQueue:
             pipe.expire(stream_key(request_id), TTL_S)
             pipe.execute()
 
-    def finish(self, request_id: str, replica_id: str, output: Any) -> None:
-        self._end(request_id, "done", {"output": json.dumps(output)}, replica_id=replica_id)
+    def finish(self, request_id: str, replica_id: str, output: Any, fence: Fence | None = None) -> None:
+        self._end(request_id, "done", {"output": json.dumps(output)}, replica_id=replica_id, fence=fence)
 
-    def fail(self, request_id: str, replica_id: str, error: str, kind: str) -> None:
-        self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id)
+    def fail(self, request_id: str, replica_id: str, error: str, kind: str, fence: Fence | None = None) -> None:
+        self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id, fence=fence)
+
+    def raise_epoch(self, lease_id: int, epoch: int) -> int:
+        """Make `epoch` the pair's current one (unless a later one already is); returns the current."""
+        return int(self._raise_epoch(keys=[epoch_key(lease_id)], args=[epoch]))
 
     def read_stream(self, request_id: str, start: int, timeout: float) -> tuple[list[str], bool]:
         """Chunks from index `start` on, waiting up to `timeout` for the first; and whether the
@@ -276,7 +321,23 @@ class RequestQueue:
             # A list has no blocking read from an offset; the stream is short-lived, so poll it.
             time.sleep(0.005)
 
-    def _end(self, request_id: str, status: str, fields: dict[str, Any], replica_id: str = "") -> None:
+    def _end(
+        self, request_id: str, status: str, fields: dict[str, Any], replica_id: str = "", fence: Fence | None = None
+    ) -> None:
+        if fence is not None:
+            values = {"status": status, "finished_at": now(), **fields}
+            keys = [
+                epoch_key(fence.lease_id),
+                request_key(request_id),
+                stream_key(request_id),
+                done_key(request_id),
+                processing_key(replica_id),
+                last_key(replica_id),
+            ]
+            args = [fence.epoch, request_id, TTL_S, now(), STREAM_END, *(x for kv in values.items() for x in kv)]
+            if not self._fenced_end(keys=keys, args=args):
+                raise StaleEpoch(f"epoch {fence.epoch} of failover lease {fence.lease_id} is no longer current")
+            return
         with self.redis.pipeline() as pipe:
             pipe.hset(request_key(request_id), mapping={"status": status, "finished_at": now(), **fields})
             pipe.rpush(stream_key(request_id), STREAM_END)

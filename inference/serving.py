@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from inference.requestqueue import Request, RequestQueue
+from inference.requestqueue import Request, RequestQueue, StaleEpoch
 
 if TYPE_CHECKING:
     from inference.replica import ReplicaHost
@@ -224,10 +224,21 @@ class Server(threading.Thread):
             self.queue.give_back(request, self.host.replica_id)
             return
         except BadInput as exc:
-            self.queue.fail(request.id, self.host.replica_id, str(exc), "bad_input")
+            reason = str(exc)
+            self._record(lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, "bad_input", fence))
             return
         except Exception as exc:
             log.exception("request %s failed", request.id)
-            self.queue.fail(request.id, self.host.replica_id, " ".join(str(exc).split())[:500], "error")
+            error = " ".join(str(exc).split())[:500]
+            self._record(lambda fence: self.queue.fail(request.id, self.host.replica_id, error, "error", fence))
             return
-        self.queue.finish(request.id, self.host.replica_id, output)
+        self._record(lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence))
+
+    def _record(self, write: Callable[[Any], None]) -> None:
+        """Write an outcome, fenced by the failover epoch if the replica is a pair member: a member
+        whose epoch was superseded has its result refused, and stops (the request stays taken, and
+        its agent gives it back to the queue for the pair's new active member)."""
+        try:
+            write(self.host.fence)
+        except StaleEpoch as exc:
+            self.host.on_stale(str(exc))

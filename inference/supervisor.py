@@ -63,6 +63,15 @@ class ReplicaSpec:
     # The request queue it serves; empty in tests of the process layer alone.
     deployment: str = ""
     redis_url: str = ""
+    # A failover pair member (seed 004): its lease, its initial role, and its timeouts. The
+    # database URL for its lock connection travels in the environment, not on the command line.
+    failover_lease: int | None = None
+    role: str = "primary"
+    failover_dsn: str = field(default="", repr=False)
+    reconnect_window_s: float = 10.0
+    wake_timeout_s: float = 60.0
+    # An active member silent for this long is hung: the agent kills it, which passes the lock.
+    liveness_timeout_s: float = 3.0
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):
@@ -98,6 +107,19 @@ class ReplicaSpec:
             args += ["--fraction", repr(float(self.fraction))]
         if self.deployment and self.redis_url:
             args += ["--deployment", self.deployment, "--redis-url", self.redis_url]
+        if self.failover_lease is not None:
+            args += [
+                "--failover-lease",
+                str(self.failover_lease),
+                "--role",
+                self.role,
+                "--reconnect-window",
+                repr(float(self.reconnect_window_s)),
+                "--wake-timeout",
+                repr(float(self.wake_timeout_s)),
+                "--liveness-every",
+                repr(max(0.05, self.liveness_timeout_s / 6)),
+            ]
         return args
 
 
@@ -112,6 +134,11 @@ class _Replica:
     stopping: bool = False
     # Set once the final event has been delivered.
     done: threading.Event = field(default_factory=threading.Event)
+    # Liveness of a failover member: when it last said anything, and the state it last reported.
+    last_seen: float = field(default_factory=time.monotonic)
+    failover_state: str = ""
+    # Why the watchdog killed it, for the final event.
+    killed_because: str = ""
 
 
 class Supervisor:
@@ -127,6 +154,7 @@ class Supervisor:
         # task threads may come and go, so every fork happens on this one thread, which lives as long as
         # the supervisor (an executor never retires an idle worker).
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-spawner")
+        self._watchdog: threading.Thread | None = None
 
     # -- API -----------------------------------------------------------------------------------
 
@@ -142,6 +170,8 @@ class Supervisor:
             replica = _Replica(spec=spec, process=process, on_event=on_event, log_path=log_path)
             self._replicas[spec.replica_id] = replica
         log.info("replica %s started: pid %d, log %s", spec.replica_id, process.pid, log_path)
+        if spec.failover_lease is not None:
+            self._start_watchdog()
         threading.Thread(target=self._watch, args=(replica,), name=f"replica-{spec.replica_id}", daemon=True).start()
 
     def send(self, replica_id: str, command: dict[str, Any]) -> None:
@@ -219,6 +249,8 @@ class Supervisor:
         if spec.backend == "cuda":
             # The replica targets its GPUs itself (set_device, max_memory), by NVML index: it must see them all.
             env.pop("CUDA_VISIBLE_DEVICES", None)
+        if spec.failover_dsn:
+            env["GPUPORTAL_FAILOVER_DSN"] = spec.failover_dsn
         # `python -m inference.replica` must import this project whatever the agent's working directory.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
         return env
@@ -231,6 +263,14 @@ class Supervisor:
             event = self._parse(replica, raw)
             if event is None:
                 continue
+            replica.last_seen = time.monotonic()
+            if event["event"] == "alive":  # a heartbeat: for the watchdog, not the control plane
+                replica.failover_state = str(event.get("failover_state") or replica.failover_state)
+                continue
+            if event["event"] == "failover":
+                replica.failover_state = str(event.get("state") or "")
+            elif event["event"] == "active" or (event["event"] == "serving" and event.get("failover_state")):
+                replica.failover_state = "active"
             if event["event"] in FINAL_EVENTS:
                 final = event
                 break
@@ -262,6 +302,8 @@ class Supervisor:
 
     def _unannounced_exit(self, replica: _Replica, code: int) -> dict[str, Any]:
         how = describe_exit(code)
+        if replica.killed_because:
+            return {"event": "failed", "kind": "hung", "reason": f"killed by its node agent: {replica.killed_because}"}
         if replica.stopping:
             # We asked it to stop and then had to kill it (or it died on the way): still a stop.
             return {"event": "stopped", "forced": True, "reason": f"replica process {how} while stopping"}
@@ -276,6 +318,32 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 replica.process.kill()
             replica.process.wait()
+
+    def _start_watchdog(self) -> None:
+        with self._lock:
+            if self._watchdog is not None:
+                return
+            self._watchdog = threading.Thread(target=self._watch_liveness, name="replica-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch_liveness(self) -> None:
+        """Kill active failover members that stopped heartbeating (seed 004: a hung engine is
+        found by its liveness, and its death is what passes the lock to the standby)."""
+        while True:
+            time.sleep(0.1)
+            with self._lock:
+                replicas = [r for r in self._replicas.values() if r.spec.failover_lease is not None]
+            now = time.monotonic()
+            for replica in replicas:
+                silent = now - replica.last_seen
+                if replica.failover_state != "active" or silent <= replica.spec.liveness_timeout_s:
+                    continue
+                if replica.killed_because or replica.process.poll() is not None:
+                    continue
+                replica.killed_because = f"active but silent for {silent:.1f} s (hung)"
+                log.error("replica %s %s: killing it", replica.spec.replica_id, replica.killed_because)
+                with contextlib.suppress(ProcessLookupError):
+                    replica.process.kill()
 
     # -- plumbing ------------------------------------------------------------------------------
 

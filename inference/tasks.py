@@ -60,6 +60,28 @@ def wait_released(replica_ids: list[str], timeout: float | None = None) -> list[
     return pending
 
 
+def database_dsn() -> str:
+    """A libpq URL of this process's database, for a failover member's own lock connection."""
+    from urllib.parse import quote
+
+    s = connection.settings_dict
+    auth = quote(s["USER"] or "", safe="") + (f":{quote(s['PASSWORD'], safe='')}" if s["PASSWORD"] else "")
+    return f"postgresql://{auth}@{s['HOST'] or 'localhost'}:{s['PORT'] or 5432}/{quote(s['NAME'], safe='')}"
+
+
+def failover_fields(replica: Replica) -> dict:
+    if replica.lease_id is None:
+        return {}
+    return {
+        "failover_lease": replica.lease_id,
+        "role": replica.role,
+        "failover_dsn": database_dsn(),
+        "reconnect_window_s": settings.GPUPORTAL_FAILOVER_RECONNECT_WINDOW_S,
+        "wake_timeout_s": settings.GPUPORTAL_FAILOVER_WAKE_TIMEOUT_S,
+        "liveness_timeout_s": settings.GPUPORTAL_FAILOVER_LIVENESS_TIMEOUT_S,
+    }
+
+
 def spec_for(replica: Replica) -> ReplicaSpec:
     deployment = replica.deployment
     return ReplicaSpec(
@@ -73,6 +95,7 @@ def spec_for(replica: Replica) -> ReplicaSpec:
         backend="virtual" if replica.node.virtual else "cuda",
         deployment=deployment.name,
         redis_url=settings.REDIS_URL,
+        **failover_fields(replica),
     )
 
 

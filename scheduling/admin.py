@@ -149,7 +149,7 @@ class GPUAdmin(ReadOnlyAdmin):
 
 class ReplicaInline(ReadOnlyInline):
     model = Replica
-    fields = ["id", "node", "role", "state", "gpu_memory_fraction", "last_accessed"]
+    fields = ["id", "node", "role", "state", "failover_state", "gpu_memory_fraction", "last_accessed"]
     readonly_fields = fields
 
 
@@ -164,6 +164,7 @@ class DeploymentAdmin(ReadOnlyAdmin):
         admin_actions.evict_deployments,
         admin_actions.sleep_deployments,
         admin_actions.wake_deployments,
+        admin_actions.switch_over_deployments,
     ]
 
     list_display = [
@@ -216,12 +217,13 @@ class ReplicaAdmin(ReadOnlyAdmin):
         "node",
         "role",
         "state",
+        "failover_state",
         "gpu_memory_fraction",
         "pid",
         "epoch",
         "last_accessed",
     ]
-    list_filter = ["state", "role", "node", "deployment"]
+    list_filter = ["state", "role", "failover_state", "node", "deployment"]
     search_fields = ["id", "deployment__name", "node__name"]
     list_select_related = ["deployment", "node"]
     inlines = [ReplicaOccupantInline]

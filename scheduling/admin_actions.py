@@ -13,6 +13,7 @@ from django.template.response import TemplateResponse
 
 from scheduling.models import Deployment, Replica
 from scheduling.services import deployments as deployment_services
+from scheduling.services import failover as failover_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import ServiceError
@@ -110,6 +111,15 @@ def evict_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
     def act(name: str) -> str:
         evicted = deployment_services.evict(name, reason="evicted from the admin")
         return f"{name}: {len(evicted)} serving replica(s) going to sleep"
+
+    report_each(admin_view, request, queryset.values_list("name", flat=True), act)
+
+
+@admin.action(description="Switch over selected failover deployments (standby takes over)")
+def switch_over_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+    def act(name: str) -> str:
+        stepping_down = failover_services.switchover(name, reason=f"planned switchover by {request.user} (admin)")
+        return f"{name}: {len(stepping_down)} active replica(s) draining; their standbys take over"
 
     report_each(admin_view, request, queryset.values_list("name", flat=True), act)
 

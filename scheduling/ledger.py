@@ -55,7 +55,8 @@ SNAPSHOT_SQL = """
 SELECT g.id, n.name, n.status, g.index, g.total_bytes, g.available_bytes, g.version, g.virtual, g.health,
        g.wake_lock_holder_id, g.wake_lock_expires_at,
        COALESCE((SELECT json_agg(json_build_array(o.replica_id, d.name, r.state, o.reserved_bytes, o.since,
-                                                  r.last_accessed, r.serving_since, d.dedicated, d.popular,
+                                                  r.last_accessed, r.serving_since,
+                                                  d.dedicated OR d.failover_standby, d.popular OR d.failover_standby,
                                                   d.min_runtime_s) ORDER BY o.since, o.id)
                  FROM scheduling_occupant o
                  JOIN scheduling_replica r ON r.id = o.replica_id

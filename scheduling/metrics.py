@@ -33,3 +33,15 @@ SLEEP_SECONDS = Histogram(
     "From a replica entering `draining` to its process reporting it sleeps.",
     buckets=_WAIT_BUCKETS,
 )
+
+# Failover pairs (seed 004). Takeovers are fast (the target is 200 ms), so buckets start small.
+FAILOVERS = Counter(
+    "gpuportal_failovers_total",
+    "Takeovers: a standby took its pair's lock and serves in place of the active member.",
+    ["deployment"],
+)
+FAILOVER_SECONDS = Histogram(
+    "gpuportal_failover_seconds",
+    "From a standby's lock grant (its active member's session ended) to taking requests.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
+)

@@ -142,6 +142,16 @@ class Deployment(models.Model):
         return self.memory_override_bytes or self.memory_measured_bytes or self.memory_estimate_bytes
 
 
+class FailoverState(models.TextChoices):
+    """Liveness by state (seed 004): what a failover pair member is doing, as it reports it."""
+
+    INIT = "init"
+    STANDBY = "standby"
+    WAKING = "waking"
+    ACTIVE = "active"
+    DEAD = "dead"
+
+
 class Replica(models.Model):
     class Role(models.TextChoices):
         PRIMARY = "primary"
@@ -171,6 +181,9 @@ class Replica(models.Model):
     serving_since = models.DateTimeField(null=True, blank=True)
     last_accessed = models.DateTimeField(null=True, blank=True)
     epoch = models.BigIntegerField(default=0)
+    # Failover (seed 004): the pair this replica belongs to, and its liveness state as it reports it.
+    lease = models.ForeignKey("FailoverLease", null=True, blank=True, on_delete=models.SET_NULL, related_name="members")
+    failover_state = models.CharField(max_length=16, choices=FailoverState.choices, blank=True)
     failure_reason = models.TextField(blank=True)
     # Loading or waking progress reported by the replica process, 0-100.
     progress = models.PositiveSmallIntegerField(null=True, blank=True)
@@ -252,6 +265,9 @@ class FailoverLease(models.Model):
     epoch = models.BigIntegerField(default=0)
     granted_at = models.DateTimeField(null=True, blank=True)
     reconnect_deadline = models.DateTimeField(null=True, blank=True)
+    # pg_postmaster_start_time() at the holder's last renewal: a lock granted on a server that
+    # started later follows a restart (every session dropped), not the holder's death.
+    server_started_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["deployment__name", "slot"]
@@ -284,6 +300,13 @@ class Event(models.Model):
         PREEMPTION_INTENT = "preemption.intent"
         PREEMPTION_VICTIM = "preemption.victim"
         PREEMPTION_OUTCOME = "preemption.outcome"
+        # Failover pairs (seed 004): lock grants and losses with their epochs, takeovers, rejections.
+        FAILOVER_STATE = "failover.state"
+        FAILOVER_GRANT = "failover.grant"
+        FAILOVER_LOSS = "failover.loss"
+        FAILOVER_TAKEOVER = "failover.takeover"
+        FAILOVER_STALE = "failover.stale"
+        FAILOVER_SWITCHOVER = "failover.switchover"
 
     time = models.DateTimeField(auto_now_add=True, db_index=True)
     # Named in Kind, but not constrained to it: kinds grow with the product, and a choices list

@@ -29,7 +29,7 @@ def _occupancies_with_gpu() -> Prefetch:
 
 
 def replicas(*, deployment: str | None = None, state: str | None = None, node: str | None = None) -> QuerySet[Replica]:
-    qs = Replica.objects.select_related("deployment", "node").prefetch_related(_occupancies_with_gpu())
+    qs = Replica.objects.select_related("deployment", "node", "lease").prefetch_related(_occupancies_with_gpu())
     if deployment:
         qs = qs.filter(deployment__name=deployment)
     if state:
@@ -43,7 +43,7 @@ def deployments() -> QuerySet[Deployment]:
     return Deployment.objects.prefetch_related(
         Prefetch(
             "replicas",
-            queryset=Replica.objects.select_related("node").prefetch_related(_occupancies_with_gpu()),
+            queryset=Replica.objects.select_related("node", "lease").prefetch_related(_occupancies_with_gpu()),
         )
     )
 

@@ -46,7 +46,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
     gpu_mem_bytes_by_id = serializers.DictField(
         child=serializers.IntegerField(), read_only=True, help_text='{"<gpu index>": bytes} on its node.'
     )
-    # Filled in by the failover and KV-cache issues; null until then so clients can rely on the keys.
+    # kv is filled in by the KV-cache issue; null until then so clients can rely on the key.
     failover_state = serializers.SerializerMethodField()
     kv = serializers.SerializerMethodField()
 
@@ -76,7 +76,18 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(serializers.DictField(allow_null=True))
     def get_failover_state(self, obj: Replica) -> dict[str, Any] | None:
-        return None
+        """A failover pair member's liveness state (init, standby, waking, active, dead), its pair,
+        and whether it holds the pair's lock at the lease's current epoch; null for other replicas."""
+        lease = obj.lease
+        if lease is None:
+            return None
+        return {
+            "state": obj.failover_state or None,
+            "pair": lease.slot,
+            "lease_epoch": lease.epoch,
+            "holder": lease.holder_id == obj.id,
+            "reconnect_deadline": lease.reconnect_deadline,
+        }
 
     @extend_schema_field(serializers.DictField(allow_null=True))
     def get_kv(self, obj: Replica) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from scheduling import selectors
 from scheduling.api import inputs
 from scheduling.api import serializers as s
 from scheduling.services import deployments as deployment_services
+from scheduling.services import failover as failover_services
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
@@ -161,6 +162,20 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     @action(detail=True, methods=["post"])
     def wake(self, request: Request, name: str) -> Response:
         sleep_services.wake_deployment(name, reason="woken by an operator")
+        return self.shown(name)
+
+    @extend_schema(
+        request=None,
+        summary="Planned switchover: each active pair member drains and exits; its standby takes over.",
+        responses={
+            200: s.DeploymentSerializer,
+            404: PLACEMENT_ERRORS[404],
+            409: OpenApiResponse(description="No failover standby, nothing serving, or a standby not ready yet."),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def failover(self, request: Request, name: str) -> Response:
+        failover_services.switchover(name, reason=f"planned switchover by {request.user.get_username()}")
         return self.shown(name)
 
 

@@ -17,7 +17,7 @@ from scheduling import events, fairness, ledger, memory
 from scheduling.models import Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all
-from scheduling.services import dispatch
+from scheduling.services import dispatch, failover
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.state import OccupantView, Plan, Release, Snapshot
@@ -60,7 +60,6 @@ MUTABLE = {
     "popular": "popular",
     "idle_timeout_s": "idle_timeout_s",
     "drain_timeout_s": "drain_timeout_s",
-    "standby": "failover_standby",
 }
 
 
@@ -146,11 +145,18 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
 
 def update(name: str, changes: dict[str, Any]) -> Deployment:
     """Change settings (and the replica count, through scale). Unknown fields are a caller bug."""
-    unknown = set(changes) - set(MUTABLE) - {"replicas"}
+    unknown = set(changes) - set(MUTABLE) - {"replicas", "standby"}
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
+    changes = dict(changes)
     with transaction.atomic():
         deployment = get(name, lock=True)
+        if "standby" in changes and changes.pop("standby") != deployment.failover_standby:
+            # Its replicas run without a pair's lock (or hold one): pairing them up, or splitting
+            # them, would need every process restarted; a new deployment says so honestly.
+            raise InvalidInput(
+                "failover.standby", "cannot be changed on an existing deployment; create a new deployment instead"
+            )
         before = {key: getattr(deployment, MUTABLE[key]) for key in changes if key in MUTABLE}
         after = {key: value for key, value in changes.items() if key in MUTABLE and before[key] != value}
         for key, value in after.items():
@@ -179,7 +185,10 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
     with transaction.atomic():
         # The deployment row lock serialises scale operations of one deployment.
         deployment = get(name, lock=True)
-        awake = list(deployment.replicas.filter(state__in=AWAKE).order_by("-created_at"))
+        # A failover standby is not a replica of its own: it stands and goes with its active member.
+        awake = list(
+            deployment.replicas.filter(state__in=AWAKE).exclude(role=Replica.Role.STANDBY).order_by("-created_at")
+        )
         before = deployment.replicas_wanted
         if replicas > len(awake):
             add_replicas(deployment, replicas - len(awake), reason=f"{reason}: {len(awake)} → {replicas}")
@@ -264,7 +273,11 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
         ),
     )
     # A measured need already includes the context the process really had; others do not.
-    if need.source != "measured" and any(not g.virtual for g in snapshot.gpus.values()):
+    real_gpus = any(not g.virtual for g in snapshot.gpus.values())
+    if need.source != "measured" and real_gpus:
+        need = replace(need, bytes=need.bytes + settings.GPUPORTAL_CUDA_CONTEXT_BYTES)
+    if deployment.failover_standby and real_gpus:
+        # The pair: the active's bytes once, plus what its sleeping standby still holds (its context).
         need = replace(need, bytes=need.bytes + settings.GPUPORTAL_CUDA_CONTEXT_BYTES)
     return need
 
@@ -391,6 +404,8 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
             replica=replica.id,
         )
         wait_for = [e.replica_id for e in placement.evictions]
+        if deployment.failover_standby and not promoted and replica.lease_id is None:
+            failover.pair_up(deployment, replica)
         if promoted:
             dispatch.to_node(node.queue, dispatch.FROM_CACHE, replica.id, wait_for)
         else:
@@ -407,6 +422,7 @@ def _mark_evicted(victim: Replica, placement: Placement) -> None:
 
 def _stop_replicas(deployment: Deployment, replicas: list[Replica], *, reason: str) -> None:
     ids = {r.id for r in replicas}
+    ids |= failover.partners(ids)  # a pair stops whole: its standby must not take over
 
     def apply(plan: Plan | None = None) -> None:
         for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):

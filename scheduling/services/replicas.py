@@ -63,6 +63,11 @@ def to_cache(
         replica = Replica.objects.select_for_update(of=("self",)).select_related("node").get(pk=replica_id)
         if replica.state != Replica.State.SERVING:
             raise InvalidState(f"replica {replica_id} is {replica.state}, {refused}")
+        if replica.lease_id is not None:
+            raise InvalidState(
+                f"replica {replica_id} is the active member of a failover pair, which never sleeps: "
+                f"switch over with POST /api/deployments/{replica.deployment.name}/failover/, or scale down"
+            )
         set_state(replica, Replica.State.DRAINING, reason)
         if scale_down and deployment.replicas_wanted > 0:
             before = deployment.replicas_wanted
@@ -87,7 +92,7 @@ def to_cache(
 def report(replica_id: str, event: dict[str, Any]) -> None:
     """Apply one event from a replica process. Unknown replicas (deleted meanwhile) are ignored."""
     kind = event.get("event")
-    handler = HANDLERS.get(kind)
+    handler = HANDLERS.get(kind) or PAIR_ONLY.get(kind)
     if handler is None:
         log.warning("replica %s reported an unknown event %r", replica_id, kind)
         return
@@ -96,6 +101,11 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
         if replica is None:
             log.info("replica %s reported %s after it was deleted; ignoring", replica_id, kind)
             return
+        if replica.lease_id is not None:
+            # A failover pair member: its reports carry epochs, and its end hands the pair over.
+            from scheduling.services import failover
+
+            handler = failover.HANDLERS.get(kind, handler)
         handler(replica, event)
 
 
@@ -106,7 +116,7 @@ def _progress(replica: Replica, event: dict[str, Any]) -> None:
     Replica.objects.filter(pk=replica.pk).update(progress=percent)
 
 
-def _serving(replica: Replica, event: dict[str, Any]) -> None:
+def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
         return
     deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
@@ -152,7 +162,7 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
     residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}
     held = sum(residual.values())
-    _reserve_exactly(
+    reserve_exactly(
         replica,
         {int(index): bytes_ for index, bytes_ in residual.items() if bytes_ > 0},
         reason=f"asleep in the CPU cache, still holding {memory.human_bytes(held)} on its GPU(s)",
@@ -173,7 +183,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state in (Replica.State.STOPPING, Replica.State.STOPPED):
         _stopped(replica, event)
         return
-    _requeue_taken(replica, f"replica {replica.id[:8]} failed: {reason}")
+    requeue_taken(replica, f"replica {replica.id[:8]} failed: {reason}")
     restartable = _restarts_in_last_hour(replica) < settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR
     if event.get("kind") == "cuda_assert" and restartable:
         # A device-side assert poisons the CUDA context for good: only a fresh process recovers.
@@ -189,7 +199,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
         )
         dispatch.to_node(replica.node.queue, dispatch.START, replica.id, [])
         return
-    _reserve_exactly(replica, {}, reason=f"replica failed: {reason}")
+    reserve_exactly(replica, {}, reason=f"replica failed: {reason}")
     replica.failure_reason = reason
     replica.pid = None
     replica.serving_since = None
@@ -197,14 +207,14 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
 
 
 def _stopped(replica: Replica, event: dict[str, Any]) -> None:
-    _requeue_taken(replica, f"replica {replica.id[:8]} stopped")
-    _reserve_exactly(replica, {}, reason="replica stopped")
+    requeue_taken(replica, f"replica {replica.id[:8]} stopped")
+    reserve_exactly(replica, {}, reason="replica stopped")
     replica.pid = None
     replica.serving_since = None
     set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
 
 
-def _requeue_taken(replica: Replica, reason: str) -> None:
+def requeue_taken(replica: Replica, reason: str) -> None:
     """Requests the replica had taken go back to its deployment's queue: nothing accepted is lost.
 
     Right away rather than on commit: if this transaction rolled back, the requests would merely
@@ -218,12 +228,20 @@ def _requeue_taken(replica: Replica, reason: str) -> None:
 
 HANDLERS = {
     "progress": _progress,
-    "serving": _serving,
+    "serving": on_serving,
     "woken": _woken,
     "sleeping": _sleeping,
     "failed": _failed,
     "stopped": _stopped,
 }
+
+
+def _pair_report_from_a_plain_replica(replica: Replica, event: dict[str, Any]) -> None:
+    log.warning("replica %s is in no failover pair but reported %s; ignoring", replica.id, event.get("event"))
+
+
+# Reports only failover pair members make (scheduling.services.failover handles them).
+PAIR_ONLY = dict.fromkeys(("failover", "lease", "standby", "active"), _pair_report_from_a_plain_replica)
 
 
 def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None:
@@ -255,7 +273,7 @@ def _restarts_in_last_hour(replica: Replica) -> int:
     return Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_RESTARTED, time__gte=since).count()
 
 
-def _reserve_exactly(replica: Replica, bytes_by_index: dict[int, int], *, reason: str) -> None:
+def reserve_exactly(replica: Replica, bytes_by_index: dict[int, int], *, reason: str) -> None:
     """Make the replica's reservations exactly `bytes_by_index` on its node's GPUs."""
     if replica.node_id is None:
         return

@@ -56,7 +56,11 @@ def awake_replicas(deployment: Deployment) -> QuerySet[Replica]:
     """Replicas that count as awake for a wake: AWAKE, less a fair wake's waiter that has no
     place yet (it exists only to hold a wake lock and intents; a dead preempt task must not
     leave it counting as awake forever, see preemption.in_progress)."""
-    return deployment.replicas.filter(state__in=AWAKE).exclude(state=Replica.State.PENDING, node=None)
+    return (
+        deployment.replicas.filter(state__in=AWAKE)
+        .exclude(state=Replica.State.PENDING, node=None)
+        .exclude(role=Replica.Role.STANDBY)  # a failover standby goes with its active member
+    )
 
 
 def wake_replica(replica_id: str, *, reason: str) -> Replica:
@@ -163,6 +167,8 @@ def sweep_idle(now: datetime | None = None) -> list[str]:
             state=Replica.State.SERVING,
             deployment__idle_timeout_s__gt=0,
             deployment__popular=False,
+            # A failover pair keeps serving: its members never sleep (services.failover).
+            deployment__failover_standby=False,
         )
         .annotate(idle_since=idle_since)
         .filter(idle_since__lt=now - timeout)
@@ -183,7 +189,7 @@ def _sleep_idle_of(deployment_id: int, now: datetime) -> list[str]:
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update(skip_locked=True).filter(pk=deployment_id).first()
         # Re-checked under the lock: the settings may have changed since the candidates were read.
-        if deployment is None or deployment.popular or deployment.idle_timeout_s <= 0:
+        if deployment is None or deployment.popular or deployment.failover_standby or deployment.idle_timeout_s <= 0:
             return []
         cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
         idle = list(

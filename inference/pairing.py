@@ -1,0 +1,152 @@
+"""A replica process as a member of a failover pair (seed 004): the linear life of an engine,
+
+    init → standby (weights loaded, parked in host memory) → lock granted → waking → active → dead
+
+or, for the primary that finds the lock free at start, init → lock → load → active. Only the
+lock holder ever puts weights on the GPU, so the pair needs the active's memory once.
+
+Liveness by state: the member reports each state as it enters it (`failover` events), and an
+`alive` event every `liveness_every_s` on its own thread; the node agent kills an active member
+that goes silent (hung, e.g. SIGSTOP), which ends its session and so passes the lock. A wake that
+runs past `wake_timeout_s` ends the process here, for the same reason. No Django here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from inference.failover import FailoverMember, Grant, LeaseConfig, Stale
+from inference.replica import ReplicaFailure, ReplicaHost, _exit
+from inference.requestqueue import Fence, RequestQueue
+
+log = logging.getLogger("inference.pairing")
+
+
+class PairMember:
+    def __init__(
+        self,
+        host: ReplicaHost,
+        requests: RequestQueue,
+        config: LeaseConfig,
+        *,
+        role: str,
+        wake_timeout_s: float,
+        liveness_every_s: float,
+    ):
+        self.host = host
+        self.requests = requests
+        self.config = config
+        self.role = role
+        self.wake_timeout_s = wake_timeout_s
+        self.liveness_every_s = liveness_every_s
+        self.state = "init"
+        self.member = FailoverMember(config, on_lost=self._lost, on_event=self._lease_event)
+        self._stop = threading.Event()
+
+    @classmethod
+    def from_args(cls, host: ReplicaHost, requests: RequestQueue, dsn: str, args: argparse.Namespace) -> PairMember:
+        config = LeaseConfig(dsn, args.failover_lease, host.replica_id, args.reconnect_window)
+        return cls(
+            host,
+            requests,
+            config,
+            role=args.role,
+            wake_timeout_s=args.wake_timeout,
+            liveness_every_s=args.liveness_every,
+        )
+
+    def start(self, commands: queue.Queue[Any]) -> None:
+        """On the main thread, in place of a plain replica's load."""
+        self._report("init")
+        threading.Thread(target=self._beat, name="failover-alive", daemon=True).start()
+        grant = self.member.try_acquire() if self.role == "primary" else None
+        if grant is not None:
+            self._hold(grant)
+            self.host.serving_tags = {"epoch": grant.epoch, "failover_state": "active"}
+            self.state = "active"
+            self.host.load()  # reports `serving` with the epoch: the services make it the active member
+            return
+        self.host.load_standby()
+        self.state = "standby"
+        threading.Thread(target=self._wait_for_lock, args=(commands,), name="failover-wait", daemon=True).start()
+
+    def _wait_for_lock(self, commands: queue.Queue[Any]) -> None:
+        try:
+            grant = self.member.acquire(self._stop)
+        except InterruptedError:
+            return
+        except Stale as exc:
+            reason = str(exc)
+            commands.put(lambda: self._lost(reason))
+            return
+        except Exception as exc:  # the database never came back: nothing here can take over
+            reason = f"cannot wait for the failover lock: {exc}"
+            commands.put(lambda: self._fail(reason))
+            return
+        commands.put(lambda: self.take_over(grant))
+
+    def take_over(self, grant: Grant) -> None:
+        """The lock is ours, so the old active member is dead and its memory free: wake and serve."""
+        if self.host.state != "standby":  # stopping: the lock goes with the process
+            return
+        self.state = "waking"
+        self._report("waking", epoch=grant.epoch)
+        timer = threading.Timer(self.wake_timeout_s, self._wake_timed_out)
+        timer.daemon = True
+        timer.start()
+        try:
+            self._hold(grant)
+            self.host.wake_standby()
+        except ReplicaFailure:
+            raise  # run() reports it and exits: the lock goes with the process
+        finally:
+            timer.cancel()
+        self.state = "active"
+        self.host.serving_tags = {"epoch": grant.epoch, "failover_state": "active"}
+        self.host.state = "serving"  # from here the serving thread takes requests
+        self.host.events.emit(
+            "active",
+            epoch=grant.epoch,
+            previous_holder=grant.previous_holder,
+            previous_epoch=grant.previous_epoch,
+            # From the grant (the old holder's session ended) to taking requests.
+            takeover_s=time.monotonic() - grant.granted_monotonic,
+            pid=os.getpid(),
+            **self.host._where(),
+        )
+
+    def _hold(self, grant: Grant) -> None:
+        # The epoch goes to Redis before any request is taken, so the old holder's late results
+        # are refused from the first one on.
+        current = self.requests.raise_epoch(self.config.lease_id, grant.epoch)
+        if current != grant.epoch:
+            self._lost(f"granted epoch {grant.epoch}, but results are already fenced at epoch {current}")
+        self.host.fence = Fence(self.config.lease_id, grant.epoch)
+        self.member.keep()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.liveness_every_s):
+            self.host.events.emit("alive", failover_state=self.state)
+
+    def _report(self, state: str, **fields: Any) -> None:
+        self.host.events.emit("failover", state=state, **fields)
+
+    def _lease_event(self, what: str, **fields: Any) -> None:
+        self.host.events.emit("lease", what=what, **fields)
+
+    def _lost(self, reason: str) -> None:
+        self.host.on_stale(reason)
+
+    def _fail(self, reason: str) -> None:
+        self.host.events.emit("failed", reason=reason, kind="crash")
+        _exit(1)
+
+    def _wake_timed_out(self) -> None:
+        # Seed 004: a hung wake must not go unnoticed; dying ends the session and frees the lock.
+        self._fail(f"the takeover's wake ran past its timeout of {self.wake_timeout_s:.0f} s")
