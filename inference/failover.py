@@ -123,6 +123,7 @@ class FailoverMember:
         self._conn: psycopg.Connection | None = None
         self._closed = threading.Event()
         self._lost = False
+        self._lose_lock = threading.Lock()
         # Monotonic time until which serving is safe without a renewal (see LeaseConfig).
         self.safe_until = 0.0
 
@@ -163,10 +164,15 @@ class FailoverMember:
     def _claim(self, conn: psycopg.Connection) -> Grant | None:
         """With the lock held: decide, and write the lease by compare-and-swap. None: not ours yet."""
         cfg = self.config
+        # Before the transaction: the deadline written below counts from its start (now()), and
+        # the row lock may keep us waiting; our safe time must not start later than the row's.
+        before = time.monotonic()
         with conn.transaction():
+            # NO KEY UPDATE: enough to serialise claims, and it does not wait for transactions
+            # that merely reference the lease (a Replica row written with this lease_id).
             found = conn.execute(
                 f"SELECT holder_id, epoch, reconnect_deadline, server_started_at, now(), pg_postmaster_start_time() "
-                f"FROM {LEASE_TABLE} WHERE id = %s FOR UPDATE",
+                f"FROM {LEASE_TABLE} WHERE id = %s FOR NO KEY UPDATE",
                 (cfg.lease_id,),
             ).fetchone()
             if found is None:
@@ -185,7 +191,6 @@ class FailoverMember:
             if claim is Claim.STALE:
                 raise Stale(f"epoch {self.epoch} superseded: the lease is at epoch {row.epoch}, held by {row.holder}")
             epoch = row.epoch + 1 if claim is Claim.TAKE else row.epoch
-            before = time.monotonic()
             updated = conn.execute(
                 f"UPDATE {LEASE_TABLE} SET holder_id = %s, epoch = %s, "
                 f"granted_at = CASE WHEN %s THEN now() ELSE granted_at END, "
@@ -215,10 +220,21 @@ class FailoverMember:
     # -- keeping -------------------------------------------------------------------------------
 
     def keep(self) -> threading.Thread:
-        """Start the keeper: renew the lease, notice a lost connection, re-acquire or give up."""
+        """Start the keeper: renew the lease, notice a lost connection, re-acquire or give up.
+        And its watchdog: a renewal or reconnect can hang (a dead network path has no error to
+        raise), and the give-up must come before the standby may take over all the same."""
         thread = threading.Thread(target=self._keep, name="failover-keeper", daemon=True)
         thread.start()
+        threading.Thread(target=self._watch_deadline, name="failover-deadline", daemon=True).start()
         return thread
+
+    def _watch_deadline(self) -> None:
+        while not self._closed.is_set() and not self._lost:
+            left = self.safe_until - time.monotonic()
+            if left <= 0:
+                self._lose("no renewal of the failover lease within the reconnect window (hung connection?)")
+                return
+            self._closed.wait(min(left, 0.1))
 
     def renew(self) -> None:
         """One renewal: push the reconnect deadline forward, by compare-and-swap on (holder, epoch)."""
@@ -277,9 +293,10 @@ class FailoverMember:
         return False
 
     def _lose(self, reason: str) -> None:
-        if self._lost or self._closed.is_set():
-            return
-        self._lost = True
+        with self._lose_lock:  # the keeper and its watchdog may both get here: once is enough
+            if self._lost or self._closed.is_set():
+                return
+            self._lost = True
         log.error("failover lock lost at epoch %s: %s", self.epoch, reason)
         self.on_event("loss", epoch=self.epoch, reason=reason, final=True)
         self.on_lost(reason)

@@ -36,6 +36,7 @@ class PairMember:
         config: LeaseConfig,
         *,
         role: str,
+        fence_name: str,
         wake_timeout_s: float,
         liveness_every_s: float,
     ):
@@ -43,6 +44,7 @@ class PairMember:
         self.requests = requests
         self.config = config
         self.role = role
+        self.fence_name = fence_name
         self.wake_timeout_s = wake_timeout_s
         self.liveness_every_s = liveness_every_s
         self.state = "init"
@@ -57,6 +59,7 @@ class PairMember:
             requests,
             config,
             role=args.role,
+            fence_name=args.failover_fence,
             wake_timeout_s=args.wake_timeout,
             liveness_every_s=args.liveness_every,
         )
@@ -124,10 +127,10 @@ class PairMember:
     def _hold(self, grant: Grant) -> None:
         # The epoch goes to Redis before any request is taken, so the old holder's late results
         # are refused from the first one on.
-        current = self.requests.raise_epoch(self.config.lease_id, grant.epoch)
+        current = self.requests.raise_epoch(self.fence_name, grant.epoch)
         if current != grant.epoch:
             self._lost(f"granted epoch {grant.epoch}, but results are already fenced at epoch {current}")
-        self.host.fence = Fence(self.config.lease_id, grant.epoch)
+        self.host.fence = Fence(self.fence_name, grant.epoch)
         self.member.keep()
 
     def _beat(self) -> None:

@@ -835,6 +835,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deployment", default="", help="Serve this deployment's request queue.")
     parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
     parser.add_argument("--failover-lease", type=int, default=None, help="Member of this failover pair's lease.")
+    parser.add_argument("--failover-fence", default="", help="Names the pair's result fence in Redis.")
     parser.add_argument("--role", choices=["primary", "standby"], default="primary")
     parser.add_argument("--reconnect-window", type=float, default=10.0, help="Seconds (seed 004).")
     parser.add_argument("--wake-timeout", type=float, default=60.0, help="A takeover's wake past this exits.")

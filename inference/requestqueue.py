@@ -28,6 +28,8 @@ import redis
 TTL_S = 24 * 3600
 FINAL = ("done", "failed", "cancelled")
 STREAM_END = "\x00end"
+# The longest a blocking read waits in one call; see RequestQueue.wait.
+BLOCK_SLICE_S = 2.0
 
 
 def now() -> float:
@@ -58,8 +60,8 @@ def last_key(replica_id: str) -> str:
     return f"gp:last:{replica_id}"
 
 
-def epoch_key(lease_id: int) -> str:
-    return f"gp:epoch:{lease_id}"
+def epoch_key(fence: str) -> str:
+    return f"gp:epoch:{fence}"
 
 
 class StaleEpoch(Exception):
@@ -91,9 +93,9 @@ return 1
 
 @dataclass(frozen=True)
 class Fence:
-    """A failover pair member's right to write results: its lease and the epoch it holds."""
+    """A failover pair member's right to write results: its pair's fence name and the epoch it holds."""
 
-    lease_id: int
+    name: str
     epoch: int
 
 
@@ -202,7 +204,12 @@ class RequestQueue:
         request = self.get(request_id)
         if request is None or request.final or timeout <= 0:
             return request
-        token = self.redis.blpop([done_key(request_id)], timeout=timeout)
+        deadline = time.monotonic() + timeout
+        token = None
+        while token is None and (left := deadline - time.monotonic()) > 0:
+            # In slices shorter than the client's socket timeout (redis-py's default is 5 s): a
+            # blocking call longer than that would end in a socket timeout, not in our answer.
+            token = self.redis.blpop([done_key(request_id)], timeout=max(0.01, min(left, BLOCK_SLICE_S)))
         if token is not None:
             # Put the token back for any other waiter on the same request.
             self.redis.rpush(done_key(request_id), b"1")
@@ -300,9 +307,9 @@ class RequestQueue:
     def fail(self, request_id: str, replica_id: str, error: str, kind: str, fence: Fence | None = None) -> None:
         self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id, fence=fence)
 
-    def raise_epoch(self, lease_id: int, epoch: int) -> int:
+    def raise_epoch(self, fence: str, epoch: int) -> int:
         """Make `epoch` the pair's current one (unless a later one already is); returns the current."""
-        return int(self._raise_epoch(keys=[epoch_key(lease_id)], args=[epoch]))
+        return int(self._raise_epoch(keys=[epoch_key(fence)], args=[epoch]))
 
     def read_stream(self, request_id: str, start: int, timeout: float) -> tuple[list[str], bool]:
         """Chunks from index `start` on, waiting up to `timeout` for the first; and whether the
@@ -327,7 +334,7 @@ class RequestQueue:
         if fence is not None:
             values = {"status": status, "finished_at": now(), **fields}
             keys = [
-                epoch_key(fence.lease_id),
+                epoch_key(fence.name),
                 request_key(request_id),
                 stream_key(request_id),
                 done_key(request_id),
@@ -336,7 +343,7 @@ class RequestQueue:
             ]
             args = [fence.epoch, request_id, TTL_S, now(), STREAM_END, *(x for kv in values.items() for x in kv)]
             if not self._fenced_end(keys=keys, args=args):
-                raise StaleEpoch(f"epoch {fence.epoch} of failover lease {fence.lease_id} is no longer current")
+                raise StaleEpoch(f"epoch {fence.epoch} of failover pair {fence.name} is no longer current")
             return
         with self.redis.pipeline() as pipe:
             pipe.hset(request_key(request_id), mapping={"status": status, "finished_at": now(), **fields})

@@ -66,6 +66,7 @@ class ReplicaSpec:
     # A failover pair member (seed 004): its lease, its initial role, and its timeouts. The
     # database URL for its lock connection travels in the environment, not on the command line.
     failover_lease: int | None = None
+    failover_fence: str = ""
     role: str = "primary"
     failover_dsn: str = field(default="", repr=False)
     reconnect_window_s: float = 10.0
@@ -111,6 +112,8 @@ class ReplicaSpec:
             args += [
                 "--failover-lease",
                 str(self.failover_lease),
+                "--failover-fence",
+                self.failover_fence or str(self.failover_lease),
                 "--role",
                 self.role,
                 "--reconnect-window",

@@ -74,6 +74,7 @@ def failover_fields(replica: Replica) -> dict:
         return {}
     return {
         "failover_lease": replica.lease_id,
+        "failover_fence": replica.lease.fence,
         "role": replica.role,
         "failover_dsn": database_dsn(),
         "reconnect_window_s": settings.GPUPORTAL_FAILOVER_RECONNECT_WINDOW_S,
@@ -101,7 +102,7 @@ def spec_for(replica: Replica) -> ReplicaSpec:
 
 @shared_task(name="inference.tasks.start_replica")
 def start_replica(replica_id: str, wait_for: list[str]) -> str:
-    replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
+    replica = Replica.objects.select_related("deployment", "node", "lease").filter(pk=replica_id).first()
     if replica is None or replica.state != Replica.State.PENDING:
         return f"skipped: replica is {replica.state if replica else 'gone'}"
     if late := wait_released(wait_for):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Func, Q, Value
+from django.db.models.functions import Cast
 
 
 def new_replica_id() -> str:
@@ -261,6 +262,17 @@ class FailoverLease(models.Model):
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="failover_leases")
     slot = models.PositiveIntegerField(default=0, help_text="Which pair of the deployment.")
+    # Names the pair's result fence in Redis (inference.requestqueue): ids restart with a new
+    # database, Redis may outlive it, and a fence left by another pair must never apply to this one.
+    # The database default serves rows written outside Django (the lock's tests write raw SQL).
+    fence = models.CharField(
+        max_length=32,
+        default=new_replica_id,
+        db_default=Func(
+            Cast(Func(function="gen_random_uuid"), models.TextField()), Value("-"), Value(""), function="replace"
+        ),
+        editable=False,
+    )
     holder = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="leases")
     epoch = models.BigIntegerField(default=0)
     granted_at = models.DateTimeField(null=True, blank=True)

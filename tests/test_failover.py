@@ -5,6 +5,7 @@ tests/test_failover_lock.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -106,7 +107,8 @@ def test_a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reser
     assert lease.holder_id == active.id and lease.epoch == 1 and active.epoch == 1
     shown = {r["id"]: r for r in staff.get("/api/replicas/").json()["results"]}
     assert shown[active.id]["failover_state"]["state"] == "active" and shown[active.id]["failover_state"]["holder"]
-    assert shown[standby.id]["failover_state"]["state"] == "standby" and not shown[standby.id]["failover_state"]["holder"]
+    assert shown[standby.id]["failover_state"]["state"] == "standby"
+    assert not shown[standby.id]["failover_state"]["holder"]
     assert shown[standby.id]["role"] == "standby"
     metrics = staff.get("/metrics").content.decode()
     assert 'gpuportal_failover_active{deployment="tiny"} 1.0' in metrics
@@ -150,10 +152,8 @@ def test_a_hung_active_is_killed_by_its_agent_and_the_standby_takes_over(paired,
         )
     finally:
         # SIGKILL reaches a stopped process; this is only in case the agent did not kill it.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(active.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     hung = wait_until(lambda: (r := Replica.objects.get(pk=active.id)).state == "failed" and r, 30, "the hung one")
     assert "killed by its node agent" in hung.failure_reason and "hung" in hung.failure_reason
     assert taken_over.epoch == 2
@@ -183,16 +183,15 @@ def test_scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, 
     active, standby = paired
     assert staff.post("/api/deployments/tiny/scale/", {"replicas": 0}, format="json").status_code == 200
 
-    wait_until(
-        lambda: set(Replica.objects.values_list("state", flat=True)) == {"stopped"}, 60, "both members to stop"
-    )
+    wait_until(lambda: set(Replica.objects.values_list("state", flat=True)) == {"stopped"}, 60, "both members to stop")
     assert not Occupant.objects.exists()
     # The standby stopped with its active member: it never took over.
-    assert FailoverLease.objects.get().epoch == 1
+    assert FailoverLease.objects.get().epoch == 1 and FailoverLease.objects.get().holder_id == active.id
+    assert Replica.objects.get(pk=standby.id).failover_state == "dead"
 
 
 def test_a_report_carrying_a_stale_epoch_is_refused(paired):
-    active, standby = paired
+    _, standby = paired
 
     replica_services.report(standby.id, {"event": "active", "epoch": 0, "takeover_s": 0.01})
 

@@ -13,7 +13,7 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
-from inference.requestqueue import RequestQueue, processing_key, queue_key
+from inference.requestqueue import Fence, RequestQueue, StaleEpoch, processing_key, queue_key
 from scheduling.models import Deployment, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
@@ -111,6 +111,36 @@ def test_waiters_block_until_the_end_and_all_of_them_see_it(rq):
     for thread in threads:
         thread.join()
     assert seen == ["done", "done"]
+
+
+def test_a_wait_longer_than_the_clients_socket_timeout_ends_with_the_request_not_an_error(rq):
+    # redis-py gives clients a 5 s socket timeout by default: one blocking read longer than that
+    # raised TimeoutError (an /infer/ answered 500 while a replacement replica loaded).
+    request_id = submit(rq)
+    impatient = RequestQueue(redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2.5))
+
+    request = impatient.wait(request_id, timeout=3.5)
+
+    assert request is not None and request.status == "queued"
+
+
+def test_results_are_fenced_by_the_failover_epoch(rq):
+    first, second = submit(rq), submit(rq)
+    rq.take("tiny", "old", timeout=1)
+    rq.take("tiny", "new", timeout=1)
+    assert rq.raise_epoch("pair", 1) == 1
+    assert rq.raise_epoch("pair", 2) == 2
+    assert rq.raise_epoch("pair", 1) == 2, "a late raise of an older epoch must not lower the fence"
+
+    with pytest.raises(StaleEpoch):
+        rq.finish(first, "old", {"text": "late"}, fence=Fence("pair", 1))
+    rq.finish(second, "new", {"text": "on time"}, fence=Fence("pair", 2))
+
+    assert rq.get(first).status == "dispatched" and rq.get(first).output is None
+    assert rq.redis.lrange(processing_key("old"), 0, -1) == [first.encode()], "kept for its re-queue"
+    done = rq.get(second)
+    assert done.status == "done" and done.output == {"text": "on time"}
+    assert rq.wait(second, timeout=1).status == "done" and not rq.redis.llen(processing_key("new"))
 
 
 def test_streamed_chunks_arrive_in_order_then_the_end(rq):

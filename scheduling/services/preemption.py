@@ -185,7 +185,7 @@ def start(
         waker = Replica.objects.select_related("node").get(pk=waker_id)
     else:
         # The row exists before anything points at it (lock holder, intents); it has no node
-        # until placed, and wake paths do not count it as awake (see sleep.awake_replicas).
+        # until placed, and wake paths do not count it as awake (see sleep.awake_count).
         waker = Replica.objects.create(id=waker_id, deployment=deployment)
         events.record(
             Event.Kind.REPLICA_STATE,

@@ -103,8 +103,13 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
             return
         if replica.lease_id is not None:
             # A failover pair member: its reports carry epochs, and its end hands the pair over.
+            # The members' agents relay on threads of their own, so the old active's end and its
+            # standby's takeover can arrive at once: the deployment row lock (first, as always)
+            # makes a pair's reports take turns, and each reads the rows the previous one wrote.
             from scheduling.services import failover
 
+            Deployment.objects.select_for_update().filter(pk=replica.deployment_id).first()
+            replica = Replica.objects.select_related("deployment", "node").get(pk=replica_id)
             handler = failover.HANDLERS.get(kind, handler)
         handler(replica, event)
 

@@ -44,8 +44,13 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
         Deployment.objects.filter(name=deployment_name)
         .annotate(
             # A fair wake's waiter without a place yet is not awake: asking again is what lets
-            # a wake whose preempt task died start over (sleep.awake_replicas).
-            awake=Exists(Replica.objects.filter(deployment=OuterRef("pk"), state__in=AWAKE, node__isnull=False)),
+            # a wake whose preempt task died start over (sleep.awake_count).
+            # A failover standby counts: it takes over on its own the moment its active member dies.
+            awake=Exists(
+                Replica.objects.filter(
+                    deployment=OuterRef("pk"), state__in=(*AWAKE, Replica.State.STANDBY), node__isnull=False
+                )
+            ),
             serving=Exists(Replica.objects.filter(deployment=OuterRef("pk"), state=Replica.State.SERVING)),
         )
         .values("loader", "awake", "serving")

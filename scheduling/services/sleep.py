@@ -14,7 +14,7 @@ import logging
 from datetime import datetime, timedelta
 
 from django.db import transaction
-from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
+from django.db.models import DurationField, ExpressionWrapper, F
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
@@ -52,15 +52,21 @@ def sleep_deployment(name: str, *, reason: str) -> list[str]:
     return serving
 
 
-def awake_replicas(deployment: Deployment) -> QuerySet[Replica]:
+def awake_count(deployment: Deployment) -> int:
     """Replicas that count as awake for a wake: AWAKE, less a fair wake's waiter that has no
     place yet (it exists only to hold a wake lock and intents; a dead preempt task must not
-    leave it counting as awake forever, see preemption.in_progress)."""
-    return (
-        deployment.replicas.filter(state__in=AWAKE)
-        .exclude(state=Replica.State.PENDING, node=None)
-        .exclude(role=Replica.Role.STANDBY)  # a failover standby goes with its active member
+    leave it counting as awake forever, see preemption.in_progress). A failover pair counts
+    once, whichever member is up: a standby about to take over serves as well as its active."""
+    awake = deployment.replicas.filter(state__in=AWAKE).exclude(state=Replica.State.PENDING, node=None)
+    if not deployment.failover_standby:
+        return awake.count()
+    pairs = (
+        deployment.replicas.filter(lease__isnull=False, state__in=(*AWAKE, Replica.State.STANDBY))
+        .values("lease_id")
+        .distinct()
+        .count()
     )
+    return pairs + awake.filter(lease__isnull=True).count()
 
 
 def wake_replica(replica_id: str, *, reason: str) -> Replica:
@@ -115,7 +121,7 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         waiting = preemption.in_progress(deployment)
         if waiting:
             return waiting  # a fair wake is already under way: one is enough
-        awake = awake_replicas(deployment).count()
+        awake = awake_count(deployment)
         missing = max(1, deployment.replicas_wanted) - awake
         if missing <= 0:
             return []
@@ -142,7 +148,7 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
 def _awake_enough(deployment: Deployment | None) -> bool:
     if deployment is None:
         return False  # let the locked path raise NotFound
-    return awake_replicas(deployment).count() >= max(1, deployment.replicas_wanted)
+    return awake_count(deployment) >= max(1, deployment.replicas_wanted)
 
 
 def sweep_idle(now: datetime | None = None) -> list[str]:

@@ -1,0 +1,270 @@
+"""Failover: from SIGKILL of a serving replica to the first answer served in its place, under load.
+
+One run, side by side on the same tiny causal LM, the same agent and web server:
+- `standby`: a deployment with `failover.standby`: its active member is SIGKILLed; the standby
+  takes the pair's lock, wakes, and serves (seed 004). After each trial the portal starts a fresh
+  standby; the next trial waits for it to stand by.
+- `no standby`: a plain deployment: its replica is SIGKILLed; the next request finds nothing awake
+  and the portal places and loads a new replica (a cold start).
+Steady load throughout: clients send `POST /api/deployments/{name}/infer/` (one token) back to
+back over kept-alive connections. Measured per trial: time from the SIGKILL to the first answer
+served by the replacement, and every request that did not end `done` (a failed request).
+
+    python -m bench.failover [--trials 20] [--baseline-trials 5] [--clients 2] [--no-record]
+
+Uses DATABASE_URL / REDIS_URL when set, else embedded servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client as http_client
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import setup_database, stop
+from bench.request_overhead import Http, percentile, spawn, start_redis_if_needed
+
+MiB = 1024**2
+
+
+@dataclass
+class Load:
+    """Clients on their own threads and connections; every answer kept with when it arrived."""
+
+    port: int
+    key: str
+    deployment: str
+    clients: int
+    answers: list[tuple[float, int, dict]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+
+    def start(self) -> None:
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(self.clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(180)
+
+    def _client(self) -> None:
+        http = Http(self.port, self.key)
+        body = {"input": "Hello", "params": {"max_tokens": 1}, "timeout_s": 120}
+        while not self.stop.is_set():
+            try:
+                status, answer = http.post(f"/api/deployments/{self.deployment}/infer/", body)
+            except (OSError, http_client.HTTPException, ValueError) as exc:
+                # The web server failing (or answering something that is not JSON) is a failed request too.
+                status, answer = 599, {"error": f"{type(exc).__name__}: {exc}"}
+                http.close()
+                http = Http(self.port, self.key)
+            with self.arrived:
+                self.answers.append((time.monotonic(), status, answer))
+                self.arrived.notify_all()
+        http.close()
+
+    def first_from(self, replica_ids: set[str] | None, after: float, exclude: set[str], timeout: float = 60) -> float:
+        """When the first answer after `after` came from a replica in `replica_ids` (any other than
+        `exclude` when None)."""
+
+        def found() -> float | None:
+            for at, status, answer in self.answers:
+                who = answer.get("replica")
+                mine = who and who not in exclude and (replica_ids is None or who in replica_ids)
+                if at > after and status == 200 and mine:
+                    return at
+            return None
+
+        with self.arrived:
+            if not self.arrived.wait_for(lambda: found() is not None, timeout):
+                recent = [(round(at - after, 3), status, answer) for at, status, answer in self.answers[-5:]]
+                raise SystemExit(f"no answer from {replica_ids or 'a new replica'} in {timeout:.0f} s; last: {recent}")
+            return found()  # type: ignore[return-value]
+
+    def failed(self) -> list[dict]:
+        return [answer for _, status, answer in self.answers if status != 200 or answer.get("status") != "done"]
+
+
+def wait(predicate, timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def whole_pair(name: str, killed: set[str]):
+    """(active, standby) once the pair is whole again: the killed members' ends recorded, the
+    takeover recorded, and a fresh standby standing by."""
+    from scheduling.models import Replica
+
+    def check():
+        members = list(Replica.objects.filter(deployment__name=name, lease__isnull=False))
+        if any(m.state not in ("failed", "stopped") for m in members if m.id in killed):
+            return None
+        active = [m for m in members if m.state == "serving" and m.failover_state == "active"]
+        standby = [m for m in members if m.state == "standby" and m.failover_state == "standby"]
+        return (active[0], standby[0]) if len(active) == 1 and len(standby) == 1 else None
+
+    return check
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--baseline-trials", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-failover-"))
+    redis_server = start_redis_if_needed(tmp)
+    db_server = setup_database("gpuportal_bench_failover")
+    children: list[subprocess.Popen] = []
+    try:
+        from django.contrib.auth.models import User
+        from rest_framework.authtoken.models import Token
+
+        from bench.report import record, table
+        from gpuportal.stack import free_port
+        from inference.management.commands.make_tiny_model import write_tiny_model
+        from scheduling.models import Event, Node, Replica
+        from scheduling.services import deployments
+        from scheduling.services.deployments import DeploymentSpec
+
+        model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
+        env = {**os.environ, "GPUPORTAL_DATA_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "GPUPORTAL_ALLOWED_HOSTS": "*"}
+        port = free_port()
+        children.append(
+            spawn(
+                [sys.executable, "manage.py", "agent", "--node", "bench", "--virtual-gpus", "1x4GiB"],
+                env,
+                tmp / "agent.log",
+            )
+        )
+        children.append(
+            spawn(
+                [sys.executable, "-m", "gunicorn", "gpuportal.wsgi:application", "--bind", f"127.0.0.1:{port}",
+                 "--workers", "1", "--threads", str(args.clients + 2), "--worker-class", "gthread"],
+                env,
+                tmp / "web.log",
+            )
+        )  # fmt: skip
+        wait(lambda: Node.objects.filter(name="bench", status="online").exists(), 120, "the agent")
+        key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
+        wait(Http(port, key).ready, 60, "the web server")
+        ms = 1000
+
+        # -- with a standby ---------------------------------------------------------------------
+        deployments.create(
+            DeploymentSpec(name="pair", source=str(model_dir), override_bytes=512 * MiB, max_tokens=256, standby=True)
+        )
+        killed: set[str] = set()
+        wait(whole_pair("pair", killed), 300, "the first pair")
+        load = Load(port, key, "pair", args.clients)
+        load.start()
+        takeovers: list[float] = []
+        for trial in range(args.trials):
+            active, standby = wait(whole_pair("pair", killed), 300, "a whole pair")  # type: ignore[misc]
+            # Load must be flowing through the active member before the kill.
+            load.first_from({active.id}, time.monotonic(), set())
+            killed.add(active.id)
+            killed_at = time.monotonic()
+            os.kill(active.pid, signal.SIGKILL)
+            served_at = load.first_from({standby.id}, killed_at, set())
+            takeovers.append(served_at - killed_at)
+            print(f"standby trial {trial + 1}: {ms * takeovers[-1]:.0f} ms", flush=True)
+        load.finish()
+        standby_failed = load.failed()
+        standby_answers = len(load.answers)
+        grant_to_serving = [
+            e.after["takeover_s"] for e in Event.objects.filter(kind="failover.takeover", deployment="pair")
+        ]
+        deployments.delete("pair")
+
+        # -- without one: the portal places and loads a new replica ------------------------------
+        deployments.create(DeploymentSpec(name="solo", source=str(model_dir), override_bytes=512 * MiB, max_tokens=256))
+        restarts: list[float] = []
+        load = Load(port, key, "solo", args.clients)
+        load.start()
+        for trial in range(args.baseline_trials):
+            replica = wait(
+                lambda: Replica.objects.filter(deployment__name="solo", state="serving").first(), 300, "a replica"
+            )
+            load.first_from({replica.id}, time.monotonic(), set())  # type: ignore[union-attr]
+            gone = set(Replica.objects.filter(deployment__name="solo").values_list("id", flat=True))
+            killed_at = time.monotonic()
+            os.kill(replica.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            served_at = load.first_from(None, killed_at, gone)
+            restarts.append(served_at - killed_at)
+            print(f"no-standby trial {trial + 1}: {ms * restarts[-1]:.0f} ms", flush=True)
+        load.finish()
+        solo_failed = load.failed()
+        solo_answers = len(load.answers)
+
+        rows = [
+            [
+                "standby takes over (failover.standby)",
+                len(takeovers),
+                f"{ms * statistics.median(takeovers):.0f}",
+                f"{ms * percentile(takeovers, 0.99):.0f}",
+                standby_answers,
+                len(standby_failed),
+            ],
+            [
+                "no standby: a new replica is placed and loaded",
+                len(restarts),
+                f"{ms * statistics.median(restarts):.0f}",
+                f"{ms * percentile(restarts, 0.99):.0f}",
+                solo_answers,
+                len(solo_failed),
+            ],
+        ]
+        headers = ["after SIGKILL of the serving replica", "trials", "p50 ms", "p99 ms", "requests", "failed"]
+        report = table(headers, rows)
+        ratio = statistics.median(restarts) / statistics.median(takeovers)
+        detail = (
+            "Within the takeover, from the standby's lock grant to taking requests (reported by the replica): "
+            f"p50 {ms * statistics.median(grant_to_serving):.1f} ms, max {ms * max(grant_to_serving):.1f} ms. "
+            f"The standby answers first {ratio:.0f}× sooner than a restart without one."
+        )
+        print("\n" + report + "\n\n" + detail)
+        for failure in (standby_failed + solo_failed)[:5]:
+            print("failed:", failure)
+        if not args.no_record:
+            record(
+                "failover",
+                "Failover: a standby against a restart, after SIGKILL under load",
+                f"`python -m bench.failover --trials {args.trials} --baseline-trials {args.baseline_trials} "
+                f"--clients {args.clients}`: a tiny causal LM (2 MB) on a virtual GPU (CPU), {args.clients} clients "
+                "sending one-token `/infer/` requests back to back over HTTP (gunicorn), a real node agent and "
+                "real replica processes. Time = from the SIGKILL to the first answer served by the replacement; "
+                "failed = requests that did not end `done`, over the whole run.\n\n" + report + "\n\n" + detail,
+            )
+    finally:
+        for child in reversed(children):
+            child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        stop(db_server)
+        if redis_server is not None:
+            redis_server.stop()
+
+
+if __name__ == "__main__":
+    main()
