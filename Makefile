@@ -29,6 +29,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.commit_path $(ARGS)
 	$(BIN)/python -m bench.placement $(ARGS)
+	$(BIN)/python -m bench.failover
 
 clean:
 	rm -rf $(VENV) var

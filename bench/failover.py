@@ -4,8 +4,8 @@ One run, side by side on the same tiny causal LM, the same agent and web server:
 - `standby`: a deployment with `failover.standby`: its active member is SIGKILLed; the standby
   takes the pair's lock, wakes, and serves (seed 004). After each trial the portal starts a fresh
   standby; the next trial waits for it to stand by.
-- `no standby`: a plain deployment: its replica is SIGKILLed; the next request finds nothing awake
-  and the portal places and loads a new replica (a cold start).
+- `no standby`: a plain deployment: its replica is SIGKILLed; its requests go back to the queue,
+  and the control plane places and loads a new replica for them (a cold start).
 Steady load throughout: clients send `POST /api/deployments/{name}/infer/` (one token) back to
 back over kept-alive connections. Measured per trial: time from the SIGKILL to the first answer
 served by the replacement, and every request that did not end `done` (a failed request).
@@ -154,6 +154,15 @@ def main() -> None:
                 tmp / "agent.log",
             )
         )
+        # The control plane's worker: without a standby, it is what places the replacement.
+        children.append(
+            spawn(
+                [sys.executable, "-m", "celery", "-A", "gpuportal", "worker", "-Q", "control", "-n", "control@%h",
+                 "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"],
+                env,
+                tmp / "control.log",
+            )
+        )  # fmt: skip
         children.append(
             spawn(
                 [sys.executable, "-m", "gunicorn", "gpuportal.wsgi:application", "--bind", f"127.0.0.1:{port}",

@@ -98,6 +98,32 @@ def test_a_replica_killed_mid_request_loses_nothing(deployed: APIClient):
     assert rerun.attempts == 2 and rerun.replica != victim.id, "run again on the other replica"
 
 
+def test_the_only_replica_killed_mid_request_is_replaced_and_the_request_completes(
+    agent, control_worker, staff, tmp_path
+):
+    request_services.queue.cache_clear()
+    control_worker()
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=6).path
+    body = {"name": "tiny", "model": {"source": str(model)}, "memory": {"override_bytes": 200 * MiB}}
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    wait_until(serving(1), LOAD_TIMEOUT, "the replica to serve")
+    victim = Replica.objects.get()
+    request_id = staff.post(
+        "/api/requests/", {"deployment": "tiny", "input": "a long tale", "params": {"max_tokens": 200}}, format="json"
+    ).json()["id"]
+    wait_until(lambda: request_services.queue().get(request_id).status == "running", 60, "the request to run")
+
+    # Its client only waits: no new request will come to wake the deployment. The control plane must.
+    os.kill(victim.pid, signal.SIGKILL)
+
+    done = wait_until(
+        lambda: (r := request_services.queue().get(request_id)).final and r, LOAD_TIMEOUT, "the request to end"
+    )
+    assert done.status == "done", done.error
+    assert done.replica != victim.id and done.attempts == 2
+    assert Replica.objects.get(pk=victim.id).state == "failed"
+
+
 def test_scaling_down_while_requests_are_in_flight_loses_none(deployed: APIClient):
     ids = [
         deployed.post(

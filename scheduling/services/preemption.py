@@ -254,6 +254,11 @@ def _wait_for_lock(deployment: Deployment, gpu: GPU, holder: Replica, reason: st
     return WaitingForLock(_label(gpu), holder.id, why)
 
 
+def wake_later(name: str, reason: str) -> None:
+    """Ask the control queue to wake this deployment once the caller's transaction committed."""
+    transaction.on_commit(lambda: app.send_task(WAKE_TASK, args=[name, reason], queue=CONTROL_QUEUE))
+
+
 def retry_later(name: str, reason: str) -> None:
     """Ask the control queue to try this wake again once the lock may be free."""
     transaction.on_commit(

@@ -209,6 +209,20 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     replica.pid = None
     replica.serving_since = None
     set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
+    if event.get("kind") not in ("load", "oom"):
+        wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} failed: {reason}")
+
+
+def wake_for_waiting(deployment_name: str, reason: str) -> None:
+    """Requests wait (some re-queued from a dead replica) and the waking is on no one: the next
+    request would wake the deployment, but a client waiting for its answer sends none. The
+    control plane's wake (a promotion, or a new replica) runs once this has committed.
+    Not after a load failure or an OOM: a replacement would only fail the same way."""
+    from scheduling.services import preemption
+    from scheduling.services import requests as request_services
+
+    if request_services.queue_depth(deployment_name) > 0:
+        preemption.wake_later(deployment_name, f"requests waiting after {reason}")
 
 
 def _stopped(replica: Replica, event: dict[str, Any]) -> None:
