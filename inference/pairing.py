@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from inference.failover import FailoverMember, Grant, LeaseConfig, Stale
-from inference.replica import ReplicaFailure, ReplicaHost, _exit
+from inference.replica import ReplicaHost, _exit
 from inference.requestqueue import Fence, RequestQueue
 
 log = logging.getLogger("inference.pairing")
@@ -105,9 +105,8 @@ class PairMember:
         timer.start()
         try:
             self._hold(grant)
+            # A failure here (ReplicaFailure) ends the process through run(): the lock goes with it.
             self.host.wake_standby()
-        except ReplicaFailure:
-            raise  # run() reports it and exits: the lock goes with the process
         finally:
             timer.cancel()
         self.state = "active"

@@ -317,12 +317,14 @@ class CudaBackend:
     ) -> tuple[nn.Module, dict[str, int | None]]:
         """A failover standby: weights straight into pinned host memory, never onto the GPU its
         active partner fills; only the CUDA context is created there, so the wake is a copy."""
+        import torch
+
         from inference.loaders import load_model
 
-        self.attach(placement)
+        self.attach(placement)  # the CUDA context, on its GPU: all a sleeping replica holds there
         model = load_model(source, loader, dtype, device="cpu")
         _pin(model)
-        torch_module().cuda.set_per_process_memory_fraction(1.0, placement.gpus[0])
+        torch.cuda.set_per_process_memory_fraction(1.0, placement.gpus[0])  # a sleeper is not capped
         return model, self._residual(placement)
 
     def process_bytes_by_id(self) -> dict[str, int] | None:
@@ -369,12 +371,6 @@ def _move_to_pinned_cpu(model: nn.Module) -> None:
             param.data = pinned(param.data)
         for name, buffer in list(module.named_buffers(recurse=False)):
             module._buffers[name] = pinned(buffer)
-
-
-def torch_module() -> Any:
-    import torch
-
-    return torch
 
 
 def _pin(model: nn.Module) -> None:

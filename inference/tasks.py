@@ -9,7 +9,8 @@ import time
 
 from celery import shared_task
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from inference import agent
 from inference.supervisor import ReplicaSpec
@@ -34,11 +35,27 @@ def describe_node(name: str) -> dict:
     }
 
 
+def _reconnect(retry_state: RetryCallState) -> None:
+    log.warning("database unavailable while recording a replica's report; retrying (%s)", retry_state.outcome)
+    connection.close()  # a restarted server left this connection dead: the next try opens another
+
+
+# A PostgreSQL restart must not lose what a replica reports (a failover takeover above all): retry
+# for as long as a restart takes. Only on connection errors, which leave nothing half-applied.
+RELAY_RETRY = Retrying(
+    retry=retry_if_exception_type((OperationalError, InterfaceError)),
+    stop=stop_after_delay(60),
+    wait=wait_exponential(multiplier=0.1, max=2),
+    before_sleep=_reconnect,
+    reraise=True,
+)
+
+
 def relay(replica_id: str, event: dict) -> None:
     """Called on the supervisor's reader threads: one database connection per replica thread."""
     try:
         close_old_connections()
-        replica_services.report(replica_id, event)
+        RELAY_RETRY.copy()(replica_services.report, replica_id, event)  # a copy: no state shared between threads
     except Exception:
         log.exception("could not record %s of replica %s", event.get("event"), replica_id)
     finally:

@@ -112,6 +112,7 @@ def test_a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reser
     assert shown[standby.id]["role"] == "standby"
     metrics = staff.get("/metrics").content.decode()
     assert 'gpuportal_failover_active{deployment="tiny"} 1.0' in metrics
+    assert f'gpuportal_failover_state{{deployment="tiny",replica="{standby.id}",state="standby"}} 1.0' in metrics
     # A pair member never sleeps: evicting it would leave the pair without its active member.
     refused = staff.post(f"/api/replicas/{active.id}/sleep/")
     assert refused.status_code == 409 and "failover pair" in refused.json()["detail"]

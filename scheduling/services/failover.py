@@ -195,6 +195,8 @@ def on_standby(replica: Replica, event: dict[str, Any]) -> None:
     replica.pid = event.get("pid") or replica.pid
     replica.progress = 100
     replica.failover_state = FailoverState.STANDBY
+    # A primary that found the lock taken stands by too: whoever holds the lock is the active one.
+    replica.role = Replica.Role.STANDBY
     weights = int(event.get("weights_bytes") or 0)
     residual = sum(int(v or 0) for v in (event.get("residual_bytes_by_id") or {}).values())
     replica_services.set_state(
@@ -202,7 +204,7 @@ def on_standby(replica: Replica, event: dict[str, Any]) -> None:
         Replica.State.STANDBY,
         f"standing by: {memory.human_bytes(weights)} of weights in host memory, "
         f"{memory.human_bytes(residual)} on its GPU(s); waiting for the pair's lock",
-        extra=["pid", "progress", "failover_state"],
+        extra=["pid", "progress", "failover_state", "role"],
     )
 
 
@@ -229,7 +231,10 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
         .exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
         .order_by("pk")
     )
-    hand_over(replica, [o.id for o in olds if o.state in HOLDING or o.failover_state == FailoverState.ACTIVE])
+    # Every other member gives up what it holds: the old active (dead, its report perhaps still on
+    # its way), or a primary still loading that lost the race for a never-held lock (it will stand
+    # by instead of loading onto the GPU).
+    hand_over(replica, [o.id for o in olds])
     for old in olds:
         if old.state in HOLDING and old.failover_state != FailoverState.DEAD:
             # Its own `failed` report may still be on its way; what matters is that it no longer serves.
@@ -262,8 +267,9 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
         deployment=deployment.name,
         replica=replica.id,
     )
-    lease = FailoverLease.objects.get(pk=replica.lease_id)
-    start_standby(lease, replica, reason=f"the pair is whole again after the takeover at epoch {epoch}")
+    if not any(o.state in READY_TO_TAKE_OVER for o in olds):
+        lease = FailoverLease.objects.get(pk=replica.lease_id)
+        start_standby(lease, replica, reason=f"the pair is whole again after the takeover at epoch {epoch}")
 
 
 def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
@@ -279,7 +285,13 @@ def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
         .order_by("created_at")
         .first()
     )
-    was_active = replica.state in HOLDING or replica.failover_state == FailoverState.ACTIVE
+    # Superseded: its standby took over already (that report came first) and holds the pair.
+    superseded = replica.failover_state == FailoverState.DEAD
+    # The lock holder is the active member, even while it still loads (it takes the lock first).
+    holds_lock = FailoverLease.objects.filter(pk=replica.lease_id, holder_id=replica.id).exists()
+    was_active = not superseded and (
+        replica.state in HOLDING or replica.failover_state == FailoverState.ACTIVE or holds_lock
+    )
     if was_active and successor is not None and not leaving:
         hand_over(successor, [replica.id])
         why = f"the pair's reservation passes to its standby {successor.id[:8]}"
@@ -296,7 +308,7 @@ def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
         f"{reason}; {why}",
         extra=["failure_reason", "pid", "serving_since", "failover_state"],
     )
-    if not was_active and not leaving and not stopped and replica.lease_id is not None:
+    if not was_active and not superseded and not leaving and not stopped and replica.lease_id is not None:
         _replace_failed_standby(replica, reason)
 
 
