@@ -1,7 +1,8 @@
 """Failover pairs end to end on virtual GPUs (seed 004): a real agent runs an active replica and a
 standby of a tiny model; the active is SIGKILLed under load, SIGSTOPped (hung), or switched over,
 and the standby takes over with no request failed. The lock itself is tested in
-tests/test_failover_lock.py."""
+tests/test_failover_lock.py, and the control plane's side of pairs, report by report, in
+tests/test_failover_services.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from rest_framework.test import APIClient
 
 from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling.models import Event, FailoverLease, Occupant, Replica
-from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
 from tests.processes import wait_until
 
@@ -173,11 +173,9 @@ def test_a_planned_switchover_drains_the_active_and_its_standby_takes_over(paire
     stepped_down = wait_until(lambda: (r := Replica.objects.get(pk=active.id)).state == "stopped" and r, 60, "exit")
     assert stepped_down.failover_state == "dead" and taken_over.epoch == 2
     assert Event.objects.filter(kind="failover.switchover", replica=active.id).exists()
-    # Until the fresh standby stands by, a second switchover has nobody to hand over to.
-    again = staff.post("/api/deployments/tiny/failover/")
-    if again.status_code == 409:
-        assert "standby" in again.json()["detail"]
-    wait_until(pair_of, LOAD_TIMEOUT, "a fresh standby")
+    new_active, _ = wait_until(pair_of, LOAD_TIMEOUT, "a fresh standby")
+    assert new_active.id == standby.id
+    assert list(Occupant.objects.values_list("replica_id", flat=True)) == [standby.id]
 
 
 def test_scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff):
@@ -189,20 +187,3 @@ def test_scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, 
     # The standby stopped with its active member: it never took over.
     assert FailoverLease.objects.get().epoch == 1 and FailoverLease.objects.get().holder_id == active.id
     assert Replica.objects.get(pk=standby.id).failover_state == "dead"
-
-
-def test_a_report_carrying_a_stale_epoch_is_refused(paired):
-    _, standby = paired
-
-    replica_services.report(standby.id, {"event": "active", "epoch": 0, "takeover_s": 0.01})
-
-    assert Replica.objects.get(pk=standby.id).state == "standby"
-    refused = Event.objects.get(kind="failover.stale", replica=standby.id)
-    assert "epoch 0" in refused.reason and "epoch 1" in refused.reason
-
-
-def test_failover_cannot_be_switched_on_for_an_existing_deployment(paired, staff):
-    response = staff.patch("/api/deployments/tiny/", {"failover": {"standby": False}}, format="json")
-    assert response.status_code == 400 and "failover.standby" in response.json()
-    unchanged = staff.patch("/api/deployments/tiny/", {"failover": {"standby": True}}, format="json")
-    assert unchanged.status_code == 200
