@@ -22,8 +22,6 @@ import http.client as http_client
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import setup_database, stop
-from bench.request_overhead import Http, percentile, spawn, start_redis_if_needed
+from bench.portal import Http, Portal, percentile, start_redis_if_needed, wait
 
 MiB = 1024**2
 
@@ -96,15 +94,6 @@ class Load:
         return [answer for _, status, answer in self.answers if status != 200 or answer.get("status") != "done"]
 
 
-def wait(predicate, timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return value
-
-
 def whole_pair(name: str, killed: set[str]):
     """(active, standby) once the pair is whole again: the killed members' ends recorded, the
     takeover recorded, and a fresh standby standing by."""
@@ -132,48 +121,23 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-failover-"))
     redis_server = start_redis_if_needed(tmp)
     db_server = setup_database("gpuportal_bench_failover")
-    children: list[subprocess.Popen] = []
+    portal: Portal | None = None
     try:
         from django.contrib.auth.models import User
         from rest_framework.authtoken.models import Token
 
         from bench.report import record, table
-        from gpuportal.stack import free_port
         from inference.management.commands.make_tiny_model import write_tiny_model
-        from scheduling.models import Event, Node, Replica
+        from scheduling.models import Event, Replica
         from scheduling.services import deployments
         from scheduling.services.deployments import DeploymentSpec
 
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
-        env = {**os.environ, "GPUPORTAL_DATA_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "GPUPORTAL_ALLOWED_HOSTS": "*"}
-        port = free_port()
-        children.append(
-            spawn(
-                [sys.executable, "manage.py", "agent", "--node", "bench", "--virtual-gpus", "1x4GiB"],
-                env,
-                tmp / "agent.log",
-            )
-        )
         # The control plane's worker: without a standby, it is what places the replacement.
-        children.append(
-            spawn(
-                [sys.executable, "-m", "celery", "-A", "gpuportal", "worker", "-Q", "control", "-n", "control@%h",
-                 "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"],
-                env,
-                tmp / "control.log",
-            )
-        )  # fmt: skip
-        children.append(
-            spawn(
-                [sys.executable, "-m", "gunicorn", "gpuportal.wsgi:application", "--bind", f"127.0.0.1:{port}",
-                 "--workers", "1", "--threads", str(args.clients + 2), "--worker-class", "gthread"],
-                env,
-                tmp / "web.log",
-            )
-        )  # fmt: skip
-        wait(lambda: Node.objects.filter(name="bench", status="online").exists(), 120, "the agent")
+        portal = Portal(tmp, web_threads=args.clients + 2, control=True)
         key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
-        wait(Http(port, key).ready, 60, "the web server")
+        portal.ready(key)
+        port = portal.port
         ms = 1000
 
         # -- with a standby ---------------------------------------------------------------------
@@ -263,13 +227,8 @@ def main() -> None:
                 "failed = requests that did not end `done`, over the whole run.\n\n" + report + "\n\n" + detail,
             )
     finally:
-        for child in reversed(children):
-            child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(60)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        if portal is not None:
+            portal.stop()
         stop(db_server)
         if redis_server is not None:
             redis_server.stop()

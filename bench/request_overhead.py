@@ -14,25 +14,15 @@ Uses DATABASE_URL / REDIS_URL when set, else embedded servers.
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.common import setup_database, stop
+from bench.portal import Http, Portal, percentile, start_redis_if_needed, wait
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def timed(call, count: int) -> list[float]:
@@ -58,45 +48,6 @@ def direct_baseline(model_dir: Path, count: int) -> list[float]:
     return timed(lambda: executor.run(request, None), count)
 
 
-class Http:
-    """One kept-alive HTTP connection: what a real client reuses between requests."""
-
-    def __init__(self, port: int, key: str):
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        self.headers = {"Authorization": f"Token {key}", "Content-Type": "application/json"}
-
-    def post(self, path: str, body: dict) -> tuple[int, dict]:
-        self.conn.request("POST", path, body=json.dumps(body), headers=self.headers)
-        response = self.conn.getresponse()
-        return response.status, json.loads(response.read())
-
-    def ready(self) -> bool:
-        try:
-            self.conn.request("GET", "/healthz")
-            self.conn.getresponse().read()
-            return True
-        except OSError:
-            self.conn.close()
-            return False
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def start_redis_if_needed(tmp: Path):
-    if os.environ.get("REDIS_URL"):
-        return None
-    from gpuportal.stack import EmbeddedRedis
-
-    server = EmbeddedRedis(data_dir=tmp / "redis", persist=False)
-    os.environ["REDIS_URL"] = server.start()
-    return server
-
-
-def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
@@ -107,15 +58,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-overhead-"))
     redis_server = start_redis_if_needed(tmp)
     db_server = setup_database("gpuportal_bench_overhead")
-    children: list[subprocess.Popen] = []
+    portal: Portal | None = None
     try:
         from django.contrib.auth.models import User
         from rest_framework.authtoken.models import Token
 
         from bench.report import record, table
-        from gpuportal.stack import free_port
         from inference.management.commands.make_tiny_model import write_tiny_model
-        from scheduling.models import Node, Replica
+        from scheduling.models import Replica
         from scheduling.services import deployments, sleep
         from scheduling.services.deployments import DeploymentSpec
 
@@ -123,42 +73,14 @@ def main() -> None:
         print("direct calls…", flush=True)
         direct = direct_baseline(model_dir, args.requests)
 
-        env = {**os.environ, "GPUPORTAL_DATA_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "GPUPORTAL_ALLOWED_HOSTS": "*"}
-        port = free_port()
-        children.append(
-            spawn(
-                [sys.executable, "manage.py", "agent", "--node", "bench", "--virtual-gpus", "1x4GiB"],
-                env,
-                tmp / "agent.log",
-            )
-        )
-        children.append(
-            spawn(
-                [sys.executable, "-m", "gunicorn", "gpuportal.wsgi:application", "--bind", f"127.0.0.1:{port}",
-                 "--workers", "1", "--threads", "4", "--worker-class", "gthread"],
-                env,
-                tmp / "web.log",
-            )
-        )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not Node.objects.filter(name="bench", status="online").exists():
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the agent did not register; see {tmp / 'agent.log'}")
-            time.sleep(0.2)
+        portal = Portal(tmp)
+        key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
+        portal.ready(key)
         deployments.create(
             DeploymentSpec(name="tiny", source=str(model_dir), override_bytes=512 * 1024**2, max_tokens=256)
         )
-        while not Replica.objects.filter(deployment__name="tiny", state="serving").exists():
-            if time.monotonic() > deadline + 120:
-                raise SystemExit(f"the replica did not serve; see {tmp}")
-            time.sleep(0.2)
-        key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
-        http = Http(port, key)
-        deadline = time.monotonic() + 60
-        while not http.ready():  # gunicorn boots beside the replica
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the web server did not answer; see {tmp / 'web.log'}")
-            time.sleep(0.2)
+        wait(lambda: Replica.objects.filter(deployment__name="tiny", state="serving").exists(), 240, "the replica")
+        http = Http(portal.port, key)
 
         def infer() -> None:
             status, body = http.post("/api/deployments/tiny/infer/", {"input": "Hello", "params": {"max_tokens": 1}})
@@ -231,13 +153,8 @@ def main() -> None:
                 + wake,
             )
     finally:
-        for child in reversed(children):
-            child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        if portal is not None:
+            portal.stop()
         stop(db_server)
         if redis_server is not None:
             redis_server.stop()

@@ -1,0 +1,112 @@
+"""A portal on this machine for the benchmarks that go through HTTP: a node agent on virtual GPUs,
+gunicorn, optionally a control-plane worker; and a kept-alive HTTP client for it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Http:
+    """One kept-alive HTTP connection: what a real client reuses between requests."""
+
+    def __init__(self, port: int, key: str):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.headers = {"Authorization": f"Token {key}", "Content-Type": "application/json"}
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        self.conn.request("POST", path, body=json.dumps(body), headers=self.headers)
+        response = self.conn.getresponse()
+        return response.status, json.loads(response.read())
+
+    def ready(self) -> bool:
+        try:
+            self.conn.request("GET", "/healthz")
+            self.conn.getresponse().read()
+            return True
+        except OSError:
+            self.conn.close()
+            return False
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def start_redis_if_needed(tmp: Path):
+    if os.environ.get("REDIS_URL"):
+        return None
+    from gpuportal.stack import EmbeddedRedis
+
+    server = EmbeddedRedis(data_dir=tmp / "redis", persist=False)
+    os.environ["REDIS_URL"] = server.start()
+    return server
+
+
+def wait(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll another process's effect (a row, an answer) until it shows, or stop the benchmark."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+class Portal:
+    """The processes, started in `tmp` (their logs land there) and stopped by `stop()`."""
+
+    def __init__(self, tmp: Path, *, web_threads: int = 4, control: bool = False):
+        from gpuportal.stack import free_port
+
+        self.tmp = tmp
+        self.port = free_port()
+        self.children: list[subprocess.Popen] = []
+        env = {**os.environ, "GPUPORTAL_DATA_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "GPUPORTAL_ALLOWED_HOSTS": "*"}
+        self._spawn([sys.executable, "manage.py", "agent", "--node", "bench", "--virtual-gpus", "1x4GiB"], env, "agent")
+        if control:
+            self._spawn(
+                [sys.executable, "-m", "celery", "-A", "gpuportal", "worker", "-Q", "control", "-n", "control@%h",
+                 "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"],
+                env,
+                "control",
+            )  # fmt: skip
+        self._spawn(
+            [sys.executable, "-m", "gunicorn", "gpuportal.wsgi:application", "--bind", f"127.0.0.1:{self.port}",
+             "--workers", "1", "--threads", str(web_threads), "--worker-class", "gthread"],
+            env,
+            "web",
+        )  # fmt: skip
+
+    def ready(self, key: str) -> None:
+        from scheduling.models import Node
+
+        wait(lambda: Node.objects.filter(name="bench", status="online").exists(), 120, f"the agent ({self.tmp})")
+        wait(Http(self.port, key).ready, 60, f"the web server ({self.tmp / 'web.log'})")
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.send_signal(signal.SIGTERM)
+        for child in self.children:
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+    def _spawn(self, argv: list[str], env: dict[str, str], name: str) -> None:
+        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the child owns it for its lifetime
+        self.children.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
