@@ -149,7 +149,12 @@ def sleep_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
 def wake_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
     def act(name: str) -> str:
         woken = sleep_services.wake_deployment(name, reason="woken from the admin")
-        return f"{name}: waking {len(woken)} replica(s)" if woken else f"{name}: already awake"
+        if woken:
+            return f"{name}: waking {len(woken)} replica(s)"
+        if sleep_services.awake_enough(name):
+            return f"{name}: already awake"
+        # Nothing placed and not awake: another wake holds the lock of the GPU it needs.
+        return f"{name}: waiting for another wake's lock on the GPU it needs; it retries by itself"
 
     report_each(admin_view, request, queryset.values_list("name", flat=True), act)
 

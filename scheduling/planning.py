@@ -8,8 +8,9 @@ stay those of the real snapshot, so the plan conflicts if any GPU it writes move
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 
 from scheduling.placement import CantAccommodate, Placement, PlacementRequest, Policy, place
 from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
@@ -42,6 +43,27 @@ def apply_placement(snapshot: Snapshot, placement: Placement, occupant: Occupant
 def _with_occupants(gpu: GPUView, occupants: list[OccupantView]) -> GPUView:
     reserved = sum(o.reserved_bytes for o in occupants)
     return replace(gpu, occupants=tuple(occupants), available_bytes=gpu.total_bytes - reserved)
+
+
+def withhold_locked(snapshot: Snapshot, holders: Iterable[str], now: datetime) -> tuple[Snapshot, list[str]]:
+    """The snapshot without the GPUs another wake holds the lock of (unexpired), and their labels.
+
+    A wake lock says the memory being freed on that GPU is promised to its holder (seed 001): a
+    placement that took it would make the fair wake preempt for nothing. `holders` are the
+    replicas this placement is for; their own locks do not withhold anything.
+    """
+    mine = set(holders)
+    withheld = {
+        gpu_id: gpu
+        for gpu_id, gpu in snapshot.gpus.items()
+        if gpu.wake_lock_holder is not None
+        and gpu.wake_lock_holder not in mine
+        and (gpu.wake_lock_expires_at is None or gpu.wake_lock_expires_at > now)
+    }
+    if not withheld:
+        return snapshot, []
+    gpus = {gpu_id: gpu for gpu_id, gpu in snapshot.gpus.items() if gpu_id not in withheld}
+    return replace(snapshot, gpus=gpus), sorted(g.label for g in withheld.values())
 
 
 def place_all(

@@ -22,7 +22,8 @@ from scheduling.models import GPU, Deployment, Event, PreemptionIntent, Replica
 from scheduling.services import preemption, sleep
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
-from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
+from scheduling.services.deployments import DeploymentSpec, ModelFacts, create, scale
+from scheduling.services.errors import CannotPlace
 from scheduling.services.nodes import register_node
 from tests.test_deployments import MiB, invariant_holds, serve
 
@@ -315,6 +316,121 @@ def test_two_deployments_waking_at_once_for_the_same_gpu_one_holds_the_wake_lock
     )
     (second,) = sleep.wake_deployment(waiter_name, reason="a request arrived")
     assert GPU.objects.get().wake_lock_holder_id == second and second != holder
+
+
+def test_memory_freed_on_a_gpu_another_wake_holds_goes_to_that_wake_not_to_other_placements(one_gpu, dispatched):
+    older = serving("a")
+    serving("b")
+    deploy("c", replicas=0)
+    deploy("d", replicas=0)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+    version = GPU.objects.get().version
+    asleep_reason = "put to sleep by its operator"
+    sleep.sleep_replica(older, reason=asleep_reason)
+    asleep(older)  # 400 MiB free now, on the GPU c's wake holds
+
+    assert sleep.wake_deployment("d", reason="a request arrived") == [], "d waits for the lock instead"
+    with pytest.raises(CannotPlace, match="another wake holds its lock"):
+        scale("d", 1, reason="an operator scales up")
+    assert not Replica.objects.filter(deployment__name="d", node__isnull=False).exists()
+
+    clock = FakeClock()
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == () and "freed voluntarily" in outcome.reason
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert GPU.objects.get().version > version
+    assert_not_over_committed()
+
+
+def test_taking_a_wake_lock_bumps_the_gpu_version_so_a_plan_made_before_it_conflicts(one_gpu, dispatched):
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+    before = GPU.objects.get().version
+
+    sleep.wake_deployment("c", reason="a request arrived")
+
+    after = GPU.objects.get()
+    assert after.wake_lock_holder_id is not None and after.version == before + 1
+    preemption.start(Deployment.objects.get(name="c"), reason="asked again")  # a renewal by the same waker
+    assert GPU.objects.get().version == before + 1, "renewing its own lock bumps nothing"
+
+
+def test_when_freed_memory_is_taken_before_the_waker_is_placed_victims_are_chosen_again(one_gpu, dispatched):
+    now = timezone.now()
+    older = serving("a", last_accessed=now - timedelta(minutes=30))
+    newer = serving("b", last_accessed=now - timedelta(minutes=1))
+    deploy("c", replicas=0, max_wait_s=1)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            asleep(replica.id)
+            if replica.id == older:
+                # The survivor reports it holds more than it reserved: the room freed for c is gone.
+                survivor = Replica.objects.select_related("node", "deployment").get(pk=newer)
+                replica_services.reserve_exactly(survivor, {0: 700 * MiB}, reason="measured more than reserved")
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (older, newer), outcome
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert Event.objects.filter(kind="preemption.victim", replica=newer).exists()
+    assert_not_over_committed()
+
+
+def test_the_admin_says_a_wake_waits_for_a_lock_rather_than_that_it_is_awake(one_gpu, dispatched, admin_client):
+    from django.contrib.messages import get_messages
+
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+    deploy("d", replicas=0)
+    sleep.wake_deployment("c", reason="a request arrived")
+
+    response = admin_client.post(
+        "/admin/scheduling/deployment/",
+        {"_selected_action": [Deployment.objects.get(name="d").pk], "action": "wake_deployments"},
+        follow=True,
+    )
+
+    texts = [str(m) for m in get_messages(response.wsgi_request)]
+    assert any("waiting for another wake's lock" in t for t in texts), texts
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_on_a_real_gpu_the_waker_also_waits_for_nvml_to_show_the_victims_memory_freed(db, monkeypatch, virtual):
+    from inference import tasks as node_tasks
+    from tests import factories as f
+
+    host = f.node("gpu-host", virtual=virtual)
+    victim = f.replica(f.deployment("victim"), host, state="sleeping", pid=4242, gpu_mem_bytes_by_id={"0": 500 * MiB})
+    # Its reservation is down to its CUDA context, but the driver frees the weights a moment later.
+    readings = iter([{"0": 30 * 1024 * MiB}, {"0": 30 * 1024 * MiB}, {"0": 510 * MiB, "1": 9 * 1024 * MiB}])
+    asked: list[int] = []
+
+    def nvml(pid: int) -> dict[str, int]:
+        asked.append(pid)
+        return next(readings)
+
+    monkeypatch.setattr("inference.replica.nvml_process_bytes", nvml)
+
+    assert node_tasks.wait_released([victim.id], timeout=30, gpus=[0]) == []
+    # Only what it holds on the waker's GPUs counts (GPU 1 is someone else's business).
+    assert asked == ([] if virtual else [4242, 4242, 4242])
+
+
+def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(db, monkeypatch):
+    from inference import tasks as node_tasks
+    from tests import factories as f
+
+    victim = f.replica(
+        f.deployment("victim"), f.node("gpu-host", virtual=False), state="sleeping", pid=4242,
+        gpu_mem_bytes_by_id={"0": 500 * MiB},
+    )  # fmt: skip
+    monkeypatch.setattr("inference.replica.nvml_process_bytes", lambda pid: {"0": 30 * 1024 * MiB})
+
+    assert node_tasks.wait_released([victim.id], timeout=0.3, gpus=[0]) == [victim.id]
 
 
 @pytest.mark.parametrize("how", ["expired", "holder failed", "holder deleted"])

@@ -12,11 +12,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from scheduling import events, fairness, ledger, memory
 from scheduling.models import Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
-from scheduling.planning import place_all
+from scheduling.planning import place_all, withhold_locked
 from scheduling.services import dispatch, failover
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
@@ -330,8 +331,11 @@ def add_replicas(
             min_runtime_s=deployment.min_runtime_s,
         )
 
+    mine = [*decision.new_ids, *(c.replica_id for c in cached)]
+
     def decide(snap: Snapshot) -> Plan:
         need = need_bytes(deployment, snap)
+        snap, withheld = withhold_locked(snap, mine, timezone.now())
         requests = [
             PlacementRequest(
                 deployment=deployment.name,
@@ -351,6 +355,10 @@ def add_replicas(
             policy=policy,
         )
         if isinstance(result, CantAccommodate):
+            if withheld:
+                locked = ", ".join(withheld)
+                reasons = {**result.reasons, **{label: "another wake holds its wake lock" for label in withheld}}
+                raise CannotPlace(f"{result.reason} (not counting {locked}: another wake holds its lock)", reasons)
             raise CannotPlace(result.reason, result.reasons)
         decision.placements = result.placements
         return result.plan

@@ -15,8 +15,10 @@ A wake that does not fit without evicting anyone does not evict at once. Instead
    commit path (compare-and-swap) is what claims the freed bytes.
 
 Lock order, as everywhere: the deployment row, then GPU rows in primary-key order, then replica
-rows. The wake lock columns live on the GPU rows but are not ledger state: writing them bumps
-no version, so holding a lock never makes an unrelated placement conflict.
+rows. The wake lock columns live on the GPU rows. Placements keep off a GPU whose lock another
+wake holds, so the memory a preemption frees there goes to the waker (planning.withhold_locked);
+taking a lock bumps the GPU's version so that a plan made before it conflicts and looks again,
+while renewing or releasing it bumps nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from gpuportal.celery import app
@@ -55,6 +59,8 @@ RELEASE_GRACE_S = 30.0
 # A wake that waits for another's lock asks again this much later (the holder's wake takes at
 # least max_wait, so asking more often would only write more Events).
 LOCK_RETRY_S = 2.0
+# Rounds of victim choice before a wake gives up because freed memory keeps being taken.
+VICTIM_ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -162,11 +168,15 @@ def start(
     if isinstance(target, CantAccommodate):
         raise CannotPlace(target.reason, target.reasons)
     if not target.evictions:
-        # Memory was freed between the caller's attempt and this snapshot: no one need wait.
-        decision = deployments.add_replicas(
-            deployment, 1, reason=reason, cached=cached, allow_new=allow_new, evictions=False
-        )
-        return Placed(tuple(p.replica_id for p in decision.placements))
+        # Memory was freed between the caller's attempt and this snapshot: no one need wait...
+        try:
+            with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
+                decision = deployments.add_replicas(
+                    deployment, 1, reason=reason, cached=cached, allow_new=allow_new, evictions=False
+                )
+            return Placed(tuple(p.replica_id for p in decision.placements))
+        except CannotPlace:
+            pass  # ...unless that room is on a GPU another wake holds: its lock decides below
     waker_id = target.promoted or target.replica_id
     residual = {
         gpu_id: sum(o.reserved_bytes for o in snap.gpus[gpu_id].occupants if o.replica_id == waker_id)
@@ -174,9 +184,9 @@ def start(
     }
     needed = {gpu_id: max(1, target.bytes_by_gpu[gpu_id] - residual[gpu_id]) for gpu_id in target.gpu_ids}
     now = timezone.now()
-    gpus = list(
-        GPU.objects.select_for_update(of=("self",)).select_related("node").filter(pk__in=target.gpu_ids).order_by("pk")
-    )
+    gpus = _lock_target_gpus(target.gpu_ids)
+    if gpus is None:
+        return WaitingForLock("", "", "waiting: the wake locks of its GPUs changed hands while they were being taken")
     for gpu in gpus:
         blocked = _held_by_another(gpu, waker_id, now)
         if blocked is not None:
@@ -219,6 +229,29 @@ def start(
     ids = [i.pk for i in intents]
     transaction.on_commit(lambda: app.send_task(PREEMPT_TASK, args=[ids], queue=CONTROL_QUEUE))
     return Preempting(waker_id, tuple(ids), f"waiting up to {deployment.max_wait_s:g} s for room on {_labels(gpus)}")
+
+
+def _lock_target_gpus(target_ids: Iterable[int]) -> list[GPU] | None:
+    """Row-lock the target GPUs, and with them every GPU whose intents a takeover of their wake
+    locks would cancel, all at once in primary-key order (the global lock order): cancelling a
+    previous holder's intents must not lock a GPU below one already held. None when the holders
+    changed between the look and the locks (the caller tries again later)."""
+    targets = set(target_ids)
+
+    def intents_of_holders(gpus: Iterable[tuple[int, str | None]]) -> set[int]:
+        holders = {holder for pk, holder in gpus if pk in targets and holder is not None}
+        return set(
+            PreemptionIntent.objects.filter(
+                waiting_replica_id__in=holders, status__in=ACTIVE_INTENT_STATUSES
+            ).values_list("gpu_id", flat=True)
+        )
+
+    seen = GPU.objects.filter(pk__in=targets).values_list("pk", "wake_lock_holder_id")
+    ids = targets | intents_of_holders(seen)
+    locked = list(GPU.objects.select_for_update(of=("self",)).select_related("node").filter(pk__in=ids).order_by("pk"))
+    if not intents_of_holders((g.pk, g.wake_lock_holder_id) for g in locked) <= ids:
+        return None
+    return [g for g in locked if g.pk in targets]
 
 
 def _held_by_another(gpu: GPU, waker_id: str, now: datetime) -> Replica | None:
@@ -296,7 +329,12 @@ def _take_locks(gpus: list[GPU], waker: Replica, deployment: Deployment, now: da
                 f"its wake lock on gpu {_label(gpu)} was taken over by {deployment.name} ({waker.id[:8]})",
             )
             _drop_unplaced(previous, "its wake lock was taken over: the wake is abandoned")
-        GPU.objects.filter(pk=gpu.pk).update(wake_lock_holder=waker, wake_lock_expires_at=expires)
+        changes: dict = {"wake_lock_holder": waker, "wake_lock_expires_at": expires}
+        if how != "renewed":
+            # Placements keep off a GPU another wake holds (planning.withhold_locked). A plan made
+            # from a snapshot older than this lock must conflict at commit and look again.
+            changes.update(version=F("version") + 1, changed_txid=RawSQL("txid_current()", []))
+        GPU.objects.filter(pk=gpu.pk).update(**changes)
         events.record(
             Event.Kind.GPU_WAKE_LOCK,
             f"gpu {_label(gpu)}",
@@ -357,39 +395,47 @@ def run_preemption(
     # Imported here: the request service wakes deployments through this module.
     from scheduling.services import requests as request_services
 
-    request_services.sync_last_accessed()
-    snap = ledger.snapshot([i.gpu_id for i in intents])
-    kept = {g.id: settings.GPUPORTAL_CUDA_CONTEXT_BYTES for g in snap.gpus.values() if not g.virtual}
-    choice = fairness.choose_victim(
-        list(snap.gpus.values()),
-        waiting_replica_id=waker.id,
-        needed_bytes_by_gpu={i.gpu_id: i.needed_bytes for i in intents},
-        now=wall(),
-        kept_bytes_by_gpu=kept,
-    )
-    if isinstance(choice, fairness.NoVictim):
-        return _fail(ids, f"cannot wake {deployment.name}: {choice.reason}")
+    preempted: list[str] = []
+    # Placements keep off a GPU whose wake lock we hold, so what the victims free is ours; but
+    # memory can still be taken by a report (a sleeping victim keeping more than expected): then
+    # the victims are chosen again, from who is left, rather than failing the wake.
+    for _ in range(VICTIM_ROUNDS):
+        request_services.sync_last_accessed()
+        snap = ledger.snapshot([i.gpu_id for i in intents])
+        kept = {g.id: settings.GPUPORTAL_CUDA_CONTEXT_BYTES for g in snap.gpus.values() if not g.virtual}
+        choice = fairness.choose_victim(
+            list(snap.gpus.values()),
+            waiting_replica_id=waker.id,
+            needed_bytes_by_gpu={i.gpu_id: i.needed_bytes for i in intents},
+            now=wall(),
+            kept_bytes_by_gpu=kept,
+        )
+        if isinstance(choice, fairness.NoVictim):
+            return _fail(ids, f"cannot wake {deployment.name}: {choice.reason}", victims=preempted)
 
-    victims = _preempt(ids, deployment, choice)
-    limit = clock() + _drain_limit(victims)
-    while Replica.objects.filter(pk__in=victims, state__in=(Replica.State.SERVING, Replica.State.DRAINING)).exists():
-        if clock() >= limit:
-            return _fail(
-                ids,
-                f"cannot wake {deployment.name}: the preempted replicas "
-                f"({', '.join(v[:8] for v in victims)}) did not release their memory in time",
-                victims=victims,
-            )
-        renewer.renew()
-        sleep(POLL_EVERY_S)
-    who = ", ".join(v[:8] for v in victims) or "no one (room was free by then)"
-    done = _try_place(ids, f"placed after preempting {who}: {choice.reason}", victims=victims)
-    if done is not None:
-        return done
+        victims = _preempt(ids, deployment, choice)
+        preempted += victims
+        limit = clock() + _drain_limit(victims)
+        holding = (Replica.State.SERVING, Replica.State.DRAINING)
+        while Replica.objects.filter(pk__in=victims, state__in=holding).exists():
+            if clock() >= limit:
+                return _fail(
+                    ids,
+                    f"cannot wake {deployment.name}: the preempted replicas "
+                    f"({', '.join(v[:8] for v in victims)}) did not release their memory in time",
+                    victims=preempted,
+                )
+            renewer.renew()
+            sleep(POLL_EVERY_S)
+        who = ", ".join(v[:8] for v in preempted) or "no one (room was free by then)"
+        done = _try_place(ids, f"placed after preempting {who}: {choice.reason}", victims=preempted)
+        if done is not None:
+            return done
     return _fail(
         ids,
-        f"cannot wake {deployment.name}: the memory the preempted replicas released was claimed by another placement",
-        victims=victims,
+        f"cannot wake {deployment.name}: the memory the preempted replicas released was claimed by another "
+        f"placement, {VICTIM_ROUNDS} times",
+        victims=preempted,
     )
 
 

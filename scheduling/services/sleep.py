@@ -145,6 +145,11 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         return []
 
 
+def awake_enough(name: str) -> bool:
+    """Whether the deployment has max(1, replicas wanted) replicas awake (a pair counts once)."""
+    return _awake_enough(Deployment.objects.filter(name=name).first())
+
+
 def _awake_enough(deployment: Deployment | None) -> bool:
     if deployment is None:
         return False  # let the locked path raise NotFound
