@@ -59,7 +59,30 @@ class StateCollector:
 
         nodes = _count_by("gpuportal_nodes", "Nodes by status.", "status", Node, Node.Status.values)
         replicas = _count_by("gpuportal_replicas", "Replicas by state.", "state", Replica, Replica.State.values)
-        return [total, reserved, available, nodes, replicas, _queue_depths(), *_failover_states()]
+        return [total, reserved, available, nodes, replicas, _queue_depths(), *_failover_states(), *_kv_blocks()]
+
+
+def _kv_blocks() -> list[Metric]:
+    """Each awake causal-LM replica's KV block pool (issue 7), as it last published it in Redis."""
+    from scheduling.selectors import kv_stats
+
+    total = GaugeMetricFamily(
+        "gpuportal_kv_blocks_total", "Blocks in a replica's KV-cache pool.", labels=["deployment", "replica"]
+    )
+    used = GaugeMetricFamily(
+        "gpuportal_kv_blocks_used",
+        "Blocks of a replica's KV-cache pool held by sequences.",
+        labels=["deployment", "replica"],
+    )
+    awake = dict(
+        Replica.objects.filter(state__in=(Replica.State.SERVING, Replica.State.DRAINING)).values_list(
+            "id", "deployment__name"
+        )
+    )
+    for replica_id, stats in sorted(kv_stats(awake).items()):
+        total.add_metric([awake[replica_id], replica_id], stats.get("blocks_total", 0))
+        used.add_metric([awake[replica_id], replica_id], stats.get("blocks_used", 0))
+    return [total, used]
 
 
 def _failover_states() -> list[Metric]:

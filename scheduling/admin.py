@@ -13,7 +13,7 @@ from django.contrib import admin
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
-from scheduling import admin_actions
+from scheduling import admin_actions, selectors
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, PreemptionIntent, Replica
 
 GIB = 1024**3
@@ -219,6 +219,7 @@ class ReplicaAdmin(ReadOnlyAdmin):
         "state",
         "failover_state",
         "gpu_memory_fraction",
+        "kv_blocks",
         "pid",
         "epoch",
         "last_accessed",
@@ -231,6 +232,13 @@ class ReplicaAdmin(ReadOnlyAdmin):
     @admin.display(description="id", ordering="id")
     def short_id(self, obj: Replica) -> str:
         return short_id(obj.id)
+
+    @admin.display(description="KV blocks used")
+    def kv_blocks(self, obj: Replica) -> str:
+        stats = selectors.kv_stats([obj.id]).get(obj.id)
+        if stats is None:
+            return "–"
+        return f"{stats.get('blocks_used', 0)} / {stats.get('blocks_total', 0)} (peak {stats.get('blocks_peak', 0)})"
 
 
 @admin.register(Occupant)

@@ -4,7 +4,9 @@ it holds. Nothing here writes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from django.db.models import Count, Prefetch, QuerySet
 
@@ -81,3 +83,17 @@ def events(
     if since is not None:
         qs = qs.filter(time__gte=since)
     return qs
+
+
+def kv_stats(replica_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Replicas' KV pool figures, published in Redis by the replicas themselves (inference.kvstats);
+    {} when Redis cannot be read: a view or a scrape must not fail for want of them."""
+    from redis.exceptions import RedisError
+
+    from inference import kvstats
+    from scheduling.services import requests as request_services
+
+    try:
+        return kvstats.read_many(request_services.queue().redis, replica_ids)
+    except RedisError:
+        return {}

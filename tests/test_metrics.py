@@ -111,3 +111,37 @@ def test_metrics_show_the_queue_depth_of_each_deployment(client) -> None:
 
     depths = {s.labels["deployment"]: s.value for s in families["gpuportal_queue_depth"].samples}
     assert depths == {"busy": 3.0, "quiet": 0.0}
+
+
+def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_admin(admin_client) -> None:
+    from django.conf import settings
+    from redis import Redis
+    from rest_framework.test import APIClient
+
+    from inference import kvstats
+    from scheduling.services import requests as request_services
+
+    request_services.queue.cache_clear()
+    node = f.node("node1")
+    dep = f.deployment("tiny")
+    serving = f.replica(dep, node, state=Replica.State.SERVING)
+    asleep = f.replica(dep, node, state=Replica.State.SLEEPING)
+    redis = Redis.from_url(settings.REDIS_URL)
+    figures = {"block_tokens": 16, "blocks_total": 512, "blocks_used": 40, "blocks_peak": 64, "allocations": 9}
+    kvstats.publish(redis, serving.id, {**figures, "frees": 5, "utilisation": 40 / 512})
+    redis.delete(kvstats.kv_key(asleep.id))
+
+    samples = scrape()
+    labels = (("deployment", "tiny"), ("replica", serving.id))
+    assert samples["gpuportal_kv_blocks_total"] == {labels: 512}
+    assert samples["gpuportal_kv_blocks_used"] == {labels: 40}
+
+    from django.contrib.auth.models import User
+
+    api = APIClient()
+    api.force_authenticate(User.objects.create_user("viewer"))
+    assert api.get(f"/api/replicas/{serving.id}/").json()["kv"]["blocks_used"] == 40
+    assert api.get(f"/api/replicas/{asleep.id}/").json()["kv"] is None
+    assert "40 / 512 (peak 64)" in admin_client.get("/admin/scheduling/replica/").content.decode()
+    # A replica that stops publishing stops being shown: the figures expire with it.
+    assert 0 < redis.ttl(kvstats.kv_key(serving.id)) <= kvstats.TTL_S

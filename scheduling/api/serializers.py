@@ -10,6 +10,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from scheduling import selectors
 from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
 
 
@@ -91,7 +92,10 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(serializers.DictField(allow_null=True))
     def get_kv(self, obj: Replica) -> dict[str, Any] | None:
-        return None
+        """The KV block pool of a serving causal-LM replica as it last published it (issue 7):
+        block_tokens, blocks_total, blocks_used, blocks_peak, allocations, frees, utilisation;
+        null when it has none (asleep, a plain module, or not published in the last seconds)."""
+        return selectors.kv_stats([obj.id]).get(obj.id)
 
 
 # Deployment settings are grouped as in the POST body of DESIGN §7; each group reads from the
