@@ -51,6 +51,7 @@ from inference.serving import Executor, Server
 if TYPE_CHECKING:
     from torch import nn
 
+    from inference.paged import PagedModel
     from inference.pairing import PairMember
 
 log = logging.getLogger("inference.replica")
@@ -61,6 +62,9 @@ FAILURE_KINDS = ("oom", "load", "cuda_assert", "crash")
 MiB = 1024**2
 _MAX_REASON = 500
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The deployment's default memory.max_tokens: what the activation budget was sized for when the
+# agent does not say (scheduling.services.deployments' default).
+DEFAULT_KV_MAX_TOKENS = 2048
 # Once aborted, a generation stops at its next token; a forward pass runs to its end. Say so in the
 # log at this interval while waiting for it.
 _ABORT_LOG_EVERY_S = 10.0
@@ -430,6 +434,8 @@ class ReplicaHost:
         placement: Placement,
         backend: Backend,
         events: EventWriter,
+        kv_max_tokens: int = DEFAULT_KV_MAX_TOKENS,
+        context_bytes: int = 0,
     ):
         self.replica_id = replica_id
         self.source = source
@@ -455,6 +461,12 @@ class ReplicaHost:
         # fields added to the `serving` event (the epoch, the liveness state).
         self.fence: Fence | None = None
         self.serving_tags: dict[str, Any] = {}
+        # The KV block pool (issue 7), sized from the cap with scheduling.memory's formula: the
+        # activation budget for kv_max_tokens (the deployment's max_tokens) and the CUDA context
+        # are what the scheduler counted in the reservation besides the weights and the pool.
+        self.kv_max_tokens = kv_max_tokens
+        self.context_bytes = context_bytes
+        self.paged: PagedModel | None = None
 
     @property
     def state(self) -> str:
@@ -533,6 +545,7 @@ class ReplicaHost:
             self.tokenizer = load_tokenizer(self.source, self.loader)
             self._progress(85, "checking placement and memory cap")
             self._adopt(model, self.placement)
+            self._allocate_pool()
             self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
             self.state = "serving"
             self.events.emit("serving", pid=os.getpid(), **self._where(), **self.serving_tags)
@@ -569,6 +582,7 @@ class ReplicaHost:
                 check_cap(self.weights_bytes, self.placement)
                 assert self.model is not None
                 self._adopt(self.backend.from_cache(self.model, self.placement), self.placement)
+                self._allocate_pool()
 
     def on_stale(self, reason: str) -> None:
         """Our failover epoch was superseded: stop serving at once and exit, so two never serve."""
@@ -589,6 +603,7 @@ class ReplicaHost:
             self.drain(drain_timeout_s, "draining")
             with self.lock:
                 assert self.model is not None
+                self._release_pool()  # before to_cache, whose empty_cache then returns its memory
                 self.residual_bytes_by_id = self.backend.to_cache(self.model, self.placement)
                 self.state = "sleeping"
                 self._emit_sleeping()
@@ -610,6 +625,7 @@ class ReplicaHost:
                 assert self.model is not None
                 model = self.backend.from_cache(self.model, target)
                 self._adopt(model, target)
+                self._allocate_pool()
                 self.state = "serving"
                 self.events.emit("woken", **self._where())
 
@@ -618,6 +634,7 @@ class ReplicaHost:
         self.drain(drain_timeout_s, "stopping")
         with self.lock:
             self.state = "stopping"
+            self._release_pool()
             self.model = None
             self.backend.release()
             self.state = "stopped"
@@ -650,7 +667,12 @@ class ReplicaHost:
 
     def ping(self) -> None:
         # No lock: a ping must be answered even while a load holds it for minutes.
-        self.events.emit("pong", state=self.state, pid=os.getpid())
+        self.events.emit("pong", state=self.state, pid=os.getpid(), kv=self.kv_stats())
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        """The pool's statistics for events (DESIGN §7 REPLICA `kv`); None without a pool."""
+        paged = self.paged  # read once: the main thread may drop it meanwhile
+        return paged.pool.stats().as_event() if paged is not None else None
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -675,7 +697,42 @@ class ReplicaHost:
             "gpus": list(self.placement.gpus),
             "fraction": self.placement.fraction,
             "param_devices": sorted(parameter_devices(self.model)) if self.model is not None else [],
+            "kv": self.kv_stats(),
         }
+
+    def _allocate_pool(self) -> None:
+        """After the weights, inside the cap: what it leaves after them, activations and the context.
+        A model that cannot be paged (not Llama-style, spread over GPUs) keeps generate() instead."""
+        from inference.paged import engine_for, unsupported_reason
+
+        self.paged = None
+        if self.model is None or self.tokenizer is None:
+            return  # a torch-module deployment: forward passes, no KV cache
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            log.warning("%s: no KV block pool (%s); generating with transformers' own cache", self.replica_id, reason)
+            return
+        self.paged = engine_for(
+            self.model,
+            weights_bytes=self.weights_bytes,
+            cap_bytes=self.placement.reserved_total,
+            max_tokens=self.kv_max_tokens,
+            context_bytes=self.context_bytes,
+        )
+        pool = self.paged.pool
+        log.info(
+            "%s: KV pool of %d blocks x %d tokens (%s) for %d tokens",
+            self.replica_id,
+            pool.blocks_total,
+            pool.block_tokens,
+            mib(pool.tensor_bytes),
+            pool.capacity_tokens,
+        )
+
+    def _release_pool(self) -> None:
+        if self.paged is not None:
+            self.paged.pool.release()
+            self.paged = None
 
     def _emit_sleeping(self) -> None:
         # cpu_bytes: what the parked weights take of the node's CPU cache.
@@ -836,6 +893,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reconnect-window", type=float, default=10.0, help="Seconds (seed 004).")
     parser.add_argument("--wake-timeout", type=float, default=60.0, help="A takeover's wake past this exits.")
     parser.add_argument("--liveness-every", type=float, default=0.5, help="Seconds between `alive` events.")
+    parser.add_argument(
+        "--kv-max-tokens",
+        type=int,
+        default=DEFAULT_KV_MAX_TOKENS,
+        help="The deployment's memory.max_tokens: sizes the activation budget left out of the KV pool.",
+    )
+    parser.add_argument(
+        "--context-bytes", type=int, default=0, help="CUDA context the reservation counts (0 on virtual GPUs)."
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -882,6 +948,8 @@ def main(argv: list[str] | None = None) -> None:
         placement=placement,
         backend=backend,
         events=events,
+        kv_max_tokens=args.kv_max_tokens,
+        context_bytes=args.context_bytes,
     )
     commands: queue.Queue[Any] = queue.Queue()
     threading.Thread(target=read_commands, args=(sys.stdin, host, commands), name="stdin", daemon=True).start()

@@ -28,6 +28,9 @@ import redis
 TTL_S = 24 * 3600
 FINAL = ("done", "failed", "cancelled")
 STREAM_END = "\x00end"
+# In a stream, before the chunks of a run that starts over (its request was re-queued after some
+# of its text went out): the reader skips what it already sent (StreamSplice).
+STREAM_RESTART = "\x00restart"
 # The longest a blocking read waits in one call; see RequestQueue.wait.
 BLOCK_SLICE_S = 2.0
 
@@ -149,6 +152,32 @@ class Request:
         )
 
 
+class StreamSplice:
+    """A streamed answer as its reader should send it, across re-runs of the request.
+
+    A re-run starts its text over (after STREAM_RESTART): what the reader already sent is not sent
+    again, only what the new run adds beyond it. A greedy re-run repeats its text exactly, so the
+    client sees one seamless answer; a sampled one may differ in what was already sent, and the
+    client keeps the first run's beginning with the second run's continuation.
+    """
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters sent
+        self.run = ""  # text of the current run
+
+    def feed(self, chunk: str) -> str:
+        """The text to send for this raw stream entry ("" for none)."""
+        if chunk == STREAM_RESTART:
+            self.run = ""
+            return ""
+        self.run += chunk
+        if len(self.run) <= self.sent:
+            return ""
+        text = self.run[self.sent :]
+        self.sent = len(self.run)
+        return text
+
+
 class RequestQueue:
     def __init__(self, client: redis.Redis):
         self.redis = client
@@ -251,6 +280,7 @@ class RequestQueue:
                 continue
             with self.redis.pipeline() as pipe:
                 pipe.hset(request_key(request_id), mapping={"status": "queued", "replica": ""})
+                self._mark_restart(pipe, request)
                 # The right end is taken next: a request that lost its replica goes first.
                 pipe.rpush(queue_key(request.deployment), request_id)
                 pipe.execute()
@@ -269,8 +299,15 @@ class RequestQueue:
     # -- the replica side ----------------------------------------------------------------------
 
     def take(self, deployment: str, replica_id: str, timeout: float) -> Request | None:
-        """The oldest waiting request, moved atomically into this replica's processing list."""
-        raw = self.redis.blmove(queue_key(deployment), processing_key(replica_id), timeout, "RIGHT", "LEFT")
+        """The oldest waiting request, moved atomically into this replica's processing list.
+
+        Waits up to `timeout` seconds for one; timeout <= 0 only looks (a batch that must keep stepping).
+        """
+        source, target = queue_key(deployment), processing_key(replica_id)
+        if timeout <= 0:
+            raw = self.redis.lmove(source, target, "RIGHT", "LEFT")
+        else:
+            raw = self.redis.blmove(source, target, timeout, "RIGHT", "LEFT")
         if raw is None:
             return None
         request_id = raw.decode()
@@ -289,8 +326,15 @@ class RequestQueue:
             pipe.lrem(processing_key(replica_id), 1, request.id)
             pipe.hset(request_key(request.id), mapping={"status": "queued", "replica": ""})
             pipe.hincrby(request_key(request.id), "attempts", -1)  # it never ran: not an attempt
+            self._mark_restart(pipe, request)
             pipe.rpush(queue_key(request.deployment), request.id)
             pipe.execute()
+
+    @staticmethod
+    def _mark_restart(pipe: redis.client.Pipeline, request: Request) -> None:
+        if request.params.get("stream"):
+            pipe.rpush(stream_key(request.id), STREAM_RESTART)
+            pipe.expire(stream_key(request.id), TTL_S)
 
     def start(self, request_id: str) -> None:
         self.redis.hset(request_key(request_id), mapping={"status": "running", "started_at": now()})

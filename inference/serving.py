@@ -1,28 +1,33 @@
 """What a replica does with a request: generate text (causal LMs), or run a forward pass on JSON
 tensors (plain PyTorch modules). Runs inside the replica process; no Django.
 
-`Server` is the replica's serving thread: it takes one request at a time from its deployment's
-queue while the replica is serving (seed 002: whichever replica is idle first wins), runs it
-under the host's lock (so weights never move under a running request), and records the outcome
-in the queue.
+`Server` is the replica's serving thread: it takes requests from its deployment's queue while the
+replica is serving (seed 002: whichever replica has room first wins). Text requests on a replica
+with a KV block pool run continuously batched (inference.batching), admitted by free blocks;
+others run one at a time. Forward steps run under the host's lock (so weights never move under a
+running request), and each outcome is recorded in the queue.
 
 The preemption barrier (issue 5): a sleep or stop first turns the replica to draining, so nothing
-new starts, then waits up to its drain timeout for the request in flight. Past the deadline it sets
-the host's abort flag: generation stops at its next token (`AbortOnFlag`), the request is given
-back to the head of its queue (not counted as an attempt), and only then do the weights move. A
-forward pass cannot be interrupted: it finishes, and its answer is kept.
+new starts, then waits up to its drain timeout for the requests in flight. Past the deadline it sets
+the host's abort flag: generation stops at its next token (`AbortOnFlag`, or the batch's next step),
+the requests are given back to the head of their queue (not counted as attempts), and only then do
+the weights move. A forward pass cannot be interrupted: it finishes, and its answer is kept.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from inference import kvstats
 from inference.requestqueue import Request, RequestQueue, StaleEpoch
 
 if TYPE_CHECKING:
+    from inference.batching import Batcher, Sequence
+    from inference.paged import PagedModel
     from inference.replica import ReplicaHost
 
 log = logging.getLogger("inference.serving")
@@ -57,6 +62,15 @@ class AbortOnFlag:
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
+def generation_params(params: dict[str, Any]) -> tuple[int, float, float, list[str]]:
+    """max_tokens, temperature, top_p and stop strings of a text request, defaults filled in."""
+    max_tokens = int(params.get("max_tokens") or DEFAULT_MAX_TOKENS)
+    temperature = float(params.get("temperature", 0.0) or 0.0)
+    top_p = float(params.get("top_p", 1.0) or 1.0)
+    stop = params.get("stop") or []
+    return max_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop)
+
+
 class Executor:
     """Runs requests on a loaded model."""
 
@@ -84,13 +98,23 @@ class Executor:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
+    def sequence(self, request: Request, on_chunk: Callable[[str], None] | None) -> Sequence:
+        """A text request as a Sequence for the batcher (inference.batching); BadInput as run() would."""
+        from inference.batching import Sequence
+
+        if self.tokenizer is None:
+            raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
+        prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
+        max_tokens, temperature, top_p, stop = generation_params(request.params)
+        ids = [int(t) for t in self.tokenizer(prompt).input_ids]
+        if not ids:
+            raise BadInput("the prompt is empty: nothing to continue")
+        return Sequence(ids, max_tokens, temperature, top_p, stop, on_chunk, tag=request)
+
     def generate(self, prompt: str, params: dict[str, Any], on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
         import torch
 
-        max_tokens = int(params.get("max_tokens") or DEFAULT_MAX_TOKENS)
-        temperature = float(params.get("temperature", 0.0) or 0.0)
-        stop = params.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
+        max_tokens, temperature, top_p, stop = generation_params(params)
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and ids.shape[1] + max_tokens > limit:
@@ -106,7 +130,7 @@ class Executor:
             "do_sample": temperature > 0,
         }
         if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=float(params.get("top_p", 1.0)))
+            kwargs.update(temperature=temperature, top_p=top_p)
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
         from transformers import StoppingCriteriaList
@@ -178,25 +202,124 @@ class _ChunkStreamer:
 
 
 class Server(threading.Thread):
-    """The replica's serving loop."""
+    """The replica's serving loop.
+
+    With a KV block pool (a Llama-style causal LM, inference.paged) text requests run batched: the
+    loop takes a request whenever nobody is waiting for blocks, and between requests steps the
+    batch (inference.batching), which admits waiting sequences as blocks free up. At most one
+    taken request waits for blocks here; the rest stay in the deployment's queue, where another
+    replica may take them. Without a pool (forward passes, other models) requests run one at a
+    time through Executor.run, as before.
+
+    Every taken request is counted in flight (host.begin_request) until its outcome is written,
+    so a drain waits for all of them; a drain's abort ends the whole batch at its next step.
+    """
 
     def __init__(self, host: ReplicaHost, queue: RequestQueue, deployment: str, poll_s: float = 1.0):
         super().__init__(name=f"serve-{host.replica_id[:8]}", daemon=True)
         self.host, self.queue, self.deployment, self.poll_s = host, queue, deployment, poll_s
         self.stopped = threading.Event()
+        self.batch: Batcher | None = None
+        self.kv = KvPublisher(host, queue)
 
     def run(self) -> None:
         while not self.stopped.is_set():
-            if not self.host.accepting.wait(timeout=self.poll_s):
+            busy = self.batch is not None and not self.batch.idle
+            if not busy and not self.host.accepting.wait(timeout=self.poll_s):
                 continue
+            if self.host.accepting.is_set() and not (busy and self.batch is not None and self.batch.waiting):
+                # Idle: block for the next request. Busy: only look, the batch must keep stepping.
+                request = self._take(self.poll_s if not busy else 0)
+                if request is not None:
+                    self.accept(request)
+            if self.batch is not None and not self.batch.idle:
+                self.step()
+            self.kv.publish()
+
+    def _take(self, timeout: float) -> Request | None:
+        try:
+            return self.queue.take(self.deployment, self.host.replica_id, timeout=timeout)
+        except Exception:
+            log.exception("cannot take requests from the queue; retrying")
+            self.stopped.wait(self.poll_s)
+            return None
+
+    def accept(self, request: Request) -> None:
+        """A taken request: into the batch, or run at once where there is no pool."""
+        paged = self.host.paged
+        if request.kind == "forward" or paged is None:
+            self.serve(request)
+            return
+        if not self.host.begin_request():
+            self.queue.give_back(request, self.host.replica_id)
+            return
+        on_chunk = (lambda c: self.queue.chunk(request.id, c)) if request.params.get("stream") else None
+        try:
+            self._batcher_for(paged).submit(self.host.executor().sequence(request, on_chunk))
+        except BadInput as exc:
+            self._fail(request, str(exc), "bad_input")
+        except Exception as exc:
+            log.exception("request %s failed", request.id)
+            self._fail(request, " ".join(str(exc).split())[:500], "error")
+
+    def step(self) -> None:
+        batch = self.batch
+        assert batch is not None
+        if self.host.abort.is_set():  # a drain's deadline: every sequence goes back, unfinished
+            log.info("%d request(s) cut short by a drain; giving them back to the queue", len(batch.running))
+            self._give_back(batch.abort_all())
+            return
+        if not self.host.accepting.is_set():
+            # Draining: what has not started may as well wait in the queue, for another replica.
+            self._give_back(batch.take_waiting())
+        try:
+            with self.host.lock:
+                ended = batch.step()
+        except Exception as exc:  # a bug or a broken queue: fail the batch rather than hang the drain
+            log.exception("a batch step failed")
+            error = " ".join(str(exc).split())[:500]
+            for seq in batch.abort_all():
+                self._fail(seq.tag, error, "error")
+            return
+        for seq in ended:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        request: Request = seq.tag
+        if seq.error is not None:
+            self._fail(request, " ".join(str(seq.error).split())[:500], "error")
+            return
+        output = seq.result()
+        if request.kind == "chat":
+            output["message"] = {"role": "assistant", "content": output["text"]}
+        try:
+            self._record(lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence))
+        finally:
+            self.host.end_request()
+
+    def _batcher_for(self, paged: PagedModel) -> Batcher:
+        from inference.batching import Batcher, eos_ids
+
+        if self.batch is None or self.batch.engine is not paged:
+            # A new pool (after a wake): the old batch is empty, a drain saw to that.
+            assert self.batch is None or self.batch.idle, "a new KV pool under a running batch"
+            self.batch = Batcher(
+                paged, self.host.tokenizer, eos_ids(paged.model), on_start=lambda s: self.queue.start(s.tag.id)
+            )
+        return self.batch
+
+    def _give_back(self, sequences: list[Sequence]) -> None:
+        for seq in sequences:  # newest first: the oldest ends at the head of the queue
             try:
-                request = self.queue.take(self.deployment, self.host.replica_id, timeout=self.poll_s)
-            except Exception:
-                log.exception("cannot take requests from the queue; retrying")
-                self.stopped.wait(self.poll_s)
-                continue
-            if request is not None:
-                self.serve(request)
+                self.queue.give_back(seq.tag, self.host.replica_id)
+            finally:
+                self.host.end_request()
+
+    def _fail(self, request: Request, reason: str, kind: str) -> None:
+        try:
+            self._record(lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, kind, fence))
+        finally:
+            self.host.end_request()
 
     def serve(self, request: Request) -> None:
         if not self.host.begin_request():
@@ -242,3 +365,27 @@ class Server(threading.Thread):
             write(self.host.fence)
         except StaleEpoch as exc:
             self.host.on_stale(str(exc))
+
+
+class KvPublisher:
+    """Puts the replica's KV pool figures where the control plane reads them (inference.kvstats):
+    when they change, and at least every REFRESH_S while there is a pool, so they never expire
+    under a live replica; a replica without a pool (asleep) stops publishing and its key expires."""
+
+    REFRESH_S = 5.0
+
+    def __init__(self, host: ReplicaHost, queue: RequestQueue):
+        self.host, self.queue = host, queue
+        self.last: dict[str, Any] | None = None
+        self.at = 0.0
+
+    def publish(self) -> None:
+        stats = self.host.kv_stats()
+        if stats is None or (stats == self.last and time.monotonic() - self.at < self.REFRESH_S):
+            return
+        try:
+            kvstats.publish(self.queue.redis, self.host.replica_id, stats)
+        except Exception:  # figures for a dashboard: never worth stopping the serving loop for
+            log.warning("cannot publish the KV pool figures", exc_info=True)
+            return
+        self.last, self.at = stats, time.monotonic()

@@ -73,6 +73,10 @@ class ReplicaSpec:
     wake_timeout_s: float = 60.0
     # An active member silent for this long is hung: the agent kills it, which passes the lock.
     liveness_timeout_s: float = 3.0
+    # Sizing the KV block pool (issue 7) with the scheduler's formula: the deployment's max_tokens
+    # (the activation budget) and the CUDA context the reservation counts; None: the replica's default.
+    kv_max_tokens: int | None = None
+    context_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):
@@ -106,6 +110,10 @@ class ReplicaSpec:
         ]
         if self.fraction is not None:
             args += ["--fraction", repr(float(self.fraction))]
+        if self.kv_max_tokens is not None:
+            args += ["--kv-max-tokens", str(int(self.kv_max_tokens))]
+        if self.context_bytes:
+            args += ["--context-bytes", str(int(self.context_bytes))]
         if self.deployment and self.redis_url:
             args += ["--deployment", self.deployment, "--redis-url", self.redis_url]
         if self.failover_lease is not None:

@@ -63,9 +63,20 @@ def relay(replica_id: str, event: dict) -> None:
             connection.close()  # the thread ends with the process; its connection must not linger
 
 
-def wait_released(replica_ids: list[str], timeout: float | None = None) -> list[str]:
+# What a sleeping victim may still hold on a GPU beyond its reservation (its CUDA context is in
+# the reservation; this covers the allocator's rounding) before the waker stops waiting for it.
+NVML_SLACK_BYTES = 64 * 1024**2
+
+
+def wait_released(replica_ids: list[str], timeout: float | None = None, gpus: list[int] | None = None) -> list[str]:
     """Wait until replicas evicted to make room have let go of their GPU memory; returns those
-    that had not when the timeout passed (loading then proceeds and may fail like an OOM)."""
+    that had not when the timeout passed (loading then proceeds and may fail like an OOM).
+
+    Let go twice over: their reservation is released through the commit path (their process
+    reported `sleeping` or ended), and, on a real GPU, NVML no longer shows their process
+    holding more on `gpus` (the waker's) than what they still reserve there: a process that
+    says it moved its weights but whose memory the driver has not freed yet is still in the way.
+    """
     deadline = time.monotonic() + (settings.GPUPORTAL_EVICTION_WAIT_S if timeout is None else timeout)
     pending = list(replica_ids)
     while pending:
@@ -74,7 +85,28 @@ def wait_released(replica_ids: list[str], timeout: float | None = None) -> list[
             break
         # The victim's agent reports through PostgreSQL; there is nothing else to block on.
         time.sleep(0.2)
-    return pending
+    if pending:
+        return pending
+    while True:
+        pending = [r.id for r in _on_real_gpus(replica_ids) if _still_holding(r, gpus)]
+        if not pending or time.monotonic() > deadline:
+            return pending
+        time.sleep(0.2)  # the driver frees memory on its own time; NVML is all there is to ask
+
+
+def _on_real_gpus(replica_ids: list[str]) -> list[Replica]:
+    return list(Replica.objects.filter(pk__in=replica_ids, node__virtual=False, pid__isnull=False))
+
+
+def _still_holding(replica: Replica, gpus: list[int] | None) -> bool:
+    from inference.replica import nvml_process_bytes
+
+    measured = nvml_process_bytes(replica.pid)
+    if measured is None:  # no NVML here: the commit path's word is all there is
+        return False
+    reserved = {str(k): int(v) for k, v in (replica.gpu_mem_bytes_by_id or {}).items()}
+    watched = [str(g) for g in gpus] if gpus is not None else list(measured)
+    return any(measured.get(g, 0) > reserved.get(g, 0) + NVML_SLACK_BYTES for g in watched)
 
 
 def database_dsn() -> str:
@@ -113,6 +145,9 @@ def spec_for(replica: Replica) -> ReplicaSpec:
         backend="virtual" if replica.node.virtual else "cuda",
         deployment=deployment.name,
         redis_url=settings.REDIS_URL,
+        kv_max_tokens=deployment.max_tokens,
+        # The reservation on a real GPU counts one CUDA context (scheduling.services.deployments).
+        context_bytes=0 if replica.node.virtual else settings.GPUPORTAL_CUDA_CONTEXT_BYTES,
         **failover_fields(replica),
     )
 
@@ -122,7 +157,7 @@ def start_replica(replica_id: str, wait_for: list[str]) -> str:
     replica = Replica.objects.select_related("deployment", "node", "lease").filter(pk=replica_id).first()
     if replica is None or replica.state != Replica.State.PENDING:
         return f"skipped: replica is {replica.state if replica else 'gone'}"
-    if late := wait_released(wait_for):
+    if late := wait_released(wait_for, gpus=sorted(int(g) for g in replica.gpu_mem_bytes_by_id)):
         log.warning("replica %s starts while %s still hold memory", replica_id, ", ".join(late))
     supervisor = agent.supervisor()
     if replica_id in supervisor.running():
@@ -149,8 +184,8 @@ def replica_from_cache(replica_id: str, wait_for: list[str]) -> str:
     replica = Replica.objects.select_related("node").filter(pk=replica_id).first()
     if replica is None or replica.state != Replica.State.WAKING:
         return f"skipped: replica is {replica.state if replica else 'gone'}"
-    wait_released(wait_for)
     mapping = {str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()}
+    wait_released(wait_for, gpus=sorted(int(k) for k in mapping))
     command = {
         "cmd": "wake",
         "gpus": sorted(int(k) for k in mapping),

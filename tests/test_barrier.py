@@ -27,10 +27,15 @@ from tests.test_replica import Events
 pytestmark = pytest.mark.slow
 
 MiB = 1024**2
-RESERVED = 64 * MiB
+RESERVED = 64 * MiB  # a torch-module replica: weights only, no KV cache
 SLOW_FORWARD_S = 2.0
 LONG_TOKENS = 2000  # the tiny model's context is 2048 tokens: seconds of generation on a CPU
-WAKE = {"cmd": "wake", "gpus": [0], "reserved_bytes_by_gpu": {"0": RESERVED}, "fraction": 0.03}
+# Room in the KV block pool for the prompt: one long request fills the pool, so a later one waits.
+PROMPT_ROOM = 16
+
+
+def wake(reserved: int) -> dict:
+    return {"cmd": "wake", "gpus": [0], "reserved_bytes_by_gpu": {"0": reserved}, "fraction": 0.03}
 
 
 class _SlowForward(nn.Module):
@@ -66,6 +71,19 @@ def endless_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def kv_reserved(endless_model_dir) -> int:
+    """The scheduler's estimate for one long request (scheduling.memory): the replica's KV pool then
+    holds exactly one, as one request at a time did before the pool. Half a block of slack covers the
+    buffers the loaded model holds beyond its safetensors (never a whole block)."""
+    from inference.model_size import shape_from_model_dir
+    from scheduling.memory import estimate, kv_block_bytes
+
+    shape = shape_from_model_dir(endless_model_dir, "float32")
+    planned = estimate(shape, max_tokens=LONG_TOKENS + PROMPT_ROOM, cuda_context_bytes=0)
+    return planned.total_bytes + kv_block_bytes(shape) // 2
+
+
 @pytest.fixture
 def rq():
     client = redis.Redis.from_url(settings.REDIS_URL)
@@ -87,14 +105,14 @@ def supervisor(tmp_path):
     sup.stop_all(timeout=5)
 
 
-def replica(source: str, deployment: str, *, loader: str = "transformers") -> ReplicaSpec:
+def replica(source: str, deployment: str, *, loader: str = "transformers", reserved: int = RESERVED) -> ReplicaSpec:
     return ReplicaSpec(
         replica_id="b1",
         source=source,
         loader=loader,
         dtype="float32",
         gpus=(0,),
-        reserved_bytes_by_gpu={"0": RESERVED},
+        reserved_bytes_by_gpu={"0": reserved},
         fraction=0.03,
         backend="virtual",
         deployment=deployment,
@@ -119,13 +137,14 @@ def head_of(rq: RequestQueue, deployment: str) -> str | None:
 
 
 def test_a_sleep_past_its_drain_timeout_gives_the_request_back_and_the_wake_serves_it(
-    supervisor, rq, endless_model_dir
+    supervisor, rq, endless_model_dir, kv_reserved
 ):
     events = Events()
-    supervisor.start(replica(str(endless_model_dir), "endless"), events)
-    events.until("serving")
+    supervisor.start(replica(str(endless_model_dir), "endless", reserved=kv_reserved), events)
+    _, serving = events.until("serving")
+    assert serving["kv"]["blocks_total"] * serving["kv"]["block_tokens"] < LONG_TOKENS + PROMPT_ROOM + 4
     long = generate(rq, "endless", LONG_TOKENS)
-    later = generate(rq, "endless", 4)  # waits behind it: one request at a time
+    later = generate(rq, "endless", 4)  # waits behind it: the KV pool holds one long request
     running(rq, long.id)
 
     sent = time.monotonic()
@@ -141,7 +160,7 @@ def test_a_sleep_past_its_drain_timeout_gives_the_request_back_and_the_wake_serv
     assert rq.redis.llen(processing_key("b1")) == 0
     assert sleeping["residual_bytes_by_id"] == {"0": 0}
 
-    supervisor.send("b1", WAKE)
+    supervisor.send("b1", wake(kv_reserved))
     events.until("woken", timeout=30)
     done = rq.wait(long.id, timeout=120)
     assert done.status == "done" and done.attempts == 1 and done.replica == "b1", done
@@ -150,9 +169,11 @@ def test_a_sleep_past_its_drain_timeout_gives_the_request_back_and_the_wake_serv
     assert supervisor.stop("b1", drain_timeout_s=5) == 0
 
 
-def test_a_generous_drain_lets_the_request_finish_and_stop_drains_the_same_way(supervisor, rq, endless_model_dir):
+def test_a_generous_drain_lets_the_request_finish_and_stop_drains_the_same_way(
+    supervisor, rq, endless_model_dir, kv_reserved
+):
     events = Events()
-    supervisor.start(replica(str(endless_model_dir), "endless"), events)
+    supervisor.start(replica(str(endless_model_dir), "endless", reserved=kv_reserved), events)
     events.until("serving")
     short = generate(rq, "endless", 600)
     running(rq, short.id)
@@ -170,7 +191,7 @@ def test_a_generous_drain_lets_the_request_finish_and_stop_drains_the_same_way(s
     assert waiting.status == "queued" and waiting.attempts == 0, "nothing new starts once draining"
 
     # Awake again, it takes the newcomer; a stop with a short drain gives it back and exits cleanly.
-    supervisor.send("b1", WAKE)
+    supervisor.send("b1", wake(kv_reserved))
     events.until("woken", timeout=30)
     running(rq, newcomer.id)
     sent = time.monotonic()

@@ -353,7 +353,8 @@ def test_the_host_refuses_commands_that_make_no_sense_now_and_carries_on():
         "bad wake: gpus must be a non-empty list of GPU ids, got '0'",
         "unknown command 'launch' (known: sleep, wake, stop, ping)",
     ]
-    assert _events(out)[-1] == {"event": "pong", "state": "serving", "pid": os.getpid()}
+    # kv: the KV pool's statistics (issue 7); a torch-module replica has none.
+    assert _events(out)[-1] == {"event": "pong", "state": "serving", "pid": os.getpid(), "kv": None}
 
 
 def test_sleep_and_wake_are_idempotent_for_retries():

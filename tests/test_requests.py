@@ -13,7 +13,15 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
-from inference.requestqueue import Fence, RequestQueue, StaleEpoch, processing_key, queue_key
+from inference.requestqueue import (
+    STREAM_RESTART,
+    Fence,
+    RequestQueue,
+    StaleEpoch,
+    StreamSplice,
+    processing_key,
+    queue_key,
+)
 from scheduling.models import Deployment, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
@@ -141,6 +149,30 @@ def test_results_are_fenced_by_the_failover_epoch(rq):
     done = rq.get(second)
     assert done.status == "done" and done.output == {"text": "on time"}
     assert rq.wait(second, timeout=1).status == "done" and not rq.redis.llen(processing_key("new"))
+
+
+def test_a_streamed_request_run_again_after_its_replica_died_sends_no_text_twice(rq):
+    request_id = rq.submit("tiny", kind="generate", input="hi", params={"stream": True}, owner="1").id
+    rq.take("tiny", "dead", timeout=1)
+    for piece in ("Once", " upon"):
+        rq.chunk(request_id, piece)
+    rq.requeue_from("dead", max_attempts=3, reason="replica dead died")
+    rq.take("tiny", "alive", timeout=1)
+    for piece in ("Once", " up", "on a", " time"):  # the re-run starts over, in other pieces
+        rq.chunk(request_id, piece)
+    rq.finish(request_id, "alive", {"text": "Once upon a time"})
+
+    chunks, ended = rq.read_stream(request_id, 0, timeout=1)
+    splice = StreamSplice()
+    sent = [text for chunk in chunks if (text := splice.feed(chunk))]
+
+    assert ended and "".join(sent) == "Once upon a time"
+    assert sent == ["Once", " upon", " a", " time"]
+
+
+def test_a_splice_sends_a_sampled_rerun_only_beyond_what_was_sent():
+    splice = StreamSplice()
+    assert [splice.feed(c) for c in ("abc", "de", STREAM_RESTART, "xy", "zwv", "q")] == ["abc", "de", "", "", "", "q"]
 
 
 def test_streamed_chunks_arrive_in_order_then_the_end(rq):

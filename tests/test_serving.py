@@ -54,6 +54,9 @@ def test_infer_generates_text_with_usage_and_polling_sees_the_same(deployed: API
     assert body["status"] == "done" and isinstance(body["output"]["text"], str)
     assert body["output"]["usage"]["completion_tokens"] <= 8 and body["output"]["usage"]["prompt_tokens"] > 0
     assert body["replica"] in set(Replica.objects.values_list("id", flat=True))
+    # Its KV block pool, as the replica publishes it (issue 7): the API record shows it.
+    kv = wait_until(lambda: deployed.get(f"/api/replicas/{body['replica']}/").json()["kv"], 30, "the KV figures")
+    assert kv["blocks_total"] > 0 and kv["block_tokens"] > 0 and kv["allocations"] >= 1
 
     submitted = deployed.post("/api/requests/", {"deployment": "tiny", "input": "Hello again"}, format="json").json()
     done = wait_until(

@@ -20,7 +20,7 @@ from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from inference.requestqueue import Request
+from inference.requestqueue import Request, StreamSplice
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.requests import ParamsInput
 from scheduling.models import Deployment
@@ -206,6 +206,7 @@ class _Generate(OpenAIView, ABC):
         """Server-sent events: a chunk per piece of text as it is generated, then [DONE]."""
         queue = request_services.queue()
         sent, first, deadline = 0, True, time.monotonic() + settings.GPUPORTAL_INFER_MAX_TIMEOUT_S
+        splice = StreamSplice()
         base = {
             "id": f"{self.id_prefix}-{submitted.id}",
             "object": f"{self.object_name}.chunk" if self.kind == "chat" else self.object_name,
@@ -214,9 +215,11 @@ class _Generate(OpenAIView, ABC):
         }
         while time.monotonic() < deadline:
             chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
-            for text in chunks:
-                yield _sse({**base, "choices": [{"index": 0, "finish_reason": None, **self.delta(text, first)}]})
-                first = False
+            for chunk in chunks:
+                # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
+                if text := splice.feed(chunk):
+                    yield _sse({**base, "choices": [{"index": 0, "finish_reason": None, **self.delta(text, first)}]})
+                    first = False
             sent += len(chunks)
             if ended:
                 break

@@ -1,0 +1,258 @@
+"""Continuous batching over the KV block pool (issue 7).
+
+Sequences wait in FIFO order; between steps the head of the line joins the running batch when the
+pool can hold it; every step runs one prefill forward for the sequences that just joined and one
+decode forward for all the others, then finished sequences leave and give their blocks back.
+
+Admission policy (never deadlocks, never runs out of blocks): a sequence is admitted only when
+the free blocks, less those promised to running sequences, cover its prompt plus max_tokens. It
+takes the prompt's blocks at once and one more block each time it crosses a block boundary; those
+later blocks were promised at admission, so growth never fails and nothing is ever preempted. The
+head of the line is never overtaken (no starvation of long requests). The cost is that a sequence
+stopping early (EOS, a stop string) kept room it did not use until it ends; concurrency therefore
+follows the requests' max_tokens, not the model's context length.
+
+Driven by one thread (the replica's Server, a test, a benchmark); the pool itself is thread-safe
+so other threads may read its statistics.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.kvpool import BlockPool
+from inference.paged import PagedModel, Slice
+from inference.serving import BadInput
+from scheduling.memory import kv_blocks
+
+
+@dataclass
+class Sequence:
+    """One generation: its prompt, its limits, and (once admitted) its blocks and tokens."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    on_chunk: Callable[[str], None] | None = None
+    # Whatever the driver needs to find its request again (the Server keeps the Request here).
+    tag: Any = None
+    blocks: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose K/V are in the blocks
+    promised: int = 0  # blocks reserved at admission, not taken yet
+    finish: str | None = None  # "stop" | "length" once done
+    text: str = ""
+    error: Exception | None = None
+    _sent: str = ""
+
+    @property
+    def tokens_needed(self) -> int:
+        return len(self.prompt) + self.max_tokens
+
+    def result(self) -> dict[str, Any]:
+        """The request's output, shaped like Executor.generate's."""
+        prompt, completion = len(self.prompt), len(self.generated)
+        return {
+            "text": self.text,
+            "finish_reason": self.finish,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        }
+
+
+class Batcher:
+    """Admits, steps and retires sequences on one PagedModel (one pool)."""
+
+    def __init__(
+        self,
+        engine: PagedModel,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        generator: Any | None = None,
+        on_start: Callable[[Sequence], None] | None = None,
+    ):
+        self.engine = engine
+        self.pool: BlockPool = engine.pool
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self.generator = generator  # torch.Generator for sampling; None: torch's global one
+        self.on_start = on_start  # told when a sequence is admitted (the request starts running)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.blocks_total * self.pool.block_tokens
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def check(self, seq: Sequence) -> None:
+        """BadInput if `seq` could never run here, however long it waited."""
+        context = self.engine.context
+        if context is not None and seq.tokens_needed > context:
+            raise BadInput(
+                f"input too long: {len(seq.prompt)} prompt tokens plus max_tokens {seq.max_tokens} exceed "
+                f"the model's context of {context} tokens"
+            )
+        blocks = kv_blocks(seq.tokens_needed, self.pool.block_tokens)
+        if blocks > self.pool.blocks_total:
+            raise BadInput(
+                f"input too long for this replica's KV cache: {len(seq.prompt)} prompt tokens plus max_tokens "
+                f"{seq.max_tokens} need {blocks} blocks of {self.pool.block_tokens} tokens; the replica's KV "
+                f"capacity is {self.capacity_tokens} tokens ({self.pool.blocks_total} blocks)"
+            )
+
+    def submit(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def step(self) -> list[Sequence]:
+        """Admit what fits, run one prefill and one decode forward; returns the sequences that ended
+        (finish set, or error set if their forward failed). Their blocks are already free."""
+        joined = self._admit()
+        decoding = [s for s in self.running if s not in joined]
+        ended: list[Sequence] = []
+        for group, slices in (
+            (joined, [Slice(s.prompt, 0, s.blocks) for s in joined]),
+            (decoding, None),
+        ):
+            if not group:
+                continue
+            if slices is None:
+                for s in group:
+                    self._grow(s)
+                slices = [Slice([s.generated[-1]], s.cached, s.blocks) for s in group]
+            try:
+                logits = self._forward(slices)
+            except Exception as exc:  # a bad forward fails its sequences, not the replica
+                for s in group:
+                    s.error = exc
+                    ended.append(s)
+                continue
+            for s, sl, row in zip(group, slices, logits, strict=True):
+                s.cached += len(sl.tokens)
+                self._append(s, self._sample(s, row))
+                if s.finish is not None:
+                    ended.append(s)
+        for s in ended:
+            self._retire(s)
+        return ended
+
+    def abort_all(self) -> list[Sequence]:
+        """End every sequence now (a drain past its deadline), blocks freed; newest first, so that
+        giving each back to the head of its queue leaves the oldest at the head."""
+        everyone = [*self.running, *self.waiting]
+        for s in self.running:
+            self._release(s)
+        self.running.clear()
+        self.waiting.clear()
+        return everyone[::-1]
+
+    def take_waiting(self) -> list[Sequence]:
+        """The sequences not admitted yet (nothing of theirs ran), newest first; they leave the line."""
+        waiting = list(self.waiting)[::-1]
+        self.waiting.clear()
+        return waiting
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _promised(self) -> int:
+        return sum(s.promised for s in self.running)
+
+    def _admit(self) -> list[Sequence]:
+        joined: list[Sequence] = []
+        bt = self.pool.block_tokens
+        while self.waiting:
+            head = self.waiting[0]
+            need = kv_blocks(head.tokens_needed, bt)
+            if need > self.pool.blocks_free - self._promised():
+                break  # strict FIFO: the head waits, and nobody overtakes it
+            self.waiting.popleft()
+            head.blocks = self.pool.allocate(kv_blocks(len(head.prompt), bt))
+            head.promised = need - len(head.blocks)
+            self.running.append(head)
+            joined.append(head)
+            if self.on_start is not None:
+                self.on_start(head)
+        return joined
+
+    def _grow(self, s: Sequence) -> None:
+        """One more block when the next token would not fit: promised at admission, so it is free."""
+        if s.cached + 1 > len(s.blocks) * self.pool.block_tokens:
+            s.blocks.extend(self.pool.allocate(1))
+            s.promised -= 1
+
+    def _forward(self, slices: list[Slice]) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self.engine.forward(slices)
+
+    def _sample(self, s: Sequence, logits: Any) -> int:
+        import torch
+
+        if s.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / s.temperature, dim=-1)
+        if s.top_p < 1.0:
+            # Nucleus: the smallest set of most likely tokens whose mass reaches top_p.
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < s.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _append(self, s: Sequence, token: int) -> None:
+        s.generated.append(token)
+        text = None
+        if s.on_chunk is not None or s.stop:
+            text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            # Decoding a prefix can change its tail (merged bytes): only what is settled goes out.
+            if s.on_chunk is not None and text.startswith(s._sent) and len(text) > len(s._sent):
+                s.on_chunk(text[len(s._sent) :])
+                s._sent = text
+            cut = min((text.find(x) for x in s.stop if x and x in text), default=-1)
+            if cut >= 0:
+                s.text, s.finish = text[:cut], "stop"
+                return
+        if token in self.eos:
+            s.finish = "stop"
+        elif len(s.generated) >= s.max_tokens:
+            s.finish = "length"
+        if s.finish is not None:
+            s.text = text if text is not None else self.tokenizer.decode(s.generated, skip_special_tokens=True)
+
+    def _retire(self, s: Sequence) -> None:
+        if s in self.running:
+            self.running.remove(s)
+        self._release(s)
+
+    def _release(self, s: Sequence) -> None:
+        if s.blocks:
+            self.pool.free(s.blocks)
+        s.blocks, s.promised = [], 0
+
+
+def run_until_idle(batcher: Batcher) -> list[Sequence]:
+    """Step until nothing waits or runs (tests, benchmarks); the sequences in the order they ended."""
+    ended: list[Sequence] = []
+    while not batcher.idle:
+        ended.extend(batcher.step())
+    return ended
+
+
+def eos_ids(model: Any) -> set[int]:
+    """The ids that end a generation, as generate() reads them (generation config, then config)."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None) if config is None else None
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}

@@ -1,0 +1,202 @@
+"""A paged forward pass for Llama-style causal LMs: keys and values live in the replica's BlockPool.
+
+Our own forward over the model's modules (embeddings, per layer: RMSNorm, q/k/v projections,
+rotary embedding, attention, o_proj, MLP; final norm, lm_head) rather than a transformers Cache
+subclass: attention here reads K/V gathered from each sequence's blocks with a per-sequence mask,
+so sequences of any lengths step together, and nothing depends on transformers' internal mask and
+cache plumbing, which changes between releases. The arithmetic per token is the model's own (its
+modules, its rotary embedding, SDPA), so greedy outputs equal those of model.generate.
+
+Architectures: those whose decoder layer is Llama's (`SUPPORTED`). Anything else, and models
+spread over several devices, keep transformers' generate() (inference.serving.Executor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from scheduling.memory import DEFAULT_BLOCK_TOKENS, ModelShape, dtype_bytes, kv_pool_blocks
+
+if TYPE_CHECKING:
+    import torch
+
+    from inference.kvpool import BlockPool
+
+# model_type → what must hold of its config for the Llama layer to be exact. Mistral and Qwen2 differ
+# from Llama only by sliding-window attention (when enabled) and Qwen2's q/k/v biases (inside the
+# projections); Qwen3 adds per-head q/k RMSNorms, applied below when the attention has them.
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def text_config(model: Any) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `model` cannot use the paged path, or None if it can."""
+    config = text_config(model)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model type {kind!r} is not Llama-style ({', '.join(sorted(SUPPORTED))})"
+    if getattr(config, "use_sliding_window", False) or (
+        kind == "mistral" and getattr(config, "sliding_window", None) is not None
+    ):
+        return "sliding-window attention is not paged"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "the model has no Llama-style decoder"
+    if len({p.device for p in model.parameters()}) != 1:
+        return "the model is spread over several devices"
+    return None
+
+
+def model_shape(model: Any, weight_bytes: int) -> ModelShape:
+    """The loaded model's shape for scheduling.memory, in the dtype it runs in."""
+    config = text_config(model)
+    heads = int(config.num_attention_heads)
+    hidden = int(config.hidden_size)
+    dtype = next(model.parameters()).dtype
+    return ModelShape(
+        weight_bytes=weight_bytes,
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+        dtype_bytes=dtype_bytes(str(dtype)),
+        hidden_size=hidden,
+        intermediate_size=getattr(config, "intermediate_size", None),
+        vocab_size=getattr(config, "vocab_size", None),
+    )
+
+
+@dataclass
+class Slice:
+    """One sequence's part of a forward: `tokens` at positions start.. (start = tokens cached)."""
+
+    tokens: list[int]
+    start: int
+    blocks: list[int]
+
+
+class PagedModel:
+    """The model's forward with its KV cache in `pool`. Not thread-safe: one forward at a time."""
+
+    def __init__(self, model: Any, pool: BlockPool):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.model = model
+        self.pool = pool
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        self.device = next(model.parameters()).device
+        config = text_config(model)
+        self.context = getattr(config, "max_position_embeddings", None)
+
+    def forward(self, batch: list[Slice]) -> torch.Tensor:
+        """Run each slice's tokens, writing their K/V into its blocks (which must cover them);
+        returns the logits of each slice's last token, [len(batch), vocab], in float32."""
+        import torch
+        import torch.nn.functional as F
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        pool = self.pool
+        assert pool.k is not None and pool.v is not None, "the pool was released"
+        bt = pool.block_tokens
+        device = self.device
+        size = len(batch)
+        width = max(len(s.tokens) for s in batch)  # new tokens per slice, padded
+        keys_len = max(s.start + len(s.tokens) for s in batch)
+        span = -(-keys_len // bt)  # blocks to gather per slice
+
+        ids = torch.zeros((size, width), dtype=torch.long)
+        positions = torch.zeros((size, width), dtype=torch.long)
+        table = torch.zeros((size, span), dtype=torch.long)  # padded with block 0: masked out below
+        rows: list[int] = []
+        cols: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        for i, s in enumerate(batch):
+            n = len(s.tokens)
+            if len(s.blocks) * bt < s.start + n:
+                raise ValueError(f"blocks for {len(s.blocks) * bt} tokens, the slice needs {s.start + n}")
+            ids[i, :n] = torch.tensor(s.tokens)
+            positions[i, :n] = torch.arange(s.start, s.start + n)
+            positions[i, n:] = s.start + n - 1  # padding: any valid position, its output is dropped
+            used = s.blocks[: min(span, len(s.blocks))]
+            table[i, : len(used)] = torch.tensor(used)
+            for j in range(n):
+                p = s.start + j
+                rows.append(i)
+                cols.append(j)
+                slot_blocks.append(s.blocks[p // bt])
+                slot_offsets.append(p % bt)
+        ids, positions, table = ids.to(device), positions.to(device), table.to(device)
+        rows_t = torch.tensor(rows, device=device)
+        cols_t = torch.tensor(cols, device=device)
+        blk_t = torch.tensor(slot_blocks, device=device)
+        off_t = torch.tensor(slot_offsets, device=device)
+        # Query j of slice i (position start+j) sees key positions up to its own: causal inside the
+        # new tokens, everything cached before them. Padded queries see position 0 only (no NaN).
+        key_pos = torch.arange(span * bt, device=device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]
+        mask = mask[:, None, :, :]  # [batch, 1 (heads), queries, keys]
+
+        hidden = self.embed(ids)
+        cos, sin = self.rotary(hidden, positions)
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            shape = (size, width, -1, self.head_dim)
+            q = attn.q_proj(x).view(shape)
+            k = attn.k_proj(x).view(shape)
+            v = attn.v_proj(x).view(shape)
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotary embedding
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            # Into the pool: only real tokens, each to its block and offset.
+            pool.k[index, blk_t, off_t] = k.transpose(1, 2)[rows_t, cols_t]
+            pool.v[index, blk_t, off_t] = v[rows_t, cols_t]
+            # Out of the pool: every slice's blocks, as [batch, kv_heads, span*bt, head_dim].
+            keys = pool.k[index][table].flatten(1, 2).transpose(1, 2)
+            values = pool.v[index][table].flatten(1, 2).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != keys.shape[1]
+            )
+            hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(size, width, -1))
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        last = torch.tensor([len(s.tokens) - 1 for s in batch], device=device)
+        final = self.norm(hidden[torch.arange(size, device=device), last])
+        return self.lm_head(final).float()
+
+
+def engine_for(
+    model: Any,
+    *,
+    weights_bytes: int,
+    cap_bytes: int,
+    max_tokens: int,
+    context_bytes: int,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> PagedModel:
+    """A PagedModel whose pool takes what the cap leaves after the weights, the activation budget
+    for max_tokens and the CUDA context: scheduling.memory's arithmetic, the scheduler's own."""
+    from inference.kvpool import BlockPool
+
+    shape = model_shape(model, weights_bytes)
+    blocks = kv_pool_blocks(
+        shape, cap_bytes=cap_bytes, max_tokens=max_tokens, cuda_context_bytes=context_bytes, block_tokens=block_tokens
+    )
+    param = next(model.parameters())
+    pool = BlockPool.for_shape(shape, blocks, dtype=param.dtype, device=param.device, block_tokens=block_tokens)
+    return PagedModel(model, pool)
