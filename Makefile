@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.commit_path $(ARGS)
 	$(BIN)/python -m bench.placement $(ARGS)
 	$(BIN)/python -m bench.failover
+	$(BIN)/python -m bench.kvpool
 
 clean:
 	rm -rf $(VENV) var
