@@ -23,6 +23,9 @@ from bench.common import setup_database, stop
 from bench.portal import Http, Portal, percentile, start_redis_if_needed, wait
 
 ROOT = Path(__file__).resolve().parent.parent
+# The replica's reservation and the deployment's max_tokens, for the portal and the direct call alike.
+CAP_BYTES = 512 * 1024**2
+MAX_TOKENS = 256
 
 
 def timed(call, count: int) -> list[float]:
@@ -35,17 +38,30 @@ def timed(call, count: int) -> list[float]:
 
 
 def direct_baseline(model_dir: Path, count: int) -> list[float]:
-    """The model called in this process, exactly as a replica calls it (same executor, same params)."""
-    from inference.loaders import load_model
+    """The model called in this process exactly as a replica calls it: the same executor, and the
+    same paged engine on a KV pool sized for the same cap, so the difference is the portal's."""
+    from inference.batching import Batcher, eos_ids, run_until_idle
+    from inference.loaders import load_model, tensor_bytes
+    from inference.paged import engine_for
     from inference.replica import load_tokenizer
     from inference.requestqueue import Request
     from inference.serving import Executor
 
     model = load_model(str(model_dir), "transformers", "float32")
-    executor = Executor(model, load_tokenizer(str(model_dir), "transformers"))
+    tokenizer = load_tokenizer(str(model_dir), "transformers")
+    executor = Executor(model, tokenizer)
+    engine = engine_for(
+        model, weights_bytes=tensor_bytes(model), cap_bytes=CAP_BYTES, max_tokens=MAX_TOKENS, context_bytes=0
+    )
+    batcher = Batcher(engine, tokenizer, eos_ids(model))
     request = Request(id="x", deployment="tiny", kind="generate", input="Hello", params={"max_tokens": 1})
-    timed(lambda: executor.run(request, None), 20)  # warm-up
-    return timed(lambda: executor.run(request, None), count)
+
+    def call() -> None:
+        batcher.submit(executor.sequence(request, None))
+        run_until_idle(batcher)
+
+    timed(call, 20)  # warm-up
+    return timed(call, count)
 
 
 def main() -> None:
@@ -77,7 +93,7 @@ def main() -> None:
         key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
         portal.ready(key)
         deployments.create(
-            DeploymentSpec(name="tiny", source=str(model_dir), override_bytes=512 * 1024**2, max_tokens=256)
+            DeploymentSpec(name="tiny", source=str(model_dir), override_bytes=CAP_BYTES, max_tokens=MAX_TOKENS)
         )
         wait(lambda: Replica.objects.filter(deployment__name="tiny", state="serving").exists(), 240, "the replica")
         http = Http(portal.port, key)
@@ -145,9 +161,9 @@ def main() -> None:
                 "request_overhead",
                 "Request overhead: the portal against a direct call",
                 f"`python -m bench.request_overhead --requests {args.requests}`: a tiny causal LM (2 MB), one "
-                "generated token per request, one client; direct = the replica's executor called in the "
-                "benchmark's process; portal = over HTTP to gunicorn (1 worker, 4 threads), queued in Redis, "
-                "served by a real replica process on a virtual GPU. Added = portal − direct.\n\n"
+                "generated token per request, one client; direct = the replica's executor and paged KV engine "
+                "called in the benchmark's process; portal = over HTTP to gunicorn (1 worker, 4 threads), queued "
+                "in Redis, served by a real replica process on a virtual GPU. Added = portal − direct.\n\n"
                 + report
                 + "\n\n"
                 + wake,

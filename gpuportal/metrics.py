@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 from django.db import DatabaseError
-from django.db.models import Count
+from django.db.models import Count, Sum
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
@@ -21,7 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import scheduling.metrics  # noqa: F401  registers the control plane's counters
-from scheduling.models import GPU, Deployment, Node, Replica
+from scheduling.models import GPU, Deployment, Node, Occupant, Replica
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,72 @@ class StateCollector:
 
         nodes = _count_by("gpuportal_nodes", "Nodes by status.", "status", Node, Node.Status.values)
         replicas = _count_by("gpuportal_replicas", "Replicas by state.", "state", Replica, Replica.State.values)
-        return [total, reserved, available, nodes, replicas, _queue_depths(), *_failover_states(), *_kv_blocks()]
+        return [
+            total,
+            reserved,
+            available,
+            _measured_bytes(),
+            nodes,
+            replicas,
+            _queue_depths(),
+            _requests_in_flight(),
+            *_failover_states(),
+            *_kv_blocks(),
+        ]
+
+
+def _measured_bytes() -> Metric:
+    """Per GPU, the sum of the measured footprint (Deployment.memory_measured_bytes: NVML's
+    per-process figure on a real GPU, tensors plus budgeted reserves on a virtual one) of its
+    serving occupants whose deployment has been measured. Occupants in other states, or not yet
+    measured, add nothing: compare with reserved bytes to see how much of a reservation is used."""
+    family = GaugeMetricFamily(
+        "gpuportal_gpu_measured_bytes",
+        "Measured memory of a GPU's serving occupants (deployments not yet measured count 0).",
+        labels=["node", "gpu"],
+    )
+    sums = dict(
+        Occupant.objects.filter(replica__state=Replica.State.SERVING, replica__deployment__memory_measured_bytes__gt=0)
+        .values_list("gpu_id")
+        .annotate(n=Sum("replica__deployment__memory_measured_bytes"))
+        .order_by()
+    )
+    for gpu_id, node, index in GPU.objects.values_list("pk", "node__name", "index"):
+        family.add_metric([node, str(index)], sums.get(gpu_id, 0))
+    return family
+
+
+def _requests_in_flight() -> Metric:
+    """Requests by status, from the Redis lists that hold them (no SCAN of the request hashes):
+    `waiting` = in a deployment's queue (status queued or waking), `taken` = in an awake
+    replica's processing list (dispatched or running). Finished requests are not counted here;
+    gpuportal_requests_accepted_total counts what came in."""
+    from redis.exceptions import RedisError
+
+    from inference.requestqueue import processing_key, queue_key
+    from scheduling.services import requests as request_services
+
+    family = GaugeMetricFamily(
+        "gpuportal_requests",
+        "Requests in flight by status (waiting in a queue, taken by a replica).",
+        labels=["status"],
+    )
+    keys = [queue_key(name) for name in Deployment.objects.values_list("name", flat=True)]
+    taken_keys = [
+        processing_key(replica_id)
+        for replica_id in Replica.objects.exclude(state__in=(Replica.State.STOPPED,)).values_list("id", flat=True)
+    ]
+    try:
+        with request_services.queue().redis.pipeline(transaction=False) as pipe:
+            for key in (*keys, *taken_keys):
+                pipe.llen(key)
+            lengths = pipe.execute()
+    except RedisError:
+        logger.warning("metrics: cannot read request lists from Redis", exc_info=True)
+        return family
+    family.add_metric(["waiting"], sum(lengths[: len(keys)]))
+    family.add_metric(["taken"], sum(lengths[len(keys) :]))
+    return family
 
 
 def _kv_blocks() -> list[Metric]:

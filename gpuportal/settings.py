@@ -129,7 +129,7 @@ warnings.filterwarnings("ignore", message="No directory at", category=UserWarnin
 REST_FRAMEWORK = {
     # Token first: DRF answers anonymous requests with the first class's challenge, so 401 not 403.
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "gpuportal.auth.CachedTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -184,6 +184,8 @@ GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
 # How long a GPU's wake lock lasts unless its holder renews it: a waker that died (SIGKILL, a
 # lost worker) stops renewing, and the next wake takes the lock over once this has passed.
 GPUPORTAL_WAKE_LOCK_TTL_S = env_float("GPUPORTAL_WAKE_LOCK_TTL_S", 60.0)
+# How long a token found valid is trusted again without a database look-up (gpuportal.auth).
+GPUPORTAL_TOKEN_CACHE_S = env_float("GPUPORTAL_TOKEN_CACHE_S", 5.0)
 # Failover pairs (seed 004). After a PostgreSQL restart the previous lock holder has this long to
 # re-acquire before its standby takes over; a takeover's wake past its timeout ends the process;
 # an active member silent past the liveness timeout is killed by its node agent.

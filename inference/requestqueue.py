@@ -191,8 +191,18 @@ class RequestQueue:
     # -- the web side --------------------------------------------------------------------------
 
     def submit(
-        self, deployment: str, *, kind: str, input: Any, params: dict[str, Any], owner: str, status: str = "queued"
+        self,
+        deployment: str,
+        *,
+        kind: str,
+        input: Any,
+        params: dict[str, Any],
+        owner: str,
+        status: str = "queued",
+        count_in: tuple[str, int] | None = None,
     ) -> Request:
+        """Queue a request. `count_in` (key, ttl): a counter incremented in the same round trip
+        (the control plane's requests per minute)."""
         request = Request(
             id=uuid.uuid4().hex,
             deployment=deployment,
@@ -221,6 +231,9 @@ class RequestQueue:
             )
             pipe.expire(key, TTL_S)
             pipe.lpush(queue_key(deployment), request.id)
+            if count_in is not None:
+                pipe.incr(count_in[0])
+                pipe.expire(count_in[0], count_in[1])
             pipe.execute()
         return request
 
@@ -229,20 +242,24 @@ class RequestQueue:
         return Request.from_hash(request_id, raw) if raw else None
 
     def wait(self, request_id: str, timeout: float) -> Request | None:
-        """The request once final, or as it stands when the timeout passes."""
-        request = self.get(request_id)
-        if request is None or request.final or timeout <= 0:
-            return request
+        """The request once final, or as it stands when the timeout passes.
+
+        Straight to the blocking read: a request that has ended has its token waiting, so this
+        returns at once for it too, and the hot path (submit, then wait) saves a round trip.
+        """
         deadline = time.monotonic() + timeout
         token = None
         while token is None and (left := deadline - time.monotonic()) > 0:
             # In slices shorter than the client's socket timeout (redis-py's default is 5 s): a
             # blocking call longer than that would end in a socket timeout, not in our answer.
             token = self.redis.blpop([done_key(request_id)], timeout=max(0.01, min(left, BLOCK_SLICE_S)))
-        if token is not None:
-            # Put the token back for any other waiter on the same request.
-            self.redis.rpush(done_key(request_id), b"1")
-        return self.get(request_id)
+        if token is None:
+            return self.get(request_id)
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(done_key(request_id), b"1")  # the token back, for any other waiter
+            pipe.hgetall(request_key(request_id))
+            raw = pipe.execute()[-1]
+        return Request.from_hash(request_id, raw) if raw else None
 
     def set_status(self, request_id: str, status: str) -> None:
         self.redis.hset(request_key(request_id), "status", status)

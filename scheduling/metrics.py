@@ -45,3 +45,12 @@ FAILOVER_SECONDS = Histogram(
     "From a standby's lock grant (its active member's session ended) to taking requests.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
 )
+
+# Requests (issue 8). Per process: the web processes accept requests, so under `up`'s
+# multiprocess mode the sum over processes is the portal's; completions happen in replica
+# processes and are not counted here.
+REQUESTS_ACCEPTED = Counter(
+    "gpuportal_requests_accepted_total",
+    "Requests accepted (queued, or waiting for a wake) by this portal's web processes.",
+    ["deployment"],
+)

@@ -7,6 +7,15 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _fresh_token_cache():
+    """Each test starts with no remembered token (gpuportal.auth): one test's tokens, or a revoked
+    one, must not outlive it."""
+    from gpuportal.auth import forget_tokens
+
+    forget_tokens()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A small causal LM on disk (random weights, safetensors), written once per session."""

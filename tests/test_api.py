@@ -12,6 +12,7 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from gpuportal.auth import forget_tokens
 from scheduling.models import Event, PreemptionIntent, Replica
 from tests import factories as f
 
@@ -196,14 +197,33 @@ def _crowd(count: int) -> None:
 def test_list_endpoints_run_a_constant_number_of_queries(api: APIClient, url: str, queries: int) -> None:
     _crowd(2)
     f.event()
+    forget_tokens()  # both calls look their token up (gpuportal.auth remembers it otherwise)
     with CaptureQueriesContext(connection) as few:
         before = len(results(api.get(url)))
     _crowd(10)
     for _ in range(10):
         f.event()
+    forget_tokens()
     with CaptureQueriesContext(connection) as many:
         assert len(results(api.get(url))) > before > 0
     assert len(few) == len(many) == queries, [q["sql"] for q in many.captured_queries]
+
+
+def test_a_valid_token_is_looked_up_once_within_the_cache_ttl(api: APIClient) -> None:
+    forget_tokens()
+    with CaptureQueriesContext(connection) as first:
+        api.get("/api/events/")
+    with CaptureQueriesContext(connection) as again:
+        api.get("/api/events/")
+    assert len(again) == len(first) - 1
+    assert not any("authtoken_token" in q["sql"] for q in again.captured_queries)
+
+
+def test_with_the_token_cache_off_a_revoked_token_is_refused_at_once(api: APIClient, settings) -> None:
+    settings.GPUPORTAL_TOKEN_CACHE_S = 0
+    assert api.get("/api/events/").status_code == 200
+    Token.objects.all().delete()
+    assert api.get("/api/events/").status_code == 401
 
 
 # --- nodes, deployments, replicas ------------------------------------------------------------

@@ -145,3 +145,98 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     assert "40 / 512 (peak 64)" in admin_client.get("/admin/scheduling/replica/").content.decode()
     # A replica that stops publishing stops being shown: the figures expire with it.
     assert 0 < redis.ttl(kvstats.kv_key(serving.id)) <= kvstats.TTL_S
+
+
+# The series the issue 8 asks /metrics to cover (docker/grafana/gpuportal-dashboard.json uses them).
+REQUIRED_SERIES = {
+    "gpuportal_gpu_total_bytes",
+    "gpuportal_gpu_reserved_bytes",
+    "gpuportal_gpu_measured_bytes",
+    "gpuportal_replicas",
+    "gpuportal_requests",
+    "gpuportal_requests_accepted_total",
+    "gpuportal_queue_depth",
+    "gpuportal_cas_conflicts_total",
+    "gpuportal_preemptions_total",
+    "gpuportal_wake_seconds_bucket",
+    "gpuportal_sleep_seconds_bucket",
+    "gpuportal_failover_active",
+    "gpuportal_kv_blocks_total",
+    "gpuportal_kv_blocks_used",
+}
+
+
+def test_metrics_cover_every_series_the_dashboard_needs() -> None:
+    node = f.node("node1")
+    f.gpu(node, 0)
+    f.deployment("tiny-a", failover_standby=True)
+    from django.conf import settings
+    from redis import Redis
+
+    from inference import kvstats
+    from scheduling.metrics import REQUESTS_ACCEPTED
+
+    REQUESTS_ACCEPTED.labels(deployment="tiny-a")  # a labelled counter shows once it has a child
+
+    serving = f.replica(f.deployment("lm"), node, state=Replica.State.SERVING)
+    kvstats.publish(Redis.from_url(settings.REDIS_URL), serving.id, {"blocks_total": 8, "blocks_used": 1})
+
+    assert set(scrape()) >= REQUIRED_SERIES
+
+
+def test_measured_bytes_sum_the_measured_footprint_of_serving_occupants() -> None:
+    node = f.node("node1")
+    gpu0, gpu1 = f.gpu(node, 0), f.gpu(node, 1)
+    measured = f.deployment("measured", memory_measured_bytes=3 * f.GIB)
+    unmeasured = f.deployment("unmeasured")
+    f.occupy(f.replica(measured, node, state=Replica.State.SERVING), gpu0, 4 * f.GIB)
+    f.occupy(f.replica(measured, node, state=Replica.State.SLEEPING), gpu0, 0)  # asleep: holds no weights
+    f.occupy(f.replica(unmeasured, node, state=Replica.State.SERVING), gpu1, 2 * f.GIB)
+
+    assert scrape()["gpuportal_gpu_measured_bytes"] == {
+        (("gpu", "0"), ("node", "node1")): 3 * f.GIB,
+        (("gpu", "1"), ("node", "node1")): 0,
+    }
+
+
+def test_requests_by_status_count_the_waiting_and_taken_lists_and_acceptances(dispatched) -> None:
+    from scheduling.services import requests as request_services
+
+    node = f.node("node1")
+    f.gpu(node, 0)
+    dep = f.deployment("counted", loader="torch-module")
+    replica = f.replica(dep, node, state=Replica.State.SERVING)
+    queue = request_services.queue()
+    for key in queue.redis.scan_iter("gp:*"):
+        queue.redis.delete(key)
+    before = scrape().get("gpuportal_requests_accepted_total", {}).get((("deployment", "counted"),), 0)
+
+    for _ in range(3):
+        request_services.submit("counted", kind="forward", input=[[1.0]], params={}, owner="1")
+    assert queue.take("counted", replica.id, timeout=1) is not None
+
+    samples = scrape()
+    assert samples["gpuportal_requests"] == {(("status", "waiting"),): 2, (("status", "taken"),): 1}
+    assert samples["gpuportal_requests_accepted_total"][(("deployment", "counted"),)] == before + 3
+
+
+def test_the_grafana_dashboard_parses_and_uses_only_series_metrics_exposes() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads(
+        (Path(__file__).resolve().parent.parent / "docker/grafana/gpuportal-dashboard.json").read_text()
+    )
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"gpuportal_[a-z_]+", target["expr"])
+    }
+    test_metrics_cover_every_series_the_dashboard_needs()  # the rows that make every series show
+    exposed = set(scrape())
+
+    assert used, "the dashboard queries no series"
+    assert used <= exposed, f"not in /metrics: {sorted(used - exposed)}"
+    assert used >= REQUIRED_SERIES, f"series the dashboard leaves out: {sorted(REQUIRED_SERIES - used)}"

@@ -15,11 +15,12 @@ from django.http import StreamingHttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, permissions, serializers
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication
 from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from gpuportal.auth import CachedTokenAuthentication
 from inference.requestqueue import Request, StreamSplice
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.requests import ParamsInput
@@ -31,7 +32,7 @@ from scheduling.services.errors import ServiceError
 STREAM_SLICE_S = 1.0
 
 
-class BearerTokenAuthentication(TokenAuthentication):
+class BearerTokenAuthentication(CachedTokenAuthentication):
     """The portal's API tokens, sent the way OpenAI clients send keys: `Authorization: Bearer <key>`."""
 
     keyword = "Bearer"
@@ -96,7 +97,7 @@ def openai_error(status: int, message: str, param: str | None = None, kind: str 
 
 
 class OpenAIView(APIView):
-    authentication_classes = [BearerTokenAuthentication, TokenAuthentication, SessionAuthentication]
+    authentication_classes = [BearerTokenAuthentication, CachedTokenAuthentication, SessionAuthentication]
     permission_classes = [permissions.IsAuthenticated]
 
     def handle_exception(self, exc: Exception) -> Response:

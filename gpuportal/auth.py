@@ -1,0 +1,45 @@
+"""Token authentication that remembers a good token for a few seconds.
+
+Every API request authenticates, and on the inference hot path that look-up is one of its few
+database round trips (issue 4's overhead budget). A token seen valid within the last
+GPUPORTAL_TOKEN_CACHE_S seconds is trusted again without asking; the price is that a revoked
+token, or a deactivated user, is refused that much later. 0 turns the cache off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from django.conf import settings
+from rest_framework.authentication import TokenAuthentication
+
+# Enough for every live client of a portal; beyond it the cache starts over rather than grow.
+MAX_ENTRIES = 10_000
+
+_lock = threading.Lock()
+_seen: dict[str, tuple[float, Any, Any]] = {}
+
+
+class CachedTokenAuthentication(TokenAuthentication):
+    def authenticate_credentials(self, key: str) -> tuple[Any, Any]:
+        ttl = settings.GPUPORTAL_TOKEN_CACHE_S
+        if ttl <= 0:
+            return super().authenticate_credentials(key)
+        now = time.monotonic()
+        hit = _seen.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1], hit[2]
+        user, token = super().authenticate_credentials(key)  # raises for a bad or inactive one
+        with _lock:
+            if len(_seen) >= MAX_ENTRIES:
+                _seen.clear()
+            _seen[key] = (now + ttl, user, token)
+        return user, token
+
+
+def forget_tokens() -> None:
+    """Drop every remembered token (tests; or an operator who just revoked one)."""
+    with _lock:
+        _seen.clear()

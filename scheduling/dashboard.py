@@ -1,0 +1,386 @@
+"""The operator's dashboard (issue 8): one admin page showing where every byte of every GPU went
+and why, with the controls beside it.
+
+Reads come from `selectors` in a fixed number of queries whatever the number of rows (the test
+holds it to that with 8 nodes × 8 GPUs and 100 deployments); Redis figures (queue depth, requests
+per minute, KV pools) are one round trip each. Controls only call services, which plan, commit
+and record the Event; the view turns the outcome into an admin message and redirects back."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import wraps
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.auth.views import redirect_to_login
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Max
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import path, reverse
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET, require_POST
+
+from scheduling import requeststats, selectors
+from scheduling.models import GPU, Deployment, Event, FailoverLease, Replica
+from scheduling.services import deployments as deployment_services
+from scheduling.services import failover as failover_services
+from scheduling.services import nodes as node_services
+from scheduling.services import replicas as replica_services
+from scheduling.services import requests as request_services
+from scheduling.services import sleep as sleep_services
+from scheduling.services.errors import ServiceError
+
+EVENT_LIMIT = 50
+
+# Which bar segment an occupant's replica state falls in (the issue's five colours).
+SEGMENT_OF_STATE = {
+    Replica.State.SERVING: "serving",
+    Replica.State.PENDING: "waking",
+    Replica.State.LOADING: "waking",
+    Replica.State.WAKING: "waking",
+    Replica.State.DRAINING: "draining",
+    Replica.State.STOPPING: "draining",
+    # What a sleeping replica (or a standby, loaded then slept) still holds: its CUDA context.
+    Replica.State.SLEEPING: "sleeping",
+    Replica.State.STANDBY: "sleeping",
+}
+# States whose memory_measured_bytes describes what the occupant holds now (it was measured awake).
+MEASURED_STATES = {Replica.State.SERVING, Replica.State.DRAINING}
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "–"
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class Segment:
+    kind: str  # serving, waking, draining, sleeping, free
+    bytes: int
+    percent: float
+    deployment: str = ""
+    replica: str = ""
+    state: str = ""
+    measured: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "free":
+            return f"free {human_bytes(self.bytes)}"
+        measured = f", measured {human_bytes(self.measured)}" if self.measured is not None else ""
+        return f"{self.deployment} ({self.state}): reserved {human_bytes(self.bytes)}{measured}"
+
+
+@dataclass
+class GpuRow:
+    gpu: GPU
+    segments: list[Segment]
+    occupants: list[Segment]
+
+    @property
+    def label(self) -> str:
+        return f"{self.gpu.node.name}/{self.gpu.index}"
+
+
+@dataclass
+class NodeRow:
+    name: str
+    status: str
+    heartbeat_age_s: float | None
+    virtual: bool
+    gpus: list[GpuRow] = field(default_factory=list)
+
+    @property
+    def drained(self) -> bool:
+        return self.status == "draining"
+
+
+def _gpu_row(gpu: GPU) -> GpuRow:
+    total = gpu.total_bytes or 1
+    occupants = []
+    for occ in sorted(gpu.occupants.all(), key=lambda o: (o.replica.deployment.name, o.replica_id)):
+        replica = occ.replica
+        measured = replica.deployment.memory_measured_bytes if replica.state in MEASURED_STATES else None
+        occupants.append(
+            Segment(
+                kind=SEGMENT_OF_STATE.get(replica.state, "draining"),
+                bytes=occ.reserved_bytes,
+                percent=round(100 * occ.reserved_bytes / total, 2),
+                deployment=replica.deployment.name,
+                replica=replica.id,
+                state=replica.state,
+                measured=measured,
+            )
+        )
+    free = Segment(kind="free", bytes=gpu.available_bytes, percent=round(100 * gpu.available_bytes / total, 2))
+    order = {"serving": 0, "waking": 1, "draining": 2, "sleeping": 3}
+    segments = sorted(occupants, key=lambda s: order.get(s.kind, 9))
+    return GpuRow(gpu=gpu, segments=[*segments, free], occupants=occupants)
+
+
+def _heartbeat_age(last: datetime | None, now: datetime) -> float | None:
+    return None if last is None else max(0.0, (now - last).total_seconds())
+
+
+def _deployment_rows() -> list[dict[str, Any]]:
+    """100 deployments in three queries: the rows, replica counts by state, last accesses."""
+    rows = list(Deployment.objects.order_by("name").values("name", "replicas_wanted", "failover_standby"))
+    by_state: dict[str, Counter[str]] = defaultdict(Counter)
+    for name, state, n in Replica.objects.values_list("deployment__name", "state").annotate(n=Count("pk")).order_by():
+        by_state[name][state] = n
+    last = dict(Replica.objects.values_list("deployment__name").annotate(last=Max("last_accessed")).order_by())
+    names = [row["name"] for row in rows]
+    rates = requeststats.per_minute(names)
+    depths = _queue_depths(names)
+    for row in rows:
+        name = row["name"]
+        row["states"] = sorted(by_state[name].items())
+        row["last_access"] = last.get(name)
+        row["rpm"] = rates.get(name)
+        row["queue_depth"] = depths.get(name)
+    return rows
+
+
+def _queue_depths(names: list[str]) -> dict[str, int]:
+    """services.requests.queue_depth for every deployment, batched: one pipeline of LLENs rather
+    than a round trip per row. {} when Redis cannot be read (the page shows "–")."""
+    from redis.exceptions import RedisError
+
+    from inference.requestqueue import queue_key
+
+    if not names:
+        return {}
+    try:
+        with request_services.queue().redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.llen(queue_key(name))
+            return dict(zip(names, pipe.execute(), strict=True))
+    except RedisError:
+        return {}
+
+
+def _pairs() -> list[dict[str, Any]]:
+    leases = FailoverLease.objects.select_related("deployment").prefetch_related("members")
+    pairs = []
+    for lease in leases:
+        members = [m for m in lease.members.all() if m.state not in (Replica.State.STOPPED, Replica.State.FAILED)]
+        active = [m for m in members if m.failover_state == "active"]
+        standby = [m for m in members if m.failover_state != "active"]
+        pairs.append({"lease": lease, "active": active, "standby": standby})
+    return pairs
+
+
+def event_filters(request: HttpRequest) -> dict[str, str]:
+    return {key: request.GET.get(key, "").strip() for key in ("kind", "deployment", "gpu")}
+
+
+def context(request: HttpRequest) -> dict[str, Any]:
+    """Everything the page shows, in a fixed number of queries."""
+    now = timezone.now()
+    node_rows: dict[str, NodeRow] = {
+        n.name: NodeRow(n.name, n.status, _heartbeat_age(n.last_heartbeat, now), n.virtual) for n in selectors.nodes()
+    }
+    intents, locks = [], []
+    for gpu in selectors.gpus():
+        row = _gpu_row(gpu)
+        node_rows[gpu.node.name].gpus.append(row)
+        intents.extend((row.label, intent) for intent in gpu.active_intents)
+        if gpu.wake_lock_holder_id:
+            locks.append((row.label, gpu))
+    replicas = list(
+        selectors.replicas().exclude(state=Replica.State.STOPPED).order_by("deployment__name", "created_at")
+    )
+    awake = [r.id for r in replicas if r.state in (Replica.State.SERVING, Replica.State.DRAINING)]
+    kv = selectors.kv_stats(awake)
+    for replica in replicas:
+        replica.kv = kv.get(replica.id)
+        # A replica's occupancies are all on its own node.
+        node = replica.node.name if replica.node else "?"
+        replica.gpu_labels = ", ".join(f"{node}/{o.gpu.index}" for o in replica.occupancies.all())
+    filters = event_filters(request)
+    return {
+        "now": now,
+        "nodes": list(node_rows.values()),
+        "intents": intents,
+        "locks": locks,
+        "pairs": _pairs(),
+        "deployments": _deployment_rows(),
+        "replicas": replicas,
+        "events": list(selectors.events(**{k: v for k, v in filters.items() if v})[:EVENT_LIMIT]),
+        "filters": filters,
+        "event_kinds": sorted(Event.Kind.values),
+        "fragment_url": reverse("admin:scheduling_dashboard_fragment"),
+    }
+
+
+# -- access ---------------------------------------------------------------------------------------
+
+
+def staff_only(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Anonymous users go to the admin login (and come back); signed-in non-staff get 403.
+    (admin_view would send non-staff to the login page too, which hides that they lack rights.)"""
+
+    @wraps(view)
+    def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path(), reverse("admin:login"))
+        if not (request.user.is_active and request.user.is_staff):
+            raise PermissionDenied("the dashboard is for staff")
+        return view(request, *args, **kwargs)
+
+    return wrapped
+
+
+# -- pages ----------------------------------------------------------------------------------------
+
+
+@never_cache
+@require_GET
+@staff_only
+def page(request: HttpRequest) -> HttpResponse:
+    # Without the admin's model sidebar: the bars need the width.
+    ctx = {
+        **admin.site.each_context(request),
+        **context(request),
+        "title": "GPU dashboard",
+        "is_nav_sidebar_enabled": False,
+    }
+    return render(request, "admin/scheduling/dashboard.html", ctx)
+
+
+@never_cache
+@require_GET
+@staff_only
+def fragment(request: HttpRequest) -> HttpResponse:
+    """The refreshing part of the page, fetched every few seconds by static/scheduling/dashboard.js."""
+    return render(request, "admin/scheduling/dashboard_body.html", context(request))
+
+
+# -- controls -------------------------------------------------------------------------------------
+
+
+def _confirmed(request: HttpRequest) -> bool:
+    return request.POST.get("confirm") == "yes"
+
+
+def _confirm_page(request: HttpRequest, question: str) -> HttpResponse:
+    """Server-side confirmation of a destructive control (the JS confirm() skips it by sending
+    confirm=yes): the same form again, with the answer."""
+    fields = [(k, v) for k, v in request.POST.items() if k not in ("csrfmiddlewaretoken", "confirm")]
+    ctx = {**admin.site.each_context(request), "title": "Confirm", "question": question, "fields": fields}
+    return render(request, "admin/scheduling/dashboard_confirm.html", ctx)
+
+
+def _run(request: HttpRequest, act: Callable[[], str]) -> HttpResponse:
+    try:
+        messages.success(request, act())
+    except ServiceError as err:
+        messages.error(request, f"Refused: {err}")
+    return HttpResponseRedirect(reverse("admin:scheduling_dashboard"))
+
+
+def _who(request: HttpRequest) -> str:
+    return f"{request.user} (dashboard)"
+
+
+REPLICA_ACTIONS = {"sleep", "wake", "evict"}
+
+
+@require_POST
+@staff_only
+def replica_control(request: HttpRequest, replica_id: str, action: str) -> HttpResponse:
+    if action not in REPLICA_ACTIONS:
+        raise PermissionDenied(f"no replica control named {action!r}")
+    if action == "evict" and not _confirmed(request):
+        return _confirm_page(request, f"Evict replica {replica_id[:8]} to the CPU cache?")
+
+    def act() -> str:
+        if action == "sleep":
+            replica = sleep_services.sleep_replica(replica_id, reason=f"put to sleep by {_who(request)}")
+            return f"{replica}: going to sleep"
+        if action == "wake":
+            replica = sleep_services.wake_replica(replica_id, reason=f"woken by {_who(request)}")
+            return f"{replica}: waking on {replica.node}"
+        replica = replica_services.evict(replica_id, reason=f"evicted by {_who(request)}")
+        return f"{replica}: evicted, going to sleep"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def scale(request: HttpRequest, name: str) -> HttpResponse:
+    try:
+        wanted = int(request.POST.get("replicas", ""))
+    except ValueError:
+        messages.error(request, f"{name}: replicas must be a whole number")
+        return HttpResponseRedirect(reverse("admin:scheduling_dashboard"))
+    current = Deployment.objects.filter(name=name).values_list("replicas_wanted", flat=True).first()
+    if current is not None and wanted < current and not _confirmed(request):
+        return _confirm_page(request, f"Scale {name} down from {current} to {wanted} replica(s)? Replicas stop.")
+
+    def act() -> str:
+        deployment_services.scale(name, wanted, reason=f"scaled by {_who(request)}")
+        return f"{name}: scaled to {wanted} replica(s)"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def switchover(request: HttpRequest, name: str) -> HttpResponse:
+    if not _confirmed(request):
+        return _confirm_page(request, f"Switch over {name}? Its active replicas drain and their standbys take over.")
+
+    def act() -> str:
+        stepping_down = failover_services.switchover(name, reason=f"planned switchover by {_who(request)}")
+        return f"{name}: {len(stepping_down)} active replica(s) draining; their standbys take over"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def drain(request: HttpRequest, name: str) -> HttpResponse:
+    if not _confirmed(request):
+        return _confirm_page(request, f"Drain node {name}? No new placements; its serving replicas go to sleep.")
+
+    def act() -> str:
+        slept = node_services.drain(name, reason=f"drained by {_who(request)}")
+        return f"node {name}: draining; {len(slept)} serving replica(s) going to sleep"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def undrain(request: HttpRequest, name: str) -> HttpResponse:
+    def act() -> str:
+        node_services.undrain(name, reason=f"returned to service by {_who(request)}")
+        return f"node {name}: back in service"
+
+    return _run(request, act)
+
+
+def urls() -> list:
+    """Mounted under /admin/dashboard/ (before the admin's own catch-all), named in the admin namespace
+    by gpuportal.urls."""
+    return [
+        path("", page, name="scheduling_dashboard"),
+        path("fragment/", fragment, name="scheduling_dashboard_fragment"),
+        path("replicas/<str:replica_id>/<slug:action>/", replica_control, name="scheduling_dashboard_replica"),
+        path("deployments/<slug:name>/scale/", scale, name="scheduling_dashboard_scale"),
+        path("deployments/<slug:name>/switchover/", switchover, name="scheduling_dashboard_switchover"),
+        path("nodes/<slug:name>/drain/", drain, name="scheduling_dashboard_drain"),
+        path("nodes/<slug:name>/undrain/", undrain, name="scheduling_dashboard_undrain"),
+    ]
