@@ -161,10 +161,23 @@ class BlockPool(BlockAccounting):
 
         super().__init__(blocks, block_tokens)
         shape = (num_layers, blocks, block_tokens, num_kv_heads, head_dim)
-        # Zeros, not empty: attention reads whole blocks and masks the slots past a sequence's end,
-        # but a masked weight of 0 times a NaN left in uninitialised memory is still NaN.
-        self.k: torch.Tensor | None = torch.zeros(shape, dtype=dtype, device=device)
-        self.v: torch.Tensor | None = torch.zeros(shape, dtype=dtype, device=device)
+        # Empty, not zeros: filling the whole pool would cost every wake time proportional to the
+        # cap (hundreds of ms on a CPU); each block is zeroed as it is handed out instead (allocate).
+        self.k: torch.Tensor | None = torch.empty(shape, dtype=dtype, device=device)
+        self.v: torch.Tensor | None = torch.empty(shape, dtype=dtype, device=device)
+
+    def allocate(self, n: int) -> list[int]:
+        """As BlockAccounting.allocate, the blocks zeroed: attention reads whole blocks and masks
+        the slots past a sequence's end, but a masked weight of 0 times a NaN left in
+        uninitialised memory is still NaN."""
+        import torch
+
+        taken = super().allocate(n)
+        if taken and self.k is not None and self.v is not None:
+            index = torch.tensor(taken, device=self.k.device)
+            self.k.index_fill_(1, index, 0)
+            self.v.index_fill_(1, index, 0)
+        return taken
 
     @classmethod
     def for_shape(
