@@ -3,8 +3,7 @@ and why, with the controls beside it.
 
 Reads come from `selectors` in a fixed number of queries whatever the number of rows (the test
 holds it to that with 8 nodes × 8 GPUs and 100 deployments); Redis figures (queue depth, requests
-per minute, KV pools) are one round trip each. Controls only call services, which plan, commit
-and record the Event; the view turns the outcome into an admin message and redirects back."""
+per minute, KV pools) are one round trip each. The controls are in `dashboard_controls`."""
 
 from __future__ import annotations
 
@@ -15,26 +14,20 @@ from datetime import datetime
 from functools import wraps
 from typing import Any
 
-from django.contrib import admin, messages
+from django.contrib import admin
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Max
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.urls import path, reverse
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET
 
 from scheduling import requeststats, selectors
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Replica
-from scheduling.services import deployments as deployment_services
-from scheduling.services import failover as failover_services
-from scheduling.services import nodes as node_services
-from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
-from scheduling.services import sleep as sleep_services
-from scheduling.services.errors import ServiceError
 
 EVENT_LIMIT = 50
 
@@ -266,121 +259,17 @@ def fragment(request: HttpRequest) -> HttpResponse:
     return render(request, "admin/scheduling/dashboard_body.html", context(request))
 
 
-# -- controls -------------------------------------------------------------------------------------
-
-
-def _confirmed(request: HttpRequest) -> bool:
-    return request.POST.get("confirm") == "yes"
-
-
-def _confirm_page(request: HttpRequest, question: str) -> HttpResponse:
-    """Server-side confirmation of a destructive control (the JS confirm() skips it by sending
-    confirm=yes): the same form again, with the answer."""
-    fields = [(k, v) for k, v in request.POST.items() if k not in ("csrfmiddlewaretoken", "confirm")]
-    ctx = {**admin.site.each_context(request), "title": "Confirm", "question": question, "fields": fields}
-    return render(request, "admin/scheduling/dashboard_confirm.html", ctx)
-
-
-def _run(request: HttpRequest, act: Callable[[], str]) -> HttpResponse:
-    try:
-        messages.success(request, act())
-    except ServiceError as err:
-        messages.error(request, f"Refused: {err}")
-    return HttpResponseRedirect(reverse("admin:scheduling_dashboard"))
-
-
-def _who(request: HttpRequest) -> str:
-    return f"{request.user} (dashboard)"
-
-
-REPLICA_ACTIONS = {"sleep", "wake", "evict"}
-
-
-@require_POST
-@staff_only
-def replica_control(request: HttpRequest, replica_id: str, action: str) -> HttpResponse:
-    if action not in REPLICA_ACTIONS:
-        raise PermissionDenied(f"no replica control named {action!r}")
-    if action == "evict" and not _confirmed(request):
-        return _confirm_page(request, f"Evict replica {replica_id[:8]} to the CPU cache?")
-
-    def act() -> str:
-        if action == "sleep":
-            replica = sleep_services.sleep_replica(replica_id, reason=f"put to sleep by {_who(request)}")
-            return f"{replica}: going to sleep"
-        if action == "wake":
-            replica = sleep_services.wake_replica(replica_id, reason=f"woken by {_who(request)}")
-            return f"{replica}: waking on {replica.node}"
-        replica = replica_services.evict(replica_id, reason=f"evicted by {_who(request)}")
-        return f"{replica}: evicted, going to sleep"
-
-    return _run(request, act)
-
-
-@require_POST
-@staff_only
-def scale(request: HttpRequest, name: str) -> HttpResponse:
-    try:
-        wanted = int(request.POST.get("replicas", ""))
-    except ValueError:
-        messages.error(request, f"{name}: replicas must be a whole number")
-        return HttpResponseRedirect(reverse("admin:scheduling_dashboard"))
-    current = Deployment.objects.filter(name=name).values_list("replicas_wanted", flat=True).first()
-    if current is not None and wanted < current and not _confirmed(request):
-        return _confirm_page(request, f"Scale {name} down from {current} to {wanted} replica(s)? Replicas stop.")
-
-    def act() -> str:
-        deployment_services.scale(name, wanted, reason=f"scaled by {_who(request)}")
-        return f"{name}: scaled to {wanted} replica(s)"
-
-    return _run(request, act)
-
-
-@require_POST
-@staff_only
-def switchover(request: HttpRequest, name: str) -> HttpResponse:
-    if not _confirmed(request):
-        return _confirm_page(request, f"Switch over {name}? Its active replicas drain and their standbys take over.")
-
-    def act() -> str:
-        stepping_down = failover_services.switchover(name, reason=f"planned switchover by {_who(request)}")
-        return f"{name}: {len(stepping_down)} active replica(s) draining; their standbys take over"
-
-    return _run(request, act)
-
-
-@require_POST
-@staff_only
-def drain(request: HttpRequest, name: str) -> HttpResponse:
-    if not _confirmed(request):
-        return _confirm_page(request, f"Drain node {name}? No new placements; its serving replicas go to sleep.")
-
-    def act() -> str:
-        slept = node_services.drain(name, reason=f"drained by {_who(request)}")
-        return f"node {name}: draining; {len(slept)} serving replica(s) going to sleep"
-
-    return _run(request, act)
-
-
-@require_POST
-@staff_only
-def undrain(request: HttpRequest, name: str) -> HttpResponse:
-    def act() -> str:
-        node_services.undrain(name, reason=f"returned to service by {_who(request)}")
-        return f"node {name}: back in service"
-
-    return _run(request, act)
-
-
 def urls() -> list:
-    """Mounted under /admin/dashboard/ (before the admin's own catch-all), named in the admin namespace
-    by gpuportal.urls."""
+    """Mounted under /admin/dashboard/ by scheduling.admin (before the admin's own catch-all), so
+    the names are in the admin namespace."""
+    from scheduling import dashboard_controls as controls  # they build on this module's staff_only
+
     return [
         path("", page, name="scheduling_dashboard"),
         path("fragment/", fragment, name="scheduling_dashboard_fragment"),
-        path("replicas/<str:replica_id>/<slug:action>/", replica_control, name="scheduling_dashboard_replica"),
-        path("deployments/<slug:name>/scale/", scale, name="scheduling_dashboard_scale"),
-        path("deployments/<slug:name>/switchover/", switchover, name="scheduling_dashboard_switchover"),
-        path("nodes/<slug:name>/drain/", drain, name="scheduling_dashboard_drain"),
-        path("nodes/<slug:name>/undrain/", undrain, name="scheduling_dashboard_undrain"),
+        path("replicas/<str:replica_id>/<slug:action>/", controls.replica, name="scheduling_dashboard_replica"),
+        path("deployments/<slug:name>/scale/", controls.scale, name="scheduling_dashboard_scale"),
+        path("deployments/<slug:name>/switchover/", controls.switchover, name="scheduling_dashboard_switchover"),
+        path("nodes/<slug:name>/drain/", controls.drain, name="scheduling_dashboard_drain"),
+        path("nodes/<slug:name>/undrain/", controls.undrain, name="scheduling_dashboard_undrain"),
     ]

@@ -1,0 +1,127 @@
+"""The dashboard's controls (issue 8): each beside what it acts on, each a POST (CSRF-protected)
+that calls a service, which plans, commits and records the Event; the outcome comes back as an
+admin message after a redirect. Destructive ones ask first (a confirmation page when the form did
+not say `confirm=yes`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from scheduling.dashboard import staff_only
+from scheduling.models import Deployment
+from scheduling.services import deployments as deployment_services
+from scheduling.services import failover as failover_services
+from scheduling.services import nodes as node_services
+from scheduling.services import replicas as replica_services
+from scheduling.services import sleep as sleep_services
+from scheduling.services.errors import ServiceError
+
+
+def _confirmed(request: HttpRequest) -> bool:
+    return request.POST.get("confirm") == "yes"
+
+
+def _confirm_page(request: HttpRequest, question: str) -> HttpResponse:
+    """Server-side confirmation of a destructive control (the JS confirm() skips it by sending
+    confirm=yes): the same form again, with the answer."""
+    fields = [(k, v) for k, v in request.POST.items() if k not in ("csrfmiddlewaretoken", "confirm")]
+    ctx = {**admin.site.each_context(request), "title": "Confirm", "question": question, "fields": fields}
+    return render(request, "admin/scheduling/dashboard_confirm.html", ctx)
+
+
+def _run(request: HttpRequest, act: Callable[[], str]) -> HttpResponse:
+    try:
+        messages.success(request, act())
+    except ServiceError as err:
+        messages.error(request, f"Refused: {err}")
+    return HttpResponseRedirect(reverse("admin:scheduling_dashboard"))
+
+
+def _who(request: HttpRequest) -> str:
+    return f"{request.user} (dashboard)"
+
+
+REPLICA_ACTIONS = {"sleep", "wake", "evict"}
+
+
+@require_POST
+@staff_only
+def replica(request: HttpRequest, replica_id: str, action: str) -> HttpResponse:
+    if action not in REPLICA_ACTIONS:
+        raise PermissionDenied(f"no replica control named {action!r}")
+    if action == "evict" and not _confirmed(request):
+        return _confirm_page(request, f"Evict replica {replica_id[:8]} to the CPU cache?")
+
+    def act() -> str:
+        if action == "sleep":
+            replica = sleep_services.sleep_replica(replica_id, reason=f"put to sleep by {_who(request)}")
+            return f"{replica}: going to sleep"
+        if action == "wake":
+            replica = sleep_services.wake_replica(replica_id, reason=f"woken by {_who(request)}")
+            return f"{replica}: waking on {replica.node}"
+        replica = replica_services.evict(replica_id, reason=f"evicted by {_who(request)}")
+        return f"{replica}: evicted, going to sleep"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def scale(request: HttpRequest, name: str) -> HttpResponse:
+    try:
+        wanted = int(request.POST.get("replicas", ""))
+    except ValueError:
+        messages.error(request, f"{name}: replicas must be a whole number")
+        return HttpResponseRedirect(reverse("admin:scheduling_dashboard"))
+    current = Deployment.objects.filter(name=name).values_list("replicas_wanted", flat=True).first()
+    if current is not None and wanted < current and not _confirmed(request):
+        return _confirm_page(request, f"Scale {name} down from {current} to {wanted} replica(s)? Replicas stop.")
+
+    def act() -> str:
+        deployment_services.scale(name, wanted, reason=f"scaled by {_who(request)}")
+        return f"{name}: scaled to {wanted} replica(s)"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def switchover(request: HttpRequest, name: str) -> HttpResponse:
+    if not _confirmed(request):
+        return _confirm_page(request, f"Switch over {name}? Its active replicas drain and their standbys take over.")
+
+    def act() -> str:
+        stepping_down = failover_services.switchover(name, reason=f"planned switchover by {_who(request)}")
+        return f"{name}: {len(stepping_down)} active replica(s) draining; their standbys take over"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def drain(request: HttpRequest, name: str) -> HttpResponse:
+    if not _confirmed(request):
+        return _confirm_page(request, f"Drain node {name}? No new placements; its serving replicas go to sleep.")
+
+    def act() -> str:
+        slept = node_services.drain(name, reason=f"drained by {_who(request)}")
+        return f"node {name}: draining; {len(slept)} serving replica(s) going to sleep"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def undrain(request: HttpRequest, name: str) -> HttpResponse:
+    def act() -> str:
+        node_services.undrain(name, reason=f"returned to service by {_who(request)}")
+        return f"node {name}: back in service"
+
+    return _run(request, act)
