@@ -16,7 +16,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -68,6 +68,7 @@ class StateCollector:
             replicas,
             _queue_depths(),
             _requests_in_flight(),
+            _requests_finished(),
             *_failover_states(),
             *_kv_blocks(),
         ]
@@ -124,6 +125,27 @@ def _requests_in_flight() -> Metric:
         return family
     family.add_metric(["waiting"], sum(lengths[: len(keys)]))
     family.add_metric(["taken"], sum(lengths[len(keys) :]))
+    return family
+
+
+def _requests_finished() -> Metric:
+    """Requests that ended, by status: counted in Redis by whoever ends them (replicas, the web),
+    in the same round trip, so the figure is the portal's whatever process ended them."""
+    from redis.exceptions import RedisError
+
+    from inference.requestqueue import FINAL, finished_key
+    from scheduling.services import requests as request_services
+
+    family = CounterMetricFamily(
+        "gpuportal_requests_finished", "Requests that ended, by status (done, failed, cancelled).", labels=["status"]
+    )
+    try:
+        counts = request_services.queue().redis.mget([finished_key(status) for status in FINAL])
+    except RedisError:
+        logger.warning("metrics: cannot read finished-request counts from Redis", exc_info=True)
+        return family
+    for status, count in zip(FINAL, counts, strict=True):
+        family.add_metric([status], int(count or 0))
     return family
 
 

@@ -63,6 +63,11 @@ def last_key(replica_id: str) -> str:
     return f"gp:last:{replica_id}"
 
 
+def finished_key(status: str) -> str:
+    """A portal-wide count of requests that ended with `status` (done, failed, cancelled)."""
+    return f"gp:finished:{status}"
+
+
 def epoch_key(fence: str) -> str:
     return f"gp:epoch:{fence}"
 
@@ -79,7 +84,7 @@ return math.max(current, tonumber(ARGV[1]))
 """
 
 # _end behind an epoch check, in one step: a superseded member's result never lands (seed 004 fencing).
-# KEYS: epoch, request, stream, done, processing, last.
+# KEYS: epoch, request, stream, done, processing, last, finished count.
 # ARGV: epoch, request id, ttl, now, stream end marker, then the request's field/value pairs.
 _FENCED_END = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -90,6 +95,7 @@ redis.call('RPUSH', KEYS[4], '1')
 redis.call('EXPIRE', KEYS[4], ARGV[3])
 redis.call('LREM', KEYS[5], 1, ARGV[2])
 redis.call('SET', KEYS[6], ARGV[4], 'EX', ARGV[3])
+redis.call('INCR', KEYS[7])
 return 1
 """
 
@@ -401,6 +407,7 @@ class RequestQueue:
                 done_key(request_id),
                 processing_key(replica_id),
                 last_key(replica_id),
+                finished_key(status),
             ]
             args = [fence.epoch, request_id, TTL_S, now(), STREAM_END, *(x for kv in values.items() for x in kv)]
             if not self._fenced_end(keys=keys, args=args):
@@ -412,6 +419,7 @@ class RequestQueue:
             pipe.expire(stream_key(request_id), TTL_S)
             pipe.rpush(done_key(request_id), b"1")
             pipe.expire(done_key(request_id), TTL_S)
+            pipe.incr(finished_key(status))
             if replica_id:
                 pipe.lrem(processing_key(replica_id), 1, request_id)
                 pipe.set(last_key(replica_id), now(), ex=TTL_S)

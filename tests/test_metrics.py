@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
@@ -240,3 +242,26 @@ def test_the_grafana_dashboard_parses_and_uses_only_series_metrics_exposes() -> 
     assert used, "the dashboard queries no series"
     assert used <= exposed, f"not in /metrics: {sorted(used - exposed)}"
     assert used >= REQUIRED_SERIES, f"series the dashboard leaves out: {sorted(REQUIRED_SERIES - used)}"
+
+
+def test_requests_that_end_are_counted_by_status_whichever_process_ends_them() -> None:
+    from django.conf import settings
+
+    from inference.requestqueue import Fence, RequestQueue
+    from scheduling.services import requests as request_services
+
+    request_services.queue.cache_clear()
+    rq = RequestQueue.from_url(settings.REDIS_URL)
+    before = scrape().get("gpuportal_requests_finished_total", {})
+    queue = f"metrics-{uuid.uuid4().hex[:8]}"  # a queue of its own: Redis is shared between tests
+    done, failed, fenced = (rq.submit(queue, kind="generate", input="hi", params={}, owner="1") for _ in range(3))
+    for _ in range(3):
+        rq.take(queue, "replica-a", timeout=1)
+    rq.finish(done.id, "replica-a", {"text": "ok"})
+    rq.fail(failed.id, "replica-a", "broken", "error")
+    rq.raise_epoch("pair-x", 1)
+    rq.finish(fenced.id, "replica-a", {"text": "ok"}, fence=Fence("pair-x", 1))  # a failover member's path
+
+    after = scrape()["gpuportal_requests_finished_total"]
+    assert after[(("status", "done"),)] - before.get((("status", "done"),), 0) == 2
+    assert after[(("status", "failed"),)] - before.get((("status", "failed"),), 0) == 1
