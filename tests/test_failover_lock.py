@@ -148,6 +148,52 @@ def test_it_never_goes_back_to_waiting_once_a_takeover_is_allowed(claim, later_s
 # -- a private PostgreSQL, restarted at will -------------------------------------------------------
 
 
+# -- the member side: a takeover's wake that hangs ----------------------------------------------
+
+
+def test_a_takeover_whose_wake_runs_past_its_timeout_ends_the_process(monkeypatch):
+    from inference import pairing
+
+    exited = threading.Event()
+    codes: list[int] = []
+    monkeypatch.setattr(pairing, "_exit", lambda code: (codes.append(code), exited.set()))
+    said: list[tuple[str, dict]] = []
+    unhang = threading.Event()
+
+    class Events:
+        def emit(self, event: str, **fields: Any) -> None:
+            said.append((event, fields))
+
+    class HungHost:  # a ReplicaHost whose wake never returns (a stuck copy to the GPU)
+        state, replica_id, fence, serving_tags, events = "standby", "standby-1", None, {}, Events()
+
+        def wake_standby(self) -> None:
+            unhang.wait(30)
+
+        def _where(self) -> dict:
+            return {}
+
+    class Requests:
+        def raise_epoch(self, fence: str, epoch: int) -> int:
+            return epoch
+
+    member = pairing.PairMember(
+        HungHost(), Requests(), LeaseConfig("unused", 1, "standby-1", 10.0),
+        role="standby", fence_name="pair-1", wake_timeout_s=0.2, liveness_every_s=1.0,
+    )  # fmt: skip
+    monkeypatch.setattr(member.member, "keep", lambda: None)
+    grant = failover.Grant(2, True, "active-1", 1, time.monotonic())
+    waking = threading.Thread(target=member.take_over, args=(grant,), daemon=True)
+    waking.start()
+
+    assert exited.wait(10), "the hung wake was not cut short"
+    unhang.set()
+    waking.join(10)
+    failed = next(fields for event, fields in said if event == "failed")
+    assert codes == [1] and "wake ran past its timeout" in failed["reason"]
+    assert [e for e, _ in said].index("failed") < [e for e, _ in said].index("active")
+
+
 @dataclass
 class Server:
     pg: EmbeddedPostgres
