@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.placement $(ARGS)
 	$(BIN)/python -m bench.failover
 	$(BIN)/python -m bench.kvpool
+	$(BIN)/python -m bench.simulate
 
 clean:
 	rm -rf $(VENV) var

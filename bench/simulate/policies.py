@@ -1,0 +1,61 @@
+"""The policies compared on one trace. Each is a set of choices fed to the project's own pure
+modules (scheduling.placement / fairness / memory); the engine applies them on a simulated clock."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from scheduling.placement import POLICIES as PLACEMENT
+from scheduling.placement import Policy
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    name: str
+    # memory.POLICIES key: how many bytes a replica reserves.
+    memory: str
+    placement: Policy
+    # Replicas idle for idle_timeout sleep on their own (seed 001); popular ones never do.
+    idle_sleep: bool
+    # True: a wake that does not fit waits max_wait for a voluntary sleep, then preempts the
+    # victims fairness.choose_victim names (seed 001, our wake path). False: placement evicts at
+    # once (seed 000) when `placement.evictions`, else the wake is retried later.
+    fair_wait: bool
+    # Seed 001's same-GPU constraint: a deployment wakes only on the GPUs it first loaded on.
+    pinned_home: bool = False
+    # The oracle: memory is unlimited, every deployment is always loaded.
+    unlimited: bool = False
+
+
+# Whole GPUs per deployment, never shared, never evicted: every need reserves whole GPUs.
+DEDICATED = SimPolicy(
+    "dedicated",
+    memory="gpuportal",
+    placement=Policy(
+        "dedicated", whole_gpu_from=0.0, best_fit=True, victims="fewest", protect_fairness=True, evictions=False
+    ),
+    idle_sleep=False,
+    fair_wait=False,
+)
+# Seed 000: size × 3, random fit, smallest tenants evicted first, at once; no fairness, no idle sleep.
+NDIF = SimPolicy("ndif", memory="ndif", placement=PLACEMENT["ndif"], idle_sleep=False, fair_wait=False)
+# Seed 001: measured memory, min runtime, max wait, popular, LRU victims on the deployment's own GPUs.
+LRU_FAIR = SimPolicy(
+    "lru-fair",
+    memory="gpuportal",
+    placement=Policy("lru-fair", whole_gpu_from=0.99, best_fit=False, victims="fewest", protect_fairness=True),
+    idle_sleep=True,
+    fair_wait=True,
+    pinned_home=True,
+)
+# The project's policy: placement POLICIES["gpuportal"] (best fit), fairness.choose_victim after
+# max_wait, memory.need_for("gpuportal"); a woken replica may move to any GPU with room.
+GPUPORTAL = SimPolicy(
+    "gpuportal", memory="gpuportal", placement=PLACEMENT["gpuportal"], idle_sleep=True, fair_wait=True
+)
+ORACLE = SimPolicy(
+    "oracle", memory="gpuportal", placement=PLACEMENT["gpuportal"], idle_sleep=False, fair_wait=False, unlimited=True
+)
+
+POLICIES: Mapping[str, SimPolicy] = {p.name: p for p in (DEDICATED, NDIF, LRU_FAIR, GPUPORTAL, ORACLE)}

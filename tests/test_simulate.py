@@ -1,0 +1,168 @@
+"""The trace simulator (issue 9): its accounting, its reproducibility, and small traces whose
+decisions are known in advance. Pure: no database, no Django, simulated time only."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.simulate import engine
+from bench.simulate.__main__ import report
+from bench.simulate.config import DEFAULT_CONFIG, Config, load
+from bench.simulate.engine import OverCommit, SimReplica, Simulation, simulate
+from bench.simulate.metrics import fewest_gpus, summarize
+from bench.simulate.policies import POLICIES
+from bench.simulate.trace import Deployment, Request, Trace, generate
+
+GiB = 1024**3
+SHARING = ("ndif", "lru-fair", "gpuportal")
+
+
+@pytest.fixture(scope="module")
+def quick() -> Config:
+    return load(quick=True)
+
+
+@pytest.fixture(scope="module")
+def quick_trace(quick: Config) -> Trace:
+    return generate(quick)
+
+
+def deployment(name: str, gib: float, rate: float = 1.0, *, popular: bool = False) -> Deployment:
+    # A model whose estimate is `gib`: weights are a third of it, so ndif's size × 3 equals it too.
+    weights = int(gib * GiB / 3)
+    return Deployment(name, "hand", "float16", weights, int(gib * GiB), rate, popular, 2e9)
+
+
+def hand_trace(deployments: list[Deployment], arrivals: list[tuple[float, str]], duration_s: float = 300.0) -> Trace:
+    requests = tuple(Request(i, name, t, 128, 32) for i, (t, name) in enumerate(sorted(arrivals)))
+    return Trace(tuple(deployments), requests, duration_s)
+
+
+def one_gpu_node(config: Config) -> Config:
+    return replace(config, cluster=replace(config.cluster, nodes=1, gpus_per_node=1))
+
+
+# --- accounting ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [*SHARING, "dedicated"])
+def test_no_gpu_is_over_committed_and_every_request_ends_on_a_crowded_cluster(quick, quick_trace, policy):
+    # Two GPUs for a trace that wants several: placements, evictions and fair waits all happen,
+    # and the engine checks every GPU's total at every instant a reservation changes.
+    result = simulate(quick_trace, quick, POLICIES[policy], gpus=2)
+    assert result.counters.overcommit_checks > 0
+    assert all(o.end_s is not None for o in result.outcomes)
+    assert all(o.ttft_s is not None for o in result.outcomes if o.failed is None)
+    assert len(result.outcomes) == len(quick_trace.requests)
+
+
+def test_a_reservation_beyond_the_gpu_raises_at_that_instant(quick):
+    trace = hand_trace([deployment("big", 10)], [])
+    sim = Simulation(trace, one_gpu_node(quick), POLICIES["gpuportal"])
+    replica = SimReplica("r1", "big", "node00", {1: sim.config.cluster.gpu_bytes + 1}, engine.SERVING)
+    sim.replicas[replica.id] = replica
+    with pytest.raises(OverCommit, match="node00/0"):
+        sim._reserve(replica)
+
+
+def test_the_same_seed_gives_the_same_table_and_another_seed_another(quick):
+    first = report(quick, DEFAULT_CONFIG, generate(quick))
+    assert report(quick, DEFAULT_CONFIG, generate(quick)) == first
+    other = replace(quick, seed=quick.seed + 1)
+    assert report(other, DEFAULT_CONFIG, generate(other)) != first
+
+
+def test_the_trace_spreads_sizes_and_marks_the_most_requested_popular():
+    config = load()
+    trace = generate(config)
+    assert len(trace.deployments) == config.trace.deployments
+    sizes = {d.size for d in trace.deployments}
+    assert {"0.5B", "70B"} <= sizes
+    popular = sorted(trace.deployments, key=lambda d: -d.rate_per_s)[: config.trace.popular]
+    assert all(d.popular for d in popular)
+    assert sum(d.popular for d in trace.deployments) == config.trace.popular
+    arrivals = [r.arrival_s for r in trace.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] >= 0 and arrivals[-1] < config.trace.duration_s
+
+
+# --- hand-checked traces -----------------------------------------------------------------------
+
+
+def test_two_small_deployments_need_two_dedicated_gpus_but_share_one_under_gpuportal(quick):
+    a, b = deployment("a", 20), deployment("b", 20)
+    trace = hand_trace([a, b], [(t, name) for t in range(1, 200, 10) for name in ("a", "b")])
+    quick = replace(quick, serving=replace(quick.serving, idle_timeout_s=1e6))
+
+    def attainment(policy: str, gpus: int) -> float:
+        return summarize(simulate(trace, quick, POLICIES[policy], gpus=gpus), quick.serving.slo_ttft_s).attainment
+
+    assert fewest_gpus(lambda g: attainment("dedicated", g), 0.99, 4) == 2
+    assert fewest_gpus(lambda g: attainment("gpuportal", g), 0.99, 4) == 1
+    shared = Simulation(trace, one_gpu_node(quick), POLICIES["gpuportal"])
+    shared._provision()
+    assert sorted(shared.gpus[1].occupants.values()) == [a.estimate_bytes, b.estimate_bytes]
+    counters = simulate(trace, one_gpu_node(quick), POLICIES["gpuportal"]).counters
+    assert (counters.cold_loads, counters.wakes, counters.preemptions) == (0, 0, 0)
+
+
+def test_ndif_reserves_three_times_the_weights(quick):
+    d = deployment("small", 12)
+    sim = Simulation(hand_trace([d], [(1.0, "small")]), one_gpu_node(quick), POLICIES["ndif"])
+    sim.run()
+    assert sim.gpus[1].occupants == {sim.deployments["small"].active.id: 3 * d.weight_bytes}
+
+
+def test_a_popular_deployment_is_never_preempted_while_the_others_take_turns(quick):
+    # One GPU of 80 GiB: the popular one holds 40 GiB, a and b 30 GiB each, so a and b can only
+    # take turns beside it; they alternate every 20 s, past min_runtime and max_wait.
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6))
+    hot, a, b = deployment("hot", 40, popular=True), deployment("a", 30), deployment("b", 30)
+    arrivals = [(float(t), "hot") for t in range(0, 300, 5)]
+    arrivals += [(float(t), "a" if (t // 20) % 2 == 0 else "b") for t in range(20, 280, 20)]
+    victims: list[str] = []
+
+    class Recording(Simulation):
+        def _preempt(self, victim: SimReplica) -> None:
+            victims.append(victim.deployment)
+            super()._preempt(victim)
+
+    sim = Recording(hand_trace([hot, a, b], arrivals), config, POLICIES["gpuportal"])
+    result = sim.run()
+    assert victims and set(victims) <= {"a", "b"}
+    assert all(o.failed is None for o in result.outcomes)
+    assert result.counters.preemptions == len(victims)
+
+
+def test_ndif_evicts_at_once_while_gpuportal_waits_max_wait_first(quick):
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0))
+    a, b = deployment("a", 50), deployment("b", 50)
+    trace = hand_trace([a, b], [(20.0, "b")])
+    waits = {}
+    for policy in ("ndif", "gpuportal"):
+        result = simulate(trace, config, POLICIES[policy])
+        (outcome,) = result.outcomes
+        waits[policy] = outcome.start_s - outcome.request.arrival_s
+        assert result.counters.preemptions == 1
+    # Both load b's weights from disk after a leaves; only gpuportal waited max_wait first.
+    assert waits["gpuportal"] - waits["ndif"] == pytest.approx(3.0, abs=1e-6)
+
+
+def test_lru_fair_places_only_on_its_home_gpus_while_gpuportal_sees_the_whole_cluster(quick):
+    config = replace(quick, cluster=replace(quick.cluster, nodes=1, gpus_per_node=4))
+    trace = hand_trace([deployment("a", 20)], [])
+    seen = {}
+    for policy in ("lru-fair", "gpuportal"):
+        sim = Simulation(trace, config, POLICIES[policy])
+        ds = sim.deployments["a"]
+        ds.home = (3,)
+        seen[policy] = sorted(sim._snapshot(ds).gpus)
+    assert seen == {"lru-fair": [3], "gpuportal": [1, 2, 3, 4]}
+
+
+def test_the_standard_config_parses_and_describes_the_issues_cluster():
+    config = load(Path(DEFAULT_CONFIG))
+    assert (config.trace.deployments, config.cluster.nodes, config.cluster.gpus_per_node) == (64, 8, 8)
+    assert config.cluster.gpu_memory_gib == 80
