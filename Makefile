@@ -27,11 +27,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.commit_path $(ARGS)
-	$(BIN)/python -m bench.placement $(ARGS)
-	$(BIN)/python -m bench.failover
-	$(BIN)/python -m bench.kvpool
-	$(BIN)/python -m bench.simulate
+	$(BIN)/python -m bench.run_all $(ARGS)
 
 clean:
 	rm -rf $(VENV) var

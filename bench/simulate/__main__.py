@@ -9,9 +9,11 @@ from pathlib import Path
 
 from bench.report import record, table
 from bench.simulate.config import DEFAULT_CONFIG, Config, load
-from bench.simulate.run import HEADERS, curve_rows, rows, run_all
+from bench.simulate.run import HEADERS, PolicyReport, curve_rows, rows, run_all
 from bench.simulate.trace import Trace, generate
 
+ROOT = Path(__file__).resolve().parent.parent.parent
+PLOT = ROOT / "bench" / "results" / "attainment.png"
 # GPU counts of the equal-GPU comparison, as shares of the configured cluster.
 CURVE_SHARES = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 1)
 
@@ -34,12 +36,38 @@ def report(config: Config, config_path: Path, trace: Trace) -> str:
         f"SLO: first token within {sv.slo_ttft_s:g} s; min_runtime {sv.min_runtime_s:g} s, max_wait "
         f"{sv.max_wait_s:g} s, idle timeout {sv.idle_timeout_s:g} s."
     )
+    plot = plot_attainment(reports, PLOT)
     return (
         f"{summary}\n\nAt {cc.gpus} GPUs; last column: the fewest GPUs reaching "
         f"{100 * config.search.target_attainment:g} % attainment (bisection up to {config.search.max_gpus}; the "
         "oracle's is ⌈peak working set / GPU memory⌉).\n\n"
-        f"{main}\n\nAttainment at equal GPU counts:\n\n{curve}\n"
+        f"{main}\n\nAttainment at equal GPU counts:\n\n{curve}\n\n"
+        f"![Attainment against GPU count per policy]({plot.relative_to(ROOT)})\n"
     )
+
+
+def plot_attainment(reports: list[PolicyReport], path: Path) -> Path:
+    """Attainment against GPU count, a line per policy, from every count the search tried."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for r in reports:
+        counts = sorted(r.curve)
+        axes.plot(counts, [100 * r.curve[g] for g in counts], marker="o", markersize=3, label=r.summary.policy)
+    axes.set_xlabel("GPUs")
+    axes.set_ylabel("SLO attainment (%)")
+    axes.set_xscale("log", base=2)
+    axes.axhline(99, color="grey", linewidth=0.8, linestyle="--")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
 
 
 def main() -> None:
