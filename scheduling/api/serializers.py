@@ -95,7 +95,14 @@ class ReplicaSerializer(serializers.ModelSerializer):
         """The KV block pool of a serving causal-LM replica as it last published it (issue 7):
         block_tokens, blocks_total, blocks_used, blocks_peak, allocations, frees, utilisation;
         null when it has none (asleep, a plain module, or not published in the last seconds)."""
-        return selectors.kv_stats([obj.id]).get(obj.id)
+        # One Redis round trip per list of replicas (a page, a deployment's replicas), not per replica.
+        listed = self.parent.instance if isinstance(self.parent, serializers.ListSerializer) else None
+        batch = [obj] if listed is None else list(listed)
+        known: dict[str, dict[str, Any] | None] = self.context.setdefault("_kv", {})
+        if obj.id not in known:
+            found = selectors.kv_stats([r.id for r in batch])
+            known.update({r.id: found.get(r.id) for r in batch})
+        return known.get(obj.id)
 
 
 # Deployment settings are grouped as in the POST body of DESIGN §7; each group reads from the
