@@ -7,7 +7,10 @@ releases one the client placed earlier, keeping the cluster about half full so t
 keep searching and sometimes evict. Both policies run on the same cluster and clients:
 `gpuportal` (measured/estimated need, best fit) and `ndif` (size × 3, random fit).
 
-    python -m bench.placement [--seconds 3] [--clients 1,4,8,16] [--no-record]
+    python -m bench.placement [--seconds 3] [--clients 1,4,8,16] [--policy gpuportal,ndif] [--cpu] [--no-record]
+
+`--cpu` adds the CPU each operation cost, in the client processes and in their PostgreSQL
+backends (read from /proc, so only for a server on this machine, such as the embedded one).
 
 Uses DATABASE_URL when set (in a fresh database `gpuportal_bench_placement`), else an embedded
 PostgreSQL.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
@@ -76,84 +80,129 @@ def reset_reservations() -> None:
         cursor.execute("UPDATE scheduling_gpu SET available_bytes = total_bytes, changed_txid = txid_current()")
 
 
+class Client:
+    """One client's loop, one operation per `step()`: place a replica of its pool, or release
+    one it placed. Shared by the benchmark's processes and by profiling."""
+
+    def __init__(self, n: int, policy: str, pool: list[tuple[str, str, int, int]]) -> None:
+        from scheduling import ledger
+
+        self.policy = policy
+        self.pool = {p[0]: p for p in pool}
+        self.rng = random.Random(1000 + n)
+        self.mirror = ledger.Mirror()
+        self.mirror.snapshot()  # the first, full read happens before the clock starts
+        self.free = list(pool)
+        self.placed: list[str] = []
+        # Where each placed replica was put: it is released from there, as a service releases a
+        # replica from the node the database says it is on. Only this client places its pool's
+        # replicas; others can only evict them, so it is found there or nowhere.
+        self.where: dict[str, tuple[int, ...]] = {}
+        self.latencies: list[float] = []
+        self.conflicts = self.refused = self.placements = self.releases = self.gave_up = 0
+
+    def step(self) -> None:
+        from scheduling import ledger, memory
+        from scheduling.ledger import CasConflict
+        from scheduling.placement import CantAccommodate, PlacementRequest, place
+        from scheduling.state import Plan, Release
+
+        rng = self.rng
+        grow = not self.placed or (self.free and rng.random() < 0.5)
+        began = time.perf_counter()
+        if grow:
+            entry = self.free.pop(rng.randrange(len(self.free)))
+            replica_id, deployment, weights, estimate = entry
+            need = memory.need_for(self.policy, memory.NeedInputs(weight_bytes=weights, estimate_bytes=estimate)).bytes
+            request = PlacementRequest(deployment, replica_id, need)
+
+            def decide(snap):
+                result = place(snap, request, policy=self.policy, rng=rng)
+                if isinstance(result, CantAccommodate):
+                    return None
+                return result.to_plan(snap)
+
+            try:
+                result = ledger.commit_with_retry(decide, mirror=self.mirror)
+            except CasConflict:
+                self.gave_up += 1
+                self.free.append(entry)
+                return
+            if result is None:
+                self.refused += 1
+                self.free.append(entry)
+                return
+            self.placements += 1
+            self.placed.append(replica_id)
+            self.where[replica_id] = tuple(r.gpu_id for r in result.plan.reservations if r.replica_id == replica_id)
+        else:
+            replica_id = self.placed.pop(rng.randrange(len(self.placed)))
+            gpu_ids = self.where[replica_id]
+
+            def release(snap):
+                releases = [
+                    Release(gpu_id, replica_id)
+                    for gpu_id in gpu_ids
+                    if gpu_id in snap.gpus and any(o.replica_id == replica_id for o in snap.gpus[gpu_id].occupants)
+                ]
+                return Plan.against(snap, "bench release", releases=releases) if releases else None
+
+            try:
+                result = ledger.commit_with_retry(release, mirror=self.mirror)
+            except CasConflict:
+                self.gave_up += 1
+                self.placed.append(replica_id)
+                return
+            self.releases += 1
+            del self.where[replica_id]
+            self.free.append(self.pool[replica_id])
+            if result is None:
+                return  # evicted by someone else's placement meanwhile: nothing to release
+        self.latencies.append(time.perf_counter() - began)
+        self.conflicts += result.attempts - 1
+
+
+def backend_cpu_s() -> float | None:
+    """CPU seconds used so far by this connection's PostgreSQL backend, when it runs on this
+    machine (the embedded server does); None where /proc cannot tell."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def client(
     n: int, policy: str, pool: list[tuple[str, str, int, int]], seconds: float, start: mp.Barrier, out: mp.Queue
 ) -> None:
     from django.db import connection
 
-    from scheduling import ledger, memory
-    from scheduling.ledger import CasConflict
-    from scheduling.placement import CantAccommodate, PlacementRequest, place
-    from scheduling.state import Plan, Release
-
-    rng = random.Random(1000 + n)
-    mirror = ledger.Mirror()
-    mirror.snapshot()  # the first, full read happens before the clock starts
-    free = list(pool)
-    placed: list[str] = []
-    latencies: list[float] = []
-    conflicts = refused = placements = releases = gave_up = 0
-
-    def release_one(snap, replica_id: str):
-        releases_ = [
-            Release(g.id, replica_id)
-            for g in snap.gpus.values()
-            if any(o.replica_id == replica_id for o in g.occupants)
-        ]
-        return Plan.against(snap, "bench release", releases=releases_) if releases_ else None
-
+    loop = Client(n, policy, pool)
     start.wait()
+    server_before, client_before = backend_cpu_s(), time.process_time()
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        grow = not placed or (free and rng.random() < 0.5)
-        began = time.perf_counter()
-        if grow:
-            replica_id, deployment, weights, estimate = free.pop(rng.randrange(len(free)))
-            need = memory.need_for(policy, memory.NeedInputs(weight_bytes=weights, estimate_bytes=estimate)).bytes
-            outcome: dict = {}
-
-            def decide(snap, replica_id=replica_id, deployment=deployment, need=need, outcome=outcome):
-                result = place(snap, PlacementRequest(deployment, replica_id, need), policy=policy, rng=rng)
-                if isinstance(result, CantAccommodate):
-                    outcome["refused"] = True
-                    return None
-                return result.to_plan(snap)
-
-            try:
-                result = ledger.commit_with_retry(decide, mirror=mirror)
-            except CasConflict:
-                gave_up += 1
-                free.append((replica_id, deployment, weights, estimate))
-                continue
-            if result is None:
-                refused += 1
-                free.append((replica_id, deployment, weights, estimate))
-                continue
-            placements += 1
-            placed.append(replica_id)
-        else:
-            replica_id = placed.pop(rng.randrange(len(placed)))
-            try:
-                result = ledger.commit_with_retry(lambda snap, r=replica_id: release_one(snap, r), mirror=mirror)
-            except CasConflict:
-                gave_up += 1
-                placed.append(replica_id)
-                continue
-            releases += 1
-            free.append(next(p for p in pool if p[0] == replica_id))
-            if result is None:
-                continue  # evicted by someone else's placement meanwhile: nothing to release
-        latencies.append(time.perf_counter() - began)
-        conflicts += result.attempts - 1
+        loop.step()
+    client_cpu = time.process_time() - client_before
+    server_after = backend_cpu_s()
+    server_cpu = None if server_before is None or server_after is None else server_after - server_before
     connection.close()
     out.put(
         {
-            "latencies": latencies,
-            "conflicts": conflicts,
-            "refused": refused,
-            "placed": placements,
-            "released": releases,
-            "gave_up": gave_up,
+            "latencies": loop.latencies,
+            "conflicts": loop.conflicts,
+            "refused": loop.refused,
+            "placed": loop.placements,
+            "released": loop.releases,
+            "gave_up": loop.gave_up,
+            "client_cpu": client_cpu,
+            "server_cpu": server_cpu,
         }
     )
 
@@ -186,16 +235,34 @@ def run(policy: str, clients: int, pools, seconds: float) -> dict:
         "placed": sum(r["placed"] for r in results),
         "released": sum(r["released"] for r in results),
         "gave_up": sum(r["gave_up"] for r in results),
+        # CPU per operation (ms), client processes and their PostgreSQL backends, whatever the
+        # wall clock: on a shared or oversubscribed machine this is the steadier figure.
+        "client_cpu_ms": 1000 * sum(r["client_cpu"] for r in results) / max(1, commits),
+        "server_cpu_ms": None
+        if any(r["server_cpu"] is None for r in results)
+        else 1000 * sum(r["server_cpu"] for r in results) / max(1, commits),
     }
+
+
+def cpu_cells(r: dict) -> list[str]:
+    server = "n/a" if r["server_cpu_ms"] is None else f"{r['server_cpu_ms']:.3f}"
+    return [f"{r['client_cpu_ms']:.3f}", server]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--clients", default="1,4,8,16")
+    parser.add_argument("--policy", default="gpuportal,ndif", help="comma-separated: gpuportal, ndif")
+    parser.add_argument(
+        "--cpu", action="store_true", help="add client and PostgreSQL CPU per operation (implies --no-record)"
+    )
     parser.add_argument("--no-record", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
+    policies = args.policy.split(",")
+    headers = HEADERS + (["client CPU ms/op", "server CPU ms/op"] if args.cpu else [])
+    record_it = not (args.no_record or args.cpu or policies != ["gpuportal", "ndif"])
 
     server = setup_database("gpuportal_bench_placement")
     try:
@@ -204,7 +271,7 @@ def main() -> None:
         register_cluster(nodes=100, gpus_per_node=8, gpu_size="80GiB")
         pools = create_state(max(counts))
         rows = []
-        for policy in ("gpuportal", "ndif"):
+        for policy in policies:
             for clients in counts:
                 r = run(policy, clients, pools, args.seconds)
                 rows.append(
@@ -219,11 +286,12 @@ def main() -> None:
                         r["placed"],
                         r["released"],
                     ]
+                    + (cpu_cells(r) if args.cpu else [])
                 )
-                print(table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
-        report = table(HEADERS, rows)
+                print(table(headers, rows[-1:]).splitlines()[-1], flush=True)
+        report = table(headers, rows)
         print("\n" + report)
-        if not args.no_record:
+        if record_it:
             record(
                 "placement",
                 "Placement: snapshot, place, commit",

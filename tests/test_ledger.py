@@ -370,3 +370,73 @@ def test_a_stale_mirror_costs_a_retry_not_an_over_commit():
     assert result.attempts == 2
     assert invariant_violations() == []
     assert GPU.objects.get().available_bytes == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_mirror_reads_again_only_the_gpus_written_since_it_last_looked(monkeypatch):
+    register_node("node1", virtual_gpus("node1", "4x1GiB"), virtual=True)
+    written = GPU.objects.order_by("pk").values_list("pk", flat=True)[1]
+    replica = make_replicas(1)[0]
+    plan = Plan.against(snapshot([written]), "one", [Reservation(written, replica, 100 * MiB)])
+    returned: list[list[int]] = []
+    read = ledger._read
+
+    def counting(seen, ids):
+        rows, snap = read(seen, ids)
+        returned.append([row[0] for row in rows])
+        return rows, snap
+
+    monkeypatch.setattr(ledger, "_read", counting)
+    mirror = ledger.Mirror()
+    mirror.snapshot()
+    mirror.snapshot()
+    commit(plan)
+    seen = mirror.snapshot()
+    mirror.snapshot()
+
+    assert [len(r) for r in returned[:2]] == [4, 0], "a full read, then nothing new"
+    assert returned[2:] == [[written], []], "the written GPU once, not again once seen"
+    assert seen.gpus[written].available_bytes == GiB - 100 * MiB
+    assert [o.replica_id for o in seen.gpus[written].occupants] == [replica]
+
+
+def test_labels_and_reasons_reach_the_database_verbatim(gpu_ids):
+    # The commit's arrays travel as text in PostgreSQL's array syntax: quotes, commas, braces,
+    # backslashes and spaces must arrive unchanged.
+    replica = make_replicas(1)[0]
+    gpu_id = gpu_ids[0]
+    label, reason = 'we"ird, {node}\\ 0', 'reason with "quotes", {braces} and \\'
+    plan = Plan.against(snapshot([gpu_id]), reason, [Reservation(gpu_id, replica, MiB)])
+
+    commit(Plan(plan.reason, plan.expected_versions, plan.reservations, labels={gpu_id: label}))
+
+    event = Event.objects.get(kind=Event.Kind.GPU_RESERVED)
+    assert (event.gpu, event.subject) == (label, f"gpu {label}")
+    assert event.reason.endswith(reason)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_mirror_read_inside_a_transaction_still_fetches_what_that_transaction_writes_after_it():
+    register_node("node1", virtual_gpus("node1", "3x1GiB"), virtual=True)
+    mine, theirs, later = GPU.objects.order_by("pk").values_list("pk", flat=True)
+    first, second, third = make_replicas(3)
+    mirror = ledger.Mirror()
+    mirror.snapshot()
+
+    def other_client() -> None:
+        try:
+            commit(Plan.against(snapshot([theirs]), "theirs", [Reservation(theirs, second, 100 * MiB)]))
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        # Our transaction takes its id, then another one that began later commits: our id is
+        # below that snapshot's xmax and not in its running list, as if seen.
+        commit(Plan.against(snapshot([mine]), "mine", [Reservation(mine, first, 100 * MiB)]))
+        writer = threading.Thread(target=other_client)
+        writer.start()
+        writer.join()
+        mirror.snapshot()
+        commit(Plan.against(snapshot([later]), "later", [Reservation(later, third, 300 * MiB)]))
+
+    assert mirror.snapshot().gpus[later].available_bytes == GiB - 300 * MiB, "written after the read: not lost"
