@@ -1,5 +1,6 @@
 """A portal on this machine for the benchmarks that go through HTTP: a node agent on virtual GPUs,
-gunicorn, optionally a control-plane worker; and a kept-alive HTTP client for it."""
+the web server (granian, as docker/compose.yaml runs it), optionally a control-plane worker; and
+a kept-alive HTTP client for it."""
 
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ class Portal:
                 "control",
             )  # fmt: skip
         self._spawn(
-            [sys.executable, "-m", "gunicorn", "gpuportal.wsgi:application", "--bind", f"127.0.0.1:{self.port}",
-             "--workers", "1", "--threads", str(web_threads), "--worker-class", "gthread"],
+            [sys.executable, "-m", "granian", "--interface", "wsgi", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1", "--blocking-threads", str(web_threads), "--no-ws", "gpuportal.wsgi:application"],
             env,
             "web",
         )  # fmt: skip

@@ -1,9 +1,10 @@
 """Request overhead: what the portal adds to a request, against calling the same model directly.
 
-One run, side by side: a tiny causal LM called in this process (the baseline), then the same
-model behind the portal over HTTP (gunicorn, a real node agent, a real replica process on a
-virtual GPU): `POST /api/deployments/{name}/infer/` and `POST /v1/chat/completions`, one token
-per request. Added latency = portal − direct, at p50 and p99. Then the wake latency of a sleeping
+One run, side by side: a tiny causal LM called in this process (the baseline, from text and from
+chat messages), and the same model behind the portal over HTTP (granian, a real node agent, a
+real replica process on a virtual GPU): `POST /api/deployments/{name}/infer/` and
+`POST /v1/chat/completions`, one token per request, the four alternating in rounds. Added
+latency = portal − direct of the same input, at p50 and p99. Then the wake latency of a sleeping
 replica: the time to the first answer of a request sent while it sleeps.
 
     python -m bench.request_overhead [--requests 300] [--wakes 5] [--no-record]
@@ -14,9 +15,11 @@ Uses DATABASE_URL / REDIS_URL when set, else embedded servers.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import setup_database, stop
@@ -37,9 +40,19 @@ def timed(call, count: int) -> list[float]:
     return samples
 
 
-def direct_baseline(model_dir: Path, count: int) -> list[float]:
-    """The model called in this process exactly as a replica calls it: the same executor, and the
-    same paged engine on a KV pool sized for the same cap, so the difference is the portal's."""
+MESSAGES = [{"role": "user", "content": "Hello"}]
+# Calls alternate in rounds, so that whatever else the machine does in the meantime weighs on the
+# direct calls and the portal's alike.
+ROUNDS = 10
+
+
+def direct_calls(model_dir: Path) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The model called in this process exactly as a replica calls it: the same executor, the same
+    paged engine on a KV pool sized for the same cap, the same torch threads; one call generates
+    from text, the other from chat messages (the chat template makes its prompt longer), so the
+    difference from each portal path is the portal's."""
+    import torch
+
     from inference.batching import Batcher, eos_ids, run_until_idle
     from inference.loaders import load_model, tensor_bytes
     from inference.paged import engine_for
@@ -47,6 +60,8 @@ def direct_baseline(model_dir: Path, count: int) -> list[float]:
     from inference.requestqueue import Request
     from inference.serving import Executor
 
+    # As inference.replica sets it for a replica on a virtual GPU.
+    torch.set_num_threads(int(os.environ.get("GPUPORTAL_VIRTUAL_CPU_THREADS", "1")))
     model = load_model(str(model_dir), "transformers", "float32")
     tokenizer = load_tokenizer(str(model_dir), "transformers")
     executor = Executor(model, tokenizer)
@@ -54,14 +69,29 @@ def direct_baseline(model_dir: Path, count: int) -> list[float]:
         model, weights_bytes=tensor_bytes(model), cap_bytes=CAP_BYTES, max_tokens=MAX_TOKENS, context_bytes=0
     )
     batcher = Batcher(engine, tokenizer, eos_ids(model))
-    request = Request(id="x", deployment="tiny", kind="generate", input="Hello", params={"max_tokens": 1})
 
-    def call() -> None:
-        batcher.submit(executor.sequence(request, None))
-        run_until_idle(batcher)
+    def caller(kind: str, data: object) -> Callable[[], None]:
+        request = Request(id="x", deployment="tiny", kind=kind, input=data, params={"max_tokens": 1})
 
-    timed(call, 20)  # warm-up
-    return timed(call, count)
+        def call() -> None:
+            batcher.submit(executor.sequence(request, None))
+            run_until_idle(batcher)
+
+        return call
+
+    return caller("generate", "Hello"), caller("chat", MESSAGES)
+
+
+def interleaved(calls: dict[str, Callable[[], None]], count: int) -> dict[str, list[float]]:
+    """`count` timed calls of each, in ROUNDS alternating rounds, after a warm-up of each."""
+    for call in calls.values():
+        timed(call, 20)
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    per_round = max(1, count // ROUNDS)
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            samples[name] += timed(call, per_round)
+    return samples
 
 
 def main() -> None:
@@ -86,8 +116,7 @@ def main() -> None:
         from scheduling.services.deployments import DeploymentSpec
 
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
-        print("direct calls…", flush=True)
-        direct = direct_baseline(model_dir, args.requests)
+        direct_generate, direct_chat = direct_calls(model_dir)
 
         portal = Portal(tmp)
         key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
@@ -103,17 +132,13 @@ def main() -> None:
             assert status == 200 and body["status"] == "done", body
 
         def chat() -> None:
-            status, body = http.post(
-                "/v1/chat/completions",
-                {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1},
-            )
+            status, body = http.post("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
             assert status == 200, body
 
-        print("through /infer/ and /v1…", flush=True)
-        timed(infer, 20)
-        portal_infer = timed(infer, args.requests)
-        timed(chat, 20)
-        portal_chat = timed(chat, args.requests)
+        print("direct calls, /infer/ and /v1, in alternating rounds…", flush=True)
+        samples = interleaved(
+            {"direct text": direct_generate, "infer": infer, "direct chat": direct_chat, "chat": chat}, args.requests
+        )
 
         wakes = []
         replica_id = Replica.objects.get(deployment__name="tiny").id
@@ -127,21 +152,30 @@ def main() -> None:
         http.close()
 
         ms = 1000
-        p50, p99 = statistics.median(direct), percentile(direct, 0.99)
-        rows = [
-            ["direct (in process)", f"{ms * p50:.2f}", f"{ms * p99:.2f}", "-", "-", f"{len(direct) / sum(direct):.0f}"]
-        ]
-        for name, samples in (("POST /api/…/infer/", portal_infer), ("POST /v1/chat/completions", portal_chat)):
-            rows.append(
-                [
-                    name,
-                    f"{ms * statistics.median(samples):.2f}",
-                    f"{ms * percentile(samples, 0.99):.2f}",
-                    f"{ms * (statistics.median(samples) - statistics.median(direct)):.2f}",
-                    f"{ms * (percentile(samples, 0.99) - percentile(direct, 0.99)):.2f}",
-                    f"{len(samples) / sum(samples):.0f}",
+
+        def row(name: str, values: list[float], baseline: list[float] | None) -> list[object]:
+            added = (
+                ["-", "-"]
+                if baseline is None
+                else [
+                    f"{ms * (statistics.median(values) - statistics.median(baseline)):.2f}",
+                    f"{ms * (percentile(values, 0.99) - percentile(baseline, 0.99)):.2f}",
                 ]
             )
+            return [
+                name,
+                f"{ms * statistics.median(values):.2f}",
+                f"{ms * percentile(values, 0.99):.2f}",
+                *added,
+                f"{len(values) / sum(values):.0f}",
+            ]
+
+        rows = [
+            row("direct, text (in process)", samples["direct text"], None),
+            row("POST /api/…/infer/ (text)", samples["infer"], samples["direct text"]),
+            row("direct, chat messages (in process)", samples["direct chat"], None),
+            row("POST /v1/chat/completions", samples["chat"], samples["direct chat"]),
+        ]
         headers = ["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "requests/s (one client)"]
         report = table(headers, rows)
         wake = table(
@@ -162,11 +196,10 @@ def main() -> None:
                 "Request overhead: the portal against a direct call",
                 f"`python -m bench.request_overhead --requests {args.requests}`: a tiny causal LM (2 MB), one "
                 "generated token per request, one client; direct = the replica's executor and paged KV engine "
-                "called in the benchmark's process; portal = over HTTP to gunicorn (1 worker, 4 threads), queued "
-                "in Redis, served by a real replica process on a virtual GPU. Added = portal − direct.\n\n"
-                + report
-                + "\n\n"
-                + wake,
+                "called in the benchmark's process (one torch thread, as a replica on a virtual GPU), from text "
+                "and from chat messages; portal = over HTTP to granian (1 worker, 4 blocking threads), queued in "
+                "Redis, served by a real replica process on a virtual GPU. The four calls alternate in "
+                f"{ROUNDS} rounds. Added = portal − direct of the same input.\n\n" + report + "\n\n" + wake,
             )
     finally:
         if portal is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from rest_framework.authentication import TokenAuthentication
+from rest_framework.exceptions import AuthenticationFailed
 
 # Enough for every live client of a portal; beyond it the cache starts over rather than grow.
 MAX_ENTRIES = 10_000
@@ -43,3 +44,20 @@ def forget_tokens() -> None:
     """Drop every remembered token (tests; or an operator who just revoked one)."""
     with _lock:
         _seen.clear()
+
+
+_authenticator = CachedTokenAuthentication()
+
+
+def user_from_header(request: Any, keywords: tuple[str, ...] = ("Token",)) -> Any | None:
+    """The user of a valid `Authorization: <keyword> <key>` header, or None for anything else
+    (no header, another scheme, a bad or inactive token): a caller's fast path then hands the
+    request to DRF, whose authentication says what is wrong."""
+    keyword, _, key = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+    if keyword not in keywords or not key or " " in key.strip():
+        return None
+    try:
+        user, _ = _authenticator.authenticate_credentials(key.strip())
+    except AuthenticationFailed:
+        return None
+    return user

@@ -7,7 +7,7 @@ request somewhere at every instant:
     gp:queue:<deployment>   ids waiting, oldest at the right end
     gp:proc:<replica>       ids a replica has taken (BLMOVE from the queue, atomically)
     gp:req:<id>             the request: status, timestamps, input, params, output or error
-    gp:done:<id>            a token pushed when the request ends, for waiters to block on
+    gp:done:<id>            a token pushed when the request ends (its final fields), for waiters
     gp:stream:<id>          chunks of a streamed answer, in order, then an end marker
     gp:last:<replica>       when the replica last finished a request (for idle sleep)
 
@@ -47,8 +47,11 @@ def processing_key(replica_id: str) -> str:
     return f"gp:proc:{replica_id}"
 
 
+REQUEST_PREFIX = "gp:req:"
+
+
 def request_key(request_id: str) -> str:
-    return f"gp:req:{request_id}"
+    return f"{REQUEST_PREFIX}{request_id}"
 
 
 def done_key(request_id: str) -> str:
@@ -76,6 +79,29 @@ class StaleEpoch(Exception):
     """A failover pair member wrote with an epoch that has been superseded: the write was refused."""
 
 
+# The second half of a take, sent in the same round trip as the (blocking) move that precedes it:
+# the id just moved is at the head of the processing list and still `queued` or `waking` (every id
+# a take has handled is `dispatched` or later), so a move that found nothing leaves nothing to do.
+# The request's key is derived from the id here, not declared: fine on one Redis, not a cluster.
+# Stamped with the server's clock: the replica's would be from before the wait for a request.
+# KEYS: processing list. ARGV: replica id, request key prefix.
+_MARK_TAKEN = """
+local id = redis.call('LINDEX', KEYS[1], 0)
+if not id then return false end
+local key = ARGV[2] .. id
+local status = redis.call('HGET', key, 'status')
+if not status then
+  redis.call('LREM', KEYS[1], 1, id)
+  return false
+end
+if status ~= 'queued' and status ~= 'waking' then return false end
+local t = redis.call('TIME')
+local at = string.format('%s.%06d', t[1], tonumber(t[2]))
+redis.call('HSET', key, 'status', 'dispatched', 'replica', ARGV[1], 'dispatched_at', at)
+redis.call('HINCRBY', key, 'attempts', 1)
+return {id, redis.call('HGETALL', key)}
+"""
+
 # Raise the pair's epoch, never lower it: a slow writer of an old epoch cannot undo a takeover.
 _RAISE_EPOCH = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
@@ -83,18 +109,30 @@ if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 return math.max(current, tonumber(ARGV[1]))
 """
 
-# _end behind an epoch check, in one step: a superseded member's result never lands (seed 004 fencing).
-# KEYS: epoch, request, stream, done, processing, last, finished count.
-# ARGV: epoch, request id, ttl, now, stream end marker, then the request's field/value pairs.
-_FENCED_END = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+# How a request ends, in one step (one round trip on the replica's hot path):
+# - behind an epoch check when ARGV[1] is not empty: a superseded failover member's result never
+#   lands (seed 004 fencing);
+# - the token pushed to gp:done:<id> carries the final fields (all but input and params), so a
+#   waiter has the answer in the same round trip as its wake-up, with no read of the hash after.
+# KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count.
+# ARGV: epoch or '', request id, ttl, now, stream end marker, replica id or '', then the request's
+# field/value pairs.
+_END = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 7))
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
-redis.call('RPUSH', KEYS[4], '1')
+local fields = redis.call('HGETALL', KEYS[2])
+local final = {}
+for i = 1, #fields, 2 do
+  if fields[i] ~= 'input' and fields[i] ~= 'params' then final[fields[i]] = fields[i + 1] end
+end
+redis.call('RPUSH', KEYS[4], cjson.encode(final))
 redis.call('EXPIRE', KEYS[4], ARGV[3])
-redis.call('LREM', KEYS[5], 1, ARGV[2])
-redis.call('SET', KEYS[6], ARGV[4], 'EX', ARGV[3])
+if ARGV[6] ~= '' then
+  redis.call('LREM', KEYS[5], 1, ARGV[2])
+  redis.call('SET', KEYS[6], ARGV[4], 'EX', ARGV[3])
+end
 redis.call('INCR', KEYS[7])
 return 1
 """
@@ -133,7 +171,10 @@ class Request:
 
     @classmethod
     def from_hash(cls, request_id: str, raw: dict[bytes, bytes]) -> Request:
-        data = {k.decode(): v.decode() for k, v in raw.items()}
+        return cls.from_fields(request_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+    @classmethod
+    def from_fields(cls, request_id: str, data: dict[str, str]) -> Request:
 
         def stamp(name: str) -> float | None:
             return float(data[name]) if data.get(name) else None
@@ -188,7 +229,8 @@ class RequestQueue:
     def __init__(self, client: redis.Redis):
         self.redis = client
         self._raise_epoch = client.register_script(_RAISE_EPOCH)
-        self._fenced_end = client.register_script(_FENCED_END)
+        self._end_script = client.register_script(_END)
+        self._mark_taken = client.register_script(_MARK_TAKEN)
 
     @classmethod
     def from_url(cls, url: str) -> RequestQueue:
@@ -209,6 +251,46 @@ class RequestQueue:
     ) -> Request:
         """Queue a request. `count_in` (key, ttl): a counter incremented in the same round trip
         (the control plane's requests per minute)."""
+        request, _ = self._submit(deployment, kind, input, params, owner, status, count_in, wait_s=0.0)
+        return request
+
+    def submit_and_wait(
+        self,
+        deployment: str,
+        *,
+        kind: str,
+        input: Any,
+        params: dict[str, Any],
+        owner: str,
+        timeout: float,
+        status: str = "queued",
+        count_in: tuple[str, int] | None = None,
+    ) -> tuple[Request, Request | None]:
+        """Queue a request and wait up to `timeout` for its end: (as submitted, final or None).
+
+        The submit and the first blocking read travel together, so a request answered within one
+        blocking slice costs the web process a single round trip to Redis.
+        """
+        deadline = time.monotonic() + timeout
+        request, final = self._submit(
+            deployment, kind, input, params, owner, status, count_in, wait_s=min(timeout, BLOCK_SLICE_S)
+        )
+        if final is None and (left := deadline - time.monotonic()) > 0:
+            final = self._wait_final(request.id, left)
+        return request, final
+
+    def _submit(
+        self,
+        deployment: str,
+        kind: str,
+        input: Any,
+        params: dict[str, Any],
+        owner: str,
+        status: str,
+        count_in: tuple[str, int] | None,
+        *,
+        wait_s: float,
+    ) -> tuple[Request, Request | None]:
         request = Request(
             id=uuid.uuid4().hex,
             deployment=deployment,
@@ -220,8 +302,10 @@ class RequestQueue:
             created_at=now(),
         )
         key = request_key(request.id)
-        # MULTI/EXEC: the request exists in full before any replica can take its id.
-        with self.redis.pipeline() as pipe:
+        # No MULTI: Redis runs one connection's commands in the order sent, so the request exists
+        # in full before its id reaches the queue (LPUSH last), and a replica that takes the id
+        # finds it. A transaction could not hold the blocking read that follows anyway.
+        with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(
                 key,
                 mapping={
@@ -236,36 +320,52 @@ class RequestQueue:
                 },
             )
             pipe.expire(key, TTL_S)
-            pipe.lpush(queue_key(deployment), request.id)
             if count_in is not None:
                 pipe.incr(count_in[0])
                 pipe.expire(count_in[0], count_in[1])
-            pipe.execute()
-        return request
+            pipe.lpush(queue_key(deployment), request.id)
+            if wait_s > 0:
+                self._block_for_end(pipe, request.id, wait_s)
+            replies = pipe.execute()
+        final = self._final(request.id, replies[-1]) if wait_s > 0 else None
+        return request, final
 
     def get(self, request_id: str) -> Request | None:
         raw = self.redis.hgetall(request_key(request_id))
         return Request.from_hash(request_id, raw) if raw else None
 
     def wait(self, request_id: str, timeout: float) -> Request | None:
-        """The request once final, or as it stands when the timeout passes.
+        """The request once final, or as it stands when the timeout passes (None if unknown)."""
+        return self._wait_final(request_id, timeout) or self.get(request_id)
+
+    def _wait_final(self, request_id: str, timeout: float) -> Request | None:
+        """The request once final within `timeout`, else None.
 
         Straight to the blocking read: a request that has ended has its token waiting, so this
-        returns at once for it too, and the hot path (submit, then wait) saves a round trip.
+        returns at once for it too, and the hot path saves a round trip.
         """
         deadline = time.monotonic() + timeout
-        token = None
-        while token is None and (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0:
             # In slices shorter than the client's socket timeout (redis-py's default is 5 s): a
             # blocking call longer than that would end in a socket timeout, not in our answer.
-            token = self.redis.blpop([done_key(request_id)], timeout=max(0.01, min(left, BLOCK_SLICE_S)))
+            final = self._final(request_id, self._block_for_end(self.redis, request_id, left))
+            if final is not None:
+                return final
+        return None
+
+    @staticmethod
+    def _block_for_end(client: Any, request_id: str, timeout: float) -> Any:
+        # BLMOVE from the token list onto itself: the read leaves the token where it was, for any
+        # other waiter of the same request, without a second command to put it back.
+        key = done_key(request_id)
+        return client.blmove(key, key, max(0.01, min(timeout, BLOCK_SLICE_S)), "RIGHT", "LEFT")
+
+    def _final(self, request_id: str, token: bytes | None) -> Request | None:
         if token is None:
+            return None
+        if token == b"1":  # pushed by a portal from before tokens carried the answer
             return self.get(request_id)
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.rpush(done_key(request_id), b"1")  # the token back, for any other waiter
-            pipe.hgetall(request_key(request_id))
-            raw = pipe.execute()[-1]
-        return Request.from_hash(request_id, raw) if raw else None
+        return Request.from_fields(request_id, json.loads(token))
 
     def set_status(self, request_id: str, status: str) -> None:
         self.redis.hset(request_key(request_id), "status", status)
@@ -327,20 +427,30 @@ class RequestQueue:
         Waits up to `timeout` seconds for one; timeout <= 0 only looks (a batch that must keep stepping).
         """
         source, target = queue_key(deployment), processing_key(replica_id)
-        if timeout <= 0:
-            raw = self.redis.lmove(source, target, "RIGHT", "LEFT")
-        else:
-            raw = self.redis.blmove(source, target, timeout, "RIGHT", "LEFT")
-        if raw is None:
+        args = [replica_id, REQUEST_PREFIX]
+        # The move and the marking in one round trip: Redis runs the script the moment the move
+        # returns. By its SHA, so the pipeline sends no SCRIPT EXISTS first; a Redis that lost
+        # its scripts (a restart) answers NOSCRIPT, and the marking runs again on its own.
+        with self.redis.pipeline(transaction=False) as pipe:
+            if timeout <= 0:
+                pipe.lmove(source, target, "RIGHT", "LEFT")
+            else:
+                pipe.blmove(source, target, timeout, "RIGHT", "LEFT")
+            pipe.evalsha(self._mark_taken.sha, 1, target, *args)
+            moved, marked = pipe.execute(raise_on_error=False)
+        if isinstance(moved, Exception):
+            raise moved
+        if isinstance(marked, redis.exceptions.NoScriptError):
+            marked = self._mark_taken(keys=[target], args=args)
+        elif isinstance(marked, Exception):
+            raise marked
+        if not marked:
             return None
-        request_id = raw.decode()
-        with self.redis.pipeline() as pipe:
-            pipe.hset(
-                request_key(request_id), mapping={"status": "dispatched", "replica": replica_id, "dispatched_at": now()}
-            )
-            pipe.hincrby(request_key(request_id), "attempts", 1)
-            pipe.hgetall(request_key(request_id))
-            raw_hash = pipe.execute()[-1]
+        # Marked even if this move found nothing: an earlier move whose marking never ran (its
+        # connection broke in between) left its id at the head, and it is served now, not lost.
+        request_id, fields = marked
+        raw_hash = dict(zip(fields[::2], fields[1::2], strict=True))
+        request_id = request_id.decode()
         return Request.from_hash(request_id, raw_hash)
 
     def give_back(self, request: Request, replica_id: str) -> None:
@@ -362,14 +472,28 @@ class RequestQueue:
     def start(self, request_id: str) -> None:
         self.redis.hset(request_key(request_id), mapping={"status": "running", "started_at": now()})
 
+    def started(self, stamps: dict[str, float]) -> None:
+        """Mark requests running since the given times, in one round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for request_id, at in stamps.items():
+                pipe.hset(request_key(request_id), mapping={"status": "running", "started_at": at})
+            pipe.execute()
+
     def chunk(self, request_id: str, text: str) -> None:
         with self.redis.pipeline() as pipe:
             pipe.rpush(stream_key(request_id), text)
             pipe.expire(stream_key(request_id), TTL_S)
             pipe.execute()
 
-    def finish(self, request_id: str, replica_id: str, output: Any, fence: Fence | None = None) -> None:
-        self._end(request_id, "done", {"output": json.dumps(output)}, replica_id=replica_id, fence=fence)
+    def finish(
+        self, request_id: str, replica_id: str, output: Any, fence: Fence | None = None, started_at: float | None = None
+    ) -> None:
+        """The request's answer. `started_at`: when it started, if that was not written yet (a
+        request that starts and ends within one batch step has both in one round trip)."""
+        fields: dict[str, Any] = {"output": json.dumps(output)}
+        if started_at is not None:
+            fields["started_at"] = started_at
+        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence)
 
     def fail(self, request_id: str, replica_id: str, error: str, kind: str, fence: Fence | None = None) -> None:
         self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id, fence=fence)
@@ -398,29 +522,18 @@ class RequestQueue:
     def _end(
         self, request_id: str, status: str, fields: dict[str, Any], replica_id: str = "", fence: Fence | None = None
     ) -> None:
-        if fence is not None:
-            values = {"status": status, "finished_at": now(), **fields}
-            keys = [
-                epoch_key(fence.name),
-                request_key(request_id),
-                stream_key(request_id),
-                done_key(request_id),
-                processing_key(replica_id),
-                last_key(replica_id),
-                finished_key(status),
-            ]
-            args = [fence.epoch, request_id, TTL_S, now(), STREAM_END, *(x for kv in values.items() for x in kv)]
-            if not self._fenced_end(keys=keys, args=args):
-                raise StaleEpoch(f"epoch {fence.epoch} of failover pair {fence.name} is no longer current")
-            return
-        with self.redis.pipeline() as pipe:
-            pipe.hset(request_key(request_id), mapping={"status": status, "finished_at": now(), **fields})
-            pipe.rpush(stream_key(request_id), STREAM_END)
-            pipe.expire(stream_key(request_id), TTL_S)
-            pipe.rpush(done_key(request_id), b"1")
-            pipe.expire(done_key(request_id), TTL_S)
-            pipe.incr(finished_key(status))
-            if replica_id:
-                pipe.lrem(processing_key(replica_id), 1, request_id)
-                pipe.set(last_key(replica_id), now(), ex=TTL_S)
-            pipe.execute()
+        values = {"status": status, "finished_at": now(), **fields}
+        keys = [
+            epoch_key(fence.name) if fence is not None else request_key(request_id),
+            request_key(request_id),
+            stream_key(request_id),
+            done_key(request_id),
+            processing_key(replica_id),
+            last_key(replica_id),
+            finished_key(status),
+        ]
+        epoch = str(fence.epoch) if fence is not None else ""
+        args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, *(x for kv in values.items() for x in kv)]
+        if not self._end_script(keys=keys, args=args):
+            assert fence is not None
+            raise StaleEpoch(f"epoch {fence.epoch} of failover pair {fence.name} is no longer current")

@@ -221,6 +221,9 @@ class Server(threading.Thread):
         self.stopped = threading.Event()
         self.batch: Batcher | None = None
         self.kv = KvPublisher(host, queue)
+        # Requests admitted in the current batch step, and when: written with their answer if
+        # they end in the same step, else all together once it is over (see step).
+        self.starting: dict[str, float] = {}
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -277,15 +280,24 @@ class Server(threading.Thread):
                 ended = batch.step()
         except Exception as exc:  # a bug or a broken queue: fail the batch rather than hang the drain
             log.exception("a batch step failed")
+            self.starting.clear()
             error = " ".join(str(exc).split())[:500]
             for seq in batch.abort_all():
                 self._fail(seq.tag, error, "error")
             return
         for seq in ended:
             self._finish(seq)
+        if self.starting:
+            # Still running after their first step: `running` from here on, stamped when admitted.
+            starting, self.starting = self.starting, {}
+            try:
+                self.queue.started(starting)
+            except Exception:  # only the status shown while it runs: its answer still lands
+                log.warning("cannot mark %d request(s) running", len(starting), exc_info=True)
 
     def _finish(self, seq: Sequence) -> None:
         request: Request = seq.tag
+        started_at = self.starting.pop(request.id, None)
         if seq.error is not None:
             self._fail(request, " ".join(str(seq.error).split())[:500], "error")
             return
@@ -293,7 +305,9 @@ class Server(threading.Thread):
         if request.kind == "chat":
             output["message"] = {"role": "assistant", "content": output["text"]}
         try:
-            self._record(lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence))
+            self._record(
+                lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence, started_at=started_at)
+            )
         finally:
             self.host.end_request()
 
@@ -303,10 +317,13 @@ class Server(threading.Thread):
         if self.batch is None or self.batch.engine is not paged:
             # A new pool (after a wake): the old batch is empty, a drain saw to that.
             assert self.batch is None or self.batch.idle, "a new KV pool under a running batch"
-            self.batch = Batcher(
-                paged, self.host.tokenizer, eos_ids(paged.model), on_start=lambda s: self.queue.start(s.tag.id)
-            )
+            self.batch = Batcher(paged, self.host.tokenizer, eos_ids(paged.model), on_start=self._admitted)
         return self.batch
+
+    def _admitted(self, seq: Sequence) -> None:
+        # Not written yet: a short request ends within the step that admits it, and its start
+        # then travels with its answer, saving the replica a round trip per request.
+        self.starting[seq.tag.id] = time.time()
 
     def _give_back(self, sequences: list[Sequence]) -> None:
         for seq in sequences:  # newest first: the oldest ends at the head of the queue

@@ -22,7 +22,7 @@ from celery.bin.celery import celery as celery_cli
 from celery.utils.imports import symbol_by_name
 from django.conf import settings
 from django.core.management import CommandError, get_commands, load_command_class
-from gunicorn.config import Config as GunicornConfig
+from granian.cli import cli as granian_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -159,12 +159,13 @@ def check_celery(args: list[str]) -> None:
         assert issubclass(scheduler, Scheduler), f"{scheduler_path} is not a celery beat scheduler"
 
 
-def check_gunicorn(args: list[str]) -> None:
-    parsed = GunicornConfig().parser().parse_args(args)  # an unknown option exits here
-    assert len(parsed.args) == 1, f"gunicorn wants one APP_MODULE, got {parsed.args}"
-    module_name, _, attribute = parsed.args[0].partition(":")
+def check_granian(args: list[str]) -> None:
+    context = granian_cli.make_context("granian", list(args))  # an unknown option raises here
+    assert context.params["interface"] == "wsgi", "gpuportal.wsgi:application is a WSGI app: --interface wsgi"
+    target = context.params["app"]
+    module_name, _, attribute = target.partition(":")
     module = importlib.import_module(module_name)
-    assert callable(getattr(module, attribute or "application", None)), f"{parsed.args[0]} is not callable"
+    assert callable(getattr(module, attribute or "application", None)), f"{target} is not callable"
 
 
 def check_command(argv: list[str]) -> None:
@@ -175,8 +176,8 @@ def check_command(argv: list[str]) -> None:
                 check_manage_py(rest)
             case ["celery", *rest]:
                 check_celery(rest)
-            case ["gunicorn", *rest]:
-                check_gunicorn(rest)
+            case ["granian", *rest]:
+                check_granian(rest)
             case _:
                 raise AssertionError(f"unrecognised command {argv}: teach tests/test_compose.py to check it")
     except (ImportError, AttributeError, CommandError, click.ClickException, SystemExit) as exc:
@@ -236,14 +237,16 @@ def test_web_and_workers_start_after_migrations_complete():
 def test_every_command_form_in_this_test_is_checked_against_real_and_missing_targets():
     """The checker itself: it accepts what exists and rejects what does not."""
     check_command(["python", "manage.py", "migrate", "--noinput"])
-    check_command(["gunicorn", "gpuportal.wsgi:application", "--workers", "2"])
+    check_command(["granian", "--interface", "wsgi", "--workers", "2", "gpuportal.wsgi:application"])
     check_command(["celery", "-A", "gpuportal", "worker", "-Q", "control"])
     check_command(["celery", "-A", "gpuportal", "beat", "-S", "django_celery_beat.schedulers:DatabaseScheduler"])
     rejected = [
         ["python", "manage.py", "no_such_command"],
         ["python", "manage.py", "migrate", "--no-such-option"],
-        ["gunicorn", "gpuportal.wsgi:no_such_app"],
-        ["gunicorn", "gpuportal.no_such_module:application"],
+        ["granian", "--interface", "wsgi", "gpuportal.wsgi:no_such_app"],
+        ["granian", "--interface", "wsgi", "gpuportal.no_such_module:application"],
+        ["granian", "--interface", "wsgi", "--no-such-option", "gpuportal.wsgi:application"],
+        ["granian", "gpuportal.wsgi:application"],
         ["celery", "-A", "gpuportal", "worker", "-Q", "no_such_queue"],
         ["celery", "-A", "gpuportal", "worker", "--no-such-option", "-Q", "control"],
         ["celery", "-A", "gpuportal", "beat", "--scheduler", "django_celery_beat.schedulers:Nope"],
@@ -269,7 +272,7 @@ def test_compose_covers_every_app_role_with_a_command():
 
 def test_dockerfile_default_command_names_something_that_exists():
     argv = dockerfile_cmd()
-    assert argv[0] == "gunicorn"
+    assert argv[0] == "granian"
     check_command(argv)
 
 

@@ -8,9 +8,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 from django.contrib.auth.models import User
+from hypothesis import given
+from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 
 from inference.devices import virtual_gpus
+from scheduling.api.openai_compat import ChatCompletionsView, ChatInput, CompletionsView, PromptInput
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
@@ -110,3 +113,68 @@ def test_a_wrong_key_is_refused(live_server, replica):
         pytest.raises(openai.AuthenticationError),
     ):
         stranger.models.list()
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_naming_the_model(client, replica):
+    Deployment.objects.create(name="mlp", model_source="tests.factories:mlp", loader=Deployment.Loader.TORCH_MODULE)
+
+    with pytest.raises(openai.BadRequestError, match="not a causal language model"):
+        client.chat.completions.create(model="mlp", messages=[{"role": "user", "content": "x"}])
+    assert request_services.queue_depth("mlp") == 0
+
+
+# -- the fast path reads a request exactly as the input classes do --------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5000) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer", "wizard"]) | _json},
+    optional={"content": st.text(max_size=4) | _json, "name": _json},
+)
+_common = {
+    "max_tokens": st.integers(-1, 5000) | _json,
+    "max_completion_tokens": st.integers(-1, 5000) | _json,
+    "temperature": st.floats(-1, 3) | _json,
+    "top_p": st.floats(-0.5, 1.5) | _json,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | _json,
+    "n": st.integers(0, 2) | _json,
+    "stream": st.booleans() | _json,
+    "user": _json,
+}
+_chats = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", " tiny", ""]) | _json},
+    optional={"messages": st.lists(_message, max_size=3) | _json, **_common},
+)
+_prompts = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", "tiny "]) | _json},
+    optional={"prompt": st.text(max_size=5) | _json, **_common},
+)
+
+
+@pytest.mark.parametrize(
+    ("view", "input_class", "bodies"),
+    [(ChatCompletionsView, ChatInput, _chats), (CompletionsView, PromptInput, _prompts)],
+    ids=["chat", "completion"],
+)
+def test_the_fast_path_accepts_only_what_the_input_class_accepts_and_reads_it_the_same(view, input_class, bodies):
+    @given(bodies)
+    def check(body):
+        fast = view().fast_input(body)
+        if fast is None:
+            return  # the input class judges it, with its own errors
+        data = input_class(data=body)
+        assert data.is_valid(), data.errors
+        assert fast == (data.validated_data["model"], view().input_of(data.validated_data), data.params())
+
+    check()
+
+
+def test_the_fast_path_takes_the_shapes_openai_clients_send():
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": False}
+    prompt = {"model": "tiny", "prompt": "Hi", "max_completion_tokens": 5, "temperature": 0.2, "stop": ["\n"], "n": 1}
+    assert ChatCompletionsView().fast_input(chat) is not None
+    assert CompletionsView().fast_input(prompt) is not None
+    assert ChatCompletionsView().fast_input({**chat, "stream": True}) is None  # streams go the DRF way

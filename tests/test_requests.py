@@ -10,6 +10,9 @@ import pytest
 import redis
 from django.conf import settings
 from django.contrib.auth.models import User
+from hypothesis import given
+from hypothesis import strategies as st
+from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
@@ -22,6 +25,7 @@ from inference.requestqueue import (
     processing_key,
     queue_key,
 )
+from scheduling.api.requests import InferInput, fast_inputs, params_of
 from scheduling.models import Deployment, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
@@ -60,6 +64,42 @@ def test_requests_are_taken_oldest_first_and_end_with_their_output(rq):
     assert done.created_at <= done.dispatched_at <= done.started_at <= done.finished_at
     assert rq.redis.llen(processing_key("replica-a")) == 0
     assert rq.take("tiny", "replica-b", timeout=1).id == second
+
+
+def test_a_request_taken_by_a_waiting_replica_is_stamped_when_it_was_taken(rq):
+    taken: list = []
+    waiting = threading.Thread(target=lambda: taken.append(rq.take("tiny", "a", timeout=10)))
+    waiting.start()
+    # The replica blocks in Redis before the request exists (a bounded wait for that, not a sleep).
+    for _ in range(1000):
+        if any(c.get("cmd") == "blmove" for c in rq.redis.client_list()):
+            break
+    request_id = submit(rq)
+    waiting.join(10)
+
+    request = taken[0]
+    assert request.id == request_id
+    assert request.created_at <= request.dispatched_at
+
+
+def test_a_take_still_works_after_redis_forgot_its_scripts(rq):
+    request_id = submit(rq)
+    rq.redis.script_flush()  # what a restarted Redis has forgotten
+
+    taken = rq.take("tiny", "a", timeout=1)
+
+    assert taken is not None and taken.id == request_id and taken.status == "dispatched" and taken.attempts == 1
+
+
+def test_a_request_moved_but_never_marked_is_served_by_the_next_take(rq):
+    request_id = submit(rq)
+    # A take whose connection broke between the move and its marking.
+    rq.redis.lmove(queue_key("tiny"), processing_key("a"), "RIGHT", "LEFT")
+
+    taken = rq.take("tiny", "a", timeout=0)
+
+    assert taken is not None and taken.id == request_id and taken.replica == "a"
+    assert rq.take("tiny", "a", timeout=0) is None
 
 
 def test_what_a_dead_replica_had_taken_goes_back_to_the_head_of_the_queue(rq):
@@ -199,10 +239,16 @@ def serving_deployment(db, rq, tiny_model_dir):
     return replica
 
 
-@pytest.fixture
-def user_client(db) -> APIClient:
+@pytest.fixture(params=["token", "forced"])
+def user_client(request, db) -> APIClient:
+    """Alice's client, both ways: with a token header, /infer/ takes its fast path
+    (scheduling.api.requests.fast_inputs); authenticated without one, it goes the DRF way."""
     client = APIClient()
-    client.force_authenticate(User.objects.create_user("alice"))
+    user = User.objects.create_user("alice")
+    if request.param == "token":
+        client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    else:
+        client.force_authenticate(user)
     return client
 
 
@@ -345,3 +391,77 @@ def test_deleting_a_deployment_ends_its_waiting_requests_saying_why(serving_depl
 
     ended = user_client.get(f"/api/requests/{request_id}/").json()
     assert ended["status"] == "failed" and ended["error"] == "deployment tiny was deleted"
+
+
+# -- /infer/'s fast path reads input exactly as its serializer does ------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5000) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+_params = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(-1, 5000) | _json,
+        "temperature": st.floats(-1, 3) | st.integers(-1, 3) | _json,
+        "top_p": st.floats(-0.5, 1.5) | _json,
+        "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | _json,
+        "beams": _json,
+    },
+)
+_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": st.text(max_size=5) | st.just([{"role": "user", "content": "hi"}]) | _json,
+        "params": _params | _json,
+        "timeout_s": st.floats(-1, 10_000) | st.integers(-1, 10_000) | _json,
+        "extra": _json,
+    },
+)
+
+
+@given(_bodies)
+def test_the_fast_path_accepts_only_what_the_serializer_accepts_and_reads_it_the_same(body):
+    fast = fast_inputs(body)
+    if fast is None:
+        return  # the serializer judges it, with its own errors
+    serializer = InferInput(data=body)
+    assert serializer.is_valid(), serializer.errors
+    data = serializer.validated_data
+    assert fast == (data["input"], params_of(data), data.get("timeout_s", settings.GPUPORTAL_INFER_TIMEOUT_S))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": "Hello", "params": {"max_tokens": 1}},
+        {"input": [{"role": "user", "content": "Hi"}], "timeout_s": 30},
+        {"input": "x", "params": {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"]}},
+        {"input": [[0.5, 1.0]], "params": {"stop": "END"}, "timeout_s": 2.5},
+    ],
+)
+def test_the_fast_path_takes_the_shapes_clients_send_most(body):
+    assert fast_inputs(body) is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_is_accepted_after_the_database_dropped_the_web_processs_connection(rq, tiny_model_dir):
+    from django.db import connection, connections
+
+    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+    request_services.queue.cache_clear()
+    connection.ensure_connection()
+    # What a restarted database does to every kept connection: the server ends its session.
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])
+    finally:
+        other.close()
+
+    request = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert request.status == "queued" and rq.depth("tiny") == 1

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
-from django.http import StreamingHttpResponse
+from django.http import JsonResponse, StreamingHttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, permissions, serializers
@@ -20,13 +20,13 @@ from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from gpuportal.auth import CachedTokenAuthentication
+from gpuportal.auth import CachedTokenAuthentication, user_from_header
 from inference.requestqueue import Request, StreamSplice
 from scheduling.api.inputs import FiniteFloatField
-from scheduling.api.requests import ParamsInput
+from scheduling.api.requests import ParamsInput, fast_params, json_body
 from scheduling.models import Deployment
 from scheduling.services import requests as request_services
-from scheduling.services.errors import ServiceError
+from scheduling.services.errors import InvalidInput, NotFound, ServiceError
 
 # Streams poll Redis in slices this long, so a dropped client is noticed between slices.
 STREAM_SLICE_S = 1.0
@@ -83,8 +83,11 @@ class PromptInput(CompletionInput):
     prompt = serializers.CharField(allow_blank=True, trim_whitespace=False)
 
 
+ROLES = ("system", "user", "assistant", "developer")
+
+
 class MessageInput(serializers.Serializer):
-    role = serializers.ChoiceField(choices=["system", "user", "assistant", "developer"])
+    role = serializers.ChoiceField(choices=ROLES)
     content = serializers.CharField(allow_blank=True, trim_whitespace=False)
 
 
@@ -93,7 +96,20 @@ class ChatInput(CompletionInput):
 
 
 def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Response:
-    return Response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
+    return Response(error_body(message, param, kind), status=status)
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _text(value: Any) -> bool:
+    """A string DRF's CharField takes as it is: no lone surrogates (which it refuses)."""
+    return type(value) is str and (value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value))
+
+
+def _service_error(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+    return exc.status, error_body(str(exc), kind="invalid_request_error" if exc.status < 500 else "server_error")
 
 
 class OpenAIView(APIView):
@@ -108,9 +124,7 @@ class OpenAIView(APIView):
         if isinstance(exc, exceptions.AuthenticationFailed | exceptions.NotAuthenticated):
             return openai_error(401, str(exc.detail), kind="authentication_error")
         if isinstance(exc, ServiceError):
-            return openai_error(
-                exc.status, str(exc), kind="invalid_request_error" if exc.status < 500 else "server_error"
-            )
+            return Response(*reversed(_service_error(exc)))
         return super().handle_exception(exc)
 
 
@@ -149,39 +163,102 @@ class _Generate(OpenAIView, ABC):
     object_name: str
     id_prefix: str
 
+    def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # The hot path (issue 4's overhead budget): a non-streamed request in the usual shape is
+        # answered without DRF; anything else (streams, other authentication, input the fast
+        # check is not sure of) goes the DRF way, with its usual errors.
+        fast = self._fast(request) if request.method == "POST" else None
+        return fast if fast is not None else super().dispatch(request, *args, **kwargs)
+
+    def _fast(self, request: Any) -> JsonResponse | None:
+        user = user_from_header(request, ("Bearer", "Token"))
+        body = json_body(request) if user is not None else None
+        read = self.fast_input(body) if isinstance(body, dict) else None
+        if read is None:
+            return None
+        model, request_input, params = read
+        try:
+            code, payload = self.run(model, request_input, params, str(user.pk))
+        except ServiceError as exc:
+            code, payload = _service_error(exc)
+        return JsonResponse(payload, status=code)
+
+    def fast_input(self, body: dict[str, Any]) -> tuple[str, Any, dict[str, Any]] | None:
+        """(model, input, params) as the input class validates them, for a non-streamed request of
+        the usual shape; None for anything else."""
+        model = body.get("model")
+        if not _text(model) or not model or model != model.strip() or body.get("stream", False) is not False:
+            return None
+        n = body.get("n")
+        if n is not None and (type(n) is not int or n != 1):
+            return None
+        request_input = self.fast_payload(body)
+        if request_input is None:
+            return None
+        raw = {
+            "max_tokens": body.get("max_tokens") or body.get("max_completion_tokens"),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "stop": body.get("stop"),
+        }
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if value is not None and (type(value) is not int or not 1 <= value <= 4096):
+                return None
+        params = fast_params({k: v for k, v in raw.items() if v is not None})
+        return None if params is None else (model, request_input, {**params, "stream": False})
+
     def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
         data = self.input_class(data=request.data)
         data.is_valid(raise_exception=True)
         model = data.validated_data["model"]
-        loader = Deployment.objects.filter(name=model).values_list("loader", flat=True).first()
-        if loader is None:
-            return openai_error(404, f"The model `{model}` does not exist", "model", "model_not_found")
-        if loader != Deployment.Loader.TRANSFORMERS:
-            return openai_error(400, f"`{model}` is not a causal language model", "model")
         params = data.params()
-        submitted = request_services.submit(
-            model, kind=self.kind, input=self.input_of(data.validated_data), params=params, owner=str(request.user.pk)
-        )
-        if params["stream"]:
-            response = StreamingHttpResponse(self.events(submitted, model), content_type="text/event-stream")
-            response["Cache-Control"] = "no-cache"
-            return response
-        result = request_services.wait(submitted.id, settings.GPUPORTAL_INFER_MAX_TIMEOUT_S)
-        if result is None or not result.final:
-            return openai_error(
-                504,
-                f"request {submitted.id} did not finish in time; poll /api/requests/{submitted.id}/",
-                kind="timeout",
+        request_input = self.input_of(data.validated_data)
+        owner = str(request.user.pk)
+        if not params["stream"]:
+            code, payload = self.run(model, request_input, params, owner)
+            return Response(payload, status=code)
+        try:
+            submitted = request_services.submit(model, kind=self.kind, input=request_input, params=params, owner=owner)
+        except (NotFound, InvalidInput) as exc:
+            return Response(*reversed(self.refusal(exc, model)))
+        response = StreamingHttpResponse(self.events(submitted, model), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        return response
+
+    def run(self, model: str, request_input: Any, params: dict[str, Any], owner: str) -> tuple[int, dict[str, Any]]:
+        """Run a non-streamed request and wait for it: the HTTP status and OpenAI-shaped body."""
+        # The service checks the model exists and is a causal LM in the statement that accepts the
+        # request (no look-up of our own first: one database round trip per request, not two).
+        try:
+            submitted, result = request_services.run(
+                model, kind=self.kind, input=request_input, params=params, owner=owner,
+                timeout=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+            )  # fmt: skip
+        except (NotFound, InvalidInput) as exc:
+            return self.refusal(exc, model)
+        if result is None:
+            return 504, error_body(
+                f"request {submitted.id} did not finish in time; poll /api/requests/{submitted.id}/", kind="timeout"
             )
         if result.status != "done":
             code = 400 if result.error_kind == "bad_input" else 503
-            return openai_error(
-                code,
+            return code, error_body(
                 result.error,
                 "messages" if self.kind == "chat" else "prompt",
                 "server_error" if code == 503 else "invalid_request_error",
             )
-        return Response(self.body(result, model))
+        return 200, self.body(result, model)
+
+    @staticmethod
+    def refusal(exc: NotFound | InvalidInput, model: str) -> tuple[int, dict[str, Any]]:
+        if isinstance(exc, NotFound):
+            return 404, error_body(f"The model `{model}` does not exist", "model", "model_not_found")
+        return 400, error_body(f"`{model}` is not a causal language model", "model")
+
+    @abstractmethod
+    def fast_payload(self, body: dict[str, Any]) -> Any | None:
+        """The request's input (prompt or messages) as the input class reads it, or None."""
 
     @abstractmethod
     def input_of(self, data: dict[str, Any]) -> Any: ...
@@ -258,6 +335,10 @@ class CompletionsView(_Generate):
     def input_of(self, data: dict[str, Any]) -> Any:
         return data["prompt"]
 
+    def fast_payload(self, body: dict[str, Any]) -> Any | None:
+        prompt = body.get("prompt")
+        return prompt if _text(prompt) else None
+
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:
         return {"text": output.get("text", ""), "logprobs": None}
 
@@ -277,6 +358,17 @@ class ChatCompletionsView(_Generate):
 
     def input_of(self, data: dict[str, Any]) -> Any:
         return [dict(m) for m in data["messages"]]
+
+    def fast_payload(self, body: dict[str, Any]) -> Any | None:
+        messages = body.get("messages")
+        if type(messages) is not list or not messages:
+            return None
+        out = []
+        for m in messages:
+            if type(m) is not dict or m.get("role") not in ROLES or not _text(m.get("content")):
+                return None
+            out.append({"role": m["role"], "content": m["content"]})  # other keys: ignored, as MessageInput does
+        return out
 
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": output.get("text", "")}}

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
+from django.http import JsonResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import permissions, serializers, status
 from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from gpuportal.auth import user_from_header
 from inference.requestqueue import Request
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
 from scheduling.services import requests as request_services
+from scheduling.services.errors import ServiceError
 
 
 class ParamsInput(StrictSerializer):
@@ -115,7 +119,20 @@ FAILURE_STATUS = {"bad_input": 400, "placement": 409}
 
 
 class InferView(APIView):
+    """Runs a request and waits for it.
+
+    The hot path of the portal (issue 4's overhead budget), so a request in the usual shape (a
+    token, JSON within the usual bounds) is served by `dispatch` without DRF's request wrapping,
+    serializers and renderers. Anything else (another authentication, input the fast check is not
+    sure of) goes the DRF way, which gives every error its usual 4xx: the fast path accepts only
+    what the serializers would accept, and validates it to the same values.
+    """
+
     permission_classes = [permissions.IsAuthenticated]
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        fast = _fast_infer(request, kwargs["name"]) if request.method == "POST" else None
+        return fast if fast is not None else super().dispatch(request, *args, **kwargs)
 
     @extend_schema(
         request=InferInput,
@@ -131,21 +148,96 @@ class InferView(APIView):
         data = InferInput(data=request.data)
         data.is_valid(raise_exception=True)
         kind = kind_of(data.validated_data["input"])
-        submitted = request_services.submit(
-            name, kind=kind, input=data.validated_data["input"], params=params_of(data.validated_data),
-            owner=str(request.user.pk),
-        )  # fmt: skip
         timeout = data.validated_data.get("timeout_s", settings.GPUPORTAL_INFER_TIMEOUT_S)
-        result = request_services.wait(submitted.id, timeout) or submitted
-        if not result.final:
-            return Response(shape(result), status=status.HTTP_202_ACCEPTED)
-        if result.status == "failed":
-            code = FAILURE_STATUS.get(result.error_kind, status.HTTP_503_SERVICE_UNAVAILABLE)
-            body = shape(result)
-            if code == 400:
-                body["input"] = [result.error]
-            return Response(body, status=code)
-        return Response(shape(result))
+        submitted, final = request_services.run(
+            name, kind=kind, input=data.validated_data["input"], params=params_of(data.validated_data),
+            owner=str(request.user.pk), timeout=timeout,
+        )  # fmt: skip
+        status_code, body = _answer(final or request_services.latest(submitted))
+        return Response(body, status=status_code)
+
+
+def _fast_infer(request: Any, name: str) -> JsonResponse | None:
+    """InferView.post without DRF, or None when the request is not one it is sure of."""
+    user = user_from_header(request)
+    body = json_body(request) if user is not None else None
+    inputs = fast_inputs(body) if body is not None else None
+    if inputs is None:
+        return None
+    data, params, timeout = inputs
+    try:
+        submitted, final = request_services.run(
+            name, kind=kind_of(data), input=data, params=params, owner=str(user.pk), timeout=timeout
+        )
+    except serializers.ValidationError as exc:  # kind_of: messages that look like chat but are not
+        return JsonResponse(exc.detail, status=400)
+    except ServiceError as exc:
+        return JsonResponse(exc.body(), status=exc.status)
+    status_code, body = _answer(final or request_services.latest(submitted))
+    return JsonResponse(body, status=status_code)
+
+
+def json_body(request: Any) -> Any | None:
+    """The request's JSON body, or None if it has none or it does not parse (DRF then says so)."""
+    if request.content_type != "application/json":
+        return None
+    try:
+        return json.loads(request.body)
+    except ValueError:
+        return None
+
+
+_PARAM_DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "stop": []}
+
+
+def fast_inputs(body: Any) -> tuple[Any, dict[str, Any], float] | None:
+    """(input, params, timeout_s) as InferInput validates them, for the shapes clients send most
+    (text or messages; params of the right types within bounds); None for anything else, which
+    InferInput then judges with its field-by-field errors."""
+    if not isinstance(body, dict) or body.get("input") is None or not set(body) <= {"input", "params", "timeout_s"}:
+        return None
+    params = fast_params(body.get("params", {}))
+    if params is None:
+        return None
+    timeout = body.get("timeout_s", settings.GPUPORTAL_INFER_TIMEOUT_S)
+    if type(timeout) not in (int, float) or not 0 <= timeout <= settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:
+        return None
+    return body["input"], params, float(timeout)
+
+
+def fast_params(params: Any) -> dict[str, Any] | None:
+    """ParamsInput's validated data for params it is sure of (defaults filled in), else None."""
+    if not isinstance(params, dict) or not set(params) <= set(_PARAM_DEFAULTS):
+        return None
+    out = dict(_PARAM_DEFAULTS)
+    max_tokens = params.get("max_tokens", out["max_tokens"])
+    if type(max_tokens) is not int or not 1 <= max_tokens <= 4096:
+        return None
+    out["max_tokens"] = max_tokens
+    for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        value = params.get(key, out[key])
+        if type(value) not in (int, float) or not low <= value <= high or (key == "top_p" and value <= 0):
+            return None
+        out[key] = float(value)
+    stop = params.get("stop", [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):
+        return None
+    out["stop"] = list(stops)
+    return out
+
+
+def _answer(result: Request) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and body for a request waited on: 202 while unfinished."""
+    if not result.final:
+        return status.HTTP_202_ACCEPTED, shape(result)
+    if result.status == "failed":
+        code = FAILURE_STATUS.get(result.error_kind, status.HTTP_503_SERVICE_UNAVAILABLE)
+        body = shape(result)
+        if code == 400:
+            body["input"] = [result.error]
+        return code, body
+    return status.HTTP_200_OK, shape(result)
 
 
 class RequestListView(APIView):

@@ -13,7 +13,7 @@ from functools import cache
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 
 from inference.requestqueue import Request, RequestQueue, last_key
 from scheduling import ledger, requeststats
@@ -53,35 +53,68 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
     placed); the request then shows `waking` until a replica takes it. One that can never be
     placed anywhere is refused with 409, and nothing is queued.
     """
+    status = _admit(deployment_name, kind)
+    # Counted for the dashboard's requests per minute (and /metrics) in the same round trip.
+    return queue().submit(
+        deployment_name, kind=kind, input=input, params=params, owner=owner, status=status,
+        count_in=requeststats.accepted(deployment_name),
+    )  # fmt: skip
+
+
+def run(
+    deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str, timeout: float
+) -> tuple[Request, Request | None]:
+    """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
+    status = _admit(deployment_name, kind)
+    return queue().submit_and_wait(
+        deployment_name, kind=kind, input=input, params=params, owner=owner, status=status, timeout=timeout,
+        count_in=requeststats.accepted(deployment_name),
+    )  # fmt: skip
+
+
+def _admit(deployment_name: str, kind: str) -> str:
+    """Check that `deployment_name` can take `kind`, wake it if nothing is awake; the status a
+    request for it starts in."""
     # One statement for all the hot path needs to know: on a serving deployment this is the only
     # database access of a request. Raw SQL, so no ORM compiles it each time, and psycopg
     # prepares it on the server after a few runs.
-    with connection.cursor() as cursor:
-        cursor.execute(_SUBMIT_SQL, [_AWAKE_OR_STANDBY, str(Replica.State.SERVING), deployment_name])
-        row = cursor.fetchone()
-    found = None if row is None else {"loader": row[0], "awake": row[1], "serving": row[2]}
-    if found is None:
+    row = _read_deployment(deployment_name)
+    if row is None:
         raise NotFound(f"no deployment named {deployment_name!r}")
-    is_lm = found["loader"] == Deployment.Loader.TRANSFORMERS
+    loader, awake, serving = row
+    is_lm = loader == Deployment.Loader.TRANSFORMERS
     if kind in ("generate", "chat") and not is_lm:
         raise InvalidInput("input", f"{deployment_name} is a plain PyTorch module: send a tensor as JSON lists")
     if kind == "forward" and is_lm:
         raise InvalidInput("input", f"{deployment_name} is a causal LM: send text or chat messages")
-    if not found["awake"]:
+    if not awake:
         _refuse_if_never_placeable(Deployment.objects.get(name=deployment_name))
         sleep.wake_deployment(deployment_name, reason="woken by a request")
-    status = "queued" if found["serving"] else "waking"
-    # Counted for the dashboard's requests per minute (and /metrics) in the same round trip.
-    request = queue().submit(
-        deployment_name,
-        kind=kind,
-        input=input,
-        params=params,
-        owner=owner,
-        status=status,
-        count_in=requeststats.accepted(deployment_name),
-    )
-    return request
+    return "queued" if serving else "waking"
+
+
+def _read_deployment(deployment_name: str) -> tuple[str, bool, bool] | None:
+    """(loader, awake, serving) of the deployment, or None if there is none."""
+    params = [_AWAKE_OR_STANDBY, str(Replica.State.SERVING), deployment_name]
+    if connection.in_atomic_block:  # a caller's transaction: its connection is the one to use
+        with connection.cursor() as cursor:
+            cursor.execute(_SUBMIT_SQL, params)
+            return cursor.fetchone()
+    # Django's CONN_HEALTH_CHECKS would first send a `SELECT 1` on a kept connection, a round trip
+    # on every request. Here the query is its own check: a connection the server dropped (a
+    # restarted database) fails it, and the statement runs again on a new one. Safe to repeat:
+    # it only reads, and outside a transaction.
+    connection.health_check_done = True
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(_SUBMIT_SQL, params)
+            return cursor.fetchone()
+    except (OperationalError, InterfaceError):
+        log.info("database connection lost; reading %s again on a new one", deployment_name)
+        connection.close()
+    with connection.cursor() as cursor:
+        cursor.execute(_SUBMIT_SQL, params)
+        return cursor.fetchone()
 
 
 def _refuse_if_never_placeable(deployment: Deployment) -> None:
@@ -101,6 +134,11 @@ def _refuse_if_never_placeable(deployment: Deployment) -> None:
 
 def wait(request_id: str, timeout: float) -> Request | None:
     return queue().wait(request_id, timeout)
+
+
+def latest(request: Request) -> Request:
+    """The request as it stands now (a waiter's timeout passed): its status may have moved on."""
+    return queue().get(request.id) or request
 
 
 def get(request_id: str, *, user_id: str, staff: bool) -> Request:
