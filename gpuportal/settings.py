@@ -79,7 +79,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    # Serves the admin's and the API docs' static files under gunicorn too (docker/compose.yaml).
+    # Serves the admin's and the API docs' static files under granian too (docker/compose.yaml).
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -184,6 +184,9 @@ GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
 # How long a GPU's wake lock lasts unless its holder renews it: a waker that died (SIGKILL, a
 # lost worker) stops renewing, and the next wake takes the lock over once this has passed.
 GPUPORTAL_WAKE_LOCK_TTL_S = env_float("GPUPORTAL_WAKE_LOCK_TTL_S", 60.0)
+# Host-to-device copy speed a woken replica's weights move at: what a fair wake weighs as the
+# cost of reloading a victim (fairness.choose_victim's "cost" order, issue 9).
+GPUPORTAL_H2D_BYTES_PER_S = env_float("GPUPORTAL_H2D_BYTES_PER_S", 20e9)
 # How long a token found valid is trusted again without a database look-up (gpuportal.auth).
 GPUPORTAL_TOKEN_CACHE_S = env_float("GPUPORTAL_TOKEN_CACHE_S", 5.0)
 # Failover pairs (seed 004). After a PostgreSQL restart the previous lock holder has this long to

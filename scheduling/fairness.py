@@ -12,7 +12,7 @@ The seed's rules, in its order, on the GPUs the waiting replica needs and nowher
       -> filter: not popular                (popular replicas are never preempted)
       -> filter: serving >= min_runtime     (what prevents thrashing, see below)
       -> filter: not the waiting replica itself
-      -> sort: least recently accessed first, ties by replica id
+      -> sort: least recently accessed first, ties by replica id         (order="lru")
       -> preempt in that order until every needed GPU has room
 
 Where this goes beyond the seed, on purpose:
@@ -34,6 +34,23 @@ Where this goes beyond the seed, on purpose:
 - If nothing needs freeing (every needed GPU already has room), the answer is a `VictimChoice`
   with no victims: fitting is not a failure.
 
+The cost order (order="cost", the default; issue 9's simulator chose it). Among the eligible,
+the victims are ranked by what losing them costs, not by recency alone:
+
+- first replicas serving nothing and idle past their idle timeout (the idle sweep could have
+  slept them already), last replicas serving a request now (their requests would drain first);
+- within each tier, the lowest `reload_s / seconds idle`: the reload a wake would cost, weighed
+  by how soon the replica is likely to be wanted again. A 0.5B model idle for a second is a
+  cheaper victim than a 32B idle for a minute, and the 32B goes once idle for long enough.
+- then LRU and replica id. Occupants that report no reload cost, activity or idle timeout (the
+  OccupantView defaults) all share one tier and one cost, so the order is then exactly LRU.
+
+`choose_target` picks *where* a single-GPU waker goes when it fits nowhere: the GPU whose victims
+(by `choose_victim`) are cheapest, so the wake never targets a GPU that only popular, dedicated
+or young replicas hold. `preempt_at_once` lets the waiter skip the rest of max_wait when every
+victim serves nothing at that instant. The seed's guarantees are untouched: the filters above
+still decide who may be a victim; the wait is never longer than max_wait, only shorter.
+
 Why min_runtime prevents thrashing (DESIGN invariant 3, issue 5's thrash check): a replica is a
 victim only once `now - serving_since >= min_runtime_s`. As long as the wake path sets
 `serving_since` to the time the replica (re)starts serving, and never carries it over a sleep,
@@ -46,14 +63,27 @@ checks this as a property by simulating such request streams.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
+from typing import Literal
 
 from scheduling.state import GPUView, OccupantView
 
 SERVING = "serving"
+DRAINING = "draining"
+# States a replica passes through on its way to serving (placement.STARTING_STATES).
+STARTING = frozenset({"pending", "loading", "waking"})
+# "cost": expired idle replicas first, busy ones last, and in between the lowest reload cost per
+# second of idleness (see the module docstring); "lru": seed 001's least recently used first.
+VictimOrder = Literal["cost", "lru"]
+# The reload cost of an occupant that does not report one: the same for every such occupant, so
+# that among them the cost order is exactly LRU.
+UNKNOWN_RELOAD_S = 1.0
+# Idleness is clamped to this from below (a replica accessed "now", or by a skewed clock later
+# than now), so that its weight stays finite; ties then fall back to LRU.
+MIN_IDLE_S = 1e-3
 
 
 class Cause(StrEnum):
@@ -78,6 +108,11 @@ class Victim:
     freed_bytes_by_gpu: Mapping[int, int]
     last_accessed: datetime | None
     reason: str
+    # Serving nothing and idle past its deployment's idle timeout: the idle sweep could have
+    # slept it already (the cost order takes such replicas first).
+    expired: bool = False
+    # Known to serve no request at this instant: sleeping it cuts no one off (`preempt_at_once`).
+    idle: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,10 @@ class VictimChoice:
     @property
     def victim_ids(self) -> tuple[str, ...]:
         return tuple(v.replica_id for v in self.victims)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(sum(v.freed_bytes_by_gpu.values()) for v in self.victims)
 
 
 @dataclass(frozen=True)
@@ -138,6 +177,7 @@ def choose_victim(
     needed_bytes_by_gpu: Mapping[int, int],
     now: datetime,
     kept_bytes_by_gpu: Mapping[int, int] | None = None,
+    order: VictimOrder = "cost",
 ) -> VictimChoice | NoVictim:
     """Who must sleep so that `waiting_replica_id` fits. Pure: the views are not changed.
 
@@ -146,7 +186,9 @@ def choose_victim(
     key must be one of `gpus`; `gpus` may hold more GPUs than are needed, and a victim's freed
     bytes are reported on all of them. `kept_bytes_by_gpu` is what a replica still holds on a
     GPU once asleep (its CUDA context on a real GPU; 0, the default, on a virtual one), so that
-    the freed bytes are the ones that really come back.
+    the freed bytes are the ones that really come back. `order` is how candidates are ranked
+    (`VictimOrder`); with no reload costs, activity or idle timeouts in the views, "cost" and
+    "lru" give the same answer.
 
     Raises ValueError for a caller bug: no needed GPU, a negative need, a needed GPU that is
     not in `gpus`, or the same GPU twice.
@@ -160,7 +202,7 @@ def choose_victim(
         for gpu_id in needed_ids
         if needed_bytes_by_gpu[gpu_id] > by_id[gpu_id].available_bytes
     }
-    candidates, ineligible = _candidates(by_id, needed_ids, waiting_replica_id, now, kept)
+    candidates, ineligible = _candidates(by_id, needed_ids, waiting_replica_id, now, kept, order)
     skipped = {rid: why for rid, (_, why) in sorted(ineligible.items())}
     if not short:
         room = ", ".join(
@@ -179,7 +221,7 @@ def choose_victim(
             ),
             skipped,
         )
-    victims = tuple(_victim(c, chosen, candidates, by_id, short, now) for c in chosen)
+    victims = tuple(_victim(c, chosen, candidates, by_id, short, now, order) for c in chosen)
     return VictimChoice(waiting_replica_id, victims, "; ".join(v.reason for v in victims), skipped)
 
 
@@ -199,6 +241,131 @@ def should_preempt(now: datetime, deadline: datetime, freed_voluntarily: bool) -
     return not freed_voluntarily and now >= deadline
 
 
+def preempt_at_once(choice: VictimChoice) -> bool:
+    """Whether the waiter may preempt `choice`'s victims now rather than at its deadline: every
+    one of them is known to serve no request at this instant. Sleeping them cuts no one off,
+    while waiting max_wait for a voluntary release would only add to the waker's time to first
+    token (seed 001 bounds the wait from above; preempting sooner is within the rule). A victim
+    that is busy, or whose activity is unknown, keeps the full wait."""
+    return bool(choice.victims) and all(v.idle for v in choice.victims)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a waking single-GPU replica goes when it fits nowhere as things are, and who must
+    sleep there (`choice`, ready for the fair wait and its deadline)."""
+
+    gpu_id: int
+    # Bytes that must be available there: the reservation less what the waker already holds.
+    needed_bytes: int
+    choice: VictimChoice
+    # What the victims cost, in the order targets are compared (lowest first), for Events.
+    cost: tuple[float, ...]
+    # False: no GPU has victims enough yet, but on this one only replicas still inside their
+    # min_runtime, loading or already leaving stand in the way. Holding its wake lock keeps new
+    # replicas off it, so choosing again once they settle succeeds; `choice` is that later one.
+    ready: bool = True
+
+
+def choose_target(
+    gpus: Sequence[GPUView],
+    *,
+    waiting_replica_id: str,
+    need_bytes: int,
+    now: datetime,
+    kept_bytes_by_gpu: Mapping[int, int] | None = None,
+    whole_gpu_from: float = 0.99,
+) -> Target | None:
+    """The GPU where making room for a replica of `need_bytes` costs least, and its victims.
+
+    Placement's targeting (DESIGN §4) picks the GPU with the fewest evictions as if every
+    non-dedicated occupant could leave, and only then asks who may; a GPU whose occupants turn
+    out popular, young or busy makes the wake fail and start again (issue 9's simulator: the
+    large models starve that way). Here every GPU that can hold the need as a fraction is asked
+    `choose_victim` first, and the cheapest answer wins: no busy victim if possible (its requests
+    would drain first), then the shortest sleep of the victims (the waker loads only once their
+    weights are out: that wait is part of its time to first token), then the least reload cost
+    per second of idleness (what losing them is likely to cost later), then best fit, then GPU id.
+
+    When no GPU has victims enough now, the GPUs are judged as they will be once every
+    occupant still loading has served its min_runtime and every one draining has left: the
+    cheapest of those is returned with `ready=False` (popular and dedicated replicas stay put
+    either way, so such a target never waits on them).
+
+    None when the need is a whole GPU or more (placement's multi-GPU search handles those) or
+    when not even that helps; the caller then falls back to placement's targeting.
+    """
+    if need_bytes <= 0:
+        raise ValueError(f"need_bytes must be positive, got {need_bytes}")
+    best = _cheapest_target(gpus, waiting_replica_id, need_bytes, now, kept_bytes_by_gpu, whole_gpu_from)
+    if best is not None:
+        return best
+    settled, later = _settled(gpus, now)
+    best = _cheapest_target(settled, waiting_replica_id, need_bytes, later, kept_bytes_by_gpu, whole_gpu_from)
+    return None if best is None else replace(best, ready=False)
+
+
+def _cheapest_target(
+    gpus: Sequence[GPUView],
+    waiting_replica_id: str,
+    need_bytes: int,
+    now: datetime,
+    kept_bytes_by_gpu: Mapping[int, int] | None,
+    whole_gpu_from: float,
+) -> Target | None:
+    by_id = _index(gpus)
+    best: Target | None = None
+    for gpu_id in sorted(by_id):
+        gpu = by_id[gpu_id]
+        if need_bytes >= whole_gpu_from * gpu.total_bytes:
+            continue
+        own = sum(o.reserved_bytes for o in gpu.occupants if o.replica_id == waiting_replica_id)
+        needed = max(1, need_bytes - own)
+        choice = choose_victim(
+            gpus,
+            waiting_replica_id=waiting_replica_id,
+            needed_bytes_by_gpu={gpu_id: needed},
+            now=now,
+            kept_bytes_by_gpu=kept_bytes_by_gpu,
+        )
+        if isinstance(choice, NoVictim):
+            continue
+        cost = _target_cost(gpu, needed, choice, by_id, now)
+        if best is None or cost < best.cost:
+            best = Target(gpu_id, needed, choice, cost)
+    return best
+
+
+def _settled(gpus: Sequence[GPUView], now: datetime) -> tuple[list[GPUView], datetime]:
+    """The GPUs once transitions end: occupants starting up serve from `now`, draining ones are
+    gone (their bytes available), and the returned instant is when every min_runtime has passed."""
+    longest = max((o.min_runtime_s for g in gpus for o in g.occupants), default=0.0)
+    later = now + timedelta(seconds=longest)
+    out = []
+    for gpu in gpus:
+        occupants = []
+        for o in gpu.occupants:
+            if o.state == DRAINING:
+                continue
+            if o.state in STARTING:
+                o = replace(o, state=SERVING, serving_since=now, last_accessed=now)
+            occupants.append(o)
+        reserved = sum(o.reserved_bytes for o in occupants)
+        out.append(replace(gpu, occupants=tuple(occupants), available_bytes=gpu.total_bytes - reserved))
+    return out, later
+
+
+def _target_cost(
+    gpu: GPUView, needed: int, choice: VictimChoice, by_id: Mapping[int, GPUView], now: datetime
+) -> tuple[float, ...]:
+    views = {o.replica_id: o for g in by_id.values() for o in g.occupants}
+    busy = sum(1 for v in choice.victims if (views[v.replica_id].in_flight or 0) > 0)
+    weight = sum(_weight(v.last_accessed, views[v.replica_id].reload_s, now) for v in choice.victims)
+    sleep = max((views[v.replica_id].reload_s or 0.0 for v in choice.victims), default=0.0)
+    waste = gpu.available_bytes + choice.freed_bytes - needed
+    return (float(busy), sleep, weight, float(waste), float(gpu.id))
+
+
 # --- the pieces ------------------------------------------------------------------------------
 
 
@@ -208,6 +375,10 @@ class _Candidate:
     deployment: str
     last_accessed: datetime | None
     freed: Mapping[int, int]  # gpu id -> bytes freed, on every input GPU it occupies
+    reload_s: float | None = None
+    busy: bool = False  # known to serve a request now
+    idle: bool = False  # known to serve none now
+    expired: bool = False  # known to serve none, idle past its idle timeout
 
 
 def _sort_key(c: _Candidate) -> tuple:
@@ -216,6 +387,35 @@ def _sort_key(c: _Candidate) -> tuple:
     if c.last_accessed is None:
         return (0, "", c.replica_id)
     return (1, c.last_accessed, c.replica_id)
+
+
+def _cost_key(now: datetime) -> Callable[[_Candidate], tuple]:
+    """Expired idle replicas first, busy ones last; in each tier the lowest reload cost per
+    second of idleness, then LRU. The weight is what losing the replica costs (its reload) times
+    how soon it is likely to be wanted again (the inverse of how long it has been idle): a small
+    model idle for seconds is a cheaper victim than a large one idle for a minute."""
+
+    def key(c: _Candidate) -> tuple:
+        tier = 0 if c.expired else 2 if c.busy else 1
+        return (tier, _weight(c.last_accessed, c.reload_s, now), *_sort_key(c))
+
+    return key
+
+
+def _weight(last_accessed: datetime | None, reload_s: float | None, now: datetime) -> float:
+    """Reload seconds per second of idleness: what losing the replica is likely to cost."""
+    if last_accessed is None:
+        return 0.0  # never accessed counts as idle for ever (the module docstring)
+    idle = max(MIN_IDLE_S, (now - last_accessed).total_seconds())
+    return (reload_s if reload_s is not None else UNKNOWN_RELOAD_S) / idle
+
+
+def _order_key(order: VictimOrder, now: datetime) -> Callable[[_Candidate], tuple]:
+    if order == "lru":
+        return _sort_key
+    if order == "cost":
+        return _cost_key(now)
+    raise ValueError(f"unknown victim order {order!r}: expected 'cost' or 'lru'")
 
 
 def _verdict(occupant: OccupantView, waiting_replica_id: str, now: datetime) -> tuple[Cause | None, str]:
@@ -270,8 +470,9 @@ def _candidates(
     waiting_replica_id: str,
     now: datetime,
     kept: Mapping[int, int],
+    order: VictimOrder = "lru",
 ) -> tuple[list[_Candidate], dict[str, tuple[Cause, str]]]:
-    """Eligible replicas occupying a needed GPU, in LRU order; and the ineligible ones, why.
+    """Eligible replicas occupying a needed GPU, in victim order; and the ineligible ones, why.
 
     A replica is judged on every view of it the input holds (one per GPU it occupies): the
     views of one replica should agree, and if a torn snapshot makes them disagree, the most
@@ -301,21 +502,33 @@ def _candidates(
         freed: dict[int, int] = {}
         for g, o in held:
             freed[g.id] = freed.get(g.id, 0) + max(0, o.reserved_bytes - kept.get(g.id, 0))
+        # In doubt (views that disagree), count it as more used, busier and dearer to reload.
+        last_accessed = max(accesses) if accesses else None
+        reloads = [o.reload_s for _, o in held if o.reload_s is not None]
+        in_flight = [o.in_flight for _, o in held]
+        timeouts = [o.idle_timeout_s for _, o in held]
+        idle_known = all(n == 0 for n in in_flight) and all(t is not None for t in timeouts)
+        expired = idle_known and (
+            last_accessed is None or (now - last_accessed).total_seconds() >= max(t or 0.0 for t in timeouts)
+        )
         candidates.append(
             _Candidate(
                 replica_id=replica_id,
                 deployment=held[0][1].deployment,
-                # The most recent access any view shows: in doubt, count it as more used.
-                last_accessed=max(accesses) if accesses else None,
+                last_accessed=last_accessed,
                 freed=freed,
+                reload_s=max(reloads) if reloads else None,
+                busy=any(n is not None and n > 0 for n in in_flight),
+                idle=all(n == 0 for n in in_flight),
+                expired=expired,
             )
         )
-    candidates.sort(key=_sort_key)
+    candidates.sort(key=_order_key(order, now))
     return candidates, ineligible
 
 
 def _greedy_lru(candidates: list[_Candidate], short: Mapping[int, int]) -> list[_Candidate] | None:
-    """Candidates in LRU order until no needed GPU is short, then without the redundant ones.
+    """Candidates in victim order until no needed GPU is short, then without the redundant ones.
 
     None when even all of them are not enough. Skipping a candidate that frees nothing on a
     still-short GPU never loses a solution: the set of short GPUs only shrinks, so it would
@@ -336,7 +549,7 @@ def _greedy_lru(candidates: list[_Candidate], short: Mapping[int, int]) -> list[
             break
     if remaining:
         return None
-    # Most recently used first, so that when either of two victims would do, the older one goes.
+    # Last in victim order first, so that when either of two victims would do, the cheaper goes.
     for i in range(len(chosen) - 1, -1, -1):
         without = chosen[:i] + chosen[i + 1 :]
         if _enough(without, short):
@@ -359,25 +572,36 @@ def _victim(
     by_id: Mapping[int, GPUView],
     short: Mapping[int, int],
     now: datetime,
+    order: VictimOrder = "lru",
 ) -> Victim:
     on = sorted(g for g in short if c.freed.get(g, 0) > 0)
-    older = [o for o in candidates if _sort_key(o) < _sort_key(c) and any(o.freed.get(g, 0) > 0 for g in on)]
-    # Older candidates on the same short GPUs that are not victims were dropped as redundant:
+    # `candidates` is in victim order: those before this one rank as cheaper (or older) victims.
+    ahead = candidates[: candidates.index(c)]
+    older = [o for o in ahead if any(o.freed.get(g, 0) > 0 for g in on)]
+    # Candidates ahead on the same short GPUs that are not victims were dropped as redundant:
     # this victim frees what they would have, so sleeping them as well would help no one.
     spared = [o for o in older if o not in chosen]
+    # Without reload costs the cost order is LRU, and reads as such.
+    by_cost = order == "cost" and any(o.reload_s is not None for o in candidates)
+    cheaper = "cheaper" if by_cost else "older"
     if spared:
         rank = "eligible occupant"
         why_not_older = (
-            f"; spares {_plural(len(spared), 'older eligible occupant')} "
+            f"; spares {_plural(len(spared), f'{cheaper} eligible occupant')} "
             f"({', '.join(_short(o.replica_id) for o in spared)}), not needed once this one sleeps"
         )
     else:
-        rank = "next least recently used eligible occupant" if older else "least recently used eligible occupant"
+        which = "cheapest to lose" if by_cost else "least recently used"
+        rank = f"next {which} eligible occupant" if older else f"{which} eligible occupant"
         why_not_older = ""
     if c.last_accessed is None:
         idle = "never accessed since it started serving"
     else:
         idle = f"idle since {c.last_accessed.isoformat()} ({_fmt_s((now - c.last_accessed).total_seconds())} ago)"
+    if c.expired:
+        idle += ", past its idle timeout"
+    if order == "cost" and c.reload_s is not None:
+        idle += f", reloads in {_fmt_s(c.reload_s)}"
     frees = ", ".join(f"{_fmt_bytes(c.freed[g])} on {by_id[g].label}" for g in on)
     return Victim(
         replica_id=c.replica_id,
@@ -388,6 +612,8 @@ def _victim(
             f"{rank} of {_labels(by_id[g] for g in on)}: {c.deployment} ({_short(c.replica_id)}), "
             f"{idle}, frees {frees}{why_not_older}"
         ),
+        expired=c.expired,
+        idle=c.idle,
     )
 
 

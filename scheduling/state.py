@@ -23,6 +23,16 @@ class OccupantView:
     dedicated: bool = False
     popular: bool = False
     min_runtime_s: float = 0.0
+    # What fairness.choose_victim weighs against recency (issue 9). The defaults mean "unknown"
+    # and leave the victim order plain LRU, so a caller that does not know them loses nothing.
+    # Seconds to bring the replica back onto a GPU once it has slept: its weights over the
+    # host-to-device link. A cheap reload makes a cheap victim.
+    reload_s: float | None = None
+    # Requests it is serving at this instant (None: unknown, counted as possibly busy).
+    in_flight: int | None = None
+    # Its deployment's idle timeout: idle for longer, it is one the idle sweep may sleep anyway,
+    # so preempting it costs no one anything and need not wait out max_wait (None: no timeout).
+    idle_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

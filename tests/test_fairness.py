@@ -16,8 +16,10 @@ from scheduling.fairness import (
     Cause,
     NoVictim,
     VictimChoice,
+    choose_target,
     choose_victim,
     eligible,
+    preempt_at_once,
     should_preempt,
     wait_deadline,
 )
@@ -93,6 +95,89 @@ def refusal(gpus: Iterable[GPUView], needed: Mapping[int, int], **kw) -> NoVicti
     result = choose(gpus, needed, **kw)
     assert isinstance(result, NoVictim), result
     return result
+
+
+# --- issue 9: reload cost against recency, and where to make room ----------------------------
+
+
+def costly(replica_id: str, reserved: int = 1 * GiB, *, reload_s: float, idle_s: float, in_flight: int = 0, **kw):
+    return replace(occ(replica_id, reserved, last_accessed=ago(idle_s), **kw), reload_s=reload_s, in_flight=in_flight)
+
+
+def test_it_prefers_the_victim_that_is_cheapest_to_wake_again():
+    # Equally idle: the 0.05 s reload goes, not the 3 s one, whatever the ids say.
+    g = gpu(1, [costly("aaaa", reload_s=3.0, idle_s=30), costly("bbbb", reload_s=0.05, idle_s=30)])
+    assert victims([g], {1: 2 * GiB + 1}) == ("bbbb",)
+    # Under seed 001's LRU order the tie goes by replica id instead.
+    assert victims([g], {1: 2 * GiB + 1}, order="lru") == ("aaaa",)
+
+
+def test_a_large_model_idle_long_enough_goes_before_a_small_one_just_used():
+    # Reload seconds per second of idleness: 3 s / 600 s is cheaper than 0.05 s / 1 s.
+    g = gpu(1, [costly("big", reload_s=3.0, idle_s=600), costly("small", reload_s=0.05, idle_s=1)])
+    assert victims([g], {1: 3 * GiB}) == ("big",)
+
+
+def test_a_busy_replica_is_the_last_victim_and_one_idle_past_its_timeout_the_first():
+    busy = costly("aaaa", reload_s=0.01, idle_s=600, in_flight=2)
+    recent = costly("bbbb", reload_s=0.01, idle_s=5)
+    expired = replace(costly("cccc", reload_s=5.0, idle_s=120), idle_timeout_s=60.0)
+    g = gpu(1, [busy, recent, expired], total=3 * GiB)
+    assert choose([g], {1: 1 * GiB}).victim_ids == ("cccc",)
+    assert choose([g], {1: 2 * GiB}).victim_ids == ("cccc", "bbbb")
+
+
+@given(st.lists(st.integers(min_value=0, max_value=3600), min_size=1, max_size=6))
+@PROPERTY
+def test_without_reload_costs_or_activity_the_cost_order_is_the_lru_order(idles):
+    g = gpu(1, [occ(f"r{i}", 1 * GiB, last_accessed=ago(s)) for i, s in enumerate(idles)], total=8 * GiB)
+    need = {1: 8 * GiB - (8 - len(idles)) * GiB + len(idles) // 2 * GiB}
+    cost, lru = choose([g], need), choose([g], need, order="lru")
+    assert type(cost) is type(lru)
+    if isinstance(cost, VictimChoice):
+        assert cost.victim_ids == lru.victim_ids  # only the wording of the reasons differs
+
+
+def test_victims_are_preempted_at_once_only_when_none_of_them_serves_a_request():
+    idle = gpu(1, [costly("aaaa", reload_s=1.0, idle_s=5), costly("bbbb", reload_s=1.0, idle_s=9)])
+    mixed = gpu(1, [costly("aaaa", reload_s=1.0, idle_s=5), costly("bbbb", reload_s=1.0, idle_s=9, in_flight=1)])
+    unknown = gpu(1, [occ("aaaa", last_accessed=ago(5)), occ("bbbb", last_accessed=ago(9))])
+    need = {1: 4 * GiB}
+    assert preempt_at_once(choose([idle], need))
+    assert not preempt_at_once(choose([mixed], need))
+    assert not preempt_at_once(choose([unknown], need))
+    assert not preempt_at_once(choose([gpu(1)], {1: 1 * GiB}))  # nothing to preempt at all
+
+
+def test_the_target_is_a_gpu_whose_occupants_may_go_not_one_held_by_a_popular_replica():
+    # GPU 1 would need one eviction (the popular replica), GPU 2 two: fewest evictions points at
+    # GPU 1, where choose_victim can never succeed.
+    held = gpu(1, [occ("pop", 3 * GiB, popular=True)])
+    free_to_go = gpu(
+        2, [costly("aaaa", 2 * GiB, reload_s=1.0, idle_s=50), costly("bbbb", 2 * GiB, reload_s=1, idle_s=60)]
+    )
+    target = choose_target([held, free_to_go], waiting_replica_id=WAITER, need_bytes=3 * GiB, now=NOW)
+    assert target is not None and target.ready
+    assert (target.gpu_id, target.choice.victim_ids) == (2, ("bbbb", "aaaa"))
+
+
+def test_the_target_prefers_victims_whose_weights_leave_fastest():
+    slow = gpu(1, [costly("big", 3 * GiB, reload_s=3.0, idle_s=600)])
+    fast = gpu(2, [costly("small", 3 * GiB, reload_s=0.1, idle_s=5)])
+    target = choose_target([slow, fast], waiting_replica_id=WAITER, need_bytes=3 * GiB, now=NOW)
+    assert target is not None and target.gpu_id == 2
+
+
+def test_a_target_blocked_only_by_young_replicas_is_returned_not_ready():
+    young = gpu(1, [occ("aaaa", 3 * GiB, serving_since=ago(2))])
+    target = choose_target([young], waiting_replica_id=WAITER, need_bytes=3 * GiB, now=NOW)
+    assert target is not None and not target.ready and target.gpu_id == 1
+    assert (
+        choose_target(
+            [gpu(1, [occ("pop", 3 * GiB, popular=True)])], waiting_replica_id=WAITER, need_bytes=3 * GiB, now=NOW
+        )
+        is None
+    )
 
 
 # --- the seed's rules, one at a time ---------------------------------------------------------

@@ -1,7 +1,9 @@
 """The fair wake path (issue 5, seed 001) on one virtual GPU that fits two of three deployments:
 the intent and the wake lock, the fairness wait, LRU victims, failures with a reason, two wakes
-at once, lock takeover, and the thrash check. No processes: the preempt task's orchestration
-runs here on a fake clock, and what replica processes would report is fed in."""
+at once, lock takeover, and the thrash check; and issue 9's targeting by cost: the GPU whose
+victims are cheapest, victims that serve nothing preempted at once, a busy one waited for. No
+processes: the preempt task's orchestration runs here on a fake clock, and what replica
+processes would report (their requests in flight, in Redis) is fed in."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from django.db import connection
 from django.utils import timezone
 
 from inference.devices import virtual_gpus
+from inference.requestqueue import processing_key
 from scheduling.metrics import PREEMPTIONS
-from scheduling.models import GPU, Deployment, Event, PreemptionIntent, Replica
+from scheduling.models import GPU, Deployment, Event, Occupant, PreemptionIntent, Replica
 from scheduling.services import preemption, sleep
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
@@ -29,6 +32,14 @@ from tests.test_deployments import MiB, invariant_holds, serve
 
 PREEMPT, WAKE, TO_CACHE = "scheduling.tasks.preempt", "scheduling.tasks.wake", "inference.tasks.replica_to_cache"
 LONG_AGO = timedelta(hours=1)
+
+
+def busy(*replica_ids: str) -> None:
+    """Each replica has taken a request and not finished it: the id sits in its processing list,
+    as a replica's take leaves it (inference.requestqueue)."""
+    client = request_services.queue().redis
+    for replica_id in replica_ids:
+        client.lpush(processing_key(replica_id), f"in-flight-on-{replica_id[:8]}")
 
 
 def asleep(replica_id: str) -> None:
@@ -104,8 +115,9 @@ def preempt_ids(dispatched) -> list[list[int]]:
 # -- the wake writes an intent and takes the lock -------------------------------------------------
 
 
-def test_a_wake_that_does_not_fit_writes_an_intent_takes_the_wake_lock_and_evicts_no_one(one_gpu, dispatched):
+def test_a_wake_that_does_not_fit_writes_an_intent_takes_the_wake_lock_and_evicts_no_one(one_gpu, dispatched, rq):
     a, b = serving("a"), serving("b")
+    busy(a, b)  # so that the wake waits out max_wait (idle victims are preempted at once, below)
     deploy("c", replicas=0, max_wait_s=7)
 
     (waker,) = sleep.wake_deployment("c", reason="a request arrived")
@@ -143,8 +155,9 @@ def test_the_preempt_task_is_enqueued_on_the_control_queue_once_committed(
 # -- the fairness wait -------------------------------------------------------------------------------
 
 
-def test_a_voluntary_sleep_inside_max_wait_places_the_waker_without_preempting_anyone(one_gpu, dispatched):
+def test_a_voluntary_sleep_inside_max_wait_places_the_waker_without_preempting_anyone(one_gpu, dispatched, rq):
     a, b = serving("a"), serving("b")
+    busy(a, b)  # victims with requests in flight get the whole max_wait
     deploy("c", replicas=0, max_wait_s=5)
     (waker,) = sleep.wake_deployment("c", reason="a request arrived")
     preempted_before = PREEMPTIONS._value.get()
@@ -172,11 +185,12 @@ def test_a_voluntary_sleep_inside_max_wait_places_the_waker_without_preempting_a
 
 
 def test_at_the_deadline_the_least_recently_used_eligible_occupant_is_preempted_then_the_waker_placed(
-    one_gpu, dispatched
+    one_gpu, dispatched, rq
 ):
     now = timezone.now()
     older = serving("a", last_accessed=now - timedelta(minutes=30))
     newer = serving("b", last_accessed=now - timedelta(minutes=1))
+    busy(older, newer)
     deploy("c", replicas=0, max_wait_s=5)
     (waker,) = sleep.wake_deployment("c", reason="a request arrived")
     preempted_before = PREEMPTIONS._value.get()
@@ -197,7 +211,9 @@ def test_at_the_deadline_the_least_recently_used_eligible_occupant_is_preempted_
     assert seen["draining"] >= 5, "preempted only once max_wait had passed"
     assert PREEMPTIONS._value.get() == preempted_before + 1
     victim_event = Event.objects.get(kind="preemption.victim")
-    assert victim_event.replica == older and "least recently used eligible occupant" in victim_event.reason
+    # Both reload as fast (same weights): the cost order is least recently used first.
+    assert victim_event.replica == older and "cheapest to lose eligible occupant" in victim_event.reason
+    assert "idle since" in victim_event.reason and "reloads in" in victim_event.reason
     assert Event.objects.filter(replica=older, reason__startswith="preempted for c: ").exists()
     assert Replica.objects.get(pk=older).state == "sleeping" and Replica.objects.get(pk=newer).state == "serving"
     (intent,) = intents_of(waker)
@@ -263,6 +279,190 @@ def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(o
     replica_services.report(sleeper, {"event": "woken"})
     assert Replica.objects.get(pk=sleeper).state == "serving"
     assert_not_over_committed()
+
+
+# -- targeting by cost, and when not to wait (issue 9) ---------------------------------------------
+
+
+def occupant(name: str, gpu: GPU, reserved: int, *, idle_for: timedelta = LONG_AGO) -> str:
+    """A replica of a deployment made for it, serving for an hour on `gpu` alone (placed by hand,
+    so that which GPU holds whom does not depend on placement's tie-breaking)."""
+    from tests import factories as f
+
+    deployment = Deployment.objects.filter(name=name).first() or deploy(name, replicas=0, need=reserved)
+    replica = f.replica(
+        deployment,
+        gpu.node,
+        state="serving",
+        serving_since=timezone.now() - LONG_AGO,
+        last_accessed=timezone.now() - idle_for,
+    )
+    f.occupy(replica, gpu, reserved)
+    return replica.id
+
+
+@pytest.fixture
+def two_gpus(db) -> tuple[GPU, GPU]:
+    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
+    first, second = GPU.objects.order_by("index")
+    return first, second
+
+
+def test_a_wake_targets_the_gpu_whose_victims_are_idle_not_the_one_with_busy_replicas(two_gpus, dispatched, rq):
+    busy_gpu, idle_gpu = two_gpus
+    # One busy replica on the first GPU: placement's fewest-evictions targeting would pick it (one
+    # eviction against two on the other GPU), and the wake would wait for its request to drain.
+    hot = occupant("hot", busy_gpu, 800 * MiB)
+    busy(hot)
+    ages = {"w": 40, "x": 30, "y": 20, "z": 10}  # minutes idle
+    idle = [occupant(name, idle_gpu, 230 * MiB, idle_for=timedelta(minutes=m)) for name, m in ages.items()]
+    deploy("c", replicas=0, max_wait_s=30)
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    (intent,) = intents_of(waker)
+    assert intent.gpu_id == idle_gpu.pk and intent.needed_bytes == 400 * MiB
+    assert intent.deadline == intent.created_at, "its victims serve nothing: no max_wait"
+    said = Event.objects.get(kind="preemption.intent", replica=waker).reason
+    assert "gpu node1/1, where making room costs least" in said and "serving no request" in said, said
+    assert "preempting at once" in said, said
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            asleep(replica.id)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and set(outcome.victims) == set(idle[:2]), outcome
+    assert clock.t - clock.start < 1, "no fairness wait"
+    assert Replica.objects.get(pk=hot).state == "serving", "the busy replica was left alone"
+    assert {Replica.objects.get(pk=r).state for r in idle[2:]} == {"serving"}
+    assert Occupant.objects.get(replica_id=waker).gpu_id == idle_gpu.pk
+    assert_not_over_committed()
+
+
+def test_a_wake_whose_victims_serve_nothing_preempts_without_waiting_out_max_wait(one_gpu, dispatched, rq):
+    now = timezone.now()
+    older = serving("a", last_accessed=now - timedelta(minutes=30))
+    newer = serving("b", last_accessed=now - timedelta(minutes=1))
+    deploy("c", replicas=0, max_wait_s=60)
+    seen: dict[str, float] = {}
+
+    outcome = preemption.start(Deployment.objects.get(name="c"), reason="a request arrived")
+
+    assert isinstance(outcome, preemption.Preempting) and "its victims serve no request" in outcome.reason
+    (intent,) = intents_of(outcome.replica_id)
+    assert intent.deadline == intent.created_at
+    event = Event.objects.get(kind="preemption.intent", replica=outcome.replica_id)
+    assert event.after["at_once"] is True and event.after["deadline"] == intent.created_at.isoformat()
+    assert "its victims serve no request: preempting at once, without waiting out max_wait" in event.reason
+
+    def world(elapsed: float) -> None:
+        if Replica.objects.get(pk=older).state == "draining":
+            seen.setdefault("draining", elapsed)
+            asleep(older)
+
+    clock = FakeClock(world)
+    done = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert done.status == "satisfied" and done.victims == (older,), done
+    assert seen["draining"] < 1, "preempted at once, not after the 60 s max_wait"
+    assert Replica.objects.get(pk=newer).state == "serving"
+    assert Replica.objects.get(pk=outcome.replica_id).node.name == "node1"
+    assert_not_over_committed()
+
+
+def test_a_busy_victim_still_gets_the_whole_max_wait(one_gpu, dispatched, rq):
+    a, b = serving("a"), serving("b")
+    busy(a)  # b serves nothing, but a alone would not make room: b is the victim...
+    Replica.objects.filter(pk=b).update(last_accessed=timezone.now())
+    deploy("c", replicas=0, need=700 * MiB, max_wait_s=4)  # ...a 700 MiB need: both must go
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    (intent,) = intents_of(waker)
+    assert intent.deadline == intent.created_at + timedelta(seconds=4), "one victim is busy: the whole max_wait"
+    said = Event.objects.get(kind="preemption.intent", replica=waker).reason
+    assert "waits up to its max_wait of 4 s" in said and "1 request(s) in flight" in said, said
+    seen: dict[str, float] = {}
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            seen.setdefault(replica.id, elapsed)
+            asleep(replica.id)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and set(outcome.victims) == {a, b}, outcome
+    assert min(seen.values()) >= 4, "no one preempted before max_wait"
+    assert_not_over_committed()
+
+
+def test_a_cached_replica_is_woken_on_its_own_node(db, dispatched, rq):
+    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node2", virtual_gpus("node2", "1x1GiB"), virtual=True)
+    near, far = GPU.objects.get(node__name="node1"), GPU.objects.get(node__name="node2")
+    # c slept on node2: its weights are in node2's CPU RAM, so it wakes there, even though node1's
+    # occupants serve nothing and node2's are busy (a new replica on node1 would load from disk).
+    deploy("c", replicas=0, max_wait_s=3)
+    sleeper = occupant("c", far, 300 * MiB)
+    sleep.sleep_replica(sleeper, reason="test")
+    asleep(sleeper)
+    occupant("p", near, 400 * MiB), occupant("q", near, 400 * MiB)
+    victim = occupant("a", far, 400 * MiB, idle_for=timedelta(minutes=30))
+    other = occupant("b", far, 400 * MiB, idle_for=timedelta(minutes=1))
+    busy(victim, other)
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    assert waker == sleeper and Replica.objects.get(pk=sleeper).state == "sleeping"
+    (intent,) = intents_of(waker)
+    assert intent.gpu_id == far.pk and intent.deadline == intent.created_at + timedelta(seconds=3)
+    assert near.pk not in {i.gpu_id for i in PreemptionIntent.objects.all()}
+
+    def world(elapsed: float) -> None:
+        if Replica.objects.get(pk=victim).state == "draining":
+            asleep(victim)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (victim,), outcome
+    promoted = Replica.objects.get(pk=sleeper)
+    assert promoted.state == "waking" and promoted.node.name == "node2", "promoted from node2's CPU cache"
+    assert Replica.objects.filter(deployment__name__in=("p", "q"), state="serving").count() == 2
+    assert_not_over_committed()
+
+
+def test_enrich_weighs_reload_time_and_requests_in_flight_and_without_redis_assumes_a_busy_victim(
+    one_gpu, dispatched, rq, settings, monkeypatch
+):
+    settings.GPUPORTAL_H2D_BYTES_PER_S = 5 * MiB
+    a, b = serving("a"), serving("b")
+    busy(a)
+    request_services.queue().redis.lpush(processing_key(a), "another")
+    stamp = timezone.now().replace(microsecond=0)
+    request_services.queue().redis.set(f"gp:last:{b}", str(stamp.timestamp()))
+
+    from scheduling import ledger
+
+    views = {o.replica_id: o for o in preemption.enrich(ledger.snapshot()).gpus[one_gpu.pk].occupants}
+    assert views[a].reload_s == pytest.approx(2.0), "10 MiB of weights at 5 MiB/s"
+    assert (views[a].in_flight, views[b].in_flight) == (2, 0)
+    assert views[b].last_accessed == stamp, "the last request Redis knows of, newer than the row's"
+
+    def unreachable():
+        raise redis.ConnectionError("Redis is down")
+
+    monkeypatch.setattr(request_services.queue().redis, "pipeline", lambda **kw: unreachable())
+    views = {o.replica_id: o for o in preemption.enrich(ledger.snapshot()).gpus[one_gpu.pk].occupants}
+    assert views[a].in_flight is None and views[b].in_flight is None and views[a].reload_s == pytest.approx(2.0)
+    deploy("c", replicas=0, max_wait_s=5)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+    (intent,) = intents_of(waker)
+    assert intent.deadline == intent.created_at + timedelta(seconds=5), "activity unknown: the whole max_wait"
 
 
 # -- the wake lock -----------------------------------------------------------------------------------

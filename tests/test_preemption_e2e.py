@@ -1,7 +1,9 @@
 """The fair wake path end to end (issue 5): a real agent with one virtual GPU that fits two of three
 tiny deployments, real replica processes, a real control worker running the preempt task, and
 requests through the REST API. The over-commit invariant is sampled all along from another
-connection; a waker killed with SIGKILL while it holds the wake lock is taken over."""
+connection; a waker killed with SIGKILL while it holds the wake lock is taken over. Victims that
+serve no request are preempted at once (issue 9); to see the fairness wait, the tests that need
+one mark the occupants busy, as a request they had taken and not finished would."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from inference.management.commands.make_tiny_model import write_tiny_model
+from inference.requestqueue import processing_key
 from scheduling.models import Event, PreemptionIntent, Replica
 from scheduling.services import requests as request_services
 from tests.processes import database_url_of_this_test, wait_until
@@ -140,11 +143,21 @@ def waits_for_room(client: APIClient, name: str) -> dict:
     return gpu
 
 
+def busy(*names: str) -> None:
+    """Each deployment's replica holds a request it has not finished: an id in its processing list,
+    where a replica's take puts it (a stand-in id with no request behind it: a re-queue skips it).
+    A request long enough to be in flight reliably would need a slower model than the tiny one."""
+    client = request_services.queue().redis
+    for replica_id in Replica.objects.filter(deployment__name__in=names).values_list("id", flat=True):
+        client.lpush(processing_key(replica_id), f"in-flight-on-{replica_id[:8]}")
+
+
 def test_a_voluntary_sleep_within_max_wait_avoids_any_preemption(one_gpu, invariant):
     staff, deploy = one_gpu
     deploy("a")
     deploy("b")
     wait_until(serving("a", "b"), LOAD_TIMEOUT, "a and b to serve")
+    busy("a", "b")  # victims serving nothing would be preempted at once: no wait to sleep within
     deploy("c", replicas=0, max_wait_s=8)
 
     request = submit(staff, "c")
@@ -179,6 +192,7 @@ def test_after_max_wait_the_least_recently_used_is_preempted_and_the_waiting_req
     used, lru = first.deployment.name, second.deployment.name
     answer = staff.post(f"/api/deployments/{used}/infer/", {"input": "Hi", "timeout_s": 60}, format="json")
     assert answer.status_code == 200, answer.json()
+    busy("a", "b")  # both busy: neither is cheaper for that, and the wake waits out max_wait
     time.sleep(1.1)  # past min_runtime_s
 
     request = submit(staff, "c")
@@ -197,6 +211,31 @@ def test_after_max_wait_the_least_recently_used_is_preempted_and_the_waiting_req
     assert state_of(lru) == ["sleeping"] and state_of(used) == ["serving"] and state_of("c") == ["serving"]
     outcome = Event.objects.get(kind=Event.Kind.PREEMPTION_OUTCOME)
     assert outcome.after["status"] == "satisfied" and "preempting" in outcome.reason, outcome.reason
+
+
+def test_victims_serving_no_request_are_preempted_at_once_and_the_waiting_request_completes(one_gpu, invariant):
+    staff, deploy = one_gpu
+    deploy("a")
+    deploy("b")
+    wait_until(serving("a", "b"), LOAD_TIMEOUT, "a and b to serve")
+    deploy("c", replicas=0, max_wait_s=60)
+    time.sleep(1.1)  # past min_runtime_s
+
+    started = time.monotonic()
+    request = submit(staff, "c")
+    assert request["status"] == "waking", request
+
+    victim = wait_until(
+        lambda: Event.objects.filter(kind=Event.Kind.PREEMPTION_VICTIM).first(), 15, "a victim to be chosen"
+    )
+    assert time.monotonic() - started < 15, "preempted at once, not after the 60 s max_wait"
+    intent = PreemptionIntent.objects.get()
+    assert intent.deadline == intent.created_at
+    said = Event.objects.get(kind=Event.Kind.PREEMPTION_INTENT).reason
+    assert "its victims serve no request: preempting at once" in said, said
+    done = finished(request["id"], LOAD_TIMEOUT)
+    assert done.status == "done", (done.status, done.error)
+    assert state_of(victim.deployment) == ["sleeping"] and state_of("c") == ["serving"]
 
 
 def test_a_waker_killed_while_holding_the_wake_lock_is_taken_over_after_expiry(
@@ -219,6 +258,7 @@ def test_a_waker_killed_while_holding_the_wake_lock_is_taken_over_after_expiry(
         }
         assert staff.post("/api/deployments/", body, format="json").status_code == 201
     wait_until(serving("a", "b"), LOAD_TIMEOUT, "a and b to serve")
+    busy("a", "b")  # so that the worker is killed during a fairness wait, not after preempting
 
     first = submit(staff, "c")
     holder = waits_for_room(staff, "c")["wake_lock"]["holder"]

@@ -136,18 +136,47 @@ def test_a_popular_deployment_is_never_preempted_while_the_others_take_turns(qui
     assert result.counters.preemptions == len(victims)
 
 
-def test_ndif_evicts_at_once_while_gpuportal_waits_max_wait_first(quick):
+def test_ndif_evicts_at_once_and_gpuportal_preempts_an_idle_victim_at_once_too(quick):
+    # a serves nothing when b arrives: sleeping it cuts no one off, so gpuportal does not wait
+    # out max_wait (fairness.preempt_at_once); lru-fair, seed 001, does.
     config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0))
     a, b = deployment("a", 50), deployment("b", 50)
     trace = hand_trace([a, b], [(20.0, "b")])
     waits = {}
-    for policy in ("ndif", "gpuportal"):
+    for policy in ("ndif", "gpuportal", "lru-fair"):
         result = simulate(trace, config, POLICIES[policy])
         (outcome,) = result.outcomes
         waits[policy] = outcome.start_s - outcome.request.arrival_s
         assert result.counters.preemptions == 1
-    # Both load b's weights from disk after a leaves; only gpuportal waited max_wait first.
-    assert waits["gpuportal"] - waits["ndif"] == pytest.approx(3.0, abs=1e-6)
+    # b wakes from CPU RAM once a's weights are out: only the waits before preempting differ.
+    assert waits["gpuportal"] == pytest.approx(waits["ndif"], abs=1e-6)
+    assert waits["lru-fair"] - waits["gpuportal"] == pytest.approx(3.0, abs=1e-6)
+
+
+def test_gpuportal_waits_max_wait_before_preempting_a_busy_victim(quick):
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0))
+    a, b = deployment("a", 50), deployment("b", 50)
+    trace = hand_trace([a, b], [(19.9, "a"), (20.0, "b")])
+    preempted_at: list[float] = []
+
+    class Recording(Simulation):
+        def _preempt(self, victim: SimReplica) -> None:
+            preempted_at.append(self.now)
+            super()._preempt(victim)
+
+    Recording(trace, config, POLICIES["gpuportal"]).run()
+    assert preempted_at == [pytest.approx(23.0)]
+
+
+def test_a_deployment_that_does_not_fit_at_the_start_wakes_from_cpu_ram_not_disk(quick):
+    # Three 50 GiB deployments, one 80 GiB GPU: one is loaded, the others were deployed earlier
+    # and sleep in CPU RAM (the steady state), so no request reads weights from disk.
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6))
+    ds = [deployment(n, 50) for n in "abc"]
+    trace = hand_trace(ds, [(10.0 * i, n) for i, n in enumerate("abcabc", start=1)])
+    for policy in SHARING:
+        counters = simulate(trace, config, POLICIES[policy]).counters
+        assert counters.cold_loads == 0 and counters.wakes > 0, policy
 
 
 def test_lru_fair_places_only_on_its_home_gpus_while_gpuportal_sees_the_whole_cluster(quick):

@@ -1,6 +1,7 @@
 """A discrete-event simulator of the cluster, on a simulated clock, that makes every decision with
 the project's own pure modules: placement.place (where a replica goes, whom ndif evicts),
-fairness.choose_victim and wait_deadline (whom a fair wake preempts, and when), planning's
+fairness.choose_target, choose_victim, preempt_at_once and wait_deadline (where a fair wake
+goes, whom it preempts, and when), planning's
 withhold_locked and memory.need_for (what a replica reserves).
 
 State is plain Python; each decision is asked of a `Snapshot` built from it, exactly as the
@@ -313,6 +314,8 @@ class Simulation:
             self._commit(ds, result)
             return
         if fair:
+            if self.policy.target_by_cost and self._begin_costed_wait(ds, request):
+                return
             # Targeting only (as services.preemption.start): where it would go if every
             # non-dedicated occupant could leave; who really leaves is choose_victim's call.
             targeting = replace(self.policy.placement, protect_fairness=False, evictions=True)
@@ -348,13 +351,42 @@ class Simulation:
 
     def _begin_fair_wait(self, ds: DeploymentState, target: Placement) -> None:
         waker = target.promoted or target.replica_id
-        for gpu_id in target.gpu_ids:
+        self._wait_for(ds, waker, target.promoted is not None, dict(target.bytes_by_gpu), at_once=False)
+
+    def _begin_costed_wait(self, ds: DeploymentState, request: PlacementRequest) -> bool:
+        """fairness.choose_target over the GPUs the waker may use: those of the nodes holding a
+        sleeping replica of it (a wake from CPU RAM), else every node (a new replica)."""
+        tickets = [(c.replica_id, True, c.node) for c in request.cached] or [(request.replica_id, False, None)]
+        snapshot = self._snapshot(ds)
+        best: tuple[fairness.Target, str, bool] | None = None
+        for replica_id, promoted, node in tickets:
+            gpus = [g for g in snapshot.gpus.values() if node is None or g.node == node]
+            if not gpus:
+                continue
+            target = fairness.choose_target(
+                gpus,
+                waiting_replica_id=replica_id,
+                need_bytes=request.need_bytes,
+                now=snapshot.taken_at,
+                whole_gpu_from=self.policy.placement.whole_gpu_from,
+            )
+            if target is not None and (best is None or target.cost < best[0].cost):
+                best = (target, replica_id, promoted)
+        if best is None:
+            return False
+        target, replica_id, promoted = best
+        at_once = self.policy.preempt_idle_at_once and target.ready and fairness.preempt_at_once(target.choice)
+        self._wait_for(ds, replica_id, promoted, {target.gpu_id: request.need_bytes}, at_once=at_once)
+        return True
+
+    def _wait_for(
+        self, ds: DeploymentState, waker: str, promoted: bool, bytes_by_gpu: dict[int, int], *, at_once: bool
+    ) -> None:
+        for gpu_id in bytes_by_gpu:
             self.gpus[gpu_id].lock_holder = waker
         deadline = fairness.wait_deadline(self._dt(self.now), self.serving.max_wait_s)
-        ds.waiter = Waiter(
-            waker, target.promoted is not None, dict(target.bytes_by_gpu), (deadline - EPOCH).total_seconds()
-        )
-        self._at(ds.waiter.deadline_s, self._wait_over, ds, ds.waiter)
+        ds.waiter = Waiter(waker, promoted, bytes_by_gpu, (deadline - EPOCH).total_seconds())
+        self._at(self.now if at_once else ds.waiter.deadline_s, self._wait_over, ds, ds.waiter)
 
     def _memory_freed(self) -> None:
         """Memory came back: every fair wake in progress re-checks whether it fits now (seed 001
@@ -399,6 +431,7 @@ class Simulation:
             waiting_replica_id=waiter.replica_id,
             needed_bytes_by_gpu=waiter.needed_bytes_by_gpu,
             now=self._dt(self.now),
+            order=self.policy.victim_order,  # type: ignore[arg-type]
         )
         if isinstance(choice, fairness.NoVictim):
             self._end_wait(ds)
@@ -520,15 +553,26 @@ class Simulation:
     # --- provisioning and snapshots ----------------------------------------------------------
 
     def _provision(self) -> None:
-        """At t=0 each deployment, most requested first, is loaded where it fits without evicting
-        anyone (the steady state a running portal would be in), at no cost."""
+        """At t=0, at no cost, the steady state a running portal would be in: each deployment,
+        most requested first, is loaded where it fits without evicting anyone, and has served
+        for its min_runtime already; one that does not fit was loaded once when it was deployed
+        and has slept since, so its weights are in a node's CPU RAM (nodes in turn) and its first
+        request wakes it rather than reading it from disk. A portal is not restarted cold for
+        every trace: starting everyone young, or never loaded, would measure a cold start."""
         policy = replace(self.policy.placement, evictions=False)
+        nodes = sorted({gpu.node for gpu in self.gpus.values()})
+        parked = 0
         for ds in sorted(self.deployments.values(), key=lambda d: (-d.spec.rate_per_s, d.spec.name)):
             result = place(self._snapshot(ds), self._request(ds), policy=policy, rng=self.rng)
             if isinstance(result, CantAccommodate):
+                node = nodes[parked % len(nodes)]
+                parked += 1
+                asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING)
+                self.replicas[asleep.id] = asleep
+                ds.cached[node] = asleep
                 continue
             replica = SimReplica(result.replica_id, ds.spec.name, result.node, dict(result.bytes_by_gpu), SERVING)
-            replica.serving_since = 0.0
+            replica.serving_since = -self.serving.min_runtime_s
             self.replicas[replica.id] = replica
             self._reserve(replica)
             ds.active, ds.home = replica, tuple(result.gpu_ids)
@@ -583,6 +627,11 @@ class Simulation:
             # which is what stops two deployments evicting each other at the same instant.
             popular=spec.popular,
             min_runtime_s=self.serving.min_runtime_s,
+            # What a sleep and a wake would cost it, and whether anyone is using it now: what the
+            # "cost" victim order weighs (the "lru" order ignores them).
+            reload_s=spec.weight_bytes / (self.hw.h2d_gb_per_s * 1e9),
+            in_flight=len(replica.in_flight),
+            idle_timeout_s=None if spec.popular or not self.policy.idle_timeout else self.serving.idle_timeout_s,
         )
 
     def _new_id(self, ds: DeploymentState) -> str:

@@ -24,6 +24,18 @@ class SimPolicy:
     fair_wait: bool
     # Seed 001's same-GPU constraint: a deployment wakes only on the GPUs it first loaded on.
     pinned_home: bool = False
+    # fairness.VictimOrder: "lru" (seed 001) or "cost" (reload cost against recency, idle first).
+    victim_order: str = "lru"
+    # A fair wake targets the GPU where fairness.choose_target says making room costs least,
+    # rather than where placement's fewest-evictions search points (which ignores who may go).
+    target_by_cost: bool = False
+    # The deployments' idle timeout is known to fairness (OccupantView.idle_timeout_s): past it, a
+    # replica serving nothing is "expired", the first victim. With idle_sleep off, that is how
+    # idle replicas leave: when someone needs their memory, not when a timer fires.
+    idle_timeout: bool = False
+    # Victims that serve no request now are preempted at once, without the max_wait
+    # (fairness.preempt_at_once); a busy victim still gets the whole wait.
+    preempt_idle_at_once: bool = False
     # The oracle: memory is unlimited, every deployment is always loaded.
     unlimited: bool = False
 
@@ -49,10 +61,23 @@ LRU_FAIR = SimPolicy(
     fair_wait=True,
     pinned_home=True,
 )
-# The project's policy: placement POLICIES["gpuportal"] (best fit), fairness.choose_victim after
-# max_wait, memory.need_for("gpuportal"); a woken replica may move to any GPU with room.
+# The project's policy, as the live product runs it: placement POLICIES["gpuportal"] (best fit),
+# memory.need_for("gpuportal"); a woken replica may move to any GPU with room. When it fits
+# nowhere, services.preemption.start asks fairness.choose_target for the GPU whose victims are
+# cheapest (no busy ones, fastest to sleep, cheapest to reload per second idle); victims serving
+# nothing are preempted at once, a busy one still gets the whole max_wait. Idle replicas sleep
+# after idle_timeout (the product's idle sweep, issue 4, a Celery beat task); the product does
+# not pass idle_timeout_s to fairness (the sweep already acts on it), so neither does this.
 GPUPORTAL = SimPolicy(
-    "gpuportal", memory="gpuportal", placement=PLACEMENT["gpuportal"], idle_sleep=True, fair_wait=True
+    "gpuportal",
+    memory="gpuportal",
+    placement=PLACEMENT["gpuportal"],
+    idle_sleep=True,
+    fair_wait=True,
+    victim_order="cost",
+    idle_timeout=False,
+    target_by_cost=True,
+    preempt_idle_at_once=True,
 )
 ORACLE = SimPolicy(
     "oracle", memory="gpuportal", placement=PLACEMENT["gpuportal"], idle_sleep=False, fair_wait=False, unlimited=True

@@ -1,18 +1,32 @@
-"""The fair wake path (seed 001, issue 5): who sleeps and who wakes when memory is short.
+"""The fair wake path (seed 001, issue 5; its targeting and timing from issue 9's simulator):
+who sleeps and who wakes when memory is short.
 
 A wake that does not fit without evicting anyone does not evict at once. Instead it:
 
-1. asks placement, with evictions allowed, where it *would* go (node, GPUs, bytes), without
-   committing anything;
+1. picks its target GPU without committing anything. The snapshot is first `enrich`ed with what
+   the victims would cost: each occupant's reload time (its weights over the host-to-device
+   link, GPUPORTAL_H2D_BYTES_PER_S) and its requests in flight (its Redis processing list).
+   fairness.choose_target then asks, on every GPU the waker may use (a cached replica only on
+   its own node, where its weights are; a new one anywhere; healthy GPUs of online nodes whose
+   wake lock is free or its own), who would have to sleep, and takes the cheapest: no busy
+   victim if possible, then the shortest sleep, then the least reload cost per second idle. This
+   is the policy `gpuportal` of bench/simulate, measured there. For what it does not decide (a
+   need of a whole GPU or more, or no GPU that could ever make room as things stand), placement
+   with evictions allowed says where the waker *would* go (the fewest evictions);
 2. takes the WAKE LOCK of each of those GPUs (at most one wake in progress per GPU, DESIGN
    invariant 2); a lock held by a live replica and not expired makes this wake wait and retry;
    an expired one, or one whose holder is gone, stopped or failed, is taken over;
-3. writes a PreemptionIntent per GPU (deadline = created_at + the deployment's max_wait_s);
-4. leaves the waiting to the control task `scheduling.tasks.preempt` (`run_preemption`): it
-   re-checks every second whether the waker fits without evictions (a voluntary sleep or a
-   scale-down freed memory); at the deadline it asks fairness.choose_victim, puts the victims to
-   sleep, waits for their memory, and places the waker, with evictions still forbidden: the
-   commit path (compare-and-swap) is what claims the freed bytes.
+3. writes a PreemptionIntent per GPU. Its deadline is created_at + the deployment's max_wait_s,
+   unless every victim of the chosen target serves no request right now
+   (fairness.preempt_at_once): then the deadline is created_at itself, since waiting for a
+   voluntary release would only delay the waker while sleeping those victims cuts no one off. A
+   busy victim, or one whose activity is unknown (Redis unreachable), keeps the whole max_wait;
+4. leaves the rest to the control task `scheduling.tasks.preempt` (`run_preemption`): until the
+   deadline it re-checks every second whether the waker fits without evictions (a voluntary
+   sleep or a scale-down freed memory); at the deadline it asks fairness.choose_victim (the cost
+   order, on an enriched snapshot), puts the victims to sleep, waits for their memory, and places
+   the waker, with evictions still forbidden: the commit path (compare-and-swap) is what claims
+   the freed bytes.
 
 Lock order, as everywhere: the deployment row, then GPU rows in primary-key order, then replica
 rows. The wake lock columns live on the GPU rows. Placements keep off a GPU whose lock another
@@ -27,8 +41,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
@@ -36,14 +51,28 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from gpuportal.celery import app
+from inference.requestqueue import last_key, processing_key
 from scheduling import events, fairness, ledger
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
-from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
+
+# _candidate_gpus: placement's own filter of the GPUs it would consider (online node, health
+# ok), so that the costed targeting never picks a GPU placement would then refuse.
+from scheduling.placement import (
+    POLICIES,
+    CachedReplica,
+    CantAccommodate,
+    PlacementRequest,
+    _candidate_gpus,
+    fmt_bytes,
+    place,
+)
+from scheduling.planning import withhold_locked
 from scheduling.services import deployments
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import GONE
 from scheduling.services.errors import CannotPlace, InvalidState
+from scheduling.state import OccupantView, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -148,26 +177,15 @@ def start(
     """
     if cached is None:
         cached = deployments.cached_of(deployment)
-    snap = ledger.snapshot()
+    # No row is locked here beyond the caller's deployment row: the snapshot and the enrichment
+    # read without locks (Deployment rows by a plain SELECT, Redis), so the GPU rows are still
+    # the next locks this transaction takes, as the global order wants.
+    snap = enrich(ledger.snapshot())
     need = deployments.need_bytes(deployment, snap)
-    # Targeting only: where the waker would go if every non-dedicated occupant of other
-    # deployments could leave. Popular and young ones count as movable here because max_wait
-    # may change that (a voluntary sleep, min_runtime passing); whether anyone really is
-    # preempted is fairness.choose_victim's call at the deadline. Dedicated ones never move, so
-    # a GPU full of them is a 409 now rather than a wait that cannot succeed.
-    request = PlacementRequest(
-        deployment=deployment.name,
-        replica_id=new_replica_id(),
-        need_bytes=need.bytes,
-        dedicated=True,
-        cached=cached,
-        allow_new=allow_new,
-    )
-    targeting = replace(POLICIES[deployment.memory_policy], protect_fairness=False)
-    target = place(snap, request, policy=targeting)
-    if isinstance(target, CantAccommodate):
-        raise CannotPlace(target.reason, target.reasons)
-    if not target.evictions:
+    wake = _costed_wake(deployment, snap, need.bytes, cached, allow_new)
+    if wake is None:
+        wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new)
+    if not wake.victims:
         # Memory was freed between the caller's attempt and this snapshot: no one need wait...
         try:
             with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
@@ -177,21 +195,16 @@ def start(
             return Placed(tuple(p.replica_id for p in decision.placements))
         except CannotPlace:
             pass  # ...unless that room is on a GPU another wake holds: its lock decides below
-    waker_id = target.promoted or target.replica_id
-    residual = {
-        gpu_id: sum(o.reserved_bytes for o in snap.gpus[gpu_id].occupants if o.replica_id == waker_id)
-        for gpu_id in target.gpu_ids
-    }
-    needed = {gpu_id: max(1, target.bytes_by_gpu[gpu_id] - residual[gpu_id]) for gpu_id in target.gpu_ids}
+    waker_id, needed = wake.waker_id, wake.needed_bytes_by_gpu
     now = timezone.now()
-    gpus = _lock_target_gpus(target.gpu_ids)
+    gpus = _lock_target_gpus(sorted(needed))
     if gpus is None:
         return WaitingForLock("", "", "waiting: the wake locks of its GPUs changed hands while they were being taken")
     for gpu in gpus:
         blocked = _held_by_another(gpu, waker_id, now)
         if blocked is not None:
             return _wait_for_lock(deployment, gpu, blocked, reason)
-    if target.promoted:
+    if wake.promoted:
         waker = Replica.objects.select_related("node").get(pk=waker_id)
     else:
         # The row exists before anything points at it (lock holder, intents); it has no node
@@ -211,16 +224,31 @@ def start(
         intent = PreemptionIntent.objects.create(
             gpu=gpu, waiting_replica=waker, needed_bytes=needed[gpu.pk], deadline=now
         )
-        intent.deadline = fairness.wait_deadline(intent.created_at, deployment.max_wait_s)
+        # At once: the deadline is already here, so the preempt task chooses the victims as soon
+        # as it runs (it still places the waker first if memory was freed meanwhile).
+        intent.deadline = (
+            intent.created_at if wake.at_once else fairness.wait_deadline(intent.created_at, deployment.max_wait_s)
+        )
         intent.save(update_fields=["deadline"])
         intents.append(intent)
+        if wake.at_once:
+            how = f"its victims serve no request: preempting at once, without waiting out max_wait ({reason})"
+        else:
+            how = (
+                f"waits up to its max_wait of {deployment.max_wait_s:g} s for memory freed voluntarily, "
+                f"then preempts ({reason})"
+            )
         events.record(
             Event.Kind.PREEMPTION_INTENT,
             f"gpu {_label(gpu)}",
             f"{deployment.name} ({waker_id[:8]}) needs {fmt_bytes(needed[gpu.pk])} on gpu {_label(gpu)}: "
-            f"waits up to its max_wait of {deployment.max_wait_s:g} s for memory freed voluntarily, "
-            f"then preempts ({reason}); placement with evictions would be: {target.reason}",
-            after={"intent": intent.pk, "needed_bytes": needed[gpu.pk], "deadline": intent.deadline.isoformat()},
+            f"{how}; target: {wake.why}",
+            after={
+                "intent": intent.pk,
+                "needed_bytes": needed[gpu.pk],
+                "deadline": intent.deadline.isoformat(),
+                "at_once": wake.at_once,
+            },
             node=gpu.node.name,
             gpu=_label(gpu),
             deployment=deployment.name,
@@ -228,7 +256,194 @@ def start(
         )
     ids = [i.pk for i in intents]
     transaction.on_commit(lambda: app.send_task(PREEMPT_TASK, args=[ids], queue=CONTROL_QUEUE))
+    if wake.at_once:
+        return Preempting(waker_id, tuple(ids), f"preempting at once on {_labels(gpus)}: its victims serve no request")
     return Preempting(waker_id, tuple(ids), f"waiting up to {deployment.max_wait_s:g} s for room on {_labels(gpus)}")
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Where a fair wake goes and who waits there, however it was targeted."""
+
+    waker_id: str
+    promoted: bool  # a cached (sleeping) replica woken as itself, rather than a new one
+    needed_bytes_by_gpu: dict[int, int]  # what must be available on each GPU: need less residual
+    victims: bool  # whether anyone must make room (False: it fits as things are)
+    at_once: bool  # its victims serve nothing: no max_wait
+    why: str  # for the intent's Event
+
+
+def _costed_wake(
+    deployment: Deployment, snap: Snapshot, need: int, cached: tuple[CachedReplica, ...], allow_new: bool
+) -> _Wake | None:
+    """fairness.choose_target over the GPUs the waker may use, as the simulator's engine does
+    (bench/simulate, policy `gpuportal`): each cached replica may only wake on its own node's
+    GPUs (its weights are in that node's CPU RAM), else a new replica may go to any node; the
+    cheapest target of all wins. None for a need of a whole GPU or more, or when no GPU can make
+    room even once young replicas settle: placement's targeting decides then."""
+    tickets = [(c.replica_id, True, c.node) for c in cached]
+    if not tickets and allow_new:
+        tickets = [(new_replica_id(), False, None)]
+    # The GPUs placement itself would consider (healthy, on online nodes; placement's own filter).
+    usable, _ = _candidate_gpus(sorted(snap.gpus.values(), key=lambda g: g.id))
+    kept = _kept_bytes(snap)
+    whole_gpu_from = POLICIES[deployment.memory_policy].whole_gpu_from
+    best: tuple[fairness.Target, str, bool] | None = None
+    for replica_id, promoted, node in tickets:
+        # Minus the GPUs another wake holds the lock of: the memory freed there is promised to it
+        # (planning.withhold_locked, as add_replicas does); this waker's own locks stay.
+        visible, _ = withhold_locked(snap, [replica_id], snap.taken_at)
+        gpus = [g for n, group in usable.items() if node is None or n == node for g in group if g.id in visible.gpus]
+        if not gpus:
+            continue
+        target = fairness.choose_target(
+            gpus,
+            waiting_replica_id=replica_id,
+            need_bytes=need,
+            now=snap.taken_at,
+            kept_bytes_by_gpu=kept,
+            whole_gpu_from=whole_gpu_from,
+        )
+        if target is not None and (best is None or target.cost < best[0].cost):
+            best = (target, replica_id, promoted)
+    if best is None:
+        return None
+    target, replica_id, promoted = best
+    at_once = target.ready and fairness.preempt_at_once(target.choice)
+    return _Wake(
+        waker_id=replica_id,
+        promoted=promoted,
+        needed_bytes_by_gpu={target.gpu_id: target.needed_bytes},
+        victims=bool(target.choice.victims) or not target.ready,
+        at_once=at_once,
+        why=_target_reason(target, snap),
+    )
+
+
+def _target_reason(target: fairness.Target, snap: Snapshot) -> str:
+    views = {o.replica_id: o for g in snap.gpus.values() for o in g.occupants}
+    victims = ", ".join(_victim_summary(v, views[v.replica_id]) for v in target.choice.victims) or "none"
+    why = (
+        f"gpu {snap.gpus[target.gpu_id].label}, where making room costs least (no busy victim if any GPU "
+        "allows, then the shortest sleep, then the least reload cost per second idle)"
+    )
+    if not target.ready:
+        return f"{why}; only once replicas inside their min_runtime, loading or leaving settle there: {victims}"
+    return f"{why}; victims: {victims}"
+
+
+def _victim_summary(victim: fairness.Victim, view: OccupantView) -> str:
+    if victim.idle:
+        activity = "serving no request"
+    elif view.in_flight:
+        activity = f"{view.in_flight} request(s) in flight"
+    else:
+        activity = "activity unknown"
+    reload = "" if view.reload_s is None else f", reloads in {view.reload_s:.2g} s"
+    return f"{victim.deployment} ({victim.replica_id[:8]}, {activity}{reload})"
+
+
+def _placement_wake(
+    deployment: Deployment, snap: Snapshot, need: int, cached: tuple[CachedReplica, ...], allow_new: bool
+) -> _Wake:
+    """Placement's targeting (issue 5): for what choose_target does not decide (a need of a whole
+    GPU or more, or no GPU that can ever make room as things stand)."""
+    # Targeting only: where the waker would go if every non-dedicated occupant of other
+    # deployments could leave. Popular and young ones count as movable here because max_wait
+    # may change that (a voluntary sleep, min_runtime passing); whether anyone really is
+    # preempted is fairness.choose_victim's call at the deadline. Dedicated ones never move, so
+    # a GPU full of them is a 409 now rather than a wait that cannot succeed.
+    request = PlacementRequest(
+        deployment=deployment.name,
+        replica_id=new_replica_id(),
+        need_bytes=need,
+        dedicated=True,
+        cached=cached,
+        allow_new=allow_new,
+    )
+    targeting = replace(POLICIES[deployment.memory_policy], protect_fairness=False)
+    target = place(snap, request, policy=targeting)
+    if isinstance(target, CantAccommodate):
+        raise CannotPlace(target.reason, target.reasons)
+    waker_id = target.promoted or target.replica_id
+    residual = {
+        gpu_id: sum(o.reserved_bytes for o in snap.gpus[gpu_id].occupants if o.replica_id == waker_id)
+        for gpu_id in target.gpu_ids
+    }
+    return _Wake(
+        waker_id=waker_id,
+        promoted=target.promoted is not None,
+        needed_bytes_by_gpu={
+            gpu_id: max(1, target.bytes_by_gpu[gpu_id] - residual[gpu_id]) for gpu_id in target.gpu_ids
+        },
+        victims=bool(target.evictions),
+        at_once=False,
+        why=f"placement with evictions would be: {target.reason}",
+    )
+
+
+def enrich(snap: Snapshot) -> Snapshot:
+    """The snapshot with what fairness's cost order weighs on each occupant (issue 9):
+    `reload_s`, its deployment's weights (its memory need if they are unknown) over
+    GPUPORTAL_H2D_BYTES_PER_S, and `in_flight`, the requests it has taken and not finished (its
+    Redis processing list). Its last request time is brought up to date from Redis too, so that
+    a replica that just served does not look idle (`sync_last_accessed` copies it into the rows,
+    but only now and then, and writing replica rows here would break the lock order).
+
+    One query for the deployments and one Redis round trip. When Redis cannot be reached,
+    in_flight stays None (unknown): such a victim counts as possibly busy and gets the whole
+    max_wait, as before."""
+    occupants = [o for g in snap.gpus.values() for o in g.occupants]
+    if not occupants:
+        return snap
+    names = {o.deployment for o in occupants}
+    reload_s: dict[str, float] = {}
+    for d in Deployment.objects.filter(name__in=names).only(
+        "name",
+        "weight_bytes",
+        "memory_policy",
+        "memory_estimate_bytes",
+        "memory_override_bytes",
+        "memory_measured_bytes",
+        "failover_standby",
+    ):
+        size = d.weight_bytes or deployments.need_bytes(d, snap).bytes
+        reload_s[d.name] = size / settings.GPUPORTAL_H2D_BYTES_PER_S
+    activity = _activity(sorted({o.replica_id for o in occupants}))
+
+    def view(o: OccupantView) -> OccupantView:
+        in_flight, last = activity.get(o.replica_id, (None, None))
+        if last is not None and (o.last_accessed is None or last > o.last_accessed):
+            o = replace(o, last_accessed=last)
+        return replace(o, reload_s=reload_s.get(o.deployment), in_flight=in_flight)
+
+    gpus = {gpu_id: replace(g, occupants=tuple(view(o) for o in g.occupants)) for gpu_id, g in snap.gpus.items()}
+    return replace(snap, gpus=gpus)
+
+
+def _activity(replica_ids: list[str]) -> dict[str, tuple[int | None, datetime | None]]:
+    """{replica id: (requests in flight, last request time)} from Redis, in one pipeline."""
+    from scheduling.services import requests as request_services  # requests builds on this module
+
+    try:
+        with request_services.queue().redis.pipeline(transaction=False) as pipe:
+            for replica_id in replica_ids:
+                pipe.llen(processing_key(replica_id))
+                pipe.get(last_key(replica_id))
+            replies = pipe.execute()
+    except redis.RedisError as err:
+        log.warning("fair wake without request activity (Redis: %s): every victim counts as possibly busy", err)
+        return {}
+    out: dict[str, tuple[int | None, datetime | None]] = {}
+    for i, replica_id in enumerate(replica_ids):
+        count, raw = replies[2 * i], replies[2 * i + 1]
+        out[replica_id] = (int(count), None if raw is None else datetime.fromtimestamp(float(raw), tz=UTC))
+    return out
+
+
+def _kept_bytes(snap: Snapshot) -> dict[int, int]:
+    """What a victim still holds on each GPU once asleep: its CUDA context on a real GPU."""
+    return {g.id: settings.GPUPORTAL_CUDA_CONTEXT_BYTES for g in snap.gpus.values() if not g.virtual}
 
 
 def _lock_target_gpus(target_ids: Iterable[int]) -> list[GPU] | None:
@@ -401,8 +616,10 @@ def run_preemption(
     # the victims are chosen again, from who is left, rather than failing the wake.
     for _ in range(VICTIM_ROUNDS):
         request_services.sync_last_accessed()
-        snap = ledger.snapshot([i.gpu_id for i in intents])
-        kept = {g.id: settings.GPUPORTAL_CUDA_CONTEXT_BYTES for g in snap.gpus.values() if not g.virtual}
+        # With reload costs and requests in flight: the cost order (fairness's default) weighs
+        # them; without, it would be plain LRU.
+        snap = enrich(ledger.snapshot([i.gpu_id for i in intents]))
+        kept = _kept_bytes(snap)
         choice = fairness.choose_victim(
             list(snap.gpus.values()),
             waiting_replica_id=waker.id,
@@ -633,6 +850,7 @@ __all__ = [
     "Placed",
     "Preempting",
     "WaitingForLock",
+    "enrich",
     "in_progress",
     "retry_later",
     "run_preemption",
