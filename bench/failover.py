@@ -222,7 +222,7 @@ def main() -> None:
                 "Failover: a standby against a restart, after SIGKILL under load",
                 f"`python -m bench.failover --trials {args.trials} --baseline-trials {args.baseline_trials} "
                 f"--clients {args.clients}`: a tiny causal LM (2 MB) on a virtual GPU (CPU), {args.clients} clients "
-                "sending one-token `/infer/` requests back to back over HTTP (gunicorn), a real node agent and "
+                "sending one-token `/infer/` requests back to back over HTTP (granian), a real node agent and "
                 "real replica processes. Time = from the SIGKILL to the first answer served by the replacement; "
                 "failed = requests that did not end `done`, over the whole run.\n\n" + report + "\n\n" + detail,
             )
