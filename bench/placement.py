@@ -7,7 +7,14 @@ releases one the client placed earlier, keeping the cluster about half full so t
 keep searching and sometimes evict. Both policies run on the same cluster and clients:
 `gpuportal` (measured/estimated need, best fit) and `ndif` (size × 3, random fit).
 
-    python -m bench.placement [--seconds 3] [--clients 1,4,8,16] [--policy gpuportal,ndif] [--cpu] [--no-record]
+Snapshots come two ways, side by side: from a ledger `Mirror` (an incremental refresh: only the
+GPUs written since the client last looked; the figures issue 3's target is about), and as the
+control plane's services take them today, a full `ledger.snapshot()` of every GPU (the services
+do not keep a Mirror: it would also have to learn of replica, deployment and node changes that
+write no GPU row). The full-snapshot rows run `gpuportal` only, at `--full-clients`.
+
+    python -m bench.placement [--seconds 3] [--clients 1,4,8,16] [--full-clients 1,8] [--policy gpuportal,ndif]
+                              [--cpu] [--no-record]
 
 `--cpu` adds the CPU each operation cost, in the client processes and in their PostgreSQL
 backends (read from /proc, so only for a server on this machine, such as the embedded one).
@@ -84,14 +91,15 @@ class Client:
     """One client's loop, one operation per `step()`: place a replica of its pool, or release
     one it placed. Shared by the benchmark's processes and by profiling."""
 
-    def __init__(self, n: int, policy: str, pool: list[tuple[str, str, int, int]]) -> None:
+    def __init__(self, n: int, policy: str, pool: list[tuple[str, str, int, int]], *, mirrored: bool = True) -> None:
         from scheduling import ledger
 
         self.policy = policy
         self.pool = {p[0]: p for p in pool}
         self.rng = random.Random(1000 + n)
-        self.mirror = ledger.Mirror()
-        self.mirror.snapshot()  # the first, full read happens before the clock starts
+        self.mirror = ledger.Mirror() if mirrored else None
+        if self.mirror is not None:
+            self.mirror.snapshot()  # the first, full read happens before the clock starts
         self.free = list(pool)
         self.placed: list[str] = []
         # Where each placed replica was put: it is released from there, as a service releases a
@@ -179,11 +187,17 @@ def backend_cpu_s() -> float | None:
 
 
 def client(
-    n: int, policy: str, pool: list[tuple[str, str, int, int]], seconds: float, start: mp.Barrier, out: mp.Queue
+    n: int,
+    policy: str,
+    pool: list[tuple[str, str, int, int]],
+    seconds: float,
+    start: mp.Barrier,
+    out: mp.Queue,
+    mirrored: bool,
 ) -> None:
     from django.db import connection
 
-    loop = Client(n, policy, pool)
+    loop = Client(n, policy, pool, mirrored=mirrored)
     start.wait()
     server_before, client_before = backend_cpu_s(), time.process_time()
     deadline = time.perf_counter() + seconds
@@ -207,7 +221,7 @@ def client(
     )
 
 
-def run(policy: str, clients: int, pools, seconds: float) -> dict:
+def run(policy: str, clients: int, pools, seconds: float, *, mirrored: bool = True) -> dict:
     from django.db import connections
 
     reset_reservations()
@@ -215,7 +229,9 @@ def run(policy: str, clients: int, pools, seconds: float) -> dict:
     ctx = mp.get_context("fork")
     start = ctx.Barrier(clients + 1)
     out = ctx.Queue()
-    procs = [ctx.Process(target=client, args=(n, policy, pools[n], seconds, start, out)) for n in range(clients)]
+    procs = [
+        ctx.Process(target=client, args=(n, policy, pools[n], seconds, start, out, mirrored)) for n in range(clients)
+    ]
     for proc in procs:
         proc.start()
     start.wait()
@@ -253,6 +269,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--clients", default="1,4,8,16")
+    parser.add_argument("--full-clients", default="1,8", help="client counts for the full-snapshot rows ('' for none)")
     parser.add_argument("--policy", default="gpuportal,ndif", help="comma-separated: gpuportal, ndif")
     parser.add_argument(
         "--cpu", action="store_true", help="add client and PostgreSQL CPU per operation (implies --no-record)"
@@ -260,35 +277,38 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
+    full_counts = [int(c) for c in args.full_clients.split(",") if c]
     policies = args.policy.split(",")
-    headers = HEADERS + (["client CPU ms/op", "server CPU ms/op"] if args.cpu else [])
+    headers = ["snapshot", *HEADERS] + (["client CPU ms/op", "server CPU ms/op"] if args.cpu else [])
     record_it = not (args.no_record or args.cpu or policies != ["gpuportal", "ndif"])
+    runs = [("mirror", policy, clients) for policy in policies for clients in counts]
+    runs += [("full", "gpuportal", clients) for clients in full_counts]
 
     server = setup_database("gpuportal_bench_placement")
     try:
         from bench.report import record, table
 
         register_cluster(nodes=100, gpus_per_node=8, gpu_size="80GiB")
-        pools = create_state(max(counts))
+        pools = create_state(max(counts + full_counts))
         rows = []
-        for policy in policies:
-            for clients in counts:
-                r = run(policy, clients, pools, args.seconds)
-                rows.append(
-                    [
-                        policy,
-                        clients,
-                        f"{r['commits_per_s']:.0f}",
-                        f"{r['p50_ms']:.2f}",
-                        f"{r['p99_ms']:.2f}",
-                        f"{r['conflicts_per_commit']:.3f}",
-                        r["refused"],
-                        r["placed"],
-                        r["released"],
-                    ]
-                    + (cpu_cells(r) if args.cpu else [])
-                )
-                print(table(headers, rows[-1:]).splitlines()[-1], flush=True)
+        for how, policy, clients in runs:
+            r = run(policy, clients, pools, args.seconds, mirrored=how == "mirror")
+            rows.append(
+                [
+                    how,
+                    policy,
+                    clients,
+                    f"{r['commits_per_s']:.0f}",
+                    f"{r['p50_ms']:.2f}",
+                    f"{r['p99_ms']:.2f}",
+                    f"{r['conflicts_per_commit']:.3f}",
+                    r["refused"],
+                    r["placed"],
+                    r["released"],
+                ]
+                + (cpu_cells(r) if args.cpu else [])
+            )
+            print(table(headers, rows[-1:]).splitlines()[-1], flush=True)
         report = table(headers, rows)
         print("\n" + report)
         if record_it:
@@ -297,9 +317,11 @@ def main() -> None:
                 "Placement: snapshot, place, commit",
                 f"`python -m bench.placement --seconds {args.seconds:g}`: 100 nodes × 8 virtual GPUs of 80 GiB, "
                 f"{DEPLOYMENTS} deployments of 1 to 20 GiB of weights; each client is a process with its own "
-                "connection and ledger Mirror; an operation places a replica (snapshot refresh, `place`, commit "
-                "with Events) or releases one; latency includes retries. Refused: no node could host the "
-                f"replica. {args.seconds:g} s per row.\n\n" + report,
+                "connection; an operation places a replica (snapshot, `place`, commit with Events) or releases "
+                "one; latency includes retries. Snapshot `mirror`: each client refreshes a ledger Mirror (only "
+                "the GPUs written since it last looked); `full`: it reads every GPU, as the control plane's "
+                "services do. Refused: no node could host the replica. "
+                f"{args.seconds:g} s per row.\n\n" + report,
             )
     finally:
         stop(server)

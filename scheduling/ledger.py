@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from scheduling.metrics import CAS_CONFLICTS, COMMITS
 from scheduling.models import GPU
-from scheduling.state import DeviceInfo, GPUView, IntentView, OccupantView, Plan, Snapshot
+from scheduling.state import DeviceInfo, GPUView, IntentView, OccupantView, Plan, Snapshot, SnapshotIndex
 
 
 class CasConflict(Exception):
@@ -152,25 +152,38 @@ class Mirror:
         self._rows: dict[int, tuple] = {}
         self._occupants: dict[int, dict[tuple, OccupantView]] = {}
         self._seen: str | None = None  # the snapshot of the last read, as PostgreSQL writes it
+        # The index of the whole-cluster snapshot last handed out, patched with what changed
+        # since rather than rebuilt (placement's lookups; SnapshotIndex.updated). None: rebuild.
+        self._index: SnapshotIndex | None = None
 
     def snapshot(self, gpu_ids: Iterable[int] | None = None) -> Snapshot:
         # The first read is a full one; later ones return only the GPUs written by
         # transactions the previous read did not see (gpuportal_ledger_read says why that
         # misses nothing).
         rows, self._seen = _read(self._seen, None)
+        changed = []
         for row in rows:
             gpu_id = row[0]
             if self._rows.get(gpu_id) == row[:-1]:
                 continue
-            self._gpus[gpu_id] = _gpu_view(row, self._occupants.setdefault(gpu_id, {}))
+            self._gpus[gpu_id] = view = _gpu_view(row, self._occupants.setdefault(gpu_id, {}))
             self._rows[gpu_id] = row[:-1]
-        gpus = self._gpus if gpu_ids is None else {i: self._gpus[i] for i in gpu_ids if i in self._gpus}
-        return Snapshot(gpus=dict(gpus), taken_at=timezone.now())
+            changed.append(view)
+        if self._index is not None:
+            self._index = self._index.updated(changed)
+        now = timezone.now()
+        if gpu_ids is not None:
+            return Snapshot(gpus={i: self._gpus[i] for i in gpu_ids if i in self._gpus}, taken_at=now)
+        gpus = dict(self._gpus)
+        if self._index is None:
+            self._index = SnapshotIndex.build(gpus)
+        return Snapshot.indexed(gpus, now, self._index)
 
     def forget(self, gpu_ids: Iterable[int]) -> None:
         """Drop GPUs found gone at commit (their node was deleted)."""
         for gpu_id in gpu_ids:
-            self._gpus.pop(gpu_id, None)
+            if self._gpus.pop(gpu_id, None) is not None:
+                self._index = None  # a GPU gone: the next snapshot builds its index anew
             self._rows.pop(gpu_id, None)
             self._occupants.pop(gpu_id, None)
 

@@ -36,7 +36,7 @@ from datetime import datetime
 from enum import IntEnum, StrEnum
 from typing import Literal, NamedTuple, TypeVar
 
-from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
+from scheduling.state import GPUView, Holdings, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 MIN_FRACTION = 0.01
 MAX_FRACTION = 0.99
@@ -198,27 +198,27 @@ def place(
     """
     chosen_policy = POLICIES[policy] if isinstance(policy, str) else policy
     rng = rng if rng is not None else random.Random()
-    ordered = _by_id(snapshot)
-    held = _held(ordered, {request.replica_id} | {c.replica_id for c in request.cached})
-    deployed = _already_deployed(request, held.get(request.replica_id, []))
+    index = snapshot.index
+    deployed = _already_deployed(request, index.holdings.get(request.replica_id, ()))
     if deployed is not None:
         return deployed
-    by_node, reasons = _candidate_gpus(ordered)
-    tickets = _tickets(snapshot.taken_at, request, chosen_policy, by_node, reasons, held)
+    by_node, reasons = index.usable, dict(index.unusable)
+    candidates = _candidates(snapshot.taken_at, request, chosen_policy, by_node, reasons, index.holdings)
     # Evictions are only looked for when no node has room without them: every level that
     # needs one (CACHED_AND_FULL, FULL) ranks below every level that does not. Each node is
     # only asked whether it can host (stopping at the first GPU that can); the full GPU search
     # runs on the chosen node alone, which keeps a placement over hundreds of nodes cheap.
     for allow_evictions in (False, True) if chosen_policy.evictions else (False,):
-        ticket = _first_hosting(tickets, by_node, allow_evictions, rng)
-        if ticket is not None:
-            option = _node_option(by_node[ticket.node], ticket, allow_evictions, rng)
+        found = _first_hosting(candidates, by_node, allow_evictions, rng)
+        if found is not None:
+            node, ticket = found
+            option = _node_option(by_node[node], ticket, allow_evictions, rng)
             if not isinstance(option, _Option):
-                raise AssertionError(f"node {ticket.node} said it could host, then could not: {option}")
-            return _placement(ordered, ticket, option, _ticket_level(ticket, allow_evictions))
-    for ticket in tickets:
-        why = _node_option(by_node[ticket.node], ticket, chosen_policy.evictions, rng)
-        reasons[ticket.node] = _join(reasons.get(ticket.node), str(why))
+                raise AssertionError(f"node {node} said it could host, then could not: {option}")
+            return _placement(index, node, ticket, option, _ticket_level(ticket, allow_evictions))
+    for node, ticket in candidates:
+        why = _node_option(by_node[node], ticket, chosen_policy.evictions, rng)
+        reasons[node] = _join(reasons.get(node), str(why))
     return CantAccommodate(request.deployment, request.need_bytes, reasons)
 
 
@@ -226,7 +226,7 @@ def cached_replicas(snapshot: Snapshot, deployment: str) -> tuple[CachedReplica,
     """Sleeping replicas of `deployment` as the snapshot shows them (through their residual
     occupants), for callers that have no better list."""
     seen: dict[str, CachedReplica] = {}
-    for gpu in _by_id(snapshot):
+    for gpu in snapshot.index.ordered:
         for o in gpu.occupants:
             if o.deployment == deployment and o.state == SLEEPING:
                 seen.setdefault(o.replica_id, CachedReplica(o.replica_id, gpu.node))
@@ -262,9 +262,10 @@ def fmt_bytes(n: int) -> str:
 
 @dataclass(frozen=True)
 class _Ticket:
-    """One way to satisfy the request on one node: promote a cached replica, or create one."""
+    """One way to satisfy the request: promote a cached replica (on its node), or create one (on
+    any node). Nothing in it depends on the node, so one ticket for a new replica serves every
+    node: a placement over hundreds of nodes builds a handful of tickets, not one per node."""
 
-    node: str
     replica_id: str
     promoted: bool
     residual: Mapping[int, int]  # the replica's own occupants: gpu id -> bytes
@@ -297,22 +298,7 @@ class _Option:
         return len({v.replica_id for v in self.victims})
 
 
-def _by_id(snapshot: Snapshot) -> list[GPUView]:
-    # Sorted so that iteration order, and so the rng's draws, depend only on the snapshot.
-    return [snapshot.gpus[k] for k in sorted(snapshot.gpus)]
-
-
-def _held(ordered: list[GPUView], replica_ids: set[str]) -> dict[str, list[tuple[GPUView, OccupantView]]]:
-    """Where each of `replica_ids` holds memory, in one pass over the snapshot."""
-    found: dict[str, list[tuple[GPUView, OccupantView]]] = {}
-    for gpu in ordered:
-        for o in gpu.occupants:
-            if o.replica_id in replica_ids:
-                found.setdefault(o.replica_id, []).append((gpu, o))
-    return found
-
-
-def _already_deployed(request: PlacementRequest, held: list[tuple[GPUView, OccupantView]]) -> Placement | None:
+def _already_deployed(request: PlacementRequest, held: Holdings) -> Placement | None:
     if not held:
         return None
     gpu, occupant = held[0]
@@ -343,60 +329,40 @@ def _already_deployed(request: PlacementRequest, held: list[tuple[GPUView, Occup
     )
 
 
-def _candidate_gpus(ordered: list[GPUView]) -> tuple[dict[str, list[GPUView]], dict[str, str]]:
-    """Healthy GPUs of online nodes, by node; and why each other node is out."""
-    by_node: dict[str, list[GPUView]] = {}
-    unhealthy: dict[str, list[GPUView]] = {}
-    for gpu in ordered:
-        if gpu.node_status == "online" and gpu.health == "ok":
-            group = by_node.get(gpu.node)
-            if group is None:
-                by_node[gpu.node] = group = []
-            group.append(gpu)
-        else:
-            unhealthy.setdefault(gpu.node, []).append(gpu)
-    reasons: dict[str, str] = {}
-    for node, gpus in unhealthy.items():
-        if node in by_node:
-            continue
-        if gpus[0].node_status != "online":
-            reasons[node] = f"node is {gpus[0].node_status}"
-        else:
-            reasons[node] = "no healthy GPU (" + ", ".join(f"{g.label} {g.health}" for g in gpus) + ")"
-    return by_node, reasons
-
-
-def _tickets(
+def _candidates(
     now: datetime,
     request: PlacementRequest,
     policy: Policy,
-    by_node: Mapping[str, list[GPUView]],
+    by_node: Mapping[str, Sequence[GPUView]],
     reasons: dict[str, str],
-    held: Mapping[str, list[tuple[GPUView, OccupantView]]],
-) -> list[_Ticket]:
+    holdings: Mapping[str, Holdings],
+) -> list[tuple[str, _Ticket]]:
+    """(node, ticket) for every usable node, by node name: its cached replicas of the deployment,
+    or else a new replica; `reasons` says why a node has neither."""
     cached_on: dict[str, list[CachedReplica]] = {}
     for c in request.cached:
         # Someone else may have woken it since the caller looked: then it is not cached.
-        if all(o.state == SLEEPING for _, o in held.get(c.replica_id, [])):
+        if all(o.state == SLEEPING for _, o in holdings.get(c.replica_id, ())):
             cached_on.setdefault(c.node, []).append(c)
     # A request naming a cached replica is a wake of that replica: its id must not be reused
     # for a new replica elsewhere.
     can_create = request.allow_new and request.replica_id not in {c.replica_id for c in request.cached}
-    tickets: list[_Ticket] = []
+    common = {"request": request, "policy": policy, "now": now}
+    new = _Ticket(replica_id=request.replica_id, promoted=False, residual={}, **common)
+    candidates: list[tuple[str, _Ticket]] = []
     for node in sorted(by_node):
-        common = {"node": node, "request": request, "policy": policy, "now": now}
         if node in cached_on:
             for c in cached_on[node]:
-                residual = {g.id: o.reserved_bytes for g, o in held.get(c.replica_id, [])}
-                tickets.append(_Ticket(replica_id=c.replica_id, promoted=True, residual=residual, **common))
+                residual = {g.id: o.reserved_bytes for g, o in holdings.get(c.replica_id, ())}
+                candidates.append((node, _Ticket(replica_id=c.replica_id, promoted=True, residual=residual, **common)))
         elif can_create:
-            tickets.append(_Ticket(replica_id=request.replica_id, promoted=False, residual={}, **common))
+            candidates.append((node, new))
         else:
             reasons[node] = f"no cached replica of {request.deployment} here, and no new one was asked for"
-    return tickets
+    return candidates
 
 
-def _node_option(gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:
+def _node_option(gpus: Sequence[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:
     """The seed-000 tree for one node: one GPU if the need fits one, else (or failing that)
     the fewest whole GPUs."""
     need, span = ticket.request.need_bytes, ticket.request.gpus
@@ -413,27 +379,35 @@ def _node_option(gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool, rn
 
 
 def _first_hosting(
-    tickets: list[_Ticket], by_node: Mapping[str, list[GPUView]], allow_evictions: bool, rng: random.Random
-) -> _Ticket | None:
-    """A ticket chosen uniformly at random among those that can host at the best level.
+    candidates: list[tuple[str, _Ticket]],
+    by_node: Mapping[str, Sequence[GPUView]],
+    allow_evictions: bool,
+    rng: random.Random,
+) -> tuple[str, _Ticket] | None:
+    """A (node, ticket) chosen uniformly at random among those that can host at the best level.
 
-    Level by level, best first: the first hosting ticket of a random order is a uniform choice
-    among the hosting ones, found after asking a few nodes rather than all of them (placement
-    runs on every decision, over hundreds of nodes).
+    Level by level, best first: the first hosting candidate of a random order is a uniform
+    choice among the hosting ones, found after asking a few nodes rather than all of them
+    (placement runs on every decision, over hundreds of nodes).
     """
-    by_level: dict[CandidateLevel, list[_Ticket]] = {}
-    for ticket in tickets:
-        by_level.setdefault(_ticket_level(ticket, allow_evictions), []).append(ticket)
+    by_level: dict[CandidateLevel, list[tuple[str, _Ticket]]] = {}
+    levels: dict[int, CandidateLevel] = {}  # by ticket: the new replica's is shared by every node
+    for candidate in candidates:
+        ticket = candidate[1]
+        level = levels.get(id(ticket))
+        if level is None:
+            level = levels[id(ticket)] = _ticket_level(ticket, allow_evictions)
+        by_level.setdefault(level, []).append(candidate)
     for level in sorted(by_level):
-        candidates = by_level[level]
-        order = rng.sample(candidates, len(candidates)) if len(candidates) > 1 else candidates
-        for ticket in order:
-            if _can_host(by_node[ticket.node], ticket, allow_evictions):
-                return ticket
+        group = by_level[level]
+        order = rng.sample(group, len(group)) if len(group) > 1 else group
+        for node, ticket in order:
+            if _can_host(by_node[node], ticket, allow_evictions):
+                return node, ticket
     return None
 
 
-def _can_host(gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool) -> bool:
+def _can_host(gpus: Sequence[GPUView], ticket: _Ticket, allow_evictions: bool) -> bool:
     """Whether `_node_option` would find an option: the same tree, stopping at the first."""
     need, span = ticket.request.need_bytes, ticket.request.gpus
     if span == 1 or (span is None and need <= max(g.total_bytes for g in gpus)):
@@ -457,7 +431,7 @@ def _fits_as_is(gpu: GPUView, ticket: _Ticket, allow_evictions: bool = False) ->
     return gpu.available_bytes + ticket.residual.get(gpu.id, 0) >= need
 
 
-def _single_gpu(gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:
+def _single_gpu(gpus: Sequence[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:
     options = [o for g in gpus if (o := _on_gpu(g, ticket, allow_evictions)) is not None]
     if options:
         return _pick(_best(options, lambda o: _gpu_key(o, ticket.policy)), rng)
@@ -563,7 +537,7 @@ def _still_reaches(remaining: list[T], candidate: T, slots: int, left: int, size
 
 
 def _multi_gpu(
-    gpus: list[GPUView], ticket: _Ticket, span: int | None, allow_evictions: bool, rng: random.Random
+    gpus: Sequence[GPUView], ticket: _Ticket, span: int | None, allow_evictions: bool, rng: random.Random
 ) -> _Option | str:
     need = ticket.request.need_bytes
     capacity = sum(g.total_bytes for g in gpus)
@@ -593,7 +567,7 @@ def _multi_gpu(
 
 
 def _whole_eligible(
-    gpus: list[GPUView], ticket: _Ticket, allow_evictions: bool
+    gpus: Sequence[GPUView], ticket: _Ticket, allow_evictions: bool
 ) -> list[tuple[GPUView, tuple[OccupantView, ...]]]:
     """GPUs that are whole, or can be made whole, each with who must leave it."""
     eligible = []
@@ -637,7 +611,7 @@ def _whole_gpus(
     return tuple(chosen)
 
 
-def _single_gpu_reason(gpus: list[GPUView], ticket: _Ticket) -> str:
+def _single_gpu_reason(gpus: Sequence[GPUView], ticket: _Ticket) -> str:
     need = ticket.request.need_bytes
     fitting = [g for g in gpus if g.total_bytes >= need]
     if not fitting:
@@ -682,15 +656,15 @@ def _pick(ties: list[T], rng: random.Random) -> T:
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
-def _placement(ordered: list[GPUView], ticket: _Ticket, option: _Option, level: CandidateLevel) -> Placement:
-    evictions = _evictions(ordered, option.victims)
+def _placement(index: SnapshotIndex, node: str, ticket: _Ticket, option: _Option, level: CandidateLevel) -> Placement:
+    evictions = _evictions(index, option.victims)
     dropped = tuple(
         gpu_id for gpu_id, held in sorted(ticket.residual.items()) if held == 0 and gpu_id not in option.bytes_by_gpu
     )
     placement = Placement(
         deployment=ticket.request.deployment,
         replica_id=ticket.replica_id,
-        node=ticket.node,
+        node=node,
         gpu_ids=tuple(g.id for g in option.gpus),
         bytes_by_gpu=dict(option.bytes_by_gpu),
         fraction=_fraction(option.gpus, option.bytes_by_gpu),
@@ -703,14 +677,13 @@ def _placement(ordered: list[GPUView], ticket: _Ticket, option: _Option, level: 
     return _with_reason(placement, option, ticket.policy)
 
 
-def _evictions(ordered: list[GPUView], victims: tuple[OccupantView, ...]) -> tuple[Eviction, ...]:
+def _evictions(index: SnapshotIndex, victims: tuple[OccupantView, ...]) -> tuple[Eviction, ...]:
     """Every occupant of every victim: a replica spread over several GPUs cannot keep running
     on some of them, so it leaves all of them (each GPU gets back only what it held there)."""
     if not victims:
         return ()
     ids = list(dict.fromkeys(v.replica_id for v in victims))
-    held = _held(ordered, set(ids))
-    return tuple(Eviction(r, g.id, o.reserved_bytes) for r in ids for g, o in held[r])
+    return tuple(Eviction(r, g.id, o.reserved_bytes) for r in ids for g, o in index.holdings[r])
 
 
 def _fraction(gpus: Sequence[GPUView], bytes_by_gpu: Mapping[int, int]) -> float | None:

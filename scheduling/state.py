@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,136 @@ class GPUView:
         return sum(o.reserved_bytes for o in self.occupants)
 
 
+# Where a replica holds memory: (GPU, its occupant entry there), in GPU id order.
+Holdings = tuple[tuple[GPUView, OccupantView], ...]
+
+
+@dataclass(frozen=True)
+class SnapshotIndex:
+    """Lookups derived from a snapshot's GPUs, which every placement needs: the GPUs in id order,
+    the usable ones by node, and where each replica holds memory.
+
+    Built in one pass over the GPUs; or, by a ledger Mirror whose snapshot changed in a few GPUs
+    only, from the previous index (`updated`), so that a placement over hundreds of nodes does
+    not first walk all their GPUs again.
+    """
+
+    ordered: tuple[GPUView, ...]
+    # Every GPU by node (id order), and the usable ones: healthy GPUs of online nodes.
+    on_node: Mapping[str, tuple[GPUView, ...]]
+    usable: Mapping[str, tuple[GPUView, ...]]
+    # Nodes with no usable GPU, and why: the node's status, or its GPUs' health.
+    unusable: Mapping[str, str]
+    holdings: Mapping[str, Holdings]
+    position: Mapping[int, int]  # GPU id -> its place in `ordered`
+
+    @classmethod
+    def build(cls, gpus: Mapping[int, GPUView]) -> SnapshotIndex:
+        # Sorted so that iteration order, and so a placement's random draws, depend only on the
+        # snapshot's content.
+        ids = sorted(gpus)
+        ordered = [gpus[k] for k in ids]
+        on_node: dict[str, list[GPUView]] = {}
+        holdings: dict[str, list[tuple[GPUView, OccupantView]]] = {}
+        for gpu in ordered:
+            group = on_node.get(gpu.node)
+            if group is None:
+                on_node[gpu.node] = group = []
+            group.append(gpu)
+            if gpu.occupants:
+                for o in gpu.occupants:
+                    holdings.setdefault(o.replica_id, []).append((gpu, o))
+        frozen_nodes = {node: tuple(group) for node, group in on_node.items()}
+        usable, unusable = _usable(frozen_nodes)
+        return cls(
+            ordered=tuple(ordered),
+            on_node=frozen_nodes,
+            usable=usable,
+            unusable=unusable,
+            holdings={r: tuple(h) for r, h in holdings.items()},
+            position=dict(zip(ids, range(len(ids)), strict=True)),
+        )
+
+    def updated(self, changed: Iterable[GPUView]) -> SnapshotIndex | None:
+        """This index with `changed` GPUs replaced (same ids, new views); None if one of them is
+        new, which needs a full `build`. Costs what the changed GPUs hold, not the snapshot."""
+        changed = list(changed)
+        if not changed:
+            return self
+        if any(g.id not in self.position for g in changed):
+            return None
+        ordered = list(self.ordered)
+        on_node = dict(self.on_node)
+        holdings = dict(self.holdings)
+        touched_nodes: dict[str, dict[int, GPUView]] = {}
+        for gpu in changed:
+            old = ordered[self.position[gpu.id]]
+            if old.node != gpu.node:
+                return None  # a GPU moved between nodes: not something to patch
+            ordered[self.position[gpu.id]] = gpu
+            touched_nodes.setdefault(gpu.node, {})[gpu.id] = gpu
+            for o in old.occupants:
+                kept = tuple(h for h in holdings.get(o.replica_id, ()) if h[0].id != gpu.id)
+                if kept:
+                    holdings[o.replica_id] = kept
+                else:
+                    holdings.pop(o.replica_id, None)
+            for o in gpu.occupants:
+                held = (*(h for h in holdings.get(o.replica_id, ()) if h[0].id != gpu.id), (gpu, o))
+                holdings[o.replica_id] = tuple(sorted(held, key=lambda h: h[0].id))
+        for node, replaced in touched_nodes.items():
+            on_node[node] = tuple(replaced.get(g.id, g) for g in on_node[node])
+        fresh_usable, fresh_unusable = _usable({n: on_node[n] for n in touched_nodes})
+        # In on_node's order, as `build` gives it, whichever nodes changed.
+        usable = {
+            n: fresh_usable[n] if n in touched_nodes else self.usable[n]
+            for n in on_node
+            if n in fresh_usable or (n not in touched_nodes and n in self.usable)
+        }
+        unusable = {n: why for n, why in self.unusable.items() if n not in touched_nodes} | fresh_unusable
+        return SnapshotIndex(
+            ordered=tuple(ordered),
+            on_node=on_node,
+            usable=usable,
+            unusable=unusable,
+            holdings=holdings,
+            position=self.position,
+        )
+
+
+def _usable(nodes: Mapping[str, tuple[GPUView, ...]]) -> tuple[dict[str, tuple[GPUView, ...]], dict[str, str]]:
+    """The usable GPUs of each node (healthy, on an online node); and why a node has none."""
+    usable: dict[str, tuple[GPUView, ...]] = {}
+    unusable: dict[str, str] = {}
+    for node, gpus in nodes.items():
+        fit = [g for g in gpus if g.node_status == "online" and g.health == "ok"]
+        if fit:
+            usable[node] = gpus if len(fit) == len(gpus) else tuple(fit)
+        elif gpus[0].node_status != "online":
+            unusable[node] = f"node is {gpus[0].node_status}"
+        else:
+            unusable[node] = "no healthy GPU (" + ", ".join(f"{g.label} {g.health}" for g in gpus) + ")"
+    return usable, unusable
+
+
 @dataclass(frozen=True)
 class Snapshot:
     gpus: Mapping[int, GPUView]
     taken_at: datetime
+
+    @cached_property
+    def index(self) -> SnapshotIndex:
+        """Built on first use (placement), kept with the snapshot; a `replace()` of the snapshot
+        gets a fresh one, since a cached_property is not a field."""
+        return SnapshotIndex.build(self.gpus)
+
+    @classmethod
+    def indexed(cls, gpus: Mapping[int, GPUView], taken_at: datetime, index: SnapshotIndex) -> Snapshot:
+        """A snapshot with an index its caller kept up to date (a ledger Mirror): what
+        `index` would build from these GPUs, without building it."""
+        snapshot = cls(gpus=gpus, taken_at=taken_at)
+        snapshot.__dict__["index"] = index  # where cached_property keeps its value
+        return snapshot
 
     def on_node(self, node: str) -> list[GPUView]:
         return sorted((g for g in self.gpus.values() if g.node == node), key=lambda g: g.index)

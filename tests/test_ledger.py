@@ -14,7 +14,7 @@ from scheduling import ledger
 from scheduling.ledger import CasConflict, OverCommit, commit, commit_with_retry, snapshot
 from scheduling.models import GPU, Deployment, Event, Occupant, Replica
 from scheduling.services.nodes import register_node
-from scheduling.state import Plan, Release, Reservation
+from scheduling.state import Plan, Release, Reservation, SnapshotIndex
 
 MiB = 1024**2
 GiB = 1024**3
@@ -440,3 +440,30 @@ def test_a_mirror_read_inside_a_transaction_still_fetches_what_that_transaction_
         commit(Plan.against(snapshot([later]), "later", [Reservation(later, third, 300 * MiB)]))
 
     assert mirror.snapshot().gpus[later].available_bytes == GiB - 300 * MiB, "written after the read: not lost"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_mirrors_patched_index_stays_the_index_of_what_it_shows():
+    register_node("node1", virtual_gpus("node1", "3x1GiB"), virtual=True)
+    first, second, third = GPU.objects.order_by("pk").values_list("pk", flat=True)
+    a, b = make_replicas(2)
+    mirror = ledger.Mirror()
+    mirror.snapshot()
+    commit(Plan.against(snapshot([first]), "a", [Reservation(first, a, 100 * MiB)]))
+    commit(Plan.against(snapshot([first, second]), "b", [Reservation(first, b, 50 * MiB)]))
+    seen = mirror.snapshot()
+    assert seen.index == SnapshotIndex.build(seen.gpus)
+    assert [g.id for g, _ in seen.index.holdings[b]] == [first]
+
+    # b moves to the second GPU; a node with new GPUs arrives: the index follows both.
+    commit(
+        Plan.against(
+            snapshot([first, second]), "move", [Reservation(second, b, 50 * MiB)], releases=[Release(first, b)]
+        )
+    )
+    register_node("node2", virtual_gpus("node2", "1x1GiB"), virtual=True)
+    seen = mirror.snapshot()
+
+    assert seen.index == SnapshotIndex.build(seen.gpus)
+    assert [g.id for g, _ in seen.index.holdings[b]] == [second]
+    assert set(seen.index.usable) == {"node1", "node2"} and third in seen.gpus

@@ -673,3 +673,74 @@ def test_the_chosen_gpu_needs_the_fewest_evictions_among_gpus_that_could_host_it
     hosts = [g for g in snapshot.on_node(result.node) if g.health == "ok"]
     counts = [c for g in hosts if (c := fewest_evictions_to_host(g, request)) is not None]
     assert len(result.evicted_replicas) == min(counts)
+
+
+# --- the snapshot index a ledger Mirror patches rather than rebuilds -----------------------------
+
+
+@st.composite
+def changed_snapshots(draw) -> tuple[Snapshot, Snapshot]:
+    """A snapshot, and the same cluster after some GPUs changed: occupants come, go and move,
+    health changes, a node changes status (on all its GPUs at once, as the ledger stamps it)."""
+    before = draw(snapshots())
+    gpus = dict(before.gpus)
+    replicas = [o for g in gpus.values() for o in g.occupants]
+    for gpu_id in draw(st.lists(st.sampled_from(sorted(gpus)), unique=True)):
+        old = gpus[gpu_id]
+        kept = [o for o in old.occupants if draw(st.booleans())]
+        arriving = draw(st.lists(st.sampled_from(replicas), max_size=2)) if replicas else []
+        fresh = [occ(f"n{gpu_id}-{i}", draw(st.integers(0, 100))) for i in range(draw(st.integers(0, 2)))]
+        occupants: dict[str, OccupantView] = {}
+        room = old.total_bytes
+        for o in [*kept, *arriving, *fresh]:  # as the ledger keeps it: never over-committed
+            if o.replica_id not in occupants and o.reserved_bytes <= room:
+                occupants[o.replica_id] = o
+                room -= o.reserved_bytes
+        health = draw(st.sampled_from(["ok", "ok", "lost"]))
+        gpus[gpu_id] = GPUView(
+            **{
+                **old.__dict__,
+                "occupants": tuple(occupants.values()),
+                "available_bytes": room,
+                "health": health,
+                "version": old.version + 1,
+            }
+        )
+    if draw(st.booleans()):
+        node = draw(st.sampled_from(sorted({g.node for g in gpus.values()})))
+        status = draw(st.sampled_from(["online", "draining", "offline"]))
+        for gpu_id, g in gpus.items():
+            if g.node == node:
+                gpus[gpu_id] = GPUView(**{**g.__dict__, "node_status": status})
+    return before, Snapshot(gpus=gpus, taken_at=NOW)
+
+
+@PROPERTY
+@given(case=changed_snapshots())
+def test_an_index_patched_with_the_changed_gpus_is_the_index_built_anew(case):
+    before, after_change = case
+    changed = [g for gpu_id, g in after_change.gpus.items() if g != before.gpus[gpu_id]]
+
+    patched = before.index.updated(changed)
+    built = after_change.index
+
+    assert patched == built
+    # Dict equality ignores order; placement's node order must not depend on how it was built.
+    assert list(patched.usable) == list(built.usable) and list(patched.on_node) == list(built.on_node)
+
+
+@PROPERTY
+@given(case=changed_snapshots(), seed=st.integers(0, 2**16), need=st.integers(1, 5000))
+def test_placement_on_a_patched_index_decides_as_on_a_fresh_snapshot(case, seed, need):
+    before, after_change = case
+    changed = [g for gpu_id, g in after_change.gpus.items() if g != before.gpus[gpu_id]]
+    mirrored = Snapshot.indexed(after_change.gpus, NOW, before.index.updated(changed))
+    request = PlacementRequest("alpha", "new-replica", need)
+
+    assert run(mirrored, request, "gpuportal", seed) == run(after_change, request, "gpuportal", seed)
+
+
+def test_a_new_gpu_is_not_patched_in_but_makes_the_index_rebuild():
+    before = snap(gpu(0), gpu(1))
+    assert before.index.updated([gpu(2, "node2")]) is None
+    assert before.index.updated([]) is before.index

@@ -55,18 +55,7 @@ from inference.requestqueue import last_key, processing_key
 from scheduling import events, fairness, ledger
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
-
-# _candidate_gpus: placement's own filter of the GPUs it would consider (online node, health
-# ok), so that the costed targeting never picks a GPU placement would then refuse.
-from scheduling.placement import (
-    POLICIES,
-    CachedReplica,
-    CantAccommodate,
-    PlacementRequest,
-    _candidate_gpus,
-    fmt_bytes,
-    place,
-)
+from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
 from scheduling.planning import withhold_locked
 from scheduling.services import deployments
 from scheduling.services import replicas as replica_services
@@ -284,8 +273,9 @@ def _costed_wake(
     tickets = [(c.replica_id, True, c.node) for c in cached]
     if not tickets and allow_new:
         tickets = [(new_replica_id(), False, None)]
-    # The GPUs placement itself would consider (healthy, on online nodes; placement's own filter).
-    usable, _ = _candidate_gpus(sorted(snap.gpus.values(), key=lambda g: g.id))
+    # The GPUs placement itself would consider (healthy, on online nodes; the snapshot index is
+    # placement's own filter), so that the costed targeting never picks a GPU placement refuses.
+    usable = snap.index.usable
     kept = _kept_bytes(snap)
     whole_gpu_from = POLICIES[deployment.memory_policy].whole_gpu_from
     best: tuple[fairness.Target, str, bool] | None = None
