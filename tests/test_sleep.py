@@ -21,6 +21,7 @@ from inference.devices import virtual_gpus
 from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling.models import Deployment, Event, Occupant, Replica
 from scheduling.services import replicas as replica_services
+from scheduling.services import requests as request_services
 from scheduling.services import sleep
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from scheduling.services.errors import CannotPlace, InvalidState
@@ -31,6 +32,18 @@ from tests.test_deployments import FROM_CACHE, START, TO_CACHE, MiB, body, invar
 from tests.test_replica_lifecycle import LOAD_TIMEOUT, all_in, states
 
 NOT_SERVING = "only a serving replica can be put to sleep"
+
+
+@pytest.fixture
+def clean_queues():
+    """The request queues in Redis, emptied of what earlier tests left (only the portal's keys:
+    REDIS_URL may point at a developer's Redis)."""
+    client = request_services.queue().redis
+    for key in client.scan_iter("gp:*"):
+        client.delete(key)
+    yield
+    for key in client.scan_iter("gp:*"):
+        client.delete(key)
 
 
 @pytest.fixture
@@ -281,6 +294,42 @@ def test_the_sweep_sleeps_only_replicas_idle_past_their_timeout(cluster, api, di
     )
     assert Deployment.objects.get(name="idle").replicas_wanted == 1, "sleep is not a scale-down"
     assert sleep.sweep_idle(now=now) == [], "a draining replica is not swept twice"
+
+
+def test_a_request_accepted_as_the_last_replica_was_swept_wakes_the_deployment_once_it_sleeps(
+    cluster, api, dispatched, tiny_model_dir, on_commit, clean_queues
+):
+    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"idle_timeout_s": 60})
+    long_ago = timezone.now() - timedelta(seconds=300)
+    Replica.objects.update(serving_since=long_ago, last_accessed=long_ago)
+    # The request is accepted while the replica still serves (so it does not wake anything)...
+    request = request_services.submit("tiny-a", kind="generate", input="hi", params={}, owner="1")
+    assert request.status == "queued"
+    # ...and the sweep puts that replica to sleep the same instant: its drain hands the request
+    # back to the queue, with nothing awake to take it and no client sending another.
+    with on_commit():
+        assert sleep.sweep_idle() == [replica_id]
+    dispatched.clear()
+
+    with on_commit():
+        asleep(replica_id)
+
+    assert (
+        "control",
+        "scheduling.tasks.wake",
+        ["tiny-a", f"requests waiting after replica {replica_id[:8]} slept"],
+    ) in (dispatched)
+
+
+def test_a_replica_that_sleeps_with_nothing_waiting_wakes_nothing(cluster, api, dispatched, tiny_model_dir, on_commit):
+    (replica_id,) = deploy_serving(api, tiny_model_dir)
+    sleep.sleep_replica(replica_id, reason="put to sleep by an operator")
+    dispatched.clear()
+
+    with on_commit():
+        asleep(replica_id)
+
+    assert [task for _, task, _ in dispatched] == []
 
 
 def test_a_replica_just_woken_is_not_idle_whatever_its_last_request(cluster, api, dispatched, tiny_model_dir):

@@ -7,6 +7,7 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -181,6 +182,13 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         f"weights moved to CPU RAM; holds {memory.human_bytes(held)} on its GPU(s)",
         extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since"],
     )
+    # A request accepted while this replica still served (so it woke nothing), or one its drain
+    # handed back, waits with nothing awake to take it: the last replica to fall asleep wakes
+    # the deployment again, as the next request would have.
+    from scheduling.services import sleep  # the sleep service builds on this module
+
+    if sleep.awake_count(replica.deployment) == 0:
+        wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} slept")
 
 
 def _failed(replica: Replica, event: dict[str, Any]) -> None:
@@ -221,7 +229,13 @@ def wake_for_waiting(deployment_name: str, reason: str) -> None:
     from scheduling.services import preemption
     from scheduling.services import requests as request_services
 
-    if request_services.queue_depth(deployment_name) > 0:
+    try:
+        waiting = request_services.queue_depth(deployment_name)
+    except redis.RedisError as err:
+        # What the replica reported is recorded all the same; the next request wakes it instead.
+        log.warning("cannot see whether requests wait for %s (Redis: %s)", deployment_name, err)
+        return
+    if waiting > 0:
         preemption.wake_later(deployment_name, f"requests waiting after {reason}")
 
 
