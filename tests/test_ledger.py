@@ -467,3 +467,17 @@ def test_a_mirrors_patched_index_stays_the_index_of_what_it_shows():
     assert seen.index == SnapshotIndex.build(seen.gpus)
     assert [g.id for g, _ in seen.index.holdings[b]] == [second]
     assert set(seen.index.usable) == {"node1", "node2"} and third in seen.gpus
+
+
+def test_a_snapshot_reuses_the_views_of_unchanged_gpus_and_builds_changed_ones_anew(gpu_ids):
+    first, second = gpu_ids
+    replica = make_replicas(1)[0]
+    before = snapshot()
+
+    commit(Plan.against(snapshot([first]), "one", [Reservation(first, replica, MiB)]))
+    after = snapshot()
+
+    assert after.gpus[second] is before.gpus[second], "the same row: the same view, not built again"
+    assert after.gpus[first] is not before.gpus[first]
+    assert after.gpus[first].available_bytes == GiB - MiB
+    assert [o.replica_id for o in after.gpus[first].occupants] == [replica]

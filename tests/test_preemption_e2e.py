@@ -7,10 +7,12 @@ one mark the occupants busy, as a request they had taken and not finished would.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import uuid
 from datetime import datetime, timedelta
 
 import psycopg
@@ -19,7 +21,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from inference.management.commands.make_tiny_model import write_tiny_model
-from inference.requestqueue import processing_key
+from inference.requestqueue import processing_key, request_key
 from scheduling.models import Event, PreemptionIntent, Replica
 from scheduling.services import requests as request_services
 from tests.processes import database_url_of_this_test, wait_until
@@ -144,12 +146,26 @@ def waits_for_room(client: APIClient, name: str) -> dict:
 
 
 def busy(*names: str) -> None:
-    """Each deployment's replica holds a request it has not finished: an id in its processing list,
-    where a replica's take puts it (a stand-in id with no request behind it: a re-queue skips it).
-    A request long enough to be in flight reliably would need a slower model than the tiny one."""
+    """Each deployment's replica holds a request it has not finished, as its take leaves one: the
+    id at the head of its processing list, the request `running` on it. A replica's idle take
+    leaves such an id alone (it marks only ids still queued), so the replica stays busy for the
+    test; were it to fail, the request would be re-queued and served like any other. A request
+    in flight for real for long enough would need a slower model than the tiny one."""
     client = request_services.queue().redis
-    for replica_id in Replica.objects.filter(deployment__name__in=names).values_list("id", flat=True):
-        client.lpush(processing_key(replica_id), f"in-flight-on-{replica_id[:8]}")
+    replicas = Replica.objects.filter(deployment__name__in=names).values_list("id", "deployment__name")
+    for replica_id, deployment in replicas:
+        request_id = uuid.uuid4().hex
+        fields = {
+            "deployment": deployment,
+            "kind": "generate",
+            "input": json.dumps("Hi"),
+            "params": json.dumps({"max_tokens": 1}),
+            "status": "running",
+            "replica": replica_id,
+            "attempts": 1,
+        }
+        client.hset(request_key(request_id), mapping=fields)
+        client.lpush(processing_key(replica_id), request_id)
 
 
 def test_a_voluntary_sleep_within_max_wait_avoids_any_preemption(one_gpu, invariant):
