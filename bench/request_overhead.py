@@ -143,6 +143,8 @@ def main() -> None:
         wakes = []
         replica_id = Replica.objects.get(deployment__name="tiny").id
         for _ in range(args.wakes):
+            # The answer can come back before the agent's report marks the replica serving again.
+            wait(lambda: Replica.objects.get(pk=replica_id).state == "serving", 30, "the woken replica")
             sleep.sleep_replica(replica_id, reason="benchmark: measure the wake")
             while Replica.objects.get(pk=replica_id).state != "sleeping":
                 time.sleep(0.05)

@@ -41,7 +41,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
@@ -467,6 +467,9 @@ class ReplicaHost:
         self.kv_max_tokens = kv_max_tokens
         self.context_bytes = context_bytes
         self.paged: PagedModel | None = None
+        # Called as the replica stops taking requests, before the change is reported (the
+        # serving loop withdraws its claim to take them: inference.serving.Server).
+        self.on_stop_taking: Callable[[], None] | None = None
 
     @property
     def state(self) -> str:
@@ -479,6 +482,8 @@ class ReplicaHost:
             self.accepting.set()
         else:
             self.accepting.clear()
+            if self.on_stop_taking is not None:
+                self.on_stop_taking()
 
     def executor(self) -> Executor:
         return Executor(self.model, self.tokenizer, self.abort)

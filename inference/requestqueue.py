@@ -10,6 +10,7 @@ request somewhere at every instant:
     gp:done:<id>            a token pushed when the request ends (its final fields), for waiters
     gp:stream:<id>          chunks of a streamed answer, in order, then an end marker
     gp:last:<replica>       when the replica last finished a request (for idle sleep)
+    gp:live:<deployment>:<family>  replicas taking requests now, scored by when that claim expires
 
 A replica that dies leaves its ids in gp:proc:<replica>; `requeue_from` puts them back at the
 head of the queue (or fails them once they used their attempts).
@@ -33,6 +34,11 @@ STREAM_END = "\x00end"
 STREAM_RESTART = "\x00restart"
 # The longest a blocking read waits in one call; see RequestQueue.wait.
 BLOCK_SLICE_S = 2.0
+# How long a replica's claim to be taking requests (gp:live) holds unless renewed: its every take
+# renews it, an idle take waits at most a second, so only a replica that stopped taking (dead,
+# hung, or in a forward pass this long) lets it lapse. Scored with the replica's clock, compared
+# with Redis's: a skew far below this is harmless.
+LIVE_TTL_S = 5.0
 
 
 def now() -> float:
@@ -71,6 +77,25 @@ def finished_key(status: str) -> str:
     return f"gp:finished:{status}"
 
 
+def live_key(deployment: str, family: str) -> str:
+    """Replicas taking `family` requests (see family_of_kind) for the deployment now."""
+    return f"gp:live:{deployment}:{family}"
+
+
+# What a replica takes, by its loader, and what a request needs, by its kind: a causal LM takes
+# text (generate, chat), a plain module takes tensors (forward). A live claim is per family, so a
+# request of the wrong kind finds no claim and is admitted the long way, which refuses it.
+FAMILIES = ("text", "tensor")
+
+
+def family_of_kind(kind: str) -> str:
+    return "tensor" if kind == "forward" else "text"
+
+
+def family_of_loader(loader: str) -> str:
+    return "text" if loader == "transformers" else "tensor"
+
+
 def epoch_key(fence: str) -> str:
     return f"gp:epoch:{fence}"
 
@@ -100,6 +125,30 @@ local at = string.format('%s.%06d', t[1], tonumber(t[2]))
 redis.call('HSET', key, 'status', 'dispatched', 'replica', ARGV[1], 'dispatched_at', at)
 redis.call('HINCRBY', key, 'attempts', 1)
 return {id, redis.call('HGETALL', key)}
+"""
+
+# A submit that needs no database read: queued only if a replica of the deployment claims to be
+# taking requests (gp:live, renewed by its takes, withdrawn before it stops taking), so that
+# nothing has to be woken. Otherwise nothing is queued, and a refusal token is pushed where the
+# blocking read sent in the same round trip waits, so that it returns at once: the web then
+# admits the request the long way (the database says what to wake, or why not).
+# KEYS: live set, request, queue, done, count. ARGV: request id, ttl, count ttl or '', then the
+# request's field/value pairs.
+_SUBMIT_IF_LIVE = """
+local t = redis.call('TIME')
+if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf') == 0 then
+  redis.call('RPUSH', KEYS[4], 'refused')
+  redis.call('EXPIRE', KEYS[4], 60)
+  return 0
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('INCR', KEYS[5])
+  redis.call('EXPIRE', KEYS[5], ARGV[3])
+end
+redis.call('LPUSH', KEYS[3], ARGV[1])
+return 1
 """
 
 # Raise the pair's epoch, never lower it: a slow writer of an old epoch cannot undo a takeover.
@@ -248,11 +297,13 @@ class RequestQueue:
         owner: str,
         status: str = "queued",
         count_in: tuple[str, int] | None = None,
-    ) -> Request:
+        if_live: bool = False,
+    ) -> Request | None:
         """Queue a request. `count_in` (key, ttl): a counter incremented in the same round trip
-        (the control plane's requests per minute)."""
-        request, _ = self._submit(deployment, kind, input, params, owner, status, count_in, wait_s=0.0)
-        return request
+        (the control plane's requests per minute). `if_live`: only if a replica of the deployment
+        takes requests now (gp:live), else queue nothing and return None."""
+        submitted = self._submit(deployment, kind, input, params, owner, status, count_in, wait_s=0.0, if_live=if_live)
+        return None if submitted is None else submitted[0]
 
     def submit_and_wait(
         self,
@@ -265,16 +316,22 @@ class RequestQueue:
         timeout: float,
         status: str = "queued",
         count_in: tuple[str, int] | None = None,
-    ) -> tuple[Request, Request | None]:
-        """Queue a request and wait up to `timeout` for its end: (as submitted, final or None).
+        if_live: bool = False,
+    ) -> tuple[Request, Request | None] | None:
+        """Queue a request and wait up to `timeout` for its end: (as submitted, final or None);
+        None if `if_live` and no replica takes requests now (nothing queued, as in `submit`).
 
         The submit and the first blocking read travel together, so a request answered within one
         blocking slice costs the web process a single round trip to Redis.
         """
         deadline = time.monotonic() + timeout
-        request, final = self._submit(
-            deployment, kind, input, params, owner, status, count_in, wait_s=min(timeout, BLOCK_SLICE_S)
-        )
+        submitted = self._submit(
+            deployment, kind, input, params, owner, status, count_in, wait_s=min(timeout, BLOCK_SLICE_S),
+            if_live=if_live,
+        )  # fmt: skip
+        if submitted is None:
+            return None
+        request, final = submitted
         if final is None and (left := deadline - time.monotonic()) > 0:
             final = self._wait_final(request.id, left)
         return request, final
@@ -290,7 +347,8 @@ class RequestQueue:
         count_in: tuple[str, int] | None,
         *,
         wait_s: float,
-    ) -> tuple[Request, Request | None]:
+        if_live: bool = False,
+    ) -> tuple[Request, Request | None] | None:
         request = Request(
             id=uuid.uuid4().hex,
             deployment=deployment,
@@ -305,28 +363,39 @@ class RequestQueue:
         # No MULTI: Redis runs one connection's commands in the order sent, so the request exists
         # in full before its id reaches the queue (LPUSH last), and a replica that takes the id
         # finds it. A transaction could not hold the blocking read that follows anyway.
+        fields = {
+            "deployment": deployment,
+            "kind": kind,
+            "input": json.dumps(input),
+            "params": json.dumps(params),
+            "owner": owner,
+            "status": status,
+            "attempts": 0,
+            "created_at": request.created_at,
+        }
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(
-                key,
-                mapping={
-                    "deployment": deployment,
-                    "kind": kind,
-                    "input": json.dumps(input),
-                    "params": json.dumps(params),
-                    "owner": owner,
-                    "status": status,
-                    "attempts": 0,
-                    "created_at": request.created_at,
-                },
-            )
-            pipe.expire(key, TTL_S)
-            if count_in is not None:
-                pipe.incr(count_in[0])
-                pipe.expire(count_in[0], count_in[1])
-            pipe.lpush(queue_key(deployment), request.id)
+            if if_live:
+                keys = [
+                    live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
+                    count_in[0] if count_in is not None else key,
+                ]  # fmt: skip
+                count_ttl = count_in[1] if count_in is not None else ""
+                args = [request.id, TTL_S, count_ttl, *(x for kv in fields.items() for x in kv)]
+                # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
+                # read behind it blocked for nothing. Redis caches the script by its digest anyway.
+                pipe.eval(_SUBMIT_IF_LIVE, len(keys), *keys, *args)
+            else:
+                pipe.hset(key, mapping=fields)
+                pipe.expire(key, TTL_S)
+                if count_in is not None:
+                    pipe.incr(count_in[0])
+                    pipe.expire(count_in[0], count_in[1])
+                pipe.lpush(queue_key(deployment), request.id)
             if wait_s > 0:
                 self._block_for_end(pipe, request.id, wait_s)
             replies = pipe.execute()
+        if if_live and not replies[0]:
+            return None
         final = self._final(request.id, replies[-1]) if wait_s > 0 else None
         return request, final
 
@@ -421,10 +490,11 @@ class RequestQueue:
 
     # -- the replica side ----------------------------------------------------------------------
 
-    def take(self, deployment: str, replica_id: str, timeout: float) -> Request | None:
+    def take(self, deployment: str, replica_id: str, timeout: float, renew_live: str | None = None) -> Request | None:
         """The oldest waiting request, moved atomically into this replica's processing list.
 
         Waits up to `timeout` seconds for one; timeout <= 0 only looks (a batch that must keep stepping).
+        `renew_live`: a family whose claim to be taking requests this renews (see `announce`).
         """
         source, target = queue_key(deployment), processing_key(replica_id)
         args = [replica_id, REQUEST_PREFIX]
@@ -432,12 +502,17 @@ class RequestQueue:
         # returns. By its SHA, so the pipeline sends no SCRIPT EXISTS first; a Redis that lost
         # its scripts (a restart) answers NOSCRIPT, and the marking runs again on its own.
         with self.redis.pipeline(transaction=False) as pipe:
+            if renew_live:
+                # XX: a renewal never re-creates a claim that was withdrawn (by the replica as it
+                # stopped taking, or by the control plane for a replica it saw die).
+                pipe.zadd(live_key(deployment, renew_live), {replica_id: now() + LIVE_TTL_S}, xx=True)
             if timeout <= 0:
                 pipe.lmove(source, target, "RIGHT", "LEFT")
             else:
                 pipe.blmove(source, target, timeout, "RIGHT", "LEFT")
             pipe.evalsha(self._mark_taken.sha, 1, target, *args)
-            moved, marked = pipe.execute(raise_on_error=False)
+            replies = pipe.execute(raise_on_error=False)
+        moved, marked = replies[-2:]
         if isinstance(moved, Exception):
             raise moved
         if isinstance(marked, redis.exceptions.NoScriptError):
@@ -452,6 +527,32 @@ class RequestQueue:
         raw_hash = dict(zip(fields[::2], fields[1::2], strict=True))
         request_id = request_id.decode()
         return Request.from_hash(request_id, raw_hash)
+
+    def announce(self, deployment: str, family: str, replica_id: str) -> None:
+        """Claim that this replica takes the deployment's `family` requests now: until the claim
+        lapses (LIVE_TTL_S, renewed by `take`) or is withdrawn, the web queues them without asking
+        the database whether anything must be woken."""
+        key = live_key(deployment, family)
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(key, "-inf", now() - LIVE_TTL_S)  # claims of the long gone
+            pipe.zadd(key, {replica_id: now() + LIVE_TTL_S})
+            pipe.expire(key, TTL_S)
+            pipe.execute()
+
+    def withdraw(self, deployment: str, replica_id: str) -> None:
+        """The replica no longer takes requests (it drains, sleeps, stopped or died)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for family in FAMILIES:
+                pipe.zrem(live_key(deployment, family), replica_id)
+            pipe.execute()
+
+    def forget_live(self, deployment: str) -> None:
+        """No replica of the deployment takes requests any more (it was deleted)."""
+        self.redis.delete(*(live_key(deployment, family) for family in FAMILIES))
+
+    def live(self, deployment: str, family: str) -> list[str]:
+        """Replicas whose claim to take the deployment's `family` requests holds now."""
+        return [m.decode() for m in self.redis.zrangebyscore(live_key(deployment, family), now(), "+inf")]
 
     def give_back(self, request: Request, replica_id: str) -> None:
         """Return a request taken but not started (the replica began to sleep): first in line again."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from inference import kvstats
-from inference.requestqueue import Request, RequestQueue, StaleEpoch
+from inference.requestqueue import Request, RequestQueue, StaleEpoch, family_of_loader
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
@@ -213,6 +213,12 @@ class Server(threading.Thread):
 
     Every taken request is counted in flight (host.begin_request) until its outcome is written,
     so a drain waits for all of them; a drain's abort ends the whole batch at its next step.
+
+    While serving, the loop claims in the queue that the replica takes requests (gp:live, renewed
+    by every take), so the web queues requests for it without a database read. The claim is
+    withdrawn the moment the replica stops taking (the host calls `withdraw` as it leaves
+    `serving`), before it reports asleep or stopped: the control plane's check for requests left
+    waiting after that report then sees every request queued on the strength of the claim.
     """
 
     def __init__(self, host: ReplicaHost, queue: RequestQueue, deployment: str, poll_s: float = 1.0):
@@ -224,6 +230,11 @@ class Server(threading.Thread):
         # Requests admitted in the current batch step, and when: written with their answer if
         # they end in the same step, else all together once it is over (see step).
         self.starting: dict[str, float] = {}
+        # Whether the claim to take requests is made; under `_claim` with the check of
+        # host.accepting, so a claim made as the replica stops taking is withdrawn, never left.
+        self.live = False
+        self._claim = threading.Lock()
+        host.on_stop_taking = self.withdraw
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -231,6 +242,8 @@ class Server(threading.Thread):
             if not busy and not self.host.accepting.wait(timeout=self.poll_s):
                 continue
             if self.host.accepting.is_set() and not (busy and self.batch is not None and self.batch.waiting):
+                if not self.live:
+                    self._announce()
                 # Idle: block for the next request. Busy: only look, the batch must keep stepping.
                 request = self._take(self.poll_s if not busy else 0)
                 if request is not None:
@@ -241,11 +254,39 @@ class Server(threading.Thread):
 
     def _take(self, timeout: float) -> Request | None:
         try:
-            return self.queue.take(self.deployment, self.host.replica_id, timeout=timeout)
+            renew = family_of_loader(self.host.loader) if self.live else None
+            return self.queue.take(self.deployment, self.host.replica_id, timeout=timeout, renew_live=renew)
         except Exception:
             log.exception("cannot take requests from the queue; retrying")
             self.stopped.wait(self.poll_s)
             return None
+
+    def _announce(self) -> None:
+        with self._claim:
+            # Checked under the lock `withdraw` takes after the host cleared it: either this claim
+            # is made first and withdrawn there, or it sees the replica no longer takes requests.
+            if self.live or not self.host.accepting.is_set():
+                return
+            try:
+                self.queue.announce(self.deployment, family_of_loader(self.host.loader), self.host.replica_id)
+            except Exception:  # the web asks the database instead; the next take tries again
+                log.warning("cannot claim to take requests", exc_info=True)
+                return
+            self.live = True
+
+    def withdraw(self) -> None:
+        """The replica stops taking requests (drain, sleep, stop): withdraw its claim. Runs on the
+        thread that changes the host's state, before that change is reported."""
+        with self._claim:
+            if not self.live:
+                return
+            self.live = False
+            try:
+                self.queue.withdraw(self.deployment, self.host.replica_id)
+            except Exception:
+                # The claim lapses within LIVE_TTL_S; the control plane also withdraws it when the
+                # replica's report reaches it (scheduling.services.replicas).
+                log.warning("cannot withdraw the claim to take requests", exc_info=True)
 
     def accept(self, request: Request) -> None:
         """A taken request: into the batch, or run at once where there is no pool."""

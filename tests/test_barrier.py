@@ -207,6 +207,27 @@ def test_a_generous_drain_lets_the_request_finish_and_stop_drains_the_same_way(
     assert rq.redis.llen(processing_key("b1")) == 0
 
 
+def test_a_replica_claims_to_take_requests_while_it_serves_and_withdraws_the_claim_before_it_says_so(
+    supervisor, rq, endless_model_dir, kv_reserved
+):
+    events = Events()
+    supervisor.start(replica(str(endless_model_dir), "endless", reserved=kv_reserved), events)
+    events.until("serving")
+    wait_until(lambda: rq.live("endless", "text") == ["b1"], 30, "the claim")
+
+    supervisor.send("b1", {"cmd": "sleep", "drain_timeout_s": 5})
+    events.until("sleeping", timeout=30)
+    # Withdrawn before the report: the control plane's look for requests left waiting, which
+    # follows the report, sees every request queued on the strength of the claim.
+    assert rq.live("endless", "text") == []
+
+    supervisor.send("b1", wake(kv_reserved))
+    events.until("woken", timeout=30)
+    wait_until(lambda: rq.live("endless", "text") == ["b1"], 30, "the claim after the wake")
+    assert supervisor.stop("b1", drain_timeout_s=5) == 0
+    assert rq.live("endless", "text") == []
+
+
 def test_a_forward_pass_cannot_be_cut_short_so_it_finishes_before_the_sleep(supervisor, rq):
     events = Events()
     supervisor.start(replica("tests.test_barrier:slow_module", "slow", loader="torch-module"), events)

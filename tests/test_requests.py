@@ -22,6 +22,7 @@ from inference.requestqueue import (
     RequestQueue,
     StaleEpoch,
     StreamSplice,
+    live_key,
     processing_key,
     queue_key,
 )
@@ -29,6 +30,7 @@ from scheduling.api.requests import InferInput, fast_inputs, params_of
 from scheduling.models import Deployment, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
+from scheduling.services.errors import InvalidInput, NotFound
 from scheduling.services.nodes import register_node
 from tests.processes import StandIn
 
@@ -391,6 +393,121 @@ def test_deleting_a_deployment_ends_its_waiting_requests_saying_why(serving_depl
 
     ended = user_client.get(f"/api/requests/{request_id}/").json()
     assert ended["status"] == "failed" and ended["error"] == "deployment tiny was deleted"
+
+
+# -- the live claim: requests queued without a database read -------------------------------------
+
+
+STARTING = (Replica.State.PENDING, Replica.State.WAKING)
+
+
+def sleeping_deployment(tiny_model_dir) -> Replica:
+    """A deployment whose only replica the database says is asleep (so a request must wake it)."""
+    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    request_services.queue.cache_clear()
+    return Replica.objects.create(deployment=deployment, state=Replica.State.SLEEPING)
+
+
+def test_a_request_for_a_replica_that_claims_to_take_requests_is_queued_without_asking_the_database(
+    db, rq, tiny_model_dir, dispatched
+):
+    # The database says asleep, the claim says taking: only a submit that never asked the
+    # database queues it as plainly `queued` and wakes nothing.
+    replica = sleeping_deployment(tiny_model_dir)
+    rq.announce("tiny", "text", replica.id)
+
+    submitted = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert submitted.status == "queued" and rq.depth("tiny") == 1
+    assert not Replica.objects.filter(state__in=STARTING).exists(), "nothing woken"
+
+
+def test_without_a_claim_the_request_is_admitted_by_the_database_which_wakes_the_deployment(
+    db, rq, tiny_model_dir, dispatched
+):
+    sleeping_deployment(tiny_model_dir)
+
+    submitted = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert submitted.status == "waking" and rq.depth("tiny") == 1
+    assert Replica.objects.filter(state__in=STARTING).exists(), "woken"
+
+
+def test_a_claim_that_lapsed_or_is_for_other_input_admits_nothing_by_itself(db, rq, tiny_model_dir, dispatched):
+    replica = sleeping_deployment(tiny_model_dir)
+    rq.announce("tiny", "tensor", replica.id)  # a plain module's claim: no use for text
+    rq.redis.zadd(live_key("tiny", "text"), {replica.id: 1.0})  # expired long ago
+
+    submitted = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert submitted.status == "waking" and rq.depth("tiny") == 1
+
+
+def test_a_request_of_the_wrong_kind_finds_no_claim_and_is_refused_as_before(serving_deployment, rq):
+    rq.announce("tiny", "text", serving_deployment.id)
+
+    with pytest.raises(InvalidInput, match="causal LM"):  # a tensor for a causal LM
+        request_services.submit("tiny", kind="forward", input=[[1.0]], params={}, owner="1")
+    assert rq.depth("tiny") == 0
+
+
+def test_run_waits_for_the_answer_of_a_request_queued_on_a_claim(serving_deployment, rq):
+    rq.announce("tiny", "text", serving_deployment.id)
+    StandIn(serving_deployment.id, 1).start()
+
+    submitted, final = request_services.run("tiny", kind="generate", input="hi", params={}, owner="1", timeout=10)
+
+    assert final is not None and final.status == "done" and final.output["text"] == "HI"
+    assert final.id == submitted.id and rq.live("tiny", "text") == [serving_deployment.id]
+
+
+def test_a_renewal_never_brings_back_a_withdrawn_claim(rq):
+    rq.announce("tiny", "text", "r1")
+    assert rq.live("tiny", "text") == ["r1"]
+    rq.take("tiny", "r1", timeout=0, renew_live="text")
+    assert rq.live("tiny", "text") == ["r1"]
+
+    rq.withdraw("tiny", "r1")
+    rq.take("tiny", "r1", timeout=0, renew_live="text")
+
+    assert rq.live("tiny", "text") == []
+
+
+@pytest.mark.parametrize("report", [{"event": "sleeping"}, {"event": "failed", "kind": "crash", "reason": "killed"}])
+def test_the_control_plane_withdraws_the_claim_of_a_replica_that_reports_it_stopped_taking(
+    serving_deployment, rq, dispatched, report
+):
+    # A replica withdraws its own claim as it drains; one that died cannot, and its claim would
+    # otherwise admit requests without a wake until it lapsed.
+    from django.test import TestCase
+
+    rq.announce("tiny", "text", serving_deployment.id)
+    queued = submit(rq)
+
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        replica_services.report(serving_deployment.id, report)
+
+    assert rq.live("tiny", "text") == []
+    assert rq.get(queued).status == "queued"
+    assert dispatched, "a request waits and nothing is awake: the deployment is woken again"
+
+
+def test_deleting_a_deployment_forgets_its_claims_and_ends_what_was_queued_on_them(serving_deployment, rq):
+    from django.test import TestCase
+
+    from scheduling.services import deployments
+
+    rq.announce("tiny", "text", serving_deployment.id)
+    queued = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        deployments.delete("tiny")
+
+    assert rq.live("tiny", "text") == []
+    assert rq.get(queued.id).status == "failed"
+    with pytest.raises(NotFound):
+        request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
 
 
 # -- /infer/'s fast path reads input exactly as its serializer does ------------------------------

@@ -241,7 +241,9 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
         # Imported here: the request service itself builds on this module.
         from scheduling.services import requests as request_services
 
-        transaction.on_commit(lambda: request_services.fail_waiting(name, f"deployment {name} was deleted"))
+        transaction.on_commit(
+            lambda: request_services.fail_waiting(name, f"deployment {name} was deleted", deleted=True)
+        )
 
 
 # -- placing and stopping replicas -------------------------------------------------------------

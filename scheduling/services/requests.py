@@ -54,31 +54,43 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
     placed); the request then shows `waking` until a replica takes it. One that can never be
     placed anywhere is refused with 409, and nothing is queued.
     """
-    status = _admit(deployment_name, kind)
     # Counted for the dashboard's requests per minute (and /metrics) in the same round trip.
-    return queue().submit(
-        deployment_name, kind=kind, input=input, params=params, owner=owner, status=status,
-        count_in=requeststats.accepted(deployment_name),
-    )  # fmt: skip
+    request = dict(kind=kind, input=input, params=params, owner=owner, count_in=requeststats.accepted(deployment_name))
+    # First the way with no database read: queued at once if a replica claims to take such
+    # requests now (inference.requestqueue's gp:live), since then there is nothing to wake.
+    submitted = queue().submit(deployment_name, **request, if_live=True)
+    if submitted is not None:
+        return submitted
+    status = _admit(deployment_name, kind)
+    submitted = queue().submit(deployment_name, **request, status=status)
+    assert submitted is not None
+    return submitted
 
 
 def run(
     deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str, timeout: float
 ) -> tuple[Request, Request | None]:
     """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
-    status = _admit(deployment_name, kind)
-    return queue().submit_and_wait(
-        deployment_name, kind=kind, input=input, params=params, owner=owner, status=status, timeout=timeout,
+    request = dict(
+        kind=kind, input=input, params=params, owner=owner, timeout=timeout,
         count_in=requeststats.accepted(deployment_name),
     )  # fmt: skip
+    # As in submit: the database is asked only when no replica claims to take the request now.
+    ran = queue().submit_and_wait(deployment_name, **request, if_live=True)
+    if ran is not None:
+        return ran
+    status = _admit(deployment_name, kind)
+    ran = queue().submit_and_wait(deployment_name, **request, status=status)
+    assert ran is not None
+    return ran
 
 
 def _admit(deployment_name: str, kind: str) -> str:
     """Check that `deployment_name` can take `kind`, wake it if nothing is awake; the status a
     request for it starts in."""
-    # One statement for all the hot path needs to know: on a serving deployment this is the only
-    # database access of a request. Raw SQL, so no ORM compiles it each time, and psycopg
-    # prepares it on the server after a few runs.
+    # One statement for all a request needs to know when no replica claims to take it (with a
+    # claim, a request reads nothing from the database). Raw SQL, so no ORM compiles it each
+    # time, and psycopg prepares it on the server after a few runs.
     row = _read_deployment(deployment_name)
     if row is None:
         raise NotFound(f"no deployment named {deployment_name!r}")
@@ -161,6 +173,13 @@ def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
     return get(request_id, user_id=user_id, staff=staff)
 
 
+def withdraw_live(deployment_name: str, replica_id: str) -> None:
+    """The replica takes no more requests: withdraw its claim that it does (a replica withdraws
+    it itself as it stops taking; one that died could not), so that requests from now on are
+    admitted by the database, which wakes what must serve them."""
+    queue().withdraw(deployment_name, replica_id)
+
+
 def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
     """What a stopped or failed replica had taken goes back to its queue (never dropped)."""
     outcomes = queue().requeue_from(replica_id, max_attempts=settings.GPUPORTAL_REQUEST_ATTEMPTS, reason=reason)
@@ -169,8 +188,12 @@ def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
     return outcomes
 
 
-def fail_waiting(deployment_name: str, reason: str) -> list[str]:
-    """End the waiting requests of a deployment that cannot be woken, saying why."""
+def fail_waiting(deployment_name: str, reason: str, *, deleted: bool = False) -> list[str]:
+    """End the waiting requests of a deployment that cannot be woken, saying why. `deleted`: it
+    is gone, so its replicas' claims to take requests go first; a request queued on the strength
+    of one before that is then in the queue, and ends here too."""
+    if deleted:
+        queue().forget_live(deployment_name)
     return queue().fail_queued(deployment_name, reason=reason)
 
 
