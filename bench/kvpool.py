@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--size-mb", type=float, default=5.0)
+    parser.add_argument("--trials", type=int, default=5, help="alternating runs of each, medians compared")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
 
@@ -151,8 +153,13 @@ def main() -> None:
         blocks = sum(kv_blocks(p + n) for p, n in lengths)
         pool_throughput(model, prompts[:2], new[:2], blocks, args.device)  # warm-up
         default_cache_throughput(model, prompts[:2], new[:2], args.device)
-        paged = pool_throughput(model, prompts, new, blocks, args.device)
-        default = default_cache_throughput(model, prompts, new, args.device)
+        # Alternating trials, medians of each: a shared machine's speed drifts within seconds,
+        # and a single run of each would measure the drift as much as the caches.
+        paged_runs, default_runs = [], []
+        for _ in range(args.trials):
+            paged_runs.append(pool_throughput(model, prompts, new, blocks, args.device))
+            default_runs.append(default_cache_throughput(model, prompts, new, args.device))
+        paged, default = statistics.median(paged_runs), statistics.median(default_runs)
         rows.append([name, args.requests, f"{paged:.0f}", f"{default:.0f}", f"{paged / default:.2f}×"])
     throughput = table(["requests", "count", "pool tok/s", "default cache tok/s", "pool / default"], rows)
 
@@ -171,7 +178,8 @@ def main() -> None:
         body = (
             f"Tiny Llama ({args.size_mb:g} MiB float32, {shape.num_layers} layers) on {args.device}; greedy, no EOS. "
             "Throughput: useful tokens/s, the continuous batcher on the pool against one left-padded "
-            "model.generate() batch with transformers' default cache.\n\n"
+            f"model.generate() batch with transformers' default cache; medians of {args.trials} alternating "
+            "trials of each.\n\n"
             f"{throughput}\n\n"
             "Concurrency within one cap (weights + activation budget + KV room for 8 requests of the model's "
             "2048-token context): the peak of sequences the batcher runs at once, each admitted on "

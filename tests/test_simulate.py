@@ -68,11 +68,13 @@ def test_a_reservation_beyond_the_gpu_raises_at_that_instant(quick):
         sim._reserve(replica)
 
 
-def test_the_same_seed_gives_the_same_table_and_another_seed_another(quick):
-    first = report(quick, DEFAULT_CONFIG, generate(quick))
-    assert report(quick, DEFAULT_CONFIG, generate(quick)) == first
+def test_the_same_seed_gives_the_same_table_and_another_seed_another(quick, tmp_path):
+    plot = tmp_path / "attainment.png"
+    first = report(quick, DEFAULT_CONFIG, generate(quick), plot)
+    assert report(quick, DEFAULT_CONFIG, generate(quick), plot) == first
     other = replace(quick, seed=quick.seed + 1)
-    assert report(other, DEFAULT_CONFIG, generate(other)) != first
+    assert report(other, DEFAULT_CONFIG, generate(other), plot) != first
+    assert plot.stat().st_size > 0
 
 
 def test_the_trace_spreads_sizes_and_marks_the_most_requested_popular():
