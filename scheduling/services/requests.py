@@ -8,9 +8,10 @@ request costs a few Redis round trips on top of the model. What the scheduler ne
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
-from functools import cache
-from typing import Any
+from functools import cache, partial
+from typing import Any, TypeVar
 
 import psycopg
 from django.conf import settings
@@ -23,6 +24,7 @@ from scheduling.services import deployments, sleep
 from scheduling.services.errors import CannotPlace, InvalidInput, InvalidState, NotFound
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
 
@@ -55,34 +57,35 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
     placed anywhere is refused with 409, and nothing is queued.
     """
     # Counted for the dashboard's requests per minute (and /metrics) in the same round trip.
-    request = dict(kind=kind, input=input, params=params, owner=owner, count_in=requeststats.accepted(deployment_name))
-    # First the way with no database read: queued at once if a replica claims to take such
-    # requests now (inference.requestqueue's gp:live), since then there is nothing to wake.
-    submitted = queue().submit(deployment_name, **request, if_live=True)
-    if submitted is not None:
-        return submitted
-    status = _admit(deployment_name, kind)
-    submitted = queue().submit(deployment_name, **request, status=status)
-    assert submitted is not None
-    return submitted
+    return _queued(
+        deployment_name, kind, partial(
+            queue().submit, deployment_name, kind=kind, input=input, params=params, owner=owner,
+            count_in=requeststats.accepted(deployment_name),
+        ),
+    )  # fmt: skip
 
 
 def run(
     deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str, timeout: float
 ) -> tuple[Request, Request | None]:
     """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
-    request = dict(
-        kind=kind, input=input, params=params, owner=owner, timeout=timeout,
-        count_in=requeststats.accepted(deployment_name),
+    return _queued(
+        deployment_name, kind, partial(
+            queue().submit_and_wait, deployment_name, kind=kind, input=input, params=params, owner=owner,
+            timeout=timeout, count_in=requeststats.accepted(deployment_name),
+        ),
     )  # fmt: skip
-    # As in submit: the database is asked only when no replica claims to take the request now.
-    ran = queue().submit_and_wait(deployment_name, **request, if_live=True)
-    if ran is not None:
-        return ran
-    status = _admit(deployment_name, kind)
-    ran = queue().submit_and_wait(deployment_name, **request, status=status)
-    assert ran is not None
-    return ran
+
+
+def _queued(deployment_name: str, kind: str, put: Callable[..., T | None]) -> T:
+    """`put` (a queue's submit) first with no database read, which queues the request only if a
+    replica claims to take such requests now (inference.requestqueue's gp:live): there is then
+    nothing to wake. Else `put` again once the database has admitted it (`_admit`)."""
+    queued = put(if_live=True)
+    if queued is None:
+        queued = put(status=_admit(deployment_name, kind))
+    assert queued is not None  # only a submit `if_live` queues nothing
+    return queued
 
 
 def _admit(deployment_name: str, kind: str) -> str:
