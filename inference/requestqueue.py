@@ -11,6 +11,7 @@ request somewhere at every instant:
     gp:stream:<id>          chunks of a streamed answer, in order, then an end marker
     gp:last:<replica>       when the replica last finished a request (for idle sleep)
     gp:live:<deployment>:<family>  replicas taking requests now, scored by when that claim expires
+    gp:deleted:<deployment>        a deployment deleted a moment ago, which no replica may claim
 
 A replica that dies leaves its ids in gp:proc:<replica>; `requeue_from` puts them back at the
 head of the queue (or fails them once they used their attempts).
@@ -39,6 +40,10 @@ BLOCK_SLICE_S = 2.0
 # hung, or in a forward pass this long) lets it lapse. Scored with the replica's clock, compared
 # with Redis's: a skew far below this is harmless.
 LIVE_TTL_S = 5.0
+# Long enough for a deleted deployment's stop commands to reach its replicas. A deployment made
+# again under the same name meanwhile only serves the long way (each request asks the database)
+# until it passes.
+DELETED_TTL_S = 60
 
 
 def now() -> float:
@@ -96,6 +101,11 @@ def family_of_loader(loader: str) -> str:
     return "text" if loader == "transformers" else "tensor"
 
 
+def deleted_key(deployment: str) -> str:
+    """Set for DELETED_TTL_S once the deployment is deleted: no replica may claim it meanwhile."""
+    return f"gp:deleted:{deployment}"
+
+
 def epoch_key(fence: str) -> str:
     return f"gp:epoch:{fence}"
 
@@ -148,6 +158,17 @@ if ARGV[3] ~= '' then
   redis.call('EXPIRE', KEYS[5], ARGV[3])
 end
 redis.call('LPUSH', KEYS[3], ARGV[1])
+return 1
+"""
+
+# A replica's claim to take requests, refused for a deployment deleted a moment ago. Also clears
+# the claims of replicas long gone. KEYS: live set, deleted marker. ARGV: replica id, now, claim
+# ttl, key ttl.
+_ANNOUNCE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[3]))
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
@@ -280,6 +301,7 @@ class RequestQueue:
         self._raise_epoch = client.register_script(_RAISE_EPOCH)
         self._end_script = client.register_script(_END)
         self._mark_taken = client.register_script(_MARK_TAKEN)
+        self._announce = client.register_script(_ANNOUNCE)
 
     @classmethod
     def from_url(cls, url: str) -> RequestQueue:
@@ -490,28 +512,42 @@ class RequestQueue:
 
     # -- the replica side ----------------------------------------------------------------------
 
-    def take(self, deployment: str, replica_id: str, timeout: float, renew_live: str | None = None) -> Request | None:
+    def take(self, deployment: str, replica_id: str, timeout: float) -> Request | None:
         """The oldest waiting request, moved atomically into this replica's processing list.
 
         Waits up to `timeout` seconds for one; timeout <= 0 only looks (a batch that must keep stepping).
-        `renew_live`: a family whose claim to be taking requests this renews (see `announce`).
         """
+        return self._take(deployment, replica_id, timeout, None)[0]
+
+    def take_renewing(
+        self, deployment: str, replica_id: str, timeout: float, family: str
+    ) -> tuple[Request | None, bool]:
+        """`take`, renewing in the same round trip the replica's claim to take `family` requests
+        (see `announce`); and whether the claim was still there to renew."""
+        request, renewed = self._take(deployment, replica_id, timeout, family)
+        return request, bool(renewed)
+
+    def _take(
+        self, deployment: str, replica_id: str, timeout: float, renew: str | None
+    ) -> tuple[Request | None, bool | None]:
         source, target = queue_key(deployment), processing_key(replica_id)
         args = [replica_id, REQUEST_PREFIX]
         # The move and the marking in one round trip: Redis runs the script the moment the move
         # returns. By its SHA, so the pipeline sends no SCRIPT EXISTS first; a Redis that lost
         # its scripts (a restart) answers NOSCRIPT, and the marking runs again on its own.
         with self.redis.pipeline(transaction=False) as pipe:
-            if renew_live:
+            if renew:
                 # XX: a renewal never re-creates a claim that was withdrawn (by the replica as it
-                # stopped taking, or by the control plane for a replica it saw die).
-                pipe.zadd(live_key(deployment, renew_live), {replica_id: now() + LIVE_TTL_S}, xx=True)
+                # stopped taking, or by the control plane for a replica it saw die); CH: it
+                # answers 1 only if the claim was there.
+                pipe.zadd(live_key(deployment, renew), {replica_id: now() + LIVE_TTL_S}, xx=True, ch=True)
             if timeout <= 0:
                 pipe.lmove(source, target, "RIGHT", "LEFT")
             else:
                 pipe.blmove(source, target, timeout, "RIGHT", "LEFT")
             pipe.evalsha(self._mark_taken.sha, 1, target, *args)
             replies = pipe.execute(raise_on_error=False)
+        renewed = None if not renew or isinstance(replies[0], Exception) else replies[0] == 1
         moved, marked = replies[-2:]
         if isinstance(moved, Exception):
             raise moved
@@ -520,24 +556,21 @@ class RequestQueue:
         elif isinstance(marked, Exception):
             raise marked
         if not marked:
-            return None
+            return None, renewed
         # Marked even if this move found nothing: an earlier move whose marking never ran (its
         # connection broke in between) left its id at the head, and it is served now, not lost.
         request_id, fields = marked
         raw_hash = dict(zip(fields[::2], fields[1::2], strict=True))
         request_id = request_id.decode()
-        return Request.from_hash(request_id, raw_hash)
+        return Request.from_hash(request_id, raw_hash), renewed
 
-    def announce(self, deployment: str, family: str, replica_id: str) -> None:
+    def announce(self, deployment: str, family: str, replica_id: str) -> bool:
         """Claim that this replica takes the deployment's `family` requests now: until the claim
-        lapses (LIVE_TTL_S, renewed by `take`) or is withdrawn, the web queues them without asking
-        the database whether anything must be woken."""
-        key = live_key(deployment, family)
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zremrangebyscore(key, "-inf", now() - LIVE_TTL_S)  # claims of the long gone
-            pipe.zadd(key, {replica_id: now() + LIVE_TTL_S})
-            pipe.expire(key, TTL_S)
-            pipe.execute()
+        lapses (LIVE_TTL_S, renewed by `take_renewing`) or is withdrawn, the web queues them
+        without asking the database whether anything must be woken. False, and no claim, for a
+        deployment deleted within the last DELETED_TTL_S."""
+        keys = [live_key(deployment, family), deleted_key(deployment)]
+        return bool(self._announce(keys=keys, args=[replica_id, now(), LIVE_TTL_S, TTL_S]))
 
     def withdraw(self, deployment: str, replica_id: str) -> None:
         """The replica no longer takes requests (it drains, sleeps, stopped or died)."""
@@ -547,8 +580,12 @@ class RequestQueue:
             pipe.execute()
 
     def forget_live(self, deployment: str) -> None:
-        """No replica of the deployment takes requests any more (it was deleted)."""
-        self.redis.delete(*(live_key(deployment, family) for family in FAMILIES))
+        """No replica of the deployment takes requests any more (it was deleted); and for a
+        while none may claim to (a replica the stop has not reached yet would claim again)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(*(live_key(deployment, family) for family in FAMILIES))
+            pipe.set(deleted_key(deployment), 1, ex=DELETED_TTL_S)
+            pipe.execute()
 
     def live(self, deployment: str, family: str) -> list[str]:
         """Replicas whose claim to take the deployment's `family` requests holds now."""

@@ -254,8 +254,17 @@ class Server(threading.Thread):
 
     def _take(self, timeout: float) -> Request | None:
         try:
-            renew = family_of_loader(self.host.loader) if self.live else None
-            return self.queue.take(self.deployment, self.host.replica_id, timeout=timeout, renew_live=renew)
+            if not self.live:
+                return self.queue.take(self.deployment, self.host.replica_id, timeout=timeout)
+            family = family_of_loader(self.host.loader)
+            request, renewed = self.queue.take_renewing(self.deployment, self.host.replica_id, timeout, family)
+            if not renewed:
+                # Gone while the replica still takes requests: Redis lost it (a restart without
+                # persistence). Claimed again on the next turn, unless the replica stopped taking
+                # meanwhile or its deployment was just deleted (see RequestQueue.announce).
+                with self._claim:
+                    self.live = False
+            return request
         except Exception:
             log.exception("cannot take requests from the queue; retrying")
             self.stopped.wait(self.poll_s)
@@ -267,12 +276,11 @@ class Server(threading.Thread):
             # is made first and withdrawn there, or it sees the replica no longer takes requests.
             if self.live or not self.host.accepting.is_set():
                 return
+            family = family_of_loader(self.host.loader)
             try:
-                self.queue.announce(self.deployment, family_of_loader(self.host.loader), self.host.replica_id)
+                self.live = self.queue.announce(self.deployment, family, self.host.replica_id)
             except Exception:  # the web asks the database instead; the next take tries again
                 log.warning("cannot claim to take requests", exc_info=True)
-                return
-            self.live = True
 
     def withdraw(self) -> None:
         """The replica stops taking requests (drain, sleep, stop): withdraw its claim. Runs on the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -26,6 +27,7 @@ from inference.requestqueue import (
     processing_key,
     queue_key,
 )
+from inference.serving import Server
 from scheduling.api.requests import InferInput, fast_inputs, params_of
 from scheduling.models import Deployment, Replica
 from scheduling.services import replicas as replica_services
@@ -462,15 +464,47 @@ def test_run_waits_for_the_answer_of_a_request_queued_on_a_claim(serving_deploym
     assert final.id == submitted.id and rq.live("tiny", "text") == [serving_deployment.id]
 
 
-def test_a_renewal_never_brings_back_a_withdrawn_claim(rq):
-    rq.announce("tiny", "text", "r1")
+def test_a_renewal_never_brings_back_a_withdrawn_claim_and_says_it_found_none(rq):
+    assert rq.announce("tiny", "text", "r1")
     assert rq.live("tiny", "text") == ["r1"]
-    rq.take("tiny", "r1", timeout=0, renew_live="text")
+    assert rq.take_renewing("tiny", "r1", 0, "text") == (None, True)
     assert rq.live("tiny", "text") == ["r1"]
 
     rq.withdraw("tiny", "r1")
-    rq.take("tiny", "r1", timeout=0, renew_live="text")
 
+    assert rq.take_renewing("tiny", "r1", 0, "text") == (None, False)
+    assert rq.live("tiny", "text") == []
+
+
+def test_a_replica_claims_again_once_redis_lost_its_claim_but_not_for_a_deleted_deployment(rq):
+    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event())
+    host.accepting.set()
+    server = Server(host, rq, "tiny")
+    server._announce()
+    assert server.live and rq.live("tiny", "text") == ["r1"]
+
+    rq.redis.delete(live_key("tiny", "text"))  # a Redis restarted without persistence
+    server._take(0)
+    server._announce()  # what the serving loop does on its next turn
+
+    assert rq.live("tiny", "text") == ["r1"]
+    rq.forget_live("tiny")  # deleted: its stop is on its way to the replica
+    server._take(0)
+    server._announce()
+    assert not server.live and rq.live("tiny", "text") == []
+
+
+def test_a_claim_made_as_the_replica_stops_taking_is_withdrawn_not_left(rq):
+    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event())
+    server = Server(host, rq, "tiny")
+    host.accepting.set()
+    server._announce()
+
+    host.accepting.clear()  # what ReplicaHost's state setter does, then it calls on_stop_taking
+    host.on_stop_taking()
+
+    assert not server.live and rq.live("tiny", "text") == []
+    server._announce()
     assert rq.live("tiny", "text") == []
 
 
