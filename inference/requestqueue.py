@@ -524,12 +524,9 @@ class RequestQueue:
     ) -> tuple[Request | None, bool]:
         """`take`, renewing in the same round trip the replica's claim to take `family` requests
         (see `announce`); and whether the claim was still there to renew."""
-        request, renewed = self._take(deployment, replica_id, timeout, family)
-        return request, bool(renewed)
+        return self._take(deployment, replica_id, timeout, family)
 
-    def _take(
-        self, deployment: str, replica_id: str, timeout: float, renew: str | None
-    ) -> tuple[Request | None, bool | None]:
+    def _take(self, deployment: str, replica_id: str, timeout: float, renew: str | None) -> tuple[Request | None, bool]:
         source, target = queue_key(deployment), processing_key(replica_id)
         args = [replica_id, REQUEST_PREFIX]
         # The move and the marking in one round trip: Redis runs the script the moment the move
@@ -547,7 +544,7 @@ class RequestQueue:
                 pipe.blmove(source, target, timeout, "RIGHT", "LEFT")
             pipe.evalsha(self._mark_taken.sha, 1, target, *args)
             replies = pipe.execute(raise_on_error=False)
-        renewed = None if not renew or isinstance(replies[0], Exception) else replies[0] == 1
+        renewed = bool(renew) and replies[0] == 1  # an error reply counts as no claim found
         moved, marked = replies[-2:]
         if isinstance(moved, Exception):
             raise moved

@@ -234,6 +234,7 @@ class Server(threading.Thread):
         # host.accepting, so a claim made as the replica stops taking is withdrawn, never left.
         self.live = False
         self._claim = threading.Lock()
+        self.family = family_of_loader(host.loader)  # what its claim is for: text or tensors
         host.on_stop_taking = self.withdraw
 
     def run(self) -> None:
@@ -256,8 +257,7 @@ class Server(threading.Thread):
         try:
             if not self.live:
                 return self.queue.take(self.deployment, self.host.replica_id, timeout=timeout)
-            family = family_of_loader(self.host.loader)
-            request, renewed = self.queue.take_renewing(self.deployment, self.host.replica_id, timeout, family)
+            request, renewed = self.queue.take_renewing(self.deployment, self.host.replica_id, timeout, self.family)
             if not renewed:
                 # Gone while the replica still takes requests: Redis lost it (a restart without
                 # persistence). Claimed again on the next turn, unless the replica stopped taking
@@ -276,9 +276,8 @@ class Server(threading.Thread):
             # is made first and withdrawn there, or it sees the replica no longer takes requests.
             if self.live or not self.host.accepting.is_set():
                 return
-            family = family_of_loader(self.host.loader)
             try:
-                self.live = self.queue.announce(self.deployment, family, self.host.replica_id)
+                self.live = self.queue.announce(self.deployment, self.family, self.host.replica_id)
             except Exception:  # the web asks the database instead; the next take tries again
                 log.warning("cannot claim to take requests", exc_info=True)
 

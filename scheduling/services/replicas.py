@@ -185,12 +185,11 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
     # A request accepted while this replica still served (so it woke nothing), or one its drain
     # handed back, waits with nothing awake to take it: the last replica to fall asleep wakes
     # the deployment again, as the next request would have.
-    from scheduling.services import requests as request_services
     from scheduling.services import sleep  # the sleep service builds on this module
 
     # Its claim to take requests first (the replica withdrew it as it began to drain, unless
     # Redis failed it then): what was queued on its strength is in the queue by the check below.
-    _withdraw(request_services, replica)
+    _withdraw(replica)
     if sleep.awake_count(replica.deployment) == 0:
         wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} slept")
 
@@ -262,11 +261,13 @@ def requeue_taken(replica: Replica, reason: str) -> None:
 
     # The claim to take requests before the check for what waits (wake_for_waiting): a request
     # queued on its strength is then in the queue when the check looks.
-    _withdraw(request_services, replica)
+    _withdraw(replica)
     request_services.requeue_from(replica.id, reason)
 
 
-def _withdraw(request_services: Any, replica: Replica) -> None:
+def _withdraw(replica: Replica) -> None:
+    from scheduling.services import requests as request_services
+
     try:
         request_services.withdraw_live(replica.deployment.name, replica.id)
     except redis.RedisError as err:  # the claim lapses on its own (LIVE_TTL_S) if it is still there
