@@ -50,12 +50,28 @@ class StateCollector:
         available = GaugeMetricFamily(
             "gpuportal_gpu_available_bytes", "GPU memory free to place replicas.", labels=["node", "gpu"]
         )
-        rows = GPU.objects.values_list("node__name", "index", "virtual", "total_bytes", "available_bytes")
-        for node, index, virtual, total_bytes, available_bytes in rows:
+        overcommit = GaugeMetricFamily(
+            "gpuportal_gpu_overcommit_bytes",
+            "Bytes a GPU's replica processes held beyond their reservations at the last heartbeat "
+            "(NVML, or the virtual GPU's model of it); 0 when the books are honest.",
+            labels=["node", "gpu"],
+        )
+        free = GaugeMetricFamily(
+            "gpuportal_gpu_nvml_free_bytes",
+            "Free memory NVML reported at the last heartbeat (a virtual GPU's: total less its processes').",
+            labels=["node", "gpu"],
+        )
+        rows = GPU.objects.values_list(
+            "node__name", "index", "virtual", "total_bytes", "available_bytes", "overcommit_bytes", "nvml_free_bytes"
+        )
+        for node, index, virtual, total_bytes, available_bytes, overcommit_bytes, nvml_free_bytes in rows:
             gpu = str(index)
             total.add_metric([node, gpu, "true" if virtual else "false"], total_bytes)
             reserved.add_metric([node, gpu], total_bytes - available_bytes)
             available.add_metric([node, gpu], available_bytes)
+            overcommit.add_metric([node, gpu], overcommit_bytes)
+            if nvml_free_bytes is not None:
+                free.add_metric([node, gpu], nvml_free_bytes)
 
         nodes = _count_by("gpuportal_nodes", "Nodes by status.", "status", Node, Node.Status.values)
         replicas = _count_by("gpuportal_replicas", "Replicas by state.", "state", Replica, Replica.State.values)
@@ -63,6 +79,8 @@ class StateCollector:
             total,
             reserved,
             available,
+            overcommit,
+            free,
             _measured_bytes(),
             nodes,
             replicas,
@@ -75,8 +93,8 @@ class StateCollector:
 
 
 def _measured_bytes() -> Metric:
-    """Per GPU, the sum of the measured footprint (Deployment.memory_measured_bytes: NVML's
-    per-process figure on a real GPU, tensors plus budgeted reserves on a virtual one) of its
+    """Per GPU, the sum of the measured footprint (Deployment.memory_measured_bytes: the serving
+    footprint a replica composed from measured parts, scheduling.memory) of its
     serving occupants whose deployment has been measured. Occupants in other states, or not yet
     measured, add nothing: compare with reserved bytes to see how much of a reservation is used."""
     family = GaugeMetricFamily(

@@ -170,8 +170,8 @@ GPUPORTAL_CAS_ATTEMPTS = int(os.environ.get("GPUPORTAL_CAS_ATTEMPTS", "8"))
 GPUPORTAL_CAS_BACKOFF_MAX_S = env_float("GPUPORTAL_CAS_BACKOFF_MAX_S", 0.05)
 GPUPORTAL_DATA_DIR = str(default_data_dir())
 GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
-# What a CUDA context holds on a real GPU; virtual GPUs have none. Added to a replica's need.
-GPUPORTAL_CUDA_CONTEXT_BYTES = int(os.environ.get("GPUPORTAL_CUDA_CONTEXT_BYTES", str(500 * 1024**2)))
+# A replica's CUDA context is no setting: each GPU row holds its own, measured by its replicas
+# (default: the H100's), and a virtual node's comes from its agent's --virtual-context (issue 15).
 # A replica that hits a CUDA device-side assert is restarted at most this many times per hour.
 GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER_HOUR", "3"))
 # A request whose replica died is run again on another, at most this many times in all.

@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from gpuportal.celery import app
-from inference.devices import discover
+from inference.devices import VirtualProfile, discover
 from inference.supervisor import Supervisor
 from scheduling.models import Node
 from scheduling.services import nodes
@@ -52,8 +52,10 @@ class NodeAgent:
         cpu_cache_bytes: int | None = None,
         heartbeat_s: float | None = None,
         concurrency: int = 4,
+        profile: VirtualProfile | None = None,
     ):
         self.name = name
+        self.profile = profile or VirtualProfile.from_env()
         self.backend = backend
         self.virtual_spec = virtual_spec or settings.GPUPORTAL_VIRTUAL_GPUS
         # Default room for sleeping weights: half the host's RAM.
@@ -64,14 +66,16 @@ class NodeAgent:
         self._stop_requested = threading.Event()
         self.supervisor = Supervisor(Path(settings.GPUPORTAL_DATA_DIR) / "replicas" / name)
         self._heartbeat_thread: threading.Thread | None = None
+        self._virtual = backend == "virtual"
 
     @property
     def queue(self) -> str:
         return nodes.node_queue(self.name)
 
     def register(self) -> Node:
-        devices = discover(self.name, backend=self.backend, virtual_spec=self.virtual_spec)
+        devices = discover(self.name, backend=self.backend, virtual_spec=self.virtual_spec, profile=self.profile)
         virtual = all(d.virtual for d in devices)
+        self._virtual = virtual
         node = nodes.register_node(
             self.name,
             devices,
@@ -98,10 +102,31 @@ class NodeAgent:
                 # Why close_old_connections: a database restart leaves this thread's connection
                 # dead; Django drops it here so the next query reconnects instead of failing forever.
                 close_old_connections()
-                nodes.heartbeat(self.name)
+                nodes.heartbeat(self.name, books=self.books())
             except Exception:
                 log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
         connection.close()
+
+    def books(self) -> nodes.Books:
+        """What each replica process holds per GPU, for the control plane to check the books
+        against (issue 15): NVML's per-process figures on a real GPU, the replicas' own model of
+        them on a virtual one (refreshed by a ping; the answers arrive for the next beat)."""
+        from inference.replica import nvml_device_free, nvml_process_bytes
+
+        running = self.supervisor.usage()
+        self.supervisor.ping_all()
+        usage: dict[str, dict[str, int]] = {}
+        for replica_id, (pid, reported) in running.items():
+            measured = nvml_process_bytes(pid) if pid is not None and not self.virtual else None
+            figures = measured if measured is not None else reported
+            if figures is not None:
+                usage[replica_id] = figures
+        free = None if self.virtual else nvml_device_free()
+        return nodes.Books(usage=usage, free_by_index=free)
+
+    @property
+    def virtual(self) -> bool:
+        return self._virtual
 
     def stop(self, reason: str = "agent stopped") -> None:
         # Replicas first: each reports `stopped` (releasing its reservation) while we can still write.

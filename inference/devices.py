@@ -7,9 +7,12 @@ flag only labels them in the API and admin.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from contextlib import suppress
+from dataclasses import dataclass
 
+from scheduling import memory
 from scheduling.state import DeviceInfo
 
 log = logging.getLogger(__name__)
@@ -65,18 +68,97 @@ def parse_virtual_spec(spec: str) -> list[int]:
     return sizes
 
 
-def virtual_gpus(node: str, spec: str) -> list[DeviceInfo]:
-    return [
-        DeviceInfo(
-            index=i,
-            # Stable across restarts, so a re-registering agent finds its rows again.
-            uuid=f"virtual-{node}-{i}",
-            product=f"Virtual GPU ({size / 1024**3:.3g} GiB)",
-            total_bytes=size,
-            virtual=True,
+@dataclass(frozen=True)
+class VirtualProfile:
+    """How a virtual GPU accounts, so that the CPU suite catches what breaks on a real one.
+
+    The defaults are the H100 of ../shared/gpu-2026-11-24: each replica process pays a CUDA
+    context beside PyTorch's allocator (more once it has served than as a standby), the driver
+    keeps a reserve that NVML counts in its total but CUDA cannot allocate, and the allocator
+    rounds what it holds (scheduling.memory.allocation_bytes). A node overrides them with the
+    agent's --virtual-context, --virtual-standby-context and --virtual-driver-reserve, which reach
+    its replica processes in their environment (ENV).
+    """
+
+    context_bytes: int = memory.H100_CONTEXT_BYTES
+    standby_context_bytes: int = memory.H100_STANDBY_CONTEXT_BYTES
+    driver_reserve_bytes: int = memory.H100_DRIVER_RESERVE_BYTES
+
+    ENV = (
+        ("context_bytes", "GPUPORTAL_VIRTUAL_CONTEXT_BYTES"),
+        ("standby_context_bytes", "GPUPORTAL_VIRTUAL_STANDBY_CONTEXT_BYTES"),
+        ("driver_reserve_bytes", "GPUPORTAL_VIRTUAL_DRIVER_RESERVE_BYTES"),
+    )
+
+    def __post_init__(self) -> None:
+        for field_name, _ in self.ENV:
+            if getattr(self, field_name) < 0:
+                raise ValueError(f"virtual GPU {field_name} must be >= 0, got {getattr(self, field_name)}")
+        if self.standby_context_bytes > self.context_bytes:
+            raise ValueError("a standby's context cannot be larger than a serving replica's")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> VirtualProfile:
+        """The profile in `env` (default os.environ); missing values keep the H100 defaults."""
+        env = dict(os.environ if env is None else env)
+        values = {}
+        for field_name, var in cls.ENV:
+            if env.get(var, "").strip():
+                try:
+                    values[field_name] = parse_size(env[var]) if env[var].strip() != "0" else 0
+                except ValueError as exc:
+                    raise ValueError(f"{var}: {exc}") from None
+        return cls(**values)
+
+    def as_env(self) -> dict[str, str]:
+        return {var: str(getattr(self, field_name)) for field_name, var in self.ENV}
+
+
+def virtual_gpus(node: str, spec: str, profile: VirtualProfile | None = None) -> list[DeviceInfo]:
+    """The GPUs of `spec`, each declared size being NVML's total: CUDA can allocate that less the
+    profile's driver reserve, which is what the books count."""
+    profile = profile or VirtualProfile()
+    devices = []
+    for i, size in enumerate(parse_virtual_spec(spec)):
+        if size <= profile.driver_reserve_bytes + profile.context_bytes:
+            raise ValueError(
+                f"a virtual GPU of {memory.human_bytes(size)} has no room once the driver reserve "
+                f"({memory.human_bytes(profile.driver_reserve_bytes)}) and one CUDA context "
+                f"({memory.human_bytes(profile.context_bytes)}) are taken; declare a larger one"
+            )
+        devices.append(
+            DeviceInfo(
+                index=i,
+                # Stable across restarts, so a re-registering agent finds its rows again.
+                uuid=f"virtual-{node}-{i}",
+                product=f"Virtual GPU ({size / 1024**3:.3g} GiB)",
+                total_bytes=size - profile.driver_reserve_bytes,
+                virtual=True,
+                nvml_total_bytes=size,
+                context_bytes=profile.context_bytes,
+                standby_context_bytes=profile.standby_context_bytes,
+            )
         )
-        for i, size in enumerate(parse_virtual_spec(spec))
-    ]
+    return devices
+
+
+def allocatable_bytes(pynvml: object, handle: object) -> tuple[int, int]:
+    """(what CUDA can allocate, NVML's total) of one device.
+
+    NVML's total counts memory the driver keeps for itself; version 2 of the memory query names
+    it (`reserved`). Drivers without it: on an idle device everything "used" is that reserve;
+    on a busy one the H100's figure stands in (the agent restarted beside running replicas).
+    """
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle)  # type: ignore[attr-defined]
+    total = int(info.total)
+    with suppress(Exception):  # NVMLError_FunctionNotFound on old drivers, AttributeError on old bindings
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)  # type: ignore[attr-defined]
+        if 0 < int(v2.reserved) < total:
+            return total - int(v2.reserved), total
+    with suppress(Exception):
+        if not pynvml.nvmlDeviceGetComputeRunningProcesses(handle):  # type: ignore[attr-defined]
+            return total - int(info.used), total
+    return total - memory.H100_DRIVER_RESERVE_BYTES, total
 
 
 def nvidia_gpus() -> list[DeviceInfo]:
@@ -96,13 +178,17 @@ def nvidia_gpus() -> list[DeviceInfo]:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             name = pynvml.nvmlDeviceGetName(handle)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
+            allocatable, nvml_total = allocatable_bytes(pynvml, handle)
             devices.append(
                 DeviceInfo(
                     index=index,
                     uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
                     product=name.decode() if isinstance(name, bytes) else name,
-                    total_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                    total_bytes=allocatable,
                     virtual=False,
+                    nvml_total_bytes=nvml_total,
+                    # Measured by the replicas that run here (scheduling.services.replicas).
+                    context_bytes=None,
                 )
             )
         return devices
@@ -111,7 +197,9 @@ def nvidia_gpus() -> list[DeviceInfo]:
             pynvml.nvmlShutdown()
 
 
-def discover(node: str, *, backend: str = "auto", virtual_spec: str = "2x24GiB") -> list[DeviceInfo]:
+def discover(
+    node: str, *, backend: str = "auto", virtual_spec: str = "2x24GiB", profile: VirtualProfile | None = None
+) -> list[DeviceInfo]:
     """`auto`: NVML when it finds a GPU, else the virtual GPUs of `virtual_spec`."""
     if backend not in {"auto", "nvml", "virtual"}:
         raise ValueError(f"unknown GPU backend {backend!r} (auto, nvml or virtual)")
@@ -121,4 +209,4 @@ def discover(node: str, *, backend: str = "auto", virtual_spec: str = "2x24GiB")
             return found
         if backend == "nvml":
             raise ValueError("--backend nvml, but NVML finds no NVIDIA GPU on this host")
-    return virtual_gpus(node, virtual_spec)
+    return virtual_gpus(node, virtual_spec, profile)

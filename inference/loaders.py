@@ -82,6 +82,36 @@ def tensor_bytes(module: nn.Module) -> int:
     return sum(tensor_bytes_by_device(module).values())
 
 
+def weight_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """What a checkpoint holds: parameters and persistent buffers, tied weights once.
+
+    Non-persistent buffers (rotary tables) are not weights: the estimate from the checkpoint
+    cannot see them, and counting them would take their bytes out of the KV pool (issue 15).
+    """
+    tensors: list[torch.Tensor] = list(module.parameters())
+    seen = {id(t) for t in tensors}
+    for sub in module.modules():
+        skip = getattr(sub, "_non_persistent_buffers_set", set())
+        for name, buffer in sub.named_buffers(recurse=False):
+            if name not in skip and id(buffer) not in seen:
+                seen.add(id(buffer))
+                tensors.append(buffer)
+    return tensors
+
+
+def buffer_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The non-persistent buffers: what the activation reserve holds besides temporaries."""
+    weights = {id(t) for t in weight_tensors(module)}
+    return [b for b in module.buffers() if id(b) not in weights]
+
+
+def weight_allocation_bytes(module: nn.Module) -> int:
+    """The weights as PyTorch's caching allocator holds them, tensor by tensor (scheduling.memory)."""
+    from scheduling.memory import allocations_bytes
+
+    return allocations_bytes(t.numel() * t.element_size() for t in weight_tensors(module))
+
+
 def tensor_bytes_by_device(module: nn.Module) -> dict[str, int]:
     """{"cuda:0": bytes, "cpu": bytes, ...}: where the module's memory actually is."""
     sizes: Counter[str] = Counter()

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from scheduling.memory import DTYPE_BYTES, ModelShape, dtype_bytes
+from scheduling.memory import DTYPE_BYTES, ModelShape, allocation_bytes, dtype_bytes
 
 # safetensors dtype codes whose tensors a loader casts to the requested dtype. Integer, boolean and
 # 8-bit float tensors are quantised data or indices, which loaders keep as stored, so they are not
@@ -154,8 +154,10 @@ def safetensors_tensor_sizes(path: Path) -> dict[str, tuple[str, int, int]]:
 
 
 def _safetensors_bytes(path: Path, run_bytes: int) -> int:
+    # Tensor by tensor as the allocator will hold them (scheduling.memory.allocation_bytes): what
+    # the replica's weights take on the GPU, so the estimate and the replica's own count agree.
     return sum(
-        numel * run_bytes if code in _CASTABLE else stored
+        allocation_bytes(numel * run_bytes if code in _CASTABLE else stored)
         for code, numel, stored in safetensors_tensor_sizes(path).values()
     )
 
@@ -180,4 +182,6 @@ def _meta_bytes(config: Any, root: Path, run_bytes: int) -> int:
     for module in model.modules():
         skip = module._non_persistent_buffers_set
         tensors.extend(b for name, b in module.named_buffers(recurse=False) if name not in skip)
-    return sum(t.numel() * (run_bytes if t.is_floating_point() else t.element_size()) for t in tensors)
+    return sum(
+        allocation_bytes(t.numel() * (run_bytes if t.is_floating_point() else t.element_size())) for t in tensors
+    )

@@ -188,14 +188,23 @@ def engine_for(
     max_tokens: int,
     context_bytes: int,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    standby_context_bytes: int = 0,
+    overhead_bytes: int = 0,
 ) -> PagedModel:
     """A PagedModel whose pool takes what the cap leaves after the weights, the activation budget
-    for max_tokens and the CUDA context: scheduling.memory's arithmetic, the scheduler's own."""
+    for max_tokens, the CUDA context(s) and memory outside the allocator: scheduling.memory's
+    arithmetic, the scheduler's own. `weights_bytes` is the weights as allocated, buffers aside."""
     from inference.kvpool import BlockPool
 
     shape = model_shape(model, weights_bytes)
     blocks = kv_pool_blocks(
-        shape, cap_bytes=cap_bytes, max_tokens=max_tokens, cuda_context_bytes=context_bytes, block_tokens=block_tokens
+        shape,
+        cap_bytes=cap_bytes,
+        max_tokens=max_tokens,
+        cuda_context_bytes=context_bytes,
+        block_tokens=block_tokens,
+        standby_context_bytes=standby_context_bytes,
+        overhead_bytes=overhead_bytes,
     )
     param = next(model.parameters())
     pool = BlockPool.for_shape(shape, blocks, dtype=param.dtype, device=param.device, block_tokens=block_tokens)

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
     from inference.paged import PagedModel
     from inference.pairing import PairMember
+    from scheduling.memory import MemoryEstimate
 
 log = logging.getLogger("inference.replica")
 
@@ -148,13 +149,20 @@ class Placement:
         return limits
 
 
-def check_cap(weights: int, placement: Placement) -> None:
-    """The reservation as a hard limit on weights: what a virtual GPU enforces, and a real one checks first."""
-    if weights > placement.reserved_total:
+def check_cap(weights: int, placement: Placement, outside_allocator: int = 0) -> None:
+    """The reservation as a hard limit on weights: what a virtual GPU enforces, and a real one checks first.
+
+    `outside_allocator` is what the reservation holds beside the allocator (the CUDA contexts):
+    the weights must fit in what is left, as they would have to under a real GPU's cap.
+    """
+    room = placement.reserved_total - outside_allocator
+    if weights > room:
+        beside = f" less {mib(outside_allocator)} of CUDA context" if outside_allocator else ""
         raise ReplicaFailure(
             "oom",
             f"out of memory: weights need {mib(weights)} ({weights} bytes), reservation is "
-            f"{mib(placement.reserved_total)} ({placement.reserved_total} bytes) on GPUs {list(placement.gpus)}",
+            f"{mib(placement.reserved_total)} ({placement.reserved_total} bytes){beside} "
+            f"on GPUs {list(placement.gpus)}",
         )
 
 
@@ -189,16 +197,33 @@ class Backend(Protocol):
         self, source: str, loader: str, dtype: str, placement: Placement
     ) -> tuple[nn.Module, dict[str, int | None]]: ...
     def process_bytes_by_id(self) -> dict[str, int] | None: ...
+    def context_bytes_measured(self, placement: Placement) -> int: ...
+    def outside_allocator_bytes(self, placement: Placement, context_bytes: int) -> int: ...
     def release(self) -> None: ...
 
 
 class VirtualBackend:
-    """CPU stands in for the GPUs; the reservation is enforced by ReplicaHost's software cap."""
+    """CPU stands in for the GPUs; the reservation is enforced by ReplicaHost's software cap.
+
+    It accounts like the real GPU of its profile (inference.devices.VirtualProfile): the process
+    holds a CUDA context from its first attach (a standby's smaller one until it serves), keeps
+    it while asleep, and the allocator holds what scheduling.memory.allocation_bytes says. The
+    figures NVML would show are ReplicaHost.process_bytes_by_id's model of them.
+    """
 
     name = "virtual"
 
+    def __init__(self, profile: Any | None = None):
+        from inference.devices import VirtualProfile
+
+        self.profile = profile or VirtualProfile.from_env()
+        # The context this process would hold on its first GPU: none until it attaches.
+        self.context_bytes = 0
+
     def attach(self, placement: Placement) -> None:
         import torch
+
+        self.context_bytes = max(self.context_bytes, self.profile.context_bytes)
 
         # Replicas on virtual GPUs share the host's few cores. One intra-op thread each avoids
         # oversubscribing them, and spares every request the wake-up of pool threads that went
@@ -214,20 +239,37 @@ class VirtualBackend:
         pass  # everything is on the CPU by construction
 
     def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]:
-        # The weights already live in host memory; a virtual GPU keeps nothing of a sleeping replica.
-        return {str(g): 0 for g in placement.gpus}
+        # The weights already live in host memory; like a real GPU, the context stays behind.
+        return dict(self.residual(placement))
+
+    def residual(self, placement: Placement) -> dict[str, int]:
+        """What the process holds on its GPUs with no tensor there: its context, on the first."""
+        held = {str(g): 0 for g in placement.gpus}
+        held[str(placement.gpus[0])] = self.context_bytes
+        return held
 
     def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module:
+        self.attach(placement)
         return model
 
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
     ) -> tuple[nn.Module, dict[str, int | None]]:
-        self.attach(placement)
-        return self.load(source, loader, dtype, placement), {str(g): 0 for g in placement.gpus}
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("GPUPORTAL_VIRTUAL_CPU_THREADS", "1")))
+        # A standby creates its context but never runs a forward pass: the smaller figure.
+        self.context_bytes = max(self.context_bytes, self.profile.standby_context_bytes)
+        return self.load(source, loader, dtype, placement), dict(self.residual(placement))
 
     def process_bytes_by_id(self) -> dict[str, int] | None:
-        return None
+        return None  # no NVML: ReplicaHost models the figures
+
+    def context_bytes_measured(self, placement: Placement) -> int:
+        return self.context_bytes
+
+    def outside_allocator_bytes(self, placement: Placement, context_bytes: int) -> int:
+        return 0  # nothing but the context sits beside a virtual allocator
 
     def release(self) -> None:
         gc.collect()
@@ -238,6 +280,11 @@ class CudaBackend:
 
     name = "cuda"
 
+    def __init__(self) -> None:
+        # What the reservation holds beside the allocator (contexts): set by ReplicaHost.
+        self.outside_allocator = 0
+        self.fraction: float | None = None
+
     def attach(self, placement: Placement) -> None:
         import torch
 
@@ -247,10 +294,18 @@ class CudaBackend:
         missing = [g for g in placement.gpus if g >= count]
         if missing:
             raise ReplicaFailure("load", f"GPU {missing} not visible to this process (torch sees {count})")
-        # The CUDA context (~500 MiB) lands on the current device: make it ours, not GPU 0.
+        # The CUDA context (~700 MiB) lands on the current device: make it ours, not GPU 0.
         torch.cuda.set_device(placement.gpus[0])
         if placement.fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(placement.fraction, placement.gpus[0])
+            from scheduling.memory import allocator_fraction
+
+            # Only the allocator is capped: the context and what sits outside it are in the
+            # reservation beside it. The fraction is computed against the total torch applies it
+            # to (what CUDA can allocate), not NVML's, which also counts the driver's reserve.
+            cap = max(1, placement.reserved_total - self.outside_allocator)
+            total = torch.cuda.mem_get_info(placement.gpus[0])[1]
+            self.fraction = allocator_fraction(cap, total)
+            torch.cuda.set_per_process_memory_fraction(self.fraction, placement.gpus[0])
 
     def load(self, source: str, loader: str, dtype: str, placement: Placement) -> nn.Module:
         import torch
@@ -262,7 +317,7 @@ class CudaBackend:
         # fit on "disk", and the failure would read as a disk-offload error instead of out-of-memory.
         if loader == "torch-module":
             model = load_model(source, loader, dtype)  # built on the CPU, where its size is known
-            check_cap(tensor_bytes(model), placement)
+            check_cap(tensor_bytes(model), placement, self.outside_allocator)
             return place_on_gpus(model, limits)
         from inference.model_size import shape_from_model_dir
 
@@ -271,7 +326,7 @@ class CudaBackend:
         except ValueError as exc:  # a config model_size cannot read: verify() still catches a spill
             log.warning("weights not sized before loading: %s", exc)
         else:
-            check_cap(expected, placement)
+            check_cap(expected, placement, self.outside_allocator)
         return load_model(source, loader, dtype, device_map="auto", max_memory=limits)
 
     def verify(self, model: nn.Module, placement: Placement) -> None:
@@ -334,6 +389,29 @@ class CudaBackend:
     def process_bytes_by_id(self) -> dict[str, int] | None:
         # Empty means NVML cannot see this process (it surely holds a context): unknown, not 0.
         return nvml_process_bytes(os.getpid()) or None
+
+    def context_bytes_measured(self, placement: Placement) -> int:
+        """NVML's figure for this process on its first GPU less what the allocator holds there:
+        the context as it is now (it grows as the first forward passes load kernels)."""
+        import torch
+
+        measured = (nvml_process_bytes(os.getpid()) or {}).get(str(placement.gpus[0]))
+        if measured is None:
+            return 0
+        return max(0, measured - torch.cuda.memory_reserved(placement.gpus[0]))
+
+    def outside_allocator_bytes(self, placement: Placement, context_bytes: int) -> int:
+        """What NVML shows beyond the allocator's segments and the context (libraries' own
+        allocations, NCCL, cuDNN workspaces): in the reservation, never under the cap."""
+        import torch
+
+        measured = nvml_process_bytes(os.getpid()) or {}
+        extra = 0
+        for gpu in placement.gpus:
+            if (seen := measured.get(str(gpu))) is not None:
+                context = context_bytes if gpu == placement.gpus[0] else 0
+                extra += max(0, seen - context - torch.cuda.memory_reserved(gpu))
+        return extra
 
     def release(self) -> None:
         import torch
@@ -415,6 +493,24 @@ def nvml_process_bytes(pid: int) -> dict[str, int] | None:
             pynvml.nvmlShutdown()
 
 
+def nvml_device_free() -> dict[str, int] | None:
+    """{GPU index: bytes} NVML reports free on each device; None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver: nothing to measure with
+        return None
+    try:
+        return {
+            str(index): int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free)
+            for index in range(pynvml.nvmlDeviceGetCount())
+        }
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
 class ReplicaHost:
     """One replica's model and its lifecycle: load, sleep (to cache), wake (from cache), stop.
 
@@ -436,6 +532,7 @@ class ReplicaHost:
         events: EventWriter,
         kv_max_tokens: int = DEFAULT_KV_MAX_TOKENS,
         context_bytes: int = 0,
+        standby_context_bytes: int = 0,
     ):
         self.replica_id = replica_id
         self.source = source
@@ -466,7 +563,17 @@ class ReplicaHost:
         # are what the scheduler counted in the reservation besides the weights and the pool.
         self.kv_max_tokens = kv_max_tokens
         self.context_bytes = context_bytes
+        # In a failover pair the reservation also holds the standby's context: never the pool's.
+        self.standby_context_bytes = standby_context_bytes
+        if hasattr(backend, "outside_allocator"):
+            backend.outside_allocator = context_bytes + standby_context_bytes
         self.paged: PagedModel | None = None
+        # What this replica holds serving at max_tokens, composed from measured parts with
+        # scheduling.memory's formula: the need it reports, and what the pool was sized against.
+        self.footprint: MemoryEstimate | None = None
+        # The allocator's bytes for the pool actually allocated (more than max_tokens' when the
+        # reservation is larger, as an override can make it).
+        self.pool_bytes = 0
         # Called as the replica stops taking requests, before the change is reported (the
         # serving loop withdraws its claim to take them: inference.serving.Server).
         self.on_stop_taking: Callable[[], None] | None = None
@@ -569,7 +676,7 @@ class ReplicaHost:
             self.tokenizer = load_tokenizer(self.source, self.loader)
             self.weights_bytes = tensor_bytes(model)
             # A standby that could never wake into its reservation is no standby: fail now, not at takeover.
-            check_cap(self.weights_bytes, self.placement)
+            check_cap(self.weights_bytes, self.placement, self._outside_allocator())
             self.model = model
             self.residual_bytes_by_id = residual
             self._progress(100, f"standing by with {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
@@ -584,7 +691,7 @@ class ReplicaHost:
             self._require("standby", "take over")
             with self._failing_as("load"):
                 self.state = "waking"
-                check_cap(self.weights_bytes, self.placement)
+                check_cap(self.weights_bytes, self.placement, self._outside_allocator())
                 assert self.model is not None
                 self._adopt(self.backend.from_cache(self.model, self.placement), self.placement)
                 self._allocate_pool()
@@ -626,7 +733,7 @@ class ReplicaHost:
             with self._failing_as("load"):
                 self.state = "waking"
                 # Before moving anything: a reservation too small for the weights fails like a CUDA OOM would.
-                check_cap(self.weights_bytes, target)
+                check_cap(self.weights_bytes, target, self._outside_allocator())
                 assert self.model is not None
                 model = self.backend.from_cache(self.model, target)
                 self._adopt(model, target)
@@ -672,7 +779,13 @@ class ReplicaHost:
 
     def ping(self) -> None:
         # No lock: a ping must be answered even while a load holds it for minutes.
-        self.events.emit("pong", state=self.state, pid=os.getpid(), kv=self.kv_stats())
+        self.events.emit(
+            "pong",
+            state=self.state,
+            pid=os.getpid(),
+            kv=self.kv_stats(),
+            process_bytes_by_id=self.process_bytes_by_id(),
+        )
 
     def kv_stats(self) -> dict[str, Any] | None:
         """The pool's statistics for events (DESIGN §7 REPLICA `kv`); None without a pool."""
@@ -686,18 +799,25 @@ class ReplicaHost:
 
         self.backend.verify(model, placement)
         self.weights_bytes = tensor_bytes(model)
-        check_cap(self.weights_bytes, placement)
+        check_cap(self.weights_bytes, placement, self._outside_allocator())
         self.model = model
         self.placement = placement
 
     def _where(self) -> dict[str, Any]:
         from inference.loaders import parameter_devices
 
-        by_id = self.backend.process_bytes_by_id()
+        by_id = self.process_bytes_by_id()
+        footprint = self.footprint
         return {
             "weights_bytes": self.weights_bytes,
             "process_bytes": sum(by_id.values()) if by_id is not None else None,
             "process_bytes_by_id": by_id,
+            # The measured need (issue 15): what one replica of this deployment holds serving at
+            # max_tokens, part by part; the control plane reserves exactly this for the next.
+            "need_bytes": footprint.total_bytes if footprint is not None else None,
+            "footprint": footprint.parts() if footprint is not None else None,
+            "context_bytes": footprint.context_bytes if footprint is not None else None,
+            "context_measured_bytes": self.backend.context_bytes_measured(self.placement) or None,
             "gpu_mem_bytes_by_id": dict(self.placement.reserved_bytes_by_gpu),
             "gpus": list(self.placement.gpus),
             "fraction": self.placement.fraction,
@@ -705,39 +825,125 @@ class ReplicaHost:
             "kv": self.kv_stats(),
         }
 
+    def _outside_allocator(self) -> int:
+        return self.context_bytes + self.standby_context_bytes
+
+    def process_bytes_by_id(self) -> dict[str, int] | None:
+        """What NVML shows of this process per GPU; on a virtual GPU, what it would show: the
+        context, and while the weights are on the GPU the allocator's segments for them, the
+        pool and the activation reserve (the working set a forward pass leaves cached)."""
+        measured = self.backend.process_bytes_by_id()
+        if measured is not None or not isinstance(self.backend, VirtualBackend):
+            return measured
+        held = self.backend.residual(self.placement)
+        if self.model is not None and self.state in {"serving", "draining", "stopping", "waking"}:
+            from inference.loaders import weight_allocation_bytes
+
+            first = str(self.placement.gpus[0])
+            activation = self.footprint.activation_bytes if self.footprint is not None else 0
+            held[first] += weight_allocation_bytes(self.model) + self.pool_bytes + activation
+        return held
+
     def _allocate_pool(self) -> None:
-        """After the weights, inside the cap: what it leaves after them, activations and the context.
-        A model that cannot be paged (not Llama-style, spread over GPUs) keeps generate() instead."""
-        from inference.paged import engine_for, unsupported_reason
+        """Compose the footprint from measured parts, then size the KV pool inside the reservation
+        with the scheduler's own formula (scheduling.memory): what the reservation leaves after the
+        weights as allocated, the activation budget for max_tokens, the CUDA context(s) and what
+        the process holds outside the allocator. A pool that cannot hold one request of max_tokens
+        fails the load or wake, naming the bytes, before the replica takes anything.
+        A model that cannot be paged (not Llama-style, spread over GPUs) keeps generate()."""
+        from inference.loaders import weight_allocation_bytes
+        from inference.paged import engine_for, model_shape, unsupported_reason
+        from scheduling import memory
 
         self.paged = None
-        if self.model is None or self.tokenizer is None:
-            return  # a torch-module deployment: forward passes, no KV cache
+        self.pool_bytes = 0
+        if self.model is None:
+            return
+        weights = weight_allocation_bytes(self.model)
+        # The larger of what the reservation counted and what this process holds now (a real
+        # context grows as the first forward passes load kernels; the GPU row has the grown one).
+        context = max(self.context_bytes, self.backend.context_bytes_measured(self.placement))
+        overhead = self.backend.outside_allocator_bytes(self.placement, context)
+        shape = None
+        if self.tokenizer is not None:
+            try:
+                shape = model_shape(self.model, weights)
+            except (AttributeError, TypeError, ValueError) as exc:  # a config without the usual fields
+                log.warning("%s: no model shape for the memory formula (%s)", self.replica_id, exc)
+        if shape is None:
+            # A torch-module deployment (or a model without a shape): weights and the floor of
+            # the activation reserve, as the estimate at deploy time (scheduling.services).
+            self.footprint = memory.MemoryEstimate(
+                weights_bytes=weights,
+                kv_bytes=0,
+                activation_bytes=memory.ACTIVATION_FLOOR_BYTES,
+                context_bytes=context,
+                kv_block_bytes=0,
+                kv_blocks=0,
+                block_tokens=memory.DEFAULT_BLOCK_TOKENS,
+                max_tokens=0,
+                overhead_bytes=overhead,
+            )
+            return
+        self.footprint = memory.estimate(
+            shape, max_tokens=self.kv_max_tokens, cuda_context_bytes=context, overhead_bytes=overhead
+        )
         reason = unsupported_reason(self.model)
         if reason is not None:
             log.warning("%s: no KV block pool (%s); generating with transformers' own cache", self.replica_id, reason)
             return
+        reserved = self.placement.reserved_total
+        blocks = memory.kv_pool_blocks(
+            shape,
+            cap_bytes=reserved,
+            max_tokens=self.kv_max_tokens,
+            cuda_context_bytes=context,
+            standby_context_bytes=self.standby_context_bytes,
+            overhead_bytes=overhead,
+        )
+        block_tokens = memory.DEFAULT_BLOCK_TOKENS
+        if blocks * block_tokens < max(1, self.kv_max_tokens):
+            pool = memory.kv_pool_bytes(shape, blocks)
+            need = self.footprint.total_bytes + self.standby_context_bytes
+            cap = memory.allocator_cap_bytes(
+                reserved,
+                context_bytes=context,
+                standby_context_bytes=self.standby_context_bytes,
+                overhead_bytes=overhead,
+            )
+            raise ReplicaFailure(
+                "oom",
+                f"cannot serve: the KV pool left by the reservation holds {blocks * block_tokens} tokens "
+                f"({blocks} blocks, {pool} bytes), fewer than max_tokens {self.kv_max_tokens}; need {need} bytes "
+                f"({self.footprint.describe()}), reservation {reserved} bytes, allocator cap {cap} bytes",
+            )
         self.paged = engine_for(
             self.model,
-            weights_bytes=self.weights_bytes,
-            cap_bytes=self.placement.reserved_total,
+            weights_bytes=weights,
+            cap_bytes=reserved,
             max_tokens=self.kv_max_tokens,
-            context_bytes=self.context_bytes,
+            context_bytes=context,
+            standby_context_bytes=self.standby_context_bytes,
+            overhead_bytes=overhead,
+            block_tokens=block_tokens,
         )
         pool = self.paged.pool
+        self.pool_bytes = memory.kv_pool_bytes(shape, pool.blocks_total, block_tokens)
         log.info(
-            "%s: KV pool of %d blocks x %d tokens (%s) for %d tokens",
+            "%s: KV pool of %d blocks x %d tokens (%s) for %d tokens; footprint %s",
             self.replica_id,
             pool.blocks_total,
             pool.block_tokens,
             mib(pool.tensor_bytes),
             pool.capacity_tokens,
+            self.footprint.describe(),
         )
 
     def _release_pool(self) -> None:
         if self.paged is not None:
             self.paged.pool.release()
             self.paged = None
+        self.pool_bytes = 0
 
     def _emit_sleeping(self) -> None:
         # cpu_bytes: what the parked weights take of the node's CPU cache.
@@ -905,7 +1111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="The deployment's memory.max_tokens: sizes the activation budget left out of the KV pool.",
     )
     parser.add_argument(
-        "--context-bytes", type=int, default=0, help="CUDA context the reservation counts (0 on virtual GPUs)."
+        "--context-bytes", type=int, default=0, help="CUDA context of a serving replica the reservation counts."
+    )
+    parser.add_argument(
+        "--standby-context-bytes",
+        type=int,
+        default=0,
+        help="A failover pair's standby's context, also in the reservation (never in the KV pool).",
     )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -955,6 +1167,7 @@ def main(argv: list[str] | None = None) -> None:
         events=events,
         kv_max_tokens=args.kv_max_tokens,
         context_bytes=args.context_bytes,
+        standby_context_bytes=args.standby_context_bytes,
     )
     commands: queue.Queue[Any] = queue.Queue()
     threading.Thread(target=read_commands, args=(sys.stdin, host, commands), name="stdin", daemon=True).start()

@@ -77,6 +77,8 @@ class ReplicaSpec:
     # (the activation budget) and the CUDA context the reservation counts; None: the replica's default.
     kv_max_tokens: int | None = None
     context_bytes: int = 0
+    # A failover pair's reservation also holds its standby's context (issue 15): never the pool's.
+    standby_context_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):
@@ -114,6 +116,8 @@ class ReplicaSpec:
             args += ["--kv-max-tokens", str(int(self.kv_max_tokens))]
         if self.context_bytes:
             args += ["--context-bytes", str(int(self.context_bytes))]
+        if self.standby_context_bytes:
+            args += ["--standby-context-bytes", str(int(self.standby_context_bytes))]
         if self.deployment and self.redis_url:
             args += ["--deployment", self.deployment, "--redis-url", self.redis_url]
         if self.failover_lease is not None:
@@ -150,6 +154,9 @@ class _Replica:
     failover_state: str = ""
     # Why the watchdog killed it, for the final event.
     killed_because: str = ""
+    # What NVML shows of it per GPU index (or, on a virtual GPU, the replica's model of that),
+    # as it last reported: the agent checks the books against it every heartbeat (issue 15).
+    usage: dict[str, int] | None = None
 
 
 class Supervisor:
@@ -230,6 +237,23 @@ class Supervisor:
             replica = self._replicas.get(replica_id)
         return replica.process.pid if replica is not None else None
 
+    def ping_all(self) -> None:
+        """Ask every replica for its figures; the pongs refresh `usage` (a replica busy loading
+        answers from its stdin thread, so this never waits on one)."""
+        with self._lock:
+            replicas = list(self._replicas.values())
+        for replica in replicas:
+            with contextlib.suppress(Exception):  # one that just exited: its reader reports it
+                self._write(replica, {"cmd": "ping"})
+
+    def usage(self) -> dict[str, tuple[int | None, dict[str, int] | None]]:
+        """{replica id: (pid, its last reported bytes per GPU index)} of the running replicas."""
+        with self._lock:
+            return {
+                rid: (r.process.pid, dict(r.usage) if r.usage is not None else None)
+                for rid, r in self._replicas.items()
+            }
+
     def running(self) -> list[str]:
         with self._lock:
             return sorted(self._replicas)
@@ -278,6 +302,7 @@ class Supervisor:
             if event["event"] == "alive":  # a heartbeat: for the watchdog, not the control plane
                 replica.failover_state = str(event.get("failover_state") or replica.failover_state)
                 continue
+            _note_usage(replica, event)
             if event["event"] == "failover":
                 replica.failover_state = str(event.get("state") or "")
             elif event["event"] == "active" or (event["event"] == "serving" and event.get("failover_state")):
@@ -393,6 +418,17 @@ class Supervisor:
             replica.on_event(replica.spec.replica_id, event)
         except Exception:  # the callback's bug must not stop us reading (and so block the replica's stdout)
             log.exception("on_event failed for replica %s event %s", replica.spec.replica_id, event.get("event"))
+
+
+def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
+    figures = event.get("process_bytes_by_id")
+    if not isinstance(figures, dict) and event.get("event") in {"sleeping", "standby"}:
+        figures = event.get("residual_bytes_by_id")  # what a sleeper still holds
+    if isinstance(figures, dict):
+        try:
+            replica.usage = {str(k): int(v) for k, v in figures.items() if v is not None}
+        except (TypeError, ValueError):
+            log.warning("replica %s reported unreadable GPU figures: %.200s", replica.spec.replica_id, figures)
 
 
 def describe_exit(code: int) -> str:

@@ -14,7 +14,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 
 from inference import agent
 from inference.supervisor import ReplicaSpec
-from scheduling.models import Node, Replica
+from scheduling.models import GPU, Node, Replica
 from scheduling.services import replicas as replica_services
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ RELAY_RETRY = Retrying(
 
 def relay(replica_id: str, event: dict) -> None:
     """Called on the supervisor's reader threads: one database connection per replica thread."""
+    if event.get("event") == "pong":
+        return  # answers the agent's ping_all: the heartbeat reads its figures from the supervisor
     try:
         close_old_connections()
         RELAY_RETRY.copy()(replica_services.report, replica_id, event)  # a copy: no state shared between threads
@@ -132,8 +134,24 @@ def failover_fields(replica: Replica) -> dict:
     }
 
 
+def contexts_for(replica: Replica) -> tuple[int, int]:
+    """(serving context, standby context) the replica's reservation counts: its GPUs' own, the
+    largest of them, as the scheduler counted them (scheduling.services.deployments.need_bytes)."""
+    from django.db.models import Max
+
+    from scheduling.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
+
+    indices = [int(index) for index in replica.gpu_mem_bytes_by_id]
+    found = GPU.objects.filter(node_id=replica.node_id, index__in=indices).aggregate(
+        c=Max("context_bytes"), s=Max("standby_context_bytes")
+    )
+    context = H100_CONTEXT_BYTES if found["c"] is None else int(found["c"])
+    return context, H100_STANDBY_CONTEXT_BYTES if found["s"] is None else int(found["s"])
+
+
 def spec_for(replica: Replica) -> ReplicaSpec:
     deployment = replica.deployment
+    context, standby_context = contexts_for(replica)
     return ReplicaSpec(
         replica_id=replica.id,
         source=deployment.model_source,
@@ -146,8 +164,9 @@ def spec_for(replica: Replica) -> ReplicaSpec:
         deployment=deployment.name,
         redis_url=settings.REDIS_URL,
         kv_max_tokens=deployment.max_tokens,
-        # The reservation on a real GPU counts one CUDA context (scheduling.services.deployments).
-        context_bytes=0 if replica.node.virtual else settings.GPUPORTAL_CUDA_CONTEXT_BYTES,
+        # The reservation counts one CUDA context, and a pair's the standby's too (need_bytes).
+        context_bytes=context,
+        standby_context_bytes=standby_context if replica.lease_id is not None else 0,
         **failover_fields(replica),
     )
 

@@ -365,12 +365,15 @@ def sync_inventory(node_id: int, node_name: str, devices: list[DeviceInfo]) -> l
                     virtual=device.virtual,
                     total_bytes=device.total_bytes,
                     available_bytes=device.total_bytes,
+                    **_accounting_fields(device),
                 )
                 changes.append(InventoryChange(gpu.pk, label, "added", None, _inventory_fields(gpu)))
                 continue
             before = _inventory_fields(gpu)
             reserved = gpu.total_bytes - gpu.available_bytes
             gpu.uuid, gpu.product, gpu.virtual = device.uuid, device.product, device.virtual
+            for name, value in _accounting_fields(device).items():
+                setattr(gpu, name, value)
             if gpu.total_bytes != device.total_bytes:
                 gpu.total_bytes = device.total_bytes
                 # Occupants that no longer fit stay recorded; the GPU shows as degraded and has
@@ -399,6 +402,17 @@ def sync_inventory(node_id: int, node_name: str, devices: list[DeviceInfo]) -> l
             # Stamped like a commit, so mirrors pick up new, resized and lost GPUs.
             GPU.objects.filter(pk__in=[c.gpu_id for c in changes]).update(changed_txid=Func(function="txid_current"))
     return changes
+
+
+def _accounting_fields(device: DeviceInfo) -> dict:
+    """What a registration says of the GPU's accounting; a context the agent did not measure
+    (None) leaves the row's own, which its replicas measured, or the default."""
+    fields: dict = {"nvml_total_bytes": device.nvml_total_bytes}
+    if device.context_bytes is not None:
+        fields["context_bytes"] = device.context_bytes
+    if device.standby_context_bytes is not None:
+        fields["standby_context_bytes"] = device.standby_context_bytes
+    return fields
 
 
 def _inventory_fields(gpu: GPU) -> dict:

@@ -1,13 +1,23 @@
 """How many GPU bytes a replica needs (DESIGN §5). Pure: no Django, no torch, no I/O.
 
 In order of trust a replica's need is the operator's override, the bytes measured after its
-first load, or an estimate from the model's shape:
+first load, or an estimate from the model's shape. Measured or estimated, it is one formula,
+`estimate` (a `MemoryEstimate`, the footprint of one serving replica):
 
-    weights + KV-cache pool + activation reserve + CUDA context
+    weights + KV-cache pool + activation reserve + CUDA context (+ the standby's context in a
+    failover pair) + memory outside PyTorch's allocator
 
-The KV-cache formula here is the only one in the project: the scheduler reserves with
-`kv_cache_bytes` and the replica's block pool (issue 7) sizes itself with `kv_pool_blocks`, which
-inverts the same arithmetic, so what is reserved is what gets allocated.
+The scheduler reserves its total; the replica sizes its block pool (issue 7) with
+`kv_pool_blocks`, which inverts the same arithmetic over the same parts, so what is reserved is
+what gets allocated, and a replica reserved the footprint at `max_tokens` gets a pool of exactly
+`max_tokens`. Weights and the pool are counted as PyTorch's caching allocator holds them
+(`allocation_bytes`), not as their tensors' sizes, since that is what NVML sees. Module buffers
+(rotary tables) are not weights: the estimate from a checkpoint cannot see them, so counting them
+in the replica would leave its pool a block short; they live in the activation reserve.
+
+Only the allocator is capped (`torch.cuda.set_per_process_memory_fraction`): the CUDA context and
+memory outside PyTorch sit beside the cap inside the reservation, so `allocator_cap_bytes` takes
+them out before a fraction is computed, against the total the fraction is applied to.
 
 The seed-000 heuristic (model size × 3, fractional only below 0.8 of a GPU) is kept as the named
 policy ``ndif`` so benchmarks can compare it with ours (``gpuportal``).
@@ -16,7 +26,7 @@ policy ``ndif`` so benchmarks can compare it with ours (``gpuportal``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,10 +37,22 @@ GiB = 1024**3
 # Bytes per element of the dtypes a deployment may ask for (scheduling.models.Deployment.DType).
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-# What a CUDA context costs on a real GPU (driver, kernels, cuBLAS handles): ~400–500 MiB on
-# recent drivers. It is never a default here, the caller passes it, because a virtual GPU has
-# none and only the caller knows which kind of GPU it plans for.
-TYPICAL_CUDA_CONTEXT_BYTES = 500 * MiB
+# Measured on an H100 80GB (driver 580, CUDA 13, torch 2.11; ../shared/gpu-2026-11-24): what NVML
+# shows of a process beyond PyTorch's allocator. Serving (cuBLAS handles and kernels loaded by the
+# first forward passes) 712-722 MiB; a standby that never ran a forward 518 MiB. The defaults for
+# a GPU whose own context has not been measured yet, and for the virtual GPU's model of one.
+H100_CONTEXT_BYTES = 722 * MiB
+H100_STANDBY_CONTEXT_BYTES = 518 * MiB
+# NVML's total minus what CUDA can allocate on that H100: memory the driver keeps on an idle device.
+H100_DRIVER_RESERVE_BYTES = 480 * MiB
+TYPICAL_CUDA_CONTEXT_BYTES = H100_CONTEXT_BYTES
+
+# PyTorch's CUDA caching allocator rounds every request up to 512 B, and serves requests above
+# 1 MiB from segments rounded up to 2 MiB (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize,
+# kSmallSize, kRoundLarge). NVML sees the segments, so the books count them.
+ALLOCATOR_BLOCK_BYTES = 512
+ALLOCATOR_SMALL_BYTES = 1 * MiB
+ALLOCATOR_LARGE_ROUND_BYTES = 2 * MiB
 
 # Tokens per KV block: the pool's allocation unit, so a sequence wastes under one block.
 DEFAULT_BLOCK_TOKENS = 16
@@ -77,12 +99,34 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def allocation_bytes(nbytes: int) -> int:
+    """What the caching allocator holds for one tensor of nbytes (see ALLOCATOR_* above)."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if nbytes == 0:
+        return 0
+    if nbytes <= ALLOCATOR_SMALL_BYTES:
+        return _round_up(nbytes, ALLOCATOR_BLOCK_BYTES)
+    return _round_up(nbytes, ALLOCATOR_LARGE_ROUND_BYTES)
+
+
+def allocations_bytes(sizes: Iterable[int]) -> int:
+    """The allocator's bytes for tensors allocated one by one (a model's parameters)."""
+    return sum(allocation_bytes(n) for n in sizes)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the estimate needs to know about a model, read without loading its weights.
 
-    dtype_bytes is the element size of the KV cache and of the activations: both are computed in the
-    dtype the model runs in, which is not necessarily the one its checkpoint was saved in.
+    weight_bytes is the parameters as the allocator holds them (`allocations_bytes` of each
+    tensor), without module buffers. dtype_bytes is the element size of the KV cache and of the
+    activations: both are computed in the dtype the model runs in, which is not necessarily the
+    one its checkpoint was saved in.
     """
 
     weight_bytes: int
@@ -106,6 +150,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """The footprint of one serving replica on its GPU(s), part by part (what NVML would show)."""
+
     weights_bytes: int
     kv_bytes: int
     activation_bytes: int
@@ -115,16 +161,50 @@ class MemoryEstimate:
     kv_blocks: int
     block_tokens: int
     max_tokens: int
+    # A failover pair's reservation also holds its sleeping standby's context (issue 15 item 5).
+    standby_context_bytes: int = 0
+    # Measured on a real GPU: what the process holds outside both the context and the allocator.
+    overhead_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.context_bytes
+        return (
+            self.weights_bytes
+            + self.kv_bytes
+            + self.activation_bytes
+            + self.context_bytes
+            + self.standby_context_bytes
+            + self.overhead_bytes
+        )
+
+    @property
+    def allocator_bytes(self) -> int:
+        """What PyTorch's allocator may hold: the part of the footprint its cap covers."""
+        return self.weights_bytes + self.kv_bytes + self.activation_bytes
+
+    def parts(self) -> dict[str, int]:
+        """For events and the API: each part and the total, in bytes."""
+        return {
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "kv_blocks": self.kv_blocks,
+            "activation_bytes": self.activation_bytes,
+            "context_bytes": self.context_bytes,
+            "standby_context_bytes": self.standby_context_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "total_bytes": self.total_bytes,
+        }
 
     def describe(self) -> str:
+        extra = ""
+        if self.standby_context_bytes:
+            extra += f" + standby context {human_bytes(self.standby_context_bytes)}"
+        if self.overhead_bytes:
+            extra += f" + outside the allocator {human_bytes(self.overhead_bytes)}"
         return (
             f"weights {human_bytes(self.weights_bytes)} + kv {human_bytes(self.kv_bytes)} "
             f"({self.kv_blocks} blocks for {self.max_tokens} tokens) + activations "
-            f"{human_bytes(self.activation_bytes)} + context {human_bytes(self.context_bytes)} "
+            f"{human_bytes(self.activation_bytes)} + context {human_bytes(self.context_bytes)}{extra} "
             f"= {human_bytes(self.total_bytes)}"
         )
 
@@ -157,9 +237,17 @@ def kv_blocks(tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
     return math.ceil(tokens / block_tokens)
 
 
+def kv_pool_bytes(shape: ModelShape, blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """What the allocator holds for a pool of `blocks`: its K and V tensors, one allocation each."""
+    if blocks < 0:
+        raise ValueError(f"blocks must be >= 0, got {blocks}")
+    half = blocks * kv_block_bytes(shape, block_tokens) // 2
+    return 2 * allocation_bytes(half)
+
+
 def kv_cache_bytes(shape: ModelShape, tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
-    """Whole blocks, because the pool hands out nothing smaller."""
-    return kv_blocks(tokens, block_tokens) * kv_block_bytes(shape, block_tokens)
+    """Whole blocks, because the pool hands out nothing smaller, as the allocator holds them."""
+    return kv_pool_bytes(shape, kv_blocks(tokens, block_tokens), block_tokens)
 
 
 def activation_reserve_bytes(shape: ModelShape, max_tokens: int) -> int:
@@ -178,29 +266,45 @@ def activation_reserve_bytes(shape: ModelShape, max_tokens: int) -> int:
     return max(ACTIVATION_FLOOR_BYTES, ACTIVATION_SLACK * per_token * max_tokens)
 
 
+def _check_bytes(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
 def estimate(
     shape: ModelShape,
     *,
     max_tokens: int,
     cuda_context_bytes: int,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    standby_context_bytes: int = 0,
+    overhead_bytes: int = 0,
 ) -> MemoryEstimate:
-    """The bytes a replica serving up to max_tokens tokens of KV cache at once will hold on its GPU."""
+    """The bytes a replica serving up to max_tokens tokens of KV cache at once will hold on its GPU.
+
+    Before a load, from the checkpoint's shape; after one, from the parts the replica measured
+    (its parameters as allocated, its context, what it holds outside the allocator): the same sum.
+    """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if cuda_context_bytes < 0:
-        raise ValueError(f"cuda_context_bytes must be >= 0, got {cuda_context_bytes}")
+    _check_bytes(
+        cuda_context_bytes=cuda_context_bytes,
+        standby_context_bytes=standby_context_bytes,
+        overhead_bytes=overhead_bytes,
+    )
     blocks = kv_blocks(max_tokens, block_tokens)
-    block = kv_block_bytes(shape, block_tokens)
     return MemoryEstimate(
         weights_bytes=shape.weight_bytes,
-        kv_bytes=blocks * block,
+        kv_bytes=kv_pool_bytes(shape, blocks, block_tokens),
         activation_bytes=activation_reserve_bytes(shape, max_tokens),
         context_bytes=cuda_context_bytes,
-        kv_block_bytes=block,
+        kv_block_bytes=kv_block_bytes(shape, block_tokens),
         kv_blocks=blocks,
         block_tokens=block_tokens,
         max_tokens=max_tokens,
+        standby_context_bytes=standby_context_bytes,
+        overhead_bytes=overhead_bytes,
     )
 
 
@@ -211,14 +315,52 @@ def kv_pool_blocks(
     max_tokens: int,
     cuda_context_bytes: int,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    standby_context_bytes: int = 0,
+    overhead_bytes: int = 0,
 ) -> int:
-    """Blocks a replica's KV pool gets inside its cap: what is left after weights, activations, context.
+    """Blocks a replica's KV pool gets inside its reservation: what is left after every other part.
 
-    The inverse of `estimate`: a cap of exactly estimate(...).total_bytes yields exactly its
-    kv_blocks, and a larger cap (a measured or overridden need) yields more, never fewer.
+    The inverse of `estimate` over the same parts: a cap of exactly estimate(...).total_bytes
+    yields exactly its kv_blocks, and a larger cap (an overridden need) yields more, never fewer.
     """
-    left = cap_bytes - shape.weight_bytes - activation_reserve_bytes(shape, max_tokens) - cuda_context_bytes
-    return max(0, left // kv_block_bytes(shape, block_tokens))
+    rest = estimate(
+        shape,
+        max_tokens=max_tokens,
+        cuda_context_bytes=cuda_context_bytes,
+        block_tokens=block_tokens,
+        standby_context_bytes=standby_context_bytes,
+        overhead_bytes=overhead_bytes,
+    )
+    left = cap_bytes - (rest.total_bytes - rest.kv_bytes)
+    if left <= 0:
+        return 0
+    blocks = left // rest.kv_block_bytes
+    # Allocator rounding can make the guess a block or two too many: step down until it fits.
+    while blocks > 0 and kv_pool_bytes(shape, blocks, block_tokens) > left:
+        blocks -= 1
+    return blocks
+
+
+def allocator_cap_bytes(
+    reserved_bytes: int, *, context_bytes: int, standby_context_bytes: int = 0, overhead_bytes: int = 0
+) -> int:
+    """The part of a reservation PyTorch's allocator may use: the context (and a pair's standby's
+    context) and memory outside PyTorch are in the reservation too, but not under the cap."""
+    _check_bytes(
+        reserved_bytes=reserved_bytes,
+        context_bytes=context_bytes,
+        standby_context_bytes=standby_context_bytes,
+        overhead_bytes=overhead_bytes,
+    )
+    return max(0, reserved_bytes - context_bytes - standby_context_bytes - overhead_bytes)
+
+
+def allocator_fraction(cap_bytes: int, device_total_bytes: int) -> float:
+    """`set_per_process_memory_fraction`'s argument: the cap over the total *it is applied to*
+    (torch's view of the device, which is what CUDA can allocate), clamped to torch's (0, 1]."""
+    if device_total_bytes <= 0:
+        raise ValueError(f"device_total_bytes must be > 0, got {device_total_bytes}")
+    return min(1.0, max(cap_bytes / device_total_bytes, 1e-6))
 
 
 def need_bytes(

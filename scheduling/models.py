@@ -9,6 +9,8 @@ from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Cast
 
+from scheduling import memory
+
 
 def new_replica_id() -> str:
     # Opaque on purpose (seed 002): clients must not parse meaning out of replica ids.
@@ -64,6 +66,18 @@ class GPU(models.Model):
     )
     wake_lock_expires_at = models.DateTimeField(null=True, blank=True)
     health = models.CharField(max_length=16, choices=Health.choices, default=Health.OK)
+    # total_bytes is what CUDA can allocate; NVML's total also counts the driver's own reserve.
+    nvml_total_bytes = models.BigIntegerField(null=True, blank=True)
+    # The CUDA context of one replica process on this node's GPUs of this model: serving (after
+    # its first forward passes) and as a standby that never ran one. Measured by the replicas
+    # (issue 15); until then the H100's figures. Needs and pools count them on every GPU.
+    context_bytes = models.BigIntegerField(default=memory.H100_CONTEXT_BYTES)
+    standby_context_bytes = models.BigIntegerField(default=memory.H100_STANDBY_CONTEXT_BYTES)
+    context_measured = models.BooleanField(default=False)
+    # The books against NVML, from the agent's last heartbeat (issue 15 item 4): what NVML showed
+    # free, and by how much its replicas' processes exceeded their reservations in all.
+    nvml_free_bytes = models.BigIntegerField(null=True, blank=True)
+    overcommit_bytes = models.BigIntegerField(default=0)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -304,6 +318,8 @@ class Event(models.Model):
         GPU_CHANGED = "gpu.changed"
         GPU_RESERVED = "gpu.reserved"
         GPU_RELEASED = "gpu.released"
+        # A replica's process seen by NVML (or the virtual GPU's model of it) above its reservation.
+        GPU_OVERCOMMIT = "gpu.overcommit"
         REPLICA_STATE = "replica.state"
         REPLICA_RESTARTED = "replica.restarted"
         DEPLOYMENT_CHANGED = "deployment.changed"

@@ -274,10 +274,33 @@ class Plan:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """A GPU as a node agent reports it: from NVML, or declared virtual."""
+    """A GPU as a node agent reports it: from NVML, or declared virtual.
+
+    total_bytes is what CUDA can allocate, not NVML's total, which also counts what the driver
+    keeps on an idle device (issue 15): nvml_total_bytes records that one for the books' check.
+    context_bytes and standby_context_bytes are the per-process CUDA context of a serving replica
+    and of a standby on this GPU model; None where the agent has not measured one (a registration
+    then keeps what the GPU row already holds, measured by its replicas, or the default).
+    """
 
     index: int
     uuid: str
     product: str
     total_bytes: int
     virtual: bool
+    nvml_total_bytes: int | None = None
+    context_bytes: int | None = None
+    standby_context_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Books:
+    """What a node agent saw of its GPUs at a heartbeat, to check the books against (issue 15).
+
+    usage: {replica id: {GPU index: bytes}}, NVML's per-process figures (or, on a virtual GPU,
+    the replica's model of them); free_by_index: NVML's free bytes per GPU index, None where
+    there is no NVML (a virtual GPU's free memory is derived from the usage instead).
+    """
+
+    usage: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    free_by_index: Mapping[str, int] | None = None

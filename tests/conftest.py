@@ -50,9 +50,10 @@ def cluster(db) -> None:
     """Two virtual nodes of two 1 GiB GPUs each."""
     from inference.devices import virtual_gpus
     from scheduling.services.nodes import register_node
+    from tests.factories import NO_OVERHEAD
 
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
-    register_node("node2", virtual_gpus("node2", "2x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
+    register_node("node2", virtual_gpus("node2", "2x1GiB", NO_OVERHEAD), virtual=True)
 
 
 @pytest.fixture
@@ -111,7 +112,9 @@ def _process_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 @pytest.fixture
 def start_agent(tmp_path):
     """Starts real node agents on this test's database and Redis: `start_agent(node, gpus)`, e.g.
-    `start_agent("e2e", "1x1GiB")`; each is stopped (SIGTERM) at the end of the test."""
+    `start_agent("e2e", "1x2GiB")`; each is stopped (SIGTERM) at the end of the test. Their
+    virtual GPUs account like the H100's (issue 15): a CUDA context per replica process, the
+    driver's reserve, the allocator's rounding."""
     import subprocess
     import sys
 
@@ -120,7 +123,7 @@ def start_agent(tmp_path):
 
     started = []
 
-    def start(node: str = "e2e", virtual_gpus: str = "2x1GiB"):
+    def start(node: str = "e2e", virtual_gpus: str = "2x4GiB"):
         log = open(tmp_path / f"agent-{node}.log", "w+")  # noqa: SIM115 - read back when the test fails
         process = subprocess.Popen(
             [sys.executable, "manage.py", "agent", "--node", node, "--virtual-gpus", virtual_gpus],
@@ -142,9 +145,9 @@ def start_agent(tmp_path):
 
 @pytest.fixture
 def agent(start_agent):
-    """A real node agent, `e2e` with 2x1GiB virtual GPUs, on this test's database and Redis
+    """A real node agent, `e2e` with 2x4GiB virtual GPUs, on this test's database and Redis
     (tests using it need `django_db(transaction=True)` so the agent sees their rows)."""
-    return start_agent("e2e", "2x1GiB")
+    return start_agent("e2e", "2x4GiB")
 
 
 @pytest.fixture

@@ -10,9 +10,15 @@ from typing import Any
 from django.db.models import F
 from django.utils import timezone
 
+from inference.devices import VirtualProfile
 from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
 
 GIB = 1024**3
+# A GPU with no CUDA context, driver reserve or standby context: for tests of placement, fairness
+# and the commit path, whose sizes are about those decisions. The accounting of a real GPU (the
+# H100 profile, the default everywhere else) has its own tests (test_gpu_accounting.py), and the
+# tests that run real agents and replica processes use it.
+NO_OVERHEAD = VirtualProfile(context_bytes=0, standby_context_bytes=0, driver_reserve_bytes=0)
 _seq = itertools.count(1)
 
 
@@ -27,6 +33,8 @@ def gpu(on: Node, index: int = 0, total_bytes: int = 24 * GIB, **fields: Any) ->
     fields.setdefault("uuid", f"GPU-{on.name}-{index}-{next(_seq)}")
     fields.setdefault("product", "Virtual GPU")
     fields.setdefault("virtual", True)
+    fields.setdefault("context_bytes", NO_OVERHEAD.context_bytes)
+    fields.setdefault("standby_context_bytes", NO_OVERHEAD.standby_context_bytes)
     return GPU.objects.create(node=on, index=index, total_bytes=total_bytes, available_bytes=total_bytes, **fields)
 
 

@@ -14,12 +14,15 @@ from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
 from inference.devices import discover, parse_size, parse_virtual_spec, virtual_gpus
+from scheduling.memory import H100_DRIVER_RESERVE_BYTES
 from scheduling.models import GPU, Event, Node
 from scheduling.services import nodes
 from scheduling.tasks import expire_heartbeats
+from tests.factories import NO_OVERHEAD
 from tests.processes import database_url_of_this_test, wait_until
 
 GiB = 1024**3
+RESERVE = H100_DRIVER_RESERVE_BYTES  # what a virtual GPU's NVML total holds beyond what CUDA can allocate
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,10 +61,11 @@ def test_sizes_use_binary_units_for_iec_names_and_decimal_for_si_names():
 
 
 def test_without_an_nvidia_gpu_auto_discovery_declares_virtual_gpus():
-    devices = discover("n1", backend="auto", virtual_spec="2x1GiB")
-    assert [(d.index, d.virtual, d.total_bytes, d.uuid) for d in devices] == [
-        (0, True, GiB, "virtual-n1-0"),
-        (1, True, GiB, "virtual-n1-1"),
+    devices = discover("n1", backend="auto", virtual_spec="2x4GiB")
+    # The declared size is NVML's total; the books count what CUDA could allocate (issue 15).
+    assert [(d.index, d.virtual, d.total_bytes, d.nvml_total_bytes, d.uuid) for d in devices] == [
+        (0, True, 4 * GiB - RESERVE, 4 * GiB, "virtual-n1-0"),
+        (1, True, 4 * GiB - RESERVE, 4 * GiB, "virtual-n1-1"),
     ]
     with pytest.raises(ValueError, match="NVML finds no NVIDIA GPU"):
         discover("n1", backend="nvml")
@@ -74,8 +78,8 @@ def test_registration_creates_the_node_and_its_virtual_gpus_with_events():
     assert (node.status, node.queue, node.virtual) == (Node.Status.ONLINE, "node.n1", True)
     gpus = list(GPU.objects.filter(node=node).order_by("index"))
     assert [(g.index, g.total_bytes, g.available_bytes, g.virtual, g.version) for g in gpus] == [
-        (0, 24 * GiB, 24 * GiB, True, 0),
-        (1, 24 * GiB, 24 * GiB, True, 0),
+        (0, 24 * GiB - RESERVE, 24 * GiB - RESERVE, True, 0),
+        (1, 24 * GiB - RESERVE, 24 * GiB - RESERVE, True, 0),
     ]
     kinds = list(Event.objects.order_by("id").values_list("kind", "subject"))
     assert kinds == [
@@ -94,7 +98,7 @@ def test_re_registration_keeps_the_gpu_rows_and_notes_what_changed():
 
     gpu0, gpu1 = GPU.objects.order_by("index")
     assert [gpu0.pk, gpu1.pk] == first_ids
-    assert (gpu0.total_bytes, gpu0.available_bytes, gpu0.version) == (16 * GiB, 16 * GiB, 1)
+    assert (gpu0.total_bytes, gpu0.available_bytes, gpu0.version) == (16 * GiB - RESERVE, 16 * GiB - RESERVE, 1)
     assert (gpu1.health, gpu1.version) == (GPU.Health.LOST, 1)
     reasons = set(Event.objects.filter(kind=Event.Kind.GPU_CHANGED).values_list("subject", "reason"))
     assert reasons == {
@@ -107,8 +111,8 @@ def test_re_registration_keeps_the_gpu_rows_and_notes_what_changed():
 @pytest.mark.django_db
 def test_a_node_silent_past_the_timeout_goes_offline_with_a_reason():
     now = timezone.now()
-    nodes.register_node("quiet", virtual_gpus("quiet", "1x1GiB"), virtual=True)
-    nodes.register_node("alive", virtual_gpus("alive", "1x1GiB"), virtual=True)
+    nodes.register_node("quiet", virtual_gpus("quiet", "1x1GiB", NO_OVERHEAD), virtual=True)
+    nodes.register_node("alive", virtual_gpus("alive", "1x1GiB", NO_OVERHEAD), virtual=True)
     Node.objects.filter(name="quiet").update(last_heartbeat=now - timedelta(seconds=45))
     Node.objects.filter(name="alive").update(last_heartbeat=now - timedelta(seconds=5))
 
@@ -124,7 +128,7 @@ def test_a_node_silent_past_the_timeout_goes_offline_with_a_reason():
 
 @pytest.mark.django_db
 def test_a_heartbeat_brings_an_offline_node_back():
-    nodes.register_node("n1", virtual_gpus("n1", "1x1GiB"), virtual=True)
+    nodes.register_node("n1", virtual_gpus("n1", "1x1GiB", NO_OVERHEAD), virtual=True)
     Node.objects.filter(name="n1").update(status=Node.Status.OFFLINE)
 
     nodes.heartbeat("n1")
@@ -135,7 +139,7 @@ def test_a_heartbeat_brings_an_offline_node_back():
 
 @pytest.mark.django_db
 def test_the_beat_task_expires_heartbeats_and_is_scheduled():
-    nodes.register_node("n1", virtual_gpus("n1", "1x1GiB"), virtual=True)
+    nodes.register_node("n1", virtual_gpus("n1", "1x1GiB", NO_OVERHEAD), virtual=True)
     Node.objects.filter(name="n1").update(last_heartbeat=timezone.now() - timedelta(hours=1))
 
     assert expire_heartbeats.apply().get() == ["n1"]

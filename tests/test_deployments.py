@@ -16,6 +16,7 @@ from inference.devices import virtual_gpus
 from scheduling.models import GPU, Deployment, Event, Occupant, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services.nodes import register_node
+from tests.factories import NO_OVERHEAD
 
 MiB = 1024**2
 GiB = 1024**3
@@ -367,8 +368,8 @@ def test_sixteen_concurrent_deploys_never_over_commit_a_gpu(dispatched, tiny_mod
     from scheduling.services.deployments import DeploymentSpec, ModelFacts
     from scheduling.services.errors import CannotPlace
 
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
-    register_node("node2", virtual_gpus("node2", "2x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
+    register_node("node2", virtual_gpus("node2", "2x1GiB", NO_OVERHEAD), virtual=True)
     facts = ModelFacts(weight_bytes=10 * MiB, estimate_bytes=300 * MiB)
     barrier = threading.Barrier(16)
     outcomes: list[str] = []

@@ -15,6 +15,7 @@ from scheduling.ledger import CasConflict, OverCommit, commit, commit_with_retry
 from scheduling.models import GPU, Deployment, Event, Occupant, Replica
 from scheduling.services.nodes import register_node
 from scheduling.state import Plan, Release, Reservation, SnapshotIndex
+from tests.factories import NO_OVERHEAD
 
 MiB = 1024**2
 GiB = 1024**3
@@ -49,7 +50,7 @@ def invariant_violations() -> list[str]:
 
 @pytest.fixture
 def gpu_ids(db) -> list[int]:
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
     return list(GPU.objects.order_by("pk").values_list("pk", flat=True))
 
 
@@ -108,7 +109,7 @@ def test_a_stale_plan_conflicts_and_changes_nothing(gpu_ids):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_concurrent_change_makes_the_plan_conflict_and_the_retry_succeeds():
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     gpu_id = GPU.objects.get().pk
     mine, theirs = make_replicas(2)
     seen_versions: list[int] = []
@@ -141,7 +142,7 @@ def test_a_concurrent_change_makes_the_plan_conflict_and_the_retry_succeeds():
 
 @pytest.mark.django_db(transaction=True)
 def test_it_gives_up_after_the_bounded_number_of_attempts():
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     gpu_id = GPU.objects.get().pk
     mine, theirs = make_replicas(2)
     plans = 0
@@ -234,7 +235,7 @@ def test_the_snapshot_carries_versions_occupants_and_intents(gpu_ids):
 
 @pytest.mark.django_db(transaction=True)
 def test_sixteen_concurrent_clients_never_over_commit_a_gpu():
-    register_node("node1", virtual_gpus("node1", "3x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "3x1GiB", NO_OVERHEAD), virtual=True)
     gpu_ids = list(GPU.objects.order_by("pk").values_list("pk", flat=True))
     clients, rounds = 16, 12
     owned = [make_replicas(2) for _ in range(clients)]
@@ -308,7 +309,7 @@ def test_sixteen_concurrent_clients_never_over_commit_a_gpu():
 
 @pytest.mark.django_db(transaction=True)
 def test_a_mirror_sees_a_commit_that_lands_after_its_read_started():
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
     first, second = GPU.objects.order_by("pk").values_list("pk", flat=True)
     early, late = make_replicas(2)
     mirror = ledger.Mirror()
@@ -342,7 +343,7 @@ def test_a_mirror_sees_a_commit_that_lands_after_its_read_started():
 
 @pytest.mark.django_db(transaction=True)
 def test_a_stale_mirror_costs_a_retry_not_an_over_commit():
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     gpu_id = GPU.objects.get().pk
     mine, theirs = make_replicas(2)
     mirror = ledger.Mirror()
@@ -374,7 +375,7 @@ def test_a_stale_mirror_costs_a_retry_not_an_over_commit():
 
 @pytest.mark.django_db(transaction=True)
 def test_a_mirror_reads_again_only_the_gpus_written_since_it_last_looked(monkeypatch):
-    register_node("node1", virtual_gpus("node1", "4x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "4x1GiB", NO_OVERHEAD), virtual=True)
     written = GPU.objects.order_by("pk").values_list("pk", flat=True)[1]
     replica = make_replicas(1)[0]
     plan = Plan.against(snapshot([written]), "one", [Reservation(written, replica, 100 * MiB)])
@@ -417,7 +418,7 @@ def test_labels_and_reasons_reach_the_database_verbatim(gpu_ids):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_mirror_read_inside_a_transaction_still_fetches_what_that_transaction_writes_after_it():
-    register_node("node1", virtual_gpus("node1", "3x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "3x1GiB", NO_OVERHEAD), virtual=True)
     mine, theirs, later = GPU.objects.order_by("pk").values_list("pk", flat=True)
     first, second, third = make_replicas(3)
     mirror = ledger.Mirror()
@@ -444,7 +445,7 @@ def test_a_mirror_read_inside_a_transaction_still_fetches_what_that_transaction_
 
 @pytest.mark.django_db(transaction=True)
 def test_a_mirrors_patched_index_stays_the_index_of_what_it_shows():
-    register_node("node1", virtual_gpus("node1", "3x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "3x1GiB", NO_OVERHEAD), virtual=True)
     first, second, third = GPU.objects.order_by("pk").values_list("pk", flat=True)
     a, b = make_replicas(2)
     mirror = ledger.Mirror()
@@ -461,7 +462,7 @@ def test_a_mirrors_patched_index_stays_the_index_of_what_it_shows():
             snapshot([first, second]), "move", [Reservation(second, b, 50 * MiB)], releases=[Release(first, b)]
         )
     )
-    register_node("node2", virtual_gpus("node2", "1x1GiB"), virtual=True)
+    register_node("node2", virtual_gpus("node2", "1x1GiB", NO_OVERHEAD), virtual=True)
     seen = mirror.snapshot()
 
     assert seen.index == SnapshotIndex.build(seen.gpus)

@@ -17,6 +17,7 @@ from scheduling.api.openai_compat import ChatCompletionsView, ChatInput, Complet
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
+from tests.factories import NO_OVERHEAD
 from tests.processes import StandIn
 
 MiB = 1024**2
@@ -24,7 +25,7 @@ MiB = 1024**2
 
 @pytest.fixture
 def replica(transactional_db, tiny_model_dir) -> Replica:
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     request_services.queue.cache_clear()
     request_services.queue().fail_queued("tiny", reason="left over from another test")

@@ -28,6 +28,7 @@ from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create, scale
 from scheduling.services.errors import CannotPlace
 from scheduling.services.nodes import register_node
+from tests.factories import NO_OVERHEAD
 from tests.test_deployments import MiB, invariant_holds, serve
 
 PREEMPT, WAKE, TO_CACHE = "scheduling.tasks.preempt", "scheduling.tasks.wake", "inference.tasks.replica_to_cache"
@@ -92,7 +93,7 @@ def serving(name: str, *, last_accessed: datetime | None = None, **spec) -> str:
 
 @pytest.fixture
 def one_gpu(db) -> GPU:
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     return GPU.objects.get()
 
 
@@ -303,7 +304,7 @@ def occupant(name: str, gpu: GPU, reserved: int, *, idle_for: timedelta = LONG_A
 
 @pytest.fixture
 def two_gpus(db) -> tuple[GPU, GPU]:
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
     first, second = GPU.objects.order_by("index")
     return first, second
 
@@ -401,8 +402,8 @@ def test_a_busy_victim_still_gets_the_whole_max_wait(one_gpu, dispatched, rq):
 
 
 def test_a_cached_replica_is_woken_on_its_own_node(db, dispatched, rq):
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
-    register_node("node2", virtual_gpus("node2", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    register_node("node2", virtual_gpus("node2", "1x1GiB", NO_OVERHEAD), virtual=True)
     near, far = GPU.objects.get(node__name="node1"), GPU.objects.get(node__name="node2")
     # c slept on node2: its weights are in node2's CPU RAM, so it wakes there, even though node1's
     # occupants serve nothing and node2's are busy (a new replica on node1 would load from disk).
@@ -470,7 +471,7 @@ def test_enrich_weighs_reload_time_and_requests_in_flight_and_without_redis_assu
 
 @pytest.mark.django_db(transaction=True)
 def test_two_deployments_waking_at_once_for_the_same_gpu_one_holds_the_wake_lock_the_other_waits(dispatched):
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     serving("a"), serving("b")
     deploy("c", replicas=0)
     deploy("d", replicas=0)

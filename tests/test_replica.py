@@ -37,10 +37,12 @@ from inference.replica import (
     classify_failure,
 )
 from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line
+from scheduling.memory import H100_CONTEXT_BYTES
 from tests.processes import wait_until
 from tests.test_loaders import tiny_mlp
 
 MiB = 1024**2
+CONTEXT = H100_CONTEXT_BYTES  # what a virtual GPU models per replica process by default
 GiB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MLP = "tests.test_loaders:tiny_mlp"
@@ -89,7 +91,7 @@ def spec(
     loader: str = "transformers",
     replica_id: str = "r1",
     gpus: tuple[int, ...] = (0,),
-    reserved: int = 64 * MiB,
+    reserved: int = CONTEXT + 96 * MiB,
     fraction: float | None = 0.03,
     backend: str = "virtual",
 ) -> ReplicaSpec:
@@ -134,7 +136,7 @@ def supervisor(tmp_path):
 
 def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(supervisor, tiny_model_dir):
     events = Events()
-    supervisor.start(spec(str(tiny_model_dir), reserved=64 * MiB, fraction=0.03), events)
+    supervisor.start(spec(str(tiny_model_dir), reserved=CONTEXT + 96 * MiB, fraction=0.03), events)
 
     progress, serving = events.until("serving")
     percents = [e["percent"] for e in progress if e["event"] == "progress"]
@@ -142,20 +144,29 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert {e["state"] for e in progress} == {"loading"}
     assert serving["weights_bytes"] == tensor_bytes(load_model(str(tiny_model_dir), "transformers", "float32"))
     assert serving["pid"] == supervisor.pid("r1")
-    assert serving["process_bytes"] is None  # no NVML on a virtual GPU
-    assert serving["gpu_mem_bytes_by_id"] == {"0": 64 * MiB}
+    # No NVML on a virtual GPU: what it would show, modelled like the H100's (issue 15): the
+    # context, the weights, the pool and the activation reserve, within the reservation.
+    footprint = serving["footprint"]
+    assert footprint["context_bytes"] == CONTEXT
+    # The reservation is above the need: the pool takes the rest, so the process holds more than
+    # the need (a pool for more than max_tokens) but never more than it reserved.
+    assert serving["need_bytes"] == footprint["total_bytes"] < serving["process_bytes"]
+    assert serving["process_bytes"] == serving["process_bytes_by_id"]["0"] <= CONTEXT + 96 * MiB
+    assert serving["gpu_mem_bytes_by_id"] == {"0": CONTEXT + 96 * MiB}
     assert serving["param_devices"] == ["cpu"]
     with pytest.raises(ValueError, match="already running"):
         supervisor.start(spec(str(tiny_model_dir)), events)
 
     supervisor.send("r1", {"cmd": "sleep"})
     _, sleeping = events.until("sleeping")
-    assert sleeping["residual_bytes_by_id"] == {"0": 0}
+    assert sleeping["residual_bytes_by_id"] == {"0": CONTEXT}  # the context stays, as on a real GPU
     assert sleeping["cpu_bytes"] == serving["weights_bytes"]
 
-    supervisor.send("r1", {"cmd": "wake", "gpus": [1], "reserved_bytes_by_gpu": {"1": 32 * MiB}, "fraction": 0.05})
+    supervisor.send(
+        "r1", {"cmd": "wake", "gpus": [1], "reserved_bytes_by_gpu": {"1": CONTEXT + 80 * MiB}, "fraction": 0.05}
+    )
     _, woken = events.until("woken")
-    assert woken["gpu_mem_bytes_by_id"] == {"1": 32 * MiB}
+    assert woken["gpu_mem_bytes_by_id"] == {"1": CONTEXT + 80 * MiB}
     assert woken["gpus"] == [1] and woken["fraction"] == 0.05
     assert woken["weights_bytes"] == serving["weights_bytes"]
 
@@ -354,7 +365,12 @@ def test_the_host_refuses_commands_that_make_no_sense_now_and_carries_on():
         "unknown command 'launch' (known: sleep, wake, stop, ping)",
     ]
     # kv: the KV pool's statistics (issue 7); a torch-module replica has none.
-    assert _events(out)[-1] == {"event": "pong", "state": "serving", "pid": os.getpid(), "kv": None}
+    # process_bytes_by_id: what NVML would show; a virtual GPU models it (the context and weights).
+    pong = _events(out)[-1]
+    assert pong == {"event": "pong", "state": "serving", "pid": os.getpid(), "kv": None} | {
+        "process_bytes_by_id": {"0": pong["process_bytes_by_id"]["0"]}
+    }
+    assert pong["process_bytes_by_id"]["0"] > CONTEXT
 
 
 def test_sleep_and_wake_are_idempotent_for_retries():

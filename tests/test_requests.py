@@ -34,6 +34,7 @@ from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NotFound
 from scheduling.services.nodes import register_node
+from tests.factories import NO_OVERHEAD
 from tests.processes import StandIn
 
 MiB = 1024**2
@@ -236,7 +237,7 @@ def test_streamed_chunks_arrive_in_order_then_the_end(rq):
 @pytest.fixture
 def serving_deployment(db, rq, tiny_model_dir):
     """A deployment with one replica marked serving (no process: a thread answers its queue)."""
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     replica = Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
     request_services.queue.cache_clear()
@@ -339,7 +340,7 @@ def test_unknown_deployments_and_requests_are_404(serving_deployment, user_clien
 
 
 def test_a_deployment_that_can_never_be_placed_is_refused_at_once_with_409(db, rq, user_client, tiny_model_dir):
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     Deployment.objects.create(name="giant", model_source=str(tiny_model_dir), memory_override_bytes=2 * 1024**3)
     request_services.queue.cache_clear()
 
@@ -350,7 +351,7 @@ def test_a_deployment_that_can_never_be_placed_is_refused_at_once_with_409(db, r
 
 
 def test_a_request_for_a_sleeping_deployment_wakes_it_and_says_waking(db, rq, user_client, tiny_model_dir, dispatched):
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     Deployment.objects.create(
         name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB, replicas_wanted=0
     )
@@ -405,7 +406,7 @@ STARTING = (Replica.State.PENDING, Replica.State.WAKING)
 
 def sleeping_deployment(tiny_model_dir) -> Replica:
     """A deployment whose only replica the database says is asleep (so a request must wake it)."""
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     request_services.queue.cache_clear()
     return Replica.objects.create(deployment=deployment, state=Replica.State.SLEEPING)
@@ -600,7 +601,7 @@ def test_the_fast_path_takes_the_shapes_clients_send_most(body):
 def test_a_request_is_accepted_after_the_database_dropped_the_web_processs_connection(rq, tiny_model_dir):
     from django.db import connection, connections
 
-    register_node("node1", virtual_gpus("node1", "1x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
     deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
     request_services.queue.cache_clear()

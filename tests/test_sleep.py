@@ -27,6 +27,7 @@ from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from scheduling.services.errors import CannotPlace, InvalidState
 from scheduling.services.nodes import register_node
 from scheduling.tasks import sleep_idle
+from tests.factories import NO_OVERHEAD
 from tests.processes import wait_until
 from tests.test_deployments import FROM_CACHE, START, TO_CACHE, MiB, body, invariant_holds, reserved, serve
 from tests.test_replica_lifecycle import LOAD_TIMEOUT, all_in, states
@@ -358,7 +359,7 @@ def test_the_sweep_is_scheduled_every_5_s_on_the_control_queue(db):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_sweep_skips_a_replica_another_transaction_holds(dispatched, tiny_model_dir):
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
     deployment = _deploy_directly("held", tiny_model_dir, replicas=1, idle_timeout_s=1)
     replica_id = deployment.replicas.get().id
     serve(replica_id)
@@ -398,8 +399,8 @@ def _deploy_directly(name: str, model_dir, **spec) -> Deployment:
 
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_wakes_add_exactly_the_replicas_wanted(dispatched, tiny_model_dir):
-    register_node("node1", virtual_gpus("node1", "2x1GiB"), virtual=True)
-    register_node("node2", virtual_gpus("node2", "2x1GiB"), virtual=True)
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
+    register_node("node2", virtual_gpus("node2", "2x1GiB", NO_OVERHEAD), virtual=True)
     deployment = _deploy_directly("tiny-a", tiny_model_dir, replicas=2)
     cached, dead = deployment.replicas.order_by("pk").values_list("id", flat=True)
     for replica_id in (cached, dead):

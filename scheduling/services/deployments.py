@@ -6,16 +6,16 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
+from django.db.models import Max
 from django.utils import timezone
 
 from scheduling import events, fairness, ledger, memory
-from scheduling.models import Deployment, Event, Replica, new_replica_id
+from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all, withhold_locked
 from scheduling.services import dispatch, failover
@@ -265,7 +265,10 @@ def releasing(replica_ids: set[str], reason: str) -> Callable[[Snapshot], Plan |
 
 
 def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
-    """The replica's need under the deployment's policy, plus a CUDA context where GPUs are real."""
+    """The bytes one replica of the deployment reserves: its need under the deployment's policy
+    (scheduling.memory's footprint) with a CUDA context, plus, in a failover pair, the context its
+    sleeping standby keeps beside it. Contexts are the GPUs' own (measured per node and model, or
+    the virtual GPU's), the largest among the snapshot's GPUs, so the need fits wherever it goes."""
     need = memory.need_for(
         deployment.memory_policy,
         memory.NeedInputs(
@@ -275,14 +278,21 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
             measured_bytes=deployment.memory_measured_bytes,
         ),
     )
-    # A measured need already includes the context the process really had; others do not.
-    real_gpus = any(not g.virtual for g in snapshot.gpus.values())
-    if need.source != "measured" and real_gpus:
-        need = replace(need, bytes=need.bytes + settings.GPUPORTAL_CUDA_CONTEXT_BYTES)
-    if deployment.failover_standby and real_gpus:
-        # The pair: the active's bytes once, plus what its sleeping standby still holds (its context).
-        need = replace(need, bytes=need.bytes + settings.GPUPORTAL_CUDA_CONTEXT_BYTES)
+    context, standby_context = gpu_contexts(snapshot.gpus)
+    # A measured need is the replica's own footprint, its context included; others have none.
+    if need.source != "measured":
+        need = replace(need, bytes=need.bytes + context)
+    if deployment.failover_standby:
+        need = replace(need, bytes=need.bytes + standby_context)
     return need
+
+
+def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
+    """(serving context, standby context) in bytes: the largest of these GPUs' (issue 15)."""
+    found = GPU.objects.filter(pk__in=list(gpu_ids)).aggregate(c=Max("context_bytes"), s=Max("standby_context_bytes"))
+    # No GPU at all (nothing registered yet): the H100's figures; a GPU's own 0 stays 0.
+    context = memory.H100_CONTEXT_BYTES if found["c"] is None else int(found["c"])
+    return context, memory.H100_STANDBY_CONTEXT_BYTES if found["s"] is None else int(found["s"])
 
 
 def cached_of(deployment: Deployment) -> tuple[CachedReplica, ...]:

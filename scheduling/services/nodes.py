@@ -11,7 +11,9 @@ from django.utils import timezone
 from scheduling import events, ledger
 from scheduling.models import Event, Node, Replica
 from scheduling.services.errors import InvalidState, NotFound
-from scheduling.state import DeviceInfo
+from scheduling.state import Books, DeviceInfo
+
+__all__ = ["Books"]  # the agent builds them; scheduling.services.books checks them
 
 INVENTORY_EVENT = {
     "added": Event.Kind.GPU_REGISTERED,
@@ -85,8 +87,9 @@ def register_node(
     return node
 
 
-def heartbeat(name: str, *, now: datetime | None = None) -> Node:
-    """Record that the node's agent is alive; a node that had been marked offline comes back."""
+def heartbeat(name: str, *, now: datetime | None = None, books: Books | None = None) -> Node:
+    """Record that the node's agent is alive; a node that had been marked offline comes back.
+    With `books`, what the agent saw its replica processes hold is checked against the ledger."""
     now = now or timezone.now()
     with transaction.atomic():
         node = Node.objects.select_for_update().get(name=name)
@@ -104,6 +107,10 @@ def heartbeat(name: str, *, now: datetime | None = None) -> Node:
                 node=name,
             )
         node.save(update_fields=fields)
+    if books is not None:
+        from scheduling.services import books as book_checks  # builds on replicas, which builds on this
+
+        book_checks.check(name, books)
     return node
 
 

@@ -432,8 +432,9 @@ def _activity(replica_ids: list[str]) -> dict[str, tuple[int | None, datetime | 
 
 
 def _kept_bytes(snap: Snapshot) -> dict[int, int]:
-    """What a victim still holds on each GPU once asleep: its CUDA context on a real GPU."""
-    return {g.id: settings.GPUPORTAL_CUDA_CONTEXT_BYTES for g in snap.gpus.values() if not g.virtual}
+    """What a victim still holds on each GPU once asleep: its CUDA context (a virtual GPU models
+    one too, issue 15), as measured for that GPU or its default."""
+    return dict(GPU.objects.filter(pk__in=list(snap.gpus)).values_list("pk", "context_bytes"))
 
 
 def _lock_target_gpus(target_ids: Iterable[int]) -> list[GPU] | None:

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from scheduling import events, ledger, memory
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
-from scheduling.models import Deployment, Event, Replica
+from scheduling.models import GPU, Deployment, Event, Replica
 from scheduling.services import dispatch
 from scheduling.services.errors import InvalidState, NotFound
 from scheduling.state import Plan, Release, Reservation, Snapshot
@@ -127,6 +127,7 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
         return
     deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
     measured = _measured_bytes(deployment, event)
+    _record_context(replica, event)
     if measured and measured != deployment.memory_measured_bytes:
         before = deployment.memory_measured_bytes
         deployment.memory_measured_bytes = measured
@@ -293,15 +294,44 @@ PAIR_ONLY = dict.fromkeys(("failover", "lease", "standby", "active"), _pair_repo
 
 
 def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None:
-    """NVML's per-process figure on a real GPU; on a virtual one, the tensor bytes the replica
-    really holds plus the reserves (KV cache, activations) the estimate budgets beside them."""
-    if event.get("process_bytes"):
-        return int(event["process_bytes"])
+    """What one replica holds serving at max_tokens, as the replica composed it from measured
+    parts with scheduling.memory's formula (its weights as allocated, the pool, the activation
+    reserve, its context, what NVML shows outside the allocator): the need the next replica is
+    reserved and sizes its pool against. Not NVML's figure at load: it has no activations yet,
+    and a replica reserved it would size its pool below zero (issue 15).
+
+    Replicas of an older build report no need: then their tensor bytes plus the reserves the
+    estimate budgets beside them."""
+    if isinstance(event.get("need_bytes"), int) and event["need_bytes"] > 0:
+        return int(event["need_bytes"])
     weights = event.get("weights_bytes")
     if not weights:
         return None
     reserves = max(0, (deployment.memory_estimate_bytes or 0) - (deployment.weight_bytes or 0))
     return int(weights) + reserves
+
+
+def _record_context(replica: Replica, event: dict[str, Any]) -> None:
+    """A real replica's measured CUDA context becomes its node's figure for that GPU model: the
+    next need and pool count it instead of the default (issue 15). Only ever raised, since a
+    context grows as forward passes load kernels, and a lower reading is an earlier moment (a
+    GPU whose context is below the default keeps the default: safe rather than tight)."""
+    context = event.get("context_measured_bytes")
+    if replica.node_id is None or replica.node.virtual or not isinstance(context, int) or context <= 0:
+        return
+    indices = [int(i) for i in replica.gpu_mem_bytes_by_id]
+    products = GPU.objects.filter(node_id=replica.node_id, index__in=indices).values_list("product", flat=True)
+    updated = GPU.objects.filter(node_id=replica.node_id, product__in=list(products), context_bytes__lt=context)
+    if updated.update(context_bytes=context, context_measured=True):
+        events.record(
+            Event.Kind.GPU_CHANGED,
+            f"node {replica.node.name}",
+            f"CUDA context measured at {memory.human_bytes(context)} per process by replica {replica.id[:8]} "
+            f"({', '.join(sorted(set(products)))}); needs and KV pools count it from now on",
+            after={"context_bytes": context},
+            node=replica.node.name,
+            replica=replica.id,
+        )
 
 
 def _seconds_in(replica: Replica, state: str, now: datetime) -> float:

@@ -1,9 +1,10 @@
+import os
 import re
 
 from django.core.management.base import BaseCommand, CommandError
 
 from inference.agent import NodeAgent
-from inference.devices import parse_size, parse_virtual_spec
+from inference.devices import VirtualProfile, parse_size, parse_virtual_spec
 
 
 class Command(BaseCommand):
@@ -26,6 +27,22 @@ class Command(BaseCommand):
             default="auto",
             help="auto: NVML when it finds a GPU, else virtual.",
         )
+        parser.add_argument(
+            "--virtual-context",
+            default=None,
+            help="A virtual GPU's CUDA context per serving replica process, e.g. 722MiB (default: the H100's, "
+            "or GPUPORTAL_VIRTUAL_CONTEXT_BYTES).",
+        )
+        parser.add_argument(
+            "--virtual-standby-context",
+            default=None,
+            help="A virtual GPU's context per standby that never ran a forward pass (default: 518MiB).",
+        )
+        parser.add_argument(
+            "--virtual-driver-reserve",
+            default=None,
+            help="What NVML counts but CUDA cannot allocate on a virtual GPU (default: 480MiB).",
+        )
         parser.add_argument("--cpu-cache", default=None, help="Host RAM for sleeping weights (default: half).")
         parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
         parser.add_argument("--loglevel", default="INFO")
@@ -39,6 +56,30 @@ class Command(BaseCommand):
             cache = parse_size(cpu_cache) if cpu_cache else None
         except ValueError as err:
             raise CommandError(f"invalid size: {err}") from None
+        overrides = {
+            "GPUPORTAL_VIRTUAL_CONTEXT_BYTES": ("--virtual-context", options.get("virtual_context")),
+            "GPUPORTAL_VIRTUAL_STANDBY_CONTEXT_BYTES": (
+                "--virtual-standby-context",
+                options.get("virtual_standby_context"),
+            ),
+            "GPUPORTAL_VIRTUAL_DRIVER_RESERVE_BYTES": (
+                "--virtual-driver-reserve",
+                options.get("virtual_driver_reserve"),
+            ),
+        }
+        env = dict(os.environ)
+        for var, (flag, value) in overrides.items():
+            if value is not None:
+                try:
+                    env[var] = str(parse_size(value)) if value.strip() != "0" else "0"
+                except ValueError as err:
+                    raise CommandError(f"{flag}: {err}") from None
+        try:
+            profile = VirtualProfile.from_env(env)
+        except ValueError as err:
+            raise CommandError(f"invalid virtual GPU profile: {err}") from None
+        # The agent's replica processes inherit the environment: they model the same GPU.
+        os.environ.update(profile.as_env())
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
         agent = NodeAgent(
@@ -47,6 +88,7 @@ class Command(BaseCommand):
             virtual_spec=virtual_gpus,
             cpu_cache_bytes=cache,
             concurrency=concurrency,
+            profile=profile,
         )
         try:
             agent.run(loglevel=loglevel)

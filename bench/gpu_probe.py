@@ -1,0 +1,363 @@
+"""The probe part of bench.gpu: one replica, in this process, on one GPU, through the project's own
+ReplicaHost and CudaBackend (what `python -m inference.replica --backend cuda` runs), measured from
+inside so that the cap and the generated tokens can be checked too.
+
+    python -m bench.gpu_probe --model-dir DIR --dtype float32 [--max-tokens 512] [--gpu 0]
+
+Its own process on purpose: NVML's per-process figure is then the replica's alone, and the
+allocator cap it sets cannot leak into anything else. It prints `PROBE {json}` lines on stdout,
+one per step (setup, bandwidth, load, generate, prefill, cap, cycle ×2, generate_after_wake, or
+error with the step it stopped at); logs go to stderr. bench.gpu turns them into table rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+MiB = 1024**2
+GiB = 1024**3
+# The generation compared with transformers, as in the findings: greedy, 32 new tokens.
+COMPARE_TOKENS = 32
+PROMPT = "Hello, world! What is the capital of France?"
+# The prefill check leaves this many tokens of the pool for the generated ones.
+PREFILL_NEW_TOKENS = 16
+# Between the cap and these allocations: above, allocator rounding (2 MiB segments) cannot hide
+# an over-allocation; below, it cannot push a legal one over.
+CAP_MARGIN_BYTES = 32 * MiB
+# The host-to-device reference copies the weights' size, within these bounds (a pageable copy of
+# many GB would take seconds and tells nothing more).
+COPY_MIN_BYTES, COPY_MAX_BYTES = 64 * MiB, 2 * GiB
+COPY_TRIALS = 3
+
+
+def out(tag: str, **fields: Any) -> None:
+    print("PROBE " + json.dumps({"tag": tag, **fields}, default=str), flush=True)
+
+
+class EventSink:
+    """A stream for the replica's EventWriter: keeps its events instead of writing them to stdout."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def write(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.strip():
+                self.events.append(json.loads(line))
+
+    def flush(self) -> None:
+        pass
+
+    def last(self, since: int, *names: str) -> dict[str, Any] | None:
+        for event in reversed(self.events[since:]):
+            if event.get("event") in names:
+                return event
+        return None
+
+
+def nvml_bytes(gpu: int) -> int | None:
+    from inference.replica import nvml_process_bytes
+
+    return (nvml_process_bytes(os.getpid()) or {}).get(str(gpu))
+
+
+def rss_bytes() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process().memory_info().rss)
+
+
+def host_to_device(nbytes: int, gpu: int) -> dict[str, Any]:
+    """Best of COPY_TRIALS copies of nbytes from pinned and from pageable host memory: the ceiling
+    a wake's copy of the weights is compared with, on this machine, in this process."""
+    import torch
+
+    from bench.gpu import gbps
+
+    result: dict[str, Any] = {"nbytes": nbytes}
+    for pinned in (True, False):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host.fill_(1)
+        best = None
+        for trial in range(COPY_TRIALS + 1):  # the first one warms up (allocator, DMA mappings)
+            torch.cuda.synchronize(gpu)
+            began = time.perf_counter()
+            device = host.to(f"cuda:{gpu}", non_blocking=True)
+            torch.cuda.synchronize(gpu)
+            seconds = time.perf_counter() - began
+            del device
+            if trial:
+                best = seconds if best is None else min(best, seconds)
+        result["pinned_gbps" if pinned else "pageable_gbps"] = gbps(nbytes, best)
+        del host
+        torch.cuda.empty_cache()
+    return result
+
+
+def make_host(**kwargs: Any) -> Any:
+    """A ReplicaHost with the arguments this version of it takes: its constructor is growing fields
+    (issue 15), and a probe that broke on each would measure nothing."""
+    from inference.replica import ReplicaHost
+
+    accepted = inspect.signature(ReplicaHost).parameters
+    return ReplicaHost(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def paged_tokens(host: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
+
+    if host.paged is None:
+        raise RuntimeError("the replica has no KV block pool")
+    batcher = Batcher(host.paged, host.tokenizer, eos_ids(host.model))
+    seq = Sequence(prompt=list(prompt), max_tokens=max_tokens)
+    batcher.submit(seq)
+    run_until_idle(batcher)
+    if seq.error is not None:
+        raise RuntimeError(f"paged generation failed: {seq.error!r}")
+    return list(seq.generated)
+
+
+def reference_tokens(host: Any, prompt: list[int], max_tokens: int, gpu: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt], device=f"cuda:{gpu}")
+    with torch.no_grad():
+        output = host.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
+        )
+    return output[0, len(prompt) :].tolist()
+
+
+def prefill(host: Any, max_tokens: int, gpu: int) -> dict[str, Any]:
+    """A prompt that fills max_tokens: activations at their largest, inside the cap or not."""
+    import torch
+
+    from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
+
+    pool = host.paged.pool
+    capacity = pool.blocks_total * pool.block_tokens
+    length = max(1, min(max_tokens, capacity) - PREFILL_NEW_TOKENS)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(4, len(host.tokenizer), (length,), generator=generator).tolist()
+    torch.cuda.reset_peak_memory_stats(gpu)
+    batcher = Batcher(host.paged, host.tokenizer, eos_ids(host.model))
+    seq = Sequence(prompt=prompt, max_tokens=PREFILL_NEW_TOKENS)
+    batcher.submit(seq)
+    run_until_idle(batcher)
+    torch.cuda.synchronize(gpu)
+    return {
+        "prompt_tokens": length,
+        "generated": len(seq.generated),
+        "error": repr(seq.error) if seq.error is not None else None,
+        "nvml_bytes": nvml_bytes(gpu),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(gpu),
+    }
+
+
+def cap_check(host: Any, fraction: float, gpu: int) -> dict[str, Any]:
+    """Allocate past the allocator's cap (must raise out-of-memory) and just under it (must work)."""
+    import torch
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info(gpu)[1]
+    limit = int(fraction * total)
+    room = limit - torch.cuda.memory_reserved(gpu)
+    result: dict[str, Any] = {
+        "fraction": round(fraction, 6),
+        "limit_bytes": limit,
+        "room_bytes": room,
+        "margin_bytes": CAP_MARGIN_BYTES,
+    }
+    try:
+        over = torch.empty(max(room, 0) + CAP_MARGIN_BYTES, dtype=torch.uint8, device=f"cuda:{gpu}")
+    except torch.cuda.OutOfMemoryError:
+        result["over"] = "oom"
+    else:
+        result["over"] = "allocated"
+        del over
+    torch.cuda.empty_cache()
+    if room <= CAP_MARGIN_BYTES:
+        result["under"] = f"no room: {room} bytes left under the cap"
+    else:
+        try:
+            under = torch.empty(room - CAP_MARGIN_BYTES, dtype=torch.uint8, device=f"cuda:{gpu}")
+        except torch.cuda.OutOfMemoryError as exc:
+            result["under"] = "oom: " + str(exc).splitlines()[0][:200]
+        else:
+            torch.cuda.synchronize(gpu)
+            result["under"] = "ok"
+            result["nvml_at_cap_bytes"] = nvml_bytes(gpu)
+            del under
+    torch.cuda.empty_cache()
+    return result
+
+
+def short(exc: BaseException) -> str:
+    """One line for the table: the exception's type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+
+
+def run(args: argparse.Namespace) -> None:
+    step = "setup"
+    try:
+        import torch
+
+        from inference.model_size import shape_from_model_dir
+        from inference.replica import CudaBackend, EventWriter, Placement
+        from scheduling import memory
+        from scheduling.placement import gpu_fraction
+
+        gpu = args.gpu
+        torch.cuda.set_device(gpu)
+        torch.zeros(1, device=f"cuda:{gpu}")
+        torch.cuda.synchronize(gpu)
+        measured = nvml_bytes(gpu)
+        bare = measured - torch.cuda.memory_reserved(gpu) if measured is not None else None
+        context = args.context_bytes if args.context_bytes is not None else memory.TYPICAL_CUDA_CONTEXT_BYTES
+        shape = shape_from_model_dir(args.model_dir, args.dtype)
+        est = memory.estimate(shape, max_tokens=args.max_tokens, cuda_context_bytes=context)
+        reservation = est.total_bytes
+        cuda_total = torch.cuda.mem_get_info(gpu)[1]
+        fraction = gpu_fraction(reservation, cuda_total)
+        parts = ("weights_bytes", "kv_bytes", "activation_bytes", "context_bytes", "overhead_bytes")
+        out(
+            "setup",
+            device=torch.cuda.get_device_name(gpu),
+            cuda_total_bytes=cuda_total,
+            reservation_bytes=reservation,
+            estimate={p: getattr(est, p, 0) for p in parts},
+            context_assumed_bytes=context,
+            context_bare_bytes=bare,
+            fraction_asked=fraction,
+        )
+
+        step = "bandwidth"
+        out("bandwidth", **host_to_device(min(max(shape.weight_bytes, COPY_MIN_BYTES), COPY_MAX_BYTES), gpu))
+
+        step = "load"
+        sink = EventSink()
+        placement = Placement.parse([gpu], {str(gpu): reservation}, fraction)
+        host = make_host(
+            replica_id="bench-gpu-probe",
+            source=str(args.model_dir),
+            loader="transformers",
+            dtype=args.dtype,
+            placement=placement,
+            backend=CudaBackend(),
+            events=EventWriter(sink),  # type: ignore[arg-type]  # duck-typed: write and flush
+            kv_max_tokens=args.max_tokens,
+            context_bytes=context,
+        )
+        began = time.perf_counter()
+        host.load()
+        torch.cuda.synchronize(gpu)
+        seconds = time.perf_counter() - began
+        serving = sink.last(0, "serving", "failed")
+        if serving is None or serving.get("event") != "serving":
+            raise RuntimeError(f"the replica did not serve: {serving}")
+        # The fraction the backend really applied (it may take the context out of the cap first).
+        applied = getattr(host.backend, "fraction", None) or host.placement.fraction or fraction
+        out(
+            "load",
+            seconds=seconds,
+            weights_bytes=host.weights_bytes,
+            nvml_bytes=nvml_bytes(gpu),
+            allocator_reserved_bytes=torch.cuda.memory_reserved(gpu),
+            fraction_applied=applied,
+            event=serving,
+        )
+
+        step = "generate"
+        prompt = host.tokenizer(PROMPT)["input_ids"]
+        paged: list[int] | None = None
+        try:
+            paged = paged_tokens(host, prompt, COMPARE_TOKENS)
+            out("generate", paged=paged, reference=reference_tokens(host, prompt, COMPARE_TOKENS, gpu))
+        except Exception as exc:  # a finding, not the end of the probe: the memory figures still count
+            out("generate", error=short(exc))
+
+        step = "prefill"
+        try:
+            out("prefill", **prefill(host, args.max_tokens, gpu))
+        except Exception as exc:  # an out-of-memory here says the activation reserve is too small
+            out("prefill", error=short(exc), nvml_bytes=nvml_bytes(gpu))
+            torch.cuda.empty_cache()
+
+        step = "cap"
+        out("cap", **cap_check(host, applied, gpu))
+
+        for n in (1, 2):  # the first sleep pins tensor by tensor; later ones reuse the pinned copies
+            step = f"sleep {n}"
+            since = len(sink.events)
+            torch.cuda.synchronize(gpu)
+            began = time.perf_counter()
+            host.sleep(0.0)
+            sleep_s = time.perf_counter() - began
+            sleeping = sink.last(since, "sleeping")
+            after_sleep = nvml_bytes(gpu)
+            step = f"wake {n}"
+            since = len(sink.events)
+            began = time.perf_counter()
+            host.wake([gpu], {str(gpu): reservation}, fraction)
+            torch.cuda.synchronize(gpu)
+            wake_s = time.perf_counter() - began
+            out(
+                "cycle",
+                n=n,
+                sleep_s=sleep_s,
+                wake_s=wake_s,
+                nvml_after_sleep_bytes=after_sleep,
+                nvml_after_wake_bytes=nvml_bytes(gpu),
+                rss_bytes=rss_bytes(),
+                sleeping_event=sleeping,
+                event=sink.last(since, "woken", "failed"),
+            )
+
+        step = "generate_after_wake"
+        try:
+            out("generate_after_wake", paged=paged_tokens(host, prompt, COMPARE_TOKENS), reference=paged)
+        except Exception as exc:
+            out("generate_after_wake", error=short(exc))
+        host.stop(0.0)
+    except Exception as exc:
+        out("error", step=step, error=short(exc), traceback=traceback.format_exc()[-3000:])
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument(
+        "--context-bytes",
+        type=int,
+        default=None,
+        help="CUDA context the reservation counts (default: scheduling.memory's).",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # As the replica program does: never the hub, and torch's GPU indices in NVML's order.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    try:
+        run(args)
+    except Exception:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

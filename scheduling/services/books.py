@@ -1,0 +1,184 @@
+"""The books against the hardware (issue 15 item 4): every heartbeat, the node agent reports what
+each replica process really holds per GPU (NVML, or the virtual GPU's model of it), and this
+compares it with the ledger.
+
+A replica (or failover pair: its standby's context is in the active member's reservation) whose
+processes hold more than it reserved is an over-commit: it is recorded as an Event, shown as
+`gpuportal_gpu_overcommit_bytes`, its deployment's measured need is raised to what it really
+holds so the next replica is reserved enough, and its own reservation grows by the excess where
+the GPU has room, so that available_bytes never promises memory NVML does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+from django.db import transaction
+
+from scheduling import events, memory
+from scheduling.models import GPU, Deployment, Event, Occupant, Replica
+from scheduling.state import Books
+
+log = logging.getLogger(__name__)
+
+# States whose processes hold what their deployment's need describes: serving at max_tokens.
+SERVING = (Replica.State.SERVING, Replica.State.DRAINING)
+
+
+@dataclass(frozen=True)
+class Excess:
+    """One holder (a replica, or a failover pair's active member) over its reservation on a GPU."""
+
+    replica_id: str
+    gpu_id: int
+    index: int
+    used: int
+    reserved: int
+
+    @property
+    def bytes(self) -> int:
+        return self.used - self.reserved
+
+
+def over_reservations(
+    usage: dict[str, dict[int, int]], reserved: dict[tuple[str, int], int], holder_of: dict[str, str]
+) -> list[tuple[str, int, int, int]]:
+    """(holder, GPU index, used, reserved) for each holder using more than it reserved on a GPU.
+
+    Pure: `holder_of` maps a replica to the replica whose reservation covers it (a standby to
+    its active member; itself otherwise), and a holder's usage is the sum of what it covers."""
+    used: dict[tuple[str, int], int] = defaultdict(int)
+    for replica_id, figures in usage.items():
+        holder = holder_of.get(replica_id, replica_id)
+        for index, bytes_ in figures.items():
+            used[(holder, index)] += bytes_
+    return sorted(
+        (holder, index, bytes_, reserved.get((holder, index), 0))
+        for (holder, index), bytes_ in used.items()
+        if bytes_ > reserved.get((holder, index), 0)
+    )
+
+
+def check(node_name: str, books: Books) -> list[Excess]:
+    """Compare the books with what the node's agent saw; act on over-commits. Returns them."""
+    gpus = {g.index: g for g in GPU.objects.filter(node__name=node_name).order_by("pk")}
+    if not gpus:
+        return []
+    usage = {
+        rid: {int(i): int(b) for i, b in figures.items() if int(i) in gpus} for rid, figures in books.usage.items()
+    }
+    replicas = {
+        r.id: r for r in Replica.objects.filter(pk__in=list(usage)).select_related("deployment", "node", "lease")
+    }
+    usage = {rid: figures for rid, figures in usage.items() if rid in replicas}  # deleted meanwhile: not ours
+    holder_of = _holders(replicas.values())
+    reserved = {
+        (o.replica_id, o.gpu.index): o.reserved_bytes
+        for o in Occupant.objects.filter(gpu__in=gpus.values()).select_related("gpu")
+    }
+    found = [
+        Excess(holder, gpus[index].pk, index, used, held)
+        for holder, index, used, held in over_reservations(usage, reserved, holder_of)
+    ]
+    _record_gpu_figures(gpus, usage, books, found)
+    for excess in found:
+        _act_on(
+            excess, replicas.get(excess.replica_id) or Replica.objects.filter(pk=excess.replica_id).first(), node_name
+        )
+    return found
+
+
+def _holders(replicas) -> dict[str, str]:
+    """A pair's members are covered by whichever member holds the pair's occupant (the active)."""
+    lease_ids = {r.lease_id for r in replicas if r.lease_id is not None}
+    holding = dict(
+        Occupant.objects.filter(replica__lease_id__in=lease_ids).values_list("replica__lease_id", "replica_id")
+    )
+    return {r.id: holding.get(r.lease_id, r.id) if r.lease_id is not None else r.id for r in replicas}
+
+
+def _record_gpu_figures(gpus: dict[int, GPU], usage: dict[str, dict[int, int]], books: Books, found: list[Excess]):
+    over: dict[int, int] = defaultdict(int)
+    for excess in found:
+        over[excess.index] += excess.bytes
+    held: dict[int, int] = defaultdict(int)
+    for figures in usage.values():
+        for index, bytes_ in figures.items():
+            held[index] += bytes_
+    for index, gpu in sorted(gpus.items(), key=lambda item: item[1].pk):
+        if books.free_by_index is not None and str(index) in books.free_by_index:
+            free = int(books.free_by_index[str(index)])
+        else:
+            # A virtual GPU: what CUDA could allocate less what its processes hold.
+            free = max(0, gpu.total_bytes - held[index])
+        if gpu.overcommit_bytes != over[index] or gpu.nvml_free_bytes != free:
+            # One row per statement, outside any transaction: this never holds two GPU rows at
+            # once, so it cannot deadlock with a ledger commit locking them in primary-key order.
+            GPU.objects.filter(pk=gpu.pk).update(overcommit_bytes=over[index], nvml_free_bytes=free)
+
+
+def _act_on(excess: Excess, replica: Replica | None, node_name: str) -> None:
+    if replica is None:
+        return
+    from scheduling.services import replicas as replica_services
+
+    deployment = replica.deployment
+    what = (
+        f"replica {replica.id[:8]} ({deployment.name}) holds {memory.human_bytes(excess.used)} on "
+        f"{node_name}/{excess.index}, {memory.human_bytes(excess.bytes)} more than its reservation of "
+        f"{memory.human_bytes(excess.reserved)}"
+    )
+    raised = _raise_need(replica, excess) if replica.state in SERVING else None
+    grown = min(excess.used, excess.reserved + max(0, GPU.objects.get(pk=excess.gpu_id).available_bytes))
+    reservation = {int(k): int(v) for k, v in (replica.gpu_mem_bytes_by_id or {}).items()}
+    if replica.state in SERVING or replica.state == Replica.State.SLEEPING:
+        reservation[excess.index] = grown
+        replica_services.reserve_exactly(replica, reservation, reason=f"the books against NVML: {what}")
+        Replica.objects.filter(pk=replica.pk).update(gpu_mem_bytes_by_id={str(k): v for k, v in reservation.items()})
+    then = [f"its reservation grows to {memory.human_bytes(grown)}"]
+    if grown < excess.used:
+        then.append(f"the GPU has no room for the other {memory.human_bytes(excess.used - grown)}")
+    if raised is not None:
+        then.append(f"{deployment.name}'s measured need is raised to {memory.human_bytes(raised)}")
+    events.record(
+        Event.Kind.GPU_OVERCOMMIT,
+        f"gpu {node_name}/{excess.index}",
+        f"{what}: {'; '.join(then)}",
+        before={"reserved_bytes": excess.reserved},
+        after={"used_bytes": excess.used, "reserved_bytes": grown, "measured_bytes": raised},
+        node=node_name,
+        gpu=f"{node_name}/{excess.index}",
+        deployment=deployment.name,
+        replica=replica.id,
+    )
+    log.warning("over-commit: %s", what)
+
+
+def _raise_need(replica: Replica, excess: Excess) -> int | None:
+    """A serving replica's processes really hold `used` on this GPU: its deployment's need is at
+    least that (less the standby's context in a pair, which need_bytes adds on its own)."""
+    from scheduling.services.deployments import gpu_contexts
+
+    used = excess.used
+    if replica.lease_id is not None:
+        used -= gpu_contexts([excess.gpu_id])[1]
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+        before = deployment.memory_measured_bytes
+        if before is not None and before >= used:
+            return None
+        deployment.memory_measured_bytes = used
+        deployment.save(update_fields=["memory_measured_bytes", "updated_at"])
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {deployment.name}",
+            f"measured need raised to {memory.human_bytes(used)}: a replica's process held that much "
+            f"(was {memory.human_bytes(before or 0)})",
+            before={"measured_bytes": before},
+            after={"measured_bytes": used},
+            deployment=deployment.name,
+            replica=replica.id,
+        )
+    return used
