@@ -13,7 +13,6 @@ error with the step it stopped at); logs go to stderr. bench.gpu turns them into
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -105,12 +104,10 @@ def host_to_device(nbytes: int, gpu: int) -> dict[str, Any]:
 
 
 def make_host(**kwargs: Any) -> Any:
-    """A ReplicaHost with the arguments this version of it takes: its constructor is growing fields
-    (issue 15), and a probe that broke on each would measure nothing."""
+    """The replica host the product runs, in this process, on the probe's GPU."""
     from inference.replica import ReplicaHost
 
-    accepted = inspect.signature(ReplicaHost).parameters
-    return ReplicaHost(**{k: v for k, v in kwargs.items() if k in accepted})
+    return ReplicaHost(**kwargs)
 
 
 def paged_tokens(host: Any, prompt: list[int], max_tokens: int) -> list[int]:

@@ -116,13 +116,15 @@ class NodeAgent:
         running = self.supervisor.usage()
         self.supervisor.ping_all()
         usage: dict[str, dict[str, int]] = {}
-        for replica_id, (pid, reported) in running.items():
+        states: dict[str, str] = {}
+        for replica_id, (pid, reported, state) in running.items():
             measured = nvml_process_bytes(pid) if pid is not None and not self.virtual else None
             figures = measured if measured is not None else reported
             if figures is not None:
                 usage[replica_id] = figures
+                states[replica_id] = state
         free = None if self.virtual else nvml_device_free()
-        return nodes.Books(usage=usage, free_by_index=free)
+        return nodes.Books(usage=usage, states=states, free_by_index=free)
 
     @property
     def virtual(self) -> bool:

@@ -838,10 +838,16 @@ class ReplicaHost:
         held = self.backend.residual(self.placement)
         if self.model is not None and self.state in {"serving", "draining", "stopping", "waking"}:
             from inference.loaders import weight_allocation_bytes
+            from scheduling import memory
 
             first = str(self.placement.gpus[0])
             activation = self.footprint.activation_bytes if self.footprint is not None else 0
-            held[first] += weight_allocation_bytes(self.model) + self.pool_bytes + activation
+            pool = 2 * memory.allocation_bytes(self.pool_bytes // 2)  # K and V, one allocation each
+            wanted = weight_allocation_bytes(self.model) + pool + activation
+            # The allocator never holds more than its cap (set_per_process_memory_fraction): what it
+            # may take is the reservation less what sits beside it, the context(s) above all.
+            cap = self.placement.reserved_total - self._outside_allocator()
+            held[first] += max(0, min(wanted, cap))
         return held
 
     def _allocate_pool(self) -> None:

@@ -157,6 +157,10 @@ class _Replica:
     # What NVML shows of it per GPU index (or, on a virtual GPU, the replica's model of that),
     # as it last reported: the agent checks the books against it every heartbeat (issue 15).
     usage: dict[str, int] | None = None
+    # The state it was in when it last reported (serving, sleeping, standby...): a figure is only
+    # compared with the books of the same state (a serving figure against a sleeper's reservation
+    # would read as an over-commit).
+    usage_state: str = ""
 
 
 class Supervisor:
@@ -246,11 +250,12 @@ class Supervisor:
             with contextlib.suppress(Exception):  # one that just exited: its reader reports it
                 self._write(replica, {"cmd": "ping"})
 
-    def usage(self) -> dict[str, tuple[int | None, dict[str, int] | None]]:
-        """{replica id: (pid, its last reported bytes per GPU index)} of the running replicas."""
+    def usage(self) -> dict[str, tuple[int | None, dict[str, int] | None, str]]:
+        """{replica id: (pid, its last reported bytes per GPU index, its state then)} of the
+        running replicas."""
         with self._lock:
             return {
-                rid: (r.process.pid, dict(r.usage) if r.usage is not None else None)
+                rid: (r.process.pid, dict(r.usage) if r.usage is not None else None, r.usage_state)
                 for rid, r in self._replicas.items()
             }
 
@@ -420,7 +425,14 @@ class Supervisor:
             log.exception("on_event failed for replica %s event %s", replica.spec.replica_id, event.get("event"))
 
 
+# The state a replica is in when it sends each event that carries its figures.
+_STATE_OF_EVENT = {"serving": "serving", "woken": "serving", "sleeping": "sleeping", "standby": "standby"}
+
+
 def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
+    state = str(event.get("state") or "") if event.get("event") == "pong" else _STATE_OF_EVENT.get(event["event"], "")
+    if state:
+        replica.usage_state = state
     figures = event.get("process_bytes_by_id")
     if not isinstance(figures, dict) and event.get("event") in {"sleeping", "standby"}:
         figures = event.get("residual_bytes_by_id")  # what a sleeper still holds

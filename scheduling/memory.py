@@ -10,10 +10,11 @@ first load, or an estimate from the model's shape. Measured or estimated, it is 
 The scheduler reserves its total; the replica sizes its block pool (issue 7) with
 `kv_pool_blocks`, which inverts the same arithmetic over the same parts, so what is reserved is
 what gets allocated, and a replica reserved the footprint at `max_tokens` gets a pool of exactly
-`max_tokens`. Weights and the pool are counted as PyTorch's caching allocator holds them
-(`allocation_bytes`), not as their tensors' sizes, since that is what NVML sees. Module buffers
-(rotary tables) are not weights: the estimate from a checkpoint cannot see them, so counting them
-in the replica would leave its pool a block short; they live in the activation reserve.
+`max_tokens`. Weights are counted as PyTorch's caching allocator holds them (`allocation_bytes`,
+tensor by tensor), not as their tensors' sizes, since that is what NVML sees. The activation
+reserve is the allocator's working room: a forward pass's temporaries, module buffers (rotary
+tables: not weights, since the estimate from a checkpoint cannot see them and counting them in the
+replica would leave its pool a block short) and the rounding of the pool's two allocations.
 
 Only the allocator is capped (`torch.cuda.set_per_process_memory_fraction`): the CUDA context and
 memory outside PyTorch sit beside the cap inside the reservation, so `allocator_cap_bytes` takes
@@ -238,15 +239,16 @@ def kv_blocks(tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
 
 
 def kv_pool_bytes(shape: ModelShape, blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
-    """What the allocator holds for a pool of `blocks`: its K and V tensors, one allocation each."""
+    """The bytes of a pool of `blocks`. Counted as its tensors' size, not as the allocator rounds
+    its two (K and V) allocations: that rounding, under 2 MiB each, lives in the activation reserve
+    with the allocator's other slack, so a pool reserved for max_tokens holds exactly max_tokens."""
     if blocks < 0:
         raise ValueError(f"blocks must be >= 0, got {blocks}")
-    half = blocks * kv_block_bytes(shape, block_tokens) // 2
-    return 2 * allocation_bytes(half)
+    return blocks * kv_block_bytes(shape, block_tokens)
 
 
 def kv_cache_bytes(shape: ModelShape, tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
-    """Whole blocks, because the pool hands out nothing smaller, as the allocator holds them."""
+    """Whole blocks, because the pool hands out nothing smaller."""
     return kv_pool_bytes(shape, kv_blocks(tokens, block_tokens), block_tokens)
 
 
@@ -332,13 +334,7 @@ def kv_pool_blocks(
         overhead_bytes=overhead_bytes,
     )
     left = cap_bytes - (rest.total_bytes - rest.kv_bytes)
-    if left <= 0:
-        return 0
-    blocks = left // rest.kv_block_bytes
-    # Allocator rounding can make the guess a block or two too many: step down until it fits.
-    while blocks > 0 and kv_pool_bytes(shape, blocks, block_tokens) > left:
-        blocks -= 1
-    return blocks
+    return max(0, left // rest.kv_block_bytes)
 
 
 def allocator_cap_bytes(

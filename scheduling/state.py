@@ -298,9 +298,12 @@ class Books:
     """What a node agent saw of its GPUs at a heartbeat, to check the books against (issue 15).
 
     usage: {replica id: {GPU index: bytes}}, NVML's per-process figures (or, on a virtual GPU,
-    the replica's model of them); free_by_index: NVML's free bytes per GPU index, None where
-    there is no NVML (a virtual GPU's free memory is derived from the usage instead).
+    the replica's model of them); states: the state each replica was in as it last reported (a
+    figure is compared only with the books of that state: a serving figure read just before a
+    sleep is no over-commit of the sleeper); free_by_index: NVML's free bytes per GPU index, None
+    where there is no NVML (a virtual GPU's free memory is derived from the usage instead).
     """
 
     usage: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    states: Mapping[str, str] = field(default_factory=dict)
     free_by_index: Mapping[str, int] | None = None

@@ -164,7 +164,7 @@ def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_sto
     }
     log = open(tmp_path / "agent.log", "w+")  # noqa: SIM115 - read back in the failure message
     agent = subprocess.Popen(
-        [sys.executable, "manage.py", "agent", "--node", "edge1", "--virtual-gpus", "2x1GiB"],
+        [sys.executable, "manage.py", "agent", "--node", "edge1", "--virtual-gpus", "2x2GiB"],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -215,7 +215,7 @@ def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_pa
     from django.conf import settings
 
     agent = subprocess.Popen(
-        [sys.executable, "manage.py", "agent", "--node", "brief", "--virtual-gpus", "1x1GiB"],
+        [sys.executable, "manage.py", "agent", "--node", "brief", "--virtual-gpus", "1x2GiB"],
         cwd=ROOT,
         env={**os.environ, "DATABASE_URL": database_url_of_this_test(), "REDIS_URL": settings.REDIS_URL},
         stdout=subprocess.DEVNULL,

@@ -21,13 +21,14 @@ from torch import nn
 from inference.replica import EventWriter, Placement, ReplicaHost, VirtualBackend
 from inference.requestqueue import Request, RequestQueue, processing_key, queue_key
 from inference.supervisor import ReplicaSpec, Supervisor
+from scheduling.memory import H100_CONTEXT_BYTES
 from tests.processes import wait_until
 from tests.test_replica import Events
 
 pytestmark = pytest.mark.slow
 
 MiB = 1024**2
-RESERVED = 64 * MiB  # a torch-module replica: weights only, no KV cache
+RESERVED = H100_CONTEXT_BYTES + 64 * MiB  # a CUDA context beside the allocator, as the scheduler reserves
 SLOW_FORWARD_S = 2.0
 LONG_TOKENS = 2000  # the tiny model's context is 2048 tokens: seconds of generation on a CPU
 # Room in the KV block pool for the prompt: one long request fills the pool, so a later one waits.
@@ -73,15 +74,14 @@ def endless_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def kv_reserved(endless_model_dir) -> int:
-    """The scheduler's estimate for one long request (scheduling.memory): the replica's KV pool then
-    holds exactly one, as one request at a time did before the pool. Half a block of slack covers the
-    buffers the loaded model holds beyond its safetensors (never a whole block)."""
+    """The scheduler's estimate for one long request (scheduling.memory), with the CUDA context the
+    virtual GPU models: the replica's KV pool then holds one, as one request at a time did before
+    the pool."""
     from inference.model_size import shape_from_model_dir
-    from scheduling.memory import estimate, kv_block_bytes
+    from scheduling.memory import estimate
 
     shape = shape_from_model_dir(endless_model_dir, "float32")
-    planned = estimate(shape, max_tokens=LONG_TOKENS + PROMPT_ROOM, cuda_context_bytes=0)
-    return planned.total_bytes + kv_block_bytes(shape) // 2
+    return estimate(shape, max_tokens=LONG_TOKENS + PROMPT_ROOM, cuda_context_bytes=H100_CONTEXT_BYTES).total_bytes
 
 
 @pytest.fixture
@@ -117,6 +117,9 @@ def replica(source: str, deployment: str, *, loader: str = "transformers", reser
         backend="virtual",
         deployment=deployment,
         redis_url=settings.REDIS_URL,
+        # The deployment's max_tokens: what the pool must hold one request of (issue 15).
+        kv_max_tokens=LONG_TOKENS + PROMPT_ROOM,
+        context_bytes=H100_CONTEXT_BYTES,  # what the scheduler counts beside the allocator (tasks.spec_for)
     )
 
 
@@ -158,7 +161,7 @@ def test_a_sleep_past_its_drain_timeout_gives_the_request_back_and_the_wake_serv
     assert head_of(rq, "endless") == long.id, "given back to the head of its queue, before the later one"
     assert rq.depth("endless") == 2 and rq.get(later.id).status == "queued"
     assert rq.redis.llen(processing_key("b1")) == 0
-    assert sleeping["residual_bytes_by_id"] == {"0": 0}
+    assert sleeping["residual_bytes_by_id"] == {"0": H100_CONTEXT_BYTES}
 
     supervisor.send("b1", wake(kv_reserved))
     events.until("woken", timeout=30)

@@ -17,6 +17,7 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from inference.management.commands.make_tiny_model import write_tiny_model
+from scheduling.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
 from scheduling.models import Event, FailoverLease, Occupant, Replica
 from scheduling.services import requests as request_services
 from tests.processes import wait_until
@@ -101,8 +102,10 @@ def test_a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reser
 
     assert active.node_id == standby.node_id
     assert active.gpu_mem_bytes_by_id == standby.gpu_mem_bytes_by_id
-    # The pair's memory is reserved once, by the active member; the standby holds nothing on a virtual GPU.
-    assert list(Occupant.objects.values_list("replica_id", "reserved_bytes")) == [(active.id, 200 * MiB)]
+    # The pair's memory is reserved once, by the active member: its need and context, and the
+    # context its standby keeps beside it (on the H100-like virtual GPU as on a real one).
+    pair = 200 * MiB + H100_CONTEXT_BYTES + H100_STANDBY_CONTEXT_BYTES
+    assert list(Occupant.objects.values_list("replica_id", "reserved_bytes")) == [(active.id, pair)]
     lease = FailoverLease.objects.get()
     assert lease.holder_id == active.id and lease.epoch == 1 and active.epoch == 1
     shown = {r["id"]: r for r in staff.get("/api/replicas/").json()["results"]}

@@ -171,6 +171,8 @@ def test_a_virtual_gpu_books_what_cuda_could_allocate_and_models_the_h100s_conte
 
     with pytest.raises(ValueError, match=r"no room once the driver reserve \(480 MiB\) and one CUDA context"):
         virtual_gpus("n3", "1x1GiB")
+    with pytest.raises(CommandError, match=r"--virtual-gpus 1x1GiB: a virtual GPU of 1024 MiB has no room"):
+        call_command("agent", "--node", "n4", "--virtual-gpus", "1x1GiB")
     with pytest.raises(CommandError, match=r"--virtual-context: 'lots' is not a size"):
         call_command("agent", "--node", "n4", "--virtual-context", "lots")
     with pytest.raises(CommandError, match="a standby's context cannot be larger"):
@@ -243,6 +245,28 @@ def test_a_process_over_its_reservation_is_an_event_a_metric_a_raised_need_and_a
     gpu.refresh_from_db()
     assert gpu.overcommit_bytes == 0 and Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).count() == 1
     assert gpu.available_bytes <= gpu.nvml_free_bytes
+
+
+def test_a_figure_reported_before_a_state_change_is_not_held_against_the_new_state(db):
+    """The agent reads a replica's figure, then the replica falls asleep and its reservation
+    shrinks to its context before the heartbeat is checked: the awake figure is of another time."""
+    nodes.register_node("n1", virtual_gpus("n1", "1x8GiB"), virtual=True)
+    gpu = GPU.objects.get()
+    dep = factories.deployment("llm", memory_measured_bytes=900 * MiB)
+    asleep = factories.replica(
+        dep, gpu.node, state=Replica.State.SLEEPING, gpu_mem_bytes_by_id={"0": H100_CONTEXT_BYTES}
+    )
+    factories.occupy(asleep, gpu, H100_CONTEXT_BYTES)
+
+    awake_figure = Books(usage={asleep.id: {"0": 900 * MiB}}, states={asleep.id: "serving"})
+    nodes.heartbeat("n1", books=awake_figure)
+    assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+    assert Occupant.objects.get(replica=asleep).reserved_bytes == H100_CONTEXT_BYTES
+    # Reported asleep and holding more than its context: that is an over-commit.
+    nodes.heartbeat("n1", books=Books(usage={asleep.id: {"0": 900 * MiB}}, states={asleep.id: "sleeping"}))
+    assert Event.objects.get(kind=Event.Kind.GPU_OVERCOMMIT).replica == asleep.id
+    dep.refresh_from_db()
+    assert dep.memory_measured_bytes == 900 * MiB  # a sleeper's figure says nothing of the serving need
 
 
 def test_a_standbys_context_counts_against_its_pairs_reservation(db):

@@ -89,14 +89,13 @@ def test_pool_inside_the_estimated_cap_is_what_was_estimated():
         for tokens in (1, 16, 100, 2048, 100_000):
             est = estimate(SHAPE, max_tokens=tokens, cuda_context_bytes=context)
             blocks = kv_pool_blocks(SHAPE, cap_bytes=est.total_bytes, max_tokens=tokens, cuda_context_bytes=context)
-            # At least what was estimated, and no more than the same allocation holds: blocks
-            # beyond it only fill the allocator's rounding, which the books counted anyway.
-            assert blocks >= est.kv_blocks
+            assert blocks == est.kv_blocks
             assert kv_pool_bytes(SHAPE, blocks) == est.kv_bytes
     est = estimate(SHAPE, max_tokens=2048, cuda_context_bytes=0)
-    # K and V are 2 MiB each; more blocks take whole 2 MiB steps of each.
-    more = kv_pool_blocks(SHAPE, cap_bytes=est.total_bytes + 4 * MiB, max_tokens=2048, cuda_context_bytes=0)
-    assert more == 2 * est.kv_blocks
+    more = kv_pool_blocks(
+        SHAPE, cap_bytes=est.total_bytes + 10 * est.kv_block_bytes, max_tokens=2048, cuda_context_bytes=0
+    )
+    assert more == est.kv_blocks + 10
     assert kv_pool_blocks(SHAPE, cap_bytes=1, max_tokens=2048, cuda_context_bytes=0) == 0
 
 
@@ -127,11 +126,9 @@ def test_pool_and_estimate_share_one_formula(
     assert est.kv_blocks * block >= tokens > (est.kv_blocks - 1) * block
     cap = est.total_bytes + extra
     blocks = kv_pool_blocks(shape, cap_bytes=cap, max_tokens=tokens, cuda_context_bytes=context, block_tokens=block)
-    # Never fewer blocks than reserved for, and the pool as allocated never spills past the cap.
-    assert blocks >= est.kv_blocks
+    # Never fewer blocks than reserved for, and the pool never spills past the cap.
+    assert blocks == est.kv_blocks + extra // est.kv_block_bytes
     assert est.total_bytes - est.kv_bytes + kv_pool_bytes(shape, blocks, block) <= cap
-    # Maximal: one block more would not fit.
-    assert est.total_bytes - est.kv_bytes + kv_pool_bytes(shape, blocks + 1, block) > cap
 
 
 def test_invalid_inputs_are_refused():
@@ -315,9 +312,9 @@ def test_estimate_from_a_real_directory(saved):
     path, model = saved
     shape = shape_from_model_dir(path, "float16")
     est = estimate(shape, max_tokens=2048, cuda_context_bytes=0)
-    # 2 × 16 tokens × 2 KV heads × 16 dims × 2 bytes × 2 layers; K and V each one allocation
+    # 2 × 16 tokens × 2 KV heads × 16 dims × 2 bytes × 2 layers
     assert est.kv_block_bytes == 4096
-    assert est.kv_bytes == 2 * allocation_bytes(128 * 4096 // 2) == 128 * 4096
+    assert est.kv_bytes == 128 * 4096
     assert est.total_bytes == param_bytes(model, 2) + 128 * 4096 + ACTIVATION_FLOOR_BYTES
 
 

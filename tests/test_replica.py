@@ -104,6 +104,8 @@ def spec(
         reserved_bytes_by_gpu={str(g): reserved for g in gpus},
         fraction=fraction,
         backend=backend,
+        # What the scheduler counts in every reservation beside the allocator (tasks.spec_for).
+        context_bytes=CONTEXT if backend == "virtual" else 0,
     )
 
 
@@ -318,7 +320,8 @@ def test_a_spec_becomes_the_documented_command_line():
         "--backend",
         "cuda",
     ]
-    assert spec("/srv/m", fraction=0.25).argv("python")[-2:] == ["--fraction", "0.25"]
+    assert spec("/srv/m", fraction=0.25).argv("python")[-4:-2] == ["--fraction", "0.25"]
+    assert spec("/srv/m").argv("python")[-2:] == ["--context-bytes", str(CONTEXT)]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from inference.management.commands.make_tiny_model import write_tiny_model
+from scheduling.memory import H100_CONTEXT_BYTES
 from scheduling.models import GPU, Event, Occupant, Replica
 from tests.processes import wait_until
 
@@ -56,7 +57,8 @@ def test_deploy_scale_evict_promote_and_delete_with_real_replica_processes(agent
     victim = first.id
     assert staff.post(f"/api/replicas/{victim}/evict/").status_code == 200
     wait_until(lambda: states("tiny-a")[victim] == "sleeping", 60, "the evicted replica to sleep")
-    assert not Occupant.objects.filter(replica_id=victim).exists(), "asleep on a virtual GPU it holds nothing"
+    # Asleep it keeps its CUDA context, on a virtual GPU as on the H100 (issue 15).
+    assert Occupant.objects.get(replica_id=victim).reserved_bytes == H100_CONTEXT_BYTES
     assert psutil.pid_exists(pids[victim]), "its process lives on, weights in CPU RAM"
 
     assert staff.post("/api/deployments/tiny-a/scale/", {"replicas": 3}, format="json").status_code == 200

@@ -18,6 +18,7 @@ import pytest
 
 from gpuportal.stack import free_port
 from gpuportal.stackenv import read_stack_env
+from scheduling import memory
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.slow
@@ -113,7 +114,7 @@ def processes_of(data_dir: Path) -> list[str]:
 
 def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_path):
     data_dir = tmp_path / "var"
-    up = Up(data_dir, "--virtual-gpus", "2x1GiB", "--node", "box")
+    up = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
     try:
         up.wait_up()
         assert up.get("/healthz") == (200, {"status": "ok"})
@@ -126,13 +127,15 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         gpus = wait_until(
             lambda: up.get("/api/gpus/", token)[1].get("results"), 60, "the node agent to register its GPUs"
         )
-        assert [(g["node"], g["index"], g["virtual"], g["total_bytes"]) for g in gpus] == [
-            ("box", 0, True, 1024**3),
-            ("box", 1, True, 1024**3),
+        # Each declared 2 GiB is NVML's total; the books count what CUDA could allocate (issue 15).
+        reserve = memory.H100_DRIVER_RESERVE_BYTES
+        assert [(g["node"], g["index"], g["virtual"], g["total_bytes"], g["nvml_total_bytes"]) for g in gpus] == [
+            ("box", 0, True, 2 * 1024**3 - reserve, 2 * 1024**3),
+            ("box", 1, True, 2 * 1024**3 - reserve, 2 * 1024**3),
         ]
         # An agent started beside `up` with no URLs set finds the stack through stack.env.
         second = subprocess.Popen(
-            [sys.executable, "manage.py", "agent", "--node", "second", "--virtual-gpus", "1x2GiB"],
+            [sys.executable, "manage.py", "agent", "--node", "second", "--virtual-gpus", "1x3GiB"],
             cwd=ROOT,
             env=env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir)),
             stdout=subprocess.DEVNULL,
@@ -158,7 +161,7 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
     assert processes_of(data_dir) == [], "nothing of the stack is left running"
     assert not (data_dir / "stack.env").exists(), "stack.env no longer points at stopped servers"
 
-    again = Up(data_dir, "--virtual-gpus", "2x1GiB", "--node", "box")
+    again = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
     try:
         again.wait_up()
         assert any("exists (password unchanged)" in line for line in again.lines)

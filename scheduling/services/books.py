@@ -72,7 +72,13 @@ def check(node_name: str, books: Books) -> list[Excess]:
     replicas = {
         r.id: r for r in Replica.objects.filter(pk__in=list(usage)).select_related("deployment", "node", "lease")
     }
-    usage = {rid: figures for rid, figures in usage.items() if rid in replicas}  # deleted meanwhile: not ours
+    # Deleted meanwhile: not ours. Changed state since it reported: its figure is of another time
+    # (an awake figure against a sleeper's books); the next beat has a fresh one.
+    usage = {
+        rid: figures
+        for rid, figures in usage.items()
+        if rid in replicas and _same_state(books.states.get(rid), replicas[rid].state)
+    }
     holder_of = _holders(replicas.values())
     reserved = {
         (o.replica_id, o.gpu.index): o.reserved_bytes
@@ -88,6 +94,22 @@ def check(node_name: str, books: Books) -> list[Excess]:
             excess, replicas.get(excess.replica_id) or Replica.objects.filter(pk=excess.replica_id).first(), node_name
         )
     return found
+
+
+# What the control plane calls the state a replica reports itself in.
+_REPORTED_AS = {
+    "serving": (Replica.State.SERVING, Replica.State.DRAINING),
+    "sleeping": (Replica.State.SLEEPING,),
+    "standby": (Replica.State.STANDBY,),
+}
+
+
+def _same_state(reported: str | None, state: str) -> bool:
+    """Whether a figure reported in `reported` may be held against a replica now in `state`; a
+    figure whose state is not known (an older agent) is taken as current."""
+    if not reported:
+        return True
+    return state in _REPORTED_AS.get(reported, (reported,))
 
 
 def _holders(replicas) -> dict[str, str]:

@@ -5,6 +5,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference.agent import NodeAgent
 from inference.devices import VirtualProfile, parse_size, parse_virtual_spec
+from inference.devices import virtual_gpus as declared_virtual_gpus
 
 
 class Command(BaseCommand):
@@ -78,6 +79,11 @@ class Command(BaseCommand):
             profile = VirtualProfile.from_env(env)
         except ValueError as err:
             raise CommandError(f"invalid virtual GPU profile: {err}") from None
+        if virtual_gpus is not None:
+            try:  # before anything starts: a GPU with no room for one replica is a typo, not a node
+                declared_virtual_gpus(node, virtual_gpus, profile)
+            except ValueError as err:
+                raise CommandError(f"--virtual-gpus {virtual_gpus}: {err}") from None
         # The agent's replica processes inherit the environment: they model the same GPU.
         os.environ.update(profile.as_env())
         if concurrency < 1:
