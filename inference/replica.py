@@ -820,7 +820,9 @@ class ReplicaHost:
             "context_measured_bytes": self.backend.context_bytes_measured(self.placement) or None,
             "gpu_mem_bytes_by_id": dict(self.placement.reserved_bytes_by_gpu),
             "gpus": list(self.placement.gpus),
-            "fraction": self.placement.fraction,
+            # The fraction the allocator was given (a real GPU's backend computes it against the
+            # device's own total; elsewhere the placement's).
+            "fraction": getattr(self.backend, "fraction", None) or self.placement.fraction,
             "param_devices": sorted(parameter_devices(self.model)) if self.model is not None else [],
             "kv": self.kv_stats(),
         }

@@ -178,11 +178,6 @@ class MemoryEstimate:
             + self.overhead_bytes
         )
 
-    @property
-    def allocator_bytes(self) -> int:
-        """What PyTorch's allocator may hold: the part of the footprint its cap covers."""
-        return self.weights_bytes + self.kv_bytes + self.activation_bytes
-
     def parts(self) -> dict[str, int]:
         """For events and the API: each part and the total, in bytes."""
         return {

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
+from hypothesis import given
+from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
 from inference.devices import VirtualProfile, allocatable_bytes, virtual_gpus
@@ -31,6 +33,35 @@ from tests.processes import wait_until
 
 GiB = 1024**3
 MAX_TOKENS = 512
+
+
+@given(
+    weights=st.integers(0, 2**38),
+    tokens=st.integers(0, 200_000),
+    context=st.integers(0, 2 * GiB),
+    standby=st.integers(0, GiB),
+    overhead=st.integers(0, GiB),
+    device_total=st.integers(GiB, 200 * GiB),
+)
+def test_the_pool_is_what_the_reservation_leaves_after_every_other_part_and_the_cap_covers_the_allocator_only(
+    weights, tokens, context, standby, overhead, device_total
+):
+    shape = memory.ModelShape(
+        weight_bytes=weights, num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, hidden_size=4096
+    )
+    parts = {"cuda_context_bytes": context, "standby_context_bytes": standby, "overhead_bytes": overhead}
+    need = memory.estimate(shape, max_tokens=tokens, **parts)
+    assert memory.kv_pool_blocks(shape, cap_bytes=need.total_bytes, max_tokens=tokens, **parts) == need.kv_blocks
+    # One byte less and the pool is a block short: nothing beside it is counted twice or forgotten.
+    if need.kv_blocks:
+        short = memory.kv_pool_blocks(shape, cap_bytes=need.total_bytes - 1, max_tokens=tokens, **parts)
+        assert short == need.kv_blocks - 1
+    cap = memory.allocator_cap_bytes(
+        need.total_bytes, context_bytes=context, standby_context_bytes=standby, overhead_bytes=overhead
+    )
+    assert cap == need.weights_bytes + need.kv_bytes + need.activation_bytes
+    fraction = memory.allocator_fraction(cap, device_total)
+    assert 0 < fraction <= 1 and (fraction == 1 or abs(fraction * device_total - cap) < 1)
 
 
 def host(model_dir, reserved: int, *, gpu: int = 0, standby_context: int = 0) -> tuple[ReplicaHost, io.StringIO]:
