@@ -20,6 +20,7 @@ from inference.devices import VirtualProfile, discover
 from inference.supervisor import Supervisor
 from scheduling.models import Node
 from scheduling.services import nodes
+from scheduling.state import Books
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class NodeAgent:
         self._stop_requested = threading.Event()
         self.supervisor = Supervisor(Path(settings.GPUPORTAL_DATA_DIR) / "replicas" / name)
         self._heartbeat_thread: threading.Thread | None = None
-        self._virtual = backend == "virtual"
+        # Whether its GPUs are virtual (no NVML to ask): known for sure once it has registered.
+        self.virtual = backend == "virtual"
 
     @property
     def queue(self) -> str:
@@ -75,7 +77,7 @@ class NodeAgent:
     def register(self) -> Node:
         devices = discover(self.name, backend=self.backend, virtual_spec=self.virtual_spec, profile=self.profile)
         virtual = all(d.virtual for d in devices)
-        self._virtual = virtual
+        self.virtual = virtual
         node = nodes.register_node(
             self.name,
             devices,
@@ -107,7 +109,7 @@ class NodeAgent:
                 log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
         connection.close()
 
-    def books(self) -> nodes.Books:
+    def books(self) -> Books:
         """What each replica process holds per GPU, for the control plane to check the books
         against (issue 15): NVML's per-process figures on a real GPU, the replicas' own model of
         them on a virtual one (refreshed by a ping; the answers arrive for the next beat)."""
@@ -119,16 +121,13 @@ class NodeAgent:
         states: dict[str, str] = {}
         for replica_id, (pid, reported, state) in running.items():
             measured = nvml_process_bytes(pid) if pid is not None and not self.virtual else None
-            figures = measured if measured is not None else reported
+            # Empty: NVML does not list the pid (a container without the host's PID namespace).
+            figures = measured or reported
             if figures is not None:
                 usage[replica_id] = figures
                 states[replica_id] = state
         free = None if self.virtual else nvml_device_free()
-        return nodes.Books(usage=usage, states=states, free_by_index=free)
-
-    @property
-    def virtual(self) -> bool:
-        return self._virtual
+        return Books(usage=usage, states=states, free_by_index=free)
 
     def stop(self, reason: str = "agent stopped") -> None:
         # Replicas first: each reports `stopped` (releasing its reservation) while we can still write.

@@ -395,3 +395,38 @@ def reported_everything() -> bool:
     """Every replica process has a context on some GPU: the GPUs' free figures account for them all."""
     held = sum(g.total_bytes - g.nvml_free_bytes for g in GPU.objects.all() if g.nvml_free_bytes is not None)
     return held >= Replica.objects.exclude(state__in=["stopped", "failed"]).count() * memory.H100_CONTEXT_BYTES
+
+
+def test_a_real_gpus_context_is_what_its_replicas_measured_and_only_grows(db):
+    from scheduling.state import DeviceInfo
+
+    h100 = DeviceInfo(index=0, uuid="GPU-h100-0", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
+    twin = DeviceInfo(index=1, uuid="GPU-h100-1", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
+    nodes.register_node("gpu1", [h100, twin], virtual=False)
+    gpu0, gpu1 = GPU.objects.order_by("index")
+    assert gpu0.context_bytes == H100_CONTEXT_BYTES and not gpu0.context_measured  # the default until measured
+    dep = factories.deployment("llm")
+    loading = factories.replica(dep, gpu0.node, state=Replica.State.LOADING, gpu_mem_bytes_by_id={"0": GiB})
+
+    replica_services.report(loading.id, {"event": "serving", "pid": 1, "context_measured_bytes": 800 * MiB})
+    # Measured on one GPU, it is the figure of every GPU of that model on the node.
+    assert list(GPU.objects.order_by("index").values_list("context_bytes", "context_measured")) == [
+        (800 * MiB, True),
+        (800 * MiB, True),
+    ]
+    assert Event.objects.filter(kind=Event.Kind.GPU_CHANGED, reason__contains="CUDA context measured at 800 MiB")
+    # An earlier moment's lower reading changes nothing; a standby's context is its own figure.
+    replica_services.record_context(loading, 600 * MiB)
+    replica_services.record_context(loading, 600 * MiB, standby=True)
+    gpu1.refresh_from_db()
+    assert (gpu1.context_bytes, gpu1.standby_context_bytes) == (800 * MiB, 600 * MiB)
+    # A new registration (the agent restarted) keeps what was measured.
+    nodes.register_node("gpu1", [h100, twin], virtual=False)
+    gpu1.refresh_from_db()
+    assert gpu1.context_bytes == 800 * MiB
+
+    # A virtual GPU's context is its node's profile, never a replica's report.
+    nodes.register_node("v1", virtual_gpus("v1", "1x8GiB"), virtual=True)
+    on_virtual = factories.replica(dep, GPU.objects.get(node__name="v1").node, gpu_mem_bytes_by_id={"0": GiB})
+    replica_services.record_context(on_virtual, 900 * MiB)
+    assert GPU.objects.get(node__name="v1").context_bytes == H100_CONTEXT_BYTES

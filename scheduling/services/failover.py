@@ -199,6 +199,8 @@ def on_standby(replica: Replica, event: dict[str, Any]) -> None:
     replica.role = Replica.Role.STANDBY
     weights = int(event.get("weights_bytes") or 0)
     residual = sum(int(v or 0) for v in (event.get("residual_bytes_by_id") or {}).values())
+    # What a real standby holds is its context alone: the pair's reservation counts that figure.
+    replica_services.record_context(replica, residual, standby=True)
     replica_services.set_state(
         replica,
         Replica.State.STANDBY,

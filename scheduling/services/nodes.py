@@ -13,8 +13,6 @@ from scheduling.models import Event, Node, Replica
 from scheduling.services.errors import InvalidState, NotFound
 from scheduling.state import Books, DeviceInfo
 
-__all__ = ["Books"]  # the agent builds them; scheduling.services.books checks them
-
 INVENTORY_EVENT = {
     "added": Event.Kind.GPU_REGISTERED,
     "resized": Event.Kind.GPU_CHANGED,

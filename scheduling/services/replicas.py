@@ -127,7 +127,8 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
         return
     deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
     measured = _measured_bytes(deployment, event)
-    _record_context(replica, event)
+    context = event.get("context_measured_bytes")
+    record_context(replica, context if isinstance(context, int) else 0)
     if measured and measured != deployment.memory_measured_bytes:
         before = deployment.memory_measured_bytes
         deployment.memory_measured_bytes = measured
@@ -311,24 +312,28 @@ def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None
     return int(weights) + reserves
 
 
-def _record_context(replica: Replica, event: dict[str, Any]) -> None:
+def record_context(replica: Replica, context: int, *, standby: bool = False) -> None:
     """A real replica's measured CUDA context becomes its node's figure for that GPU model: the
-    next need and pool count it instead of the default (issue 15). Only ever raised, since a
-    context grows as forward passes load kernels, and a lower reading is an earlier moment (a
-    GPU whose context is below the default keeps the default: safe rather than tight)."""
-    context = event.get("context_measured_bytes")
-    if replica.node_id is None or replica.node.virtual or not isinstance(context, int) or context <= 0:
+    next need and pool count it instead of the default (issue 15); a standby's, that of the
+    standbys. Only ever raised, since a context grows as forward passes load kernels, and a lower
+    reading is an earlier moment (a GPU whose context is below the default keeps the default:
+    safe rather than tight). Virtual GPUs keep their node's profile."""
+    if replica.node_id is None or replica.node.virtual or context <= 0:
         return
+    field = "standby_context_bytes" if standby else "context_bytes"
     indices = [int(i) for i in replica.gpu_mem_bytes_by_id]
-    products = GPU.objects.filter(node_id=replica.node_id, index__in=indices).values_list("product", flat=True)
-    updated = GPU.objects.filter(node_id=replica.node_id, product__in=list(products), context_bytes__lt=context)
-    if updated.update(context_bytes=context, context_measured=True):
+    products = list(
+        GPU.objects.filter(node_id=replica.node_id, index__in=indices).values_list("product", flat=True).distinct()
+    )
+    updated = GPU.objects.filter(node_id=replica.node_id, product__in=products, **{f"{field}__lt": context})
+    if updated.update(**{field: context, "context_measured": True}):
+        what = "a standby's CUDA context" if standby else "CUDA context"
         events.record(
             Event.Kind.GPU_CHANGED,
             f"node {replica.node.name}",
-            f"CUDA context measured at {memory.human_bytes(context)} per process by replica {replica.id[:8]} "
-            f"({', '.join(sorted(set(products)))}); needs and KV pools count it from now on",
-            after={"context_bytes": context},
+            f"{what} measured at {memory.human_bytes(context)} per process by replica {replica.id[:8]} "
+            f"({', '.join(sorted(products))}); needs and KV pools count it from now on",
+            after={field: context},
             node=replica.node.name,
             replica=replica.id,
         )
