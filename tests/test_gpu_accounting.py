@@ -114,9 +114,7 @@ def llm(db, llm_dir):
     )
 
 
-def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_a_promotion_and_a_pair(
-    llm, llm_dir
-):
+def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_a_promotion_and_a_pair(llm, llm_dir):
     tiny_model_dir = llm_dir
     # First load: the scheduler reserves the estimate and a context.
     first_need = need_bytes(llm, ledger.snapshot())
@@ -163,9 +161,7 @@ def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_
     assert last(out, "serving")["process_bytes"] + H100_STANDBY_CONTEXT_BYTES <= pair_need.bytes
 
 
-def test_a_replica_reserved_what_nvml_showed_at_load_fails_naming_bytes_and_never_takes_a_request(
-    llm, llm_dir
-):
+def test_a_replica_reserved_what_nvml_showed_at_load_fails_naming_bytes_and_never_takes_a_request(llm, llm_dir):
     """The chain that left every woken or added replica of an LLM with 0 blocks on the H100: the
     control plane recorded NVML's figure at load (no activations yet) as the need, and the next
     replica, reserved that, sized its pool below zero and then took requests it could not serve."""
@@ -327,9 +323,7 @@ def test_a_standbys_context_counts_against_its_pairs_reservation(db):
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_its_books(
-    start_agent, staff, tmp_path
-):
+def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_its_books(start_agent, staff, tmp_path):
     from scheduling.services import requests as request_services
     from scheduling.services import sleep
 
