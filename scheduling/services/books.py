@@ -153,15 +153,21 @@ def _act_on(excess: Excess, replica: Replica | None, node_name: str) -> None:
         f"{memory.human_bytes(excess.reserved)}"
     )
     raised = _raise_need(replica, excess) if replica.state in SERVING else None
-    grown = min(excess.used, excess.reserved + max(0, GPU.objects.get(pk=excess.gpu_id).available_bytes))
-    reservation = {int(k): int(v) for k, v in (replica.gpu_mem_bytes_by_id or {}).items()}
+    grown = excess.reserved
+    then = []
+    # Serving or asleep, its reservation is settled and may grow; one on its way (loading,
+    # waking, a standby taking over) is left to the report that ends the move.
     if replica.state in SERVING or replica.state == Replica.State.SLEEPING:
+        grown = min(excess.used, excess.reserved + max(0, GPU.objects.get(pk=excess.gpu_id).available_bytes))
+        reservation = {int(k): int(v) for k, v in (replica.gpu_mem_bytes_by_id or {}).items()}
         reservation[excess.index] = grown
         replica_services.reserve_exactly(replica, reservation, reason=f"the books against NVML: {what}")
         Replica.objects.filter(pk=replica.pk).update(gpu_mem_bytes_by_id={str(k): v for k, v in reservation.items()})
-    then = [f"its reservation grows to {memory.human_bytes(grown)}"]
-    if grown < excess.used:
-        then.append(f"the GPU has no room for the other {memory.human_bytes(excess.used - grown)}")
+        then.append(f"its reservation grows to {memory.human_bytes(grown)}")
+        if grown < excess.used:
+            then.append(f"the GPU has no room for the other {memory.human_bytes(excess.used - grown)}")
+    else:
+        then.append(f"it is {replica.state}: its reservation is left to its next report")
     if raised is not None:
         then.append(f"{deployment.name}'s measured need is raised to {memory.human_bytes(raised)}")
     events.record(
