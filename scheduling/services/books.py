@@ -19,6 +19,8 @@ from django.db import transaction
 
 from scheduling import events, memory
 from scheduling.models import GPU, Deployment, Event, Occupant, Replica
+from scheduling.services import replicas as replica_services
+from scheduling.services.deployments import gpu_contexts
 from scheduling.state import Books
 
 log = logging.getLogger(__name__)
@@ -144,8 +146,6 @@ def _record_gpu_figures(gpus: dict[int, GPU], usage: dict[str, dict[int, int]], 
 def _act_on(excess: Excess, replica: Replica | None, node_name: str) -> None:
     if replica is None:
         return
-    from scheduling.services import replicas as replica_services
-
     deployment = replica.deployment
     what = (
         f"replica {replica.id[:8]} ({deployment.name}) holds {memory.human_bytes(excess.used)} on "
@@ -187,8 +187,6 @@ def _act_on(excess: Excess, replica: Replica | None, node_name: str) -> None:
 def _raise_need(replica: Replica, excess: Excess) -> int | None:
     """A serving replica's processes really hold `used` on this GPU: its deployment's need is at
     least that (less the standby's context in a pair, which need_bytes adds on its own)."""
-    from scheduling.services.deployments import gpu_contexts
-
     used = excess.used
     if replica.lease_id is not None:
         used -= gpu_contexts([excess.gpu_id])[1]
@@ -197,16 +195,11 @@ def _raise_need(replica: Replica, excess: Excess) -> int | None:
         before = deployment.memory_measured_bytes
         if before is not None and before >= used:
             return None
-        deployment.memory_measured_bytes = used
-        deployment.save(update_fields=["memory_measured_bytes", "updated_at"])
-        events.record(
-            Event.Kind.DEPLOYMENT_CHANGED,
-            f"deployment {deployment.name}",
+        replica_services.set_measured_need(
+            deployment,
+            used,
+            replica,
             f"measured need raised to {memory.human_bytes(used)}: a replica's process held that much "
             f"(was {memory.human_bytes(before or 0)})",
-            before={"measured_bytes": before},
-            after={"measured_bytes": used},
-            deployment=deployment.name,
-            replica=replica.id,
         )
     return used

@@ -130,19 +130,13 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     context = event.get("context_measured_bytes")
     record_context(replica, context if isinstance(context, int) else 0)
     if measured and measured != deployment.memory_measured_bytes:
-        before = deployment.memory_measured_bytes
-        deployment.memory_measured_bytes = measured
-        deployment.save(update_fields=["memory_measured_bytes", "updated_at"])
-        events.record(
-            Event.Kind.DEPLOYMENT_CHANGED,
-            f"deployment {deployment.name}",
+        set_measured_need(
+            deployment,
+            measured,
+            replica,
             f"measured {memory.human_bytes(measured)} per replica after loading "
             f"(estimate was {memory.human_bytes(deployment.memory_estimate_bytes or 0)}); "
             "placement uses the measurement from now on",
-            before={"measured_bytes": before},
-            after={"measured_bytes": measured},
-            deployment=deployment.name,
-            replica=replica.id,
         )
     now = timezone.now()
     if replica.state == Replica.State.WAKING:
@@ -310,6 +304,22 @@ def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None
         return None
     reserves = max(0, (deployment.memory_estimate_bytes or 0) - (deployment.weight_bytes or 0))
     return int(weights) + reserves
+
+
+def set_measured_need(deployment: Deployment, measured: int, replica: Replica, reason: str) -> None:
+    """Record the deployment's measured need, with an Event saying why (the caller holds its row)."""
+    before = deployment.memory_measured_bytes
+    deployment.memory_measured_bytes = measured
+    deployment.save(update_fields=["memory_measured_bytes", "updated_at"])
+    events.record(
+        Event.Kind.DEPLOYMENT_CHANGED,
+        f"deployment {deployment.name}",
+        reason,
+        before={"measured_bytes": before},
+        after={"measured_bytes": measured},
+        deployment=deployment.name,
+        replica=replica.id,
+    )
 
 
 def record_context(replica: Replica, context: int, *, standby: bool = False) -> None:
