@@ -70,6 +70,9 @@ class Portal:
         self.stopping = threading.Event()
         self.env: dict[str, str] = {}
         self.log_lock = threading.Lock()
+        # Set once this `up` has written stack.env: only then is it this `up`'s to remove. A
+        # second `up` refused because one is running must leave that one's file alone.
+        self.wrote_stack_env = False
 
     # -- start -------------------------------------------------------------------------------
 
@@ -229,6 +232,7 @@ class Portal:
             urls = self.start_servers()
             self.env = self.child_env(urls)
             write_stack_env(self.options.data_dir / "stack.env", urls)
+            self.wrote_stack_env = True
             self.prepare_database()
             for child in self.plan_children():
                 if self.stopping.is_set():
@@ -276,7 +280,7 @@ class Portal:
             self.redis.stop()
         if self.postgres is not None:
             self.postgres.stop()
-        if self.redis is not None or self.postgres is not None:
+        if self.wrote_stack_env and (self.redis is not None or self.postgres is not None):
             # The servers it names are gone: an agent started now must not try to join them.
             with contextlib.suppress(FileNotFoundError):
                 (self.options.data_dir / "stack.env").unlink()

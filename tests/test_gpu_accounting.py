@@ -318,6 +318,48 @@ def test_a_standbys_context_counts_against_its_pairs_reservation(db):
     assert dep.memory_measured_bytes == 950 * MiB
 
 
+@pytest.mark.gpu
+def test_on_a_real_gpu_a_replica_reserved_its_estimate_serves_max_tokens_within_it_per_nvml(llm_dir, tmp_path):
+    """The first load on CUDA: reserved the estimate and a context, as the scheduler reserves it,
+    its pool holds max_tokens, NVML sees the process within the reservation, and what it reports
+    as its need is what the next replica is reserved. (Not yet run on a GPU: see BENCHMARKS.md.)"""
+    from inference.model_size import shape_from_model_dir
+    from inference.supervisor import ReplicaSpec, Supervisor
+    from tests.test_replica import Events
+
+    shape = shape_from_model_dir(llm_dir, "float32")
+    reserved = memory.estimate(shape, max_tokens=MAX_TOKENS, cuda_context_bytes=H100_CONTEXT_BYTES).total_bytes
+    supervisor = Supervisor(tmp_path / "logs")
+    events = Events()
+    try:
+        # Its own process: the allocator cap is per process and must not reach this one.
+        supervisor.start(
+            ReplicaSpec(
+                replica_id="real",
+                source=str(llm_dir),
+                loader="transformers",
+                dtype="float32",
+                gpus=(0,),
+                reserved_bytes_by_gpu={"0": reserved},
+                fraction=0.5,
+                backend="cuda",
+                kv_max_tokens=MAX_TOKENS,
+                context_bytes=H100_CONTEXT_BYTES,
+            ),
+            events,
+        )
+        _, serving = events.until("serving", timeout=180)
+    finally:
+        supervisor.stop_all(timeout=10)
+    assert serving["kv"]["blocks_total"] * serving["kv"]["block_tokens"] >= MAX_TOKENS
+    if serving["process_bytes"] is None:
+        pytest.skip("NVML does not list this process (a container without the host PID namespace)")
+    assert serving["process_bytes"] <= reserved, serving["footprint"]
+    # The need it reports covers what it holds now and the activations still to come: not NVML's
+    # figure at load, which a replica reserved would size its pool below zero with.
+    assert serving["need_bytes"] > serving["process_bytes"], serving["footprint"]
+
+
 # -- end to end: real agent and replica processes on H100-like virtual GPUs ---------------------
 
 

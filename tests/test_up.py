@@ -154,6 +154,15 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         running = processes_of(data_dir)
         # web, control worker (+ its pool), beat, agent, PostgreSQL (+ its workers), Redis
         assert len(running) >= 7, running
+
+        # A second `up` on the same data refuses in one line, and leaves the running one alone:
+        # its servers, and the stack.env through which agents find them (issue 16).
+        refused = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
+        assert refused.process.wait(120) != 0
+        refused.reader.join(10)
+        assert "already running" in refused.process.stderr.read()
+        assert read_stack_env(data_dir / "stack.env") == stack
+        assert up.get("/healthz") == (200, {"status": "ok"})
     finally:
         code = up.stop()
 
