@@ -165,6 +165,10 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # Node liveness: agents beat every HEARTBEAT_S; a node silent for HEARTBEAT_TIMEOUT_S is offline.
 GPUPORTAL_HEARTBEAT_S = env_float("GPUPORTAL_HEARTBEAT_S", 5.0)
 GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
+# Stopped and failed replicas are removed this long after they ended, but the newest
+# GPUPORTAL_REPLICA_KEEP_ENDED of each deployment stay for their errors (their Events always stay).
+GPUPORTAL_REPLICA_RETENTION_S = env_float("GPUPORTAL_REPLICA_RETENTION_S", 3600.0)
+GPUPORTAL_REPLICA_KEEP_ENDED = int(os.environ.get("GPUPORTAL_REPLICA_KEEP_ENDED", "3"))
 # Commit path: attempts and the cap of the jittered backoff between them.
 GPUPORTAL_CAS_ATTEMPTS = int(os.environ.get("GPUPORTAL_CAS_ATTEMPTS", "8"))
 GPUPORTAL_CAS_BACKOFF_MAX_S = env_float("GPUPORTAL_CAS_BACKOFF_MAX_S", 0.05)

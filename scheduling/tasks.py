@@ -4,7 +4,7 @@ import logging
 
 from celery import shared_task
 
-from scheduling.services import nodes, preemption, sleep
+from scheduling.services import cleanup, nodes, preemption, sleep
 from scheduling.services.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -18,6 +18,11 @@ def expire_heartbeats() -> list[str]:
 @shared_task(name="scheduling.tasks.sleep_idle", ignore_result=True)
 def sleep_idle() -> list[str]:
     return sleep.sweep_idle()
+
+
+@shared_task(name="scheduling.tasks.collect_ended_replicas", ignore_result=True)
+def collect_ended_replicas() -> list[str]:
+    return cleanup.collect_ended_replicas()
 
 
 @shared_task(name="scheduling.tasks.preempt", ignore_result=True)
