@@ -218,6 +218,52 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
     if event.get("kind") not in ("load", "oom"):
         wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} failed: {reason}")
+    else:
+        fail_waiting_if_none_may_serve(replica, reason)
+
+
+# Replicas that serve, or are on their way to it: while one is, a request may still be answered.
+MAY_SERVE = (
+    Replica.State.PENDING,
+    Replica.State.LOADING,
+    Replica.State.WAKING,
+    Replica.State.SERVING,
+    Replica.State.DRAINING,
+)
+
+
+def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
+    """A load that failed (a broken checkpoint, a reservation too small to serve) would fail the
+    same way for a replacement, so none is started for the requests that wait; if no other replica
+    of the deployment serves or is on its way, they would wait for nothing. They end now, saying
+    why (issue 16: they used to wait until they expired)."""
+    deployment = replica.deployment
+    if deployment.replicas.exclude(pk=replica.pk).filter(state__in=MAY_SERVE).exists():
+        return
+    why = f"no replica of {deployment.name} can serve: replica {replica.id[:8]} failed to load: {reason}"
+    name = deployment.name
+
+    def fail_them() -> None:
+        from scheduling.services import requests as request_services
+
+        try:
+            failed = request_services.fail_waiting(name, why)
+        except redis.RedisError as err:
+            log.warning("cannot end the requests waiting for %s (Redis: %s)", name, err)
+            return
+        if failed:
+            events.record(
+                Event.Kind.DEPLOYMENT_CHANGED,
+                f"deployment {name}",
+                f"ended {len(failed)} waiting request(s): {why}",
+                after={"failed_requests": failed},
+                deployment=name,
+                replica=replica.id,
+            )
+
+    # After the commit: the failure is recorded first, so a request that arrives meanwhile and
+    # finds nothing to serve it is admitted against the failed replica's state, not a stale one.
+    transaction.on_commit(fail_them)
 
 
 def wake_for_waiting(deployment_name: str, reason: str) -> None:

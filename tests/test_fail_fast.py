@@ -1,0 +1,77 @@
+"""A deployment whose load failed ends its waiting requests at once, with the load error (issue 16),
+instead of leaving them to wait for a replica that would fail the same way."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from django.conf import settings
+
+from inference.requestqueue import RequestQueue
+from scheduling.models import Event, Replica
+from scheduling.services import replicas as replica_services
+from scheduling.services import requests as request_services
+from tests import factories
+
+pytestmark = pytest.mark.django_db
+
+BROKEN = "SafetensorError: Error while deserializing header: incomplete metadata, file not fully covered"
+
+
+@pytest.fixture
+def rq() -> RequestQueue:
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter("gp:*"):  # only the queue's own keys
+        client.delete(key)
+    request_services.queue.cache_clear()
+    return RequestQueue(client)
+
+
+def waiting(rq: RequestQueue, deployment: str = "broken") -> str:
+    return rq.submit(deployment, kind="generate", input="hi", params={}, owner="1", status="waking").id
+
+
+def test_when_the_only_replica_fails_to_load_the_waiting_requests_end_with_its_error(
+    rq, django_capture_on_commit_callbacks
+):
+    dep = factories.deployment("broken")
+    loading = factories.replica(dep, state=Replica.State.LOADING)
+    first, second = waiting(rq), waiting(rq)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        replica_services.report(loading.id, {"event": "failed", "kind": "load", "reason": BROKEN})
+
+    for request_id in (first, second):
+        ended = rq.get(request_id)
+        assert ended.status == "failed", ended
+        assert f"replica {loading.id[:8]} failed to load: {BROKEN}" in ended.error
+    assert rq.depth("broken") == 0
+    event = Event.objects.get(reason__startswith="ended 2 waiting request(s)")
+    assert event.deployment == "broken" and BROKEN in event.reason
+
+
+def test_while_another_replica_serves_or_loads_the_requests_wait_for_it(rq, django_capture_on_commit_callbacks):
+    dep = factories.deployment("broken")
+    failing = factories.replica(dep, state=Replica.State.LOADING)
+    factories.replica(dep, state=Replica.State.PENDING)
+    request_id = waiting(rq)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        replica_services.report(failing.id, {"event": "failed", "kind": "oom", "reason": "out of memory"})
+
+    assert rq.get(request_id).status == "waking" and rq.depth("broken") == 1
+
+
+def test_a_crash_is_not_a_load_failure_its_requests_go_back_to_the_queue(
+    rq, dispatched, django_capture_on_commit_callbacks
+):
+    dep = factories.deployment("flaky")
+    crashed = factories.replica(dep, state=Replica.State.SERVING)
+    request_id = waiting(rq, "flaky")
+
+    with django_capture_on_commit_callbacks(execute=True):
+        replica_services.report(crashed.id, {"event": "failed", "kind": "crash", "reason": "killed by signal 9"})
+
+    assert rq.get(request_id).status != "failed" and rq.depth("flaky") == 1
+    # ... and a fresh replica is woken for them, as before.
+    assert [task for _, task, _ in dispatched] == ["scheduling.tasks.wake"]
