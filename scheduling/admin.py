@@ -165,10 +165,12 @@ class DeploymentAdmin(ReadOnlyAdmin):
         admin_actions.sleep_deployments,
         admin_actions.wake_deployments,
         admin_actions.switch_over_deployments,
+        admin_actions.retry_deployments,
     ]
 
     list_display = [
         "name",
+        "status",
         "loader",
         "dtype",
         "replicas_wanted",
@@ -193,6 +195,10 @@ class DeploymentAdmin(ReadOnlyAdmin):
     @admin.display(description="memory need")
     def memory_need(self, obj: Deployment) -> str:
         return gib(obj.memory_need_bytes)
+
+    @admin.display(description="status")
+    def status(self, obj: Deployment) -> str:
+        return obj.status_text
 
 
 class ReplicaOccupantInline(ReadOnlyInline):

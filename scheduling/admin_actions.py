@@ -115,6 +115,15 @@ def evict_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
     report_each(admin_view, request, queryset.values_list("name", flat=True), act)
 
 
+@admin.action(description="Retry selected deployments (clear failed loads and start what they lack)")
+def retry_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+    def act(name: str) -> str:
+        deployment = deployment_services.retry(name, reason=f"retried by {request.user} (admin)")
+        return f"{name}: load failures cleared; {deployment.replicas_wanted} replica(s) wanted"
+
+    report_each(admin_view, request, queryset.values_list("name", flat=True), act)
+
+
 @admin.action(description="Switch over selected failover deployments (standby takes over)")
 def switch_over_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
     def act(name: str) -> str:

@@ -133,6 +133,15 @@ class Deployment(models.Model):
     memory_policy = models.CharField(max_length=32, default="gpuportal")
     max_tokens = models.PositiveIntegerField(default=2048)
     failover_standby = models.BooleanField(default=False)
+    # Crash-loop backoff (issue 16): a replica that fails to load is replaced after load_backoff_s,
+    # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
+    # the deployment is failed (failed_reason) and starts nothing until retried or changed.
+    max_load_failures = models.PositiveIntegerField(default=3)
+    load_backoff_s = models.FloatField(default=5.0)
+    load_backoff_max_s = models.FloatField(default=300.0)
+    load_failures = models.PositiveIntegerField(default=0, help_text="Consecutive failed loads.")
+    failed_reason = models.TextField(blank=True, default="", help_text="Set once it gave up: the last load error.")
+    retry_at = models.DateTimeField(null=True, blank=True, help_text="When a replacement for a failed load starts.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -151,6 +160,21 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def status(self) -> str:
+        """ok; retrying (a failed load is replaced after its backoff); failed (it gave up)."""
+        if self.failed_reason:
+            return "failed"
+        return "retrying" if self.retry_at is not None else "ok"
+
+    @property
+    def status_text(self) -> str:
+        if self.failed_reason:
+            return f"failed: {self.failed_reason}"
+        if self.retry_at is not None:
+            return f"retrying ({self.load_failures} of {self.max_load_failures} loads failed)"
+        return "ok"
 
     @property
     def memory_need_bytes(self) -> int | None:

@@ -4,7 +4,7 @@ import logging
 
 from celery import shared_task
 
-from scheduling.services import cleanup, nodes, preemption, sleep
+from scheduling.services import cleanup, deployments, nodes, preemption, sleep
 from scheduling.services.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,12 @@ def sleep_idle() -> list[str]:
 @shared_task(name="scheduling.tasks.collect_ended_replicas", ignore_result=True)
 def collect_ended_replicas() -> list[str]:
     return cleanup.collect_ended_replicas()
+
+
+@shared_task(name="scheduling.tasks.replace_failed", ignore_result=True)
+def replace_failed(name: str) -> list[str]:
+    """A failed load's backoff is over: place what the deployment lacks (crash-loop backoff)."""
+    return deployments.replace_failed(name)
 
 
 @shared_task(name="scheduling.tasks.preempt", ignore_result=True)

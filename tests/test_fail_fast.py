@@ -1,5 +1,6 @@
-"""A deployment whose load failed ends its waiting requests at once, with the load error (issue 16),
-instead of leaving them to wait for a replica that would fail the same way."""
+"""A deployment that gave up after failed loads ends its waiting requests at once, with the load
+error (issue 16), instead of leaving them to wait for a replica that would fail the same way.
+(How it comes to give up, after retries with a backoff, is tests/test_crash_loop.py.)"""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ def waiting(rq: RequestQueue, deployment: str = "broken") -> str:
     return rq.submit(deployment, kind="generate", input="hi", params={}, owner="1", status="waking").id
 
 
-def test_when_the_only_replica_fails_to_load_the_waiting_requests_end_with_its_error(
+def test_when_the_only_replica_fails_its_last_load_the_waiting_requests_end_with_its_error(
     rq, django_capture_on_commit_callbacks
 ):
-    dep = factories.deployment("broken")
+    dep = factories.deployment("broken", max_load_failures=1)
     loading = factories.replica(dep, state=Replica.State.LOADING)
     first, second = waiting(rq), waiting(rq)
 
@@ -51,7 +52,7 @@ def test_when_the_only_replica_fails_to_load_the_waiting_requests_end_with_its_e
 
 
 def test_while_another_replica_serves_or_loads_the_requests_wait_for_it(rq, django_capture_on_commit_callbacks):
-    dep = factories.deployment("broken")
+    dep = factories.deployment("broken", max_load_failures=1)
     failing = factories.replica(dep, state=Replica.State.LOADING)
     factories.replica(dep, state=Replica.State.PENDING)
     request_id = waiting(rq)

@@ -54,6 +54,15 @@ class SleepInput(StrictSerializer):
     drain_timeout_s = FiniteFloatField(min_value=0, max_value=3_600, required=False, default=30.0)
 
 
+class RestartInput(StrictSerializer):
+    """Crash-loop backoff: a failed load is replaced after backoff_s, doubling up to backoff_max_s;
+    after max_load_failures in a row the deployment is failed until retried or changed."""
+
+    max_load_failures = serializers.IntegerField(min_value=1, max_value=100, required=False, default=3)
+    backoff_s = FiniteFloatField(min_value=0, max_value=3_600, required=False, default=5.0)
+    backoff_max_s = FiniteFloatField(min_value=0, max_value=86_400, required=False, default=300.0)
+
+
 class FailoverInput(StrictSerializer):
     standby = serializers.BooleanField(required=False, default=False)
 
@@ -66,6 +75,7 @@ class DeploymentInput(StrictSerializer):
     memory = MemoryInput(required=False)
     fairness = FairnessInput(required=False)
     sleep = SleepInput(required=False)
+    restart = RestartInput(required=False)
     failover = FailoverInput(required=False)
 
     def to_spec(self) -> DeploymentSpec:
@@ -79,6 +89,7 @@ class DeploymentInput(StrictSerializer):
         fairness = group("fairness", FairnessInput())
         sleep = group("sleep", SleepInput())
         failover = group("failover", FailoverInput())
+        restart = group("restart", RestartInput())
         return DeploymentSpec(
             name=data["name"],
             source=data["model"]["source"],
@@ -95,6 +106,9 @@ class DeploymentInput(StrictSerializer):
             idle_timeout_s=sleep["idle_timeout_s"],
             drain_timeout_s=sleep["drain_timeout_s"],
             standby=failover["standby"],
+            max_load_failures=restart["max_load_failures"],
+            backoff_s=restart["backoff_s"],
+            backoff_max_s=restart["backoff_max_s"],
         )
 
 
@@ -116,6 +130,7 @@ class DeploymentPatch(StrictSerializer):
     memory = _partial(MemoryInput)
     fairness = _partial(FairnessInput)
     sleep = _partial(SleepInput)
+    restart = _partial(RestartInput)
     failover = _partial(FailoverInput)
 
     def validate_name(self, value: str) -> str:
@@ -132,7 +147,7 @@ class DeploymentPatch(StrictSerializer):
     def to_changes(self) -> dict[str, Any]:
         data = self.validated_data
         changes: dict[str, Any] = {k: data[k] for k in ("replicas", "dedicated") if k in data}
-        for group in ("memory", "fairness", "sleep"):
+        for group in ("memory", "fairness", "sleep", "restart"):
             changes.update(data.get(group, {}))
         if "standby" in data.get("failover", {}):
             changes["standby"] = data["failover"]["standby"]

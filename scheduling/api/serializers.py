@@ -139,6 +139,12 @@ class DeploymentSleepSerializer(serializers.Serializer):
     drain_timeout_s = serializers.FloatField()
 
 
+class DeploymentRestartSerializer(serializers.Serializer):
+    max_load_failures = serializers.IntegerField()
+    backoff_s = serializers.FloatField(source="load_backoff_s")
+    backoff_max_s = serializers.FloatField(source="load_backoff_max_s")
+
+
 class DeploymentFailoverSerializer(serializers.Serializer):
     standby = serializers.BooleanField(source="failover_standby")
 
@@ -149,12 +155,22 @@ class DeploymentSerializer(serializers.ModelSerializer):
     memory = DeploymentMemorySerializer(source="*", read_only=True)
     fairness = DeploymentFairnessSerializer(source="*", read_only=True)
     sleep = DeploymentSleepSerializer(source="*", read_only=True)
+    restart = DeploymentRestartSerializer(source="*", read_only=True)
     failover = DeploymentFailoverSerializer(source="*", read_only=True)
+    status = serializers.ChoiceField(
+        choices=["ok", "retrying", "failed"],
+        read_only=True,
+        help_text="retrying: a failed load is replaced after its backoff; failed: it gave up (failed_reason).",
+    )
 
     class Meta:
         model = Deployment
         fields = [
             "name",
+            "status",
+            "failed_reason",
+            "load_failures",
+            "retry_at",
             "model",
             "replicas",
             "replicas_wanted",
@@ -162,6 +178,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "memory",
             "fairness",
             "sleep",
+            "restart",
             "failover",
             "created_at",
             "updated_at",

@@ -134,6 +134,16 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         deployment_services.scale(name, data.validated_data["replicas"])
         return self.shown(name)
 
+    @extend_schema(
+        request=None,
+        summary="Clear a deployment's failed loads (crash-loop backoff) and start what it lacks now.",
+        responses={200: s.DeploymentSerializer, **PLACEMENT_ERRORS},
+    )
+    @action(detail=True, methods=["post"])
+    def retry(self, request: Request, name: str) -> Response:
+        deployment_services.retry(name, reason=f"retried by {request.user}")
+        return self.shown(name)
+
     @extend_schema(request=None, responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]})
     @action(detail=True, methods=["post"])
     def evict(self, request: Request, name: str) -> Response:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -48,6 +49,9 @@ class DeploymentSpec:
     drain_timeout_s: float = 30.0
     standby: bool = False
     memory_policy: str = "gpuportal"
+    max_load_failures: int = 3
+    backoff_s: float = 5.0
+    backoff_max_s: float = 300.0
 
 
 # Deployment fields a PATCH may change, by spec name. Model, loader and dtype are not among them:
@@ -61,6 +65,9 @@ MUTABLE = {
     "popular": "popular",
     "idle_timeout_s": "idle_timeout_s",
     "drain_timeout_s": "drain_timeout_s",
+    "max_load_failures": "max_load_failures",
+    "backoff_s": "load_backoff_s",
+    "backoff_max_s": "load_backoff_max_s",
 }
 
 
@@ -130,6 +137,9 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
             idle_timeout_s=spec.idle_timeout_s,
             drain_timeout_s=spec.drain_timeout_s,
             failover_standby=spec.standby,
+            max_load_failures=spec.max_load_failures,
+            load_backoff_s=spec.backoff_s,
+            load_backoff_max_s=spec.backoff_max_s,
         )
         events.record(
             Event.Kind.DEPLOYMENT_CHANGED,
@@ -172,6 +182,9 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 after=after,
                 deployment=name,
             )
+            if deployment.failed_reason:
+                # A changed spec is the operator's answer to the failure: try again.
+                retry(name, reason="its settings changed")
         if "replicas" in changes:
             scale(name, changes["replicas"])
     deployment.refresh_from_db()
@@ -206,6 +219,118 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
                 after={"replicas": replicas},
                 deployment=name,
             )
+    return deployment
+
+
+# -- crash-loop backoff (issue 16) ----------------------------------------------------------------
+
+REPLACE_TASK = "scheduling.tasks.replace_failed"
+# Replicas that count toward a deployment's replicas while a failed load is replaced: serving,
+# sleeping, or on their way to either. A failover standby is its active member's, not one more.
+COUNTED = (*AWAKE, Replica.State.DRAINING, Replica.State.SLEEPING)
+
+
+def backoff_s(deployment: Deployment, failures: int) -> float:
+    """Seconds before the replacement of the `failures`-th failed load in a row: doubling from
+    load_backoff_s, capped at load_backoff_max_s."""
+    return min(deployment.load_backoff_max_s, deployment.load_backoff_s * 2 ** max(0, failures - 1))
+
+
+def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> bool:
+    """A replica of the deployment (its row locked by the caller) failed to load. Either a
+    replacement is scheduled after the backoff, or, at max_load_failures in a row, the deployment
+    is failed with the error and starts nothing more. Returns True if a retry is pending."""
+    deployment.load_failures += 1
+    failures, limit = deployment.load_failures, deployment.max_load_failures
+    if failures >= limit:
+        deployment.failed_reason = reason
+        deployment.retry_at = None
+        deployment.save(update_fields=["load_failures", "failed_reason", "retry_at", "updated_at"])
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {deployment.name}",
+            f"failed: {failures} load(s) in a row failed, the last (replica {replica_id[:8]}): {reason}; "
+            "nothing more starts until it is retried (POST /api/deployments/{name}/retry/) or its settings change",
+            after={"status": "failed", "load_failures": failures},
+            deployment=deployment.name,
+            replica=replica_id,
+        )
+        return False
+    delay = backoff_s(deployment, failures)
+    deployment.retry_at = timezone.now() + timedelta(seconds=delay)
+    deployment.save(update_fields=["load_failures", "retry_at", "updated_at"])
+    events.record(
+        Event.Kind.DEPLOYMENT_CHANGED,
+        f"deployment {deployment.name}",
+        f"load {failures} of at most {limit} in a row failed (replica {replica_id[:8]}): {reason}; "
+        f"a replacement starts in {delay:g} s",
+        after={"load_failures": failures, "retry_in_s": delay},
+        deployment=deployment.name,
+        replica=replica_id,
+    )
+    dispatch.to_control(REPLACE_TASK, deployment.name, countdown=delay)
+    return True
+
+
+def note_loaded(deployment: Deployment) -> None:
+    """A replica loaded: the failures in a row are over (the caller holds the row)."""
+    if deployment.load_failures or deployment.retry_at or deployment.failed_reason:
+        deployment.load_failures, deployment.retry_at, deployment.failed_reason = 0, None, ""
+        deployment.save(update_fields=["load_failures", "retry_at", "failed_reason", "updated_at"])
+
+
+def replace_failed(name: str) -> list[str]:
+    """The backoff of a failed load is over: place what the deployment lacks (its replicas, or
+    one for the requests that wait when it wants none awake). Returns the replicas placed."""
+    from scheduling.services import requests as request_services  # requests builds on this module
+
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(name=name).first()
+        if deployment is None or deployment.failed_reason or deployment.retry_at is None:
+            return []  # deleted, given up, or retried by hand meanwhile
+        deployment.retry_at = None
+        deployment.save(update_fields=["retry_at", "updated_at"])
+        counted = deployment.replicas.filter(state__in=COUNTED).exclude(role=Replica.Role.STANDBY).count()
+        wanted = deployment.replicas_wanted or (1 if request_services.queue_depth(name) else 0)
+        if counted >= wanted:
+            return []
+        try:
+            with transaction.atomic():  # a savepoint: nothing of a placement that cannot be made
+                decision = add_replicas(
+                    deployment,
+                    wanted - counted,
+                    reason=f"replacing a failed load ({deployment.load_failures} in a row) after its backoff",
+                    cached=(),  # the sleeping ones are counted already
+                )
+        except CannotPlace as err:
+            events.record(
+                Event.Kind.DEPLOYMENT_CHANGED,
+                f"deployment {name}",
+                f"no replacement for a failed load: {err}; the next request tries again",
+                deployment=name,
+            )
+            return []
+        return list(Replica.objects.filter(pk__in=decision.new_ids).values_list("pk", flat=True))
+
+
+def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
+    """Clear a failed deployment (or the backoff of one retrying) and place what it lacks now."""
+    with transaction.atomic():
+        deployment = get(name, lock=True)
+        was = deployment.failed_reason
+        deployment.load_failures, deployment.failed_reason = 0, ""
+        deployment.retry_at = timezone.now()  # due now: replace_failed below places at once
+        deployment.save(update_fields=["load_failures", "failed_reason", "retry_at", "updated_at"])
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {name}",
+            f"{reason}: load failures cleared" + (f" (it had failed: {was})" if was else ""),
+            before={"status": "failed" if was else "ok"},
+            after={"status": "ok"},
+            deployment=name,
+        )
+        replace_failed(name)
+    deployment.refresh_from_db()
     return deployment
 
 

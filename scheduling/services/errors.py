@@ -46,3 +46,9 @@ class InvalidState(ServiceError):
     """The thing exists but cannot do that now (e.g. evicting a replica that is not serving)."""
 
     status = 409
+
+
+class Unavailable(ServiceError):
+    """It exists but cannot serve now, and waiting would not help (a deployment that gave up)."""
+
+    status = 503

@@ -126,6 +126,9 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
         return
     deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+    from scheduling.services import deployments  # deployments builds on this module
+
+    deployments.note_loaded(deployment)
     measured = _measured_bytes(deployment, event)
     context = event.get("context_measured_bytes")
     record_context(replica, context if isinstance(context, int) else 0)
@@ -195,6 +198,10 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state in (Replica.State.STOPPING, Replica.State.STOPPED):
         _stopped(replica, event)
         return
+    load_failure = event.get("kind") in ("load", "oom")
+    # The deployment row first, as everywhere (then GPU rows, then replica rows): a failed load
+    # moves its crash-loop count (scheduling.services.deployments.note_load_failure).
+    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id) if load_failure else None
     requeue_taken(replica, f"replica {replica.id[:8]} failed: {reason}")
     restartable = _restarts_in_last_hour(replica) < settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR
     if event.get("kind") == "cuda_assert" and restartable:
@@ -216,9 +223,14 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     replica.pid = None
     replica.serving_since = None
     set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
-    if event.get("kind") not in ("load", "oom"):
+    if deployment is None:
         wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} failed: {reason}")
-    else:
+        return
+    from scheduling.services import deployments  # deployments builds on this module
+
+    # A replacement after a backoff, or, at the limit, a failed deployment whose waiting
+    # requests have nothing left to wait for.
+    if not deployments.note_load_failure(deployment, replica.id, reason):
         fail_waiting_if_none_may_serve(replica, reason)
 
 
@@ -233,10 +245,9 @@ MAY_SERVE = (
 
 
 def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
-    """A load that failed (a broken checkpoint, a reservation too small to serve) would fail the
-    same way for a replacement, so none is started for the requests that wait; if no other replica
-    of the deployment serves or is on its way, they would wait for nothing. They end now, saying
-    why (issue 16: they used to wait until they expired)."""
+    """A deployment gave up after failed loads (a broken checkpoint, a reservation too small to
+    serve): if no other replica of it serves or is on its way, the requests that wait would wait
+    for nothing. They end now, saying why (issue 16: they used to wait until they expired)."""
     deployment = replica.deployment
     if deployment.replicas.exclude(pk=replica.pk).filter(state__in=MAY_SERVE).exists():
         return

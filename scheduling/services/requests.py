@@ -21,7 +21,7 @@ from inference.requestqueue import Request, RequestQueue, last_key
 from scheduling import ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import deployments, sleep
-from scheduling.services.errors import CannotPlace, InvalidInput, InvalidState, NotFound
+from scheduling.services.errors import CannotPlace, InvalidInput, InvalidState, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,7 +104,20 @@ def _admit(deployment_name: str, kind: str) -> str:
     if kind == "forward" and is_lm:
         raise InvalidInput("input", f"{deployment_name} is a causal LM: send text or chat messages")
     if not awake:
-        _refuse_if_never_placeable(Deployment.objects.get(name=deployment_name))
+        deployment = Deployment.objects.get(name=deployment_name)
+        # A sleeping replica loaded once and wakes as usual; with none, a request would only
+        # start one more load after failed ones (issue 16's crash loop).
+        loads = (deployment.failed_reason or deployment.retry_at) and not deployment.replicas.filter(
+            state=Replica.State.SLEEPING
+        ).exists()
+        if loads and deployment.failed_reason:
+            raise Unavailable(
+                f"deployment {deployment_name} failed: {deployment.failed_reason} "
+                f"(retry with POST /api/deployments/{deployment_name}/retry/ or change its settings)"
+            )
+        if loads:
+            return "waking"  # a replacement for a failed load starts after its backoff: wait for it
+        _refuse_if_never_placeable(deployment)
         sleep.wake_deployment(deployment_name, reason="woken by a request")
     return "queued" if serving else "waking"
 
