@@ -127,7 +127,11 @@ def _heartbeat_age(last: datetime | None, now: datetime) -> float | None:
 
 def _deployment_rows() -> list[dict[str, Any]]:
     """100 deployments in three queries: the rows, replica counts by state, last accesses."""
-    rows = list(Deployment.objects.order_by("name").values("name", "replicas_wanted", "failover_standby"))
+    rows = list(
+        Deployment.objects.order_by("name").values(
+            "name", "replicas_wanted", "failover_standby", "failed_reason", "load_failures", "retry_at"
+        )
+    )
     by_state: dict[str, Counter[str]] = defaultdict(Counter)
     for name, state, n in Replica.objects.values_list("deployment__name", "state").annotate(n=Count("pk")).order_by():
         by_state[name][state] = n

@@ -9,6 +9,7 @@ import pytest
 import redis
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.contrib.messages import get_messages
 from rest_framework.test import APIClient
 
 from gpuportal.celery import app
@@ -153,3 +154,65 @@ def test_the_restart_settings_are_part_of_the_spec_and_bad_ones_are_refused(db, 
     body = {"name": "x", "model": {"source": "/nowhere"}, "restart": {"max_load_failures": 0}}
     response = staff.post("/api/deployments/", body, format="json")
     assert response.status_code == 400 and "max_load_failures" in str(response.json()["restart"])
+
+
+# -- end to end: a real agent, replica processes and a control worker ---------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_truncated_checkpoint_ends_its_requests_with_the_load_error_and_serves_after_a_fix_and_a_retry(
+    start_agent, control_worker, tmp_path
+):
+    from inference.management.commands.make_tiny_model import write_tiny_model
+    from tests.processes import wait_until
+
+    request_services.queue.cache_clear()
+    start_agent("e2e", "1x4GiB")
+    control_worker()
+    staff = APIClient()
+    staff.force_authenticate(User.objects.create_user("ops", is_staff=True))
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=9).path
+    weights = model / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) // 2])  # the header reads; the tensors are cut short
+    body = {
+        "name": "broken",
+        "model": {"source": str(model)},
+        "memory": {"max_tokens": 64},
+        "restart": {"max_load_failures": 2, "backoff_s": 0.2, "backoff_max_s": 0.5},
+    }
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+
+    answer = staff.post("/api/deployments/broken/infer/", {"input": "Hello", "timeout_s": 180}, format="json")
+
+    assert answer.status_code == 503, answer.json()
+    assert answer.json()["status"] == "failed" and "failed to load" in answer.json()["error"]
+    assert "SafetensorError" in answer.json()["error"] or "safetensors" in answer.json()["error"].lower()
+    shown = staff.get("/api/deployments/broken/").json()
+    assert shown["status"] == "failed" and shown["failed_reason"]
+    assert Replica.objects.count() == 2, "no more loads than max_load_failures"
+    assert staff.post("/api/requests/", {"deployment": "broken", "input": "x"}, format="json").status_code == 503
+
+    weights.write_bytes(intact)
+    assert staff.post("/api/deployments/broken/retry/").status_code == 200
+    wait_until(lambda: Replica.objects.filter(state="serving").exists(), 180, "the retried replica to serve")
+    again = staff.post("/api/deployments/broken/infer/", {"input": "Hello", "timeout_s": 120}, format="json")
+    assert again.status_code == 200 and again.json()["status"] == "done", again.json()
+    assert staff.get("/api/deployments/broken/").json()["status"] == "ok"
+
+
+def test_the_admin_retries_a_failed_deployment(sent, admin_client, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        dep = broken()
+    Deployment.objects.update(load_failures=3, failed_reason=BROKEN)
+    Replica.objects.update(state=Replica.State.FAILED)
+    changelist = "/admin/scheduling/deployment/"
+    assert "failed: SafetensorError" in admin_client.get(changelist).content.decode()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        done = admin_client.post(changelist, {"_selected_action": [dep.pk], "action": "retry_deployments"})
+
+    assert done.status_code == 302, done.content.decode()[-3000:]
+    assert [str(m) for m in get_messages(done.wsgi_request)] == ["broken: load failures cleared; 1 replica(s) wanted"]
+    assert Deployment.objects.get().status == "ok" and len(pending()) == 1

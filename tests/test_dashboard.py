@@ -96,6 +96,18 @@ def test_it_shows_intents_wake_locks_pairs_and_deployment_figures(admin_client) 
     assert 'data-deployment="tiny-a"' in body and "serving 1" in body and "waking 1" in body
 
 
+def test_a_failed_or_retrying_deployment_says_so(admin_client) -> None:
+    f.deployment("broken", failed_reason="SafetensorError: incomplete metadata", load_failures=3)
+    f.deployment("flaky", load_failures=1, retry_at=timezone.now())
+    f.deployment("fine")
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    assert "failed: SafetensorError: incomplete metadata" in body
+    assert "retrying after 1 failed load(s)" in body
+    assert body.count("gp-state-failed") == 1
+
+
 def test_the_event_timeline_filters_by_kind_deployment_and_gpu(admin_client) -> None:
     f.event(kind="gpu.reserved", subject="gpu node1/0", reason="because-one", deployment="a", gpu="node1/0")
     f.event(kind="gpu.reserved", subject="gpu node1/1", reason="because-two", deployment="b", gpu="node1/1")

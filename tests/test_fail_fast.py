@@ -46,6 +46,7 @@ def test_when_the_only_replica_fails_its_last_load_the_waiting_requests_end_with
         ended = rq.get(request_id)
         assert ended.status == "failed", ended
         assert f"replica {loading.id[:8]} failed to load: {BROKEN}" in ended.error
+        assert ended.error_kind == "load"  # answered 503 to a caller that waited, not 409
     assert rq.depth("broken") == 0
     event = Event.objects.get(reason__startswith="ended 2 waiting request(s)")
     assert event.deployment == "broken" and BROKEN in event.reason

@@ -258,7 +258,7 @@ def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
         from scheduling.services import requests as request_services
 
         try:
-            failed = request_services.fail_waiting(name, why)
+            failed = request_services.fail_waiting(name, why, kind="load")
         except redis.RedisError as err:
             log.warning("cannot end the requests waiting for %s (Redis: %s)", name, err)
             return

@@ -204,13 +204,14 @@ def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
     return outcomes
 
 
-def fail_waiting(deployment_name: str, reason: str, *, deleted: bool = False) -> list[str]:
+def fail_waiting(deployment_name: str, reason: str, *, deleted: bool = False, kind: str = "placement") -> list[str]:
     """End the waiting requests of a deployment that cannot be woken, saying why. `deleted`: it
     is gone, so its replicas' claims to take requests go first; a request queued on the strength
-    of one before that is then in the queue, and ends here too."""
+    of one before that is then in the queue, and ends here too. `kind` is the error's (a failed
+    load is `load`, answered 503; what cannot be placed, 409)."""
     if deleted:
         queue().forget_live(deployment_name)
-    return queue().fail_queued(deployment_name, reason=reason)
+    return queue().fail_queued(deployment_name, reason=reason, kind=kind)
 
 
 def sync_last_accessed() -> int:
