@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
+import redis
 from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
@@ -250,7 +251,8 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {deployment.name}",
             f"failed: {failures} load(s) in a row failed, the last (replica {replica_id[:8]}): {reason}; "
-            "nothing more starts until it is retried (POST /api/deployments/{name}/retry/) or its settings change",
+            f"nothing more starts until it is retried (POST /api/deployments/{deployment.name}/retry/) "
+            "or its settings change",
             after={"status": "failed", "load_failures": failures},
             deployment=deployment.name,
             replica=replica_id,
@@ -282,8 +284,6 @@ def note_loaded(deployment: Deployment) -> None:
 def replace_failed(name: str) -> list[str]:
     """The backoff of a failed load is over: place what the deployment lacks (its replicas, or
     one for the requests that wait when it wants none awake). Returns the replicas placed."""
-    from scheduling.services import requests as request_services  # requests builds on this module
-
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().filter(name=name).first()
         if deployment is None or deployment.failed_reason or deployment.retry_at is None:
@@ -291,7 +291,7 @@ def replace_failed(name: str) -> list[str]:
         deployment.retry_at = None
         deployment.save(update_fields=["retry_at", "updated_at"])
         counted = deployment.replicas.filter(state__in=COUNTED).exclude(role=Replica.Role.STANDBY).count()
-        wanted = deployment.replicas_wanted or (1 if request_services.queue_depth(name) else 0)
+        wanted = deployment.replicas_wanted or (1 if _requests_wait(name) else 0)
         if counted >= wanted:
             return []
         try:
@@ -311,6 +311,18 @@ def replace_failed(name: str) -> list[str]:
             )
             return []
         return list(Replica.objects.filter(pk__in=decision.new_ids).values_list("pk", flat=True))
+
+
+def _requests_wait(name: str) -> bool:
+    """Whether requests wait for the deployment (for one that wants no replica awake by itself);
+    when Redis cannot say, as if they did: a replica too many idles until it sleeps, while one too
+    few leaves requests waiting for nothing."""
+    from scheduling.services import requests as request_services  # requests builds on this module
+
+    try:
+        return request_services.queue_depth(name) > 0
+    except redis.RedisError:
+        return True
 
 
 def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
