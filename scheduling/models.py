@@ -71,13 +71,15 @@ class GPU(models.Model):
     # The CUDA context of one replica process on this node's GPUs of this model: serving (after
     # its first forward passes) and as a standby that never ran one. Measured by the replicas
     # (issue 15); until then the H100's figures. Needs and pools count them on every GPU.
-    context_bytes = models.BigIntegerField(default=memory.H100_CONTEXT_BYTES)
-    standby_context_bytes = models.BigIntegerField(default=memory.H100_STANDBY_CONTEXT_BYTES)
-    context_measured = models.BooleanField(default=False)
+    context_bytes = models.BigIntegerField(default=memory.H100_CONTEXT_BYTES, db_default=memory.H100_CONTEXT_BYTES)
+    standby_context_bytes = models.BigIntegerField(
+        default=memory.H100_STANDBY_CONTEXT_BYTES, db_default=memory.H100_STANDBY_CONTEXT_BYTES
+    )
+    context_measured = models.BooleanField(default=False, db_default=False)
     # The books against NVML, from the agent's last heartbeat (issue 15 item 4): what NVML showed
     # free, and by how much its replicas' processes exceeded their reservations in all.
     nvml_free_bytes = models.BigIntegerField(null=True, blank=True)
-    overcommit_bytes = models.BigIntegerField(default=0)
+    overcommit_bytes = models.BigIntegerField(default=0, db_default=0)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -136,11 +138,14 @@ class Deployment(models.Model):
     # Crash-loop backoff (issue 16): a replica that fails to load is replaced after load_backoff_s,
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
     # the deployment is failed (failed_reason) and starts nothing until retried or changed.
-    max_load_failures = models.PositiveIntegerField(default=3)
-    load_backoff_s = models.FloatField(default=5.0)
-    load_backoff_max_s = models.FloatField(default=300.0)
-    load_failures = models.PositiveIntegerField(default=0, help_text="Consecutive failed loads.")
-    failed_reason = models.TextField(blank=True, default="", help_text="Set once it gave up: the last load error.")
+    # Defaults in the database too: rows written by plain SQL (tests, tools) need not name them.
+    max_load_failures = models.PositiveIntegerField(default=3, db_default=3)
+    load_backoff_s = models.FloatField(default=5.0, db_default=5.0)
+    load_backoff_max_s = models.FloatField(default=300.0, db_default=300.0)
+    load_failures = models.PositiveIntegerField(default=0, db_default=0, help_text="Consecutive failed loads.")
+    failed_reason = models.TextField(
+        blank=True, default="", db_default="", help_text="Set once it gave up: the last load error."
+    )
     retry_at = models.DateTimeField(null=True, blank=True, help_text="When a replacement for a failed load starts.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
