@@ -31,6 +31,12 @@ def replace_failed(name: str) -> list[str]:
     return deployments.replace_failed(name)
 
 
+@shared_task(name="scheduling.tasks.reconcile", ignore_result=True)
+def reconcile(reason: str) -> dict[str, list[str]]:
+    """Every deployment back to its replicas (after a node went offline, stopped, or registered)."""
+    return deployments.reconcile_all(f"reconciled: {reason}")
+
+
 @shared_task(name="scheduling.tasks.preempt", ignore_result=True)
 def preempt(intent_ids: list[int]) -> str:
     """The fair wake's wait, victim choice and placement (runs for up to max_wait + a drain)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 from django.db import transaction
-from django.db.models import Max
+from django.db.models import Count, F, Max, Q
 from django.utils import timezone
 
 from scheduling import events, fairness, ledger, memory
@@ -290,27 +290,66 @@ def replace_failed(name: str) -> list[str]:
             return []  # deleted, given up, or retried by hand meanwhile
         deployment.retry_at = None
         deployment.save(update_fields=["retry_at", "updated_at"])
-        counted = deployment.replicas.filter(state__in=COUNTED).exclude(role=Replica.Role.STANDBY).count()
         wanted = deployment.replicas_wanted or (1 if _requests_wait(name) else 0)
-        if counted >= wanted:
+        return _top_up(
+            deployment,
+            wanted,
+            f"replacing a failed load ({deployment.load_failures} in a row) after its backoff",
+        )
+
+
+def reconcile(name: str, reason: str) -> list[str]:
+    """Keep what the operator asked for (issue 16): place what the deployment lacks of its
+    `replicas`, sleeping ones counted, never stopping any. Not while a failed load waits out its
+    backoff, nor once it gave up. Returns the replicas placed."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(name=name).first()
+        if deployment is None or deployment.failed_reason or deployment.retry_at is not None:
             return []
-        try:
-            with transaction.atomic():  # a savepoint: nothing of a placement that cannot be made
-                decision = add_replicas(
-                    deployment,
-                    wanted - counted,
-                    reason=f"replacing a failed load ({deployment.load_failures} in a row) after its backoff",
-                    cached=(),  # the sleeping ones are counted already
-                )
-        except CannotPlace as err:
-            events.record(
-                Event.Kind.DEPLOYMENT_CHANGED,
-                f"deployment {name}",
-                f"no replacement for a failed load: {err}; the next request tries again",
-                deployment=name,
+        return _top_up(deployment, deployment.replicas_wanted, reason)
+
+
+def reconcile_all(reason: str) -> dict[str, list[str]]:
+    """`reconcile` every deployment that has fewer replicas than it wants: one query to find them."""
+    short = (
+        Deployment.objects.filter(failed_reason="", retry_at__isnull=True, replicas_wanted__gt=0)
+        .annotate(
+            counted=Count(
+                "replicas",
+                filter=Q(replicas__state__in=COUNTED) & ~Q(replicas__role=Replica.Role.STANDBY),
             )
-            return []
-        return list(Replica.objects.filter(pk__in=decision.new_ids).values_list("pk", flat=True))
+        )
+        .filter(counted__lt=F("replicas_wanted"))
+        .order_by("name")
+        .values_list("name", flat=True)
+    )
+    placed = {name: reconcile(name, reason) for name in short}
+    return {name: ids for name, ids in placed.items() if ids}
+
+
+def _top_up(deployment: Deployment, wanted: int, reason: str) -> list[str]:
+    """Place new replicas up to `wanted` (the caller holds the deployment row). What cannot be
+    placed now is said in an Event; the next reconcile or request tries again."""
+    counted = deployment.replicas.filter(state__in=COUNTED).exclude(role=Replica.Role.STANDBY).count()
+    if counted >= wanted:
+        return []
+    try:
+        with transaction.atomic():  # a savepoint: nothing of a placement that cannot be made
+            decision = add_replicas(
+                deployment,
+                wanted - counted,
+                reason=f"{reason}: {counted} of {wanted} replica(s)",
+                cached=(),  # the sleeping ones are counted already
+            )
+    except CannotPlace as err:
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {deployment.name}",
+            f"{reason}: {counted} of {wanted} replica(s), and no room for more: {err}",
+            deployment=deployment.name,
+        )
+        return []
+    return list(Replica.objects.filter(pk__in=decision.new_ids).values_list("pk", flat=True))
 
 
 def _requests_wait(name: str) -> bool:

@@ -10,9 +10,12 @@ from django.utils import timezone
 
 from scheduling import events, ledger
 from scheduling.models import Event, Node, Replica
+from scheduling.services import dispatch
+from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState, NotFound
 from scheduling.state import Books, DeviceInfo
 
+RECONCILE_TASK = "scheduling.tasks.reconcile"
 INVENTORY_EVENT = {
     "added": Event.Kind.GPU_REGISTERED,
     "resized": Event.Kind.GPU_CHANGED,
@@ -82,7 +85,17 @@ def register_node(
                 node=name,
                 gpu=change.label,
             )
+    if not created:
+        # A registering agent runs no replica yet, and the ones its predecessor ran died with it:
+        # what the books still say of them is stale.
+        replica_services.lose_with_node(name, f"lost: the agent of node {name} started anew")
+    reconcile_later(f"node {name} registered")
     return node
+
+
+def reconcile_later(reason: str) -> None:
+    """Ask the control queue to bring every deployment back to its replicas (after the commit)."""
+    dispatch.to_control(RECONCILE_TASK, reason)
 
 
 def heartbeat(name: str, *, now: datetime | None = None, books: Books | None = None) -> Node:
@@ -140,6 +153,10 @@ def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = 
                 node=node.name,
             )
             expired.append(node.name)
+    for name in expired:
+        replica_services.lose_with_node(name, f"lost with node {name} (no heartbeat for {timeout_s:.0f} s)")
+    if expired:
+        reconcile_later(f"node(s) {', '.join(expired)} went offline")
     return expired
 
 
@@ -160,6 +177,10 @@ def mark_stopped(name: str, reason: str) -> None:
             after={"status": Node.Status.OFFLINE},
             node=name,
         )
+    # Its replicas stopped with it (they said so, or they are lost now): elsewhere, others take
+    # their place. Offline, this node is no candidate.
+    replica_services.lose_with_node(name, f"lost with node {name} ({reason})")
+    reconcile_later(f"node {name} stopped")
 
 
 def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:

@@ -303,6 +303,35 @@ def _stopped(replica: Replica, event: dict[str, Any]) -> None:
     set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
 
 
+def lose_with_node(node_name: str, reason: str) -> list[str]:
+    """The node's replica processes are gone with it (its agent stopped, went silent, or started
+    anew: replica processes die with their agent). Each is stopped as if it had said so: what it
+    had taken goes back to the queue, its claim to take requests and its reservations are
+    released through the commit path. Returns the deployments that lost one.
+
+    Failover pair members are left to their pair's own path (inference.failover): their lock
+    passes only when their process is really gone, which the lock server sees, not a heartbeat.
+    """
+    lost = Replica.objects.filter(node__name=node_name, lease__isnull=True).exclude(
+        state__in=(Replica.State.STOPPED, Replica.State.FAILED)
+    )
+    deployments: set[str] = set()
+    for replica_id in lost.order_by("pk").values_list("pk", flat=True):
+        # One replica at a time, as its own report would be: the ledger locks the GPU rows
+        # before set_state writes the replica row (the global lock order).
+        with transaction.atomic():
+            replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
+            if replica is None or replica.state in (Replica.State.STOPPED, Replica.State.FAILED):
+                continue
+            requeue_taken(replica, f"replica {replica.id[:8]} {reason}")
+            reserve_exactly(replica, {}, reason=f"replica {reason}")
+            replica.pid = None
+            replica.serving_since = None
+            set_state(replica, Replica.State.STOPPED, reason, extra=["pid", "serving_since"])
+            deployments.add(replica.deployment.name)
+    return sorted(deployments)
+
+
 def requeue_taken(replica: Replica, reason: str) -> None:
     """Requests the replica had taken go back to its deployment's queue: nothing accepted is lost.
 

@@ -1,0 +1,145 @@
+"""The portal keeps what the operator asked for (issue 16): replicas lost with a node (its agent
+stopped, went silent, or started anew) are released through the commit path, their requests go
+back to the queue, and replacements are placed on the nodes still online."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import redis
+from django.conf import settings
+from django.utils import timezone
+
+from gpuportal.celery import app
+from scheduling.models import Deployment, Event, Node, Occupant, Replica
+from scheduling.services import deployments, nodes
+from scheduling.services import requests as request_services
+from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
+from tests.test_deployments import MiB, invariant_holds, serve
+
+pytestmark = pytest.mark.django_db
+
+RECONCILE, START = "scheduling.tasks.reconcile", "inference.tasks.start_replica"
+
+
+@pytest.fixture
+def sent(monkeypatch, cluster) -> list[tuple[str, list, str | None]]:
+    """Tasks sent after each commit: (task, args, queue)."""
+    recorded: list[tuple[str, list, str | None]] = []
+    monkeypatch.setattr(
+        app, "send_task", lambda name, args=None, queue=None, **kw: recorded.append((name, list(args or []), queue))
+    )
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter("gp:*"):  # only the queue's own keys
+        client.delete(key)
+    request_services.queue.cache_clear()
+    return recorded
+
+
+def deploy(capture, replicas: int) -> Deployment:
+    """Replicas of 400 MiB: two fit a 1 GiB GPU of the cluster (two nodes of two)."""
+    spec = DeploymentSpec(name="tiny", source="/srv/models/tiny", replicas=replicas, override_bytes=400 * MiB)
+    with capture(execute=True):
+        deployment = create(spec, facts=ModelFacts(weight_bytes=10 * MiB, estimate_bytes=400 * MiB))
+        for replica_id in deployment.replicas.values_list("pk", flat=True):
+            serve(replica_id)
+    return deployment
+
+
+def on(node: str) -> list[Replica]:
+    return list(Replica.objects.filter(node__name=node).order_by("pk"))
+
+
+def test_replicas_lost_with_a_silent_node_are_released_requeued_and_placed_on_another(
+    sent, django_capture_on_commit_callbacks
+):
+    capture = django_capture_on_commit_callbacks
+    deploy(capture, replicas=2)
+    node = Replica.objects.first().node.name
+    other = "node2" if node == "node1" else "node1"
+    lost = [r for r in on(node) if r.state == "serving"]
+    queue = request_services.queue()
+    taken = queue.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+    assert queue.take("tiny", lost[0].id, timeout=1).id == taken.id
+    Node.objects.filter(name=node).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+
+    with capture(execute=True):
+        assert nodes.expire_heartbeats() == [node]
+
+    for replica in lost:
+        replica.refresh_from_db()
+        assert replica.state == "stopped" and replica.pid is None
+        assert not Occupant.objects.filter(replica=replica).exists()
+    assert Event.objects.filter(reason__startswith=f"lost with node {node} (no heartbeat").count() == len(lost)
+    assert queue.get(taken.id).status == "queued", "nothing accepted is lost"
+    assert invariant_holds()
+    assert (RECONCILE, [f"node(s) {node} went offline"], "control") in sent
+
+    with capture(execute=True):
+        placed = deployments.reconcile_all("reconciled: test")
+
+    assert sorted(r.id for r in on(other) if r.state == "pending") == sorted(placed["tiny"])
+    assert len(placed["tiny"]) == len(lost)
+    assert {queue_ for task, _, queue_ in sent if task == START} >= {f"node.{other}"}
+    assert Event.objects.filter(reason__contains=f"reconciled: test: {2 - len(lost)} of 2 replica(s)").exists()
+
+
+def test_an_agent_that_stops_has_its_replicas_placed_elsewhere(sent, django_capture_on_commit_callbacks):
+    capture = django_capture_on_commit_callbacks
+    deploy(capture, replicas=1)
+    (replica,) = Replica.objects.all()
+    node = replica.node.name
+    from scheduling.services import replicas as replica_services
+
+    # The agent stops its replicas (each says so), then the node.
+    with capture(execute=True):
+        replica_services.report(replica.id, {"event": "stopped"})
+        nodes.mark_stopped(node, "agent stopped")
+        deployments.reconcile_all("reconciled: test")
+
+    (replacement,) = Replica.objects.exclude(pk=replica.pk)
+    assert replacement.node.name != node and replacement.state == "pending"
+
+
+def test_a_restarted_agent_finds_its_predecessors_replicas_lost_and_the_deployment_restarted(
+    sent, django_capture_on_commit_callbacks
+):
+    from inference.devices import virtual_gpus
+    from tests.factories import NO_OVERHEAD
+
+    capture = django_capture_on_commit_callbacks
+    deploy(capture, replicas=1)
+    (old,) = Replica.objects.all()
+
+    with capture(execute=True):
+        nodes.register_node(old.node.name, virtual_gpus(old.node.name, "2x1GiB", NO_OVERHEAD), virtual=True)
+        deployments.reconcile_all("reconciled: test")
+
+    old.refresh_from_db()
+    assert old.state == "stopped" and old.pid is None
+    assert Event.objects.filter(replica=old.id, reason__startswith="lost: the agent of node").exists()
+    (fresh,) = Replica.objects.exclude(pk=old.pk)
+    assert fresh.state == "pending", "restarted without waiting for a request"
+
+
+def test_reconcile_counts_sleeping_replicas_never_stops_any_and_leaves_a_failed_deployment_alone(
+    sent, django_capture_on_commit_callbacks
+):
+    from scheduling.services import sleep
+
+    capture = django_capture_on_commit_callbacks
+    deployment = deploy(capture, replicas=2)
+    first, second = Replica.objects.order_by("pk")
+    with capture(execute=True):
+        sleep.sleep_replica(first.id, reason="test")
+    assert deployments.reconcile_all("reconciled: test") == {}, "a sleeping replica still counts"
+
+    Deployment.objects.filter(pk=deployment.pk).update(replicas_wanted=1)
+    assert deployments.reconcile_all("reconciled: test") == {}
+    assert Replica.objects.exclude(state="stopped").count() == 2, "nothing is stopped by a reconcile"
+
+    Replica.objects.filter(pk=second.pk).update(state="failed")
+    Replica.objects.filter(pk=first.pk).update(state="failed")
+    Deployment.objects.filter(pk=deployment.pk).update(replicas_wanted=2, failed_reason="broken")
+    assert deployments.reconcile_all("reconciled: test") == {}, "a deployment that gave up starts nothing"
