@@ -143,3 +143,47 @@ def test_reconcile_counts_sleeping_replicas_never_stops_any_and_leaves_a_failed_
     Replica.objects.filter(pk=first.pk).update(state="failed")
     Deployment.objects.filter(pk=deployment.pk).update(replicas_wanted=2, failed_reason="broken")
     assert deployments.reconcile_all("reconciled: test") == {}, "a deployment that gave up starts nothing"
+
+
+# -- end to end: two real agents, one SIGKILLed under load ---------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_killed_agents_replica_is_replaced_on_the_other_node_with_no_request_lost(
+    start_agent, control_worker, staff, tmp_path
+):
+    import signal
+
+    from inference.management.commands.make_tiny_model import write_tiny_model
+    from tests.processes import wait_until
+    from tests.test_failover import SteadyLoad
+
+    request_services.queue.cache_clear()
+    start_agent("keeper", "1x8GiB")
+    doomed = start_agent("doomed", "1x4GiB")
+    control_worker()
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=11).path
+    # 1.4 GiB and a context each: one fits the 4 GiB GPU, the 8 GiB one takes the other, then both.
+    body = {"name": "tiny", "model": {"source": str(model)}, "replicas": 2, "memory": {"override_bytes": 1400 * MiB}}
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+
+    def serving_on(node: str) -> int:
+        return Replica.objects.filter(state="serving", node__name=node).count()
+
+    wait_until(lambda: serving_on("keeper") + serving_on("doomed") == 2, 180, "two replicas to serve")
+    assert serving_on("doomed") == 1, "one on each node"
+
+    with SteadyLoad(clients=2) as load:
+        load.wait_for(10)
+        doomed.send_signal(signal.SIGKILL)  # its replica dies with it (PR_SET_PDEATHSIG)
+        doomed.wait(30)
+        # Beat does not run in tests: expire the silent node as its sweep would.
+        wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == ["doomed"], 30, "the node to be offline")
+        wait_until(lambda: serving_on("keeper") == 2, 180, "a replacement to serve on the other node")
+        before = len(load.results)
+        load.wait_for(before + 10)
+
+    assert load.results and all(code == 200 for code, _ in load.results), [r for r in load.results if r[0] != 200]
+    assert Event.objects.filter(reason__startswith="lost with node doomed").exists()
+    assert Replica.objects.exclude(state="stopped").count() == 2
