@@ -75,5 +75,5 @@ def test_a_crash_is_not_a_load_failure_its_requests_go_back_to_the_queue(
         replica_services.report(crashed.id, {"event": "failed", "kind": "crash", "reason": "killed by signal 9"})
 
     assert rq.get(request_id).status != "failed" and rq.depth("flaky") == 1
-    # ... and a fresh replica is woken for them, as before.
-    assert [task for _, task, _ in dispatched] == ["scheduling.tasks.wake"]
+    # ... and a fresh replica is woken for them, as before; the reconcile puts the lost one back.
+    assert [task for _, task, _ in dispatched] == ["scheduling.tasks.wake", "scheduling.tasks.reconcile"]

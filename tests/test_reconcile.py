@@ -145,6 +145,33 @@ def test_reconcile_counts_sleeping_replicas_never_stops_any_and_leaves_a_failed_
     assert deployments.reconcile_all("reconciled: test") == {}, "a deployment that gave up starts nothing"
 
 
+def test_a_crashed_replica_is_put_back_by_a_reconcile_and_a_beat_sweep_reconciles_too(
+    sent, django_capture_on_commit_callbacks
+):
+    from django_celery_beat.models import PeriodicTask
+
+    from scheduling.services import replicas as replica_services
+
+    capture = django_capture_on_commit_callbacks
+    deploy(capture, replicas=1)
+    (crashed,) = Replica.objects.all()
+    with capture(execute=True):
+        replica_services.report(crashed.id, {"event": "failed", "kind": "crash", "reason": "killed by signal 9"})
+    assert (RECONCILE, [f"replica {crashed.id[:8]} of tiny failed"], "control") in sent
+
+    with capture(execute=True):
+        (fresh,) = deployments.reconcile_all("reconciled: test")["tiny"]
+    assert Replica.objects.get(pk=fresh).state == "pending"
+
+    sweep = PeriodicTask.objects.get(name="reconcile deployments")
+    assert (sweep.task, sweep.queue, sweep.args, sweep.enabled) == (
+        RECONCILE,
+        "control",
+        '["the periodic sweep"]',
+        True,
+    )
+
+
 # -- end to end: two real agents, one SIGKILLed under load ---------------------------------------
 
 

@@ -15,7 +15,6 @@ from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState, NotFound
 from scheduling.state import Books, DeviceInfo
 
-RECONCILE_TASK = "scheduling.tasks.reconcile"
 INVENTORY_EVENT = {
     "added": Event.Kind.GPU_REGISTERED,
     "resized": Event.Kind.GPU_CHANGED,
@@ -95,7 +94,7 @@ def register_node(
 
 def reconcile_later(reason: str) -> None:
     """Ask the control queue to bring every deployment back to its replicas (after the commit)."""
-    dispatch.to_control(RECONCILE_TASK, reason)
+    dispatch.to_control(replica_services.RECONCILE_TASK, reason)
 
 
 def heartbeat(name: str, *, now: datetime | None = None, books: Books | None = None) -> Node:

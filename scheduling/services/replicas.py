@@ -225,6 +225,8 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
     if deployment is None:
         wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} failed: {reason}")
+        # A crash leaves the deployment a replica short: the reconcile puts one back.
+        dispatch.to_control(RECONCILE_TASK, f"replica {replica.id[:8]} of {replica.deployment.name} failed")
         return
     from scheduling.services import deployments  # deployments builds on this module
 
@@ -233,6 +235,8 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     if not deployments.note_load_failure(deployment, replica.id, reason):
         fail_waiting_if_none_may_serve(replica, reason)
 
+
+RECONCILE_TASK = "scheduling.tasks.reconcile"
 
 # Replicas that serve, or are on their way to it: while one is, a request may still be answered.
 MAY_SERVE = (
