@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from scheduling import events, ledger
 from scheduling.models import Event, Node, Replica
+from scheduling.services import books as book_checks
 from scheduling.services import dispatch
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState, NotFound
@@ -118,8 +119,6 @@ def heartbeat(name: str, *, now: datetime | None = None, books: Books | None = N
             )
         node.save(update_fields=fields)
     if books is not None:
-        from scheduling.services import books as book_checks  # builds on replicas, which builds on this
-
         book_checks.check(name, books)
     return node
 
