@@ -113,14 +113,16 @@ class NodeAgent:
         """What each replica process holds per GPU, for the control plane to check the books
         against (issue 15): NVML's per-process figures on a real GPU, the replicas' own model of
         them on a virtual one (refreshed by a ping; the answers arrive for the next beat)."""
-        from inference.replica import nvml_device_free, nvml_process_bytes
+        from inference.replica import nvml_bytes_by_pid, nvml_device_free
 
         running = self.supervisor.usage()
         self.supervisor.ping_all()
+        pids = {pid for pid, _, _ in running.values() if pid is not None}
+        by_pid = None if self.virtual else nvml_bytes_by_pid(pids)
         usage: dict[str, dict[str, int]] = {}
         states: dict[str, str] = {}
         for replica_id, (pid, reported, state) in running.items():
-            measured = nvml_process_bytes(pid) if pid is not None and not self.virtual else None
+            measured = by_pid.get(pid) if by_pid is not None else None
             # Empty: NVML does not list the pid (a container without the host's PID namespace).
             figures = measured or reported
             if figures is not None:

@@ -221,9 +221,12 @@ class VirtualBackend:
         self.context_bytes = 0
 
     def attach(self, placement: Placement) -> None:
-        import torch
-
         self.context_bytes = max(self.context_bytes, self.profile.context_bytes)
+        self._limit_threads()
+
+    @staticmethod
+    def _limit_threads() -> None:
+        import torch
 
         # Replicas on virtual GPUs share the host's few cores. One intra-op thread each avoids
         # oversubscribing them, and spares every request the wake-up of pool threads that went
@@ -255,9 +258,7 @@ class VirtualBackend:
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
     ) -> tuple[nn.Module, dict[str, int | None]]:
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("GPUPORTAL_VIRTUAL_CPU_THREADS", "1")))
+        self._limit_threads()
         # A standby creates its context but never runs a forward pass: the smaller figure.
         self.context_bytes = max(self.context_bytes, self.profile.standby_context_bytes)
         return self.load(source, loader, dtype, placement), dict(self.residual(placement))
@@ -473,6 +474,13 @@ def _pin(model: nn.Module) -> None:
 
 def nvml_process_bytes(pid: int) -> dict[str, int] | None:
     """{GPU index: bytes} that NVML attributes to `pid`, on every GPU where it has memory; None without NVML."""
+    found = nvml_bytes_by_pid({pid})
+    return None if found is None else found.get(pid, {})
+
+
+def nvml_bytes_by_pid(pids: set[int]) -> dict[int, dict[str, int]] | None:
+    """{pid: {GPU index: bytes}} for each of `pids` NVML lists, in one pass over the devices
+    (the agent's heartbeat asks for all its replicas at once); None without NVML."""
     try:
         import pynvml
 
@@ -481,12 +489,13 @@ def nvml_process_bytes(pid: int) -> dict[str, int] | None:
         log.warning("NVML unavailable: %s", exc)
         return None
     try:
-        found: dict[str, int] = {}
+        found: dict[int, dict[str, int]] = {}
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            used = [p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid]
-            if used:
-                found[str(index)] = int(sum(used))
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid in pids:
+                    by_gpu = found.setdefault(process.pid, {})
+                    by_gpu[str(index)] = by_gpu.get(str(index), 0) + int(process.usedGpuMemory or 0)
         return found
     finally:
         with contextlib.suppress(Exception):  # shutdown failing changes nothing we measured

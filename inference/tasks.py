@@ -137,16 +137,10 @@ def failover_fields(replica: Replica) -> dict:
 def contexts_for(replica: Replica) -> tuple[int, int]:
     """(serving context, standby context) the replica's reservation counts: its GPUs' own, the
     largest of them, as the scheduler counted them (scheduling.services.deployments.need_bytes)."""
-    from django.db.models import Max
-
-    from scheduling.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
+    from scheduling.services.deployments import contexts_of
 
     indices = [int(index) for index in replica.gpu_mem_bytes_by_id]
-    found = GPU.objects.filter(node_id=replica.node_id, index__in=indices).aggregate(
-        c=Max("context_bytes"), s=Max("standby_context_bytes")
-    )
-    context = H100_CONTEXT_BYTES if found["c"] is None else int(found["c"])
-    return context, H100_STANDBY_CONTEXT_BYTES if found["s"] is None else int(found["s"])
+    return contexts_of(GPU.objects.filter(node_id=replica.node_id, index__in=indices))
 
 
 def spec_for(replica: Replica) -> ReplicaSpec:

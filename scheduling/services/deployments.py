@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 from django.db import transaction
-from django.db.models import Count, F, Max, Q
+from django.db.models import Count, F, Max, Q, QuerySet
 from django.utils import timezone
 
 from scheduling import events, fairness, ledger, memory
@@ -465,7 +465,12 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
 
 def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
     """(serving context, standby context) in bytes: the largest of these GPUs' (issue 15)."""
-    found = GPU.objects.filter(pk__in=list(gpu_ids)).aggregate(c=Max("context_bytes"), s=Max("standby_context_bytes"))
+    return contexts_of(GPU.objects.filter(pk__in=list(gpu_ids)))
+
+
+def contexts_of(gpus: QuerySet[GPU]) -> tuple[int, int]:
+    """(serving context, standby context) in bytes: the largest of `gpus`', in one query."""
+    found = gpus.aggregate(c=Max("context_bytes"), s=Max("standby_context_bytes"))
     # No GPU at all (nothing registered yet): the H100's figures; a GPU's own 0 stays 0.
     context = memory.H100_CONTEXT_BYTES if found["c"] is None else int(found["c"])
     return context, memory.H100_STANDBY_CONTEXT_BYTES if found["s"] is None else int(found["s"])

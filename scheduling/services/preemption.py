@@ -50,14 +50,13 @@ from django.db.models import F
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from gpuportal.celery import app
 from inference.requestqueue import last_key, processing_key
 from scheduling import events, fairness, ledger
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
 from scheduling.planning import withhold_locked
-from scheduling.services import deployments
+from scheduling.services import deployments, dispatch
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import GONE
 from scheduling.services.errors import CannotPlace, InvalidState
@@ -67,7 +66,6 @@ log = logging.getLogger(__name__)
 
 PREEMPT_TASK = "scheduling.tasks.preempt"
 WAKE_TASK = "scheduling.tasks.wake"
-CONTROL_QUEUE = "control"
 # Seed 001: the waiter re-checks fit every second during max_wait, and polls the victims'
 # release more often, since by then the waker is the one the user is waiting on.
 CHECK_EVERY_S = 1.0
@@ -244,7 +242,7 @@ def start(
             replica=waker_id,
         )
     ids = [i.pk for i in intents]
-    transaction.on_commit(lambda: app.send_task(PREEMPT_TASK, args=[ids], queue=CONTROL_QUEUE))
+    dispatch.to_control(PREEMPT_TASK, ids)
     if wake.at_once:
         return Preempting(waker_id, tuple(ids), f"preempting at once on {_labels(gpus)}: its victims serve no request")
     return Preempting(waker_id, tuple(ids), f"waiting up to {deployment.max_wait_s:g} s for room on {_labels(gpus)}")
@@ -495,14 +493,12 @@ def _wait_for_lock(deployment: Deployment, gpu: GPU, holder: Replica, reason: st
 
 def wake_later(name: str, reason: str) -> None:
     """Ask the control queue to wake this deployment once the caller's transaction committed."""
-    transaction.on_commit(lambda: app.send_task(WAKE_TASK, args=[name, reason], queue=CONTROL_QUEUE))
+    dispatch.to_control(WAKE_TASK, name, reason)
 
 
 def retry_later(name: str, reason: str) -> None:
     """Ask the control queue to try this wake again once the lock may be free."""
-    transaction.on_commit(
-        lambda: app.send_task(WAKE_TASK, args=[name, reason], queue=CONTROL_QUEUE, countdown=LOCK_RETRY_S)
-    )
+    dispatch.to_control(WAKE_TASK, name, reason, countdown=LOCK_RETRY_S)
 
 
 def _take_locks(gpus: list[GPU], waker: Replica, deployment: Deployment, now: datetime) -> None:
