@@ -104,10 +104,21 @@ class NodeAgent:
                 # Why close_old_connections: a database restart leaves this thread's connection
                 # dead; Django drops it here so the next query reconnects instead of failing forever.
                 close_old_connections()
-                nodes.heartbeat(self.name, books=self.books())
+                self.beat_once()
             except Exception:
                 log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
         connection.close()
+
+    def beat_once(self) -> list[str]:
+        """One heartbeat. Replicas the control plane wrote off while this node was silent (a
+        partition: the agent lived on) are stopped at once, and the beat is sent again so that
+        the node comes back only once they are gone (nodes.heartbeat). Returns those stopped."""
+        stale = nodes.heartbeat(self.name, books=self.books(), running=self.supervisor.running())
+        if not stale:
+            return []
+        stopped = self.supervisor.stop_written_off(stale)
+        nodes.heartbeat(self.name, running=self.supervisor.running())
+        return stopped
 
     def books(self) -> Books:
         """What each replica process holds per GPU, for the control plane to check the books
@@ -132,11 +143,18 @@ class NodeAgent:
         return Books(usage=usage, states=states, free_by_index=free)
 
     def stop(self, reason: str = "agent stopped") -> None:
-        # Replicas first: each reports `stopped` (releasing its reservation) while we can still write.
-        self.supervisor.stop_all()
+        # The heartbeat first: a beat would bring the node back online while it leaves.
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=self.heartbeat_s + 5)
+        close_old_connections()
+        try:
+            # Then out of placement, so that the replacements of its replicas go elsewhere.
+            nodes.mark_stopping(self.name, reason)
+        except Exception:
+            log.exception("could not mark node %s stopping", self.name)
+        # Then the replicas: each reports `stopped` (releasing its reservation) while we can still write.
+        self.supervisor.stop_all()
         try:
             close_old_connections()
             nodes.mark_stopped(self.name, reason)

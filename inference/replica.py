@@ -706,7 +706,9 @@ class ReplicaHost:
                 self._allocate_pool()
 
     def on_stale(self, reason: str) -> None:
-        """Our failover epoch was superseded: stop serving at once and exit, so two never serve."""
+        """Our failover epoch was superseded, or the control plane wrote us off and gave our
+        requests back (inference.requestqueue.Fenced): stop serving at once and exit, so two
+        never answer one request."""
         self.accepting.clear()
         self._state = "stale"
         log.error("%s: %s; exiting", self.replica_id, reason)

@@ -110,8 +110,17 @@ def epoch_key(fence: str) -> str:
     return f"gp:epoch:{fence}"
 
 
-class StaleEpoch(Exception):
+class Fenced(Exception):
+    """A replica's result was refused: the request is no longer its to answer."""
+
+
+class StaleEpoch(Fenced):
     """A failover pair member wrote with an epoch that has been superseded: the write was refused."""
+
+
+class NotTaken(Fenced):
+    """A replica answered a request it no longer holds: the control plane wrote the replica off
+    (its node went silent, say) and gave the request back to the queue, perhaps to another."""
 
 
 # The second half of a take, sent in the same round trip as the (blocking) move that precedes it:
@@ -182,6 +191,10 @@ return math.max(current, tonumber(ARGV[1]))
 # How a request ends, in one step (one round trip on the replica's hot path):
 # - behind an epoch check when ARGV[1] is not empty: a superseded failover member's result never
 #   lands (seed 004 fencing);
+# - behind an owner check when a replica writes (ARGV[6]): a request given back to the queue when
+#   its replica was written off (its node went silent, issue 16) has an owner of '' or of the
+#   replica that took it since, so the written-off replica's late answer never lands beside the
+#   new one. A request whose record has expired has no owner to check, and is written as before;
 # - the token pushed to gp:done:<id> carries the final fields (all but input and params), so a
 #   waiter has the answer in the same round trip as its wake-up, with no read of the hash after.
 # KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count.
@@ -189,6 +202,10 @@ return math.max(current, tonumber(ARGV[1]))
 # field/value pairs.
 _END = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[6] ~= '' then
+  local owner = redis.call('HGET', KEYS[2], 'replica')
+  if owner and owner ~= ARGV[6] then return -1 end
+end
 redis.call('HSET', KEYS[2], unpack(ARGV, 7))
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
@@ -461,14 +478,14 @@ class RequestQueue:
     def set_status(self, request_id: str, status: str) -> None:
         self.redis.hset(request_key(request_id), "status", status)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, reason: str = "cancelled by its owner") -> bool:
         """Cancel a request still waiting in its queue; one already taken runs to its end."""
         request = self.get(request_id)
         if request is None or request.final:
             return False
         if not self.redis.lrem(queue_key(request.deployment), 1, request_id):
             return False
-        self._end(request_id, "cancelled", {"error": "cancelled by its owner"})
+        self._end(request_id, "cancelled", {"error": reason})
         return True
 
     def depth(self, deployment: str) -> int:
@@ -669,6 +686,9 @@ class RequestQueue:
         ]
         epoch = str(fence.epoch) if fence is not None else ""
         args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, *(x for kv in values.items() for x in kv)]
-        if not self._end_script(keys=keys, args=args):
+        written = self._end_script(keys=keys, args=args)
+        if written == 0:
             assert fence is not None
             raise StaleEpoch(f"epoch {fence.epoch} of failover pair {fence.name} is no longer current")
+        if written == -1:
+            raise NotTaken(f"request {request_id} is no longer held by replica {replica_id}: it was given back")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from inference import kvstats
-from inference.requestqueue import Request, RequestQueue, StaleEpoch, family_of_loader
+from inference.requestqueue import Fenced, Request, RequestQueue, family_of_loader
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
@@ -425,10 +425,13 @@ class Server(threading.Thread):
     def _record(self, write: Callable[[Any], None]) -> None:
         """Write an outcome, fenced by the failover epoch if the replica is a pair member: a member
         whose epoch was superseded has its result refused, and stops (the request stays taken, and
-        its agent gives it back to the queue for the pair's new active member)."""
+        its agent gives it back to the queue for the pair's new active member). Any replica's
+        result is refused for a request it no longer holds: the control plane wrote the replica off
+        (its node went silent) and gave its requests back; it stops too, as its agent would have
+        it do once it is heard again (issue 16)."""
         try:
             write(self.host.fence)
-        except StaleEpoch as exc:
+        except Fenced as exc:
             self.host.on_stale(str(exc))
 
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,10 +226,24 @@ class Supervisor:
         """Stop every replica at once (they unload in parallel), killing those still alive after `timeout`."""
         with self._lock:
             replicas = list(self._replicas.values())
+        self._stop_together(replicas, {"cmd": "stop"}, timeout)
+
+    def stop_written_off(self, replica_ids: Iterable[str], timeout: float = 5.0) -> list[str]:
+        """Stop, without a drain, replicas the control plane wrote off (nodes.heartbeat): it gave
+        their requests back already, so nothing they hold is worth waiting for. Those already
+        stopping (a scale-down's drain) are left to finish. Returns the ids stopped."""
+        with self._lock:
+            replicas = [r for rid in replica_ids if (r := self._replicas.get(rid)) is not None and not r.stopping]
+        for replica in replicas:
+            log.warning("replica %s was written off by the control plane; stopping it", replica.spec.replica_id)
+        self._stop_together(replicas, {"cmd": "stop", "drain_timeout_s": 0}, timeout)
+        return [r.spec.replica_id for r in replicas]
+
+    def _stop_together(self, replicas: list[_Replica], command: dict[str, Any], timeout: float) -> None:
         for replica in replicas:
             replica.stopping = True
             with contextlib.suppress(ProcessLookupError):
-                self._write(replica, {"cmd": "stop"})
+                self._write(replica, command)
         deadline = time.monotonic() + timeout
         for replica in replicas:
             self._wait_or_kill(replica, max(0.0, deadline - time.monotonic()))

@@ -13,9 +13,11 @@ import pytest
 from django.contrib.messages import get_messages
 from django.utils import timezone
 
-from scheduling.models import GPU, Deployment, Event, FailoverLease, Occupant, Replica
+from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, Replica
 from scheduling.services import replicas as replica_services
+from scheduling.services import requests as request_services
 from scheduling.services import sleep
+from scheduling.services.replicas import RECONCILE_TASK
 from tests.test_deployments import START, STOP, MiB, body, invariant_holds
 
 pytestmark = pytest.mark.django_db
@@ -207,7 +209,8 @@ def test_when_the_active_dies_its_standby_takes_the_reservation_and_a_fresh_stan
     [replacement] = Replica.objects.filter(lease=active.lease_id, role="standby")
     assert replacement.state == "pending" and replacement.node == new.node
     assert replacement.gpu_mem_bytes_by_id == new.gpu_mem_bytes_by_id
-    assert dispatched == [(new.node.queue, START, [replacement.id, []])]
+    # (A reconcile is asked for too, as for any replica that ended unasked; it finds the pair whole.)
+    assert [d for d in dispatched if d[1] != RECONCILE_TASK] == [(new.node.queue, START, [replacement.id, []])]
     # The ledger: the new active holds the pair's bytes; the old one and the fresh standby nothing.
     assert holders() == {new.id: PAIR_BYTES}
     assert GPU.objects.get(pk=gpu.pk).available_bytes == available
@@ -509,6 +512,44 @@ def test_the_idle_sweep_never_puts_a_pair_to_sleep(cluster, api, report, dispatc
     assert (fresh(primary).state, fresh(standby).state) == ("serving", "standby")
     assert sleep.sweep_idle(now=timezone.now() + timedelta(days=1)) == []
     assert fresh(primary).state == "serving"
+
+
+# -- a pair lost with its node ----------------------------------------------------------------------
+
+
+def test_a_pair_lost_with_its_node_goes_whole_and_the_reconcile_places_a_new_pair(
+    ready_pair, dispatched, django_capture_on_commit_callbacks
+):
+    from scheduling.services import deployments
+
+    capture = django_capture_on_commit_callbacks
+    active, standby = ready_pair
+    node = active.node.name
+    request_services.queue.cache_clear()
+    queue = request_services.queue()
+    queue.fail_queued("pair", reason="left over from another test")
+    taken = queue.submit("pair", kind="generate", input="hi", params={}, owner="1")
+    assert queue.take("pair", active.id, timeout=1).id == taken.id
+
+    # Its standby stands beside it, on the same node: nothing of the pair is left to take over.
+    with capture(execute=True):
+        replica_services.lose_with_node(node, f"lost with node {node} (test)")
+
+    for member in (fresh(active), fresh(standby)):
+        assert (member.state, member.failover_state, member.pid) == ("stopped", "dead", None)
+    assert holders() == {}
+    assert queue.get(taken.id).status == "queued", "what the active had taken goes back"
+    assert invariant_holds()
+
+    Node.objects.filter(name=node).update(status=Node.Status.OFFLINE)
+    dispatched.clear()
+    with capture(execute=True):
+        deployments.reconcile_all("reconciled: test")
+    primary, second = Replica.objects.exclude(pk__in=[active.pk, standby.pk]).order_by("role")
+    assert (primary.role, second.role) == ("primary", "standby")
+    assert primary.lease_id == second.lease_id != active.lease_id, "a new pair, with a lease of its own"
+    assert primary.node.name == second.node.name != node
+    assert sorted(tasks(dispatched, START)) == sorted([primary.id, second.id])
 
 
 # -- a standby that dies before it is needed --------------------------------------------------------

@@ -3,6 +3,7 @@ server in the test process; a stand-in replica thread serves the queue)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import openai
@@ -116,6 +117,54 @@ def test_a_wrong_key_is_refused(live_server, replica):
         stranger.models.list()
 
 
+def test_a_call_nothing_answers_ends_at_its_timeout_and_its_unstarted_request_is_cancelled(client, replica, settings):
+    # Issue 16: a /v1 call never hangs. Nothing serves the queue here: the request never starts.
+    with pytest.raises(openai.APIStatusError, match=r"did not start within 0\.3 s and was cancelled") as caught:
+        client.completions.create(model="tiny", prompt="anyone?", extra_body={"timeout": 0.3})
+    assert caught.value.status_code == 504
+    request_id = caught.value.body["message"].split()[1]
+    assert request_services.queue().get(request_id).status == "cancelled"
+    assert request_services.queue_depth("tiny") == 0, "nothing is left to run for a caller who has gone"
+
+    settings.GPUPORTAL_INFER_TIMEOUT_S = 0.2  # the default, for a call that names none
+    with pytest.raises(openai.APIStatusError, match=r"within 0\.2 s") as caught:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 504
+
+    with pytest.raises(openai.APIError, match=r"did not start within 0\.3 s"):
+        list(client.completions.create(model="tiny", prompt="x", stream=True, extra_body={"timeout": 0.3}))
+    assert request_services.queue_depth("tiny") == 0
+
+
+def test_a_call_whose_request_runs_past_its_timeout_gets_a_504_and_the_answer_stays_pollable(client, replica):
+    taken, release = threading.Event(), threading.Event()
+
+    def slow_replica() -> None:
+        queue = request_services.queue()
+        request = queue.take("tiny", replica.id, timeout=10)
+        taken.set()
+        release.wait(10)
+        queue.finish(request.id, replica.id, {"text": "late but kept"})
+
+    server = threading.Thread(target=slow_replica, daemon=True)
+    server.start()
+    with pytest.raises(openai.APIStatusError, match="did not finish within 2 s; poll /api/requests/") as caught:
+        client.completions.create(model="tiny", prompt="slow", extra_body={"timeout": 2})
+    assert taken.is_set() and caught.value.status_code == 504
+    release.set()
+    server.join(10)
+    request_id = caught.value.body["message"].split()[1]
+    assert request_services.queue().get(request_id).output == {"text": "late but kept"}
+
+
+def test_a_timeout_out_of_bounds_is_a_400_naming_it(client, replica, settings):
+    with pytest.raises(openai.BadRequestError, match="timeout: at most 300 s"):
+        client.completions.create(model="tiny", prompt="x", extra_body={"timeout": 1e9})
+    with pytest.raises(openai.BadRequestError, match="timeout"):
+        client.completions.create(model="tiny", prompt="x", extra_body={"timeout": 0})
+    assert request_services.queue_depth("tiny") == 0
+
+
 def test_a_model_that_is_not_a_causal_lm_is_refused_naming_the_model(client, replica):
     Deployment.objects.create(name="mlp", model_source="tests.factories:mlp", loader=Deployment.Loader.TORCH_MODULE)
 
@@ -144,6 +193,7 @@ _common = {
     "n": st.integers(0, 2) | _json,
     "stream": st.booleans() | _json,
     "user": _json,
+    "timeout": st.floats(-1, 400) | st.integers(-1, 400) | _json,
 }
 _chats = st.fixed_dictionaries(
     {"model": st.sampled_from(["tiny", " tiny", ""]) | _json},
@@ -168,7 +218,8 @@ def test_the_fast_path_accepts_only_what_the_input_class_accepts_and_reads_it_th
             return  # the input class judges it, with its own errors
         data = input_class(data=body)
         assert data.is_valid(), data.errors
-        assert fast == (data.validated_data["model"], view().input_of(data.validated_data), data.params())
+        expected = (data.validated_data["model"], view().input_of(data.validated_data), data.params(), data.wait_s())
+        assert fast == expected
 
     check()
 

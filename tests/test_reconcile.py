@@ -172,6 +172,56 @@ def test_a_crashed_replica_is_put_back_by_a_reconcile_and_a_beat_sweep_reconcile
     )
 
 
+def test_a_replica_that_ends_unasked_sets_off_a_reconcile_and_one_stopped_on_purpose_does_not(
+    sent, django_capture_on_commit_callbacks
+):
+    from scheduling.services import replicas as replica_services
+
+    capture = django_capture_on_commit_callbacks
+    deploy(capture, replicas=2)
+    with capture(execute=True):
+        deployments.scale("tiny", 1)
+    stopping = Replica.objects.get(state="stopping")
+    sent.clear()
+    with capture(execute=True):
+        replica_services.report(stopping.id, {"event": "stopped"})
+    assert [task for task, _, _ in sent if task == RECONCILE] == [], "a stop on purpose leaves nothing to put back"
+
+    exited = Replica.objects.get(state="serving")
+    with capture(execute=True):
+        replica_services.report(exited.id, {"event": "stopped"})  # its process exited on its own
+    assert (RECONCILE, [f"replica {exited.id[:8]} of tiny stopped"], "control") in sent
+
+
+def test_a_node_heard_again_after_it_was_written_off_stops_its_stale_replicas_before_it_takes_work(
+    sent, django_capture_on_commit_callbacks
+):
+    capture = django_capture_on_commit_callbacks
+    deploy(capture, replicas=1)
+    (replica,) = Replica.objects.all()
+    node = replica.node.name
+    Node.objects.filter(name=node).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    with capture(execute=True):
+        assert nodes.expire_heartbeats() == [node]
+    sent.clear()
+
+    # Its agent was only cut off: it still runs the replica the control plane wrote off.
+    with capture(execute=True):
+        assert nodes.heartbeat(node, running=[replica.id]) == [replica.id]
+    assert Node.objects.get(name=node).status == Node.Status.OFFLINE, "no new work while it still runs"
+    assert Event.objects.filter(node=node, reason__contains="still runs 1 replica process(es) written off").exists()
+    assert sent == []
+
+    with capture(execute=True):
+        assert nodes.heartbeat(node, running=[]) == []
+    assert Node.objects.get(name=node).status == Node.Status.ONLINE
+    assert (RECONCILE, [f"node {node} is back"], "control") in sent
+
+    # Online, a process the books do not know (deleted, or stopped meanwhile) is stale all the same.
+    assert nodes.heartbeat(node, running=["no-such-replica"]) == ["no-such-replica"]
+    assert Node.objects.get(name=node).status == Node.Status.ONLINE
+
+
 # -- end to end: two real agents, one SIGKILLed under load ---------------------------------------
 
 
@@ -214,3 +264,63 @@ def test_a_killed_agents_replica_is_replaced_on_the_other_node_with_no_request_l
     assert load.results and all(code == 200 for code, _ in load.results), [r for r in load.results if r[0] != 200]
     assert Event.objects.filter(reason__startswith=f"lost with node {doomed}").exists()
     assert Replica.objects.exclude(state="stopped").count() == 2
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_only_without_it(
+    start_agent, control_worker, staff, tmp_path
+):
+    import signal
+
+    import psutil
+
+    from inference.management.commands.make_tiny_model import write_tiny_model
+    from tests.processes import wait_until
+    from tests.test_failover import SteadyLoad
+
+    request_services.queue.cache_clear()
+    agents = {"left": start_agent("left", "1x8GiB"), "right": start_agent("right", "1x8GiB")}
+    control_worker()
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=12).path
+    body = {"name": "tiny", "model": {"source": str(model)}, "replicas": 1, "memory": {"override_bytes": 1400 * MiB}}
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    stale = wait_until(lambda: Replica.objects.filter(state="serving").first(), 180, "the replica to serve")
+    cut_off = stale.node.name
+    keeper = "right" if cut_off == "left" else "left"
+
+    def partition(node: str, other: str) -> Replica:
+        """Cut the node's agent off (its replica process lives on and still reaches Redis) until
+        its replica is replaced on the other node, then let it be heard again."""
+        written_off = Replica.objects.get(node__name=node, state="serving")
+        agents[node].send_signal(signal.SIGSTOP)
+        wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == [node], 30, f"{node} to be offline")
+        wait_until(lambda: Replica.objects.filter(state="serving", node__name=other).exists(), 180, "a replacement")
+        agents[node].send_signal(signal.SIGCONT)
+        wait_until(
+            lambda: not psutil.pid_exists(written_off.pid) or psutil.Process(written_off.pid).status() == "zombie",
+            60,
+            "the written-off replica process to be stopped",
+        )
+        wait_until(lambda: Node.objects.get(name=node).status == Node.Status.ONLINE, 60, f"{node} to be back")
+        return written_off
+
+    # Under load: the written-off replica's answers to the requests given back are refused
+    # (it exits on the first), and every request is answered once, by someone.
+    with SteadyLoad(clients=2) as load:
+        load.wait_for(10)
+        first = partition(cut_off, keeper)
+        before = len(load.results)
+        load.wait_for(before + 10)
+    assert load.results and all(code == 200 for code, _ in load.results), [r for r in load.results if r[0] != 200]
+    assert Replica.objects.get(pk=first.pk).state == "stopped"
+
+    # Idle: the written-off replica is still alive when its agent is heard again, and the agent
+    # stops it before its node comes back.
+    second = partition(keeper, cut_off)
+    assert Event.objects.filter(
+        node=keeper,
+        reason__contains=f"still runs 1 replica process(es) written off while it was silent ({second.id[:8]})",
+    ).exists()
+    assert Replica.objects.get(pk=second.pk).state == "stopped"
+    assert [r.node.name for r in Replica.objects.exclude(state="stopped")] == [cut_off]

@@ -20,6 +20,7 @@ from inference.devices import virtual_gpus
 from inference.requestqueue import (
     STREAM_RESTART,
     Fence,
+    NotTaken,
     RequestQueue,
     StaleEpoch,
     StreamSplice,
@@ -194,6 +195,25 @@ def test_results_are_fenced_by_the_failover_epoch(rq):
     done = rq.get(second)
     assert done.status == "done" and done.output == {"text": "on time"}
     assert rq.wait(second, timeout=1).status == "done" and not rq.redis.llen(processing_key("new"))
+
+
+def test_a_written_off_replicas_late_answer_is_refused_and_the_new_one_lands(rq):
+    # A replica on a node that went silent keeps running; the control plane gave its request back,
+    # and another replica took it (issue 16: fence the replicas of a partitioned node).
+    request_id = submit(rq)
+    assert rq.take("tiny", "partitioned", timeout=1).id == request_id
+    assert rq.requeue_from("partitioned", max_attempts=3, reason="lost with its node") == {request_id: "requeued"}
+
+    with pytest.raises(NotTaken):
+        rq.finish(request_id, "partitioned", {"text": "late"})
+    assert rq.get(request_id).status == "queued", "a refused answer changes nothing"
+
+    assert rq.take("tiny", "replacement", timeout=1).id == request_id
+    with pytest.raises(NotTaken):
+        rq.fail(request_id, "partitioned", "late failure", "error")
+    rq.finish(request_id, "replacement", {"text": "on time"})
+    done = rq.wait(request_id, timeout=1)
+    assert done.status == "done" and done.output == {"text": "on time"} and done.replica == "replacement"
 
 
 def test_a_streamed_request_run_again_after_its_replica_died_sends_no_text_twice(rq):

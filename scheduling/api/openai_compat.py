@@ -59,6 +59,27 @@ class CompletionInput(serializers.Serializer):
     stop = serializers.JSONField(required=False, allow_null=True)
     n = serializers.IntegerField(required=False, allow_null=True)
     stream = serializers.BooleanField(required=False, default=False)
+    # Not OpenAI's: how long the call waits for its answer (issue 16: a /v1 call never hangs).
+    # OpenAI clients send it with `extra_body={"timeout": 60}`.
+    timeout = FiniteFloatField(
+        min_value=0.001,
+        required=False,
+        allow_null=True,
+        help_text="Seconds to wait for the answer (default GPUPORTAL_INFER_TIMEOUT_S, at most "
+        "GPUPORTAL_INFER_MAX_TIMEOUT_S); past it the call ends with a 504 and the request is cancelled "
+        "if it had not started.",
+    )
+
+    def validate_timeout(self, value: float | None) -> float | None:
+        if value is not None and value > settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:
+            raise serializers.ValidationError(
+                f"at most {settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:g} s (GPUPORTAL_INFER_MAX_TIMEOUT_S)"
+            )
+        return value
+
+    def wait_s(self) -> float:
+        timeout = self.validated_data.get("timeout")
+        return settings.GPUPORTAL_INFER_TIMEOUT_S if timeout is None else float(timeout)
 
     def validate_n(self, value: int | None) -> int | None:
         if value not in (None, 1):
@@ -176,19 +197,24 @@ class _Generate(OpenAIView, ABC):
         read = self.fast_input(body) if isinstance(body, dict) else None
         if read is None:
             return None
-        model, request_input, params = read
+        model, request_input, params, timeout = read
         try:
-            code, payload = self.run(model, request_input, params, str(user.pk))
+            code, payload = self.run(model, request_input, params, str(user.pk), timeout)
         except ServiceError as exc:
             code, payload = _service_error(exc)
         return JsonResponse(payload, status=code)
 
-    def fast_input(self, body: dict[str, Any]) -> tuple[str, Any, dict[str, Any]] | None:
-        """(model, input, params) as the input class validates them, for a non-streamed request of
-        the usual shape; None for anything else."""
+    def fast_input(self, body: dict[str, Any]) -> tuple[str, Any, dict[str, Any], float] | None:
+        """(model, input, params, timeout) as the input class validates them, for a non-streamed
+        request of the usual shape; None for anything else."""
         model = body.get("model")
         if not _text(model) or not model or model != model.strip() or body.get("stream", False) is not False:
             return None
+        timeout = body.get("timeout")
+        if timeout is None:
+            timeout = settings.GPUPORTAL_INFER_TIMEOUT_S
+        elif type(timeout) not in (int, float) or not 0.001 <= timeout <= settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:
+            return None  # the DRF way says what is wrong with it
         n = body.get("n")
         if n is not None and (type(n) is not int or n != 1):
             return None
@@ -206,7 +232,7 @@ class _Generate(OpenAIView, ABC):
             if value is not None and (type(value) is not int or not 1 <= value <= 4096):
                 return None
         params = fast_params({k: v for k, v in raw.items() if v is not None})
-        return None if params is None else (model, request_input, {**params, "stream": False})
+        return None if params is None else (model, request_input, {**params, "stream": False}, float(timeout))
 
     def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
         data = self.input_class(data=request.data)
@@ -216,31 +242,31 @@ class _Generate(OpenAIView, ABC):
         request_input = self.input_of(data.validated_data)
         owner = str(request.user.pk)
         if not params["stream"]:
-            code, payload = self.run(model, request_input, params, owner)
+            code, payload = self.run(model, request_input, params, owner, data.wait_s())
             return Response(payload, status=code)
         try:
             submitted = request_services.submit(model, kind=self.kind, input=request_input, params=params, owner=owner)
         except (NotFound, InvalidInput) as exc:
             return Response(*reversed(self.refusal(exc, model)))
-        response = StreamingHttpResponse(self.events(submitted, model), content_type="text/event-stream")
+        response = StreamingHttpResponse(self.events(submitted, model, data.wait_s()), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         return response
 
-    def run(self, model: str, request_input: Any, params: dict[str, Any], owner: str) -> tuple[int, dict[str, Any]]:
-        """Run a non-streamed request and wait for it: the HTTP status and OpenAI-shaped body."""
+    def run(
+        self, model: str, request_input: Any, params: dict[str, Any], owner: str, timeout: float
+    ) -> tuple[int, dict[str, Any]]:
+        """Run a non-streamed request and wait for it, at most `timeout` seconds: the HTTP status
+        and OpenAI-shaped body."""
         # The service checks the model exists and is a causal LM in the statement that accepts the
         # request (no look-up of our own first: one database round trip per request, not two).
         try:
             submitted, result = request_services.run(
-                model, kind=self.kind, input=request_input, params=params, owner=owner,
-                timeout=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )  # fmt: skip
+                model, kind=self.kind, input=request_input, params=params, owner=owner, timeout=timeout
+            )
         except (NotFound, InvalidInput) as exc:
             return self.refusal(exc, model)
         if result is None:
-            return 504, error_body(
-                f"request {submitted.id} did not finish in time; poll /api/requests/{submitted.id}/", kind="timeout"
-            )
+            return 504, error_body(timed_out(submitted.id, timeout), kind="timeout")
         if result.status != "done":
             code = 400 if result.error_kind == "bad_input" else 503
             return code, error_body(
@@ -280,10 +306,11 @@ class _Generate(OpenAIView, ABC):
             "usage": output.get("usage", {}),
         }
 
-    def events(self, submitted: Request, model: str) -> Iterator[bytes]:
-        """Server-sent events: a chunk per piece of text as it is generated, then [DONE]."""
+    def events(self, submitted: Request, model: str, timeout: float) -> Iterator[bytes]:
+        """Server-sent events: a chunk per piece of text as it is generated, then [DONE]; an
+        error event instead of the last chunk if it fails or does not end within `timeout`."""
         queue = request_services.queue()
-        sent, first, deadline = 0, True, time.monotonic() + settings.GPUPORTAL_INFER_MAX_TIMEOUT_S
+        sent, first, deadline = 0, True, time.monotonic() + timeout
         splice = StreamSplice()
         base = {
             "id": f"{self.id_prefix}-{submitted.id}",
@@ -305,6 +332,9 @@ class _Generate(OpenAIView, ABC):
         output = (final.output if final else None) or {}
         if final is not None and final.status == "failed":
             yield _sse({"error": {"message": final.error, "type": "server_error", "param": None, "code": None}})
+        elif final is None or final.status != "done":
+            message = timed_out(submitted.id, timeout)
+            yield _sse({"error": {"message": message, "type": "timeout", "param": None, "code": None}})
         else:
             yield _sse(
                 {
@@ -316,6 +346,15 @@ class _Generate(OpenAIView, ABC):
                 }
             )
         yield b"data: [DONE]\n\n"
+
+
+def timed_out(request_id: str, timeout: float) -> str:
+    """What a caller whose answer did not come in time is told. A request that has not started
+    is cancelled, so that nothing runs for a caller who has gone; one already running is left to
+    finish, and its answer kept for polling."""
+    if request_services.cancel_unstarted(request_id, reason=f"its /v1 call timed out after {timeout:g} s"):
+        return f"request {request_id} did not start within {timeout:g} s and was cancelled"
+    return f"request {request_id} did not finish within {timeout:g} s; poll /api/requests/{request_id}/ for its answer"
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

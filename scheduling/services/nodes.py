@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -98,15 +99,36 @@ def reconcile_later(reason: str) -> None:
     dispatch.to_control(replica_services.RECONCILE_TASK, reason)
 
 
-def heartbeat(name: str, *, now: datetime | None = None, books: Books | None = None) -> Node:
+def heartbeat(
+    name: str,
+    *,
+    now: datetime | None = None,
+    books: Books | None = None,
+    running: Collection[str] | None = None,
+) -> list[str]:
     """Record that the node's agent is alive; a node that had been marked offline comes back.
-    With `books`, what the agent saw its replica processes hold is checked against the ledger."""
+    With `books`, what the agent saw its replica processes hold is checked against the ledger.
+
+    `running` names the replica processes the agent runs. Those the control plane wrote off while
+    the node was silent (its heartbeats lost, its agent alive: a partition) are returned: the
+    agent stops them, and the node comes back only once it runs none, so it takes no new work
+    while they still hold GPU memory the books gave to others (issue 16)."""
     now = now or timezone.now()
     with transaction.atomic():
         node = Node.objects.select_for_update().get(name=name)
         node.last_heartbeat = now
         fields = ["last_heartbeat"]
-        if node.status == Node.Status.OFFLINE:
+        stale = written_off(node, running) if running is not None else []
+        if node.status == Node.Status.OFFLINE and stale:
+            events.record(
+                Event.Kind.NODE_OFFLINE,
+                f"node {name}",
+                f"heartbeat resumed, but its agent still runs {len(stale)} replica process(es) written off while "
+                f"it was silent ({', '.join(r[:8] for r in stale)}): stopping them before the node takes new work",
+                after={"status": Node.Status.OFFLINE, "stale_replicas": stale},
+                node=name,
+            )
+        elif node.status == Node.Status.OFFLINE:
             node.status = Node.Status.ONLINE
             fields.append("status")
             events.record(
@@ -117,10 +139,25 @@ def heartbeat(name: str, *, now: datetime | None = None, books: Books | None = N
                 after={"status": Node.Status.ONLINE},
                 node=name,
             )
+            # Back, its GPUs are candidates again: deployments left short meanwhile may use them.
+            reconcile_later(f"node {name} is back")
         node.save(update_fields=fields)
     if books is not None:
         book_checks.check(name, books)
-    return node
+    return stale
+
+
+def written_off(node: Node, running: Collection[str]) -> list[str]:
+    """Of the replica processes the node's agent runs, those the control plane no longer counts on
+    this node: stopped or failed in its books (lost with the node), deleted, or elsewhere."""
+    if not running:
+        return []
+    kept = set(
+        Replica.objects.filter(pk__in=list(running), node=node)
+        .exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
+        .values_list("pk", flat=True)
+    )
+    return sorted(set(running) - kept)
 
 
 def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = None) -> list[str]:
@@ -158,8 +195,10 @@ def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = 
     return expired
 
 
-def mark_stopped(name: str, reason: str) -> None:
-    """The agent is shutting down on purpose: say so now rather than after the heartbeat timeout."""
+def mark_stopping(name: str, reason: str) -> None:
+    """The agent is shutting down on purpose: say so now rather than after the heartbeat timeout.
+    Offline, the node is no candidate for placement: the reconciles its replicas' `stopped`
+    reports set off place their replacements elsewhere, not back on a node that is leaving."""
     with transaction.atomic():
         node = Node.objects.select_for_update().filter(name=name).first()
         if node is None or node.status == Node.Status.OFFLINE:
@@ -175,10 +214,16 @@ def mark_stopped(name: str, reason: str) -> None:
             after={"status": Node.Status.OFFLINE},
             node=name,
         )
+
+
+def mark_stopped(name: str, reason: str) -> None:
+    """The agent has stopped its replicas (or is gone): the node is offline, and what the books
+    still say runs on it is lost with it."""
+    mark_stopping(name, reason)
     # Its replicas stopped with it (they said so, or they are lost now): elsewhere, others take
-    # their place. Offline, this node is no candidate.
-    replica_services.lose_with_node(name, f"lost with node {name} ({reason})")
-    reconcile_later(f"node {name} stopped")
+    # their place.
+    if replica_services.lose_with_node(name, f"lost with node {name} ({reason})"):
+        reconcile_later(f"node {name} stopped")
 
 
 def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:

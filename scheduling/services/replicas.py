@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from scheduling import events, ledger, memory
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
-from scheduling.models import GPU, Deployment, Event, Replica
+from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
 from scheduling.services import dispatch
 from scheduling.services.errors import InvalidState, NotFound
 from scheduling.state import Plan, Release, Reservation, Snapshot
@@ -112,7 +112,18 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
             Deployment.objects.select_for_update().filter(pk=replica.deployment_id).first()
             replica = Replica.objects.select_related("deployment", "node").get(pk=replica_id)
             handler = failover.HANDLERS.get(kind, handler)
+        before = replica.state
         handler(replica, event)
+        if (
+            replica.state in ENDED
+            and before not in (*ENDED, Replica.State.STOPPING)
+            and replica.role != Replica.Role.STANDBY  # its pair replaces it (failover.on_gone)
+            and event.get("kind") not in LOAD_FAILURES  # the backoff puts it back (note_load_failure)
+        ):
+            # It ended without being asked to: its deployment may be a replica short, and the
+            # reconcile puts one back.
+            why = f"replica {replica.id[:8]} of {replica.deployment.name} {replica.state}"
+            dispatch.to_control(RECONCILE_TASK, why)
 
 
 def _progress(replica: Replica, event: dict[str, Any]) -> None:
@@ -198,7 +209,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state in (Replica.State.STOPPING, Replica.State.STOPPED):
         _stopped(replica, event)
         return
-    load_failure = event.get("kind") in ("load", "oom")
+    load_failure = event.get("kind") in LOAD_FAILURES
     # The deployment row first, as everywhere (then GPU rows, then replica rows): a failed load
     # moves its crash-loop count (scheduling.services.deployments.note_load_failure).
     deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id) if load_failure else None
@@ -225,8 +236,6 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
     if deployment is None:
         wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} failed: {reason}")
-        # A crash leaves the deployment a replica short: the reconcile puts one back.
-        dispatch.to_control(RECONCILE_TASK, f"replica {replica.id[:8]} of {replica.deployment.name} failed")
         return
     from scheduling.services import deployments  # deployments builds on this module
 
@@ -237,6 +246,9 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
 
 
 RECONCILE_TASK = "scheduling.tasks.reconcile"
+ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
+# Failures of a load (a broken checkpoint, a reservation too small to serve): retried after a backoff.
+LOAD_FAILURES = ("load", "oom")
 
 # Replicas that serve, or are on their way to it: while one is, a request may still be answered.
 MAY_SERVE = (
@@ -313,25 +325,33 @@ def lose_with_node(node_name: str, reason: str) -> list[str]:
     had taken goes back to the queue, its claim to take requests and its reservations are
     released through the commit path. Returns the deployments that lost one.
 
-    Failover pair members are left to their pair's own path (inference.failover): their lock
-    passes only when their process is really gone, which the lock server sees, not a heartbeat.
+    Failover pairs go whole: a standby stands beside its active member on the same node
+    (failover.start_standby), so no member is left to take the pair's lock over. A member that
+    still runs on a node that was only cut off is fenced all the same: the requests it had are
+    given back, so its late answers are refused (inference.requestqueue.NotTaken), and its agent
+    stops it when it is heard again (nodes.heartbeat).
     """
-    lost = Replica.objects.filter(node__name=node_name, lease__isnull=True).exclude(
-        state__in=(Replica.State.STOPPED, Replica.State.FAILED)
-    )
+    lost = Replica.objects.filter(node__name=node_name).exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
     deployments: set[str] = set()
     for replica_id in lost.order_by("pk").values_list("pk", flat=True):
-        # One replica at a time, as its own report would be: the ledger locks the GPU rows
-        # before set_state writes the replica row (the global lock order).
+        # One replica at a time, as its own report would be: the deployment row (a pair's reports
+        # take turns on it), then the GPU rows the ledger locks, then the replica row set_state
+        # writes (the global lock order).
         with transaction.atomic():
             replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
             if replica is None or replica.state in (Replica.State.STOPPED, Replica.State.FAILED):
                 continue
+            if replica.lease_id is not None:
+                Deployment.objects.select_for_update().filter(pk=replica.deployment_id).first()
             requeue_taken(replica, f"replica {replica.id[:8]} {reason}")
             reserve_exactly(replica, {}, reason=f"replica {reason}")
             replica.pid = None
             replica.serving_since = None
-            set_state(replica, Replica.State.STOPPED, reason, extra=["pid", "serving_since"])
+            extra = ["pid", "serving_since"]
+            if replica.lease_id is not None:
+                replica.failover_state = FailoverState.DEAD
+                extra.append("failover_state")
+            set_state(replica, Replica.State.STOPPED, reason, extra=extra)
             deployments.add(replica.deployment.name)
     return sorted(deployments)
 

@@ -14,6 +14,7 @@ from functools import cache, partial
 from typing import Any, TypeVar
 
 import psycopg
+import redis
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
@@ -187,6 +188,15 @@ def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
     if not queue().cancel(request_id):
         raise InvalidState(f"request {request_id} is {request.status}: only a waiting request can be cancelled")
     return get(request_id, user_id=user_id, staff=staff)
+
+
+def cancel_unstarted(request_id: str, *, reason: str) -> bool:
+    """Cancel the request if no replica has taken it yet (its caller stopped waiting); whether it was."""
+    try:
+        return queue().cancel(request_id, reason)
+    except redis.RedisError as err:  # it then runs for nobody, and its answer is kept for polling
+        log.warning("cannot cancel request %s (Redis: %s)", request_id, err)
+        return False
 
 
 def withdraw_live(deployment_name: str, replica_id: str) -> None:
