@@ -87,6 +87,21 @@ class Up:
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"{}")
 
+    def post(self, path: str, body: dict, token: str) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            self.base + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Token {token}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def serving(self, token: str, deployment: str) -> list[dict]:
+        return self.get(f"/api/replicas/?deployment={deployment}&state=serving", token)[1].get("results", [])
+
     def token(self) -> str:
         body = json.dumps({"username": "admin", "password": PASSWORD}).encode()
         request = urllib.request.Request(
@@ -113,7 +128,10 @@ def processes_of(data_dir: Path) -> list[str]:
 
 
 def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_path):
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
     data_dir = tmp_path / "var"
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3, log=lambda _: None).path
     up = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
     try:
         up.wait_up()
@@ -151,6 +169,10 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         finally:
             second.send_signal(signal.SIGTERM)
             assert second.wait(30) == 0
+        deployed = {"name": "tiny", "model": {"source": str(model)}, "replicas": 1}
+        code, answer = up.post("/api/deployments/", deployed, token)
+        assert code == 201, answer
+        (first,) = wait_until(lambda: up.serving(token, "tiny"), 120, "the deployment to serve")
         running = processes_of(data_dir)
         # web, control worker (+ its pool), beat, agent, PostgreSQL (+ its workers), Redis
         assert len(running) >= 7, running
@@ -183,6 +205,12 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert events[0]["reason"].startswith("agent re-registered with 2 virtual GPU(s)")
         status, registered = again.get("/api/events/?node=box&kind=node.registered", token)
         assert status == 200 and registered["count"] == 1, "the node from the first run was kept"
+        # What the operator asked for is restored without a request (this test sends none, issue
+        # 16): the replica of the first run (its process ended with its agent) is replaced once.
+        (restored,) = wait_until(lambda: again.serving(token, "tiny"), 120, "the deployment to serve again")
+        assert restored["id"] != first["id"]
+        replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
+        assert sorted(r["state"] for r in replicas) == ["serving", "stopped"]
     finally:
         assert again.stop() == 0
     assert processes_of(data_dir) == []
