@@ -68,46 +68,84 @@ def wait(predicate: Callable[[], object], timeout: float, what: str) -> object:
 
 
 class Portal:
-    """The processes, started in `tmp` (their logs land there) and stopped by `stop()`."""
+    """The processes, started in `tmp` (their logs land there) and stopped by `stop()`.
 
-    def __init__(self, tmp: Path, *, web_threads: int = 4, control: bool = False):
+    `agents`: node name → virtual GPUs of each node agent (default one node, `bench`, 1x4GiB);
+    `control`: a control-plane worker; `beat`: celery beat on the product's schedule (the
+    heartbeat expiry, the reconcile sweep), as `manage.py up` runs it."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        web_threads: int = 4,
+        control: bool = False,
+        agents: dict[str, str] | None = None,
+        beat: bool = False,
+    ):
         from gpuportal.stack import free_port
 
         self.tmp = tmp
         self.port = free_port()
         self.children: list[subprocess.Popen] = []
-        env = {**os.environ, "GPUPORTAL_DATA_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "GPUPORTAL_ALLOWED_HOSTS": "*"}
-        self._spawn([sys.executable, "manage.py", "agent", "--node", "bench", "--virtual-gpus", "1x4GiB"], env, "agent")
+        self.env = {
+            **os.environ,
+            "GPUPORTAL_DATA_DIR": str(tmp),
+            "PYTHONUNBUFFERED": "1",
+            "GPUPORTAL_ALLOWED_HOSTS": "*",
+        }
+        self.agent_gpus = agents or {"bench": "1x4GiB"}
+        self.agents: dict[str, subprocess.Popen] = {}
+        for name in self.agent_gpus:
+            self.start_agent(name)
+        celery = [sys.executable, "-m", "celery", "-A", "gpuportal"]
         if control:
             self._spawn(
-                [sys.executable, "-m", "celery", "-A", "gpuportal", "worker", "-Q", "control", "-n", "control@%h",
+                [*celery, "worker", "-Q", "control", "-n", "control@%h",
                  "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"],
-                env,
                 "control",
+            )  # fmt: skip
+        if beat:
+            self._spawn(
+                [*celery, "beat", "--scheduler", "django_celery_beat.schedulers:DatabaseScheduler",
+                 "--pidfile", str(tmp / "beat.pid")],
+                "beat",
             )  # fmt: skip
         self._spawn(
             [sys.executable, "-m", "granian", "--interface", "wsgi", "--host", "127.0.0.1", "--port", str(self.port),
              "--workers", "1", "--blocking-threads", str(web_threads), "--no-ws", "gpuportal.wsgi:application"],
-            env,
             "web",
         )  # fmt: skip
+
+    def start_agent(self, name: str) -> subprocess.Popen:
+        """Start (or start anew) the node agent `name`."""
+        argv = [sys.executable, "manage.py", "agent", "--node", name, "--virtual-gpus", self.agent_gpus[name]]
+        self.agents[name] = self._spawn(argv, f"agent-{name}")
+        return self.agents[name]
 
     def ready(self, key: str) -> None:
         from scheduling.models import Node
 
-        wait(lambda: Node.objects.filter(name="bench", status="online").exists(), 120, f"the agent ({self.tmp})")
+        names = list(self.agent_gpus)
+        wait(
+            lambda: Node.objects.filter(name__in=names, status="online").count() == len(names),
+            120,
+            f"the agents {', '.join(names)} ({self.tmp})",
+        )
         wait(Http(self.port, key).ready, 60, f"the web server ({self.tmp / 'web.log'})")
 
     def stop(self) -> None:
         for child in reversed(self.children):
-            child.send_signal(signal.SIGTERM)
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
         for child in self.children:
             try:
                 child.wait(60)
             except subprocess.TimeoutExpired:
                 child.kill()
 
-    def _spawn(self, argv: list[str], env: dict[str, str], name: str) -> None:
-        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the child owns it for its lifetime
-        self.children.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+        with open(self.tmp / f"{name}.log", "a") as log:  # the child keeps its own copy of the descriptor
+            child = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.children.append(child)
+        return child

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "placement": ([], ["--seconds", "2"]),
     "request_overhead": ([], ["--requests", "100", "--wakes", "2"]),
     "failover": ([], ["--trials", "5", "--baseline-trials", "2"]),
+    "self_healing": ([], ["--trials", "1"]),
     "kvpool": ([], []),
     "simulate": ([], []),
 }

@@ -1,0 +1,209 @@
+"""Self-healing: how long the portal takes to put back what the operator asked for (issue 16).
+
+One run, on the same tiny causal LM, two node agents, a control worker and celery beat on the
+product's own schedule and settings (heartbeat every GPUPORTAL_HEARTBEAT_S, a node offline after
+GPUPORTAL_HEARTBEAT_TIMEOUT_S, expired by the beat sweep), side by side:
+- `node loss`: the agent of a node serving a replica is SIGKILLed (its replicas die with it) under
+  steady load. Measured: SIGKILL → node offline (the detection), node offline → the deployment at
+  its full count of serving replicas again (the reconcile's placement and a load).
+- `restart`: every agent is stopped (SIGTERM) and started anew, as `make run` stopped and started
+  is. Measured: agents started → the deployment at full count, without a request.
+- `cold start`: the same deployment scaled up by one: scale → the new replica serving. The
+  baseline the other two pay once their detection is over.
+
+    python -m bench.self_healing [--trials 3] [--clients 2] [--no-record]
+
+Uses DATABASE_URL / REDIS_URL when set, else embedded servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import setup_database, stop
+from bench.failover import Load
+from bench.portal import Portal, start_redis_if_needed, wait
+
+MiB = 1024**2
+NAME = "heal"
+AGENTS = {"left": "1x4GiB", "right": "1x4GiB"}
+
+
+def serving(count: int, *, off: str | None = None):
+    """True once `count` replicas of the deployment serve (none of them on node `off`)."""
+    from scheduling.models import Replica
+
+    def check() -> bool:
+        replicas = Replica.objects.filter(deployment__name=NAME, state="serving")
+        if off is not None:
+            replicas = replicas.exclude(node__name=off)
+        return replicas.count() == count
+
+    return check
+
+
+def node_is(name: str, status: str):
+    from scheduling.models import Node
+
+    return lambda: Node.objects.filter(name=name, status=status).exists()
+
+
+def settled():
+    """Nothing of the deployment on its way (no replica pending, loading, waking or stopping)."""
+    from scheduling.models import Replica
+
+    busy = ("pending", "loading", "waking", "stopping", "draining")
+    return lambda: not Replica.objects.filter(deployment__name=NAME, state__in=busy).exists()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-heal-"))
+    redis_server = start_redis_if_needed(tmp)
+    db_server = setup_database("gpuportal_bench_heal")
+    portal: Portal | None = None
+    try:
+        from django.conf import settings
+        from django.contrib.auth.models import User
+        from rest_framework.authtoken.models import Token
+
+        from bench.report import record, table
+        from inference.management.commands.make_tiny_model import write_tiny_model
+        from scheduling.models import Node, Replica
+        from scheduling.services import deployments
+        from scheduling.services.deployments import DeploymentSpec
+
+        model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=7, log=lambda _: None).path
+        portal = Portal(tmp, web_threads=args.clients + 2, control=True, agents=AGENTS, beat=True)
+        key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
+        portal.ready(key)
+        deployments.create(
+            DeploymentSpec(name=NAME, source=str(model_dir), replicas=2, override_bytes=512 * MiB, max_tokens=256)
+        )
+        wait(serving(2), 300, "two replicas to serve")
+        ms = 1000
+
+        # -- cold start: one more replica, placed and loaded ------------------------------------
+        cold: list[float] = []
+        for trial in range(args.trials):
+            began = time.monotonic()
+            deployments.scale(NAME, 3, reason="bench: cold start")
+            wait(serving(3), 300, "the third replica to serve")
+            cold.append(time.monotonic() - began)
+            deployments.scale(NAME, 2, reason="bench: back to two")
+            wait(lambda: serving(2)() and settled()(), 300, "the scale-down")
+            print(f"cold start {trial + 1}: {ms * cold[-1]:.0f} ms", flush=True)
+
+        # -- node loss under load ----------------------------------------------------------------
+        detect: list[float] = []
+        heal: list[float] = []
+        load = Load(portal.port, key, NAME, args.clients)
+        load.start()
+        for trial in range(args.trials):
+            doomed = Replica.objects.filter(deployment__name=NAME, state="serving").values_list("node__name", flat=True)
+            node = doomed.first()
+            assert node is not None
+            killed_at = time.monotonic()
+            portal.agents[node].send_signal(signal.SIGKILL)  # its replicas die with it (PR_SET_PDEATHSIG)
+            portal.agents[node].wait(30)
+            wait(node_is(node, "offline"), 120, f"node {node} to go offline")
+            offline_at = time.monotonic()
+            wait(serving(2, off=node), 300, "the replacements to serve")
+            healed_at = time.monotonic()
+            detect.append(offline_at - killed_at)
+            heal.append(healed_at - offline_at)
+            print(
+                f"node loss {trial + 1}: offline after {ms * detect[-1]:.0f} ms, "
+                f"full count {ms * heal[-1]:.0f} ms later",
+                flush=True,
+            )
+            portal.start_agent(node)
+            wait(node_is(node, "online"), 120, f"node {node} to come back")
+        load.finish()
+        failed = load.failed()
+        answers = len(load.answers)
+
+        # -- restart: every agent stopped, then started anew --------------------------------------
+        registered: list[float] = []
+        restored: list[float] = []
+        for trial in range(args.trials):
+            wait(lambda: serving(2)() and settled()(), 300, "the deployment to settle")
+            for process in portal.agents.values():
+                process.send_signal(signal.SIGTERM)
+            for process in portal.agents.values():
+                process.wait(120)
+            wait(lambda: not Replica.objects.filter(deployment__name=NAME, state="serving").exists(), 60, "stop")
+            started_at = time.monotonic()
+            for name in AGENTS:
+                portal.start_agent(name)
+            wait(lambda: Node.objects.filter(status="online").count() == len(AGENTS), 120, "the agents to register")
+            registered.append(time.monotonic() - started_at)
+            wait(serving(2), 300, "the deployment to serve again")
+            restored.append(time.monotonic() - started_at)
+            print(f"restart {trial + 1}: serving {ms * restored[-1]:.0f} ms after the agents started", flush=True)
+
+        p50 = statistics.median
+        rows = [
+            ["cold start (scale 2 → 3)", len(cold), "", f"{ms * p50(cold):.0f}", "", "1.0"],
+            [
+                "node loss: agent SIGKILLed under load",
+                len(heal),
+                f"{ms * p50(detect):.0f}",
+                f"{ms * p50(heal):.0f}",
+                f"{ms * p50([d + h for d, h in zip(detect, heal, strict=True)]):.0f}",
+                f"{p50(heal) / p50(cold):.1f}",
+            ],
+            [
+                "restart: every agent stopped and started",
+                len(restored),
+                f"{ms * p50(registered):.0f}",
+                f"{ms * p50([r - g for r, g in zip(restored, registered, strict=True)]):.0f}",
+                f"{ms * p50(restored):.0f}",
+                f"{p50([r - g for r, g in zip(restored, registered, strict=True)]) / p50(cold):.1f}",
+            ],
+        ]
+        headers = ["trial", "n", "detect or register p50 ms", "then full count p50 ms", "total p50 ms", "÷ cold start"]
+        report = table(headers, rows)
+        detail = (
+            f"Settings: heartbeat every {settings.GPUPORTAL_HEARTBEAT_S:g} s, a node offline after "
+            f"{settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S:g} s of silence, expired by the beat sweep (every 5 s). "
+            f"Under node loss, {args.clients} clients sent {answers} one-token `/infer/` requests; "
+            f"{len(failed)} did not end `done`."
+        )
+        print("\n" + report + "\n\n" + detail)
+        for failure in failed[:5]:
+            print("failed:", failure)
+        if not args.no_record:
+            record(
+                "self_healing",
+                "Self-healing: node loss and restart back to the full count",
+                f"`python -m bench.self_healing --trials {args.trials} --clients {args.clients}`: a tiny causal "
+                "LM (2 MB), 2 replicas wanted, two real node agents of one virtual GPU each, a control worker "
+                "and celery beat on the product's schedule. Node loss: from the SIGKILL of an agent serving a "
+                "replica to its node offline (detect), then to 2 replicas serving on the other node (full "
+                "count). Restart: every agent SIGTERMed, then started; from the start to the agents registered, "
+                "then to 2 replicas serving, with no request sent. `÷ cold start`: the part after detection "
+                "or registration against a plain scale-up measured in the same run.\n\n" + report + "\n\n" + detail,
+            )
+        if failed:
+            raise SystemExit(f"{len(failed)} request(s) did not end done")
+    finally:
+        if portal is not None:
+            portal.stop()
+        stop(db_server)
+        if redis_server is not None:
+            redis_server.stop()
+
+
+if __name__ == "__main__":
+    main()
