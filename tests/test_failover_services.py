@@ -514,6 +514,20 @@ def test_the_idle_sweep_never_puts_a_pair_to_sleep(cluster, api, report, dispatc
     assert fresh(primary).state == "serving"
 
 
+def test_a_reconcile_between_the_actives_death_and_the_takeover_counts_the_standby_as_the_pair(
+    ready_pair, report, dispatched, django_capture_on_commit_callbacks
+):
+    from scheduling.services import deployments
+
+    active, _ = ready_pair
+    crashes(report, active)  # its death is recorded; the standby's takeover report is still on its way
+    assert (RECONCILE_TASK, ["replica " + active.id[:8] + " of pair failed"]) in [(t, a) for _, t, a in dispatched]
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert deployments.reconcile_all("reconciled: test") == {}, "the standby is the pair: no second pair"
+    assert Replica.objects.filter(deployment__name="pair").count() == 2
+
+
 # -- a pair lost with its node ----------------------------------------------------------------------
 
 

@@ -229,6 +229,19 @@ REPLACE_TASK = "scheduling.tasks.replace_failed"
 # Replicas that count toward a deployment's replicas while a failed load is replaced: serving,
 # sleeping, or on their way to either. A failover standby is its active member's, not one more.
 COUNTED = (*AWAKE, Replica.State.DRAINING, Replica.State.SLEEPING)
+# A failover pair counts once while any member lives: between its active member's death and its
+# standby's takeover report, the standby is the pair (a reconcile in that window must not place
+# a second pair).
+PLAIN_COUNTED = Q(lease__isnull=True, state__in=COUNTED)
+PAIR_LIVE = Q(lease__isnull=False, state__in=(*COUNTED, Replica.State.STANDBY))
+
+
+def counted(deployment: Deployment) -> int:
+    """How many of what the deployment wants it has: plain replicas serving, sleeping or on their
+    way, and failover pairs with a member alive."""
+    plain = deployment.replicas.filter(PLAIN_COUNTED).count()
+    pairs = deployment.replicas.filter(PAIR_LIVE).values("lease").distinct().count()
+    return plain + pairs
 
 
 def backoff_s(deployment: Deployment, failures: int) -> float:
@@ -314,12 +327,14 @@ def reconcile_all(reason: str) -> dict[str, list[str]]:
     short = (
         Deployment.objects.filter(failed_reason="", retry_at__isnull=True, replicas_wanted__gt=0)
         .annotate(
-            counted=Count(
-                "replicas",
-                filter=Q(replicas__state__in=COUNTED) & ~Q(replicas__role=Replica.Role.STANDBY),
-            )
+            plain=Count("replicas", filter=Q(replicas__lease__isnull=True, replicas__state__in=COUNTED)),
+            pairs=Count(
+                "replicas__lease",
+                filter=Q(replicas__lease__isnull=False, replicas__state__in=(*COUNTED, Replica.State.STANDBY)),
+                distinct=True,
+            ),
         )
-        .filter(counted__lt=F("replicas_wanted"))
+        .filter(replicas_wanted__gt=F("plain") + F("pairs"))
         .order_by("name")
         .values_list("name", flat=True)
     )
@@ -330,22 +345,22 @@ def reconcile_all(reason: str) -> dict[str, list[str]]:
 def _top_up(deployment: Deployment, wanted: int, reason: str) -> list[str]:
     """Place new replicas up to `wanted` (the caller holds the deployment row). What cannot be
     placed now is said in an Event; the next reconcile or request tries again."""
-    counted = deployment.replicas.filter(state__in=COUNTED).exclude(role=Replica.Role.STANDBY).count()
-    if counted >= wanted:
+    have = counted(deployment)
+    if have >= wanted:
         return []
     try:
         with transaction.atomic():  # a savepoint: nothing of a placement that cannot be made
             decision = add_replicas(
                 deployment,
-                wanted - counted,
-                reason=f"{reason}: {counted} of {wanted} replica(s)",
+                wanted - have,
+                reason=f"{reason}: {have} of {wanted} replica(s)",
                 cached=(),  # the sleeping ones are counted already
             )
     except CannotPlace as err:
         events.record(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {deployment.name}",
-            f"{reason}: {counted} of {wanted} replica(s), and no room for more: {err}",
+            f"{reason}: {have} of {wanted} replica(s), and no room for more: {err}",
             deployment=deployment.name,
         )
         return []
