@@ -1,6 +1,6 @@
 """The one commit path (DESIGN §4): snapshot GPUs, let a pure module plan, commit with
 compare-and-swap on the GPU rows. This module (with the server-side function it calls,
-`gpuportal_ledger_commit` of migrations 0005 and 0011) is the only writer of GPU bytes, versions and
+`gpuportal_ledger_commit`, whose SQL is in scheduling/sql/) is the only writer of GPU bytes, versions and
 Occupant rows; services call it, nothing else does. Global lock order: deployment rows, then GPU
 rows by primary key, then replica rows."""
 
@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
+from pathlib import Path
 
 import psycopg
 from django.conf import settings
@@ -55,6 +56,11 @@ class CommitResult:
 # occupants and active intents built as JSON on the server (no ORM: this is the hot path). It
 # also returns that view's snapshot (as text), for a Mirror's next read.
 READ_SQL = "SELECT * FROM gpuportal_ledger_read(%s, %s::bigint[])"
+
+# The server-side functions as the database holds them now: the file of each (scheduling/sql/),
+# which the migration that last changed it loaded. A change is a new file and a new migration.
+SQL_DIR = Path(__file__).resolve().parent / "sql"
+SQL_FUNCTIONS = {"gpuportal_ledger_commit": "ledger_commit_v2.sql", "gpuportal_ledger_read": "ledger_read_v1.sql"}
 
 
 def _read(seen: str | None, ids: list[int] | None) -> tuple[list[tuple], str]:

@@ -227,8 +227,9 @@ def test_a_node_heard_again_after_it_was_written_off_stops_its_stale_replicas_be
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_a_killed_agents_replica_is_replaced_on_the_other_node_with_no_request_lost(
-    start_agent, control_worker, staff, tmp_path
+    start_agent, control_worker, staff, tmp_path, how
 ):
     import signal
 
@@ -253,16 +254,24 @@ def test_a_killed_agents_replica_is_replaced_on_the_other_node_with_no_request_l
 
     with SteadyLoad(clients=2) as load:
         load.wait_for(10)
-        agents[doomed].send_signal(signal.SIGKILL)  # its replicas die with it (PR_SET_PDEATHSIG)
-        agents[doomed].wait(30)
-        # Beat does not run in tests: expire the silent node as its sweep would.
-        wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == [doomed], 30, "the node to be offline")
+        # SIGKILL: its replicas die with it (PR_SET_PDEATHSIG). SIGTERM: it takes its node out of
+        # placement, stops its replicas (they finish what they took), and says its node stopped.
+        agents[doomed].send_signal(getattr(signal, how))
+        agents[doomed].wait(60)
+        if how == "SIGKILL":
+            # Beat does not run in tests: expire the silent node as its sweep would.
+            wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == [doomed], 30, "the node to be offline")
+        else:
+            assert Node.objects.get(name=doomed).status == Node.Status.OFFLINE
         wait_until(lambda: serving_on(keeper) == 2, 180, "replacements to serve on the other node")
         before = len(load.results)
         load.wait_for(before + 10)
 
     assert load.results and all(code == 200 for code, _ in load.results), [r for r in load.results if r[0] != 200]
-    assert Event.objects.filter(reason__startswith=f"lost with node {doomed}").exists()
+    if how == "SIGKILL":
+        assert Event.objects.filter(reason__startswith=f"lost with node {doomed}").exists()
+    else:
+        assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node=doomed).exists()
     assert Replica.objects.exclude(state="stopped").count() == 2
 
 
