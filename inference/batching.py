@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference.errors import BadInput
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
-from inference.serving import BadInput
 from scheduling.memory import kv_blocks
 
 

@@ -19,11 +19,14 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.failover import FailoverMember, Grant, LeaseConfig, Stale
-from inference.replica import ReplicaHost, _exit
+from inference.process_exit import exit_now as _exit
 from inference.requestqueue import Fence, RequestQueue
+
+if TYPE_CHECKING:
+    from inference.replica import ReplicaHost
 
 log = logging.getLogger("inference.pairing")
 

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from inference.process_exit import exit_now as _exit
 from inference.requestqueue import Fence, RequestQueue
 from inference.serving import Executor, Server
 
@@ -1095,14 +1096,6 @@ def run(host: ReplicaHost, commands: queue.Queue[Any], pair: PairMember | None =
         log.exception("%s crashed", host.replica_id)
         host.events.emit("failed", reason=failure.reason, kind=failure.kind)
         return 1
-
-
-def _exit(code: int) -> None:
-    # os._exit, not sys.exit: the stdin thread may be blocked in a read, and interpreter shutdown
-    # with a daemon thread inside stdin's buffer lock can abort instead of exiting.
-    logging.shutdown()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

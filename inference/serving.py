@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from inference import kvstats
+from inference.errors import BadInput
 from inference.requestqueue import Fenced, Request, RequestQueue, family_of_loader
 
 if TYPE_CHECKING:
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("inference.serving")
 
 DEFAULT_MAX_TOKENS = 16
-
-
-class BadInput(Exception):
-    """The request cannot run on this model as sent (too long, wrong shape): the client's to fix."""
 
 
 class Aborted(Exception):

@@ -15,7 +15,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 from inference import agent
 from inference.supervisor import ReplicaSpec
 from scheduling.models import GPU, Node, Replica
-from scheduling.services import replicas as replica_services
+from scheduling.services import reports
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def relay(replica_id: str, event: dict) -> None:
         return  # answers the agent's ping_all: the heartbeat reads its figures from the supervisor
     try:
         close_old_connections()
-        RELAY_RETRY.copy()(replica_services.report, replica_id, event)  # a copy: no state shared between threads
+        RELAY_RETRY.copy()(reports.report, replica_id, event)  # a copy: no state shared between threads
     except Exception:
         log.exception("could not record %s of replica %s", event.get("event"), replica_id)
     finally:

@@ -326,9 +326,9 @@ _admin_urls = admin.site.get_urls
 def _urls_with_dashboard() -> list:
     from django.urls import include, path
 
-    from scheduling import dashboard
+    from scheduling import dashboard_urls
 
-    return [path("dashboard/", include(dashboard.urls())), *_admin_urls()]
+    return [path("dashboard/", include(dashboard_urls.urls())), *_admin_urls()]
 
 
 admin.site.get_urls = _urls_with_dashboard

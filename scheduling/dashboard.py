@@ -20,7 +20,7 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Max
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
-from django.urls import path, reverse
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
@@ -261,19 +261,3 @@ def page(request: HttpRequest) -> HttpResponse:
 def fragment(request: HttpRequest) -> HttpResponse:
     """The refreshing part of the page, fetched every few seconds by static/scheduling/dashboard.js."""
     return render(request, "admin/scheduling/dashboard_body.html", context(request))
-
-
-def urls() -> list:
-    """Mounted under /admin/dashboard/ by scheduling.admin (before the admin's own catch-all), so
-    the names are in the admin namespace."""
-    from scheduling import dashboard_controls as controls  # they build on this module's staff_only
-
-    return [
-        path("", page, name="scheduling_dashboard"),
-        path("fragment/", fragment, name="scheduling_dashboard_fragment"),
-        path("replicas/<str:replica_id>/<slug:action>/", controls.replica, name="scheduling_dashboard_replica"),
-        path("deployments/<slug:name>/scale/", controls.scale, name="scheduling_dashboard_scale"),
-        path("deployments/<slug:name>/switchover/", controls.switchover, name="scheduling_dashboard_switchover"),
-        path("nodes/<slug:name>/drain/", controls.drain, name="scheduling_dashboard_drain"),
-        path("nodes/<slug:name>/undrain/", controls.undrain, name="scheduling_dashboard_undrain"),
-    ]

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from redis.exceptions import RedisError
 
 from scheduling.metrics import REQUESTS_ACCEPTED
+from scheduling.services.queueing import queue
 
 BUCKET_TTL_S = 180
 
@@ -36,8 +37,6 @@ def per_minute(deployments: Iterable[str], *, now: float | None = None) -> dict[
     """Requests accepted over the last 60 s per deployment, in one Redis round trip: the current
     minute's bucket plus the previous one weighted by the share of it still inside the window
     (the usual sliding-window estimate). {} when Redis cannot be read."""
-    from scheduling.services.requests import queue
-
     names = list(deployments)
     if not names:
         return {}

@@ -14,8 +14,7 @@ from rest_framework.test import APIClient
 
 from gpuportal.celery import app
 from scheduling.models import Deployment, Event, Replica
-from scheduling.services import deployments
-from scheduling.services import replicas as replica_services
+from scheduling.services import deployments, reports
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from scheduling.services.errors import Unavailable
@@ -58,7 +57,7 @@ def broken(replicas: int = 1) -> Deployment:
 
 def fail_load(capture, replica_id: str) -> None:
     with capture(execute=True):
-        replica_services.report(replica_id, {"event": "failed", "kind": "load", "reason": BROKEN})
+        reports.report(replica_id, {"event": "failed", "kind": "load", "reason": BROKEN})
 
 
 def pending() -> list[str]:
@@ -125,11 +124,11 @@ def test_an_operator_retries_a_failed_deployment_and_a_load_that_serves_resets_t
     (fresh,) = pending()
     assert sent[-1][0] == START and sent[-1][1][0] == fresh
 
-    replica_services.report(fresh, {"event": "failed", "kind": "load", "reason": BROKEN})
+    reports.report(fresh, {"event": "failed", "kind": "load", "reason": BROKEN})
     assert Deployment.objects.get().load_failures == 1
     with capture(execute=True):
         (again,) = deployments.replace_failed("broken")
-    replica_services.report(again, {"event": "serving", "pid": 1})
+    reports.report(again, {"event": "serving", "pid": 1})
     deployment = Deployment.objects.get()
     assert (deployment.status, deployment.load_failures, deployment.retry_at) == ("ok", 0, None)
 

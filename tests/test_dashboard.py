@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from scheduling.models import Event, FailoverLease, Node, Replica
-from scheduling.services import replicas as replica_services
+from scheduling.services import reports
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from tests import factories as f
 from tests.test_deployments import MiB, serve
@@ -164,7 +164,7 @@ def test_sleep_puts_a_serving_replica_to_sleep_through_the_service(cluster, admi
 def test_wake_brings_a_sleeping_replica_back(cluster, admin_client, dispatched) -> None:
     replica_id = deploy("tiny-a")
     admin_client.post(control("replica", replica_id, "sleep"))
-    replica_services.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
 
     response = admin_client.post(control("replica", replica_id, "wake"))
 

@@ -13,7 +13,7 @@ from django.contrib.auth.models import User
 from django.db import connection
 
 from scheduling.models import Occupant, Replica
-from scheduling.services import replicas as replica_services
+from scheduling.services import reports
 from tests.test_dashboard import deploy
 
 CHROMIUM = "/usr/bin/chromium"
@@ -91,7 +91,7 @@ def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(l
 
             # No replica process here: report what it would once its weights are in host memory.
             in_another_thread(
-                lambda: replica_services.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+                lambda: reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
             )
 
             # The page's own refresh (every 3 s, no reload) shows the bar change: asleep on a virtual

@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
 from scheduling.models import GPU, Deployment, Event, Occupant, Replica
-from scheduling.services import replicas as replica_services
+from scheduling.services import reports
 from scheduling.services.nodes import register_node
 from tests.factories import NO_OVERHEAD
 
@@ -40,7 +40,7 @@ def body(name: str, model_dir, **overrides) -> dict:
 
 
 def serve(replica_id: str, **extra) -> None:
-    replica_services.report(replica_id, {"event": "serving", "pid": 4242, "weights_bytes": 10 * MiB, **extra})
+    reports.report(replica_id, {"event": "serving", "pid": 4242, "weights_bytes": 10 * MiB, **extra})
 
 
 def reserved(replica_id: str) -> int:
@@ -205,7 +205,7 @@ def test_an_evicted_replica_sleeps_and_is_promoted_on_the_next_scale_up(cluster,
     assert dispatched == [(f"node.{Replica.objects.get(pk=victim).node.name}", TO_CACHE, [victim])]
     assert reserved(victim) == 300 * MiB, "kept until the process says what it still holds"
 
-    replica_services.report(victim, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    reports.report(victim, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
     assert Replica.objects.get(pk=victim).state == "sleeping"
     assert reserved(victim) == 0 and Deployment.objects.get().replicas_wanted == 2
     dispatched.clear()
@@ -216,7 +216,7 @@ def test_an_evicted_replica_sleeps_and_is_promoted_on_the_next_scale_up(cluster,
     promoted = Replica.objects.get(pk=victim)
     assert promoted.state == "waking" and reserved(victim) == 300 * MiB
     assert dispatched == [(promoted.node.queue, FROM_CACHE, [victim, []])]
-    replica_services.report(victim, {"event": "woken", "gpu_mem_bytes_by_id": promoted.gpu_mem_bytes_by_id})
+    reports.report(victim, {"event": "woken", "gpu_mem_bytes_by_id": promoted.gpu_mem_bytes_by_id})
     assert Replica.objects.get(pk=victim).state == "serving"
     assert Event.objects.filter(replica=victim, reason__startswith="promoted from the CPU cache").exists()
 
@@ -299,7 +299,7 @@ def test_what_the_replica_reports_moves_its_state_and_measures_the_deployment(cl
     replica = Replica.objects.get()
     deployment = Deployment.objects.get()
 
-    replica_services.report(replica.id, {"event": "progress", "state": "loading", "percent": 40})
+    reports.report(replica.id, {"event": "progress", "state": "loading", "percent": 40})
     replica.refresh_from_db()
     assert (replica.state, replica.progress) == ("loading", 40)
 
@@ -316,9 +316,7 @@ def test_a_failed_replica_releases_its_reservation_and_says_why(cluster, api, ti
     api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
     replica = Replica.objects.get()
 
-    replica_services.report(
-        replica.id, {"event": "failed", "kind": "oom", "reason": "out of memory: weights need 312 MiB"}
-    )
+    reports.report(replica.id, {"event": "failed", "kind": "oom", "reason": "out of memory: weights need 312 MiB"})
 
     replica.refresh_from_db()
     assert replica.state == "failed" and replica.failure_reason == "out of memory: weights need 312 MiB"
@@ -337,12 +335,12 @@ def test_a_cuda_assert_restarts_the_replica_a_bounded_number_of_times(
     for _ in range(2):
         dispatched.clear()
         with _on_commit_executed():
-            replica_services.report(replica.id, assert_event)
+            reports.report(replica.id, assert_event)
         replica.refresh_from_db()
         assert replica.state == "pending" and reserved(replica.id) == 300 * MiB
         assert dispatched == [(replica.node.queue, START, [replica.id, []])]
 
-    replica_services.report(replica.id, assert_event)
+    reports.report(replica.id, assert_event)
     replica.refresh_from_db()
     assert replica.state == "failed" and reserved(replica.id) == 0
     assert Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_RESTARTED).count() == 2

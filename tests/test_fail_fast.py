@@ -10,7 +10,7 @@ from django.conf import settings
 
 from inference.requestqueue import RequestQueue
 from scheduling.models import Event, Replica
-from scheduling.services import replicas as replica_services
+from scheduling.services import reports
 from scheduling.services import requests as request_services
 from tests import factories
 
@@ -40,7 +40,7 @@ def test_when_the_only_replica_fails_its_last_load_the_waiting_requests_end_with
     first, second = waiting(rq), waiting(rq)
 
     with django_capture_on_commit_callbacks(execute=True):
-        replica_services.report(loading.id, {"event": "failed", "kind": "load", "reason": BROKEN})
+        reports.report(loading.id, {"event": "failed", "kind": "load", "reason": BROKEN})
 
     for request_id in (first, second):
         ended = rq.get(request_id)
@@ -59,7 +59,7 @@ def test_while_another_replica_serves_or_loads_the_requests_wait_for_it(rq, djan
     request_id = waiting(rq)
 
     with django_capture_on_commit_callbacks(execute=True):
-        replica_services.report(failing.id, {"event": "failed", "kind": "oom", "reason": "out of memory"})
+        reports.report(failing.id, {"event": "failed", "kind": "oom", "reason": "out of memory"})
 
     assert rq.get(request_id).status == "waking" and rq.depth("broken") == 1
 
@@ -72,7 +72,7 @@ def test_a_crash_is_not_a_load_failure_its_requests_go_back_to_the_queue(
     request_id = waiting(rq, "flaky")
 
     with django_capture_on_commit_callbacks(execute=True):
-        replica_services.report(crashed.id, {"event": "failed", "kind": "crash", "reason": "killed by signal 9"})
+        reports.report(crashed.id, {"event": "failed", "kind": "crash", "reason": "killed by signal 9"})
 
     assert rq.get(request_id).status != "failed" and rq.depth("flaky") == 1
     # ... and a fresh replica is woken for them, as before; the reconcile puts the lost one back.

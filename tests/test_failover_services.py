@@ -15,8 +15,8 @@ from django.utils import timezone
 
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, Replica
 from scheduling.services import replicas as replica_services
+from scheduling.services import reports, sleep
 from scheduling.services import requests as request_services
-from scheduling.services import sleep
 from scheduling.services.replicas import RECONCILE_TASK
 from tests.test_deployments import START, STOP, MiB, body, invariant_holds
 
@@ -36,7 +36,7 @@ def report(django_capture_on_commit_callbacks, dispatched):
     def send(replica: Replica | str, event: str, **fields) -> None:
         replica_id = replica if isinstance(replica, str) else replica.id
         with django_capture_on_commit_callbacks(execute=True):
-            replica_services.report(replica_id, {"event": event, **fields})
+            reports.report(replica_id, {"event": event, **fields})
 
     return send
 

@@ -24,7 +24,7 @@ from inference.replica import EventWriter, Placement, ReplicaFailure, ReplicaHos
 from scheduling import ledger, memory
 from scheduling.memory import H100_CONTEXT_BYTES, H100_DRIVER_RESERVE_BYTES, H100_STANDBY_CONTEXT_BYTES, MiB
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Occupant, Replica
-from scheduling.services import nodes
+from scheduling.services import nodes, replica_reports, reports
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import inspect_model, need_bytes
 from scheduling.state import Books
@@ -126,7 +126,7 @@ def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_
     assert serving["process_bytes"] <= first_need.bytes
     # What it reports is the measured need: the same parts, measured, in the same formula.
     assert serving["need_bytes"] == serving["footprint"]["total_bytes"] == first_need.bytes
-    measured = replica_services._measured_bytes(llm, serving)
+    measured = replica_reports._measured_bytes(llm, serving)
     assert measured == serving["need_bytes"]
     Deployment.objects.filter(pk=llm.pk).update(memory_measured_bytes=measured)
     llm.refresh_from_db()
@@ -169,7 +169,7 @@ def test_a_replica_reserved_what_nvml_showed_at_load_fails_naming_bytes_and_neve
     first.load()
     serving = last(out, "serving")
     at_load = H100_CONTEXT_BYTES + weight_allocation_bytes(first.model) + first.pool_bytes  # NVML before a forward
-    assert replica_services._measured_bytes(llm, serving) != at_load  # the need is no longer that
+    assert replica_reports._measured_bytes(llm, serving) != at_load  # the need is no longer that
 
     starved, out = host(llm_dir, at_load)
     with pytest.raises(ReplicaFailure) as failure:
@@ -444,7 +444,7 @@ def test_a_real_gpus_context_is_what_its_replicas_measured_and_only_grows(db):
     dep = factories.deployment("llm")
     loading = factories.replica(dep, gpu0.node, state=Replica.State.LOADING, gpu_mem_bytes_by_id={"0": GiB})
 
-    replica_services.report(loading.id, {"event": "serving", "pid": 1, "context_measured_bytes": 800 * MiB})
+    reports.report(loading.id, {"event": "serving", "pid": 1, "context_measured_bytes": 800 * MiB})
     # Measured on one GPU, it is the figure of every GPU of that model on the node.
     assert list(GPU.objects.order_by("index").values_list("context_bytes", "context_measured")) == [
         (800 * MiB, True),

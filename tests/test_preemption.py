@@ -22,7 +22,7 @@ from inference.devices import virtual_gpus
 from inference.requestqueue import processing_key
 from scheduling.metrics import PREEMPTIONS
 from scheduling.models import GPU, Deployment, Event, Occupant, PreemptionIntent, Replica
-from scheduling.services import preemption, sleep
+from scheduling.services import preemption, reports, sleep
 from scheduling.services import replicas as replica_services
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create, scale
@@ -44,7 +44,7 @@ def busy(*replica_ids: str) -> None:
 
 
 def asleep(replica_id: str) -> None:
-    replica_services.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
 
 
 def assert_not_over_committed() -> None:
@@ -277,7 +277,7 @@ def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(o
     outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
     assert outcome.status == "satisfied" and outcome.victims == (victim,)
     assert Replica.objects.get(pk=sleeper).state == "waking", "promoted from the CPU cache"
-    replica_services.report(sleeper, {"event": "woken"})
+    reports.report(sleeper, {"event": "woken"})
     assert Replica.objects.get(pk=sleeper).state == "serving"
     assert_not_over_committed()
 
@@ -696,7 +696,7 @@ def test_the_wake_and_sleep_histograms_observe_reported_transitions(one_gpu, dis
     sleep.sleep_replica(replica_id, reason="test")
     asleep(replica_id)
     sleep.wake_replica(replica_id, reason="test")
-    replica_services.report(replica_id, {"event": "woken"})
+    reports.report(replica_id, {"event": "woken"})
     assert count(SLEEP_SECONDS) == sleeps + 1 and count(WAKE_SECONDS) == wakes + 1
 
 
@@ -734,7 +734,7 @@ def test_two_deployments_requested_alternately_faster_than_min_runtime_swap_at_m
                 if outcome.status == "satisfied":
                     swaps.append(clock.t - clock.start)
                     placed = Replica.objects.get(pk=outcome.replica_id)
-                    replica_services.report(placed.id, {"event": "woken" if placed.state == "waking" else "serving"})
+                    reports.report(placed.id, {"event": "woken" if placed.state == "waking" else "serving"})
                     Replica.objects.filter(pk=placed.id).update(serving_since=wall())
             elif ids:
                 raise AssertionError(f"{name} was placed without a swap while the GPU fits only one: {ids}")

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from gpuportal.celery import app
 from scheduling.models import Deployment, Event, Node, Occupant, Replica
-from scheduling.services import deployments, nodes
+from scheduling.services import deployments, nodes, reports
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from tests.test_deployments import MiB, invariant_holds, serve
@@ -90,11 +90,10 @@ def test_an_agent_that_stops_has_its_replicas_placed_elsewhere(sent, django_capt
     deploy(capture, replicas=1)
     (replica,) = Replica.objects.all()
     node = replica.node.name
-    from scheduling.services import replicas as replica_services
 
     # The agent stops its replicas (each says so), then the node.
     with capture(execute=True):
-        replica_services.report(replica.id, {"event": "stopped"})
+        reports.report(replica.id, {"event": "stopped"})
         nodes.mark_stopped(node, "agent stopped")
         deployments.reconcile_all("reconciled: test")
 
@@ -150,13 +149,11 @@ def test_a_crashed_replica_is_put_back_by_a_reconcile_and_a_beat_sweep_reconcile
 ):
     from django_celery_beat.models import PeriodicTask
 
-    from scheduling.services import replicas as replica_services
-
     capture = django_capture_on_commit_callbacks
     deploy(capture, replicas=1)
     (crashed,) = Replica.objects.all()
     with capture(execute=True):
-        replica_services.report(crashed.id, {"event": "failed", "kind": "crash", "reason": "killed by signal 9"})
+        reports.report(crashed.id, {"event": "failed", "kind": "crash", "reason": "killed by signal 9"})
     assert (RECONCILE, [f"replica {crashed.id[:8]} of tiny failed"], "control") in sent
 
     with capture(execute=True):
@@ -175,7 +172,6 @@ def test_a_crashed_replica_is_put_back_by_a_reconcile_and_a_beat_sweep_reconcile
 def test_a_replica_that_ends_unasked_sets_off_a_reconcile_and_one_stopped_on_purpose_does_not(
     sent, django_capture_on_commit_callbacks
 ):
-    from scheduling.services import replicas as replica_services
 
     capture = django_capture_on_commit_callbacks
     deploy(capture, replicas=2)
@@ -184,12 +180,12 @@ def test_a_replica_that_ends_unasked_sets_off_a_reconcile_and_one_stopped_on_pur
     stopping = Replica.objects.get(state="stopping")
     sent.clear()
     with capture(execute=True):
-        replica_services.report(stopping.id, {"event": "stopped"})
+        reports.report(stopping.id, {"event": "stopped"})
     assert [task for task, _, _ in sent if task == RECONCILE] == [], "a stop on purpose leaves nothing to put back"
 
     exited = Replica.objects.get(state="serving")
     with capture(execute=True):
-        replica_services.report(exited.id, {"event": "stopped"})  # its process exited on its own
+        reports.report(exited.id, {"event": "stopped"})  # its process exited on its own
     assert (RECONCILE, [f"replica {exited.id[:8]} of tiny stopped"], "control") in sent
 
 

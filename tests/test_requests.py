@@ -31,7 +31,7 @@ from inference.requestqueue import (
 from inference.serving import Server
 from scheduling.api.requests import InferInput, fast_inputs, params_of
 from scheduling.models import Deployment, Replica
-from scheduling.services import replicas as replica_services
+from scheduling.services import reports
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NotFound
 from scheduling.services.nodes import register_node
@@ -388,7 +388,7 @@ def test_requests_of_a_failed_replica_are_requeued_not_lost(serving_deployment, 
     request_id = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json").json()["id"]
     rq.take("tiny", serving_deployment.id, timeout=1)
 
-    replica_services.report(serving_deployment.id, {"event": "failed", "kind": "crash", "reason": "killed"})
+    reports.report(serving_deployment.id, {"event": "failed", "kind": "crash", "reason": "killed"})
 
     back = rq.get(request_id)
     assert back.status == "queued" and rq.depth("tiny") == 1
@@ -541,7 +541,7 @@ def test_the_control_plane_withdraws_the_claim_of_a_replica_that_reports_it_stop
     queued = submit(rq)
 
     with TestCase.captureOnCommitCallbacks(execute=True):
-        replica_services.report(serving_deployment.id, report)
+        reports.report(serving_deployment.id, report)
 
     assert rq.live("tiny", "text") == []
     assert rq.get(queued).status == "queued"

@@ -21,9 +21,8 @@ from inference.devices import virtual_gpus
 from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling.memory import H100_CONTEXT_BYTES
 from scheduling.models import Deployment, Event, Occupant, Replica
-from scheduling.services import replicas as replica_services
+from scheduling.services import reports, sleep
 from scheduling.services import requests as request_services
-from scheduling.services import sleep
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from scheduling.services.errors import CannotPlace, InvalidState
 from scheduling.services.nodes import register_node
@@ -56,7 +55,7 @@ def on_commit(django_capture_on_commit_callbacks):
 
 def asleep(replica_id: str) -> None:
     """What the replica process reports once its weights are in CPU RAM (a virtual GPU keeps nothing)."""
-    replica_services.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
 
 
 def deploy_serving(api, model_dir, name: str = "tiny-a", **overrides) -> list[str]:
@@ -121,7 +120,7 @@ def test_waking_a_replica_promotes_it_on_its_own_node(cluster, api, dispatched, 
     assert response.json()["node"] == node.name and reserved(replica_id) == 300 * MiB
     assert dispatched == [(node.queue, FROM_CACHE, [replica_id, []])]
     assert Event.objects.filter(replica=replica_id, reason__startswith="promoted from the CPU cache").exists()
-    replica_services.report(replica_id, {"event": "woken"})
+    reports.report(replica_id, {"event": "woken"})
     assert Replica.objects.get(pk=replica_id).state == "serving" and Replica.objects.count() == 1
 
 
@@ -144,7 +143,7 @@ def test_waking_a_deployment_promotes_the_cached_replica_then_does_nothing(clust
 
 def test_waking_a_deployment_with_nothing_cached_places_a_new_replica(cluster, api, dispatched, tiny_model_dir):
     (failed,) = deploy_serving(api, tiny_model_dir)
-    replica_services.report(failed, {"event": "failed", "reason": "killed"})
+    reports.report(failed, {"event": "failed", "reason": "killed"})
     dispatched.clear()
 
     response = api("post", "/api/deployments/tiny-a/wake/")
@@ -175,7 +174,7 @@ def test_waking_a_deployment_brings_back_as_many_as_it_wants(cluster, api, dispa
     api("post", "/api/deployments/tiny-a/sleep/")
     for replica_id in ids[:2]:
         asleep(replica_id)
-    replica_services.report(ids[2], {"event": "failed", "reason": "killed"})
+    reports.report(ids[2], {"event": "failed", "reason": "killed"})
 
     with on_commit():
         woken = sleep.wake_deployment("tiny-a", reason="a request arrived")
@@ -408,7 +407,7 @@ def test_concurrent_wakes_add_exactly_the_replicas_wanted(dispatched, tiny_model
         serve(replica_id)
     sleep.sleep_replica(cached, reason="test")
     asleep(cached)
-    replica_services.report(dead, {"event": "failed", "reason": "killed"})
+    reports.report(dead, {"event": "failed", "reason": "killed"})
     assert awake_count("tiny-a") == 0
 
     callers = 8
@@ -468,7 +467,7 @@ def test_admin_actions_sleep_and_wake_through_the_services(cluster, api, admin_c
     assert Replica.objects.get(pk=first).state == "waking"
     assert Event.objects.filter(replica=first, reason__contains="; woken from the admin: wake replica").exists()
 
-    replica_services.report(first, {"event": "woken"})
+    reports.report(first, {"event": "woken"})
     texts = run("/admin/scheduling/deployment/", "sleep_deployments", [deployment.pk])
     assert texts == ["tiny-a: 2 serving replica(s) going to sleep"]
     asleep(first)

@@ -16,11 +16,11 @@ from django.db import transaction
 from django.db.models import Count, F, Max, Q, QuerySet
 from django.utils import timezone
 
-from scheduling import events, fairness, ledger, memory
+from scheduling import events, fairness, ledger, locks, memory
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all, withhold_locked
-from scheduling.services import dispatch, failover
+from scheduling.services import dispatch, failover, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.state import OccupantView, Plan, Release, Snapshot
@@ -105,9 +105,10 @@ def inspect_model(source: str, loader: str, dtype: str, max_tokens: int) -> Mode
 
 
 def get(name: str, *, lock: bool = False) -> Deployment:
-    query = Deployment.objects.select_for_update() if lock else Deployment.objects
+    if lock:
+        return locks.lock_deployment(name)
     try:
-        return query.get(name=name)
+        return Deployment.objects.get(name=name)
     except Deployment.DoesNotExist:
         raise NotFound(f"no deployment named {name!r}") from None
 
@@ -371,10 +372,9 @@ def _requests_wait(name: str) -> bool:
     """Whether requests wait for the deployment (for one that wants no replica awake by itself);
     when Redis cannot say, as if they did: a replica too many idles until it sleeps, while one too
     few leaves requests waiting for nothing."""
-    from scheduling.services import requests as request_services  # requests builds on this module
 
     try:
-        return request_services.queue_depth(name) > 0
+        return queueing.queue_depth(name) > 0
     except redis.RedisError:
         return True
 
@@ -430,11 +430,8 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
         # Nothing will ever serve what still waits in its queue: end it now, saying why (once the
         # delete has committed). Requests already taken finish first: stopping waits for them.
         # Imported here: the request service itself builds on this module.
-        from scheduling.services import requests as request_services
 
-        transaction.on_commit(
-            lambda: request_services.fail_waiting(name, f"deployment {name} was deleted", deleted=True)
-        )
+        transaction.on_commit(lambda: queueing.fail_waiting(name, f"deployment {name} was deleted", deleted=True))
 
 
 # -- placing and stopping replicas -------------------------------------------------------------

@@ -229,7 +229,6 @@ def mark_stopped(name: str, reason: str) -> None:
 def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
     """Take a node out of service: nothing new is placed on it (placement skips nodes that are
     not online) and its serving replicas go to sleep. Returns the replicas put to sleep."""
-    from scheduling.services import sleep  # the sleep service builds on placement, which builds on this
 
     with transaction.atomic():
         node = _locked(name)
@@ -248,7 +247,7 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
             )
         serving = list(node.replicas.filter(state=Replica.State.SERVING).order_by("pk").values_list("id", flat=True))
     for replica_id in serving:
-        sleep.sleep_replica(replica_id, reason=f"node {name} {reason}")
+        replica_services.sleep_replica(replica_id, reason=f"node {name} {reason}")
     return serving
 
 

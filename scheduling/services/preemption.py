@@ -56,7 +56,7 @@ from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
 from scheduling.planning import withhold_locked
-from scheduling.services import deployments, dispatch
+from scheduling.services import deployments, dispatch, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import GONE
 from scheduling.services.errors import CannotPlace, InvalidState
@@ -411,10 +411,9 @@ def enrich(snap: Snapshot) -> Snapshot:
 
 def _activity(replica_ids: list[str]) -> dict[str, tuple[int | None, datetime | None]]:
     """{replica id: (requests in flight, last request time)} from Redis, in one pipeline."""
-    from scheduling.services import requests as request_services  # requests builds on this module
 
     try:
-        with request_services.queue().redis.pipeline(transaction=False) as pipe:
+        with queueing.queue().redis.pipeline(transaction=False) as pipe:
             for replica_id in replica_ids:
                 pipe.llen(processing_key(replica_id))
                 pipe.get(last_key(replica_id))
@@ -595,14 +594,13 @@ def run_preemption(
     # Least recently used means the last request, which replicas record in Redis; bring those
     # times into the rows the snapshot reads, or a replica that just served could look idle.
     # Imported here: the request service wakes deployments through this module.
-    from scheduling.services import requests as request_services
 
     preempted: list[str] = []
     # Placements keep off a GPU whose wake lock we hold, so what the victims free is ours; but
     # memory can still be taken by a report (a sleeping victim keeping more than expected): then
     # the victims are chosen again, from who is left, rather than failing the wake.
     for _ in range(VICTIM_ROUNDS):
-        request_services.sync_last_accessed()
+        queueing.sync_last_accessed()
         # With reload costs and requests in flight: the cost order (fairness's default) weighs
         # them; without, it would be plain LRU.
         snap = enrich(ledger.snapshot([i.gpu_id for i in intents]))
@@ -673,12 +671,13 @@ def _drain_limit(victims: list[str]) -> float:
 def _preempt(ids: list[int], deployment: Deployment, choice: fairness.VictimChoice) -> list[str]:
     """Put each victim to sleep (each under its own deployment's lock, never two at once), then
     record the choice on the intents."""
-    from scheduling.services import sleep as sleep_services  # sleep builds on this module
 
     slept: list[str] = []
     for victim in choice.victims:
         try:
-            sleep_services.sleep_replica(victim.replica_id, reason=f"preempted for {deployment.name}: {victim.reason}")
+            replica_services.sleep_replica(
+                victim.replica_id, reason=f"preempted for {deployment.name}: {victim.reason}"
+            )
             PREEMPTIONS.inc()
         except InvalidState:
             pass  # it stopped serving meanwhile (an idle sleep, a scale-down): it is leaving anyway
@@ -741,7 +740,6 @@ def _try_place(ids: list[int], why: str, *, victims: list[str] | None = None) ->
 def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> Outcome:
     """The wake cannot happen: close the intents, drop an unplaced waker, and end the waiting
     requests with the reason, unless another replica of the deployment can still serve them."""
-    from scheduling.services import requests as request_services  # requests builds on sleep, which builds on this
 
     intent = PreemptionIntent.objects.select_related("waiting_replica").get(pk=ids[0])
     with transaction.atomic():
@@ -755,7 +753,7 @@ def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> O
             .exists()
         )
     if not others_awake:
-        request_services.fail_waiting(deployment.name, reason)
+        queueing.fail_waiting(deployment.name, reason)
     return Outcome(PreemptionIntent.Status.FAILED, reason, intent.waiting_replica_id, tuple(victims or ()))
 
 

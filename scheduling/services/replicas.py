@@ -1,21 +1,17 @@
-"""One replica's life: evicting it to the CPU cache, and what its process reports through the
-node agent (loading progress, serving, sleeping, woken, failed, stopped)."""
+"""One replica's state as the control plane changes it: its state and Events, its reservations
+through the commit path, sending it to the CPU cache, giving back what it had taken, losing it
+with its node. What its process reports is applied by scheduling.services.reports, on top."""
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
-from typing import Any
 
 import redis
-from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from scheduling import events, ledger, memory
-from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
-from scheduling.services import dispatch
+from scheduling.services import dispatch, queueing
 from scheduling.services.errors import InvalidState, NotFound
 from scheduling.state import Plan, Release, Reservation, Snapshot
 
@@ -87,169 +83,19 @@ def to_cache(
     return replica
 
 
-# -- reports from replica processes, relayed by their node agent -------------------------------
-
-
-def report(replica_id: str, event: dict[str, Any]) -> None:
-    """Apply one event from a replica process. Unknown replicas (deleted meanwhile) are ignored."""
-    kind = event.get("event")
-    handler = HANDLERS.get(kind) or PAIR_ONLY.get(kind)
-    if handler is None:
-        log.warning("replica %s reported an unknown event %r", replica_id, kind)
-        return
-    with transaction.atomic():
-        replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
-        if replica is None:
-            log.info("replica %s reported %s after it was deleted; ignoring", replica_id, kind)
-            return
-        if replica.lease_id is not None:
-            # A failover pair member: its reports carry epochs, and its end hands the pair over.
-            # The members' agents relay on threads of their own, so the old active's end and its
-            # standby's takeover can arrive at once: the deployment row lock (first, as always)
-            # makes a pair's reports take turns, and each reads the rows the previous one wrote.
-            from scheduling.services import failover
-
-            Deployment.objects.select_for_update().filter(pk=replica.deployment_id).first()
-            replica = Replica.objects.select_related("deployment", "node").get(pk=replica_id)
-            handler = failover.HANDLERS.get(kind, handler)
-        before = replica.state
-        handler(replica, event)
-        if (
-            replica.state in ENDED
-            and before not in (*ENDED, Replica.State.STOPPING)
-            and replica.role != Replica.Role.STANDBY  # its pair replaces it (failover.on_gone)
-            and event.get("kind") not in LOAD_FAILURES  # the backoff puts it back (note_load_failure)
-        ):
-            # It ended without being asked to: its deployment may be a replica short, and the
-            # reconcile puts one back.
-            why = f"replica {replica.id[:8]} of {replica.deployment.name} {replica.state}"
-            dispatch.to_control(RECONCILE_TASK, why)
-
-
-def _progress(replica: Replica, event: dict[str, Any]) -> None:
-    percent = max(0, min(100, int(event.get("percent") or 0)))
-    if replica.state == Replica.State.PENDING:
-        set_state(replica, Replica.State.LOADING, f"loading weights: {event.get('detail') or 'started'}")
-    Replica.objects.filter(pk=replica.pk).update(progress=percent)
-
-
-def on_serving(replica: Replica, event: dict[str, Any]) -> None:
-    if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
-        return
-    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
-    from scheduling.services import deployments  # deployments builds on this module
-
-    deployments.note_loaded(deployment)
-    measured = _measured_bytes(deployment, event)
-    context = event.get("context_measured_bytes")
-    record_context(replica, context if isinstance(context, int) else 0)
-    if measured and measured != deployment.memory_measured_bytes:
-        set_measured_need(
-            deployment,
-            measured,
-            replica,
-            f"measured {memory.human_bytes(measured)} per replica after loading "
-            f"(estimate was {memory.human_bytes(deployment.memory_estimate_bytes or 0)}); "
-            "placement uses the measurement from now on",
-        )
-    now = timezone.now()
-    if replica.state == Replica.State.WAKING:
-        WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, now))
-    replica.pid = event.get("pid") or replica.pid
-    replica.serving_since = now
-    replica.last_accessed = replica.last_accessed or now
-    replica.progress = 100
-    weights = event.get("weights_bytes")
-    detail = f"loaded ({memory.human_bytes(weights)} of weights)" if weights else "loaded"
-    set_state(replica, Replica.State.SERVING, detail, extra=["pid", "serving_since", "last_accessed", "progress"])
-
-
-def _woken(replica: Replica, event: dict[str, Any]) -> None:
-    if replica.state != Replica.State.WAKING:
-        return
-    replica.serving_since = timezone.now()
-    WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, replica.serving_since))
-    replica.progress = 100
-    set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
-
-
-def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
-    if replica.state == Replica.State.DRAINING:
-        SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
-    residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}
-    held = sum(residual.values())
-    reserve_exactly(
-        replica,
-        {int(index): bytes_ for index, bytes_ in residual.items() if bytes_ > 0},
-        reason=f"asleep in the CPU cache, still holding {memory.human_bytes(held)} on its GPU(s)",
+def sleep_replica(replica_id: str, *, reason: str, deployment: Deployment | None = None) -> Replica:
+    """Put one serving replica to sleep (weights to the CPU cache); `reason` is the Event's.
+    InvalidState (409) when it is not serving."""
+    return to_cache(
+        replica_id,
+        reason=reason,
+        deployment=deployment,
+        scale_down=False,
+        refused="only a serving replica can be put to sleep",
     )
-    replica.gpu_mem_bytes_by_id = {k: v for k, v in residual.items() if v > 0}
-    replica.gpu_memory_fraction = None
-    replica.serving_since = None
-    set_state(
-        replica,
-        Replica.State.SLEEPING,
-        f"weights moved to CPU RAM; holds {memory.human_bytes(held)} on its GPU(s)",
-        extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since"],
-    )
-    # A request accepted while this replica still served (so it woke nothing), or one its drain
-    # handed back, waits with nothing awake to take it: the last replica to fall asleep wakes
-    # the deployment again, as the next request would have.
-    from scheduling.services import sleep  # the sleep service builds on this module
-
-    # Its claim to take requests first (the replica withdrew it as it began to drain, unless
-    # Redis failed it then): what was queued on its strength is in the queue by the check below.
-    _withdraw(replica)
-    if sleep.awake_count(replica.deployment) == 0:
-        wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} slept")
-
-
-def _failed(replica: Replica, event: dict[str, Any]) -> None:
-    reason = str(event.get("reason") or "replica process failed")
-    if replica.state in (Replica.State.STOPPING, Replica.State.STOPPED):
-        _stopped(replica, event)
-        return
-    load_failure = event.get("kind") in LOAD_FAILURES
-    # The deployment row first, as everywhere (then GPU rows, then replica rows): a failed load
-    # moves its crash-loop count (scheduling.services.deployments.note_load_failure).
-    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id) if load_failure else None
-    requeue_taken(replica, f"replica {replica.id[:8]} failed: {reason}")
-    restartable = _restarts_in_last_hour(replica) < settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR
-    if event.get("kind") == "cuda_assert" and restartable:
-        # A device-side assert poisons the CUDA context for good: only a fresh process recovers.
-        # The reservation stays; the new process loads into the same place.
-        replica.failure_reason = reason
-        replica.progress = 0
-        set_state(
-            replica,
-            Replica.State.PENDING,
-            f"restarting after a CUDA device-side assert: {reason}",
-            extra=["failure_reason", "progress"],
-            kind=Event.Kind.REPLICA_RESTARTED,
-        )
-        dispatch.to_node(replica.node.queue, dispatch.START, replica.id, [])
-        return
-    reserve_exactly(replica, {}, reason=f"replica failed: {reason}")
-    replica.failure_reason = reason
-    replica.pid = None
-    replica.serving_since = None
-    set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
-    if deployment is None:
-        wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} failed: {reason}")
-        return
-    from scheduling.services import deployments  # deployments builds on this module
-
-    # A replacement after a backoff, or, at the limit, a failed deployment whose waiting
-    # requests have nothing left to wait for.
-    if not deployments.note_load_failure(deployment, replica.id, reason):
-        fail_waiting_if_none_may_serve(replica, reason)
 
 
 RECONCILE_TASK = "scheduling.tasks.reconcile"
-ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
-# Failures of a load (a broken checkpoint, a reservation too small to serve): retried after a backoff.
-LOAD_FAILURES = ("load", "oom")
-
 # Replicas that serve, or are on their way to it: while one is, a request may still be answered.
 MAY_SERVE = (
     Replica.State.PENDING,
@@ -271,10 +117,9 @@ def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
     name = deployment.name
 
     def fail_them() -> None:
-        from scheduling.services import requests as request_services
 
         try:
-            failed = request_services.fail_waiting(name, why, kind="load")
+            failed = queueing.fail_waiting(name, why, kind="load")
         except redis.RedisError as err:
             log.warning("cannot end the requests waiting for %s (Redis: %s)", name, err)
             return
@@ -291,32 +136,6 @@ def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
     # After the commit: the failure is recorded first, so a request that arrives meanwhile and
     # finds nothing to serve it is admitted against the failed replica's state, not a stale one.
     transaction.on_commit(fail_them)
-
-
-def wake_for_waiting(deployment_name: str, reason: str) -> None:
-    """Requests wait (some re-queued from a dead replica) and the waking is on no one: the next
-    request would wake the deployment, but a client waiting for its answer sends none. The
-    control plane's wake (a promotion, or a new replica) runs once this has committed.
-    Not after a load failure or an OOM: a replacement would only fail the same way."""
-    from scheduling.services import preemption
-    from scheduling.services import requests as request_services
-
-    try:
-        waiting = request_services.queue_depth(deployment_name)
-    except redis.RedisError as err:
-        # What the replica reported is recorded all the same; the next request wakes it instead.
-        log.warning("cannot see whether requests wait for %s (Redis: %s)", deployment_name, err)
-        return
-    if waiting > 0:
-        preemption.wake_later(deployment_name, f"requests waiting after {reason}")
-
-
-def _stopped(replica: Replica, event: dict[str, Any]) -> None:
-    requeue_taken(replica, f"replica {replica.id[:8]} stopped")
-    reserve_exactly(replica, {}, reason="replica stopped")
-    replica.pid = None
-    replica.serving_since = None
-    set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
 
 
 def lose_with_node(node_name: str, reason: str) -> list[str]:
@@ -363,57 +182,19 @@ def requeue_taken(replica: Replica, reason: str) -> None:
     have been re-queued early, whereas deferring could lose them to a crash in between.
     """
     # Imported here: the request service builds on this module's neighbours (wake, placement).
-    from scheduling.services import requests as request_services
 
     # The claim to take requests before the check for what waits (wake_for_waiting): a request
     # queued on its strength is then in the queue when the check looks.
-    _withdraw(replica)
-    request_services.requeue_from(replica.id, reason)
+    withdraw(replica)
+    queueing.requeue_from(replica.id, reason)
 
 
-def _withdraw(replica: Replica) -> None:
-    from scheduling.services import requests as request_services
+def withdraw(replica: Replica) -> None:
 
     try:
-        request_services.withdraw_live(replica.deployment.name, replica.id)
+        queueing.withdraw_live(replica.deployment.name, replica.id)
     except redis.RedisError as err:  # the claim lapses on its own (LIVE_TTL_S) if it is still there
         log.warning("cannot withdraw replica %s's claim to take requests (Redis: %s)", replica.id, err)
-
-
-HANDLERS = {
-    "progress": _progress,
-    "serving": on_serving,
-    "woken": _woken,
-    "sleeping": _sleeping,
-    "failed": _failed,
-    "stopped": _stopped,
-}
-
-
-def _pair_report_from_a_plain_replica(replica: Replica, event: dict[str, Any]) -> None:
-    log.warning("replica %s is in no failover pair but reported %s; ignoring", replica.id, event.get("event"))
-
-
-# Reports only failover pair members make (scheduling.services.failover handles them).
-PAIR_ONLY = dict.fromkeys(("failover", "lease", "standby", "active"), _pair_report_from_a_plain_replica)
-
-
-def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None:
-    """What one replica holds serving at max_tokens, as the replica composed it from measured
-    parts with scheduling.memory's formula (its weights as allocated, the pool, the activation
-    reserve, its context, what NVML shows outside the allocator): the need the next replica is
-    reserved and sizes its pool against. Not NVML's figure at load: it has no activations yet,
-    and a replica reserved it would size its pool below zero (issue 15).
-
-    Replicas of an older build report no need: then their tensor bytes plus the reserves the
-    estimate budgets beside them."""
-    if isinstance(event.get("need_bytes"), int) and event["need_bytes"] > 0:
-        return int(event["need_bytes"])
-    weights = event.get("weights_bytes")
-    if not weights:
-        return None
-    reserves = max(0, (deployment.memory_estimate_bytes or 0) - (deployment.weight_bytes or 0))
-    return int(weights) + reserves
 
 
 def set_measured_need(deployment: Deployment, measured: int, replica: Replica, reason: str) -> None:
@@ -457,23 +238,6 @@ def record_context(replica: Replica, context: int, *, standby: bool = False) -> 
             node=replica.node.name,
             replica=replica.id,
         )
-
-
-def _seconds_in(replica: Replica, state: str, now: datetime) -> float:
-    """How long the replica has been in `state`: since the Event that put it there (updated_at
-    moves with unrelated saves, the Event does not)."""
-    entered = (
-        Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_STATE, after__state=state)
-        .order_by("-time")
-        .values_list("time", flat=True)
-        .first()
-    )
-    return max(0.0, (now - (entered or replica.updated_at)).total_seconds())
-
-
-def _restarts_in_last_hour(replica: Replica) -> int:
-    since = timezone.now() - timedelta(hours=1)
-    return Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_RESTARTED, time__gte=since).count()
 
 
 def reserve_exactly(replica: Replica, bytes_by_index: dict[int, int], *, reason: str) -> None:

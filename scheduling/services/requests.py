@@ -9,26 +9,53 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import UTC, datetime
-from functools import cache, partial
+from functools import partial
 from typing import Any, TypeVar
 
 import psycopg
-import redis
-from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
-from inference.requestqueue import Request, RequestQueue, last_key
+from inference.requestqueue import Request
 from scheduling import ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import deployments, sleep
-from scheduling.services.errors import CannotPlace, InvalidInput, InvalidState, NotFound, Unavailable
+from scheduling.services.errors import CannotPlace, InvalidInput, NotFound, Unavailable
+from scheduling.services.queueing import (
+    AWAKE,
+    cancel,
+    cancel_unstarted,
+    fail_waiting,
+    get,
+    latest,
+    queue,
+    queue_depth,
+    requeue_from,
+    sync_last_accessed,
+    wait,
+    withdraw_live,
+)
+
+# What the request queue offers (scheduling.services.queueing) is re-exported: the API, the tasks
+# and the tests reach requests through this module.
+__all__ = [
+    "AWAKE",
+    "cancel",
+    "cancel_unstarted",
+    "fail_waiting",
+    "get",
+    "latest",
+    "queue",
+    "queue_depth",
+    "requeue_from",
+    "run",
+    "submit",
+    "sync_last_accessed",
+    "wait",
+    "withdraw_live",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
-
 
 # A failover standby counts as awake: it takes over on its own the moment its active member dies.
 # Plain strings: a driver may adapt an enum member by its name rather than its value.
@@ -43,11 +70,6 @@ SELECT d.loader,
 FROM scheduling_deployment d
 WHERE d.name = %s
 """
-
-
-@cache
-def queue() -> RequestQueue:
-    return RequestQueue.from_url(settings.REDIS_URL)
 
 
 def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str) -> Request:
@@ -164,82 +186,3 @@ def _refuse_if_never_placeable(deployment: Deployment) -> None:
     if need > max(per_node.values()):
         reasons = {node: f"all its GPUs hold {total} B, the replica needs {need} B" for node, total in per_node.items()}
         raise CannotPlace(f"cannot serve {deployment.name}: no node can ever hold its {need} B", reasons)
-
-
-def wait(request_id: str, timeout: float) -> Request | None:
-    return queue().wait(request_id, timeout)
-
-
-def latest(request: Request) -> Request:
-    """The request as it stands now (a waiter's timeout passed): its status may have moved on."""
-    return queue().get(request.id) or request
-
-
-def get(request_id: str, *, user_id: str, staff: bool) -> Request:
-    """A user sees only their own requests; staff see all. Others' are answered as not found."""
-    request = queue().get(request_id)
-    if request is None or (not staff and request.owner != user_id):
-        raise NotFound(f"no request with id {request_id!r}")
-    return request
-
-
-def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
-    request = get(request_id, user_id=user_id, staff=staff)
-    if not queue().cancel(request_id):
-        raise InvalidState(f"request {request_id} is {request.status}: only a waiting request can be cancelled")
-    return get(request_id, user_id=user_id, staff=staff)
-
-
-def cancel_unstarted(request_id: str, *, reason: str) -> bool:
-    """Cancel the request if no replica has taken it yet (its caller stopped waiting); whether it was."""
-    try:
-        return queue().cancel(request_id, reason)
-    except redis.RedisError as err:  # it then runs for nobody, and its answer is kept for polling
-        log.warning("cannot cancel request %s (Redis: %s)", request_id, err)
-        return False
-
-
-def withdraw_live(deployment_name: str, replica_id: str) -> None:
-    """The replica takes no more requests: withdraw its claim that it does (a replica withdraws
-    it itself as it stops taking; one that died could not), so that requests from now on are
-    admitted by the database, which wakes what must serve them."""
-    queue().withdraw(deployment_name, replica_id)
-
-
-def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
-    """What a stopped or failed replica had taken goes back to its queue (never dropped)."""
-    outcomes = queue().requeue_from(replica_id, max_attempts=settings.GPUPORTAL_REQUEST_ATTEMPTS, reason=reason)
-    if outcomes:
-        log.info("replica %s gone (%s): %s", replica_id, reason, outcomes)
-    return outcomes
-
-
-def fail_waiting(deployment_name: str, reason: str, *, deleted: bool = False, kind: str = "placement") -> list[str]:
-    """End the waiting requests of a deployment that cannot be woken, saying why. `deleted`: it
-    is gone, so its replicas' claims to take requests go first; a request queued on the strength
-    of one before that is then in the queue, and ends here too. `kind` is the error's (a failed
-    load is `load`, answered 503; what cannot be placed, 409)."""
-    if deleted:
-        queue().forget_live(deployment_name)
-    return queue().fail_queued(deployment_name, reason=reason, kind=kind)
-
-
-def sync_last_accessed() -> int:
-    """Copy replicas' last request times from Redis into PostgreSQL (for idle sleep and the API)."""
-    replicas = list(Replica.objects.filter(state__in=AWAKE).values_list("id", "last_accessed"))
-    if not replicas:
-        return 0
-    stamps = queue().redis.mget([last_key(replica_id) for replica_id, _ in replicas])
-    changed = 0
-    for (replica_id, known), raw in zip(replicas, stamps, strict=True):
-        if raw is None:
-            continue
-        seen = datetime.fromtimestamp(float(raw), tz=UTC)
-        if known is None or seen > known:
-            Replica.objects.filter(pk=replica_id).update(last_accessed=seen)
-            changed += 1
-    return changed
-
-
-def queue_depth(deployment_name: str) -> int:
-    return queue().depth(deployment_name)

@@ -20,24 +20,16 @@ from django.utils import timezone
 
 from scheduling.models import Deployment, Replica
 from scheduling.placement import CachedReplica
-from scheduling.services import deployments, preemption
+from scheduling.services import deployments, preemption, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import AWAKE
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError
 
 log = logging.getLogger(__name__)
 
-
-def sleep_replica(replica_id: str, *, reason: str, deployment: Deployment | None = None) -> Replica:
-    """Put one serving replica to sleep (weights to the CPU cache); `reason` is the Event's.
-    InvalidState (409) when it is not serving."""
-    return replica_services.to_cache(
-        replica_id,
-        reason=reason,
-        deployment=deployment,
-        scale_down=False,
-        refused="only a serving replica can be put to sleep",
-    )
+# Putting one replica to sleep is a replica's state change (preemption uses it too); the sleep
+# service's callers find it here.
+sleep_replica = replica_services.sleep_replica
 
 
 def sleep_deployment(name: str, *, reason: str) -> list[str]:
@@ -167,9 +159,8 @@ def sweep_idle(now: datetime | None = None) -> list[str]:
     """
     # Requests record their replica's last access in Redis; bring it over before judging idleness.
     # Imported here: the request service itself wakes deployments through this module.
-    from scheduling.services import requests as request_services
 
-    request_services.sync_last_accessed()
+    queueing.sync_last_accessed()
     now = now or timezone.now()
     idle_since = Greatest(F("last_accessed"), F("serving_since"))
     timeout = ExpressionWrapper(F("deployment__idle_timeout_s") * timedelta(seconds=1), output_field=DurationField())

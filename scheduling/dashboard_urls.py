@@ -1,0 +1,23 @@
+"""The dashboard's pages and its controls, in one URL list (the controls build on the pages'
+module for their access check, so neither module lists the other's views)."""
+
+from __future__ import annotations
+
+from django.urls import path
+
+from scheduling import dashboard_controls as controls
+from scheduling.dashboard import fragment, page
+
+
+def urls() -> list:
+    """Mounted under /admin/dashboard/ by scheduling.admin (before the admin's own catch-all), so
+    the names are in the admin namespace."""
+    return [
+        path("", page, name="scheduling_dashboard"),
+        path("fragment/", fragment, name="scheduling_dashboard_fragment"),
+        path("replicas/<str:replica_id>/<slug:action>/", controls.replica, name="scheduling_dashboard_replica"),
+        path("deployments/<slug:name>/scale/", controls.scale, name="scheduling_dashboard_scale"),
+        path("deployments/<slug:name>/switchover/", controls.switchover, name="scheduling_dashboard_switchover"),
+        path("nodes/<slug:name>/drain/", controls.drain, name="scheduling_dashboard_drain"),
+        path("nodes/<slug:name>/undrain/", controls.undrain, name="scheduling_dashboard_undrain"),
+    ]

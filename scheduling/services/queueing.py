@@ -1,0 +1,105 @@
+"""The request queues as the control plane uses them (inference.requestqueue, in Redis): read,
+cancel, re-queue what a gone replica had taken, end what waits for nothing. Below every other
+service: replicas, deployments, sleep and preemption all need it, and it needs none of them;
+admission (which wakes what must serve) is scheduling.services.requests, on top."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from functools import cache
+
+import redis
+from django.conf import settings
+
+from inference.requestqueue import Request, RequestQueue, last_key
+from scheduling.models import Replica
+from scheduling.services.errors import InvalidState, NotFound
+
+log = logging.getLogger(__name__)
+
+AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
+
+
+@cache
+def queue() -> RequestQueue:
+    return RequestQueue.from_url(settings.REDIS_URL)
+
+
+def wait(request_id: str, timeout: float) -> Request | None:
+    return queue().wait(request_id, timeout)
+
+
+def latest(request: Request) -> Request:
+    """The request as it stands now (a waiter's timeout passed): its status may have moved on."""
+    return queue().get(request.id) or request
+
+
+def get(request_id: str, *, user_id: str, staff: bool) -> Request:
+    """A user sees only their own requests; staff see all. Others' are answered as not found."""
+    request = queue().get(request_id)
+    if request is None or (not staff and request.owner != user_id):
+        raise NotFound(f"no request with id {request_id!r}")
+    return request
+
+
+def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
+    request = get(request_id, user_id=user_id, staff=staff)
+    if not queue().cancel(request_id):
+        raise InvalidState(f"request {request_id} is {request.status}: only a waiting request can be cancelled")
+    return get(request_id, user_id=user_id, staff=staff)
+
+
+def cancel_unstarted(request_id: str, *, reason: str) -> bool:
+    """Cancel the request if no replica has taken it yet (its caller stopped waiting); whether it was."""
+    try:
+        return queue().cancel(request_id, reason)
+    except redis.RedisError as err:  # it then runs for nobody, and its answer is kept for polling
+        log.warning("cannot cancel request %s (Redis: %s)", request_id, err)
+        return False
+
+
+def withdraw_live(deployment_name: str, replica_id: str) -> None:
+    """The replica takes no more requests: withdraw its claim that it does (a replica withdraws
+    it itself as it stops taking; one that died could not), so that requests from now on are
+    admitted by the database, which wakes what must serve them."""
+    queue().withdraw(deployment_name, replica_id)
+
+
+def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
+    """What a stopped or failed replica had taken goes back to its queue (never dropped)."""
+    outcomes = queue().requeue_from(replica_id, max_attempts=settings.GPUPORTAL_REQUEST_ATTEMPTS, reason=reason)
+    if outcomes:
+        log.info("replica %s gone (%s): %s", replica_id, reason, outcomes)
+    return outcomes
+
+
+def fail_waiting(deployment_name: str, reason: str, *, deleted: bool = False, kind: str = "placement") -> list[str]:
+    """End the waiting requests of a deployment that cannot be woken, saying why. `deleted`: it
+    is gone, so its replicas' claims to take requests go first; a request queued on the strength
+    of one before that is then in the queue, and ends here too. `kind` is the error's (a failed
+    load is `load`, answered 503; what cannot be placed, 409)."""
+    if deleted:
+        queue().forget_live(deployment_name)
+    return queue().fail_queued(deployment_name, reason=reason, kind=kind)
+
+
+def sync_last_accessed() -> int:
+    """Copy replicas' last request times from Redis into PostgreSQL (for idle sleep and the API)."""
+    replicas = list(Replica.objects.filter(state__in=AWAKE).values_list("id", "last_accessed"))
+    if not replicas:
+        return 0
+    stamps = queue().redis.mget([last_key(replica_id) for replica_id, _ in replicas])
+    changed = 0
+    for (replica_id, known), raw in zip(replicas, stamps, strict=True):
+        if raw is None:
+            continue
+        seen = datetime.fromtimestamp(float(raw), tz=UTC)
+        if known is None or seen > known:
+            Replica.objects.filter(pk=replica_id).update(last_accessed=seen)
+            changed += 1
+    return changed
+
+
+def queue_depth(deployment_name: str) -> int:
+    return queue().depth(deployment_name)

@@ -1,0 +1,221 @@
+"""What a replica process reports through its node agent (loading progress, serving, sleeping,
+woken, failed, stopped), applied to the books: a report may move its deployment's crash-loop
+count or wake what requests wait for, so this builds on the deployment, sleep and preemption
+services. Failover pair members' reports are scheduling.services.pair_reports'; both are reached
+through scheduling.services.reports."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.utils import timezone
+
+from scheduling import memory
+from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
+from scheduling.models import Deployment, Event, Replica
+from scheduling.services import deployments, dispatch, preemption, queueing, replicas, sleep
+
+log = logging.getLogger(__name__)
+
+
+# Failures of a load (a broken checkpoint, a reservation too small to serve): retried after a backoff.
+LOAD_FAILURES = ("load", "oom")
+
+
+def _progress(replica: Replica, event: dict[str, Any]) -> None:
+    percent = max(0, min(100, int(event.get("percent") or 0)))
+    if replica.state == Replica.State.PENDING:
+        replicas.set_state(replica, Replica.State.LOADING, f"loading weights: {event.get('detail') or 'started'}")
+    Replica.objects.filter(pk=replica.pk).update(progress=percent)
+
+
+def on_serving(replica: Replica, event: dict[str, Any]) -> None:
+    if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
+        return
+    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+
+    deployments.note_loaded(deployment)
+    measured = _measured_bytes(deployment, event)
+    context = event.get("context_measured_bytes")
+    replicas.record_context(replica, context if isinstance(context, int) else 0)
+    if measured and measured != deployment.memory_measured_bytes:
+        replicas.set_measured_need(
+            deployment,
+            measured,
+            replica,
+            f"measured {memory.human_bytes(measured)} per replica after loading "
+            f"(estimate was {memory.human_bytes(deployment.memory_estimate_bytes or 0)}); "
+            "placement uses the measurement from now on",
+        )
+    now = timezone.now()
+    if replica.state == Replica.State.WAKING:
+        WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, now))
+    replica.pid = event.get("pid") or replica.pid
+    replica.serving_since = now
+    replica.last_accessed = replica.last_accessed or now
+    replica.progress = 100
+    weights = event.get("weights_bytes")
+    detail = f"loaded ({memory.human_bytes(weights)} of weights)" if weights else "loaded"
+    replicas.set_state(
+        replica, Replica.State.SERVING, detail, extra=["pid", "serving_since", "last_accessed", "progress"]
+    )
+
+
+def _woken(replica: Replica, event: dict[str, Any]) -> None:
+    if replica.state != Replica.State.WAKING:
+        return
+    replica.serving_since = timezone.now()
+    WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, replica.serving_since))
+    replica.progress = 100
+    replicas.set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
+
+
+def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
+    if replica.state == Replica.State.DRAINING:
+        SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
+    residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}
+    held = sum(residual.values())
+    replicas.reserve_exactly(
+        replica,
+        {int(index): bytes_ for index, bytes_ in residual.items() if bytes_ > 0},
+        reason=f"asleep in the CPU cache, still holding {memory.human_bytes(held)} on its GPU(s)",
+    )
+    replica.gpu_mem_bytes_by_id = {k: v for k, v in residual.items() if v > 0}
+    replica.gpu_memory_fraction = None
+    replica.serving_since = None
+    replicas.set_state(
+        replica,
+        Replica.State.SLEEPING,
+        f"weights moved to CPU RAM; holds {memory.human_bytes(held)} on its GPU(s)",
+        extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since"],
+    )
+    # A request accepted while this replica still served (so it woke nothing), or one its drain
+    # handed back, waits with nothing awake to take it: the last replica to fall asleep wakes
+    # the deployment again, as the next request would have.
+
+    # Its claim to take requests first (the replica withdrew it as it began to drain, unless
+    # Redis failed it then): what was queued on its strength is in the queue by the check below.
+    replicas.withdraw(replica)
+    if sleep.awake_count(replica.deployment) == 0:
+        wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} slept")
+
+
+def _failed(replica: Replica, event: dict[str, Any]) -> None:
+    reason = str(event.get("reason") or "replica process failed")
+    if replica.state in (Replica.State.STOPPING, Replica.State.STOPPED):
+        _stopped(replica, event)
+        return
+    load_failure = event.get("kind") in LOAD_FAILURES
+    # The deployment row first, as everywhere (then GPU rows, then replica rows): a failed load
+    # moves its crash-loop count (scheduling.services.deployments.note_load_failure).
+    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id) if load_failure else None
+    replicas.requeue_taken(replica, f"replica {replica.id[:8]} failed: {reason}")
+    restartable = _restarts_in_last_hour(replica) < settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR
+    if event.get("kind") == "cuda_assert" and restartable:
+        # A device-side assert poisons the CUDA context for good: only a fresh process recovers.
+        # The reservation stays; the new process loads into the same place.
+        replica.failure_reason = reason
+        replica.progress = 0
+        replicas.set_state(
+            replica,
+            Replica.State.PENDING,
+            f"restarting after a CUDA device-side assert: {reason}",
+            extra=["failure_reason", "progress"],
+            kind=Event.Kind.REPLICA_RESTARTED,
+        )
+        dispatch.to_node(replica.node.queue, dispatch.START, replica.id, [])
+        return
+    replicas.reserve_exactly(replica, {}, reason=f"replica failed: {reason}")
+    replica.failure_reason = reason
+    replica.pid = None
+    replica.serving_since = None
+    replicas.set_state(replica, Replica.State.FAILED, reason, extra=["failure_reason", "pid", "serving_since"])
+    if deployment is None:
+        wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} failed: {reason}")
+        return
+
+    # A replacement after a backoff, or, at the limit, a failed deployment whose waiting
+    # requests have nothing left to wait for.
+    if not deployments.note_load_failure(deployment, replica.id, reason):
+        replicas.fail_waiting_if_none_may_serve(replica, reason)
+
+
+def wake_for_waiting(deployment_name: str, reason: str) -> None:
+    """Requests wait (some re-queued from a dead replica) and the waking is on no one: the next
+    request would wake the deployment, but a client waiting for its answer sends none. The
+    control plane's wake (a promotion, or a new replica) runs once this has committed.
+    Not after a load failure or an OOM: a replacement would only fail the same way."""
+
+    try:
+        waiting = queueing.queue_depth(deployment_name)
+    except redis.RedisError as err:
+        # What the replica reported is recorded all the same; the next request wakes it instead.
+        log.warning("cannot see whether requests wait for %s (Redis: %s)", deployment_name, err)
+        return
+    if waiting > 0:
+        preemption.wake_later(deployment_name, f"requests waiting after {reason}")
+
+
+def _stopped(replica: Replica, event: dict[str, Any]) -> None:
+    replicas.requeue_taken(replica, f"replica {replica.id[:8]} stopped")
+    replicas.reserve_exactly(replica, {}, reason="replica stopped")
+    replica.pid = None
+    replica.serving_since = None
+    replicas.set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
+
+
+HANDLERS = {
+    "progress": _progress,
+    "serving": on_serving,
+    "woken": _woken,
+    "sleeping": _sleeping,
+    "failed": _failed,
+    "stopped": _stopped,
+}
+
+
+def _pair_report_from_a_plain_replica(replica: Replica, event: dict[str, Any]) -> None:
+    log.warning("replica %s is in no failover pair but reported %s; ignoring", replica.id, event.get("event"))
+
+
+# Reports only failover pair members make (scheduling.services.failover handles them).
+PAIR_ONLY = dict.fromkeys(("failover", "lease", "standby", "active"), _pair_report_from_a_plain_replica)
+
+
+def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None:
+    """What one replica holds serving at max_tokens, as the replica composed it from measured
+    parts with scheduling.memory's formula (its weights as allocated, the pool, the activation
+    reserve, its context, what NVML shows outside the allocator): the need the next replica is
+    reserved and sizes its pool against. Not NVML's figure at load: it has no activations yet,
+    and a replica reserved it would size its pool below zero (issue 15).
+
+    Replicas of an older build report no need: then their tensor bytes plus the reserves the
+    estimate budgets beside them."""
+    if isinstance(event.get("need_bytes"), int) and event["need_bytes"] > 0:
+        return int(event["need_bytes"])
+    weights = event.get("weights_bytes")
+    if not weights:
+        return None
+    reserves = max(0, (deployment.memory_estimate_bytes or 0) - (deployment.weight_bytes or 0))
+    return int(weights) + reserves
+
+
+def _seconds_in(replica: Replica, state: str, now: datetime) -> float:
+    """How long the replica has been in `state`: since the Event that put it there (updated_at
+    moves with unrelated saves, the Event does not)."""
+    entered = (
+        Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_STATE, after__state=state)
+        .order_by("-time")
+        .values_list("time", flat=True)
+        .first()
+    )
+    return max(0.0, (now - (entered or replica.updated_at)).total_seconds())
+
+
+def _restarts_in_last_hour(replica: Replica) -> int:
+    since = timezone.now() - timedelta(hours=1)
+    return Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_RESTARTED, time__gte=since).count()

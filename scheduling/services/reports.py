@@ -1,0 +1,56 @@
+"""Where every report of a replica process arrives (relayed by its node agent): it goes to the
+handler of a plain replica (replica_reports) or of a failover pair member (pair_reports), and a
+replica that ended without being asked to sets off a reconcile. The top of the services: this
+builds on all of them and none builds on it (issue 17: services without a cycle)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import transaction
+
+from scheduling.models import Deployment, Replica
+from scheduling.services import dispatch, pair_reports, replica_reports, replicas
+
+log = logging.getLogger(__name__)
+
+# It ended: a replica in neither state counts toward its deployment or is on its way to it.
+ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
+
+
+# -- reports from replica processes, relayed by their node agent -------------------------------
+
+
+def report(replica_id: str, event: dict[str, Any]) -> None:
+    """Apply one event from a replica process. Unknown replicas (deleted meanwhile) are ignored."""
+    kind = event.get("event")
+    handler = replica_reports.HANDLERS.get(kind) or replica_reports.PAIR_ONLY.get(kind)
+    if handler is None:
+        log.warning("replica %s reported an unknown event %r", replica_id, kind)
+        return
+    with transaction.atomic():
+        replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
+        if replica is None:
+            log.info("replica %s reported %s after it was deleted; ignoring", replica_id, kind)
+            return
+        if replica.lease_id is not None:
+            # A failover pair member: its reports carry epochs, and its end hands the pair over.
+            # The members' agents relay on threads of their own, so the old active's end and its
+            # standby's takeover can arrive at once: the deployment row lock (first, as always)
+            # makes a pair's reports take turns, and each reads the rows the previous one wrote.
+            Deployment.objects.select_for_update().filter(pk=replica.deployment_id).first()
+            replica = Replica.objects.select_related("deployment", "node").get(pk=replica_id)
+            handler = pair_reports.HANDLERS.get(kind, handler)
+        before = replica.state
+        handler(replica, event)
+        if (
+            replica.state in ENDED
+            and before not in (*ENDED, Replica.State.STOPPING)
+            and replica.role != Replica.Role.STANDBY  # its pair replaces it (pair_reports.on_gone)
+            and event.get("kind") not in replica_reports.LOAD_FAILURES  # the backoff puts it back (note_load_failure)
+        ):
+            # It ended without being asked to: its deployment may be a replica short, and the
+            # reconcile puts one back.
+            why = f"replica {replica.id[:8]} of {replica.deployment.name} {replica.state}"
+            dispatch.to_control(replicas.RECONCILE_TASK, why)
