@@ -21,6 +21,7 @@ from django.db import connection, transaction
 from django.db.models import Func
 from django.utils import timezone
 
+from scheduling import locks
 from scheduling.metrics import CAS_CONFLICTS, COMMITS
 from scheduling.models import GPU
 from scheduling.state import DeviceInfo, GPUView, IntentView, OccupantView, Plan, Snapshot, SnapshotIndex
@@ -357,7 +358,7 @@ def sync_inventory(node_id: int, node_name: str, devices: list[DeviceInfo]) -> l
     """
     changes: list[InventoryChange] = []
     with transaction.atomic():
-        existing = {g.index: g for g in GPU.objects.select_for_update().filter(node_id=node_id).order_by("pk")}
+        existing = {g.index: g for g in locks.lock_node_gpus(node_id)}
         reported = {d.index for d in devices}
         for device in sorted(devices, key=lambda d: d.index):
             label = f"{node_name}/{device.index}"

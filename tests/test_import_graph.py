@@ -1,8 +1,9 @@
-"""No import cycle anywhere in the project (issue 17): every module's imports, at the top or inside
-functions, form a graph without a cycle. The control plane's services are layered (queueing below
-replicas, below failover, below deployments, below sleep and preemption, below requests, and the
-reports on top), and the data plane's modules likewise. Imports under `if TYPE_CHECKING:` never run
-and are not counted."""
+"""The shape of the code (issue 17). No import cycle anywhere in the project: every module's
+imports, at the top or inside functions, form a graph without a cycle. The control plane's
+services are layered (queueing below replicas, below failover, below deployments, below sleep and
+preemption, below requests, and the reports on top), and the data plane's modules likewise.
+Imports under `if TYPE_CHECKING:` never run and are not counted. And every row lock goes through
+scheduling/locks.py, which holds the one lock order."""
 
 from __future__ import annotations
 
@@ -119,3 +120,16 @@ def test_the_cycle_check_finds_a_cycle_through_an_import_inside_a_function():
     assert imported_names(tree) == ["x.top", "y.inner", "y.inner.thing"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_row_lock_is_taken_through_the_lock_module():
+    # Issue 17: scheduling/locks.py holds the one lock order; a select_for_update elsewhere would
+    # be a lock the order does not know of (the ledger's commit function takes GPU rows in SQL).
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for name, path in modules().items()
+        if name != "scheduling.locks"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "select_for_update" in line
+    ]
+    assert offenders == []

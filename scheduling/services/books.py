@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from django.db import transaction
 
-from scheduling import events, memory
-from scheduling.models import GPU, Deployment, Event, Occupant, Replica
+from scheduling import events, locks, memory
+from scheduling.models import GPU, Event, Occupant, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import gpu_contexts
 from scheduling.state import Books
@@ -191,7 +191,7 @@ def _raise_need(replica: Replica, excess: Excess) -> int | None:
     if replica.lease_id is not None:
         used -= gpu_contexts([excess.gpu_id])[1]
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+        deployment = locks.lock_deployment_of(replica)
         before = deployment.memory_measured_bytes
         if before is not None and before >= used:
             return None

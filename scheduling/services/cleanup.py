@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from scheduling import events
+from scheduling import events, locks
 from scheduling.models import Event, Replica
 
 ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
@@ -35,11 +35,13 @@ def collect_ended_replicas(
         # skip_locked: a replica whose report is being recorded right now is not one to remove.
         # Only rows with no reservation left: an ended replica's occupants were released through
         # the ledger when it ended, and one that still has any is a question, not garbage.
-        ended = (
-            Replica.objects.select_for_update(skip_locked=True, of=("self",))
-            .filter(state__in=ENDED, occupancies__isnull=True)
-            .select_related("deployment")
-            .order_by("deployment_id", "-updated_at", "pk")
+        # Locked in the one order (primary key), then read newest first per deployment.
+        ended = sorted(
+            locks.lock_replicas(
+                Replica.objects.filter(state__in=ENDED, occupancies__isnull=True).select_related("deployment"),
+                skip_locked=True,
+            ),
+            key=lambda r: (r.deployment_id, -r.updated_at.timestamp(), r.pk),
         )
         seen: dict[int, int] = defaultdict(int)
         doomed: list[Replica] = []

@@ -299,7 +299,7 @@ def replace_failed(name: str) -> list[str]:
     """The backoff of a failed load is over: place what the deployment lacks (its replicas, or
     one for the requests that wait when it wants none awake). Returns the replicas placed."""
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().filter(name=name).first()
+        deployment = locks.lock_deployment_if_there(name=name)
         if deployment is None or deployment.failed_reason or deployment.retry_at is None:
             return []  # deleted, given up, or retried by hand meanwhile
         deployment.retry_at = None
@@ -317,7 +317,7 @@ def reconcile(name: str, reason: str) -> list[str]:
     `replicas`, sleeping ones counted, never stopping any. Not while a failed load waits out its
     backoff, nor once it gave up. Returns the replicas placed."""
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().filter(name=name).first()
+        deployment = locks.lock_deployment_if_there(name=name)
         if deployment is None or deployment.failed_reason or deployment.retry_at is not None:
             return []
         return _top_up(deployment, deployment.replicas_wanted, reason)

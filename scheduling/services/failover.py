@@ -97,11 +97,10 @@ def switchover(name: str, *, reason: str = "planned switchover by an operator") 
         deployment = locks.lock_deployment(name)
         if not deployment.failover_standby:
             raise InvalidState(f"deployment {name} has no failover standby (failover.standby is false)")
-        actives = list(
-            Replica.objects.select_for_update(of=("self",))
-            .select_related("node", "deployment")
-            .filter(deployment=deployment, lease__isnull=False, state=Replica.State.SERVING)
-            .order_by("pk")
+        actives = locks.lock_replicas(
+            Replica.objects.select_related("node", "deployment").filter(
+                deployment=deployment, lease__isnull=False, state=Replica.State.SERVING
+            )
         )
         if not actives:
             raise InvalidState(f"deployment {name} has no serving replica to switch over")

@@ -9,12 +9,12 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from scheduling import events, ledger
+from scheduling import events, ledger, locks
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import dispatch
 from scheduling.services import replicas as replica_services
-from scheduling.services.errors import InvalidState, NotFound
+from scheduling.services.errors import InvalidState
 from scheduling.state import Books, DeviceInfo
 
 INVENTORY_EVENT = {
@@ -46,9 +46,8 @@ def register_node(
     """Create or refresh a node and its GPUs as its agent reports them; the node is online after."""
     now = timezone.now()
     with transaction.atomic():
-        node, created = Node.objects.select_for_update().get_or_create(
-            name=name,
-            defaults={"queue": node_queue(name), "status": Node.Status.ONLINE, "last_heartbeat": now},
+        node, created = locks.lock_or_create_node(
+            name, {"queue": node_queue(name), "status": Node.Status.ONLINE, "last_heartbeat": now}
         )
         before = {"status": node.status, "virtual": node.virtual, "gpus": node.gpus.count()}
         previous_status = node.status
@@ -115,7 +114,7 @@ def heartbeat(
     while they still hold GPU memory the books gave to others (issue 16)."""
     now = now or timezone.now()
     with transaction.atomic():
-        node = Node.objects.select_for_update().get(name=name)
+        node = locks.lock_node(name)
         node.last_heartbeat = now
         fields = ["last_heartbeat"]
         stale = written_off(node, running) if running is not None else []
@@ -168,11 +167,8 @@ def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = 
     expired: list[str] = []
     with transaction.atomic():
         # skip_locked: a node being registered or heartbeating right now is, by definition, alive.
-        stale = (
-            Node.objects.select_for_update(skip_locked=True)
-            .exclude(status=Node.Status.OFFLINE)
-            .filter(last_heartbeat__lt=cutoff)
-            .order_by("pk")
+        stale = locks.lock_silent_nodes(
+            Node.objects.exclude(status=Node.Status.OFFLINE).filter(last_heartbeat__lt=cutoff)
         )
         for node in stale:
             silent = (now - node.last_heartbeat).total_seconds()
@@ -200,7 +196,7 @@ def mark_stopping(name: str, reason: str) -> None:
     Offline, the node is no candidate for placement: the reconciles its replicas' `stopped`
     reports set off place their replacements elsewhere, not back on a node that is leaving."""
     with transaction.atomic():
-        node = Node.objects.select_for_update().filter(name=name).first()
+        node = locks.lock_node_if_there(name)
         if node is None or node.status == Node.Status.OFFLINE:
             return
         before = node.status
@@ -231,7 +227,7 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
     not online) and its serving replicas go to sleep. Returns the replicas put to sleep."""
 
     with transaction.atomic():
-        node = _locked(name)
+        node = locks.lock_node(name)
         if node.status == Node.Status.OFFLINE:
             raise InvalidState(f"node {name} is offline: there is nothing to drain")
         if node.status != Node.Status.DRAINING:
@@ -253,7 +249,7 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
 
 def undrain(name: str, *, reason: str = "returned to service by an operator") -> Node:
     with transaction.atomic():
-        node = _locked(name)
+        node = locks.lock_node(name)
         if node.status != Node.Status.DRAINING:
             raise InvalidState(f"node {name} is {node.status}, not draining")
         node.status = Node.Status.ONLINE
@@ -267,10 +263,3 @@ def undrain(name: str, *, reason: str = "returned to service by an operator") ->
             node=name,
         )
     return node
-
-
-def _locked(name: str) -> Node:
-    try:
-        return Node.objects.select_for_update().get(name=name)
-    except Node.DoesNotExist:
-        raise NotFound(f"no node named {name!r}") from None

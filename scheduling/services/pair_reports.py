@@ -11,9 +11,9 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from scheduling import events, memory
+from scheduling import events, locks, memory
 from scheduling.metrics import FAILOVER_SECONDS, FAILOVERS
-from scheduling.models import Deployment, Event, FailoverLease, FailoverState, Replica
+from scheduling.models import Event, FailoverLease, FailoverState, Replica
 from scheduling.services import failover, replica_reports
 from scheduling.services import replicas as replica_services
 
@@ -110,7 +110,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
     """The standby took the lock (so the active's process is gone), woke, and serves: a takeover."""
     if is_stale(replica, event) or replica.state not in failover.READY_TO_TAKE_OVER:
         return  # e.g. stopping with its pair: the stop ends it
-    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+    deployment = locks.lock_deployment_of(replica)
     epoch = int(event["epoch"])
     olds = list(
         Replica.objects.select_related("node", "deployment")

@@ -51,7 +51,7 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from inference.requestqueue import last_key, processing_key
-from scheduling import events, fairness, ledger
+from scheduling import events, fairness, ledger, locks
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
@@ -451,7 +451,7 @@ def _lock_target_gpus(target_ids: Iterable[int]) -> list[GPU] | None:
 
     seen = GPU.objects.filter(pk__in=targets).values_list("pk", "wake_lock_holder_id")
     ids = targets | intents_of_holders(seen)
-    locked = list(GPU.objects.select_for_update(of=("self",)).select_related("node").filter(pk__in=ids).order_by("pk"))
+    locked = locks.lock_gpus(ids)
     if not intents_of_holders((g.pk, g.wake_lock_holder_id) for g in locked) <= ids:
         return None
     return [g for g in locked if g.pk in targets]
@@ -654,12 +654,7 @@ class _Renewer:
         self.last = self.clock()
         expires = timezone.now() + timedelta(seconds=settings.GPUPORTAL_WAKE_LOCK_TTL_S)
         with transaction.atomic():
-            held = list(
-                GPU.objects.select_for_update(of=("self",))
-                .filter(pk__in=self.gpu_ids, wake_lock_holder_id=self.waker_id)
-                .order_by("pk")
-                .values_list("pk", flat=True)
-            )
+            held = [g.pk for g in locks.lock_gpus(self.gpu_ids) if g.wake_lock_holder_id == self.waker_id]
             GPU.objects.filter(pk__in=held).update(wake_lock_expires_at=expires)
 
 
@@ -704,7 +699,7 @@ def _try_place(ids: list[int], why: str, *, victims: list[str] | None = None) ->
     """Place the waker without evicting anyone; None (nothing changed) while it does not fit."""
     intent = PreemptionIntent.objects.select_related("waiting_replica").get(pk=ids[0])
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().get(pk=intent.waiting_replica.deployment_id)
+        deployment = locks.lock_deployment_of(intent.waiting_replica)
         intents = list(PreemptionIntent.objects.filter(pk__in=ids).order_by("pk"))
         if any(i.status not in ACTIVE_INTENT_STATUSES for i in intents):
             return Outcome(PreemptionIntent.Status.CANCELLED, "the intents were closed by someone else")
@@ -743,7 +738,7 @@ def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> O
 
     intent = PreemptionIntent.objects.select_related("waiting_replica").get(pk=ids[0])
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().get(pk=intent.waiting_replica.deployment_id)
+        deployment = locks.lock_deployment_of(intent.waiting_replica)
         intents = list(PreemptionIntent.objects.filter(pk__in=ids, status__in=ACTIVE_INTENT_STATUSES).order_by("pk"))
         _close(intents, PreemptionIntent.Status.FAILED, reason)
         _drop_unplaced(intent.waiting_replica_id, reason)
@@ -759,11 +754,8 @@ def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> O
 
 def _drop_unplaced(replica_id: str, reason: str) -> None:
     """A new waker that never got a place fails, so that it is not mistaken for a live replica."""
-    waker = (
-        Replica.objects.select_for_update(of=("self",))
-        .select_related("deployment", "node")
-        .filter(pk=replica_id)
-        .first()
+    waker = next(
+        iter(locks.lock_replicas(Replica.objects.select_related("deployment", "node").filter(pk=replica_id))), None
     )
     if waker is not None and waker.state == Replica.State.PENDING and waker.node_id is None:
         waker.failure_reason = reason
@@ -775,13 +767,7 @@ def _close(intents: list[PreemptionIntent], status: str, reason: str) -> None:
     if not intents:
         return
     waker_id = intents[0].waiting_replica_id
-    gpus = {
-        g.pk: g
-        for g in GPU.objects.select_for_update(of=("self",))
-        .select_related("node")
-        .filter(pk__in=[i.gpu_id for i in intents])
-        .order_by("pk")
-    }
+    gpus = {g.pk: g for g in locks.lock_gpus(i.gpu_id for i in intents)}
     deployment = Replica.objects.filter(pk=waker_id).values_list("deployment__name", flat=True).first() or ""
     for intent in intents:
         before = intent.status

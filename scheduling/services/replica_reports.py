@@ -14,7 +14,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from scheduling import memory
+from scheduling import locks, memory
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import deployments, dispatch, preemption, queueing, replicas, sleep
@@ -36,7 +36,7 @@ def _progress(replica: Replica, event: dict[str, Any]) -> None:
 def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
         return
-    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+    deployment = locks.lock_deployment_of(replica)
 
     deployments.note_loaded(deployment)
     measured = _measured_bytes(deployment, event)
@@ -112,7 +112,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
     load_failure = event.get("kind") in LOAD_FAILURES
     # The deployment row first, as everywhere (then GPU rows, then replica rows): a failed load
     # moves its crash-loop count (scheduling.services.deployments.note_load_failure).
-    deployment = Deployment.objects.select_for_update().get(pk=replica.deployment_id) if load_failure else None
+    deployment = locks.lock_deployment_of(replica) if load_failure else None
     replicas.requeue_taken(replica, f"replica {replica.id[:8]} failed: {reason}")
     restartable = _restarts_in_last_hour(replica) < settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR
     if event.get("kind") == "cuda_assert" and restartable:

@@ -9,7 +9,7 @@ import logging
 import redis
 from django.db import transaction
 
-from scheduling import events, ledger, memory
+from scheduling import events, ledger, locks, memory
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
 from scheduling.services import dispatch, queueing
 from scheduling.services.errors import InvalidState, NotFound
@@ -56,8 +56,8 @@ def to_cache(
     with transaction.atomic():
         replica = get(replica_id)
         # Lock order: the deployment row before anything the ledger locks, then the replica row.
-        deployment = deployment or Deployment.objects.select_for_update().get(pk=replica.deployment_id)
-        replica = Replica.objects.select_for_update(of=("self",)).select_related("node").get(pk=replica_id)
+        deployment = deployment or locks.lock_deployment_of(replica)
+        replica = locks.lock_replica(replica_id)
         if replica.state != Replica.State.SERVING:
             raise InvalidState(f"replica {replica_id} is {replica.state}, {refused}")
         if replica.lease_id is not None:
@@ -161,7 +161,7 @@ def lose_with_node(node_name: str, reason: str) -> list[str]:
             if replica is None or replica.state in (Replica.State.STOPPED, Replica.State.FAILED):
                 continue
             if replica.lease_id is not None:
-                Deployment.objects.select_for_update().filter(pk=replica.deployment_id).first()
+                locks.lock_deployment_of(replica)
             requeue_taken(replica, f"replica {replica.id[:8]} {reason}")
             reserve_exactly(replica, {}, reason=f"replica {reason}")
             replica.pid = None

@@ -10,7 +10,8 @@ from typing import Any
 
 from django.db import transaction
 
-from scheduling.models import Deployment, Replica
+from scheduling import locks
+from scheduling.models import Replica
 from scheduling.services import dispatch, pair_reports, replica_reports, replicas
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
             # The members' agents relay on threads of their own, so the old active's end and its
             # standby's takeover can arrive at once: the deployment row lock (first, as always)
             # makes a pair's reports take turns, and each reads the rows the previous one wrote.
-            Deployment.objects.select_for_update().filter(pk=replica.deployment_id).first()
+            locks.lock_deployment_of(replica)
             replica = Replica.objects.select_related("deployment", "node").get(pk=replica_id)
             handler = pair_reports.HANDLERS.get(kind, handler)
         before = replica.state

@@ -18,6 +18,7 @@ from django.db.models import DurationField, ExpressionWrapper, F
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
+from scheduling import locks
 from scheduling.models import Deployment, Replica
 from scheduling.placement import CachedReplica
 from scheduling.services import deployments, preemption, queueing
@@ -189,17 +190,16 @@ def sweep_idle(now: datetime | None = None) -> list[str]:
 
 def _sleep_idle_of(deployment_id: int, now: datetime) -> list[str]:
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update(skip_locked=True).filter(pk=deployment_id).first()
+        deployment = locks.lock_deployment_if_there(pk=deployment_id, skip_locked=True)
         # Re-checked under the lock: the settings may have changed since the candidates were read.
         if deployment is None or deployment.popular or deployment.failover_standby or deployment.idle_timeout_s <= 0:
             return []
         cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
-        idle = list(
-            Replica.objects.select_for_update(skip_locked=True, of=("self",))
-            .filter(deployment=deployment, state=Replica.State.SERVING)
+        idle = locks.lock_replicas(
+            Replica.objects.filter(deployment=deployment, state=Replica.State.SERVING)
             .annotate(idle_since=Greatest(F("last_accessed"), F("serving_since")))
-            .filter(idle_since__lt=cutoff)
-            .order_by("pk")
+            .filter(idle_since__lt=cutoff),
+            skip_locked=True,
         )
         for replica in idle:
             idle_s = int((now - replica.idle_since).total_seconds())
