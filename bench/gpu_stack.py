@@ -425,7 +425,7 @@ class Driver:
 
     def with_kv(self, deployment: str, replicas: list[dict]) -> list[dict]:
         """The replicas again once each reports its KV pool: the serving loop publishes the figures
-        (inference.kvstats) a moment after the state changes. Whatever they say at the deadline."""
+        (gpuportal.wire.kvstats) a moment after the state changes. Whatever they say at the deadline."""
         wanted = {r["id"] for r in replicas}
         deadline = time.monotonic() + KV_TIMEOUT_S
         while True:

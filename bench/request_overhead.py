@@ -53,11 +53,11 @@ def direct_calls(model_dir: Path) -> tuple[Callable[[], None], Callable[[], None
     difference from each portal path is the portal's."""
     import torch
 
+    from gpuportal.wire.requestqueue import Request
     from inference.batching import Batcher, eos_ids, run_until_idle
     from inference.loaders import load_model, tensor_bytes
     from inference.paged import engine_for
     from inference.replica import load_tokenizer
-    from inference.requestqueue import Request
     from inference.serving import Executor
 
     # As inference.replica sets it for a replica on a virtual GPU.

@@ -61,6 +61,104 @@ def settled():
     return lambda: not Replica.objects.filter(deployment__name=NAME, state__in=busy).exists()
 
 
+MS = 1000
+
+
+def cold_starts(trials: int) -> list[float]:
+    """Seconds from a scale-up by one to the new replica serving (then back to two)."""
+    from scheduling.services import deployments
+
+    cold: list[float] = []
+    for trial in range(trials):
+        began = time.monotonic()
+        deployments.scale(NAME, 3, reason="bench: cold start")
+        wait(serving(3), 300, "the third replica to serve")
+        cold.append(time.monotonic() - began)
+        deployments.scale(NAME, 2, reason="bench: back to two")
+        wait(lambda: serving(2)() and settled()(), 300, "the scale-down")
+        print(f"cold start {trial + 1}: {MS * cold[-1]:.0f} ms", flush=True)
+    return cold
+
+
+def node_losses(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
+    """(detection, then full count) seconds per SIGKILL of the agent of a node serving a replica;
+    the agent is started again after each."""
+    from scheduling.models import Replica
+
+    detect: list[float] = []
+    heal: list[float] = []
+    for trial in range(trials):
+        node = Replica.objects.filter(deployment__name=NAME, state="serving").values_list("node__name", flat=True)[0]
+        killed_at = time.monotonic()
+        portal.agents[node].send_signal(signal.SIGKILL)  # its replicas die with it (PR_SET_PDEATHSIG)
+        portal.agents[node].wait(30)
+        wait(node_is(node, "offline"), 120, f"node {node} to go offline")
+        offline_at = time.monotonic()
+        wait(serving(2, off=node), 300, "the replacements to serve")
+        detect.append(offline_at - killed_at)
+        heal.append(time.monotonic() - offline_at)
+        print(f"node loss {trial + 1}: offline after {MS * detect[-1]:.0f} ms, full count {MS * heal[-1]:.0f} ms later")
+        portal.start_agent(node)
+        wait(node_is(node, "online"), 120, f"node {node} to come back")
+    return detect, heal
+
+
+def restarts(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
+    """(agents registered, deployment at full count) seconds after every agent is started anew."""
+    from scheduling.models import Node, Replica
+
+    registered: list[float] = []
+    restored: list[float] = []
+    for trial in range(trials):
+        wait(lambda: serving(2)() and settled()(), 300, "the deployment to settle")
+        for process in portal.agents.values():
+            process.send_signal(signal.SIGTERM)
+        for process in portal.agents.values():
+            process.wait(120)
+        wait(lambda: not Replica.objects.filter(deployment__name=NAME, state="serving").exists(), 60, "stop")
+        started_at = time.monotonic()
+        for name in AGENTS:
+            portal.start_agent(name)
+        wait(lambda: Node.objects.filter(status="online").count() == len(AGENTS), 120, "the agents to register")
+        registered.append(time.monotonic() - started_at)
+        wait(serving(2), 300, "the deployment to serve again")
+        restored.append(time.monotonic() - started_at)
+        print(f"restart {trial + 1}: serving {MS * restored[-1]:.0f} ms after the agents started", flush=True)
+    return registered, restored
+
+
+def report(
+    cold: list[float], losses: tuple[list[float], list[float]], restarted: tuple[list[float], list[float]]
+) -> str:
+    from bench.report import table
+
+    p50 = statistics.median
+    detect, heal = losses
+    registered, restored = restarted
+    loading = [r - g for r, g in zip(restored, registered, strict=True)]
+    rows = [
+        ["cold start (scale 2 → 3)", len(cold), "", f"{MS * p50(cold):.0f}", "", "1.0"],
+        [
+            "node loss: agent SIGKILLed under load",
+            len(heal),
+            f"{MS * p50(detect):.0f}",
+            f"{MS * p50(heal):.0f}",
+            f"{MS * p50([d + h for d, h in zip(detect, heal, strict=True)]):.0f}",
+            f"{p50(heal) / p50(cold):.1f}",
+        ],
+        [
+            "restart: every agent stopped and started",
+            len(restored),
+            f"{MS * p50(registered):.0f}",
+            f"{MS * p50(loading):.0f}",
+            f"{MS * p50(restored):.0f}",
+            f"{p50(loading) / p50(cold):.1f}",
+        ],
+    ]
+    headers = ["trial", "n", "detect or register p50 ms", "then full count p50 ms", "total p50 ms", "÷ cold start"]
+    return table(headers, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3)
@@ -77,9 +175,8 @@ def main() -> None:
         from django.contrib.auth.models import User
         from rest_framework.authtoken.models import Token
 
-        from bench.report import record, table
+        from bench.report import record
         from inference.management.commands.make_tiny_model import write_tiny_model
-        from scheduling.models import Node, Replica
         from scheduling.services import deployments
         from scheduling.services.deployments import DeploymentSpec
 
@@ -91,96 +188,23 @@ def main() -> None:
             DeploymentSpec(name=NAME, source=str(model_dir), replicas=2, override_bytes=512 * MiB, max_tokens=256)
         )
         wait(serving(2), 300, "two replicas to serve")
-        ms = 1000
 
-        # -- cold start: one more replica, placed and loaded ------------------------------------
-        cold: list[float] = []
-        for trial in range(args.trials):
-            began = time.monotonic()
-            deployments.scale(NAME, 3, reason="bench: cold start")
-            wait(serving(3), 300, "the third replica to serve")
-            cold.append(time.monotonic() - began)
-            deployments.scale(NAME, 2, reason="bench: back to two")
-            wait(lambda: serving(2)() and settled()(), 300, "the scale-down")
-            print(f"cold start {trial + 1}: {ms * cold[-1]:.0f} ms", flush=True)
-
-        # -- node loss under load ----------------------------------------------------------------
-        detect: list[float] = []
-        heal: list[float] = []
+        cold = cold_starts(args.trials)
         load = Load(portal.port, key, NAME, args.clients)
         load.start()
-        for trial in range(args.trials):
-            doomed = Replica.objects.filter(deployment__name=NAME, state="serving").values_list("node__name", flat=True)
-            node = doomed.first()
-            assert node is not None
-            killed_at = time.monotonic()
-            portal.agents[node].send_signal(signal.SIGKILL)  # its replicas die with it (PR_SET_PDEATHSIG)
-            portal.agents[node].wait(30)
-            wait(node_is(node, "offline"), 120, f"node {node} to go offline")
-            offline_at = time.monotonic()
-            wait(serving(2, off=node), 300, "the replacements to serve")
-            healed_at = time.monotonic()
-            detect.append(offline_at - killed_at)
-            heal.append(healed_at - offline_at)
-            print(
-                f"node loss {trial + 1}: offline after {ms * detect[-1]:.0f} ms, "
-                f"full count {ms * heal[-1]:.0f} ms later",
-                flush=True,
-            )
-            portal.start_agent(node)
-            wait(node_is(node, "online"), 120, f"node {node} to come back")
+        losses = node_losses(portal, args.trials)
         load.finish()
         failed = load.failed()
-        answers = len(load.answers)
+        restarted = restarts(portal, args.trials)
 
-        # -- restart: every agent stopped, then started anew --------------------------------------
-        registered: list[float] = []
-        restored: list[float] = []
-        for trial in range(args.trials):
-            wait(lambda: serving(2)() and settled()(), 300, "the deployment to settle")
-            for process in portal.agents.values():
-                process.send_signal(signal.SIGTERM)
-            for process in portal.agents.values():
-                process.wait(120)
-            wait(lambda: not Replica.objects.filter(deployment__name=NAME, state="serving").exists(), 60, "stop")
-            started_at = time.monotonic()
-            for name in AGENTS:
-                portal.start_agent(name)
-            wait(lambda: Node.objects.filter(status="online").count() == len(AGENTS), 120, "the agents to register")
-            registered.append(time.monotonic() - started_at)
-            wait(serving(2), 300, "the deployment to serve again")
-            restored.append(time.monotonic() - started_at)
-            print(f"restart {trial + 1}: serving {ms * restored[-1]:.0f} ms after the agents started", flush=True)
-
-        p50 = statistics.median
-        rows = [
-            ["cold start (scale 2 → 3)", len(cold), "", f"{ms * p50(cold):.0f}", "", "1.0"],
-            [
-                "node loss: agent SIGKILLed under load",
-                len(heal),
-                f"{ms * p50(detect):.0f}",
-                f"{ms * p50(heal):.0f}",
-                f"{ms * p50([d + h for d, h in zip(detect, heal, strict=True)]):.0f}",
-                f"{p50(heal) / p50(cold):.1f}",
-            ],
-            [
-                "restart: every agent stopped and started",
-                len(restored),
-                f"{ms * p50(registered):.0f}",
-                f"{ms * p50([r - g for r, g in zip(restored, registered, strict=True)]):.0f}",
-                f"{ms * p50(restored):.0f}",
-                f"{p50([r - g for r, g in zip(restored, registered, strict=True)]) / p50(cold):.1f}",
-            ],
-        ]
-        headers = ["trial", "n", "detect or register p50 ms", "then full count p50 ms", "total p50 ms", "÷ cold start"]
-        report = table(headers, rows)
+        table = report(cold, losses, restarted)
         detail = (
             f"Settings: heartbeat every {settings.GPUPORTAL_HEARTBEAT_S:g} s, a node offline after "
             f"{settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S:g} s of silence, expired by the beat sweep (every 5 s). "
-            f"Under node loss, {args.clients} clients sent {answers} one-token `/infer/` requests; "
+            f"Under node loss, {args.clients} clients sent {len(load.answers)} one-token `/infer/` requests; "
             f"{len(failed)} did not end `done`."
         )
-        print("\n" + report + "\n\n" + detail)
+        print("\n" + table + "\n\n" + detail)
         for failure in failed[:5]:
             print("failed:", failure)
         if not args.no_record:
@@ -193,7 +217,7 @@ def main() -> None:
                 "replica to its node offline (detect), then to 2 replicas serving on the other node (full "
                 "count). Restart: every agent SIGTERMed, then started; from the start to the agents registered, "
                 "then to 2 replicas serving, with no request sent. `÷ cold start`: the part after detection "
-                "or registration against a plain scale-up measured in the same run.\n\n" + report + "\n\n" + detail,
+                "or registration against a plain scale-up measured in the same run.\n\n" + table + "\n\n" + detail,
             )
         if failed:
             raise SystemExit(f"{len(failed)} request(s) did not end done")

@@ -120,7 +120,6 @@ def _requests_in_flight() -> Metric:
     gpuportal_requests_accepted_total counts what came in."""
     from redis.exceptions import RedisError
 
-    from inference.requestqueue import processing_key, queue_key
     from scheduling.services import requests as request_services
 
     family = GaugeMetricFamily(
@@ -128,21 +127,16 @@ def _requests_in_flight() -> Metric:
         "Requests in flight by status (waiting in a queue, taken by a replica).",
         labels=["status"],
     )
-    keys = [queue_key(name) for name in Deployment.objects.values_list("name", flat=True)]
-    taken_keys = [
-        processing_key(replica_id)
-        for replica_id in Replica.objects.exclude(state__in=(Replica.State.STOPPED,)).values_list("id", flat=True)
-    ]
+    names = Deployment.objects.values_list("name", flat=True)
+    replicas = Replica.objects.exclude(state__in=(Replica.State.STOPPED,)).values_list("id", flat=True)
     try:
-        with request_services.queue().redis.pipeline(transaction=False) as pipe:
-            for key in (*keys, *taken_keys):
-                pipe.llen(key)
-            lengths = pipe.execute()
+        waiting = request_services.queue().depths(names)
+        taken = request_services.queue().in_flight(replicas)
     except RedisError:
         logger.warning("metrics: cannot read request lists from Redis", exc_info=True)
         return family
-    family.add_metric(["waiting"], sum(lengths[: len(keys)]))
-    family.add_metric(["taken"], sum(lengths[len(keys) :]))
+    family.add_metric(["waiting"], sum(waiting.values()))
+    family.add_metric(["taken"], sum(taken.values()))
     return family
 
 
@@ -151,19 +145,18 @@ def _requests_finished() -> Metric:
     in the same round trip, so the figure is the portal's whatever process ended them."""
     from redis.exceptions import RedisError
 
-    from inference.requestqueue import FINAL, finished_key
     from scheduling.services import requests as request_services
 
     family = CounterMetricFamily(
         "gpuportal_requests_finished", "Requests that ended, by status (done, failed, cancelled).", labels=["status"]
     )
     try:
-        counts = request_services.queue().redis.mget([finished_key(status) for status in FINAL])
+        counts = request_services.queue().finished_counts()
     except RedisError:
         logger.warning("metrics: cannot read finished-request counts from Redis", exc_info=True)
         return family
-    for status, count in zip(FINAL, counts, strict=True):
-        family.add_metric([status], int(count or 0))
+    for status, count in counts.items():
+        family.add_metric([status], count)
     return family
 
 
@@ -224,24 +217,18 @@ def _queue_depths() -> Metric:
     """Requests waiting per deployment, read from Redis at scrape time (one round trip)."""
     from redis.exceptions import RedisError
 
-    from inference.requestqueue import queue_key
     from scheduling.services import requests as request_services
 
     family = GaugeMetricFamily(
         "gpuportal_queue_depth", "Requests waiting for a replica, per deployment.", labels=["deployment"]
     )
     names = list(Deployment.objects.order_by("name").values_list("name", flat=True))
-    if not names:
-        return family
     try:
-        with request_services.queue().redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.llen(queue_key(name))
-            depths = pipe.execute()
+        depths = request_services.queue().depths(names)
     except RedisError:
         logger.warning("metrics: cannot read queue depths from Redis", exc_info=True)
         return family
-    for name, depth in zip(names, depths, strict=True):
+    for name, depth in depths.items():
         family.add_metric([name], depth)
     return family
 

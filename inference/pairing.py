@@ -21,9 +21,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from gpuportal.wire.requestqueue import Fence, RequestQueue
 from inference.failover import FailoverMember, Grant, LeaseConfig, Stale
 from inference.process_exit import exit_now as _exit
-from inference.requestqueue import Fence, RequestQueue
 
 if TYPE_CHECKING:
     from inference.replica import ReplicaHost

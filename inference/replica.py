@@ -45,8 +45,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from gpuportal.wire.requestqueue import Fence, RequestQueue
 from inference.process_exit import exit_now as _exit
-from inference.requestqueue import Fence, RequestQueue
 from inference.serving import Executor, Server
 
 if TYPE_CHECKING:
@@ -708,7 +708,7 @@ class ReplicaHost:
 
     def on_stale(self, reason: str) -> None:
         """Our failover epoch was superseded, or the control plane wrote us off and gave our
-        requests back (inference.requestqueue.Fenced): stop serving at once and exit, so two
+        requests back (gpuportal.wire.requestqueue.Fenced): stop serving at once and exit, so two
         never answer one request."""
         self.accepting.clear()
         self._state = "stale"

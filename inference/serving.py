@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from inference import kvstats
+from gpuportal.wire import kvstats
+from gpuportal.wire.requestqueue import Fenced, Request, RequestQueue, family_of_loader
 from inference.errors import BadInput
-from inference.requestqueue import Fenced, Request, RequestQueue, family_of_loader
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
@@ -433,7 +433,7 @@ class Server(threading.Thread):
 
 
 class KvPublisher:
-    """Puts the replica's KV pool figures where the control plane reads them (inference.kvstats):
+    """Puts the replica's KV pool figures where the control plane reads them (gpuportal.wire.kvstats):
     when they change (at most once a second), and at least every REFRESH_S while there is a pool,
     so they never expire under a live replica; a replica without a pool (asleep) stops publishing
     and its key expires."""

@@ -153,15 +153,8 @@ def _queue_depths(names: list[str]) -> dict[str, int]:
     than a round trip per row. {} when Redis cannot be read (the page shows "–")."""
     from redis.exceptions import RedisError
 
-    from inference.requestqueue import queue_key
-
-    if not names:
-        return {}
     try:
-        with request_services.queue().redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.llen(queue_key(name))
-            return dict(zip(names, pipe.execute(), strict=True))
+        return request_services.queue().depths(names)
     except RedisError:
         return {}
 

@@ -305,7 +305,7 @@ class FailoverLease(models.Model):
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="failover_leases")
     slot = models.PositiveIntegerField(default=0, help_text="Which pair of the deployment.")
-    # Names the pair's result fence in Redis (inference.requestqueue): ids restart with a new
+    # Names the pair's result fence in Redis (gpuportal.wire.requestqueue): ids restart with a new
     # database, Redis may outlive it, and a fence left by another pair must never apply to this one.
     # The database default serves rows written outside Django (the lock's tests write raw SQL).
     fence = models.CharField(

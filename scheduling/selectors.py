@@ -86,11 +86,11 @@ def events(
 
 
 def kv_stats(replica_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Replicas' KV pool figures, published in Redis by the replicas themselves (inference.kvstats);
+    """Replicas' KV pool figures, published in Redis by the replicas themselves (gpuportal.wire.kvstats);
     {} when Redis cannot be read: a view or a scrape must not fail for want of them."""
     from redis.exceptions import RedisError
 
-    from inference import kvstats
+    from gpuportal.wire import kvstats
     from scheduling.services import requests as request_services
 
     try:

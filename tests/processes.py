@@ -41,7 +41,7 @@ class StandIn(threading.Thread):
         super().__init__(daemon=True)
         from django.conf import settings
 
-        from inference.requestqueue import RequestQueue
+        from gpuportal.wire.requestqueue import RequestQueue
 
         self.replica_id, self.count, self.deployment = replica_id, count, deployment
         self.queue = RequestQueue.from_url(settings.REDIS_URL)

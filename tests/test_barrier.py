@@ -18,8 +18,8 @@ import redis
 from django.conf import settings
 from torch import nn
 
+from gpuportal.wire.requestqueue import Request, RequestQueue, processing_key, queue_key
 from inference.replica import EventWriter, Placement, ReplicaHost, VirtualBackend
-from inference.requestqueue import Request, RequestQueue, processing_key, queue_key
 from inference.supervisor import ReplicaSpec, Supervisor
 from scheduling.memory import H100_CONTEXT_BYTES
 from tests.processes import wait_until

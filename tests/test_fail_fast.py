@@ -8,7 +8,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from inference.requestqueue import RequestQueue
+from gpuportal.wire.requestqueue import RequestQueue
 from scheduling.models import Event, Replica
 from scheduling.services import reports
 from scheduling.services import requests as request_services

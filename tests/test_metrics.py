@@ -120,7 +120,7 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     from redis import Redis
     from rest_framework.test import APIClient
 
-    from inference import kvstats
+    from gpuportal.wire import kvstats
     from scheduling.services import requests as request_services
 
     request_services.queue.cache_clear()
@@ -175,7 +175,7 @@ def test_metrics_cover_every_series_the_dashboard_needs() -> None:
     from django.conf import settings
     from redis import Redis
 
-    from inference import kvstats
+    from gpuportal.wire import kvstats
     from scheduling.metrics import REQUESTS_ACCEPTED
 
     REQUESTS_ACCEPTED.labels(deployment="tiny-a")  # a labelled counter shows once it has a child
@@ -247,7 +247,7 @@ def test_the_grafana_dashboard_parses_and_uses_only_series_metrics_exposes() -> 
 def test_requests_that_end_are_counted_by_status_whichever_process_ends_them() -> None:
     from django.conf import settings
 
-    from inference.requestqueue import Fence, RequestQueue
+    from gpuportal.wire.requestqueue import Fence, RequestQueue
     from scheduling.services import requests as request_services
 
     request_services.queue.cache_clear()

@@ -18,8 +18,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from gpuportal.wire.requestqueue import processing_key
 from inference.devices import virtual_gpus
-from inference.requestqueue import processing_key
 from scheduling.metrics import PREEMPTIONS
 from scheduling.models import GPU, Deployment, Event, Occupant, PreemptionIntent, Replica
 from scheduling.services import preemption, reports, sleep
@@ -37,7 +37,7 @@ LONG_AGO = timedelta(hours=1)
 
 def busy(*replica_ids: str) -> None:
     """Each replica has taken a request and not finished it: the id sits in its processing list,
-    as a replica's take leaves it (inference.requestqueue)."""
+    as a replica's take leaves it (gpuportal.wire.requestqueue)."""
     client = request_services.queue().redis
     for replica_id in replica_ids:
         client.lpush(processing_key(replica_id), f"in-flight-on-{replica_id[:8]}")

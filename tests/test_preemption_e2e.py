@@ -20,8 +20,8 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from gpuportal.wire.requestqueue import processing_key, request_key
 from inference.management.commands.make_tiny_model import write_tiny_model
-from inference.requestqueue import processing_key, request_key
 from scheduling.models import Event, PreemptionIntent, Replica
 from scheduling.services import requests as request_services
 from tests.processes import database_url_of_this_test, wait_until

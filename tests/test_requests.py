@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from inference.devices import virtual_gpus
-from inference.requestqueue import (
+from gpuportal.wire.requestqueue import (
     STREAM_RESTART,
     Fence,
     NotTaken,
@@ -28,6 +27,7 @@ from inference.requestqueue import (
     processing_key,
     queue_key,
 )
+from inference.devices import virtual_gpus
 from inference.serving import Server
 from scheduling.api.requests import InferInput, fast_inputs, params_of
 from scheduling.models import Deployment, Replica

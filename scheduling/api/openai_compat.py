@@ -21,7 +21,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import CachedTokenAuthentication, user_from_header
-from inference.requestqueue import Request, StreamSplice
+from gpuportal.wire.requestqueue import Request, StreamSplice
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.requests import ParamsInput, fast_params, json_body
 from scheduling.models import Deployment

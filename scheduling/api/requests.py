@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import user_from_header
-from inference.requestqueue import Request
+from gpuportal.wire.requestqueue import Request
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
 from scheduling.services import requests as request_services
 from scheduling.services.errors import ServiceError

@@ -50,7 +50,6 @@ from django.db.models import F
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from inference.requestqueue import last_key, processing_key
 from scheduling import events, fairness, ledger, locks
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
@@ -413,19 +412,14 @@ def _activity(replica_ids: list[str]) -> dict[str, tuple[int | None, datetime | 
     """{replica id: (requests in flight, last request time)} from Redis, in one pipeline."""
 
     try:
-        with queueing.queue().redis.pipeline(transaction=False) as pipe:
-            for replica_id in replica_ids:
-                pipe.llen(processing_key(replica_id))
-                pipe.get(last_key(replica_id))
-            replies = pipe.execute()
+        activity = queueing.queue().activity(replica_ids)
     except redis.RedisError as err:
         log.warning("fair wake without request activity (Redis: %s): every victim counts as possibly busy", err)
         return {}
-    out: dict[str, tuple[int | None, datetime | None]] = {}
-    for i, replica_id in enumerate(replica_ids):
-        count, raw = replies[2 * i], replies[2 * i + 1]
-        out[replica_id] = (int(count), None if raw is None else datetime.fromtimestamp(float(raw), tz=UTC))
-    return out
+    return {
+        replica_id: (count, None if last is None else datetime.fromtimestamp(last, tz=UTC))
+        for replica_id, (count, last) in activity.items()
+    }
 
 
 def _kept_bytes(snap: Snapshot) -> dict[int, int]:

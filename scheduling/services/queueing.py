@@ -1,4 +1,4 @@
-"""The request queues as the control plane uses them (inference.requestqueue, in Redis): read,
+"""The request queues as the control plane uses them (gpuportal.wire.requestqueue, in Redis): read,
 cancel, re-queue what a gone replica had taken, end what waits for nothing. Below every other
 service: replicas, deployments, sleep and preemption all need it, and it needs none of them;
 admission (which wakes what must serve) is scheduling.services.requests, on top."""
@@ -12,7 +12,7 @@ from functools import cache
 import redis
 from django.conf import settings
 
-from inference.requestqueue import Request, RequestQueue, last_key
+from gpuportal.wire.requestqueue import Request, RequestQueue, last_key
 from scheduling.models import Replica
 from scheduling.services.errors import InvalidState, NotFound
 

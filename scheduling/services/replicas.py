@@ -147,7 +147,7 @@ def lose_with_node(node_name: str, reason: str) -> list[str]:
     Failover pairs go whole: a standby stands beside its active member on the same node
     (failover.start_standby), so no member is left to take the pair's lock over. A member that
     still runs on a node that was only cut off is fenced all the same: the requests it had are
-    given back, so its late answers are refused (inference.requestqueue.NotTaken), and its agent
+    given back, so its late answers are refused (gpuportal.wire.requestqueue.NotTaken), and its agent
     stops it when it is heard again (nodes.heartbeat).
     """
     lost = Replica.objects.filter(node__name=node_name).exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))

@@ -1,6 +1,6 @@
 """Inference requests: accept, wake what must serve them, wait, read, cancel, re-queue.
 
-Requests live in Redis (inference.requestqueue): the hot path writes no database row, so a
+Requests live in Redis (gpuportal.wire.requestqueue): the hot path writes no database row, so a
 request costs a few Redis round trips on top of the model. What the scheduler needs from them
 (a replica's last access, for idle sleep) is copied into PostgreSQL by `sync_last_accessed`.
 """
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import psycopg
 from django.db import InterfaceError, OperationalError, connection
 
-from inference.requestqueue import Request
+from gpuportal.wire.requestqueue import Request
 from scheduling import ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import deployments, sleep
@@ -102,7 +102,7 @@ def run(
 
 def _queued(deployment_name: str, kind: str, put: Callable[..., T | None]) -> T:
     """`put` (a queue's submit) first with no database read, which queues the request only if a
-    replica claims to take such requests now (inference.requestqueue's gp:live): there is then
+    replica claims to take such requests now (gpuportal.wire.requestqueue's gp:live): there is then
     nothing to wake. Else `put` again once the database has admitted it (`_admit`)."""
     queued = put(if_live=True)
     if queued is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -490,6 +491,45 @@ class RequestQueue:
 
     def depth(self, deployment: str) -> int:
         return int(self.redis.llen(queue_key(deployment)))
+
+    # -- figures for metrics and the dashboard, each one round trip ------------------------------
+
+    def depths(self, deployments: Iterable[str]) -> dict[str, int]:
+        """Requests waiting per deployment."""
+        return dict(zip(*self._lengths(queue_key, deployments), strict=True))
+
+    def in_flight(self, replica_ids: Iterable[str]) -> dict[str, int]:
+        """Requests each replica has taken and not ended (dispatched or running)."""
+        return dict(zip(*self._lengths(processing_key, replica_ids), strict=True))
+
+    def activity(self, replica_ids: Iterable[str]) -> dict[str, tuple[int, float | None]]:
+        """{replica id: (requests in flight, when it last ended one, or None)}."""
+        ids = list(replica_ids)
+        if not ids:
+            return {}
+        with self.redis.pipeline(transaction=False) as pipe:
+            for replica_id in ids:
+                pipe.llen(processing_key(replica_id))
+                pipe.get(last_key(replica_id))
+            replies = pipe.execute()
+        return {
+            replica_id: (int(replies[2 * i]), None if replies[2 * i + 1] is None else float(replies[2 * i + 1]))
+            for i, replica_id in enumerate(ids)
+        }
+
+    def finished_counts(self) -> dict[str, int]:
+        """Requests that ended, by final status, counted by whoever ended them."""
+        counts = self.redis.mget([finished_key(status) for status in FINAL])
+        return {status: int(count or 0) for status, count in zip(FINAL, counts, strict=True)}
+
+    def _lengths(self, key: Callable[[str], str], names: Iterable[str]) -> tuple[list[str], list[int]]:
+        names = list(names)
+        if not names:
+            return [], []
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.llen(key(name))
+            return names, [int(n) for n in pipe.execute()]
 
     def requeue_from(self, replica_id: str, *, max_attempts: int, reason: str) -> dict[str, str]:
         """Give back what a gone replica had taken: to the head of its queue, or failed once it
