@@ -316,7 +316,7 @@ def reconcile(name: str, reason: str) -> list[str]:
     """Keep what the operator asked for (issue 16): place what the deployment lacks of its
     `replicas`, sleeping ones counted, never stopping any. Not while a failed load waits out its
     backoff, nor once it gave up. Returns the replicas placed."""
-    with transaction.atomic():
+    with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         deployment = locks.lock_deployment_if_there(name=name)
         if deployment is None or deployment.failed_reason or deployment.retry_at is not None:
             return []

@@ -45,7 +45,7 @@ def register_node(
 ) -> Node:
     """Create or refresh a node and its GPUs as its agent reports them; the node is online after."""
     now = timezone.now()
-    with transaction.atomic():
+    with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         node, created = locks.lock_or_create_node(
             name, {"queue": node_queue(name), "status": Node.Status.ONLINE, "last_heartbeat": now}
         )
@@ -113,7 +113,7 @@ def heartbeat(
     agent stops them, and the node comes back only once it runs none, so it takes no new work
     while they still hold GPU memory the books gave to others (issue 16)."""
     now = now or timezone.now()
-    with transaction.atomic():
+    with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         node = locks.lock_node(name)
         node.last_heartbeat = now
         fields = ["last_heartbeat"]
@@ -165,7 +165,7 @@ def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = 
     timeout_s = settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S if timeout_s is None else timeout_s
     cutoff = now - timedelta(seconds=timeout_s)
     expired: list[str] = []
-    with transaction.atomic():
+    with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         # skip_locked: a node being registered or heartbeating right now is, by definition, alive.
         stale = locks.lock_silent_nodes(
             Node.objects.exclude(status=Node.Status.OFFLINE).filter(last_heartbeat__lt=cutoff)

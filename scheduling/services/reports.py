@@ -30,7 +30,7 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
     if handler is None:
         log.warning("replica %s reported an unknown event %r", replica_id, kind)
         return
-    with transaction.atomic():
+    with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
         if replica is None:
             log.info("replica %s reported %s after it was deleted; ignoring", replica_id, kind)
