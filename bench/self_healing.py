@@ -3,9 +3,13 @@
 One run, on the same tiny causal LM, two node agents, a control worker and celery beat on the
 product's own schedule and settings (heartbeat every GPUPORTAL_HEARTBEAT_S, a node offline after
 GPUPORTAL_HEARTBEAT_TIMEOUT_S, expired by the beat sweep), side by side:
-- `node loss`: the agent of a node serving a replica is SIGKILLed (its replicas die with it) under
-  steady load. Measured: SIGKILL → node offline (the detection), node offline → the deployment at
-  its full count of serving replicas again (the reconcile's placement and a load).
+- `node loss`: the agent of a node serving a replica is SIGKILLed and not started again, under
+  steady load (its replica outlives it for the adoption window, then stops). Measured: SIGKILL →
+  node offline (the detection), node offline → the deployment at its full count of serving
+  replicas again (the reconcile's placement and a load).
+- `agent crash`: the agent of a node serving a replica is SIGKILLed and started again at once,
+  under steady load, as `make run` does when its agent dies. Measured: SIGKILL → the new agent
+  registered, then → its replica taken over (`replica.adopted`), the same process serving on.
 - `restart`: every agent is stopped (SIGTERM) and started anew, as `make run` stopped and started
   is. Measured: agents started → the deployment at full count, without a request.
 - `cold start`: the same deployment scaled up by one: scale → the new replica serving. The
@@ -90,7 +94,7 @@ def node_losses(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
     for trial in range(trials):
         node = Replica.objects.filter(deployment__name=NAME, state="serving").values_list("node__name", flat=True)[0]
         killed_at = time.monotonic()
-        portal.agents[node].send_signal(signal.SIGKILL)  # its replicas die with it (PR_SET_PDEATHSIG)
+        portal.agents[node].send_signal(signal.SIGKILL)  # its replica outlives it for its adoption window
         portal.agents[node].wait(30)
         wait(node_is(node, "offline"), 120, f"node {node} to go offline")
         offline_at = time.monotonic()
@@ -101,6 +105,40 @@ def node_losses(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
         portal.start_agent(node)
         wait(node_is(node, "online"), 120, f"node {node} to come back")
     return detect, heal
+
+
+def more_than(rows, count: int):
+    return lambda: rows.count() > count
+
+
+def agent_crashes(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
+    """(agent registered, replica taken over) seconds after the SIGKILL of the agent of a node
+    serving a replica, started again at once; the deployment stays at its full count throughout."""
+    from scheduling.models import Event, Replica
+
+    registered: list[float] = []
+    adopted: list[float] = []
+    for trial in range(trials):
+        wait(lambda: serving(2)() and settled()(), 300, "the deployment to settle")
+        replica = Replica.objects.filter(deployment__name=NAME, state="serving").select_related("node").first()
+        assert replica is not None
+        node = replica.node.name
+        onlines = Event.objects.filter(kind=Event.Kind.NODE_ONLINE, node=node)
+        adoptions = Event.objects.filter(kind=Event.Kind.REPLICA_ADOPTED, replica=replica.pk)
+        online_before, adopted_before = onlines.count(), adoptions.count()
+        killed_at = time.monotonic()
+        portal.agents[node].send_signal(signal.SIGKILL)
+        portal.agents[node].wait(30)
+        portal.start_agent(node)
+        wait(more_than(onlines, online_before), 120, f"the agent of {node} to register again")
+        registered.append(time.monotonic() - killed_at)
+        wait(more_than(adoptions, adopted_before), 120, f"the new agent of {node} to take its replica over")
+        adopted.append(time.monotonic() - killed_at)
+        same = Replica.objects.get(pk=replica.pk)
+        if same.state != "serving" or same.pid != replica.pid:
+            raise SystemExit(f"agent crash {trial + 1}: replica {replica.pk} is {same.state}, pid {same.pid}")
+        print(f"agent crash {trial + 1}: taken over {MS * adopted[-1]:.0f} ms after the SIGKILL", flush=True)
+    return registered, adopted
 
 
 def restarts(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
@@ -128,12 +166,16 @@ def restarts(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
 
 
 def report(
-    cold: list[float], losses: tuple[list[float], list[float]], restarted: tuple[list[float], list[float]]
+    cold: list[float],
+    losses: tuple[list[float], list[float]],
+    crashes: tuple[list[float], list[float]],
+    restarted: tuple[list[float], list[float]],
 ) -> str:
     from bench.report import table
 
     p50 = statistics.median
     detect, heal = losses
+    crash_registered, adopted = crashes
     registered, restored = restarted
     loading = [r - g for r, g in zip(restored, registered, strict=True)]
     rows = [
@@ -145,6 +187,14 @@ def report(
             f"{MS * p50(heal):.0f}",
             f"{MS * p50([d + h for d, h in zip(detect, heal, strict=True)]):.0f}",
             f"{p50(heal) / p50(cold):.1f}",
+        ],
+        [
+            "agent crash: SIGKILLed, started again, replica taken over",
+            len(adopted),
+            f"{MS * p50(crash_registered):.0f}",
+            f"{MS * p50([a - r for a, r in zip(adopted, crash_registered, strict=True)]):.0f}",
+            f"{MS * p50(adopted):.0f}",
+            f"{p50([a - r for a, r in zip(adopted, crash_registered, strict=True)]) / p50(cold):.2f}",
         ],
         [
             "restart: every agent stopped and started",
@@ -193,15 +243,17 @@ def main() -> None:
         load = Load(portal.port, key, NAME, args.clients)
         load.start()
         losses = node_losses(portal, args.trials)
+        crashes = agent_crashes(portal, args.trials)
         load.finish()
         failed = load.failed()
         restarted = restarts(portal, args.trials)
 
-        table = report(cold, losses, restarted)
+        table = report(cold, losses, crashes, restarted)
         detail = (
             f"Settings: heartbeat every {settings.GPUPORTAL_HEARTBEAT_S:g} s, a node offline after "
             f"{settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S:g} s of silence, expired by the beat sweep (every 5 s). "
-            f"Under node loss, {args.clients} clients sent {len(load.answers)} one-token `/infer/` requests; "
+            f"Under node loss and agent crashes, {args.clients} clients sent {len(load.answers)} one-token "
+            "`/infer/` requests; "
             f"{len(failed)} did not end `done`."
         )
         print("\n" + table + "\n\n" + detail)
@@ -210,12 +262,15 @@ def main() -> None:
         if not args.no_record:
             record(
                 "self_healing",
-                "Self-healing: node loss and restart back to the full count",
+                "Self-healing: node loss, agent crash and restart back to the full count",
                 f"`python -m bench.self_healing --trials {args.trials} --clients {args.clients}`: a tiny causal "
                 "LM (2 MB), 2 replicas wanted, two real node agents of one virtual GPU each, a control worker "
                 "and celery beat on the product's schedule. Node loss: from the SIGKILL of an agent serving a "
                 "replica to its node offline (detect), then to 2 replicas serving on the other node (full "
-                "count). Restart: every agent SIGTERMed, then started; from the start to the agents registered, "
+                "count). Agent crash: an agent serving a replica SIGKILLed and started again at once; from the "
+                "SIGKILL to the new agent registered, then to its replica taken over (the same process serving on, "
+                "its model not loaded again). Restart: every agent SIGTERMed, then started; from the start to "
+                "the agents registered, "
                 "then to 2 replicas serving, with no request sent. `÷ cold start`: the part after detection "
                 "or registration against a plain scale-up measured in the same run.\n\n" + table + "\n\n" + detail,
             )

@@ -165,6 +165,12 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # Node liveness: agents beat every HEARTBEAT_S; a node silent for HEARTBEAT_TIMEOUT_S is offline.
 GPUPORTAL_HEARTBEAT_S = env_float("GPUPORTAL_HEARTBEAT_S", 5.0)
 GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
+# A replica outlives its agent this long, waiting for the agent's next run to adopt it (issue 16).
+# At most the heartbeat timeout less two beats: the agent's last beat came at most a beat before it
+# died, so an orphan nobody adopted has stopped (a beat's time for that) before its node is written
+# off and its replacements placed. 0: replicas die with their agent.
+_ADOPTION_LIMIT_S = max(0.0, GPUPORTAL_HEARTBEAT_TIMEOUT_S - 2 * GPUPORTAL_HEARTBEAT_S)
+GPUPORTAL_ADOPTION_WINDOW_S = min(env_float("GPUPORTAL_ADOPTION_WINDOW_S", _ADOPTION_LIMIT_S), _ADOPTION_LIMIT_S)
 # Stopped and failed replicas are removed this long after they ended, but the newest
 # GPUPORTAL_REPLICA_KEEP_ENDED of each deployment stay for their errors (their Events always stay).
 GPUPORTAL_REPLICA_RETENTION_S = env_float("GPUPORTAL_REPLICA_RETENTION_S", 3600.0)

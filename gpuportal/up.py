@@ -31,6 +31,11 @@ from gpuportal.stack import (
 from gpuportal.stackenv import write_stack_env
 
 ROOT = Path(__file__).resolve().parent.parent
+# A restartable child that dies after running this long is started again (a crash, not a start-up
+# error, which a restart would only repeat), at most RESTART_LIMIT times in RESTART_PERIOD_S.
+RESTART_AFTER_S = 10.0
+RESTART_LIMIT = 5
+RESTART_PERIOD_S = 600.0
 
 
 @dataclass
@@ -39,6 +44,19 @@ class Child:
     argv: list[str]
     process: subprocess.Popen | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    # Started again when it dies: the node agent, whose next run takes over the replica
+    # processes it left (issue 16: restart restores) rather than the whole portal stopping.
+    restartable: bool = False
+    started_at: float = 0.0
+    restarts: deque[float] = field(default_factory=deque)
+    # The process groups of its earlier runs: what they left running (replicas waiting to be
+    # adopted, in an agent's) is stopped with the portal.
+    old_groups: list[int] = field(default_factory=list)
+
+    def may_restart(self, now: float) -> bool:
+        while self.restarts and now - self.restarts[0] > RESTART_PERIOD_S:
+            self.restarts.popleft()
+        return self.restartable and now - self.started_at >= RESTART_AFTER_S and len(self.restarts) < RESTART_LIMIT
 
     def last_error(self) -> str:
         for line in reversed(self.tail):
@@ -170,7 +188,7 @@ class Portal:
                     str(opts.data_dir / "beat.pid"),
                 ],
             ),
-            Child("agent", agent),
+            Child("agent", agent, restartable=True),
         ]
 
     def spawn(self, child: Child) -> None:
@@ -190,6 +208,7 @@ class Portal:
             start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
+        child.started_at = time.monotonic()
         threading.Thread(target=self._pump, args=(child, log_dir / f"{child.name}.log"), daemon=True).start()
 
     def _pump(self, child: Child, log_path: Path) -> None:
@@ -223,6 +242,23 @@ class Portal:
                 time.sleep(0.2)  # let the pump thread read the last lines it printed
                 raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
 
+    def restart_or_raise(self) -> None:
+        """A child that died: the agent is started again (its replicas wait to be taken over);
+        any other, or one that keeps dying, stops the portal."""
+        now = time.monotonic()
+        for child in self.children:
+            code = child.process.poll() if child.process else None
+            if code is None:
+                continue
+            time.sleep(0.2)  # let the pump thread read the last lines it printed
+            if not child.may_restart(now):
+                raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
+            self.say(f"{child.name} exited with code {code}: {child.last_error()}; starting it again")
+            child.restarts.append(now)
+            assert child.process is not None
+            child.old_groups.append(child.process.pid)
+            self.spawn(child)
+
     # -- run and stop ------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -243,7 +279,7 @@ class Portal:
             if not self.stopping.is_set():
                 self.banner(urls)
             while not self.stopping.wait(0.5):
-                self.raise_if_child_died()
+                self.restart_or_raise()
             self.say("stopping: the portal's processes, then its servers")
             return 0
         finally:
@@ -271,9 +307,11 @@ class Portal:
         for child in self.children:
             if child.process is None:
                 continue
-            # Kill what is left of each child's session: a stuck child, or a pool process it left behind.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.process.pid, signal.SIGKILL)
+            # Kill what is left of each child's sessions: a stuck child, a pool process it left
+            # behind, a replica an earlier run of the agent left that no later one took over.
+            for group in (*child.old_groups, child.process.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(5)
         if self.redis is not None:

@@ -3,6 +3,7 @@ node's own queue (where the control plane sends replica work for this host)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,7 +17,9 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from gpuportal.celery import app
+from gpuportal.wire.survivors import Survivor
 from inference.devices import VirtualProfile, discover
+from inference.relay import relay
 from inference.supervisor import Supervisor
 from scheduling.models import Node
 from scheduling.services import nodes
@@ -75,15 +78,20 @@ class NodeAgent:
         return nodes.node_queue(self.name)
 
     def register(self) -> Node:
+        """Register the node with the replicas its previous agent left running (issue 16: restart
+        restores): the control plane keeps those whose books agree with what they say, and the
+        first beat stops the others before the node takes new work."""
         devices = discover(self.name, backend=self.backend, virtual_spec=self.virtual_spec, profile=self.profile)
         virtual = all(d.virtual for d in devices)
         self.virtual = virtual
+        survivors = [Survivor.from_hello(h) for h in self.supervisor.adopt_survivors(on_event=relay).values()]
         node = nodes.register_node(
             self.name,
             devices,
             hostname=socket.gethostname(),
             cpu_cache_bytes=self.cpu_cache_bytes,
             virtual=virtual,
+            survivors=survivors,
         )
         log.info(
             "node %s registered: %d %s GPU(s), queue %s",
@@ -92,6 +100,16 @@ class NodeAgent:
             "virtual" if virtual else "NVIDIA",
             self.queue,
         )
+        if survivors:
+            self.supervisor.resume()
+            refused = set(self.beat_once())
+            for survivor in survivors:
+                if survivor.replica_id in refused:
+                    continue
+                # Its last state event may have died with the old agent: the books catch up. One
+                # that exited meanwhile is reported by its reader.
+                with contextlib.suppress(KeyError, ProcessLookupError):
+                    self.supervisor.send(survivor.replica_id, {"cmd": "resync"})
         return node
 
     def start_heartbeat(self) -> None:

@@ -10,9 +10,11 @@ library's print, a C extension) is sent to stderr instead.
 Events:   progress {state, percent, detail} · serving {pid, weights_bytes, process_bytes,
           gpu_mem_bytes_by_id, ...} · sleeping {residual_bytes_by_id, ...} · woken {gpu_mem_bytes_by_id, ...}
           · pong {state, pid} · error {cmd, reason} (a command refused; the replica carries on)
-          · failed {reason, kind: oom|load|cuda_assert|crash}, then exit 1 · stopped, then exit 0.
+          · failed {reason, kind: oom|load|cuda_assert|crash}, then exit 1 · stopped, then exit 0
+          · hello {replica_id, pid, state, last} (first to an agent that adopted it).
 Commands: sleep {drain_timeout_s} · wake {gpus, reserved_bytes_by_gpu, fraction} · stop {drain_timeout_s}
-          · ping. EOF on stdin: the agent is gone, exit.
+          · ping · resync (emit the last state event again). EOF on stdin: the agent is gone: exit, or
+          with --adoption-window, wait that long for a new agent on --adopt-address (inference.adoption).
 
 Sleep and stop pass the preemption barrier (issue 5): no new request starts, the one in flight
 has `drain_timeout_s` (default 30) to finish, then it is cut short and given back to the head of
@@ -168,22 +170,68 @@ def check_cap(weights: int, placement: Placement, outside_allocator: int = 0) ->
 
 
 class EventWriter:
-    """One JSON object per line on the protocol stream; thread-safe (issue 4's serving threads write too)."""
+    """One JSON object per line on the protocol stream; thread-safe (issue 4's serving threads write too).
 
-    def __init__(self, stream: TextIO):
+    A replica that may outlive its agent (inference.adoption) keeps running with no stream while
+    orphaned, and tells the next agent its state again (`resync`): the last state event it
+    emitted, which may have been lost with the old agent."""
+
+    # Events that say which state the replica is in, with the figures the books need for it.
+    STATE_EVENTS = ("serving", "woken", "sleeping")
+
+    def __init__(self, stream: TextIO | None):
         self._stream = stream
         self._lock = threading.Lock()
+        self._last_state: tuple[str, str] | None = None
+        # Set when the replica may outlive its agent: called once the stream breaks.
+        self.on_broken: Callable[[], None] | None = None
 
     def emit(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, **fields}, separators=(",", ":"))
         with self._lock:
-            try:
-                self._stream.write(line + "\n")
-                self._stream.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                # Nobody reads our events any more: the agent is gone, and so is our reason to run.
-                log.error("event stream closed while writing %s; exiting", event)
-                _exit(1)
+            if event in self.STATE_EVENTS:
+                self._last_state = (event, line)
+            broken = self._stream is not None and not self._write(line)
+            if broken:
+                self._stream = None
+        if not broken:
+            return
+        if self.on_broken is None:
+            # Nobody reads our events any more: the agent is gone, and so is our reason to run.
+            log.error("event stream closed while writing %s; exiting", event)
+            _exit(1)
+        log.warning("event stream closed while writing %s", event)
+        self.on_broken()
+
+    def _write(self, line: str) -> bool:
+        assert self._stream is not None
+        try:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+            return True
+        except (BrokenPipeError, ValueError, OSError):
+            return False
+
+    def attach(self, stream: TextIO, hello: dict[str, Any]) -> None:
+        """A new agent adopted this replica: `hello` first, then the events from now on."""
+        with self._lock:
+            self._stream = stream
+            self._write(json.dumps({"event": "hello", **hello}, separators=(",", ":")))
+
+    def detach(self) -> None:
+        with self._lock:
+            self._stream = None
+
+    def last_state(self) -> str | None:
+        with self._lock:
+            return self._last_state[0] if self._last_state else None
+
+    def resync(self) -> None:
+        """Emit the last state event again, for an agent that adopted this replica: handlers on
+        the control plane apply a state they already hold as nothing."""
+        with self._lock:
+            if self._last_state is not None and self._stream is not None:
+                self._write(self._last_state[1])
 
 
 class Backend(Protocol):
@@ -1048,8 +1096,11 @@ def protocol_stream() -> TextIO:
     return os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
 
 
-def read_commands(stream: Iterable[str], host: ReplicaHost, commands: queue.Queue[Any]) -> None:
-    """The stdin thread: answer pings at once, queue the rest for the main thread, exit on EOF."""
+def read_commands(
+    stream: Iterable[str], host: ReplicaHost, commands: queue.Queue[Any], on_eof: Callable[[], None] | None = None
+) -> None:
+    """The command thread: answer pings at once, queue the rest for the main thread. At EOF the
+    agent is gone: exit, or, for a replica that may outlive it, `on_eof` (inference.adoption)."""
     for line in stream:
         text = line.strip()
         if not text:
@@ -1063,6 +1114,8 @@ def read_commands(stream: Iterable[str], host: ReplicaHost, commands: queue.Queu
             continue
         if command["cmd"] == "ping":
             host.ping()
+        elif command["cmd"] == "resync":
+            host.events.resync()
         elif command["cmd"] == "stop" and host.state in {"starting", "loading"}:
             # A load can take minutes and cannot be interrupted; nothing is worth saving yet.
             log.info("stop while loading: exiting now")
@@ -1070,8 +1123,19 @@ def read_commands(stream: Iterable[str], host: ReplicaHost, commands: queue.Queu
             _exit(0)
         else:
             commands.put(command)
+    if on_eof is not None:
+        on_eof()
+        return
     log.info("stdin closed: the agent is gone; exiting")
     _exit(0)
+
+
+def give_up(host: ReplicaHost, commands: queue.Queue[Any]) -> None:
+    """No agent adopted this orphan: stop as a scale-down would, giving back what it had taken
+    (a load cannot be interrupted and holds nothing worth saving: exit at once)."""
+    if host.state in {"starting", "loading"}:
+        _exit(0)
+    commands.put({"cmd": "stop", "drain_timeout_s": 0})
 
 
 def run(host: ReplicaHost, commands: queue.Queue[Any], pair: PairMember | None = None) -> int:
@@ -1096,6 +1160,23 @@ def run(host: ReplicaHost, commands: queue.Queue[Any], pair: PairMember | None =
         log.exception("%s crashed", host.replica_id)
         host.events.emit("failed", reason=failure.reason, kind=failure.kind)
         return 1
+
+
+def adopt_later(host: ReplicaHost, commands: queue.Queue[Any], args: argparse.Namespace) -> Callable[[], None]:
+    """Let this replica outlive its agent (inference.adoption); returns what the command reader
+    calls at EOF."""
+    from inference.adoption import Orphanage
+
+    orphanage = Orphanage(
+        args.adopt_address,
+        args.adoption_window,
+        host=host,
+        events=host.events,
+        serve_commands=lambda stream: read_commands(stream, host, commands, orphanage.orphaned),
+        give_up=lambda: give_up(host, commands),
+    )
+    host.events.on_broken = orphanage.orphaned
+    return orphanage.orphaned
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1131,6 +1212,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="A failover pair's standby's context, also in the reservation (never in the KV pool).",
     )
+    parser.add_argument(
+        "--adoption-window",
+        type=float,
+        default=0.0,
+        help="Seconds to outlive the agent, waiting for a new one to adopt it (0: die with the agent).",
+    )
+    parser.add_argument("--adopt-address", default="", help="Abstract socket name an adopter connects to.")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -1149,8 +1237,10 @@ def placement_from_args(args: argparse.Namespace) -> Placement:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent()
     args = parse_args(argv)
+    adoptable = args.adoption_window > 0 and bool(args.adopt_address)
+    if not adoptable:
+        die_with_parent()
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),
@@ -1182,7 +1272,8 @@ def main(argv: list[str] | None = None) -> None:
         standby_context_bytes=args.standby_context_bytes,
     )
     commands: queue.Queue[Any] = queue.Queue()
-    threading.Thread(target=read_commands, args=(sys.stdin, host, commands), name="stdin", daemon=True).start()
+    on_eof = adopt_later(host, commands, args) if adoptable else None
+    threading.Thread(target=read_commands, args=(sys.stdin, host, commands, on_eof), name="stdin", daemon=True).start()
     requests = RequestQueue.from_url(args.redis_url) if args.redis_url else None
     if args.deployment and requests is not None:
         Server(host, requests, args.deployment).start()

@@ -262,6 +262,10 @@ class Server(threading.Thread):
                 with self._claim:
                     self.live = False
             return request
+        except Fenced as exc:
+            # Written off (its node went silent): what it held went back to the queue already.
+            self.host.on_stale(str(exc))
+            return None
         except Exception:
             log.exception("cannot take requests from the queue; retrying")
             self.stopped.wait(self.poll_s)

@@ -9,7 +9,10 @@ Guarantees the agent can build on:
   process has exited and its id is free again (so a restart from inside the callback works);
 - a process that dies without saying why is reported as `failed`, kind `crash`, with its exit code,
   signal and last stderr line;
-- replicas die with the agent (PR_SET_PDEATHSIG, SIGKILL), even when the agent is SIGKILLed.
+- replicas die with the agent (PR_SET_PDEATHSIG, SIGKILL), even when the agent is SIGKILLed,
+  unless their spec gives them an adoption window: then they outlive it that long, and the next
+  agent of the node takes them over (`adopt_survivors`, inference.adoption) instead of loading
+  their models again.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import json
 import logging
 import os
 import re
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,9 +33,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from gpuportal.stack import die_with_parent
+from inference import adoption
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,8 @@ class ReplicaSpec:
     context_bytes: int = 0
     # A failover pair's reservation also holds its standby's context (issue 15): never the pool's.
     standby_context_bytes: int = 0
+    # Seconds the replica outlives its agent waiting to be adopted; 0: it dies with the agent.
+    adoption_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):
@@ -118,6 +126,8 @@ class ReplicaSpec:
             args += ["--context-bytes", str(int(self.context_bytes))]
         if self.standby_context_bytes:
             args += ["--standby-context-bytes", str(int(self.standby_context_bytes))]
+        if self.adoption_window_s > 0:
+            args += ["--adoption-window", repr(float(self.adoption_window_s))]
         if self.deployment and self.redis_url:
             args += ["--deployment", self.deployment, "--redis-url", self.redis_url]
         if self.failover_lease is not None:
@@ -137,13 +147,48 @@ class ReplicaSpec:
             ]
         return args
 
+    def record(self) -> dict[str, Any]:
+        """What the next agent needs to take the replica over, written beside its log: the spec
+        (the database URL stays out of files; failover members are never adopted anyway)."""
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "failover_dsn"}
+        return {**fields, "gpus": list(self.gpus)}
+
+
+class AdoptedProcess:
+    """A replica process the node's previous agent started: not this agent's child, so it is
+    watched through a pidfd, and its exit code went to whoever reaps it (returncode stays None)."""
+
+    returncode: int | None = None
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        if not poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
+            raise subprocess.TimeoutExpired(f"replica pid {self.pid}", timeout or 0)
+        return None
+
+    def kill(self) -> None:
+        signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._pidfd)
+
 
 @dataclass
 class _Replica:
     spec: ReplicaSpec
-    process: subprocess.Popen
+    process: subprocess.Popen | AdoptedProcess
     on_event: EventCallback
     log_path: Path
+    # Its command and event streams: the pipes of a process this agent started, the adoption
+    # socket of one it took over.
+    reader: IO[bytes]
+    writer: IO[bytes]
     write_lock: threading.Lock = field(default_factory=threading.Lock)
     # Set by stop(): an exit without `stopped` is then the stop we asked for, not a crash.
     stopping: bool = False
@@ -161,6 +206,10 @@ class _Replica:
     # compared with the books of the same state (a serving figure against a sleeper's reservation
     # would read as an over-commit).
     usage_state: str = ""
+    # Whether a reader thread delivers its events (an adopted one waits for `resume`).
+    reading: bool = False
+    # What an adopted replica said first: its state and its last state event.
+    hello: dict[str, Any] = field(default_factory=dict)
 
 
 class Supervisor:
@@ -189,12 +238,98 @@ class Supervisor:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"replica-{spec.replica_id}.log"
             process = self._spawner.submit(self._spawn, spec, log_path).result()
-            replica = _Replica(spec=spec, process=process, on_event=on_event, log_path=log_path)
+            assert process.stdout is not None and process.stdin is not None
+            replica = _Replica(
+                spec=spec,
+                process=process,
+                on_event=on_event,
+                log_path=log_path,
+                reader=process.stdout,
+                writer=process.stdin,
+            )
             self._replicas[spec.replica_id] = replica
+            if spec.adoption_window_s > 0:
+                self._write_record(spec, process.pid)
         log.info("replica %s started: pid %d, log %s", spec.replica_id, process.pid, log_path)
         if spec.failover_lease is not None:
             self._start_watchdog()
-        threading.Thread(target=self._watch, args=(replica,), name=f"replica-{spec.replica_id}", daemon=True).start()
+        self._start_reader(replica)
+
+    def adopt_survivors(self, on_event: EventCallback) -> dict[str, dict[str, Any]]:
+        """Take over the replicas the node's previous agent left running (they wait for an adopter
+        for their adoption window): {replica id: its hello (state, last state event, pid)}.
+
+        Their events are not read until `resume`: the control plane first decides which it keeps
+        (scheduling.services.nodes.register_node), on the state each said it was in, and an event
+        read meanwhile could change the books under that decision. Records of replicas that are
+        gone, or do not answer, are removed."""
+        adopted: dict[str, dict[str, Any]] = {}
+        for path in sorted(self.log_dir.glob("replica-*.adopt")):
+            replica = self._adopt(path, on_event)
+            if replica is None:
+                path.unlink(missing_ok=True)
+                continue
+            with self._lock:
+                self._replicas[replica.spec.replica_id] = replica
+            adopted[replica.spec.replica_id] = replica.hello
+            log.info("replica %s adopted: pid %d, %s", replica.spec.replica_id, replica.process.pid, replica.hello)
+        return adopted
+
+    def resume(self) -> None:
+        """Start reading the events of the replicas `adopt_survivors` took over."""
+        with self._lock:
+            waiting = [r for r in self._replicas.values() if not r.reading]
+        for replica in waiting:
+            self._start_reader(replica)
+
+    def _start_reader(self, replica: _Replica) -> None:
+        replica.reading = True
+        name = f"replica-{replica.spec.replica_id}"
+        threading.Thread(target=self._watch, args=(replica,), name=name, daemon=True).start()
+
+    def _adopt(self, path: Path, on_event: EventCallback) -> _Replica | None:
+        try:
+            record = json.loads(path.read_text())
+            spec = ReplicaSpec(**record["spec"])
+            pid = int(record["pid"])
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            log.warning("unreadable adoption record %s: %s", path, exc)
+            return None
+        if spec.replica_id in self.running():
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(adoption.HELLO_TIMEOUT_S)
+            conn.connect(adoption.socket_name(adoption.address(self.log_dir, spec.replica_id)))
+            reader, writer = conn.makefile("rb"), conn.makefile("wb")
+            hello = json.loads(reader.readline() or b"null")
+            conn.settimeout(None)
+            if not isinstance(hello, dict) or hello.get("event") != "hello" or hello.get("pid") != pid:
+                raise ValueError(f"not the hello of pid {pid}: {hello!r}")
+            process = AdoptedProcess(pid)
+        except (OSError, ValueError) as exc:
+            log.info("replica %s (pid %d) cannot be adopted: %s", spec.replica_id, pid, exc)
+            conn.close()
+            return None
+        conn.close()  # the files keep the socket open
+        return _Replica(
+            spec=spec,
+            process=process,
+            on_event=on_event,
+            log_path=self.log_path(spec.replica_id),
+            reader=reader,
+            writer=writer,
+            hello=hello,
+        )
+
+    def _record_path(self, replica_id: str) -> Path:
+        return self.log_dir / f"replica-{replica_id}.adopt"
+
+    def _write_record(self, spec: ReplicaSpec, pid: int) -> None:
+        path = self._record_path(spec.replica_id)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"pid": pid, "spec": spec.record()}))
+        temporary.replace(path)  # a new agent reading it at this moment sees all of it or nothing
 
     def send(self, replica_id: str, command: dict[str, Any]) -> None:
         """Write one command. KeyError for an unknown replica; ProcessLookupError if it has just exited."""
@@ -283,14 +418,18 @@ class Supervisor:
     # -- processes -----------------------------------------------------------------------------
 
     def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen:
+        argv = spec.argv(self.python)
+        if spec.adoption_window_s > 0:
+            argv += ["--adopt-address", adoption.address(self.log_dir, spec.replica_id)]
         with log_path.open("ab") as log_file:
             return subprocess.Popen(
-                spec.argv(self.python),
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
                 env=self._child_env(spec),
-                preexec_fn=die_with_parent(signal.SIGKILL),
+                # An adoptable replica outlives us for its window; it ends itself after that.
+                preexec_fn=None if spec.adoption_window_s > 0 else die_with_parent(signal.SIGKILL),
                 close_fds=True,
             )
 
@@ -312,8 +451,7 @@ class Supervisor:
     def _watch(self, replica: _Replica) -> None:
         """The reader thread: deliver events until the final one, then reap the process and report its end."""
         final: dict[str, Any] | None = None
-        assert replica.process.stdout is not None
-        for raw in replica.process.stdout:
+        for raw in replica.reader:
             event = self._parse(replica, raw)
             if event is None:
                 continue
@@ -334,12 +472,13 @@ class Supervisor:
         with self._lock:
             if self._replicas.get(replica.spec.replica_id) is replica:
                 del self._replicas[replica.spec.replica_id]
+                self._record_path(replica.spec.replica_id).unlink(missing_ok=True)
         if final is None:
             final = self._unannounced_exit(replica, code)
         self._deliver(replica, {**final, "exit_code": code})
         replica.done.set()
 
-    def _reap(self, replica: _Replica) -> int:
+    def _reap(self, replica: _Replica) -> int | None:
         process = replica.process
         try:
             code = process.wait(EXIT_GRACE_S)
@@ -349,13 +488,14 @@ class Supervisor:
             )
             process.kill()
             code = process.wait()
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+        for stream in (replica.writer, replica.reader):
+            with contextlib.suppress(OSError):
+                stream.close()
+        if isinstance(process, AdoptedProcess):
+            process.close()
         return code
 
-    def _unannounced_exit(self, replica: _Replica, code: int) -> dict[str, Any]:
+    def _unannounced_exit(self, replica: _Replica, code: int | None) -> dict[str, Any]:
         how = describe_exit(code)
         if replica.killed_because:
             return {"event": "failed", "kind": "hung", "reason": f"killed by its node agent: {replica.killed_because}"}
@@ -393,7 +533,9 @@ class Supervisor:
                 silent = now - replica.last_seen
                 if replica.failover_state != "active" or silent <= replica.spec.liveness_timeout_s:
                     continue
-                if replica.killed_because or replica.process.poll() is not None:
+                if replica.killed_because or not isinstance(replica.process, subprocess.Popen):
+                    continue
+                if replica.process.poll() is not None:
                     continue
                 replica.killed_because = f"active but silent for {silent:.1f} s (hung)"
                 log.error("replica %s %s: killing it", replica.spec.replica_id, replica.killed_because)
@@ -413,9 +555,8 @@ class Supervisor:
         line = (json.dumps(command, separators=(",", ":")) + "\n").encode()
         with replica.write_lock:
             try:
-                assert replica.process.stdin is not None
-                replica.process.stdin.write(line)
-                replica.process.stdin.flush()
+                replica.writer.write(line)
+                replica.writer.flush()
             except (BrokenPipeError, ValueError, OSError):  # ValueError: the pipe was closed on reap
                 raise ProcessLookupError(f"replica {replica.spec.replica_id} has exited") from None
 
@@ -457,8 +598,11 @@ def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
             log.warning("replica %s reported unreadable GPU figures: %.200s", replica.spec.replica_id, figures)
 
 
-def describe_exit(code: int) -> str:
-    """'exited with code -9 (signal SIGKILL)' or 'exited with code 1'."""
+def describe_exit(code: int | None) -> str:
+    """'exited with code -9 (signal SIGKILL)' or 'exited with code 1' ('exited' for a process
+    this agent adopted: its code went to whoever reaped it)."""
+    if code is None:
+        return "exited"
     if code < 0:
         try:
             name = signal.Signals(-code).name

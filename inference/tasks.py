@@ -9,19 +9,17 @@ import time
 
 from celery import shared_task
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections, connection
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from django.db import connection
 
 from inference import agent
+from inference.relay import relay
 from inference.supervisor import ReplicaSpec
 from scheduling.models import GPU, Node, Replica
-from scheduling.services import reports
 
 log = logging.getLogger(__name__)
 
 # States in which an evicted replica still holds its GPU memory.
 HOLDING = (Replica.State.SERVING, Replica.State.DRAINING)
-TERMINAL_EVENTS = {"stopped", "failed"}
 
 
 @shared_task(name="inference.tasks.describe_node")
@@ -33,36 +31,6 @@ def describe_node(name: str) -> dict:
         "hostname": socket.gethostname(),
         "gpus": [{"index": g.index, "uuid": g.uuid, "total_bytes": g.total_bytes} for g in node.gpus.all()],
     }
-
-
-def _reconnect(retry_state: RetryCallState) -> None:
-    log.warning("database unavailable while recording a replica's report; retrying (%s)", retry_state.outcome)
-    connection.close()  # a restarted server left this connection dead: the next try opens another
-
-
-# A PostgreSQL restart must not lose what a replica reports (a failover takeover above all): retry
-# for as long as a restart takes. Only on connection errors, which leave nothing half-applied.
-RELAY_RETRY = Retrying(
-    retry=retry_if_exception_type((OperationalError, InterfaceError)),
-    stop=stop_after_delay(60),
-    wait=wait_exponential(multiplier=0.1, max=2),
-    before_sleep=_reconnect,
-    reraise=True,
-)
-
-
-def relay(replica_id: str, event: dict) -> None:
-    """Called on the supervisor's reader threads: one database connection per replica thread."""
-    if event.get("event") == "pong":
-        return  # answers the agent's ping_all: the heartbeat reads its figures from the supervisor
-    try:
-        close_old_connections()
-        RELAY_RETRY.copy()(reports.report, replica_id, event)  # a copy: no state shared between threads
-    except Exception:
-        log.exception("could not record %s of replica %s", event.get("event"), replica_id)
-    finally:
-        if event.get("event") in TERMINAL_EVENTS:
-            connection.close()  # the thread ends with the process; its connection must not linger
 
 
 # What a sleeping victim may still hold on a GPU beyond its reservation (its CUDA context is in
@@ -161,6 +129,8 @@ def spec_for(replica: Replica) -> ReplicaSpec:
         # The reservation counts one CUDA context, and a pair's the standby's too (need_bytes).
         context_bytes=context,
         standby_context_bytes=standby_context if replica.lease_id is not None else 0,
+        # A failover member dies with its agent as before: its liveness watchdog lives there.
+        adoption_window_s=settings.GPUPORTAL_ADOPTION_WINDOW_S if replica.lease_id is None else 0.0,
         **failover_fields(replica),
     )
 

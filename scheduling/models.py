@@ -351,6 +351,7 @@ class Event(models.Model):
         GPU_OVERCOMMIT = "gpu.overcommit"
         REPLICA_STATE = "replica.state"
         REPLICA_RESTARTED = "replica.restarted"
+        REPLICA_ADOPTED = "replica.adopted"
         DEPLOYMENT_CHANGED = "deployment.changed"
         # The fair wake path (seed 001): lock takes/releases/takeovers, intents, victims, outcomes.
         GPU_WAKE_LOCK = "gpu.wake_lock"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -79,7 +82,6 @@ def api(staff, django_capture_on_commit_callbacks, dispatched):
 
 def _stop(process, log, grace: float = 60) -> None:
     """SIGTERM, then SIGKILL after `grace`; print the process's log (pytest shows it on failure)."""
-    import signal
     import subprocess
 
     if process.poll() is None:
@@ -94,8 +96,6 @@ def _stop(process, log, grace: float = 60) -> None:
 
 
 def _process_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    import os
-
     from django.conf import settings
 
     from tests.processes import database_url_of_this_test
@@ -131,6 +131,9 @@ def start_agent(tmp_path):
             env=_process_env(tmp_path, GPUPORTAL_HEARTBEAT_S="1"),
             stdout=log,
             stderr=subprocess.STDOUT,
+            # A group of its own, with its replicas: those a killed agent left waiting to be
+            # adopted must not serve the next test's queues.
+            start_new_session=True,
         )
         started.append((process, log))
         wait_until(lambda: Node.objects.filter(name=node, status="online").exists(), 60, f"agent {node} to register")
@@ -141,6 +144,8 @@ def start_agent(tmp_path):
     finally:
         for process, log in reversed(started):
             _stop(process, log)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.fixture

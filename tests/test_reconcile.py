@@ -122,6 +122,51 @@ def test_a_restarted_agent_finds_its_predecessors_replicas_lost_and_the_deployme
     assert fresh.state == "pending", "restarted without waiting for a request"
 
 
+def test_a_restarted_agent_keeps_the_survivors_its_books_agree_with_and_loses_the_rest(
+    sent, django_capture_on_commit_callbacks
+):
+    from gpuportal.wire.survivors import Survivor
+    from inference.devices import virtual_gpus
+    from tests.factories import NO_OVERHEAD
+
+    capture = django_capture_on_commit_callbacks
+    deploy(capture, replicas=3)
+    # Three on two nodes: one node runs two or three of them.
+    node = max(Node.objects.all(), key=lambda n: n.replicas.count())
+    kept, behind, *dead = Replica.objects.filter(node=node).order_by("pk")
+    queue = request_services.queue()
+    taken = queue.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+    assert queue.take("tiny", kept.id, timeout=1).id == taken.id
+    # The books put `behind` to sleep, but the old agent died before the command reached it.
+    Replica.objects.filter(pk=behind.pk).update(state="draining")
+    reserved_before = sum(o.reserved_bytes for o in Occupant.objects.filter(replica=kept))
+
+    survivors = [Survivor(r.id, 4242, "serving", "serving") for r in (kept, behind)]
+    with capture(execute=True):
+        nodes.register_node(
+            node.name, virtual_gpus(node.name, "2x1GiB", NO_OVERHEAD), virtual=True, survivors=survivors
+        )
+
+    kept.refresh_from_db()
+    assert kept.state == "serving" and kept.pid == 4242
+    assert sum(o.reserved_bytes for o in Occupant.objects.filter(replica=kept)) == reserved_before
+    assert queue.get(taken.id).status == "dispatched", "the survivor goes on with what it had taken"
+    adopted = Event.objects.get(kind=Event.Kind.REPLICA_ADOPTED)
+    assert adopted.replica == kept.id
+    assert adopted.reason == (
+        f"its process (pid 4242) outlived the agent of node {node.name} and was taken over by the new one (serving)"
+    )
+    for lost in (behind, *dead):
+        lost.refresh_from_db()
+        assert lost.state == "stopped" and not Occupant.objects.filter(replica=lost).exists()
+    assert Event.objects.filter(
+        replica=behind.id, reason__endswith="its books say draining: a command or report was lost with the old agent"
+    ).exists()
+    assert invariant_holds()
+    # The agent's first beat learns which of the processes it took over to stop.
+    assert nodes.heartbeat(node.name, running=[kept.id, behind.id]) == [behind.id]
+
+
 def test_reconcile_counts_sleeping_replicas_never_stops_any_and_leaves_a_failed_deployment_alone(
     sent, django_capture_on_commit_callbacks
 ):
@@ -250,7 +295,8 @@ def test_a_killed_agents_replica_is_replaced_on_the_other_node_with_no_request_l
 
     with SteadyLoad(clients=2) as load:
         load.wait_for(10)
-        # SIGKILL: its replicas die with it (PR_SET_PDEATHSIG). SIGTERM: it takes its node out of
+        # SIGKILL: its replicas outlive it, waiting to be adopted, until the control plane writes
+        # them off (then they take nothing more and end). SIGTERM: it takes its node out of
         # placement, stops its replicas (they finish what they took), and says its node stopped.
         agents[doomed].send_signal(getattr(signal, how))
         agents[doomed].wait(60)
@@ -320,12 +366,14 @@ def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_on
     assert load.results and all(code == 200 for code, _ in load.results), [r for r in load.results if r[0] != 200]
     assert Replica.objects.get(pk=first.pk).state == "stopped"
 
-    # Idle: the written-off replica is still alive when its agent is heard again, and the agent
-    # stops it before its node comes back.
+    # Idle: the written-off replica takes nothing more (Redis refuses its next take) and ends on
+    # its own, or its agent, heard again, stops it; either way before its node comes back.
     second = partition(keeper, cut_off)
-    assert Event.objects.filter(
+    assert Replica.objects.get(pk=second.pk).state == "stopped"
+    log = (tmp_path / "replicas" / keeper / f"replica-{second.id}.log").read_text()
+    stopped_by_agent = Event.objects.filter(
         node=keeper,
         reason__contains=f"still runs 1 replica process(es) written off while it was silent ({second.id[:8]})",
     ).exists()
-    assert Replica.objects.get(pk=second.pk).state == "stopped"
+    assert stopped_by_agent or f"replica {second.id} was written off by the control plane" in log, log[-2000:]
     assert [r.node.name for r in Replica.objects.exclude(state="stopped")] == [cut_off]

@@ -23,6 +23,7 @@ from gpuportal.wire.requestqueue import (
     RequestQueue,
     StaleEpoch,
     StreamSplice,
+    WrittenOff,
     live_key,
     processing_key,
     queue_key,
@@ -214,6 +215,28 @@ def test_a_written_off_replicas_late_answer_is_refused_and_the_new_one_lands(rq)
     rq.finish(request_id, "replacement", {"text": "on time"})
     done = rq.wait(request_id, timeout=1)
     assert done.status == "done" and done.output == {"text": "on time"} and done.replica == "replacement"
+
+
+def test_a_written_off_replica_takes_nothing_more_and_a_request_its_take_moved_goes_back_first(rq):
+    # Its agent is gone (or cut off) but it still runs: once written off it must take nothing,
+    # or a request would be left with a replica nobody hears from again (issue 16).
+    held, waiting = submit(rq, text="held"), submit(rq, text="waiting")
+    assert rq.take("tiny", "orphan", timeout=1).id == held
+    rq.write_off("orphan")
+    assert rq.requeue_from("orphan", max_attempts=3, reason="lost with its node") == {held: "requeued"}
+
+    with pytest.raises(WrittenOff, match="replica orphan was written off by the control plane"):
+        rq.take("tiny", "orphan", timeout=1)
+    assert not rq.redis.llen(processing_key("orphan")), "what its take moved went back"
+    assert [rq.take("tiny", "replacement", timeout=1).id for _ in range(2)] == [held, waiting], "in their order"
+
+    # A take that moved a request just before the write-off and marks it just after gives it back.
+    late = submit(rq, text="late")
+    rq.redis.lmove(queue_key("tiny"), processing_key("racer"), "RIGHT", "LEFT")
+    rq.write_off("racer")
+    with pytest.raises(WrittenOff):
+        rq.take("tiny", "racer", timeout=0)
+    assert rq.get(late).status == "queued" and rq.take("tiny", "replacement", timeout=1).id == late
 
 
 def test_a_streamed_request_run_again_after_its_replica_died_sends_no_text_twice(rq):

@@ -211,9 +211,27 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert restored["id"] != first["id"]
         replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
         assert sorted(r["state"] for r in replicas) == ["serving", "stopped"]
+
+        # The agent dies: `up` starts it again, and the new agent takes over the replica process
+        # the old one left (it waits for its adoption window) instead of loading the model again.
+        (agent,) = [c for c in psutil.Process(again.process.pid).children() if "agent" in c.cmdline()]
+        agent.kill()
+        adopted = wait_until(
+            lambda: again.get("/api/events/?kind=replica.adopted", token)[1].get("results"),
+            60,
+            "the restarted agent to take the replica over",
+        )
+        assert adopted[0]["replica"] == restored["id"]
+        assert any(line.startswith("agent exited with code -9") for line in again.lines)
+        (still,) = again.serving(token, "tiny")
+        assert (still["id"], still["pid"]) == (restored["id"], restored["pid"]), "the same process, not a new one"
+        code, answer = again.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3}, token)
+        assert code == 200 and answer["choices"][0]["text"], answer
+        replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
+        assert sorted(r["state"] for r in replicas) == ["serving", "stopped"], "adopted, not duplicated"
     finally:
         assert again.stop() == 0
-    assert processes_of(data_dir) == []
+    assert processes_of(data_dir) == [], "the adopted replica stopped with the portal"
 
 
 def test_a_port_in_use_is_a_one_line_error_and_starts_nothing(tmp_path):

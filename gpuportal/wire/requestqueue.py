@@ -111,6 +111,11 @@ def epoch_key(fence: str) -> str:
     return f"gp:epoch:{fence}"
 
 
+def written_off_key(replica_id: str) -> str:
+    """Set once the control plane wrote the replica off: it may take no more requests."""
+    return f"gp:off:{replica_id}"
+
+
 class Fenced(Exception):
     """A replica's result was refused: the request is no longer its to answer."""
 
@@ -124,14 +129,34 @@ class NotTaken(Fenced):
     (its node went silent, say) and gave the request back to the queue, perhaps to another."""
 
 
+class WrittenOff(Fenced):
+    """A replica the control plane wrote off tried to take a request: it may take none. Whatever
+    it held was given back when it was written off, so it can end at once and lose nothing."""
+
+
 # The second half of a take, sent in the same round trip as the (blocking) move that precedes it:
 # the id just moved is at the head of the processing list and still `queued` or `waking` (every id
 # a take has handled is `dispatched` or later), so a move that found nothing leaves nothing to do.
 # The request's key is derived from the id here, not declared: fine on one Redis, not a cluster.
 # Stamped with the server's clock: the replica's would be from before the wait for a request.
-# KEYS: processing list. ARGV: replica id, request key prefix.
+# A replica written off (KEYS[2] set) takes nothing: an id its move just brought in goes back to
+# the end of the queue takes read from, and it is told (-1). Checked here, in the step that makes
+# a request the replica's, so that a take racing the write-off either ends before it (and the
+# write-off gives the request back) or after it (and is refused): none is left with a replica
+# that nobody will hear from again.
+# KEYS: processing list, written-off marker, the deployment's queue. ARGV: replica id, request key prefix.
 _MARK_TAKEN = """
 local id = redis.call('LINDEX', KEYS[1], 0)
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  if id then
+    local status = redis.call('HGET', ARGV[2] .. id, 'status')
+    if status == 'queued' or status == 'waking' then
+      redis.call('LPOP', KEYS[1])
+      redis.call('RPUSH', KEYS[3], id)
+    end
+  end
+  return -1
+end
 if not id then return false end
 local key = ARGV[2] .. id
 local status = redis.call('HGET', key, 'status')
@@ -531,6 +556,11 @@ class RequestQueue:
                 pipe.llen(key(name))
             return names, [int(n) for n in pipe.execute()]
 
+    def write_off(self, replica_id: str) -> None:
+        """The replica may take no more requests (its next take raises WrittenOff). Before
+        `requeue_from`: what it takes from then on is refused, what it took before is given back."""
+        self.redis.set(written_off_key(replica_id), 1, ex=TTL_S)
+
     def requeue_from(self, replica_id: str, *, max_attempts: int, reason: str) -> dict[str, str]:
         """Give back what a gone replica had taken: to the head of its queue, or failed once it
         used its attempts. Returns {request id: "requeued" | "failed"}."""
@@ -585,6 +615,7 @@ class RequestQueue:
 
     def _take(self, deployment: str, replica_id: str, timeout: float, renew: str | None) -> tuple[Request | None, bool]:
         source, target = queue_key(deployment), processing_key(replica_id)
+        keys = [target, written_off_key(replica_id), source]
         args = [replica_id, REQUEST_PREFIX]
         # The move and the marking in one round trip: Redis runs the script the moment the move
         # returns. By its SHA, so the pipeline sends no SCRIPT EXISTS first; a Redis that lost
@@ -599,16 +630,18 @@ class RequestQueue:
                 pipe.lmove(source, target, "RIGHT", "LEFT")
             else:
                 pipe.blmove(source, target, timeout, "RIGHT", "LEFT")
-            pipe.evalsha(self._mark_taken.sha, 1, target, *args)
+            pipe.evalsha(self._mark_taken.sha, len(keys), *keys, *args)
             replies = pipe.execute(raise_on_error=False)
         renewed = bool(renew) and replies[0] == 1  # an error reply counts as no claim found
         moved, marked = replies[-2:]
         if isinstance(moved, Exception):
             raise moved
         if isinstance(marked, redis.exceptions.NoScriptError):
-            marked = self._mark_taken(keys=[target], args=args)
+            marked = self._mark_taken(keys=keys, args=args)
         elif isinstance(marked, Exception):
             raise marked
+        if marked == -1:
+            raise WrittenOff(f"replica {replica_id} was written off by the control plane: it takes no more requests")
         if not marked:
             return None, renewed
         # Marked even if this move found nothing: an earlier move whose marking never ran (its

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from scheduling import events, ledger, locks
+from gpuportal.wire.survivors import Survivor
+from scheduling import adoption, events, ledger, locks
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import dispatch
@@ -31,6 +32,9 @@ INVENTORY_REASON = {
 }
 
 
+ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
+
+
 def node_queue(name: str) -> str:
     return f"node.{name}"
 
@@ -42,8 +46,13 @@ def register_node(
     hostname: str = "",
     cpu_cache_bytes: int = 0,
     virtual: bool = False,
+    survivors: Sequence[Survivor] = (),
 ) -> Node:
-    """Create or refresh a node and its GPUs as its agent reports them; the node is online after."""
+    """Create or refresh a node and its GPUs as its agent reports them; the node is online after.
+
+    `survivors` are the replica processes the node's previous agent left running, which the new
+    one took over: those whose books agree with what they say are kept (scheduling.adoption);
+    the others are lost, and the agent's first beat learns to stop them (`written_off`)."""
     now = timezone.now()
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         node, created = locks.lock_or_create_node(
@@ -86,11 +95,51 @@ def register_node(
                 gpu=change.label,
             )
     if not created:
-        # A registering agent runs no replica yet, and the ones its predecessor ran died with it:
-        # what the books still say of them is stale.
-        replica_services.lose_with_node(name, f"lost: the agent of node {name} started anew")
+        # A registering agent runs only the survivors it took over; the rest of what the books
+        # say its predecessor ran died with it.
+        kept = keep_survivors(node, survivors)
+        replica_services.lose_with_node(name, f"lost: the agent of node {name} started anew", keep=kept)
     reconcile_later(f"node {name} registered")
     return node
+
+
+def keep_survivors(node: Node, survivors: Sequence[Survivor]) -> list[str]:
+    """Of the survivors, those the books agree with; an Event says of each why it is kept or not."""
+    if not survivors:
+        return []
+    kept: list[str] = []
+    with transaction.atomic():
+        rows = {
+            r.pk: r
+            for r in locks.lock_replicas(
+                Replica.objects.select_related("deployment").filter(pk__in=[s.replica_id for s in survivors])
+            )
+        }
+        for survivor in survivors:
+            replica = rows.get(survivor.replica_id)
+            if replica is None or replica.node_id != node.pk or replica.state in ENDED:
+                continue  # written off already (or deleted): the first beat stops it
+            agrees = adoption.keeps(replica.state, survivor)
+            if agrees:
+                kept.append(replica.pk)
+                reason = (
+                    f"its process (pid {survivor.pid}) outlived the agent of node {node.name} and was taken "
+                    f"over by the new one ({survivor.state})"
+                )
+            else:
+                reason = f"not taken over by the new agent of node {node.name}: "
+                reason += adoption.why_not(replica.state, survivor)
+            events.record(
+                Event.Kind.REPLICA_ADOPTED if agrees else Event.Kind.REPLICA_STATE,
+                f"replica {replica.pk[:8]}",
+                reason,
+                before={"state": replica.state},
+                after={"process_state": survivor.state, "pid": survivor.pid, "kept": agrees},
+                node=node.name,
+                deployment=replica.deployment.name,
+                replica=replica.pk,
+            )
+    return kept
 
 
 def reconcile_later(reason: str) -> None:
@@ -152,9 +201,7 @@ def written_off(node: Node, running: Collection[str]) -> list[str]:
     if not running:
         return []
     kept = set(
-        Replica.objects.filter(pk__in=list(running), node=node)
-        .exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
-        .values_list("pk", flat=True)
+        Replica.objects.filter(pk__in=list(running), node=node).exclude(state__in=ENDED).values_list("pk", flat=True)
     )
     return sorted(set(running) - kept)
 

@@ -66,6 +66,12 @@ def withdraw_live(deployment_name: str, replica_id: str) -> None:
     queue().withdraw(deployment_name, replica_id)
 
 
+def write_off(replica_id: str) -> None:
+    """The replica, perhaps still running where the control plane cannot reach it, may take no
+    more requests (gpuportal.wire.requestqueue.WrittenOff): before what it took goes back."""
+    queue().write_off(replica_id)
+
+
 def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
     """What a stopped or failed replica had taken goes back to its queue (never dropped)."""
     outcomes = queue().requeue_from(replica_id, max_attempts=settings.GPUPORTAL_REQUEST_ATTEMPTS, reason=reason)

@@ -75,6 +75,10 @@ def _woken(replica: Replica, event: dict[str, Any]) -> None:
 
 
 def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
+    if replica.state in (Replica.State.SLEEPING, Replica.State.STOPPED, Replica.State.FAILED):
+        # Said again (an adopting agent's resync), or too late: the books hold it already, and a
+        # replica written off holds nothing.
+        return
     if replica.state == Replica.State.DRAINING:
         SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
     residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}

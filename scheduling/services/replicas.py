@@ -5,6 +5,7 @@ with its node. What its process reports is applied by scheduling.services.report
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import redis
 from django.db import transaction
@@ -138,7 +139,7 @@ def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
     transaction.on_commit(fail_them)
 
 
-def lose_with_node(node_name: str, reason: str) -> list[str]:
+def lose_with_node(node_name: str, reason: str, *, keep: Collection[str] = ()) -> list[str]:
     """The node's replica processes are gone with it (its agent stopped, went silent, or started
     anew: replica processes die with their agent). Each is stopped as if it had said so: what it
     had taken goes back to the queue, its claim to take requests and its reservations are
@@ -149,8 +150,14 @@ def lose_with_node(node_name: str, reason: str) -> list[str]:
     still runs on a node that was only cut off is fenced all the same: the requests it had are
     given back, so its late answers are refused (gpuportal.wire.requestqueue.NotTaken), and its agent
     stops it when it is heard again (nodes.heartbeat).
+
+    `keep`: replicas whose processes a new agent of the node took over (nodes.register_node).
     """
-    lost = Replica.objects.filter(node__name=node_name).exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
+    lost = (
+        Replica.objects.filter(node__name=node_name)
+        .exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
+        .exclude(pk__in=list(keep))
+    )
     deployments: set[str] = set()
     for replica_id in lost.order_by("pk").values_list("pk", flat=True):
         # One replica at a time, as its own report would be: the deployment row (a pair's reports
@@ -162,6 +169,9 @@ def lose_with_node(node_name: str, reason: str) -> list[str]:
                 continue
             if replica.lease_id is not None:
                 locks.lock_deployment_of(replica)
+            # It may still run (a node only cut off, an agent gone but not its replicas): it
+            # takes nothing more, and what it took goes back.
+            queueing.write_off(replica.id)
             requeue_taken(replica, f"replica {replica.id[:8]} {reason}")
             reserve_exactly(replica, {}, reason=f"replica {reason}")
             replica.pid = None

@@ -1,0 +1,47 @@
+"""Which replica processes a restarted node agent found still running the control plane keeps
+(issue 16: restart restores). Pure: the books' state of each replica and what its process says.
+
+The books lead: the control plane records a transition (draining, waking, stopping) before it
+sends the command, and the process's report completes it. So a process may be behind its row by
+a command the old agent never delivered, or its row behind the process by a report the old agent
+never relayed. The second is caught up by the resync the agent asks for (the process emits its
+last state event again); the first cannot be, and such a process is stopped and replaced."""
+
+from __future__ import annotations
+
+from gpuportal.wire.survivors import Survivor
+
+# The books' states (scheduling.models.Replica.State), spelled out: no ORM in a decision.
+PENDING, LOADING, SERVING, DRAINING = "pending", "loading", "serving", "draining"
+SLEEPING, WAKING, STOPPING = "sleeping", "waking", "stopping"
+
+# (what the process says it is in, its last state event) -> the books' states it agrees with.
+AGREES: dict[tuple[str, str | None], frozenset[str]] = {
+    ("starting", None): frozenset({PENDING, LOADING}),
+    ("loading", None): frozenset({PENDING, LOADING}),
+    # Loaded: its `serving` report may be the one lost.
+    ("serving", "serving"): frozenset({PENDING, LOADING, SERVING}),
+    # Woken: its `woken` report may be the one lost.
+    ("serving", "woken"): frozenset({WAKING, SERVING}),
+    # A drain to sleep, or a stop, under way: its report comes when it is done.
+    ("draining", "serving"): frozenset({DRAINING}),
+    ("draining", "woken"): frozenset({DRAINING}),
+    ("stopping", "serving"): frozenset({STOPPING}),
+    ("stopping", "woken"): frozenset({STOPPING}),
+    ("stopping", "sleeping"): frozenset({STOPPING}),
+    # Asleep: its `sleeping` report may be the one lost.
+    ("sleeping", "sleeping"): frozenset({DRAINING, SLEEPING}),
+    ("waking", "sleeping"): frozenset({WAKING}),
+}
+
+
+def keeps(row_state: str, survivor: Survivor) -> bool:
+    """Whether a surviving process and its books agree closely enough to take it over."""
+    return row_state in AGREES.get((survivor.state, survivor.last), frozenset())
+
+
+def why_not(row_state: str, survivor: Survivor) -> str:
+    return (
+        f"its process says {survivor.state} (last reported {survivor.last or 'nothing'}) but its books say "
+        f"{row_state}: a command or report was lost with the old agent"
+    )
