@@ -110,6 +110,104 @@ def whole_pair(name: str, killed: set[str]):
     return check
 
 
+MS = 1000
+
+
+@dataclass
+class Phase:
+    """One side of the comparison: seconds from each SIGKILL to the first answer after it, and
+    the requests sent throughout."""
+
+    times: list[float]
+    answers: int
+    failed: list
+
+
+def with_standby(portal: Portal, key: str, model_dir: Path, trials: int, clients: int) -> tuple[Phase, list[float]]:
+    """The active member of a failover pair SIGKILLed under load, `trials` times; also the
+    replicas' own grant-to-serving seconds."""
+    from scheduling.models import Event
+    from scheduling.services import deployments
+    from scheduling.services.deployments import DeploymentSpec
+
+    deployments.create(
+        DeploymentSpec(name="pair", source=str(model_dir), override_bytes=512 * MiB, max_tokens=256, standby=True)
+    )
+    killed: set[str] = set()
+    wait(whole_pair("pair", killed), 300, "the first pair")
+    load = Load(portal.port, key, "pair", clients)
+    load.start()
+    takeovers: list[float] = []
+    for trial in range(trials):
+        active, standby = wait(whole_pair("pair", killed), 300, "a whole pair")  # type: ignore[misc]
+        # Load must be flowing through the active member before the kill.
+        load.first_from({active.id}, time.monotonic(), set())
+        killed.add(active.id)
+        killed_at = time.monotonic()
+        os.kill(active.pid, signal.SIGKILL)
+        served_at = load.first_from({standby.id}, killed_at, set())
+        takeovers.append(served_at - killed_at)
+        print(f"standby trial {trial + 1}: {MS * takeovers[-1]:.0f} ms", flush=True)
+    load.finish()
+    takeover_events = Event.objects.filter(kind="failover.takeover", deployment="pair")
+    grant_to_serving = [e.after["takeover_s"] for e in takeover_events]
+    deployments.delete("pair")
+    return Phase(takeovers, len(load.answers), load.failed()), grant_to_serving
+
+
+def without_standby(portal: Portal, key: str, model_dir: Path, trials: int, clients: int) -> Phase:
+    """A plain replica SIGKILLed under load: the portal places and loads a new one."""
+    from scheduling.models import Replica
+    from scheduling.services import deployments
+    from scheduling.services.deployments import DeploymentSpec
+
+    deployments.create(DeploymentSpec(name="solo", source=str(model_dir), override_bytes=512 * MiB, max_tokens=256))
+    restarts: list[float] = []
+    load = Load(portal.port, key, "solo", clients)
+    load.start()
+    for trial in range(trials):
+        replica = wait(
+            lambda: Replica.objects.filter(deployment__name="solo", state="serving").first(), 300, "a replica"
+        )
+        load.first_from({replica.id}, time.monotonic(), set())  # type: ignore[union-attr]
+        gone = set(Replica.objects.filter(deployment__name="solo").values_list("id", flat=True))
+        killed_at = time.monotonic()
+        os.kill(replica.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        served_at = load.first_from(None, killed_at, gone)
+        restarts.append(served_at - killed_at)
+        print(f"no-standby trial {trial + 1}: {MS * restarts[-1]:.0f} ms", flush=True)
+    load.finish()
+    return Phase(restarts, len(load.answers), load.failed())
+
+
+def report(standby: Phase, solo: Phase, grant_to_serving: list[float]) -> tuple[str, str]:
+    """(the table, the sentence under it)."""
+    from bench.report import table
+
+    rows = [
+        [
+            label,
+            len(phase.times),
+            f"{MS * statistics.median(phase.times):.0f}",
+            f"{MS * percentile(phase.times, 0.99):.0f}",
+            phase.answers,
+            len(phase.failed),
+        ]
+        for label, phase in (
+            ("standby takes over (failover.standby)", standby),
+            ("no standby: a new replica is placed and loaded", solo),
+        )
+    ]
+    headers = ["after SIGKILL of the serving replica", "trials", "p50 ms", "p99 ms", "requests", "failed"]
+    ratio = statistics.median(solo.times) / statistics.median(standby.times)
+    detail = (
+        "Within the takeover, from the standby's lock grant to taking requests (reported by the replica): "
+        f"p50 {MS * statistics.median(grant_to_serving):.1f} ms, max {MS * max(grant_to_serving):.1f} ms. "
+        f"The standby answers first {ratio:.0f}× sooner than a restart without one."
+    )
+    return table(headers, rows), detail
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20)
@@ -126,95 +224,19 @@ def main() -> None:
         from django.contrib.auth.models import User
         from rest_framework.authtoken.models import Token
 
-        from bench.report import record, table
+        from bench.report import record
         from inference.management.commands.make_tiny_model import write_tiny_model
-        from scheduling.models import Event, Replica
-        from scheduling.services import deployments
-        from scheduling.services.deployments import DeploymentSpec
 
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
         # The control plane's worker: without a standby, it is what places the replacement.
         portal = Portal(tmp, web_threads=args.clients + 2, control=True)
         key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
         portal.ready(key)
-        port = portal.port
-        ms = 1000
-
-        # -- with a standby ---------------------------------------------------------------------
-        deployments.create(
-            DeploymentSpec(name="pair", source=str(model_dir), override_bytes=512 * MiB, max_tokens=256, standby=True)
-        )
-        killed: set[str] = set()
-        wait(whole_pair("pair", killed), 300, "the first pair")
-        load = Load(port, key, "pair", args.clients)
-        load.start()
-        takeovers: list[float] = []
-        for trial in range(args.trials):
-            active, standby = wait(whole_pair("pair", killed), 300, "a whole pair")  # type: ignore[misc]
-            # Load must be flowing through the active member before the kill.
-            load.first_from({active.id}, time.monotonic(), set())
-            killed.add(active.id)
-            killed_at = time.monotonic()
-            os.kill(active.pid, signal.SIGKILL)
-            served_at = load.first_from({standby.id}, killed_at, set())
-            takeovers.append(served_at - killed_at)
-            print(f"standby trial {trial + 1}: {ms * takeovers[-1]:.0f} ms", flush=True)
-        load.finish()
-        standby_failed = load.failed()
-        standby_answers = len(load.answers)
-        grant_to_serving = [
-            e.after["takeover_s"] for e in Event.objects.filter(kind="failover.takeover", deployment="pair")
-        ]
-        deployments.delete("pair")
-
-        # -- without one: the portal places and loads a new replica ------------------------------
-        deployments.create(DeploymentSpec(name="solo", source=str(model_dir), override_bytes=512 * MiB, max_tokens=256))
-        restarts: list[float] = []
-        load = Load(port, key, "solo", args.clients)
-        load.start()
-        for trial in range(args.baseline_trials):
-            replica = wait(
-                lambda: Replica.objects.filter(deployment__name="solo", state="serving").first(), 300, "a replica"
-            )
-            load.first_from({replica.id}, time.monotonic(), set())  # type: ignore[union-attr]
-            gone = set(Replica.objects.filter(deployment__name="solo").values_list("id", flat=True))
-            killed_at = time.monotonic()
-            os.kill(replica.pid, signal.SIGKILL)  # type: ignore[union-attr]
-            served_at = load.first_from(None, killed_at, gone)
-            restarts.append(served_at - killed_at)
-            print(f"no-standby trial {trial + 1}: {ms * restarts[-1]:.0f} ms", flush=True)
-        load.finish()
-        solo_failed = load.failed()
-        solo_answers = len(load.answers)
-
-        rows = [
-            [
-                "standby takes over (failover.standby)",
-                len(takeovers),
-                f"{ms * statistics.median(takeovers):.0f}",
-                f"{ms * percentile(takeovers, 0.99):.0f}",
-                standby_answers,
-                len(standby_failed),
-            ],
-            [
-                "no standby: a new replica is placed and loaded",
-                len(restarts),
-                f"{ms * statistics.median(restarts):.0f}",
-                f"{ms * percentile(restarts, 0.99):.0f}",
-                solo_answers,
-                len(solo_failed),
-            ],
-        ]
-        headers = ["after SIGKILL of the serving replica", "trials", "p50 ms", "p99 ms", "requests", "failed"]
-        report = table(headers, rows)
-        ratio = statistics.median(restarts) / statistics.median(takeovers)
-        detail = (
-            "Within the takeover, from the standby's lock grant to taking requests (reported by the replica): "
-            f"p50 {ms * statistics.median(grant_to_serving):.1f} ms, max {ms * max(grant_to_serving):.1f} ms. "
-            f"The standby answers first {ratio:.0f}× sooner than a restart without one."
-        )
-        print("\n" + report + "\n\n" + detail)
-        for failure in (standby_failed + solo_failed)[:5]:
+        standby, grant_to_serving = with_standby(portal, key, model_dir, args.trials, args.clients)
+        solo = without_standby(portal, key, model_dir, args.baseline_trials, args.clients)
+        table, detail = report(standby, solo, grant_to_serving)
+        print("\n" + table + "\n\n" + detail)
+        for failure in (standby.failed + solo.failed)[:5]:
             print("failed:", failure)
         if not args.no_record:
             record(
@@ -224,7 +246,7 @@ def main() -> None:
                 f"--clients {args.clients}`: a tiny causal LM (2 MB) on a virtual GPU (CPU), {args.clients} clients "
                 "sending one-token `/infer/` requests back to back over HTTP (granian), a real node agent and "
                 "real replica processes. Time = from the SIGKILL to the first answer served by the replacement; "
-                "failed = requests that did not end `done`, over the whole run.\n\n" + report + "\n\n" + detail,
+                "failed = requests that did not end `done`, over the whole run.\n\n" + table + "\n\n" + detail,
             )
     finally:
         if portal is not None:

@@ -437,90 +437,24 @@ def _greedy_row(part: str, what: str, gen: Mapping[str, Any] | None) -> Row:
 def probe_rows(result: Mapping[str, Any], dtype: str, max_tokens: int) -> list[Row]:
     """The probe's records (parse_probe_output) as table rows. Pure: the unit tests feed plain dicts."""
     part = f"probe {dtype}"
-    rows: list[Row] = []
-    setup = result.get("setup") or {}
-    load = result.get("load") or {}
-    reserved = setup.get("reservation_bytes")
-    if setup:
-        est = setup.get("estimate") or {}
-        parts = ", ".join(
-            f"{k.removesuffix('_bytes')} {fmt_size(v)}"
-            for k, v in est.items()
-            if k.endswith("_bytes") and k != "total_bytes" and v
-        )
-        rows.append(Row(part, "reservation (scheduling.memory.estimate)", f"{fmt_size(reserved)}: {parts}"))
-        rows.append(
-            Row(
-                part,
-                "CUDA context, before any load",
-                f"{fmt_size(setup.get('context_bare_bytes'))} (assumed {fmt_size(setup.get('context_assumed_bytes'))})",
-            )
-        )
-    if load:
-        figure, check = nvml_vs(load.get("nvml_bytes"), reserved, "NVML")
-        rows.append(Row(part, f"load ({load.get('seconds', 0):.2f} s): NVML process bytes", figure, check))
-        serving = load.get("event") or {}
-        if serving.get("need_bytes") is not None:
-            footprint = serving.get("footprint") or {}
-            figure = f"{fmt_size(serving['need_bytes'])}, context counted {fmt_size(footprint.get('context_bytes'))}"
-            if serving.get("context_measured_bytes") is not None:
-                figure += f", measured {fmt_size(serving['context_measured_bytes'])}"
-            rows.append(Row(part, "replica's measured need (serving event)", figure))
-        rows.append(_kv_row(part, "KV pool after load", serving.get("kv"), max_tokens))
-    rows.append(_greedy_row(part, "greedy paged = transformers generate", result.get("generate")))
-    prefill = result.get("prefill")
-    if prefill:
-        if prefill.get("error"):
-            rows.append(Row(part, "prefill at max_tokens", prefill["error"], "FAIL: prefill raised"))
-        else:
-            figure, check = nvml_vs(prefill.get("nvml_bytes"), reserved, "NVML")
-            peak = f"; allocator peak {fmt_size(prefill.get('peak_reserved_bytes'))}"
-            rows.append(
-                Row(part, f"after a prefill of {prefill.get('prompt_tokens')} tokens: NVML", figure + peak, check)
-            )
-    cap = result.get("cap")
-    if cap:
-        held = cap.get("over") == "oom" and cap.get("under") == "ok"
-        why = "allocated past the cap" if cap.get("over") != "oom" else f"under the cap: {cap.get('under')}"
-        margin = fmt_size(cap.get("margin_bytes"))
-        limit = fmt_size(cap.get("limit_bytes"))
-        figure = (
-            f"fraction {cap.get('fraction')} → {limit}; +{margin}: {cap.get('over')}, −{margin}: {cap.get('under')}"
-        )
-        rows.append(Row(part, "allocator cap", figure, ok_or_fail(held, why)))
-        if cap.get("nvml_at_cap_bytes") is not None:
-            at_cap, check = nvml_vs(cap.get("nvml_at_cap_bytes"), reserved, "allocator at its cap + context")
-            rows.append(Row(part, "NVML with the allocator at its cap", at_cap, check))
+    reserved = (result.get("setup") or {}).get("reservation_bytes")
+    rows = [
+        *_setup_rows(part, result.get("setup") or {}),
+        *_load_rows(part, result.get("load") or {}, reserved, max_tokens),
+        _greedy_row(part, "greedy paged = transformers generate", result.get("generate")),
+        *_prefill_and_cap_rows(part, result.get("prefill"), result.get("cap"), reserved),
+    ]
     bandwidth = result.get("bandwidth") or {}
-    pinned = bandwidth.get("pinned_gbps")
     if bandwidth:
         rows.append(
             Row(
                 part,
                 f"host→device copy, {fmt_size(bandwidth.get('nbytes'))}",
-                f"pinned {fmt_gbps(pinned)}, pageable {fmt_gbps(bandwidth.get('pageable_gbps'))}",
+                f"pinned {fmt_gbps(bandwidth.get('pinned_gbps'))}, pageable {fmt_gbps(bandwidth.get('pageable_gbps'))}",
             )
         )
-    loaded_nvml = load.get("nvml_bytes")
-    weights = load.get("weights_bytes")
     for cycle in result.get("cycles") or []:
-        n = cycle.get("n")
-        left = cycle.get("nvml_after_sleep_bytes")
-        if left is None:
-            check = "unverified: no NVML figure"
-        elif loaded_nvml is None or not weights:
-            check = ""
-        else:
-            check = ok_or_fail(left <= loaded_nvml - 0.9 * weights, "the weights were not freed")
-        rows.append(Row(part, f"sleep {n} ({cycle.get('sleep_s', 0):.3f} s): NVML left", fmt_size(left), check))
-        wake_rate = gbps(weights or 0, cycle.get("wake_s"))
-        figure = f"{cycle.get('wake_s', 0):.3f} s, {fmt_gbps(wake_rate)} ({percent(wake_rate, pinned)} of pinned)"
-        rows.append(Row(part, f"wake {n}", figure))
-        nvml_figure, check = nvml_vs(cycle.get("nvml_after_wake_bytes"), reserved, "NVML")
-        rows.append(Row(part, f"wake {n}: NVML process bytes", nvml_figure, check))
-        rows.append(_kv_row(part, f"wake {n}: KV pool", (cycle.get("event") or {}).get("kv"), max_tokens))
-        if cycle.get("rss_bytes") is not None:
-            rows.append(Row(part, f"wake {n}: host RSS of the process", fmt_size(cycle["rss_bytes"])))
+        rows += _cycle_rows(part, cycle, result.get("load") or {}, reserved, bandwidth.get("pinned_gbps"), max_tokens)
     if result.get("cycles"):
         rows.append(_greedy_row(part, "greedy after the wakes = before", result.get("generate_after_wake")))
     error = result.get("error")
@@ -533,6 +467,96 @@ def probe_rows(result: Mapping[str, Any], dtype: str, max_tokens: int) -> list[R
                 "FAIL: the probe raised",
             )
         )
+    return rows
+
+
+def _setup_rows(part: str, setup: Mapping[str, Any]) -> list[Row]:
+    if not setup:
+        return []
+    est = setup.get("estimate") or {}
+    named = [(k, v) for k, v in est.items() if k.endswith("_bytes") and k != "total_bytes" and v]
+    parts = ", ".join(f"{k.removesuffix('_bytes')} {fmt_size(v)}" for k, v in named)
+    context = f"{fmt_size(setup.get('context_bare_bytes'))} (assumed {fmt_size(setup.get('context_assumed_bytes'))})"
+    reservation = f"{fmt_size(setup.get('reservation_bytes'))}: {parts}"
+    return [
+        Row(part, "reservation (scheduling.memory.estimate)", reservation),
+        Row(part, "CUDA context, before any load", context),
+    ]
+
+
+def _load_rows(part: str, load: Mapping[str, Any], reserved: int | None, max_tokens: int) -> list[Row]:
+    if not load:
+        return []
+    figure, check = nvml_vs(load.get("nvml_bytes"), reserved, "NVML")
+    rows = [Row(part, f"load ({load.get('seconds', 0):.2f} s): NVML process bytes", figure, check)]
+    serving = load.get("event") or {}
+    if serving.get("need_bytes") is not None:
+        footprint = serving.get("footprint") or {}
+        figure = f"{fmt_size(serving['need_bytes'])}, context counted {fmt_size(footprint.get('context_bytes'))}"
+        if serving.get("context_measured_bytes") is not None:
+            figure += f", measured {fmt_size(serving['context_measured_bytes'])}"
+        rows.append(Row(part, "replica's measured need (serving event)", figure))
+    rows.append(_kv_row(part, "KV pool after load", serving.get("kv"), max_tokens))
+    return rows
+
+
+def _prefill_and_cap_rows(part: str, prefill: Any, cap: Any, reserved: int | None) -> list[Row]:
+    rows: list[Row] = []
+    if prefill:
+        if prefill.get("error"):
+            rows.append(Row(part, "prefill at max_tokens", prefill["error"], "FAIL: prefill raised"))
+        else:
+            figure, check = nvml_vs(prefill.get("nvml_bytes"), reserved, "NVML")
+            peak = f"; allocator peak {fmt_size(prefill.get('peak_reserved_bytes'))}"
+            rows.append(
+                Row(part, f"after a prefill of {prefill.get('prompt_tokens')} tokens: NVML", figure + peak, check)
+            )
+    if cap:
+        held = cap.get("over") == "oom" and cap.get("under") == "ok"
+        why = "allocated past the cap" if cap.get("over") != "oom" else f"under the cap: {cap.get('under')}"
+        margin = fmt_size(cap.get("margin_bytes"))
+        limit = fmt_size(cap.get("limit_bytes"))
+        figure = (
+            f"fraction {cap.get('fraction')} → {limit}; +{margin}: {cap.get('over')}, −{margin}: {cap.get('under')}"
+        )
+        rows.append(Row(part, "allocator cap", figure, ok_or_fail(held, why)))
+        if cap.get("nvml_at_cap_bytes") is not None:
+            at_cap, check = nvml_vs(cap.get("nvml_at_cap_bytes"), reserved, "allocator at its cap + context")
+            rows.append(Row(part, "NVML with the allocator at its cap", at_cap, check))
+    return rows
+
+
+def _cycle_rows(
+    part: str,
+    cycle: Mapping[str, Any],
+    load: Mapping[str, Any],
+    reserved: int | None,
+    pinned: float | None,
+    max_tokens: int,
+) -> list[Row]:
+    n = cycle.get("n")
+    loaded_nvml, weights = load.get("nvml_bytes"), load.get("weights_bytes")
+    left = cycle.get("nvml_after_sleep_bytes")
+    if left is None:
+        check = "unverified: no NVML figure"
+    elif loaded_nvml is None or not weights:
+        check = ""
+    else:
+        check = ok_or_fail(left <= loaded_nvml - 0.9 * weights, "the weights were not freed")
+    wake_rate = gbps(weights or 0, cycle.get("wake_s"))
+    nvml_figure, nvml_check = nvml_vs(cycle.get("nvml_after_wake_bytes"), reserved, "NVML")
+    rows = [
+        Row(part, f"sleep {n} ({cycle.get('sleep_s', 0):.3f} s): NVML left", fmt_size(left), check),
+        Row(
+            part,
+            f"wake {n}",
+            f"{cycle.get('wake_s', 0):.3f} s, {fmt_gbps(wake_rate)} ({percent(wake_rate, pinned)} of pinned)",
+        ),
+        Row(part, f"wake {n}: NVML process bytes", nvml_figure, nvml_check),
+        _kv_row(part, f"wake {n}: KV pool", (cycle.get("event") or {}).get("kv"), max_tokens),
+    ]
+    if cycle.get("rss_bytes") is not None:
+        rows.append(Row(part, f"wake {n}: host RSS of the process", fmt_size(cycle["rss_bytes"])))
     return rows
 
 
@@ -633,65 +657,86 @@ def main(argv: list[str] | None = None) -> int:
     # Absolute: the children run in the repository root, and write their reports here.
     work = Path(args.work_dir).resolve() if args.work_dir else Path(tempfile.mkdtemp(prefix="gpuportal-bench-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
+    rows: list[Row] = [Row(p, "", "", f"not run: {'; '.join(blocked[p])}") for p in args.parts if blocked[p]]
     raw: dict[str, Any] = {"environment": asdict(env), "args": dict(vars(args))}
     model_tmp: Path | None = None
     try:
-        for part in args.parts:
-            if blocked[part]:
-                rows.append(Row(part, "", "", f"not run: {'; '.join(blocked[part])}"))
-        model_dir = Path(args.model_dir).resolve() if args.model_dir else None
         if "tests" in runnable:
             print("bench.gpu: tests: pytest -m gpu", file=sys.stderr, flush=True)
             test_rows, raw["tests"] = run_tests(work)
             rows += test_rows
-        if model_dir is None and {"probe", "stack"} & set(runnable):
-            # Outside the work dir: a kept work dir (say, a device's output folder) gets no checkpoint.
-            model_tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-gpu-model-"))
-            print(f"bench.gpu: writing a {args.size_mb:g} MiB random Llama", file=sys.stderr, flush=True)
-            began = time.monotonic()
-            try:
-                write_model(model_tmp, args.size_mb)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                rows.append(Row("model", "make_tiny_model", "", f"FAIL: {exc}"))
-                runnable = [p for p in runnable if p == "tests"]
-            else:
-                model_dir = model_tmp
-                raw["model"] = describe_model(model_dir)
-                rows.append(model_row(raw["model"], time.monotonic() - began))
-        elif model_dir is not None and {"probe", "stack"} & set(runnable):
-            raw["model"] = describe_model(model_dir)
-            rows.append(model_row(raw["model"], None))
-        if "probe" in runnable and model_dir is not None:
-            raw["probe"] = {}
-            for dtype in args.dtypes:
-                print(f"bench.gpu: probe: {dtype}", file=sys.stderr, flush=True)
-                result = run_probe(model_dir, dtype, args.max_tokens, work, args.gpu)
-                raw["probe"][dtype] = result
-                rows += probe_rows(result, dtype, args.max_tokens)
-        if "stack" in runnable and model_dir is not None:
-            from bench import gpu_stack
-
-            print("bench.gpu: stack: manage.py up, two deployments", file=sys.stderr, flush=True)
-            deployments = [("a", args.dtypes[0]), ("b", args.dtypes[1] if len(args.dtypes) > 1 else args.dtypes[0])]
-            result = gpu_stack.run_stack(
-                model_dir=model_dir,
-                deployments=deployments,
-                max_tokens=args.max_tokens,
-                work=work,
-                virtual=args.virtual_stack,
-            )
-            raw["stack"] = result
-            rows += gpu_stack.stack_rows(result)
+        model_dir, model_tmp, runnable = prepare_model(args, runnable, rows, raw)
+        if model_dir is not None:
+            rows += run_model_parts(args, runnable, model_dir, work, raw)
     finally:
         if model_tmp is not None:
             shutil.rmtree(model_tmp, ignore_errors=True)
         (work / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
+    return conclude(env, args, rows, any(blocked[p] for p in args.parts), work)
+
+
+def prepare_model(
+    args: argparse.Namespace, runnable: list[str], rows: list[Row], raw: dict[str, Any]
+) -> tuple[Path | None, Path | None, list[str]]:
+    """(the model the probe and the stack run, the temporary one written for them or None, the
+    parts still runnable): the one given, or a random Llama written for the run."""
+    model_dir = Path(args.model_dir).resolve() if args.model_dir else None
+    if not {"probe", "stack"} & set(runnable):
+        return model_dir, None, runnable
+    if model_dir is not None:
+        raw["model"] = describe_model(model_dir)
+        rows.append(model_row(raw["model"], None))
+        return model_dir, None, runnable
+    # Outside the work dir: a kept work dir (say, a device's output folder) gets no checkpoint.
+    model_tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-gpu-model-"))
+    print(f"bench.gpu: writing a {args.size_mb:g} MiB random Llama", file=sys.stderr, flush=True)
+    began = time.monotonic()
+    try:
+        write_model(model_tmp, args.size_mb)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        rows.append(Row("model", "make_tiny_model", "", f"FAIL: {exc}"))
+        return None, model_tmp, [p for p in runnable if p == "tests"]
+    raw["model"] = describe_model(model_tmp)
+    rows.append(model_row(raw["model"], time.monotonic() - began))
+    return model_tmp, model_tmp, runnable
+
+
+def run_model_parts(
+    args: argparse.Namespace, runnable: list[str], model_dir: Path, work: Path, raw: dict[str, Any]
+) -> list[Row]:
+    """The probe (per dtype) and the stack, on `model_dir`."""
+    rows: list[Row] = []
+    if "probe" in runnable:
+        raw["probe"] = {}
+        for dtype in args.dtypes:
+            print(f"bench.gpu: probe: {dtype}", file=sys.stderr, flush=True)
+            result = run_probe(model_dir, dtype, args.max_tokens, work, args.gpu)
+            raw["probe"][dtype] = result
+            rows += probe_rows(result, dtype, args.max_tokens)
+    if "stack" in runnable:
+        from bench import gpu_stack
+
+        print("bench.gpu: stack: manage.py up, two deployments", file=sys.stderr, flush=True)
+        deployments = [("a", args.dtypes[0]), ("b", args.dtypes[1] if len(args.dtypes) > 1 else args.dtypes[0])]
+        result = gpu_stack.run_stack(
+            model_dir=model_dir,
+            deployments=deployments,
+            max_tokens=args.max_tokens,
+            work=work,
+            virtual=args.virtual_stack,
+        )
+        raw["stack"] = result
+        rows += gpu_stack.stack_rows(result)
+    return rows
+
+
+def conclude(env: Environment, args: argparse.Namespace, rows: list[Row], blocked: bool, work: Path) -> int:
+    """Print the table, record it where the run was whole on a real GPU, and say where the logs are."""
     text = render(rows)
     print(header(env, args))
     print()
     print(text)
-    lacking = bool(env.lacks) or any(blocked[p] for p in args.parts)
+    lacking = bool(env.lacks) or blocked
     status = exit_status(rows, lacking)
     if lacking:
         print("\nbench.gpu: not recorded: this machine lacks what the parts marked 'not run' need", file=sys.stderr)

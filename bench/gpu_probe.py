@@ -205,97 +205,121 @@ def short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
 
-def run(args: argparse.Namespace) -> None:
-    step = "setup"
-    try:
+class Probe:
+    """The probe's steps, in order, on one GPU; `step` names the one running, for the error record."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.gpu, self.step = args, args.gpu, "setup"
+
+    def run(self) -> None:
+        try:
+            self.setup()
+            self.load()
+            self.generation()
+            self.cycles()
+        except Exception as exc:
+            out("error", step=self.step, error=short(exc), traceback=traceback.format_exc()[-3000:])
+            raise
+
+    def setup(self) -> None:
         import torch
 
         from inference.model_size import shape_from_model_dir
-        from inference.replica import CudaBackend, EventWriter, Placement
         from scheduling import memory
         from scheduling.placement import gpu_fraction
 
-        gpu = args.gpu
+        args, gpu = self.args, self.gpu
         torch.cuda.set_device(gpu)
         torch.zeros(1, device=f"cuda:{gpu}")
         torch.cuda.synchronize(gpu)
         measured = nvml_bytes(gpu)
         bare = measured - torch.cuda.memory_reserved(gpu) if measured is not None else None
-        context = args.context_bytes if args.context_bytes is not None else memory.TYPICAL_CUDA_CONTEXT_BYTES
-        shape = shape_from_model_dir(args.model_dir, args.dtype)
-        est = memory.estimate(shape, max_tokens=args.max_tokens, cuda_context_bytes=context)
-        reservation = est.total_bytes
+        self.context = args.context_bytes if args.context_bytes is not None else memory.TYPICAL_CUDA_CONTEXT_BYTES
+        self.shape = shape_from_model_dir(args.model_dir, args.dtype)
+        est = memory.estimate(self.shape, max_tokens=args.max_tokens, cuda_context_bytes=self.context)
+        self.reservation = est.total_bytes
         cuda_total = torch.cuda.mem_get_info(gpu)[1]
-        fraction = gpu_fraction(reservation, cuda_total)
+        self.fraction = gpu_fraction(self.reservation, cuda_total)
         parts = ("weights_bytes", "kv_bytes", "activation_bytes", "context_bytes", "overhead_bytes")
         out(
             "setup",
             device=torch.cuda.get_device_name(gpu),
             cuda_total_bytes=cuda_total,
-            reservation_bytes=reservation,
+            reservation_bytes=self.reservation,
             estimate={p: getattr(est, p, 0) for p in parts},
-            context_assumed_bytes=context,
+            context_assumed_bytes=self.context,
             context_bare_bytes=bare,
-            fraction_asked=fraction,
+            fraction_asked=self.fraction,
         )
+        self.step = "bandwidth"
+        out("bandwidth", **host_to_device(min(max(self.shape.weight_bytes, COPY_MIN_BYTES), COPY_MAX_BYTES), gpu))
 
-        step = "bandwidth"
-        out("bandwidth", **host_to_device(min(max(shape.weight_bytes, COPY_MIN_BYTES), COPY_MAX_BYTES), gpu))
+    def load(self) -> None:
+        import torch
 
-        step = "load"
-        sink = EventSink()
-        placement = Placement.parse([gpu], {str(gpu): reservation}, fraction)
-        host = make_host(
+        from inference.replica import CudaBackend, EventWriter, Placement
+
+        self.step = "load"
+        gpu = self.gpu
+        self.sink = EventSink()
+        placement = Placement.parse([gpu], {str(gpu): self.reservation}, self.fraction)
+        self.host = make_host(
             replica_id="bench-gpu-probe",
-            source=str(args.model_dir),
+            source=str(self.args.model_dir),
             loader="transformers",
-            dtype=args.dtype,
+            dtype=self.args.dtype,
             placement=placement,
             backend=CudaBackend(),
-            events=EventWriter(sink),  # type: ignore[arg-type]  # duck-typed: write and flush
-            kv_max_tokens=args.max_tokens,
-            context_bytes=context,
+            events=EventWriter(self.sink),  # type: ignore[arg-type]  # duck-typed: write and flush
+            kv_max_tokens=self.args.max_tokens,
+            context_bytes=self.context,
         )
         began = time.perf_counter()
-        host.load()
+        self.host.load()
         torch.cuda.synchronize(gpu)
         seconds = time.perf_counter() - began
-        serving = sink.last(0, "serving", "failed")
+        serving = self.sink.last(0, "serving", "failed")
         if serving is None or serving.get("event") != "serving":
             raise RuntimeError(f"the replica did not serve: {serving}")
         # The fraction the backend really applied (it may take the context out of the cap first).
-        applied = getattr(host.backend, "fraction", None) or host.placement.fraction or fraction
+        self.applied = getattr(self.host.backend, "fraction", None) or self.host.placement.fraction or self.fraction
         out(
             "load",
             seconds=seconds,
-            weights_bytes=host.weights_bytes,
+            weights_bytes=self.host.weights_bytes,
             nvml_bytes=nvml_bytes(gpu),
             allocator_reserved_bytes=torch.cuda.memory_reserved(gpu),
-            fraction_applied=applied,
+            fraction_applied=self.applied,
             event=serving,
         )
 
-        step = "generate"
-        prompt = host.tokenizer(PROMPT)["input_ids"]
-        paged: list[int] | None = None
+    def generation(self) -> None:
+        import torch
+
+        host, gpu = self.host, self.gpu
+        self.step = "generate"
+        self.prompt = host.tokenizer(PROMPT)["input_ids"]
+        self.paged: list[int] | None = None
         try:
-            paged = paged_tokens(host, prompt, COMPARE_TOKENS)
-            out("generate", paged=paged, reference=reference_tokens(host, prompt, COMPARE_TOKENS, gpu))
+            self.paged = paged_tokens(host, self.prompt, COMPARE_TOKENS)
+            out("generate", paged=self.paged, reference=reference_tokens(host, self.prompt, COMPARE_TOKENS, gpu))
         except Exception as exc:  # a finding, not the end of the probe: the memory figures still count
             out("generate", error=short(exc))
-
-        step = "prefill"
+        self.step = "prefill"
         try:
-            out("prefill", **prefill(host, args.max_tokens, gpu))
+            out("prefill", **prefill(host, self.args.max_tokens, gpu))
         except Exception as exc:  # an out-of-memory here says the activation reserve is too small
             out("prefill", error=short(exc), nvml_bytes=nvml_bytes(gpu))
             torch.cuda.empty_cache()
+        self.step = "cap"
+        out("cap", **cap_check(host, self.applied, gpu))
 
-        step = "cap"
-        out("cap", **cap_check(host, applied, gpu))
+    def cycles(self) -> None:
+        import torch
 
+        host, gpu, sink = self.host, self.gpu, self.sink
         for n in (1, 2):  # the first sleep pins tensor by tensor; later ones reuse the pinned copies
-            step = f"sleep {n}"
+            self.step = f"sleep {n}"
             since = len(sink.events)
             torch.cuda.synchronize(gpu)
             began = time.perf_counter()
@@ -303,10 +327,10 @@ def run(args: argparse.Namespace) -> None:
             sleep_s = time.perf_counter() - began
             sleeping = sink.last(since, "sleeping")
             after_sleep = nvml_bytes(gpu)
-            step = f"wake {n}"
+            self.step = f"wake {n}"
             since = len(sink.events)
             began = time.perf_counter()
-            host.wake([gpu], {str(gpu): reservation}, fraction)
+            host.wake([gpu], {str(gpu): self.reservation}, self.fraction)
             torch.cuda.synchronize(gpu)
             wake_s = time.perf_counter() - began
             out(
@@ -320,16 +344,16 @@ def run(args: argparse.Namespace) -> None:
                 sleeping_event=sleeping,
                 event=sink.last(since, "woken", "failed"),
             )
-
-        step = "generate_after_wake"
+        self.step = "generate_after_wake"
         try:
-            out("generate_after_wake", paged=paged_tokens(host, prompt, COMPARE_TOKENS), reference=paged)
+            out("generate_after_wake", paged=paged_tokens(host, self.prompt, COMPARE_TOKENS), reference=self.paged)
         except Exception as exc:
             out("generate_after_wake", error=short(exc))
         host.stop(0.0)
-    except Exception as exc:
-        out("error", step=step, error=short(exc), traceback=traceback.format_exc()[-3000:])
-        raise
+
+
+def run(args: argparse.Namespace) -> None:
+    Probe(args).run()
 
 
 def main(argv: list[str] | None = None) -> int:

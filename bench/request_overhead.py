@@ -94,6 +94,85 @@ def interleaved(calls: dict[str, Callable[[], None]], count: int) -> dict[str, l
     return samples
 
 
+MS = 1000
+
+
+def portal_calls(http: Http) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One-token calls of the portal's two paths: `/infer/` from text, `/v1` from chat messages."""
+
+    def infer() -> None:
+        status, body = http.post("/api/deployments/tiny/infer/", {"input": "Hello", "params": {"max_tokens": 1}})
+        assert status == 200 and body["status"] == "done", body
+
+    def chat() -> None:
+        status, body = http.post("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
+        assert status == 200, body
+
+    return infer, chat
+
+
+def wake_times(infer: Callable[[], None], count: int) -> list[float]:
+    """Seconds from a request sent while the deployment's replica sleeps to its answer."""
+    from scheduling.models import Replica
+    from scheduling.services import sleep
+
+    wakes = []
+    replica_id = Replica.objects.get(deployment__name="tiny").id
+    for _ in range(count):
+        # The answer can come back before the agent's report marks the replica serving again.
+        wait(lambda: Replica.objects.get(pk=replica_id).state == "serving", 30, "the woken replica")
+        sleep.sleep_replica(replica_id, reason="benchmark: measure the wake")
+        while Replica.objects.get(pk=replica_id).state != "sleeping":
+            time.sleep(0.05)
+        began = time.perf_counter()
+        infer()
+        wakes.append(time.perf_counter() - began)
+    return wakes
+
+
+def row(name: str, values: list[float], baseline: list[float] | None) -> list[object]:
+    added = (
+        ["-", "-"]
+        if baseline is None
+        else [
+            f"{MS * (statistics.median(values) - statistics.median(baseline)):.2f}",
+            f"{MS * (percentile(values, 0.99) - percentile(baseline, 0.99)):.2f}",
+        ]
+    )
+    return [
+        name,
+        f"{MS * statistics.median(values):.2f}",
+        f"{MS * percentile(values, 0.99):.2f}",
+        *added,
+        f"{len(values) / sum(values):.0f}",
+    ]
+
+
+def report(samples: dict[str, list[float]], wakes: list[float]) -> tuple[str, str]:
+    """(the overhead table, the wake table)."""
+    from bench.report import table
+
+    rows = [
+        row("direct, text (in process)", samples["direct text"], None),
+        row("POST /api/…/infer/ (text)", samples["infer"], samples["direct text"]),
+        row("direct, chat messages (in process)", samples["direct chat"], None),
+        row("POST /v1/chat/completions", samples["chat"], samples["direct chat"]),
+    ]
+    headers = ["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "requests/s (one client)"]
+    wake = table(
+        ["wake of a sleeping replica (virtual GPU)", "p50 ms", "max ms", "trials"],
+        [
+            [
+                "request sent to a sleeping deployment, until its answer",
+                f"{MS * statistics.median(wakes):.0f}",
+                f"{MS * max(wakes):.0f}",
+                len(wakes),
+            ]
+        ],
+    )
+    return table(headers, rows), wake
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
@@ -109,10 +188,10 @@ def main() -> None:
         from django.contrib.auth.models import User
         from rest_framework.authtoken.models import Token
 
-        from bench.report import record, table
+        from bench.report import record
         from inference.management.commands.make_tiny_model import write_tiny_model
         from scheduling.models import Replica
-        from scheduling.services import deployments, sleep
+        from scheduling.services import deployments
         from scheduling.services.deployments import DeploymentSpec
 
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
@@ -126,72 +205,15 @@ def main() -> None:
         )
         wait(lambda: Replica.objects.filter(deployment__name="tiny", state="serving").exists(), 240, "the replica")
         http = Http(portal.port, key)
-
-        def infer() -> None:
-            status, body = http.post("/api/deployments/tiny/infer/", {"input": "Hello", "params": {"max_tokens": 1}})
-            assert status == 200 and body["status"] == "done", body
-
-        def chat() -> None:
-            status, body = http.post("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
-            assert status == 200, body
-
+        infer, chat = portal_calls(http)
         print("direct calls, /infer/ and /v1, in alternating rounds…", flush=True)
         samples = interleaved(
             {"direct text": direct_generate, "infer": infer, "direct chat": direct_chat, "chat": chat}, args.requests
         )
-
-        wakes = []
-        replica_id = Replica.objects.get(deployment__name="tiny").id
-        for _ in range(args.wakes):
-            # The answer can come back before the agent's report marks the replica serving again.
-            wait(lambda: Replica.objects.get(pk=replica_id).state == "serving", 30, "the woken replica")
-            sleep.sleep_replica(replica_id, reason="benchmark: measure the wake")
-            while Replica.objects.get(pk=replica_id).state != "sleeping":
-                time.sleep(0.05)
-            began = time.perf_counter()
-            infer()
-            wakes.append(time.perf_counter() - began)
+        wakes = wake_times(infer, args.wakes)
         http.close()
-
-        ms = 1000
-
-        def row(name: str, values: list[float], baseline: list[float] | None) -> list[object]:
-            added = (
-                ["-", "-"]
-                if baseline is None
-                else [
-                    f"{ms * (statistics.median(values) - statistics.median(baseline)):.2f}",
-                    f"{ms * (percentile(values, 0.99) - percentile(baseline, 0.99)):.2f}",
-                ]
-            )
-            return [
-                name,
-                f"{ms * statistics.median(values):.2f}",
-                f"{ms * percentile(values, 0.99):.2f}",
-                *added,
-                f"{len(values) / sum(values):.0f}",
-            ]
-
-        rows = [
-            row("direct, text (in process)", samples["direct text"], None),
-            row("POST /api/…/infer/ (text)", samples["infer"], samples["direct text"]),
-            row("direct, chat messages (in process)", samples["direct chat"], None),
-            row("POST /v1/chat/completions", samples["chat"], samples["direct chat"]),
-        ]
-        headers = ["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "requests/s (one client)"]
-        report = table(headers, rows)
-        wake = table(
-            ["wake of a sleeping replica (virtual GPU)", "p50 ms", "max ms", "trials"],
-            [
-                [
-                    "request sent to a sleeping deployment, until its answer",
-                    f"{ms * statistics.median(wakes):.0f}",
-                    f"{ms * max(wakes):.0f}",
-                    len(wakes),
-                ]
-            ],
-        )
-        print("\n" + report + "\n\n" + wake)
+        overhead, wake = report(samples, wakes)
+        print("\n" + overhead + "\n\n" + wake)
         if not args.no_record:
             record(
                 "request_overhead",
@@ -201,7 +223,7 @@ def main() -> None:
                 "called in the benchmark's process (one torch thread, as a replica on a virtual GPU), from text "
                 "and from chat messages; portal = over HTTP to granian (1 worker, 4 blocking threads), queued in "
                 "Redis, served by a real replica process on a virtual GPU. The four calls alternate in "
-                f"{ROUNDS} rounds. Added = portal − direct of the same input.\n\n" + report + "\n\n" + wake,
+                f"{ROUNDS} rounds. Added = portal − direct of the same input.\n\n" + overhead + "\n\n" + wake,
             )
     finally:
         if portal is not None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 
 from inference.devices import virtual_gpus
-from scheduling.api.openai_compat import ChatCompletionsView, ChatInput, CompletionsView, PromptInput
+from scheduling.api import completion_input
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
@@ -173,7 +173,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_naming_the_model(client, rep
     assert request_services.queue_depth("mlp") == 0
 
 
-# -- the fast path reads a request exactly as the input classes do --------------------------------
+# -- one parser reads every body (issue 17) ----------------------------------------------------
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5000) | st.floats() | st.text(max_size=4),
@@ -205,28 +205,88 @@ _prompts = st.fixed_dictionaries(
 )
 
 
-@pytest.mark.parametrize(
-    ("view", "input_class", "bodies"),
-    [(ChatCompletionsView, ChatInput, _chats), (CompletionsView, PromptInput, _prompts)],
-    ids=["chat", "completion"],
-)
-def test_the_fast_path_accepts_only_what_the_input_class_accepts_and_reads_it_the_same(view, input_class, bodies):
+def read(body, kind):
+    return completion_input.parse(body, kind, default_timeout_s=30, max_timeout_s=300)
+
+
+@pytest.mark.parametrize(("kind", "bodies"), [("chat", _chats), ("generate", _prompts)])
+def test_the_parser_runs_only_what_is_within_bounds_and_names_the_field_it_refuses(kind, bodies):
     @given(bodies)
     def check(body):
-        fast = view().fast_input(body)
-        if fast is None:
-            return  # the input class judges it, with its own errors
-        data = input_class(data=body)
-        assert data.is_valid(), data.errors
-        expected = (data.validated_data["model"], view().input_of(data.validated_data), data.params(), data.wait_s())
-        assert fast == expected
+        try:
+            call = read(body, kind)
+        except completion_input.Refused as refused:
+            assert refused.param is not None and refused.param.split(".")[0] in {*body, "model", "prompt", "messages"}
+            return
+        assert call.model == body["model"].strip() != ""
+        params = call.params
+        assert 1 <= params["max_tokens"] <= 4096 and 0 <= params["temperature"] <= 2 and 0 < params["top_p"] <= 1
+        assert len(params["stop"]) <= 4 and all(isinstance(s, str) and s for s in params["stop"])
+        assert params["stream"] is bool(body.get("stream")) and 0.001 <= call.timeout_s <= 300
+        if kind == "chat":
+            assert [set(m) for m in call.input] == [{"role", "content"}] * len(body["messages"])
+        else:
+            assert call.input == body["prompt"]
 
     check()
 
 
-def test_the_fast_path_takes_the_shapes_openai_clients_send():
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": False}
-    prompt = {"model": "tiny", "prompt": "Hi", "max_completion_tokens": 5, "temperature": 0.2, "stop": ["\n"], "n": 1}
-    assert ChatCompletionsView().fast_input(chat) is not None
-    assert CompletionsView().fast_input(prompt) is not None
-    assert ChatCompletionsView().fast_input({**chat, "stream": True}) is None  # streams go the DRF way
+def test_the_parser_reads_the_shapes_openai_clients_send():
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi", "name": "x"}], "max_tokens": 1}
+    assert read(chat, "chat") == completion_input.Completion(
+        model="tiny",
+        input=[{"role": "user", "content": "Hi"}],
+        params={"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "stop": [], "stream": False},
+        timeout_s=30,
+    )
+    prompt = {"model": "tiny", "prompt": "Hi", "max_completion_tokens": 5, "temperature": 0.2, "stop": "\n", "n": 1}
+    call = read({**prompt, "stream": True, "timeout": 60, "user": "ignored"}, "generate")
+    assert call.params == {"max_tokens": 5, "temperature": 0.2, "top_p": 1.0, "stop": ["\n"], "stream": True}
+    assert call.timeout_s == 60
+
+
+@pytest.mark.parametrize(
+    ("body", "refusal"),
+    [
+        ([], "the body must be a JSON object"),
+        ({"prompt": "x"}, "model: required: the deployment's name"),
+        ({"model": "tiny"}, "prompt: required: a string"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens: must be a whole number from 1 to 4096"),
+        ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p: must be above 0 and at most 1"),
+        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature: must be a number"),
+        (
+            {"model": "tiny", "prompt": "x", "stop": ["a"] * 5},
+            "stop: must be a string or a list of at most 4 non-empty strings",
+        ),
+        ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream: must be true or false"),
+        ({"model": "tiny", "prompt": "x", "timeout": 301}, "timeout: at most 300 s (GPUPORTAL_INFER_MAX_TIMEOUT_S)"),
+    ],
+)
+def test_the_parser_refuses_saying_which_field_and_why(body, refusal):
+    with pytest.raises(completion_input.Refused) as refused:
+        read(body, "generate")
+    assert str(refused.value) == refusal
+
+
+def test_a_chat_refusal_names_the_message_and_its_field():
+    with pytest.raises(completion_input.Refused, match=r"^messages\.1\.role: must be one of system, user"):
+        read({"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "wizard"}]}, "chat")
+
+
+def test_a_session_and_a_token_get_the_same_refusal(replica):
+    from django.test import Client
+
+    user = User.objects.create_user("bob")
+    key = Token.objects.create(user=user).key
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 5}
+    by_token = Client().post(  # answered without DRF
+        "/v1/chat/completions", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
+    )
+    signed_in = Client()
+    signed_in.force_login(user)
+    by_session = signed_in.post("/v1/chat/completions", body, content_type="application/json")  # through DRF
+
+    assert by_token.status_code == by_session.status_code == 400
+    refusal = {"message": "temperature: must be from 0 to 2", "type": "invalid_request_error", "param": "temperature"}
+    assert by_token.json() == by_session.json() == {"error": {**refusal, "code": None}}
+    assert request_services.queue_depth("tiny") == 0

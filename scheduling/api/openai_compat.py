@@ -22,8 +22,10 @@ from rest_framework.views import APIView
 
 from gpuportal.auth import CachedTokenAuthentication, user_from_header
 from gpuportal.wire.requestqueue import Request, StreamSplice
+from scheduling.api import completion_input
+from scheduling.api.completion_input import ROLES, Completion, Refused
 from scheduling.api.inputs import FiniteFloatField
-from scheduling.api.requests import ParamsInput, fast_params, json_body
+from scheduling.api.requests import json_body
 from scheduling.models import Deployment
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NotFound, ServiceError
@@ -49,7 +51,8 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
 
 
 class CompletionInput(serializers.Serializer):
-    """What OpenAI clients send; fields this portal does not use are accepted and ignored."""
+    """What OpenAI clients send, for the OpenAPI schema only: completion_input.parse reads every
+    body. Fields this portal does not use are accepted and ignored."""
 
     model = serializers.CharField()
     max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
@@ -57,7 +60,7 @@ class CompletionInput(serializers.Serializer):
     temperature = FiniteFloatField(min_value=0, max_value=2, required=False, allow_null=True)
     top_p = FiniteFloatField(min_value=0, max_value=1, required=False, allow_null=True)
     stop = serializers.JSONField(required=False, allow_null=True)
-    n = serializers.IntegerField(required=False, allow_null=True)
+    n = serializers.IntegerField(required=False, allow_null=True, help_text="Only 1.")
     stream = serializers.BooleanField(required=False, default=False)
     # Not OpenAI's: how long the call waits for its answer (issue 16: a /v1 call never hangs).
     # OpenAI clients send it with `extra_body={"timeout": 60}`.
@@ -70,41 +73,9 @@ class CompletionInput(serializers.Serializer):
         "if it had not started.",
     )
 
-    def validate_timeout(self, value: float | None) -> float | None:
-        if value is not None and value > settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:
-            raise serializers.ValidationError(
-                f"at most {settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:g} s (GPUPORTAL_INFER_MAX_TIMEOUT_S)"
-            )
-        return value
-
-    def wait_s(self) -> float:
-        timeout = self.validated_data.get("timeout")
-        return settings.GPUPORTAL_INFER_TIMEOUT_S if timeout is None else float(timeout)
-
-    def validate_n(self, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise serializers.ValidationError("only n=1 is supported")
-        return value
-
-    def params(self) -> dict[str, Any]:
-        data = self.validated_data
-        raw = {
-            "max_tokens": data.get("max_tokens") or data.get("max_completion_tokens"),
-            "temperature": data.get("temperature"),
-            "top_p": data.get("top_p"),
-            "stop": data.get("stop"),
-        }
-        params = ParamsInput(data={k: v for k, v in raw.items() if v is not None})
-        if not params.is_valid():
-            raise serializers.ValidationError(params.errors)
-        return {**params.validated_data, "stream": data["stream"]}
-
 
 class PromptInput(CompletionInput):
     prompt = serializers.CharField(allow_blank=True, trim_whitespace=False)
-
-
-ROLES = ("system", "user", "assistant", "developer")
 
 
 class MessageInput(serializers.Serializer):
@@ -124,11 +95,6 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def _text(value: Any) -> bool:
-    """A string DRF's CharField takes as it is: no lone surrogates (which it refuses)."""
-    return type(value) is str and (value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value))
-
-
 def _service_error(exc: ServiceError) -> tuple[int, dict[str, Any]]:
     return exc.status, error_body(str(exc), kind="invalid_request_error" if exc.status < 500 else "server_error")
 
@@ -139,26 +105,13 @@ class OpenAIView(APIView):
 
     def handle_exception(self, exc: Exception) -> Response:
         """Errors in OpenAI's shape, so its clients raise their usual exceptions with our message."""
-        if isinstance(exc, exceptions.ValidationError):
-            param, message = _first_error(exc.detail)
-            return openai_error(400, f"{param}: {message}" if param else message, param)
+        if isinstance(exc, exceptions.ParseError):
+            return openai_error(400, f"the body is not JSON: {exc.detail}")
         if isinstance(exc, exceptions.AuthenticationFailed | exceptions.NotAuthenticated):
             return openai_error(401, str(exc.detail), kind="authentication_error")
         if isinstance(exc, ServiceError):
             return Response(*reversed(_service_error(exc)))
         return super().handle_exception(exc)
-
-
-def _first_error(detail: Any, field: str = "") -> tuple[str, str]:
-    """The first error in DRF's nested detail, as (dotted field name, message)."""
-    if isinstance(detail, dict) and detail:
-        key, value = next(iter(detail.items()))
-        # A list- or object-level error belongs to the field holding it.
-        inner = field if key == "non_field_errors" else (f"{field}.{key}" if field else str(key))
-        return _first_error(value, inner)
-    if isinstance(detail, list) and detail:
-        return _first_error(detail[0], field)
-    return field, str(detail)
 
 
 class ModelsView(OpenAIView):
@@ -179,78 +132,62 @@ class ModelsView(OpenAIView):
 class _Generate(OpenAIView, ABC):
     """What completions and chat completions share; each says what its input and output are."""
 
-    input_class: type[CompletionInput]
-    kind: str
+    kind: completion_input.Kind
     object_name: str
     id_prefix: str
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        # The hot path (issue 4's overhead budget): a non-streamed request in the usual shape is
-        # answered without DRF; anything else (streams, other authentication, input the fast
-        # check is not sure of) goes the DRF way, with its usual errors.
+        # The hot path (issue 4's overhead budget): a call with the portal's token is answered
+        # without DRF; other authentication (a session) goes the DRF way. Both read the body
+        # with completion_input.parse.
         fast = self._fast(request) if request.method == "POST" else None
         return fast if fast is not None else super().dispatch(request, *args, **kwargs)
 
-    def _fast(self, request: Any) -> JsonResponse | None:
+    def _fast(self, request: Any) -> JsonResponse | StreamingHttpResponse | None:
         user = user_from_header(request, ("Bearer", "Token"))
         body = json_body(request) if user is not None else None
-        read = self.fast_input(body) if isinstance(body, dict) else None
-        if read is None:
-            return None
-        model, request_input, params, timeout = read
-        try:
-            code, payload = self.run(model, request_input, params, str(user.pk), timeout)
-        except ServiceError as exc:
-            code, payload = _service_error(exc)
-        return JsonResponse(payload, status=code)
-
-    def fast_input(self, body: dict[str, Any]) -> tuple[str, Any, dict[str, Any], float] | None:
-        """(model, input, params, timeout) as the input class validates them, for a non-streamed
-        request of the usual shape; None for anything else."""
-        model = body.get("model")
-        if not _text(model) or not model or model != model.strip() or body.get("stream", False) is not False:
-            return None
-        timeout = body.get("timeout")
-        if timeout is None:
-            timeout = settings.GPUPORTAL_INFER_TIMEOUT_S
-        elif type(timeout) not in (int, float) or not 0.001 <= timeout <= settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:
-            return None  # the DRF way says what is wrong with it
-        n = body.get("n")
-        if n is not None and (type(n) is not int or n != 1):
-            return None
-        request_input = self.fast_payload(body)
-        if request_input is None:
-            return None
-        raw = {
-            "max_tokens": body.get("max_tokens") or body.get("max_completion_tokens"),
-            "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"),
-            "stop": body.get("stop"),
-        }
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = body.get(key)
-            if value is not None and (type(value) is not int or not 1 <= value <= 4096):
-                return None
-        params = fast_params({k: v for k, v in raw.items() if v is not None})
-        return None if params is None else (model, request_input, {**params, "stream": False}, float(timeout))
+        if body is None:
+            return None  # not JSON: DRF's parser says why
+        code, answer = self.answer(body, str(user.pk))
+        return JsonResponse(answer, status=code) if isinstance(answer, dict) else answer
 
     def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
-        data = self.input_class(data=request.data)
-        data.is_valid(raise_exception=True)
-        model = data.validated_data["model"]
-        params = data.params()
-        request_input = self.input_of(data.validated_data)
-        owner = str(request.user.pk)
-        if not params["stream"]:
-            code, payload = self.run(model, request_input, params, owner, data.wait_s())
-            return Response(payload, status=code)
+        code, answer = self.answer(request.data, str(request.user.pk))
+        return Response(answer, status=code) if isinstance(answer, dict) else answer
+
+    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | StreamingHttpResponse]:
+        """The status and OpenAI-shaped body of a call, or the stream that answers it."""
         try:
-            submitted = request_services.submit(model, kind=self.kind, input=request_input, params=params, owner=owner)
+            call = self.parse(body)
+        except Refused as refused:
+            return 400, error_body(str(refused), refused.param)
+        try:
+            if not call.params["stream"]:
+                return self.run(call.model, call.input, call.params, owner, call.timeout_s)
+            return self.stream(call, owner)
+        except ServiceError as exc:
+            return _service_error(exc)
+
+    def parse(self, body: Any) -> Completion:
+        return completion_input.parse(
+            body,
+            self.kind,
+            default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
+            max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+        )
+
+    def stream(self, call: Completion, owner: str) -> tuple[int, dict[str, Any] | StreamingHttpResponse]:
+        try:
+            submitted = request_services.submit(
+                call.model, kind=self.kind, input=call.input, params=call.params, owner=owner
+            )
         except (NotFound, InvalidInput) as exc:
-            return Response(*reversed(self.refusal(exc, model)))
-        response = StreamingHttpResponse(self.events(submitted, model, data.wait_s()), content_type="text/event-stream")
+            return self.refusal(exc, call.model)
+        response = StreamingHttpResponse(
+            self.events(submitted, call.model, call.timeout_s), content_type="text/event-stream"
+        )
         response["Cache-Control"] = "no-cache"
-        return response
+        return 200, response
 
     def run(
         self, model: str, request_input: Any, params: dict[str, Any], owner: str, timeout: float
@@ -281,13 +218,6 @@ class _Generate(OpenAIView, ABC):
         if isinstance(exc, NotFound):
             return 404, error_body(f"The model `{model}` does not exist", "model", "model_not_found")
         return 400, error_body(f"`{model}` is not a causal language model", "model")
-
-    @abstractmethod
-    def fast_payload(self, body: dict[str, Any]) -> Any | None:
-        """The request's input (prompt or messages) as the input class reads it, or None."""
-
-    @abstractmethod
-    def input_of(self, data: dict[str, Any]) -> Any: ...
 
     @abstractmethod
     def choice(self, output: dict[str, Any]) -> dict[str, Any]: ...
@@ -362,7 +292,6 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class CompletionsView(_Generate):
-    input_class = PromptInput
     kind = "generate"
     object_name = "text_completion"
     id_prefix = "cmpl"
@@ -370,13 +299,6 @@ class CompletionsView(_Generate):
     @extend_schema(request=PromptInput, responses={200: dict})
     def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
         return super().post(request)
-
-    def input_of(self, data: dict[str, Any]) -> Any:
-        return data["prompt"]
-
-    def fast_payload(self, body: dict[str, Any]) -> Any | None:
-        prompt = body.get("prompt")
-        return prompt if _text(prompt) else None
 
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:
         return {"text": output.get("text", ""), "logprobs": None}
@@ -386,7 +308,6 @@ class CompletionsView(_Generate):
 
 
 class ChatCompletionsView(_Generate):
-    input_class = ChatInput
     kind = "chat"
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
@@ -394,20 +315,6 @@ class ChatCompletionsView(_Generate):
     @extend_schema(request=ChatInput, responses={200: dict})
     def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
         return super().post(request)
-
-    def input_of(self, data: dict[str, Any]) -> Any:
-        return [dict(m) for m in data["messages"]]
-
-    def fast_payload(self, body: dict[str, Any]) -> Any | None:
-        messages = body.get("messages")
-        if type(messages) is not list or not messages:
-            return None
-        out = []
-        for m in messages:
-            if type(m) is not dict or m.get("role") not in ROLES or not _text(m.get("content")):
-                return None
-            out.append({"role": m["role"], "content": m["content"]})  # other keys: ignored, as MessageInput does
-        return out
 
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": output.get("text", "")}}

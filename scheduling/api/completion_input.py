@@ -1,0 +1,144 @@
+"""How a `/v1/completions` or `/v1/chat/completions` body is read: one parser for every way a call
+arrives (the hot path without DRF, streams and session users through DRF), so that what is
+accepted and what each refusal says cannot drift apart (issue 17). The serializers in
+openai_compat describe the same body for the OpenAPI schema only.
+
+Fields OpenAI clients send that the portal does not use (`user`, `seed`, ...) are ignored, as
+OpenAI's own server ignores what it does not know."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["generate", "chat"]
+
+ROLES = ("system", "user", "assistant", "developer")
+MAX_TOKENS = 4096
+MAX_STOPS = 4
+# What a request leaves out (scheduling.api.requests.ParamsInput's defaults).
+DEFAULT_MAX_TOKENS = 16
+MIN_TIMEOUT_S = 0.001
+
+
+class Refused(Exception):
+    """The body cannot be run: `param` names the field (OpenAI's `param`), `message` says why."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param, self.message = param, message
+
+
+@dataclass(frozen=True)
+class Completion:
+    model: str
+    # The prompt (a string) or the messages ([{role, content}]).
+    input: Any
+    # max_tokens, temperature, top_p, stop and stream, as the request queue takes them.
+    params: dict[str, Any]
+    timeout_s: float
+
+
+def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: float) -> Completion:
+    """The call to make, or Refused naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise Refused(None, "the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise Refused("model", "required: the deployment's name")
+    request_input = _prompt(body) if kind == "generate" else _messages(body)
+    n = body.get("n")
+    if n is not None and (not _integer(n) or n != 1):
+        raise Refused("n", "only n=1 is supported")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise Refused("stream", "must be true or false")
+    params = {
+        "max_tokens": _max_tokens(body),
+        "temperature": _number(body, "temperature", 0.0, 2.0, default=0.0),
+        "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, above_low=True),
+        "stop": _stops(body.get("stop")),
+        "stream": stream,
+    }
+    timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
+    return Completion(model=model.strip(), input=request_input, params=params, timeout_s=timeout)
+
+
+def _timeout(value: Any, default_s: float, max_s: float) -> float:
+    """Not OpenAI's: how long the call waits for its answer (issue 16: a /v1 call never hangs)."""
+    if value is None:
+        return default_s
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise Refused("timeout", "must be a number of seconds")
+    if value < MIN_TIMEOUT_S:
+        raise Refused("timeout", f"at least {MIN_TIMEOUT_S:g} s")
+    if value > max_s:
+        raise Refused("timeout", f"at most {max_s:g} s (GPUPORTAL_INFER_MAX_TIMEOUT_S)")
+    return float(value)
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if not _text(prompt):
+        raise Refused("prompt", "required: a string")
+    return prompt
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise Refused("messages", "required: a non-empty list of {role, content}")
+    read = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise Refused(f"messages.{i}", "must be an object with role and content")
+        if message.get("role") not in ROLES:
+            raise Refused(f"messages.{i}.role", f"must be one of {', '.join(ROLES)}")
+        if not _text(message.get("content")):
+            raise Refused(f"messages.{i}.content", "required: a string")
+        read.append({"role": message["role"], "content": message["content"]})  # other keys: ignored
+    return read
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not _integer(value) or not 1 <= value <= MAX_TOKENS):
+            raise Refused(key, f"must be a whole number from 1 to {MAX_TOKENS}")
+    # OpenAI's newer name stands in for the older when only it is sent.
+    return body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
+
+
+def _number(
+    body: dict[str, Any], key: str, low: float, high: float, *, default: float, above_low: bool = False
+) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise Refused(key, "must be a number")
+    if not low <= value <= high or (above_low and value <= low):
+        bounds = f"above {low:g} and at most {high:g}" if above_low else f"from {low:g} to {high:g}"
+        raise Refused(key, f"must be {bounds}")
+    return float(value)
+
+
+def _stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise Refused("stop", f"must be a string or a list of at most {MAX_STOPS} non-empty strings")
+    return list(stops)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text(value: Any) -> bool:
+    """A string that can be encoded as UTF-8 (no lone surrogates, which JSON can carry)."""
+    return type(value) is str and (value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value))
