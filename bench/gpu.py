@@ -479,7 +479,7 @@ def _setup_rows(part: str, setup: Mapping[str, Any]) -> list[Row]:
     context = f"{fmt_size(setup.get('context_bare_bytes'))} (assumed {fmt_size(setup.get('context_assumed_bytes'))})"
     reservation = f"{fmt_size(setup.get('reservation_bytes'))}: {parts}"
     return [
-        Row(part, "reservation (scheduling.memory.estimate)", reservation),
+        Row(part, "reservation (gpuportal.wire.memory.estimate)", reservation),
         Row(part, "CUDA context, before any load", context),
     ]
 

@@ -224,8 +224,8 @@ class Probe:
     def setup(self) -> None:
         import torch
 
+        from gpuportal.wire import memory
         from inference.model_size import shape_from_model_dir
-        from scheduling import memory
         from scheduling.placement import gpu_fraction
 
         args, gpu = self.args, self.gpu
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "--context-bytes",
         type=int,
         default=None,
-        help="CUDA context the reservation counts (default: scheduling.memory's).",
+        help="CUDA context the reservation counts (default: gpuportal.wire.memory's).",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

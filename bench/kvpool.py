@@ -6,7 +6,7 @@ runs to its max_tokens) generated greedily (a) by the continuous batcher on the 
 model.generate on the whole batch at once, left-padded, with its default dynamic cache, running to
 the longest max_tokens. Useful tokens (what the requests asked for) per second of wall time.
 
-Concurrency: one cap, the pool sized from it with scheduling.memory's formula; requests with a
+Concurrency: one cap, the pool sized from it with gpuportal.wire.memory's formula; requests with a
 realistic spread of lengths go through the batcher, which admits each on prompt + max_tokens;
 the peak of sequences running at once against cap-blocks // blocks-of-the-model's-context (what
 reserving max-length memory per request admits).
@@ -95,10 +95,10 @@ def default_cache_throughput(model: Any, requests: list[list[int]], new: list[in
 
 def concurrency(model: Any, cap_bytes: int, lengths: list[tuple[int, int]], device: str) -> tuple[int, int, int]:
     """(pool blocks, peak sequences running at once, sequences that max-length reservations admit)."""
+    from gpuportal.wire.memory import kv_blocks
     from inference.batching import Batcher, Sequence
     from inference.loaders import tensor_bytes
     from inference.paged import engine_for
-    from scheduling.memory import kv_blocks
 
     engine = engine_for(model, weights_bytes=tensor_bytes(model), cap_bytes=cap_bytes, max_tokens=2048, context_bytes=0)
     batcher = Batcher(engine, _NoText(), set())
@@ -133,9 +133,9 @@ def main() -> None:
 
     import torch
 
+    from gpuportal.wire.memory import activation_reserve_bytes, kv_block_bytes, kv_blocks
     from inference.loaders import tensor_bytes
     from inference.paged import model_shape
-    from scheduling.memory import activation_reserve_bytes, kv_block_bytes, kv_blocks
 
     torch.manual_seed(0)
     model = load(args.size_mb, args.device)

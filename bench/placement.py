@@ -110,7 +110,8 @@ class Client:
         self.conflicts = self.refused = self.placements = self.releases = self.gave_up = 0
 
     def step(self) -> None:
-        from scheduling import ledger, memory
+        from gpuportal.wire import memory
+        from scheduling import ledger
         from scheduling.ledger import CasConflict
         from scheduling.placement import CantAccommodate, PlacementRequest, place
         from scheduling.state import Plan, Release

@@ -94,7 +94,7 @@ class StateCollector:
 
 def _measured_bytes() -> Metric:
     """Per GPU, the sum of the measured footprint (Deployment.memory_measured_bytes: the serving
-    footprint a replica composed from measured parts, scheduling.memory) of its
+    footprint a replica composed from measured parts, gpuportal.wire.memory) of its
     serving occupants whose deployment has been measured. Occupants in other states, or not yet
     measured, add nothing: compare with reserved bytes to see how much of a reservation is used."""
     family = GaugeMetricFamily(

@@ -17,13 +17,12 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from gpuportal.celery import app
-from gpuportal.wire.survivors import Survivor
+from gpuportal.wire.node_reports import Books, Survivor
 from inference.devices import VirtualProfile, discover
 from inference.relay import relay
 from inference.supervisor import Supervisor
 from scheduling.models import Node
 from scheduling.services import nodes
-from scheduling.state import Books
 
 log = logging.getLogger(__name__)
 

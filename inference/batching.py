@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuportal.wire.memory import kv_blocks
 from inference.errors import BadInput
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
-from scheduling.memory import kv_blocks
 
 
 @dataclass

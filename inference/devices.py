@@ -12,8 +12,8 @@ import re
 from contextlib import suppress
 from dataclasses import dataclass
 
-from scheduling import memory
-from scheduling.state import DeviceInfo
+from gpuportal.wire import memory
+from gpuportal.wire.node_reports import DeviceInfo
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class VirtualProfile:
     The defaults are the H100 of ../shared/gpu-2026-11-24: each replica process pays a CUDA
     context beside PyTorch's allocator (more once it has served than as a standby), the driver
     keeps a reserve that NVML counts in its total but CUDA cannot allocate, and the allocator
-    rounds what it holds (scheduling.memory.allocation_bytes). A node overrides them with the
+    rounds what it holds (gpuportal.wire.memory.allocation_bytes). A node overrides them with the
     agent's --virtual-context, --virtual-standby-context and --virtual-driver-reserve, which reach
     its replica processes in their environment (ENV).
     """

@@ -6,7 +6,7 @@ allocated once after the weights, inside the replica's cap. A sequence holds a l
 less than one block. Blocks are reference-counted so sequences can share a prompt prefix: a block
 returns to the free list when its last holder lets go.
 
-The number of blocks comes from scheduling.memory (`pool_blocks_for`), the same arithmetic the
+The number of blocks comes from gpuportal.wire.memory (`pool_blocks_for`), the same arithmetic the
 scheduler reserved with, so the pool is exactly what the reservation left after the weights, the
 activation budget and the CUDA context.
 
@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduling.memory import DEFAULT_BLOCK_TOKENS, ModelShape
+from gpuportal.wire.memory import DEFAULT_BLOCK_TOKENS, ModelShape
 
 if TYPE_CHECKING:
     import torch

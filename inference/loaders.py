@@ -106,8 +106,8 @@ def buffer_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def weight_allocation_bytes(module: nn.Module) -> int:
-    """The weights as PyTorch's caching allocator holds them, tensor by tensor (scheduling.memory)."""
-    from scheduling.memory import allocations_bytes
+    """The weights as PyTorch's caching allocator holds them, tensor by tensor (gpuportal.wire.memory)."""
+    from gpuportal.wire.memory import allocations_bytes
 
     return allocations_bytes(t.numel() * t.element_size() for t in weight_tensors(module))
 

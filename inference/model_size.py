@@ -1,4 +1,4 @@
-"""Read a model directory's shape for the memory estimate (scheduling.memory) without loading weights.
+"""Read a model directory's shape for the memory estimate (gpuportal.wire.memory) without loading weights.
 
 Weight bytes come from the safetensors headers (a few KiB read per file, however big the model) or,
 for checkpoints without safetensors, from a build on the meta device, which allocates no storage.
@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from scheduling.memory import DTYPE_BYTES, ModelShape, allocation_bytes, dtype_bytes
+from gpuportal.wire.memory import DTYPE_BYTES, ModelShape, allocation_bytes, dtype_bytes
 
 # safetensors dtype codes whose tensors a loader casts to the requested dtype. Integer, boolean and
 # 8-bit float tensors are quantised data or indices, which loaders keep as stored, so they are not
@@ -154,7 +154,7 @@ def safetensors_tensor_sizes(path: Path) -> dict[str, tuple[str, int, int]]:
 
 
 def _safetensors_bytes(path: Path, run_bytes: int) -> int:
-    # Tensor by tensor as the allocator will hold them (scheduling.memory.allocation_bytes): what
+    # Tensor by tensor as the allocator will hold them (gpuportal.wire.memory.allocation_bytes): what
     # the replica's weights take on the GPU, so the estimate and the replica's own count agree.
     return sum(
         allocation_bytes(numel * run_bytes if code in _CASTABLE else stored)

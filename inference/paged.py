@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduling.memory import DEFAULT_BLOCK_TOKENS, ModelShape, dtype_bytes, kv_pool_blocks
+from gpuportal.wire.memory import DEFAULT_BLOCK_TOKENS, ModelShape, dtype_bytes, kv_pool_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 def model_shape(model: Any, weight_bytes: int) -> ModelShape:
-    """The loaded model's shape for scheduling.memory, in the dtype it runs in."""
+    """The loaded model's shape for gpuportal.wire.memory, in the dtype it runs in."""
     config = text_config(model)
     heads = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
@@ -192,7 +192,7 @@ def engine_for(
     overhead_bytes: int = 0,
 ) -> PagedModel:
     """A PagedModel whose pool takes what the cap leaves after the weights, the activation budget
-    for max_tokens, the CUDA context(s) and memory outside the allocator: scheduling.memory's
+    for max_tokens, the CUDA context(s) and memory outside the allocator: gpuportal.wire.memory's
     arithmetic, the scheduler's own. `weights_bytes` is the weights as allocated, buffers aside."""
     from inference.kvpool import BlockPool
 

@@ -54,9 +54,9 @@ from inference.serving import Executor, Server
 if TYPE_CHECKING:
     from torch import nn
 
+    from gpuportal.wire.memory import MemoryEstimate, ModelShape
     from inference.paged import PagedModel
     from inference.pairing import PairMember
-    from scheduling.memory import MemoryEstimate
 
 log = logging.getLogger("inference.replica")
 
@@ -256,7 +256,7 @@ class VirtualBackend:
 
     It accounts like the real GPU of its profile (inference.devices.VirtualProfile): the process
     holds a CUDA context from its first attach (a standby's smaller one until it serves), keeps
-    it while asleep, and the allocator holds what scheduling.memory.allocation_bytes says. The
+    it while asleep, and the allocator holds what gpuportal.wire.memory.allocation_bytes says. The
     figures NVML would show are ReplicaHost.process_bytes_by_id's model of them.
     """
 
@@ -347,7 +347,7 @@ class CudaBackend:
         # The CUDA context (~700 MiB) lands on the current device: make it ours, not GPU 0.
         torch.cuda.set_device(placement.gpus[0])
         if placement.fraction is not None:
-            from scheduling.memory import allocator_fraction
+            from gpuportal.wire.memory import allocator_fraction
 
             # Only the allocator is capped: the context and what sits outside it are in the
             # reservation beside it. The fraction is computed against the total torch applies it
@@ -616,7 +616,7 @@ class ReplicaHost:
         # fields added to the `serving` event (the epoch, the liveness state).
         self.fence: Fence | None = None
         self.serving_tags: dict[str, Any] = {}
-        # The KV block pool (issue 7), sized from the cap with scheduling.memory's formula: the
+        # The KV block pool (issue 7), sized from the cap with gpuportal.wire.memory's formula: the
         # activation budget for kv_max_tokens (the deployment's max_tokens) and the CUDA context
         # are what the scheduler counted in the reservation besides the weights and the pool.
         self.kv_max_tokens = kv_max_tokens
@@ -627,7 +627,7 @@ class ReplicaHost:
             backend.outside_allocator = context_bytes + standby_context_bytes
         self.paged: PagedModel | None = None
         # What this replica holds serving at max_tokens, composed from measured parts with
-        # scheduling.memory's formula: the need it reports, and what the pool was sized against.
+        # gpuportal.wire.memory's formula: the need it reports, and what the pool was sized against.
         self.footprint: MemoryEstimate | None = None
         # The allocator's bytes for the pool actually allocated (more than max_tokens' when the
         # reservation is larger, as an override can make it).
@@ -899,8 +899,8 @@ class ReplicaHost:
             return measured
         held = self.backend.residual(self.placement)
         if self.model is not None and self.state in {"serving", "draining", "stopping", "waking"}:
+            from gpuportal.wire import memory
             from inference.loaders import weight_allocation_bytes
-            from scheduling import memory
 
             first = str(self.placement.gpus[0])
             activation = self.footprint.activation_bytes if self.footprint is not None else 0
@@ -914,14 +914,14 @@ class ReplicaHost:
 
     def _allocate_pool(self) -> None:
         """Compose the footprint from measured parts, then size the KV pool inside the reservation
-        with the scheduler's own formula (scheduling.memory): what the reservation leaves after the
+        with the scheduler's own formula (gpuportal.wire.memory): what the reservation leaves after the
         weights as allocated, the activation budget for max_tokens, the CUDA context(s) and what
         the process holds outside the allocator. A pool that cannot hold one request of max_tokens
         fails the load or wake, naming the bytes, before the replica takes anything.
         A model that cannot be paged (not Llama-style, spread over GPUs) keeps generate()."""
+        from gpuportal.wire import memory
         from inference.loaders import weight_allocation_bytes
         from inference.paged import engine_for, model_shape, unsupported_reason
-        from scheduling import memory
 
         self.paged = None
         self.pool_bytes = 0
@@ -938,24 +938,9 @@ class ReplicaHost:
                 shape = model_shape(self.model, weights)
             except (AttributeError, TypeError, ValueError) as exc:  # a config without the usual fields
                 log.warning("%s: no model shape for the memory formula (%s)", self.replica_id, exc)
+        self.footprint = self._compose_footprint(shape, weights, context, overhead)
         if shape is None:
-            # A torch-module deployment (or a model without a shape): weights and the floor of
-            # the activation reserve, as the estimate at deploy time (scheduling.services).
-            self.footprint = memory.MemoryEstimate(
-                weights_bytes=weights,
-                kv_bytes=0,
-                activation_bytes=memory.ACTIVATION_FLOOR_BYTES,
-                context_bytes=context,
-                kv_block_bytes=0,
-                kv_blocks=0,
-                block_tokens=memory.DEFAULT_BLOCK_TOKENS,
-                max_tokens=0,
-                overhead_bytes=overhead,
-            )
             return
-        self.footprint = memory.estimate(
-            shape, max_tokens=self.kv_max_tokens, cuda_context_bytes=context, overhead_bytes=overhead
-        )
         reason = unsupported_reason(self.model)
         if reason is not None:
             log.warning("%s: no KV block pool (%s); generating with transformers' own cache", self.replica_id, reason)
@@ -971,20 +956,7 @@ class ReplicaHost:
         )
         block_tokens = memory.DEFAULT_BLOCK_TOKENS
         if blocks * block_tokens < max(1, self.kv_max_tokens):
-            pool = memory.kv_pool_bytes(shape, blocks)
-            need = self.footprint.total_bytes + self.standby_context_bytes
-            cap = memory.allocator_cap_bytes(
-                reserved,
-                context_bytes=context,
-                standby_context_bytes=self.standby_context_bytes,
-                overhead_bytes=overhead,
-            )
-            raise ReplicaFailure(
-                "oom",
-                f"cannot serve: the KV pool left by the reservation holds {blocks * block_tokens} tokens "
-                f"({blocks} blocks, {pool} bytes), fewer than max_tokens {self.kv_max_tokens}; need {need} bytes "
-                f"({self.footprint.describe()}), reservation {reserved} bytes, allocator cap {cap} bytes",
-            )
+            raise self._pool_too_small(shape, blocks, context, overhead)
         self.paged = engine_for(
             self.model,
             weights_bytes=weights,
@@ -1005,6 +977,46 @@ class ReplicaHost:
             mib(pool.tensor_bytes),
             pool.capacity_tokens,
             self.footprint.describe(),
+        )
+
+    def _compose_footprint(self, shape: ModelShape | None, weights: int, context: int, overhead: int) -> MemoryEstimate:
+        """What this replica holds serving at max_tokens, from its measured parts."""
+        from gpuportal.wire import memory
+
+        if shape is not None:
+            return memory.estimate(
+                shape, max_tokens=self.kv_max_tokens, cuda_context_bytes=context, overhead_bytes=overhead
+            )
+        # A torch-module deployment (or a model without a shape): weights and the floor of the
+        # activation reserve, as the estimate at deploy time (scheduling.services).
+        return memory.MemoryEstimate(
+            weights_bytes=weights,
+            kv_bytes=0,
+            activation_bytes=memory.ACTIVATION_FLOOR_BYTES,
+            context_bytes=context,
+            kv_block_bytes=0,
+            kv_blocks=0,
+            block_tokens=memory.DEFAULT_BLOCK_TOKENS,
+            max_tokens=0,
+            overhead_bytes=overhead,
+        )
+
+    def _pool_too_small(self, shape: ModelShape, blocks: int, context: int, overhead: int) -> ReplicaFailure:
+        """The load or wake's failure when the pool cannot hold one request of max_tokens, naming the bytes."""
+        from gpuportal.wire import memory
+
+        assert self.footprint is not None
+        reserved = self.placement.reserved_total
+        pool = memory.kv_pool_bytes(shape, blocks)
+        need = self.footprint.total_bytes + self.standby_context_bytes
+        cap = memory.allocator_cap_bytes(
+            reserved, context_bytes=context, standby_context_bytes=self.standby_context_bytes, overhead_bytes=overhead
+        )
+        return ReplicaFailure(
+            "oom",
+            f"cannot serve: the KV pool left by the reservation holds {blocks * memory.DEFAULT_BLOCK_TOKENS} tokens "
+            f"({blocks} blocks, {pool} bytes), fewer than max_tokens {self.kv_max_tokens}; need {need} bytes "
+            f"({self.footprint.describe()}), reservation {reserved} bytes, allocator cap {cap} bytes",
         )
 
     def _release_pool(self) -> None:

@@ -9,7 +9,7 @@ last state event again); the first cannot be, and such a process is stopped and 
 
 from __future__ import annotations
 
-from gpuportal.wire.survivors import Survivor
+from gpuportal.wire.node_reports import Survivor
 
 # The books' states (scheduling.models.Replica.State), spelled out: no ORM in a decision.
 PENDING, LOADING, SERVING, DRAINING = "pending", "loading", "serving", "draining"

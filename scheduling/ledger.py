@@ -18,13 +18,15 @@ from pathlib import Path
 import psycopg
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Func
+from django.db.models import F, Func
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
+from gpuportal.wire.node_reports import DeviceInfo
 from scheduling import locks
 from scheduling.metrics import CAS_CONFLICTS, COMMITS
 from scheduling.models import GPU
-from scheduling.state import DeviceInfo, GPUView, IntentView, OccupantView, Plan, Snapshot, SnapshotIndex
+from scheduling.state import GPUView, IntentView, OccupantView, Plan, Snapshot, SnapshotIndex
 
 
 class CasConflict(Exception):
@@ -338,6 +340,30 @@ def commit_with_retry(
             attempt += 1
             continue
         return result if attempt == 1 else replace(result, attempts=attempt)
+
+
+# -- wake locks (issue 12): who may wake a replica onto a GPU; the caller holds the GPU rows ------
+
+
+def hold_wake_lock(gpu_id: int, holder_id: str, expires: datetime, *, fresh: bool) -> None:
+    """The GPU's wake lock is `holder_id`'s until `expires`. `fresh` (taken, or taken over, rather
+    than renewed) bumps the GPU's version: placements keep off a GPU another wake holds
+    (planning.withhold_locked), so a plan made from a snapshot older than this lock must
+    conflict at commit and look again."""
+    changes: dict = {"wake_lock_holder_id": holder_id, "wake_lock_expires_at": expires}
+    if fresh:
+        changes.update(version=F("version") + 1, changed_txid=RawSQL("txid_current()", []))
+    GPU.objects.filter(pk=gpu_id).update(**changes)
+
+
+def extend_wake_locks(gpu_ids: list[int], expires: datetime) -> None:
+    """Renew locks their holder still holds: nothing a plan reads changes, so no version bump."""
+    GPU.objects.filter(pk__in=gpu_ids).update(wake_lock_expires_at=expires)
+
+
+def release_wake_lock(gpu_id: int) -> None:
+    """The wake is over. No version bump: a GPU freed of a lock only widens what plans may use."""
+    GPU.objects.filter(pk=gpu_id).update(wake_lock_holder=None, wake_lock_expires_at=None)
 
 
 @dataclass(frozen=True)

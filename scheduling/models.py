@@ -9,7 +9,7 @@ from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Cast
 
-from scheduling import memory
+from gpuportal.wire import memory
 
 
 def new_replica_id() -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpuportal.wire.survivors import Survivor
+from gpuportal.wire.node_reports import Survivor
 from inference.supervisor import Supervisor
 from scheduling import adoption
 from tests.processes import wait_until

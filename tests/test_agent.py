@@ -13,8 +13,8 @@ import pytest
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
+from gpuportal.wire.memory import H100_DRIVER_RESERVE_BYTES
 from inference.devices import discover, parse_size, parse_virtual_spec, virtual_gpus
-from scheduling.memory import H100_DRIVER_RESERVE_BYTES
 from scheduling.models import GPU, Event, Node
 from scheduling.services import nodes
 from scheduling.tasks import expire_heartbeats

@@ -18,10 +18,10 @@ import redis
 from django.conf import settings
 from torch import nn
 
+from gpuportal.wire.memory import H100_CONTEXT_BYTES
 from gpuportal.wire.requestqueue import Request, RequestQueue, processing_key, queue_key
 from inference.replica import EventWriter, Placement, ReplicaHost, VirtualBackend
 from inference.supervisor import ReplicaSpec, Supervisor
-from scheduling.memory import H100_CONTEXT_BYTES
 from tests.processes import wait_until
 from tests.test_replica import Events
 
@@ -74,11 +74,11 @@ def endless_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def kv_reserved(endless_model_dir) -> int:
-    """The scheduler's estimate for one long request (scheduling.memory), with the CUDA context the
+    """The scheduler's estimate for one long request (gpuportal.wire.memory), with the CUDA context the
     virtual GPU models: the replica's KV pool then holds one, as one request at a time did before
     the pool."""
+    from gpuportal.wire.memory import estimate
     from inference.model_size import shape_from_model_dir
-    from scheduling.memory import estimate
 
     shape = shape_from_model_dir(endless_model_dir, "float32")
     return estimate(shape, max_tokens=LONG_TOKENS + PROMPT_ROOM, cuda_context_bytes=H100_CONTEXT_BYTES).total_bytes

@@ -16,8 +16,8 @@ from django.contrib.auth.models import User
 from django.db import connection
 from rest_framework.test import APIClient
 
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
 from inference.management.commands.make_tiny_model import write_tiny_model
-from scheduling.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
 from scheduling.models import Event, FailoverLease, Occupant, Replica
 from scheduling.services import requests as request_services
 from tests.processes import wait_until

@@ -17,17 +17,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
+from gpuportal.wire import memory
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_DRIVER_RESERVE_BYTES, H100_STANDBY_CONTEXT_BYTES, MiB
+from gpuportal.wire.node_reports import Books
 from inference.devices import VirtualProfile, allocatable_bytes, virtual_gpus
 from inference.loaders import weight_allocation_bytes
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.replica import EventWriter, Placement, ReplicaFailure, ReplicaHost, VirtualBackend
-from scheduling import ledger, memory
-from scheduling.memory import H100_CONTEXT_BYTES, H100_DRIVER_RESERVE_BYTES, H100_STANDBY_CONTEXT_BYTES, MiB
+from scheduling import ledger
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Occupant, Replica
 from scheduling.services import nodes, replica_reports, reports
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import inspect_model, need_bytes
-from scheduling.state import Books
 from tests import factories
 from tests.processes import wait_until
 
@@ -434,7 +435,7 @@ def reported_everything() -> bool:
 
 
 def test_a_real_gpus_context_is_what_its_replicas_measured_and_only_grows(db):
-    from scheduling.state import DeviceInfo
+    from gpuportal.wire.node_reports import DeviceInfo
 
     h100 = DeviceInfo(index=0, uuid="GPU-h100-0", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
     twin = DeviceInfo(index=1, uuid="GPU-h100-1", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)

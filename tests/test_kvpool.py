@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
+from gpuportal.wire.memory import ModelShape, kv_block_bytes
 from inference.kvpool import BlockAccounting, BlockPool, PoolExhausted
-from scheduling.memory import ModelShape, kv_block_bytes
 
 SHAPE = ModelShape(weight_bytes=0, num_layers=3, num_kv_heads=2, head_dim=8, dtype_bytes=4, hidden_size=32)
 

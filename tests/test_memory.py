@@ -1,4 +1,4 @@
-"""The memory need (scheduling.memory) and reading a model's shape (inference.model_size). No database."""
+"""The memory need (gpuportal.wire.memory) and reading a model's shape (inference.model_size). No database."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference.model_size import shape_from_model_dir
-from scheduling import memory
-from scheduling.memory import (
+from gpuportal.wire import memory
+from gpuportal.wire.memory import (
     ACTIVATION_FLOOR_BYTES,
     MiB,
     ModelShape,
@@ -31,6 +30,7 @@ from scheduling.memory import (
     need_bytes,
     need_for,
 )
+from inference.model_size import shape_from_model_dir
 
 # 2 layers, 4 KV heads of 64 dims, fp16.
 SHAPE = ModelShape(

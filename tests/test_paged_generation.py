@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gpuportal.wire.memory import activation_reserve_bytes, estimate, kv_block_bytes
 from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
 from inference.errors import BadInput
 from inference.kvpool import BlockPool
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.paged import PagedModel, engine_for, model_shape, unsupported_reason
-from scheduling.memory import activation_reserve_bytes, estimate, kv_block_bytes
 
 PROMPTS = [
     "Hello",

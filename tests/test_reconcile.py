@@ -125,7 +125,7 @@ def test_a_restarted_agent_finds_its_predecessors_replicas_lost_and_the_deployme
 def test_a_restarted_agent_keeps_the_survivors_its_books_agree_with_and_loses_the_rest(
     sent, django_capture_on_commit_callbacks
 ):
-    from gpuportal.wire.survivors import Survivor
+    from gpuportal.wire.node_reports import Survivor
     from inference.devices import virtual_gpus
     from tests.factories import NO_OVERHEAD
 

@@ -25,6 +25,7 @@ import psutil
 import pytest
 import torch
 
+from gpuportal.wire.memory import H100_CONTEXT_BYTES
 from inference.loaders import load_model, tensor_bytes
 from inference.replica import (
     CommandRejected,
@@ -37,7 +38,6 @@ from inference.replica import (
     classify_failure,
 )
 from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line
-from scheduling.memory import H100_CONTEXT_BYTES
 from tests.processes import wait_until
 from tests.test_loaders import tiny_mlp
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpuportal.wire.memory import H100_CONTEXT_BYTES
 from inference.management.commands.make_tiny_model import write_tiny_model
-from scheduling.memory import H100_CONTEXT_BYTES
 from scheduling.models import GPU, Event, Occupant, Replica
 from tests.processes import wait_until
 

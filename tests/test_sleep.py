@@ -17,9 +17,9 @@ from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 from rest_framework.test import APIClient
 
+from gpuportal.wire.memory import H100_CONTEXT_BYTES
 from inference.devices import virtual_gpus
 from inference.management.commands.make_tiny_model import write_tiny_model
-from scheduling.memory import H100_CONTEXT_BYTES
 from scheduling.models import Deployment, Event, Occupant, Replica
 from scheduling.services import reports, sleep
 from scheduling.services import requests as request_services

@@ -18,7 +18,7 @@ import pytest
 
 from gpuportal.stack import free_port
 from gpuportal.stackenv import read_stack_env
-from scheduling import memory
+from gpuportal.wire import memory
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.slow

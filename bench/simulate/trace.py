@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from bench.simulate.config import Config, HardwareConfig, ServingConfig
-from scheduling import memory
-from scheduling.memory import ModelShape
+from gpuportal.wire import memory
+from gpuportal.wire.memory import ModelShape
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from django.db import transaction
 
-from scheduling import events, locks, memory
+from gpuportal.wire import memory
+from gpuportal.wire.node_reports import Books
+from scheduling import events, locks
 from scheduling.models import GPU, Event, Occupant, Replica
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import gpu_contexts
-from scheduling.state import Books
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from django.db import transaction
 from django.db.models import Count, F, Max, Q, QuerySet
 from django.utils import timezone
 
-from scheduling import events, fairness, ledger, locks, memory
+from gpuportal.wire import memory
+from scheduling import events, fairness, ledger, locks
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all, withhold_locked
@@ -454,7 +455,7 @@ def releasing(replica_ids: set[str], reason: str) -> Callable[[Snapshot], Plan |
 
 def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
     """The bytes one replica of the deployment reserves: its need under the deployment's policy
-    (scheduling.memory's footprint) with a CUDA context, plus, in a failover pair, the context its
+    (gpuportal.wire.memory's footprint) with a CUDA context, plus, in a failover pair, the context its
     sleeping standby keeps beside it. Contexts are the GPUs' own (measured per node and model, or
     the virtual GPU's), the largest among the snapshot's GPUs, so the need fits wherever it goes."""
     need = memory.need_for(

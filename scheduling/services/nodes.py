@@ -9,14 +9,13 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire.survivors import Survivor
+from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from scheduling import adoption, events, ledger, locks
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import dispatch
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState
-from scheduling.state import Books, DeviceInfo
 
 INVENTORY_EVENT = {
     "added": Event.Kind.GPU_REGISTERED,

@@ -11,7 +11,8 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from scheduling import events, locks, memory
+from gpuportal.wire import memory
+from scheduling import events, locks
 from scheduling.metrics import FAILOVER_SECONDS, FAILOVERS
 from scheduling.models import Event, FailoverLease, FailoverState, Replica
 from scheduling.services import failover, replica_reports

@@ -46,8 +46,6 @@ from datetime import UTC, datetime, timedelta
 import redis
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
-from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from scheduling import events, fairness, ledger, locks
@@ -190,26 +188,41 @@ def start(
         blocked = _held_by_another(gpu, waker_id, now)
         if blocked is not None:
             return _wait_for_lock(deployment, gpu, blocked, reason)
-    if wake.promoted:
-        waker = Replica.objects.select_related("node").get(pk=waker_id)
-    else:
-        # The row exists before anything points at it (lock holder, intents); it has no node
-        # until placed, and wake paths do not count it as awake (see sleep.awake_count).
-        waker = Replica.objects.create(id=waker_id, deployment=deployment)
-        events.record(
-            Event.Kind.REPLICA_STATE,
-            f"replica {waker_id[:8]}",
-            f"waiting for room on {_labels(gpus)} for a new replica: {reason}",
-            after={"state": Replica.State.PENDING, "gpus": [_label(g) for g in gpus]},
-            deployment=deployment.name,
-            replica=waker_id,
-        )
+    waker = _waker(deployment, wake, gpus, reason)
     _take_locks(gpus, waker, deployment, now)
+    ids = [i.pk for i in _record_intents(deployment, wake, gpus, waker, now, reason)]
+    dispatch.to_control(PREEMPT_TASK, ids)
+    if wake.at_once:
+        return Preempting(waker_id, tuple(ids), f"preempting at once on {_labels(gpus)}: its victims serve no request")
+    return Preempting(waker_id, tuple(ids), f"waiting up to {deployment.max_wait_s:g} s for room on {_labels(gpus)}")
+
+
+def _waker(deployment: Deployment, wake: _Wake, gpus: list[GPU], reason: str) -> Replica:
+    """The replica that waits: the cached one promoted, or the row of a new one."""
+    if wake.promoted:
+        return Replica.objects.select_related("node").get(pk=wake.waker_id)
+    # The row exists before anything points at it (lock holder, intents); it has no node until
+    # placed, and wake paths do not count it as awake (see sleep.awake_count).
+    waker = Replica.objects.create(id=wake.waker_id, deployment=deployment)
+    events.record(
+        Event.Kind.REPLICA_STATE,
+        f"replica {wake.waker_id[:8]}",
+        f"waiting for room on {_labels(gpus)} for a new replica: {reason}",
+        after={"state": Replica.State.PENDING, "gpus": [_label(g) for g in gpus]},
+        deployment=deployment.name,
+        replica=wake.waker_id,
+    )
+    return waker
+
+
+def _record_intents(
+    deployment: Deployment, wake: _Wake, gpus: list[GPU], waker: Replica, now: datetime, reason: str
+) -> list[PreemptionIntent]:
+    """One intent per GPU the waker needs room on, each with the Event that says why."""
     intents = []
     for gpu in gpus:
-        intent = PreemptionIntent.objects.create(
-            gpu=gpu, waiting_replica=waker, needed_bytes=needed[gpu.pk], deadline=now
-        )
+        needed = wake.needed_bytes_by_gpu[gpu.pk]
+        intent = PreemptionIntent.objects.create(gpu=gpu, waiting_replica=waker, needed_bytes=needed, deadline=now)
         # At once: the deadline is already here, so the preempt task chooses the victims as soon
         # as it runs (it still places the waker first if memory was freed meanwhile).
         intent.deadline = (
@@ -227,24 +240,20 @@ def start(
         events.record(
             Event.Kind.PREEMPTION_INTENT,
             f"gpu {_label(gpu)}",
-            f"{deployment.name} ({waker_id[:8]}) needs {fmt_bytes(needed[gpu.pk])} on gpu {_label(gpu)}: "
+            f"{deployment.name} ({waker.id[:8]}) needs {fmt_bytes(needed)} on gpu {_label(gpu)}: "
             f"{how}; target: {wake.why}",
             after={
                 "intent": intent.pk,
-                "needed_bytes": needed[gpu.pk],
+                "needed_bytes": needed,
                 "deadline": intent.deadline.isoformat(),
                 "at_once": wake.at_once,
             },
             node=gpu.node.name,
             gpu=_label(gpu),
             deployment=deployment.name,
-            replica=waker_id,
+            replica=waker.id,
         )
-    ids = [i.pk for i in intents]
-    dispatch.to_control(PREEMPT_TASK, ids)
-    if wake.at_once:
-        return Preempting(waker_id, tuple(ids), f"preempting at once on {_labels(gpus)}: its victims serve no request")
-    return Preempting(waker_id, tuple(ids), f"waiting up to {deployment.max_wait_s:g} s for room on {_labels(gpus)}")
+    return intents
 
 
 @dataclass(frozen=True)
@@ -524,12 +533,7 @@ def _take_locks(gpus: list[GPU], waker: Replica, deployment: Deployment, now: da
                 f"its wake lock on gpu {_label(gpu)} was taken over by {deployment.name} ({waker.id[:8]})",
             )
             _drop_unplaced(previous, "its wake lock was taken over: the wake is abandoned")
-        changes: dict = {"wake_lock_holder": waker, "wake_lock_expires_at": expires}
-        if how != "renewed":
-            # Placements keep off a GPU another wake holds (planning.withhold_locked). A plan made
-            # from a snapshot older than this lock must conflict at commit and look again.
-            changes.update(version=F("version") + 1, changed_txid=RawSQL("txid_current()", []))
-        GPU.objects.filter(pk=gpu.pk).update(**changes)
+        ledger.hold_wake_lock(gpu.pk, waker.id, expires, fresh=how != "renewed")
         events.record(
             Event.Kind.GPU_WAKE_LOCK,
             f"gpu {_label(gpu)}",
@@ -575,25 +579,16 @@ def run_preemption(
     wait_s = max(0.0, max((i.deadline - base).total_seconds() for i in intents))
     end_of_wait = started + wait_s
 
-    # The fairness wait: anything freed voluntarily means no one is preempted.
-    while True:
-        done = _try_place(ids, "memory was freed voluntarily during the fairness wait: no one preempted")
-        if done is not None:
-            return done
-        if clock() >= end_of_wait:
-            break
-        renewer.renew()
-        sleep(min(CHECK_EVERY_S, max(0.0, end_of_wait - clock())))
-
-    # Least recently used means the last request, which replicas record in Redis; bring those
-    # times into the rows the snapshot reads, or a replica that just served could look idle.
-    # Imported here: the request service wakes deployments through this module.
-
+    done = _fairness_wait(ids, renewer, end_of_wait, clock, sleep)
+    if done is not None:
+        return done
     preempted: list[str] = []
     # Placements keep off a GPU whose wake lock we hold, so what the victims free is ours; but
     # memory can still be taken by a report (a sleeping victim keeping more than expected): then
     # the victims are chosen again, from who is left, rather than failing the wake.
     for _ in range(VICTIM_ROUNDS):
+        # Least recently used means the last request, which replicas record in Redis; bring those
+        # times into the rows the snapshot reads, or a replica that just served could look idle.
         queueing.sync_last_accessed()
         # With reload costs and requests in flight: the cost order (fairness's default) weighs
         # them; without, it would be plain LRU.
@@ -611,18 +606,13 @@ def run_preemption(
 
         victims = _preempt(ids, deployment, choice)
         preempted += victims
-        limit = clock() + _drain_limit(victims)
-        holding = (Replica.State.SERVING, Replica.State.DRAINING)
-        while Replica.objects.filter(pk__in=victims, state__in=holding).exists():
-            if clock() >= limit:
-                return _fail(
-                    ids,
-                    f"cannot wake {deployment.name}: the preempted replicas "
-                    f"({', '.join(v[:8] for v in victims)}) did not release their memory in time",
-                    victims=preempted,
-                )
-            renewer.renew()
-            sleep(POLL_EVERY_S)
+        if not _wait_released(victims, renewer, clock, sleep):
+            return _fail(
+                ids,
+                f"cannot wake {deployment.name}: the preempted replicas "
+                f"({', '.join(v[:8] for v in victims)}) did not release their memory in time",
+                victims=preempted,
+            )
         who = ", ".join(v[:8] for v in preempted) or "no one (room was free by then)"
         done = _try_place(ids, f"placed after preempting {who}: {choice.reason}", victims=preempted)
         if done is not None:
@@ -633,6 +623,35 @@ def run_preemption(
         f"placement, {VICTIM_ROUNDS} times",
         victims=preempted,
     )
+
+
+def _fairness_wait(
+    ids: list[int], renewer: _Renewer, end_of_wait: float, clock: Callable[[], float], sleep: Callable[[float], None]
+) -> Outcome | None:
+    """Until `end_of_wait`, place the waker as soon as memory is freed voluntarily (then no one is
+    preempted); None once the wait is over and the victims must be chosen."""
+    while True:
+        done = _try_place(ids, "memory was freed voluntarily during the fairness wait: no one preempted")
+        if done is not None:
+            return done
+        if clock() >= end_of_wait:
+            return None
+        renewer.renew()
+        sleep(min(CHECK_EVERY_S, max(0.0, end_of_wait - clock())))
+
+
+def _wait_released(
+    victims: list[str], renewer: _Renewer, clock: Callable[[], float], sleep: Callable[[float], None]
+) -> bool:
+    """Whether the victims let go of their memory (asleep or gone) within their drain and a grace."""
+    limit = clock() + _drain_limit(victims)
+    holding = (Replica.State.SERVING, Replica.State.DRAINING)
+    while Replica.objects.filter(pk__in=victims, state__in=holding).exists():
+        if clock() >= limit:
+            return False
+        renewer.renew()
+        sleep(POLL_EVERY_S)
+    return True
 
 
 class _Renewer:
@@ -649,7 +668,7 @@ class _Renewer:
         expires = timezone.now() + timedelta(seconds=settings.GPUPORTAL_WAKE_LOCK_TTL_S)
         with transaction.atomic():
             held = [g.pk for g in locks.lock_gpus(self.gpu_ids) if g.wake_lock_holder_id == self.waker_id]
-            GPU.objects.filter(pk__in=held).update(wake_lock_expires_at=expires)
+            ledger.extend_wake_locks(held, expires)
 
 
 def _drain_limit(victims: list[str]) -> float:
@@ -784,7 +803,7 @@ def _close(intents: list[PreemptionIntent], status: str, reason: str) -> None:
     for gpu in gpus.values():
         if gpu.wake_lock_holder_id != waker_id:
             continue  # taken over meanwhile: the lock is someone else's now
-        GPU.objects.filter(pk=gpu.pk).update(wake_lock_holder=None, wake_lock_expires_at=None)
+        ledger.release_wake_lock(gpu.pk)
         events.record(
             Event.Kind.GPU_WAKE_LOCK,
             f"gpu {_label(gpu)}",

@@ -14,7 +14,8 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from scheduling import locks, memory
+from gpuportal.wire import memory
+from scheduling import locks
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import deployments, dispatch, preemption, queueing, replicas, sleep
@@ -192,7 +193,7 @@ PAIR_ONLY = dict.fromkeys(("failover", "lease", "standby", "active"), _pair_repo
 
 def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None:
     """What one replica holds serving at max_tokens, as the replica composed it from measured
-    parts with scheduling.memory's formula (its weights as allocated, the pool, the activation
+    parts with gpuportal.wire.memory's formula (its weights as allocated, the pool, the activation
     reserve, its context, what NVML shows outside the allocator): the need the next replica is
     reserved and sizes its pool against. Not NVML's figure at load: it has no activations yet,
     and a replica reserved it would size its pool below zero (issue 15).

@@ -10,7 +10,8 @@ from collections.abc import Collection
 import redis
 from django.db import transaction
 
-from scheduling import events, ledger, locks, memory
+from gpuportal.wire import memory
+from scheduling import events, ledger, locks
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
 from scheduling.services import dispatch, queueing
 from scheduling.services.errors import InvalidState, NotFound
