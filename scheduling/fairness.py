@@ -56,7 +56,7 @@ victim only once `now - serving_since >= min_runtime_s`. As long as the wake pat
 `serving_since` to the time the replica (re)starts serving, and never carries it over a sleep,
 a replica woken at t cannot be preempted before t + min_runtime. Two deployments that fit a GPU
 only one at a time therefore swap at most once per min_runtime however fast they are
-requested: each swap preempts the replica the previous swap woke. `tests/test_fairness.py`
+requested: each swap preempts the replica the previous swap woke. `tests/scheduling/test_fairness.py`
 checks this as a property by simulating such request streams.
 """
 

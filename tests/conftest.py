@@ -53,7 +53,7 @@ def cluster(db) -> None:
     """Two virtual nodes of two 1 GiB GPUs each."""
     from inference.devices import virtual_gpus
     from scheduling.services.nodes import register_node
-    from tests.factories import NO_OVERHEAD
+    from tests.support.factories import NO_OVERHEAD
 
     register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
     register_node("node2", virtual_gpus("node2", "2x1GiB", NO_OVERHEAD), virtual=True)
@@ -98,7 +98,7 @@ def _stop(process, log, grace: float = 60) -> None:
 def _process_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     from django.conf import settings
 
-    from tests.processes import database_url_of_this_test
+    from tests.support.processes import database_url_of_this_test
 
     return {
         **os.environ,
@@ -119,7 +119,7 @@ def start_agent(tmp_path):
     import sys
 
     from scheduling.models import Node
-    from tests.processes import wait_until
+    from tests.support.processes import wait_until
 
     started = []
 
@@ -167,7 +167,7 @@ def control_worker(tmp_path):
     import redis
     from django.conf import settings
 
-    from tests.processes import wait_until
+    from tests.support.processes import wait_until
 
     # Leftovers of earlier tests in the shared Redis (retries with a countdown, tasks of killed
     # workers) must not run against this test's rows.

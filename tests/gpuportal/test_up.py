@@ -1,0 +1,288 @@
+"""`manage.py up`: the whole portal on embedded servers, started and stopped for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpuportal.stack import free_port
+from gpuportal.stackenv import read_stack_env
+from gpuportal.wire import memory
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSWORD = "test-admin-password"
+
+
+def env_without_servers(**extra: str) -> dict[str, str]:
+    """This session's environment less the server URLs, so `up` starts embedded ones."""
+    dropped = {"DATABASE_URL", "REDIS_URL", "PROMETHEUS_MULTIPROC_DIR"}
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
+
+
+class Up:
+    """One `manage.py up` process, its output collected by a thread."""
+
+    def __init__(self, data_dir: Path, *args: str):
+        self.data_dir = data_dir
+        env = env_without_servers(
+            GPUPORTAL_DATA_DIR=str(data_dir), GPUPORTAL_ADMIN_PASSWORD=PASSWORD, PYTHONUNBUFFERED="1"
+        )
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", "up", "--port", str(self.port), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("gpuportal is up"):
+                self.ready.set()
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_up(self, timeout: float = 180) -> None:
+        if not self.ready.wait(timeout):
+            self.process.kill()
+            raise AssertionError("up did not come up:\n" + "".join(self.lines[-40:]) + self.process.stderr.read())
+
+    def stop(self, timeout: float = 60) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout)
+        self.reader.join(10)
+        return code
+
+    def get(self, path: str, token: str | None = None) -> tuple[int, dict]:
+        request = urllib.request.Request(self.base + path)
+        if token:
+            request.add_header("Authorization", f"Token {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def post(self, path: str, body: dict, token: str) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            self.base + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Token {token}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def serving(self, token: str, deployment: str) -> list[dict]:
+        return self.get(f"/api/replicas/?deployment={deployment}&state=serving", token)[1].get("results", [])
+
+    def token(self) -> str:
+        body = json.dumps({"username": "admin", "password": PASSWORD}).encode()
+        request = urllib.request.Request(
+            self.base + "/api/auth/token/", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())["token"]
+
+
+def processes_of(data_dir: Path) -> list[str]:
+    """Every live process tied to this stack: by its command line or its environment."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            env_dir = proc.environ().get("GPUPORTAL_DATA_DIR")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if proc.pid != os.getpid() and (str(data_dir) in cmdline or env_dir == str(data_dir)):
+            found.append(f"{proc.pid}: {cmdline}")
+    return found
+
+
+def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_path):
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
+    data_dir = tmp_path / "var"
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3, log=lambda _: None).path
+    up = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
+    try:
+        up.wait_up()
+        assert up.get("/healthz") == (200, {"status": "ok"})
+        assert up.get("/readyz")[0] == 200
+        stack = read_stack_env(data_dir / "stack.env")
+        assert stack["DATABASE_URL"].startswith("postgres://") and stack["REDIS_URL"].startswith("redis://")
+        assert any("created (password from GPUPORTAL_ADMIN_PASSWORD)" in line for line in up.lines)
+
+        token = up.token()
+        gpus = wait_until(
+            lambda: up.get("/api/gpus/", token)[1].get("results"), 60, "the node agent to register its GPUs"
+        )
+        # Each declared 2 GiB is NVML's total; the books count what CUDA could allocate (issue 15).
+        reserve = memory.H100_DRIVER_RESERVE_BYTES
+        assert [(g["node"], g["index"], g["virtual"], g["total_bytes"], g["nvml_total_bytes"]) for g in gpus] == [
+            ("box", 0, True, 2 * 1024**3 - reserve, 2 * 1024**3),
+            ("box", 1, True, 2 * 1024**3 - reserve, 2 * 1024**3),
+        ]
+        # An agent started beside `up` with no URLs set finds the stack through stack.env.
+        second = subprocess.Popen(
+            [sys.executable, "manage.py", "agent", "--node", "second", "--virtual-gpus", "1x3GiB"],
+            cwd=ROOT,
+            env=env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            names = wait_until(
+                lambda: {n["name"] for n in up.get("/api/nodes/", token)[1].get("results", [])} >= {"box", "second"},
+                60,
+                "the second agent to join the same stack",
+            )
+            assert names
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(30) == 0
+        deployed = {"name": "tiny", "model": {"source": str(model)}, "replicas": 1}
+        code, answer = up.post("/api/deployments/", deployed, token)
+        assert code == 201, answer
+        (first,) = wait_until(lambda: up.serving(token, "tiny"), 120, "the deployment to serve")
+        running = processes_of(data_dir)
+        # web, control worker (+ its pool), beat, agent, PostgreSQL (+ its workers), Redis
+        assert len(running) >= 7, running
+
+        # A second `up` on the same data refuses in one line, and leaves the running one alone:
+        # its servers, and the stack.env through which agents find them (issue 16).
+        refused = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
+        assert refused.process.wait(120) != 0
+        refused.reader.join(10)
+        assert "already running" in refused.process.stderr.read()
+        assert read_stack_env(data_dir / "stack.env") == stack
+        assert up.get("/healthz") == (200, {"status": "ok"})
+    finally:
+        code = up.stop()
+
+    assert code == 0, up.process.stderr.read()
+    assert processes_of(data_dir) == [], "nothing of the stack is left running"
+    assert not (data_dir / "stack.env").exists(), "stack.env no longer points at stopped servers"
+
+    again = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
+    try:
+        again.wait_up()
+        assert any("exists (password unchanged)" in line for line in again.lines)
+        token = again.token()  # the same admin, from the same database
+        events = wait_until(
+            lambda: again.get("/api/events/?node=box&kind=node.online", token)[1].get("results"),
+            60,
+            "the agent to re-register the known node",
+        )
+        assert events[0]["reason"].startswith("agent re-registered with 2 virtual GPU(s)")
+        status, registered = again.get("/api/events/?node=box&kind=node.registered", token)
+        assert status == 200 and registered["count"] == 1, "the node from the first run was kept"
+        # What the operator asked for is restored without a request (this test sends none, issue
+        # 16): the replica of the first run (its process ended with its agent) is replaced once.
+        (restored,) = wait_until(lambda: again.serving(token, "tiny"), 120, "the deployment to serve again")
+        assert restored["id"] != first["id"]
+        replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
+        assert sorted(r["state"] for r in replicas) == ["serving", "stopped"]
+
+        # The agent dies: `up` starts it again, and the new agent takes over the replica process
+        # the old one left (it waits for its adoption window) instead of loading the model again.
+        (agent,) = [c for c in psutil.Process(again.process.pid).children() if "agent" in c.cmdline()]
+        agent.kill()
+        adopted = wait_until(
+            lambda: again.get("/api/events/?kind=replica.adopted", token)[1].get("results"),
+            60,
+            "the restarted agent to take the replica over",
+        )
+        assert adopted[0]["replica"] == restored["id"]
+        assert any(line.startswith("agent exited with code -9") for line in again.lines)
+        (still,) = again.serving(token, "tiny")
+        assert (still["id"], still["pid"]) == (restored["id"], restored["pid"]), "the same process, not a new one"
+        code, answer = again.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3}, token)
+        assert code == 200 and answer["choices"][0]["text"], answer
+        replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
+        assert sorted(r["state"] for r in replicas) == ["serving", "stopped"], "adopted, not duplicated"
+    finally:
+        assert again.stop() == 0
+    assert processes_of(data_dir) == [], "the adopted replica stopped with the portal"
+
+
+def test_a_port_in_use_is_a_one_line_error_and_starts_nothing(tmp_path):
+    data_dir = tmp_path / "var"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "manage.py", "up", "--port", str(port)],
+            cwd=ROOT,
+            env=env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"CommandError: port {port} on 127.0.0.1 is already in use (another `up`? try --port)"
+    ]
+    assert not (data_dir / "postgres").exists()
+    assert processes_of(data_dir) == []
+
+
+def test_an_unusable_data_directory_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = subprocess.run(
+        [sys.executable, "manage.py", "up", "--port", str(free_port()), "--data-dir", str(blocker / "var")],
+        cwd=ROOT,
+        env=env_without_servers(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"CommandError: cannot use data directory {blocker / 'var'}: Not a directory"
+    ]
+
+
+def test_a_child_that_fails_stops_the_whole_stack_with_a_one_line_error(tmp_path):
+    data_dir = tmp_path / "var"
+    up = Up(data_dir, "--node", "not a valid name")
+    code = up.process.wait(180)
+    up.reader.join(10)
+    stderr = up.process.stderr.read()
+
+    assert code == 1
+    assert stderr.strip().splitlines() == [
+        "CommandError: agent exited with code 1: CommandError: --node 'not a valid name' is not a valid node "
+        "name: use letters, digits, '-' and '_'"
+    ]
+    assert processes_of(data_dir) == [], "the servers and the other children were stopped"

@@ -1,0 +1,248 @@
+"""Node agents: GPU discovery, registration, heartbeats, expiry, and a real agent process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+from django_celery_beat.models import PeriodicTask
+
+from gpuportal.wire.memory import H100_DRIVER_RESERVE_BYTES
+from inference.devices import discover, parse_size, parse_virtual_spec, virtual_gpus
+from scheduling.models import GPU, Event, Node
+from scheduling.services import nodes
+from scheduling.tasks import expire_heartbeats
+from tests.support.factories import NO_OVERHEAD
+from tests.support.processes import database_url_of_this_test, wait_until
+
+GiB = 1024**3
+RESERVE = H100_DRIVER_RESERVE_BYTES  # what a virtual GPU's NVML total holds beyond what CUDA can allocate
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("spec", "sizes"),
+    [
+        ("2x24GiB", [24 * GiB] * 2),
+        ("1x80GiB,2x24GiB", [80 * GiB, 24 * GiB, 24 * GiB]),
+        ("512MiB", [512 * 1024**2]),
+        ("3 x 1.5GiB", [int(1.5 * GiB)] * 3),
+        ("1x80GB", [80 * 1000**3]),
+    ],
+)
+def test_it_parses_virtual_gpu_specs(spec, sizes):
+    assert parse_virtual_spec(spec) == sizes
+
+
+@pytest.mark.parametrize(
+    ("spec", "complaint"),
+    [
+        ("", "empty"),
+        ("2x", "not a size"),
+        ("2x24Gibberish", "not a size"),
+        ("0x24GiB", "count must be between 1 and 64"),
+        ("2x0GiB", "not a positive size"),
+        ("2x24GiB,,", "is not COUNTxSIZE"),
+    ],
+)
+def test_it_rejects_bad_virtual_gpu_specs_saying_why(spec, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        parse_virtual_spec(spec)
+
+
+def test_sizes_use_binary_units_for_iec_names_and_decimal_for_si_names():
+    assert parse_size("1KiB") == 1024 and parse_size("1KB") == 1000 and parse_size("2G") == 2 * GiB
+
+
+def test_without_an_nvidia_gpu_auto_discovery_declares_virtual_gpus():
+    devices = discover("n1", backend="auto", virtual_spec="2x4GiB")
+    # The declared size is NVML's total; the books count what CUDA could allocate (issue 15).
+    assert [(d.index, d.virtual, d.total_bytes, d.nvml_total_bytes, d.uuid) for d in devices] == [
+        (0, True, 4 * GiB - RESERVE, 4 * GiB, "virtual-n1-0"),
+        (1, True, 4 * GiB - RESERVE, 4 * GiB, "virtual-n1-1"),
+    ]
+    with pytest.raises(ValueError, match="NVML finds no NVIDIA GPU"):
+        discover("n1", backend="nvml")
+
+
+@pytest.mark.django_db
+def test_registration_creates_the_node_and_its_virtual_gpus_with_events():
+    node = nodes.register_node("n1", virtual_gpus("n1", "2x24GiB"), hostname="host-a", virtual=True)
+
+    assert (node.status, node.queue, node.virtual) == (Node.Status.ONLINE, "node.n1", True)
+    gpus = list(GPU.objects.filter(node=node).order_by("index"))
+    assert [(g.index, g.total_bytes, g.available_bytes, g.virtual, g.version) for g in gpus] == [
+        (0, 24 * GiB - RESERVE, 24 * GiB - RESERVE, True, 0),
+        (1, 24 * GiB - RESERVE, 24 * GiB - RESERVE, True, 0),
+    ]
+    kinds = list(Event.objects.order_by("id").values_list("kind", "subject"))
+    assert kinds == [
+        (Event.Kind.NODE_REGISTERED, "node n1"),
+        (Event.Kind.GPU_REGISTERED, "gpu n1/0"),
+        (Event.Kind.GPU_REGISTERED, "gpu n1/1"),
+    ]
+
+
+@pytest.mark.django_db
+def test_re_registration_keeps_the_gpu_rows_and_notes_what_changed():
+    nodes.register_node("n1", virtual_gpus("n1", "2x24GiB"), virtual=True)
+    first_ids = list(GPU.objects.order_by("index").values_list("pk", flat=True))
+
+    nodes.register_node("n1", virtual_gpus("n1", "1x16GiB"), virtual=True)
+
+    gpu0, gpu1 = GPU.objects.order_by("index")
+    assert [gpu0.pk, gpu1.pk] == first_ids
+    assert (gpu0.total_bytes, gpu0.available_bytes, gpu0.version) == (16 * GiB - RESERVE, 16 * GiB - RESERVE, 1)
+    assert (gpu1.health, gpu1.version) == (GPU.Health.LOST, 1)
+    reasons = set(Event.objects.filter(kind=Event.Kind.GPU_CHANGED).values_list("subject", "reason"))
+    assert reasons == {
+        ("gpu n1/0", "resized: the node agent reports a different memory size"),
+        ("gpu n1/1", "lost: no longer reported by the node agent"),
+    }
+    assert Event.objects.filter(kind=Event.Kind.NODE_ONLINE, subject="node n1").exists()
+
+
+@pytest.mark.django_db
+def test_a_node_silent_past_the_timeout_goes_offline_with_a_reason():
+    now = timezone.now()
+    nodes.register_node("quiet", virtual_gpus("quiet", "1x1GiB", NO_OVERHEAD), virtual=True)
+    nodes.register_node("alive", virtual_gpus("alive", "1x1GiB", NO_OVERHEAD), virtual=True)
+    Node.objects.filter(name="quiet").update(last_heartbeat=now - timedelta(seconds=45))
+    Node.objects.filter(name="alive").update(last_heartbeat=now - timedelta(seconds=5))
+
+    expired = nodes.expire_heartbeats(now=now, timeout_s=20)
+
+    assert expired == ["quiet"]
+    assert Node.objects.get(name="quiet").status == Node.Status.OFFLINE
+    assert Node.objects.get(name="alive").status == Node.Status.ONLINE
+    event = Event.objects.get(kind=Event.Kind.NODE_OFFLINE)
+    assert event.node == "quiet" and event.reason == "no heartbeat for 45 s (timeout 20 s)"
+    assert nodes.expire_heartbeats(now=now, timeout_s=20) == [], "an offline node is not expired twice"
+
+
+@pytest.mark.django_db
+def test_a_heartbeat_brings_an_offline_node_back():
+    nodes.register_node("n1", virtual_gpus("n1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    Node.objects.filter(name="n1").update(status=Node.Status.OFFLINE)
+
+    nodes.heartbeat("n1")
+
+    assert Node.objects.get(name="n1").status == Node.Status.ONLINE
+    assert Event.objects.filter(kind=Event.Kind.NODE_ONLINE, reason="heartbeat resumed").exists()
+
+
+@pytest.mark.django_db
+def test_the_beat_task_expires_heartbeats_and_is_scheduled():
+    nodes.register_node("n1", virtual_gpus("n1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    Node.objects.filter(name="n1").update(last_heartbeat=timezone.now() - timedelta(hours=1))
+
+    assert expire_heartbeats.apply().get() == ["n1"]
+
+    schedule = PeriodicTask.objects.get(task="scheduling.tasks.expire_heartbeats")
+    assert schedule.enabled and schedule.interval.every == 5 and schedule.queue == "control"
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_stops(tmp_path):
+    from django.conf import settings
+
+    from inference.tasks import describe_node
+
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url_of_this_test(),
+        "REDIS_URL": settings.REDIS_URL,
+        "GPUPORTAL_HEARTBEAT_S": "0.2",
+        "GPUPORTAL_DATA_DIR": str(tmp_path),
+    }
+    log = open(tmp_path / "agent.log", "w+")  # noqa: SIM115 - read back in the failure message
+    agent = subprocess.Popen(
+        [sys.executable, "manage.py", "agent", "--node", "edge1", "--virtual-gpus", "2x2GiB"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        node = wait_until(lambda: Node.objects.filter(name="edge1").first(), 60, "the agent to register")
+        assert node.virtual and node.queue == "node.edge1"
+        assert GPU.objects.filter(node=node, virtual=True).count() == 2
+        first_beat = node.last_heartbeat
+        wait_until(
+            lambda: Node.objects.get(name="edge1").last_heartbeat > first_beat, 30, "a heartbeat after registration"
+        )
+
+        reply = describe_node.apply_async(args=["edge1"], queue="node.edge1").get(timeout=60)
+        assert reply["node"] == "edge1" and [g["index"] for g in reply["gpus"]] == [0, 1]
+
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        log.seek(0)
+        output = log.read()
+    assert Node.objects.get(name="edge1").status == Node.Status.OFFLINE, output
+    assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node="edge1", reason="agent stopped").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_rejects_a_bad_node_name_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "manage.py", "agent", "--node", "bad name!"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DATABASE_URL": database_url_of_this_test()},
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "CommandError: --node 'bad name!' is not a valid node name: use letters, digits, '-' and '_'"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_path):
+    from django.conf import settings
+
+    agent = subprocess.Popen(
+        [sys.executable, "manage.py", "agent", "--node", "brief", "--virtual-gpus", "1x2GiB"],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": database_url_of_this_test(), "REDIS_URL": settings.REDIS_URL},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Registration comes before the Celery worker installs its signal handlers: stop it right then.
+        wait_until(lambda: Node.objects.filter(name="brief").exists(), 60, "the agent to register")
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert code == 0, agent.stderr.read()
+    assert Node.objects.get(name="brief").status == Node.Status.OFFLINE
+    assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node="brief").exists()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_host_auto_discovery_reports_the_real_gpus_from_nvml():
+    import torch
+
+    devices = discover("gpuhost", backend="auto")
+
+    assert devices and not any(d.virtual for d in devices)
+    assert len(devices) == torch.cuda.device_count()
+    for device in devices:
+        _free, total = torch.cuda.mem_get_info(device.index)
+        assert device.total_bytes == total and device.uuid.startswith("GPU-")

@@ -1,0 +1,226 @@
+"""Loaders (inference.loaders) and `make_tiny_model`. No database, no hub.
+
+This module also holds the factories the torch-module loader tests name (`tests.support.models:tiny_mlp`);
+replica processes import it, so its top-level imports stay light: no Django, no transformers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from inference.loaders import load_model, parameter_devices, tensor_bytes, tensor_bytes_by_device, validate_source
+
+MiB = 1024**2
+NOT_CALLABLE = 42
+
+
+def not_a_module() -> str:
+    return "hello"
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    write_tiny_model(path, size_mb=5, seed=0, log=quiet)
+    return path
+
+
+# -- make_tiny_model ---------------------------------------------------------------------------
+
+
+def test_a_tiny_model_loads_and_generates_from_its_directory_alone(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    inputs = tokenizer("Hello, world!", return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+
+    assert output.shape[1] == inputs["input_ids"].shape[1] + 4
+    assert tokenizer.decode(output[0]).startswith("Hello, world!")
+    assert tokenizer.eos_token == "</s>" and tokenizer.pad_token == "<pad>" and tokenizer.unk_token == "<unk>"
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    assert weights == pytest.approx(5 * MiB, rel=0.03)
+
+
+def test_the_tiny_model_weights_agree_with_the_memory_estimate(tiny_model_dir):
+    from inference.loaders import buffer_tensors, weight_allocation_bytes
+    from inference.model_size import shape_from_model_dir
+
+    model = load_model(str(tiny_model_dir), "transformers", "float32")
+    # What the replica counts as weights is what the estimate counts: the checkpoint's tensors as
+    # allocated. The rotary table is a buffer, not a weight: counting it would take its bytes
+    # out of the KV pool and leave the pool a block short (issue 15).
+    assert shape_from_model_dir(tiny_model_dir, "float32").weight_bytes == weight_allocation_bytes(model)
+    assert buffer_tensors(model) and all(b.numel() == model.config.head_dim // 2 for b in buffer_tensors(model))
+
+
+@pytest.mark.parametrize("size_mb", [1, 5, 20, 300])
+def test_models_are_sized_to_the_megabytes_asked_for(size_mb):
+    from inference.management.commands.make_tiny_model import llama_parameters, size_llama
+
+    layers, hidden, intermediate = size_llama(size_mb * MiB / 4, vocab=512)
+    assert llama_parameters(layers, hidden, intermediate, 512) * 4 == pytest.approx(size_mb * MiB, rel=0.03)
+    assert hidden % 64 == 0 and intermediate % 8 == 0
+
+
+def test_the_command_prints_progress_and_the_final_size(tmp_path):
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("make_tiny_model", str(tmp_path / "m"), "--size-mb", "1", "--seed", "3", stdout=out)
+
+    text = out.getvalue()
+    assert "training the tokenizer" in text and "building the model" in text
+    assert "wrote" in text and "1.0 MiB" in text
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
+
+
+def test_the_command_writes_into_a_non_empty_directory_only_with_force(tmp_path):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(CommandError, match=r"exists and is not empty.*--force"):
+        call_command("make_tiny_model", str(tmp_path), "--size-mb", "1", stdout=io.StringIO())
+
+    call_command("make_tiny_model", str(tmp_path), "--size-mb", "1", "--force", stdout=io.StringIO())
+    validate_source(str(tmp_path), "transformers")
+
+
+@pytest.mark.parametrize(
+    ("where", "args", "complaint"),
+    [
+        ("file", [], "is not a directory"),
+        ("under-file", [], "cannot create"),
+        ("fresh", ["--size-mb", "0"], "--size-mb must be positive"),
+    ],
+)
+def test_the_command_rejects_a_bad_directory_in_one_line(tmp_path, where, args, complaint):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    (tmp_path / "file").write_text("")
+    target = {"file": tmp_path / "file", "under-file": tmp_path / "file" / "model", "fresh": tmp_path / "new"}[where]
+    with pytest.raises(CommandError, match=complaint) as err:
+        call_command("make_tiny_model", str(target), *args, stdout=io.StringIO())
+    assert "\n" not in str(err.value)
+
+
+# -- loaders -----------------------------------------------------------------------------------
+
+
+def test_the_transformers_loader_reads_a_local_directory_in_the_dtype_asked(tiny_model_dir):
+    model = load_model(str(tiny_model_dir), "transformers", "bfloat16")
+
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not model.training
+    assert parameter_devices(model) == {"cpu"}
+
+
+def test_the_torch_module_loader_calls_the_factory_and_casts(tiny_model_dir):
+    model = load_model("tests.support.models:tiny_mlp", "torch-module", "float16")
+
+    assert isinstance(model, nn.Sequential) and not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    # BatchNorm's step counter is an integer buffer: a cast to float16 must leave it alone.
+    assert model[3].num_batches_tracked.dtype == torch.int64
+    params = sum(p.numel() for p in model.parameters())
+    floats = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    assert tensor_bytes(model) == (params + floats) * 2 + 8
+
+
+def test_tensor_bytes_counts_buffers_and_tied_weights_once():
+    embed = nn.Embedding(100, 16)
+    head = nn.Linear(16, 100, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, head)
+    model.register_buffer("table", torch.zeros(10, dtype=torch.float64))
+
+    assert tensor_bytes(model) == 100 * 16 * 4 + 10 * 8
+    assert tensor_bytes_by_device(model) == {"cpu": 100 * 16 * 4 + 10 * 8}
+
+
+def test_valid_sources_pass(tiny_model_dir):
+    validate_source(str(tiny_model_dir), "transformers")
+    validate_source("tests.support.models:tiny_mlp", "torch-module")
+
+
+def _bad_dir(tmp_path: Path, kind: str) -> str:
+    root = tmp_path / "model"
+    if kind == "missing":
+        return str(root)
+    if kind == "file":
+        root.write_text("")
+        return str(root)
+    root.mkdir()
+    if kind == "bad-json":
+        (root / "config.json").write_text("{not json")
+    if kind == "no-weights":
+        (root / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (root / "tokenizer.json").write_text("{}")
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    ("kind", "complaint"),
+    [
+        ("missing", "not a model directory: .* does not exist"),
+        ("file", "not a model directory: .* is not a directory"),
+        ("empty", "not a model directory: no config.json in"),
+        ("bad-json", "config.json is not valid JSON"),
+        ("no-weights", r"no weights in .* \(expected \*.safetensors or pytorch_model\*.bin\)"),
+    ],
+)
+def test_a_source_that_is_not_a_model_directory_is_refused_saying_why(tmp_path, kind, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        validate_source(_bad_dir(tmp_path, kind), "transformers")
+
+
+@pytest.mark.parametrize(
+    ("source", "complaint"),
+    [
+        ("tests.inference.test_loaders", r"not a factory path: .* \(expected 'package.module:factory'\)"),
+        ("tests/inference/test_loaders.py:tiny_mlp", "not a factory path"),
+        ("no_such_package_xyz.models:build", "cannot import module 'no_such_package_xyz.models'"),
+        (
+            "tests.inference.test_loaders:missing_factory",
+            "not found: 'tests.inference.test_loaders' has no 'missing_factory'",
+        ),
+        ("tests.inference.test_loaders:NOT_CALLABLE", "is not callable"),
+    ],
+)
+def test_a_factory_path_that_does_not_import_is_refused_saying_why(source, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        validate_source(source, "torch-module")
+
+
+@pytest.mark.parametrize(
+    ("source", "loader", "dtype", "complaint"),
+    [
+        ("tests.support.models:tiny_mlp", "onnx", "float32", "unknown loader 'onnx'"),
+        ("  ", "transformers", "float32", "model source is empty"),
+        ("tests.support.models:tiny_mlp", "torch-module", "int4", "unknown dtype 'int4'"),
+        (
+            "tests.inference.test_loaders:not_a_module",
+            "torch-module",
+            "float32",
+            "returned a str, not a torch.nn.Module",
+        ),
+    ],
+)
+def test_load_model_refuses_bad_requests_saying_why(source, loader, dtype, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        load_model(source, loader, dtype)

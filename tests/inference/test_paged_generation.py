@@ -1,0 +1,246 @@
+"""Paged, continuously batched generation (issue 7) against transformers' own generate().
+
+Greedy outputs must be token for token those of model.generate(do_sample=False) with its default
+cache, whatever the batch around a sequence: alone, all at once, or joining mid-way. In-process:
+no replica, no queue (tests/inference/test_serving.py covers the Server end to end).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gpuportal.wire.memory import activation_reserve_bytes, estimate, kv_block_bytes
+from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
+from inference.errors import BadInput
+from inference.kvpool import BlockPool
+from inference.management.commands.make_tiny_model import write_tiny_model
+from inference.paged import PagedModel, engine_for, model_shape, unsupported_reason
+
+PROMPTS = [
+    "Hello",
+    "Once upon a time there was a small model",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "GPU",
+    "What is the capital of France?",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Any, Any]:
+    """The Llama model and tokenizer that replicas serve in the end-to-end tests."""
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-paged"), size_mb=2, seed=3, log=lambda _: None).path
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+class _NoText:
+    """A tokenizer stand-in for models built here without one: token ids are all the tests compare."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def random_model(kind: str) -> Any:
+    """A small randomly initialised model of another Llama-style architecture, with GQA."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(1)
+    config = AutoConfig.for_model(
+        kind,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        sliding_window=None,  # Mistral's default 4096-token window is not paged (falls back)
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def reference(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def batcher(model: Any, tokenizer: Any, blocks: int, block_tokens: int = 4) -> Batcher:
+    shape = model_shape(model, 0)
+    pool = BlockPool.for_shape(shape, blocks, dtype=torch.float32, device="cpu", block_tokens=block_tokens)
+    return Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
+
+
+def test_greedy_outputs_equal_generate_alone_together_and_joining_mid_way(tiny):
+    model, tokenizer = tiny
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    lengths = [24, 9, 17, 30, 12]
+    expected = [reference(model, p, n) for p, n in zip(prompts, lengths, strict=True)]
+
+    alone = []
+    for p, n in zip(prompts, lengths, strict=True):
+        b = batcher(model, tokenizer, blocks=64)
+        b.submit(seq := Sequence(p, n))
+        run_until_idle(b)
+        alone.append(seq.generated)
+    assert alone == expected
+
+    together = batcher(model, tokenizer, blocks=64)
+    seqs = [Sequence(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    for s in seqs:
+        together.submit(s)
+    run_until_idle(together)
+    assert [s.generated for s in seqs] == expected
+
+    # Joining mid-way: one more sequence every 3 steps, while the earlier ones decode.
+    staggered = batcher(model, tokenizer, blocks=64)
+    seqs = [Sequence(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    for s in seqs:
+        staggered.submit(s)
+        for _ in range(3):
+            staggered.step()
+    run_until_idle(staggered)
+    assert [s.generated for s in seqs] == expected
+    assert staggered.pool.blocks_used == 0 and staggered.pool.stats().allocations == staggered.pool.stats().frees
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_other_llama_style_architectures_with_grouped_query_attention(kind):
+    model = random_model(kind)
+    assert unsupported_reason(model) is None
+    prompts = [[5, 17, 42, 9, 100, 3, 77], [8], [250, 251, 252, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    expected = [reference(model, p, 12) for p in prompts]
+    b = batcher(model, _NoText(), blocks=32)
+    seqs = [Sequence(p, 12) for p in prompts]
+    b.submit(seqs[0])
+    b.step()
+    b.submit(seqs[1])
+    b.submit(seqs[2])
+    run_until_idle(b)
+    assert [s.generated for s in seqs] == expected
+
+
+def test_a_small_pool_makes_requests_wait_in_order_and_all_complete(tiny):
+    model, tokenizer = tiny
+    prompts = [tokenizer(p).input_ids for p in PROMPTS] * 2
+    expected = [reference(model, p, 10) for p in prompts]
+    b = batcher(model, tokenizer, blocks=12, block_tokens=4)  # 48 tokens: two or three at a time
+    seqs = [Sequence(p, 10) for p in prompts]
+    for s in seqs:
+        b.submit(s)
+    waited = 0
+    while not b.idle:
+        b.step()
+        waited = max(waited, len(b.waiting))
+        assert len(b.running) <= 3 and b.pool.blocks_used <= b.pool.blocks_total
+    assert [s.generated for s in seqs] == expected
+    assert all(s.finish == "length" for s in seqs) and waited >= len(seqs) - 3
+    stats = b.pool.stats()
+    assert stats.blocks_used == 0 and 0 < stats.blocks_peak <= stats.blocks_total
+    assert len(seqs) * 3 > stats.blocks_total, "the test must oversubscribe the pool"
+
+
+def test_admission_is_fifo_and_reserves_prompt_plus_max_tokens(tiny):
+    model, tokenizer = tiny
+    b = batcher(model, tokenizer, blocks=9, block_tokens=4)
+    big = Sequence([1] * 8, 24)  # 32 tokens: 8 blocks
+    small_then = Sequence([1] * 2, 2)  # 1 block, but behind one that does not fit yet
+    first = Sequence([1] * 4, 4)  # 2 blocks
+    for s in (first, big, small_then):
+        b.submit(s)
+    b.step()
+    assert b.running == [first] and list(b.waiting) == [big, small_then], "nobody overtakes the head"
+    assert b.pool.blocks_used == 1, "the prompt's block only; the second was promised for growth"
+    run_until_idle(b)
+    assert first.finish and big.finish and small_then.finish
+
+
+def test_a_request_that_can_never_fit_is_bad_input_naming_the_kv_capacity(tiny):
+    model, tokenizer = tiny
+    b = batcher(model, tokenizer, blocks=5, block_tokens=4)
+    with pytest.raises(BadInput, match=r"KV capacity is 20 tokens \(5 blocks\)"):
+        b.submit(Sequence([1] * 10, 11))
+    b.submit(Sequence([1] * 10, 10))  # exactly 20 tokens fits
+    assert run_until_idle(b)[0].finish == "length"
+    with pytest.raises(BadInput, match="input too long: 2000 prompt tokens plus max_tokens 100 exceed"):
+        batcher(model, tokenizer, blocks=1000).submit(Sequence([1] * 2000, 100))
+
+
+def test_abort_returns_every_block_newest_first(tiny):
+    model, tokenizer = tiny
+    b = batcher(model, tokenizer, blocks=18, block_tokens=4)  # room for the first two (9 + 8 blocks)
+    seqs = [Sequence([1, 2, 3], 30), Sequence([4, 5], 30), Sequence([6], 30)]
+    for s in seqs:
+        b.submit(s)
+    for _ in range(5):
+        b.step()
+    assert b.pool.blocks_used > 0 and len(b.running) == 2 and len(b.waiting) == 1
+    assert b.abort_all() == seqs[::-1]
+    assert b.idle and b.pool.blocks_used == 0
+    stats = b.pool.stats()
+    assert stats.allocations == stats.frees > 0
+
+
+def test_stop_strings_eos_streaming_and_sampling(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer("Once upon a time").input_ids
+    greedy = tokenizer.decode(reference(model, prompt, 20), skip_special_tokens=True)
+    chunks: list[str] = []
+    b = batcher(model, tokenizer, blocks=64)
+    b.submit(streamed := Sequence(prompt, 20, on_chunk=chunks.append))
+    run_until_idle(b)
+    assert "".join(chunks) == streamed.text == greedy
+    assert streamed.result()["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 20,
+        "total_tokens": len(prompt) + 20,
+    }
+
+    stop = greedy.strip()[3:6]
+    b.submit(cut := Sequence(prompt, 20, stop=[stop]))
+    run_until_idle(b)
+    assert cut.finish == "stop" and cut.text == greedy[: greedy.find(stop)]
+
+    b.eos = {reference(model, prompt, 3)[2]}  # the third greedy token ends the sequence
+    b.submit(ends := Sequence(prompt, 20))
+    run_until_idle(b)
+    assert ends.finish == "stop" and len(ends.generated) == 3
+
+    b.eos = set()
+    b.generator = torch.Generator().manual_seed(0)
+    b.submit(sampled := Sequence(prompt, 8, temperature=0.9, top_p=0.8))
+    run_until_idle(b)
+    assert len(sampled.generated) == 8 and all(0 <= t < model.config.vocab_size for t in sampled.generated)
+    assert b.pool.blocks_used == 0
+
+
+def test_the_pool_takes_what_the_cap_leaves_by_the_schedulers_formula(tiny):
+    model, _ = tiny
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    shape = model_shape(model, weights)
+    planned = estimate(shape, max_tokens=256, cuda_context_bytes=0)
+
+    engine = engine_for(model, weights_bytes=weights, cap_bytes=planned.total_bytes, max_tokens=256, context_bytes=0)
+
+    assert engine.pool.blocks_total == planned.kv_blocks
+    assert engine.pool.tensor_bytes == planned.kv_bytes == planned.kv_blocks * kv_block_bytes(shape)
+    small = engine_for(
+        model,
+        weights_bytes=weights,
+        cap_bytes=weights + activation_reserve_bytes(shape, 256) + kv_block_bytes(shape) - 1,
+        max_tokens=256,
+        context_bytes=0,
+    )
+    assert small.pool.blocks_total == 0
+    engine.pool.release()
+    assert engine.pool.tensor_bytes == 0

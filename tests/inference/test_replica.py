@@ -1,0 +1,489 @@
+"""Replica processes (inference.replica) and their supervisor (inference.supervisor). No database.
+
+Real subprocesses: each imports torch (seconds on a small machine), so each test starts as few as
+it can and the module shares one tiny model. Events arrive through a queue with timeouts, never
+through sleeps.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from inference.loaders import load_model, tensor_bytes
+from inference.replica import (
+    CommandRejected,
+    CudaBackend,
+    EventWriter,
+    Placement,
+    ReplicaFailure,
+    ReplicaHost,
+    VirtualBackend,
+    classify_failure,
+)
+from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line
+from tests.support.models import tiny_mlp
+from tests.support.processes import wait_until
+from tests.support.replicas import BIG_MLP, CONTEXT, LOAD_TIMEOUT_S, TINY_MLP, Events, MiB, gone, spec
+
+GiB = 1024**3
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    write_tiny_model(path, size_mb=5, seed=0, log=lambda _: None)
+    return path
+
+
+@pytest.fixture
+def supervisor(tmp_path):
+    sup = Supervisor(tmp_path / "logs")
+    yield sup
+    sup.stop_all(timeout=5)
+
+
+# -- whole replica processes, virtual GPUs ---------------------------------------------------------
+
+
+def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(supervisor, tiny_model_dir):
+    events = Events()
+    supervisor.start(spec(str(tiny_model_dir), reserved=CONTEXT + 96 * MiB, fraction=0.03), events)
+
+    progress, serving = events.until("serving")
+    percents = [e["percent"] for e in progress if e["event"] == "progress"]
+    assert len(percents) >= 3 and percents == sorted(percents) and percents[-1] == 100
+    assert {e["state"] for e in progress} == {"loading"}
+    assert serving["weights_bytes"] == tensor_bytes(load_model(str(tiny_model_dir), "transformers", "float32"))
+    assert serving["pid"] == supervisor.pid("r1")
+    # No NVML on a virtual GPU: what it would show, modelled like the H100's (issue 15): the
+    # context, the weights, the pool and the activation reserve, within the reservation.
+    footprint = serving["footprint"]
+    assert footprint["context_bytes"] == CONTEXT
+    # The reservation is above the need: the pool takes the rest, so the process holds more than
+    # the need (a pool for more than max_tokens) but never more than it reserved.
+    assert serving["need_bytes"] == footprint["total_bytes"] < serving["process_bytes"]
+    assert serving["process_bytes"] == serving["process_bytes_by_id"]["0"] <= CONTEXT + 96 * MiB
+    assert serving["gpu_mem_bytes_by_id"] == {"0": CONTEXT + 96 * MiB}
+    assert serving["param_devices"] == ["cpu"]
+    with pytest.raises(ValueError, match="already running"):
+        supervisor.start(spec(str(tiny_model_dir)), events)
+
+    supervisor.send("r1", {"cmd": "sleep"})
+    _, sleeping = events.until("sleeping")
+    assert sleeping["residual_bytes_by_id"] == {"0": CONTEXT}  # the context stays, as on a real GPU
+    assert sleeping["cpu_bytes"] == serving["weights_bytes"]
+
+    supervisor.send(
+        "r1", {"cmd": "wake", "gpus": [1], "reserved_bytes_by_gpu": {"1": CONTEXT + 80 * MiB}, "fraction": 0.05}
+    )
+    _, woken = events.until("woken")
+    assert woken["gpu_mem_bytes_by_id"] == {"1": CONTEXT + 80 * MiB}
+    assert woken["gpus"] == [1] and woken["fraction"] == 0.05
+    assert woken["weights_bytes"] == serving["weights_bytes"]
+
+    supervisor.send("r1", {"cmd": "ping"})
+    assert events.until("pong")[1]["state"] == "serving"
+
+    pid = serving["pid"]
+    assert supervisor.stop("r1") == 0
+    stopped = events.final()
+    assert stopped["event"] == "stopped" and stopped["exit_code"] == 0 and "forced" not in stopped
+    assert supervisor.running() == [] and supervisor.pid("r1") is None
+    assert gone(pid)
+    with pytest.raises(KeyError, match="no running replica 'r1'"):
+        supervisor.send("r1", {"cmd": "ping"})
+
+
+def test_a_reservation_smaller_than_the_weights_fails_like_an_out_of_memory(supervisor, tiny_model_dir):
+    events = Events()
+    supervisor.start(spec(str(tiny_model_dir), reserved=2 * MiB), events)
+
+    failed = events.final()
+    assert failed["event"] == "failed" and failed["kind"] == "oom", failed
+    assert re.search(
+        r"^out of memory: weights need 5\.0 MiB \(\d+ bytes\), reservation is 2\.0 MiB \(2097152 bytes\)",
+        failed["reason"],
+    ), failed["reason"]
+    assert failed["exit_code"] == 1
+    assert supervisor.running() == []
+
+
+def test_a_source_that_is_not_a_model_fails_the_load_saying_why(supervisor, tmp_path):
+    events = Events()
+    supervisor.start(spec(str(tmp_path / "missing")), events)
+
+    failed = events.final()
+    assert failed["event"] == "failed" and failed["kind"] == "load"
+    assert failed["reason"] == f"not a model directory: {tmp_path / 'missing'} does not exist"
+    assert failed["exit_code"] == 1
+
+
+def test_a_torch_module_replica_serves_and_a_killed_one_is_reported_as_a_crash(supervisor):
+    events = Events()
+    # Started from a thread that ends at once: PR_SET_PDEATHSIG follows the thread that forked, not
+    # the process, and Celery task threads come and go. The replica must outlive this thread.
+    starter = threading.Thread(target=supervisor.start, args=(spec(TINY_MLP, loader="torch-module"), events))
+    starter.start()
+    starter.join()
+
+    _, serving = events.until("serving")
+    assert serving["weights_bytes"] == tensor_bytes(tiny_mlp())
+    os.kill(serving["pid"], signal.SIGKILL)
+
+    failed = events.final()
+    assert failed["event"] == "failed" and failed["kind"] == "crash"
+    last = last_line(supervisor.log_path("r1"))
+    assert "loaded" in last  # the replica's last log line before the kill
+    assert failed["reason"] == f"replica process exited with code -9 (signal SIGKILL): {last}"
+    assert supervisor.running() == []
+
+
+def test_a_replica_that_does_not_answer_stop_is_killed_and_reported_stopped(supervisor):
+    events = Events()
+    supervisor.start(spec(TINY_MLP, loader="torch-module"), events)
+    os.kill(supervisor.pid("r1"), signal.SIGSTOP)
+
+    # No drain to wait for: the kill comes `timeout` after the stop.
+    assert supervisor.stop("r1", timeout=0.5, drain_timeout_s=0) == -signal.SIGKILL
+    stopped = events.final(timeout=10)
+    assert stopped["event"] == "stopped" and stopped["forced"] is True
+    assert "signal SIGKILL" in stopped["reason"]
+
+
+HELPER = textwrap.dedent(
+    """
+    import sys, threading
+    from inference.supervisor import ReplicaSpec, Supervisor
+
+    def on_event(replica_id, event):
+        print(event["event"], event.get("pid", ""), flush=True)
+
+    supervisor = Supervisor(sys.argv[1])
+    supervisor.start(
+        ReplicaSpec(replica_id="orphan", source=sys.argv[2], loader="torch-module", dtype="float32",
+                    gpus=(0,), reserved_bytes_by_gpu={"0": 64 << 20}),
+        on_event,
+    )
+    threading.Event().wait()
+    """
+)
+
+
+def test_replicas_die_with_the_agent_that_started_them(tmp_path):
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HELPER, str(tmp_path / "logs"), TINY_MLP],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in helper.stdout], daemon=True).start()
+    try:
+        line = ""
+        while not line.startswith(("serving", "failed", "stopped")):
+            line = lines.get(timeout=LOAD_TIMEOUT_S)
+        assert line.startswith("serving"), line
+        replica_pid = int(line.split()[1])
+        assert psutil.Process(replica_pid).ppid() == helper.pid
+
+        helper.kill()
+        helper.wait(10)
+        wait_until(lambda: gone(replica_pid), timeout=10, what=f"replica pid {replica_pid} to die with its agent")
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+        helper.wait(10)
+        helper.stdout.close()
+
+
+def test_the_supervisor_refuses_unknown_replicas_and_bad_specs(supervisor):
+    with pytest.raises(KeyError):
+        supervisor.send("nobody", {"cmd": "ping"})
+    with pytest.raises(KeyError):
+        supervisor.stop("nobody")
+    assert supervisor.pid("nobody") is None
+    with pytest.raises(ValueError, match="replica id"):
+        spec(TINY_MLP, replica_id="../etc/passwd")
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        spec(TINY_MLP, backend="tpu")
+
+
+def test_a_spec_becomes_the_documented_command_line():
+    argv = spec("/srv/m", gpus=(0, 1), reserved=1000, fraction=None, backend="cuda").argv("python")
+    assert argv == [
+        "python",
+        "-m",
+        "inference.replica",
+        "--replica-id",
+        "r1",
+        "--source",
+        "/srv/m",
+        "--loader",
+        "transformers",
+        "--dtype",
+        "float32",
+        "--gpus",
+        "0,1",
+        "--reserved-bytes-by-gpu",
+        '{"0": 1000, "1": 1000}',
+        "--backend",
+        "cuda",
+    ]
+    assert spec("/srv/m", fraction=0.25).argv("python")[-4:-2] == ["--fraction", "0.25"]
+    assert spec("/srv/m").argv("python")[-2:] == ["--context-bytes", str(CONTEXT)]
+
+
+@pytest.mark.parametrize(
+    ("code", "text"),
+    [(-9, "exited with code -9 (signal SIGKILL)"), (1, "exited with code 1"), (-6, "(signal SIGABRT)")],
+)
+def test_exits_are_described_with_their_signal(code, text):
+    assert text in describe_exit(code)
+
+
+# -- the host in this process: commands and failures, without a process per case -----------------
+
+
+def _host(reserved: int = 64 * MiB) -> tuple[ReplicaHost, io.StringIO]:
+    out = io.StringIO()
+    host = ReplicaHost(
+        replica_id="r1",
+        source=TINY_MLP,
+        loader="torch-module",
+        dtype="float32",
+        placement=Placement.parse([0], {"0": reserved}, 0.1),
+        backend=VirtualBackend(),
+        events=EventWriter(out),
+    )
+    return host, out
+
+
+def _events(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_the_host_refuses_commands_that_make_no_sense_now_and_carries_on():
+    host, out = _host()
+    host.load()
+    host.handle({"cmd": "wake", "gpus": [1], "reserved_bytes_by_gpu": {"1": MiB}})
+    host.handle({"cmd": "wake", "gpus": "0", "reserved_bytes_by_gpu": {"0": MiB}})
+    host.handle({"cmd": "launch"})
+    host.handle({"cmd": "ping"})
+
+    errors = [e for e in _events(out) if e["event"] == "error"]
+    assert [e["reason"] for e in errors] == [
+        "cannot wake while serving",
+        "bad wake: gpus must be a non-empty list of GPU ids, got '0'",
+        "unknown command 'launch' (known: sleep, wake, stop, ping)",
+    ]
+    # kv: the KV pool's statistics (issue 7); a torch-module replica has none.
+    # process_bytes_by_id: what NVML would show; a virtual GPU models it (the context and weights).
+    pong = _events(out)[-1]
+    assert pong == {"event": "pong", "state": "serving", "pid": os.getpid(), "kv": None} | {
+        "process_bytes_by_id": {"0": pong["process_bytes_by_id"]["0"]}
+    }
+    assert pong["process_bytes_by_id"]["0"] > CONTEXT
+
+
+def test_sleep_and_wake_are_idempotent_for_retries():
+    host, out = _host()
+    host.load()
+    host.sleep()
+    host.sleep()
+    host.wake([0], {"0": 64 * MiB}, 0.1)
+    host.wake([0], {"0": 64 * MiB}, 0.1)
+    names = [e["event"] for e in _events(out) if e["event"] != "progress"]
+    assert names == ["serving", "sleeping", "sleeping", "woken", "woken"]
+
+
+def test_waking_into_a_reservation_too_small_fails_like_an_out_of_memory():
+    host, _ = _host()
+    host.load()
+    host.sleep()
+    with pytest.raises(ReplicaFailure, match=r"out of memory: weights need 0\.3 MiB .* reservation is 0\.1 MiB") as err:
+        host.wake([2], {"2": 100_000}, 0.01)
+    assert err.value.kind == "oom" and host.state == "failed"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "reserved", "fraction", "complaint"),
+    [
+        ([], {}, None, "non-empty list"),
+        ([0, 0], {"0": 1}, None, "twice"),
+        ([-1], {"-1": 1}, None, "non-negative"),
+        ([0, 1], {"0": 1}, None, "one entry per GPU"),
+        ([0], {"0": 0}, None, "positive byte counts"),
+        ([0], {"0": 1}, 1.5, r"fraction must be in \(0, 1\]"),
+        ([0], {"0": 1}, "half", "fraction must be a number"),
+    ],
+)
+def test_a_bad_placement_is_refused_naming_the_field(gpus, reserved, fraction, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        Placement.parse(gpus, reserved, fraction)
+
+
+def test_a_multi_gpu_placement_has_no_fraction_and_forbids_other_gpus():
+    placement = Placement.parse([1, 2], {"1": 10, "2": 20}, 0.5)
+    assert placement.fraction is None
+    assert placement.max_memory(4) == {0: 0, 1: 10, 2: 20, 3: 0}
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind", "reason"),
+    [
+        (RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA"), "cuda_assert", ""),
+        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom", "out of memory: CUDA"),
+        (MemoryError(), "oom", "out of memory: MemoryError"),
+        (ValueError("not a model directory: /x does not exist"), "load", "not a model directory"),
+        (KeyError("lm_head.weight"), "load", "KeyError: 'lm_head.weight'"),
+    ],
+)
+def test_failures_are_classified_the_way_the_agent_acts_on_them(exc, kind, reason):
+    failure = classify_failure(exc, "load")
+    assert failure.kind == kind and failure.reason.startswith(reason)
+    assert "\n" not in failure.reason
+
+
+def test_the_cuda_backend_fails_loudly_where_weights_are_not_on_its_gpus():
+    with pytest.raises(
+        ReplicaFailure, match=r"out of memory: weights do not fit .* on GPUs \[0\]: 0\.3 MiB on cpu"
+    ) as err:
+        CudaBackend().verify(tiny_mlp(), Placement.parse([0], {"0": MiB}, 0.1))
+    assert err.value.kind == "oom"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_the_cuda_backend_says_so_where_torch_cannot_use_a_gpu():
+    with pytest.raises(ReplicaFailure, match=r"--backend cuda, but this torch .* cannot use a GPU here") as err:
+        CudaBackend().attach(Placement.parse([0], {"0": MiB}, 0.1))
+    assert err.value.kind == "load"
+
+
+def test_a_rejected_command_is_not_a_failure():
+    host, _ = _host()
+    with pytest.raises(CommandRejected, match="cannot sleep while starting"):
+        host.sleep()
+    assert host.state == "starting"
+
+
+# -- real GPUs (skipped, with the reason, where there is no CUDA) ----------------------------------
+
+
+def _gpu_total(index: int) -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _gpu_count() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+CAP_PROBE = textwrap.dedent(
+    """
+    import torch
+    from inference.replica import CudaBackend, Placement
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    CudaBackend().attach(Placement.parse([0], {"0": total // 20}, 0.05))
+    under = torch.empty(total * 3 // 100, dtype=torch.uint8, device="cuda:0")
+    try:
+        over = torch.empty(total * 6 // 100, dtype=torch.uint8, device="cuda:0")
+        print("allocated above the cap")
+    except torch.cuda.OutOfMemoryError:
+        print("out of memory above the cap")
+    """
+)
+
+
+@pytest.mark.gpu
+def test_the_fraction_cap_raises_out_of_memory_above_it():
+    # Its own process: the cap is per process and must not leak into the test session.
+    result = subprocess.run(
+        [sys.executable, "-c", CAP_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "out of memory above the cap"
+
+
+def _serve_big_on_gpu(supervisor: Supervisor, events: Events, gpu: int) -> dict[str, Any]:
+    reserved = 1 * GiB
+    supervisor.start(
+        ReplicaSpec(
+            replica_id="big",
+            source=BIG_MLP,
+            loader="torch-module",
+            dtype="float32",
+            gpus=(gpu,),
+            reserved_bytes_by_gpu={str(gpu): reserved},
+            fraction=reserved / _gpu_total(gpu),
+            backend="cuda",
+        ),
+        events,
+    )
+    _, serving = events.until("serving", timeout=180)
+    assert serving["param_devices"] == [f"cuda:{gpu}"]
+    if not serving["process_bytes_by_id"]:
+        pytest.skip("NVML does not list this process (a container without the host PID namespace)")
+    return serving
+
+
+@pytest.mark.gpu
+def test_sleep_frees_the_gpu_memory_per_nvml(supervisor):
+    events = Events()
+    serving = _serve_big_on_gpu(supervisor, events, 0)
+    weights = serving["weights_bytes"]
+    assert weights == 256 * MiB
+    awake = serving["process_bytes_by_id"]["0"]
+    assert awake >= weights
+
+    supervisor.send("big", {"cmd": "sleep"})
+    _, sleeping = events.until("sleeping")
+    residual = sleeping["residual_bytes_by_id"]["0"]
+    # What is left is the CUDA context: the weights (and the allocator's cache) are gone.
+    assert residual is not None and residual <= awake - weights * 0.9, (awake, residual)
+
+
+@pytest.mark.gpu
+def test_wake_lands_on_the_new_gpu(supervisor):
+    if _gpu_count() < 2:
+        pytest.skip("needs two GPUs to wake a replica on another one")
+    events = Events()
+    _serve_big_on_gpu(supervisor, events, 0)
+    supervisor.send("big", {"cmd": "sleep"})
+    events.until("sleeping")
+
+    fraction = GiB / _gpu_total(1)
+    supervisor.send("big", {"cmd": "wake", "gpus": [1], "reserved_bytes_by_gpu": {"1": GiB}, "fraction": fraction})
+    _, woken = events.until("woken", timeout=120)
+    assert woken["param_devices"] == ["cuda:1"]
+    assert woken["gpu_mem_bytes_by_id"] == {"1": GiB}
+    assert woken["process_bytes_by_id"]["1"] >= woken["weights_bytes"]

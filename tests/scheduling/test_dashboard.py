@@ -1,0 +1,255 @@
+"""The operator's dashboard (issue 8): what it shows, its refresh fragment, and its controls, each
+through the services (an Event per change), staff only, with the outcome as an admin message."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import User
+from django.contrib.messages import get_messages
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from scheduling.models import Event, FailoverLease, Node, Replica
+from scheduling.services import reports
+from tests.support import factories as f
+from tests.support.deployments import deploy
+
+pytestmark = pytest.mark.django_db
+
+DASHBOARD = reverse("admin:scheduling_dashboard")
+FRAGMENT = reverse("admin:scheduling_dashboard_fragment")
+
+
+@pytest.fixture
+def viewer(db) -> Client:
+    client = Client()
+    client.force_login(User.objects.create_user("viewer"))
+    return client
+
+
+def outcome(response) -> list[str]:
+    return [str(m) for m in get_messages(response.wsgi_request)]
+
+
+# -- access ------------------------------------------------------------------------------------------
+
+
+def test_the_admin_index_links_to_the_dashboard(admin_client) -> None:
+    assert DASHBOARD in admin_client.get(reverse("admin:index")).content.decode()
+
+
+@pytest.mark.parametrize("url", [DASHBOARD, FRAGMENT])
+def test_the_dashboard_is_staff_only(admin_client, viewer, client, url) -> None:
+    assert admin_client.get(url).status_code == 200
+    assert viewer.get(url).status_code == 403
+    anonymous = client.get(url)
+    assert anonymous.status_code == 302
+    assert anonymous["Location"].startswith(reverse("admin:login")) and "next=" in anonymous["Location"]
+
+
+# -- what it shows -----------------------------------------------------------------------------------
+
+
+def test_it_shows_nodes_gpus_and_each_occupants_bar_segment(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    page = admin_client.get(DASHBOARD).content.decode()
+    assert "node1/0" in page and "virtual GPU" in page
+    assert f'data-replica="{replica_id}"' in page
+    assert "tiny-a (serving): reserved 300.00 MiB" in page
+    assert "gp-seg-free" in page
+    assert "heartbeat" in page
+
+
+def test_it_shows_intents_wake_locks_pairs_and_deployment_figures(admin_client) -> None:
+    node = f.node("node1")
+    gpu = f.gpu(node, 0)
+    dep = f.deployment("tiny-a", failover_standby=True)
+    active = f.replica(dep, node, state="serving", failover_state="active", last_accessed=timezone.now())
+    f.occupy(active, gpu, 2 * f.GIB)
+    waiting = f.replica(dep, node, state="waking")
+    f.intent(waiting, gpu, f.GIB)
+    gpu.wake_lock_holder, gpu.wake_lock_expires_at = waiting, timezone.now()
+    gpu.save(update_fields=["wake_lock_holder", "wake_lock_expires_at"])
+    lease = FailoverLease.objects.create(deployment=dep, holder=active, epoch=7)
+    f.replica(dep, node, state="standby", failover_state="standby", lease=lease, role="standby")
+    Replica.objects.filter(pk=active.pk).update(lease=lease)
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    assert "Waiting preemption intents" in body and str(waiting) in body and "1.00 GiB" in body
+    assert "Wake locks" in body and "No GPU is locked" not in body
+    assert "tiny-a#0" in body and "<td>7</td>" in body and "standby/standby" in body
+    assert 'data-deployment="tiny-a"' in body and "serving 1" in body and "waking 1" in body
+
+
+def test_a_failed_or_retrying_deployment_says_so(admin_client) -> None:
+    f.deployment("broken", failed_reason="SafetensorError: incomplete metadata", load_failures=3)
+    f.deployment("flaky", load_failures=1, retry_at=timezone.now())
+    f.deployment("fine")
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    assert "failed: SafetensorError: incomplete metadata" in body
+    assert "retrying after 1 failed load(s)" in body
+    assert body.count("gp-state-failed") == 1
+
+
+def test_the_event_timeline_filters_by_kind_deployment_and_gpu(admin_client) -> None:
+    f.event(kind="gpu.reserved", subject="gpu node1/0", reason="because-one", deployment="a", gpu="node1/0")
+    f.event(kind="gpu.reserved", subject="gpu node1/1", reason="because-two", deployment="b", gpu="node1/1")
+    f.event(kind="replica.state", subject="replica x", reason="because-three", deployment="a")
+
+    def reasons(**query) -> set[str]:
+        body = admin_client.get(FRAGMENT, query).content.decode()
+        return {r for r in ("because-one", "because-two", "because-three") if r in body}
+
+    assert reasons() == {"because-one", "because-two", "because-three"}
+    assert reasons(kind="gpu.reserved") == {"because-one", "because-two"}
+    assert reasons(deployment="a") == {"because-one", "because-three"}
+    assert reasons(gpu="node1/1") == {"because-two"}
+
+
+def test_it_renders_8_nodes_of_8_gpus_and_100_deployments_in_a_fixed_number_of_queries(
+    admin_client, django_assert_max_num_queries
+) -> None:
+    gpus = [f.gpu(node, i, total_bytes=8 * f.GIB) for node in [f.node(f"n{n}") for n in range(8)] for i in range(8)]
+    for d in range(100):
+        dep = f.deployment(f"dep-{d:03}")
+        gpu = gpus[d % len(gpus)]
+        f.occupy(f.replica(dep, gpu.node, state="serving"), gpu, f.GIB)
+        f.replica(dep, gpu.node, state="sleeping")
+    for d in range(200):
+        f.event(subject=f"replica {d}", deployment=f"dep-{d % 100:03}")
+
+    with django_assert_max_num_queries(20):
+        page = admin_client.get(DASHBOARD)
+    assert page.status_code == 200
+    content = page.content.decode()
+    assert content.count('class="gp-gpu"') == 64
+    assert content.count("<tr data-deployment=") == 100
+    with django_assert_max_num_queries(16):
+        assert admin_client.get(FRAGMENT).status_code == 200
+
+
+# -- controls -----------------------------------------------------------------------------------------
+
+
+def control(name: str, *args: str) -> str:
+    return reverse(f"admin:scheduling_dashboard_{name}", args=args)
+
+
+def test_sleep_puts_a_serving_replica_to_sleep_through_the_service(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    response = admin_client.post(control("replica", replica_id, "sleep"))
+    assert response.status_code == 302 and response["Location"] == DASHBOARD
+    assert Replica.objects.get(pk=replica_id).state == "draining"
+    assert Event.objects.filter(replica=replica_id, reason__contains="(dashboard)").exists()
+    assert any("going to sleep" in m for m in outcome(response))
+
+
+def test_wake_brings_a_sleeping_replica_back(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    admin_client.post(control("replica", replica_id, "sleep"))
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+
+    response = admin_client.post(control("replica", replica_id, "wake"))
+
+    assert Replica.objects.get(pk=replica_id).state == "waking"
+    assert Event.objects.filter(replica=replica_id, reason__contains="woken by admin (dashboard)").exists()
+    assert any("waking on" in m for m in outcome(response))
+
+
+def test_evict_asks_for_confirmation_then_evicts(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    asked = admin_client.post(control("replica", replica_id, "evict"))
+    assert asked.status_code == 200 and b"Evict replica" in asked.content and b'name="confirm"' in asked.content
+    assert Replica.objects.get(pk=replica_id).state == "serving"
+
+    response = admin_client.post(control("replica", replica_id, "evict"), {"confirm": "yes"})
+
+    assert response.status_code == 302 and Replica.objects.get(pk=replica_id).state == "draining"
+    assert Event.objects.filter(replica=replica_id, reason__contains="evicted by admin (dashboard)").exists()
+
+
+def test_a_refused_control_says_why(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    response = admin_client.post(control("replica", replica_id, "wake"))
+    assert response.status_code == 302
+    (message,) = outcome(response)
+    assert message.startswith("Refused:") and "sleeping" in message
+
+
+def test_scale_up_at_once_and_scale_down_after_confirmation(cluster, admin_client, dispatched) -> None:
+    deploy("tiny-a")
+    response = admin_client.post(control("scale", "tiny-a"), {"replicas": "2"})
+    assert response.status_code == 302 and any("scaled to 2" in m for m in outcome(response))
+    assert Replica.objects.filter(deployment__name="tiny-a").exclude(state="stopping").count() == 2
+    assert Event.objects.filter(deployment="tiny-a", kind="deployment.changed", reason__contains="1 → 2").exists()
+
+    asked = admin_client.post(control("scale", "tiny-a"), {"replicas": "1"})
+    assert asked.status_code == 200 and b"Scale tiny-a down" in asked.content
+
+    admin_client.post(control("scale", "tiny-a"), {"replicas": "1", "confirm": "yes"})
+    assert Event.objects.filter(deployment="tiny-a", kind="deployment.changed", reason__contains="2 → 1").exists()
+
+
+def test_switchover_asks_then_goes_through_the_failover_service(cluster, admin_client, dispatched) -> None:
+    deploy("plain")
+    asked = admin_client.post(control("switchover", "plain"))
+    assert asked.status_code == 200 and b"Switch over plain" in asked.content
+
+    response = admin_client.post(control("switchover", "plain"), {"confirm": "yes"})
+
+    # The service is reached, and refuses a deployment without a standby, saying so.
+    (message,) = outcome(response)
+    assert "has no failover standby" in message
+
+
+def test_drain_and_return_to_service(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    node = Replica.objects.get(pk=replica_id).node.name
+    assert admin_client.post(control("drain", node)).status_code == 200  # the confirmation page
+
+    response = admin_client.post(control("drain", node), {"confirm": "yes"})
+
+    assert Node.objects.get(name=node).status == "draining"
+    assert Replica.objects.get(pk=replica_id).state == "draining"
+    assert Event.objects.filter(node=node, kind="node.draining", reason__contains="(dashboard)").exists()
+    assert any("1 serving replica(s) going to sleep" in m for m in outcome(response))
+
+    response = admin_client.post(control("undrain", node))
+
+    assert Node.objects.get(name=node).status == "online"
+    assert Event.objects.filter(node=node, kind="node.online", reason__contains="(dashboard)").exists()
+
+
+CONTROLS = [
+    ("replica", "abc", "sleep"),
+    ("replica", "abc", "wake"),
+    ("replica", "abc", "evict"),
+    ("scale", "tiny-a"),
+    ("switchover", "tiny-a"),
+    ("drain", "node1"),
+    ("undrain", "node1"),
+]
+
+
+@pytest.mark.parametrize("target", CONTROLS, ids=lambda t: "-".join(t))
+def test_controls_refuse_non_staff_and_send_anonymous_users_to_login(viewer, client, target) -> None:
+    url = control(*target)
+    data = {"confirm": "yes", "replicas": "1"}
+    assert viewer.post(url, data).status_code == 403
+    anonymous = client.post(url, data)
+    assert anonymous.status_code == 302 and anonymous["Location"].startswith(reverse("admin:login"))
+    assert not Event.objects.exists()
+
+
+def test_controls_need_a_csrf_token(db) -> None:
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(User.objects.create_user("ops", is_staff=True))
+    assert client.post(control("drain", "node1"), {"confirm": "yes"}).status_code == 403
+
+
+def test_controls_only_accept_post(admin_client) -> None:
+    assert admin_client.get(control("drain", "node1")).status_code == 405

@@ -1,0 +1,108 @@
+"""The dashboard in a real browser (issue 8): Playwright drives Debian's Chromium against the live
+server. Screenshots go to test-artifacts/dashboard/ at the repository root (git-ignored).
+
+Skipped, saying why, where /usr/bin/chromium is missing (.ci/run installs it with apt)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+
+from scheduling.models import Occupant, Replica
+from scheduling.services import reports
+from tests.support.deployments import deploy
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+LAUNCH_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason=f"Chromium is missing: no {CHROMIUM} (apt install chromium)"
+    ),
+    pytest.mark.django_db(transaction=True),  # the live server's thread must see this test's rows
+]
+
+
+def in_another_thread(work) -> None:
+    """ORM work while Playwright's sync API runs its event loop in this thread: Django refuses
+    database calls from a thread with a running loop, so they run beside it (and close their
+    connection after)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as err:  # re-raised in the test's thread
+            errors.append(err)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(live_server, cluster, dispatched):
+    from playwright.sync_api import expect, sync_playwright
+
+    User.objects.create_user("ops", password="s3cret-pass", is_staff=True)
+    replica_id = deploy("tiny-a")
+    occupant = Occupant.objects.select_related("gpu__node").get(replica_id=replica_id)
+    gpu_label = f"{occupant.gpu.node.name}/{occupant.gpu.index}"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+            page.fill("#id_username", "ops")
+            page.fill("#id_password", "s3cret-pass")
+            page.click("input[type=submit]")
+            page.click("text=GPU dashboard")  # linked from the admin index
+
+            expect(page.locator(".gp-gpu").first).to_contain_text("virtual GPU")
+            expect(page.locator(".gp-gpu")).to_have_count(4)  # the cluster's 2 nodes × 2 GPUs
+            segment = page.locator(f'.gp-bar [data-replica="{replica_id}"]')
+            expect(segment).to_have_attribute("data-kind", "serving")
+            expect(segment).to_contain_text("tiny-a (serving): reserved 300.00 MiB")
+            page.screenshot(path=str(ARTIFACTS / "1-serving.png"), full_page=True)
+
+            page.locator(f'tr[data-replica="{replica_id}"] button[name=sleep]').click()
+            expect(page.locator(".messagelist")).to_contain_text("going to sleep")
+            expect(segment).to_have_attribute("data-kind", "draining")
+            page.screenshot(path=str(ARTIFACTS / "2-draining.png"), full_page=True)
+
+            # No replica process here: report what it would once its weights are in host memory.
+            in_another_thread(
+                lambda: reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+            )
+
+            # The page's own refresh (every 3 s, no reload) shows the bar change: asleep on a virtual
+            # GPU the replica holds nothing, so its segment goes and the GPU's memory is all free.
+            expect(segment).to_have_count(0, timeout=15_000)
+            free = page.locator(f'.gp-gpu[data-gpu="{gpu_label}"] .gp-seg-free')
+            expect(free).to_have_attribute("style", "width: 100.00%")
+            expect(page.locator(f'tr[data-replica="{replica_id}"] .gp-state')).to_have_text("sleeping")
+            expect(page.locator("#gp-refreshed")).to_contain_text("Refreshed")
+            page.screenshot(path=str(ARTIFACTS / "3-sleeping.png"), full_page=True)
+        finally:
+            browser.close()
+
+    assert Replica.objects.get(pk=replica_id).state == "sleeping"

@@ -1,0 +1,447 @@
+"""Deploy, scale, evict, restore and delete through the REST API, on virtual GPUs (no processes:
+what the agents are sent is recorded, and what replica processes report is fed in)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from inference.devices import virtual_gpus
+from scheduling.models import GPU, Deployment, Event, Occupant, Replica
+from scheduling.services import reports
+from scheduling.services.nodes import register_node
+from tests.support.deployments import FROM_CACHE, START, STOP, TO_CACHE, body, invariant_holds, reserved, serve
+from tests.support.factories import NO_OVERHEAD
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+def test_a_deploy_places_each_replica_on_a_fraction_of_a_gpu(cluster, api, dispatched, tiny_model_dir):
+    response = api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, replicas=2))
+
+    assert response.status_code == 201, response.json()
+    data = response.json()
+    assert data["name"] == "tiny-a" and data["replicas_wanted"] == 2
+    assert len(data["replicas"]) == 2
+    for replica in data["replicas"]:
+        assert replica["state"] == "pending" and replica["node"] in {"node1", "node2"}
+        assert list(replica["gpu_mem_bytes_by_id"].values()) == [300 * MiB]
+        assert replica["gpu_memory_fraction"] == pytest.approx(300 / 1024, abs=1e-9)
+        assert len(replica["id"]) == 32
+    assert sorted(task for _, task, _ in dispatched) == [START, START]
+    assert {queue for queue, _, _ in dispatched} <= {"node.node1", "node.node2"}
+    assert sum(reserved(r["id"]) for r in data["replicas"]) == 600 * MiB
+    assert invariant_holds()
+    placed = Event.objects.filter(kind=Event.Kind.REPLICA_STATE, deployment="tiny-a")
+    assert placed.count() == 2 and all(e.reason.startswith("placed: ") for e in placed)
+
+
+def test_the_estimate_is_read_from_the_model_without_loading_it(cluster, api, tiny_model_dir):
+    response = api("post", "/api/deployments/", body("tiny-est", tiny_model_dir, memory={"max_tokens": 512}))
+
+    assert response.status_code == 201, response.json()
+    deployment = Deployment.objects.get(name="tiny-est")
+    assert deployment.weight_bytes > 0 and deployment.memory_estimate_bytes > deployment.weight_bytes
+    replica = deployment.replicas.get()
+    assert reserved(replica.id) == deployment.memory_estimate_bytes, "virtual GPUs add no CUDA context"
+
+
+def test_what_cannot_be_placed_is_a_409_with_reasons_per_node_and_changes_nothing(cluster, api, tiny_model_dir):
+    versions = list(GPU.objects.order_by("pk").values_list("version", flat=True))
+
+    response = api(
+        "post", "/api/deployments/", body("huge", tiny_model_dir, replicas=5, memory={"override_bytes": GiB})
+    )
+
+    assert response.status_code == 409
+    assert set(response.json()["reasons"]) == {"node1", "node2"}
+    assert "cannot place huge" in response.json()["detail"]
+    assert not Deployment.objects.filter(name="huge").exists()
+    assert not Replica.objects.exists() and not Occupant.objects.exists()
+    assert list(GPU.objects.order_by("pk").values_list("version", flat=True)) == versions
+
+
+@pytest.mark.parametrize(
+    ("change", "field_path"),
+    [
+        ({"name": "Not A Slug!"}, ["name"]),
+        ({"model": {"loader": "transformers"}}, ["model", "source"]),
+        ({"model": {"source": "/definitely/not/here"}}, ["model.source"]),
+        ({"model": {"source": "MODEL", "loader": "onnx"}}, ["model", "loader"]),
+        ({"model": {"source": "MODEL", "dtype": "int3"}}, ["model", "dtype"]),
+        ({"replicas": -1}, ["replicas"]),
+        ({"memory": {"override_bytes": -5}}, ["memory", "override_bytes"]),
+        ({"memory": {"max_tokens": 0}}, ["memory", "max_tokens"]),
+        ({"memory": {"policy": "greedy"}}, ["memory", "policy"]),
+        ({"fairness": {"min_runtime_s": "nan"}}, ["fairness", "min_runtime_s"]),
+        ({"fairness": {"max_wait_s": -1}}, ["fairness", "max_wait_s"]),
+        ({"sleep": {"idle_timeout_s": "soon"}}, ["sleep", "idle_timeout_s"]),
+        ({"failover": {"standby": "perhaps"}}, ["failover", "standby"]),
+        ({"replicass": 2}, ["replicass"]),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field_and_creates_nothing(cluster, api, tiny_model_dir, change, field_path):
+    data = body("bad", tiny_model_dir)
+    for key, value in change.items():
+        if isinstance(value, dict) and key == "model" and value.get("source") == "MODEL":
+            value = {**value, "source": str(tiny_model_dir)}
+        data[key] = value
+
+    response = api("post", "/api/deployments/", data)
+
+    assert response.status_code == 400, response.json()
+    node = response.json()
+    for part in field_path:
+        assert part in node, (field_path, response.json())
+        node = node[part]
+    assert not Deployment.objects.filter(name="bad").exists()
+
+
+def test_a_source_that_is_not_a_model_directory_says_why(cluster, api, tmp_path):
+    (tmp_path / "empty").mkdir()
+    response = api("post", "/api/deployments/", body("nomodel", tmp_path / "empty"))
+
+    assert response.status_code == 400
+    assert "config.json" in response.json()["model.source"][0]
+
+
+def test_a_duplicate_name_is_a_400_naming_it(cluster, api, tiny_model_dir):
+    assert api("post", "/api/deployments/", body("twice", tiny_model_dir)).status_code == 201
+    response = api("post", "/api/deployments/", body("twice", tiny_model_dir))
+    assert response.status_code == 400 and "already exists" in response.json()["name"][0]
+
+
+def test_controls_need_staff_and_unknown_names_are_404(cluster, api, tiny_model_dir):
+    assert api("post", "/api/deployments/", body("tiny-a", tiny_model_dir)).status_code == 201
+    replica = Replica.objects.get()
+    user = APIClient()
+    user.force_authenticate(User.objects.create_user("viewer"))
+    anonymous = APIClient()
+    controls = [
+        ("post", "/api/deployments/", body("x", tiny_model_dir)),
+        ("patch", "/api/deployments/tiny-a/", {"dedicated": True}),
+        ("delete", "/api/deployments/tiny-a/", None),
+        ("post", "/api/deployments/tiny-a/scale/", {"replicas": 2}),
+        ("post", "/api/deployments/tiny-a/evict/", None),
+        ("post", f"/api/replicas/{replica.id}/evict/", None),
+    ]
+    for method, path, data in controls:
+        assert getattr(user, method)(path, data, format="json").status_code == 403, path
+        assert getattr(anonymous, method)(path, data, format="json").status_code == 401, path
+    assert user.get("/api/deployments/tiny-a/").status_code == 200
+    assert api("post", "/api/deployments/nope/scale/", {"replicas": 1}).status_code == 404
+    assert api("post", "/api/replicas/0123456789abcdef/evict/").status_code == 404
+    assert api("delete", "/api/deployments/nope/").status_code == 404
+    assert Deployment.objects.get(name="tiny-a").replicas.count() == 1
+
+
+def test_scaling_adds_and_stops_replicas_and_releases_their_memory(cluster, api, dispatched, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    dispatched.clear()
+
+    response = api("post", "/api/deployments/tiny-a/scale/", {"replicas": 3})
+    assert response.status_code == 200 and len(response.json()["replicas"]) == 3
+    assert [task for _, task, _ in dispatched] == [START, START]
+    assert Occupant.objects.count() == 3
+
+    dispatched.clear()
+    response = api("post", "/api/deployments/tiny-a/scale/", {"replicas": 1})
+    assert response.status_code == 200
+    states = sorted(r["state"] for r in response.json()["replicas"])
+    assert states == ["pending", "stopping", "stopping"]
+    assert [task for _, task, _ in dispatched] == [STOP, STOP]
+    assert Occupant.objects.count() == 1 and invariant_holds()
+    assert api("post", "/api/deployments/tiny-a/scale/", {"replicas": -2}).status_code == 400
+
+
+def test_an_evicted_replica_sleeps_and_is_promoted_on_the_next_scale_up(cluster, api, dispatched, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, replicas=3))
+    ids = list(Replica.objects.values_list("id", flat=True))
+    for replica_id in ids:
+        serve(replica_id)
+    victim = ids[0]
+    dispatched.clear()
+
+    response = api("post", f"/api/replicas/{victim}/evict/")
+    assert response.status_code == 200 and response.json()["state"] == "draining"
+    assert dispatched == [(f"node.{Replica.objects.get(pk=victim).node.name}", TO_CACHE, [victim])]
+    assert reserved(victim) == 300 * MiB, "kept until the process says what it still holds"
+
+    reports.report(victim, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    assert Replica.objects.get(pk=victim).state == "sleeping"
+    assert reserved(victim) == 0 and Deployment.objects.get().replicas_wanted == 2
+    dispatched.clear()
+
+    response = api("post", "/api/deployments/tiny-a/scale/", {"replicas": 3})
+    assert response.status_code == 200
+    assert Replica.objects.count() == 3, "promoted, not created"
+    promoted = Replica.objects.get(pk=victim)
+    assert promoted.state == "waking" and reserved(victim) == 300 * MiB
+    assert dispatched == [(promoted.node.queue, FROM_CACHE, [victim, []])]
+    reports.report(victim, {"event": "woken", "gpu_mem_bytes_by_id": promoted.gpu_mem_bytes_by_id})
+    assert Replica.objects.get(pk=victim).state == "serving"
+    assert Event.objects.filter(replica=victim, reason__startswith="promoted from the CPU cache").exists()
+
+
+def test_only_a_serving_replica_can_be_evicted(cluster, api, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    replica = Replica.objects.get()
+    response = api("post", f"/api/replicas/{replica.id}/evict/")
+    assert response.status_code == 409 and "pending" in response.json()["detail"]
+
+
+def test_evicting_a_deployment_sleeps_every_serving_replica(cluster, api, dispatched, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, replicas=2))
+    for replica_id in Replica.objects.values_list("id", flat=True):
+        serve(replica_id)
+    dispatched.clear()
+
+    response = api("post", "/api/deployments/tiny-a/evict/")
+
+    assert response.status_code == 200
+    assert {r["state"] for r in response.json()["replicas"]} == {"draining"}
+    assert [task for _, task, _ in dispatched] == [TO_CACHE, TO_CACHE]
+    assert response.json()["replicas_wanted"] == 0
+
+
+def test_deleting_a_deployment_releases_everything_and_stops_its_processes(cluster, api, dispatched, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, replicas=2))
+    dispatched.clear()
+
+    assert api("delete", "/api/deployments/tiny-a/").status_code == 204
+
+    assert not Deployment.objects.exists() and not Replica.objects.exists() and not Occupant.objects.exists()
+    assert [task for _, task, _ in dispatched] == [STOP, STOP]
+    assert all(g.available_bytes == g.total_bytes for g in GPU.objects.all())
+    assert Event.objects.filter(kind=Event.Kind.DEPLOYMENT_CHANGED, reason__contains="deleted").exists()
+
+
+def test_a_larger_deploy_evicts_the_fewest_idle_replicas_of_others(cluster, api, dispatched, tiny_model_dir):
+    # Fill all four GPUs with 600 MiB replicas that have served past their min_runtime.
+    api("post", "/api/deployments/", body("small", tiny_model_dir, replicas=4, memory={"override_bytes": 600 * MiB}))
+    long_ago = timezone.now() - timedelta(minutes=5)
+    for replica_id in Replica.objects.values_list("id", flat=True):
+        serve(replica_id)
+    Replica.objects.update(serving_since=long_ago)
+    dispatched.clear()
+
+    response = api("post", "/api/deployments/", body("big", tiny_model_dir, memory={"override_bytes": 900 * MiB}))
+
+    assert response.status_code == 201, response.json()
+    victims = list(Replica.objects.filter(deployment__name="small", state="draining"))
+    assert len(victims) == 1
+    big = Replica.objects.get(deployment__name="big")
+    assert big.node == victims[0].node and reserved(big.id) == 900 * MiB
+    tasks = sorted((task, args[0]) for _, task, args in dispatched)
+    assert tasks == sorted([(TO_CACHE, victims[0].id), (START, big.id)])
+    start_args = next(args for _, task, args in dispatched if task == START)
+    assert start_args == [big.id, [victims[0].id]], "the new replica waits for its victim to let go"
+    assert Event.objects.filter(replica=victims[0].id, reason__startswith="evicted to the CPU cache").exists()
+    assert invariant_holds()
+
+
+def test_a_dedicated_replica_is_never_evicted(cluster, api, tiny_model_dir):
+    api(
+        "post",
+        "/api/deployments/",
+        body("pinned", tiny_model_dir, replicas=4, dedicated=True, memory={"override_bytes": 600 * MiB}),
+    )
+    for replica_id in Replica.objects.values_list("id", flat=True):
+        serve(replica_id)
+    Replica.objects.update(serving_since=timezone.now() - timedelta(minutes=5))
+
+    response = api("post", "/api/deployments/", body("big", tiny_model_dir, memory={"override_bytes": 900 * MiB}))
+
+    assert response.status_code == 409
+    assert not Replica.objects.filter(state="draining").exists()
+
+
+def test_what_the_replica_reports_moves_its_state_and_measures_the_deployment(cluster, api, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    replica = Replica.objects.get()
+    deployment = Deployment.objects.get()
+
+    reports.report(replica.id, {"event": "progress", "state": "loading", "percent": 40})
+    replica.refresh_from_db()
+    assert (replica.state, replica.progress) == ("loading", 40)
+
+    serve(replica.id, weights_bytes=12 * MiB)
+    replica.refresh_from_db()
+    deployment.refresh_from_db()
+    assert replica.state == "serving" and replica.pid == 4242 and replica.serving_since is not None
+    reserves = deployment.memory_estimate_bytes - deployment.weight_bytes
+    assert deployment.memory_measured_bytes == 12 * MiB + reserves
+    assert Event.objects.filter(kind=Event.Kind.DEPLOYMENT_CHANGED, reason__startswith="measured").exists()
+
+
+def test_a_failed_replica_releases_its_reservation_and_says_why(cluster, api, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    replica = Replica.objects.get()
+
+    reports.report(replica.id, {"event": "failed", "kind": "oom", "reason": "out of memory: weights need 312 MiB"})
+
+    replica.refresh_from_db()
+    assert replica.state == "failed" and replica.failure_reason == "out of memory: weights need 312 MiB"
+    assert reserved(replica.id) == 0 and invariant_holds()
+    assert Event.objects.filter(replica=replica.id, reason="out of memory: weights need 312 MiB").exists()
+
+
+def test_a_cuda_assert_restarts_the_replica_a_bounded_number_of_times(
+    cluster, api, dispatched, tiny_model_dir, settings
+):
+    settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR = 2
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    replica = Replica.objects.get()
+    assert_event = {"event": "failed", "kind": "cuda_assert", "reason": "device-side assert triggered"}
+
+    for _ in range(2):
+        dispatched.clear()
+        with _on_commit_executed():
+            reports.report(replica.id, assert_event)
+        replica.refresh_from_db()
+        assert replica.state == "pending" and reserved(replica.id) == 300 * MiB
+        assert dispatched == [(replica.node.queue, START, [replica.id, []])]
+
+    reports.report(replica.id, assert_event)
+    replica.refresh_from_db()
+    assert replica.state == "failed" and reserved(replica.id) == 0
+    assert Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_RESTARTED).count() == 2
+
+
+def test_patch_changes_settings_scales_and_refuses_a_new_model(cluster, api, dispatched, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+
+    response = api("patch", "/api/deployments/tiny-a/", {"fairness": {"popular": True}, "replicas": 2})
+    assert response.status_code == 200
+    assert response.json()["fairness"]["popular"] is True and len(response.json()["replicas"]) == 2
+    assert Event.objects.filter(reason__startswith="settings changed: popular False → True").exists()
+
+    response = api("patch", "/api/deployments/tiny-a/", {"model": {"source": "/elsewhere"}})
+    assert response.status_code == 400 and "cannot be changed" in response.json()["model"][0]
+    assert api("patch", "/api/deployments/tiny-a/", {"sleep": {"drain_timeout_s": -1}}).status_code == 400
+    assert api("put", "/api/deployments/tiny-a/", body("tiny-a", tiny_model_dir)).status_code == 405
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sixteen_concurrent_deploys_never_over_commit_a_gpu(dispatched, tiny_model_dir):
+    from scheduling.services import deployments
+    from scheduling.services.deployments import DeploymentSpec, ModelFacts
+    from scheduling.services.errors import CannotPlace
+
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
+    register_node("node2", virtual_gpus("node2", "2x1GiB", NO_OVERHEAD), virtual=True)
+    facts = ModelFacts(weight_bytes=10 * MiB, estimate_bytes=300 * MiB)
+    barrier = threading.Barrier(16)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def deploy(n: int) -> None:
+        try:
+            barrier.wait()
+            spec = DeploymentSpec(name=f"d{n}", source=str(tiny_model_dir), override_bytes=300 * MiB)
+            try:
+                deployments.create(spec, facts=facts)
+                result = "placed"
+            except CannotPlace:
+                result = "refused"
+            with lock:
+                outcomes.append(result)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=deploy, args=(n,)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert len(outcomes) == 16
+    # Four 1 GiB GPUs hold three 300 MiB replicas each: exactly 12 fit.
+    assert outcomes.count("placed") == 12 and outcomes.count("refused") == 4
+    assert Deployment.objects.count() == 12 and Replica.objects.count() == 12
+    assert invariant_holds()
+
+
+class _on_commit_executed:
+    """Run on_commit callbacks of service calls made outside a request (like an agent's report)."""
+
+    def __enter__(self):
+        from django.test import TestCase
+
+        self._ctx = TestCase.captureOnCommitCallbacks(execute=True)
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def test_admin_actions_scale_and_evict_through_the_services(cluster, api, admin_client, tiny_model_dir, dispatched):
+    from django.contrib.messages import get_messages
+
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    deployment = Deployment.objects.get()
+    changelist = "/admin/scheduling/deployment/"
+    selected = {"_selected_action": [deployment.pk]}
+
+    form = admin_client.post(changelist, {**selected, "action": "scale_deployments"})
+    assert form.status_code == 200 and "Replicas wanted" in form.content.decode()
+    done = admin_client.post(changelist, {**selected, "action": "scale_deployments", "apply": "1", "replicas": 2})
+    assert done.status_code == 302
+    assert deployment.replicas.count() == 2 and Deployment.objects.get().replicas_wanted == 2
+    assert Event.objects.filter(reason__startswith="scaled from the admin").exists()
+
+    replica_ids = list(deployment.replicas.values_list("id", flat=True))
+    serve(replica_ids[0])
+    response = admin_client.post(
+        "/admin/scheduling/replica/", {"_selected_action": replica_ids, "action": "evict_replicas"}, follow=True
+    )
+    texts = [str(m) for m in get_messages(response.wsgi_request)]
+    assert any("going to sleep" in t for t in texts)
+    assert any("only a serving replica can be evicted" in t for t in texts), "the pending one is refused, saying why"
+    assert Replica.objects.get(pk=replica_ids[0]).state == "draining"
+
+    serve(replica_ids[1])
+    admin_client.post(changelist, {**selected, "action": "evict_deployments"})
+    assert Replica.objects.get(pk=replica_ids[1]).state == "draining"
+
+
+def test_the_api_warns_when_popular_deployments_leave_a_gpu_no_room(cluster, api, tiny_model_dir):
+    quiet = api("post", "/api/deployments/", body("small", tiny_model_dir, memory={"override_bytes": 100 * MiB}))
+    assert quiet.status_code == 201 and quiet.json()["warnings"] == []
+
+    crowded = api(
+        "post",
+        "/api/deployments/",
+        body("hog", tiny_model_dir, fairness={"popular": True}, memory={"override_bytes": 1000 * MiB}),
+    )
+
+    assert crowded.status_code == 201
+    [warning] = crowded.json()["warnings"]
+    assert "popular deployments hold" in warning and "smallest other deployment needs" in warning
+    assert api("patch", "/api/deployments/hog/", {"fairness": {"popular": False}}).json()["warnings"] == []
+
+
+def test_admin_edits_fairness_and_sleep_settings_through_the_service(cluster, api, admin_client, tiny_model_dir):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    deployment = Deployment.objects.get()
+    changelist = "/admin/scheduling/deployment/"
+    selected = {"_selected_action": [deployment.pk], "action": "edit_settings"}
+
+    form = admin_client.post(changelist, selected)
+    assert form.status_code == 200 and "Max wait (s)" in form.content.decode()
+    refused = admin_client.post(changelist, {**selected, "apply": "1", "max_wait_s": -1})
+    assert refused.status_code == 200 and Deployment.objects.get().max_wait_s == 5.0, "invalid: nothing saved"
+
+    done = admin_client.post(changelist, {**selected, "apply": "1", "max_wait_s": 12, "popular": "true"})
+
+    assert done.status_code == 302
+    deployment.refresh_from_db()
+    assert (deployment.max_wait_s, deployment.popular, deployment.min_runtime_s) == (12.0, True, 10.0)
+    assert Event.objects.filter(reason__startswith="settings changed:", deployment="tiny-a").exists()

@@ -1,0 +1,469 @@
+"""Real-GPU accounting (issue 15): one formula for the need and the pool, replicas that cannot
+serve take nothing, GPU totals CUDA can allocate, books checked against NVML every heartbeat, and
+a virtual GPU that accounts like the H100 of ../shared/gpu-2026-11-24 so this suite catches what
+broke there."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
+from hypothesis import given
+from hypothesis import strategies as st
+from rest_framework.test import APIClient
+
+from gpuportal.wire import memory
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_DRIVER_RESERVE_BYTES, H100_STANDBY_CONTEXT_BYTES, MiB
+from gpuportal.wire.node_reports import Books
+from inference.devices import VirtualProfile, allocatable_bytes, virtual_gpus
+from inference.loaders import weight_allocation_bytes
+from inference.management.commands.make_tiny_model import write_tiny_model
+from inference.replica import EventWriter, Placement, ReplicaFailure, ReplicaHost, VirtualBackend
+from scheduling import ledger
+from scheduling.models import GPU, Deployment, Event, FailoverLease, Occupant, Replica
+from scheduling.services import nodes, replica_reports, reports
+from scheduling.services import replicas as replica_services
+from scheduling.services.deployments import inspect_model, need_bytes
+from tests.support import factories
+from tests.support.processes import wait_until
+
+GiB = 1024**3
+MAX_TOKENS = 512
+
+
+@given(
+    weights=st.integers(0, 2**38),
+    tokens=st.integers(0, 200_000),
+    context=st.integers(0, 2 * GiB),
+    standby=st.integers(0, GiB),
+    overhead=st.integers(0, GiB),
+    device_total=st.integers(GiB, 200 * GiB),
+)
+def test_the_pool_is_what_the_reservation_leaves_after_every_other_part_and_the_cap_covers_the_allocator_only(
+    weights, tokens, context, standby, overhead, device_total
+):
+    shape = memory.ModelShape(
+        weight_bytes=weights, num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, hidden_size=4096
+    )
+    parts = {"cuda_context_bytes": context, "standby_context_bytes": standby, "overhead_bytes": overhead}
+    need = memory.estimate(shape, max_tokens=tokens, **parts)
+    assert memory.kv_pool_blocks(shape, cap_bytes=need.total_bytes, max_tokens=tokens, **parts) == need.kv_blocks
+    # One byte less and the pool is a block short: nothing beside it is counted twice or forgotten.
+    if need.kv_blocks:
+        short = memory.kv_pool_blocks(shape, cap_bytes=need.total_bytes - 1, max_tokens=tokens, **parts)
+        assert short == need.kv_blocks - 1
+    cap = memory.allocator_cap_bytes(
+        need.total_bytes, context_bytes=context, standby_context_bytes=standby, overhead_bytes=overhead
+    )
+    assert cap == need.weights_bytes + need.kv_bytes + need.activation_bytes
+    fraction = memory.allocator_fraction(cap, device_total)
+    assert 0 < fraction <= 1 and (fraction == 1 or abs(fraction * device_total - cap) < 1)
+
+
+def host(model_dir, reserved: int, *, gpu: int = 0, standby_context: int = 0) -> tuple[ReplicaHost, io.StringIO]:
+    """A replica host in this process on a virtual GPU with the H100's accounting; the spec's
+    contexts are what the scheduler counted (tasks.spec_for)."""
+    out = io.StringIO()
+    return (
+        ReplicaHost(
+            replica_id="r1",
+            source=str(model_dir),
+            loader="transformers",
+            dtype="float32",
+            placement=Placement.parse([gpu], {str(gpu): reserved}, 0.5),
+            backend=VirtualBackend(VirtualProfile()),
+            events=EventWriter(out),
+            kv_max_tokens=MAX_TOKENS,
+            context_bytes=H100_CONTEXT_BYTES,
+            standby_context_bytes=standby_context,
+        ),
+        out,
+    )
+
+
+def last(out: io.StringIO, kind: str) -> dict:
+    return [e for e in map(json.loads, out.getvalue().splitlines()) if e["event"] == kind][-1]
+
+
+def serves_max_tokens(replica: ReplicaHost) -> bool:
+    assert replica.paged is not None
+    return replica.paged.pool.capacity_tokens >= MAX_TOKENS
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory):
+    """A tiny Llama with a tokenizer, so that its replicas page their KV cache."""
+    return write_tiny_model(tmp_path_factory.mktemp("llm") / "m", size_mb=2, seed=7).path
+
+
+@pytest.fixture
+def llm(db, llm_dir):
+    """A deployment of the tiny Llama with max_tokens 512 on a node of one 8 GiB H100-like GPU."""
+    nodes.register_node("n1", virtual_gpus("n1", "2x8GiB"), virtual=True)
+    facts = inspect_model(str(llm_dir), "transformers", "float32", MAX_TOKENS)
+    return factories.deployment(
+        "llm",
+        model_source=str(llm_dir),
+        max_tokens=MAX_TOKENS,
+        weight_bytes=facts.weight_bytes,
+        memory_estimate_bytes=facts.estimate_bytes,
+    )
+
+
+def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_a_promotion_and_a_pair(llm, llm_dir):
+    tiny_model_dir = llm_dir
+    # First load: the scheduler reserves the estimate and a context.
+    first_need = need_bytes(llm, ledger.snapshot())
+    assert first_need.source == "estimate" and first_need.bytes == llm.memory_estimate_bytes + H100_CONTEXT_BYTES
+    first, out = host(tiny_model_dir, first_need.bytes)
+    first.load()
+    serving = last(out, "serving")
+    assert serves_max_tokens(first)
+    assert serving["process_bytes"] <= first_need.bytes
+    # What it reports is the measured need: the same parts, measured, in the same formula.
+    assert serving["need_bytes"] == serving["footprint"]["total_bytes"] == first_need.bytes
+    measured = replica_reports._measured_bytes(llm, serving)
+    assert measured == serving["need_bytes"]
+    Deployment.objects.filter(pk=llm.pk).update(memory_measured_bytes=measured)
+    llm.refresh_from_db()
+
+    # A scale-out is reserved the measured need, and its pool holds max_tokens.
+    need = need_bytes(llm, ledger.snapshot())
+    assert need.source == "measured" and need.bytes == measured
+    added, out = host(tiny_model_dir, need.bytes)
+    added.load()
+    assert serves_max_tokens(added) and last(out, "serving")["process_bytes"] <= need.bytes
+    blocks = added.paged.pool.blocks_total
+
+    # A wake on the same GPU, and a promotion from the cache onto another, size the same pool.
+    added.sleep(0)
+    assert last(out, "sleeping")["residual_bytes_by_id"] == {"0": H100_CONTEXT_BYTES}
+    added.wake([0], {"0": need.bytes}, 0.5)
+    assert added.paged.pool.blocks_total == blocks and last(out, "woken")["process_bytes"] <= need.bytes
+    added.sleep(0)
+    added.wake([1], {"1": need.bytes}, 0.5)
+    assert added.paged.pool.blocks_total == blocks
+    assert last(out, "woken")["process_bytes_by_id"] == {"1": last(out, "woken")["process_bytes"]}
+
+    # A failover pair is reserved the standby's context too, and the active member leaves it out
+    # of its pool: the same blocks as a single replica, not the standby's share on top.
+    Deployment.objects.filter(pk=llm.pk).update(failover_standby=True)
+    llm.refresh_from_db()
+    pair_need = need_bytes(llm, ledger.snapshot())
+    assert pair_need.bytes == measured + H100_STANDBY_CONTEXT_BYTES
+    active, out = host(tiny_model_dir, pair_need.bytes, standby_context=H100_STANDBY_CONTEXT_BYTES)
+    active.load()
+    assert active.paged.pool.blocks_total == blocks
+    assert last(out, "serving")["process_bytes"] + H100_STANDBY_CONTEXT_BYTES <= pair_need.bytes
+
+
+def test_a_replica_reserved_what_nvml_showed_at_load_fails_naming_bytes_and_never_takes_a_request(llm, llm_dir):
+    """The chain that left every woken or added replica of an LLM with 0 blocks on the H100: the
+    control plane recorded NVML's figure at load (no activations yet) as the need, and the next
+    replica, reserved that, sized its pool below zero and then took requests it could not serve."""
+    first, out = host(llm_dir, need_bytes(llm, ledger.snapshot()).bytes)
+    first.load()
+    serving = last(out, "serving")
+    at_load = H100_CONTEXT_BYTES + weight_allocation_bytes(first.model) + first.pool_bytes  # NVML before a forward
+    assert replica_reports._measured_bytes(llm, serving) != at_load  # the need is no longer that
+
+    starved, out = host(llm_dir, at_load)
+    with pytest.raises(ReplicaFailure) as failure:
+        starved.load()
+    assert failure.value.kind == "oom"
+    reason = failure.value.reason
+    assert reason.startswith("cannot serve: the KV pool left by the reservation holds 0 tokens")
+    assert f"max_tokens {MAX_TOKENS}" in reason and f"reservation {at_load} bytes" in reason
+    assert f"need {serving['need_bytes']} bytes" in reason and "allocator cap" in reason
+    # It never served, so its serving loop never claimed the queue or took a request.
+    assert starved.state == "failed" and not starved.accepting.is_set() and starved.paged is None
+    assert not [line for line in out.getvalue().splitlines() if '"serving"' in line]
+
+
+def test_a_virtual_gpu_books_what_cuda_could_allocate_and_models_the_h100s_contexts(db):
+    nodes.register_node("n1", virtual_gpus("n1", "1x8GiB"), virtual=True)
+    gpu = GPU.objects.get()
+    assert gpu.total_bytes == 8 * GiB - H100_DRIVER_RESERVE_BYTES == gpu.available_bytes
+    assert gpu.nvml_total_bytes == 8 * GiB
+    assert (gpu.context_bytes, gpu.standby_context_bytes) == (H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES)
+    # Per node, a profile of its own.
+    small = VirtualProfile(context_bytes=300 * MiB, standby_context_bytes=200 * MiB, driver_reserve_bytes=64 * MiB)
+    nodes.register_node("n2", virtual_gpus("n2", "1x8GiB", small), virtual=True)
+    assert GPU.objects.get(node__name="n2").total_bytes == 8 * GiB - 64 * MiB
+    assert VirtualProfile.from_env(small.as_env()) == small
+
+    with pytest.raises(ValueError, match=r"no room once the driver reserve \(480 MiB\) and one CUDA context"):
+        virtual_gpus("n3", "1x1GiB")
+    with pytest.raises(CommandError, match=r"--virtual-gpus 1x1GiB: a virtual GPU of 1024 MiB has no room"):
+        call_command("agent", "--node", "n4", "--virtual-gpus", "1x1GiB")
+    with pytest.raises(CommandError, match=r"--virtual-context: 'lots' is not a size"):
+        call_command("agent", "--node", "n4", "--virtual-context", "lots")
+    with pytest.raises(CommandError, match="a standby's context cannot be larger"):
+        call_command("agent", "--node", "n4", "--virtual-context", "100MiB", "--virtual-standby-context", "200MiB")
+
+
+def _nvml(total: int, used: int, reserved: int | None, processes: list) -> SimpleNamespace:
+    def memory_info(handle, version=None):
+        if version is None:
+            return SimpleNamespace(total=total, used=used, free=total - used)
+        if reserved is None:
+            raise RuntimeError("NVML_ERROR_FUNCTION_NOT_FOUND")
+        return SimpleNamespace(total=total, reserved=reserved, used=used - reserved, free=total - used)
+
+    return SimpleNamespace(
+        nvmlDeviceGetMemoryInfo=memory_info,
+        nvmlMemory_v2=0x02000028,
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: processes,
+    )
+
+
+def test_a_real_gpus_total_is_what_cuda_can_allocate_not_nvmls_total():
+    # The H100 of the findings: NVML 85,520,809,984 B, CUDA 85,017,493,504 B.
+    nvml_total, cuda_total = 85_520_809_984, 85_017_493_504
+    reserve = nvml_total - cuda_total
+    assert allocatable_bytes(_nvml(nvml_total, reserve, reserve, []), None) == (cuda_total, nvml_total)
+    # A driver without the v2 query: an idle device's "used" is the reserve.
+    assert allocatable_bytes(_nvml(nvml_total, reserve, None, []), None) == (cuda_total, nvml_total)
+    # ... and a busy one cannot tell: the H100's reserve stands in.
+    busy = _nvml(nvml_total, reserve + 5 * GiB, None, [SimpleNamespace(pid=1)])
+    assert allocatable_bytes(busy, None) == (nvml_total - H100_DRIVER_RESERVE_BYTES, nvml_total)
+
+
+def _serving_replica(dep: Deployment, gpu: GPU, reserved: int, **fields) -> Replica:
+    replica = factories.replica(
+        dep, gpu.node, state=Replica.State.SERVING, gpu_mem_bytes_by_id={str(gpu.index): reserved}, **fields
+    )
+    factories.occupy(replica, gpu, reserved)
+    return replica
+
+
+def test_a_process_over_its_reservation_is_an_event_a_metric_a_raised_need_and_a_grown_reservation(db):
+    nodes.register_node("n1", virtual_gpus("n1", "1x8GiB"), virtual=True)
+    gpu = GPU.objects.get()
+    dep = factories.deployment("llm", memory_measured_bytes=900 * MiB)
+    replica = _serving_replica(dep, gpu, 900 * MiB)
+    honest = _serving_replica(factories.deployment("other"), gpu, 800 * MiB)
+
+    used = 900 * MiB + 100 * MiB
+    nodes.heartbeat("n1", books=Books(usage={replica.id: {"0": used}, honest.id: {"0": 790 * MiB}}))
+
+    event = Event.objects.get(kind=Event.Kind.GPU_OVERCOMMIT)
+    assert event.replica == replica.id and event.gpu == "n1/0"
+    assert "holds 1000 MiB on n1/0, 100 MiB more than its reservation of 900 MiB" in event.reason
+    dep.refresh_from_db()
+    assert dep.memory_measured_bytes == used  # the next replica is reserved what this one holds
+    assert Occupant.objects.get(replica=replica).reserved_bytes == used
+    replica.refresh_from_db()
+    assert replica.gpu_mem_bytes_by_id == {"0": used}
+    gpu.refresh_from_db()
+    assert gpu.overcommit_bytes == 100 * MiB
+    assert gpu.nvml_free_bytes == gpu.total_bytes - used - 790 * MiB
+    client = APIClient()
+    metrics = client.get("/metrics").content.decode()
+    assert 'gpuportal_gpu_overcommit_bytes{gpu="0",node="n1"} 1.048576e+08' in metrics
+
+    # The books are honest again: the next beat finds nothing and records nothing more, and
+    # available_bytes promises no more than NVML has free.
+    nodes.heartbeat("n1", books=Books(usage={replica.id: {"0": used}, honest.id: {"0": 790 * MiB}}))
+    gpu.refresh_from_db()
+    assert gpu.overcommit_bytes == 0 and Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).count() == 1
+    assert gpu.available_bytes <= gpu.nvml_free_bytes
+
+
+def test_a_figure_reported_before_a_state_change_is_not_held_against_the_new_state(db):
+    """The agent reads a replica's figure, then the replica falls asleep and its reservation
+    shrinks to its context before the heartbeat is checked: the awake figure is of another time."""
+    nodes.register_node("n1", virtual_gpus("n1", "1x8GiB"), virtual=True)
+    gpu = GPU.objects.get()
+    dep = factories.deployment("llm", memory_measured_bytes=900 * MiB)
+    asleep = factories.replica(
+        dep, gpu.node, state=Replica.State.SLEEPING, gpu_mem_bytes_by_id={"0": H100_CONTEXT_BYTES}
+    )
+    factories.occupy(asleep, gpu, H100_CONTEXT_BYTES)
+
+    awake_figure = Books(usage={asleep.id: {"0": 900 * MiB}}, states={asleep.id: "serving"})
+    nodes.heartbeat("n1", books=awake_figure)
+    assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+    assert Occupant.objects.get(replica=asleep).reserved_bytes == H100_CONTEXT_BYTES
+    # Reported asleep and holding more than its context: that is an over-commit.
+    nodes.heartbeat("n1", books=Books(usage={asleep.id: {"0": 900 * MiB}}, states={asleep.id: "sleeping"}))
+    assert Event.objects.get(kind=Event.Kind.GPU_OVERCOMMIT).replica == asleep.id
+    dep.refresh_from_db()
+    assert dep.memory_measured_bytes == 900 * MiB  # a sleeper's figure says nothing of the serving need
+
+
+def test_a_standbys_context_counts_against_its_pairs_reservation(db):
+    nodes.register_node("n1", virtual_gpus("n1", "1x8GiB"), virtual=True)
+    gpu = GPU.objects.get()
+    dep = factories.deployment("pair", failover_standby=True, memory_measured_bytes=900 * MiB)
+    lease = FailoverLease.objects.create(deployment=dep, slot=1)
+    reserved = 900 * MiB + H100_STANDBY_CONTEXT_BYTES
+    active = _serving_replica(dep, gpu, reserved, lease=lease)
+    standby = factories.replica(dep, gpu.node, state=Replica.State.STANDBY, role=Replica.Role.STANDBY, lease=lease)
+
+    # Each member alone is within the pair's reservation; together they are exactly it.
+    books = Books(usage={active.id: {"0": 900 * MiB}, standby.id: {"0": H100_STANDBY_CONTEXT_BYTES}})
+    nodes.heartbeat("n1", books=books)
+    assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+    # A standby holding more than its context puts the pair over, and the pair's need is raised
+    # by what the active member holds (need_bytes adds the standby's context itself).
+    books = Books(usage={active.id: {"0": 950 * MiB}, standby.id: {"0": H100_STANDBY_CONTEXT_BYTES}})
+    nodes.heartbeat("n1", books=books)
+    assert Event.objects.get(kind=Event.Kind.GPU_OVERCOMMIT).replica == active.id
+    dep.refresh_from_db()
+    assert dep.memory_measured_bytes == 950 * MiB
+
+
+@pytest.mark.gpu
+def test_on_a_real_gpu_a_replica_reserved_its_estimate_serves_max_tokens_within_it_per_nvml(llm_dir, tmp_path):
+    """The first load on CUDA: reserved the estimate and a context, as the scheduler reserves it,
+    its pool holds max_tokens, NVML sees the process within the reservation, and what it reports
+    as its need is what the next replica is reserved. (Not yet run on a GPU: see BENCHMARKS.md.)"""
+    from inference.model_size import shape_from_model_dir
+    from inference.supervisor import ReplicaSpec, Supervisor
+    from tests.support.replicas import Events
+
+    shape = shape_from_model_dir(llm_dir, "float32")
+    reserved = memory.estimate(shape, max_tokens=MAX_TOKENS, cuda_context_bytes=H100_CONTEXT_BYTES).total_bytes
+    supervisor = Supervisor(tmp_path / "logs")
+    events = Events()
+    try:
+        # Its own process: the allocator cap is per process and must not reach this one.
+        supervisor.start(
+            ReplicaSpec(
+                replica_id="real",
+                source=str(llm_dir),
+                loader="transformers",
+                dtype="float32",
+                gpus=(0,),
+                reserved_bytes_by_gpu={"0": reserved},
+                fraction=0.5,
+                backend="cuda",
+                kv_max_tokens=MAX_TOKENS,
+                context_bytes=H100_CONTEXT_BYTES,
+            ),
+            events,
+        )
+        _, serving = events.until("serving", timeout=180)
+    finally:
+        supervisor.stop_all(timeout=10)
+    assert serving["kv"]["blocks_total"] * serving["kv"]["block_tokens"] >= MAX_TOKENS
+    if serving["process_bytes"] is None:
+        pytest.skip("NVML does not list this process (a container without the host PID namespace)")
+    assert serving["process_bytes"] <= reserved, serving["footprint"]
+    # The need it reports covers what it holds now and the activations still to come: not NVML's
+    # figure at load, which a replica reserved would size its pool below zero with.
+    assert serving["need_bytes"] > serving["process_bytes"], serving["footprint"]
+
+
+# -- end to end: real agent and replica processes on H100-like virtual GPUs ---------------------
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_its_books(start_agent, staff, tmp_path):
+    from scheduling.services import requests as request_services
+    from scheduling.services import sleep
+
+    request_services.queue.cache_clear()
+    start_agent("e2e", "2x4GiB")
+    model = write_tiny_model(tmp_path / "llm", size_mb=2, seed=5).path
+    body = {"name": "llm", "model": {"source": str(model)}, "memory": {"max_tokens": MAX_TOKENS}}
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    wait_until(serving(1), 180, "the first replica to serve")
+    assert staff.post("/api/deployments/llm/scale/", {"replicas": 3}, format="json").status_code == 200
+    wait_until(serving(3), 180, "three replicas to serve")
+
+    for replica_id in Replica.objects.filter(state="serving").values_list("id", flat=True):
+        sleep.sleep_replica(replica_id, reason="test: sleep all")
+    wait_until(lambda: Replica.objects.filter(state="sleeping").count() == 3, 120, "all three to sleep")
+
+    # 32 requests at once wake the deployment and are all answered.
+    answers: list[int] = [0] * 32
+    start = threading.Barrier(32)
+
+    def ask(i: int) -> None:
+        client = APIClient()
+        client.force_authenticate(User.objects.get(username="ops"))
+        start.wait()
+        response = client.post(
+            "/api/deployments/llm/infer/",
+            {"input": f"Request {i}", "params": {"max_tokens": 200}, "timeout_s": 240},
+            format="json",
+        )
+        answers[i] = response.status_code
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [200] * 32
+
+    awake = list(Replica.objects.filter(state="serving").values_list("id", flat=True))
+    assert awake
+    for replica_id in awake:
+        kv = wait_until(lambda r=replica_id: staff.get(f"/api/replicas/{r}/").json()["kv"], 30, "KV figures")
+        assert kv["blocks_total"] * kv["block_tokens"] >= MAX_TOKENS, kv
+    # The agent's heartbeat carries what each process would show NVML: once it has seen every
+    # replica, no GPU is over its books, and none promises more than it has free.
+    wait_until(lambda: reported_everything(), 60, "a heartbeat with every replica's figures")
+    for gpu in GPU.objects.all():
+        assert gpu.overcommit_bytes == 0, (gpu.index, gpu.overcommit_bytes)
+        assert gpu.available_bytes <= gpu.nvml_free_bytes, (gpu.index, gpu.available_bytes, gpu.nvml_free_bytes)
+    assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+
+
+def serving(count: int):
+    def check() -> bool:
+        states = list(Replica.objects.values_list("state", flat=True))
+        assert "failed" not in states, list(Replica.objects.values_list("failure_reason", flat=True))
+        return states.count("serving") == count
+
+    return check
+
+
+def reported_everything() -> bool:
+    """Every replica process has a context on some GPU: the GPUs' free figures account for them all."""
+    held = sum(g.total_bytes - g.nvml_free_bytes for g in GPU.objects.all() if g.nvml_free_bytes is not None)
+    return held >= Replica.objects.exclude(state__in=["stopped", "failed"]).count() * memory.H100_CONTEXT_BYTES
+
+
+def test_a_real_gpus_context_is_what_its_replicas_measured_and_only_grows(db):
+    from gpuportal.wire.node_reports import DeviceInfo
+
+    h100 = DeviceInfo(index=0, uuid="GPU-h100-0", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
+    twin = DeviceInfo(index=1, uuid="GPU-h100-1", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
+    nodes.register_node("gpu1", [h100, twin], virtual=False)
+    gpu0, gpu1 = GPU.objects.order_by("index")
+    assert gpu0.context_bytes == H100_CONTEXT_BYTES and not gpu0.context_measured  # the default until measured
+    dep = factories.deployment("llm")
+    loading = factories.replica(dep, gpu0.node, state=Replica.State.LOADING, gpu_mem_bytes_by_id={"0": GiB})
+
+    reports.report(loading.id, {"event": "serving", "pid": 1, "context_measured_bytes": 800 * MiB})
+    # Measured on one GPU, it is the figure of every GPU of that model on the node.
+    assert list(GPU.objects.order_by("index").values_list("context_bytes", "context_measured")) == [
+        (800 * MiB, True),
+        (800 * MiB, True),
+    ]
+    assert Event.objects.filter(kind=Event.Kind.GPU_CHANGED, reason__contains="CUDA context measured at 800 MiB")
+    # An earlier moment's lower reading changes nothing; a standby's context is its own figure.
+    replica_services.record_context(loading, 600 * MiB)
+    replica_services.record_context(loading, 600 * MiB, standby=True)
+    gpu1.refresh_from_db()
+    assert (gpu1.context_bytes, gpu1.standby_context_bytes) == (800 * MiB, 600 * MiB)
+    # A new registration (the agent restarted) keeps what was measured.
+    nodes.register_node("gpu1", [h100, twin], virtual=False)
+    gpu1.refresh_from_db()
+    assert gpu1.context_bytes == 800 * MiB
+
+    # A virtual GPU's context is its node's profile, never a replica's report.
+    nodes.register_node("v1", virtual_gpus("v1", "1x8GiB"), virtual=True)
+    on_virtual = factories.replica(dep, GPU.objects.get(node__name="v1").node, gpu_mem_bytes_by_id={"0": GiB})
+    replica_services.record_context(on_virtual, 900 * MiB)
+    assert GPU.objects.get(node__name="v1").context_bytes == H100_CONTEXT_BYTES

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible endpoints, called with the official `openai` client over HTTP (a live
+server in the test process; a stand-in replica thread serves the queue)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import openai
+import pytest
+from django.contrib.auth.models import User
+from hypothesis import given
+from hypothesis import strategies as st
+from rest_framework.authtoken.models import Token
+
+from inference.devices import virtual_gpus
+from scheduling.api import completion_input
+from scheduling.models import Deployment, Replica
+from scheduling.services import requests as request_services
+from scheduling.services.nodes import register_node
+from tests.support.factories import NO_OVERHEAD
+from tests.support.processes import StandIn
+
+MiB = 1024**2
+
+
+@pytest.fixture
+def replica(transactional_db, tiny_model_dir) -> Replica:
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    request_services.queue.cache_clear()
+    request_services.queue().fail_queued("tiny", reason="left over from another test")
+    return Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+
+
+@pytest.fixture
+def client(live_server, replica) -> Iterator[openai.OpenAI]:
+    key = Token.objects.create(user=User.objects.create_user("alice")).key
+    # Closed at the end: a kept-alive connection keeps a server thread, and its database
+    # connection, alive past the test.
+    with openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=key, max_retries=0, timeout=30) as client:
+        yield client
+
+
+def test_models_lists_causal_lm_deployments(client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_a_completion_comes_back_in_the_openai_shape(client, replica):
+    StandIn(replica.id, 1).start()
+
+    completion = client.completions.create(model="tiny", prompt="hello there", max_tokens=5)
+
+    assert completion.object == "text_completion" and completion.model == "tiny"
+    assert completion.choices[0].text == "HELLO THERE" and completion.choices[0].finish_reason == "stop"
+    assert completion.usage.completion_tokens == 11
+
+
+def test_a_chat_completion_answers_the_last_message(client, replica):
+    StandIn(replica.id, 1).start()
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "be loud"}, {"role": "user", "content": "hi"}]
+    )
+
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == "HI"
+
+
+def test_a_streamed_chat_arrives_in_pieces_then_ends(client, replica):
+    StandIn(replica.id, 1).start()
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "stream me"}], stream=True
+    )
+    chunks = list(stream)
+
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == "STREAM ME" and len(pieces) >= 3
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_streamed_completion_arrives_in_pieces(client, replica):
+    StandIn(replica.id, 1).start()
+
+    pieces = [c.choices[0].text for c in client.completions.create(model="tiny", prompt="abcdef", stream=True)]
+
+    assert "".join(pieces) == "ABCDEF"
+
+
+def test_bad_requests_fail_the_openai_way_naming_the_parameter(client, replica):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client.completions.create(model="tiny", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=5)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
+    assert request_services.queue_depth("tiny") == 0, "nothing invalid was queued"
+
+
+def test_input_too_long_for_the_model_is_a_400(client, replica):
+    StandIn(replica.id, 1).start()
+    with pytest.raises(openai.BadRequestError, match="input too long"):
+        client.completions.create(model="tiny", prompt="too long")
+
+
+def test_a_wrong_key_is_refused(live_server, replica):
+    with (
+        openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="not-a-key", max_retries=0) as stranger,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        stranger.models.list()
+
+
+def test_a_call_nothing_answers_ends_at_its_timeout_and_its_unstarted_request_is_cancelled(client, replica, settings):
+    # Issue 16: a /v1 call never hangs. Nothing serves the queue here: the request never starts.
+    with pytest.raises(openai.APIStatusError, match=r"did not start within 0\.3 s and was cancelled") as caught:
+        client.completions.create(model="tiny", prompt="anyone?", extra_body={"timeout": 0.3})
+    assert caught.value.status_code == 504
+    request_id = caught.value.body["message"].split()[1]
+    assert request_services.queue().get(request_id).status == "cancelled"
+    assert request_services.queue_depth("tiny") == 0, "nothing is left to run for a caller who has gone"
+
+    settings.GPUPORTAL_INFER_TIMEOUT_S = 0.2  # the default, for a call that names none
+    with pytest.raises(openai.APIStatusError, match=r"within 0\.2 s") as caught:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 504
+
+    with pytest.raises(openai.APIError, match=r"did not start within 0\.3 s"):
+        list(client.completions.create(model="tiny", prompt="x", stream=True, extra_body={"timeout": 0.3}))
+    assert request_services.queue_depth("tiny") == 0
+
+
+def test_a_call_whose_request_runs_past_its_timeout_gets_a_504_and_the_answer_stays_pollable(client, replica):
+    taken, release = threading.Event(), threading.Event()
+
+    def slow_replica() -> None:
+        queue = request_services.queue()
+        request = queue.take("tiny", replica.id, timeout=10)
+        taken.set()
+        release.wait(10)
+        queue.finish(request.id, replica.id, {"text": "late but kept"})
+
+    server = threading.Thread(target=slow_replica, daemon=True)
+    server.start()
+    with pytest.raises(openai.APIStatusError, match="did not finish within 2 s; poll /api/requests/") as caught:
+        client.completions.create(model="tiny", prompt="slow", extra_body={"timeout": 2})
+    assert taken.is_set() and caught.value.status_code == 504
+    release.set()
+    server.join(10)
+    request_id = caught.value.body["message"].split()[1]
+    assert request_services.queue().get(request_id).output == {"text": "late but kept"}
+
+
+def test_a_timeout_out_of_bounds_is_a_400_naming_it(client, replica, settings):
+    with pytest.raises(openai.BadRequestError, match="timeout: at most 300 s"):
+        client.completions.create(model="tiny", prompt="x", extra_body={"timeout": 1e9})
+    with pytest.raises(openai.BadRequestError, match="timeout"):
+        client.completions.create(model="tiny", prompt="x", extra_body={"timeout": 0})
+    assert request_services.queue_depth("tiny") == 0
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_naming_the_model(client, replica):
+    Deployment.objects.create(
+        name="mlp", model_source="tests.support.factories:mlp", loader=Deployment.Loader.TORCH_MODULE
+    )
+
+    with pytest.raises(openai.BadRequestError, match="not a causal language model"):
+        client.chat.completions.create(model="mlp", messages=[{"role": "user", "content": "x"}])
+    assert request_services.queue_depth("mlp") == 0
+
+
+# -- one parser reads every body (issue 17) ----------------------------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5000) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer", "wizard"]) | _json},
+    optional={"content": st.text(max_size=4) | _json, "name": _json},
+)
+_common = {
+    "max_tokens": st.integers(-1, 5000) | _json,
+    "max_completion_tokens": st.integers(-1, 5000) | _json,
+    "temperature": st.floats(-1, 3) | _json,
+    "top_p": st.floats(-0.5, 1.5) | _json,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | _json,
+    "n": st.integers(0, 2) | _json,
+    "stream": st.booleans() | _json,
+    "user": _json,
+    "timeout": st.floats(-1, 400) | st.integers(-1, 400) | _json,
+}
+_chats = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", " tiny", ""]) | _json},
+    optional={"messages": st.lists(_message, max_size=3) | _json, **_common},
+)
+_prompts = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", "tiny "]) | _json},
+    optional={"prompt": st.text(max_size=5) | _json, **_common},
+)
+
+
+def read(body, kind):
+    return completion_input.parse(body, kind, default_timeout_s=30, max_timeout_s=300)
+
+
+@pytest.mark.parametrize(("kind", "bodies"), [("chat", _chats), ("generate", _prompts)])
+def test_the_parser_runs_only_what_is_within_bounds_and_names_the_field_it_refuses(kind, bodies):
+    @given(bodies)
+    def check(body):
+        try:
+            call = read(body, kind)
+        except completion_input.Refused as refused:
+            assert refused.param is not None and refused.param.split(".")[0] in {*body, "model", "prompt", "messages"}
+            return
+        assert call.model == body["model"].strip() != ""
+        params = call.params
+        assert 1 <= params["max_tokens"] <= 4096 and 0 <= params["temperature"] <= 2 and 0 < params["top_p"] <= 1
+        assert len(params["stop"]) <= 4 and all(isinstance(s, str) and s for s in params["stop"])
+        assert params["stream"] is bool(body.get("stream")) and 0.001 <= call.timeout_s <= 300
+        if kind == "chat":
+            assert [set(m) for m in call.input] == [{"role", "content"}] * len(body["messages"])
+        else:
+            assert call.input == body["prompt"]
+
+    check()
+
+
+def test_the_parser_reads_the_shapes_openai_clients_send():
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi", "name": "x"}], "max_tokens": 1}
+    assert read(chat, "chat") == completion_input.Completion(
+        model="tiny",
+        input=[{"role": "user", "content": "Hi"}],
+        params={"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "stop": [], "stream": False},
+        timeout_s=30,
+    )
+    prompt = {"model": "tiny", "prompt": "Hi", "max_completion_tokens": 5, "temperature": 0.2, "stop": "\n", "n": 1}
+    call = read({**prompt, "stream": True, "timeout": 60, "user": "ignored"}, "generate")
+    assert call.params == {"max_tokens": 5, "temperature": 0.2, "top_p": 1.0, "stop": ["\n"], "stream": True}
+    assert call.timeout_s == 60
+
+
+@pytest.mark.parametrize(
+    ("body", "refusal"),
+    [
+        ([], "the body must be a JSON object"),
+        ({"prompt": "x"}, "model: required: the deployment's name"),
+        ({"model": "tiny"}, "prompt: required: a string"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens: must be a whole number from 1 to 4096"),
+        ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p: must be above 0 and at most 1"),
+        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature: must be a number"),
+        (
+            {"model": "tiny", "prompt": "x", "stop": ["a"] * 5},
+            "stop: must be a string or a list of at most 4 non-empty strings",
+        ),
+        ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream: must be true or false"),
+        ({"model": "tiny", "prompt": "x", "timeout": 301}, "timeout: at most 300 s (GPUPORTAL_INFER_MAX_TIMEOUT_S)"),
+    ],
+)
+def test_the_parser_refuses_saying_which_field_and_why(body, refusal):
+    with pytest.raises(completion_input.Refused) as refused:
+        read(body, "generate")
+    assert str(refused.value) == refusal
+
+
+def test_a_chat_refusal_names_the_message_and_its_field():
+    with pytest.raises(completion_input.Refused, match=r"^messages\.1\.role: must be one of system, user"):
+        read({"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "wizard"}]}, "chat")
+
+
+def test_a_session_and_a_token_get_the_same_refusal(replica):
+    from django.test import Client
+
+    user = User.objects.create_user("bob")
+    key = Token.objects.create(user=user).key
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 5}
+    by_token = Client().post(  # answered without DRF
+        "/v1/chat/completions", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
+    )
+    signed_in = Client()
+    signed_in.force_login(user)
+    by_session = signed_in.post("/v1/chat/completions", body, content_type="application/json")  # through DRF
+
+    assert by_token.status_code == by_session.status_code == 400
+    refusal = {"message": "temperature: must be from 0 to 2", "type": "invalid_request_error", "param": "temperature"}
+    assert by_token.json() == by_session.json() == {"error": {**refusal, "code": None}}
+    assert request_services.queue_depth("tiny") == 0

@@ -1,0 +1,748 @@
+"""The fair wake path (issue 5, seed 001) on one virtual GPU that fits two of three deployments:
+the intent and the wake lock, the fairness wait, LRU victims, failures with a reason, two wakes
+at once, lock takeover, and the thrash check; and issue 9's targeting by cost: the GPU whose
+victims are cheapest, victims that serve nothing preempted at once, a busy one waited for. No
+processes: the preempt task's orchestration runs here on a fake clock, and what replica
+processes would report (their requests in flight, in Redis) is fed in."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from gpuportal.wire.requestqueue import processing_key
+from inference.devices import virtual_gpus
+from scheduling.metrics import PREEMPTIONS
+from scheduling.models import GPU, Deployment, Event, Occupant, PreemptionIntent, Replica
+from scheduling.services import preemption, reports, sleep
+from scheduling.services import replicas as replica_services
+from scheduling.services import requests as request_services
+from scheduling.services.deployments import DeploymentSpec, ModelFacts, create, scale
+from scheduling.services.errors import CannotPlace
+from scheduling.services.nodes import register_node
+from tests.support.deployments import MiB, invariant_holds, serve
+from tests.support.factories import NO_OVERHEAD
+
+PREEMPT, WAKE, TO_CACHE = "scheduling.tasks.preempt", "scheduling.tasks.wake", "inference.tasks.replica_to_cache"
+LONG_AGO = timedelta(hours=1)
+
+
+def busy(*replica_ids: str) -> None:
+    """Each replica has taken a request and not finished it: the id sits in its processing list,
+    as a replica's take leaves it (gpuportal.wire.requestqueue)."""
+    client = request_services.queue().redis
+    for replica_id in replica_ids:
+        client.lpush(processing_key(replica_id), f"in-flight-on-{replica_id[:8]}")
+
+
+def asleep(replica_id: str) -> None:
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+
+
+def assert_not_over_committed() -> None:
+    for gpu in GPU.objects.prefetch_related("occupants"):
+        used = sum(o.reserved_bytes for o in gpu.occupants.all())
+        assert used <= gpu.total_bytes and gpu.available_bytes == gpu.total_bytes - used, gpu
+    assert invariant_holds()
+
+
+class FakeClock:
+    """A monotonic clock that only moves when slept on; `on_tick` plays the rest of the world."""
+
+    def __init__(self, on_tick: Callable[[float], None] | None = None, start: float = 1000.0):
+        self.t, self.start, self.on_tick = start, start, on_tick
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.t += max(seconds, 0.01)
+        assert_not_over_committed()  # invariant 1 at every step of the wait
+        if self.on_tick:
+            self.on_tick(self.t - self.start)
+
+
+def deploy(name: str, replicas: int = 1, *, need: int = 400 * MiB, **spec) -> Deployment:
+    facts = ModelFacts(weight_bytes=10 * MiB, estimate_bytes=need)
+    spec.setdefault("max_wait_s", 5.0)
+    return create(
+        DeploymentSpec(name=name, source="/srv/models/tiny", replicas=replicas, override_bytes=need, **spec),
+        facts=facts,
+    )
+
+
+def serving(name: str, *, last_accessed: datetime | None = None, **spec) -> str:
+    """A deployment with one replica serving for an hour (past any min_runtime unless asked)."""
+    deployment = deploy(name, **spec)
+    replica_id = deployment.replicas.get().id
+    serve(replica_id)
+    Replica.objects.filter(pk=replica_id).update(
+        serving_since=timezone.now() - LONG_AGO, last_accessed=last_accessed or timezone.now() - LONG_AGO
+    )
+    return replica_id
+
+
+@pytest.fixture
+def one_gpu(db) -> GPU:
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    return GPU.objects.get()
+
+
+@pytest.fixture
+def rq():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter("gp:*"):
+        client.delete(key)
+    return request_services.queue()
+
+
+def intents_of(replica_id: str) -> list[PreemptionIntent]:
+    return list(PreemptionIntent.objects.filter(waiting_replica_id=replica_id).order_by("pk"))
+
+
+def preempt_ids(dispatched) -> list[list[int]]:
+    return [args[0] for queue, task, args in dispatched if task == PREEMPT and queue == "control"]
+
+
+# -- the wake writes an intent and takes the lock -------------------------------------------------
+
+
+def test_a_wake_that_does_not_fit_writes_an_intent_takes_the_wake_lock_and_evicts_no_one(one_gpu, dispatched, rq):
+    a, b = serving("a"), serving("b")
+    busy(a, b)  # so that the wake waits out max_wait (idle victims are preempted at once, below)
+    deploy("c", replicas=0, max_wait_s=7)
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    (intent,) = intents_of(waker)
+    assert intent.status == "waiting" and intent.gpu_id == one_gpu.pk and intent.needed_bytes == 400 * MiB
+    assert intent.deadline == intent.created_at + timedelta(seconds=7)
+    one_gpu.refresh_from_db()
+    assert one_gpu.wake_lock_holder_id == waker
+    ttl = (one_gpu.wake_lock_expires_at - timezone.now()).total_seconds()
+    assert settings.GPUPORTAL_WAKE_LOCK_TTL_S - 5 < ttl <= settings.GPUPORTAL_WAKE_LOCK_TTL_S
+    assert Replica.objects.get(pk=waker).state == "pending" and Replica.objects.get(pk=waker).node is None
+    assert {Replica.objects.get(pk=r).state for r in (a, b)} == {"serving"}, "nobody evicted on the spot"
+    assert Event.objects.filter(kind="gpu.wake_lock", replica=waker, reason__startswith="wake lock taken by c").exists()
+    assert Event.objects.filter(kind="preemption.intent", replica=waker, gpu="node1/0").exists()
+    assert_not_over_committed()
+    # Asking again while the wake is under way does not start a second one.
+    assert sleep.wake_deployment("c", reason="another request") == [waker]
+    assert PreemptionIntent.objects.count() == 1
+
+
+def test_the_preempt_task_is_enqueued_on_the_control_queue_once_committed(
+    one_gpu, dispatched, django_capture_on_commit_callbacks
+):
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    assert preempt_ids(dispatched) == [[i.pk for i in intents_of(waker)]]
+    assert not [task for _, task, _ in dispatched if task == TO_CACHE]
+
+
+# -- the fairness wait -------------------------------------------------------------------------------
+
+
+def test_a_voluntary_sleep_inside_max_wait_places_the_waker_without_preempting_anyone(one_gpu, dispatched, rq):
+    a, b = serving("a"), serving("b")
+    busy(a, b)  # victims with requests in flight get the whole max_wait
+    deploy("c", replicas=0, max_wait_s=5)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+    preempted_before = PREEMPTIONS._value.get()
+
+    def world(elapsed: float) -> None:
+        if elapsed >= 2 and Replica.objects.get(pk=b).state == "serving":
+            sleep.sleep_replica(b, reason="slept after 300 s idle")
+            asleep(b)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == ()
+    assert "freed voluntarily" in outcome.reason and clock.t - clock.start < 5, "before the deadline"
+    placed = Replica.objects.get(pk=waker)
+    assert placed.state == "pending" and placed.node.name == "node1"
+    assert Replica.objects.get(pk=a).state == "serving"
+    assert PREEMPTIONS._value.get() == preempted_before
+    assert not Event.objects.filter(kind="preemption.victim").exists()
+    assert {i.status for i in intents_of(waker)} == {"satisfied"}
+    one_gpu.refresh_from_db()
+    assert one_gpu.wake_lock_holder is None and one_gpu.wake_lock_expires_at is None
+    assert Event.objects.filter(kind="gpu.wake_lock", reason__startswith="wake lock released by c").exists()
+    assert_not_over_committed()
+
+
+def test_at_the_deadline_the_least_recently_used_eligible_occupant_is_preempted_then_the_waker_placed(
+    one_gpu, dispatched, rq
+):
+    now = timezone.now()
+    older = serving("a", last_accessed=now - timedelta(minutes=30))
+    newer = serving("b", last_accessed=now - timedelta(minutes=1))
+    busy(older, newer)
+    deploy("c", replicas=0, max_wait_s=5)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+    preempted_before = PREEMPTIONS._value.get()
+    seen: dict[str, float] = {}
+
+    def world(elapsed: float) -> None:
+        # The victim's process: drains for a moment, then reports its weights in CPU RAM.
+        if Replica.objects.get(pk=older).state == "draining":
+            seen.setdefault("draining", elapsed)
+            if elapsed - seen["draining"] >= 0.5:
+                asleep(older)
+        assert Replica.objects.get(pk=waker).node is None or "draining" in seen, "no placement before the victim"
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (older,), outcome
+    assert seen["draining"] >= 5, "preempted only once max_wait had passed"
+    assert PREEMPTIONS._value.get() == preempted_before + 1
+    victim_event = Event.objects.get(kind="preemption.victim")
+    # Both reload as fast (same weights): the cost order is least recently used first.
+    assert victim_event.replica == older and "cheapest to lose eligible occupant" in victim_event.reason
+    assert "idle since" in victim_event.reason and "reloads in" in victim_event.reason
+    assert Event.objects.filter(replica=older, reason__startswith="preempted for c: ").exists()
+    assert Replica.objects.get(pk=older).state == "sleeping" and Replica.objects.get(pk=newer).state == "serving"
+    (intent,) = intents_of(waker)
+    assert intent.status == "satisfied" and intent.victim_id == older
+    placed = Replica.objects.get(pk=waker)
+    assert placed.state == "pending" and placed.node.name == "node1"
+    assert Event.objects.filter(kind="preemption.outcome", replica=waker, after__status="satisfied").exists()
+    assert_not_over_committed()
+    # The waker's process loads and serves; the wake-time histogram sees it.
+    serve(waker)
+    assert Replica.objects.get(pk=waker).state == "serving"
+
+
+def test_when_every_occupant_is_popular_or_within_min_runtime_the_wake_fails_and_its_requests_end_with_the_reason(
+    one_gpu, dispatched, rq
+):
+    serving("a", popular=True)
+    young = serving("b", min_runtime_s=600)
+    Replica.objects.filter(pk=young).update(serving_since=timezone.now())
+    deploy("c", replicas=0, max_wait_s=2)
+
+    request = request_services.submit("c", kind="generate", input="hi", params={}, owner="1")
+    assert request.status == "waking"
+    (waker,) = Replica.objects.filter(deployment__name="c").values_list("id", flat=True)
+
+    clock = FakeClock()
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "failed"
+    assert "all occupants of gpu node1/0 are popular or within min_runtime" in outcome.reason
+    ended = rq.get(request.id)
+    assert ended.status == "failed" and "all occupants of gpu node1/0 are popular or within min_runtime" in ended.error
+    assert Replica.objects.get(pk=waker).state == "failed", "a waker that got no place is not left pending"
+    assert {i.status for i in intents_of(waker)} == {"failed"}
+    assert Replica.objects.filter(state="serving").count() == 2 and not Event.objects.filter(kind="preemption.victim")
+    one_gpu.refresh_from_db()
+    assert one_gpu.wake_lock_holder is None
+    # The next request starts a fresh wake rather than finding a failed one in the way.
+    assert request_services.submit("c", kind="generate", input="hi", params={}, owner="1").status == "waking"
+    assert PreemptionIntent.objects.filter(status="waiting").count() == 1
+
+
+def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(one_gpu, dispatched):
+    sleeper = serving("c")
+    sleep.sleep_replica(sleeper, reason="test")
+    asleep(sleeper)
+    victim = serving("a")
+    serving("b", last_accessed=timezone.now())
+    assert GPU.objects.get().available_bytes < 400 * MiB
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    assert waker == sleeper and Replica.objects.get(pk=sleeper).state == "sleeping"
+
+    def world(elapsed: float) -> None:
+        if Replica.objects.get(pk=victim).state == "draining":
+            asleep(victim)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+    assert outcome.status == "satisfied" and outcome.victims == (victim,)
+    assert Replica.objects.get(pk=sleeper).state == "waking", "promoted from the CPU cache"
+    reports.report(sleeper, {"event": "woken"})
+    assert Replica.objects.get(pk=sleeper).state == "serving"
+    assert_not_over_committed()
+
+
+# -- targeting by cost, and when not to wait (issue 9) ---------------------------------------------
+
+
+def occupant(name: str, gpu: GPU, reserved: int, *, idle_for: timedelta = LONG_AGO) -> str:
+    """A replica of a deployment made for it, serving for an hour on `gpu` alone (placed by hand,
+    so that which GPU holds whom does not depend on placement's tie-breaking)."""
+    from tests.support import factories as f
+
+    deployment = Deployment.objects.filter(name=name).first() or deploy(name, replicas=0, need=reserved)
+    replica = f.replica(
+        deployment,
+        gpu.node,
+        state="serving",
+        serving_since=timezone.now() - LONG_AGO,
+        last_accessed=timezone.now() - idle_for,
+    )
+    f.occupy(replica, gpu, reserved)
+    return replica.id
+
+
+@pytest.fixture
+def two_gpus(db) -> tuple[GPU, GPU]:
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
+    first, second = GPU.objects.order_by("index")
+    return first, second
+
+
+def test_a_wake_targets_the_gpu_whose_victims_are_idle_not_the_one_with_busy_replicas(two_gpus, dispatched, rq):
+    busy_gpu, idle_gpu = two_gpus
+    # One busy replica on the first GPU: placement's fewest-evictions targeting would pick it (one
+    # eviction against two on the other GPU), and the wake would wait for its request to drain.
+    hot = occupant("hot", busy_gpu, 800 * MiB)
+    busy(hot)
+    ages = {"w": 40, "x": 30, "y": 20, "z": 10}  # minutes idle
+    idle = [occupant(name, idle_gpu, 230 * MiB, idle_for=timedelta(minutes=m)) for name, m in ages.items()]
+    deploy("c", replicas=0, max_wait_s=30)
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    (intent,) = intents_of(waker)
+    assert intent.gpu_id == idle_gpu.pk and intent.needed_bytes == 400 * MiB
+    assert intent.deadline == intent.created_at, "its victims serve nothing: no max_wait"
+    said = Event.objects.get(kind="preemption.intent", replica=waker).reason
+    assert "gpu node1/1, where making room costs least" in said and "serving no request" in said, said
+    assert "preempting at once" in said, said
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            asleep(replica.id)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and set(outcome.victims) == set(idle[:2]), outcome
+    assert clock.t - clock.start < 1, "no fairness wait"
+    assert Replica.objects.get(pk=hot).state == "serving", "the busy replica was left alone"
+    assert {Replica.objects.get(pk=r).state for r in idle[2:]} == {"serving"}
+    assert Occupant.objects.get(replica_id=waker).gpu_id == idle_gpu.pk
+    assert_not_over_committed()
+
+
+def test_a_wake_whose_victims_serve_nothing_preempts_without_waiting_out_max_wait(one_gpu, dispatched, rq):
+    now = timezone.now()
+    older = serving("a", last_accessed=now - timedelta(minutes=30))
+    newer = serving("b", last_accessed=now - timedelta(minutes=1))
+    deploy("c", replicas=0, max_wait_s=60)
+    seen: dict[str, float] = {}
+
+    outcome = preemption.start(Deployment.objects.get(name="c"), reason="a request arrived")
+
+    assert isinstance(outcome, preemption.Preempting) and "its victims serve no request" in outcome.reason
+    (intent,) = intents_of(outcome.replica_id)
+    assert intent.deadline == intent.created_at
+    event = Event.objects.get(kind="preemption.intent", replica=outcome.replica_id)
+    assert event.after["at_once"] is True and event.after["deadline"] == intent.created_at.isoformat()
+    assert "its victims serve no request: preempting at once, without waiting out max_wait" in event.reason
+
+    def world(elapsed: float) -> None:
+        if Replica.objects.get(pk=older).state == "draining":
+            seen.setdefault("draining", elapsed)
+            asleep(older)
+
+    clock = FakeClock(world)
+    done = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert done.status == "satisfied" and done.victims == (older,), done
+    assert seen["draining"] < 1, "preempted at once, not after the 60 s max_wait"
+    assert Replica.objects.get(pk=newer).state == "serving"
+    assert Replica.objects.get(pk=outcome.replica_id).node.name == "node1"
+    assert_not_over_committed()
+
+
+def test_a_busy_victim_still_gets_the_whole_max_wait(one_gpu, dispatched, rq):
+    a, b = serving("a"), serving("b")
+    busy(a)  # b serves nothing, but a alone would not make room: b is the victim...
+    Replica.objects.filter(pk=b).update(last_accessed=timezone.now())
+    deploy("c", replicas=0, need=700 * MiB, max_wait_s=4)  # ...a 700 MiB need: both must go
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    (intent,) = intents_of(waker)
+    assert intent.deadline == intent.created_at + timedelta(seconds=4), "one victim is busy: the whole max_wait"
+    said = Event.objects.get(kind="preemption.intent", replica=waker).reason
+    assert "waits up to its max_wait of 4 s" in said and "1 request(s) in flight" in said, said
+    seen: dict[str, float] = {}
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            seen.setdefault(replica.id, elapsed)
+            asleep(replica.id)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and set(outcome.victims) == {a, b}, outcome
+    assert min(seen.values()) >= 4, "no one preempted before max_wait"
+    assert_not_over_committed()
+
+
+def test_a_cached_replica_is_woken_on_its_own_node(db, dispatched, rq):
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    register_node("node2", virtual_gpus("node2", "1x1GiB", NO_OVERHEAD), virtual=True)
+    near, far = GPU.objects.get(node__name="node1"), GPU.objects.get(node__name="node2")
+    # c slept on node2: its weights are in node2's CPU RAM, so it wakes there, even though node1's
+    # occupants serve nothing and node2's are busy (a new replica on node1 would load from disk).
+    deploy("c", replicas=0, max_wait_s=3)
+    sleeper = occupant("c", far, 300 * MiB)
+    sleep.sleep_replica(sleeper, reason="test")
+    asleep(sleeper)
+    occupant("p", near, 400 * MiB), occupant("q", near, 400 * MiB)
+    victim = occupant("a", far, 400 * MiB, idle_for=timedelta(minutes=30))
+    other = occupant("b", far, 400 * MiB, idle_for=timedelta(minutes=1))
+    busy(victim, other)
+
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    assert waker == sleeper and Replica.objects.get(pk=sleeper).state == "sleeping"
+    (intent,) = intents_of(waker)
+    assert intent.gpu_id == far.pk and intent.deadline == intent.created_at + timedelta(seconds=3)
+    assert near.pk not in {i.gpu_id for i in PreemptionIntent.objects.all()}
+
+    def world(elapsed: float) -> None:
+        if Replica.objects.get(pk=victim).state == "draining":
+            asleep(victim)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (victim,), outcome
+    promoted = Replica.objects.get(pk=sleeper)
+    assert promoted.state == "waking" and promoted.node.name == "node2", "promoted from node2's CPU cache"
+    assert Replica.objects.filter(deployment__name__in=("p", "q"), state="serving").count() == 2
+    assert_not_over_committed()
+
+
+def test_enrich_weighs_reload_time_and_requests_in_flight_and_without_redis_assumes_a_busy_victim(
+    one_gpu, dispatched, rq, settings, monkeypatch
+):
+    settings.GPUPORTAL_H2D_BYTES_PER_S = 5 * MiB
+    a, b = serving("a"), serving("b")
+    busy(a)
+    request_services.queue().redis.lpush(processing_key(a), "another")
+    stamp = timezone.now().replace(microsecond=0)
+    request_services.queue().redis.set(f"gp:last:{b}", str(stamp.timestamp()))
+
+    from scheduling import ledger
+
+    views = {o.replica_id: o for o in preemption.enrich(ledger.snapshot()).gpus[one_gpu.pk].occupants}
+    assert views[a].reload_s == pytest.approx(2.0), "10 MiB of weights at 5 MiB/s"
+    assert (views[a].in_flight, views[b].in_flight) == (2, 0)
+    assert views[b].last_accessed == stamp, "the last request Redis knows of, newer than the row's"
+
+    def unreachable():
+        raise redis.ConnectionError("Redis is down")
+
+    monkeypatch.setattr(request_services.queue().redis, "pipeline", lambda **kw: unreachable())
+    views = {o.replica_id: o for o in preemption.enrich(ledger.snapshot()).gpus[one_gpu.pk].occupants}
+    assert views[a].in_flight is None and views[b].in_flight is None and views[a].reload_s == pytest.approx(2.0)
+    deploy("c", replicas=0, max_wait_s=5)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+    (intent,) = intents_of(waker)
+    assert intent.deadline == intent.created_at + timedelta(seconds=5), "activity unknown: the whole max_wait"
+
+
+# -- the wake lock -----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_deployments_waking_at_once_for_the_same_gpu_one_holds_the_wake_lock_the_other_waits(dispatched):
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+    deploy("d", replicas=0)
+    barrier = threading.Barrier(2)
+    results: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def wake(name: str) -> None:
+        try:
+            barrier.wait()
+            results[name] = sleep.wake_deployment(name, reason="a request arrived")
+            assert_not_over_committed()
+        except BaseException as err:  # reported below: a thread's exception is otherwise lost
+            errors.append(err)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=wake, args=(name,)) for name in ("c", "d")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert not errors, errors
+    (holder_name,) = [name for name, ids in results.items() if ids]
+    (waiter_name,) = [name for name, ids in results.items() if not ids]
+    (holder,) = results[holder_name]
+    gpu = GPU.objects.get()
+    assert gpu.wake_lock_holder_id == holder
+    assert PreemptionIntent.objects.get().waiting_replica_id == holder, "only one wake in progress on the GPU"
+    waited = Event.objects.get(kind="gpu.wake_lock", deployment=waiter_name)
+    assert f"waiting for the wake lock of gpu node1/0 held by {holder_name} ({holder[:8]})" in waited.reason
+    assert (("control", WAKE, [waiter_name, "a request arrived"])) in dispatched, "it asks again later"
+    assert not Replica.objects.filter(deployment__name=waiter_name).exists()
+    assert_not_over_committed()
+
+    # Once the holder's wake is done (here: it fails, everyone being young), the waiter gets the lock.
+    Replica.objects.filter(state="serving").update(serving_since=timezone.now())
+    Deployment.objects.update(min_runtime_s=600)
+    clock = FakeClock()
+    assert (
+        preemption.run_preemption([i.pk for i in intents_of(holder)], clock=clock, sleep=clock.sleep).status == "failed"
+    )
+    (second,) = sleep.wake_deployment(waiter_name, reason="a request arrived")
+    assert GPU.objects.get().wake_lock_holder_id == second and second != holder
+
+
+def test_memory_freed_on_a_gpu_another_wake_holds_goes_to_that_wake_not_to_other_placements(one_gpu, dispatched):
+    older = serving("a")
+    serving("b")
+    deploy("c", replicas=0)
+    deploy("d", replicas=0)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+    version = GPU.objects.get().version
+    asleep_reason = "put to sleep by its operator"
+    sleep.sleep_replica(older, reason=asleep_reason)
+    asleep(older)  # 400 MiB free now, on the GPU c's wake holds
+
+    assert sleep.wake_deployment("d", reason="a request arrived") == [], "d waits for the lock instead"
+    with pytest.raises(CannotPlace, match="another wake holds its lock"):
+        scale("d", 1, reason="an operator scales up")
+    assert not Replica.objects.filter(deployment__name="d", node__isnull=False).exists()
+
+    clock = FakeClock()
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == () and "freed voluntarily" in outcome.reason
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert GPU.objects.get().version > version
+    assert_not_over_committed()
+
+
+def test_taking_a_wake_lock_bumps_the_gpu_version_so_a_plan_made_before_it_conflicts(one_gpu, dispatched):
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+    before = GPU.objects.get().version
+
+    sleep.wake_deployment("c", reason="a request arrived")
+
+    after = GPU.objects.get()
+    assert after.wake_lock_holder_id is not None and after.version == before + 1
+    preemption.start(Deployment.objects.get(name="c"), reason="asked again")  # a renewal by the same waker
+    assert GPU.objects.get().version == before + 1, "renewing its own lock bumps nothing"
+
+
+def test_when_freed_memory_is_taken_before_the_waker_is_placed_victims_are_chosen_again(one_gpu, dispatched):
+    now = timezone.now()
+    older = serving("a", last_accessed=now - timedelta(minutes=30))
+    newer = serving("b", last_accessed=now - timedelta(minutes=1))
+    deploy("c", replicas=0, max_wait_s=1)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            asleep(replica.id)
+            if replica.id == older:
+                # The survivor reports it holds more than it reserved: the room freed for c is gone.
+                survivor = Replica.objects.select_related("node", "deployment").get(pk=newer)
+                replica_services.reserve_exactly(survivor, {0: 700 * MiB}, reason="measured more than reserved")
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (older, newer), outcome
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert Event.objects.filter(kind="preemption.victim", replica=newer).exists()
+    assert_not_over_committed()
+
+
+def test_the_admin_says_a_wake_waits_for_a_lock_rather_than_that_it_is_awake(one_gpu, dispatched, admin_client):
+    from django.contrib.messages import get_messages
+
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+    deploy("d", replicas=0)
+    sleep.wake_deployment("c", reason="a request arrived")
+
+    response = admin_client.post(
+        "/admin/scheduling/deployment/",
+        {"_selected_action": [Deployment.objects.get(name="d").pk], "action": "wake_deployments"},
+        follow=True,
+    )
+
+    texts = [str(m) for m in get_messages(response.wsgi_request)]
+    assert any("waiting for another wake's lock" in t for t in texts), texts
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_on_a_real_gpu_the_waker_also_waits_for_nvml_to_show_the_victims_memory_freed(db, monkeypatch, virtual):
+    from inference import tasks as node_tasks
+    from tests.support import factories as f
+
+    host = f.node("gpu-host", virtual=virtual)
+    victim = f.replica(f.deployment("victim"), host, state="sleeping", pid=4242, gpu_mem_bytes_by_id={"0": 500 * MiB})
+    # Its reservation is down to its CUDA context, but the driver frees the weights a moment later.
+    readings = iter([{"0": 30 * 1024 * MiB}, {"0": 30 * 1024 * MiB}, {"0": 510 * MiB, "1": 9 * 1024 * MiB}])
+    asked: list[int] = []
+
+    def nvml(pid: int) -> dict[str, int]:
+        asked.append(pid)
+        return next(readings)
+
+    monkeypatch.setattr("inference.replica.nvml_process_bytes", nvml)
+
+    assert node_tasks.wait_released([victim.id], timeout=30, gpus=[0]) == []
+    # Only what it holds on the waker's GPUs counts (GPU 1 is someone else's business).
+    assert asked == ([] if virtual else [4242, 4242, 4242])
+
+
+def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(db, monkeypatch):
+    from inference import tasks as node_tasks
+    from tests.support import factories as f
+
+    victim = f.replica(
+        f.deployment("victim"), f.node("gpu-host", virtual=False), state="sleeping", pid=4242,
+        gpu_mem_bytes_by_id={"0": 500 * MiB},
+    )  # fmt: skip
+    monkeypatch.setattr("inference.replica.nvml_process_bytes", lambda pid: {"0": 30 * 1024 * MiB})
+
+    assert node_tasks.wait_released([victim.id], timeout=0.3, gpus=[0]) == [victim.id]
+
+
+@pytest.mark.parametrize("how", ["expired", "holder failed", "holder deleted"])
+def test_a_wake_lock_whose_holder_died_or_expired_is_taken_over_with_an_event(one_gpu, dispatched, how):
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+    deploy("d", replicas=0)
+    (dead,) = sleep.wake_deployment("c", reason="a request arrived")
+    # The waker's worker was SIGKILLed: nothing renews the lock or runs its preempt task.
+    if how == "expired":
+        GPU.objects.update(wake_lock_expires_at=timezone.now() - timedelta(seconds=1))
+    elif how == "holder failed":
+        Replica.objects.filter(pk=dead).update(state="failed")
+    else:
+        PreemptionIntent.objects.filter(waiting_replica_id=dead).delete()
+        Replica.objects.filter(pk=dead).delete()
+
+    (taker,) = sleep.wake_deployment("d", reason="a request arrived")
+
+    assert GPU.objects.get().wake_lock_holder_id == taker
+    takeover = Event.objects.get(kind="gpu.wake_lock", reason__startswith="wake lock taken over by d")
+    expected = {"expired": "expired at", "holder failed": "is failed", "holder deleted": "holder is gone"}[how]
+    assert expected in takeover.reason
+    assert not PreemptionIntent.objects.filter(waiting_replica_id=dead, status="waiting").exists()
+    if how == "expired":
+        assert Replica.objects.get(pk=dead).state == "failed", "the abandoned waker is not left pending"
+
+
+def test_a_wake_whose_preempt_task_died_starts_over_once_its_lock_lapsed(one_gpu, dispatched):
+    serving("a"), serving("b")
+    deploy("c", replicas=0)
+    (dead,) = sleep.wake_deployment("c", reason="a request arrived")
+    GPU.objects.update(wake_lock_expires_at=timezone.now() - timedelta(seconds=1))
+
+    (again,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    assert again != dead and Replica.objects.get(pk=dead).state == "failed"
+    assert intents_of(dead)[0].status == "cancelled" and intents_of(again)[0].status == "waiting"
+
+
+# -- what stays as it was ------------------------------------------------------------------------------
+
+
+def test_a_gpu_full_of_dedicated_replicas_refuses_the_wake_at_once(one_gpu, dispatched):
+    serving("a", dedicated=True), serving("b", dedicated=True)
+    deploy("c", replicas=0)
+
+    with pytest.raises(Exception, match="cannot place c"):
+        sleep.wake_deployment("c", reason="a request arrived")
+    assert not PreemptionIntent.objects.exists() and GPU.objects.get().wake_lock_holder is None
+
+
+def test_the_wake_and_sleep_histograms_observe_reported_transitions(one_gpu, dispatched):
+    from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
+
+    replica_id = serving("a")
+
+    def count(histogram) -> float:
+        return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
+
+    wakes, sleeps = count(WAKE_SECONDS), count(SLEEP_SECONDS)
+    sleep.sleep_replica(replica_id, reason="test")
+    asleep(replica_id)
+    sleep.wake_replica(replica_id, reason="test")
+    reports.report(replica_id, {"event": "woken"})
+    assert count(SLEEP_SECONDS) == sleeps + 1 and count(WAKE_SECONDS) == wakes + 1
+
+
+# -- the thrash check ------------------------------------------------------------------------------------
+
+
+def test_two_deployments_requested_alternately_faster_than_min_runtime_swap_at_most_once_per_min_runtime(
+    one_gpu, dispatched
+):
+    min_runtime = 10.0
+    base = timezone.now()
+    clock = FakeClock()
+
+    def wall() -> datetime:
+        return base + timedelta(seconds=clock.t - clock.start)
+
+    for name in ("x", "y"):
+        deploy(name, replicas=0, need=700 * MiB, min_runtime_s=min_runtime, max_wait_s=1, idle_timeout_s=0)
+    (first,) = sleep.wake_deployment("x", reason="first request")
+    serve(first)
+    Replica.objects.filter(pk=first).update(serving_since=wall())
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            asleep(replica.id)  # a victim's process, quick to park its weights
+
+    clock.on_tick = world
+    swaps: list[float] = []
+    while clock.t - clock.start < 60:
+        for name in ("y", "x"):  # each asked for every 0.5 s, faster than min_runtime
+            ids = sleep.wake_deployment(name, reason="a request arrived")
+            waiting = [i.pk for i in PreemptionIntent.objects.filter(status="waiting").order_by("pk")]
+            if waiting:
+                outcome = preemption.run_preemption(waiting, clock=clock, sleep=clock.sleep, now=wall)
+                if outcome.status == "satisfied":
+                    swaps.append(clock.t - clock.start)
+                    placed = Replica.objects.get(pk=outcome.replica_id)
+                    reports.report(placed.id, {"event": "woken" if placed.state == "waking" else "serving"})
+                    Replica.objects.filter(pk=placed.id).update(serving_since=wall())
+            elif ids:
+                raise AssertionError(f"{name} was placed without a swap while the GPU fits only one: {ids}")
+            clock.sleep(0.5)
+            assert Replica.objects.filter(state="serving").count() <= 1
+
+    assert swaps, "some swap happens once min_runtime has passed"
+    gaps = [later - earlier for earlier, later in itertools.pairwise(swaps)]
+    assert all(gap >= min_runtime for gap in gaps), swaps
+    assert len(swaps) <= 60 / min_runtime + 1
+    assert_not_over_committed()

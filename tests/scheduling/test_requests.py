@@ -1,0 +1,662 @@
+"""Inference requests: the Redis queue's guarantees, and the REST path (a stand-in replica thread
+serves the queue here; tests/inference/test_serving.py runs real replica processes)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import redis
+from django.conf import settings
+from django.contrib.auth.models import User
+from hypothesis import given
+from hypothesis import strategies as st
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from gpuportal.wire.requestqueue import (
+    STREAM_RESTART,
+    Fence,
+    NotTaken,
+    RequestQueue,
+    StaleEpoch,
+    StreamSplice,
+    WrittenOff,
+    live_key,
+    processing_key,
+    queue_key,
+)
+from inference.devices import virtual_gpus
+from inference.serving import Server
+from scheduling.api.requests import InferInput, fast_inputs, params_of
+from scheduling.models import Deployment, Replica
+from scheduling.services import reports
+from scheduling.services import requests as request_services
+from scheduling.services.errors import InvalidInput, NotFound
+from scheduling.services.nodes import register_node
+from tests.support.factories import NO_OVERHEAD
+from tests.support.processes import StandIn
+
+MiB = 1024**2
+
+
+@pytest.fixture
+def rq() -> RequestQueue:
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    # Only the queue's own keys: REDIS_URL may point at a developer's Redis.
+    for key in client.scan_iter("gp:*"):
+        client.delete(key)
+    return RequestQueue(client)
+
+
+def submit(rq: RequestQueue, deployment: str = "tiny", text: str = "hi") -> str:
+    return rq.submit(deployment, kind="generate", input=text, params={}, owner="1").id
+
+
+# -- the queue -----------------------------------------------------------------------------------
+
+
+def test_requests_are_taken_oldest_first_and_end_with_their_output(rq):
+    first, second = submit(rq, text="one"), submit(rq, text="two")
+
+    taken = rq.take("tiny", "replica-a", timeout=1)
+    assert (taken.id, taken.status, taken.replica, taken.attempts) == (first, "dispatched", "replica-a", 1)
+    rq.start(first)
+    rq.finish(first, "replica-a", {"text": "ONE"})
+
+    done = rq.wait(first, timeout=1)
+    assert done.status == "done" and done.output == {"text": "ONE"}
+    assert done.created_at <= done.dispatched_at <= done.started_at <= done.finished_at
+    assert rq.redis.llen(processing_key("replica-a")) == 0
+    assert rq.take("tiny", "replica-b", timeout=1).id == second
+
+
+def test_a_request_taken_by_a_waiting_replica_is_stamped_when_it_was_taken(rq):
+    taken: list = []
+    waiting = threading.Thread(target=lambda: taken.append(rq.take("tiny", "a", timeout=10)))
+    waiting.start()
+    # The replica blocks in Redis before the request exists (a bounded wait for that, not a sleep).
+    for _ in range(1000):
+        if any(c.get("cmd") == "blmove" for c in rq.redis.client_list()):
+            break
+    request_id = submit(rq)
+    waiting.join(10)
+
+    request = taken[0]
+    assert request.id == request_id
+    assert request.created_at <= request.dispatched_at
+
+
+def test_a_take_still_works_after_redis_forgot_its_scripts(rq):
+    request_id = submit(rq)
+    rq.redis.script_flush()  # what a restarted Redis has forgotten
+
+    taken = rq.take("tiny", "a", timeout=1)
+
+    assert taken is not None and taken.id == request_id and taken.status == "dispatched" and taken.attempts == 1
+
+
+def test_a_request_moved_but_never_marked_is_served_by_the_next_take(rq):
+    request_id = submit(rq)
+    # A take whose connection broke between the move and its marking.
+    rq.redis.lmove(queue_key("tiny"), processing_key("a"), "RIGHT", "LEFT")
+
+    taken = rq.take("tiny", "a", timeout=0)
+
+    assert taken is not None and taken.id == request_id and taken.replica == "a"
+    assert rq.take("tiny", "a", timeout=0) is None
+
+
+def test_what_a_dead_replica_had_taken_goes_back_to_the_head_of_the_queue(rq):
+    lost, waiting = submit(rq, text="lost"), submit(rq, text="waiting")
+    assert rq.take("tiny", "dead", timeout=1).id == lost
+
+    assert rq.requeue_from("dead", max_attempts=3, reason="replica died") == {lost: "requeued"}
+
+    again = rq.take("tiny", "alive", timeout=1)
+    assert again.id == lost and again.attempts == 2, "first in line again, its attempts counted"
+    assert rq.take("tiny", "alive", timeout=1).id == waiting
+
+
+def test_a_request_that_used_its_attempts_fails_saying_why(rq):
+    request_id = submit(rq)
+    for replica in ("a", "b"):
+        rq.take("tiny", replica, timeout=1)
+        rq.requeue_from(replica, max_attempts=2, reason=f"replica {replica} died")
+
+    failed = rq.get(request_id)
+    assert failed.status == "failed" and failed.error == "replica b died; gave up after 2 attempt(s)"
+    assert rq.depth("tiny") == 0
+
+
+def test_a_request_taken_as_its_replica_sleeps_is_given_back_without_costing_an_attempt(rq):
+    request_id = submit(rq)
+    taken = rq.take("tiny", "sleepy", timeout=1)
+
+    rq.give_back(taken, "sleepy")
+
+    back = rq.take("tiny", "other", timeout=1)
+    assert back.id == request_id and back.attempts == 1
+
+
+def test_only_a_waiting_request_can_be_cancelled(rq):
+    waiting, taken = submit(rq), submit(rq)
+    rq.redis.lrem(queue_key("tiny"), 1, taken)  # as if a replica held it
+    assert rq.cancel(waiting) and rq.get(waiting).status == "cancelled"
+    assert not rq.cancel(taken)
+
+
+def test_waiters_block_until_the_end_and_all_of_them_see_it(rq):
+    request_id = submit(rq)
+    seen: list[str] = []
+    ready = threading.Barrier(3)
+
+    def waiter() -> None:
+        ready.wait()
+        seen.append(RequestQueue.from_url(settings.REDIS_URL).wait(request_id, timeout=10).status)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    rq.take("tiny", "a", timeout=1)
+    rq.finish(request_id, "a", {"text": "x"})
+    for thread in threads:
+        thread.join()
+    assert seen == ["done", "done"]
+
+
+def test_a_wait_longer_than_the_clients_socket_timeout_ends_with_the_request_not_an_error(rq):
+    # redis-py gives clients a 5 s socket timeout by default: one blocking read longer than that
+    # raised TimeoutError (an /infer/ answered 500 while a replacement replica loaded).
+    request_id = submit(rq)
+    impatient = RequestQueue(redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2.5))
+
+    request = impatient.wait(request_id, timeout=3.5)
+
+    assert request is not None and request.status == "queued"
+
+
+def test_results_are_fenced_by_the_failover_epoch(rq):
+    first, second = submit(rq), submit(rq)
+    rq.take("tiny", "old", timeout=1)
+    rq.take("tiny", "new", timeout=1)
+    assert rq.raise_epoch("pair", 1) == 1
+    assert rq.raise_epoch("pair", 2) == 2
+    assert rq.raise_epoch("pair", 1) == 2, "a late raise of an older epoch must not lower the fence"
+
+    with pytest.raises(StaleEpoch):
+        rq.finish(first, "old", {"text": "late"}, fence=Fence("pair", 1))
+    rq.finish(second, "new", {"text": "on time"}, fence=Fence("pair", 2))
+
+    assert rq.get(first).status == "dispatched" and rq.get(first).output is None
+    assert rq.redis.lrange(processing_key("old"), 0, -1) == [first.encode()], "kept for its re-queue"
+    done = rq.get(second)
+    assert done.status == "done" and done.output == {"text": "on time"}
+    assert rq.wait(second, timeout=1).status == "done" and not rq.redis.llen(processing_key("new"))
+
+
+def test_a_written_off_replicas_late_answer_is_refused_and_the_new_one_lands(rq):
+    # A replica on a node that went silent keeps running; the control plane gave its request back,
+    # and another replica took it (issue 16: fence the replicas of a partitioned node).
+    request_id = submit(rq)
+    assert rq.take("tiny", "partitioned", timeout=1).id == request_id
+    assert rq.requeue_from("partitioned", max_attempts=3, reason="lost with its node") == {request_id: "requeued"}
+
+    with pytest.raises(NotTaken):
+        rq.finish(request_id, "partitioned", {"text": "late"})
+    assert rq.get(request_id).status == "queued", "a refused answer changes nothing"
+
+    assert rq.take("tiny", "replacement", timeout=1).id == request_id
+    with pytest.raises(NotTaken):
+        rq.fail(request_id, "partitioned", "late failure", "error")
+    rq.finish(request_id, "replacement", {"text": "on time"})
+    done = rq.wait(request_id, timeout=1)
+    assert done.status == "done" and done.output == {"text": "on time"} and done.replica == "replacement"
+
+
+def test_a_written_off_replica_takes_nothing_more_and_a_request_its_take_moved_goes_back_first(rq):
+    # Its agent is gone (or cut off) but it still runs: once written off it must take nothing,
+    # or a request would be left with a replica nobody hears from again (issue 16).
+    held, waiting = submit(rq, text="held"), submit(rq, text="waiting")
+    assert rq.take("tiny", "orphan", timeout=1).id == held
+    rq.write_off("orphan")
+    assert rq.requeue_from("orphan", max_attempts=3, reason="lost with its node") == {held: "requeued"}
+
+    with pytest.raises(WrittenOff, match="replica orphan was written off by the control plane"):
+        rq.take("tiny", "orphan", timeout=1)
+    assert not rq.redis.llen(processing_key("orphan")), "what its take moved went back"
+    assert [rq.take("tiny", "replacement", timeout=1).id for _ in range(2)] == [held, waiting], "in their order"
+
+    # A take that moved a request just before the write-off and marks it just after gives it back.
+    late = submit(rq, text="late")
+    rq.redis.lmove(queue_key("tiny"), processing_key("racer"), "RIGHT", "LEFT")
+    rq.write_off("racer")
+    with pytest.raises(WrittenOff):
+        rq.take("tiny", "racer", timeout=0)
+    assert rq.get(late).status == "queued" and rq.take("tiny", "replacement", timeout=1).id == late
+
+
+def test_a_streamed_request_run_again_after_its_replica_died_sends_no_text_twice(rq):
+    request_id = rq.submit("tiny", kind="generate", input="hi", params={"stream": True}, owner="1").id
+    rq.take("tiny", "dead", timeout=1)
+    for piece in ("Once", " upon"):
+        rq.chunk(request_id, piece)
+    rq.requeue_from("dead", max_attempts=3, reason="replica dead died")
+    rq.take("tiny", "alive", timeout=1)
+    for piece in ("Once", " up", "on a", " time"):  # the re-run starts over, in other pieces
+        rq.chunk(request_id, piece)
+    rq.finish(request_id, "alive", {"text": "Once upon a time"})
+
+    chunks, ended = rq.read_stream(request_id, 0, timeout=1)
+    splice = StreamSplice()
+    sent = [text for chunk in chunks if (text := splice.feed(chunk))]
+
+    assert ended and "".join(sent) == "Once upon a time"
+    assert sent == ["Once", " upon", " a", " time"]
+
+
+def test_a_splice_sends_a_sampled_rerun_only_beyond_what_was_sent():
+    splice = StreamSplice()
+    assert [splice.feed(c) for c in ("abc", "de", STREAM_RESTART, "xy", "zwv", "q")] == ["abc", "de", "", "", "", "q"]
+
+
+def test_streamed_chunks_arrive_in_order_then_the_end(rq):
+    request_id = submit(rq)
+    rq.take("tiny", "a", timeout=1)
+    for piece in ("Hel", "lo", "!"):
+        rq.chunk(request_id, piece)
+    rq.finish(request_id, "a", {"text": "Hello!"})
+
+    chunks, ended = rq.read_stream(request_id, 0, timeout=1)
+    assert chunks == ["Hel", "lo", "!"] and ended
+
+
+# -- the REST path -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serving_deployment(db, rq, tiny_model_dir):
+    """A deployment with one replica marked serving (no process: a thread answers its queue)."""
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    replica = Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+    request_services.queue.cache_clear()
+    return replica
+
+
+@pytest.fixture(params=["token", "forced"])
+def user_client(request, db) -> APIClient:
+    """Alice's client, both ways: with a token header, /infer/ takes its fast path
+    (scheduling.api.requests.fast_inputs); authenticated without one, it goes the DRF way."""
+    client = APIClient()
+    user = User.objects.create_user("alice")
+    if request.param == "token":
+        client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    else:
+        client.force_authenticate(user)
+    return client
+
+
+def test_infer_runs_the_request_and_answers_with_its_output(serving_deployment, user_client):
+    StandIn(serving_deployment.id, 1).start()
+
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "hello", "timeout_s": 10}, format="json")
+
+    assert response.status_code == 200, response.json()
+    body = response.json()
+    assert body["status"] == "done" and body["output"]["text"] == "HELLO"
+    assert body["replica"] == serving_deployment.id and body["kind"] == "generate"
+    assert all(body[k] for k in ("created_at", "dispatched_at", "started_at", "finished_at"))
+
+
+def test_infer_answers_202_with_the_id_when_the_timeout_passes_first(serving_deployment, user_client):
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "hello", "timeout_s": 0.2}, format="json")
+
+    assert response.status_code == 202 and response.json()["status"] == "queued"
+    request_id = response.json()["id"]
+    StandIn(serving_deployment.id, 1).run()
+    assert user_client.get(f"/api/requests/{request_id}/").json()["status"] == "done"
+
+
+def test_submit_then_poll_and_only_the_owner_or_staff_sees_it(serving_deployment, user_client):
+    response = user_client.post("/api/requests/", {"deployment": "tiny", "input": "poll me"}, format="json")
+    assert response.status_code == 202
+    request_id = response.json()["id"]
+    StandIn(serving_deployment.id, 1).run()
+
+    assert user_client.get(f"/api/requests/{request_id}/").json()["output"]["text"] == "POLL ME"
+    stranger = APIClient()
+    stranger.force_authenticate(User.objects.create_user("mallory"))
+    assert stranger.get(f"/api/requests/{request_id}/").status_code == 404
+    staff = APIClient()
+    staff.force_authenticate(User.objects.create_user("ops", is_staff=True))
+    assert staff.get(f"/api/requests/{request_id}/").status_code == 200
+    assert APIClient().get(f"/api/requests/{request_id}/").status_code == 401
+
+
+def test_an_input_too_long_for_the_model_is_a_400(serving_deployment, user_client):
+    StandIn(serving_deployment.id, 1).start()
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "too long", "timeout_s": 10}, format="json")
+    assert response.status_code == 400 and response.json()["input"] == ["input too long: 300 prompt tokens"]
+
+
+def test_a_waiting_request_can_be_cancelled_by_its_owner(serving_deployment, user_client):
+    request_id = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json").json()["id"]
+
+    response = user_client.delete(f"/api/requests/{request_id}/")
+
+    assert response.status_code == 200 and response.json()["status"] == "cancelled"
+    assert user_client.delete(f"/api/requests/{request_id}/").status_code == 409
+
+
+@pytest.mark.parametrize(
+    ("path", "data", "field"),
+    [
+        ("/api/deployments/tiny/infer/", {}, "input"),
+        ("/api/deployments/tiny/infer/", {"input": 5}, "input"),
+        ("/api/deployments/tiny/infer/", {"input": [{"role": "user"}]}, "input"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "timeout_s": -1}, "timeout_s"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "timeout_s": 10_000}, "timeout_s"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"max_tokens": 0}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"temperature": 3}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"top_p": 0}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"stop": [1]}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "params": {"beams": 4}}, "params"),
+        ("/api/deployments/tiny/infer/", {"input": "x", "extra": 1}, "extra"),
+        ("/api/requests/", {"input": "x"}, "deployment"),
+        ("/api/requests/", {"deployment": "Not A Slug", "input": "x"}, "deployment"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field_and_queues_nothing(serving_deployment, user_client, rq, path, data, field):
+    response = user_client.post(path, data, format="json")
+
+    assert response.status_code == 400 and field in response.json(), response.json()
+    assert rq.depth("tiny") == 0
+
+
+def test_unknown_deployments_and_requests_are_404(serving_deployment, user_client):
+    assert user_client.post("/api/deployments/nope/infer/", {"input": "x"}, format="json").status_code == 404
+    assert user_client.get(f"/api/requests/{uuid.uuid4().hex}/").status_code == 404
+
+
+def test_a_deployment_that_can_never_be_placed_is_refused_at_once_with_409(db, rq, user_client, tiny_model_dir):
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    Deployment.objects.create(name="giant", model_source=str(tiny_model_dir), memory_override_bytes=2 * 1024**3)
+    request_services.queue.cache_clear()
+
+    response = user_client.post("/api/deployments/giant/infer/", {"input": "x"}, format="json")
+
+    assert response.status_code == 409 and "no node can ever hold" in response.json()["detail"]
+    assert rq.depth("giant") == 0 and not Replica.objects.exists()
+
+
+def test_a_request_for_a_sleeping_deployment_wakes_it_and_says_waking(db, rq, user_client, tiny_model_dir, dispatched):
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    Deployment.objects.create(
+        name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB, replicas_wanted=0
+    )
+    request_services.queue.cache_clear()
+
+    response = user_client.post("/api/requests/", {"deployment": "tiny", "input": "wake up"}, format="json")
+
+    assert response.status_code == 202 and response.json()["status"] == "waking"
+    assert Replica.objects.filter(deployment__name="tiny", state="pending").count() == 1
+    assert rq.depth("tiny") == 1
+
+
+def test_requests_of_a_failed_replica_are_requeued_not_lost(serving_deployment, user_client, rq):
+    request_id = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json").json()["id"]
+    rq.take("tiny", serving_deployment.id, timeout=1)
+
+    reports.report(serving_deployment.id, {"event": "failed", "kind": "crash", "reason": "killed"})
+
+    back = rq.get(request_id)
+    assert back.status == "queued" and rq.depth("tiny") == 1
+
+
+def test_last_access_is_copied_into_the_database(serving_deployment, rq):
+    request_id = submit(rq)
+    rq.take("tiny", serving_deployment.id, timeout=1)
+    rq.finish(request_id, serving_deployment.id, {"text": "x"})
+
+    assert request_services.sync_last_accessed() == 1
+    serving_deployment.refresh_from_db()
+    assert serving_deployment.last_accessed is not None
+
+
+def test_deleting_a_deployment_ends_its_waiting_requests_saying_why(serving_deployment, user_client, rq):
+    from scheduling.services import deployments
+
+    request_id = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json").json()["id"]
+
+    from django.test import TestCase
+
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        deployments.delete("tiny")
+
+    ended = user_client.get(f"/api/requests/{request_id}/").json()
+    assert ended["status"] == "failed" and ended["error"] == "deployment tiny was deleted"
+
+
+# -- the live claim: requests queued without a database read -------------------------------------
+
+
+STARTING = (Replica.State.PENDING, Replica.State.WAKING)
+
+
+def sleeping_deployment(tiny_model_dir) -> Replica:
+    """A deployment whose only replica the database says is asleep (so a request must wake it)."""
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    request_services.queue.cache_clear()
+    return Replica.objects.create(deployment=deployment, state=Replica.State.SLEEPING)
+
+
+def test_a_request_for_a_replica_that_claims_to_take_requests_is_queued_without_asking_the_database(
+    db, rq, tiny_model_dir, dispatched
+):
+    # The database says asleep, the claim says taking: only a submit that never asked the
+    # database queues it as plainly `queued` and wakes nothing.
+    replica = sleeping_deployment(tiny_model_dir)
+    rq.announce("tiny", "text", replica.id)
+
+    submitted = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert submitted.status == "queued" and rq.depth("tiny") == 1
+    assert not Replica.objects.filter(state__in=STARTING).exists(), "nothing woken"
+
+
+def test_without_a_claim_the_request_is_admitted_by_the_database_which_wakes_the_deployment(
+    db, rq, tiny_model_dir, dispatched
+):
+    sleeping_deployment(tiny_model_dir)
+
+    submitted = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert submitted.status == "waking" and rq.depth("tiny") == 1
+    assert Replica.objects.filter(state__in=STARTING).exists(), "woken"
+
+
+def test_a_claim_that_lapsed_or_is_for_other_input_admits_nothing_by_itself(db, rq, tiny_model_dir, dispatched):
+    replica = sleeping_deployment(tiny_model_dir)
+    rq.announce("tiny", "tensor", replica.id)  # a plain module's claim: no use for text
+    rq.redis.zadd(live_key("tiny", "text"), {replica.id: 1.0})  # expired long ago
+
+    submitted = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert submitted.status == "waking" and rq.depth("tiny") == 1
+
+
+def test_a_request_of_the_wrong_kind_finds_no_claim_and_is_refused_as_before(serving_deployment, rq):
+    rq.announce("tiny", "text", serving_deployment.id)
+
+    with pytest.raises(InvalidInput, match="causal LM"):  # a tensor for a causal LM
+        request_services.submit("tiny", kind="forward", input=[[1.0]], params={}, owner="1")
+    assert rq.depth("tiny") == 0
+
+
+def test_run_waits_for_the_answer_of_a_request_queued_on_a_claim(serving_deployment, rq):
+    rq.announce("tiny", "text", serving_deployment.id)
+    StandIn(serving_deployment.id, 1).start()
+
+    submitted, final = request_services.run("tiny", kind="generate", input="hi", params={}, owner="1", timeout=10)
+
+    assert final is not None and final.status == "done" and final.output["text"] == "HI"
+    assert final.id == submitted.id and rq.live("tiny", "text") == [serving_deployment.id]
+
+
+def test_a_renewal_never_brings_back_a_withdrawn_claim_and_says_it_found_none(rq):
+    assert rq.announce("tiny", "text", "r1")
+    assert rq.live("tiny", "text") == ["r1"]
+    assert rq.take_renewing("tiny", "r1", 0, "text") == (None, True)
+    assert rq.live("tiny", "text") == ["r1"]
+
+    rq.withdraw("tiny", "r1")
+
+    assert rq.take_renewing("tiny", "r1", 0, "text") == (None, False)
+    assert rq.live("tiny", "text") == []
+
+
+def test_a_replica_claims_again_once_redis_lost_its_claim_but_not_for_a_deleted_deployment(rq):
+    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event())
+    host.accepting.set()
+    server = Server(host, rq, "tiny")
+    server._announce()
+    assert server.live and rq.live("tiny", "text") == ["r1"]
+
+    rq.redis.delete(live_key("tiny", "text"))  # a Redis restarted without persistence
+    server._take(0)
+    server._announce()  # what the serving loop does on its next turn
+
+    assert rq.live("tiny", "text") == ["r1"]
+    rq.forget_live("tiny")  # deleted: its stop is on its way to the replica
+    server._take(0)
+    server._announce()
+    assert not server.live and rq.live("tiny", "text") == []
+
+
+def test_a_claim_made_as_the_replica_stops_taking_is_withdrawn_not_left(rq):
+    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event())
+    server = Server(host, rq, "tiny")
+    host.accepting.set()
+    server._announce()
+
+    host.accepting.clear()  # what ReplicaHost's state setter does, then it calls on_stop_taking
+    host.on_stop_taking()
+
+    assert not server.live and rq.live("tiny", "text") == []
+    server._announce()
+    assert rq.live("tiny", "text") == []
+
+
+@pytest.mark.parametrize("report", [{"event": "sleeping"}, {"event": "failed", "kind": "crash", "reason": "killed"}])
+def test_the_control_plane_withdraws_the_claim_of_a_replica_that_reports_it_stopped_taking(
+    serving_deployment, rq, dispatched, report
+):
+    # A replica withdraws its own claim as it drains; one that died cannot, and its claim would
+    # otherwise admit requests without a wake until it lapsed.
+    from django.test import TestCase
+
+    rq.announce("tiny", "text", serving_deployment.id)
+    queued = submit(rq)
+
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        reports.report(serving_deployment.id, report)
+
+    assert rq.live("tiny", "text") == []
+    assert rq.get(queued).status == "queued"
+    assert dispatched, "a request waits and nothing is awake: the deployment is woken again"
+
+
+def test_deleting_a_deployment_forgets_its_claims_and_ends_what_was_queued_on_them(serving_deployment, rq):
+    from django.test import TestCase
+
+    from scheduling.services import deployments
+
+    rq.announce("tiny", "text", serving_deployment.id)
+    queued = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        deployments.delete("tiny")
+
+    assert rq.live("tiny", "text") == []
+    assert rq.get(queued.id).status == "failed"
+    with pytest.raises(NotFound):
+        request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+
+# -- /infer/'s fast path reads input exactly as its serializer does ------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5000) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+_params = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(-1, 5000) | _json,
+        "temperature": st.floats(-1, 3) | st.integers(-1, 3) | _json,
+        "top_p": st.floats(-0.5, 1.5) | _json,
+        "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | _json,
+        "beams": _json,
+    },
+)
+_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": st.text(max_size=5) | st.just([{"role": "user", "content": "hi"}]) | _json,
+        "params": _params | _json,
+        "timeout_s": st.floats(-1, 10_000) | st.integers(-1, 10_000) | _json,
+        "extra": _json,
+    },
+)
+
+
+@given(_bodies)
+def test_the_fast_path_accepts_only_what_the_serializer_accepts_and_reads_it_the_same(body):
+    fast = fast_inputs(body)
+    if fast is None:
+        return  # the serializer judges it, with its own errors
+    serializer = InferInput(data=body)
+    assert serializer.is_valid(), serializer.errors
+    data = serializer.validated_data
+    assert fast == (data["input"], params_of(data), data.get("timeout_s", settings.GPUPORTAL_INFER_TIMEOUT_S))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": "Hello", "params": {"max_tokens": 1}},
+        {"input": [{"role": "user", "content": "Hi"}], "timeout_s": 30},
+        {"input": "x", "params": {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"]}},
+        {"input": [[0.5, 1.0]], "params": {"stop": "END"}, "timeout_s": 2.5},
+    ],
+)
+def test_the_fast_path_takes_the_shapes_clients_send_most(body):
+    assert fast_inputs(body) is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_is_accepted_after_the_database_dropped_the_web_processs_connection(rq, tiny_model_dir):
+    from django.db import connection, connections
+
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+    request_services.queue.cache_clear()
+    connection.ensure_connection()
+    # What a restarted database does to every kept connection: the server ends its session.
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])
+    finally:
+        other.close()
+
+    request = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
+
+    assert request.status == "queued" and rq.depth("tiny") == 1
