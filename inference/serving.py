@@ -340,7 +340,7 @@ class Server(threading.Thread):
             # Still running after their first step: `running` from here on, stamped when admitted.
             starting, self.starting = self.starting, {}
             try:
-                self.queue.started(starting)
+                self.queue.started(starting, self.host.replica_id)
             except Exception:  # only the status shown while it runs: its answer still lands
                 log.warning("cannot mark %d request(s) running", len(starting), exc_info=True)
 
@@ -404,7 +404,7 @@ class Server(threading.Thread):
         if self.host.abort.is_set():  # the drain's deadline passed before it could start
             self.queue.give_back(request, self.host.replica_id)
             return
-        self.queue.start(request.id)
+        self.queue.start(request.id, self.host.replica_id)
         on_chunk = (lambda c: self.queue.chunk(request.id, c)) if request.params.get("stream") else None
         try:
             output = self.host.executor().run(request, on_chunk)

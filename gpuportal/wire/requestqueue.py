@@ -207,6 +207,32 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
+# A request starts running only while it is the starting replica's: one written off may have had
+# it given back (status `queued`, owner '') an instant before, and a `running` written over that
+# would make every take pass it by, so that it ran nowhere. KEYS: request. ARGV: replica id, time.
+_START = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'dispatched' or redis.call('HGET', KEYS[1], 'replica') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[2])
+return 1
+"""
+
+# A request taken but not started goes back first in line, only if it is still the replica's
+# (in its processing list): one given back for it already (it was written off) may be another's
+# by now. KEYS: processing list, request, queue, stream. ARGV: request id, restart marker or '', ttl.
+_GIVE_BACK = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], 'status', 'queued', 'replica', '')
+redis.call('HINCRBY', KEYS[2], 'attempts', -1)
+if ARGV[2] ~= '' then
+  redis.call('RPUSH', KEYS[4], ARGV[2])
+  redis.call('EXPIRE', KEYS[4], ARGV[3])
+end
+redis.call('RPUSH', KEYS[3], ARGV[1])
+return 1
+"""
+
 # Raise the pair's epoch, never lower it: a slow writer of an old epoch cannot undo a takeover.
 _RAISE_EPOCH = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
@@ -344,6 +370,8 @@ class RequestQueue:
         self._raise_epoch = client.register_script(_RAISE_EPOCH)
         self._end_script = client.register_script(_END)
         self._mark_taken = client.register_script(_MARK_TAKEN)
+        self._start = client.register_script(_START)
+        self._give_back = client.register_script(_GIVE_BACK)
         self._announce = client.register_script(_ANNOUNCE)
 
     @classmethod
@@ -679,14 +707,11 @@ class RequestQueue:
         return [m.decode() for m in self.redis.zrangebyscore(live_key(deployment, family), now(), "+inf")]
 
     def give_back(self, request: Request, replica_id: str) -> None:
-        """Return a request taken but not started (the replica began to sleep): first in line again."""
-        with self.redis.pipeline() as pipe:
-            pipe.lrem(processing_key(replica_id), 1, request.id)
-            pipe.hset(request_key(request.id), mapping={"status": "queued", "replica": ""})
-            pipe.hincrby(request_key(request.id), "attempts", -1)  # it never ran: not an attempt
-            self._mark_restart(pipe, request)
-            pipe.rpush(queue_key(request.deployment), request.id)
-            pipe.execute()
+        """Return a request taken but not started (the replica began to sleep): first in line
+        again, its attempt not counted (it never ran). Nothing if it is no longer the replica's."""
+        keys = [processing_key(replica_id), request_key(request.id), queue_key(request.deployment)]
+        marker = STREAM_RESTART if request.params.get("stream") else ""
+        self._give_back(keys=[*keys, stream_key(request.id)], args=[request.id, marker, TTL_S])
 
     @staticmethod
     def _mark_restart(pipe: redis.client.Pipeline, request: Request) -> None:
@@ -694,15 +719,22 @@ class RequestQueue:
             pipe.rpush(stream_key(request.id), STREAM_RESTART)
             pipe.expire(stream_key(request.id), TTL_S)
 
-    def start(self, request_id: str) -> None:
-        self.redis.hset(request_key(request_id), mapping={"status": "running", "started_at": now()})
+    def start(self, request_id: str, replica_id: str) -> None:
+        self.started({request_id: now()}, replica_id)
 
-    def started(self, stamps: dict[str, float]) -> None:
-        """Mark requests running since the given times, in one round trip."""
+    def started(self, stamps: dict[str, float], replica_id: str) -> None:
+        """Mark the replica's requests running since the given times, in one round trip; one no
+        longer its (given back meanwhile) is left as it is."""
+        ids = list(stamps)
         with self.redis.pipeline(transaction=False) as pipe:
-            for request_id, at in stamps.items():
-                pipe.hset(request_key(request_id), mapping={"status": "running", "started_at": at})
-            pipe.execute()
+            for request_id in ids:
+                pipe.evalsha(self._start.sha, 1, request_key(request_id), replica_id, stamps[request_id])
+            replies = pipe.execute(raise_on_error=False)
+        for request_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted Redis lost its scripts
+                self._start(keys=[request_key(request_id)], args=[replica_id, stamps[request_id]])
+            elif isinstance(reply, Exception):
+                raise reply
 
     def chunk(self, request_id: str, text: str) -> None:
         with self.redis.pipeline() as pipe:

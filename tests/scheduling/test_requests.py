@@ -63,7 +63,8 @@ def test_requests_are_taken_oldest_first_and_end_with_their_output(rq):
 
     taken = rq.take("tiny", "replica-a", timeout=1)
     assert (taken.id, taken.status, taken.replica, taken.attempts) == (first, "dispatched", "replica-a", 1)
-    rq.start(first)
+    rq.start(first, "replica-a")
+    assert rq.get(first).status == "running"
     rq.finish(first, "replica-a", {"text": "ONE"})
 
     done = rq.wait(first, timeout=1)
@@ -139,6 +140,21 @@ def test_a_request_taken_as_its_replica_sleeps_is_given_back_without_costing_an_
 
     back = rq.take("tiny", "other", timeout=1)
     assert back.id == request_id and back.attempts == 1
+
+
+def test_a_written_off_replica_gives_back_nothing_that_is_no_longer_its(rq):
+    # Its request was given back for it and another replica took it; the orphan, stopping at the
+    # end of its adoption window, must not take it from the new owner (issue 16).
+    request_id = submit(rq)
+    taken = rq.take("tiny", "orphan", timeout=1)
+    rq.write_off("orphan")
+    rq.requeue_from("orphan", max_attempts=3, reason="lost with its node")
+    assert rq.take("tiny", "replacement", timeout=1).id == request_id
+
+    rq.give_back(taken, "orphan")
+
+    now = rq.get(request_id)
+    assert (now.status, now.replica) == ("dispatched", "replacement") and rq.depth("tiny") == 0
 
 
 def test_only_a_waiting_request_can_be_cancelled(rq):
@@ -237,6 +253,23 @@ def test_a_written_off_replica_takes_nothing_more_and_a_request_its_take_moved_g
     with pytest.raises(WrittenOff):
         rq.take("tiny", "racer", timeout=0)
     assert rq.get(late).status == "queued" and rq.take("tiny", "replacement", timeout=1).id == late
+
+
+def test_a_request_given_back_before_its_replica_starts_it_stays_queued_for_the_next(rq):
+    # The replica took it, was written off and had it given back, then got round to starting it:
+    # a `running` written over `queued` would make every take pass it by (issue 16).
+    request_id = submit(rq)
+    assert rq.take("tiny", "orphan", timeout=1).id == request_id
+    rq.write_off("orphan")
+    rq.requeue_from("orphan", max_attempts=3, reason="lost with its node")
+
+    rq.start(request_id, "orphan")
+    rq.started({request_id: 1.0}, "orphan")
+
+    assert rq.get(request_id).status == "queued"
+    assert rq.take("tiny", "replacement", timeout=1).id == request_id
+    rq.start(request_id, "replacement")
+    assert rq.get(request_id).status == "running"
 
 
 def test_a_streamed_request_run_again_after_its_replica_died_sends_no_text_twice(rq):

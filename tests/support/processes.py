@@ -51,7 +51,7 @@ class StandIn(threading.Thread):
             request = self.queue.take(self.deployment, self.replica_id, timeout=10)
             if request is None:
                 return
-            self.queue.start(request.id)
+            self.queue.start(request.id, self.replica_id)
             text = str(request.input[-1]["content"] if request.kind == "chat" else request.input)
             if "too long" in text:
                 self.queue.fail(request.id, self.replica_id, "input too long: 300 prompt tokens", "bad_input")
