@@ -106,15 +106,20 @@ class DoomedAgent:
         self.process.stdout.close()
 
 
-def test_a_replica_outlives_its_agent_and_the_next_one_takes_it_over(tmp_path):
-    log_dir = tmp_path / "logs"
-    doomed = DoomedAgent(log_dir, window_s=60)
+def orphan(log_dir: Path, window_s: float) -> tuple[int, int]:
+    """(the pid of a serving replica whose agent was then SIGKILLed, that agent's pid)."""
+    doomed = DoomedAgent(log_dir, window_s)
     try:
-        pid = doomed.serving_pid()
+        return doomed.serving_pid(), doomed.process.pid
     finally:
         doomed.kill()
+
+
+def test_a_replica_outlives_its_agent_and_the_next_one_takes_it_over(tmp_path):
+    log_dir = tmp_path / "logs"
+    pid, agent_pid = orphan(log_dir, window_s=60)
     assert not gone(pid), "the replica outlives its agent"
-    assert psutil.Process(pid).ppid() != doomed.process.pid
+    assert psutil.Process(pid).ppid() != agent_pid
 
     events = Events()
     successor = Supervisor(log_dir)
@@ -144,11 +149,7 @@ def test_a_replica_outlives_its_agent_and_the_next_one_takes_it_over(tmp_path):
 
 def test_an_orphan_nobody_adopts_stops_after_its_window_and_is_not_adopted_later(tmp_path):
     log_dir = tmp_path / "logs"
-    doomed = DoomedAgent(log_dir, window_s=1)
-    try:
-        pid = doomed.serving_pid()
-    finally:
-        doomed.kill()
+    pid, _ = orphan(log_dir, window_s=1)
     wait_until(lambda: gone(pid), 30, "the orphan to stop after its adoption window")
     assert "no agent adopted it within 1 s; stopping" in (log_dir / "replica-r1.log").read_text()
 
@@ -159,22 +160,14 @@ def test_an_orphan_nobody_adopts_stops_after_its_window_and_is_not_adopted_later
 
 
 def test_a_replica_without_a_window_dies_with_its_agent(tmp_path):
-    doomed = DoomedAgent(tmp_path / "logs", window_s=0)
-    try:
-        pid = doomed.serving_pid()
-    finally:
-        doomed.kill()
+    pid, _ = orphan(tmp_path / "logs", window_s=0)
     wait_until(lambda: gone(pid), 10, "the replica to die with its agent")
     assert Supervisor(tmp_path / "logs").adopt_survivors(Events()) == {}
 
 
 def test_an_adopted_replica_that_is_killed_is_reported_as_a_crash(tmp_path):
     log_dir = tmp_path / "logs"
-    doomed = DoomedAgent(log_dir, window_s=60)
-    try:
-        pid = doomed.serving_pid()
-    finally:
-        doomed.kill()
+    pid, _ = orphan(log_dir, window_s=60)
     events = Events()
     successor = Supervisor(log_dir)
     try:
