@@ -22,14 +22,12 @@ import http.client as http_client
 import os
 import signal
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import setup_database, stop
-from bench.portal import Http, Portal, percentile, start_redis_if_needed, wait
+from bench.portal import Http, Portal, percentile, servers, staff_key, wait
 
 MiB = 1024**2
 
@@ -208,6 +206,16 @@ def report(standby: Phase, solo: Phase, grant_to_serving: list[float]) -> tuple[
     return table(headers, rows), detail
 
 
+def described(args: argparse.Namespace, table: str, detail: str) -> str:
+    return (
+        f"`python -m bench.failover --trials {args.trials} --baseline-trials {args.baseline_trials} "
+        f"--clients {args.clients}`: a tiny causal LM (2 MB) on a virtual GPU (CPU), {args.clients} clients "
+        "sending one-token `/infer/` requests back to back over HTTP (granian), a real node agent and "
+        "real replica processes. Time = from the SIGKILL to the first answer served by the replacement; "
+        "failed = requests that did not end `done`, over the whole run.\n\n" + table + "\n\n" + detail
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20)
@@ -216,44 +224,24 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-failover-"))
-    redis_server = start_redis_if_needed(tmp)
-    db_server = setup_database("gpuportal_bench_failover")
-    portal: Portal | None = None
-    try:
-        from django.contrib.auth.models import User
-        from rest_framework.authtoken.models import Token
-
+    with servers("gpuportal-bench-failover-", "gpuportal_bench_failover") as tmp:
         from bench.report import record
         from inference.management.commands.make_tiny_model import write_tiny_model
 
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
         # The control plane's worker: without a standby, it is what places the replacement.
-        portal = Portal(tmp, web_threads=args.clients + 2, control=True)
-        key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
-        portal.ready(key)
-        standby, grant_to_serving = with_standby(portal, key, model_dir, args.trials, args.clients)
-        solo = without_standby(portal, key, model_dir, args.baseline_trials, args.clients)
-        table, detail = report(standby, solo, grant_to_serving)
-        print("\n" + table + "\n\n" + detail)
-        for failure in (standby.failed + solo.failed)[:5]:
-            print("failed:", failure)
-        if not args.no_record:
-            record(
-                "failover",
-                "Failover: a standby against a restart, after SIGKILL under load",
-                f"`python -m bench.failover --trials {args.trials} --baseline-trials {args.baseline_trials} "
-                f"--clients {args.clients}`: a tiny causal LM (2 MB) on a virtual GPU (CPU), {args.clients} clients "
-                "sending one-token `/infer/` requests back to back over HTTP (granian), a real node agent and "
-                "real replica processes. Time = from the SIGKILL to the first answer served by the replacement; "
-                "failed = requests that did not end `done`, over the whole run.\n\n" + table + "\n\n" + detail,
-            )
-    finally:
-        if portal is not None:
-            portal.stop()
-        stop(db_server)
-        if redis_server is not None:
-            redis_server.stop()
+        with Portal(tmp, web_threads=args.clients + 2, control=True) as portal:
+            key = staff_key()
+            portal.ready(key)
+            standby, grant_to_serving = with_standby(portal, key, model_dir, args.trials, args.clients)
+            solo = without_standby(portal, key, model_dir, args.baseline_trials, args.clients)
+            table, detail = report(standby, solo, grant_to_serving)
+            print("\n" + table + "\n\n" + detail)
+            for failure in (standby.failed + solo.failed)[:5]:
+                print("failed:", failure)
+            if not args.no_record:
+                title = "Failover: a standby against a restart, after SIGKILL under load"
+                record("failover", title, described(args, table, detail))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from bench.common import setup_database, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,6 +59,29 @@ def start_redis_if_needed(tmp: Path):
     server = EmbeddedRedis(data_dir=tmp / "redis", persist=False)
     os.environ["REDIS_URL"] = server.start()
     return server
+
+
+@contextmanager
+def servers(prefix: str, database: str) -> Iterator[Path]:
+    """A temporary directory, Redis (embedded unless REDIS_URL is set) and a fresh database
+    (bench.common.setup_database) for one benchmark run; stopped on the way out, whatever happened."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    redis_server = start_redis_if_needed(tmp)
+    db_server = setup_database(database)
+    try:
+        yield tmp
+    finally:
+        stop(db_server)
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def staff_key() -> str:
+    """The API token of a staff user for the benchmark's clients."""
+    from django.contrib.auth.models import User
+    from rest_framework.authtoken.models import Token
+
+    return Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
 
 
 def wait(predicate: Callable[[], object], timeout: float, what: str) -> object:
@@ -133,6 +160,12 @@ class Portal:
             f"the agents {', '.join(names)} ({self.tmp})",
         )
         wait(Http(self.port, key).ready, 60, f"the web server ({self.tmp / 'web.log'})")
+
+    def __enter__(self) -> Portal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         for child in reversed(self.children):

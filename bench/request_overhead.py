@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import setup_database, stop
-from bench.portal import Http, Portal, percentile, start_redis_if_needed, wait
+from bench.portal import Http, Portal, percentile, servers, staff_key, wait
 
 ROOT = Path(__file__).resolve().parent.parent
 # The replica's reservation and the deployment's max_tokens, for the portal and the direct call alike.
@@ -180,14 +178,7 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-overhead-"))
-    redis_server = start_redis_if_needed(tmp)
-    db_server = setup_database("gpuportal_bench_overhead")
-    portal: Portal | None = None
-    try:
-        from django.contrib.auth.models import User
-        from rest_framework.authtoken.models import Token
-
+    with servers("gpuportal-bench-overhead-", "gpuportal_bench_overhead") as tmp:
         from bench.report import record
         from inference.management.commands.make_tiny_model import write_tiny_model
         from scheduling.models import Replica
@@ -197,40 +188,35 @@ def main() -> None:
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
         direct_generate, direct_chat = direct_calls(model_dir)
 
-        portal = Portal(tmp)
-        key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
-        portal.ready(key)
-        deployments.create(
-            DeploymentSpec(name="tiny", source=str(model_dir), override_bytes=CAP_BYTES, max_tokens=MAX_TOKENS)
-        )
-        wait(lambda: Replica.objects.filter(deployment__name="tiny", state="serving").exists(), 240, "the replica")
-        http = Http(portal.port, key)
-        infer, chat = portal_calls(http)
-        print("direct calls, /infer/ and /v1, in alternating rounds…", flush=True)
-        samples = interleaved(
-            {"direct text": direct_generate, "infer": infer, "direct chat": direct_chat, "chat": chat}, args.requests
-        )
-        wakes = wake_times(infer, args.wakes)
-        http.close()
-        overhead, wake = report(samples, wakes)
-        print("\n" + overhead + "\n\n" + wake)
-        if not args.no_record:
-            record(
-                "request_overhead",
-                "Request overhead: the portal against a direct call",
-                f"`python -m bench.request_overhead --requests {args.requests}`: a tiny causal LM (2 MB), one "
-                "generated token per request, one client; direct = the replica's executor and paged KV engine "
-                "called in the benchmark's process (one torch thread, as a replica on a virtual GPU), from text "
-                "and from chat messages; portal = over HTTP to granian (1 worker, 4 blocking threads), queued in "
-                "Redis, served by a real replica process on a virtual GPU. The four calls alternate in "
-                f"{ROUNDS} rounds. Added = portal − direct of the same input.\n\n" + overhead + "\n\n" + wake,
+        with Portal(tmp) as portal:
+            key = staff_key()
+            portal.ready(key)
+            deployments.create(
+                DeploymentSpec(name="tiny", source=str(model_dir), override_bytes=CAP_BYTES, max_tokens=MAX_TOKENS)
             )
-    finally:
-        if portal is not None:
-            portal.stop()
-        stop(db_server)
-        if redis_server is not None:
-            redis_server.stop()
+            wait(lambda: Replica.objects.filter(deployment__name="tiny", state="serving").exists(), 240, "the replica")
+            http = Http(portal.port, key)
+            infer, chat = portal_calls(http)
+            print("direct calls, /infer/ and /v1, in alternating rounds…", flush=True)
+            samples = interleaved(
+                {"direct text": direct_generate, "infer": infer, "direct chat": direct_chat, "chat": chat},
+                args.requests,
+            )
+            wakes = wake_times(infer, args.wakes)
+            http.close()
+            overhead, wake = report(samples, wakes)
+            print("\n" + overhead + "\n\n" + wake)
+            if not args.no_record:
+                record(
+                    "request_overhead",
+                    "Request overhead: the portal against a direct call",
+                    f"`python -m bench.request_overhead --requests {args.requests}`: a tiny causal LM (2 MB), one "
+                    "generated token per request, one client; direct = the replica's executor and paged KV engine "
+                    "called in the benchmark's process (one torch thread, as a replica on a virtual GPU), from text "
+                    "and from chat messages; portal = over HTTP to granian (1 worker, 4 blocking threads), queued in "
+                    "Redis, served by a real replica process on a virtual GPU. The four calls alternate in "
+                    f"{ROUNDS} rounds. Added = portal − direct of the same input.\n\n" + overhead + "\n\n" + wake,
+                )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,10 @@ from __future__ import annotations
 import argparse
 import signal
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
-from bench.common import setup_database, stop
 from bench.failover import Load
-from bench.portal import Portal, start_redis_if_needed, wait
+from bench.portal import Portal, servers, staff_key, wait
 
 MiB = 1024**2
 NAME = "heal"
@@ -216,14 +213,8 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpuportal-bench-heal-"))
-    redis_server = start_redis_if_needed(tmp)
-    db_server = setup_database("gpuportal_bench_heal")
-    portal: Portal | None = None
-    try:
+    with servers("gpuportal-bench-heal-", "gpuportal_bench_heal") as tmp:
         from django.conf import settings
-        from django.contrib.auth.models import User
-        from rest_framework.authtoken.models import Token
 
         from bench.report import record
         from inference.management.commands.make_tiny_model import write_tiny_model
@@ -231,57 +222,51 @@ def main() -> None:
         from scheduling.services.deployments import DeploymentSpec
 
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=7, log=lambda _: None).path
-        portal = Portal(tmp, web_threads=args.clients + 2, control=True, agents=AGENTS, beat=True)
-        key = Token.objects.create(user=User.objects.create_user("bench", is_staff=True)).key
-        portal.ready(key)
-        deployments.create(
-            DeploymentSpec(name=NAME, source=str(model_dir), replicas=2, override_bytes=512 * MiB, max_tokens=256)
-        )
-        wait(serving(2), 300, "two replicas to serve")
-
-        cold = cold_starts(args.trials)
-        load = Load(portal.port, key, NAME, args.clients)
-        load.start()
-        losses = node_losses(portal, args.trials)
-        crashes = agent_crashes(portal, args.trials)
-        load.finish()
-        failed = load.failed()
-        restarted = restarts(portal, args.trials)
-
-        table = report(cold, losses, crashes, restarted)
-        detail = (
-            f"Settings: heartbeat every {settings.GPUPORTAL_HEARTBEAT_S:g} s, a node offline after "
-            f"{settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S:g} s of silence, expired by the beat sweep (every 5 s). "
-            f"Under node loss and agent crashes, {args.clients} clients sent {len(load.answers)} one-token "
-            "`/infer/` requests; "
-            f"{len(failed)} did not end `done`."
-        )
-        print("\n" + table + "\n\n" + detail)
-        for failure in failed[:5]:
-            print("failed:", failure)
-        if not args.no_record:
-            record(
-                "self_healing",
-                "Self-healing: node loss, agent crash and restart back to the full count",
-                f"`python -m bench.self_healing --trials {args.trials} --clients {args.clients}`: a tiny causal "
-                "LM (2 MB), 2 replicas wanted, two real node agents of one virtual GPU each, a control worker "
-                "and celery beat on the product's schedule. Node loss: from the SIGKILL of an agent serving a "
-                "replica to its node offline (detect), then to 2 replicas serving on the other node (full "
-                "count). Agent crash: an agent serving a replica SIGKILLed and started again at once; from the "
-                "SIGKILL to the new agent registered, then to its replica taken over (the same process serving on, "
-                "its model not loaded again). Restart: every agent SIGTERMed, then started; from the start to "
-                "the agents registered, "
-                "then to 2 replicas serving, with no request sent. `÷ cold start`: the part after detection "
-                "or registration against a plain scale-up measured in the same run.\n\n" + table + "\n\n" + detail,
+        with Portal(tmp, web_threads=args.clients + 2, control=True, agents=AGENTS, beat=True) as portal:
+            key = staff_key()
+            portal.ready(key)
+            deployments.create(
+                DeploymentSpec(name=NAME, source=str(model_dir), replicas=2, override_bytes=512 * MiB, max_tokens=256)
             )
-        if failed:
-            raise SystemExit(f"{len(failed)} request(s) did not end done")
-    finally:
-        if portal is not None:
-            portal.stop()
-        stop(db_server)
-        if redis_server is not None:
-            redis_server.stop()
+            wait(serving(2), 300, "two replicas to serve")
+
+            cold = cold_starts(args.trials)
+            load = Load(portal.port, key, NAME, args.clients)
+            load.start()
+            losses = node_losses(portal, args.trials)
+            crashes = agent_crashes(portal, args.trials)
+            load.finish()
+            failed = load.failed()
+            restarted = restarts(portal, args.trials)
+
+            table = report(cold, losses, crashes, restarted)
+            detail = (
+                f"Settings: heartbeat every {settings.GPUPORTAL_HEARTBEAT_S:g} s, a node offline after "
+                f"{settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S:g} s of silence, expired by the beat sweep (every 5 s). "
+                f"Under node loss and agent crashes, {args.clients} clients sent {len(load.answers)} one-token "
+                "`/infer/` requests; "
+                f"{len(failed)} did not end `done`."
+            )
+            print("\n" + table + "\n\n" + detail)
+            for failure in failed[:5]:
+                print("failed:", failure)
+            if not args.no_record:
+                record(
+                    "self_healing",
+                    "Self-healing: node loss, agent crash and restart back to the full count",
+                    f"`python -m bench.self_healing --trials {args.trials} --clients {args.clients}`: a tiny causal "
+                    "LM (2 MB), 2 replicas wanted, two real node agents of one virtual GPU each, a control worker "
+                    "and celery beat on the product's schedule. Node loss: from the SIGKILL of an agent serving a "
+                    "replica to its node offline (detect), then to 2 replicas serving on the other node (full "
+                    "count). Agent crash: an agent serving a replica SIGKILLed and started again at once; from the "
+                    "SIGKILL to the new agent registered, then to its replica taken over (the same process serving on, "
+                    "its model not loaded again). Restart: every agent SIGTERMed, then started; from the start to "
+                    "the agents registered, "
+                    "then to 2 replicas serving, with no request sent. `÷ cold start`: the part after detection "
+                    "or registration against a plain scale-up measured in the same run.\n\n" + table + "\n\n" + detail,
+                )
+            if failed:
+                raise SystemExit(f"{len(failed)} request(s) did not end done")
 
 
 if __name__ == "__main__":
