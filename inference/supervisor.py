@@ -298,20 +298,22 @@ class Supervisor:
         if spec.replica_id in self.running():
             return None
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.settimeout(adoption.HELLO_TIMEOUT_S)
-            conn.connect(adoption.socket_name(adoption.address(self.log_dir, spec.replica_id)))
-            reader, writer = conn.makefile("rb"), conn.makefile("wb")
-            hello = json.loads(reader.readline() or b"null")
-            conn.settimeout(None)
-            if not isinstance(hello, dict) or hello.get("event") != "hello" or hello.get("pid") != pid:
-                raise ValueError(f"not the hello of pid {pid}: {hello!r}")
-            process = AdoptedProcess(pid)
-        except (OSError, ValueError) as exc:
-            log.info("replica %s (pid %d) cannot be adopted: %s", spec.replica_id, pid, exc)
-            conn.close()
-            return None
-        conn.close()  # the files keep the socket open
+        reader, writer = conn.makefile("rb"), conn.makefile("wb")
+        # The files keep the socket open: closing it here leaves them the only owners.
+        with conn:
+            try:
+                conn.settimeout(adoption.HELLO_TIMEOUT_S)
+                conn.connect(adoption.socket_name(adoption.address(self.log_dir, spec.replica_id)))
+                hello = json.loads(reader.readline() or b"null")
+                conn.settimeout(None)
+                if not isinstance(hello, dict) or hello.get("event") != "hello" or hello.get("pid") != pid:
+                    raise ValueError(f"not the hello of pid {pid}: {hello!r}")
+                process = AdoptedProcess(pid)
+            except (OSError, ValueError) as exc:
+                log.info("replica %s (pid %d) cannot be adopted: %s", spec.replica_id, pid, exc)
+                reader.close()
+                writer.close()
+                return None
         return _Replica(
             spec=spec,
             process=process,
