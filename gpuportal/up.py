@@ -31,9 +31,8 @@ from gpuportal.stack import (
 from gpuportal.stackenv import write_stack_env
 
 ROOT = Path(__file__).resolve().parent.parent
-# A restartable child that dies after running this long is started again (a crash, not a start-up
-# error, which a restart would only repeat), at most RESTART_LIMIT times in RESTART_PERIOD_S.
-RESTART_AFTER_S = 10.0
+# A restartable child that dies once the portal is up is started again (a crash: one that fails
+# while the portal starts stops it, with its error), at most RESTART_LIMIT times in RESTART_PERIOD_S.
 RESTART_LIMIT = 5
 RESTART_PERIOD_S = 600.0
 
@@ -47,7 +46,6 @@ class Child:
     # Started again when it dies: the node agent, whose next run takes over the replica
     # processes it left (issue 16: restart restores) rather than the whole portal stopping.
     restartable: bool = False
-    started_at: float = 0.0
     restarts: deque[float] = field(default_factory=deque)
     # The process groups of its earlier runs: what they left running (replicas waiting to be
     # adopted, in an agent's) is stopped with the portal.
@@ -56,7 +54,7 @@ class Child:
     def may_restart(self, now: float) -> bool:
         while self.restarts and now - self.restarts[0] > RESTART_PERIOD_S:
             self.restarts.popleft()
-        return self.restartable and now - self.started_at >= RESTART_AFTER_S and len(self.restarts) < RESTART_LIMIT
+        return self.restartable and len(self.restarts) < RESTART_LIMIT
 
     def last_error(self) -> str:
         for line in reversed(self.tail):
@@ -208,7 +206,6 @@ class Portal:
             start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
-        child.started_at = time.monotonic()
         threading.Thread(target=self._pump, args=(child, log_dir / f"{child.name}.log"), daemon=True).start()
 
     def _pump(self, child: Child, log_path: Path) -> None:
