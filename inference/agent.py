@@ -14,15 +14,13 @@ from pathlib import Path
 import psutil
 from celery.signals import worker_ready
 from django.conf import settings
-from django.db import close_old_connections, connection
 
 from gpuportal.celery import app
-from gpuportal.wire.node_reports import Books, Survivor
+from gpuportal.wire.commands import node_queue
+from gpuportal.wire.control import ControlPlane
+from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from inference.devices import VirtualProfile, discover
-from inference.relay import relay
 from inference.supervisor import Supervisor
-from scheduling.models import Node
-from scheduling.services import nodes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +48,7 @@ class NodeAgent:
         self,
         name: str,
         *,
+        control: ControlPlane,
         backend: str = "auto",
         virtual_spec: str | None = None,
         cpu_cache_bytes: int | None = None,
@@ -58,6 +57,10 @@ class NodeAgent:
         profile: VirtualProfile | None = None,
     ):
         self.name = name
+        # The one way to the control plane (gpuportal.wire.control): this package never imports it.
+        self.control = control
+        # Its GPUs as discovered at registration.
+        self.devices: list[DeviceInfo] = []
         self.profile = profile or VirtualProfile.from_env()
         self.backend = backend
         self.virtual_spec = virtual_spec or settings.GPUPORTAL_VIRTUAL_GPUS
@@ -74,17 +77,18 @@ class NodeAgent:
 
     @property
     def queue(self) -> str:
-        return nodes.node_queue(self.name)
+        return node_queue(self.name)
 
-    def register(self) -> Node:
+    def register(self) -> None:
         """Register the node with the replicas its previous agent left running (issue 16: restart
         restores): the control plane keeps those whose books agree with what they say, and the
         first beat stops the others before the node takes new work."""
         devices = discover(self.name, backend=self.backend, virtual_spec=self.virtual_spec, profile=self.profile)
         virtual = all(d.virtual for d in devices)
         self.virtual = virtual
-        survivors = [Survivor.from_hello(h) for h in self.supervisor.adopt_survivors(on_event=relay).values()]
-        node = nodes.register_node(
+        self.devices = list(devices)
+        survivors = [Survivor.from_hello(h) for h in self.supervisor.adopt_survivors(on_event=self.relay).values()]
+        self.control.register_node(
             self.name,
             devices,
             hostname=socket.gethostname(),
@@ -109,7 +113,13 @@ class NodeAgent:
                 # that exited meanwhile is reported by its reader.
                 with contextlib.suppress(KeyError, ProcessLookupError):
                     self.supervisor.send(survivor.replica_id, {"cmd": "resync"})
-        return node
+
+    def relay(self, replica_id: str, event: dict) -> None:
+        """What a replica process said, to the control plane: the supervisor calls this on the
+        replica's reader thread, so one replica's events arrive in the order it emitted them."""
+        if event.get("event") == "pong":
+            return  # answers ping_all: the heartbeat reads its figures from the supervisor
+        self.control.report(replica_id, event)
 
     def start_heartbeat(self) -> None:
         self._heartbeat_thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
@@ -118,23 +128,19 @@ class NodeAgent:
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                # Why close_old_connections: a database restart leaves this thread's connection
-                # dead; Django drops it here so the next query reconnects instead of failing forever.
-                close_old_connections()
                 self.beat_once()
             except Exception:
                 log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
-        connection.close()
 
     def beat_once(self) -> list[str]:
         """One heartbeat. Replicas the control plane wrote off while this node was silent (a
         partition: the agent lived on) are stopped at once, and the beat is sent again so that
         the node comes back only once they are gone (nodes.heartbeat). Returns those stopped."""
-        stale = nodes.heartbeat(self.name, books=self.books(), running=self.supervisor.running())
+        stale = self.control.heartbeat(self.name, books=self.books(), running=self.supervisor.running())
         if not stale:
             return []
         stopped = self.supervisor.stop_written_off(stale)
-        nodes.heartbeat(self.name, running=self.supervisor.running())
+        self.control.heartbeat(self.name, books=None, running=self.supervisor.running())
         return stopped
 
     def books(self) -> Books:
@@ -164,17 +170,15 @@ class NodeAgent:
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=self.heartbeat_s + 5)
-        close_old_connections()
         try:
             # Then out of placement, so that the replacements of its replicas go elsewhere.
-            nodes.mark_stopping(self.name, reason)
+            self.control.node_stopping(self.name, reason)
         except Exception:
             log.exception("could not mark node %s stopping", self.name)
         # Then the replicas: each reports `stopped` (releasing its reservation) while we can still write.
         self.supervisor.stop_all()
         try:
-            close_old_connections()
-            nodes.mark_stopped(self.name, reason)
+            self.control.node_stopped(self.name, reason)
         except Exception:
             log.exception("could not mark node %s stopped; the heartbeat timeout will", self.name)
 

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import select
 import signal
 import socket
@@ -36,17 +35,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpuportal.stack import die_with_parent
+from gpuportal.wire.commands import ReplicaSpec
 from inference import adoption
 
 log = logging.getLogger(__name__)
 
 EventCallback = Callable[[str, dict[str, Any]], None]
 
-BACKENDS = ("virtual", "cuda")
 FINAL_EVENTS = ("stopped", "failed")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# The id names the log file: keep it to characters that are safe in a path.
-_REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # How long a replica that announced stopped/failed may take to exit before it is killed.
 EXIT_GRACE_S = 10.0
 # A replica's drain on stop when the command names none: inference.replica.DEFAULT_DRAIN_TIMEOUT_S
@@ -54,104 +51,55 @@ EXIT_GRACE_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What the agent asks for: one replica, its model, and where it runs under which cap."""
-
-    replica_id: str
-    source: str
-    loader: str
-    dtype: str
-    gpus: tuple[int, ...]
-    reserved_bytes_by_gpu: dict[str, int]
-    fraction: float | None = None
-    backend: str = "virtual"
-    # The request queue it serves; empty in tests of the process layer alone.
-    deployment: str = ""
-    redis_url: str = ""
-    # A failover pair member (seed 004): its lease, its initial role, and its timeouts. The
-    # database URL for its lock connection travels in the environment, not on the command line.
-    failover_lease: int | None = None
-    failover_fence: str = ""
-    role: str = "primary"
-    failover_dsn: str = field(default="", repr=False)
-    reconnect_window_s: float = 10.0
-    wake_timeout_s: float = 60.0
-    # An active member silent for this long is hung: the agent kills it, which passes the lock.
-    liveness_timeout_s: float = 3.0
-    # Sizing the KV block pool (issue 7) with the scheduler's formula: the deployment's max_tokens
-    # (the activation budget) and the CUDA context the reservation counts; None: the replica's default.
-    kv_max_tokens: int | None = None
-    context_bytes: int = 0
-    # A failover pair's reservation also holds its standby's context (issue 15): never the pool's.
-    standby_context_bytes: int = 0
-    # Seconds the replica outlives its agent waiting to be adopted; 0: it dies with the agent.
-    adoption_window_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not _REPLICA_ID.match(self.replica_id):
-            raise ValueError(f"replica id {self.replica_id!r} must be letters, digits, '.', '_' or '-'")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r} (known: {', '.join(BACKENDS)})")
-        # Accept a list from JSON, keep a tuple: the spec is a value, shared between threads.
-        object.__setattr__(self, "gpus", tuple(self.gpus))
-        if not self.gpus:
-            raise ValueError("a replica needs at least one GPU id")
-
-    def argv(self, python: str = sys.executable) -> list[str]:
-        args = [
-            python,
-            "-m",
-            "inference.replica",
-            "--replica-id",
-            self.replica_id,
-            "--source",
-            self.source,
-            "--loader",
-            self.loader,
-            "--dtype",
-            self.dtype,
-            "--gpus",
-            ",".join(str(g) for g in self.gpus),
-            "--reserved-bytes-by-gpu",
-            json.dumps(self.reserved_bytes_by_gpu),
-            "--backend",
-            self.backend,
+def replica_argv(spec: ReplicaSpec, python: str = sys.executable) -> list[str]:
+    """The replica program's command line for a spec."""
+    args = [
+        python,
+        "-m",
+        "inference.replica",
+        "--replica-id",
+        spec.replica_id,
+        "--source",
+        spec.source,
+        "--loader",
+        spec.loader,
+        "--dtype",
+        spec.dtype,
+        "--gpus",
+        ",".join(str(g) for g in spec.gpus),
+        "--reserved-bytes-by-gpu",
+        json.dumps(spec.reserved_bytes_by_gpu),
+        "--backend",
+        spec.backend,
+    ]
+    if spec.fraction is not None:
+        args += ["--fraction", repr(float(spec.fraction))]
+    if spec.kv_max_tokens is not None:
+        args += ["--kv-max-tokens", str(int(spec.kv_max_tokens))]
+    if spec.context_bytes:
+        args += ["--context-bytes", str(int(spec.context_bytes))]
+    if spec.standby_context_bytes:
+        args += ["--standby-context-bytes", str(int(spec.standby_context_bytes))]
+    if spec.adoption_window_s > 0:
+        args += ["--adoption-window", repr(float(spec.adoption_window_s))]
+    if spec.deployment and spec.redis_url:
+        args += ["--deployment", spec.deployment, "--redis-url", spec.redis_url]
+    if spec.failover_lease is not None:
+        args += [
+            "--failover-lease",
+            str(spec.failover_lease),
+            "--failover-fence",
+            spec.failover_fence or str(spec.failover_lease),
+            "--role",
+            spec.role,
+            "--reconnect-window",
+            repr(float(spec.reconnect_window_s)),
+            "--wake-timeout",
+            repr(float(spec.wake_timeout_s)),
+            "--liveness-every",
+            repr(max(0.05, spec.liveness_timeout_s / 6)),
         ]
-        if self.fraction is not None:
-            args += ["--fraction", repr(float(self.fraction))]
-        if self.kv_max_tokens is not None:
-            args += ["--kv-max-tokens", str(int(self.kv_max_tokens))]
-        if self.context_bytes:
-            args += ["--context-bytes", str(int(self.context_bytes))]
-        if self.standby_context_bytes:
-            args += ["--standby-context-bytes", str(int(self.standby_context_bytes))]
-        if self.adoption_window_s > 0:
-            args += ["--adoption-window", repr(float(self.adoption_window_s))]
-        if self.deployment and self.redis_url:
-            args += ["--deployment", self.deployment, "--redis-url", self.redis_url]
-        if self.failover_lease is not None:
-            args += [
-                "--failover-lease",
-                str(self.failover_lease),
-                "--failover-fence",
-                self.failover_fence or str(self.failover_lease),
-                "--role",
-                self.role,
-                "--reconnect-window",
-                repr(float(self.reconnect_window_s)),
-                "--wake-timeout",
-                repr(float(self.wake_timeout_s)),
-                "--liveness-every",
-                repr(max(0.05, self.liveness_timeout_s / 6)),
-            ]
-        return args
-
-    def record(self) -> dict[str, Any]:
-        """What the next agent needs to take the replica over, written beside its log: the spec
-        (the database URL stays out of files; failover members are never adopted anyway)."""
-        fields = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "failover_dsn"}
-        return {**fields, "gpus": list(self.gpus)}
+    return args
 
 
 class AdoptedProcess:
@@ -206,6 +154,8 @@ class _Replica:
     # compared with the books of the same state (a serving figure against a sleeper's reservation
     # would read as an over-commit).
     usage_state: str = ""
+    # What it said it still holds per GPU index as it fell asleep (its residual context).
+    residual: dict[str, int] = field(default_factory=dict)
     # Whether a reader thread delivers its events (an adopted one waits for `resume`).
     reading: bool = False
     # What an adopted replica said first: its state and its last state event.
@@ -220,6 +170,8 @@ class Supervisor:
         self.python = python
         self.env = env
         self._lock = threading.Lock()
+        # Notified whenever a replica's state changes or it exits (held with _lock: one lock).
+        self._changed = threading.Condition(self._lock)
         self._replicas: dict[str, _Replica] = {}
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Celery
         # task threads may come and go, so every fork happens on this one thread, which lives as long as
@@ -387,6 +339,12 @@ class Supervisor:
         for replica in replicas:
             replica.done.wait(EXIT_GRACE_S)
 
+    def backend_of(self, replica_id: str) -> str | None:
+        """The backend its spec names (virtual, cuda); None for a replica not running here."""
+        with self._lock:
+            replica = self._replicas.get(replica_id)
+        return replica.spec.backend if replica is not None else None
+
     def pid(self, replica_id: str) -> int | None:
         with self._lock:
             replica = self._replicas.get(replica_id)
@@ -410,6 +368,29 @@ class Supervisor:
                 for rid, r in self._replicas.items()
             }
 
+    def released(self, replica_ids: Iterable[str], timeout: float) -> list[str]:
+        """Wait until the processes of these replicas (evicted to make room) have let go of their
+        weights: each has said it sleeps, or has exited. Returns those that had not when the
+        timeout passed. Replicas this supervisor does not run hold nothing of its GPUs."""
+        ids = list(replica_ids)
+
+        def holding() -> list[str]:
+            return [rid for rid in ids if (r := self._replicas.get(rid)) is not None and r.usage_state == "serving"]
+
+        with self._changed:
+            self._changed.wait_for(lambda: not holding(), timeout)
+            return holding()
+
+    def sleepers(self, replica_ids: Iterable[str]) -> dict[str, tuple[int, dict[str, int]]]:
+        """{replica id: (pid, what it said it still holds per GPU index)} of those of `replica_ids`
+        that sleep in a process of their own."""
+        with self._lock:
+            return {
+                rid: (r.process.pid, dict(r.residual))
+                for rid in replica_ids
+                if (r := self._replicas.get(rid)) is not None and r.usage_state == "sleeping"
+            }
+
     def running(self) -> list[str]:
         with self._lock:
             return sorted(self._replicas)
@@ -420,7 +401,7 @@ class Supervisor:
     # -- processes -----------------------------------------------------------------------------
 
     def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen:
-        argv = spec.argv(self.python)
+        argv = replica_argv(spec, self.python)
         if spec.adoption_window_s > 0:
             argv += ["--adopt-address", adoption.address(self.log_dir, spec.replica_id)]
         with log_path.open("ab") as log_file:
@@ -461,7 +442,9 @@ class Supervisor:
             if event["event"] == "alive":  # a heartbeat: for the watchdog, not the control plane
                 replica.failover_state = str(event.get("failover_state") or replica.failover_state)
                 continue
-            _note_usage(replica, event)
+            with self._changed:
+                _note_usage(replica, event)
+                self._changed.notify_all()  # a waker may be waiting for this one to let go (released)
             if event["event"] == "failover":
                 replica.failover_state = str(event.get("state") or "")
             elif event["event"] == "active" or (event["event"] == "serving" and event.get("failover_state")):
@@ -475,6 +458,7 @@ class Supervisor:
             if self._replicas.get(replica.spec.replica_id) is replica:
                 del self._replicas[replica.spec.replica_id]
                 self._record_path(replica.spec.replica_id).unlink(missing_ok=True)
+                self._changed.notify_all()
         if final is None:
             final = self._unannounced_exit(replica, code)
         self._deliver(replica, {**final, "exit_code": code})
@@ -593,6 +577,9 @@ def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
     figures = event.get("process_bytes_by_id")
     if not isinstance(figures, dict) and event.get("event") in {"sleeping", "standby"}:
         figures = event.get("residual_bytes_by_id")  # what a sleeper still holds
+    if event.get("event") == "sleeping" and isinstance(residual := event.get("residual_bytes_by_id"), dict):
+        with contextlib.suppress(TypeError, ValueError):
+            replica.residual = {str(k): int(v) for k, v in residual.items() if v is not None}
     if isinstance(figures, dict):
         try:
             replica.usage = {str(k): int(v) for k, v in figures.items() if v is not None}

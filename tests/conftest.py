@@ -40,11 +40,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def dispatched(monkeypatch) -> list[tuple[str, str, list]]:
-    """Tasks the control plane sends to node agents, recorded instead of sent: (queue, task, args)."""
+    """Tasks the control plane sends, recorded instead of sent: (queue, task, args). A command to
+    a node agent is read back as the agent would (gpuportal.wire.commands.decode) and recorded as
+    its replica and, for a start or a wake, whom it waits for."""
     from gpuportal.celery import app
+    from gpuportal.wire import commands
 
     sent: list[tuple[str, str, list]] = []
-    monkeypatch.setattr(app, "send_task", lambda name, args=None, queue=None, **kw: sent.append((queue, name, args)))
+
+    def record(name, args=None, queue=None, **kw):
+        if name in commands.TASKS.values():
+            args = commands.brief(commands.decode(args[0]))
+        sent.append((queue, name, args))
+
+    monkeypatch.setattr(app, "send_task", record)
     return sent
 
 

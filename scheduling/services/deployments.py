@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 from django.db import transaction
-from django.db.models import Count, F, Max, Q, QuerySet
+from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from gpuportal.wire import memory
@@ -24,6 +24,7 @@ from scheduling.planning import place_all, withhold_locked
 from scheduling.services import dispatch, failover, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
+from scheduling.services.replica_specs import contexts_of
 from scheduling.state import OccupantView, Plan, Release, Snapshot
 
 # Replicas that are, or are about to be, on their GPUs: what `replicas` counts.
@@ -419,7 +420,7 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
         ledger.commit_with_retry(releasing({r.id for r in replicas}, f"{reason}: deployment {name}"))
         for replica in replicas:
             if replica.node is not None and replica.state not in (Replica.State.STOPPED, Replica.State.FAILED):
-                dispatch.to_node(replica.node.queue, dispatch.STOP, replica.id)
+                dispatch.stop(replica.node.name, replica.id)
         events.record(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",
@@ -479,14 +480,6 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
 def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
     """(serving context, standby context) in bytes: the largest of these GPUs' (issue 15)."""
     return contexts_of(GPU.objects.filter(pk__in=list(gpu_ids)))
-
-
-def contexts_of(gpus: QuerySet[GPU]) -> tuple[int, int]:
-    """(serving context, standby context) in bytes: the largest of `gpus`', in one query."""
-    found = gpus.aggregate(c=Max("context_bytes"), s=Max("standby_context_bytes"))
-    # No GPU at all (nothing registered yet): the H100's figures; a GPU's own 0 stays 0.
-    context = memory.H100_CONTEXT_BYTES if found["c"] is None else int(found["c"])
-    return context, memory.H100_STANDBY_CONTEXT_BYTES if found["s"] is None else int(found["s"])
 
 
 def cached_of(deployment: Deployment) -> tuple[CachedReplica, ...]:
@@ -621,9 +614,9 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
         if deployment.failover_standby and not promoted and replica.lease_id is None:
             failover.pair_up(deployment, replica)
         if promoted:
-            dispatch.to_node(node.queue, dispatch.FROM_CACHE, replica.id, wait_for)
+            dispatch.wake(node.name, replica.id, wait_for)
         else:
-            dispatch.to_node(node.queue, dispatch.START, replica.id, wait_for)
+            dispatch.start(node.name, replica.id, wait_for)
 
 
 def _mark_evicted(victim: Replica, placement: Placement) -> None:
@@ -631,7 +624,7 @@ def _mark_evicted(victim: Replica, placement: Placement) -> None:
         victim, Replica.State.DRAINING, f"evicted to the CPU cache to make room: {placement.reason}"
     )
     if victim.node is not None:
-        dispatch.to_node(victim.node.queue, dispatch.TO_CACHE, victim.id)
+        dispatch.sleep(victim.node.name, victim.id)
 
 
 def _stop_replicas(deployment: Deployment, replicas: list[Replica], *, reason: str) -> None:
@@ -642,7 +635,7 @@ def _stop_replicas(deployment: Deployment, replicas: list[Replica], *, reason: s
         for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):
             replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {reason}")
             if replica.node is not None:
-                dispatch.to_node(replica.node.queue, dispatch.STOP, replica.id)
+                dispatch.stop(replica.node.name, replica.id)
 
     if ledger.commit_with_retry(releasing(ids, reason), apply=apply) is None:
         apply()  # nothing was reserved (e.g. still pending): stop them all the same

@@ -73,7 +73,7 @@ def start_standby(lease: FailoverLease, active: Replica, *, reason: str) -> Repl
         replica=standby.id,
     )
     if active.node is not None:
-        dispatch.to_node(active.node.queue, dispatch.START, standby.id, [])
+        dispatch.start(active.node.name, standby.id, [])
     return standby
 
 
@@ -122,7 +122,7 @@ def switchover(name: str, *, reason: str = "planned switchover by an operator") 
                 replica=active.id,
             )
             if active.node is not None:
-                dispatch.to_node(active.node.queue, dispatch.STOP, active.id)
+                dispatch.stop(active.node.name, active.id)
     return [a.id for a in actives]
 
 

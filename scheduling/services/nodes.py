@@ -9,6 +9,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from scheduling import adoption, events, ledger, locks
 from scheduling.models import Event, Node, Replica
@@ -32,10 +33,6 @@ INVENTORY_REASON = {
 
 
 ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
-
-
-def node_queue(name: str) -> str:
-    return f"node.{name}"
 
 
 def register_node(

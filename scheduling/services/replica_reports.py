@@ -132,7 +132,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
             extra=["failure_reason", "progress"],
             kind=Event.Kind.REPLICA_RESTARTED,
         )
-        dispatch.to_node(replica.node.queue, dispatch.START, replica.id, [])
+        dispatch.start(replica.node.name, replica.id, [])
         return
     replicas.reserve_exactly(replica, {}, reason=f"replica failed: {reason}")
     replica.failure_reason = reason

@@ -81,7 +81,7 @@ def to_cache(
                 deployment=deployment.name,
                 replica=replica_id,
             )
-        dispatch.to_node(replica.node.queue, dispatch.TO_CACHE, replica.id)
+        dispatch.sleep(replica.node.name, replica.id)
     return replica
 
 

@@ -133,3 +133,28 @@ def test_every_row_lock_is_taken_through_the_lock_module():
         if "select_for_update" in line
     ]
     assert offenders == []
+
+
+# What is left of issue 17's "never each other": the deploy-time model inspection (reading a
+# model's sizes from its files) still runs in the web process through the data plane's readers.
+# Listed here so that no other crossing can creep in; it goes when inspection moves to a node.
+KNOWN_CROSSINGS = {
+    ("scheduling.services.deployments", "inference.loaders"),
+    ("scheduling.services.deployments", "inference.model_size"),
+}
+
+
+def test_the_planes_import_only_the_wire_never_each_other():
+    # Issue 17: the control plane (scheduling) and the data plane (inference) share only
+    # gpuportal.wire; the project package puts them together (gpuportal.management.commands.agent).
+    graph = import_graph()
+    crossings = {
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        for a, b in (("scheduling", "inference"), ("inference", "scheduling"))
+        if module.split(".")[0] == a and target.split(".")[0] == b
+    }
+    assert crossings == KNOWN_CROSSINGS
+    wire = {module: targets for module, targets in graph.items() if module.startswith("gpuportal.wire")}
+    assert all(target.startswith("gpuportal.wire") for targets in wire.values() for target in targets), wire

@@ -8,12 +8,13 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
-from gpuportal.wire.memory import H100_DRIVER_RESERVE_BYTES
+from gpuportal.wire.memory import H100_DRIVER_RESERVE_BYTES, MiB
 from inference.devices import discover, parse_size, parse_virtual_spec, virtual_gpus
 from scheduling.models import GPU, Event, Node
 from scheduling.services import nodes
@@ -246,3 +247,43 @@ def test_on_a_gpu_host_auto_discovery_reports_the_real_gpus_from_nvml():
     for device in devices:
         _free, total = torch.cuda.mem_get_info(device.index)
         assert device.total_bytes == total and device.uuid.startswith("GPU-")
+
+
+class _Sleeper:
+    """What wait_released reads of the supervisor: one victim that says it sleeps, keeping its
+    context (500 MiB) on GPU 0."""
+
+    def released(self, replica_ids: list[str], timeout: float) -> list[str]:
+        return []
+
+    def sleepers(self, replica_ids: list[str]) -> dict[str, tuple[int, dict[str, int]]]:
+        return {"victim": (4242, {"0": 500 * MiB})}
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_on_a_real_gpu_the_waker_also_waits_for_nvml_to_show_the_victims_memory_freed(monkeypatch, virtual):
+    from inference import agent, tasks
+
+    monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=_Sleeper()))
+    # It said it sleeps, but the driver frees the weights a moment later.
+    readings = iter([{"0": 30 * 1024 * MiB}, {"0": 30 * 1024 * MiB}, {"0": 510 * MiB, "1": 9 * 1024 * MiB}])
+    asked: list[int] = []
+
+    def nvml(pid: int) -> dict[str, int]:
+        asked.append(pid)
+        return next(readings)
+
+    monkeypatch.setattr("inference.replica.nvml_process_bytes", nvml)
+
+    assert tasks.wait_released(["victim"], [0], virtual=virtual, timeout=30) == []
+    # Only what it holds on the waker's GPUs counts (GPU 1 is someone else's business).
+    assert asked == ([] if virtual else [4242, 4242, 4242])
+
+
+def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(monkeypatch):
+    from inference import agent, tasks
+
+    monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=_Sleeper()))
+    monkeypatch.setattr("inference.replica.nvml_process_bytes", lambda pid: {"0": 30 * 1024 * MiB})
+
+    assert tasks.wait_released(["victim"], [0], virtual=False, timeout=0.3) == ["victim"]

@@ -289,14 +289,20 @@ class _FakeSupervisor:
 
 @pytest.mark.django_db
 def test_the_node_tasks_pass_the_deployments_drain_timeout(monkeypatch):
+    from types import SimpleNamespace
+
+    from gpuportal.wire import commands
     from inference import agent, tasks
+    from scheduling.services import replica_specs
     from tests.support import factories
 
     rep = factories.replica(factories.deployment(drain_timeout_s=7.5), factories.node())
     fake = _FakeSupervisor([rep.id])
-    monkeypatch.setattr(agent, "supervisor", lambda: fake)
+    monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=fake, name="n1"))
+    # The control plane puts the deployment's drain into the command; the agent passes it on.
+    to_sleep, to_stop = replica_specs.sleep(rep.id), replica_specs.stop(rep.id)
 
-    assert tasks.replica_to_cache(rep.id) == "sent"
-    assert tasks.stop_replica(rep.id) == "stopped"
+    assert tasks.replica_to_cache(commands.encode(to_sleep)) == "sent"
+    assert tasks.stop_replica(commands.encode(to_stop)) == "stopped"
 
     assert fake.calls == [("send", rep.id, {"cmd": "sleep", "drain_timeout_s": 7.5}), ("stop", rep.id, 7.5)]

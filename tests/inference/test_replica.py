@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from inference.replica import (
     VirtualBackend,
     classify_failure,
 )
-from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line
+from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line, replica_argv
 from tests.support.models import tiny_mlp
 from tests.support.processes import wait_until
 from tests.support.replicas import BIG_MLP, CONTEXT, LOAD_TIMEOUT_S, TINY_MLP, Events, MiB, gone, spec
@@ -86,9 +87,14 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     with pytest.raises(ValueError, match="already running"):
         supervisor.start(spec(str(tiny_model_dir)), events)
 
+    # A waker on its GPU waits for it to let go (inference.tasks.wait_released): serving, it holds.
+    assert supervisor.released(["r1", "not-here"], timeout=0) == ["r1"]
+    waiter = ThreadPoolExecutor(1).submit(supervisor.released, ["r1"], 60)
     supervisor.send("r1", {"cmd": "sleep"})
     _, sleeping = events.until("sleeping")
     assert sleeping["residual_bytes_by_id"] == {"0": CONTEXT}  # the context stays, as on a real GPU
+    assert waiter.result(timeout=60) == [], "its sleep wakes the waiter"
+    assert supervisor.sleepers(["r1", "not-here"]) == {"r1": (serving["pid"], {"0": CONTEXT})}
     assert sleeping["cpu_bytes"] == serving["weights_bytes"]
 
     supervisor.send(
@@ -227,7 +233,7 @@ def test_the_supervisor_refuses_unknown_replicas_and_bad_specs(supervisor):
 
 
 def test_a_spec_becomes_the_documented_command_line():
-    argv = spec("/srv/m", gpus=(0, 1), reserved=1000, fraction=None, backend="cuda").argv("python")
+    argv = replica_argv(spec("/srv/m", gpus=(0, 1), reserved=1000, fraction=None, backend="cuda"), "python")
     assert argv == [
         "python",
         "-m",
@@ -247,8 +253,8 @@ def test_a_spec_becomes_the_documented_command_line():
         "--backend",
         "cuda",
     ]
-    assert spec("/srv/m", fraction=0.25).argv("python")[-4:-2] == ["--fraction", "0.25"]
-    assert spec("/srv/m").argv("python")[-2:] == ["--context-bytes", str(CONTEXT)]
+    assert replica_argv(spec("/srv/m", fraction=0.25), "python")[-4:-2] == ["--fraction", "0.25"]
+    assert replica_argv(spec("/srv/m"), "python")[-2:] == ["--context-bytes", str(CONTEXT)]
 
 
 @pytest.mark.parametrize(

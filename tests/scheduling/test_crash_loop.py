@@ -13,6 +13,7 @@ from django.contrib.messages import get_messages
 from rest_framework.test import APIClient
 
 from gpuportal.celery import app
+from gpuportal.wire import commands
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import deployments, reports
 from scheduling.services import requests as request_services
@@ -81,7 +82,7 @@ def test_a_failed_load_is_replaced_after_a_doubling_backoff_and_the_deployment_f
 
     with capture(execute=True):
         (second,) = deployments.replace_failed("broken")
-    assert sent[-1][0] == START and sent[-1][1][0] == second
+    assert sent[-1][0] == START and commands.decode(sent[-1][1][0]).replica_id == second
     fail_load(capture, second)
     assert sent[-1] == (REPLACE, ["broken"], 3.0)  # 4 s, capped at backoff_max_s
 
@@ -122,7 +123,7 @@ def test_an_operator_retries_a_failed_deployment_and_a_load_that_serves_resets_t
     assert response.status_code == 200, response.json()
     assert response.json()["status"] == "ok" and response.json()["failed_reason"] == ""
     (fresh,) = pending()
-    assert sent[-1][0] == START and sent[-1][1][0] == fresh
+    assert sent[-1][0] == START and commands.decode(sent[-1][1][0]).replica_id == fresh
 
     reports.report(fresh, {"event": "failed", "kind": "load", "reason": BROKEN})
     assert Deployment.objects.get().load_failures == 1

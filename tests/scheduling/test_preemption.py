@@ -599,41 +599,6 @@ def test_the_admin_says_a_wake_waits_for_a_lock_rather_than_that_it_is_awake(one
     assert any("waiting for another wake's lock" in t for t in texts), texts
 
 
-@pytest.mark.parametrize("virtual", [False, True])
-def test_on_a_real_gpu_the_waker_also_waits_for_nvml_to_show_the_victims_memory_freed(db, monkeypatch, virtual):
-    from inference import tasks as node_tasks
-    from tests.support import factories as f
-
-    host = f.node("gpu-host", virtual=virtual)
-    victim = f.replica(f.deployment("victim"), host, state="sleeping", pid=4242, gpu_mem_bytes_by_id={"0": 500 * MiB})
-    # Its reservation is down to its CUDA context, but the driver frees the weights a moment later.
-    readings = iter([{"0": 30 * 1024 * MiB}, {"0": 30 * 1024 * MiB}, {"0": 510 * MiB, "1": 9 * 1024 * MiB}])
-    asked: list[int] = []
-
-    def nvml(pid: int) -> dict[str, int]:
-        asked.append(pid)
-        return next(readings)
-
-    monkeypatch.setattr("inference.replica.nvml_process_bytes", nvml)
-
-    assert node_tasks.wait_released([victim.id], timeout=30, gpus=[0]) == []
-    # Only what it holds on the waker's GPUs counts (GPU 1 is someone else's business).
-    assert asked == ([] if virtual else [4242, 4242, 4242])
-
-
-def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(db, monkeypatch):
-    from inference import tasks as node_tasks
-    from tests.support import factories as f
-
-    victim = f.replica(
-        f.deployment("victim"), f.node("gpu-host", virtual=False), state="sleeping", pid=4242,
-        gpu_mem_bytes_by_id={"0": 500 * MiB},
-    )  # fmt: skip
-    monkeypatch.setattr("inference.replica.nvml_process_bytes", lambda pid: {"0": 30 * 1024 * MiB})
-
-    assert node_tasks.wait_released([victim.id], timeout=0.3, gpus=[0]) == [victim.id]
-
-
 @pytest.mark.parametrize("how", ["expired", "holder failed", "holder deleted"])
 def test_a_wake_lock_whose_holder_died_or_expired_is_taken_over_with_an_event(one_gpu, dispatched, how):
     serving("a"), serving("b")

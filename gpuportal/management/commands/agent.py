@@ -6,6 +6,7 @@ from django.core.management.base import BaseCommand, CommandError
 from inference.agent import NodeAgent
 from inference.devices import VirtualProfile, parse_size, parse_virtual_spec
 from inference.devices import virtual_gpus as declared_virtual_gpus
+from scheduling.services.node_gateway import ServicesGateway
 
 
 class Command(BaseCommand):
@@ -90,6 +91,9 @@ class Command(BaseCommand):
             raise CommandError("--concurrency must be at least 1")
         agent = NodeAgent(
             node,
+            # Here, where the project is put together: the data plane talks to the control plane
+            # only through this gateway (gpuportal.wire.control).
+            control=ServicesGateway(),
             backend=backend,
             virtual_spec=virtual_gpus,
             cpu_cache_bytes=cache,
