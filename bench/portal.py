@@ -121,11 +121,17 @@ class Portal:
             "PYTHONUNBUFFERED": "1",
             "GPUPORTAL_ALLOWED_HOSTS": "*",
         }
+        celery = [sys.executable, "-m", "celery", "-A", "gpuportal"]
+        # The agents' calls (their reports, heartbeats and registrations) go to this worker.
+        self._spawn(
+            [*celery, "worker", "-Q", "agents", "-n", "agents@%h",
+             "--pool", "threads", "--concurrency", "8", "--without-gossip", "--without-mingle"],
+            "agents",
+        )  # fmt: skip
         self.agent_gpus = agents or {"bench": "1x4GiB"}
         self.agents: dict[str, subprocess.Popen] = {}
         for name in self.agent_gpus:
             self.start_agent(name)
-        celery = [sys.executable, "-m", "celery", "-A", "gpuportal"]
         if control:
             self._spawn(
                 [*celery, "worker", "-Q", "control", "-n", "control@%h",
@@ -168,14 +174,17 @@ class Portal:
         self.stop()
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in self.children:
-            try:
-                child.wait(60)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        agents = list(self.agents.values())
+        # The agents first: they report their replicas' ends through the agents worker.
+        for wave in (agents, [c for c in self.children if c not in agents]):
+            for child in reversed(wave):
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+            for child in wave:
+                try:
+                    child.wait(60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
 
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
         with open(self.tmp / f"{name}.log", "a") as log:  # the child keeps its own copy of the descriptor

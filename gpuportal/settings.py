@@ -8,6 +8,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from gpuportal.stackenv import default_data_dir, resolve_stack_urls
+from gpuportal.wire.control import AGENT_CALL_TASK, AGENT_QUEUE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -154,6 +155,8 @@ SPECTACULAR_SETTINGS = {
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL
 CELERY_TASK_DEFAULT_QUEUE = "control"
+# The agents' calls have a worker of their own (gpuportal.wire.control).
+CELERY_TASK_ROUTES = {AGENT_CALL_TASK: {"queue": AGENT_QUEUE}}
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -164,6 +167,8 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 
 # Node liveness: agents beat every HEARTBEAT_S; a node silent for HEARTBEAT_TIMEOUT_S is offline.
 GPUPORTAL_HEARTBEAT_S = env_float("GPUPORTAL_HEARTBEAT_S", 5.0)
+# How long a deploy waits for a node agent to read the model's files (gpuportal.wire.inspection).
+GPUPORTAL_INSPECT_TIMEOUT_S = env_float("GPUPORTAL_INSPECT_TIMEOUT_S", 60.0)
 GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
 # A replica outlives its agent this long, waiting for the agent's next run to adopt it (issue 16).
 # At most the heartbeat timeout less two beats: the agent's last beat came at most a beat before it

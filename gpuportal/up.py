@@ -50,6 +50,9 @@ class Child:
     # The process groups of its earlier runs: what they left running (replicas waiting to be
     # adopted, in an agent's) is stopped with the portal.
     old_groups: list[int] = field(default_factory=list)
+    # Stopped, and waited for, before the others: the agent, which reports its replicas' ends
+    # through the `agents` worker while it stops them.
+    stops_first: bool = False
 
     def may_restart(self, now: float) -> bool:
         while self.restarts and now - self.restarts[0] > RESTART_PERIOD_S:
@@ -165,6 +168,7 @@ class Portal:
         manage = str(ROOT / "manage.py")
         celery = [python, "-m", "celery", "-A", "gpuportal"]
         agent = [python, manage, "agent", "--node", opts.node]
+        agents = ["worker", "-Q", "agents", "-n", "agents@%h", "--pool", "threads", "--concurrency", "8"]
         if opts.virtual_gpus:
             agent += ["--virtual-gpus", opts.virtual_gpus]
         return [
@@ -186,7 +190,13 @@ class Portal:
                     str(opts.data_dir / "beat.pid"),
                 ],
             ),
-            Child("agent", agent, restartable=True),
+            # Answers the agents' calls (gpuportal.wire.control): their reports, heartbeats and
+            # registrations, on threads of their own so none waits behind a placement.
+            Child(
+                "agents",
+                [*celery, *agents, "-l", "INFO", "--without-gossip", "--without-mingle"],
+            ),
+            Child("agent", agent, restartable=True, stops_first=True),
         ]
 
     def spawn(self, child: Child) -> None:
@@ -291,16 +301,18 @@ class Portal:
 
     def shutdown(self) -> None:
         running = [c for c in self.children if c.process and c.process.poll() is None]
-        # All at once, then wait: each child's warm shutdown overlaps the others'.
-        for child in reversed(running):
-            with contextlib.suppress(ProcessLookupError):
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for child in running:
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.say(f"{child.name} did not stop in time; killing it")
+        first = [c for c in running if c.stops_first]
+        # The agent, then all the rest at once: each warm shutdown overlaps the others'.
+        for wave in (first, [c for c in running if c not in first]):
+            for child in reversed(wave):
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for child in wave:
+                try:
+                    child.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.say(f"{child.name} did not stop in time; killing it")
         for child in self.children:
             if child.process is None:
                 continue

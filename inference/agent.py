@@ -18,6 +18,7 @@ from django.conf import settings
 from gpuportal.celery import app
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import ControlPlane
+from gpuportal.wire.inspection import INSPECT_QUEUE
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from inference.devices import VirtualProfile, discover
 from inference.supervisor import Supervisor
@@ -188,7 +189,8 @@ class NodeAgent:
             [
                 "worker",
                 "--queues",
-                self.queue,
+                # Its own, and the questions any node may answer (what a model's files hold).
+                f"{self.queue},{INSPECT_QUEUE}",
                 "--hostname",
                 f"agent.{self.name}@%h",
                 "--pool",

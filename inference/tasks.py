@@ -7,14 +7,18 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from functools import cache
 from typing import Any, TypeVar
 
+import redis
 from celery import shared_task
 from django.conf import settings
 
-from gpuportal.wire import commands
+from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import SleepReplica, StartReplica, StopReplica, WakeReplica
+from gpuportal.wire.inspection import INSPECT_TASK, InspectModel
 from inference import agent
+from inference.inspection import read_model
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,21 @@ def _read(payload: Any, kind: type[C]) -> C:
     if not isinstance(command, kind):
         raise commands.WireError(f"a {command.kind} command sent to the {kind.kind} task")
     return command
+
+
+@cache
+def _answers() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+# Acknowledged on receipt, like the agents' calls: its asker waits only so long.
+@shared_task(name=INSPECT_TASK, ignore_result=True, acks_late=False)
+def inspect_model(payload: dict) -> str:
+    """Reads a model's sizes from its files for the control plane, which waits on reply_to."""
+    ask = InspectModel.decode(payload)
+    reading = read_model(ask.source, ask.loader, ask.dtype)
+    replies.answer(_answers(), ask.reply_to, result=reading.record())
+    return f"refused: {reading.refusal}" if reading.refusal else f"read {ask.source}"
 
 
 @shared_task(name="inference.tasks.start_replica")

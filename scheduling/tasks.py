@@ -4,10 +4,18 @@ import logging
 
 from celery import shared_task
 
-from scheduling.services import cleanup, deployments, nodes, preemption, sleep
+from scheduling.services import cleanup, deployments, node_gateway, nodes, preemption, sleep
 from scheduling.services.errors import ServiceError
 
 log = logging.getLogger(__name__)
+
+
+# On the `agents` queue (gpuportal.wire.control). Acknowledged on receipt: a call whose worker died
+# is not applied again an hour later, when its caller has long given up on it.
+@shared_task(name="scheduling.tasks.agent_call", ignore_result=True, acks_late=False)
+def agent_call(payload: dict) -> str:
+    """One call of a node agent: a report, a heartbeat, a registration."""
+    return node_gateway.answer(payload)
 
 
 @shared_task(name="scheduling.tasks.expire_heartbeats", ignore_result=True)

@@ -19,6 +19,19 @@ def _fresh_token_cache():
     forget_tokens()
 
 
+@pytest.fixture(autouse=True)
+def _models_read_here(request, monkeypatch):
+    """A deploy asks a node agent to read the model's files (gpuportal.wire.inspection). A test
+    with real agents takes that path; in the others the nodes are rows with no agent behind them,
+    so the files are read in this process, by the function the agent runs."""
+    if "agents_worker" in request.fixturenames or request.node.get_closest_marker("nodes_read_models"):
+        return
+    from inference.inspection import read_model
+    from scheduling.services import dispatch
+
+    monkeypatch.setattr(dispatch, "inspect", read_model)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A small causal LM on disk (random weights, safetensors), written once per session."""
@@ -118,8 +131,45 @@ def _process_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="session")
+def agents_worker(django_db_setup, django_db_blocker, tmp_path_factory):
+    """The worker that answers node agents' calls (the `agents` queue: their reports, heartbeats
+    and registrations, gpuportal.wire.control), as `up` runs it, on the test database and Redis.
+    One for the session: tests that start agents share it, as a portal's nodes do."""
+    import subprocess
+    import sys
+
+    import redis
+    from django.conf import settings
+
+    from tests.support.processes import wait_until
+
+    with django_db_blocker.unblock():
+        env = _process_env(tmp_path_factory.mktemp("agents-worker"))
+    redis.Redis.from_url(settings.REDIS_URL).delete("agents")  # no call of an earlier session
+    path = Path(env["GPUPORTAL_DATA_DIR"]) / "agents.log"
+    log = open(path, "w+")  # noqa: SIM115 - printed when the session ends
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "celery", "-A", "gpuportal", "worker"),
+            *("-Q", "agents", "--concurrency", "8", "--pool", "threads", "-l", "info"),
+            *("-n", f"agents-{os.getpid()}@%h", "--without-gossip", "--without-mingle"),
+        ],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: process.poll() is not None or " ready." in path.read_text(), 60, "the agents worker")
+        assert process.poll() is None, path.read_text()[-3000:]
+        yield process
+    finally:
+        _stop(process, log, grace=30)
+
+
 @pytest.fixture
-def start_agent(tmp_path):
+def start_agent(tmp_path, agents_worker):
     """Starts real node agents on this test's database and Redis: `start_agent(node, gpus)`, e.g.
     `start_agent("e2e", "1x2GiB")`; each is stopped (SIGTERM) at the end of the test. Their
     virtual GPUs account like the H100's (issue 15): a CUDA context per replica process, the

@@ -1,14 +1,17 @@
 """The one gateway from a node agent to the control plane (issue 17): everything an agent tells
-the control plane, and the one thing it asks. The agent holds an implementation it is given at
-start-up (scheduling.services.node_gateway, put together by `manage.py agent` in gpuportal), so
-the data plane never imports the control plane. Django-free."""
+the control plane, and the one thing it asks, as a Protocol, and how each call travels (Call,
+encode_call, decode_call). The agent's side sends (inference.gateway.RemoteControl); the control
+plane's applies (scheduling.services.node_gateway); neither imports the other. Django-free."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Protocol
 
+from gpuportal.wire.commands import VERSION, WireError
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
+from gpuportal.wire.replies import NoAnswer
 
 
 class ControlPlane(Protocol):
@@ -40,3 +43,78 @@ class ControlPlane(Protocol):
     def replica_state(self, replica_id: str) -> str | None:
         """The replica's state in the books (None: it is gone): a command that waited in the queue
         is carried out only if the replica still waits for it."""
+
+
+# -- the calls on the wire -------------------------------------------------------------------
+# An agent's call travels as one Celery task on its own queue (`agents`), not the control queue:
+# a report must not wait behind a placement or a preemption that holds the control worker's
+# threads. The answer comes back on a Redis list named in the call, which the caller blocks on
+# (not Celery's result backend: its Redis consumer is not safe to share between the agent's
+# threads). One reader thread per replica waits for each answer before it sends the next
+# report, so a replica's events are applied in the order it emitted them.
+
+AGENT_QUEUE = "agents"
+AGENT_CALL_TASK = "scheduling.tasks.agent_call"
+CALLS = ("register_node", "heartbeat", "node_stopping", "node_stopped", "report", "replica_state")
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    # The Redis list the answer is pushed to (gpuportal.wire.replies).
+    reply_to: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, control: ControlPlane) -> Any:
+        return getattr(control, self.name)(*self.args, **self.kwargs)
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def encode_call(call: Call) -> dict[str, Any]:
+    if call.name not in CALLS:
+        raise WireError(f"unknown call {call.name!r} (known: {', '.join(CALLS)})")
+    return {
+        "v": VERSION,
+        "call": call.name,
+        "reply_to": call.reply_to,
+        "args": _plain(list(call.args)),
+        "kwargs": {k: _plain(v) for k, v in call.kwargs.items()},
+    }
+
+
+def decode_call(payload: Any) -> Call:
+    """The call as the control plane applies it, the report dataclasses rebuilt; a WireError for
+    another version, an unknown call or bad fields."""
+    if not isinstance(payload, dict):
+        raise WireError(f"a call is a JSON object, not {type(payload).__name__}")
+    if payload.get("v") != VERSION:
+        raise WireError(f"call version {payload.get('v')!r} is not the control plane's ({VERSION}): upgrade one side")
+    name, reply_to = payload.get("call"), payload.get("reply_to")
+    if name not in CALLS:
+        raise WireError(f"unknown call {name!r} (known: {', '.join(CALLS)})")
+    if not isinstance(reply_to, str) or not reply_to:
+        raise WireError(f"a {name} call names no reply_to list")
+    args, kwargs = payload.get("args", []), payload.get("kwargs", {})
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise WireError(f"a {name} call with bad arguments")
+    try:
+        if name == "register_node":
+            args = [args[0], [DeviceInfo(**d) for d in args[1]]]
+            kwargs = {**kwargs, "survivors": [Survivor(**s) for s in kwargs.get("survivors", [])]}
+        elif name == "heartbeat" and kwargs.get("books") is not None:
+            kwargs = {**kwargs, "books": Books(**kwargs["books"])}
+    except (IndexError, TypeError) as err:
+        raise WireError(f"a {name} call with bad fields: {err}") from None
+    return Call(name, reply_to, tuple(args), kwargs)
+
+
+class ControlError(NoAnswer):
+    """The control plane could not carry out a call (its message), or did not answer in time."""

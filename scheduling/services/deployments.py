@@ -90,20 +90,17 @@ class _Decision:
 
 
 def inspect_model(source: str, loader: str, dtype: str, max_tokens: int) -> ModelFacts:
-    """Weight bytes and the estimated need, without loading weights. Bad sources name the field."""
-    try:
-        if loader == Deployment.Loader.TRANSFORMERS:
-            from inference.model_size import shape_from_model_dir
-
-            shape = shape_from_model_dir(source, dtype)
-            estimate = memory.estimate(shape, max_tokens=max_tokens, cuda_context_bytes=0)
-            return ModelFacts(shape.weight_bytes, estimate.total_bytes, estimate.describe())
-        from inference.loaders import factory_weight_bytes
-
-        weights = factory_weight_bytes(source, dtype)
-        return ModelFacts(weights, weights + memory.ACTIVATION_FLOOR_BYTES, "weights + activation floor")
-    except ValueError as err:
-        raise InvalidInput("model.source", str(err)) from None
+    """Weight bytes and the estimated need, without loading weights: a node agent reads the
+    files (never this process, issue 17), the estimate is the control plane's. Bad sources
+    name the field."""
+    reading = dispatch.inspect(source, loader, dtype)
+    if reading.refusal:
+        raise InvalidInput("model.source", reading.refusal)
+    if reading.shape is not None:
+        estimate = memory.estimate(reading.shape, max_tokens=max_tokens, cuda_context_bytes=0)
+        return ModelFacts(reading.shape.weight_bytes, estimate.total_bytes, estimate.describe())
+    weights = reading.weight_bytes
+    return ModelFacts(weights, weights + memory.ACTIVATION_FLOOR_BYTES, "weights + activation floor")
 
 
 def get(name: str, *, lock: bool = False) -> Deployment:

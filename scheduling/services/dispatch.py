@@ -1,19 +1,26 @@
 """Everything the control plane sends to the other side goes through here (issue 17): the
-commands to node agents (gpuportal.wire.commands) and the tasks on the control queue, each sent
-only once the decision that caused it has committed. By task name: the control plane never
-imports the GPU side."""
+commands to node agents (gpuportal.wire.commands), each sent only once the decision that caused
+it has committed; the tasks on the control queue; and the one question it asks the nodes, what a
+model's files hold (gpuportal.wire.inspection). By task name: the control plane never imports the
+GPU side."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import cache
 
+import redis
+from django.conf import settings
 from django.db import transaction
 
 from gpuportal.celery import app
-from gpuportal.wire import commands
+from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import node_queue
+from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
+from scheduling.models import Node
 from scheduling.services import replica_specs
+from scheduling.services.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,26 @@ def sleep(node: str, replica_id: str) -> None:
 
 def stop(node: str, replica_id: str) -> None:
     _to_node(node, lambda: replica_specs.stop(replica_id))
+
+
+@cache
+def _answers() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def inspect(source: str, loader: str, dtype: str) -> ModelReading:
+    """What a node agent reads of the model's files, waited for. Not on commit: nothing is
+    decided yet, and this is what the decision needs. Whichever agent is free first answers."""
+    if not Node.objects.filter(status=Node.Status.ONLINE).exists():
+        raise Unavailable("no node is online to read the model's files: start a node agent (manage.py agent)")
+    ask = InspectModel(source, loader, dtype, replies.new_list("inspect"))
+    timeout = settings.GPUPORTAL_INSPECT_TIMEOUT_S
+    # Expires with the wait: an agent that comes to it later does not read for nobody.
+    app.send_task(INSPECT_TASK, args=[ask.encode()], queue=INSPECT_QUEUE, expires=timeout)
+    try:
+        return ModelReading.from_record(replies.wait(_answers(), ask.reply_to, timeout, "reading the model's files"))
+    except replies.NoAnswer as err:
+        raise Unavailable(f"{err}: are the node agents up and their `{INSPECT_QUEUE}` queue consumed?") from None
 
 
 def to_control(task: str, *args: object, countdown: float | None = None) -> None:

@@ -1,26 +1,30 @@
 """The control plane's side of gpuportal.wire.control (issue 17): what a node agent tells the
-control plane arrives here and goes to the services. Given to the agent by `manage.py agent`.
+control plane arrives here as a call on the `agents` queue (scheduling.tasks.agent_call), goes
+to the services, and the answer goes back on the Redis list the caller waits on.
 
-It runs in the agent's process, on the agent's threads (its heartbeat, and one reader thread per
-replica), each with its own database connection: a PostgreSQL restart must lose none of it."""
+It runs on the `agents` worker's threads, each with its own database connection: a PostgreSQL
+restart must lose none of what a replica reports."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
+import redis
+from django.conf import settings
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from gpuportal.wire import replies
+from gpuportal.wire.control import ControlError, WireError, decode_call
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from scheduling.models import Replica
 from scheduling.services import nodes, reports
+from scheduling.services.errors import ServiceError
 
 log = logging.getLogger(__name__)
-
-# The final events of a replica: its reader thread ends with them.
-TERMINAL_EVENTS = {"stopped", "failed"}
 
 
 def _reconnect(retry_state: RetryCallState) -> None:
@@ -80,12 +84,38 @@ class ServicesGateway:
         try:
             close_old_connections()
             REPORT_RETRY.copy()(reports.report, replica_id, event)  # a copy: no state shared between threads
-        except Exception:
+        except Exception as err:
             log.exception("could not record %s of replica %s", event.get("event"), replica_id)
-        finally:
-            if event.get("event") in TERMINAL_EVENTS:
-                connection.close()  # the thread ends with the process; its connection must not linger
+            raise ControlError(f"could not record {event.get('event')} of replica {replica_id}: {err}") from err
 
     def replica_state(self, replica_id: str) -> str | None:
         close_old_connections()
         return Replica.objects.filter(pk=replica_id).values_list("state", flat=True).first()
+
+
+@cache
+def _answers() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def answer(payload: Any, control: ServicesGateway | None = None) -> str:
+    """Applies one call of an agent (gpuportal.wire.control.Call) and pushes the answer to the
+    list its caller blocks on. Returns the call's name. A call that cannot be read, or that the
+    services refuse, is answered with the error: the agent logs it instead of waiting it out."""
+    try:
+        call = decode_call(payload)
+    except WireError as err:
+        reply_to = payload.get("reply_to") if isinstance(payload, dict) else None
+        log.error("an agent's call that cannot be read: %s", err)
+        if isinstance(reply_to, str) and reply_to:
+            replies.answer(_answers(), reply_to, error=str(err))
+        return "unreadable"
+    try:
+        result = call.apply(control or ServicesGateway())
+    except Exception as err:
+        if not isinstance(err, ControlError | ServiceError):  # those say all there is to say
+            log.exception("an agent's %s failed", call.name)
+        replies.answer(_answers(), call.reply_to, error=f"{type(err).__name__}: {err}")
+    else:
+        replies.answer(_answers(), call.reply_to, result=result)
+    return call.name

@@ -29,7 +29,7 @@ DOCKER = ROOT / "docker"
 COMPOSE_FILE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
 
-SERVICES = {"postgres", "redis", "migrate", "web", "control", "beat", "agent"}
+SERVICES = {"postgres", "redis", "migrate", "web", "control", "agents", "beat", "agent"}
 APP_IMAGE = "gpuportal:latest"
 
 
@@ -229,7 +229,7 @@ def test_web_and_workers_start_after_migrations_complete():
     services = load_compose()["services"]
     assert as_argv(services["migrate"]["command"])[:3] == ["python", "manage.py", "migrate"]
     assert services["migrate"]["restart"] == "no"
-    for name in ("web", "control", "beat", "agent"):
+    for name in ("web", "control", "agents", "beat", "agent"):
         condition = services[name]["depends_on"]["migrate"]["condition"]
         assert condition == "service_completed_successfully", name
 
@@ -264,7 +264,7 @@ def test_every_compose_command_names_something_that_exists(where, argv):
 
 def test_compose_covers_every_app_role_with_a_command():
     checked = {where.split(".")[0] for where, _ in compose_commands()}
-    assert {"migrate", "web", "control", "beat", "agent"} <= checked
+    assert {"migrate", "web", "control", "agents", "beat", "agent"} <= checked
 
 
 # --- Dockerfile -----------------------------------------------------------------------------------

@@ -135,18 +135,10 @@ def test_every_row_lock_is_taken_through_the_lock_module():
     assert offenders == []
 
 
-# What is left of issue 17's "never each other": the deploy-time model inspection (reading a
-# model's sizes from its files) still runs in the web process through the data plane's readers.
-# Listed here so that no other crossing can creep in; it goes when inspection moves to a node.
-KNOWN_CROSSINGS = {
-    ("scheduling.services.deployments", "inference.loaders"),
-    ("scheduling.services.deployments", "inference.model_size"),
-}
-
-
 def test_the_planes_import_only_the_wire_never_each_other():
     # Issue 17: the control plane (scheduling) and the data plane (inference) share only
-    # gpuportal.wire; the project package puts them together (gpuportal.management.commands.agent).
+    # gpuportal.wire: the agent's calls, the commands and a deploy's question about a model's files
+    # go as tasks on queues (scheduling.services.dispatch one way, inference.gateway the other).
     graph = import_graph()
     crossings = {
         (module, target)
@@ -155,6 +147,6 @@ def test_the_planes_import_only_the_wire_never_each_other():
         for a, b in (("scheduling", "inference"), ("inference", "scheduling"))
         if module.split(".")[0] == a and target.split(".")[0] == b
     }
-    assert crossings == KNOWN_CROSSINGS
+    assert crossings == set()
     wire = {module: targets for module, targets in graph.items() if module.startswith("gpuportal.wire")}
     assert all(target.startswith("gpuportal.wire") for targets in wire.values() for target in targets), wire

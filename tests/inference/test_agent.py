@@ -151,10 +151,14 @@ def test_the_beat_task_expires_heartbeats_and_is_scheduled():
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_stops(tmp_path):
+def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_stops(
+    tmp_path, agents_worker, tiny_model_dir
+):
     from django.conf import settings
 
+    from inference.inspection import read_model
     from inference.tasks import describe_node
+    from scheduling.services import dispatch
 
     env = {
         **os.environ,
@@ -182,6 +186,9 @@ def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_sto
 
         reply = describe_node.apply_async(args=["edge1"], queue="node.edge1").get(timeout=60)
         assert reply["node"] == "edge1" and [g["index"] for g in reply["gpus"]] == [0, 1]
+        # A deploy's question about a model's files: the agent reads them, not the asker.
+        reading = dispatch.inspect(str(tiny_model_dir), "transformers", "float32")
+        assert reading == read_model(str(tiny_model_dir), "transformers", "float32") and reading.weight_bytes > 0
 
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(30) == 0
@@ -191,6 +198,7 @@ def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_sto
         log.seek(0)
         output = log.read()
     assert Node.objects.get(name="edge1").status == Node.Status.OFFLINE, output
+    assert f"'read {tiny_model_dir}'" in output, "the agent's worker read the model (its task's result)"
     assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node="edge1", reason="agent stopped").exists()
 
 
@@ -212,7 +220,7 @@ def test_the_agent_rejects_a_bad_node_name_in_one_line():
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_path):
+def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_path, agents_worker):
     from django.conf import settings
 
     agent = subprocess.Popen(

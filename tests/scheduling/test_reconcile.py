@@ -324,11 +324,10 @@ def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_on
 ):
     import signal
 
-    import psutil
-
     from inference.management.commands.make_tiny_model import write_tiny_model
     from tests.support.load import SteadyLoad
     from tests.support.processes import wait_until
+    from tests.support.replicas import gone
 
     request_services.queue.cache_clear()
     agents = {"left": start_agent("left", "1x8GiB"), "right": start_agent("right", "1x8GiB")}
@@ -348,11 +347,8 @@ def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_on
         wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == [node], 30, f"{node} to be offline")
         wait_until(lambda: Replica.objects.filter(state="serving", node__name=other).exists(), 180, "a replacement")
         agents[node].send_signal(signal.SIGCONT)
-        wait_until(
-            lambda: not psutil.pid_exists(written_off.pid) or psutil.Process(written_off.pid).status() == "zombie",
-            60,
-            "the written-off replica process to be stopped",
-        )
+        # gone(): the process may end between a check that it exists and a look at its status.
+        wait_until(lambda: gone(written_off.pid), 60, "the written-off replica process to be stopped")
         wait_until(lambda: Node.objects.get(name=node).status == Node.Status.ONLINE, 60, f"{node} to be back")
         return written_off
 

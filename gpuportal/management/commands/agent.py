@@ -1,12 +1,14 @@
 import os
 import re
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from gpuportal.celery import app
 from inference.agent import NodeAgent
 from inference.devices import VirtualProfile, parse_size, parse_virtual_spec
 from inference.devices import virtual_gpus as declared_virtual_gpus
-from scheduling.services.node_gateway import ServicesGateway
+from inference.gateway import RemoteControl
 
 
 class Command(BaseCommand):
@@ -91,9 +93,9 @@ class Command(BaseCommand):
             raise CommandError("--concurrency must be at least 1")
         agent = NodeAgent(
             node,
-            # Here, where the project is put together: the data plane talks to the control plane
-            # only through this gateway (gpuportal.wire.control).
-            control=ServicesGateway(),
+            # The data plane talks to the control plane only through this gateway
+            # (gpuportal.wire.control): calls on the `agents` queue, answered by its worker.
+            control=RemoteControl(app, settings.REDIS_URL),
             backend=backend,
             virtual_spec=virtual_gpus,
             cpu_cache_bytes=cache,

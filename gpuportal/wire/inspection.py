@@ -1,0 +1,66 @@
+"""Reading a model's sizes from its files (issue 17): asked of a node, never done in the web
+process. The files live where the replicas load them, on the nodes; and a `torch-module` source
+is code, which must run in no process that serves the API. Django-free.
+
+The control plane sends an InspectModel to the `inspect` queue, which every node agent consumes
+besides its own, and waits on `reply_to` (gpuportal.wire.replies) for a ModelReading."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gpuportal.wire.commands import VERSION, WireError
+from gpuportal.wire.memory import ModelShape
+
+INSPECT_QUEUE = "inspect"
+INSPECT_TASK = "inference.tasks.inspect_model"
+
+
+@dataclass(frozen=True)
+class InspectModel:
+    source: str
+    loader: str
+    dtype: str
+    reply_to: str
+
+    def encode(self) -> dict[str, Any]:
+        return {"v": VERSION, **asdict(self)}
+
+    @classmethod
+    def decode(cls, payload: Any) -> InspectModel:
+        if not isinstance(payload, dict):
+            raise WireError(f"an inspection is a JSON object, not {type(payload).__name__}")
+        if payload.get("v") != VERSION:
+            version = payload.get("v")
+            raise WireError(f"inspection version {version!r} is not this agent's ({VERSION}): upgrade one side")
+        try:
+            return cls(**{k: v for k, v in payload.items() if k != "v"})
+        except TypeError as err:
+            raise WireError(f"an inspection with bad fields: {err}") from None
+
+
+@dataclass(frozen=True)
+class ModelReading:
+    """What a node read: the weights' bytes, and for a transformers model its shape (which the
+    control plane's estimate needs); `refusal` says why the source cannot be served (its files
+    are missing, or it is not a model), for a 400 naming `model.source`."""
+
+    weight_bytes: int = 0
+    shape: ModelShape | None = None
+    refusal: str = ""
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ModelReading:
+        try:
+            shape = record.get("shape")
+            return cls(
+                weight_bytes=int(record.get("weight_bytes", 0)),
+                shape=ModelShape(**shape) if shape else None,
+                refusal=str(record.get("refusal", "")),
+            )
+        except (TypeError, ValueError) as err:
+            raise WireError(f"a model reading with bad fields: {err}") from None

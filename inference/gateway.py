@@ -1,0 +1,102 @@
+"""The agent's side of gpuportal.wire.control (issue 17): each call to the control plane goes out
+as one task on the `agents` queue, and the answer comes back on a Redis list that this side
+blocks on. The control plane applies it in its own process (scheduling.services.node_gateway);
+the agent never runs the control plane's services nor touches its database.
+
+Thread-safe: the heartbeat, each replica's reader thread and the node tasks call it at once,
+each waiting for its own answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from celery import Celery
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from gpuportal.wire import replies
+from gpuportal.wire.control import AGENT_CALL_TASK, AGENT_QUEUE, Call, ControlError, encode_call
+from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
+
+log = logging.getLogger(__name__)
+
+
+class RemoteControl:
+    """gpuportal.wire.control.ControlPlane over Celery and Redis."""
+
+    def __init__(self, app: Celery, redis_url: str, *, timeout_s: float = 120.0, outage_s: float = 60.0):
+        self.app = app
+        self.redis = redis.Redis.from_url(redis_url)
+        # How long a call waits for the control plane (its worker busy, restarting, or not up yet).
+        self.timeout_s = timeout_s
+        # A Redis that blinks (a restart) is waited out this long before the call fails.
+        self.outage_s = outage_s
+
+    def call(self, name: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        call = Call(name, replies.new_list("agent"), args, kwargs)
+        payload = encode_call(call)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        for attempt in self._on_outage():
+            with attempt:
+                # Expires with the wait: a call its caller gave up on is never applied late.
+                self.app.send_task(AGENT_CALL_TASK, args=[payload], queue=AGENT_QUEUE, expires=timeout)
+        try:
+            for attempt in self._on_outage():
+                with attempt:
+                    return replies.wait(self.redis, call.reply_to, timeout, name)
+        except replies.NoAnswer as err:
+            raise ControlError(str(err)) from None
+
+    def _on_outage(self) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, OSError)),
+            stop=stop_after_delay(self.outage_s),
+            wait=wait_exponential(multiplier=0.1, max=2),
+            before_sleep=lambda state: log.warning("Redis unavailable; retrying (%s)", state.outcome),
+            reraise=True,
+        )
+
+    # -- gpuportal.wire.control.ControlPlane ---------------------------------------------------
+
+    def register_node(
+        self,
+        node: str,
+        devices: Sequence[DeviceInfo],
+        *,
+        hostname: str,
+        cpu_cache_bytes: int,
+        virtual: bool,
+        survivors: Sequence[Survivor],
+    ) -> None:
+        self.call(
+            "register_node",
+            node,
+            list(devices),
+            hostname=hostname,
+            cpu_cache_bytes=cpu_cache_bytes,
+            virtual=virtual,
+            survivors=list(survivors),
+        )
+
+    def heartbeat(self, node: str, *, books: Books | None, running: Sequence[str]) -> list[str]:
+        # No longer than a few beats: a beat that waits past the next one is stale.
+        return list(self.call("heartbeat", node, books=books, running=list(running), timeout_s=30) or [])
+
+    def node_stopping(self, node: str, reason: str) -> None:
+        self.call("node_stopping", node, reason, timeout_s=10)
+
+    def node_stopped(self, node: str, reason: str) -> None:
+        self.call("node_stopped", node, reason, timeout_s=10)
+
+    def report(self, replica_id: str, event: dict[str, Any]) -> None:
+        try:
+            self.call("report", replica_id, event)
+        except Exception:
+            # The reader thread must go on to the next event; the heartbeat's books let the
+            # control plane catch up with what a lost report said.
+            log.exception("could not report %s of replica %s", event.get("event"), replica_id)
+
+    def replica_state(self, replica_id: str) -> str | None:
+        return self.call("replica_state", replica_id, timeout_s=30)

@@ -1,0 +1,108 @@
+"""A deploy asks a node agent to read the model's files (issue 17): the web process reads no
+model file and runs no model code, and it answers 503 rather than hang when no agent can.
+
+Here the node's task runs on a thread, as an agent's worker thread would, over the real Redis;
+every test that starts a real agent (test_replica_lifecycle, test_serving, ...) deploys through
+a real agent's `inspect` queue."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
+from inference.inspection import read_model
+from scheduling.models import Deployment, Node
+from scheduling.services import dispatch
+from tests.support.deployments import body
+
+pytestmark = pytest.mark.nodes_read_models
+
+
+class NodeWorker:
+    """Takes what the control plane sends to the `inspect` queue as an agent's worker would."""
+
+    def __init__(self, answer: bool = True):
+        self.answer = answer
+        self.sent: list[tuple[str, str, dict, float]] = []
+
+    def send_task(self, name: str, *, args: list, queue: str, expires: float) -> None:
+        self.sent.append((name, queue, args[0], expires))
+        if self.answer:
+            threading.Thread(target=self._run, args=(args[0],)).start()
+
+    def _run(self, payload: dict) -> None:
+        from inference.tasks import inspect_model
+
+        inspect_model(payload)
+
+
+@pytest.fixture
+def node_worker(monkeypatch) -> NodeWorker:
+    worker = NodeWorker()
+    monkeypatch.setattr(dispatch.app, "send_task", worker.send_task)
+    return worker
+
+
+@pytest.mark.django_db
+def test_a_deploy_asks_a_node_to_read_the_model_and_reserves_what_it_read(cluster, staff, node_worker, tiny_model_dir):
+    response = staff.post("/api/deployments/", body("tiny", tiny_model_dir, memory={"max_tokens": 512}), format="json")
+
+    assert response.status_code == 201, response.json()
+    ((name, queue, payload, _),) = [sent for sent in node_worker.sent if sent[0] == INSPECT_TASK]
+    assert (name, queue) == (INSPECT_TASK, INSPECT_QUEUE)
+    assert InspectModel.decode(payload).source == str(tiny_model_dir)
+    deployment = Deployment.objects.get(name="tiny")
+    read_here = read_model(str(tiny_model_dir), "transformers", "float32")
+    assert deployment.weight_bytes == read_here.weight_bytes > 0
+    assert deployment.memory_estimate_bytes > deployment.weight_bytes
+
+
+@pytest.mark.django_db
+def test_a_source_the_node_cannot_read_is_a_400_naming_model_source_and_nothing_is_created(cluster, staff, node_worker):
+    for source, loader, says in [
+        ("/nowhere/" + "x" * 300, "transformers", "model.source"),
+        ("os:getcwd", "torch-module", "returned a str, not a torch.nn.Module"),
+        ("json:loads", "torch-module", "raised TypeError"),
+    ]:
+        spec = {"name": "bad", "model": {"source": source, "loader": loader}}
+        response = staff.post("/api/deployments/", spec, format="json")
+        assert response.status_code == 400, response.json()
+        assert says in str(response.json()), response.json()
+    assert not Deployment.objects.exists()
+
+
+@pytest.mark.django_db
+def test_with_no_node_online_a_deploy_answers_503_saying_so(cluster, staff, node_worker, tiny_model_dir):
+    Node.objects.update(status=Node.Status.OFFLINE)
+
+    response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
+
+    assert response.status_code == 503
+    assert "no node is online to read the model's files" in response.json()["detail"]
+    assert node_worker.sent == [] and not Deployment.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_node_that_never_answers_makes_the_deploy_a_503_after_the_wait_not_a_hang(
+    cluster, staff, monkeypatch, settings, tiny_model_dir
+):
+    silent = NodeWorker(answer=False)
+    monkeypatch.setattr(dispatch.app, "send_task", silent.send_task)
+    settings.GPUPORTAL_INSPECT_TIMEOUT_S = 1
+
+    response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
+
+    assert response.status_code == 503
+    assert "no answer to reading the model's files within 1 s" in response.json()["detail"]
+    assert silent.sent[0][3] == 1, "the question expires with the wait: no agent reads for nobody"
+    assert not Deployment.objects.exists()
+
+
+def test_a_reading_survives_the_wire_as_it_was_read(tiny_model_dir):
+    reading = read_model(str(tiny_model_dir), "transformers", "bfloat16")
+    assert reading.shape is not None and reading.shape.dtype_bytes == 2
+    assert ModelReading.from_record(reading.record()) == reading
+    refused = read_model("/nowhere", "transformers", "float32")
+    assert refused.refusal and ModelReading.from_record(refused.record()) == refused

@@ -1,0 +1,110 @@
+"""An agent's calls reach the control plane as tasks on the `agents` queue and come back answered
+(issue 17: the agent never runs the control plane's services). Here the task runs on a thread with
+its own connection, as a worker thread would, over the real PostgreSQL and Redis; the tests that
+start real agents (test_agent.py and every e2e test) run it on the real `agents` worker."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+
+from gpuportal.wire.control import AGENT_CALL_TASK, AGENT_QUEUE, ControlError
+from gpuportal.wire.node_reports import Books, DeviceInfo
+from inference.gateway import RemoteControl
+from scheduling.models import GPU, Event, Node, Replica
+from scheduling.services import node_gateway
+from tests.support import factories
+
+GIB = 1024**3
+
+
+class Worker:
+    """Carries out what RemoteControl sends as the `agents` worker would: each task on a thread."""
+
+    def __init__(self, deliver: bool = True):
+        self.deliver = deliver
+        self.sent: list[tuple[str, str, float]] = []
+
+    def send_task(self, name: str, *, args: list, queue: str, expires: float) -> None:
+        self.sent.append((name, queue, expires))
+        if self.deliver:
+            thread = threading.Thread(target=self._run, args=(args[0],))
+            thread.start()
+
+    def _run(self, payload: dict) -> None:
+        from scheduling.tasks import agent_call
+
+        try:
+            agent_call(payload)
+        finally:
+            connection.close()
+
+
+def remote(worker: Worker) -> RemoteControl:
+    return RemoteControl(worker, settings.REDIS_URL)  # type: ignore[arg-type]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_registers_beats_and_reports_through_the_agents_queue():
+    worker = Worker()
+    control = remote(worker)
+    gpu = DeviceInfo(index=0, uuid="GPU-gw-0", product="Virtual GPU", total_bytes=4 * GIB, virtual=True)
+
+    control.register_node("gw", [gpu], hostname="h", cpu_cache_bytes=GIB, virtual=True, survivors=[])
+    node = Node.objects.get(name="gw")
+    assert node.status == Node.Status.ONLINE and GPU.objects.get(node=node).uuid == "GPU-gw-0"
+
+    replica = factories.replica(factories.deployment("d"), on=node, state=Replica.State.PENDING)
+    assert control.heartbeat("gw", books=Books(), running=[replica.id]) == []
+    control.report(replica.id, {"event": "progress", "percent": 40, "detail": "2 of 5 shards"})
+    replica.refresh_from_db()
+    assert (replica.state, replica.progress) == (Replica.State.LOADING, 40)
+    assert control.replica_state(replica.id) == "loading"
+    assert control.replica_state("gone") is None
+
+    control.node_stopping("gw", "agent stopped")
+    control.node_stopped("gw", "agent stopped")
+    assert Node.objects.get(name="gw").status == Node.Status.OFFLINE
+    assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node="gw").exists()
+    assert {(name, queue) for name, queue, _ in worker.sent} == {(AGENT_CALL_TASK, AGENT_QUEUE)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_the_control_plane_refuses_comes_back_as_its_error():
+    control = remote(Worker())
+    with pytest.raises(ControlError, match="heartbeat: NotFound: no node named 'never-registered'"):
+        control.heartbeat("never-registered", books=None, running=[])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_report_that_cannot_be_recorded_is_logged_by_the_agent_and_the_next_one_goes_through(caplog):
+    control = remote(Worker())
+    replica = factories.replica(factories.deployment("d"), on=factories.node("gw"), state=Replica.State.PENDING)
+
+    control.report(replica.id, {"event": "progress", "percent": "forty"})  # the handler's int() refuses it
+    assert "could not report progress of replica" in caplog.text
+    control.report(replica.id, {"event": "progress", "percent": 60})
+    replica.refresh_from_db()
+    assert replica.progress == 60
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_nobody_answers_fails_after_its_wait_and_expires_with_it():
+    worker = Worker(deliver=False)
+    with pytest.raises(ControlError, match="no answer to replica_state within 1 s"):
+        remote(worker).call("replica_state", "r1", timeout_s=1)
+    assert worker.sent[0][2] == 1, "a call its caller gave up on is never applied late"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_the_control_plane_cannot_read_is_answered_with_why():
+    reply_to = f"gp:agent-reply:{uuid.uuid4().hex}"
+    assert node_gateway.answer({"v": 99, "call": "report", "reply_to": reply_to}) == "unreadable"
+    answer = json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
+    assert answer == {"ok": False, "error": "call version 99 is not the control plane's (1): upgrade one side"}
