@@ -88,6 +88,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # An unreachable PostgreSQL or Redis, or a body too big: a JSON answer naming it, not a 500.
+    "gpuportal.outages.OutageMiddleware",
 ]
 
 ROOT_URLCONF = "gpuportal.urls"
@@ -189,6 +191,13 @@ GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
 # (default: the H100's), and a virtual node's comes from its agent's --virtual-context (issue 15).
 # A replica that hits a CUDA device-side assert is restarted at most this many times per hour.
 GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER_HOUR", "3"))
+# The most replicas one deployment may ask for (issue 20: a scale of 256 started ~74 processes).
+GPUPORTAL_MAX_REPLICAS = int(os.environ.get("GPUPORTAL_MAX_REPLICAS", "32"))
+# A `torch-module` source (package.module:factory) is code the nodes run: only the modules an
+# operator lists here (comma-separated module prefixes, e.g. "acme.models") may be deployed.
+GPUPORTAL_TORCH_MODULES = tuple(
+    module.strip() for module in os.environ.get("GPUPORTAL_TORCH_MODULES", "").split(",") if module.strip()
+)
 # A request whose replica died is run again on another, at most this many times in all.
 GPUPORTAL_REQUEST_ATTEMPTS = int(os.environ.get("GPUPORTAL_REQUEST_ATTEMPTS", "3"))
 # /infer/ waits this long by default, and never longer than the maximum, before answering 202.

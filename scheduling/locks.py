@@ -2,16 +2,59 @@
 lock_objects): a deployment row first, then node rows, then GPU rows in primary-key order (the
 ledger's commit takes those itself), then replica rows in primary-key order. Every
 `select_for_update` of a service goes through here, and a writer that needs several takes them in
-that order, so two writers never wait on each other in a circle."""
+that order, so two writers never wait on each other in a circle.
+
+Rows a writer reaches through a foreign key (an Occupant's cascade, a row PostgreSQL locks for
+a reference check) can still close a circle now and then: `retry_deadlocks` runs a top-level
+command again when PostgreSQL aborted it for that."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
 
+import psycopg
+from django.db import OperationalError, transaction
 from django.db.models import QuerySet
 
 from scheduling.models import GPU, Deployment, Node, Replica
 from scheduling.services.errors import NotFound
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# What PostgreSQL asks a client to run again (SQLSTATE 40P01 and 40001).
+RETRYABLE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+DEADLOCK_ATTEMPTS = 4
+
+
+def retry_deadlocks(command: Callable[P, R]) -> Callable[P, R]:
+    """Runs a top-level command again, from the start, when PostgreSQL aborted its transaction
+    for a deadlock or a serialization failure: the whole transaction rolled back (its on-commit
+    effects with it), so running it again applies it once. Inside a caller's transaction it runs
+    once: only the caller can start that transaction again."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        if transaction.get_connection().in_atomic_block:
+            return command(*args, **kwargs)
+        for attempt in range(1, DEADLOCK_ATTEMPTS + 1):
+            try:
+                return command(*args, **kwargs)
+            except OperationalError as err:
+                if not isinstance(err.__cause__, RETRYABLE) or attempt == DEADLOCK_ATTEMPTS:
+                    raise
+                log.warning("%s: %s; running it again (attempt %d)", command.__name__, err.__cause__, attempt + 1)
+                # Jittered: the two sides of a deadlock must not meet again in step.
+                time.sleep(random.uniform(0, 0.005 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    return run
 
 
 def lock_deployment(name: str) -> Deployment:

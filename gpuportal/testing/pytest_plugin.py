@@ -22,6 +22,9 @@ _tmp_dirs: list[Path] = []
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
+    # The suite deploys its own `torch-module` factories (tests.support.models, ...), as an
+    # operator would list theirs; the processes it starts inherit the setting.
+    os.environ.setdefault("GPUPORTAL_TORCH_MODULES", "tests")
     if not os.environ.get("DATABASE_URL") or not os.environ.get("REDIS_URL"):
         root = Path(tempfile.mkdtemp(prefix="gpuportal-test-stack-"))
         _tmp_dirs.append(root)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from django.conf import settings
 from rest_framework import serializers
 
 from scheduling.models import Deployment
@@ -31,6 +32,25 @@ class FiniteFloatField(serializers.FloatField):
         return value
 
 
+class ReplicaCountField(serializers.IntegerField):
+    """A replica count, at most GPUPORTAL_MAX_REPLICAS (read per request: an operator's setting)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(min_value=0, **kwargs)
+
+    def to_internal_value(self, data: Any) -> int:
+        value = super().to_internal_value(data)
+        if value > settings.GPUPORTAL_MAX_REPLICAS:
+            raise serializers.ValidationError(
+                f"at most {settings.GPUPORTAL_MAX_REPLICAS} replicas per deployment (GPUPORTAL_MAX_REPLICAS)"
+            )
+        return value
+
+
+# What PostgreSQL's bigint holds is far above any GPU; 1 PiB is a typo's bound, not a GPU's.
+MAX_BYTES = 2**50
+
+
 class ModelInput(StrictSerializer):
     source = serializers.CharField(max_length=1000, help_text="A local model directory, or package.module:factory.")
     loader = serializers.ChoiceField(choices=Deployment.Loader.values, default=Deployment.Loader.TRANSFORMERS)
@@ -38,7 +58,9 @@ class ModelInput(StrictSerializer):
 
 
 class MemoryInput(StrictSerializer):
-    override_bytes = serializers.IntegerField(min_value=1, allow_null=True, required=False, default=None)
+    override_bytes = serializers.IntegerField(
+        min_value=1, max_value=MAX_BYTES, allow_null=True, required=False, default=None
+    )
     max_tokens = serializers.IntegerField(min_value=1, max_value=1_048_576, required=False, default=2048)
     policy = serializers.ChoiceField(choices=["gpuportal", "ndif"], required=False, default="gpuportal")
 
@@ -70,7 +92,7 @@ class FailoverInput(StrictSerializer):
 class DeploymentInput(StrictSerializer):
     name = serializers.SlugField(max_length=100)
     model = ModelInput()
-    replicas = serializers.IntegerField(min_value=0, max_value=256, required=False, default=1)
+    replicas = ReplicaCountField(required=False, default=1)
     dedicated = serializers.BooleanField(required=False, default=False)
     memory = MemoryInput(required=False)
     fairness = FairnessInput(required=False)
@@ -125,7 +147,7 @@ class DeploymentPatch(StrictSerializer):
 
     name = serializers.CharField(required=False)
     model = serializers.JSONField(required=False)
-    replicas = serializers.IntegerField(min_value=0, max_value=256, required=False)
+    replicas = ReplicaCountField(required=False)
     dedicated = serializers.BooleanField(required=False)
     memory = _partial(MemoryInput)
     fairness = _partial(FairnessInput)
@@ -155,4 +177,4 @@ class DeploymentPatch(StrictSerializer):
 
 
 class ScaleInput(StrictSerializer):
-    replicas = serializers.IntegerField(min_value=0, max_value=256)
+    replicas = ReplicaCountField()

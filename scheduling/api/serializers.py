@@ -296,7 +296,12 @@ class ReplicaFilterSerializer(serializers.Serializer):
 class EventFilterSerializer(serializers.Serializer):
     kind = serializers.CharField(required=False, allow_blank=True, help_text='Event kind, e.g. "replica.state".')
     deployment = serializers.CharField(required=False, allow_blank=True)
-    gpu = serializers.CharField(required=False, allow_blank=True, help_text='GPU as recorded, e.g. "node1/0".')
+    gpu = serializers.RegexField(
+        r"^[A-Za-z0-9_-]{1,100}/[0-9]{1,4}$",
+        required=False,
+        help_text='GPU as recorded, NODE/INDEX, e.g. "node1/0".',
+        error_messages={"invalid": 'expected NODE/INDEX as events record a GPU, e.g. "node1/0"'},
+    )
     node = serializers.CharField(required=False, allow_blank=True)
     replica = serializers.CharField(required=False, allow_blank=True, help_text="Replica id.")
     since = serializers.DateTimeField(required=False, help_text="ISO 8601; only events at or after it.")

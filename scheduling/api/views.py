@@ -16,11 +16,13 @@ from rest_framework.response import Response
 from scheduling import selectors
 from scheduling.api import inputs
 from scheduling.api import serializers as s
+from scheduling.models import Deployment
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
+from scheduling.services.errors import NotFound
 
 READ_ACTIONS = {"list", "retrieve"}
 
@@ -101,7 +103,12 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return selectors.deployments()
 
     def shown(self, name: str, code: int = status.HTTP_200_OK, *, warn: bool = False) -> Response:
-        data = s.DeploymentSerializer(selectors.deployments().get(name=name)).data
+        try:
+            deployment = selectors.deployments().get(name=name)
+        except Deployment.DoesNotExist:
+            # Deleted by another call between this one's change and its answer.
+            raise NotFound(f"deployment {name!r} was deleted meanwhile") from None
+        data = s.DeploymentSerializer(deployment).data
         if warn:
             # Only where a change can crowd GPUs with never-preempted replicas: create and PATCH.
             data["warnings"] = deployment_services.popular_warnings()

@@ -12,7 +12,8 @@ from datetime import timedelta
 from typing import Any
 
 import redis
-from django.db import transaction
+from django.conf import settings
+from django.db import IntegrityError, transaction
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
@@ -23,7 +24,7 @@ from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Place
 from scheduling.planning import place_all, withhold_locked
 from scheduling.services import dispatch, failover, queueing
 from scheduling.services import replicas as replica_services
-from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
+from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput, NotFound
 from scheduling.services.replica_specs import contexts_of
 from scheduling.state import OccupantView, Plan, Release, Snapshot
 
@@ -112,36 +113,30 @@ def get(name: str, *, lock: bool = False) -> Deployment:
         raise NotFound(f"no deployment named {name!r}") from None
 
 
+@locks.retry_deadlocks
 def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployment:
     """Create the deployment and place all its replicas, or nothing at all (409 with reasons)."""
     if memory.POLICIES.get(spec.memory_policy) is None:
         raise InvalidInput("memory.policy", f"unknown policy {spec.memory_policy!r} (gpuportal or ndif)")
+    if spec.loader == Deployment.Loader.TORCH_MODULE and not torch_module_allowed(spec.source):
+        listed = ", ".join(settings.GPUPORTAL_TORCH_MODULES) or "none"
+        raise InvalidInput(
+            "model.source",
+            f"{spec.source!r} is code the nodes would run: only modules an operator lists in "
+            f"GPUPORTAL_TORCH_MODULES may be deployed (listed: {listed})",
+        )
+    taken = AlreadyExists("name", f"a deployment named {spec.name!r} already exists")
+    if Deployment.objects.filter(name=spec.name).exists():
+        raise taken  # before asking a node to read the model
     facts = facts or inspect_model(spec.source, spec.loader, spec.dtype, spec.max_tokens)
     with transaction.atomic():
-        if Deployment.objects.filter(name=spec.name).exists():
-            raise InvalidInput("name", f"a deployment named {spec.name!r} already exists")
-        deployment = Deployment.objects.create(
-            name=spec.name,
-            model_source=spec.source,
-            loader=spec.loader,
-            dtype=spec.dtype,
-            replicas_wanted=spec.replicas,
-            dedicated=spec.dedicated,
-            memory_override_bytes=spec.override_bytes,
-            memory_estimate_bytes=facts.estimate_bytes,
-            weight_bytes=facts.weight_bytes,
-            memory_policy=spec.memory_policy,
-            max_tokens=spec.max_tokens,
-            min_runtime_s=spec.min_runtime_s,
-            max_wait_s=spec.max_wait_s,
-            popular=spec.popular,
-            idle_timeout_s=spec.idle_timeout_s,
-            drain_timeout_s=spec.drain_timeout_s,
-            failover_standby=spec.standby,
-            max_load_failures=spec.max_load_failures,
-            load_backoff_s=spec.backoff_s,
-            load_backoff_max_s=spec.backoff_max_s,
-        )
+        try:
+            # A savepoint: a create of the same name that committed since the check above makes
+            # this insert fail on the unique name, which is a 409 like the check's, not a 500.
+            with transaction.atomic():
+                deployment = _insert(spec, facts)
+        except IntegrityError:
+            raise taken from None
         events.record(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {spec.name}",
@@ -155,6 +150,38 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
     return deployment
 
 
+def torch_module_allowed(source: str) -> bool:
+    """Whether `source` (package.module:factory) is in a module an operator allowed."""
+    module = source.partition(":")[0]
+    return any(module == allowed or module.startswith(f"{allowed}.") for allowed in settings.GPUPORTAL_TORCH_MODULES)
+
+
+def _insert(spec: DeploymentSpec, facts: ModelFacts) -> Deployment:
+    return Deployment.objects.create(
+        name=spec.name,
+        model_source=spec.source,
+        loader=spec.loader,
+        dtype=spec.dtype,
+        replicas_wanted=spec.replicas,
+        dedicated=spec.dedicated,
+        memory_override_bytes=spec.override_bytes,
+        memory_estimate_bytes=facts.estimate_bytes,
+        weight_bytes=facts.weight_bytes,
+        memory_policy=spec.memory_policy,
+        max_tokens=spec.max_tokens,
+        min_runtime_s=spec.min_runtime_s,
+        max_wait_s=spec.max_wait_s,
+        popular=spec.popular,
+        idle_timeout_s=spec.idle_timeout_s,
+        drain_timeout_s=spec.drain_timeout_s,
+        failover_standby=spec.standby,
+        max_load_failures=spec.max_load_failures,
+        load_backoff_s=spec.backoff_s,
+        load_backoff_max_s=spec.backoff_max_s,
+    )
+
+
+@locks.retry_deadlocks
 def update(name: str, changes: dict[str, Any]) -> Deployment:
     """Change settings (and the replica count, through scale). Unknown fields are a caller bug."""
     unknown = set(changes) - set(MUTABLE) - {"replicas", "standby"}
@@ -192,6 +219,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
     return deployment
 
 
+@locks.retry_deadlocks
 def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") -> Deployment:
     """Bring the number of awake replicas to `replicas`: cached ones are promoted before new ones
     are created; scaling down stops the most recently started first (they have served least)."""
@@ -378,6 +406,7 @@ def _requests_wait(name: str) -> bool:
         return True
 
 
+@locks.retry_deadlocks
 def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
     """Clear a failed deployment (or the backoff of one retrying) and place what it lacks now."""
     with transaction.atomic():
@@ -399,6 +428,7 @@ def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
     return deployment
 
 
+@locks.retry_deadlocks
 def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
     """Put every serving replica of the deployment to sleep (weights to CPU RAM)."""
     with transaction.atomic():
@@ -409,6 +439,7 @@ def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
     return serving
 
 
+@locks.retry_deadlocks
 def delete(name: str, *, reason: str = "deleted by an operator") -> None:
     """Release every reservation, stop every process, and forget the deployment."""
     with transaction.atomic():

@@ -29,6 +29,12 @@ class InvalidInput(ServiceError):
         return {self.field: [self.message]}
 
 
+class AlreadyExists(InvalidInput):
+    """A name that is taken (409), naming the field."""
+
+    status = 409
+
+
 class CannotPlace(ServiceError):
     """No node can host what was asked; nothing was applied."""
 

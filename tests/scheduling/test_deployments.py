@@ -112,10 +112,10 @@ def test_a_source_that_is_not_a_model_directory_says_why(cluster, api, tmp_path)
     assert "config.json" in response.json()["model.source"][0]
 
 
-def test_a_duplicate_name_is_a_400_naming_it(cluster, api, tiny_model_dir):
+def test_a_duplicate_name_is_a_409_naming_it(cluster, api, tiny_model_dir):
     assert api("post", "/api/deployments/", body("twice", tiny_model_dir)).status_code == 201
     response = api("post", "/api/deployments/", body("twice", tiny_model_dir))
-    assert response.status_code == 400 and "already exists" in response.json()["name"][0]
+    assert response.status_code == 409 and "already exists" in response.json()["name"][0]
 
 
 def test_controls_need_staff_and_unknown_names_are_404(cluster, api, tiny_model_dir):

@@ -60,7 +60,10 @@ def test_a_deploy_asks_a_node_to_read_the_model_and_reserves_what_it_read(cluste
 
 
 @pytest.mark.django_db
-def test_a_source_the_node_cannot_read_is_a_400_naming_model_source_and_nothing_is_created(cluster, staff, node_worker):
+def test_a_source_the_node_cannot_read_is_a_400_naming_model_source_and_nothing_is_created(
+    cluster, staff, node_worker, settings
+):
+    settings.GPUPORTAL_TORCH_MODULES = ("os", "json")  # listed by the operator, so a node is asked
     for source, loader, says in [
         ("/nowhere/" + "x" * 300, "transformers", "model.source"),
         ("os:getcwd", "torch-module", "returned a str, not a torch.nn.Module"),

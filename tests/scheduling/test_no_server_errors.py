@@ -1,0 +1,159 @@
+"""No input and no race gets a 500 (issue 20): a name taken by a racing create is a 409, a change
+that raced a delete is a 404, and every number, filter and source is checked, the 400 naming it.
+Nothing is half-applied."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from rest_framework.test import APIClient
+
+from scheduling.api import views
+from scheduling.models import Deployment, Event
+from scheduling.services import deployments
+from tests.support.deployments import body
+
+MiB = 1024**2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_creates_of_one_name_at_once_make_one_deployment_and_a_409(cluster, tiny_model_dir):
+    User.objects.create_user("ops", is_staff=True)
+    start = threading.Barrier(2)
+    codes: list[int] = []
+
+    def create() -> None:
+        client = APIClient()
+        client.force_authenticate(User.objects.get(username="ops"))
+        try:
+            start.wait()
+            codes.append(client.post("/api/deployments/", body("twin", tiny_model_dir), format="json").status_code)
+        finally:
+            connection.close()  # this thread's own connection
+
+    threads = [threading.Thread(target=create) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert sorted(codes) == [201, 409]
+    assert Deployment.objects.filter(name="twin").count() == 1
+    assert Event.objects.filter(deployment="twin", reason__startswith="created").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scale_whose_deployment_is_deleted_before_it_answers_is_a_404(cluster, staff, monkeypatch, tiny_model_dir):
+    assert staff.post("/api/deployments/", body("brief", tiny_model_dir), format="json").status_code == 201
+    scale = deployments.scale
+
+    def scale_then_deleted(name: str, replicas: int, **kwargs):
+        done = scale(name, replicas, **kwargs)
+        deployments.delete(name, reason="deleted by a racing call")  # what a DELETE between the two does
+        return done
+
+    monkeypatch.setattr(views.deployment_services, "scale", scale_then_deleted)
+    response = staff.post("/api/deployments/brief/scale/", {"replicas": 2}, format="json")
+
+    assert response.status_code == 404
+    assert response.json() == {"detail": "deployment 'brief' was deleted meanwhile"}
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "says"),
+    [
+        ({"replicas": 33}, "replicas", "at most 32 replicas per deployment (GPUPORTAL_MAX_REPLICAS)"),
+        ({"memory": {"override_bytes": 10**40}}, "memory", "less than or equal to 1125899906842624"),
+        ({"memory": {"override_bytes": 0}}, "memory", "greater than or equal to 1"),
+        ({"model": {"source": "x" * 1001}}, "model", "no more than 1000 characters"),
+    ],
+)
+def test_an_out_of_bounds_deploy_is_a_400_naming_the_field(cluster, api, tiny_model_dir, change, field, says):
+    response = api("post", "/api/deployments/", {**body("bounded", tiny_model_dir), **change})
+
+    assert response.status_code == 400, response.json()
+    assert says in str(response.json()[field])
+    assert not Deployment.objects.exists()
+
+
+def test_a_scale_past_the_limit_is_a_400_and_the_limit_is_the_operators(cluster, api, settings, tiny_model_dir):
+    assert api("post", "/api/deployments/", body("capped", tiny_model_dir)).status_code == 201
+    settings.GPUPORTAL_MAX_REPLICAS = 2
+
+    response = api("post", "/api/deployments/capped/scale/", {"replicas": 3})
+
+    assert response.status_code == 400
+    assert response.json() == {"replicas": ["at most 2 replicas per deployment (GPUPORTAL_MAX_REPLICAS)"]}
+    assert Deployment.objects.get(name="capped").replicas_wanted == 1
+
+
+def test_a_torch_module_source_no_operator_listed_is_refused_before_any_node_runs_it(cluster, api, settings):
+    settings.GPUPORTAL_TORCH_MODULES = ("acme.models",)
+    spec = {"name": "code", "model": {"source": "os:abort", "loader": "torch-module"}}
+
+    response = api("post", "/api/deployments/", spec)
+
+    assert response.status_code == 400
+    assert response.json()["model.source"] == [
+        "'os:abort' is code the nodes would run: only modules an operator lists in GPUPORTAL_TORCH_MODULES "
+        "may be deployed (listed: acme.models)"
+    ]
+    assert deployments.torch_module_allowed("acme.models.mlp:build")
+    assert not deployments.torch_module_allowed("acme.modelsx:build")
+
+
+@pytest.mark.parametrize("gpu", ["abc", "node1/", "/0", "node1/x"])
+def test_an_events_filter_that_names_no_gpu_is_a_400_naming_the_parameter(staff, gpu):
+    response = staff.get("/api/events/", {"gpu": gpu})
+
+    assert response.status_code == 400
+    assert response.json() == {"gpu": ['expected NODE/INDEX as events record a GPU, e.g. "node1/0"']}
+    assert staff.get("/api/events/", {"gpu": "node1/0"}).status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_command_postgresql_aborts_for_a_deadlock_runs_again_and_both_sides_finish():
+    from django.db import transaction
+
+    from scheduling.locks import retry_deadlocks
+    from tests.support import factories
+
+    node = factories.node("n")
+    rows = [factories.gpu(node, 0).pk, factories.gpu(node, 1).pk]
+    both_hold_one = threading.Barrier(2)
+    runs: list[str] = []
+    errors: list[BaseException] = []
+
+    @retry_deadlocks
+    def take_both(first: int, second: int, side: str) -> None:
+        from scheduling.models import GPU
+
+        runs.append(side)
+        with transaction.atomic():
+            GPU.objects.select_for_update().get(pk=first)
+            if runs.count(side) == 1:
+                both_hold_one.wait()  # each holds one row and asks for the other's: a circle
+            GPU.objects.select_for_update().get(pk=second)
+
+    def side(first: int, second: int, name: str) -> None:
+        try:
+            take_both(first, second, name)
+        except BaseException as err:  # reported by the assertion below
+            errors.append(err)
+        finally:
+            connection.close()
+
+    threads = [
+        threading.Thread(target=side, args=(rows[0], rows[1], "a")),
+        threading.Thread(target=side, args=(rows[1], rows[0], "b")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert errors == []
+    assert sorted(runs) in (["a", "a", "b"], ["a", "b", "b"]), "PostgreSQL aborted one side, which ran again"
