@@ -14,7 +14,9 @@ from typing import Any
 
 from django.conf import settings
 from rest_framework.authentication import TokenAuthentication
-from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.exceptions import AuthenticationFailed, Throttled
+
+from gpuportal import throttle
 
 # Enough for every live client of a portal; beyond it the cache starts over rather than grow.
 MAX_ENTRIES = 10_000
@@ -24,6 +26,18 @@ _seen: dict[str, tuple[float, Any, Any]] = {}
 
 
 class CachedTokenAuthentication(TokenAuthentication):
+    def authenticate(self, request: Any) -> tuple[Any, Any] | None:
+        try:
+            return super().authenticate(request)
+        except AuthenticationFailed:
+            # Counted only when a token fails: a good token costs no Redis round trip here.
+            names = throttle.keys(throttle.address_of(request))
+            wait = throttle.wait_s(names)
+            if wait is not None:
+                raise Throttled(wait=wait, detail=throttle.too_many(wait)) from None
+            throttle.failed(names)
+            raise
+
     def authenticate_credentials(self, key: str) -> tuple[Any, Any]:
         ttl = settings.GPUPORTAL_TOKEN_CACHE_S
         if ttl <= 0:

@@ -90,6 +90,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # An unreachable PostgreSQL or Redis, or a body too big: a JSON answer naming it, not a 500.
     "gpuportal.outages.OutageMiddleware",
+    "gpuportal.throttle.AdminLoginThrottle",
 ]
 
 ROOT_URLCONF = "gpuportal.urls"
@@ -191,6 +192,9 @@ GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
 # (default: the H100's), and a virtual node's comes from its agent's --virtual-context (issue 15).
 # A replica that hits a CUDA device-side assert is restarted at most this many times per hour.
 GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER_HOUR", "3"))
+# Failed sign-ins (password or token) from one address, or for one user name, in a minute before
+# a 429 (gpuportal.throttle).
+GPUPORTAL_AUTH_FAILURES_PER_MINUTE = int(os.environ.get("GPUPORTAL_AUTH_FAILURES_PER_MINUTE", "10"))
 # The most replicas one deployment may ask for (issue 20: a scale of 256 started ~74 processes).
 GPUPORTAL_MAX_REPLICAS = int(os.environ.get("GPUPORTAL_MAX_REPLICAS", "32"))
 # A `torch-module` source (package.module:factory) is code the nodes run: only the modules an

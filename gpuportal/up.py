@@ -31,10 +31,14 @@ from gpuportal.stack import (
 from gpuportal.stackenv import write_stack_env
 
 ROOT = Path(__file__).resolve().parent.parent
-# A restartable child that dies once the portal is up is started again (a crash: one that fails
-# while the portal starts stops it, with its error), at most RESTART_LIMIT times in RESTART_PERIOD_S.
+# A child that dies once the portal is up is started again (a crash: one that fails while the
+# portal starts stops it, with its error), at most RESTART_LIMIT times in RESTART_PERIOD_S, the
+# n-th time after RESTART_BACKOFF_S * 2**(n-1) seconds (at most RESTART_BACKOFF_MAX_S): a child
+# that cannot run (its port taken, its server gone) must not spin.
 RESTART_LIMIT = 5
 RESTART_PERIOD_S = 600.0
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 8.0
 
 
 @dataclass
@@ -43,10 +47,12 @@ class Child:
     argv: list[str]
     process: subprocess.Popen | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
-    # Started again when it dies: the node agent, whose next run takes over the replica
-    # processes it left (issue 16: restart restores) rather than the whole portal stopping.
-    restartable: bool = False
+    # Started again when it dies, rather than the whole portal stopping (issue 20): every child
+    # is; the agent's next run takes over the replica processes it left (issue 16).
+    restartable: bool = True
     restarts: deque[float] = field(default_factory=deque)
+    # When the next start is due (time.monotonic()), while it waits out its backoff.
+    due: float | None = None
     # The process groups of its earlier runs: what they left running (replicas waiting to be
     # adopted, in an agent's) is stopped with the portal.
     old_groups: list[int] = field(default_factory=list)
@@ -58,6 +64,9 @@ class Child:
         while self.restarts and now - self.restarts[0] > RESTART_PERIOD_S:
             self.restarts.popleft()
         return self.restartable and len(self.restarts) < RESTART_LIMIT
+
+    def backoff(self) -> float:
+        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(self.restarts))
 
     def last_error(self) -> str:
         for line in reversed(self.tail):
@@ -196,7 +205,7 @@ class Portal:
                 "agents",
                 [*celery, *agents, "-l", "INFO", "--without-gossip", "--without-mingle"],
             ),
-            Child("agent", agent, restartable=True, stops_first=True),
+            Child("agent", agent, stops_first=True),
         ]
 
     def spawn(self, child: Child) -> None:
@@ -250,17 +259,25 @@ class Portal:
                 raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
 
     def restart_or_raise(self) -> None:
-        """A child that died: the agent is started again (its replicas wait to be taken over);
-        any other, or one that keeps dying, stops the portal."""
+        """A child that died is started again after its backoff (an agent's replicas wait to be
+        taken over meanwhile); one that keeps dying stops the portal."""
         now = time.monotonic()
         for child in self.children:
             code = child.process.poll() if child.process else None
             if code is None:
                 continue
-            time.sleep(0.2)  # let the pump thread read the last lines it printed
-            if not child.may_restart(now):
-                raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
-            self.say(f"{child.name} exited with code {code}: {child.last_error()}; starting it again")
+            if child.due is None:
+                time.sleep(0.2)  # let the pump thread read the last lines it printed
+                if not child.may_restart(now):
+                    raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
+                wait = child.backoff()
+                child.due = now + wait
+                self.say(
+                    f"{child.name} exited with code {code}: {child.last_error()}; starting it again in {wait:.1f} s"
+                )
+            if now < child.due:
+                continue
+            child.due = None
             child.restarts.append(now)
             assert child.process is not None
             child.old_groups.append(child.process.pid)

@@ -14,9 +14,11 @@ import pytest
 def _fresh_token_cache():
     """Each test starts with no remembered token (gpuportal.auth): one test's tokens, or a revoked
     one, must not outlive it."""
+    from gpuportal import throttle
     from gpuportal.auth import forget_tokens
 
     forget_tokens()
+    throttle.forget()  # and no failed sign-in of an earlier test counts against this one
 
 
 @pytest.fixture(autouse=True)

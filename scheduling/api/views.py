@@ -10,9 +10,11 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_
 from rest_framework import permissions, serializers, status, viewsets
 from rest_framework.authtoken.views import ObtainAuthToken
 from rest_framework.decorators import action
+from rest_framework.exceptions import Throttled
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from gpuportal import throttle
 from scheduling import selectors
 from scheduling.api import inputs
 from scheduling.api import serializers as s
@@ -265,3 +267,12 @@ class EventViewSet(viewsets.ReadOnlyModelViewSet):
 @extend_schema(auth=[], summary="Exchange a username and password for an API token.")
 class ObtainTokenView(ObtainAuthToken):
     """POST {"username", "password"} -> {"token": key}; send it as `Authorization: Token <key>`."""
+
+    def post(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        username = request.data.get("username") if hasattr(request.data, "get") else None
+        names = throttle.keys(throttle.address_of(request), str(username) if username else None)
+        wait = throttle.wait_s(names)
+        if wait is not None:
+            raise Throttled(wait=wait, detail=throttle.too_many(wait))
+        # A wrong password is counted where Django reports it (user_login_failed, gpuportal.apps).
+        return super().post(request, *args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,6 +128,12 @@ def processes_of(data_dir: Path) -> list[str]:
     return found
 
 
+def healthy(up: Up) -> bool:
+    with contextlib.suppress(OSError):  # refused while the web server starts again
+        return up.get("/healthz")[0] == 200
+    return False
+
+
 def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_path):
     from inference.management.commands.make_tiny_model import write_tiny_model
 
@@ -229,6 +236,25 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert code == 200 and answer["choices"][0]["text"], answer
         replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
         assert sorted(r["state"] for r in replicas) == ["serving", "stopped"], "adopted, not duplicated"
+
+        # Any other child that dies is started again too (issue 20), and the portal serves on:
+        # the replica (the agent's) lives through it.
+        for role in ("control", "agents", "runserver"):
+            restarts = sum("starting it again" in line for line in again.lines)
+            (child,) = [c for c in psutil.Process(again.process.pid).children() if role in c.cmdline()]
+            child.kill()
+            wait_until(
+                lambda seen=restarts: sum("starting it again" in line for line in again.lines) > seen,
+                30,
+                f"up to see {role} die",
+            )
+            wait_until(lambda: healthy(again), 60, f"the portal to serve again after its {role} was killed")
+        code, answer = again.post("/api/deployments/tiny/scale/", {"replicas": 1}, token)
+        assert code == 200, answer
+        code, answer = again.post("/v1/completions", {"model": "tiny", "prompt": "again", "max_tokens": 3}, token)
+        assert code == 200 and answer["choices"][0]["text"], answer
+        (after,) = again.serving(token, "tiny")
+        assert after["pid"] == restored["pid"], "the replica process lived through its control plane's restarts"
     finally:
         assert again.stop() == 0
     assert processes_of(data_dir) == [], "the adopted replica stopped with the portal"
