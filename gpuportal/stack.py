@@ -241,7 +241,9 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(self.log_path),
             "--save", "60 1" if self.persist else "",
-            "--appendonly", "no",
+            # Accepted requests outlive a restart (issue 20): at most the last second is at risk.
+            "--appendonly", "yes" if self.persist else "no",
+            "--appendfsync", "everysec",
         ]  # fmt: skip
         self.process = subprocess.Popen(
             args,

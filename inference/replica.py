@@ -764,6 +764,15 @@ class ReplicaHost:
         self.events.emit("failed", reason=f"superseded: {reason}", kind="stale")
         _exit(1)
 
+    def on_queue_lost(self, reason: str) -> None:
+        """Redis stayed away longer than the serving loop waits (inference.serving.PatientQueue):
+        fail and exit, so the control plane gives back what this replica took and replaces it."""
+        self.accepting.clear()
+        self._state = "failed"
+        log.error("%s: %s; exiting", self.replica_id, reason)
+        self.events.emit("failed", reason=reason, kind="crash")
+        _exit(1)
+
     def sleep(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         # Transitions all run on the main thread: no other can change the state under this check.
         if self.state == "sleeping":  # a retried sleep: already done

@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import redis
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from gpuportal.wire import kvstats
 from gpuportal.wire.requestqueue import Fenced, Request, RequestQueue, family_of_loader
 from inference.errors import BadInput
@@ -198,6 +201,45 @@ class _ChunkStreamer:
         pass
 
 
+# How long a replica waits out an unreachable Redis (a restart) before it gives up: it then reports
+# itself failed and exits, and the control plane gives its requests back and replaces it.
+REDIS_OUTAGE_S = 30.0
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class PatientQueue:
+    """The request queue as a replica writes to it (issue 20): a write that meets an unreachable
+    Redis is tried again, with backoff, for up to `outage_s`; a Redis that stays away calls
+    `on_lost` (the replica reports `failed` and exits) rather than end the serving loop silently
+    with a request half-done. Takes are not wrapped: the loop tries them again itself."""
+
+    WRITES = frozenset({"start", "started", "chunk", "finish", "fail", "give_back"})
+
+    def __init__(self, queue: RequestQueue, on_lost: Callable[[str], None], outage_s: float = REDIS_OUTAGE_S):
+        self.queue, self.on_lost, self.outage_s = queue, on_lost, outage_s
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.queue, name)
+        if name not in self.WRITES:
+            return method
+
+        def patiently(*args: Any, **kwargs: Any) -> Any:
+            retrying = Retrying(
+                retry=retry_if_exception_type(REDIS_DOWN),
+                stop=stop_after_delay(self.outage_s),
+                wait=wait_exponential(multiplier=0.05, max=2),
+                before_sleep=lambda state: log.warning("Redis unreachable on %s; retrying (%s)", name, state.outcome),
+                reraise=True,
+            )
+            try:
+                return retrying(method, *args, **kwargs)
+            except REDIS_DOWN as err:
+                self.on_lost(f"Redis unreachable for {self.outage_s:g} s on {name}: {err}")
+                raise
+
+        return patiently
+
+
 class Server(threading.Thread):
     """The replica's serving loop.
 
@@ -220,7 +262,8 @@ class Server(threading.Thread):
 
     def __init__(self, host: ReplicaHost, queue: RequestQueue, deployment: str, poll_s: float = 1.0):
         super().__init__(name=f"serve-{host.replica_id[:8]}", daemon=True)
-        self.host, self.queue, self.deployment, self.poll_s = host, queue, deployment, poll_s
+        self.host, self.deployment, self.poll_s = host, deployment, poll_s
+        self.queue = PatientQueue(queue, self._lost) if isinstance(queue, RequestQueue) else queue
         self.stopped = threading.Event()
         self.batch: Batcher | None = None
         self.kv = KvPublisher(host, queue)
@@ -249,6 +292,11 @@ class Server(threading.Thread):
             if self.batch is not None and not self.batch.idle:
                 self.step()
             self.kv.publish()
+
+    def _lost(self, reason: str) -> None:
+        lost = getattr(self.host, "on_queue_lost", None)
+        if lost is not None:
+            lost(reason)
 
     def _take(self, timeout: float) -> Request | None:
         try:
