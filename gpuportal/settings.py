@@ -54,8 +54,11 @@ DATABASE_URL = STACK_URLS.get("DATABASE_URL", "postgres://postgres@127.0.0.1:543
 REDIS_URL = STACK_URLS.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 DEBUG = env_bool("GPUPORTAL_DEBUG")
-# Only for development stacks; a deployment sets GPUPORTAL_SECRET_KEY (docker/compose.yaml does).
-SECRET_KEY = os.environ.get("GPUPORTAL_SECRET_KEY", "gpuportal-dev-only-not-secret-8c1f7e2a9b")
+# A deployment sets GPUPORTAL_SECRET_KEY (docker/compose.yaml does), and `up` keeps one of its own
+# in var/secret-key; this public default is only for one-off commands and the tests (a web
+# server that runs with it says so when it starts: gpuportal.wsgi).
+PUBLIC_SECRET_KEY = "gpuportal-dev-only-not-secret-8c1f7e2a9b"
+SECRET_KEY = os.environ.get("GPUPORTAL_SECRET_KEY", PUBLIC_SECRET_KEY)
 ALLOWED_HOSTS = [
     h.strip() for h in os.environ.get("GPUPORTAL_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h.strip()
 ]
@@ -195,6 +198,9 @@ GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER
 # Failed sign-ins (password or token) from one address, or for one user name, in a minute before
 # a 429 (gpuportal.throttle).
 GPUPORTAL_AUTH_FAILURES_PER_MINUTE = int(os.environ.get("GPUPORTAL_AUTH_FAILURES_PER_MINUTE", "10"))
+# How many replicas of one node load their weights at once (inference.load_slots); the rest wait
+# their turn. Default: the host's CPU cores.
+GPUPORTAL_MAX_LOADS_PER_NODE = int(os.environ.get("GPUPORTAL_MAX_LOADS_PER_NODE") or os.cpu_count() or 1)
 # The most replicas one deployment may ask for (issue 20: a scale of 256 started ~74 processes).
 GPUPORTAL_MAX_REPLICAS = int(os.environ.get("GPUPORTAL_MAX_REPLICAS", "32"))
 # A `torch-module` source (package.module:factory) is code the nodes run: only the modules an

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -39,6 +40,16 @@ RESTART_LIMIT = 5
 RESTART_PERIOD_S = 600.0
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 8.0
+
+
+def kept_secret_key(path: Path) -> str:
+    """The stack's own secret key: made once (only its owner may read it), then read back, so
+    sessions survive a restart and nobody shares the public default."""
+    with contextlib.suppress(FileExistsError):  # another `up` made it first: read theirs
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(50))
+    return path.read_text().strip()
 
 
 @dataclass
@@ -141,6 +152,8 @@ class Portal:
                 stale.unlink()
         metrics_dir.mkdir(exist_ok=True)
         env.update(urls)
+        if not env.get("GPUPORTAL_SECRET_KEY"):
+            env["GPUPORTAL_SECRET_KEY"] = kept_secret_key(self.options.data_dir / "secret-key")
         env.update(
             {
                 "GPUPORTAL_DATA_DIR": str(self.options.data_dir),

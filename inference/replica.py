@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from gpuportal.wire.requestqueue import Fence, RequestQueue
+from inference import load_slots
 from inference.process_exit import exit_now as _exit
 from inference.serving import Executor, Server
 
@@ -708,14 +709,15 @@ class ReplicaHost:
 
             # Before the slow imports and the device: a mistyped directory fails in milliseconds.
             validate_source(self.source, self.loader)
-            self._progress(10, "preparing the device")
-            self.backend.attach(self.placement)
-            self._progress(25, f"loading weights from {self.source} ({self.loader}, {self.dtype})")
-            model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
-            self.tokenizer = load_tokenizer(self.source, self.loader)
-            self._progress(85, "checking placement and memory cap")
-            self._adopt(model, self.placement)
-            self._allocate_pool()
+            with self._load_slot():
+                self._progress(10, "preparing the device")
+                self.backend.attach(self.placement)
+                self._progress(25, f"loading weights from {self.source} ({self.loader}, {self.dtype})")
+                model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
+                self.tokenizer = load_tokenizer(self.source, self.loader)
+                self._progress(85, "checking placement and memory cap")
+                self._adopt(model, self.placement)
+                self._allocate_pool()
             self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
             self.state = "serving"
             self.events.emit("serving", pid=os.getpid(), **self._where(), **self.serving_tags)
@@ -729,9 +731,10 @@ class ReplicaHost:
             from inference.loaders import tensor_bytes, validate_source
 
             validate_source(self.source, self.loader)
-            self._progress(25, f"loading weights from {self.source} into host memory")
-            model, residual = self.backend.load_to_cache(self.source, self.loader, self.dtype, self.placement)
-            self.tokenizer = load_tokenizer(self.source, self.loader)
+            with self._load_slot():
+                self._progress(25, f"loading weights from {self.source} into host memory")
+                model, residual = self.backend.load_to_cache(self.source, self.loader, self.dtype, self.placement)
+                self.tokenizer = load_tokenizer(self.source, self.loader)
             self.weights_bytes = tensor_bytes(model)
             # A standby that could never wake into its reservation is no standby: fail now, not at takeover.
             check_cap(self.weights_bytes, self.placement, self._outside_allocator())
@@ -1037,6 +1040,15 @@ class ReplicaHost:
     def _emit_sleeping(self) -> None:
         # cpu_bytes: what the parked weights take of the node's CPU cache.
         self.events.emit("sleeping", residual_bytes_by_id=self.residual_bytes_by_id, cpu_bytes=self.weights_bytes)
+
+    def _load_slot(self) -> contextlib.AbstractContextManager[int | None]:
+        """One of the node's load slots (inference.load_slots), waited for with progress saying so."""
+        directory, most = load_slots.from_environment()
+        return load_slots.load_slot(
+            directory,
+            most,
+            on_wait=lambda: self._progress(5, f"waiting for a load slot: this node loads at most {most} at once"),
+        )
 
     def _require(self, state: str, action: str) -> None:
         if self.state != state:

@@ -147,6 +147,8 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         stack = read_stack_env(data_dir / "stack.env")
         assert stack["DATABASE_URL"].startswith("postgres://") and stack["REDIS_URL"].startswith("redis://")
         assert any("created (password from GPUPORTAL_ADMIN_PASSWORD)" in line for line in up.lines)
+        assert (data_dir / "secret-key").stat().st_mode & 0o777 == 0o600, "a key of its own, not the public one"
+        assert not any("SECRET_KEY is the public default" in line for line in up.lines)
 
         token = up.token()
         gpus = wait_until(
@@ -312,3 +314,15 @@ def test_a_child_that_fails_stops_the_whole_stack_with_a_one_line_error(tmp_path
         "name: use letters, digits, '-' and '_'"
     ]
     assert processes_of(data_dir) == [], "the servers and the other children were stopped"
+
+
+def test_the_stack_keeps_a_secret_key_of_its_own_that_only_its_owner_reads(tmp_path):
+    from django.conf import settings
+
+    from gpuportal.up import kept_secret_key
+
+    key = kept_secret_key(tmp_path / "secret-key")
+
+    assert len(key) >= 50 and key != settings.PUBLIC_SECRET_KEY
+    assert (tmp_path / "secret-key").stat().st_mode & 0o777 == 0o600
+    assert kept_secret_key(tmp_path / "secret-key") == key, "the same key on the next start: sessions survive"

@@ -1,10 +1,12 @@
 import os
 import re
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from gpuportal.celery import app
+from inference import load_slots
 from inference.agent import NodeAgent
 from inference.devices import VirtualProfile, parse_size, parse_virtual_spec
 from inference.devices import virtual_gpus as declared_virtual_gpus
@@ -87,8 +89,11 @@ class Command(BaseCommand):
                 declared_virtual_gpus(node, virtual_gpus, profile)
             except ValueError as err:
                 raise CommandError(f"--virtual-gpus {virtual_gpus}: {err}") from None
-        # The agent's replica processes inherit the environment: they model the same GPU.
+        # The agent's replica processes inherit the environment: they model the same GPU, and
+        # share the node's load slots.
         os.environ.update(profile.as_env())
+        os.environ[load_slots.SLOTS_DIR_ENV] = str(Path(settings.GPUPORTAL_DATA_DIR) / "load-slots" / node)
+        os.environ[load_slots.MAX_LOADS_ENV] = str(settings.GPUPORTAL_MAX_LOADS_PER_NODE)
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
         agent = NodeAgent(
