@@ -116,6 +116,16 @@ def serving(*names: str):
     return lambda: all(state_of(name).count("serving") == 1 for name in names)
 
 
+def settles_as(**states: str) -> None:
+    """The books reach these states: a replica's report arrives through its agent and the agents
+    worker, so it may come a moment after the request it served has finished."""
+
+    def settled() -> bool:
+        return all(state_of(name) == [state] for name, state in states.items())
+
+    wait_until(settled, 30, f"the books to say {states}")
+
+
 def submit(client: APIClient, name: str, text: str = "Hello", max_tokens: int = 8) -> dict:
     response = client.post(
         "/api/requests/", {"deployment": name, "input": text, "params": {"max_tokens": max_tokens}}, format="json"
@@ -187,7 +197,7 @@ def test_a_voluntary_sleep_within_max_wait_avoids_any_preemption(one_gpu, invari
 
     done = finished(request["id"], LOAD_TIMEOUT)
     assert done.status == "done", (done.status, done.error)
-    assert state_of("b") == ["sleeping"] and state_of("a") == ["serving"] and state_of("c") == ["serving"]
+    settles_as(b="sleeping", a="serving", c="serving")
     assert not Event.objects.filter(kind=Event.Kind.PREEMPTION_VICTIM).exists(), "no one was preempted"
     outcome = Event.objects.get(kind=Event.Kind.PREEMPTION_OUTCOME)
     assert outcome.after["status"] == "satisfied" and "freed voluntarily" in outcome.reason, outcome.reason
@@ -227,7 +237,7 @@ def test_after_max_wait_the_least_recently_used_is_preempted_and_the_waiting_req
     assert victim.deployment == lru, (victim.deployment, victim.reason)
     done = finished(request["id"], LOAD_TIMEOUT)
     assert done.status == "done", (done.status, done.error)
-    assert state_of(lru) == ["sleeping"] and state_of(used) == ["serving"] and state_of("c") == ["serving"]
+    settles_as(**{lru: "sleeping", used: "serving", "c": "serving"})
     outcome = Event.objects.get(kind=Event.Kind.PREEMPTION_OUTCOME)
     assert outcome.after["status"] == "satisfied" and "preempting" in outcome.reason, outcome.reason
 
@@ -254,7 +264,7 @@ def test_victims_serving_no_request_are_preempted_at_once_and_the_waiting_reques
     assert "its victims serve no request: preempting at once" in said, said
     done = finished(request["id"], LOAD_TIMEOUT)
     assert done.status == "done", (done.status, done.error)
-    assert state_of(victim.deployment) == ["sleeping"] and state_of("c") == ["serving"]
+    settles_as(**{victim.deployment: "sleeping", "c": "serving"})
 
 
 def test_a_waker_killed_while_holding_the_wake_lock_is_taken_over_after_expiry(
