@@ -117,7 +117,14 @@ def _answers() -> redis.Redis:
 def inspect_model(payload: dict) -> str:
     """Reads a model's sizes from its files for the control plane, which waits on reply_to."""
     ask = InspectModel.decode(payload)
-    reading = read_model(ask.source, ask.loader, ask.dtype)
+    try:
+        reading = read_model(ask.source, ask.loader, ask.dtype)
+    except Exception as err:
+        # Answered all the same: the deploy waiting on it says what went wrong at once, rather
+        # than a 503 once its wait is over.
+        log.exception("could not read %s", ask.source)
+        replies.answer(_answers(), ask.reply_to, error=f"{type(err).__name__}: {err}")
+        return f"failed: {err}"
     replies.answer(_answers(), ask.reply_to, result=reading.record())
     return f"refused: {reading.refusal}" if reading.refusal else f"read {ask.source}"
 

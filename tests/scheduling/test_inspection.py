@@ -109,3 +109,21 @@ def test_a_reading_survives_the_wire_as_it_was_read(tiny_model_dir):
     assert ModelReading.from_record(reading.record()) == reading
     refused = read_model("/nowhere", "transformers", "float32")
     assert refused.refusal and ModelReading.from_record(refused.record()) == refused
+
+
+@pytest.mark.django_db
+def test_a_reading_that_breaks_on_the_node_is_answered_at_once_with_its_error(
+    cluster, staff, node_worker, monkeypatch, tiny_model_dir
+):
+    import inference.tasks
+
+    def broken(source: str, loader: str, dtype: str) -> ModelReading:
+        raise KeyError("num_hidden_layers")
+
+    monkeypatch.setattr(inference.tasks, "read_model", broken)
+
+    response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
+
+    assert response.status_code == 503
+    assert "reading the model's files: KeyError: 'num_hidden_layers'" in response.json()["detail"]
+    assert not Deployment.objects.exists()
