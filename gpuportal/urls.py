@@ -1,5 +1,11 @@
+from collections.abc import Callable
+from typing import Any
+
 from django.contrib import admin
-from django.urls import include, path
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpRequest, HttpResponse
+from django.urls import include, path, reverse
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import IsAuthenticated
 
@@ -10,10 +16,30 @@ from scheduling.api import openai_compat
 # auth like the rest of /api/ (a logged-in admin session is enough for the docs page).
 api_docs_auth = {"permission_classes": [IsAuthenticated]}
 
+
+def login_first_in_a_browser(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """A browser with no session is sent to the admin's login and back, not shown a JSON 401;
+    an API client (a token, or no HTML in Accept) still gets the 401."""
+
+    def browsing(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        wants_html = "text/html" in request.headers.get("Accept", "")
+        if wants_html and "Authorization" not in request.headers and not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path(), reverse("admin:login"))
+        return view(request, *args, **kwargs)
+
+    return browsing
+
+
 urlpatterns = [
+    # A browser's first page: the dashboard (the admin sends one without a session to its login).
+    path("", RedirectView.as_view(pattern_name="admin:scheduling_dashboard"), name="home"),
     path("admin/", admin.site.urls),
-    path("api/schema/", SpectacularAPIView.as_view(**api_docs_auth), name="schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", **api_docs_auth), name="docs"),
+    path("api/schema/", login_first_in_a_browser(SpectacularAPIView.as_view(**api_docs_auth)), name="schema"),
+    path(
+        "api/docs/",
+        login_first_in_a_browser(SpectacularSwaggerView.as_view(url_name="schema", **api_docs_auth)),
+        name="docs",
+    ),
     path("api/", include("scheduling.api.urls")),
     path("v1/models", openai_compat.ModelsView.as_view(), name="openai-models"),
     path("v1/completions", openai_compat.CompletionsView.as_view(), name="openai-completions"),

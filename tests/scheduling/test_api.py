@@ -407,3 +407,18 @@ def test_the_docs_page_renders_for_a_logged_in_user(client, user: User) -> None:
     response = client.get("/api/docs/")
     assert response.status_code == 200
     assert b"swagger-ui" in response.content
+
+
+def test_a_browser_lands_on_the_dashboard_or_its_login_not_a_401(client, user: User) -> None:
+    home = client.get("/")
+    assert home.status_code == 302 and home["Location"] == "/admin/dashboard/"
+    dashboard = client.get(home["Location"])
+    assert dashboard.status_code == 302 and dashboard["Location"].startswith("/admin/login/")
+
+
+@pytest.mark.parametrize("url", ["/api/docs/", "/api/schema/"])
+def test_the_docs_send_a_browser_without_a_session_to_the_login_and_back(client, url: str) -> None:
+    response = client.get(url, HTTP_ACCEPT="text/html,application/xhtml+xml")
+    assert response.status_code == 302
+    assert response["Location"] == f"/admin/login/?next={url}"
+    assert client.get(url).status_code == 401, "an API client is still refused, not redirected"
