@@ -25,12 +25,17 @@ def bucket_key(deployment: str, minute: int) -> str:
     return f"gp:rpm:{deployment}:{minute}"
 
 
-def accepted(deployment: str, *, now: float | None = None) -> tuple[str, int]:
-    """Count one accepted request in this process's counter; returns the Redis bucket (key, ttl)
-    for the caller to increment in the round trip that queues the request."""
-    REQUESTS_ACCEPTED.labels(deployment=deployment).inc()
+def bucket(deployment: str, *, now: float | None = None) -> tuple[str, int]:
+    """The Redis bucket (key, ttl) of this minute, for the caller to increment in the round trip
+    that queues the request (a request refused there counts in no bucket)."""
     minute = int((time.time() if now is None else now) // 60)
     return bucket_key(deployment, minute), BUCKET_TTL_S
+
+
+def accepted(deployment: str) -> None:
+    """Count one accepted request in this process's counter: only once it is queued, so that a
+    request for a deployment that does not exist adds no label (labels stay bounded)."""
+    REQUESTS_ACCEPTED.labels(deployment=deployment).inc()
 
 
 def per_minute(deployments: Iterable[str], *, now: float | None = None) -> dict[str, float]:

@@ -79,25 +79,31 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
     placed); the request then shows `waking` until a replica takes it. One that can never be
     placed anywhere is refused with 409, and nothing is queued.
     """
-    # Counted for the dashboard's requests per minute (and /metrics) in the same round trip.
-    return _queued(
+    # Counted for the dashboard's requests per minute in the same round trip, and in /metrics
+    # once accepted.
+    queued = _queued(
         deployment_name, kind, partial(
             queue().submit, deployment_name, kind=kind, input=input, params=params, owner=owner,
-            count_in=requeststats.accepted(deployment_name),
+            count_in=requeststats.bucket(deployment_name),
         ),
     )  # fmt: skip
+    requeststats.accepted(deployment_name)
+    return queued
 
 
 def run(
     deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str, timeout: float
 ) -> tuple[Request, Request | None]:
     """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
-    return _queued(
+    # Counted in /metrics once it has ended or its wait is over (accepted either way).
+    outcome = _queued(
         deployment_name, kind, partial(
             queue().submit_and_wait, deployment_name, kind=kind, input=input, params=params, owner=owner,
-            timeout=timeout, count_in=requeststats.accepted(deployment_name),
+            timeout=timeout, count_in=requeststats.bucket(deployment_name),
         ),
     )  # fmt: skip
+    requeststats.accepted(deployment_name)
+    return outcome
 
 
 def _queued(deployment_name: str, kind: str, put: Callable[..., T | None]) -> T:

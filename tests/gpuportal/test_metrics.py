@@ -222,6 +222,19 @@ def test_requests_by_status_count_the_waiting_and_taken_lists_and_acceptances(di
     assert samples["gpuportal_requests_accepted_total"][(("deployment", "counted"),)] == before + 3
 
 
+def test_a_request_for_a_deployment_that_does_not_exist_counts_nowhere_and_adds_no_label(dispatched) -> None:
+    from scheduling.services import requests as request_services
+    from scheduling.services.errors import NotFound
+
+    with pytest.raises(NotFound):
+        request_services.submit("no-such-deployment", kind="generate", input="hi", params={}, owner="1")
+    with pytest.raises(NotFound):
+        request_services.run("no-such-deployment", kind="generate", input="hi", params={}, owner="1", timeout=1)
+
+    labels = scrape().get("gpuportal_requests_accepted_total", {})
+    assert (("deployment", "no-such-deployment"),) not in labels
+
+
 def test_the_grafana_dashboard_parses_and_uses_only_series_metrics_exposes() -> None:
     import json
     import re
