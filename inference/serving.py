@@ -16,6 +16,7 @@ the weights move. A forward pass cannot be interrupted: it finishes, and its ans
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -164,9 +165,13 @@ class Executor:
     def forward(self, data: Any) -> dict[str, Any]:
         import torch
 
-        parameter = next(self.model.parameters())
+        # The input goes where the module's tensors are, in their dtype; a module with none (an
+        # Identity, a pure function) takes the default dtype on the CPU.
+        first = next(itertools.chain(self.model.parameters(), self.model.buffers()), None)
+        dtype = first.dtype if first is not None else torch.get_default_dtype()
+        device = first.device if first is not None else "cpu"
         try:
-            tensor = torch.tensor(data, dtype=parameter.dtype, device=parameter.device)
+            tensor = torch.tensor(data, dtype=dtype, device=device)
         except (TypeError, ValueError) as exc:
             raise BadInput(f"input is not a tensor of numbers: {exc}") from None
         try:

@@ -224,3 +224,13 @@ def test_a_factory_path_that_does_not_import_is_refused_saying_why(source, compl
 def test_load_model_refuses_bad_requests_saying_why(source, loader, dtype, complaint):
     with pytest.raises(ValueError, match=complaint):
         load_model(source, loader, dtype)
+
+
+def test_a_module_without_parameters_serves_a_forward_pass_instead_of_an_empty_error():
+    import torch
+
+    from inference.serving import Executor
+
+    answer = Executor(torch.nn.Identity(), None).forward([[1.0, 2.5]])
+
+    assert answer == {"output": [[1.0, 2.5]], "shape": [1, 2]}
