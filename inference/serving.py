@@ -268,7 +268,7 @@ class Server(threading.Thread):
     def __init__(self, host: ReplicaHost, queue: RequestQueue, deployment: str, poll_s: float = 1.0):
         super().__init__(name=f"serve-{host.replica_id[:8]}", daemon=True)
         self.host, self.deployment, self.poll_s = host, deployment, poll_s
-        self.queue = PatientQueue(queue, self._lost) if isinstance(queue, RequestQueue) else queue
+        self.queue = PatientQueue(queue, self._lost)
         self.stopped = threading.Event()
         self.batch: Batcher | None = None
         self.kv = KvPublisher(host, queue)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from functools import cache
 from typing import Any, TypeVar
 
 import redis
@@ -107,9 +106,8 @@ def _read(payload: Any, kind: type[C]) -> C:
     return command
 
 
-@cache
 def _answers() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL)
+    return replies.client(settings.REDIS_URL)
 
 
 # Acknowledged on receipt, like the agents' calls: its asker waits only so long.

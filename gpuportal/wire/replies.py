@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from functools import lru_cache
 from typing import Any
 
 import redis
@@ -17,6 +18,12 @@ ANSWER_TTL_S = 300
 
 class NoAnswer(RuntimeError):
     """The other side refused (its message), or did not answer in time."""
+
+
+@lru_cache(maxsize=4)
+def client(url: str) -> redis.Redis:
+    """One client (and its connection pool) per Redis URL for a process's answers, on every side."""
+    return redis.Redis.from_url(url)
 
 
 def new_list(kind: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from functools import cache
 
 import redis
 from django.conf import settings
@@ -57,9 +56,8 @@ def stop(node: str, replica_id: str) -> None:
     _to_node(node, lambda: replica_specs.stop(replica_id))
 
 
-@cache
 def _answers() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL)
+    return replies.client(settings.REDIS_URL)
 
 
 def inspect(source: str, loader: str, dtype: str) -> ModelReading:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from functools import cache
 from typing import Any
 
 import redis
@@ -93,9 +92,8 @@ class ServicesGateway:
         return Replica.objects.filter(pk=replica_id).values_list("state", flat=True).first()
 
 
-@cache
 def _answers() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL)
+    return replies.client(settings.REDIS_URL)
 
 
 def answer(payload: Any, control: ServicesGateway | None = None) -> str:
