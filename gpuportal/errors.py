@@ -13,5 +13,5 @@ from scheduling.services.errors import ServiceError
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, ServiceError):
-        return Response(exc.body(), status=exc.status)
+        return Response(exc.body(), status=exc.status, headers=exc.headers())
     return drf_exception_handler(exc, context)

@@ -198,6 +198,11 @@ GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER
 # Failed sign-ins (password or token) from one address, or for one user name, in a minute before
 # a 429 (gpuportal.throttle).
 GPUPORTAL_AUTH_FAILURES_PER_MINUTE = int(os.environ.get("GPUPORTAL_AUTH_FAILURES_PER_MINUTE", "10"))
+# Each user's inference requests: at most this many accepted and not yet ended at once, and this
+# many accepted per minute; beyond either, a 429 with Retry-After. 0: no limit. A user's row under
+# "User limits" in the admin overrides either (scheduling.services.user_limits).
+GPUPORTAL_USER_MAX_CONCURRENT = int(os.environ.get("GPUPORTAL_USER_MAX_CONCURRENT", "0"))
+GPUPORTAL_USER_MAX_PER_MINUTE = int(os.environ.get("GPUPORTAL_USER_MAX_PER_MINUTE", "0"))
 # How many replicas of one node load their weights at once (inference.load_slots); the rest wait
 # their turn. Default: the host's CPU cores.
 GPUPORTAL_MAX_LOADS_PER_NODE = int(os.environ.get("GPUPORTAL_MAX_LOADS_PER_NODE") or os.cpu_count() or 1)

@@ -9,12 +9,23 @@ Controls (drain, sleep, wake, evict) belong in admin actions that call services.
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
 from scheduling import admin_actions, selectors
-from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, PreemptionIntent, Replica
+from scheduling.models import (
+    GPU,
+    Deployment,
+    Event,
+    FailoverLease,
+    Node,
+    Occupant,
+    PreemptionIntent,
+    Replica,
+    UserLimits,
+)
 
 GIB = 1024**3
 
@@ -315,6 +326,40 @@ class EventAdmin(ReadOnlyAdmin):
     date_hierarchy = "time"
     # The trail grows without bound; counting all of it on every page view is wasted work.
     show_full_result_count = False
+
+
+@admin.register(UserLimits)
+class UserLimitsAdmin(admin.ModelAdmin):
+    """Edited here, by any staff user, as the controls are: these rows are no ledger's, only the
+    limits a user's requests meet (scheduling.services.user_limits)."""
+
+    list_display = ["user", "concurrent", "per_minute"]
+    search_fields = ["user__username"]
+    list_select_related = ["user"]
+    fields = ["user", "max_concurrent", "max_per_minute"]
+
+    def has_view_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return request.user.is_active and request.user.is_staff
+
+    has_add_permission = has_change_permission = has_delete_permission = has_view_permission
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    @admin.display(description="requests in flight at once", ordering="max_concurrent")
+    def concurrent(self, obj: UserLimits) -> str:
+        return _limit(obj.max_concurrent, settings.GPUPORTAL_USER_MAX_CONCURRENT)
+
+    @admin.display(description="requests per minute", ordering="max_per_minute")
+    def per_minute(self, obj: UserLimits) -> str:
+        return _limit(obj.max_per_minute, settings.GPUPORTAL_USER_MAX_PER_MINUTE)
+
+
+def _limit(own: int | None, default: int) -> str:
+    """A limit as it holds: the user's own, or the setting's (empty field)."""
+    value = default if own is None else own
+    text = str(value) if value else "no limit"
+    return f"{text} (the default)" if own is None else text
 
 
 # The dashboard (issue 8) lives under /admin/dashboard/ with its names in the admin namespace

@@ -4,6 +4,8 @@ gpuportal.metrics; counters here are incremented where the thing happens, in any
 
 from prometheus_client import Counter, Histogram
 
+from gpuportal.wire.ownerlimits import CONCURRENT, PER_MINUTE
+
 CAS_CONFLICTS = Counter(
     "gpuportal_cas_conflicts_total",
     "Plans whose GPU versions changed between snapshot and commit (retried from a fresh snapshot).",
@@ -54,3 +56,14 @@ REQUESTS_ACCEPTED = Counter(
     "Requests accepted (queued, or waiting for a wake) by this portal's web processes.",
     ["deployment"],
 )
+
+# Per-user limits (issue 20): requests refused with a 429, by the limit they would have passed.
+# Never by user: labels must stay few.
+REQUESTS_LIMITED = Counter(
+    "gpuportal_requests_limited_total",
+    "Requests refused with a 429 for passing their user's limit: requests in flight at once "
+    "(concurrent) or accepted per minute (per_minute).",
+    ["reason"],
+)
+for _reason in (CONCURRENT, PER_MINUTE):
+    REQUESTS_LIMITED.labels(reason=_reason)  # shown at 0 before the first refusal

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+from django.conf import settings
 from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Cast
@@ -365,6 +366,8 @@ class Event(models.Model):
         FAILOVER_TAKEOVER = "failover.takeover"
         FAILOVER_STALE = "failover.stale"
         FAILOVER_SWITCHOVER = "failover.switchover"
+        # `up` started one of its processes again after it died (issue 20).
+        STACK_RESTARTED = "stack.restarted"
 
     time = models.DateTimeField(auto_now_add=True, db_index=True)
     # Named in Kind, but not constrained to it: kinds grow with the product, and a choices list
@@ -385,3 +388,27 @@ class Event(models.Model):
 
     def __str__(self) -> str:
         return f"{self.time:%Y-%m-%d %H:%M:%S} {self.kind} {self.subject}"
+
+
+class UserLimits(models.Model):
+    """One user's own limits on inference requests, in place of the GPUPORTAL_USER_MAX_* defaults
+    (scheduling.services.user_limits). Edited in the admin: nothing else depends on these rows."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="request_limits")
+    max_concurrent = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Requests accepted and not yet ended at once. Empty: GPUPORTAL_USER_MAX_CONCURRENT; 0: no limit.",
+    )
+    max_per_minute = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Requests accepted per minute. Empty: GPUPORTAL_USER_MAX_PER_MINUTE; 0: no limit.",
+    )
+
+    class Meta:
+        verbose_name = "user limits"
+        verbose_name_plural = "user limits"
+
+    def __str__(self) -> str:
+        return f"limits of {self.user}"

@@ -391,11 +391,17 @@ class RequestQueue:
         status: str = "queued",
         count_in: tuple[str, int] | None = None,
         if_live: bool = False,
+        request_id: str | None = None,
     ) -> Request | None:
         """Queue a request. `count_in` (key, ttl): a counter incremented in the same round trip
         (the control plane's requests per minute). `if_live`: only if a replica of the deployment
-        takes requests now (gp:live), else queue nothing and return None."""
-        submitted = self._submit(deployment, kind, input, params, owner, status, count_in, wait_s=0.0, if_live=if_live)
+        takes requests now (gp:live), else queue nothing and return None. `request_id`: its id,
+        when the caller needs it first (a submit again after an `if_live` one queued nothing
+        takes the same id); a new one by default."""
+        submitted = self._submit(
+            deployment, kind, input, params, owner, status, count_in, wait_s=0.0, if_live=if_live,
+            request_id=request_id,
+        )  # fmt: skip
         return None if submitted is None else submitted[0]
 
     def submit_and_wait(
@@ -410,6 +416,7 @@ class RequestQueue:
         status: str = "queued",
         count_in: tuple[str, int] | None = None,
         if_live: bool = False,
+        request_id: str | None = None,
     ) -> tuple[Request, Request | None] | None:
         """Queue a request and wait up to `timeout` for its end: (as submitted, final or None);
         None if `if_live` and no replica takes requests now (nothing queued, as in `submit`).
@@ -420,7 +427,7 @@ class RequestQueue:
         deadline = time.monotonic() + timeout
         submitted = self._submit(
             deployment, kind, input, params, owner, status, count_in, wait_s=min(timeout, BLOCK_SLICE_S),
-            if_live=if_live,
+            if_live=if_live, request_id=request_id,
         )  # fmt: skip
         if submitted is None:
             return None
@@ -441,9 +448,10 @@ class RequestQueue:
         *,
         wait_s: float,
         if_live: bool = False,
+        request_id: str | None = None,
     ) -> tuple[Request, Request | None] | None:
         request = Request(
-            id=uuid.uuid4().hex,
+            id=request_id or uuid.uuid4().hex,
             deployment=deployment,
             kind=kind,
             input=input,
@@ -478,6 +486,10 @@ class RequestQueue:
                 # read behind it blocked for nothing. Redis caches the script by its digest anyway.
                 pipe.eval(_SUBMIT_IF_LIVE, len(keys), *keys, *args)
             else:
+                if request_id is not None:
+                    # An `if_live` submit of the same id that queued nothing left its refusal
+                    # where the blocking read below waits: it is not this request's end.
+                    pipe.delete(done_key(request.id))
                 pipe.hset(key, mapping=fields)
                 pipe.expire(key, TTL_S)
                 if count_in is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from django.conf import settings
 from django.http import JsonResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, permissions, serializers
@@ -28,7 +29,7 @@ from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.requests import json_body
 from scheduling.models import Deployment
 from scheduling.services import requests as request_services
-from scheduling.services.errors import InvalidInput, NotFound, ServiceError
+from scheduling.services.errors import InvalidInput, NotFound, ServiceError, TooManyRequests
 
 # Streams poll Redis in slices this long, so a dropped client is noticed between slices.
 STREAM_SLICE_S = 1.0
@@ -91,11 +92,15 @@ def openai_error(status: int, message: str, param: str | None = None, kind: str 
     return Response(error_body(message, param, kind), status=status)
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _service_error(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+    if isinstance(exc, TooManyRequests):  # as OpenAI answers a rate limit, which its clients back off from
+        return exc.status, error_body(str(exc), kind="requests", code="rate_limit_exceeded")
     return exc.status, error_body(str(exc), kind="invalid_request_error" if exc.status < 500 else "server_error")
 
 
@@ -110,7 +115,8 @@ class OpenAIView(APIView):
         if isinstance(exc, exceptions.AuthenticationFailed | exceptions.NotAuthenticated):
             return openai_error(401, str(exc.detail), kind="authentication_error")
         if isinstance(exc, ServiceError):
-            return Response(*reversed(_service_error(exc)))
+            code, body = _service_error(exc)
+            return Response(body, status=code, headers=exc.headers())
         return super().handle_exception(exc)
 
 
@@ -143,7 +149,7 @@ class _Generate(OpenAIView, ABC):
         fast = self._fast(request) if request.method == "POST" else None
         return fast if fast is not None else super().dispatch(request, *args, **kwargs)
 
-    def _fast(self, request: Any) -> JsonResponse | StreamingHttpResponse | None:
+    def _fast(self, request: Any) -> HttpResponseBase | None:
         user = user_from_header(request, ("Bearer", "Token"))
         body = json_body(request) if user is not None else None
         if body is None:
@@ -151,12 +157,13 @@ class _Generate(OpenAIView, ABC):
         code, answer = self.answer(body, str(user.pk))
         return JsonResponse(answer, status=code) if isinstance(answer, dict) else answer
 
-    def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
+    def post(self, request: HttpRequest) -> HttpResponseBase:
         code, answer = self.answer(request.data, str(request.user.pk))
         return Response(answer, status=code) if isinstance(answer, dict) else answer
 
-    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | StreamingHttpResponse]:
-        """The status and OpenAI-shaped body of a call, or the stream that answers it."""
+    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        """The status and OpenAI-shaped body of a call, or the response that answers it (a stream,
+        or an error with headers)."""
         try:
             call = self.parse(body)
         except Refused as refused:
@@ -166,7 +173,10 @@ class _Generate(OpenAIView, ABC):
                 return self.run(call.model, call.input, call.params, owner, call.timeout_s)
             return self.stream(call, owner)
         except ServiceError as exc:
-            return _service_error(exc)
+            code, error = _service_error(exc)
+            # With headers (a 429's Retry-After) the answer is a response of its own, which both
+            # the fast path and DRF's pass on as it is.
+            return code, JsonResponse(error, status=code, headers=exc.headers()) if exc.headers() else error
 
     def parse(self, body: Any) -> Completion:
         return completion_input.parse(
@@ -297,7 +307,7 @@ class CompletionsView(_Generate):
     id_prefix = "cmpl"
 
     @extend_schema(request=PromptInput, responses={200: dict})
-    def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
+    def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:
@@ -313,7 +323,7 @@ class ChatCompletionsView(_Generate):
     id_prefix = "chatcmpl"
 
     @extend_schema(request=ChatInput, responses={200: dict})
-    def post(self, request: HttpRequest) -> Response | StreamingHttpResponse:
+    def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:

@@ -113,6 +113,12 @@ def params_of(validated: dict[str, Any]) -> dict[str, Any]:
     return dict(validated.get("params") or ParamsInput().run_validation({}))
 
 
+# Over one of the caller's limits (scheduling.services.user_limits); nothing was queued.
+TOO_MANY_REQUESTS = OpenApiResponse(
+    description="Over the caller's limit on requests in flight or per minute; retry after `Retry-After` seconds."
+)
+
+
 # A failed request's HTTP answer when the caller waited for it: input the model cannot take is
 # the client's to fix (400); what cannot be placed is a conflict (409); anything else is ours (503).
 FAILURE_STATUS = {"bad_input": 400, "placement": 409}
@@ -142,6 +148,7 @@ class InferView(APIView):
             400: OpenApiResponse(description="A field is invalid, or the input is too long for the model."),
             404: OpenApiResponse(description="No such deployment."),
             409: OpenApiResponse(description="The deployment can never be placed; the body says why."),
+            429: TOO_MANY_REQUESTS,
         },
     )
     def post(self, request: HttpRequest, name: str) -> Response:
@@ -172,7 +179,7 @@ def _fast_infer(request: Any, name: str) -> JsonResponse | None:
     except serializers.ValidationError as exc:  # kind_of: messages that look like chat but are not
         return JsonResponse(exc.detail, status=400)
     except ServiceError as exc:
-        return JsonResponse(exc.body(), status=exc.status)
+        return JsonResponse(exc.body(), status=exc.status, headers=exc.headers())
     status_code, body = _answer(final or request_services.latest(submitted))
     return JsonResponse(body, status=status_code)
 
@@ -243,7 +250,7 @@ def _answer(result: Request) -> tuple[int, dict[str, Any]]:
 class RequestListView(APIView):
     permission_classes = [permissions.IsAuthenticated]
 
-    @extend_schema(request=RequestInput, responses={202: RequestSerializer})
+    @extend_schema(request=RequestInput, responses={202: RequestSerializer, 429: TOO_MANY_REQUESTS})
     def post(self, request: HttpRequest) -> Response:
         data = RequestInput(data=request.data)
         data.is_valid(raise_exception=True)

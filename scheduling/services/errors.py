@@ -11,6 +11,10 @@ class ServiceError(Exception):
     def body(self) -> dict:
         return {"detail": str(self)}
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries beside its body."""
+        return {}
+
 
 class NotFound(ServiceError):
     status = 404
@@ -58,3 +62,20 @@ class Unavailable(ServiceError):
     """It exists but cannot serve now, and waiting would not help (a deployment that gave up)."""
 
     status = 503
+
+
+class TooManyRequests(ServiceError):
+    """Over one of the caller's own limits (429): nothing was queued, and the same request sent
+    again after `retry_after_s` may be taken. `limit` names which limit: "concurrent" or "per_minute"."""
+
+    status = 429
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int):
+        self.limit, self.retry_after_s = limit, retry_after_s
+        super().__init__(message)
+
+    def body(self) -> dict:
+        return {"detail": str(self), "limit": self.limit, "retry_after_s": self.retry_after_s}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}

@@ -8,6 +8,7 @@ request costs a few Redis round trips on top of the model. What the scheduler ne
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from django.db import InterfaceError, OperationalError, connection
 from gpuportal.wire.requestqueue import Request
 from scheduling import ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
-from scheduling.services import deployments, sleep
+from scheduling.services import deployments, sleep, user_limits
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound, Unavailable
 from scheduling.services.queueing import (
     AWAKE,
@@ -77,12 +78,13 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
 
     A deployment with no awake replica is woken first (a cached replica promoted, or a new one
     placed); the request then shows `waking` until a replica takes it. One that can never be
-    placed anywhere is refused with 409, and nothing is queued.
+    placed anywhere is refused with 409, and nothing is queued. One past its owner's limits
+    (user_limits) is refused with 429, before anything is read or woken for it.
     """
     # Counted for the dashboard's requests per minute in the same round trip, and in /metrics
     # once accepted.
     queued = _queued(
-        deployment_name, kind, partial(
+        deployment_name, kind, owner, partial(
             queue().submit, deployment_name, kind=kind, input=input, params=params, owner=owner,
             count_in=requeststats.bucket(deployment_name),
         ),
@@ -97,7 +99,7 @@ def run(
     """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
     # Counted in /metrics once it has ended or its wait is over (accepted either way).
     outcome = _queued(
-        deployment_name, kind, partial(
+        deployment_name, kind, owner, partial(
             queue().submit_and_wait, deployment_name, kind=kind, input=input, params=params, owner=owner,
             timeout=timeout, count_in=requeststats.bucket(deployment_name),
         ),
@@ -106,13 +108,23 @@ def run(
     return outcome
 
 
-def _queued(deployment_name: str, kind: str, put: Callable[..., T | None]) -> T:
+def _queued(deployment_name: str, kind: str, owner: str, put: Callable[..., T | None]) -> T:
     """`put` (a queue's submit) first with no database read, which queues the request only if a
     replica claims to take such requests now (gpuportal.wire.requestqueue's gp:live): there is then
-    nothing to wake. Else `put` again once the database has admitted it (`_admit`)."""
-    queued = put(if_live=True)
-    if queued is None:
-        queued = put(status=_admit(deployment_name, kind))
+    nothing to wake. Else `put` again once the database has admitted it (`_admit`).
+
+    Before either, the request is counted against its owner's limits under the id both puts give
+    it, or refused (TooManyRequests)."""
+    request_id = uuid.uuid4().hex
+    holds_place = user_limits.admit(owner, request_id)
+    try:
+        queued = put(if_live=True, request_id=request_id)
+        if queued is None:
+            queued = put(status=_admit(deployment_name, kind), request_id=request_id)
+    except Exception:
+        if holds_place:
+            user_limits.release(owner, request_id)
+        raise
     assert queued is not None  # only a submit `if_live` queues nothing
     return queued
 
