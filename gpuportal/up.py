@@ -3,6 +3,9 @@
 Order matters both ways. Start: servers (embedded unless URLs are given) → stack.env →
 migrate → admin user → web, control worker, beat, node agent. Stop: the app processes first
 (so they can still record that they stop), then Redis, then PostgreSQL.
+
+While it runs, `up` supervises: any of them that dies, the embedded servers too, is started
+again after a backoff, with a log line and an Event (issue 20). Only Ctrl-C or SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from gpuportal.stack import (
     EmbeddedRedis,
     StackError,
     die_with_parent,
+    kept_secret,
     port_in_use,
 )
-from gpuportal.stackenv import write_stack_env
+from gpuportal.stackenv import redact, write_stack_env
 
 ROOT = Path(__file__).resolve().parent.parent
 # A child that dies once the portal is up is started again (a crash: one that fails while the
@@ -40,16 +44,34 @@ RESTART_LIMIT = 5
 RESTART_PERIOD_S = 600.0
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 8.0
+# How often `up` looks for a process that died: the lower bound of every recovery.
+POLL_S = 0.2
+# Tries to write a restart's Event (about a minute of backoff): the database may be down too.
+RECORD_ATTEMPTS = 10
 
 
 def kept_secret_key(path: Path) -> str:
-    """The stack's own secret key: made once (only its owner may read it), then read back, so
-    sessions survive a restart and nobody shares the public default."""
-    with contextlib.suppress(FileExistsError):  # another `up` made it first: read theirs
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(50))
-    return path.read_text().strip()
+    """The stack's own secret key: made once, then read back, so sessions survive a restart and
+    nobody shares the public default."""
+    return kept_secret(path, lambda: secrets.token_urlsafe(50))
+
+
+@dataclass
+class Restarts:
+    """When a process that died may start again: its restarts in the last RESTART_PERIOD_S, and
+    the moment its backoff ends."""
+
+    times: deque[float] = field(default_factory=deque)
+    # When the next start is due (time.monotonic()), while it waits out its backoff.
+    due: float | None = None
+
+    def may_restart(self, now: float) -> bool:
+        while self.times and now - self.times[0] > RESTART_PERIOD_S:
+            self.times.popleft()
+        return len(self.times) < RESTART_LIMIT
+
+    def backoff(self) -> float:
+        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(self.times))
 
 
 @dataclass
@@ -60,24 +82,19 @@ class Child:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     # Started again when it dies, rather than the whole portal stopping (issue 20): every child
     # is; the agent's next run takes over the replica processes it left (issue 16).
-    restartable: bool = True
-    restarts: deque[float] = field(default_factory=deque)
-    # When the next start is due (time.monotonic()), while it waits out its backoff.
-    due: float | None = None
+    restarts: Restarts = field(default_factory=Restarts)
     # The process groups of its earlier runs: what they left running (replicas waiting to be
     # adopted, in an agent's) is stopped with the portal.
     old_groups: list[int] = field(default_factory=list)
     # Stopped, and waited for, before the others: the agent, which reports its replicas' ends
     # through the `agents` worker while it stops them.
     stops_first: bool = False
-
-    def may_restart(self, now: float) -> bool:
-        while self.restarts and now - self.restarts[0] > RESTART_PERIOD_S:
-            self.restarts.popleft()
-        return self.restartable and len(self.restarts) < RESTART_LIMIT
-
-    def backoff(self) -> float:
-        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(self.restarts))
+    # Whether what its dead run left in its process group lives on until the portal stops: the
+    # agent's replicas do (its next run adopts them). Anything else's leftovers (a web worker
+    # still holding the port, a worker's pool) are killed before it starts again.
+    keeps_group: bool = False
+    # How its last run ended, for the restart's Event.
+    ended: str = ""
 
     def last_error(self) -> str:
         for line in reversed(self.tail):
@@ -85,6 +102,16 @@ class Child:
             if text and not text.startswith(("Traceback", "File ", "^")):
                 return text
         return "no output"
+
+
+@dataclass
+class Server:
+    """An embedded PostgreSQL or Redis that `up` started, and starts again if it dies."""
+
+    name: str
+    embedded: EmbeddedPostgres | EmbeddedRedis
+    restarts: Restarts = field(default_factory=Restarts)
+    ended: str = ""
 
 
 @dataclass
@@ -104,6 +131,7 @@ class Portal:
         self.options = options
         self.out = out
         self.children: list[Child] = []
+        self.servers: list[Server] = []
         self.postgres: EmbeddedPostgres | None = None
         self.redis: EmbeddedRedis | None = None
         self.stopping = threading.Event()
@@ -134,13 +162,22 @@ class Portal:
         if opts.database_url:
             urls["DATABASE_URL"] = opts.database_url
         else:
-            self.postgres = EmbeddedPostgres(pgdata=opts.data_dir / "postgres" / "data")
+            # Passwords of their own, kept beside their data: any local user can reach a loopback
+            # port (issue 20). The other processes read them from stack.env (0600).
+            self.postgres = EmbeddedPostgres(
+                pgdata=opts.data_dir / "postgres" / "data",
+                password=kept_secret(opts.data_dir / "postgres" / "password"),
+            )
             urls["DATABASE_URL"] = self.postgres.start()
+            self.servers.append(Server("postgresql", self.postgres))
         if opts.redis_url:
             urls["REDIS_URL"] = opts.redis_url
         else:
-            self.redis = EmbeddedRedis(data_dir=opts.data_dir / "redis")
+            self.redis = EmbeddedRedis(
+                data_dir=opts.data_dir / "redis", password=kept_secret(opts.data_dir / "redis" / "password")
+            )
             urls["REDIS_URL"] = self.redis.start()
+            self.servers.append(Server("redis", self.redis))
         return urls
 
     def child_env(self, urls: dict[str, str]) -> dict[str, str]:
@@ -193,8 +230,12 @@ class Portal:
         agents = ["worker", "-Q", "agents", "-n", "agents@%h", "--pool", "threads", "--concurrency", "8"]
         if opts.virtual_gpus:
             agent += ["--virtual-gpus", opts.virtual_gpus]
+        # granian, as docker/compose.yaml and the benchmarks serve it (WhiteNoise serves the
+        # admin's static files), not Django's development server.
+        web = [python, "-m", "granian", "--interface", "wsgi", "--host", opts.host, "--port", str(opts.port),
+               "--workers", "1", "--blocking-threads", "16", "--no-ws", "gpuportal.wsgi:application"]  # fmt: skip
         return [
-            Child("web", [python, manage, "runserver", f"{opts.host}:{opts.port}", "--noreload", "--insecure"]),
+            Child("web", web),
             Child(
                 "control",
                 [*celery, "worker", "-Q", "control", "-n", "control@%h", "--concurrency", "2", "-l", "INFO"],
@@ -218,7 +259,7 @@ class Portal:
                 "agents",
                 [*celery, *agents, "-l", "INFO", "--without-gossip", "--without-mingle"],
             ),
-            Child("agent", agent, stops_first=True),
+            Child("agent", agent, stops_first=True, keeps_group=True),
         ]
 
     def spawn(self, child: Child) -> None:
@@ -272,29 +313,84 @@ class Portal:
                 raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
 
     def restart_or_raise(self) -> None:
-        """A child that died is started again after its backoff (an agent's replicas wait to be
-        taken over meanwhile); one that keeps dying stops the portal."""
+        """A process that died is started again after its backoff (an agent's replicas wait to
+        be taken over meanwhile); one that keeps dying stops the portal. The servers first: the
+        others need them."""
+        for server in self.servers:
+            self.restart_server(server)
         now = time.monotonic()
         for child in self.children:
             code = child.process.poll() if child.process else None
             if code is None:
                 continue
-            if child.due is None:
+            restarts = child.restarts
+            if restarts.due is None:
                 time.sleep(0.2)  # let the pump thread read the last lines it printed
-                if not child.may_restart(now):
-                    raise StackError(f"{child.name} exited with code {code}: {child.last_error()}")
-                wait = child.backoff()
-                child.due = now + wait
-                self.say(
-                    f"{child.name} exited with code {code}: {child.last_error()}; starting it again in {wait:.1f} s"
-                )
-            if now < child.due:
+                ended = _how_it_ended(code, child.last_error())
+                self.schedule(child.name, restarts, ended, now)
+                child.ended = ended
+            if now < restarts.due:
                 continue
-            child.due = None
-            child.restarts.append(now)
+            restarts.due = None
+            restarts.times.append(now)
             assert child.process is not None
-            child.old_groups.append(child.process.pid)
+            if child.keeps_group:
+                child.old_groups.append(child.process.pid)
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
             self.spawn(child)
+            self.record_restart(child.name, child.ended)
+
+    def restart_server(self, server: Server) -> None:
+        now = time.monotonic()
+        process = server.embedded.process
+        if process is not None:
+            code = process.poll()
+            if code is None:
+                return
+            server.ended = _how_it_ended(code, None)
+            server.embedded.process = None
+        restarts = server.restarts
+        if restarts.due is None:
+            self.schedule(server.name, restarts, server.ended, now)
+        if now < restarts.due:
+            return
+        restarts.due = None
+        restarts.times.append(now)
+        try:
+            # The same port, data and password: every process keeps its URL and reconnects.
+            server.embedded.start()
+        except StackError as err:
+            # Counted as a restart: tried again after a longer backoff, until the limit.
+            self.say(f"{server.name} did not start again: {err}")
+            return
+        self.say(f"{server.name} is back on port {server.embedded.port}")
+        self.record_restart(server.name, server.ended)
+
+    def schedule(self, name: str, restarts: Restarts, ended: str, now: float) -> None:
+        if not restarts.may_restart(now):
+            raise StackError(f"{name} {ended}")
+        wait = restarts.backoff()
+        restarts.due = now + wait
+        self.say(f"{name} {ended}; starting it again in {wait:.1f} s")
+
+    def record_restart(self, name: str, ended: str) -> None:
+        """The Event, written by a short-lived `manage.py` on a thread of its own: `up` holds no
+        database connection, and its loop must not wait for the database it may be restarting.
+        Tried again for a minute: the database may be the next thing to blink."""
+        reason = f"{ended}; started again by up"
+
+        def record() -> None:
+            for attempt in range(RECORD_ATTEMPTS):
+                if self.stopping.wait(min(8.0, 0.5 * 2**attempt) if attempt else 0):
+                    return
+                result = self.manage("record_restart", name, "--reason", reason, "--node", self.options.node)
+                if result.returncode == 0:
+                    return
+            self.say(f"could not record the restart of {name}: {_last_line(result.stderr or result.stdout)}")
+
+        threading.Thread(target=record, name=f"record-restart-{name}", daemon=True).start()
 
     # -- run and stop ------------------------------------------------------------------------
 
@@ -315,7 +411,7 @@ class Portal:
             self.wait_web_ready()
             if not self.stopping.is_set():
                 self.banner(urls)
-            while not self.stopping.wait(0.5):
+            while not self.stopping.wait(POLL_S):
                 self.restart_or_raise()
             self.say("stopping: the portal's processes, then its servers")
             return 0
@@ -379,8 +475,8 @@ class Portal:
                     f"  admin:      {base}/admin/",
                     f"  API docs:   {base}/api/docs/",
                     f"  health:     {base}/healthz  (ready: {base}/readyz, metrics: {base}/metrics)",
-                    f"  PostgreSQL: {urls['DATABASE_URL']}  ({pg})",
-                    f"  Redis:      {urls['REDIS_URL']}  ({rd})",
+                    f"  PostgreSQL: {redact(urls['DATABASE_URL'])}  ({pg})",
+                    f"  Redis:      {redact(urls['REDIS_URL'])}  ({rd})",
                     f"  stack.env:  {self.options.data_dir / 'stack.env'}  (agents and shells started here join it)",
                     f"  logs:       {self.options.data_dir / 'logs'}",
                     "Press Ctrl-C to stop everything.",
@@ -388,6 +484,13 @@ class Portal:
                 ]
             )
         )
+
+
+def _how_it_ended(code: int, last_error: str | None) -> str:
+    if code < 0:  # its last line says nothing about a signal from outside
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}" + (f": {last_error}" if last_error else "")
 
 
 def _last_line(text: str) -> str:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def _reconnect(retry_state: RetryCallState) -> None:
-    log.warning("database unavailable while recording a replica's report; retrying (%s)", retry_state.outcome)
+    log.warning("database unavailable while applying an agent's call; retrying (%s)", retry_state.outcome)
     connection.close()  # a restarted server left this connection dead: the next try opens another
 
 
@@ -56,7 +56,11 @@ class ServicesGateway:
         survivors: Sequence[Survivor],
     ) -> None:
         close_old_connections()
-        nodes.register_node(
+        # Retried through a database restart like a report: an agent that `up` just started
+        # again must not give up (and stop the replicas it is taking over) because the database
+        # blinked while it registered. Registering again is harmless: it is how an agent rejoins.
+        REPORT_RETRY.copy()(
+            nodes.register_node,
             node,
             list(devices),
             hostname=hostname,

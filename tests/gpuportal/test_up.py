@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -13,9 +12,12 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
+import psycopg
 import pytest
+import redis
 
 from gpuportal.stack import free_port
 from gpuportal.stackenv import read_stack_env
@@ -128,12 +130,6 @@ def processes_of(data_dir: Path) -> list[str]:
     return found
 
 
-def healthy(up: Up) -> bool:
-    with contextlib.suppress(OSError):  # refused while the web server starts again
-        return up.get("/healthz")[0] == 200
-    return False
-
-
 def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_path):
     from inference.management.commands.make_tiny_model import write_tiny_model
 
@@ -146,6 +142,16 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert up.get("/readyz")[0] == 200
         stack = read_stack_env(data_dir / "stack.env")
         assert stack["DATABASE_URL"].startswith("postgres://") and stack["REDIS_URL"].startswith("redis://")
+        # The embedded servers ask for passwords of their own (issue 20): any local user can reach
+        # a loopback port. Only the stack's owner reads them; the banner does not show them.
+        assert (data_dir / "stack.env").stat().st_mode & 0o777 == 0o600
+        postgres, redis_server = urlsplit(stack["DATABASE_URL"]), urlsplit(stack["REDIS_URL"])
+        assert postgres.password and redis_server.password
+        assert not any(postgres.password in line or redis_server.password in line for line in up.lines)
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(f"postgres://postgres@127.0.0.1:{postgres.port}/gpuportal", connect_timeout=5)
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError), match=r"(?i)auth"):
+            redis.Redis(host="127.0.0.1", port=redis_server.port).ping()
         assert any("created (password from GPUPORTAL_ADMIN_PASSWORD)" in line for line in up.lines)
         assert (data_dir / "secret-key").stat().st_mode & 0o777 == 0o600, "a key of its own, not the public one"
         assert not any("SECRET_KEY is the public default" in line for line in up.lines)
@@ -231,7 +237,7 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
             "the restarted agent to take the replica over",
         )
         assert adopted[0]["replica"] == restored["id"]
-        assert any(line.startswith("agent exited with code -9") for line in again.lines)
+        assert any(line.startswith("agent was killed by SIGKILL; starting it again") for line in again.lines)
         (still,) = again.serving(token, "tiny")
         assert (still["id"], still["pid"]) == (restored["id"], restored["pid"]), "the same process, not a new one"
         code, answer = again.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3}, token)
@@ -239,24 +245,9 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
         assert sorted(r["state"] for r in replicas) == ["serving", "stopped"], "adopted, not duplicated"
 
-        # Any other child that dies is started again too (issue 20), and the portal serves on:
-        # the replica (the agent's) lives through it.
-        for role in ("control", "agents", "runserver"):
-            restarts = sum("starting it again" in line for line in again.lines)
-            (child,) = [c for c in psutil.Process(again.process.pid).children() if role in c.cmdline()]
-            child.kill()
-            wait_until(
-                lambda seen=restarts: sum("starting it again" in line for line in again.lines) > seen,
-                30,
-                f"up to see {role} die",
-            )
-            wait_until(lambda: healthy(again), 60, f"the portal to serve again after its {role} was killed")
+        # Every other process of `up` killed under load: tests/gpuportal/test_recovery.py.
         code, answer = again.post("/api/deployments/tiny/scale/", {"replicas": 1}, token)
         assert code == 200, answer
-        code, answer = again.post("/v1/completions", {"model": "tiny", "prompt": "again", "max_tokens": 3}, token)
-        assert code == 200 and answer["choices"][0]["text"], answer
-        (after,) = again.serving(token, "tiny")
-        assert after["pid"] == restored["pid"], "the replica process lived through its control plane's restarts"
     finally:
         assert again.stop() == 0
     assert processes_of(data_dir) == [], "the adopted replica stopped with the portal"

@@ -1,0 +1,400 @@
+"""Recovery: `manage.py up` outlives its own parts (issue 20).
+
+One `up`, as `make run` starts it (embedded PostgreSQL and Redis, virtual GPUs), a tiny causal LM
+deployed, two clients sending requests back to back (each request accepted, an id came back, is
+polled until it ends) and an operator reading the deployment every 50 ms. Then each of up's
+processes in turn is SIGKILLed (the web server, the control worker, beat, the agents' worker, the
+node agent, Redis, PostgreSQL), and `up` starts it again by itself. Measured per kill:
+- `detected`: SIGKILL → `up` says it died (it looks every 0.2 s);
+- `first answer`: SIGKILL → the first answer to a request sent after the kill;
+- `503s` / `refused`: what the clients met meanwhile (JSON 503s, connections refused or cut);
+- `5xx`: any other server error (must be 0); `lost`: accepted requests that never ended done
+  (must be 0).
+
+    python -m bench.recovery [--trials 1] [--no-record]
+
+tests/gpuportal/test_recovery.py runs the same scenario and asserts what must hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.client import HTTPException
+from pathlib import Path
+
+import psutil
+
+from bench.report import record, table
+from gpuportal.stack import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSWORD = "recovery-bench-password"
+NAME = "steady"
+# up's processes, and how each shows in its command line. The web server's main process (its
+# worker is its child, stopped by `up` with its process group).
+PROCESSES = {
+    "web": "granian",
+    "control": "-Q control",
+    "beat": " beat ",
+    "agents": "-Q agents",
+    "agent": "manage.py agent",
+    "redis": "redis-server",
+    "postgresql": "postgres -D",
+}
+TERMINAL = {"done", "failed", "cancelled"}
+CUT = (OSError, HTTPException)  # refused, reset, or closed while the server died
+
+
+@dataclass
+class Sent:
+    """One request a client sent: accepted once an id came back."""
+
+    at: float
+    id: str | None = None
+    status: str | None = None
+    ended_at: float | None = None
+
+
+@dataclass
+class Seen:
+    """What the clients met while one process was down."""
+
+    unavailable: int = 0
+    refused: int = 0
+    server_errors: list[str] = field(default_factory=list)
+
+
+class Stack:
+    """One `manage.py up` in a data directory of its own, its output read by a thread."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.port = free_port()
+        dropped = {"DATABASE_URL", "REDIS_URL", "PROMETHEUS_MULTIPROC_DIR"}
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
+        env |= {"GPUPORTAL_DATA_DIR": str(data_dir), "GPUPORTAL_ADMIN_PASSWORD": PASSWORD, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", "up", "--port", str(self.port), "--quiet",
+             "--virtual-gpus", "1x4GiB", "--node", "steady"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self.up = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.token = ""
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            if line.startswith("gpuportal is up"):
+                self.up.set()
+
+    def start(self, timeout: float = 240) -> None:
+        if not self.up.wait(timeout):
+            self.process.kill()
+            raise RuntimeError("up did not come up:\n" + "\n".join(line for _, line in self.lines[-30:]))
+        self.token = self.call("POST", "/api/auth/token/", {"username": "admin", "password": PASSWORD})[1]["token"]
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(120)
+
+    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
+        """The status and JSON body; a server that is down raises one of CUT."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            method=method,
+            data=json.dumps(body).encode() if body is not None else None,
+            headers={"Content-Type": "application/json"},
+        )
+        if self.token:
+            request.add_header("Authorization", f"Token {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            try:
+                return err.code, json.loads(raw or b"{}")
+            except ValueError:
+                return err.code, {"body": raw[:200].decode(errors="replace")}
+
+    def process_of(self, name: str) -> psutil.Process:
+        (found,) = [
+            child
+            for child in psutil.Process(self.process.pid).children()
+            if PROCESSES[name] in " ".join(child.cmdline()) + " "
+        ]
+        return found
+
+    def said_after(self, since: float, text: str) -> float | None:
+        return next((at for at, line in list(self.lines) if at >= since and text in line), None)
+
+
+class Clients:
+    """Two clients sending requests back to back; each accepted one is polled until it ends."""
+
+    def __init__(self, stack: Stack, count: int = 2):
+        self.stack = stack
+        self.sent: list[Sent] = []
+        self.seen = Seen()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(count)]
+        # An operator's dashboard beside them: it reads the database on every call, where the
+        # clients' hot path may not (a cached token, a replica that claims requests in Redis).
+        self.threads.append(threading.Thread(target=self._operator, daemon=True))
+        for thread in self.threads:
+            thread.start()
+
+    def next_window(self) -> Seen:
+        """Start counting what the clients meet afresh; the last window's counts."""
+        seen, self.seen = self.seen, Seen()
+        return seen
+
+    def _client(self, index: int) -> None:
+        while not self.stopping.is_set():
+            sent = Sent(at=time.monotonic())
+            self.sent.append(sent)
+            body = {"input": f"client {index} at {sent.at:.3f}", "params": {"max_tokens": 2}, "timeout_s": 2}
+            answer = self._try("POST", f"/api/deployments/{NAME}/infer/", body)
+            if answer is None or not answer.get("id"):
+                self.stopping.wait(0.1)  # not accepted: the server is on its way back
+                continue
+            sent.id = answer["id"]
+            while answer.get("status") not in TERMINAL and not self.stopping.is_set():
+                self.stopping.wait(0.05)
+                answer = self._try("GET", f"/api/requests/{sent.id}/") or {}
+            sent.status = answer.get("status")
+            sent.ended_at = time.monotonic() if sent.status in TERMINAL else None
+
+    def _operator(self) -> None:
+        while not self.stopping.wait(0.05):
+            self._try("GET", f"/api/deployments/{NAME}/")
+
+    def _try(self, method: str, path: str, body: dict | None = None) -> dict | None:
+        try:
+            code, answer = self.stack.call(method, path, body)
+        except CUT:
+            self.seen.refused += 1
+            return None
+        if code == 503 and not answer.get("id"):  # an outage: nothing accepted, try again
+            self.seen.unavailable += 1
+            return None
+        if code >= 500 and not answer.get("id"):
+            self.seen.server_errors.append(f"{method} {path}: {code} {answer}")
+            return None
+        return answer
+
+    def first_answer_after(self, since: float) -> float | None:
+        ends = [s.ended_at for s in list(self.sent) if s.at > since and s.status == "done" and s.ended_at]
+        return min(ends) - since if ends else None
+
+    def finish(self, timeout: float = 60) -> None:
+        """Stop sending, and wait for every accepted request still polled."""
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout)
+
+    def unfinished(self) -> list[Sent]:
+        """Accepted requests that did not end done: polled again now that nothing is killed."""
+        lost = []
+        for sent in self.sent:
+            if sent.id is None or sent.status == "done":
+                continue
+            deadline = time.monotonic() + 30
+            answer: dict = {}
+            while time.monotonic() < deadline:
+                answer = self._try("GET", f"/api/requests/{sent.id}/") or {}
+                if answer.get("status") in TERMINAL:
+                    break
+                time.sleep(0.1)
+            sent.status = answer.get("status")
+            if sent.status != "done":
+                lost.append(sent)
+        return lost
+
+
+@dataclass
+class Recovery:
+    process: str
+    killed_at: float
+    detected_s: float | None
+    first_answer_s: float | None
+    seen: Seen
+    lost: int = 0
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def deploy(stack: Stack, model_dir: Path) -> None:
+    wait_for(
+        lambda: any(n["status"] == "online" for n in stack.call("GET", "/api/nodes/")[1].get("results", [])),
+        120,
+        "the node agent to register",
+    )
+    code, answer = stack.call("POST", "/api/deployments/", {"name": NAME, "model": {"source": str(model_dir)}})
+    if code != 201:
+        raise RuntimeError(f"deploy failed: {code} {answer}")
+    wait_for(
+        lambda: stack.call("GET", f"/api/replicas/?deployment={NAME}&state=serving")[1].get("results"),
+        180,
+        "the deployment to serve",
+    )
+
+
+def kill_each(stack: Stack, clients: Clients, processes: list[str]) -> list[Recovery]:
+    """SIGKILL each process in turn; after each, wait until it runs again and the stack answers
+    through it, so that no kill's window overlaps the next."""
+    recoveries = []
+    for name in processes:
+        wait_for(lambda: clients.first_answer_after(time.monotonic() - 1), 60, "answers before the kill")
+        clients.next_window()
+        victim = stack.process_of(name)
+        killed_at = time.monotonic()
+        if name == "web":
+            # The server and its worker, as a crash of the machine's web tier would: the main
+            # process alone would leave its worker answering until `up` ends it.
+            os.killpg(victim.pid, signal.SIGKILL)
+        else:
+            victim.kill()
+        said = f"{name} was killed by SIGKILL"
+        detected = wait_for(lambda t=killed_at, s=said: stack.said_after(t, s), 30, f"up to say {said}")
+        wait_for(lambda n=name, old=victim.pid: _running_again(stack, n, old), 120, f"{name} to run again")
+        back = time.monotonic()
+        first = wait_for(lambda t=killed_at: clients.first_answer_after(t), 120, f"an answer after {name} was killed")
+        wait_for(lambda t=back: clients.first_answer_after(t), 120, f"an answer once {name} is back")
+        recoveries.append(Recovery(name, killed_at, detected - killed_at, first, clients.next_window()))  # type: ignore[operator]
+    return recoveries
+
+
+def _running_again(stack: Stack, name: str, old_pid: int) -> bool:
+    try:
+        process = stack.process_of(name)
+    except (ValueError, psutil.NoSuchProcess):  # none yet, or between two runs
+        return False
+    return process.pid != old_pid and process.is_running()
+
+
+@dataclass
+class Outcome:
+    recoveries: list[Recovery]
+    lost: list[Sent]
+    # The processes whose restart is in the trail (Events of kind stack.restarted).
+    restarted: set[str]
+    exit_code: int
+    said: list[str]
+    # The serving replicas' processes before the first kill and after the last: the data plane
+    # lives through every restart of the control plane (the agent's replicas are adopted).
+    pids_before: list[int] = field(default_factory=list)
+    pids_after: list[int] = field(default_factory=list)
+
+
+def run(processes: list[str], model_dir: Path, data_dir: Path) -> Outcome:
+    """The scenario, on a fresh `up` in `data_dir`, stopped at the end."""
+    stack = Stack(data_dir)
+    clients: Clients | None = None
+    recoveries: list[Recovery] = []
+    lost: list[Sent] = []
+    restarted: set[str] = set()
+    pids: list[list[int]] = []
+    try:
+        stack.start()
+        deploy(stack, model_dir)
+        pids.append(serving_pids(stack))
+        clients = Clients(stack)
+        recoveries = kill_each(stack, clients, processes)
+        clients.finish()
+        pids.append(wait_for(lambda: serving_pids(stack), 60, "a serving replica after the kills"))  # type: ignore[arg-type]
+        lost = clients.unfinished()
+        # Each restart's Event is written by a process of its own: give the last one its moment.
+        deadline = time.monotonic() + 30
+        while not (restarted := _restarted(stack)) >= set(processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for sent in lost:  # counted against the last kill before it was sent
+            before = [r for r in recoveries if r.killed_at <= sent.at]
+            if before:
+                before[-1].lost += 1
+    finally:
+        if clients is not None:
+            clients.stopping.set()
+        code = stack.stop()
+    return Outcome(recoveries, lost, restarted, code, [line for _, line in stack.lines], *pids)
+
+
+def serving_pids(stack: Stack) -> list[int]:
+    replicas = stack.call("GET", f"/api/replicas/?deployment={NAME}&state=serving")[1].get("results", [])
+    return sorted(replica["pid"] for replica in replicas)
+
+
+def _restarted(stack: Stack) -> set[str]:
+    events = stack.call("GET", "/api/events/?kind=stack.restarted")[1].get("results", [])
+    return {event["subject"].removeprefix("process ") for event in events}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gpuportal.settings")
+    import django
+
+    django.setup()
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
+    rows = []
+    for trial in range(args.trials):
+        with tempfile.TemporaryDirectory(prefix="gpuportal-recovery-") as tmp:
+            model = write_tiny_model(Path(tmp) / "tiny", size_mb=2, seed=trial, log=lambda _: None).path
+            outcome = run(list(PROCESSES), model, Path(tmp) / "var")
+        for r in outcome.recoveries:
+            rows.append([
+                r.process, trial + 1, _ms(r.detected_s), _ms(r.first_answer_s), r.seen.unavailable,
+                r.seen.refused, len(r.seen.server_errors), r.lost, "yes" if r.process in outcome.restarted else "no",
+            ])  # fmt: skip
+        print(
+            f"trial {trial + 1}: up exited {outcome.exit_code}, {len(outcome.lost)} accepted request(s) lost",
+            file=sys.stderr,
+        )
+    headers = ["SIGKILL of", "trial", "detected", "first answer", "503s", "refused", "5xx", "lost", "Event"]
+    text = table(headers, rows)
+    print(text)
+    if not args.no_record:
+        record(
+            "recovery",
+            "Recovery: each of up's processes SIGKILLed under two clients",
+            "`python -m bench.recovery`: one `up` (embedded servers, 1 virtual GPU), a tiny causal LM,\n"
+            "two clients sending requests back to back and polling each accepted one to its end.\n"
+            "`detected`: SIGKILL → `up` says so; `first answer`: SIGKILL → the first answer to a request\n"
+            "sent after it; `503s`/`refused`: what the clients met meanwhile; `lost`: accepted requests\n"
+            "that never ended done; `Event`: the restart is in the trail (`stack.restarted`).\n\n" + text,
+        )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""What `manage.py up` did to keep the stack running: each restart of one of its processes."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from scheduling import events
+from scheduling.models import Event
+
+
+@transaction.atomic(durable=True)
+def record_restart(process: str, reason: str, *, node: str = "") -> Event:
+    """An Event for a process of the stack that died and was started again (issue 20): the
+    operator sees in the trail, beside the replicas' own events, why the portal blinked."""
+    return events.record(Event.Kind.STACK_RESTARTED, f"process {process}", reason, node=node)
