@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "request_overhead": ([], ["--requests", "100", "--wakes", "2"]),
     "failover": ([], ["--trials", "5", "--baseline-trials", "2"]),
     "self_healing": ([], ["--trials", "1"]),
+    "recovery": (["--trials", "2"], ["--trials", "1"]),
     "kvpool": ([], []),
     "simulate": ([], []),
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import socket
@@ -44,6 +45,12 @@ RESTART_LIMIT = 5
 RESTART_PERIOD_S = 600.0
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 8.0
+# The lines of a child's output the console shows without --verbose: its warnings and errors,
+# in the formats of Django's logging, Celery's and granian's.
+CONSOLE_LEVELS = re.compile(r"(^|[\s\[:])(WARNING|ERROR|CRITICAL)\b")
+# Known and meant: granian's warning about its 16 blocking threads on a small machine. A WSGI
+# thread waits out each inference call it serves, so the web needs more threads than cores.
+CONSOLE_NOISE = ("Configuration allows spawning up to",)
 # How often `up` looks for a process that died: the lower bound of every recovery.
 POLL_S = 0.2
 # Tries to write a restart's Event (about a minute of backoff): the database may be down too.
@@ -95,6 +102,9 @@ class Child:
     keeps_group: bool = False
     # How its last run ended, for the restart's Event.
     ended: str = ""
+    # A line its output shows once it is ready (the web: its health check instead).
+    ready_marker: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
 
     def last_error(self) -> str:
         for line in reversed(self.tail):
@@ -122,6 +132,7 @@ class Options:
     node: str = "local"
     virtual_gpus: str | None = None
     quiet: bool = False
+    verbose: bool = False
     database_url: str | None = None
     redis_url: str | None = None
 
@@ -140,6 +151,10 @@ class Portal:
         # Set once this `up` has written stack.env: only then is it this `up`'s to remove. A
         # second `up` refused because one is running must leave that one's file alone.
         self.wrote_stack_env = False
+
+    @property
+    def admin_password_file(self) -> Path:
+        return self.options.data_dir / "admin-password"
 
     # -- start -------------------------------------------------------------------------------
 
@@ -194,6 +209,8 @@ class Portal:
         env.update(
             {
                 "GPUPORTAL_DATA_DIR": str(self.options.data_dir),
+                # Where ensure_admin writes the password it generates (0600): see the banner.
+                "GPUPORTAL_ADMIN_PASSWORD_FILE": str(self.admin_password_file),
                 "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
                 "PYTHONUNBUFFERED": "1",
                 "DJANGO_SETTINGS_MODULE": "gpuportal.settings",
@@ -234,11 +251,14 @@ class Portal:
         # admin's static files), not Django's development server.
         web = [python, "-m", "granian", "--interface", "wsgi", "--host", opts.host, "--port", str(opts.port),
                "--workers", "1", "--blocking-threads", "16", "--no-ws", "gpuportal.wsgi:application"]  # fmt: skip
+        # Every child logs at INFO to var/logs; the console shows only its warnings and errors
+        # unless --verbose (CONSOLE_LEVELS), and the markers tell the banner when each is ready.
         return [
             Child("web", web),
             Child(
                 "control",
                 [*celery, "worker", "-Q", "control", "-n", "control@%h", "--concurrency", "2", "-l", "INFO"],
+                ready_marker=" ready.",
             ),
             Child(
                 "beat",
@@ -252,14 +272,16 @@ class Portal:
                     "--pidfile",
                     str(opts.data_dir / "beat.pid"),
                 ],
+                ready_marker="beat: Starting",
             ),
             # Answers the agents' calls (gpuportal.wire.control): their reports, heartbeats and
             # registrations, on threads of their own so none waits behind a placement.
             Child(
                 "agents",
                 [*celery, *agents, "-l", "INFO", "--without-gossip", "--without-mingle"],
+                ready_marker=" ready.",
             ),
-            Child("agent", agent, stops_first=True, keeps_group=True),
+            Child("agent", agent, stops_first=True, keeps_group=True, ready_marker=f"node {opts.node} registered"),
         ]
 
     def spawn(self, child: Child) -> None:
@@ -288,10 +310,30 @@ class Portal:
                 child.tail.append(line)
                 log.write(line)
                 log.flush()
-                if not self.options.quiet:
+                if child.ready_marker and child.ready_marker in line:
+                    child.ready.set()
+                if self.on_console(line):
                     with self.log_lock:
                         self.out.write(f"{child.name:<8}| {line}")
                         self.out.flush()
+
+    def on_console(self, line: str) -> bool:
+        if self.options.quiet:
+            return False
+        if self.options.verbose:
+            return True
+        return CONSOLE_LEVELS.search(line[:80]) is not None and not any(noise in line for noise in CONSOLE_NOISE)
+
+    def wait_all_ready(self, timeout: float = 120.0) -> list[str]:
+        """Wait for every child's ready line (the web's health check came first); the names of
+        those still starting when `timeout` is over."""
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            while child.ready_marker and not child.ready.wait(0.2):
+                self.raise_if_child_died()
+                if self.stopping.is_set() or time.monotonic() > deadline:
+                    break
+        return [c.name for c in self.children if c.ready_marker and not c.ready.is_set()]
 
     def wait_web_ready(self, timeout: float = 120.0) -> None:
         url = f"http://{self.options.host}:{self.options.port}/healthz"
@@ -409,8 +451,9 @@ class Portal:
                 self.children.append(child)
                 self.spawn(child)
             self.wait_web_ready()
+            starting = self.wait_all_ready()
             if not self.stopping.is_set():
-                self.banner(urls)
+                self.banner(urls, starting)
             while not self.stopping.wait(POLL_S):
                 self.restart_or_raise()
             self.say("stopping: the portal's processes, then its servers")
@@ -463,22 +506,35 @@ class Portal:
             self.out.write(text + "\n")
             self.out.flush()
 
-    def banner(self, urls: dict[str, str]) -> None:
+    def banner(self, urls: dict[str, str], starting: list[str]) -> None:
         base = f"http://{self.options.host}:{self.options.port}"
         pg = "embedded, " + str(self.postgres.pgdata) if self.postgres else "external"
         rd = "embedded, " + str(self.redis.data_dir) if self.redis else "external"
+        user = os.environ.get("GPUPORTAL_ADMIN_USER") or "admin"
+        password_file = self.admin_password_file
+        if os.environ.get("GPUPORTAL_ADMIN_PASSWORD"):
+            password, password_arg = "GPUPORTAL_ADMIN_PASSWORD", '"$GPUPORTAL_ADMIN_PASSWORD"'
+        elif password_file.exists():
+            password, password_arg = f"in {password_file}", f'"$(cat {password_file})"'
+        else:
+            password, password_arg = "as you set it", "YOUR-PASSWORD"
+        token = f"curl -s -X POST {base}/api/auth/token/ -d username={user} -d password={password_arg}"
         self.say(
             "\n".join(
                 [
                     "",
-                    f"gpuportal is up on {socket.gethostname()} (node agent: {self.options.node})",
+                    f"gpuportal is up on {socket.gethostname()} (node agent: {self.options.node})"
+                    + (f"; still starting: {', '.join(starting)}" if starting else ""),
+                    f"  sign in:    {user}, password {password}",
+                    f"  a token:    {token}",
                     f"  admin:      {base}/admin/",
                     f"  API docs:   {base}/api/docs/",
                     f"  health:     {base}/healthz  (ready: {base}/readyz, metrics: {base}/metrics)",
                     f"  PostgreSQL: {redact(urls['DATABASE_URL'])}  ({pg})",
                     f"  Redis:      {redact(urls['REDIS_URL'])}  ({rd})",
                     f"  stack.env:  {self.options.data_dir / 'stack.env'}  (agents and shells started here join it)",
-                    f"  logs:       {self.options.data_dir / 'logs'}",
+                    f"  logs:       {self.options.data_dir / 'logs'}"
+                    + ("" if self.options.verbose else "  (the console shows warnings and errors: --verbose for all)"),
                     "Press Ctrl-C to stop everything.",
                     "",
                 ]

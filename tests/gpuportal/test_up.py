@@ -317,3 +317,56 @@ def test_the_stack_keeps_a_secret_key_of_its_own_that_only_its_owner_reads(tmp_p
     assert len(key) >= 50 and key != settings.PUBLIC_SECRET_KEY
     assert (tmp_path / "secret-key").stat().st_mode & 0o777 == 0o600
     assert kept_secret_key(tmp_path / "secret-key") == key, "the same key on the next start: sessions survive"
+
+
+@pytest.mark.django_db
+def test_a_generated_admin_password_is_kept_in_a_file_only_its_owner_reads_and_never_printed(tmp_path, monkeypatch):
+    import io
+
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+
+    monkeypatch.delenv("GPUPORTAL_ADMIN_PASSWORD", raising=False)
+    monkeypatch.setenv("GPUPORTAL_ADMIN_PASSWORD_FILE", str(tmp_path / "admin-password"))
+    said = io.StringIO()
+    call_command("ensure_admin", stdout=said)
+
+    password = (tmp_path / "admin-password").read_text().strip()
+    assert (tmp_path / "admin-password").stat().st_mode & 0o777 == 0o600
+    assert User.objects.get(username="admin").check_password(password)
+    assert said.getvalue().strip() == f"admin user 'admin' created; its password is in {tmp_path / 'admin-password'}"
+    assert password not in said.getvalue()
+
+    again = io.StringIO()
+    call_command("ensure_admin", stdout=again)
+    assert again.getvalue().strip() == "admin user 'admin' exists (password unchanged)"
+    assert (tmp_path / "admin-password").read_text().strip() == password
+
+
+def test_the_banner_says_how_to_sign_in_and_the_console_shows_only_warnings_and_errors(tmp_path, monkeypatch):
+    import io
+
+    from gpuportal.up import Options, Portal
+
+    monkeypatch.delenv("GPUPORTAL_ADMIN_PASSWORD", raising=False)
+    (tmp_path / "admin-password").write_text("s3cret\n")
+    out = io.StringIO()
+    portal = Portal(Options(data_dir=tmp_path, port=8123), out=out)
+    portal.banner({"DATABASE_URL": "postgres://postgres:pw@127.0.0.1:5/db", "REDIS_URL": "redis://:pw@h:6/0"}, [])
+
+    banner = out.getvalue()
+    assert f"sign in:    admin, password in {tmp_path / 'admin-password'}" in banner
+    token_command = (
+        "curl -s -X POST http://127.0.0.1:8123/api/auth/token/ -d username=admin "
+        f'-d password="$(cat {tmp_path / "admin-password"})"'
+    )
+    assert token_command in banner
+    assert "s3cret" not in banner and ":pw@" not in banner
+
+    assert not portal.on_console("[2026-11-25 17:15:03,092: INFO/MainProcess] Sending due task sweep")
+    assert not portal.on_console("2026-11-25 17:15:02,699 INFO inference.agent: node local registered")
+    assert portal.on_console("[2026-11-25 17:15:03,092: WARNING/MainProcess] consumer: Connection to broker lost")
+    assert portal.on_console("2026-11-25 17:15:02,699 ERROR scheduling.tasks: reconcile failed")
+    assert portal.on_console("[ERROR] granian worker died")
+    verbose = Portal(Options(data_dir=tmp_path, verbose=True), out=out)
+    assert verbose.on_console("[2026-11-25 17:15:03,092: INFO/MainProcess] Sending due task sweep")

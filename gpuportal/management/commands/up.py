@@ -29,8 +29,11 @@ class Command(BaseCommand):
         )
         parser.add_argument("--data-dir", default=None, help="Where state lives (GPUPORTAL_DATA_DIR, default ./var).")
         parser.add_argument("--quiet", action="store_true", help="Only write the children's output to log files.")
+        parser.add_argument(
+            "--verbose", action="store_true", help="Show all of the children's output, not only warnings and errors."
+        )
 
-    def handle(self, *args, host, port, node, virtual_gpus, data_dir, quiet, **options):
+    def handle(self, *args, host, port, node, virtual_gpus, data_dir, quiet, verbose, **options):
         if not 1 <= port <= 65535:
             raise CommandError(f"--port {port} is not a TCP port")
         options = Options(
@@ -40,6 +43,7 @@ class Command(BaseCommand):
             node=node,
             virtual_gpus=virtual_gpus,
             quiet=quiet,
+            verbose=verbose,
             # Only the environment counts here: a stack.env left by another `up` names servers
             # that this one is about to start itself.
             database_url=os.environ.get("DATABASE_URL") or None,
