@@ -55,6 +55,12 @@ def queue_key(deployment: str) -> str:
     return f"gp:queue:{deployment}"
 
 
+def index_keys(owner: str) -> tuple[str, str]:
+    """The requests of `owner`, and everyone's, by when each was accepted (sorted sets, trimmed to
+    TTL_S as requests are added): what `recent` lists, newest first."""
+    return f"gp:requests:owner:{owner}", "gp:requests:all"
+
+
 def processing_key(replica_id: str) -> str:
     return f"gp:proc:{replica_id}"
 
@@ -177,8 +183,8 @@ return {id, redis.call('HGETALL', key)}
 # nothing has to be woken. Otherwise nothing is queued, and a refusal token is pushed where the
 # blocking read sent in the same round trip waits, so that it returns at once: the web then
 # admits the request the long way (the database says what to wake, or why not).
-# KEYS: live set, request, queue, done, count. ARGV: request id, ttl, count ttl or '', then the
-# request's field/value pairs.
+# KEYS: live set, request, queue, done, count, the owner's index, everyone's index. ARGV: request
+# id, ttl, count ttl or '', created at, then the request's field/value pairs.
 _SUBMIT_IF_LIVE = """
 local t = redis.call('TIME')
 if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf') == 0 then
@@ -186,11 +192,16 @@ if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+in
   redis.call('EXPIRE', KEYS[4], 60)
   return 0
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('HSET', KEYS[2], unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 if ARGV[3] ~= '' then
   redis.call('INCR', KEYS[5])
   redis.call('EXPIRE', KEYS[5], ARGV[3])
+end
+for i = 6, 7 do
+  redis.call('ZADD', KEYS[i], ARGV[4], ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', tonumber(ARGV[4]) - tonumber(ARGV[2]))
+  redis.call('EXPIRE', KEYS[i], ARGV[2])
 end
 redis.call('LPUSH', KEYS[3], ARGV[1])
 return 1
@@ -478,10 +489,10 @@ class RequestQueue:
             if if_live:
                 keys = [
                     live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
-                    count_in[0] if count_in is not None else key,
+                    count_in[0] if count_in is not None else key, *index_keys(owner),
                 ]  # fmt: skip
                 count_ttl = count_in[1] if count_in is not None else ""
-                args = [request.id, TTL_S, count_ttl, *(x for kv in fields.items() for x in kv)]
+                args = [request.id, TTL_S, count_ttl, request.created_at, *(x for kv in fields.items() for x in kv)]
                 # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
                 # read behind it blocked for nothing. Redis caches the script by its digest anyway.
                 pipe.eval(_SUBMIT_IF_LIVE, len(keys), *keys, *args)
@@ -495,6 +506,10 @@ class RequestQueue:
                 if count_in is not None:
                     pipe.incr(count_in[0])
                     pipe.expire(count_in[0], count_in[1])
+                for index in index_keys(owner):
+                    pipe.zadd(index, {request.id: request.created_at})
+                    pipe.zremrangebyscore(index, "-inf", request.created_at - TTL_S)
+                    pipe.expire(index, TTL_S)
                 pipe.lpush(queue_key(deployment), request.id)
             if wait_s > 0:
                 self._block_for_end(pipe, request.id, wait_s)
@@ -507,6 +522,42 @@ class RequestQueue:
     def get(self, request_id: str) -> Request | None:
         raw = self.redis.hgetall(request_key(request_id))
         return Request.from_hash(request_id, raw) if raw else None
+
+    def recent(
+        self,
+        owner: str | None,
+        *,
+        deployment: str | None = None,
+        status: str | None = None,
+        offset: int = 0,
+        limit: int = 100,
+        scan: int = 200,
+    ) -> tuple[list[Request], bool]:
+        """The requests of `owner` (everyone's with None), newest first, that match the filters:
+        `limit` of them after skipping `offset`, and whether there are more. Reads the index
+        `scan` ids at a time, so a page of an unfiltered list costs a round trip or two."""
+        index = index_keys(owner or "")[1 if owner is None else 0]
+        wanted = offset + limit + 1
+        found: list[Request] = []
+        start = 0
+        while len(found) < wanted:
+            ids = [raw.decode() for raw in self.redis.zrevrange(index, start, start + scan - 1)]
+            if not ids:
+                break
+            with self.redis.pipeline(transaction=False) as pipe:
+                for request_id in ids:
+                    pipe.hgetall(request_key(request_id))
+                hashes = pipe.execute()
+            for request_id, raw in zip(ids, hashes, strict=True):
+                if not raw:  # expired before the index was trimmed past it
+                    continue
+                request = Request.from_hash(request_id, raw)
+                if (deployment is None or request.deployment == deployment) and (
+                    status is None or request.status == status
+                ):
+                    found.append(request)
+            start += scan
+        return found[offset : offset + limit], len(found) > offset + limit
 
     def wait(self, request_id: str, timeout: float) -> Request | None:
         """The request once final, or as it stands when the timeout passes (None if unknown)."""

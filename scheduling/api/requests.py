@@ -20,6 +20,8 @@ from scheduling.api.inputs import FiniteFloatField, StrictSerializer
 from scheduling.services import requests as request_services
 from scheduling.services.errors import ServiceError
 
+STATUSES = ["queued", "waking", "dispatched", "running", "done", "failed", "cancelled"]
+
 
 class ParamsInput(StrictSerializer):
     max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, default=16)
@@ -62,9 +64,7 @@ class RequestSerializer(serializers.Serializer):
     id = serializers.CharField()
     deployment = serializers.CharField()
     kind = serializers.CharField()
-    status = serializers.ChoiceField(
-        choices=["queued", "waking", "dispatched", "running", "done", "failed", "cancelled"]
-    )
+    status = serializers.ChoiceField(choices=STATUSES)
     replica = serializers.CharField(allow_blank=True)
     attempts = serializers.IntegerField()
     output = serializers.JSONField(allow_null=True)
@@ -247,8 +247,56 @@ def _answer(result: Request) -> tuple[int, dict[str, Any]]:
     return status.HTTP_200_OK, shape(result)
 
 
+class RequestFilters(serializers.Serializer):
+    """The query of `GET /api/requests/`; anything out of bounds is a 400 naming the parameter."""
+
+    deployment = serializers.SlugField(max_length=100, required=False)
+    status = serializers.ChoiceField(choices=STATUSES, required=False)
+    page = serializers.IntegerField(min_value=1, max_value=10_000, required=False, default=1)
+    page_size = serializers.IntegerField(min_value=1, max_value=1000, required=False, default=100)
+
+
+class RequestPageSerializer(serializers.Serializer):
+    next = serializers.URLField(allow_null=True, help_text="The next page, newer to older; null on the last.")
+    previous = serializers.URLField(allow_null=True)
+    results = RequestSerializer(many=True)
+
+
 class RequestListView(APIView):
     permission_classes = [permissions.IsAuthenticated]
+
+    @extend_schema(
+        summary="List requests",
+        description=(
+            "The caller's requests (staff: everyone's), newest first, from the last 24 hours (how long "
+            "the portal keeps a request), filterable by deployment and status. No total count: "
+            "follow `next` until it is null."
+        ),
+        parameters=[RequestFilters],
+        responses={200: RequestPageSerializer, 400: OpenApiResponse(description="A filter is invalid.")},
+    )
+    def get(self, request: HttpRequest) -> Response:
+        filters = RequestFilters(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        query = filters.validated_data
+        page, size = query["page"], query["page_size"]
+        found, more = request_services.recent(
+            user_id=str(request.user.pk), staff=request.user.is_staff, deployment=query.get("deployment"),
+            status=query.get("status"), offset=(page - 1) * size, limit=size,
+        )  # fmt: skip
+
+        def link(to: int) -> str:
+            params = request.query_params.copy()
+            params["page"] = str(to)
+            return request.build_absolute_uri(f"{request.path}?{params.urlencode()}")
+
+        return Response(
+            {
+                "next": link(page + 1) if more else None,
+                "previous": link(page - 1) if page > 1 else None,
+                "results": [shape(r) for r in found],
+            }
+        )
 
     @extend_schema(request=RequestInput, responses={202: RequestSerializer, 429: TOO_MANY_REQUESTS})
     def post(self, request: HttpRequest) -> Response:

@@ -43,6 +43,13 @@ def get(request_id: str, *, user_id: str, staff: bool) -> Request:
     return request
 
 
+def recent(
+    *, user_id: str, staff: bool, deployment: str | None, status: str | None, offset: int, limit: int
+) -> tuple[list[Request], bool]:
+    """The caller's requests (staff: everyone's), newest first: a page of them and whether more follow."""
+    return queue().recent(None if staff else user_id, deployment=deployment, status=status, offset=offset, limit=limit)
+
+
 def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
     request = get(request_id, user_id=user_id, staff=staff)
     if not queue().cancel(request_id):

@@ -693,3 +693,56 @@ def test_a_request_is_accepted_after_the_database_dropped_the_web_processs_conne
     request = request_services.submit("tiny", kind="generate", input="hi", params={}, owner="1")
 
     assert request.status == "queued" and rq.depth("tiny") == 1
+
+
+# -- listing -------------------------------------------------------------------------------------
+
+
+def test_the_list_shows_the_callers_requests_newest_first_and_staff_see_everyones(serving_deployment, user_client):
+    sent = [
+        user_client.post("/api/requests/", {"deployment": "tiny", "input": f"n{i}"}, format="json").json()["id"]
+        for i in range(3)
+    ]
+    stranger = APIClient()
+    stranger.force_authenticate(User.objects.create_user("mallory"))
+    theirs = stranger.post("/api/requests/", {"deployment": "tiny", "input": "mine"}, format="json").json()["id"]
+
+    mine = user_client.get("/api/requests/")
+    assert mine.status_code == 200
+    assert [r["id"] for r in mine.json()["results"]] == sent[::-1]
+    assert mine.json()["next"] is None and mine.json()["previous"] is None
+    staff = APIClient()
+    staff.force_authenticate(User.objects.create_user("ops", is_staff=True))
+    assert [r["id"] for r in staff.get("/api/requests/").json()["results"]] == [theirs, *sent[::-1]]
+    assert APIClient().get("/api/requests/").status_code == 401
+
+
+def test_the_list_filters_by_status_and_deployment_and_pages_with_links(serving_deployment, user_client):
+    sent = [
+        user_client.post("/api/requests/", {"deployment": "tiny", "input": f"n{i}"}, format="json").json()["id"]
+        for i in range(5)
+    ]
+    StandIn(serving_deployment.id, 2).run()  # the two oldest are served; three wait
+
+    done = user_client.get("/api/requests/?status=done").json()["results"]
+    assert [r["id"] for r in done] == sent[1::-1]
+    first = user_client.get("/api/requests/?status=queued&deployment=tiny&page_size=2").json()
+    assert [r["id"] for r in first["results"]] == [sent[4], sent[3]] and first["previous"] is None
+    second = user_client.get(first["next"]).json()
+    assert [r["id"] for r in second["results"]] == [sent[2]] and second["next"] is None
+    assert second["previous"].endswith("page=1") or "page=1&" in second["previous"]
+    assert user_client.get("/api/requests/?deployment=other").json()["results"] == []
+
+
+@pytest.mark.parametrize(
+    ("query", "parameter"),
+    [
+        ("status=finished", "status"),
+        ("page=0", "page"),
+        ("page_size=5000", "page_size"),
+        ("deployment=a%20b", "deployment"),
+    ],
+)
+def test_a_bad_list_filter_is_a_400_naming_the_parameter(serving_deployment, user_client, query, parameter):
+    response = user_client.get(f"/api/requests/?{query}")
+    assert response.status_code == 400 and list(response.json()) == [parameter]
