@@ -36,8 +36,11 @@ def _models_read_here(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A small causal LM on disk (random weights, safetensors), written once per session."""
+    """A small causal LM on disk (random weights, safetensors) with its tokenizer (a deploy refuses
+    a text model without one), written once per session."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from inference.management.commands.make_tiny_model import VOCAB_SIZE, build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(
@@ -50,6 +53,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         max_position_embeddings=256,
     )
     LlamaForCausalLM(config).save_pretrained(path)
+    assert VOCAB_SIZE <= config.vocab_size  # every token id the tokenizer gives has an embedding
+    build_tokenizer().save_pretrained(path)
     return path
 
 

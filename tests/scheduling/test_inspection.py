@@ -127,3 +127,23 @@ def test_a_reading_that_breaks_on_the_node_is_answered_at_once_with_its_error(
     assert response.status_code == 503
     assert "reading the model's files: KeyError: 'num_hidden_layers'" in response.json()["detail"]
     assert not Deployment.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_text_model_without_a_tokenizer_is_a_400_naming_model_source_at_deploy_not_at_its_first_request(
+    cluster, staff, node_worker, tiny_model_dir, tmp_path
+):
+    import shutil
+
+    weights_only = tmp_path / "weights-only"
+    shutil.copytree(tiny_model_dir, weights_only)
+    for pattern in ("tokenizer*", "vocab*", "merges*", "special_tokens_map.json"):
+        for tokenizer_file in weights_only.glob(pattern):
+            tokenizer_file.unlink()
+
+    response = staff.post("/api/deployments/", body("mute", weights_only), format="json")
+
+    assert response.status_code == 400, response.json()
+    (says,) = response.json()["model.source"]
+    assert says.startswith(f"{weights_only} has no tokenizer a replica can load")
+    assert not Deployment.objects.exists()
