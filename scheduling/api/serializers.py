@@ -43,13 +43,24 @@ class NodeSerializer(serializers.ModelSerializer):
 class ReplicaSerializer(serializers.ModelSerializer):
     deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
     node = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
-    gpus = serializers.SerializerMethodField(help_text="Indexes, on its node, of the GPUs it occupies.")
+    # Two numberings, named so (issue 18): a GPU's index on its node (what NVML and
+    # CUDA_VISIBLE_DEVICES say there) and its id in /api/gpus/ (the portal's, unique across nodes).
+    gpu_indexes = serializers.SerializerMethodField(
+        help_text="Indexes, on its node, of the GPUs it occupies (nvidia-smi's numbering there)."
+    )
+    gpu_ids = serializers.SerializerMethodField(help_text="Ids, in /api/gpus/, of the GPUs it occupies.")
+    gpus = serializers.SerializerMethodField(help_text="The same as gpu_indexes (kept for existing clients).")
     gpu_mem_bytes_by_id = serializers.DictField(
         child=serializers.IntegerField(), read_only=True, help_text='{"<gpu index>": bytes} on its node.'
     )
     # kv is filled in by the KV-cache issue; null until then so clients can rely on the key.
     failover_state = serializers.SerializerMethodField()
     kv = serializers.SerializerMethodField()
+    progress = serializers.IntegerField(
+        read_only=True,
+        allow_null=True,
+        help_text="How far its load is, in percent, as the replica reports it while loading; 100 once served.",
+    )
 
     class Meta:
         model = Replica
@@ -60,6 +71,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "role",
             "state",
             "gpus",
+            "gpu_indexes",
+            "gpu_ids",
             "gpu_mem_bytes_by_id",
             "gpu_memory_fraction",
             "pid",
@@ -69,11 +82,18 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "failover_state",
             "kv",
             "failure_reason",
+            "progress",
         ]
         read_only_fields = fields
 
-    def get_gpus(self, obj: Replica) -> list[int]:
+    def get_gpu_indexes(self, obj: Replica) -> list[int]:
         return sorted(occupancy.gpu.index for occupancy in obj.occupancies.all())
+
+    def get_gpu_ids(self, obj: Replica) -> list[int]:
+        return sorted(occupancy.gpu_id for occupancy in obj.occupancies.all())
+
+    def get_gpus(self, obj: Replica) -> list[int]:
+        return self.get_gpu_indexes(obj)
 
     @extend_schema_field(serializers.DictField(allow_null=True))
     def get_failover_state(self, obj: Replica) -> dict[str, Any] | None:

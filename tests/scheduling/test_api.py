@@ -295,7 +295,10 @@ def test_deployment_detail_by_name_has_the_grouped_shape(api: APIClient) -> None
     assert body["created_at"] and body["updated_at"]
     [replica] = body["replicas"]
     assert replica["id"] == rep.id
-    assert replica["gpus"] == [0, 1]
+    assert replica["gpus"] == replica["gpu_indexes"] == [0, 1]
+    # Both numberings, named so: the index on its node, and the id /api/gpus/ lists it by.
+    assert replica["gpu_ids"] == sorted([gpu0.id, gpu1.id])
+    assert {g["id"] for g in api.get("/api/gpus/").json()["results"]} >= set(replica["gpu_ids"])
     assert replica["pid"] == 4242
     assert api.get("/api/deployments/nope/").status_code == 404
 
@@ -313,6 +316,8 @@ def test_replica_detail_has_the_replica_shape(api: APIClient) -> None:
         "role": "primary",
         "state": "pending",
         "gpus": [],
+        "gpu_indexes": [],
+        "gpu_ids": [],
         "gpu_mem_bytes_by_id": {},
         "gpu_memory_fraction": None,
         "pid": None,
@@ -322,6 +327,7 @@ def test_replica_detail_has_the_replica_shape(api: APIClient) -> None:
         "failover_state": None,
         "kv": None,
         "failure_reason": "",
+        "progress": None,
     }
 
 
