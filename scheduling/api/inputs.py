@@ -135,11 +135,24 @@ class DeploymentInput(StrictSerializer):
 
 
 def _partial(serializer_class: type[StrictSerializer]) -> StrictSerializer:
-    serializer = serializer_class(required=False)
-    for field in serializer.fields.values():
-        # A PATCH changes what it names and nothing else: no defaults filled in.
-        field.required, field.default = False, serializers.empty
-    return serializer
+    """The group as a PATCH takes it: a PATCH changes what it names and nothing else, so no field
+    is required and none gets its default filled in.
+
+    Said in a subclass's get_fields, not by changing an instance's fields: DRF builds every
+    request's serializer from deep copies of the declared ones, and a field's copy is made anew
+    from its constructor arguments, so changed fields came back required and with defaults. A
+    PATCH of {"fairness": {"max_wait_s": 1}} then reset min_runtime_s and popular, and any PATCH
+    of the memory group was refused for changing its policy (found by tests/scheduling/test_storm.py)."""
+
+    class Partial(serializer_class):
+        def get_fields(self) -> dict[str, serializers.Field]:
+            fields = super().get_fields()
+            for field in fields.values():
+                field.required, field.default = False, serializers.empty
+            return fields
+
+    Partial.__name__ = Partial.__qualname__ = f"Patched{serializer_class.__name__}"
+    return Partial(required=False)
 
 
 class DeploymentPatch(StrictSerializer):

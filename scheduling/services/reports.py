@@ -31,17 +31,15 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
         log.warning("replica %s reported an unknown event %r", replica_id, kind)
         return
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
-        replica = Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()
+        replica = _with_its_deployment_locked(replica_id)
         if replica is None:
             log.info("replica %s reported %s after it was deleted; ignoring", replica_id, kind)
             return
         if replica.lease_id is not None:
             # A failover pair member: its reports carry epochs, and its end hands the pair over.
             # The members' agents relay on threads of their own, so the old active's end and its
-            # standby's takeover can arrive at once: the deployment row lock (first, as always)
-            # makes a pair's reports take turns, and each reads the rows the previous one wrote.
-            locks.lock_deployment_of(replica)
-            replica = Replica.objects.select_related("deployment", "node").get(pk=replica_id)
+            # standby's takeover can arrive at once: the deployment row lock makes a pair's
+            # reports take turns, and each reads the rows the previous one wrote.
             handler = pair_reports.HANDLERS.get(kind, handler)
         before = replica.state
         handler(replica, event)
@@ -55,3 +53,15 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
             # reconcile puts one back.
             why = f"replica {replica.id[:8]} of {replica.deployment.name} {replica.state}"
             dispatch.to_control(replicas.RECONCILE_TASK, why)
+
+
+def _with_its_deployment_locked(replica_id: str) -> Replica | None:
+    """The replica, read once its deployment's row is locked (first, as always), or None when
+    either is gone: a delete of the deployment then either committed before this (and the replica
+    went with it) or waits until the report is recorded. Read before the lock, a replica could be
+    deleted under its report: the handler then found no deployment row to lock, or saved a row
+    that was no longer there (found by tests/scheduling/test_storm.py: serving racing a delete)."""
+    deployment_id = Replica.objects.filter(pk=replica_id).values_list("deployment_id", flat=True).first()
+    if deployment_id is None or locks.lock_deployment_if_there(pk=deployment_id) is None:
+        return None
+    return Replica.objects.select_related("deployment", "node").filter(pk=replica_id).first()

@@ -329,6 +329,26 @@ def test_patch_changes_settings_scales_and_refuses_a_new_model(cluster, api, dis
     assert api("put", "/api/deployments/tiny-a/", body("tiny-a", tiny_model_dir)).status_code == 405
 
 
+def test_a_patch_of_one_setting_leaves_the_rest_of_its_group_as_it_was(cluster, api, dispatched, tiny_model_dir):
+    fairness = {"min_runtime_s": 3.0, "max_wait_s": 7.0, "popular": True}
+    sleep = {"idle_timeout_s": 60.0, "drain_timeout_s": 9.0}
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, fairness=fairness, sleep=sleep))
+
+    response = api(
+        "patch",
+        "/api/deployments/tiny-a/",
+        {"memory": {"max_tokens": 128}, "fairness": {"max_wait_s": 1}, "sleep": {"idle_timeout_s": 0}},
+    )
+
+    assert response.status_code == 200, response.json()
+    data = response.json()
+    assert data["memory"]["max_tokens"] == 128 and data["memory"]["override_bytes"] == 300 * MiB
+    assert data["fairness"] == {**fairness, "max_wait_s": 1.0}
+    assert data["sleep"] == {**sleep, "idle_timeout_s": 0.0}
+    changed = Event.objects.get(reason__startswith="settings changed")
+    assert set(changed.after) == {"max_tokens", "max_wait_s", "idle_timeout_s"}
+
+
 @pytest.mark.django_db(transaction=True)
 def test_sixteen_concurrent_deploys_never_over_commit_a_gpu(dispatched, tiny_model_dir):
     from scheduling.services import deployments

@@ -12,9 +12,10 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from scheduling.api import views
-from scheduling.models import Deployment, Event
-from scheduling.services import deployments
+from scheduling.models import Deployment, Event, Replica
+from scheduling.services import deployments, reports
 from tests.support.deployments import body
+from tests.support.processes import wait_until
 
 MiB = 1024**2
 
@@ -157,3 +158,39 @@ def test_a_command_postgresql_aborts_for_a_deadlock_runs_again_and_both_sides_fi
 
     assert errors == []
     assert sorted(runs) in (["a", "a", "b"], ["a", "b", "b"]), "PostgreSQL aborted one side, which ran again"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_report_that_arrives_as_its_deployment_is_deleted_is_ignored(cluster, staff, dispatched, tiny_model_dir):
+    from django.db import transaction
+
+    assert staff.post("/api/deployments/", body("brief", tiny_model_dir), format="json").status_code == 201
+    replica_id = Replica.objects.get().id
+    backend: list[int] = []
+    errors: list[BaseException] = []
+
+    def agent_reports_serving() -> None:
+        try:
+            connection.ensure_connection()
+            backend.append(connection.connection.info.backend_pid)
+            reports.report(replica_id, {"event": "serving", "pid": 4242, "weights_bytes": 10 * MiB})
+        except BaseException as err:  # reported by the assertion below
+            errors.append(err)
+        finally:
+            connection.close()
+
+    def waits_for_a_lock() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT cardinality(pg_blocking_pids(%s)) > 0", [backend[0]])
+            return cursor.fetchone()[0]
+
+    agent = threading.Thread(target=agent_reports_serving)
+    with transaction.atomic():
+        deployments.delete("brief")  # deleted, with its replica, but not committed yet
+        agent.start()
+        # The report still sees the replica, and waits for the rows this delete holds.
+        wait_until(lambda: errors or (backend and waits_for_a_lock()), 30, "the report to wait for the delete")
+    agent.join()
+
+    assert errors == []
+    assert not Replica.objects.filter(pk=replica_id).exists()
