@@ -136,6 +136,10 @@ class Deployment(models.Model):
     memory_policy = models.CharField(max_length=32, default="gpuportal")
     max_tokens = models.PositiveIntegerField(default=2048)
     failover_standby = models.BooleanField(default=False)
+    # Placement (issue 18): False packs replicas onto the fullest GPU that fits (best fit, which
+    # keeps whole GPUs free for large replicas); True prefers GPUs and nodes with the fewest of
+    # its own replicas, then the emptiest GPU.
+    placement_spread = models.BooleanField(default=False, db_default=False)
     # Crash-loop backoff (issue 16): a replica that fails to load is replaced after load_backoff_s,
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
     # the deployment is failed (failed_reason) and starts nothing until retried or changed.

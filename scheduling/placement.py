@@ -114,6 +114,10 @@ class PlacementRequest:
     keeps its own id). `allow_new=False` only promotes (a wake rather than a scale-up).
     `dedicated` matters only under `ndif`, where (as in the seed) a dedicated request may evict
     replicas still inside their min_runtime; `gpuportal` keeps DESIGN invariant 3 for everyone.
+    `spread` (a deployment's `placement.spread`) trades packing for isolation: among the nodes and
+    GPUs that can host it without evictions, the replica goes where the fewest of its siblings
+    are, then to the emptiest GPU, rather than to the fullest GPU that fits (best fit packs, so
+    that large replicas still find whole GPUs later).
     """
 
     deployment: str
@@ -123,6 +127,7 @@ class PlacementRequest:
     dedicated: bool = False
     cached: tuple[CachedReplica, ...] = ()
     allow_new: bool = True
+    spread: bool = False
 
     def __post_init__(self) -> None:
         if self.need_bytes <= 0:
@@ -401,6 +406,10 @@ def _first_hosting(
     for level in sorted(by_level):
         group = by_level[level]
         order = rng.sample(group, len(group)) if len(group) > 1 else group
+        if len(order) > 1 and order[0][1].request.spread:
+            # A stable sort of the random order: the nodes with the fewest siblings first, ties
+            # still at random.
+            order = sorted(order, key=lambda c: sum(_siblings(g, c[1]) for g in by_node[c[0]]))
         for node, ticket in order:
             if _can_host(by_node[node], ticket, allow_evictions):
                 return node, ticket
@@ -434,16 +443,25 @@ def _fits_as_is(gpu: GPUView, ticket: _Ticket, allow_evictions: bool = False) ->
 def _single_gpu(gpus: Sequence[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:
     options = [o for g in gpus if (o := _on_gpu(g, ticket, allow_evictions)) is not None]
     if options:
-        return _pick(_best(options, lambda o: _gpu_key(o, ticket.policy)), rng)
+        return _pick(_best(options, lambda o: _gpu_key(o, ticket)), rng)
     return _single_gpu_reason(gpus, ticket)
 
 
-def _gpu_key(option: _Option, policy: Policy) -> tuple[int, ...]:
-    if not policy.best_fit:
+def _gpu_key(option: _Option, ticket: _Ticket) -> tuple[int, ...]:
+    if ticket.request.spread:
+        # Evictions first as always; then away from its siblings, then the emptiest GPU.
+        siblings = sum(_siblings(g, ticket) for g in option.gpus)
+        return (option.eviction_count, siblings, int(option.moves), -option.waste)
+    if not ticket.policy.best_fit:
         return (option.eviction_count,)
     # Staying on the GPU where a promoted replica already holds its CUDA context avoids a
     # second context; then best fit.
     return (option.eviction_count, int(option.moves), option.waste)
+
+
+def _siblings(gpu: GPUView, ticket: _Ticket) -> int:
+    """Replicas of the ticket's deployment on `gpu`, other than the ticket's own."""
+    return sum(1 for o in ticket.others(gpu) if o.deployment == ticket.request.deployment)
 
 
 def _on_gpu(gpu: GPUView, ticket: _Ticket, allow_evictions: bool) -> _Option | None:

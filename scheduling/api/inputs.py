@@ -89,6 +89,18 @@ class FailoverInput(StrictSerializer):
     standby = serializers.BooleanField(required=False, default=False)
 
 
+class PlacementInput(StrictSerializer):
+    spread = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text=(
+            "false (default): pack replicas onto the fullest GPU that fits, keeping whole GPUs free for "
+            "large replicas. true: prefer the GPUs and nodes with the fewest of this deployment's "
+            "replicas, then the emptiest GPU."
+        ),
+    )
+
+
 class DeploymentInput(StrictSerializer):
     name = serializers.SlugField(max_length=100)
     model = ModelInput()
@@ -99,6 +111,7 @@ class DeploymentInput(StrictSerializer):
     sleep = SleepInput(required=False)
     restart = RestartInput(required=False)
     failover = FailoverInput(required=False)
+    placement = PlacementInput(required=False)
 
     def to_spec(self) -> DeploymentSpec:
         data = self.validated_data
@@ -112,6 +125,7 @@ class DeploymentInput(StrictSerializer):
         sleep = group("sleep", SleepInput())
         failover = group("failover", FailoverInput())
         restart = group("restart", RestartInput())
+        placement = group("placement", PlacementInput())
         return DeploymentSpec(
             name=data["name"],
             source=data["model"]["source"],
@@ -131,6 +145,7 @@ class DeploymentInput(StrictSerializer):
             max_load_failures=restart["max_load_failures"],
             backoff_s=restart["backoff_s"],
             backoff_max_s=restart["backoff_max_s"],
+            spread=placement["spread"],
         )
 
 
@@ -167,6 +182,7 @@ class DeploymentPatch(StrictSerializer):
     sleep = _partial(SleepInput)
     restart = _partial(RestartInput)
     failover = _partial(FailoverInput)
+    placement = _partial(PlacementInput)
 
     def validate_name(self, value: str) -> str:
         raise serializers.ValidationError("cannot be changed; create a new deployment instead")
@@ -182,7 +198,7 @@ class DeploymentPatch(StrictSerializer):
     def to_changes(self) -> dict[str, Any]:
         data = self.validated_data
         changes: dict[str, Any] = {k: data[k] for k in ("replicas", "dedicated") if k in data}
-        for group in ("memory", "fairness", "sleep", "restart"):
+        for group in ("memory", "fairness", "sleep", "restart", "placement"):
             changes.update(data.get(group, {}))
         if "standby" in data.get("failover", {}):
             changes["standby"] = data["failover"]["standby"]

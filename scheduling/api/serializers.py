@@ -169,6 +169,10 @@ class DeploymentFailoverSerializer(serializers.Serializer):
     standby = serializers.BooleanField(source="failover_standby")
 
 
+class DeploymentPlacementSerializer(serializers.Serializer):
+    spread = serializers.BooleanField(source="placement_spread")
+
+
 class DeploymentSerializer(serializers.ModelSerializer):
     model = DeploymentModelSerializer(source="*", read_only=True)
     replicas = ReplicaSerializer(many=True, read_only=True)
@@ -177,6 +181,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     sleep = DeploymentSleepSerializer(source="*", read_only=True)
     restart = DeploymentRestartSerializer(source="*", read_only=True)
     failover = DeploymentFailoverSerializer(source="*", read_only=True)
+    placement = DeploymentPlacementSerializer(source="*", read_only=True)
     status = serializers.ChoiceField(
         choices=["ok", "retrying", "failed"],
         read_only=True,
@@ -200,6 +205,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "sleep",
             "restart",
             "failover",
+            "placement",
             "created_at",
             "updated_at",
         ]

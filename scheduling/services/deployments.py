@@ -56,6 +56,7 @@ class DeploymentSpec:
     max_load_failures: int = 3
     backoff_s: float = 5.0
     backoff_max_s: float = 300.0
+    spread: bool = False
 
 
 # Deployment fields a PATCH may change, by spec name. Model, loader and dtype are not among them:
@@ -72,6 +73,7 @@ MUTABLE = {
     "max_load_failures": "max_load_failures",
     "backoff_s": "load_backoff_s",
     "backoff_max_s": "load_backoff_max_s",
+    "spread": "placement_spread",
 }
 
 
@@ -178,6 +180,7 @@ def _insert(spec: DeploymentSpec, facts: ModelFacts) -> Deployment:
         max_load_failures=spec.max_load_failures,
         load_backoff_s=spec.backoff_s,
         load_backoff_max_s=spec.backoff_max_s,
+        placement_spread=spec.spread,
     )
 
 
@@ -571,6 +574,7 @@ def add_replicas(
                 dedicated=deployment.dedicated,
                 cached=cached,
                 allow_new=allow_new,
+                spread=deployment.placement_spread,
             )
             for replica_id in decision.new_ids
         ]

@@ -43,6 +43,25 @@ def test_a_deploy_places_each_replica_on_a_fraction_of_a_gpu(cluster, api, dispa
     assert placed.count() == 2 and all(e.reason.startswith("placed: ") for e in placed)
 
 
+@pytest.mark.django_db
+def test_replicas_pack_onto_one_gpu_unless_the_deployment_asks_to_spread(api, tiny_model_dir):
+    register_node("solo", virtual_gpus("solo", "2x1GiB", NO_OVERHEAD), virtual=True)
+
+    packed = api("post", "/api/deployments/", body("packed", tiny_model_dir, replicas=3))
+    assert packed.status_code == 201, packed.json()
+    assert packed.json()["placement"] == {"spread": False}
+    assert len({tuple(r["gpu_ids"]) for r in packed.json()["replicas"]}) == 1, "best fit: the fullest GPU"
+    api("delete", "/api/deployments/packed/")
+
+    spread = api("post", "/api/deployments/", body("spread", tiny_model_dir, replicas=2, placement={"spread": True}))
+    assert spread.status_code == 201, spread.json()
+    assert spread.json()["placement"] == {"spread": True}
+    assert len({tuple(r["gpu_ids"]) for r in spread.json()["replicas"]}) == 2, "one replica per GPU"
+    changed = api("patch", "/api/deployments/spread/", {"placement": {"spread": False}})
+    assert changed.status_code == 200 and changed.json()["placement"] == {"spread": False}
+    assert Event.objects.filter(deployment="spread", reason__contains="spread True → False").exists()
+
+
 def test_the_estimate_is_read_from_the_model_without_loading_it(cluster, api, tiny_model_dir):
     response = api("post", "/api/deployments/", body("tiny-est", tiny_model_dir, memory={"max_tokens": 512}))
 

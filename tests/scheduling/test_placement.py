@@ -306,6 +306,40 @@ def test_gpuportal_prefers_the_gpu_left_fullest():
     assert chosen_over_seeds(snapshot, req(3 * GiB), policy="ndif") == {(0,), (1,), (2,)}
 
 
+def test_a_spread_deployment_goes_to_the_gpu_without_its_siblings_rather_than_the_fullest():
+    snapshot = snap(
+        gpu(0, total=10 * GiB, occupants=[occ("a" * 16, 2 * GiB, deployment="llama-8b")]),
+        gpu(1, total=10 * GiB, occupants=[occ("b" * 16, 6 * GiB)]),
+        gpu(2, total=10 * GiB),
+    )
+
+    # Packing (the default) takes the fullest GPU that fits; spreading takes the emptiest GPU
+    # that holds none of its own replicas.
+    assert chosen_over_seeds(snapshot, req(3 * GiB)) == {(1,)}
+    assert chosen_over_seeds(snapshot, req(3 * GiB, spread=True)) == {(2,)}
+
+
+def test_a_spread_deployment_prefers_a_node_without_its_siblings():
+    snapshot = snap(
+        gpu(0, node="node1", index=0, occupants=[occ("a" * 16, 1 * GiB, deployment="llama-8b")]),
+        gpu(1, node="node1", index=1),
+        gpu(2, node="node2", index=0, occupants=[occ("b" * 16, 1 * GiB)]),
+    )
+
+    assert chosen_over_seeds(snapshot, req(1 * GiB, spread=True)) == {(2,)}
+    assert chosen_over_seeds(snapshot, req(1 * GiB)) == {(0,), (2,)}  # packing: either node's fullest
+
+
+def test_spreading_never_evicts_where_room_is_free():
+    snapshot = snap(
+        gpu(0, total=10 * GiB, occupants=[occ("a" * 16, 9 * GiB)]),
+        gpu(1, total=10 * GiB, occupants=[occ("b" * 16, 2 * GiB, deployment="llama-8b")]),
+    )
+
+    chosen = placed(snapshot, req(3 * GiB, spread=True))
+    assert chosen.gpu_ids == (1,) and chosen.evictions == ()
+
+
 def test_ties_are_broken_at_random():
     snapshot = snap(gpu(0), gpu(1), gpu(2, node="node2", index=0))
 
@@ -577,6 +611,7 @@ def cases(draw, *, with_cached: bool = True) -> tuple[Snapshot, PlacementRequest
         gpus=draw(st.sampled_from([None, None, None, 1, 2])),
         dedicated=draw(st.booleans()),
         cached=cached,
+        spread=draw(st.booleans()),
     )
     return snapshot, request
 
