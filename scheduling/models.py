@@ -140,6 +140,10 @@ class Deployment(models.Model):
     # keeps whole GPUs free for large replicas); True prefers GPUs and nodes with the fewest of
     # its own replicas, then the emptiest GPU.
     placement_spread = models.BooleanField(default=False, db_default=False)
+    # How long its last replicas took to serve (issue 18): placed → serving for a load, waking →
+    # serving for a wake. A waiting caller's estimate, and the dashboard's, come from these.
+    measured_load_s = models.FloatField(null=True, blank=True)
+    measured_wake_s = models.FloatField(null=True, blank=True)
     # Crash-loop backoff (issue 16): a replica that fails to load is replaced after load_backoff_s,
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
     # the deployment is failed (failed_reason) and starts nothing until retried or changed.

@@ -608,6 +608,15 @@ class RequestQueue:
     def depth(self, deployment: str) -> int:
         return int(self.redis.llen(queue_key(deployment)))
 
+    def position(self, deployment: str, request_id: str) -> int | None:
+        """Where the request stands in its deployment's queue, 1 for the next to be taken; None
+        once a replica has taken it (or it ended). Replicas take from the right, the oldest."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.lpos(queue_key(deployment), request_id)
+            pipe.llen(queue_key(deployment))
+            index, length = pipe.execute()
+        return None if index is None else int(length) - int(index)
+
     # -- figures for metrics and the dashboard, each one round trip ------------------------------
 
     def depths(self, deployments: Iterable[str]) -> dict[str, int]:

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
+from django.db import DatabaseError
 from django.http import JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema
+from redis import RedisError
 from rest_framework import exceptions, permissions, serializers
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.request import Request as HttpRequest
@@ -28,6 +30,7 @@ from scheduling.api.completion_input import ROLES, Completion, Refused
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.requests import json_body
 from scheduling.models import Deployment
+from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NotFound, ServiceError, TooManyRequests
 
@@ -258,8 +261,16 @@ class _Generate(OpenAIView, ABC):
             "model": model,
             "created": int(time.time()),
         }
+        told = ""
         while time.monotonic() < deadline:
             chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
+            if first and not chunks and not ended:
+                # Until the first token: what it waits for, as an SSE comment (a line starting
+                # with ':'), which OpenAI's clients skip; sent when it changes (issue 18).
+                line = _waiting_line(submitted, model)
+                if line and line != told:
+                    told = line
+                    yield f": {line}\n\n".encode()
             for chunk in chunks:
                 # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
                 if text := splice.feed(chunk):
@@ -286,6 +297,15 @@ class _Generate(OpenAIView, ABC):
                 }
             )
         yield b"data: [DONE]\n\n"
+
+
+def _waiting_line(submitted: Request, model: str) -> str:
+    """What a streamed request waits for, in one line; "" when it cannot be read just now."""
+    try:
+        current = request_services.queue().get(submitted.id) or submitted
+        return progress_services.Reader().of(current).line(model)
+    except (DatabaseError, RedisError):  # a comment is a courtesy: the stream goes on without it
+        return ""
 
 
 def timed_out(request_id: str, timeout: float) -> str:

@@ -17,6 +17,7 @@ from rest_framework.views import APIView
 from gpuportal.auth import user_from_header
 from gpuportal.wire.requestqueue import Request
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
+from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
 from scheduling.services.errors import ServiceError
 
@@ -58,6 +59,18 @@ class InferInput(StrictSerializer):
         return value
 
 
+class ProgressSerializer(serializers.Serializer):
+    phase = serializers.ChoiceField(
+        choices=["queued", "placing", "loading", "waking", "running", "done", "failed", "cancelled"],
+        help_text="What it waits for: its turn (queued), a placement, a load or a wake; or it runs, or ended.",
+    )
+    percent = serializers.IntegerField(allow_null=True, help_text="How far the load or the wake is.")
+    queue_position = serializers.IntegerField(allow_null=True, help_text="1: the next its deployment takes.")
+    estimate_s = serializers.FloatField(
+        allow_null=True, help_text="Seconds until a replica serves, from the deployment's last load or wake."
+    )
+
+
 class RequestSerializer(serializers.Serializer):
     """The shape of a request; `GET /api/requests/{id}/` returns the same."""
 
@@ -73,9 +86,13 @@ class RequestSerializer(serializers.Serializer):
     dispatched_at = serializers.DateTimeField(allow_null=True)
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)
+    progress = ProgressSerializer()
 
 
-def shape(request: Request) -> dict[str, Any]:
+def shape(request: Request, progress: progress_services.Reader | None = None) -> dict[str, Any]:
+    """The REST shape of a request. `progress` reads what a waiting one waits for (one reader per
+    answer, so a list reads each deployment once); a running or ended one reads nothing."""
+
     def at(stamp: float | None) -> str | None:
         return datetime.fromtimestamp(stamp, tz=UTC).isoformat() if stamp else None
 
@@ -92,6 +109,7 @@ def shape(request: Request) -> dict[str, Any]:
         "dispatched_at": at(request.dispatched_at),
         "started_at": at(request.started_at),
         "finished_at": at(request.finished_at),
+        "progress": (progress or progress_services.Reader()).of(request).record(),
     }
 
 
@@ -285,6 +303,8 @@ class RequestListView(APIView):
             status=query.get("status"), offset=(page - 1) * size, limit=size,
         )  # fmt: skip
 
+        reader = progress_services.Reader()
+
         def link(to: int) -> str:
             params = request.query_params.copy()
             params["page"] = str(to)
@@ -294,7 +314,7 @@ class RequestListView(APIView):
             {
                 "next": link(page + 1) if more else None,
                 "previous": link(page - 1) if page > 1 else None,
-                "results": [shape(r) for r in found],
+                "results": [shape(r, reader) for r in found],
             }
         )
 

@@ -54,7 +54,11 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
         )
     now = timezone.now()
     if replica.state == Replica.State.WAKING:
-        WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, now))
+        woke_in = _seconds_in(replica, Replica.State.WAKING, now)
+        WAKE_SECONDS.observe(woke_in)
+        took = {"measured_wake_s": woke_in}
+    else:
+        took = {"measured_load_s": max(0.0, (now - replica.created_at).total_seconds())}
     replica.pid = event.get("pid") or replica.pid
     replica.serving_since = now
     replica.last_accessed = replica.last_accessed or now
@@ -64,15 +68,21 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     replicas.set_state(
         replica, Replica.State.SERVING, detail, extra=["pid", "serving_since", "last_accessed", "progress"]
     )
+    # Last, and as an UPDATE of these columns alone: a save of the deployment above (its measured
+    # need) must not write back what this replaces.
+    Deployment.objects.filter(pk=deployment.pk).update(**took)
 
 
 def _woken(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state != Replica.State.WAKING:
         return
     replica.serving_since = timezone.now()
-    WAKE_SECONDS.observe(_seconds_in(replica, Replica.State.WAKING, replica.serving_since))
+    woke_in = _seconds_in(replica, Replica.State.WAKING, replica.serving_since)
+    WAKE_SECONDS.observe(woke_in)
     replica.progress = 100
     replicas.set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
+    # The report holds its deployment's row lock already (services.reports): no new lock order.
+    Deployment.objects.filter(pk=replica.deployment_id).update(measured_wake_s=woke_in)
 
 
 def _sleeping(replica: Replica, event: dict[str, Any]) -> None:

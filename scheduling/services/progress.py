@@ -1,0 +1,34 @@
+"""Reads what scheduling.progress describes: the deployment's awake replicas and measured times
+(PostgreSQL) and the request's place in its queue (Redis). A finished or running request reads
+nothing, so the hot path's answers cost no query."""
+
+from __future__ import annotations
+
+from gpuportal.wire.requestqueue import Request
+from scheduling.models import Deployment, Replica
+from scheduling.progress import ENDED, RUNNING, Progress, ReplicaFacts, describe
+from scheduling.services.queueing import AWAKE, queue
+
+_Facts = tuple[tuple[ReplicaFacts, ...], float | None, float | None]
+
+
+class Reader:
+    """Progress of requests, reading each deployment once: one per answer (a list of requests)."""
+
+    def __init__(self) -> None:
+        self._facts: dict[str, _Facts] = {}
+
+    def of(self, request: Request) -> Progress:
+        if request.status in ENDED or request.status in RUNNING:
+            return describe(request.status, (), queue_position=None, load_s=None, wake_s=None)
+        replicas, load_s, wake_s = self._deployment(request.deployment)
+        position = queue().position(request.deployment, request.id)
+        return describe(request.status, replicas, queue_position=position, load_s=load_s, wake_s=wake_s)
+
+    def _deployment(self, name: str) -> _Facts:
+        if name not in self._facts:
+            times = Deployment.objects.filter(name=name).values_list("measured_load_s", "measured_wake_s").first()
+            rows = Replica.objects.filter(deployment__name=name, state__in=AWAKE)
+            replicas = tuple(ReplicaFacts(state, progress) for state, progress in rows.values_list("state", "progress"))
+            self._facts[name] = (replicas, *(times or (None, None)))
+        return self._facts[name]
