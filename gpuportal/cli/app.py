@@ -1,0 +1,424 @@
+"""The `gpuportal` command: parses the command line, calls the API, prints. Every failure ends
+with its message on stderr and exit code 1: the API's own message for what it refused, one line
+for a portal that cannot be reached."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from rich.console import Console
+from rich.text import Text
+
+from gpuportal.cli import config, render
+from gpuportal.cli.client import ApiError, Client, CliError
+from gpuportal.cli.waiting import Goal, wait_for
+
+DEFAULT_TIMEOUT_S = 600.0
+EVENTS_POLL_S = 1.0
+# An event's time is when its transaction wrote it, not when it committed: one written a moment
+# before the newest seen may become visible after it. Each poll looks this far back, and the
+# ids already printed keep those events from printing twice.
+EVENTS_OVERLAP_S = 10.0
+
+
+class Context:
+    """What every command needs: the API client, and where to print."""
+
+    def __init__(self, env: Mapping[str, str], out: Console, err: Console):
+        self.env, self.out, self.err = env, out, err
+        self._client: Client | None = None
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            settings = config.load(self.env)
+            if not settings.token:
+                raise CliError(f"not logged in to {settings.url}: run `gpuportal login` (or set GPUPORTAL_TOKEN)")
+            self._client = Client(settings.url, settings.token)
+        return self._client
+
+    def warn(self, message: str) -> None:
+        self.err.print(Text(f"warning: {message}", style="yellow"))
+
+
+def deployment_path(name: str, action: str = "") -> str:
+    return f"/api/deployments/{quote(name, safe='')}/" + (f"{action}/" if action else "")
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def cmd_login(ctx: Context, args: argparse.Namespace) -> int:
+    stored = config.load(ctx.env)
+    url = config.normal_url(args.url) if args.url else stored.url
+    if args.password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        password = getpass.getpass(f"password for {args.user} at {url}: ")
+    token = Client(url).token(args.user, password)
+    path = config.store(config.Settings(url=url, token=token), ctx.env)
+    ctx.out.print(Text(f"logged in to {url} as {args.user}; token stored in {path}"))
+    if ctx.env.get("GPUPORTAL_URL") and config.normal_url(ctx.env["GPUPORTAL_URL"]) != url:
+        ctx.warn(f"GPUPORTAL_URL ({ctx.env['GPUPORTAL_URL']}) overrides the stored URL while it is set")
+    if ctx.env.get("GPUPORTAL_TOKEN"):
+        ctx.warn("GPUPORTAL_TOKEN overrides the stored token while it is set")
+    return 0
+
+
+def model_source(source: str) -> str:
+    """A model directory that exists here is sent as an absolute path: the portal resolves paths
+    on its nodes, not in this shell's directory. Anything else (a `package.module:factory`, a
+    path only the nodes have) is sent as written."""
+    path = Path(source).expanduser()
+    if ("/" in source or source.startswith((".", "~"))) and path.exists():
+        return str(path.resolve())
+    return source
+
+
+def deploy_body(args: argparse.Namespace) -> dict[str, Any]:
+    """Only what the operator gave: the API fills in its own defaults for the rest."""
+    model: dict[str, Any] = {"source": model_source(args.source)}
+    if args.loader:
+        model["loader"] = args.loader
+    if args.dtype:
+        model["dtype"] = args.dtype
+    body: dict[str, Any] = {"name": args.name, "model": model, "replicas": args.replicas}
+    if args.max_tokens is not None:
+        body["memory"] = {"max_tokens": args.max_tokens}
+    return body
+
+
+def serving_summary(deployment: dict[str, Any]) -> Text:
+    """E.g. "tiny: 1 serving, 1 sleeping (wanted 1)": a wake may leave more serving than wanted."""
+    live = render.state_counts(render.live_replicas(deployment))
+    return Text(f"{deployment['name']}: {live} (wanted {deployment.get('replicas_wanted', '?')})")
+
+
+def finish(ctx: Context, args: argparse.Namespace, answer: dict[str, Any], goal: Goal) -> int:
+    """Wait for the goal unless told not to, then say where the deployment stands."""
+    for warning in answer.get("warnings") or []:
+        ctx.warn(warning)
+    began = time.monotonic()
+    if not args.no_wait:
+        answer = wait_for(ctx.client, answer, goal, console=ctx.out, timeout_s=args.timeout)
+    line = serving_summary(answer)
+    if not args.no_wait:
+        line.append(f" after {time.monotonic() - began:.1f} s")
+    ctx.out.print(line)
+    return 0
+
+
+def cmd_deploy(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post("/api/deployments/", deploy_body(args))
+    return finish(ctx, args, answer, Goal("serving", answer["replicas_wanted"]))
+
+
+def replica_count(args: argparse.Namespace) -> int:
+    if args.count is not None and args.replicas is not None and args.count != args.replicas:
+        raise CliError(f"scale: two counts given ({args.count} and --replicas {args.replicas})")
+    count = args.count if args.count is not None else args.replicas
+    if count is None:
+        raise CliError("scale: how many replicas? e.g. `gpuportal scale NAME 3`")
+    return count
+
+
+def cmd_scale(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post(deployment_path(args.name, "scale"), {"replicas": replica_count(args)})
+    return finish(ctx, args, answer, Goal("serving", answer["replicas_wanted"]))
+
+
+def cmd_wake(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post(deployment_path(args.name, "wake"))
+    return finish(ctx, args, answer, Goal("serving", max(1, answer["replicas_wanted"]), at_least=True))
+
+
+def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post(deployment_path(args.name, "retry"))
+    return finish(ctx, args, answer, Goal("serving", answer["replicas_wanted"], at_least=True))
+
+
+def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:
+    # Both put serving replicas to sleep: `sleep` lets them finish what they serve, `evict` does not wait.
+    action = "evict" if args.command == "evict" else "sleep"
+    answer = ctx.client.post(deployment_path(args.name, action))
+    return finish(ctx, args, answer, Goal("serving", 0, towards="sleeping"))
+
+
+def cmd_rm(ctx: Context, args: argparse.Namespace) -> int:
+    ctx.client.delete(deployment_path(args.name))
+    ctx.out.print(Text(f"deleted {args.name}: its replicas stop and their memory is released"))
+    return 0
+
+
+def cmd_ls(ctx: Context, args: argparse.Namespace) -> int:
+    if args.name:
+        deployments = [ctx.client.get(deployment_path(args.name))]
+    else:
+        deployments = list(ctx.client.pages("/api/deployments/"))
+    if not deployments:
+        ctx.out.print("no deployments; `gpuportal deploy NAME SOURCE` makes one")
+        return 0
+    ctx.out.print(render.deployments_table(deployments))
+    if any(render.live_replicas(d) for d in deployments):
+        ctx.out.print()
+        ctx.out.print(render.replicas_table(deployments))
+    return 0
+
+
+def cmd_gpus(ctx: Context, args: argparse.Namespace) -> int:
+    gpus = list(ctx.client.pages("/api/gpus/", {"node": args.node} if args.node else None))
+    if not gpus:
+        ctx.out.print("no GPUs registered: is a node agent up?")
+        return 0
+    for number, gpu in enumerate(gpus):
+        if number:
+            ctx.out.print()
+        ctx.out.print(render.gpu_block(gpu, width=args.width))
+    ctx.out.print(
+        Text(f"\n{render.USED} used  {render.RESERVED} reserved, not in use  {render.FREE} free", style="bright_black")
+    )
+    return 0
+
+
+def resolve_replica(client: Client, given: str) -> dict[str, Any]:
+    """A replica by its id or an unambiguous start of it (as `ls` shows it)."""
+    try:
+        return client.get(f"/api/replicas/{quote(given, safe='')}/")
+    except ApiError as err:
+        if err.status != 404:
+            raise
+    matches = [r for r in client.pages("/api/replicas/") if r["id"].startswith(given)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise CliError(f"no replica {given!r}")
+    named = ", ".join(f"{r['id']} ({r['deployment']})" for r in matches[:5])
+    raise CliError(f"{given!r} could be any of {len(matches)} replicas: {named}")
+
+
+def cmd_logs(ctx: Context, args: argparse.Namespace) -> int:
+    """What the control plane knows of a replica: its state, its error, and its events. The
+    process's own output stays on its node (the API does not serve files from the nodes)."""
+    replica = resolve_replica(ctx.client, args.replica)
+    head = Text(f"replica {replica['id']} of {replica['deployment']}: ")
+    head.append(replica["state"], style=render.STATE_STYLES.get(replica["state"], ""))
+    head.append(f" on {render.placement(replica)}")
+    if replica.get("pid"):
+        head.append(f" (pid {replica['pid']})")
+    ctx.out.print(head)
+    if replica.get("failure_reason"):
+        ctx.out.print(Text(f"failure: {replica['failure_reason']}", style="red"))
+    answer = ctx.client.get("/api/events/", {"replica": replica["id"], "page_size": max(1, args.tail)})
+    events = list(reversed(answer.get("results", [])))[-args.tail :] if args.tail else []
+    for event in events:
+        ctx.out.print(render.event_line(event))
+    if answer.get("count", 0) > len(events):
+        ctx.out.print(Text(f"({answer['count'] - len(events)} earlier events; --tail N for more)", style="dim"))
+    if replica.get("node"):
+        ctx.out.print(
+            Text(
+                f"the process's own output: replicas/{replica['node']}/replica-{replica['id']}.log "
+                f"under the data directory of node {replica['node']}",
+                style="dim",
+            )
+        )
+    return 0
+
+
+def event_filters(args: argparse.Namespace) -> dict[str, str]:
+    given = {"deployment": args.deployment, "kind": args.kind, "replica": args.replica, "node": args.node}
+    return {key: value for key, value in given.items() if value}
+
+
+def recent_events(ctx: Context, filters: dict[str, str], newest: datetime | None) -> list[dict[str, Any]]:
+    """The events recorded at most EVENTS_OVERLAP_S before `newest` or since, newest first."""
+    params = dict(filters)
+    if newest is not None:
+        params["since"] = (newest - timedelta(seconds=EVENTS_OVERLAP_S)).isoformat()
+    return list(ctx.client.pages("/api/events/", params))
+
+
+def cmd_events(
+    ctx: Context,
+    args: argparse.Namespace,
+    *,
+    pause: Callable[[float], None] = time.sleep,
+    polls: int | None = None,
+) -> int:
+    """The last --tail events, oldest first; with --follow, then each new one as it is recorded,
+    until Ctrl-C. `polls` bounds the following, for tests."""
+    filters = event_filters(args)
+    try:
+        answer = ctx.client.get("/api/events/", {**filters, "page_size": max(1, args.tail)})
+        latest = answer.get("results", [])
+        for event in reversed(latest[: args.tail] if args.tail else []):
+            ctx.out.print(render.event_line(event))
+        if not args.follow:
+            return 0
+        newest = max((datetime.fromisoformat(e["time"]) for e in latest), default=None)
+        # What is recorded by now is history, printed or not (older than the tail): only what
+        # comes after is followed.
+        printed = {e["id"]: e["time"] for e in [*latest, *recent_events(ctx, filters, newest)]}
+        done = 0
+        while polls is None or done < polls:
+            pause(args.interval)
+            done += 1
+            fresh = [e for e in recent_events(ctx, filters, newest) if e["id"] not in printed]
+            for event in reversed(fresh):
+                ctx.out.print(render.event_line(event))
+                printed[event["id"]] = event["time"]
+            if printed:
+                newest = max(datetime.fromisoformat(t) for t in printed.values())
+                window = newest - timedelta(seconds=EVENTS_OVERLAP_S)
+                printed = {i: t for i, t in printed.items() if datetime.fromisoformat(t) >= window}
+    except KeyboardInterrupt:
+        if not args.follow:
+            raise
+        # The way to stop following, not a failure.
+    return 0
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return value
+
+
+def add_wait_options(parser: argparse.ArgumentParser, until: str) -> None:
+    parser.add_argument("--no-wait", action="store_true", help=f"return at once instead of waiting until {until}")
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"give up waiting after S seconds (default {DEFAULT_TIMEOUT_S:.0f}); the portal goes on",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuportal",
+        description="Operate a gpuportal through its REST API. `gpuportal login` first; "
+        "GPUPORTAL_URL and GPUPORTAL_TOKEN override what it stores.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    login = commands.add_parser("login", help="get a token and store it with the portal's URL")
+    login.add_argument("--url", help=f"the portal (default: GPUPORTAL_URL, the stored one, or {config.DEFAULT_URL})")
+    login.add_argument("--user", default="admin", help="user name (default admin)")
+    login.add_argument("--password-stdin", action="store_true", help="read the password from stdin, not a prompt")
+    login.set_defaults(run=cmd_login)
+
+    deploy = commands.add_parser("deploy", help="create a deployment and wait until its replicas serve")
+    deploy.add_argument("name")
+    deploy.add_argument("source", help="a model directory, or package.module:factory for a torch-module")
+    deploy.add_argument("--replicas", type=non_negative_int, default=1, metavar="N", help="default 1")
+    deploy.add_argument("--max-tokens", type=non_negative_int, metavar="N", help="longest sequence served")
+    deploy.add_argument("--loader", help="transformers (default) or torch-module")
+    deploy.add_argument("--dtype", help="float32 (default), float16, ...")
+    add_wait_options(deploy, "the replicas serve")
+    deploy.set_defaults(run=cmd_deploy)
+
+    ls = commands.add_parser("ls", help="deployments, their status and replicas")
+    ls.add_argument("name", nargs="?", help="only this deployment")
+    ls.set_defaults(run=cmd_ls)
+
+    gpus = commands.add_parser("gpus", help="a memory bar per GPU: used, reserved, total")
+    gpus.add_argument("--node", help="only this node's GPUs")
+    gpus.add_argument("--width", type=non_negative_int, default=40, help="cells per bar (default 40)")
+    gpus.set_defaults(run=cmd_gpus)
+
+    logs = commands.add_parser("logs", help="a replica's state, error and events")
+    logs.add_argument("replica", help="replica id, or its start as `ls` shows it")
+    logs.add_argument("--tail", type=non_negative_int, default=50, metavar="N", help="last N events (default 50)")
+    logs.set_defaults(run=cmd_logs)
+
+    scale = commands.add_parser("scale", help="set the number of replicas and wait until they serve")
+    scale.add_argument("name")
+    scale.add_argument("count", nargs="?", type=non_negative_int, metavar="N")
+    scale.add_argument("--replicas", type=non_negative_int, metavar="N", help="the same as N")
+    add_wait_options(scale, "that many serve")
+    scale.set_defaults(run=cmd_scale)
+
+    for name, help_text in (
+        ("sleep", "put serving replicas to sleep once they finish what they serve (weights to CPU RAM)"),
+        ("evict", "put serving replicas to sleep now (weights to CPU RAM)"),
+    ):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("name")
+        add_wait_options(command, "none serves")
+        command.set_defaults(run=cmd_sleep)
+
+    wake = commands.add_parser("wake", help="wake a deployment and wait until it serves")
+    wake.add_argument("name")
+    add_wait_options(wake, "it serves")
+    wake.set_defaults(run=cmd_wake)
+
+    retry = commands.add_parser("retry", help="clear a deployment's failed loads and start what it lacks")
+    retry.add_argument("name")
+    add_wait_options(retry, "its replicas serve")
+    retry.set_defaults(run=cmd_retry)
+
+    rm = commands.add_parser("rm", help="delete a deployment: its replicas stop")
+    rm.add_argument("name")
+    rm.set_defaults(run=cmd_rm)
+
+    events = commands.add_parser("events", help="the audit trail, oldest first")
+    events.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
+    events.add_argument("-d", "--deployment")
+    events.add_argument("-k", "--kind", help='e.g. "replica.state"')
+    events.add_argument("-r", "--replica", help="replica id")
+    events.add_argument("-n", "--node")
+    events.add_argument("--tail", type=non_negative_int, default=20, metavar="N", help="last N first (default 20)")
+    events.add_argument(
+        "--interval", type=positive_float, default=EVENTS_POLL_S, metavar="S", help="seconds between polls"
+    )
+    events.set_defaults(run=cmd_events)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # soft_wrap: a message or an event is one line however narrow the terminal (or a pipe's 80
+    # columns): what scripts grep for is not cut in two. Tables still fit the width.
+    out, err = Console(highlight=False, soft_wrap=True), Console(stderr=True, highlight=False, soft_wrap=True)
+    ctx = Context(os.environ if env is None else env, out, err)
+    try:
+        return args.run(ctx, args)
+    except CliError as error:
+        err.print(Text(f"error: {error}", style="red"))
+        if isinstance(error, ApiError) and error.status == 401:
+            err.print(Text("the stored token is not accepted: `gpuportal login` again"))
+        return 1
+    except config.ConfigError as error:
+        err.print(Text(f"error: {error}", style="red"))
+        return 1
+    except KeyboardInterrupt:
+        err.print(Text("interrupted: what was asked of the portal goes on there"))
+        return 130

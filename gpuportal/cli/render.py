@@ -1,0 +1,212 @@
+"""What the commands print, from the API's JSON: pure functions of it, so they are tested without
+a portal. Strings from the API go into rich Text, never into markup: a reason with brackets in it
+must print as written."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+# States a replica passes through on its way somewhere: while any is shown, an operation goes on.
+TRANSIT_STATES = ("pending", "loading", "waking", "draining", "stopping")
+# Shown in `ls` in this order; stopped replicas are history and not counted.
+STATE_ORDER = ("serving", "standby", "sleeping", *TRANSIT_STATES, "failed")
+STATE_STYLES = {
+    "serving": "green",
+    "standby": "cyan",
+    "sleeping": "blue",
+    "failed": "red",
+    "pending": "yellow",
+    "loading": "yellow",
+    "waking": "yellow",
+    "draining": "magenta",
+    "stopping": "magenta",
+}
+# Deployments get a colour each in the GPU bars, stable across runs (not Python's salted hash).
+PALETTE = ("green", "cyan", "magenta", "yellow", "blue", "bright_green", "bright_cyan", "bright_magenta")
+
+USED, RESERVED, FREE = "█", "▒", "░"
+BAR_STYLES = {USED: "green", RESERVED: "yellow", FREE: "bright_black"}
+
+
+def short_id(replica_id: str) -> str:
+    """Enough of an opaque id to tell replicas apart on screen; `logs` takes it back."""
+    return replica_id[:8]
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit in ("B", "KiB") else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def local_time(iso: str | None) -> str:
+    """An API timestamp in the operator's time zone, to the second."""
+    if not iso:
+        return "-"
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return iso
+
+
+def colour_of(deployment: str) -> str:
+    return PALETTE[sum(deployment.encode()) % len(PALETTE)]
+
+
+def live_replicas(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in deployment.get("replicas", []) if r.get("state") != "stopped"]
+
+
+def state_counts(replicas: Iterable[dict[str, Any]]) -> str:
+    """E.g. "2 serving, 1 loading": the states present, in the order an operator reads them."""
+    counts = Counter(r.get("state") for r in replicas if r.get("state") != "stopped")
+    ordered = [s for s in STATE_ORDER if counts[s]] + sorted(s for s in counts if s not in STATE_ORDER)
+    return ", ".join(f"{counts[s]} {s}" for s in ordered) or "none"
+
+
+def placement(replica: dict[str, Any]) -> str:
+    """Where a replica is: node/gpu indexes, e.g. "box/0+1"; "-" before it is placed."""
+    node = replica.get("node")
+    if not node:
+        return "-"
+    # gpu_indexes: on its node, as NODE/INDEX names a GPU everywhere else (gpus: older portals).
+    gpus = replica.get("gpu_indexes", replica.get("gpus")) or []
+    return f"{node}/{'+'.join(str(g) for g in gpus)}" if gpus else node
+
+
+def replica_line(replica: dict[str, Any]) -> Text:
+    state = replica.get("state", "?")
+    line = Text(f"{short_id(replica['id'])} ")
+    line.append(state, style=STATE_STYLES.get(state, ""))
+    line.append(f" {placement(replica)}")
+    if state == "loading" and replica.get("progress") is not None:
+        line.append(f" {replica['progress']} %")
+    if state == "failed" and replica.get("failure_reason"):
+        line.append(f" {replica['failure_reason']}", style="red")
+    return line
+
+
+def deployments_table(deployments: list[dict[str, Any]]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "STATUS", "SERVING", "STATES", "MEMORY", "SOURCE"):
+        table.add_column(column, overflow="fold")
+    for deployment in deployments:
+        live = live_replicas(deployment)
+        serving = sum(1 for r in live if r.get("state") == "serving")
+        status = deployment.get("status", "?")
+        status_text = Text(status, style={"ok": "green", "retrying": "yellow", "failed": "red"}.get(status, ""))
+        if status != "ok" and deployment.get("failed_reason"):
+            status_text.append(f": {deployment['failed_reason']}")
+        table.add_row(
+            Text(deployment["name"]),
+            status_text,
+            f"{serving}/{deployment.get('replicas_wanted', '?')}",
+            state_counts(live),
+            human_bytes((deployment.get("memory") or {}).get("need_bytes")),
+            Text((deployment.get("model") or {}).get("source", "")),
+        )
+    return table
+
+
+def replicas_table(deployments: list[dict[str, Any]]) -> Table:
+    """Every replica that is not history (stopped), under the deployments: where it is, and what
+    it is doing or why it failed."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("REPLICA", "DEPLOYMENT", "STATE", "ON", "PID", "NOTE"):
+        table.add_column(column, overflow="fold")
+    for deployment in deployments:
+        for replica in live_replicas(deployment):
+            state = replica.get("state", "?")
+            note = ""
+            if state == "loading" and replica.get("progress") is not None:
+                note = f"{replica['progress']} % loaded"
+            elif state == "failed":
+                note = replica.get("failure_reason") or ""
+            elif replica.get("role") == "standby":
+                note = "failover standby"
+            table.add_row(
+                short_id(replica["id"]),
+                Text(deployment["name"]),
+                Text(state, style=STATE_STYLES.get(state, "")),
+                Text(placement(replica)),
+                str(replica.get("pid") or "-"),
+                Text(note, style="red" if state == "failed" else ""),
+            )
+    return table
+
+
+def used_bytes(gpu: dict[str, Any]) -> int | None:
+    """What the GPU's processes hold as the agent last measured it (NVML, or a virtual GPU's model
+    of it): its allocatable total less what was free. None before the first measurement."""
+    free = gpu.get("nvml_free_bytes")
+    if free is None:
+        return None
+    return max(0, gpu["total_bytes"] - free)
+
+
+def memory_bar(total: int, reserved: int, used: int | None, width: int = 40) -> str:
+    """`width` cells over the GPU's allocatable memory: USED what processes hold within the
+    reservations, RESERVED reserved but not (yet) in use, FREE the rest. Use past the reservations
+    (an over-commit) shows as used cells past the reserved ones."""
+    if total <= 0 or width <= 0:
+        return ""
+
+    def cells(n: int) -> int:
+        return max(0, min(width, round(width * n / total)))
+
+    reserved_cells = cells(reserved)
+    used_cells = 0 if used is None else cells(used)
+    if used_cells <= reserved_cells:
+        return USED * used_cells + RESERVED * (reserved_cells - used_cells) + FREE * (width - reserved_cells)
+    return USED * used_cells + FREE * (width - used_cells)
+
+
+def gpu_block(gpu: dict[str, Any], width: int = 40) -> Text:
+    """One GPU: its name, its bar, the figures, and whose reservations fill it."""
+    total, reserved = gpu["total_bytes"], gpu.get("reserved_bytes", 0)
+    used = used_bytes(gpu)
+    head = Text(f"{gpu['node']}/{gpu['index']}", style="bold")
+    head.append(f"  (id {gpu['id']}) {gpu.get('product', '')}{' virtual' if gpu.get('virtual') else ''}")
+    if gpu.get("health", "ok") != "ok":
+        head.append(f"  {gpu['health']}", style="red")
+    bar = Text("  [")
+    for cell in memory_bar(total, reserved, used, width):
+        bar.append(cell, style=BAR_STYLES[cell])
+    bar.append("]")
+    figures = Text(
+        f"  used {human_bytes(used) if used is not None else 'unmeasured'}"
+        f" · reserved {human_bytes(reserved)} · total {human_bytes(total)}"
+        f" · free {human_bytes(gpu.get('available_bytes'))}"
+    )
+    if gpu.get("overcommit_bytes"):
+        figures.append(f" · over-committed {human_bytes(gpu['overcommit_bytes'])}", style="red")
+    lines = [head, bar, figures]
+    for occupant in gpu.get("occupants", []):
+        line = Text("  ")
+        line.append("■ ", style=colour_of(occupant["deployment"]))
+        line.append(
+            f"{occupant['deployment']} {human_bytes(occupant['reserved_bytes'])}"
+            f" {occupant.get('state', '')} ({short_id(occupant['replica'])})"
+        )
+        lines.append(line)
+    for intent in gpu.get("intents", []):
+        lines.append(Text(f"  waiting: {intent['deployment']} needs {human_bytes(intent['needed_bytes'])}"))
+    return Text("\n").join(lines)
+
+
+def event_line(event: dict[str, Any]) -> Text:
+    line = Text(f"{local_time(event.get('time'))}  ")
+    line.append(f"{event.get('kind', ''):<18}", style="cyan")
+    line.append(f" {event.get('subject', '')}: {event.get('reason', '')}")
+    return line

@@ -1,0 +1,466 @@
+"""The operator's command line (issue 18): what it prints from the API's answers, how it reads the
+API's errors, and, once, the installed `gpuportal` script against a live `up`."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from gpuportal.cli import app, config, render, waiting
+from gpuportal.cli.client import CliError, api_message
+from gpuportal.stack import free_port
+from tests.support.processes import wait_until
+from tests.support.up import PASSWORD, ROOT, Up, env_without_servers
+
+# -- the API's errors, as an operator reads them -------------------------------------------
+
+
+def test_a_detail_is_the_message_and_a_placement_refusal_names_each_node():
+    assert api_message(404, {"detail": "no deployment named 'nope'"}) == "no deployment named 'nope'"
+    refused = {"detail": "no node can host 1 replica", "reasons": {"box": "needs 3 GiB, 1 GiB free"}}
+    assert api_message(409, refused) == "no node can host 1 replica\n  box: needs 3 GiB, 1 GiB free"
+
+
+def test_field_errors_name_each_field_as_the_request_body_nests_it():
+    body = {
+        "replicas": ["at most 32 replicas per deployment (GPUPORTAL_MAX_REPLICAS)"],
+        "memory": {"max_tokens": ["Ensure this value is greater than or equal to 1."]},
+        "non_field_errors": ["Unable to log in with provided credentials."],
+    }
+    assert api_message(400, body).splitlines() == [
+        "replicas: at most 32 replicas per deployment (GPUPORTAL_MAX_REPLICAS)",
+        "memory.max_tokens: Ensure this value is greater than or equal to 1.",
+        "Unable to log in with provided credentials.",
+    ]
+
+
+def test_an_answer_without_json_is_its_status_line():
+    assert api_message(502, None, "Bad Gateway") == "HTTP 502 Bad Gateway"
+
+
+class StubPortal(ThreadingHTTPServer):
+    """Answers every request with one status and JSON body, as the portal would refuse it."""
+
+    def __init__(self, status: int, body: Any):
+        self.status, self.body = status, body
+        self.paths: list[str] = []
+        portal = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                portal.paths.append(self.path)
+                payload = json.dumps(portal.body).encode()
+                self.send_response(portal.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def stub_portal() -> Iterator[StubPortal]:
+    portal = StubPortal(409, {"detail": "not even one replica fits", "reasons": {"box": "GPUs full"}})
+    threading.Thread(target=portal.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield portal
+    portal.shutdown()
+    portal.server_close()
+
+
+def test_a_refusal_prints_the_apis_message_on_stderr_and_exits_1(stub_portal, capsys):
+    code = app.main(["wake", "tiny"], env={"GPUPORTAL_URL": stub_portal.url, "GPUPORTAL_TOKEN": "t"})
+
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert err.splitlines() == ["error: not even one replica fits", "  box: GPUs full"]
+    assert out == ""
+    assert stub_portal.paths == ["/api/deployments/tiny/wake/"]
+
+
+def test_a_portal_that_cannot_be_reached_is_a_one_line_error_and_exit_1(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+
+    code = app.main(["ls"], env={"GPUPORTAL_URL": url, "GPUPORTAL_TOKEN": "t"})
+
+    assert code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: cannot reach the portal at {url} (is it up? see GPUPORTAL_URL)"
+    ]
+
+
+def test_without_a_token_the_command_says_to_log_in(tmp_path, capsys):
+    code = app.main(["ls"], env={"GPUPORTAL_CONFIG": str(tmp_path / "none.json")})
+
+    assert code == 1
+    assert "run `gpuportal login`" in capsys.readouterr().err
+
+
+# -- where the portal is and the token --------------------------------------------------------
+
+
+def test_login_stores_the_url_and_token_for_its_owner_only_and_the_environment_overrides_them(tmp_path):
+    env = {"GPUPORTAL_CONFIG": str(tmp_path / "dir" / "cli.json")}
+    path = config.store(config.Settings(url="http://portal:8000", token="abc"), env)
+
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert config.load(env) == config.Settings(url="http://portal:8000", token="abc")
+    overridden = {**env, "GPUPORTAL_URL": "other:9000/", "GPUPORTAL_TOKEN": "xyz"}
+    assert config.load(overridden) == config.Settings(url="http://other:9000", token="xyz")
+    assert config.load({"GPUPORTAL_CONFIG": str(tmp_path / "none.json")}) == config.Settings(
+        url="http://127.0.0.1:8000", token=None
+    )
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def test_scale_takes_the_count_as_an_argument_or_as_replicas_but_not_two_different_ones():
+    parser = app.build_parser()
+
+    assert app.replica_count(parser.parse_args(["scale", "tiny", "3"])) == 3
+    assert app.replica_count(parser.parse_args(["scale", "tiny", "--replicas", "3"])) == 3
+    with pytest.raises(CliError, match="two counts"):
+        app.replica_count(parser.parse_args(["scale", "tiny", "2", "--replicas", "3"]))
+    with pytest.raises(CliError, match="how many"):
+        app.replica_count(parser.parse_args(["scale", "tiny"]))
+
+
+def test_deploy_sends_only_what_was_given_and_a_local_directory_as_an_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "tiny").mkdir()
+    monkeypatch.chdir(tmp_path)
+    parser = app.build_parser()
+
+    given = parser.parse_args(["deploy", "a", "./tiny", "--replicas", "2", "--max-tokens", "512"])
+    plain = parser.parse_args(["deploy", "b", "tests.support.models:tiny_mlp", "--loader", "torch-module"])
+
+    assert app.deploy_body(given) == {
+        "name": "a",
+        "model": {"source": str(tmp_path / "tiny")},
+        "replicas": 2,
+        "memory": {"max_tokens": 512},
+    }
+    assert app.deploy_body(plain) == {
+        "name": "b",
+        "model": {"source": "tests.support.models:tiny_mlp", "loader": "torch-module"},
+        "replicas": 1,
+    }
+
+
+def test_the_command_line_imports_nothing_of_django_or_the_portals_planes():
+    code = (
+        "import sys, gpuportal.cli.app\n"
+        "planes = ('django', 'scheduling', 'inference', 'celery')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in planes))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+def test_a_memory_bar_shows_used_within_reserved_then_free():
+    gib = 1024**3
+    assert render.memory_bar(4 * gib, 2 * gib, 1 * gib, width=8) == "██▒▒░░░░"
+    assert render.memory_bar(4 * gib, 2 * gib, None, width=8) == "▒▒▒▒░░░░", "unmeasured: reserved only"
+    assert render.memory_bar(4 * gib, 1 * gib, 3 * gib, width=8) == "██████░░", "over-committed past reserved"
+    assert render.memory_bar(4 * gib, 0, 0, width=8) == "░" * 8
+
+
+def gpu(**fields: Any) -> dict[str, Any]:
+    return {
+        "id": 7,
+        "node": "box",
+        "index": 0,
+        "product": "H100",
+        "virtual": False,
+        "total_bytes": 4 * 1024**3,
+        "available_bytes": 3 * 1024**3,
+        "reserved_bytes": 1024**3,
+        "nvml_free_bytes": 3 * 1024**3 + 512 * 1024**2,
+        "overcommit_bytes": 0,
+        "health": "ok",
+        "occupants": [
+            {"replica": "a" * 32, "deployment": "tiny", "state": "serving", "reserved_bytes": 1024**3, "since": ""}
+        ],
+        "intents": [],
+        **fields,
+    }
+
+
+def test_a_gpu_shows_its_database_id_its_bar_figures_and_occupants():
+    text = render.gpu_block(gpu(), width=8).plain.splitlines()
+
+    assert text[0].startswith("box/0  (id 7) H100")
+    assert text[1] == "  [█▒░░░░░░]"
+    assert text[2] == "  used 512.0 MiB · reserved 1.0 GiB · total 4.0 GiB · free 3.0 GiB"
+    assert text[3] == "  ■ tiny 1.0 GiB serving (aaaaaaaa)"
+
+
+def replica(id_: str, state: str, **fields: Any) -> dict[str, Any]:
+    return {"id": id_, "state": state, "node": "box", "gpus": [0], "progress": None, "failure_reason": "", **fields}
+
+
+def deployment(*replicas: dict[str, Any], status: str = "ok", wanted: int = 1) -> dict[str, Any]:
+    return {
+        "name": "tiny",
+        "status": status,
+        "failed_reason": "",
+        "replicas_wanted": wanted,
+        "replicas": list(replicas),
+    }
+
+
+def test_ls_lists_deployments_and_their_live_replicas_not_the_stopped_ones():
+    deployments = [
+        deployment(replica("a" * 32, "serving", pid=42), replica("b" * 32, "stopped"), replica("c" * 32, "loading"))
+    ]
+    deployments[0] |= {"memory": {"need_bytes": 66 * 1024**2}, "model": {"source": "/models/tiny"}}
+    console = Console(file=io.StringIO(), width=120)
+
+    console.print(render.deployments_table(deployments))
+    console.print(render.replicas_table(deployments))
+
+    lines = [" ".join(line.split()) for line in console.file.getvalue().splitlines()]
+    assert "tiny ok 1/1 1 serving, 1 loading 66.0 MiB /models/tiny" in lines
+    assert "aaaaaaaa tiny serving box/0 42" in lines
+    assert "cccccccc tiny loading box/0 -" in lines
+    assert not any(line.startswith("bbbbbbbb") for line in lines)
+
+
+# -- waiting ----------------------------------------------------------------------------------
+
+
+def test_a_wait_is_done_when_the_goal_is_reached_and_nothing_is_on_its_way():
+    goal = waiting.Goal("serving", 2)
+
+    assert waiting.verdict(deployment(replica("a", "serving"), replica("b", "serving")), goal, set()).outcome == "done"
+    assert waiting.verdict(deployment(replica("a", "serving"), replica("b", "loading")), goal, set()).outcome == (
+        "waiting"
+    )
+    stalled = waiting.verdict(deployment(replica("a", "serving"), replica("b", "sleeping")), goal, set())
+    assert stalled.outcome == "stalled"
+    assert "1 serving, 1 sleeping, wanted 2 serving" in stalled.message
+    # Scaling down: exactly the goal, the stopping replica still on its way.
+    one = waiting.Goal("serving", 1)
+    assert waiting.verdict(deployment(replica("a", "serving"), replica("b", "stopping")), one, set()).outcome == (
+        "waiting"
+    )
+
+
+def test_a_wait_fails_on_a_replica_that_fails_now_but_not_on_one_that_had_failed_before():
+    goal = waiting.Goal("serving", 1)
+    before = deployment(replica("old", "failed", failure_reason="earlier"), replica("new", "loading"))
+    failed = deployment(
+        replica("old", "failed", failure_reason="earlier"),
+        replica("new", "failed", failure_reason="SafetensorError: incomplete metadata"),
+        status="retrying",
+    )
+
+    assert waiting.verdict(before, goal, waiting.failed_ids(before)).outcome == "waiting"
+    found = waiting.verdict(failed, goal, waiting.failed_ids(before))
+    assert found.outcome == "failed"
+    assert found.message.startswith("tiny: replica new failed: SafetensorError: incomplete metadata")
+    gave_up = waiting.verdict(deployment(status="failed") | {"failed_reason": "out of memory"}, goal, set())
+    assert (gave_up.outcome, gave_up.message) == ("failed", "tiny failed: out of memory")
+
+
+class ReplayClient:
+    """Answers each GET with the next of a list of answers (the last one for ever)."""
+
+    def __init__(self, answers: list[Any]):
+        self.answers = answers
+        self.paths: list[tuple[str, Any]] = []
+
+    def get(self, path: str, params: Any = None) -> Any:
+        self.paths.append((path, params))
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def pages(self, path: str, params: Any = None) -> Iterator[Any]:
+        yield from self.get(path, params)["results"]
+
+
+def test_a_wait_away_from_a_terminal_prints_each_change_of_state_once():
+    answers = [
+        deployment(replica("a" * 32, "loading", progress=40)),
+        deployment(replica("a" * 32, "loading", progress=90)),
+        deployment(replica("a" * 32, "serving")),
+    ]
+    console = Console(file=io.StringIO(), width=200)
+
+    final = waiting.wait_for(
+        ReplayClient(answers),
+        deployment(replica("a" * 32, "pending")),
+        waiting.Goal("serving", 1),
+        console=console,
+        timeout_s=60,
+        pause=lambda s: None,
+    )
+
+    assert final["replicas"][0]["state"] == "serving"
+    assert console.file.getvalue().splitlines() == [
+        "tiny: aaaaaaaa pending box/0",
+        "tiny: aaaaaaaa loading box/0 40 %",
+        "tiny: aaaaaaaa serving box/0",
+    ]
+
+
+def test_a_wait_that_runs_out_of_time_says_where_the_deployment_stands():
+    clock = iter(range(0, 1000, 100))
+    with pytest.raises(CliError, match=r"tiny: 1 loading after 150 s, wanted 1 serving"):
+        waiting.wait_for(
+            ReplayClient([deployment(replica("a", "loading"))]),
+            deployment(replica("a", "pending")),
+            waiting.Goal("serving", 1),
+            console=Console(file=io.StringIO()),
+            timeout_s=150,
+            clock=lambda: next(clock),
+            pause=lambda s: None,
+        )
+
+
+def event(id_: int, second: int, reason: str) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "time": f"2030-01-01T00:00:{second:02d}+00:00",
+        "kind": "replica.state",
+        "subject": "r",
+        "reason": reason,
+    }
+
+
+def test_following_events_prints_the_tail_then_each_new_event_once_oldest_first(capsys):
+    tail = {"results": [event(3, 3, "three"), event(2, 2, "two"), event(1, 1, "one")]}
+    history = {"results": [event(3, 3, "three"), event(2, 2, "two"), event(1, 1, "one"), event(0, 0, "zero")]}
+    # Each poll looks back a little; what it sees again is not printed again.
+    first = {"results": [event(5, 5, "five"), event(4, 4, "four"), *tail["results"]]}
+    second = {"results": [event(6, 5, "six"), *first["results"]]}
+    client = ReplayClient([tail, history, first, second])
+    ctx = app.Context({}, Console(highlight=False, soft_wrap=True), Console(stderr=True))
+    ctx._client = client
+    args = app.build_parser().parse_args(["events", "--follow", "--tail", "2", "-d", "tiny"])
+
+    assert app.cmd_events(ctx, args, pause=lambda s: None, polls=2) == 0
+
+    reasons = [line.rsplit(": ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert reasons == ["two", "three", "four", "five", "six"]
+    assert all(params["deployment"] == "tiny" for _, params in client.paths)
+    assert client.paths[-1][1]["since"] == "2029-12-31T23:59:55+00:00"
+
+
+# -- the installed script against a live portal -----------------------------------------------
+
+
+class Cli:
+    """The `gpuportal` console script as an operator runs it, with a config file of its own."""
+
+    def __init__(self, config_path: Path):
+        script = shutil.which("gpuportal", path=str(Path(sys.executable).parent))
+        assert script, "the console script is installed with the project (pip install -e .)"
+        self.script = script
+        dropped = {"GPUPORTAL_URL", "GPUPORTAL_TOKEN", "DJANGO_SETTINGS_MODULE"}
+        self.env = {
+            **{k: v for k, v in env_without_servers().items() if k not in dropped},
+            "GPUPORTAL_CONFIG": str(config_path),
+            "COLUMNS": "200",
+        }
+
+    def __call__(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [self.script, *args], input=stdin, capture_output=True, text=True, env=self.env, cwd=ROOT, timeout=120
+        )
+
+    def ok(self, *args: str, stdin: str | None = None) -> str:
+        result = self(*args, stdin=stdin)
+        assert result.returncode == 0, f"gpuportal {' '.join(args)}: {result.stderr}{result.stdout}"
+        return result.stdout
+
+    def follow(self, *args: str) -> tuple[subprocess.Popen, list[str]]:
+        process = subprocess.Popen(
+            [self.script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env, cwd=ROOT
+        )
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+        return process, lines
+
+
+@pytest.mark.slow
+def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path):
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
+    began = time.monotonic()
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3, log=lambda _: None).path
+    up = Up(tmp_path / "var", "--virtual-gpus", "2x2GiB", "--node", "box")
+    cli = Cli(tmp_path / "home" / "cli.json")
+    try:
+        up.wait_up()
+        assert "logged in to" in cli.ok("login", "--url", up.base, "--password-stdin", stdin=PASSWORD + "\n")
+        assert stat.S_IMODE((tmp_path / "home" / "cli.json").stat().st_mode) == 0o600
+        wrong = cli("login", "--url", up.base, "--password-stdin", stdin="wrong\n")
+        assert (wrong.returncode, wrong.stderr) == (1, "error: Unable to log in with provided credentials.\n")
+        wait_until(lambda: "box/1" in cli.ok("gpus"), 60, "the node agent to register its GPUs")
+
+        deployed = cli.ok("deploy", "tiny", str(model), "--max-tokens", "256")
+        assert deployed.splitlines()[-1].startswith("tiny: 1 serving (wanted 1) after ")
+        assert "tiny: " in deployed.splitlines()[0] and " pending box/" in deployed.splitlines()[0]
+        listed = [" ".join(line.split()) for line in cli.ok("ls").splitlines()]
+        assert any(line.startswith("tiny ok 1/1 1 serving") for line in listed), listed
+        gpus = cli.ok("gpus")
+        assert "box/0  (id " in gpus and "■ tiny" in gpus and render.RESERVED in gpus
+
+        assert cli.ok("scale", "tiny", "2").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
+        refused = cli("scale", "tiny", "--replicas", "999")
+        assert refused.returncode == 1
+        assert refused.stderr == "error: replicas: at most 32 replicas per deployment (GPUPORTAL_MAX_REPLICAS)\n"
+
+        assert cli.ok("sleep", "tiny").splitlines()[-1].startswith("tiny: 2 sleeping (wanted 2)")
+        assert cli.ok("wake", "tiny").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
+        short = next(m[1] for m in re.finditer(r"^([0-9a-f]{8}) +tiny +serving ", cli.ok("ls"), re.MULTILINE))
+        logs = cli.ok("logs", short)
+        assert logs.startswith(f"replica {short}") and " of tiny: serving on box/" in logs
+        assert "woken from the CPU cache" in logs
+
+        follow, followed = cli.follow("events", "--follow", "--tail", "0", "--interval", "0.2", "-d", "tiny")
+        try:
+            time.sleep(1.5)  # it has read what is history, and follows from there
+            assert cli.ok("rm", "tiny") == "deleted tiny: its replicas stop and their memory is released\n"
+            wait_until(lambda: any("deleted by an operator" in line for line in followed), 30, "the delete's event")
+        finally:
+            follow.send_signal(signal.SIGINT)
+            assert follow.wait(10) == 0, follow.stderr.read()
+        assert not any("created with 1 replica" in line for line in followed), "history is not printed again"
+        history = cli.ok("events", "-d", "tiny", "--tail", "100")
+        assert "created with 1 replica(s)" in history and "scaled by an operator: 1 → 2" in history
+        assert cli.ok("ls") == "no deployments; `gpuportal deploy NAME SOURCE` makes one\n"
+        gone = cli("rm", "tiny")
+        assert (gone.returncode, gone.stderr) == (1, "error: no deployment named 'tiny'\n")
+    finally:
+        assert up.stop() == 0
+    assert time.monotonic() - began < 120
