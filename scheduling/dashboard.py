@@ -7,6 +7,7 @@ per minute, KV pools) are one round trip each. The controls are in `dashboard_co
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,12 @@ SEGMENT_OF_STATE = {
 MEASURED_STATES = {Replica.State.SERVING, Replica.State.DRAINING}
 
 
+def deployment_hue(name: str) -> int:
+    """A deployment's own colour in the bars (issue 18), the same on every page and refresh: a
+    hue from its name, stepped by the golden angle so that names alike land far apart."""
+    return round(zlib.crc32(name.encode()) * 137.508) % 360
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "–"
@@ -72,6 +79,17 @@ class Segment:
             return f"free {human_bytes(self.bytes)}"
         measured = f", measured {human_bytes(self.measured)}" if self.measured is not None else ""
         return f"{self.deployment} ({self.state}): reserved {human_bytes(self.bytes)}{measured}"
+
+    @property
+    def short(self) -> str:
+        """What fits in the bar itself: the full label is its tooltip and in the legend."""
+        if self.kind == "free":
+            return f"free {human_bytes(self.bytes)}"
+        return f"{self.deployment} · {self.state} · {human_bytes(self.bytes)}"
+
+    @property
+    def hue(self) -> int | None:
+        return deployment_hue(self.deployment) if self.deployment else None
 
 
 @dataclass
@@ -198,7 +216,9 @@ def context(request: HttpRequest) -> dict[str, Any]:
         node = replica.node.name if replica.node else "?"
         replica.gpu_labels = ", ".join(f"{node}/{o.gpu.index}" for o in replica.occupancies.all())
     filters = event_filters(request)
+    shown = sorted({seg.deployment for node in node_rows.values() for row in node.gpus for seg in row.occupants})
     return {
+        "legend": [(name, deployment_hue(name)) for name in shown],
         "now": now,
         "nodes": list(node_rows.values()),
         "intents": intents,
@@ -238,14 +258,29 @@ def staff_only(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]
 @require_GET
 @staff_only
 def page(request: HttpRequest) -> HttpResponse:
+    return render_page(request)
+
+
+# What the deploy form shows before anything is typed: the API's defaults.
+DEPLOY_DEFAULTS = {"loader": "transformers", "dtype": "float32", "replicas": "1", "max_tokens": "2048"}
+
+
+def render_page(
+    request: HttpRequest, *, deploy_form: dict[str, str] | None = None, deploy_errors: list[str] | None = None
+) -> HttpResponse:
+    """The page; with a refused deploy's form as it was typed, and why it was refused (a 400)."""
     # Without the admin's model sidebar: the bars need the width.
     ctx = {
         **admin.site.each_context(request),
         **context(request),
         "title": "GPU dashboard",
         "is_nav_sidebar_enabled": False,
+        "deploy_form": {**DEPLOY_DEFAULTS, **(deploy_form or {})},
+        "deploy_errors": deploy_errors or [],
+        "loaders": Deployment.Loader.values,
+        "dtypes": Deployment.DType.values,
     }
-    return render(request, "admin/scheduling/dashboard.html", ctx)
+    return render(request, "admin/scheduling/dashboard.html", ctx, status=400 if deploy_errors else 200)
 
 
 @never_cache

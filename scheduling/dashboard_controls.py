@@ -6,6 +6,7 @@ not say `confirm=yes`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
@@ -14,7 +15,8 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from scheduling.dashboard import staff_only
+from scheduling.api.inputs import DeploymentInput
+from scheduling.dashboard import render_page, staff_only
 from scheduling.models import Deployment
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
@@ -123,5 +125,78 @@ def undrain(request: HttpRequest, name: str) -> HttpResponse:
     def act() -> str:
         node_services.undrain(name, reason=f"returned to service by {_who(request)}")
         return f"node {name}: back in service"
+
+    return _run(request, act)
+
+
+MiB = 1024**2
+DEPLOY_FIELDS = ("name", "source", "loader", "dtype", "replicas", "max_tokens", "override_mib")
+DEPLOY_FLAGS = ("dedicated", "spread", "standby")
+
+
+@require_POST
+@staff_only
+def deploy(request: HttpRequest) -> HttpResponse:
+    """A deploy from the page's form, validated by the API's own serializer (the same 400s, named
+    the same way) and made by the same service; a refusal shows the form again as it was typed."""
+    typed = {key: request.POST.get(key, "").strip() for key in DEPLOY_FIELDS}
+    typed.update({flag: "on" for flag in DEPLOY_FLAGS if request.POST.get(flag)})
+    body, errors = _deploy_body(typed)
+    if not errors:
+        data = DeploymentInput(data=body)
+        if data.is_valid():
+            try:
+                deployment = deployment_services.create(data.to_spec())
+            except ServiceError as err:
+                errors = [f"Refused: {err}"]
+            else:
+                messages.success(request, f"{deployment.name}: deployed, {deployment.replicas_wanted} replica(s)")
+                return HttpResponseRedirect(reverse("admin:scheduling_dashboard"))
+        else:
+            errors = _named(data.errors)
+    return render_page(request, deploy_form=typed, deploy_errors=errors)
+
+
+def _deploy_body(typed: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The form as the API's JSON body; the errors of what the form alone can tell (a size in MiB)."""
+    memory: dict[str, Any] = {"max_tokens": typed["max_tokens"] or None}
+    errors = []
+    if typed["override_mib"]:
+        try:
+            memory["override_bytes"] = int(float(typed["override_mib"]) * MiB)
+        except ValueError:
+            errors.append("memory.override_bytes: a number of MiB, or empty to use the estimate")
+    body = {
+        "name": typed["name"],
+        "model": {"source": typed["source"], "loader": typed["loader"], "dtype": typed["dtype"]},
+        "replicas": typed["replicas"] or None,
+        "dedicated": "dedicated" in typed,
+        "memory": {k: v for k, v in memory.items() if v is not None},
+        "placement": {"spread": "spread" in typed},
+        "failover": {"standby": "standby" in typed},
+    }
+    if body["replicas"] is None:
+        del body["replicas"]
+    return body, errors
+
+
+def _named(errors: Any, prefix: str = "") -> list[str]:
+    """DRF's nested errors as "model.source: message" lines, as the API names them."""
+    if isinstance(errors, dict):
+        return [line for key, value in errors.items() for line in _named(value, f"{prefix}{key}.")]
+    if isinstance(errors, list):
+        return [line for value in errors for line in _named(value, prefix)]
+    return [f"{prefix.rstrip('.')}: {errors}"]
+
+
+@require_POST
+@staff_only
+def delete(request: HttpRequest, name: str) -> HttpResponse:
+    if not _confirmed(request):
+        return _confirm_page(request, f"Delete {name}? Its replicas stop and its reservations are released.")
+
+    def act() -> str:
+        deployment_services.delete(name, reason=f"deleted by {_who(request)}")
+        return f"{name}: deleted"
 
     return _run(request, act)

@@ -104,3 +104,11 @@ def test_the_event_changelist_has_a_date_hierarchy(admin_client, world: dict) ->
     response = admin_client.get(url(Event, "changelist"))
     assert response.context["cl"].date_hierarchy == "time"
     assert "placed on node1/0" in response.content.decode()
+
+
+def test_the_event_changelist_shows_each_time_to_the_second(admin_client, world: dict) -> None:
+    from django.utils import timezone
+
+    event = Event.objects.filter(reason__contains="placed on node1/0").first()
+    page = admin_client.get(url(Event, "changelist")).content.decode()
+    assert timezone.localtime(event.time).strftime("%Y-%m-%d %H:%M:%S") in page

@@ -10,7 +10,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from scheduling.models import Event, FailoverLease, Node, Replica
+from scheduling.models import Deployment, Event, FailoverLease, Node, Replica
 from scheduling.services import reports
 from tests.support import factories as f
 from tests.support.deployments import deploy
@@ -59,6 +59,78 @@ def test_it_shows_nodes_gpus_and_each_occupants_bar_segment(cluster, admin_clien
     assert "tiny-a (serving): reserved 300.00 MiB" in page
     assert "gp-seg-free" in page
     assert "heartbeat" in page
+
+
+def test_each_deployment_has_its_own_colour_in_the_bars_and_the_key_whatever_its_state(
+    cluster, admin_client, dispatched
+) -> None:
+    from scheduling.dashboard import deployment_hue
+
+    first, second = deploy("tiny-a"), deploy("tiny-b")
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    hue_a, hue_b = deployment_hue("tiny-a"), deployment_hue("tiny-b")
+    assert hue_a != hue_b and deployment_hue("tiny-a") == hue_a, "stable across renders"
+    assert (
+        f'<li data-deployment="tiny-a"><span class="gp-swatch" style="background-color: hsl({hue_a} 55% 38%)">' in body
+    )
+    for replica_id, hue in ((first, hue_a), (second, hue_b)):
+        assert f'background-color: hsl({hue} 55% 38%)"\n        data-replica="{replica_id}"' in body
+    # The bar itself holds a short label, readable in the segment; the whole one is its tooltip.
+    assert "tiny-a · serving · 300.00 MiB" in body and 'title="tiny-a (serving): reserved 300.00 MiB' in body
+
+
+def test_a_failed_replica_shows_why_beside_it_and_events_show_their_seconds(admin_client) -> None:
+    node = f.node("node1")
+    dep = f.deployment("broken")
+    f.replica(dep, node, state="failed", failure_reason="CUDA out of memory: tried to allocate 2.00 GiB")
+    f.event(kind="replica.state", subject="replica x", reason="failed to load")
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    assert '<div class="gp-why">CUDA out of memory: tried to allocate 2.00 GiB</div>' in body
+    assert " s ago</small>" in body
+
+
+def test_a_deploy_from_the_page_is_checked_as_the_api_checks_it_and_made_by_the_service(
+    cluster, admin_client, dispatched, tiny_model_dir
+) -> None:
+    url = reverse("admin:scheduling_dashboard_deploy")
+    form = {"name": "tiny-a", "source": str(tiny_model_dir), "loader": "transformers", "dtype": "float32"}
+
+    refused = admin_client.post(url, {**form, "name": "Not A Slug!", "replicas": "99", "override_mib": "lots"})
+    assert refused.status_code == 400
+    page = refused.content.decode()
+    assert "memory.override_bytes: a number of MiB" in page
+    refused = admin_client.post(url, {**form, "name": "Not A Slug!", "replicas": "99"})
+    page = refused.content.decode()
+    assert refused.status_code == 400 and "name: Enter a valid" in page and "replicas: at most 32" in page
+    assert 'value="Not A Slug!"' in page, "the form comes back as it was typed"
+    assert not Deployment.objects.exists()
+
+    made = admin_client.post(url, {**form, "replicas": "2", "override_mib": "300", "spread": "on"})
+    assert made.status_code == 302 and outcome(made) == ["tiny-a: deployed, 2 replica(s)"]
+    deployment = Deployment.objects.get(name="tiny-a")
+    assert deployment.memory_override_bytes == 300 * 1024**2 and deployment.placement_spread
+    assert deployment.replicas.count() == 2
+    assert Event.objects.filter(deployment="tiny-a", reason__startswith="placed: ").count() == 2
+
+    again = admin_client.post(url, {**form, "replicas": "1"})
+    assert again.status_code == 400 and "Refused: " in again.content.decode() and "tiny-a" in again.content.decode()
+
+
+def test_delete_asks_for_confirmation_then_deletes_through_the_service(cluster, admin_client, dispatched) -> None:
+    deploy("tiny-a")
+    url = reverse("admin:scheduling_dashboard_delete", args=["tiny-a"])
+
+    asked = admin_client.post(url)
+    assert asked.status_code == 200 and "Delete tiny-a?" in asked.content.decode()
+    assert Deployment.objects.filter(name="tiny-a").exists()
+
+    done = admin_client.post(url, {"confirm": "yes"})
+    assert outcome(done) == ["tiny-a: deleted"]
+    assert not Deployment.objects.filter(name="tiny-a").exists()
+    assert Event.objects.filter(deployment="tiny-a", reason__startswith="deleted by admin (dashboard)").exists()
 
 
 def test_it_shows_intents_wake_locks_pairs_and_deployment_figures(admin_client) -> None:

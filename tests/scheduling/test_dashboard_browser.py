@@ -5,6 +5,7 @@ Skipped, saying why, where /usr/bin/chromium is missing (.ci/run installs it wit
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.db import connection
 
-from scheduling.models import Occupant, Replica
+from scheduling.models import Deployment, Occupant, Replica
 from scheduling.services import reports
 from tests.support.deployments import deploy
 
@@ -81,7 +82,8 @@ def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(l
             expect(page.locator(".gp-gpu")).to_have_count(4)  # the cluster's 2 nodes × 2 GPUs
             segment = page.locator(f'.gp-bar [data-replica="{replica_id}"]')
             expect(segment).to_have_attribute("data-kind", "serving")
-            expect(segment).to_contain_text("tiny-a (serving): reserved 300.00 MiB")
+            expect(segment).to_contain_text("tiny-a · serving · 300.00 MiB")
+            expect(segment).to_have_attribute("title", "tiny-a (serving): reserved 300.00 MiB, measured 300.00 MiB")
             page.screenshot(path=str(ARTIFACTS / "1-serving.png"), full_page=True)
 
             page.locator(f'tr[data-replica="{replica_id}"] button[name=sleep]').click()
@@ -106,3 +108,59 @@ def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(l
             browser.close()
 
     assert Replica.objects.get(pk=replica_id).state == "sleeping"
+
+
+def test_staff_deploys_from_the_page_sees_its_colour_then_deletes_it(live_server, cluster, dispatched, tiny_model_dir):
+    from playwright.sync_api import expect, sync_playwright
+
+    from scheduling.dashboard import deployment_hue
+
+    User.objects.create_user("ops", password="s3cret-pass", is_staff=True)
+    deploy("tiny-a")  # another deployment beside it: two colours in the bars and the key
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{live_server.url}/admin/login/?next=/admin/dashboard/")
+            page.fill("#id_username", "ops")
+            page.fill("#id_password", "s3cret-pass")
+            page.click("input[type=submit]")
+
+            page.click("#gp-deploy summary")
+            form = page.locator("#gp-deploy form")
+            form.locator("input[name=name]").fill("Bad Name")
+            form.locator("input[name=source]").fill(str(tiny_model_dir))
+            form.locator("button[type=submit]").click()
+            # The API's own check, named as the API names it; the form keeps what was typed.
+            expect(page.locator(".gp-deploy-errors")).to_contain_text("name: Enter a valid")
+            expect(page.locator("#gp-deploy input[name=source]")).to_have_value(str(tiny_model_dir))
+            page.screenshot(path=str(ARTIFACTS / "4-deploy-refused.png"), full_page=True)
+
+            page.locator("#gp-deploy input[name=name]").fill("chat-b")
+            page.locator("#gp-deploy input[name=replicas]").fill("2")
+            page.locator("#gp-deploy input[name=override_mib]").fill("200")
+            page.locator("#gp-deploy button[type=submit]").click()
+            # (The admin's style capitalises a message's first letter.)
+            expect(page.locator(".messagelist")).to_contain_text(re.compile(r"chat-b: deployed, 2 replica\(s\)", re.I))
+            segments = page.locator('.gp-bar [data-deployment="chat-b"]')
+            expect(segments).to_have_count(2)
+            colour = segments.first.evaluate("el => getComputedStyle(el).backgroundColor")
+            other = page.locator('.gp-bar [data-deployment="tiny-a"]').first
+            assert colour != other.evaluate("el => getComputedStyle(el).backgroundColor"), "a colour of its own"
+            expect(page.locator('.gp-key [data-deployment="chat-b"] .gp-swatch')).to_have_attribute(
+                "style", f"background-color: hsl({deployment_hue('chat-b')} 55% 38%)"
+            )
+            page.screenshot(path=str(ARTIFACTS / "5-deployed.png"), full_page=True)
+
+            page.once("dialog", lambda dialog: dialog.accept())
+            page.locator('tr[data-deployment="chat-b"] button[name=delete]').click()
+            expect(page.locator(".messagelist")).to_contain_text(re.compile("chat-b: deleted", re.I))
+            expect(segments).to_have_count(0)
+            expect(page.locator('tr[data-deployment="chat-b"]')).to_have_count(0)
+            page.screenshot(path=str(ARTIFACTS / "6-deleted.png"), full_page=True)
+        finally:
+            browser.close()
+
+    assert not Deployment.objects.filter(name="chat-b").exists()
