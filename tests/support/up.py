@@ -30,11 +30,14 @@ def env_without_servers(**extra: str) -> dict[str, str]:
 class Up:
     """One `manage.py up` process, its output collected by a thread."""
 
-    def __init__(self, data_dir: Path, *args: str):
+    def __init__(self, data_dir: Path, *args: str, admin_password: str | None = PASSWORD):
+        """`admin_password` None: as a user runs it, with no GPUPORTAL_ADMIN_PASSWORD (`up` then
+        keeps the one it makes in <data dir>/admin-password)."""
         self.data_dir = data_dir
-        env = env_without_servers(
-            GPUPORTAL_DATA_DIR=str(data_dir), GPUPORTAL_ADMIN_PASSWORD=PASSWORD, PYTHONUNBUFFERED="1"
-        )
+        env = env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+        env.pop("GPUPORTAL_ADMIN_PASSWORD", None)
+        if admin_password is not None:
+            env["GPUPORTAL_ADMIN_PASSWORD"] = admin_password
         self.port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, "manage.py", "up", "--port", str(self.port), *args],

@@ -1,0 +1,76 @@
+"""The README's "Using the API" commands, run as a user types them (issue 18): in a shell, in the
+checkout, against a fresh `make run` (`up` with no GPUPORTAL_ADMIN_PASSWORD, so the token step
+reads var/admin-password). Only the port and the model's directory are the test's own."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from tests.support.up import ROOT, Up
+
+pytestmark = pytest.mark.slow
+
+
+def sh_blocks(after: str) -> list[str]:
+    """The ```sh blocks of the README's section that starts with the line `after`."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(after) :]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    return re.findall(r"```sh\n(.*?)```", section, flags=re.S)
+
+
+def run_as_typed(block: str, *, cwd, port: int, model_dir) -> str:
+    script = block.replace("localhost:8000", f"localhost:{port}").replace("/tmp/tiny", str(model_dir))
+    # A placeholder line (`<id>`) is for the reader to fill in; it is not run.
+    script = "\n".join(line for line in script.splitlines() if "<id>" not in line)
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def json_values(text: str) -> list:
+    """The JSON objects in a shell's output, in order: curl ends none of them with a newline, so
+    they run into each other and into the lines other commands print."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while (at := text.find("{", at)) != -1:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            at += 1
+            continue
+        found.append(value)
+        at = end
+    return found
+
+
+def test_the_readmes_api_commands_work_as_typed_on_a_fresh_stack(tmp_path):
+    using_the_api, requests = sh_blocks("## Using the API")[:2]
+    checkout = tmp_path / "checkout"  # the checkout as the user's shell sees it, var/ being up's
+    checkout.mkdir()
+    for name in (".venv", "manage.py"):
+        (checkout / name).symlink_to(ROOT / name)
+    (checkout / "var").symlink_to(tmp_path / "var", target_is_directory=True)
+    up = Up(tmp_path / "var", "--virtual-gpus", "2x4GiB", admin_password=None)
+    try:
+        up.wait_up()
+        assert (tmp_path / "var" / "admin-password").stat().st_mode & 0o777 == 0o600
+
+        # One shell, as a user pastes one block after the other: the second uses the first's $AUTH.
+        said = run_as_typed(using_the_api + requests, cwd=checkout, port=up.port, model_dir=tmp_path / "tiny")
+
+        created, scaled, gpus, inferred, submitted, listed = json_values(said)
+        assert created["name"] == "tiny-a" and created["replicas_wanted"] == 1, created
+        assert scaled["replicas_wanted"] == 3, scaled
+        assert len(gpus["results"]) == 2, gpus
+        # The infer waits (timeout_s 30) for a replica to load and serve it.
+        assert inferred["status"] == "done" and inferred["output"]["text"], inferred
+        assert submitted["status"] in ("queued", "waking", "dispatched", "running", "done"), submitted
+        assert inferred["id"] in [r["id"] for r in listed["results"]], listed
+    finally:
+        assert up.stop() == 0
