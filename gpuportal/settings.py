@@ -154,6 +154,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # An example for every operation, and a summary where a view has none (issue 18).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "scheduling.api.examples.add_examples",
+    ],
 }
 
 # Celery: Redis is broker and result store; control-plane work defaults to the `control` queue,

@@ -1,0 +1,278 @@
+"""An example for every operation of the API's OpenAPI schema, and a one-line summary where the
+view says none (issue 18), added by drf-spectacular's postprocessing hook (SPECTACULAR_SETTINGS).
+In one place rather than on each view: the examples read as one worked story (a tiny causal LM
+`tiny-a` deployed on node1's two GPUs), and tests/scheduling/test_api_docs.py holds every new
+operation to having one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 1024**3
+MiB = 1024**2
+REPLICA = "9c78f3f4ea824855a2624d00e48a3fa1"
+REQUEST = "3f2a9d0c1b7e4e55a0c6d2b8e9f01a47"
+AT = "2026-11-25T17:36:13.512Z"
+
+MODEL = {"source": "/srv/models/tiny-a", "loader": "transformers", "dtype": "float32"}
+REPLICA_SHOWN = {
+    "id": REPLICA,
+    "deployment": "tiny-a",
+    "node": "node1",
+    "role": "primary",
+    "state": "serving",
+    "gpus": [0],
+    "gpu_indexes": [0],
+    "gpu_ids": [1],
+    "gpu_mem_bytes_by_id": {"0": 300 * MiB},
+    "gpu_memory_fraction": 0.0122,
+    "pid": 4242,
+    "serving_since": AT,
+    "last_accessed": AT,
+    "epoch": 0,
+    "failover_state": None,
+    "kv": {
+        "block_tokens": 16,
+        "blocks_total": 128,
+        "blocks_used": 3,
+        "blocks_peak": 9,
+        "allocations": 41,
+        "frees": 38,
+        "utilisation": 0.023,
+    },
+    "failure_reason": "",
+    "progress": 100,
+}
+DEPLOYMENT_SHOWN = {
+    "name": "tiny-a",
+    "status": "ok",
+    "failed_reason": "",
+    "load_failures": 0,
+    "retry_at": None,
+    "model": MODEL,
+    "replicas": [REPLICA_SHOWN],
+    "replicas_wanted": 1,
+    "dedicated": False,
+    "memory": {
+        "override_bytes": None,
+        "max_tokens": 512,
+        "estimate_bytes": 300 * MiB,
+        "measured_bytes": 300 * MiB,
+        "need_bytes": 300 * MiB,
+    },
+    "fairness": {"min_runtime_s": 10.0, "max_wait_s": 5.0, "popular": False},
+    "sleep": {"idle_timeout_s": 300.0, "drain_timeout_s": 30.0},
+    "restart": {"max_load_failures": 3, "backoff_s": 5.0, "backoff_max_s": 300.0},
+    "failover": {"standby": False},
+    "placement": {"spread": False},
+    "created_at": AT,
+    "updated_at": AT,
+}
+NODE_SHOWN = {
+    "name": "node1",
+    "queue": "node.node1",
+    "hostname": "gpu-host-1",
+    "status": "online",
+    "last_heartbeat": AT,
+    "heartbeat_age_s": 1.2,
+    "cpu_cache_bytes": 64 * GiB,
+    "virtual": False,
+    "gpu_count": 2,
+    "registered_at": AT,
+}
+GPU_SHOWN = {
+    "id": 1,
+    "node": "node1",
+    "index": 0,
+    "uuid": "GPU-5b1c2d3e-0000-4000-8000-000000000001",
+    "product": "NVIDIA H100 80GB HBM3",
+    "virtual": False,
+    "total_bytes": 24 * GiB,
+    "available_bytes": 24 * GiB - 300 * MiB,
+    "reserved_bytes": 300 * MiB,
+    "nvml_total_bytes": 24 * GiB + 512 * MiB,
+    "context_bytes": 512 * MiB,
+    "standby_context_bytes": 0,
+    "nvml_free_bytes": 23 * GiB,
+    "overcommit_bytes": 0,
+    "version": 7,
+    "health": "ok",
+    "occupants": [{"replica": REPLICA, "deployment": "tiny-a", "state": "serving", "reserved_bytes": 300 * MiB}],
+    "intents": [],
+    "wake_lock": None,
+    "updated_at": AT,
+}
+EVENT_SHOWN = {
+    "id": 42,
+    "time": AT,
+    "kind": "replica.state",
+    "subject": f"replica {REPLICA[:8]}",
+    "reason": "placed: placed new replica 9c78f3f4 of tiny-a on gpu node1/0 (300.0 MiB of 24.0 GiB); FREE, best fit",
+    "before": {"state": "pending"},
+    "after": {"state": "serving"},
+    "node": "node1",
+    "gpu": "node1/0",
+    "deployment": "tiny-a",
+    "replica": REPLICA,
+}
+REQUEST_SHOWN = {
+    "id": REQUEST,
+    "deployment": "tiny-a",
+    "kind": "generate",
+    "status": "done",
+    "replica": REPLICA,
+    "attempts": 1,
+    "output": {"text": " world", "finish_reason": "length", "usage": {"prompt_tokens": 2, "completion_tokens": 2}},
+    "error": "",
+    "created_at": AT,
+    "dispatched_at": AT,
+    "started_at": AT,
+    "finished_at": AT,
+    "progress": {"phase": "done", "percent": None, "queue_position": None, "estimate_s": None},
+}
+WAITING_REQUEST = {
+    **REQUEST_SHOWN,
+    "status": "waking",
+    "replica": "",
+    "attempts": 0,
+    "output": None,
+    "dispatched_at": None,
+    "started_at": None,
+    "finished_at": None,
+    "progress": {"phase": "loading", "percent": 40, "queue_position": 1, "estimate_s": 6.0},
+}
+
+
+def page(*results: dict[str, Any]) -> dict[str, Any]:
+    return {"count": len(results), "next": None, "previous": None, "results": list(results)}
+
+
+COMPLETION = {
+    "id": f"cmpl-{REQUEST}",
+    "object": "text_completion",
+    "created": 1795628173,
+    "model": "tiny-a",
+    "choices": [{"index": 0, "finish_reason": "length", "text": " world, and"}],
+    "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+}
+
+# (method, path) → summary where the view has none, the request's example, the answer's example.
+# A path parameter's example stands in where an operation has neither body nor answer (a 204).
+EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
+    ("post", "/api/auth/token/"): {
+        "request": {"username": "admin", "password": "the password in var/admin-password"},
+        "response": {"token": "9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b"},
+    },
+    ("get", "/api/nodes/"): {"response": page(NODE_SHOWN)},
+    ("get", "/api/nodes/{name}/"): {"response": NODE_SHOWN},
+    ("post", "/api/nodes/{name}/drain/"): {"response": {**NODE_SHOWN, "status": "draining"}},
+    ("post", "/api/nodes/{name}/undrain/"): {"response": NODE_SHOWN},
+    ("get", "/api/gpus/"): {
+        "summary": "List GPUs: memory, occupants, waiting intents and the wake lock of each",
+        "response": page(GPU_SHOWN),
+    },
+    ("get", "/api/gpus/{id}/"): {
+        "summary": "One GPU: its books (total, reserved, available) beside what NVML reads",
+        "response": GPU_SHOWN,
+    },
+    ("get", "/api/deployments/"): {"response": page(DEPLOYMENT_SHOWN)},
+    ("post", "/api/deployments/"): {
+        "request": {"name": "tiny-a", "model": MODEL, "replicas": 1, "memory": {"max_tokens": 512}},
+        "response": {**DEPLOYMENT_SHOWN, "warnings": []},
+    },
+    ("get", "/api/deployments/{name}/"): {"response": DEPLOYMENT_SHOWN},
+    ("patch", "/api/deployments/{name}/"): {
+        "request": {"fairness": {"max_wait_s": 2.0}, "sleep": {"idle_timeout_s": 60}},
+        "response": {**DEPLOYMENT_SHOWN, "warnings": []},
+    },
+    ("delete", "/api/deployments/{name}/"): {"parameter": "tiny-a"},
+    ("post", "/api/deployments/{name}/scale/"): {
+        "request": {"replicas": 3},
+        "response": {**DEPLOYMENT_SHOWN, "replicas_wanted": 3},
+    },
+    ("post", "/api/deployments/{name}/evict/"): {"response": DEPLOYMENT_SHOWN},
+    ("post", "/api/deployments/{name}/failover/"): {"response": DEPLOYMENT_SHOWN},
+    ("post", "/api/deployments/{name}/retry/"): {"response": DEPLOYMENT_SHOWN},
+    ("post", "/api/deployments/{name}/sleep/"): {"response": DEPLOYMENT_SHOWN},
+    ("post", "/api/deployments/{name}/wake/"): {"response": DEPLOYMENT_SHOWN},
+    ("post", "/api/deployments/{name}/infer/"): {
+        "request": {"input": "Hello", "params": {"max_tokens": 2}, "timeout_s": 30},
+        "response": REQUEST_SHOWN,
+    },
+    ("get", "/api/replicas/"): {"response": page(REPLICA_SHOWN)},
+    ("get", "/api/replicas/{id}/"): {"response": REPLICA_SHOWN},
+    ("post", "/api/replicas/{id}/evict/"): {"response": {**REPLICA_SHOWN, "state": "draining"}},
+    ("post", "/api/replicas/{id}/sleep/"): {"response": {**REPLICA_SHOWN, "state": "draining"}},
+    ("post", "/api/replicas/{id}/wake/"): {"response": {**REPLICA_SHOWN, "state": "waking"}},
+    ("get", "/api/events/"): {"response": page(EVENT_SHOWN)},
+    ("get", "/api/events/{id}/"): {"response": EVENT_SHOWN},
+    ("get", "/api/requests/"): {"response": {"next": None, "previous": None, "results": [REQUEST_SHOWN]}},
+    ("post", "/api/requests/"): {
+        "summary": "Submit a request and get its id at once (202); poll it, or list it",
+        "request": {"deployment": "tiny-a", "input": "Hello"},
+        "response": WAITING_REQUEST,
+    },
+    ("get", "/api/requests/{id}/"): {
+        "summary": "One request: its status, its output once done, and while it waits, its progress",
+        "response": WAITING_REQUEST,
+    },
+    ("delete", "/api/requests/{id}/"): {
+        "summary": "Cancel a request no replica has taken yet (409 once one has)",
+        "response": {**WAITING_REQUEST, "status": "cancelled", "error": "cancelled by its owner"},
+    },
+    ("get", "/v1/models"): {
+        "summary": "The deployments, as OpenAI's model list (a model is a deployment's name)",
+        "response": {
+            "object": "list",
+            "data": [{"id": "tiny-a", "object": "model", "created": 1795628173, "owned_by": "gpuportal"}],
+        },
+    },
+    ("post", "/v1/completions"): {
+        "request": {"model": "tiny-a", "prompt": "Hello", "max_tokens": 3},
+        "response": COMPLETION,
+    },
+    ("post", "/v1/chat/completions"): {
+        "request": {"model": "tiny-a", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
+        "response": {
+            **COMPLETION,
+            "id": f"chatcmpl-{REQUEST}",
+            "object": "chat.completion",
+            "choices": [
+                {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": " world, and"}}
+            ],
+        },
+    },
+    ("post", "/v1/embeddings"): {
+        "request": {"model": "minilm", "input": ["A cat sits.", "A dog runs."]},
+        "response": {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.0213, -0.0841, 0.0377]}],
+            "model": "minilm",
+            "usage": {"prompt_tokens": 8, "total_tokens": 8},
+        },
+    },
+}
+
+
+def add_examples(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: the examples above into the generated schema."""
+    for path, operations in result.get("paths", {}).items():
+        for method, operation in operations.items():
+            known = EXAMPLES.get((method, path))
+            if known is None:
+                continue
+            if "summary" in known and not (operation.get("summary") or operation.get("description")):
+                operation["summary"] = known["summary"]
+            if "request" in known:
+                for content in operation.get("requestBody", {}).get("content", {}).values():
+                    content["examples"] = {"example": {"value": known["request"]}}
+            if "response" in known:
+                for code, answer in operation.get("responses", {}).items():
+                    if code.startswith("2") and "application/json" in answer.get("content", {}):
+                        answer["content"]["application/json"]["examples"] = {"example": {"value": known["response"]}}
+                        break
+            if "parameter" in known:
+                for parameter in operation.get("parameters", []):
+                    if parameter.get("in") == "path":
+                        parameter["example"] = known["parameter"]
+    return result

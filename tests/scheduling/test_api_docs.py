@@ -1,0 +1,68 @@
+"""The API's OpenAPI schema documents every operation (issue 18): a one-line summary or a
+description, and an example (of its body, its answer, or where it has neither, its path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from drf_spectacular.generators import SchemaGenerator
+from drf_spectacular.renderers import OpenApiJsonRenderer
+
+from scheduling.api.examples import EXAMPLES
+
+METHODS = ("get", "post", "put", "patch", "delete")
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    return json.loads(OpenApiJsonRenderer().render(SchemaGenerator().get_schema(request=None, public=True)))
+
+
+def operations(schema: dict):
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            if method in METHODS:
+                yield method, path, op
+
+
+def has_example(op: dict) -> bool:
+    contents = [*op.get("requestBody", {}).get("content", {}).values()]
+    contents += [c for answer in op.get("responses", {}).values() for c in answer.get("content", {}).values()]
+    return any("examples" in c or "example" in c for c in contents) or any(
+        "example" in p for p in op.get("parameters", [])
+    )
+
+
+def test_every_operation_has_a_summary_or_a_description_and_an_example(schema):
+    missing = [
+        f"{method.upper()} {path}: "
+        + ", ".join(
+            what
+            for what, ok in (
+                ("no summary", op.get("summary") or op.get("description")),
+                ("no example", has_example(op)),
+            )
+            if not ok
+        )
+        for method, path, op in operations(schema)
+        if not (op.get("summary") or op.get("description")) or not has_example(op)
+    ]
+    assert missing == [], "\n".join(missing)
+
+
+def test_the_summaries_are_one_line(schema):
+    long = [f"{m.upper()} {p}" for m, p, op in operations(schema) if "\n" in (op.get("summary") or "")]
+    assert long == []
+
+
+def test_the_examples_of_a_deploy_and_an_answer_name_the_same_fields_as_the_schema(schema):
+    deployment = set(schema["components"]["schemas"]["Deployment"]["properties"])
+    shown = set(EXAMPLES[("get", "/api/deployments/{name}/")]["response"])
+    assert shown == deployment
+    replica = set(schema["components"]["schemas"]["Replica"]["properties"])
+    assert set(EXAMPLES[("get", "/api/replicas/{id}/")]["response"]) == replica
+    request = set(schema["components"]["schemas"]["Request"]["properties"])
+    assert set(EXAMPLES[("get", "/api/requests/{id}/")]["response"]) == request
+    gpu = set(schema["components"]["schemas"]["GPU"]["properties"])
+    assert set(EXAMPLES[("get", "/api/gpus/{id}/")]["response"]) == gpu
