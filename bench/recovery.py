@@ -388,7 +388,13 @@ def main() -> None:
             "two clients sending requests back to back and polling each accepted one to its end.\n"
             "`detected`: SIGKILL → `up` says so; `first answer`: SIGKILL → the first answer to a request\n"
             "sent after it; `503s`/`refused`: what the clients met meanwhile; `lost`: accepted requests\n"
-            "that never ended done; `Event`: the restart is in the trail (`stack.restarted`).\n\n" + text,
+            "that never ended done; `Event`: the restart is in the trail (`stack.restarted`).\n\n"
+            + text
+            + "\n\nReading it: only the web server and Redis are on the request path. The web comes back in about\n"
+            "the time granian takes to import Django again; Redis in its restart plus the clients' retry, its\n"
+            "append-only file keeping every accepted request. A PostgreSQL restart shows only in the operator's\n"
+            "reads (JSON 503s): a request needs no database while a replica claims its deployment and the\n"
+            "caller's token is cached. The control plane's processes are off the request path altogether.",
         )
 
 
