@@ -21,6 +21,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from gpuportal.wire.requestqueue import Fence, RequestQueue
 from inference.failover import FailoverMember, Grant, LeaseConfig, Stale
 from inference.process_exit import exit_now as _exit
@@ -29,6 +31,30 @@ if TYPE_CHECKING:
     from inference.replica import ReplicaHost
 
 log = logging.getLogger("inference.pairing")
+
+# How many times a request may be taken before it fails: the control plane's setting of the same
+# name, which reaches the replica through its environment (the agent passes its own on).
+REQUEST_ATTEMPTS = int(os.environ.get("GPUPORTAL_REQUEST_ATTEMPTS", "3"))
+
+
+def give_back_from(requests: RequestQueue, deployment: str, grant: Grant, me: str) -> dict[str, str]:
+    """What the dead active member had taken, back to the head of the queue at the lock grant
+    (issue 19), rather than when the control plane hears of the death: the request a caller has
+    waited for longest is the first this member takes once awake. The same steps the control plane
+    takes for a dead replica (write off, withdraw its claim, give back), so doing them first is
+    harmless: the control plane then finds nothing left. {request id: "requeued" | "failed"}."""
+    old = grant.previous_holder
+    if not grant.took_over or not old or old == me:
+        return {}
+    try:
+        requests.write_off(old)  # its takes from now on are refused: the grant proved it gone
+        if deployment:
+            requests.withdraw(deployment, old)
+        reason = f"its failover partner {old[:8]} died; taken over at epoch {grant.epoch}"
+        return requests.requeue_from(old, max_attempts=REQUEST_ATTEMPTS, reason=reason)
+    except redis.RedisError as exc:  # the control plane gives them back when it hears of the death
+        log.warning("could not give back what %s had taken: %s", old, exc)
+        return {}
 
 
 class PairMember:
@@ -42,8 +68,10 @@ class PairMember:
         fence_name: str,
         wake_timeout_s: float,
         liveness_every_s: float,
+        deployment: str = "",
     ):
         self.host = host
+        self.deployment = deployment
         self.requests = requests
         self.config = config
         self.role = role
@@ -65,6 +93,7 @@ class PairMember:
             fence_name=args.failover_fence,
             wake_timeout_s=args.wake_timeout,
             liveness_every_s=args.liveness_every,
+            deployment=getattr(args, "deployment", "") or "",
         )
 
     def start(self, commands: queue.Queue[Any]) -> None:
@@ -106,10 +135,15 @@ class PairMember:
         timer = threading.Timer(self.wake_timeout_s, self._wake_timed_out)
         timer.daemon = True
         timer.start()
+        granted = grant.granted_monotonic
         try:
             self._hold(grant)
+            fenced = time.monotonic()
+            given_back = give_back_from(self.requests, self.deployment, grant, self.host.replica_id)
+            requeued = time.monotonic()
             # A failure here (ReplicaFailure) ends the process through run(): the lock goes with it.
             self.host.wake_standby()
+            woken = time.monotonic()
         finally:
             timer.cancel()
         self.state = "active"
@@ -120,8 +154,16 @@ class PairMember:
             epoch=grant.epoch,
             previous_holder=grant.previous_holder,
             previous_epoch=grant.previous_epoch,
-            # From the grant (the old holder's session ended) to taking requests.
-            takeover_s=time.monotonic() - grant.granted_monotonic,
+            # From the grant (the old holder's session ended) to taking requests, and where that
+            # time went (issue 19): fencing the old holder's results, giving back what it had
+            # taken, the wake (weights onto the GPU, the KV pool).
+            takeover_s=time.monotonic() - granted,
+            steps={
+                "fenced_s": round(fenced - granted, 6),
+                "given_back_s": round(requeued - granted, 6),
+                "woken_s": round(woken - granted, 6),
+            },
+            given_back=len(given_back),
             pid=os.getpid(),
             **self.host._where(),
         )

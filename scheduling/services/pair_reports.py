@@ -129,6 +129,9 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
             # Its own `failed` report may still be on its way; what matters is that it no longer serves.
             failover.set_failover_state(old, FailoverState.DEAD, f"superseded at epoch {epoch}: its lock passed on")
     takeover_s = float(event.get("takeover_s") or 0.0)
+    # Where the takeover's time went, as the member measured it from the grant (issue 19).
+    raw_steps = event.get("steps") if isinstance(event.get("steps"), dict) else {}
+    steps = {k: float(v) for k, v in raw_steps.items() if isinstance(v, int | float)}
     now = timezone.now()
     replica.role = Replica.Role.PRIMARY
     replica.epoch = epoch
@@ -151,7 +154,13 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
         f"deployment {deployment.name}",
         f"replica {replica.id[:8]} took over pair {replica.lease_id} at epoch {epoch}",
         before={"holder": event.get("previous_holder"), "epoch": event.get("previous_epoch")},
-        after={"holder": replica.id, "epoch": epoch, "takeover_s": takeover_s},
+        after={
+            "holder": replica.id,
+            "epoch": epoch,
+            "takeover_s": takeover_s,
+            "steps": steps,
+            "given_back": event.get("given_back"),
+        },
         node=replica.node.name if replica.node else "",
         deployment=deployment.name,
         replica=replica.id,
