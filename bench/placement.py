@@ -1,23 +1,37 @@
-"""Placement throughput: snapshot → place → compare-and-swap commit, from concurrent clients.
+"""Placement throughput from concurrent clients: through the control plane's services, as a deploy or
+scale through the REST API runs it, and through the ledger alone.
 
 100 nodes × 8 virtual GPUs of 80 GiB (state only: no processes). Each client is its own OS
-process with its own PostgreSQL connection and ledger Mirror, as web and worker processes are.
-An operation places a new replica of a random deployment (sizes from 1 to 20 GiB of weights) or
-releases one the client placed earlier, keeping the cluster about half full so that placements
-keep searching and sometimes evict. Both policies run on the same cluster and clients:
-`gpuportal` (measured/estimated need, best fit) and `ndif` (size × 3, random fit).
+process with its own PostgreSQL connection, as web and worker processes are.
 
-Snapshots come two ways, side by side: from a ledger `Mirror` (an incremental refresh: only the
-GPUs written since the client last looked; the figures issue 3's target is about), and as the
-control plane's services take them today, a full `ledger.snapshot()` of every GPU (the services
-do not keep a Mirror: it would also have to learn of replica, deployment and node changes that
-write no GPU row). The full-snapshot rows run `gpuportal` only, at `--full-clients`.
+**Services** (issue 17 item 4: the path the product runs). Each call is a top-level service call
+in its own transaction, as the API view makes it: `deployments.scale(name, n ± 1)` on one of the
+client's deployments, or (one call in ten) `deployments.create` of a small deployment of its own
+(one replica; its model's sizes given, as a node would have read them) or `delete` of one. 40
+deployments of 1 to 20 GiB of weights fill about half the cluster at the start, shared among the
+clients. What the services send after a commit (Celery tasks to node agents, the Redis call that
+ends a deleted deployment's requests) is recorded in the client, not sent: nothing leaves the
+process. Two ways to snapshot, side by side:
+- `incremental`: each decision reads the process's ledger Mirror, refreshed with only the GPUs
+  whose view changed since its last read (a GPU row written, or a node, replica or deployment row
+  a view is built from): `ledger.snapshot()`, what the services use;
+- `full`: each decision reads every GPU afresh (`ledger.read()`), as the services did before
+  issue 17 (the rest of the call is today's).
+After each row, no GPU may be over-committed: available = total − reserved ≥ 0 on every GPU.
 
-    python -m bench.placement [--seconds 3] [--clients 1,4,8,16] [--full-clients 1,8] [--policy gpuportal,ndif]
-                              [--cpu] [--no-record]
+**Ledger loop** (issue 3): snapshot → `place` → compare-and-swap commit, or a release, with
+nothing of the services around it (no deployment lock, replica rows or Events beyond the
+commit's own). Each client places a new replica of a random deployment or releases one it placed,
+keeping the cluster about half full; the policies `gpuportal` (measured/estimated need, best fit)
+and `ndif` (size × 3, random fit). Snapshots from a ledger `Mirror` (`mirror` rows) or read afresh
+(`full` rows, `gpuportal` only, at `--full-clients`).
 
-`--cpu` adds the CPU each operation cost, in the client processes and in their PostgreSQL
-backends (read from /proc, so only for a server on this machine, such as the embedded one).
+    python -m bench.placement [--seconds 3] [--service-clients 1,8] [--clients 1,4,8,16]
+                              [--full-clients 1,8] [--policy gpuportal,ndif] [--cpu] [--no-record]
+    python -m bench.placement --profile incremental   # one services client under cProfile
+
+`--cpu` adds the CPU each call cost, in the client processes and in their PostgreSQL backends
+(read from /proc, so only for a server on this machine, such as the embedded one).
 
 Uses DATABASE_URL when set (in a fresh database `gpuportal_bench_placement`), else an embedded
 PostgreSQL.
@@ -26,18 +40,40 @@ PostgreSQL.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import multiprocessing as mp
 import os
+import pstats
 import random
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 from bench.common import register_cluster, setup_database, stop
 
 GiB = 1024**3
 DEPLOYMENTS = 40
 POOL_PER_CLIENT = 400
-HEADERS = [
+CLUSTER_BYTES = 100 * 8 * 80 * GiB
+SERVICE_HEADERS = [
+    "snapshot",
+    "clients",
+    "commits/s",
+    "p50 ms",
+    "p99 ms",
+    "conflicts/commit",
+    "refused",
+    "scaled up",
+    "scaled down",
+    "created",
+    "deleted",
+    "over-committed GPUs",
+]
+LEDGER_HEADERS = [
+    "snapshot",
     "policy",
     "clients",
     "commits/s",
@@ -47,7 +83,182 @@ HEADERS = [
     "refused",
     "placed",
     "released",
+    "over-committed GPUs",
 ]
+CPU_HEADERS = ["client CPU ms/call", "server CPU ms/call"]
+
+
+class Loop(Protocol):
+    """One client's calls, one per `step()`; what it measured, for the row."""
+
+    latencies: list[float]
+
+    def step(self) -> None: ...
+
+    def tally(self) -> dict: ...
+
+
+# -- the services: what a deploy or scale through the REST API runs ---------------------------------
+
+SERVICE_DEPLOYMENTS = 40
+# Of every 100 calls, how many create or delete a small deployment rather than scale one.
+CHURN_PERCENT = 10
+
+
+@dataclass(frozen=True)
+class Model:
+    """A deployment the services benchmark scales: its sizes and its replicas at the start."""
+
+    name: str
+    weights: int
+    estimate: int
+    base: int
+
+
+def service_models() -> list[Model]:
+    """Deployments of 1 to 20 GiB of weights, whose replicas fill about half of the cluster."""
+    rng = random.Random(11)
+    share = CLUSTER_BYTES // 2 // SERVICE_DEPLOYMENTS
+    models = []
+    for n in range(SERVICE_DEPLOYMENTS):
+        weights = int(rng.uniform(1, 20) * GiB)
+        estimate = int(weights * 1.3) + GiB  # KV cache and activations beside the weights
+        models.append(Model(f"svc-{n:02d}", weights, estimate, max(1, share // (estimate + GiB))))
+    return models
+
+
+def spec_of(model: Model, replicas: int) -> tuple:
+    from scheduling.services.deployments import DeploymentSpec, ModelFacts
+
+    spec = DeploymentSpec(name=model.name, source=f"/srv/models/{model.name}", replicas=replicas)
+    return spec, ModelFacts(weight_bytes=model.weights, estimate_bytes=model.estimate)
+
+
+@contextlib.contextmanager
+def effects_kept() -> Iterator[list[str]]:
+    """What the services send once a call commits (Celery tasks to node agents and the control
+    queue, the Redis call that ends a deleted deployment's waiting requests) is recorded here,
+    not sent: nothing leaves the process. The commands are still built from the committed rows,
+    as they would be before sending."""
+    from gpuportal.celery import app
+    from scheduling.services import queueing
+
+    sent: list[str] = []
+    saved = app.send_task, queueing.fail_waiting
+
+    def fail_waiting(name: str, *args: object, **kwargs: object) -> list[str]:
+        sent.append(f"fail_waiting {name}")
+        return []
+
+    app.send_task = lambda name, *args, **kwargs: sent.append(name)
+    queueing.fail_waiting = fail_waiting
+    try:
+        yield sent
+    finally:
+        app.send_task, queueing.fail_waiting = saved
+
+
+def reset_services(models: list[Model]) -> None:
+    """No deployment, replica or reservation; then the models' deployments, each with its
+    starting replicas, created through the services (placed as a deploy through the API is)."""
+    from django.db import connection, transaction
+
+    from scheduling.services import deployments
+
+    with transaction.atomic(), connection.cursor() as cursor:
+        # Django's foreign keys are checked at commit, so the order of these does not matter.
+        cursor.execute("UPDATE scheduling_gpu SET wake_lock_holder_id = NULL, available_bytes = total_bytes")
+        for table in ("occupant", "preemptionintent", "failoverlease", "replica", "deployment", "event"):
+            cursor.execute(f"DELETE FROM scheduling_{table}")
+    with effects_kept():
+        for model in models:
+            spec, facts = spec_of(model, model.base)
+            deployments.create(spec, facts=facts)
+
+
+def conflicts_counted() -> float:
+    """The compare-and-swap conflicts this process's commits met so far (the ledger's metric, read
+    from it alone: collecting the whole registry would cost the call more than it measures)."""
+    from scheduling.metrics import CAS_CONFLICTS
+
+    return next(s.value for s in CAS_CONFLICTS.collect()[0].samples if s.name.endswith("_total"))
+
+
+def use_full_snapshots() -> None:
+    """In this process, every decision reads every GPU afresh: the services' path before the
+    incremental snapshot (the `full` rows)."""
+    from scheduling import ledger
+
+    ledger.snapshot = lambda gpu_ids=None: ledger.read(gpu_ids)
+
+
+class ServiceClient:
+    """One API client: each step is one top-level service call in its own transaction. It scales
+    one of its deployments up or down by one, or (CHURN_PERCENT of calls) creates or deletes a
+    small deployment of its own. It alone changes its deployments, so it knows their counts."""
+
+    def __init__(self, n: int, models: list[Model]) -> None:
+        from scheduling import ledger
+
+        self.n = n
+        self.rng = random.Random(2000 + n)
+        self.models = {m.name: m for m in models}
+        self.names = sorted(self.models)
+        self.replicas = {m.name: m.base for m in models}
+        self.churned: list[str] = []  # its small deployments, oldest first
+        self.made = 0
+        self.latencies: list[float] = []
+        self.counts = {"scaled up": 0, "scaled down": 0, "created": 0, "deleted": 0}
+        self.conflicts = self.refused = self.gave_up = 0
+        ledger.snapshot()  # the first read (a Mirror's full one) happens before the clock starts
+
+    def step(self) -> None:
+        from scheduling.ledger import CasConflict
+        from scheduling.services.errors import CannotPlace
+
+        began = time.perf_counter()
+        conflicts_before = conflicts_counted()
+        try:
+            kind = self._churn() if self.rng.randrange(100) < CHURN_PERCENT else self._scale()
+        except CannotPlace:
+            self.refused += 1
+            return
+        except CasConflict:
+            self.gave_up += 1
+            return
+        finally:
+            self.conflicts += int(conflicts_counted() - conflicts_before)
+        self.latencies.append(time.perf_counter() - began)
+        self.counts[kind] += 1
+
+    def _scale(self) -> str:
+        from scheduling.services import deployments
+
+        name = self.rng.choice(self.names)
+        now, base = self.replicas[name], self.models[name].base
+        grow = now == 0 or (now < 2 * base and self.rng.random() < 0.5)
+        deployments.scale(name, now + 1 if grow else now - 1)
+        self.replicas[name] = now + 1 if grow else now - 1
+        return "scaled up" if grow else "scaled down"
+
+    def _churn(self) -> str:
+        from scheduling.services import deployments
+
+        if len(self.churned) < 2 or (len(self.churned) < 4 and self.rng.random() < 0.5):
+            self.made += 1
+            model = Model(f"c{self.n}-{self.made}", 2 * GiB, 4 * GiB, 1)
+            spec, facts = spec_of(model, 1)
+            deployments.create(spec, facts=facts)  # a refused one (409) left nothing behind
+            self.churned.append(model.name)
+            return "created"
+        deployments.delete(self.churned.pop(0))
+        return "deleted"
+
+    def tally(self) -> dict:
+        return {"conflicts": self.conflicts, "refused": self.refused, "gave_up": self.gave_up, **self.counts}
+
+
+# -- the ledger loop: snapshot, place, commit, and nothing else -------------------------------------
 
 
 def create_state(clients: int) -> list[list[tuple[str, str, int, int]]]:
@@ -84,7 +295,7 @@ def reset_reservations() -> None:
 
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE scheduling_occupant, scheduling_event")
-        cursor.execute("UPDATE scheduling_gpu SET available_bytes = total_bytes, changed_txid = txid_current()")
+        cursor.execute("UPDATE scheduling_gpu SET available_bytes = total_bytes")
 
 
 class Client:
@@ -97,9 +308,9 @@ class Client:
         self.policy = policy
         self.pool = {p[0]: p for p in pool}
         self.rng = random.Random(1000 + n)
-        self.mirror = ledger.Mirror() if mirrored else None
-        if self.mirror is not None:
-            self.mirror.snapshot()  # the first, full read happens before the clock starts
+        if not mirrored:
+            use_full_snapshots()
+        ledger.snapshot()  # the first read (a Mirror's full one) happens before the clock starts
         self.free = list(pool)
         self.placed: list[str] = []
         # Where each placed replica was put: it is released from there, as a service releases a
@@ -110,65 +321,87 @@ class Client:
         self.conflicts = self.refused = self.placements = self.releases = self.gave_up = 0
 
     def step(self) -> None:
+        from scheduling.ledger import CasConflict
+
+        grow = not self.placed or (self.free and self.rng.random() < 0.5)
+        began = time.perf_counter()
+        try:
+            result = self._place() if grow else self._release()
+        except CasConflict:
+            self.gave_up += 1
+            return
+        if result is None:
+            return
+        self.latencies.append(time.perf_counter() - began)
+        self.conflicts += result.attempts - 1
+
+    def _place(self):
         from gpuportal.wire import memory
         from scheduling import ledger
         from scheduling.ledger import CasConflict
         from scheduling.placement import CantAccommodate, PlacementRequest, place
-        from scheduling.state import Plan, Release
 
         rng = self.rng
-        grow = not self.placed or (self.free and rng.random() < 0.5)
-        began = time.perf_counter()
-        if grow:
-            entry = self.free.pop(rng.randrange(len(self.free)))
-            replica_id, deployment, weights, estimate = entry
-            need = memory.need_for(self.policy, memory.NeedInputs(weight_bytes=weights, estimate_bytes=estimate)).bytes
-            request = PlacementRequest(deployment, replica_id, need)
+        entry = self.free.pop(rng.randrange(len(self.free)))
+        replica_id, deployment, weights, estimate = entry
+        need = memory.need_for(self.policy, memory.NeedInputs(weight_bytes=weights, estimate_bytes=estimate)).bytes
+        request = PlacementRequest(deployment, replica_id, need)
 
-            def decide(snap):
-                result = place(snap, request, policy=self.policy, rng=rng)
-                if isinstance(result, CantAccommodate):
-                    return None
-                return result.to_plan(snap)
+        def decide(snap):
+            result = place(snap, request, policy=self.policy, rng=rng)
+            return None if isinstance(result, CantAccommodate) else result.to_plan(snap)
 
-            try:
-                result = ledger.commit_with_retry(decide, mirror=self.mirror)
-            except CasConflict:
-                self.gave_up += 1
-                self.free.append(entry)
-                return
-            if result is None:
-                self.refused += 1
-                self.free.append(entry)
-                return
-            self.placements += 1
+        try:
+            result = ledger.commit_with_retry(decide)
+        except CasConflict:
+            self.free.append(entry)
+            raise
+        if result is None:
+            self.refused += 1
+            self.free.append(entry)
+            return None
+        self.placements += 1
+        self.placed.append(replica_id)
+        self.where[replica_id] = tuple(r.gpu_id for r in result.plan.reservations if r.replica_id == replica_id)
+        return result
+
+    def _release(self):
+        from scheduling import ledger
+        from scheduling.ledger import CasConflict
+        from scheduling.state import Plan, Release
+
+        replica_id = self.placed.pop(self.rng.randrange(len(self.placed)))
+        gpu_ids = self.where[replica_id]
+
+        def release(snap):
+            releases = [
+                Release(gpu_id, replica_id)
+                for gpu_id in gpu_ids
+                if gpu_id in snap.gpus and any(o.replica_id == replica_id for o in snap.gpus[gpu_id].occupants)
+            ]
+            return Plan.against(snap, "bench release", releases=releases) if releases else None
+
+        try:
+            result = ledger.commit_with_retry(release)
+        except CasConflict:
             self.placed.append(replica_id)
-            self.where[replica_id] = tuple(r.gpu_id for r in result.plan.reservations if r.replica_id == replica_id)
-        else:
-            replica_id = self.placed.pop(rng.randrange(len(self.placed)))
-            gpu_ids = self.where[replica_id]
+            raise
+        self.releases += 1
+        del self.where[replica_id]
+        self.free.append(self.pool[replica_id])
+        return result  # None: evicted by someone else's placement meanwhile, nothing to release
 
-            def release(snap):
-                releases = [
-                    Release(gpu_id, replica_id)
-                    for gpu_id in gpu_ids
-                    if gpu_id in snap.gpus and any(o.replica_id == replica_id for o in snap.gpus[gpu_id].occupants)
-                ]
-                return Plan.against(snap, "bench release", releases=releases) if releases else None
+    def tally(self) -> dict:
+        return {
+            "conflicts": self.conflicts,
+            "refused": self.refused,
+            "gave_up": self.gave_up,
+            "placed": self.placements,
+            "released": self.releases,
+        }
 
-            try:
-                result = ledger.commit_with_retry(release, mirror=self.mirror)
-            except CasConflict:
-                self.gave_up += 1
-                self.placed.append(replica_id)
-                return
-            self.releases += 1
-            del self.where[replica_id]
-            self.free.append(self.pool[replica_id])
-            if result is None:
-                return  # evicted by someone else's placement meanwhile: nothing to release
-        self.latencies.append(time.perf_counter() - began)
-        self.conflicts += result.attempts - 1
+
+# -- running clients -------------------------------------------------------------------------------
 
 
 def backend_cpu_s() -> float | None:
@@ -187,52 +420,40 @@ def backend_cpu_s() -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def client(
-    n: int,
-    policy: str,
-    pool: list[tuple[str, str, int, int]],
-    seconds: float,
-    start: mp.Barrier,
-    out: mp.Queue,
-    mirrored: bool,
-) -> None:
+def client(make: Callable[[], Loop], seconds: float, start: mp.Barrier, out: mp.Queue) -> None:
     from django.db import connection
 
-    loop = Client(n, policy, pool, mirrored=mirrored)
-    start.wait()
-    server_before, client_before = backend_cpu_s(), time.process_time()
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        loop.step()
-    client_cpu = time.process_time() - client_before
-    server_after = backend_cpu_s()
+    with effects_kept() as sent:
+        loop = make()
+        start.wait()
+        server_before, client_before = backend_cpu_s(), time.process_time()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            loop.step()
+        client_cpu = time.process_time() - client_before
+        server_after = backend_cpu_s()
     server_cpu = None if server_before is None or server_after is None else server_after - server_before
     connection.close()
     out.put(
         {
             "latencies": loop.latencies,
-            "conflicts": loop.conflicts,
-            "refused": loop.refused,
-            "placed": loop.placements,
-            "released": loop.releases,
-            "gave_up": loop.gave_up,
             "client_cpu": client_cpu,
             "server_cpu": server_cpu,
+            "sent": len(sent),
+            **loop.tally(),
         }
     )
 
 
-def run(policy: str, clients: int, pools, seconds: float, *, mirrored: bool = True) -> dict:
+def run(makers: list[Callable[[], Loop]], seconds: float) -> dict:
+    """Each maker's loop in a process of its own, started together; the row's figures."""
     from django.db import connections
 
-    reset_reservations()
     connections.close_all()  # children must not share the parent's connection across fork
     ctx = mp.get_context("fork")
-    start = ctx.Barrier(clients + 1)
+    start = ctx.Barrier(len(makers) + 1)
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=client, args=(n, policy, pools[n], seconds, start, out, mirrored)) for n in range(clients)
-    ]
+    procs = [ctx.Process(target=client, args=(make, seconds, start, out)) for make in makers]
     for proc in procs:
         proc.start()
     start.wait()
@@ -243,22 +464,62 @@ def run(policy: str, clients: int, pools, seconds: float, *, mirrored: bool = Tr
         proc.join(30)
     latencies = sorted(x for r in results for x in r["latencies"])
     commits = len(latencies)
+    totals = {key: sum(r[key] for r in results) for key in results[0] if isinstance(results[0][key], int)}
     return {
+        **totals,
         "commits_per_s": commits / elapsed,
-        "p50_ms": 1000 * statistics.median(latencies),
-        "p99_ms": 1000 * latencies[min(commits - 1, int(0.99 * commits))],
-        "conflicts_per_commit": sum(r["conflicts"] for r in results) / max(1, commits),
-        "refused": sum(r["refused"] for r in results),
-        "placed": sum(r["placed"] for r in results),
-        "released": sum(r["released"] for r in results),
-        "gave_up": sum(r["gave_up"] for r in results),
-        # CPU per operation (ms), client processes and their PostgreSQL backends, whatever the
-        # wall clock: on a shared or oversubscribed machine this is the steadier figure.
+        "p50_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
+        "p99_ms": 1000 * latencies[min(commits - 1, int(0.99 * commits))] if latencies else float("nan"),
+        "conflicts_per_commit": totals["conflicts"] / max(1, commits),
+        # CPU per call (ms), client processes and their PostgreSQL backends, whatever the wall
+        # clock: on a shared or oversubscribed machine this is the steadier figure.
         "client_cpu_ms": 1000 * sum(r["client_cpu"] for r in results) / max(1, commits),
         "server_cpu_ms": None
         if any(r["server_cpu"] is None for r in results)
         else 1000 * sum(r["server_cpu"] for r in results) / max(1, commits),
+        "over_committed": over_committed_gpus(),
     }
+
+
+def over_committed_gpus() -> int:
+    """GPUs whose books do not balance: available ≠ total − reserved, or reserved > total."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT count(*) FROM scheduling_gpu g
+            LEFT JOIN (SELECT gpu_id, SUM(reserved_bytes) AS reserved FROM scheduling_occupant GROUP BY gpu_id) o
+                ON o.gpu_id = g.id
+            WHERE g.available_bytes <> g.total_bytes - COALESCE(o.reserved, 0)
+               OR COALESCE(o.reserved, 0) > g.total_bytes
+            """
+        )
+        return cursor.fetchone()[0]
+
+
+def service_row(how: str, clients: int, models: list[Model], seconds: float) -> dict:
+    reset_services(models)
+    shares = [models[n::clients] for n in range(clients)]
+
+    def maker(n: int) -> Callable[[], Loop]:
+        def make() -> Loop:
+            if how == "full":
+                use_full_snapshots()
+            return ServiceClient(n, shares[n])
+
+        return make
+
+    return run([maker(n) for n in range(clients)], seconds)
+
+
+def ledger_row(how: str, policy: str, clients: int, pools: list, seconds: float) -> dict:
+    reset_reservations()
+
+    def maker(n: int) -> Callable[[], Loop]:
+        return lambda: Client(n, policy, pools[n], mirrored=how == "mirror")
+
+    return run([maker(n) for n in range(clients)], seconds)
 
 
 def cpu_cells(r: dict) -> list[str]:
@@ -266,66 +527,113 @@ def cpu_cells(r: dict) -> list[str]:
     return [f"{r['client_cpu_ms']:.3f}", server]
 
 
-def main() -> None:
+def figures(r: dict) -> list[str]:
+    return [f"{r['commits_per_s']:.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['conflicts_per_commit']:.3f}"]
+
+
+def profile(how: str, seconds: float) -> None:
+    """One services client in this process under cProfile: where a call's time goes."""
+    models = service_models()
+    reset_services(models)
+    with effects_kept():
+        if how == "full":
+            use_full_snapshots()
+        loop = ServiceClient(0, models[:5])
+        profiler = cProfile.Profile()
+        deadline = time.perf_counter() + seconds
+        profiler.enable()
+        while time.perf_counter() < deadline:
+            loop.step()
+        profiler.disable()
+    print(f"{len(loop.latencies)} calls, {loop.tally()}")
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--clients", default="1,4,8,16")
-    parser.add_argument("--full-clients", default="1,8", help="client counts for the full-snapshot rows ('' for none)")
-    parser.add_argument("--policy", default="gpuportal,ndif", help="comma-separated: gpuportal, ndif")
-    parser.add_argument(
-        "--cpu", action="store_true", help="add client and PostgreSQL CPU per operation (implies --no-record)"
-    )
+    parser.add_argument("--service-clients", default="1,8", help="client counts for the services rows ('' for none)")
+    parser.add_argument("--clients", default="1,4,8,16", help="client counts for the ledger loop's mirror rows")
+    parser.add_argument("--full-clients", default="1,8", help="client counts for the ledger loop's full rows")
+    parser.add_argument("--policy", default="gpuportal,ndif", help="ledger loop, comma-separated: gpuportal, ndif")
+    parser.add_argument("--cpu", action="store_true", help="add client and PostgreSQL CPU per call")
     parser.add_argument("--no-record", action="store_true", help="print only; leave BENCHMARKS.md alone")
-    args = parser.parse_args()
-    counts = [int(c) for c in args.clients.split(",")]
-    full_counts = [int(c) for c in args.full_clients.split(",") if c]
+    parser.add_argument("--profile", choices=["incremental", "full"], help="profile one services client instead")
+    return parser.parse_args()
+
+
+def counts(text: str) -> list[int]:
+    return [int(c) for c in text.split(",") if c]
+
+
+def main() -> None:
+    args = parse_args()
     policies = args.policy.split(",")
-    headers = ["snapshot", *HEADERS] + (["client CPU ms/op", "server CPU ms/op"] if args.cpu else [])
-    record_it = not (args.no_record or args.cpu or policies != ["gpuportal", "ndif"])
-    runs = [("mirror", policy, clients) for policy in policies for clients in counts]
-    runs += [("full", "gpuportal", clients) for clients in full_counts]
+    service_counts, ledger_counts, full_counts = map(counts, (args.service_clients, args.clients, args.full_clients))
+    record_it = not (
+        args.no_record or args.profile or policies != ["gpuportal", "ndif"] or not service_counts or not ledger_counts
+    )
+    extra = CPU_HEADERS if args.cpu else []
 
     server = setup_database("gpuportal_bench_placement")
     try:
-        from bench.report import record, table
+        from bench.report import table
 
         register_cluster(nodes=100, gpus_per_node=8, gpu_size="80GiB")
-        pools = create_state(max(counts + full_counts))
-        rows = []
-        for how, policy, clients in runs:
-            r = run(policy, clients, pools, args.seconds, mirrored=how == "mirror")
-            rows.append(
-                [
-                    how,
-                    policy,
-                    clients,
-                    f"{r['commits_per_s']:.0f}",
-                    f"{r['p50_ms']:.2f}",
-                    f"{r['p99_ms']:.2f}",
-                    f"{r['conflicts_per_commit']:.3f}",
-                    r["refused"],
-                    r["placed"],
-                    r["released"],
-                ]
-                + (cpu_cells(r) if args.cpu else [])
-            )
-            print(table(headers, rows[-1:]).splitlines()[-1], flush=True)
-        report = table(headers, rows)
-        print("\n" + report)
-        if record_it:
-            record(
-                "placement",
-                "Placement: snapshot, place, commit",
-                f"`python -m bench.placement --seconds {args.seconds:g}`: 100 nodes × 8 virtual GPUs of 80 GiB, "
-                f"{DEPLOYMENTS} deployments of 1 to 20 GiB of weights; each client is a process with its own "
-                "connection; an operation places a replica (snapshot, `place`, commit with Events) or releases "
-                "one; latency includes retries. Snapshot `mirror`: each client refreshes a ledger Mirror (only "
-                "the GPUs written since it last looked); `full`: it reads every GPU, as the control plane's "
-                "services do. Refused: no node could host the replica. "
-                f"{args.seconds:g} s per row.\n\n" + report,
-            )
+        if args.profile:
+            profile(args.profile, args.seconds)
+            return
+        ledger_rows = []
+        if ledger_counts or full_counts:
+            pools = create_state(max(ledger_counts + full_counts))
+            runs = [("mirror", policy, n) for policy in policies for n in ledger_counts]
+            runs += [("full", "gpuportal", n) for n in full_counts]
+            for how, policy, n in runs:
+                r = ledger_row(how, policy, n, pools, args.seconds)
+                cells = [how, policy, n, *figures(r), r["refused"], r["placed"], r["released"], r["over_committed"]]
+                ledger_rows.append(cells + (cpu_cells(r) if args.cpu else []))
+                print(table(LEDGER_HEADERS + extra, ledger_rows[-1:]).splitlines()[-1], flush=True)
+        service_rows = []
+        models = service_models()
+        for n in service_counts:
+            for how in ("incremental", "full"):
+                r = service_row(how, n, models, args.seconds)
+                cells = [how, n, *figures(r), r["refused"], *(r[k] for k in ("scaled up", "scaled down"))]
+                cells += [r["created"], r["deleted"], r["over_committed"]]
+                service_rows.append(cells + (cpu_cells(r) if args.cpu else []))
+                print(table(SERVICE_HEADERS + extra, service_rows[-1:]).splitlines()[-1], flush=True)
+        report(args, service_rows, ledger_rows, extra, record_it)
     finally:
         stop(server)
+
+
+def report(args: argparse.Namespace, service_rows: list, ledger_rows: list, extra: list[str], record_it: bool) -> None:
+    from bench.report import record, table
+
+    services = table(SERVICE_HEADERS + extra, service_rows) if service_rows else ""
+    ledger = table(LEDGER_HEADERS + extra, ledger_rows) if ledger_rows else ""
+    print("\n" + services + "\n\n" + ledger)
+    if not record_it:
+        return
+    record(
+        "placement",
+        "Placement: through the services, and the ledger loop",
+        f"`python -m bench.placement --seconds {args.seconds:g}{' --cpu' if args.cpu else ''}`: 100 nodes × 8 "
+        "virtual GPUs of 80 GiB; each client is a process with its own connection; latency includes retries; "
+        f"{args.seconds:g} s per row; over-committed GPUs are counted after each row.\n\n"
+        "**Services**, the path a deploy or scale through the REST API runs: each call is "
+        f"`deployments.scale(name, n ± 1)` on one of {SERVICE_DEPLOYMENTS} deployments (1 to 20 GiB of weights, "
+        f"about half the cluster at the start), or ({CHURN_PERCENT} % of calls) `create` or `delete` of a one-replica "
+        "deployment; the tasks a call sends after its commit are built and recorded, not sent. Snapshot "
+        "`incremental`: the process's ledger Mirror, refreshed with what was written since its last read "
+        "(what the services use); `full`: every GPU read afresh for each decision (the services' snapshot "
+        "before issue 17, the rest of the call as today). Refused: no room (409).\n\n" + services + "\n\n"
+        "**Ledger loop**: snapshot, `place`, compare-and-swap commit (or a release), nothing of the services "
+        "around it; 40 deployments of 1 to 20 GiB, about half full. Snapshot `mirror`: a ledger Mirror; "
+        "`full`: every GPU read afresh.\n\n" + ledger,
+    )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """The one commit path (DESIGN §4): snapshot GPUs, let a pure module plan, commit with
-compare-and-swap on the GPU rows. This module (with the server-side function it calls,
-`gpuportal_ledger_commit`, whose SQL is in scheduling/sql/) is the only writer of GPU bytes, versions and
-Occupant rows; services call it, nothing else does. Global lock order: deployment rows, then GPU
-rows by primary key, then replica rows."""
+compare-and-swap on the GPU rows. A snapshot of every GPU is this thread's Mirror, refreshed with
+only the GPUs whose view changed since its last read (issue 17: the services decide on it, so it
+must equal a fresh read, which the change stamps the database puts on every row a view is built
+from make it), and the compare-and-swap stays the safety net for what lands after.
+
+This module (with the server-side function it calls, `gpuportal_ledger_commit`, whose SQL is in
+scheduling/sql/) is the only writer of GPU bytes, versions and Occupant rows; services call it,
+nothing else does. Global lock order: deployment rows, then GPU rows by primary key, then replica
+rows."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -18,8 +24,7 @@ from pathlib import Path
 import psycopg
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F, Func
-from django.db.models.expressions import RawSQL
+from django.db.models import F
 from django.utils import timezone
 
 from gpuportal.wire.node_reports import DeviceInfo
@@ -55,25 +60,44 @@ class CommitResult:
 
 
 # The snapshot read is one call of the server-side function `gpuportal_ledger_read` (migration
-# 0011): one statement, so PostgreSQL answers from one consistent view, with each GPU's
+# 0020): one statement, so PostgreSQL answers from one consistent view, with each GPU's
 # occupants and active intents built as JSON on the server (no ORM: this is the hot path). It
 # also returns that view's snapshot (as text), for a Mirror's next read.
-READ_SQL = "SELECT * FROM gpuportal_ledger_read(%s, %s::bigint[])"
+READ_SQL = "SELECT * FROM gpuportal_ledger_read(%s, %s::bigint[], %s::bigint[])"
 
 # The server-side functions as the database holds them now: the file of each (scheduling/sql/),
 # which the migration that last changed it loaded. A change is a new file and a new migration.
 SQL_DIR = Path(__file__).resolve().parent / "sql"
-SQL_FUNCTIONS = {"gpuportal_ledger_commit": "ledger_commit_v2.sql", "gpuportal_ledger_read": "ledger_read_v1.sql"}
+SQL_FUNCTIONS = {
+    "gpuportal_ledger_commit": "ledger_commit_v2.sql",
+    "gpuportal_ledger_read": "ledger_read_v2.sql",
+    "gpuportal_ledger_stamp": "ledger_stamp_v1.sql",
+    "gpuportal_ledger_gpus_gone": "ledger_gone_v1.sql",
+}
+
+# Where a row of `gpuportal_ledger_read` ends what a view is built from; then whether it was built
+# from the reader's own uncommitted writes, the GPU generation (bumped by deletions), and the
+# read's snapshot.
+VIEW_COLUMNS = 15
+MINE, GENERATION = 15, 16
 
 
-def _read(seen: str | None, ids: list[int] | None) -> tuple[list[tuple], str]:
-    """Rows of the GPUs asked for (`ids`; else all, or with `seen` those written by transactions
-    that snapshot did not see), and the snapshot they were read in."""
+@dataclass(frozen=True)
+class _Rows:
+    rows: list[tuple]
+    seen: str  # the snapshot they were read in, as PostgreSQL writes it
+    generation: int  # bumped whenever GPU rows are deleted
+
+
+def _read(seen: str | None, ids: list[int] | None, again: Iterable[int] = ()) -> _Rows:
+    """Rows of the GPUs asked for (`ids`); else of every GPU, or with `seen` of those whose view
+    changed since that snapshot, and `again`."""
+    args = [seen, None if ids is None else _int_array(ids), _int_array(again) if seen is not None else None]
     with _cursor() as cursor:
-        cursor.execute(READ_SQL, [seen, None if ids is None else _int_array(ids)])
+        cursor.execute(READ_SQL, args)
         rows = cursor.fetchall()
-    # The snapshot comes on every row, and on a row of NULLs when no GPU matched.
-    return [row for row in rows if row[0] is not None], rows[0][-1]
+    # The snapshot and generation come on every row, and on a row of NULLs when no GPU matched.
+    return _Rows([row for row in rows if row[0] is not None], rows[0][-1], rows[0][GENERATION])
 
 
 def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPUView:
@@ -81,9 +105,10 @@ def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPU
     entries to views already built from them: they are reused, and it is updated to hold
     exactly this GPU's, so that a Mirror builds only the occupants that changed."""
     (gpu_id, node, node_status, index, total, available, version, virtual, health, holder, expires) = row[:11]
+    context, standby_context, raw_occupants, raw_intents = row[11:VIEW_COLUMNS]
     occupants = []
     fresh: dict[tuple, OccupantView] = {}
-    for entry in json.loads(row[11]) if row[11] != "[]" else ():
+    for entry in json.loads(raw_occupants) if raw_occupants != "[]" else ():
         key = tuple(entry)
         view = known.get(key) if known is not None else None
         if view is None:
@@ -93,7 +118,7 @@ def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPU
     if known is not None:
         known.clear()
         known.update(fresh)
-    intents = json.loads(row[12]) if row[12] != "[]" else ()
+    intents = json.loads(raw_intents) if raw_intents != "[]" else ()
     return GPUView(
         id=gpu_id,
         node=node,
@@ -113,6 +138,8 @@ def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPU
         else (),
         wake_lock_holder=holder,
         wake_lock_expires_at=expires,
+        context_bytes=context,
+        standby_context_bytes=standby_context,
     )
 
 
@@ -135,19 +162,18 @@ def _time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
-# The views last built from each GPU's row, by GPU id, with that row: a snapshot that reads a row
-# unchanged reuses its view rather than parse and build it again (most of a full snapshot's
-# client time on a large cluster: a few microseconds a GPU). Shared by the process's threads;
-# two that race store equal views.
+# The views last built from each GPU's row by `read`, by GPU id, with that row: a read that finds
+# a row unchanged reuses its view rather than parse and build it again (a few microseconds a GPU).
+# Shared by the process's threads; two that race store equal views.
 _VIEWS: dict[int, tuple[tuple, GPUView]] = {}
 
 
-def snapshot(gpu_ids: Iterable[int] | None = None) -> Snapshot:
-    """Read GPUs with their versions, occupants and active intents, without locking."""
-    rows, _ = _read(None, None if gpu_ids is None else list(gpu_ids))
+def read(gpu_ids: Iterable[int] | None = None) -> Snapshot:
+    """Read GPUs (these, or every one) afresh with their versions, occupants and active intents,
+    without locking."""
     gpus = {}
-    for row in rows:
-        raw = row[:-1]  # less the read's own snapshot, which differs on every read
+    for row in _read(None, None if gpu_ids is None else list(gpu_ids)).rows:
+        raw = row[:VIEW_COLUMNS]
         known = _VIEWS.get(row[0])
         if known is not None and known[0] == raw:
             gpus[row[0]] = known[1]
@@ -157,16 +183,30 @@ def snapshot(gpu_ids: Iterable[int] | None = None) -> Snapshot:
     return Snapshot(gpus=gpus, taken_at=timezone.now())
 
 
-class Mirror:
-    """A snapshot kept in memory and refreshed with only the GPUs written since the last read.
+def snapshot(gpu_ids: Iterable[int] | None = None) -> Snapshot:
+    """Every GPU, from this thread's Mirror brought up to date (what a fresh `read()` would return,
+    for a few changed rows' cost); or only `gpu_ids`, read afresh. Without locking."""
+    if gpu_ids is not None:
+        return read(gpu_ids)
+    return mirror().snapshot()
 
-    For a loop that decides often (the placement benchmark, a busy scheduler): a full read of
-    hundreds of GPUs costs milliseconds, a refresh of the few that changed costs little. It may
-    lag a commit that lands between refresh and decision, like any snapshot; the compare-and-swap
-    at commit catches that, and the retry refreshes again. Occupant details that change without
-    a ledger commit (a replica's state or last access) are refreshed only when their GPU is next
-    written, so a decision that weighs them (fairness) should read a fresh `snapshot()` of the
-    GPUs it acts on. Not thread-safe: one per thread.
+
+class Mirror:
+    """A snapshot of every GPU kept in memory, refreshed with only the GPUs whose view changed
+    since its last read: equal to a fresh `read()` taken at the refresh, for a few rows' cost.
+
+    A view changes when a row it is built from does, and the database stamps each such row with
+    the transaction that changed it (`gpuportal_ledger_stamp`): the GPU row (a commit, a wake
+    lock, an inventory change), its node's status, an occupant's replica (its state, last access,
+    serving since) or deployment (its fairness settings). Active preemption intents, which leave
+    nothing to stamp when deleted, are read every time. A view built from this process's own
+    uncommitted writes is read again next time, since its transaction may roll back. A deleted
+    GPU leaves no stamp either: deletions bump a generation, and a refresh that finds it changed
+    reads everything.
+
+    Like any snapshot it may lag a commit that lands between refresh and decision; the
+    compare-and-swap at commit catches that, and the retry refreshes again. Not thread-safe: one
+    per thread (`mirror()`).
     """
 
     def __init__(self) -> None:
@@ -177,25 +217,16 @@ class Mirror:
         self._rows: dict[int, tuple] = {}
         self._occupants: dict[int, dict[tuple, OccupantView]] = {}
         self._seen: str | None = None  # the snapshot of the last read, as PostgreSQL writes it
+        self._generation: int | None = None  # the GPU generation the last read found
+        # GPUs to read next time whatever their stamps: those built from this process's own
+        # uncommitted writes, and those with active intents (which carry no stamp).
+        self._again: set[int] = set()
         # The index of the whole-cluster snapshot last handed out, patched with what changed
         # since rather than rebuilt (placement's lookups; SnapshotIndex.updated). None: rebuild.
         self._index: SnapshotIndex | None = None
 
     def snapshot(self, gpu_ids: Iterable[int] | None = None) -> Snapshot:
-        # The first read is a full one; later ones return only the GPUs written by
-        # transactions the previous read did not see (gpuportal_ledger_read says why that
-        # misses nothing).
-        rows, self._seen = _read(self._seen, None)
-        changed = []
-        for row in rows:
-            gpu_id = row[0]
-            if self._rows.get(gpu_id) == row[:-1]:
-                continue
-            self._gpus[gpu_id] = view = _gpu_view(row, self._occupants.setdefault(gpu_id, {}))
-            self._rows[gpu_id] = row[:-1]
-            changed.append(view)
-        if self._index is not None:
-            self._index = self._index.updated(changed)
+        self._refresh()
         now = timezone.now()
         if gpu_ids is not None:
             return Snapshot(gpus={i: self._gpus[i] for i in gpu_ids if i in self._gpus}, taken_at=now)
@@ -204,13 +235,61 @@ class Mirror:
             self._index = SnapshotIndex.build(gpus)
         return Snapshot.indexed(gpus, now, self._index)
 
+    def _refresh(self) -> None:
+        # The first read is a full one; later ones return only the GPUs whose views changed
+        # since, and those asked for again (gpuportal_ledger_read says why that misses nothing).
+        full = self._seen is None
+        asked = sorted(self._again)
+        read = _read(self._seen, None, asked)
+        if not full and read.generation != self._generation:
+            # GPUs were deleted since (or a deletion this mirror saw was rolled back): read all.
+            self._seen = None
+            self._refresh()
+            return
+        self._seen, self._generation, self._again = read.seen, read.generation, set()
+        changed = []
+        returned = set()
+        for row in read.rows:
+            gpu_id = row[0]
+            returned.add(gpu_id)
+            if row[MINE] or row[VIEW_COLUMNS - 1] != "[]":
+                self._again.add(gpu_id)
+            if self._rows.get(gpu_id) == row[:VIEW_COLUMNS]:
+                continue
+            self._gpus[gpu_id] = view = _gpu_view(row, self._occupants.setdefault(gpu_id, {}))
+            self._rows[gpu_id] = row[:VIEW_COLUMNS]
+            changed.append(view)
+        if self._index is not None:
+            self._index = self._index.updated(changed)
+        # Gone: on a full read, what it did not return; else what was asked for again and not
+        # found (a GPU its own transaction inserted, rolled back since).
+        self.forget((set(self._gpus) if full else set(asked)) - returned)
+
     def forget(self, gpu_ids: Iterable[int]) -> None:
-        """Drop GPUs found gone at commit (their node was deleted)."""
+        """Drop GPUs found gone (their node was deleted)."""
         for gpu_id in gpu_ids:
             if self._gpus.pop(gpu_id, None) is not None:
                 self._index = None  # a GPU gone: the next snapshot builds its index anew
             self._rows.pop(gpu_id, None)
             self._occupants.pop(gpu_id, None)
+            self._again.discard(gpu_id)
+
+
+# Each thread's Mirror of each database it reads (tests and benchmarks switch databases).
+_mirrors = threading.local()
+
+
+def mirror() -> Mirror:
+    """This thread's Mirror of the database its connection points at."""
+    params = connection.settings_dict
+    key = (connection.alias, params.get("HOST"), params.get("PORT"), params.get("NAME"))
+    mirrors = getattr(_mirrors, "by_database", None)
+    if mirrors is None:
+        mirrors = _mirrors.by_database = {}
+    found = mirrors.get(key)
+    if found is None:
+        found = mirrors[key] = Mirror()
+    return found
 
 
 def _cursor() -> psycopg.Cursor:
@@ -315,7 +394,8 @@ def commit_with_retry(
 
     `decide` returns None when there is nothing to do. Backoff is jittered so that clients
     that collided do not collide again in lockstep; after `attempts` conflicts the last one
-    is raised to the caller. With a `mirror`, snapshots are its incremental refreshes.
+    is raised to the caller. Snapshots are `snapshot(gpu_ids)`'s (every GPU: this thread's
+    Mirror), or refreshes of the `mirror` given.
     """
     scope = list(gpu_ids) if gpu_ids is not None else None
     take = mirror.snapshot if mirror is not None else snapshot
@@ -352,12 +432,15 @@ def hold_wake_lock(gpu_id: int, holder_id: str, expires: datetime, *, fresh: boo
     conflict at commit and look again."""
     changes: dict = {"wake_lock_holder_id": holder_id, "wake_lock_expires_at": expires}
     if fresh:
-        changes.update(version=F("version") + 1, changed_txid=RawSQL("txid_current()", []))
+        changes["version"] = F("version") + 1
+    # Every write of a GPU row is stamped by the database (gpuportal_ledger_stamp), so Mirrors
+    # see the lock, its renewal and its release, bumped or not.
     GPU.objects.filter(pk=gpu_id).update(**changes)
 
 
 def extend_wake_locks(gpu_ids: list[int], expires: datetime) -> None:
-    """Renew locks their holder still holds: nothing a plan reads changes, so no version bump."""
+    """Renew locks their holder still holds: no version bump (a plan made before the renewal is
+    as safe as one made after)."""
     GPU.objects.filter(pk__in=gpu_ids).update(wake_lock_expires_at=expires)
 
 
@@ -431,9 +514,7 @@ def sync_inventory(node_id: int, node_name: str, devices: list[DeviceInfo]) -> l
                 gpu.version += 1
                 gpu.save(update_fields=["health", "version", "updated_at"])
                 changes.append(InventoryChange(gpu.pk, f"{node_name}/{index}", "lost", before, _inventory_fields(gpu)))
-        if changes:
-            # Stamped like a commit, so mirrors pick up new, resized and lost GPUs.
-            GPU.objects.filter(pk__in=[c.gpu_id for c in changes]).update(changed_txid=Func(function="txid_current"))
+    # New, resized and lost GPUs reach Mirrors by the stamp the database puts on every GPU write.
     return changes
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
+
 
 @dataclass(frozen=True)
 class OccupantView:
@@ -61,6 +63,10 @@ class GPUView:
     intents: tuple[IntentView, ...] = ()
     wake_lock_holder: str | None = None
     wake_lock_expires_at: datetime | None = None
+    # What a CUDA context takes on this GPU, serving and standing by (measured per node and GPU
+    # model, issue 15); the H100's until measured.
+    context_bytes: int = H100_CONTEXT_BYTES
+    standby_context_bytes: int = H100_STANDBY_CONTEXT_BYTES
 
     @property
     def label(self) -> str:
@@ -93,6 +99,9 @@ class SnapshotIndex:
     unusable: Mapping[str, str]
     holdings: Mapping[str, Holdings]
     position: Mapping[int, int]  # GPU id -> its place in `ordered`
+    # The largest serving and standby contexts among the GPUs, which a replica's need counts so
+    # that it fits wherever it goes; the H100's when there is no GPU.
+    contexts: tuple[int, int] = (H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES)
 
     @classmethod
     def build(cls, gpus: Mapping[int, GPUView]) -> SnapshotIndex:
@@ -119,6 +128,7 @@ class SnapshotIndex:
             unusable=unusable,
             holdings={r: tuple(h) for r, h in holdings.items()},
             position=dict(zip(ids, range(len(ids)), strict=True)),
+            contexts=_largest_contexts(ordered),
         )
 
     def updated(self, changed: Iterable[GPUView]) -> SnapshotIndex | None:
@@ -133,10 +143,13 @@ class SnapshotIndex:
         on_node = dict(self.on_node)
         holdings = dict(self.holdings)
         touched_nodes: dict[str, dict[int, GPUView]] = {}
+        contexts: tuple[int, int] | None = self.contexts
         for gpu in changed:
             old = ordered[self.position[gpu.id]]
             if old.node != gpu.node:
                 return None  # a GPU moved between nodes: not something to patch
+            if (old.context_bytes, old.standby_context_bytes) != (gpu.context_bytes, gpu.standby_context_bytes):
+                contexts = None  # rare (a context measured): found again over all GPUs below
             ordered[self.position[gpu.id]] = gpu
             touched_nodes.setdefault(gpu.node, {})[gpu.id] = gpu
             for o in old.occupants:
@@ -165,7 +178,15 @@ class SnapshotIndex:
             unusable=unusable,
             holdings=holdings,
             position=self.position,
+            contexts=contexts if contexts is not None else _largest_contexts(ordered),
         )
+
+
+def _largest_contexts(gpus: Iterable[GPUView]) -> tuple[int, int]:
+    views = list(gpus)
+    if not views:
+        return H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
+    return max(g.context_bytes for g in views), max(g.standby_context_bytes for g in views)
 
 
 def _usable(nodes: Mapping[str, tuple[GPUView, ...]]) -> tuple[dict[str, tuple[GPUView, ...]], dict[str, str]]:

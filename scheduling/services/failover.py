@@ -139,9 +139,7 @@ def hand_over(successor: Replica, from_ids: list[str]) -> None:
 
     def decide(snap: Snapshot) -> Plan | None:
         releases, reservations = [], []
-        for gpu in snap.gpus.values():
-            if gpu.node != node:
-                continue
+        for gpu in snap.index.on_node.get(node, ()):  # its node's GPUs, without a walk of every GPU
             held_by_old = sum(o.reserved_bytes for o in gpu.occupants if o.replica_id in leaving)
             held = next((o.reserved_bytes for o in gpu.occupants if o.replica_id == successor_id), 0)
             releases += [Release(gpu.id, o.replica_id) for o in gpu.occupants if o.replica_id in leaving]

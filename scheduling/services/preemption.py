@@ -433,8 +433,8 @@ def _activity(replica_ids: list[str]) -> dict[str, tuple[int | None, datetime | 
 
 def _kept_bytes(snap: Snapshot) -> dict[int, int]:
     """What a victim still holds on each GPU once asleep: its CUDA context (a virtual GPU models
-    one too, issue 15), as measured for that GPU or its default."""
-    return dict(GPU.objects.filter(pk__in=list(snap.gpus)).values_list("pk", "context_bytes"))
+    one too, issue 15), as measured for that GPU or its default: the snapshot carries it."""
+    return {gpu_id: gpu.context_bytes for gpu_id, gpu in snap.gpus.items()}
 
 
 def _lock_target_gpus(target_ids: Iterable[int]) -> list[GPU] | None:

@@ -382,10 +382,10 @@ def test_a_mirror_reads_again_only_the_gpus_written_since_it_last_looked(monkeyp
     returned: list[list[int]] = []
     read = ledger._read
 
-    def counting(seen, ids):
-        rows, snap = read(seen, ids)
-        returned.append([row[0] for row in rows])
-        return rows, snap
+    def counting(seen, ids, again=()):
+        found = read(seen, ids, again)
+        returned.append([row[0] for row in found.rows])
+        return found
 
     monkeypatch.setattr(ledger, "_read", counting)
     mirror = ledger.Mirror()

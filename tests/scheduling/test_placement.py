@@ -732,6 +732,8 @@ def changed_snapshots(draw) -> tuple[Snapshot, Snapshot]:
                 occupants[o.replica_id] = o
                 room -= o.reserved_bytes
         health = draw(st.sampled_from(["ok", "ok", "lost"]))
+        # A measured context (rare), which the index's largest contexts follow.
+        context = draw(st.sampled_from([old.context_bytes, old.context_bytes, 0, 2 * old.context_bytes]))
         gpus[gpu_id] = GPUView(
             **{
                 **old.__dict__,
@@ -739,6 +741,7 @@ def changed_snapshots(draw) -> tuple[Snapshot, Snapshot]:
                 "available_bytes": room,
                 "health": health,
                 "version": old.version + 1,
+                "context_bytes": context,
             }
         )
     if draw(st.booleans()):
