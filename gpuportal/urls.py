@@ -44,6 +44,7 @@ urlpatterns = [
     path("v1/models", openai_compat.ModelsView.as_view(), name="openai-models"),
     path("v1/completions", openai_compat.CompletionsView.as_view(), name="openai-completions"),
     path("v1/chat/completions", openai_compat.ChatCompletionsView.as_view(), name="openai-chat"),
+    path("v1/embeddings", openai_compat.EmbeddingsView.as_view(), name="openai-embeddings"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("metrics", metrics.metrics, name="metrics"),

@@ -1,25 +1,34 @@
 """What a node reads of a model before any replica loads it (gpuportal.wire.inspection): the
-weights' bytes and, for a transformers model, the shape the control plane's estimate needs.
+weights' bytes and, for a causal LM, the shape the control plane's estimate needs.
 Nothing is loaded: a transformers model is read from its config and safetensors headers, a
-`torch-module` factory is built on the meta device."""
+`torch-module` factory is built on the meta device. A `hf:org/name` source is read from this
+node's Hugging Face cache (inference.hub), or refused saying how to download it."""
 
 from __future__ import annotations
 
-from gpuportal.wire.inspection import ModelReading
-from inference.loaders import factory_weight_bytes
-from inference.model_size import shape_from_model_dir
+import json
 
-TRANSFORMERS = "transformers"
+from gpuportal.wire.inspection import ModelReading
+from inference.hub import local_model_dir
+from inference.loaders import EMBEDDING, TRANSFORMERS, factory_weight_bytes, validate_source
+from inference.model_size import shape_from_model_dir
 
 
 def read_model(source: str, loader: str, dtype: str) -> ModelReading:
     try:
         if loader == TRANSFORMERS:
             shape = shape_from_model_dir(source, dtype)
-            refusal = _tokenizer_refusal(source)
+            refusal = _headless_refusal(source) or _tokenizer_refusal(source)
             if refusal:
                 return ModelReading(refusal=refusal)
             return ModelReading(weight_bytes=shape.weight_bytes, shape=shape)
+        if loader == EMBEDDING:
+            validate_source(source, loader)  # weights beside the config, a recipe it can follow
+            weights = shape_from_model_dir(source, dtype, encoder=True).weight_bytes
+            refusal = _tokenizer_refusal(source)
+            # No shape: an encoder keeps no KV cache. Its need is its weights and the activation
+            # floor, which its forward passes are sized to fit (inference.embedding).
+            return ModelReading(refusal=refusal) if refusal else ModelReading(weight_bytes=weights)
         return ModelReading(weight_bytes=_factory_bytes(source, dtype))
     except ValueError as err:
         return ModelReading(refusal=str(err))
@@ -27,14 +36,33 @@ def read_model(source: str, loader: str, dtype: str) -> ModelReading:
         return ModelReading(refusal=f"cannot read {source!r}: {err.strerror or err}")
 
 
+def _headless_refusal(source: str) -> str:
+    """Why this checkpoint is no causal LM, or "": one that names only headless architectures
+    (BertModel, MPNetModel: sentence encoders) would load with a language-model head of random
+    weights and generate noise. Such a model is served as embeddings instead (issue 18)."""
+    try:
+        config = json.loads((local_model_dir(source) / "config.json").read_text())
+    except (OSError, ValueError):  # shape_from_model_dir read it a moment ago: nothing to add
+        return ""
+    names = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return ""
+    if not all(n.endswith("Model") and not n.endswith("LMHeadModel") for n in names):
+        return ""
+    return (
+        f"{source} is not a causal LM: its checkpoint has no language-model head ({', '.join(names)}); "
+        f"to serve it as sentence embeddings on /v1/embeddings, deploy it with model.loader {EMBEDDING}"
+    )
+
+
 def _tokenizer_refusal(source: str) -> str:
-    """Why the replicas could not read text for this model, or "": a transformers deployment takes
-    only text and chat, so one without a tokenizer would be accepted here and fail on its first
-    request (issue 18). Loaded the way a replica loads it (inference.replica), from local files."""
+    """Why the replicas could not read text for this model, or "": a causal LM or an encoder takes
+    only text, so one without a tokenizer would be accepted here and fail on its first request
+    (issue 18). Loaded the way a replica loads it (inference.replica), from local files."""
     from transformers import AutoTokenizer
 
     try:
-        AutoTokenizer.from_pretrained(source, local_files_only=True)
+        AutoTokenizer.from_pretrained(local_model_dir(source), local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return (

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuportal.wire.memory import DTYPE_BYTES, ModelShape, allocation_bytes, dtype_bytes
+from inference.hub import local_model_dir
 
 # safetensors dtype codes whose tensors a loader casts to the requested dtype. Integer, boolean and
 # 8-bit float tensors are quantised data or indices, which loaders keep as stored, so they are not
@@ -25,8 +26,10 @@ _CASTABLE = {"F64", "F32", "F16", "BF16"}
 _MAX_HEADER_BYTES = 100 * 1024**2
 
 
-def shape_from_model_dir(path: str | Path, dtype: str | None = None) -> ModelShape:
-    """The shape of the causal LM in `path` as it will run in `dtype` (None: the checkpoint's own dtype).
+def shape_from_model_dir(path: str | Path, dtype: str | None = None, *, encoder: bool = False) -> ModelShape:
+    """The shape of the causal LM in `path` (a directory or `hf:org/name`) as it will run in `dtype`
+    (None: the checkpoint's own dtype); `encoder`: of the headless encoder there instead, which
+    matters only for a checkpoint without safetensors, sized by building it.
 
     Raises ValueError naming what is missing or malformed; the API reports it on `model.source`.
     """
@@ -47,7 +50,9 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None) -> ModelSha
 
     files = _safetensors_files(root)
     weight_bytes = (
-        sum(_safetensors_bytes(f, run_bytes) for f in files) if files else _meta_bytes(config, root, run_bytes)
+        sum(_safetensors_bytes(f, run_bytes) for f in files)
+        if files
+        else _meta_bytes(config, root, run_bytes, encoder=encoder)
     )
     return ModelShape(
         weight_bytes=weight_bytes,
@@ -62,7 +67,7 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None) -> ModelSha
 
 
 def _model_dir(path: str | Path) -> Path:
-    root = Path(path)
+    root = local_model_dir(path)
     if not root.exists():
         raise ValueError(f"not a model directory: {root} does not exist")
     if not root.is_dir():
@@ -162,18 +167,19 @@ def _safetensors_bytes(path: Path, run_bytes: int) -> int:
     )
 
 
-def _meta_bytes(config: Any, root: Path, run_bytes: int) -> int:
+def _meta_bytes(config: Any, root: Path, run_bytes: int, *, encoder: bool = False) -> int:
     """Bytes of the model's parameters and saved buffers, counted on a storage-less meta-device build."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     try:
         # include_buffers: buffers too stay off the host, so even a huge model costs only its metadata.
         with init_empty_weights(include_buffers=True):
-            model = AutoModelForCausalLM.from_config(config)
+            model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config)
     except Exception as exc:  # any failure to build means we cannot size it; say why
+        what = "an encoder" if encoder else "a causal LM"
         raise ValueError(
-            f"not a model directory: no safetensors in {root} and its config does not build a causal LM ({exc})"
+            f"not a model directory: no safetensors in {root} and its config does not build {what} ({exc})"
         ) from exc
 
     # parameters() yields tied weights once, as save_pretrained stores them once. Non-persistent buffers

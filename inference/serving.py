@@ -1,5 +1,6 @@
-"""What a replica does with a request: generate text (causal LMs), or run a forward pass on JSON
-tensors (plain PyTorch modules). Runs inside the replica process; no Django.
+"""What a replica does with a request: generate text (causal LMs), embed texts (encoders,
+inference.embedding), or run a forward pass on JSON tensors (plain PyTorch modules). Runs inside
+the replica process; no Django.
 
 `Server` is the replica's serving thread: it takes requests from its deployment's queue while the
 replica is serving (seed 002: whichever replica has room first wins). Text requests on a replica
@@ -32,6 +33,7 @@ from inference.errors import BadInput
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
+    from inference.embedding import Embedder
     from inference.paged import PagedModel
     from inference.replica import ReplicaHost
 
@@ -75,13 +77,31 @@ def generation_params(params: dict[str, Any]) -> tuple[int, float, float, list[s
 class Executor:
     """Runs requests on a loaded model."""
 
-    def __init__(self, model: Any, tokenizer: Any | None, abort: threading.Event | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any | None,
+        abort: threading.Event | None = None,
+        embedder: Embedder | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         # Set by a drain past its deadline: generation stops at its next token and raises Aborted.
         self.abort = abort if abort is not None else threading.Event()
+        # An encoder's (a transformers-embedding deployment): it embeds, and does nothing else.
+        self.embedder = embedder
 
     def run(self, request: Request, on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
+        # The web admits only the kinds a deployment takes; these guard a request that was queued
+        # under an older deployment of the same name.
+        if (request.kind == "embed") != (self.embedder is not None):
+            raise BadInput(
+                "this deployment is an embedding model: send its text to POST /v1/embeddings"
+                if self.embedder is not None
+                else "this deployment is not an embedding model"
+            )
+        if request.kind == "embed":
+            return self.embed(request.input)
         if request.kind == "forward":
             return self.forward(request.input)
         if self.tokenizer is None:
@@ -161,6 +181,19 @@ class Executor:
                 "total_tokens": int(ids.shape[1] + len(new)),
             },
         }
+
+    def embed(self, texts: Any) -> dict[str, Any]:
+        from inference.embedding import Interrupted
+
+        assert self.embedder is not None
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise BadInput("input must be a non-empty string or a non-empty list of them")
+        try:
+            return self.embedder.embed(texts, self.abort)
+        except Interrupted as exc:
+            raise Aborted(str(exc)) from None
 
     def forward(self, data: Any) -> dict[str, Any]:
         import torch
@@ -352,7 +385,7 @@ class Server(threading.Thread):
     def accept(self, request: Request) -> None:
         """A taken request: into the batch, or run at once where there is no pool."""
         paged = self.host.paged
-        if request.kind == "forward" or paged is None:
+        if request.kind in ("forward", "embed") or paged is None:
             self.serve(request)
             return
         if not self.host.begin_request():

@@ -256,11 +256,17 @@ def activation_reserve_bytes(shape: ModelShape, max_tokens: int) -> int:
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    return max(ACTIVATION_FLOOR_BYTES, activation_bytes_per_token(shape) * max_tokens)
+
+
+def activation_bytes_per_token(shape: ModelShape) -> int:
+    """The activation budget of one token of a forward step, slack included (see above); an
+    embedding replica sizes its forward passes by it (inference.embedding)."""
     intermediate = shape.intermediate_size or DEFAULT_INTERMEDIATE_RATIO * shape.hidden_size
     per_token = (
         ACTIVATION_HIDDEN_TENSORS * shape.hidden_size + ACTIVATION_INTERMEDIATE_TENSORS * intermediate
     ) * shape.dtype_bytes
-    return max(ACTIVATION_FLOOR_BYTES, ACTIVATION_SLACK * per_token * max_tokens)
+    return ACTIVATION_SLACK * per_token
 
 
 def _check_bytes(**values: int) -> None:

@@ -1,6 +1,6 @@
-"""How a `/v1/completions` or `/v1/chat/completions` body is read: one parser for every way a call
-arrives (the hot path without DRF, streams and session users through DRF), so that what is
-accepted and what each refusal says cannot drift apart (issue 17). The serializers in
+"""How a `/v1/completions`, `/v1/chat/completions` or `/v1/embeddings` body is read: one parser
+for every way a call arrives (the hot path without DRF, streams and session users through DRF), so
+that what is accepted and what each refusal says cannot drift apart (issue 17). The serializers in
 openai_compat describe the same body for the OpenAPI schema only.
 
 Fields OpenAI clients send that the portal does not use (`user`, `seed`, ...) are ignored, as
@@ -17,6 +17,9 @@ Kind = Literal["generate", "chat"]
 ROLES = ("system", "user", "assistant", "developer")
 MAX_TOKENS = 4096
 MAX_STOPS = 4
+# OpenAI's own bound on the inputs of one embeddings call.
+MAX_EMBEDDING_INPUTS = 2048
+ENCODING_FORMATS = ("float", "base64")
 # What a request leaves out (scheduling.api.requests.ParamsInput's defaults).
 DEFAULT_MAX_TOKENS = 16
 MIN_TIMEOUT_S = 0.001
@@ -65,6 +68,51 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     }
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(model=model.strip(), input=request_input, params=params, timeout_s=timeout)
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    model: str
+    # The texts to embed, in order (a single string arrives as a list of one).
+    input: list[str]
+    encoding_format: str
+    timeout_s: float
+
+
+def parse_embeddings(body: Any, *, default_timeout_s: float, max_timeout_s: float) -> Embeddings:
+    """The embeddings call to make, or Refused naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise Refused(None, "the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise Refused("model", "required: the deployment's name")
+    texts = _texts(body.get("input"))
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding
+    if encoding not in ENCODING_FORMATS:
+        raise Refused("encoding_format", f"must be one of {', '.join(ENCODING_FORMATS)}")
+    if body.get("dimensions") is not None:
+        raise Refused("dimensions", "not supported: each model's embeddings have the size it was trained with")
+    timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
+    return Embeddings(model.strip(), texts, encoding, timeout)
+
+
+def _texts(value: Any) -> list[str]:
+    texts = value if isinstance(value, list) else [value]
+    if value is None or value == []:
+        raise Refused("input", "required: a string or a non-empty list of strings")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise Refused("input", f"at most {MAX_EMBEDDING_INPUTS} inputs in one call")
+    for i, text in enumerate(texts):
+        param = f"input.{i}" if isinstance(value, list) else "input"
+        if _integer(text) or (isinstance(text, list) and all(_integer(t) for t in text)):
+            # Token ids are the ids of OpenAI's tokenizer, which mean nothing to this model's.
+            raise Refused(param, "token arrays are not supported: send text")
+        if not _text(text):
+            raise Refused(param, "must be a string")
+        if not text:
+            raise Refused(param, "must not be an empty string")
+    return texts
 
 
 def _timeout(value: Any, default_s: float, max_s: float) -> float:

@@ -52,8 +52,17 @@ MAX_BYTES = 2**50
 
 
 class ModelInput(StrictSerializer):
-    source = serializers.CharField(max_length=1000, help_text="A local model directory, or package.module:factory.")
-    loader = serializers.ChoiceField(choices=Deployment.Loader.values, default=Deployment.Loader.TRANSFORMERS)
+    source = serializers.CharField(
+        max_length=1000,
+        help_text="A model directory on the nodes, hf:org/name (from the nodes' Hugging Face cache, never "
+        "downloaded), or package.module:factory (torch-module).",
+    )
+    loader = serializers.ChoiceField(
+        choices=Deployment.Loader.values,
+        default=Deployment.Loader.TRANSFORMERS,
+        help_text="transformers: a causal LM (text, chat, /v1 completions); transformers-embedding: an encoder "
+        "(/v1/embeddings); torch-module: a PyTorch module (JSON tensors).",
+    )
     dtype = serializers.ChoiceField(choices=Deployment.DType.values, default=Deployment.DType.FLOAT32)
 
 

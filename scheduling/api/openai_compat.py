@@ -1,12 +1,16 @@
-"""OpenAI-compatible endpoints for causal-LM deployments (the model is the deployment's name):
-`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, with `stream: true` as
-server-sent events. Requests go through the same queue as `/api/.../infer/`."""
+"""OpenAI-compatible endpoints (the model is the deployment's name): `GET /v1/models`, for causal
+LMs `POST /v1/completions` and `POST /v1/chat/completions` (with `stream: true` as server-sent
+events), for encoders `POST /v1/embeddings`. Requests go through the same queue as
+`/api/.../infer/`."""
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 import time
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +30,7 @@ from rest_framework.views import APIView
 from gpuportal.auth import CachedTokenAuthentication, user_from_header
 from gpuportal.wire.requestqueue import Request, StreamSplice
 from scheduling.api import completion_input
-from scheduling.api.completion_input import ROLES, Completion, Refused
+from scheduling.api.completion_input import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS, ROLES, Completion, Refused
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.requests import json_body
 from scheduling.models import Deployment
@@ -54,7 +58,22 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
         return {"type": "http", "scheme": "bearer"}
 
 
-class CompletionInput(serializers.Serializer):
+class WaitInput(serializers.Serializer):
+    """What every /v1 call may add to OpenAI's fields, for the OpenAPI schema only."""
+
+    # Not OpenAI's: how long the call waits for its answer (issue 16: a /v1 call never hangs).
+    # OpenAI clients send it with `extra_body={"timeout": 60}`.
+    timeout = FiniteFloatField(
+        min_value=0.001,
+        required=False,
+        allow_null=True,
+        help_text="Seconds to wait for the answer (default GPUPORTAL_INFER_TIMEOUT_S, at most "
+        "GPUPORTAL_INFER_MAX_TIMEOUT_S); past it the call ends with a 504 and the request is cancelled "
+        "if it had not started.",
+    )
+
+
+class CompletionInput(WaitInput):
     """What OpenAI clients send, for the OpenAPI schema only: completion_input.parse reads every
     body. Fields this portal does not use are accepted and ignored."""
 
@@ -66,16 +85,6 @@ class CompletionInput(serializers.Serializer):
     stop = serializers.JSONField(required=False, allow_null=True)
     n = serializers.IntegerField(required=False, allow_null=True, help_text="Only 1.")
     stream = serializers.BooleanField(required=False, default=False)
-    # Not OpenAI's: how long the call waits for its answer (issue 16: a /v1 call never hangs).
-    # OpenAI clients send it with `extra_body={"timeout": 60}`.
-    timeout = FiniteFloatField(
-        min_value=0.001,
-        required=False,
-        allow_null=True,
-        help_text="Seconds to wait for the answer (default GPUPORTAL_INFER_TIMEOUT_S, at most "
-        "GPUPORTAL_INFER_MAX_TIMEOUT_S); past it the call ends with a 504 and the request is cancelled "
-        "if it had not started.",
-    )
 
 
 class PromptInput(CompletionInput):
@@ -89,6 +98,26 @@ class MessageInput(serializers.Serializer):
 
 class ChatInput(CompletionInput):
     messages = MessageInput(many=True, allow_empty=False)
+
+
+class EmbeddingInput(WaitInput):
+    """What OpenAI clients send to /v1/embeddings, for the OpenAPI schema only:
+    completion_input.parse_embeddings reads every body."""
+
+    model = serializers.CharField(help_text="The deployment's name (a transformers-embedding deployment).")
+    input = serializers.JSONField(
+        help_text=f"A string, or a list of at most {MAX_EMBEDDING_INPUTS} strings; none may be empty. "
+        "Token arrays are refused."
+    )
+    encoding_format = serializers.ChoiceField(
+        choices=ENCODING_FORMATS,
+        required=False,
+        default="float",
+        help_text="float: each vector a list of numbers; base64: its float32 values, little-endian, "
+        "base64-encoded (what OpenAI's Python client asks for and decodes).",
+    )
+    dimensions = serializers.IntegerField(required=False, allow_null=True, help_text="Not supported: leave it out.")
+    user = serializers.CharField(required=False, help_text="Ignored.")
 
 
 def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Response:
@@ -123,10 +152,15 @@ class OpenAIView(APIView):
         return super().handle_exception(exc)
 
 
+# What /v1 serves: causal LMs (completions, chat) and encoders (embeddings); a plain PyTorch
+# module takes tensors, which no OpenAI endpoint carries.
+OPENAI_LOADERS = (Deployment.Loader.TRANSFORMERS, Deployment.Loader.EMBEDDING)
+
+
 class ModelsView(OpenAIView):
     @extend_schema(responses={200: dict})
     def get(self, request: HttpRequest) -> Response:
-        rows = Deployment.objects.filter(loader=Deployment.Loader.TRANSFORMERS).values_list("name", "created_at")
+        rows = Deployment.objects.filter(loader__in=OPENAI_LOADERS).values_list("name", "created_at")
         return Response(
             {
                 "object": "list",
@@ -138,17 +172,13 @@ class ModelsView(OpenAIView):
         )
 
 
-class _Generate(OpenAIView, ABC):
-    """What completions and chat completions share; each says what its input and output are."""
-
-    kind: completion_input.Kind
-    object_name: str
-    id_prefix: str
+class _Answered(OpenAIView, ABC):
+    """A POST answered from its JSON body the same way on both paths: `answer` says how."""
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         # The hot path (issue 4's overhead budget): a call with the portal's token is answered
         # without DRF; other authentication (a session) goes the DRF way. Both read the body
-        # with completion_input.parse.
+        # with completion_input.
         fast = self._fast(request) if request.method == "POST" else None
         return fast if fast is not None else super().dispatch(request, *args, **kwargs)
 
@@ -164,9 +194,33 @@ class _Generate(OpenAIView, ABC):
         code, answer = self.answer(request.data, str(request.user.pk))
         return Response(answer, status=code) if isinstance(answer, dict) else answer
 
+    @abstractmethod
     def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         """The status and OpenAI-shaped body of a call, or the response that answers it (a stream,
         or an error with headers)."""
+
+
+def _service_answer(exc: ServiceError) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+    code, error = _service_error(exc)
+    # With headers (a 429's Retry-After) the answer is a response of its own, which both the fast
+    # path and DRF's pass on as it is.
+    return code, JsonResponse(error, status=code, headers=exc.headers()) if exc.headers() else error
+
+
+def _failure(result: Request, param: str) -> tuple[int, dict[str, Any]]:
+    """A request that ended without an answer: input the model cannot take is the caller's to fix."""
+    code = 400 if result.error_kind == "bad_input" else 503
+    return code, error_body(result.error, param, "server_error" if code == 503 else "invalid_request_error")
+
+
+class _Generate(_Answered):
+    """What completions and chat completions share; each says what its input and output are."""
+
+    kind: completion_input.Kind
+    object_name: str
+    id_prefix: str
+
+    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         try:
             call = self.parse(body)
         except Refused as refused:
@@ -176,10 +230,7 @@ class _Generate(OpenAIView, ABC):
                 return self.run(call.model, call.input, call.params, owner, call.timeout_s)
             return self.stream(call, owner)
         except ServiceError as exc:
-            code, error = _service_error(exc)
-            # With headers (a 429's Retry-After) the answer is a response of its own, which both
-            # the fast path and DRF's pass on as it is.
-            return code, JsonResponse(error, status=code, headers=exc.headers()) if exc.headers() else error
+            return _service_answer(exc)
 
     def parse(self, body: Any) -> Completion:
         return completion_input.parse(
@@ -218,19 +269,12 @@ class _Generate(OpenAIView, ABC):
         if result is None:
             return 504, error_body(timed_out(submitted.id, timeout), kind="timeout")
         if result.status != "done":
-            code = 400 if result.error_kind == "bad_input" else 503
-            return code, error_body(
-                result.error,
-                "messages" if self.kind == "chat" else "prompt",
-                "server_error" if code == 503 else "invalid_request_error",
-            )
+            return _failure(result, "messages" if self.kind == "chat" else "prompt")
         return 200, self.body(result, model)
 
     @staticmethod
     def refusal(exc: NotFound | InvalidInput, model: str) -> tuple[int, dict[str, Any]]:
-        if isinstance(exc, NotFound):
-            return 404, error_body(f"The model `{model}` does not exist", "model", "model_not_found")
-        return 400, error_body(f"`{model}` is not a causal language model", "model")
+        return _refusal(exc, model, "a causal language model")
 
     @abstractmethod
     def choice(self, output: dict[str, Any]) -> dict[str, Any]: ...
@@ -299,6 +343,13 @@ class _Generate(OpenAIView, ABC):
         yield b"data: [DONE]\n\n"
 
 
+def _refusal(exc: NotFound | InvalidInput, model: str, wanted: str) -> tuple[int, dict[str, Any]]:
+    """A model that does not exist, or is not what the endpoint serves (the service says what it is)."""
+    if isinstance(exc, NotFound):
+        return 404, error_body(f"The model `{model}` does not exist", "model", "model_not_found")
+    return 400, error_body(f"`{model}` is not {wanted} ({exc.message})", "model")
+
+
 def _waiting_line(submitted: Request, model: str) -> str:
     """What a streamed request waits for, in one line; "" when it cannot be read just now."""
     try:
@@ -354,3 +405,63 @@ class ChatCompletionsView(_Generate):
         if first:
             delta["role"] = "assistant"
         return {"delta": delta}
+
+
+class EmbeddingsView(_Answered):
+    """`POST /v1/embeddings` for a `transformers-embedding` deployment: one request in its queue
+    for all the inputs of a call, which its replica embeds in as few forward passes as fit."""
+
+    @extend_schema(
+        summary="Embed texts with an embedding deployment, as OpenAI's embeddings API does.",
+        description="One vector per input, in order, each of unit length when the model's recipe "
+        "normalises (sentence-transformers models do). Inputs longer than the model takes are "
+        "truncated. A deployment that is not an embedding model is a 400 naming `model`.",
+        request=EmbeddingInput,
+        responses={200: dict},
+    )  # its example: scheduling.api.examples
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return super().post(request)
+
+    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        try:
+            call = completion_input.parse_embeddings(
+                body,
+                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
+                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+            )
+        except Refused as refused:
+            return 400, error_body(str(refused), refused.param)
+        try:
+            submitted, result = request_services.run(
+                call.model, kind="embed", input=call.input, params={}, owner=owner, timeout=call.timeout_s
+            )
+        except (NotFound, InvalidInput) as exc:
+            return _refusal(exc, call.model, "an embedding model")
+        except ServiceError as exc:
+            return _service_answer(exc)
+        if result is None:
+            return 504, error_body(timed_out(submitted.id, call.timeout_s), kind="timeout")
+        if result.status != "done":
+            return _failure(result, "input")
+        output = result.output or {}
+        return 200, {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _encoded(vector, call.encoding_format)}
+                for i, vector in enumerate(output.get("embeddings") or [])
+            ],
+            "model": call.model,
+            "usage": output.get("usage", {}),
+        }
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as the call asked for it: numbers, or (base64) its float32 values little-endian,
+    base64-encoded, which OpenAI's clients decode. The replica's floats are float32 values, so
+    neither way loses a digit."""
+    if encoding_format == "float":
+        return vector
+    packed = array("f", vector)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import psycopg
 from django.db import InterfaceError, OperationalError, connection
 
-from gpuportal.wire.requestqueue import Request
+from gpuportal.wire.requestqueue import Request, family_of_kind, family_of_loader
 from scheduling import ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import deployments, sleep, user_limits
@@ -59,6 +59,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# What a deployment is and takes, by its loader's family (gpuportal.wire.requestqueue), for the
+# refusal of a request of another kind.
+_TAKES = {
+    "text": "a causal LM: send text or chat messages",
+    "tensor": "a plain PyTorch module: send a tensor as JSON lists",
+    "embedding": "an embedding model: send its text to POST /v1/embeddings",
+}
 
 # A failover standby counts as awake: it takes over on its own the moment its active member dies.
 # Plain strings: a driver may adapt an enum member by its name rather than its value.
@@ -141,11 +149,9 @@ def _admit(deployment_name: str, kind: str) -> str:
     if row is None:
         raise NotFound(f"no deployment named {deployment_name!r}")
     loader, awake, serving = row
-    is_lm = loader == Deployment.Loader.TRANSFORMERS
-    if kind in ("generate", "chat") and not is_lm:
-        raise InvalidInput("input", f"{deployment_name} is a plain PyTorch module: send a tensor as JSON lists")
-    if kind == "forward" and is_lm:
-        raise InvalidInput("input", f"{deployment_name} is a causal LM: send text or chat messages")
+    takes = family_of_loader(loader)
+    if family_of_kind(kind) != takes:
+        raise InvalidInput("input", f"{deployment_name} is {_TAKES[takes]}")
     if not awake:
         deployment = Deployment.objects.get(name=deployment_name)
         # A sleeping replica loaded once and wakes as usual; with none, a request would only
