@@ -191,6 +191,9 @@ GPUPORTAL_ADOPTION_WINDOW_S = min(env_float("GPUPORTAL_ADOPTION_WINDOW_S", _ADOP
 # GPUPORTAL_REPLICA_KEEP_ENDED of each deployment stay for their errors (their Events always stay).
 GPUPORTAL_REPLICA_RETENTION_S = env_float("GPUPORTAL_REPLICA_RETENTION_S", 3600.0)
 GPUPORTAL_REPLICA_KEEP_ENDED = int(os.environ.get("GPUPORTAL_REPLICA_KEEP_ENDED", "3"))
+# The capacity planner's recorded traffic (scheduling.models.RequestRecord): ended requests are
+# kept this long (7 days by default: `export_trace --since 7d`), then pruned by the drain task.
+GPUPORTAL_REQUEST_RECORD_RETENTION_S = env_float("GPUPORTAL_REQUEST_RECORD_RETENTION_S", 7 * 86400.0)
 # Commit path: attempts and the cap of the jittered backoff between them.
 GPUPORTAL_CAS_ATTEMPTS = int(os.environ.get("GPUPORTAL_CAS_ATTEMPTS", "8"))
 GPUPORTAL_CAS_BACKOFF_MAX_S = env_float("GPUPORTAL_CAS_BACKOFF_MAX_S", 0.05)

@@ -9,15 +9,19 @@ Controls (drain, sleep, wake, evict) belong in admin actions that call services.
 
 from __future__ import annotations
 
+import base64
+
 from django.conf import settings
 from django.contrib import admin
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.html import format_html
 
 from scheduling import admin_actions, selectors
 from scheduling.models import (
     GPU,
+    CapacityPlan,
     Deployment,
     Event,
     FailoverLease,
@@ -25,6 +29,7 @@ from scheduling.models import (
     Occupant,
     PreemptionIntent,
     Replica,
+    RequestRecord,
     UserLimits,
 )
 
@@ -367,6 +372,49 @@ def _limit(own: int | None, default: int) -> str:
     value = default if own is None else own
     text = str(value) if value else "no limit"
     return f"{text} (the default)" if own is None else text
+
+
+@admin.register(CapacityPlan)
+class CapacityPlanAdmin(ReadOnlyAdmin):
+    """Plans asked for through `POST /api/plan/` (issue 21): the table and the plot, as the API shows them."""
+
+    list_display = ["id", "state", "percent", "requested_by", "answer", "created_at", "elapsed"]
+    list_filter = ["state"]
+    fields = [
+        *("state", "percent", "requested_by", "since", "options", "error"),
+        *("plan_table", "plan_plot", "skipped_rows"),
+    ]
+    readonly_fields = fields
+
+    @admin.display(description="fewest GPUs")
+    def answer(self, obj: CapacityPlan) -> str:
+        policies = (obj.result or {}).get("policies", [])
+        return ", ".join(f"{p['policy']} {p['fewest_gpus'] if p['fewest_gpus'] is not None else '-'}" for p in policies)
+
+    @admin.display(description="took")
+    def elapsed(self, obj: CapacityPlan) -> str:
+        return "-" if obj.elapsed_s is None else f"{obj.elapsed_s:.1f} s"
+
+    @admin.display(description="table")
+    def plan_table(self, obj: CapacityPlan) -> str:
+        return format_html('<pre style="white-space: pre; overflow-x: auto">{}</pre>', obj.table or "-")
+
+    @admin.display(description="plot")
+    def plan_plot(self, obj: CapacityPlan) -> str:
+        if not obj.plot_png:
+            return "-"
+        encoded = base64.b64encode(bytes(obj.plot_png)).decode()
+        return format_html('<img alt="attainment against GPU count" src="data:image/png;base64,{}">', encoded)
+
+
+@admin.register(RequestRecord)
+class RequestRecordAdmin(ReadOnlyAdmin):
+    """The recorded traffic the planner reads (`manage.py export_trace`)."""
+
+    list_display = ["created_at", "deployment", "status", "prompt_tokens", "output_tokens", "request_id"]
+    list_filter = ["status"]
+    search_fields = ["deployment", "request_id"]
+    date_hierarchy = "created_at"
 
 
 # The dashboard (issue 8) lives under /admin/dashboard/ with its names in the admin namespace

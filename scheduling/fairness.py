@@ -45,6 +45,9 @@ the victims are ranked by what losing them costs, not by recency alone:
 - then LRU and replica id. Occupants that report no reload cost, activity or idle timeout (the
   OccupantView defaults) all share one tier and one cost, so the order is then exactly LRU.
 
+`prefer_wake` (issue 21) says when a deployment with a copy in CPU RAM should wait to wake it on
+its node rather than load a new replica from disk elsewhere: when the disk load is the slower.
+
 `choose_target` picks *where* a single-GPU waker goes when it fits nowhere: the GPU whose victims
 (by `choose_victim`) are cheapest, so the wake never targets a GPU that only popular, dedicated
 or young replicas hold. `preempt_at_once` lets the waiter skip the rest of max_wait when every
@@ -248,6 +251,19 @@ def preempt_at_once(choice: VictimChoice) -> bool:
     token (seed 001 bounds the wait from above; preempting sooner is within the rule). A victim
     that is busy, or whose activity is unknown, keeps the full wait."""
     return bool(choice.victims) and all(v.idle for v in choice.victims)
+
+
+def prefer_wake(*, load_s: float, wake_s: float, max_wait_s: float) -> bool:
+    """Whether a deployment with a sleeping replica in some node's CPU RAM should wake it there,
+    making room by a fair wait if need be, rather than load a new replica from disk on a GPU that
+    happens to be free (issue 21). Yes when the cold load is slower than the wake after the
+    longest fair wait: the wake is then the sooner first token whatever the wait turns out to be,
+    and the memory the cold load would take stays free for the next wake. On the planner's
+    traces, cold loads of replicas that had a copy in CPU RAM were the first cause of missed SLOs
+    at the GPU counts just below the target (an 8B model: 8 s from disk, 0.8 s from CPU RAM).
+    A deployment whose disk load is the faster (a small model, a slow host link) loads as before.
+    The simulator's `gpuportal-wake` policy applies it; the live wake path does not yet."""
+    return load_s > wake_s + max_wait_s
 
 
 @dataclass(frozen=True)

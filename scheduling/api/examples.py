@@ -143,6 +143,43 @@ WAITING_REQUEST = {
 }
 
 
+PLAN_RUNNING = {
+    "id": 7,
+    "state": "running",
+    "percent": 40,
+    "error": "",
+    "skipped_rows": [],
+    "result": None,
+    "table": "",
+    "plot_png": None,
+    "elapsed_s": None,
+    "created_at": AT,
+    "finished_at": None,
+}
+PLAN_DONE = {
+    **PLAN_RUNNING,
+    "state": "done",
+    "percent": 100,
+    "result": {
+        "requests": 4753,
+        "deployments": 64,
+        "current_gpus": 64,
+        "target": 0.99,
+        "slo_ttft_s": 5.0,
+        "policies": [
+            {"policy": "gpuportal", "fewest_gpus": 13, "attainment_now": 0.9989},
+            {"policy": "oracle", "fewest_gpus": 9, "attainment_now": 1.0},
+        ],
+        "bound": {"oracle_gpus": 9, "load_aware_gpus": 11, "held": ["m29-70b"]},
+        "misses_now": [{"deployment": "m39-70b", "requests": 42, "missed": 5, "why": "wakes: mean wait 7.1 s"}],
+    },
+    "table": "| policy | fewest GPUs | attainment now |\n|---|---|---|\n| gpuportal | 13 | 99.89 % |",
+    "plot_png": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==",
+    "elapsed_s": 3.5,
+    "finished_at": AT,
+}
+
+
 def page(*results: dict[str, Any]) -> dict[str, Any]:
     return {"count": len(results), "next": None, "previous": None, "results": list(results)}
 
@@ -220,6 +257,15 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "summary": "Cancel a request no replica has taken yet (409 once one has)",
         "response": {**WAITING_REQUEST, "status": "cancelled", "error": "cancelled by its owner"},
     },
+    ("post", "/api/plan/"): {
+        "request": {
+            "trace": "arrival,deployment,prompt_tokens,output_tokens\n2026-11-25T17:36:13Z,tiny-a,128,32\n",
+            "target": 0.99,
+            "slo_ttft_s": 5.0,
+        },
+        "response": {**PLAN_RUNNING, "state": "queued", "percent": 0},
+    },
+    ("get", "/api/plan/{id}/"): {"response": PLAN_DONE},
     ("get", "/v1/models"): {
         "summary": "The deployments, as OpenAI's model list (a model is a deployment's name)",
         "response": {

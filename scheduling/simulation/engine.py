@@ -1,0 +1,701 @@
+"""A discrete-event simulator of the cluster, on a simulated clock, that makes every decision with
+the project's own pure modules: placement.place (where a replica goes, whom ndif evicts),
+fairness.choose_target, choose_victim, preempt_at_once and wait_deadline (where a fair wake
+goes, whom it preempts, and when), planning's
+withhold_locked and memory.need_for (what a replica reserves).
+
+State is plain Python; each decision is asked of a `Snapshot` built from it, exactly as the
+services build one from the ledger. Simulated replicas:
+- a cold load (new replica) takes weight bytes / disk bandwidth; a wake (cached replica promoted on
+  its node) weight bytes / host-to-device bandwidth; a sleep weight bytes / device-to-host bandwidth,
+  and the GPU memory is held until it ends;
+- a request takes a batch slot for prefill (2 × params × prompt tokens / FLOPS) plus one HBM pass over
+  the weights per output token (decoding is memory bound); time to first token = wait + prefill;
+- a sleeping replica keeps its weights in its node's CPU RAM (assumed large enough) and holds no GPU
+  memory (virtual GPUs: no CUDA context is kept), so it is not an occupant but a `CachedReplica`.
+
+Every change of reservations is checked against every GPU's total (DESIGN invariant 1): an
+over-commit raises `OverCommit` at the simulated instant it would happen.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from scheduling import fairness, planning
+from scheduling.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
+from scheduling.simulation.config import Config
+from scheduling.simulation.policies import SimPolicy
+from scheduling.simulation.trace import Deployment, Request, Trace
+from scheduling.state import GPUView, OccupantView, Snapshot
+
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+LOADING, SERVING, DRAINING, SLEEPING, STOPPED = "loading", "serving", "draining", "sleeping", "stopped"
+MAX_BACKOFF_DOUBLINGS = 4
+# Far more events at one simulated instant than any real burst makes: two policies' decisions undoing each other.
+LIVELOCK_EVENTS = 100_000
+# After a preemption's drain timeout, time for the victims' weights to leave the GPU.
+GIVE_UP_AFTER_DRAIN_S = 60.0
+
+
+class OverCommit(AssertionError):
+    """A GPU's reservations exceeded its memory: the simulator (or a policy) is wrong."""
+
+
+@dataclass
+class SimGPU:
+    id: int
+    node: str
+    index: int
+    total_bytes: int
+    occupants: dict[str, int] = field(default_factory=dict)  # replica id -> reserved bytes
+    lock_holder: str | None = None
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.occupants.values())
+
+
+@dataclass
+class SimReplica:
+    id: str
+    deployment: str
+    node: str
+    bytes_by_gpu: dict[int, int]
+    state: str
+    serving_since: float | None = None
+    last_accessed: float | None = None
+    in_flight: dict[int, Request] = field(default_factory=dict)
+    idle_token: int = 0
+    # True until a cold load completes: such a replica has no complete copy in CPU RAM yet.
+    loading_from_disk: bool = False
+    # GPUs it decodes across when it holds none (the oracle): as many as its need would take.
+    spread: int = 0
+    # When its current load or wake was placed, and which it was (what a waiting request blames).
+    placed_s: float = 0.0
+    loaded_by: str | None = None
+
+
+@dataclass
+class Waiter:
+    """A fair wake in progress (our PreemptionIntent): holds the wake lock of its target GPUs."""
+
+    replica_id: str
+    promoted: bool
+    needed_bytes_by_gpu: dict[int, int]
+    deadline_s: float
+    preempted: bool = False
+
+
+@dataclass
+class DeploymentState:
+    spec: Deployment
+    need_bytes: int
+    queue: deque[Request] = field(default_factory=deque)
+    active: SimReplica | None = None  # loading, serving or draining
+    cached: dict[str, SimReplica] = field(default_factory=dict)  # node -> sleeping replica
+    waiter: Waiter | None = None
+    retry_pending: bool = False
+    retry_token: int = 0
+    # Consecutive failed wakes: retries back off so that a deployment that cannot be placed
+    # (dedicated on too few GPUs) does not ask placement every retry_s for the whole trace.
+    failed_wakes: int = 0
+    home: tuple[int, ...] | None = None  # lru-fair: the GPUs of the first load
+
+
+@dataclass
+class RequestOutcome:
+    request: Request
+    start_s: float | None = None
+    ttft_s: float | None = None
+    end_s: float | None = None
+    failed: str | None = None
+    # Where its wait went: waiting for room (a fair wait, victims leaving, a retry), the load or
+    # wake of the replica that served it (`loaded_by` says which), and in the queue of a busy one.
+    room_s: float = 0.0
+    load_s: float = 0.0
+    queue_s: float = 0.0
+    loaded_by: str | None = None  # "cold load" or "wake": the request waited for that replica to load
+
+
+@dataclass
+class Counters:
+    cold_loads: int = 0
+    wakes: int = 0
+    cold_loads_by_deployment: dict[str, int] = field(default_factory=dict)
+    wakes_by_deployment: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+    idle_sleeps: int = 0
+    placements: int = 0
+    overcommit_checks: int = 0
+    memory_byte_s: float = 0.0
+    working_set_bytes: int = 0
+    peak_working_set_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    gpus: int
+    gpu_bytes: int
+    outcomes: tuple[RequestOutcome, ...]
+    counters: Counters
+    duration_s: float
+    # The deployments whose catalogue sets an SLO of their own; the others use the caller's.
+    slos: Mapping[str, float] = field(default_factory=dict)
+
+
+def layout(gpus: int, gpus_per_node: int, gpu_bytes: int) -> dict[int, SimGPU]:
+    """`gpus` GPUs on full nodes of `gpus_per_node`, the remainder on one last node."""
+    out = {}
+    for n in range(gpus):
+        out[n + 1] = SimGPU(n + 1, f"node{n // gpus_per_node:02d}", n % gpus_per_node, gpu_bytes)
+    return out
+
+
+class Simulation:
+    def __init__(self, trace: Trace, config: Config, policy: SimPolicy, *, gpus: int | None = None) -> None:
+        self.trace, self.config, self.policy = trace, config, policy
+        self.serving, self.hw = config.serving, config.hardware
+        self.gpu_count = config.cluster.gpus if gpus is None else gpus
+        self.gpus = layout(self.gpu_count, config.cluster.gpus_per_node, config.cluster.gpu_bytes)
+        self.rng = random.Random(config.seed)
+        self.now = 0.0
+        self.closed = False  # past the grace period: no new wakes, queued requests fail
+        self.counters = Counters()
+        self.reserved_total = 0
+        self.replicas: dict[str, SimReplica] = {}
+        self._ids = itertools.count()
+        self._seq = itertools.count()
+        self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self.deployments = {d.name: DeploymentState(d, d.need_bytes(policy.memory)) for d in trace.deployments}
+        self.outcomes = {r.id: RequestOutcome(r) for r in trace.requests}
+        self._in_flight_of: dict[str, int] = dict.fromkeys(self.deployments, 0)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        if self.policy.unlimited:
+            gpu_bytes = self.config.cluster.gpu_bytes
+            for ds in self.deployments.values():
+                ds.active = SimReplica(self._new_id(ds), ds.spec.name, "unlimited", {}, SERVING, serving_since=0.0)
+                ds.active.spread = -(-ds.need_bytes // gpu_bytes)
+        else:
+            self._provision()
+        for r in self.trace.requests:
+            self._at(r.arrival_s, self._arrive, r)
+        self._at(self.trace.duration_s + self.serving.grace_s, self._close)
+        same_instant = 0
+        while self._events:
+            t, _, handler, args = heapq.heappop(self._events)
+            same_instant = same_instant + 1 if t == self.now else 0
+            if same_instant > LIVELOCK_EVENTS:
+                raise RuntimeError(f"t={t:.3f}s: {same_instant} events without the clock moving (a livelock)")
+            self._advance(t)
+            handler(*args)
+        return SimResult(
+            self.policy.name,
+            self.gpu_count,
+            self.config.cluster.gpu_bytes,
+            tuple(self.outcomes.values()),
+            self.counters,
+            self.trace.duration_s,
+            {d.name: d.slo_ttft_s for d in self.trace.deployments if d.slo_ttft_s is not None},
+        )
+
+    def _at(self, t: float, handler: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), handler, args))
+
+    def _advance(self, t: float) -> None:
+        # Memory in use is averaged over the trace itself, not the grace period after it.
+        end = self.trace.duration_s
+        if self.now < end:
+            self.counters.memory_byte_s += self.reserved_total * (min(t, end) - self.now)
+        self.now = t
+
+    def _close(self) -> None:
+        self.closed = True
+        for ds in self.deployments.values():
+            while ds.queue:
+                self._fail(ds.queue.popleft(), "not served within the grace period")
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _arrive(self, request: Request) -> None:
+        ds = self.deployments[request.deployment]
+        ds.queue.append(request)
+        self._dispatch(ds)
+
+    def _dispatch(self, ds: DeploymentState) -> None:
+        replica = ds.active
+        if replica is not None:
+            if replica.state == SERVING:
+                while ds.queue and len(replica.in_flight) < self.serving.max_batch:
+                    self._start(replica, ds.queue.popleft())
+            return
+        if ds.queue and ds.waiter is None and not ds.retry_pending and not self.closed:
+            self._wake(ds)
+
+    def _start(self, replica: SimReplica, request: Request) -> None:
+        ds = self.deployments[replica.deployment]
+        spread = max(1, len(replica.bytes_by_gpu), replica.spread)
+        prefill = ds.spec.flops_per_token * request.prompt_tokens / (self.hw.prefill_tflops * 1e12 * spread)
+        per_token = ds.spec.weight_bytes / (self.hw.hbm_tb_per_s * 1e12 * spread)
+        outcome = self.outcomes[request.id]
+        outcome.start_s, outcome.ttft_s = self.now, self.now - request.arrival_s + prefill
+        since = replica.serving_since
+        if since is not None and since >= request.arrival_s and replica.loaded_by is not None:
+            placed = max(request.arrival_s, replica.placed_s)
+            outcome.room_s, outcome.load_s = placed - request.arrival_s, since - placed
+            outcome.queue_s, outcome.loaded_by = self.now - since, replica.loaded_by
+        else:
+            outcome.queue_s = self.now - request.arrival_s
+        replica.in_flight[request.id] = request
+        replica.last_accessed = self.now
+        self._working_set(ds, +1)
+        self._at(self.now + prefill + request.output_tokens * per_token, self._finish, replica, request)
+
+    def _finish(self, replica: SimReplica, request: Request) -> None:
+        if replica.in_flight.pop(request.id, None) is None:
+            return  # cancelled by an eviction meanwhile
+        ds = self.deployments[replica.deployment]
+        self.outcomes[request.id].end_s = self.now
+        self._working_set(ds, -1)
+        if replica.state == DRAINING and not replica.in_flight:
+            self._begin_sleep(replica)
+        elif replica.state == SERVING:
+            self._dispatch(ds)
+            self._maybe_idle(replica, ds)
+
+    def _fail(self, request: Request, why: str) -> None:
+        outcome = self.outcomes[request.id]
+        outcome.failed, outcome.end_s = why, self.now
+
+    def _working_set(self, ds: DeploymentState, delta: int) -> None:
+        # The oracle's GPU count: the bytes of the deployments serving a request at this instant.
+        before = self._in_flight_of[ds.spec.name]
+        self._in_flight_of[ds.spec.name] = before + delta
+        if before == 0 and delta > 0:
+            self.counters.working_set_bytes += ds.need_bytes
+        elif before + delta == 0:
+            self.counters.working_set_bytes -= ds.need_bytes
+        self.counters.peak_working_set_bytes = max(
+            self.counters.peak_working_set_bytes, self.counters.working_set_bytes
+        )
+
+    # --- sleep -----------------------------------------------------------------------------
+
+    def _maybe_idle(self, replica: SimReplica, ds: DeploymentState) -> None:
+        if not self.policy.idle_sleep or ds.spec.popular or replica.in_flight or ds.queue:
+            return
+        timeout = self._setting(ds.spec.idle_timeout_s, self.serving.idle_timeout_s)
+        if timeout <= 0:
+            return  # the deployment never sleeps when idle (Deployment.idle_timeout_s = 0)
+        replica.idle_token += 1
+        self._at(self.now + timeout, self._idle_check, replica, replica.idle_token)
+
+    def _idle_check(self, replica: SimReplica, token: int) -> None:
+        ds = self.deployments[replica.deployment]
+        if replica.state == SERVING and replica.idle_token == token and not replica.in_flight and not ds.queue:
+            self.counters.idle_sleeps += 1
+            replica.state = DRAINING
+            self._begin_sleep(replica)
+
+    def _begin_sleep(self, replica: SimReplica) -> None:
+        # The weights go to CPU RAM; the GPU memory is held until they are all out.
+        ds = self.deployments[replica.deployment]
+        self._at(self.now + ds.spec.weight_bytes / (self.hw.d2h_gb_per_s * 1e9), self._slept, replica)
+
+    def _slept(self, replica: SimReplica) -> None:
+        if replica.state != DRAINING:
+            return  # evicted meanwhile (ndif)
+        ds = self.deployments[replica.deployment]
+        self._release(replica)
+        replica.state, replica.serving_since = SLEEPING, None
+        if ds.active is replica:
+            ds.active = None
+        ds.cached[replica.node] = replica
+        self._memory_freed()
+        self._dispatch(ds)
+
+    # --- wake ------------------------------------------------------------------------------
+
+    def _wake(self, ds: DeploymentState) -> None:
+        """Our wake path: place with free memory only; failing that, a fair wait (fair policies),
+        an immediate eviction (ndif's placement evicts), or a retry."""
+        fair = self.policy.fair_wait
+        policy = replace(self.policy.placement, evictions=False) if fair else self.policy.placement
+        request = self._request(ds)
+        result = place(self._snapshot(ds), request, policy=policy, rng=self.rng)
+        if isinstance(result, Placement) and result.promoted is None and self._wake_instead(ds, request):
+            return
+        if isinstance(result, Placement):
+            self._commit(ds, result)
+            return
+        if fair:
+            if self.policy.target_by_cost and self._begin_costed_wait(ds, request):
+                return
+            # Targeting only (as services.preemption.start): where it would go if every
+            # non-dedicated occupant could leave; who really leaves is choose_victim's call.
+            targeting = replace(self.policy.placement, protect_fairness=False, evictions=True)
+            target = place(self._snapshot(ds), replace(request, dedicated=True), policy=targeting, rng=self.rng)
+            if isinstance(target, Placement):
+                self._begin_fair_wait(ds, target)
+                return
+        self._retry_later(ds)
+
+    def _wake_instead(self, ds: DeploymentState, request: PlacementRequest) -> bool:
+        """fairness.prefer_wake: a sleeping replica wakes on its own node, by a fair wait if need
+        be, rather than a new one loading from disk elsewhere. False: load from disk after all."""
+        if not (self.policy.prefer_wake and request.cached):
+            return False
+        max_wait = self._setting(ds.spec.max_wait_s, self.serving.max_wait_s)
+        if not fairness.prefer_wake(load_s=self.load_s(ds.spec), wake_s=self.wake_s(ds.spec), max_wait_s=max_wait):
+            return False
+        return self._begin_costed_wait(ds, replace(request, allow_new=False))
+
+    def _request(self, ds: DeploymentState, *, only: str | None = None) -> PlacementRequest:
+        cached = tuple(CachedReplica(r.id, node) for node, r in sorted(ds.cached.items()))
+        if only is not None:
+            cached = tuple(c for c in cached if c.replica_id == only)
+        return PlacementRequest(
+            deployment=ds.spec.name,
+            replica_id=only or self._new_id(ds),
+            need_bytes=ds.need_bytes,
+            cached=cached,
+            allow_new=only is None or not cached,
+        )
+
+    def _retry_later(self, ds: DeploymentState) -> None:
+        ds.retry_pending = True
+        ds.retry_token += 1
+        backoff = self.serving.retry_s * 2 ** min(ds.failed_wakes, MAX_BACKOFF_DOUBLINGS)
+        ds.failed_wakes += 1
+        self._at(self.now + backoff, self._retry, ds, ds.retry_token)
+
+    def _retry(self, ds: DeploymentState, token: int) -> None:
+        if ds.retry_pending and ds.retry_token == token:
+            ds.retry_pending = False
+            self._dispatch(ds)
+
+    def _begin_fair_wait(self, ds: DeploymentState, target: Placement) -> None:
+        waker = target.promoted or target.replica_id
+        self._wait_for(ds, waker, target.promoted is not None, dict(target.bytes_by_gpu), at_once=False)
+
+    def _begin_costed_wait(self, ds: DeploymentState, request: PlacementRequest) -> bool:
+        """fairness.choose_target over the GPUs the waker may use: those of the nodes holding a
+        sleeping replica of it (a wake from CPU RAM), else every node (a new replica)."""
+        tickets = [(c.replica_id, True, c.node) for c in request.cached] or [(request.replica_id, False, None)]
+        snapshot = self._snapshot(ds)
+        best: tuple[fairness.Target, str, bool] | None = None
+        for replica_id, promoted, node in tickets:
+            gpus = [g for g in snapshot.gpus.values() if node is None or g.node == node]
+            if not gpus:
+                continue
+            target = fairness.choose_target(
+                gpus,
+                waiting_replica_id=replica_id,
+                need_bytes=request.need_bytes,
+                now=snapshot.taken_at,
+                whole_gpu_from=self.policy.placement.whole_gpu_from,
+            )
+            if target is not None and (best is None or target.cost < best[0].cost):
+                best = (target, replica_id, promoted)
+        if best is None:
+            return False
+        target, replica_id, promoted = best
+        at_once = self.policy.preempt_idle_at_once and target.ready and fairness.preempt_at_once(target.choice)
+        self._wait_for(ds, replica_id, promoted, {target.gpu_id: request.need_bytes}, at_once=at_once)
+        return True
+
+    def _wait_for(
+        self, ds: DeploymentState, waker: str, promoted: bool, bytes_by_gpu: dict[int, int], *, at_once: bool
+    ) -> None:
+        for gpu_id in bytes_by_gpu:
+            self.gpus[gpu_id].lock_holder = waker
+        max_wait = self._setting(ds.spec.max_wait_s, self.serving.max_wait_s)
+        deadline = fairness.wait_deadline(self._dt(self.now), max_wait)
+        ds.waiter = Waiter(waker, promoted, bytes_by_gpu, (deadline - EPOCH).total_seconds())
+        self._at(self.now if at_once else ds.waiter.deadline_s, self._wait_over, ds, ds.waiter)
+
+    def _memory_freed(self) -> None:
+        """Memory came back: every fair wake in progress re-checks whether it fits now (seed 001
+        re-checks every second; here at the instant, which only makes the wait shorter)."""
+        for ds in list(self.deployments.values()):
+            if ds.waiter is not None:
+                self._try_waiter(ds)
+        # Then the wakes that found no room at all try again now rather than at their backoff.
+        for ds in list(self.deployments.values()):
+            if ds.retry_pending and ds.queue:
+                ds.retry_pending = False
+                self._dispatch(ds)
+
+    def _try_waiter(self, ds: DeploymentState) -> bool:
+        waiter = ds.waiter
+        assert waiter is not None
+        request = self._request(ds, only=waiter.replica_id)
+        policy = replace(self.policy.placement, evictions=False)
+        result = place(self._snapshot(ds, holder=waiter.replica_id), request, policy=policy, rng=self.rng)
+        if not isinstance(result, Placement):
+            return False
+        self._end_wait(ds)
+        self._commit(ds, result)
+        return True
+
+    def _end_wait(self, ds: DeploymentState) -> None:
+        waiter = ds.waiter
+        ds.waiter = None
+        for gpu in self.gpus.values():
+            if waiter is not None and gpu.lock_holder == waiter.replica_id:
+                gpu.lock_holder = None
+
+    def _wait_over(self, ds: DeploymentState, waiter: Waiter) -> None:
+        if ds.waiter is not waiter or waiter.preempted:
+            return
+        if self._try_waiter(ds):
+            return
+        ids = sorted(waiter.needed_bytes_by_gpu)
+        views = list(self._snapshot(ds, holder=waiter.replica_id, only=ids, withhold=False).gpus.values())
+        choice = fairness.choose_victim(
+            views,
+            waiting_replica_id=waiter.replica_id,
+            needed_bytes_by_gpu=waiter.needed_bytes_by_gpu,
+            now=self._dt(self.now),
+            order=self.policy.victim_order,  # type: ignore[arg-type]
+        )
+        if isinstance(choice, fairness.NoVictim):
+            self._end_wait(ds)
+            self._retry_later(ds)
+            return
+        waiter.preempted = True
+        for victim in choice.victims:
+            self._preempt(self.replicas[victim.replica_id])
+        # The victims' sleeps end in _slept, which lets the waiter in. Should the room still be
+        # missing then (the targeting counted on someone who is now loading), give up and retry.
+        self._at(self.now + self.serving.drain_timeout_s + GIVE_UP_AFTER_DRAIN_S, self._give_up, ds, waiter)
+
+    def _give_up(self, ds: DeploymentState, waiter: Waiter) -> None:
+        if ds.waiter is waiter:
+            self._end_wait(ds)
+            self._retry_later(ds)
+
+    def _preempt(self, victim: SimReplica) -> None:
+        """The preemption barrier: no new requests, in-flight ones drain (up to drain_timeout), sleep."""
+        self.counters.preemptions += 1
+        victim.state = DRAINING
+        if not victim.in_flight:
+            self._begin_sleep(victim)
+        else:
+            self._at(self.now + self.serving.drain_timeout_s, self._drain_over, victim)
+
+    def _drain_over(self, victim: SimReplica) -> None:
+        if victim.state != DRAINING or not victim.in_flight:
+            return
+        for request in list(victim.in_flight.values()):
+            self._cancel(victim, request, "cut off by a preemption's drain timeout")
+        self._begin_sleep(victim)
+
+    def _cancel(self, replica: SimReplica, request: Request, why: str) -> None:
+        replica.in_flight.pop(request.id)
+        self._working_set(self.deployments[replica.deployment], -1)
+        self._fail(request, why)
+
+    # --- committing a placement ------------------------------------------------------------
+
+    def _commit(self, ds: DeploymentState, placement: Placement) -> None:
+        """Apply a placement as the ledger would: evictions (ndif: at once, in-flight work is
+        cancelled, the replica goes to its node's CPU RAM), then the reservation; then load."""
+        delay = 0.0
+        for replica_id in placement.evicted_replicas:
+            delay = max(delay, self._evict(self.replicas[replica_id]))
+        self.counters.placements += 1
+        ds.failed_wakes = 0
+        name = ds.spec.name
+        if placement.promoted:
+            replica = self.replicas[placement.promoted]
+            del ds.cached[replica.node]
+            load, replica.loaded_by = self.wake_s(ds.spec), "wake"
+            self.counters.wakes += 1
+            self.counters.wakes_by_deployment[name] = self.counters.wakes_by_deployment.get(name, 0) + 1
+        else:
+            replica = SimReplica(placement.replica_id, ds.spec.name, placement.node, {}, LOADING)
+            replica.loading_from_disk = True
+            self.replicas[replica.id] = replica
+            load, replica.loaded_by = self.load_s(ds.spec), "cold load"
+            self.counters.cold_loads += 1
+            self.counters.cold_loads_by_deployment[name] = self.counters.cold_loads_by_deployment.get(name, 0) + 1
+        replica.placed_s = self.now
+        replica.state, replica.bytes_by_gpu = LOADING, dict(placement.bytes_by_gpu)
+        self._reserve(replica)
+        ds.active = replica
+        if ds.home is None:
+            ds.home = tuple(placement.gpu_ids)
+        self._at(self.now + delay + load, self._loaded, replica)
+
+    def _evict(self, victim: SimReplica) -> float:
+        """Seed 000's eviction (to_cache): returns how long moving its weights out takes."""
+        ds = self.deployments[victim.deployment]
+        self.counters.preemptions += 1
+        for request in list(victim.in_flight.values()):
+            self._cancel(victim, request, "cancelled by an eviction")
+        self._release(victim)
+        if ds.active is victim:
+            ds.active = None
+        # A replica evicted before it finished loading has nothing complete to keep in CPU RAM.
+        victim.serving_since = None
+        if victim.loading_from_disk:
+            victim.state = STOPPED
+        else:
+            victim.state = SLEEPING
+            ds.cached[victim.node] = victim
+        self._at(self.now, self._dispatch, ds)
+        return ds.spec.weight_bytes / (self.hw.d2h_gb_per_s * 1e9)
+
+    def _loaded(self, replica: SimReplica) -> None:
+        if replica.state != LOADING:
+            return  # evicted while loading (ndif)
+        replica.state, replica.serving_since, replica.loading_from_disk = SERVING, self.now, False
+        ds = self.deployments[replica.deployment]
+        self._dispatch(ds)
+        self._maybe_idle(replica, ds)
+
+    def _reserve(self, replica: SimReplica) -> None:
+        for gpu_id, reserved in replica.bytes_by_gpu.items():
+            gpu = self.gpus[gpu_id]
+            gpu.occupants[replica.id] = reserved
+            self.reserved_total += reserved
+        self._check(replica.bytes_by_gpu)
+
+    def _release(self, replica: SimReplica) -> None:
+        for gpu_id in replica.bytes_by_gpu:
+            self.reserved_total -= self.gpus[gpu_id].occupants.pop(replica.id)
+        replica.bytes_by_gpu = {}
+        self._check(())
+
+    def _check(self, gpu_ids: Iterable[int]) -> None:
+        # DESIGN invariant 1, at every simulated instant the reservations change.
+        self.counters.overcommit_checks += 1
+        for gpu_id in gpu_ids:
+            gpu = self.gpus[gpu_id]
+            if gpu.reserved_bytes > gpu.total_bytes:
+                raise OverCommit(
+                    f"t={self.now:.3f}s: gpu {gpu.node}/{gpu.index} holds {gpu.reserved_bytes} B of {gpu.total_bytes} B"
+                )
+        if self.reserved_total > self.gpu_count * self.config.cluster.gpu_bytes:
+            raise OverCommit(f"t={self.now:.3f}s: the cluster holds more than its memory")
+
+    # --- provisioning and snapshots ----------------------------------------------------------
+
+    def _provision(self) -> None:
+        """At t=0, at no cost, the steady state a running portal would be in: each deployment,
+        most requested first, is loaded where it fits without evicting anyone, and has served
+        for its min_runtime already; one that does not fit was loaded once when it was deployed
+        and has slept since, so its weights are in a node's CPU RAM (nodes in turn) and its first
+        request wakes it rather than reading it from disk. A portal is not restarted cold for
+        every trace: starting everyone young, or never loaded, would measure a cold start."""
+        policy = replace(self.policy.placement, evictions=False)
+        nodes = sorted({gpu.node for gpu in self.gpus.values()})
+        parked = 0
+        for ds in sorted(self.deployments.values(), key=lambda d: (-d.spec.rate_per_s, d.spec.name)):
+            result = place(self._snapshot(ds), self._request(ds), policy=policy, rng=self.rng)
+            if isinstance(result, CantAccommodate):
+                node = nodes[parked % len(nodes)]
+                parked += 1
+                asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING)
+                self.replicas[asleep.id] = asleep
+                ds.cached[node] = asleep
+                continue
+            replica = SimReplica(result.replica_id, ds.spec.name, result.node, dict(result.bytes_by_gpu), SERVING)
+            replica.serving_since = -self._setting(ds.spec.min_runtime_s, self.serving.min_runtime_s)
+            self.replicas[replica.id] = replica
+            self._reserve(replica)
+            ds.active, ds.home = replica, tuple(result.gpu_ids)
+            self._maybe_idle(replica, ds)
+
+    def _snapshot(
+        self,
+        ds: DeploymentState,
+        *,
+        holder: str | None = None,
+        only: Iterable[int] | None = None,
+        withhold: bool = True,
+    ) -> Snapshot:
+        """What the ledger would show: occupants with their fairness settings; without the GPUs
+        another wake holds the lock of; for a pinned policy, only the deployment's home GPUs."""
+        now = self._dt(self.now)
+        if only is None and self.policy.pinned_home and ds.home is not None:
+            only = ds.home
+        ids = sorted(self.gpus) if only is None else sorted(only)
+        views = {gpu_id: self._view(self.gpus[gpu_id]) for gpu_id in ids}
+        snapshot = Snapshot(gpus=views, taken_at=now)
+        if withhold:
+            snapshot, _ = planning.withhold_locked(snapshot, [holder] if holder else [], now)
+        return snapshot
+
+    def _view(self, gpu: SimGPU) -> GPUView:
+        occupants = tuple(self._occupant(self.replicas[rid], reserved) for rid, reserved in gpu.occupants.items())
+        return GPUView(
+            id=gpu.id,
+            node=gpu.node,
+            index=gpu.index,
+            total_bytes=gpu.total_bytes,
+            available_bytes=gpu.total_bytes - gpu.reserved_bytes,
+            version=0,
+            virtual=True,
+            occupants=occupants,
+            wake_lock_holder=gpu.lock_holder,
+        )
+
+    def _occupant(self, replica: SimReplica, reserved: int) -> OccupantView:
+        spec = self.deployments[replica.deployment].spec
+        return OccupantView(
+            replica_id=replica.id,
+            deployment=replica.deployment,
+            state=replica.state,
+            reserved_bytes=reserved,
+            last_accessed=None if replica.last_accessed is None else self._dt(replica.last_accessed),
+            serving_since=None if replica.serving_since is None else self._dt(replica.serving_since),
+            dedicated=self.policy.name == "dedicated" or spec.dedicated,
+            # Placement's ndif policy ignores `popular` and lets only dedicated requests evict a
+            # replica inside min_runtime (the seed's rule); loading replicas count as inside it,
+            # which is what stops two deployments evicting each other at the same instant.
+            popular=spec.popular,
+            min_runtime_s=self._setting(spec.min_runtime_s, self.serving.min_runtime_s),
+            # What a sleep and a wake would cost it, and whether anyone is using it now: what the
+            # "cost" victim order weighs (the "lru" order ignores them).
+            reload_s=self.wake_s(spec),
+            in_flight=len(replica.in_flight),
+            idle_timeout_s=None
+            if spec.popular or not self.policy.idle_timeout
+            else self._setting(spec.idle_timeout_s, self.serving.idle_timeout_s),
+        )
+
+    def load_s(self, spec: Deployment) -> float:
+        """A cold load: the portal's measured figure where it has one, else weights / disk speed."""
+        return spec.load_s if spec.load_s is not None else spec.weight_bytes / (self.hw.disk_gb_per_s * 1e9)
+
+    def wake_s(self, spec: Deployment) -> float:
+        """A wake from CPU RAM: measured where known, else weights / host-to-device speed."""
+        return spec.wake_s if spec.wake_s is not None else spec.weight_bytes / (self.hw.h2d_gb_per_s * 1e9)
+
+    @staticmethod
+    def _setting(own: float | None, default: float) -> float:
+        return default if own is None else own
+
+    def _new_id(self, ds: DeploymentState) -> str:
+        return f"{ds.spec.name}.{next(self._ids):05d}"
+
+    @staticmethod
+    def _dt(t: float) -> datetime:
+        return EPOCH + timedelta(seconds=t)
+
+
+def simulate(trace: Trace, config: Config, policy: SimPolicy, *, gpus: int | None = None) -> SimResult:
+    return Simulation(trace, config, policy, gpus=gpus).run()

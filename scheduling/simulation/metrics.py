@@ -1,0 +1,78 @@
+"""What a run measured, per policy, and the search for the fewest GPUs that reach the target."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduling.simulation.engine import RequestOutcome, SimResult
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Summary:
+    policy: str
+    gpus: int
+    requests: int
+    attainment: float  # share of requests whose first token came within the SLO; failures miss it
+    p50_wait_s: float
+    p99_wait_s: float
+    failed: int
+    cold_loads: int
+    wakes: int
+    preemptions: int
+    mean_memory_gib: float
+    mean_memory_share: float
+    peak_working_set_gib: float
+
+
+def summarize(result: SimResult, slo_ttft_s: float) -> Summary:
+    outcomes = result.outcomes
+    met = sum(1 for o in outcomes if met_slo(o, result.slos.get(o.request.deployment, slo_ttft_s)))
+    # Waits of the requests that were served; failed ones are counted apart (their wait is unbounded).
+    waits = sorted(o.start_s - o.request.arrival_s for o in outcomes if o.failed is None and o.start_s is not None)
+    capacity = result.gpus * result.gpu_bytes
+    mean_bytes = result.counters.memory_byte_s / result.duration_s
+    return Summary(
+        policy=result.policy,
+        gpus=result.gpus,
+        requests=len(outcomes),
+        attainment=met / len(outcomes) if outcomes else 1.0,
+        p50_wait_s=percentile(waits, 0.50),
+        p99_wait_s=percentile(waits, 0.99),
+        failed=sum(1 for o in outcomes if o.failed is not None),
+        cold_loads=result.counters.cold_loads,
+        wakes=result.counters.wakes,
+        preemptions=result.counters.preemptions,
+        mean_memory_gib=mean_bytes / GiB,
+        mean_memory_share=mean_bytes / capacity if capacity else 0.0,
+        peak_working_set_gib=result.counters.peak_working_set_bytes / GiB,
+    )
+
+
+def met_slo(outcome: RequestOutcome, slo_ttft_s: float) -> bool:
+    return outcome.failed is None and outcome.ttft_s is not None and outcome.ttft_s <= slo_ttft_s
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def fewest_gpus(attainment_at: Callable[[int], float], target: float, max_gpus: int) -> int | None:
+    """The fewest GPUs whose attainment reaches `target`, by bisection over 1..max_gpus (more GPUs
+    never hurt a policy here, so attainment is taken to grow with the count); None if even
+    max_gpus falls short."""
+    if attainment_at(max_gpus) < target:
+        return None
+    lo, hi = 0, max_gpus  # attainment_at(hi) reaches the target; lo is known (or assumed) not to
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if attainment_at(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,492 @@
+"""The capacity planner (issue 21): how many GPUs a trace needs for a target share of its requests
+to get their first token within the SLO. Pure: a trace and a config in, a `Plan` out; the callers
+(`manage.py plan`, the control worker's plan task, `python -m bench.simulate`) read the files or
+the portal and show the answer.
+
+Per policy: the fewest GPUs of the configured kind reaching the target (bisection, as run.py), the
+attainment at the GPU count the portal has now, and the attainment curve the search drew. Two
+bounds:
+
+- the oracle's: memory unlimited, every deployment always loaded, so its GPU count is the least
+  that holds the working set (the deployments serving a request at once) at its busiest instant.
+  It charges no wake and no load at all;
+- a tighter one that counts the wakes (`load_aware_bound`): a deployment whose wake from CPU RAM
+  alone takes longer than its SLO misses the requests that find it asleep. Such a deployment is
+  either held in memory for the whole trace (its bytes counted throughout), or it sleeps between
+  its bursts and the requests at the head of each burst miss. The misses the target allows
+  (1 − target of the requests) go to the deployments cheapest to let miss (fewest misses per byte
+  held); the others are held. No policy that sleeps the rest between bursts can do with fewer
+  GPUs than that working set needs, so it is the bound the policies are judged against when it
+  is higher than the oracle's, and each held deployment is named with why.
+
+And per deployment, the requests a policy's run missed and why: waiting for room (a fair wait, the
+victims' weights leaving), a cold load from disk, a wake from CPU RAM, or the queue of a busy
+replica, as `DeploymentMisses`.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from scheduling.simulation.config import Config
+from scheduling.simulation.engine import RequestOutcome, SimResult, simulate
+from scheduling.simulation.metrics import fewest_gpus, met_slo, summarize
+from scheduling.simulation.policies import ALL as POLICIES
+from scheduling.simulation.trace import Trace
+
+DEFAULT_POLICIES = ("gpuportal", "gpuportal-wake", "dedicated", "oracle")
+# Each search is a bisection over 1..max_gpus after one run at max_gpus and one at the current count.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    policy: str
+    fewest_gpus: int | None  # None: even max_gpus falls short; the oracle's is its working-set bound
+    attainment_now: float  # at the current GPU count
+    failed_now: int
+    cold_loads_now: int
+    wakes_now: int
+    p99_wait_s_now: float
+    curve: dict[int, float]  # attainment at every GPU count the search tried
+
+
+@dataclass(frozen=True)
+class DeploymentMisses:
+    deployment: str
+    requests: int
+    missed: int
+    failed: int
+    cold_loads: int
+    wakes: int
+    # Seconds the missed requests waited, summed, by where the wait went.
+    room_s: float
+    cold_load_s: float
+    wake_s: float
+    queue_s: float
+
+    @property
+    def cause(self) -> str:
+        if self.failed == self.missed and self.missed:
+            return "failed"
+        parts = {
+            "waiting for room": self.room_s,
+            "cold loads": self.cold_load_s,
+            "wakes": self.wake_s,
+            "queued behind a busy replica": self.queue_s,
+        }
+        return max(parts, key=lambda k: parts[k])
+
+    @property
+    def why(self) -> str:
+        n = max(1, self.missed - self.failed)
+        waits = [
+            f"{label} {seconds / n:.1f} s"
+            for label, seconds in (
+                ("room", self.room_s),
+                ("cold load", self.cold_load_s),
+                ("wake", self.wake_s),
+                ("queue", self.queue_s),
+            )
+            if seconds > 0
+        ]
+        text = f"{self.cause}: mean wait of a miss " + (", ".join(waits) or "0 s")
+        text += f"; {self.cold_loads} cold loads, {self.wakes} wakes"
+        if self.failed:
+            text += f"; {self.failed} failed"
+        return text
+
+
+@dataclass(frozen=True)
+class HeldDeployment:
+    """A deployment whose wake alone is longer than its SLO, and what the tighter bound did with it."""
+
+    deployment: str
+    wake_s: float
+    need_bytes: int
+    requests: int
+    misses_if_asleep: int  # requests at the head of its bursts, which a wake cannot serve in time
+    held: bool  # True: counted in memory for the whole trace; False: its misses fit the budget
+
+
+@dataclass(frozen=True)
+class Bound:
+    oracle_gpus: int
+    load_aware_gpus: int
+    miss_budget: int  # requests the target lets miss
+    slow_wakes: tuple[HeldDeployment, ...] = ()
+
+    @property
+    def held(self) -> tuple[HeldDeployment, ...]:
+        return tuple(h for h in self.slow_wakes if h.held)
+
+    @property
+    def explanation(self) -> str:
+        if not self.slow_wakes:
+            return "every deployment wakes within its SLO: the oracle's bound stands"
+        held = self.held
+        if not held:
+            return (
+                f"{len(self.slow_wakes)} deployments wake slower than their SLO, but the misses at the head of their "
+                f"bursts fit the {self.miss_budget} the target allows"
+            )
+        names = ", ".join(f"{h.deployment} (wake {h.wake_s:.1f} s, {h.misses_if_asleep} misses asleep)" for h in held)
+        return (
+            f"held in memory throughout, since a wake cannot meet their SLO and their misses would exceed the "
+            f"{self.miss_budget} the target allows: {names}"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    requests: int
+    deployments: int
+    duration_s: float
+    gpu_memory_gib: float
+    current_gpus: int
+    max_gpus: int
+    target: float
+    slo_ttft_s: float
+    policies: tuple[PolicyPlan, ...]
+    bound: Bound
+    # Of the `gpuportal` policy (or the first one): at the current GPU count, and at the bound's.
+    misses_now: tuple[DeploymentMisses, ...] = ()
+    misses_at_bound: tuple[DeploymentMisses, ...] = ()
+    simulations: int = 0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def policy(self, name: str) -> PolicyPlan:
+        return next(p for p in self.policies if p.policy == name)
+
+    @property
+    def bound_gpus(self) -> int:
+        return max(self.bound.oracle_gpus, self.bound.load_aware_gpus)
+
+
+def plan(
+    trace: Trace,
+    config: Config,
+    *,
+    current_gpus: int | None = None,
+    target: float | None = None,
+    slo_ttft_s: float | None = None,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    progress: Progress | None = None,
+) -> Plan:
+    """Every policy's fewest GPUs, attainment now, the bounds, and who misses and why."""
+    if not trace.requests:
+        raise ValueError("the trace has no requests")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}: expected some of {sorted(POLICIES)}")
+    target = config.search.target_attainment if target is None else target
+    slo = config.serving.slo_ttft_s if slo_ttft_s is None else slo_ttft_s
+    if not 0 < target <= 1 or slo <= 0:
+        raise ValueError(f"target must be in (0, 1] and the SLO above 0, got {target} and {slo}")
+    current = config.cluster.gpus if current_gpus is None else current_gpus
+    max_gpus = max(config.search.max_gpus, current)
+    searches = sum(1 for p in policies if not POLICIES[p].unlimited)
+    total = len(policies) + searches * (2 + math.ceil(math.log2(max(2, max_gpus))))
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(min(done, total), total)
+
+    results: dict[tuple[str, int], SimResult] = {}
+
+    def run(name: str, gpus: int) -> SimResult:
+        if (name, gpus) not in results:
+            results[(name, gpus)] = simulate(trace, config, POLICIES[name], gpus=gpus)
+            step()
+        return results[(name, gpus)]
+
+    plans: list[PolicyPlan] = []
+    oracle_result: SimResult | None = None
+    for name in policies:
+        policy = POLICIES[name]
+        now = run(name, current)
+        summary = summarize(now, slo)
+        curve = {current: summary.attainment}
+        if policy.unlimited:
+            oracle_result = now
+            needed = max(1, math.ceil(summary.peak_working_set_gib * 1024**3 / config.cluster.gpu_bytes))
+            best = needed if summary.attainment >= target else None
+        else:
+
+            def attainment_at(gpus: int, name: str = name, curve: dict[int, float] = curve) -> float:
+                curve[gpus] = summarize(run(name, gpus), slo).attainment
+                return curve[gpus]
+
+            best = fewest_gpus(attainment_at, target, max_gpus)
+        plans.append(
+            PolicyPlan(
+                policy=name,
+                fewest_gpus=best,
+                attainment_now=summary.attainment,
+                failed_now=summary.failed,
+                cold_loads_now=summary.cold_loads,
+                wakes_now=summary.wakes,
+                p99_wait_s_now=summary.p99_wait_s,
+                curve=dict(sorted(curve.items())),
+            )
+        )
+    if oracle_result is None:
+        oracle_result = run("oracle", current)
+    bound = load_aware_bound(trace, config, oracle_result, target=target, slo_ttft_s=slo)
+    explained = "gpuportal" if "gpuportal" in policies else next(p for p in policies if not POLICIES[p].unlimited)
+    misses_now = misses_by_deployment(trace, run(explained, current), slo) if explained else ()
+    at_bound = max(bound.oracle_gpus, bound.load_aware_gpus)
+    misses_at_bound = misses_by_deployment(trace, run(explained, at_bound), slo) if explained else ()
+    return Plan(
+        requests=len(trace.requests),
+        deployments=len(trace.deployments),
+        duration_s=trace.duration_s,
+        gpu_memory_gib=config.cluster.gpu_memory_gib,
+        current_gpus=current,
+        max_gpus=max_gpus,
+        target=target,
+        slo_ttft_s=slo,
+        policies=tuple(plans),
+        bound=bound,
+        misses_now=misses_now,
+        misses_at_bound=misses_at_bound,
+        simulations=len(results),
+    )
+
+
+def misses_by_deployment(trace: Trace, result: SimResult, slo_ttft_s: float) -> tuple[DeploymentMisses, ...]:
+    """The deployments with a missed request, most misses first, and where their waits went."""
+    requests: dict[str, int] = {}
+    missed: dict[str, list[RequestOutcome]] = {}
+    for o in result.outcomes:
+        name = o.request.deployment
+        requests[name] = requests.get(name, 0) + 1
+        if not met_slo(o, result.slos.get(name, slo_ttft_s)):
+            missed.setdefault(name, []).append(o)
+    out = []
+    for name, outcomes in missed.items():
+        served = [o for o in outcomes if o.failed is None]
+        out.append(
+            DeploymentMisses(
+                deployment=name,
+                requests=requests[name],
+                missed=len(outcomes),
+                failed=len(outcomes) - len(served),
+                cold_loads=result.counters.cold_loads_by_deployment.get(name, 0),
+                wakes=result.counters.wakes_by_deployment.get(name, 0),
+                room_s=sum(o.room_s for o in served),
+                cold_load_s=sum(o.load_s for o in served if o.loaded_by == "cold load"),
+                wake_s=sum(o.load_s for o in served if o.loaded_by == "wake"),
+                queue_s=sum(o.queue_s for o in served),
+            )
+        )
+    return tuple(sorted(out, key=lambda m: (-m.missed, m.deployment)))
+
+
+def load_aware_bound(trace: Trace, config: Config, oracle: SimResult, *, target: float, slo_ttft_s: float) -> Bound:
+    """The oracle's working-set bound, and the tighter one that counts wakes slower than the SLO
+    (the module docstring). `oracle` is the unlimited policy's run: its requests never wait, so
+    each one's time to first token is its prefill, and its busy periods are the deployment's."""
+    gpu_bytes = config.cluster.gpu_bytes
+    specs = {d.name: d for d in trace.deployments}
+    need = {d.name: d.need_bytes("gpuportal") for d in trace.deployments}
+    by_deployment: dict[str, list[RequestOutcome]] = {}
+    for o in oracle.outcomes:
+        by_deployment.setdefault(o.request.deployment, []).append(o)
+    intervals: dict[str, list[tuple[float, float]]] = {}
+    slow: list[HeldDeployment] = []
+    for name, outcomes in by_deployment.items():
+        outcomes.sort(key=lambda o: o.request.arrival_s)
+        spec = specs[name]
+        wake = spec.wake_s if spec.wake_s is not None else spec.weight_bytes / (config.hardware.h2d_gb_per_s * 1e9)
+        slo = oracle.slos.get(name, slo_ttft_s)
+        merged: list[tuple[float, float]] = []
+        misses = 0
+        opened = -math.inf
+        for o in outcomes:
+            arrival = o.request.arrival_s
+            end = o.end_s if o.end_s is not None else arrival
+            if not merged or arrival > merged[-1][1]:
+                merged.append((arrival, end))
+                opened = arrival
+            else:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            # Asleep when its burst opened, it serves from `opened + wake` on.
+            if opened + wake - arrival + (o.ttft_s or 0.0) > slo:
+                misses += 1
+        intervals[name] = merged
+        if misses:
+            slow.append(HeldDeployment(name, wake, need[name], len(outcomes), misses, held=False))
+    budget = math.floor((1 - target) * len(oracle.outcomes) + 1e-9)
+    # Let the cheapest miss (fewest misses per byte held) until the budget is spent; hold the rest.
+    letting = sorted(slow, key=lambda h: (h.misses_if_asleep / h.need_bytes, h.deployment))
+    spent, decided = 0, []
+    for h in letting:
+        if spent + h.misses_if_asleep <= budget:
+            spent += h.misses_if_asleep
+            decided.append(h)
+        else:
+            decided.append(HeldDeployment(h.deployment, h.wake_s, h.need_bytes, h.requests, h.misses_if_asleep, True))
+    held = {h.deployment for h in decided if h.held}
+    oracle_gpus = _gpus_for(_peak(intervals, need, set()), gpu_bytes)
+    load_aware = max(oracle_gpus, _gpus_for(_peak(intervals, need, held), gpu_bytes))
+    ordered = tuple(sorted(decided, key=lambda h: (not h.held, -h.misses_if_asleep, h.deployment)))
+    return Bound(oracle_gpus, load_aware, budget, ordered)
+
+
+def _peak(intervals: dict[str, list[tuple[float, float]]], need: dict[str, int], held: set[str]) -> int:
+    base = sum(need[name] for name in held)
+    events: list[tuple[float, int, int]] = []
+    for name, spans in intervals.items():
+        if name in held:
+            continue
+        for start, end in spans:
+            events.append((start, 1, need[name]))
+            events.append((end, 0, -need[name]))  # ends before starts at the same instant
+    peak = current = base
+    for _, _, delta in sorted(events):
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def _gpus_for(peak_bytes: int, gpu_bytes: int) -> int:
+    return max(1, math.ceil(peak_bytes / gpu_bytes))
+
+
+# --- showing a plan --------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (what the command prints, the API returns and the admin shows)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"
+
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def policy_rows(p: Plan) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for pp in p.policies:
+        fewest: object = pp.fewest_gpus if pp.fewest_gpus is not None else f"> {p.max_gpus}"
+        if POLICIES[pp.policy].unlimited:
+            fewest = f"{fewest} (bound)"
+        rows.append(
+            [
+                pp.policy,
+                fewest,
+                f"{100 * pp.attainment_now:.2f} %",
+                pp.failed_now,
+                pp.cold_loads_now,
+                pp.wakes_now,
+                f"{pp.p99_wait_s_now:.2f}",
+            ]
+        )
+    return rows
+
+
+POLICY_HEADERS = ("policy", "fewest GPUs", "attainment now", "failed", "cold loads", "wakes", "p99 wait s")
+MISS_HEADERS = ("deployment", "requests", "missed", "why")
+
+
+def miss_rows(misses: Sequence[DeploymentMisses], limit: int = 15) -> list[list[object]]:
+    return [[m.deployment, m.requests, m.missed, m.why] for m in misses[:limit]]
+
+
+def render(p: Plan) -> str:
+    """The plan as Markdown: the policies, the bounds, who misses now and at the bound."""
+    target = f"{100 * p.target:g} %"
+    out = [
+        f"{p.requests} requests to {p.deployments} deployments over {p.duration_s:.0f} s; GPUs of "
+        f"{p.gpu_memory_gib:g} GiB; {p.current_gpus} now; target {target} of first tokens within {p.slo_ttft_s:g} s.",
+        "",
+        table(POLICY_HEADERS, policy_rows(p)),
+        "",
+        f"Bounds: the oracle's {p.bound.oracle_gpus} GPUs (every deployment always loaded); counting wakes slower "
+        f"than the SLO, {p.bound.load_aware_gpus} ({p.bound.explanation}).",
+    ]
+    for title, misses in (
+        (f"Missed at {p.current_gpus} GPUs (now)", p.misses_now),
+        (f"Missed at {p.bound_gpus} GPUs (the bound)", p.misses_at_bound),
+    ):
+        out += ["", f"{title}:", ""]
+        out.append(table(MISS_HEADERS, miss_rows(misses)) if misses else "none")
+    return "\n".join(out) + "\n"
+
+
+def record(p: Plan) -> dict[str, object]:
+    """The plan as JSON-ready data (the API's answer)."""
+    return {
+        "requests": p.requests,
+        "deployments": p.deployments,
+        "duration_s": p.duration_s,
+        "gpu_memory_gib": p.gpu_memory_gib,
+        "current_gpus": p.current_gpus,
+        "target": p.target,
+        "slo_ttft_s": p.slo_ttft_s,
+        "policies": [
+            {
+                "policy": pp.policy,
+                "fewest_gpus": pp.fewest_gpus,
+                "attainment_now": pp.attainment_now,
+                "failed_now": pp.failed_now,
+                "cold_loads_now": pp.cold_loads_now,
+                "wakes_now": pp.wakes_now,
+                "curve": {str(g): a for g, a in pp.curve.items()},
+            }
+            for pp in p.policies
+        ],
+        "bound": {
+            "oracle_gpus": p.bound.oracle_gpus,
+            "load_aware_gpus": p.bound.load_aware_gpus,
+            "miss_budget": p.bound.miss_budget,
+            "explanation": p.bound.explanation,
+            "held": [h.deployment for h in p.bound.held],
+        },
+        "misses_now": [
+            {"deployment": m.deployment, "requests": m.requests, "missed": m.missed, "why": m.why} for m in p.misses_now
+        ],
+        "misses_at_bound": [
+            {"deployment": m.deployment, "requests": m.requests, "missed": m.missed, "why": m.why}
+            for m in p.misses_at_bound
+        ],
+    }
+
+
+def plot(p: Plan) -> bytes:
+    """Attainment against GPU count per policy, with the target, the bounds and today's count (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=100)
+    for pp in p.policies:
+        if POLICIES[pp.policy].unlimited:
+            continue
+        counts = sorted(pp.curve)
+        axes.plot(counts, [100 * pp.curve[g] for g in counts], marker="o", markersize=3, label=pp.policy)
+    axes.axhline(100 * p.target, color="grey", linewidth=0.8, linestyle="--", label=f"target {100 * p.target:g} %")
+    axes.axvline(p.bound.oracle_gpus, color="black", linewidth=0.8, linestyle=":", label="oracle bound")
+    if p.bound.load_aware_gpus > p.bound.oracle_gpus:
+        axes.axvline(p.bound.load_aware_gpus, color="purple", linewidth=0.8, linestyle=":", label="bound with wakes")
+    axes.axvline(p.current_gpus, color="green", linewidth=0.8, label="now")
+    axes.set_xlabel(f"GPUs of {p.gpu_memory_gib:g} GiB")
+    axes.set_ylabel("SLO attainment (%)")
+    axes.set_xscale("log", base=2)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return buffer.getvalue()

@@ -1,0 +1,97 @@
+"""The policies compared on one trace. Each is a set of choices fed to the project's own pure
+modules (scheduling.placement / fairness / memory); the engine applies them on a simulated clock."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from scheduling.placement import POLICIES as PLACEMENT
+from scheduling.placement import Policy
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    name: str
+    # memory.POLICIES key: how many bytes a replica reserves.
+    memory: str
+    placement: Policy
+    # Replicas idle for idle_timeout sleep on their own (seed 001); popular ones never do.
+    idle_sleep: bool
+    # True: a wake that does not fit waits max_wait for a voluntary sleep, then preempts the
+    # victims fairness.choose_victim names (seed 001, our wake path). False: placement evicts at
+    # once (seed 000) when `placement.evictions`, else the wake is retried later.
+    fair_wait: bool
+    # Seed 001's same-GPU constraint: a deployment wakes only on the GPUs it first loaded on.
+    pinned_home: bool = False
+    # fairness.VictimOrder: "lru" (seed 001) or "cost" (reload cost against recency, idle first).
+    victim_order: str = "lru"
+    # A fair wake targets the GPU where fairness.choose_target says making room costs least,
+    # rather than where placement's fewest-evictions search points (which ignores who may go).
+    target_by_cost: bool = False
+    # The deployments' idle timeout is known to fairness (OccupantView.idle_timeout_s): past it, a
+    # replica serving nothing is "expired", the first victim. With idle_sleep off, that is how
+    # idle replicas leave: when someone needs their memory, not when a timer fires.
+    idle_timeout: bool = False
+    # Victims that serve no request now are preempted at once, without the max_wait
+    # (fairness.preempt_at_once); a busy victim still gets the whole wait.
+    preempt_idle_at_once: bool = False
+    # fairness.prefer_wake: a deployment with a copy in CPU RAM wakes it on its node (a fair wait
+    # if need be) rather than load a new replica from disk elsewhere, when the load is the slower.
+    prefer_wake: bool = False
+    # The oracle: memory is unlimited, every deployment is always loaded.
+    unlimited: bool = False
+
+
+# Whole GPUs per deployment, never shared, never evicted: every need reserves whole GPUs.
+DEDICATED = SimPolicy(
+    "dedicated",
+    memory="gpuportal",
+    placement=Policy(
+        "dedicated", whole_gpu_from=0.0, best_fit=True, victims="fewest", protect_fairness=True, evictions=False
+    ),
+    idle_sleep=False,
+    fair_wait=False,
+)
+# Seed 000: size × 3, random fit, smallest tenants evicted first, at once; no fairness, no idle sleep.
+NDIF = SimPolicy("ndif", memory="ndif", placement=PLACEMENT["ndif"], idle_sleep=False, fair_wait=False)
+# Seed 001: measured memory, min runtime, max wait, popular, LRU victims on the deployment's own GPUs.
+LRU_FAIR = SimPolicy(
+    "lru-fair",
+    memory="gpuportal",
+    placement=Policy("lru-fair", whole_gpu_from=0.99, best_fit=False, victims="fewest", protect_fairness=True),
+    idle_sleep=True,
+    fair_wait=True,
+    pinned_home=True,
+)
+# The project's policy, as the live product runs it: placement POLICIES["gpuportal"] (best fit),
+# memory.need_for("gpuportal"); a woken replica may move to any GPU with room. When it fits
+# nowhere, services.preemption.start asks fairness.choose_target for the GPU whose victims are
+# cheapest (no busy ones, fastest to sleep, cheapest to reload per second idle); victims serving
+# nothing are preempted at once, a busy one still gets the whole max_wait. Idle replicas sleep
+# after idle_timeout (the product's idle sweep, issue 4, a Celery beat task); the product does
+# not pass idle_timeout_s to fairness (the sweep already acts on it), so neither does this.
+GPUPORTAL = SimPolicy(
+    "gpuportal",
+    memory="gpuportal",
+    placement=PLACEMENT["gpuportal"],
+    idle_sleep=True,
+    fair_wait=True,
+    victim_order="cost",
+    idle_timeout=False,
+    target_by_cost=True,
+    preempt_idle_at_once=True,
+)
+# gpuportal with fairness.prefer_wake (issue 21): a deployment with a copy in CPU RAM wakes it on
+# its node, by a fair wait if need be, rather than load a new replica from disk on another node
+# whenever the disk load is slower than the wake after max_wait. The simulator's proposal; the
+# live wake path (services.sleep) does not apply it yet.
+GPUPORTAL_WAKE = replace(GPUPORTAL, name="gpuportal-wake", prefer_wake=True)
+ORACLE = SimPolicy(
+    "oracle", memory="gpuportal", placement=PLACEMENT["gpuportal"], idle_sleep=False, fair_wait=False, unlimited=True
+)
+
+POLICIES: Mapping[str, SimPolicy] = {p.name: p for p in (DEDICATED, NDIF, LRU_FAIR, GPUPORTAL, ORACLE)}
+# Beside the compared policies, not in the benchmark's table of issue 9: the planner's proposals.
+PROPOSALS: Mapping[str, SimPolicy] = {GPUPORTAL_WAKE.name: GPUPORTAL_WAKE}
+ALL: Mapping[str, SimPolicy] = {**POLICIES, **PROPOSALS}
