@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "self_healing": ([], ["--trials", "1"]),
     "recovery": (["--trials", "2"], ["--trials", "1"]),
     "kvpool": ([], []),
+    "wake": ([], ["--repeats", "2"]),
     "simulate": ([], []),
 }
 

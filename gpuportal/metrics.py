@@ -82,6 +82,7 @@ class StateCollector:
             overcommit,
             free,
             _measured_bytes(),
+            *_host_cache(),
             nodes,
             replicas,
             _queue_depths(),
@@ -90,6 +91,28 @@ class StateCollector:
             *_failover_states(),
             *_kv_blocks(),
         ]
+
+
+def _host_cache() -> list[Metric]:
+    """Per node, its host cache's budget and what sleeping weights (and standbys') use of it
+    (issue 19: host memory is scheduled like a GPU's)."""
+    from scheduling.services import host_cache
+
+    budget = GaugeMetricFamily(
+        "gpuportal_host_cache_budget_bytes", "Host RAM a node gives sleeping replicas' weights.", labels=["node"]
+    )
+    used = GaugeMetricFamily(
+        "gpuportal_host_cache_used_bytes",
+        "Host RAM a node's sleeping, draining and standby replicas' weights use.",
+        labels=["node"],
+    )
+    nodes = {}
+    for pk, name, budget_bytes in Node.objects.values_list("pk", "name", "cpu_cache_bytes"):
+        nodes[pk] = name
+        budget.add_metric([name], budget_bytes)
+    for pk, used_bytes in host_cache.used_bytes(nodes).items():
+        used.add_metric([nodes[pk]], used_bytes)
+    return [budget, used]
 
 
 def _measured_bytes() -> Metric:

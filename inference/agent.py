@@ -94,6 +94,7 @@ class NodeAgent:
             devices,
             hostname=socket.gethostname(),
             cpu_cache_bytes=self.cpu_cache_bytes,
+            host_ram_bytes=psutil.virtual_memory().total,
             virtual=virtual,
             survivors=survivors,
         )

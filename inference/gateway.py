@@ -69,6 +69,7 @@ class RemoteControl:
         cpu_cache_bytes: int,
         virtual: bool,
         survivors: Sequence[Survivor],
+        host_ram_bytes: int = 0,
     ) -> None:
         self.call(
             "register_node",
@@ -78,6 +79,7 @@ class RemoteControl:
             cpu_cache_bytes=cpu_cache_bytes,
             virtual=virtual,
             survivors=list(survivors),
+            host_ram_bytes=host_ram_bytes,
         )
 
     def heartbeat(self, node: str, *, books: Books | None, running: Sequence[str]) -> list[str]:

@@ -2,7 +2,12 @@
 
 - ``transformers``: a Hugging Face causal LM from a local directory. Never the hub: nodes have no
   network in production either, and a silent download would blow the memory plan.
+- ``transformers-embedding``: a Hugging Face encoder (BERT, MiniLM...) from a local directory,
+  served as sentence embeddings (inference.embedding).
 - ``torch-module``: a plain PyTorch module from a factory path ``package.module:factory``.
+
+A directory may also be named `hf:org/name`: that model's snapshot in the node's Hugging Face
+cache (inference.hub), which is never filled from here.
 
 torch, transformers and accelerate are imported inside the functions: the web process validates
 sources at deploy time and should not pay seconds of imports on start-up for that.
@@ -18,11 +23,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from inference.hub import local_model_dir
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-LOADERS = ("transformers", "torch-module")
+    from inference.arena import Arena
+
+TRANSFORMERS, TORCH_MODULE, EMBEDDING = "transformers", "torch-module", "transformers-embedding"
+LOADERS = (TRANSFORMERS, TORCH_MODULE, EMBEDDING)
+# The loaders whose source is a model directory (or a hf: name), with a tokenizer beside its weights.
+DIRECTORY_LOADERS = (TRANSFORMERS, EMBEDDING)
 DTYPES = ("float32", "float16", "bfloat16")
 # What transformers can load weights from; an index file alone is not weights.
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -37,10 +49,14 @@ def validate_source(source: str, loader: str) -> None:
         raise ValueError(f"unknown loader {loader!r} (known: {', '.join(LOADERS)})")
     if not source or not source.strip():
         raise ValueError("model source is empty")
-    if loader == "transformers":
-        _model_dir(source)
-    else:
+    if loader == TORCH_MODULE:
         resolve_factory(source)
+        return
+    root = _model_dir(source)
+    if loader == EMBEDDING:
+        from inference.embedding import read_recipe
+
+        read_recipe(root)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -68,10 +84,10 @@ def load_model(
     """
     validate_source(source, loader)
     run_dtype = torch_dtype(dtype)
-    if loader == "transformers":
-        model = _load_transformers(Path(source), run_dtype, device_map, max_memory)
-    else:
+    if loader == TORCH_MODULE:
         model = _load_torch_module(source, run_dtype, device_map, max_memory)
+    else:
+        model = _load_transformers(_model_dir(source), run_dtype, device_map, max_memory, encoder=loader == EMBEDDING)
     if device_map is None and device is not None:
         model = model.to(device)
     return model.eval()
@@ -125,16 +141,23 @@ def parameter_devices(module: nn.Module) -> set[str]:
     return {str(p.device) for p in module.parameters()}
 
 
-def place_on_gpus(model: nn.Module, max_memory: MaxMemory) -> nn.Module:
+def place_on_gpus(model: nn.Module, max_memory: MaxMemory, arena: Arena | None = None) -> nn.Module:
     """Dispatch a CPU model onto the GPUs that `max_memory` allows, with accelerate.
 
     One GPU needs no hooks: a plain move is enough and keeps forward() free of accelerate's
     per-module device checks. Several GPUs get a device map and the hooks that move activations.
+    With `arena` (a sleeping replica's weights, inference.arena) the weights come out of it: one
+    block copy per device instead of a copy per tensor; dispatch then finds them in place.
     """
     gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
+    device_map: dict[str, Any]
     if len(gpus) == 1:
-        model = model.to(f"cuda:{gpus[0]}")
-        device_map: dict[str, Any] = {"": gpus[0]}
+        device_map = {"": gpus[0]}
+        if arena is not None:
+            from inference.arena import unpack
+
+            unpack(model, arena, device_map)
+        model = model.to(f"cuda:{gpus[0]}")  # a no-op for what the arena placed
     else:
         from accelerate import dispatch_model, infer_auto_device_map
 
@@ -143,6 +166,12 @@ def place_on_gpus(model: nn.Module, max_memory: MaxMemory) -> nn.Module:
             max_memory=dict(max_memory),
             no_split_module_classes=getattr(model, "_no_split_modules", None),
         )
+        if arena is not None:
+            from inference.arena import unpack
+
+            # What the map sends off the GPUs ("cpu", "disk": no room) lands on the CPU, where
+            # dispatch treats it as today and the replica's check fails it as out of memory.
+            unpack(model, arena, {k: v if isinstance(v, int) else "cpu" for k, v in device_map.items()})
         model = dispatch_model(model, device_map=device_map)
     if hasattr(model, "hf_device_map"):
         # transformers reads it (generate, model.device helpers): it must describe where weights are now.
@@ -170,7 +199,7 @@ def resolve_factory(source: str) -> Callable[[], Any]:
 
 
 def _model_dir(source: str) -> Path:
-    root = Path(source)
+    root = local_model_dir(source)
     if not root.exists():
         raise ValueError(f"not a model directory: {root} does not exist")
     if not root.is_dir():
@@ -196,16 +225,22 @@ def _dtype_kwarg() -> str:
 
 
 def _load_transformers(
-    root: Path, dtype: torch.dtype, device_map: str | dict[str, Any] | None, max_memory: MaxMemory | None
+    root: Path,
+    dtype: torch.dtype,
+    device_map: str | dict[str, Any] | None,
+    max_memory: MaxMemory | None,
+    *,
+    encoder: bool = False,
 ) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    # An encoder is loaded headless (AutoModel): its last hidden states are what embeddings pool.
+    from transformers import AutoModel, AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False, _dtype_kwarg(): dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
         if max_memory is not None:
             kwargs["max_memory"] = dict(max_memory)
-    return AutoModelForCausalLM.from_pretrained(root, **kwargs)
+    return (AutoModel if encoder else AutoModelForCausalLM).from_pretrained(root, **kwargs)
 
 
 def _load_torch_module(

@@ -22,9 +22,11 @@ its queue, and only then are the weights moved or released.
 
 `--backend cuda` follows seed 000: target the first GPU, cap the process with
 set_per_process_memory_fraction, place weights with accelerate under max_memory (0 on GPUs it does
-not own) and check where they landed; sleep parks them in pinned CPU memory and lifts the cap; wake
-targets the possibly new GPUs and re-dispatches. `--backend virtual` runs the same host on CPU and
-enforces the reservation in software: weights bigger than it fail exactly like an out-of-memory.
+not own) and check where they landed; sleep packs them into one pinned host allocation (an
+arena, inference.arena) and lifts the cap; wake targets the possibly new GPUs, copies the arena
+there and frees it. `--backend virtual` runs the same host on CPU (sleep and wake through the
+same arena, with plain host copies) and enforces the reservation in software: weights bigger than
+it fail exactly like an out-of-memory.
 
 No Django here: the process must start fast and must not hold database connections.
 """
@@ -49,6 +51,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from gpuportal.wire.requestqueue import Fence, RequestQueue
 from inference import load_slots
+from inference.hub import local_model_dir
+from inference.loaders import DIRECTORY_LOADERS, EMBEDDING, LOADERS
 from inference.process_exit import exit_now as _exit
 from inference.serving import Executor, Server
 
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from gpuportal.wire.memory import MemoryEstimate, ModelShape
+    from inference.arena import Arena
+    from inference.embedding import Recipe
     from inference.paged import PagedModel
     from inference.pairing import PairMember
 
@@ -269,6 +275,8 @@ class VirtualBackend:
         self.profile = profile or VirtualProfile.from_env()
         # The context this process would hold on its first GPU: none until it attaches.
         self.context_bytes = 0
+        # The weights while asleep or standing by (inference.arena); None while awake.
+        self.arena: Arena | None = None
 
     def attach(self, placement: Placement) -> None:
         self.context_bytes = max(self.context_bytes, self.profile.context_bytes)
@@ -292,7 +300,11 @@ class VirtualBackend:
         pass  # everything is on the CPU by construction
 
     def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]:
-        # The weights already live in host memory; like a real GPU, the context stays behind.
+        from inference.arena import pack
+
+        # The weights already live in host memory, but they go through the arena as a GPU's do
+        # (plain host copies): CI runs the code a real sleep runs. The context stays behind.
+        self.arena = pack(model)
         return dict(self.residual(placement))
 
     def residual(self, placement: Placement) -> dict[str, int]:
@@ -302,16 +314,25 @@ class VirtualBackend:
         return held
 
     def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module:
+        from inference.arena import unpack
+
         self.attach(placement)
+        if self.arena is not None:
+            arena, self.arena = self.arena, None
+            unpack(model, arena, {"": "cpu"})  # frees the arena: an awake replica holds no host copy
         return model
 
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
     ) -> tuple[nn.Module, dict[str, int | None]]:
+        from inference.arena import pack
+
         self._limit_threads()
         # A standby creates its context but never runs a forward pass: the smaller figure.
         self.context_bytes = max(self.context_bytes, self.profile.standby_context_bytes)
-        return self.load(source, loader, dtype, placement), dict(self.residual(placement))
+        model = self.load(source, loader, dtype, placement)
+        self.arena = pack(model)  # held ready, as a GPU standby holds its pinned arena
+        return model, dict(self.residual(placement))
 
     def process_bytes_by_id(self) -> dict[str, int] | None:
         return None  # no NVML: ReplicaHost models the figures
@@ -323,6 +344,9 @@ class VirtualBackend:
         return 0  # nothing but the context sits beside a virtual allocator
 
     def release(self) -> None:
+        if self.arena is not None:
+            self.arena.release()
+            self.arena = None
         gc.collect()
 
 
@@ -335,6 +359,10 @@ class CudaBackend:
         # What the reservation holds beside the allocator (contexts): set by ReplicaHost.
         self.outside_allocator = 0
         self.fraction: float | None = None
+        # The weights while asleep or standing by: one pinned host allocation (inference.arena).
+        # None while awake: the arena is freed by the wake, so an awake replica holds no host copy
+        # (the control plane counts host memory for sleeping, draining and standby replicas only).
+        self.arena: Arena | None = None
 
     def attach(self, placement: Placement) -> None:
         import torch
@@ -373,7 +401,7 @@ class CudaBackend:
         from inference.model_size import shape_from_model_dir
 
         try:
-            expected = shape_from_model_dir(source, dtype).weight_bytes
+            expected = shape_from_model_dir(source, dtype, encoder=loader == EMBEDDING).weight_bytes
         except ValueError as exc:  # a config model_size cannot read: verify() still catches a spill
             log.warning("weights not sized before loading: %s", exc)
         else:
@@ -404,11 +432,12 @@ class CudaBackend:
         import torch
         from accelerate.hooks import remove_hook_from_module
 
+        from inference.arena import pack
+
         # The hooks would move activations back to the old GPUs on the next forward; drop them.
         remove_hook_from_module(model, recurse=True)
-        _move_to_pinned_cpu(model)
-        for gpu in placement.gpus:  # the copies are asynchronous, on every GPU the weights were on
-            torch.cuda.synchronize(gpu)
+        # One pinned allocation, the copies queued on a side stream per GPU, one synchronisation.
+        self.arena = pack(model)
         torch.cuda.empty_cache()
         for gpu in placement.gpus:
             torch.cuda.set_per_process_memory_fraction(1.0, gpu)
@@ -420,7 +449,9 @@ class CudaBackend:
         from inference.loaders import place_on_gpus
 
         self.attach(placement)
-        return place_on_gpus(model, placement.max_memory(torch.cuda.device_count()))
+        arena, self.arena = self.arena, None
+        # Out of the arena, one block copy per device, and the arena freed (see __init__).
+        return place_on_gpus(model, placement.max_memory(torch.cuda.device_count()), arena)
 
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
@@ -429,11 +460,13 @@ class CudaBackend:
         active partner fills; only the CUDA context is created there, so the wake is a copy."""
         import torch
 
+        from inference.arena import pack
         from inference.loaders import load_model
 
         self.attach(placement)  # the CUDA context, on its GPU: all a sleeping replica holds there
         model = load_model(source, loader, dtype, device="cpu")
-        _pin(model)
+        # Into one pinned arena now, so the takeover is one host-to-device copy.
+        self.arena = pack(model, pin=True)
         torch.cuda.set_per_process_memory_fraction(1.0, placement.gpus[0])  # a sleeper is not capped
         return model, self._residual(placement)
 
@@ -467,6 +500,9 @@ class CudaBackend:
     def release(self) -> None:
         import torch
 
+        if self.arena is not None:
+            self.arena.release()
+            self.arena = None
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -481,45 +517,6 @@ class CudaBackend:
         residual: dict[str, int | None] = {str(g): 0 for g in placement.gpus}
         residual.update(measured)
         return residual
-
-
-def _move_to_pinned_cpu(model: nn.Module) -> None:
-    """Every parameter and buffer to page-locked host memory, so the next wake copies at full speed."""
-    import torch
-
-    def pinned(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type == "cpu":
-            return tensor  # a tied weight already moved through another module
-        try:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-        except RuntimeError:
-            # Pinned memory is a limited resource (ulimit -l, container limits): pageable still works.
-            log.warning("pinned memory unavailable; parking %s in pageable memory", tuple(tensor.shape))
-            return tensor.to("cpu")
-        host.copy_(tensor, non_blocking=True)
-        return host
-
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            param.data = pinned(param.data)
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = pinned(buffer)
-
-
-def _pin(model: nn.Module) -> None:
-    """Host tensors into page-locked memory, where a wake copies them to the GPU at full speed."""
-    import torch
-
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if not param.data.is_pinned():
-                try:
-                    param.data = param.data.pin_memory()
-                except RuntimeError:  # pinned memory is limited (ulimit -l): pageable still works
-                    return
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if isinstance(buffer, torch.Tensor) and not buffer.is_pinned():
-                module._buffers[name] = buffer.pin_memory()
 
 
 def nvml_process_bytes(pid: int) -> dict[str, int] | None:
@@ -604,6 +601,8 @@ class ReplicaHost:
         self.weights_bytes = 0
         self.residual_bytes_by_id: dict[str, int | None] = {}
         self.tokenizer: Any | None = None
+        # An encoder's embedding recipe (a transformers-embedding deployment); None for others.
+        self.recipe: Recipe | None = None
         # Set while serving: the serving thread waits on it rather than polling the state.
         self.accepting = threading.Event()
         self._state = "starting"
@@ -652,7 +651,13 @@ class ReplicaHost:
                 self.on_stop_taking()
 
     def executor(self) -> Executor:
-        return Executor(self.model, self.tokenizer, self.abort)
+        embedder = None
+        if self.recipe is not None:
+            from inference.embedding import Embedder
+
+            # Built per request, around the model as it is now (a wake may have moved it).
+            embedder = Embedder(self.model, self.tokenizer, self.recipe)
+        return Executor(self.model, self.tokenizer, self.abort, embedder)
 
     # -- the barrier ---------------------------------------------------------------------------
 
@@ -715,6 +720,7 @@ class ReplicaHost:
                 self._progress(25, f"loading weights from {self.source} ({self.loader}, {self.dtype})")
                 model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
                 self.tokenizer = load_tokenizer(self.source, self.loader)
+                self.recipe = load_recipe(self.source, self.loader)
                 self._progress(85, "checking placement and memory cap")
                 self._adopt(model, self.placement)
                 self._allocate_pool()
@@ -735,6 +741,7 @@ class ReplicaHost:
                 self._progress(25, f"loading weights from {self.source} into host memory")
                 model, residual = self.backend.load_to_cache(self.source, self.loader, self.dtype, self.placement)
                 self.tokenizer = load_tokenizer(self.source, self.loader)
+                self.recipe = load_recipe(self.source, self.loader)
             self.weights_bytes = tensor_bytes(model)
             # A standby that could never wake into its reservation is no standby: fail now, not at takeover.
             check_cap(self.weights_bytes, self.placement, self._outside_allocator())
@@ -945,7 +952,9 @@ class ReplicaHost:
         context = max(self.context_bytes, self.backend.context_bytes_measured(self.placement))
         overhead = self.backend.outside_allocator_bytes(self.placement, context)
         shape = None
-        if self.tokenizer is not None:
+        # An encoder keeps no KV cache: its footprint is its weights and the activation floor, as
+        # its deploy-time estimate (inference.inspection), and its passes are sized to fit it.
+        if self.tokenizer is not None and self.recipe is None:
             try:
                 shape = model_shape(self.model, weights)
             except (AttributeError, TypeError, ValueError) as exc:  # a config without the usual fields
@@ -1099,16 +1108,28 @@ class _FailingAs:
 
 
 def load_tokenizer(source: str, loader: str) -> Any | None:
-    """The model directory's tokenizer, if it has one (a torch-module deployment takes tensors)."""
-    if loader != "transformers":
+    """The model directory's tokenizer, if it has one (a torch-module deployment takes tensors).
+    An encoder takes nothing but text: without its tokenizer the load fails."""
+    if loader not in DIRECTORY_LOADERS:
         return None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+        return AutoTokenizer.from_pretrained(local_model_dir(source), local_files_only=True)
     except (OSError, ValueError) as exc:
+        if loader == EMBEDDING:
+            raise ValueError(f"{source} has no tokenizer a replica can load: {exc}") from exc
         log.warning("no tokenizer in %s (%s): only tensor requests can be served", source, exc)
         return None
+
+
+def load_recipe(source: str, loader: str) -> Recipe | None:
+    """How an encoder's token states become embeddings (inference.embedding); None for other loaders."""
+    if loader != EMBEDDING:
+        return None
+    from inference.embedding import read_recipe
+
+    return read_recipe(local_model_dir(source))
 
 
 def die_with_parent() -> None:
@@ -1215,8 +1236,8 @@ def adopt_later(host: ReplicaHost, commands: queue.Queue[Any], args: argparse.Na
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m inference.replica", description=__doc__.split("\n")[0])
     parser.add_argument("--replica-id", required=True)
-    parser.add_argument("--source", required=True, help="Model directory, or package.module:factory.")
-    parser.add_argument("--loader", required=True, choices=["transformers", "torch-module"])
+    parser.add_argument("--source", required=True, help="Model directory, hf:org/name, or package.module:factory.")
+    parser.add_argument("--loader", required=True, choices=LOADERS)
     parser.add_argument("--dtype", required=True, choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--gpus", required=True, help="GPU ids, comma-separated: 0 or 0,1.")
     parser.add_argument("--reserved-bytes-by-gpu", required=True, help='JSON: {"0": 734003200}')

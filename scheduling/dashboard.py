@@ -28,6 +28,7 @@ from django.views.decorators.http import require_GET
 
 from scheduling import requeststats, selectors
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Replica
+from scheduling.services import host_cache
 from scheduling.services import requests as request_services
 
 EVENT_LIMIT = 50
@@ -110,6 +111,9 @@ class NodeRow:
     heartbeat_age_s: float | None
     virtual: bool
     gpus: list[GpuRow] = field(default_factory=list)
+    # Its host cache (issue 19): what sleeping weights use of the budget its agent reported.
+    host_used: int = 0
+    host_budget: int = 0
 
     @property
     def drained(self) -> bool:
@@ -195,8 +199,18 @@ def event_filters(request: HttpRequest) -> dict[str, str]:
 def context(request: HttpRequest) -> dict[str, Any]:
     """Everything the page shows, in a fixed number of queries."""
     now = timezone.now()
+    nodes = list(selectors.nodes())
+    host_used = host_cache.used_bytes([n.pk for n in nodes])
     node_rows: dict[str, NodeRow] = {
-        n.name: NodeRow(n.name, n.status, _heartbeat_age(n.last_heartbeat, now), n.virtual) for n in selectors.nodes()
+        n.name: NodeRow(
+            n.name,
+            n.status,
+            _heartbeat_age(n.last_heartbeat, now),
+            n.virtual,
+            host_used=host_used.get(n.pk, 0),
+            host_budget=n.cpu_cache_bytes,
+        )
+        for n in nodes
     }
     intents, locks = [], []
     for gpu in selectors.gpus():

@@ -30,6 +30,7 @@ class Node(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE, db_index=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     cpu_cache_bytes = models.BigIntegerField(default=0, help_text="Host RAM available for sleeping weights.")
+    host_ram_bytes = models.BigIntegerField(default=0, db_default=0, help_text="The host's RAM, as its agent reads it.")
     virtual = models.BooleanField(default=False, help_text="GPUs are simulated on the CPU (no NVIDIA GPU).")
     registered_at = models.DateTimeField(auto_now_add=True)
 
@@ -58,9 +59,11 @@ class GPU(models.Model):
     available_bytes = models.BigIntegerField()
     # Compare-and-swap version: bumped by every commit that touches this GPU.
     version = models.BigIntegerField(default=0)
-    # The transaction id of the last writer (txid_current()). A reader that remembers the xmin of
-    # its previous snapshot can fetch exactly the rows changed since (ledger.Mirror): any
-    # transaction that commits later has an id at or above that xmin.
+    # The transaction id of the last writer, set by the database on every write (the trigger in
+    # scheduling/sql/ledger_stamp_v1.sql, which stamps node, replica and deployment rows too, in a
+    # column no model declares). A reader that remembers its previous snapshot can fetch exactly
+    # the GPUs changed since (ledger.Mirror): any transaction that commits later has an id at or
+    # above that snapshot's xmin.
     changed_txid = models.BigIntegerField(default=0, db_index=True)
     wake_lock_holder = models.ForeignKey(
         "Replica", null=True, blank=True, on_delete=models.SET_NULL, related_name="wake_locks"
@@ -108,6 +111,8 @@ class Deployment(models.Model):
     class Loader(models.TextChoices):
         TRANSFORMERS = "transformers", "Hugging Face transformers causal LM"
         TORCH_MODULE = "torch-module", "PyTorch module from a factory path"
+        # An encoder (BERT, MiniLM, MPNet...) served as sentence embeddings on /v1/embeddings.
+        EMBEDDING = "transformers-embedding", "Hugging Face transformers encoder, as sentence embeddings"
 
     class DType(models.TextChoices):
         FLOAT32 = "float32"
@@ -115,7 +120,10 @@ class Deployment(models.Model):
         BFLOAT16 = "bfloat16"
 
     name = models.SlugField(max_length=100, unique=True)
-    model_source = models.CharField(max_length=1000, help_text="Local model directory or factory path.")
+    model_source = models.CharField(
+        max_length=1000,
+        help_text="Local model directory, hf:org/name (in the nodes' Hugging Face cache), or factory path.",
+    )
     loader = models.CharField(max_length=32, choices=Loader.choices, default=Loader.TRANSFORMERS)
     dtype = models.CharField(max_length=16, choices=DType.choices, default=DType.FLOAT32)
     replicas_wanted = models.PositiveIntegerField(default=1)
@@ -221,6 +229,9 @@ class Replica(models.Model):
         STOPPING = "stopping"
         STOPPED = "stopped"
         FAILED = "failed"
+        # Wanted, but its weights are nowhere (issue 19): it left a full host cache, and the next
+        # wake loads it from disk. No process, no node, no reservation.
+        PARKED = "parked"
 
     id = models.CharField(primary_key=True, max_length=32, default=new_replica_id, editable=False)
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replicas")
@@ -376,6 +387,8 @@ class Event(models.Model):
         FAILOVER_SWITCHOVER = "failover.switchover"
         # `up` started one of its processes again after it died (issue 20).
         STACK_RESTARTED = "stack.restarted"
+        # A node's host cache: a sleeper parked out of it, or what is over its budget (issue 19).
+        HOST_CACHE = "host_cache"
 
     time = models.DateTimeField(auto_now_add=True, db_index=True)
     # Named in Kind, but not constrained to it: kinds grow with the product, and a choices list
@@ -420,3 +433,61 @@ class UserLimits(models.Model):
 
     def __str__(self) -> str:
         return f"limits of {self.user}"
+
+
+class RequestRecord(models.Model):
+    """An ended inference request, as the capacity planner reads recorded traffic (issue 21):
+    drained from Redis's gp:records (every request's end pushes one) by a beat task, kept for
+    GPUPORTAL_REQUEST_RECORD_RETENTION_S. Written only by scheduling.services.traffic."""
+
+    request_id = models.CharField(max_length=64, unique=True)
+    # A plain name: the record outlives a deleted deployment, as Events do.
+    deployment = models.CharField(max_length=100, db_index=True)
+    kind = models.CharField(max_length=16, blank=True, default="")
+    status = models.CharField(max_length=16)
+    created_at = models.DateTimeField(db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # From the answer's usage; None for a request that ended without one (failed, cancelled).
+    prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    output_tokens = models.PositiveIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment} {self.request_id[:8]} {self.status}"
+
+
+class CapacityPlan(models.Model):
+    """A capacity plan asked for by `POST /api/plan/` and computed on the control worker: its
+    progress while it runs, then the answer (scheduling.simulation.planner) and its plot."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    percent = models.PositiveSmallIntegerField(default=0)
+    # What was asked: the trace's text (or none: the recorded traffic since `since`), the catalogue
+    # (none: the portal's deployments), target, SLO, and whether bad rows are skipped.
+    trace = models.TextField(blank=True, default="")
+    since = models.DateTimeField(null=True, blank=True)
+    options = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True, default="")
+    skipped_rows = models.JSONField(default=list, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    table = models.TextField(blank=True, default="")
+    plot_png = models.BinaryField(null=True, blank=True)
+    elapsed_s = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"capacity plan {self.pk} ({self.state})"

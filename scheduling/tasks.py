@@ -4,7 +4,17 @@ import logging
 
 from celery import shared_task
 
-from scheduling.services import cleanup, deployments, node_gateway, nodes, preemption, sleep
+from scheduling.services import (
+    capacity,
+    cleanup,
+    deployments,
+    host_cache,
+    node_gateway,
+    nodes,
+    preemption,
+    sleep,
+    traffic,
+)
 from scheduling.services.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -45,6 +55,12 @@ def reconcile(reason: str) -> dict[str, list[str]]:
     return deployments.reconcile_all(f"reconciled: {reason}")
 
 
+@shared_task(name="scheduling.tasks.trim_host_cache", ignore_result=True)
+def trim_host_cache(node: str) -> list[str]:
+    """Park sleepers until the node's host cache fits its budget (issue 19); the ids parked."""
+    return host_cache.trim(node)
+
+
 @shared_task(name="scheduling.tasks.preempt", ignore_result=True)
 def preempt(intent_ids: list[int]) -> str:
     """The fair wake's wait, victim choice and placement (runs for up to max_wait + a drain)."""
@@ -61,3 +77,17 @@ def wake(name: str, reason: str) -> list[str]:
         # Deleted meanwhile, or it can never fit: nothing to retry; the error says why.
         log.warning("retried wake of %s: %s", name, err)
         return []
+
+
+@shared_task(name="scheduling.tasks.record_requests", ignore_result=True)
+def record_requests() -> dict[str, int]:
+    """The records of ended requests from Redis into PostgreSQL (the capacity planner's traffic)."""
+    return traffic.record_requests()
+
+
+# Acknowledged on receipt: a plan is minutes of simulation; one whose worker died stays `running`
+# and is asked for again, rather than redelivered to a worker that may die of it the same way.
+@shared_task(name="scheduling.tasks.plan_capacity", ignore_result=True, acks_late=False)
+def plan_capacity(plan_id: int) -> str:
+    """A capacity plan asked for through the API (minutes of simulation for a long trace)."""
+    return capacity.run(plan_id)

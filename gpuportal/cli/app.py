@@ -337,10 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     deploy = commands.add_parser("deploy", help="create a deployment and wait until its replicas serve")
     deploy.add_argument("name")
-    deploy.add_argument("source", help="a model directory, or package.module:factory for a torch-module")
+    deploy.add_argument("source", help="a model directory, hf:org/name, or package.module:factory (torch-module)")
     deploy.add_argument("--replicas", type=non_negative_int, default=1, metavar="N", help="default 1")
     deploy.add_argument("--max-tokens", type=non_negative_int, metavar="N", help="longest sequence served")
-    deploy.add_argument("--loader", help="transformers (default) or torch-module")
+    deploy.add_argument("--loader", help="transformers (default), transformers-embedding or torch-module")
     deploy.add_argument("--dtype", help="float32 (default), float16, ...")
     add_wait_options(deploy, "the replicas serve")
     deploy.set_defaults(run=cmd_deploy)

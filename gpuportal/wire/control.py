@@ -24,6 +24,7 @@ class ControlPlane(Protocol):
         cpu_cache_bytes: int,
         virtual: bool,
         survivors: Sequence[Survivor],
+        host_ram_bytes: int = 0,
     ) -> None:
         """The node is up with these GPUs; of the survivors, the control plane keeps those whose
         books agree (issue 16) and loses the rest, which the next heartbeat names."""

@@ -12,6 +12,7 @@ request somewhere at every instant:
     gp:last:<replica>       when the replica last finished a request (for idle sleep)
     gp:live:<deployment>:<family>  replicas taking requests now, scored by when that claim expires
     gp:deleted:<deployment>        a deployment deleted a moment ago, which no replica may claim
+    gp:records              a compact record of every ended request, until the control plane drains it
 
 A replica that dies leaves its ids in gp:proc:<replica>; `requeue_from` puts them back at the
 head of the queue (or fails them once they used their attempts).
@@ -89,23 +90,33 @@ def finished_key(status: str) -> str:
     return f"gp:finished:{status}"
 
 
+# Every ended request's record (see _END), oldest first, until the control plane drains them.
+RECORDS_KEY = "gp:records"
+# A week of 10 requests a second drained every minute needs far fewer; only a control plane that
+# stopped draining reaches it, and then the oldest records go first.
+RECORDS_MAX = 1_000_000
+
+
 def live_key(deployment: str, family: str) -> str:
     """Replicas taking `family` requests (see family_of_kind) for the deployment now."""
     return f"gp:live:{deployment}:{family}"
 
 
 # What a replica takes, by its loader, and what a request needs, by its kind: a causal LM takes
-# text (generate, chat), a plain module takes tensors (forward). A live claim is per family, so a
-# request of the wrong kind finds no claim and is admitted the long way, which refuses it.
-FAMILIES = ("text", "tensor")
+# text (generate, chat), a plain module takes tensors (forward), an encoder takes text to embed
+# (embed). A live claim is per family, so a request of the wrong kind finds no claim and is
+# admitted the long way, which refuses it.
+FAMILIES = ("text", "tensor", "embedding")
+_KIND_FAMILIES = {"forward": "tensor", "embed": "embedding"}
+_LOADER_FAMILIES = {"transformers": "text", "transformers-embedding": "embedding"}
 
 
 def family_of_kind(kind: str) -> str:
-    return "tensor" if kind == "forward" else "text"
+    return _KIND_FAMILIES.get(kind, "text")
 
 
 def family_of_loader(loader: str) -> str:
-    return "text" if loader == "transformers" else "tensor"
+    return _LOADER_FAMILIES.get(loader, "tensor")
 
 
 def deleted_key(deployment: str) -> str:
@@ -260,16 +271,20 @@ return math.max(current, tonumber(ARGV[1]))
 #   new one. A request whose record has expired has no owner to check, and is written as before;
 # - the token pushed to gp:done:<id> carries the final fields (all but input and params), so a
 #   waiter has the answer in the same round trip as its wake-up, with no read of the hash after.
-# KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count.
-# ARGV: epoch or '', request id, ttl, now, stream end marker, replica id or '', then the request's
-# field/value pairs.
+# - a compact record of it (times, token counts from the answer's `usage`, status) goes onto
+#   gp:records, which the control plane drains into PostgreSQL (scheduling.services.traffic): the
+#   capacity planner's recorded traffic, kept past the request's own TTL. Capped at ARGV[7]
+#   entries, oldest dropped, should nothing drain it.
+# KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count,
+# records. ARGV: epoch or '', request id, ttl, now, stream end marker, replica id or '', the records'
+# cap, then the request's field/value pairs.
 _END = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[6] ~= '' then
   local owner = redis.call('HGET', KEYS[2], 'replica')
   if owner and owner ~= ARGV[6] then return -1 end
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 7))
+redis.call('HSET', KEYS[2], unpack(ARGV, 8))
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 local fields = redis.call('HGETALL', KEYS[2])
@@ -284,6 +299,16 @@ if ARGV[6] ~= '' then
   redis.call('SET', KEYS[6], ARGV[4], 'EX', ARGV[3])
 end
 redis.call('INCR', KEYS[7])
+local usage = {}
+if final['output'] then
+  local ok, output = pcall(cjson.decode, final['output'])
+  if ok and type(output) == 'table' and type(output['usage']) == 'table' then usage = output['usage'] end
+end
+redis.call('RPUSH', KEYS[8], cjson.encode({
+  id = ARGV[2], deployment = final['deployment'], kind = final['kind'], status = final['status'],
+  created_at = final['created_at'], started_at = final['started_at'], finished_at = final['finished_at'],
+  prompt_tokens = usage['prompt_tokens'], output_tokens = usage['completion_tokens']}))
+redis.call('LTRIM', KEYS[8], -tonumber(ARGV[7]), -1)
 return 1
 """
 
@@ -300,7 +325,7 @@ class Fence:
 class Request:
     id: str
     deployment: str
-    kind: str  # "generate", "chat" or "forward"
+    kind: str  # "generate", "chat", "forward" or "embed"
     input: Any
     params: dict[str, Any] = field(default_factory=dict)
     status: str = "queued"
@@ -647,6 +672,14 @@ class RequestQueue:
         counts = self.redis.mget([finished_key(status) for status in FINAL])
         return {status: int(count or 0) for status, count in zip(FINAL, counts, strict=True)}
 
+    def records(self, count: int) -> list[dict[str, Any]]:
+        """The oldest `count` records of ended requests (see _END), left in place: `drop_records`
+        removes them once they are stored, so a drain that dies in between loses none."""
+        return [json.loads(raw) for raw in self.redis.lrange(RECORDS_KEY, 0, count - 1)]
+
+    def drop_records(self, count: int) -> None:
+        self.redis.ltrim(RECORDS_KEY, count, -1)
+
     def _lengths(self, key: Callable[[str], str], names: Iterable[str]) -> tuple[list[str], list[int]]:
         names = list(names)
         if not names:
@@ -860,9 +893,11 @@ class RequestQueue:
             processing_key(replica_id),
             last_key(replica_id),
             finished_key(status),
+            RECORDS_KEY,
         ]
         epoch = str(fence.epoch) if fence is not None else ""
-        args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, *(x for kv in values.items() for x in kv)]
+        args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX]
+        args += [x for kv in values.items() for x in kv]
         written = self._end_script(keys=keys, args=args)
         if written == 0:
             assert fence is not None

@@ -12,11 +12,18 @@ from rest_framework import serializers
 
 from scheduling import selectors
 from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
+from scheduling.services import host_cache
 
 
 class NodeSerializer(serializers.ModelSerializer):
     heartbeat_age_s = serializers.SerializerMethodField(help_text="Seconds since the last heartbeat.")
     gpu_count = serializers.IntegerField(read_only=True)
+    host_cache_budget_bytes = serializers.IntegerField(
+        source="cpu_cache_bytes", read_only=True, help_text="Host RAM given to sleeping replicas' weights."
+    )
+    host_cache_used_bytes = serializers.SerializerMethodField(
+        help_text="What sleeping, draining and standby replicas' weights use of it (issue 19)."
+    )
 
     class Meta:
         model = Node
@@ -28,11 +35,22 @@ class NodeSerializer(serializers.ModelSerializer):
             "last_heartbeat",
             "heartbeat_age_s",
             "cpu_cache_bytes",
+            "host_ram_bytes",
+            "host_cache_budget_bytes",
+            "host_cache_used_bytes",
             "virtual",
             "gpu_count",
             "registered_at",
         ]
         read_only_fields = fields
+
+    def get_host_cache_used_bytes(self, obj: Node) -> int:
+        # One query for a whole page of nodes, not one per node.
+        listed = self.parent.instance if isinstance(self.parent, serializers.ListSerializer) else None
+        known: dict[int, int] = self.context.setdefault("_host_cache", {})
+        if obj.pk not in known:
+            known.update(host_cache.used_bytes([n.pk for n in (listed if listed is not None else [obj])]))
+        return known.get(obj.pk, 0)
 
     def get_heartbeat_age_s(self, obj: Node) -> float | None:
         if obj.last_heartbeat is None:

@@ -90,6 +90,9 @@ class _Decision:
 
     placements: tuple[Placement, ...] = ()
     new_ids: list[str] = field(default_factory=list)
+    # The rows this call created for them, as written: no other transaction sees them before it
+    # commits, so the commit's apply need not read them back.
+    created: dict[str, Replica] = field(default_factory=dict)
 
 
 def inspect_model(source: str, loader: str, dtype: str, max_tokens: int) -> ModelFacts:
@@ -232,8 +235,12 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
         # The deployment row lock serialises scale operations of one deployment.
         deployment = get(name, lock=True)
         # A failover standby is not a replica of its own: it stands and goes with its active member.
+        # Their ids only: building every awake replica's row cost more than the rest of a scale.
         awake = list(
-            deployment.replicas.filter(state__in=AWAKE).exclude(role=Replica.Role.STANDBY).order_by("-created_at")
+            deployment.replicas.filter(state__in=AWAKE)
+            .exclude(role=Replica.Role.STANDBY)
+            .order_by("-created_at")
+            .values_list("id", flat=True)
         )
         before = deployment.replicas_wanted
         if replicas > len(awake):
@@ -242,6 +249,9 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
             _stop_replicas(deployment, awake[: len(awake) - replicas], reason=f"{reason}: {len(awake)} → {replicas}")
         deployment.replicas_wanted = replicas
         deployment.save(update_fields=["replicas_wanted", "updated_at"])
+        # Parked replicas beyond the new count are wanted no more.
+        surplus = deployment.replicas.filter(PLAIN_COUNTED).count() - replicas
+        _retire_parked(deployment, surplus, reason=f"{reason}: no longer wanted")
         if before != replicas:
             events.record(
                 Event.Kind.DEPLOYMENT_CHANGED,
@@ -259,7 +269,8 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
 REPLACE_TASK = "scheduling.tasks.replace_failed"
 # Replicas that count toward a deployment's replicas while a failed load is replaced: serving,
 # sleeping, or on their way to either. A failover standby is its active member's, not one more.
-COUNTED = (*AWAKE, Replica.State.DRAINING, Replica.State.SLEEPING)
+# A parked replica (issue 19: it left a full host cache) is still wanted: the next wake loads it.
+COUNTED = (*AWAKE, Replica.State.DRAINING, Replica.State.SLEEPING, Replica.State.PARKED)
 # A failover pair counts once while any member lives: between its active member's death and its
 # standby's takeover report, the standby is the pair (a reconcile in that window must not place
 # a second pair).
@@ -474,12 +485,11 @@ def releasing(replica_ids: set[str], reason: str) -> Callable[[Snapshot], Plan |
     """A decision releasing every reservation the replicas hold, or None when they hold none."""
 
     def decide(snap: Snapshot) -> Plan | None:
-        releases = [
-            Release(gpu.id, o.replica_id)
-            for gpu in snap.gpus.values()
-            for o in gpu.occupants
-            if o.replica_id in replica_ids
-        ]
+        holdings = snap.index.holdings  # where each replica holds memory, without a walk of every GPU
+        releases = sorted(
+            (Release(gpu.id, replica_id) for replica_id in replica_ids for gpu, _ in holdings.get(replica_id, ())),
+            key=lambda r: (r.gpu_id, r.replica_id),
+        )
         return Plan.against(snap, reason, releases=releases) if releases else None
 
     return decide
@@ -499,7 +509,7 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
             measured_bytes=deployment.memory_measured_bytes,
         ),
     )
-    context, standby_context = gpu_contexts(snapshot.gpus)
+    context, standby_context = snapshot.index.contexts
     # A measured need is the replica's own footprint, its context included; others have none.
     if need.source != "measured":
         need = replace(need, bytes=need.bytes + context)
@@ -596,12 +606,24 @@ def add_replicas(
 
     # Rows for new replicas first, so the occupants the commit writes point at something real.
     if allow_new and new_ids is None:
-        Replica.objects.bulk_create([Replica(id=i, deployment=deployment) for i in decision.new_ids])
+        rows = Replica.objects.bulk_create([Replica(id=i, deployment=deployment) for i in decision.new_ids])
+        decision.created = {row.id: row for row in rows}
     ledger.commit_with_retry(decide, apply=lambda plan: _apply_placements(deployment, decision, reason))
     if allow_new and new_ids is None:
         unused = set(decision.new_ids) - {p.replica_id for p in decision.placements}
         Replica.objects.filter(id__in=unused).delete()  # ids set aside for replicas a promotion made unneeded
+    loaded = sum(1 for p in decision.placements if p.promoted is None)
+    _retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
     return decision
+
+
+def _retire_parked(deployment: Deployment, count: int, *, reason: str) -> None:
+    """Parked replicas (issue 19) that new loads replace, or a lower count no longer wants:
+    stopped, oldest first. The caller holds the deployment row."""
+    if count <= 0:
+        return
+    for replica in deployment.replicas.filter(state=Replica.State.PARKED).order_by("created_at")[:count]:
+        replica_services.set_state(replica, Replica.State.STOPPED, reason)
 
 
 def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) -> None:
@@ -622,7 +644,7 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
         node = gpus[placement.gpu_ids[0]].node
         by_index = {str(gpus[g].index): placement.bytes_by_gpu[g] for g in placement.gpu_ids}
         promoted = placement.promoted is not None
-        replica = Replica.objects.get(pk=placement.replica_id)
+        replica = decision.created.get(placement.replica_id) or Replica.objects.get(pk=placement.replica_id)
         before = {"state": replica.state, "node": replica.node_id and node.name, "gpus": replica.gpu_mem_bytes_by_id}
         replica.node = node
         replica.gpu_mem_bytes_by_id = by_index
@@ -657,11 +679,14 @@ def _mark_evicted(victim: Replica, placement: Placement) -> None:
     )
     if victim.node is not None:
         dispatch.sleep(victim.node.name, victim.id)
+        if victim.node.cpu_cache_bytes > 0:  # its weights go to the node's host memory
+            dispatch.trim_host_cache(victim.node.name)
 
 
-def _stop_replicas(deployment: Deployment, replicas: list[Replica], *, reason: str) -> None:
-    ids = {r.id for r in replicas}
-    ids |= failover.partners(ids)  # a pair stops whole: its standby must not take over
+def _stop_replicas(deployment: Deployment, replica_ids: list[str], *, reason: str) -> None:
+    ids = set(replica_ids)
+    if deployment.failover_standby:  # only such a deployment's replicas are paired (a setting it keeps)
+        ids |= failover.partners(ids)  # a pair stops whole: its standby must not take over
 
     def apply(plan: Plan | None = None) -> None:
         for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):

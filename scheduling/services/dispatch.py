@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 CONTROL_QUEUE = "control"
 
 
+# scheduling.tasks.trim_host_cache: named here, as the node tasks are, so no service imports the tasks.
+TRIM_HOST_CACHE_TASK = "scheduling.tasks.trim_host_cache"
+
+
 def _to_node(node: str, build: Callable[[], commands.Command | None]) -> None:
     # on_commit: a rolled-back decision must not reach an agent. The command is built then, from
     # the committed rows, as the agent once read them itself.
@@ -50,6 +54,12 @@ def wake(node: str, replica_id: str, wait_for: list[str]) -> None:
 
 def sleep(node: str, replica_id: str) -> None:
     _to_node(node, lambda: replica_specs.sleep(replica_id))
+
+
+def trim_host_cache(node: str) -> None:
+    """After the commit that sends replicas to sleep on `node`: park sleepers until its host cache
+    fits its budget (scheduling.services.host_cache.trim, on the control worker)."""
+    to_control(TRIM_HOST_CACHE_TASK, node)
 
 
 def stop(node: str, replica_id: str) -> None:

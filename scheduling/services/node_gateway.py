@@ -54,6 +54,7 @@ class ServicesGateway:
         cpu_cache_bytes: int,
         virtual: bool,
         survivors: Sequence[Survivor],
+        host_ram_bytes: int = 0,
     ) -> None:
         close_old_connections()
         # Retried through a database restart like a report: an agent that `up` just started
@@ -67,6 +68,7 @@ class ServicesGateway:
             cpu_cache_bytes=cpu_cache_bytes,
             virtual=virtual,
             survivors=survivors,
+            host_ram_bytes=host_ram_bytes,
         )
 
     def heartbeat(self, node: str, *, books: Books | None, running: Sequence[str]) -> list[str]:

@@ -43,6 +43,7 @@ def register_node(
     cpu_cache_bytes: int = 0,
     virtual: bool = False,
     survivors: Sequence[Survivor] = (),
+    host_ram_bytes: int = 0,
 ) -> Node:
     """Create or refresh a node and its GPUs as its agent reports them; the node is online after.
 
@@ -57,6 +58,7 @@ def register_node(
         before = {"status": node.status, "virtual": node.virtual, "gpus": node.gpus.count()}
         previous_status = node.status
         node.hostname, node.cpu_cache_bytes, node.virtual = hostname, cpu_cache_bytes, virtual
+        node.host_ram_bytes = host_ram_bytes
         node.status, node.last_heartbeat = Node.Status.ONLINE, now
         node.save()
         changes = ledger.sync_inventory(node.pk, node.name, devices)

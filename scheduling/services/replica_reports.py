@@ -180,6 +180,11 @@ def _stopped(replica: Replica, event: dict[str, Any]) -> None:
     replicas.reserve_exactly(replica, {}, reason="replica stopped")
     replica.pid = None
     replica.serving_since = None
+    if replica.state == Replica.State.PARKED:
+        # Parked out of the host cache (issue 19): its process was meant to go, and the replica
+        # stays wanted, for the next wake to load from disk.
+        replica.save(update_fields=["pid", "serving_since", "updated_at"])
+        return
     replicas.set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
 
 

@@ -82,6 +82,10 @@ def to_cache(
                 replica=replica_id,
             )
         dispatch.sleep(replica.node.name, replica.id)
+        # Its weights are on their way to the node's host memory: keep that within its budget
+        # (a node that reports none has nothing to keep within).
+        if replica.node.cpu_cache_bytes > 0:
+            dispatch.trim_host_cache(replica.node.name)
     return replica
 
 
@@ -258,7 +262,7 @@ def reserve_exactly(replica: Replica, bytes_by_index: dict[int, int], *, reason:
     replica_id = replica.id
 
     def decide(snap: Snapshot) -> Plan | None:
-        on_node = {g.index: g for g in snap.gpus.values() if g.node == replica.node.name}
+        on_node = {g.index: g for g in snap.index.on_node.get(replica.node.name, ())}  # not a walk of every GPU
         releases = [
             Release(g.id, replica_id)
             for g in on_node.values()

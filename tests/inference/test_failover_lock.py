@@ -177,6 +177,16 @@ def test_a_takeover_whose_wake_runs_past_its_timeout_ends_the_process(monkeypatc
         def raise_epoch(self, fence: str, epoch: int) -> int:
             return epoch
 
+        # At the grant the dead active's requests are given back (issue 19), before the wake hangs.
+        def write_off(self, replica_id: str) -> None:
+            said.append(("write_off", {"replica": replica_id}))
+
+        def withdraw(self, deployment: str, replica_id: str) -> None:
+            pass
+
+        def requeue_from(self, replica_id: str, *, max_attempts: int, reason: str) -> dict[str, str]:
+            return {}
+
     member = pairing.PairMember(
         HungHost(), Requests(), LeaseConfig("unused", 1, "standby-1", 10.0),
         role="standby", fence_name="pair-1", wake_timeout_s=0.2, liveness_every_s=1.0,

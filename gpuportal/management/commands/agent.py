@@ -49,7 +49,11 @@ class Command(BaseCommand):
             default=None,
             help="What NVML counts but CUDA cannot allocate on a virtual GPU (default: 480MiB).",
         )
-        parser.add_argument("--cpu-cache", default=None, help="Host RAM for sleeping weights (default: half).")
+        parser.add_argument(
+            "--cpu-cache",
+            default=None,
+            help="Host RAM for sleeping weights (default: GPUPORTAL_HOST_CACHE_BYTES, else half of RAM).",
+        )
         parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
         parser.add_argument("--loglevel", default="INFO")
 
@@ -59,6 +63,8 @@ class Command(BaseCommand):
         try:
             if virtual_gpus is not None:
                 parse_virtual_spec(virtual_gpus)
+            # The host cache's budget (issue 19): the flag, else the operator's setting, else half of RAM.
+            cpu_cache = cpu_cache or os.environ.get("GPUPORTAL_HOST_CACHE_BYTES") or None
             cache = parse_size(cpu_cache) if cpu_cache else None
         except ValueError as err:
             raise CommandError(f"invalid size: {err}") from None

@@ -1,0 +1,244 @@
+"""Sleep and wake bandwidth (issue 19): the replica's own path against a plain copy of the same bytes.
+
+For each model size, a random Llama written by `make_tiny_model` is loaded by the replica's own
+backend (inference.replica: CudaBackend on a GPU, VirtualBackend on the CPU) and put to sleep and
+woken through its to_cache / from_cache, which pack into and unpack out of the arena
+(inference.arena). Bytes per second of weights moved, against a reference copy of the same number
+of bytes on the same device in the same run:
+
+- on CUDA: one host-to-device copy from a pinned buffer (the bus's speed: a wake's target is 90 %
+  of it), one from a pageable buffer, and one pinned device-to-host copy for the sleep;
+- on the CPU: one torch copy of a buffer of that size into another, already touched (a memcpy),
+  and into a buffer allocated for it (what a sleep or a wake does at the least).
+
+The first sleep is shown apart: it pays for the arena's allocation and page-locking, which a
+later sleep pays again (the arena is freed by every wake, so an awake replica holds no host copy).
+"host kept" is the process's resident memory after the last wake less before the first sleep:
+about 0 when the wake gave the arena back.
+
+    python -m bench.wake [--device cpu|cuda] [--sizes 64,128,256] [--dtype float32] [--repeats 3] [--no-record]
+
+Sizes are MiB of float32 weights (0.5, 1 and 4 GiB on CUDA by default; 64, 128 and 256 MiB on the
+CPU). The host cache under pressure (sleeping replicas past the node's budget) needs the control
+plane: it is measured apart (scheduling/services/host_cache.py), not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.report import record, table
+
+GB = 1e9  # bandwidth in decimal gigabytes a second, as the findings and the vendors quote it
+DEFAULT_SIZES_MB = {"cuda": [512, 1024, 4096], "cpu": [64, 128, 256]}
+
+
+@dataclass
+class Figures:
+    size_mb: int
+    weights_bytes: int
+    first_sleep_s: float
+    sleep_s: float
+    wake_s: float
+    reference: dict[str, float]  # name → bytes/s
+    host_kept_bytes: int
+
+    def rate(self, seconds: float) -> float:
+        return self.weights_bytes / seconds
+
+
+def resident_bytes() -> int:
+    """This process's resident set (VmRSS), from /proc."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def timed(action: Callable[[], Any], device: str) -> float:
+    import torch
+
+    began = time.perf_counter()
+    action()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - began
+
+
+def best_rate(nbytes: int, copy: Callable[[], Any], device: str, trials: int = 3) -> float:
+    copy()  # warm-up: first-touch page faults, driver set-up
+    return nbytes / min(timed(copy, device) for _ in range(trials))
+
+
+def references(nbytes: int, device: str) -> dict[str, float]:
+    """Plain copies of `nbytes` on this device: what the bus (or memory) gives without the product."""
+    import torch
+
+    if device == "cpu":
+        source = torch.ones(nbytes, dtype=torch.uint8)
+        target = torch.empty(nbytes, dtype=torch.uint8)
+        return {
+            "memcpy": best_rate(nbytes, lambda: target.copy_(source), device),
+            # What a sleep or a wake does at the least: copy into memory allocated for it, whose
+            # pages fault in on first touch.
+            "fresh memcpy": best_rate(nbytes, lambda: torch.empty_like(source).copy_(source), device),
+        }
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    pinned = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    pageable = torch.ones(nbytes, dtype=torch.uint8)
+    rates = {
+        "pinned H2D": best_rate(nbytes, lambda: gpu.copy_(pinned, non_blocking=True), device),
+        "pageable H2D": best_rate(nbytes, lambda: gpu.copy_(pageable), device),
+        "pinned D2H": best_rate(nbytes, lambda: pinned.copy_(gpu, non_blocking=True), device),
+    }
+    gpu = pinned = pageable = None  # freed before the next model loads
+    torch.cuda.empty_cache()
+    return rates
+
+
+def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> Figures:
+    import torch
+
+    from inference.loaders import tensor_bytes
+    from inference.management.commands.make_tiny_model import write_tiny_model
+    from inference.replica import CudaBackend, Placement, VirtualBackend
+
+    target = work / f"llama-{size_mb}"
+    target.mkdir()
+    path = write_tiny_model(target, size_mb=size_mb, seed=0, log=lambda _: None).path
+    backend: Any = CudaBackend() if device == "cuda" else VirtualBackend()
+    room = torch.cuda.mem_get_info(0)[1] if device == "cuda" else 64 * 1024**3
+    placement = Placement.parse([0], {"0": room}, None)  # no cap: the bench measures copies, not limits
+    backend.attach(placement)
+    model = backend.load(str(path), "transformers", dtype, placement)
+    weights = tensor_bytes(model)
+    shutil.rmtree(path, ignore_errors=True)
+
+    with torch.no_grad():  # weights read from a memory-mapped checkpoint are resident only once touched
+        for tensor in (*model.parameters(), *model.buffers()):
+            tensor.sum()
+    before = resident_bytes()
+    sleeps, wakes = [], []
+    for _ in range(repeats):
+        sleeps.append(timed(lambda: backend.to_cache(model, placement), device))
+        wakes.append(timed(lambda: backend.from_cache(model, placement), device))
+    kept = resident_bytes() - before
+    model = None  # its memory goes back before the reference copies allocate theirs
+    backend.release()
+    return Figures(
+        size_mb=size_mb,
+        weights_bytes=weights,
+        first_sleep_s=sleeps[0],
+        sleep_s=statistics.median(sleeps[1:] or sleeps),
+        wake_s=statistics.median(wakes),
+        reference=references(weights, device),
+        host_kept_bytes=kept,
+    )
+
+
+def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[object]]]:
+    def gbs(rate: float) -> str:
+        return f"{rate / GB:.1f}"
+
+    if device == "cuda":
+        headers = [
+            "model",
+            "first sleep GB/s",
+            "sleep GB/s",
+            "wake GB/s",
+            "pinned H2D GB/s",
+            "pageable H2D GB/s",
+            "wake / pinned",
+            "pinned D2H GB/s",
+            "sleep / D2H",
+            "host kept",
+        ]
+    else:
+        headers = ["model", "first sleep GB/s", "sleep GB/s", "wake GB/s", "memcpy GB/s", "fresh memcpy GB/s"]
+        headers += ["wake / fresh", "sleep / fresh", "host kept"]
+    out: list[list[object]] = []
+    for f in figures:
+        sleep, wake = f.rate(f.sleep_s), f.rate(f.wake_s)
+        row: list[object] = [f"{f.weights_bytes / 1024**2:.0f} MiB", gbs(f.rate(f.first_sleep_s)), gbs(sleep)]
+        row.append(gbs(wake))
+        if device == "cuda":
+            pinned, d2h = f.reference["pinned H2D"], f.reference["pinned D2H"]
+            row += [gbs(pinned), gbs(f.reference["pageable H2D"]), f"{wake / pinned:.0%}", gbs(d2h)]
+            row.append(f"{sleep / d2h:.0%}")
+        else:
+            fresh = f.reference["fresh memcpy"]
+            row += [gbs(f.reference["memcpy"]), gbs(fresh), f"{wake / fresh:.0%}", f"{sleep / fresh:.0%}"]
+        row.append(f"{f.host_kept_bytes / 1024**2:+.0f} MiB")
+        out.append(row)
+    return headers, out
+
+
+def describe_device(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"CPU, torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s) (VirtualBackend's setting)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument("--sizes", default="", help="MiB of float32 weights, comma-separated")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3, help="sleep/wake cycles per model (medians reported)")
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda, but this torch {torch.__version__} cannot use a GPU here")
+    sizes = [int(s) for s in args.sizes.split(",") if s] or DEFAULT_SIZES_MB[device]
+    with tempfile.TemporaryDirectory(prefix="bench-wake-") as work:
+        figures = [measure(size, device, args.dtype, max(1, args.repeats), Path(work)) for size in sizes]
+    headers, body_rows = rows(figures, device)
+    result = table(headers, body_rows)
+    print(result)
+    if args.no_record:
+        return
+    if device == "cuda":
+        reference = (
+            "one copy of the same bytes in the same process: pinned and pageable host-to-device, pinned "
+            "device-to-host (best of 3). Targets (issue 19): wake ≥ 90 % of pinned H2D, first sleep ≥ 20 GB/s"
+        )
+    else:
+        reference = (
+            "one torch copy of a buffer of the same bytes into a buffer already touched (`memcpy`) and into "
+            "one allocated for it (`fresh memcpy`), best of 3. On the CPU a sleep and a wake are host-to-host "
+            "copies into a fresh allocation (the arena, then the woken weights), so both are bound by "
+            "first-touch page faults, as `fresh memcpy` is; this checks the arena's own overhead, not what a "
+            "GPU does. The machine is shared with other work (2 cores): figures vary from run to run"
+        )
+        if not torch.cuda.is_available():
+            reference += ". No GPU here: the CUDA figures (their own section) need `--device cuda` on one"
+    body = (
+        f"Random Llama models (`make_tiny_model`, {args.dtype}) loaded by the replica's backend on "
+        f"{describe_device(device)}; sleep and wake through its to_cache / from_cache (inference.arena), "
+        f"{args.repeats} cycles each: the first sleep apart, medians of the rest. Reference: {reference}. "
+        "`host kept`: resident memory after the last wake less before the first sleep. The host cache under "
+        "pressure (sleeping replicas past the node's budget) needs the control plane and is not measured "
+        "here (scheduling/services/host_cache.py).\n\n"
+        f"{result}\n"
+    )
+    # One section per device kind: a GPU run does not replace the CPU figures, nor the reverse.
+    record(f"wake-{device}", f"Sleep and wake bandwidth on {device} (bench.wake)", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""A sleeping replica's weights in one host allocation (issue 19): the arena.
+
+`pack(model)` copies every parameter and buffer of a module into ONE host buffer, each tensor a
+view into it at an aligned offset, and points the module's tensors at those views, so what they
+held on the GPU is freed. `unpack(model, arena, device_map)` copies the arena back into one
+allocation per target device and points the tensors there.
+
+Why one allocation: the H100 findings (../shared/gpu-2026-11-24/FINDINGS.md) measured a wake with
+synchronous per-tensor copies at 65-84 % of a pinned host-to-device copy, and a first sleep that
+pinned tensor by tensor at 1.4 GB/s. Here the host side is allocated and page-locked once, the
+device-to-host copies are queued on a stream of their own with one synchronisation at the end,
+and a wake copies each run of tensors bound for one device as ONE block (the arena's layout is
+kept on the device), so a single-GPU wake is one host-to-device copy of the whole arena.
+
+Policy: the arena is freed by `unpack` (an awake replica holds no host copy of its weights). The
+control plane counts host memory only for sleeping, draining and standby replicas
+(scheduling.services.host_cache), so a copy kept after a wake would be memory nobody accounts for.
+
+On the CPU (VirtualBackend, tests, CI) the same code runs with plain host copies: no stream, no
+page-locking. Pure torch, no Django: it runs inside the replica process.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger("inference.arena")
+
+# Each tensor starts at a multiple of this: a multiple of every element size (views of any dtype
+# are legal) and the caching allocator's own block size, so the one device allocation a wake makes
+# is no bigger than the tensor-by-tensor allocations the memory formula counts
+# (gpuportal.wire.memory.allocation_bytes). DMA engines want no more than this either.
+ALIGNMENT = 512
+# cudaHostRegister pins whole pages; the buffer starts on one so no neighbour's page is pinned.
+_PAGE = 4096
+# cudaHostRegisterPortable: the pages are pinned for every GPU's context, not just the current
+# one, so a wake onto other GPUs than the sleep's still copies at full speed.
+_HOST_REGISTER_PORTABLE = 1
+
+# Where a module tensor goes on a wake: accelerate's device map ({"": 0}, {"model.layers.0": 1,
+# ...}); values as accelerate takes them (GPU index, "cuda:1", "cpu", torch.device).
+DeviceMap = Mapping[str, Any]
+
+
+def align(nbytes: int, to: int = ALIGNMENT) -> int:
+    return -(-nbytes // to) * to
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One distinct tensor of the module, as it sits in the arena."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    # Where it was when packed: a wake without a device map puts it back there.
+    device: torch.device
+    # Its name where it is first held, in module order ("model.embed_tokens.weight"): what a
+    # device map names, by a module's prefix or by the tensor's own name.
+    name: str
+
+
+@dataclass
+class Arena:
+    """The host allocation and where each tensor lies in it; the module's tensors are views into it."""
+
+    host: torch.Tensor | None  # uint8, one allocation; None once released
+    pinned: bool
+    slots: list[Slot]
+    # Per slot, every tensor object of the module that shares it (tied weights: several), so a
+    # wake re-points them all at one device tensor and they stay tied.
+    tensors: list[list[torch.Tensor]] = field(repr=False)
+    _unpin: weakref.finalize | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host allocation (the tensors, their alignment padding)."""
+        return 0 if self.host is None else self.host.numel()
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors themselves, tied weights once."""
+        return sum(slot.nbytes for slot in self.slots)
+
+    @property
+    def released(self) -> bool:
+        return self.host is None
+
+    def view(self, index: int) -> torch.Tensor:
+        """Slot `index` as a tensor of its own dtype and shape, sharing the arena's memory."""
+        assert self.host is not None, "the arena was released"
+        return _typed(self.host, self.slots[index])
+
+    def release(self) -> None:
+        """Give the host memory back: unpinned, then freed once no view of it is left."""
+        if self._unpin is not None:
+            self._unpin()
+        self.host = None
+        self.tensors = []
+
+
+def pack(model: nn.Module, *, pin: bool | None = None) -> Arena:
+    """Move every parameter and buffer of `model` into one host allocation; the module's tensors
+    become views into it, and what they held (on a GPU, on the CPU) is freed.
+
+    `pin`: page-lock the arena (default: when a tensor is on a GPU). Where the system refuses
+    (ulimit -l, a container's limit), the arena stays pageable: slower wakes, still correct.
+    """
+    groups = _distinct_tensors(model)
+    slots: list[Slot] = []
+    end = 0
+    for name, tensors in groups:
+        first = tensors[0]
+        if first.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device: there is nothing to pack")
+        nbytes = first.numel() * first.element_size()
+        slots.append(Slot(end, nbytes, tuple(first.shape), first.dtype, first.device, name))
+        end = align(end + nbytes)
+    on_gpu = any(slot.device.type == "cuda" for slot in slots)
+    host, unpin = _host_buffer(end, pin=on_gpu if pin is None else pin)
+    arena = Arena(host, unpin is not None, slots, [tensors for _, tensors in groups], unpin)
+
+    sources = [tensors[0] for _, tensors in groups]
+    with _CopyStreams({slot.device for slot in slots}) as streams:
+        for run in _runs(slots, [slot.device for slot in slots]):
+            device = slots[run.start].device
+            with _on(streams.get(device)):
+                block = _same_block(sources, slots, run)
+                if block is not None:  # a model woken from an arena: one copy, as it came
+                    host[slots[run.start].offset : _run_end(slots, run)].copy_(block, non_blocking=arena.pinned)
+                    continue
+                for index in run:
+                    _typed(host, slots[index]).copy_(sources[index], non_blocking=arena.pinned)
+    _repoint(arena, [arena.view(i) for i in range(len(slots))])
+    return arena
+
+
+def unpack(model: nn.Module, arena: Arena, device_map: DeviceMap | None = None) -> None:
+    """Copy the arena onto the devices `device_map` names (default: where each tensor was when
+    packed), one allocation per device, point the module's tensors there, and free the arena."""
+    import torch
+
+    if arena.host is None:
+        raise ValueError("the arena was already unpacked or released")
+    host, slots = arena.host, arena.slots
+    targets = [_target(slot, device_map) for slot in slots]
+    runs = list(_runs(slots, targets))
+    # Each device gets one allocation holding its runs, each run at the arena's own layout, so a
+    # run is one copy and its tensors are views at the offsets they had in the arena.
+    placed: dict[torch.device, int] = {}
+    run_at: list[int] = []
+    for run in runs:
+        device = targets[run.start]
+        run_at.append(placed.get(device, 0))
+        placed[device] = align(run_at[-1] + _run_end(slots, run) - slots[run.start].offset)
+    buffers = {device: torch.empty(size, dtype=torch.uint8, device=device) for device, size in placed.items()}
+
+    views: list[torch.Tensor] = [host] * len(slots)  # placeholders, all replaced below
+    with _CopyStreams(set(buffers)) as streams:
+        for run, at in zip(runs, run_at, strict=True):
+            device = targets[run.start]
+            start = slots[run.start].offset
+            span = _run_end(slots, run) - start
+            with _on(streams.get(device)):
+                buffers[device][at : at + span].copy_(host[start : start + span], non_blocking=arena.pinned)
+            for index in run:
+                views[index] = _typed(buffers[device], slots[index], shift=at - start)
+    _repoint(arena, views)
+    arena.release()
+
+
+def host_bytes(model: nn.Module) -> int:
+    """What `pack` would allocate for `model`: its distinct tensors, each aligned."""
+    end = 0
+    for _, tensors in _distinct_tensors(model):
+        end = align(end + tensors[0].numel() * tensors[0].element_size())
+    return end
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _distinct_tensors(model: nn.Module) -> list[tuple[str, list[torch.Tensor]]]:
+    """(name where first held, the tensor objects sharing it) for each distinct tensor, in module order.
+
+    Tied weights are found by identity (one Parameter in two modules) and by memory (two objects
+    viewing the same bytes as the same tensor): either way they get one slot, so they stay tied.
+    """
+    groups: dict[tuple[Any, ...], tuple[str, list[torch.Tensor]]] = {}
+    seen: set[int] = set()
+    for owner, module in model.named_modules(remove_duplicate=False):
+        for attr, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            key: tuple[Any, ...]
+            if tensor.numel() == 0 or tensor.device.type == "meta":
+                key = ("alone", id(tensor))  # no bytes to share: every empty tensor stands alone
+            else:
+                key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            groups.setdefault(key, (f"{owner}.{attr}" if owner else attr, []))[1].append(tensor)
+    return list(groups.values())  # dicts keep insertion order: module order
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive slots [start, stop) bound for one device: copied as one block when possible."""
+
+    start: int
+    stop: int
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.stop))
+
+
+def _runs(slots: list[Slot], devices: list[torch.device]) -> Iterator[_Run]:
+    start = 0
+    for index in range(1, len(slots) + 1):
+        if index == len(slots) or devices[index] != devices[start]:
+            if index > start:
+                yield _Run(start, index)
+            start = index
+
+
+def _run_end(slots: list[Slot], run: _Run) -> int:
+    last = slots[run.stop - 1]
+    return last.offset + last.nbytes
+
+
+def _typed(buffer: torch.Tensor, slot: Slot, shift: int = 0) -> torch.Tensor:
+    """The bytes of `slot` in `buffer` (at the slot's offset plus `shift`) as its dtype and shape."""
+    start = slot.offset + shift
+    return buffer[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+def _same_block(sources: list[torch.Tensor], slots: list[Slot], run: _Run) -> torch.Tensor | None:
+    """The run's bytes as one tensor when its sources lie in one allocation at the arena's own
+    layout (a model woken from an arena sleeps again): one copy instead of one per tensor."""
+    import torch
+
+    first = sources[run.start]
+    storage = first.untyped_storage()
+    base = first.data_ptr() - slots[run.start].offset
+    for index in run:
+        source = sources[index]
+        if slots[index].nbytes == 0:
+            continue
+        if (
+            not source.is_contiguous()
+            or source.untyped_storage().data_ptr() != storage.data_ptr()
+            or source.data_ptr() - slots[index].offset != base
+        ):
+            return None
+    start = first.data_ptr() - storage.data_ptr()
+    span = _run_end(slots, run) - slots[run.start].offset
+    if start < 0 or start + span > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (span,))
+
+
+def _repoint(arena: Arena, views: list[torch.Tensor]) -> None:
+    # .data keeps each object (a Parameter stays the module's, tied twins stay one object, any
+    # other reference to a buffer follows it) and drops its old memory.
+    for tensors, view in zip(arena.tensors, views, strict=True):
+        for tensor in tensors:
+            tensor.data = view
+
+
+def _target(slot: Slot, device_map: DeviceMap | None) -> torch.device:
+    """The device `device_map` gives the slot: the longest key naming it or a module above it."""
+    import torch
+
+    if device_map is None:
+        return slot.device
+    best: str | None = None
+    for prefix in device_map:
+        names_it = prefix == "" or slot.name == prefix or slot.name.startswith(prefix + ".")
+        if names_it and (best is None or len(prefix) > len(best)):
+            best = prefix
+    if best is None:
+        raise ValueError(f"the device map names no device for {slot.name!r}")
+    where = device_map[best]
+    if isinstance(where, int):
+        return torch.device("cuda", where)
+    device = torch.device(where)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _host_buffer(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, weakref.finalize | None]:
+    """One host allocation of `nbytes`, page-locked when asked and allowed.
+
+    Not torch's pin_memory: its caching host allocator rounds every block up to a power of two
+    and keeps freed blocks for reuse, so a 4.1 GB arena would pin 8 GB and outlive the sleep.
+    Registering our own pages pins exactly the arena and gives them back on release.
+    """
+    import torch
+
+    if not pin or nbytes == 0 or not torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8), None
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _PAGE
+    host = raw[skip : skip + nbytes]
+    error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+    if error != 0:
+        # Pinned memory is a limited resource (ulimit -l, container limits): pageable still works.
+        _clear_cuda_error()
+        log.warning("cannot pin %d bytes (cudaError %d); parking the weights in pageable memory", nbytes, error)
+        return host, None
+    # Unpinned before its pages are freed, even if the arena is dropped without release().
+    return host, weakref.finalize(host, _unregister, host.data_ptr())
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a refused registration: torch checks it after each kernel
+    launch and would blame the next forward pass. torch binds no cudaGetLastError, so ask the
+    runtime library this process loaded (best effort: a runtime linked in statically is missed)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            continue
+
+
+def _unregister(pointer: int) -> None:
+    import torch
+
+    error = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    if error != 0:
+        log.warning("cudaHostUnregister failed (cudaError %d): the arena's pages stay pinned until exit", error)
+
+
+class _CopyStreams:
+    """A side stream per GPU in `devices`, ordered after the work already queued there; on exit,
+    ONE synchronisation per stream. Empty for the CPU: its copies are done when they return."""
+
+    def __init__(self, devices: set[torch.device]):
+        self.devices = sorted((d for d in devices if d.type == "cuda"), key=str)
+        self.streams: dict[torch.device, Any] = {}
+
+    def __enter__(self) -> dict[torch.device, Any]:
+        import torch
+
+        for device in self.devices:
+            stream = torch.cuda.Stream(device=device)
+            # The weights may still be being written by work queued on the default stream.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self.streams[device] = stream
+        return self.streams
+
+    def __exit__(self, *exc: object) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+
+
+def _on(stream: Any | None) -> Any:
+    import contextlib
+
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -1,0 +1,108 @@
+"""A node's host cache kept within its budget (issue 19): what scheduling.host_cache decides,
+applied. When replicas go to sleep on a node, `trim` (on the control worker, after the commit that
+sent them) parks the least valuable sleepers until what the node's host memory holds fits its
+budget (Node.cpu_cache_bytes, GPUPORTAL_HOST_CACHE_BYTES on the agent): each one's process stops,
+its GPU residual is released, and it stays wanted, to be loaded from disk by the next wake."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from django.db import transaction
+
+from gpuportal.wire import memory
+from scheduling import events, host_cache, locks
+from scheduling.models import Event, Node, Replica
+from scheduling.services import dispatch, replicas
+
+log = logging.getLogger(__name__)
+
+HOLDING_STATES = (Replica.State.SLEEPING, Replica.State.DRAINING, Replica.State.STANDBY)
+
+
+def host_bytes(replica: Replica) -> int:
+    """What a replica's weights take in host memory: the bytes read from its model's files."""
+    deployment = replica.deployment
+    return int(deployment.weight_bytes or deployment.memory_estimate_bytes or 0)
+
+
+def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
+    """Per node, the replicas whose weights are in its host memory: one query for any number."""
+    found: dict[int, list[host_cache.HostHolder]] = {n: [] for n in node_ids}
+    rows = Replica.objects.filter(node_id__in=list(found), state__in=HOLDING_STATES).select_related("deployment")
+    for replica in rows:
+        found[replica.node_id].append(
+            host_cache.HostHolder(
+                replica_id=replica.id,
+                deployment=replica.deployment.name,
+                state=replica.state,
+                host_bytes=host_bytes(replica),
+                last_accessed=replica.last_accessed,
+                popular=replica.deployment.popular,
+            )
+        )
+    return found
+
+
+def used_bytes(node_ids: Iterable[int]) -> dict[int, int]:
+    return {node: host_cache.used_bytes(held) for node, held in holders(node_ids).items()}
+
+
+def trim(node_name: str) -> list[str]:
+    """Park sleepers on the node until its host cache fits its budget; the ids parked."""
+    node = Node.objects.filter(name=node_name).first()
+    if node is None or node.cpu_cache_bytes <= 0:
+        return []  # gone, or a node that says nothing of its host memory: nothing to keep within
+    decided = host_cache.trim(holders([node.pk])[node.pk], node.cpu_cache_bytes)
+    parked = [replica_id for replica_id in decided.park if _park(replica_id, node)]
+    if decided.over_bytes > 0:
+        # What is left is on its way to sleep or a standby: nothing more may leave. Said once per trim.
+        events.record(
+            Event.Kind.HOST_CACHE,
+            f"node {node.name}",
+            f"host cache over its budget of {memory.human_bytes(node.cpu_cache_bytes)} by "
+            f"{memory.human_bytes(decided.over_bytes)}: the rest are draining to it or failover standbys",
+            after={"over_bytes": decided.over_bytes, "budget_bytes": node.cpu_cache_bytes},
+            node=node.name,
+        )
+    return parked
+
+
+def _park(replica_id: str, node: Node) -> bool:
+    """One sleeper out of the host cache, in a transaction of its own: its deployment's row first,
+    then the GPU rows the ledger locks, then its own (the one lock order). False if it woke, or
+    went, in the meantime."""
+    with transaction.atomic():
+        replica = Replica.objects.filter(pk=replica_id).first()
+        if replica is None:
+            return False
+        locks.lock_deployment_of(replica)
+        replica = locks.lock_replica(replica_id)
+        # Re-read under the lock: a wake may have promoted it since the trim looked.
+        if replica.state != Replica.State.SLEEPING or replica.node_id != node.pk:
+            return False
+        freed = host_bytes(replica)
+        replicas.reserve_exactly(replica, {}, reason=f"replica {replica_id[:8]} parked out of the host cache")
+        dispatch.stop(node.name, replica.id)
+        replica.node = None
+        replica.pid = None
+        replica.gpu_mem_bytes_by_id = {}
+        replicas.set_state(
+            replica,
+            Replica.State.PARKED,
+            f"parked out of node {node.name}'s host cache (budget {memory.human_bytes(node.cpu_cache_bytes)}) "
+            f"to make room: its {memory.human_bytes(freed)} of weights are freed, and its next wake loads "
+            "them from disk",
+            extra=["node", "pid", "gpu_mem_bytes_by_id"],
+        )
+        events.record(
+            Event.Kind.HOST_CACHE,
+            f"node {node.name}",
+            f"replica {replica_id[:8]} of {replica.deployment.name} left the host cache ({memory.human_bytes(freed)})",
+            after={"parked": replica_id, "freed_bytes": freed},
+            node=node.name,
+            deployment=replica.deployment.name,
+            replica=replica_id,
+        )
+    return True

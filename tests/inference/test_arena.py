@@ -1,0 +1,267 @@
+"""A sleeping replica's weights in one host allocation (inference.arena, issue 19).
+
+On the CPU the arena runs the code a GPU's sleep and wake run, with plain host copies; these tests
+check what must hold everywhere: bit-exact round trips, tied weights kept tied, one allocation,
+freed on wake, generation unchanged. The `gpu` tests at the end check pinning and device placement
+on a real GPU; no test times anything (bench/wake.py measures the bandwidth).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from inference.arena import ALIGNMENT, Arena, host_bytes, pack, unpack
+from inference.replica import Placement, VirtualBackend
+
+GiB = 1024**3
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class OddSizes(nn.Module):
+    """Tensors whose sizes are no multiple of the alignment, of every kind a model holds."""
+
+    def __init__(self, dtype: torch.dtype, tied: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(31, 7, dtype=dtype)
+        self.proj = nn.Linear(7, 13, dtype=dtype)
+        self.norm = nn.LayerNorm(13, dtype=dtype)
+        self.head = nn.Linear(7, 31, bias=False, dtype=dtype)
+        if tied:
+            self.head.weight = self.embed.weight  # as embed_tokens / lm_head in a tied LM
+        self.register_buffer("positions", torch.arange(5))  # an integer buffer keeps its dtype
+        self.register_buffer("scale", torch.tensor(0.125, dtype=dtype))  # a 0-d tensor
+        self.register_buffer("table", torch.randn(3, 3, dtype=dtype), persistent=False)
+        self.register_buffer("nothing", torch.empty(0, dtype=dtype))
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, persistent or not, copied."""
+    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    return {name: tensor.detach().clone() for name, tensor in named.items()}
+
+
+def assert_same(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype, name
+        assert torch.equal(after[name], tensor), name
+
+
+def storages(model: nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weights_and_buffers_round_trip_bit_exactly(dtype):
+    torch.manual_seed(0)
+    model = OddSizes(dtype)
+    before = snapshot(model)
+
+    arena = pack(model)
+    assert_same(model, before)  # asleep: the same values, read from the arena
+    unpack(model, arena)
+    assert_same(model, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeated_sleeps_and_wakes_change_nothing(dtype):
+    torch.manual_seed(1)
+    model = OddSizes(dtype, tied=True)
+    before = snapshot(model)
+    for _ in range(3):  # after the first wake the weights lie in one block: the copy path differs
+        unpack(model, pack(model), {"": "cpu"})
+    assert_same(model, before)
+
+
+def test_every_tensor_starts_at_an_aligned_offset_and_the_padding_is_counted():
+    model = OddSizes(torch.float16)
+    arena = pack(model)
+    assert arena.slots and all(slot.offset % ALIGNMENT == 0 for slot in arena.slots)
+    assert (
+        arena.nbytes
+        >= arena.tensor_bytes
+        == sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    )
+    assert arena.nbytes == host_bytes(model)  # what a budget can ask before packing
+    unpack(model, arena)
+
+
+def test_tied_weights_stay_tied_through_sleep_and_wake():
+    model = OddSizes(torch.bfloat16, tied=True)
+    arena = pack(model)
+    assert len(arena.slots) == len(list(model.parameters())) + len(list(model.buffers()))  # stored once
+    assert model.head.weight is model.embed.weight
+    unpack(model, arena)
+    assert model.head.weight is model.embed.weight
+    with torch.no_grad():
+        model.embed.weight[0, 0] = 42.0
+    assert model.head.weight[0, 0].item() == 42.0
+
+
+def test_tensors_sharing_memory_under_two_names_stay_shared():
+    # Two Parameter objects over the same bytes (a tie made by hand, not by assignment).
+    model = OddSizes(torch.float32)
+    model.head.weight = nn.Parameter(model.embed.weight.data)
+    assert model.head.weight is not model.embed.weight
+    arena = pack(model)
+    unpack(model, arena)
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+
+
+def test_while_asleep_every_tensor_lives_in_the_one_arena_allocation():
+    model = OddSizes(torch.float32, tied=True)
+    arena = pack(model)
+    assert arena.host is not None and arena.host.dim() == 1 and arena.host.dtype == torch.uint8
+    assert storages(model) == {arena.host.untyped_storage().data_ptr()}
+    assert not arena.pinned  # the CPU has nothing to pin for
+    unpack(model, arena)
+
+
+def test_a_wake_frees_the_arena():
+    model = OddSizes(torch.float32)
+    arena = pack(model)
+    assert arena.host is not None
+    host = weakref.ref(arena.host)
+    arena_storage = arena.host.untyped_storage().data_ptr()
+
+    unpack(model, arena)
+    gc.collect()
+    assert arena.released and arena.nbytes == 0
+    assert host() is None  # no view of it is left anywhere
+    assert arena_storage not in storages(model)
+    with pytest.raises(ValueError, match="already unpacked"):
+        unpack(model, arena)
+
+
+def test_a_wake_lands_the_weights_in_one_allocation_per_device():
+    model = OddSizes(torch.float32, tied=True)
+    unpack(model, pack(model), {"": "cpu"})
+    assert len(storages(model)) == 1
+
+
+def test_a_device_map_is_read_by_module_prefix_and_by_tensor_name():
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    before = snapshot(model)
+    unpack(model, pack(model), {"0": "cpu", "1.weight": "cpu", "1": "cpu"})
+    assert_same(model, before)
+
+    arena = pack(model)
+    with pytest.raises(ValueError, match=r"names no device for '1\.bias'"):
+        unpack(model, arena, {"0": "cpu", "1.weight": "cpu"})
+    arena.release()
+
+
+def test_a_module_without_parameters_packs_to_an_empty_arena():
+    model = nn.Sequential(nn.ReLU(), nn.Dropout()).eval()
+    arena = pack(model)
+    assert arena.slots == [] and arena.nbytes == 0
+    unpack(model, arena)
+    assert arena.released
+    assert model(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_a_module_on_the_meta_device_cannot_be_packed():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta device"):
+        pack(model)
+
+
+def _greedy(model: nn.Module, prompt: torch.Tensor) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    return out[0].tolist()
+
+
+def test_generation_is_unchanged_token_for_token_after_sleep_and_wake(tiny_model_dir):
+    from inference.loaders import load_model
+
+    model = load_model(str(tiny_model_dir), "transformers", "float32", device="cpu")
+    prompt = torch.tensor([[3, 17, 42, 7, 99]])
+    before = _greedy(model, prompt)
+    weights = snapshot(model)
+
+    backend = VirtualBackend()
+    placement = Placement.parse([0], {"0": GiB}, None)
+    backend.to_cache(model, placement)
+    assert isinstance(backend.arena, Arena)
+    assert storages(model) == {backend.arena.host.untyped_storage().data_ptr()}  # asleep: in the arena
+    woken = backend.from_cache(model, placement)
+    assert backend.arena is None  # an awake replica holds no host copy
+
+    assert_same(woken, weights)
+    assert _greedy(woken, prompt) == before
+
+
+def test_a_standby_holds_its_arena_until_it_takes_over(tiny_model_dir):
+    backend = VirtualBackend()
+    placement = Placement.parse([0], {"0": GiB}, None)
+    model, _ = backend.load_to_cache(str(tiny_model_dir), "transformers", "bfloat16", placement)
+    assert backend.arena is not None and backend.arena.tensor_bytes > 0
+    weights = snapshot(model)
+    backend.from_cache(model, placement)
+    assert backend.arena is None
+    assert_same(model, weights)
+
+
+def test_stopping_a_sleeping_replica_frees_its_arena():
+    backend = VirtualBackend()
+    model = OddSizes(torch.float32)
+    backend.to_cache(model, Placement.parse([0], {"0": GiB}, None))
+    arena = backend.arena
+    assert arena is not None
+    backend.release()
+    assert backend.arena is None and arena.released
+
+
+# -- on a real GPU (unverified where none was lent) ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_on_a_gpu_sleep_pins_one_arena_and_frees_the_gpu_memory(dtype):
+    torch.manual_seed(2)
+    model = OddSizes(dtype, tied=True).to("cuda:0")
+    before = {name: t.cpu() for name, t in snapshot(model).items()}
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(0)
+
+    arena = pack(model)
+    assert arena.pinned and arena.host is not None and arena.host.is_pinned()
+    assert {str(t.device) for t in (*model.parameters(), *model.buffers())} == {"cpu"}
+    assert storages(model) == {arena.host.untyped_storage().data_ptr()}
+    assert torch.cuda.memory_allocated(0) <= held - arena.tensor_bytes
+    assert_same(model, before)
+
+    unpack(model, arena, {"": 0})
+    assert arena.released
+    assert {str(t.device) for t in (*model.parameters(), *model.buffers())} == {"cuda:0"}
+    assert len(storages(model)) == 1  # one device allocation
+    assert model.head.weight is model.embed.weight
+    assert_same(model.cpu(), before)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_backend_sleeps_and_wakes_without_changing_generation(tiny_model_dir):
+    from inference.loaders import load_model
+    from inference.replica import CudaBackend
+
+    placement = Placement.parse([0], {"0": 2 * GiB}, None)
+    backend = CudaBackend()
+    backend.attach(placement)
+    model = load_model(str(tiny_model_dir), "transformers", "float32", device="cuda:0")
+    prompt = torch.tensor([[3, 17, 42, 7, 99]], device="cuda:0")
+    before = _greedy(model, prompt)
+
+    backend.to_cache(model, placement)
+    assert backend.arena is not None and backend.arena.pinned
+    woken = backend.from_cache(model, placement)
+    assert backend.arena is None
+    assert {str(p.device) for p in woken.parameters()} == {"cuda:0"}
+    assert _greedy(woken, prompt) == before

@@ -1,0 +1,161 @@
+"""Host memory is scheduled like a GPU's (issue 19): a node's host cache has a budget; a sleep
+that passes it parks the least valuable sleepers (their processes stop, their weights are freed,
+they stay wanted), and the next wake loads a parked replica from disk."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from inference.devices import virtual_gpus
+from scheduling.host_cache import HOLDING, HostHolder, trim, used_bytes
+from scheduling.models import Deployment, Event, Node, Replica
+from scheduling.services import deployments, host_cache, reports, sleep
+from scheduling.services.nodes import register_node
+from tests.support.deployments import START, STOP, deploy, invariant_holds
+from tests.support.factories import NO_OVERHEAD
+
+MiB = 1024**2
+NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+
+
+def holder(name: str, state: str = "sleeping", mib: int = 100, idle_s: float = 0, **kw) -> HostHolder:
+    return HostHolder(name, f"dep-{name}", state, mib * MiB, NOW - timedelta(seconds=idle_s), **kw)
+
+
+# -- the choice, pure -------------------------------------------------------------------------------
+
+
+def test_the_longest_unused_sleeper_leaves_first_and_only_as_many_as_the_budget_needs():
+    held = [holder("recent", idle_s=10), holder("oldest", idle_s=900), holder("older", idle_s=300)]
+
+    assert trim(held, budget_bytes=250 * MiB).park == ("oldest",)
+    assert trim(held, budget_bytes=150 * MiB).park == ("oldest", "older")
+    assert trim(held, budget_bytes=300 * MiB).park == ()
+
+
+def test_a_popular_sleeper_leaves_after_the_others_and_a_standby_or_a_draining_one_never():
+    held = [
+        holder("popular", idle_s=900, popular=True),
+        holder("plain", idle_s=10),
+        holder("standby", state="standby", idle_s=5000),
+        holder("draining", state="draining", idle_s=5000),
+    ]
+
+    decided = trim(held, budget_bytes=150 * MiB)
+
+    assert decided.park == ("plain", "popular") and decided.over_bytes == 50 * MiB
+
+
+@given(
+    held=st.lists(
+        st.builds(
+            HostHolder,
+            replica_id=st.uuids().map(str),
+            deployment=st.sampled_from(["a", "b", "c"]),
+            state=st.sampled_from([*HOLDING, "serving"]),
+            host_bytes=st.integers(0, 10_000),
+            last_accessed=st.none() | st.datetimes(timezones=st.just(UTC)),
+            popular=st.booleans(),
+        ),
+        max_size=8,
+        unique_by=lambda h: h.replica_id,
+    ),
+    budget=st.integers(0, 40_000),
+)
+def test_after_a_trim_the_host_fits_its_budget_unless_only_what_may_not_leave_is_left(held, budget):
+    decided = trim(held, budget)
+    parked = set(decided.park)
+    left = [h for h in held if h.replica_id not in parked]
+
+    assert all(h.state == "sleeping" for h in held if h.replica_id in parked)
+    assert used_bytes(left) - budget == decided.over_bytes or (decided.over_bytes == 0 and used_bytes(left) <= budget)
+    if decided.over_bytes:
+        assert not [h for h in left if h.state == "sleeping"], "a sleeper that could leave stayed"
+    if decided.park:  # no more than needed: without the last one parked, it would not fit
+        last = next(h for h in held if h.replica_id == decided.park[-1])
+        assert used_bytes(left) + last.host_bytes > budget
+
+
+# -- applied ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_host(db) -> Node:
+    """One node of two 1 GiB GPUs whose host cache holds 250 MiB of sleeping weights."""
+    return register_node("edge", virtual_gpus("edge", "2x1GiB", NO_OVERHEAD), virtual=True, cpu_cache_bytes=250 * MiB)
+
+
+def asleep(name: str, *, idle_s: float) -> str:
+    """A deployment with 100 MiB of weights whose one replica served, then slept."""
+    replica_id = deploy(name)
+    Deployment.objects.filter(name=name).update(weight_bytes=100 * MiB)
+    Replica.objects.filter(pk=replica_id).update(last_accessed=NOW - timedelta(seconds=idle_s))
+    sleep.sleep_replica(replica_id, reason="idle")
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    return replica_id
+
+
+def test_a_sleep_past_the_budget_parks_the_longest_unused_sleeper_and_its_next_wake_loads_it_from_disk(
+    small_host, dispatched, django_capture_on_commit_callbacks
+):
+    oldest = asleep("a", idle_s=900)
+    asleep("b", idle_s=300)
+    with django_capture_on_commit_callbacks(execute=True):
+        newest = asleep("c", idle_s=10)
+    # Each sleep asked the control worker to trim the node's host cache once it was committed.
+    assert ("control", "scheduling.tasks.trim_host_cache", ["edge"]) in dispatched
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert host_cache.trim("edge") == [oldest]
+
+    parked = Replica.objects.get(pk=oldest)
+    assert parked.state == "parked" and parked.node is None and not parked.occupancies.exists()
+    assert ("node.edge", STOP, [oldest]) in [(q, t, a[:1]) for q, t, a in dispatched]
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 200 * MiB}
+    assert Event.objects.filter(kind="host_cache", replica=oldest, reason__contains="left the host cache").exists()
+    assert invariant_holds()
+    assert Replica.objects.get(pk=newest).state == "sleeping"
+    # Its process's end, when it comes, leaves it parked: it is still wanted.
+    reports.report(oldest, {"event": "stopped"})
+    assert Replica.objects.get(pk=oldest).state == "parked"
+    # Still wanted, so no reconcile loads it again now...
+    assert deployments.reconcile_all("test") == {}
+    # ...but the next wake does, from disk: a new replica placed, and the parked one retired.
+    dispatched.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        woken = sleep.wake_deployment("a", reason="woken by a request")
+    assert len(woken) == 1 and woken[0] != oldest
+    assert [t for _, t, _ in dispatched] == [START]
+    assert Replica.objects.get(pk=oldest).state == "stopped"
+    assert sleep.awake_count(Deployment.objects.get(name="a")) == 1
+
+
+def test_the_node_api_and_metrics_show_the_host_cache_budget_and_use(small_host, staff, dispatched, client):
+    asleep("a", idle_s=10)
+
+    (node,) = staff.get("/api/nodes/").json()["results"]
+
+    assert node["host_cache_budget_bytes"] == 250 * MiB and node["host_cache_used_bytes"] == 100 * MiB
+    assert node["host_ram_bytes"] == 0  # a node registered without saying, as an agent of the version before
+    scraped = {
+        (sample.name, sample.labels.get("node")): sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").content.decode())
+        for sample in family.samples
+    }
+    assert scraped[("gpuportal_host_cache_budget_bytes", "edge")] == 250 * MiB
+    assert scraped[("gpuportal_host_cache_used_bytes", "edge")] == 100 * MiB
+
+
+def test_the_dashboard_shows_each_nodes_host_cache_use_and_budget(small_host, admin_client, dispatched):
+    from django.urls import reverse
+
+    asleep("a", idle_s=10)
+
+    body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
+
+    assert '<small class="gp-host-cache">host cache 100.00 MiB of 250.00 MiB</small>' in body
