@@ -50,7 +50,7 @@ def json_values(text: str) -> list:
 
 
 def test_the_readmes_api_commands_work_as_typed_on_a_fresh_stack(tmp_path):
-    using_the_api, requests = sh_blocks("## Using the API")[:2]
+    using_the_api, requests, embeddings = sh_blocks("## Using the API")[:3]
     checkout = tmp_path / "checkout"  # the checkout as the user's shell sees it, var/ being up's
     checkout.mkdir()
     for name in (".venv", "manage.py"):
@@ -61,10 +61,11 @@ def test_the_readmes_api_commands_work_as_typed_on_a_fresh_stack(tmp_path):
         up.wait_up()
         assert (tmp_path / "var" / "admin-password").stat().st_mode & 0o777 == 0o600
 
-        # One shell, as a user pastes one block after the other: the second uses the first's $AUTH.
-        said = run_as_typed(using_the_api + requests, cwd=checkout, port=up.port, model_dir=tmp_path / "tiny")
+        # One shell, as a user pastes one block after the other: the later ones use the first's $AUTH.
+        blocks = using_the_api + requests + embeddings
+        said = run_as_typed(blocks, cwd=checkout, port=up.port, model_dir=tmp_path / "tiny")
 
-        created, scaled, gpus, inferred, submitted, listed = json_values(said)
+        created, scaled, gpus, inferred, submitted, listed, encoder, embedded = json_values(said)
         assert created["name"] == "tiny-a" and created["replicas_wanted"] == 1, created
         assert scaled["replicas_wanted"] == 3, scaled
         assert len(gpus["results"]) == 2, gpus
@@ -72,5 +73,8 @@ def test_the_readmes_api_commands_work_as_typed_on_a_fresh_stack(tmp_path):
         assert inferred["status"] == "done" and inferred["output"]["text"], inferred
         assert submitted["status"] in ("queued", "waking", "dispatched", "running", "done"), submitted
         assert inferred["id"] in [r["id"] for r in listed["results"]], listed
+        # The packaged sentence encoder (a dev dependency), deployed and asked as the README says.
+        assert encoder["name"] == "minilm", encoder
+        assert [len(d["embedding"]) for d in embedded["data"]] == [384, 384], embedded
     finally:
         assert up.stop() == 0
