@@ -16,6 +16,7 @@ from django.conf import settings
 from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import SleepReplica, StartReplica, StopReplica, WakeReplica
 from gpuportal.wire.inspection import INSPECT_TASK, InspectModel
+from gpuportal.wire.replica_logs import LOG_TASK, MAX_LOG_BYTES, ReadLog, last_lines
 from inference import agent
 from inference.inspection import read_model
 
@@ -125,6 +126,25 @@ def inspect_model(payload: dict) -> str:
         return f"failed: {err}"
     replies.answer(_answers(), ask.reply_to, result=reading.record())
     return f"refused: {reading.refusal}" if reading.refusal else f"read {ask.source}"
+
+
+# On the node's own queue (only its agent has the file); acknowledged on receipt, like inspection.
+@shared_task(name=LOG_TASK, ignore_result=True, acks_late=False)
+def replica_log(payload: dict) -> str:
+    """The last lines of a replica's log file on this node, for the control plane on reply_to."""
+    ask = ReadLog.decode(payload)
+    path = agent.supervisor().log_path(ask.replica_id)
+    try:
+        with path.open("rb") as log_file:
+            size = log_file.seek(0, 2)
+            log_file.seek(max(0, size - MAX_LOG_BYTES))
+            text = log_file.read().decode(errors="replace")
+    except FileNotFoundError:
+        replies.answer(_answers(), ask.reply_to, result={"path": str(path), "lines": [], "missing": True})
+        return f"no log for {ask.replica_id}"
+    lines = last_lines(text, ask.tail)
+    replies.answer(_answers(), ask.reply_to, result={"path": str(path), "lines": lines, "missing": False})
+    return f"{len(lines)} line(s) of {ask.replica_id}"
 
 
 @shared_task(name="inference.tasks.start_replica")

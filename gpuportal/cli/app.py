@@ -206,8 +206,8 @@ def resolve_replica(client: Client, given: str) -> dict[str, Any]:
 
 
 def cmd_logs(ctx: Context, args: argparse.Namespace) -> int:
-    """What the control plane knows of a replica: its state, its error, and its events. The
-    process's own output stays on its node (the API does not serve files from the nodes)."""
+    """A replica's state, its error and its events, then the last lines of its process's own log
+    (read on its node by its agent: GET /api/replicas/ID/logs/)."""
     replica = resolve_replica(ctx.client, args.replica)
     head = Text(f"replica {replica['id']} of {replica['deployment']}: ")
     head.append(replica["state"], style=render.STATE_STYLES.get(replica["state"], ""))
@@ -223,14 +223,18 @@ def cmd_logs(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print(render.event_line(event))
     if answer.get("count", 0) > len(events):
         ctx.out.print(Text(f"({answer['count'] - len(events)} earlier events; --tail N for more)", style="dim"))
-    if replica.get("node"):
-        ctx.out.print(
-            Text(
-                f"the process's own output: replicas/{replica['node']}/replica-{replica['id']}.log "
-                f"under the data directory of node {replica['node']}",
-                style="dim",
-            )
-        )
+    if not replica.get("node"):
+        return 0
+    try:
+        log = ctx.client.get(f"/api/replicas/{replica['id']}/logs/", {"tail": max(1, args.tail)})
+    except ApiError as err:  # the agent away, or no process: the events above are what there is
+        ctx.out.print(Text(f"its log: {err}", style="dim"))
+        return 0
+    ctx.out.print(Text(f"{log['path']} on {log['node']}:", style="dim"))
+    if log.get("missing"):
+        ctx.out.print(Text("(no log file there: it never started on this node)", style="dim"))
+    for line in log["lines"]:
+        ctx.out.print(Text(line))
     return 0
 
 
@@ -354,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpus.add_argument("--width", type=non_negative_int, default=40, help="cells per bar (default 40)")
     gpus.set_defaults(run=cmd_gpus)
 
-    logs = commands.add_parser("logs", help="a replica's state, error and events")
+    logs = commands.add_parser("logs", help="a replica's state, error and events, then its process's log")
     logs.add_argument("replica", help="replica id, or its start as `ls` shows it")
     logs.add_argument("--tail", type=non_negative_int, default=50, metavar="N", help="last N events (default 50)")
     logs.set_defaults(run=cmd_logs)

@@ -241,6 +241,15 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/replicas/{id}/evict/"): {"response": {**REPLICA_SHOWN, "state": "draining"}},
     ("post", "/api/replicas/{id}/sleep/"): {"response": {**REPLICA_SHOWN, "state": "draining"}},
     ("post", "/api/replicas/{id}/wake/"): {"response": {**REPLICA_SHOWN, "state": "waking"}},
+    ("get", "/api/replicas/{id}/logs/"): {
+        "response": {
+            "replica": REPLICA,
+            "node": "node1",
+            "path": f"/srv/gpuportal/var/replicas/node1/replica-{REPLICA}.log",
+            "lines": ["2026-11-25 17:36:13,512 INFO inference.replica: loaded 10.0 MiB of weights; serving"],
+            "missing": False,
+        }
+    },
     ("get", "/api/events/"): {"response": page(EVENT_SHOWN)},
     ("get", "/api/events/{id}/"): {"response": EVENT_SHOWN},
     ("get", "/api/requests/"): {"response": {"next": None, "previous": None, "results": [REQUEST_SHOWN]}},

@@ -363,3 +363,15 @@ class DeploymentChangedSerializer(DeploymentSerializer):
     class Meta(DeploymentSerializer.Meta):
         fields = [*DeploymentSerializer.Meta.fields, "warnings"]
         read_only_fields = fields
+
+
+class ReplicaLogQuery(serializers.Serializer):
+    tail = serializers.IntegerField(min_value=1, max_value=10_000, required=False, default=200)
+
+
+class ReplicaLogSerializer(serializers.Serializer):
+    replica = serializers.CharField()
+    node = serializers.CharField()
+    path = serializers.CharField(help_text="Where the log is on the node.")
+    lines = serializers.ListField(child=serializers.CharField(allow_blank=True))
+    missing = serializers.BooleanField(help_text="The node has no log file for it (never started there).")

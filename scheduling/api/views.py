@@ -248,6 +248,22 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         sleep_services.wake_replica(pk, reason="woken by an operator")
         return self.shown(pk)
 
+    @extend_schema(
+        parameters=[s.ReplicaLogQuery],
+        summary="The last lines of a replica process's own log, read on its node (staff only).",
+        responses={
+            200: s.ReplicaLogSerializer,
+            404: OpenApiResponse(description="No such replica."),
+            409: OpenApiResponse(description="It is on no node (pending placement, or parked): no log."),
+            503: OpenApiResponse(description="Its node's agent did not answer."),
+        },
+    )
+    @action(detail=True, methods=["get"])
+    def logs(self, request: Request, pk: str) -> Response:
+        # Staff only (not a read action): a replica's log may hold what callers sent it.
+        query = query_filters(request, s.ReplicaLogQuery)
+        return Response(replica_services.log_of(pk, query["tail"]))
+
     def shown(self, pk: str) -> Response:
         return Response(s.ReplicaSerializer(selectors.replicas().get(pk=pk)).data)
 

@@ -17,6 +17,7 @@ from gpuportal.celery import app
 from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
+from gpuportal.wire.replica_logs import LOG_TASK, ReadLog
 from scheduling.models import Node
 from scheduling.services import replica_specs
 from scheduling.services.errors import Unavailable
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 CONTROL_QUEUE = "control"
 
 
+# How long a log read waits for the node's agent: an operator at a prompt, not a deploy.
+LOG_TIMEOUT_S = 10.0
 # scheduling.tasks.trim_host_cache: named here, as the node tasks are, so no service imports the tasks.
 TRIM_HOST_CACHE_TASK = "scheduling.tasks.trim_host_cache"
 
@@ -83,6 +86,18 @@ def inspect(source: str, loader: str, dtype: str) -> ModelReading:
         return ModelReading.from_record(replies.wait(_answers(), ask.reply_to, timeout, "reading the model's files"))
     except replies.NoAnswer as err:
         raise Unavailable(f"{err}: are the node agents up and their `{INSPECT_QUEUE}` queue consumed?") from None
+
+
+def replica_log(node: str, replica_id: str, tail: int) -> dict:
+    """The last `tail` lines of the replica's log, read by its node's agent: {"path", "lines",
+    "missing"}. Unavailable (503) when the agent does not answer in a few seconds."""
+    ask = ReadLog(replica_id, tail, replies.new_list("log"))
+    # Expires with the wait, as an inspection does: an agent that comes to it later reads for nobody.
+    app.send_task(LOG_TASK, args=[ask.encode()], queue=node_queue(node), expires=LOG_TIMEOUT_S)
+    try:
+        return replies.wait(_answers(), ask.reply_to, LOG_TIMEOUT_S, f"node {node}'s agent to read the log")
+    except replies.NoAnswer as err:
+        raise Unavailable(f"{err}: is node {node}'s agent up?") from None
 
 
 def to_control(task: str, *args: object, countdown: float | None = None) -> None:

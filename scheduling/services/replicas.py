@@ -27,6 +27,16 @@ def get(replica_id: str) -> Replica:
         raise NotFound(f"no replica with id {replica_id!r}") from None
 
 
+def log_of(replica_id: str, tail: int) -> dict:
+    """The last `tail` lines of the replica process's own log, as its node's agent reads them
+    (gpuportal.wire.replica_logs): {"replica", "node", "path", "lines", "missing"}."""
+    replica = get(replica_id)
+    if replica.node is None:
+        raise InvalidState(f"replica {replica_id} is {replica.state} on no node: it has no process, and no log")
+    read = dispatch.replica_log(replica.node.name, replica.id, tail)
+    return {"replica": replica.id, "node": replica.node.name, **read}
+
+
 def evict(replica_id: str, *, reason: str = "evicted by an operator", deployment: Deployment | None = None) -> Replica:
     """Send a serving replica to the CPU cache and want one replica fewer: an operator's scale-down
     that keeps the weights at hand (a later scale-up promotes it rather than loading anew)."""

@@ -446,6 +446,8 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         logs = cli.ok("logs", short)
         assert logs.startswith(f"replica {short}") and " of tiny: serving on box/" in logs
         assert "woken from the CPU cache" in logs
+        # Then the process's own log, read on its node by its agent.
+        assert re.search(rf"replica-{short}[0-9a-f]+\.log on box:", logs), logs
 
         follow, followed = cli.follow("events", "--follow", "--tail", "0", "--interval", "0.2", "-d", "tiny")
         try:
