@@ -181,6 +181,10 @@ GPUPORTAL_HEARTBEAT_S = env_float("GPUPORTAL_HEARTBEAT_S", 5.0)
 # How long a deploy waits for a node agent to read the model's files (gpuportal.wire.inspection).
 GPUPORTAL_INSPECT_TIMEOUT_S = env_float("GPUPORTAL_INSPECT_TIMEOUT_S", 60.0)
 GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
+# A pending replica whose process the node's agent still does not run this long after it was
+# placed: its start command was lost (a broker that blinked as the placement committed), and the
+# next heartbeat sends it again (scheduling.services.nodes.resend_lost_starts).
+GPUPORTAL_START_GRACE_S = env_float("GPUPORTAL_START_GRACE_S", 60.0)
 # A replica outlives its agent this long, waiting for the agent's next run to adopt it (issue 16).
 # At most the heartbeat timeout less two beats: the agent's last beat came at most a beat before it
 # died, so an orphan nobody adopted has stopped (a beat's time for that) before its node is written

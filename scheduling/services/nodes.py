@@ -190,7 +190,42 @@ def heartbeat(
         node.save(update_fields=fields)
     if books is not None:
         book_checks.check(name, books)
+    if running is not None:
+        resend_lost_starts(name, running, now)
     return stale
+
+
+def resend_lost_starts(name: str, running: Collection[str], now: datetime) -> list[str]:
+    """Start commands that never reached the node's agent, sent again: a replica placed here long
+    enough ago (GPUPORTAL_START_GRACE_S) that is still pending, and whose process the agent does not
+    run, lost its command after the placement committed (the broker blinked as it was sent: there
+    is no outbox). Sending it twice is harmless: the agent refuses to start a replica it runs."""
+    cutoff = now - timedelta(seconds=settings.GPUPORTAL_START_GRACE_S)
+    lost = list(
+        Replica.objects.filter(node__name=name, state=Replica.State.PENDING, updated_at__lt=cutoff)
+        .exclude(pk__in=list(running))
+        .values_list("pk", "deployment__name")
+    )
+    resent = []
+    for replica_id, deployment in lost:
+        with transaction.atomic():
+            # A claim, as a compare-and-swap on updated_at: of two beats that saw it, one resends.
+            if not Replica.objects.filter(pk=replica_id, state=Replica.State.PENDING, updated_at__lt=cutoff).update(
+                updated_at=now
+            ):
+                continue
+            dispatch.start(name, replica_id, [])
+            events.record(
+                Event.Kind.REPLICA_STATE,
+                f"replica {replica_id[:8]}",
+                f"still pending {settings.GPUPORTAL_START_GRACE_S:g} s after its placement and not run by node "
+                f"{name}'s agent: its start command was lost, sent again",
+                node=name,
+                deployment=deployment,
+                replica=replica_id,
+            )
+        resent.append(replica_id)
+    return resent
 
 
 def written_off(node: Node, running: Collection[str]) -> list[str]:
