@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuportal.stackenv import write_private
+
 PR_SET_PDEATHSIG = 1
 EMBEDDED_PG_USER = "embedded_postgres"
 
@@ -164,9 +166,7 @@ class EmbeddedPostgres:
         if self.password:
             # initdb reads the password from a file its user can read, so it is never on a
             # command line that `ps` shows.
-            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(self.password)
+            write_private(pwfile, self.password)
             self._chown(pwfile)
             argv += ["--auth-host=scram-sha-256", "--auth-local=trust", f"--pwfile={pwfile}"]
         else:
@@ -299,9 +299,7 @@ class EmbeddedRedis:
         if not self.password:
             return []
         path = self.data_dir / "redis.conf"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(f"requirepass {self.password}\n")
+        write_private(path, f"requirepass {self.password}\n")
         return [str(path)]
 
     def start(self, timeout: float = 30.0) -> str:

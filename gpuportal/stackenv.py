@@ -29,16 +29,24 @@ def read_stack_env(path: Path) -> dict[str, str]:
     return values
 
 
+def write_private(path: Path, text: str) -> None:
+    """`text` into `path`, which only its owner may read (it holds a password), replaced whole:
+    made anew with mode 0600 beside it (a file kept from before would keep its own mode), then
+    renamed over it, so no reader sees it half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    tmp.replace(path)
+
+
 def write_stack_env(path: Path, values: dict[str, str]) -> None:
     """Only its owner may read it: the URLs carry the servers' passwords."""
     lines = ["# Written by `manage.py up`: the servers of the running stack."]
     lines += [f"export {key}={value}" for key, value in values.items()]
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write("\n".join(lines) + "\n")
-    tmp.replace(path)
+    write_private(path, "\n".join(lines) + "\n")
 
 
 def redact(url: str) -> str:

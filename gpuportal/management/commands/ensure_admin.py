@@ -5,14 +5,7 @@ from pathlib import Path
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
-
-def write_password_file(path: Path, password: str) -> None:
-    """Only its owner may read it; a file left by an earlier database's admin is replaced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(password + "\n")
+from gpuportal.stackenv import write_private
 
 
 class Command(BaseCommand):
@@ -37,7 +30,8 @@ class Command(BaseCommand):
             elif password_file:
                 # Kept in a file rather than printed: a line printed once scrolls away under the
                 # workers' start-up output (issue 18), and the README's commands read the file.
-                write_password_file(Path(password_file), password)
+                # Replaced whole: a file left by an earlier database's admin says nothing true now.
+                write_private(Path(password_file), password + "\n")
                 self.stdout.write(f"admin user {username!r} created; its password is in {password_file}")
             else:
                 self.stdout.write(f"admin user {username!r} created with password: {password}  (shown only once)")
