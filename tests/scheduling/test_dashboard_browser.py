@@ -59,6 +59,16 @@ def in_another_thread(work) -> None:
         raise errors[0]
 
 
+def signed_in(browser, login_url: str):
+    """A page 1400 px wide, signed in as the staff user `ops` through the admin's login form."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(login_url)
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    return page
+
+
 def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(live_server, cluster, dispatched):
     from playwright.sync_api import expect, sync_playwright
 
@@ -71,11 +81,7 @@ def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(l
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{live_server.url}/admin/login/?next=/admin/")
-            page.fill("#id_username", "ops")
-            page.fill("#id_password", "s3cret-pass")
-            page.click("input[type=submit]")
+            page = signed_in(browser, f"{live_server.url}/admin/login/?next=/admin/")
             page.click("text=GPU dashboard")  # linked from the admin index
 
             expect(page.locator(".gp-gpu").first).to_contain_text("virtual GPU")
@@ -122,11 +128,7 @@ def test_staff_deploys_from_the_page_sees_its_colour_then_deletes_it(live_server
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{live_server.url}/admin/login/?next=/admin/dashboard/")
-            page.fill("#id_username", "ops")
-            page.fill("#id_password", "s3cret-pass")
-            page.click("input[type=submit]")
+            page = signed_in(browser, f"{live_server.url}/admin/login/?next=/admin/dashboard/")
 
             page.click("#gp-deploy summary")
             form = page.locator("#gp-deploy form")
