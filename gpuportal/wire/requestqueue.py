@@ -274,17 +274,19 @@ return math.max(current, tonumber(ARGV[1]))
 # - a compact record of it (times, token counts from the answer's `usage`, status) goes onto
 #   gp:records, which the control plane drains into PostgreSQL (scheduling.services.traffic): the
 #   capacity planner's recorded traffic, kept past the request's own TTL. Capped at ARGV[7]
-#   entries, oldest dropped, should nothing drain it.
+#   entries, oldest dropped, should nothing drain it. The token counts come as arguments, read
+#   from the answer by the caller: decoding the answer here (an embedding call's can be megabytes)
+#   would hold Redis, which runs one script at a time, for every request's end.
 # KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count,
 # records. ARGV: epoch or '', request id, ttl, now, stream end marker, replica id or '', the records'
-# cap, then the request's field/value pairs.
+# cap, prompt tokens or '', output tokens or '', then the request's field/value pairs.
 _END = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[6] ~= '' then
   local owner = redis.call('HGET', KEYS[2], 'replica')
   if owner and owner ~= ARGV[6] then return -1 end
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 8))
+redis.call('HSET', KEYS[2], unpack(ARGV, 10))
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 local fields = redis.call('HGETALL', KEYS[2])
@@ -299,15 +301,10 @@ if ARGV[6] ~= '' then
   redis.call('SET', KEYS[6], ARGV[4], 'EX', ARGV[3])
 end
 redis.call('INCR', KEYS[7])
-local usage = {}
-if final['output'] then
-  local ok, output = pcall(cjson.decode, final['output'])
-  if ok and type(output) == 'table' and type(output['usage']) == 'table' then usage = output['usage'] end
-end
 redis.call('RPUSH', KEYS[8], cjson.encode({
   id = ARGV[2], deployment = final['deployment'], kind = final['kind'], status = final['status'],
   created_at = final['created_at'], started_at = final['started_at'], finished_at = final['finished_at'],
-  prompt_tokens = usage['prompt_tokens'], output_tokens = usage['completion_tokens']}))
+  prompt_tokens = tonumber(ARGV[8]), output_tokens = tonumber(ARGV[9])}))
 redis.call('LTRIM', KEYS[8], -tonumber(ARGV[7]), -1)
 return 1
 """
@@ -855,7 +852,8 @@ class RequestQueue:
         fields: dict[str, Any] = {"output": json.dumps(output)}
         if started_at is not None:
             fields["started_at"] = started_at
-        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence)
+        usage = output.get("usage") if isinstance(output, dict) else None
+        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence, usage=usage)
 
     def fail(self, request_id: str, replica_id: str, error: str, kind: str, fence: Fence | None = None) -> None:
         self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id, fence=fence)
@@ -882,7 +880,13 @@ class RequestQueue:
             time.sleep(0.005)
 
     def _end(
-        self, request_id: str, status: str, fields: dict[str, Any], replica_id: str = "", fence: Fence | None = None
+        self,
+        request_id: str,
+        status: str,
+        fields: dict[str, Any],
+        replica_id: str = "",
+        fence: Fence | None = None,
+        usage: Any = None,
     ) -> None:
         values = {"status": status, "finished_at": now(), **fields}
         keys = [
@@ -896,7 +900,10 @@ class RequestQueue:
             RECORDS_KEY,
         ]
         epoch = str(fence.epoch) if fence is not None else ""
-        args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX]
+        counts = usage if isinstance(usage, dict) else {}
+        tokens = [counts.get(k, "") for k in ("prompt_tokens", "completion_tokens")]
+        tokens = [n if isinstance(n, int) else "" for n in tokens]
+        args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX, *tokens]
         args += [x for kv in values.items() for x in kv]
         written = self._end_script(keys=keys, args=args)
         if written == 0:
