@@ -69,8 +69,8 @@ READ_SQL = "SELECT * FROM gpuportal_ledger_read(%s, %s::bigint[], %s::bigint[])"
 # which the migration that last changed it loaded. A change is a new file and a new migration.
 SQL_DIR = Path(__file__).resolve().parent / "sql"
 SQL_FUNCTIONS = {
-    "gpuportal_ledger_commit": "ledger_commit_v2.sql",
-    "gpuportal_ledger_read": "ledger_read_v2.sql",
+    "gpuportal_ledger_commit": "ledger_commit_v3.sql",
+    "gpuportal_ledger_read": "ledger_read_v3.sql",
     "gpuportal_ledger_stamp": "ledger_stamp_v1.sql",
     "gpuportal_ledger_gpus_gone": "ledger_gone_v1.sql",
 }

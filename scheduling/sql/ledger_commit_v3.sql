@@ -1,0 +1,138 @@
+-- The ledger's compare-and-swap commit (migration 0011): one call locks the plan's GPU rows in
+-- primary-key order, checks each version, applies releases and reservations, refuses an
+-- over-commit, bumps versions and records an Event per change. Why the SET lines: generic plans
+-- kept per session, and index probes at any table size (see migration 0011's docstring).
+-- v3 (migration 0023): `SET jit = off`. The SET lines below price any sequential scan out of reach,
+-- which also lifts even a one-row lookup past jit_above_cost: on a server built with LLVM, every call
+-- compiled its plan anew (7-40 ms of CPU for a read that takes 0.2 ms).
+CREATE OR REPLACE FUNCTION gpuportal_ledger_commit(
+    p_ids bigint[], p_expected bigint[], p_labels text[],
+    p_rel_gpu bigint[], p_rel_replica text[],
+    p_res_gpu bigint[], p_res_replica text[], p_res_bytes bigint[],
+    p_reason text
+) RETURNS TABLE (gpu_id bigint, version bigint, available bigint, outcome text)
+LANGUAGE plpgsql
+
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET jit = off
+
+AS $fn$
+DECLARE
+    v_n int := cardinality(p_ids);
+    v_current bigint[];   -- each GPU's version once locked, NULL if gone (in p_ids order)
+    v_avail bigint[];     -- each GPU's available bytes once written (in p_ids order)
+    v_version bigint;
+    v_res_keys text[] := '{}';
+    v_before bigint;
+    v_used bigint;
+    v_total bigint;
+    v_at int;
+    -- The Events, written last, once each GPU's new available bytes are known.
+    v_ev_kind text[] := '{}';
+    v_ev_gpu bigint[] := '{}';
+    v_ev_replica text[] := '{}';
+    v_ev_reason text[] := '{}';
+    v_ev_before bigint[] := '{}';
+    v_ev_after bigint[] := '{}';
+BEGIN
+    IF COALESCE(v_n, 0) = 0 THEN
+        RETURN;
+    END IF;
+
+    -- One global lock order: primary key. Two commits may wait on each other, never in a cycle.
+    -- p_ids are in ascending order (the ledger sorts them): one small statement per GPU, no cursor.
+    v_current := array_fill(NULL::bigint, ARRAY[v_n]);
+    FOR i IN 1 .. v_n LOOP
+        SELECT g.version INTO v_version FROM scheduling_gpu g WHERE g.id = p_ids[i] FOR UPDATE;
+        v_current[i] := v_version;
+    END LOOP;
+
+    -- Compare-and-swap: every GPU written must still have the version the plan was made on.
+    IF v_current IS DISTINCT FROM p_expected THEN
+        RETURN QUERY
+            SELECT e.id, e.cur, NULL::bigint, 'conflict'::text
+            FROM unnest(p_ids, p_expected, v_current) AS e(id, expected, cur)
+            WHERE e.cur IS DISTINCT FROM e.expected
+            ORDER BY e.id;
+        RETURN;
+    END IF;
+
+    -- Row by row, in plain statements: a plan writes a GPU or two, and small statements cost
+    -- PostgreSQL less to start than set-based ones over unnested arrays.
+    FOR j IN 1 .. COALESCE(cardinality(p_res_gpu), 0) LOOP
+        v_res_keys := v_res_keys || (p_res_gpu[j] || '/' || p_res_replica[j]);
+    END LOOP;
+    FOR j IN 1 .. COALESCE(cardinality(p_rel_gpu), 0) LOOP
+        -- A release and a reservation of the same occupant come to the reservation (kept `since`).
+        CONTINUE WHEN (p_rel_gpu[j] || '/' || p_rel_replica[j]) = ANY(v_res_keys);
+        DELETE FROM scheduling_occupant o WHERE o.gpu_id = p_rel_gpu[j] AND o.replica_id = p_rel_replica[j]
+        RETURNING o.reserved_bytes INTO v_before;
+        IF FOUND THEN
+            v_ev_kind := v_ev_kind || 'gpu.released'::text;
+            v_ev_gpu := v_ev_gpu || p_rel_gpu[j];
+            v_ev_replica := v_ev_replica || p_rel_replica[j];
+            v_ev_reason := v_ev_reason
+                || format('released %s B of replica %s: %s', v_before, left(p_rel_replica[j], 8), p_reason);
+            v_ev_before := v_ev_before || v_before;
+            v_ev_after := v_ev_after || 0::bigint;
+        END IF;
+    END LOOP;
+    FOR j IN 1 .. COALESCE(cardinality(p_res_gpu), 0) LOOP
+        SELECT o.reserved_bytes INTO v_before FROM scheduling_occupant o
+        WHERE o.gpu_id = p_res_gpu[j] AND o.replica_id = p_res_replica[j];
+        IF FOUND THEN
+            UPDATE scheduling_occupant o SET reserved_bytes = p_res_bytes[j]
+            WHERE o.gpu_id = p_res_gpu[j] AND o.replica_id = p_res_replica[j];
+        ELSE
+            -- A plain insert is safe: whoever else would insert this occupant must hold this
+            -- GPU's row lock, which we hold (the unique constraint stays as the backstop).
+            v_before := 0;
+            INSERT INTO scheduling_occupant (gpu_id, replica_id, reserved_bytes, since)
+            VALUES (p_res_gpu[j], p_res_replica[j], p_res_bytes[j], now());
+        END IF;
+        v_ev_kind := v_ev_kind || 'gpu.reserved'::text;
+        v_ev_gpu := v_ev_gpu || p_res_gpu[j];
+        v_ev_replica := v_ev_replica || p_res_replica[j];
+        v_ev_reason := v_ev_reason
+            || format('reserved %s B for replica %s: %s', p_res_bytes[j], left(p_res_replica[j], 8), p_reason);
+        v_ev_before := v_ev_before || v_before;
+        v_ev_after := v_ev_after || p_res_bytes[j];
+    END LOOP;
+
+    -- Totals come from the rows themselves: nobody else writes them while we hold the locks.
+    -- LEAST keeps the row within its CHECK so that the over-commit is reported as ours, with
+    -- its numbers; the exception then aborts the statement and nothing of the plan stays.
+    -- The ledger passes p_ids in ascending order, so the lowest over-committed GPU is named.
+    v_avail := array_fill(NULL::bigint, ARRAY[v_n]);
+    FOR i IN 1 .. v_n LOOP
+        UPDATE scheduling_gpu g
+        SET available_bytes = g.total_bytes - LEAST(s.used, g.total_bytes),
+            version = g.version + 1,
+            changed_txid = txid_current(),
+            updated_at = now()
+        FROM (SELECT COALESCE(SUM(o.reserved_bytes), 0) AS used FROM scheduling_occupant o
+              WHERE o.gpu_id = p_ids[i]) s
+        WHERE g.id = p_ids[i]
+        RETURNING g.version, g.available_bytes, s.used, g.total_bytes INTO version, available, v_used, v_total;
+        IF v_used > v_total THEN
+            RAISE EXCEPTION 'gpuportal over-commit %/%/%', p_ids[i], v_total, v_used USING ERRCODE = 'GP001';
+        END IF;
+        v_avail[i] := available;
+        gpu_id := p_ids[i];
+        outcome := 'ok';
+        RETURN NEXT;
+    END LOOP;
+
+    FOR k IN 1 .. cardinality(v_ev_kind) LOOP
+        v_at := array_position(p_ids, v_ev_gpu[k]);
+        INSERT INTO scheduling_event (time, kind, subject, reason, before, after, node, gpu, deployment, replica)
+        VALUES (now(), v_ev_kind[k], 'gpu ' || p_labels[v_at], v_ev_reason[k],
+                jsonb_build_object('reserved_bytes', v_ev_before[k]),
+                jsonb_build_object('reserved_bytes', v_ev_after[k], 'available_bytes', v_avail[v_at]),
+                '', p_labels[v_at], '', v_ev_replica[k]);
+    END LOOP;
+END
+$fn$;
