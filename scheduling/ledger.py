@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -78,8 +77,8 @@ SQL_FUNCTIONS = {
 # Where a row of `gpuportal_ledger_read` ends what a view is built from; then whether it was built
 # from the reader's own uncommitted writes, the GPU generation (bumped by deletions), and the
 # read's snapshot.
-VIEW_COLUMNS = 15
-MINE, GENERATION = 15, 16
+VIEW_COLUMNS = 16
+INTENTS, MINE, GENERATION = 14, 16, 17
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPU
     entries to views already built from them: they are reused, and it is updated to hold
     exactly this GPU's, so that a Mirror builds only the occupants that changed."""
     (gpu_id, node, node_status, index, total, available, version, virtual, health, holder, expires) = row[:11]
-    context, standby_context, raw_occupants, raw_intents = row[11:VIEW_COLUMNS]
+    context, standby_context, raw_occupants, raw_intents, node_id = row[11:VIEW_COLUMNS]
     occupants = []
     fresh: dict[tuple, OccupantView] = {}
     for entry in json.loads(raw_occupants) if raw_occupants != "[]" else ():
@@ -122,6 +121,7 @@ def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPU
     return GPUView(
         id=gpu_id,
         node=node,
+        node_id=node_id,
         node_status=node_status,
         index=index,
         total_bytes=total,
@@ -252,7 +252,7 @@ class Mirror:
         for row in read.rows:
             gpu_id = row[0]
             returned.add(gpu_id)
-            if row[MINE] or row[VIEW_COLUMNS - 1] != "[]":
+            if row[MINE] or row[INTENTS] != "[]":
                 self._again.add(gpu_id)
             if self._rows.get(gpu_id) == row[:VIEW_COLUMNS]:
                 continue
@@ -332,10 +332,17 @@ def commit(plan: Plan, *, apply: Callable[[Plan], None] | None = None) -> Commit
     if apply is None and not connection.in_atomic_block:
         rows = _call_commit(plan)
     else:
-        with transaction.atomic():
-            rows = _call_commit(plan)
-            if apply is not None:
+        # No savepoint (two round trips of a commit's ten): a refused commit undoes itself in the
+        # database and is raised only once this block is left, so the caller's transaction goes
+        # on (to plan again); an error in `apply` leaves that transaction to roll back whole, as
+        # the half of a decision it holds must.
+        with transaction.atomic(savepoint=False):
+            rows = _call_commit(plan, refuse=False)
+            refusal = _refusal(plan, rows)
+            if refusal is None and apply is not None:
                 apply(plan)
+        if refusal is not None:
+            raise refusal
     COMMITS.inc()
     return CommitResult(
         plan=plan,
@@ -344,7 +351,9 @@ def commit(plan: Plan, *, apply: Callable[[Plan], None] | None = None) -> Commit
     )
 
 
-def _call_commit(plan: Plan) -> list[tuple[int, int, int, str]]:
+def _call_commit(plan: Plan, *, refuse: bool = True) -> list[tuple[int, int, int, str]]:
+    """The commit function's rows; a refusal (CasConflict, OverCommit) raised unless `refuse` is
+    False (the caller asks `_refusal`)."""
     ids = plan.gpu_ids  # ascending: the function's lock order and over-commit report rely on it
     args = [
         _int_array(ids),
@@ -357,29 +366,27 @@ def _call_commit(plan: Plan) -> list[tuple[int, int, int, str]]:
         _int_array(r.reserved_bytes for r in plan.reservations),
         plan.reason,
     ]
-    try:
-        with _cursor() as cursor:
-            cursor.execute(COMMIT_SQL, args)
-            rows = cursor.fetchall()
-    except psycopg.Error as err:
-        over = OVER_COMMIT.search(str(err)) if err.sqlstate == OVER_COMMIT_SQLSTATE else None
-        if over is None:
-            raise
-        gpu_id, total, used = (int(x) for x in over.groups())
-        raise OverCommit(plan.labels.get(gpu_id, str(gpu_id)), total, used) from None
+    with _cursor() as cursor:
+        cursor.execute(COMMIT_SQL, args)
+        rows = cursor.fetchall()
+    refusal = _refusal(plan, rows) if refuse else None
+    if refusal is not None:
+        raise refusal
+    return rows
+
+
+def _refusal(plan: Plan, rows: list[tuple[int, int, int, str]]) -> CasConflict | OverCommit | None:
+    """Why the commit function refused the plan (it then wrote nothing), or None: a GPU found
+    changed (each one's version planned on and found), or the GPU it would over-commit."""
+    for gpu_id, total, used, outcome in rows:
+        if outcome == "over-commit":
+            return OverCommit(plan.labels.get(gpu_id, str(gpu_id)), total, used)
     stale = [
         (gpu_id, plan.expected_versions[gpu_id], version)
         for gpu_id, version, _, outcome in rows
         if outcome == "conflict"
     ]
-    if stale:
-        raise CasConflict(stale)
-    return rows
-
-
-# Raised by gpuportal_ledger_commit (migrations 0005 and 0011) with the GPU, its total and the reservation.
-OVER_COMMIT_SQLSTATE = "GP001"
-OVER_COMMIT = re.compile(r"gpuportal over-commit (\d+)/(\d+)/(\d+)")
+    return CasConflict(stale) if stale else None
 
 
 def commit_with_retry(

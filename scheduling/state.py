@@ -67,6 +67,9 @@ class GPUView:
     # model, issue 15); the H100's until measured.
     context_bytes: int = H100_CONTEXT_BYTES
     standby_context_bytes: int = H100_STANDBY_CONTEXT_BYTES
+    # The node's row, for the services that write a placement (None in views built without one:
+    # the simulator's, the tests').
+    node_id: int | None = None
 
     @property
     def label(self) -> str:

@@ -22,11 +22,11 @@ from scheduling import events, fairness, ledger, locks
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all, withhold_locked
-from scheduling.services import dispatch, failover, queueing
+from scheduling.services import dispatch, failover, queueing, replica_specs
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput, NotFound
 from scheduling.services.replica_specs import contexts_of
-from scheduling.state import OccupantView, Plan, Release, Snapshot
+from scheduling.state import GPUView, OccupantView, Plan, Release, Snapshot
 
 # Replicas that are, or are about to be, on their GPUs: what `replicas` counts.
 AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
@@ -90,9 +90,12 @@ class _Decision:
 
     placements: tuple[Placement, ...] = ()
     new_ids: list[str] = field(default_factory=list)
-    # The rows this call created for them, as written: no other transaction sees them before it
-    # commits, so the commit's apply need not read them back.
+    # The rows this call creates for them, written by the commit's apply: no other transaction
+    # sees them before it commits, so nothing need read them back.
     created: dict[str, Replica] = field(default_factory=dict)
+    # The GPUs the plan was made on: the commit's compare-and-swap found the ones it writes
+    # unchanged, so their node, index and contexts are the books' own.
+    gpus: dict[int, GPUView] = field(default_factory=dict)
 
 
 def inspect_model(source: str, loader: str, dtype: str, max_tokens: int) -> ModelFacts:
@@ -225,33 +228,66 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
     return deployment
 
 
+@dataclass(frozen=True)
+class _Census:
+    """A deployment's replicas, read in one query for a scale call: what it counts awake, what it
+    may promote, whether any is parked, and each replica's state and node for a stop."""
+
+    awake: list[str]  # newest first, failover standbys left out (they go with their active member)
+    cached: tuple[CachedReplica, ...]
+    parked: bool
+    rows: dict[str, tuple[str, str | None]]  # replica id → (state, node name)
+
+    @classmethod
+    def of(cls, deployment: Deployment) -> _Census:
+        rows = deployment.replicas.order_by("-created_at").values_list("id", "state", "role", "node__name")
+        awake, cached, parked, by_id = [], [], False, {}
+        for replica_id, state, role, node in rows:
+            by_id[replica_id] = (state, node)
+            if state in AWAKE and role != Replica.Role.STANDBY:
+                awake.append(replica_id)
+            elif state == Replica.State.SLEEPING and node is not None:
+                cached.append(CachedReplica(replica_id, node))
+            parked = parked or state == Replica.State.PARKED
+        return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
+
+
 @locks.retry_deadlocks
 def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") -> Deployment:
     """Bring the number of awake replicas to `replicas`: cached ones are promoted before new ones
     are created; scaling down stops the most recently started first (they have served least)."""
     if replicas < 0:
         raise InvalidInput("replicas", "must be 0 or more")
-    with transaction.atomic():
-        # The deployment row lock serialises scale operations of one deployment.
+    # Its Events are written in one statement at the end (nothing inside catches and goes on).
+    with transaction.atomic(), events.gathered():
+        # The deployment row lock serialises scale operations of one deployment, so the census
+        # below stays true until the commit.
         deployment = get(name, lock=True)
-        # A failover standby is not a replica of its own: it stands and goes with its active member.
-        # Their ids only: building every awake replica's row cost more than the rest of a scale.
-        awake = list(
-            deployment.replicas.filter(state__in=AWAKE)
-            .exclude(role=Replica.Role.STANDBY)
-            .order_by("-created_at")
-            .values_list("id", flat=True)
-        )
+        census = _Census.of(deployment)
+        awake = census.awake
         before = deployment.replicas_wanted
         if replicas > len(awake):
-            add_replicas(deployment, replicas - len(awake), reason=f"{reason}: {len(awake)} → {replicas}")
+            add_replicas(
+                deployment,
+                replicas - len(awake),
+                reason=f"{reason}: {len(awake)} → {replicas}",
+                cached=census.cached,
+                parked=census.parked,
+            )
         elif replicas < len(awake):
-            _stop_replicas(deployment, awake[: len(awake) - replicas], reason=f"{reason}: {len(awake)} → {replicas}")
+            stopping = awake[: len(awake) - replicas]
+            _stop_replicas(
+                deployment,
+                stopping,
+                reason=f"{reason}: {len(awake)} → {replicas}",
+                known={replica_id: census.rows[replica_id] for replica_id in stopping},
+            )
         deployment.replicas_wanted = replicas
         deployment.save(update_fields=["replicas_wanted", "updated_at"])
-        # Parked replicas beyond the new count are wanted no more.
-        surplus = deployment.replicas.filter(PLAIN_COUNTED).count() - replicas
-        _retire_parked(deployment, surplus, reason=f"{reason}: no longer wanted")
+        if census.parked:
+            # Parked replicas beyond the new count are wanted no more.
+            surplus = deployment.replicas.filter(PLAIN_COUNTED).count() - replicas
+            _retire_parked(deployment, surplus, reason=f"{reason}: no longer wanted")
         if before != replicas:
             events.record(
                 Event.Kind.DEPLOYMENT_CHANGED,
@@ -543,6 +579,7 @@ def add_replicas(
     allow_new: bool = True,
     evictions: bool = True,
     new_ids: list[str] | None = None,
+    parked: bool = True,
 ) -> _Decision:
     """Place `count` more replicas as one all-or-nothing decision, promoting sleeping ones first.
 
@@ -550,7 +587,9 @@ def add_replicas(
     deployment's); `allow_new=False` only promotes, which is how one named replica is woken.
     `evictions=False` uses only free memory (the fair wake path: victims are fairness.py's
     call, not placement's). `new_ids` are rows the caller already created (a waker that held a
-    wake lock under that id); they are kept even if unused. The caller holds the deployment row lock.
+    wake lock under that id); they are kept even if unused. `parked=False`: the caller knows the
+    deployment has no parked replica (none to retire for a new load). The caller holds the
+    deployment row lock.
     """
     if cached is None:
         cached = cached_of(deployment)
@@ -602,18 +641,18 @@ def add_replicas(
                 raise CannotPlace(f"{result.reason} (not counting {locked}: another wake holds its lock)", reasons)
             raise CannotPlace(result.reason, result.reasons)
         decision.placements = result.placements
+        decision.gpus = snap.gpus
         return result.plan
 
-    # Rows for new replicas first, so the occupants the commit writes point at something real.
     if allow_new and new_ids is None:
-        rows = Replica.objects.bulk_create([Replica(id=i, deployment=deployment) for i in decision.new_ids])
-        decision.created = {row.id: row for row in rows}
+        # Rows written by the commit's apply, placed, and only for the ids placement used (a
+        # promotion can make one unneeded). The occupants the ledger writes first point at them
+        # before they exist: the foreign key is checked at commit.
+        decision.created = {i: Replica(id=i, deployment=deployment) for i in decision.new_ids}
     ledger.commit_with_retry(decide, apply=lambda plan: _apply_placements(deployment, decision, reason))
-    if allow_new and new_ids is None:
-        unused = set(decision.new_ids) - {p.replica_id for p in decision.placements}
-        Replica.objects.filter(id__in=unused).delete()  # ids set aside for replicas a promotion made unneeded
     loaded = sum(1 for p in decision.placements if p.promoted is None)
-    _retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
+    if parked:
+        _retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
     return decision
 
 
@@ -629,38 +668,44 @@ def _retire_parked(deployment: Deployment, count: int, *, reason: str) -> None:
 def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) -> None:
     """Inside the commit: record where each replica went (and, after the placement's own reason,
     the caller's: deploy, scale, wake), then send the agents to work."""
-    from scheduling.models import GPU
-
-    gpus = {
-        g.pk: g
-        for g in GPU.objects.select_related("node").filter(
-            pk__in={gpu_id for p in decision.placements for gpu_id in p.gpu_ids}
-        )
-    }
+    gpus = decision.gpus
     victims = {e.replica_id for p in decision.placements for e in p.evictions}
     for victim in Replica.objects.select_related("node", "deployment").filter(id__in=victims).order_by("pk"):
         _mark_evicted(victim, next(p for p in decision.placements if victim.id in p.evicted_replicas))
+    placed = []
     for placement in decision.placements:
-        node = gpus[placement.gpu_ids[0]].node
+        first = gpus[placement.gpu_ids[0]]
         by_index = {str(gpus[g].index): placement.bytes_by_gpu[g] for g in placement.gpu_ids}
         promoted = placement.promoted is not None
         replica = decision.created.get(placement.replica_id) or Replica.objects.get(pk=placement.replica_id)
-        before = {"state": replica.state, "node": replica.node_id and node.name, "gpus": replica.gpu_mem_bytes_by_id}
-        replica.node = node
+        before = {"state": replica.state, "node": replica.node_id and first.node, "gpus": replica.gpu_mem_bytes_by_id}
+        replica.node_id = first.node_id
         replica.gpu_mem_bytes_by_id = by_index
         replica.gpu_memory_fraction = placement.fraction
         replica.state = Replica.State.WAKING if promoted else Replica.State.PENDING
         replica.progress = 0
         replica.failure_reason = ""
-        replica.save()
+        placed.append((placement, replica, before))
+    # New rows in one statement; rows that were there (a promotion, a caller's own) saved each.
+    Replica.objects.bulk_create([r for _, r, _ in placed if r.id in decision.created])
+    for placement, replica, before in placed:
+        if replica.id not in decision.created:
+            replica.save()
+        first = gpus[placement.gpu_ids[0]]
+        promoted = placement.promoted is not None
         events.record(
             Event.Kind.REPLICA_STATE,
             f"replica {replica.id[:8]}",
             ("promoted from the CPU cache: " if promoted else "placed: ") + f"{placement.reason}; {reason}",
             before=before,
-            after={"state": replica.state, "node": node.name, "gpus": by_index, "level": placement.level.name},
-            node=node.name,
-            gpu=f"{node.name}/{gpus[placement.gpu_ids[0]].index}",
+            after={
+                "state": replica.state,
+                "node": first.node,
+                "gpus": replica.gpu_mem_bytes_by_id,
+                "level": placement.level.name,
+            },
+            node=first.node,
+            gpu=first.label,
             deployment=deployment.name,
             replica=replica.id,
         )
@@ -668,9 +713,16 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
         if deployment.failover_standby and not promoted and replica.lease_id is None:
             failover.pair_up(deployment, replica)
         if promoted:
-            dispatch.wake(node.name, replica.id, wait_for)
+            dispatch.wake(first.node, replica.id, wait_for)
+        elif replica.lease_id is None:
+            # Built now from the row as written and the GPUs' own contexts: the command the
+            # committed books would give, without reading them back after the commit.
+            views = [gpus[g] for g in placement.gpu_ids]
+            contexts = (max(v.context_bytes for v in views), max(v.standby_context_bytes for v in views))
+            command = replica_specs.start_placed(replica, contexts=contexts, virtual=first.virtual, wait_for=wait_for)
+            dispatch.start_placed(first.node, command)
         else:
-            dispatch.start(node.name, replica.id, wait_for)
+            dispatch.start(first.node, replica.id, wait_for)
 
 
 def _mark_evicted(victim: Replica, placement: Placement) -> None:
@@ -683,12 +735,32 @@ def _mark_evicted(victim: Replica, placement: Placement) -> None:
             dispatch.trim_host_cache(victim.node.name)
 
 
-def _stop_replicas(deployment: Deployment, replica_ids: list[str], *, reason: str) -> None:
+def _stop_replicas(
+    deployment: Deployment,
+    replica_ids: list[str],
+    *,
+    reason: str,
+    known: dict[str, tuple[str, str | None]] | None = None,
+) -> None:
+    """Release and stop the replicas (a failover pair whole). `known`: each one's state and node
+    name as the caller read them under the deployment's lock, so they need not be read again."""
     ids = set(replica_ids)
     if deployment.failover_standby:  # only such a deployment's replicas are paired (a setting it keeps)
         ids |= failover.partners(ids)  # a pair stops whole: its standby must not take over
+    if known is not None and not ids <= set(known):
+        known = None
 
     def apply(plan: Plan | None = None) -> None:
+        if known is not None:
+            # One update per replica, in primary-key order (the global lock order).
+            for replica_id in sorted(ids):
+                state, node = known[replica_id]
+                replica_services.set_state_of(
+                    replica_id, state, Replica.State.STOPPING, f"stopping: {reason}", node=node, deployment=deployment
+                )
+                if node is not None:
+                    dispatch.stop(node, replica_id, drain_timeout_s=deployment.drain_timeout_s)
+            return
         for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):
             replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {reason}")
             if replica.node is not None:

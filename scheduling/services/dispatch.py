@@ -51,6 +51,12 @@ def start(node: str, replica_id: str, wait_for: list[str]) -> None:
     _to_node(node, lambda: replica_specs.start(replica_id, wait_for))
 
 
+def start_placed(node: str, command: commands.StartReplica) -> None:
+    """Send a START built inside the transaction that placed its replica (replica_specs.start_placed),
+    once that transaction commits: what the committed rows would give, without reading them."""
+    _to_node(node, lambda: command)
+
+
 def wake(node: str, replica_id: str, wait_for: list[str]) -> None:
     _to_node(node, lambda: replica_specs.wake(replica_id, wait_for))
 
@@ -65,8 +71,9 @@ def trim_host_cache(node: str) -> None:
     to_control(TRIM_HOST_CACHE_TASK, node)
 
 
-def stop(node: str, replica_id: str) -> None:
-    _to_node(node, lambda: replica_specs.stop(replica_id))
+def stop(node: str, replica_id: str, *, drain_timeout_s: float | None = None) -> None:
+    """`drain_timeout_s`: the deployment's, when the caller holds its row (else read at commit)."""
+    _to_node(node, lambda: replica_specs.stop(replica_id, drain_timeout_s))
 
 
 def _answers() -> redis.Redis:

@@ -40,11 +40,12 @@ def _failover_fields(replica: Replica) -> dict:
     }
 
 
-def spec_of(replica: Replica) -> ReplicaSpec:
+def spec_of(replica: Replica, *, contexts: tuple[int, int] | None = None, virtual: bool | None = None) -> ReplicaSpec:
     """The replica as its process must run: model, GPUs (node-local indices), cap, contexts. The
-    Redis and database URLs are the agent's to add: it knows how it reaches them."""
+    Redis and database URLs are the agent's to add: it knows how it reaches them. `contexts` and
+    `virtual`, when the caller knows them (its GPUs' own), spare reading the GPU and node rows."""
     deployment = replica.deployment
-    context, standby_context = contexts_for(replica)
+    context, standby_context = contexts if contexts is not None else contexts_for(replica)
     return ReplicaSpec(
         replica_id=replica.id,
         source=deployment.model_source,
@@ -53,7 +54,7 @@ def spec_of(replica: Replica) -> ReplicaSpec:
         gpus=tuple(sorted(int(index) for index in replica.gpu_mem_bytes_by_id)),
         reserved_bytes_by_gpu={str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()},
         fraction=replica.gpu_memory_fraction,
-        backend="virtual" if replica.node.virtual else "cuda",
+        backend="virtual" if (replica.node.virtual if virtual is None else virtual) else "cuda",
         deployment=deployment.name,
         kv_max_tokens=deployment.max_tokens,
         # The reservation counts one CUDA context, and a pair's the standby's too (need_bytes).
@@ -75,6 +76,12 @@ def start(replica_id: str, wait_for: list[str]) -> StartReplica | None:
     if replica is None or replica.state != Replica.State.PENDING:
         return None
     return StartReplica(spec=spec_of(replica), wait_for=tuple(wait_for))
+
+
+def start_placed(replica: Replica, *, contexts: tuple[int, int], virtual: bool, wait_for: list[str]) -> StartReplica:
+    """The START of a replica the caller's transaction has just placed (pending, no failover
+    lease), from the row as it wrote it and its GPUs' contexts and kind."""
+    return StartReplica(spec=spec_of(replica, contexts=contexts, virtual=virtual), wait_for=tuple(wait_for))
 
 
 def wake(replica_id: str, wait_for: list[str]) -> WakeReplica | None:
@@ -100,5 +107,7 @@ def sleep(replica_id: str) -> SleepReplica:
     return SleepReplica(replica_id=replica_id, drain_timeout_s=_drain_of(replica_id))
 
 
-def stop(replica_id: str) -> StopReplica:
-    return StopReplica(replica_id=replica_id, drain_timeout_s=_drain_of(replica_id))
+def stop(replica_id: str, drain_timeout_s: float | None = None) -> StopReplica:
+    """`drain_timeout_s`: the deployment's, when the caller holds its row (no read)."""
+    drain = _drain_of(replica_id) if drain_timeout_s is None else drain_timeout_s
+    return StopReplica(replica_id=replica_id, drain_timeout_s=drain)

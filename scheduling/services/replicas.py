@@ -9,6 +9,7 @@ from collections.abc import Collection
 
 import redis
 from django.db import transaction
+from django.utils import timezone
 
 from gpuportal.wire import memory
 from scheduling import events, ledger, locks
@@ -308,13 +309,29 @@ def set_state(
     replica.save(update_fields=["state", "updated_at", *(extra or [])])
     if before == state and kind == Event.Kind.REPLICA_STATE:
         return
+    _state_event(kind, replica.id, before, state, reason, replica.node.name if replica.node else "", replica.deployment)
+
+
+def set_state_of(
+    replica_id: str, before: str, state: str, reason: str, *, node: str | None, deployment: Deployment
+) -> None:
+    """`set_state` for a replica the caller knows (its state and node, read under its deployment's
+    lock) without its row: one UPDATE, no read."""
+    Replica.objects.filter(pk=replica_id).update(state=state, updated_at=timezone.now())
+    if before != state:
+        _state_event(Event.Kind.REPLICA_STATE, replica_id, before, state, reason, node or "", deployment)
+
+
+def _state_event(
+    kind: str, replica_id: str, before: str, state: str, reason: str, node: str, deployment: Deployment
+) -> None:
     events.record(
         kind,
-        f"replica {replica.id[:8]}",
+        f"replica {replica_id[:8]}",
         reason,
         before={"state": before},
         after={"state": state},
-        node=replica.node.name if replica.node else "",
-        deployment=replica.deployment.name,
-        replica=replica.id,
+        node=node,
+        deployment=deployment.name,
+        replica=replica_id,
     )

@@ -2,9 +2,11 @@
 -- primary-key order, checks each version, applies releases and reservations, refuses an
 -- over-commit, bumps versions and records an Event per change. Why the SET lines: generic plans
 -- kept per session, and index probes at any table size (see migration 0011's docstring).
--- v3 (migration 0023): `SET jit = off`. The SET lines below price any sequential scan out of reach,
--- which also lifts even a one-row lookup past jit_above_cost: on a server built with LLVM, every call
--- compiled its plan anew (7-40 ms of CPU for a read that takes 0.2 ms).
+-- v3 (migration 0023): a refusal (a conflict, an over-commit) undoes what the call did, its row
+-- locks included, and says so in its rows instead of aborting the caller's transaction: the ledger
+-- no longer wraps the call in a savepoint (two round trips of a commit's ten). And `SET jit = off`:
+-- the SET lines below price any sequential scan out of reach, which also lifts even a one-row
+-- lookup past jit_above_cost, so on a server built with LLVM every call compiled its plan anew.
 CREATE OR REPLACE FUNCTION gpuportal_ledger_commit(
     p_ids bigint[], p_expected bigint[], p_labels text[],
     p_rel_gpu bigint[], p_rel_replica text[],
@@ -30,6 +32,7 @@ DECLARE
     v_used bigint;
     v_total bigint;
     v_at int;
+    v_over bigint;
     -- The Events, written last, once each GPU's new available bytes are known.
     v_ev_kind text[] := '{}';
     v_ev_gpu bigint[] := '{}';
@@ -44,7 +47,11 @@ BEGIN
 
     -- One global lock order: primary key. Two commits may wait on each other, never in a cycle.
     -- p_ids are in ascending order (the ledger sorts them): one small statement per GPU, no cursor.
+    -- In a block of its own (a subtransaction): a conflict leaves it by an error, which lets go
+    -- of the rows it locked. The caller plans again within its transaction (the ledger takes no
+    -- savepoint), maybe on other GPUs; holding these meanwhile could close a circle of waits.
     v_current := array_fill(NULL::bigint, ARRAY[v_n]);
+    BEGIN  -- a block of its own, ended by the refusals below
     FOR i IN 1 .. v_n LOOP
         SELECT g.version INTO v_version FROM scheduling_gpu g WHERE g.id = p_ids[i] FOR UPDATE;
         v_current[i] := v_version;
@@ -52,12 +59,7 @@ BEGIN
 
     -- Compare-and-swap: every GPU written must still have the version the plan was made on.
     IF v_current IS DISTINCT FROM p_expected THEN
-        RETURN QUERY
-            SELECT e.id, e.cur, NULL::bigint, 'conflict'::text
-            FROM unnest(p_ids, p_expected, v_current) AS e(id, expected, cur)
-            WHERE e.cur IS DISTINCT FROM e.expected
-            ORDER BY e.id;
-        RETURN;
+        RAISE EXCEPTION 'gpuportal conflict' USING ERRCODE = 'GP002';
     END IF;
 
     -- Row by row, in plain statements: a plan writes a GPU or two, and small statements cost
@@ -104,7 +106,7 @@ BEGIN
 
     -- Totals come from the rows themselves: nobody else writes them while we hold the locks.
     -- LEAST keeps the row within its CHECK so that the over-commit is reported as ours, with
-    -- its numbers; the exception then aborts the statement and nothing of the plan stays.
+    -- its numbers; the error then undoes the block, and nothing of the plan stays.
     -- The ledger passes p_ids in ascending order, so the lowest over-committed GPU is named.
     v_avail := array_fill(NULL::bigint, ARRAY[v_n]);
     FOR i IN 1 .. v_n LOOP
@@ -118,6 +120,7 @@ BEGIN
         WHERE g.id = p_ids[i]
         RETURNING g.version, g.available_bytes, s.used, g.total_bytes INTO version, available, v_used, v_total;
         IF v_used > v_total THEN
+            v_over := p_ids[i];
             RAISE EXCEPTION 'gpuportal over-commit %/%/%', p_ids[i], v_total, v_used USING ERRCODE = 'GP001';
         END IF;
         v_avail[i] := available;
@@ -134,5 +137,21 @@ BEGIN
                 jsonb_build_object('reserved_bytes', v_ev_after[k], 'available_bytes', v_avail[v_at]),
                 '', p_labels[v_at], '', v_ev_replica[k]);
     END LOOP;
+
+    -- Refusals leave the block by an error, which undoes all it did, the row locks included;
+    -- the caller's transaction goes on (the ledger calls this without a savepoint) to plan again,
+    -- maybe on other GPUs, and holding these meanwhile could close a circle of waits. Variables
+    -- keep what the block assigned. Rows returned before the error stay in the result.
+    EXCEPTION
+        WHEN SQLSTATE 'GP002' THEN
+            RETURN QUERY
+                SELECT e.id, e.cur, NULL::bigint, 'conflict'::text
+                FROM unnest(p_ids, p_expected, v_current) AS e(id, expected, cur)
+                WHERE e.cur IS DISTINCT FROM e.expected
+                ORDER BY e.id;
+        WHEN SQLSTATE 'GP001' THEN
+            -- The over-committed GPU, its total and what the plan would have reserved there.
+            RETURN QUERY SELECT v_over, v_total, v_used, 'over-commit'::text;
+    END;
 END
 $fn$;

@@ -5,14 +5,15 @@
 -- intent. A GPU deleted leaves nothing to stamp: the read returns the generation that deletions
 -- bump (gpuportal_ledger_gpus_gone). STABLE: every statement reads the caller's one snapshot, the
 -- one it returns.
--- v3 (migration 0023): `SET jit = off`. The SET lines below price any sequential scan out of reach,
--- which also lifts even a one-row lookup past jit_above_cost: on a server built with LLVM, every call
--- compiled its plan anew (7-40 ms of CPU for a read that takes 0.2 ms).
+-- v3 (migration 0023): the node's id beside its name (a placement's replica row points at it, so
+-- the services need not look the GPUs up again), and `SET jit = off`. The SET lines below price
+-- any sequential scan out of reach, which also lifts even a one-row lookup past jit_above_cost: on
+-- a server built with LLVM, every call compiled its plan anew (7-40 ms of CPU for a 0.2 ms read).
 CREATE OR REPLACE FUNCTION gpuportal_ledger_read(p_seen text, p_ids bigint[], p_again bigint[])
 RETURNS TABLE (
     id bigint, node text, node_status text, idx integer, total_bytes bigint, available_bytes bigint,
     version bigint, virtual boolean, health text, wake_lock_holder text, wake_lock_expires_at timestamptz,
-    context_bytes bigint, standby_context_bytes bigint, occupants text, intents text, mine boolean,
+    context_bytes bigint, standby_context_bytes bigint, occupants text, intents text, node_id bigint, mine boolean,
     generation bigint, seen text
 )
 LANGUAGE plpgsql STABLE
@@ -96,6 +97,7 @@ BEGIN
                      JOIN scheduling_replica r ON r.id = i.waiting_replica_id
                      JOIN scheduling_deployment d ON d.id = r.deployment_id
                      WHERE i.gpu_id = g.id AND i.status IN ('waiting', 'victim_chosen'))::text, '[]'),
+           n.id,
            -- Built from what the caller's own transaction wrote: it may yet roll back, so the
            -- caller must not keep this view as the committed one.
            v_own_id IS NOT NULL AND (
@@ -114,7 +116,7 @@ BEGIN
         -- The caller needs the snapshot (and the generation) even when nothing changed.
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
                             NULL::bigint, NULL::boolean, NULL::text, NULL::text, NULL::timestamptz,
-                            NULL::bigint, NULL::bigint, NULL::text, NULL::text, NULL::boolean,
+                            NULL::bigint, NULL::bigint, NULL::text, NULL::text, NULL::bigint, NULL::boolean,
                             v_generation, v_seen::text;
     END IF;
 END

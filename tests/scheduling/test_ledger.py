@@ -6,7 +6,7 @@ import random
 import threading
 
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from prometheus_client import REGISTRY
 
 from inference.devices import virtual_gpus
@@ -137,6 +137,43 @@ def test_a_concurrent_change_makes_the_plan_conflict_and_the_retry_succeeds():
     assert conflicts_counted() == counted + 1
     gpu = GPU.objects.get(pk=gpu_id)
     assert gpu.version == 2 and gpu.available_bytes == GiB - 300 * MiB
+    assert invariant_violations() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_conflict_inside_a_transaction_lets_go_of_the_gpu_and_the_transaction_goes_on():
+    # The ledger takes no savepoint around its commit; the conflict must still release the row
+    # it locked (a retry may plan on other GPUs, and holding this one could close a circle of
+    # waits) and leave the caller's transaction usable for that retry.
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    gpu_id = GPU.objects.get().pk
+    mine, theirs = make_replicas(2)
+    stale = snapshot([gpu_id])
+    commit(Plan.against(snapshot([gpu_id]), "theirs", [Reservation(gpu_id, theirs, 100 * MiB)]))
+    others_found_it_locked: list[bool] = []
+    applied: list[str] = []
+
+    def lock_from_another_connection() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT id FROM scheduling_gpu WHERE id = %s FOR UPDATE NOWAIT", [gpu_id])
+            others_found_it_locked.append(False)
+        except OperationalError:
+            others_found_it_locked.append(True)
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        with pytest.raises(CasConflict):
+            commit(Plan.against(stale, "stale", [Reservation(gpu_id, mine, 100 * MiB)]), apply=applied.append)
+        other = threading.Thread(target=lock_from_another_connection)
+        other.start()
+        other.join()
+        commit(Plan.against(snapshot([gpu_id]), "fresh", [Reservation(gpu_id, mine, 100 * MiB)]), apply=applied.append)
+
+    assert others_found_it_locked == [False]
+    assert [plan.reason for plan in applied] == ["fresh"], "apply runs for the commit that landed only"
+    assert Occupant.objects.filter(replica_id=mine).exists()
     assert invariant_violations() == []
 
 
