@@ -180,6 +180,32 @@ def test_scaling_adds_and_stops_replicas_and_releases_their_memory(cluster, api,
     assert api("post", "/api/deployments/tiny-a/scale/", {"replicas": -2}).status_code == 400
 
 
+def test_the_commands_a_scale_sends_are_the_ones_the_committed_books_give(cluster, api, monkeypatch, tiny_model_dir):
+    # A scale builds its START from the row it wrote and its STOP from the locked deployment
+    # (issue 17 item 4: no read after the commit); an agent must get what reading back would give.
+    from gpuportal.celery import app
+    from gpuportal.wire import commands
+    from scheduling.services import replica_specs
+
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    Deployment.objects.filter(name="tiny-a").update(drain_timeout_s=7.5)
+    sent: list = []
+    monkeypatch.setattr(app, "send_task", lambda name, args=None, **kw: sent.append(commands.decode(args[0])))
+
+    api("post", "/api/deployments/tiny-a/scale/", {"replicas": 3})
+    starts = [c for c in sent if isinstance(c, commands.StartReplica)]
+    assert len(starts) == 2
+    for start in starts:
+        assert start == replica_specs.start(start.spec.replica_id, [])
+
+    sent.clear()
+    api("post", "/api/deployments/tiny-a/scale/", {"replicas": 1})
+    stops = [c for c in sent if isinstance(c, commands.StopReplica)]
+    assert len(stops) == 2
+    for stop in stops:
+        assert stop == replica_specs.stop(stop.replica_id) and stop.drain_timeout_s == 7.5
+
+
 def test_an_evicted_replica_sleeps_and_is_promoted_on_the_next_scale_up(cluster, api, dispatched, tiny_model_dir):
     api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, replicas=3))
     ids = list(Replica.objects.values_list("id", flat=True))
