@@ -47,6 +47,7 @@ the victims are ranked by what losing them costs, not by recency alone:
 
 `prefer_wake` (issue 21) says when a deployment with a copy in CPU RAM should wait to wake it on
 its node rather than load a new replica from disk elsewhere: when the disk load is the slower.
+`wake_or_load` is the same rule over a deployment's `ReloadTimes`, with the reason its Event gives.
 
 `choose_target` picks *where* a single-GPU waker goes when it fits nowhere: the GPU whose victims
 (by `choose_victim`) are cheapest, so the wake never targets a GPU that only popular, dedicated
@@ -262,8 +263,48 @@ def prefer_wake(*, load_s: float, wake_s: float, max_wait_s: float) -> bool:
     traces, cold loads of replicas that had a copy in CPU RAM were the first cause of missed SLOs
     at the GPU counts just below the target (an 8B model: 8 s from disk, 0.8 s from CPU RAM).
     A deployment whose disk load is the faster (a small model, a slow host link) loads as before.
-    The simulator's `gpuportal-wake` policy applies it; the live wake path does not yet."""
+    The simulator's `gpuportal-wake` policy applies it, and so does the live wake path
+    (services.sleep.wake_deployment, through `wake_or_load`) when a request finds no replica awake."""
     return load_s > wake_s + max_wait_s
+
+
+@dataclass(frozen=True)
+class ReloadTimes:
+    """How long one replica of a deployment takes to come up: loaded from disk, or woken from a
+    node's CPU RAM; each measured by its replicas (Deployment.measured_load_s / measured_wake_s)
+    or else estimated from its bytes, as the capacity planner does."""
+
+    load_s: float
+    wake_s: float
+    load_measured: bool = False
+    wake_measured: bool = False
+
+
+@dataclass(frozen=True)
+class WakeOrLoad:
+    """`prefer_wake`'s answer for one deployment, and why, in words for its Event."""
+
+    wake: bool
+    reason: str
+
+
+def wake_or_load(times: ReloadTimes, *, max_wait_s: float) -> WakeOrLoad:
+    """`prefer_wake` over a deployment's reload times and its max_wait, with the reason."""
+    wake = prefer_wake(load_s=times.load_s, wake_s=times.wake_s, max_wait_s=max_wait_s)
+    load = f"a load from disk takes {_fmt_reload(times.load_s, times.load_measured)}"
+    woken = (
+        f"a wake from CPU RAM of {_fmt_reload(times.wake_s, times.wake_measured)} after a fair wait of "
+        f"at most {_fmt_reload(max_wait_s, None)} (max_wait)"
+    )
+    if wake:
+        return WakeOrLoad(True, f"{load}, longer than {woken}")
+    return WakeOrLoad(False, f"{load}, no longer than {woken}")
+
+
+def _fmt_reload(seconds: float, measured: bool | None) -> str:
+    # Three significant figures: reload times run from milliseconds (a tiny model) to minutes.
+    said = f"{seconds:.3g} s"
+    return said if measured is None else f"{said} ({'measured' if measured else 'estimated from its bytes'})"
 
 
 @dataclass(frozen=True)

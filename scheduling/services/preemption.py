@@ -153,11 +153,16 @@ def start(
     reason: str,
     cached: tuple[CachedReplica, ...] | None = None,
     allow_new: bool = True,
+    by_cost_only: bool = False,
 ) -> Placed | Preempting | WaitingForLock:
     """Begin the fair wake of one replica that does not fit without evictions.
 
     The caller holds the deployment row lock inside a transaction. CannotPlace (409) when not
     even evicting every evictable occupant would make room: no wait could help then.
+    `by_cost_only`: only a target fairness.choose_target finds (victims fairness allows, now or
+    once young replicas settle), else CannotPlace rather than placement's targeting, whose wait
+    may end with no victim at all; for a caller with another way to wake (services.sleep's
+    prefer_wake: a load from disk), as the simulator's `gpuportal-wake` policy does.
     """
     if cached is None:
         cached = deployments.cached_of(deployment)
@@ -167,6 +172,8 @@ def start(
     snap = enrich(ledger.snapshot())
     need = deployments.need_bytes(deployment, snap)
     wake = _costed_wake(deployment, snap, need.bytes, cached, allow_new)
+    if wake is None and by_cost_only:
+        raise CannotPlace(f"no GPU the waker may use can make room for {deployment.name} by preempting fairly", {})
     if wake is None:
         wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new)
     if not wake.victims:

@@ -3,14 +3,18 @@
 Sleep is temporary: unlike an operator's evict it leaves `replicas_wanted` alone, so the
 deployment still wants its replicas and the next wake brings back as many. A wake promotes
 sleeping replicas first (their process and weights are still there) and places new ones only
-when none is cached.
+when none is cached, or none fits on its node as things are. In that last case a deployment with
+nothing awake whose load from disk is slower than a wake after its max_wait (fairness.prefer_wake,
+issue 21) wakes its copy all the same, by the fair wake path, rather than load a new replica.
 
 Lock order, as in `deployments`: the deployment row, then GPU rows (the ledger), then replica rows.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from django.db import transaction
@@ -18,13 +22,16 @@ from django.db.models import DurationField, ExpressionWrapper, F
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
-from scheduling import locks
-from scheduling.models import Deployment, Replica
-from scheduling.placement import CachedReplica
-from scheduling.services import deployments, preemption, queueing
+from scheduling import events, fairness, ledger, locks
+from scheduling.models import Deployment, Event, Replica, new_replica_id
+from scheduling.placement import POLICIES, CachedReplica, Placement, PlacementRequest, place
+from scheduling.planning import withhold_locked
+from scheduling.services import deployments, preemption, queueing, traffic
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import AWAKE
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError
+from scheduling.simulation import config as sim_config
+from scheduling.simulation.traces import resolve
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,9 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
     preempt task waits out max_wait before choosing a victim; this returns the id of the replica
     that waits. A wake that finds another wake holding the lock returns [] and retries from the
     control queue. CannotPlace (409) only when not even evicting everyone evictable would help.
+    With nothing awake, a sleeping copy that does not fit on its node as things are waits there by
+    the fair wake path rather than a new replica load from disk on a free GPU, when the load is the
+    slower (fairness.prefer_wake, `_wake_copy_rather_than_load`).
     (Operator scale-ups, deployments.scale, still evict at once: the operator asked for it.)
     """
     if _awake_enough(Deployment.objects.filter(name=name).first()):
@@ -118,6 +128,12 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         missing = max(1, deployment.replicas_wanted) - awake
         if missing <= 0:
             return []
+        if awake == 0:
+            # A request waits for this wake: the one place where a copy in CPU RAM may be worth
+            # a fair wait rather than a load from disk (with a replica awake it is served already).
+            woken = _wake_copy_rather_than_load(deployment, reason=f"{reason}: 0 → 1 awake")
+            if woken is not None:
+                return woken
         why = f"{reason}: {awake} → {awake + missing} awake"
         attempts = [(missing, why)]
         if awake == 0 and missing > 1:
@@ -136,6 +152,104 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
             return [outcome.replica_id]
         preemption.retry_later(name, reason)
         return []
+
+
+def reload_times(deployment: Deployment) -> fairness.ReloadTimes:
+    """The deployment's load from disk and wake from CPU RAM: what its replicas measured, else the
+    capacity planner's estimate from its bytes and the [hardware] speeds of the simulator's config
+    (through the same catalogue entry the planner reads, so that both judge it alike)."""
+    config = _planner_config()
+    spec = resolve(traffic.catalogue_entry(deployment), config, 0.0)
+    return fairness.ReloadTimes(
+        load_s=spec.disk_load_s(config.hardware),
+        wake_s=spec.ram_wake_s(config.hardware),
+        load_measured=deployment.measured_load_s is not None,
+        wake_measured=deployment.measured_wake_s is not None,
+    )
+
+
+@functools.cache
+def _planner_config() -> sim_config.Config:
+    # The file does not change while the process runs; a wake need not read it each time.
+    return sim_config.load()
+
+
+class _LoadAfterAll(Exception):
+    """Raised inside the savepoint of a fair wake of the copy, to undo it and load from disk."""
+
+
+def _wake_copy_rather_than_load(deployment: Deployment, *, reason: str) -> list[str] | None:
+    """fairness.prefer_wake in the live wake path: where placement in free memory would load a new
+    replica from disk because no sleeping copy fits on its node, and the load is the slower, the
+    copy waits for room on its node by the fair wake path instead (a wait of at most max_wait,
+    shorter when its victims serve nothing). Returns the copy's id (promoted, or waiting behind
+    its intents), with an Event saying why; None to wake as before: nothing cached, the copy fits
+    as things are, nothing fits anywhere (the fair path then targets the copy's node anyway), the
+    load is the faster, or fairness finds no victims on the copy's node (popular, dedicated: a wait
+    that would end in a failed wake) or another wake holds its lock (a wait without the bound
+    max_wait gives): the rule's premise is gone then. The caller holds the deployment row lock."""
+    cached = deployments.cached_of(deployment)
+    if not cached:
+        return None
+    times = reload_times(deployment)
+    choice = fairness.wake_or_load(times, max_wait_s=deployment.max_wait_s)
+    if not choice.wake or not _loads_from_disk(deployment, cached):
+        return None
+    because = f"{reason}, its copy in CPU RAM rather than a load from disk"
+    try:
+        with transaction.atomic():  # a savepoint: a wake that falls back leaves no rows or Events
+            outcome = preemption.start(deployment, reason=because, cached=cached, allow_new=False, by_cost_only=True)
+            if isinstance(outcome, preemption.WaitingForLock):
+                raise _LoadAfterAll(outcome.reason)
+    except (CannotPlace, _LoadAfterAll) as err:
+        log.info("%s: loading from disk after all, its copy cannot wake: %s", deployment.name, err)
+        return None
+    if isinstance(outcome, preemption.Placed):
+        woken, how = list(outcome.replica_ids), "promoted: room was freed meanwhile"
+    else:
+        woken, how = [outcome.replica_id], outcome.reason
+    # allow_new=False: whoever woke or waits is one of the copies.
+    copy = woken[0]
+    node = next(c.node for c in cached if c.replica_id == copy)
+    events.record(
+        Event.Kind.REPLICA_STATE,
+        f"replica {copy[:8]}",
+        f"waking the copy in the CPU RAM of {node} rather than loading a new replica from disk on a free GPU: "
+        f"{choice.reason} (fairness.prefer_wake); {how}; {reason}",
+        before={"choice": "load from disk"},
+        after={
+            "choice": "wake from CPU RAM",
+            "load_s": times.load_s,
+            "wake_s": times.wake_s,
+            "max_wait_s": deployment.max_wait_s,
+            "load_measured": times.load_measured,
+            "wake_measured": times.wake_measured,
+        },
+        node=node,
+        deployment=deployment.name,
+        replica=copy,
+    )
+    return woken
+
+
+def _loads_from_disk(deployment: Deployment, cached: tuple[CachedReplica, ...]) -> bool:
+    """Whether a wake in free memory (add_replicas with evictions=False, as wake_deployment's first
+    attempt) would load a new replica from disk rather than promote a copy: placement's own answer
+    on a snapshot, as the simulator asks it before applying the same rule. It reads; it commits nothing."""
+    snap = ledger.snapshot()
+    need = deployments.need_bytes(deployment, snap)
+    new_id = new_replica_id()
+    snap, _ = withhold_locked(snap, [new_id, *(c.replica_id for c in cached)], timezone.now())
+    request = PlacementRequest(
+        deployment=deployment.name,
+        replica_id=new_id,
+        need_bytes=need.bytes,
+        dedicated=deployment.dedicated,
+        cached=cached,
+        spread=deployment.placement_spread,
+    )
+    result = place(snap, request, policy=replace(POLICIES[deployment.memory_policy], evictions=False))
+    return isinstance(result, Placement) and result.promoted is None
 
 
 def awake_enough(name: str) -> bool:

@@ -5,6 +5,7 @@ catalogue of the live deployments (what `export_trace` writes and the planner re
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -15,9 +16,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire import memory
+from scheduling import ledger
 from scheduling.models import Deployment, RequestRecord
+from scheduling.services import deployments
 from scheduling.services.queueing import queue
 from scheduling.simulation.traces import CatalogueEntry, TraceRow
+from scheduling.state import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +38,13 @@ def drain(batch: int = BATCH, max_batches: int = MAX_BATCHES) -> int:
     moved = 0
     q = queue()
     for _ in range(max_batches):
-        raw = q.records(batch)
+        raw = q.raw_records(batch)
         if not raw:
             break
-        rows = [r for r in (_row(record) for record in raw) if r is not None]
+        rows = [r for r in (_row(_parsed(item)) for item in raw) if r is not None]
         with transaction.atomic():
             RequestRecord.objects.bulk_create(rows, ignore_conflicts=True)
-        q.drop_records(len(raw))
+        q.drop_raw_records(raw)
         moved += len(rows)
         if len(raw) < batch:
             break
@@ -88,26 +92,47 @@ def skipped_count(since: datetime, until: datetime | None = None) -> int:
 def live_catalogue() -> tuple[CatalogueEntry, ...]:
     """The portal's deployments as a catalogue: their bytes (weights, and the memory need in its
     order of trust), settings, and the load and wake times their replicas measured (issue 18)."""
-    out = []
-    for d in Deployment.objects.order_by("name"):
-        need = d.memory_need_bytes
-        weights = d.weight_bytes or (need and int(need * 0.8)) or memory.MiB
-        out.append(
-            CatalogueEntry(
-                name=d.name,
-                dtype=d.dtype,
-                weight_bytes=weights,
-                need_bytes=need or None,
-                popular=d.popular,
-                dedicated=d.dedicated,
-                min_runtime_s=d.min_runtime_s,
-                max_wait_s=d.max_wait_s,
-                idle_timeout_s=d.idle_timeout_s,
-                load_s=d.measured_load_s,
-                wake_s=d.measured_wake_s,
-            )
-        )
-    return tuple(out)
+    snap = ledger.snapshot()
+    return tuple(catalogue_entry(d, snap) for d in Deployment.objects.order_by("name"))
+
+
+def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> CatalogueEntry:
+    """One deployment as the planner sees it; the live wake path reads its reload times from the
+    same entry (services.sleep), so that both judge a deployment by the same figures. Its need is
+    what one replica reserves (deployments.need_bytes: under its memory policy, with the CUDA
+    context, and a failover standby's), as the GPUs of `snapshot` (default: now) count it."""
+    need = _reserved_need(d, snapshot if snapshot is not None else ledger.snapshot())
+    weights = d.weight_bytes or (need and int(need * 0.8)) or memory.MiB
+    return CatalogueEntry(
+        name=d.name,
+        dtype=d.dtype,
+        weight_bytes=weights,
+        need_bytes=need or None,
+        popular=d.popular,
+        dedicated=d.dedicated,
+        min_runtime_s=d.min_runtime_s,
+        max_wait_s=d.max_wait_s,
+        idle_timeout_s=d.idle_timeout_s,
+        load_s=d.measured_load_s,
+        wake_s=d.measured_wake_s,
+    )
+
+
+def _reserved_need(d: Deployment, snapshot: Snapshot) -> int | None:
+    # The planner fits replicas onto GPUs by this figure: the bare model size (an override, an
+    # estimate) left out the context each replica's reservation holds, 0.3-0.8 GB on an H100.
+    try:
+        return deployments.need_bytes(d, snapshot).bytes
+    except ValueError:  # no figure at all yet (a deployment still being inspected)
+        return None
+
+
+def _parsed(raw: bytes) -> dict[str, Any]:
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return {"unreadable": raw[:200]}  # dropped by _row, with a warning
+    return found if isinstance(found, dict) else {"unreadable": found}
 
 
 def _row(record: dict[str, Any]) -> RequestRecord | None:

@@ -678,12 +678,10 @@ class Simulation:
         )
 
     def load_s(self, spec: Deployment) -> float:
-        """A cold load: the portal's measured figure where it has one, else weights / disk speed."""
-        return spec.load_s if spec.load_s is not None else spec.weight_bytes / (self.hw.disk_gb_per_s * 1e9)
+        return spec.disk_load_s(self.hw)
 
     def wake_s(self, spec: Deployment) -> float:
-        """A wake from CPU RAM: measured where known, else weights / host-to-device speed."""
-        return spec.wake_s if spec.wake_s is not None else spec.weight_bytes / (self.hw.h2d_gb_per_s * 1e9)
+        return spec.ram_wake_s(self.hw)
 
     @staticmethod
     def _setting(own: float | None, default: float) -> float:

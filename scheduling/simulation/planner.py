@@ -304,7 +304,7 @@ def load_aware_bound(trace: Trace, config: Config, oracle: SimResult, *, target:
     for name, outcomes in by_deployment.items():
         outcomes.sort(key=lambda o: o.request.arrival_s)
         spec = specs[name]
-        wake = spec.wake_s if spec.wake_s is not None else spec.weight_bytes / (config.hardware.h2d_gb_per_s * 1e9)
+        wake = spec.ram_wake_s(config.hardware)
         slo = oracle.slos.get(name, slo_ttft_s)
         merged: list[tuple[float, float]] = []
         misses = 0

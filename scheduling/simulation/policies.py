@@ -84,8 +84,8 @@ GPUPORTAL = SimPolicy(
 )
 # gpuportal with fairness.prefer_wake (issue 21): a deployment with a copy in CPU RAM wakes it on
 # its node, by a fair wait if need be, rather than load a new replica from disk on another node
-# whenever the disk load is slower than the wake after max_wait. The simulator's proposal; the
-# live wake path (services.sleep) does not apply it yet.
+# whenever the disk load is slower than the wake after max_wait. The live wake path
+# (services.sleep.wake_deployment) applies the same rule when a request finds no replica awake.
 GPUPORTAL_WAKE = replace(GPUPORTAL, name="gpuportal-wake", prefer_wake=True)
 ORACLE = SimPolicy(
     "oracle", memory="gpuportal", placement=PLACEMENT["gpuportal"], idle_sleep=False, fair_wait=False, unlimited=True

@@ -62,6 +62,14 @@ class Deployment:
     load_s: float | None = None
     wake_s: float | None = None
 
+    def disk_load_s(self, hardware: HardwareConfig) -> float:
+        """A cold load: the portal's measured figure where it has one, else weights / disk speed."""
+        return self.load_s if self.load_s is not None else self.weight_bytes / (hardware.disk_gb_per_s * 1e9)
+
+    def ram_wake_s(self, hardware: HardwareConfig) -> float:
+        """A wake from CPU RAM: measured where known, else weights / host-to-device speed."""
+        return self.wake_s if self.wake_s is not None else self.weight_bytes / (hardware.h2d_gb_per_s * 1e9)
+
     def need_bytes(self, policy: str) -> int:
         inputs = memory.NeedInputs(weight_bytes=self.weight_bytes, estimate_bytes=self.estimate_bytes)
         return memory.need_for(policy, inputs).bytes
