@@ -82,6 +82,27 @@ def test_an_ended_request_leaves_one_record_with_its_token_counts_however_often_
     assert rq.records(10) == []
 
 
+@pytest.mark.django_db
+def test_two_drains_at_once_lose_no_record(rq):
+    # A drain removes exactly what it stored: another drain (the beat's beside export_trace's), or
+    # the cap's trim, may move the list's head between its read and its removal.
+    def push(n: int) -> None:
+        record = {"id": f"r{n}", "deployment": "tiny", "kind": "infer", "status": "done", "created_at": 1e9 + n}
+        rq.redis.rpush(RECORDS_KEY, json.dumps(record))
+
+    for n in range(3):
+        push(n)
+    read_by_the_first = rq.raw_records(10)  # the first drain has read, and not yet removed
+    assert traffic.drain() == 3  # a second drain, meanwhile, stores and removes the same three
+    for n in range(3, 6):
+        push(n)
+    rq.drop_raw_records(read_by_the_first)  # the first drain removes what it read
+
+    assert traffic.drain() == 3
+    assert sorted(RequestRecord.objects.values_list("request_id", flat=True)) == [f"r{n}" for n in range(6)]
+    assert rq.raw_records(10) == []
+
+
 def test_export_trace_then_plan_round_trips_the_recorded_requests(serving_tiny, rq, tmp_path):
     staff = APIClient()
     staff.force_authenticate(User.objects.create_user("ops", is_staff=True))
