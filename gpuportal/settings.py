@@ -183,8 +183,19 @@ GPUPORTAL_INSPECT_TIMEOUT_S = env_float("GPUPORTAL_INSPECT_TIMEOUT_S", 60.0)
 GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
 # A pending replica whose process the node's agent still does not run this long after it was
 # placed: its start command was lost (a broker that blinked as the placement committed), and the
-# next heartbeat sends it again (scheduling.services.nodes.resend_lost_starts).
+# next heartbeat sends it again (scheduling.services.lost_commands.resend_lost_starts).
 GPUPORTAL_START_GRACE_S = env_float("GPUPORTAL_START_GRACE_S", 60.0)
+# Likewise for the other commands, each seen from the state the agent reports of the replica's
+# process. A replica still waking this long after its promotion
+# while its process still sleeps (or serves: its `woken` report was lost) is sent its wake again;
+# longer than GPUPORTAL_EVICTION_WAIT_S (60 s), which a wake may spend waiting for its victims.
+GPUPORTAL_WAKE_GRACE_S = env_float("GPUPORTAL_WAKE_GRACE_S", 120.0)
+# A replica still draining this long beyond its deployment's drain timeout while its process still
+# serves (or sleeps: its `sleeping` report was lost) is sent its sleep again.
+GPUPORTAL_SLEEP_GRACE_S = env_float("GPUPORTAL_SLEEP_GRACE_S", 60.0)
+# A replica still stopping this long beyond its drain timeout is sent its stop again if its process
+# still runs; if the agent runs none, its `stopped` report was lost and is applied then.
+GPUPORTAL_STOP_GRACE_S = env_float("GPUPORTAL_STOP_GRACE_S", 60.0)
 # A replica outlives its agent this long, waiting for the agent's next run to adopt it (issue 16).
 # At most the heartbeat timeout less two beats: the agent's last beat came at most a beat before it
 # died, so an orphan nobody adopted has stopped (a beat's time for that) before its node is written

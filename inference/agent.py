@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import psutil
 from celery.signals import worker_ready
@@ -138,12 +139,19 @@ class NodeAgent:
         """One heartbeat. Replicas the control plane wrote off while this node was silent (a
         partition: the agent lived on) are stopped at once, and the beat is sent again so that
         the node comes back only once they are gone (nodes.heartbeat). Returns those stopped."""
-        stale = self.control.heartbeat(self.name, books=self.books(), running=self.supervisor.running())
+        books = self.books()
+        stale = self.control.heartbeat(self.name, books=books, **self.processes())
         if not stale:
             return []
         stopped = self.supervisor.stop_written_off(stale)
-        self.control.heartbeat(self.name, books=None, running=self.supervisor.running())
+        self.control.heartbeat(self.name, books=None, **self.processes())
         return stopped
+
+    def processes(self) -> dict[str, Any]:
+        """What a beat says of the replica processes: those it runs, and the state each last said
+        it is in (from which the control plane sees a wake or a sleep that never arrived)."""
+        states = self.supervisor.states()
+        return {"running": sorted(states), "processes": states}
 
     def books(self) -> Books:
         """What each replica process holds per GPU, for the control plane to check the books

@@ -9,7 +9,7 @@ each waiting for its own answer."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -82,9 +82,18 @@ class RemoteControl:
             host_ram_bytes=host_ram_bytes,
         )
 
-    def heartbeat(self, node: str, *, books: Books | None, running: Sequence[str]) -> list[str]:
+    def heartbeat(
+        self,
+        node: str,
+        *,
+        books: Books | None,
+        running: Sequence[str],
+        processes: Mapping[str, str] | None = None,
+    ) -> list[str]:
+        # Sent only when known (an optional field of version 1): None leaves the call as it was before it.
+        extra = {"processes": dict(processes)} if processes is not None else {}
         # No longer than a few beats: a beat that waits past the next one is stale.
-        return list(self.call("heartbeat", node, books=books, running=list(running), timeout_s=30) or [])
+        return list(self.call("heartbeat", node, books=books, running=list(running), timeout_s=30, **extra) or [])
 
     def node_stopping(self, node: str, reason: str) -> None:
         self.call("node_stopping", node, reason, timeout_s=10)

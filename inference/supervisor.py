@@ -395,6 +395,14 @@ class Supervisor:
         with self._lock:
             return sorted(self._replicas)
 
+    def states(self) -> dict[str, str]:
+        """{replica id: the state its process last said it is in ("" before it said any)} of the
+        running replicas: what the heartbeat tells the control plane, which sends a wake or a
+        sleep again when the process shows it never arrived (scheduling.services.lost_commands).
+        A pong refreshes it every beat, a state event at once."""
+        with self._lock:
+            return {rid: r.usage_state for rid, r in self._replicas.items()}
+
     def log_path(self, replica_id: str) -> Path:
         return self.log_dir / f"replica-{replica_id}.log"
 

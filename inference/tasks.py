@@ -165,6 +165,10 @@ def start_replica(payload: dict) -> str:
 @shared_task(name="inference.tasks.replica_to_cache")
 def replica_to_cache(payload: dict) -> str:
     command = _read(payload, SleepReplica)
+    # A sleep sent again (scheduling.services.lost_commands) may find the first one done: the replica
+    # asleep, or parked since (its process stopped), which a sleep must not report as a crash.
+    if skipped := _still_wanted(command.replica_id, "draining"):
+        return skipped
     sent: dict[str, Any] = {"cmd": "sleep"}
     if command.drain_timeout_s is not None:
         sent["drain_timeout_s"] = command.drain_timeout_s

@@ -5,7 +5,7 @@ plane's applies (scheduling.services.node_gateway); neither imports the other. D
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Protocol
 
@@ -29,9 +29,22 @@ class ControlPlane(Protocol):
         """The node is up with these GPUs; of the survivors, the control plane keeps those whose
         books agree (issue 16) and loses the rest, which the next heartbeat names."""
 
-    def heartbeat(self, node: str, *, books: Books | None, running: Sequence[str]) -> list[str]:
+    def heartbeat(
+        self,
+        node: str,
+        *,
+        books: Books | None,
+        running: Sequence[str],
+        processes: Mapping[str, str] | None = None,
+    ) -> list[str]:
         """The node is alive; returns the running replicas the control plane has written off,
-        for the agent to stop."""
+        for the agent to stop.
+
+        `processes`: {replica id: the state its process last said it is in (inference.replica's
+        ReplicaHost.state: loading, serving, draining, sleeping, waking, ...; "" before it said
+        any)} of the running replicas, from which the control plane sees that a wake or a sleep it
+        sent never arrived (scheduling.services.lost_commands). Added to version 1 with a default:
+        an agent that does not send it (an older one) gets no lost wake or sleep sent again."""
 
     def node_stopping(self, node: str, reason: str) -> None:
         """Out of placement: the agent is leaving and stops its replicas next."""
@@ -110,11 +123,20 @@ def decode_call(payload: Any) -> Call:
         if name == "register_node":
             args = [args[0], [DeviceInfo(**d) for d in args[1]]]
             kwargs = {**kwargs, "survivors": [Survivor(**s) for s in kwargs.get("survivors", [])]}
-        elif name == "heartbeat" and kwargs.get("books") is not None:
-            kwargs = {**kwargs, "books": Books(**kwargs["books"])}
+        elif name == "heartbeat":
+            if kwargs.get("books") is not None:
+                kwargs = {**kwargs, "books": Books(**kwargs["books"])}
+            if kwargs.get("processes") is not None:
+                kwargs = {**kwargs, "processes": _process_states(kwargs["processes"])}
     except (IndexError, TypeError) as err:
         raise WireError(f"a {name} call with bad fields: {err}") from None
     return Call(name, reply_to, tuple(args), kwargs)
+
+
+def _process_states(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise TypeError(f"processes must map replica ids to states, not {value!r:.200}")
+    return {str(k): v for k, v in value.items()}
 
 
 class ControlError(NoAnswer):

@@ -8,7 +8,7 @@ restart must lose none of what a replica reports."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -71,11 +71,18 @@ class ServicesGateway:
             host_ram_bytes=host_ram_bytes,
         )
 
-    def heartbeat(self, node: str, *, books: Books | None, running: Sequence[str]) -> list[str]:
+    def heartbeat(
+        self,
+        node: str,
+        *,
+        books: Books | None,
+        running: Sequence[str],
+        processes: Mapping[str, str] | None = None,
+    ) -> list[str]:
         # Why close_old_connections: a database restart leaves this thread's connection dead;
         # Django drops it here so the next query reconnects instead of failing forever.
         close_old_connections()
-        return nodes.heartbeat(node, books=books, running=running)
+        return nodes.heartbeat(node, books=books, running=running, processes=processes)
 
     def node_stopping(self, node: str, reason: str) -> None:
         close_old_connections()

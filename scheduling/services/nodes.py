@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -14,7 +14,7 @@ from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from scheduling import adoption, events, ledger, locks
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
-from scheduling.services import dispatch
+from scheduling.services import dispatch, lost_commands
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState
 
@@ -151,6 +151,7 @@ def heartbeat(
     now: datetime | None = None,
     books: Books | None = None,
     running: Collection[str] | None = None,
+    processes: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Record that the node's agent is alive; a node that had been marked offline comes back.
     With `books`, what the agent saw its replica processes hold is checked against the ledger.
@@ -158,7 +159,11 @@ def heartbeat(
     `running` names the replica processes the agent runs. Those the control plane wrote off while
     the node was silent (its heartbeats lost, its agent alive: a partition) are returned: the
     agent stops them, and the node comes back only once it runs none, so it takes no new work
-    while they still hold GPU memory the books gave to others (issue 16)."""
+    while they still hold GPU memory the books gave to others (issue 16).
+
+    `processes`, the state each of those processes last said it is in, and `running` show which
+    commands to them were lost (the broker blinked as they were sent): those are sent again
+    (scheduling.services.lost_commands)."""
     now = now or timezone.now()
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         node = locks.lock_node(name)
@@ -191,41 +196,8 @@ def heartbeat(
     if books is not None:
         book_checks.check(name, books)
     if running is not None:
-        resend_lost_starts(name, running, now)
+        lost_commands.resend(name, running, processes, now)
     return stale
-
-
-def resend_lost_starts(name: str, running: Collection[str], now: datetime) -> list[str]:
-    """Start commands that never reached the node's agent, sent again: a replica placed here long
-    enough ago (GPUPORTAL_START_GRACE_S) that is still pending, and whose process the agent does not
-    run, lost its command after the placement committed (the broker blinked as it was sent: there
-    is no outbox). Sending it twice is harmless: the agent refuses to start a replica it runs."""
-    cutoff = now - timedelta(seconds=settings.GPUPORTAL_START_GRACE_S)
-    lost = list(
-        Replica.objects.filter(node__name=name, state=Replica.State.PENDING, updated_at__lt=cutoff)
-        .exclude(pk__in=list(running))
-        .values_list("pk", "deployment__name")
-    )
-    resent = []
-    for replica_id, deployment in lost:
-        with transaction.atomic():
-            # A claim, as a compare-and-swap on updated_at: of two beats that saw it, one resends.
-            if not Replica.objects.filter(pk=replica_id, state=Replica.State.PENDING, updated_at__lt=cutoff).update(
-                updated_at=now
-            ):
-                continue
-            dispatch.start(name, replica_id, [])
-            events.record(
-                Event.Kind.REPLICA_STATE,
-                f"replica {replica_id[:8]}",
-                f"still pending {settings.GPUPORTAL_START_GRACE_S:g} s after its placement and not run by node "
-                f"{name}'s agent: its start command was lost, sent again",
-                node=name,
-                deployment=deployment,
-                replica=replica_id,
-            )
-        resent.append(replica_id)
-    return resent
 
 
 def written_off(node: Node, running: Collection[str]) -> list[str]:

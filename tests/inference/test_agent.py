@@ -295,3 +295,121 @@ def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(monkeypa
     monkeypatch.setattr("inference.replica.nvml_process_bytes", lambda pid: {"0": 30 * 1024 * MiB})
 
     assert tasks.wait_released(["victim"], [0], virtual=False, timeout=0.3) == ["victim"]
+
+
+# -- a command sent twice (scheduling.services.lost_commands) --------------------------------------
+
+
+class _Processes:
+    """What the node tasks and the heartbeat read of the supervisor: the processes it runs and the
+    state each last said it is in; the commands written to them are recorded."""
+
+    def __init__(self, states: dict[str, str]) -> None:
+        self._states = states
+        self.sent: list[tuple[str, dict]] = []
+        self.stopped: list[str] = []
+
+    def running(self) -> list[str]:
+        return sorted(self._states)
+
+    def states(self) -> dict[str, str]:
+        return dict(self._states)
+
+    def usage(self) -> dict:
+        return {rid: (4242, {"0": MiB}, state) for rid, state in self._states.items()}
+
+    def ping_all(self) -> None:
+        pass
+
+    def backend_of(self, replica_id: str) -> str | None:
+        return "virtual" if replica_id in self._states else None
+
+    def released(self, replica_ids: list[str], timeout: float) -> list[str]:
+        return []
+
+    def send(self, replica_id: str, command: dict) -> None:
+        if replica_id not in self._states:
+            raise KeyError(replica_id)
+        self.sent.append((replica_id, command))
+
+    def stop(self, replica_id: str, timeout: float = 10.0, drain_timeout_s: float | None = None) -> int:
+        self.stopped.append(replica_id)
+        return 0
+
+
+def _agent_with(monkeypatch, processes: _Processes, books_state: str | None) -> list[tuple[str, dict]]:
+    """The node tasks' agent, its books holding each replica in `books_state`; returns what it relays."""
+    from inference import agent
+
+    relayed: list[tuple[str, dict]] = []
+    control = SimpleNamespace(replica_state=lambda replica_id: books_state)
+    current = SimpleNamespace(
+        supervisor=processes, name="n1", control=control, relay=lambda rid, event: relayed.append((rid, event))
+    )
+    monkeypatch.setattr(agent, "_current", current)
+    return relayed
+
+
+def test_a_wake_sent_twice_is_carried_out_only_while_the_books_wait_for_it(monkeypatch):
+    from gpuportal.wire.commands import WakeReplica, encode
+    from inference import tasks
+
+    wake = encode(WakeReplica("r1", gpus=(0,), reserved_bytes_by_gpu={"0": 64 * MiB}, fraction=0.1))
+    processes = _Processes({"r1": "serving"})
+
+    relayed = _agent_with(monkeypatch, processes, "serving")  # the first copy woke it
+    assert tasks.replica_from_cache(wake) == "skipped: replica is serving"
+    assert processes.sent == [] and relayed == []
+
+    _agent_with(monkeypatch, processes, "waking")  # its woken report lost: the process says it again
+    assert tasks.replica_from_cache(wake) == "sent"
+    assert [command["cmd"] for _, command in processes.sent] == ["wake"]
+
+
+def test_a_sleep_sent_twice_is_carried_out_only_while_the_books_wait_for_it(monkeypatch):
+    from gpuportal.wire.commands import SleepReplica, encode
+    from inference import tasks
+
+    sleep = encode(SleepReplica("r1", drain_timeout_s=5.0))
+    processes = _Processes({})  # parked since: its process stopped
+
+    for moved_on in ("sleeping", "parked", None):
+        relayed = _agent_with(monkeypatch, processes, moved_on)
+        assert tasks.replica_to_cache(sleep) == f"skipped: replica is {moved_on or 'gone'}"
+        assert relayed == [], "no crash reported for a process the books no longer count on"
+
+    # Still draining with no process: that one did die unnoticed, and the agent says so.
+    relayed = _agent_with(monkeypatch, processes, "draining")
+    assert tasks.replica_to_cache(sleep) == "no process"
+    assert [(rid, event["event"]) for rid, event in relayed] == [("r1", "failed")]
+
+
+def test_a_stop_of_a_replica_the_agent_no_longer_runs_is_answered_stopped_again(monkeypatch):
+    from gpuportal.wire.commands import StopReplica, encode
+    from inference import tasks
+
+    processes = _Processes({})
+    relayed = _agent_with(monkeypatch, processes, "stopped")
+
+    assert tasks.stop_replica(encode(StopReplica("r1", drain_timeout_s=5.0))) == "not running here"
+    assert relayed == [("r1", {"event": "stopped"})] and processes.stopped == []
+
+
+def test_each_beat_tells_the_state_each_replica_process_last_said_it_is_in(monkeypatch):
+    from inference.agent import NodeAgent
+
+    beats: list[dict] = []
+
+    class Control:
+        def heartbeat(self, node: str, **kwargs) -> list[str]:
+            beats.append({"node": node, **kwargs})
+            return []
+
+    agent = NodeAgent("n1", control=Control(), backend="virtual", cpu_cache_bytes=0)
+    agent.supervisor = _Processes({"r1": "sleeping", "r2": "serving", "r3": ""})  # type: ignore[assignment]
+
+    assert agent.beat_once() == []
+    (beat,) = beats
+    assert beat["running"] == ["r1", "r2", "r3"]
+    assert beat["processes"] == {"r1": "sleeping", "r2": "serving", "r3": ""}
+    assert beat["books"].states == {"r1": "sleeping", "r2": "serving", "r3": ""}

@@ -298,7 +298,9 @@ def test_the_node_tasks_pass_the_deployments_drain_timeout(monkeypatch):
 
     rep = factories.replica(factories.deployment(drain_timeout_s=7.5), factories.node())
     fake = _FakeSupervisor([rep.id])
-    monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=fake, name="n1"))
+    # The books wait for each command: the agent carries it out (a second copy finds them moved on).
+    control = SimpleNamespace(replica_state=lambda replica_id: "draining")
+    monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=fake, name="n1", control=control))
     # The control plane puts the deployment's drain into the command; the agent passes it on.
     to_sleep, to_stop = replica_specs.sleep(rep.id), replica_specs.stop(rep.id)
 

@@ -94,6 +94,8 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     _, sleeping = events.until("sleeping")
     assert sleeping["residual_bytes_by_id"] == {"0": CONTEXT}  # the context stays, as on a real GPU
     assert waiter.result(timeout=60) == [], "its sleep wakes the waiter"
+    # What the heartbeat tells the control plane of it (scheduling.services.lost_commands).
+    assert supervisor.states() == {"r1": "sleeping"}
     assert supervisor.sleepers(["r1", "not-here"]) == {"r1": (serving["pid"], {"0": CONTEXT})}
     assert sleeping["cpu_bytes"] == serving["weights_bytes"]
 
@@ -107,6 +109,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
 
     supervisor.send("r1", {"cmd": "ping"})
     assert events.until("pong")[1]["state"] == "serving"
+    assert supervisor.states() == {"r1": "serving"}
 
     pid = serving["pid"]
     assert supervisor.stop("r1") == 0

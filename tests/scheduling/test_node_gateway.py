@@ -108,3 +108,32 @@ def test_a_call_the_control_plane_cannot_read_is_answered_with_why():
     assert node_gateway.answer({"v": 99, "call": "report", "reply_to": reply_to}) == "unreadable"
     answer = json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
     assert answer == {"ok": False, "error": "call version 99 is not the control plane's (1): upgrade one side"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_beat_carries_the_state_of_each_replica_process_and_a_lost_wake_is_sent_again(dispatched):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tests.support.deployments import FROM_CACHE
+
+    control = remote(Worker())
+    node = factories.node("gw")
+    replica = factories.replica(
+        factories.deployment("d"), on=node, state=Replica.State.WAKING, gpu_mem_bytes_by_id={"0": GIB}
+    )
+    Replica.objects.filter(pk=replica.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+
+    assert control.heartbeat("gw", books=None, running=[replica.id], processes={replica.id: "sleeping"}) == []
+    assert [(queue, task, args) for queue, task, args in dispatched] == [("node.gw", FROM_CACHE, [replica.id, []])]
+    assert Event.objects.filter(replica=replica.id, reason__contains="its wake command was lost").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_beat_whose_process_states_are_not_states_is_refused_saying_why():
+    reply_to = f"gp:agent-reply:{uuid.uuid4().hex}"
+    call = {"v": 1, "call": "heartbeat", "reply_to": reply_to, "args": ["gw"], "kwargs": {"processes": ["r1"]}}
+    assert node_gateway.answer(call) == "unreadable"
+    answer = json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
+    assert answer["ok"] is False and "processes must map replica ids to states" in answer["error"]

@@ -1,0 +1,227 @@
+"""Commands to a node agent lost after the decision that sent them committed (the broker blinked
+as it was sent: there is no outbox), found by the node's heartbeat and sent again.
+
+A beat names the replica processes the agent runs and the state each last said it is in
+(gpuportal.wire.control.ControlPlane.heartbeat). A replica whose books still wait for a command
+past its grace, while the beat shows that the command never arrived, gets it again:
+
+- pending past GPUPORTAL_START_GRACE_S, no process: START again;
+- waking past GPUPORTAL_WAKE_GRACE_S, its process asleep, or awake (its `woken` report was lost),
+  or none: WAKE again;
+- draining past its deployment's drain timeout + GPUPORTAL_SLEEP_GRACE_S, its process serving, or
+  asleep (its `sleeping` report was lost), or none: SLEEP again;
+- stopping past its drain timeout + GPUPORTAL_STOP_GRACE_S, its process still run: STOP again;
+  no process: its `stopped` report was lost, and is applied as the agent would have sent it.
+
+A process in the middle of the command (waking, draining, or a state not said yet) is left
+alone. Where there is no process, the command sent again makes the agent say so (a failed
+report: no process for this replica), and the books catch up. A failover pair member never
+sleeps: one that drains is stepping down by a STOP (failover.switchover), and is left to its pair.
+
+A claim (a compare-and-swap on updated_at) lets one of two beats that saw the replica resend, and
+only once per grace; an Event says why. A second copy of a command is harmless: the agent carries
+a start, a wake or a sleep out only while the books still wait for it, a replica process answers a
+sleep while asleep, or a wake to where it serves, with the report it had sent, and a stop of a
+replica the agent no longer runs is answered `stopped`, which the books apply as nothing new.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import partial
+
+from django.conf import settings
+from django.db import transaction
+
+from scheduling import events
+from scheduling.models import Event, Occupant, Replica
+from scheduling.services import dispatch, reports
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Overdue:
+    id: str
+    node: str
+    deployment: str
+    state: str
+    # updated_at as read: the claim's compare-and-swap is on it.
+    seen: datetime
+    # How long it has been waiting, in seconds, and how long it may (the grace, and the drain).
+    waited_s: float
+    allowed_s: float
+    paired: bool
+
+
+def resend(
+    name: str, running: Collection[str], processes: Mapping[str, str] | None, now: datetime
+) -> dict[str, list[str]]:
+    """Every lost command of node `name`'s replicas, sent again (or, for a lost `stopped` report,
+    applied): {command: replica ids}. Without `processes` (an agent that does not send them),
+    only what `running` shows: lost starts and stops."""
+    running = set(running)
+    kinds: dict[str, Callable[[], list[str]]] = {
+        "start": partial(resend_lost_starts, name, running, now),
+        "stop": partial(resend_lost_stops, name, running, now),
+    }
+    if processes is not None:
+        kinds["wake"] = partial(resend_lost_wakes, name, running, processes, now)
+        kinds["sleep"] = partial(resend_lost_sleeps, name, running, processes, now)
+    found: dict[str, list[str]] = {}
+    for kind, look in kinds.items():
+        try:
+            found[kind] = look()
+        except Exception:
+            # The beat is recorded already, and its answer (what to stop) must still reach the agent:
+            # the next beat looks again.
+            log.exception("could not look for lost %s commands of node %s's replicas", kind, name)
+            found[kind] = []
+    return found
+
+
+def resend_lost_starts(name: str, running: Collection[str], now: datetime) -> list[str]:
+    """Start commands that never reached the node's agent, sent again: a replica placed here long
+    enough ago (GPUPORTAL_START_GRACE_S) that is still pending, and whose process the agent does not
+    run, lost its command after the placement committed. Sending it twice is harmless: the agent
+    refuses to start a replica it runs."""
+    grace = settings.GPUPORTAL_START_GRACE_S
+    resent = []
+    for replica in _overdue(name, Replica.State.PENDING, grace, now, drain=False):
+        if replica.id in running:
+            continue
+        reason = (
+            f"still pending {grace:g} s after its placement and not run by node {name}'s agent: its start "
+            "command was lost, sent again"
+        )
+        if _claim(replica, now, reason, "start", None, partial(dispatch.start, name, replica.id, [])):
+            resent.append(replica.id)
+    return resent
+
+
+def resend_lost_wakes(name: str, running: Collection[str], processes: Mapping[str, str], now: datetime) -> list[str]:
+    """Wake commands that never reached the node's agent (its process still sleeps), or whose
+    `woken` report never came back (it serves): sent again past GPUPORTAL_WAKE_GRACE_S, waiting, as
+    the first did, for the replicas still draining on its GPUs to let go of them."""
+    grace = settings.GPUPORTAL_WAKE_GRACE_S
+    why = {
+        "sleeping": "its process still sleeps: its wake command was lost, sent again",
+        "serving": "its process serves: its woken report was lost, the wake sent again for it to say so again",
+        None: "it runs no process for it: the wake is sent again for the agent to report it gone",
+    }
+    resent = []
+    for replica in _overdue(name, Replica.State.WAKING, grace, now, drain=False):
+        process = processes.get(replica.id) if replica.id in running else None
+        if replica.paired or process not in why:
+            continue  # waking now, or a state it has not said yet
+        reason = f"still waking {grace:g} s after its promotion, and node {name}'s agent says {why[process]}"
+        send = partial(dispatch.wake, name, replica.id, _draining_beside(replica.id))
+        if _claim(replica, now, reason, "wake", process, send):
+            resent.append(replica.id)
+    return resent
+
+
+def resend_lost_sleeps(name: str, running: Collection[str], processes: Mapping[str, str], now: datetime) -> list[str]:
+    """Sleep commands that never reached the node's agent (its process still serves), or whose
+    `sleeping` report never came back (it sleeps): sent again past the deployment's drain timeout
+    and GPUPORTAL_SLEEP_GRACE_S."""
+    grace = settings.GPUPORTAL_SLEEP_GRACE_S
+    why = {
+        "serving": "its process still serves: its sleep command was lost, sent again",
+        "sleeping": "its process sleeps: its sleeping report was lost, the sleep sent again for it to say so again",
+        None: "it runs no process for it: the sleep is sent again for the agent to report it gone",
+    }
+    resent = []
+    for replica in _overdue(name, Replica.State.DRAINING, grace, now, drain=True):
+        process = processes.get(replica.id) if replica.id in running else None
+        if replica.paired or process not in why:
+            continue  # draining now, or a state it has not said yet; a pair member steps down by a stop
+        reason = (
+            f"still draining {replica.allowed_s:g} s (its drain timeout and {grace:g} s) after it was sent to "
+            f"sleep, and node {name}'s agent says {why[process]}"
+        )
+        if _claim(replica, now, reason, "sleep", process, partial(dispatch.sleep, name, replica.id)):
+            resent.append(replica.id)
+    return resent
+
+
+def resend_lost_stops(name: str, running: Collection[str], now: datetime) -> list[str]:
+    """Stop commands that never reached the node's agent (it still runs the process), sent again
+    past the deployment's drain timeout and GPUPORTAL_STOP_GRACE_S; and `stopped` reports that never
+    came back (it runs no process for the replica), applied as the agent would have reported them:
+    the reservation goes back through the one path a report takes (scheduling.services.reports)."""
+    grace = settings.GPUPORTAL_STOP_GRACE_S
+    found = []
+    for replica in _overdue(name, Replica.State.STOPPING, grace, now, drain=True):
+        still = f"still stopping {replica.allowed_s:g} s (its drain timeout and {grace:g} s) after it was stopped"
+        if replica.id in running:
+            reason = f"{still}, and node {name}'s agent still runs its process: its stop command was lost, sent again"
+            if _claim(replica, now, reason, "stop", "running", partial(dispatch.stop, name, replica.id)):
+                found.append(replica.id)
+            continue
+        reason = (
+            f"{still}, and node {name}'s agent runs no process for it: the process is gone and its stopped report "
+            "was lost, applied now"
+        )
+        if _claim(replica, now, reason, "stopped report", None, None):
+            # After the claim's commit, as the agent's report would come: in a transaction of its own.
+            reports.report(replica.id, {"event": "stopped", "reason": reason})
+            found.append(replica.id)
+    return found
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _overdue(name: str, state: str, grace_s: float, now: datetime, *, drain: bool) -> list[_Overdue]:
+    """The node's replicas in `state` unchanged for longer than the grace (and, with `drain`, their
+    deployment's drain timeout), oldest first."""
+    rows = (
+        Replica.objects.filter(node__name=name, state=state, updated_at__lt=now - timedelta(seconds=grace_s))
+        .order_by("updated_at", "pk")
+        .values_list("pk", "deployment__name", "updated_at", "deployment__drain_timeout_s", "lease_id")
+    )
+    found = []
+    for replica_id, deployment, updated_at, drain_s, lease in rows:
+        allowed = grace_s + (float(drain_s or 0.0) if drain else 0.0)
+        waited = (now - updated_at).total_seconds()
+        if waited > allowed:
+            found.append(_Overdue(replica_id, name, deployment, state, updated_at, waited, allowed, lease is not None))
+    return found
+
+
+def _claim(
+    replica: _Overdue, now: datetime, reason: str, command: str, process: str | None, send: Callable[[], None] | None
+) -> bool:
+    """Claim the replica (one of two beats that saw it wins, and the next resend waits a grace),
+    `send` its command once the claim has committed, and say why in an Event. False: claimed by
+    another beat, or it moved on meanwhile."""
+    with transaction.atomic():
+        # A compare-and-swap on updated_at: the row as this beat saw it, still in that state.
+        claimed = Replica.objects.filter(pk=replica.id, state=replica.state, updated_at=replica.seen)
+        if not claimed.update(updated_at=now):
+            return False
+        if send is not None:
+            send()  # on commit (scheduling.services.dispatch)
+        events.record(
+            Event.Kind.REPLICA_STATE,
+            f"replica {replica.id[:8]}",
+            reason,
+            after={"resent": command, "process": process or "none", "waited_s": round(replica.waited_s, 1)},
+            node=replica.node,
+            deployment=replica.deployment,
+            replica=replica.id,
+        )
+    return True
+
+
+def _draining_beside(replica_id: str) -> list[str]:
+    """Replicas still draining on the GPUs the waker holds: a wake sent again waits for them to let
+    go, as the first did for the victims evicted for it (the agent waits only for those that still
+    serve on its node, and no longer than GPUPORTAL_EVICTION_WAIT_S)."""
+    gpus = Occupant.objects.filter(replica_id=replica_id).values("gpu_id")
+    draining = Replica.objects.filter(state=Replica.State.DRAINING, occupancies__gpu_id__in=gpus).exclude(pk=replica_id)
+    return sorted(set(draining.values_list("pk", flat=True)))
