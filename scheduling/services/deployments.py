@@ -599,38 +599,16 @@ def add_replicas(
     if not evictions:
         policy = replace(POLICIES[deployment.memory_policy], evictions=False)
 
-    def occupant_for(placement: Placement) -> OccupantView:
-        return OccupantView(
-            replica_id=placement.replica_id,
-            deployment=deployment.name,
-            state=Replica.State.PENDING,
-            reserved_bytes=0,
-            dedicated=deployment.dedicated,
-            popular=deployment.popular,
-            min_runtime_s=deployment.min_runtime_s,
-        )
-
     mine = [*decision.new_ids, *(c.replica_id for c in cached)]
 
     def decide(snap: Snapshot) -> Plan:
         need = need_bytes(deployment, snap)
         snap, withheld = withhold_locked(snap, mine, timezone.now())
-        requests = [
-            PlacementRequest(
-                deployment=deployment.name,
-                replica_id=replica_id,
-                need_bytes=need.bytes,
-                dedicated=deployment.dedicated,
-                cached=cached,
-                allow_new=allow_new,
-                spread=deployment.placement_spread,
-            )
-            for replica_id in decision.new_ids
-        ]
+        requests = placement_requests(deployment, decision.new_ids, need.bytes, cached, allow_new=allow_new)
         result = place_all(
             snap,
             requests,
-            occupant_for=occupant_for,
+            occupant_for=lambda placement: _occupant_for(deployment, placement),
             reason=f"{reason} ({need})",
             policy=policy,
         )
@@ -654,6 +632,43 @@ def add_replicas(
     if parked:
         _retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
     return decision
+
+
+def placement_requests(
+    deployment: Deployment,
+    replica_ids: list[str],
+    need: int,
+    cached: tuple[CachedReplica, ...],
+    *,
+    allow_new: bool = True,
+) -> list[PlacementRequest]:
+    """What placement is asked for each replica of the deployment: its need, its settings and the
+    sleeping copies it may promote instead."""
+    return [
+        PlacementRequest(
+            deployment=deployment.name,
+            replica_id=replica_id,
+            need_bytes=need,
+            dedicated=deployment.dedicated,
+            cached=cached,
+            allow_new=allow_new,
+            spread=deployment.placement_spread,
+        )
+        for replica_id in replica_ids
+    ]
+
+
+def _occupant_for(deployment: Deployment, placement: Placement) -> OccupantView:
+    """A placed replica as the snapshot shows it until its process reports."""
+    return OccupantView(
+        replica_id=placement.replica_id,
+        deployment=deployment.name,
+        state=Replica.State.PENDING,
+        reserved_bytes=0,
+        dedicated=deployment.dedicated,
+        popular=deployment.popular,
+        min_runtime_s=deployment.min_runtime_s,
+    )
 
 
 def _retire_parked(deployment: Deployment, count: int, *, reason: str) -> None:

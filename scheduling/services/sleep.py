@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from scheduling import events, fairness, ledger, locks
 from scheduling.models import Deployment, Event, Replica, new_replica_id
-from scheduling.placement import POLICIES, CachedReplica, Placement, PlacementRequest, place
+from scheduling.placement import POLICIES, CachedReplica, Placement, place
 from scheduling.planning import withhold_locked
 from scheduling.services import deployments, preemption, queueing, traffic
 from scheduling.services import replicas as replica_services
@@ -240,14 +240,7 @@ def _loads_from_disk(deployment: Deployment, cached: tuple[CachedReplica, ...]) 
     need = deployments.need_bytes(deployment, snap)
     new_id = new_replica_id()
     snap, _ = withhold_locked(snap, [new_id, *(c.replica_id for c in cached)], timezone.now())
-    request = PlacementRequest(
-        deployment=deployment.name,
-        replica_id=new_id,
-        need_bytes=need.bytes,
-        dedicated=deployment.dedicated,
-        cached=cached,
-        spread=deployment.placement_spread,
-    )
+    (request,) = deployments.placement_requests(deployment, [new_id], need.bytes, cached)
     result = place(snap, request, policy=replace(POLICIES[deployment.memory_policy], evictions=False))
     return isinstance(result, Placement) and result.promoted is None
 
