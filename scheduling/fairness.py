@@ -51,9 +51,13 @@ its node rather than load a new replica from disk elsewhere: when the disk load 
 
 `choose_target` picks *where* a single-GPU waker goes when it fits nowhere: the GPU whose victims
 (by `choose_victim`) are cheapest, so the wake never targets a GPU that only popular, dedicated
-or young replicas hold. `preempt_at_once` lets the waiter skip the rest of max_wait when every
-victim serves nothing at that instant. The seed's guarantees are untouched: the filters above
-still decide who may be a victim; the wait is never longer than max_wait, only shorter.
+or young replicas hold; `choose_whole_gpus` does the same for a waker that needs whole GPUs (a
+70B model: two of one node), GPU by GPU, and only GPUs that its victims leave empty (issue 21).
+`sleep_when_idle` says which idle replicas the idle sweep may put to sleep on its timer: those a
+wake brings back within their SLO; the others leave only when their memory is wanted (issue 21).
+`preempt_at_once` lets the waiter skip the rest of max_wait when every victim serves nothing at
+that instant. The seed's guarantees are untouched: the filters above still decide who may be a
+victim; the wait is never longer than max_wait, only shorter.
 
 Why min_runtime prevents thrashing (DESIGN invariant 3, issue 5's thrash check): a replica is a
 victim only once `now - serving_since >= min_runtime_s`. As long as the wake path sets
@@ -268,6 +272,19 @@ def prefer_wake(*, load_s: float, wake_s: float, max_wait_s: float) -> bool:
     return load_s > wake_s + max_wait_s
 
 
+def sleep_when_idle(*, wake_s: float, slo_ttft_s: float) -> bool:
+    """Whether the idle sweep should put an idle replica to sleep on its timer (issue 21). Yes
+    when a wake from CPU RAM brings it back within its SLO: the sleep frees memory ahead of need
+    at no cost to anyone. No when the wake alone is longer than the SLO (a 70B model wakes in
+    about 7 s against a 5 s SLO): the sleep would make the first request of its next burst miss
+    for certain, while the memory it frees is not wanted by anyone yet. Such a replica still
+    leaves as soon as someone needs its memory: idle, it is a victim the wake path preempts at
+    once (`preempt_at_once`), and the cost order ranks it by its reload cost per second idle like
+    any other. The capacity planner's bound (`planner.load_aware_bound`) holds exactly such
+    deployments in memory; sleeping them on a timer is what kept the policies off that bound."""
+    return wake_s <= slo_ttft_s
+
+
 @dataclass(frozen=True)
 class ReloadTimes:
     """How long one replica of a deployment takes to come up: loaded from disk, or woken from a
@@ -322,6 +339,14 @@ class Target:
     # min_runtime, loading or already leaving stand in the way. Holding its wake lock keeps new
     # replicas off it, so choosing again once they settle succeeds; `choice` is that later one.
     ready: bool = True
+    # Every GPU the waker needs and the bytes that must be available on each: {gpu_id:
+    # needed_bytes} for a single-GPU target; for `choose_whole_gpus`, each of the whole GPUs of
+    # one node (then `gpu_id` is the first of them and `needed_bytes` their sum).
+    needed_bytes_by_gpu: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def gpu_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.needed_bytes_by_gpu)) or (self.gpu_id,)
 
 
 def choose_target(
@@ -389,8 +414,118 @@ def _cheapest_target(
             continue
         cost = _target_cost(gpu, needed, choice, by_id, now)
         if best is None or cost < best.cost:
-            best = Target(gpu_id, needed, choice, cost)
+            best = Target(gpu_id, needed, choice, cost, needed_bytes_by_gpu={gpu_id: needed})
     return best
+
+
+def choose_whole_gpus(
+    gpus: Sequence[GPUView],
+    *,
+    waiting_replica_id: str,
+    need_bytes: int,
+    now: datetime,
+    kept_bytes_by_gpu: Mapping[int, int] | None = None,
+) -> Target | None:
+    """`choose_target` for a replica that needs whole GPUs (a need of a GPU or more, which
+    placement splits over the fewest whole GPUs of one node): the node and GPUs where emptying
+    them costs least, and who must sleep there.
+
+    Placement's targeting counts every non-dedicated occupant as movable, so a 70B wake could
+    wait on two GPUs of which one holds a popular or a young replica: `choose_victim` then finds
+    no victim at the deadline and the wake starts again after a backoff (issue 21's planner: the
+    70B deployments "waiting for room"). Here, per node, the GPUs are taken one at a time, each
+    the one that adds least to the cost of emptying the GPUs already taken (`choose_victim` over
+    them all, so a victim spanning two of them is counted once), only GPUs that `choose_victim`
+    can empty completely, until their memory reaches the need; the greedy starts from each GPU in
+    turn and keeps the cheapest complete set. The cheapest node's set wins, by the cost order of
+    `choose_target` with one key more after the busy victims: the fewest victims (emptying a GPU
+    evicts everyone on it, and each victim is a wake that must find room again; placement's own
+    targeting also counts evictions first), then the longest sleep, then reload cost per second
+    idle, then waste, then GPU ids. A GPU is whole only with no other occupant at all
+    (placement's rule), so one holding an occupant that may not be preempted is never taken.
+
+    As `choose_target`: when no node can be emptied now, the GPUs are judged as they will be
+    once occupants still loading have served their min_runtime and draining ones have left, and
+    the cheapest is returned with `ready=False`; None when not even that helps.
+    """
+    if need_bytes <= 0:
+        raise ValueError(f"need_bytes must be positive, got {need_bytes}")
+    best = _cheapest_whole(gpus, waiting_replica_id, need_bytes, now, kept_bytes_by_gpu)
+    if best is not None:
+        return best
+    settled, later = _settled(gpus, now)
+    best = _cheapest_whole(settled, waiting_replica_id, need_bytes, later, kept_bytes_by_gpu)
+    return None if best is None else replace(best, ready=False)
+
+
+def _cheapest_whole(
+    gpus: Sequence[GPUView],
+    waiting_replica_id: str,
+    need_bytes: int,
+    now: datetime,
+    kept_bytes_by_gpu: Mapping[int, int] | None,
+) -> Target | None:
+    by_node: dict[str, list[GPUView]] = {}
+    for gpu in sorted(_index(gpus).values(), key=lambda g: g.id):
+        by_node.setdefault(gpu.node, []).append(gpu)
+    best: Target | None = None
+    for node in sorted(by_node):
+        target = _whole_on_node(by_node[node], waiting_replica_id, need_bytes, now, kept_bytes_by_gpu)
+        if target is not None and (best is None or target.cost < best.cost):
+            best = target
+    return best
+
+
+def _whole_on_node(
+    gpus: list[GPUView],
+    waiting_replica_id: str,
+    need_bytes: int,
+    now: datetime,
+    kept_bytes_by_gpu: Mapping[int, int] | None,
+) -> Target | None:
+    """The cheapest set of whole GPUs of one node: from each GPU in turn, the GPUs that add least
+    to the cost of emptying those taken so far, until their memory reaches the need; the
+    cheapest complete set of those starts (so a victim spanning two GPUs, which empties both at
+    the cost of one, is found whichever GPU the greedy would have taken first)."""
+    if sum(g.total_bytes for g in gpus) < need_bytes:
+        return None
+    by_id = {g.id: g for g in gpus}
+
+    def empty(taken: Mapping[int, int], gpu: GPUView) -> tuple[tuple[float, ...], dict[int, int], VictimChoice] | None:
+        own = sum(o.reserved_bytes for o in gpu.occupants if o.replica_id == waiting_replica_id)
+        needed = {**taken, gpu.id: max(1, gpu.total_bytes - own)}
+        choice = choose_victim(
+            gpus,
+            waiting_replica_id=waiting_replica_id,
+            needed_bytes_by_gpu=needed,
+            now=now,
+            kept_bytes_by_gpu=kept_bytes_by_gpu,
+        )
+        if isinstance(choice, NoVictim) or not _emptied(gpu, choice, waiting_replica_id):
+            return None
+        return _group_cost([by_id[g] for g in needed], sum(needed.values()), choice, by_id, now), needed, choice
+
+    best: Target | None = None
+    for start in gpus:
+        step = empty({}, start)
+        while step is not None and sum(by_id[g].total_bytes for g in step[1]) < need_bytes:
+            taken = step[1]
+            options = [o for g in gpus if g.id not in taken and (o := empty(taken, g)) is not None]
+            step = min(options, key=lambda o: o[0]) if options else None
+        if step is None:
+            continue
+        cost, needed, choice = step
+        if best is None or cost < best.cost:
+            best = Target(
+                min(needed), sum(needed.values()), choice, cost, needed_bytes_by_gpu=dict(sorted(needed.items()))
+            )
+    return best
+
+
+def _emptied(gpu: GPUView, choice: VictimChoice, waiting_replica_id: str) -> bool:
+    """Whether no one but the waker is left on `gpu` once `choice`'s victims sleep."""
+    leaving = set(choice.victim_ids) | {waiting_replica_id}
+    return all(o.replica_id in leaving for o in gpu.occupants)
 
 
 def _settled(gpus: Sequence[GPUView], now: datetime) -> tuple[list[GPUView], datetime]:
@@ -421,6 +556,16 @@ def _target_cost(
     sleep = max((views[v.replica_id].reload_s or 0.0 for v in choice.victims), default=0.0)
     waste = gpu.available_bytes + choice.freed_bytes - needed
     return (float(busy), sleep, weight, float(waste), float(gpu.id))
+
+
+def _group_cost(
+    gpus: Sequence[GPUView], needed: int, choice: VictimChoice, by_id: Mapping[int, GPUView], now: datetime
+) -> tuple[float, ...]:
+    """`_target_cost` over several GPUs: busy victims, then how many victims (`choose_whole_gpus`),
+    then the same order, waste summed, ties by the first GPU id."""
+    cost = _target_cost(gpus[0], needed, choice, by_id, now)
+    waste = sum(g.available_bytes for g in gpus) + choice.freed_bytes - needed
+    return (cost[0], float(len(choice.victims)), *cost[1:3], float(waste), float(min(g.id for g in gpus)))
 
 
 # --- the pieces ------------------------------------------------------------------------------

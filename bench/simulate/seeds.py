@@ -1,9 +1,10 @@
-"""`python -m bench.simulate.seeds [--seeds 1-10] [--no-record]`: the capacity planner on traces it
-was not tuned on (issue 21): the standard config's synthetic trace on every seed, and a
-production-like trace (scheduling.simulation.trace.production_like) written as files and planned
-from them as `manage.py plan` does. Per run: the fewest GPUs of each policy for 99 %, both bounds,
-whether `gpuportal` is within 10 % of the tighter one, the deployments that keep it short, and the
-planner's time per simulated hour. Records both tables in BENCHMARKS.md."""
+"""`python -m bench.simulate.seeds [--seeds 1-10] [--policies gpuportal-next,...] [--no-files] [--no-record]`:
+the capacity planner on traces it was not tuned on (issue 21): the standard config's synthetic trace
+on every seed, and a production-like trace (scheduling.simulation.trace.production_like) written as
+files and planned from them as `manage.py plan` does. Per run: the fewest GPUs of each policy for
+99 %, the three bounds, the best of the project's policies over the tightest one, the deployments
+that keep it short, and the planner's time per simulated hour. Records both tables in BENCHMARKS.md
+(only a run of every policy; a subset, for iterating, needs --no-record)."""
 
 from __future__ import annotations
 
@@ -28,35 +29,45 @@ from scheduling.simulation.traces import (
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "bench" / "results"
-POLICIES = ("gpuportal", "gpuportal-wake", "lru-fair", "dedicated", "oracle")
-HEADERS = [
-    "trace",
-    "requests",
-    "gpuportal",
-    "gpuportal-wake",
-    "lru-fair",
-    "dedicated",
+POLICIES = ("gpuportal", "gpuportal-wake", "gpuportal-next", "gpuportal-whole", "lru-fair", "dedicated", "oracle")
+# The project's own policies: the ratio to the bound is the best of them.
+OURS = ("gpuportal", "gpuportal-wake", "gpuportal-next", "gpuportal-whole")
+# Whose misses at the bound's GPU count the table names: the newest of ours that was planned.
+EXPLAIN = ("gpuportal-next", "gpuportal-wake", "gpuportal")
+BOUND_HEADERS = [
     "oracle bound",
     "bound with wakes",
+    "bound in whole GPUs",
     "best gpuportal / bound",
     "held by the bound",
-    "short of the bound (misses at it)",
-    "planner s per simulated h",
 ]
 
 
-def row(name: str, p: Plan, elapsed: float) -> list[object]:
+def headers(policies: tuple[str, ...]) -> list[str]:
+    explained = next((p for p in EXPLAIN if p in policies), "-")
+    return [
+        "trace",
+        "requests",
+        *(p for p in policies if p != "oracle"),
+        *BOUND_HEADERS,
+        f"short of the bound ({explained}'s misses at it)",
+        "planner s per simulated h",
+    ]
+
+
+def row(name: str, p: Plan, elapsed: float, policies: tuple[str, ...]) -> list[object]:
     fewest = {pp.policy: pp.fewest_gpus for pp in p.policies}
-    ours = min((g for g in (fewest["gpuportal"], fewest["gpuportal-wake"]) if g is not None), default=None)
+    ours = min((fewest[k] for k in OURS if fewest.get(k) is not None), default=None)  # type: ignore[type-var]
     ratio = f"{ours / p.bound_gpus:.2f}" if ours is not None else "-"
     held = ", ".join(h.deployment for h in p.bound.held) or "-"
     short = ", ".join(f"{m.deployment} {m.missed} ({m.cause})" for m in p.misses_at_bound[:3]) or "-"
     return [
         name,
         p.requests,
-        *(fewest[k] if fewest[k] is not None else f"> {p.max_gpus}" for k in POLICIES[:-1]),
+        *(fewest[k] if fewest[k] is not None else f"> {p.max_gpus}" for k in policies if k != "oracle"),
         p.bound.oracle_gpus,
         p.bound.load_aware_gpus,
+        p.bound.packed_gpus,
         ratio,
         held,
         short,
@@ -81,8 +92,22 @@ def production_files(seed: int) -> tuple[Path, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="1-10", help="a range (1-10) or a list (1,4,9)")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"a comma-separated subset of {','.join(POLICIES)} (the oracle is always planned: it gives the bounds)",
+    )
+    parser.add_argument("--no-files", action="store_true", help="only the synthetic seeds, not the trace files")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    chosen = {p.strip() for p in args.policies.split(",") if p.strip()} | {"oracle"}
+    unknown = sorted(chosen - set(POLICIES))
+    if unknown:
+        parser.error(f"unknown policies {unknown}: expected some of {list(POLICIES)}")
+    policies = tuple(p for p in POLICIES if p in chosen)
+    explain = next((p for p in EXPLAIN if p in policies), None)
+    if args.no_record is False and (policies != POLICIES or args.no_files):
+        parser.error("only a run of every policy on every trace is recorded: add --no-record")
     if "-" in args.seeds:
         first, last = map(int, args.seeds.split("-"))
         seeds = list(range(first, last + 1))
@@ -92,20 +117,22 @@ def main() -> None:
     for seed in seeds:
         config = load(seed=seed)
         began = time.perf_counter()
-        p = plan(generate(config), config, policies=POLICIES)
-        rows.append(row(f"synthetic, seed {seed}", p, time.perf_counter() - began))
+        p = plan(generate(config), config, policies=policies, explain=explain)
+        rows.append(row(f"synthetic, seed {seed}", p, time.perf_counter() - began, policies))
         print(rows[-1], flush=True)
     file_rows: list[list[object]] = []
-    for seed in (1, 2):
+    for seed in () if args.no_files else (1, 2):
         trace, catalogue = production_files(seed)
         config = load()
         began = time.perf_counter()
         entries = parse_catalogue(catalogue.read_text(), name=catalogue.name)
         parsed = parse_trace(trace.read_text(), known={e.name for e in entries})
         for target in (0.99, 0.95):
-            p = plan(build_trace(parsed.rows, entries, config), config, target=target, policies=POLICIES)
+            p = plan(
+                build_trace(parsed.rows, entries, config), config, target=target, policies=policies, explain=explain
+            )
             name = f"{trace.relative_to(ROOT)} at {100 * target:g} %"
-            file_rows.append(row(name, p, time.perf_counter() - began))
+            file_rows.append(row(name, p, time.perf_counter() - began, policies))
             began = time.perf_counter()
             print(file_rows[-1], flush=True)
     body = (
@@ -113,12 +140,19 @@ def main() -> None:
         "deployments, 600 s, 8 nodes × 8 GPUs of 80 GiB, SLO 5 s to the first token, target 99 %) on every seed, "
         "then a production-like trace (48 deployments by Zipf s = 1.1, bursty Markov-modulated arrivals, "
         "log-normal prompt and output lengths; `scheduling.simulation.trace.production_like`) written as a CSV "
-        "trace and a JSON catalogue and planned from those files. Fewest GPUs for the target per policy; the "
-        "oracle's bound and the tighter one counting wakes slower than the SLO (`planner.load_aware_bound`); "
-        "the deployments that bound holds in memory; the three deployments with the most misses when "
-        "`gpuportal` runs on the bound's GPU count, and why; the planner's wall time (every policy's search) "
-        "per simulated hour.\n\n" + table(HEADERS, rows) + "\n\nFrom trace files:\n\n" + table(HEADERS, file_rows)
+        "trace and a JSON catalogue and planned from those files. Fewest GPUs for the target per policy "
+        "(`gpuportal-wake`: what the live wake path runs; `gpuportal-next`: it with `fairness.sleep_when_idle`, "
+        "no idle sleep on the timer for a replica whose wake misses its SLO; `gpuportal-whole`: that and "
+        "`fairness.choose_whole_gpus` for the wakes that need whole GPUs; neither rule is wired into the "
+        "services yet); the oracle's bound, the tighter one counting wakes slower than the SLO "
+        "(`planner.load_aware_bound`) and that working set counted in whole GPUs as placement packs it "
+        "(`planner.packed_bound`); the best of ours over the tightest bound; the deployments the bound holds in "
+        f"memory; the three deployments with the most misses when `{explain}` runs on the bound's GPU count, "
+        "and why; the planner's wall time (every policy's search) per simulated hour.\n\n"
+        + table(headers(policies), rows)
     )
+    if file_rows:
+        body += "\n\nFrom trace files:\n\n" + table(headers(policies), file_rows)
     print(body)
     if not args.no_record:
         record("simulate-seeds", "Capacity planner: every seed, and a trace file", body)

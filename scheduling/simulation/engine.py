@@ -1,7 +1,8 @@
 """A discrete-event simulator of the cluster, on a simulated clock, that makes every decision with
 the project's own pure modules: placement.place (where a replica goes, whom ndif evicts),
-fairness.choose_target, choose_victim, preempt_at_once and wait_deadline (where a fair wake
-goes, whom it preempts, and when), planning's
+fairness.choose_target, choose_whole_gpus, choose_victim, preempt_at_once and wait_deadline (where
+a fair wake goes, whom it preempts, and when), fairness.sleep_when_idle (who the idle timer may
+sleep), planning's
 withhold_locked and memory.need_for (what a replica reserves).
 
 State is plain Python; each decision is asked of a `Snapshot` built from it, exactly as the
@@ -231,6 +232,10 @@ class Simulation:
     def _arrive(self, request: Request) -> None:
         ds = self.deployments[request.deployment]
         ds.queue.append(request)
+        if self.policy.wake_on_arrival and ds.retry_pending and ds.active is None:
+            # services.requests._admit: a request for a deployment with nothing awake asks for a
+            # wake itself (sleep.wake_deployment), whatever backoff an earlier failed wake is in.
+            ds.retry_pending = False
         self._dispatch(ds)
 
     def _dispatch(self, ds: DeploymentState) -> None:
@@ -298,6 +303,9 @@ class Simulation:
         timeout = self._setting(ds.spec.idle_timeout_s, self.serving.idle_timeout_s)
         if timeout <= 0:
             return  # the deployment never sleeps when idle (Deployment.idle_timeout_s = 0)
+        slo = self._setting(ds.spec.slo_ttft_s, self.serving.slo_ttft_s)
+        if self.policy.keep_slow_wakes and not fairness.sleep_when_idle(wake_s=self.wake_s(ds.spec), slo_ttft_s=slo):
+            return  # it leaves when its memory is wanted (a preemption), not on a timer
         replica.idle_token += 1
         self._at(self.now + timeout, self._idle_check, replica, replica.idle_token)
 
@@ -399,21 +407,31 @@ class Simulation:
             gpus = [g for g in snapshot.gpus.values() if node is None or g.node == node]
             if not gpus:
                 continue
-            target = fairness.choose_target(
-                gpus,
-                waiting_replica_id=replica_id,
-                need_bytes=request.need_bytes,
-                now=snapshot.taken_at,
-                whole_gpu_from=self.policy.placement.whole_gpu_from,
-            )
+            if self.policy.whole_gpus_by_cost and self._whole_gpus(request.need_bytes):
+                target = fairness.choose_whole_gpus(
+                    gpus, waiting_replica_id=replica_id, need_bytes=request.need_bytes, now=snapshot.taken_at
+                )
+            else:
+                target = fairness.choose_target(
+                    gpus,
+                    waiting_replica_id=replica_id,
+                    need_bytes=request.need_bytes,
+                    now=snapshot.taken_at,
+                    whole_gpu_from=self.policy.placement.whole_gpu_from,
+                )
             if target is not None and (best is None or target.cost < best[0].cost):
                 best = (target, replica_id, promoted)
         if best is None:
             return False
         target, replica_id, promoted = best
         at_once = self.policy.preempt_idle_at_once and target.ready and fairness.preempt_at_once(target.choice)
-        self._wait_for(ds, replica_id, promoted, {target.gpu_id: request.need_bytes}, at_once=at_once)
+        needed = dict(target.needed_bytes_by_gpu) or {target.gpu_id: request.need_bytes}
+        self._wait_for(ds, replica_id, promoted, needed, at_once=at_once)
         return True
+
+    def _whole_gpus(self, need_bytes: int) -> bool:
+        """Whether placement gives a need this large whole GPUs (every GPU is the same size here)."""
+        return need_bytes >= self.policy.placement.whole_gpu_from * self.config.cluster.gpu_bytes
 
     def _wait_for(
         self, ds: DeploymentState, waker: str, promoted: bool, bytes_by_gpu: dict[int, int], *, at_once: bool

@@ -18,6 +18,14 @@ bounds:
   held); the others are held. No policy that sleeps the rest between bursts can do with fewer
   GPUs than that working set needs, so it is the bound the policies are judged against when it
   is higher than the oracle's, and each held deployment is named with why.
+- both count bytes as a fluid: 1.8 GPUs of a 70B model, or two 32B models at 0.9 of a GPU each,
+  as if the bytes could be poured across GPUs. The portal's placement cannot: a need of a GPU or
+  more (at or above `whole_gpu_from` of one) takes whole GPUs that no one else shares, and two
+  replicas larger than half a GPU never share one. `packed_bound` counts the same working set
+  (the held deployments throughout, the others while they serve) in whole GPUs: the whole GPUs
+  of the large needs, plus Martello and Toth's L2 lower bound for bin packing the rest. It is
+  still a lower bound for every policy that places replicas with `placement.place` (they all
+  do, the oracle aside), so it is the bound the policies are judged against when it is higher.
 
 And per deployment, the requests a policy's run missed and why: waiting for room (a fair wait, the
 victims' weights leaving), a cold load from disk, a wake from CPU RAM, or the queue of a busy
@@ -118,6 +126,14 @@ class Bound:
     load_aware_gpus: int
     miss_budget: int  # requests the target lets miss
     slow_wakes: tuple[HeldDeployment, ...] = ()
+    # The load-aware working set counted in whole GPUs as placement packs it (`packed_bound`);
+    # 0: not computed.
+    packed_gpus: int = 0
+
+    @property
+    def gpus(self) -> int:
+        """The tightest of the bounds."""
+        return max(self.oracle_gpus, self.load_aware_gpus, self.packed_gpus)
 
     @property
     def held(self) -> tuple[HeldDeployment, ...]:
@@ -152,7 +168,7 @@ class Plan:
     slo_ttft_s: float
     policies: tuple[PolicyPlan, ...]
     bound: Bound
-    # Of the `gpuportal` policy (or the first one): at the current GPU count, and at the bound's.
+    # Of the explained policy (`plan`'s `explain`): at the current GPU count, and at the bound's.
     misses_now: tuple[DeploymentMisses, ...] = ()
     misses_at_bound: tuple[DeploymentMisses, ...] = ()
     simulations: int = 0
@@ -163,7 +179,51 @@ class Plan:
 
     @property
     def bound_gpus(self) -> int:
-        return max(self.bound.oracle_gpus, self.bound.load_aware_gpus)
+        return self.bound.gpus
+
+
+class _Runs:
+    """The simulations a plan runs, each once (a policy at a GPU count), counted for its progress."""
+
+    def __init__(self, trace: Trace, config: Config, *, total: int) -> None:
+        self.trace, self.config, self.total = trace, config, total
+        self.results: dict[tuple[str, int], SimResult] = {}
+        self.progress: Progress | None = None
+
+    def run(self, name: str, gpus: int) -> SimResult:
+        if (name, gpus) not in self.results:
+            self.results[(name, gpus)] = simulate(self.trace, self.config, POLICIES[name], gpus=gpus)
+            if self.progress is not None:
+                self.progress(min(len(self.results), self.total), self.total)
+        return self.results[(name, gpus)]
+
+
+def _policy_plan(runs: _Runs, name: str, *, current: int, max_gpus: int, target: float, slo: float) -> PolicyPlan:
+    """One policy's row: its fewest GPUs for the target (the oracle's: its peak working set in
+    GPUs), its attainment at today's count, and the curve the search walked."""
+    policy = POLICIES[name]
+    summary = summarize(runs.run(name, current), slo)
+    curve = {current: summary.attainment}
+    if policy.unlimited:
+        needed = max(1, math.ceil(summary.peak_working_set_gib * 1024**3 / runs.config.cluster.gpu_bytes))
+        best = needed if summary.attainment >= target else None
+    else:
+
+        def attainment_at(gpus: int) -> float:
+            curve[gpus] = summarize(runs.run(name, gpus), slo).attainment
+            return curve[gpus]
+
+        best = fewest_gpus(attainment_at, target, max_gpus)
+    return PolicyPlan(
+        policy=name,
+        fewest_gpus=best,
+        attainment_now=summary.attainment,
+        failed_now=summary.failed,
+        cold_loads_now=summary.cold_loads,
+        wakes_now=summary.wakes,
+        p99_wait_s_now=summary.p99_wait_s,
+        curve=dict(sorted(curve.items())),
+    )
 
 
 def plan(
@@ -175,8 +235,10 @@ def plan(
     slo_ttft_s: float | None = None,
     policies: Sequence[str] = DEFAULT_POLICIES,
     progress: Progress | None = None,
+    explain: str | None = None,
 ) -> Plan:
-    """Every policy's fewest GPUs, attainment now, the bounds, and who misses and why."""
+    """Every policy's fewest GPUs, attainment now, the bounds, and who misses and why: the misses
+    of `explain` (one of `policies`; by default `gpuportal`, else the first that is not the oracle)."""
     if not trace.requests:
         raise ValueError("the trace has no requests")
     unknown = [p for p in policies if p not in POLICIES]
@@ -186,63 +248,21 @@ def plan(
     slo = config.serving.slo_ttft_s if slo_ttft_s is None else slo_ttft_s
     if not 0 < target <= 1 or slo <= 0:
         raise ValueError(f"target must be in (0, 1] and the SLO above 0, got {target} and {slo}")
+    if explain is not None and explain not in policies:
+        raise ValueError(f"cannot explain {explain!r}: it is not among the policies planned {list(policies)}")
+    explained = explain or (
+        "gpuportal" if "gpuportal" in policies else next((p for p in policies if not POLICIES[p].unlimited), None)
+    )
     current = config.cluster.gpus if current_gpus is None else current_gpus
     max_gpus = max(config.search.max_gpus, current)
     searches = sum(1 for p in policies if not POLICIES[p].unlimited)
-    total = len(policies) + searches * (2 + math.ceil(math.log2(max(2, max_gpus))))
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(min(done, total), total)
-
-    results: dict[tuple[str, int], SimResult] = {}
-
-    def run(name: str, gpus: int) -> SimResult:
-        if (name, gpus) not in results:
-            results[(name, gpus)] = simulate(trace, config, POLICIES[name], gpus=gpus)
-            step()
-        return results[(name, gpus)]
-
-    plans: list[PolicyPlan] = []
-    oracle_result: SimResult | None = None
-    for name in policies:
-        policy = POLICIES[name]
-        now = run(name, current)
-        summary = summarize(now, slo)
-        curve = {current: summary.attainment}
-        if policy.unlimited:
-            oracle_result = now
-            needed = max(1, math.ceil(summary.peak_working_set_gib * 1024**3 / config.cluster.gpu_bytes))
-            best = needed if summary.attainment >= target else None
-        else:
-
-            def attainment_at(gpus: int, name: str = name, curve: dict[int, float] = curve) -> float:
-                curve[gpus] = summarize(run(name, gpus), slo).attainment
-                return curve[gpus]
-
-            best = fewest_gpus(attainment_at, target, max_gpus)
-        plans.append(
-            PolicyPlan(
-                policy=name,
-                fewest_gpus=best,
-                attainment_now=summary.attainment,
-                failed_now=summary.failed,
-                cold_loads_now=summary.cold_loads,
-                wakes_now=summary.wakes,
-                p99_wait_s_now=summary.p99_wait_s,
-                curve=dict(sorted(curve.items())),
-            )
-        )
-    if oracle_result is None:
-        oracle_result = run("oracle", current)
-    bound = load_aware_bound(trace, config, oracle_result, target=target, slo_ttft_s=slo)
-    explained = "gpuportal" if "gpuportal" in policies else next(p for p in policies if not POLICIES[p].unlimited)
-    misses_now = misses_by_deployment(trace, run(explained, current), slo) if explained else ()
-    at_bound = max(bound.oracle_gpus, bound.load_aware_gpus)
-    misses_at_bound = misses_by_deployment(trace, run(explained, at_bound), slo) if explained else ()
+    runs = _Runs(trace, config, total=len(policies) + searches * (2 + math.ceil(math.log2(max(2, max_gpus)))))
+    runs.progress = progress
+    plans = [_policy_plan(runs, name, current=current, max_gpus=max_gpus, target=target, slo=slo) for name in policies]
+    # The oracle's run (already made if it is among the policies) is what the bounds are read from.
+    bound = load_aware_bound(trace, config, runs.run("oracle", current), target=target, slo_ttft_s=slo)
+    misses_now = misses_by_deployment(trace, runs.run(explained, current), slo) if explained else ()
+    misses_at_bound = misses_by_deployment(trace, runs.run(explained, bound.gpus), slo) if explained else ()
     return Plan(
         requests=len(trace.requests),
         deployments=len(trace.deployments),
@@ -256,7 +276,7 @@ def plan(
         bound=bound,
         misses_now=misses_now,
         misses_at_bound=misses_at_bound,
-        simulations=len(results),
+        simulations=len(runs.results),
     )
 
 
@@ -336,24 +356,80 @@ def load_aware_bound(trace: Trace, config: Config, oracle: SimResult, *, target:
     held = {h.deployment for h in decided if h.held}
     oracle_gpus = _gpus_for(_peak(intervals, need, set()), gpu_bytes)
     load_aware = max(oracle_gpus, _gpus_for(_peak(intervals, need, held), gpu_bytes))
+    whole_from = POLICIES["gpuportal"].placement.whole_gpu_from
+    packed = max(
+        load_aware,
+        packed_bound(intervals, need, set(), gpu_bytes, whole_from),
+        packed_bound(intervals, need, held, gpu_bytes, whole_from),
+    )
     ordered = tuple(sorted(decided, key=lambda h: (not h.held, -h.misses_if_asleep, h.deployment)))
-    return Bound(oracle_gpus, load_aware, budget, ordered)
+    return Bound(oracle_gpus, load_aware, budget, ordered, packed_gpus=packed)
 
 
-def _peak(intervals: dict[str, list[tuple[float, float]]], need: dict[str, int], held: set[str]) -> int:
-    base = sum(need[name] for name in held)
-    events: list[tuple[float, int, int]] = []
+def _sweep(intervals: dict[str, list[tuple[float, float]]], held: set[str]) -> list[list[str]]:
+    """The sets of deployments in memory, one per instant the set grows: the held ones
+    throughout, the others while they serve (an end before a start at the same instant)."""
+    events: list[tuple[float, int, str]] = []
     for name, spans in intervals.items():
         if name in held:
             continue
         for start, end in spans:
-            events.append((start, 1, need[name]))
-            events.append((end, 0, -need[name]))  # ends before starts at the same instant
-    peak = current = base
-    for _, _, delta in sorted(events):
-        current += delta
-        peak = max(peak, current)
-    return peak
+            events.append((start, 1, name))
+            events.append((end, 0, name))
+    present: dict[str, int] = dict.fromkeys(held, 1)
+    out = [sorted(present)]
+    for _, kind, name in sorted(events):
+        if kind:
+            present[name] = present.get(name, 0) + 1
+            out.append(sorted(present))
+        else:
+            present[name] -= 1
+            if not present[name]:
+                del present[name]
+    return out
+
+
+def _peak(intervals: dict[str, list[tuple[float, float]]], need: dict[str, int], held: set[str]) -> int:
+    return max(sum(need[name] for name in names) for names in _sweep(intervals, held))
+
+
+def packed_bound(
+    intervals: dict[str, list[tuple[float, float]]],
+    need: dict[str, int],
+    held: set[str],
+    gpu_bytes: int,
+    whole_gpu_from: float,
+) -> int:
+    """The fewest GPUs that can hold the working set at its busiest instant as placement packs
+    replicas (the module docstring): at every instant, the whole GPUs of the needs at or above
+    `whole_gpu_from` of a GPU, plus `bins_lower_bound` of the others."""
+    best = 1
+    for names in _sweep(intervals, held):
+        whole = sum(-(-need[n] // gpu_bytes) for n in names if need[n] >= whole_gpu_from * gpu_bytes)
+        shared = [need[n] for n in names if need[n] < whole_gpu_from * gpu_bytes]
+        best = max(best, whole + bins_lower_bound(shared, gpu_bytes))
+    return best
+
+
+def bins_lower_bound(sizes: Sequence[int], capacity: int) -> int:
+    """Martello and Toth's L2 lower bound on the bins of `capacity` that hold items of `sizes`
+    (each at most `capacity`): for every threshold k up to half a bin, the items above
+    capacity − k each need a bin of their own, so do the items above half a bin (no two share),
+    and the items from k to half a bin need at least the bins their bytes fill beyond the room
+    those larger items leave. k = 0 gives the fluid bound, ⌈Σ sizes / capacity⌉, so this is never
+    below it."""
+    items = sorted((s for s in sizes if s > 0), reverse=True)
+    if not items:
+        return 0
+    half = capacity / 2
+    best = 0
+    for k in {0, *(s for s in items if s <= half)}:
+        big = [s for s in items if s > capacity - k]
+        mid = [s for s in items if capacity - k >= s > half]
+        small = sum(s for s in items if half >= s >= k)
+        room = len(mid) * capacity - sum(mid)
+        best = max(best, len(big) + len(mid) + max(0, -(-(small - room) // capacity)))
+    return best
 
 
 def _gpus_for(peak_bytes: int, gpu_bytes: int) -> int:
@@ -412,7 +488,8 @@ def render(p: Plan) -> str:
         table(POLICY_HEADERS, policy_rows(p)),
         "",
         f"Bounds: the oracle's {p.bound.oracle_gpus} GPUs (every deployment always loaded); counting wakes slower "
-        f"than the SLO, {p.bound.load_aware_gpus} ({p.bound.explanation}).",
+        f"than the SLO, {p.bound.load_aware_gpus} ({p.bound.explanation}); that working set in whole GPUs as "
+        f"placement packs it, {p.bound.packed_gpus}.",
     ]
     for title, misses in (
         (f"Missed at {p.current_gpus} GPUs (now)", p.misses_now),
@@ -448,6 +525,7 @@ def record(p: Plan) -> dict[str, object]:
         "bound": {
             "oracle_gpus": p.bound.oracle_gpus,
             "load_aware_gpus": p.bound.load_aware_gpus,
+            "packed_gpus": p.bound.packed_gpus,
             "miss_budget": p.bound.miss_budget,
             "explanation": p.bound.explanation,
             "held": [h.deployment for h in p.bound.held],
@@ -479,6 +557,8 @@ def plot(p: Plan) -> bytes:
     axes.axvline(p.bound.oracle_gpus, color="black", linewidth=0.8, linestyle=":", label="oracle bound")
     if p.bound.load_aware_gpus > p.bound.oracle_gpus:
         axes.axvline(p.bound.load_aware_gpus, color="purple", linewidth=0.8, linestyle=":", label="bound with wakes")
+    if p.bound.packed_gpus > max(p.bound.oracle_gpus, p.bound.load_aware_gpus):
+        axes.axvline(p.bound.packed_gpus, color="brown", linewidth=0.8, linestyle=":", label="bound in whole GPUs")
     axes.axvline(p.current_gpus, color="green", linewidth=0.8, label="now")
     axes.set_xlabel(f"GPUs of {p.gpu_memory_gib:g} GiB")
     axes.set_ylabel("SLO attainment (%)")

@@ -15,6 +15,7 @@ from bench.simulate.engine import OverCommit, SimReplica, Simulation, simulate
 from bench.simulate.metrics import fewest_gpus, summarize
 from bench.simulate.policies import POLICIES
 from bench.simulate.trace import Deployment, Request, Trace, generate
+from scheduling.simulation.policies import ALL
 
 GiB = 1024**3
 SHARING = ("ndif", "lru-fair", "gpuportal")
@@ -197,3 +198,43 @@ def test_the_standard_config_parses_and_describes_the_issues_cluster():
     config = load(Path(DEFAULT_CONFIG))
     assert (config.trace.deployments, config.cluster.nodes, config.cluster.gpus_per_node) == (64, 8, 8)
     assert config.cluster.gpu_memory_gib == 80
+
+
+# --- issue 21: the rules for the large models (gpuportal-next) -------------------------------
+
+
+def test_a_replica_whose_wake_misses_the_slo_is_not_slept_on_the_idle_timer_but_still_preempted(quick):
+    # `slow` wakes in 9 s, past the 5 s SLO: gpuportal-wake sleeps it after 5 s idle and its second
+    # request waits for the wake; gpuportal-next keeps it (fairness.sleep_when_idle) until `b`
+    # needs the GPU, and then preempts it at once, as it is idle.
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=5.0))
+    slow, b = replace(deployment("slow", 50, rate=2.0), wake_s=9.0), deployment("b", 50, rate=1.0)
+    trace = hand_trace([slow, b], [(1.0, "slow"), (40.0, "slow"), (100.0, "b")])
+    now = simulate(trace, config, ALL["gpuportal-wake"])
+    nxt = simulate(trace, config, ALL["gpuportal-next"])
+    ttft = {o.request.arrival_s: o.ttft_s for o in nxt.outcomes}
+    assert [o.ttft_s > 5.0 for o in sorted(now.outcomes, key=lambda o: o.request.arrival_s)][:2] == [False, True]
+    assert ttft[40.0] < 5.0 and nxt.counters.wakes_by_deployment.get("slow", 0) == 0
+    assert nxt.counters.preemptions == 1 and all(o.failed is None for o in nxt.outcomes)
+
+
+def test_a_model_needing_two_whole_gpus_preempts_idle_victims_at_once(quick):
+    # One node of four 80 GiB GPUs, each holding an idle 50 GiB replica; `big` (150 GiB, asleep in
+    # CPU RAM) needs two whole GPUs. gpuportal-whole asks fairness.choose_whole_gpus for the two
+    # cheapest to empty and preempts their idle replicas at once; gpuportal-next targets by
+    # placement and waits out max_wait first.
+    config = replace(
+        quick,
+        cluster=replace(quick.cluster, nodes=1, gpus_per_node=4),
+        serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0),
+    )
+    smalls = [deployment(f"s{i}", 50, rate=1.0) for i in range(4)]
+    big = deployment("big", 150, rate=0.1)
+    trace = hand_trace([*smalls, big], [(20.0, "big")])
+    waits = {}
+    for name in ("gpuportal-next", "gpuportal-whole"):
+        result = simulate(trace, config, ALL[name])
+        (outcome,) = result.outcomes
+        waits[name] = outcome.start_s - outcome.request.arrival_s
+        assert result.counters.preemptions == 2 and result.counters.wakes == 1, name
+    assert waits["gpuportal-next"] - waits["gpuportal-whole"] == pytest.approx(3.0, abs=1e-6)

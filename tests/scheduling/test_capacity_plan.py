@@ -13,6 +13,9 @@ import redis
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
 from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
@@ -24,7 +27,7 @@ from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
 from scheduling.simulation.config import load
 from scheduling.simulation.engine import simulate
-from scheduling.simulation.planner import load_aware_bound, plan
+from scheduling.simulation.planner import bins_lower_bound, load_aware_bound, plan
 from scheduling.simulation.policies import POLICIES
 from scheduling.simulation.trace import Deployment as SimDeployment
 from scheduling.simulation.trace import Request, Trace
@@ -207,6 +210,43 @@ def test_a_wake_slower_than_the_slo_raises_the_bound_and_the_deployment_is_named
     assert (bound.oracle_gpus, bound.load_aware_gpus) == (1, 2)
     assert [(h.deployment, h.misses_if_asleep, h.held) for h in bound.slow_wakes] == [("big", 20, True)]
     assert "big (wake 8.0 s, 20 misses asleep)" in bound.explanation
+
+
+def test_the_bound_in_whole_gpus_counts_a_large_model_on_its_own_gpus_and_no_two_over_half_a_gpu_on_one():
+    # At once: a model needing 150 GiB (two whole GPUs of 80, shared with no one) and a 5 GiB one;
+    # later, three of 50 GiB (no two fit one GPU). In bytes, 155 and 150 GiB fit two GPUs; packed
+    # as placement packs them, each instant needs three.
+    config = load(quick=True)
+    assert config.cluster.gpu_bytes == 80 * GiB
+    big, small = hand_deployment("big", 150), hand_deployment("small", 5)
+    halves = [hand_deployment(f"half{i}", 50) for i in range(3)]
+    arrivals = [(1.0, "big"), (1.0, "small")] + [(30.0, h.name) for h in halves]
+    requests = tuple(Request(i, d, t, 128, 64) for i, (t, d) in enumerate(arrivals))
+    trace = Trace((big, small, *halves), requests, 60.0)
+    oracle = simulate(trace, config, POLICIES["oracle"])
+    bound = load_aware_bound(trace, config, oracle, target=1.0, slo_ttft_s=5.0)
+    assert (bound.oracle_gpus, bound.load_aware_gpus, bound.packed_gpus, bound.gpus) == (2, 2, 3, 3)
+
+
+def test_the_bin_packing_bound_is_the_fluid_one_at_least_and_counts_items_over_half_a_bin_apart():
+    assert bins_lower_bound([], 10) == 0
+    assert bins_lower_bound([6, 6, 6], 10) == 3  # the fluid bound says 2
+    assert bins_lower_bound([5, 5], 10) == 1  # exactly half: they share
+    assert bins_lower_bound([7, 4, 4], 10) == 2
+
+
+@given(st.lists(st.integers(min_value=1, max_value=100), max_size=12))
+@hypothesis_settings(max_examples=200, deadline=None)
+def test_the_bin_packing_bound_never_exceeds_a_real_packing(sizes):
+    capacity = 100
+    bins: list[int] = []  # first fit decreasing: a packing that exists, so no lower bound may exceed it
+    for size in sorted(sizes, reverse=True):
+        slot = next((i for i, used in enumerate(bins) if used + size <= capacity), None)
+        if slot is None:
+            bins.append(size)
+        else:
+            bins[slot] += size
+    assert -(-sum(sizes) // capacity) <= bins_lower_bound(sizes, capacity) <= len(bins)
 
 
 def test_the_planner_says_which_deployment_misses_and_that_it_waited_for_its_wake():

@@ -18,9 +18,11 @@ from scheduling.fairness import (
     VictimChoice,
     choose_target,
     choose_victim,
+    choose_whole_gpus,
     eligible,
     preempt_at_once,
     should_preempt,
+    sleep_when_idle,
     wait_deadline,
 )
 from scheduling.state import GPUView, OccupantView
@@ -178,6 +180,70 @@ def test_a_target_blocked_only_by_young_replicas_is_returned_not_ready():
         )
         is None
     )
+
+
+# --- issue 21: whole GPUs for a large model, and who sleeps on the idle timer -----------------
+
+
+def test_a_whole_gpu_wake_takes_the_gpus_fairness_can_empty_not_those_of_popular_or_young_replicas():
+    # node1: GPU 1 holds a popular replica, GPU 2 a young one; node2's GPUs hold idle replicas
+    # that may go. The two GPUs the 70B-like waker needs (8 GiB over GPUs of 4) are node2's.
+    node1 = [
+        gpu(1, [occ("pop", 1 * GiB, popular=True)]),
+        gpu(2, [occ("young", 1 * GiB, serving_since=ago(2))]),
+        gpu(3),
+    ]
+    node2 = [
+        gpu(4, [costly("aaaa", 3 * GiB, reload_s=0.5, idle_s=30)], node="node2"),
+        gpu(5, [costly("bbbb", 2 * GiB, reload_s=0.5, idle_s=30)], node="node2"),
+        gpu(6, [costly("busy", 1 * GiB, reload_s=0.5, idle_s=1, in_flight=2)], node="node2"),
+    ]
+    target = choose_whole_gpus([*node1, *node2], waiting_replica_id=WAITER, need_bytes=7 * GiB, now=NOW)
+    assert target is not None and target.ready
+    assert target.gpu_ids == (4, 5) and dict(target.needed_bytes_by_gpu) == {4: 4 * GiB, 5: 4 * GiB}
+    assert sorted(target.choice.victim_ids) == ["aaaa", "bbbb"]  # not the busy one on GPU 6
+    assert preempt_at_once(target.choice)
+
+
+def test_a_victim_spanning_two_gpus_empties_both_and_is_counted_once():
+    # An idle 70B-like replica on GPUs 1 and 2 empties both at the cost of one victim; GPU 3 is the
+    # cheapest GPU to empty alone (it wastes nothing), but with GPU 1 or 2 it would make two victims.
+    big = costly("big0", 4 * GiB, reload_s=2.0, idle_s=60)
+    gpus = [
+        gpu(1, [big]),
+        gpu(2, [big]),
+        gpu(3, [costly("cccc", 2 * GiB, reload_s=2.0, idle_s=60)]),
+        gpu(4, [costly("dddd", 2 * GiB, reload_s=0.1, idle_s=60, in_flight=1)]),
+    ]
+    target = choose_whole_gpus(gpus, waiting_replica_id=WAITER, need_bytes=8 * GiB, now=NOW)
+    assert target is not None and target.gpu_ids == (1, 2) and target.choice.victim_ids == ("big0",)
+
+
+def test_a_gpu_with_an_occupant_that_may_not_go_is_never_a_whole_gpu():
+    # GPU 2 has room for the bytes once "aaaa" goes, but the popular replica would still be on it.
+    gpus = [gpu(1), gpu(2, [occ("aaaa", 2 * GiB), occ("pop", 1, popular=True)])]
+    assert choose_whole_gpus(gpus, waiting_replica_id=WAITER, need_bytes=8 * GiB, now=NOW) is None
+    young = [gpu(1), gpu(2, [occ("aaaa", 2 * GiB, serving_since=ago(2))])]
+    target = choose_whole_gpus(young, waiting_replica_id=WAITER, need_bytes=8 * GiB, now=NOW)
+    assert target is not None and not target.ready and target.gpu_ids == (1, 2)
+
+
+def test_whole_gpus_are_taken_on_one_node_only():
+    gpus = [gpu(1), gpu(2, node="node2")]
+    assert choose_whole_gpus(gpus, waiting_replica_id=WAITER, need_bytes=8 * GiB, now=NOW) is None
+    target = choose_whole_gpus(gpus, waiting_replica_id=WAITER, need_bytes=4 * GiB, now=NOW)
+    assert target is not None and target.choice.victims == () and len(target.gpu_ids) == 1
+
+
+def test_a_single_gpu_target_lists_its_one_gpu():
+    target = choose_target([gpu(1, [occ("aaaa", 3 * GiB)])], waiting_replica_id=WAITER, need_bytes=2 * GiB, now=NOW)
+    assert target is not None and target.gpu_ids == (1,) and dict(target.needed_bytes_by_gpu) == {1: 2 * GiB}
+
+
+def test_only_a_replica_whose_wake_meets_its_slo_is_slept_on_the_idle_timer():
+    assert sleep_when_idle(wake_s=0.8, slo_ttft_s=5.0)  # an 8B model from CPU RAM
+    assert sleep_when_idle(wake_s=5.0, slo_ttft_s=5.0)
+    assert not sleep_when_idle(wake_s=7.1, slo_ttft_s=5.0)  # a 70B model: its next request would miss
 
 
 # --- the seed's rules, one at a time ---------------------------------------------------------
