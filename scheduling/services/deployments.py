@@ -240,7 +240,12 @@ class _Census:
 
     @classmethod
     def of(cls, deployment: Deployment) -> _Census:
-        rows = deployment.replicas.order_by("-created_at").values_list("id", "state", "role", "node__name")
+        # Not the gone ones: nothing here counts or stops them, and their rows pile up until swept.
+        rows = (
+            deployment.replicas.exclude(state__in=GONE)
+            .order_by("-created_at")
+            .values_list("id", "state", "role", "node__name")
+        )
         awake, cached, parked, by_id = [], [], False, {}
         for replica_id, state, role, node in rows:
             by_id[replica_id] = (state, node)
