@@ -243,6 +243,10 @@ GPUPORTAL_INFER_TIMEOUT_S = env_float("GPUPORTAL_INFER_TIMEOUT_S", 30.0)
 GPUPORTAL_INFER_MAX_TIMEOUT_S = env_float("GPUPORTAL_INFER_MAX_TIMEOUT_S", 300.0)
 # How long a node waits for replicas evicted to make room to release their memory before loading.
 GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
+# The time to first token the portal aims for (issue 21): the idle sweep does not put to sleep on
+# its timer a replica whose wake from CPU RAM alone takes longer (fairness.sleep_when_idle). The
+# capacity planner's default SLO (scheduling/simulation/config.toml) is the same 5 s.
+GPUPORTAL_TTFT_SLO_S = env_float("GPUPORTAL_TTFT_SLO_S", 5.0)
 # How long a GPU's wake lock lasts unless its holder renews it: a waker that died (SIGKILL, a
 # lost worker) stops renewing, and the next wake takes the lock over once this has passed.
 GPUPORTAL_WAKE_LOCK_TTL_S = env_float("GPUPORTAL_WAKE_LOCK_TTL_S", 60.0)

@@ -17,6 +17,7 @@ import logging
 from dataclasses import replace
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import DurationField, ExpressionWrapper, F
 from django.db.models.functions import Greatest
@@ -245,6 +246,41 @@ def _loads_from_disk(deployment: Deployment, cached: tuple[CachedReplica, ...]) 
     return isinstance(result, Placement) and result.promoted is None
 
 
+def _kept_awake(deployment: Deployment, times: fairness.ReloadTimes, now: datetime) -> None:
+    """fairness.sleep_when_idle said no: the deployment's idle replicas stay on their GPUs until a
+    wake needs the memory (idle, they are the victims it preempts at once). Said by an Event once
+    per idle stretch of each replica, not on every sweep. The caller holds the deployment row."""
+    cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
+    idle = Replica.objects.filter(deployment=deployment, state=Replica.State.SERVING).annotate(
+        idle_since=Greatest(F("last_accessed"), F("serving_since"))
+    )
+    for replica_id, node, idle_since in idle.filter(idle_since__lt=cutoff).values_list(
+        "id", "node__name", "idle_since"
+    ):
+        said = Event.objects.filter(
+            replica=replica_id, kind=Event.Kind.REPLICA_STATE, time__gte=idle_since, reason__startswith=KEPT_AWAKE
+        )
+        if said.exists():
+            continue
+        wake = f"{times.wake_s:.3g} s ({'measured' if times.wake_measured else 'estimated from its bytes'})"
+        events.record(
+            Event.Kind.REPLICA_STATE,
+            f"replica {replica_id[:8]}",
+            f"{KEPT_AWAKE} after {int((now - idle_since).total_seconds())} s idle: a wake from CPU RAM takes "
+            f"{wake}, longer than the {settings.GPUPORTAL_TTFT_SLO_S:g} s to first token aimed for "
+            "(GPUPORTAL_TTFT_SLO_S; fairness.sleep_when_idle); it sleeps when a wake needs its memory",
+            before={"state": Replica.State.SERVING},
+            after={"state": Replica.State.SERVING, "wake_s": times.wake_s, "slo_ttft_s": settings.GPUPORTAL_TTFT_SLO_S},
+            node=node or "",
+            deployment=deployment.name,
+            replica=replica_id,
+        )
+
+
+# How the Event of a replica the idle sweep keeps awake begins (one per idle stretch).
+KEPT_AWAKE = "kept awake"
+
+
 def awake_enough(name: str) -> bool:
     """Whether the deployment has max(1, replicas wanted) replicas awake (a pair counts once)."""
     return _awake_enough(Deployment.objects.filter(name=name).first())
@@ -258,7 +294,9 @@ def _awake_enough(deployment: Deployment | None) -> bool:
 
 def sweep_idle(now: datetime | None = None) -> list[str]:
     """Put to sleep every serving replica idle for longer than its deployment's idle_timeout_s
-    (0: never; popular deployments: never). Returns the ids put to sleep.
+    (0: never; popular deployments: never; a deployment whose wake from CPU RAM alone is slower
+    than GPUPORTAL_TTFT_SLO_S: not on the timer, fairness.sleep_when_idle). Returns the ids put
+    to sleep.
 
     Idle since the later of its last request and its start of serving: a replica just woken
     by an operator has not been asked anything yet, and must not go straight back to sleep.
@@ -300,6 +338,10 @@ def _sleep_idle_of(deployment_id: int, now: datetime) -> list[str]:
         deployment = locks.lock_deployment_if_there(pk=deployment_id, skip_locked=True)
         # Re-checked under the lock: the settings may have changed since the candidates were read.
         if deployment is None or deployment.popular or deployment.failover_standby or deployment.idle_timeout_s <= 0:
+            return []
+        times = reload_times(deployment)
+        if not fairness.sleep_when_idle(wake_s=times.wake_s, slo_ttft_s=settings.GPUPORTAL_TTFT_SLO_S):
+            _kept_awake(deployment, times, now)
             return []
         cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
         idle = locks.lock_replicas(

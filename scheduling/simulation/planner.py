@@ -45,7 +45,7 @@ from scheduling.simulation.metrics import fewest_gpus, met_slo, summarize
 from scheduling.simulation.policies import ALL as POLICIES
 from scheduling.simulation.trace import Trace
 
-DEFAULT_POLICIES = ("gpuportal", "gpuportal-wake", "dedicated", "oracle")
+DEFAULT_POLICIES = ("gpuportal", "gpuportal-next", "dedicated", "oracle")
 # Each search is a bisection over 1..max_gpus after one run at max_gpus and one at the current count.
 Progress = Callable[[int, int], None]
 

@@ -100,9 +100,10 @@ GPUPORTAL = SimPolicy(
 # Requests arriving while a failed wake backs off ask for a wake at once, as the live request
 # path does (`wake_on_arrival`).
 GPUPORTAL_WAKE = replace(GPUPORTAL, name="gpuportal-wake", prefer_wake=True, wake_on_arrival=True)
-# gpuportal-wake with issue 21's rule for the models whose wake misses their SLO, in fairness.py
-# but not yet called by the live idle sweep (services.sleep.sweep_idle): such a replica is not
-# slept on the idle timer, only preempted when a wake needs its memory (fairness.sleep_when_idle).
+# gpuportal-wake with issue 21's rule for the models whose wake misses their SLO: such a replica
+# is not slept on the idle timer, only preempted when a wake needs its memory
+# (fairness.sleep_when_idle). What the live portal runs: its idle sweep (services.sleep.sweep_idle)
+# applies the rule against GPUPORTAL_TTFT_SLO_S.
 GPUPORTAL_NEXT = replace(GPUPORTAL_WAKE, name="gpuportal-next", keep_slow_wakes=True)
 # gpuportal-next, and a wake that needs whole GPUs (a 70B model) targets the node and GPUs that
 # fairness can empty at least cost (fairness.choose_whole_gpus) rather than placement's targeting,

@@ -173,7 +173,7 @@ def test_a_plan_is_accepted_at_once_then_shows_its_progress_and_its_answer(
     answer = staff.get(f"/api/plan/{shown['id']}/").json()
     assert (answer["state"], answer["percent"]) == ("done", 100)
     assert answer["result"]["current_gpus"] == 2 and answer["result"]["target"] == 0.95
-    assert {p["policy"] for p in answer["result"]["policies"]} == {"gpuportal", "gpuportal-wake", "dedicated", "oracle"}
+    assert {p["policy"] for p in answer["result"]["policies"]} == {"gpuportal", "gpuportal-next", "dedicated", "oracle"}
     assert "| gpuportal" in answer["table"] and answer["plot_png"].startswith("iVBORw0KGgo")  # a PNG
 
 

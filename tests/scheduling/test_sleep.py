@@ -308,6 +308,32 @@ def test_the_sweep_sleeps_only_replicas_idle_past_their_timeout(cluster, api, di
     assert sleep.sweep_idle(now=now) == [], "a draining replica is not swept twice"
 
 
+def test_the_sweep_keeps_awake_a_replica_whose_wake_would_miss_the_slo_and_says_so_once(
+    cluster, api, dispatched, tiny_model_dir, on_commit, settings
+):
+    # Issue 21 (fairness.sleep_when_idle): its next first request would miss for certain, while
+    # the memory a sleep frees is wanted by no one yet; a wake that needs it preempts it then.
+    settings.GPUPORTAL_TTFT_SLO_S = 5.0
+    slow = deploy_serving(api, tiny_model_dir, "slow", sleep={"idle_timeout_s": 60})[0]
+    quick = deploy_serving(api, tiny_model_dir, "quick", sleep={"idle_timeout_s": 60})[0]
+    Deployment.objects.filter(name="slow").update(measured_wake_s=7.0)
+    Deployment.objects.filter(name="quick").update(measured_wake_s=0.5)
+    now = timezone.now()
+    long_ago = now - timedelta(seconds=300)
+    Replica.objects.update(serving_since=long_ago, last_accessed=long_ago)
+
+    with on_commit():
+        assert sleep.sweep_idle(now=now) == [quick]
+        assert sleep.sweep_idle(now=now + timedelta(seconds=30)) == []
+
+    assert Replica.objects.get(pk=slow).state == "serving"
+    (kept,) = Event.objects.filter(replica=slow, reason__startswith=sleep.KEPT_AWAKE)
+    assert kept.reason.startswith("kept awake after 300 s idle: a wake from CPU RAM takes 7 s (measured), longer than")
+    assert kept.after == {"state": "serving", "wake_s": 7.0, "slo_ttft_s": 5.0}
+    settings.GPUPORTAL_TTFT_SLO_S = 10.0  # an operator who will wait longer lets it sleep
+    assert sleep.sweep_idle(now=now + timedelta(seconds=60)) == [slow]
+
+
 def test_a_request_accepted_as_the_last_replica_was_swept_wakes_the_deployment_once_it_sleeps(
     cluster, api, dispatched, tiny_model_dir, on_commit, clean_queues
 ):
