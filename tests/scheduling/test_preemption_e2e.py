@@ -326,8 +326,15 @@ def test_a_waker_killed_while_holding_the_wake_lock_is_taken_over_after_expiry(
     for request in (first, second):
         done = finished(request["id"], LOAD_TIMEOUT)
         assert done.status == "done", (done.status, done.error)
-    # The dead wake's waiter (a new replica that never got a place) failed, saying why; a new one serves.
-    c = dict(Replica.objects.filter(deployment__name="c").values_list("id", "state"))
+
+    # The dead wake's waiter (a new replica that never got a place) failed, saying why; a new one
+    # serves. Its answers reach the callers through Redis at once, while its `serving` report reaches
+    # the books through the agents' worker on its own time: wait for the books, not the answers.
+    def states_of_c() -> dict[str, str] | None:
+        states = dict(Replica.objects.filter(deployment__name="c").values_list("id", "state"))
+        return states if "serving" in states.values() else None
+
+    c = wait_until(states_of_c, 30, "the new replica of c to be serving in the books")
     assert c.pop(holder) == "failed" and list(c.values()) == ["serving"], c
     assert "abandoned" in Replica.objects.get(pk=holder).failure_reason
     assert Event.objects.filter(kind=Event.Kind.PREEMPTION_VICTIM).count() == 1
