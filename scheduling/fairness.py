@@ -425,6 +425,8 @@ def choose_whole_gpus(
     need_bytes: int,
     now: datetime,
     kept_bytes_by_gpu: Mapping[int, int] | None = None,
+    slo_ttft_s: float | None = None,
+    waiting_requests: int | None = None,
 ) -> Target | None:
     """`choose_target` for a replica that needs whole GPUs (a need of a GPU or more, which
     placement splits over the fewest whole GPUs of one node): the node and GPUs where emptying
@@ -447,15 +449,29 @@ def choose_whole_gpus(
     As `choose_target`: when no node can be emptied now, the GPUs are judged as they will be
     once occupants still loading have served their min_runtime and draining ones have left, and
     the cheapest is returned with `ready=False`; None when not even that helps.
+
+    Two guards against the cascade that emptying GPUs starts (each victim must wake again and,
+    on a full cluster, preempt in turn; issue 21's production-like trace):
+
+    - `slo_ttft_s`: victims whose wake from CPU RAM (`reload_s`) is longer than the SLO are
+      ranked after the busy victims and before the number of victims, fewest first: the next
+      request of such a victim misses for certain (the replicas `sleep_when_idle` keeps awake),
+      while a victim that wakes within the SLO loses nothing if it finds room again.
+    - `waiting_requests` (the requests queued for the waker's deployment): a target with more
+      victims than that is refused (None: the caller falls back to placement's targeting, which
+      waits for the occupants it counts on), since it would trade more replicas' next requests
+      for fewer of the waker's; a single victim is always allowed, as one wake for one.
     """
     if need_bytes <= 0:
         raise ValueError(f"need_bytes must be positive, got {need_bytes}")
-    best = _cheapest_whole(gpus, waiting_replica_id, need_bytes, now, kept_bytes_by_gpu)
-    if best is not None:
-        return best
-    settled, later = _settled(gpus, now)
-    best = _cheapest_whole(settled, waiting_replica_id, need_bytes, later, kept_bytes_by_gpu)
-    return None if best is None else replace(best, ready=False)
+    best = _cheapest_whole(gpus, waiting_replica_id, need_bytes, now, kept_bytes_by_gpu, slo_ttft_s)
+    if best is None:
+        settled, later = _settled(gpus, now)
+        best = _cheapest_whole(settled, waiting_replica_id, need_bytes, later, kept_bytes_by_gpu, slo_ttft_s)
+        best = None if best is None else replace(best, ready=False)
+    if best is not None and waiting_requests is not None and len(best.choice.victims) > max(1, waiting_requests):
+        return None
+    return best
 
 
 def _cheapest_whole(
@@ -464,13 +480,14 @@ def _cheapest_whole(
     need_bytes: int,
     now: datetime,
     kept_bytes_by_gpu: Mapping[int, int] | None,
+    slo_ttft_s: float | None = None,
 ) -> Target | None:
     by_node: dict[str, list[GPUView]] = {}
     for gpu in sorted(_index(gpus).values(), key=lambda g: g.id):
         by_node.setdefault(gpu.node, []).append(gpu)
     best: Target | None = None
     for node in sorted(by_node):
-        target = _whole_on_node(by_node[node], waiting_replica_id, need_bytes, now, kept_bytes_by_gpu)
+        target = _whole_on_node(by_node[node], waiting_replica_id, need_bytes, now, kept_bytes_by_gpu, slo_ttft_s)
         if target is not None and (best is None or target.cost < best.cost):
             best = target
     return best
@@ -482,6 +499,7 @@ def _whole_on_node(
     need_bytes: int,
     now: datetime,
     kept_bytes_by_gpu: Mapping[int, int] | None,
+    slo_ttft_s: float | None = None,
 ) -> Target | None:
     """The cheapest set of whole GPUs of one node: from each GPU in turn, the GPUs that add least
     to the cost of emptying those taken so far, until their memory reaches the need; the
@@ -503,7 +521,8 @@ def _whole_on_node(
         )
         if isinstance(choice, NoVictim) or not _emptied(gpu, choice, waiting_replica_id):
             return None
-        return _group_cost([by_id[g] for g in needed], sum(needed.values()), choice, by_id, now), needed, choice
+        cost = _group_cost([by_id[g] for g in needed], sum(needed.values()), choice, by_id, now, slo_ttft_s)
+        return cost, needed, choice
 
     best: Target | None = None
     for start in gpus:
@@ -559,13 +578,24 @@ def _target_cost(
 
 
 def _group_cost(
-    gpus: Sequence[GPUView], needed: int, choice: VictimChoice, by_id: Mapping[int, GPUView], now: datetime
+    gpus: Sequence[GPUView],
+    needed: int,
+    choice: VictimChoice,
+    by_id: Mapping[int, GPUView],
+    now: datetime,
+    slo_ttft_s: float | None = None,
 ) -> tuple[float, ...]:
-    """`_target_cost` over several GPUs: busy victims, then how many victims (`choose_whole_gpus`),
-    then the same order, waste summed, ties by the first GPU id."""
+    """`_target_cost` over several GPUs: busy victims, then victims whose wake misses
+    `slo_ttft_s` (none counted without one), then how many victims (`choose_whole_gpus`), then the
+    same order, waste summed, ties by the first GPU id."""
     cost = _target_cost(gpus[0], needed, choice, by_id, now)
+    views = {o.replica_id: o for g in by_id.values() for o in g.occupants}
+    slow = 0
+    if slo_ttft_s is not None:
+        reloads = (views[v.replica_id].reload_s for v in choice.victims)
+        slow = sum(1 for r in reloads if r is not None and not sleep_when_idle(wake_s=r, slo_ttft_s=slo_ttft_s))
     waste = sum(g.available_bytes for g in gpus) + choice.freed_bytes - needed
-    return (cost[0], float(len(choice.victims)), *cost[1:3], float(waste), float(min(g.id for g in gpus)))
+    return (cost[0], float(slow), float(len(choice.victims)), *cost[1:3], float(waste), float(min(g.id for g in gpus)))
 
 
 # --- the pieces ------------------------------------------------------------------------------

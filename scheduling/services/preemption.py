@@ -10,9 +10,12 @@ A wake that does not fit without evicting anyone does not evict at once. Instead
    its own node, where its weights are; a new one anywhere; healthy GPUs of online nodes whose
    wake lock is free or its own), who would have to sleep, and takes the cheapest: no busy
    victim if possible, then the shortest sleep, then the least reload cost per second idle. This
-   is the policy `gpuportal` of bench/simulate, measured there. For what it does not decide (a
-   need of a whole GPU or more, or no GPU that could ever make room as things stand), placement
-   with evictions allowed says where the waker *would* go (the fewest evictions);
+   is the policy `gpuportal` of bench/simulate, measured there. A need of a whole GPU or more (a
+   70B model over two GPUs of one node) asks fairness.choose_whole_gpus for the GPUs it can empty
+   (issue 21: no popular, dedicated or young occupant on them; victims whose wake misses the SLO
+   last; no more victims than requests wait for the waker). For what neither decides (no GPU
+   that could ever make room as things stand, or a whole-GPU target refused by those guards),
+   placement with evictions allowed says where the waker *would* go (the fewest evictions);
 2. takes the WAKE LOCK of each of those GPUs (at most one wake in progress per GPU, DESIGN
    invariant 2); a lock held by a live replica and not expired makes this wake wait and retry;
    an expired one, or one whose holder is gone, stopped or failed, is taken over;
@@ -281,8 +284,11 @@ def _costed_wake(
     """fairness.choose_target over the GPUs the waker may use, as the simulator's engine does
     (bench/simulate, policy `gpuportal`): each cached replica may only wake on its own node's
     GPUs (its weights are in that node's CPU RAM), else a new replica may go to any node; the
-    cheapest target of all wins. None for a need of a whole GPU or more, or when no GPU can make
-    room even once young replicas settle: placement's targeting decides then."""
+    cheapest target of all wins. A need of a whole GPU or more (no GPU the waker may use can take
+    it as a fraction) asks fairness.choose_whole_gpus instead, as `gpuportal-next` does: the GPUs
+    of one node fairness can empty, victims whose wake misses GPUPORTAL_TTFT_SLO_S last, and no
+    more victims than requests wait in the deployment's queue. None when no target is found or
+    the whole-GPU one is refused: placement's targeting decides then."""
     tickets = [(c.replica_id, True, c.node) for c in cached]
     if not tickets and allow_new:
         tickets = [(new_replica_id(), False, None)]
@@ -291,6 +297,7 @@ def _costed_wake(
     usable = snap.index.usable
     kept = _kept_bytes(snap)
     whole_gpu_from = POLICIES[deployment.memory_policy].whole_gpu_from
+    waiting: int | None = None
     best: tuple[fairness.Target, str, bool] | None = None
     for replica_id, promoted, node in tickets:
         # Minus the GPUs another wake holds the lock of: the memory freed there is promised to it
@@ -299,14 +306,28 @@ def _costed_wake(
         gpus = [g for n, group in usable.items() if node is None or n == node for g in group if g.id in visible.gpus]
         if not gpus:
             continue
-        target = fairness.choose_target(
-            gpus,
-            waiting_replica_id=replica_id,
-            need_bytes=need,
-            now=snap.taken_at,
-            kept_bytes_by_gpu=kept,
-            whole_gpu_from=whole_gpu_from,
-        )
+        if all(need >= whole_gpu_from * g.total_bytes for g in gpus):
+            # Whole GPUs (issue 21): the GPUs fairness can empty, with its guards against a cascade
+            # of wakes (victims whose wake misses the SLO last, no more victims than requests wait).
+            waiting = _queue_depth(deployment.name) if waiting is None else waiting
+            target = fairness.choose_whole_gpus(
+                gpus,
+                waiting_replica_id=replica_id,
+                need_bytes=need,
+                now=snap.taken_at,
+                kept_bytes_by_gpu=kept,
+                slo_ttft_s=settings.GPUPORTAL_TTFT_SLO_S,
+                waiting_requests=waiting,
+            )
+        else:
+            target = fairness.choose_target(
+                gpus,
+                waiting_replica_id=replica_id,
+                need_bytes=need,
+                now=snap.taken_at,
+                kept_bytes_by_gpu=kept,
+                whole_gpu_from=whole_gpu_from,
+            )
         if target is not None and (best is None or target.cost < best[0].cost):
             best = (target, replica_id, promoted)
     if best is None:
@@ -316,20 +337,38 @@ def _costed_wake(
     return _Wake(
         waker_id=replica_id,
         promoted=promoted,
-        needed_bytes_by_gpu={target.gpu_id: target.needed_bytes},
+        needed_bytes_by_gpu=dict(target.needed_bytes_by_gpu) or {target.gpu_id: target.needed_bytes},
         victims=bool(target.choice.victims) or not target.ready,
         at_once=at_once,
         why=_target_reason(target, snap),
     )
 
 
+def _queue_depth(deployment_name: str) -> int:
+    """Requests waiting for the deployment; 1 when Redis cannot say (then only a target with a
+    single victim is taken by fairness.choose_whole_gpus, else placement's targeting)."""
+    try:
+        return queueing.queue_depth(deployment_name)
+    except redis.RedisError:
+        return 1
+
+
 def _target_reason(target: fairness.Target, snap: Snapshot) -> str:
     views = {o.replica_id: o for g in snap.gpus.values() for o in g.occupants}
     victims = ", ".join(_victim_summary(v, views[v.replica_id]) for v in target.choice.victims) or "none"
-    why = (
-        f"gpu {snap.gpus[target.gpu_id].label}, where making room costs least (no busy victim if any GPU "
-        "allows, then the shortest sleep, then the least reload cost per second idle)"
-    )
+    if len(target.gpu_ids) > 1:
+        labels = ", ".join(snap.gpus[g].label for g in target.gpu_ids)
+        why = (
+            f"whole gpus {labels}, the GPUs of one node that fairness can empty at least cost (no popular, "
+            "dedicated or young occupant on them; no busy victim if possible, then victims whose wake misses "
+            f"the {settings.GPUPORTAL_TTFT_SLO_S:g} s SLO last, then the fewest victims, no more than requests "
+            "wait for it)"
+        )
+    else:
+        why = (
+            f"gpu {snap.gpus[target.gpu_id].label}, where making room costs least (no busy victim if any GPU "
+            "allows, then the shortest sleep, then the least reload cost per second idle)"
+        )
     if not target.ready:
         return f"{why}; only once replicas inside their min_runtime, loading or leaving settle there: {victims}"
     return f"{why}; victims: {victims}"

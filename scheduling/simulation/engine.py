@@ -409,7 +409,12 @@ class Simulation:
                 continue
             if self.policy.whole_gpus_by_cost and self._whole_gpus(request.need_bytes):
                 target = fairness.choose_whole_gpus(
-                    gpus, waiting_replica_id=replica_id, need_bytes=request.need_bytes, now=snapshot.taken_at
+                    gpus,
+                    waiting_replica_id=replica_id,
+                    need_bytes=request.need_bytes,
+                    now=snapshot.taken_at,
+                    slo_ttft_s=None if self.policy.whole_gpus_unguarded else self.serving.slo_ttft_s,
+                    waiting_requests=None if self.policy.whole_gpus_unguarded else len(ds.queue),
                 )
             else:
                 target = fairness.choose_target(

@@ -219,22 +219,23 @@ def test_a_replica_whose_wake_misses_the_slo_is_not_slept_on_the_idle_timer_but_
 
 
 def test_a_model_needing_two_whole_gpus_preempts_idle_victims_at_once(quick):
-    # One node of four 80 GiB GPUs, each holding an idle 50 GiB replica; `big` (150 GiB, asleep in
-    # CPU RAM) needs two whole GPUs. gpuportal-whole asks fairness.choose_whole_gpus for the two
-    # cheapest to empty and preempts their idle replicas at once; gpuportal-next targets by
-    # placement and waits out max_wait first.
+    # One node of four 80 GiB GPUs, three holding an idle 50 GiB replica each; `big` (150 GiB,
+    # asleep in CPU RAM) needs two whole GPUs: the empty one and one other. gpuportal-next asks
+    # fairness.choose_whole_gpus for the cheapest to empty and preempts its idle replica at once
+    # (one victim for its one waiting request); gpuportal-wake targets by placement and waits out
+    # max_wait first.
     config = replace(
         quick,
         cluster=replace(quick.cluster, nodes=1, gpus_per_node=4),
         serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0),
     )
-    smalls = [deployment(f"s{i}", 50, rate=1.0) for i in range(4)]
+    smalls = [deployment(f"s{i}", 50, rate=1.0) for i in range(3)]
     big = deployment("big", 150, rate=0.1)
     trace = hand_trace([*smalls, big], [(20.0, "big")])
     waits = {}
-    for name in ("gpuportal-next", "gpuportal-whole"):
+    for name in ("gpuportal-wake", "gpuportal-next"):
         result = simulate(trace, config, ALL[name])
         (outcome,) = result.outcomes
         waits[name] = outcome.start_s - outcome.request.arrival_s
-        assert result.counters.preemptions == 2 and result.counters.wakes == 1, name
-    assert waits["gpuportal-next"] - waits["gpuportal-whole"] == pytest.approx(3.0, abs=1e-6)
+        assert result.counters.preemptions == 1 and result.counters.wakes == 1, name
+    assert waits["gpuportal-wake"] - waits["gpuportal-next"] == pytest.approx(3.0, abs=1e-6)

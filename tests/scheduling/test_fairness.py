@@ -219,6 +219,42 @@ def test_a_victim_spanning_two_gpus_empties_both_and_is_counted_once():
     assert target is not None and target.gpu_ids == (1, 2) and target.choice.victim_ids == ("big0",)
 
 
+def test_a_whole_gpu_wake_evicts_a_replica_whose_wake_misses_the_slo_last():
+    # An idle 70B-like replica (wakes in 7 s) fills GPUs 1 and 2: one victim. GPUs 3 and 4 hold
+    # one small replica each (wakes in 0.1 s): two victims. By the number of victims alone the
+    # 70B-like one goes, and its next request misses for certain; against a 5 s SLO the two small
+    # ones go instead, since each comes back within it.
+    big = costly("big0", 4 * GiB, reload_s=7.0, idle_s=60)
+    gpus = [
+        gpu(1, [big]),
+        gpu(2, [big]),
+        gpu(3, [costly("cccc", 3 * GiB, reload_s=0.1, idle_s=60)]),
+        gpu(4, [costly("dddd", 3 * GiB, reload_s=0.1, idle_s=60)]),
+    ]
+    plain = choose_whole_gpus(gpus, waiting_replica_id=WAITER, need_bytes=8 * GiB, now=NOW)
+    assert plain is not None and plain.choice.victim_ids == ("big0",)
+    slo = choose_whole_gpus(gpus, waiting_replica_id=WAITER, need_bytes=8 * GiB, now=NOW, slo_ttft_s=5.0)
+    assert slo is not None and slo.gpu_ids == (3, 4) and sorted(slo.choice.victim_ids) == ["cccc", "dddd"]
+
+
+def test_a_whole_gpu_target_with_more_victims_than_requests_waiting_is_refused():
+    # Emptying any two GPUs evicts four small replicas: for one waiting request that trades four
+    # replicas' next requests for one, so the caller is told to fall back (None); with four
+    # waiting it is allowed. A single victim is always allowed, one wake for one.
+    gpus = [
+        gpu(i, [costly(f"s{i}a", 2 * GiB, reload_s=0.1, idle_s=60), costly(f"s{i}b", 2 * GiB, reload_s=0.1, idle_s=60)])
+        for i in (1, 2, 3)
+    ]
+    ask = {"waiting_replica_id": WAITER, "need_bytes": 8 * GiB, "now": NOW}
+    assert choose_whole_gpus(gpus, **ask, waiting_requests=1) is None
+    assert choose_whole_gpus(gpus, **ask, waiting_requests=3) is None
+    target = choose_whole_gpus(gpus, **ask, waiting_requests=4)
+    assert target is not None and len(target.choice.victims) == 4
+    one = [gpu(1), gpu(2, [costly("aaaa", 3 * GiB, reload_s=0.1, idle_s=60)])]
+    target = choose_whole_gpus(one, **ask, waiting_requests=0)
+    assert target is not None and target.choice.victim_ids == ("aaaa",)
+
+
 def test_a_gpu_with_an_occupant_that_may_not_go_is_never_a_whole_gpu():
     # GPU 2 has room for the bytes once "aaaa" goes, but the popular replica would still be on it.
     gpus = [gpu(1), gpu(2, [occ("aaaa", 2 * GiB), occ("pop", 1, popular=True)])]

@@ -437,6 +437,85 @@ def test_a_cached_replica_is_woken_on_its_own_node(db, dispatched, rq):
     assert_not_over_committed()
 
 
+@pytest.fixture
+def two_nodes(db) -> tuple[list[GPU], list[GPU]]:
+    """Two virtual nodes of two 1 GiB GPUs each: a 1.5 GiB need takes both GPUs of one node."""
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
+    register_node("node2", virtual_gpus("node2", "2x1GiB", NO_OVERHEAD), virtual=True)
+    return (
+        list(GPU.objects.filter(node__name="node1").order_by("index")),
+        list(GPU.objects.filter(node__name="node2").order_by("index")),
+    )
+
+
+def stuck_on_node1(how: str, gpu: GPU) -> str:
+    """One small replica on node1 that fairness may not preempt: popular, or inside its min_runtime."""
+    if how == "popular":
+        deploy("hot", replicas=0, need=200 * MiB, popular=True)
+        return occupant("hot", gpu, 200 * MiB)
+    deploy("hot", replicas=0, need=200 * MiB, min_runtime_s=600)
+    young = occupant("hot", gpu, 200 * MiB)
+    Replica.objects.filter(pk=young).update(serving_since=timezone.now())
+    return young
+
+
+@pytest.mark.parametrize("how", ["popular", "young"])
+def test_a_wake_needing_two_whole_gpus_targets_the_node_fairness_can_empty_not_one_holding_a_replica_that_may_not_go(
+    two_nodes, dispatched, rq, how
+):
+    (n1a, n1b), (n2a, n2b) = two_nodes
+    # node1 has one GPU free and one small replica on the other: placement's targeting, which
+    # counts every occupant as movable (and ties between nodes at random), may wait there for a
+    # victim choose_victim cannot name. node2's two idle replicas can go.
+    hot = stuck_on_node1(how, n1a)
+    idle = [occupant("a", n2a, 400 * MiB, idle_for=timedelta(minutes=30)), occupant("b", n2b, 400 * MiB)]
+    deploy("big", replicas=0, need=1536 * MiB, max_wait_s=30)
+    for _ in range(2):  # two requests wait for it: two victims are not more than that
+        rq.submit("big", kind="generate", input="hi", params={}, owner="1")
+
+    (waker,) = sleep.wake_deployment("big", reason="a request arrived")
+
+    intents = intents_of(waker)
+    assert {i.gpu_id for i in intents} == {n2a.pk, n2b.pk}
+    assert {i.needed_bytes for i in intents} == {1024 * MiB}
+    assert all(i.deadline == i.created_at for i in intents), "its victims serve nothing: no max_wait"
+    said = Event.objects.filter(kind="preemption.intent", replica=waker).first().reason
+    assert "whole gpus node2/0, node2/1, the GPUs of one node that fairness can empty" in said, said
+    assert "no popular, dedicated or young occupant on them" in said and "serving no request" in said, said
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(state="draining"):
+            asleep(replica.id)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and set(outcome.victims) == set(idle), outcome
+    assert Replica.objects.get(pk=hot).state == "serving", f"the {how} replica on node1 was left alone"
+    assert set(Occupant.objects.filter(replica_id=waker).values_list("gpu_id", flat=True)) == {n2a.pk, n2b.pk}
+    assert n1b.pk not in {i.gpu_id for i in PreemptionIntent.objects.all()}
+    assert_not_over_committed()
+
+
+def test_a_whole_gpu_target_with_more_victims_than_waiting_requests_falls_back_to_placements_targeting(
+    two_nodes, dispatched, rq
+):
+    (n1a, _), (n2a, n2b) = two_nodes
+    # The same cluster with one request waiting: emptying node2 would put two replicas to sleep
+    # for it (and each must wake again), so fairness.choose_whole_gpus refuses and placement's
+    # targeting decides (either node, at random), as before issue 21's rule.
+    stuck_on_node1("popular", n1a)
+    occupant("a", n2a, 400 * MiB), occupant("b", n2b, 400 * MiB)
+    deploy("big", replicas=0, need=1536 * MiB, max_wait_s=30)
+    rq.submit("big", kind="generate", input="hi", params={}, owner="1")
+
+    (waker,) = sleep.wake_deployment("big", reason="a request arrived")
+
+    said = Event.objects.filter(kind="preemption.intent", replica=waker).first().reason
+    assert "placement with evictions would be" in said and "whole gpus" not in said, said
+    assert len(intents_of(waker)) == 2
+
+
 def test_enrich_weighs_reload_time_and_requests_in_flight_and_without_redis_assumes_a_busy_victim(
     one_gpu, dispatched, rq, settings, monkeypatch
 ):
