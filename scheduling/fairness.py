@@ -505,11 +505,23 @@ def _whole_on_node(
     to the cost of emptying those taken so far, until their memory reaches the need; the
     cheapest complete set of those starts (so a victim spanning two GPUs, which empties both at
     the cost of one, is found whichever GPU the greedy would have taken first)."""
-    if sum(g.total_bytes for g in gpus) < need_bytes:
+    # Only a GPU whose every occupant may be a victim now can be emptied (a necessary condition,
+    # cheap to check; choose_victim still judges each set, on every GPU's view of a replica).
+    # On a large cluster most nodes hold some popular, dedicated or young replica.
+    emptiable = [g for g in gpus if all(_may_leave(o, waiting_replica_id, now) for o in g.occupants)]
+    if sum(g.total_bytes for g in emptiable) < need_bytes:
         return None
     by_id = {g.id: g for g in gpus}
+    # The greedy meets the same set of GPUs from each of its members: judged once.
+    judged: dict[frozenset[int], tuple[tuple[float, ...], dict[int, int], VictimChoice] | None] = {}
 
     def empty(taken: Mapping[int, int], gpu: GPUView) -> tuple[tuple[float, ...], dict[int, int], VictimChoice] | None:
+        key = frozenset((*taken, gpu.id))
+        if key not in judged:
+            judged[key] = _empty(taken, gpu)
+        return judged[key]
+
+    def _empty(taken: Mapping[int, int], gpu: GPUView) -> tuple[tuple[float, ...], dict[int, int], VictimChoice] | None:
         own = sum(o.reserved_bytes for o in gpu.occupants if o.replica_id == waiting_replica_id)
         needed = {**taken, gpu.id: max(1, gpu.total_bytes - own)}
         choice = choose_victim(
@@ -525,11 +537,11 @@ def _whole_on_node(
         return cost, needed, choice
 
     best: Target | None = None
-    for start in gpus:
+    for start in emptiable:
         step = empty({}, start)
         while step is not None and sum(by_id[g].total_bytes for g in step[1]) < need_bytes:
             taken = step[1]
-            options = [o for g in gpus if g.id not in taken and (o := empty(taken, g)) is not None]
+            options = [o for g in emptiable if g.id not in taken and (o := empty(taken, g)) is not None]
             step = min(options, key=lambda o: o[0]) if options else None
         if step is None:
             continue
@@ -539,6 +551,10 @@ def _whole_on_node(
                 min(needed), sum(needed.values()), choice, cost, needed_bytes_by_gpu=dict(sorted(needed.items()))
             )
     return best
+
+
+def _may_leave(occupant: OccupantView, waiting_replica_id: str, now: datetime) -> bool:
+    return occupant.replica_id == waiting_replica_id or _verdict(occupant, waiting_replica_id, now)[0] is None
 
 
 def _emptied(gpu: GPUView, choice: VictimChoice, waiting_replica_id: str) -> bool:
