@@ -308,17 +308,18 @@ class WakeOrLoad:
 def wake_or_load(times: ReloadTimes, *, max_wait_s: float) -> WakeOrLoad:
     """`prefer_wake` over a deployment's reload times and its max_wait, with the reason."""
     wake = prefer_wake(load_s=times.load_s, wake_s=times.wake_s, max_wait_s=max_wait_s)
-    load = f"a load from disk takes {_fmt_reload(times.load_s, times.load_measured)}"
+    load = f"a load from disk takes {describe_reload(times.load_s, times.load_measured)}"
     woken = (
-        f"a wake from CPU RAM of {_fmt_reload(times.wake_s, times.wake_measured)} after a fair wait of "
-        f"at most {_fmt_reload(max_wait_s, None)} (max_wait)"
+        f"a wake from CPU RAM of {describe_reload(times.wake_s, times.wake_measured)} after a fair wait of "
+        f"at most {describe_reload(max_wait_s, None)} (max_wait)"
     )
     if wake:
         return WakeOrLoad(True, f"{load}, longer than {woken}")
     return WakeOrLoad(False, f"{load}, no longer than {woken}")
 
 
-def _fmt_reload(seconds: float, measured: bool | None) -> str:
+def describe_reload(seconds: float, measured: bool | None) -> str:
+    """A reload time for an Event, and (unless `measured` is None) whether it was measured."""
     # Three significant figures: reload times run from milliseconds (a tiny model) to minutes.
     said = f"{seconds:.3g} s"
     return said if measured is None else f"{said} ({'measured' if measured else 'estimated from its bytes'})"

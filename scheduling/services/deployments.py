@@ -705,14 +705,12 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
         replica.state = Replica.State.WAKING if promoted else Replica.State.PENDING
         replica.progress = 0
         replica.failure_reason = ""
-        placed.append((placement, replica, before))
+        placed.append((placement, replica, before, first, promoted))
     # New rows in one statement; rows that were there (a promotion, a caller's own) saved each.
-    Replica.objects.bulk_create([r for _, r, _ in placed if r.id in decision.created])
-    for placement, replica, before in placed:
+    Replica.objects.bulk_create([p[1] for p in placed if p[1].id in decision.created])
+    for placement, replica, before, first, promoted in placed:
         if replica.id not in decision.created:
             replica.save()
-        first = gpus[placement.gpu_ids[0]]
-        promoted = placement.promoted is not None
         events.record(
             Event.Kind.REPLICA_STATE,
             f"replica {replica.id[:8]}",

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import DurationField, ExpressionWrapper, F
+from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
@@ -246,29 +246,33 @@ def _loads_from_disk(deployment: Deployment, cached: tuple[CachedReplica, ...]) 
     return isinstance(result, Placement) and result.promoted is None
 
 
+def _idle(deployment: Deployment, now: datetime) -> QuerySet[Replica]:
+    """The deployment's serving replicas idle past its idle_timeout_s, each with `idle_since`."""
+    cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
+    return (
+        Replica.objects.filter(deployment=deployment, state=Replica.State.SERVING)
+        .annotate(idle_since=Greatest(F("last_accessed"), F("serving_since")))
+        .filter(idle_since__lt=cutoff)
+    )
+
+
 def _kept_awake(deployment: Deployment, times: fairness.ReloadTimes, now: datetime) -> None:
     """fairness.sleep_when_idle said no: the deployment's idle replicas stay on their GPUs until a
     wake needs the memory (idle, they are the victims it preempts at once). Said by an Event once
     per idle stretch of each replica, not on every sweep. The caller holds the deployment row."""
-    cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
-    idle = Replica.objects.filter(deployment=deployment, state=Replica.State.SERVING).annotate(
-        idle_since=Greatest(F("last_accessed"), F("serving_since"))
-    )
-    for replica_id, node, idle_since in idle.filter(idle_since__lt=cutoff).values_list(
-        "id", "node__name", "idle_since"
-    ):
+    for replica_id, node, idle_since in _idle(deployment, now).values_list("id", "node__name", "idle_since"):
         said = Event.objects.filter(
             replica=replica_id, kind=Event.Kind.REPLICA_STATE, time__gte=idle_since, reason__startswith=KEPT_AWAKE
         )
         if said.exists():
             continue
-        wake = f"{times.wake_s:.3g} s ({'measured' if times.wake_measured else 'estimated from its bytes'})"
         events.record(
             Event.Kind.REPLICA_STATE,
             f"replica {replica_id[:8]}",
             f"{KEPT_AWAKE} after {int((now - idle_since).total_seconds())} s idle: a wake from CPU RAM takes "
-            f"{wake}, longer than the {settings.GPUPORTAL_TTFT_SLO_S:g} s to first token aimed for "
-            "(GPUPORTAL_TTFT_SLO_S; fairness.sleep_when_idle); it sleeps when a wake needs its memory",
+            f"{fairness.describe_reload(times.wake_s, times.wake_measured)}, longer than the "
+            f"{settings.GPUPORTAL_TTFT_SLO_S:g} s to first token aimed for (GPUPORTAL_TTFT_SLO_S; "
+            "fairness.sleep_when_idle); it sleeps when a wake needs its memory",
             before={"state": Replica.State.SERVING},
             after={"state": Replica.State.SERVING, "wake_s": times.wake_s, "slo_ttft_s": settings.GPUPORTAL_TTFT_SLO_S},
             node=node or "",
@@ -343,13 +347,7 @@ def _sleep_idle_of(deployment_id: int, now: datetime) -> list[str]:
         if not fairness.sleep_when_idle(wake_s=times.wake_s, slo_ttft_s=settings.GPUPORTAL_TTFT_SLO_S):
             _kept_awake(deployment, times, now)
             return []
-        cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
-        idle = locks.lock_replicas(
-            Replica.objects.filter(deployment=deployment, state=Replica.State.SERVING)
-            .annotate(idle_since=Greatest(F("last_accessed"), F("serving_since")))
-            .filter(idle_since__lt=cutoff),
-            skip_locked=True,
-        )
+        idle = locks.lock_replicas(_idle(deployment, now), skip_locked=True)
         for replica in idle:
             idle_s = int((now - replica.idle_since).total_seconds())
             sleep_replica(replica.id, reason=f"slept after {idle_s} s idle", deployment=deployment)

@@ -98,11 +98,12 @@ def live_catalogue() -> tuple[CatalogueEntry, ...]:
 
 def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> CatalogueEntry:
     """One deployment as the planner sees it; the live wake path reads its reload times from the
-    same entry (services.sleep), so that both judge a deployment by the same figures. Its need is
-    what one replica reserves (deployments.need_bytes: under its memory policy, with the CUDA
-    context, and a failover standby's), as the GPUs of `snapshot` (default: now) count it."""
-    need = _reserved_need(d, snapshot if snapshot is not None else ledger.snapshot())
-    weights = d.weight_bytes or (need and int(need * 0.8)) or memory.MiB
+    same entry (services.sleep), so that both judge a deployment by the same figures. With
+    `snapshot`, its need is what one replica reserves (deployments.need_bytes: under its memory
+    policy, with the CUDA context, and a failover standby's) as those GPUs count it; without one
+    the need is left out (the wake path reads only the reload times, which come from the weights)."""
+    need = _reserved_need(d, snapshot) if snapshot is not None else None
+    weights = d.weight_bytes or int((d.memory_need_bytes or 0) * 0.8) or memory.MiB
     return CatalogueEntry(
         name=d.name,
         dtype=d.dtype,
