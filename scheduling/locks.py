@@ -14,13 +14,14 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
-from typing import ParamSpec, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import psycopg
 from django.db import OperationalError, transaction
 from django.db.models import QuerySet
 
+from scheduling import hot_sql
 from scheduling.models import GPU, Deployment, Node, Replica
 from scheduling.services.errors import NotFound
 
@@ -63,6 +64,27 @@ def lock_deployment(name: str) -> Deployment:
         return Deployment.objects.select_for_update().get(name=name)
     except Deployment.DoesNotExist:
         raise NotFound(f"no deployment named {name!r}") from None
+
+
+def lock_deployment_reading(name: str, *queries: tuple[str, Sequence[Any]]) -> tuple[Deployment, list[list[tuple]]]:
+    """The deployment's row locked (NotFound if there is none) and the rows of each query, all in
+    one round trip (a scale call's census and snapshot: issue 17 item 4). The queries run after
+    the lock is granted, each a statement of its own, so they see what its previous holder
+    committed."""
+    with hot_sql.pipelined(1 + len(queries)) as (lock, *reads):
+        lock.execute(_lock_by_name(), [name])
+        for read, (query, params) in zip(reads, queries, strict=True):
+            read.execute(query, params)
+        row = lock.fetchone()
+        rows = [read.fetchall() for read in reads]
+    if row is None:
+        raise NotFound(f"no deployment named {name!r}")
+    return hot_sql.instance(Deployment, row), rows
+
+
+@functools.cache
+def _lock_by_name() -> str:
+    return f"SELECT {hot_sql.columns(Deployment)} FROM scheduling_deployment WHERE name = %s FOR UPDATE"
 
 
 def lock_deployment_of(replica: Replica) -> Deployment:

@@ -6,6 +6,7 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -18,7 +19,7 @@ from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from gpuportal.wire import memory
-from scheduling import events, fairness, ledger, locks
+from scheduling import events, fairness, hot_sql, ledger, locks
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.planning import place_all, withhold_locked
@@ -239,13 +240,10 @@ class _Census:
     rows: dict[str, tuple[str, str | None]]  # replica id → (state, node name)
 
     @classmethod
-    def of(cls, deployment: Deployment) -> _Census:
-        # Not the gone ones: nothing here counts or stops them, and their rows pile up until swept.
-        rows = (
-            deployment.replicas.exclude(state__in=GONE)
-            .order_by("-created_at")
-            .values_list("id", "state", "role", "node__name")
-        )
+    def locking(cls, name: str, snapshot_read: tuple[str, list]) -> tuple[Deployment, _Census, list[tuple]]:
+        """The deployment's row locked, its census and the ledger's `snapshot_read`, in one round
+        trip."""
+        deployment, (rows, gpu_rows) = locks.lock_deployment_reading(name, (_CENSUS_SQL, [name]), snapshot_read)
         awake, cached, parked, by_id = [], [], False, {}
         for replica_id, state, role, node in rows:
             by_id[replica_id] = (state, node)
@@ -254,7 +252,17 @@ class _Census:
             elif state == Replica.State.SLEEPING and node is not None:
                 cached.append(CachedReplica(replica_id, node))
             parked = parked or state == Replica.State.PARKED
-        return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
+        return deployment, cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id), gpu_rows
+
+
+# Not the gone ones: nothing here counts or stops them, and their rows pile up until swept.
+_CENSUS_SQL = (
+    "SELECT r.id, r.state, r.role, n.name FROM scheduling_replica r "
+    "LEFT JOIN scheduling_node n ON n.id = r.node_id "
+    "WHERE r.deployment_id = (SELECT id FROM scheduling_deployment WHERE name = %s) "
+    f"AND r.state NOT IN ({', '.join(repr(str(state)) for state in GONE)}) "
+    "ORDER BY r.created_at DESC"
+)
 
 
 @locks.retry_deadlocks
@@ -263,12 +271,15 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
     are created; scaling down stops the most recently started first (they have served least)."""
     if replicas < 0:
         raise InvalidInput("replicas", "must be 0 or more")
+    mirror = ledger.mirror()
     # Its Events are written in one statement at the end (nothing inside catches and goes on).
-    with transaction.atomic(), events.gathered():
+    with transaction.atomic(), events.gathered(), contextlib.ExitStack() as stack:
         # The deployment row lock serialises scale operations of one deployment, so the census
-        # below stays true until the commit.
-        deployment = get(name, lock=True)
-        census = _Census.of(deployment)
+        # read with it stays true until the commit. The snapshot the placement starts from is
+        # read in the same round trip (a later conflict reads again, as always).
+        read = mirror.refresh_statement()
+        deployment, census, gpu_rows = _Census.locking(name, read)
+        stack.enter_context(mirror.prefetched(read, gpu_rows))
         awake = census.awake
         before = deployment.replicas_wanted
         if replicas > len(awake):
@@ -288,7 +299,7 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
                 known={replica_id: census.rows[replica_id] for replica_id in stopping},
             )
         deployment.replicas_wanted = replicas
-        deployment.save(update_fields=["replicas_wanted", "updated_at"])
+        hot_sql.update(deployment, ["replicas_wanted"])
         if census.parked:
             # Parked replicas beyond the new count are wanted no more.
             surplus = deployment.replicas.filter(PLAIN_COUNTED).count() - replicas
@@ -690,7 +701,8 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
     the caller's: deploy, scale, wake), then send the agents to work."""
     gpus = decision.gpus
     victims = {e.replica_id for p in decision.placements for e in p.evictions}
-    for victim in Replica.objects.select_related("node", "deployment").filter(id__in=victims).order_by("pk"):
+    # Most placements evict nobody: no query then (Django compiles even one it knows is empty).
+    for victim in _replicas_in_pk_order(victims) if victims else ():
         _mark_evicted(victim, next(p for p in decision.placements if victim.id in p.evicted_replicas))
     placed = []
     for placement in decision.placements:
@@ -707,7 +719,7 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
         replica.failure_reason = ""
         placed.append((placement, replica, before, first, promoted))
     # New rows in one statement; rows that were there (a promotion, a caller's own) saved each.
-    Replica.objects.bulk_create([p[1] for p in placed if p[1].id in decision.created])
+    hot_sql.insert([p[1] for p in placed if p[1].id in decision.created])
     for placement, replica, before, first, promoted in placed:
         if replica.id not in decision.created:
             replica.save()
@@ -741,6 +753,10 @@ def _apply_placements(deployment: Deployment, decision: _Decision, reason: str) 
             dispatch.start_placed(first.node, command)
         else:
             dispatch.start(first.node, replica.id, wait_for)
+
+
+def _replicas_in_pk_order(ids: set[str]) -> list[Replica]:
+    return list(Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"))
 
 
 def _mark_evicted(victim: Replica, placement: Placement) -> None:

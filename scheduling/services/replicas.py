@@ -12,7 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire import memory
-from scheduling import events, ledger, locks
+from scheduling import events, hot_sql, ledger, locks
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
 from scheduling.services import dispatch, queueing
 from scheduling.services.errors import InvalidState, NotFound
@@ -317,7 +317,7 @@ def set_state_of(
 ) -> None:
     """`set_state` for a replica the caller knows (its state and node, read under its deployment's
     lock) without its row: one UPDATE, no read."""
-    Replica.objects.filter(pk=replica_id).update(state=state, updated_at=timezone.now())
+    hot_sql.update_row(Replica, replica_id, state=state, updated_at=timezone.now())
     if before != state:
         _state_event(Event.Kind.REPLICA_STATE, replica_id, before, state, reason, node or "", deployment)
 

@@ -233,6 +233,83 @@ def test_the_services_snapshot_is_this_threads_mirror_of_this_database():
     assert other[0] is not ledger.mirror(), "a Mirror is not shared between threads"
 
 
+# -- a refresh read in a caller's round trip (Mirror.prefetched) ----------------------------------
+
+
+def _counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    read = ledger._read
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(ledger, "_read", counted)
+    return calls
+
+
+def _rows_of(statement: tuple[str, list]) -> list[tuple]:
+    with ledger._cursor() as cursor:
+        cursor.execute(*statement)
+        return cursor.fetchall()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refresh_read_sent_by_a_caller_serves_the_next_refresh_as_a_read_would(monkeypatch):
+    cluster = free_room()
+    mirror = ledger.Mirror()
+    mirror.snapshot()
+    GPU.objects.filter(pk=cluster["gpus"][0]).update(context_bytes=200 * MiB)  # a change to refresh
+    statement = mirror.refresh_statement()
+    rows = _rows_of(statement)
+    reads = _counting_reads(monkeypatch)
+
+    with mirror.prefetched(statement, rows):
+        seen = mirror.snapshot()
+
+    assert not reads, "the caller's rows served the refresh"
+    assert seen.gpus == ledger.read().gpus
+    assert seen.gpus[cluster["gpus"][0]].context_bytes == 200 * MiB
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prefetched_rows_serve_once_and_never_outlive_their_block(monkeypatch):
+    free_room()
+    mirror = ledger.Mirror()
+    mirror.snapshot()
+    statement = mirror.refresh_statement()
+    rows = _rows_of(statement)
+    reads = _counting_reads(monkeypatch)
+
+    with mirror.prefetched(statement, rows):
+        mirror.snapshot()
+        mirror.snapshot()  # a retry after a conflict reads afresh
+    assert len(reads) == 1
+    with mirror.prefetched(mirror.refresh_statement(), _rows_of(mirror.refresh_statement())):
+        pass  # a call that decided nothing
+    mirror.snapshot()
+    assert len(reads) == 2, "rows read for one call are not used by a later one"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rows_answering_a_statement_made_before_another_refresh_are_ignored(monkeypatch):
+    cluster = free_room()
+    mirror = ledger.Mirror()
+    mirror.snapshot()
+    statement = mirror.refresh_statement()
+    stale = _rows_of(statement)
+    Node.objects.filter(name=cluster["nodes"][0]).update(status="offline")
+    mirror.snapshot()  # moved on past what `stale` answers
+    Node.objects.filter(name=cluster["nodes"][0]).update(status="online")
+    reads = _counting_reads(monkeypatch)
+
+    with mirror.prefetched(statement, stale):
+        seen = mirror.snapshot()
+
+    assert len(reads) == 1, "the stale rows were not used"
+    assert seen.gpus == ledger.read().gpus
+
+
 # -- any sequence of changes ---------------------------------------------------------------------------
 
 

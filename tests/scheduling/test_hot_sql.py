@@ -1,0 +1,137 @@
+"""The statements a scale call sends without the ORM (scheduling.hot_sql, locks.lock_deployment_reading):
+they write and read exactly what the ORM would, inside the caller's transaction."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import ProgrammingError, connection, connections, transaction
+from django.forms.models import model_to_dict
+
+from scheduling import hot_sql, locks
+from scheduling.models import Deployment, Event, Replica
+from scheduling.services.errors import NotFound
+from tests.support import factories
+from tests.support.processes import wait_until
+
+CENSUS = (
+    "SELECT id FROM scheduling_replica WHERE deployment_id = (SELECT id FROM scheduling_deployment WHERE name = %s)"
+)
+
+
+def _row(obj: object, *, leave: tuple[str, ...]) -> dict:
+    return {k: v for k, v in model_to_dict(obj).items() if k not in leave}
+
+
+@pytest.mark.django_db
+def test_it_writes_the_replica_rows_bulk_create_would():
+    dep, node = factories.deployment("hot"), factories.node("n1")
+    by_hand = Replica(id="a" * 32, deployment=dep, node=node, gpu_mem_bytes_by_id={"0": 5}, gpu_memory_fraction=0.5)
+    by_orm = Replica(id="b" * 32, deployment=dep, node=node, gpu_mem_bytes_by_id={"0": 5}, gpu_memory_fraction=0.5)
+
+    hot_sql.insert([by_hand])
+    Replica.objects.bulk_create([by_orm])
+
+    hand, orm = Replica.objects.get(pk="a" * 32), Replica.objects.get(pk="b" * 32)
+    assert _row(hand, leave=("id",)) == _row(orm, leave=("id",))
+    assert hand.created_at is not None and hand.updated_at is not None
+    assert not by_hand._state.adding, "the instance knows it is saved, as after bulk_create"
+
+
+@pytest.mark.django_db
+def test_it_writes_events_with_and_without_their_json_as_the_orm_does():
+    made = [
+        Event(kind=Event.Kind.REPLICA_STATE, subject="r", reason="with", before={"state": "x"}, after=[1, "y"]),
+        Event(kind=Event.Kind.DEPLOYMENT_CHANGED, subject="d", reason="without", deployment="d"),
+    ]
+    hot_sql.insert(made)
+
+    written = list(Event.objects.order_by("id"))
+    assert [(e.reason, e.before, e.after, e.deployment) for e in written] == [
+        ("with", {"state": "x"}, [1, "y"], ""),
+        ("without", None, None, "d"),
+    ]
+    assert Event.objects.filter(before__isnull=True).count() == 1, "None is SQL NULL, not JSON null"
+    assert all(e.time is not None for e in written)
+
+
+@pytest.mark.django_db
+def test_it_updates_a_row_as_save_with_update_fields_does():
+    dep = factories.deployment("hot", replicas_wanted=1)
+    stamped = dep.updated_at
+    dep.replicas_wanted, dep.popular = 4, True  # popular is not named: left as the row has it
+
+    hot_sql.update(dep, ["replicas_wanted"])
+
+    row = Deployment.objects.get(pk=dep.pk)
+    assert (row.replicas_wanted, row.popular) == (4, False)
+    assert row.updated_at > stamped, "auto_now dates move as with save()"
+
+
+@pytest.mark.django_db
+def test_it_reads_the_locked_deployment_as_the_orm_reads_it():
+    dep = factories.deployment("hot", replicas_wanted=3, min_runtime_s=2.5, failed_reason="x")
+    rep = factories.replica(dep)
+
+    with transaction.atomic():
+        locked, (rows, names) = locks.lock_deployment_reading(
+            "hot", (CENSUS, ["hot"]), ("SELECT name FROM scheduling_deployment", [])
+        )
+
+    assert model_to_dict(locked) == model_to_dict(Deployment.objects.get(pk=dep.pk))
+    assert (locked.created_at, locked.updated_at) == (dep.created_at, dep.updated_at)
+    assert rows == [(rep.id,)]
+    assert names == [("hot",)], "each query's rows, in order"
+
+
+def test_models_read_by_hand_need_no_database_converters():
+    # hot_sql.instance builds a Deployment from the raw row: a field Django converts on the way
+    # out of the database would come back wrong from it.
+    assert not [f.name for f in Deployment._meta.concrete_fields if f.get_db_converters(connection)]
+    assert not [f.name for f in Deployment._meta.concrete_fields if connection.ops.get_db_converters(f)]
+
+
+@pytest.mark.django_db
+def test_a_missing_deployment_is_not_found_and_a_bad_statement_is_djangos_error():
+    with pytest.raises(NotFound, match="no deployment named 'nope'"), transaction.atomic():
+        locks.lock_deployment_reading("nope", (CENSUS, ["nope"]))
+    with pytest.raises(ProgrammingError), transaction.atomic():
+        locks.lock_deployment_reading("nope", ("SELECT no_such_column FROM scheduling_replica", []))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed():
+    """The census goes in the lock's round trip but runs after the lock is granted: a replica
+    the previous holder added and committed while we waited is in it."""
+    dep = factories.deployment("hot")
+    holding, done = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            holding.wait(10)
+            with transaction.atomic():
+                seen["rows"] = locks.lock_deployment_reading("hot", (CENSUS, ["hot"]))[1][0]
+        finally:
+            connections.close_all()
+            done.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    with transaction.atomic():
+        locks.lock_deployment("hot")
+        added = factories.replica(dep)
+        holding.set()
+        # Why a wait on pg_locks: the other thread must be queued on this row lock (its census
+        # sent behind the lock) before this transaction commits, or the test proves nothing.
+        with connections["default"].cursor() as cur:
+
+            def queued() -> bool:
+                cur.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
+                return cur.fetchone()[0] > 0
+
+            wait_until(queued, 10, "the other transaction to wait for the deployment's row lock", every=0.01)
+    assert done.wait(10)
+    thread.join()
+    assert seen["rows"] == [(added.id,)]
