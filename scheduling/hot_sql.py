@@ -10,7 +10,6 @@ them as they see the ORM's)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,20 +36,6 @@ def cursor() -> Iterator[psycopg.Cursor]:
     connection.ensure_connection()
     with connection.wrap_database_errors, _Cursor(connection.connection) as cur:
         yield cur
-
-
-@contextmanager
-def pipelined(count: int) -> Iterator[list[psycopg.Cursor]]:
-    """`count` cursors whose statements go to the server together, in one round trip (psycopg's
-    pipeline mode; with the transaction's BEGIN when it is the first). Each statement still runs
-    on its own, in order, with its own snapshot under READ COMMITTED: a read queued after a row
-    lock sees what the lock's previous holder committed."""
-    connection.ensure_connection()
-    raw = connection.connection
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(connection.wrap_database_errors)
-        stack.enter_context(raw.pipeline())
-        yield [stack.enter_context(_Cursor(raw)) for _ in range(count)]
 
 
 def columns(model: type[models.Model]) -> str:
@@ -83,12 +68,18 @@ def _insert_columns(model: type[models.Model]) -> str:
     return ", ".join(connection.ops.quote_name(f.column) for f in _insert_fields(model))
 
 
-def insert(objs: Sequence[models.Model]) -> None:
+Statement = tuple[str, list[Any]]
+
+
+def run(statement: Statement) -> None:
+    with cursor() as cur:
+        cur.execute(*statement)
+
+
+def insert_statement(objs: Sequence[models.Model]) -> Statement:
     """Rows for these unsaved instances of one model, in one statement: what `bulk_create` writes
     (fields' `pre_save` fills auto_now dates as it does), without the ids of automatic keys read
-    back, so only for callers that do not need them."""
-    if not objs:
-        return
+    back, so only for callers that do not need them. The instances count as saved from now."""
     model = type(objs[0])
     fields = _insert_fields(model)
     params: list[Any] = []
@@ -96,28 +87,35 @@ def insert(objs: Sequence[models.Model]) -> None:
         obj._state.adding = False
         obj._state.db = connection.alias
         params.extend(f.get_db_prep_save(f.pre_save(obj, True), connection) for f in fields)
-    with cursor() as cur:
-        cur.execute(_insert_sql(model, len(objs)), params)
+    return _insert_sql(model, len(objs)), params
+
+
+def insert(objs: Sequence[models.Model]) -> None:
+    if objs:
+        run(insert_statement(objs))
 
 
 def update(obj: models.Model, fields: Sequence[str]) -> None:
+    run(update_statement(obj, fields))
+
+
+def update_statement(obj: models.Model, fields: Sequence[str]) -> Statement:
     """`obj.save(update_fields=fields)` for a row known to be there, its auto_now dates with it."""
     meta = type(obj)._meta
     chosen = [meta.get_field(name) for name in fields]
     chosen += [f for f in meta.concrete_fields if getattr(f, "auto_now", False) and f not in chosen]
-    _update(type(obj), obj.pk, {f: f.pre_save(obj, False) for f in chosen})
+    return _update(type(obj), obj.pk, {f: f.pre_save(obj, False) for f in chosen})
 
 
 def update_row(model: type[models.Model], pk: Any, **values: Any) -> None:
     """`model.objects.filter(pk=pk).update(**values)`, for one row."""
     meta = model._meta
-    _update(model, pk, {meta.get_field(name): value for name, value in values.items()})
+    run(_update(model, pk, {meta.get_field(name): value for name, value in values.items()}))
 
 
-def _update(model: type[models.Model], pk: Any, values: dict[models.Field, Any]) -> None:
+def _update(model: type[models.Model], pk: Any, values: dict[models.Field, Any]) -> Statement:
     prepared = [f.get_db_prep_save(value, connection) for f, value in values.items()]
-    with cursor() as cur:
-        cur.execute(_update_sql(model, tuple(f.column for f in values)), [*prepared, pk])
+    return _update_sql(model, tuple(f.column for f in values)), [*prepared, pk]
 
 
 @functools.cache

@@ -11,12 +11,11 @@ rows."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -92,16 +91,10 @@ class _Rows:
 def _read(seen: str | None, ids: list[int] | None, again: Iterable[int] = ()) -> _Rows:
     """Rows of the GPUs asked for (`ids`); else of every GPU, or with `seen` of those whose view
     changed since that snapshot, and `again`."""
+    args = [seen, None if ids is None else _int_array(ids), _int_array(again) if seen is not None else None]
     with _cursor() as cursor:
-        cursor.execute(READ_SQL, _read_args(seen, ids, again))
-        return _rows_of(cursor.fetchall())
-
-
-def _read_args(seen: str | None, ids: list[int] | None, again: Iterable[int]) -> list:
-    return [seen, None if ids is None else _int_array(ids), _int_array(again) if seen is not None else None]
-
-
-def _rows_of(rows: list[tuple]) -> _Rows:
+        cursor.execute(READ_SQL, args)
+        rows = cursor.fetchall()
     # The snapshot and generation come on every row, and on a row of NULLs when no GPU matched.
     return _Rows([row for row in rows if row[0] is not None], rows[0][-1], rows[0][GENERATION])
 
@@ -231,9 +224,6 @@ class Mirror:
         # The index of the whole-cluster snapshot last handed out, patched with what changed
         # since rather than rebuilt (placement's lookups; SnapshotIndex.updated). None: rebuild.
         self._index: SnapshotIndex | None = None
-        # Rows of the next refresh's read that a caller sent in a round trip of its own
-        # (`prefetched`), with the read's arguments they answer.
-        self._prefetched: tuple[list, _Rows] | None = None
 
     def snapshot(self, gpu_ids: Iterable[int] | None = None) -> Snapshot:
         self._refresh()
@@ -245,33 +235,12 @@ class Mirror:
             self._index = SnapshotIndex.build(gpus)
         return Snapshot.indexed(gpus, now, self._index)
 
-    def refresh_statement(self) -> tuple[str, list]:
-        """The read the next refresh makes, for a caller to send beside statements of its own
-        (a scale call sends it with its deployment's lock: one round trip fewer)."""
-        return READ_SQL, _read_args(self._seen, None, sorted(self._again))
-
-    @contextlib.contextmanager
-    def prefetched(self, statement: tuple[str, list], rows: list[tuple]) -> Iterator[None]:
-        """In the block, the next refresh uses `rows`, the answer to `statement` (from
-        `refresh_statement`) sent in the caller's transaction, instead of reading; if something
-        refreshed this Mirror since the statement was made, they answer nothing and are ignored.
-        Dropped when the block ends, used or not: rows read for one call never serve a later one."""
-        self._prefetched = (statement[1], _rows_of(rows))
-        try:
-            yield
-        finally:
-            self._prefetched = None
-
     def _refresh(self) -> None:
         # The first read is a full one; later ones return only the GPUs whose views changed
         # since, and those asked for again (gpuportal_ledger_read says why that misses nothing).
         full = self._seen is None
         asked = sorted(self._again)
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] == _read_args(self._seen, None, asked):
-            read = prefetched[1]
-        else:
-            read = _read(self._seen, None, asked)
+        read = _read(self._seen, None, asked)
         if not full and read.generation != self._generation:
             # GPUs were deleted since (or a deletion this mirror saw was rolled back): read all.
             self._seen = None

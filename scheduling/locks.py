@@ -67,18 +67,19 @@ def lock_deployment(name: str) -> Deployment:
 
 
 def lock_deployment_reading(name: str, *queries: tuple[str, Sequence[Any]]) -> tuple[Deployment, list[list[tuple]]]:
-    """The deployment's row locked (NotFound if there is none) and the rows of each query, all in
-    one round trip (a scale call's census and snapshot: issue 17 item 4). The queries run after
-    the lock is granted, each a statement of its own, so they see what its previous holder
-    committed."""
-    with hot_sql.pipelined(1 + len(queries)) as (lock, *reads):
-        lock.execute(_lock_by_name(), [name])
-        for read, (query, params) in zip(reads, queries, strict=True):
-            read.execute(query, params)
-        row = lock.fetchone()
-        rows = [read.fetchall() for read in reads]
-    if row is None:
-        raise NotFound(f"no deployment named {name!r}")
+    """The deployment's row locked (NotFound if there is none) and the rows of each query read
+    after it (a scale call's census), statements the server prepares once rather than ones Django
+    compiles each time (issue 17 item 4). Each query is a statement of its own, run once the lock
+    is granted, so it sees what the lock's previous holder committed."""
+    with hot_sql.cursor() as cursor:
+        cursor.execute(_lock_by_name(), [name])
+        row = cursor.fetchone()
+        if row is None:
+            raise NotFound(f"no deployment named {name!r}")
+        rows = []
+        for query, params in queries:
+            cursor.execute(query, params)
+            rows.append(cursor.fetchall())
     return hot_sql.instance(Deployment, row), rows
 
 

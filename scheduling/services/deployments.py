@@ -6,7 +6,6 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -138,7 +137,8 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
     if Deployment.objects.filter(name=spec.name).exists():
         raise taken  # before asking a node to read the model
     facts = facts or inspect_model(spec.source, spec.loader, spec.dtype, spec.max_tokens)
-    with transaction.atomic():
+    # Its Events are written in one statement at the end (the savepoint's error is raised, not caught and gone past).
+    with transaction.atomic(), events.gathered():
         try:
             # A savepoint: a create of the same name that committed since the check above makes
             # this insert fail on the unique name, which is a 409 like the check's, not a 500.
@@ -155,7 +155,9 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
             deployment=spec.name,
         )
         if spec.replicas:
-            add_replicas(deployment, spec.replicas, reason=f"deploy {spec.name}")
+            # A deployment this transaction made has no replica yet: no sleeping one to promote,
+            # no parked one to retire (two queries fewer).
+            add_replicas(deployment, spec.replicas, reason=f"deploy {spec.name}", cached=(), parked=False)
     return deployment
 
 
@@ -240,10 +242,9 @@ class _Census:
     rows: dict[str, tuple[str, str | None]]  # replica id → (state, node name)
 
     @classmethod
-    def locking(cls, name: str, snapshot_read: tuple[str, list]) -> tuple[Deployment, _Census, list[tuple]]:
-        """The deployment's row locked, its census and the ledger's `snapshot_read`, in one round
-        trip."""
-        deployment, (rows, gpu_rows) = locks.lock_deployment_reading(name, (_CENSUS_SQL, [name]), snapshot_read)
+    def locking(cls, name: str) -> tuple[Deployment, _Census]:
+        """The deployment's row locked, and its census."""
+        deployment, (rows,) = locks.lock_deployment_reading(name, (_CENSUS_SQL, [name]))
         awake, cached, parked, by_id = [], [], False, {}
         for replica_id, state, role, node in rows:
             by_id[replica_id] = (state, node)
@@ -252,7 +253,7 @@ class _Census:
             elif state == Replica.State.SLEEPING and node is not None:
                 cached.append(CachedReplica(replica_id, node))
             parked = parked or state == Replica.State.PARKED
-        return deployment, cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id), gpu_rows
+        return deployment, cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
 
 
 # Not the gone ones: nothing here counts or stops them, and their rows pile up until swept.
@@ -271,15 +272,11 @@ def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") ->
     are created; scaling down stops the most recently started first (they have served least)."""
     if replicas < 0:
         raise InvalidInput("replicas", "must be 0 or more")
-    mirror = ledger.mirror()
     # Its Events are written in one statement at the end (nothing inside catches and goes on).
-    with transaction.atomic(), events.gathered(), contextlib.ExitStack() as stack:
+    with transaction.atomic(), events.gathered():
         # The deployment row lock serialises scale operations of one deployment, so the census
-        # read with it stays true until the commit. The snapshot the placement starts from is
-        # read in the same round trip (a later conflict reads again, as always).
-        read = mirror.refresh_statement()
-        deployment, census, gpu_rows = _Census.locking(name, read)
-        stack.enter_context(mirror.prefetched(read, gpu_rows))
+        # read with it stays true until the commit.
+        deployment, census = _Census.locking(name)
         awake = census.awake
         before = deployment.replicas_wanted
         if replicas > len(awake):
@@ -508,13 +505,14 @@ def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
 @locks.retry_deadlocks
 def delete(name: str, *, reason: str = "deleted by an operator") -> None:
     """Release every reservation, stop every process, and forget the deployment."""
-    with transaction.atomic():
+    with transaction.atomic(), events.gathered():
         deployment = get(name, lock=True)
         replicas = list(deployment.replicas.select_related("node"))
         ledger.commit_with_retry(releasing({r.id for r in replicas}, f"{reason}: deployment {name}"))
         for replica in replicas:
             if replica.node is not None and replica.state not in (Replica.State.STOPPED, Replica.State.FAILED):
-                dispatch.stop(replica.node.name, replica.id)
+                # The drain as the row says it now: after the commit there is no row to read it from.
+                dispatch.stop(replica.node.name, replica.id, drain_timeout_s=deployment.drain_timeout_s)
         events.record(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",

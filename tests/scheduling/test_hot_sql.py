@@ -96,14 +96,15 @@ def test_models_read_by_hand_need_no_database_converters():
 def test_a_missing_deployment_is_not_found_and_a_bad_statement_is_djangos_error():
     with pytest.raises(NotFound, match="no deployment named 'nope'"), transaction.atomic():
         locks.lock_deployment_reading("nope", (CENSUS, ["nope"]))
+    factories.deployment("hot")
     with pytest.raises(ProgrammingError), transaction.atomic():
-        locks.lock_deployment_reading("nope", ("SELECT no_such_column FROM scheduling_replica", []))
+        locks.lock_deployment_reading("hot", ("SELECT no_such_column FROM scheduling_replica", []))
 
 
 @pytest.mark.django_db(transaction=True)
 def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed():
-    """The census goes in the lock's round trip but runs after the lock is granted: a replica
-    the previous holder added and committed while we waited is in it."""
+    """The census is read once the lock is granted, as a statement of its own: a replica the
+    lock's previous holder added and committed while we waited is in it."""
     dep = factories.deployment("hot")
     holding, done = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
@@ -123,8 +124,8 @@ def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed(
         locks.lock_deployment("hot")
         added = factories.replica(dep)
         holding.set()
-        # Why a wait on pg_locks: the other thread must be queued on this row lock (its census
-        # sent behind the lock) before this transaction commits, or the test proves nothing.
+        # Why a wait on pg_locks: the other thread must be queued on this row lock before this
+        # transaction commits, or the test proves nothing.
         with connections["default"].cursor() as cur:
 
             def queued() -> bool:
