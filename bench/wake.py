@@ -16,6 +16,13 @@ later sleep pays again (the arena is freed by every wake, so an awake replica ho
 "host kept" is the process's resident memory after the last wake less before the first sleep:
 about 0 when the wake gave the arena back.
 
+A wake allocates the replica's KV pool while its copies run (inference.replica, `_wake_onto`):
+"wake + pool" times the same wake with a pool as large as the weights allocated between queueing
+the copies and waiting for them, and "pool alone" that allocation by itself (after the allocator's
+cache was emptied, as a sleep leaves it). On a GPU, "wake + pool" near the wake alone rather than
+wake + pool alone shows the overlap; on the CPU the copies are done when they are issued, so the
+two simply add up there.
+
     python -m bench.wake [--device cpu|cuda] [--sizes 64,128,256] [--dtype float32] [--repeats 3] [--no-record]
 
 Sizes are MiB of float32 weights (0.5, 1 and 4 GiB on CUDA by default; 64, 128 and 256 MiB on the
@@ -48,6 +55,8 @@ class Figures:
     first_sleep_s: float
     sleep_s: float
     wake_s: float
+    wake_with_pool_s: float  # the copies queued, a KV pool allocated, then the wait
+    pool_s: float  # the same pool's allocation alone
     reference: dict[str, float]  # name → bytes/s
     host_kept_bytes: int
 
@@ -105,6 +114,37 @@ def references(nbytes: int, device: str) -> dict[str, float]:
     return rates
 
 
+def kv_pool(model: Any, weights: int, device: str) -> Any:
+    """A KV block pool of about the weights' bytes, for `model`'s shape, on the first GPU (or the CPU)."""
+    from gpuportal.wire import memory
+    from inference.kvpool import BlockPool
+    from inference.paged import model_shape
+
+    shape = model_shape(model, weights)
+    blocks = max(1, weights // memory.kv_block_bytes(shape, memory.DEFAULT_BLOCK_TOKENS))
+    dtype = next(model.parameters()).dtype
+    target = "cuda:0" if device == "cuda" else "cpu"
+    return BlockPool.for_shape(shape, blocks, dtype=dtype, device=target, block_tokens=memory.DEFAULT_BLOCK_TOKENS)
+
+
+def wake_with_pool(backend: Any, model: Any, placement: Any, weights: int, device: str) -> None:
+    """What a replica's wake does: queue the copies, allocate the pool while they run, wait once."""
+    woken, copies = backend.from_cache(model, placement)
+    try:
+        pool = kv_pool(woken, weights, device)
+    finally:
+        copies.wait()
+    pool.release()
+
+
+def pool_alone(model: Any, weights: int, device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.empty_cache()  # as a sleep leaves the allocator: the pool's memory is allocated anew
+    return timed(lambda: kv_pool(model, weights, device).release(), device)
+
+
 def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> Figures:
     import torch
 
@@ -127,11 +167,15 @@ def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> 
         for tensor in (*model.parameters(), *model.buffers()):
             tensor.sum()
     before = resident_bytes()
-    sleeps, wakes = [], []
+    sleeps, wakes, pooled, pools = [], [], [], []
     for _ in range(repeats):
         sleeps.append(timed(lambda: backend.to_cache(model, placement), device))
-        wakes.append(timed(lambda: backend.from_cache(model, placement), device))
-    kept = resident_bytes() - before
+        wakes.append(timed(lambda: backend.from_cache(model, placement)[1].wait(), device))
+    kept = resident_bytes() - before  # before the pools: what the host's allocator keeps of them is not the arena
+    for _ in range(repeats):
+        backend.to_cache(model, placement)
+        pooled.append(timed(lambda: wake_with_pool(backend, model, placement, weights, device), device))
+        pools.append(pool_alone(model, weights, device))
     model = None  # its memory goes back before the reference copies allocate theirs
     backend.release()
     return Figures(
@@ -140,6 +184,8 @@ def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> 
         first_sleep_s=sleeps[0],
         sleep_s=statistics.median(sleeps[1:] or sleeps),
         wake_s=statistics.median(wakes),
+        wake_with_pool_s=statistics.median(pooled),
+        pool_s=statistics.median(pools),
         reference=references(weights, device),
         host_kept_bytes=kept,
     )
@@ -155,6 +201,8 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
             "first sleep GB/s",
             "sleep GB/s",
             "wake GB/s",
+            "wake + pool GB/s",
+            "pool alone ms",
             "pinned H2D GB/s",
             "pageable H2D GB/s",
             "wake / pinned",
@@ -163,13 +211,14 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
             "host kept",
         ]
     else:
-        headers = ["model", "first sleep GB/s", "sleep GB/s", "wake GB/s", "memcpy GB/s", "fresh memcpy GB/s"]
+        headers = ["model", "first sleep GB/s", "sleep GB/s", "wake GB/s", "wake + pool GB/s", "pool alone ms"]
+        headers += ["memcpy GB/s", "fresh memcpy GB/s"]
         headers += ["wake / fresh", "sleep / fresh", "host kept"]
     out: list[list[object]] = []
     for f in figures:
         sleep, wake = f.rate(f.sleep_s), f.rate(f.wake_s)
         row: list[object] = [f"{f.weights_bytes / 1024**2:.0f} MiB", gbs(f.rate(f.first_sleep_s)), gbs(sleep)]
-        row.append(gbs(wake))
+        row += [gbs(wake), gbs(f.rate(f.wake_with_pool_s)), f"{f.pool_s * 1000:.1f}"]
         if device == "cuda":
             pinned, d2h = f.reference["pinned H2D"], f.reference["pinned D2H"]
             row += [gbs(pinned), gbs(f.reference["pageable H2D"]), f"{wake / pinned:.0%}", gbs(d2h)]
@@ -231,6 +280,9 @@ def main() -> None:
         f"Random Llama models (`make_tiny_model`, {args.dtype}) loaded by the replica's backend on "
         f"{describe_device(device)}; sleep and wake through its to_cache / from_cache (inference.arena), "
         f"{args.repeats} cycles each: the first sleep apart, medians of the rest. Reference: {reference}. "
+        "`wake + pool`: the wake with a KV pool of the weights' size allocated while its copies run (the "
+        "replica's order), `pool alone`: that allocation by itself; on a GPU the overlap shows as `wake + pool` "
+        "near `wake`, on the CPU the copies are synchronous and the two add up. "
         "`host kept`: resident memory after the last wake less before the first sleep. The host cache under "
         "pressure (sleeping replicas past the node's budget) needs the control plane and is not measured "
         "here (scheduling/services/host_cache.py).\n\n"

@@ -12,8 +12,13 @@ device-to-host copies are queued on a stream of their own with one synchronisati
 and a wake copies each run of tensors bound for one device as ONE block (the arena's layout is
 kept on the device), so a single-GPU wake is one host-to-device copy of the whole arena.
 
-Policy: the arena is freed by `unpack` (an awake replica holds no host copy of its weights). The
-control plane counts host memory only for sleeping, draining and standby replicas
+A wake overlaps its copies with the rest of the wake: `unpack_async` queues the host-to-device
+copies and returns a `PendingCopies` at once, so the replica checks its cap and allocates its KV
+pool (sizes only, no weight is read) while the bytes cross the bus, then calls `wait()`: ONE
+synchronisation per device, after which the arena is released. `unpack` is the two together.
+
+Policy: the arena is freed by the wake, at its `wait()` (an awake replica holds no host copy of its
+weights). The control plane counts host memory only for sleeping, draining and standby replicas
 (scheduling.services.host_cache), so a copy kept after a wake would be memory nobody accounts for.
 
 On the CPU (VirtualBackend, tests, CI) the same code runs with plain host copies: no stream, no
@@ -144,9 +149,81 @@ def pack(model: nn.Module, *, pin: bool | None = None) -> Arena:
     return arena
 
 
+class PendingCopies:
+    """A wake's host-to-device copies, queued and perhaps still running, and the arena they read.
+
+    The race it closes: a copy queued with non_blocking from page-locked memory returns before the
+    DMA engine has read the pages, and nothing in torch keeps them alive for it. Its caching host
+    allocator records an event for the blocks it handed out, but the arena's pages are our own
+    (cudaHostRegister, see _host_buffer): no event, no reference. Once the module's tensors point
+    at the device, this handle's arena is the last holder of the host buffer, so releasing it
+    (cudaHostUnregister, then the pages go back to malloc) before the copy streams are
+    synchronised would let the DMA read unpinned or reused memory: torn weights, silently.
+    So the arena is released by `wait()` only, after the synchronisation, and never before: not by
+    a failure between the enqueue and the wait (the caller waits in a `finally`), nor by dropping
+    the handle unwaited (a finalizer then synchronises before it releases).
+
+    On the CPU, and for pageable memory, the copies were done when they were issued: `wait()` only
+    releases the arena, so the same code runs everywhere.
+    """
+
+    def __init__(self, arena: Arena | None, streams: list[Any]):
+        # Strong references held by the finalizer, not by the handle alone: whichever comes first,
+        # wait() or the handle's collection, runs _finish exactly once.
+        self._finish = weakref.finalize(self, _finish, arena, streams)
+
+    @classmethod
+    def complete(cls) -> PendingCopies:
+        """Nothing in flight, no arena to release (a wake with nothing parked)."""
+        handle = cls(None, [])
+        handle.wait()
+        return handle
+
+    @property
+    def done(self) -> bool:
+        """True once waited for: the copies have landed and the arena is released."""
+        return not self._finish.alive
+
+    def wait(self) -> None:
+        """Block until every copy has landed (one synchronisation per device), then release the
+        arena. Only the first call does anything: a second one returns at once."""
+        self._finish()
+
+
+def _finish(arena: Arena | None, streams: list[Any]) -> None:
+    try:
+        for stream in streams:
+            stream.synchronize()
+    except BaseException:
+        # Unknown whether the DMA engine is done with the pages (a CUDA error is sticky and the
+        # replica fails on it): never free them under it. They go back when the process exits.
+        if arena is not None:
+            _UNCONFIRMED.append(arena)
+        raise
+    if arena is not None:
+        arena.release()
+
+
+# Arenas whose copies could not be confirmed finished (see _finish): kept, never freed.
+_UNCONFIRMED: list[Arena] = []
+
+
 def unpack(model: nn.Module, arena: Arena, device_map: DeviceMap | None = None) -> None:
-    """Copy the arena onto the devices `device_map` names (default: where each tensor was when
-    packed), one allocation per device, point the module's tensors there, and free the arena."""
+    """`unpack_async` and its wait: the weights are on their devices and the arena freed on return."""
+    unpack_async(model, arena, device_map).wait()
+
+
+def unpack_async(model: nn.Module, arena: Arena, device_map: DeviceMap | None = None) -> PendingCopies:
+    """Queue the copies of the arena onto the devices `device_map` names (default: where each
+    tensor was when packed), one allocation per device, and point the module's tensors there.
+
+    Returns with the copies perhaps still running. The module's tensors already have their devices,
+    shapes and dtypes (what a cap check or a pool's sizing reads); their VALUES are only certain
+    after the handle's `wait()`, which also frees the arena. Work queued on a device's current
+    stream after this returns is ordered after the copies, but the host must still wait before it
+    reads a weight or reports the wake done. On failure nothing is left in flight, the arena is
+    intact and the module still points into it.
+    """
     import torch
 
     if arena.host is None:
@@ -162,10 +239,12 @@ def unpack(model: nn.Module, arena: Arena, device_map: DeviceMap | None = None) 
         device = targets[run.start]
         run_at.append(placed.get(device, 0))
         placed[device] = align(run_at[-1] + _run_end(slots, run) - slots[run.start].offset)
+    # Allocated before any copy is queued: an out-of-memory here leaves nothing in flight.
     buffers = {device: torch.empty(size, dtype=torch.uint8, device=device) for device, size in placed.items()}
 
     views: list[torch.Tensor] = [host] * len(slots)  # placeholders, all replaced below
-    with _CopyStreams(set(buffers)) as streams:
+    streams = _side_streams(set(buffers))
+    try:
         for run, at in zip(runs, run_at, strict=True):
             device = targets[run.start]
             start = slots[run.start].offset
@@ -174,8 +253,16 @@ def unpack(model: nn.Module, arena: Arena, device_map: DeviceMap | None = None) 
                 buffers[device][at : at + span].copy_(host[start : start + span], non_blocking=arena.pinned)
             for index in run:
                 views[index] = _typed(buffers[device], slots[index], shift=at - start)
+        for device, stream in streams.items():
+            # GPU-side order: whatever is queued on the device's own stream from now on (a forward,
+            # a dispatch's moves) runs after the copies. Not the host side: see PendingCopies.
+            torch.cuda.current_stream(device).wait_stream(stream)
+    except BaseException:
+        _synchronize(streams)  # the arena goes back to the caller with nothing reading it
+        raise
     _repoint(arena, views)
-    arena.release()
+    # From here the module no longer references the host buffer: the handle's arena holds it.
+    return PendingCopies(arena, list(streams.values()))
 
 
 def host_bytes(model: nn.Module) -> int:
@@ -347,27 +434,39 @@ def _unregister(pointer: int) -> None:
         log.warning("cudaHostUnregister failed (cudaError %d): the arena's pages stay pinned until exit", error)
 
 
+def _side_streams(devices: set[torch.device]) -> dict[torch.device, Any]:
+    """A side stream per GPU in `devices`, ordered after the work already queued there. Empty for
+    the CPU: its copies are done when they return."""
+    import torch
+
+    streams: dict[torch.device, Any] = {}
+    for device in sorted((d for d in devices if d.type == "cuda"), key=str):
+        stream = torch.cuda.Stream(device=device)
+        # The source (a sleep) may still be being written by work queued on the current stream;
+        # a wake's destination may be memory the allocator recycled from work still queued there.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        streams[device] = stream
+    return streams
+
+
+def _synchronize(streams: Mapping[torch.device, Any]) -> None:
+    for stream in streams.values():
+        stream.synchronize()
+
+
 class _CopyStreams:
-    """A side stream per GPU in `devices`, ordered after the work already queued there; on exit,
-    ONE synchronisation per stream. Empty for the CPU: its copies are done when they return."""
+    """`_side_streams` for a block of copies; on exit, ONE synchronisation per stream."""
 
     def __init__(self, devices: set[torch.device]):
-        self.devices = sorted((d for d in devices if d.type == "cuda"), key=str)
+        self.devices = devices
         self.streams: dict[torch.device, Any] = {}
 
     def __enter__(self) -> dict[torch.device, Any]:
-        import torch
-
-        for device in self.devices:
-            stream = torch.cuda.Stream(device=device)
-            # The weights may still be being written by work queued on the default stream.
-            stream.wait_stream(torch.cuda.current_stream(device))
-            self.streams[device] = stream
+        self.streams = _side_streams(self.devices)
         return self.streams
 
     def __exit__(self, *exc: object) -> None:
-        for stream in self.streams.values():
-            stream.synchronize()
+        _synchronize(self.streams)
 
 
 def _on(stream: Any | None) -> Any:

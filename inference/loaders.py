@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from inference.arena import Arena
+    from inference.arena import Arena, PendingCopies
 
 TRANSFORMERS, TORCH_MODULE, EMBEDDING = "transformers", "torch-module", "transformers-embedding"
 LOADERS = (TRANSFORMERS, TORCH_MODULE, EMBEDDING)
@@ -147,36 +147,64 @@ def place_on_gpus(model: nn.Module, max_memory: MaxMemory, arena: Arena | None =
     One GPU needs no hooks: a plain move is enough and keeps forward() free of accelerate's
     per-module device checks. Several GPUs get a device map and the hooks that move activations.
     With `arena` (a sleeping replica's weights, inference.arena) the weights come out of it: one
-    block copy per device instead of a copy per tensor; dispatch then finds them in place.
+    block copy per device instead of a copy per tensor; dispatch then finds them in place. Returns
+    once they have landed (wake_on_gpus returns while they copy).
     """
+    if arena is None:
+        return _place(model, max_memory, None)[0]
+    model, copies = wake_on_gpus(model, max_memory, arena)
+    copies.wait()
+    return model
+
+
+def wake_on_gpus(model: nn.Module, max_memory: MaxMemory, arena: Arena) -> tuple[nn.Module, PendingCopies]:
+    """`place_on_gpus` out of `arena`, returning while the copies may still run: the caller does
+    what needs only sizes and devices (the cap check, the KV pool), then waits on the handle
+    before anything reads a weight (inference.arena.PendingCopies)."""
+    model, copies = _place(model, max_memory, arena)
+    assert copies is not None
+    return model, copies
+
+
+def _place(model: nn.Module, max_memory: MaxMemory, arena: Arena | None) -> tuple[nn.Module, PendingCopies | None]:
     gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
     device_map: dict[str, Any]
-    if len(gpus) == 1:
-        device_map = {"": gpus[0]}
-        if arena is not None:
-            from inference.arena import unpack
+    copies: PendingCopies | None = None
+    try:
+        if len(gpus) == 1:
+            device_map = {"": gpus[0]}
+            if arena is not None:
+                from inference.arena import unpack_async
 
-            unpack(model, arena, device_map)
-        model = model.to(f"cuda:{gpus[0]}")  # a no-op for what the arena placed
-    else:
-        from accelerate import dispatch_model, infer_auto_device_map
+                copies = unpack_async(model, arena, device_map)
+            model = model.to(f"cuda:{gpus[0]}")  # a no-op for what the arena placed
+        else:
+            from accelerate import dispatch_model, infer_auto_device_map
 
-        device_map = infer_auto_device_map(
-            model,
-            max_memory=dict(max_memory),
-            no_split_module_classes=getattr(model, "_no_split_modules", None),
-        )
-        if arena is not None:
-            from inference.arena import unpack
+            device_map = infer_auto_device_map(
+                model,
+                max_memory=dict(max_memory),
+                no_split_module_classes=getattr(model, "_no_split_modules", None),
+            )
+            if arena is not None:
+                from inference.arena import unpack_async
 
-            # What the map sends off the GPUs ("cpu", "disk": no room) lands on the CPU, where
-            # dispatch treats it as today and the replica's check fails it as out of memory.
-            unpack(model, arena, {k: v if isinstance(v, int) else "cpu" for k, v in device_map.items()})
-        model = dispatch_model(model, device_map=device_map)
+                # What the map sends off the GPUs ("cpu", "disk": no room) lands on the CPU, where
+                # dispatch treats it as today and the replica's check fails it as out of memory.
+                copies = unpack_async(
+                    model, arena, {k: v if isinstance(v, int) else "cpu" for k, v in device_map.items()}
+                )
+            # Dispatch reads devices, not values; any device work it queues follows the copies
+            # on the current stream (unpack_async orders it so).
+            model = dispatch_model(model, device_map=device_map)
+    except BaseException:
+        if copies is not None:
+            copies.wait()  # nothing may still read the arena's pages once it is freed
+        raise
     if hasattr(model, "hf_device_map"):
         # transformers reads it (generate, model.device helpers): it must describe where weights are now.
         model.hf_device_map = device_map
-    return model
+    return model, copies
 
 
 def resolve_factory(source: str) -> Callable[[], Any]:

@@ -23,8 +23,9 @@ its queue, and only then are the weights moved or released.
 `--backend cuda` follows seed 000: target the first GPU, cap the process with
 set_per_process_memory_fraction, place weights with accelerate under max_memory (0 on GPUs it does
 not own) and check where they landed; sleep packs them into one pinned host allocation (an
-arena, inference.arena) and lifts the cap; wake targets the possibly new GPUs, copies the arena
-there and frees it. `--backend virtual` runs the same host on CPU (sleep and wake through the
+arena, inference.arena) and lifts the cap; wake targets the possibly new GPUs, queues the
+arena's copies there, allocates the KV pool while they run, synchronises once and frees the
+arena. `--backend virtual` runs the same host on CPU (sleep and wake through the
 same arena, with plain host copies) and enforces the reservation in software: weights bigger than
 it fail exactly like an out-of-memory.
 
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from gpuportal.wire.memory import MemoryEstimate, ModelShape
-    from inference.arena import Arena
+    from inference.arena import Arena, PendingCopies
     from inference.embedding import Recipe
     from inference.paged import PagedModel
     from inference.pairing import PairMember
@@ -248,7 +249,7 @@ class Backend(Protocol):
     def load(self, source: str, loader: str, dtype: str, placement: Placement) -> nn.Module: ...
     def verify(self, model: nn.Module, placement: Placement) -> None: ...
     def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]: ...
-    def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module: ...
+    def from_cache(self, model: nn.Module, placement: Placement) -> tuple[nn.Module, PendingCopies]: ...
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
     ) -> tuple[nn.Module, dict[str, int | None]]: ...
@@ -313,14 +314,16 @@ class VirtualBackend:
         held[str(placement.gpus[0])] = self.context_bytes
         return held
 
-    def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module:
-        from inference.arena import unpack
+    def from_cache(self, model: nn.Module, placement: Placement) -> tuple[nn.Module, PendingCopies]:
+        from inference.arena import PendingCopies, unpack_async
 
         self.attach(placement)
-        if self.arena is not None:
-            arena, self.arena = self.arena, None
-            unpack(model, arena, {"": "cpu"})  # frees the arena: an awake replica holds no host copy
-        return model
+        if self.arena is None:
+            return model, PendingCopies.complete()
+        arena, self.arena = self.arena, None
+        # Host copies are done when they return; the handle's wait frees the arena (an awake
+        # replica holds no host copy), at the point where a GPU's wake synchronises.
+        return model, unpack_async(model, arena, {"": "cpu"})
 
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
@@ -443,15 +446,20 @@ class CudaBackend:
             torch.cuda.set_per_process_memory_fraction(1.0, gpu)
         return self._residual(placement)
 
-    def from_cache(self, model: nn.Module, placement: Placement) -> nn.Module:
+    def from_cache(self, model: nn.Module, placement: Placement) -> tuple[nn.Module, PendingCopies]:
         import torch
 
-        from inference.loaders import place_on_gpus
+        from inference.arena import PendingCopies
+        from inference.loaders import place_on_gpus, wake_on_gpus
 
         self.attach(placement)
+        max_memory = placement.max_memory(torch.cuda.device_count())
         arena, self.arena = self.arena, None
-        # Out of the arena, one block copy per device, and the arena freed (see __init__).
-        return place_on_gpus(model, placement.max_memory(torch.cuda.device_count()), arena)
+        if arena is None:
+            return place_on_gpus(model, max_memory), PendingCopies.complete()
+        # Out of the arena, one block copy per device, queued on a side stream; the handle's wait
+        # synchronises once and frees the arena (see __init__).
+        return wake_on_gpus(model, max_memory, arena)
 
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
@@ -760,9 +768,7 @@ class ReplicaHost:
             with self._failing_as("load"):
                 self.state = "waking"
                 check_cap(self.weights_bytes, self.placement, self._outside_allocator())
-                assert self.model is not None
-                self._adopt(self.backend.from_cache(self.model, self.placement), self.placement)
-                self._allocate_pool()
+                self._wake_onto(self.placement)
 
     def on_stale(self, reason: str) -> None:
         """Our failover epoch was superseded, or the control plane wrote us off and gave our
@@ -813,10 +819,7 @@ class ReplicaHost:
                 self.state = "waking"
                 # Before moving anything: a reservation too small for the weights fails like a CUDA OOM would.
                 check_cap(self.weights_bytes, target, self._outside_allocator())
-                assert self.model is not None
-                model = self.backend.from_cache(self.model, target)
-                self._adopt(model, target)
-                self._allocate_pool()
+                self._wake_onto(target)
                 self.state = "serving"
                 self.events.emit("woken", **self._where())
 
@@ -872,6 +875,25 @@ class ReplicaHost:
         return paged.pool.stats().as_event() if paged is not None else None
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _wake_onto(self, placement: Placement) -> None:
+        """The weights out of the arena onto `placement`'s GPUs, the KV pool allocated while they copy.
+
+        from_cache only queues the host-to-device copies (inference.arena.unpack_async). What runs
+        before the wait needs the weights' devices, shapes and sizes, never their values: the cap
+        check, the pool's sizing and allocation (NVML and allocator figures, an empty tensor). So
+        on a GPU it overlaps the copies. Whatever reads a weight (a forward pass, the serving
+        thread, whose requests wait for the `serving` state the caller sets) comes after it.
+        """
+        assert self.model is not None
+        model, copies = self.backend.from_cache(self.model, placement)
+        try:
+            self._adopt(model, placement)
+            self._allocate_pool()
+        finally:
+            # ONE synchronisation, and only then is the arena's pinned host buffer freed: even when
+            # the cap or the pool fails, the copies may still be reading it (PendingCopies).
+            copies.wait()
 
     def _adopt(self, model: nn.Module, placement: Placement) -> None:
         from inference.loaders import tensor_bytes

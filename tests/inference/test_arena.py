@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from inference.arena import ALIGNMENT, Arena, host_bytes, pack, unpack
+from inference.arena import ALIGNMENT, Arena, PendingCopies, host_bytes, pack, unpack, unpack_async
 from inference.replica import Placement, VirtualBackend
 
 GiB = 1024**3
@@ -173,6 +173,96 @@ def test_a_module_on_the_meta_device_cannot_be_packed():
         pack(model)
 
 
+# -- the wake's pending copies (PendingCopies) ------------------------------------------------------
+
+
+class Stream:
+    """Stands in for a CUDA copy stream: says when it was synchronised and what the arena was then."""
+
+    def __init__(self, arena: Arena, fails: bool = False):
+        self.arena = arena
+        self.fails = fails
+        self.released_when_synchronised: list[bool] = []
+
+    def synchronize(self) -> None:
+        self.released_when_synchronised.append(self.arena.released)
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_it_holds_the_arenas_host_buffer_until_the_wait_and_releases_it_then():
+    model = OddSizes(torch.float32, tied=True)
+    before = snapshot(model)
+    arena = pack(model)
+    host = weakref.ref(arena.host)
+
+    copies = unpack_async(model, arena)
+    del arena  # the caller's reference gone: the handle is the last holder of the host buffer
+    gc.collect()
+    assert host() is not None and not copies.done
+    assert_same(model, before)  # on the CPU the copies were done when they were issued
+
+    copies.wait()
+    gc.collect()
+    assert copies.done and host() is None
+    assert_same(model, before)
+
+
+def test_it_ignores_a_second_wait():
+    model = OddSizes(torch.bfloat16)
+    arena = pack(model)
+    copies = unpack_async(model, arena)
+    copies.wait()
+    copies.wait()
+    assert copies.done and arena.released
+    assert PendingCopies.complete().done  # a wake with nothing parked
+
+
+def test_it_synchronises_the_copy_streams_before_it_releases_the_arena_and_only_once():
+    arena = pack(OddSizes(torch.float32))
+    streams = [Stream(arena), Stream(arena)]
+    copies = PendingCopies(arena, streams)
+    assert not arena.released and all(s.released_when_synchronised == [] for s in streams)
+    copies.wait()
+    copies.wait()
+    assert [s.released_when_synchronised for s in streams] == [[False], [False]]
+    assert arena.released
+
+
+def test_it_synchronises_before_releasing_when_the_handle_is_dropped_unwaited():
+    arena = pack(OddSizes(torch.float32))
+    stream = Stream(arena)
+    copies = PendingCopies(arena, [stream])
+    del copies
+    gc.collect()
+    assert stream.released_when_synchronised == [False] and arena.released
+
+
+def test_it_never_frees_an_arena_whose_copies_could_not_be_confirmed_finished():
+    from inference import arena as arenas
+
+    arena = pack(OddSizes(torch.float32))
+    copies = PendingCopies(arena, [Stream(arena, fails=True)])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        copies.wait()
+    assert not arena.released and arena in arenas._UNCONFIRMED
+    copies.wait()  # nothing left to do: the failure was the answer
+    arenas._UNCONFIRMED.remove(arena)
+    arena.release()
+
+
+def test_it_leaves_the_arena_intact_when_the_wake_fails_before_anything_is_queued():
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    before = snapshot(model)
+    arena = pack(model)
+    with pytest.raises(ValueError, match="names no device"):
+        unpack_async(model, arena, {"0": "cpu"})
+    assert not arena.released
+    assert storages(model) == {arena.host.untyped_storage().data_ptr()}  # still asleep in it
+    unpack(model, arena)
+    assert_same(model, before)
+
+
 def _greedy(model: nn.Module, prompt: torch.Tensor) -> list[int]:
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
@@ -192,8 +282,11 @@ def test_generation_is_unchanged_token_for_token_after_sleep_and_wake(tiny_model
     backend.to_cache(model, placement)
     assert isinstance(backend.arena, Arena)
     assert storages(model) == {backend.arena.host.untyped_storage().data_ptr()}  # asleep: in the arena
-    woken = backend.from_cache(model, placement)
-    assert backend.arena is None  # an awake replica holds no host copy
+    arena = backend.arena
+    woken, copies = backend.from_cache(model, placement)
+    assert backend.arena is None and not arena.released  # the handle holds it until the copies land
+    copies.wait()
+    assert arena.released  # an awake replica holds no host copy
 
     assert_same(woken, weights)
     assert _greedy(woken, prompt) == before
@@ -205,7 +298,8 @@ def test_a_standby_holds_its_arena_until_it_takes_over(tiny_model_dir):
     model, _ = backend.load_to_cache(str(tiny_model_dir), "transformers", "bfloat16", placement)
     assert backend.arena is not None and backend.arena.tensor_bytes > 0
     weights = snapshot(model)
-    backend.from_cache(model, placement)
+    _, copies = backend.from_cache(model, placement)
+    copies.wait()
     assert backend.arena is None
     assert_same(model, weights)
 
@@ -261,7 +355,29 @@ def test_on_a_gpu_the_backend_sleeps_and_wakes_without_changing_generation(tiny_
 
     backend.to_cache(model, placement)
     assert backend.arena is not None and backend.arena.pinned
-    woken = backend.from_cache(model, placement)
+    arena = backend.arena
+    woken, copies = backend.from_cache(model, placement)
     assert backend.arena is None
+    copies.wait()
+    assert arena.released
     assert {str(p.device) for p in woken.parameters()} == {"cuda:0"}
     assert _greedy(woken, prompt) == before
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_it_returns_with_the_copies_queued_and_releases_the_pinned_arena_only_after_the_wait():
+    torch.manual_seed(3)
+    model = OddSizes(torch.float32, tied=True).to("cuda:0")
+    before = {name: t.cpu() for name, t in snapshot(model).items()}
+    arena = pack(model)
+    assert arena.pinned
+
+    copies = unpack_async(model, arena, {"": 0})
+    # Allocated while the copies may run, as a wake allocates its KV pool: no weight is read.
+    pool = torch.empty(64 * 1024**2, dtype=torch.uint8, device="cuda:0")
+    assert not arena.released and {str(t.device) for t in model.parameters()} == {"cuda:0"}
+    copies.wait()
+    assert arena.released and copies.done
+    copies.wait()
+    assert_same(model.cpu(), before)
+    del pool

@@ -332,6 +332,115 @@ def test_waking_into_a_reservation_too_small_fails_like_an_out_of_memory():
     assert err.value.kind == "oom" and host.state == "failed"
 
 
+def _llm_host(model_dir: Path, reserved: int = GiB) -> tuple[ReplicaHost, io.StringIO]:
+    """A replica host in this process serving a tiny Llama: it pages its KV cache, so a wake allocates a
+    pool. The reservation holds the virtual GPU's CUDA context (an H100's) beside the weights and the pool."""
+    out = io.StringIO()
+    host = ReplicaHost(
+        replica_id="r1",
+        source=str(model_dir),
+        loader="transformers",
+        dtype="float32",
+        placement=Placement.parse([0], {"0": reserved}, 0.1),
+        backend=VirtualBackend(),
+        events=EventWriter(out),
+    )
+    return host, out
+
+
+class WakeSpy:
+    """Records, in order, the wake's steps: the copies queued, the pool allocated, the wait, the
+    `woken` event; with whether the copies were waited for at each."""
+
+    def __init__(self, host: ReplicaHost, monkeypatch: pytest.MonkeyPatch):
+        self.steps: list[tuple[str, bool]] = []
+        self.copies: Any = None
+        self.arena = host.backend.arena
+        from_cache, allocate_pool, emit = host.backend.from_cache, host._allocate_pool, host.events.emit
+
+        def spy_from_cache(model, placement):
+            model, self.copies = from_cache(model, placement)
+            wait = self.copies.wait
+            self.copies.wait = lambda: (self.steps.append(("wait", self.copies.done)), wait())
+            self.steps.append(("queued", self.copies.done))
+            return model, self.copies
+
+        def spy_allocate_pool():
+            self.steps.append(("pool", self.copies.done))
+            allocate_pool()
+
+        def spy_emit(event, **fields):
+            if event in {"woken", "failed"}:
+                self.steps.append((event, self.copies.done))
+            emit(event, **fields)
+
+        monkeypatch.setattr(host.backend, "from_cache", spy_from_cache)
+        monkeypatch.setattr(host, "_allocate_pool", spy_allocate_pool)
+        monkeypatch.setattr(host.events, "emit", spy_emit)
+
+
+def _logits(host: ReplicaHost) -> torch.Tensor:
+    with torch.no_grad():
+        return host.model(torch.tensor([[3, 17, 42, 7, 99]])).logits
+
+
+def test_it_allocates_the_kv_pool_while_the_copies_are_pending_and_waits_once_before_it_reports_woken(
+    tiny_model_dir, monkeypatch
+):
+    host, out = _llm_host(tiny_model_dir)
+    host.load()
+    assert host.paged is not None  # a Llama pages its KV cache: the wake has a pool to allocate
+    weights = {name: t.clone() for name, t in host.model.state_dict().items()}
+    before = _logits(host)
+    host.sleep()
+    spy = WakeSpy(host, monkeypatch)
+
+    host.wake([1], {"1": GiB}, 0.1)
+
+    # The pool is sized and allocated before the wait (on a GPU, while the copies run); the wait
+    # comes once, and `woken` (from which requests are served) only after it.
+    assert spy.steps == [("queued", False), ("pool", False), ("wait", False), ("woken", True)]
+    assert spy.arena.released and host.backend.arena is None
+    assert host.state == "serving" and host.paged is not None and host.placement.gpus == (1,)
+    after = host.model.state_dict()
+    assert all(torch.equal(after[name], tensor) for name, tensor in weights.items())
+    assert torch.equal(_logits(host), before)
+    assert [e["event"] for e in _events(out) if e["event"] != "progress"] == ["serving", "sleeping", "woken"]
+
+
+def test_it_allocates_a_standbys_kv_pool_while_its_takeover_copies_are_pending(tiny_model_dir, monkeypatch):
+    host, _ = _llm_host(tiny_model_dir)
+    host.load_standby()
+    assert host.state == "standby" and host.backend.arena is not None
+    weights = {name: t.clone() for name, t in host.model.state_dict().items()}
+    spy = WakeSpy(host, monkeypatch)
+
+    host.wake_standby()  # the failover lock's grant (inference.pairing) then sets `serving`
+
+    assert spy.steps == [("queued", False), ("pool", False), ("wait", False)]
+    assert spy.copies.done and spy.arena.released and host.paged is not None
+    after = host.model.state_dict()
+    assert all(torch.equal(after[name], tensor) for name, tensor in weights.items())
+
+
+def test_it_waits_for_the_copies_and_frees_the_arena_when_the_pool_fails_after_they_were_queued(
+    tiny_model_dir, monkeypatch
+):
+    host, out = _llm_host(tiny_model_dir)
+    host.load()
+    host.sleep()
+    spy = WakeSpy(host, monkeypatch)
+
+    # Room for the weights (the check before anything is copied passes), none for a pool of max_tokens.
+    with pytest.raises(ReplicaFailure, match="cannot serve: the KV pool left by the reservation") as err:
+        host.wake([0], {"0": host.weights_bytes + MiB}, 0.1)
+
+    assert err.value.kind == "oom" and host.state == "failed"
+    assert spy.steps == [("queued", False), ("pool", False), ("wait", False)]
+    assert spy.copies.done and spy.arena.released  # nothing in flight, no arena left behind
+    assert "woken" not in [e["event"] for e in _events(out)]
+
+
 @pytest.mark.parametrize(
     ("gpus", "reserved", "fraction", "complaint"),
     [
