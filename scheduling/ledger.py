@@ -69,7 +69,7 @@ READ_SQL = "SELECT * FROM gpuportal_ledger_read(%s, %s::bigint[], %s::bigint[])"
 SQL_DIR = Path(__file__).resolve().parent / "sql"
 SQL_FUNCTIONS = {
     "gpuportal_ledger_commit": "ledger_commit_v3.sql",
-    "gpuportal_ledger_read": "ledger_read_v3.sql",
+    "gpuportal_ledger_read": "ledger_read_v4.sql",
     "gpuportal_ledger_stamp": "ledger_stamp_v1.sql",
     "gpuportal_ledger_gpus_gone": "ledger_gone_v1.sql",
 }
