@@ -271,12 +271,14 @@ def test_exits_are_described_with_their_signal(code, text):
 # -- the host in this process: commands and failures, without a process per case -----------------
 
 
-def _host(reserved: int = 64 * MiB) -> tuple[ReplicaHost, io.StringIO]:
+def _host(
+    reserved: int = 64 * MiB, source: str = TINY_MLP, loader: str = "torch-module"
+) -> tuple[ReplicaHost, io.StringIO]:
     out = io.StringIO()
     host = ReplicaHost(
         replica_id="r1",
-        source=TINY_MLP,
-        loader="torch-module",
+        source=source,
+        loader=loader,
         dtype="float32",
         placement=Placement.parse([0], {"0": reserved}, 0.1),
         backend=VirtualBackend(),
@@ -335,17 +337,7 @@ def test_waking_into_a_reservation_too_small_fails_like_an_out_of_memory():
 def _llm_host(model_dir: Path, reserved: int = GiB) -> tuple[ReplicaHost, io.StringIO]:
     """A replica host in this process serving a tiny Llama: it pages its KV cache, so a wake allocates a
     pool. The reservation holds the virtual GPU's CUDA context (an H100's) beside the weights and the pool."""
-    out = io.StringIO()
-    host = ReplicaHost(
-        replica_id="r1",
-        source=str(model_dir),
-        loader="transformers",
-        dtype="float32",
-        placement=Placement.parse([0], {"0": reserved}, 0.1),
-        backend=VirtualBackend(),
-        events=EventWriter(out),
-    )
-    return host, out
+    return _host(reserved, source=str(model_dir), loader="transformers")
 
 
 class WakeSpy:
