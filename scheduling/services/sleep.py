@@ -33,6 +33,7 @@ from scheduling.services.deployments import AWAKE
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError
 from scheduling.simulation import config as sim_config
 from scheduling.simulation.traces import resolve
+from scheduling.state import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -246,9 +247,10 @@ def _loads_from_disk(deployment: Deployment, cached: tuple[CachedReplica, ...]) 
     return isinstance(result, Placement) and result.promoted is None
 
 
-def _idle(deployment: Deployment, now: datetime) -> QuerySet[Replica]:
-    """The deployment's serving replicas idle past its idle_timeout_s, each with `idle_since`."""
-    cutoff = now - timedelta(seconds=deployment.idle_timeout_s)
+def _idle(deployment: Deployment, now: datetime, idle_s: float | None = None) -> QuerySet[Replica]:
+    """The deployment's serving replicas idle past `idle_s` (its idle_timeout_s by default), each
+    with `idle_since`."""
+    cutoff = now - timedelta(seconds=deployment.idle_timeout_s if idle_s is None else idle_s)
     return (
         Replica.objects.filter(deployment=deployment, state=Replica.State.SERVING)
         .annotate(idle_since=Greatest(F("last_accessed"), F("serving_since")))
@@ -299,8 +301,9 @@ def _awake_enough(deployment: Deployment | None) -> bool:
 def sweep_idle(now: datetime | None = None) -> list[str]:
     """Put to sleep every serving replica idle for longer than its deployment's idle_timeout_s
     (0: never; popular deployments: never; a deployment whose wake from CPU RAM alone is slower
-    than GPUPORTAL_TTFT_SLO_S: not on the timer, fairness.sleep_when_idle). Returns the ids put
-    to sleep.
+    than GPUPORTAL_TTFT_SLO_S: not on the timer, fairness.sleep_when_idle); and, before the timer,
+    those idle for max_wait on a node that has no room for a copy asleep there
+    (fairness.sleep_early, `_sleep_early`). Returns the ids put to sleep.
 
     Idle since the later of its last request and its start of serving: a replica just woken
     by an operator has not been asked anything yet, and must not go straight back to sleep.
@@ -334,6 +337,97 @@ def sweep_idle(now: datetime | None = None) -> list[str]:
         except ServiceError as err:
             # One deployment's trouble must not keep the others awake.
             log.warning("idle sweep of deployment %s: %s", deployment_id, err)
+    return slept + _sleep_early(now)
+
+
+def _sleep_early(now: datetime) -> list[str]:
+    """fairness.sleep_early: serving replicas idle for their deployment's max_wait, on a node that
+    has no room for a copy asleep there which would wake within GPUPORTAL_TTFT_SLO_S, sleep before
+    their idle timeout (those that wake within it themselves). Returns the ids put to sleep."""
+    idle_since = Greatest(F("last_accessed"), F("serving_since"))
+    max_wait = ExpressionWrapper(F("deployment__max_wait_s") * timedelta(seconds=1), output_field=DurationField())
+    idle = dict(
+        Replica.objects.filter(
+            state=Replica.State.SERVING,
+            node__isnull=False,
+            deployment__idle_timeout_s__gt=0,
+            deployment__popular=False,
+            deployment__failover_standby=False,
+        )
+        .annotate(idle_since=idle_since)
+        .filter(idle_since__lt=now - max_wait)
+        .values_list("id", "node__name")
+    )
+    if not idle:
+        return []
+    snap = ledger.snapshot()
+    short = _short_of_room(sorted(set(idle.values())), snap)
+    pressed = {rid: short[node] for rid, node in idle.items() if short[node] is not None}
+    by_deployment = Replica.objects.filter(pk__in=pressed).values_list("deployment_id", flat=True).distinct()
+    slept: list[str] = []
+    for deployment_id in sorted(by_deployment):
+        try:
+            slept += _sleep_early_of(deployment_id, pressed, now)
+        except ServiceError as err:
+            log.warning("early sleep of deployment %s: %s", deployment_id, err)
+    return slept
+
+
+def _short_of_room(nodes: list[str], snap: Snapshot) -> dict[str, fairness.AsleepCopy | None]:
+    """fairness.short_of_room for each of `nodes`: its GPUs in `snap`, and the deployments with
+    nothing awake whose copy sleeps in its CPU RAM (each judged once, wherever its copies are)."""
+    there: dict[str, set[int]] = {node: set() for node in nodes}
+    for deployment_id, node in Replica.objects.filter(state=Replica.State.SLEEPING, node__name__in=nodes).values_list(
+        "deployment_id", "node__name"
+    ):
+        there[node].add(deployment_id)
+    copies: dict[int, fairness.AsleepCopy] = {}
+    for deployment in Deployment.objects.filter(pk__in=set().union(*there.values())).order_by("pk"):
+        if awake_count(deployment):
+            continue
+        copies[deployment.pk] = fairness.AsleepCopy(
+            deployment.name,
+            deployments.need_bytes(deployment, snap).bytes,
+            reload_times(deployment).wake_s,
+            POLICIES[deployment.memory_policy].whole_gpu_from,
+        )
+    slo = settings.GPUPORTAL_TTFT_SLO_S
+    return {
+        node: fairness.short_of_room(
+            snap.index.on_node.get(node, ()),
+            [copies[d] for d in sorted(ids) if d in copies],
+            slo_ttft_s=slo,
+        )
+        for node, ids in there.items()
+    }
+
+
+def _sleep_early_of(deployment_id: int, pressed: dict[str, fairness.AsleepCopy], now: datetime) -> list[str]:
+    """The replicas of one deployment among `pressed` (replica id -> the copy its node has no
+    room for) that fairness.sleep_early sends to sleep, judged again under the locks."""
+    slept: list[str] = []
+    with transaction.atomic():
+        deployment = locks.lock_deployment_if_there(pk=deployment_id, skip_locked=True)
+        if deployment is None or deployment.popular or deployment.failover_standby or deployment.idle_timeout_s <= 0:
+            return []
+        times = reload_times(deployment)
+        slo = settings.GPUPORTAL_TTFT_SLO_S
+        idle = _idle(deployment, now, deployment.max_wait_s).filter(pk__in=pressed)
+        for replica in locks.lock_replicas(idle, skip_locked=True):
+            copy = pressed[replica.id]
+            idle_s = (now - replica.idle_since).total_seconds()
+            if not fairness.sleep_early(
+                wake_s=times.wake_s, slo_ttft_s=slo, idle_s=idle_s, max_wait_s=deployment.max_wait_s, short=copy
+            ):
+                continue
+            reason = (
+                f"slept after {int(idle_s)} s idle, before its idle timeout: its node has no room for the wake of "
+                f"{copy.deployment} (asleep there, it wakes in {fairness.describe_reload(copy.wake_s, None)}), and "
+                f"this one wakes in {fairness.describe_reload(times.wake_s, times.wake_measured)}, within the "
+                f"{slo:g} s to first token aimed for (fairness.sleep_early)"
+            )
+            sleep_replica(replica.id, reason=reason, deployment=deployment)
+            slept.append(replica.id)
     return slept
 
 

@@ -2,7 +2,7 @@
 the project's own pure modules: placement.place (where a replica goes, whom ndif evicts),
 fairness.choose_target, choose_whole_gpus, choose_victim, preempt_at_once and wait_deadline (where
 a fair wake goes, whom it preempts, and when), fairness.sleep_when_idle (who the idle timer may
-sleep), planning's
+sleep) and sleep_early (who the idle sweep sleeps before its timer), planning's
 withhold_locked and memory.need_for (what a replica reserves).
 
 State is plain Python; each decision is asked of a `Snapshot` built from it, exactly as the
@@ -44,6 +44,9 @@ MAX_BACKOFF_DOUBLINGS = 4
 LIVELOCK_EVENTS = 100_000
 # After a preemption's drain timeout, time for the victims' weights to leave the GPU.
 GIVE_UP_AFTER_DRAIN_S = 60.0
+# The live idle sweep's period (its beat schedule, migration 0006): how often an idle replica is
+# judged again for fairness.sleep_early.
+SWEEP_S = 5.0
 
 
 class OverCommit(AssertionError):
@@ -167,6 +170,9 @@ class Simulation:
         self.serving, self.hw = config.serving, config.hardware
         self.gpu_count = config.cluster.gpus if gpus is None else gpus
         self.gpus = layout(self.gpu_count, config.cluster.gpus_per_node, config.cluster.gpu_bytes)
+        self.node_gpus: dict[str, list[SimGPU]] = {}
+        for gpu in self.gpus.values():
+            self.node_gpus.setdefault(gpu.node, []).append(gpu)
         self.rng = random.Random(config.seed)
         self.now = 0.0
         self.closed = False  # past the grace period: no new wakes, queued requests fail
@@ -308,6 +314,38 @@ class Simulation:
             return  # it leaves when its memory is wanted (a preemption), not on a timer
         replica.idle_token += 1
         self._at(self.now + timeout, self._idle_check, replica, replica.idle_token)
+        if self.policy.sleep_early:
+            max_wait = self._setting(ds.spec.max_wait_s, self.serving.max_wait_s)
+            self._at(self.now + max_wait, self._early_check, replica, replica.idle_token, self.now + timeout)
+
+    def _early_check(self, replica: SimReplica, token: int, timeout_at: float) -> None:
+        """fairness.sleep_early, as the idle sweep judges it: idle for max_wait, then again every
+        SWEEP_S until the idle timeout sleeps it anyway."""
+        ds = self.deployments[replica.deployment]
+        if replica.state != SERVING or replica.idle_token != token or replica.in_flight or ds.queue:
+            return
+        gpus = [self._room_view(g) for g in self.node_gpus[replica.node]]
+        asleep = [
+            fairness.AsleepCopy(
+                other.spec.name, other.need_bytes, self.wake_s(other.spec), self.policy.placement.whole_gpu_from
+            )
+            for other in self.deployments.values()
+            if other.active is None and replica.node in other.cached
+        ]
+        slo = self._setting(ds.spec.slo_ttft_s, self.serving.slo_ttft_s)
+        short = fairness.short_of_room(gpus, asleep, slo_ttft_s=slo)
+        max_wait = self._setting(ds.spec.max_wait_s, self.serving.max_wait_s)
+        # Idle since its last request or its start of serving, the later, as the sweep reads it.
+        since = max((t for t in (replica.last_accessed, replica.serving_since) if t is not None), default=self.now)
+        idle_s = self.now - since
+        if fairness.sleep_early(
+            wake_s=self.wake_s(ds.spec), slo_ttft_s=slo, idle_s=idle_s, max_wait_s=max_wait, short=short
+        ):
+            self.counters.idle_sleeps += 1
+            replica.state = DRAINING
+            self._begin_sleep(replica)
+        elif self.now + SWEEP_S < timeout_at:
+            self._at(self.now + SWEEP_S, self._early_check, replica, token, timeout_at)
 
     def _idle_check(self, replica: SimReplica, token: int) -> None:
         ds = self.deployments[replica.deployment]
@@ -664,6 +702,25 @@ class Simulation:
 
     def _view(self, gpu: SimGPU) -> GPUView:
         occupants = tuple(self._occupant(self.replicas[rid], reserved) for rid, reserved in gpu.occupants.items())
+        return GPUView(
+            id=gpu.id,
+            node=gpu.node,
+            index=gpu.index,
+            total_bytes=gpu.total_bytes,
+            available_bytes=gpu.total_bytes - gpu.reserved_bytes,
+            version=0,
+            virtual=True,
+            occupants=occupants,
+            wake_lock_holder=gpu.lock_holder,
+        )
+
+    def _room_view(self, gpu: SimGPU) -> GPUView:
+        """`_view` with only who holds how much: all that fairness.short_of_room reads, at a
+        fraction of the cost (the sweep's rounds ask it every few simulated seconds)."""
+        occupants = tuple(
+            OccupantView(replica_id=rid, deployment=self.replicas[rid].deployment, state="", reserved_bytes=reserved)
+            for rid, reserved in gpu.occupants.items()
+        )
         return GPUView(
             id=gpu.id,
             node=gpu.node,

@@ -50,6 +50,11 @@ class SimPolicy:
     # fairness.sleep_when_idle: a replica whose wake is slower than its SLO is not slept on the
     # idle timer; it leaves when a wake needs its memory (a preemption, at once when idle).
     keep_slow_wakes: bool = False
+    # fairness.sleep_early: an idle replica that wakes within its SLO sleeps once idle for
+    # max_wait, before its idle timeout, when its node has no room for a copy asleep there that
+    # would wake within its SLO (the idle sweep's rounds, every SWEEP_S), so that copy's wake
+    # does not wait for the replica's weights to leave.
+    sleep_early: bool = False
     # A request arriving while a failed wake backs off asks for a wake at once, as the product's
     # request path does (services.requests._admit calls sleep.wake_deployment on every request
     # that finds nothing awake); the backoff then only spaces the retries nobody asks for.
@@ -111,8 +116,11 @@ GPUPORTAL_WAKE = replace(GPUPORTAL, name="gpuportal-wake", prefer_wake=True, wak
 # that fairness can empty at least cost (fairness.choose_whole_gpus, with its guards against a
 # cascade of wakes) rather than placement's targeting, which counts popular and young replicas as
 # movable; services.preemption.start does the same with GPUPORTAL_TTFT_SLO_S and the deployment's
-# queue depth.
-GPUPORTAL_NEXT = replace(GPUPORTAL_WAKE, name="gpuportal-next", keep_slow_wakes=True, whole_gpus_by_cost=True)
+# queue depth. And an idle replica sleeps early when its node has no room for a copy asleep there
+# (fairness.sleep_early; the idle sweep, services.sleep.sweep_idle, does the same).
+GPUPORTAL_NEXT = replace(
+    GPUPORTAL_WAKE, name="gpuportal-next", keep_slow_wakes=True, whole_gpus_by_cost=True, sleep_early=True
+)
 # gpuportal-next with the first proposal of fairness.choose_whole_gpus: no guards, the fewest
 # victims first. It needed fewer GPUs on most synthetic seeds but more on a production-like trace,
 # where emptying two GPUs of many small replicas made each of them wake and preempt in turn

@@ -223,7 +223,8 @@ def test_a_model_needing_two_whole_gpus_preempts_idle_victims_at_once(quick):
     # asleep in CPU RAM) needs two whole GPUs: the empty one and one other. gpuportal-next asks
     # fairness.choose_whole_gpus for the cheapest to empty and preempts its idle replica at once
     # (one victim for its one waiting request); gpuportal-wake targets by placement and waits out
-    # max_wait first.
+    # max_wait first. (Without fairness.sleep_early, which would have slept the idle replicas
+    # before `big` came: the next test.)
     config = replace(
         quick,
         cluster=replace(quick.cluster, nodes=1, gpus_per_node=4),
@@ -234,8 +235,29 @@ def test_a_model_needing_two_whole_gpus_preempts_idle_victims_at_once(quick):
     trace = hand_trace([*smalls, big], [(20.0, "big")])
     waits = {}
     for name in ("gpuportal-wake", "gpuportal-next"):
-        result = simulate(trace, config, ALL[name])
+        result = simulate(trace, config, replace(ALL[name], sleep_early=False))
         (outcome,) = result.outcomes
         waits[name] = outcome.start_s - outcome.request.arrival_s
         assert result.counters.preemptions == 1 and result.counters.wakes == 1, name
     assert waits["gpuportal-wake"] - waits["gpuportal-next"] == pytest.approx(3.0, abs=1e-6)
+
+
+def test_idle_replicas_sleep_before_their_timeout_when_their_node_has_no_room_for_a_copy_asleep_there(quick):
+    # The same node: `big` asleep in its CPU RAM wakes within the SLO but fits on no GPU as things
+    # are, so fairness.sleep_early sleeps the idle replicas once idle for max_wait (the sweep's
+    # rounds) rather than after their idle timeout; when `big` comes, its room is free already:
+    # no preemption, and no wait for a victim's weights to leave.
+    config = replace(
+        quick,
+        cluster=replace(quick.cluster, nodes=1, gpus_per_node=4),
+        serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0),
+    )
+    smalls = [deployment(f"s{i}", 50, rate=1.0) for i in range(3)]
+    big = deployment("big", 150, rate=0.1)
+    trace = hand_trace([*smalls, big], [(20.0, "big")])
+    early = simulate(trace, config, ALL["gpuportal-next"])
+    late = simulate(trace, config, replace(ALL["gpuportal-next"], sleep_early=False))
+    assert (early.counters.preemptions, late.counters.preemptions) == (0, 1)
+    (first,), (then,) = early.outcomes, late.outcomes
+    assert first.room_s == 0 and then.room_s > 0
+    assert first.ttft_s is not None and then.ttft_s is not None and first.ttft_s < then.ttft_s

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduling.fairness import (
+    AsleepCopy,
     Cause,
     NoVictim,
     VictimChoice,
@@ -21,7 +22,9 @@ from scheduling.fairness import (
     choose_whole_gpus,
     eligible,
     preempt_at_once,
+    short_of_room,
     should_preempt,
+    sleep_early,
     sleep_when_idle,
     wait_deadline,
 )
@@ -280,6 +283,39 @@ def test_only_a_replica_whose_wake_meets_its_slo_is_slept_on_the_idle_timer():
     assert sleep_when_idle(wake_s=0.8, slo_ttft_s=5.0)  # an 8B model from CPU RAM
     assert sleep_when_idle(wake_s=5.0, slo_ttft_s=5.0)
     assert not sleep_when_idle(wake_s=7.1, slo_ttft_s=5.0)  # a 70B model: its next request would miss
+
+
+def copy(name: str, need: int, *, wake_s: float = 1.0, whole_gpu_from: float = 0.99) -> AsleepCopy:
+    return AsleepCopy(name, need, wake_s, whole_gpu_from)
+
+
+def test_a_node_is_short_of_room_for_the_largest_copy_asleep_there_that_no_gpu_of_it_holds():
+    gpus = [gpu(1, [occ("a", 3 * GiB)]), gpu(2, [occ("b", 2 * GiB)])]  # 1 and 2 GiB free
+    assert short_of_room(gpus, [copy("fits", 2 * GiB)], slo_ttft_s=5.0) is None
+    found = short_of_room(
+        gpus, [copy("fits", 2 * GiB), copy("big", 3 * GiB), copy("bigger", 4 * GiB - 1)], slo_ttft_s=5.0
+    )
+    assert found is not None and found.deployment == "bigger"
+
+
+def test_a_copy_whose_wake_misses_the_slo_never_makes_its_node_short_of_room():
+    gpus = [gpu(1, [occ("a", 3 * GiB)])]
+    assert short_of_room(gpus, [copy("slow", 2 * GiB, wake_s=7.1)], slo_ttft_s=5.0) is None
+
+
+def test_a_copy_that_needs_whole_gpus_counts_only_gpus_that_nobody_holds():
+    # 5 GiB free in bytes, but only one GPU of 4 is free as a whole: a 6 GiB need takes two.
+    gpus = [gpu(1), gpu(2, [occ("a", 3 * GiB)])]
+    assert short_of_room(gpus, [copy("whole", 6 * GiB)], slo_ttft_s=5.0) is not None
+    assert short_of_room([gpu(1), gpu(2)], [copy("whole", 6 * GiB)], slo_ttft_s=5.0) is None
+
+
+def test_an_idle_replica_sleeps_early_only_when_its_node_is_short_it_wakes_within_the_slo_and_max_wait_has_passed():
+    short = copy("big", 3 * GiB)
+    assert sleep_early(wake_s=0.8, slo_ttft_s=5.0, idle_s=5.0, max_wait_s=5.0, short=short)
+    assert not sleep_early(wake_s=0.8, slo_ttft_s=5.0, idle_s=5.0, max_wait_s=5.0, short=None)  # room to spare
+    assert not sleep_early(wake_s=0.8, slo_ttft_s=5.0, idle_s=4.9, max_wait_s=5.0, short=short)  # inside a burst
+    assert not sleep_early(wake_s=7.1, slo_ttft_s=5.0, idle_s=60.0, max_wait_s=5.0, short=short)  # would miss
 
 
 # --- the seed's rules, one at a time ---------------------------------------------------------

@@ -334,6 +334,65 @@ def test_the_sweep_keeps_awake_a_replica_whose_wake_would_miss_the_slo_and_says_
     assert sleep.sweep_idle(now=now + timedelta(seconds=60)) == [slow]
 
 
+def _one_gpu_with_a_copy_asleep(api, model_dir, *, copy_mib: int, copy_wake_s: float) -> tuple[str, str]:
+    """One node of one 1 GiB GPU: `copy` asleep in its CPU RAM (needing `copy_mib`, waking in
+    `copy_wake_s`), and two serving replicas of 300 MiB, `idle` idle for 10 s, `recent` for 1 s
+    (max_wait is 5 s, the idle timeouts 300 s). Returns (idle, recent)."""
+    register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
+    memory = {"override_bytes": copy_mib * MiB, "max_tokens": 256}
+    (copy,) = deploy_serving(api, model_dir, "copy", memory=memory)
+    sleep.sleep_replica(copy, reason="put to sleep by an operator")
+    asleep(copy)
+    Deployment.objects.filter(name="copy").update(measured_wake_s=copy_wake_s)
+    (idle,) = deploy_serving(api, model_dir, "idle", sleep={"idle_timeout_s": 300})
+    (recent,) = deploy_serving(api, model_dir, "recent", sleep={"idle_timeout_s": 300})
+    Deployment.objects.filter(name__in=["idle", "recent"]).update(measured_wake_s=0.5, max_wait_s=5.0)
+    now = timezone.now()
+    Replica.objects.filter(pk__in=[idle, recent]).update(serving_since=now - timedelta(seconds=300))
+    Replica.objects.filter(pk=idle).update(last_accessed=now - timedelta(seconds=10))
+    Replica.objects.filter(pk=recent).update(last_accessed=now - timedelta(seconds=1))
+    return idle, recent
+
+
+def test_the_sweep_sleeps_an_idle_replica_before_its_timeout_when_its_node_has_no_room_for_a_copy_asleep_there(
+    db, api, dispatched, tiny_model_dir, on_commit, settings
+):
+    # Issue 21 (fairness.sleep_early): 424 MiB free, the copy needs 500 MiB and wakes within the
+    # SLO; a wake would otherwise first wait for a victim's weights to leave.
+    settings.GPUPORTAL_TTFT_SLO_S = 5.0
+    idle, recent = _one_gpu_with_a_copy_asleep(api, tiny_model_dir, copy_mib=500, copy_wake_s=0.5)
+    dispatched.clear()
+
+    with on_commit():
+        slept = sleep.sweep_idle()
+
+    assert slept == [idle]
+    assert [args for _, task, args in dispatched if task == TO_CACHE] == [[idle]]
+    assert Replica.objects.get(pk=recent).state == "serving", "idle for less than max_wait: inside a burst"
+    reason = Event.objects.get(replica=idle, kind=Event.Kind.REPLICA_STATE, after__state="draining").reason
+    assert reason.startswith(
+        "slept after 10 s idle, before its idle timeout: its node has no room for the wake of copy"
+    )
+    assert reason.endswith("(fairness.sleep_early)")
+    assert Deployment.objects.get(name="idle").replicas_wanted == 1, "sleep is not a scale-down"
+
+
+@pytest.mark.parametrize(
+    ("copy_mib", "copy_wake_s", "why"),
+    [(400, 0.5, "the copy fits as things are"), (500, 7.0, "the copy's wake misses the SLO however soon room comes")],
+)
+def test_the_sweep_leaves_an_idle_replica_to_its_timeout_when_no_copy_asleep_on_its_node_wants_the_room(
+    db, api, dispatched, tiny_model_dir, on_commit, settings, copy_mib, copy_wake_s, why
+):
+    settings.GPUPORTAL_TTFT_SLO_S = 5.0
+    idle, recent = _one_gpu_with_a_copy_asleep(api, tiny_model_dir, copy_mib=copy_mib, copy_wake_s=copy_wake_s)
+
+    with on_commit():
+        assert sleep.sweep_idle() == [], why
+
+    assert Replica.objects.get(pk=idle).state == Replica.objects.get(pk=recent).state == "serving"
+
+
 def test_a_request_accepted_as_the_last_replica_was_swept_wakes_the_deployment_once_it_sleeps(
     cluster, api, dispatched, tiny_model_dir, on_commit, clean_queues
 ):
