@@ -68,18 +68,12 @@ def _insert_columns(model: type[models.Model]) -> str:
     return ", ".join(connection.ops.quote_name(f.column) for f in _insert_fields(model))
 
 
-Statement = tuple[str, list[Any]]
-
-
-def run(statement: Statement) -> None:
-    with cursor() as cur:
-        cur.execute(*statement)
-
-
-def insert_statement(objs: Sequence[models.Model]) -> Statement:
+def insert(objs: Sequence[models.Model]) -> None:
     """Rows for these unsaved instances of one model, in one statement: what `bulk_create` writes
     (fields' `pre_save` fills auto_now dates as it does), without the ids of automatic keys read
     back, so only for callers that do not need them. The instances count as saved from now."""
+    if not objs:
+        return
     model = type(objs[0])
     fields = _insert_fields(model)
     params: list[Any] = []
@@ -87,35 +81,28 @@ def insert_statement(objs: Sequence[models.Model]) -> Statement:
         obj._state.adding = False
         obj._state.db = connection.alias
         params.extend(f.get_db_prep_save(f.pre_save(obj, True), connection) for f in fields)
-    return _insert_sql(model, len(objs)), params
-
-
-def insert(objs: Sequence[models.Model]) -> None:
-    if objs:
-        run(insert_statement(objs))
+    with cursor() as cur:
+        cur.execute(_insert_sql(model, len(objs)), params)
 
 
 def update(obj: models.Model, fields: Sequence[str]) -> None:
-    run(update_statement(obj, fields))
-
-
-def update_statement(obj: models.Model, fields: Sequence[str]) -> Statement:
     """`obj.save(update_fields=fields)` for a row known to be there, its auto_now dates with it."""
     meta = type(obj)._meta
     chosen = [meta.get_field(name) for name in fields]
     chosen += [f for f in meta.concrete_fields if getattr(f, "auto_now", False) and f not in chosen]
-    return _update(type(obj), obj.pk, {f: f.pre_save(obj, False) for f in chosen})
+    _update(type(obj), obj.pk, {f: f.pre_save(obj, False) for f in chosen})
 
 
 def update_row(model: type[models.Model], pk: Any, **values: Any) -> None:
     """`model.objects.filter(pk=pk).update(**values)`, for one row."""
     meta = model._meta
-    run(_update(model, pk, {meta.get_field(name): value for name, value in values.items()}))
+    _update(model, pk, {meta.get_field(name): value for name, value in values.items()})
 
 
-def _update(model: type[models.Model], pk: Any, values: dict[models.Field, Any]) -> Statement:
+def _update(model: type[models.Model], pk: Any, values: dict[models.Field, Any]) -> None:
     prepared = [f.get_db_prep_save(value, connection) for f, value in values.items()]
-    return _update_sql(model, tuple(f.column for f in values)), [*prepared, pk]
+    with cursor() as cur:
+        cur.execute(_update_sql(model, tuple(f.column for f in values)), [*prepared, pk])
 
 
 @functools.cache

@@ -137,7 +137,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
     if Deployment.objects.filter(name=spec.name).exists():
         raise taken  # before asking a node to read the model
     facts = facts or inspect_model(spec.source, spec.loader, spec.dtype, spec.max_tokens)
-    # Its Events are written in one statement at the end (the savepoint's error is raised, not caught and gone past).
+    # Its Events are written in one statement at the end (the savepoint's error below ends the call).
     with transaction.atomic(), events.gathered():
         try:
             # A savepoint: a create of the same name that committed since the check above makes
