@@ -404,11 +404,23 @@ class Cli:
 
     def follow(self, *args: str) -> tuple[subprocess.Popen, list[str]]:
         process = subprocess.Popen(
-            [self.script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env, cwd=ROOT
+            [self.script, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+            cwd=ROOT,
+            # Ctrl-C as a terminal sends it, whatever this run inherited: a suite started in the
+            # background by a shell ignores SIGINT, the CLI would inherit that and never stop.
+            preexec_fn=_sigint_default,
         )
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
         return process, lines
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.slow
