@@ -702,17 +702,7 @@ class Simulation:
 
     def _view(self, gpu: SimGPU) -> GPUView:
         occupants = tuple(self._occupant(self.replicas[rid], reserved) for rid, reserved in gpu.occupants.items())
-        return GPUView(
-            id=gpu.id,
-            node=gpu.node,
-            index=gpu.index,
-            total_bytes=gpu.total_bytes,
-            available_bytes=gpu.total_bytes - gpu.reserved_bytes,
-            version=0,
-            virtual=True,
-            occupants=occupants,
-            wake_lock_holder=gpu.lock_holder,
-        )
+        return self._gpu_view(gpu, occupants)
 
     def _room_view(self, gpu: SimGPU) -> GPUView:
         """`_view` with only who holds how much: all that fairness.short_of_room reads, at a
@@ -721,6 +711,10 @@ class Simulation:
             OccupantView(replica_id=rid, deployment=self.replicas[rid].deployment, state="", reserved_bytes=reserved)
             for rid, reserved in gpu.occupants.items()
         )
+        return self._gpu_view(gpu, occupants)
+
+    @staticmethod
+    def _gpu_view(gpu: SimGPU, occupants: tuple[OccupantView, ...]) -> GPUView:
         return GPUView(
             id=gpu.id,
             node=gpu.node,

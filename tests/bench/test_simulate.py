@@ -218,13 +218,9 @@ def test_a_replica_whose_wake_misses_the_slo_is_not_slept_on_the_idle_timer_but_
     assert nxt.counters.preemptions == 1 and all(o.failed is None for o in nxt.outcomes)
 
 
-def test_a_model_needing_two_whole_gpus_preempts_idle_victims_at_once(quick):
-    # One node of four 80 GiB GPUs, three holding an idle 50 GiB replica each; `big` (150 GiB,
-    # asleep in CPU RAM) needs two whole GPUs: the empty one and one other. gpuportal-next asks
-    # fairness.choose_whole_gpus for the cheapest to empty and preempts its idle replica at once
-    # (one victim for its one waiting request); gpuportal-wake targets by placement and waits out
-    # max_wait first. (Without fairness.sleep_early, which would have slept the idle replicas
-    # before `big` came: the next test.)
+def _three_idle_and_a_sleeping_big(quick: Config) -> tuple[Config, Trace]:
+    """One node of four 80 GiB GPUs, three holding an idle 50 GiB replica each, and `big` (150
+    GiB, asleep in CPU RAM) asked for once at 20 s."""
     config = replace(
         quick,
         cluster=replace(quick.cluster, nodes=1, gpus_per_node=4),
@@ -232,7 +228,17 @@ def test_a_model_needing_two_whole_gpus_preempts_idle_victims_at_once(quick):
     )
     smalls = [deployment(f"s{i}", 50, rate=1.0) for i in range(3)]
     big = deployment("big", 150, rate=0.1)
-    trace = hand_trace([*smalls, big], [(20.0, "big")])
+    return config, hand_trace([*smalls, big], [(20.0, "big")])
+
+
+def test_a_model_needing_two_whole_gpus_preempts_idle_victims_at_once(quick):
+    # One node of four 80 GiB GPUs, three holding an idle 50 GiB replica each; `big` (150 GiB,
+    # asleep in CPU RAM) needs two whole GPUs: the empty one and one other. gpuportal-next asks
+    # fairness.choose_whole_gpus for the cheapest to empty and preempts its idle replica at once
+    # (one victim for its one waiting request); gpuportal-wake targets by placement and waits out
+    # max_wait first. (Without fairness.sleep_early, which would have slept the idle replicas
+    # before `big` came: the next test.)
+    config, trace = _three_idle_and_a_sleeping_big(quick)
     waits = {}
     for name in ("gpuportal-wake", "gpuportal-next"):
         result = simulate(trace, config, replace(ALL[name], sleep_early=False))
@@ -247,14 +253,7 @@ def test_idle_replicas_sleep_before_their_timeout_when_their_node_has_no_room_fo
     # are, so fairness.sleep_early sleeps the idle replicas once idle for max_wait (the sweep's
     # rounds) rather than after their idle timeout; when `big` comes, its room is free already:
     # no preemption, and no wait for a victim's weights to leave.
-    config = replace(
-        quick,
-        cluster=replace(quick.cluster, nodes=1, gpus_per_node=4),
-        serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0),
-    )
-    smalls = [deployment(f"s{i}", 50, rate=1.0) for i in range(3)]
-    big = deployment("big", 150, rate=0.1)
-    trace = hand_trace([*smalls, big], [(20.0, "big")])
+    config, trace = _three_idle_and_a_sleeping_big(quick)
     early = simulate(trace, config, ALL["gpuportal-next"])
     late = simulate(trace, config, replace(ALL["gpuportal-next"], sleep_early=False))
     assert (early.counters.preemptions, late.counters.preemptions) == (0, 1)
