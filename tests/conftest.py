@@ -10,6 +10,15 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config):
+    # Django's default hasher spends about half a second of CPU per password on this machine, by
+    # design; the suite creates and checks hundreds. Only this process's users: the stacks that
+    # tests start (`up`) hash with the portal's own settings, and their tests check those.
+    from django.conf import settings
+
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_token_cache():
     """Each test starts with no remembered token (gpuportal.auth): one test's tokens, or a revoked
