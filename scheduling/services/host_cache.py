@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 
+import redis
 from django.db import transaction
 
 from gpuportal.wire import memory
 from scheduling import events, host_cache, locks
 from scheduling.models import Event, Node, Replica
-from scheduling.services import dispatch, replicas
+from scheduling.services import dispatch, queueing, replicas
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,11 @@ def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
                 deployment=replica.deployment.name,
                 state=replica.state,
                 host_bytes=host_bytes(replica),
-                last_accessed=replica.last_accessed,
+                # A replica no request has reached yet was last used as it was made: without this
+                # every never-used sleeper tied at "unused for ever" and the trim parked whichever
+                # the rows listed first, the one put to sleep a moment ago among them
+                # (bench.host_cache found it).
+                last_accessed=replica.last_accessed or replica.created_at,
                 popular=replica.deployment.popular,
             )
         )
@@ -54,7 +60,7 @@ def trim(node_name: str) -> list[str]:
     node = Node.objects.filter(name=node_name).first()
     if node is None or node.cpu_cache_bytes <= 0:
         return []  # gone, or a node that says nothing of its host memory: nothing to keep within
-    decided = host_cache.trim(holders([node.pk])[node.pk], node.cpu_cache_bytes)
+    decided = host_cache.trim(_with_last_requests(holders([node.pk])[node.pk]), node.cpu_cache_bytes)
     parked = [replica_id for replica_id in decided.park if _park(replica_id, node)]
     if decided.over_bytes > 0:
         # What is left is on its way to sleep or a standby: nothing more may leave. Said once per trim.
@@ -67,6 +73,23 @@ def trim(node_name: str) -> list[str]:
             node=node.name,
         )
     return parked
+
+
+def _with_last_requests(held: list[host_cache.HostHolder]) -> list[host_cache.HostHolder]:
+    """The holders with their last requests as Redis has them: the rows' times lag, and a sleep
+    that comes right after a replica's last request (the one this trim follows, often) would
+    otherwise count it as unused since it started serving, the first to leave."""
+    try:
+        seen = queueing.last_requests(h.replica_id for h in held)
+    except redis.RedisError as err:
+        log.warning("host cache trimmed on the database's last-request times: Redis unavailable (%s)", err)
+        return held
+    return [
+        replace(h, last_accessed=seen[h.replica_id])
+        if h.replica_id in seen and (h.last_accessed is None or seen[h.replica_id] > h.last_accessed)
+        else h
+        for h in held
+    ]
 
 
 def _park(replica_id: str, node: Node) -> bool:

@@ -6,6 +6,7 @@ admission (which wakes what must serve) is scheduling.services.requests, on top.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from functools import cache
 
@@ -97,17 +98,32 @@ def fail_waiting(deployment_name: str, reason: str, *, deleted: bool = False, ki
     return queue().fail_queued(deployment_name, reason=reason, kind=kind)
 
 
+def last_requests(replica_ids: Iterable[str]) -> dict[str, datetime]:
+    """When each replica last took a request, as Redis has it now: PostgreSQL's copy is made on
+    the beat's schedule and only while the replica is awake (sync_last_accessed), so a replica put
+    to sleep a moment after its last request keeps an older time there."""
+    ids = list(replica_ids)
+    if not ids:
+        return {}
+    stamps = queue().redis.mget([last_key(replica_id) for replica_id in ids])
+    return {
+        replica_id: datetime.fromtimestamp(float(raw), tz=UTC)
+        for replica_id, raw in zip(ids, stamps, strict=True)
+        if raw is not None
+    }
+
+
 def sync_last_accessed() -> int:
     """Copy replicas' last request times from Redis into PostgreSQL (for idle sleep and the API)."""
     replicas = list(Replica.objects.filter(state__in=AWAKE).values_list("id", "last_accessed"))
     if not replicas:
         return 0
-    stamps = queue().redis.mget([last_key(replica_id) for replica_id, _ in replicas])
+    stamps = last_requests(replica_id for replica_id, _ in replicas)
     changed = 0
-    for (replica_id, known), raw in zip(replicas, stamps, strict=True):
-        if raw is None:
+    for replica_id, known in replicas:
+        seen = stamps.get(replica_id)
+        if seen is None:
             continue
-        seen = datetime.fromtimestamp(float(raw), tz=UTC)
         if known is None or seen > known:
             Replica.objects.filter(pk=replica_id).update(last_accessed=seen)
             changed += 1

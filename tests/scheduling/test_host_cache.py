@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuportal.wire.requestqueue import last_key
 from inference.devices import virtual_gpus
 from scheduling.host_cache import HOLDING, HostHolder, trim, used_bytes
 from scheduling.models import Deployment, Event, Node, Replica
-from scheduling.services import deployments, host_cache, reports, sleep
+from scheduling.services import deployments, host_cache, queueing, reports, sleep
 from scheduling.services.nodes import register_node
 from tests.support.deployments import START, STOP, deploy, invariant_holds
 from tests.support.factories import NO_OVERHEAD
@@ -133,6 +134,36 @@ def test_a_sleep_past_the_budget_parks_the_longest_unused_sleeper_and_its_next_w
     assert [t for _, t, _ in dispatched] == [START]
     assert Replica.objects.get(pk=oldest).state == "stopped"
     assert sleep.awake_count(Deployment.objects.get(name="a")) == 1
+
+
+def test_among_sleepers_no_request_reached_the_one_made_first_leaves_first(small_host):
+    age_min = {"first": 3, "second": 2, "third": 1}
+    made = {}
+    # Rows written newest first, so that neither the rows' order nor the sleeps' says who is oldest.
+    for name in ["third", "second", "first"]:
+        made[name] = deploy(name)
+        Deployment.objects.filter(name=name).update(weight_bytes=100 * MiB)
+        Replica.objects.filter(pk=made[name]).update(
+            last_accessed=None, created_at=NOW - timedelta(minutes=age_min[name])
+        )
+        sleep.sleep_replica(made[name], reason="idle")
+        reports.report(made[name], {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+
+    # Counted as last used when it was made (the rows' own order is whatever PostgreSQL reads).
+    held = {h.deployment: h.last_accessed for h in host_cache.holders([small_host.pk])[small_host.pk]}
+    assert held == {name: NOW - timedelta(minutes=age) for name, age in age_min.items()}
+    assert host_cache.trim("edge") == [made["first"]]
+
+
+def test_a_sleeper_whose_last_request_only_redis_has_seen_stays_before_one_unused_for_longer(small_host):
+    # The rows say `recent` was idle longest: its last request came after the beat last copied
+    # the times into PostgreSQL, and it went to sleep before the next copy.
+    recent = asleep("recent", idle_s=900)
+    older = asleep("older", idle_s=300)
+    asleep("newest", idle_s=10)
+    queueing.queue().redis.set(last_key(recent), (NOW - timedelta(seconds=5)).timestamp())
+
+    assert host_cache.trim("edge") == [older]
 
 
 def test_the_node_api_and_metrics_show_the_host_cache_budget_and_use(small_host, staff, dispatched, client):

@@ -1,0 +1,231 @@
+"""The host cache under pressure (issue 19): replicas put to sleep past their node's budget for host memory.
+
+One node whose agent keeps at most BUDGET bytes of sleeping weights in host memory
+(GPUPORTAL_HOST_CACHE_BYTES, here room for `--fits` of them), and `--deployments` deployments of
+one tiny causal LM, a replica each, all serving. Each is used by one request and then put to
+sleep, one after another, through the API (`POST /api/deployments/{name}/sleep/`), as an operator
+or the idle sweep would; after each, once its replica sleeps and the control worker has trimmed
+the node, the host cache as `/api/nodes/` counts it (scheduling.services.host_cache.used_bytes)
+and the replicas' states. Then one request to each deployment wakes it, oldest first: from host memory where its weights
+are still there, from disk where the trim parked them. This is a separate module from bench.wake,
+which measures one replica's copies without a control plane: the budget is the control plane's.
+
+    python -m bench.host_cache [--deployments 6] [--fits 2] [--size-mb 16] [--no-record]
+
+Uses DATABASE_URL / REDIS_URL when set, else embedded servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.portal import Http, Portal, servers, staff_key, wait
+
+MiB = 1024**2
+MS = 1000
+
+
+class Api:
+    """A fresh connection per call: the benchmark waits long between calls, past the web server's
+    keep-alive, and a request's time includes a local connect either way (well under a millisecond)."""
+
+    def __init__(self, port: int, key: str):
+        self.port, self.key = port, key
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        http = Http(self.port, self.key)
+        try:
+            return http.post(path, body)
+        finally:
+            http.close()
+
+
+@dataclass
+class AfterSleep:
+    """The node's host cache once the n-th deployment slept and the trim that followed it ran."""
+
+    slept: str
+    used_bytes: int
+    sleeping: int
+    parked: int
+    left: list[str]  # the deployments whose replica this sleep's trim parked
+    settled_s: float  # from the API call to that state
+
+
+@dataclass
+class Wake:
+    deployment: str
+    source: str  # "host" or "disk"
+    answered_s: float
+
+
+def node_state(names: list[str]) -> tuple[int, dict[str, str]]:
+    """The host cache used on the node (what /api/nodes/ shows) and each deployment's replica
+    state, the latest replica of each."""
+    from scheduling.models import Node, Replica
+    from scheduling.services import host_cache
+
+    node = Node.objects.get(name="bench")
+    used = host_cache.used_bytes([node.pk])[node.pk]
+    states: dict[str, str] = {}
+    for replica in Replica.objects.filter(deployment__name__in=names).order_by("created_at"):
+        states[replica.deployment.name] = replica.state
+    return used, states
+
+
+def deploy_all(http: Api, model_dir: Path, names: list[str]) -> None:
+    for name in names:
+        body = {
+            "name": name,
+            "model": {"source": str(model_dir)},
+            "replicas": 1,
+            "memory": {"override_bytes": 200 * MiB, "max_tokens": 256},
+            # Only this benchmark puts them to sleep, in its order: no idle sweep within the run.
+            "sleep": {"idle_timeout_s": 86_400},
+        }
+        status, answer = http.post("/api/deployments/", body)
+        if status != 201:
+            raise SystemExit(f"deploy {name}: {status} {answer}")
+    wait(lambda: set(node_state(names)[1].values()) == {"serving"}, 300, "every deployment to serve")
+
+
+def sleep_in_turn(http: Api, names: list[str], budget: int) -> list[AfterSleep]:
+    after: list[AfterSleep] = []
+    parked_before: set[str] = set()
+    for name in names:
+        # Used once, then idle: the order they served in is the order the trim should park them.
+        answered(http, name)
+        began = time.monotonic()
+        status, answer = http.post(f"/api/deployments/{name}/sleep/", {})
+        if status != 200:
+            raise SystemExit(f"sleep {name}: {status} {answer}")
+
+        def settled(name: str = name) -> tuple[int, dict[str, str]] | None:
+            used, states = node_state(names)
+            moving = {"draining", "stopping"} & set(states.values())
+            return (used, states) if states[name] in ("sleeping", "parked") and not moving and used <= budget else None
+
+        used, states = wait(settled, 120, f"{name} to sleep and the host cache to fit its budget")  # type: ignore[misc]
+        settled_s = time.monotonic() - began
+        parked = {n for n, state in states.items() if state == "parked"}
+        left = sorted(parked - parked_before)
+        parked_before = parked
+        sleeping = sum(state == "sleeping" for state in states.values())
+        after.append(AfterSleep(name, used, sleeping, len(parked), left, settled_s))
+        print(f"slept {name}: host cache {used / MiB:.0f} MiB of {budget / MiB:.0f}, {states}", flush=True)
+    return after
+
+
+def answered(http: Api, name: str) -> None:
+    body = {"input": "Hello", "params": {"max_tokens": 1}, "timeout_s": 120}
+    status, answer = http.post(f"/api/deployments/{name}/infer/", body)
+    if status != 200 or answer.get("status") != "done":
+        raise SystemExit(f"request to {name}: {status} {answer}")
+
+
+def wake_each(http: Api, names: list[str]) -> list[Wake]:
+    wakes: list[Wake] = []
+    for name in names:
+        source = "disk" if node_state(names)[1][name] == "parked" else "host"
+        began = time.monotonic()
+        answered(http, name)
+        wakes.append(Wake(name, source, time.monotonic() - began))
+        print(f"woke {name} from {source}: {MS * wakes[-1].answered_s:.0f} ms", flush=True)
+    return wakes
+
+
+def report(after: list[AfterSleep], wakes: list[Wake], budget: int, weight_bytes: int) -> tuple[str, str]:
+    from bench.report import table
+
+    rows = [
+        [
+            n + 1,
+            a.slept,
+            f"{a.used_bytes / MiB:.1f}",
+            f"{budget / MiB:.1f}",
+            a.sleeping,
+            a.parked,
+            ", ".join(a.left) or "-",
+            f"{a.settled_s:.2f}",
+        ]
+        for n, a in enumerate(after)
+    ]
+    headers = [
+        "sleeps",
+        "put to sleep",
+        "host cache MiB",
+        "budget MiB",
+        "sleeping",
+        "parked",
+        "parked now",
+        "settled s",
+    ]
+    by_source = {s: [w.answered_s for w in wakes if w.source == s] for s in ("host", "disk")}
+    wake_rows = [
+        [source, len(times), f"{MS * statistics.median(times):.0f}", f"{MS * max(times):.0f}"]
+        for source, times in by_source.items()
+        if times
+    ]
+    over = [a for a in after if a.used_bytes > budget]
+    detail = (
+        table(["first request wakes it from", "deployments", "p50 ms", "max ms"], wake_rows)
+        + f"\n\nWeights {weight_bytes / MiB:.1f} MiB per replica (what its host copy counts). "
+        + ("The host cache never went past its budget once a trim had run." if not over else f"Over budget: {over}.")
+    )
+    return table(headers, rows), detail
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deployments", type=int, default=6)
+    parser.add_argument("--fits", type=int, default=2, help="how many sleeping replicas the budget holds")
+    parser.add_argument("--size-mb", type=int, default=16, help="the tiny model's weights")
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    if not 0 < args.fits < args.deployments:
+        parser.error("--fits must be at least 1 and fewer than --deployments (or nothing is under pressure)")
+
+    with servers("gpuportal-bench-host-cache-", "gpuportal_bench_host_cache") as tmp:
+        from bench.report import record
+        from inference.inspection import read_model
+        from inference.management.commands.make_tiny_model import write_tiny_model
+
+        model_dir = write_tiny_model(tmp / "tiny", size_mb=args.size_mb, seed=7, log=lambda _: None).path
+        # What a deploy's inspection will count for each replica's host copy (the agent runs the same).
+        weight_bytes = int(read_model(str(model_dir), "transformers", "float32").weight_bytes or 0)
+        # Room for `fits` sleepers and half of one more: each one past it must park the oldest.
+        budget = int((args.fits + 0.5) * weight_bytes)
+        os.environ["GPUPORTAL_HOST_CACHE_BYTES"] = str(budget)  # the agent's setting, read as it starts
+        names = [f"m{n}" for n in range(args.deployments)]
+        with Portal(tmp, web_threads=4, control=True, agents={"bench": "1x8GiB"}) as portal:
+            key = staff_key()
+            portal.ready(key)
+            api = Api(portal.port, key)
+            deploy_all(api, model_dir, names)
+            after = sleep_in_turn(api, names, budget)
+            wakes = wake_each(api, names)
+        table, detail = report(after, wakes, budget, weight_bytes)
+        print("\n" + table + "\n\n" + detail)
+        if not args.no_record:
+            described = (
+                f"`python -m bench.host_cache --deployments {args.deployments} --fits {args.fits} "
+                f"--size-mb {args.size_mb}`: one node agent (a virtual GPU of 8 GiB, on the CPU) whose host "
+                f"cache holds {args.fits} sleeping replicas and half of one more, {args.deployments} deployments "
+                "of a tiny causal LM, a replica each, each used by one request and then put to sleep through the "
+                "API, one after another; then one request to each, oldest first. Settled: from the sleep call "
+                "until the replica sleeps and the control worker's trim has parked what no longer fits."
+                + "\n\n"
+                + table
+                + "\n\n"
+                + detail
+            )
+            record("host-cache", "Host cache under pressure: sleeping replicas past the node's budget", described)
+
+
+if __name__ == "__main__":
+    main()
