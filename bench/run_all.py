@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "recovery": (["--trials", "2"], ["--trials", "1"]),
     "kvpool": ([], []),
     "wake": ([], ["--repeats", "2"]),
+    "host_cache": ([], ["--deployments", "4", "--fits", "1"]),
     "simulate": ([], []),
 }
 
