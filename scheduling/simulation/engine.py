@@ -658,27 +658,44 @@ class Simulation:
         """At t=0, at no cost, the steady state a running portal would be in: each deployment,
         most requested first, is loaded where it fits without evicting anyone, and has served
         for its min_runtime already; one that does not fit was loaded once when it was deployed
-        and has slept since, so its weights are in a node's CPU RAM (nodes in turn) and its first
+        and has slept since, so its weights are in a node's CPU RAM (`_park_on`) and its first
         request wakes it rather than reading it from disk. A portal is not restarted cold for
         every trace: starting everyone young, or never loaded, would measure a cold start."""
         policy = replace(self.policy.placement, evictions=False)
-        nodes = sorted({gpu.node for gpu in self.gpus.values()})
-        parked = 0
+        parked: dict[str, int] = dict.fromkeys(sorted(self.node_gpus), 0)
         for ds in sorted(self.deployments.values(), key=lambda d: (-d.spec.rate_per_s, d.spec.name)):
             result = place(self._snapshot(ds), self._request(ds), policy=policy, rng=self.rng)
             if isinstance(result, CantAccommodate):
-                node = nodes[parked % len(nodes)]
-                parked += 1
+                node = self._park_on(ds, parked)
+                parked[node] += ds.need_bytes
                 asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING)
                 self.replicas[asleep.id] = asleep
                 ds.cached[node] = asleep
                 continue
             replica = SimReplica(result.replica_id, ds.spec.name, result.node, dict(result.bytes_by_gpu), SERVING)
             replica.serving_since = -self._setting(ds.spec.min_runtime_s, self.serving.min_runtime_s)
+            # Last asked when it started serving, as the live portal stamps a replica that starts
+            # serving (services.replica_reports): never asked (None) is the cost order's cheapest
+            # victim, so every replica of the start, a 70B model the first, was the first victim
+            # of the first wake.
+            replica.last_accessed = replica.serving_since
             self.replicas[replica.id] = replica
             self._reserve(replica)
             ds.active, ds.home = replica, tuple(result.gpu_ids)
             self._maybe_idle(replica, ds)
+
+    def _park_on(self, ds: DeploymentState, parked: Mapping[str, int]) -> str:
+        """The node whose CPU RAM holds the copy of a deployment that did not fit at the start.
+        In the portal that copy sleeps where placement loaded it, so only on a node that can hold
+        its need (a need of whole GPUs, enough of them), and loads spread over the nodes by their
+        room: the node with the fewest bytes parked per byte of its GPU memory, ties by name. Nodes
+        in turn, whatever their size, parked half the copies on a cluster of 8 + 1 GPUs on the one
+        GPU, where a 70B copy can never wake and the others contend for 80 GiB."""
+        gpu_bytes = self.config.cluster.gpu_bytes
+        room = {node: len(gpus) * gpu_bytes for node, gpus in self.node_gpus.items()}
+        whole = self._whole_gpus(ds.need_bytes)
+        fits = [node for node in parked if (room[node] if whole else gpu_bytes) >= ds.need_bytes] or list(parked)
+        return min(fits, key=lambda node: (parked[node] / room[node], node))
 
     def _snapshot(
         self,

@@ -260,3 +260,27 @@ def test_idle_replicas_sleep_before_their_timeout_when_their_node_has_no_room_fo
     (first,), (then,) = early.outcomes, late.outcomes
     assert first.room_s == 0 and then.room_s > 0
     assert first.ttft_s is not None and then.ttft_s is not None and first.ttft_s < then.ttft_s
+
+
+def test_copies_that_fit_nowhere_at_the_start_sleep_on_the_nodes_by_their_room_and_only_where_they_can_wake(quick):
+    # Nine GPUs: a node of eight and one of one. Nodes in turn put every other copy on the one-GPU
+    # node, where a 150 GiB copy (two whole GPUs) could never wake; by room, the large copies all
+    # sleep on the node of eight, and the small ones about eight to one.
+    config = replace(quick, cluster=replace(quick.cluster, nodes=2, gpus_per_node=8))
+    big = [deployment(f"big{i}", 150, rate=1.0) for i in range(6)]
+    small = [deployment(f"s{i:02d}", 70, rate=0.5) for i in range(18)]
+    sim = Simulation(hand_trace([*big, *small], []), config, ALL["gpuportal-next"], gpus=9)
+    sim._provision()
+    asleep = {name: next(iter(ds.cached)) for name, ds in sim.deployments.items() if ds.cached}
+    assert {asleep[d.name] for d in big if d.name in asleep} == {"node00"}
+    on_small_node = sum(1 for node in asleep.values() if node == "node01")
+    assert 0 < on_small_node <= len(asleep) // 8 + 1
+
+
+def test_the_replicas_loaded_at_the_start_were_last_asked_when_they_began_serving(quick):
+    sim = Simulation(
+        hand_trace([deployment("a", 30, rate=1.0), deployment("b", 30, rate=0.5)], []), quick, ALL["gpuportal-next"]
+    )
+    sim._provision()
+    awake = [r for r in sim.replicas.values() if r.serving_since is not None]
+    assert awake and all(r.last_accessed == r.serving_since for r in awake)
