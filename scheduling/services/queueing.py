@@ -13,7 +13,7 @@ from functools import cache
 import redis
 from django.conf import settings
 
-from gpuportal.wire.requestqueue import Request, RequestQueue, last_key
+from gpuportal.wire.requestqueue import Request, RequestQueue
 from scheduling.models import Replica
 from scheduling.services.errors import InvalidState, NotFound
 
@@ -102,14 +102,10 @@ def last_requests(replica_ids: Iterable[str]) -> dict[str, datetime]:
     """When each replica last took a request, as Redis has it now: PostgreSQL's copy is made on
     the beat's schedule and only while the replica is awake (sync_last_accessed), so a replica put
     to sleep a moment after its last request keeps an older time there."""
-    ids = list(replica_ids)
-    if not ids:
-        return {}
-    stamps = queue().redis.mget([last_key(replica_id) for replica_id in ids])
     return {
-        replica_id: datetime.fromtimestamp(float(raw), tz=UTC)
-        for replica_id, raw in zip(ids, stamps, strict=True)
-        if raw is not None
+        replica_id: datetime.fromtimestamp(last, tz=UTC)
+        for replica_id, (_, last) in queue().activity(replica_ids).items()
+        if last is not None
     }
 
 
