@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python manage.py up $(ARGS)
 
+# Two processes, whole files each (tests/conftest.py orders them): most tests wait on the processes
+# they start, so a second one runs while they do.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest $(ARGS)
+	$(BIN)/pytest -n auto --maxprocesses 2 --dist loadfile --no-loadscope-reorder $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

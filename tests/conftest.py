@@ -19,6 +19,16 @@ def pytest_configure(config):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # `make test` hands each process whole files (--dist loadfile) in this order: files that
+        # start processes (the `slow` ones, up to 100 s each) go first, so that the last minutes
+        # are many short files spread over every process rather than one long file on its own.
+        slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_token_cache():
     """Each test starts with no remembered token (gpuportal.auth): one test's tokens, or a revoked
@@ -65,6 +75,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     assert config.vocab_size >= VOCAB_SIZE  # every token id the tokenizer gives has an embedding
     build_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def beat_schedules(db) -> None:
+    """The beat schedules the migrations write (`create_schedules` in scheduling/migrations), as a
+    fresh database has them. A transactional test's flush empties every table, these rows too, and
+    with the suite's files spread over processes (pytest-xdist) a test that reads them may run after
+    one on the same database; so they are written again, by the migrations' own functions."""
+    import importlib
+    import pkgutil
+
+    from django.apps import apps
+
+    import scheduling.migrations
+
+    for module in pkgutil.iter_modules(scheduling.migrations.__path__):
+        migration = importlib.import_module(f"scheduling.migrations.{module.name}")
+        if hasattr(migration, "create_schedules"):
+            migration.create_schedules(apps, None)
 
 
 @pytest.fixture

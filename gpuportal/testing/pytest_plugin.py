@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -36,7 +37,21 @@ def pytest_load_initial_conftests(early_config, parser, args):
             rd = EmbeddedRedis(data_dir=root / "redis", persist=False)
             _started.append(rd)
             os.environ["REDIS_URL"] = rd.start()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        os.environ["REDIS_URL"] = redis_url_of_worker(os.environ["REDIS_URL"], worker)
     return (yield)
+
+
+def redis_url_of_worker(url: str, worker: str) -> str:
+    """The Redis database of one pytest-xdist worker (`gw0`, `gw1`, ...): the next ones after the
+    session's own. PostgreSQL needs nothing of the kind (pytest-django names a test database per
+    worker), but Redis holds queues by name: an agent started by one worker's test would take the
+    requests and commands of another's."""
+    parts = urlsplit(url)
+    base = int(parts.path.lstrip("/") or 0)
+    db = (base + 1 + int(worker.removeprefix("gw"))) % 16  # Redis's default 16 databases
+    return urlunsplit(parts._replace(path=f"/{db}"))
 
 
 def pytest_report_header(config):

@@ -139,7 +139,7 @@ def test_a_heartbeat_brings_an_offline_node_back():
 
 
 @pytest.mark.django_db
-def test_the_beat_task_expires_heartbeats_and_is_scheduled():
+def test_the_beat_task_expires_heartbeats_and_is_scheduled(beat_schedules):
     nodes.register_node("n1", virtual_gpus("n1", "1x1GiB", NO_OVERHEAD), virtual=True)
     Node.objects.filter(name="n1").update(last_heartbeat=timezone.now() - timedelta(hours=1))
 

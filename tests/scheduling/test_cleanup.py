@@ -67,6 +67,6 @@ def test_each_deployment_keeps_its_own_newest_and_a_replica_still_holding_memory
     assert Replica.objects.filter(pk=holding.pk).exists(), "its reservation is released through the ledger first"
 
 
-def test_the_sweep_runs_on_a_beat_schedule_editable_in_the_admin():
+def test_the_sweep_runs_on_a_beat_schedule_editable_in_the_admin(beat_schedules):
     task = PeriodicTask.objects.get(name="collect ended replicas")
     assert task.task == "scheduling.tasks.collect_ended_replicas" and task.queue == "control" and task.enabled

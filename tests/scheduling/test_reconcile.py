@@ -190,7 +190,7 @@ def test_reconcile_counts_sleeping_replicas_never_stops_any_and_leaves_a_failed_
 
 
 def test_a_crashed_replica_is_put_back_by_a_reconcile_and_a_beat_sweep_reconciles_too(
-    sent, django_capture_on_commit_callbacks
+    sent, django_capture_on_commit_callbacks, beat_schedules
 ):
     from django_celery_beat.models import PeriodicTask
 

@@ -447,7 +447,7 @@ def test_the_beat_task_runs_the_sweep(cluster, api, dispatched, tiny_model_dir):
     assert Replica.objects.get().state == "draining"
 
 
-def test_the_sweep_is_scheduled_every_5_s_on_the_control_queue(db):
+def test_the_sweep_is_scheduled_every_5_s_on_the_control_queue(beat_schedules):
     schedule = PeriodicTask.objects.get(name="sleep idle replicas")
     assert schedule.task == "scheduling.tasks.sleep_idle" and schedule.enabled
     assert (schedule.interval.every, schedule.interval.period, schedule.queue) == (5, "seconds", "control")
