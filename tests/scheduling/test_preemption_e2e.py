@@ -250,14 +250,12 @@ def test_victims_serving_no_request_are_preempted_at_once_and_the_waiting_reques
     deploy("c", replicas=0, max_wait_s=60)
     time.sleep(1.1)  # past min_runtime_s
 
-    started = time.monotonic()
     request = submit(staff, "c")
     assert request["status"] == "waking", request
 
     victim = wait_until(
         lambda: Event.objects.filter(kind=Event.Kind.PREEMPTION_VICTIM).first(), 15, "a victim to be chosen"
     )
-    assert time.monotonic() - started < 15, "preempted at once, not after the 60 s max_wait"
     intent = PreemptionIntent.objects.get()
     assert intent.deadline == intent.created_at
     said = Event.objects.get(kind=Event.Kind.PREEMPTION_INTENT).reason
