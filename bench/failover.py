@@ -230,7 +230,8 @@ def report(standby: Phase, solo: Phase, takeovers: list[dict]) -> tuple[str, str
 def described(args: argparse.Namespace, table: str, detail: str) -> str:
     return (
         f"`python -m bench.failover --trials {args.trials} --baseline-trials {args.baseline_trials} "
-        f"--clients {args.clients}`: a tiny causal LM (2 MB) on a virtual GPU (CPU), {args.clients} clients "
+        f"--clients {args.clients}{' --device cuda' if args.device == 'cuda' else ''}`: a tiny causal LM (2 MB) "
+        f"{'on the GPU' if args.device == 'cuda' else 'on a virtual GPU (CPU)'}, {args.clients} clients "
         "sending one-token `/infer/` requests back to back over HTTP (granian), a real node agent and "
         "real replica processes. Time = from the SIGKILL to the first answer served by the replacement; "
         "failed = requests that did not end `done`, over the whole run.\n\n" + table + "\n\n" + detail
@@ -242,8 +243,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--baseline-trials", type=int, default=5)
     parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the node agent serves on this machine's GPUs (NVML's) instead of a virtual one",
+    )
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    if args.device == "cuda" and not _cuda_available():
+        parser.error("--device cuda: torch finds no CUDA device on this machine")
+    # Real GPUs: the agent registers the machine's own; a CPU run keeps its one virtual GPU.
+    agents: dict[str, str | None] | None = {"bench": None} if args.device == "cuda" else None
 
     with servers("gpuportal-bench-failover-", "gpuportal_bench_failover") as tmp:
         from bench.report import record
@@ -251,7 +262,7 @@ def main() -> None:
 
         model_dir = write_tiny_model(tmp / "tiny", size_mb=2, seed=5, log=lambda _: None).path
         # The control plane's worker: without a standby, it is what places the replacement.
-        with Portal(tmp, web_threads=args.clients + 2, control=True) as portal:
+        with Portal(tmp, web_threads=args.clients + 2, control=True, agents=agents) as portal:
             key = staff_key()
             portal.ready(key)
             standby, grant_to_serving = with_standby(portal, key, model_dir, args.trials, args.clients)
@@ -262,7 +273,16 @@ def main() -> None:
                 print("failed:", failure)
             if not args.no_record:
                 title = "Failover: a standby against a restart, after SIGKILL under load"
-                record("failover", title, described(args, table, detail))
+                if args.device == "cuda":  # its own section: the CPU figures stay beside it
+                    record("failover-gpu", f"{title}, on a GPU", described(args, table, detail))
+                else:
+                    record("failover", title, described(args, table, detail))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 On a machine with an NVIDIA GPU it runs three parts, one after the other (each measures memory that
 the others would disturb):
 
-- tests: `pytest -m gpu`, counting what passed, failed and was skipped (and why);
+- tests: `pytest -m gpu` over the test files that hold such tests, counting what passed, failed and
+  was skipped (and why);
 - probe: a random Llama written by `manage.py make_tiny_model`, loaded by the project's ReplicaHost
   in a process of its own on cuda:0 (bench.gpu_probe): NVML per-process bytes after load, after a
   prefill of max_tokens, after sleep and after wake; the allocator cap raising out-of-memory above
@@ -300,9 +301,22 @@ def tests_rows(counts: TestCounts | None, returncode: int, tail: str) -> list[Ro
     return rows
 
 
+# A test the `gpu` marker selects, as its decorator reads in a test file.
+GPU_MARK = re.compile(r"^\s*@pytest\.mark\.gpu\b", re.MULTILINE)
+
+
+def gpu_test_files(root: Path = ROOT) -> list[str]:
+    """The test files holding a `gpu`-marked test, relative to `root`. pytest is given these alone:
+    collecting every file would import what only other tests use (a browser driver, a schema
+    fuzzer), which a GPU machine need not carry."""
+    files = (root / "tests").rglob("test_*.py")
+    return sorted(str(f.relative_to(root)) for f in files if GPU_MARK.search(f.read_text()))
+
+
 def run_tests(work: Path) -> tuple[list[Row], dict[str, Any]]:
     report = work / "gpu-tests.xml"
     argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    argv += gpu_test_files()
     try:
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:

@@ -97,7 +97,8 @@ def wait(predicate: Callable[[], object], timeout: float, what: str) -> object:
 class Portal:
     """The processes, started in `tmp` (their logs land there) and stopped by `stop()`.
 
-    `agents`: node name → virtual GPUs of each node agent (default one node, `bench`, 1x4GiB);
+    `agents`: node name → virtual GPUs of each node agent (default one node, `bench`, 1x4GiB), or
+    None for the machine's own GPUs (NVML's);
     `control`: a control-plane worker; `beat`: celery beat on the product's schedule (the
     heartbeat expiry, the reconcile sweep), as `manage.py up` runs it."""
 
@@ -107,7 +108,7 @@ class Portal:
         *,
         web_threads: int = 4,
         control: bool = False,
-        agents: dict[str, str] | None = None,
+        agents: dict[str, str | None] | None = None,
         beat: bool = False,
     ):
         from gpuportal.stack import free_port
@@ -128,7 +129,7 @@ class Portal:
              "--pool", "threads", "--concurrency", "8", "--without-gossip", "--without-mingle"],
             "agents",
         )  # fmt: skip
-        self.agent_gpus = agents or {"bench": "1x4GiB"}
+        self.agent_gpus: dict[str, str | None] = agents or {"bench": "1x4GiB"}
         self.agents: dict[str, subprocess.Popen] = {}
         for name in self.agent_gpus:
             self.start_agent(name)
@@ -152,7 +153,9 @@ class Portal:
 
     def start_agent(self, name: str) -> subprocess.Popen:
         """Start (or start anew) the node agent `name`."""
-        argv = [sys.executable, "manage.py", "agent", "--node", name, "--virtual-gpus", self.agent_gpus[name]]
+        gpus = self.agent_gpus[name]
+        argv = [sys.executable, "manage.py", "agent", "--node", name]
+        argv += ["--virtual-gpus", gpus] if gpus is not None else []
         self.agents[name] = self._spawn(argv, f"agent-{name}")
         return self.agents[name]
 

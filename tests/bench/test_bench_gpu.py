@@ -196,6 +196,19 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 </testsuite></testsuites>"""
 
 
+def test_the_tests_part_is_given_only_the_files_holding_gpu_marked_tests(tmp_path):
+    (tmp_path / "tests" / "inference").mkdir(parents=True)
+    (tmp_path / "tests" / "inference" / "test_arena.py").write_text(
+        "import pytest\n\n\n@pytest.mark.gpu\ndef test_on_cuda():\n    pass\n"
+    )
+    (tmp_path / "tests" / "inference" / "test_fuzz.py").write_text(
+        "import schemathesis\n\n# a gpu test would say @pytest.mark.gpu\ndef test_plain():\n    pass\n"
+    )
+    (tmp_path / "tests" / "helpers.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef helper():\n    pass\n")
+
+    assert gpu.gpu_test_files(tmp_path) == ["tests/inference/test_arena.py"]
+
+
 def test_the_junit_report_gives_counts_failures_and_skip_reasons():
     counts = gpu.parse_junit(JUNIT)
 

