@@ -34,6 +34,7 @@ POLICIES = ("gpuportal", "gpuportal-wake", "gpuportal-next", "gpuportal-whole", 
 OURS = ("gpuportal", "gpuportal-wake", "gpuportal-next", "gpuportal-whole")
 # Whose misses at the bound's GPU count the table names: the newest of ours that was planned.
 EXPLAIN = ("gpuportal-next", "gpuportal-wake", "gpuportal")
+ADVISED = "advised: held ones popular"
 BOUND_HEADERS = [
     "oracle bound",
     "bound with wakes",
@@ -49,6 +50,7 @@ def headers(policies: tuple[str, ...]) -> list[str]:
         "trace",
         "requests",
         *(p for p in policies if p != "oracle"),
+        f"{explained}, {ADVISED}",
         *BOUND_HEADERS,
         f"short of the bound ({explained}'s misses at it)",
         "planner s per simulated h",
@@ -57,7 +59,10 @@ def headers(policies: tuple[str, ...]) -> list[str]:
 
 def row(name: str, p: Plan, elapsed: float, policies: tuple[str, ...]) -> list[object]:
     fewest = {pp.policy: pp.fewest_gpus for pp in p.policies}
-    ours = min((fewest[k] for k in OURS if fewest.get(k) is not None), default=None)  # type: ignore[type-var]
+    advised = p.advice.plan.fewest_gpus if p.advice is not None else None
+    # The advice is the portal too, with a setting its operator can make (planner.Advice).
+    candidates = [fewest[k] for k in OURS if fewest.get(k) is not None] + ([advised] if advised is not None else [])
+    ours = min(candidates, default=None)  # type: ignore[type-var]
     ratio = f"{ours / p.bound_gpus:.2f}" if ours is not None else "-"
     held = ", ".join(h.deployment for h in p.bound.held) or "-"
     short = ", ".join(f"{m.deployment} {m.missed} ({m.cause})" for m in p.misses_at_bound[:3]) or "-"
@@ -65,6 +70,7 @@ def row(name: str, p: Plan, elapsed: float, policies: tuple[str, ...]) -> list[o
         name,
         p.requests,
         *(fewest[k] if fewest[k] is not None else f"> {p.max_gpus}" for k in policies if k != "oracle"),
+        "-" if p.advice is None else advised if advised is not None else f"> {p.max_gpus}",
         p.bound.oracle_gpus,
         p.bound.load_aware_gpus,
         p.bound.packed_gpus,
@@ -151,10 +157,12 @@ def main() -> None:
         "their room, where they can wake (`engine.Simulation._park_on`); the oracle's bound, the tighter one "
         "counting wakes slower than "
         "the SLO (`planner.load_aware_bound`) and that working set counted in whole GPUs as placement packs it "
-        "(`planner.packed_bound`); the best of ours over the tightest bound; the deployments the bound holds in "
-        f"memory; the three deployments with the most misses when `{explain}` runs on the bound's GPU count, "
-        "and why; the planner's wall time (every policy's search) per simulated hour.\n\n"
-        + table(headers(policies), rows)
+        "(`planner.packed_bound`); the planner's advice (`planner.Advice`): the explained policy searched again "
+        "with the deployments the bound holds marked popular, a setting an operator can make ('-': the bound holds "
+        "none that is not popular already); the best of ours (the advice included) over the tightest bound; "
+        "the deployments the bound holds in memory; the three deployments with the most misses when "
+        f"`{explain}` runs on the bound's GPU count, and why; the planner's wall time (every policy's search) "
+        "per simulated hour.\n\n" + table(headers(policies), rows)
     )
     if file_rows:
         body += "\n\nFrom trace files:\n\n" + table(headers(policies), file_rows)

@@ -173,6 +173,15 @@ PLAN_DONE = {
         ],
         "bound": {"oracle_gpus": 9, "load_aware_gpus": 11, "packed_gpus": 11, "held": ["m29-70b"]},
         "misses_now": [{"deployment": "m39-70b", "requests": 42, "missed": 5, "why": "wakes: mean wait 7.1 s"}],
+        "advice": {
+            "popular": ["m29-70b"],
+            "policy": "gpuportal-next",
+            "fewest_gpus": 12,
+            "fewest_gpus_without": 13,
+            "helps": True,
+            "text": "mark m29-70b popular (never preempted, as the bound holds them): gpuportal-next then needs "
+            "12 GPUs instead of 13",
+        },
     },
     "table": "| policy | fewest GPUs | attainment now |\n|---|---|---|\n| gpuportal-next | 13 | 99.93 % |",
     "plot_png": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==",

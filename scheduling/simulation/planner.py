@@ -30,14 +30,22 @@ bounds:
 And per deployment, the requests a policy's run missed and why: waiting for room (a fair wait, the
 victims' weights leaving), a cold load from disk, a wake from CPU RAM, or the queue of a busy
 replica, as `DeploymentMisses`.
+
+And advice (`Advice`): the deployments the tighter bound holds in memory are what it takes for
+granted that no wake ever evicts, while the policy, which cannot know the trace ahead, may evict
+one to wake another and then miss the head of its next burst. An operator can promise the same
+with a setting the portal has, `popular` (never preempted, never slept on the idle timer); the
+planner searches the explained policy once more with them marked so and says whether that lowers
+its GPU count. It is advice for this trace, tried on it, not a rule: on some traces the memory
+they then hold for good costs the others more than their misses did.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 from scheduling.simulation.config import Config
 from scheduling.simulation.engine import RequestOutcome, SimResult, simulate
@@ -157,6 +165,36 @@ class Bound:
 
 
 @dataclass(frozen=True)
+class Advice:
+    """The explained policy searched again with the deployments the bound holds marked `popular`
+    (an operator's setting: never preempted, never slept on the idle timer)."""
+
+    popular: tuple[str, ...]
+    plan: PolicyPlan  # the explained policy with them popular
+    without: int | None  # its fewest GPUs with the deployments as they are
+    max_gpus: int
+
+    @property
+    def helps(self) -> bool:
+        fewest = self.plan.fewest_gpus
+        return fewest is not None and (self.without is None or fewest < self.without)
+
+    @property
+    def text(self) -> str:
+        names = ", ".join(self.popular)
+        with_, without = (n if n is not None else f"> {self.max_gpus}" for n in (self.plan.fewest_gpus, self.without))
+        if self.helps:
+            return (
+                f"mark {names} popular (never preempted, as the bound holds them): {self.plan.policy} then needs "
+                f"{with_} GPUs instead of {without}"
+            )
+        return (
+            f"marking {names} popular, as the bound holds them, would not lower {self.plan.policy}'s "
+            f"{without} GPUs ({with_} with it)"
+        )
+
+
+@dataclass(frozen=True)
 class Plan:
     requests: int
     deployments: int
@@ -173,6 +211,7 @@ class Plan:
     misses_at_bound: tuple[DeploymentMisses, ...] = ()
     simulations: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    advice: Advice | None = None  # None: nothing explained, or no deployment the bound holds to mark
 
     def policy(self, name: str) -> PolicyPlan:
         return next(p for p in self.policies if p.policy == name)
@@ -187,22 +226,41 @@ class _Runs:
 
     def __init__(self, trace: Trace, config: Config, *, total: int) -> None:
         self.trace, self.config, self.total = trace, config, total
-        self.results: dict[tuple[str, int], SimResult] = {}
+        self.results: dict[tuple[str, int, tuple[str, ...]], SimResult] = {}
         self.progress: Progress | None = None
 
-    def run(self, name: str, gpus: int) -> SimResult:
-        if (name, gpus) not in self.results:
-            self.results[(name, gpus)] = simulate(self.trace, self.config, POLICIES[name], gpus=gpus)
+    def run(self, name: str, gpus: int, popular: tuple[str, ...] = ()) -> SimResult:
+        """`popular`: deployments marked popular for this run (the advice's)."""
+        if (name, gpus, popular) not in self.results:
+            trace = with_popular(self.trace, popular) if popular else self.trace
+            self.results[(name, gpus, popular)] = simulate(trace, self.config, POLICIES[name], gpus=gpus)
             if self.progress is not None:
                 self.progress(min(len(self.results), self.total), self.total)
-        return self.results[(name, gpus)]
+        return self.results[(name, gpus, popular)]
 
 
-def _policy_plan(runs: _Runs, name: str, *, current: int, max_gpus: int, target: float, slo: float) -> PolicyPlan:
+def with_popular(trace: Trace, names: Iterable[str]) -> Trace:
+    """The trace with those deployments marked popular, as an operator would mark them."""
+    marked = set(names)
+    return replace(
+        trace, deployments=tuple(replace(d, popular=True) if d.name in marked else d for d in trace.deployments)
+    )
+
+
+def _policy_plan(
+    runs: _Runs,
+    name: str,
+    *,
+    current: int,
+    max_gpus: int,
+    target: float,
+    slo: float,
+    popular: tuple[str, ...] = (),
+) -> PolicyPlan:
     """One policy's row: its fewest GPUs for the target (the oracle's: its peak working set in
     GPUs), its attainment at today's count, and the curve the search walked."""
     policy = POLICIES[name]
-    summary = summarize(runs.run(name, current), slo)
+    summary = summarize(runs.run(name, current, popular), slo)
     curve = {current: summary.attainment}
     if policy.unlimited:
         needed = max(1, math.ceil(summary.peak_working_set_gib * 1024**3 / runs.config.cluster.gpu_bytes))
@@ -210,7 +268,7 @@ def _policy_plan(runs: _Runs, name: str, *, current: int, max_gpus: int, target:
     else:
 
         def attainment_at(gpus: int) -> float:
-            curve[gpus] = summarize(runs.run(name, gpus), slo).attainment
+            curve[gpus] = summarize(runs.run(name, gpus, popular), slo).attainment
             return curve[gpus]
 
         best = fewest_gpus(attainment_at, target, max_gpus)
@@ -255,7 +313,8 @@ def plan(
     )
     current = config.cluster.gpus if current_gpus is None else current_gpus
     max_gpus = max(config.search.max_gpus, current)
-    searches = sum(1 for p in policies if not POLICIES[p].unlimited)
+    # The advice's search counted too (it runs only where the bound holds a deployment).
+    searches = sum(1 for p in policies if not POLICIES[p].unlimited) + (1 if explained else 0)
     runs = _Runs(trace, config, total=len(policies) + searches * (2 + math.ceil(math.log2(max(2, max_gpus)))))
     runs.progress = progress
     plans = [_policy_plan(runs, name, current=current, max_gpus=max_gpus, target=target, slo=slo) for name in policies]
@@ -263,6 +322,14 @@ def plan(
     bound = load_aware_bound(trace, config, runs.run("oracle", current), target=target, slo_ttft_s=slo)
     misses_now = misses_by_deployment(trace, runs.run(explained, current), slo) if explained else ()
     misses_at_bound = misses_by_deployment(trace, runs.run(explained, bound.gpus), slo) if explained else ()
+    advice = None
+    marked = tuple(h.deployment for h in bound.held if not _popular(trace, h.deployment))
+    if explained and marked:
+        advised = _policy_plan(
+            runs, explained, current=current, max_gpus=max_gpus, target=target, slo=slo, popular=marked
+        )
+        without = next(pp.fewest_gpus for pp in plans if pp.policy == explained)
+        advice = Advice(marked, advised, without, max_gpus)
     return Plan(
         requests=len(trace.requests),
         deployments=len(trace.deployments),
@@ -277,7 +344,12 @@ def plan(
         misses_now=misses_now,
         misses_at_bound=misses_at_bound,
         simulations=len(runs.results),
+        advice=advice,
     )
+
+
+def _popular(trace: Trace, name: str) -> bool:
+    return any(d.popular for d in trace.deployments if d.name == name)
 
 
 def misses_by_deployment(trace: Trace, result: SimResult, slo_ttft_s: float) -> tuple[DeploymentMisses, ...]:
@@ -491,6 +563,8 @@ def render(p: Plan) -> str:
         f"than the SLO, {p.bound.load_aware_gpus} ({p.bound.explanation}); that working set in whole GPUs as "
         f"placement packs it, {p.bound.packed_gpus}.",
     ]
+    if p.advice is not None:
+        out += ["", f"Advice: {p.advice.text}."]
     for title, misses in (
         (f"Missed at {p.current_gpus} GPUs (now)", p.misses_now),
         (f"Missed at {p.bound_gpus} GPUs (the bound)", p.misses_at_bound),
@@ -529,6 +603,16 @@ def record(p: Plan) -> dict[str, object]:
             "miss_budget": p.bound.miss_budget,
             "explanation": p.bound.explanation,
             "held": [h.deployment for h in p.bound.held],
+        },
+        "advice": None
+        if p.advice is None
+        else {
+            "popular": list(p.advice.popular),
+            "policy": p.advice.plan.policy,
+            "fewest_gpus": p.advice.plan.fewest_gpus,
+            "fewest_gpus_without": p.advice.without,
+            "helps": p.advice.helps,
+            "text": p.advice.text,
         },
         "misses_now": [
             {"deployment": m.deployment, "requests": m.requests, "missed": m.missed, "why": m.why} for m in p.misses_now

@@ -27,8 +27,9 @@ from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
 from scheduling.simulation.config import load
 from scheduling.simulation.engine import simulate
-from scheduling.simulation.planner import bins_lower_bound, load_aware_bound, plan
-from scheduling.simulation.policies import POLICIES
+from scheduling.simulation.metrics import summarize
+from scheduling.simulation.planner import Advice, PolicyPlan, bins_lower_bound, load_aware_bound, plan, record, render
+from scheduling.simulation.policies import ALL, POLICIES
 from scheduling.simulation.trace import Deployment as SimDeployment
 from scheduling.simulation.trace import Request, Trace
 from tests.support.factories import NO_OVERHEAD
@@ -210,6 +211,56 @@ def test_a_wake_slower_than_the_slo_raises_the_bound_and_the_deployment_is_named
     assert (bound.oracle_gpus, bound.load_aware_gpus) == (1, 2)
     assert [(h.deployment, h.misses_if_asleep, h.held) for h in bound.slow_wakes] == [("big", 20, True)]
     assert "big (wake 8.0 s, 20 misses asleep)" in bound.explanation
+
+
+def slow_and_busy_trace() -> Trace:
+    """`big` (60 GiB) wakes in 8 s, past the 5 s SLO, in 20 bursts; `small` (30 GiB) in between."""
+    big, small = hand_deployment("big", 60, wake_s=8.0), hand_deployment("small", 30)
+    arrivals = [(t * 30.0, "big") for t in range(20)] + [(t * 3.0 + 1.5, "small") for t in range(200)]
+    return Trace((big, small), tuple(Request(i, d, t, 128, 16) for i, (t, d) in enumerate(sorted(arrivals))), 600.0)
+
+
+def test_the_planner_advises_marking_what_the_bound_holds_popular_with_the_count_that_setting_gives():
+    config = load(quick=True)
+    trace = slow_and_busy_trace()
+
+    p = plan(trace, config, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
+
+    assert [h.deployment for h in p.bound.held] == ["big"]
+    assert p.advice is not None and p.advice.popular == ("big",)
+    # What the advice says is what the portal would need with `big` marked popular, searched apart.
+    marked = replace(trace, deployments=tuple(replace(d, popular=d.name == "big") for d in trace.deployments))
+    enough = next(
+        g
+        for g in range(1, config.search.max_gpus + 1)
+        if summarize(simulate(marked, config, ALL["gpuportal-next"], gpus=g), 5.0).attainment >= 0.99
+    )
+    assert p.advice.plan.fewest_gpus == enough
+    assert p.advice.without == p.policy("gpuportal-next").fewest_gpus
+    assert f"Advice: {p.advice.text}." in render(p)
+    assert record(p)["advice"]["popular"] == ["big"]
+
+
+def test_no_advice_where_the_bound_holds_nothing():
+    config = load(quick=True)
+    a, b = hand_deployment("a", 30), hand_deployment("b", 30)
+    requests = tuple(Request(i, "a" if i % 2 else "b", i * 2.0, 128, 16) for i in range(50))
+
+    p = plan(Trace((a, b), requests, 100.0), config, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
+
+    assert p.bound.held == () and p.advice is None
+    assert "Advice" not in render(p) and record(p)["advice"] is None
+
+
+def test_advice_helps_only_when_it_needs_fewer_gpus_or_reaches_a_target_the_policy_did_not():
+    def advice(with_: int | None, without: int | None) -> Advice:
+        searched = PolicyPlan("gpuportal-next", with_, 0.99, 0, 0, 0, 0.0, {})
+        return Advice(("m41-70b",), searched, without, 64)
+
+    assert advice(14, 17).helps and "then needs 14 GPUs instead of 17" in advice(14, 17).text
+    assert advice(14, None).helps and "instead of > 64" in advice(14, None).text
+    assert not advice(17, 17).helps and "would not lower gpuportal-next's 17 GPUs (17 with it)" in advice(17, 17).text
+    assert not advice(None, 17).helps and "(> 64 with it)" in advice(None, 17).text
 
 
 def test_the_bound_in_whole_gpus_counts_a_large_model_on_its_own_gpus_and_no_two_over_half_a_gpu_on_one():
