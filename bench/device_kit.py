@@ -9,10 +9,11 @@ and the `gpu` tests' pytest-django, less what the image holds, then whatever tho
 neither holds, until nothing is missing; and checks that the folder fits what a call may carry.
 `--check` only reads the folder: what is missing, what is there twice, its size. Exit 0: ready.
 
-Then, from the repository root, one `run` of the device tool does it all (the README's "On a lent
-GPU" says what comes back and where the figures go):
+Then, from the repository root, two `run` calls of the device tool do it all (bench/device_run.sh
+says what comes back and where the figures go):
 
-    command: bash bench/device_run.sh      carry: [".whl"]      timeout_s: 600
+    command: bash bench/device_run.sh gpu             carry: [".whl"]   timeout_s: 540
+    command: bash bench/device_run.sh wake failover   carry: [".whl"]   timeout_s: 280
 """
 
 from __future__ import annotations
@@ -194,7 +195,10 @@ def report(kit: Kit) -> str:
     if kit.size + TREE_ALLOWANCE > CARRY_LIMIT:
         lines.append(f"too large beside the working tree ({TREE_ALLOWANCE // 2**20} MiB allowed for it)")
     if kit.ready:
-        lines.append('ready: device run, command "bash bench/device_run.sh", carry [".whl"], timeout_s 600')
+        lines.append(
+            'ready: device runs with carry [".whl"]: "bash bench/device_run.sh gpu" (timeout_s 540), then '
+            '"bash bench/device_run.sh wake failover" (timeout_s 280)'
+        )
     return "\n".join(lines)
 
 

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# The GPU checks in one call of the device tool, from the repository root, with the wheels that
-# `python -m bench.device_kit` put in .whl carried:
+# The GPU checks on a machine lent by the device tool, from the repository root, with the wheels
+# that `python -m bench.device_kit` put in .whl carried. Two calls fit the tool's 10 minutes a call:
 #
-#     command: bash bench/device_run.sh      carry: [".whl"]      timeout_s: 600
+#     command: bash bench/device_run.sh gpu             carry: [".whl"]   timeout_s: 540
+#     command: bash bench/device_run.sh wake failover   carry: [".whl"]   timeout_s: 280
 #
-# It installs the wheels beside the image's own packages (its python3 has torch, transformers and
-# nvidia-ml-py), then runs bench.gpu (the `gpu` tests, the probe, the stack), bench.wake and
-# bench.failover on the GPU, one after the other, each under a limit of its own so that one that
-# hangs leaves the rest their time, and all within the tool's 10 minutes. What comes back under
-# $OUT: each check's log and BENCHMARKS.md as the checks recorded it there (bench.gpu records only a
-# complete run), whose sections go into the repository's BENCHMARKS.md. Exit: 0 every check passed,
-# 1 one failed or ran out of time, 3 the wheels did not install.
+# (the two together, with the machine's start, about the 15 minutes a session has; no argument:
+# all three, for a machine without those limits). It installs the wheels beside the
+# image's own packages (its python3 has torch, transformers and nvidia-ml-py), then runs each check
+# named, one after the other, under a limit of its own so that one that hangs leaves the next its
+# time: gpu = bench.gpu (the `gpu` tests, the probe, the stack), wake = bench.wake --device cuda,
+# failover = bench.failover --device cuda. What comes back under $OUT: each check's log and
+# BENCHMARKS.md as the checks recorded it there (bench.gpu records only a complete run), whose
+# sections go into the repository's BENCHMARKS.md. Exit: 0 every check passed, 1 one failed or ran
+# out of time, 2 an unknown check, 3 the wheels did not install.
 set -uo pipefail
+checks=(${@:-gpu wake failover})
+for one in "${checks[@]}"; do
+    case $one in
+        gpu | wake | failover) ;;
+        *) echo "device_run: unknown check $one (expected gpu, wake or failover)"; exit 2 ;;
+    esac
+done
 OUT=${OUT:-/tmp/gpuportal-device}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -30,8 +40,12 @@ check() {
     echo "== $name: exit $rc"
     [ "$rc" -eq 0 ] || status=1
 }
-check gpu 330 python3 -m bench.gpu
-check wake 110 python3 -m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2
-check failover 110 python3 -m bench.failover --device cuda --trials 5 --baseline-trials 2
+for one in "${checks[@]}"; do
+    case $one in
+        gpu) check gpu 480 python3 -m bench.gpu ;;
+        wake) check wake 110 python3 -m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2 ;;
+        failover) check failover 130 python3 -m bench.failover --device cuda --trials 5 --baseline-trials 2 ;;
+    esac
+done
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 exit "$status"

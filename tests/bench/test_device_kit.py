@@ -3,6 +3,8 @@ beyond its image, judged from the wheels' own metadata, with no download."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -95,3 +97,47 @@ def test_check_names_a_folder_that_is_not_there(tmp_path, capsys):
 
     assert exit_.value.code == 2
     assert "does not exist: run without --check to fill it" in capsys.readouterr().err
+
+
+# --- the device call's script, with stand-ins for the device's python3 and nvidia-smi ---------
+
+
+def run_script(tmp_path: Path, *checks: str) -> tuple[subprocess.CompletedProcess, Path]:
+    stand_ins, out = tmp_path / "bin", tmp_path / "out"
+    stand_ins.mkdir()
+    calls = tmp_path / "calls"
+    # Every python3 call is written down and succeeds; nvidia-smi prints one GPU.
+    (stand_ins / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\necho "ran $*"\n')
+    (stand_ins / "nvidia-smi").write_text("#!/bin/sh\necho 'name, memory.total [MiB], driver_version'\n")
+    for stand_in in stand_ins.iterdir():
+        stand_in.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stand_ins}:{os.environ['PATH']}", "OUT": str(out)}
+    script = device_kit.ROOT / "bench" / "device_run.sh"
+    done = subprocess.run(
+        ["bash", str(script), *checks], cwd=device_kit.ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    return done, calls
+
+
+def test_the_device_script_installs_the_wheels_then_runs_the_checks_named_and_brings_their_logs_back(tmp_path):
+    done, calls = run_script(tmp_path, "wake", "failover")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("-m pip install -q --no-index --no-deps") and "--target /tmp/site" in lines[0]
+    assert lines[1:] == [
+        "-m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2",
+        "-m bench.failover --device cuda --trials 5 --baseline-trials 2",
+    ]
+    out = tmp_path / "out"
+    assert (out / "wake.log").read_text().startswith("ran -m bench.wake")
+    assert (out / "BENCHMARKS.md").read_text() == (device_kit.ROOT / "BENCHMARKS.md").read_text()
+    assert not (out / "gpu.log").exists()
+
+
+def test_the_device_script_refuses_an_unknown_check_before_installing_anything(tmp_path):
+    done, calls = run_script(tmp_path, "wake", "bechmark")
+
+    assert done.returncode == 2
+    assert "unknown check bechmark (expected gpu, wake or failover)" in done.stdout
+    assert not calls.exists()
