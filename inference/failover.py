@@ -48,6 +48,7 @@ class Claim(Enum):
     KEEP = "keep"  # still the holder (re-acquired after a reconnect): same epoch
     WAIT = "wait"  # the named holder may still be alive and reconnecting: leave it the lock
     STALE = "stale"  # we were the holder, and someone took over since
+    CLOSED = "closed"  # the pair is being stopped whole: no one takes over (our own stop is on its way)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class LeaseRow:
     epoch: int
     reconnect_deadline: datetime | None
     server_started_at: datetime | None
+    closed: bool = False  # the control plane stopped the pair whole (FailoverLease.closed_at)
 
 
 def decide_claim(row: LeaseRow, me: str, my_epoch: int | None, now: datetime, server_started: datetime) -> Claim:
@@ -64,7 +66,10 @@ def decide_claim(row: LeaseRow, me: str, my_epoch: int | None, now: datetime, se
     `my_epoch` is the epoch we held before, if we were the holder (a reconnect), else None.
     """
     if my_epoch is not None:
+        # A holder reconnecting keeps its lock even in a closing pair: it is draining to its stop.
         return Claim.KEEP if row.holder == me and row.epoch == my_epoch else Claim.STALE
+    if row.closed and row.holder != me:
+        return Claim.CLOSED
     if row.holder is None or row.holder == me:
         return Claim.TAKE
     restarted = row.server_started_at is not None and row.server_started_at != server_started
@@ -171,14 +176,14 @@ class FailoverMember:
             # NO KEY UPDATE: enough to serialise claims, and it does not wait for transactions
             # that merely reference the lease (a Replica row written with this lease_id).
             found = conn.execute(
-                f"SELECT holder_id, epoch, reconnect_deadline, server_started_at, now(), pg_postmaster_start_time() "
-                f"FROM {LEASE_TABLE} WHERE id = %s FOR NO KEY UPDATE",
+                f"SELECT holder_id, epoch, reconnect_deadline, server_started_at, closed_at IS NOT NULL, now(), "
+                f"pg_postmaster_start_time() FROM {LEASE_TABLE} WHERE id = %s FOR NO KEY UPDATE",
                 (cfg.lease_id,),
             ).fetchone()
             if found is None:
                 raise Stale(f"failover lease {cfg.lease_id} no longer exists")
-            row = LeaseRow(*found[:4])
-            now, server_started = found[4], found[5]
+            row = LeaseRow(*found[:5])
+            now, server_started = found[5], found[6]
             claim = decide_claim(row, cfg.replica_id, self.epoch, now, server_started)
             if claim is Claim.WAIT:
                 log.info(
@@ -187,6 +192,10 @@ class FailoverMember:
                     row.epoch,
                     row.reconnect_deadline,
                 )
+                return None
+            if claim is Claim.CLOSED:
+                # Not ours, and never will be: wait on (acquire's loop) until our own stop comes.
+                log.info("lock granted, but the pair is being stopped whole: not taking over")
                 return None
             if claim is Claim.STALE:
                 raise Stale(f"epoch {self.epoch} superseded: the lease is at epoch {row.epoch}, held by {row.holder}")

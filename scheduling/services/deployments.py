@@ -792,11 +792,14 @@ def _stop_replicas(
                 )
                 if node is not None:
                     dispatch.stop(node, replica_id, drain_timeout_s=deployment.drain_timeout_s)
-            return
-        for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):
-            replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {reason}")
-            if replica.node is not None:
-                dispatch.stop(replica.node.name, replica.id)
+        else:
+            for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):
+                replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {reason}")
+                if replica.node is not None:
+                    dispatch.stop(replica.node.name, replica.id)
+        if deployment.failover_standby:
+            # The stops go out on commit, this with them: no member takes over from one that exits.
+            failover.close_pairs(ids)
 
     if ledger.commit_with_retry(releasing(ids, reason), apply=apply) is None:
         apply()  # nothing was reserved (e.g. still pending): stop them all the same

@@ -19,6 +19,7 @@ import logging
 
 from django.db import transaction
 from django.db.models import Max
+from django.utils import timezone
 
 from scheduling import events, ledger, locks
 from scheduling.models import Deployment, Event, FailoverLease, FailoverState, Replica
@@ -75,6 +76,15 @@ def start_standby(lease: FailoverLease, active: Replica, *, reason: str) -> Repl
     if active.node is not None:
         dispatch.start(active.node.name, standby.id, [])
     return standby
+
+
+def close_pairs(replica_ids: set[str]) -> int:
+    """Mark the leases of these members closed (their pairs are being stopped whole), inside the
+    stop's transaction: a standby granted the lock as its active member exits then leaves it, so
+    it never takes over in the moment before its own stop arrives. Leases are written after the
+    replica rows (the lock order). Returns how many were closed."""
+    leases = Replica.objects.filter(id__in=replica_ids, lease__isnull=False).values("lease_id")
+    return FailoverLease.objects.filter(id__in=leases, closed_at__isnull=True).update(closed_at=timezone.now())
 
 
 def partners(replica_ids: set[str]) -> set[str]:

@@ -56,8 +56,10 @@ STARTED_SINCE = T0 - timedelta(seconds=5)  # the server after a restart
 DEADLINE = T0 + timedelta(seconds=3)
 
 
-def lease_row(holder: str | None = "holder", epoch: int = 4, deadline=DEADLINE, started=STARTED_BEFORE) -> LeaseRow:
-    return LeaseRow(holder=holder, epoch=epoch, reconnect_deadline=deadline, server_started_at=started)
+def lease_row(
+    holder: str | None = "holder", epoch: int = 4, deadline=DEADLINE, started=STARTED_BEFORE, closed: bool = False
+) -> LeaseRow:
+    return LeaseRow(holder=holder, epoch=epoch, reconnect_deadline=deadline, server_started_at=started, closed=closed)
 
 
 @pytest.mark.parametrize(
@@ -92,6 +94,8 @@ def lease_row(holder: str | None = "holder", epoch: int = 4, deadline=DEADLINE, 
             Claim.TAKE,
             id="restart-window-long-over",
         ),
+        pytest.param(lease_row(closed=True), "me", None, T0, STARTED_BEFORE, Claim.CLOSED, id="pair-stopping-whole"),
+        pytest.param(lease_row(closed=True), "holder", 4, T0, STARTED_SINCE, Claim.KEEP, id="closing-holder-keeps"),
     ],
 )
 def test_it_decides_each_claim_from_the_lease_row(row, me, my_epoch, now, server_started, expected):
@@ -106,6 +110,7 @@ rows = st.builds(
     epoch=st.integers(0, 3),
     reconnect_deadline=st.none() | instants,
     server_started_at=st.none() | st.sampled_from((STARTED_BEFORE, STARTED_SINCE)),
+    closed=st.booleans(),
 )
 claims = st.fixed_dictionaries(
     {
@@ -119,11 +124,17 @@ claims = st.fixed_dictionaries(
 
 
 @given(claims)
-def test_it_lets_a_former_holder_only_keep_its_own_epoch_and_a_newcomer_only_take_or_wait(claim):
+def test_it_lets_a_former_holder_only_keep_its_own_epoch_and_a_newcomer_only_take_wait_or_leave_a_closing_pair(
+    claim,
+):
     decided = decide_claim(**claim)
     row = claim["row"]
     if claim["my_epoch"] is None:
-        assert decided in (Claim.TAKE, Claim.WAIT)
+        # A newcomer never takes a closing pair's lock from another member.
+        if row.closed and row.holder != claim["me"]:
+            assert decided is Claim.CLOSED
+        else:
+            assert decided in (Claim.TAKE, Claim.WAIT)
     else:
         keeps = row.holder == claim["me"] and row.epoch == claim["my_epoch"]
         assert decided is (Claim.KEEP if keeps else Claim.STALE)
@@ -515,6 +526,52 @@ def test_it_rejects_the_renewal_of_a_superseded_holder(pair):
     finally:
         old.close()
         new.close()
+
+
+@slow
+def test_a_standby_granted_the_lock_of_a_pair_stopped_whole_leaves_it_and_waits_for_its_own_stop(pair, monkeypatch):
+    declined = threading.Event()
+
+    def recording_decide_claim(row, me, *args):
+        claim = decide_claim(row, me, *args)
+        if claim is Claim.CLOSED:
+            declined.set()
+        return claim
+
+    monkeypatch.setattr(failover, "decide_claim", recording_decide_claim)
+    active = in_process_member(pair, window_s=10)
+    standby = in_process_member(pair, window_s=10)
+    own_stop = threading.Event()
+    outcome: queue.Queue = queue.Queue()
+
+    def wait_for_the_lock() -> None:
+        try:
+            outcome.put(standby.acquire(own_stop))
+        except InterruptedError as exc:
+            outcome.put(exc)
+
+    try:
+        assert active.try_acquire().epoch == 1
+        threading.Thread(target=wait_for_the_lock, daemon=True).start()
+        pair.wait_waiting(application_name(standby.config.replica_id))
+        # The control plane stops the pair whole (services.failover.close_pairs), then the active
+        # member exits before the standby's own stop has reached it: the lock is free.
+        closed = pair.server.query(
+            "UPDATE scheduling_failoverlease SET closed_at = now() WHERE id = %s RETURNING id", (pair.lease_id,)
+        )
+        assert closed == [(pair.lease_id,)]
+        active.close()
+
+        assert declined.wait(STARTUP_S)
+        state = pair.state()
+        assert (state.holder, state.epoch) == (active.config.replica_id, 1)  # nobody took over
+        own_stop.set()
+        assert isinstance(outcome.get(timeout=STARTUP_S), InterruptedError)
+        assert pair.state().epoch == 1
+    finally:
+        own_stop.set()
+        active.close()
+        standby.close()
 
 
 @slow

@@ -343,6 +343,7 @@ def test_a_switchover_drains_the_active_and_its_exit_hands_the_reservation_to_th
     [switchover] = events(Event.Kind.FAILOVER_SWITCHOVER, deployment="pair")
     assert switchover.replica == active.id and "planned switchover by ops" in switchover.reason
     assert holders() == {active.id: PAIR_BYTES}, "the active keeps the reservation while it drains"
+    assert FailoverLease.objects.get(pk=active.lease_id).closed_at is None, "its standby is to take over"
 
     report(active, "stopped")
 
@@ -433,6 +434,8 @@ def test_scaling_up_adds_whole_pairs_and_scaling_to_zero_stops_every_member(read
     assert tasks(dispatched, START) == []
     assert holders() == {} and invariant_holds()
     assert all(g.available_bytes == g.total_bytes for g in GPU.objects.all())
+    # Both leases closed with the stops: a standby granted a lock as its active exits leaves it.
+    assert all(lease.closed_at is not None for lease in FailoverLease.objects.filter(deployment=deployment))
     dispatched.clear()
 
     # The members' exits arrive in any order: a standby first, then its active; nothing hands over.
