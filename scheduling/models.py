@@ -343,9 +343,9 @@ class FailoverLease(models.Model):
     # pg_postmaster_start_time() at the holder's last renewal: a lock granted on a server that
     # started later follows a restart (every session dropped), not the holder's death.
     server_started_at = models.DateTimeField(null=True, blank=True)
-    # Set when the pair is stopped whole (a scale down, a delete): the lock that its active member
-    # releases as it exits is then no one's to take, so its standby, stopped in the same breath,
-    # never takes over in the moment before its own stop arrives.
+    # Set when a scale down stops the pair whole: the lock that its active member releases as it
+    # exits is then no one's to take, so its standby, stopped in the same breath, never takes over
+    # in the moment before its own stop arrives. (A delete removes the lease: a claim finds it gone.)
     closed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
