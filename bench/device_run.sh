@@ -13,7 +13,7 @@
 # failover = bench.failover --device cuda. What comes back under $OUT: each check's log and
 # BENCHMARKS.md as the checks recorded it there (bench.gpu records only a complete run), whose
 # sections go into the repository's BENCHMARKS.md. Exit: 0 every check passed, 1 one failed or ran
-# out of time, 2 an unknown check, 3 the wheels did not install.
+# out of time, 2 an unknown check, 3 the wheels did not install or a module the checks import is missing.
 set -uo pipefail
 checks=(${@:-gpu wake failover})
 for one in "${checks[@]}"; do
@@ -27,6 +27,11 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "device_run: the carried wheels did not install (python -m bench.device_kit --check here)"; exit 3; }
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The kit carries only what the image lacks, by a list of the image's packages read on 2026-11-17:
+# a package the image has dropped since shows here, by name, before any check spends its minutes.
+python3 -c 'import importlib.util as u, sys; gone = [m for m in sys.argv[1:] if u.find_spec(m) is None]
+sys.exit("device_run: not on this machine: " + " ".join(gone) + " (see bench/device_kit.py)" if gone else 0)' \
+    django celery rest_framework psycopg redis pytest torch transformers accelerate pynvml || exit 3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"
 
 status=0

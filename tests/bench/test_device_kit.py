@@ -102,12 +102,15 @@ def test_check_names_a_folder_that_is_not_there(tmp_path, capsys):
 # --- the device call's script, with stand-ins for the device's python3 and nvidia-smi ---------
 
 
-def run_script(tmp_path: Path, *checks: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_script(tmp_path: Path, *checks: str, missing: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+    """`missing`: a module the stand-in python3 finds nowhere (its module check fails naming it)."""
     stand_ins, out = tmp_path / "bin", tmp_path / "out"
     stand_ins.mkdir()
     calls = tmp_path / "calls"
-    # Every python3 call is written down and succeeds; nvidia-smi prints one GPU.
-    (stand_ins / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\necho "ran $*"\n')
+    # Every python3 call is written down and succeeds, bar the module check when a module is
+    # missing; nvidia-smi prints one GPU.
+    failing = f'case "$*" in -c*find_spec*) echo "device_run: not on this machine: {missing}"; exit 1;; esac\n'
+    (stand_ins / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n{failing if missing else ""}echo "ran $*"\n')
     (stand_ins / "nvidia-smi").write_text("#!/bin/sh\necho 'name, memory.total [MiB], driver_version'\n")
     for stand_in in stand_ins.iterdir():
         stand_in.chmod(0o755)
@@ -125,7 +128,9 @@ def test_the_device_script_installs_the_wheels_then_runs_the_checks_named_and_br
     assert done.returncode == 0, done.stdout + done.stderr
     lines = calls.read_text().splitlines()
     assert lines[0].startswith("-m pip install -q --no-index --no-deps") and "--target /tmp/site" in lines[0]
-    assert lines[1:] == [
+    # Then the modules the checks import are looked for, before any check runs.
+    assert "find_spec" in lines[1] and "django celery rest_framework psycopg redis pytest torch" in lines[2]
+    assert lines[3:] == [
         "-m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2",
         "-m bench.failover --device cuda --trials 5 --baseline-trials 2",
     ]
@@ -141,3 +146,11 @@ def test_the_device_script_refuses_an_unknown_check_before_installing_anything(t
     assert done.returncode == 2
     assert "unknown check bechmark (expected gpu, wake or failover)" in done.stdout
     assert not calls.exists()
+
+
+def test_the_device_script_names_a_module_the_machine_lacks_before_any_check_runs(tmp_path):
+    done, calls = run_script(tmp_path, "gpu", missing="celery")
+
+    assert done.returncode == 3
+    assert "not on this machine: celery" in done.stdout + done.stderr
+    assert not any("bench." in line for line in calls.read_text().splitlines())
