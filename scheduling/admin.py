@@ -374,6 +374,14 @@ def _limit(own: int | None, default: int) -> str:
     return f"{text} (the default)" if own is None else text
 
 
+def _fewest(policy: dict) -> str:
+    """A plan's answer for one policy: its fewest GPUs, and where the target holds from when later."""
+    fewest, steady = policy["fewest_gpus"], policy.get("holds_from", policy["fewest_gpus"])
+    if fewest is None:
+        return "-"
+    return str(fewest) if steady == fewest else f"{fewest} (holds from {steady if steady is not None else '-'})"
+
+
 @admin.register(CapacityPlan)
 class CapacityPlanAdmin(ReadOnlyAdmin):
     """Plans asked for through `POST /api/plan/` (issue 21): the table and the plot, as the API shows them."""
@@ -389,7 +397,7 @@ class CapacityPlanAdmin(ReadOnlyAdmin):
     @admin.display(description="fewest GPUs")
     def answer(self, obj: CapacityPlan) -> str:
         policies = (obj.result or {}).get("policies", [])
-        return ", ".join(f"{p['policy']} {p['fewest_gpus'] if p['fewest_gpus'] is not None else '-'}" for p in policies)
+        return ", ".join(f"{p['policy']} {_fewest(p)}" for p in policies)
 
     @admin.display(description="took")
     def elapsed(self, obj: CapacityPlan) -> str:

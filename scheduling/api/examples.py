@@ -167,9 +167,9 @@ PLAN_DONE = {
         "target": 0.99,
         "slo_ttft_s": 5.0,
         "policies": [
-            {"policy": "gpuportal", "fewest_gpus": 14, "attainment_now": 0.9989},
-            {"policy": "gpuportal-next", "fewest_gpus": 13, "attainment_now": 0.9993},
-            {"policy": "oracle", "fewest_gpus": 9, "attainment_now": 1.0},
+            {"policy": "gpuportal", "fewest_gpus": 14, "holds_from": 15, "attainment_now": 0.9989},
+            {"policy": "gpuportal-next", "fewest_gpus": 13, "holds_from": 13, "attainment_now": 0.9993},
+            {"policy": "oracle", "fewest_gpus": 9, "holds_from": 9, "attainment_now": 1.0},
         ],
         "bound": {"oracle_gpus": 9, "load_aware_gpus": 11, "packed_gpus": 11, "held": ["m29-70b"]},
         "misses_now": [{"deployment": "m39-70b", "requests": 42, "missed": 5, "why": "wakes: mean wait 7.1 s"}],
@@ -183,7 +183,8 @@ PLAN_DONE = {
             "12 GPUs instead of 13",
         },
     },
-    "table": "| policy | fewest GPUs | attainment now |\n|---|---|---|\n| gpuportal-next | 13 | 99.93 % |",
+    "table": "| policy | fewest GPUs | holds from | attainment now |\n|---|---|---|---|\n"
+    "| gpuportal-next | 13 | 13 | 99.93 % |",
     "plot_png": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==",
     "elapsed_s": 3.5,
     "finished_at": AT,

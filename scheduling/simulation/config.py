@@ -69,6 +69,12 @@ class ServingConfig:
 class SearchConfig:
     target_attainment: float
     max_gpus: int
+    # The counts in a row that must reach the target for the planner to say it holds from the first.
+    steady_window: int = 3
+
+    def __post_init__(self) -> None:
+        if self.steady_window < 1:
+            raise ValueError(f"search.steady_window must be 1 or more, got {self.steady_window}")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,13 @@ to get their first token within the SLO. Pure: a trace and a config in, a `Plan`
 the portal and show the answer.
 
 Per policy: the fewest GPUs of the configured kind reaching the target (bisection, as run.py), the
-attainment at the GPU count the portal has now, and the attainment curve the search drew. Two
-bounds:
+fewest from which the target holds at a few counts in a row (`metrics.holds_from`: attainment does
+not always grow with the count, and a team must not lose the target by adding a GPU), the
+attainment at the GPU count the portal has now, and the attainment curve the searches drew. Three
+bounds, each the GPUs that serve every request the moment it arrives; they are references, not
+floors: a policy may serve a request up to its SLO late, once another replica has left, and let
+the requests the target allows miss, so it can come in under them (seed 4: 10 GPUs, the bounds 12
+and 13):
 
 - the oracle's: memory unlimited, every deployment always loaded, so its GPU count is the least
   that holds the working set (the deployments serving a request at once) at its busiest instant.
@@ -15,17 +20,17 @@ bounds:
   either held in memory for the whole trace (its bytes counted throughout), or it sleeps between
   its bursts and the requests at the head of each burst miss. The misses the target allows
   (1 − target of the requests) go to the deployments cheapest to let miss (fewest misses per byte
-  held); the others are held. No policy that sleeps the rest between bursts can do with fewer
-  GPUs than that working set needs, so it is the bound the policies are judged against when it
-  is higher than the oracle's, and each held deployment is named with why.
+  held); the others are held. That working set is what a policy that sleeps the rest between
+  bursts holds, so it is the bound the policies are judged against when it is higher than the
+  oracle's, and each held deployment is named with why.
 - both count bytes as a fluid: 1.8 GPUs of a 70B model, or two 32B models at 0.9 of a GPU each,
   as if the bytes could be poured across GPUs. The portal's placement cannot: a need of a GPU or
   more (at or above `whole_gpu_from` of one) takes whole GPUs that no one else shares, and two
   replicas larger than half a GPU never share one. `packed_bound` counts the same working set
   (the held deployments throughout, the others while they serve) in whole GPUs: the whole GPUs
-  of the large needs, plus Martello and Toth's L2 lower bound for bin packing the rest. It is
-  still a lower bound for every policy that places replicas with `placement.place` (they all
-  do, the oracle aside), so it is the bound the policies are judged against when it is higher.
+  of the large needs, plus Martello and Toth's L2 lower bound for bin packing the rest (a true
+  floor for packing that set: every policy but the oracle places with `placement.place`), so it
+  is the bound the policies are judged against when it is higher.
 
 And per deployment, the requests a policy's run missed and why: waiting for room (a fair wait, the
 victims' weights leaving), a cold load from disk, a wake from CPU RAM, or the queue of a busy
@@ -49,7 +54,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduling.simulation.config import Config
 from scheduling.simulation.engine import RequestOutcome, SimResult, simulate
-from scheduling.simulation.metrics import fewest_gpus, met_slo, summarize
+from scheduling.simulation.metrics import fewest_gpus, holds_from, met_slo, summarize
 from scheduling.simulation.policies import ALL as POLICIES
 from scheduling.simulation.trace import Trace
 
@@ -68,6 +73,24 @@ class PolicyPlan:
     wakes_now: int
     p99_wait_s_now: float
     curve: dict[int, float]  # attainment at every GPU count the search tried
+    # The fewest GPUs from which the target holds at `window` counts in a row (metrics.holds_from):
+    # above fewest_gpus where a count past it falls short (`short_after`). None where fewest_gpus is.
+    holds_from: int | None = None
+    window: int = 1
+    short_after: tuple[int, ...] = ()
+
+    @property
+    def unsteady(self) -> str:
+        """Why holds_from is above fewest_gpus ('' where it is not)."""
+        if self.fewest_gpus is None or self.holds_from == self.fewest_gpus:
+            return ""
+        counts = ", ".join(map(str, self.short_after))
+        then = (
+            f"it holds from {self.holds_from} ({self.window} counts in a row)"
+            if self.holds_from is not None
+            else "it holds at no count past those"
+        )
+        return f"{self.policy} reaches the target at {self.fewest_gpus} GPUs but not at {counts}: {then}"
 
 
 @dataclass(frozen=True)
@@ -258,13 +281,15 @@ def _policy_plan(
     popular: tuple[str, ...] = (),
 ) -> PolicyPlan:
     """One policy's row: its fewest GPUs for the target (the oracle's: its peak working set in
-    GPUs), its attainment at today's count, and the curve the search walked."""
+    GPUs), the fewest from which the target holds over a window, its attainment at today's count,
+    and the curve the searches walked."""
     policy = POLICIES[name]
     summary = summarize(runs.run(name, current, popular), slo)
     curve = {current: summary.attainment}
+    window = runs.config.search.steady_window
     if policy.unlimited:
         needed = max(1, math.ceil(summary.peak_working_set_gib * 1024**3 / runs.config.cluster.gpu_bytes))
-        best = needed if summary.attainment >= target else None
+        best = steady = needed if summary.attainment >= target else None
     else:
 
         def attainment_at(gpus: int) -> float:
@@ -272,6 +297,11 @@ def _policy_plan(
             return curve[gpus]
 
         best = fewest_gpus(attainment_at, target, max_gpus)
+        steady = None if best is None else holds_from(attainment_at, target, best, max_gpus, window)
+    # The counts past the fewest that fall short, which put `holds_from` above it.
+    short = tuple(
+        g for g, a in sorted(curve.items()) if best is not None and best < g < (steady or g + 1) and a < target
+    )
     return PolicyPlan(
         policy=name,
         fewest_gpus=best,
@@ -281,6 +311,9 @@ def _policy_plan(
         wakes_now=summary.wakes,
         p99_wait_s_now=summary.p99_wait_s,
         curve=dict(sorted(curve.items())),
+        holds_from=steady,
+        window=window,
+        short_after=short,
     )
 
 
@@ -315,7 +348,9 @@ def plan(
     max_gpus = max(config.search.max_gpus, current)
     # The advice's search counted too (it runs only where the bound holds a deployment).
     searches = sum(1 for p in policies if not POLICIES[p].unlimited) + (1 if explained else 0)
-    runs = _Runs(trace, config, total=len(policies) + searches * (2 + math.ceil(math.log2(max(2, max_gpus)))))
+    # Each search: a bisection, then the window past its answer (more where a count there falls short).
+    steps = 2 + math.ceil(math.log2(max(2, max_gpus))) + config.search.steady_window
+    runs = _Runs(trace, config, total=len(policies) + searches * steps)
     runs.progress = progress
     plans = [_policy_plan(runs, name, current=current, max_gpus=max_gpus, target=target, slo=slo) for name in policies]
     # The oracle's run (already made if it is among the policies) is what the bounds are read from.
@@ -526,12 +561,15 @@ def policy_rows(p: Plan) -> list[list[object]]:
     rows: list[list[object]] = []
     for pp in p.policies:
         fewest: object = pp.fewest_gpus if pp.fewest_gpus is not None else f"> {p.max_gpus}"
+        steady: object = pp.holds_from if pp.holds_from is not None else f"> {p.max_gpus}"
         if POLICIES[pp.policy].unlimited:
             fewest = f"{fewest} (bound)"
+            steady = "-"
         rows.append(
             [
                 pp.policy,
                 fewest,
+                steady,
                 f"{100 * pp.attainment_now:.2f} %",
                 pp.failed_now,
                 pp.cold_loads_now,
@@ -542,7 +580,16 @@ def policy_rows(p: Plan) -> list[list[object]]:
     return rows
 
 
-POLICY_HEADERS = ("policy", "fewest GPUs", "attainment now", "failed", "cold loads", "wakes", "p99 wait s")
+POLICY_HEADERS = (
+    "policy",
+    "fewest GPUs",
+    "holds from",
+    "attainment now",
+    "failed",
+    "cold loads",
+    "wakes",
+    "p99 wait s",
+)
 MISS_HEADERS = ("deployment", "requests", "missed", "why")
 
 
@@ -558,6 +605,10 @@ def render(p: Plan) -> str:
         f"{p.gpu_memory_gib:g} GiB; {p.current_gpus} now; target {target} of first tokens within {p.slo_ttft_s:g} s.",
         "",
         table(POLICY_HEADERS, policy_rows(p)),
+        "",
+        f"Holds from: the fewest GPUs from which the target holds at {p.policies[0].window if p.policies else 1} "
+        "counts in a row (attainment does not always grow with the count)."
+        + "".join(f" {pp.unsteady}." for pp in p.policies if pp.unsteady),
         "",
         f"Bounds: the oracle's {p.bound.oracle_gpus} GPUs (every deployment always loaded); counting wakes slower "
         f"than the SLO, {p.bound.load_aware_gpus} ({p.bound.explanation}); that working set in whole GPUs as "
@@ -588,6 +639,7 @@ def record(p: Plan) -> dict[str, object]:
             {
                 "policy": pp.policy,
                 "fewest_gpus": pp.fewest_gpus,
+                "holds_from": pp.holds_from,
                 "attainment_now": pp.attainment_now,
                 "failed_now": pp.failed_now,
                 "cold_loads_now": pp.cold_loads_now,
@@ -610,6 +662,7 @@ def record(p: Plan) -> dict[str, object]:
             "popular": list(p.advice.popular),
             "policy": p.advice.plan.policy,
             "fewest_gpus": p.advice.plan.fewest_gpus,
+            "holds_from": p.advice.plan.holds_from,
             "fewest_gpus_without": p.advice.without,
             "helps": p.advice.helps,
             "text": p.advice.text,

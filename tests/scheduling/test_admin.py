@@ -6,7 +6,17 @@ import pytest
 from django.contrib import admin
 from django.urls import reverse
 
-from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, PreemptionIntent, Replica
+from scheduling.models import (
+    GPU,
+    CapacityPlan,
+    Deployment,
+    Event,
+    FailoverLease,
+    Node,
+    Occupant,
+    PreemptionIntent,
+    Replica,
+)
 from tests.support import factories as f
 
 pytestmark = pytest.mark.django_db
@@ -112,3 +122,17 @@ def test_the_event_changelist_shows_each_time_to_the_second(admin_client, world:
     event = Event.objects.filter(reason__contains="placed on node1/0").first()
     page = admin_client.get(url(Event, "changelist")).content.decode()
     assert timezone.localtime(event.time).strftime("%Y-%m-%d %H:%M:%S") in page
+
+
+@pytest.mark.django_db
+def test_a_plans_answer_says_where_the_target_holds_from_when_a_later_count_falls_short(admin_client) -> None:
+    policies = [
+        {"policy": "gpuportal-next", "fewest_gpus": 12, "holds_from": 15},
+        {"policy": "gpuportal", "fewest_gpus": 18, "holds_from": 18},
+        {"policy": "dedicated", "fewest_gpus": None, "holds_from": None},
+    ]
+    CapacityPlan.objects.create(state=CapacityPlan.State.DONE, percent=100, result={"policies": policies})
+
+    page = admin_client.get(reverse("admin:scheduling_capacityplan_changelist")).content.decode()
+
+    assert "gpuportal-next 12 (holds from 15), gpuportal 18, dedicated -" in page

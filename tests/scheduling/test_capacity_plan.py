@@ -25,9 +25,9 @@ from scheduling.models import CapacityPlan, Deployment, Replica, RequestRecord
 from scheduling.services import capacity, traffic
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
-from scheduling.simulation.config import load
+from scheduling.simulation.config import SearchConfig, load
 from scheduling.simulation.engine import simulate
-from scheduling.simulation.metrics import summarize
+from scheduling.simulation.metrics import holds_from, summarize
 from scheduling.simulation.planner import Advice, PolicyPlan, bins_lower_bound, load_aware_bound, plan, record, render
 from scheduling.simulation.policies import ALL, POLICIES
 from scheduling.simulation.trace import Deployment as SimDeployment
@@ -347,3 +347,85 @@ def test_a_production_like_trace_from_files_is_planned_and_every_gap_to_the_boun
     if ours > 1.1 * result.bound_gpus:
         # Not within 10 % of the bound: each deployment that keeps it short is named, with why.
         assert result.misses_at_bound and all(m.why and m.cause for m in result.misses_at_bound)
+
+
+# --- where the target holds from (attainment need not grow with the count) -------------------
+
+
+def reaching(passing: set[int], asked: list[int] | None = None):
+    """An attainment curve reaching 99 % at exactly the counts in `passing`; `asked` records the
+    counts a search ran."""
+
+    def attainment_at(gpus: int) -> float:
+        if asked is not None:
+            asked.append(gpus)
+        return 0.995 if gpus in passing else 0.98
+
+    return attainment_at
+
+
+def test_the_target_holds_from_the_first_count_whose_window_all_reaches_it():
+    asked: list[int] = []
+    # 6 reaches the target, 7 does not, then 8, 9 and 10 do.
+    curve = reaching({6, 8, 9, 10, 11, 12}, asked)
+
+    assert holds_from(curve, 0.99, 6, 20, 3) == 8
+    assert asked == [6, 7, 8, 9, 10]  # no further than the window past its answer
+    assert holds_from(reaching({6, 8, 9, 10}), 0.99, 6, 20, 1) == 6  # a window of one: the fewest itself
+
+
+def test_the_window_stops_at_the_most_gpus_and_a_last_count_short_of_the_target_holds_nowhere():
+    assert holds_from(reaching({8, 10}), 0.99, 8, 10, 3) == 10  # 9 falls short; 10 is the most there is
+    assert holds_from(reaching({8, 9}), 0.99, 8, 10, 3) is None
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=24), st.integers(min_value=1, max_value=5))
+@hypothesis_settings(max_examples=200, deadline=None)
+def test_where_the_target_holds_from_is_the_first_start_of_a_window_that_all_reaches_it(reaches, window):
+    first, most = 1, len(reaches)
+    passing = {g for g, ok in enumerate(reaches, start=first) if ok}
+
+    found = holds_from(reaching(passing), 0.99, first, most, window)
+
+    def whole(start: int) -> bool:
+        return all(g in passing for g in range(start, min(start + window, most + 1)))
+
+    starts = [g for g in range(first, most + 1) if whole(g)]
+    assert found == (starts[0] if starts else None)
+
+
+def test_a_plan_says_where_each_policy_holds_from_by_the_counts_its_searches_ran():
+    config = load(quick=True)
+
+    p = plan(slow_and_busy_trace(), config, policies=("gpuportal-next", "dedicated", "oracle"))
+
+    window = config.search.steady_window
+    for pp in p.policies:
+        assert pp.fewest_gpus is not None and pp.holds_from is not None
+        if ALL[pp.policy].unlimited:
+            assert pp.holds_from == pp.fewest_gpus
+            continue
+        assert pp.holds_from >= pp.fewest_gpus
+        assert all(pp.curve[g] >= p.target for g in range(pp.holds_from, min(pp.holds_from + window, p.max_gpus + 1)))
+        assert all(pp.curve[g] < p.target for g in pp.short_after)
+    assert [r["holds_from"] for r in record(p)["policies"]] == [pp.holds_from for pp in p.policies]
+    assert "| holds from |" in render(p)
+
+
+def test_a_count_past_the_fewest_that_falls_short_is_named_with_where_the_target_holds_from():
+    curve = {12: 0.9903, 13: 0.9884, 14: 0.9878, 15: 0.993, 16: 0.9936, 17: 0.997}
+    unsteady = PolicyPlan("gpuportal-next", 12, 1.0, 0, 0, 0, 0.0, curve, holds_from=15, window=3, short_after=(13, 14))
+    steady = replace(unsteady, holds_from=12, short_after=())
+    nowhere = replace(unsteady, holds_from=None, short_after=(13, 14, 15))
+
+    assert (
+        unsteady.unsteady
+        == "gpuportal-next reaches the target at 12 GPUs but not at 13, 14: it holds from 15 (3 counts in a row)"
+    )
+    assert steady.unsteady == ""
+    assert nowhere.unsteady.endswith("but not at 13, 14, 15: it holds at no count past those")
+
+
+def test_a_window_of_no_counts_is_refused():
+    with pytest.raises(ValueError, match=r"search\.steady_window must be 1 or more, got 0"):
+        SearchConfig(target_attainment=0.99, max_gpus=16, steady_window=0)

@@ -55,7 +55,7 @@ def fewest_gpus(plan: str) -> dict[str, int | str]:
     found: dict[str, int | str] = {}
     for line in plan.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[0] in DEFAULT_POLICIES:
+        if len(cells) == 8 and cells[0] in DEFAULT_POLICIES:
             fewest = cells[1].removesuffix(" (bound)")
             found[cells[0]] = int(fewest) if fewest.isdigit() else fewest
     return found
