@@ -31,7 +31,7 @@ export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # a package the image has dropped since shows here, by name, before any check spends its minutes.
 python3 -c 'import importlib.util as u, sys; gone = [m for m in sys.argv[1:] if u.find_spec(m) is None]
 sys.exit("device_run: not on this machine: " + " ".join(gone) + " (see bench/device_kit.py)" if gone else 0)' \
-    django celery rest_framework psycopg redis pytest torch transformers accelerate pynvml || exit 3
+    django celery rest_framework psycopg redis pytest torch transformers accelerate pynvml pytest_django || exit 3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"
 
 status=0

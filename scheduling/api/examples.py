@@ -166,8 +166,9 @@ PLAN_DONE = {
         "current_gpus": 64,
         "target": 0.99,
         "slo_ttft_s": 5.0,
+        "window": 3,
         "policies": [
-            {"policy": "gpuportal", "fewest_gpus": 14, "holds_from": 15, "attainment_now": 0.9989},
+            {"policy": "gpuportal", "fewest_gpus": 14, "holds_from": 16, "short_after": [15], "attainment_now": 0.9989},
             {"policy": "gpuportal-next", "fewest_gpus": 13, "holds_from": 13, "attainment_now": 0.9993},
             {"policy": "oracle", "fewest_gpus": 9, "holds_from": 9, "attainment_now": 1.0},
         ],
@@ -177,6 +178,7 @@ PLAN_DONE = {
             "popular": ["m29-70b"],
             "policy": "gpuportal-next",
             "fewest_gpus": 12,
+            "holds_from": 12,
             "fewest_gpus_without": 13,
             "helps": True,
             "text": "mark m29-70b popular (never preempted, as the bound holds them): gpuportal-next then needs "

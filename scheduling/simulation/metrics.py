@@ -63,9 +63,9 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def fewest_gpus(attainment_at: Callable[[int], float], target: float, max_gpus: int) -> int | None:
-    """The fewest GPUs whose attainment reaches `target`, by bisection over 1..max_gpus (more GPUs
-    never hurt a policy here, so attainment is taken to grow with the count); None if even
-    max_gpus falls short."""
+    """The fewest GPUs whose attainment reaches `target`, by bisection over 1..max_gpus, as if
+    attainment grew with the count (mostly it does; where it does not, `holds_from` says from
+    where the target holds); None if even max_gpus falls short."""
     if attainment_at(max_gpus) < target:
         return None
     lo, hi = 0, max_gpus  # attainment_at(hi) reaches the target; lo is known (or assumed) not to
@@ -81,15 +81,16 @@ def fewest_gpus(attainment_at: Callable[[int], float], target: float, max_gpus: 
 def holds_from(
     attainment_at: Callable[[int], float], target: float, first: int, max_gpus: int, window: int
 ) -> int | None:
-    """The fewest count from `first` on at which the target holds for `window` counts in a row
-    (the count itself and the next ones, up to max_gpus); None if it holds so nowhere up to max_gpus.
+    """From `first` on, the first count at which the target holds for `window` counts in a row
+    (the count itself and the next ones; the window stops at max_gpus); None if there is none.
 
     `fewest_gpus` bisects as if attainment grew with the count, and mostly it does; but a cluster
     of G GPUs is laid out as whole nodes and one part node, and which copies sleep where, and so
     which wakes must wait, changes with each GPU added. A count can reach the target while the
-    next falls short (seed 10: 12 GPUs at 99.03 %, 13 and 14 below 99 %). A team that buys the
-    count a planner names must not lose the target by adding a GPU, so the planner also names
-    the count from which it holds over a window."""
+    next falls short (seed 10: 12 GPUs at 99.03 %, 13 and 14 below 99 %). The count a planner
+    names should not be one that a GPU more loses, so the planner also names this one. It is
+    looked for upward from the bisection's answer only, and a window of a few counts is no promise
+    about every count beyond it."""
     start = first
     for gpus in range(first, max_gpus + 1):
         if attainment_at(gpus) < target:

@@ -4,8 +4,8 @@ to get their first token within the SLO. Pure: a trace and a config in, a `Plan`
 the portal and show the answer.
 
 Per policy: the fewest GPUs of the configured kind reaching the target (bisection, as run.py), the
-fewest from which the target holds at a few counts in a row (`metrics.holds_from`: attainment does
-not always grow with the count, and a team must not lose the target by adding a GPU), the
+first count from that one on at which the target holds at a few counts in a row
+(`metrics.holds_from`: attainment does not always grow with the count), the
 attainment at the GPU count the portal has now, and the attainment curve the searches drew. Three
 bounds, each the GPUs that serve every request the moment it arrives; they are references, not
 floors: a policy may serve a request up to its SLO late, once another replica has left, and let
@@ -73,24 +73,29 @@ class PolicyPlan:
     wakes_now: int
     p99_wait_s_now: float
     curve: dict[int, float]  # attainment at every GPU count the search tried
-    # The fewest GPUs from which the target holds at `window` counts in a row (metrics.holds_from):
-    # above fewest_gpus where a count past it falls short (`short_after`). None where fewest_gpus is.
+    # From the fewest on, the first count at which the target holds for the search's window of
+    # counts in a row (metrics.holds_from), and the last count of that window (it stops at the most
+    # GPUs searched). None where fewest_gpus is.
     holds_from: int | None = None
-    window: int = 1
-    short_after: tuple[int, ...] = ()
+    holds_to: int | None = None
+    short_after: tuple[int, ...] = ()  # the counts past the fewest the searches ran that fall short
 
     @property
     def unsteady(self) -> str:
-        """Why holds_from is above fewest_gpus ('' where it is not)."""
-        if self.fewest_gpus is None or self.holds_from == self.fewest_gpus:
+        """The counts past the fewest that fall short, and where the target holds ('' where none does)."""
+        if self.fewest_gpus is None or not self.short_after:
             return ""
-        counts = ", ".join(map(str, self.short_after))
-        then = (
-            f"it holds from {self.holds_from} ({self.window} counts in a row)"
-            if self.holds_from is not None
-            else "it holds at no count past those"
-        )
-        return f"{self.policy} reaches the target at {self.fewest_gpus} GPUs but not at {counts}: {then}"
+        start, end = self.holds_from, self.holds_to
+        below = [g for g in self.short_after if start is None or g < start]
+        above = [g for g in self.short_after if end is not None and g > end]
+        text = f"{self.policy} reaches the target at {self.fewest_gpus} GPUs"
+        if below:
+            text += f" but not at {', '.join(map(str, below))}"
+        if start is not None:
+            text += f"; it holds at every count from {start} to {end}"
+        if above:
+            text += f", and falls short again at {', '.join(map(str, above))}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -190,7 +195,8 @@ class Bound:
 @dataclass(frozen=True)
 class Advice:
     """The explained policy searched again with the deployments the bound holds marked `popular`
-    (an operator's setting: never preempted, never slept on the idle timer)."""
+    (an operator's setting: never preempted, never slept on the idle timer). It compares the
+    fewest GPUs reaching the target, with the setting and without; `plan.holds_from` is there too."""
 
     popular: tuple[str, ...]
     plan: PolicyPlan  # the explained policy with them popular
@@ -235,6 +241,7 @@ class Plan:
     simulations: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
     advice: Advice | None = None  # None: nothing explained, or no deployment the bound holds to mark
+    window: int = 1  # the counts in a row at which the target must hold (`PolicyPlan.holds_from`)
 
     def policy(self, name: str) -> PolicyPlan:
         return next(p for p in self.policies if p.policy == name)
@@ -286,10 +293,9 @@ def _policy_plan(
     policy = POLICIES[name]
     summary = summarize(runs.run(name, current, popular), slo)
     curve = {current: summary.attainment}
-    window = runs.config.search.steady_window
     if policy.unlimited:
         needed = max(1, math.ceil(summary.peak_working_set_gib * 1024**3 / runs.config.cluster.gpu_bytes))
-        best = steady = needed if summary.attainment >= target else None
+        best = steady = end = needed if summary.attainment >= target else None
     else:
 
         def attainment_at(gpus: int) -> float:
@@ -297,11 +303,13 @@ def _policy_plan(
             return curve[gpus]
 
         best = fewest_gpus(attainment_at, target, max_gpus)
-        steady = None if best is None else holds_from(attainment_at, target, best, max_gpus, window)
-    # The counts past the fewest that fall short, which put `holds_from` above it.
-    short = tuple(
-        g for g, a in sorted(curve.items()) if best is not None and best < g < (steady or g + 1) and a < target
-    )
+        steady = (
+            None
+            if best is None
+            else holds_from(attainment_at, target, best, max_gpus, runs.config.search.steady_window)
+        )
+        end = None if steady is None else min(steady + runs.config.search.steady_window - 1, max_gpus)
+    short = tuple(g for g, a in sorted(curve.items()) if best is not None and g > best and a < target)
     return PolicyPlan(
         policy=name,
         fewest_gpus=best,
@@ -312,7 +320,7 @@ def _policy_plan(
         p99_wait_s_now=summary.p99_wait_s,
         curve=dict(sorted(curve.items())),
         holds_from=steady,
-        window=window,
+        holds_to=end,
         short_after=short,
     )
 
@@ -348,8 +356,9 @@ def plan(
     max_gpus = max(config.search.max_gpus, current)
     # The advice's search counted too (it runs only where the bound holds a deployment).
     searches = sum(1 for p in policies if not POLICIES[p].unlimited) + (1 if explained else 0)
-    # Each search: a bisection, then the window past its answer (more where a count there falls short).
-    steps = 2 + math.ceil(math.log2(max(2, max_gpus))) + config.search.steady_window
+    # Each search: a bisection, then the rest of the window from its answer (more where a count there
+    # falls short).
+    steps = 2 + math.ceil(math.log2(max(2, max_gpus))) + config.search.steady_window - 1
     runs = _Runs(trace, config, total=len(policies) + searches * steps)
     runs.progress = progress
     plans = [_policy_plan(runs, name, current=current, max_gpus=max_gpus, target=target, slo=slo) for name in policies]
@@ -380,6 +389,7 @@ def plan(
         misses_at_bound=misses_at_bound,
         simulations=len(runs.results),
         advice=advice,
+        window=config.search.steady_window,
     )
 
 
@@ -563,8 +573,7 @@ def policy_rows(p: Plan) -> list[list[object]]:
         fewest: object = pp.fewest_gpus if pp.fewest_gpus is not None else f"> {p.max_gpus}"
         steady: object = pp.holds_from if pp.holds_from is not None else f"> {p.max_gpus}"
         if POLICIES[pp.policy].unlimited:
-            fewest = f"{fewest} (bound)"
-            steady = "-"
+            fewest = steady = f"{fewest} (bound)"
         rows.append(
             [
                 pp.policy,
@@ -606,8 +615,8 @@ def render(p: Plan) -> str:
         "",
         table(POLICY_HEADERS, policy_rows(p)),
         "",
-        f"Holds from: the fewest GPUs from which the target holds at {p.policies[0].window if p.policies else 1} "
-        "counts in a row (attainment does not always grow with the count)."
+        f"Holds from: from the fewest GPUs on, the first count at which the target holds for {p.window} counts "
+        "in a row (attainment does not always grow with the count)."
         + "".join(f" {pp.unsteady}." for pp in p.policies if pp.unsteady),
         "",
         f"Bounds: the oracle's {p.bound.oracle_gpus} GPUs (every deployment always loaded); counting wakes slower "
@@ -635,11 +644,14 @@ def record(p: Plan) -> dict[str, object]:
         "current_gpus": p.current_gpus,
         "target": p.target,
         "slo_ttft_s": p.slo_ttft_s,
+        "window": p.window,
         "policies": [
             {
                 "policy": pp.policy,
                 "fewest_gpus": pp.fewest_gpus,
                 "holds_from": pp.holds_from,
+                "holds_to": pp.holds_to,
+                "short_after": list(pp.short_after),
                 "attainment_now": pp.attainment_now,
                 "failed_now": pp.failed_now,
                 "cold_loads_now": pp.cold_loads_now,

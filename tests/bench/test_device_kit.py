@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -102,15 +103,16 @@ def test_check_names_a_folder_that_is_not_there(tmp_path, capsys):
 # --- the device call's script, with stand-ins for the device's python3 and nvidia-smi ---------
 
 
-def run_script(tmp_path: Path, *checks: str, missing: str = "") -> tuple[subprocess.CompletedProcess, Path]:
-    """`missing`: a module the stand-in python3 finds nowhere (its module check fails naming it)."""
+def run_script(tmp_path: Path, *checks: str, bare: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
+    """`bare`: the module check's Python runs without its site-packages (`-S`), so that the
+    project's modules are missing, as on a device image that dropped them."""
     stand_ins, out = tmp_path / "bin", tmp_path / "out"
     stand_ins.mkdir()
     calls = tmp_path / "calls"
-    # Every python3 call is written down and succeeds, bar the module check when a module is
-    # missing; nvidia-smi prints one GPU.
-    failing = f'case "$*" in -c*find_spec*) echo "device_run: not on this machine: {missing}"; exit 1;; esac\n'
-    (stand_ins / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n{failing if missing else ""}echo "ran $*"\n')
+    # Every python3 call is written down; the module check (`-c`) runs in this Python, the rest
+    # succeed at once; nvidia-smi prints one GPU.
+    real = f'case "$1" in -c) exec {sys.executable} {"-S " if bare else ""}"$@";; esac\n'
+    (stand_ins / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n{real}echo "ran $*"\n')
     (stand_ins / "nvidia-smi").write_text("#!/bin/sh\necho 'name, memory.total [MiB], driver_version'\n")
     for stand_in in stand_ins.iterdir():
         stand_in.chmod(0o755)
@@ -149,8 +151,8 @@ def test_the_device_script_refuses_an_unknown_check_before_installing_anything(t
 
 
 def test_the_device_script_names_a_module_the_machine_lacks_before_any_check_runs(tmp_path):
-    done, calls = run_script(tmp_path, "gpu", missing="celery")
+    done, calls = run_script(tmp_path, "gpu", bare=True)
 
     assert done.returncode == 3
-    assert "not on this machine: celery" in done.stdout + done.stderr
+    assert "not on this machine: django celery rest_framework" in done.stdout + done.stderr
     assert not any("bench." in line for line in calls.read_text().splitlines())

@@ -405,25 +405,76 @@ def test_a_plan_says_where_each_policy_holds_from_by_the_counts_its_searches_ran
         if ALL[pp.policy].unlimited:
             assert pp.holds_from == pp.fewest_gpus
             continue
-        assert pp.holds_from >= pp.fewest_gpus
-        assert all(pp.curve[g] >= p.target for g in range(pp.holds_from, min(pp.holds_from + window, p.max_gpus + 1)))
-        assert all(pp.curve[g] < p.target for g in pp.short_after)
+        assert pp.holds_from >= pp.fewest_gpus and pp.holds_to == min(pp.holds_from + window - 1, p.max_gpus)
+        assert all(pp.curve[g] >= p.target for g in range(pp.holds_from, pp.holds_to + 1))
+        assert pp.short_after == tuple(g for g, a in pp.curve.items() if g > pp.fewest_gpus and a < p.target)
     assert [r["holds_from"] for r in record(p)["policies"]] == [pp.holds_from for pp in p.policies]
     assert "| holds from |" in render(p)
 
 
 def test_a_count_past_the_fewest_that_falls_short_is_named_with_where_the_target_holds_from():
-    curve = {12: 0.9903, 13: 0.9884, 14: 0.9878, 15: 0.993, 16: 0.9936, 17: 0.997}
-    unsteady = PolicyPlan("gpuportal-next", 12, 1.0, 0, 0, 0, 0.0, curve, holds_from=15, window=3, short_after=(13, 14))
-    steady = replace(unsteady, holds_from=12, short_after=())
-    nowhere = replace(unsteady, holds_from=None, short_after=(13, 14, 15))
+    curve = {12: 0.9903, 13: 0.9884, 14: 0.9878, 15: 0.993, 16: 0.9936, 17: 0.997, 30: 0.98}
+    unsteady = PolicyPlan("gpuportal-next", 12, 1.0, 0, 0, 0, 0.0, curve, 15, 17, short_after=(13, 14))
+    again = replace(unsteady, short_after=(13, 14, 30))
+    steady = replace(unsteady, holds_from=12, holds_to=14, short_after=())
 
-    assert (
-        unsteady.unsteady
-        == "gpuportal-next reaches the target at 12 GPUs but not at 13, 14: it holds from 15 (3 counts in a row)"
+    assert unsteady.unsteady == (
+        "gpuportal-next reaches the target at 12 GPUs but not at 13, 14; it holds at every count from 15 to 17"
     )
+    assert again.unsteady.endswith("from 15 to 17, and falls short again at 30")
     assert steady.unsteady == ""
-    assert nowhere.unsteady.endswith("but not at 13, 14, 15: it holds at no count past those")
+
+
+class CurveRuns:
+    """A plan's runs where each GPU count's run is the count itself, and `summarize` (patched)
+    reads its attainment from a curve: a search over a curve chosen by hand."""
+
+    def __init__(self) -> None:
+        self.config = load(quick=True)
+
+    def run(self, name: str, gpus: int, popular: tuple[str, ...] = ()) -> int:
+        return gpus
+
+
+def test_a_search_over_a_curve_that_dips_past_its_fewest_names_the_counts_and_holds_past_them(monkeypatch):
+    from types import SimpleNamespace
+
+    from scheduling.simulation import planner
+
+    # Reaches 99 % at 12, not at 13 or 14, then from 15 on; 30 (today's count) falls short again.
+    curve = {g: 0.98 if g < 12 or g in (13, 14, 30) else 0.995 for g in range(1, 41)}
+    monkeypatch.setattr(
+        planner,
+        "summarize",
+        lambda gpus, slo: SimpleNamespace(attainment=curve[gpus], failed=0, cold_loads=0, wakes=0, p99_wait_s=0.0),
+    )
+
+    pp = planner._policy_plan(CurveRuns(), "gpuportal-next", current=30, max_gpus=40, target=0.99, slo=5.0)
+
+    assert (pp.fewest_gpus, pp.holds_from, pp.holds_to) == (12, 15, 17)
+    assert pp.short_after == (13, 14, 30)
+    assert pp.unsteady.endswith("but not at 13, 14; it holds at every count from 15 to 17, and falls short again at 30")
+
+
+def test_the_window_past_the_fewest_stops_at_the_most_gpus_searched(monkeypatch):
+    from types import SimpleNamespace
+
+    from scheduling.simulation import planner
+
+    curve = {g: 0.995 if g in (38, 40) else 0.98 for g in range(1, 41)}
+    monkeypatch.setattr(
+        planner,
+        "summarize",
+        lambda gpus, slo: SimpleNamespace(attainment=curve[gpus], failed=0, cold_loads=0, wakes=0, p99_wait_s=0.0),
+    )
+
+    pp = planner._policy_plan(CurveRuns(), "gpuportal-next", current=40, max_gpus=40, target=0.99, slo=5.0)
+
+    assert (pp.fewest_gpus, pp.holds_from, pp.holds_to) == (38, 40, 40)
+    assert (
+        pp.unsteady
+        == "gpuportal-next reaches the target at 38 GPUs but not at 39; it holds at every count from 40 to 40"
+    )
 
 
 def test_a_window_of_no_counts_is_refused():
