@@ -288,8 +288,8 @@ def _policy_plan(
     popular: tuple[str, ...] = (),
 ) -> PolicyPlan:
     """One policy's row: its fewest GPUs for the target (the oracle's: its peak working set in
-    GPUs), the fewest from which the target holds over a window, its attainment at today's count,
-    and the curve the searches walked."""
+    GPUs), from it on the first count at which the target holds over a window, its attainment at
+    today's count, and the curve the searches walked."""
     policy = POLICIES[name]
     summary = summarize(runs.run(name, current, popular), slo)
     curve = {current: summary.attainment}
