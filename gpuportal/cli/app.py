@@ -18,7 +18,7 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.text import Text
 
-from gpuportal.cli import config, render
+from gpuportal.cli import config, planning, render
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.waiting import Goal, wait_for
 
@@ -294,6 +294,16 @@ def cmd_events(
 # -- the parser ------------------------------------------------------------------------------
 
 
+def cmd_plan(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post("/api/plan/", planning.plan_body(args))
+    if args.no_wait:
+        ctx.out.print(f"plan {answer['id']}: {answer['state']} (GET /api/plan/{answer['id']}/)")
+        return 0
+    done = planning.wait_for_plan(ctx.client, answer, console=ctx.err, timeout_s=args.timeout)
+    planning.show_plan(done, ctx.out, ctx.err, args.plot)
+    return 0
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -404,6 +414,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--interval", type=positive_float, default=EVENTS_POLL_S, metavar="S", help="seconds between polls"
     )
     events.set_defaults(run=cmd_events)
+
+    plan = commands.add_parser("plan", help="how many GPUs a trace (or the recorded traffic) needs: a capacity plan")
+    plan.add_argument("trace", nargs="?", type=Path, help="a trace file (CSV or JSON lines); default: recorded traffic")
+    plan.add_argument("--since", help="without a trace: the traffic recorded since (7d, 12h or a time; default 7d)")
+    plan.add_argument("--catalogue", type=Path, help="the deployments (JSON, or TOML); default: the portal's own")
+    plan.add_argument("--target", type=positive_float, help="share of requests within the SLO (default 0.99)")
+    plan.add_argument("--slo", type=positive_float, help="seconds to the first token (default 5)")
+    plan.add_argument("--gpu-memory-gib", type=positive_float, help="the GPU kind to plan for")
+    plan.add_argument("--gpus", type=non_negative_int, help="GPUs now (default: the portal's count)")
+    plan.add_argument("--skip-bad", action="store_true", help="skip rows that are not requests, listing them")
+    plan.add_argument("--plot", type=Path, help="write the attainment plot (PNG) here")
+    add_wait_options(plan, "the plan is done")
+    plan.set_defaults(run=cmd_plan)
     return parser
 
 

@@ -3,6 +3,7 @@ API's errors, and, once, the installed `gpuportal` script against a live `up`.""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from gpuportal.cli import app, config, render, waiting
+from gpuportal.cli import app, config, planning, render, waiting
 from gpuportal.cli.client import CliError, api_message
 from gpuportal.stack import free_port
 from tests.support.processes import wait_until
@@ -373,6 +374,120 @@ def test_following_events_prints_the_tail_then_each_new_event_once_oldest_first(
     assert reasons == ["two", "three", "four", "five", "six"]
     assert all(params["deployment"] == "tiny" for _, params in client.paths)
     assert client.paths[-1][1]["since"] == "2029-12-31T23:59:55+00:00"
+
+
+# -- plan: a capacity plan on the portal ------------------------------------------------------
+
+
+class PlanClient:
+    """A portal that accepts a plan (the POST's answer) and then answers each poll with the next
+    of `polls` (the last one for ever)."""
+
+    def __init__(self, polls: list[dict[str, Any]]):
+        self.polls = polls
+        self.posted: list[tuple[str, Any]] = []
+        self.paths: list[str] = []
+
+    def post(self, path: str, body: Any = None) -> dict[str, Any]:
+        self.posted.append((path, body))
+        return {"id": 7, "state": "queued", "percent": 0}
+
+    def get(self, path: str, params: Any = None) -> dict[str, Any]:
+        self.paths.append(path)
+        return self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+
+
+def test_plan_sends_the_trace_and_what_was_given_then_prints_the_table_and_writes_the_plot(
+    tmp_path, capsys, monkeypatch
+):
+    trace, catalogue, plot = tmp_path / "trace.csv", tmp_path / "catalogue.toml", tmp_path / "plan.png"
+    trace.write_text("arrival,deployment,prompt_tokens,output_tokens\n0,a,10,5\n")
+    catalogue.write_text('[[deployments]]\nname = "a"\nsize = "7B"\n')
+    png = b"\x89PNG\r\n\x1a\n a plot"
+    done = {
+        "id": 7,
+        "state": "done",
+        "percent": 100,
+        "table": "| policy | fewest GPUs |",
+        "skipped_rows": ["line 3: x"],
+    }
+    client = PlanClient(
+        [{"id": 7, "state": "running", "percent": 40}, {**done, "plot_png": base64.b64encode(png).decode()}]
+    )
+    monkeypatch.setattr(planning, "POLL_S", 0)
+    ctx = app.Context({}, Console(highlight=False, soft_wrap=True), Console(stderr=True, highlight=False))
+    ctx._client = client
+    args = app.build_parser().parse_args(
+        ["plan", str(trace), "--catalogue", str(catalogue), "--target", "0.95", "--plot", str(plot)]
+    )
+
+    assert app.cmd_plan(ctx, args) == 0
+
+    assert client.posted == [
+        (
+            "/api/plan/",
+            {
+                "skip_bad": False,
+                "trace": trace.read_text(),
+                "catalogue": {"deployments": [{"name": "a", "size": "7B"}]},
+                "target": 0.95,
+            },
+        )
+    ]
+    assert client.paths == ["/api/plan/7/", "/api/plan/7/"]
+    out, err = capsys.readouterr()
+    assert "| policy | fewest GPUs |" in out and f"Plot: {plot}" in out
+    # Away from a terminal, a line per state the plan passed through; what it skipped on stderr.
+    assert "plan 7: queued 0 %" in err and "plan 7: running 40 %" in err and "plan 7: done 100 %" in err
+    assert "skipped: line 3: x" in err
+    assert plot.read_bytes() == png
+
+
+def test_a_plan_that_fails_on_the_portal_is_its_error_and_exit_1(capsys):
+    portal = StubPortal(202, {"id": 9, "state": "failed", "percent": 0, "error": "the trace has no requests"})
+    threading.Thread(target=portal.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        code = app.main(["plan", "--since", "1d"], env={"GPUPORTAL_URL": portal.url, "GPUPORTAL_TOKEN": "t"})
+    finally:
+        portal.shutdown()
+        portal.server_close()
+
+    assert code == 1
+    assert "error: plan 9 failed: the trace has no requests" in capsys.readouterr().err
+    assert portal.paths == ["/api/plan/"]
+
+
+def test_a_plan_still_running_when_the_wait_runs_out_says_so_and_where_to_look():
+    client = PlanClient([{"id": 7, "state": "running", "percent": 40}])
+    now = iter(range(0, 100, 3))
+
+    with pytest.raises(CliError, match="plan 7 is running at 40 % after 5 s; it goes on on the portal"):
+        planning.wait_for_plan(
+            client,  # type: ignore[arg-type]
+            {"id": 7, "state": "queued", "percent": 0},
+            console=Console(file=io.StringIO()),
+            timeout_s=5,
+            clock=lambda: next(now),
+            pause=lambda s: None,
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "/no/such/trace.csv"], "cannot read the trace /no/such/trace.csv"),
+        (["plan", "t.csv", "--since", "1d"], "a trace file or the traffic recorded --since, not both"),
+        (["plan", "--catalogue", "BAD"], "is not JSON"),
+    ],
+)
+def test_plan_refuses_what_it_cannot_send_before_calling_the_portal(argv, message, tmp_path, capsys):
+    bad = tmp_path / "catalogue.json"
+    bad.write_text("{not json")
+    argv = [str(bad) if a == "BAD" else a for a in argv]
+
+    code = app.main(argv, env={"GPUPORTAL_URL": "http://127.0.0.1:9", "GPUPORTAL_TOKEN": "t"})
+
+    assert code == 1 and message in capsys.readouterr().err
 
 
 # -- the installed script against a live portal -----------------------------------------------
