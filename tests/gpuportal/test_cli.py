@@ -575,6 +575,13 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         # Then the process's own log, read on its node by its agent.
         assert re.search(rf"replica-{short}[0-9a-f]+\.log on box:", logs), logs
 
+        # A capacity plan of a small trace of `tiny`, made on the control worker.
+        trace, plot = tmp_path / "trace.csv", tmp_path / "plan.png"
+        trace.write_text("arrival,deployment,prompt_tokens,output_tokens\n0,tiny,12,4\n2,tiny,30,8\n5,tiny,9,2\n")
+        planned = cli.ok("plan", str(trace), "--plot", str(plot))
+        assert planned.startswith("3 requests to 1 deployments over 5 s;") and "| gpuportal-next " in planned
+        assert plot.read_bytes().startswith(b"\x89PNG")
+
         follow, followed = cli.follow("events", "--follow", "--tail", "0", "--interval", "0.2", "-d", "tiny")
         try:
             time.sleep(1.5)  # it has read what is history, and follows from there
