@@ -291,9 +291,6 @@ def cmd_events(
     return 0
 
 
-# -- the parser ------------------------------------------------------------------------------
-
-
 def cmd_plan(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post("/api/plan/", planning.plan_body(args))
     if args.no_wait:
@@ -302,6 +299,9 @@ def cmd_plan(ctx: Context, args: argparse.Namespace) -> int:
     done = planning.wait_for_plan(ctx.client, answer, console=ctx.err, timeout_s=args.timeout)
     planning.show_plan(done, ctx.out, ctx.err, args.plot)
     return 0
+
+
+# -- the parser ------------------------------------------------------------------------------
 
 
 def non_negative_int(text: str) -> int:
