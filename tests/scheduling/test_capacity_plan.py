@@ -436,20 +436,24 @@ class CurveRuns:
         return gpus
 
 
-def test_a_search_over_a_curve_that_dips_past_its_fewest_names_the_counts_and_holds_past_them(monkeypatch):
+def search_over(monkeypatch, curve: dict[int, float], *, current: int, max_gpus: int = 40) -> PolicyPlan:
+    """`gpuportal-next`'s row as `plan` searches it, over `curve`."""
     from types import SimpleNamespace
 
     from scheduling.simulation import planner
 
+    def summarize_at(gpus: int, slo: float) -> SimpleNamespace:
+        return SimpleNamespace(attainment=curve[gpus], failed=0, cold_loads=0, wakes=0, p99_wait_s=0.0)
+
+    monkeypatch.setattr(planner, "summarize", summarize_at)
+    return planner._policy_plan(CurveRuns(), "gpuportal-next", current=current, max_gpus=max_gpus, target=0.99, slo=5.0)
+
+
+def test_a_search_over_a_curve_that_dips_past_its_fewest_names_the_counts_and_holds_past_them(monkeypatch):
     # Reaches 99 % at 12, not at 13 or 14, then from 15 on; 30 (today's count) falls short again.
     curve = {g: 0.98 if g < 12 or g in (13, 14, 30) else 0.995 for g in range(1, 41)}
-    monkeypatch.setattr(
-        planner,
-        "summarize",
-        lambda gpus, slo: SimpleNamespace(attainment=curve[gpus], failed=0, cold_loads=0, wakes=0, p99_wait_s=0.0),
-    )
 
-    pp = planner._policy_plan(CurveRuns(), "gpuportal-next", current=30, max_gpus=40, target=0.99, slo=5.0)
+    pp = search_over(monkeypatch, curve, current=30)
 
     assert (pp.fewest_gpus, pp.holds_from, pp.holds_to) == (12, 15, 17)
     assert pp.short_after == (13, 14, 30)
@@ -457,18 +461,9 @@ def test_a_search_over_a_curve_that_dips_past_its_fewest_names_the_counts_and_ho
 
 
 def test_the_window_past_the_fewest_stops_at_the_most_gpus_searched(monkeypatch):
-    from types import SimpleNamespace
-
-    from scheduling.simulation import planner
-
     curve = {g: 0.995 if g in (38, 40) else 0.98 for g in range(1, 41)}
-    monkeypatch.setattr(
-        planner,
-        "summarize",
-        lambda gpus, slo: SimpleNamespace(attainment=curve[gpus], failed=0, cold_loads=0, wakes=0, p99_wait_s=0.0),
-    )
 
-    pp = planner._policy_plan(CurveRuns(), "gpuportal-next", current=40, max_gpus=40, target=0.99, slo=5.0)
+    pp = search_over(monkeypatch, curve, current=40)
 
     assert (pp.fewest_gpus, pp.holds_from, pp.holds_to) == (38, 40, 40)
     assert (
