@@ -137,15 +137,16 @@ def unmet(asked: Iterable[Requirement], wheels: Mapping[str, Path], have: frozen
 
 
 def read(folder: Path, asked: Iterable[Requirement] | None = None) -> Kit:
+    found = sorted(folder.glob("*.whl"))
     wheels: dict[str, Path] = {}
     twice = set()
-    for wheel in sorted(folder.glob("*.whl")):
+    for wheel in found:
         name = canonicalize_name(parse_wheel_filename(wheel.name)[0])
         if name in wheels:
             twice.add(name)
         wheels[name] = wheel
     missing = unmet(wanted() if asked is None else asked, wheels)
-    size = sum(w.stat().st_size for w in folder.glob("*.whl"))
+    size = sum(w.stat().st_size for w in found)  # every wheel travels, a second of one name too
     return Kit(wheels=wheels, twice=tuple(sorted(twice)), missing=tuple(missing), size=size)
 
 
