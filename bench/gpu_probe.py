@@ -281,6 +281,7 @@ class Probe:
         serving = self.sink.last(0, "serving", "failed")
         if serving is None or serving.get("event") != "serving":
             raise RuntimeError(f"the replica did not serve: {serving}")
+        self.serving = serving
         # The fraction the backend really applied (it may take the context out of the cap first).
         self.applied = getattr(self.host.backend, "fraction", None) or self.host.placement.fraction or self.fraction
         out(
@@ -314,8 +315,21 @@ class Probe:
         self.step = "cap"
         out("cap", **cap_check(host, self.applied, gpu))
 
+    def wake_reservation(self, sleeping: dict[str, Any] | None) -> int:
+        """What the control plane would reserve for the wake (scheduling.services.deployments.
+        need_bytes): the need the load measured, plus what the context has grown since it was
+        counted, as the sleep's residual shows it (gpuportal.wire.memory.with_grown_context)."""
+        from gpuportal.wire import memory
+
+        need = self.serving.get("need_bytes") or self.reservation
+        counted = self.serving.get("context_bytes")
+        residual = max((int(v or 0) for v in ((sleeping or {}).get("residual_bytes_by_id") or {}).values()), default=0)
+        return memory.with_grown_context(int(need), counted if isinstance(counted, int) else None, residual)
+
     def cycles(self) -> None:
         import torch
+
+        from scheduling.placement import gpu_fraction
 
         host, gpu, sink = self.host, self.gpu, self.sink
         for n in (1, 2):  # the first sleep pins tensor by tensor; later ones reuse the pinned copies
@@ -328,9 +342,10 @@ class Probe:
             sleeping = sink.last(since, "sleeping")
             after_sleep = nvml_bytes(gpu)
             self.step = f"wake {n}"
+            reservation = self.wake_reservation(sleeping)
             since = len(sink.events)
             began = time.perf_counter()
-            host.wake([gpu], {str(gpu): self.reservation}, self.fraction)
+            host.wake([gpu], {str(gpu): reservation}, gpu_fraction(reservation, torch.cuda.mem_get_info(gpu)[1]))
             torch.cuda.synchronize(gpu)
             wake_s = time.perf_counter() - began
             out(

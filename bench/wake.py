@@ -13,8 +13,12 @@ of bytes on the same device in the same run:
 
 The first sleep is shown apart: it pays for the arena's allocation and page-locking, which a
 later sleep pays again (the arena is freed by every wake, so an awake replica holds no host copy).
-"host kept" is the process's resident memory after the last wake less before the first sleep:
-about 0 when the wake gave the arena back.
+A wake's time ends when its copies have landed (`PendingCopies.wait()`): it no longer includes
+freeing the arena, which a pinned arena's wake hands to a background releaser. Each timed wake is
+followed, untimed, by `settle_releases()`, so the next sleep does not pay for the last release (a
+replica's sleep comes long after its wake), and "host kept", the process's resident memory after
+the last wake less before the first sleep, is read once every arena is back: about 0 when the wake
+gave the arena back.
 
 A wake allocates the replica's KV pool while its copies run (inference.replica, `_wake_onto`):
 "wake + pool" times the same wake with a pool as large as the weights allocated between queueing
@@ -71,6 +75,14 @@ def resident_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def settle() -> None:
+    """Wait until the arenas the wakes handed to the background releaser are freed."""
+    from inference.arena import settle_releases
+
+    if not settle_releases(timeout=600):
+        raise RuntimeError("the arenas' release did not finish within 10 minutes")
 
 
 def timed(action: Callable[[], Any], device: str) -> float:
@@ -170,11 +182,14 @@ def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> 
     sleeps, wakes, pooled, pools = [], [], [], []
     for _ in range(repeats):
         sleeps.append(timed(lambda: backend.to_cache(model, placement), device))
+        # The copies landed: the wake's time. The arena's release, in the background, is not in it.
         wakes.append(timed(lambda: backend.from_cache(model, placement)[1].wait(), device))
+        settle()  # untimed: the next sleep starts with the host memory back, as a replica's would
     kept = resident_bytes() - before  # before the pools: what the host's allocator keeps of them is not the arena
     for _ in range(repeats):
         backend.to_cache(model, placement)
         pooled.append(timed(lambda: wake_with_pool(backend, model, placement, weights, device), device))
+        settle()
         pools.append(pool_alone(model, weights, device))
     model = None  # its memory goes back before the reference copies allocate theirs
     backend.release()
@@ -283,7 +298,10 @@ def main() -> None:
         "`wake + pool`: the wake with a KV pool of the weights' size allocated while its copies run (the "
         "replica's order), `pool alone`: that allocation by itself; on a GPU the overlap shows as `wake + pool` "
         "near `wake`, on the CPU the copies are synchronous and the two add up. "
-        "`host kept`: resident memory after the last wake less before the first sleep. The host cache under "
+        "`wake`: until the copies have landed; a pinned arena is then freed in the background, outside "
+        "the figure (each wake is followed, untimed, by waiting for that release). "
+        "`host kept`: resident memory after the last wake, its arena released, less before the first sleep. "
+        "The host cache under "
         "pressure (sleeping replicas past the node's budget) needs the control plane and is not measured "
         "here (scheduling/services/host_cache.py).\n\n"
         f"{result}\n"

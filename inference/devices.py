@@ -83,11 +83,15 @@ class VirtualProfile:
     context_bytes: int = memory.H100_CONTEXT_BYTES
     standby_context_bytes: int = memory.H100_STANDBY_CONTEXT_BYTES
     driver_reserve_bytes: int = memory.H100_DRIVER_RESERVE_BYTES
+    # What serving adds to a context beyond context_bytes (kernels its forward passes load): held
+    # from the replica's first sleep on, so a sleep's residual shows it as a real GPU's does.
+    kernel_bytes: int = memory.H100_KERNEL_GROWTH_BYTES
 
     ENV = (
         ("context_bytes", "GPUPORTAL_VIRTUAL_CONTEXT_BYTES"),
         ("standby_context_bytes", "GPUPORTAL_VIRTUAL_STANDBY_CONTEXT_BYTES"),
         ("driver_reserve_bytes", "GPUPORTAL_VIRTUAL_DRIVER_RESERVE_BYTES"),
+        ("kernel_bytes", "GPUPORTAL_VIRTUAL_KERNEL_BYTES"),
     )
 
     def __post_init__(self) -> None:

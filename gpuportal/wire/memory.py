@@ -44,6 +44,10 @@ DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 # a GPU whose own context has not been measured yet, and for the virtual GPU's model of one.
 H100_CONTEXT_BYTES = 722 * MiB
 H100_STANDBY_CONTEXT_BYTES = 518 * MiB
+# The same H100 on 2026-11-26 (torch 2.11, this project's paged engine): 610 MiB at the load's
+# measurement, before any forward pass; 748-774 MiB once the process had served. Kernels keep
+# loading past what the default above counts: this much more, the virtual GPU's model of it.
+H100_KERNEL_GROWTH_BYTES = 774 * MiB - H100_CONTEXT_BYTES
 # NVML's total minus what CUDA can allocate on that H100: memory the driver keeps on an idle device.
 H100_DRIVER_RESERVE_BYTES = 480 * MiB
 TYPICAL_CUDA_CONTEXT_BYTES = H100_CONTEXT_BYTES
@@ -378,6 +382,19 @@ def need_bytes(
     if estimate is not None and estimate > 0:
         return Need(estimate, "estimate")
     raise ValueError("no memory need: no override, no measurement and no estimate")
+
+
+def with_grown_context(need: int, counted_context_bytes: int | None, context_bytes: int) -> int:
+    """A measured need, for a GPU whose serving context is now `context_bytes`, when the need
+    counted `counted_context_bytes` of it (None: not known, the need as it is).
+
+    A real context grows as forward passes load kernels (H100, 2026-11-26: 610 MiB at the load's
+    measurement, 748-774 MiB once it had served), so a need measured at the first load falls short
+    of the next replica's process by the growth; that replica would size its KV pool below zero.
+    Never less than the need: a context measured smaller is an earlier moment, not a shrink."""
+    if counted_context_bytes is None:
+        return need
+    return need + max(0, context_bytes - counted_context_bytes)
 
 
 def ndif_need(weight_bytes: int) -> Need:

@@ -202,5 +202,7 @@ def _raise_need(replica: Replica, excess: Excess) -> int | None:
             replica,
             f"measured need raised to {memory.human_bytes(used)}: a replica's process held that much "
             f"(was {memory.human_bytes(before or 0)})",
+            # NVML's figure holds the process's context as it is now, at most the GPU's figure.
+            context=gpu_contexts([excess.gpu_id])[0],
         )
     return used

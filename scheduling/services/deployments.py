@@ -560,8 +560,12 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
         ),
     )
     context, standby_context = snapshot.index.contexts
-    # A measured need is the replica's own footprint, its context included; others have none.
-    if need.source != "measured":
+    # A measured need is the replica's own footprint, its context included (as it was measured:
+    # the GPUs' context may have grown since); others have none.
+    if need.source == "measured":
+        grown = memory.with_grown_context(need.bytes, deployment.memory_measured_context_bytes, context)
+        need = replace(need, bytes=grown)
+    else:
         need = replace(need, bytes=need.bytes + context)
     if deployment.failover_standby:
         need = replace(need, bytes=need.bytes + standby_context)

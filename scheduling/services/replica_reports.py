@@ -43,7 +43,13 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     measured = _measured_bytes(deployment, event)
     context = event.get("context_measured_bytes")
     replicas.record_context(replica, context if isinstance(context, int) else 0)
-    if measured and measured != deployment.memory_measured_bytes:
+    # The context the replica's footprint counted, when the need is its footprint.
+    counted = event.get("context_bytes") if isinstance(event.get("need_bytes"), int) else None
+    counted = counted if isinstance(counted, int) and counted > 0 else None
+    if measured and (measured, counted) != (
+        deployment.memory_measured_bytes,
+        deployment.memory_measured_context_bytes,
+    ):
         replicas.set_measured_need(
             deployment,
             measured,
@@ -51,6 +57,7 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
             f"measured {memory.human_bytes(measured)} per replica after loading "
             f"(estimate was {memory.human_bytes(deployment.memory_estimate_bytes or 0)}); "
             "placement uses the measurement from now on",
+            context=counted,
         )
     now = timezone.now()
     if replica.state == Replica.State.WAKING:
@@ -94,6 +101,9 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
     residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}
     held = sum(residual.values())
+    # What stays on a GPU is the process's context as serving grew it (kernels its forward passes
+    # loaded): the node's figure from now on, so the wake and the next replica count it.
+    replicas.record_context(replica, max(residual.values(), default=0))
     replicas.reserve_exactly(
         replica,
         {int(index): bytes_ for index, bytes_ in residual.items() if bytes_ > 0},

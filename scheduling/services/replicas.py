@@ -223,17 +223,21 @@ def withdraw(replica: Replica) -> None:
         log.warning("cannot withdraw replica %s's claim to take requests (Redis: %s)", replica.id, err)
 
 
-def set_measured_need(deployment: Deployment, measured: int, replica: Replica, reason: str) -> None:
-    """Record the deployment's measured need, with an Event saying why (the caller holds its row)."""
+def set_measured_need(
+    deployment: Deployment, measured: int, replica: Replica, reason: str, *, context: int | None
+) -> None:
+    """Record the deployment's measured need and the CUDA context it counts (None: unknown), with
+    an Event saying why (the caller holds its row)."""
     before = deployment.memory_measured_bytes
     deployment.memory_measured_bytes = measured
-    deployment.save(update_fields=["memory_measured_bytes", "updated_at"])
+    deployment.memory_measured_context_bytes = context
+    deployment.save(update_fields=["memory_measured_bytes", "memory_measured_context_bytes", "updated_at"])
     events.record(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
         reason,
         before={"measured_bytes": before},
-        after={"measured_bytes": measured},
+        after={"measured_bytes": measured, "context_bytes": context},
         deployment=deployment.name,
         replica=replica.id,
     )
@@ -244,8 +248,9 @@ def record_context(replica: Replica, context: int, *, standby: bool = False) -> 
     next need and pool count it instead of the default (issue 15); a standby's, that of the
     standbys. Only ever raised, since a context grows as forward passes load kernels, and a lower
     reading is an earlier moment (a GPU whose context is below the default keeps the default:
-    safe rather than tight). Virtual GPUs keep their node's profile."""
-    if replica.node_id is None or replica.node.virtual or context <= 0:
+    safe rather than tight). Virtual GPUs too: their profile grows a context as a real GPU does
+    (inference.devices.VirtualProfile.kernel_bytes), and the CPU suite must see what that does."""
+    if replica.node_id is None or context <= 0:
         return
     field = "standby_context_bytes" if standby else "context_bytes"
     indices = [int(i) for i in replica.gpu_mem_bytes_by_id]

@@ -9,13 +9,24 @@ on a real GPU; no test times anything (bench/wake.py measures the bandwidth).
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
 import torch
 from torch import nn
 
-from inference.arena import ALIGNMENT, Arena, PendingCopies, host_bytes, pack, unpack, unpack_async
+from inference.arena import (
+    ALIGNMENT,
+    Arena,
+    PendingCopies,
+    host_bytes,
+    is_page_locked,
+    pack,
+    settle_releases,
+    unpack,
+    unpack_async,
+)
 from inference.replica import Placement, VirtualBackend
 
 GiB = 1024**3
@@ -190,6 +201,20 @@ class Stream:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
+def test_the_pages_a_pinned_arena_registers_are_huge_page_aligned_zeroed_and_live_while_viewed():
+    from inference.arena import _HUGE_PAGE, _populated_pages
+
+    host = _populated_pages(3 * _HUGE_PAGE + 123)
+    assert host.numel() == 3 * _HUGE_PAGE + 123 and host.dtype == torch.uint8
+    assert host.data_ptr() % _HUGE_PAGE == 0  # huge pages can back it from its first byte
+    assert int(host.count_nonzero()) == 0  # every page faulted in before the registration
+    view = host[-10:]
+    view.fill_(7)
+    del host
+    gc.collect()
+    assert view.tolist() == [7] * 10, "the mapping lives as long as a view of it"
+
+
 def test_it_holds_the_arenas_host_buffer_until_the_wait_and_releases_it_then():
     model = OddSizes(torch.float32, tied=True)
     before = snapshot(model)
@@ -263,6 +288,115 @@ def test_it_leaves_the_arena_intact_when_the_wake_fails_before_anything_is_queue
     assert_same(model, before)
 
 
+class PinnedStandIn:
+    """Stands in for a pinned arena (the CPU pins nothing): its release blocks until `let_go` is
+    set, as unpinning and freeing gigabytes does on a GPU, and says which thread ran it."""
+
+    pinned = True
+
+    def __init__(self) -> None:
+        self.releasing = threading.Event()
+        self.let_go = threading.Event()
+        self.released = False
+        self.released_on: threading.Thread | None = None
+
+    def release(self) -> None:
+        self.releasing.set()
+        assert self.let_go.wait(timeout=60), "the test never let the release finish"
+        self.released_on = threading.current_thread()
+        self.released = True
+
+
+def test_a_wake_returns_before_its_pinned_arena_is_released_and_settling_waits_for_it():
+    arena = PinnedStandIn()
+    stream = Stream(arena)
+    copies = PendingCopies(arena, [stream])
+
+    try:
+        copies.wait()  # returns although the release cannot finish until let_go is set
+        assert copies.done and stream.released_when_synchronised == [False]  # synchronised first
+        assert arena.releasing.wait(timeout=60)  # handed to the releaser, which is now inside release()
+        assert not arena.released
+        assert not settle_releases(timeout=0)  # still pending: settling says so instead of lying
+    finally:
+        arena.let_go.set()  # never leave the releaser blocked for the tests after this one
+    assert settle_releases(timeout=60)
+    assert arena.released and arena.released_on is not threading.current_thread()
+
+
+def test_settling_waits_for_every_arena_handed_over_in_order():
+    arenas = [PinnedStandIn() for _ in range(3)]
+    for arena in arenas:
+        PendingCopies(arena, []).wait()
+    assert arenas[0].releasing.wait(timeout=60)
+    for arena in arenas:
+        arena.let_go.set()
+    assert settle_releases(timeout=60)
+    assert all(arena.released for arena in arenas)
+    assert settle_releases(timeout=0)  # nothing pending: at once
+
+
+def test_a_pinned_arena_whose_copies_could_not_be_confirmed_is_never_handed_to_the_releaser():
+    from inference import arena as arenas
+
+    arena = PinnedStandIn()
+    arena.let_go.set()  # were it released, it would be at once
+    copies = PendingCopies(arena, [Stream(arena, fails=True)])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        copies.wait()
+    assert settle_releases(timeout=60)
+    assert not arena.releasing.is_set() and arena in arenas._UNCONFIRMED
+    arenas._UNCONFIRMED.remove(arena)
+
+
+def test_a_pageable_arena_is_released_by_the_wait_itself():
+    arena = pack(OddSizes(torch.float32))
+    assert not arena.pinned
+    PendingCopies(arena, [Stream(arena)]).wait()
+    assert arena.released  # no settling needed: released inline, on this thread
+
+
+def test_on_the_cpu_nothing_is_reported_page_locked():
+    # No CUDA runtime loaded (None), or one that does not know this memory (False).
+    assert is_page_locked(torch.empty(4096, dtype=torch.uint8)) is not True
+
+
+class Runtime:
+    """Stands in for libcudart: answers cudaPointerGetAttributes with a memory type or an error."""
+
+    def __init__(self, memory_type: int, error: int = 0):
+        self.memory_type, self.error = memory_type, error
+        self.errors_cleared = 0
+
+    def cudaPointerGetAttributes(self, attributes, pointer) -> int:
+        attributes[0:4] = self.memory_type.to_bytes(4, "little")
+        return self.error
+
+    def cudaGetLastError(self) -> int:
+        self.errors_cleared += 1
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("memory_type", "locked"), [(1, True), (0, False), (2, False)], ids=["host", "pageable", "device"]
+)
+def test_page_locking_is_the_runtimes_memory_type(monkeypatch, memory_type, locked):
+    from inference import arena as arenas
+
+    monkeypatch.setattr(arenas, "_cudart_libraries", lambda: [Runtime(memory_type)])
+    assert is_page_locked(torch.empty(8)) is locked
+
+
+def test_page_locking_is_unknown_when_the_runtime_errs_or_is_absent(monkeypatch):
+    from inference import arena as arenas
+
+    runtime = Runtime(1, error=1)
+    monkeypatch.setattr(arenas, "_cudart_libraries", lambda: [runtime])
+    assert is_page_locked(torch.empty(8)) is None and runtime.errors_cleared == 1  # not left for a kernel
+    monkeypatch.setattr(arenas, "_cudart_libraries", lambda: [])
+    assert is_page_locked(torch.empty(8)) is None
+
+
 def _greedy(model: nn.Module, prompt: torch.Tensor) -> list[int]:
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
@@ -327,14 +461,18 @@ def test_on_a_gpu_sleep_pins_one_arena_and_frees_the_gpu_memory(dtype):
     held = torch.cuda.memory_allocated(0)
 
     arena = pack(model)
-    assert arena.pinned and arena.host is not None and arena.host.is_pinned()
+    # Asked of the CUDA runtime, not Tensor.is_pinned(): torch only recognises its own caching host
+    # allocator's blocks there, and says False for the pages the arena registered itself.
+    assert arena.pinned and arena.host is not None and is_page_locked(arena.host) is True
     assert {str(t.device) for t in (*model.parameters(), *model.buffers())} == {"cpu"}
     assert storages(model) == {arena.host.untyped_storage().data_ptr()}
     assert torch.cuda.memory_allocated(0) <= held - arena.tensor_bytes
     assert_same(model, before)
 
+    probe = arena.host[:1]  # a view: keeps the pages allocated, not registered
     unpack(model, arena, {"": 0})
-    assert arena.released
+    assert settle_releases(timeout=60)  # a pinned arena is released in the background
+    assert arena.released and is_page_locked(probe) is False  # unregistered
     assert {str(t.device) for t in (*model.parameters(), *model.buffers())} == {"cuda:0"}
     assert len(storages(model)) == 1  # one device allocation
     assert model.head.weight is model.embed.weight
@@ -359,7 +497,7 @@ def test_on_a_gpu_the_backend_sleeps_and_wakes_without_changing_generation(tiny_
     woken, copies = backend.from_cache(model, placement)
     assert backend.arena is None
     copies.wait()
-    assert arena.released
+    assert settle_releases(timeout=60) and arena.released
     assert {str(p.device) for p in woken.parameters()} == {"cuda:0"}
     assert _greedy(woken, prompt) == before
 
@@ -377,7 +515,8 @@ def test_on_a_gpu_it_returns_with_the_copies_queued_and_releases_the_pinned_aren
     pool = torch.empty(64 * 1024**2, dtype=torch.uint8, device="cuda:0")
     assert not arena.released and {str(t.device) for t in model.parameters()} == {"cuda:0"}
     copies.wait()
-    assert arena.released and copies.done
+    assert copies.done
+    assert settle_releases(timeout=60) and arena.released
     copies.wait()
     assert_same(model.cpu(), before)
     del pool

@@ -39,7 +39,7 @@ from inference.replica import (
 from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line, replica_argv
 from tests.support.models import tiny_mlp
 from tests.support.processes import wait_until
-from tests.support.replicas import BIG_MLP, CONTEXT, LOAD_TIMEOUT_S, TINY_MLP, Events, MiB, gone, spec
+from tests.support.replicas import BIG_MLP, CONTEXT, LOAD_TIMEOUT_S, SERVED_CONTEXT, TINY_MLP, Events, MiB, gone, spec
 
 GiB = 1024**3
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,18 +92,19 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     waiter = ThreadPoolExecutor(1).submit(supervisor.released, ["r1"], 60)
     supervisor.send("r1", {"cmd": "sleep"})
     _, sleeping = events.until("sleeping")
-    assert sleeping["residual_bytes_by_id"] == {"0": CONTEXT}  # the context stays, as on a real GPU
+    # The context stays, as on a real GPU, grown by the kernels serving loaded.
+    assert sleeping["residual_bytes_by_id"] == {"0": SERVED_CONTEXT}
     assert waiter.result(timeout=60) == [], "its sleep wakes the waiter"
     # What the heartbeat tells the control plane of it (scheduling.services.lost_commands).
     assert supervisor.states() == {"r1": "sleeping"}
-    assert supervisor.sleepers(["r1", "not-here"]) == {"r1": (serving["pid"], {"0": CONTEXT})}
+    assert supervisor.sleepers(["r1", "not-here"]) == {"r1": (serving["pid"], {"0": SERVED_CONTEXT})}
     assert sleeping["cpu_bytes"] == serving["weights_bytes"]
 
     supervisor.send(
-        "r1", {"cmd": "wake", "gpus": [1], "reserved_bytes_by_gpu": {"1": CONTEXT + 80 * MiB}, "fraction": 0.05}
+        "r1", {"cmd": "wake", "gpus": [1], "reserved_bytes_by_gpu": {"1": SERVED_CONTEXT + 80 * MiB}, "fraction": 0.05}
     )
     _, woken = events.until("woken")
-    assert woken["gpu_mem_bytes_by_id"] == {"1": CONTEXT + 80 * MiB}
+    assert woken["gpu_mem_bytes_by_id"] == {"1": SERVED_CONTEXT + 80 * MiB}
     assert woken["gpus"] == [1] and woken["fraction"] == 0.05
     assert woken["weights_bytes"] == serving["weights_bytes"]
 

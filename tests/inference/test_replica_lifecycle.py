@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpuportal.wire.memory import H100_CONTEXT_BYTES
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_KERNEL_GROWTH_BYTES
 from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling.models import GPU, Event, Occupant, Replica
 from tests.support.deployments import LOAD_TIMEOUT, all_in, states
@@ -43,8 +43,8 @@ def test_deploy_scale_evict_promote_and_delete_with_real_replica_processes(agent
     victim = first.id
     assert staff.post(f"/api/replicas/{victim}/evict/").status_code == 200
     wait_until(lambda: states("tiny-a")[victim] == "sleeping", 60, "the evicted replica to sleep")
-    # Asleep it keeps its CUDA context, on a virtual GPU as on the H100 (issue 15).
-    assert Occupant.objects.get(replica_id=victim).reserved_bytes == H100_CONTEXT_BYTES
+    # Asleep it keeps its CUDA context as serving grew it, on a virtual GPU as on the H100 (issue 15).
+    assert Occupant.objects.get(replica_id=victim).reserved_bytes == H100_CONTEXT_BYTES + H100_KERNEL_GROWTH_BYTES
     assert psutil.pid_exists(pids[victim]), "its process lives on, weights in CPU RAM"
 
     assert staff.post("/api/deployments/tiny-a/scale/", {"replicas": 3}, format="json").status_code == 200

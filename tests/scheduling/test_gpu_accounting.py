@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
 from gpuportal.wire import memory
-from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_DRIVER_RESERVE_BYTES, H100_STANDBY_CONTEXT_BYTES, MiB
+from gpuportal.wire.memory import (
+    H100_CONTEXT_BYTES,
+    H100_DRIVER_RESERVE_BYTES,
+    H100_KERNEL_GROWTH_BYTES,
+    H100_STANDBY_CONTEXT_BYTES,
+    MiB,
+)
 from gpuportal.wire.node_reports import Books
 from inference.devices import VirtualProfile, allocatable_bytes, virtual_gpus
 from inference.loaders import weight_allocation_bytes
@@ -65,7 +71,9 @@ def test_the_pool_is_what_the_reservation_leaves_after_every_other_part_and_the_
     assert 0 < fraction <= 1 and (fraction == 1 or abs(fraction * device_total - cap) < 1)
 
 
-def host(model_dir, reserved: int, *, gpu: int = 0, standby_context: int = 0) -> tuple[ReplicaHost, io.StringIO]:
+def host(
+    model_dir, reserved: int, *, gpu: int = 0, context: int = H100_CONTEXT_BYTES, standby_context: int = 0
+) -> tuple[ReplicaHost, io.StringIO]:
     """A replica host in this process on a virtual GPU with the H100's accounting; the spec's
     contexts are what the scheduler counted (tasks.spec_for)."""
     out = io.StringIO()
@@ -79,7 +87,7 @@ def host(model_dir, reserved: int, *, gpu: int = 0, standby_context: int = 0) ->
             backend=VirtualBackend(VirtualProfile()),
             events=EventWriter(out),
             kv_max_tokens=MAX_TOKENS,
-            context_bytes=H100_CONTEXT_BYTES,
+            context_bytes=context,
             standby_context_bytes=standby_context,
         ),
         out,
@@ -140,13 +148,23 @@ def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_
     assert serves_max_tokens(added) and last(out, "serving")["process_bytes"] <= need.bytes
     blocks = added.paged.pool.blocks_total
 
+    # Serving loaded kernels: the context a sleep leaves is larger than the one the need counted
+    # (the H100 of 2026-11-26 woke into a 0-block pool on exactly this).
+    added.sleep(0)
+    grown = H100_CONTEXT_BYTES + H100_KERNEL_GROWTH_BYTES
+    assert last(out, "sleeping")["residual_bytes_by_id"] == {"0": grown}
+    # The sleep's report raises the GPUs' figure; the wake's need counts the growth.
+    GPU.objects.update(context_bytes=grown)
+    Deployment.objects.filter(pk=llm.pk).update(memory_measured_context_bytes=serving["context_bytes"])
+    llm.refresh_from_db()
+    wake_need = need_bytes(llm, ledger.snapshot())
+    assert wake_need.bytes == measured + H100_KERNEL_GROWTH_BYTES
+
     # A wake on the same GPU, and a promotion from the cache onto another, size the same pool.
+    added.wake([0], {"0": wake_need.bytes}, 0.5)
+    assert added.paged.pool.blocks_total == blocks and last(out, "woken")["process_bytes"] <= wake_need.bytes
     added.sleep(0)
-    assert last(out, "sleeping")["residual_bytes_by_id"] == {"0": H100_CONTEXT_BYTES}
-    added.wake([0], {"0": need.bytes}, 0.5)
-    assert added.paged.pool.blocks_total == blocks and last(out, "woken")["process_bytes"] <= need.bytes
-    added.sleep(0)
-    added.wake([1], {"1": need.bytes}, 0.5)
+    added.wake([1], {"1": wake_need.bytes}, 0.5)
     assert added.paged.pool.blocks_total == blocks
     assert last(out, "woken")["process_bytes_by_id"] == {"1": last(out, "woken")["process_bytes"]}
 
@@ -155,8 +173,9 @@ def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_
     Deployment.objects.filter(pk=llm.pk).update(failover_standby=True)
     llm.refresh_from_db()
     pair_need = need_bytes(llm, ledger.snapshot())
-    assert pair_need.bytes == measured + H100_STANDBY_CONTEXT_BYTES
-    active, out = host(tiny_model_dir, pair_need.bytes, standby_context=H100_STANDBY_CONTEXT_BYTES)
+    assert pair_need.bytes == wake_need.bytes + H100_STANDBY_CONTEXT_BYTES
+    # Its spec carries the GPUs' figure, grown (scheduling.services.replica_specs).
+    active, out = host(tiny_model_dir, pair_need.bytes, context=grown, standby_context=H100_STANDBY_CONTEXT_BYTES)
     active.load()
     assert active.paged.pool.blocks_total == blocks
     assert last(out, "serving")["process_bytes"] + H100_STANDBY_CONTEXT_BYTES <= pair_need.bytes
@@ -462,8 +481,8 @@ def test_a_real_gpus_context_is_what_its_replicas_measured_and_only_grows(db):
     gpu1.refresh_from_db()
     assert gpu1.context_bytes == 800 * MiB
 
-    # A virtual GPU's context is its node's profile, never a replica's report.
+    # A virtual GPU's too: its profile grows a context as serving loads kernels, as a real one does.
     nodes.register_node("v1", virtual_gpus("v1", "1x8GiB"), virtual=True)
     on_virtual = factories.replica(dep, GPU.objects.get(node__name="v1").node, gpu_mem_bytes_by_id={"0": GiB})
     replica_services.record_context(on_virtual, 900 * MiB)
-    assert GPU.objects.get(node__name="v1").context_bytes == H100_CONTEXT_BYTES
+    assert GPU.objects.get(node__name="v1").context_bytes == 900 * MiB

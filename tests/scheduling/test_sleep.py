@@ -16,10 +16,10 @@ from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 from rest_framework.test import APIClient
 
-from gpuportal.wire.memory import H100_CONTEXT_BYTES
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_KERNEL_GROWTH_BYTES
 from inference.devices import virtual_gpus
 from inference.management.commands.make_tiny_model import write_tiny_model
-from scheduling.models import Deployment, Event, Occupant, Replica
+from scheduling.models import GPU, Deployment, Event, Occupant, Replica
 from scheduling.services import reports, sleep
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
@@ -584,25 +584,36 @@ def test_an_idle_replica_sleeps_with_its_process_alive_and_wakes_as_the_same_pro
         "name": "sleepy",
         "model": {"source": str(model), "loader": "transformers", "dtype": "float32"},
         "replicas": 1,
-        "memory": {"override_bytes": 200 * MiB, "max_tokens": 128},
+        "memory": {"max_tokens": 128},
         "sleep": {"idle_timeout_s": 1},
     }
     assert staff.post("/api/deployments/", deploy, format="json").status_code == 201
     wait_until(all_in("sleepy", "serving", 1), LOAD_TIMEOUT, "the replica to serve")
     replica = Replica.objects.get()
     assert replica.pid and psutil.pid_exists(replica.pid)
+    # Its need is now what it measured, counting the context as it was at the load.
+    measured = Deployment.objects.get(name="sleepy")
+    assert measured.memory_measured_bytes and measured.memory_measured_context_bytes == H100_CONTEXT_BYTES
 
     # Beat does not run in tests: sweep by hand until the idle timeout has passed.
     slept = wait_until(lambda: sleep.sweep_idle(), 10, "the sweep to find the replica idle")
     assert slept == [replica.id]
     wait_until(lambda: states("sleepy")[replica.id] == "sleeping", 60, "the replica to sleep")
     assert psutil.pid_exists(replica.pid), "asleep, its process lives on with the weights in CPU RAM"
-    # What a GPU keeps of a sleeper is its CUDA context, the virtual one as the H100 (issue 15).
-    assert Occupant.objects.get(replica_id=replica.id).reserved_bytes == H100_CONTEXT_BYTES
+    # What a GPU keeps of a sleeper is its CUDA context as serving grew it, the virtual one as the H100's
+    # (issue 15), and that grown context is the GPU's figure from now on, so the wake counts it.
+    grown = H100_CONTEXT_BYTES + H100_KERNEL_GROWTH_BYTES
+    assert Occupant.objects.get(replica_id=replica.id).reserved_bytes == grown
+    assert GPU.objects.get(pk=Occupant.objects.get(replica_id=replica.id).gpu_id).context_bytes == grown
     assert Event.objects.filter(replica=replica.id, reason__regex=r"^slept after \d+ s idle$").exists()
 
+    # Woken into the need it measured, its KV pool would come out short by the growth (the H100's
+    # 0-block pool of 2026-11-26): the wake is reserved the growth too, and it serves.
     assert sleep.wake_deployment("sleepy", reason="a request arrived") == [replica.id]
     wait_until(all_in("sleepy", "serving", 1), LOAD_TIMEOUT, "the replica to wake")
+    assert sum(Replica.objects.get().gpu_mem_bytes_by_id.values()) >= (
+        measured.memory_measured_bytes + H100_KERNEL_GROWTH_BYTES
+    )
     woken = Replica.objects.get()
     assert woken.id == replica.id and woken.pid == replica.pid, "the same process, promoted from the cache"
     assert Event.objects.filter(replica=replica.id, reason="woken from the CPU cache").exists()

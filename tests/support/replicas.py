@@ -8,13 +8,15 @@ from typing import Any
 
 import psutil
 
-from gpuportal.wire.memory import H100_CONTEXT_BYTES
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_KERNEL_GROWTH_BYTES
 from inference.supervisor import ReplicaSpec
 
 MiB = 1024**2
 
 
 CONTEXT = H100_CONTEXT_BYTES  # what a virtual GPU models per replica process by default
+# What a virtual replica's context has grown to once it has served (kernels loaded), as a sleep leaves it.
+SERVED_CONTEXT = CONTEXT + H100_KERNEL_GROWTH_BYTES
 
 
 TINY_MLP = "tests.support.models:tiny_mlp"
