@@ -6,14 +6,20 @@
 #     command: bash bench/device_run.sh wake failover   carry: [".whl"]   timeout_s: 280
 #
 # (the two together, with the machine's start, about the 15 minutes a session has; no argument:
-# all three, for a machine without those limits). It installs the wheels beside the
+# all three, for a machine without those limits). Or one call, the budget its limit less a margin
+# (on the H100 of 2026-11-26 wake took about a minute, gpu under four):
+#
+#     command: DEVICE_RUN_BUDGET_S=500 bash bench/device_run.sh wake failover gpu   timeout_s: 530 It installs the wheels beside the
 # image's own packages (its python3 has torch, transformers and nvidia-ml-py), then runs each check
 # named, one after the other, under a limit of its own so that one that hangs leaves the next its
 # time: gpu = bench.gpu (the `gpu` tests, the probe, the stack), wake = bench.wake --device cuda,
 # failover = bench.failover --device cuda. What comes back under $OUT: each check's log and
 # BENCHMARKS.md as the checks recorded it there (bench.gpu records only a complete run), whose
-# sections go into the repository's BENCHMARKS.md. Exit: 0 every check passed, 1 one failed or ran
-# out of time, 2 an unknown check, 3 the wheels did not install or a module the checks import is missing.
+# sections go into the repository's BENCHMARKS.md. With DEVICE_RUN_BUDGET_S set (the call's
+# timeout_s less a margin), each check's limit is also cut to what the budget has left, so that one
+# call can run all three and still bring back every log (a check with under 20 s left is skipped,
+# saying so). Exit: 0 every check passed, 1 one failed, ran out of time or was skipped, 2 an unknown
+# check, 3 the wheels did not install or a module the checks import is missing.
 set -uo pipefail
 checks=(${@:-gpu wake failover})
 for one in "${checks[@]}"; do
@@ -35,9 +41,20 @@ sys.exit("device_run: not on this machine: " + " ".join(gone) + " (see bench/dev
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"
 
 status=0
+budget=${DEVICE_RUN_BUDGET_S:-}
 check() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "$budget" ]; then
+        # SECONDS: since the script started, the wheels' installation included.
+        local left=$((budget - SECONDS - 10))
+        [ "$left" -lt "$limit" ] && limit=$left
+        if [ "$limit" -lt 20 ]; then
+            echo "== $name: skipped, ${left} s left of the ${budget} s budget" | tee "$OUT/$name.log"
+            status=1
+            return
+        fi
+    fi
     echo "== $name (at most ${limit} s): $*"
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?

@@ -103,11 +103,13 @@ def test_check_names_a_folder_that_is_not_there(tmp_path, capsys):
 # --- the device call's script, with stand-ins for the device's python3 and nvidia-smi ---------
 
 
-def run_script(tmp_path: Path, *checks: str, bare: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
+def run_script(
+    tmp_path: Path, *checks: str, bare: bool = False, budget: int | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
     """`bare`: the module check's Python runs without its site-packages (`-S`), so that the
     project's modules are missing, as on a device image that dropped them."""
     stand_ins, out = tmp_path / "bin", tmp_path / "out"
-    stand_ins.mkdir()
+    stand_ins.mkdir(parents=True)
     calls = tmp_path / "calls"
     # Every python3 call is written down; the module check (`-c`) runs in this Python, the rest
     # succeed at once; nvidia-smi prints one GPU.
@@ -117,6 +119,9 @@ def run_script(tmp_path: Path, *checks: str, bare: bool = False) -> tuple[subpro
     for stand_in in stand_ins.iterdir():
         stand_in.chmod(0o755)
     env = {**os.environ, "PATH": f"{stand_ins}:{os.environ['PATH']}", "OUT": str(out)}
+    env.pop("DEVICE_RUN_BUDGET_S", None)
+    if budget is not None:
+        env["DEVICE_RUN_BUDGET_S"] = str(budget)
     script = device_kit.ROOT / "bench" / "device_run.sh"
     done = subprocess.run(
         ["bash", str(script), *checks], cwd=device_kit.ROOT, env=env, capture_output=True, text=True, timeout=60
@@ -140,6 +145,19 @@ def test_the_device_script_installs_the_wheels_then_runs_the_checks_named_and_br
     assert (out / "wake.log").read_text().startswith("ran -m bench.wake")
     assert (out / "BENCHMARKS.md").read_text() == (device_kit.ROOT / "BENCHMARKS.md").read_text()
     assert not (out / "gpu.log").exists()
+
+
+def test_a_budget_cuts_each_checks_limit_to_what_is_left_and_skips_a_check_with_no_time(tmp_path):
+    done, calls = run_script(tmp_path, "wake", "failover", budget=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # The stand-ins return at once: each check may take the budget less the margin, not its own 110 or 130 s.
+    assert "== wake (at most 90 s)" in done.stdout and "== failover (at most 90 s)" in done.stdout
+
+    done, calls = run_script(tmp_path / "short", "wake", budget=25)
+    assert done.returncode == 1
+    assert "== wake: skipped, 15 s left of the 25 s budget" in done.stdout
+    assert not any("bench.wake" in line for line in calls.read_text().splitlines())
+    assert "skipped" in (tmp_path / "short" / "out" / "wake.log").read_text()
 
 
 def test_the_device_script_refuses_an_unknown_check_before_installing_anything(tmp_path):
