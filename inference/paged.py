@@ -28,6 +28,16 @@ if TYPE_CHECKING:
 # projections); Qwen3 adds per-head q/k RMSNorms, applied below when the attention has them.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
+# A prefill runs at most this many new tokens per slice in one pass (PagedModel.forward), which bounds
+# a step's activations whatever the prompt: the linear temporaries (and the padding of a batch of
+# unequal prompts) are at most C tokens wide, and the attention scores that SDPA's math backend
+# materialises (a boolean mask; float32) are C x keys per head instead of prompt x keys. Why 128: each
+# chunk reads every weight once more, so a 512-token prompt pays 4 weight reads instead of 1, which is
+# small next to its decode steps (one weight read per generated token) and keeps GEMMs 128 rows tall;
+# while a chunk's scores stay small next to the linear budget: 25 heads x 128 queries x 512 keys in
+# float32 are 6.25 MiB per slice, a quarter of what a 512-token prompt in one pass would need.
+PREFILL_CHUNK_TOKENS = 128
+
 
 def text_config(model: Any) -> Any:
     config = model.config
@@ -103,7 +113,37 @@ class PagedModel:
 
     def forward(self, batch: list[Slice]) -> torch.Tensor:
         """Run each slice's tokens, writing their K/V into its blocks (which must cover them);
-        returns the logits of each slice's last token, [len(batch), vocab], in float32."""
+        returns the logits of each slice's last token, [len(batch), vocab], in float32.
+
+        A prefill longer than PREFILL_CHUNK_TOKENS runs chunk by chunk: in step k every slice's
+        tokens [k*C, (k+1)*C) go through all layers (their K/V into the pool) before the next chunk
+        attends to them, so no pass holds more than C new tokens per slice; slices whose tokens are
+        used up drop out. Same logits as one pass, up to float rounding."""
+        import torch
+
+        bt = self.pool.block_tokens
+        for s in batch:
+            if len(s.blocks) * bt < s.start + len(s.tokens):
+                raise ValueError(f"blocks for {len(s.blocks) * bt} tokens, the slice needs {s.start + len(s.tokens)}")
+        chunk = PREFILL_CHUNK_TOKENS
+        width = max(len(s.tokens) for s in batch)
+        if width <= chunk:  # decode steps and short prefills: one pass, as always
+            return self.lm_head(self._last_hidden(batch)).float()
+        last: list[Any] = [None] * len(batch)
+        for begin in range(0, width, chunk):
+            members = [i for i, s in enumerate(batch) if len(s.tokens) > begin]
+            part = [
+                Slice(batch[i].tokens[begin : begin + chunk], batch[i].start + begin, batch[i].blocks) for i in members
+            ]
+            hidden = self._last_hidden(part)
+            for row, i in enumerate(members):
+                if len(batch[i].tokens) <= begin + chunk:  # its last token was in this chunk
+                    last[i] = hidden[row]
+        return self.lm_head(torch.stack(last)).float()
+
+    def _last_hidden(self, batch: list[Slice]) -> torch.Tensor:
+        """One pass of the slices through every layer (K/V into the pool); the final-normed hidden
+        state of each slice's last token, [len(batch), hidden]. The blocks were checked by forward."""
         import torch
         import torch.nn.functional as F
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -126,8 +166,6 @@ class PagedModel:
         slot_offsets: list[int] = []
         for i, s in enumerate(batch):
             n = len(s.tokens)
-            if len(s.blocks) * bt < s.start + n:
-                raise ValueError(f"blocks for {len(s.blocks) * bt} tokens, the slice needs {s.start + n}")
             ids[i, :n] = torch.tensor(s.tokens)
             positions[i, :n] = torch.arange(s.start, s.start + n)
             positions[i, n:] = s.start + n - 1  # padding: any valid position, its output is dropped
@@ -176,8 +214,7 @@ class PagedModel:
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         last = torch.tensor([len(s.tokens) - 1 for s in batch], device=device)
-        final = self.norm(hidden[torch.arange(size, device=device), last])
-        return self.lm_head(final).float()
+        return self.norm(hidden[torch.arange(size, device=device), last])
 
 
 def engine_for(

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 from gpuportal.wire.requestqueue import Fence, RequestQueue
 from inference import load_slots
 from inference.hub import local_model_dir
-from inference.loaders import DIRECTORY_LOADERS, EMBEDDING, LOADERS
+from inference.loaders import DIRECTORY_LOADERS, EMBEDDING, LOADERS, TRANSFORMERS
 from inference.process_exit import exit_now as _exit
 from inference.serving import Executor, Server
 
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from inference.embedding import Recipe
     from inference.paged import PagedModel
     from inference.pairing import PairMember
+    from inference.warmup import WarmUp
 
 log = logging.getLogger("inference.replica")
 
@@ -369,6 +370,8 @@ class CudaBackend:
         # None while awake: the arena is freed by the wake, so an awake replica holds no host copy
         # (the control plane counts host memory for sleeping, draining and standby replicas only).
         self.arena: Arena | None = None
+        # A standby's warm-up on its GPU (inference.warmup), reported in its `standby` event.
+        self.warm_up: WarmUp | None = None
 
     def attach(self, placement: Placement) -> None:
         import torch
@@ -473,11 +476,19 @@ class CudaBackend:
 
         from inference.arena import pack
         from inference.loaders import load_model
+        from inference.warmup import warm_up
 
         self.attach(placement)  # the CUDA context, on its GPU: all a sleeping replica holds there
         model = load_model(source, loader, dtype, device="cpu")
         # Into one pinned arena now, so the takeover is one host-to-device copy.
         self.arena = pack(model, pin=True)
+        # The first forward's kernel loading and cuBLAS set-up, paid now over a one-layer skeleton
+        # (never these weights: the GPU is the partner's), still under the cap; never fails the
+        # standby. Before the residual is measured: the context it reports has grown by the kernels.
+        if loader == TRANSFORMERS:
+            gpu = torch.device("cuda", placement.gpus[0])
+            # Spread over several GPUs at the wake, the model keeps generate() (inference.paged).
+            self.warm_up = warm_up(model, gpu, paged=None if len(placement.gpus) == 1 else False)
         torch.cuda.set_per_process_memory_fraction(1.0, placement.gpus[0])  # a sleeper is not capped
         return model, self._residual(placement)
 
@@ -760,8 +771,14 @@ class ReplicaHost:
             self.residual_bytes_by_id = residual
             self._progress(100, f"standing by with {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
             self.state = "standby"
+            # The warm-up a GPU standby ran (inference.warmup): null where none ran (a virtual GPU).
+            warm = getattr(self.backend, "warm_up", None)
             self.events.emit(
-                "standby", pid=os.getpid(), weights_bytes=self.weights_bytes, residual_bytes_by_id=residual
+                "standby",
+                pid=os.getpid(),
+                weights_bytes=self.weights_bytes,
+                residual_bytes_by_id=residual,
+                warm_up=warm.as_event() if warm is not None else None,
             )
 
     def wake_standby(self) -> None:

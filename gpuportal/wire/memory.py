@@ -65,9 +65,10 @@ DEFAULT_BLOCK_TOKENS = 16
 # Activation budget, per token of one forward step. Inference keeps no autograd graph, so only one
 # decoder layer's temporaries are alive at a time; the widest is the MLP: residual + normed input +
 # down-projection output (3 × hidden) and gate, up and their product (3 × intermediate). Attention
-# peaks lower (≈ 7 × hidden) with SDPA, which never materialises the tokens² score matrix. The ×2
-# covers the caching allocator's rounding and fragmentation, which keeps freed blocks it cannot
-# reuse for a differently sized tensor.
+# peaks lower (≈ 7 × hidden) with SDPA's fused kernels, which never materialise the score matrix;
+# its math backend does, which the paged engine bounds by prefilling in chunks (see
+# activation_reserve_bytes). The ×2 covers the caching allocator's rounding and fragmentation,
+# which keeps freed blocks it cannot reuse for a differently sized tensor.
 ACTIVATION_HIDDEN_TENSORS = 3
 ACTIVATION_INTERMEDIATE_TENSORS = 3
 ACTIVATION_SLACK = 2
@@ -254,9 +255,15 @@ def kv_cache_bytes(shape: ModelShape, tokens: int, block_tokens: int = DEFAULT_B
 def activation_reserve_bytes(shape: ModelShape, max_tokens: int) -> int:
     """A budget, not an allocation: PyTorch's allocator serves activations from whatever the cap leaves.
 
-    Sized for one forward step over max_tokens tokens (a whole prompt's prefill is the worst case);
-    see the ACTIVATION_* constants for the reasoning. Not covered: eager attention (tokens² scores)
-    and forward passes that keep logits for every position instead of the last.
+    Sized for one forward step over max_tokens tokens, which a prefill of prompts totalling
+    max_tokens would be in one pass; see the ACTIVATION_* constants for the reasoning. The paged
+    engine (inference.paged) runs a prefill in chunks of at most PREFILL_CHUNK_TOKENS (C) new tokens
+    per slice, so its linear temporaries stay within this term, and the attention scores SDPA's math
+    backend can materialise (a boolean mask; float32), which no term here counts, are bounded by
+    C x keys per head and slice rather than prompt x keys: small next to the slack for one or a few
+    long prompts, but not covered. Not covered either: eager attention over a whole prompt (tokens²
+    scores, e.g. transformers' generate() outside the paged engine) and forward passes that keep
+    logits for every position instead of the last.
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")

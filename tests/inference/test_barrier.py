@@ -18,7 +18,7 @@ import redis
 from django.conf import settings
 from torch import nn
 
-from gpuportal.wire.memory import H100_CONTEXT_BYTES
+from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_KERNEL_GROWTH_BYTES
 from gpuportal.wire.requestqueue import Request, RequestQueue, processing_key, queue_key
 from inference.replica import EventWriter, Placement, ReplicaHost, VirtualBackend
 from inference.supervisor import ReplicaSpec, Supervisor
@@ -36,7 +36,10 @@ PROMPT_ROOM = 16
 
 
 def wake(reserved: int) -> dict:
-    return {"cmd": "wake", "gpus": [0], "reserved_bytes_by_gpu": {"0": reserved}, "fraction": 0.03}
+    """The wake the control plane sends a replica loaded into `reserved`: the need plus what its
+    context grew by serving (the sleep's residual raised the GPU's figure: deployments.need_bytes)."""
+    grown = reserved + H100_KERNEL_GROWTH_BYTES
+    return {"cmd": "wake", "gpus": [0], "reserved_bytes_by_gpu": {"0": grown}, "fraction": 0.03}
 
 
 class _SlowForward(nn.Module):
@@ -161,7 +164,7 @@ def test_a_sleep_past_its_drain_timeout_gives_the_request_back_and_the_wake_serv
     assert head_of(rq, "endless") == long.id, "given back to the head of its queue, before the later one"
     assert rq.depth("endless") == 2 and rq.get(later.id).status == "queued"
     assert rq.redis.llen(processing_key("b1")) == 0
-    assert sleeping["residual_bytes_by_id"] == {"0": H100_CONTEXT_BYTES}
+    assert sleeping["residual_bytes_by_id"] == {"0": H100_CONTEXT_BYTES + H100_KERNEL_GROWTH_BYTES}
 
     supervisor.send("b1", wake(kv_reserved))
     events.until("woken", timeout=30)

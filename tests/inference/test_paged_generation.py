@@ -14,11 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpuportal.wire.memory import activation_reserve_bytes, estimate, kv_block_bytes
+from inference import paged
 from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
 from inference.errors import BadInput
 from inference.kvpool import BlockPool
 from inference.management.commands.make_tiny_model import write_tiny_model
-from inference.paged import PagedModel, engine_for, model_shape, unsupported_reason
+from inference.paged import PagedModel, Slice, engine_for, model_shape, unsupported_reason
 
 PROMPTS = [
     "Hello",
@@ -81,9 +82,13 @@ def batcher(model: Any, tokenizer: Any, blocks: int, block_tokens: int = 4) -> B
     return Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
 
 
-def test_greedy_outputs_equal_generate_alone_together_and_joining_mid_way(tiny):
+@pytest.mark.parametrize("chunk", [None, 5], ids=["one-pass-prefill", "chunked-prefill"])
+def test_greedy_outputs_equal_generate_alone_together_and_joining_mid_way(tiny, monkeypatch, chunk):
     model, tokenizer = tiny
+    if chunk is not None:  # prompts longer than a chunk: prefill in several passes
+        monkeypatch.setattr(paged, "PREFILL_CHUNK_TOKENS", chunk)
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    assert chunk is None or max(len(p) for p in prompts) > 2 * chunk
     lengths = [24, 9, 17, 30, 12]
     expected = [reference(model, p, n) for p, n in zip(prompts, lengths, strict=True)]
 
@@ -115,7 +120,8 @@ def test_greedy_outputs_equal_generate_alone_together_and_joining_mid_way(tiny):
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
-def test_other_llama_style_architectures_with_grouped_query_attention(kind):
+def test_other_llama_style_architectures_with_grouped_query_attention(kind, monkeypatch):
+    monkeypatch.setattr(paged, "PREFILL_CHUNK_TOKENS", 4)  # the 7- and 13-token prompts prefill in chunks
     model = random_model(kind)
     assert unsupported_reason(model) is None
     prompts = [[5, 17, 42, 9, 100, 3, 77], [8], [250, 251, 252, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
@@ -128,6 +134,46 @@ def test_other_llama_style_architectures_with_grouped_query_attention(kind):
     b.submit(seqs[2])
     run_until_idle(b)
     assert [s.generated for s in seqs] == expected
+
+
+def prefill(model: Any, chunk: int, monkeypatch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two slices of different lengths and starts (one after a cached prefix) through a fresh pool,
+    with prefill chunks of `chunk` tokens: the logits, and the pool's K and V."""
+    monkeypatch.setattr(paged, "PREFILL_CHUNK_TOKENS", chunk)
+    torch.manual_seed(7)
+    vocab = model.config.vocab_size
+    prefix, first, second = (torch.randint(0, vocab, (n,)).tolist() for n in (11, 37, 23))
+    pool = BlockPool.for_shape(model_shape(model, 0), 32, dtype=torch.float32, device="cpu", block_tokens=4)
+    blocks = pool.allocate(32)  # all of them, zeroed
+    a_blocks, b_blocks = blocks[20:8:-1], [blocks[i] for i in (3, 30, 5, 1, 7, 2, 31, 6, 4)]  # 48, 36 tokens
+    engine = PagedModel(model, pool)
+    with torch.no_grad():
+        engine.forward([Slice(prefix, 0, b_blocks)])  # the second slice continues after 11 cached tokens
+        logits = engine.forward([Slice(first, 0, a_blocks), Slice(second, len(prefix), b_blocks)])
+    return logits, pool.k.clone(), pool.v.clone()
+
+
+def test_a_chunked_prefill_gives_the_logits_and_kv_of_one_pass(tiny, monkeypatch):
+    model, _ = tiny
+    whole_logits, whole_k, whole_v = prefill(model, 10**9, monkeypatch)
+    chunked_logits, chunked_k, chunked_v = prefill(model, 5, monkeypatch)
+    assert whole_logits.shape == (2, model.config.vocab_size) and whole_logits.dtype == torch.float32
+    torch.testing.assert_close(chunked_logits, whole_logits)
+    torch.testing.assert_close(chunked_k, whole_k)
+    torch.testing.assert_close(chunked_v, whole_v)
+    assert whole_k.abs().sum() > 0 and whole_v.abs().sum() > 0, "the prefill wrote into the pool"
+
+
+def test_a_chunked_prefill_checks_every_slices_blocks_before_writing_any(tiny, monkeypatch):
+    model, _ = tiny
+    monkeypatch.setattr(paged, "PREFILL_CHUNK_TOKENS", 5)
+    pool = BlockPool.for_shape(model_shape(model, 0), 8, dtype=torch.float32, device="cpu", block_tokens=4)
+    engine = PagedModel(model, pool)
+    fits, short = pool.allocate(5), pool.allocate(2)
+    with pytest.raises(ValueError, match="blocks for 8 tokens, the slice needs 12"), torch.no_grad():
+        engine.forward([Slice([1] * 20, 0, fits), Slice([1] * 12, 0, short)])
+    taken = torch.tensor(fits + short)
+    assert pool.k[:, taken].abs().sum() == 0 and pool.v[:, taken].abs().sum() == 0, "not even the first chunk"
 
 
 def test_a_small_pool_makes_requests_wait_in_order_and_all_complete(tiny):
