@@ -551,16 +551,30 @@ def _cycle_rows(
     n = cycle.get("n")
     loaded_nvml, weights = load.get("nvml_bytes"), load.get("weights_bytes")
     left = cycle.get("nvml_after_sleep_bytes")
+    allocator = cycle.get("allocator_after_sleep_bytes")
     if left is None:
         check = "unverified: no NVML figure"
-    elif loaded_nvml is None or not weights:
+    elif not weights:
+        check = ""
+    elif allocator is not None:
+        # NVML's figure is the context too, which grows as the process loads kernels (610 MiB at
+        # the load, 780 MiB asleep on the H100 of 2026-11-26): the allocator's says whether the weights went.
+        check = ok_or_fail(allocator <= 0.1 * weights, f"the allocator still holds {fmt_size(allocator)}")
+    elif loaded_nvml is None:
         check = ""
     else:
         check = ok_or_fail(left <= loaded_nvml - 0.9 * weights, "the weights were not freed")
     wake_rate = gbps(weights or 0, cycle.get("wake_s"))
-    nvml_figure, nvml_check = nvml_vs(cycle.get("nvml_after_wake_bytes"), reserved, "NVML")
+    # The wake's own reservation: the need plus what the context grew by (gpu_probe.wake_reservation).
+    woke_into = cycle.get("reserved_bytes") or reserved
+    nvml_figure, nvml_check = nvml_vs(cycle.get("nvml_after_wake_bytes"), woke_into, "NVML")
     rows = [
-        Row(part, f"sleep {n} ({cycle.get('sleep_s', 0):.3f} s): NVML left", fmt_size(left), check),
+        Row(
+            part,
+            f"sleep {n} ({cycle.get('sleep_s', 0):.3f} s): NVML left",
+            fmt_size(left) + (f" (allocator {fmt_size(allocator)})" if allocator is not None else ""),
+            check,
+        ),
         Row(
             part,
             f"wake {n}",

@@ -341,6 +341,9 @@ class Probe:
             sleep_s = time.perf_counter() - began
             sleeping = sink.last(since, "sleeping")
             after_sleep = nvml_bytes(gpu)
+            # What the allocator still holds: the weights' part of NVML's figure, apart from the
+            # context, which grows meanwhile as the process loads kernels.
+            allocator_after_sleep = torch.cuda.memory_reserved(gpu)
             self.step = f"wake {n}"
             reservation = self.wake_reservation(sleeping)
             since = len(sink.events)
@@ -354,6 +357,8 @@ class Probe:
                 sleep_s=sleep_s,
                 wake_s=wake_s,
                 nvml_after_sleep_bytes=after_sleep,
+                allocator_after_sleep_bytes=allocator_after_sleep,
+                reserved_bytes=reservation,
                 nvml_after_wake_bytes=nvml_bytes(gpu),
                 rss_bytes=rss_bytes(),
                 sleeping_event=sleeping,

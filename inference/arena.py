@@ -534,31 +534,45 @@ def _populated_pages(nbytes: int) -> torch.Tensor:
 
 
 def is_page_locked(tensor: torch.Tensor) -> bool | None:
-    """Whether the CUDA runtime sees `tensor`'s memory as page-locked host memory (registered or
-    allocated pinned); None when it cannot be asked (no runtime loaded, an error).
+    """Whether CUDA sees `tensor`'s memory as page-locked host memory (registered or allocated
+    pinned); None when it cannot be asked (no driver, an error other than "not CUDA's memory").
 
     Not `Tensor.is_pinned()`: it only recognises blocks of torch's own caching host allocator, so
-    it says False for an arena we registered ourselves (_host_buffer).
+    it says False for an arena we registered ourselves (_host_buffer). The driver's
+    cuPointerGetAttribute writes one unsigned int for the memory type; the runtime's
+    cudaPointerGetAttributes fills a struct whose size grew between CUDA versions (read into a
+    buffer sized for CUDA 11, it crashed the gpu tests on CUDA 13, 2026-11-26).
     """
     import ctypes
 
-    # struct cudaPointerAttributes (CUDA 11+): {cudaMemoryType type; int device; void*
-    # devicePointer; void* hostPointer}; read only `type`, into a buffer larger than the struct.
-    attributes = ctypes.create_string_buffer(64)
-    for library in _cudart_libraries():
-        try:
-            error = library.cudaPointerGetAttributes(attributes, ctypes.c_void_p(tensor.data_ptr()))
-        except AttributeError:
-            continue
-        if error != 0:
-            library.cudaGetLastError()  # an error here must not be blamed on the next kernel
-            return None
-        return ctypes.c_int.from_buffer(attributes).value == _CUDA_MEMORY_TYPE_HOST
-    return None
+    driver = _cuda_driver()
+    if driver is None:
+        return None
+    kind = ctypes.c_uint(0)
+    error = driver.cuPointerGetAttribute(
+        ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(tensor.data_ptr())
+    )
+    if error == _CUDA_ERROR_INVALID_VALUE:  # memory CUDA never registered: pageable
+        return False
+    if error != 0:
+        return None
+    return kind.value == _CU_MEMORYTYPE_HOST
 
 
-# cudaMemoryTypeHost: host memory the runtime knows as page-locked (0 is unregistered, 2 device).
-_CUDA_MEMORY_TYPE_HOST = 1
+# cuda.h: CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_HOST, CUDA_ERROR_INVALID_VALUE.
+_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+_CU_MEMORYTYPE_HOST = 1
+_CUDA_ERROR_INVALID_VALUE = 1
+
+
+def _cuda_driver() -> Any | None:
+    """The CUDA driver library (libcuda), through ctypes; None where there is none (the CPU)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
 
 
 def _cudart_libraries() -> list[Any]:

@@ -150,19 +150,22 @@ def allocatable_bytes(pynvml: object, handle: object) -> tuple[int, int]:
     """(what CUDA can allocate, NVML's total) of one device.
 
     NVML's total counts memory the driver keeps for itself; version 2 of the memory query names
-    it (`reserved`). Drivers without it: on an idle device everything "used" is that reserve;
-    on a busy one the H100's figure stands in (the agent restarted beside running replicas).
+    it (`reserved`). On an idle device everything "used" is out of CUDA's reach, and that can be
+    more than `reserved` (the H100 of 2026-11-26: 480 MiB reserved, 483.2 MiB used with no process
+    on it): the larger of the two. A busy device (the agent restarted beside running replicas)
+    tells only `reserved`; drivers without it, the H100's figure stands in.
     """
     info = pynvml.nvmlDeviceGetMemoryInfo(handle)  # type: ignore[attr-defined]
     total = int(info.total)
+    reserved = 0
     with suppress(Exception):  # NVMLError_FunctionNotFound on old drivers, AttributeError on old bindings
         v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)  # type: ignore[attr-defined]
         if 0 < int(v2.reserved) < total:
-            return total - int(v2.reserved), total
+            reserved = int(v2.reserved)
     with suppress(Exception):
         if not pynvml.nvmlDeviceGetComputeRunningProcesses(handle):  # type: ignore[attr-defined]
-            return total - int(info.used), total
-    return total - memory.H100_DRIVER_RESERVE_BYTES, total
+            return total - max(reserved, int(info.used)), total
+    return total - (reserved or memory.H100_DRIVER_RESERVE_BYTES), total
 
 
 def nvidia_gpus() -> list[DeviceInfo]:

@@ -313,6 +313,30 @@ def test_the_probe_fails_what_the_findings_saw_break():
     assert rows["wake 1: KV pool"].check == "FAIL: below max_tokens 512"
 
 
+def test_a_sleep_is_judged_by_what_the_allocator_holds_and_a_wake_by_its_own_reservation():
+    """The H100 of 2026-11-26: asleep, NVML showed 780 MiB where the load had shown a 610 MiB
+    context (kernels loaded since), with nothing left in the allocator; the wake was reserved the
+    need plus that growth, and NVML stayed inside it."""
+    grown = {
+        "n": 1,
+        "sleep_s": 0.06,
+        "wake_s": 0.012,
+        "nvml_after_sleep_bytes": 780 * MiB,
+        "allocator_after_sleep_bytes": 0,
+        "reserved_bytes": 2_300_000_000,
+        "nvml_after_wake_bytes": 2_200_000_000,  # above the load's 2,100,000,000 B, inside the wake's
+        "event": {"event": "woken", "kv": {"block_tokens": 16, "blocks_total": 72}},
+    }
+    kept = {**grown, "n": 2, "allocator_after_sleep_bytes": 600 * MiB}
+
+    rows = _by_what(gpu.probe_rows(_probe_result(cycles=[grown, kept]), "float32", 512))
+
+    assert rows["sleep 1 (0.060 s): NVML left"].figure == "780.0 MiB (allocator 0.0 MiB)"
+    assert rows["sleep 1 (0.060 s): NVML left"].check == "ok"
+    assert rows["wake 1: NVML process bytes"].check == "ok"
+    assert rows["sleep 2 (0.060 s): NVML left"].check == "FAIL: the allocator still holds 600.0 MiB"
+
+
 def test_a_probe_without_nvml_figures_is_unverified_and_a_crash_is_a_failure():
     load = {"seconds": 1.0, "weights_bytes": 10, "nvml_bytes": None, "event": {"kv": None}}
     rows = gpu.probe_rows(

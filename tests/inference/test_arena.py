@@ -361,39 +361,39 @@ def test_on_the_cpu_nothing_is_reported_page_locked():
     assert is_page_locked(torch.empty(4096, dtype=torch.uint8)) is not True
 
 
-class Runtime:
-    """Stands in for libcudart: answers cudaPointerGetAttributes with a memory type or an error."""
+class Driver:
+    """Stands in for libcuda: answers cuPointerGetAttribute with a memory type or an error."""
 
     def __init__(self, memory_type: int, error: int = 0):
         self.memory_type, self.error = memory_type, error
-        self.errors_cleared = 0
+        self.asked: list[int] = []
 
-    def cudaPointerGetAttributes(self, attributes, pointer) -> int:
-        attributes[0:4] = self.memory_type.to_bytes(4, "little")
+    def cuPointerGetAttribute(self, value, attribute, pointer) -> int:
+        self.asked.append(attribute)
+        value._obj.value = self.memory_type
         return self.error
-
-    def cudaGetLastError(self) -> int:
-        self.errors_cleared += 1
-        return 0
 
 
 @pytest.mark.parametrize(
-    ("memory_type", "locked"), [(1, True), (0, False), (2, False)], ids=["host", "pageable", "device"]
+    ("memory_type", "locked"), [(1, True), (2, False), (3, False)], ids=["host", "device", "array"]
 )
-def test_page_locking_is_the_runtimes_memory_type(monkeypatch, memory_type, locked):
+def test_page_locking_is_the_drivers_memory_type(monkeypatch, memory_type, locked):
     from inference import arena as arenas
 
-    monkeypatch.setattr(arenas, "_cudart_libraries", lambda: [Runtime(memory_type)])
+    driver = Driver(memory_type)
+    monkeypatch.setattr(arenas, "_cuda_driver", lambda: driver)
     assert is_page_locked(torch.empty(8)) is locked
+    assert driver.asked == [2]  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE: one unsigned int, no struct to outgrow
 
 
-def test_page_locking_is_unknown_when_the_runtime_errs_or_is_absent(monkeypatch):
+def test_memory_the_driver_never_registered_is_not_page_locked_and_other_errors_are_unknown(monkeypatch):
     from inference import arena as arenas
 
-    runtime = Runtime(1, error=1)
-    monkeypatch.setattr(arenas, "_cudart_libraries", lambda: [runtime])
-    assert is_page_locked(torch.empty(8)) is None and runtime.errors_cleared == 1  # not left for a kernel
-    monkeypatch.setattr(arenas, "_cudart_libraries", lambda: [])
+    monkeypatch.setattr(arenas, "_cuda_driver", lambda: Driver(0, error=1))  # CUDA_ERROR_INVALID_VALUE
+    assert is_page_locked(torch.empty(8)) is False
+    monkeypatch.setattr(arenas, "_cuda_driver", lambda: Driver(1, error=201))  # CUDA_ERROR_INVALID_CONTEXT
+    assert is_page_locked(torch.empty(8)) is None
+    monkeypatch.setattr(arenas, "_cuda_driver", lambda: None)
     assert is_page_locked(torch.empty(8)) is None
 
 

@@ -251,6 +251,13 @@ def test_a_real_gpus_total_is_what_cuda_can_allocate_not_nvmls_total():
     # ... and a busy one cannot tell: the H100's reserve stands in.
     busy = _nvml(nvml_total, reserve + 5 * GiB, None, [SimpleNamespace(pid=1)])
     assert allocatable_bytes(busy, None) == (nvml_total - H100_DRIVER_RESERVE_BYTES, nvml_total)
+    # Busy with the v2 query: its reserve, not what the processes use.
+    busy_v2 = _nvml(nvml_total, reserve + 5 * GiB, reserve, [SimpleNamespace(pid=1)])
+    assert allocatable_bytes(busy_v2, None) == (cuda_total, nvml_total)
+    # Idle, "used" above "reserved" (the H100 of 2026-11-26: 483.2 MiB used, 480 MiB reserved): CUDA
+    # cannot allocate the difference either.
+    idle = _nvml(nvml_total, 483 * MiB + 209715, 480 * MiB, [])
+    assert allocatable_bytes(idle, None) == (nvml_total - 483 * MiB - 209715, nvml_total)
 
 
 def _serving_replica(dep: Deployment, gpu: GPU, reserved: int, **fields) -> Replica:
