@@ -17,7 +17,7 @@ from django.utils import timezone
 from gpuportal.wire import memory
 from scheduling import locks
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
-from scheduling.models import Deployment, Event, Replica
+from scheduling.models import GPU, Deployment, Event, Replica
 from scheduling.services import deployments, dispatch, preemption, queueing, replicas, sleep
 
 log = logging.getLogger(__name__)
@@ -99,11 +99,18 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         return
     if replica.state == Replica.State.DRAINING:
         SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
-    residual = {str(k): int(v) for k, v in (event.get("residual_bytes_by_id") or {}).items()}
-    held = sum(residual.values())
+    reported = {str(k): v for k, v in (event.get("residual_bytes_by_id") or {}).items()}
     # What stays on a GPU is the process's context as serving grew it (kernels its forward passes
     # loaded): the node's figure from now on, so the wake and the next replica count it.
-    replicas.record_context(replica, max(residual.values(), default=0))
+    replicas.record_context(replica, max((int(v) for v in reported.values() if v is not None), default=0))
+    # null: NVML could not see the process (a container without the host's PIDs): the GPU's own
+    # context figure stands in, rather than 0, which would free memory the context still holds.
+    unknown = [int(k) for k, v in reported.items() if v is None]
+    estimates = dict(
+        GPU.objects.filter(node_id=replica.node_id, index__in=unknown).values_list("index", "context_bytes")
+    )
+    residual = {k: int(v) if v is not None else estimates.get(int(k), 0) for k, v in reported.items()}
+    held = sum(residual.values())
     replicas.reserve_exactly(
         replica,
         {int(index): bytes_ for index, bytes_ in residual.items() if bytes_ > 0},

@@ -25,7 +25,7 @@ from gpuportal.wire.memory import (
     H100_STANDBY_CONTEXT_BYTES,
     MiB,
 )
-from gpuportal.wire.node_reports import Books
+from gpuportal.wire.node_reports import Books, DeviceInfo
 from inference.devices import VirtualProfile, allocatable_bytes, virtual_gpus
 from inference.loaders import weight_allocation_bytes
 from inference.management.commands.make_tiny_model import write_tiny_model
@@ -460,8 +460,32 @@ def reported_everything() -> bool:
     return held >= Replica.objects.exclude(state__in=["stopped", "failed"]).count() * memory.H100_CONTEXT_BYTES
 
 
+def test_a_sleep_the_agent_could_not_measure_keeps_the_gpus_context_reserved_and_a_measured_one_raises_it(db):
+    h100 = DeviceInfo(index=0, uuid="GPU-h100-0", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
+    nodes.register_node("gpu1", [h100], virtual=False)
+    gpu = GPU.objects.get()
+    dep = factories.deployment("llm")
+    blind = factories.replica(dep, gpu.node, state=Replica.State.SERVING, gpu_mem_bytes_by_id={"0": GiB})
+    factories.occupy(blind, gpu, GiB)
+
+    # NVML did not list the process (a container without the host's PIDs): null, not 0.
+    reports.report(blind.id, {"event": "sleeping", "residual_bytes_by_id": {"0": None}})
+    blind.refresh_from_db()
+    assert blind.state == Replica.State.SLEEPING
+    assert Occupant.objects.get(replica=blind).reserved_bytes == H100_CONTEXT_BYTES
+    gpu.refresh_from_db()
+    assert gpu.context_bytes == H100_CONTEXT_BYTES and not gpu.context_measured
+
+    # Measured, what serving grew the context to is the GPU's figure from now on.
+    seen = factories.replica(dep, gpu.node, state=Replica.State.SERVING, gpu_mem_bytes_by_id={"0": GiB})
+    factories.occupy(seen, gpu, GiB)
+    reports.report(seen.id, {"event": "sleeping", "residual_bytes_by_id": {"0": 780 * MiB}})
+    gpu.refresh_from_db()
+    assert (gpu.context_bytes, gpu.context_measured) == (780 * MiB, True)
+    assert Occupant.objects.get(replica=seen).reserved_bytes == 780 * MiB
+
+
 def test_a_real_gpus_context_is_what_its_replicas_measured_and_only_grows(db):
-    from gpuportal.wire.node_reports import DeviceInfo
 
     h100 = DeviceInfo(index=0, uuid="GPU-h100-0", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
     twin = DeviceInfo(index=1, uuid="GPU-h100-1", product="NVIDIA H100 80GB HBM3", total_bytes=80 * GiB, virtual=False)
