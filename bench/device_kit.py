@@ -13,7 +13,7 @@ Then, from the repository root, two `run` calls of the device tool do it all (be
 says what comes back and where the figures go):
 
     command: bash bench/device_run.sh gpu             carry: [".whl"]   timeout_s: 540
-    command: bash bench/device_run.sh wake failover   carry: [".whl"]   timeout_s: 280
+    command: bash bench/device_run.sh wake failover   carry: [".whl"]   timeout_s: 320
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def report(kit: Kit) -> str:
     if kit.ready:
         lines.append(
             'ready: device runs with carry [".whl"]: "bash bench/device_run.sh gpu" (timeout_s 540), then '
-            '"bash bench/device_run.sh wake failover" (timeout_s 280)'
+            '"bash bench/device_run.sh wake failover" (timeout_s 320)'
         )
     return "\n".join(lines)
 

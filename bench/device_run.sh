@@ -3,7 +3,7 @@
 # that `python -m bench.device_kit` put in .whl carried. Two calls fit the tool's 10 minutes a call:
 #
 #     command: bash bench/device_run.sh gpu             carry: [".whl"]   timeout_s: 540
-#     command: bash bench/device_run.sh wake failover   carry: [".whl"]   timeout_s: 280
+#     command: bash bench/device_run.sh wake failover   carry: [".whl"]   timeout_s: 320
 #
 # (the two together, with the machine's start, about the 15 minutes a session has; no argument:
 # all three, for a machine without those limits). Or one call, the budget its limit less a margin
@@ -66,7 +66,7 @@ for one in "${checks[@]}"; do
     case $one in
         gpu) check gpu 480 python3 -m bench.gpu ;;
         wake) check wake 110 python3 -m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2 ;;
-        failover) check failover 130 python3 -m bench.failover --device cuda --trials 5 --baseline-trials 2 ;;
+        failover) check failover 170 python3 -m bench.failover --device cuda --trials 5 --baseline-trials 1 ;;
     esac
 done
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"

@@ -139,7 +139,7 @@ def test_the_device_script_installs_the_wheels_then_runs_the_checks_named_and_br
     assert "find_spec" in lines[1] and "django celery rest_framework psycopg redis pytest torch" in lines[2]
     assert lines[3:] == [
         "-m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2",
-        "-m bench.failover --device cuda --trials 5 --baseline-trials 2",
+        "-m bench.failover --device cuda --trials 5 --baseline-trials 1",
     ]
     out = tmp_path / "out"
     assert (out / "wake.log").read_text().startswith("ran -m bench.wake")
