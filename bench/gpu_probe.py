@@ -332,7 +332,7 @@ class Probe:
         from scheduling.placement import gpu_fraction
 
         host, gpu, sink = self.host, self.gpu, self.sink
-        for n in (1, 2):  # the first sleep pins tensor by tensor; later ones reuse the pinned copies
+        for n in (1, 2):  # each sleep packs a fresh pinned arena (every wake frees it): the two should agree
             self.step = f"sleep {n}"
             since = len(sink.events)
             torch.cuda.synchronize(gpu)
