@@ -307,7 +307,9 @@ class Api:
         try:
             return code, json.loads(raw)
         except ValueError:
-            return code, raw[:2000]
+            # An error page is cut for the table; an answer is whole (/metrics runs to many kB, and
+            # its GPU gauges come after the first 2000 characters: cut, they read as "not exported").
+            return code, raw if 200 <= code < 300 else raw[:2000]
 
     def rows(self, path: str) -> list[dict[str, Any]]:
         """Every row of a paginated list (following `next`)."""

@@ -499,3 +499,39 @@ def test_a_hand_written_section_under_the_heading_is_replaced_and_the_next_kept(
     assert "No GPU was lent." not in out and out.count("## GPU validation (bench.gpu)") == 1
     assert "## Reading the numbers\n\nText." in out and "Old pool figures." in out
     assert out.index("<!-- /bench:gpu -->") < out.index("## Reading the numbers")
+
+
+def test_the_stacks_api_reads_a_long_answer_whole_and_cuts_an_error_page():
+    """/metrics runs past 2000 characters, and its GPU gauges come late: cut, the H100 run of
+    2026-11-26 read them as "not exported"."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench.gpu_stack import Api
+
+    body = "# HELP filler\n" * 400 + 'gpuportal_gpu_overcommit_bytes{gpu="0",node="n1"} 0.0\n'
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            code = 200 if self.path == "/metrics" else 500
+            payload = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = Api(f"http://127.0.0.1:{server.server_address[1]}")
+        code, text = api.call("GET", "/metrics")
+        assert code == 200 and text == body and text.rstrip().endswith("} 0.0")
+        code, text = api.call("GET", "/broken")
+        assert code == 500 and len(text) == 2000
+    finally:
+        server.shutdown()
+        server.server_close()
