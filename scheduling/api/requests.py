@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -221,6 +222,8 @@ def fast_inputs(body: Any) -> tuple[Any, dict[str, Any], float] | None:
     InferInput then judges with its field-by-field errors."""
     if not isinstance(body, dict) or body.get("input") is None or not set(body) <= {"input", "params", "timeout_s"}:
         return None
+    if not isinstance(body["input"], str) and not _finite(body["input"]):
+        return None  # Python's json reads Infinity and NaN; the serializer's strict JSON refuses them
     params = fast_params(body.get("params", {}))
     if params is None:
         return None
@@ -228,6 +231,17 @@ def fast_inputs(body: Any) -> tuple[Any, dict[str, Any], float] | None:
     if type(timeout) not in (int, float) or not 0 <= timeout <= settings.GPUPORTAL_INFER_MAX_TIMEOUT_S:
         return None
     return body["input"], params, float(timeout)
+
+
+def _finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a parsed JSON value (InferInput's JSONField refuses them)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(item) for item in value)
+    if isinstance(value, dict):
+        return all(_finite(item) for item in value.values())
+    return True
 
 
 def fast_params(params: Any) -> dict[str, Any] | None:

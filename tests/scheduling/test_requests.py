@@ -673,6 +673,17 @@ def test_the_fast_path_takes_the_shapes_clients_send_most(body):
     assert fast_inputs(body) is not None
 
 
+@pytest.mark.parametrize(
+    "body",
+    [{"input": float("inf")}, {"input": [[0.5, float("nan")]]}, {"input": [{"role": "user", "x": -float("inf")}]}],
+    ids=["infinity", "nan-in-a-tensor", "in-a-message"],
+)
+def test_the_fast_path_leaves_infinity_and_nan_to_the_serializer_which_refuses_them(body):
+    # Python's json reads the literals Infinity and NaN, so a client can send them (hypothesis found it).
+    assert fast_inputs(body) is None
+    assert not InferInput(data=body).is_valid()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_request_is_accepted_after_the_database_dropped_the_web_processs_connection(rq, tiny_model_dir):
     from django.db import connection, connections
