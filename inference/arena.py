@@ -512,8 +512,7 @@ def _populated_pages(nbytes: int) -> torch.Tensor:
     (512 times fewer faults and page records to pin, where the kernel allows them: `madvise` or
     `always` in /sys/kernel/mm/transparent_hugepage/enabled), faulted in by one zero_() that torch
     spreads over its intra-op threads; the registration then only pins what is there.
-    Not torch.empty: its allocator gives no say over huge pages, and it may hand out pages of an
-    earlier arena that another thread is still unpinning (the background releaser)."""
+    Not torch.empty: its allocator gives no say over huge pages."""
     import contextlib
     import mmap
 
