@@ -29,7 +29,7 @@ def test_a_warm_up_runs_a_request_through_the_paged_engine_on_a_skeleton_and_lea
     done = warmup.warm_up(tiny_llama, "cpu")
 
     assert done.skipped is None and done.path == "paged"
-    assert done.tokens == warmup.NEW_TOKENS and done.seconds > 0
+    assert done.tokens == warmup.NEW_TOKENS
     # One layer and one (tied) vocabulary table: smaller than the model, however many layers it has.
     model_bytes = sum(t.numel() * t.element_size() for t in tiny_llama.parameters())
     assert 0 < done.skeleton_bytes < model_bytes
