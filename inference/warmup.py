@@ -130,7 +130,7 @@ def skeleton_config(model: Any) -> Any:
 def _run(model: Any, device: Any, dtype: Any, paged: bool | None, work: dict[str, Any]) -> WarmUp:
     import torch
 
-    from inference.loaders import _dtype_kwarg
+    from inference.loaders import _dtype_kwarg, tensor_bytes
     from inference.paged import unsupported_reason
 
     if getattr(model, "config", None) is None:
@@ -148,11 +148,11 @@ def _run(model: Any, device: Any, dtype: Any, paged: bool | None, work: dict[str
         skeleton = type(model)._from_config(skeleton_config(model), **{_dtype_kwarg(): dtype})
     skeleton.eval()
     work["skeleton"] = skeleton
-    size = _tensor_bytes(skeleton)
+    size = tensor_bytes(skeleton)
     vocab = int(skeleton.get_input_embeddings().num_embeddings)
     prompt = [1 + i % max(1, vocab - 1) for i in range(PROMPT_TOKENS)]
     if use_paged:
-        tokens = _paged(skeleton, device, dtype, prompt, work)
+        tokens = _paged(skeleton, size, device, dtype, prompt, work)
         return WarmUp("paged", 0.0, tokens=tokens, skeleton_bytes=size)
     with torch.no_grad():
         ids = torch.tensor([prompt], device=device)
@@ -167,14 +167,14 @@ def _run(model: Any, device: Any, dtype: Any, paged: bool | None, work: dict[str
     return WarmUp("generate", 0.0, tokens=int(out.shape[1] - ids.shape[1]), skeleton_bytes=size)
 
 
-def _paged(skeleton: Any, device: Any, dtype: Any, prompt: list[int], work: dict[str, Any]) -> int:
+def _paged(skeleton: Any, size: int, device: Any, dtype: Any, prompt: list[int], work: dict[str, Any]) -> int:
     """One request through the Batcher over a PagedModel, as the replica serves it."""
     from gpuportal.wire.memory import DEFAULT_BLOCK_TOKENS
     from inference.batching import Batcher, Sequence, run_until_idle
     from inference.kvpool import BlockPool
     from inference.paged import PagedModel, model_shape
 
-    shape = model_shape(skeleton, _tensor_bytes(skeleton))
+    shape = model_shape(skeleton, size)
     pool = BlockPool.for_shape(shape, POOL_BLOCKS, dtype=dtype, device=device, block_tokens=DEFAULT_BLOCK_TOKENS)
     work["pool"] = pool
     engine = PagedModel(skeleton, pool)
@@ -187,13 +187,6 @@ def _paged(skeleton: Any, device: Any, dtype: Any, prompt: list[int], work: dict
     if seq.error is not None:  # the Batcher fails the sequence, not the caller: fail the warm-up
         raise seq.error
     return len(seq.generated)
-
-
-def _tensor_bytes(module: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())
 
 
 def _free(torch: Any, device: Any) -> None:

@@ -21,13 +21,14 @@ from inference.arena import (
     Arena,
     PendingCopies,
     host_bytes,
-    is_page_locked,
     pack,
     settle_releases,
     unpack,
     unpack_async,
 )
 from inference.replica import Placement, VirtualBackend
+from tests.support import cuda
+from tests.support.cuda import is_page_locked
 
 GiB = 1024**3
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -378,22 +379,18 @@ class Driver:
     ("memory_type", "locked"), [(1, True), (2, False), (3, False)], ids=["host", "device", "array"]
 )
 def test_page_locking_is_the_drivers_memory_type(monkeypatch, memory_type, locked):
-    from inference import arena as arenas
-
     driver = Driver(memory_type)
-    monkeypatch.setattr(arenas, "_cuda_driver", lambda: driver)
+    monkeypatch.setattr(cuda, "_cuda_driver", lambda: driver)
     assert is_page_locked(torch.empty(8)) is locked
     assert driver.asked == [2]  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE: one unsigned int, no struct to outgrow
 
 
 def test_memory_the_driver_never_registered_is_not_page_locked_and_other_errors_are_unknown(monkeypatch):
-    from inference import arena as arenas
-
-    monkeypatch.setattr(arenas, "_cuda_driver", lambda: Driver(0, error=1))  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(cuda, "_cuda_driver", lambda: Driver(0, error=1))  # CUDA_ERROR_INVALID_VALUE
     assert is_page_locked(torch.empty(8)) is False
-    monkeypatch.setattr(arenas, "_cuda_driver", lambda: Driver(1, error=201))  # CUDA_ERROR_INVALID_CONTEXT
+    monkeypatch.setattr(cuda, "_cuda_driver", lambda: Driver(1, error=201))  # CUDA_ERROR_INVALID_CONTEXT
     assert is_page_locked(torch.empty(8)) is None
-    monkeypatch.setattr(arenas, "_cuda_driver", lambda: None)
+    monkeypatch.setattr(cuda, "_cuda_driver", lambda: None)
     assert is_page_locked(torch.empty(8)) is None
 
 
