@@ -1,4 +1,5 @@
-"""What the control plane asks of a node agent (issue 17): start, sleep, wake or stop a replica.
+"""What the control plane asks of a node agent (issue 17): start, sleep, wake or stop a replica,
+or let it keep (or make it drop) a host arena while awake (issue 19).
 
 Each command is a frozen dataclass, sent as a versioned dict on the node's Celery queue
 (`node.<name>`) and read back with `decode`, which refuses a version or kind it does not know
@@ -123,14 +124,30 @@ class StopReplica:
     drain_timeout_s: float | None = None
 
 
-Command = StartReplica | SleepReplica | WakeReplica | StopReplica
-KINDS: dict[str, type[Command]] = {c.kind: c for c in (StartReplica, SleepReplica, WakeReplica, StopReplica)}
+@dataclass(frozen=True)
+class KeepArena:
+    """Whether the replica may keep a host arena of its weights while awake (issue 19): with
+    `keep`, an awake replica holds one ready (page-locked in advance on a GPU) and a wake keeps
+    the one it woke from, so its next sleep copies into memory already pinned instead of
+    allocating and pinning gigabytes first; without, it frees the one it holds. The control
+    plane grants it only within the node's host cache budget, and counts it there."""
+
+    kind: ClassVar[str] = "arena"
+    replica_id: str
+    keep: bool
+
+
+Command = StartReplica | SleepReplica | WakeReplica | StopReplica | KeepArena
+KINDS: dict[str, type[Command]] = {
+    c.kind: c for c in (StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena)
+}
 # The node task that runs each kind, by name: the control plane never imports the agent's tasks.
 TASKS = {
     "start": "inference.tasks.start_replica",
     "sleep": "inference.tasks.replica_to_cache",
     "wake": "inference.tasks.replica_from_cache",
     "stop": "inference.tasks.stop_replica",
+    "arena": "inference.tasks.replica_arena",
 }
 
 

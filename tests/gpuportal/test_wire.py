@@ -53,6 +53,7 @@ any_command = st.one_of(
         wait_for=waits,
     ),
     st.builds(commands.StopReplica, replica_id=ids, drain_timeout_s=drains),
+    st.builds(commands.KeepArena, replica_id=ids, keep=st.booleans()),
 )
 
 
