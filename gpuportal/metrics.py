@@ -94,8 +94,10 @@ class StateCollector:
 
 
 def _host_cache() -> list[Metric]:
-    """Per node, its host cache's budget and what sleeping weights (and standbys') use of it
-    (issue 19: host memory is scheduled like a GPU's)."""
+    """Per node, its host cache's budget, what sleeping weights (and standbys', and awake replicas'
+    kept arenas) use of it, and of that the kept arenas (issue 19: host memory is scheduled like a
+    GPU's)."""
+    from scheduling import host_cache as host_cache_rules
     from scheduling.services import host_cache
 
     budget = GaugeMetricFamily(
@@ -103,16 +105,22 @@ def _host_cache() -> list[Metric]:
     )
     used = GaugeMetricFamily(
         "gpuportal_host_cache_used_bytes",
-        "Host RAM a node's sleeping, draining and standby replicas' weights use.",
+        "Host RAM a node's sleeping, draining and standby replicas' weights, and awake replicas' kept arenas, use.",
+        labels=["node"],
+    )
+    kept = GaugeMetricFamily(
+        "gpuportal_host_cache_kept_bytes",
+        "Of the host cache used, what awake replicas keep as arenas for their next sleep.",
         labels=["node"],
     )
     nodes = {}
     for pk, name, budget_bytes in Node.objects.values_list("pk", "name", "cpu_cache_bytes"):
         nodes[pk] = name
         budget.add_metric([name], budget_bytes)
-    for pk, used_bytes in host_cache.used_bytes(nodes).items():
-        used.add_metric([nodes[pk]], used_bytes)
-    return [budget, used]
+    for pk, held in host_cache.holders(nodes).items():
+        used.add_metric([nodes[pk]], host_cache_rules.used_bytes(held))
+        kept.add_metric([nodes[pk]], host_cache_rules.used_bytes([h for h in held if h.kept_arena]))
+    return [budget, used, kept]
 
 
 def _measured_bytes() -> Metric:

@@ -254,6 +254,11 @@ class Replica(models.Model):
     failure_reason = models.TextField(blank=True)
     # Loading or waking progress reported by the replica process, 0-100.
     progress = models.PositiveSmallIntegerField(null=True, blank=True)
+    # Host memory an awake replica may keep for its next sleep (issue 19): an arena of its weights,
+    # pinned in advance, so the sleep is a copy rather than an allocation and a page-locking first.
+    # Granted within its node's host cache budget and counted there while it is awake (a sleeping
+    # replica's weights are in that arena, counted once); 0: none granted.
+    arena_kept_bytes = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

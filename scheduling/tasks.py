@@ -56,9 +56,10 @@ def reconcile(reason: str) -> dict[str, list[str]]:
 
 
 @shared_task(name="scheduling.tasks.trim_host_cache", ignore_result=True)
-def trim_host_cache(node: str) -> list[str]:
-    """Park sleepers until the node's host cache fits its budget (issue 19); the ids parked."""
-    return host_cache.trim(node)
+def trim_host_cache(node: str) -> dict[str, list[str]]:
+    """The node's host cache within its budget, then its spare room lent as kept arenas (issue 19):
+    the ids parked and granted."""
+    return host_cache.balance(node)
 
 
 @shared_task(name="scheduling.tasks.preempt", ignore_result=True)

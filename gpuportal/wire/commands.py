@@ -138,9 +138,7 @@ class KeepArena:
 
 
 Command = StartReplica | SleepReplica | WakeReplica | StopReplica | KeepArena
-KINDS: dict[str, type[Command]] = {
-    c.kind: c for c in (StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena)
-}
+KINDS: dict[str, type[Command]] = {c.kind: c for c in (StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena)}
 # The node task that runs each kind, by name: the control plane never imports the agent's tasks.
 TASKS = {
     "start": "inference.tasks.start_replica",

@@ -42,6 +42,7 @@ REPLICA_SHOWN = {
     },
     "failure_reason": "",
     "progress": 100,
+    "arena_kept_bytes": 0,
 }
 DEPLOYMENT_SHOWN = {
     "name": "tiny-a",

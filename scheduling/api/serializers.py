@@ -22,7 +22,8 @@ class NodeSerializer(serializers.ModelSerializer):
         source="cpu_cache_bytes", read_only=True, help_text="Host RAM given to sleeping replicas' weights."
     )
     host_cache_used_bytes = serializers.SerializerMethodField(
-        help_text="What sleeping, draining and standby replicas' weights use of it (issue 19)."
+        help_text="What sleeping, draining and standby replicas' weights, and the arenas awake replicas keep "
+        "for their next sleep, use of it (issue 19)."
     )
 
     class Meta:
@@ -101,8 +102,15 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "kv",
             "failure_reason",
             "progress",
+            "arena_kept_bytes",
         ]
         read_only_fields = fields
+        extra_kwargs = {
+            "arena_kept_bytes": {
+                "help_text": "Host memory this awake replica keeps for its next sleep, counted in its node's "
+                "host cache (issue 19); 0: none."
+            }
+        }
 
     def get_gpu_indexes(self, obj: Replica) -> list[int]:
         return sorted(occupancy.gpu.index for occupancy in obj.occupancies.all())

@@ -66,9 +66,15 @@ def sleep(node: str, replica_id: str) -> None:
 
 
 def trim_host_cache(node: str) -> None:
-    """After the commit that sends replicas to sleep on `node`: park sleepers until its host cache
-    fits its budget (scheduling.services.host_cache.trim, on the control worker)."""
+    """After the commit that sends replicas to sleep on `node`, or wakes one there: its host cache
+    within its budget, then its spare room lent as kept arenas (scheduling.services.host_cache.balance,
+    on the control worker)."""
     to_control(TRIM_HOST_CACHE_TASK, node)
+
+
+def keep_arena(node: str, replica_id: str, *, keep: bool) -> None:
+    """Whether the awake replica may keep a host arena for its next sleep (issue 19)."""
+    _to_node(node, lambda: commands.KeepArena(replica_id, keep))
 
 
 def stop(node: str, replica_id: str, *, drain_timeout_s: float | None = None) -> None:

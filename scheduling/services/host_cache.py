@@ -1,8 +1,11 @@
 """A node's host cache kept within its budget (issue 19): what scheduling.host_cache decides,
 applied. When replicas go to sleep on a node, `trim` (on the control worker, after the commit that
-sent them) parks the least valuable sleepers until what the node's host memory holds fits its
-budget (Node.cpu_cache_bytes, GPUPORTAL_HOST_CACHE_BYTES on the agent): each one's process stops,
-its GPU residual is released, and it stays wanted, to be loaded from disk by the next wake."""
+sent them) first has awake replicas drop the arenas they keep, then parks the least valuable
+sleepers, until what the node's host memory holds fits its budget (Node.cpu_cache_bytes,
+GPUPORTAL_HOST_CACHE_BYTES on the agent): a parked replica's process stops, its GPU residual is
+released, and it stays wanted, to be loaded from disk by the next wake. When replicas come awake,
+`grant` lets them keep an arena for their next sleep from the room the budget has spare, and the
+books count it there until it is dropped."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import replace
 
 import redis
 from django.db import transaction
+from django.db.models import Q
 
 from gpuportal.wire import memory
 from scheduling import events, host_cache, locks
@@ -21,6 +25,8 @@ from scheduling.services import dispatch, queueing, replicas
 log = logging.getLogger(__name__)
 
 HOLDING_STATES = (Replica.State.SLEEPING, Replica.State.DRAINING, Replica.State.STANDBY)
+# An awake replica's kept arena counts in these states (scheduling.host_cache.KEEPING).
+KEEPING_STATES = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
 
 
 def host_bytes(replica: Replica) -> int:
@@ -30,16 +36,21 @@ def host_bytes(replica: Replica) -> int:
 
 
 def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
-    """Per node, the replicas whose weights are in its host memory: one query for any number."""
+    """Per node, the replicas whose weights are in its host memory, and the awake ones that keep
+    an arena there: one query for any number."""
     found: dict[int, list[host_cache.HostHolder]] = {n: [] for n in node_ids}
-    rows = Replica.objects.filter(node_id__in=list(found), state__in=HOLDING_STATES).select_related("deployment")
+    rows = Replica.objects.filter(
+        Q(state__in=HOLDING_STATES) | Q(state__in=KEEPING_STATES, arena_kept_bytes__gt=0), node_id__in=list(found)
+    ).select_related("deployment")
     for replica in rows:
+        kept = replica.state in KEEPING_STATES
         found[replica.node_id].append(
             host_cache.HostHolder(
                 replica_id=replica.id,
                 deployment=replica.deployment.name,
                 state=replica.state,
-                host_bytes=host_bytes(replica),
+                host_bytes=replica.arena_kept_bytes if kept else host_bytes(replica),
+                kept_arena=kept,
                 # A replica no request has reached yet was last used as it was made: without this
                 # every never-used sleeper tied at "unused for ever" and the trim parked whichever
                 # the rows listed first, the one put to sleep a moment ago among them
@@ -55,12 +66,21 @@ def used_bytes(node_ids: Iterable[int]) -> dict[int, int]:
     return {node: host_cache.used_bytes(held) for node, held in holders(node_ids).items()}
 
 
+def balance(node_name: str) -> dict[str, list[str]]:
+    """The node's host cache within its budget (`trim`), then its spare room lent to awake
+    replicas as kept arenas (`grant`): what the control worker runs after a sleep or a wake there."""
+    return {"parked": trim(node_name), "granted": grant(node_name)}
+
+
 def trim(node_name: str) -> list[str]:
-    """Park sleepers on the node until its host cache fits its budget; the ids parked."""
+    """Drop kept arenas, then park sleepers, on the node until its host cache fits its budget;
+    the ids parked."""
     node = Node.objects.filter(name=node_name).first()
     if node is None or node.cpu_cache_bytes <= 0:
         return []  # gone, or a node that says nothing of its host memory: nothing to keep within
     decided = host_cache.trim(_with_last_requests(holders([node.pk])[node.pk]), node.cpu_cache_bytes)
+    for replica_id in decided.drop:
+        _set_kept(replica_id, node, keep=False)
     parked = [replica_id for replica_id in decided.park if _park(replica_id, node)]
     if decided.over_bytes > 0:
         # What is left is on its way to sleep or a standby: nothing more may leave. Said once per trim.
@@ -111,13 +131,14 @@ def _park(replica_id: str, node: Node) -> bool:
         replica.node = None
         replica.pid = None
         replica.gpu_mem_bytes_by_id = {}
+        replica.arena_kept_bytes = 0  # its next process starts with none
         replicas.set_state(
             replica,
             Replica.State.PARKED,
             f"parked out of node {node.name}'s host cache (budget {memory.human_bytes(node.cpu_cache_bytes)}) "
             f"to make room: its {memory.human_bytes(freed)} of weights are freed, and its next wake loads "
             "them from disk",
-            extra=["node", "pid", "gpu_mem_bytes_by_id"],
+            extra=["node", "pid", "gpu_mem_bytes_by_id", "arena_kept_bytes"],
         )
         events.record(
             Event.Kind.HOST_CACHE,
@@ -129,3 +150,76 @@ def _park(replica_id: str, node: Node) -> bool:
             replica=replica_id,
         )
     return True
+
+
+def grant(node_name: str) -> list[str]:
+    """Let the node's serving replicas keep an arena for their next sleep while its host cache has
+    room (scheduling.host_cache.grants); the ids granted. Each is counted from the commit that
+    grants it, before its replica has allocated anything: the books never lag the memory."""
+    node = Node.objects.filter(name=node_name, status=Node.Status.ONLINE).first()
+    if node is None or node.cpu_cache_bytes <= 0:
+        return []
+    held = _with_last_requests(holders([node.pk])[node.pk])
+    candidates = [
+        host_cache.HostHolder(
+            replica_id=replica.id,
+            deployment=replica.deployment.name,
+            state=replica.state,
+            host_bytes=host_bytes(replica),
+            last_accessed=replica.last_accessed or replica.created_at,
+            popular=replica.deployment.popular,
+            kept_arena=True,
+        )
+        for replica in Replica.objects.filter(
+            node=node, state=Replica.State.SERVING, arena_kept_bytes=0, lease__isnull=True
+        ).select_related("deployment")
+    ]
+    chosen = host_cache.grants(held, _with_last_requests(candidates), node.cpu_cache_bytes)
+    return [replica_id for replica_id in chosen if _set_kept(replica_id, node, keep=True)]
+
+
+def _set_kept(replica_id: str, node: Node, *, keep: bool) -> bool:
+    """Grant a kept arena to an awake replica, or take it back, in a transaction of its own (the
+    one lock order: its deployment's row, then its own); the replica is told once it commits.
+    False if it changed meanwhile (asleep, gone, elsewhere, or already so)."""
+    with transaction.atomic():
+        replica = Replica.objects.filter(pk=replica_id).first()
+        if replica is None:
+            return False
+        locks.lock_deployment_of(replica)
+        replica = locks.lock_replica(replica_id)
+        # Re-read under the lock: it may have gone to sleep, or been granted by another balance.
+        if replica.node_id != node.pk or (replica.arena_kept_bytes > 0) == keep:
+            return False
+        if keep and replica.state != Replica.State.SERVING:
+            return False
+        size = host_bytes(replica) if keep else replica.arena_kept_bytes
+        replica.arena_kept_bytes = size if keep else 0
+        replica.save(update_fields=["arena_kept_bytes", "updated_at"])
+        events.record(
+            Event.Kind.HOST_CACHE,
+            f"node {node.name}",
+            (
+                f"replica {replica_id[:8]} of {replica.deployment.name} keeps a {memory.human_bytes(size)} arena "
+                "for its next sleep (pinned in advance, so the sleep is a copy): room spare in the host cache"
+                if keep
+                else f"replica {replica_id[:8]} of {replica.deployment.name} drops the "
+                f"{memory.human_bytes(size)} arena it kept for its next sleep: the host cache needs the room"
+            ),
+            before={"arena_kept_bytes": 0 if keep else size},
+            after={"arena_kept_bytes": size if keep else 0},
+            node=node.name,
+            deployment=replica.deployment.name,
+            replica=replica_id,
+        )
+        dispatch.keep_arena(node.name, replica_id, keep=keep)
+    return True
+
+
+def note_kept(replica: Replica, kept_bytes: int) -> None:
+    """The replica's own word on the arena it keeps (its `arena` report): the size it allocated
+    (its alignment makes it a little more than its weights) replaces the grant's figure. A report
+    that comes after the grant was taken back changes nothing: only the control plane grants."""
+    if replica.arena_kept_bytes > 0 and kept_bytes > 0 and kept_bytes != replica.arena_kept_bytes:
+        replica.arena_kept_bytes = kept_bytes
+        replica.save(update_fields=["arena_kept_bytes", "updated_at"])

@@ -18,7 +18,7 @@ from gpuportal.wire import memory
 from scheduling import locks
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
 from scheduling.models import GPU, Deployment, Event, Replica
-from scheduling.services import deployments, dispatch, preemption, queueing, replicas, sleep
+from scheduling.services import deployments, dispatch, host_cache, preemption, queueing, replicas, sleep
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     # Last, and as an UPDATE of these columns alone: a save of the deployment above (its measured
     # need) must not write back what this replaces.
     Deployment.objects.filter(pk=deployment.pk).update(**took)
+    _lend_host_room(replica)
 
 
 def _woken(replica: Replica, event: dict[str, Any]) -> None:
@@ -90,6 +91,20 @@ def _woken(replica: Replica, event: dict[str, Any]) -> None:
     replicas.set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
     # The report holds its deployment's row lock already (services.reports): no new lock order.
     Deployment.objects.filter(pk=replica.deployment_id).update(measured_wake_s=woke_in)
+    _lend_host_room(replica)
+
+
+def _lend_host_room(replica: Replica) -> None:
+    """A replica came awake: it left the host cache's room (woken), or may use some (loaded). The
+    control worker balances the node's cache, which may let it keep an arena for its next sleep."""
+    if replica.node is not None and replica.node.cpu_cache_bytes > 0:
+        dispatch.trim_host_cache(replica.node.name)
+
+
+def _arena(replica: Replica, event: dict[str, Any]) -> None:
+    kept = event.get("kept_bytes")
+    if isinstance(kept, int) and not isinstance(kept, bool) and kept >= 0:
+        host_cache.note_kept(replica, kept)
 
 
 def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
@@ -212,6 +227,7 @@ HANDLERS = {
     "sleeping": _sleeping,
     "failed": _failed,
     "stopped": _stopped,
+    "arena": _arena,
 }
 
 

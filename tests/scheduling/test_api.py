@@ -329,6 +329,7 @@ def test_replica_detail_has_the_replica_shape(api: APIClient) -> None:
         "kv": None,
         "failure_reason": "",
         "progress": None,
+        "arena_kept_bytes": 0,
     }
 
 

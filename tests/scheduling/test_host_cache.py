@@ -1,6 +1,8 @@
 """Host memory is scheduled like a GPU's (issue 19): a node's host cache has a budget; a sleep
-that passes it parks the least valuable sleepers (their processes stop, their weights are freed,
-they stay wanted), and the next wake loads a parked replica from disk."""
+that passes it drops the arenas awake replicas keep, then parks the least valuable sleepers (their
+processes stop, their weights are freed, they stay wanted), and the next wake loads a parked
+replica from disk. Room the budget has spare is lent to serving replicas as kept arenas, counted
+in the books from the grant."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuportal.wire.requestqueue import last_key
 from inference.devices import virtual_gpus
-from scheduling.host_cache import HOLDING, HostHolder, trim, used_bytes
+from scheduling.host_cache import HOLDING, KEEPING, HostHolder, grants, holds, trim, used_bytes
 from scheduling.models import Deployment, Event, Node, Replica
 from scheduling.services import deployments, host_cache, queueing, reports, sleep
 from scheduling.services.nodes import register_node
-from tests.support.deployments import START, STOP, deploy, invariant_holds
+from tests.support.deployments import START, STOP, deploy, invariant_holds, serve
 from tests.support.factories import NO_OVERHEAD
 
 MiB = 1024**2
@@ -52,34 +54,89 @@ def test_a_popular_sleeper_leaves_after_the_others_and_a_standby_or_a_draining_o
     assert decided.park == ("plain", "popular") and decided.over_bytes == 50 * MiB
 
 
-@given(
-    held=st.lists(
-        st.builds(
-            HostHolder,
-            replica_id=st.uuids().map(str),
-            deployment=st.sampled_from(["a", "b", "c"]),
-            state=st.sampled_from([*HOLDING, "serving"]),
-            host_bytes=st.integers(0, 10_000),
-            last_accessed=st.none() | st.datetimes(timezones=st.just(UTC)),
-            popular=st.booleans(),
-        ),
-        max_size=8,
-        unique_by=lambda h: h.replica_id,
+def test_a_kept_arena_is_dropped_before_any_sleeper_leaves_the_most_recently_used_replicas_first():
+    held = [
+        holder("sleeper", idle_s=5000),
+        holder("keeps-idle", state="serving", idle_s=600, kept_arena=True),
+        holder("keeps-busy", state="serving", idle_s=1, kept_arena=True),
+    ]
+
+    decided = trim(held, budget_bytes=200 * MiB)
+    assert decided.drop == ("keeps-busy",) and decided.park == ()
+    decided = trim(held, budget_bytes=50 * MiB)
+    assert decided.drop == ("keeps-busy", "keeps-idle") and decided.park == ("sleeper",)
+
+
+def test_an_arena_is_kept_only_in_awake_states_where_a_sleepers_weights_are_counted_once():
+    kept = holder("k", state="serving", kept_arena=True)
+
+    assert holds(kept) and holds(holder("s")) and not holds(holder("asleep-now", state="sleeping", kept_arena=True))
+    assert used_bytes([kept, holder("s"), holder("x", state="serving")]) == 200 * MiB
+
+
+def test_room_spare_is_lent_to_the_replicas_likeliest_to_sleep_first_and_never_past_the_budget():
+    held = [holder("sleeper")]
+    candidates = [
+        holder("busy", state="serving", idle_s=1, kept_arena=True),
+        holder("idle", state="serving", idle_s=900, kept_arena=True),
+        holder("popular", state="serving", idle_s=5000, popular=True, kept_arena=True),
+        holder("huge", state="serving", idle_s=9000, mib=1000, kept_arena=True),
+    ]
+
+    # 250 MiB of budget, 100 held: room for one arena of 100 MiB; `huge` would not fit at all.
+    assert grants(held, candidates, 250 * MiB) == ("idle",)
+    assert grants(held, candidates, 400 * MiB) == ("idle", "busy", "popular")
+    assert grants(held, candidates, 90 * MiB) == ()
+
+
+holders_drawn = st.lists(
+    st.builds(
+        HostHolder,
+        replica_id=st.uuids().map(str),
+        deployment=st.sampled_from(["a", "b", "c"]),
+        state=st.sampled_from([*HOLDING, *KEEPING]),
+        host_bytes=st.integers(0, 10_000),
+        last_accessed=st.none() | st.datetimes(timezones=st.just(UTC)),
+        popular=st.booleans(),
+        kept_arena=st.booleans(),
     ),
-    budget=st.integers(0, 40_000),
+    max_size=8,
+    unique_by=lambda h: h.replica_id,
 )
+
+
+@given(held=holders_drawn, budget=st.integers(0, 40_000))
 def test_after_a_trim_the_host_fits_its_budget_unless_only_what_may_not_leave_is_left(held, budget):
     decided = trim(held, budget)
-    parked = set(decided.park)
-    left = [h for h in held if h.replica_id not in parked]
+    gone = set(decided.park) | set(decided.drop)
+    left = [h for h in held if h.replica_id not in gone]
 
-    assert all(h.state == "sleeping" for h in held if h.replica_id in parked)
+    assert all(h.state == "sleeping" and not h.kept_arena for h in held if h.replica_id in decided.park)
+    assert all(h.kept_arena and holds(h) for h in held if h.replica_id in decided.drop)
     assert used_bytes(left) - budget == decided.over_bytes or (decided.over_bytes == 0 and used_bytes(left) <= budget)
     if decided.over_bytes:
-        assert not [h for h in left if h.state == "sleeping"], "a sleeper that could leave stayed"
-    if decided.park:  # no more than needed: without the last one parked, it would not fit
+        assert not [h for h in left if h.state == "sleeping" and not h.kept_arena], "a sleeper that could leave stayed"
+        assert not [h for h in left if h.kept_arena and holds(h)], "a kept arena that could go stayed"
+    if decided.park:  # no sleeper parked while an arena was kept, and no more than needed
+        assert not [h for h in left if h.kept_arena and holds(h)]
         last = next(h for h in held if h.replica_id == decided.park[-1])
         assert used_bytes(left) + last.host_bytes > budget
+    elif decided.drop:
+        last = next(h for h in held if h.replica_id == decided.drop[-1])
+        assert used_bytes(left) + last.host_bytes > budget
+
+
+@given(held=holders_drawn, candidates=holders_drawn, budget=st.integers(0, 40_000))
+def test_what_is_lent_never_takes_the_host_past_its_budget(held, candidates, budget):
+    candidates = [
+        HostHolder(f"new-{c.replica_id}", c.deployment, "serving", c.host_bytes, c.last_accessed, c.popular, True)
+        for c in candidates
+    ]
+    lent = set(grants(held, candidates, budget))
+
+    after = used_bytes([*held, *(c for c in candidates if c.replica_id in lent)])
+    assert after <= max(budget, used_bytes(held))
+    assert not lent or after <= budget
 
 
 # -- applied ----------------------------------------------------------------------------------------------
@@ -190,3 +247,89 @@ def test_the_dashboard_shows_each_nodes_host_cache_use_and_budget(small_host, ad
     body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
 
     assert '<small class="gp-host-cache">host cache 100.00 MiB of 250.00 MiB</small>' in body
+
+
+def kept_arena_commands(dispatched) -> list[list]:
+    return [args for _, task, args in dispatched if task == "inference.tasks.replica_arena"]
+
+
+def test_a_serving_replica_is_lent_an_arena_from_spare_room_counted_from_the_grant(
+    small_host, staff, client, dispatched, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=True):
+        serving = deploy("a")
+    # Coming to serve asked the control worker to balance the node's host cache.
+    assert ("control", "scheduling.tasks.trim_host_cache", ["edge"]) in dispatched
+    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert host_cache.balance("edge") == {"parked": [], "granted": [serving]}
+
+    assert Replica.objects.get(pk=serving).arena_kept_bytes == 100 * MiB
+    assert kept_arena_commands(dispatched) == [[serving]]
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}
+    assert staff.get("/api/nodes/").json()["results"][0]["host_cache_used_bytes"] == 100 * MiB
+    assert staff.get(f"/api/replicas/{serving}/").json()["arena_kept_bytes"] == 100 * MiB
+    scraped = {
+        (sample.name, sample.labels.get("node")): sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").content.decode())
+        for sample in family.samples
+    }
+    assert scraped[("gpuportal_host_cache_used_bytes", "edge")] == 100 * MiB
+    assert scraped[("gpuportal_host_cache_kept_bytes", "edge")] == 100 * MiB
+    assert Event.objects.filter(kind="host_cache", replica=serving, reason__contains="keeps a 100 MiB arena").exists()
+    # Balanced again, nothing changes: it keeps what it has.
+    assert host_cache.balance("edge") == {"parked": [], "granted": []}
+    # Its own word on the size it allocated (alignment adds a little) replaces the grant's figure.
+    reports.report(serving, {"event": "arena", "kept_bytes": 100 * MiB + 4096})
+    assert Replica.objects.get(pk=serving).arena_kept_bytes == 100 * MiB + 4096
+
+
+def test_an_arena_is_not_lent_past_the_budget_nor_to_a_sleeper(small_host, dispatched):
+    big = deploy("big")
+    Deployment.objects.filter(name="big").update(weight_bytes=300 * MiB)
+    asleep("a", idle_s=10)
+
+    assert host_cache.grant("edge") == []
+    assert Replica.objects.get(pk=big).arena_kept_bytes == 0
+    assert kept_arena_commands(dispatched) == []
+
+
+def test_a_sleep_past_the_budget_drops_a_kept_arena_before_it_parks_a_sleeper(
+    small_host, dispatched, django_capture_on_commit_callbacks
+):
+    sleeper = asleep("a", idle_s=900)
+    keeper = deploy("b")
+    Deployment.objects.filter(name="b").update(weight_bytes=100 * MiB)
+    assert host_cache.grant("edge") == [keeper]
+    asleep("c", idle_s=10)  # 300 MiB held now against a budget of 250
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert host_cache.trim("edge") == []
+
+    assert Replica.objects.get(pk=keeper).arena_kept_bytes == 0
+    assert Replica.objects.get(pk=sleeper).state == "sleeping"
+    assert kept_arena_commands(dispatched) == [[keeper]]
+    assert Event.objects.filter(kind="host_cache", replica=keeper, reason__contains="drops the").exists()
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 200 * MiB}
+    # Its report of the arena it kept, late, does not lend it back: only the control plane grants.
+    reports.report(keeper, {"event": "arena", "kept_bytes": 100 * MiB})
+    assert Replica.objects.get(pk=keeper).arena_kept_bytes == 0
+
+
+def test_a_replica_that_keeps_an_arena_counts_once_asleep_and_its_arena_again_once_woken(small_host, dispatched):
+    keeper = deploy("a")
+    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+    assert host_cache.grant("edge") == [keeper]
+
+    sleep.sleep_replica(keeper, reason="idle")
+    reports.report(keeper, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}  # its weights, in its arena
+    sleep.wake_deployment("a", reason="woken by a request")
+    reports.report(keeper, {"event": "woken"})
+
+    assert Replica.objects.get(pk=keeper).state == "serving"
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}  # the arena its wake kept
+    serve(keeper)  # said again: changes nothing
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}
