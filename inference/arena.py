@@ -314,10 +314,7 @@ def _finish(arena: Arena | None, streams: list[Any], *, keep: bool = False) -> A
     if keep:
         arena.tensors = []  # the module's tensors point at the devices now, not into it
         return arena
-    if arena.pinned:
-        _RELEASER.submit(arena)  # the copies are confirmed done: the pages may go, off the wake's path
-    else:
-        arena.release()
+    release_later(arena)  # the copies are confirmed done: the pages may go, off the wake's path
     return None
 
 
@@ -380,6 +377,16 @@ class _Releaser:
 
 
 _RELEASER = _Releaser()
+
+
+def release_later(arena: Arena) -> None:
+    """Release an arena nothing reads any more: a pinned one by the background releaser (its
+    unpinning and freeing cost more than a copy of it; `settle_releases` waits for it), a pageable
+    one here and now."""
+    if arena.pinned:
+        _RELEASER.submit(arena)
+    else:
+        arena.release()
 
 
 def settle_releases(timeout: float | None = None) -> bool:
