@@ -17,16 +17,25 @@ copies and returns a `PendingCopies` at once, so the replica checks its cap and 
 pool (sizes only, no weight is read) while the bytes cross the bus, then calls `wait()`: ONE
 synchronisation per device, after which the arena is released. `unpack` is the two together.
 
-Policy: the arena is freed by the wake, once its `wait()` has confirmed the copies landed (an awake
-replica holds no host copy of its weights). The control plane counts host memory only for
-sleeping, draining and standby replicas (scheduling.services.host_cache), so a copy kept after a
-wake would be memory nobody accounts for. A pinned arena is freed off the wake's critical path:
-unpinning and freeing gigabytes of pages took longer than the copy itself on an H100 (a 4 GiB wake
-at 0.41 s against 0.085 s for the copy), so `wait()` hands it to a background releaser, one daemon
-thread per process, and returns. `settle_releases()` blocks until every arena handed over so far
-is freed: for whoever must know the host memory is back (a benchmark reading its resident memory,
-a test). A pageable arena (the CPU, or pinning refused) is freed inline: no unregistration, and
-the tests see the plain order.
+Policy: the arena is freed by the wake, once its `wait()` has confirmed the copies landed, unless
+the replica was allowed to keep it (below): an awake replica holds no host copy of its weights that
+nobody accounts for. The control plane counts host memory for sleeping, draining and standby
+replicas, and for the arenas it let awake replicas keep (scheduling.services.host_cache). A pinned
+arena is freed off the wake's critical path: unpinning and freeing gigabytes of pages took longer
+than the copy itself on an H100 (a 4 GiB wake at 0.41 s against 0.085 s for the copy), so `wait()`
+hands it to a background releaser, one daemon thread per process, and returns.
+`settle_releases()` blocks until every arena handed over so far is freed: for whoever must know
+the host memory is back (a benchmark reading its resident memory, a test). A pageable arena (the
+CPU, or pinning refused) is freed inline: no unregistration, and the tests see the plain order.
+
+A kept arena (a spare): allocating and page-locking a fresh arena, not the copy, set the first
+sleep's speed on the H100 (10-13 GB/s against 54 GB/s for a pinned device-to-host copy). Where the
+control plane allows it (gpuportal.wire.commands.KeepArena), an awake replica holds an arena of its
+weights' exact layout ready: `spare(model)` allocates and pins one without copying anything (in the
+background, right after the replica is told), and `unpack_async(..., keep=True)` keeps the arena a
+wake read from instead of freeing it (`PendingCopies.kept`). `pack(model, into=spare)` then copies
+into it: no allocation, no pinning, the copy's speed. A spare of another layout is freed and a
+fresh arena allocated.
 
 On the CPU (VirtualBackend, tests, CI) the same code runs with plain host copies: no stream, no
 page-locking. Pure torch, no Django: it runs inside the replica process.
@@ -122,25 +131,19 @@ class Arena:
         self.tensors = []
 
 
-def pack(model: nn.Module, *, pin: bool | None = None) -> Arena:
+def pack(model: nn.Module, *, pin: bool | None = None, into: Arena | None = None) -> Arena:
     """Move every parameter and buffer of `model` into one host allocation; the module's tensors
     become views into it, and what they held (on a GPU, on the CPU) is freed.
 
     `pin`: page-lock the arena (default: when a tensor is on a GPU). Where the system refuses
     (ulimit -l, a container's limit), the arena stays pageable: slower wakes, still correct.
+    `into`: a kept arena (`spare`, `PendingCopies.kept`): when it has the module's layout its host
+    buffer is filled instead of a fresh one allocated and pinned, and passes to the arena returned
+    (`into` is left released, owning nothing); otherwise it is released and a fresh one allocated.
     """
-    groups = _distinct_tensors(model)
-    slots: list[Slot] = []
-    end = 0
-    for name, tensors in groups:
-        first = tensors[0]
-        if first.device.type == "meta":
-            raise ValueError(f"{name} is on the meta device: there is nothing to pack")
-        nbytes = first.numel() * first.element_size()
-        slots.append(Slot(end, nbytes, tuple(first.shape), first.dtype, first.device, name))
-        end = align(end + nbytes)
-    on_gpu = any(slot.device.type == "cuda" for slot in slots)
-    host, unpin = _host_buffer(end, pin=on_gpu if pin is None else pin)
+    groups, slots, end = _layout(model)
+    wanted = _wants_pin(slots, pin)
+    host, unpin = _take(into, slots, end, wanted) or _host_buffer(end, pin=wanted)
     arena = Arena(host, unpin is not None, slots, [tensors for _, tensors in groups], unpin)
 
     sources = [tensors[0] for _, tensors in groups]
@@ -156,6 +159,73 @@ def pack(model: nn.Module, *, pin: bool | None = None) -> Arena:
                     _typed(host, slots[index]).copy_(sources[index], non_blocking=arena.pinned)
     _repoint(arena, [arena.view(i) for i in range(len(slots))])
     return arena
+
+
+def spare(model: nn.Module, *, pin: bool | None = None) -> Arena:
+    """An arena of `model`'s exact layout, allocated (and page-locked: `pin` as in `pack`) now,
+    holding nothing yet: what `pack(model, into=...)` later fills at the copy's speed, the
+    allocation and the pinning paid in advance. The module is untouched.
+
+    A pageable spare (the CPU, or pinning refused) has its pages faulted in here too: touching
+    them is what a fresh arena's copy pays on the CPU, and a spare exists to pay it in advance."""
+    _, slots, end = _layout(model)
+    host, unpin = _host_buffer(end, pin=_wants_pin(slots, pin))
+    if unpin is None:
+        host.zero_()
+    return Arena(host, unpin is not None, slots, [], unpin)
+
+
+def _layout(model: nn.Module) -> tuple[list[tuple[str, list[torch.Tensor]]], list[Slot], int]:
+    """The module's distinct tensors, their slots in an arena and the arena's size: one
+    computation for `pack`, which fills it, `spare`, which allocates it, and `host_bytes`."""
+    groups = _distinct_tensors(model)
+    slots: list[Slot] = []
+    end = 0
+    for name, tensors in groups:
+        first = tensors[0]
+        if first.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device: there is nothing to pack")
+        nbytes = first.numel() * first.element_size()
+        slots.append(Slot(end, nbytes, tuple(first.shape), first.dtype, first.device, name))
+        end = align(end + nbytes)
+    return groups, slots, end
+
+
+def _wants_pin(slots: list[Slot], pin: bool | None) -> bool:
+    return any(slot.device.type == "cuda" for slot in slots) if pin is None else pin
+
+
+def _take(
+    kept: Arena | None, slots: list[Slot], nbytes: int, pin: bool
+) -> tuple[torch.Tensor, weakref.finalize | None] | None:
+    """The host buffer of `kept` and its unpinning, taken from it (it is left released, owning
+    nothing), when it can hold `slots`; None when there is none, or when it cannot (then it is
+    released: a spare of another model's layout is memory nobody will use)."""
+    if kept is None or kept.host is None:
+        return None
+    why = _misfit(kept, slots, nbytes, pin)
+    if why is not None:
+        log.info("not packing into the kept arena (%s): allocating a fresh one", why)
+        kept.release()
+        return None
+    taken = kept.host, kept._unpin
+    kept.host, kept._unpin, kept.tensors = None, None, []
+    return taken
+
+
+def _misfit(kept: Arena, slots: list[Slot], nbytes: int, pin: bool) -> str | None:
+    """Why `kept` cannot take tensors laid out as `slots` (None: it can). Where they were is no
+    matter (a wake may have moved them), only where each lies in the buffer and what it is."""
+    import torch
+
+    def placed(slot: Slot) -> tuple[Any, ...]:
+        return slot.offset, slot.nbytes, slot.shape, slot.dtype, slot.name
+
+    if kept.nbytes != nbytes or [placed(s) for s in kept.slots] != [placed(s) for s in slots]:
+        return f"its layout of {len(kept.slots)} tensors in {kept.nbytes} bytes is not this module's"
+    if pin and not kept.pinned and torch.cuda.is_available():
+        return "it is pageable and a page-locked arena is wanted"
+    return None
 
 
 class PendingCopies:
@@ -180,12 +250,19 @@ class PendingCopies:
 
     On the CPU, and for pageable memory, the copies were done when they were issued: `wait()` only
     releases the arena, inline, so the same code runs everywhere.
+
+    With `keep` (a replica allowed to keep its arena, see the module's Policy) `wait()` releases
+    nothing: after the same synchronisation the arena becomes `kept`, for the next sleep to pack
+    into. Only a confirmed wait hands it over: dropped unwaited, the handle releases it as without
+    keep (nobody is left to take it), and an unconfirmed one is kept from everyone (`_UNCONFIRMED`).
     """
 
-    def __init__(self, arena: Arena | None, streams: list[Any]):
+    def __init__(self, arena: Arena | None, streams: list[Any], *, keep: bool = False):
         # Strong references held by the finalizer, not by the handle alone: whichever comes first,
         # wait() or the handle's collection, runs _finish exactly once.
         self._finish = weakref.finalize(self, _finish, arena, streams)
+        self._keep = keep
+        self._kept: Arena | None = None
 
     @classmethod
     def complete(cls) -> PendingCopies:
@@ -200,14 +277,29 @@ class PendingCopies:
         pinned one may still be being released in the background (`settle_releases`)."""
         return not self._finish.alive
 
+    @property
+    def kept(self) -> Arena | None:
+        """With keep, once `wait()` has confirmed the copies landed: the arena they read, its host
+        buffer intact and its `tensors` emptied (the module points at the devices now); the
+        caller owns it from then on. None before the wait, and without keep."""
+        return self._kept
+
     def wait(self) -> None:
         """Block until every copy has landed (one synchronisation per device), then release the
         arena: inline when pageable, in the background when pinned (the call does not wait for
-        it). Only the first call does anything: a second one returns at once."""
-        self._finish()
+        it), or, with keep, hand it to `kept`. Only the first call does anything: a second one
+        returns at once."""
+        # Detached, then run here: the same single run as calling the finalizer, with keep, which
+        # its collection must not have (an arena handed to a dropped handle would leak unaccounted).
+        finish = self._finish.detach()
+        if finish is None:
+            return
+        _, function, args, _ = finish
+        self._kept = function(*args, keep=self._keep)
 
 
-def _finish(arena: Arena | None, streams: list[Any]) -> None:
+def _finish(arena: Arena | None, streams: list[Any], *, keep: bool = False) -> Arena | None:
+    """Synchronise the copies, then release the arena, or with `keep` return it for reuse."""
     try:
         for stream in streams:
             stream.synchronize()
@@ -218,11 +310,12 @@ def _finish(arena: Arena | None, streams: list[Any]) -> None:
             _UNCONFIRMED.append(arena)
         raise
     if arena is None:
-        return
-    if arena.pinned:
-        _RELEASER.submit(arena)  # the copies are confirmed done: the pages may go, off the wake's path
-    else:
-        arena.release()
+        return None
+    if keep:
+        arena.tensors = []  # the module's tensors point at the devices now, not into it
+        return arena
+    release_later(arena)  # the copies are confirmed done: the pages may go, off the wake's path
+    return None
 
 
 # Arenas whose copies could not be confirmed finished (see _finish): kept, never freed.
@@ -286,6 +379,16 @@ class _Releaser:
 _RELEASER = _Releaser()
 
 
+def release_later(arena: Arena) -> None:
+    """Release an arena nothing reads any more: a pinned one by the background releaser (its
+    unpinning and freeing cost more than a copy of it; `settle_releases` waits for it), a pageable
+    one here and now."""
+    if arena.pinned:
+        _RELEASER.submit(arena)
+    else:
+        arena.release()
+
+
 def settle_releases(timeout: float | None = None) -> bool:
     """Block until every arena handed to the background releaser so far is released (unpinned, and
     freed unless something else still views it): the host memory of every wake waited for before
@@ -300,9 +403,12 @@ def unpack(model: nn.Module, arena: Arena, device_map: DeviceMap | None = None) 
     unpack_async(model, arena, device_map).wait()
 
 
-def unpack_async(model: nn.Module, arena: Arena, device_map: DeviceMap | None = None) -> PendingCopies:
+def unpack_async(
+    model: nn.Module, arena: Arena, device_map: DeviceMap | None = None, *, keep: bool = False
+) -> PendingCopies:
     """Queue the copies of the arena onto the devices `device_map` names (default: where each
     tensor was when packed), one allocation per device, and point the module's tensors there.
+    With `keep` the handle's `wait()` keeps the arena instead of freeing it (`PendingCopies.kept`).
 
     Returns with the copies perhaps still running. The module's tensors already have their devices,
     shapes and dtypes (what a cap check or a pool's sizing reads); their VALUES are only certain
@@ -315,6 +421,8 @@ def unpack_async(model: nn.Module, arena: Arena, device_map: DeviceMap | None = 
 
     if arena.host is None:
         raise ValueError("the arena was already unpacked or released")
+    if len(arena.tensors) != len(arena.slots):
+        raise ValueError("the arena holds no module's weights (a spare, or kept after a wake)")
     host, slots = arena.host, arena.slots
     targets = [_target(slot, device_map) for slot in slots]
     runs = list(_runs(slots, targets))
@@ -349,15 +457,12 @@ def unpack_async(model: nn.Module, arena: Arena, device_map: DeviceMap | None = 
         raise
     _repoint(arena, views)
     # From here the module no longer references the host buffer: the handle's arena holds it.
-    return PendingCopies(arena, list(streams.values()))
+    return PendingCopies(arena, list(streams.values()), keep=keep)
 
 
 def host_bytes(model: nn.Module) -> int:
     """What `pack` would allocate for `model`: its distinct tensors, each aligned."""
-    end = 0
-    for _, tensors in _distinct_tensors(model):
-        end = align(end + tensors[0].numel() * tensors[0].element_size())
-    return end
+    return _layout(model)[2]
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -157,16 +157,21 @@ def place_on_gpus(model: nn.Module, max_memory: MaxMemory, arena: Arena | None =
     return model
 
 
-def wake_on_gpus(model: nn.Module, max_memory: MaxMemory, arena: Arena) -> tuple[nn.Module, PendingCopies]:
+def wake_on_gpus(
+    model: nn.Module, max_memory: MaxMemory, arena: Arena, *, keep: bool = False
+) -> tuple[nn.Module, PendingCopies]:
     """`place_on_gpus` out of `arena`, returning while the copies may still run: the caller does
     what needs only sizes and devices (the cap check, the KV pool), then waits on the handle
-    before anything reads a weight (inference.arena.PendingCopies)."""
-    model, copies = _place(model, max_memory, arena)
+    before anything reads a weight (inference.arena.PendingCopies). With `keep` the wait keeps the
+    arena for the next sleep (`PendingCopies.kept`) instead of freeing it."""
+    model, copies = _place(model, max_memory, arena, keep=keep)
     assert copies is not None
     return model, copies
 
 
-def _place(model: nn.Module, max_memory: MaxMemory, arena: Arena | None) -> tuple[nn.Module, PendingCopies | None]:
+def _place(
+    model: nn.Module, max_memory: MaxMemory, arena: Arena | None, *, keep: bool = False
+) -> tuple[nn.Module, PendingCopies | None]:
     gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
     device_map: dict[str, Any]
     copies: PendingCopies | None = None
@@ -176,7 +181,7 @@ def _place(model: nn.Module, max_memory: MaxMemory, arena: Arena | None) -> tupl
             if arena is not None:
                 from inference.arena import unpack_async
 
-                copies = unpack_async(model, arena, device_map)
+                copies = unpack_async(model, arena, device_map, keep=keep)
             model = model.to(f"cuda:{gpus[0]}")  # a no-op for what the arena placed
         else:
             from accelerate import dispatch_model, infer_auto_device_map
@@ -192,7 +197,7 @@ def _place(model: nn.Module, max_memory: MaxMemory, arena: Arena | None) -> tupl
                 # What the map sends off the GPUs ("cpu", "disk": no room) lands on the CPU, where
                 # dispatch treats it as today and the replica's check fails it as out of memory.
                 copies = unpack_async(
-                    model, arena, {k: v if isinstance(v, int) else "cpu" for k, v in device_map.items()}
+                    model, arena, {k: v if isinstance(v, int) else "cpu" for k, v in device_map.items()}, keep=keep
                 )
             # Dispatch reads devices, not values; any device work it queues follows the copies
             # on the current stream (unpack_async orders it so).
@@ -200,6 +205,8 @@ def _place(model: nn.Module, max_memory: MaxMemory, arena: Arena | None) -> tupl
     except BaseException:
         if copies is not None:
             copies.wait()  # nothing may still read the arena's pages once it is freed
+            if copies.kept is not None:  # a failed wake keeps nothing: nobody would count it
+                copies.kept.release()
         raise
     if hasattr(model, "hf_device_map"):
         # transformers reads it (generate, model.device helpers): it must describe where weights are now.

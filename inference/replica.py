@@ -11,8 +11,11 @@ Events:   progress {state, percent, detail} · serving {pid, weights_bytes, proc
           gpu_mem_bytes_by_id, ...} · sleeping {residual_bytes_by_id, ...} · woken {gpu_mem_bytes_by_id, ...}
           · pong {state, pid} · error {cmd, reason} (a command refused; the replica carries on)
           · failed {reason, kind: oom|load|cuda_assert|crash}, then exit 1 · stopped, then exit 0
-          · hello {replica_id, pid, state, last} (first to an agent that adopted it).
+          · hello {replica_id, pid, state, last} (first to an agent that adopted it)
+          · arena {kept_bytes} (the host arena an awake replica keeps for its next sleep: ready, or
+          0 once dropped; a sleep consumes it into the arena its `sleeping` counts as cpu_bytes).
 Commands: sleep {drain_timeout_s} · wake {gpus, reserved_bytes_by_gpu, fraction} · stop {drain_timeout_s}
+          · arena {keep} (whether it may keep a host arena while awake, issue 19)
           · ping · resync (emit the last state event again). EOF on stdin: the agent is gone: exit, or
           with --adoption-window, wait that long for a new agent on --adopt-address (inference.adoption).
 
@@ -48,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TextIO
 
 from gpuportal.wire.requestqueue import Fence, RequestQueue
 from inference import load_slots
@@ -245,6 +248,8 @@ class EventWriter:
 
 class Backend(Protocol):
     name: str
+    keep_arena: bool
+    spare: Arena | None
 
     def attach(self, placement: Placement) -> None: ...
     def load(self, source: str, loader: str, dtype: str, placement: Placement) -> nn.Module: ...
@@ -258,9 +263,72 @@ class Backend(Protocol):
     def context_bytes_measured(self, placement: Placement) -> int: ...
     def outside_allocator_bytes(self, placement: Placement, context_bytes: int) -> int: ...
     def release(self) -> None: ...
+    def prepare_spare(self, model: nn.Module) -> Arena: ...
+    def drop_spare(self) -> int: ...
+    def collect_kept(self, copies: PendingCopies) -> None: ...
 
 
-class VirtualBackend:
+class ArenaKeeper:
+    """A backend's kept arena (issue 19; inference.arena, its Policy). Where the control plane
+    allows it (`keep_arena`, set by the `arena` command), an awake replica holds `spare`: a host
+    arena of its weights' layout allocated, and on a GPU page-locked, in advance; a wake keeps the
+    arena it read as the spare instead of freeing it. The next sleep packs into the spare: no
+    allocation, no pinning on its path, the copy's speed. Both backends run this one logic; only
+    whether the spare is pinned differs (`pin_spare`)."""
+
+    # Page-lock the spare: a GPU's sleep copies into it with the DMA engine, the CPU's does not.
+    pin_spare: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        # May this replica keep an arena while awake: the control plane counts it in the node's
+        # host cache (scheduling.services.host_cache) only when it said so.
+        self.keep_arena = False
+        # The arena held ready for the next sleep; None when there is none (consumed by a sleep).
+        self.spare: Arena | None = None
+
+    def prepare_spare(self, model: nn.Module) -> Arena:
+        """The spare for `model` as it is now: the one held, else one allocated (and pinned) now.
+        Gigabytes take seconds to pin: ReplicaHost runs this off its command loop."""
+        from inference.arena import spare
+
+        if self.spare is None or self.spare.released:
+            self.spare = spare(model, pin=self.pin_spare)
+        return self.spare
+
+    def drop_spare(self) -> int:
+        """Free the spare (a pinned one in the background, off the command loop); returns its
+        bytes, 0 when none was held."""
+        from inference.arena import release_later
+
+        held, self.spare = self.spare, None
+        if held is None:
+            return 0
+        nbytes = held.nbytes
+        release_later(held)
+        return nbytes
+
+    def collect_kept(self, copies: PendingCopies) -> None:
+        """After a wake's `wait()`: the arena it kept (with `keep_arena`) is the next sleep's spare."""
+        kept = copies.kept
+        if kept is not None:
+            self.drop_spare()  # none expected: the sleep before this wake consumed it
+            self.spare = kept
+
+    def _pack(self, model: nn.Module, *, pin: bool | None = None) -> Arena:
+        """`pack`, into the spare when one is held: it is consumed either way (taken, or freed
+        for another layout's fresh arena)."""
+        from inference.arena import pack
+
+        held, self.spare = self.spare, None
+        return pack(model, pin=pin, into=held)
+
+    def _release_spare(self) -> None:
+        if self.spare is not None:
+            self.spare.release()
+            self.spare = None
+
+
+class VirtualBackend(ArenaKeeper):
     """CPU stands in for the GPUs; the reservation is enforced by ReplicaHost's software cap.
 
     It accounts like the real GPU of its profile (inference.devices.VirtualProfile): the process
@@ -274,6 +342,7 @@ class VirtualBackend:
     def __init__(self, profile: Any | None = None):
         from inference.devices import VirtualProfile
 
+        super().__init__()
         self.profile = profile or VirtualProfile.from_env()
         # The context this process would hold on its first GPU: none until it attaches.
         self.context_bytes = 0
@@ -302,13 +371,11 @@ class VirtualBackend:
         pass  # everything is on the CPU by construction
 
     def to_cache(self, model: nn.Module, placement: Placement) -> dict[str, int | None]:
-        from inference.arena import pack
-
         # The weights already live in host memory, but they go through the arena as a GPU's do
-        # (plain host copies): CI runs the code a real sleep runs. The context stays behind, as
-        # serving grew it: the kernels its forward passes loaded (a real context measured at the
-        # load is smaller than the one a sleep leaves).
-        self.arena = pack(model)
+        # (plain host copies, into the spare when one is kept): CI runs the code a real sleep runs.
+        # The context stays behind, as serving grew it: the kernels its forward passes loaded (a
+        # real context measured at the load is smaller than the one a sleep leaves).
+        self.arena = self._pack(model)
         self.context_bytes = max(self.context_bytes, self.profile.context_bytes + self.profile.kernel_bytes)
         return dict(self.residual(placement))
 
@@ -326,8 +393,8 @@ class VirtualBackend:
             return model, PendingCopies.complete()
         arena, self.arena = self.arena, None
         # Host copies are done when they return; the handle's wait frees the arena (an awake
-        # replica holds no host copy), at the point where a GPU's wake synchronises.
-        return model, unpack_async(model, arena, {"": "cpu"})
+        # replica holds no host copy unless allowed to keep it), where a GPU's wake synchronises.
+        return model, unpack_async(model, arena, {"": "cpu"}, keep=self.keep_arena)
 
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
@@ -354,21 +421,25 @@ class VirtualBackend:
         if self.arena is not None:
             self.arena.release()
             self.arena = None
+        self._release_spare()
         gc.collect()
 
 
-class CudaBackend:
+class CudaBackend(ArenaKeeper):
     """Real NVIDIA GPUs: torch.cuda for targeting and the cap, accelerate for placement, NVML to measure."""
 
     name = "cuda"
+    pin_spare = True
 
     def __init__(self) -> None:
+        super().__init__()
         # What the reservation holds beside the allocator (contexts): set by ReplicaHost.
         self.outside_allocator = 0
         self.fraction: float | None = None
         # The weights while asleep or standing by: one pinned host allocation (inference.arena).
         # None while awake: the arena is freed by the wake, so an awake replica holds no host copy
-        # (the control plane counts host memory for sleeping, draining and standby replicas only).
+        # (the control plane counts host memory for sleeping, draining and standby replicas), unless
+        # it may keep one: then the wake keeps it as the spare (ArenaKeeper), which it counts too.
         self.arena: Arena | None = None
         # A standby's warm-up on its GPU (inference.warmup), reported in its `standby` event.
         self.warm_up: WarmUp | None = None
@@ -441,12 +512,11 @@ class CudaBackend:
         import torch
         from accelerate.hooks import remove_hook_from_module
 
-        from inference.arena import pack
-
         # The hooks would move activations back to the old GPUs on the next forward; drop them.
         remove_hook_from_module(model, recurse=True)
-        # One pinned allocation, the copies queued on a side stream per GPU, one synchronisation.
-        self.arena = pack(model)
+        # One pinned allocation (the spare when one is kept: allocated and pinned in advance), the
+        # copies queued on a side stream per GPU, one synchronisation.
+        self.arena = self._pack(model)
         torch.cuda.empty_cache()
         for gpu in placement.gpus:
             torch.cuda.set_per_process_memory_fraction(1.0, gpu)
@@ -464,8 +534,8 @@ class CudaBackend:
         if arena is None:
             return place_on_gpus(model, max_memory), PendingCopies.complete()
         # Out of the arena, one block copy per device, queued on a side stream; the handle's wait
-        # synchronises once and frees the arena (see __init__).
-        return wake_on_gpus(model, max_memory, arena)
+        # synchronises once and frees the arena, or keeps it (see __init__).
+        return wake_on_gpus(model, max_memory, arena, keep=self.keep_arena)
 
     def load_to_cache(
         self, source: str, loader: str, dtype: str, placement: Placement
@@ -525,6 +595,7 @@ class CudaBackend:
         if self.arena is not None:
             self.arena.release()
             self.arena = None
+        self._release_spare()
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -657,6 +728,9 @@ class ReplicaHost:
         # Called as the replica stops taking requests, before the change is reported (the
         # serving loop withdraws its claim to take them: inference.serving.Server).
         self.on_stop_taking: Callable[[], None] | None = None
+        # The thread allocating a kept arena (`keep_arena`), while it runs: whoever touches the
+        # backend's spare next (a sleep, a drop, a stop) joins it first (`_settle_spare`).
+        self._preparing: threading.Thread | None = None
 
     @property
     def state(self) -> str:
@@ -789,6 +863,8 @@ class ReplicaHost:
                 self.state = "waking"
                 check_cap(self.weights_bytes, self.placement, self._outside_allocator())
                 self._wake_onto(self.placement)
+            if self.backend.spare is not None:
+                self._emit_arena(self.backend.spare.nbytes)  # the standby's arena, kept by its takeover
 
     def on_stale(self, reason: str) -> None:
         """Our failover epoch was superseded, or the control plane wrote us off and gave our
@@ -820,6 +896,9 @@ class ReplicaHost:
             self.drain(drain_timeout_s, "draining")
             with self.lock:
                 assert self.model is not None
+                # A kept arena still being allocated is waited for: still faster than a fresh one,
+                # and the sleep never packs into one half-made.
+                self._settle_spare()
                 self._release_pool()  # before to_cache, whose empty_cache then returns its memory
                 self.residual_bytes_by_id = self.backend.to_cache(self.model, self.placement)
                 self.state = "sleeping"
@@ -842,12 +921,15 @@ class ReplicaHost:
                 self._wake_onto(target)
                 self.state = "serving"
                 self.events.emit("woken", **self._where())
+            if self.backend.keep_arena:
+                self._keep_spare()  # the arena the wake kept, or one prepared now
 
     def stop(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         # A scale-down loses nothing: the request in flight finishes or goes back to its queue.
         self.drain(drain_timeout_s, "stopping")
         with self.lock:
             self.state = "stopping"
+            self._settle_spare()  # then released with the rest: nothing is left allocating one
             self._release_pool()
             self.model = None
             self.backend.release()
@@ -873,11 +955,31 @@ class ReplicaHost:
                     log.warning("stop: %s; draining for %.0f s", exc, DEFAULT_DRAIN_TIMEOUT_S)
                     drain = DEFAULT_DRAIN_TIMEOUT_S
                 self.stop(drain)
+            elif name == "arena":
+                self.keep_arena(command.get("keep"))
             else:
-                raise CommandRejected(f"unknown command {name!r} (known: sleep, wake, stop, ping)")
+                raise CommandRejected(f"unknown command {name!r} (known: sleep, wake, stop, ping, arena)")
         except CommandRejected as exc:
             log.warning("refused %s: %s", name, exc)
             self.events.emit("error", cmd=name, reason=str(exc))
+
+    def keep_arena(self, keep: Any) -> None:
+        """The control plane's word on a kept arena (gpuportal.wire.commands.KeepArena): with
+        `keep`, a serving replica prepares one in the background and a sleeping one keeps the
+        arena it wakes from; without, the one held is freed. The control plane counts it in the
+        node's host cache from the `arena` event that says it is ready until the one that says 0."""
+        if not isinstance(keep, bool):
+            raise CommandRejected(f"bad arena: keep must be true or false, got {keep!r}")
+        self.backend.keep_arena = keep
+        if not keep:
+            self._settle_spare()  # one being allocated is freed once it is whole
+            if dropped := self.backend.drop_spare():
+                log.info("%s: dropped its kept arena of %s", self.replica_id, mib(dropped))
+                self._emit_arena(0)
+        elif self.state == "serving":
+            self._keep_spare()
+        # Asleep, standing by: the wake keeps the arena it reads. Elsewhere (stopping, failed):
+        # nothing to keep.
 
     def ping(self) -> None:
         # No lock: a ping must be answered even while a load holds it for minutes.
@@ -911,9 +1013,11 @@ class ReplicaHost:
             self._adopt(model, placement)
             self._allocate_pool()
         finally:
-            # ONE synchronisation, and only then is the arena's pinned host buffer freed: even when
-            # the cap or the pool fails, the copies may still be reading it (PendingCopies).
+            # ONE synchronisation, and only then is the arena's pinned host buffer freed (or kept, for
+            # a replica allowed to): even when the cap or the pool fails, the copies may still be
+            # reading it (PendingCopies).
             copies.wait()
+            self.backend.collect_kept(copies)
 
     def _adopt(self, model: nn.Module, placement: Placement) -> None:
         from inference.loaders import tensor_bytes
@@ -1081,6 +1185,39 @@ class ReplicaHost:
             f"({blocks} blocks, {pool} bytes), fewer than max_tokens {self.kv_max_tokens}; need {need} bytes "
             f"({self.footprint.describe()}), reservation {reserved} bytes, allocator cap {cap} bytes",
         )
+
+    def _keep_spare(self) -> None:
+        """A serving replica allowed to keep an arena: say it holds one, or prepare one on a daemon
+        thread (allocating and pinning gigabytes takes seconds: never on the command loop, nor in
+        the way of requests, which read only the weights the spare is shaped after)."""
+        if self._preparing is not None and self._preparing.is_alive():
+            return  # its `arena` event comes when it is ready
+        if self.backend.spare is not None:
+            self._emit_arena(self.backend.spare.nbytes)  # kept by the wake, or a retried keep
+            return
+        assert self.model is not None
+        self._preparing = threading.Thread(
+            target=self._prepare_spare, args=(self.model,), name="arena-spare", daemon=True
+        )
+        self._preparing.start()
+
+    def _prepare_spare(self, model: nn.Module) -> None:
+        try:
+            spare = self.backend.prepare_spare(model)
+        except Exception:  # the host out of memory, say: the next sleep allocates its own, as before
+            log.exception("%s: preparing a kept arena failed; the next sleep allocates its own", self.replica_id)
+            return
+        log.info("%s: keeps an arena of %s ready for its next sleep", self.replica_id, mib(spare.nbytes))
+        self._emit_arena(spare.nbytes)
+
+    def _settle_spare(self) -> None:
+        """Wait for a kept arena being prepared: the backend's spare is then whole or absent."""
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:
+            preparing.join()
+
+    def _emit_arena(self, kept_bytes: int) -> None:
+        self.events.emit("arena", kept_bytes=kept_bytes)
 
     def _release_pool(self) -> None:
         if self.paged is not None:

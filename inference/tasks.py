@@ -14,7 +14,7 @@ from celery import shared_task
 from django.conf import settings
 
 from gpuportal.wire import commands, replies
-from gpuportal.wire.commands import SleepReplica, StartReplica, StopReplica, WakeReplica
+from gpuportal.wire.commands import KeepArena, SleepReplica, StartReplica, StopReplica, WakeReplica
 from gpuportal.wire.inspection import INSPECT_TASK, InspectModel
 from gpuportal.wire.replica_logs import LOG_TASK, MAX_LOG_BYTES, ReadLog, last_lines
 from inference import agent
@@ -22,7 +22,7 @@ from inference.inspection import read_model
 
 log = logging.getLogger(__name__)
 
-C = TypeVar("C", StartReplica, SleepReplica, WakeReplica, StopReplica)
+C = TypeVar("C", StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena)
 
 # What a sleeping victim may still hold on a GPU beyond what it said it keeps (its CUDA context
 # is in that; this covers the allocator's rounding) before the waker stops waiting for it.
@@ -203,13 +203,24 @@ def stop_replica(payload: dict) -> str:
     return "not running here"
 
 
-def _command(replica_id: str, command: dict) -> str:
+@shared_task(name="inference.tasks.replica_arena")
+def replica_arena(payload: dict) -> str:
+    """Whether the replica may keep a host arena while awake (issue 19): told to its process,
+    which answers with an `arena` event once it holds one ready, or has dropped it."""
+    command = _read(payload, KeepArena)
+    # No process: the replica stopped or died since the control plane decided. Its death is
+    # reported by whatever waits on it; an arena for a process that is gone is no failure.
+    return _command(command.replica_id, {"cmd": "arena", "keep": command.keep}, gone_is_crash=False)
+
+
+def _command(replica_id: str, command: dict, *, gone_is_crash: bool = True) -> str:
     current = agent.current()
     try:
         current.supervisor.send(replica_id, command)
     except (KeyError, ProcessLookupError):
-        # The process is gone (the agent restarted, or it died unnoticed): say so rather than wait.
-        reason = f"no process for this replica on {current.name}"
-        current.relay(replica_id, {"event": "failed", "kind": "crash", "reason": reason})
+        if gone_is_crash:
+            # The process is gone (the agent restarted, or it died unnoticed): say so rather than wait.
+            reason = f"no process for this replica on {current.name}"
+            current.relay(replica_id, {"event": "failed", "kind": "crash", "reason": reason})
         return "no process"
     return "sent"

@@ -395,6 +395,30 @@ def test_a_stop_of_a_replica_the_agent_no_longer_runs_is_answered_stopped_again(
     assert relayed == [("r1", {"event": "stopped"})] and processes.stopped == []
 
 
+def test_an_arena_command_is_forwarded_to_the_replica_process(monkeypatch):
+    from gpuportal.wire.commands import KeepArena, encode
+    from inference import tasks
+
+    processes = _Processes({"r1": "serving"})
+    relayed = _agent_with(monkeypatch, processes, "serving")
+
+    assert tasks.replica_arena(encode(KeepArena("r1", keep=True))) == "sent"
+    assert tasks.replica_arena(encode(KeepArena("r1", keep=False))) == "sent"
+    assert processes.sent == [("r1", {"cmd": "arena", "keep": True}), ("r1", {"cmd": "arena", "keep": False})]
+    assert relayed == []
+
+
+def test_an_arena_command_for_a_replica_whose_process_is_gone_reports_no_failure(monkeypatch):
+    from gpuportal.wire.commands import KeepArena, encode
+    from inference import tasks
+
+    processes = _Processes({})  # stopped, or died: whatever waits on it says so, not this command
+    relayed = _agent_with(monkeypatch, processes, "serving")
+
+    assert tasks.replica_arena(encode(KeepArena("r1", keep=True))) == "no process"
+    assert relayed == [] and processes.sent == []
+
+
 def test_each_beat_tells_the_state_each_replica_process_last_said_it_is_in(monkeypatch):
     from inference.agent import NodeAgent
 

@@ -2,8 +2,9 @@
 
 On the CPU the arena runs the code a GPU's sleep and wake run, with plain host copies; these tests
 check what must hold everywhere: bit-exact round trips, tied weights kept tied, one allocation,
-freed on wake, generation unchanged. The `gpu` tests at the end check pinning and device placement
-on a real GPU; no test times anything (bench/wake.py measures the bandwidth).
+freed on wake (or kept for the next sleep where the replica may keep it), generation unchanged.
+The `gpu` tests at the end check pinning and device placement on a real GPU; no test times
+anything (bench/wake.py measures the bandwidth).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from inference.arena import (
     host_bytes,
     pack,
     settle_releases,
+    spare,
     unpack,
     unpack_async,
 )
@@ -445,6 +447,150 @@ def test_stopping_a_sleeping_replica_frees_its_arena():
     assert backend.arena is None and arena.released
 
 
+# -- a kept arena: a spare prepared in advance, the arena a wake read kept for the next sleep -------
+
+
+def test_a_spare_has_the_layout_pack_gives_the_module_and_leaves_the_module_untouched():
+    model = OddSizes(torch.float32, tied=True)
+    before, held = snapshot(model), storages(model)
+
+    kept = spare(model)
+
+    assert kept.nbytes == host_bytes(model) and kept.tensors == [] and not kept.released
+    assert storages(model) == held  # nothing moved, nothing copied
+    assert_same(model, before)
+    assert kept.slots == pack(model).slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_sleep_into_a_spare_reuses_its_memory_and_round_trips_bit_exactly(dtype):
+    torch.manual_seed(0)
+    model = OddSizes(dtype, tied=True)
+    before = snapshot(model)
+    kept = spare(model)
+    buffer = kept.host.data_ptr()
+
+    arena = pack(model, into=kept)
+
+    assert arena.host.data_ptr() == buffer  # no allocation: the spare's memory, now the arena's
+    assert kept.released and kept.nbytes == 0  # it owns nothing any more...
+    kept.release()  # ...so releasing it again frees nothing of the arena's
+    assert storages(model) == {arena.host.untyped_storage().data_ptr()}
+    assert_same(model, before)
+    assert model.head.weight is model.embed.weight
+    unpack(model, arena)
+    assert_same(model, before)
+
+
+def test_a_spare_of_another_layout_is_released_and_a_fresh_arena_allocated():
+    other = spare(OddSizes(torch.float32))
+    old_memory = other.host  # held here so the fresh arena cannot land at the same address
+    model = OddSizes(torch.bfloat16)
+    before = snapshot(model)
+
+    arena = pack(model, into=other)
+
+    assert other.released
+    assert arena.host.data_ptr() != old_memory.data_ptr() and arena.nbytes == host_bytes(model)
+    assert_same(model, before)
+
+
+def test_a_wake_that_keeps_its_arena_hands_the_same_buffer_to_the_next_sleep():
+    model = OddSizes(torch.float32, tied=True)
+    before = snapshot(model)
+    arena = pack(model)
+    buffer = arena.host.data_ptr()
+
+    copies = unpack_async(model, arena, {"": "cpu"}, keep=True)
+    assert copies.kept is None  # nothing handed back before the copies are confirmed
+    copies.wait()
+
+    kept = copies.kept
+    assert kept is arena and not kept.released and kept.host.data_ptr() == buffer
+    assert kept.tensors == []  # the module points at its own allocation now, not into it
+    assert kept.host.untyped_storage().data_ptr() not in storages(model)
+    assert_same(model, before)
+    with pytest.raises(ValueError, match="holds no module's weights"):
+        unpack_async(model, kept)
+
+    again = pack(model, into=kept)
+    assert again.host.data_ptr() == buffer
+    unpack(model, again)
+    assert again.released  # a wake without keep frees it, as always
+    assert_same(model, before)
+
+
+def test_a_wake_without_keep_hands_nothing_back():
+    model = OddSizes(torch.float32)
+    arena = pack(model)
+    copies = unpack_async(model, arena)
+    copies.wait()
+    assert copies.kept is None and arena.released
+
+
+def test_a_kept_arena_is_released_when_its_handle_is_dropped_unwaited():
+    model = OddSizes(torch.float32)
+    arena = pack(model)
+    copies = unpack_async(model, arena, keep=True)
+    del copies  # nobody is left to take it: it goes, as an arena without keep would
+    gc.collect()
+    assert arena.released
+
+
+def test_an_arena_whose_copies_could_not_be_confirmed_is_never_handed_back_to_keep():
+    from inference import arena as arenas
+
+    arena = pack(OddSizes(torch.float32))
+    copies = PendingCopies(arena, [Stream(arena, fails=True)], keep=True)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        copies.wait()
+    assert copies.kept is None and not arena.released and arena in arenas._UNCONFIRMED
+    arenas._UNCONFIRMED.remove(arena)
+    arena.release()
+
+
+def test_a_backend_keeping_its_arena_sleeps_into_the_same_memory_each_time_and_generates_unchanged(
+    tiny_model_dir,
+):
+    from inference.loaders import load_model
+
+    model = load_model(str(tiny_model_dir), "transformers", "float32", device="cpu")
+    prompt = torch.tensor([[3, 17, 42, 7, 99]])
+    before, weights = _greedy(model, prompt), snapshot(model)
+    backend = VirtualBackend()
+    placement = Placement.parse([0], {"0": GiB}, None)
+    backend.keep_arena = True
+    buffer = backend.prepare_spare(model).host.data_ptr()
+    assert not backend.spare.pinned  # plain host memory on the CPU
+
+    for _ in range(2):
+        backend.to_cache(model, placement)
+        assert backend.spare is None and backend.arena.host.data_ptr() == buffer  # packed into it
+        model, copies = backend.from_cache(model, placement)
+        copies.wait()
+        backend.collect_kept(copies)
+        assert backend.spare is not None and backend.spare.host.data_ptr() == buffer  # kept by the wake
+        assert_same(model, weights)
+        assert _greedy(model, prompt) == before
+
+    kept = backend.spare
+    held = kept.nbytes
+    assert backend.drop_spare() == held and kept.released and backend.spare is None
+    backend.keep_arena = False
+    backend.to_cache(model, placement)
+    model, copies = backend.from_cache(model, placement)
+    copies.wait()
+    backend.collect_kept(copies)
+    assert backend.spare is None  # not allowed to keep one: the wake freed it
+
+
+def test_releasing_a_backend_frees_its_spare():
+    backend = VirtualBackend()
+    kept = backend.prepare_spare(OddSizes(torch.float32))
+    backend.release()
+    assert kept.released and backend.spare is None
+
+
 # -- on a real GPU (unverified where none was lent) ----------------------------------------------
 
 
@@ -517,3 +663,34 @@ def test_on_a_gpu_it_returns_with_the_copies_queued_and_releases_the_pinned_aren
     copies.wait()
     assert_same(model.cpu(), before)
     del pool
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_backend_keeps_a_pinned_arena_and_sleeps_into_it_without_changing_generation(tiny_model_dir):
+    from inference.loaders import load_model
+    from inference.replica import CudaBackend
+
+    placement = Placement.parse([0], {"0": 2 * GiB}, None)
+    backend = CudaBackend()
+    backend.attach(placement)
+    backend.keep_arena = True
+    model = load_model(str(tiny_model_dir), "transformers", "float32", device="cuda:0")
+    prompt = torch.tensor([[3, 17, 42, 7, 99]], device="cuda:0")
+    before = _greedy(model, prompt)
+    kept = backend.prepare_spare(model)
+    assert kept.pinned and is_page_locked(kept.host) is True  # pinned in advance, not by the sleep
+    buffer = kept.host.data_ptr()
+
+    for _ in range(2):
+        backend.to_cache(model, placement)
+        assert backend.arena.pinned and backend.arena.host.data_ptr() == buffer
+        assert {str(t.device) for t in model.parameters()} == {"cpu"}
+        model, copies = backend.from_cache(model, placement)
+        copies.wait()
+        backend.collect_kept(copies)
+        assert backend.spare.host.data_ptr() == buffer and is_page_locked(backend.spare.host) is True
+        assert _greedy(model, prompt) == before
+
+    probe = backend.spare.host[:1]
+    backend.drop_spare()
+    assert settle_releases(timeout=60) and is_page_locked(probe) is False  # unregistered in the background

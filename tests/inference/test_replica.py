@@ -87,6 +87,11 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     with pytest.raises(ValueError, match="already running"):
         supervisor.start(spec(str(tiny_model_dir)), events)
 
+    # Allowed to keep a host arena (issue 19): it says so once one is ready, sized as the arena.
+    supervisor.send("r1", {"cmd": "arena", "keep": True})
+    _, arena = events.until("arena")
+    assert arena["kept_bytes"] >= serving["weights_bytes"]
+
     # A waker on its GPU waits for it to let go (inference.tasks.wait_released): serving, it holds.
     assert supervisor.released(["r1", "not-here"], timeout=0) == ["r1"]
     waiter = ThreadPoolExecutor(1).submit(supervisor.released, ["r1"], 60)
@@ -107,6 +112,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert woken["gpu_mem_bytes_by_id"] == {"1": SERVED_CONTEXT + 80 * MiB}
     assert woken["gpus"] == [1] and woken["fraction"] == 0.05
     assert woken["weights_bytes"] == serving["weights_bytes"]
+    assert events.until("arena")[1]["kept_bytes"] == arena["kept_bytes"]  # the wake kept the one it read
 
     supervisor.send("r1", {"cmd": "ping"})
     assert events.until("pong")[1]["state"] == "serving"
@@ -304,7 +310,7 @@ def test_the_host_refuses_commands_that_make_no_sense_now_and_carries_on():
     assert [e["reason"] for e in errors] == [
         "cannot wake while serving",
         "bad wake: gpus must be a non-empty list of GPU ids, got '0'",
-        "unknown command 'launch' (known: sleep, wake, stop, ping)",
+        "unknown command 'launch' (known: sleep, wake, stop, ping, arena)",
     ]
     # kv: the KV pool's statistics (issue 7); a torch-module replica has none.
     # process_bytes_by_id: what NVML would show; a virtual GPU models it (the context and weights).
@@ -432,6 +438,151 @@ def test_it_waits_for_the_copies_and_frees_the_arena_when_the_pool_fails_after_t
     assert spy.steps == [("queued", False), ("pool", False), ("wait", False)]
     assert spy.copies.done and spy.arena.released  # nothing in flight, no arena left behind
     assert "woken" not in [e["event"] for e in _events(out)]
+
+
+# -- a kept arena (issue 19): the `arena` command --------------------------------------------------
+
+
+class ArenaEvents:
+    """The host's `arena` events as they come, from whichever thread emits them."""
+
+    def __init__(self, host: ReplicaHost):
+        self.kept: list[int] = []
+        self._came = threading.Condition()
+        emit = host.events.emit
+
+        def spy(event: str, **fields: Any) -> None:
+            emit(event, **fields)
+            if event == "arena":
+                with self._came:
+                    self.kept.append(fields["kept_bytes"])
+                    self._came.notify_all()
+
+        host.events.emit = spy  # type: ignore[method-assign]
+
+    def wait_for(self, count: int) -> list[int]:
+        with self._came:
+            assert self._came.wait_for(lambda: len(self.kept) >= count, LOAD_TIMEOUT_S), self.kept
+            return list(self.kept)
+
+
+def test_a_serving_replica_allowed_to_keep_an_arena_prepares_one_and_its_next_sleep_packs_into_it():
+    from inference.arena import host_bytes
+
+    host, out = _host()
+    host.load()
+    arenas = ArenaEvents(host)
+    expected = host_bytes(host.model)
+
+    host.handle({"cmd": "arena", "keep": True})
+
+    assert arenas.wait_for(1) == [expected]
+    spare = host.backend.spare
+    assert spare is not None and spare.nbytes == expected and not spare.released
+    buffer = spare.host.data_ptr()
+    host.sleep()
+    assert host.backend.arena.host.data_ptr() == buffer and host.backend.spare is None  # consumed
+    assert [e["event"] for e in _events(out) if e["event"] != "progress"] == ["serving", "arena", "sleeping"]
+
+
+def test_a_sleep_waits_for_the_arena_being_prepared_and_packs_into_it(monkeypatch):
+    host, _ = _host()
+    host.load()
+    steps: list[str] = []
+    let_go = threading.Event()
+    prepare, to_cache, drain = host.backend.prepare_spare, host.backend.to_cache, host.drain
+
+    def slow_prepare(model):
+        let_go.wait()  # pinning gigabytes, still running when the sleep comes
+        spare = prepare(model)
+        steps.append("prepared")
+        return spare
+
+    def spy_to_cache(model, placement):
+        steps.append("packed")
+        return to_cache(model, placement)
+
+    def spy_drain(*args, **kwargs):
+        drained = drain(*args, **kwargs)
+        let_go.set()  # only once the sleep has begun
+        return drained
+
+    monkeypatch.setattr(host.backend, "prepare_spare", slow_prepare)
+    monkeypatch.setattr(host.backend, "to_cache", spy_to_cache)
+    monkeypatch.setattr(host, "drain", spy_drain)
+    host.handle({"cmd": "arena", "keep": True})  # returns at once: the command loop is not held
+    assert steps == [] and host.backend.spare is None
+
+    host.sleep()
+
+    assert steps == ["prepared", "packed"]
+    assert host.state == "sleeping" and host.backend.spare is None and host.backend.arena is not None
+
+
+def test_a_replica_told_it_may_no_longer_keep_its_arena_frees_it():
+    host, _ = _host()
+    host.load()
+    arenas = ArenaEvents(host)
+    host.handle({"cmd": "arena", "keep": True})
+    arenas.wait_for(1)
+    spare = host.backend.spare
+
+    host.handle({"cmd": "arena", "keep": False})
+
+    assert arenas.wait_for(2)[-1] == 0
+    assert spare is not None and spare.released and host.backend.spare is None
+    assert host.backend.keep_arena is False
+    host.sleep()
+    host.wake([0], {"0": 64 * MiB}, 0.1)
+    assert host.backend.spare is None and arenas.kept == [arenas.kept[0], 0]  # the wake freed its arena
+
+
+def test_a_sleeping_replica_allowed_to_keep_an_arena_keeps_the_one_it_wakes_from():
+    host, out = _host()
+    host.load()
+    host.sleep()
+    asleep = host.backend.arena
+    buffer, nbytes = asleep.host.data_ptr(), asleep.nbytes
+
+    host.handle({"cmd": "arena", "keep": True})
+    assert host.backend.spare is None  # asleep: nothing to prepare, the wake will keep its arena
+    host.wake([1], {"1": 64 * MiB}, 0.1)
+
+    assert host.backend.spare is asleep and not asleep.released and asleep.host.data_ptr() == buffer
+    names = [(e["event"], e.get("kept_bytes")) for e in _events(out) if e["event"] != "progress"]
+    assert names == [("serving", None), ("sleeping", None), ("woken", None), ("arena", nbytes)]
+    host.sleep()
+    assert host.backend.arena.host.data_ptr() == buffer  # the next sleep packs into it
+
+
+def test_a_bad_keep_is_refused_and_changes_nothing():
+    host, out = _host()
+    host.load()
+
+    host.handle({"cmd": "arena", "keep": "yes"})
+    host.handle({"cmd": "arena"})
+    host.handle({"cmd": "arena", "keep": 1})
+
+    errors = [e for e in _events(out) if e["event"] == "error"]
+    assert [(e["cmd"], e["reason"]) for e in errors] == [
+        ("arena", "bad arena: keep must be true or false, got 'yes'"),
+        ("arena", "bad arena: keep must be true or false, got None"),
+        ("arena", "bad arena: keep must be true or false, got 1"),
+    ]
+    assert host.backend.keep_arena is False and host.backend.spare is None and host.state == "serving"
+
+
+def test_stopping_a_replica_releases_the_arena_it_keeps():
+    host, _ = _host()
+    host.load()
+    arenas = ArenaEvents(host)
+    host.handle({"cmd": "arena", "keep": True})
+    arenas.wait_for(1)
+    spare = host.backend.spare
+
+    host.stop(0)
+
+    assert spare.released and host.backend.spare is None and host.state == "stopped"
 
 
 @pytest.mark.parametrize(
