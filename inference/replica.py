@@ -967,7 +967,8 @@ class ReplicaHost:
         """The control plane's word on a kept arena (gpuportal.wire.commands.KeepArena): with
         `keep`, a serving replica prepares one in the background and a sleeping one keeps the
         arena it wakes from; without, the one held is freed. The control plane counts it in the
-        node's host cache from the `arena` event that says it is ready until the one that says 0."""
+        node's host cache from its grant (before this replica has allocated anything) until it
+        takes it back; the `arena` event only tells it the size allocated."""
         if not isinstance(keep, bool):
             raise CommandRejected(f"bad arena: keep must be true or false, got {keep!r}")
         self.backend.keep_arena = keep

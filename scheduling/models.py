@@ -258,7 +258,7 @@ class Replica(models.Model):
     # pinned in advance, so the sleep is a copy rather than an allocation and a page-locking first.
     # Granted within its node's host cache budget and counted there while it is awake (a sleeping
     # replica's weights are in that arena, counted once); 0: none granted.
-    arena_kept_bytes = models.BigIntegerField(default=0)
+    arena_kept_bytes = models.BigIntegerField(default=0, db_default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
