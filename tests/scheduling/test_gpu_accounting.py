@@ -393,8 +393,8 @@ def test_on_a_real_gpu_a_replica_reserved_its_estimate_serves_max_tokens_within_
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_its_books(start_agent, staff, tmp_path):
+    from scheduling.services import host_cache, sleep
     from scheduling.services import requests as request_services
-    from scheduling.services import sleep
 
     request_services.queue.cache_clear()
     start_agent("e2e", "2x4GiB")
@@ -405,6 +405,23 @@ def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_i
     assert staff.post("/api/deployments/llm/scale/", {"replicas": 3}, format="json").status_code == 200
     wait_until(serving(3), 180, "three replicas to serve")
 
+    # Issue 19: the node's host cache lends its spare room as kept arenas (what the control worker
+    # runs after a replica comes to serve, run here). Each replica allocates its arena and reports
+    # its size, which the books take in place of the grant's figure (its weights as the model's
+    # files hold them; the arena aligns each tensor, so this tiny model's differs).
+    granted = host_cache.balance("e2e")["granted"]
+    assert len(granted) == 3
+    weights = Deployment.objects.get(name="llm").weight_bytes
+    wait_until(
+        lambda: all(r.arena_kept_bytes not in (0, weights) for r in Replica.objects.filter(pk__in=granted)),
+        60,
+        "each replica's report of the arena it keeps",
+    )
+    kept = sum(Replica.objects.filter(pk__in=granted).values_list("arena_kept_bytes", flat=True))
+    node = Replica.objects.get(pk=granted[0]).node
+    assert host_cache.used_bytes([node.pk]) == {node.pk: kept}
+
+    # The sleeps pack into those arenas, and the wakes below keep them again.
     for replica_id in Replica.objects.filter(state="serving").values_list("id", flat=True):
         sleep.sleep_replica(replica_id, reason="test: sleep all")
     wait_until(lambda: Replica.objects.filter(state="sleeping").count() == 3, 120, "all three to sleep")
@@ -433,6 +450,14 @@ def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_i
 
     awake = list(Replica.objects.filter(state="serving").values_list("id", flat=True))
     assert awake
+    # Those woken kept the arena they woke from (still counted), beside the sleepers' weights.
+    assert all(Replica.objects.get(pk=r).arena_kept_bytes > 0 for r in awake if r in granted)
+    asleep = Replica.objects.filter(state="sleeping").count()
+    assert (
+        host_cache.used_bytes([node.pk])[node.pk]
+        == sum(Replica.objects.filter(state="serving", pk__in=granted).values_list("arena_kept_bytes", flat=True))
+        + asleep * weights
+    )
     for replica_id in awake:
         kv = wait_until(lambda r=replica_id: staff.get(f"/api/replicas/{r}/").json()["kv"], 30, "KV figures")
         assert kv["blocks_total"] * kv["block_tokens"] >= MAX_TOKENS, kv
