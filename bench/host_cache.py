@@ -5,10 +5,12 @@ One node whose agent keeps at most BUDGET bytes of sleeping weights in host memo
 one tiny causal LM, a replica each, all serving. Each is used by one request and then put to
 sleep, one after another, through the API (`POST /api/deployments/{name}/sleep/`), as an operator
 or the idle sweep would; after each, once its replica sleeps and the control worker has trimmed
-the node, the host cache as `/api/nodes/` counts it (scheduling.services.host_cache.used_bytes)
-and the replicas' states. Then one request to each deployment wakes it, oldest first: from host memory where its weights
-are still there, from disk where the trim parked them. This is a separate module from bench.wake,
-which measures one replica's copies without a control plane: the budget is the control plane's.
+the node, the host cache as `/api/nodes/` counts it (scheduling.services.host_cache.used_bytes),
+the share of it the arenas serving replicas keep for their next sleep (room spare, lent; dropped
+before any sleeper is parked), and the replicas' states. Then one request to each deployment
+wakes it, oldest first: from host memory where its weights are still there, from disk where the
+trim parked them. This is a separate module from bench.wake, which measures one replica's copies
+without a control plane: the budget is the control plane's.
 
     python -m bench.host_cache [--deployments 6] [--fits 2] [--size-mb 16] [--no-record]
 
@@ -51,6 +53,7 @@ class AfterSleep:
 
     slept: str
     used_bytes: int
+    kept_bytes: int  # of used_bytes, the arenas serving replicas keep for their next sleep
     sleeping: int
     parked: int
     left: list[str]  # the deployments whose replica this sleep's trim parked
@@ -67,15 +70,22 @@ class Wake:
 def node_state(names: list[str]) -> tuple[int, dict[str, str]]:
     """The host cache used on the node (what /api/nodes/ shows) and each deployment's replica
     state, the latest replica of each."""
+    used, _, states = node_cache(names)
+    return used, states
+
+
+def node_cache(names: list[str]) -> tuple[int, int, dict[str, str]]:
+    """`node_state`, with the kept arenas' share of what is used (gpuportal_host_cache_kept_bytes)."""
+    from scheduling import host_cache as rules
     from scheduling.models import Node, Replica
     from scheduling.services import host_cache
 
     node = Node.objects.get(name="bench")
-    used = host_cache.used_bytes([node.pk])[node.pk]
+    held = host_cache.holders([node.pk])[node.pk]
     states: dict[str, str] = {}
     for replica in Replica.objects.filter(deployment__name__in=names).order_by("created_at"):
         states[replica.deployment.name] = replica.state
-    return used, states
+    return rules.used_bytes(held), rules.used_bytes([h for h in held if h.kept_arena]), states
 
 
 def deploy_all(http: Api, model_dir: Path, names: list[str]) -> None:
@@ -105,19 +115,23 @@ def sleep_in_turn(http: Api, names: list[str], budget: int) -> list[AfterSleep]:
         if status != 200:
             raise SystemExit(f"sleep {name}: {status} {answer}")
 
-        def settled(name: str = name) -> tuple[int, dict[str, str]] | None:
-            used, states = node_state(names)
+        def settled(name: str = name) -> tuple[int, int, dict[str, str]] | None:
+            used, kept, states = node_cache(names)
             moving = {"draining", "stopping"} & set(states.values())
-            return (used, states) if states[name] in ("sleeping", "parked") and not moving and used <= budget else None
+            done = states[name] in ("sleeping", "parked") and not moving and used <= budget
+            return (used, kept, states) if done else None
 
-        used, states = wait(settled, 120, f"{name} to sleep and the host cache to fit its budget")  # type: ignore[misc]
+        used, kept, states = wait(settled, 120, f"{name} to sleep and the host cache to fit its budget")  # type: ignore[misc]
         settled_s = time.monotonic() - began
         parked = {n for n, state in states.items() if state == "parked"}
         left = sorted(parked - parked_before)
         parked_before = parked
         sleeping = sum(state == "sleeping" for state in states.values())
-        after.append(AfterSleep(name, used, sleeping, len(parked), left, settled_s))
-        print(f"slept {name}: host cache {used / MiB:.0f} MiB of {budget / MiB:.0f}, {states}", flush=True)
+        after.append(AfterSleep(name, used, kept, sleeping, len(parked), left, settled_s))
+        print(
+            f"slept {name}: host cache {used / MiB:.0f} MiB of {budget / MiB:.0f} ({kept / MiB:.0f} kept), {states}",
+            flush=True,
+        )
     return after
 
 
@@ -147,6 +161,7 @@ def report(after: list[AfterSleep], wakes: list[Wake], budget: int, weight_bytes
             n + 1,
             a.slept,
             f"{a.used_bytes / MiB:.1f}",
+            f"{a.kept_bytes / MiB:.1f}",
             f"{budget / MiB:.1f}",
             a.sleeping,
             a.parked,
@@ -159,6 +174,7 @@ def report(after: list[AfterSleep], wakes: list[Wake], budget: int, weight_bytes
         "sleeps",
         "put to sleep",
         "host cache MiB",
+        "of it kept arenas MiB",
         "budget MiB",
         "sleeping",
         "parked",
@@ -219,11 +235,9 @@ def main() -> None:
                 f"cache holds {args.fits} sleeping replicas and half of one more, {args.deployments} deployments "
                 "of a tiny causal LM, a replica each, each used by one request and then put to sleep through the "
                 "API, one after another; then one request to each, oldest first. Settled: from the sleep call "
-                "until the replica sleeps and the control worker's trim has parked what no longer fits."
-                + "\n\n"
-                + table
-                + "\n\n"
-                + detail
+                "until the replica sleeps and the control worker's trim has parked what no longer fits. Kept "
+                "arenas: room the budget has spare, lent to serving replicas for their next sleep (a sleep past "
+                "the budget drops them before it parks anyone)." + "\n\n" + table + "\n\n" + detail
             )
             record("host-cache", "Host cache under pressure: sleeping replicas past the node's budget", described)
 
