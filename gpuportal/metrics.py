@@ -97,7 +97,6 @@ def _host_cache() -> list[Metric]:
     """Per node, its host cache's budget, what sleeping weights (and standbys', and awake replicas'
     kept arenas) use of it, and of that the kept arenas (issue 19: host memory is scheduled like a
     GPU's)."""
-    from scheduling import host_cache as host_cache_rules
     from scheduling.services import host_cache
 
     budget = GaugeMetricFamily(
@@ -117,9 +116,9 @@ def _host_cache() -> list[Metric]:
     for pk, name, budget_bytes in Node.objects.values_list("pk", "name", "cpu_cache_bytes"):
         nodes[pk] = name
         budget.add_metric([name], budget_bytes)
-    for pk, held in host_cache.holders(nodes).items():
-        used.add_metric([nodes[pk]], host_cache_rules.used_bytes(held))
-        kept.add_metric([nodes[pk]], host_cache_rules.used_bytes([h for h in held if h.kept_arena]))
+    for pk, (used_bytes, kept_bytes) in host_cache.usage(nodes).items():
+        used.add_metric([nodes[pk]], used_bytes)
+        kept.add_metric([nodes[pk]], kept_bytes)
     return [budget, used, kept]
 
 

@@ -111,9 +111,11 @@ class NodeRow:
     heartbeat_age_s: float | None
     virtual: bool
     gpus: list[GpuRow] = field(default_factory=list)
-    # Its host cache (issue 19): what sleeping weights use of the budget its agent reported.
+    # Its host cache (issue 19): what sleeping weights (and kept arenas) use of the budget its
+    # agent reported, and of that the arenas serving replicas keep for their next sleep.
     host_used: int = 0
     host_budget: int = 0
+    host_kept: int = 0
 
     @property
     def drained(self) -> bool:
@@ -200,14 +202,15 @@ def context(request: HttpRequest) -> dict[str, Any]:
     """Everything the page shows, in a fixed number of queries."""
     now = timezone.now()
     nodes = list(selectors.nodes())
-    host_used = host_cache.used_bytes([n.pk for n in nodes])
+    host_used = host_cache.usage([n.pk for n in nodes])
     node_rows: dict[str, NodeRow] = {
         n.name: NodeRow(
             n.name,
             n.status,
             _heartbeat_age(n.last_heartbeat, now),
             n.virtual,
-            host_used=host_used.get(n.pk, 0),
+            host_used=host_used.get(n.pk, (0, 0))[0],
+            host_kept=host_used.get(n.pk, (0, 0))[1],
             host_budget=n.cpu_cache_bytes,
         )
         for n in nodes

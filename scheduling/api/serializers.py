@@ -26,6 +26,10 @@ class NodeSerializer(serializers.ModelSerializer):
         "for their next sleep, use of it (issue 19)."
     )
 
+    host_cache_kept_bytes = serializers.SerializerMethodField(
+        help_text="Of host_cache_used_bytes, the arenas serving replicas keep for their next sleep (issue 19)."
+    )
+
     class Meta:
         model = Node
         fields = [
@@ -39,6 +43,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "host_ram_bytes",
             "host_cache_budget_bytes",
             "host_cache_used_bytes",
+            "host_cache_kept_bytes",
             "virtual",
             "gpu_count",
             "registered_at",
@@ -46,12 +51,18 @@ class NodeSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_host_cache_used_bytes(self, obj: Node) -> int:
+        return self._host_cache(obj)[0]
+
+    def get_host_cache_kept_bytes(self, obj: Node) -> int:
+        return self._host_cache(obj)[1]
+
+    def _host_cache(self, obj: Node) -> tuple[int, int]:
         # One query for a whole page of nodes, not one per node.
         listed = self.parent.instance if isinstance(self.parent, serializers.ListSerializer) else None
-        known: dict[int, int] = self.context.setdefault("_host_cache", {})
+        known: dict[int, tuple[int, int]] = self.context.setdefault("_host_cache", {})
         if obj.pk not in known:
-            known.update(host_cache.used_bytes([n.pk for n in (listed if listed is not None else [obj])]))
-        return known.get(obj.pk, 0)
+            known.update(host_cache.usage([n.pk for n in (listed if listed is not None else [obj])]))
+        return known.get(obj.pk, (0, 0))
 
     def get_heartbeat_age_s(self, obj: Node) -> float | None:
         if obj.last_heartbeat is None:

@@ -63,7 +63,15 @@ def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
 
 
 def used_bytes(node_ids: Iterable[int]) -> dict[int, int]:
-    return {node: host_cache.used_bytes(held) for node, held in holders(node_ids).items()}
+    return {node: used for node, (used, _) in usage(node_ids).items()}
+
+
+def usage(node_ids: Iterable[int]) -> dict[int, tuple[int, int]]:
+    """Per node, what its host cache holds and, of that, the arenas awake replicas keep: one query."""
+    return {
+        node: (host_cache.used_bytes(held), host_cache.used_bytes([h for h in held if h.kept_arena]))
+        for node, held in holders(node_ids).items()
+    }
 
 
 def balance(node_name: str) -> dict[str, list[str]]:

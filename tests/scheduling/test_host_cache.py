@@ -229,6 +229,7 @@ def test_the_node_api_and_metrics_show_the_host_cache_budget_and_use(small_host,
     (node,) = staff.get("/api/nodes/").json()["results"]
 
     assert node["host_cache_budget_bytes"] == 250 * MiB and node["host_cache_used_bytes"] == 100 * MiB
+    assert node["host_cache_kept_bytes"] == 0  # a sleeper's weights, no arena kept by an awake replica
     assert node["host_ram_bytes"] == 0  # a node registered without saying, as an agent of the version before
     scraped = {
         (sample.name, sample.labels.get("node")): sample.value
@@ -247,6 +248,12 @@ def test_the_dashboard_shows_each_nodes_host_cache_use_and_budget(small_host, ad
     body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
 
     assert '<small class="gp-host-cache">host cache 100.00 MiB of 250.00 MiB</small>' in body
+    # An arena lent to a serving replica shows as such.
+    keeper = deploy("b")
+    Deployment.objects.filter(name="b").update(weight_bytes=50 * MiB)
+    assert host_cache.grant("edge") == [keeper]
+    body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
+    assert "host cache 150.00 MiB of 250.00 MiB (50.00 MiB kept for sleeps)</small>" in body
 
 
 def kept_arena_commands(dispatched) -> list[list]:
@@ -268,7 +275,8 @@ def test_a_serving_replica_is_lent_an_arena_from_spare_room_counted_from_the_gra
     assert Replica.objects.get(pk=serving).arena_kept_bytes == 100 * MiB
     assert kept_arena_commands(dispatched) == [[serving]]
     assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}
-    assert staff.get("/api/nodes/").json()["results"][0]["host_cache_used_bytes"] == 100 * MiB
+    (node,) = staff.get("/api/nodes/").json()["results"]
+    assert node["host_cache_used_bytes"] == node["host_cache_kept_bytes"] == 100 * MiB
     assert staff.get(f"/api/replicas/{serving}/").json()["arena_kept_bytes"] == 100 * MiB
     scraped = {
         (sample.name, sample.labels.get("node")): sample.value
