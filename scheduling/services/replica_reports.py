@@ -70,11 +70,15 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     replica.serving_since = now
     replica.last_accessed = replica.last_accessed or now
     replica.progress = 100
+    extra = ["pid", "serving_since", "last_accessed", "progress"]
+    if replica.state != Replica.State.WAKING and replica.arena_kept_bytes:
+        # A fresh process (a restart under the same id) keeps no arena until it is told again:
+        # the balance below lends it one anew, rather than the books counting one it lacks.
+        replica.arena_kept_bytes = 0
+        extra.append("arena_kept_bytes")
     weights = event.get("weights_bytes")
     detail = f"loaded ({memory.human_bytes(weights)} of weights)" if weights else "loaded"
-    replicas.set_state(
-        replica, Replica.State.SERVING, detail, extra=["pid", "serving_since", "last_accessed", "progress"]
-    )
+    replicas.set_state(replica, Replica.State.SERVING, detail, extra=extra)
     # Last, and as an UPDATE of these columns alone: a save of the deployment above (its measured
     # need) must not write back what this replaces.
     Deployment.objects.filter(pk=deployment.pk).update(**took)

@@ -341,3 +341,17 @@ def test_a_replica_that_keeps_an_arena_counts_once_asleep_and_its_arena_again_on
     assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}  # the arena its wake kept
     serve(keeper)  # said again: changes nothing
     assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}
+
+
+def test_a_replica_that_loads_afresh_keeps_no_arena_until_it_is_lent_one_again(small_host, dispatched):
+    keeper = deploy("a")
+    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+    assert host_cache.grant("edge") == [keeper]
+    # Its process restarted under the same id (after a CUDA assert, say) and loaded again.
+    Replica.objects.filter(pk=keeper).update(state="loading")
+
+    serve(keeper)
+
+    assert Replica.objects.get(pk=keeper).arena_kept_bytes == 0
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 0}
+    assert host_cache.grant("edge") == [keeper]
