@@ -120,18 +120,23 @@ def _with_last_requests(held: list[host_cache.HostHolder]) -> list[host_cache.Ho
     ]
 
 
+def _locked(replica_id: str) -> Replica | None:
+    """The replica's row, locked after its deployment's (the one lock order); None if it is gone."""
+    replica = Replica.objects.filter(pk=replica_id).first()
+    if replica is None:
+        return None
+    locks.lock_deployment_of(replica)
+    return locks.lock_replica(replica_id)
+
+
 def _park(replica_id: str, node: Node) -> bool:
     """One sleeper out of the host cache, in a transaction of its own: its deployment's row first,
     then the GPU rows the ledger locks, then its own (the one lock order). False if it woke, or
     went, in the meantime."""
     with transaction.atomic():
-        replica = Replica.objects.filter(pk=replica_id).first()
-        if replica is None:
-            return False
-        locks.lock_deployment_of(replica)
-        replica = locks.lock_replica(replica_id)
+        replica = _locked(replica_id)
         # Re-read under the lock: a wake may have promoted it since the trim looked.
-        if replica.state != Replica.State.SLEEPING or replica.node_id != node.pk:
+        if replica is None or replica.state != Replica.State.SLEEPING or replica.node_id != node.pk:
             return False
         freed = host_bytes(replica)
         replicas.reserve_exactly(replica, {}, reason=f"replica {replica_id[:8]} parked out of the host cache")
@@ -191,13 +196,9 @@ def _set_kept(replica_id: str, node: Node, *, keep: bool) -> bool:
     one lock order: its deployment's row, then its own); the replica is told once it commits.
     False if it changed meanwhile (asleep, gone, elsewhere, or already so)."""
     with transaction.atomic():
-        replica = Replica.objects.filter(pk=replica_id).first()
-        if replica is None:
-            return False
-        locks.lock_deployment_of(replica)
-        replica = locks.lock_replica(replica_id)
+        replica = _locked(replica_id)
         # Re-read under the lock: it may have gone to sleep, or been granted by another balance.
-        if replica.node_id != node.pk or (replica.arena_kept_bytes > 0) == keep:
+        if replica is None or replica.node_id != node.pk or (replica.arena_kept_bytes > 0) == keep:
             return False
         if keep and replica.state != Replica.State.SERVING:
             return False

@@ -466,6 +466,17 @@ class ArenaEvents:
             return list(self.kept)
 
 
+def keeping_a_spare() -> tuple[ReplicaHost, ArenaEvents, Any]:
+    """A loaded replica told it may keep an arena, once its spare is ready: (host, its arena
+    events, the spare)."""
+    host, _ = _host()
+    host.load()
+    arenas = ArenaEvents(host)
+    host.handle({"cmd": "arena", "keep": True})
+    arenas.wait_for(1)
+    return host, arenas, host.backend.spare
+
+
 def test_a_serving_replica_allowed_to_keep_an_arena_prepares_one_and_its_next_sleep_packs_into_it():
     from inference.arena import host_bytes
 
@@ -520,12 +531,7 @@ def test_a_sleep_waits_for_the_arena_being_prepared_and_packs_into_it(monkeypatc
 
 
 def test_a_replica_told_it_may_no_longer_keep_its_arena_frees_it():
-    host, _ = _host()
-    host.load()
-    arenas = ArenaEvents(host)
-    host.handle({"cmd": "arena", "keep": True})
-    arenas.wait_for(1)
-    spare = host.backend.spare
+    host, arenas, spare = keeping_a_spare()
 
     host.handle({"cmd": "arena", "keep": False})
 
@@ -573,12 +579,7 @@ def test_a_bad_keep_is_refused_and_changes_nothing():
 
 
 def test_stopping_a_replica_releases_the_arena_it_keeps():
-    host, _ = _host()
-    host.load()
-    arenas = ArenaEvents(host)
-    host.handle({"cmd": "arena", "keep": True})
-    arenas.wait_for(1)
-    spare = host.backend.spare
+    host, _, spare = keeping_a_spare()
 
     host.stop(0)
 
