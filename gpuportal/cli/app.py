@@ -343,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    # In the order `--help` lists them: getting started, looking, steering, the record.
+    for add in (_add_getting_started, _add_looking, _add_steering, _add_the_record):
+        add(commands)
+    return parser
+
+
+def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     login = commands.add_parser("login", help="get a token and store it with the portal's URL")
     login.add_argument("--url", help=f"the portal (default: GPUPORTAL_URL, the stored one, or {config.DEFAULT_URL})")
     login.add_argument("--user", default="admin", help="user name (default admin)")
@@ -359,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_wait_options(deploy, "the replicas serve")
     deploy.set_defaults(run=cmd_deploy)
 
+
+def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ls = commands.add_parser("ls", help="deployments, their status and replicas")
     ls.add_argument("name", nargs="?", help="only this deployment")
     ls.set_defaults(run=cmd_ls)
@@ -373,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--tail", type=non_negative_int, default=50, metavar="N", help="last N events (default 50)")
     logs.set_defaults(run=cmd_logs)
 
+
+def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     scale = commands.add_parser("scale", help="set the number of replicas and wait until they serve")
     scale.add_argument("name")
     scale.add_argument("count", nargs="?", type=non_negative_int, metavar="N")
@@ -403,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("name")
     rm.set_defaults(run=cmd_rm)
 
+
+def _add_the_record(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     events = commands.add_parser("events", help="the audit trail, oldest first")
     events.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
     events.add_argument("-d", "--deployment")
@@ -427,7 +440,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", type=Path, help="write the attainment plot (PNG) here")
     add_wait_options(plan, "the plan is done")
     plan.set_defaults(run=cmd_plan)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
