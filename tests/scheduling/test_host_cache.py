@@ -137,6 +137,9 @@ def test_what_is_lent_never_takes_the_host_past_its_budget(held, candidates, bud
     after = used_bytes([*held, *(c for c in candidates if c.replica_id in lent)])
     assert after <= max(budget, used_bytes(held))
     assert not lent or after <= budget
+    # Nothing lent is taken back by the next trim: a balance run twice changes nothing the second time.
+    again = trim([*held, *(c for c in candidates if c.replica_id in lent)], budget)
+    assert not lent or (again.drop, again.park) == ((), ())
 
 
 # -- applied ----------------------------------------------------------------------------------------------
