@@ -10,15 +10,16 @@ command again when PostgreSQL aborted it for that."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import psycopg
-from django.db import OperationalError, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import QuerySet
 
 from scheduling import hot_sql
@@ -122,6 +123,27 @@ def lock_silent_nodes(nodes: QuerySet[Node]) -> list[Node]:
     """These nodes, in primary-key order, skipping any locked now (a node registering or
     heartbeating this moment is alive by definition)."""
     return list(nodes.select_for_update(skip_locked=True).order_by("pk"))
+
+
+# The first key of the host cache's advisory locks (PostgreSQL's two-key form, the second the
+# node's id): a number of its own, so no other advisory lock of the project's can share one.
+HOST_CACHE_LOCK = 19
+
+
+@contextlib.contextmanager
+def host_cache_balance(node_id: int) -> Iterator[None]:
+    """One balance of the node's host cache at a time (trim, then grant: each decision reads the
+    node's whole cache and applies in transactions of its own, so two at once could each lend the
+    same spare room). A session-level advisory lock, held across those transactions, outside the
+    row lock order: only a balance takes it, and takes it before any row, so no writer that holds a
+    row ever waits for it and no circle can close through it."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s, %s)", [HOST_CACHE_LOCK, node_id])
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [HOST_CACHE_LOCK, node_id])
 
 
 def lock_gpus(ids: Iterable[int]) -> list[GPU]:

@@ -76,8 +76,13 @@ def usage(node_ids: Iterable[int]) -> dict[int, tuple[int, int]]:
 
 def balance(node_name: str) -> dict[str, list[str]]:
     """The node's host cache within its budget (`trim`), then its spare room lent to awake
-    replicas as kept arenas (`grant`): what the control worker runs after a sleep or a wake there."""
-    return {"parked": trim(node_name), "granted": grant(node_name)}
+    replicas as kept arenas (`grant`): what the control worker runs after a sleep or a wake there,
+    one balance of a node at a time (the control worker runs several tasks at once)."""
+    node_id = Node.objects.filter(name=node_name).values_list("pk", flat=True).first()
+    if node_id is None:
+        return {"parked": [], "granted": []}
+    with locks.host_cache_balance(node_id):
+        return {"parked": trim(node_name), "granted": grant(node_name)}
 
 
 def trim(node_name: str) -> list[str]:

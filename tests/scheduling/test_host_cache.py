@@ -6,6 +6,7 @@ in the books from the grant."""
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -21,6 +22,7 @@ from scheduling.services import deployments, host_cache, queueing, reports, slee
 from scheduling.services.nodes import register_node
 from tests.support.deployments import START, STOP, deploy, invariant_holds, serve
 from tests.support.factories import NO_OVERHEAD
+from tests.support.processes import wait_until
 
 MiB = 1024**2
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
@@ -358,3 +360,58 @@ def test_a_replica_that_loads_afresh_keeps_no_arena_until_it_is_lent_one_again(s
     assert Replica.objects.get(pk=keeper).arena_kept_bytes == 0
     assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 0}
     assert host_cache.grant("edge") == [keeper]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_balances_of_one_node_take_turns_so_they_never_lend_the_same_room_twice(monkeypatch, dispatched):
+    from django.db import connection, connections
+
+    from scheduling import host_cache as rules
+
+    register_node("edge", virtual_gpus("edge", "2x1GiB", NO_OVERHEAD), virtual=True, cpu_cache_bytes=150 * MiB)
+    late = deploy("late")  # made first, so the likelier to sleep of the two once it serves
+    Replica.objects.filter(pk=late).update(state="loading")
+    deploy("early")
+    Deployment.objects.update(weight_bytes=100 * MiB)  # room for one arena
+    decided, go_on = threading.Event(), threading.Event()
+    choose = rules.grants
+    results: dict[str, dict] = {}
+
+    def first_pauses_once_it_has_chosen(*args):
+        chosen = choose(*args)
+        if not decided.is_set():
+            decided.set()
+            go_on.wait(30)
+        return chosen
+
+    monkeypatch.setattr(rules, "grants", first_pauses_once_it_has_chosen)
+
+    def balance(who: str) -> None:
+        try:
+            results[who] = host_cache.balance("edge")
+        finally:
+            connections.close_all()
+
+    first = threading.Thread(target=balance, args=("first",))
+    first.start()
+    assert decided.wait(30)  # it chose `early`, the only one serving when it looked
+    serve(late)
+    second = threading.Thread(target=balance, args=("second",))
+    second.start()
+    # Why a wait on pg_locks: the second balance must be queued on the node's lock while the first
+    # holds its choice unapplied, or the test proves nothing. Without the lock the second would
+    # read the room as spare, lend it to `late`, and the first then lend it again to `early`.
+    with connection.cursor() as cursor:
+
+        def queued() -> bool:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+            return cursor.fetchone()[0] == 1
+
+        wait_until(queued, 30, "the second balance to wait for the first")
+    go_on.set()
+    first.join(30)
+    second.join(30)
+
+    assert results["first"]["granted"] and results["second"]["granted"] == []
+    node = Node.objects.get(name="edge")
+    assert host_cache.used_bytes([node.pk]) == {node.pk: 100 * MiB}
