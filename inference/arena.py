@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,7 +143,7 @@ def pack(model: nn.Module, *, pin: bool | None = None, into: Arena | None = None
     """
     groups, slots, end = _layout(model)
     wanted = _wants_pin(slots, pin)
-    host, unpin = _take(into, slots, end, wanted) or _host_buffer(end, pin=wanted)
+    host, unpin = _take(into, slots, end, wanted) or _host_buffer(end, pin=wanted, slots=slots)
     arena = Arena(host, unpin is not None, slots, [tensors for _, tensors in groups], unpin)
 
     sources = [tensors[0] for _, tensors in groups]
@@ -169,7 +169,7 @@ def spare(model: nn.Module, *, pin: bool | None = None) -> Arena:
     A pageable spare (the CPU, or pinning refused) has its pages faulted in here too: touching
     them is what a fresh arena's copy pays on the CPU, and a spare exists to pay it in advance."""
     _, slots, end = _layout(model)
-    host, unpin = _host_buffer(end, pin=_wants_pin(slots, pin))
+    host, unpin = _host_buffer(end, pin=_wants_pin(slots, pin), slots=slots)
     if unpin is None:
         host.zero_()
     return Arena(host, unpin is not None, slots, [], unpin)
@@ -576,17 +576,23 @@ def _target(slot: Slot, device_map: DeviceMap | None) -> torch.device:
     return device
 
 
-def _host_buffer(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, weakref.finalize | None]:
+def _host_buffer(nbytes: int, *, pin: bool, slots: Sequence[Slot] = ()) -> tuple[torch.Tensor, weakref.finalize | None]:
     """One host allocation of `nbytes`, page-locked when asked and allowed.
 
     Not torch's pin_memory: its caching host allocator rounds every block up to a power of two
     and keeps freed blocks for reuse, so a 4.1 GB arena would pin 8 GB and outlive the sleep.
     Registering our own pages pins exactly the arena and gives them back on release.
+
+    Registered, and unregistered, with the GPU of the first of `slots` on one (else the calling
+    thread's) as the thread's current device: the registration needs a CUDA context, and a thread
+    of our own (a spare prepared in the background, the releaser) starts on device 0, where the
+    runtime would create one (hundreds of MiB nobody's books count) on a replica of another GPU.
     """
     import torch
 
     if not pin or nbytes == 0 or not torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8), None
+    device = _registering_device(slots)
     try:
         host = _populated_pages(nbytes)
     except (OSError, ValueError) as exc:  # no mapping of that size: torch's own allocation, faulted by the pin
@@ -594,14 +600,25 @@ def _host_buffer(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, weakref.final
         raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
         skip = -raw.data_ptr() % _PAGE
         host = raw[skip : skip + nbytes]
-    error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+    with torch.cuda.device(device):  # on leaving, torch sets device 0 back only if it has a context
+        error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
     if error != 0:
         # Pinned memory is a limited resource (ulimit -l, container limits): pageable still works.
         _clear_cuda_error()
         log.warning("cannot pin %d bytes (cudaError %d); parking the weights in pageable memory", nbytes, error)
         return host, None
     # Unpinned before its pages are freed, even if the arena is dropped without release().
-    return host, weakref.finalize(host, _unregister, host.data_ptr())
+    return host, weakref.finalize(host, _unregister, host.data_ptr(), device)
+
+
+def _registering_device(slots: Iterable[Slot]) -> int:
+    """The GPU an arena's pages are registered with: its first tensor's on one, else the caller's."""
+    import torch
+
+    for slot in slots:
+        if slot.device.type == "cuda":
+            return slot.device.index if slot.device.index is not None else torch.cuda.current_device()
+    return torch.cuda.current_device()
 
 
 # Transparent huge pages come in 2 MiB pages on x86-64: the buffer starts on one.
@@ -667,10 +684,12 @@ def _clear_cuda_error() -> None:
             continue
 
 
-def _unregister(pointer: int) -> None:
+def _unregister(pointer: int, device: int) -> None:
     import torch
 
-    error = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    # Usually on the releaser's thread, whose current device is 0: see _host_buffer.
+    with torch.cuda.device(device):
+        error = int(torch.cuda.cudart().cudaHostUnregister(pointer))
     if error != 0:
         log.warning("cudaHostUnregister failed (cudaError %d): the arena's pages stay pinned until exit", error)
 

@@ -9,6 +9,7 @@ anything (bench/wake.py measures the bandwidth).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -17,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from inference import arena as arenas
 from inference.arena import (
     ALIGNMENT,
     Arena,
@@ -694,3 +696,62 @@ def test_on_a_gpu_the_backend_keeps_a_pinned_arena_and_sleeps_into_it_without_ch
     probe = backend.spare.host[:1]
     backend.drop_spare()
     assert settle_releases(timeout=60) and is_page_locked(probe) is False  # unregistered in the background
+
+
+class RecordingCuda:
+    """Stands in for torch.cuda where a test has no GPU: a current device per thread (0 in a new
+    thread, as CUDA's), and the device current at each page-locking call."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.calls: list[tuple[str, int]] = []
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    @contextlib.contextmanager
+    def device(self, index: int):
+        before = self.current_device()
+        self.local.device = index
+        try:
+            yield
+        finally:
+            self.local.device = before
+
+    def cudart(self):
+        cuda = self
+
+        class Runtime:
+            def cudaHostRegister(self, pointer, nbytes, flags):
+                cuda.calls.append(("register", cuda.current_device()))
+                return 0
+
+            def cudaHostUnregister(self, pointer):
+                cuda.calls.append(("unregister", cuda.current_device()))
+                return 0
+
+        return Runtime()
+
+
+def test_a_pinned_arena_is_registered_and_unregistered_on_its_gpu_whichever_thread_does_it(monkeypatch):
+    # A thread starts on device 0, where a page-locking call would create a CUDA context (hundreds
+    # of MiB outside every book) in a replica of another GPU: a spare prepared in the background
+    # and the releaser's unpinning must run on the arena's GPU.
+    fake = RecordingCuda()
+    for name in ("current_device", "device", "cudart"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu_3 = [arenas.Slot(0, 4096, (1024,), torch.float32, torch.device("cuda", 3), "w")]
+    made: list = []
+
+    prepare = threading.Thread(target=lambda: made.append(arenas._host_buffer(4096, pin=True, slots=on_gpu_3)))
+    prepare.start()
+    prepare.join()
+    host, unpin = made.pop()
+    release = threading.Thread(target=unpin)
+    release.start()
+    release.join()
+
+    assert fake.calls == [("register", 3), ("unregister", 3)]
+    assert fake.current_device() == 0  # and the caller's device is left as it was
+    assert host.numel() == 4096  # held until here: its unpinning ran on the thread above, not at collection
