@@ -202,15 +202,15 @@ def context(request: HttpRequest) -> dict[str, Any]:
     """Everything the page shows, in a fixed number of queries."""
     now = timezone.now()
     nodes = list(selectors.nodes())
-    host_used = host_cache.usage([n.pk for n in nodes])
+    host_usage = host_cache.usage([n.pk for n in nodes])
     node_rows: dict[str, NodeRow] = {
         n.name: NodeRow(
             n.name,
             n.status,
             _heartbeat_age(n.last_heartbeat, now),
             n.virtual,
-            host_used=host_used.get(n.pk, (0, 0))[0],
-            host_kept=host_used.get(n.pk, (0, 0))[1],
+            host_used=host_usage.get(n.pk, (0, 0))[0],
+            host_kept=host_usage.get(n.pk, (0, 0))[1],
             host_budget=n.cpu_cache_bytes,
         )
         for n in nodes
