@@ -180,8 +180,10 @@ def decode(payload: Any) -> Command:
 
 
 def brief(command: Command) -> list[Any]:
-    """The replica a command is for and, for a start or a wake, whom it waits for: how tests
-    and logs name a command."""
+    """The replica a command is for and, for a start or a wake, whom it waits for, or for an
+    arena, whether it may keep one: how tests and logs name a command."""
     if isinstance(command, StartReplica | WakeReplica):
         return [command.replica_id, list(command.wait_for)]
+    if isinstance(command, KeepArena):
+        return [command.replica_id, command.keep]
     return [command.replica_id]

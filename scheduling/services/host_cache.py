@@ -233,7 +233,15 @@ def _set_kept(replica_id: str, node: Node, *, keep: bool) -> bool:
 def note_kept(replica: Replica, kept_bytes: int) -> None:
     """The replica's own word on the arena it keeps (its `arena` report): the size it allocated
     (its alignment makes it a little more than its weights) replaces the grant's figure. A report
-    that comes after the grant was taken back changes nothing: only the control plane grants."""
-    if replica.arena_kept_bytes > 0 and kept_bytes > 0 and kept_bytes != replica.arena_kept_bytes:
+    of an arena the books do not lend it (one that crossed the command taking it back, or whose
+    drop was lost with a down agent) lends nothing back: only the control plane grants, and the
+    replica is told again to drop it, since memory it holds unaccounted is the unsafe side."""
+    if kept_bytes <= 0:
+        return
+    if replica.arena_kept_bytes == 0:
+        if replica.node is not None:
+            dispatch.keep_arena(replica.node.name, replica.id, keep=False)
+        return
+    if kept_bytes != replica.arena_kept_bytes:
         replica.arena_kept_bytes = kept_bytes
         replica.save(update_fields=["arena_kept_bytes", "updated_at"])

@@ -278,7 +278,7 @@ def test_a_serving_replica_is_lent_an_arena_from_spare_room_counted_from_the_gra
         assert host_cache.balance("edge") == {"parked": [], "granted": [serving]}
 
     assert Replica.objects.get(pk=serving).arena_kept_bytes == 100 * MiB
-    assert kept_arena_commands(dispatched) == [[serving]]
+    assert kept_arena_commands(dispatched) == [[serving, True]]
     assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 100 * MiB}
     (node,) = staff.get("/api/nodes/").json()["results"]
     assert node["host_cache_used_bytes"] == node["host_cache_kept_bytes"] == 100 * MiB
@@ -323,12 +323,21 @@ def test_a_sleep_past_the_budget_drops_a_kept_arena_before_it_parks_a_sleeper(
 
     assert Replica.objects.get(pk=keeper).arena_kept_bytes == 0
     assert Replica.objects.get(pk=sleeper).state == "sleeping"
-    assert kept_arena_commands(dispatched) == [[keeper]]
+    assert kept_arena_commands(dispatched) == [[keeper, False]]
     assert Event.objects.filter(kind="host_cache", replica=keeper, reason__contains="drops the").exists()
     assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 200 * MiB}
-    # Its report of the arena it kept, late, does not lend it back: only the control plane grants.
-    reports.report(keeper, {"event": "arena", "kept_bytes": 100 * MiB})
+    # Its report of the arena it kept, late, does not lend it back: only the control plane grants,
+    # and tells it again to drop what it holds unaccounted (the first drop may have been lost).
+    dispatched.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        reports.report(keeper, {"event": "arena", "kept_bytes": 100 * MiB})
     assert Replica.objects.get(pk=keeper).arena_kept_bytes == 0
+    assert kept_arena_commands(dispatched) == [[keeper, False]]
+    # Its word that it dropped one says nothing new.
+    dispatched.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        reports.report(keeper, {"event": "arena", "kept_bytes": 0})
+    assert kept_arena_commands(dispatched) == []
 
 
 def test_a_replica_that_keeps_an_arena_counts_once_asleep_and_its_arena_again_once_woken(small_host, dispatched):
