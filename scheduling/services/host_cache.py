@@ -45,21 +45,24 @@ def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
     for replica in rows:
         kept = replica.state in KEEPING_STATES
         found[replica.node_id].append(
-            host_cache.HostHolder(
-                replica_id=replica.id,
-                deployment=replica.deployment.name,
-                state=replica.state,
-                host_bytes=replica.arena_kept_bytes if kept else host_bytes(replica),
-                kept_arena=kept,
-                # A replica no request has reached yet was last used as it was made: without this
-                # every never-used sleeper tied at "unused for ever" and the trim parked whichever
-                # the rows listed first, the one put to sleep a moment ago among them
-                # (bench.host_cache found it).
-                last_accessed=replica.last_accessed or replica.created_at,
-                popular=replica.deployment.popular,
-            )
+            _holder(replica, replica.arena_kept_bytes if kept else host_bytes(replica), kept_arena=kept)
         )
     return found
+
+
+def _holder(replica: Replica, nbytes: int, *, kept_arena: bool) -> host_cache.HostHolder:
+    return host_cache.HostHolder(
+        replica_id=replica.id,
+        deployment=replica.deployment.name,
+        state=replica.state,
+        host_bytes=nbytes,
+        kept_arena=kept_arena,
+        # A replica no request has reached yet was last used as it was made: without this every
+        # never-used sleeper tied at "unused for ever" and the trim parked whichever the rows
+        # listed first, the one put to sleep a moment ago among them (bench.host_cache found it).
+        last_accessed=replica.last_accessed or replica.created_at,
+        popular=replica.deployment.popular,
+    )
 
 
 def used_bytes(node_ids: Iterable[int]) -> dict[int, int]:
@@ -177,22 +180,16 @@ def grant(node_name: str) -> list[str]:
     node = Node.objects.filter(name=node_name, status=Node.Status.ONLINE).first()
     if node is None or node.cpu_cache_bytes <= 0:
         return []
-    held = _with_last_requests(holders([node.pk])[node.pk])
+    held = holders([node.pk])[node.pk]
     candidates = [
-        host_cache.HostHolder(
-            replica_id=replica.id,
-            deployment=replica.deployment.name,
-            state=replica.state,
-            host_bytes=host_bytes(replica),
-            last_accessed=replica.last_accessed or replica.created_at,
-            popular=replica.deployment.popular,
-            kept_arena=True,
-        )
+        _holder(replica, host_bytes(replica), kept_arena=True)
         for replica in Replica.objects.filter(
             node=node, state=Replica.State.SERVING, arena_kept_bytes=0, lease__isnull=True
         ).select_related("deployment")
     ]
-    chosen = host_cache.grants(held, _with_last_requests(candidates), node.cpu_cache_bytes)
+    # One read of Redis's last-request times for both.
+    seen = _with_last_requests([*held, *candidates])
+    chosen = host_cache.grants(seen[: len(held)], seen[len(held) :], node.cpu_cache_bytes)
     return [replica_id for replica_id in chosen if _set_kept(replica_id, node, keep=True)]
 
 
