@@ -139,7 +139,7 @@ class Deployment(models.Model):
     memory_override_bytes = models.BigIntegerField(null=True, blank=True)
     memory_measured_bytes = models.BigIntegerField(null=True, blank=True)
     # The CUDA context the measured need counted: a context grows as forward passes load kernels,
-    # so a GPU whose context has since been measured larger adds the difference (deployments.need_bytes).
+    # so a GPU whose context has since been measured larger adds the difference (placing.need_bytes).
     memory_measured_context_bytes = models.BigIntegerField(null=True, blank=True)
     memory_estimate_bytes = models.BigIntegerField(null=True, blank=True)
     # Weight bytes read from the model without loading it: the `ndif` policy's size × 3 needs it.

@@ -22,7 +22,7 @@ from gpuportal.wire.node_reports import Books
 from scheduling import events, locks
 from scheduling.models import GPU, Event, Occupant, Replica
 from scheduling.services import replicas as replica_services
-from scheduling.services.deployments import gpu_contexts
+from scheduling.services.placing import gpu_contexts
 
 log = logging.getLogger(__name__)
 

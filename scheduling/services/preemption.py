@@ -56,10 +56,10 @@ from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
 from scheduling.planning import withhold_locked
-from scheduling.services import deployments, dispatch, queueing
+from scheduling.services import dispatch, placing, queueing
 from scheduling.services import replicas as replica_services
-from scheduling.services.deployments import GONE
 from scheduling.services.errors import CannotPlace, InvalidState
+from scheduling.services.placing import GONE
 from scheduling.state import OccupantView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -168,12 +168,12 @@ def start(
     prefer_wake: a load from disk), as the simulator's `gpuportal-wake` policy does.
     """
     if cached is None:
-        cached = deployments.cached_of(deployment)
+        cached = placing.cached_of(deployment)
     # No row is locked here beyond the caller's deployment row: the snapshot and the enrichment
     # read without locks (Deployment rows by a plain SELECT, Redis), so the GPU rows are still
     # the next locks this transaction takes, as the global order wants.
     snap = enrich(ledger.snapshot())
-    need = deployments.need_bytes(deployment, snap)
+    need = placing.need_bytes(deployment, snap)
     wake = _costed_wake(deployment, snap, need.bytes, cached, allow_new)
     if wake is None and by_cost_only:
         raise CannotPlace(f"no GPU the waker may use can make room for {deployment.name} by preempting fairly", {})
@@ -183,7 +183,7 @@ def start(
         # Memory was freed between the caller's attempt and this snapshot: no one need wait...
         try:
             with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
-                decision = deployments.add_replicas(
+                decision = placing.add_replicas(
                     deployment, 1, reason=reason, cached=cached, allow_new=allow_new, evictions=False
                 )
             return Placed(tuple(p.replica_id for p in decision.placements))
@@ -449,7 +449,7 @@ def enrich(snap: Snapshot) -> Snapshot:
         "memory_measured_bytes",
         "failover_standby",
     ):
-        size = d.weight_bytes or deployments.need_bytes(d, snap).bytes
+        size = d.weight_bytes or placing.need_bytes(d, snap).bytes
         reload_s[d.name] = size / settings.GPUPORTAL_H2D_BYTES_PER_S
     activity = _activity(sorted({o.replica_id for o in occupants}))
 
@@ -773,11 +773,9 @@ def _try_place(ids: list[int], why: str, *, victims: list[str] | None = None) ->
         try:
             with transaction.atomic():
                 if unplaced:
-                    deployments.add_replicas(
-                        deployment, 1, reason=reason, cached=(), new_ids=[waker.id], evictions=False
-                    )
+                    placing.add_replicas(deployment, 1, reason=reason, cached=(), new_ids=[waker.id], evictions=False)
                 else:
-                    deployments.add_replicas(
+                    placing.add_replicas(
                         deployment,
                         1,
                         reason=reason,
@@ -802,9 +800,7 @@ def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> O
         _close(intents, PreemptionIntent.Status.FAILED, reason)
         _drop_unplaced(intent.waiting_replica_id, reason)
         others_awake = (
-            deployment.replicas.filter(state__in=deployments.AWAKE)
-            .exclude(state=Replica.State.PENDING, node=None)
-            .exists()
+            deployment.replicas.filter(state__in=placing.AWAKE).exclude(state=Replica.State.PENDING, node=None).exists()
         )
     if not others_awake:
         queueing.fail_waiting(deployment.name, reason)

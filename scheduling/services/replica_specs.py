@@ -22,7 +22,7 @@ def contexts_of(gpus: QuerySet[GPU]) -> tuple[int, int]:
 
 def contexts_for(replica: Replica) -> tuple[int, int]:
     """(serving context, standby context) the replica's reservation counts: its GPUs' own, the
-    largest of them, as the scheduler counted them (scheduling.services.deployments.need_bytes)."""
+    largest of them, as the scheduler counted them (scheduling.services.placing.need_bytes)."""
     indices = [int(index) for index in replica.gpu_mem_bytes_by_id]
     return contexts_of(GPU.objects.filter(node_id=replica.node_id, index__in=indices))
 

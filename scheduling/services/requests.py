@@ -19,7 +19,7 @@ from django.db import InterfaceError, OperationalError, connection
 from gpuportal.wire.requestqueue import Request, family_of_kind, family_of_loader
 from scheduling import ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
-from scheduling.services import deployments, sleep, user_limits
+from scheduling.services import placing, sleep, user_limits
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound, Unavailable
 from scheduling.services.queueing import (
     AWAKE,
@@ -202,7 +202,7 @@ def _fetch(params: list) -> tuple[str, bool, bool] | None:
 def _refuse_if_never_placeable(deployment: Deployment) -> None:
     """409 when no node could host a replica even empty: waiting would never end."""
     snapshot = ledger.snapshot()
-    need = deployments.need_bytes(deployment, snapshot).bytes
+    need = placing.need_bytes(deployment, snapshot).bytes
     per_node: dict[str, int] = {}
     for gpu in snapshot.gpus.values():
         if gpu.node_status == "online" and gpu.health == GPU.Health.OK:

@@ -27,10 +27,10 @@ from scheduling import events, fairness, ledger, locks
 from scheduling.models import Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, Placement, place
 from scheduling.planning import withhold_locked
-from scheduling.services import deployments, preemption, queueing, traffic
+from scheduling.services import deployments, placing, preemption, queueing, traffic
 from scheduling.services import replicas as replica_services
-from scheduling.services.deployments import AWAKE
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError
+from scheduling.services.placing import AWAKE
 from scheduling.simulation import config as sim_config
 from scheduling.simulation.traces import resolve
 from scheduling.state import Snapshot
@@ -91,7 +91,7 @@ def wake_replica(replica_id: str, *, reason: str) -> Replica:
         cached = (CachedReplica(replica.id, replica.node.name),)
         try:
             with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
-                deployments.add_replicas(deployment, 1, reason=why, cached=cached, allow_new=False, evictions=False)
+                placing.add_replicas(deployment, 1, reason=why, cached=cached, allow_new=False, evictions=False)
         except CannotPlace:
             outcome = preemption.start(deployment, reason=why, cached=cached, allow_new=False)
             if isinstance(outcome, preemption.WaitingForLock):
@@ -143,7 +143,7 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         for count, because in attempts:
             try:
                 with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
-                    decision = deployments.add_replicas(deployment, count, reason=because, evictions=False)
+                    decision = placing.add_replicas(deployment, count, reason=because, evictions=False)
                 return [p.replica_id for p in decision.placements]
             except CannotPlace:
                 continue
@@ -190,7 +190,7 @@ def _wake_copy_rather_than_load(deployment: Deployment, *, reason: str) -> list[
     load is the faster, or fairness finds no victims on the copy's node (popular, dedicated: a wait
     that would end in a failed wake) or another wake holds its lock (a wait without the bound
     max_wait gives): the rule's premise is gone then. The caller holds the deployment row lock."""
-    cached = deployments.cached_of(deployment)
+    cached = placing.cached_of(deployment)
     if not cached:
         return None
     times = reload_times(deployment)
@@ -239,10 +239,10 @@ def _loads_from_disk(deployment: Deployment, cached: tuple[CachedReplica, ...]) 
     attempt) would load a new replica from disk rather than promote a copy: placement's own answer
     on a snapshot, as the simulator asks it before applying the same rule. It reads; it commits nothing."""
     snap = ledger.snapshot()
-    need = deployments.need_bytes(deployment, snap)
+    need = placing.need_bytes(deployment, snap)
     new_id = new_replica_id()
     snap, _ = withhold_locked(snap, [new_id, *(c.replica_id for c in cached)], timezone.now())
-    (request,) = deployments.placement_requests(deployment, [new_id], need.bytes, cached)
+    (request,) = placing.placement_requests(deployment, [new_id], need.bytes, cached)
     result = place(snap, request, policy=replace(POLICIES[deployment.memory_policy], evictions=False))
     return isinstance(result, Placement) and result.promoted is None
 
@@ -387,7 +387,7 @@ def _short_of_room(nodes: list[str], snap: Snapshot) -> dict[str, fairness.Aslee
             continue
         copies[deployment.pk] = fairness.AsleepCopy(
             deployment.name,
-            deployments.need_bytes(deployment, snap).bytes,
+            placing.need_bytes(deployment, snap).bytes,
             reload_times(deployment).wake_s,
             POLICIES[deployment.memory_policy].whole_gpu_from,
         )

@@ -18,7 +18,7 @@ from django.utils import timezone
 from gpuportal.wire import memory
 from scheduling import ledger
 from scheduling.models import Deployment, RequestRecord
-from scheduling.services import deployments
+from scheduling.services import placing
 from scheduling.services.queueing import queue
 from scheduling.simulation.traces import CatalogueEntry, TraceRow
 from scheduling.state import Snapshot
@@ -99,7 +99,7 @@ def live_catalogue() -> tuple[CatalogueEntry, ...]:
 def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> CatalogueEntry:
     """One deployment as the planner sees it; the live wake path reads its reload times from the
     same entry (services.sleep), so that both judge a deployment by the same figures. With
-    `snapshot`, its need is what one replica reserves (deployments.need_bytes: under its memory
+    `snapshot`, its need is what one replica reserves (placing.need_bytes: under its memory
     policy, with the CUDA context, and a failover standby's) as those GPUs count it; without one
     the need is left out (the wake path reads only the reload times, which come from the weights)."""
     need = _reserved_need(d, snapshot) if snapshot is not None else None
@@ -123,7 +123,7 @@ def _reserved_need(d: Deployment, snapshot: Snapshot) -> int | None:
     # The planner fits replicas onto GPUs by this figure: the bare model size (an override, an
     # estimate) left out the context each replica's reservation holds, 0.3-0.8 GB on an H100.
     try:
-        return deployments.need_bytes(d, snapshot).bytes
+        return placing.need_bytes(d, snapshot).bytes
     except ValueError:  # no figure at all yet (a deployment still being inspected)
         return None
 

@@ -37,7 +37,7 @@ PROMPT_ROOM = 16
 
 def wake(reserved: int) -> dict:
     """The wake the control plane sends a replica loaded into `reserved`: the need plus what its
-    context grew by serving (the sleep's residual raised the GPU's figure: deployments.need_bytes)."""
+    context grew by serving (the sleep's residual raised the GPU's figure: placing.need_bytes)."""
     grown = reserved + H100_KERNEL_GROWTH_BYTES
     return {"cmd": "wake", "gpus": [0], "reserved_bytes_by_gpu": {"0": grown}, "fraction": 0.03}
 
