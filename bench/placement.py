@@ -59,7 +59,7 @@ DEPLOYMENTS = 40
 POOL_PER_CLIENT = 400
 CLUSTER_BYTES = 100 * 8 * 80 * GiB
 SERVICE_HEADERS = [
-    "snapshot",
+    "how",
     "clients",
     "commits/s",
     "p50 ms",
@@ -103,6 +103,9 @@ class Loop(Protocol):
 SERVICE_DEPLOYMENTS = 40
 # Of every 100 calls, how many create or delete a small deployment rather than scale one.
 CHURN_PERCENT = 10
+# How the clients run: a process each (incremental or full snapshots), or a thread each of one
+# process as the web serves them (scale calls committed together, or each alone).
+SERVICE_WAYS = ("incremental", "full", "threads", "threads-alone")
 
 
 @dataclass(frozen=True)
@@ -445,15 +448,67 @@ def client(make: Callable[[], Loop], seconds: float, start: mp.Barrier, out: mp.
     )
 
 
-def run(makers: list[Callable[[], Loop]], seconds: float) -> dict:
-    """Each maker's loop in a process of its own, started together; the row's figures."""
+def threads_client(makers: list[Callable[[], Loop]], seconds: float, start: mp.Barrier, out: mp.Queue) -> None:
+    """Each maker's loop on a thread of this one process, as the web serves API calls (granian's
+    threads in one process): their scale calls can commit together (scheduling.group_commit)."""
+    import threading
+
+    from django.db import connection
+
+    loops: list[Loop | None] = [None] * len(makers)
+    cpu: list[float | None] = [None] * len(makers)
+    ready = threading.Barrier(len(makers) + 1)
+    go = threading.Event()
+
+    def serve(n: int) -> None:
+        loops[n] = loop = makers[n]()
+        ready.wait()
+        go.wait()
+        before = backend_cpu_s()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            loop.step()
+        after = backend_cpu_s()
+        cpu[n] = None if before is None or after is None else after - before
+        connection.close()
+
+    with effects_kept() as sent:
+        threads = [threading.Thread(target=serve, args=(n,)) for n in range(len(makers))]
+        for thread in threads:
+            thread.start()
+        ready.wait()
+        start.wait()
+        client_before = time.process_time()
+        go.set()
+        for thread in threads:
+            thread.join()
+        client_cpu = time.process_time() - client_before
+    tallies = [loop.tally() for loop in loops if loop is not None]
+    out.put(
+        {
+            "latencies": [x for loop in loops if loop is not None for x in loop.latencies],
+            "client_cpu": client_cpu,
+            "server_cpu": None if any(c is None for c in cpu) else sum(cpu),  # type: ignore[misc]
+            "sent": len(sent),
+            **{key: sum(t[key] for t in tallies) for key in tallies[0]},
+        }
+    )
+
+
+def run(makers: list[Callable[[], Loop]], seconds: float, *, threads: bool = False) -> dict:
+    """Each maker's loop in a process of its own (`threads`: on a thread each of one process),
+    started together; the row's figures."""
     from django.db import connections
 
     connections.close_all()  # children must not share the parent's connection across fork
     ctx = mp.get_context("fork")
-    start = ctx.Barrier(len(makers) + 1)
     out = ctx.Queue()
-    procs = [ctx.Process(target=client, args=(make, seconds, start, out)) for make in makers]
+    if threads:
+        start = ctx.Barrier(2)
+        procs = [ctx.Process(target=threads_client, args=(makers, seconds, start, out))]
+    else:
+        start = ctx.Barrier(len(makers) + 1)
+        procs = [ctx.Process(target=client, args=(make, seconds, start, out)) for make in makers]
     for proc in procs:
         proc.start()
     start.wait()
@@ -499,6 +554,11 @@ def over_committed_gpus() -> int:
 
 
 def service_row(how: str, clients: int, models: list[Model], seconds: float) -> dict:
+    """`how`: `incremental` and `full`, a process per client; `threads`, a thread per client in
+    one process, their scale calls committed together; `threads-alone`, the same threads with
+    GPUPORTAL_SCALE_TOGETHER off (each call its own transaction)."""
+    from django.conf import settings
+
     reset_services(models)
     shares = [models[n::clients] for n in range(clients)]
 
@@ -510,7 +570,11 @@ def service_row(how: str, clients: int, models: list[Model], seconds: float) -> 
 
         return make
 
-    return run([maker(n) for n in range(clients)], seconds)
+    settings.GPUPORTAL_SCALE_TOGETHER = how != "threads-alone"
+    try:
+        return run([maker(n) for n in range(clients)], seconds, threads=how.startswith("threads"))
+    finally:
+        settings.GPUPORTAL_SCALE_TOGETHER = True
 
 
 def ledger_row(how: str, policy: str, clients: int, pools: list, seconds: float) -> dict:
@@ -598,7 +662,7 @@ def main() -> None:
         service_rows = []
         models = service_models()
         for n in service_counts:
-            for how in ("incremental", "full"):
+            for how in SERVICE_WAYS:
                 r = service_row(how, n, models, args.seconds)
                 cells = [how, n, *figures(r), r["refused"], *(r[k] for k in ("scaled up", "scaled down"))]
                 cells += [r["created"], r["deleted"], r["over_committed"]]

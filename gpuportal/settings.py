@@ -212,6 +212,9 @@ GPUPORTAL_REQUEST_RECORD_RETENTION_S = env_float("GPUPORTAL_REQUEST_RECORD_RETEN
 # Commit path: attempts and the cap of the jittered backoff between them.
 GPUPORTAL_CAS_ATTEMPTS = int(os.environ.get("GPUPORTAL_CAS_ATTEMPTS", "8"))
 GPUPORTAL_CAS_BACKOFF_MAX_S = env_float("GPUPORTAL_CAS_BACKOFF_MAX_S", 0.05)
+# Scale calls that arrive together in one process (the web's threads) commit together, in one
+# transaction (scheduling.services.scaling); off: each in its own, as a caller's transaction does.
+GPUPORTAL_SCALE_TOGETHER = env_bool("GPUPORTAL_SCALE_TOGETHER", True)
 GPUPORTAL_DATA_DIR = str(default_data_dir())
 GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
 # A replica's CUDA context is no setting: each GPU row holds its own, measured by its replicas

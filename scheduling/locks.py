@@ -67,26 +67,30 @@ def lock_deployment(name: str) -> Deployment:
         raise NotFound(f"no deployment named {name!r}") from None
 
 
-def lock_deployment_reading(name: str, *queries: tuple[str, Sequence[Any]]) -> tuple[Deployment, list[list[tuple]]]:
-    """The deployment's row locked (NotFound if there is none) and the rows of each query read
-    after it (a scale call's census), statements the server prepares once rather than ones Django
-    compiles each time (issue 17 item 4). Each query is a statement of its own, run once the lock
-    is granted, so it sees what the lock's previous holder committed."""
+def lock_deployments_reading(
+    names: Sequence[str], *queries: tuple[str, Sequence[Any]]
+) -> tuple[list[Deployment], list[list[tuple]]]:
+    """The deployments' rows locked in primary-key order (those that exist: no error for a name
+    that does not) and the rows of each query read after them (a batch of scale calls' census),
+    statements the server prepares once rather than ones Django compiles each time (issue 17
+    item 4). Each query is a statement of its own, run once the locks are granted, so it sees
+    what their previous holders committed."""
     with hot_sql.cursor() as cursor:
-        cursor.execute(_lock_by_name(), [name])
-        row = cursor.fetchone()
-        if row is None:
-            raise NotFound(f"no deployment named {name!r}")
+        cursor.execute(_lock_by_names(), [list(names)])
+        deployments = [hot_sql.instance(Deployment, row) for row in cursor.fetchall()]
         rows = []
         for query, params in queries:
             cursor.execute(query, params)
             rows.append(cursor.fetchall())
-    return hot_sql.instance(Deployment, row), rows
+    return deployments, rows
 
 
 @functools.cache
-def _lock_by_name() -> str:
-    return f"SELECT {hot_sql.columns(Deployment)} FROM scheduling_deployment WHERE name = %s FOR UPDATE"
+def _lock_by_names() -> str:
+    # FOR UPDATE locks rows as the sorted result is read: in primary-key order.
+    return (
+        f"SELECT {hot_sql.columns(Deployment)} FROM scheduling_deployment WHERE name = ANY(%s) ORDER BY id FOR UPDATE"
+    )
 
 
 def lock_deployment_of(replica: Replica) -> Deployment:
@@ -160,6 +164,12 @@ def lock_node_gpus(node_id: int) -> list[GPU]:
 
 def lock_replica(replica_id: str) -> Replica:
     return Replica.objects.select_for_update(of=("self",)).select_related("node", "deployment").get(pk=replica_id)
+
+
+def lock_replica_ids(ids: Iterable[str]) -> None:
+    """These replicas' rows, in primary-key order, without reading them."""
+    with hot_sql.cursor() as cursor:
+        cursor.execute("SELECT id FROM scheduling_replica WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [sorted(ids)])
 
 
 def lock_replicas(replicas: QuerySet[Replica], *, skip_locked: bool = False) -> list[Replica]:

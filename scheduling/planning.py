@@ -20,23 +20,52 @@ from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, 
 class MultiPlacement:
     placements: tuple[Placement, ...]
     plan: Plan
+    after: Snapshot  # the snapshot placed on, as it will be once the plan is committed
 
 
 def apply_placement(snapshot: Snapshot, placement: Placement, occupant: OccupantView) -> Snapshot:
     """The snapshot as it will be once `placement` is committed (versions unchanged)."""
-    gpus = dict(snapshot.gpus)
     gone: dict[int, set[str]] = {}
     for eviction in placement.evictions:
         gone.setdefault(eviction.gpu_id, set()).add(eviction.replica_id)
     for gpu_id in placement.dropped_residuals:
         gone.setdefault(gpu_id, set()).add(placement.replica_id)
+    changed = []
     for gpu_id in set(gone) | set(placement.gpu_ids):
-        gpu = gpus[gpu_id]
+        gpu = snapshot.gpus[gpu_id]
         occupants = [o for o in gpu.occupants if o.replica_id not in gone.get(gpu_id, set())]
         if gpu_id in placement.bytes_by_gpu:
             occupants = [o for o in occupants if o.replica_id != placement.replica_id]
             occupants.append(replace(occupant, reserved_bytes=placement.bytes_by_gpu[gpu_id]))
-        gpus[gpu_id] = _with_occupants(gpu, occupants)
+        changed.append(_with_occupants(gpu, occupants))
+    return _with_gpus(snapshot, changed)
+
+
+def without_releases(snapshot: Snapshot, releases: Iterable[Release]) -> Snapshot:
+    """The snapshot as it will be once these reservations are released (versions unchanged)."""
+    gone: dict[int, set[str]] = {}
+    for release in releases:
+        gone.setdefault(release.gpu_id, set()).add(release.replica_id)
+    changed = [
+        _with_occupants(snapshot.gpus[gpu_id], [o for o in snapshot.gpus[gpu_id].occupants if o.replica_id not in ids])
+        for gpu_id, ids in gone.items()
+    ]
+    return _with_gpus(snapshot, changed)
+
+
+def _with_gpus(snapshot: Snapshot, changed: Sequence[GPUView]) -> Snapshot:
+    """The snapshot with these GPUs' views replaced; its index patched rather than built anew
+    where it has one (a batch of placements over hundreds of nodes would otherwise walk every
+    GPU after each)."""
+    if not changed:
+        return snapshot
+    gpus = dict(snapshot.gpus)
+    for gpu in changed:
+        gpus[gpu.id] = gpu
+    if "index" in snapshot.__dict__:  # built already (cached_property keeps it there)
+        index = snapshot.index.updated(changed)
+        if index is not None:
+            return Snapshot.indexed(gpus, snapshot.taken_at, index)
     return Snapshot(gpus=gpus, taken_at=snapshot.taken_at)
 
 
@@ -91,22 +120,23 @@ def place_all(
         if result.promoted:
             promoted.add(result.promoted)
         current = apply_placement(current, result, occupant_for(result))
-    return MultiPlacement(tuple(placements), _combined_plan(snapshot, placements, reason))
+    return MultiPlacement(tuple(placements), _combined_plan(snapshot, placements, reason), current)
 
 
 def _combined_plan(snapshot: Snapshot, placements: Sequence[Placement], reason: str) -> Plan:
-    releases: dict[tuple[int, str], Release] = {}
+    detail = " | ".join(p.reason for p in placements if p.reason)
+    return plan_of(snapshot, placements, (), f"{reason}: {detail}" if detail else reason)
+
+
+def plan_of(snapshot: Snapshot, placements: Sequence[Placement], releases: Iterable[Release], reason: str) -> Plan:
+    """One ledger plan for placements and releases decided together (a placement's own evictions
+    among the releases), against the snapshot they were decided on."""
+    released: dict[tuple[int, str], Release] = {(r.gpu_id, r.replica_id): r for r in releases}
     reservations: dict[tuple[int, str], Reservation] = {}
     for placement in placements:
         plan = placement.to_plan(snapshot)
         for release in plan.releases:
-            releases[(release.gpu_id, release.replica_id)] = release
+            released[(release.gpu_id, release.replica_id)] = release
         for reservation in plan.reservations:
             reservations[(reservation.gpu_id, reservation.replica_id)] = reservation
-    detail = " | ".join(p.reason for p in placements if p.reason)
-    return Plan.against(
-        snapshot,
-        f"{reason}: {detail}" if detail else reason,
-        reservations=reservations.values(),
-        releases=releases.values(),
-    )
+    return Plan.against(snapshot, reason, reservations=reservations.values(), releases=released.values())

@@ -7,8 +7,9 @@ primary-key order (the ledger), then replica rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from django.db.models import Q
 from django.utils import timezone
@@ -17,7 +18,7 @@ from gpuportal.wire import memory
 from scheduling import events, hot_sql, ledger
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
-from scheduling.planning import place_all, withhold_locked
+from scheduling.planning import apply_placement, place_all, plan_of, withhold_locked
 from scheduling.services import dispatch, failover, replica_specs
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace
@@ -110,6 +111,81 @@ def cached_of(deployment: Deployment) -> tuple[CachedReplica, ...]:
     )
 
 
+@dataclass
+class Ask:
+    """One deployment's share of a placement decision: `count` more replicas, all or none,
+    promoting its sleeping ones first. Several asks (a batch of scale calls) place one after
+    another on one snapshot and commit as one plan; `add_replicas` commits one alone."""
+
+    deployment: Deployment
+    reason: str
+    cached: tuple[CachedReplica, ...]
+    allow_new: bool
+    policy: str | Policy
+    decision: Decision
+    plan_reason: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        deployment: Deployment,
+        count: int,
+        *,
+        reason: str,
+        cached: tuple[CachedReplica, ...],
+        allow_new: bool = True,
+        evictions: bool = True,
+        new_ids: list[str] | None = None,
+    ) -> Ask:
+        # Placement needs an id per request even when it may only promote; those ids never get rows.
+        decision = Decision(new_ids=list(new_ids) if new_ids is not None else [new_replica_id() for _ in range(count)])
+        if allow_new and new_ids is None:
+            # Rows written by the commit's apply, placed, and only for the ids placement used (a
+            # promotion can make one unneeded). The occupants the ledger writes first point at them
+            # before they exist: the foreign key is checked at commit.
+            decision.created = {i: Replica(id=i, deployment=deployment) for i in decision.new_ids}
+        policy: str | Policy = deployment.memory_policy
+        if not evictions:
+            policy = replace(POLICIES[deployment.memory_policy], evictions=False)
+        return cls(deployment, reason, cached, allow_new, policy, decision)
+
+    def place(self, current: Snapshot, now: datetime) -> Snapshot:
+        """Its placements on `current` (the snapshot as the asks placed before it left it), kept in
+        its decision; the snapshot after them. CannotPlace if they do not all fit."""
+        deployment, decision = self.deployment, self.decision
+        need = need_bytes(deployment, current)
+        mine = [*decision.new_ids, *(c.replica_id for c in self.cached)]
+        view, withheld = withhold_locked(current, mine, now)
+        requests = placement_requests(deployment, decision.new_ids, need.bytes, self.cached, allow_new=self.allow_new)
+        result = place_all(
+            view,
+            requests,
+            occupant_for=lambda placement: _occupant_for(deployment, placement),
+            reason=f"{self.reason} ({need})",
+            policy=self.policy,
+        )
+        if isinstance(result, CantAccommodate):
+            decision.placements = ()
+            if withheld:
+                locked = ", ".join(withheld)
+                reasons = {**result.reasons, **{label: "another wake holds its wake lock" for label in withheld}}
+                raise CannotPlace(f"{result.reason} (not counting {locked}: another wake holds its lock)", reasons)
+            raise CannotPlace(result.reason, result.reasons)
+        decision.placements = result.placements
+        decision.gpus = current.gpus
+        self.plan_reason = result.plan.reason
+        if not withheld:
+            return result.after
+        for placement in result.placements:  # placed on a view without the withheld GPUs
+            current = apply_placement(current, placement, _occupant_for(deployment, placement))
+        return current
+
+    @property
+    def loaded(self) -> int:
+        """How many of its placements load from disk rather than promote a sleeping replica."""
+        return sum(1 for p in self.decision.placements if p.promoted is None)
+
+
 def add_replicas(
     deployment: Deployment,
     count: int,
@@ -131,47 +207,24 @@ def add_replicas(
     deployment has no parked replica (none to retire for a new load). The caller holds the
     deployment row lock.
     """
-    if cached is None:
-        cached = cached_of(deployment)
-    # Placement needs an id per request even when it may only promote; those ids never get rows.
-    decision = Decision(new_ids=list(new_ids) if new_ids is not None else [new_replica_id() for _ in range(count)])
-    policy: str | Policy = deployment.memory_policy
-    if not evictions:
-        policy = replace(POLICIES[deployment.memory_policy], evictions=False)
-
-    mine = [*decision.new_ids, *(c.replica_id for c in cached)]
+    ask = Ask.of(
+        deployment,
+        count,
+        reason=reason,
+        cached=cached_of(deployment) if cached is None else cached,
+        allow_new=allow_new,
+        evictions=evictions,
+        new_ids=new_ids,
+    )
 
     def decide(snap: Snapshot) -> Plan:
-        need = need_bytes(deployment, snap)
-        snap, withheld = withhold_locked(snap, mine, timezone.now())
-        requests = placement_requests(deployment, decision.new_ids, need.bytes, cached, allow_new=allow_new)
-        result = place_all(
-            snap,
-            requests,
-            occupant_for=lambda placement: _occupant_for(deployment, placement),
-            reason=f"{reason} ({need})",
-            policy=policy,
-        )
-        if isinstance(result, CantAccommodate):
-            if withheld:
-                locked = ", ".join(withheld)
-                reasons = {**result.reasons, **{label: "another wake holds its wake lock" for label in withheld}}
-                raise CannotPlace(f"{result.reason} (not counting {locked}: another wake holds its lock)", reasons)
-            raise CannotPlace(result.reason, result.reasons)
-        decision.placements = result.placements
-        decision.gpus = snap.gpus
-        return result.plan
+        ask.place(snap, timezone.now())
+        return plan_of(snap, ask.decision.placements, (), ask.plan_reason)
 
-    if allow_new and new_ids is None:
-        # Rows written by the commit's apply, placed, and only for the ids placement used (a
-        # promotion can make one unneeded). The occupants the ledger writes first point at them
-        # before they exist: the foreign key is checked at commit.
-        decision.created = {i: Replica(id=i, deployment=deployment) for i in decision.new_ids}
-    ledger.commit_with_retry(decide, apply=lambda plan: apply_placements(deployment, decision, reason))
-    loaded = sum(1 for p in decision.placements if p.promoted is None)
+    ledger.commit_with_retry(decide, apply=lambda plan: apply_placements([ask]))
     if parked:
-        retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
-    return decision
+        retire_parked(deployment, ask.loaded, reason=f"replaced by a load from disk ({reason})")
+    return ask.decision
 
 
 def placement_requests(
@@ -220,20 +273,22 @@ def retire_parked(deployment: Deployment, count: int, *, reason: str) -> None:
         replica_services.set_state(replica, Replica.State.STOPPED, reason)
 
 
-def apply_placements(deployment: Deployment, decision: Decision, reason: str) -> None:
+def apply_placements(asks: Sequence[Ask]) -> None:
     """Inside the commit: record where each replica went (and, after the placement's own reason,
-    the caller's: deploy, scale, wake), then send the agents to work."""
-    gpus = decision.gpus
-    victims = {e.replica_id for p in decision.placements for e in p.evictions}
+    the ask's: deploy, scale, wake), then send the agents to work."""
+    placements = [(ask, p) for ask in asks for p in ask.decision.placements]
+    victims = {e.replica_id for _, p in placements for e in p.evictions}
     # Most placements evict nobody: no query then (Django compiles even one it knows is empty).
+    # Every ask's victims together, in primary-key order (the global lock order).
     for victim in _replicas_in_pk_order(victims) if victims else ():
-        _mark_evicted(victim, next(p for p in decision.placements if victim.id in p.evicted_replicas))
+        _mark_evicted(victim, next(p for _, p in placements if victim.id in p.evicted_replicas))
     placed = []
-    for placement in decision.placements:
+    for ask, placement in placements:
+        gpus, created = ask.decision.gpus, ask.decision.created
         first = gpus[placement.gpu_ids[0]]
         by_index = {str(gpus[g].index): placement.bytes_by_gpu[g] for g in placement.gpu_ids}
         promoted = placement.promoted is not None
-        replica = decision.created.get(placement.replica_id) or Replica.objects.get(pk=placement.replica_id)
+        replica = created.get(placement.replica_id) or Replica.objects.get(pk=placement.replica_id)
         before = {"state": replica.state, "node": replica.node_id and first.node, "gpus": replica.gpu_mem_bytes_by_id}
         replica.node_id = first.node_id
         replica.gpu_mem_bytes_by_id = by_index
@@ -241,16 +296,17 @@ def apply_placements(deployment: Deployment, decision: Decision, reason: str) ->
         replica.state = Replica.State.WAKING if promoted else Replica.State.PENDING
         replica.progress = 0
         replica.failure_reason = ""
-        placed.append((placement, replica, before, first, promoted))
+        placed.append((ask, placement, replica, before, first, promoted))
     # New rows in one statement; rows that were there (a promotion, a caller's own) saved each.
-    hot_sql.insert([p[1] for p in placed if p[1].id in decision.created])
-    for placement, replica, before, first, promoted in placed:
-        if replica.id not in decision.created:
+    hot_sql.insert([p[2] for p in placed if p[2].id in p[0].decision.created])
+    for ask, placement, replica, before, first, promoted in placed:
+        deployment = ask.deployment
+        if replica.id not in ask.decision.created:
             replica.save()
         events.record(
             Event.Kind.REPLICA_STATE,
             f"replica {replica.id[:8]}",
-            ("promoted from the CPU cache: " if promoted else "placed: ") + f"{placement.reason}; {reason}",
+            ("promoted from the CPU cache: " if promoted else "placed: ") + f"{placement.reason}; {ask.reason}",
             before=before,
             after={
                 "state": replica.state,
@@ -263,20 +319,26 @@ def apply_placements(deployment: Deployment, decision: Decision, reason: str) ->
             deployment=deployment.name,
             replica=replica.id,
         )
-        wait_for = [e.replica_id for e in placement.evictions]
-        if deployment.failover_standby and not promoted and replica.lease_id is None:
-            failover.pair_up(deployment, replica)
-        if promoted:
-            dispatch.wake(first.node, replica.id, wait_for)
-        elif replica.lease_id is None:
-            # Built now from the row as written and the GPUs' own contexts: the command the
-            # committed books would give, without reading them back after the commit.
-            views = [gpus[g] for g in placement.gpu_ids]
-            contexts = (max(v.context_bytes for v in views), max(v.standby_context_bytes for v in views))
-            command = replica_specs.start_placed(replica, contexts=contexts, virtual=first.virtual, wait_for=wait_for)
-            dispatch.start_placed(first.node, command)
-        else:
-            dispatch.start(first.node, replica.id, wait_for)
+        _send(ask, placement, replica, first, promoted)
+
+
+def _send(ask: Ask, placement: Placement, replica: Replica, first: GPUView, promoted: bool) -> None:
+    """The placed replica's command to its node (on commit), and its failover pair's start."""
+    deployment, gpus = ask.deployment, ask.decision.gpus
+    wait_for = [e.replica_id for e in placement.evictions]
+    if deployment.failover_standby and not promoted and replica.lease_id is None:
+        failover.pair_up(deployment, replica)
+    if promoted:
+        dispatch.wake(first.node, replica.id, wait_for)
+    elif replica.lease_id is None:
+        # Built now from the row as written and the GPUs' own contexts: the command the
+        # committed books would give, without reading them back after the commit.
+        views = [gpus[g] for g in placement.gpu_ids]
+        contexts = (max(v.context_bytes for v in views), max(v.standby_context_bytes for v in views))
+        command = replica_specs.start_placed(replica, contexts=contexts, virtual=first.virtual, wait_for=wait_for)
+        dispatch.start_placed(first.node, command)
+    else:
+        dispatch.start(first.node, replica.id, wait_for)
 
 
 def _replicas_in_pk_order(ids: set[str]) -> list[Replica]:
@@ -293,6 +355,68 @@ def _mark_evicted(victim: Replica, placement: Placement) -> None:
             dispatch.trim_host_cache(victim.node.name)
 
 
+@dataclass(frozen=True)
+class Stop:
+    """A deployment's replicas to release and stop (a failover pair whole). `known`: each one's
+    state and node name as the caller read them under the deployment's lock, so they need not be
+    read again (None: read them)."""
+
+    deployment: Deployment
+    ids: frozenset[str]
+    reason: str
+    known: dict[str, tuple[str, str | None]] | None
+
+    @classmethod
+    def of(
+        cls,
+        deployment: Deployment,
+        replica_ids: Iterable[str],
+        *,
+        reason: str,
+        known: dict[str, tuple[str, str | None]] | None = None,
+    ) -> Stop:
+        ids = set(replica_ids)
+        if deployment.failover_standby:  # only such a deployment's replicas are paired (a setting it keeps)
+            ids |= failover.partners(ids)  # a pair stops whole: its standby must not take over
+        if known is not None and not ids <= set(known):
+            known = None
+        return cls(deployment, frozenset(ids), reason, known)
+
+    def releases(self, snap: Snapshot) -> list[Release]:
+        holdings = snap.index.holdings  # where each replica holds memory, without a walk of every GPU
+        return [Release(gpu.id, replica_id) for replica_id in self.ids for gpu, _ in holdings.get(replica_id, ())]
+
+
+def apply_stops(stops: Sequence[Stop]) -> None:
+    """Inside the commit that released them: every stop's replicas marked stopping and their
+    nodes told to stop them (on commit)."""
+    known = sorted((replica_id, stop) for stop in stops if stop.known is not None for replica_id in stop.ids)
+    read = [(replica_id, stop, *stop.known[replica_id]) for replica_id, stop in known]  # type: ignore[index]
+    # One update for the replicas whose state the callers read, in primary-key order (the global
+    # lock order).
+    replica_services.set_states_of(
+        [
+            replica_services.KnownReplica(replica_id, state, node, stop.deployment, f"stopping: {stop.reason}")
+            for replica_id, stop, state, node in read
+        ],
+        Replica.State.STOPPING,
+    )
+    for replica_id, stop, _, node in read:
+        if node is not None:
+            dispatch.stop(node, replica_id, drain_timeout_s=stop.deployment.drain_timeout_s)
+    unknown = {replica_id: stop for stop in stops if stop.known is None for replica_id in stop.ids}
+    if unknown:
+        query = Replica.objects.select_related("node", "deployment").filter(id__in=unknown).order_by("pk")
+        for replica in query:
+            replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {unknown[replica.id].reason}")
+            if replica.node is not None:
+                dispatch.stop(replica.node.name, replica.id)
+    for stop in stops:
+        if stop.deployment.failover_standby:
+            # The stops go out on commit, this with them: no member takes over from one that exits.
+            failover.close_pairs(set(stop.ids))
+
+
 def stop_replicas(
     deployment: Deployment,
     replica_ids: list[str],
@@ -300,32 +424,7 @@ def stop_replicas(
     reason: str,
     known: dict[str, tuple[str, str | None]] | None = None,
 ) -> None:
-    """Release and stop the replicas (a failover pair whole). `known`: each one's state and node
-    name as the caller read them under the deployment's lock, so they need not be read again."""
-    ids = set(replica_ids)
-    if deployment.failover_standby:  # only such a deployment's replicas are paired (a setting it keeps)
-        ids |= failover.partners(ids)  # a pair stops whole: its standby must not take over
-    if known is not None and not ids <= set(known):
-        known = None
-
-    def apply(plan: Plan | None = None) -> None:
-        if known is not None:
-            # One update per replica, in primary-key order (the global lock order).
-            for replica_id in sorted(ids):
-                state, node = known[replica_id]
-                replica_services.set_state_of(
-                    replica_id, state, Replica.State.STOPPING, f"stopping: {reason}", node=node, deployment=deployment
-                )
-                if node is not None:
-                    dispatch.stop(node, replica_id, drain_timeout_s=deployment.drain_timeout_s)
-        else:
-            for replica in Replica.objects.select_related("node", "deployment").filter(id__in=ids).order_by("pk"):
-                replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {reason}")
-                if replica.node is not None:
-                    dispatch.stop(replica.node.name, replica.id)
-        if deployment.failover_standby:
-            # The stops go out on commit, this with them: no member takes over from one that exits.
-            failover.close_pairs(ids)
-
-    if ledger.commit_with_retry(releasing(ids, reason), apply=apply) is None:
-        apply()  # nothing was reserved (e.g. still pending): stop them all the same
+    """Release and stop the replicas (a failover pair whole); see `Stop`."""
+    stop = Stop.of(deployment, replica_ids, reason=reason, known=known)
+    if ledger.commit_with_retry(releasing(set(stop.ids), reason), apply=lambda plan: apply_stops([stop])) is None:
+        apply_stops([stop])  # nothing was reserved (e.g. still pending): stop them all the same

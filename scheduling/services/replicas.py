@@ -5,7 +5,8 @@ with its node. What its process reports is applied by scheduling.services.report
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 import redis
 from django.db import transaction
@@ -317,14 +318,42 @@ def set_state(
     _state_event(kind, replica.id, before, state, reason, replica.node.name if replica.node else "", replica.deployment)
 
 
+class KnownReplica(NamedTuple):
+    """A replica as its caller read it under its deployment's lock, and why its state changes."""
+
+    id: str
+    state: str
+    node: str | None
+    deployment: Deployment
+    reason: str
+
+
 def set_state_of(
     replica_id: str, before: str, state: str, reason: str, *, node: str | None, deployment: Deployment
 ) -> None:
     """`set_state` for a replica the caller knows (its state and node, read under its deployment's
     lock) without its row: one UPDATE, no read."""
-    hot_sql.update_row(Replica, replica_id, state=state, updated_at=timezone.now())
-    if before != state:
-        _state_event(Event.Kind.REPLICA_STATE, replica_id, before, state, reason, node or "", deployment)
+    set_states_of([KnownReplica(replica_id, before, node, deployment, reason)], state)
+
+
+def set_states_of(replicas: Sequence[KnownReplica], state: str) -> None:
+    """`set_state_of` for several replicas (given in primary-key order): one UPDATE for them all."""
+    if not replicas:
+        return
+    with hot_sql.cursor() as cursor:
+        cursor.execute(_SET_STATES_SQL, [state, timezone.now(), [r.id for r in replicas]])
+    for r in replicas:
+        if r.state != state:
+            _state_event(Event.Kind.REPLICA_STATE, r.id, r.state, state, r.reason, r.node or "", r.deployment)
+
+
+# The rows locked first in primary-key order (the global lock order, scheduling.locks): an UPDATE
+# alone locks them in whatever order its scan meets them.
+_SET_STATES_SQL = (
+    "UPDATE scheduling_replica r SET state = %s, updated_at = %s "
+    "FROM (SELECT id FROM scheduling_replica WHERE id = ANY(%s) ORDER BY id FOR UPDATE) locked "
+    "WHERE r.id = locked.id"
+)
 
 
 def _state_event(

@@ -1,22 +1,57 @@
-"""Scaling a deployment: bring its awake replicas to the count asked for."""
+"""Scaling deployments: bring each one's awake replicas to the count asked for.
+
+Scale calls that arrive together in one process (the web serves the API on threads of one
+process) are committed together (issue 17 item 4, `scheduling.group_commit`): one transaction
+locks their deployments in primary-key order and reads their census in one statement, places
+every scale-up on one snapshot (each on the snapshot as the ones before it left it, releases of
+the scale-downs first), and commits one ledger plan, the new replica rows, the state changes and
+the Events in one statement each. A call that cannot be placed fails alone (409) and leaves no
+trace; the others commit. A lone call is a batch of one, on the same path.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
-from scheduling import events, hot_sql, locks
+from scheduling import events, hot_sql, ledger, locks
+from scheduling.group_commit import Group
 from scheduling.models import Deployment, Event, Replica
 from scheduling.placement import CachedReplica
-from scheduling.services.errors import InvalidInput
-from scheduling.services.placing import AWAKE, GONE, PLAIN_COUNTED, add_replicas, retire_parked, stop_replicas
+from scheduling.planning import plan_of, without_releases
+from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
+from scheduling.services.placing import (
+    AWAKE,
+    GONE,
+    PLAIN_COUNTED,
+    Ask,
+    Stop,
+    apply_placements,
+    apply_stops,
+    retire_parked,
+)
+from scheduling.state import Plan, Snapshot
+
+# The most calls one batch holds: enough for every thread of the web (16) and then some; a
+# longer batch would make its first caller wait for the last one's placement.
+BATCH_LIMIT = 32
+
+
+@dataclass(frozen=True)
+class ScaleIntent:
+    name: str
+    replicas: int
+    reason: str
 
 
 @dataclass(frozen=True)
 class _Census:
-    """A deployment's replicas, read in one query for a scale call: what it counts awake, what it
-    may promote, whether any is parked, and each replica's state and node for a stop."""
+    """A deployment's replicas, read for a scale call under its lock: what it counts awake, what
+    it may promote, whether any is parked, and each replica's state and node for a stop."""
 
     awake: list[str]  # newest first, failover standbys left out (they go with their active member)
     cached: tuple[CachedReplica, ...]
@@ -24,9 +59,7 @@ class _Census:
     rows: dict[str, tuple[str, str | None]]  # replica id → (state, node name)
 
     @classmethod
-    def locking(cls, name: str) -> tuple[Deployment, _Census]:
-        """The deployment's row locked, and its census."""
-        deployment, (rows,) = locks.lock_deployment_reading(name, (_CENSUS_SQL, [name]))
+    def of(cls, rows: Sequence[tuple]) -> _Census:
         awake, cached, parked, by_id = [], [], False, {}
         for replica_id, state, role, node in rows:
             by_id[replica_id] = (state, node)
@@ -35,61 +68,205 @@ class _Census:
             elif state == Replica.State.SLEEPING and node is not None:
                 cached.append(CachedReplica(replica_id, node))
             parked = parked or state == Replica.State.PARKED
-        return deployment, cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
+        return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
 
 
 # Not the gone ones: nothing here counts or stops them, and their rows pile up until swept.
 _CENSUS_SQL = (
-    "SELECT r.id, r.state, r.role, n.name FROM scheduling_replica r "
+    "SELECT r.deployment_id, r.id, r.state, r.role, n.name FROM scheduling_replica r "
     "LEFT JOIN scheduling_node n ON n.id = r.node_id "
-    "WHERE r.deployment_id = (SELECT id FROM scheduling_deployment WHERE name = %s) "
+    "WHERE r.deployment_id IN (SELECT id FROM scheduling_deployment WHERE name = ANY(%s)) "
     f"AND r.state NOT IN ({', '.join(repr(str(state)) for state in GONE)}) "
     "ORDER BY r.created_at DESC"
 )
+_WANTED_SQL = (
+    "UPDATE scheduling_deployment d SET replicas_wanted = v.wanted, updated_at = %s "
+    "FROM unnest(%s::bigint[], %s::int[]) AS v(id, wanted) WHERE d.id = v.id"
+)
 
 
-@locks.retry_deadlocks
+@dataclass
+class _Scaling:
+    """One call of a batch, as the batch read it under its deployment's lock."""
+
+    intent: ScaleIntent
+    deployment: Deployment
+    census: _Census
+    ask: Ask | None = None  # the replicas it adds
+    stop: Stop | None = None  # the replicas it stops
+    error: CannotPlace | None = None
+    before: int = 0  # the replicas it wanted before
+
+    @property
+    def why(self) -> str:
+        return f"{self.intent.reason}: {len(self.census.awake)} → {self.intent.replicas}"
+
+
 def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") -> Deployment:
     """Bring the number of awake replicas to `replicas`: cached ones are promoted before new ones
     are created; scaling down stops the most recently started first (they have served least)."""
     if replicas < 0:
         raise InvalidInput("replicas", "must be 0 or more")
-    # Its Events are written in one statement at the end (nothing inside catches and goes on).
+    intent = ScaleIntent(name, replicas, reason)
+    if transaction.get_connection().in_atomic_block or not settings.GPUPORTAL_SCALE_TOGETHER:
+        # In a caller's transaction (an update that scales): what it locked and wrote is its own
+        # to commit, so no other call may share it.
+        (outcome,) = scale_together([intent])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+    return _GROUP.submit(intent)
+
+
+def _run_batch(intents: list[ScaleIntent]) -> list[Deployment | Exception]:
+    try:
+        return scale_together(intents)
+    except Exception:
+        if len(intents) == 1:
+            raise
+        # A batch that failed whole (a database error, conflicts past the ledger's retries): each
+        # call alone, so that each caller gets its own outcome and no call's fault fails another.
+        return [_alone(intent) for intent in intents]
+
+
+def _alone(intent: ScaleIntent) -> Deployment | Exception:
+    try:
+        return scale_together([intent])[0]
+    except Exception as err:
+        return err
+
+
+# One name per batch: two calls for one deployment are ordered by its lock, the second in the
+# next batch, as they would be one after the other.
+_GROUP: Group[ScaleIntent, Deployment] = Group(_run_batch, key=lambda intent: intent.name, limit=BATCH_LIMIT)
+
+
+@locks.retry_deadlocks
+def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exception]:
+    """Each intent's deployment scaled, in one transaction; per intent, its deployment or the error
+    its caller raises (NotFound, CannotPlace: that intent changed nothing). Names are distinct."""
+    outcomes: list[Deployment | Exception] = []
+    # Its Events are written in one statement at the end (a call that cannot be placed records
+    # nothing before its placement fails).
     with transaction.atomic(), events.gathered():
-        # The deployment row lock serialises scale operations of one deployment, so the census
-        # read with it stays true until the commit.
-        deployment, census = _Census.locking(name)
-        awake = census.awake
-        before = deployment.replicas_wanted
-        if replicas > len(awake):
-            add_replicas(
-                deployment,
-                replicas - len(awake),
-                reason=f"{reason}: {len(awake)} → {replicas}",
-                cached=census.cached,
-                parked=census.parked,
-            )
-        elif replicas < len(awake):
-            stopping = awake[: len(awake) - replicas]
-            stop_replicas(
-                deployment,
-                stopping,
-                reason=f"{reason}: {len(awake)} → {replicas}",
-                known={replica_id: census.rows[replica_id] for replica_id in stopping},
-            )
-        deployment.replicas_wanted = replicas
-        hot_sql.update(deployment, ["replicas_wanted"])
-        if census.parked:
-            # Parked replicas beyond the new count are wanted no more.
-            surplus = deployment.replicas.filter(PLAIN_COUNTED).count() - replicas
-            retire_parked(deployment, surplus, reason=f"{reason}: no longer wanted")
-        if before != replicas:
-            events.record(
-                Event.Kind.DEPLOYMENT_CHANGED,
-                f"deployment {name}",
-                f"{reason}: {before} → {replicas} replica(s)",
-                before={"replicas": before},
-                after={"replicas": replicas},
-                deployment=name,
-            )
-    return deployment
+        # The deployment row locks serialise scale operations of each deployment, so the census
+        # read with them stays true until the commit.
+        read = _locking([intent.name for intent in intents])
+        scalings = []
+        for intent in intents:
+            if intent.name not in read:
+                outcomes.append(NotFound(f"no deployment named {intent.name!r}"))
+                continue
+            deployment, census = read[intent.name]
+            scaling = _Scaling(intent, deployment, census, before=deployment.replicas_wanted)
+            _plan_intent(scaling)
+            scalings.append(scaling)
+            outcomes.append(scaling.deployment)
+        _commit(scalings)
+        done = [s for s in scalings if s.error is None]
+        _write_wanted(done)
+        for scaling in done:
+            _after(scaling)
+    errors = {s.deployment.name: s.error for s in scalings if s.error is not None}
+    return [errors.get(o.name, o) if isinstance(o, Deployment) else o for o in outcomes]
+
+
+def _locking(names: list[str]) -> dict[str, tuple[Deployment, _Census]]:
+    """The deployments' rows locked (in primary-key order) and their census, by name; a name with
+    no deployment is left out."""
+    deployments, (rows,) = locks.lock_deployments_reading(names, (_CENSUS_SQL, [names]))
+    by_id: dict[int, list[tuple]] = {d.pk: [] for d in deployments}
+    for deployment_id, *row in rows:
+        by_id[deployment_id].append(row)
+    return {d.name: (d, _Census.of(by_id[d.pk])) for d in deployments}
+
+
+def _plan_intent(scaling: _Scaling) -> None:
+    deployment, census, wanted = scaling.deployment, scaling.census, scaling.intent.replicas
+    awake = census.awake
+    if wanted > len(awake):
+        scaling.ask = Ask.of(deployment, wanted - len(awake), reason=scaling.why, cached=census.cached)
+    elif wanted < len(awake):
+        stopping = awake[: len(awake) - wanted]
+        known = {replica_id: census.rows[replica_id] for replica_id in stopping}
+        scaling.stop = Stop.of(deployment, stopping, reason=scaling.why, known=known)
+
+
+def _commit(scalings: list[_Scaling]) -> None:
+    """One ledger plan for every scaling's releases and placements; an up that does not fit is
+    left out with its error, and the rest commit."""
+    stops = [s.stop for s in scalings if s.stop is not None]
+    ups = [s for s in scalings if s.ask is not None]
+
+    def decide(snap: Snapshot) -> Plan | None:
+        releases = [release for stop in stops for release in stop.releases(snap)]
+        # The scale-downs first: their memory is free for the batch's scale-ups, as it would be
+        # for a call committed after them.
+        current = without_releases(snap, releases)
+        now = timezone.now()
+        for scaling in ups:
+            scaling.error = None
+            try:
+                current = scaling.ask.place(current, now)  # type: ignore[union-attr]
+            except CannotPlace as err:
+                scaling.error = err
+        placed = [s.ask for s in ups if s.error is None]
+        placements = [p for ask in placed for p in ask.decision.placements]  # type: ignore[union-attr]
+        if not placements and not releases:
+            return None
+        return plan_of(snap, placements, releases, _plan_reason(scalings))
+
+    def apply(plan: Plan | None = None) -> None:
+        asks = [s.ask for s in ups if s.error is None]
+        victims = {e.replica_id for ask in asks for p in ask.decision.placements for e in p.evictions}  # type: ignore[union-attr]
+        stopping = {replica_id for stop in stops for replica_id in stop.ids}
+        if victims and stopping:
+            # Both kinds of replica rows are written below, each kind in primary-key order: taken
+            # together first, so the batch holds them in the one global order.
+            locks.lock_replica_ids(victims | stopping)
+        apply_stops(stops)
+        apply_placements(asks)  # type: ignore[arg-type]
+
+    if ledger.commit_with_retry(decide, apply=apply) is None:
+        apply()  # nothing was reserved (stopping replicas still pending, or no room): stops all the same
+
+
+def _plan_reason(scalings: list[_Scaling]) -> str:
+    """What the ledger's Events say the batch's reservations and releases were for."""
+    moving = [s for s in scalings if s.error is None and (s.ask is not None or s.stop is not None)]
+    if len(moving) == 1:
+        (scaling,) = moving
+        return scaling.ask.plan_reason if scaling.ask is not None else scaling.why
+    return "; ".join(f"{s.deployment.name} {s.why}" for s in moving)
+
+
+def _write_wanted(done: list[_Scaling]) -> None:
+    if not done:
+        return
+    for scaling in done:
+        scaling.deployment.replicas_wanted = scaling.intent.replicas
+    with hot_sql.cursor() as cursor:
+        ids, wanted = [s.deployment.pk for s in done], [s.intent.replicas for s in done]
+        cursor.execute(_WANTED_SQL, [timezone.now(), ids, wanted])
+
+
+def _after(scaling: _Scaling) -> None:
+    """What a committed scaling leaves besides its placements and stops: parked replicas retired
+    and its Event."""
+    deployment, intent, census = scaling.deployment, scaling.intent, scaling.census
+    if census.parked:
+        if scaling.ask is not None:
+            retire_parked(deployment, scaling.ask.loaded, reason=f"replaced by a load from disk ({scaling.why})")
+        # Parked replicas beyond the new count are wanted no more.
+        surplus = deployment.replicas.filter(PLAIN_COUNTED).count() - intent.replicas
+        retire_parked(deployment, surplus, reason=f"{intent.reason}: no longer wanted")
+    before = scaling.before
+    if before != intent.replicas:
+        events.record(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {deployment.name}",
+            f"{intent.reason}: {before} → {intent.replicas} replica(s)",
+            before={"replicas": before},
+            after={"replicas": intent.replicas},
+            deployment=deployment.name,
+        )

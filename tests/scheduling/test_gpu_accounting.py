@@ -34,7 +34,8 @@ from scheduling import ledger
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Occupant, Replica
 from scheduling.services import nodes, replica_reports, reports
 from scheduling.services import replicas as replica_services
-from scheduling.services.deployments import inspect_model, need_bytes
+from scheduling.services.deployments import inspect_model
+from scheduling.services.placing import need_bytes
 from tests.support import factories
 from tests.support.processes import wait_until
 

@@ -1,4 +1,4 @@
-"""The statements a scale call sends without the ORM (scheduling.hot_sql, locks.lock_deployment_reading):
+"""The statements a scale call sends without the ORM (scheduling.hot_sql, locks.lock_deployments_reading):
 they write and read exactly what the ORM would, inside the caller's transaction."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from django.forms.models import model_to_dict
 
 from scheduling import hot_sql, locks
 from scheduling.models import Deployment, Event, Replica
-from scheduling.services.errors import NotFound
 from tests.support import factories
 from tests.support.processes import wait_until
 
@@ -75,8 +74,8 @@ def test_it_reads_the_locked_deployment_as_the_orm_reads_it():
     rep = factories.replica(dep)
 
     with transaction.atomic():
-        locked, (rows, names) = locks.lock_deployment_reading(
-            "hot", (CENSUS, ["hot"]), ("SELECT name FROM scheduling_deployment", [])
+        [locked], (rows, names) = locks.lock_deployments_reading(
+            ["hot", "not-there"], (CENSUS, ["hot"]), ("SELECT name FROM scheduling_deployment", [])
         )
 
     assert model_to_dict(locked) == model_to_dict(Deployment.objects.get(pk=dep.pk))
@@ -93,12 +92,12 @@ def test_models_read_by_hand_need_no_database_converters():
 
 
 @pytest.mark.django_db
-def test_a_missing_deployment_is_not_found_and_a_bad_statement_is_djangos_error():
-    with pytest.raises(NotFound, match="no deployment named 'nope'"), transaction.atomic():
-        locks.lock_deployment_reading("nope", (CENSUS, ["nope"]))
+def test_a_missing_deployment_is_left_out_and_a_bad_statement_is_djangos_error():
+    with transaction.atomic():
+        assert locks.lock_deployments_reading(["nope"], (CENSUS, ["nope"])) == ([], [[]])
     factories.deployment("hot")
     with pytest.raises(ProgrammingError), transaction.atomic():
-        locks.lock_deployment_reading("hot", ("SELECT no_such_column FROM scheduling_replica", []))
+        locks.lock_deployments_reading(["hot"], ("SELECT no_such_column FROM scheduling_replica", []))
 
 
 @pytest.mark.django_db(transaction=True)
@@ -113,7 +112,7 @@ def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed(
         try:
             holding.wait(10)
             with transaction.atomic():
-                seen["rows"] = locks.lock_deployment_reading("hot", (CENSUS, ["hot"]))[1][0]
+                seen["rows"] = locks.lock_deployments_reading(["hot"], (CENSUS, ["hot"]))[1][0]
         finally:
             connections.close_all()
             done.set()
