@@ -71,6 +71,7 @@ SERVICE_HEADERS = [
     "created",
     "deleted",
     "over-committed GPUs",
+    "scales per batch",
 ]
 LEDGER_HEADERS = [
     "snapshot",
@@ -430,11 +431,13 @@ def client(make: Callable[[], Loop], seconds: float, start: mp.Barrier, out: mp.
         loop = make()
         start.wait()
         server_before, client_before = backend_cpu_s(), time.process_time()
+        grouped = scale_batches()
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             loop.step()
         client_cpu = time.process_time() - client_before
         server_after = backend_cpu_s()
+        batches, scales = (after - before for after, before in zip(scale_batches(), grouped, strict=True))
     server_cpu = None if server_before is None or server_after is None else server_after - server_before
     connection.close()
     out.put(
@@ -443,9 +446,18 @@ def client(make: Callable[[], Loop], seconds: float, start: mp.Barrier, out: mp.
             "client_cpu": client_cpu,
             "server_cpu": server_cpu,
             "sent": len(sent),
+            "batches": batches,
+            "scales": scales,
             **loop.tally(),
         }
     )
+
+
+def scale_batches() -> tuple[int, int]:
+    """How many batches this process's scale calls ran in so far, and how many calls they held."""
+    from scheduling.services import scaling
+
+    return scaling._GROUP.batches, scaling._GROUP.items
 
 
 def threads_client(makers: list[Callable[[], Loop]], seconds: float, start: mp.Barrier, out: mp.Queue) -> None:
@@ -479,10 +491,12 @@ def threads_client(makers: list[Callable[[], Loop]], seconds: float, start: mp.B
         ready.wait()
         start.wait()
         client_before = time.process_time()
+        grouped = scale_batches()
         go.set()
         for thread in threads:
             thread.join()
         client_cpu = time.process_time() - client_before
+        batches, scales = (after - before for after, before in zip(scale_batches(), grouped, strict=True))
     tallies = [loop.tally() for loop in loops if loop is not None]
     out.put(
         {
@@ -490,6 +504,8 @@ def threads_client(makers: list[Callable[[], Loop]], seconds: float, start: mp.B
             "client_cpu": client_cpu,
             "server_cpu": None if any(c is None for c in cpu) else sum(cpu),  # type: ignore[misc]
             "sent": len(sent),
+            "batches": batches,
+            "scales": scales,
             **{key: sum(t[key] for t in tallies) for key in tallies[0]},
         }
     )
@@ -665,7 +681,8 @@ def main() -> None:
             for how in SERVICE_WAYS:
                 r = service_row(how, n, models, args.seconds)
                 cells = [how, n, *figures(r), r["refused"], *(r[k] for k in ("scaled up", "scaled down"))]
-                cells += [r["created"], r["deleted"], r["over_committed"]]
+                per_batch = f"{r['scales'] / r['batches']:.1f}" if r["batches"] else "-"
+                cells += [r["created"], r["deleted"], r["over_committed"], per_batch]
                 service_rows.append(cells + (cpu_cells(r) if args.cpu else []))
                 print(table(SERVICE_HEADERS + extra, service_rows[-1:]).splitlines()[-1], flush=True)
         report(args, service_rows, ledger_rows, extra, record_it)

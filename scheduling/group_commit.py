@@ -36,7 +36,9 @@ class _Slot(Generic[T, R]):
 
 
 class Group(Generic[T, R]):
-    """`submit` from any thread; `run(items)` runs on one of the submitting threads at a time.
+    """`submit` from any thread; `run(items)` runs on one of the submitting threads at a time
+    (two at once were measured no faster for scale calls: they split the calls into smaller
+    batches and contend for the interpreter and the GPUs' versions).
 
     Items of one key never share a batch (a later one waits for the next): a batch's items may
     then each lock their own rows in one global order, and a caller's second call is never
@@ -55,7 +57,7 @@ class Group(Generic[T, R]):
         self._lock = threading.Lock()
         self._queued = threading.Condition(self._lock)
         self._waiting: list[_Slot[T, R]] = []
-        self._leading = False  # invariant: while False, nobody waits
+        self._leading = False  # a batch runs, or its leader was handed the lead; while not, nobody waits
         self.batches = 0  # how many batches ran, and how many items they held (for benchmarks)
         self.items = 0
 
@@ -63,14 +65,14 @@ class Group(Generic[T, R]):
         slot: _Slot[T, R] = _Slot(item, self._key(item))
         with self._lock:
             self._waiting.append(slot)
-            leads = not self._leading
-            self._leading = True
+            if not self._leading:
+                self._leading = slot.lead = True
             self._queued.notify_all()
-        if not leads:
+        if not slot.lead:
             slot.turn.wait()
             if not slot.lead:
                 return slot.outcome()
-        self._lead()
+        self._lead(slot)
         return slot.outcome()
 
     def wait_queued(self, count: int, timeout: float) -> bool:
@@ -79,10 +81,10 @@ class Group(Generic[T, R]):
         with self._queued:
             return self._queued.wait_for(lambda: len(self._waiting) >= count, timeout)
 
-    def _lead(self) -> None:
-        batch: list[_Slot[T, R]] = []
+    def _lead(self, own: _Slot[T, R]) -> None:
+        batch: list[_Slot[T, R]] = [own]
         try:
-            batch = self._take()
+            batch = self._take(own)
             try:
                 outcomes = list(self._run([s.item for s in batch]))
                 if len(outcomes) != len(batch):
@@ -97,12 +99,14 @@ class Group(Generic[T, R]):
         finally:
             self._hand_over(batch)
 
-    def _take(self) -> list[_Slot[T, R]]:
-        """The leader's own slot is the first waiting (it led because none was, or was handed
-        the lead as the head): a batch always holds it."""
+    def _take(self, own: _Slot[T, R]) -> list[_Slot[T, R]]:
+        """The leader's own call (the first waiting: it led because nobody else did, or was handed
+        the lead as the head), and the calls waiting after it, one per key."""
         with self._lock:
-            batch, kept, keys = [], [], set()
+            batch, kept, keys = [own], [], {own.key}
             for slot in self._waiting:
+                if slot is own:
+                    continue
                 if len(batch) < self._limit and slot.key not in keys:
                     batch.append(slot)
                     keys.add(slot.key)
@@ -115,6 +119,7 @@ class Group(Generic[T, R]):
 
     def _hand_over(self, batch: list[_Slot[T, R]]) -> None:
         with self._lock:
+            # The lead passes to the first caller still waiting, or lapses.
             if self._waiting:
                 head = self._waiting[0]
                 head.lead = True

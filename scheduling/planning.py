@@ -82,12 +82,11 @@ def withhold_locked(snapshot: Snapshot, holders: Iterable[str], now: datetime) -
     replicas this placement is for; their own locks do not withhold anything.
     """
     mine = set(holders)
+    locked = (snapshot.gpus[gpu_id] for gpu_id in snapshot.index.wake_locked)
     withheld = {
-        gpu_id: gpu
-        for gpu_id, gpu in snapshot.gpus.items()
-        if gpu.wake_lock_holder is not None
-        and gpu.wake_lock_holder not in mine
-        and (gpu.wake_lock_expires_at is None or gpu.wake_lock_expires_at > now)
+        gpu.id: gpu
+        for gpu in locked
+        if gpu.wake_lock_holder not in mine and (gpu.wake_lock_expires_at is None or gpu.wake_lock_expires_at > now)
     }
     if not withheld:
         return snapshot, []

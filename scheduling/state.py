@@ -105,6 +105,9 @@ class SnapshotIndex:
     # The largest serving and standby contexts among the GPUs, which a replica's need counts so
     # that it fits wherever it goes; the H100's when there is no GPU.
     contexts: tuple[int, int] = (H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES)
+    # GPUs a wake holds the lock of (expired or not): what a placement may have to withhold,
+    # without a walk of every GPU for each placement.
+    wake_locked: frozenset[int] = frozenset()
 
     @classmethod
     def build(cls, gpus: Mapping[int, GPUView]) -> SnapshotIndex:
@@ -132,6 +135,7 @@ class SnapshotIndex:
             holdings={r: tuple(h) for r, h in holdings.items()},
             position=dict(zip(ids, range(len(ids)), strict=True)),
             contexts=_largest_contexts(ordered),
+            wake_locked=frozenset(g.id for g in ordered if g.wake_lock_holder is not None),
         )
 
     def updated(self, changed: Iterable[GPUView]) -> SnapshotIndex | None:
@@ -182,6 +186,8 @@ class SnapshotIndex:
             holdings=holdings,
             position=self.position,
             contexts=contexts if contexts is not None else _largest_contexts(ordered),
+            wake_locked=(self.wake_locked - {g.id for g in changed})
+            | {g.id for g in changed if g.wake_lock_holder is not None},
         )
 
 

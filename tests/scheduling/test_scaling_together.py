@@ -144,27 +144,30 @@ def test_concurrent_calls_of_one_process_share_a_batch_and_each_gets_its_own_out
         finally:
             connections.close_all()
 
+    held = names[:1]  # one batch of the process at a time
     with transaction.atomic():
-        locks.lock_deployment("d0")
-        first = threading.Thread(target=call, args=("d0",))
-        first.start()
-        # Why a wait on pg_locks: d0's call must lead and be held on the row lock inside its batch
-        # before the others arrive, or they might not queue behind it.
+        for name in held:
+            locks.lock_deployment(name)
+        leaders = [threading.Thread(target=call, args=(name,)) for name in held]
+        for thread in leaders:
+            thread.start()
+        # Why a wait on pg_locks: each of these calls must lead a batch and be held on its row
+        # lock inside it before the others arrive, or they might not queue behind them.
         with connections["default"].cursor() as cur:
 
             def queued() -> bool:
                 cur.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
-                return cur.fetchone()[0] > 0
+                return cur.fetchone()[0] >= len(held)
 
-            wait_until(queued, TIMEOUT, "d0's batch to wait for its row lock", every=0.01)
-        others = [threading.Thread(target=call, args=(name,)) for name in [*names[1:], "huge"]]
+            wait_until(queued, TIMEOUT, "the leading batches to wait for their row locks", every=0.01)
+        others = [threading.Thread(target=call, args=(name,)) for name in [*names[len(held) :], "huge"]]
         for thread in others:
             thread.start()
         assert scaling._GROUP.wait_queued(len(others), TIMEOUT)
-    for thread in [first, *others]:
+    for thread in [*leaders, *others]:
         thread.join(TIMEOUT)
 
-    assert scaling._GROUP.batches - batches == 2, "d0's batch, then everyone who queued behind it"
+    assert scaling._GROUP.batches - batches == len(held) + 1, "the held batches, then all who queued behind them"
     assert {name: outcome.replicas_wanted for name, outcome in outcomes.items() if name != "huge"} == {
         name: 2 for name in names
     }
