@@ -702,15 +702,19 @@ def report(args: argparse.Namespace, service_rows: list, ledger_rows: list, extr
         "placement",
         "Placement: through the services, and the ledger loop",
         f"`python -m bench.placement --seconds {args.seconds:g}{' --cpu' if args.cpu else ''}`: 100 nodes × 8 "
-        "virtual GPUs of 80 GiB; each client is a process with its own connection; latency includes retries; "
+        "virtual GPUs of 80 GiB; each client has its own connection; latency includes retries; "
         f"{args.seconds:g} s per row; over-committed GPUs are counted after each row.\n\n"
         "**Services**, the path a deploy or scale through the REST API runs: each call is "
         f"`deployments.scale(name, n ± 1)` on one of {SERVICE_DEPLOYMENTS} deployments (1 to 20 GiB of weights, "
         f"about half the cluster at the start), or ({CHURN_PERCENT} % of calls) `create` or `delete` of a one-replica "
         "deployment; the tasks a call sends after its commit are built and recorded, not sent. Snapshot "
-        "`incremental`: the process's ledger Mirror, refreshed with what was written since its last read "
-        "(what the services use); `full`: every GPU read afresh for each decision (the services' snapshot "
-        "before issue 17, the rest of the call as today). Refused: no room (409).\n\n" + services + "\n\n"
+        "`incremental`: each client a process, deciding on its ledger Mirror, refreshed with what was written "
+        "since its last read (what the services use); `full`: the same with every GPU read afresh for each "
+        "decision (the services' snapshot before issue 17). `threads`: each client a thread of one process, as "
+        "the web serves API calls, scale calls that arrive together committed together (one transaction, one "
+        "placement pass, one ledger commit, each kind of row in one statement); `threads-alone`: the same "
+        "threads with GPUPORTAL_SCALE_TOGETHER off, each call its own transaction. Scales per batch: scale "
+        "calls per transaction. Refused: no room (409).\n\n" + services + "\n\n"
         "**Ledger loop**: snapshot, `place`, compare-and-swap commit (or a release), nothing of the services "
         "around it; 40 deployments of 1 to 20 GiB, about half full. Snapshot `mirror`: a ledger Mirror; "
         "`full`: every GPU read afresh.\n\n" + ledger,

@@ -1,4 +1,6 @@
-"""Deploy, change, scale, evict and delete deployments: snapshot → plan → commit → dispatch.
+"""Deploy, change, evict and delete deployments: snapshot → plan → commit → dispatch. Scaling is
+services/scaling.py's (`scale` is named here too, where the API's callers find it); placing and
+stopping replicas, services/placing.py's.
 
 Lock order, the same everywhere (so two services never wait on each other in a cycle):
 the deployment row, then GPU rows in primary-key order (the ledger), then replica rows.
