@@ -24,7 +24,8 @@ from scheduling.placement import (
     cached_replicas,
     place,
 )
-from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
+from scheduling.planning import apply_placement, without_releases
+from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 GiB = 1024**3
 MiB = 1024**2
@@ -782,3 +783,24 @@ def test_a_new_gpu_is_not_patched_in_but_makes_the_index_rebuild():
     before = snap(gpu(0), gpu(1))
     assert before.index.updated([gpu(2, "node2")]) is None
     assert before.index.updated([]) is before.index
+
+
+@PROPERTY
+@given(case=cases(), seed=st.integers(0, 2**16), releasing=st.sets(st.integers(0, 20), max_size=4))
+def test_a_snapshot_after_placements_and_releases_keeps_its_index_true(case, seed, releasing):
+    """A batch of scale calls places each on the snapshot the ones before it left
+    (planning.apply_placement, planning.without_releases), on an index patched rather than built:
+    it must be the index those GPUs build, or the next placement decides on a wrong one."""
+    snapshot, request = case
+    assert snapshot.index.ordered  # built now: what the patching starts from
+    ids = [f"r{n:04d}" for n in releasing]
+    releases = [Release(g.id, o.replica_id) for g in snapshot.gpus.values() for o in g.occupants if o.replica_id in ids]
+    current = without_releases(snapshot, releases)
+    assert not any(o.replica_id in ids for g in current.gpus.values() for o in g.occupants)
+    result = run(current, request, "gpuportal", seed)
+    if isinstance(result, Placement):
+        current = apply_placement(current, result, occ(result.replica_id, 0, request.deployment))
+        assert current.index.holdings.get(result.replica_id), "the placed replica holds memory"
+
+    assert current.index == SnapshotIndex.build(current.gpus)
+    assert all(g.available_bytes == g.total_bytes - g.reserved_bytes for g in current.gpus.values())

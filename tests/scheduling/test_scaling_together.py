@@ -175,3 +175,23 @@ def test_concurrent_calls_of_one_process_share_a_batch_and_each_gets_its_own_out
     assert dict(Deployment.objects.values_list("name", "replicas_wanted")) == {name: 2 for name in names} | {"huge": 1}
     assert all(len(awake(name)) == 2 for name in names)
     assert invariant_holds()
+
+
+def test_a_batch_that_fails_whole_runs_each_call_alone_and_only_the_faulty_one_fails(cluster, monkeypatch):
+    made("good", 1)
+    made("bad", 1)
+    after = scaling._after
+
+    def faulty(scaling_: scaling._Scaling) -> None:
+        if scaling_.deployment.name == "bad":
+            raise RuntimeError("a fault in bad's part")
+        after(scaling_)
+
+    monkeypatch.setattr(scaling, "_after", faulty)
+
+    good, bad = scaling._run_batch([ScaleIntent("good", 2, "a test"), ScaleIntent("bad", 2, "a test")])
+
+    assert good.replicas_wanted == 2 and len(awake("good")) == 2
+    assert isinstance(bad, RuntimeError)
+    assert Deployment.objects.get(name="bad").replicas_wanted == 1 and len(awake("bad")) == 1, "rolled back whole"
+    assert invariant_holds()
