@@ -7,7 +7,7 @@ primary-key order (the ledger), then replica rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -54,18 +54,23 @@ class Decision:
     gpus: dict[int, GPUView] = field(default_factory=dict)
 
 
-def releasing(replica_ids: set[str], reason: str) -> Callable[[Snapshot], Plan | None]:
+def releasing(replica_ids: Collection[str], reason: str) -> Callable[[Snapshot], Plan | None]:
     """A decision releasing every reservation the replicas hold, or None when they hold none."""
 
     def decide(snap: Snapshot) -> Plan | None:
-        holdings = snap.index.holdings  # where each replica holds memory, without a walk of every GPU
-        releases = sorted(
-            (Release(gpu.id, replica_id) for replica_id in replica_ids for gpu, _ in holdings.get(replica_id, ())),
-            key=lambda r: (r.gpu_id, r.replica_id),
-        )
+        releases = releases_of(replica_ids, snap)
         return Plan.against(snap, reason, releases=releases) if releases else None
 
     return decide
+
+
+def releases_of(replica_ids: Iterable[str], snap: Snapshot) -> list[Release]:
+    """A release of each reservation the replicas hold, in GPU order."""
+    holdings = snap.index.holdings  # where each replica holds memory, without a walk of every GPU
+    return sorted(
+        (Release(gpu.id, replica_id) for replica_id in replica_ids for gpu, _ in holdings.get(replica_id, ())),
+        key=lambda r: (r.gpu_id, r.replica_id),
+    )
 
 
 def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
@@ -382,10 +387,6 @@ class Stop:
             known = None
         return cls(deployment, frozenset(ids), reason, known)
 
-    def releases(self, snap: Snapshot) -> list[Release]:
-        holdings = snap.index.holdings  # where each replica holds memory, without a walk of every GPU
-        return [Release(gpu.id, replica_id) for replica_id in self.ids for gpu, _ in holdings.get(replica_id, ())]
-
 
 def apply_stops(stops: Sequence[Stop]) -> None:
     """Inside the commit that released them: every stop's replicas marked stopping and their
@@ -426,5 +427,5 @@ def stop_replicas(
 ) -> None:
     """Release and stop the replicas (a failover pair whole); see `Stop`."""
     stop = Stop.of(deployment, replica_ids, reason=reason, known=known)
-    if ledger.commit_with_retry(releasing(set(stop.ids), reason), apply=lambda plan: apply_stops([stop])) is None:
+    if ledger.commit_with_retry(releasing(stop.ids, reason), apply=lambda plan: apply_stops([stop])) is None:
         apply_stops([stop])  # nothing was reserved (e.g. still pending): stop them all the same

@@ -337,7 +337,7 @@ def set_state_of(
 
 
 def set_states_of(replicas: Sequence[KnownReplica], state: str) -> None:
-    """`set_state_of` for several replicas (given in primary-key order): one UPDATE for them all."""
+    """`set_state_of` for several replicas: one UPDATE for them all, an Event for each that changes."""
     if not replicas:
         return
     with hot_sql.cursor() as cursor:

@@ -32,6 +32,7 @@ from scheduling.services.placing import (
     Stop,
     apply_placements,
     apply_stops,
+    releases_of,
     retire_parked,
 )
 from scheduling.state import Plan, Snapshot
@@ -145,14 +146,13 @@ _GROUP: Group[ScaleIntent, Deployment] = Group(_run_batch, key=lambda intent: in
 def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exception]:
     """Each intent's deployment scaled, in one transaction; per intent, its deployment or the error
     its caller raises (NotFound, CannotPlace: that intent changed nothing). Names are distinct."""
-    outcomes: list[Deployment | Exception] = []
+    outcomes: list[_Scaling | Exception] = []
     # Its Events are written in one statement at the end (a call that cannot be placed records
     # nothing before its placement fails).
     with transaction.atomic(), events.gathered():
         # The deployment row locks serialise scale operations of each deployment, so the census
         # read with them stays true until the commit.
         read = _locking([intent.name for intent in intents])
-        scalings = []
         for intent in intents:
             if intent.name not in read:
                 outcomes.append(NotFound(f"no deployment named {intent.name!r}"))
@@ -160,15 +160,14 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
             deployment, census = read[intent.name]
             scaling = _Scaling(intent, deployment, census, before=deployment.replicas_wanted)
             _plan_intent(scaling)
-            scalings.append(scaling)
-            outcomes.append(scaling.deployment)
+            outcomes.append(scaling)
+        scalings = [o for o in outcomes if isinstance(o, _Scaling)]
         _commit(scalings)
         done = [s for s in scalings if s.error is None]
         _write_wanted(done)
         for scaling in done:
             _after(scaling)
-    errors = {s.deployment.name: s.error for s in scalings if s.error is not None}
-    return [errors.get(o.name, o) if isinstance(o, Deployment) else o for o in outcomes]
+    return [(o.error or o.deployment) if isinstance(o, _Scaling) else o for o in outcomes]
 
 
 def _locking(names: list[str]) -> dict[str, tuple[Deployment, _Census]]:
@@ -199,7 +198,7 @@ def _commit(scalings: list[_Scaling]) -> None:
     ups = [s for s in scalings if s.ask is not None]
 
     def decide(snap: Snapshot) -> Plan | None:
-        releases = [release for stop in stops for release in stop.releases(snap)]
+        releases = releases_of((replica_id for stop in stops for replica_id in stop.ids), snap)
         # The scale-downs first: their memory is free for the batch's scale-ups, as it would be
         # for a call committed after them.
         current = without_releases(snap, releases)
