@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import psycopg
 from django.db import OperationalError, connection, transaction
@@ -67,20 +67,23 @@ def lock_deployment(name: str) -> Deployment:
         raise NotFound(f"no deployment named {name!r}") from None
 
 
-def lock_deployments_reading(
-    names: Sequence[str], *queries: tuple[str, Sequence[Any]]
-) -> tuple[list[Deployment], list[list[tuple]]]:
+def lock_deployments_reading(names: Sequence[str], *queries: str) -> tuple[list[Deployment], list[list[tuple]]]:
     """The deployments' rows locked in primary-key order (those that exist: no error for a name
     that does not) and the rows of each query read after them (a batch of scale calls' census),
     statements the server prepares once rather than ones Django compiles each time (issue 17
     item 4). Each query is a statement of its own, run once the locks are granted, so it sees
-    what their previous holders committed."""
+    what their previous holders committed; its one parameter is the locked deployments' ids.
+
+    Why ids and not the names: a query's snapshot is newer than the lock's. A deployment of one
+    of these names created (and committed, with its replicas) while the lock waited for a
+    delete of the old one is not locked here, yet a query by name would read its rows."""
     with hot_sql.cursor() as cursor:
         cursor.execute(_lock_by_names(), [list(names)])
         deployments = [hot_sql.instance(Deployment, row) for row in cursor.fetchall()]
+        ids = [d.pk for d in deployments]
         rows = []
-        for query, params in queries:
-            cursor.execute(query, params)
+        for query in queries:
+            cursor.execute(query, [ids])
             rows.append(cursor.fetchall())
     return deployments, rows
 

@@ -76,7 +76,7 @@ class _Census:
 _CENSUS_SQL = (
     "SELECT r.deployment_id, r.id, r.state, r.role, n.name FROM scheduling_replica r "
     "LEFT JOIN scheduling_node n ON n.id = r.node_id "
-    "WHERE r.deployment_id IN (SELECT id FROM scheduling_deployment WHERE name = ANY(%s)) "
+    "WHERE r.deployment_id = ANY(%s) "
     f"AND r.state NOT IN ({', '.join(repr(str(state)) for state in GONE)}) "
     "ORDER BY r.created_at DESC"
 )
@@ -173,7 +173,7 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
 def _locking(names: list[str]) -> dict[str, tuple[Deployment, _Census]]:
     """The deployments' rows locked (in primary-key order) and their census, by name; a name with
     no deployment is left out."""
-    deployments, (rows,) = locks.lock_deployments_reading(names, (_CENSUS_SQL, [names]))
+    deployments, (rows,) = locks.lock_deployments_reading(names, _CENSUS_SQL)
     by_id: dict[int, list[tuple]] = {d.pk: [] for d in deployments}
     for deployment_id, *row in rows:
         by_id[deployment_id].append(row)

@@ -195,3 +195,42 @@ def test_a_batch_that_fails_whole_runs_each_call_alone_and_only_the_faulty_one_f
     assert isinstance(bad, RuntimeError)
     assert Deployment.objects.get(name="bad").replicas_wanted == 1 and len(awake("bad")) == 1, "rolled back whole"
     assert invariant_holds()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scale_that_waited_for_a_deleted_deployment_answers_not_found_though_its_name_was_made_again():
+    """The race the storm found (KeyError for a deployment id): the scale's lock waits on the old
+    row, which a transaction deletes and then makes the name again, with a replica. The lock then
+    finds nothing (its snapshot predates the new row) while a census read by name, a statement
+    later, would see the new deployment's replica. It answers 404, as if it came just before."""
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True)
+    made("again", 1)
+    outcome: dict[str, object] = {}
+
+    def scale_it() -> None:
+        try:
+            outcome["scaled"] = scale_together([ScaleIntent("again", 2, "a thread")])[0]
+        except Exception as err:  # what the old census raised (a KeyError): the assertion shows it
+            outcome["scaled"] = err
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=scale_it)
+    with transaction.atomic():
+        deployments.delete("again", reason="a test")
+        made("again", 1)
+        thread.start()
+        # Why a wait on pg_locks: the scale must be queued on the old row's lock before this
+        # transaction commits, or it would simply find the new deployment.
+        with connections["default"].cursor() as cur:
+
+            def queued() -> bool:
+                cur.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
+                return cur.fetchone()[0] > 0
+
+            wait_until(queued, TIMEOUT, "the scale to wait for the old deployment's row lock", every=0.01)
+    thread.join(TIMEOUT)
+
+    assert isinstance(outcome["scaled"], NotFound), outcome
+    assert len(awake("again")) == 1, "the new deployment is as its create left it"
+    assert invariant_holds()
