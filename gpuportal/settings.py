@@ -196,6 +196,10 @@ GPUPORTAL_SLEEP_GRACE_S = env_float("GPUPORTAL_SLEEP_GRACE_S", 60.0)
 # A replica still stopping this long beyond its drain timeout is sent its stop again if its process
 # still runs; if the agent runs none, its `stopped` report was lost and is applied then.
 GPUPORTAL_STOP_GRACE_S = env_float("GPUPORTAL_STOP_GRACE_S", 60.0)
+# A serving replica granted a host arena this long ago whose process still keeps none is sent the
+# grant again; one whose arena was taken back this long ago, its process still keeping one, the
+# drop (issue 19). Longer than it takes to allocate and pin a large model's arena.
+GPUPORTAL_ARENA_GRACE_S = env_float("GPUPORTAL_ARENA_GRACE_S", 120.0)
 # A replica outlives its agent this long, waiting for the agent's next run to adopt it (issue 16).
 # At most the heartbeat timeout less two beats: the agent's last beat came at most a beat before it
 # died, so an orphan nobody adopted has stopped (a beat's time for that) before its node is written

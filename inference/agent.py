@@ -148,10 +148,11 @@ class NodeAgent:
         return stopped
 
     def processes(self) -> dict[str, Any]:
-        """What a beat says of the replica processes: those it runs, and the state each last said
-        it is in (from which the control plane sees a wake or a sleep that never arrived)."""
+        """What a beat says of the replica processes: those it runs, the state each last said it
+        is in (from which the control plane sees a wake or a sleep that never arrived), and the
+        host arenas they keep (a grant or a drop of one that never arrived)."""
         states = self.supervisor.states()
-        return {"running": sorted(states), "processes": states}
+        return {"running": sorted(states), "processes": states, "arenas": self.supervisor.arenas()}
 
     def books(self) -> Books:
         """What each replica process holds per GPU, for the control plane to check the books

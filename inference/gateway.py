@@ -89,9 +89,12 @@ class RemoteControl:
         books: Books | None,
         running: Sequence[str],
         processes: Mapping[str, str] | None = None,
+        arenas: Mapping[str, int] | None = None,
     ) -> list[str]:
-        # Sent only when known (an optional field of version 1): None leaves the call as it was before it.
-        extra = {"processes": dict(processes)} if processes is not None else {}
+        # Sent only when known (optional fields of version 1): None leaves the call as it was before them.
+        extra: dict[str, Any] = {"processes": dict(processes)} if processes is not None else {}
+        if arenas is not None:
+            extra["arenas"] = dict(arenas)
         # No longer than a few beats: a beat that waits past the next one is stale.
         return list(self.call("heartbeat", node, books=books, running=list(running), timeout_s=30, **extra) or [])
 

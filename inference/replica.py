@@ -9,7 +9,7 @@ library's print, a C extension) is sent to stderr instead.
 
 Events:   progress {state, percent, detail} · serving {pid, weights_bytes, process_bytes,
           gpu_mem_bytes_by_id, ...} · sleeping {residual_bytes_by_id, ...} · woken {gpu_mem_bytes_by_id, ...}
-          · pong {state, pid} · error {cmd, reason} (a command refused; the replica carries on)
+          · pong {state, pid, arena_bytes} · error {cmd, reason} (a command refused; the replica carries on)
           · failed {reason, kind: oom|load|cuda_assert|crash}, then exit 1 · stopped, then exit 0
           · hello {replica_id, pid, state, last} (first to an agent that adopted it)
           · arena {kept_bytes} (the host arena an awake replica keeps for its next sleep: ready, or
@@ -984,12 +984,16 @@ class ReplicaHost:
 
     def ping(self) -> None:
         # No lock: a ping must be answered even while a load holds it for minutes.
+        spare = self.backend.spare  # read once: a sleep may take it meanwhile
         self.events.emit(
             "pong",
             state=self.state,
             pid=os.getpid(),
             kv=self.kv_stats(),
             process_bytes_by_id=self.process_bytes_by_id(),
+            # The arena it keeps for its next sleep (0: none): the heartbeat shows the control plane
+            # a grant or a drop that never arrived (scheduling.services.lost_commands).
+            arena_bytes=spare.nbytes if spare is not None else 0,
         )
 
     def kv_stats(self) -> dict[str, Any] | None:

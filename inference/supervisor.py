@@ -154,6 +154,8 @@ class _Replica:
     # compared with the books of the same state (a serving figure against a sleeper's reservation
     # would read as an over-commit).
     usage_state: str = ""
+    # The host arena it keeps for its next sleep, as it last said (an `arena` event or a pong).
+    arena_bytes: int = 0
     # What it said it still holds per GPU index as it fell asleep (its residual context).
     residual: dict[str, int] = field(default_factory=dict)
     # Whether a reader thread delivers its events (an adopted one waits for `resume`).
@@ -403,6 +405,13 @@ class Supervisor:
         with self._lock:
             return {rid: r.usage_state for rid, r in self._replicas.items()}
 
+    def arenas(self) -> dict[str, int]:
+        """{replica id: the bytes of the host arena it keeps for its next sleep} of the running
+        replicas that keep one: what the heartbeat tells the control plane, which sends a grant or
+        a drop again when the process shows it never arrived (issue 19)."""
+        with self._lock:
+            return {rid: r.arena_bytes for rid, r in self._replicas.items() if r.arena_bytes > 0}
+
     def log_path(self, replica_id: str) -> Path:
         return self.log_dir / f"replica-{replica_id}.log"
 
@@ -582,6 +591,11 @@ def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
     state = str(event.get("state") or "") if event.get("event") == "pong" else _STATE_OF_EVENT.get(event["event"], "")
     if state:
         replica.usage_state = state
+    arena = event.get("kept_bytes") if event.get("event") == "arena" else event.get("arena_bytes")
+    if isinstance(arena, int) and not isinstance(arena, bool) and arena >= 0:
+        replica.arena_bytes = arena
+    elif event.get("event") == "sleeping":
+        replica.arena_bytes = 0  # the sleep packed its weights into the arena it kept
     figures = event.get("process_bytes_by_id")
     if not isinstance(figures, dict) and event.get("event") in {"sleeping", "standby"}:
         figures = event.get("residual_bytes_by_id")  # what a sleeper still holds

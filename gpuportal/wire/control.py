@@ -36,6 +36,7 @@ class ControlPlane(Protocol):
         books: Books | None,
         running: Sequence[str],
         processes: Mapping[str, str] | None = None,
+        arenas: Mapping[str, int] | None = None,
     ) -> list[str]:
         """The node is alive; returns the running replicas the control plane has written off,
         for the agent to stop.
@@ -44,7 +45,11 @@ class ControlPlane(Protocol):
         ReplicaHost.state: loading, serving, draining, sleeping, waking, ...; "" before it said
         any)} of the running replicas, from which the control plane sees that a wake or a sleep it
         sent never arrived (scheduling.services.lost_commands). Added to version 1 with a default:
-        an agent that does not send it (an older one) gets no lost wake or sleep sent again."""
+        an agent that does not send it (an older one) gets no lost wake or sleep sent again.
+
+        `arenas`: {replica id: bytes} of the host arenas the running replicas keep for their next
+        sleep (issue 19; those that keep none left out), from which the control plane sees that a
+        grant or a drop of one never arrived. Added to version 1 with a default, like `processes`."""
 
     def node_stopping(self, node: str, reason: str) -> None:
         """Out of placement: the agent is leaving and stops its replicas next."""
@@ -128,6 +133,8 @@ def decode_call(payload: Any) -> Call:
                 kwargs = {**kwargs, "books": Books(**kwargs["books"])}
             if kwargs.get("processes") is not None:
                 kwargs = {**kwargs, "processes": _process_states(kwargs["processes"])}
+            if kwargs.get("arenas") is not None:
+                kwargs = {**kwargs, "arenas": _arena_bytes(kwargs["arenas"])}
     except (IndexError, TypeError) as err:
         raise WireError(f"a {name} call with bad fields: {err}") from None
     return Call(name, reply_to, tuple(args), kwargs)
@@ -136,6 +143,14 @@ def decode_call(payload: Any) -> Call:
 def _process_states(value: Any) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise TypeError(f"processes must map replica ids to states, not {value!r:.200}")
+    return {str(k): v for k, v in value.items()}
+
+
+def _arena_bytes(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()
+    ):
+        raise TypeError(f"arenas must map replica ids to byte counts, not {value!r:.200}")
     return {str(k): v for k, v in value.items()}
 
 

@@ -11,7 +11,11 @@ past its grace, while the beat shows that the command never arrived, gets it aga
 - draining past its deployment's drain timeout + GPUPORTAL_SLEEP_GRACE_S, its process serving, or
   asleep (its `sleeping` report was lost), or none: SLEEP again;
 - stopping past its drain timeout + GPUPORTAL_STOP_GRACE_S, its process still run: STOP again;
-  no process: its `stopped` report was lost, and is applied as the agent would have sent it.
+  no process: its `stopped` report was lost, and is applied as the agent would have sent it;
+- serving, its host arena granted GPUPORTAL_ARENA_GRACE_S ago, its process serving and keeping
+  none: the grant (ARENA keep) again; serving with no arena in the books GPUPORTAL_ARENA_GRACE_S
+  after its last change, its process keeping one: the drop (ARENA drop) again, since host memory
+  held unaccounted is the unsafe side (issue 19).
 
 A process in the middle of the command (waking, draining, or a state not said yet) is left
 alone. Where there is no process, the command sent again makes the agent say so (a failed
@@ -36,6 +40,7 @@ from functools import partial
 from django.conf import settings
 from django.db import transaction
 
+from gpuportal.wire import memory
 from scheduling import events
 from scheduling.models import Event, Occupant, Replica
 from scheduling.services import dispatch, reports
@@ -58,11 +63,16 @@ class _Overdue:
 
 
 def resend(
-    name: str, running: Collection[str], processes: Mapping[str, str] | None, now: datetime
+    name: str,
+    running: Collection[str],
+    processes: Mapping[str, str] | None,
+    now: datetime,
+    *,
+    arenas: Mapping[str, int] | None = None,
 ) -> dict[str, list[str]]:
     """Every lost command of node `name`'s replicas, sent again (or, for a lost `stopped` report,
     applied): {command: replica ids}. Without `processes` (an agent that does not send them),
-    only what `running` shows: lost starts and stops."""
+    only what `running` shows: lost starts and stops; without `arenas`, no lost arena command."""
     running = set(running)
     kinds: dict[str, Callable[[], list[str]]] = {
         "start": partial(resend_lost_starts, name, running, now),
@@ -71,6 +81,8 @@ def resend(
     if processes is not None:
         kinds["wake"] = partial(resend_lost_wakes, name, running, processes, now)
         kinds["sleep"] = partial(resend_lost_sleeps, name, running, processes, now)
+        if arenas is not None:
+            kinds["arena"] = partial(resend_lost_arenas, name, running, processes, arenas, now)
     found: dict[str, list[str]] = {}
     for kind, look in kinds.items():
         try:
@@ -171,6 +183,48 @@ def resend_lost_stops(name: str, running: Collection[str], now: datetime) -> lis
             reports.report(replica.id, {"event": "stopped", "reason": reason})
             found.append(replica.id)
     return found
+
+
+def resend_lost_arenas(
+    name: str, running: Collection[str], processes: Mapping[str, str], arenas: Mapping[str, int], now: datetime
+) -> list[str]:
+    """Arena commands (scheduling.services.host_cache) that never reached a serving replica, sent
+    again past GPUPORTAL_ARENA_GRACE_S (preparing an arena of a large model's weights takes
+    seconds): a grant the books count while the process keeps no arena (the host cache counts
+    room nobody uses, and the next sleep is not a plain copy), and a drop the books made while
+    the process still keeps one (memory the host cache does not count: the unsafe side). A
+    process that is not serving (asleep, waking, draining) is left alone: a sleep consumes the
+    arena and a wake keeps the one it read."""
+    grace = settings.GPUPORTAL_ARENA_GRACE_S
+    rows = (
+        Replica.objects.filter(
+            node__name=name, state=Replica.State.SERVING, updated_at__lt=now - timedelta(seconds=grace)
+        )
+        .order_by("updated_at", "pk")
+        .values_list("pk", "deployment__name", "updated_at", "arena_kept_bytes", "lease_id")
+    )
+    resent = []
+    for replica_id, deployment, updated_at, booked, lease in rows:
+        if replica_id not in running or processes.get(replica_id) != "serving":
+            continue  # no process (the start or stop checks see to it), or one between states
+        kept = arenas.get(replica_id, 0)
+        if (booked > 0) == (kept > 0):
+            continue
+        waited = (now - updated_at).total_seconds()
+        paired = lease is not None
+        replica = _Overdue(replica_id, name, deployment, Replica.State.SERVING, updated_at, waited, grace, paired)
+        keep = booked > 0
+        reason = (
+            f"granted a {memory.human_bytes(booked)} host arena {waited:.0f} s ago, and node {name}'s agent says "
+            "its process keeps none: the grant was lost, sent again"
+            if keep
+            else f"its host arena was taken back, and node {name}'s agent says its process still keeps "
+            f"{memory.human_bytes(kept)} that the host cache does not count: the drop was lost, sent again"
+        )
+        send = partial(dispatch.keep_arena, name, replica_id, keep=keep)
+        if _claim(replica, now, reason, "arena keep" if keep else "arena drop", "serving", send):
+            resent.append(replica_id)
+    return resent
 
 
 # -- helpers ---------------------------------------------------------------------------------------

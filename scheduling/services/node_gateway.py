@@ -78,11 +78,12 @@ class ServicesGateway:
         books: Books | None,
         running: Sequence[str],
         processes: Mapping[str, str] | None = None,
+        arenas: Mapping[str, int] | None = None,
     ) -> list[str]:
         # Why close_old_connections: a database restart leaves this thread's connection dead;
         # Django drops it here so the next query reconnects instead of failing forever.
         close_old_connections()
-        return nodes.heartbeat(node, books=books, running=running, processes=processes)
+        return nodes.heartbeat(node, books=books, running=running, processes=processes, arenas=arenas)
 
     def node_stopping(self, node: str, reason: str) -> None:
         close_old_connections()

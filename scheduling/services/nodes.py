@@ -152,6 +152,7 @@ def heartbeat(
     books: Books | None = None,
     running: Collection[str] | None = None,
     processes: Mapping[str, str] | None = None,
+    arenas: Mapping[str, int] | None = None,
 ) -> list[str]:
     """Record that the node's agent is alive; a node that had been marked offline comes back.
     With `books`, what the agent saw its replica processes hold is checked against the ledger.
@@ -163,7 +164,8 @@ def heartbeat(
 
     `processes`, the state each of those processes last said it is in, and `running` show which
     commands to them were lost (the broker blinked as they were sent): those are sent again
-    (scheduling.services.lost_commands)."""
+    (scheduling.services.lost_commands); `arenas`, the host arenas they keep, which grants and
+    drops of one were."""
     now = now or timezone.now()
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         node = locks.lock_node(name)
@@ -196,7 +198,7 @@ def heartbeat(
     if books is not None:
         book_checks.check(name, books)
     if running is not None:
-        lost_commands.resend(name, running, processes, now)
+        lost_commands.resend(name, running, processes, now, arenas=arenas)
     return stale
 
 

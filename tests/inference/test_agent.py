@@ -301,11 +301,13 @@ def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(monkeypa
 
 
 class _Processes:
-    """What the node tasks and the heartbeat read of the supervisor: the processes it runs and the
-    state each last said it is in; the commands written to them are recorded."""
+    """What the node tasks and the heartbeat read of the supervisor: the processes it runs, the
+    state each last said it is in and the host arenas they keep; the commands written to them are
+    recorded."""
 
-    def __init__(self, states: dict[str, str]) -> None:
+    def __init__(self, states: dict[str, str], arenas: dict[str, int] | None = None) -> None:
         self._states = states
+        self._arenas = arenas or {}
         self.sent: list[tuple[str, dict]] = []
         self.stopped: list[str] = []
 
@@ -314,6 +316,9 @@ class _Processes:
 
     def states(self) -> dict[str, str]:
         return dict(self._states)
+
+    def arenas(self) -> dict[str, int]:
+        return dict(self._arenas)
 
     def usage(self) -> dict:
         return {rid: (4242, {"0": MiB}, state) for rid, state in self._states.items()}
@@ -430,10 +435,11 @@ def test_each_beat_tells_the_state_each_replica_process_last_said_it_is_in(monke
             return []
 
     agent = NodeAgent("n1", control=Control(), backend="virtual", cpu_cache_bytes=0)
-    agent.supervisor = _Processes({"r1": "sleeping", "r2": "serving", "r3": ""})  # type: ignore[assignment]
+    agent.supervisor = _Processes({"r1": "sleeping", "r2": "serving", "r3": ""}, {"r2": MiB})  # type: ignore[assignment]
 
     assert agent.beat_once() == []
     (beat,) = beats
     assert beat["running"] == ["r1", "r2", "r3"]
     assert beat["processes"] == {"r1": "sleeping", "r2": "serving", "r3": ""}
+    assert beat["arenas"] == {"r2": MiB}, "the host arenas they keep (a lost grant or drop shows there)"
     assert beat["books"].states == {"r1": "sleeping", "r2": "serving", "r3": ""}

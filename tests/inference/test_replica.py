@@ -91,6 +91,8 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     supervisor.send("r1", {"cmd": "arena", "keep": True})
     _, arena = events.until("arena")
     assert arena["kept_bytes"] >= serving["weights_bytes"]
+    # What the heartbeat tells the control plane it keeps (a grant that never arrived shows as none).
+    assert supervisor.arenas() == {"r1": arena["kept_bytes"]}
 
     # A waker on its GPU waits for it to let go (inference.tasks.wait_released): serving, it holds.
     assert supervisor.released(["r1", "not-here"], timeout=0) == ["r1"]
@@ -102,6 +104,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert waiter.result(timeout=60) == [], "its sleep wakes the waiter"
     # What the heartbeat tells the control plane of it (scheduling.services.lost_commands).
     assert supervisor.states() == {"r1": "sleeping"}
+    assert supervisor.arenas() == {}, "the sleep packed its weights into the arena it kept"
     assert supervisor.sleepers(["r1", "not-here"]) == {"r1": (serving["pid"], {"0": SERVED_CONTEXT})}
     assert sleeping["cpu_bytes"] == serving["weights_bytes"]
 
@@ -114,9 +117,15 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert woken["weights_bytes"] == serving["weights_bytes"]
     assert events.until("arena")[1]["kept_bytes"] == arena["kept_bytes"]  # the wake kept the one it read
 
+    assert supervisor.arenas() == {"r1": arena["kept_bytes"]}
+
     supervisor.send("r1", {"cmd": "ping"})
-    assert events.until("pong")[1]["state"] == "serving"
+    _, pong = events.until("pong")
+    assert pong["state"] == "serving" and pong["arena_bytes"] == arena["kept_bytes"]
     assert supervisor.states() == {"r1": "serving"}
+    supervisor.send("r1", {"cmd": "arena", "keep": False})
+    assert events.until("arena")[1]["kept_bytes"] == 0
+    assert supervisor.arenas() == {}
 
     pid = serving["pid"]
     assert supervisor.stop("r1") == 0
@@ -314,8 +323,9 @@ def test_the_host_refuses_commands_that_make_no_sense_now_and_carries_on():
     ]
     # kv: the KV pool's statistics (issue 7); a torch-module replica has none.
     # process_bytes_by_id: what NVML would show; a virtual GPU models it (the context and weights).
+    # arena_bytes: the host arena it keeps for its next sleep (none: it was never allowed one).
     pong = _events(out)[-1]
-    assert pong == {"event": "pong", "state": "serving", "pid": os.getpid(), "kv": None} | {
+    assert pong == {"event": "pong", "state": "serving", "pid": os.getpid(), "kv": None, "arena_bytes": 0} | {
         "process_bytes_by_id": {"0": pong["process_bytes_by_id"]["0"]}
     }
     assert pong["process_bytes_by_id"]["0"] > CONTEXT

@@ -15,8 +15,8 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from scheduling.models import Deployment, Event, FailoverLease, Replica
-from scheduling.services import lost_commands, nodes, reports
+from scheduling.models import Deployment, Event, FailoverLease, Node, Replica
+from scheduling.services import host_cache, lost_commands, nodes, reports
 from tests.support import factories
 from tests.support.deployments import FROM_CACHE, START, STOP, TO_CACHE, MiB, body, invariant_holds, reserved, serve
 
@@ -319,3 +319,78 @@ def test_a_report_repeated_for_a_command_sent_twice_changes_nothing(cluster, api
     reports.report(replica.id, {"event": "stopped"})  # a stop of a gone one: the agent says stopped again
     assert state_events() == seen
     assert Replica.objects.get(pk=replica.id).state == "stopped" and invariant_holds()
+
+
+# -- arena -----------------------------------------------------------------------------------------
+
+ARENA = "inference.tasks.replica_arena"
+
+
+def arena_commands(dispatched) -> list[tuple[str, list]]:
+    return [(queue, args) for queue, task, args in dispatched if task == ARENA]
+
+
+def granted(api, model_dir, on_commit) -> Replica:
+    """A serving replica lent a 100 MiB host arena by its node's balance (its grant committed)."""
+    (replica_id,) = serving(api, model_dir)
+    replica = Replica.objects.select_related("node").get(pk=replica_id)
+    Node.objects.filter(pk=replica.node_id).update(cpu_cache_bytes=1024 * MiB)
+    Deployment.objects.filter(pk=replica.deployment_id).update(weight_bytes=100 * MiB)
+    with on_commit():
+        assert host_cache.balance(replica.node.name)["granted"] == [replica_id]
+    assert Replica.objects.get(pk=replica_id).arena_kept_bytes == 100 * MiB
+    return replica
+
+
+def test_a_lost_arena_grant_is_sent_again_while_the_serving_process_keeps_none(
+    cluster, api, dispatched, tiny_model_dir, on_commit
+):
+    replica = granted(api, tiny_model_dir, on_commit)
+    dispatched.clear()  # the grant that never arrived
+    node, grace = replica.node, settings.GPUPORTAL_ARENA_GRACE_S
+    beat = {"running": [replica.id], "processes": {replica.id: "serving"}}
+
+    nodes.heartbeat(node.name, **beat, arenas={}, now=after(replica.id, grace - 1))
+    assert dispatched == [], "within the grace: its arena may still be being allocated and pinned"
+    past = after(replica.id, grace + 1)
+    nodes.heartbeat(node.name, **beat, arenas={replica.id: 100 * MiB}, now=past)  # it keeps one: nothing lost
+    nodes.heartbeat(node.name, running=[replica.id], processes={replica.id: "draining"}, arenas={}, now=past)
+    nodes.heartbeat(node.name, **beat, now=past)  # an agent that says nothing of arenas
+    assert dispatched == []
+
+    with on_commit():
+        nodes.heartbeat(node.name, **beat, arenas={}, now=past)
+        nodes.heartbeat(node.name, **beat, arenas={}, now=past)  # a second beat: claimed
+    assert arena_commands(dispatched) == [(node.queue, [replica.id, True])]
+    assert lost("the grant was lost, sent again", replica.id) == 1
+    event = Event.objects.get(replica=replica.id, reason__contains="the grant was lost")
+    assert event.after["resent"] == "arena keep" and event.after["process"] == "serving"
+    assert Replica.objects.get(pk=replica.id).arena_kept_bytes == 100 * MiB, "the books counted it all along"
+
+
+def test_a_lost_arena_drop_is_sent_again_while_the_process_still_keeps_what_the_books_no_longer_count(
+    cluster, api, dispatched, tiny_model_dir, on_commit
+):
+    replica = granted(api, tiny_model_dir, on_commit)
+    Node.objects.filter(pk=replica.node_id).update(cpu_cache_bytes=50 * MiB)  # the arena no longer fits
+    with on_commit():
+        host_cache.balance(replica.node.name)
+    assert Replica.objects.get(pk=replica.id).arena_kept_bytes == 0
+    assert arena_commands(dispatched)[-1] == (replica.node.queue, [replica.id, False])
+    dispatched.clear()  # the drop that never arrived: the process keeps its arena
+    node, grace = replica.node, settings.GPUPORTAL_ARENA_GRACE_S
+    beat = {"running": [replica.id], "processes": {replica.id: "serving"}, "arenas": {replica.id: 100 * MiB}}
+
+    nodes.heartbeat(node.name, **beat, now=after(replica.id, grace - 1))
+    assert dispatched == [], "within the grace: the drop may still wait in the agent's queue"
+    with on_commit():
+        nodes.heartbeat(node.name, **beat, now=after(replica.id, grace + 1))
+    assert arena_commands(dispatched) == [(node.queue, [replica.id, False])]
+    assert lost("the drop was lost, sent again", replica.id) == 1
+    # Its process's word that it dropped it leaves nothing more to send.
+    reports.report(replica.id, {"event": "arena", "kept_bytes": 0})
+    dispatched.clear()
+    nodes.heartbeat(
+        node.name, running=beat["running"], processes=beat["processes"], arenas={}, now=after(replica.id, grace + 1)
+    )
+    assert dispatched == []
