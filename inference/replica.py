@@ -12,8 +12,9 @@ Events:   progress {state, percent, detail} · serving {pid, weights_bytes, proc
           · pong {state, pid, arena_bytes} · error {cmd, reason} (a command refused; the replica carries on)
           · failed {reason, kind: oom|load|cuda_assert|crash}, then exit 1 · stopped, then exit 0
           · hello {replica_id, pid, state, last} (first to an agent that adopted it)
-          · arena {kept_bytes} (the host arena an awake replica keeps for its next sleep: ready, or
-          0 once dropped; a sleep consumes it into the arena its `sleeping` counts as cpu_bytes).
+          · arena {kept_bytes, failed?} (the host arena an awake replica keeps for its next sleep:
+          ready, or 0 once dropped, or 0 with `failed` when it could not be allocated; a sleep
+          consumes it into the arena its `sleeping` counts as cpu_bytes).
 Commands: sleep {drain_timeout_s} · wake {gpus, reserved_bytes_by_gpu, fraction} · stop {drain_timeout_s}
           · arena {keep} (whether it may keep a host arena while awake, issue 19)
           · ping · resync (emit the last state event again). EOF on stdin: the agent is gone: exit, or
@@ -1209,8 +1210,11 @@ class ReplicaHost:
     def _prepare_spare(self, model: nn.Module) -> None:
         try:
             spare = self.backend.prepare_spare(model)
-        except Exception:  # the host out of memory, say: the next sleep allocates its own, as before
+        except Exception as exc:  # the host out of memory, say: the next sleep allocates its own, as before
             log.exception("%s: preparing a kept arena failed; the next sleep allocates its own", self.replica_id)
+            # Said, so that the books stop counting an arena it does not hold (and the grant is not
+            # sent again and again by the heartbeat's check for a lost one).
+            self.events.emit("arena", kept_bytes=0, failed=f"{type(exc).__name__}: {exc}"[:300])
             return
         log.info("%s: keeps an arena of %s ready for its next sleep", self.replica_id, mib(spare.nbytes))
         self._emit_arena(spare.nbytes)

@@ -227,6 +227,27 @@ def _set_kept(replica_id: str, node: Node, *, keep: bool) -> bool:
     return True
 
 
+def note_unkept(replica: Replica, why: str) -> None:
+    """The replica could not allocate the arena it was granted (the host out of memory, say): the
+    books stop counting it, with an Event. Only a failure says so: a plain `arena 0` may be an
+    earlier drop's answer arriving after a new grant committed."""
+    if replica.arena_kept_bytes == 0:
+        return
+    size, replica.arena_kept_bytes = replica.arena_kept_bytes, 0
+    replica.save(update_fields=["arena_kept_bytes", "updated_at"])
+    events.record(
+        Event.Kind.HOST_CACHE,
+        f"node {replica.node.name if replica.node else '?'}",
+        f"replica {replica.id[:8]} of {replica.deployment.name} could not allocate the "
+        f"{memory.human_bytes(size)} arena it was granted ({why}): no longer counted; its next sleep allocates its own",
+        before={"arena_kept_bytes": size},
+        after={"arena_kept_bytes": 0},
+        node=replica.node.name if replica.node else "",
+        deployment=replica.deployment.name,
+        replica=replica.id,
+    )
+
+
 def note_kept(replica: Replica, kept_bytes: int) -> None:
     """The replica's own word on the arena it keeps (its `arena` report): the size it allocated
     (its alignment makes it a little more than its weights) replaces the grant's figure. A report

@@ -107,7 +107,9 @@ def _lend_host_room(replica: Replica) -> None:
 
 def _arena(replica: Replica, event: dict[str, Any]) -> None:
     kept = event.get("kept_bytes")
-    if isinstance(kept, int) and not isinstance(kept, bool) and kept >= 0:
+    if event.get("failed"):
+        host_cache.note_unkept(replica, str(event["failed"]))
+    elif isinstance(kept, int) and not isinstance(kept, bool) and kept >= 0:
         host_cache.note_kept(replica, kept)
 
 

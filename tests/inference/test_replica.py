@@ -762,3 +762,20 @@ def test_wake_lands_on_the_new_gpu(supervisor):
     assert woken["param_devices"] == ["cuda:1"]
     assert woken["gpu_mem_bytes_by_id"] == {"1": GiB}
     assert woken["process_bytes_by_id"]["1"] >= woken["weights_bytes"]
+
+
+def test_a_replica_that_cannot_allocate_the_arena_it_was_granted_says_so(monkeypatch):
+    host, out = _host()
+    host.load()
+    arenas = ArenaEvents(host)
+
+    def no_memory(model):
+        raise MemoryError("cannot pin 4 GiB")
+
+    monkeypatch.setattr(host.backend, "prepare_spare", no_memory)
+    host.handle({"cmd": "arena", "keep": True})
+
+    assert arenas.wait_for(1) == [0]
+    (said,) = [e for e in _events(out) if e["event"] == "arena"]
+    assert said["failed"] == "MemoryError: cannot pin 4 GiB"
+    assert host.backend.spare is None and host.state == "serving", "it serves on; its next sleep allocates its own"

@@ -298,6 +298,25 @@ def test_a_serving_replica_is_lent_an_arena_from_spare_room_counted_from_the_gra
     assert Replica.objects.get(pk=serving).arena_kept_bytes == 100 * MiB + 4096
 
 
+def test_a_replica_that_could_not_allocate_its_granted_arena_is_no_longer_counted_for_one(
+    small_host, dispatched, django_capture_on_commit_callbacks
+):
+    serving = deploy("a")
+    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert host_cache.balance("edge")["granted"] == [serving]
+
+    # A plain `arena 0` may be an earlier drop's answer crossing this grant: it changes nothing.
+    reports.report(serving, {"event": "arena", "kept_bytes": 0})
+    assert Replica.objects.get(pk=serving).arena_kept_bytes == 100 * MiB
+    reports.report(serving, {"event": "arena", "kept_bytes": 0, "failed": "MemoryError: cannot pin"})
+
+    assert Replica.objects.get(pk=serving).arena_kept_bytes == 0
+    assert host_cache.used_bytes([small_host.pk]) == {small_host.pk: 0}
+    (event,) = Event.objects.filter(kind="host_cache", replica=serving, reason__contains="could not allocate")
+    assert "MemoryError: cannot pin" in event.reason and event.before == {"arena_kept_bytes": 100 * MiB}
+
+
 def test_an_arena_is_not_lent_past_the_budget_nor_to_a_sleeper(small_host, dispatched):
     big = deploy("big")
     Deployment.objects.filter(name="big").update(weight_bytes=300 * MiB)
