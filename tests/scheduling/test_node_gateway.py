@@ -137,3 +137,35 @@ def test_a_beat_whose_process_states_are_not_states_is_refused_saying_why():
     assert node_gateway.answer(call) == "unreadable"
     answer = json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
     assert answer["ok"] is False and "processes must map replica ids to states" in answer["error"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_beat_whose_arenas_are_not_byte_counts_is_refused_saying_why():
+    reply_to = f"gp:agent-reply:{uuid.uuid4().hex}"
+    kwargs = {"processes": {"r1": "serving"}, "arenas": {"r1": -5}}
+    call = {"v": 1, "call": "heartbeat", "reply_to": reply_to, "args": ["gw"], "kwargs": kwargs}
+    assert node_gateway.answer(call) == "unreadable"
+    answer = json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
+    assert answer["ok"] is False and "arenas must map replica ids to byte counts" in answer["error"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_beat_carries_the_arenas_replicas_keep_and_a_lost_drop_is_sent_again(dispatched):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    control = remote(Worker())
+    node = factories.node("gw")
+    replica = factories.replica(
+        factories.deployment("d"), on=node, state=Replica.State.SERVING, gpu_mem_bytes_by_id={"0": GIB}
+    )
+    Replica.objects.filter(pk=replica.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+
+    beat = {"books": None, "running": [replica.id], "processes": {replica.id: "serving"}}
+    assert control.heartbeat("gw", **beat, arenas={replica.id: GIB}) == []
+    # The books lend it no arena: the drop that never arrived is sent again.
+    assert [(queue, task, args) for queue, task, args in dispatched] == [
+        ("node.gw", "inference.tasks.replica_arena", [replica.id, False])
+    ]
+    assert Event.objects.filter(replica=replica.id, reason__contains="the drop was lost, sent again").exists()
