@@ -154,8 +154,9 @@ class _Replica:
     # compared with the books of the same state (a serving figure against a sleeper's reservation
     # would read as an over-commit).
     usage_state: str = ""
-    # The host arena it keeps for its next sleep, as it last said (an `arena` event or a pong).
-    arena_bytes: int = 0
+    # The host arena it keeps for its next sleep, as it last said (an `arena` event or a pong);
+    # None until it has said (an adopted process before its first pong).
+    arena_bytes: int | None = None
     # What it said it still holds per GPU index as it fell asleep (its residual context).
     residual: dict[str, int] = field(default_factory=dict)
     # Whether a reader thread delivers its events (an adopted one waits for `resume`).
@@ -406,11 +407,12 @@ class Supervisor:
             return {rid: r.usage_state for rid, r in self._replicas.items()}
 
     def arenas(self) -> dict[str, int]:
-        """{replica id: the bytes of the host arena it keeps for its next sleep} of the running
-        replicas that keep one: what the heartbeat tells the control plane, which sends a grant or
-        a drop again when the process shows it never arrived (issue 19)."""
+        """{replica id: the bytes of the host arena it keeps for its next sleep, 0 for none} of the
+        running replicas that have said (a pong every beat): what the heartbeat tells the control
+        plane, which sends a grant or a drop again when the process shows it never arrived (issue
+        19). One that has not said yet is left out, so that no beat reads its silence as none."""
         with self._lock:
-            return {rid: r.arena_bytes for rid, r in self._replicas.items() if r.arena_bytes > 0}
+            return {rid: r.arena_bytes for rid, r in self._replicas.items() if r.arena_bytes is not None}
 
     def log_path(self, replica_id: str) -> Path:
         return self.log_dir / f"replica-{replica_id}.log"

@@ -47,9 +47,10 @@ class ControlPlane(Protocol):
         sent never arrived (scheduling.services.lost_commands). Added to version 1 with a default:
         an agent that does not send it (an older one) gets no lost wake or sleep sent again.
 
-        `arenas`: {replica id: bytes} of the host arenas the running replicas keep for their next
-        sleep (issue 19; those that keep none left out), from which the control plane sees that a
-        grant or a drop of one never arrived. Added to version 1 with a default, like `processes`."""
+        `arenas`: {replica id: bytes, 0 for none} of the host arenas the running replicas keep for
+        their next sleep (issue 19; a replica that has not said yet left out), from which the
+        control plane sees that a grant or a drop of one never arrived. Added to version 1 with a
+        default, like `processes`."""
 
     def node_stopping(self, node: str, reason: str) -> None:
         """Out of placement: the agent is leaving and stops its replicas next."""

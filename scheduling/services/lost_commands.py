@@ -207,9 +207,9 @@ def resend_lost_arenas(
     for replica_id, deployment, updated_at, booked, lease in rows:
         if replica_id not in running or processes.get(replica_id) != "serving":
             continue  # no process (the start or stop checks see to it), or one between states
-        kept = arenas.get(replica_id, 0)
-        if (booked > 0) == (kept > 0):
-            continue
+        kept = arenas.get(replica_id)
+        if kept is None or (booked > 0) == (kept > 0):
+            continue  # not said yet (an adopted process before its first pong), or as the books say
         waited = (now - updated_at).total_seconds()
         paired = lease is not None
         replica = _Overdue(replica_id, name, deployment, Replica.State.SERVING, updated_at, waited, grace, paired)

@@ -86,6 +86,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert serving["param_devices"] == ["cpu"]
     with pytest.raises(ValueError, match="already running"):
         supervisor.start(spec(str(tiny_model_dir)), events)
+    assert supervisor.arenas() == {}, "it has said nothing of an arena yet: no beat reads that as none"
 
     # Allowed to keep a host arena (issue 19): it says so once one is ready, sized as the arena.
     supervisor.send("r1", {"cmd": "arena", "keep": True})
@@ -104,7 +105,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert waiter.result(timeout=60) == [], "its sleep wakes the waiter"
     # What the heartbeat tells the control plane of it (scheduling.services.lost_commands).
     assert supervisor.states() == {"r1": "sleeping"}
-    assert supervisor.arenas() == {}, "the sleep packed its weights into the arena it kept"
+    assert supervisor.arenas() == {"r1": 0}, "the sleep packed its weights into the arena it kept"
     assert supervisor.sleepers(["r1", "not-here"]) == {"r1": (serving["pid"], {"0": SERVED_CONTEXT})}
     assert sleeping["cpu_bytes"] == serving["weights_bytes"]
 
@@ -125,7 +126,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert supervisor.states() == {"r1": "serving"}
     supervisor.send("r1", {"cmd": "arena", "keep": False})
     assert events.until("arena")[1]["kept_bytes"] == 0
-    assert supervisor.arenas() == {}
+    assert supervisor.arenas() == {"r1": 0}
 
     pid = serving["pid"]
     assert supervisor.stop("r1") == 0

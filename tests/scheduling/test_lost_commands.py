@@ -349,18 +349,20 @@ def test_a_lost_arena_grant_is_sent_again_while_the_serving_process_keeps_none(
     dispatched.clear()  # the grant that never arrived
     node, grace = replica.node, settings.GPUPORTAL_ARENA_GRACE_S
     beat = {"running": [replica.id], "processes": {replica.id: "serving"}}
+    none = {replica.id: 0}
 
-    nodes.heartbeat(node.name, **beat, arenas={}, now=after(replica.id, grace - 1))
+    nodes.heartbeat(node.name, **beat, arenas=none, now=after(replica.id, grace - 1))
     assert dispatched == [], "within the grace: its arena may still be being allocated and pinned"
     past = after(replica.id, grace + 1)
     nodes.heartbeat(node.name, **beat, arenas={replica.id: 100 * MiB}, now=past)  # it keeps one: nothing lost
-    nodes.heartbeat(node.name, running=[replica.id], processes={replica.id: "draining"}, arenas={}, now=past)
+    nodes.heartbeat(node.name, running=[replica.id], processes={replica.id: "draining"}, arenas=none, now=past)
+    nodes.heartbeat(node.name, **beat, arenas={}, now=past)  # it has not said yet (adopted, no pong yet)
     nodes.heartbeat(node.name, **beat, now=past)  # an agent that says nothing of arenas
     assert dispatched == []
 
     with on_commit():
-        nodes.heartbeat(node.name, **beat, arenas={}, now=past)
-        nodes.heartbeat(node.name, **beat, arenas={}, now=past)  # a second beat: claimed
+        nodes.heartbeat(node.name, **beat, arenas=none, now=past)
+        nodes.heartbeat(node.name, **beat, arenas=none, now=past)  # a second beat: claimed
     assert arena_commands(dispatched) == [(node.queue, [replica.id, True])]
     assert lost("the grant was lost, sent again", replica.id) == 1
     event = Event.objects.get(replica=replica.id, reason__contains="the grant was lost")
@@ -391,6 +393,10 @@ def test_a_lost_arena_drop_is_sent_again_while_the_process_still_keeps_what_the_
     reports.report(replica.id, {"event": "arena", "kept_bytes": 0})
     dispatched.clear()
     nodes.heartbeat(
-        node.name, running=beat["running"], processes=beat["processes"], arenas={}, now=after(replica.id, grace + 1)
+        node.name,
+        running=beat["running"],
+        processes=beat["processes"],
+        arenas={replica.id: 0},
+        now=after(replica.id, grace + 1),
     )
     assert dispatched == []
