@@ -110,20 +110,33 @@ def test_a_call_the_control_plane_cannot_read_is_answered_with_why():
     assert answer == {"ok": False, "error": "call version 99 is not the control plane's (1): upgrade one side"}
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_beat_carries_the_state_of_each_replica_process_and_a_lost_wake_is_sent_again(dispatched):
+def replica_waiting_an_hour(state: str) -> Replica:
+    """A replica of node gw unchanged for an hour in `state`: past every lost command's grace."""
     from datetime import timedelta
 
     from django.utils import timezone
 
+    replica = factories.replica(
+        factories.deployment("d"), on=factories.node("gw"), state=state, gpu_mem_bytes_by_id={"0": GIB}
+    )
+    Replica.objects.filter(pk=replica.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+    return replica
+
+
+def refusal_of_a_beat(**kwargs) -> dict:
+    """What the control plane answers a heartbeat call with these fields (checked: unreadable)."""
+    reply_to = f"gp:agent-reply:{uuid.uuid4().hex}"
+    call = {"v": 1, "call": "heartbeat", "reply_to": reply_to, "args": ["gw"], "kwargs": kwargs}
+    assert node_gateway.answer(call) == "unreadable"
+    return json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_beat_carries_the_state_of_each_replica_process_and_a_lost_wake_is_sent_again(dispatched):
     from tests.support.deployments import FROM_CACHE
 
     control = remote(Worker())
-    node = factories.node("gw")
-    replica = factories.replica(
-        factories.deployment("d"), on=node, state=Replica.State.WAKING, gpu_mem_bytes_by_id={"0": GIB}
-    )
-    Replica.objects.filter(pk=replica.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+    replica = replica_waiting_an_hour(Replica.State.WAKING)
 
     assert control.heartbeat("gw", books=None, running=[replica.id], processes={replica.id: "sleeping"}) == []
     assert [(queue, task, args) for queue, task, args in dispatched] == [("node.gw", FROM_CACHE, [replica.id, []])]
@@ -132,35 +145,20 @@ def test_a_beat_carries_the_state_of_each_replica_process_and_a_lost_wake_is_sen
 
 @pytest.mark.django_db(transaction=True)
 def test_a_beat_whose_process_states_are_not_states_is_refused_saying_why():
-    reply_to = f"gp:agent-reply:{uuid.uuid4().hex}"
-    call = {"v": 1, "call": "heartbeat", "reply_to": reply_to, "args": ["gw"], "kwargs": {"processes": ["r1"]}}
-    assert node_gateway.answer(call) == "unreadable"
-    answer = json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
+    answer = refusal_of_a_beat(processes=["r1"])
     assert answer["ok"] is False and "processes must map replica ids to states" in answer["error"]
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_beat_whose_arenas_are_not_byte_counts_is_refused_saying_why():
-    reply_to = f"gp:agent-reply:{uuid.uuid4().hex}"
-    kwargs = {"processes": {"r1": "serving"}, "arenas": {"r1": -5}}
-    call = {"v": 1, "call": "heartbeat", "reply_to": reply_to, "args": ["gw"], "kwargs": kwargs}
-    assert node_gateway.answer(call) == "unreadable"
-    answer = json.loads(redis.Redis.from_url(settings.REDIS_URL).lpop(reply_to))
+    answer = refusal_of_a_beat(processes={"r1": "serving"}, arenas={"r1": -5})
     assert answer["ok"] is False and "arenas must map replica ids to byte counts" in answer["error"]
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_beat_carries_the_arenas_replicas_keep_and_a_lost_drop_is_sent_again(dispatched):
-    from datetime import timedelta
-
-    from django.utils import timezone
-
     control = remote(Worker())
-    node = factories.node("gw")
-    replica = factories.replica(
-        factories.deployment("d"), on=node, state=Replica.State.SERVING, gpu_mem_bytes_by_id={"0": GIB}
-    )
-    Replica.objects.filter(pk=replica.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+    replica = replica_waiting_an_hour(Replica.State.SERVING)
 
     beat = {"books": None, "running": [replica.id], "processes": {replica.id: "serving"}}
     assert control.heartbeat("gw", **beat, arenas={replica.id: GIB}) == []
