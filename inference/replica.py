@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TextIO
 
 from gpuportal.wire.requestqueue import Fence, RequestQueue
 from inference import load_slots
+from inference.allocator import give_back_cached
 from inference.hub import local_model_dir
 from inference.loaders import DIRECTORY_LOADERS, EMBEDDING, LOADERS, TRANSFORMERS
 from inference.process_exit import exit_now as _exit
@@ -518,7 +519,7 @@ class CudaBackend(ArenaKeeper):
         # One pinned allocation (the spare when one is kept: allocated and pinned in advance), the
         # copies queued on a side stream per GPU, one synchronisation.
         self.arena = self._pack(model)
-        torch.cuda.empty_cache()
+        give_back_cached(torch)  # the weights' segments and cuBLAS's workspace: a sleeper keeps its context alone
         for gpu in placement.gpus:
             torch.cuda.set_per_process_memory_fraction(1.0, gpu)
         return self._residual(placement)

@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from inference.allocator import give_back_cached
+
 log = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 16
@@ -197,9 +199,6 @@ def _free(torch: Any, device: Any) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:
-                clear()
-            torch.cuda.empty_cache()
+            give_back_cached(torch)
     except Exception as exc:  # never the standby's failure
         log.warning("standby warm-up: freeing its memory failed: %s", exc)

@@ -254,7 +254,10 @@ def test_on_a_gpu_host_auto_discovery_reports_the_real_gpus_from_nvml():
     assert len(devices) == torch.cuda.device_count()
     for device in devices:
         _free, total = torch.cuda.mem_get_info(device.index)
-        assert device.total_bytes == total and device.uuid.startswith("GPU-")
+        # CUDA's total less what an idle device shows used beyond the driver's reserve (3.2 MiB on
+        # the H100 and H200 of 2026-11-26; none once a process holds a context there): never more.
+        assert total - 16 * MiB <= device.total_bytes <= total
+        assert device.uuid.startswith("GPU-")
 
 
 class _Sleeper:
