@@ -24,6 +24,7 @@ from scheduling.models import Deployment, Event, Replica
 from scheduling.services import dispatch, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput, NotFound
+from scheduling.services.forgetting import forget_deployment
 from scheduling.services.placing import COUNTED, PAIR_LIVE, PLAIN_COUNTED, add_replicas, releasing
 from scheduling.services.scaling import scale
 
@@ -391,17 +392,29 @@ def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
     return serving
 
 
+# A deleted deployment's replicas: (id, state, node name or None), by its locked id.
+_REPLICAS_OF = (
+    "SELECT r.id, r.state, n.name FROM scheduling_replica r LEFT JOIN scheduling_node n ON n.id = r.node_id "
+    "WHERE r.deployment_id = ANY(%s)"
+)
+
+
 @locks.retry_deadlocks
 def delete(name: str, *, reason: str = "deleted by an operator") -> None:
     """Release every reservation, stop every process, and forget the deployment."""
     with transaction.atomic(), events.gathered():
-        deployment = get(name, lock=True)
-        replicas = list(deployment.replicas.select_related("node"))
-        ledger.commit_with_retry(releasing({r.id for r in replicas}, f"{reason}: deployment {name}"))
-        for replica in replicas:
-            if replica.node is not None and replica.state not in (Replica.State.STOPPED, Replica.State.FAILED):
+        # Its row locked and its replicas read in statements the server keeps prepared.
+        found, (replicas,) = locks.lock_deployments_reading([name], _REPLICAS_OF)
+        if not found:
+            raise NotFound(f"no deployment named {name!r}")
+        deployment = found[0]
+        ledger.commit_with_retry(
+            releasing({replica_id for replica_id, _, _ in replicas}, f"{reason}: deployment {name}")
+        )
+        for replica_id, state, node in replicas:
+            if node is not None and state not in (Replica.State.STOPPED, Replica.State.FAILED):
                 # The drain as the row says it now: after the commit there is no row to read it from.
-                dispatch.stop(replica.node.name, replica.id, drain_timeout_s=deployment.drain_timeout_s)
+                dispatch.stop(node, replica_id, drain_timeout_s=deployment.drain_timeout_s)
         events.record(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",
@@ -409,7 +422,8 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
             before={"replicas": len(replicas)},
             deployment=name,
         )
-        deployment.delete()
+        # One statement for the cascade Django's collector runs in about ten (scheduling.services.forgetting).
+        forget_deployment(deployment.pk)
         # Nothing will ever serve what still waits in its queue: end it now, saying why (once the
         # delete has committed). Requests already taken finish first: stopping waits for them.
         # Imported here: the request service itself builds on this module.
