@@ -2,8 +2,8 @@
 as PostgreSQL runs it (issue 17 item 4).
 
 Django's collector reads every related row into Python before it deletes anything: about ten
-statements and 11 ms of a client's CPU for a deployment of one replica, half of what the API's
-calls cost on average though only one call in twenty deletes (bench.placement). The relations
+statements and 11 ms of a client's CPU for a deployment of one replica, where a scale call costs
+about 2 (bench.placement's mix: one call in twenty a delete, a quarter of the calls' CPU). The relations
 follow the models' `on_delete`, which a test holds this to:
 
 - the deployment's replicas and failover leases go with it (CASCADE);

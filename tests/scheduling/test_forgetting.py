@@ -53,7 +53,7 @@ def _tangled_world() -> Deployment:
     own_lease = FailoverLease.objects.create(deployment=gone, holder=r1)
     kept_lease = FailoverLease.objects.create(deployment=kept, slot=0, holder=r2)  # held by a replica of gone
     FailoverLease.objects.create(deployment=kept, slot=1, holder=k1)
-    Replica.objects.filter(pk__in=[r2.pk]).update(lease=own_lease)
+    Replica.objects.filter(pk=r2.pk).update(lease=own_lease)
     Replica.objects.filter(pk=k2.pk).update(lease=own_lease)  # another's replica in gone's lease
     Replica.objects.filter(pk=k1.pk).update(lease=kept_lease)
     factories.intent(r1, first, MiB)  # one of gone's waits: goes
