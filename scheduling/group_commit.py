@@ -5,6 +5,11 @@ as for several. The first caller to arrive leads: it takes every call waiting (u
 one per key), runs them as one batch and hands the lead to the next caller still waiting, so no
 caller waits longer than the batch before its own, and a lone caller waits for nothing.
 
+Callers answered by a batch come back a moment later with their next call, just after the next
+leader took whoever was already waiting: batches would alternate between halves of the callers.
+So a leader whose last batch held several calls first gathers, for at most `gather_s`, as many
+calls as that batch held (bench.placement, 8 clients: 4.8 calls a batch without, 6.7 with 1 ms).
+
 Django-free: what a batch does is the caller's `run`, which returns one outcome per item (a
 value, or the exception that item's caller raises).
 """
@@ -50,10 +55,13 @@ class Group(Generic[T, R]):
         *,
         key: Callable[[T], Hashable],
         limit: int = 32,
+        gather_s: float = 0.0,
     ) -> None:
         self._run = run
         self._key = key
         self._limit = limit
+        self._gather_s = gather_s
+        self._last = 0  # how many calls the last batch held
         self._lock = threading.Lock()
         self._queued = threading.Condition(self._lock)
         self._waiting: list[_Slot[T, R]] = []
@@ -103,6 +111,11 @@ class Group(Generic[T, R]):
         """The leader's own call (the first waiting: it led because nobody else did, or was handed
         the lead as the head), and the calls waiting after it, one per key."""
         with self._lock:
+            if self._gather_s > 0:
+                # The leader's own slot counts among those waiting (so after a batch of one there
+                # is nothing to wait for). Waiting releases the lock, so the calls gathered can
+                # queue; each one's notify wakes this to count again.
+                self._queued.wait_for(lambda: len(self._waiting) >= min(self._last, self._limit), self._gather_s)
             batch, kept, keys = [own], [], {own.key}
             for slot in self._waiting:
                 if slot is own:
@@ -115,6 +128,7 @@ class Group(Generic[T, R]):
             self._waiting = kept
             self.batches += 1
             self.items += len(batch)
+            self._last = len(batch)
             return batch
 
     def _hand_over(self, batch: list[_Slot[T, R]]) -> None:

@@ -40,6 +40,10 @@ from scheduling.state import Plan, Snapshot
 # The most calls one batch holds: enough for every thread of the web (16) and then some; a
 # longer batch would make its first caller wait for the last one's placement.
 BATCH_LIMIT = 32
+# How long a batch's leader waits to gather as many calls as its last batch held (group_commit):
+# a caller answered by a batch is back within 1 ms (a thread's wake-up and its next call), and a
+# lone caller never waits for it.
+GATHER_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,9 @@ def _alone(intent: ScaleIntent) -> Deployment | Exception:
 
 # One name per batch: two calls for one deployment are ordered by its lock, the second in the
 # next batch, as they would be one after the other.
-_GROUP: Group[ScaleIntent, Deployment] = Group(_run_batch, key=lambda intent: intent.name, limit=BATCH_LIMIT)
+_GROUP: Group[ScaleIntent, Deployment] = Group(
+    _run_batch, key=lambda intent: intent.name, limit=BATCH_LIMIT, gather_s=GATHER_S
+)
 
 
 @locks.retry_deadlocks

@@ -164,3 +164,51 @@ def test_a_batch_must_answer_every_item():
 
     with pytest.raises(RuntimeError, match="a batch of 1 gave 0 outcomes"):
         group.submit("a")
+
+
+def _two_in_a_batch(group: Group, run: Recorder) -> None:
+    """A held batch of "a", then "b" and "c" together: the group's last batch held two."""
+    first = started(lambda: group.submit("a"), "caller-a")
+    assert run.entered.wait(TIMEOUT)
+    others = [started(lambda item=item: group.submit(item), f"caller-{item}") for item in "bc"]
+    assert group.wait_queued(2, TIMEOUT)
+    run.release.set()
+    for thread in [first, *others]:
+        thread.join(TIMEOUT)
+    assert run.batches[0] == ["a"] and sorted(run.batches[1]) == ["b", "c"]
+
+
+def test_a_leader_gathers_as_many_calls_as_its_last_batch_held():
+    run = Recorder(hold_first=True)
+    # Gathering for longer than the test runs: only the second call's arrival can end it.
+    group = Group(run, key=lambda item: item, gather_s=3600)
+    _two_in_a_batch(group, run)
+
+    leader = started(lambda: group.submit("d"), "caller-d")
+    assert group.wait_queued(1, TIMEOUT)  # "d" leads, and waits for a second call
+    follower = started(lambda: group.submit("e"), "caller-e")
+    for thread in (leader, follower):
+        thread.join(TIMEOUT)
+
+    assert not leader.is_alive() and not follower.is_alive()
+    assert sorted(run.batches[2]) == ["d", "e"] and len(run.batches) == 3, "without the gather: [d], [e]"
+
+
+def test_a_leader_that_gathers_nobody_runs_alone_once_its_gather_is_over():
+    run = Recorder(hold_first=True)
+    group = Group(run, key=lambda item: item, gather_s=0.01)
+    _two_in_a_batch(group, run)
+
+    assert group.submit("d") == ("d", "done")
+    assert run.batches[2] == ["d"]
+
+
+def test_a_lone_caller_never_gathers():
+    run = Recorder()
+    group = Group(run, key=lambda item: item, gather_s=3600)
+    calls = started(lambda: [group.submit(item) for item in "abc"], "lone-caller")
+    calls.join(TIMEOUT)
+
+    # A lone caller's last batch held only itself: a gather would hold this thread for an hour.
+    assert not calls.is_alive()
+    assert run.batches == [["a"], ["b"], ["c"]]
