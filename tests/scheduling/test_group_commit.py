@@ -39,6 +39,18 @@ def started(target: Callable[[], None], name: str) -> threading.Thread:
     return thread
 
 
+def held_then_queued(group: Group, run: Recorder, later: str) -> None:
+    """ "a" leads and is held inside its batch while each of `later` queues behind it; then all run."""
+    first = started(lambda: group.submit("a"), "caller-a")
+    assert run.entered.wait(TIMEOUT)
+    others = [started(lambda item=item: group.submit(item), f"caller-{item}") for item in later]
+    # Why wait on the group: every later call must be queued behind the held batch before it ends.
+    assert group.wait_queued(len(later), TIMEOUT)
+    run.release.set()
+    for thread in [first, *others]:
+        thread.join(TIMEOUT)
+
+
 def test_a_lone_call_runs_at_once_on_its_own_thread():
     run = Recorder()
     group = Group(run, key=lambda item: item)
@@ -148,13 +160,7 @@ def test_a_batch_that_fails_whole_fails_its_callers_and_the_next_batch_still_run
 def test_a_batch_holds_at_most_its_limit():
     run = Recorder(hold_first=True)
     group = Group(run, key=lambda item: item, limit=2)
-    first = started(lambda: group.submit("a"), "caller-a")
-    assert run.entered.wait(TIMEOUT)
-    others = [started(lambda item=item: group.submit(item), f"caller-{item}") for item in "bcde"]
-    assert group.wait_queued(4, TIMEOUT)
-    run.release.set()
-    for thread in [first, *others]:
-        thread.join(TIMEOUT)
+    held_then_queued(group, run, "bcde")
 
     assert [len(batch) for batch in run.batches] == [1, 2, 2]
 
@@ -168,13 +174,7 @@ def test_a_batch_must_answer_every_item():
 
 def _two_in_a_batch(group: Group, run: Recorder) -> None:
     """A held batch of "a", then "b" and "c" together: the group's last batch held two."""
-    first = started(lambda: group.submit("a"), "caller-a")
-    assert run.entered.wait(TIMEOUT)
-    others = [started(lambda item=item: group.submit(item), f"caller-{item}") for item in "bc"]
-    assert group.wait_queued(2, TIMEOUT)
-    run.release.set()
-    for thread in [first, *others]:
-        thread.join(TIMEOUT)
+    held_then_queued(group, run, "bc")
     assert run.batches[0] == ["a"] and sorted(run.batches[1]) == ["b", "c"]
 
 
