@@ -9,8 +9,9 @@ the node, the host cache as `/api/nodes/` counts it (scheduling.services.host_ca
 the share of it the arenas serving replicas keep for their next sleep (room spare, lent; dropped
 before any sleeper is parked), and the replicas' states. Then one request to each deployment
 wakes it, oldest first: from host memory where its weights are still there, from disk where the
-trim parked them. This is a separate module from bench.wake, which measures one replica's copies
-without a control plane: the budget is the control plane's.
+trim parked them. Its own module, since it needs the control plane (the budget is the control
+plane's) where bench.wake measures one replica's copies without one; `python -m bench.wake
+--host-cache` runs both in one run.
 
     python -m bench.host_cache [--deployments 6] [--fits 2] [--size-mb 16] [--no-record]
 
@@ -197,28 +198,23 @@ def report(after: list[AfterSleep], wakes: list[Wake], budget: int, weight_bytes
     return table(headers, rows), detail
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--deployments", type=int, default=6)
-    parser.add_argument("--fits", type=int, default=2, help="how many sleeping replicas the budget holds")
-    parser.add_argument("--size-mb", type=int, default=16, help="the tiny model's weights")
-    parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
-    if not 0 < args.fits < args.deployments:
-        parser.error("--fits must be at least 1 and fewer than --deployments (or nothing is under pressure)")
-
+def run(deployments: int = 6, fits: int = 2, size_mb: int = 16, *, record_it: bool = True) -> None:
+    """The measurement, printed and (`record_it`) recorded in its own section; bench.wake's
+    `--host-cache` runs it after its copies, so that one run measures both (issue 19)."""
+    if not 0 < fits < deployments:
+        raise ValueError("fits must be at least 1 and fewer than the deployments (or nothing is under pressure)")
     with servers("gpuportal-bench-host-cache-", "gpuportal_bench_host_cache") as tmp:
         from bench.report import record
         from inference.inspection import read_model
         from inference.management.commands.make_tiny_model import write_tiny_model
 
-        model_dir = write_tiny_model(tmp / "tiny", size_mb=args.size_mb, seed=7, log=lambda _: None).path
+        model_dir = write_tiny_model(tmp / "tiny", size_mb=size_mb, seed=7, log=lambda _: None).path
         # What a deploy's inspection will count for each replica's host copy (the agent runs the same).
         weight_bytes = int(read_model(str(model_dir), "transformers", "float32").weight_bytes or 0)
         # Room for `fits` sleepers and half of one more: each one past it must park the oldest.
-        budget = int((args.fits + 0.5) * weight_bytes)
+        budget = int((fits + 0.5) * weight_bytes)
         os.environ["GPUPORTAL_HOST_CACHE_BYTES"] = str(budget)  # the agent's setting, read as it starts
-        names = [f"m{n}" for n in range(args.deployments)]
+        names = [f"m{n}" for n in range(deployments)]
         with Portal(tmp, web_threads=4, control=True, agents={"bench": "1x8GiB"}) as portal:
             key = staff_key()
             portal.ready(key)
@@ -228,11 +224,12 @@ def main() -> None:
             wakes = wake_each(api, names)
         table, detail = report(after, wakes, budget, weight_bytes)
         print("\n" + table + "\n\n" + detail)
-        if not args.no_record:
+        if record_it:
             described = (
-                f"`python -m bench.host_cache --deployments {args.deployments} --fits {args.fits} "
-                f"--size-mb {args.size_mb}`: one node agent (a virtual GPU of 8 GiB, on the CPU) whose host "
-                f"cache holds {args.fits} sleeping replicas and half of one more, {args.deployments} deployments "
+                f"`python -m bench.host_cache --deployments {deployments} --fits {fits} "
+                f"--size-mb {size_mb}` (or `python -m bench.wake --host-cache`, after its copies): one node "
+                f"agent (a virtual GPU of 8 GiB, on the CPU) whose host "
+                f"cache holds {fits} sleeping replicas and half of one more, {deployments} deployments "
                 "of a tiny causal LM, a replica each, each used by one request and then put to sleep through the "
                 "API, one after another; then one request to each, oldest first. Settled: from the sleep call "
                 "until the replica sleeps and the control worker's trim has parked what no longer fits. Kept "
@@ -240,6 +237,18 @@ def main() -> None:
                 "the budget drops them before it parks anyone)." + "\n\n" + table + "\n\n" + detail
             )
             record("host-cache", "Host cache under pressure: sleeping replicas past the node's budget", described)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deployments", type=int, default=6)
+    parser.add_argument("--fits", type=int, default=2, help="how many sleeping replicas the budget holds")
+    parser.add_argument("--size-mb", type=int, default=16, help="the tiny model's weights")
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    if not 0 < args.fits < args.deployments:
+        parser.error("--fits must be at least 1 and fewer than --deployments (or nothing is under pressure)")
+    run(args.deployments, args.fits, args.size_mb, record_it=not args.no_record)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "self_healing": ([], ["--trials", "1"]),
     "recovery": (["--trials", "2"], ["--trials", "1"]),
     "kvpool": ([], []),
-    "wake": ([], ["--repeats", "2"]),
-    "host_cache": ([], ["--deployments", "4", "--fits", "1"]),
+    # The copies, then the host cache under pressure, in one run (issue 19).
+    "wake": (["--host-cache"], ["--repeats", "2", "--host-cache"]),
     "simulate": ([], []),
 }
 

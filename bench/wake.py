@@ -33,11 +33,13 @@ cache was emptied, as a sleep leaves it). On a GPU, "wake + pool" near the wake 
 wake + pool alone shows the overlap; on the CPU the copies are done when they are issued, so the
 two simply add up there.
 
-    python -m bench.wake [--device cpu|cuda] [--sizes 64,128,256] [--dtype float32] [--repeats 3] [--no-record]
+    python -m bench.wake [--device cpu|cuda] [--sizes 64,128,256] [--dtype float32] [--repeats 3]
+                         [--host-cache] [--no-record]
 
 Sizes are MiB of float32 weights (0.5, 1 and 4 GiB on CUDA by default; 64, 128 and 256 MiB on the
 CPU). The host cache under pressure (sleeping replicas past the node's budget) needs the control
-plane: it is measured apart (scheduling/services/host_cache.py), not here.
+plane: `--host-cache` then runs bench.host_cache's measurement on a stack of its own (embedded
+servers unless DATABASE_URL / REDIS_URL are set), recorded in its own section.
 """
 
 from __future__ import annotations
@@ -294,6 +296,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3, help="sleep/wake cycles per model (medians reported)")
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument(
+        "--host-cache",
+        action="store_true",
+        help="then the host cache under pressure on a running stack (bench.host_cache, its own section)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -307,8 +314,17 @@ def main() -> None:
     headers, body_rows = rows(figures, device)
     result = table(headers, body_rows)
     print(result)
-    if args.no_record:
-        return
+    if not args.no_record:
+        record_copies(args, device, result)
+    if args.host_cache:
+        from bench import host_cache
+
+        host_cache.run(record_it=not args.no_record)
+
+
+def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
+    import torch
+
     if device == "cuda":
         reference = (
             "one copy of the same bytes in the same process: pinned and pageable host-to-device, pinned "
@@ -339,9 +355,9 @@ def main() -> None:
         "`wake`: until the copies have landed; a pinned arena is then freed in the background, outside "
         "the figure (each wake is followed, untimed, by waiting for that release). "
         "`host kept`: resident memory after the last wake, its arena released, less before the first sleep. "
-        "The host cache under "
-        "pressure (sleeping replicas past the node's budget) needs the control plane and is not measured "
-        "here (scheduling/services/host_cache.py).\n\n"
+        "The host cache under pressure (sleeping replicas past the node's budget) needs the control "
+        "plane: `--host-cache` measures it after these, in the same run (bench.host_cache, its own "
+        "section).\n\n"
         f"{result}\n"
     )
     # One section per device kind: a GPU run does not replace the CPU figures, nor the reverse.
