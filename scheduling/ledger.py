@@ -71,7 +71,7 @@ SQL_FUNCTIONS = {
     "gpuportal_ledger_commit": "ledger_commit_v3.sql",
     "gpuportal_ledger_read": "ledger_read_v4.sql",
     "gpuportal_ledger_stamp": "ledger_stamp_v1.sql",
-    "gpuportal_ledger_gpus_gone": "ledger_gone_v1.sql",
+    "gpuportal_ledger_gpus_gone": "ledger_gone_v2.sql",
 }
 
 # Where a row of `gpuportal_ledger_read` ends what a view is built from; then whether it was built

@@ -222,6 +222,25 @@ def test_a_deleted_gpu_leaves_a_mirror_and_a_new_one_joins_it():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_deletion_a_mirror_saw_roll_back_does_not_hide_the_next_one():
+    # Deletions leave no stamp, only a new generation: the generation a rolled-back deletion
+    # showed must never come back for a later deletion to wear (it would pass as seen).
+    case = free_room()
+    register_node("mirror-third", virtual_gpus("mirror-third", "1x1GiB", NO_OVERHEAD), virtual=True)
+    mirror = ledger.Mirror()
+    assert_as_fresh(mirror)
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        Node.objects.filter(name=case["nodes"][1]).delete()
+        assert case["gpus"][1] not in mirror.snapshot().gpus, "its own deletion, as it sees it"
+        raise RuntimeError("roll it back")
+    Node.objects.filter(name="mirror-third").delete()
+
+    seen = assert_as_fresh(mirror)
+    assert set(seen.gpus) == set(case["gpus"])
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_services_snapshot_is_this_threads_mirror_of_this_database():
     free_room()
     assert ledger.mirror() is ledger.mirror()
