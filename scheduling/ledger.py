@@ -1,5 +1,5 @@
 """The one commit path (DESIGN §4): snapshot GPUs, let a pure module plan, commit with
-compare-and-swap on the GPU rows. A snapshot of every GPU is this thread's Mirror, refreshed with
+compare-and-swap on the GPU rows. A snapshot of every GPU is this process's Mirror, refreshed with
 only the GPUs whose view changed since its last read (issue 17: the services decide on it, so it
 must equal a fresh read, which the change stamps the database puts on every row a view is built
 from make it), and the compare-and-swap stays the safety net for what lands after.
@@ -12,6 +12,7 @@ rows."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -184,7 +185,7 @@ def read(gpu_ids: Iterable[int] | None = None) -> Snapshot:
 
 
 def snapshot(gpu_ids: Iterable[int] | None = None) -> Snapshot:
-    """Every GPU, from this thread's Mirror brought up to date (what a fresh `read()` would return,
+    """Every GPU, from this process's Mirror brought up to date (what a fresh `read()` would return,
     for a few changed rows' cost); or only `gpu_ids`, read afresh. Without locking."""
     if gpu_ids is not None:
         return read(gpu_ids)
@@ -205,8 +206,18 @@ class Mirror:
     reads everything.
 
     Like any snapshot it may lag a commit that lands between refresh and decision; the
-    compare-and-swap at commit catches that, and the retry refreshes again. Not thread-safe: one
-    per thread (`mirror()`).
+    compare-and-swap at commit catches that, and the retry refreshes again.
+
+    The threads of a process share one (`mirror()`), each refresh on the caller's connection and
+    in its transaction, one at a time: a refresh then reads only what changed since the last one,
+    whichever thread took it, where a Mirror per thread read what changed since that thread's own
+    last (the web's threads take turns leading the scale batches, so each read about as many
+    batches' changes as there are threads). Sharing is sound because what a read returns is
+    judged by the snapshots themselves, not by who read: a refresh returns every row stamped by a
+    transaction the previous snapshot did not see as committed (the caller's own included, since
+    a read lists its own transaction as running), so another thread's uncommitted writes come back
+    once they commit, and views built from one thread's own uncommitted writes are read again by
+    the next refresh, whoever makes it, in that caller's transaction.
     """
 
     def __init__(self) -> None:
@@ -224,16 +235,20 @@ class Mirror:
         # The index of the whole-cluster snapshot last handed out, patched with what changed
         # since rather than rebuilt (placement's lookups; SnapshotIndex.updated). None: rebuild.
         self._index: SnapshotIndex | None = None
+        # Refreshes one at a time, so that each statement's snapshot is taken after the one before
+        # it (what the stamps are judged against); reentrant for a refresh that starts over.
+        self._lock = threading.RLock()
 
     def snapshot(self, gpu_ids: Iterable[int] | None = None) -> Snapshot:
-        self._refresh()
-        now = timezone.now()
-        if gpu_ids is not None:
-            return Snapshot(gpus={i: self._gpus[i] for i in gpu_ids if i in self._gpus}, taken_at=now)
-        gpus = dict(self._gpus)
-        if self._index is None:
-            self._index = SnapshotIndex.build(gpus)
-        return Snapshot.indexed(gpus, now, self._index)
+        with self._lock:
+            self._refresh()
+            now = timezone.now()
+            if gpu_ids is not None:
+                return Snapshot(gpus={i: self._gpus[i] for i in gpu_ids if i in self._gpus}, taken_at=now)
+            gpus = dict(self._gpus)
+            if self._index is None:
+                self._index = SnapshotIndex.build(gpus)
+            return Snapshot.indexed(gpus, now, self._index)
 
     def _refresh(self) -> None:
         # The first read is a full one; later ones return only the GPUs whose views changed
@@ -267,29 +282,40 @@ class Mirror:
 
     def forget(self, gpu_ids: Iterable[int]) -> None:
         """Drop GPUs found gone (their node was deleted)."""
-        for gpu_id in gpu_ids:
-            if self._gpus.pop(gpu_id, None) is not None:
-                self._index = None  # a GPU gone: the next snapshot builds its index anew
-            self._rows.pop(gpu_id, None)
-            self._occupants.pop(gpu_id, None)
-            self._again.discard(gpu_id)
+        with self._lock:
+            for gpu_id in gpu_ids:
+                if self._gpus.pop(gpu_id, None) is not None:
+                    self._index = None  # a GPU gone: the next snapshot builds its index anew
+                self._rows.pop(gpu_id, None)
+                self._occupants.pop(gpu_id, None)
+                self._again.discard(gpu_id)
 
 
-# Each thread's Mirror of each database it reads (tests and benchmarks switch databases).
-_mirrors = threading.local()
+# This process's Mirror of each database its threads read (tests and benchmarks switch databases).
+_mirrors: dict[tuple, Mirror] = {}
+_mirrors_lock = threading.Lock()
 
 
 def mirror() -> Mirror:
-    """This thread's Mirror of the database its connection points at."""
+    """This process's Mirror of the database the calling thread's connection points at."""
     params = connection.settings_dict
     key = (connection.alias, params.get("HOST"), params.get("PORT"), params.get("NAME"))
-    mirrors = getattr(_mirrors, "by_database", None)
-    if mirrors is None:
-        mirrors = _mirrors.by_database = {}
-    found = mirrors.get(key)
+    found = _mirrors.get(key)
     if found is None:
-        found = mirrors[key] = Mirror()
+        with _mirrors_lock:
+            found = _mirrors.setdefault(key, Mirror())
     return found
+
+
+def _forget_mirrors() -> None:
+    # A child forked while another thread of its parent refreshed would inherit that Mirror's
+    # lock held by a thread it does not have: it starts with none.
+    global _mirrors_lock
+    _mirrors.clear()
+    _mirrors_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_mirrors)
 
 
 def _cursor() -> psycopg.Cursor:
@@ -401,7 +427,7 @@ def commit_with_retry(
 
     `decide` returns None when there is nothing to do. Backoff is jittered so that clients
     that collided do not collide again in lockstep; after `attempts` conflicts the last one
-    is raised to the caller. Snapshots are `snapshot(gpu_ids)`'s (every GPU: this thread's
+    is raised to the caller. Snapshots are `snapshot(gpu_ids)`'s (every GPU: this process's
     Mirror), or refreshes of the `mirror` given.
     """
     scope = list(gpu_ids) if gpu_ids is not None else None

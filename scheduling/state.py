@@ -171,13 +171,21 @@ class SnapshotIndex:
         for node, replaced in touched_nodes.items():
             on_node[node] = tuple(replaced.get(g.id, g) for g in on_node[node])
         fresh_usable, fresh_unusable = _usable({n: on_node[n] for n in touched_nodes})
-        # In on_node's order, as `build` gives it, whichever nodes changed.
-        usable = {
-            n: fresh_usable[n] if n in touched_nodes else self.usable[n]
-            for n in on_node
-            if n in fresh_usable or (n not in touched_nodes and n in self.usable)
-        }
-        unusable = {n: why for n, why in self.unusable.items() if n not in touched_nodes} | fresh_unusable
+        if fresh_unusable or any(n not in self.usable for n in touched_nodes):
+            # A node became usable or stopped being so (rare): rebuilt in on_node's order, as
+            # `build` gives it, whichever nodes changed.
+            usable = {
+                n: fresh_usable[n] if n in touched_nodes else self.usable[n]
+                for n in on_node
+                if n in fresh_usable or (n not in touched_nodes and n in self.usable)
+            }
+            unusable = {n: why for n, why in self.unusable.items() if n not in touched_nodes} | fresh_unusable
+        else:
+            # The usual patch: usable nodes that stay usable keep their places (a dict keeps a
+            # key's position when its value is replaced), so the walk over every node is spared.
+            usable = dict(self.usable)
+            usable.update(fresh_usable)
+            unusable = self.unusable
         return SnapshotIndex(
             ordered=tuple(ordered),
             on_node=on_node,

@@ -241,7 +241,7 @@ def test_a_deletion_a_mirror_saw_roll_back_does_not_hide_the_next_one():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_services_snapshot_is_this_threads_mirror_of_this_database():
+def test_the_services_snapshot_is_one_mirror_of_this_database_for_every_thread():
     free_room()
     assert ledger.mirror() is ledger.mirror()
     assert ledger.snapshot().gpus == ledger.read().gpus
@@ -249,7 +249,44 @@ def test_the_services_snapshot_is_this_threads_mirror_of_this_database():
     thread = threading.Thread(target=lambda: (other.append(ledger.mirror()), connection.close()))
     thread.start()
     thread.join()
-    assert other[0] is not ledger.mirror(), "a Mirror is not shared between threads"
+    assert other[0] is ledger.mirror(), "the web's threads refresh one Mirror"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_threads_sharing_a_mirror_each_see_their_own_transaction():
+    case = crowded()
+    mirror = ledger.Mirror()
+    assert_as_fresh(mirror)
+    gpu_id, old = case["gpus"][0], case["old"].id
+    written, checked, rechecked = threading.Event(), threading.Event(), threading.Event()
+    seen_by_writer: list[str] = []
+
+    def writer() -> None:
+        # Its own connection and transaction; it reads through the Mirror the test reads too,
+        # before and after the test's refresh replaced the view it built from its own write.
+        try:
+            with transaction.atomic():
+                Replica.objects.filter(pk=old).update(state=Replica.State.LOADING)
+                seen_by_writer.append(mirror.snapshot().gpus[gpu_id].occupants[0].state)
+                written.set()
+                assert checked.wait(30)
+                seen_by_writer.append(mirror.snapshot().gpus[gpu_id].occupants[0].state)
+                rechecked.set()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert written.wait(30)
+    seen = assert_as_fresh(mirror)
+    assert seen.gpus[gpu_id].occupants[0].state == Replica.State.SERVING, "another thread's write, not committed"
+    checked.set()
+    assert rechecked.wait(30)
+    thread.join()
+
+    assert seen_by_writer == [Replica.State.LOADING, Replica.State.LOADING], "its own write, both times"
+    seen = assert_as_fresh(mirror)
+    assert seen.gpus[gpu_id].occupants[0].state == Replica.State.LOADING, "committed since"
 
 
 # -- any sequence of changes ---------------------------------------------------------------------------
