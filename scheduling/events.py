@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from django.utils import timezone
 
 from scheduling import hot_sql
 from scheduling.models import Event
@@ -30,9 +33,29 @@ def gathered() -> Iterator[None]:
         pending = _local.pending
     finally:
         _local.pending = None
-    # Written without reading their ids back (nothing here uses them), and without Django
-    # compiling the INSERT anew on every call.
-    hot_sql.insert(pending)
+    _write(pending)
+
+
+# The block's Events as one JSON document, each row's columns read from it by the server: one
+# short statement whatever their number, which the server prepares once. Built as model
+# instances and prepared field by field (`hot_sql.insert`), a scale batch's dozen Events cost
+# 0.9 ms of client CPU; this way 0.25 (tests/scheduling/test_events.py holds the rows equal).
+_COLUMNS = ("time", "kind", "subject", "reason", "before", "after", "node", "gpu", "deployment", "replica")
+_TYPES = {"time": "timestamptz", "before": "jsonb", "after": "jsonb"}
+_INSERT_SQL = (
+    f"INSERT INTO {Event._meta.db_table} ({', '.join(_COLUMNS)}) "
+    f"SELECT {', '.join('x.' + c for c in _COLUMNS)} FROM jsonb_to_recordset(%s::jsonb) "
+    f"AS x({', '.join(c + ' ' + _TYPES.get(c, 'text') for c in _COLUMNS)})"
+)
+
+
+def _write(pending: list[dict[str, Any]]) -> None:
+    if not pending:
+        return
+    with hot_sql.cursor() as cursor:
+        # Plain json, as the JSONFields (no encoder of their own) would encode `before` and `after`;
+        # a JSON null reaches those columns as SQL NULL, as Django writes None.
+        cursor.execute(_INSERT_SQL, [json.dumps(pending)])
 
 
 def record(
@@ -46,8 +69,25 @@ def record(
     gpu: str = "",
     deployment: str = "",
     replica: str = "",
-) -> Event:
-    """The Event, written now; or, inside `gathered()`, when the block ends (unsaved until then)."""
+) -> Event | None:
+    """The Event, written now; or, inside `gathered()`, written when the block ends (None here)."""
+    pending = getattr(_local, "pending", None)
+    if pending is not None:
+        pending.append(
+            {
+                "time": timezone.now().isoformat(),
+                "kind": str(kind),
+                "subject": subject,
+                "reason": reason,
+                "before": before,
+                "after": after,
+                "node": node,
+                "gpu": gpu,
+                "deployment": deployment,
+                "replica": replica,
+            }
+        )
+        return None
     event = Event(
         kind=kind,
         subject=subject,
@@ -59,9 +99,5 @@ def record(
         deployment=deployment,
         replica=replica,
     )
-    pending = getattr(_local, "pending", None)
-    if pending is None:
-        event.save(force_insert=True)
-    else:
-        pending.append(event)
+    event.save(force_insert=True)
     return event

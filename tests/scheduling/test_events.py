@@ -17,7 +17,7 @@ def test_events_gathered_in_a_block_are_written_together_as_it_ends():
         with events.gathered():  # an inner block writes with the outer one
             events.record(Event.Kind.REPLICA_STATE, "replica r", "two", replica="r")
         assert not Event.objects.exists(), "nothing is written before the block ends"
-        assert first.pk is None
+        assert first is None, "nothing to hand back before it is written"
         reads = len(queries)
 
     assert len(queries) - reads == 1, "one INSERT for the block's Events"
@@ -33,3 +33,46 @@ def test_a_block_left_by_an_error_writes_nothing_and_the_next_record_is_written_
     assert not Event.objects.exists()
     written = events.record(Event.Kind.DEPLOYMENT_CHANGED, "deployment a", "now", deployment="a")
     assert written.pk is not None and Event.objects.get().reason == "now"
+
+
+EVERY_FIELD = [
+    # (kind, subject, reason, keywords): each column, empty and not, JSON of every shape and None.
+    (
+        Event.Kind.REPLICA_STATE,
+        "replica r1",
+        "scaled: 3 → 2",
+        {
+            "before": {"state": "serving"},
+            "after": {"state": "stopping"},
+            "node": "n1",
+            "deployment": "d",
+            "replica": "r1",
+        },
+    ),
+    (
+        Event.Kind.GPU_RESERVED,
+        'gpu "n1/0"',
+        "quotes ' \" and \\ backslash, ünïcode ✓",
+        {"gpu": "n1/0", "before": None, "after": [1, 2.5, None, True, "x"]},
+    ),
+    (Event.Kind.DEPLOYMENT_CHANGED, "deployment d", "", {"before": {"nested": {"a": [{}]}}, "after": 3}),
+    (Event.Kind.HOST_CACHE, "node n2", "a string as JSON", {"before": "text", "after": None, "node": "n2"}),
+]
+
+
+@pytest.mark.django_db
+def test_events_gathered_are_the_rows_recorded_one_at_a_time():
+    for kind, subject, reason, keywords in EVERY_FIELD:
+        events.record(kind, subject, reason, **keywords)
+    with events.gathered():
+        for kind, subject, reason, keywords in EVERY_FIELD:
+            events.record(kind, subject, reason, **keywords)
+
+    fields = ["kind", "subject", "reason", "before", "after", "node", "gpu", "deployment", "replica"]
+    rows = list(Event.objects.order_by("id").values_list(*fields))
+    alone, together = rows[: len(EVERY_FIELD)], rows[len(EVERY_FIELD) :]
+    assert together == alone
+    # A None is SQL NULL either way (what `before__isnull` finds), not a JSON null.
+    assert Event.objects.filter(before__isnull=True).count() == 2
+    times = list(Event.objects.order_by("id").values_list("time", flat=True))
+    assert times == sorted(times), "each Event's own time, in the order recorded"
