@@ -13,7 +13,10 @@
 # image's own packages (its python3 has torch, transformers and nvidia-ml-py), then runs each check
 # named, one after the other, under a limit of its own so that one that hangs leaves the next its
 # time: gpu = bench.gpu (the `gpu` tests, the probe, the stack), wake = bench.wake --device cuda,
-# failover = bench.failover --device cuda. What comes back under $OUT: each check's log and
+# failover = bench.failover --device cuda, and, named only (not in the default three), placement =
+# bench.placement on the lent machine's CPUs (16 cores against this project's 2: issue 17's
+# throughput measured where PostgreSQL and the web process do not share two cores; its own
+# section, placement-device, in BENCHMARKS.md). What comes back under $OUT: each check's log and
 # BENCHMARKS.md as the checks recorded it there (bench.gpu records only a complete run), whose
 # sections go into the repository's BENCHMARKS.md. With DEVICE_RUN_BUDGET_S set (the call's
 # timeout_s less a margin), each check's limit is also cut to what the budget has left, so that one
@@ -24,8 +27,8 @@ set -uo pipefail
 checks=(${@:-gpu wake failover})
 for one in "${checks[@]}"; do
     case $one in
-        gpu | wake | failover) ;;
-        *) echo "device_run: unknown check $one (expected gpu, wake or failover)"; exit 2 ;;
+        gpu | wake | failover | placement) ;;
+        *) echo "device_run: unknown check $one (expected gpu, wake, failover or placement)"; exit 2 ;;
     esac
 done
 OUT=${OUT:-/tmp/gpuportal-device}
@@ -67,6 +70,7 @@ for one in "${checks[@]}"; do
         gpu) check gpu 480 python3 -m bench.gpu ;;
         wake) check wake 110 python3 -m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2 ;;
         failover) check failover 170 python3 -m bench.failover --device cuda --trials 5 --baseline-trials 1 ;;
+        placement) check placement 200 python3 -m bench.placement --seconds 3 --cpu --section placement-device ;;
     esac
 done
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"

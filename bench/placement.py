@@ -28,6 +28,7 @@ and `ndif` (size × 3, random fit). Snapshots from a ledger `Mirror` (`mirror` r
 
     python -m bench.placement [--seconds 3] [--service-clients 1,8] [--clients 1,4,8,16]
                               [--full-clients 1,8] [--policy gpuportal,ndif] [--cpu] [--no-record]
+                              [--section placement]
     python -m bench.placement --profile incremental   # one services client under cProfile
 
 `--cpu` adds the CPU each call cost, in the client processes and in their PostgreSQL backends
@@ -640,6 +641,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policy", default="gpuportal,ndif", help="ledger loop, comma-separated: gpuportal, ndif")
     parser.add_argument("--cpu", action="store_true", help="add client and PostgreSQL CPU per call")
     parser.add_argument("--no-record", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    parser.add_argument(
+        "--section",
+        default="placement",
+        help="the BENCHMARKS.md section the run records (bench/device_run.sh: placement-device, a lent machine's)",
+    )
     parser.add_argument("--profile", choices=["incremental", "full"], help="profile one services client instead")
     return parser.parse_args()
 
@@ -698,10 +704,12 @@ def report(args: argparse.Namespace, service_rows: list, ledger_rows: list, extr
     print("\n" + services + "\n\n" + ledger)
     if not record_it:
         return
+    elsewhere = "" if args.section == "placement" else f" ({args.section})"
+    options = f"--seconds {args.seconds:g}{' --cpu' if args.cpu else ''}{elsewhere and ' --section ' + args.section}"
     record(
-        "placement",
-        "Placement: through the services, and the ledger loop",
-        f"`python -m bench.placement --seconds {args.seconds:g}{' --cpu' if args.cpu else ''}`: 100 nodes × 8 "
+        args.section,
+        f"Placement: through the services, and the ledger loop{elsewhere}",
+        f"`python -m bench.placement {options}`: 100 nodes × 8 "
         "virtual GPUs of 80 GiB; each client has its own connection; latency includes retries; "
         f"{args.seconds:g} s per row; over-committed GPUs are counted after each row.\n\n"
         "**Services**, the path a deploy or scale through the REST API runs: each call is "

@@ -148,6 +148,16 @@ def test_the_device_script_installs_the_wheels_then_runs_the_checks_named_and_br
     assert not (out / "gpu.log").exists()
 
 
+def test_the_placement_check_runs_only_when_named_and_records_its_own_section(tmp_path):
+    done, calls = run_script(tmp_path, "placement")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls.read_text().splitlines()[3:] == ["-m bench.placement --seconds 3 --cpu --section placement-device"]
+
+    done, calls = run_script(tmp_path / "default")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not any("bench.placement" in line for line in calls.read_text().splitlines())
+
+
 def test_a_budget_cuts_each_checks_limit_to_what_is_left_and_skips_a_check_with_no_time(tmp_path):
     done, calls = run_script(tmp_path, "wake", "failover", budget=100)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -169,7 +179,7 @@ def test_the_device_script_refuses_an_unknown_check_before_installing_anything(t
     done, calls = run_script(tmp_path, "wake", "bechmark")
 
     assert done.returncode == 2
-    assert "unknown check bechmark (expected gpu, wake or failover)" in done.stdout
+    assert "unknown check bechmark (expected gpu, wake, failover or placement)" in done.stdout
     assert not calls.exists()
 
 
