@@ -238,9 +238,15 @@ class Mirror:
         # Refreshes one at a time, so that each statement's snapshot is taken after the one before
         # it (what the stamps are judged against); reentrant for a refresh that starts over.
         self._lock = threading.RLock()
+        # How long a snapshot waits for another thread's refresh before it reads every GPU afresh
+        # itself: a refresh is one round trip, so only a stuck one (a connection to a database
+        # gone quiet) is waited out, and the threads behind it are not held up by it.
+        self.wait_s = 1.0
 
     def snapshot(self, gpu_ids: Iterable[int] | None = None) -> Snapshot:
-        with self._lock:
+        if not self._lock.acquire(timeout=self.wait_s):
+            return read(gpu_ids)
+        try:
             self._refresh()
             now = timezone.now()
             if gpu_ids is not None:
@@ -249,6 +255,8 @@ class Mirror:
             if self._index is None:
                 self._index = SnapshotIndex.build(gpus)
             return Snapshot.indexed(gpus, now, self._index)
+        finally:
+            self._lock.release()
 
     def _refresh(self) -> None:
         # The first read is a full one; later ones return only the GPUs whose views changed

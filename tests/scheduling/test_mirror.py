@@ -222,6 +222,34 @@ def test_a_deleted_gpu_leaves_a_mirror_and_a_new_one_joins_it():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_refresh_stuck_in_another_thread_does_not_hold_up_a_snapshot():
+    free_room()
+    mirror = ledger.Mirror()
+    assert_as_fresh(mirror)
+    mirror.wait_s = 0.05
+    refreshing, unstuck = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        # Holds the refresh as a thread whose read waits on a database gone quiet would.
+        with mirror._lock:
+            refreshing.set()
+            unstuck.wait(30)
+
+    thread = threading.Thread(target=stuck)
+    thread.start()
+    try:
+        assert refreshing.wait(30)
+        Node.objects.filter(name=free_room()["nodes"][0]).update(status="offline")
+        seen = mirror.snapshot()
+        assert thread.is_alive(), "answered while the other refresh still held the Mirror"
+        assert seen.gpus == ledger.read().gpus, "a fresh read of every GPU, what changed included"
+    finally:
+        unstuck.set()
+        thread.join()
+    assert_as_fresh(mirror)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_deletion_a_mirror_saw_roll_back_does_not_hide_the_next_one():
     # Deletions leave no stamp, only a new generation: the generation a rolled-back deletion
     # showed must never come back for a later deletion to wear (it would pass as seen).
