@@ -41,7 +41,6 @@ PostgreSQL.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import multiprocessing as mp
 import os
@@ -49,11 +48,11 @@ import pstats
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from bench.common import register_cluster, setup_database, stop
+from bench.common import effects_kept, register_cluster, setup_database, stop
 
 GiB = 1024**3
 DEPLOYMENTS = 40
@@ -137,30 +136,6 @@ def spec_of(model: Model, replicas: int) -> tuple:
 
     spec = DeploymentSpec(name=model.name, source=f"/srv/models/{model.name}", replicas=replicas)
     return spec, ModelFacts(weight_bytes=model.weights, estimate_bytes=model.estimate)
-
-
-@contextlib.contextmanager
-def effects_kept() -> Iterator[list[str]]:
-    """What the services send once a call commits (Celery tasks to node agents and the control
-    queue, the Redis call that ends a deleted deployment's waiting requests) is recorded here,
-    not sent: nothing leaves the process. The commands are still built from the committed rows,
-    as they would be before sending."""
-    from gpuportal.celery import app
-    from scheduling.services import queueing
-
-    sent: list[str] = []
-    saved = app.send_task, queueing.fail_waiting
-
-    def fail_waiting(name: str, *args: object, **kwargs: object) -> list[str]:
-        sent.append(f"fail_waiting {name}")
-        return []
-
-    app.send_task = lambda name, *args, **kwargs: sent.append(name)
-    queueing.fail_waiting = fail_waiting
-    try:
-        yield sent
-    finally:
-        app.send_task, queueing.fail_waiting = saved
 
 
 def reset_services(models: list[Model]) -> None:
