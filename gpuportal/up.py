@@ -131,6 +131,7 @@ class Options:
     port: int = 8000
     node: str = "local"
     virtual_gpus: str | None = None
+    web_workers: int = 1
     quiet: bool = False
     verbose: bool = False
     database_url: str | None = None
@@ -250,7 +251,8 @@ class Portal:
         # granian, as docker/compose.yaml and the benchmarks serve it (WhiteNoise serves the
         # admin's static files), not Django's development server.
         web = [python, "-m", "granian", "--interface", "wsgi", "--host", opts.host, "--port", str(opts.port),
-               "--workers", "1", "--blocking-threads", "16", "--no-ws", "gpuportal.wsgi:application"]  # fmt: skip
+               "--workers", str(opts.web_workers), "--blocking-threads", "16", "--no-ws",
+               "gpuportal.wsgi:application"]  # fmt: skip
         # Every child logs at INFO to var/logs; the console shows only its warnings and errors
         # unless --verbose (CONSOLE_LEVELS), and the markers tell the banner when each is ready.
         return [

@@ -262,3 +262,37 @@ def test_the_banner_says_how_to_sign_in_and_the_console_shows_only_warnings_and_
     assert portal.on_console("[ERROR] granian worker died")
     verbose = Portal(Options(data_dir=tmp_path, verbose=True), out=out)
     assert verbose.on_console("[2026-11-25 17:15:03,092: INFO/MainProcess] Sending due task sweep")
+
+
+def test_the_web_runs_as_many_processes_as_asked(tmp_path):
+    from gpuportal.up import Options, Portal
+
+    def workers(**given: object) -> str:
+        (web,) = [c for c in Portal(Options(data_dir=tmp_path, **given)).plan_children() if c.name == "web"]
+        return web.argv[web.argv.index("--workers") + 1]
+
+    assert workers() == "1"
+    assert workers(web_workers=4) == "4"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "error"),
+    [
+        (["--web-workers", "0"], {}, "--web-workers 0 is not between 1 and 32"),
+        (["--web-workers", "33"], {}, "--web-workers 33 is not between 1 and 32"),
+        ([], {"GPUPORTAL_WEB_WORKERS": "four"}, "GPUPORTAL_WEB_WORKERS='four' is not a whole number between 1 and 32"),
+    ],
+)
+def test_a_web_worker_count_out_of_range_is_a_one_line_error_and_starts_nothing(tmp_path, argv, environment, error):
+    data_dir = tmp_path / "var"
+    result = subprocess.run(
+        [sys.executable, "manage.py", "up", "--port", str(free_port()), *argv],
+        cwd=ROOT,
+        env=env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir), **environment),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"CommandError: {error}"]
+    assert not data_dir.exists()
