@@ -18,7 +18,9 @@ later sleep pays again (the arena is freed by every wake, so an awake replica ho
 replica host runs in the background (`prepare_spare`, untimed: allocated and page-locked long
 before the sleep comes), so the sleep only copies. "spare prep" is that preparation's own rate
 (what the background thread takes; on the CPU it faults the pages in). A later sleep of such a
-replica packs into the arena its wake kept: the same memory, the same figure.
+replica packs into the arena its wake kept, which still holds every weight the replica served
+from without writing: "sleep after kept wake" times that sleep, which copies nothing it need not
+(only what was written or replaced since the wake) and so frees the GPU at once.
 A wake's time ends when its copies have landed (`PendingCopies.wait()`): it no longer includes
 freeing the arena, which a pinned arena's wake hands to a background releaser. Each timed wake is
 followed, untimed, by `settle_releases()`, so the next sleep does not pay for the last release (a
@@ -70,6 +72,7 @@ class Figures:
     wake_with_pool_s: float  # the copies queued, a KV pool allocated, then the wait
     pool_s: float  # the same pool's allocation alone
     kept_sleep_s: float  # a first sleep into a kept arena prepared in advance (keep_arena)
+    resleep_s: float  # a sleep into the arena a wake kept, which holds the weights already
     spare_s: float  # preparing that arena (allocation, page-locking), off the sleep's path
     reference: dict[str, float]  # name → bytes/s
     host_kept_bytes: int
@@ -167,22 +170,28 @@ def pool_alone(model: Any, weights: int, device: str) -> float:
     return timed(lambda: kv_pool(model, weights, device).release(), device)
 
 
-def kept_sleeps(backend: Any, model: Any, placement: Any, repeats: int, device: str) -> tuple[list[float], list[float]]:
-    """(preparations, sleeps): a first sleep of a replica allowed to keep an arena, `repeats` times.
-    Each spare is prepared afresh, as a replica's is when it is told it may keep one, then
-    dropped after the wake: every sleep timed here is a first one."""
+def kept_sleeps(
+    backend: Any, model: Any, placement: Any, repeats: int, device: str
+) -> tuple[list[float], list[float], list[float]]:
+    """(preparations, first sleeps, sleeps after a kept wake) of a replica allowed to keep an arena,
+    `repeats` times. Each spare is prepared afresh, as a replica's is when it is told it may keep
+    one; the sleep after the wake packs into the arena the wake kept; then it is dropped."""
     backend.keep_arena = True
-    prepared, slept = [], []
+    prepared, slept, again = [], [], []
     for _ in range(repeats):
         prepared.append(timed(lambda: backend.prepare_spare(model), device))
         slept.append(timed(lambda: backend.to_cache(model, placement), device))
         _, copies = backend.from_cache(model, placement)
         copies.wait()
         backend.collect_kept(copies)
+        again.append(timed(lambda: backend.to_cache(model, placement), device))
+        _, copies = backend.from_cache(model, placement)
+        copies.wait()
+        backend.collect_kept(copies)
         backend.drop_spare()
         settle()
     backend.keep_arena = False
-    return prepared, slept
+    return prepared, slept, again
 
 
 def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> Figures:
@@ -219,7 +228,7 @@ def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> 
         pooled.append(timed(lambda: wake_with_pool(backend, model, placement, weights, device), device))
         settle()
         pools.append(pool_alone(model, weights, device))
-    spares, kept_sleeps_s = kept_sleeps(backend, model, placement, repeats, device)
+    spares, kept_sleeps_s, resleeps_s = kept_sleeps(backend, model, placement, repeats, device)
     model = None  # its memory goes back before the reference copies allocate theirs
     backend.release()
     return Figures(
@@ -231,6 +240,7 @@ def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> 
         wake_with_pool_s=statistics.median(pooled),
         pool_s=statistics.median(pools),
         kept_sleep_s=statistics.median(kept_sleeps_s),
+        resleep_s=statistics.median(resleeps_s),
         spare_s=statistics.median(spares),
         reference=references(weights, device),
         host_kept_bytes=kept,
@@ -247,6 +257,7 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
             "first sleep GB/s",
             "kept sleep GB/s",
             "spare prep GB/s",
+            "sleep after kept wake ms",
             "sleep GB/s",
             "wake GB/s",
             "wake + pool GB/s",
@@ -259,7 +270,8 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
             "host kept",
         ]
     else:
-        headers = ["model", "first sleep GB/s", "kept sleep GB/s", "spare prep GB/s", "sleep GB/s", "wake GB/s"]
+        headers = ["model", "first sleep GB/s", "kept sleep GB/s", "spare prep GB/s", "sleep after kept wake ms"]
+        headers += ["sleep GB/s", "wake GB/s"]
         headers += ["wake + pool GB/s", "pool alone ms"]
         headers += ["memcpy GB/s", "fresh memcpy GB/s"]
         headers += ["wake / fresh", "sleep / fresh", "host kept"]
@@ -267,7 +279,7 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
     for f in figures:
         sleep, wake = f.rate(f.sleep_s), f.rate(f.wake_s)
         row: list[object] = [f"{f.weights_bytes / 1024**2:.0f} MiB", gbs(f.rate(f.first_sleep_s))]
-        row += [gbs(f.rate(f.kept_sleep_s)), gbs(f.rate(f.spare_s)), gbs(sleep)]
+        row += [gbs(f.rate(f.kept_sleep_s)), gbs(f.rate(f.spare_s)), f"{f.resleep_s * 1000:.1f}", gbs(sleep)]
         row += [gbs(wake), gbs(f.rate(f.wake_with_pool_s)), f"{f.pool_s * 1000:.1f}"]
         if device == "cuda":
             pinned, d2h = f.reference["pinned H2D"], f.reference["pinned D2H"]
@@ -349,6 +361,9 @@ def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
         "prepared in advance by `prepare_spare`, as the replica host does in the background when told), median "
         f"of {args.repeats}; `spare prep`: that preparation's rate (allocation and page-locking, or on the CPU "
         "faulting the pages in), off the sleep's path. "
+        "`sleep after kept wake`: the next sleep of that replica, into the arena its wake kept, which still "
+        "holds every weight not written since (inference.arena copies only what was), median of "
+        f"{args.repeats}, in ms. "
         "`wake + pool`: the wake with a KV pool of the weights' size allocated while its copies run (the "
         "replica's order), `pool alone`: that allocation by itself; on a GPU the overlap shows as `wake + pool` "
         "near `wake`, on the CPU the copies are synchronous and the two add up. "

@@ -35,7 +35,9 @@ weights' exact layout ready: `spare(model)` allocates and pins one without copyi
 background, right after the replica is told), and `unpack_async(..., keep=True)` keeps the arena a
 wake read from instead of freeing it (`PendingCopies.kept`). `pack(model, into=spare)` then copies
 into it: no allocation, no pinning, the copy's speed. A spare of another layout is freed and a
-fresh arena allocated.
+fresh arena allocated. An arena a wake kept still holds the bytes it gave the GPU, and serving
+never writes a weight: `pack` into it copies only the tensors replaced or written in place since
+(`Arena.intact`), so such a sleep frees the GPU without crossing the bus.
 
 On the CPU (VirtualBackend, tests, CI) the same code runs with plain host copies: no stream, no
 page-locking. Pure torch, no Django: it runs inside the replica process.
@@ -102,6 +104,10 @@ class Arena:
     # wake re-points them all at one device tensor and they stay tied.
     tensors: list[list[torch.Tensor]] = field(repr=False)
     _unpin: weakref.finalize | None = field(default=None, repr=False)
+    # Kept after a wake (`PendingCopies.kept`): per slot, the module tensor its bytes were copied to
+    # and that tensor's version counter then. While both still hold, the slot's bytes here are the
+    # tensor's, and the next `pack` into this arena need not copy them again. Empty otherwise.
+    intact: list[tuple[weakref.ref, int]] = field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -129,6 +135,7 @@ class Arena:
             self._unpin()
         self.host = None
         self.tensors = []
+        self.intact = []
 
 
 def pack(model: nn.Module, *, pin: bool | None = None, into: Arena | None = None) -> Arena:
@@ -143,22 +150,44 @@ def pack(model: nn.Module, *, pin: bool | None = None, into: Arena | None = None
     """
     groups, slots, end = _layout(model)
     wanted = _wants_pin(slots, pin)
-    host, unpin = _take(into, slots, end, wanted) or _host_buffer(end, pin=wanted, slots=slots)
+    intact = list(into.intact) if into is not None else []
+    taken = _take(into, slots, end, wanted)
+    host, unpin = taken or _host_buffer(end, pin=wanted, slots=slots)
     arena = Arena(host, unpin is not None, slots, [tensors for _, tensors in groups], unpin)
 
     sources = [tensors[0] for _, tensors in groups]
+    # A kept arena that a wake read from still holds the bytes of every tensor nothing wrote since
+    # (serving reads the weights, never writes them): those are not copied again, so a sleep after
+    # a wake frees the GPU at once rather than at the bus's speed.
+    unchanged = _unchanged(intact, sources) if taken is not None else [False] * len(slots)
     with _CopyStreams({slot.device for slot in slots}) as streams:
         for run in _runs(slots, [slot.device for slot in slots]):
+            if all(unchanged[index] for index in run):
+                continue
             device = slots[run.start].device
             with _on(streams.get(device)):
-                block = _same_block(sources, slots, run)
+                block = _same_block(sources, slots, run) if not any(unchanged[i] for i in run) else None
                 if block is not None:  # a model woken from an arena: one copy, as it came
                     host[slots[run.start].offset : _run_end(slots, run)].copy_(block, non_blocking=arena.pinned)
                     continue
                 for index in run:
-                    _typed(host, slots[index]).copy_(sources[index], non_blocking=arena.pinned)
+                    if not unchanged[index]:
+                        _typed(host, slots[index]).copy_(sources[index], non_blocking=arena.pinned)
     _repoint(arena, [arena.view(i) for i in range(len(slots))])
     return arena
+
+
+def _unchanged(intact: list[tuple[weakref.ref, int]], sources: list[torch.Tensor]) -> list[bool]:
+    """Per slot, whether the module's tensor is the very one a wake copied this arena's bytes to,
+    not written in place since (its version counter, which every in-place operation on it bumps).
+    A tensor replaced (a buffer reassigned) or written is copied as any other; so is everything
+    when the arena was not kept from a wake. Writes through `.data` escape the counter: nothing
+    here makes them (a replica only runs forward passes, under no_grad or inference_mode: no optimizer, no adapters)."""
+    if len(intact) != len(sources):
+        return [False] * len(sources)
+    return [
+        ref() is tensor and tensor._version == version for (ref, version), tensor in zip(intact, sources, strict=True)
+    ]
 
 
 def spare(model: nn.Module, *, pin: bool | None = None) -> Arena:
@@ -209,7 +238,7 @@ def _take(
         kept.release()
         return None
     taken = kept.host, kept._unpin
-    kept.host, kept._unpin, kept.tensors = None, None, []
+    kept.host, kept._unpin, kept.tensors, kept.intact = None, None, [], []
     return taken
 
 
@@ -456,6 +485,10 @@ def unpack_async(
         _synchronize(streams)  # the arena goes back to the caller with nothing reading it
         raise
     _repoint(arena, views)
+    if keep:
+        # What the arena's bytes are a copy of, once the copies are confirmed (only a confirmed
+        # `wait()` hands the arena on as `kept`): the next sleep packs into it without copying those.
+        arena.intact = [(weakref.ref(tensors[0]), tensors[0]._version) for tensors in arena.tensors]
     # From here the module no longer references the host buffer: the handle's arena holds it.
     return PendingCopies(arena, list(streams.values()), keep=keep)
 

@@ -522,6 +522,56 @@ def test_a_wake_that_keeps_its_arena_hands_the_same_buffer_to_the_next_sleep():
     assert_same(model, before)
 
 
+def kept_after_a_wake(model: nn.Module) -> Arena:
+    copies = unpack_async(model, pack(model), {"": "cpu"}, keep=True)
+    copies.wait()
+    assert copies.kept is not None
+    return copies.kept
+
+
+def test_a_sleep_after_a_kept_wake_copies_nothing_the_wake_left_untouched():
+    model = OddSizes(torch.float32, tied=True)
+    before = snapshot(model)
+    kept = kept_after_a_wake(model)
+    # The kept bytes of one weight overwritten behind the module's back: were the sleep to copy
+    # it, the arena would hold the module's value again; it does not, so nothing was copied.
+    planted = torch.full_like(model.proj.weight, 7.0)
+    kept.view(next(i for i, s in enumerate(kept.slots) if s.name == "proj.weight")).copy_(planted)
+
+    again = pack(model, into=kept)
+
+    assert torch.equal(model.proj.weight, planted), "the arena's bytes, not copied over"
+    model.proj.weight.data.copy_(before["proj.weight"])
+    assert_same(model, before)
+    unpack(model, again)
+
+
+def test_a_sleep_after_a_kept_wake_copies_what_was_written_or_replaced_since():
+    model = OddSizes(torch.float32, tied=True)
+    kept = kept_after_a_wake(model)
+    with torch.no_grad():
+        model.norm.weight.mul_(3.0)  # written in place: its version counter moves
+    model.table = torch.randn(3, 3)  # a buffer replaced by another tensor
+    after = snapshot(model)
+
+    again = pack(model, into=kept)
+
+    assert_same(model, after)
+    unpack(model, again)
+    assert_same(model, after)
+
+
+def test_a_sleep_into_a_spare_or_a_fresh_arena_copies_everything():
+    model = OddSizes(torch.float32)
+    before = snapshot(model)
+    held = spare(model)  # allocated ahead, holding nothing yet
+    assert held.intact == []
+    arena = pack(model, into=held)
+    assert arena.intact == [], "an arena filled by a sleep records nothing: only a kept wake does"
+    unpack(model, arena)
+    assert_same(model, before)
+
+
 def test_a_wake_without_keep_hands_nothing_back():
     model = OddSizes(torch.float32)
     arena = pack(model)
