@@ -9,7 +9,8 @@ State is plain Python; each decision is asked of a `Snapshot` built from it, exa
 services build one from the ledger. Simulated replicas:
 - a cold load (new replica) takes weight bytes / disk bandwidth; a wake (cached replica promoted on
   its node) weight bytes / host-to-device bandwidth; a sleep weight bytes / device-to-host bandwidth,
-  and the GPU memory is held until it ends;
+  and the GPU memory is held until it ends, except for a replica woken from a copy it kept
+  (`sleep_from_kept_copy`, the product's): its copy still holds the weights, so it frees at once;
 - a request takes a batch slot for prefill (2 × params × prompt tokens / FLOPS) plus one HBM pass over
   the weights per output token (decoding is memory bound); time to first token = wait + prefill;
 - a sleeping replica keeps its weights in its node's CPU RAM (assumed large enough) and holds no GPU
@@ -355,8 +356,12 @@ class Simulation:
             self._begin_sleep(replica)
 
     def _begin_sleep(self, replica: SimReplica) -> None:
-        # The weights go to CPU RAM; the GPU memory is held until they are all out.
+        # The weights go to CPU RAM; the GPU memory is held until they are all out. A replica woken
+        # from a copy it kept has nothing to copy out (SimPolicy.sleep_from_kept_copy).
         ds = self.deployments[replica.deployment]
+        if self.policy.sleep_from_kept_copy and replica.loaded_by == "wake":
+            self._at(self.now, self._slept, replica)
+            return
         self._at(self.now + ds.spec.weight_bytes / (self.hw.d2h_gb_per_s * 1e9), self._slept, replica)
 
     def _slept(self, replica: SimReplica) -> None:

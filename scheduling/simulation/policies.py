@@ -59,6 +59,11 @@ class SimPolicy:
     # request path does (services.requests._admit calls sleep.wake_deployment on every request
     # that finds nothing awake); the backoff then only spaces the retries nobody asks for.
     wake_on_arrival: bool = False
+    # A replica woken from its host copy keeps it (the product's kept arena, inference.arena: where
+    # the node's host cache has room, which the simulator assumes it always has) and still holds the
+    # weights there, so its next sleep copies nothing and frees the GPU at once; a replica loaded
+    # from disk copies its weights out on its first sleep.
+    sleep_from_kept_copy: bool = False
     # The oracle: memory is unlimited, every deployment is always loaded.
     unlimited: bool = False
 
@@ -101,6 +106,7 @@ GPUPORTAL = SimPolicy(
     idle_timeout=False,
     target_by_cost=True,
     preempt_idle_at_once=True,
+    sleep_from_kept_copy=True,
 )
 # gpuportal with fairness.prefer_wake (issue 21): a deployment with a copy in CPU RAM wakes it on
 # its node, by a fair wait if need be, rather than load a new replica from disk on another node

@@ -156,6 +156,27 @@ def test_ndif_evicts_at_once_and_gpuportal_preempts_an_idle_victim_at_once_too(q
     assert waits["lru-fair"] - waits["gpuportal"] == pytest.approx(3.0, abs=1e-6)
 
 
+def test_a_victim_woken_from_its_kept_copy_frees_the_gpu_at_once_and_one_loaded_from_disk_copies_out(quick):
+    # a is loaded at the start (from disk): b's wake waits for a's weights to go out. b was woken
+    # from its copy and kept it: when a wants the GPU back, b leaves at once (inference.arena: a
+    # sleep after a kept wake copies nothing), so a waits only for its own wake.
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6))
+    a, b = deployment("a", 50), deployment("b", 50)
+    trace = hand_trace([a, b], [(20.0, "b"), (40.0, "a")])
+    copy_out = a.weight_bytes / (config.hardware.d2h_gb_per_s * 1e9)
+    wake = a.weight_bytes / (config.hardware.h2d_gb_per_s * 1e9)
+
+    def waits(policy) -> list[float]:
+        result = simulate(trace, config, policy)
+        assert result.counters.preemptions == 2 and result.counters.cold_loads == 0
+        return [o.start_s - o.request.arrival_s for o in sorted(result.outcomes, key=lambda o: o.request.arrival_s)]
+
+    kept = POLICIES["gpuportal"]
+    assert kept.sleep_from_kept_copy
+    assert waits(kept) == [pytest.approx(copy_out + wake), pytest.approx(wake)]
+    assert waits(replace(kept, sleep_from_kept_copy=False)) == [pytest.approx(copy_out + wake)] * 2
+
+
 def test_gpuportal_waits_max_wait_before_preempting_a_busy_victim(quick):
     config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6, max_wait_s=3.0))
     a, b = deployment("a", 50), deployment("b", 50)
