@@ -176,18 +176,20 @@ def kept_sleeps(
     """(preparations, first sleeps, sleeps after a kept wake) of a replica allowed to keep an arena,
     `repeats` times. Each spare is prepared afresh, as a replica's is when it is told it may keep
     one; the sleep after the wake packs into the arena the wake kept; then it is dropped."""
+
+    def wake_keeping() -> None:
+        _, copies = backend.from_cache(model, placement)
+        copies.wait()
+        backend.collect_kept(copies)
+
     backend.keep_arena = True
     prepared, slept, again = [], [], []
     for _ in range(repeats):
         prepared.append(timed(lambda: backend.prepare_spare(model), device))
         slept.append(timed(lambda: backend.to_cache(model, placement), device))
-        _, copies = backend.from_cache(model, placement)
-        copies.wait()
-        backend.collect_kept(copies)
+        wake_keeping()
         again.append(timed(lambda: backend.to_cache(model, placement), device))
-        _, copies = backend.from_cache(model, placement)
-        copies.wait()
-        backend.collect_kept(copies)
+        wake_keeping()
         backend.drop_spare()
         settle()
     backend.keep_arena = False
