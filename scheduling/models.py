@@ -259,6 +259,10 @@ class Replica(models.Model):
     # Granted within its node's host cache budget and counted there while it is awake (a sleeping
     # replica's weights are in that arena, counted once); 0: none granted.
     arena_kept_bytes = models.BigIntegerField(default=0, db_default=0)
+    # Draining to sleep, it is what a request that found nothing awake waits for (issue 21): its
+    # sleeping report wakes the deployment again whatever the queue holds when it comes, since the
+    # request is queued only after its wake was decided. Cleared as it leaves draining.
+    wake_when_asleep = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -120,6 +120,8 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         return
     if replica.state == Replica.State.DRAINING:
         SLEEP_SECONDS.observe(_seconds_in(replica, Replica.State.DRAINING, timezone.now()))
+    # Read before set_state clears it: a request that found nothing awake waits for this copy.
+    waited_for = replica.wake_when_asleep
     reported = {str(k): v for k, v in (event.get("residual_bytes_by_id") or {}).items()}
     # What stays on a GPU is the process's context as serving grew it (kernels its forward passes
     # loaded): the node's figure from now on, so the wake and the next replica count it.
@@ -154,7 +156,11 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
     # Redis failed it then): what was queued on its strength is in the queue by the check below.
     replicas.withdraw(replica)
     if sleep.awake_count(replica.deployment) == 0:
-        wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} slept")
+        if waited_for:
+            # Its request may be queued only now (sleep._wait_for_draining_copy): no queue check.
+            preemption.wake_later(replica.deployment.name, f"a request waited for replica {replica.id[:8]} to sleep")
+        else:
+            wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} slept")
 
 
 def _failed(replica: Replica, event: dict[str, Any]) -> None:

@@ -312,7 +312,9 @@ def set_state(
 ) -> None:
     before = replica.state
     replica.state = state
-    replica.save(update_fields=["state", "updated_at", *(extra or [])])
+    # A request's wait for this drain (Replica.wake_when_asleep) ends with it.
+    replica.wake_when_asleep = replica.wake_when_asleep and state == Replica.State.DRAINING
+    replica.save(update_fields=["state", "wake_when_asleep", "updated_at", *(extra or [])])
     if before == state and kind == Event.Kind.REPLICA_STATE:
         return
     _state_event(kind, replica.id, before, state, reason, replica.node.name if replica.node else "", replica.deployment)
@@ -341,7 +343,7 @@ def set_states_of(replicas: Sequence[KnownReplica], state: str) -> None:
     if not replicas:
         return
     with hot_sql.cursor() as cursor:
-        cursor.execute(_SET_STATES_SQL, [state, timezone.now(), [r.id for r in replicas]])
+        cursor.execute(_SET_STATES_SQL, [state, timezone.now(), state, [r.id for r in replicas]])
     for r in replicas:
         if r.state != state:
             _state_event(Event.Kind.REPLICA_STATE, r.id, r.state, state, r.reason, r.node or "", r.deployment)
@@ -350,7 +352,8 @@ def set_states_of(replicas: Sequence[KnownReplica], state: str) -> None:
 # The rows locked first in primary-key order (the global lock order, scheduling.locks): an UPDATE
 # alone locks them in whatever order its scan meets them.
 _SET_STATES_SQL = (
-    "UPDATE scheduling_replica r SET state = %s, updated_at = %s "
+    "UPDATE scheduling_replica r SET state = %s, updated_at = %s, "
+    "wake_when_asleep = r.wake_when_asleep AND r.state = 'draining' AND %s = 'draining' "
     "FROM (SELECT id FROM scheduling_replica WHERE id = ANY(%s) ORDER BY id FOR UPDATE) locked "
     "WHERE r.id = locked.id"
 )

@@ -7,10 +7,11 @@ Per policy: the fewest GPUs of the configured kind reaching the target (bisectio
 first count from that one on at which the target holds at a few counts in a row
 (`metrics.holds_from`: attainment does not always grow with the count), the
 attainment at the GPU count the portal has now, and the attainment curve the searches drew. Three
-bounds, each the GPUs that serve every request the moment it arrives; they are references, not
-floors: a policy may serve a request up to its SLO late, once another replica has left, and let
-the requests the target allows miss, so it can come in under them (seed 4: 10 GPUs, the bounds 12
-and 13):
+bounds, each the GPUs that hold a working set read from the oracle's run (every request served the
+moment it arrives, or, for the tighter two, once the wake its burst opens with is done); they are
+references, not floors: a policy may serve a request up to its SLO late, once another replica has
+left, and let the requests the target allows miss, so it can come in under them (seed 4 in
+BENCHMARKS.md's table "Capacity planner: every seed, and a trace file"):
 
 - the oracle's: memory unlimited, every deployment always loaded, so its GPU count is the least
   that holds the working set (the deployments serving a request at once) at its busiest instant.
@@ -22,12 +23,18 @@ and 13):
   (1 − target of the requests) go to the deployments cheapest to let miss (fewest misses per byte
   held); the others are held. That working set is what a policy that sleeps the rest between
   bursts holds, so it is the bound the policies are judged against when it is higher than the
-  oracle's, and each held deployment is named with why.
+  oracle's, and each held deployment is named with why. And every deployment not held wakes at
+  the head of each burst, fast or slow: a burst (requests arriving within a wake of the last one's
+  end, since through a shorter gap staying loaded holds no more) holds its memory from its first
+  request, as the wake's weights cross the bus, and its requests are served from the wake's end,
+  so it ends up to a wake later than the oracle's. The oracle loads nothing, so its bound charged
+  the misses of those wakes but not the memory they hold (on the second production-like trace
+  the misses at the bound that did not count it were wakes waiting for room, BENCHMARKS.md);
 - both count bytes as a fluid: 1.8 GPUs of a 70B model, or two 32B models at 0.9 of a GPU each,
   as if the bytes could be poured across GPUs. The portal's placement cannot: a need of a GPU or
   more (at or above `whole_gpu_from` of one) takes whole GPUs that no one else shares, and two
   replicas larger than half a GPU never share one. `packed_bound` counts the same working set
-  (the held deployments throughout, the others while they serve) in whole GPUs: the whole GPUs
+  (the held deployments throughout, the others from their wakes on) in whole GPUs: the whole GPUs
   of the large needs, plus Martello and Toth's L2 lower bound for bin packing the rest (a true
   floor for packing that set: every policy but the oracle places with `placement.place`), so it
   is the bound the policies are judged against when it is higher.
@@ -178,7 +185,7 @@ class Bound:
     @property
     def explanation(self) -> str:
         if not self.slow_wakes:
-            return "every deployment wakes within its SLO: the oracle's bound stands"
+            return "every deployment wakes within its SLO, so none is held; a burst holds its memory from its wake on"
         held = self.held
         if not held:
             return (
@@ -436,28 +443,20 @@ def load_aware_bound(trace: Trace, config: Config, oracle: SimResult, *, target:
     by_deployment: dict[str, list[RequestOutcome]] = {}
     for o in oracle.outcomes:
         by_deployment.setdefault(o.request.deployment, []).append(o)
-    intervals: dict[str, list[tuple[float, float]]] = {}
+    served: dict[str, list[tuple[float, float]]] = {}  # as the oracle served them: its working set
+    woken: dict[str, list[tuple[float, float]]] = {}  # each burst from the start of its wake
     slow: list[HeldDeployment] = []
     for name, outcomes in by_deployment.items():
         outcomes.sort(key=lambda o: o.request.arrival_s)
-        spec = specs[name]
-        wake = spec.ram_wake_s(config.hardware)
+        wake = specs[name].ram_wake_s(config.hardware)
         slo = oracle.slos.get(name, slo_ttft_s)
-        merged: list[tuple[float, float]] = []
-        misses = 0
-        opened = -math.inf
-        for o in outcomes:
-            arrival = o.request.arrival_s
-            end = o.end_s if o.end_s is not None else arrival
-            if not merged or arrival > merged[-1][1]:
-                merged.append((arrival, end))
-                opened = arrival
-            else:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        served[name] = _busy(outcomes)
+        woken[name], misses = [], 0
+        for burst in _bursts(outcomes, wake):
+            opened = burst[0].request.arrival_s
+            woken[name].append((opened, max(max(o.request.arrival_s, opened + wake) + _service(o) for o in burst)))
             # Asleep when its burst opened, it serves from `opened + wake` on.
-            if opened + wake - arrival + (o.ttft_s or 0.0) > slo:
-                misses += 1
-        intervals[name] = merged
+            misses += sum(1 for o in burst if opened + wake - o.request.arrival_s + (o.ttft_s or 0.0) > slo)
         if misses:
             slow.append(HeldDeployment(name, wake, need[name], len(outcomes), misses, held=False))
     budget = math.floor((1 - target) * len(oracle.outcomes) + 1e-9)
@@ -471,16 +470,48 @@ def load_aware_bound(trace: Trace, config: Config, oracle: SimResult, *, target:
         else:
             decided.append(HeldDeployment(h.deployment, h.wake_s, h.need_bytes, h.requests, h.misses_if_asleep, True))
     held = {h.deployment for h in decided if h.held}
-    oracle_gpus = _gpus_for(_peak(intervals, need, set()), gpu_bytes)
-    load_aware = max(oracle_gpus, _gpus_for(_peak(intervals, need, held), gpu_bytes))
+    oracle_gpus = _gpus_for(_peak(served, need, set()), gpu_bytes)
+    load_aware = max(oracle_gpus, _gpus_for(_peak(woken, need, held), gpu_bytes))
     whole_from = POLICIES["gpuportal"].placement.whole_gpu_from
     packed = max(
         load_aware,
-        packed_bound(intervals, need, set(), gpu_bytes, whole_from),
-        packed_bound(intervals, need, held, gpu_bytes, whole_from),
+        packed_bound(served, need, set(), gpu_bytes, whole_from),
+        packed_bound(woken, need, held, gpu_bytes, whole_from),
     )
     ordered = tuple(sorted(decided, key=lambda h: (not h.held, -h.misses_if_asleep, h.deployment)))
     return Bound(oracle_gpus, load_aware, budget, ordered, packed_gpus=packed)
+
+
+def _busy(outcomes: Sequence[RequestOutcome]) -> list[tuple[float, float]]:
+    """The spans in which the deployment served a request (outcomes by arrival)."""
+    merged: list[tuple[float, float]] = []
+    for o in outcomes:
+        arrival = o.request.arrival_s
+        end = o.end_s if o.end_s is not None else arrival
+        if not merged or arrival > merged[-1][1]:
+            merged.append((arrival, end))
+        else:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+    return merged
+
+
+def _bursts(outcomes: Sequence[RequestOutcome], wake_s: float) -> list[list[RequestOutcome]]:
+    """The requests (by arrival) in the bursts a wake opens: a request opens one when it arrives
+    more than a wake after every earlier request ended. Through a shorter gap staying loaded
+    holds the memory no longer than sleeping and waking again would, and misses nothing."""
+    bursts: list[list[RequestOutcome]] = []
+    ended = -math.inf
+    for o in outcomes:
+        if o.request.arrival_s > ended + wake_s:
+            bursts.append([])
+        bursts[-1].append(o)
+        ended = max(ended, o.end_s if o.end_s is not None else o.request.arrival_s)
+    return bursts
+
+
+def _service(o: RequestOutcome) -> float:
+    """How long the oracle took to serve the request from its arrival (it never waits there)."""
+    return (o.end_s if o.end_s is not None else o.request.arrival_s) - o.request.arrival_s
 
 
 def _sweep(intervals: dict[str, list[tuple[float, float]]], held: set[str]) -> list[list[str]]:
@@ -619,8 +650,9 @@ def render(p: Plan) -> str:
         "in a row (attainment does not always grow with the count)."
         + "".join(f" {pp.unsteady}." for pp in p.policies if pp.unsteady),
         "",
-        f"Bounds: the oracle's {p.bound.oracle_gpus} GPUs (every deployment always loaded); counting wakes slower "
-        f"than the SLO, {p.bound.load_aware_gpus} ({p.bound.explanation}); that working set in whole GPUs as "
+        f"Bounds: the oracle's {p.bound.oracle_gpus} GPUs (every deployment always loaded); counting the wakes "
+        f"(the memory each holds, the misses of those slower than the SLO), {p.bound.load_aware_gpus} "
+        f"({p.bound.explanation}); that working set in whole GPUs as "
         f"placement packs it, {p.bound.packed_gpus}.",
     ]
     if p.advice is not None:

@@ -213,6 +213,25 @@ def test_a_wake_slower_than_the_slo_raises_the_bound_and_the_deployment_is_named
     assert "big (wake 8.0 s, 20 misses asleep)" in bound.explanation
 
 
+def test_the_bound_holds_a_wakes_memory_while_its_weights_cross_the_bus():
+    # `a` and `b` (60 GiB each) take turns, `b` arriving 1 s after `a` is done: served as the
+    # oracle serves them they never hold memory at once (one GPU), but `b`, asleep, holds its 60
+    # GiB from its first request while its 3 s wake runs, and `a`, woken the same way, is served
+    # 3 s late: two GPUs, though both wake within the 5 s SLO and neither is held.
+    config = load(quick=True)
+    a, b = hand_deployment("a", 60, wake_s=3.0), hand_deployment("b", 60, wake_s=3.0)
+    first = (Request(0, "a", 10.0, 128, 16),)
+    served = simulate(Trace((a, b), first, 60.0), config, POLICIES["oracle"]).outcomes[0]
+    assert served.end_s is not None and served.end_s - 10.0 < 1.0  # `b` arrives past `a`'s end
+    trace = Trace((a, b), (*first, Request(1, "b", served.end_s + 1.0, 128, 16)), 60.0)
+    oracle = simulate(trace, config, POLICIES["oracle"])
+    bound = load_aware_bound(trace, config, oracle, target=1.0, slo_ttft_s=5.0)
+    assert (bound.oracle_gpus, bound.load_aware_gpus, bound.slow_wakes) == (1, 2, ())
+    # With half-second wakes, `a` woken late is still done before `b` arrives: one GPU again.
+    quick = (replace(a, wake_s=0.5), replace(b, wake_s=0.5))
+    assert load_aware_bound(replace(trace, deployments=quick), config, oracle, target=1.0, slo_ttft_s=5.0).gpus == 1
+
+
 def slow_and_busy_trace() -> Trace:
     """`big` (60 GiB) wakes in 8 s, past the 5 s SLO, in 20 bursts; `small` (30 GiB) in between."""
     big, small = hand_deployment("big", 60, wake_s=8.0), hand_deployment("small", 30)

@@ -16,7 +16,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from gpuportal.wire.requestqueue import processing_key
+from gpuportal.wire.requestqueue import processing_key, queue_key
 from inference.devices import virtual_gpus
 from scheduling import fairness
 from scheduling.models import GPU, Deployment, Event, PreemptionIntent, Replica
@@ -190,6 +190,74 @@ def test_the_copy_waits_out_max_wait_when_its_victims_are_busy_rather_than_load_
     assert waited >= 4, "the fair wait: a busy victim keeps its max_wait"
     assert Replica.objects.get(pk=copy).state == "waking" and Replica.objects.get(pk=copy).node.name == "node2"
     assert GPU.objects.get(pk=free.pk).available_bytes == free.total_bytes and invariant_holds()
+
+
+# -- a copy still draining: the request waits for it ----------------------------------------------
+
+
+WAKE = "scheduling.tasks.wake"
+WAITING_FOR_DRAIN = "waiting for it to finish draining"
+
+
+def test_a_request_while_the_last_replica_drains_waits_for_its_copy_rather_than_load_from_disk(
+    two_nodes, dispatched, rq, django_capture_on_commit_callbacks
+):
+    free, home = two_nodes
+    deploy("big", load_s=30.0, wake_s=2.0, max_wait_s=5.0, drain_timeout_s=20.0)
+    draining = serving_on(home, "big")
+    sleep.sleep_replica(draining, reason="preempted for a wake")  # its requests finishing: draining
+    assert GPU.objects.get(pk=free.pk).available_bytes >= NEED, "room for a load from disk on node1"
+
+    request = request_services.submit("big", kind="generate", input="hi", params={}, owner="1")
+    again = request_services.submit("big", kind="generate", input="again", params={}, owner="1")
+
+    assert request.status == again.status == "waking"
+    assert list(Replica.objects.filter(deployment__name="big").values_list("id", flat=True)) == [draining]
+    assert Replica.objects.get(pk=draining).wake_when_asleep and not PreemptionIntent.objects.exists()
+    assert GPU.objects.get(pk=free.pk).available_bytes == free.total_bytes, "the free GPU stays free"
+    (said,) = Event.objects.filter(deployment="big", reason__contains=WAITING_FOR_DRAIN)
+    assert said.replica == draining and said.node == "node2" and "the drain at most 20 s" in said.reason
+    assert "a load from disk takes 30 s (measured), longer than a wake from CPU RAM of 2 s" in said.reason
+    dispatched.clear()
+
+    # Its sleeping report wakes the deployment, whatever the queue showed when it came: the request
+    # that decided to wait is queued only after that decision committed.
+    request_services.queue().redis.delete(queue_key("big"))
+    with django_capture_on_commit_callbacks(execute=True):
+        asleep(draining)
+
+    assert [(task, args[0]) for _, task, args in dispatched] == [(WAKE, "big")]
+    copy = Replica.objects.get(pk=draining)
+    assert copy.state == "sleeping" and not copy.wake_when_asleep
+    assert sleep.wake_deployment("big", reason=dispatched[0][2][1]) == [draining]
+    assert Replica.objects.get(pk=draining).state == "waking", "the copy woke on node2, as any sleeping one"
+    assert Replica.objects.filter(deployment__name="big").count() == 1 and invariant_holds()
+
+
+def test_a_draining_replica_leaving_otherwise_stops_being_waited_for(two_nodes, dispatched, rq):
+    _, home = two_nodes
+    deploy("big", load_s=30.0, wake_s=2.0)
+    draining = serving_on(home, "big")
+    sleep.sleep_replica(draining, reason="idle")
+    assert sleep.wake_deployment("big", reason="a request arrived") == [draining]
+    assert Replica.objects.get(pk=draining).wake_when_asleep
+
+    reports.report(draining, {"event": "failed", "reason": "killed"})
+
+    assert not Replica.objects.get(pk=draining).wake_when_asleep, "a later sleep of it wakes nothing by itself"
+
+
+def test_a_small_model_loads_from_disk_as_before_while_its_replica_drains(two_nodes, dispatched, rq):
+    _, home = two_nodes
+    deploy("small", load_s=0.5, wake_s=0.1, max_wait_s=5.0)
+    draining = serving_on(home, "small")
+    sleep.sleep_replica(draining, reason="idle")
+
+    (fresh,) = sleep.wake_deployment("small", reason="a request arrived")
+
+    assert fresh != draining and Replica.objects.get(pk=fresh).state == "pending", "a new one, loading from disk"
+    assert not Replica.objects.get(pk=draining).wake_when_asleep
+    assert not Event.objects.filter(reason__contains=WAITING_FOR_DRAIN).exists()
 
 
 # -- fast disk: a new replica loads as before ------------------------------------------------------
