@@ -15,12 +15,13 @@ The first sleep is shown apart: it pays for the arena's allocation and page-lock
 later sleep pays again (the arena is freed by every wake, so an awake replica holds no host copy).
 "kept sleep" is the same first sleep for a replica the control plane lets keep an arena (the
 `arena` command, issue 19): `keep_arena` set and a spare prepared in advance by the method the
-replica host runs in the background (`prepare_spare`, untimed: allocated and page-locked long
-before the sleep comes), so the sleep only copies. "spare prep" is that preparation's own rate
-(what the background thread takes; on the CPU it faults the pages in). A later sleep of such a
-replica packs into the arena its wake kept, which still holds every weight the replica served
-from without writing: "sleep after kept wake" times that sleep, which copies nothing it need not
-(only what was written or replaced since the wake) and so frees the GPU at once.
+replica host runs in the background (`prepare_spare`, untimed: allocated, page-locked and filled
+with a copy of the weights long before the sleep comes), so the sleep copies nothing the replica
+left unwritten: a time in ms, as it moves no bytes. "spare prep" is that preparation's own rate
+(what the background thread takes, the copy included; on the CPU it faults the pages in). A later
+sleep of such a replica packs into the arena its wake kept, which also holds every weight the
+replica served from without writing: "sleep after kept wake" times that sleep, which likewise
+copies nothing it need not (only what was written or replaced since the wake).
 A wake's time ends when its copies have landed (`PendingCopies.wait()`): it no longer includes
 freeing the arena, which a pinned arena's wake hands to a background releaser. Each timed wake is
 followed, untimed, by `settle_releases()`, so the next sleep does not pay for the last release (a
@@ -71,9 +72,9 @@ class Figures:
     wake_s: float
     wake_with_pool_s: float  # the copies queued, a KV pool allocated, then the wait
     pool_s: float  # the same pool's allocation alone
-    kept_sleep_s: float  # a first sleep into a kept arena prepared in advance (keep_arena)
+    kept_sleep_s: float  # a first sleep into a kept arena prepared and filled in advance (keep_arena)
     resleep_s: float  # a sleep into the arena a wake kept, which holds the weights already
-    spare_s: float  # preparing that arena (allocation, page-locking), off the sleep's path
+    spare_s: float  # preparing that arena (allocation, page-locking, the copy), off the sleep's path
     reference: dict[str, float]  # name → bytes/s
     host_kept_bytes: int
 
@@ -257,7 +258,7 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
         headers = [
             "model",
             "first sleep GB/s",
-            "kept sleep GB/s",
+            "kept sleep ms",
             "spare prep GB/s",
             "sleep after kept wake ms",
             "sleep GB/s",
@@ -272,7 +273,7 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
             "host kept",
         ]
     else:
-        headers = ["model", "first sleep GB/s", "kept sleep GB/s", "spare prep GB/s", "sleep after kept wake ms"]
+        headers = ["model", "first sleep GB/s", "kept sleep ms", "spare prep GB/s", "sleep after kept wake ms"]
         headers += ["sleep GB/s", "wake GB/s"]
         headers += ["wake + pool GB/s", "pool alone ms"]
         headers += ["memcpy GB/s", "fresh memcpy GB/s"]
@@ -281,7 +282,7 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
     for f in figures:
         sleep, wake = f.rate(f.sleep_s), f.rate(f.wake_s)
         row: list[object] = [f"{f.weights_bytes / 1024**2:.0f} MiB", gbs(f.rate(f.first_sleep_s))]
-        row += [gbs(f.rate(f.kept_sleep_s)), gbs(f.rate(f.spare_s)), f"{f.resleep_s * 1000:.1f}", gbs(sleep)]
+        row += [f"{f.kept_sleep_s * 1000:.1f}", gbs(f.rate(f.spare_s)), f"{f.resleep_s * 1000:.1f}", gbs(sleep)]
         row += [gbs(wake), gbs(f.rate(f.wake_with_pool_s)), f"{f.pool_s * 1000:.1f}"]
         if device == "cuda":
             pinned, d2h = f.reference["pinned H2D"], f.reference["pinned D2H"]
@@ -343,7 +344,7 @@ def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
         reference = (
             "one copy of the same bytes in the same process: pinned and pageable host-to-device, pinned "
             "device-to-host (best of 3). Targets (issue 19): wake ≥ 90 % of pinned H2D, first sleep ≥ 20 GB/s "
-            "(`kept sleep`: the first sleep of a replica allowed to keep an arena)"
+            "(met by `kept sleep`, the first sleep of a replica allowed to keep an arena, which now copies nothing)"
         )
     else:
         reference = (
@@ -360,9 +361,10 @@ def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
         f"{describe_device(device)}; sleep and wake through its to_cache / from_cache (inference.arena), "
         f"{args.repeats} cycles each: the first sleep apart, medians of the rest. Reference: {reference}. "
         "`kept sleep`: a first sleep of a replica allowed to keep an arena (issue 19: `keep_arena`, its spare "
-        "prepared in advance by `prepare_spare`, as the replica host does in the background when told), median "
-        f"of {args.repeats}; `spare prep`: that preparation's rate (allocation and page-locking, or on the CPU "
-        "faulting the pages in), off the sleep's path. "
+        "prepared in advance by `prepare_spare`, as the replica host does in the background when told: allocated, "
+        "page-locked and filled with a copy of the weights, so the sleep copies nothing not written since), "
+        f"median of {args.repeats}, in ms; `spare prep`: that preparation's rate (allocation and page-locking, "
+        "or on the CPU faulting the pages in, and the copy), off the sleep's path. "
         "`sleep after kept wake`: the next sleep of that replica, into the arena its wake kept, which still "
         "holds every weight not written since (inference.arena copies only what was), median of "
         f"{args.repeats}, in ms. "

@@ -37,7 +37,9 @@ wake read from instead of freeing it (`PendingCopies.kept`). `pack(model, into=s
 into it: no allocation, no pinning, the copy's speed. A spare of another layout is freed and a
 fresh arena allocated. An arena a wake kept still holds the bytes it gave the GPU, and serving
 never writes a weight: `pack` into it copies only the tensors replaced or written in place since
-(`Arena.intact`), so such a sleep frees the GPU without crossing the bus.
+(`Arena.intact`), so such a sleep frees the GPU without crossing the bus. A spare prepared for a
+replica loaded from disk is filled the same way right after its allocation (`fill`, on the same
+background thread: the weights cross the bus while the replica serves), so its sleeps are as fast.
 
 On the CPU (VirtualBackend, tests, CI) the same code runs with plain host copies: no stream, no
 page-locking. Pure torch, no Django: it runs inside the replica process.
@@ -104,9 +106,10 @@ class Arena:
     # wake re-points them all at one device tensor and they stay tied.
     tensors: list[list[torch.Tensor]] = field(repr=False)
     _unpin: weakref.finalize | None = field(default=None, repr=False)
-    # Kept after a wake (`PendingCopies.kept`): per slot, the module tensor its bytes were copied to
-    # and that tensor's version counter then. While both still hold, the slot's bytes here are the
-    # tensor's, and the next `pack` into this arena need not copy them again. Empty otherwise.
+    # Kept after a wake (`PendingCopies.kept`), or a spare `fill` filled: per slot, the module
+    # tensor its bytes are a copy of and that tensor's version counter then. While both still hold,
+    # the slot's bytes here are the tensor's, and the next `pack` into this arena need not copy
+    # them again. Empty otherwise.
     intact: list[tuple[weakref.ref, int]] = field(default_factory=list, repr=False)
 
     @property
@@ -156,25 +159,56 @@ def pack(model: nn.Module, *, pin: bool | None = None, into: Arena | None = None
     arena = Arena(host, unpin is not None, slots, [tensors for _, tensors in groups], unpin)
 
     sources = [tensors[0] for _, tensors in groups]
-    # A kept arena that a wake read from still holds the bytes of every tensor nothing wrote since
-    # (serving reads the weights, never writes them): those are not copied again, so a sleep after
-    # a wake frees the GPU at once rather than at the bus's speed.
+    # A kept arena that a wake read from, or that `fill` filled, still holds the bytes of every
+    # tensor nothing wrote since (serving reads the weights, never writes them): those are not
+    # copied again, so the sleep frees the GPU at once rather than at the bus's speed.
     unchanged = _unchanged(intact, sources) if taken is not None else [False] * len(slots)
+    _copy_in(host, slots, sources, skip=unchanged, pinned=arena.pinned)
+    _repoint(arena, [arena.view(i) for i in range(len(slots))])
+    return arena
+
+
+def fill(model: nn.Module, arena: Arena) -> None:
+    """Copy `model`'s tensors into `arena`, a `spare` of its layout, and leave the module as it
+    is (serving goes on reading its weights where they are). The arena then holds a copy of each,
+    marked intact as after a kept wake, so the next `pack` into it copies only what was written or
+    replaced since: a replica loaded from disk, once its spare is filled, sleeps as fast as one
+    woken from its copy. Each tensor's version is read before the copies start, so one written
+    while they run is copied again by that `pack`. The copies run on side streams ordered after
+    the work already queued (a load's), and are synchronised before this returns.
+
+    ValueError, and the arena left as it was, when it is released or not of the module's layout."""
+    groups, slots, end = _layout(model)
+    if arena.host is None:
+        raise ValueError("the arena was released")
+    why = _misfit(arena, slots, end, pin=False)
+    if why is not None:
+        raise ValueError(f"cannot fill the arena: {why}")
+    sources = [tensors[0] for _, tensors in groups]
+    seen = [(weakref.ref(tensor), tensor._version) for tensor in sources]
+    arena.intact = []  # a copy half made is not a copy: marked only once the copies have landed
+    _copy_in(arena.host, slots, sources, skip=[False] * len(slots), pinned=arena.pinned)
+    arena.intact = seen
+
+
+def _copy_in(
+    host: torch.Tensor, slots: list[Slot], sources: list[torch.Tensor], *, skip: list[bool], pinned: bool
+) -> None:
+    """Copy each slot's tensor into `host` at its offset, but those `skip` marks: a run that came
+    as one block (a module woken from an arena) as one copy. On side streams, synchronised on return."""
     with _CopyStreams({slot.device for slot in slots}) as streams:
         for run in _runs(slots, [slot.device for slot in slots]):
-            if all(unchanged[index] for index in run):
+            if all(skip[index] for index in run):
                 continue
             device = slots[run.start].device
             with _on(streams.get(device)):
-                block = _same_block(sources, slots, run) if not any(unchanged[i] for i in run) else None
-                if block is not None:  # a model woken from an arena: one copy, as it came
-                    host[slots[run.start].offset : _run_end(slots, run)].copy_(block, non_blocking=arena.pinned)
+                block = _same_block(sources, slots, run) if not any(skip[i] for i in run) else None
+                if block is not None:
+                    host[slots[run.start].offset : _run_end(slots, run)].copy_(block, non_blocking=pinned)
                     continue
                 for index in run:
-                    if not unchanged[index]:
-                        _typed(host, slots[index]).copy_(sources[index], non_blocking=arena.pinned)
-    _repoint(arena, [arena.view(i) for i in range(len(slots))])
-    return arena
+                    if not skip[index]:
+                        _typed(host, slots[index]).copy_(sources[index], non_blocking=pinned)
 
 
 def _unchanged(intact: list[tuple[weakref.ref, int]], sources: list[torch.Tensor]) -> list[bool]:

@@ -273,10 +273,11 @@ class Backend(Protocol):
 class ArenaKeeper:
     """A backend's kept arena (issue 19; inference.arena, its Policy). Where the control plane
     allows it (`keep_arena`, set by the `arena` command), an awake replica holds `spare`: a host
-    arena of its weights' layout allocated, and on a GPU page-locked, in advance; a wake keeps the
-    arena it read as the spare instead of freeing it. The next sleep packs into the spare: no
-    allocation, no pinning on its path, the copy's speed. Both backends run this one logic; only
-    whether the spare is pinned differs (`pin_spare`)."""
+    arena of its weights' layout allocated, and on a GPU page-locked, in advance, holding a copy of
+    its weights; a wake keeps the arena it read as the spare instead of freeing it. The next sleep
+    packs into the spare: no allocation, no pinning, and no copy of what serving left unwritten
+    (every weight) on its path. Both backends run this one logic; only whether the spare is pinned
+    differs (`pin_spare`)."""
 
     # Page-lock the spare: a GPU's sleep copies into it with the DMA engine, the CPU's does not.
     pin_spare: ClassVar[bool] = False
@@ -289,12 +290,16 @@ class ArenaKeeper:
         self.spare: Arena | None = None
 
     def prepare_spare(self, model: nn.Module) -> Arena:
-        """The spare for `model` as it is now: the one held, else one allocated (and pinned) now.
-        Gigabytes take seconds to pin: ReplicaHost runs this off its command loop."""
-        from inference.arena import spare
+        """The spare for `model` as it is now: the one held, else one allocated (and pinned) now
+        and filled with a copy of the weights (`arena.fill`), so that the next sleep copies nothing
+        it left unwritten, as after a wake that kept its arena. Gigabytes take seconds to pin and
+        to copy: ReplicaHost runs this off its command loop, while the replica serves."""
+        from inference.arena import fill, spare
 
         if self.spare is None or self.spare.released:
-            self.spare = spare(model, pin=self.pin_spare)
+            prepared = spare(model, pin=self.pin_spare)
+            fill(model, prepared)
+            self.spare = prepared
         return self.spare
 
     def drop_spare(self) -> int:
@@ -1195,8 +1200,9 @@ class ReplicaHost:
 
     def _keep_spare(self) -> None:
         """A serving replica allowed to keep an arena: say it holds one, or prepare one on a daemon
-        thread (allocating and pinning gigabytes takes seconds: never on the command loop, nor in
-        the way of requests, which read only the weights the spare is shaped after)."""
+        thread (allocating, pinning and filling gigabytes takes seconds: never on the command loop,
+        nor in the way of requests, which only read the weights the spare copies). A sleep waits
+        for it (`_settle_spare`), and then copies nothing the fill already did."""
         if self._preparing is not None and self._preparing.is_alive():
             return  # its `arena` event comes when it is ready
         if self.backend.spare is not None:

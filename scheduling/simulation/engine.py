@@ -9,8 +9,10 @@ State is plain Python; each decision is asked of a `Snapshot` built from it, exa
 services build one from the ledger. Simulated replicas:
 - a cold load (new replica) takes weight bytes / disk bandwidth; a wake (cached replica promoted on
   its node) weight bytes / host-to-device bandwidth; a sleep weight bytes / device-to-host bandwidth,
-  and the GPU memory is held until it ends, except for a replica woken from a copy it kept
-  (`sleep_from_kept_copy`, the product's): its copy still holds the weights, so it frees at once;
+  and the GPU memory is held until it ends, except for a replica that keeps a copy of its weights
+  in host memory (`sleep_from_kept_copy`, the product's kept arena): woken from its copy, it still
+  holds the weights there, and loaded from disk it copies them there in the background while it
+  serves (a device-to-host copy's time), so a sleep frees at once, or once that copy is done;
 - a request takes a batch slot for prefill (2 × params × prompt tokens / FLOPS) plus one HBM pass over
   the weights per output token (decoding is memory bound); time to first token = wait + prefill;
 - a sleeping replica keeps its weights in its node's CPU RAM (assumed large enough) and holds no GPU
@@ -86,6 +88,9 @@ class SimReplica:
     # When its current load or wake was placed, and which it was (what a waiting request blames).
     placed_s: float = 0.0
     loaded_by: str | None = None
+    # When its host memory holds a whole copy of its weights (SimPolicy.sleep_from_kept_copy): the
+    # end of the wake that kept it, or a copy's time after a load from disk; None: never.
+    kept_copy_s: float | None = None
 
 
 @dataclass
@@ -356,13 +361,23 @@ class Simulation:
             self._begin_sleep(replica)
 
     def _begin_sleep(self, replica: SimReplica) -> None:
-        # The weights go to CPU RAM; the GPU memory is held until they are all out. A replica woken
-        # from a copy it kept has nothing to copy out (SimPolicy.sleep_from_kept_copy).
+        # The weights go to CPU RAM; the GPU memory is held until they are all out. A replica that
+        # keeps a copy there has nothing to copy out once the copy is whole (inference.arena's
+        # kept arena, filled by a wake or in the background after a load: the sleep waits for it).
         ds = self.deployments[replica.deployment]
-        if self.policy.sleep_from_kept_copy and replica.loaded_by == "wake":
-            self._at(self.now, self._slept, replica)
+        if self.policy.sleep_from_kept_copy and replica.kept_copy_s is not None:
+            self._at(max(self.now, replica.kept_copy_s), self._slept, replica)
             return
-        self._at(self.now + ds.spec.weight_bytes / (self.hw.d2h_gb_per_s * 1e9), self._slept, replica)
+        self._at(self.now + self._copy_out_s(ds.spec), self._slept, replica)
+
+    def _copy_out_s(self, spec: Deployment) -> float:
+        return spec.weight_bytes / (self.hw.d2h_gb_per_s * 1e9)
+
+    def _keep_copy(self, replica: SimReplica, ds: DeploymentState) -> None:
+        """A replica starting to serve: when its host copy will be whole (`kept_copy_s`)."""
+        assert replica.serving_since is not None
+        woken = replica.loaded_by == "wake"
+        replica.kept_copy_s = replica.serving_since + (0.0 if woken else self._copy_out_s(ds.spec))
 
     def _slept(self, replica: SimReplica) -> None:
         if replica.state != DRAINING:
@@ -622,13 +637,14 @@ class Simulation:
             victim.state = SLEEPING
             ds.cached[victim.node] = victim
         self._at(self.now, self._dispatch, ds)
-        return ds.spec.weight_bytes / (self.hw.d2h_gb_per_s * 1e9)
+        return self._copy_out_s(ds.spec)
 
     def _loaded(self, replica: SimReplica) -> None:
         if replica.state != LOADING:
             return  # evicted while loading (ndif)
         replica.state, replica.serving_since, replica.loading_from_disk = SERVING, self.now, False
         ds = self.deployments[replica.deployment]
+        self._keep_copy(replica, ds)
         self._dispatch(ds)
         self._maybe_idle(replica, ds)
 
@@ -684,6 +700,7 @@ class Simulation:
             # victim, so every replica of the start, a 70B model the first, was the first victim
             # of the first wake.
             replica.last_accessed = replica.serving_since
+            self._keep_copy(replica, ds)  # loaded from disk when deployed: its copy made since
             self.replicas[replica.id] = replica
             self._reserve(replica)
             ds.active, ds.home = replica, tuple(result.gpu_ids)

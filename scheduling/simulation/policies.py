@@ -59,10 +59,11 @@ class SimPolicy:
     # request path does (services.requests._admit calls sleep.wake_deployment on every request
     # that finds nothing awake); the backoff then only spaces the retries nobody asks for.
     wake_on_arrival: bool = False
-    # A replica woken from its host copy keeps it (the product's kept arena, inference.arena: where
-    # the node's host cache has room, which the simulator assumes it always has) and still holds the
-    # weights there, so its next sleep copies nothing and frees the GPU at once; a replica loaded
-    # from disk copies its weights out on its first sleep.
+    # A replica keeps a copy of its weights in host memory (the product's kept arena,
+    # inference.arena: where the node's host cache has room, which the simulator assumes it always
+    # has): woken from its copy, it keeps that one; loaded from disk, it fills one in the
+    # background while it serves (`arena.fill`, a device-to-host copy's time). A sleep then copies
+    # nothing and frees the GPU at once, or once that copy is whole.
     sleep_from_kept_copy: bool = False
     # The oracle: memory is unlimited, every deployment is always loaded.
     unlimited: bool = False

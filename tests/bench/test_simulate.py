@@ -146,8 +146,10 @@ def test_ndif_evicts_at_once_and_gpuportal_preempts_an_idle_victim_at_once_too(q
     a, b = deployment("a", 50), deployment("b", 50)
     trace = hand_trace([a, b], [(20.0, "b")])
     waits = {}
+    # gpuportal without its kept copies (their own test below), which would let a leave at once.
+    uncopied = {**POLICIES, "gpuportal": replace(POLICIES["gpuportal"], sleep_from_kept_copy=False)}
     for policy in ("ndif", "gpuportal", "lru-fair"):
-        result = simulate(trace, config, POLICIES[policy])
+        result = simulate(trace, config, uncopied[policy])
         (outcome,) = result.outcomes
         waits[policy] = outcome.start_s - outcome.request.arrival_s
         assert result.counters.preemptions == 1
@@ -156,10 +158,10 @@ def test_ndif_evicts_at_once_and_gpuportal_preempts_an_idle_victim_at_once_too(q
     assert waits["lru-fair"] - waits["gpuportal"] == pytest.approx(3.0, abs=1e-6)
 
 
-def test_a_victim_woken_from_its_kept_copy_frees_the_gpu_at_once_and_one_loaded_from_disk_copies_out(quick):
-    # a is loaded at the start (from disk): b's wake waits for a's weights to go out. b was woken
-    # from its copy and kept it: when a wants the GPU back, b leaves at once (inference.arena: a
-    # sleep after a kept wake copies nothing), so a waits only for its own wake.
+def test_a_victim_that_keeps_a_copy_of_its_weights_frees_the_gpu_at_once(quick):
+    # a was loaded from disk when deployed and has filled its kept arena since; b was woken from
+    # its copy and kept it: each leaves at once when the other wants the GPU (inference.arena: a
+    # sleep into a filled or kept arena copies nothing), so each wake waits only for itself.
     config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6))
     a, b = deployment("a", 50), deployment("b", 50)
     trace = hand_trace([a, b], [(20.0, "b"), (40.0, "a")])
@@ -173,8 +175,23 @@ def test_a_victim_woken_from_its_kept_copy_frees_the_gpu_at_once_and_one_loaded_
 
     kept = POLICIES["gpuportal"]
     assert kept.sleep_from_kept_copy
-    assert waits(kept) == [pytest.approx(copy_out + wake), pytest.approx(wake)]
+    assert waits(kept) == [pytest.approx(wake)] * 2
     assert waits(replace(kept, sleep_from_kept_copy=False)) == [pytest.approx(copy_out + wake)] * 2
+
+
+def test_a_replica_loaded_from_disk_leaves_once_the_copy_it_fills_while_serving_is_whole(quick):
+    # a started serving at 0 (no min_runtime: preemptible at once) and copies its weights to its
+    # kept arena in the background for `copy_out`; b asks for the GPU halfway through that copy, so
+    # a's sleep waits for the other half, then b wakes.
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6, min_runtime_s=0.0))
+    a, b = deployment("a", 50), deployment("b", 50)
+    copy_out = a.weight_bytes / (config.hardware.d2h_gb_per_s * 1e9)
+    wake = a.weight_bytes / (config.hardware.h2d_gb_per_s * 1e9)
+    trace = hand_trace([a, b], [(copy_out / 2, "b")])
+
+    (outcome,) = simulate(trace, config, POLICIES["gpuportal"]).outcomes
+
+    assert outcome.start_s - outcome.request.arrival_s == pytest.approx(copy_out / 2 + wake)
 
 
 def test_gpuportal_waits_max_wait_before_preempting_a_busy_victim(quick):
@@ -274,9 +291,12 @@ def test_idle_replicas_sleep_before_their_timeout_when_their_node_has_no_room_fo
     # are, so fairness.sleep_early sleeps the idle replicas once idle for max_wait (the sweep's
     # rounds) rather than after their idle timeout; when `big` comes, its room is free already:
     # no preemption, and no wait for a victim's weights to leave.
+    # The victims hold no copy of their weights in host memory (a host cache with no room for kept
+    # arenas): with one, they leave at once and the rule saves that wait only while a copy is filling.
     config, trace = _three_idle_and_a_sleeping_big(quick)
-    early = simulate(trace, config, ALL["gpuportal-next"])
-    late = simulate(trace, config, replace(ALL["gpuportal-next"], sleep_early=False))
+    uncopied = replace(ALL["gpuportal-next"], sleep_from_kept_copy=False)
+    early = simulate(trace, config, uncopied)
+    late = simulate(trace, config, replace(uncopied, sleep_early=False))
     assert (early.counters.preemptions, late.counters.preemptions) == (0, 1)
     (first,), (then,) = early.outcomes, late.outcomes
     assert first.room_s == 0 and then.room_s > 0

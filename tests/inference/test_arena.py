@@ -23,6 +23,7 @@ from inference.arena import (
     ALIGNMENT,
     Arena,
     PendingCopies,
+    fill,
     host_bytes,
     pack,
     settle_releases,
@@ -546,9 +547,16 @@ def test_a_sleep_after_a_kept_wake_copies_nothing_the_wake_left_untouched():
     unpack(model, again)
 
 
-def test_a_sleep_after_a_kept_wake_copies_what_was_written_or_replaced_since():
+def filled_spare(model: nn.Module) -> Arena:
+    kept = spare(model)
+    fill(model, kept)
+    return kept
+
+
+@pytest.mark.parametrize("keep", [kept_after_a_wake, filled_spare], ids=["kept by a wake", "a filled spare"])
+def test_a_sleep_into_a_kept_copy_copies_what_was_written_or_replaced_since(keep):
     model = OddSizes(torch.float32, tied=True)
-    kept = kept_after_a_wake(model)
+    kept = keep(model)
     with torch.no_grad():
         model.norm.weight.mul_(3.0)  # written in place: its version counter moves
     model.table = torch.randn(3, 3)  # a buffer replaced by another tensor
@@ -570,6 +578,37 @@ def test_a_sleep_into_a_spare_or_a_fresh_arena_copies_everything():
     assert arena.intact == [], "an arena filled by a sleep records nothing: only a kept wake does"
     unpack(model, arena)
     assert_same(model, before)
+
+
+def test_a_filled_spare_holds_the_weights_and_the_sleep_into_it_copies_nothing_left_unwritten():
+    model = OddSizes(torch.float32, tied=True)
+    before, held = snapshot(model), storages(model)
+    kept = spare(model)
+
+    fill(model, kept)
+
+    assert storages(model) == held, "the module still serves from where it was"
+    assert all(torch.equal(kept.view(i), before[slot.name]) for i, slot in enumerate(kept.slots))
+    # Bytes planted in the filled copy of one weight survive the sleep: it copied nothing there.
+    planted = torch.full_like(model.proj.weight, 7.0)
+    kept.view(next(i for i, s in enumerate(kept.slots) if s.name == "proj.weight")).copy_(planted)
+    arena = pack(model, into=kept)
+    assert torch.equal(model.proj.weight, planted)
+    model.proj.weight.data.copy_(before["proj.weight"])
+    assert_same(model, before)
+    unpack(model, arena)
+    assert_same(model, before)
+
+
+def test_a_spare_of_another_layout_or_released_is_not_filled():
+    model = OddSizes(torch.float32)
+    other = spare(OddSizes(torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot fill the arena: its layout"):
+        fill(model, other)
+    assert other.intact == [] and not other.released
+    other.release()
+    with pytest.raises(ValueError, match="released"):
+        fill(model, other)
 
 
 def test_a_wake_without_keep_hands_nothing_back():
@@ -614,6 +653,7 @@ def test_a_backend_keeping_its_arena_sleeps_into_the_same_memory_each_time_and_g
     backend.keep_arena = True
     buffer = backend.prepare_spare(model).host.data_ptr()
     assert not backend.spare.pinned  # plain host memory on the CPU
+    assert len(backend.spare.intact) == len(backend.spare.slots), "filled: a copy of every weight"
 
     for _ in range(2):
         backend.to_cache(model, placement)
@@ -733,6 +773,7 @@ def test_on_a_gpu_the_backend_keeps_a_pinned_arena_and_sleeps_into_it_without_ch
     before = _greedy(model, prompt)
     kept = backend.prepare_spare(model)
     assert kept.pinned and is_page_locked(kept.host) is True  # pinned in advance, not by the sleep
+    assert len(kept.intact) == len(kept.slots), "filled from the GPU: the first sleep copies nothing"
     buffer = kept.host.data_ptr()
 
     for _ in range(2):
