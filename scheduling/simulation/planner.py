@@ -516,7 +516,7 @@ def _service(o: RequestOutcome) -> float:
 
 def _sweep(intervals: dict[str, list[tuple[float, float]]], held: set[str]) -> list[list[str]]:
     """The sets of deployments in memory, one per instant the set grows: the held ones
-    throughout, the others while they serve (an end before a start at the same instant)."""
+    throughout, the others during their spans (an end before a start at the same instant)."""
     events: list[tuple[float, int, str]] = []
     for name, spans in intervals.items():
         if name in held:
