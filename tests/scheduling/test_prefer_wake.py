@@ -2,8 +2,10 @@
 sleeps in one node's CPU RAM, where it does not fit as things are, while another node's GPU is free
 enough for a cold load. When the load from disk is slower than the wake after max_wait, the copy
 waits for room on its own node by the fair wake path (intents, victims, promotion); when it is the
-faster (a small model), a new replica loads from disk as before. Load and wake times are the
-deployment's measured figures, else the capacity planner's estimate from its bytes. Two virtual
+faster (a small model), a new replica loads from disk as before. The same for a copy not asleep
+yet: a request finding the only replica draining to sleep waits for it, and its sleeping report
+wakes the deployment. Load and wake times are the deployment's measured figures, else the capacity
+planner's estimate from its bytes. Two virtual
 nodes of one 1 GiB GPU each, no processes: the preempt task runs here on a fake clock, and what
 replica processes would report is fed in."""
 
