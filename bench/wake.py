@@ -344,7 +344,8 @@ def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
         reference = (
             "one copy of the same bytes in the same process: pinned and pageable host-to-device, pinned "
             "device-to-host (best of 3). Targets (issue 19): wake ≥ 90 % of pinned H2D, first sleep ≥ 20 GB/s "
-            "(met by `kept sleep`, the first sleep of a replica allowed to keep an arena, which now copies nothing)"
+            "(`kept sleep`, the first sleep of a replica allowed to keep an arena, is a time in ms: its arena "
+            "was filled in advance, so it copies only what was written since)"
         )
     else:
         reference = (
