@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.portal import Http, Portal, percentile, servers, staff_key, wait
+from gpuportal.wire.states import ReplicaState as S
 
 MiB = 1024**2
 
@@ -99,10 +100,10 @@ def whole_pair(name: str, killed: set[str]):
 
     def check():
         members = list(Replica.objects.filter(deployment__name=name, lease__isnull=False))
-        if any(m.state not in ("failed", "stopped") for m in members if m.id in killed):
+        if any(m.state not in (S.FAILED, S.STOPPED) for m in members if m.id in killed):
             return None
-        active = [m for m in members if m.state == "serving" and m.failover_state == "active"]
-        standby = [m for m in members if m.state == "standby" and m.failover_state == "standby"]
+        active = [m for m in members if m.state == S.SERVING and m.failover_state == "active"]
+        standby = [m for m in members if m.state == S.STANDBY and m.failover_state == S.STANDBY]
         return (active[0], standby[0]) if len(active) == 1 and len(standby) == 1 else None
 
     return check
@@ -168,7 +169,7 @@ def without_standby(portal: Portal, key: str, model_dir: Path, trials: int, clie
     load.start()
     for trial in range(trials):
         replica = wait(
-            lambda: Replica.objects.filter(deployment__name="solo", state="serving").first(), 300, "a replica"
+            lambda: Replica.objects.filter(deployment__name="solo", state=S.SERVING).first(), 300, "a replica"
         )
         load.first_from({replica.id}, time.monotonic(), set())  # type: ignore[union-attr]
         gone = set(Replica.objects.filter(deployment__name="solo").values_list("id", flat=True))

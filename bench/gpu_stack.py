@@ -40,6 +40,7 @@ from typing import Any
 
 from bench.gpu import Row, fmt_size, nvml_vs, ok_or_fail
 from bench.report import ROOT
+from gpuportal.wire.states import ReplicaState as S
 
 PART = "stack"
 ADMIN_USER = "admin"
@@ -61,7 +62,7 @@ SCALE_TO = 2
 CONCURRENT_REQUESTS = 8
 CONCURRENT_MAX_TOKENS = 64
 NVML_SAMPLE_S = 0.05
-SLEEPING_STATES = ("sleeping",)
+SLEEPING_STATES = (S.SLEEPING,)
 
 
 class StackFailed(Exception):
@@ -416,7 +417,7 @@ class Driver:
     def wait_replicas(self, what: str, deployment: str, states: set[str], count: int, timeout: float) -> list[dict]:
         def settled() -> list[dict] | None:
             mine = self.replicas(deployment)
-            failed = [r for r in mine if r.get("state") == "failed"]
+            failed = [r for r in mine if r.get("state") == S.FAILED]
             if failed:
                 raise self.fail(what, f"replica {failed[0]['id'][:8]} failed: {failed[0].get('failure_reason')}")
             if len(mine) >= count and all(r.get("state") in states for r in mine):

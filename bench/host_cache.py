@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.portal import Http, Portal, servers, staff_key, wait
+from gpuportal.wire.states import ReplicaState as S
 
 MiB = 1024**2
 MS = 1000
@@ -118,16 +119,16 @@ def sleep_in_turn(http: Api, names: list[str], budget: int) -> list[AfterSleep]:
 
         def settled(name: str = name) -> tuple[int, int, dict[str, str]] | None:
             used, kept, states = node_cache(names)
-            moving = {"draining", "stopping"} & set(states.values())
-            done = states[name] in ("sleeping", "parked") and not moving and used <= budget
+            moving = {S.DRAINING, S.STOPPING} & set(states.values())
+            done = states[name] in (S.SLEEPING, S.PARKED) and not moving and used <= budget
             return (used, kept, states) if done else None
 
         used, kept, states = wait(settled, 120, f"{name} to sleep and the host cache to fit its budget")  # type: ignore[misc]
         settled_s = time.monotonic() - began
-        parked = {n for n, state in states.items() if state == "parked"}
+        parked = {n for n, state in states.items() if state == S.PARKED}
         left = sorted(parked - parked_before)
         parked_before = parked
-        sleeping = sum(state == "sleeping" for state in states.values())
+        sleeping = sum(state == S.SLEEPING for state in states.values())
         after.append(AfterSleep(name, used, kept, sleeping, len(parked), left, settled_s))
         print(
             f"slept {name}: host cache {used / MiB:.0f} MiB of {budget / MiB:.0f} ({kept / MiB:.0f} kept), {states}",

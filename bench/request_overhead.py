@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.portal import Http, Portal, percentile, servers, staff_key, wait
+from gpuportal.wire.states import ReplicaState as S
 
 ROOT = Path(__file__).resolve().parent.parent
 # The replica's reservation and the deployment's max_tokens, for the portal and the direct call alike.
@@ -118,9 +119,9 @@ def wake_times(infer: Callable[[], None], count: int) -> list[float]:
     replica_id = Replica.objects.get(deployment__name="tiny").id
     for _ in range(count):
         # The answer can come back before the agent's report marks the replica serving again.
-        wait(lambda: Replica.objects.get(pk=replica_id).state == "serving", 30, "the woken replica")
+        wait(lambda: Replica.objects.get(pk=replica_id).state == S.SERVING, 30, "the woken replica")
         sleep.sleep_replica(replica_id, reason="benchmark: measure the wake")
-        while Replica.objects.get(pk=replica_id).state != "sleeping":
+        while Replica.objects.get(pk=replica_id).state != S.SLEEPING:
             time.sleep(0.05)
         began = time.perf_counter()
         infer()
@@ -194,7 +195,7 @@ def main() -> None:
             deployments.create(
                 DeploymentSpec(name="tiny", source=str(model_dir), override_bytes=CAP_BYTES, max_tokens=MAX_TOKENS)
             )
-            wait(lambda: Replica.objects.filter(deployment__name="tiny", state="serving").exists(), 240, "the replica")
+            wait(lambda: Replica.objects.filter(deployment__name="tiny", state=S.SERVING).exists(), 240, "the replica")
             http = Http(portal.port, key)
             infer, chat = portal_calls(http)
             print("direct calls, /infer/ and /v1, in alternating rounds…", flush=True)

@@ -29,6 +29,7 @@ import time
 
 from bench.failover import Load
 from bench.portal import Portal, servers, staff_key, wait
+from gpuportal.wire.states import ReplicaState as S
 
 MiB = 1024**2
 NAME = "heal"
@@ -40,7 +41,7 @@ def serving(count: int, *, off: str | None = None):
     from scheduling.models import Replica
 
     def check() -> bool:
-        replicas = Replica.objects.filter(deployment__name=NAME, state="serving")
+        replicas = Replica.objects.filter(deployment__name=NAME, state=S.SERVING)
         if off is not None:
             replicas = replicas.exclude(node__name=off)
         return replicas.count() == count
@@ -58,7 +59,7 @@ def settled():
     """Nothing of the deployment on its way (no replica pending, loading, waking or stopping)."""
     from scheduling.models import Replica
 
-    busy = ("pending", "loading", "waking", "stopping", "draining")
+    busy = (S.PENDING, S.LOADING, S.WAKING, S.STOPPING, S.DRAINING)
     return lambda: not Replica.objects.filter(deployment__name=NAME, state__in=busy).exists()
 
 
@@ -89,7 +90,7 @@ def node_losses(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
     detect: list[float] = []
     heal: list[float] = []
     for trial in range(trials):
-        node = Replica.objects.filter(deployment__name=NAME, state="serving").values_list("node__name", flat=True)[0]
+        node = Replica.objects.filter(deployment__name=NAME, state=S.SERVING).values_list("node__name", flat=True)[0]
         killed_at = time.monotonic()
         portal.agents[node].send_signal(signal.SIGKILL)  # its replica outlives it for its adoption window
         portal.agents[node].wait(30)
@@ -117,7 +118,7 @@ def agent_crashes(portal: Portal, trials: int) -> tuple[list[float], list[float]
     adopted: list[float] = []
     for trial in range(trials):
         wait(lambda: serving(2)() and settled()(), 300, "the deployment to settle")
-        replica = Replica.objects.filter(deployment__name=NAME, state="serving").select_related("node").first()
+        replica = Replica.objects.filter(deployment__name=NAME, state=S.SERVING).select_related("node").first()
         assert replica is not None
         node = replica.node.name
         onlines = Event.objects.filter(kind=Event.Kind.NODE_ONLINE, node=node)
@@ -132,7 +133,7 @@ def agent_crashes(portal: Portal, trials: int) -> tuple[list[float], list[float]
         wait(more_than(adoptions, adopted_before), 120, f"the new agent of {node} to take its replica over")
         adopted.append(time.monotonic() - killed_at)
         same = Replica.objects.get(pk=replica.pk)
-        if same.state != "serving" or same.pid != replica.pid:
+        if same.state != S.SERVING or same.pid != replica.pid:
             raise SystemExit(f"agent crash {trial + 1}: replica {replica.pk} is {same.state}, pid {same.pid}")
         print(f"agent crash {trial + 1}: taken over {MS * adopted[-1]:.0f} ms after the SIGKILL", flush=True)
     return registered, adopted
@@ -150,7 +151,7 @@ def restarts(portal: Portal, trials: int) -> tuple[list[float], list[float]]:
             process.send_signal(signal.SIGTERM)
         for process in portal.agents.values():
             process.wait(120)
-        wait(lambda: not Replica.objects.filter(deployment__name=NAME, state="serving").exists(), 60, "stop")
+        wait(lambda: not Replica.objects.filter(deployment__name=NAME, state=S.SERVING).exists(), 60, "stop")
         started_at = time.monotonic()
         for name in AGENTS:
             portal.start_agent(name)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from gpuportal.wire.requestqueue import Fence, RequestQueue
+from gpuportal.wire.states import FailoverState, ReplicaState
 from inference.failover import FailoverMember, Grant, LeaseConfig, Stale
 from inference.process_exit import exit_now as _exit
 
@@ -78,7 +79,7 @@ class PairMember:
         self.fence_name = fence_name
         self.wake_timeout_s = wake_timeout_s
         self.liveness_every_s = liveness_every_s
-        self.state = "init"
+        self.state = FailoverState.INIT
         self.member = FailoverMember(config, on_lost=self._lost, on_event=self._lease_event)
         self._stop = threading.Event()
 
@@ -103,12 +104,12 @@ class PairMember:
         grant = self.member.try_acquire() if self.role == "primary" else None
         if grant is not None:
             self._hold(grant)
-            self.host.serving_tags = {"epoch": grant.epoch, "failover_state": "active"}
-            self.state = "active"
+            self.host.serving_tags = {"epoch": grant.epoch, "failover_state": FailoverState.ACTIVE}
+            self.state = FailoverState.ACTIVE
             self.host.load()  # reports `serving` with the epoch: the services make it the active member
             return
         self.host.load_standby()
-        self.state = "standby"
+        self.state = FailoverState.STANDBY
         threading.Thread(target=self._wait_for_lock, args=(commands,), name="failover-wait", daemon=True).start()
 
     def _wait_for_lock(self, commands: queue.Queue[Any]) -> None:
@@ -128,9 +129,9 @@ class PairMember:
 
     def take_over(self, grant: Grant) -> None:
         """The lock is ours, so the old active member is dead and its memory free: wake and serve."""
-        if self.host.state != "standby":  # stopping: the lock goes with the process
+        if self.host.state != ReplicaState.STANDBY:  # stopping: the lock goes with the process
             return
-        self.state = "waking"
+        self.state = FailoverState.WAKING
         self._report("waking", epoch=grant.epoch)
         timer = threading.Timer(self.wake_timeout_s, self._wake_timed_out)
         timer.daemon = True
@@ -146,9 +147,9 @@ class PairMember:
             woken = time.monotonic()
         finally:
             timer.cancel()
-        self.state = "active"
-        self.host.serving_tags = {"epoch": grant.epoch, "failover_state": "active"}
-        self.host.state = "serving"  # from here the serving thread takes requests
+        self.state = FailoverState.ACTIVE
+        self.host.serving_tags = {"epoch": grant.epoch, "failover_state": FailoverState.ACTIVE}
+        self.host.state = ReplicaState.SERVING  # from here the serving thread takes requests
         self.host.events.emit(
             "active",
             epoch=grant.epoch,

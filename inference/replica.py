@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TextIO
 
 from gpuportal.wire.requestqueue import Fence, RequestQueue
+from gpuportal.wire.states import PROCESS_STARTING, Role
+from gpuportal.wire.states import ReplicaState as S
 from inference import load_slots
 from inference.allocator import give_back_cached
 from inference.hub import local_model_dir
@@ -191,7 +193,7 @@ class EventWriter:
     emitted, which may have been lost with the old agent."""
 
     # Events that say which state the replica is in, with the figures the books need for it.
-    STATE_EVENTS = ("serving", "woken", "sleeping")
+    STATE_EVENTS = (S.SERVING, "woken", S.SLEEPING)
 
     def __init__(self, stream: TextIO | None):
         self._stream = stream
@@ -705,7 +707,7 @@ class ReplicaHost:
         self.recipe: Recipe | None = None
         # Set while serving: the serving thread waits on it rather than polling the state.
         self.accepting = threading.Event()
-        self._state = "starting"
+        self._state = PROCESS_STARTING
         self.lock = threading.RLock()
         # The barrier: requests in flight, counted under `_flight` together with the state check,
         # and the flag a drain sets at its deadline to cut the request in flight short.
@@ -746,7 +748,7 @@ class ReplicaHost:
     @state.setter
     def state(self, value: str) -> None:
         self._state = value
-        if value == "serving":
+        if value == S.SERVING:
             self.accepting.set()
         else:
             self.accepting.clear()
@@ -767,7 +769,7 @@ class ReplicaHost:
     def begin_request(self) -> bool:
         """The serving thread, before running a request: False if the replica no longer serves."""
         with self._flight:
-            if self.state != "serving" or self.model is None:
+            if self.state != S.SERVING or self.model is None:
                 return False
             self._in_flight += 1
             return True
@@ -778,7 +780,7 @@ class ReplicaHost:
             self._in_flight -= 1
             self._flight.notify_all()
 
-    def drain(self, timeout_s: float, state: str = "draining") -> bool:
+    def drain(self, timeout_s: float, state: str = S.DRAINING) -> bool:
         """Stop taking requests (`state`), let the one in flight finish for up to `timeout_s`, then
         cut it short; returns once nothing is in flight. True if it finished on its own.
 
@@ -811,7 +813,7 @@ class ReplicaHost:
     def load(self) -> None:
         with self.lock, self._failing_as("load"):
             started = time.monotonic()
-            self.state = "loading"
+            self.state = S.LOADING
             self._progress(0, f"starting on {self.backend.name} GPUs {list(self.placement.gpus)}")
             from inference.loaders import validate_source
 
@@ -828,14 +830,14 @@ class ReplicaHost:
                 self._adopt(model, self.placement)
                 self._allocate_pool()
             self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
-            self.state = "serving"
+            self.state = S.SERVING
             self.events.emit("serving", pid=os.getpid(), **self._where(), **self.serving_tags)
 
     def load_standby(self) -> None:
         """A failover standby's init: the same weights, loaded and parked in host memory at once."""
         with self.lock, self._failing_as("load"):
             started = time.monotonic()
-            self.state = "loading"
+            self.state = S.LOADING
             self._progress(0, f"starting as a standby on {self.backend.name} GPUs {list(self.placement.gpus)}")
             from inference.loaders import tensor_bytes, validate_source
 
@@ -851,7 +853,7 @@ class ReplicaHost:
             self.model = model
             self.residual_bytes_by_id = residual
             self._progress(100, f"standing by with {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
-            self.state = "standby"
+            self.state = S.STANDBY
             # The warm-up a GPU standby ran (inference.warmup): null where none ran (a virtual GPU).
             warm = getattr(self.backend, "warm_up", None)
             self.events.emit(
@@ -865,9 +867,9 @@ class ReplicaHost:
     def wake_standby(self) -> None:
         """Onto the memory the dead active member freed (the lock grant proved it is gone)."""
         with self.lock:
-            self._require("standby", "take over")
+            self._require(S.STANDBY, "take over")
             with self._failing_as("load"):
-                self.state = "waking"
+                self.state = S.WAKING
                 check_cap(self.weights_bytes, self.placement, self._outside_allocator())
                 self._wake_onto(self.placement)
             if self.backend.spare is not None:
@@ -887,20 +889,20 @@ class ReplicaHost:
         """Redis stayed away longer than the serving loop waits (inference.serving.PatientQueue):
         fail and exit, so the control plane gives back what this replica took and replaces it."""
         self.accepting.clear()
-        self._state = "failed"
+        self._state = S.FAILED
         log.error("%s: %s; exiting", self.replica_id, reason)
         self.events.emit("failed", reason=reason, kind="crash")
         _exit(1)
 
     def sleep(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         # Transitions all run on the main thread: no other can change the state under this check.
-        if self.state == "sleeping":  # a retried sleep: already done
+        if self.state == S.SLEEPING:  # a retried sleep: already done
             self._emit_sleeping()
             return
-        self._require("serving", "sleep")
+        self._require(S.SERVING, "sleep")
         with self._failing_as("crash"):
             # State first, so nothing new starts; the request in flight finishes or is given back.
-            self.drain(drain_timeout_s, "draining")
+            self.drain(drain_timeout_s, S.DRAINING)
             with self.lock:
                 assert self.model is not None
                 # A kept arena still being allocated is waited for: still faster than a fresh one,
@@ -908,7 +910,7 @@ class ReplicaHost:
                 self._settle_spare()
                 self._release_pool()  # before to_cache, whose empty_cache then returns its memory
                 self.residual_bytes_by_id = self.backend.to_cache(self.model, self.placement)
-                self.state = "sleeping"
+                self.state = S.SLEEPING
                 self._emit_sleeping()
 
     def wake(self, gpus: Any, reserved_bytes_by_gpu: Any, fraction: Any = None) -> None:
@@ -917,30 +919,30 @@ class ReplicaHost:
         except ValueError as exc:
             raise CommandRejected(f"bad wake: {exc}") from None
         with self.lock:
-            if self.state == "serving" and target == self.placement:
+            if self.state == S.SERVING and target == self.placement:
                 self.events.emit("woken", **self._where())  # a retried wake: already done
                 return
-            self._require("sleeping", "wake")
+            self._require(S.SLEEPING, "wake")
             with self._failing_as("load"):
-                self.state = "waking"
+                self.state = S.WAKING
                 # Before moving anything: a reservation too small for the weights fails like a CUDA OOM would.
                 check_cap(self.weights_bytes, target, self._outside_allocator())
                 self._wake_onto(target)
-                self.state = "serving"
+                self.state = S.SERVING
                 self.events.emit("woken", **self._where())
             if self.backend.keep_arena:
                 self._keep_spare()  # the arena the wake kept, or one prepared now
 
     def stop(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         # A scale-down loses nothing: the request in flight finishes or goes back to its queue.
-        self.drain(drain_timeout_s, "stopping")
+        self.drain(drain_timeout_s, S.STOPPING)
         with self.lock:
-            self.state = "stopping"
+            self.state = S.STOPPING
             self._settle_spare()  # then released with the rest: nothing is left allocating one
             self._release_pool()
             self.model = None
             self.backend.release()
-            self.state = "stopped"
+            self.state = S.STOPPED
             self.events.emit("stopped")
 
     # -- commands ------------------------------------------------------------------------------
@@ -984,7 +986,7 @@ class ReplicaHost:
             if dropped := self.backend.drop_spare():
                 log.info("%s: dropped its kept arena of %s", self.replica_id, mib(dropped))
                 self._emit_arena(0)
-        elif self.state == "serving":
+        elif self.state == S.SERVING:
             self._keep_spare()
         # Asleep, standing by: the wake keeps the arena it reads. Elsewhere (stopping, failed):
         # nothing to keep.
@@ -1075,7 +1077,7 @@ class ReplicaHost:
         if measured is not None or not isinstance(self.backend, VirtualBackend):
             return measured
         held = self.backend.residual(self.placement)
-        if self.model is not None and self.state in {"serving", "draining", "stopping", "waking"}:
+        if self.model is not None and self.state in {S.SERVING, S.DRAINING, S.STOPPING, S.WAKING}:
             from gpuportal.wire import memory
             from inference.loaders import weight_allocation_bytes
 
@@ -1260,7 +1262,7 @@ class ReplicaHost:
 
     def _progress(self, percent: int, detail: str) -> None:
         log.info("%s %d%%: %s", self.replica_id, percent, detail)
-        self.events.emit("progress", state="loading", percent=percent, detail=detail)
+        self.events.emit("progress", state=S.LOADING, percent=percent, detail=detail)
 
     def _failing_as(self, kind: str) -> _FailingAs:
         return _FailingAs(self, kind)
@@ -1292,7 +1294,7 @@ class _FailingAs:
         if not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: let them through
         failure = classify_failure(exc, self.kind)
-        self.host.state = "failed"
+        self.host.state = S.FAILED
         if failure is not exc:
             log.error("%s failed (%s)", self.host.replica_id, failure.kind, exc_info=(exc_type, exc, tb))
             raise failure from exc
@@ -1365,7 +1367,7 @@ def read_commands(
             host.ping()
         elif command["cmd"] == "resync":
             host.events.resync()
-        elif command["cmd"] == "stop" and host.state in {"starting", "loading"}:
+        elif command["cmd"] == "stop" and host.state in {PROCESS_STARTING, S.LOADING}:
             # A load can take minutes and cannot be interrupted; nothing is worth saving yet.
             log.info("stop while loading: exiting now")
             host.events.emit("stopped")
@@ -1382,7 +1384,7 @@ def read_commands(
 def give_up(host: ReplicaHost, commands: queue.Queue[Any]) -> None:
     """No agent adopted this orphan: stop as a scale-down would, giving back what it had taken
     (a load cannot be interrupted and holds nothing worth saving: exit at once)."""
-    if host.state in {"starting", "loading"}:
+    if host.state in {PROCESS_STARTING, S.LOADING}:
         _exit(0)
     commands.put({"cmd": "stop", "drain_timeout_s": 0})
 
@@ -1394,7 +1396,7 @@ def run(host: ReplicaHost, commands: queue.Queue[Any], pair: PairMember | None =
             host.load()
         else:
             pair.start(commands)
-        while host.state != "stopped":
+        while host.state != S.STOPPED:
             command = commands.get()
             # Callables come from this process's own threads (a failover lock grant): they run
             # here so that every transition stays on the main thread.
@@ -1442,7 +1444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
     parser.add_argument("--failover-lease", type=int, default=None, help="Member of this failover pair's lease.")
     parser.add_argument("--failover-fence", default="", help="Names the pair's result fence in Redis.")
-    parser.add_argument("--role", choices=["primary", "standby"], default="primary")
+    parser.add_argument("--role", choices=[r.value for r in Role], default=Role.PRIMARY.value)
     parser.add_argument("--reconnect-window", type=float, default=10.0, help="Seconds (seed 004).")
     parser.add_argument("--wake-timeout", type=float, default=60.0, help="A takeover's wake past this exits.")
     parser.add_argument("--liveness-every", type=float, default=0.5, help="Seconds between `alive` events.")

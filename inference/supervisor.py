@@ -36,13 +36,15 @@ from typing import IO, Any
 
 from gpuportal.stack import die_with_parent
 from gpuportal.wire.commands import ReplicaSpec
+from gpuportal.wire.states import ReplicaState as S
 from inference import adoption
 
 log = logging.getLogger(__name__)
 
 EventCallback = Callable[[str, dict[str, Any]], None]
 
-FINAL_EVENTS = ("stopped", "failed")
+# The events a replica process ends with: they name the state it ends in.
+FINAL_EVENTS = (S.STOPPED, S.FAILED)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # How long a replica that announced stopped/failed may take to exit before it is killed.
 EXIT_GRACE_S = 10.0
@@ -378,7 +380,7 @@ class Supervisor:
         ids = list(replica_ids)
 
         def holding() -> list[str]:
-            return [rid for rid in ids if (r := self._replicas.get(rid)) is not None and r.usage_state == "serving"]
+            return [rid for rid in ids if (r := self._replicas.get(rid)) is not None and r.usage_state == S.SERVING]
 
         with self._changed:
             self._changed.wait_for(lambda: not holding(), timeout)
@@ -391,7 +393,7 @@ class Supervisor:
             return {
                 rid: (r.process.pid, dict(r.residual))
                 for rid in replica_ids
-                if (r := self._replicas.get(rid)) is not None and r.usage_state == "sleeping"
+                if (r := self._replicas.get(rid)) is not None and r.usage_state == S.SLEEPING
             }
 
     def running(self) -> list[str]:
@@ -585,8 +587,9 @@ class Supervisor:
             log.exception("on_event failed for replica %s event %s", replica.spec.replica_id, event.get("event"))
 
 
-# The state a replica is in when it sends each event that carries its figures.
-_STATE_OF_EVENT = {"serving": "serving", "woken": "serving", "sleeping": "sleeping", "standby": "standby"}
+# The state a replica is in when it sends each event that carries its figures (a state event
+# names the state it reached, `woken` aside).
+_STATE_OF_EVENT = {S.SERVING: S.SERVING, "woken": S.SERVING, S.SLEEPING: S.SLEEPING, S.STANDBY: S.STANDBY}
 
 
 def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
@@ -599,7 +602,7 @@ def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
     elif event.get("event") == "sleeping":
         replica.arena_bytes = 0  # the sleep packed its weights into the arena it kept
     figures = event.get("process_bytes_by_id")
-    if not isinstance(figures, dict) and event.get("event") in {"sleeping", "standby"}:
+    if not isinstance(figures, dict) and event.get("event") in {S.SLEEPING, S.STANDBY}:
         figures = event.get("residual_bytes_by_id")  # what a sleeper still holds
     if event.get("event") == "sleeping" and isinstance(residual := event.get("residual_bytes_by_id"), dict):
         with contextlib.suppress(TypeError, ValueError):

@@ -17,6 +17,7 @@ from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import KeepArena, SleepReplica, StartReplica, StopReplica, WakeReplica
 from gpuportal.wire.inspection import INSPECT_TASK, InspectModel
 from gpuportal.wire.replica_logs import LOG_TASK, MAX_LOG_BYTES, ReadLog, last_lines
+from gpuportal.wire.states import ReplicaState as S
 from inference import agent
 from inference.inspection import read_model
 
@@ -150,7 +151,7 @@ def replica_log(payload: dict) -> str:
 @shared_task(name="inference.tasks.start_replica")
 def start_replica(payload: dict) -> str:
     command = _read(payload, StartReplica)
-    if skipped := _still_wanted(command.replica_id, "pending"):
+    if skipped := _still_wanted(command.replica_id, S.PENDING):
         return skipped
     spec = command.spec
     if late := wait_released(list(command.wait_for), list(spec.gpus), virtual=spec.backend == "virtual"):
@@ -167,7 +168,7 @@ def replica_to_cache(payload: dict) -> str:
     command = _read(payload, SleepReplica)
     # A sleep sent again (scheduling.services.lost_commands) may find the first one done: the replica
     # asleep, or parked since (its process stopped), which a sleep must not report as a crash.
-    if skipped := _still_wanted(command.replica_id, "draining"):
+    if skipped := _still_wanted(command.replica_id, S.DRAINING):
         return skipped
     sent: dict[str, Any] = {"cmd": "sleep"}
     if command.drain_timeout_s is not None:
@@ -178,7 +179,7 @@ def replica_to_cache(payload: dict) -> str:
 @shared_task(name="inference.tasks.replica_from_cache")
 def replica_from_cache(payload: dict) -> str:
     command = _read(payload, WakeReplica)
-    if skipped := _still_wanted(command.replica_id, "waking"):
+    if skipped := _still_wanted(command.replica_id, S.WAKING):
         return skipped
     backend = agent.current().supervisor.backend_of(command.replica_id)
     wait_released(list(command.wait_for), list(command.gpus), virtual=backend != "cuda")

@@ -10,28 +10,30 @@ last state event again); the first cannot be, and such a process is stopped and 
 from __future__ import annotations
 
 from gpuportal.wire.node_reports import Survivor
+from gpuportal.wire.states import PROCESS_STARTING
+from gpuportal.wire.states import ReplicaState as S
 
-# The books' states (scheduling.models.Replica.State), spelled out: no ORM in a decision.
-PENDING, LOADING, SERVING, DRAINING = "pending", "loading", "serving", "draining"
-SLEEPING, WAKING, STOPPING = "sleeping", "waking", "stopping"
+PENDING, LOADING, SERVING, DRAINING = S.PENDING, S.LOADING, S.SERVING, S.DRAINING
+SLEEPING, WAKING, STOPPING = S.SLEEPING, S.WAKING, S.STOPPING
 
-# (what the process says it is in, its last state event) -> the books' states it agrees with.
+# (what the process says it is in, the last state event it emitted) -> the books' states it
+# agrees with. A process's states are the books' names, and `starting` before its load begins.
 AGREES: dict[tuple[str, str | None], frozenset[str]] = {
-    ("starting", None): frozenset({PENDING, LOADING}),
-    ("loading", None): frozenset({PENDING, LOADING}),
+    (PROCESS_STARTING, None): frozenset({PENDING, LOADING}),
+    (LOADING, None): frozenset({PENDING, LOADING}),
     # Loaded: its `serving` report may be the one lost.
-    ("serving", "serving"): frozenset({PENDING, LOADING, SERVING}),
+    (SERVING, "serving"): frozenset({PENDING, LOADING, SERVING}),
     # Woken: its `woken` report may be the one lost.
-    ("serving", "woken"): frozenset({WAKING, SERVING}),
+    (SERVING, "woken"): frozenset({WAKING, SERVING}),
     # A drain to sleep, or a stop, under way: its report comes when it is done.
-    ("draining", "serving"): frozenset({DRAINING}),
-    ("draining", "woken"): frozenset({DRAINING}),
-    ("stopping", "serving"): frozenset({STOPPING}),
-    ("stopping", "woken"): frozenset({STOPPING}),
-    ("stopping", "sleeping"): frozenset({STOPPING}),
+    (DRAINING, "serving"): frozenset({DRAINING}),
+    (DRAINING, "woken"): frozenset({DRAINING}),
+    (STOPPING, "serving"): frozenset({STOPPING}),
+    (STOPPING, "woken"): frozenset({STOPPING}),
+    (STOPPING, "sleeping"): frozenset({STOPPING}),
     # Asleep: its `sleeping` report may be the one lost.
-    ("sleeping", "sleeping"): frozenset({DRAINING, SLEEPING}),
-    ("waking", "sleeping"): frozenset({WAKING}),
+    (SLEEPING, "sleeping"): frozenset({DRAINING, SLEEPING}),
+    (WAKING, "sleeping"): frozenset({WAKING}),
 }
 
 

@@ -26,6 +26,9 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
+from gpuportal.wire import states
+from gpuportal.wire.states import FailoverState
+from gpuportal.wire.states import ReplicaState as S
 from scheduling import requeststats, selectors
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Replica
 from scheduling.services import host_cache
@@ -33,20 +36,20 @@ from scheduling.services import requests as request_services
 
 EVENT_LIMIT = 50
 
-# Which bar segment an occupant's replica state falls in (the five colours).
+# Which bar segment an occupant's replica state falls in (five colours with the free one): a
+# segment is named for the state it shows, the states on their way to it drawn with it.
 SEGMENT_OF_STATE = {
-    Replica.State.SERVING: "serving",
-    Replica.State.PENDING: "waking",
-    Replica.State.LOADING: "waking",
-    Replica.State.WAKING: "waking",
-    Replica.State.DRAINING: "draining",
-    Replica.State.STOPPING: "draining",
+    S.SERVING: S.SERVING,
+    S.PENDING: S.WAKING,
+    S.LOADING: S.WAKING,
+    S.WAKING: S.WAKING,
+    S.DRAINING: S.DRAINING,
+    S.STOPPING: S.DRAINING,
     # What a sleeping replica (or a standby, loaded then slept) still holds: its CUDA context.
-    Replica.State.SLEEPING: "sleeping",
-    Replica.State.STANDBY: "sleeping",
+    S.SLEEPING: S.SLEEPING,
+    S.STANDBY: S.SLEEPING,
 }
-# States whose memory_measured_bytes describes what the occupant holds now (it was measured awake).
-MEASURED_STATES = {Replica.State.SERVING, Replica.State.DRAINING}
+SEGMENT_ORDER = (S.SERVING, S.WAKING, S.DRAINING, S.SLEEPING)
 
 
 def deployment_hue(name: str) -> int:
@@ -127,10 +130,10 @@ def _gpu_row(gpu: GPU) -> GpuRow:
     occupants = []
     for occ in sorted(gpu.occupants.all(), key=lambda o: (o.replica.deployment.name, o.replica_id)):
         replica = occ.replica
-        measured = replica.deployment.memory_measured_bytes if replica.state in MEASURED_STATES else None
+        measured = replica.deployment.memory_measured_bytes if replica.state in states.HOLDING_WEIGHTS else None
         occupants.append(
             Segment(
-                kind=SEGMENT_OF_STATE.get(replica.state, "draining"),
+                kind=SEGMENT_OF_STATE.get(replica.state, S.DRAINING),
                 bytes=occ.reserved_bytes,
                 percent=round(100 * occ.reserved_bytes / total, 2),
                 deployment=replica.deployment.name,
@@ -140,8 +143,7 @@ def _gpu_row(gpu: GPU) -> GpuRow:
             )
         )
     free = Segment(kind="free", bytes=gpu.available_bytes, percent=round(100 * gpu.available_bytes / total, 2))
-    order = {"serving": 0, "waking": 1, "draining": 2, "sleeping": 3}
-    segments = sorted(occupants, key=lambda s: order.get(s.kind, 9))
+    segments = sorted(occupants, key=lambda s: SEGMENT_ORDER.index(s.kind) if s.kind in SEGMENT_ORDER else 9)
     return GpuRow(gpu=gpu, segments=[*segments, free], occupants=occupants)
 
 
@@ -187,9 +189,9 @@ def _pairs() -> list[dict[str, Any]]:
     leases = FailoverLease.objects.select_related("deployment").prefetch_related("members")
     pairs = []
     for lease in leases:
-        members = [m for m in lease.members.all() if m.state not in (Replica.State.STOPPED, Replica.State.FAILED)]
-        active = [m for m in members if m.failover_state == "active"]
-        standby = [m for m in members if m.failover_state != "active"]
+        members = [m for m in lease.members.all() if m.state not in states.ENDED]
+        active = [m for m in members if m.failover_state == FailoverState.ACTIVE]
+        standby = [m for m in members if m.failover_state != FailoverState.ACTIVE]
         pairs.append({"lease": lease, "active": active, "standby": standby})
     return pairs
 

@@ -80,12 +80,10 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Literal
 
+from gpuportal.wire import states
+from gpuportal.wire.states import ReplicaState
 from scheduling.state import GPUView, OccupantView
 
-SERVING = "serving"
-DRAINING = "draining"
-# States a replica passes through on its way to serving (placement.STARTING_STATES).
-STARTING = frozenset({"pending", "loading", "waking"})
 # "cost": expired idle replicas first, busy ones last, and in between the lowest reload cost per
 # second of idleness (see the module docstring); "lru": seed 001's least recently used first.
 VictimOrder = Literal["cost", "lru"]
@@ -635,10 +633,10 @@ def _settled(gpus: Sequence[GPUView], now: datetime) -> tuple[list[GPUView], dat
     for gpu in gpus:
         occupants = []
         for o in gpu.occupants:
-            if o.state == DRAINING:
+            if o.state == ReplicaState.DRAINING:
                 continue
-            if o.state in STARTING:
-                o = replace(o, state=SERVING, serving_since=now, last_accessed=now)
+            if o.state in states.STARTING:
+                o = replace(o, state=ReplicaState.SERVING, serving_since=now, last_accessed=now)
             occupants.append(o)
         reserved = sum(o.reserved_bytes for o in occupants)
         out.append(replace(gpu, occupants=tuple(occupants), available_bytes=gpu.total_bytes - reserved))
@@ -734,7 +732,7 @@ def _verdict(occupant: OccupantView, waiting_replica_id: str, now: datetime) -> 
     name = _name(occupant)
     if occupant.replica_id == waiting_replica_id:
         return Cause.SELF, f"{name} is the waiting replica itself"
-    if occupant.state != SERVING:
+    if occupant.state != ReplicaState.SERVING:
         return Cause.NOT_SERVING, f"{name} is {occupant.state}, not serving"
     if occupant.popular:
         return Cause.POPULAR, f"{name} is popular (never preempted)"

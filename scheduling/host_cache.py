@@ -21,10 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-# States in which a replica's weights are in its node's host memory.
-HOLDING = ("sleeping", "draining", "standby")
-# States in which a replica that keeps an arena holds it as well as serving (or about to).
-KEEPING = ("pending", "loading", "serving", "waking")
+from gpuportal.wire import states
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,8 @@ class Trim:
 
 def holds(holder: HostHolder) -> bool:
     """Whether the holder's bytes are in the host cache now."""
-    return holder.state in KEEPING if holder.kept_arena else holder.state in HOLDING
+    # A replica that keeps an arena holds it awake too, as well as serving (or about to).
+    return holder.state in states.AWAKE if holder.kept_arena else holder.state in states.IN_HOST_CACHE
 
 
 def used_bytes(holders: Sequence[HostHolder]) -> int:
@@ -79,7 +77,9 @@ def trim(holders: Sequence[HostHolder], budget_bytes: int) -> Trim:
         drop.append(holder.replica_id)
         over -= holder.host_bytes
     park: list[str] = []
-    for holder in sorted((h for h in holders if not h.kept_arena and h.state == "sleeping"), key=value):
+    for holder in sorted(
+        (h for h in holders if not h.kept_arena and h.state == states.ReplicaState.SLEEPING), key=value
+    ):
         if over <= 0:
             break
         park.append(holder.replica_id)

@@ -105,12 +105,6 @@ def update(obj: models.Model, fields: Sequence[str]) -> None:
     _update(type(obj), obj.pk, {f: f.pre_save(obj, False) for f in chosen})
 
 
-def update_row(model: type[models.Model], pk: Any, **values: Any) -> None:
-    """`model.objects.filter(pk=pk).update(**values)`, for one row."""
-    meta = model._meta
-    _update(model, pk, {meta.get_field(name): value for name, value in values.items()})
-
-
 def _update(model: type[models.Model], pk: Any, values: dict[models.Field, Any]) -> None:
     prepared = [f.get_db_prep_save(value, connection) for f, value in values.items()]
     with cursor() as cur:

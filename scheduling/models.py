@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import uuid
+from enum import StrEnum
 
 from django.conf import settings
 from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Cast
 
-from gpuportal.wire import memory
+from gpuportal.wire import memory, states
 
 
 def new_replica_id() -> str:
@@ -190,8 +191,8 @@ class Deployment(models.Model):
     def status(self) -> str:
         """ok; retrying (a failed load is replaced after its backoff); failed (it gave up)."""
         if self.failed_reason:
-            return "failed"
-        return "retrying" if self.retry_at is not None else "ok"
+            return states.DeploymentStatus.FAILED
+        return states.DeploymentStatus.RETRYING if self.retry_at is not None else states.DeploymentStatus.OK
 
     @property
     def status_text(self) -> str:
@@ -206,35 +207,19 @@ class Deployment(models.Model):
         return self.memory_override_bytes or self.memory_measured_bytes or self.memory_estimate_bytes
 
 
-class FailoverState(models.TextChoices):
-    """Liveness by state (seed 004): what a failover pair member is doing, as it reports it."""
+def _choices_of(enum: type[StrEnum]) -> type[models.TextChoices]:
+    """A model field's choices from a state enum of the contract: the names are written there once."""
+    return models.TextChoices(enum.__name__, [(member.name, member.value) for member in enum])
 
-    INIT = "init"
-    STANDBY = "standby"
-    WAKING = "waking"
-    ACTIVE = "active"
-    DEAD = "dead"
+
+# Liveness by state (seed 004): what a failover pair member is doing, as it reports it.
+FailoverState = _choices_of(states.FailoverState)
 
 
 class Replica(models.Model):
-    class Role(models.TextChoices):
-        PRIMARY = "primary"
-        STANDBY = "standby"
-
-    class State(models.TextChoices):
-        PENDING = "pending"
-        LOADING = "loading"
-        SERVING = "serving"
-        DRAINING = "draining"
-        SLEEPING = "sleeping"
-        WAKING = "waking"
-        STANDBY = "standby"
-        STOPPING = "stopping"
-        STOPPED = "stopped"
-        FAILED = "failed"
-        # Wanted, but its weights are nowhere (issue 19): it left a full host cache, and the next
-        # wake loads it from disk. No process, no node, no reservation.
-        PARKED = "parked"
+    # Their names, groups and allowed transitions: gpuportal.wire.states.
+    Role = _choices_of(states.Role)
+    State = _choices_of(states.ReplicaState)
 
     id = models.CharField(primary_key=True, max_length=32, default=new_replica_id, editable=False)
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replicas")
@@ -479,11 +464,7 @@ class CapacityPlan(models.Model):
     """A capacity plan asked for by `POST /api/plan/` and computed on the control worker: its
     progress while it runs, then the answer (scheduling.simulation.planner) and its plot."""
 
-    class State(models.TextChoices):
-        QUEUED = "queued"
-        RUNNING = "running"
-        DONE = "done"
-        FAILED = "failed"
+    State = _choices_of(states.PlanState)
 
     requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)

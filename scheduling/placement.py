@@ -36,17 +36,13 @@ from datetime import datetime
 from enum import IntEnum, StrEnum
 from typing import Literal, NamedTuple, TypeVar
 
+from gpuportal.wire import states
+from gpuportal.wire.states import ReplicaState
 from scheduling.state import GPUView, Holdings, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 MIN_FRACTION = 0.01
 MAX_FRACTION = 0.99
 
-# States in which a replica is on its GPUs or on its way there; a node holding the requested
-# replica in one of them has it DEPLOYED.
-ACTIVE_STATES = frozenset({"pending", "loading", "serving", "draining", "waking"})
-SLEEPING = "sleeping"
-# Not yet past min_runtime whatever serving_since says: evicting them throws away a load.
-STARTING_STATES = frozenset({"pending", "loading", "waking"})
 
 T = TypeVar("T")
 
@@ -233,7 +229,7 @@ def cached_replicas(snapshot: Snapshot, deployment: str) -> tuple[CachedReplica,
     seen: dict[str, CachedReplica] = {}
     for gpu in snapshot.index.ordered:
         for o in gpu.occupants:
-            if o.deployment == deployment and o.state == SLEEPING:
+            if o.deployment == deployment and o.state == ReplicaState.SLEEPING:
                 seen.setdefault(o.replica_id, CachedReplica(o.replica_id, gpu.node))
     return tuple(seen.values())
 
@@ -309,7 +305,8 @@ def _already_deployed(request: PlacementRequest, held: Holdings) -> Placement | 
     gpu, occupant = held[0]
     if occupant.deployment != request.deployment:
         raise ValueError(f"replica {request.replica_id} belongs to {occupant.deployment}, not {request.deployment}")
-    if occupant.state not in ACTIVE_STATES:
+    # On its GPUs or on its way there: a node holding it so has it DEPLOYED.
+    if occupant.state not in states.ACTIVE:
         if any(c.replica_id == request.replica_id for c in request.cached):
             return None
         raise ValueError(
@@ -347,7 +344,7 @@ def _candidates(
     cached_on: dict[str, list[CachedReplica]] = {}
     for c in request.cached:
         # Someone else may have woken it since the caller looked: then it is not cached.
-        if all(o.state == SLEEPING for _, o in holdings.get(c.replica_id, ())):
+        if all(o.state == ReplicaState.SLEEPING for _, o in holdings.get(c.replica_id, ())):
             cached_on.setdefault(c.node, []).append(c)
     # A request naming a cached replica is a wake of that replica: its id must not be reused
     # for a new replica elsewhere.
@@ -651,9 +648,10 @@ def _single_gpu_reason(gpus: Sequence[GPUView], ticket: _Ticket) -> str:
 def _inside_min_runtime(occupant: OccupantView, now: datetime) -> bool:
     if occupant.min_runtime_s <= 0:
         return False
-    if occupant.state in STARTING_STATES:
+    # Not yet past min_runtime whatever serving_since says: evicting it throws away a load.
+    if occupant.state in states.STARTING:
         return True
-    if occupant.state != "serving" or occupant.serving_since is None:
+    if occupant.state != ReplicaState.SERVING or occupant.serving_since is None:
         return False
     return (now - occupant.serving_since).total_seconds() < occupant.min_runtime_s
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gpuportal.wire.states import AWAKE_NEAREST_FIRST, ReplicaState
+
 RUNNING = ("dispatched", "running")
 ENDED = ("done", "failed", "cancelled")
-# The awake states a waiting request's deployment can be in, the one nearest to serving first.
-NEAREST_FIRST = ("serving", "waking", "loading", "pending")
 
 
 @dataclass(frozen=True)
@@ -58,17 +58,17 @@ def describe(
     if status in RUNNING:
         return Progress("running")
     nearest = min(
-        (r for r in replicas if r.state in NEAREST_FIRST),
-        key=lambda r: (NEAREST_FIRST.index(r.state), -(r.progress or 0)),
+        (r for r in replicas if r.state in AWAKE_NEAREST_FIRST),
+        key=lambda r: (AWAKE_NEAREST_FIRST.index(r.state), -(r.progress or 0)),
         default=None,
     )
-    if nearest is None or nearest.state == "serving":
+    if nearest is None or nearest.state == ReplicaState.SERVING:
         # Served as soon as its turn comes; or nothing awake yet (a wake asked for, not placed).
         phase = "queued" if nearest is not None or status == "queued" else "placing"
         return Progress(phase, queue_position=queue_position, estimate_s=load_s if phase == "placing" else None)
-    if nearest.state == "pending":
+    if nearest.state == ReplicaState.PENDING:
         return Progress("placing", queue_position=queue_position, estimate_s=load_s)
     percent = max(0, min(100, nearest.progress or 0))
-    measured = wake_s if nearest.state == "waking" else load_s
+    measured = wake_s if nearest.state == ReplicaState.WAKING else load_s
     left = None if measured is None else round(measured * (100 - percent) / 100, 1)
     return Progress(nearest.state, percent, queue_position, left)

@@ -21,6 +21,7 @@ from rich.text import Text
 from gpuportal.cli import config, planning, render
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.waiting import Goal, wait_for
+from gpuportal.wire.states import ReplicaState as S
 
 DEFAULT_TIMEOUT_S = 600.0
 EVENTS_POLL_S = 1.0
@@ -119,7 +120,7 @@ def finish(ctx: Context, args: argparse.Namespace, answer: dict[str, Any], goal:
 
 def cmd_deploy(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post("/api/deployments/", deploy_body(args))
-    return finish(ctx, args, answer, Goal("serving", answer["replicas_wanted"]))
+    return finish(ctx, args, answer, Goal(S.SERVING, answer["replicas_wanted"]))
 
 
 def replica_count(args: argparse.Namespace) -> int:
@@ -133,24 +134,24 @@ def replica_count(args: argparse.Namespace) -> int:
 
 def cmd_scale(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, "scale"), {"replicas": replica_count(args)})
-    return finish(ctx, args, answer, Goal("serving", answer["replicas_wanted"]))
+    return finish(ctx, args, answer, Goal(S.SERVING, answer["replicas_wanted"]))
 
 
 def cmd_wake(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, "wake"))
-    return finish(ctx, args, answer, Goal("serving", max(1, answer["replicas_wanted"]), at_least=True))
+    return finish(ctx, args, answer, Goal(S.SERVING, max(1, answer["replicas_wanted"]), at_least=True))
 
 
 def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, "retry"))
-    return finish(ctx, args, answer, Goal("serving", answer["replicas_wanted"], at_least=True))
+    return finish(ctx, args, answer, Goal(S.SERVING, answer["replicas_wanted"], at_least=True))
 
 
 def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:
     # Both put serving replicas to sleep: `sleep` lets them finish what they serve, `evict` does not wait.
     action = "evict" if args.command == "evict" else "sleep"
     answer = ctx.client.post(deployment_path(args.name, action))
-    return finish(ctx, args, answer, Goal("serving", 0, towards="sleeping"))
+    return finish(ctx, args, answer, Goal(S.SERVING, 0, towards=S.SLEEPING))
 
 
 def cmd_rm(ctx: Context, args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from gpuportal.cli.client import Client, CliError
+from gpuportal.wire.states import PlanState
 
 POLL_S = 1.0
 
@@ -82,9 +83,9 @@ def wait_for_plan(
             elif state != seen:
                 console.print(f"plan {plan_id}: {state} {percent} %")
             seen = state
-            if state == "done":
+            if state == PlanState.DONE:
                 return answer
-            if state == "failed":
+            if state == PlanState.FAILED:
                 raise CliError(f"plan {plan_id} failed: {answer.get('error') or 'no reason given'}")
             if clock() - began >= timeout_s:
                 raise CliError(

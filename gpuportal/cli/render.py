@@ -12,21 +12,22 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-# States a replica passes through on its way somewhere: while any is shown, an operation goes on.
-TRANSIT_STATES = ("pending", "loading", "waking", "draining", "stopping")
-# Shown in `ls` in this order; stopped replicas are history and not counted.
-STATE_ORDER = ("serving", "standby", "sleeping", *TRANSIT_STATES, "failed")
+from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus
+from gpuportal.wire.states import ReplicaState as S
+
+# Shown in `ls` in states.DISPLAY_ORDER; stopped replicas are history and not counted.
 STATE_STYLES = {
-    "serving": "green",
-    "standby": "cyan",
-    "sleeping": "blue",
-    "failed": "red",
-    "pending": "yellow",
-    "loading": "yellow",
-    "waking": "yellow",
-    "draining": "magenta",
-    "stopping": "magenta",
+    S.SERVING: "green",
+    S.STANDBY: "cyan",
+    S.SLEEPING: "blue",
+    S.FAILED: "red",
+    S.PENDING: "yellow",
+    S.LOADING: "yellow",
+    S.WAKING: "yellow",
+    S.DRAINING: "magenta",
+    S.STOPPING: "magenta",
 }
+STATUS_STYLES = {DeploymentStatus.OK: "green", DeploymentStatus.RETRYING: "yellow", DeploymentStatus.FAILED: "red"}
 # Deployments get a colour each in the GPU bars, stable across runs (not Python's salted hash).
 PALETTE = ("green", "cyan", "magenta", "yellow", "blue", "bright_green", "bright_cyan", "bright_magenta")
 
@@ -65,13 +66,13 @@ def colour_of(deployment: str) -> str:
 
 
 def live_replicas(deployment: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in deployment.get("replicas", []) if r.get("state") != "stopped"]
+    return [r for r in deployment.get("replicas", []) if r.get("state") != S.STOPPED]
 
 
 def state_counts(replicas: Iterable[dict[str, Any]]) -> str:
     """E.g. "2 serving, 1 loading": the states present, in the order an operator reads them."""
-    counts = Counter(r.get("state") for r in replicas if r.get("state") != "stopped")
-    ordered = [s for s in STATE_ORDER if counts[s]] + sorted(s for s in counts if s not in STATE_ORDER)
+    counts = Counter(r.get("state") for r in replicas if r.get("state") != S.STOPPED)
+    ordered = [s for s in DISPLAY_ORDER if counts[s]] + sorted(s for s in counts if s not in DISPLAY_ORDER)
     return ", ".join(f"{counts[s]} {s}" for s in ordered) or "none"
 
 
@@ -90,9 +91,9 @@ def replica_line(replica: dict[str, Any]) -> Text:
     line = Text(f"{short_id(replica['id'])} ")
     line.append(state, style=STATE_STYLES.get(state, ""))
     line.append(f" {placement(replica)}")
-    if state == "loading" and replica.get("progress") is not None:
+    if state == S.LOADING and replica.get("progress") is not None:
         line.append(f" {replica['progress']} %")
-    if state == "failed" and replica.get("failure_reason"):
+    if state == S.FAILED and replica.get("failure_reason"):
         line.append(f" {replica['failure_reason']}", style="red")
     return line
 
@@ -103,9 +104,9 @@ def deployments_table(deployments: list[dict[str, Any]]) -> Table:
         table.add_column(column, overflow="fold")
     for deployment in deployments:
         live = live_replicas(deployment)
-        serving = sum(1 for r in live if r.get("state") == "serving")
+        serving = sum(1 for r in live if r.get("state") == S.SERVING)
         status = deployment.get("status", "?")
-        status_text = Text(status, style={"ok": "green", "retrying": "yellow", "failed": "red"}.get(status, ""))
+        status_text = Text(status, style=STATUS_STYLES.get(status, ""))
         if status != "ok" and deployment.get("failed_reason"):
             status_text.append(f": {deployment['failed_reason']}")
         table.add_row(
@@ -129,9 +130,9 @@ def replicas_table(deployments: list[dict[str, Any]]) -> Table:
         for replica in live_replicas(deployment):
             state = replica.get("state", "?")
             note = ""
-            if state == "loading" and replica.get("progress") is not None:
+            if state == S.LOADING and replica.get("progress") is not None:
                 note = f"{replica['progress']} % loaded"
-            elif state == "failed":
+            elif state == S.FAILED:
                 note = replica.get("failure_reason") or ""
             elif replica.get("role") == "standby":
                 note = "failover standby"
@@ -141,7 +142,7 @@ def replicas_table(deployments: list[dict[str, Any]]) -> Table:
                 Text(state, style=STATE_STYLES.get(state, "")),
                 Text(placement(replica)),
                 str(replica.get("pid") or "-"),
-                Text(note, style="red" if state == "failed" else ""),
+                Text(note, style="red" if state == S.FAILED else ""),
             )
     return table
 

@@ -17,6 +17,9 @@ from rich.text import Text
 
 from gpuportal.cli import render
 from gpuportal.cli.client import Client, CliError
+from gpuportal.wire import states
+from gpuportal.wire.states import DeploymentStatus
+from gpuportal.wire.states import ReplicaState as S
 
 POLL_S = 0.5
 # Nothing on its way and the goal not reached, this long: the portal is not going to get there
@@ -45,27 +48,27 @@ class Verdict:
 
 
 def failed_ids(deployment: dict[str, Any]) -> set[str]:
-    return {r["id"] for r in deployment.get("replicas", []) if r.get("state") == "failed"}
+    return {r["id"] for r in deployment.get("replicas", []) if r.get("state") == S.FAILED}
 
 
 def verdict(deployment: dict[str, Any], goal: Goal, failed_before: set[str]) -> Verdict:
     name = deployment["name"]
-    if deployment.get("status") == "failed":
+    if deployment.get("status") == DeploymentStatus.FAILED:
         return Verdict("failed", f"{name} failed: {deployment.get('failed_reason') or 'no reason given'}")
     live = render.live_replicas(deployment)
-    newly_failed = [r for r in live if r.get("state") == "failed" and r["id"] not in failed_before]
+    newly_failed = [r for r in live if r.get("state") == S.FAILED and r["id"] not in failed_before]
     if newly_failed:
         replica = newly_failed[0]
         message = f"{name}: replica {render.short_id(replica['id'])} failed: {replica.get('failure_reason') or '?'}"
-        if deployment.get("status") == "retrying":
+        if deployment.get("status") == DeploymentStatus.RETRYING:
             message += f"\nthe portal tries again after a backoff: see `gpuportal ls` and `gpuportal events -d {name}`"
         return Verdict("failed", message)
     reached = sum(1 for r in live if r.get("state") == goal.state)
-    in_transit = any(r.get("state") in render.TRANSIT_STATES for r in live)
+    in_transit = any(r.get("state") in states.IN_TRANSIT for r in live)
     enough = reached >= goal.count if goal.at_least else reached == goal.count
     if enough and not in_transit:
         return Verdict("done")
-    if not in_transit and deployment.get("status") != "retrying":
+    if not in_transit and deployment.get("status") != DeploymentStatus.RETRYING:
         return Verdict("stalled", f"{name}: {render.state_counts(live)}, wanted {goal.describe()}, nothing on its way")
     return Verdict("waiting")
 
@@ -76,7 +79,7 @@ def changes(seen: dict[str, str], deployment: dict[str, Any]) -> list[Text]:
     lines = []
     for replica in deployment.get("replicas", []):
         state = replica.get("state", "?")
-        if seen.get(replica["id"]) == state or (replica["id"] not in seen and state == "stopped"):
+        if seen.get(replica["id"]) == state or (replica["id"] not in seen and state == S.STOPPED):
             continue
         seen[replica["id"]] = state
         line = Text(f"{deployment['name']}: ")
@@ -91,7 +94,7 @@ def bar_percent(replica: dict[str, Any], goal: Goal) -> float | None:
     state = replica.get("state")
     if state == (goal.towards or goal.state):
         return 100.0
-    if state == "loading" and replica.get("progress") is not None:
+    if state == S.LOADING and replica.get("progress") is not None:
         return float(replica["progress"])
     return None
 

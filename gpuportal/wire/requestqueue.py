@@ -614,9 +614,6 @@ class RequestQueue:
             return self.get(request_id)
         return Request.from_fields(request_id, json.loads(token))
 
-    def set_status(self, request_id: str, status: str) -> None:
-        self.redis.hset(request_key(request_id), "status", status)
-
     def cancel(self, request_id: str, reason: str = "cancelled by its owner") -> bool:
         """Cancel a request still waiting in its queue; one already taken runs to its end."""
         request = self.get(request_id)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuportal.wire.states import ReplicaState as S
+
 GiB = 1024**3
 MiB = 1024**2
 REPLICA = "9c78f3f4ea824855a2624d00e48a3fa1"
@@ -20,7 +22,7 @@ REPLICA_SHOWN = {
     "deployment": "tiny-a",
     "node": "node1",
     "role": "primary",
-    "state": "serving",
+    "state": S.SERVING,
     "gpus": [0],
     "gpu_indexes": [0],
     "gpu_ids": [1],
@@ -98,7 +100,7 @@ GPU_SHOWN = {
     "overcommit_bytes": 0,
     "version": 7,
     "health": "ok",
-    "occupants": [{"replica": REPLICA, "deployment": "tiny-a", "state": "serving", "reserved_bytes": 300 * MiB}],
+    "occupants": [{"replica": REPLICA, "deployment": "tiny-a", "state": S.SERVING, "reserved_bytes": 300 * MiB}],
     "intents": [],
     "wake_lock": None,
     "updated_at": AT,
@@ -109,8 +111,8 @@ EVENT_SHOWN = {
     "kind": "replica.state",
     "subject": f"replica {REPLICA[:8]}",
     "reason": "placed: placed new replica 9c78f3f4 of tiny-a on gpu node1/0 (300.0 MiB of 24.0 GiB); FREE, best fit",
-    "before": {"state": "pending"},
-    "after": {"state": "serving"},
+    "before": {"state": S.PENDING},
+    "after": {"state": S.SERVING},
     "node": "node1",
     "gpu": "node1/0",
     "deployment": "tiny-a",
@@ -252,9 +254,9 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "/api/replicas/"): {"response": page(REPLICA_SHOWN)},
     ("get", "/api/replicas/{id}/"): {"response": REPLICA_SHOWN},
-    ("post", "/api/replicas/{id}/evict/"): {"response": {**REPLICA_SHOWN, "state": "draining"}},
-    ("post", "/api/replicas/{id}/sleep/"): {"response": {**REPLICA_SHOWN, "state": "draining"}},
-    ("post", "/api/replicas/{id}/wake/"): {"response": {**REPLICA_SHOWN, "state": "waking"}},
+    ("post", "/api/replicas/{id}/evict/"): {"response": {**REPLICA_SHOWN, "state": S.DRAINING}},
+    ("post", "/api/replicas/{id}/sleep/"): {"response": {**REPLICA_SHOWN, "state": S.DRAINING}},
+    ("post", "/api/replicas/{id}/wake/"): {"response": {**REPLICA_SHOWN, "state": S.WAKING}},
     ("get", "/api/replicas/{id}/logs/"): {
         "response": {
             "replica": REPLICA,

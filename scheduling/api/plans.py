@@ -13,6 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from gpuportal.wire.states import PlanState
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
 from scheduling.services import capacity
 from scheduling.simulation.traces import TraceFileError, parse_since
@@ -41,7 +42,7 @@ class PlanInput(StrictSerializer):
 
 class PlanSerializer(serializers.Serializer):
     id = serializers.IntegerField()
-    state = serializers.ChoiceField(choices=["queued", "running", "done", "failed"])
+    state = serializers.ChoiceField(choices=[s.value for s in PlanState])
     percent = serializers.IntegerField()
     error = serializers.CharField()
     skipped_rows = serializers.ListField(child=serializers.CharField())

@@ -10,6 +10,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from gpuportal.wire.states import DeploymentStatus
 from scheduling import selectors
 from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
 from scheduling.services import host_cache
@@ -220,7 +221,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     failover = DeploymentFailoverSerializer(source="*", read_only=True)
     placement = DeploymentPlacementSerializer(source="*", read_only=True)
     status = serializers.ChoiceField(
-        choices=["ok", "retrying", "failed"],
+        choices=[s.value for s in DeploymentStatus],
         read_only=True,
         help_text="retrying: a failed load is replaced after its backoff; failed: it gave up (failed_reason).",
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from django.db import transaction
 
-from gpuportal.wire import memory
+from gpuportal.wire import memory, states
 from gpuportal.wire.node_reports import Books
 from scheduling import events, locks
 from scheduling.models import GPU, Event, Occupant, Replica
@@ -101,9 +101,9 @@ def check(node_name: str, books: Books) -> list[Excess]:
 
 # What the control plane calls the state a replica reports itself in.
 _REPORTED_AS = {
-    "serving": (Replica.State.SERVING, Replica.State.DRAINING),
-    "sleeping": (Replica.State.SLEEPING,),
-    "standby": (Replica.State.STANDBY,),
+    Replica.State.SERVING: states.HOLDING_WEIGHTS,
+    Replica.State.SLEEPING: (Replica.State.SLEEPING,),
+    Replica.State.STANDBY: (Replica.State.STANDBY,),
 }
 
 

@@ -16,10 +16,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from gpuportal.wire.states import ENDED
 from scheduling import events, locks
 from scheduling.models import Event, Replica
-
-ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
 
 
 def collect_ended_replicas(

@@ -19,6 +19,7 @@ from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from gpuportal.wire import memory
+from gpuportal.wire.states import DeploymentStatus
 from scheduling import events, fairness, ledger, locks
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import dispatch, queueing
@@ -247,7 +248,7 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
             f"failed: {failures} load(s) in a row failed, the last (replica {replica_id[:8]}): {reason}; "
             f"nothing more starts until it is retried (POST /api/deployments/{deployment.name}/retry/) "
             "or its settings change",
-            after={"status": "failed", "load_failures": failures},
+            after={"status": DeploymentStatus.FAILED, "load_failures": failures},
             deployment=deployment.name,
             replica=replica_id,
         )
@@ -372,7 +373,7 @@ def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",
             f"{reason}: load failures cleared" + (f" (it had failed: {was})" if was else ""),
-            before={"status": "failed" if was else "ok"},
+            before={"status": DeploymentStatus.FAILED if was else DeploymentStatus.OK},
             after={"status": "ok"},
             deployment=name,
         )

@@ -58,6 +58,18 @@ class InvalidState(ServiceError):
     status = 409
 
 
+class TransitionRefused(InvalidState):
+    """A state change the replica state machine does not allow (gpuportal.wire.states); nothing
+    was written. Names both states, so a caller sees what it asked and what the replica is."""
+
+    def __init__(self, replica_id: str, before: str, after: str, why: str = ""):
+        self.replica_id, self.before, self.after = replica_id, before, after
+        super().__init__(f"replica {replica_id} is {before}: it cannot become {after}" + (f", {why}" if why else ""))
+
+    def body(self) -> dict:
+        return {"detail": str(self), "state": self.before, "wanted": self.after}
+
+
 class Unavailable(ServiceError):
     """It exists but cannot serve now, and waiting would not help (a deployment that gave up)."""
 

@@ -30,11 +30,6 @@ from scheduling.state import Plan, Release, Reservation, Snapshot
 
 log = logging.getLogger(__name__)
 
-# A member that may still take over: its process is starting, loading, or standing by.
-READY_TO_TAKE_OVER = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.STANDBY, Replica.State.WAKING)
-# The active member's states, as the control plane sees them (draining: a planned switchover).
-HOLDING = (Replica.State.SERVING, Replica.State.DRAINING)
-
 
 # -- pairing -------------------------------------------------------------------------------------
 

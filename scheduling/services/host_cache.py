@@ -17,16 +17,12 @@ import redis
 from django.db import transaction
 from django.db.models import Q
 
-from gpuportal.wire import memory
+from gpuportal.wire import memory, states
 from scheduling import events, host_cache, locks
 from scheduling.models import Event, Node, Replica
 from scheduling.services import dispatch, queueing, replicas
 
 log = logging.getLogger(__name__)
-
-HOLDING_STATES = (Replica.State.SLEEPING, Replica.State.DRAINING, Replica.State.STANDBY)
-# An awake replica's kept arena counts in these states (scheduling.host_cache.KEEPING).
-KEEPING_STATES = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
 
 
 def host_bytes(replica: Replica) -> int:
@@ -40,10 +36,10 @@ def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
     an arena there: one query for any number."""
     found: dict[int, list[host_cache.HostHolder]] = {n: [] for n in node_ids}
     rows = Replica.objects.filter(
-        Q(state__in=HOLDING_STATES) | Q(state__in=KEEPING_STATES, arena_kept_bytes__gt=0), node_id__in=list(found)
+        Q(state__in=states.IN_HOST_CACHE) | Q(state__in=states.AWAKE, arena_kept_bytes__gt=0), node_id__in=list(found)
     ).select_related("deployment")
     for replica in rows:
-        kept = replica.state in KEEPING_STATES
+        kept = replica.state in states.AWAKE
         found[replica.node_id].append(
             _holder(replica, replica.arena_kept_bytes if kept else host_bytes(replica), kept_arena=kept)
         )

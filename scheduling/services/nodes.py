@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
+from gpuportal.wire.states import ENDED
 from scheduling import adoption, events, ledger, locks
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
@@ -30,9 +31,6 @@ INVENTORY_REASON = {
     "lost": "no longer reported by the node agent",
     "found": "reported again by the node agent",
 }
-
-
-ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
 
 
 def register_node(

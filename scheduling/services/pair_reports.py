@@ -11,7 +11,7 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from gpuportal.wire import memory
+from gpuportal.wire import memory, states
 from scheduling import events, locks
 from scheduling.metrics import FAILOVER_SECONDS, FAILOVERS
 from scheduling.models import Event, FailoverLease, FailoverState, Replica
@@ -109,7 +109,7 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
 
 def on_active(replica: Replica, event: dict[str, Any]) -> None:
     """The standby took the lock (so the active's process is gone), woke, and serves: a takeover."""
-    if is_stale(replica, event) or replica.state not in failover.READY_TO_TAKE_OVER:
+    if is_stale(replica, event) or replica.state not in states.READY_TO_TAKE_OVER:
         return  # e.g. stopping with its pair: the stop ends it
     deployment = locks.lock_deployment_of(replica)
     epoch = int(event["epoch"])
@@ -125,7 +125,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
     # by instead of loading onto the GPU).
     failover.hand_over(replica, [o.id for o in olds])
     for old in olds:
-        if old.state in failover.HOLDING and old.failover_state != FailoverState.DEAD:
+        if old.state in states.HOLDING_WEIGHTS and old.failover_state != FailoverState.DEAD:
             # Its own `failed` report may still be on its way; what matters is that it no longer serves.
             failover.set_failover_state(old, FailoverState.DEAD, f"superseded at epoch {epoch}: its lock passed on")
     takeover_s = float(event.get("takeover_s") or 0.0)
@@ -165,7 +165,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
         deployment=deployment.name,
         replica=replica.id,
     )
-    if not any(o.state in failover.READY_TO_TAKE_OVER for o in olds):
+    if not any(o.state in states.READY_TO_TAKE_OVER for o in olds):
         lease = FailoverLease.objects.get(pk=replica.lease_id)
         failover.start_standby(lease, replica, reason=f"the pair is whole again after the takeover at epoch {epoch}")
 
@@ -178,7 +178,7 @@ def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
     replica_services.requeue_taken(replica, f"replica {replica.id[:8]} {'stopped' if stopped else 'failed'}: {reason}")
     leaving = replica.state == Replica.State.STOPPING  # a scale-down or delete: the whole pair goes
     successor = (
-        Replica.objects.filter(lease=replica.lease_id, state__in=failover.READY_TO_TAKE_OVER)
+        Replica.objects.filter(lease=replica.lease_id, state__in=states.READY_TO_TAKE_OVER)
         .exclude(pk=replica.pk)
         .order_by("created_at")
         .first()
@@ -188,7 +188,7 @@ def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
     # The lock holder is the active member, even while it still loads (it takes the lock first).
     holds_lock = FailoverLease.objects.filter(pk=replica.lease_id, holder_id=replica.id).exists()
     was_active = not superseded and (
-        replica.state in failover.HOLDING or replica.failover_state == FailoverState.ACTIVE or holds_lock
+        replica.state in states.HOLDING_WEIGHTS or replica.failover_state == FailoverState.ACTIVE or holds_lock
     )
     if was_active and successor is not None and not leaving:
         failover.hand_over(successor, [replica.id])
@@ -218,7 +218,9 @@ def _replace_failed_standby(replica: Replica, reason: str) -> None:
     ).count()
     active = (
         Replica.objects.select_related("node")
-        .filter(lease=replica.lease_id, state__in=(*failover.HOLDING, Replica.State.PENDING, Replica.State.LOADING))
+        .filter(
+            lease=replica.lease_id, state__in=(*states.HOLDING_WEIGHTS, Replica.State.PENDING, Replica.State.LOADING)
+        )
         .exclude(pk=replica.pk)
         .first()
     )

@@ -15,6 +15,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from gpuportal.wire import memory
+from gpuportal.wire.states import COUNTED
 from scheduling import events, hot_sql, ledger
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
@@ -25,14 +26,6 @@ from scheduling.services.errors import CannotPlace
 from scheduling.services.replica_specs import contexts_of
 from scheduling.state import GPUView, OccupantView, Plan, Release, Snapshot
 
-# Replicas that are, or are about to be, on their GPUs: what `replicas` counts.
-AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
-# Replicas whose process is gone or going; they hold no reservation.
-GONE = (Replica.State.STOPPING, Replica.State.STOPPED, Replica.State.FAILED)
-# Replicas that count toward a deployment's replicas while a failed load is replaced: serving,
-# sleeping, or on their way to either. A failover standby is its active member's, not one more.
-# A parked replica (issue 19: it left a full host cache) is still wanted: the next wake loads it.
-COUNTED = (*AWAKE, Replica.State.DRAINING, Replica.State.SLEEPING, Replica.State.PARKED)
 # A failover pair counts once while any member lives: between its active member's death and its
 # standby's takeover report, the standby is the pair (a reconcile in that window must not place
 # a second pair).
@@ -298,7 +291,10 @@ def apply_placements(asks: Sequence[Ask]) -> None:
         replica.node_id = first.node_id
         replica.gpu_mem_bytes_by_id = by_index
         replica.gpu_memory_fraction = placement.fraction
-        replica.state = Replica.State.WAKING if promoted else Replica.State.PENDING
+        state = Replica.State.WAKING if promoted else Replica.State.PENDING
+        if replica.id not in created:  # a new row is born pending; an existing one moves
+            replica_services.check_transition(replica.id, replica.state, state)
+        replica.state = state
         replica.progress = 0
         replica.failure_reason = ""
         placed.append((ask, placement, replica, before, first, promoted))
@@ -416,16 +412,3 @@ def apply_stops(stops: Sequence[Stop]) -> None:
         if stop.deployment.failover_standby:
             # The stops go out on commit, this with them: no member takes over from one that exits.
             failover.close_pairs(set(stop.ids))
-
-
-def stop_replicas(
-    deployment: Deployment,
-    replica_ids: list[str],
-    *,
-    reason: str,
-    known: dict[str, tuple[str, str | None]] | None = None,
-) -> None:
-    """Release and stop the replicas (a failover pair whole); see `Stop`."""
-    stop = Stop.of(deployment, replica_ids, reason=reason, known=known)
-    if ledger.commit_with_retry(releasing(stop.ids, reason), apply=lambda plan: apply_stops([stop])) is None:
-        apply_stops([stop])  # nothing was reserved (e.g. still pending): stop them all the same

@@ -51,6 +51,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from gpuportal.wire.states import AWAKE, GONE
 from scheduling import events, fairness, ledger, locks
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
@@ -59,7 +60,6 @@ from scheduling.planning import withhold_locked
 from scheduling.services import dispatch, placing, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState
-from scheduling.services.placing import GONE
 from scheduling.state import OccupantView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -800,7 +800,7 @@ def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> O
         _close(intents, PreemptionIntent.Status.FAILED, reason)
         _drop_unplaced(intent.waiting_replica_id, reason)
         others_awake = (
-            deployment.replicas.filter(state__in=placing.AWAKE).exclude(state=Replica.State.PENDING, node=None).exists()
+            deployment.replicas.filter(state__in=AWAKE).exclude(state=Replica.State.PENDING, node=None).exists()
         )
     if not others_awake:
         queueing.fail_waiting(deployment.name, reason)

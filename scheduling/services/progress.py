@@ -5,9 +5,10 @@ nothing, so the hot path's answers cost no query."""
 from __future__ import annotations
 
 from gpuportal.wire.requestqueue import Request
+from gpuportal.wire.states import AWAKE
 from scheduling.models import Deployment, Replica
 from scheduling.progress import ENDED, RUNNING, Progress, ReplicaFacts, describe
-from scheduling.services.queueing import AWAKE, queue
+from scheduling.services.queueing import queue
 
 _Facts = tuple[tuple[ReplicaFacts, ...], float | None, float | None]
 

@@ -14,12 +14,11 @@ import redis
 from django.conf import settings
 
 from gpuportal.wire.requestqueue import Request, RequestQueue
+from gpuportal.wire.states import AWAKE
 from scheduling.models import Replica
 from scheduling.services.errors import InvalidState, NotFound
 
 log = logging.getLogger(__name__)
-
-AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Replica.State.WAKING)
 
 
 @cache

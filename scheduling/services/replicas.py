@@ -12,11 +12,11 @@ import redis
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire import memory
+from gpuportal.wire import memory, states
 from scheduling import events, hot_sql, ledger, locks
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
 from scheduling.services import dispatch, queueing
-from scheduling.services.errors import InvalidState, NotFound
+from scheduling.services.errors import InvalidState, NotFound, TransitionRefused
 from scheduling.state import Plan, Release, Reservation, Snapshot
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def to_cache(
         deployment = deployment or locks.lock_deployment_of(replica)
         replica = locks.lock_replica(replica_id)
         if replica.state != Replica.State.SERVING:
-            raise InvalidState(f"replica {replica_id} is {replica.state}, {refused}")
+            raise TransitionRefused(replica_id, replica.state, Replica.State.DRAINING, refused)
         if replica.lease_id is not None:
             raise InvalidState(
                 f"replica {replica_id} is the active member of a failover pair, which never sleeps: "
@@ -114,14 +114,6 @@ def sleep_replica(replica_id: str, *, reason: str, deployment: Deployment | None
 
 
 RECONCILE_TASK = "scheduling.tasks.reconcile"
-# Replicas that serve, or are on their way to it: while one is, a request may still be answered.
-MAY_SERVE = (
-    Replica.State.PENDING,
-    Replica.State.LOADING,
-    Replica.State.WAKING,
-    Replica.State.SERVING,
-    Replica.State.DRAINING,
-)
 
 
 def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
@@ -129,7 +121,7 @@ def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
     serve): if no other replica of it serves or is on its way, the requests that wait would wait
     for nothing. They end now, saying why (issue 16: they used to wait until they expired)."""
     deployment = replica.deployment
-    if deployment.replicas.exclude(pk=replica.pk).filter(state__in=MAY_SERVE).exists():
+    if deployment.replicas.exclude(pk=replica.pk).filter(state__in=states.ACTIVE).exists():
         return
     why = f"no replica of {deployment.name} can serve: replica {replica.id[:8]} failed to load: {reason}"
     name = deployment.name
@@ -311,6 +303,7 @@ def set_state(
     kind: str = Event.Kind.REPLICA_STATE,
 ) -> None:
     before = replica.state
+    check_transition(replica.id, before, state)
     replica.state = state
     # A request's wait for this drain (Replica.wake_when_asleep) ends with it.
     replica.wake_when_asleep = replica.wake_when_asleep and state == Replica.State.DRAINING
@@ -342,18 +335,30 @@ def set_states_of(replicas: Sequence[KnownReplica], state: str) -> None:
     """`set_state_of` for several replicas: one UPDATE for them all, an Event for each that changes."""
     if not replicas:
         return
+    for r in replicas:
+        check_transition(r.id, r.state, state)
     with hot_sql.cursor() as cursor:
-        cursor.execute(_SET_STATES_SQL, [state, timezone.now(), state, [r.id for r in replicas]])
+        draining = str(Replica.State.DRAINING)
+        cursor.execute(_SET_STATES_SQL, [state, timezone.now(), draining, state, draining, [r.id for r in replicas]])
     for r in replicas:
         if r.state != state:
             _state_event(Event.Kind.REPLICA_STATE, r.id, r.state, state, r.reason, r.node or "", r.deployment)
+
+
+def check_transition(replica_id: str, before: str, after: str, why: str = "") -> None:
+    """TransitionRefused (409) unless the state machine allows `before` → `after`: checked before
+    anything is written, so a refused change leaves the row and the books as they were."""
+    try:
+        states.check(before, after)
+    except states.IllegalTransition:
+        raise TransitionRefused(replica_id, before, after, why) from None
 
 
 # The rows locked first in primary-key order (the global lock order, scheduling.locks): an UPDATE
 # alone locks them in whatever order its scan meets them.
 _SET_STATES_SQL = (
     "UPDATE scheduling_replica r SET state = %s, updated_at = %s, "
-    "wake_when_asleep = r.wake_when_asleep AND r.state = 'draining' AND %s = 'draining' "
+    "wake_when_asleep = r.wake_when_asleep AND r.state = %s AND %s = %s "
     "FROM (SELECT id FROM scheduling_replica WHERE id = ANY(%s) ORDER BY id FOR UPDATE) locked "
     "WHERE r.id = locked.id"
 )

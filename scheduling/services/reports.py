@@ -10,6 +10,7 @@ from typing import Any
 
 from django.db import transaction
 
+from gpuportal.wire.states import ENDED
 from scheduling import locks
 from scheduling.models import Replica
 from scheduling.services import dispatch, pair_reports, replica_reports, replicas
@@ -17,7 +18,6 @@ from scheduling.services import dispatch, pair_reports, replica_reports, replica
 log = logging.getLogger(__name__)
 
 # It ended: a replica in neither state counts toward its deployment or is on its way to it.
-ENDED = (Replica.State.STOPPED, Replica.State.FAILED)
 
 
 # -- reports from replica processes, relayed by their node agent -------------------------------

@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 import psycopg
 from django.db import InterfaceError, OperationalError, connection
 
+from gpuportal.wire import states
 from gpuportal.wire.requestqueue import Request, family_of_kind, family_of_loader
 from scheduling import ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import placing, sleep, user_limits
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound, Unavailable
 from scheduling.services.queueing import (
-    AWAKE,
     cancel,
     cancel_unstarted,
     fail_waiting,
@@ -40,7 +40,6 @@ from scheduling.services.queueing import (
 # What the request queue offers (scheduling.services.queueing) is re-exported: the API, the tasks
 # and the tests reach requests through this module.
 __all__ = [
-    "AWAKE",
     "cancel",
     "cancel_unstarted",
     "fail_waiting",
@@ -70,7 +69,7 @@ _TAKES = {
 
 # A failover standby counts as awake: it takes over on its own the moment its active member dies.
 # Plain strings: a driver may adapt an enum member by its name rather than its value.
-_AWAKE_OR_STANDBY = [str(state) for state in (*AWAKE, Replica.State.STANDBY)]
+_AWAKE_OR_STANDBY = states.names(sorted(states.AWAKE | {Replica.State.STANDBY}))
 # A fair wake's waiter without a place yet is not awake (node_id null): asking again is what lets
 # a wake whose preempt task died start over (sleep.awake_count).
 _SUBMIT_SQL = """

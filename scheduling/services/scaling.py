@@ -18,6 +18,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from gpuportal.wire import states
+from gpuportal.wire.states import AWAKE, GONE
 from scheduling import events, hot_sql, ledger, locks
 from scheduling.group_commit import Group
 from scheduling.models import Deployment, Event, Replica
@@ -25,8 +27,6 @@ from scheduling.placement import CachedReplica
 from scheduling.planning import plan_of, without_releases
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.services.placing import (
-    AWAKE,
-    GONE,
     PLAIN_COUNTED,
     Ask,
     Stop,
@@ -81,7 +81,7 @@ _CENSUS_SQL = (
     "SELECT r.deployment_id, r.id, r.state, r.role, n.name FROM scheduling_replica r "
     "LEFT JOIN scheduling_node n ON n.id = r.node_id "
     "WHERE r.deployment_id = ANY(%s) "
-    f"AND r.state NOT IN ({', '.join(repr(str(state)) for state in GONE)}) "
+    f"AND r.state NOT IN ({', '.join(repr(state) for state in states.names(sorted(GONE)))}) "
     "ORDER BY r.created_at DESC"
 )
 _WANTED_SQL = (

@@ -24,14 +24,14 @@ from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
+from gpuportal.wire.states import AWAKE
 from scheduling import events, fairness, ledger, locks
 from scheduling.models import Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, Placement, place
 from scheduling.planning import withhold_locked
 from scheduling.services import deployments, placing, preemption, queueing, traffic
 from scheduling.services import replicas as replica_services
-from scheduling.services.errors import CannotPlace, InvalidState, ServiceError
-from scheduling.services.placing import AWAKE
+from scheduling.services.errors import CannotPlace, InvalidState, ServiceError, TransitionRefused
 from scheduling.simulation import config as sim_config
 from scheduling.simulation.traces import resolve
 from scheduling.state import Snapshot
@@ -84,8 +84,11 @@ def wake_replica(replica_id: str, *, reason: str) -> Replica:
         # the state read below cannot be changed by another service before the commit.
         deployment = deployments.get(replica.deployment.name, lock=True)
         replica = replica_services.get(replica_id)
-        if replica.state != Replica.State.SLEEPING or replica.node is None:
-            raise InvalidState(f"replica {replica_id} is {replica.state}, only a sleeping replica can be woken")
+        if replica.state != Replica.State.SLEEPING:
+            why = "only a sleeping replica can be woken"
+            raise TransitionRefused(replica_id, replica.state, Replica.State.WAKING, why)
+        if replica.node is None:
+            raise InvalidState(f"replica {replica_id} is asleep on no node, only a sleeping replica can be woken")
         if replica_id in preemption.in_progress(deployment):
             return replica
         why = f"{reason}: wake replica {replica_id[:8]}"

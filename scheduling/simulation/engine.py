@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from gpuportal.wire.states import ReplicaState as S
 from scheduling import fairness, planning
 from scheduling.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
 from scheduling.simulation.config import Config
@@ -41,7 +42,7 @@ from scheduling.simulation.trace import Deployment, Request, Trace
 from scheduling.state import GPUView, OccupantView, Snapshot
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
-LOADING, SERVING, DRAINING, SLEEPING, STOPPED = "loading", "serving", "draining", "sleeping", "stopped"
+LOADING, SERVING, DRAINING, SLEEPING, STOPPED = S.LOADING, S.SERVING, S.DRAINING, S.SLEEPING, S.STOPPED
 MAX_BACKOFF_DOUBLINGS = 4
 # Far more events at one simulated instant than any real burst makes: two policies' decisions undoing each other.
 LIVELOCK_EVENTS = 100_000

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuportal.wire.requestqueue import last_key
+from gpuportal.wire.states import AWAKE, IN_HOST_CACHE
 from inference.devices import virtual_gpus
-from scheduling.host_cache import HOLDING, KEEPING, HostHolder, grants, holds, trim, used_bytes
+from scheduling.host_cache import HostHolder, grants, holds, trim, used_bytes
 from scheduling.models import Deployment, Event, Node, Replica
 from scheduling.services import deployments, host_cache, queueing, reports, sleep
 from scheduling.services.nodes import register_node
@@ -96,7 +97,7 @@ holders_drawn = st.lists(
         HostHolder,
         replica_id=st.uuids().map(str),
         deployment=st.sampled_from(["a", "b", "c"]),
-        state=st.sampled_from([*HOLDING, *KEEPING]),
+        state=st.sampled_from(sorted(IN_HOST_CACHE | AWAKE)),
         host_bytes=st.integers(0, 10_000),
         last_accessed=st.none() | st.datetimes(timezones=st.just(UTC)),
         popular=st.booleans(),

@@ -25,11 +25,11 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from gpuportal.wire import commands
+from gpuportal.wire.states import GONE
 from inference.devices import virtual_gpus
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Occupant, PreemptionIntent, Replica
 from scheduling.services.node_gateway import ServicesGateway
 from scheduling.services.nodes import register_node
-from scheduling.services.placing import GONE
 from tests.support.deployments import body
 from tests.support.factories import NO_OVERHEAD
 

@@ -1,0 +1,224 @@
+"""The state machines both planes speak: a replica's states, their named groups and the
+transitions allowed between them; a deployment's status; a failover member's role.
+
+The one place these names are written. The model's choices, the services' state changes, the
+pure decisions, the simulator, the replica process, the CLI, the dashboard and the metrics import
+them from here (a test holds every other module to it), and the state diagram in
+docs/architecture.md is generated from `TRANSITIONS` (`python -m gpuportal.wire.states`).
+Django-free, like the rest of the contract.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from enum import StrEnum
+from pathlib import Path
+
+
+class ReplicaState(StrEnum):
+    """Where a replica is in its life, as the control plane's books hold it."""
+
+    # Placed (memory reserved on its GPUs), its process not yet reporting.
+    PENDING = "pending"
+    # Its process loads the weights from disk (progress in percent).
+    LOADING = "loading"
+    # Takes requests.
+    SERVING = "serving"
+    # Finishes what it took, then moves its weights to host memory (a sleep or an eviction).
+    DRAINING = "draining"
+    # Weights in the node's host cache; its process keeps only its CUDA context on the GPU.
+    SLEEPING = "sleeping"
+    # Weights on their way back from host memory to the GPU.
+    WAKING = "waking"
+    # A failover pair's second member: loaded, warm, waiting to take over from the active one.
+    STANDBY = "standby"
+    # Told to stop: it finishes what it took, then its process exits.
+    STOPPING = "stopping"
+    # Its process exited as asked. Ended: nothing leaves this state.
+    STOPPED = "stopped"
+    # Its process died or could not load; a replacement is a new replica.
+    FAILED = "failed"
+    # Wanted, but its weights are nowhere: it left a full host cache, and its next wake loads
+    # it from disk. No process, no node, no reservation.
+    PARKED = "parked"
+
+
+S = ReplicaState
+
+# A replica process's own state before it begins to load; the books count it as pending. Past
+# that, a process speaks the books' names (loading, serving, draining, ...).
+PROCESS_STARTING = "starting"
+
+# -- named groups ---------------------------------------------------------------------------------
+
+# On their way to serving: a placement counts them as coming, fairness never preempts them.
+STARTING = frozenset({S.PENDING, S.LOADING, S.WAKING})
+# Serving or on their way to it: what a waiting request may be answered by without a wake.
+AWAKE = STARTING | {S.SERVING}
+# Awake or draining: each may still answer a request it took, and holds its GPU memory whole.
+ACTIVE = AWAKE | {S.DRAINING}
+# Weights on the GPU in full, serving or finishing what they took: what serving is measured on.
+HOLDING_WEIGHTS = frozenset({S.SERVING, S.DRAINING})
+# Weights in (or on their way to) the node's host cache.
+IN_HOST_CACHE = frozenset({S.SLEEPING, S.DRAINING, S.STANDBY})
+# Process gone for good. Nothing leaves these but a row's removal.
+ENDED = frozenset({S.STOPPED, S.FAILED})
+# Process gone or going: they hold no reservation the placement may count on.
+GONE = ENDED | {S.STOPPING}
+# Count toward a deployment's replicas: serving, sleeping, or on the way to either (a parked
+# replica is still wanted: its next wake loads it). A failover standby is its active member's.
+COUNTED = ACTIVE | {S.SLEEPING, S.PARKED}
+# A failover member that can take over: loading or loaded and standing by.
+READY_TO_TAKE_OVER = frozenset({S.PENDING, S.LOADING, S.STANDBY, S.WAKING})
+# Moving between two resting states: shown as in transit by the CLI and the dashboard.
+IN_TRANSIT = frozenset({S.PENDING, S.LOADING, S.WAKING, S.DRAINING, S.STOPPING})
+# The awake states, the one nearest to serving first: what a waiting request's estimate reads.
+AWAKE_NEAREST_FIRST: tuple[ReplicaState, ...] = (S.SERVING, S.WAKING, S.LOADING, S.PENDING)
+# The order a list of replicas is shown in: serving first, ended last.
+DISPLAY_ORDER: tuple[ReplicaState, ...] = (
+    S.SERVING,
+    S.STANDBY,
+    S.SLEEPING,
+    S.PENDING,
+    S.LOADING,
+    S.WAKING,
+    S.DRAINING,
+    S.STOPPING,
+    S.PARKED,
+    S.FAILED,
+    S.STOPPED,
+)
+
+# -- transitions ----------------------------------------------------------------------------------
+
+# Any replica with a process may be told to stop, may exit, and may die; one whose CUDA context
+# broke restarts in place (back to pending, its reservation kept).
+_MAY_END = frozenset({S.STOPPING, S.STOPPED, S.FAILED})
+
+TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    S.PENDING: _MAY_END | {S.LOADING, S.SERVING, S.STANDBY},
+    S.LOADING: _MAY_END | {S.SERVING, S.STANDBY, S.PENDING},
+    # A sleeping report from a serving replica: an adopting agent found it asleep.
+    S.SERVING: _MAY_END | {S.DRAINING, S.SLEEPING, S.PENDING},
+    # Back to serving: a failover member's drain abandoned for its pair.
+    S.DRAINING: _MAY_END | {S.SLEEPING, S.SERVING, S.PENDING},
+    S.SLEEPING: _MAY_END | {S.WAKING, S.PARKED},
+    # Back to sleeping: a wake that could not finish leaves the weights in host memory.
+    S.WAKING: _MAY_END | {S.SERVING, S.SLEEPING, S.PENDING},
+    S.STANDBY: _MAY_END | {S.WAKING, S.SERVING, S.PENDING},
+    S.STOPPING: frozenset({S.STOPPED, S.FAILED}),
+    S.STOPPED: frozenset(),
+    # A failed process is stopped if it comes back; its row stays until collected.
+    S.FAILED: frozenset({S.STOPPING, S.STOPPED}),
+    # A wake loads a parked replica from disk (a new process) where its deployment wants it.
+    S.PARKED: frozenset({S.PENDING, S.STOPPING, S.STOPPED}),
+}
+
+
+class IllegalTransition(ValueError):
+    """A state change the table does not allow."""
+
+    def __init__(self, before: str, after: str):
+        self.before, self.after = before, after
+        super().__init__(f"a replica cannot go from {before} to {after}")
+
+
+def allowed(before: str, after: str) -> bool:
+    """Whether a replica may go from `before` to `after`. Staying put is always allowed: a report
+    said again (an agent's resync) changes nothing."""
+    if before == after:
+        return True
+    return ReplicaState(after) in TRANSITIONS[ReplicaState(before)]
+
+
+def check(before: str, after: str) -> None:
+    """Raise IllegalTransition unless `allowed(before, after)`."""
+    import os  # TEMP-RECORD
+
+    if log := os.environ.get("GPUPORTAL_TRANSITIONS_LOG"):  # TEMP-RECORD
+        import traceback  # TEMP-RECORD
+
+        where = " <- ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_stack()[-6:-1])  # TEMP-RECORD
+        with open(log, "a") as out:  # TEMP-RECORD
+            out.write(f"{before} {after} {allowed(before, after)} {where}\n")  # TEMP-RECORD
+        return  # TEMP-RECORD
+    if not allowed(before, after):
+        raise IllegalTransition(before, after)
+
+
+def names(states: Iterable[ReplicaState]) -> list[str]:
+    """Plain strings, for a query parameter or raw SQL."""
+    return [str(s) for s in states]
+
+
+# -- a deployment's status ------------------------------------------------------------------------
+
+
+class DeploymentStatus(StrEnum):
+    """What its loads came to: fine, replacing a failed load after a backoff, or given up."""
+
+    OK = "ok"
+    RETRYING = "retrying"
+    FAILED = "failed"
+
+
+# -- failover -------------------------------------------------------------------------------------
+
+
+class Role(StrEnum):
+    """A replica's part in its deployment: the one that serves, or a failover pair's standby."""
+
+    PRIMARY = "primary"
+    STANDBY = "standby"
+
+
+class FailoverState(StrEnum):
+    """Liveness by state: what a failover pair member is doing, as it reports it."""
+
+    INIT = "init"
+    STANDBY = "standby"
+    WAKING = "waking"
+    ACTIVE = "active"
+    DEAD = "dead"
+
+
+# -- a capacity plan ------------------------------------------------------------------------------
+
+
+class PlanState(StrEnum):
+    """How far a capacity plan asked of the control worker has got."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+# -- the diagram ----------------------------------------------------------------------------------
+
+
+def mermaid() -> str:
+    """The replica state diagram (Mermaid), drawn from TRANSITIONS: docs/architecture.md holds it."""
+    lines = ["stateDiagram-v2", f"    [*] --> {S.PENDING}"]
+    for before in ReplicaState:
+        for after in sorted(TRANSITIONS[before], key=list(ReplicaState).index):
+            lines.append(f"    {before} --> {after}")
+    lines.extend(f"    {s} --> [*]" for s in sorted(ENDED, key=list(ReplicaState).index))
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(path: Path) -> None:
+    """Put the diagram between the state-diagram markers of `path` (docs/architecture.md)."""
+    text = path.read_text()
+    begin, end = "<!-- state-diagram:begin -->\n", "<!-- state-diagram:end -->"
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}```mermaid\n{mermaid()}```\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-docs"]:
+        write_docs(Path(__file__).resolve().parents[2] / "docs" / "architecture.md")
+    else:
+        print(mermaid(), end="")
