@@ -31,7 +31,7 @@ AWAKE = (Replica.State.PENDING, Replica.State.LOADING, Replica.State.SERVING, Re
 GONE = (Replica.State.STOPPING, Replica.State.STOPPED, Replica.State.FAILED)
 # Replicas that count toward a deployment's replicas while a failed load is replaced: serving,
 # sleeping, or on their way to either. A failover standby is its active member's, not one more.
-# A parked replica (issue 19: it left a full host cache) is still wanted: the next wake loads it.
+# A parked replica (it left a full host cache) is still wanted: the next wake loads it.
 COUNTED = (*AWAKE, Replica.State.DRAINING, Replica.State.SLEEPING, Replica.State.PARKED)
 # A failover pair counts once while any member lives: between its active member's death and its
 # standby's takeover report, the standby is the pair (a reconcile in that window must not place
@@ -101,7 +101,7 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
 
 
 def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
-    """(serving context, standby context) in bytes: the largest of these GPUs' (issue 15)."""
+    """(serving context, standby context) in bytes: the largest of these GPUs'."""
     return contexts_of(GPU.objects.filter(pk__in=list(gpu_ids)))
 
 
@@ -270,7 +270,7 @@ def _occupant_for(deployment: Deployment, placement: Placement) -> OccupantView:
 
 
 def retire_parked(deployment: Deployment, count: int, *, reason: str) -> None:
-    """Parked replicas (issue 19) that new loads replace, or a lower count no longer wants:
+    """Parked replicas that new loads replace, or a lower count no longer wants:
     stopped, oldest first. The caller holds the deployment row."""
     if count <= 0:
         return
