@@ -14,7 +14,7 @@
 # named, one after the other, under a limit of its own so that one that hangs leaves the next its
 # time: gpu = bench.gpu (the `gpu` tests, the probe, the stack), wake = bench.wake --device cuda,
 # failover = bench.failover --device cuda, and, named only (not in the default three), placement =
-# bench.placement on the lent machine's CPUs (16 cores against this project's 2: issue 17's
+# bench.placement on the lent machine's CPUs (16 cores against this project's 2: the placement
 # throughput measured where PostgreSQL and the web process do not share two cores; its own
 # section, placement-device, in BENCHMARKS.md). What comes back under $OUT: each check's log and
 # BENCHMARKS.md as the checks recorded it there (bench.gpu records only a complete run), whose

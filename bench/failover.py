@@ -210,7 +210,7 @@ def report(standby: Phase, solo: Phase, takeovers: list[dict]) -> tuple[str, str
     headers = ["after SIGKILL of the serving replica", "trials", "p50 ms", "p99 ms", "requests", "failed"]
     ratio = statistics.median(solo.times) / statistics.median(standby.times)
     grant_to_serving = [t["takeover_s"] for t in takeovers] or [0.0]
-    # Where the takeover's time went, from the grant (issue 19), as each member reported it.
+    # Where the takeover's time went, from the grant, as each member reported it.
     steps = {
         name: statistics.median(t["steps"][name] for t in takeovers)
         for name in ("fenced_s", "given_back_s", "woken_s")

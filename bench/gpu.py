@@ -1,4 +1,4 @@
-"""One-command GPU validation (issue 15, item 7): what the 2026-11-24 findings measured by hand.
+"""One-command GPU validation: what the 2026-11-24 findings measured by hand.
 
     python -m bench.gpu [--size-mb 512] [--dtypes float32,bfloat16] [--max-tokens 512]
                         [--parts tests,probe,stack] [--model-dir DIR] [--work-dir DIR] [--no-record]

@@ -7,7 +7,7 @@ after every step:
 - the occupants' reserved bytes, summed, must cover NVML's bytes of their processes, summed
   (a replica over its own reservation is named too);
 - available_bytes must not exceed NVML's free memory plus what sleeping and absent occupants have
-  reserved (issue 15, item 4): memory the books call free must be free on the device.
+  reserved: memory the books call free must be free on the device.
 
 Steps: up → agent registers the GPUs (their total against what CUDA can allocate) → deploy a and b
 → two requests each → sleep a → a request wakes a → scale a to 2 → concurrent requests to a, NVML

@@ -1,4 +1,4 @@
-"""The host cache under pressure (issue 19): replicas put to sleep past their node's budget for host memory.
+"""The host cache under pressure: replicas put to sleep past their node's budget for host memory.
 
 One node whose agent keeps at most BUDGET bytes of sleeping weights in host memory
 (GPUPORTAL_HOST_CACHE_BYTES, here room for `--fits` of them), and `--deployments` deployments of
@@ -201,7 +201,7 @@ def report(after: list[AfterSleep], wakes: list[Wake], budget: int, weight_bytes
 
 def run(deployments: int = 6, fits: int = 2, size_mb: int = 16, *, record_it: bool = True) -> None:
     """The measurement, printed and (`record_it`) recorded in its own section; bench.wake's
-    `--host-cache` runs it after its copies, so that one run measures both (issue 19)."""
+    `--host-cache` runs it after its copies, so that one run measures both."""
     if not 0 < fits < deployments:
         raise ValueError("fits must be at least 1 and fewer than the deployments (or nothing is under pressure)")
     with servers("gpuportal-bench-host-cache-", "gpuportal_bench_host_cache") as tmp:

@@ -1,4 +1,4 @@
-"""KV block pool (issue 7): batched generation with the pool against transformers' default cache,
+"""KV block pool: batched generation with the pool against transformers' default cache,
 and how many sequences one cap serves at once against reserving max-length memory per request.
 
 Throughput: the same requests (a spread of prompt lengths and max_tokens, no EOS so every request

@@ -4,7 +4,7 @@ scale through the REST API runs it, and through the ledger alone.
 100 nodes × 8 virtual GPUs of 80 GiB (state only: no processes). Each client is its own OS
 process with its own PostgreSQL connection, as web and worker processes are.
 
-**Services** (issue 17 item 4: the path the product runs). Each call is a top-level service call
+**Services** (the path the product runs). Each call is a top-level service call
 in its own transaction, as the API view makes it: `deployments.scale(name, n ± 1)` on one of the
 client's deployments, or (one call in ten) `deployments.create` of a small deployment of its own
 (one replica; its model's sizes given, as a node would have read them) or `delete` of one. 40
@@ -16,10 +16,10 @@ process. Two ways to snapshot, side by side:
   whose view changed since its last read (a GPU row written, or a node, replica or deployment row
   a view is built from): `ledger.snapshot()`, what the services use;
 - `full`: each decision reads every GPU afresh (`ledger.read()`), as the services did before
-  issue 17 (the rest of the call is today's).
+  the Mirror (the rest of the call is today's).
 After each row, no GPU may be over-committed: available = total − reserved ≥ 0 on every GPU.
 
-**Ledger loop** (issue 3): snapshot → `place` → compare-and-swap commit, or a release, with
+**Ledger loop**: snapshot → `place` → compare-and-swap commit, or a release, with
 nothing of the services around it (no deployment lock, replica rows or Events beyond the
 commit's own). Each client places a new replica of a random deployment or releases one it placed,
 keeping the cluster about half full; the policies `gpuportal` (measured/estimated need, best fit)
@@ -693,7 +693,7 @@ def report(args: argparse.Namespace, service_rows: list, ledger_rows: list, extr
         "deployment; the tasks a call sends after its commit are built and recorded, not sent. Snapshot "
         "`incremental`: each client a process, deciding on its ledger Mirror, refreshed with what was written "
         "since its last read (what the services use); `full`: the same with every GPU read afresh for each "
-        "decision (the services' snapshot before issue 17). `threads`: each client a thread of one process, as "
+        "decision (the services' snapshot before the Mirror). `threads`: each client a thread of one process, as "
         "the web serves API calls, scale calls that arrive together committed together (one transaction, one "
         "placement pass, one ledger commit, each kind of row in one statement); `threads-alone`: the same "
         "threads with GPUPORTAL_SCALE_TOGETHER off, each call its own transaction. Scales per batch: scale "

@@ -1,4 +1,4 @@
-"""Recovery: `manage.py up` outlives its own parts (issue 20).
+"""Recovery: `manage.py up` outlives its own parts.
 
 One `up`, as `make run` starts it (embedded PostgreSQL and Redis, virtual GPUs), a tiny causal LM
 deployed, two clients sending requests back to back (each request accepted, an id came back, is

@@ -1,4 +1,4 @@
-"""Self-healing: how long the portal takes to put back what the operator asked for (issue 16).
+"""Self-healing: how long the portal takes to put back what the operator asked for.
 
 One run, on the same tiny causal LM, two node agents, a control worker and celery beat on the
 product's own schedule and settings (heartbeat every GPUPORTAL_HEARTBEAT_S, a node offline after

@@ -1,4 +1,4 @@
-"""Sleep and wake bandwidth (issue 19): the replica's own path against a plain copy of the same bytes.
+"""Sleep and wake bandwidth: the replica's own path against a plain copy of the same bytes.
 
 For each model size, a random Llama written by `make_tiny_model` is loaded by the replica's own
 backend (inference.replica: CudaBackend on a GPU, VirtualBackend on the CPU) and put to sleep and
@@ -14,7 +14,7 @@ of bytes on the same device in the same run:
 The first sleep is shown apart: it pays for the arena's allocation and page-locking, which a
 later sleep pays again (the arena is freed by every wake, so an awake replica holds no host copy).
 "kept sleep" is the same first sleep for a replica the control plane lets keep an arena (the
-`arena` command, issue 19): `keep_arena` set and a spare prepared in advance by the method the
+`arena` command): `keep_arena` set and a spare prepared in advance by the method the
 replica host runs in the background (`prepare_spare`, untimed: allocated, page-locked and filled
 with a copy of the weights long before the sleep comes), so the sleep copies nothing the replica
 left unwritten: a time in ms, as it moves no bytes. "spare prep" is that preparation's own rate
@@ -343,7 +343,7 @@ def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
     if device == "cuda":
         reference = (
             "one copy of the same bytes in the same process: pinned and pageable host-to-device, pinned "
-            "device-to-host (best of 3). Targets (issue 19): wake ≥ 90 % of pinned H2D, first sleep ≥ 20 GB/s "
+            "device-to-host (best of 3). Targets: wake ≥ 90 % of pinned H2D, first sleep ≥ 20 GB/s "
             "(`kept sleep`, the first sleep of a replica allowed to keep an arena, is a time in ms: its arena "
             "was filled in advance, so it copies only what was written since)"
         )
@@ -361,7 +361,7 @@ def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
         f"Random Llama models (`make_tiny_model`, {args.dtype}) loaded by the replica's backend on "
         f"{describe_device(device)}; sleep and wake through its to_cache / from_cache (inference.arena), "
         f"{args.repeats} cycles each: the first sleep apart, medians of the rest. Reference: {reference}. "
-        "`kept sleep`: a first sleep of a replica allowed to keep an arena (issue 19: `keep_arena`, its spare "
+        "`kept sleep`: a first sleep of a replica allowed to keep an arena (`keep_arena`, its spare "
         "prepared in advance by `prepare_spare`, as the replica host does in the background when told: allocated, "
         "page-locked and filled with a copy of the weights, so the sleep copies nothing not written since), "
         f"median of {args.repeats}, in ms; `spare prep`: that preparation's rate (allocation and page-locking, "

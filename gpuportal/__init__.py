@@ -1,4 +1,5 @@
-"""The project package. The Celery app is loaded on first use rather than at import: a replica
+"""The project package: settings, URLs, the Celery app, authentication, metrics and the stack that
+`manage.py up` runs. The Celery app is loaded on first use rather than at import: a replica
 process imports gpuportal.wire, and must not pay for Celery and Django's settings to do so.
 `celery -A gpuportal` finds the app in gpuportal.celery itself."""
 

@@ -1,7 +1,7 @@
 """Token authentication that remembers a good token for a few seconds.
 
 Every API request authenticates, and on the inference hot path that look-up is one of its few
-database round trips (issue 4's overhead budget). A token seen valid within the last
+database round trips (within the request path's overhead budget). A token seen valid within the last
 GPUPORTAL_TOKEN_CACHE_S seconds is trusted again without asking; the price is that a revoked
 token, or a deactivated user, is refused that much later. 0 turns the cache off.
 """

@@ -95,7 +95,7 @@ class StateCollector:
 
 def _host_cache() -> list[Metric]:
     """Per node, its host cache's budget, what sleeping weights (and standbys', and awake replicas'
-    kept arenas) use of it, and of that the kept arenas (issue 19: host memory is scheduled like a
+    kept arenas) use of it, and of that the kept arenas (host memory is scheduled like a
     GPU's)."""
     from scheduling.services import host_cache
 
@@ -191,7 +191,7 @@ def _requests_finished() -> Metric:
 
 
 def _kv_blocks() -> list[Metric]:
-    """Each awake causal-LM replica's KV block pool (issue 7), as it last published it in Redis."""
+    """Each awake causal-LM replica's KV block pool, as it last published it in Redis."""
     from scheduling.selectors import kv_stats
 
     total = GaugeMetricFamily(

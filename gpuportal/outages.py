@@ -1,4 +1,4 @@
-"""What a request gets when a dependency blinks or its body is too big (issue 20): a JSON answer
+"""What a request gets when a dependency blinks or its body is too big: a JSON answer
 naming what is wrong, never Django's HTML 500 or 400.
 
 - PostgreSQL or Redis unreachable: 503 naming the dependency, with Retry-After. A client (the

@@ -154,7 +154,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
-    # An example for every operation, and a summary where a view has none (issue 18).
+    # An example for every operation, and a summary where a view has none.
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "scheduling.api.examples.add_examples",
@@ -198,9 +198,9 @@ GPUPORTAL_SLEEP_GRACE_S = env_float("GPUPORTAL_SLEEP_GRACE_S", 60.0)
 GPUPORTAL_STOP_GRACE_S = env_float("GPUPORTAL_STOP_GRACE_S", 60.0)
 # A serving replica granted a host arena this long ago whose process still keeps none is sent the
 # grant again; one whose arena was taken back this long ago, its process still keeping one, the
-# drop (issue 19). Longer than it takes to allocate and pin a large model's arena.
+# drop. Longer than it takes to allocate and pin a large model's arena.
 GPUPORTAL_ARENA_GRACE_S = env_float("GPUPORTAL_ARENA_GRACE_S", 120.0)
-# A replica outlives its agent this long, waiting for the agent's next run to adopt it (issue 16).
+# A replica outlives its agent this long, waiting for the agent's next run to adopt it.
 # At most the heartbeat timeout less two beats: the agent's last beat came at most a beat before it
 # died, so an orphan nobody adopted has stopped (a beat's time for that) before its node is written
 # off and its replacements placed. 0: replicas die with their agent.
@@ -222,7 +222,7 @@ GPUPORTAL_SCALE_TOGETHER = env_bool("GPUPORTAL_SCALE_TOGETHER", True)
 GPUPORTAL_DATA_DIR = str(default_data_dir())
 GPUPORTAL_VIRTUAL_GPUS = os.environ.get("GPUPORTAL_VIRTUAL_GPUS", "2x24GiB")
 # A replica's CUDA context is no setting: each GPU row holds its own, measured by its replicas
-# (default: the H100's), and a virtual node's comes from its agent's --virtual-context (issue 15).
+# (default: the H100's), and a virtual node's comes from its agent's --virtual-context.
 # A replica that hits a CUDA device-side assert is restarted at most this many times per hour.
 GPUPORTAL_MAX_RESTARTS_PER_HOUR = int(os.environ.get("GPUPORTAL_MAX_RESTARTS_PER_HOUR", "3"))
 # Failed sign-ins (password or token) from one address, or for one user name, in a minute before
@@ -236,7 +236,7 @@ GPUPORTAL_USER_MAX_PER_MINUTE = int(os.environ.get("GPUPORTAL_USER_MAX_PER_MINUT
 # How many replicas of one node load their weights at once (inference.load_slots); the rest wait
 # their turn. Default: the host's CPU cores.
 GPUPORTAL_MAX_LOADS_PER_NODE = int(os.environ.get("GPUPORTAL_MAX_LOADS_PER_NODE") or os.cpu_count() or 1)
-# The most replicas one deployment may ask for (issue 20: a scale of 256 started ~74 processes).
+# The most replicas one deployment may ask for (a scale of 256 started ~74 processes).
 GPUPORTAL_MAX_REPLICAS = int(os.environ.get("GPUPORTAL_MAX_REPLICAS", "32"))
 # A `torch-module` source (package.module:factory) is code the nodes run: only the modules an
 # operator lists here (comma-separated module prefixes, e.g. "acme.models") may be deployed.
@@ -250,7 +250,7 @@ GPUPORTAL_INFER_TIMEOUT_S = env_float("GPUPORTAL_INFER_TIMEOUT_S", 30.0)
 GPUPORTAL_INFER_MAX_TIMEOUT_S = env_float("GPUPORTAL_INFER_MAX_TIMEOUT_S", 300.0)
 # How long a node waits for replicas evicted to make room to release their memory before loading.
 GPUPORTAL_EVICTION_WAIT_S = env_float("GPUPORTAL_EVICTION_WAIT_S", 60.0)
-# The time to first token the portal aims for (issue 21): the idle sweep does not put to sleep on
+# The time to first token the portal aims for: the idle sweep does not put to sleep on
 # its timer a replica whose wake from CPU RAM alone takes longer (fairness.sleep_when_idle). The
 # capacity planner's default SLO (scheduling/simulation/config.toml) is the same 5 s.
 GPUPORTAL_TTFT_SLO_S = env_float("GPUPORTAL_TTFT_SLO_S", 5.0)
@@ -258,7 +258,7 @@ GPUPORTAL_TTFT_SLO_S = env_float("GPUPORTAL_TTFT_SLO_S", 5.0)
 # lost worker) stops renewing, and the next wake takes the lock over once this has passed.
 GPUPORTAL_WAKE_LOCK_TTL_S = env_float("GPUPORTAL_WAKE_LOCK_TTL_S", 60.0)
 # Host-to-device copy speed a woken replica's weights move at: what a fair wake weighs as the
-# cost of reloading a victim (fairness.choose_victim's "cost" order, issue 9).
+# cost of reloading a victim (fairness.choose_victim's "cost" order).
 GPUPORTAL_H2D_BYTES_PER_S = env_float("GPUPORTAL_H2D_BYTES_PER_S", 20e9)
 # How long a token found valid is trusted again without a database look-up (gpuportal.auth).
 GPUPORTAL_TOKEN_CACHE_S = env_float("GPUPORTAL_TOKEN_CACHE_S", 5.0)

@@ -100,7 +100,7 @@ def kept_secret(path: Path, make: Callable[[], str] = lambda: secrets.token_hex(
     return path.read_text().strip()
 
 
-# Whoever can reach the loopback port (any local user) must know the password (issue 20); the
+# Whoever can reach the loopback port (any local user) must know the password; the
 # Unix socket is off (unix_socket_directories is empty), so no local line is needed.
 _PASSWORD_HBA = """# Written by gpuportal's embedded PostgreSQL: password auth on loopback only.
 host all all 127.0.0.1/32 scram-sha-256
@@ -319,7 +319,7 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(self.log_path),
             "--save", "60 1" if self.persist else "",
-            # Accepted requests outlive a restart (issue 20): at most the last second is at risk.
+            # Accepted requests outlive a restart: at most the last second is at risk.
             "--appendonly", "yes" if self.persist else "no",
             "--appendfsync", "everysec",
         ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Failed sign-ins are limited (issue 20): after GPUPORTAL_AUTH_FAILURES_PER_MINUTE failures from
+"""Failed sign-ins are limited: after GPUPORTAL_AUTH_FAILURES_PER_MINUTE failures from
 one address, or for one user name, within a minute, that address or name gets a 429 with
 Retry-After until the minute is over: the token endpoint, the admin's login and API tokens alike.
 

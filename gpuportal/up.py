@@ -5,7 +5,7 @@ migrate → admin user → web, control worker, beat, node agent. Stop: the app 
 (so they can still record that they stop), then Redis, then PostgreSQL.
 
 While it runs, `up` supervises: any of them that dies, the embedded servers too, is started
-again after a backoff, with a log line and an Event (issue 20). Only Ctrl-C or SIGTERM stops it.
+again after a backoff, with a log line and an Event. Only Ctrl-C or SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class Child:
     argv: list[str]
     process: subprocess.Popen | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
-    # Started again when it dies, rather than the whole portal stopping (issue 20): every child
-    # is; the agent's next run takes over the replica processes it left (issue 16).
+    # Started again when it dies, rather than the whole portal stopping: every child
+    # is; the agent's next run takes over the replica processes it left.
     restarts: Restarts = field(default_factory=Restarts)
     # The process groups of its earlier runs: what they left running (replicas waiting to be
     # adopted, in an agent's) is stopped with the portal.
@@ -179,7 +179,7 @@ class Portal:
             urls["DATABASE_URL"] = opts.database_url
         else:
             # Passwords of their own, kept beside their data: any local user can reach a loopback
-            # port (issue 20). The other processes read them from stack.env (0600).
+            # port. The other processes read them from stack.env (0600).
             self.postgres = EmbeddedPostgres(
                 pgdata=opts.data_dir / "postgres" / "data",
                 password=kept_secret(opts.data_dir / "postgres" / "password"),

@@ -1,6 +1,6 @@
 """A replica outlives its node agent for a while, so that an agent restarted (a crash, an upgrade,
 `up` bringing its agent back) finds its models still loaded instead of loading them again
-(issue 16: restart restores; a kubelet restart leaves its pods running the same way).
+(a restart restores what ran; a kubelet restart leaves its pods running the same way).
 
 Both sides use this module: the replica listens on an abstract Unix socket named after its log
 directory and id (`address`), and when its agent is gone (EOF on its command stream, or a broken

@@ -82,7 +82,7 @@ class NodeAgent:
         return node_queue(self.name)
 
     def register(self) -> None:
-        """Register the node with the replicas its previous agent left running (issue 16: restart
+        """Register the node with the replicas its previous agent left running (restart
         restores): the control plane keeps those whose books agree with what they say, and the
         first beat stops the others before the node takes new work."""
         devices = discover(self.name, backend=self.backend, virtual_spec=self.virtual_spec, profile=self.profile)
@@ -156,7 +156,7 @@ class NodeAgent:
 
     def books(self) -> Books:
         """What each replica process holds per GPU, for the control plane to check the books
-        against (issue 15): NVML's per-process figures on a real GPU, the replicas' own model of
+        against: NVML's per-process figures on a real GPU, the replicas' own model of
         them on a virtual one (refreshed by a ping; the answers arrive for the next beat)."""
         from inference.replica import nvml_bytes_by_pid, nvml_device_free
 

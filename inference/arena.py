@@ -1,4 +1,4 @@
-"""A sleeping replica's weights in one host allocation (issue 19): the arena.
+"""A sleeping replica's weights in one host allocation: the arena.
 
 `pack(model)` copies every parameter and buffer of a module into ONE host buffer, each tensor a
 view into it at an aligned offset, and points the module's tensors at those views, so what they

@@ -1,4 +1,4 @@
-"""Continuous batching over the KV block pool (issue 7).
+"""Continuous batching over the KV block pool.
 
 Sequences wait in FIFO order; between steps the head of the line joins the running batch when the
 pool can hold it; every step runs one prefill forward for the sequences that just joined and one

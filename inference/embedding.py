@@ -1,4 +1,4 @@
-"""Sentence embeddings from a Hugging Face encoder (issue 18): what a `transformers-embedding`
+"""Sentence embeddings from a Hugging Face encoder: what a `transformers-embedding`
 replica runs for `POST /v1/embeddings`. Runs in the replica process (and, reading the recipe, in
 the node's inspection); no Django.
 

@@ -1,4 +1,4 @@
-"""The agent's side of gpuportal.wire.control (issue 17): each call to the control plane goes out
+"""The agent's side of gpuportal.wire.control: each call to the control plane goes out
 as one task on the `agents` queue, and the answer comes back on a Redis list that this side
 blocks on. The control plane applies it in its own process (scheduling.services.node_gateway);
 the agent never runs the control plane's services nor touches its database.

@@ -1,4 +1,4 @@
-"""`hf:org/name` model sources (issue 18): a Hugging Face model name, read from the node's local
+"""`hf:org/name` model sources: a Hugging Face model name, read from the node's local
 Hugging Face cache (HF_HOME or HF_HUB_CACHE, as the agent has them) and never downloaded. Nodes
 have no network in production either, and a download in the middle of a deploy or a load would
 hang it and blow the memory plan; a model missing from the cache is refused, saying how to put it

@@ -39,7 +39,7 @@ def read_model(source: str, loader: str, dtype: str) -> ModelReading:
 def _headless_refusal(source: str) -> str:
     """Why this checkpoint is no causal LM, or "": one that names only headless architectures
     (BertModel, MPNetModel: sentence encoders) would load with a language-model head of random
-    weights and generate noise. Such a model is served as embeddings instead (issue 18)."""
+    weights and generate noise. Such a model is served as embeddings instead."""
     try:
         config = json.loads((local_model_dir(source) / "config.json").read_text())
     except (OSError, ValueError):  # shape_from_model_dir read it a moment ago: nothing to add
@@ -58,7 +58,7 @@ def _headless_refusal(source: str) -> str:
 def _tokenizer_refusal(source: str) -> str:
     """Why the replicas could not read text for this model, or "": a causal LM or an encoder takes
     only text, so one without a tokenizer would be accepted here and fail on its first request
-    (issue 18). Loaded the way a replica loads it (inference.replica), from local files."""
+    instead. Loaded the way a replica loads it (inference.replica), from local files."""
     from transformers import AutoTokenizer
 
     try:

@@ -1,4 +1,4 @@
-"""The KV-cache block pool (issue 7, seed 003): one allocation per wake, handed out in blocks.
+"""The KV-cache block pool (seed 003): one allocation per wake, handed out in blocks.
 
 K and V of every layer live in two tensors shaped [layers, blocks, block_tokens, kv_heads, head_dim],
 allocated once after the weights, inside the replica's cap. A sequence holds a list of block ids

@@ -1,4 +1,4 @@
-"""At most N replicas of a node load at once (issue 20: a scale to 256 started ~74 loads on two
+"""At most N replicas of a node load at once (a scale to 256 started ~74 loads on two
 cores). A load holds one of N slot files under an exclusive flock; the rest wait for a slot, with
 progress saying so. The kernel drops a dead process's lock, so a load that crashed frees its slot
 at once, with no one to clean up after it. The agent sets the directory and N for its replicas."""

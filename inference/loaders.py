@@ -1,4 +1,4 @@
-"""How a replica builds its model (DESIGN §1, issue 3): the loaders a deployment may name.
+"""How a replica builds its model (DESIGN §1): the loaders a deployment may name.
 
 - ``transformers``: a Hugging Face causal LM from a local directory. Never the hub: nodes have no
   network in production either, and a silent download would blow the memory plan.
@@ -102,7 +102,7 @@ def weight_tensors(module: nn.Module) -> list[torch.Tensor]:
     """What a checkpoint holds: parameters and persistent buffers, tied weights once.
 
     Non-persistent buffers (rotary tables) are not weights: the estimate from the checkpoint
-    cannot see them, and counting them would take their bytes out of the KV pool (issue 15).
+    cannot see them, and counting them would take their bytes out of the KV pool.
     """
     tensors: list[torch.Tensor] = list(module.parameters())
     seen = {id(t) for t in tensors}

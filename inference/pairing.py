@@ -40,7 +40,7 @@ REQUEST_ATTEMPTS = int(os.environ.get("GPUPORTAL_REQUEST_ATTEMPTS", "3"))
 
 def give_back_from(requests: RequestQueue, deployment: str, grant: Grant, me: str) -> dict[str, str]:
     """What the dead active member had taken, back to the head of the queue at the lock grant
-    (issue 19), rather than when the control plane hears of the death: the request a caller has
+    itself, rather than when the control plane hears of the death: the request a caller has
     waited for longest is the first this member takes once awake. The same steps the control plane
     takes for a dead replica (write off, withdraw its claim, give back), so doing them first is
     harmless: the control plane then finds nothing left. {request id: "requeued" | "failed"}."""
@@ -156,7 +156,7 @@ class PairMember:
             previous_holder=grant.previous_holder,
             previous_epoch=grant.previous_epoch,
             # From the grant (the old holder's session ended) to taking requests, and where that
-            # time went (issue 19): fencing the old holder's results, giving back what it had
+            # time went: fencing the old holder's results, giving back what it had
             # taken, the wake (weights onto the GPU, the KV pool).
             takeover_s=time.monotonic() - granted,
             steps={

@@ -16,11 +16,11 @@ Events:   progress {state, percent, detail} · serving {pid, weights_bytes, proc
           ready, or 0 once dropped, or 0 with `failed` when it could not be allocated; a sleep
           consumes it into the arena its `sleeping` counts as cpu_bytes).
 Commands: sleep {drain_timeout_s} · wake {gpus, reserved_bytes_by_gpu, fraction} · stop {drain_timeout_s}
-          · arena {keep} (whether it may keep a host arena while awake, issue 19)
+          · arena {keep} (whether it may keep a host arena while awake)
           · ping · resync (emit the last state event again). EOF on stdin: the agent is gone: exit, or
           with --adoption-window, wait that long for a new agent on --adopt-address (inference.adoption).
 
-Sleep and stop pass the preemption barrier (issue 5): no new request starts, the one in flight
+Sleep and stop pass the preemption barrier: no new request starts, the one in flight
 has `drain_timeout_s` (default 30) to finish, then it is cut short and given back to the head of
 its queue, and only then are the weights moved or released.
 
@@ -186,7 +186,7 @@ def check_cap(weights: int, placement: Placement, outside_allocator: int = 0) ->
 
 
 class EventWriter:
-    """One JSON object per line on the protocol stream; thread-safe (issue 4's serving threads write too).
+    """One JSON object per line on the protocol stream; thread-safe (the serving threads write too).
 
     A replica that may outlive its agent (inference.adoption) keeps running with no stream while
     orphaned, and tells the next agent its state again (`resync`): the last state event it
@@ -273,7 +273,7 @@ class Backend(Protocol):
 
 
 class ArenaKeeper:
-    """A backend's kept arena (issue 19; inference.arena, its Policy). Where the control plane
+    """A backend's kept arena (inference.arena, its Policy). Where the control plane
     allows it (`keep_arena`, set by the `arena` command), an awake replica holds `spare`: a host
     arena of its weights' layout allocated, and on a GPU page-locked, in advance, holding a copy of
     its weights; a wake keeps the arena it read as the spare instead of freeing it. The next sleep
@@ -718,7 +718,7 @@ class ReplicaHost:
         # fields added to the `serving` event (the epoch, the liveness state).
         self.fence: Fence | None = None
         self.serving_tags: dict[str, Any] = {}
-        # The KV block pool (issue 7), sized from the cap with gpuportal.wire.memory's formula: the
+        # The KV block pool, sized from the cap with gpuportal.wire.memory's formula: the
         # activation budget for kv_max_tokens (the deployment's max_tokens) and the CUDA context
         # are what the scheduler counted in the reservation besides the weights and the pool.
         self.kv_max_tokens = kv_max_tokens
@@ -1051,7 +1051,7 @@ class ReplicaHost:
             "weights_bytes": self.weights_bytes,
             "process_bytes": sum(by_id.values()) if by_id is not None else None,
             "process_bytes_by_id": by_id,
-            # The measured need (issue 15): what one replica of this deployment holds serving at
+            # The measured need: what one replica of this deployment holds serving at
             # max_tokens, part by part; the control plane reserves exactly this for the next.
             "need_bytes": footprint.total_bytes if footprint is not None else None,
             "footprint": footprint.parts() if footprint is not None else None,

@@ -8,7 +8,7 @@ with a KV block pool run continuously batched (inference.batching), admitted by 
 others run one at a time. Forward steps run under the host's lock (so weights never move under a
 running request), and each outcome is recorded in the queue.
 
-The preemption barrier (issue 5): a sleep or stop first turns the replica to draining, so nothing
+The preemption barrier: a sleep or stop first turns the replica to draining, so nothing
 new starts, then waits up to its drain timeout for the requests in flight. Past the deadline it sets
 the host's abort flag: generation stops at its next token (`AbortOnFlag`, or the batch's next step),
 the requests are given back to the head of their queue (not counted as attempts), and only then do
@@ -246,7 +246,7 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 class PatientQueue:
-    """The request queue as a replica writes to it (issue 20): a write that meets an unreachable
+    """The request queue as a replica writes to it: a write that meets an unreachable
     Redis is tried again, with backoff, for up to `outage_s`; a Redis that stays away calls
     `on_lost` (the replica reports `failed` and exits) rather than end the serving loop silently
     with a request half-done. Takes are not wrapped: the loop tries them again itself."""
@@ -515,7 +515,7 @@ class Server(threading.Thread):
         its agent gives it back to the queue for the pair's new active member). Any replica's
         result is refused for a request it no longer holds: the control plane wrote the replica off
         (its node went silent) and gave its requests back; it stops too, as its agent would have
-        it do once it is heard again (issue 16)."""
+        it do once it is heard again."""
         try:
             write(self.host.fence)
         except Fenced as exc:

@@ -150,7 +150,7 @@ class _Replica:
     # Why the watchdog killed it, for the final event.
     killed_because: str = ""
     # What NVML shows of it per GPU index (or, on a virtual GPU, the replica's model of that),
-    # as it last reported: the agent checks the books against it every heartbeat (issue 15).
+    # as it last reported: the agent checks the books against it every heartbeat.
     usage: dict[str, int] | None = None
     # The state it was in when it last reported (serving, sleeping, standby...): a figure is only
     # compared with the books of the same state (a serving figure against a sleeper's reservation
@@ -411,8 +411,8 @@ class Supervisor:
     def arenas(self) -> dict[str, int]:
         """{replica id: the bytes of the host arena it keeps for its next sleep, 0 for none} of the
         running replicas that have said (a pong every beat): what the heartbeat tells the control
-        plane, which sends a grant or a drop again when the process shows it never arrived (issue
-        19). One that has not said yet is left out, so that no beat reads its silence as none."""
+        plane, which sends a grant or a drop again when the process shows it never arrived.
+        One that has not said yet is left out, so that no beat reads its silence as none."""
         with self._lock:
             return {rid: r.arena_bytes for rid, r in self._replicas.items() if r.arena_bytes is not None}
 

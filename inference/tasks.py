@@ -206,7 +206,7 @@ def stop_replica(payload: dict) -> str:
 
 @shared_task(name="inference.tasks.replica_arena")
 def replica_arena(payload: dict) -> str:
-    """Whether the replica may keep a host arena while awake (issue 19): told to its process,
+    """Whether the replica may keep a host arena while awake: told to its process,
     which answers with an `arena` event once it holds one ready, or has dropped it."""
     command = _read(payload, KeepArena)
     # No process: the replica stopped or died since the control plane decided. Its death is

@@ -384,7 +384,7 @@ def _fewest(policy: dict) -> str:
 
 @admin.register(CapacityPlan)
 class CapacityPlanAdmin(ReadOnlyAdmin):
-    """Plans asked for through `POST /api/plan/` (issue 21): the table and the plot, as the API shows them."""
+    """Plans asked for through `POST /api/plan/`: the table and the plot, as the API shows them."""
 
     list_display = ["id", "state", "percent", "requested_by", "answer", "created_at", "elapsed"]
     list_filter = ["state"]
@@ -425,7 +425,7 @@ class RequestRecordAdmin(ReadOnlyAdmin):
     date_hierarchy = "created_at"
 
 
-# The dashboard (issue 8) lives under /admin/dashboard/ with its names in the admin namespace
+# The dashboard lives under /admin/dashboard/ with its names in the admin namespace
 # ("admin:scheduling_dashboard"), so the admin's templates, login and messages apply to it.
 # Prepended, because the admin's catch-all would otherwise answer the path.
 _admin_urls = admin.site.get_urls

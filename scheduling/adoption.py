@@ -1,5 +1,5 @@
 """Which replica processes a restarted node agent found still running the control plane keeps
-(issue 16: restart restores). Pure: the books' state of each replica and what its process says.
+(a restart restores what ran). Pure: the books' state of each replica and what its process says.
 
 The books lead: the control plane records a transition (draining, waking, stopping) before it
 sends the command, and the process's report completes it. So a process may be behind its row by

@@ -1,4 +1,4 @@
-"""The operator's dashboard (issue 8): one admin page showing where every byte of every GPU went
+"""The operator's dashboard: one admin page showing where every byte of every GPU went
 and why, with the controls beside it.
 
 Reads come from `selectors` in a fixed number of queries whatever the number of rows (the test
@@ -53,7 +53,7 @@ SEGMENT_ORDER = (S.SERVING, S.WAKING, S.DRAINING, S.SLEEPING)
 
 
 def deployment_hue(name: str) -> int:
-    """A deployment's own colour in the bars (issue 18), the same on every page and refresh: a
+    """A deployment's own colour in the bars, the same on every page and refresh: a
     hue from its name, stepped by the golden angle so that names alike land far apart."""
     return round(zlib.crc32(name.encode()) * 137.508) % 360
 
@@ -114,7 +114,7 @@ class NodeRow:
     heartbeat_age_s: float | None
     virtual: bool
     gpus: list[GpuRow] = field(default_factory=list)
-    # Its host cache (issue 19): what sleeping weights (and kept arenas) use of the budget its
+    # Its host cache: what sleeping weights (and kept arenas) use of the budget its
     # agent reported, and of that the arenas serving replicas keep for their next sleep.
     host_used: int = 0
     host_budget: int = 0

@@ -1,4 +1,4 @@
-"""The dashboard's controls (issue 8): each beside what it acts on, each a POST (CSRF-protected)
+"""The dashboard's controls: each beside what it acts on, each a POST (CSRF-protected)
 that calls a service, which plans, commits and records the Event; the outcome comes back as an
 admin message after a redirect. Destructive ones ask first (a confirmation page when the form did
 not say `confirm=yes`)."""

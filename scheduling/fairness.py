@@ -34,7 +34,7 @@ Where this goes beyond the seed, on purpose:
 - If nothing needs freeing (every needed GPU already has room), the answer is a `VictimChoice`
   with no victims: fitting is not a failure.
 
-The cost order (order="cost", the default; issue 9's simulator chose it). Among the eligible,
+The cost order (order="cost", the default; the trace simulator chose it). Among the eligible,
 the victims are ranked by what losing them costs, not by recency alone:
 
 - first replicas serving nothing and idle past their idle timeout (the idle sweep could have
@@ -45,24 +45,24 @@ the victims are ranked by what losing them costs, not by recency alone:
 - then LRU and replica id. Occupants that report no reload cost, activity or idle timeout (the
   OccupantView defaults) all share one tier and one cost, so the order is then exactly LRU.
 
-`prefer_wake` (issue 21) says when a deployment with a copy in CPU RAM should wait to wake it on
+`prefer_wake` says when a deployment with a copy in CPU RAM should wait to wake it on
 its node rather than load a new replica from disk elsewhere: when the disk load is the slower.
 `wake_or_load` is the same rule over a deployment's `ReloadTimes`, with the reason its Event gives.
 
 `choose_target` picks *where* a single-GPU waker goes when it fits nowhere: the GPU whose victims
 (by `choose_victim`) are cheapest, so the wake never targets a GPU that only popular, dedicated
 or young replicas hold; `choose_whole_gpus` does the same for a waker that needs whole GPUs (a
-70B model: two of one node), GPU by GPU, and only GPUs that its victims leave empty (issue 21).
+70B model: two of one node), GPU by GPU, and only GPUs that its victims leave empty.
 `sleep_when_idle` says which idle replicas the idle sweep may put to sleep on its timer: those a
-wake brings back within their SLO; the others leave only when their memory is wanted (issue 21).
+wake brings back within their SLO; the others leave only when their memory is wanted.
 `sleep_early` lets the sweep put such a replica to sleep before its timer, once idle for max_wait,
 when its node has no room for a copy asleep there (`short_of_room`), so that the copy's wake does
-not wait for the replica's weights to leave (issue 21).
+not wait for the replica's weights to leave.
 `preempt_at_once` lets the waiter skip the rest of max_wait when every victim serves nothing at
 that instant. The seed's guarantees are untouched: the filters above still decide who may be a
 victim; the wait is never longer than max_wait, only shorter.
 
-Why min_runtime prevents thrashing (DESIGN invariant 3, issue 5's thrash check): a replica is a
+Why min_runtime prevents thrashing (DESIGN invariant 3, the thrash check): a replica is a
 victim only once `now - serving_since >= min_runtime_s`. As long as the wake path sets
 `serving_since` to the time the replica (re)starts serving, and never carries it over a sleep,
 a replica woken at t cannot be preempted before t + min_runtime. Two deployments that fit a GPU
@@ -262,7 +262,7 @@ def preempt_at_once(choice: VictimChoice) -> bool:
 def prefer_wake(*, load_s: float, wake_s: float, max_wait_s: float) -> bool:
     """Whether a deployment with a sleeping replica in some node's CPU RAM should wake it there,
     making room by a fair wait if need be, rather than load a new replica from disk on a GPU that
-    happens to be free (issue 21). Yes when the cold load is slower than the wake after the
+    happens to be free. Yes when the cold load is slower than the wake after the
     longest fair wait: the wake is then the sooner first token whatever the wait turns out to be,
     and the memory the cold load would take stays free for the next wake. On the planner's
     traces, cold loads of replicas that had a copy in CPU RAM were the first cause of missed SLOs
@@ -274,7 +274,7 @@ def prefer_wake(*, load_s: float, wake_s: float, max_wait_s: float) -> bool:
 
 
 def sleep_when_idle(*, wake_s: float, slo_ttft_s: float) -> bool:
-    """Whether the idle sweep should put an idle replica to sleep on its timer (issue 21). Yes
+    """Whether the idle sweep should put an idle replica to sleep on its timer. Yes
     when a wake from CPU RAM brings it back within its SLO: the sleep frees memory ahead of need
     at no cost to anyone. No when the wake alone is longer than the SLO (a 70B model wakes in
     about 7 s against a 5 s SLO): the sleep would make the first request of its next burst miss
@@ -324,8 +324,8 @@ def short_of_room(gpus: Sequence[GPUView], asleep: Iterable[AsleepCopy], *, slo_
 def sleep_early(
     *, wake_s: float, slo_ttft_s: float, idle_s: float, max_wait_s: float, short: AsleepCopy | None
 ) -> bool:
-    """Whether the idle sweep should put an idle replica to sleep before its idle timeout (issue
-    21): when its node has no room for a copy asleep there that would wake within its SLO
+    """Whether the idle sweep should put an idle replica to sleep before its idle timeout:
+    when its node has no room for a copy asleep there that would wake within its SLO
     (`short`, from `short_of_room`), the replica's own wake is within its SLO too
     (`sleep_when_idle`), and it has been idle for its deployment's max_wait at least.
 
@@ -423,7 +423,7 @@ def choose_target(
 
     Placement's targeting (DESIGN §4) picks the GPU with the fewest evictions as if every
     non-dedicated occupant could leave, and only then asks who may; a GPU whose occupants turn
-    out popular, young or busy makes the wake fail and start again (issue 9's simulator: the
+    out popular, young or busy makes the wake fail and start again (the trace simulator: the
     large models starve that way). Here every GPU that can hold the need as a fraction is asked
     `choose_victim` first, and the cheapest answer wins: no busy victim if possible (its requests
     would drain first), then the shortest sleep of the victims (the waker loads only once their
@@ -495,7 +495,7 @@ def choose_whole_gpus(
 
     Placement's targeting counts every non-dedicated occupant as movable, so a 70B wake could
     wait on two GPUs of which one holds a popular or a young replica: `choose_victim` then finds
-    no victim at the deadline and the wake starts again after a backoff (issue 21's planner: the
+    no victim at the deadline and the wake starts again after a backoff (the capacity planner: the
     70B deployments "waiting for room"). Here, per node, the GPUs are taken one at a time, each
     the one that adds least to the cost of emptying the GPUs already taken (`choose_victim` over
     them all, so a victim spanning two of them is counted once), only GPUs that `choose_victim`
@@ -512,7 +512,7 @@ def choose_whole_gpus(
     the cheapest is returned with `ready=False`; None when not even that helps.
 
     Two guards against the cascade that emptying GPUs starts (each victim must wake again and,
-    on a full cluster, preempt in turn; issue 21's production-like trace):
+    on a full cluster, preempt in turn, as on the production-like trace):
 
     - `slo_ttft_s`: victims whose wake from CPU RAM (`reload_s`) is longer than the SLO are
       ranked after the busy victims and before the number of victims, fewest first: the next

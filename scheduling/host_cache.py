@@ -1,4 +1,4 @@
-"""Host memory as a scheduled resource (issue 19): which replicas give host memory back when what a
+"""Host memory as a scheduled resource: which replicas give host memory back when what a
 node's host cache holds would pass its budget, and which awake replicas may keep an arena for
 their next sleep while it has room. Pure: the snapshot of holders is the caller's
 (scheduling.services.host_cache), so hypothesis can test the choice and the simulator reuse it.

@@ -1,5 +1,5 @@
-"""The statements a scale call runs every time, sent without Django compiling them anew (issue 17
-item 4). On a call of about ten statements, Django building each one's SQL cost the client about
+"""The statements a scale call runs every time, sent without Django compiling them anew, to
+spare the client CPU. On a call of about ten statements, Django building each one's SQL cost the client about
 as much CPU as PostgreSQL spent running them; here each statement's text is built once per shape
 from the model's own fields, values are prepared by those fields (`get_db_prep_save`, the
 conversion Django applies), and psycopg prepares the statement on the server after a few runs.

@@ -1,6 +1,6 @@
 """The one commit path (DESIGN §4): snapshot GPUs, let a pure module plan, commit with
 compare-and-swap on the GPU rows. A snapshot of every GPU is this process's Mirror, refreshed with
-only the GPUs whose view changed since its last read (issue 17: the services decide on it, so it
+only the GPUs whose view changed since its last read (the services decide on it, so it
 must equal a fresh read, which the change stamps the database puts on every row a view is built
 from make it), and the compare-and-swap stays the safety net for what lands after.
 
@@ -463,7 +463,7 @@ def commit_with_retry(
         return result if attempt == 1 else replace(result, attempts=attempt)
 
 
-# -- wake locks (issue 12): who may wake a replica onto a GPU; the caller holds the GPU rows ------
+# -- wake locks: who may wake a replica onto a GPU; the caller holds the GPU rows -----------------
 
 
 def hold_wake_lock(gpu_id: int, holder_id: str, expires: datetime, *, fresh: bool) -> None:

@@ -1,4 +1,4 @@
-"""The one lock order of the control plane's writes, in one place (issue 17; like Saleor's
+"""The one lock order of the control plane's writes, in one place (like Saleor's
 lock_objects): a deployment row first, then node rows, then GPU rows in primary-key order (the
 ledger's commit takes those itself), then replica rows in primary-key order. Every
 `select_for_update` of a service goes through here, and a writer that needs several takes them in
@@ -70,8 +70,8 @@ def lock_deployment(name: str) -> Deployment:
 def lock_deployments_reading(names: Sequence[str], *queries: str) -> tuple[list[Deployment], list[list[tuple]]]:
     """The deployments' rows locked in primary-key order (those that exist: no error for a name
     that does not) and the rows of each query read after them (a batch of scale calls' census),
-    statements the server prepares once rather than ones Django compiles each time (issue 17
-    item 4). Each query is a statement of its own, run once the locks are granted, so it sees
+    statements the server prepares once rather than ones Django compiles each time, to
+    spare the client CPU. Each query is a statement of its own, run once the locks are granted, so it sees
     what their previous holders committed; its one parameter is the locked deployments' ids.
 
     Why ids and not the names: a query's snapshot is newer than the lock's. A deployment of one

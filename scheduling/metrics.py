@@ -48,7 +48,7 @@ FAILOVER_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
 )
 
-# Requests (issue 8). Per process: the web processes accept requests, so under `up`'s
+# Requests. Per process: the web processes accept requests, so under `up`'s
 # multiprocess mode the sum over processes is the portal's; completions happen in replica
 # processes and are not counted here.
 REQUESTS_ACCEPTED = Counter(
@@ -57,7 +57,7 @@ REQUESTS_ACCEPTED = Counter(
     ["deployment"],
 )
 
-# Per-user limits (issue 20): requests refused with a 429, by the limit they would have passed.
+# Per-user limits: requests refused with a 429, by the limit they would have passed.
 # Never by user: labels must stay few.
 REQUESTS_LIMITED = Counter(
     "gpuportal_requests_limited_total",

@@ -1,4 +1,4 @@
-"""What a waiting caller is told about its request (issue 18): the phase it waits in, how far a
+"""What a waiting caller is told about its request: the phase it waits in, how far a
 load or a wake is, where it stands in the queue, and an estimate of the wait from how long the
 deployment's last load or wake took. Pure: scheduling.services.progress reads the facts."""
 

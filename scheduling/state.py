@@ -26,7 +26,7 @@ class OccupantView:
     dedicated: bool = False
     popular: bool = False
     min_runtime_s: float = 0.0
-    # What fairness.choose_victim weighs against recency (issue 9). The defaults mean "unknown"
+    # What fairness.choose_victim weighs against recency. The defaults mean "unknown"
     # and leave the victim order plain LRU, so a caller that does not know them loses nothing.
     # Seconds to bring the replica back onto a GPU once it has slept: its weights over the
     # host-to-device link. A cheap reload makes a cheap victim.
@@ -64,7 +64,7 @@ class GPUView:
     wake_lock_holder: str | None = None
     wake_lock_expires_at: datetime | None = None
     # What a CUDA context takes on this GPU, serving and standing by (measured per node and GPU
-    # model, issue 15); the H100's until measured.
+    # model); the H100's until measured.
     context_bytes: int = H100_CONTEXT_BYTES
     standby_context_bytes: int = H100_STANDBY_CONTEXT_BYTES
     # The node's row, for the services that write a placement (None in views built without one:

@@ -57,7 +57,7 @@ def reconcile(reason: str) -> dict[str, list[str]]:
 
 @shared_task(name="scheduling.tasks.trim_host_cache", ignore_result=True)
 def trim_host_cache(node: str) -> dict[str, list[str]]:
-    """The node's host cache within its budget, then its spare room lent as kept arenas (issue 19):
+    """The node's host cache within its budget, then its spare room lent as kept arenas:
     the ids parked and granted."""
     return host_cache.balance(node)
 

@@ -217,7 +217,7 @@ def agents_worker(django_db_setup, django_db_blocker, tmp_path_factory):
 def start_agent(tmp_path, agents_worker):
     """Starts real node agents on this test's database and Redis: `start_agent(node, gpus)`, e.g.
     `start_agent("e2e", "1x2GiB")`; each is stopped (SIGTERM) at the end of the test. Their
-    virtual GPUs account like the H100's (issue 15): a CUDA context per replica process, the
+    virtual GPUs account like the H100's: a CUDA context per replica process, the
     driver's reserve, the allocator's rounding."""
     import subprocess
     import sys

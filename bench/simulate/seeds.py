@@ -1,5 +1,5 @@
 """`python -m bench.simulate.seeds [--seeds 1-10] [--policies gpuportal-next,...] [--no-files] [--no-record]`:
-the capacity planner on traces it was not tuned on (issue 21): the standard config's synthetic trace
+the capacity planner on traces it was not tuned on: the standard config's synthetic trace
 on every seed, and a production-like trace (scheduling.simulation.trace.production_like) written as
 files and planned from them as `manage.py plan` does. Per run: the fewest GPUs of each policy for
 99 %, the three bounds, the best of the project's policies over the tightest one, the deployments

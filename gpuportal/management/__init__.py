@@ -1,0 +1,1 @@
+"""Where Django finds the project's own management commands (in `commands`)."""

@@ -1,3 +1,3 @@
 """What the control plane (scheduling) and the data plane (inference) share, and nothing else:
-Django-free, so a replica process imports it without Django (issue 17). Today the request-queue
+Django-free, so a replica process imports it without Django. Today the request-queue
 protocol in Redis (requestqueue) and the KV-pool figures replicas publish (kvstats)."""

@@ -1,5 +1,5 @@
-"""What the control plane asks of a node agent (issue 17): start, sleep, wake or stop a replica,
-or let it keep (or make it drop) a host arena while awake (issue 19).
+"""What the control plane asks of a node agent: start, sleep, wake or stop a replica,
+or let it keep (or make it drop) a host arena while awake.
 
 Each command is a frozen dataclass, sent as a versioned dict on the node's Celery queue
 (`node.<name>`) and read back with `decode`, which refuses a version or kind it does not know
@@ -59,11 +59,11 @@ class ReplicaSpec:
     wake_timeout_s: float = 60.0
     # An active member silent for this long is hung: the agent kills it, which passes the lock.
     liveness_timeout_s: float = 3.0
-    # Sizing the KV block pool (issue 7) with the scheduler's formula: the deployment's max_tokens
+    # Sizing the KV block pool with the scheduler's formula: the deployment's max_tokens
     # (the activation budget) and the CUDA context the reservation counts; None: the replica's default.
     kv_max_tokens: int | None = None
     context_bytes: int = 0
-    # A failover pair's reservation also holds its standby's context (issue 15): never the pool's.
+    # A failover pair's reservation also holds its standby's context: never the pool's.
     standby_context_bytes: int = 0
     # Seconds the replica outlives its agent waiting to be adopted; 0: it dies with the agent.
     adoption_window_s: float = 0.0
@@ -103,7 +103,7 @@ class StartReplica:
 class SleepReplica:
     kind: ClassVar[str] = "sleep"
     replica_id: str
-    # The deployment's drain (issue 5); None: the replica's own default.
+    # The deployment's drain; None: the replica's own default.
     drain_timeout_s: float | None = None
 
 
@@ -126,7 +126,7 @@ class StopReplica:
 
 @dataclass(frozen=True)
 class KeepArena:
-    """Whether the replica may keep a host arena of its weights while awake (issue 19): with
+    """Whether the replica may keep a host arena of its weights while awake: with
     `keep`, an awake replica holds one ready (page-locked in advance on a GPU) and a wake keeps
     the one it woke from, so its next sleep copies into memory already pinned instead of
     allocating and pinning gigabytes first; without, it frees the one it holds. The control

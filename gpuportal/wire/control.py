@@ -1,4 +1,4 @@
-"""The one gateway from a node agent to the control plane (issue 17): everything an agent tells
+"""The one gateway from a node agent to the control plane: everything an agent tells
 the control plane, and the one thing it asks, as a Protocol, and how each call travels (Call,
 encode_call, decode_call). The agent's side sends (inference.gateway.RemoteControl); the control
 plane's applies (scheduling.services.node_gateway); neither imports the other. Django-free."""
@@ -27,7 +27,7 @@ class ControlPlane(Protocol):
         host_ram_bytes: int = 0,
     ) -> None:
         """The node is up with these GPUs; of the survivors, the control plane keeps those whose
-        books agree (issue 16) and loses the rest, which the next heartbeat names."""
+        books agree and loses the rest, which the next heartbeat names."""
 
     def heartbeat(
         self,
@@ -48,7 +48,7 @@ class ControlPlane(Protocol):
         an agent that does not send it (an older one) gets no lost wake or sleep sent again.
 
         `arenas`: {replica id: bytes, 0 for none} of the host arenas the running replicas keep for
-        their next sleep (issue 19; a replica that has not said yet left out), from which the
+        their next sleep (a replica that has not said yet left out), from which the
         control plane sees that a grant or a drop of one never arrived. Added to version 1 with a
         default, like `processes`."""
 

@@ -1,4 +1,4 @@
-"""Reading a model's sizes from its files (issue 17): asked of a node, never done in the web
+"""Reading a model's sizes from its files: asked of a node, never done in the web
 process. The files live where the replicas load them, on the nodes; and a `torch-module` source
 is code, which must run in no process that serves the API. Django-free.
 

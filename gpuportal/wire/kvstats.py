@@ -1,6 +1,6 @@
 """A replica's KV block pool statistics, published in Redis for the control plane to show.
 
-The replica writes its pool's figures (issue 7) every few seconds and whenever a sequence comes or
+The replica writes its pool's figures every few seconds and whenever a sequence comes or
 goes, under a key that expires: a replica that stops publishing (asleep, stopped, dead) stops
 being shown with stale figures. The API, the admin and `/metrics` read them in one round trip.
 No Django here: the replica process writes, the web process reads.

@@ -7,7 +7,7 @@ first load, or an estimate from the model's shape. Measured or estimated, it is 
     weights + KV-cache pool + activation reserve + CUDA context (+ the standby's context in a
     failover pair) + memory outside PyTorch's allocator
 
-The scheduler reserves its total; the replica sizes its block pool (issue 7) with
+The scheduler reserves its total; the replica sizes its block pool with
 `kv_pool_blocks`, which inverts the same arithmetic over the same parts, so what is reserved is
 what gets allocated, and a replica reserved the footprint at `max_tokens` gets a pool of exactly
 `max_tokens`. Weights are counted as PyTorch's caching allocator holds them (`allocation_bytes`,
@@ -167,7 +167,7 @@ class MemoryEstimate:
     kv_blocks: int
     block_tokens: int
     max_tokens: int
-    # A failover pair's reservation also holds its sleeping standby's context (issue 15 item 5).
+    # A failover pair's reservation also holds its sleeping standby's context.
     standby_context_bytes: int = 0
     # Measured on a real GPU: what the process holds outside both the context and the allocator.
     overhead_bytes: int = 0

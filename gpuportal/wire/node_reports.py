@@ -1,6 +1,6 @@
 """What a node agent reports to the control plane besides its replicas' own events: its GPUs
 (DeviceInfo, at registration), what its replica processes hold (Books, every heartbeat), and the
-processes its previous run left that it took over (Survivor, issue 16). Shared by both planes; no
+processes its previous run left that it took over (Survivor). Shared by both planes; no
 Django here."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class DeviceInfo:
     """A GPU as a node agent reports it: from NVML, or declared virtual.
 
     total_bytes is what CUDA can allocate, not NVML's total, which also counts what the driver
-    keeps on an idle device (issue 15): nvml_total_bytes records that one for the books' check.
+    keeps on an idle device: nvml_total_bytes records that one for the books' check.
     context_bytes and standby_context_bytes are the per-process CUDA context of a serving replica
     and of a standby on this GPU model; None where the agent has not measured one (a registration
     then keeps what the GPU row already holds, measured by its replicas, or the default).
@@ -33,7 +33,7 @@ class DeviceInfo:
 
 @dataclass(frozen=True)
 class Books:
-    """What a node agent saw of its GPUs at a heartbeat, to check the books against (issue 15).
+    """What a node agent saw of its GPUs at a heartbeat, to check the books against.
 
     usage: {replica id: {GPU index: bytes}}, NVML's per-process figures (or, on a virtual GPU,
     the replica's model of them); states: the state each replica was in as it last reported (a

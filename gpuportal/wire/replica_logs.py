@@ -1,4 +1,4 @@
-"""A replica's own output, read on its node (issue 18: `gpuportal logs REPLICA`): the control plane
+"""A replica's own output, read on its node (`gpuportal logs REPLICA`): the control plane
 asks the node's agent on the node's own queue and waits on `reply_to` (gpuportal.wire.replies) for
 the last lines of the log file the agent's supervisor writes for the replica. Django-free."""
 

@@ -1,4 +1,4 @@
-"""Answers between the planes (issue 17): a caller names a Redis list in what it sends, the other
+"""Answers between the planes: a caller names a Redis list in what it sends, the other
 side pushes one answer there, and the caller blocks on it. Not Celery's result backend: its Redis
 consumer is not safe to share between a process's threads (a web server's, an agent's), and every
 caller here waits on a thread of its own. Django-free."""

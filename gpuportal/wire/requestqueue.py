@@ -266,7 +266,7 @@ return math.max(current, tonumber(ARGV[1]))
 # - behind an epoch check when ARGV[1] is not empty: a superseded failover member's result never
 #   lands (seed 004 fencing);
 # - behind an owner check when a replica writes (ARGV[6]): a request given back to the queue when
-#   its replica was written off (its node went silent, issue 16) has an owner of '' or of the
+#   its replica was written off (its node went silent) has an owner of '' or of the
 #   replica that took it since, so the written-off replica's late answer never lands beside the
 #   new one. A request whose record has expired has no owner to check, and is written as before;
 # - the token pushed to gp:done:<id> carries the final fields (all but input and params), so a

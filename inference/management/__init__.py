@@ -1,0 +1,1 @@
+"""Where Django finds the data plane's management commands (in `commands`)."""

@@ -1,6 +1,6 @@
 """How a `/v1/completions`, `/v1/chat/completions` or `/v1/embeddings` body is read: one parser
 for every way a call arrives (the hot path without DRF, streams and session users through DRF), so
-that what is accepted and what each refusal says cannot drift apart (issue 17). The serializers in
+that what is accepted and what each refusal says cannot drift apart. The serializers in
 openai_compat describe the same body for the OpenAPI schema only.
 
 Fields OpenAI clients send that the portal does not use (`user`, `seed`, ...) are ignored, as
@@ -116,7 +116,7 @@ def _texts(value: Any) -> list[str]:
 
 
 def _timeout(value: Any, default_s: float, max_s: float) -> float:
-    """Not OpenAI's: how long the call waits for its answer (issue 16: a /v1 call never hangs)."""
+    """Not OpenAI's: how long the call waits for its answer (a /v1 call never hangs)."""
     if value is None:
         return default_s
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):

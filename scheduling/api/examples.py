@@ -1,5 +1,5 @@
 """An example for every operation of the API's OpenAPI schema, and a one-line summary where the
-view says none (issue 18), added by drf-spectacular's postprocessing hook (SPECTACULAR_SETTINGS).
+view says none, added by drf-spectacular's postprocessing hook (SPECTACULAR_SETTINGS).
 In one place rather than on each view: the examples read as one worked story (a tiny causal LM
 `tiny-a` deployed on node1's two GPUs), and tests/scheduling/test_api_docs.py holds every new
 operation to having one."""

@@ -61,7 +61,7 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
 class WaitInput(serializers.Serializer):
     """What every /v1 call may add to OpenAI's fields, for the OpenAPI schema only."""
 
-    # Not OpenAI's: how long the call waits for its answer (issue 16: a /v1 call never hangs).
+    # Not OpenAI's: how long the call waits for its answer (a /v1 call never hangs).
     # OpenAI clients send it with `extra_body={"timeout": 60}`.
     timeout = FiniteFloatField(
         min_value=0.001,
@@ -176,7 +176,7 @@ class _Answered(OpenAIView, ABC):
     """A POST answered from its JSON body the same way on both paths: `answer` says how."""
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        # The hot path (issue 4's overhead budget): a call with the portal's token is answered
+        # The hot path (where the portal's own overhead must stay small): a call with the portal's token is answered
         # without DRF; other authentication (a session) goes the DRF way. Both read the body
         # with completion_input.
         fast = self._fast(request) if request.method == "POST" else None
@@ -310,7 +310,7 @@ class _Generate(_Answered):
             chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
             if first and not chunks and not ended:
                 # Until the first token: what it waits for, as an SSE comment (a line starting
-                # with ':'), which OpenAI's clients skip; sent when it changes (issue 18).
+                # with ':'), which OpenAI's clients skip; sent when it changes.
                 line = _waiting_line(submitted, model)
                 if line and line != told:
                     told = line

@@ -146,7 +146,7 @@ FAILURE_STATUS = {"bad_input": 400, "placement": 409}
 class InferView(APIView):
     """Runs a request and waits for it.
 
-    The hot path of the portal (issue 4's overhead budget), so a request in the usual shape (a
+    The hot path of the portal (where its own overhead must stay small), so a request in the usual shape (a
     token, JSON within the usual bounds) is served by `dispatch` without DRF's request wrapping,
     serializers and renderers. Anything else (another authentication, input the fast check is not
     sure of) goes the DRF way, which gives every error its usual 4xx: the fast path accepts only

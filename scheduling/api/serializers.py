@@ -24,11 +24,11 @@ class NodeSerializer(serializers.ModelSerializer):
     )
     host_cache_used_bytes = serializers.SerializerMethodField(
         help_text="What sleeping, draining and standby replicas' weights, and the arenas awake replicas keep "
-        "for their next sleep, use of it (issue 19)."
+        "for their next sleep, use of it."
     )
 
     host_cache_kept_bytes = serializers.SerializerMethodField(
-        help_text="Of host_cache_used_bytes, the arenas serving replicas keep for their next sleep (issue 19)."
+        help_text="Of host_cache_used_bytes, the arenas serving replicas keep for their next sleep."
     )
 
     class Meta:
@@ -74,7 +74,7 @@ class NodeSerializer(serializers.ModelSerializer):
 class ReplicaSerializer(serializers.ModelSerializer):
     deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
     node = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
-    # Two numberings, named so (issue 18): a GPU's index on its node (what NVML and
+    # Two numberings, named so: a GPU's index on its node (what NVML and
     # CUDA_VISIBLE_DEVICES say there) and its id in /api/gpus/ (the portal's, unique across nodes).
     gpu_indexes = serializers.SerializerMethodField(
         help_text="Indexes, on its node, of the GPUs it occupies (nvidia-smi's numbering there)."
@@ -120,7 +120,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
         extra_kwargs = {
             "arena_kept_bytes": {
                 "help_text": "Host memory this awake replica keeps for its next sleep, counted in its node's "
-                "host cache (issue 19); 0: none."
+                "host cache; 0: none."
             }
         }
 
@@ -150,7 +150,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(serializers.DictField(allow_null=True))
     def get_kv(self, obj: Replica) -> dict[str, Any] | None:
-        """The KV block pool of a serving causal-LM replica as it last published it (issue 7):
+        """The KV block pool of a serving causal-LM replica as it last published it:
         block_tokens, blocks_total, blocks_used, blocks_peak, allocations, frees, utilisation;
         null when it has none (asleep, a plain module, or not published in the last seconds)."""
         # One Redis round trip per list of replicas (a page, a deployment's replicas), not per replica.

@@ -1,0 +1,1 @@
+"""Where Django finds the control plane's management commands (in `commands`)."""

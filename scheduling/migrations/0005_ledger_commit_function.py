@@ -11,7 +11,7 @@ from pathlib import Path
 
 from django.db import migrations
 
-# The function as it was at this migration, kept in a file of its own (issue 17: SQL that can be read).
+# The function as it was at this migration, kept in a file of its own (SQL that can be read).
 CREATE = (Path(__file__).resolve().parent.parent / "sql" / "ledger_commit_v1.sql").read_text()
 
 DROP = (

@@ -1,7 +1,7 @@
 """The ledger's hot path with plans PostgreSQL keeps: a leaner commit function, and the
 snapshot read as a function too.
 
-Profiling the placement benchmark (issue 3) found about a third of the database's CPU in the
+Profiling the placement benchmark found about a third of the database's CPU in the
 planner: with array parameters PostgreSQL's plan cache judged a generic plan costlier than a
 custom one, so it planned every statement of `gpuportal_ledger_commit` and the snapshot read
 anew on every call. Both functions now set `plan_cache_mode = force_generic_plan` and keep one
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from django.db import migrations
 
-# The functions as they were at this migration, in files of their own (issue 17: SQL that can be
+# The functions as they were at this migration, in files of their own (SQL that can be
 # read); a later change of either is a new file and a new migration.
 SQL = Path(__file__).resolve().parent.parent / "sql"
 COMMIT = (SQL / "ledger_commit_v2.sql").read_text()

@@ -1,4 +1,4 @@
-"""Change stamps on every row a snapshot reads, and a read that uses them (issue 17 item 4).
+"""Change stamps on every row a snapshot reads, and a read that uses them.
 
 The services decided on a full snapshot of every GPU, since a ledger Mirror, which reads only the
 GPUs written since its last read, missed changes that write no GPU row: a node going offline or

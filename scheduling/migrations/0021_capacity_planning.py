@@ -4,7 +4,7 @@ import django.db.models.deletion
 from django.conf import settings
 from django.db import migrations, models
 
-# The drain of recorded traffic (issue 21) as a django-celery-beat row, editable in the admin.
+# The drain of recorded traffic as a django-celery-beat row, editable in the admin.
 SCHEDULES = [
     # (name, task, every seconds, description)
     (

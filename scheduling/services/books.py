@@ -1,4 +1,4 @@
-"""The books against the hardware (issue 15 item 4): every heartbeat, the node agent reports what
+"""The books against the hardware: every heartbeat, the node agent reports what
 each replica process really holds per GPU (NVML, or the virtual GPU's model of it), and this
 compares it with the ledger.
 

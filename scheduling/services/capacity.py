@@ -1,4 +1,4 @@
-"""The capacity planner as the product runs it (issue 21): `manage.py plan` and `POST /api/plan/`
+"""The capacity planner as the product runs it: `manage.py plan` and `POST /api/plan/`
 (on the control worker, with progress). What to plan is read here (a trace file's text or the
 recorded traffic; a catalogue file or the live deployments; the GPUs the portal has), the
 planning itself is scheduling.simulation.planner's, pure."""

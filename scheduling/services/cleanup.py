@@ -1,4 +1,4 @@
-"""Garbage collection of ended replicas (issue 16): stopped and failed replicas stay in the API and
+"""Garbage collection of ended replicas: stopped and failed replicas stay in the API and
 the dashboard for a while, for what they say about how they ended, and then go.
 
 A replica that stopped or failed longer ago than the retention is removed, except the newest few

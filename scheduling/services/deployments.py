@@ -82,7 +82,7 @@ class ModelFacts:
 
 def inspect_model(source: str, loader: str, dtype: str, max_tokens: int) -> ModelFacts:
     """Weight bytes and the estimated need, without loading weights: a node agent reads the
-    files (never this process, issue 17), the estimate is the control plane's. Bad sources
+    files (never this process), the estimate is the control plane's. Bad sources
     name the field."""
     reading = dispatch.inspect(source, loader, dtype)
     if reading.refusal:
@@ -213,7 +213,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
     return deployment
 
 
-# -- crash-loop backoff (issue 16) ----------------------------------------------------------------
+# -- crash-loop backoff ---------------------------------------------------------------------------
 
 REPLACE_TASK = "scheduling.tasks.replace_failed"
 
@@ -294,7 +294,7 @@ def replace_failed(name: str) -> list[str]:
 
 
 def reconcile(name: str, reason: str) -> list[str]:
-    """Keep what the operator asked for (issue 16): place what the deployment lacks of its
+    """Keep what the operator asked for: place what the deployment lacks of its
     `replicas`, sleeping ones counted, never stopping any. Not while a failed load waits out its
     backoff, nor once it gave up. Returns the replicas placed."""
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction

@@ -1,4 +1,4 @@
-"""Everything the control plane sends to the other side goes through here (issue 17): the
+"""Everything the control plane sends to the other side goes through here: the
 commands to node agents (gpuportal.wire.commands), each sent only once the decision that caused
 it has committed; the tasks on the control queue; and the one question it asks the nodes, what a
 model's files hold (gpuportal.wire.inspection). By task name: the control plane never imports the
@@ -73,7 +73,7 @@ def trim_host_cache(node: str) -> None:
 
 
 def keep_arena(node: str, replica_id: str, *, keep: bool) -> None:
-    """Whether the awake replica may keep a host arena for its next sleep (issue 19)."""
+    """Whether the awake replica may keep a host arena for its next sleep."""
     _to_node(node, lambda: commands.KeepArena(replica_id, keep))
 
 

@@ -8,7 +8,7 @@ What the control plane does around the lock, which itself needs none of it to fa
   between, so no placement can take the memory the standby is about to wake into);
 - records each grant, loss and takeover with its epoch, refuses reports that carry a stale epoch,
   and starts a fresh standby after a takeover so the pair is whole again;
-- a planned switchover: the active drains (the barrier of issue 5) and exits; the standby takes over.
+- a planned switchover: the active drains (the preemption barrier) and exits; the standby takes over.
 
 Lock order, as everywhere: the deployment row, then GPU rows (the ledger), then replica rows.
 """

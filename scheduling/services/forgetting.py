@@ -1,5 +1,5 @@
 """A deployment's rows gone in one statement: what Django's cascade does for `Deployment.delete()`,
-as PostgreSQL runs it (issue 17 item 4).
+as PostgreSQL runs it.
 
 Django's collector reads every related row into Python before it deletes anything: about ten
 statements and 11 ms of a client's CPU for a deployment of one replica, where a scale call costs

@@ -1,4 +1,4 @@
-"""A node's host cache kept within its budget (issue 19): what scheduling.host_cache decides,
+"""A node's host cache kept within its budget: what scheduling.host_cache decides,
 applied. When replicas go to sleep on a node, `trim` (on the control worker, after the commit that
 sent them) first has awake replicas drop the arenas they keep, then parks the least valuable
 sleepers, until what the node's host memory holds fits its budget (Node.cpu_cache_bytes,

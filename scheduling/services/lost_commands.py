@@ -15,7 +15,7 @@ past its grace, while the beat shows that the command never arrived, gets it aga
 - serving, its host arena granted GPUPORTAL_ARENA_GRACE_S ago, its process serving and keeping
   none: the grant (ARENA keep) again; serving with no arena in the books GPUPORTAL_ARENA_GRACE_S
   after its last change, its process keeping one: the drop (ARENA drop) again, since host memory
-  held unaccounted is the unsafe side (issue 19).
+  held unaccounted is the unsafe side.
 
 A process in the middle of the command (waking, draining, or a state not said yet) is left
 alone. Where there is no process, the command sent again makes the agent say so (a failed

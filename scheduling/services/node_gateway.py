@@ -1,4 +1,4 @@
-"""The control plane's side of gpuportal.wire.control (issue 17): what a node agent tells the
+"""The control plane's side of gpuportal.wire.control: what a node agent tells the
 control plane arrives here as a call on the `agents` queue (scheduling.tasks.agent_call), goes
 to the services, and the answer goes back on the Redis list the caller waits on.
 

@@ -158,7 +158,7 @@ def heartbeat(
     `running` names the replica processes the agent runs. Those the control plane wrote off while
     the node was silent (its heartbeats lost, its agent alive: a partition) are returned: the
     agent stops them, and the node comes back only once it runs none, so it takes no new work
-    while they still hold GPU memory the books gave to others (issue 16).
+    while they still hold GPU memory the books gave to others.
 
     `processes`, the state each of those processes last said it is in, and `running` show which
     commands to them were lost (the broker blinked as they were sent): those are sent again

@@ -129,7 +129,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
             # Its own `failed` report may still be on its way; what matters is that it no longer serves.
             failover.set_failover_state(old, FailoverState.DEAD, f"superseded at epoch {epoch}: its lock passed on")
     takeover_s = float(event.get("takeover_s") or 0.0)
-    # Where the takeover's time went, as the member measured it from the grant (issue 19).
+    # Where the takeover's time went, as the member measured it from the grant.
     raw_steps = event.get("steps") if isinstance(event.get("steps"), dict) else {}
     steps = {k: float(v) for k, v in raw_steps.items() if isinstance(v, int | float)}
     now = timezone.now()

@@ -1,4 +1,4 @@
-"""The fair wake path (seed 001, issue 5; its targeting and timing from issue 9's simulator):
+"""The fair wake path (seed 001; its targeting and timing chosen on the trace simulator):
 who sleeps and who wakes when memory is short.
 
 A wake that does not fit without evicting anyone does not evict at once. Instead it:
@@ -12,7 +12,7 @@ A wake that does not fit without evicting anyone does not evict at once. Instead
    victim if possible, then the shortest sleep, then the least reload cost per second idle. This
    is the policy `gpuportal` of bench/simulate, measured there. A need of a whole GPU or more (a
    70B model over two GPUs of one node) asks fairness.choose_whole_gpus for the GPUs it can empty
-   (issue 21: no popular, dedicated or young occupant on them; victims whose wake misses the SLO
+   (no popular, dedicated or young occupant on them; victims whose wake misses the SLO
    last; no more victims than requests wait for the waker). For what neither decides (no GPU
    that could ever make room as things stand, or a whole-GPU target refused by those guards),
    placement with evictions allowed says where the waker *would* go (the fewest evictions);
@@ -307,7 +307,7 @@ def _costed_wake(
         if not gpus:
             continue
         if all(need >= whole_gpu_from * g.total_bytes for g in gpus):
-            # Whole GPUs (issue 21): the GPUs fairness can empty, with its guards against a cascade
+            # Whole GPUs: the GPUs fairness can empty, with its guards against a cascade
             # of wakes (victims whose wake misses the SLO last, no more victims than requests wait).
             waiting = _queue_depth(deployment.name) if waiting is None else waiting
             target = fairness.choose_whole_gpus(
@@ -388,7 +388,7 @@ def _victim_summary(victim: fairness.Victim, view: OccupantView) -> str:
 def _placement_wake(
     deployment: Deployment, snap: Snapshot, need: int, cached: tuple[CachedReplica, ...], allow_new: bool
 ) -> _Wake:
-    """Placement's targeting (issue 5): for what choose_target does not decide (a need of a whole
+    """Placement's targeting: for what choose_target does not decide (a need of a whole
     GPU or more, or no GPU that can ever make room as things stand)."""
     # Targeting only: where the waker would go if every non-dedicated occupant of other
     # deployments could leave. Popular and young ones count as movable here because max_wait
@@ -425,7 +425,7 @@ def _placement_wake(
 
 
 def enrich(snap: Snapshot) -> Snapshot:
-    """The snapshot with what fairness's cost order weighs on each occupant (issue 9):
+    """The snapshot with what fairness's cost order weighs on each occupant:
     `reload_s`, its deployment's weights (its memory need if they are unknown) over
     GPUPORTAL_H2D_BYTES_PER_S, and `in_flight`, the requests it has taken and not finished (its
     Redis processing list). Its last request time is brought up to date from Redis too, so that
@@ -479,7 +479,7 @@ def _activity(replica_ids: list[str]) -> dict[str, tuple[int | None, datetime | 
 
 def _kept_bytes(snap: Snapshot) -> dict[int, int]:
     """What a victim still holds on each GPU once asleep: its CUDA context (a virtual GPU models
-    one too, issue 15), as measured for that GPU or its default: the snapshot carries it."""
+    one too), as measured for that GPU or its default: the snapshot carries it."""
     return {gpu_id: gpu.context_bytes for gpu_id, gpu in snap.gpus.items()}
 
 

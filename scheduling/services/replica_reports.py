@@ -225,7 +225,7 @@ def _stopped(replica: Replica, event: dict[str, Any]) -> None:
     replica.pid = None
     replica.serving_since = None
     if replica.state == Replica.State.PARKED:
-        # Parked out of the host cache (issue 19): its process was meant to go, and the replica
+        # Parked out of the host cache: its process was meant to go, and the replica
         # stays wanted, for the next wake to load from disk.
         replica.save(update_fields=["pid", "serving_since", "updated_at"])
         return
@@ -256,7 +256,7 @@ def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None
     parts with gpuportal.wire.memory's formula (its weights as allocated, the pool, the activation
     reserve, its context, what NVML shows outside the allocator): the need the next replica is
     reserved and sizes its pool against. Not NVML's figure at load: it has no activations yet,
-    and a replica reserved it would size its pool below zero (issue 15).
+    and a replica reserved it would size its pool below zero.
 
     Replicas of an older build report no need: then their tensor bytes plus the reserves the
     estimate budgets beside them."""

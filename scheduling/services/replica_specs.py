@@ -1,4 +1,4 @@
-"""The commands a node agent gets, built from the books (issue 17): a START carries the whole
+"""The commands a node agent gets, built from the books: a START carries the whole
 ReplicaSpec, a wake the reservation to wake into, a sleep or stop the deployment's drain. Read
 from committed rows, so an agent acts on what was decided and never reads the database."""
 
@@ -99,7 +99,7 @@ def wake(replica_id: str, wait_for: list[str]) -> WakeReplica | None:
 
 
 def _drain_of(replica_id: str) -> float | None:
-    """The deployment's drain_timeout_s (the barrier of issue 5); None if the row is gone."""
+    """The deployment's drain_timeout_s (the preemption barrier); None if the row is gone."""
     return Replica.objects.filter(pk=replica_id).values_list("deployment__drain_timeout_s", flat=True).first()
 
 

@@ -119,7 +119,7 @@ RECONCILE_TASK = "scheduling.tasks.reconcile"
 def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
     """A deployment gave up after failed loads (a broken checkpoint, a reservation too small to
     serve): if no other replica of it serves or is on its way, the requests that wait would wait
-    for nothing. They end now, saying why (issue 16: they used to wait until they expired)."""
+    for nothing. They end now, saying why (they used to wait until they expired)."""
     deployment = replica.deployment
     if deployment.replicas.exclude(pk=replica.pk).filter(state__in=states.ACTIVE).exists():
         return
@@ -238,7 +238,7 @@ def set_measured_need(
 
 def record_context(replica: Replica, context: int, *, standby: bool = False) -> None:
     """A real replica's measured CUDA context becomes its node's figure for that GPU model: the
-    next need and pool count it instead of the default (issue 15); a standby's, that of the
+    next need and pool count it instead of the default; a standby's, that of the
     standbys. Only ever raised, since a context grows as forward passes load kernels, and a lower
     reading is an earlier moment (a GPU whose context is below the default keeps the default:
     safe rather than tight). Virtual GPUs too: their profile grows a context as a real GPU does

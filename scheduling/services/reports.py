@@ -1,7 +1,7 @@
 """Where every report of a replica process arrives (relayed by its node agent): it goes to the
 handler of a plain replica (replica_reports) or of a failover pair member (pair_reports), and a
 replica that ended without being asked to sets off a reconcile. The top of the services: this
-builds on all of them and none builds on it (issue 17: services without a cycle)."""
+builds on all of them and none builds on it (services without a cycle)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def _admit(deployment_name: str, kind: str) -> str:
     if not awake:
         deployment = Deployment.objects.get(name=deployment_name)
         # A sleeping replica loaded once and wakes as usual; with none, a request would only
-        # start one more load after failed ones (issue 16's crash loop).
+        # start one more load after failed ones (the crash loop the backoff stops).
         loads = (deployment.failed_reason or deployment.retry_at) and not deployment.replicas.filter(
             state=Replica.State.SLEEPING
         ).exists()
@@ -191,7 +191,7 @@ def _read_deployment(deployment_name: str) -> tuple[str, bool, bool] | None:
 def _fetch(params: list) -> tuple[str, bool, bool] | None:
     # A server-binding cursor, as the ledger's (Django's own bind on the client): psycopg prepares
     # the statement after a few runs (GPUPORTAL_DB_PREPARE_THRESHOLD), so PostgreSQL stops
-    # planning it on every request (about 0.15 ms of each, issue 4's overhead budget).
+    # planning it on every request (about 0.15 ms of each, out of the portal's small overhead budget).
     connection.ensure_connection()
     with psycopg.Cursor(connection.connection) as cursor:
         cursor.execute(_SUBMIT_SQL, params)

@@ -1,7 +1,7 @@
 """Scaling deployments: bring each one's awake replicas to the count asked for.
 
 Scale calls that arrive together in one process (the web serves the API on threads of one
-process) are committed together (issue 17 item 4, `scheduling.group_commit`): one transaction
+process) are committed together (`scheduling.group_commit`): one transaction
 locks their deployments in primary-key order and reads their census in one statement, places
 every scale-up on one snapshot (each on the snapshot as the ones before it left it, releases of
 the scale-downs first), and commits one ledger plan, the new replica rows, the state changes and

@@ -4,8 +4,8 @@ Sleep is temporary: unlike an operator's evict it leaves `replicas_wanted` alone
 deployment still wants its replicas and the next wake brings back as many. A wake promotes
 sleeping replicas first (their process and weights are still there) and places new ones only
 when none is cached, or none fits on its node as things are. In that last case a deployment with
-nothing awake whose load from disk is slower than a wake after its max_wait (fairness.prefer_wake,
-issue 21) wakes its copy all the same, by the fair wake path, rather than load a new replica; and
+nothing awake whose load from disk is slower than a wake after its max_wait (fairness.prefer_wake)
+wakes its copy all the same, by the fair wake path, rather than load a new replica; and
 one whose replica is still draining to sleep waits for that copy, which its sleeping report wakes.
 
 Lock order, as in `deployments`: the deployment row, then GPU rows (the ledger), then replica rows.
@@ -113,7 +113,7 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
     the replicas the previous one added. When not all wanted replicas fit, one is enough to
     serve: it places one rather than refusing.
 
-    Placement here never evicts (issue 5). When not even one fits in free memory, the fair wake
+    Placement here never evicts. When not even one fits in free memory, the fair wake
     path starts (services.preemption): a wake lock and intents on the GPUs it needs, and the
     preempt task waits out max_wait before choosing a victim; this returns the id of the replica
     that waits. A wake that finds another wake holding the lock returns [] and retries from the

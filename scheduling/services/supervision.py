@@ -10,6 +10,6 @@ from scheduling.models import Event
 
 @transaction.atomic(durable=True)
 def record_restart(process: str, reason: str, *, node: str = "") -> Event:
-    """An Event for a process of the stack that died and was started again (issue 20): the
+    """An Event for a process of the stack that died and was started again: the
     operator sees in the trail, beside the replicas' own events, why the portal blinked."""
     return events.record(Event.Kind.STACK_RESTARTED, f"process {process}", reason, node=node)

@@ -1,4 +1,4 @@
-"""The portal's recorded traffic (issue 21): every ended request's record, pushed onto Redis by the
+"""The portal's recorded traffic: every ended request's record, pushed onto Redis by the
 request-ending script (gpuportal.wire.requestqueue._END), drained here into RequestRecord rows,
 pruned after GPUPORTAL_REQUEST_RECORD_RETENTION_S, and read back as a trace file's rows and a
 catalogue of the live deployments (what `export_trace` writes and the planner reads)."""
@@ -91,7 +91,7 @@ def skipped_count(since: datetime, until: datetime | None = None) -> int:
 
 def live_catalogue() -> tuple[CatalogueEntry, ...]:
     """The portal's deployments as a catalogue: their bytes (weights, and the memory need in its
-    order of trust), settings, and the load and wake times their replicas measured (issue 18)."""
+    order of trust), settings, and the load and wake times their replicas measured."""
     snap = ledger.snapshot()
     return tuple(catalogue_entry(d, snap) for d in Deployment.objects.order_by("name"))
 

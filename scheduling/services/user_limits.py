@@ -1,4 +1,4 @@
-"""Each user's limits on inference requests (issue 20): at most so many accepted and not yet ended
+"""Each user's limits on inference requests: at most so many accepted and not yet ended
 at once, and so many accepted per minute. Past either, a request gets a 429 with Retry-After
 (errors.TooManyRequests), nothing is queued, and `gpuportal_requests_limited_total` counts it.
 

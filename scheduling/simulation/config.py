@@ -1,5 +1,5 @@
 """The simulator's parameters, read from one TOML file (config.toml beside this module: the standard
-trace of issue 9, and the planner's defaults)."""
+trace the policies are compared on, and the planner's defaults)."""
 
 from __future__ import annotations
 

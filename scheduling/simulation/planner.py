@@ -1,4 +1,4 @@
-"""The capacity planner (issue 21): how many GPUs a trace needs for a target share of its requests
+"""The capacity planner: how many GPUs a trace needs for a target share of its requests
 to get their first token within the SLO. Pure: a trace and a config in, a `Plan` out; the callers
 (`manage.py plan`, the control worker's plan task, `python -m bench.simulate`) read the files or
 the portal and show the answer.

@@ -95,7 +95,7 @@ LRU_FAIR = SimPolicy(
 # nowhere, services.preemption.start asks fairness.choose_target for the GPU whose victims are
 # cheapest (no busy ones, fastest to sleep, cheapest to reload per second idle); victims serving
 # nothing are preempted at once, a busy one still gets the whole max_wait. Idle replicas sleep
-# after idle_timeout (the product's idle sweep, issue 4, a Celery beat task); the product does
+# after idle_timeout (the product's idle sweep, a Celery beat task); the product does
 # not pass idle_timeout_s to fairness (the sweep already acts on it), so neither does this.
 GPUPORTAL = SimPolicy(
     "gpuportal",
@@ -109,14 +109,14 @@ GPUPORTAL = SimPolicy(
     preempt_idle_at_once=True,
     sleep_from_kept_copy=True,
 )
-# gpuportal with fairness.prefer_wake (issue 21): a deployment with a copy in CPU RAM wakes it on
+# gpuportal with fairness.prefer_wake: a deployment with a copy in CPU RAM wakes it on
 # its node, by a fair wait if need be, rather than load a new replica from disk on another node
 # whenever the disk load is slower than the wake after max_wait. The live wake path
 # (services.sleep.wake_deployment) applies the same rule when a request finds no replica awake.
 # Requests arriving while a failed wake backs off ask for a wake at once, as the live request
 # path does (`wake_on_arrival`).
 GPUPORTAL_WAKE = replace(GPUPORTAL, name="gpuportal-wake", prefer_wake=True, wake_on_arrival=True)
-# gpuportal-wake with issue 21's rules for the large models, what the live portal runs: a replica
+# gpuportal-wake with the rules for the large models, what the live portal runs: a replica
 # whose wake misses its SLO is not slept on the idle timer, only preempted when a wake needs its
 # memory (fairness.sleep_when_idle; the idle sweep, services.sleep.sweep_idle, applies it against
 # GPUPORTAL_TTFT_SLO_S); and a wake that needs whole GPUs (a 70B model) targets the node and GPUs
@@ -138,6 +138,6 @@ ORACLE = SimPolicy(
 )
 
 POLICIES: Mapping[str, SimPolicy] = {p.name: p for p in (DEDICATED, NDIF, LRU_FAIR, GPUPORTAL, ORACLE)}
-# Beside the compared policies, not in the benchmark's table of issue 9: the planner's proposals.
+# Beside the compared policies, not in the benchmark's table of policies: the planner's proposals.
 PROPOSALS: Mapping[str, SimPolicy] = {p.name: p for p in (GPUPORTAL_WAKE, GPUPORTAL_NEXT, GPUPORTAL_WHOLE)}
 ALL: Mapping[str, SimPolicy] = {**POLICIES, **PROPOSALS}

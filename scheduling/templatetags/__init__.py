@@ -1,0 +1,1 @@
+"""Template filters of the operator's dashboard (`{% load gp_dashboard %}`)."""

@@ -1,4 +1,4 @@
-"""bench.gpu (issue 15, item 7): on a machine without a GPU it says what it lacks and records nothing;
+"""bench.gpu: on a machine without a GPU it says what it lacks and records nothing;
 its pure parts (table, GB/s, the books against NVML, the probe's rows, BENCHMARKS.md's section) are
 checked here with plain numbers, since CI never has a GPU to produce real ones."""
 

@@ -1,4 +1,4 @@
-"""The trace simulator (issue 9): its accounting, its reproducibility, and small traces whose
+"""The trace simulator: its accounting, its reproducibility, and small traces whose
 decisions are known in advance. Pure: no database, no Django, simulated time only."""
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def test_the_standard_config_parses_and_describes_the_issues_cluster():
     assert config.cluster.gpu_memory_gib == 80
 
 
-# --- issue 21: the rules for the large models (gpuportal-next) -------------------------------
+# --- the rules for the large models (gpuportal-next) -----------------------------------------
 
 
 def test_a_replica_whose_wake_misses_the_slo_is_not_slept_on_the_idle_timer_but_still_preempted(quick):

@@ -1,4 +1,4 @@
-"""The operator's command line (issue 18): what it prints from the API's answers, how it reads the
+"""The operator's command line: what it prints from the API's answers, how it reads the
 API's errors, and, once, the installed `gpuportal` script against a live `up`."""
 
 from __future__ import annotations

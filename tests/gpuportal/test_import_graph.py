@@ -1,4 +1,4 @@
-"""The shape of the code (issue 17). No import cycle anywhere in the project: every module's
+"""The shape of the code. No import cycle anywhere in the project: every module's
 imports, at the top or inside functions, form a graph without a cycle. The control plane's
 services are layered (queueing below replicas, below failover, below deployments, below sleep and
 preemption, below requests, and the reports on top), and the data plane's modules likewise.
@@ -123,7 +123,7 @@ def test_the_cycle_check_finds_a_cycle_through_an_import_inside_a_function():
 
 
 def test_every_row_lock_is_taken_through_the_lock_module():
-    # Issue 17: scheduling/locks.py holds the one lock order; a select_for_update elsewhere would
+    # The one lock order is scheduling/locks.py's; a select_for_update elsewhere would
     # be a lock the order does not know of (the ledger's commit function takes GPU rows in SQL).
     offenders = [
         f"{path.relative_to(ROOT)}:{number}"
@@ -136,7 +136,7 @@ def test_every_row_lock_is_taken_through_the_lock_module():
 
 
 def test_the_planes_import_only_the_wire_never_each_other():
-    # Issue 17: the control plane (scheduling) and the data plane (inference) share only
+    # The control plane (scheduling) and the data plane (inference) share only
     # gpuportal.wire: the agent's calls, the commands and a deploy's question about a model's files
     # go as tasks on queues (scheduling.services.dispatch one way, inference.gateway the other).
     graph = import_graph()

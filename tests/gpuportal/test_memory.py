@@ -213,7 +213,7 @@ def tiny_llama(tie: bool = False, dtype=None):
 
 def param_bytes(model, element_size: int | None = None) -> int:
     """The parameters as PyTorch's caching allocator holds them, one allocation each, in their own
-    element size or `element_size` (a run dtype): what the GPU really gives them (issue 15)."""
+    element size or `element_size` (a run dtype): what the GPU really gives them."""
     return allocations_bytes(p.numel() * (element_size or p.element_size()) for p in model.parameters())
 
 

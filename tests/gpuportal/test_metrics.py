@@ -149,7 +149,7 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     assert 0 < redis.ttl(kvstats.kv_key(serving.id)) <= kvstats.TTL_S
 
 
-# The series the issue 8 asks /metrics to cover (docker/grafana/gpuportal-dashboard.json uses them).
+# The series /metrics must cover (docker/grafana/gpuportal-dashboard.json uses them).
 REQUIRED_SERIES = {
     "gpuportal_gpu_total_bytes",
     "gpuportal_gpu_reserved_bytes",

@@ -1,4 +1,4 @@
-"""An outage of PostgreSQL or Redis, or a body too big, gets a JSON answer naming it (issue 20):
+"""An outage of PostgreSQL or Redis, or a body too big, gets a JSON answer naming it:
 503 with Retry-After, 413; never Django's HTML 500 or 400. The outages are real: the web's
 connection is pointed at a port where nothing listens, and then back."""
 

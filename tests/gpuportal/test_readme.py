@@ -1,4 +1,4 @@
-"""The README's "Using the API" commands, run as a user types them (issue 18): in a shell, in the
+"""The README's "Using the API" commands, run as a user types them: in a shell, in the
 checkout, against a fresh `make run` (`up` with no GPUPORTAL_ADMIN_PASSWORD, so the token step
 reads var/admin-password). Only the port and the model's directory are the test's own."""
 

@@ -1,4 +1,4 @@
-"""`up` outlives its own parts (issue 20): each of its processes SIGKILLed under two clients.
+"""`up` outlives its own parts: each of its processes SIGKILLed under two clients.
 
 The scenario is bench/recovery.py's (which records the recovery times in BENCHMARKS.md); here
 only what must hold is asserted, never a time.

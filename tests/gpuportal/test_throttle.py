@@ -1,4 +1,4 @@
-"""Failed sign-ins are limited (issue 20): after 10 failures a minute from one address, or for
+"""Failed sign-ins are limited: after 10 failures a minute from one address, or for
 one user name, the token endpoint, API tokens and the admin's login answer 429 with Retry-After;
 other addresses and names are not held back. The counts are in the real Redis."""
 

@@ -34,7 +34,7 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert up.get("/readyz")[0] == 200
         stack = read_stack_env(data_dir / "stack.env")
         assert stack["DATABASE_URL"].startswith("postgres://") and stack["REDIS_URL"].startswith("redis://")
-        # The embedded servers ask for passwords of their own (issue 20): any local user can reach
+        # The embedded servers ask for passwords of their own: any local user can reach
         # a loopback port. Only the stack's owner reads them; the banner does not show them.
         assert (data_dir / "stack.env").stat().st_mode & 0o777 == 0o600
         postgres, redis_server = urlsplit(stack["DATABASE_URL"]), urlsplit(stack["REDIS_URL"])
@@ -52,7 +52,7 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         gpus = wait_until(
             lambda: up.get("/api/gpus/", token)[1].get("results"), 60, "the node agent to register its GPUs"
         )
-        # Each declared 2 GiB is NVML's total; the books count what CUDA could allocate (issue 15).
+        # Each declared 2 GiB is NVML's total; the books count what CUDA could allocate.
         reserve = memory.H100_DRIVER_RESERVE_BYTES
         assert [(g["node"], g["index"], g["virtual"], g["total_bytes"], g["nvml_total_bytes"]) for g in gpus] == [
             ("box", 0, True, 2 * 1024**3 - reserve, 2 * 1024**3),
@@ -85,7 +85,7 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert len(running) >= 7, running
 
         # A second `up` on the same data refuses in one line, and leaves the running one alone:
-        # its servers, and the stack.env through which agents find them (issue 16).
+        # its servers, and the stack.env through which agents find them.
         refused = Up(data_dir, "--virtual-gpus", "2x2GiB", "--node", "box")
         assert refused.process.wait(120) != 0
         refused.reader.join(10)
@@ -112,8 +112,8 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert events[0]["reason"].startswith("agent re-registered with 2 virtual GPU(s)")
         status, registered = again.get("/api/events/?node=box&kind=node.registered", token)
         assert status == 200 and registered["count"] == 1, "the node from the first run was kept"
-        # What the operator asked for is restored without a request (this test sends none, issue
-        # 16): the replica of the first run (its process ended with its agent) is replaced once.
+        # What the operator asked for is restored without a request (this test sends
+        # none): the replica of the first run (its process ended with its agent) is replaced once.
         (restored,) = wait_until(lambda: again.serving(token, "tiny"), 120, "the deployment to serve again")
         assert restored["id"] != first["id"]
         replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]

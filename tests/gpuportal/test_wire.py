@@ -1,4 +1,4 @@
-"""The contract between the planes (gpuportal.wire, issue 17): what the control plane sends a node
+"""The contract between the planes (gpuportal.wire): what the control plane sends a node
 agent, and what an agent calls on the control plane, survive the trip as they were, and what one
 side cannot read is refused with what is wrong rather than half-read."""
 

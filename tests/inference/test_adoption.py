@@ -1,5 +1,5 @@
 """A replica process outlives its node agent for its adoption window, and the agent's next run takes
-it over instead of loading its model again (issue 16: restart restores)."""
+it over instead of loading its model again (restart restores)."""
 
 from __future__ import annotations
 

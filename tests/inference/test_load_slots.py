@@ -1,4 +1,4 @@
-"""At most N replicas of a node load at once (issue 20): a load past the limit waits for a slot,
+"""At most N replicas of a node load at once: a load past the limit waits for a slot,
 saying so, and a load that died frees its slot with no one to clean up after it."""
 
 from __future__ import annotations

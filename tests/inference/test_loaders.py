@@ -62,7 +62,7 @@ def test_the_tiny_model_weights_agree_with_the_memory_estimate(tiny_model_dir):
     model = load_model(str(tiny_model_dir), "transformers", "float32")
     # What the replica counts as weights is what the estimate counts: the checkpoint's tensors as
     # allocated. The rotary table is a buffer, not a weight: counting it would take its bytes
-    # out of the KV pool and leave the pool a block short (issue 15).
+    # out of the KV pool and leave the pool a block short.
     assert shape_from_model_dir(tiny_model_dir, "float32").weight_bytes == weight_allocation_bytes(model)
     assert buffer_tensors(model) and all(b.numel() == model.config.head_dim // 2 for b in buffer_tensors(model))
 

@@ -1,4 +1,4 @@
-"""Paged, continuously batched generation (issue 7) against transformers' own generate().
+"""Paged, continuously batched generation against transformers' own generate().
 
 Greedy outputs must be token for token those of model.generate(do_sample=False) with its default
 cache, whatever the batch around a sequence: alone, all at once, or joining mid-way. In-process:

@@ -1,4 +1,4 @@
-"""A failover standby gives back what its dead partner had taken at the lock grant (issue 19), not
+"""A failover standby gives back what its dead partner had taken at the lock grant, not
 when the control plane hears of the death: the request that waited longest is first in line when
 the standby wakes. On the real Redis; the grant is the lease's (inference.failover.Grant)."""
 

@@ -1,4 +1,4 @@
-"""A replica outlives a Redis restart (issue 20): what it writes while Redis is away (a request's
+"""A replica outlives a Redis restart: what it writes while Redis is away (a request's
 start, its chunks, its answer) is written once Redis is back, and the accepted request is still
 there, since the embedded Redis keeps an append-only file. A Redis that stays away makes the
 replica report itself failed and exit, never end its serving loop silently.

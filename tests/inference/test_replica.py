@@ -74,7 +74,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
     assert {e["state"] for e in progress} == {"loading"}
     assert serving["weights_bytes"] == tensor_bytes(load_model(str(tiny_model_dir), "transformers", "float32"))
     assert serving["pid"] == supervisor.pid("r1")
-    # No NVML on a virtual GPU: what it would show, modelled like the H100's (issue 15): the
+    # No NVML on a virtual GPU: what it would show, modelled like the H100's: the
     # context, the weights, the pool and the activation reserve, within the reservation.
     footprint = serving["footprint"]
     assert footprint["context_bytes"] == CONTEXT
@@ -88,7 +88,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
         supervisor.start(spec(str(tiny_model_dir)), events)
     assert supervisor.arenas() == {}, "it has said nothing of an arena yet: no beat reads that as none"
 
-    # Allowed to keep a host arena (issue 19): it says so once one is ready, sized as the arena.
+    # Allowed to keep a host arena: it says so once one is ready, sized as the arena.
     supervisor.send("r1", {"cmd": "arena", "keep": True})
     _, arena = events.until("arena")
     assert arena["kept_bytes"] >= serving["weights_bytes"]
@@ -322,7 +322,7 @@ def test_the_host_refuses_commands_that_make_no_sense_now_and_carries_on():
         "bad wake: gpus must be a non-empty list of GPU ids, got '0'",
         "unknown command 'launch' (known: sleep, wake, stop, ping, arena)",
     ]
-    # kv: the KV pool's statistics (issue 7); a torch-module replica has none.
+    # kv: the KV pool's statistics; a torch-module replica has none.
     # process_bytes_by_id: what NVML would show; a virtual GPU models it (the context and weights).
     # arena_bytes: the host arena it keeps for its next sleep (none: it was never allowed one).
     pong = _events(out)[-1]
@@ -451,7 +451,7 @@ def test_it_waits_for_the_copies_and_frees_the_arena_when_the_pool_fails_after_t
     assert "woken" not in [e["event"] for e in _events(out)]
 
 
-# -- a kept arena (issue 19): the `arena` command --------------------------------------------------
+# -- a kept arena: the `arena` command -------------------------------------------------------------
 
 
 class ArenaEvents:

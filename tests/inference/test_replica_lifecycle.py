@@ -43,7 +43,7 @@ def test_deploy_scale_evict_promote_and_delete_with_real_replica_processes(agent
     victim = first.id
     assert staff.post(f"/api/replicas/{victim}/evict/").status_code == 200
     wait_until(lambda: states("tiny-a")[victim] == "sleeping", 60, "the evicted replica to sleep")
-    # Asleep it keeps its CUDA context as serving grew it, on a virtual GPU as on the H100 (issue 15).
+    # Asleep it keeps its CUDA context as serving grew it, on a virtual GPU as on the H100.
     assert Occupant.objects.get(replica_id=victim).reserved_bytes == H100_CONTEXT_BYTES + H100_KERNEL_GROWTH_BYTES
     assert psutil.pid_exists(pids[victim]), "its process lives on, weights in CPU RAM"
 

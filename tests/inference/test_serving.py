@@ -55,7 +55,7 @@ def test_infer_generates_text_with_usage_and_polling_sees_the_same(deployed: API
     assert body["output"]["usage"]["completion_tokens"] <= 8 and body["output"]["usage"]["prompt_tokens"] > 0
     assert body["replica"] in set(Replica.objects.values_list("id", flat=True))
 
-    # Its KV block pool, as the replica publishes it (issue 7): the API record shows it. Published
+    # Its KV block pool, as the replica publishes it: the API record shows it. Published
     # at most once a second, so the figures after the request may follow those from its load.
     def kv_after_the_request():
         kv = deployed.get(f"/api/replicas/{body['replica']}/").json()["kv"]

@@ -192,7 +192,7 @@ def _crowd(count: int) -> None:
 # token lookup + page count + page, then one per prefetched relation
 @pytest.mark.parametrize(
     ("url", "queries"),
-    # /api/nodes/: one more for every node's host cache use (issue 19), once per page.
+    # /api/nodes/: one more for every node's host cache use, once per page.
     [("/api/nodes/", 4), ("/api/gpus/", 5), ("/api/deployments/", 5), ("/api/replicas/", 4), ("/api/events/", 3)],
 )
 def test_list_endpoints_run_a_constant_number_of_queries(api: APIClient, url: str, queries: int) -> None:

@@ -1,4 +1,4 @@
-"""The API's OpenAPI schema documents every operation (issue 18): a one-line summary or a
+"""The API's OpenAPI schema documents every operation: a one-line summary or a
 description, and an example (of its body, its answer, or where it has neither, its path)."""
 
 from __future__ import annotations

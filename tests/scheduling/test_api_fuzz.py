@@ -1,4 +1,4 @@
-"""No input gets a 500 (issue 20): schemathesis sends what the portal's own OpenAPI schema allows,
+"""No input gets a 500: schemathesis sends what the portal's own OpenAPI schema allows,
 and much it does not, to every operation, through the WSGI app on the real PostgreSQL and Redis.
 Bounded (a few examples per operation) and derandomized, so a failure shows again on the next run."""
 

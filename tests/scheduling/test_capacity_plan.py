@@ -1,4 +1,4 @@
-"""The capacity planner as a product feature (issue 21): ended requests are recorded, drained into
+"""The capacity planner as a product feature: ended requests are recorded, drained into
 PostgreSQL and exported as a trace; `manage.py plan` and `POST /api/plan/` answer how many GPUs it
 needs, with the bounds and who misses the SLO and why."""
 
@@ -365,7 +365,7 @@ def test_a_production_like_trace_from_files_is_planned_and_every_gap_to_the_boun
     assert all(n is not None for n in fewest)
     ours, dedicated = min(fewest[:2]), fewest[2]
     assert ours < dedicated
-    # Issue 21's mark on a trace nothing was tuned on: within 10 % of the tightest bound (the one
+    # The planner's mark on a trace nothing was tuned on: within 10 % of the tightest bound (the one
     # that counts the wakes' memory and misses, in whole GPUs), and whoever still misses at the
     # bound's count is named with why.
     assert result.bound_gpus >= result.bound.oracle_gpus and ours <= 1.1 * result.bound_gpus

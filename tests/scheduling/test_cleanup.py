@@ -1,4 +1,4 @@
-"""Ended replicas are garbage-collected (issue 16): past a retention they go, but the newest few of
+"""Ended replicas are garbage-collected: past a retention they go, but the newest few of
 each deployment stay for their errors, and every replica's Events stay."""
 
 from __future__ import annotations

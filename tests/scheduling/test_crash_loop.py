@@ -1,4 +1,4 @@
-"""Crash-loop backoff (issue 16): a replica that fails to load is replaced after a doubling backoff,
+"""Crash-loop backoff: a replica that fails to load is replaced after a doubling backoff,
 and after max_load_failures in a row the deployment is failed with the error: its waiting
 requests end with it, new ones get a 503 naming it, and nothing more starts until an operator
 retries (or changes its settings)."""

@@ -1,4 +1,4 @@
-"""The operator's dashboard (issue 8): what it shows, its refresh fragment, and its controls, each
+"""The operator's dashboard: what it shows, its refresh fragment, and its controls, each
 through the services (an Event per change), staff only, with the outcome as an admin message."""
 
 from __future__ import annotations

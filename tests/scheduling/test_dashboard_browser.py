@@ -1,4 +1,4 @@
-"""The dashboard in a real browser (issue 8): Playwright drives Debian's Chromium against the live
+"""The dashboard in a real browser: Playwright drives Debian's Chromium against the live
 server. Screenshots go to test-artifacts/dashboard/ at the repository root (git-ignored).
 
 Skipped, saying why, where /usr/bin/chromium is missing (.ci/run installs it with apt)."""

@@ -182,7 +182,7 @@ def test_scaling_adds_and_stops_replicas_and_releases_their_memory(cluster, api,
 
 def test_the_commands_a_scale_sends_are_the_ones_the_committed_books_give(cluster, api, monkeypatch, tiny_model_dir):
     # A scale builds its START from the row it wrote and its STOP from the locked deployment
-    # (issue 17 item 4: no read after the commit); an agent must get what reading back would give.
+    # (no read after the commit); an agent must get what reading back would give.
     from gpuportal.celery import app
     from gpuportal.wire import commands
     from scheduling.services import replica_specs

@@ -1,4 +1,4 @@
-"""`POST /v1/embeddings` above the replica (issue 18): the OpenAI shape, as floats and as base64,
+"""`POST /v1/embeddings` above the replica: the OpenAI shape, as floats and as base64,
 through the official `openai` client over HTTP (a live server in the test process, a stand-in
 replica thread serving the queue); what each kind of deployment refuses; and `hf:org/name`
 sources read from the nodes' Hugging Face cache, or refused saying how to download them.

@@ -1,5 +1,5 @@
 """A deployment that gave up after failed loads ends its waiting requests at once, with the load
-error (issue 16), instead of leaving them to wait for a replica that would fail the same way.
+error, instead of leaving them to wait for a replica that would fail the same way.
 (How it comes to give up, after retries with a backoff, is tests/scheduling/test_crash_loop.py.)"""
 
 from __future__ import annotations

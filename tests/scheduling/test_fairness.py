@@ -102,7 +102,7 @@ def refusal(gpus: Iterable[GPUView], needed: Mapping[int, int], **kw) -> NoVicti
     return result
 
 
-# --- issue 9: reload cost against recency, and where to make room ----------------------------
+# --- reload cost against recency, and where to make room -------------------------------------
 
 
 def costly(replica_id: str, reserved: int = 1 * GiB, *, reload_s: float, idle_s: float, in_flight: int = 0, **kw):
@@ -185,7 +185,7 @@ def test_a_target_blocked_only_by_young_replicas_is_returned_not_ready():
     )
 
 
-# --- issue 21: whole GPUs for a large model, and who sleeps on the idle timer -----------------
+# --- whole GPUs for a large model, and who sleeps on the idle timer ---------------------------
 
 
 def test_a_whole_gpu_wake_takes_the_gpus_fairness_can_empty_not_those_of_popular_or_young_replicas():

@@ -1,4 +1,4 @@
-"""Real-GPU accounting (issue 15): one formula for the need and the pool, replicas that cannot
+"""Real-GPU accounting: one formula for the need and the pool, replicas that cannot
 serve take nothing, GPU totals CUDA can allocate, books checked against NVML every heartbeat, and
 a virtual GPU that accounts like the H100 of ../shared/gpu-2026-11-24 so this suite catches what
 broke there."""
@@ -406,7 +406,7 @@ def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_i
     assert staff.post("/api/deployments/llm/scale/", {"replicas": 3}, format="json").status_code == 200
     wait_until(serving(3), 180, "three replicas to serve")
 
-    # Issue 19: the node's host cache lends its spare room as kept arenas (what the control worker
+    # The node's host cache lends its spare room as kept arenas (what the control worker
     # runs after a replica comes to serve, run here). Each replica allocates its arena and reports
     # its size, which the books take in place of the grant's figure (its weights as the model's
     # files hold them; the arena aligns each tensor, so this tiny model's differs).

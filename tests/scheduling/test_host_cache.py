@@ -1,4 +1,4 @@
-"""Host memory is scheduled like a GPU's (issue 19): a node's host cache has a budget; a sleep
+"""Host memory is scheduled like a GPU's: a node's host cache has a budget; a sleep
 that passes it drops the arenas awake replicas keep, then parks the least valuable sleepers (their
 processes stop, their weights are freed, they stay wanted), and the next wake loads a parked
 replica from disk. Room the budget has spare is lent to serving replicas as kept arenas, counted

@@ -1,4 +1,4 @@
-"""A deploy asks a node agent to read the model's files (issue 17): the web process reads no
+"""A deploy asks a node agent to read the model's files: the web process reads no
 model file and runs no model code, and it answers 503 rather than hang when no agent can.
 
 Here the node's task runs on a thread, as an agent's worker thread would, over the real Redis;

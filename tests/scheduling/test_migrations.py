@@ -16,7 +16,7 @@ def test_no_model_change_is_missing_a_migration():
 @pytest.mark.django_db
 @pytest.mark.parametrize("function", sorted(ledger.SQL_FUNCTIONS))
 def test_the_live_ledger_function_is_the_one_in_its_sql_file(function):
-    # Issue 17: the ledger's SQL is read in scheduling/sql/, not only inside migrations; a file
+    # The ledger's SQL is read in scheduling/sql/, not only inside migrations; a file
     # edited without a migration (or a migration without its file) shows here.
     text = (ledger.SQL_DIR / ledger.SQL_FUNCTIONS[function]).read_text()
     head, body = text.split("$fn$")[:2]

@@ -1,4 +1,4 @@
-"""The services' snapshot (issue 17 item 4): a ledger Mirror refreshed with only what changed must
+"""The services' snapshot: a ledger Mirror refreshed with only what changed must
 decide as a fresh read of every GPU would, whatever changed: a node's status, a replica's state or
 times, a deployment's fairness settings, a wake lock, a GPU's context or health, an intent, a GPU
 gone, and what a transaction showed before it rolled back. On real PostgreSQL, with real commits:

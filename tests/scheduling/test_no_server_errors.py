@@ -1,4 +1,4 @@
-"""No input and no race gets a 500 (issue 20): a name taken by a racing create is a 409, a change
+"""No input and no race gets a 500: a name taken by a racing create is a 409, a change
 that raced a delete is a 404, and every number, filter and source is checked, the 400 naming it.
 Nothing is half-applied."""
 

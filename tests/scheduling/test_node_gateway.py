@@ -1,5 +1,5 @@
 """An agent's calls reach the control plane as tasks on the `agents` queue and come back answered
-(issue 17: the agent never runs the control plane's services). Here the task runs on a thread with
+(the agent never runs the control plane's services). Here the task runs on a thread with
 its own connection, as a worker thread would, over the real PostgreSQL and Redis; the tests that
 start real agents (test_agent.py and every e2e test) run it on the real `agents` worker."""
 

@@ -118,7 +118,7 @@ def test_a_wrong_key_is_refused(live_server, replica):
 
 
 def test_a_call_nothing_answers_ends_at_its_timeout_and_its_unstarted_request_is_cancelled(client, replica, settings):
-    # Issue 16: a /v1 call never hangs. Nothing serves the queue here: the request never starts.
+    # A /v1 call never hangs. Nothing serves the queue here: the request never starts.
     with pytest.raises(openai.APIStatusError, match=r"did not start within 0\.3 s and was cancelled") as caught:
         client.completions.create(model="tiny", prompt="anyone?", extra_body={"timeout": 0.3})
     assert caught.value.status_code == 504
@@ -175,7 +175,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_naming_the_model(client, rep
     assert request_services.queue_depth("mlp") == 0
 
 
-# -- one parser reads every body (issue 17) ----------------------------------------------------
+# -- one parser reads every body ---------------------------------------------------------------
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5000) | st.floats() | st.text(max_size=4),

@@ -1,6 +1,6 @@
-"""The fair wake path (issue 5, seed 001) on one virtual GPU that fits two of three deployments:
+"""The fair wake path (seed 001) on one virtual GPU that fits two of three deployments:
 the intent and the wake lock, the fairness wait, LRU victims, failures with a reason, two wakes
-at once, lock takeover, and the thrash check; and issue 9's targeting by cost: the GPU whose
+at once, lock takeover, and the thrash check; and the targeting by cost: the GPU whose
 victims are cheapest, victims that serve nothing preempted at once, a busy one waited for. No
 processes: the preempt task's orchestration runs here on a fake clock, and what replica
 processes would report (their requests in flight, in Redis) is fed in."""
@@ -282,7 +282,7 @@ def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(o
     assert_not_over_committed()
 
 
-# -- targeting by cost, and when not to wait (issue 9) ---------------------------------------------
+# -- targeting by cost, and when not to wait -------------------------------------------------------
 
 
 def occupant(name: str, gpu: GPU, reserved: int, *, idle_for: timedelta = LONG_AGO) -> str:
@@ -503,7 +503,7 @@ def test_a_whole_gpu_target_with_more_victims_than_waiting_requests_falls_back_t
     (n1a, _), (n2a, n2b) = two_nodes
     # The same cluster with one request waiting: emptying node2 would put two replicas to sleep
     # for it (and each must wake again), so fairness.choose_whole_gpus refuses and placement's
-    # targeting decides (either node, at random), as before issue 21's rule.
+    # targeting decides (either node, at random), as before the whole-GPU rule.
     stuck_on_node1("popular", n1a)
     occupant("a", n2a, 400 * MiB), occupant("b", n2b, 400 * MiB)
     deploy("big", replicas=0, need=1536 * MiB, max_wait_s=30)

@@ -1,8 +1,8 @@
-"""The fair wake path end to end (issue 5): a real agent with one virtual GPU that fits two of three
+"""The fair wake path end to end: a real agent with one virtual GPU that fits two of three
 tiny deployments, real replica processes, a real control worker running the preempt task, and
 requests through the REST API. The over-commit invariant is sampled all along from another
 connection; a waker killed with SIGKILL while it holds the wake lock is taken over. Victims that
-serve no request are preempted at once (issue 9); to see the fairness wait, the tests that need
+serve no request are preempted at once; to see the fairness wait, the tests that need
 one mark the occupants busy, as a request they had taken and not finished would."""
 
 from __future__ import annotations

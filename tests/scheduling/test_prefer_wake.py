@@ -1,4 +1,4 @@
-"""fairness.prefer_wake in the live wake path (issue 21): a deployment with nothing awake whose copy
+"""fairness.prefer_wake in the live wake path: a deployment with nothing awake whose copy
 sleeps in one node's CPU RAM, where it does not fit as things are, while another node's GPU is free
 enough for a cold load. When the load from disk is slower than the wake after max_wait, the copy
 waits for room on its own node by the fair wake path (intents, victims, promotion); when it is the

@@ -1,4 +1,4 @@
-"""A waiting caller sees what its request waits for (issue 18): the request's `progress` (phase,
+"""A waiting caller sees what its request waits for: the request's `progress` (phase,
 percent of a load or a wake, place in the queue, an estimate from the deployment's last load or
 wake), and a streamed /v1 call's SSE comments until its first token."""
 

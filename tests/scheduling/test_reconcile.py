@@ -1,4 +1,4 @@
-"""The portal keeps what the operator asked for (issue 16): replicas lost with a node (its agent
+"""The portal keeps what the operator asked for: replicas lost with a node (its agent
 stopped, went silent, or started anew) are released through the commit path, their requests go
 back to the queue, and replacements are placed on the nodes still online."""
 

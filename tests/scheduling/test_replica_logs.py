@@ -1,4 +1,4 @@
-"""A replica process's own log, read on its node (issue 18: `gpuportal logs REPLICA`): the control
+"""A replica process's own log, read on its node (`gpuportal logs REPLICA`): the control
 plane asks the node's agent on the node's queue and waits for the last lines. Here the agent's task
 runs on a thread, as its worker would, over the real Redis."""
 

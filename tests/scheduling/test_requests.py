@@ -144,7 +144,7 @@ def test_a_request_taken_as_its_replica_sleeps_is_given_back_without_costing_an_
 
 def test_a_written_off_replica_gives_back_nothing_that_is_no_longer_its(rq):
     # Its request was given back for it and another replica took it; the orphan, stopping at the
-    # end of its adoption window, must not take it from the new owner (issue 16).
+    # end of its adoption window, must not take it from the new owner.
     request_id = submit(rq)
     taken = rq.take("tiny", "orphan", timeout=1)
     rq.write_off("orphan")
@@ -216,7 +216,7 @@ def test_results_are_fenced_by_the_failover_epoch(rq):
 
 def test_a_written_off_replicas_late_answer_is_refused_and_the_new_one_lands(rq):
     # A replica on a node that went silent keeps running; the control plane gave its request back,
-    # and another replica took it (issue 16: fence the replicas of a partitioned node).
+    # and another replica took it (fence the replicas of a partitioned node).
     request_id = submit(rq)
     assert rq.take("tiny", "partitioned", timeout=1).id == request_id
     assert rq.requeue_from("partitioned", max_attempts=3, reason="lost with its node") == {request_id: "requeued"}
@@ -235,7 +235,7 @@ def test_a_written_off_replicas_late_answer_is_refused_and_the_new_one_lands(rq)
 
 def test_a_written_off_replica_takes_nothing_more_and_a_request_its_take_moved_goes_back_first(rq):
     # Its agent is gone (or cut off) but it still runs: once written off it must take nothing,
-    # or a request would be left with a replica nobody hears from again (issue 16).
+    # or a request would be left with a replica nobody hears from again.
     held, waiting = submit(rq, text="held"), submit(rq, text="waiting")
     assert rq.take("tiny", "orphan", timeout=1).id == held
     rq.write_off("orphan")
@@ -257,7 +257,7 @@ def test_a_written_off_replica_takes_nothing_more_and_a_request_its_take_moved_g
 
 def test_a_request_given_back_before_its_replica_starts_it_stays_queued_for_the_next(rq):
     # The replica took it, was written off and had it given back, then got round to starting it:
-    # a `running` written over `queued` would make every take pass it by (issue 16).
+    # a `running` written over `queued` would make every take pass it by.
     request_id = submit(rq)
     assert rq.take("tiny", "orphan", timeout=1).id == request_id
     rq.write_off("orphan")

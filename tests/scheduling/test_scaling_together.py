@@ -1,4 +1,4 @@
-"""Scale calls committed together (scheduling.services.scaling, issue 17 item 4): a batch scales
+"""Scale calls committed together (scheduling.services.scaling): a batch scales
 several deployments in one transaction, each as it would alone; one that cannot be placed fails
 alone; concurrent calls of one process share a batch. On virtual GPUs, no processes."""
 

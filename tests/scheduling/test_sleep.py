@@ -310,7 +310,7 @@ def test_the_sweep_sleeps_only_replicas_idle_past_their_timeout(cluster, api, di
 def test_the_sweep_keeps_awake_a_replica_whose_wake_would_miss_the_slo_and_says_so_once(
     cluster, api, dispatched, tiny_model_dir, on_commit, settings
 ):
-    # Issue 21 (fairness.sleep_when_idle): its next first request would miss for certain, while
+    # Kept awake (fairness.sleep_when_idle): its next first request would miss for certain, while
     # the memory a sleep frees is wanted by no one yet; a wake that needs it preempts it then.
     settings.GPUPORTAL_TTFT_SLO_S = 5.0
     slow = deploy_serving(api, tiny_model_dir, "slow", sleep={"idle_timeout_s": 60})[0]
@@ -356,7 +356,7 @@ def _one_gpu_with_a_copy_asleep(api, model_dir, *, copy_mib: int, copy_wake_s: f
 def test_the_sweep_sleeps_an_idle_replica_before_its_timeout_when_its_node_has_no_room_for_a_copy_asleep_there(
     db, api, dispatched, tiny_model_dir, on_commit, settings
 ):
-    # Issue 21 (fairness.sleep_early): 424 MiB free, the copy needs 500 MiB and wakes within the
+    # Asleep early (fairness.sleep_early): 424 MiB free, the copy needs 500 MiB and wakes within the
     # SLO; a wake would otherwise first wait for a victim's weights to leave.
     settings.GPUPORTAL_TTFT_SLO_S = 5.0
     idle, recent = _one_gpu_with_a_copy_asleep(api, tiny_model_dir, copy_mib=500, copy_wake_s=0.5)
@@ -601,7 +601,7 @@ def test_an_idle_replica_sleeps_with_its_process_alive_and_wakes_as_the_same_pro
     wait_until(lambda: states("sleepy")[replica.id] == "sleeping", 60, "the replica to sleep")
     assert psutil.pid_exists(replica.pid), "asleep, its process lives on with the weights in CPU RAM"
     # What a GPU keeps of a sleeper is its CUDA context as serving grew it, the virtual one as the H100's
-    # (issue 15), and that grown context is the GPU's figure from now on, so the wake counts it.
+    # does, and that grown context is the GPU's figure from now on, so the wake counts it.
     grown = H100_CONTEXT_BYTES + H100_KERNEL_GROWTH_BYTES
     assert Occupant.objects.get(replica_id=replica.id).reserved_bytes == grown
     assert GPU.objects.get(pk=Occupant.objects.get(replica_id=replica.id).gpu_id).context_bytes == grown

@@ -1,4 +1,4 @@
-"""Sixteen clients change the same few deployments at once on two GPUs (issue 20): creates of
+"""Sixteen clients change the same few deployments at once on two GPUs: creates of
 one name, scales, settings changes, deletes, sleeps, wakes and evictions all collide. No call
 gets a server error, every answer is one the API documents for the call, and afterwards the
 books balance: each GPU's free bytes are its total less what its occupants reserve, and only

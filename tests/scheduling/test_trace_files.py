@@ -1,4 +1,4 @@
-"""Trace and catalogue files (issue 21): what `manage.py plan` and `POST /api/plan/` read and
+"""Trace and catalogue files: what `manage.py plan` and `POST /api/plan/` read and
 `export_trace` writes. Pure: text in, dataclasses out; no database."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`export_trace` → `plan` on a live stack with the tiny model (issue 21): `up` on servers of its
+"""`export_trace` → `plan` on a live stack with the tiny model: `up` on servers of its
 own, the tiny causal LM served by a real replica under the real node agent, requests through the
 REST API; then the two commands as an operator runs them beside the stack (they find its servers
 in <data dir>/stack.env), and the trace holds exactly the requests that were answered."""

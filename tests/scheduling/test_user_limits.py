@@ -1,4 +1,4 @@
-"""Per-user limits on inference requests (issue 20): requests in flight at once and per minute,
+"""Per-user limits on inference requests: requests in flight at once and per minute,
 from the settings or a user's row in the admin, answered with 429 and Retry-After, counted in
 /metrics. Nothing serves the queue here, so an accepted request stays in flight until a test
 ends it (a stand-in replica thread) or cancels it."""

@@ -63,7 +63,7 @@ class Command(BaseCommand):
         try:
             if virtual_gpus is not None:
                 parse_virtual_spec(virtual_gpus)
-            # The host cache's budget (issue 19): the flag, else the operator's setting, else half of RAM.
+            # The host cache's budget: the flag, else the operator's setting, else half of RAM.
             cpu_cache = cpu_cache or os.environ.get("GPUPORTAL_HOST_CACHE_BYTES") or None
             cache = parse_size(cpu_cache) if cpu_cache else None
         except ValueError as err:

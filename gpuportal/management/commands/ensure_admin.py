@@ -29,7 +29,7 @@ class Command(BaseCommand):
                 self.stdout.write(f"admin user {username!r} created (password from GPUPORTAL_ADMIN_PASSWORD)")
             elif password_file:
                 # Kept in a file rather than printed: a line printed once scrolls away under the
-                # workers' start-up output (issue 18), and the README's commands read the file.
+                # workers' start-up output, and the README's commands read the file.
                 # Replaced whole: a file left by an earlier database's admin says nothing true now.
                 write_private(Path(password_file), password + "\n")
                 self.stdout.write(f"admin user {username!r} created; its password is in {password_file}")

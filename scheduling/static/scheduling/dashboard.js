@@ -1,4 +1,4 @@
-// The GPU dashboard (issue 8): refresh the body from the fragment view every few seconds, and ask
+// The GPU dashboard: refresh the body from the fragment view every few seconds, and ask
 // before destructive controls. Plain JS, no build step; the page works without it (the server
 // asks for confirmation itself, and a reload refreshes).
 "use strict";
