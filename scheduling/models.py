@@ -75,13 +75,13 @@ class GPU(models.Model):
     nvml_total_bytes = models.BigIntegerField(null=True, blank=True)
     # The CUDA context of one replica process on this node's GPUs of this model: serving (after
     # its first forward passes) and as a standby that never ran one. Measured by the replicas
-    # (issue 15); until then the H100's figures. Needs and pools count them on every GPU.
+    # themselves; until then the H100's figures. Needs and pools count them on every GPU.
     context_bytes = models.BigIntegerField(default=memory.H100_CONTEXT_BYTES, db_default=memory.H100_CONTEXT_BYTES)
     standby_context_bytes = models.BigIntegerField(
         default=memory.H100_STANDBY_CONTEXT_BYTES, db_default=memory.H100_STANDBY_CONTEXT_BYTES
     )
     context_measured = models.BooleanField(default=False, db_default=False)
-    # The books against NVML, from the agent's last heartbeat (issue 15 item 4): what NVML showed
+    # The books against NVML, from the agent's last heartbeat: what NVML showed
     # free, and by how much its replicas' processes exceeded their reservations in all.
     nvml_free_bytes = models.BigIntegerField(null=True, blank=True)
     overcommit_bytes = models.BigIntegerField(default=0, db_default=0)
@@ -148,15 +148,15 @@ class Deployment(models.Model):
     memory_policy = models.CharField(max_length=32, default="gpuportal")
     max_tokens = models.PositiveIntegerField(default=2048)
     failover_standby = models.BooleanField(default=False)
-    # Placement (issue 18): False packs replicas onto the fullest GPU that fits (best fit, which
+    # Placement: False packs replicas onto the fullest GPU that fits (best fit, which
     # keeps whole GPUs free for large replicas); True prefers GPUs and nodes with the fewest of
     # its own replicas, then the emptiest GPU.
     placement_spread = models.BooleanField(default=False, db_default=False)
-    # How long its last replicas took to serve (issue 18): placed → serving for a load, waking →
+    # How long its last replicas took to serve: placed → serving for a load, waking →
     # serving for a wake. A waiting caller's estimate, and the dashboard's, come from these.
     measured_load_s = models.FloatField(null=True, blank=True)
     measured_wake_s = models.FloatField(null=True, blank=True)
-    # Crash-loop backoff (issue 16): a replica that fails to load is replaced after load_backoff_s,
+    # Crash-loop backoff: a replica that fails to load is replaced after load_backoff_s,
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
     # the deployment is failed (failed_reason) and starts nothing until retried or changed.
     # Defaults in the database too: rows written by plain SQL (tests, tools) need not name them.
@@ -239,12 +239,12 @@ class Replica(models.Model):
     failure_reason = models.TextField(blank=True)
     # Loading or waking progress reported by the replica process, 0-100.
     progress = models.PositiveSmallIntegerField(null=True, blank=True)
-    # Host memory an awake replica may keep for its next sleep (issue 19): an arena of its weights,
+    # Host memory an awake replica may keep for its next sleep: an arena of its weights,
     # pinned in advance, so the sleep is a copy rather than an allocation and a page-locking first.
     # Granted within its node's host cache budget and counted there while it is awake (a sleeping
     # replica's weights are in that arena, counted once); 0: none granted.
     arena_kept_bytes = models.BigIntegerField(default=0, db_default=0)
-    # Draining to sleep, it is what a request that found nothing awake waits for (issue 21): its
+    # Draining to sleep, it is what a request that found nothing awake waits for: its
     # sleeping report wakes the deployment again whatever the queue holds when it comes, since the
     # request is queued only after its wake was decided. Cleared as it leaves draining.
     wake_when_asleep = models.BooleanField(default=False, db_default=False)
@@ -386,9 +386,9 @@ class Event(models.Model):
         FAILOVER_TAKEOVER = "failover.takeover"
         FAILOVER_STALE = "failover.stale"
         FAILOVER_SWITCHOVER = "failover.switchover"
-        # `up` started one of its processes again after it died (issue 20).
+        # `up` started one of its processes again after it died.
         STACK_RESTARTED = "stack.restarted"
-        # A node's host cache: a sleeper parked out of it, or what is over its budget (issue 19).
+        # A node's host cache: a sleeper parked out of it, or what is over its budget.
         HOST_CACHE = "host_cache"
 
     time = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -437,7 +437,7 @@ class UserLimits(models.Model):
 
 
 class RequestRecord(models.Model):
-    """An ended inference request, as the capacity planner reads recorded traffic (issue 21):
+    """An ended inference request, as the capacity planner reads recorded traffic:
     drained from Redis's gp:records (every request's end pushes one) by a beat task, kept for
     GPUPORTAL_REQUEST_RECORD_RETENTION_S. Written only by scheduling.services.traffic."""
 

@@ -94,7 +94,7 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
 
 
 def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
-    """(serving context, standby context) in bytes: the largest of these GPUs' (issue 15)."""
+    """(serving context, standby context) in bytes: the largest of these GPUs'."""
     return contexts_of(GPU.objects.filter(pk__in=list(gpu_ids)))
 
 
@@ -263,7 +263,7 @@ def _occupant_for(deployment: Deployment, placement: Placement) -> OccupantView:
 
 
 def retire_parked(deployment: Deployment, count: int, *, reason: str) -> None:
-    """Parked replicas (issue 19) that new loads replace, or a lower count no longer wants:
+    """Parked replicas that new loads replace, or a lower count no longer wants:
     stopped, oldest first. The caller holds the deployment row."""
     if count <= 0:
         return
