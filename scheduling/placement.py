@@ -240,6 +240,10 @@ def gpu_fraction(reserved_bytes: int, total_bytes: int) -> float:
 
 
 def is_evictable(occupant: OccupantView, request: PlacementRequest, policy: Policy, now: datetime) -> bool:
+    # An eviction sends its victim to sleep: a replica still starting has nothing to put to sleep
+    # yet (the state machine has no way from there to draining).
+    if occupant.state in states.STARTING:
+        return False
     if occupant.dedicated:
         return False
     # Evicting a sibling to place a sibling only churns; a sleeping one is promoted instead.

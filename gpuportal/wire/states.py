@@ -103,7 +103,9 @@ TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     S.SERVING: _MAY_END | {S.DRAINING, S.SLEEPING, S.PENDING},
     # Back to serving: a failover member's drain abandoned for its pair.
     S.DRAINING: _MAY_END | {S.SLEEPING, S.SERVING, S.PENDING},
-    S.SLEEPING: _MAY_END | {S.WAKING, S.PARKED},
+    # Draining again: evicted from a GPU a whole-GPU replica takes, it is told to sleep once more
+    # and its report gives back what it held there.
+    S.SLEEPING: _MAY_END | {S.WAKING, S.PARKED, S.DRAINING},
     # Back to sleeping: a wake that could not finish leaves the weights in host memory.
     S.WAKING: _MAY_END | {S.SERVING, S.SLEEPING, S.PENDING},
     S.STANDBY: _MAY_END | {S.WAKING, S.SERVING, S.PENDING},
@@ -134,15 +136,7 @@ def allowed(before: str, after: str) -> bool:
 
 def check(before: str, after: str) -> None:
     """Raise IllegalTransition unless `allowed(before, after)`."""
-    import os  # TEMP-RECORD
 
-    if log := os.environ.get("GPUPORTAL_TRANSITIONS_LOG"):  # TEMP-RECORD
-        import traceback  # TEMP-RECORD
-
-        where = " <- ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_stack()[-6:-1])  # TEMP-RECORD
-        with open(log, "a") as out:  # TEMP-RECORD
-            out.write(f"{before} {after} {allowed(before, after)} {where}\n")  # TEMP-RECORD
-        return  # TEMP-RECORD
     if not allowed(before, after):
         raise IllegalTransition(before, after)
 

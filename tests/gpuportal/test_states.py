@@ -143,8 +143,8 @@ def test_every_state_has_its_transitions_and_the_ended_ones_lead_nowhere_but_sto
 def test_a_transition_outside_the_table_raises_naming_both_states():
     with pytest.raises(states.IllegalTransition, match="from stopped to serving"):
         states.check(ReplicaState.STOPPED, ReplicaState.SERVING)
-    with pytest.raises(states.IllegalTransition, match="from sleeping to draining"):
-        states.check(ReplicaState.SLEEPING, ReplicaState.DRAINING)
+    with pytest.raises(states.IllegalTransition, match="from sleeping to serving"):
+        states.check(ReplicaState.SLEEPING, ReplicaState.SERVING)
     states.check(ReplicaState.SERVING, ReplicaState.DRAINING)
 
 
