@@ -257,7 +257,8 @@ class Probe:
     def load(self) -> None:
         import torch
 
-        from inference.replica import CudaBackend, EventWriter, Placement
+        from inference.event_stream import EventWriter
+        from inference.replica import CudaBackend, Placement
 
         self.step = "load"
         gpu = self.gpu

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.gpu import Row, fmt_size, nvml_vs, ok_or_fail
+from bench.gpu_rows import Row, fmt_size, nvml_vs, ok_or_fail
 from bench.report import ROOT
 from gpuportal.wire.states import ReplicaState as S
 

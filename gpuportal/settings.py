@@ -92,7 +92,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # An unreachable PostgreSQL or Redis, or a body too big: a JSON answer naming it, not a 500.
-    "gpuportal.outages.OutageMiddleware",
+    "scheduling.api.outages.OutageMiddleware",
     "gpuportal.throttle.AdminLoginThrottle",
 ]
 
@@ -142,7 +142,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PAGINATION_CLASS": "gpuportal.pagination.Pagination",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "gpuportal.errors.exception_handler",
+    "EXCEPTION_HANDLER": "scheduling.api.errors.exception_handler",
 }
 
 SPECTACULAR_SETTINGS = {

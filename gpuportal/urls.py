@@ -9,7 +9,8 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import IsAuthenticated
 
-from gpuportal import health, metrics
+from gpuportal import health
+from scheduling import gauges
 from scheduling.api import openai_compat
 
 # drf-spectacular serves the schema to anyone by default; here it sits behind the API's own
@@ -47,5 +48,5 @@ urlpatterns = [
     path("v1/embeddings", openai_compat.EmbeddingsView.as_view(), name="openai-embeddings"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
-    path("metrics", metrics.metrics, name="metrics"),
+    path("metrics", gauges.metrics, name="metrics"),
 ]

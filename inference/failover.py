@@ -36,11 +36,10 @@ from enum import Enum
 
 import psycopg
 
-log = logging.getLogger("inference.failover")
+from gpuportal.wire import failover_lease as lease
+from gpuportal.wire.failover_lease import LOCK_NAMESPACE
 
-# The first key of the two-key advisory lock form: keeps our locks apart from anyone else's.
-LOCK_NAMESPACE = 0x6770  # "gp"
-LEASE_TABLE = "scheduling_failoverlease"
+log = logging.getLogger("inference.failover")
 
 
 class Claim(Enum):
@@ -173,13 +172,7 @@ class FailoverMember:
         # the row lock may keep us waiting; our safe time must not start later than the row's.
         before = time.monotonic()
         with conn.transaction():
-            # NO KEY UPDATE: enough to serialise claims, and it does not wait for transactions
-            # that merely reference the lease (a Replica row written with this lease_id).
-            found = conn.execute(
-                f"SELECT holder_id, epoch, reconnect_deadline, server_started_at, closed_at IS NOT NULL, now(), "
-                f"pg_postmaster_start_time() FROM {LEASE_TABLE} WHERE id = %s FOR NO KEY UPDATE",
-                (cfg.lease_id,),
-            ).fetchone()
+            found = conn.execute(lease.READ_FOR_CLAIM, (cfg.lease_id,)).fetchone()
             if found is None:
                 raise Stale(f"failover lease {cfg.lease_id} no longer exists")
             row = LeaseRow(*found[:5])
@@ -201,10 +194,7 @@ class FailoverMember:
                 raise Stale(f"epoch {self.epoch} superseded: the lease is at epoch {row.epoch}, held by {row.holder}")
             epoch = row.epoch + 1 if claim is Claim.TAKE else row.epoch
             updated = conn.execute(
-                f"UPDATE {LEASE_TABLE} SET holder_id = %s, epoch = %s, "
-                f"granted_at = CASE WHEN %s THEN now() ELSE granted_at END, "
-                f"reconnect_deadline = now() + make_interval(secs => %s), server_started_at = %s "
-                f"WHERE id = %s AND epoch = %s",
+                lease.CLAIM,
                 (
                     cfg.replica_id,
                     epoch,
@@ -250,8 +240,7 @@ class FailoverMember:
         assert self._conn is not None and self.epoch is not None
         before = time.monotonic()
         updated = self._conn.execute(
-            f"UPDATE {LEASE_TABLE} SET reconnect_deadline = now() + make_interval(secs => %s), "
-            f"server_started_at = pg_postmaster_start_time() WHERE id = %s AND holder_id = %s AND epoch = %s",
+            lease.RENEW,
             (self.config.reconnect_window_s, self.config.lease_id, self.config.replica_id, self.epoch),
         ).rowcount
         if updated != 1:

@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
@@ -29,7 +29,25 @@ from inference.failover import FailoverMember, Grant, LeaseConfig, Stale
 from inference.process_exit import exit_now as _exit
 
 if TYPE_CHECKING:
-    from inference.replica import ReplicaHost
+    from inference.event_stream import EventWriter
+
+
+class PairedHost(Protocol):
+    """What a pair member drives of its replica's host (inference.replica.ReplicaHost is one):
+    declared here, so that this module need not import the host's."""
+
+    replica_id: str
+    state: str
+    events: EventWriter
+    fence: Fence | None
+    serving_tags: dict[str, Any]
+
+    def load(self) -> None: ...
+    def load_standby(self) -> None: ...
+    def wake_standby(self) -> None: ...
+    def on_stale(self, reason: str) -> None: ...
+    def where(self) -> dict[str, Any]: ...
+
 
 log = logging.getLogger("inference.pairing")
 
@@ -61,7 +79,7 @@ def give_back_from(requests: RequestQueue, deployment: str, grant: Grant, me: st
 class PairMember:
     def __init__(
         self,
-        host: ReplicaHost,
+        host: PairedHost,
         requests: RequestQueue,
         config: LeaseConfig,
         *,
@@ -84,7 +102,7 @@ class PairMember:
         self._stop = threading.Event()
 
     @classmethod
-    def from_args(cls, host: ReplicaHost, requests: RequestQueue, dsn: str, args: argparse.Namespace) -> PairMember:
+    def from_args(cls, host: PairedHost, requests: RequestQueue, dsn: str, args: argparse.Namespace) -> PairMember:
         config = LeaseConfig(dsn, args.failover_lease, host.replica_id, args.reconnect_window)
         return cls(
             host,
@@ -166,7 +184,7 @@ class PairMember:
             },
             given_back=len(given_back),
             pid=os.getpid(),
-            **self.host._where(),
+            **self.host.where(),
         )
 
     def _hold(self, grant: Grant) -> None:

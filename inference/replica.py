@@ -59,6 +59,7 @@ from gpuportal.wire.states import PROCESS_STARTING, Role
 from gpuportal.wire.states import ReplicaState as S
 from inference import load_slots
 from inference.allocator import give_back_cached
+from inference.event_stream import EventWriter
 from inference.hub import local_model_dir
 from inference.loaders import DIRECTORY_LOADERS, EMBEDDING, LOADERS, TRANSFORMERS
 from inference.process_exit import exit_now as _exit
@@ -183,71 +184,6 @@ def check_cap(weights: int, placement: Placement, outside_allocator: int = 0) ->
             f"{mib(placement.reserved_total)} ({placement.reserved_total} bytes){beside} "
             f"on GPUs {list(placement.gpus)}",
         )
-
-
-class EventWriter:
-    """One JSON object per line on the protocol stream; thread-safe (the serving threads write too).
-
-    A replica that may outlive its agent (inference.adoption) keeps running with no stream while
-    orphaned, and tells the next agent its state again (`resync`): the last state event it
-    emitted, which may have been lost with the old agent."""
-
-    # Events that say which state the replica is in, with the figures the books need for it.
-    STATE_EVENTS = (S.SERVING, "woken", S.SLEEPING)
-
-    def __init__(self, stream: TextIO | None):
-        self._stream = stream
-        self._lock = threading.Lock()
-        self._last_state: tuple[str, str] | None = None
-        # Set when the replica may outlive its agent: called once the stream breaks.
-        self.on_broken: Callable[[], None] | None = None
-
-    def emit(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"event": event, **fields}, separators=(",", ":"))
-        with self._lock:
-            if event in self.STATE_EVENTS:
-                self._last_state = (event, line)
-            broken = self._stream is not None and not self._write(line)
-            if broken:
-                self._stream = None
-        if not broken:
-            return
-        if self.on_broken is None:
-            # Nobody reads our events any more: the agent is gone, and so is our reason to run.
-            log.error("event stream closed while writing %s; exiting", event)
-            _exit(1)
-        log.warning("event stream closed while writing %s", event)
-        self.on_broken()
-
-    def _write(self, line: str) -> bool:
-        assert self._stream is not None
-        try:
-            self._stream.write(line + "\n")
-            self._stream.flush()
-            return True
-        except (BrokenPipeError, ValueError, OSError):
-            return False
-
-    def attach(self, stream: TextIO, hello: dict[str, Any]) -> None:
-        """A new agent adopted this replica: `hello` first, then the events from now on."""
-        with self._lock:
-            self._stream = stream
-            self._write(json.dumps({"event": "hello", **hello}, separators=(",", ":")))
-
-    def detach(self) -> None:
-        with self._lock:
-            self._stream = None
-
-    def last_state(self) -> str | None:
-        with self._lock:
-            return self._last_state[0] if self._last_state else None
-
-    def resync(self) -> None:
-        """Emit the last state event again, for an agent that adopted this replica: handlers on
-        the control plane apply a state they already hold as nothing."""
-        with self._lock:
-            if self._last_state is not None and self._stream is not None:
-                self._write(self._last_state[1])
 
 
 class Backend(Protocol):
@@ -831,7 +767,7 @@ class ReplicaHost:
                 self._allocate_pool()
             self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
             self.state = S.SERVING
-            self.events.emit("serving", pid=os.getpid(), **self._where(), **self.serving_tags)
+            self.events.emit("serving", pid=os.getpid(), **self.where(), **self.serving_tags)
 
     def load_standby(self) -> None:
         """A failover standby's init: the same weights, loaded and parked in host memory at once."""
@@ -920,7 +856,7 @@ class ReplicaHost:
             raise CommandRejected(f"bad wake: {exc}") from None
         with self.lock:
             if self.state == S.SERVING and target == self.placement:
-                self.events.emit("woken", **self._where())  # a retried wake: already done
+                self.events.emit("woken", **self.where())  # a retried wake: already done
                 return
             self._require(S.SLEEPING, "wake")
             with self._failing_as("load"):
@@ -929,7 +865,7 @@ class ReplicaHost:
                 check_cap(self.weights_bytes, target, self._outside_allocator())
                 self._wake_onto(target)
                 self.state = S.SERVING
-                self.events.emit("woken", **self._where())
+                self.events.emit("woken", **self.where())
             if self.backend.keep_arena:
                 self._keep_spare()  # the arena the wake kept, or one prepared now
 
@@ -1042,7 +978,7 @@ class ReplicaHost:
         self.model = model
         self.placement = placement
 
-    def _where(self) -> dict[str, Any]:
+    def where(self) -> dict[str, Any]:
         from inference.loaders import parameter_devices
 
         by_id = self.process_bytes_by_id()

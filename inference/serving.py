@@ -22,22 +22,46 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from gpuportal.wire import kvstats
-from gpuportal.wire.requestqueue import Fenced, Request, RequestQueue, family_of_loader
+from gpuportal.wire.requestqueue import Fence, Fenced, Request, RequestQueue, family_of_loader
 from inference.errors import BadInput
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
     from inference.embedding import Embedder
     from inference.paged import PagedModel
-    from inference.replica import ReplicaHost
 
 log = logging.getLogger("inference.serving")
+
+
+class ServingHost(Protocol):
+    """What the serving threads use of their replica's host (inference.replica.ReplicaHost is
+    one): declared here, so that this module need not import the host's."""
+
+    replica_id: str
+    loader: str
+    tokenizer: Any | None
+    paged: PagedModel | None
+    fence: Fence | None
+    # Set while the replica takes requests; `abort`: a drain's deadline passed.
+    accepting: threading.Event
+    abort: threading.Event
+    # Held by each forward step, so the weights never move under one.
+    lock: AbstractContextManager[Any]
+    on_stop_taking: Callable[[], None] | None
+
+    def begin_request(self) -> bool: ...
+    def end_request(self) -> None: ...
+    def executor(self) -> Executor: ...
+    def kv_stats(self) -> dict[str, Any] | None: ...
+    def on_stale(self, reason: str) -> None: ...
+
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -298,7 +322,7 @@ class Server(threading.Thread):
     waiting after that report then sees every request queued on the strength of the claim.
     """
 
-    def __init__(self, host: ReplicaHost, queue: RequestQueue, deployment: str, poll_s: float = 1.0):
+    def __init__(self, host: ServingHost, queue: RequestQueue, deployment: str, poll_s: float = 1.0):
         super().__init__(name=f"serve-{host.replica_id[:8]}", daemon=True)
         self.host, self.deployment, self.poll_s = host, deployment, poll_s
         self.queue = PatientQueue(queue, self._lost)
@@ -533,7 +557,7 @@ class KvPublisher:
     # Redis round trip in front of every next request, for a dashboard that refreshes every 3 s.
     AT_MOST_EVERY_S = 1.0
 
-    def __init__(self, host: ReplicaHost, queue: RequestQueue):
+    def __init__(self, host: ServingHost, queue: RequestQueue):
         self.host, self.queue = host, queue
         self.last: dict[str, Any] | None = None
         self.at = 0.0

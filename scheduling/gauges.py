@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import scheduling.metrics  # noqa: F401  registers the control plane's counters
+from gpuportal.wire import states
 from scheduling.models import GPU, Deployment, Node, Occupant, Replica
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ class StateCollector:
                 free.add_metric([node, gpu], nvml_free_bytes)
 
         nodes = _count_by("gpuportal_nodes", "Nodes by status.", "status", Node, Node.Status.values)
-        replicas = _count_by("gpuportal_replicas", "Replicas by state.", "state", Replica, Replica.State.values)
+        replicas = _count_by(
+            "gpuportal_replicas", "Replicas by state.", "state", Replica, [s.value for s in states.ReplicaState]
+        )
         return [
             total,
             reserved,
@@ -202,11 +205,7 @@ def _kv_blocks() -> list[Metric]:
         "Blocks of a replica's KV-cache pool held by sequences.",
         labels=["deployment", "replica"],
     )
-    awake = dict(
-        Replica.objects.filter(state__in=(Replica.State.SERVING, Replica.State.DRAINING)).values_list(
-            "id", "deployment__name"
-        )
-    )
+    awake = dict(Replica.objects.filter(state__in=states.HOLDING_WEIGHTS).values_list("id", "deployment__name"))
     for replica_id, stats in sorted(kv_stats(awake).items()):
         total.add_metric([awake[replica_id], replica_id], stats.get("blocks_total", 0))
         used.add_metric([awake[replica_id], replica_id], stats.get("blocks_used", 0))
@@ -216,7 +215,7 @@ def _kv_blocks() -> list[Metric]:
 def _failover_states() -> list[Metric]:
     """Each live pair member's state, and per failover deployment how many members are active:
     0 is an outage, more than 1 a split brain (DESIGN invariant 4)."""
-    states = GaugeMetricFamily(
+    by_state = GaugeMetricFamily(
         "gpuportal_failover_state",
         "1 for each failover pair member in the state it reports (init, standby, waking, active, dead).",
         labels=["deployment", "replica", "state"],
@@ -231,16 +230,16 @@ def _failover_states() -> list[Metric]:
     )
     members = (
         Replica.objects.filter(lease__isnull=False)
-        .exclude(state__in=(Replica.State.STOPPED, Replica.State.FAILED))
+        .exclude(state__in=states.ENDED)
         .values_list("deployment__name", "id", "failover_state")
     )
     for deployment, replica_id, state in members:
-        states.add_metric([deployment, replica_id, state or "init"], 1)
-        if state == "active":
+        by_state.add_metric([deployment, replica_id, state or states.FailoverState.INIT], 1)
+        if state == states.FailoverState.ACTIVE:
             counts[deployment] = counts.get(deployment, 0) + 1
     for deployment, n in sorted(counts.items()):
         active.add_metric([deployment], n)
-    return [states, active]
+    return [by_state, active]
 
 
 def _queue_depths() -> Metric:

@@ -1,5 +1,5 @@
 """Prometheus series the control plane counts. Scrape-time gauges of the state live in
-gpuportal.metrics; counters here are incremented where the thing happens, in any process
+scheduling.gauges; counters here are incremented where the thing happens, in any process
 (multiprocess mode aggregates them when PROMETHEUS_MULTIPROC_DIR is set, as `up` does)."""
 
 from prometheus_client import Counter, Histogram

@@ -136,7 +136,6 @@ def allowed(before: str, after: str) -> bool:
 
 def check(before: str, after: str) -> None:
     """Raise IllegalTransition unless `allowed(before, after)`."""
-
     if not allowed(before, after):
         raise IllegalTransition(before, after)
 

@@ -1,9 +1,11 @@
 """The shape of the code. No import cycle anywhere in the project: every module's
-imports, at the top or inside functions, form a graph without a cycle. The control plane's
-services are layered (queueing below replicas, below failover, below deployments, below sleep and
-preemption, below requests, and the reports on top), and the data plane's modules likewise.
-Imports under `if TYPE_CHECKING:` never run and are not counted. And every row lock goes through
-scheduling/locks.py, which holds the one lock order."""
+imports, at the top, inside functions or under `if TYPE_CHECKING:` (a cycle a type checker walks is
+still a knot for the reader), form a graph without a cycle. The control plane's services are
+layered (queueing below replicas, below failover, below deployments, below sleep and preemption,
+below requests, and the reports on top), and the data plane's modules likewise. The two planes
+share only the contract, which imports neither and no Django; the project package imports a plane
+only where it wires URLs and commands; the pure decisions import no Django. And every row lock goes
+through scheduling/locks.py, which holds the one lock order."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("gpuportal", "scheduling", "inference")
+PACKAGES = ("gpuportal", "scheduling", "inference", "bench")
+PLANES = ("scheduling", "inference")
+DJANGO = ("django", "rest_framework", "drf_spectacular", "django_celery_beat", "celery")
 
 
 def modules() -> dict[str, Path]:
@@ -25,22 +29,11 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def imported_names(tree: ast.AST) -> list[str]:
-    """Dotted names a module imports when it runs (a `from a import b` names a.b and a)."""
+    """Dotted names a module imports, wherever it does (a `from a import b` names a.b and a)."""
     names: list[str] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -117,7 +110,7 @@ def test_the_project_has_no_import_cycle():
 
 def test_the_cycle_check_finds_a_cycle_through_an_import_inside_a_function():
     tree = ast.parse("import x.top\n\ndef later():\n    from y.inner import thing\n\nif TYPE_CHECKING:\n    import z\n")
-    assert imported_names(tree) == ["x.top", "y.inner", "y.inner.thing"]
+    assert imported_names(tree) == ["x.top", "y.inner", "y.inner.thing", "z"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
@@ -150,3 +143,56 @@ def test_the_planes_import_only_the_wire_never_each_other():
     assert crossings == set()
     wire = {module: targets for module, targets in graph.items() if module.startswith("gpuportal.wire")}
     assert all(target.startswith("gpuportal.wire") for targets in wire.values() for target in targets), wire
+
+
+def test_the_contract_imports_no_plane_and_no_django():
+    # gpuportal.wire is what a replica process imports with no Django configured: the state
+    # machine, the commands, the queue protocol.
+    for name, path in modules().items():
+        if name.startswith("gpuportal.wire"):
+            imported = {n.split(".")[0] for n in imported_names(ast.parse(path.read_text()))}
+            assert not imported & {*PLANES, *DJANGO}, f"{name} imports {sorted(imported & {*PLANES, *DJANGO})}"
+
+
+# Where the project package may name a plane: the URLs it routes to the planes' views, the
+# commands that start a plane's processes, and the test suite's plugin (it declares virtual GPUs).
+WIRING = ("gpuportal.urls", "gpuportal.management.commands.", "gpuportal.testing.")
+
+
+def test_the_project_package_imports_a_plane_only_where_it_wires_them():
+    graph = import_graph()
+    back_edges = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("gpuportal") and not module.startswith(WIRING)
+        for target in targets
+        if target.split(".")[0] in PLANES
+    )
+    assert back_edges == []
+
+
+# The decisions: pure functions over dataclasses, which hypothesis tests and the simulator runs.
+PURE = (
+    "scheduling.state",
+    "scheduling.placement",
+    "scheduling.fairness",
+    "scheduling.host_cache",
+    "scheduling.adoption",
+    "scheduling.progress",
+    "scheduling.planning",
+    "scheduling.simulation",
+)
+
+
+def test_the_pure_decisions_reach_no_django_through_any_import():
+    graph, known = import_graph(), modules()
+    reached: dict[str, list[str]] = {}
+    for start in (m for m in known if m.startswith(PURE)):
+        seen, todo = {start}, [start]
+        while todo:
+            module = todo.pop()
+            direct = {n.split(".")[0] for n in imported_names(ast.parse(known[module].read_text()))}
+            if direct & set(DJANGO):
+                reached.setdefault(start, []).append(module)
+            todo.extend(t for t in graph.get(module, ()) if t not in seen and not seen.add(t))
+    assert reached == {}

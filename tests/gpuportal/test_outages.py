@@ -13,8 +13,8 @@ from django.db import OperationalError, connection
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from gpuportal.outages import outage_response
 from gpuportal.stack import free_port
+from scheduling.api.outages import outage_response
 from scheduling.services import queueing
 from tests.support import factories
 

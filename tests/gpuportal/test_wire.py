@@ -174,3 +174,19 @@ def test_a_call_the_control_plane_cannot_read_is_refused_naming_why(payload, mes
 def test_a_call_that_is_no_control_plane_method_cannot_be_sent():
     with pytest.raises(commands.WireError, match="unknown call 'shutdown'"):
         encode_call(Call("shutdown", "gp:r"))
+
+
+def test_the_failover_lease_contract_names_the_models_table_and_columns():
+    import re
+
+    from gpuportal.wire import failover_lease
+    from scheduling.models import FailoverLease
+
+    assert FailoverLease._meta.db_table == failover_lease.TABLE
+    columns = {field.column for field in FailoverLease._meta.concrete_fields}
+    assert set(failover_lease.COLUMNS) <= columns, set(failover_lease.COLUMNS) - columns
+    for statement in (failover_lease.READ_FOR_CLAIM, failover_lease.CLAIM, failover_lease.RENEW):
+        assert f" {failover_lease.TABLE} " in statement
+        # Every lower-case name the statement assigns, compares or selects is a column it declares.
+        named = set(re.findall(r"\b([a-z_]+) (?:=|IS)\b", statement)) | set(re.findall(r"SET ([a-z_]+)", statement))
+        assert named <= set(failover_lease.COLUMNS), named - set(failover_lease.COLUMNS)

@@ -20,7 +20,8 @@ from torch import nn
 
 from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_KERNEL_GROWTH_BYTES
 from gpuportal.wire.requestqueue import Request, RequestQueue, processing_key, queue_key
-from inference.replica import EventWriter, Placement, ReplicaHost, VirtualBackend
+from inference.event_stream import EventWriter
+from inference.replica import Placement, ReplicaHost, VirtualBackend
 from inference.supervisor import ReplicaSpec, Supervisor
 from tests.support.processes import wait_until
 from tests.support.replicas import Events

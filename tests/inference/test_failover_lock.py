@@ -181,7 +181,7 @@ def test_a_takeover_whose_wake_runs_past_its_timeout_ends_the_process(monkeypatc
         def wake_standby(self) -> None:
             unhang.wait(30)
 
-        def _where(self) -> dict:
+        def where(self) -> dict:
             return {}
 
     class Requests:

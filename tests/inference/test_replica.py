@@ -25,11 +25,11 @@ import psutil
 import pytest
 import torch
 
+from inference.event_stream import EventWriter
 from inference.loaders import load_model, tensor_bytes
 from inference.replica import (
     CommandRejected,
     CudaBackend,
-    EventWriter,
     Placement,
     ReplicaFailure,
     ReplicaHost,

@@ -10,8 +10,8 @@ import pytest
 from django.db import connections, transaction
 from django.test.utils import CaptureQueriesContext
 
-from gpuportal.wire import states
 from gpuportal.wire.memory import MiB
+from gpuportal.wire.states import AWAKE
 from inference.devices import virtual_gpus
 from scheduling import locks
 from scheduling.models import Deployment, Event, Replica
@@ -34,7 +34,7 @@ def made(name: str, replicas: int, need_mib: int = 300) -> None:
 
 
 def awake(name: str) -> list[Replica]:
-    return list(Replica.objects.filter(deployment__name=name, state__in=states.AWAKE).order_by("created_at"))
+    return list(Replica.objects.filter(deployment__name=name, state__in=AWAKE).order_by("created_at"))
 
 
 def changed(name: str) -> list[str]:
