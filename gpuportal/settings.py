@@ -1,4 +1,4 @@
-"""Settings come from environment variables (README lists them); nothing here is per-machine."""
+"""Settings come from environment variables (docs/operating.md lists them); nothing here is per-machine."""
 
 from __future__ import annotations
 

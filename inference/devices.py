@@ -1,4 +1,4 @@
-"""GPU backends (DESIGN §6): NVML for real NVIDIA GPUs, declared virtual GPUs elsewhere.
+"""GPU backends: NVML for real NVIDIA GPUs, declared virtual GPUs elsewhere.
 
 Both produce the same DeviceInfo rows, so scheduling never knows which it got; the `virtual`
 flag only labels them in the API and admin.

@@ -47,7 +47,7 @@ class PoolStats:
         return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
     def as_event(self) -> dict[str, Any]:
-        """The `kv` object of the replica's events (DESIGN §7 REPLICA)."""
+        """The `kv` object of the replica's events (the replica's `kv` in docs/api.md)."""
         return {
             "block_tokens": self.block_tokens,
             "blocks_total": self.blocks_total,

@@ -1,4 +1,4 @@
-"""How a replica builds its model (DESIGN §1): the loaders a deployment may name.
+"""How a replica builds its model (docs/architecture.md): the loaders a deployment may name.
 
 - ``transformers``: a Hugging Face causal LM from a local directory. Never the hub: nodes have no
   network in production either, and a silent download would blow the memory plan.

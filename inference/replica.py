@@ -1,4 +1,4 @@
-"""The replica host program: one OS process per replica (DESIGN §2), started by the node agent.
+"""The replica host program: one OS process per replica (docs/architecture.md), started by the node agent.
 
     python -m inference.replica --replica-id ID --source S --loader L --dtype D --gpus 0 \\
         --reserved-bytes-by-gpu '{"0": 734003200}' --fraction 0.03 --backend virtual|cuda
@@ -942,7 +942,7 @@ class ReplicaHost:
         )
 
     def kv_stats(self) -> dict[str, Any] | None:
-        """The pool's statistics for events (DESIGN §7 REPLICA `kv`); None without a pool."""
+        """The pool's statistics for events (the replica's `kv` in docs/api.md); None without a pool."""
         paged = self.paged  # read once: the main thread may drop it meanwhile
         return paged.pool.stats().as_event() if paged is not None else None
 

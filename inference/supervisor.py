@@ -1,6 +1,6 @@
 """Starts and watches the replica processes of one node (inside the node agent).
 
-One OS process per replica (DESIGN §2). The supervisor spawns `python -m inference.replica`, writes
+One OS process per replica (docs/architecture.md). The supervisor spawns `python -m inference.replica`, writes
 commands to its stdin, and a reader thread per replica turns its stdout events into `on_event`
 calls. It knows nothing of Django or of the control plane: the agent passes callbacks.
 

@@ -2,7 +2,7 @@
 
 The admin looks at everything but must never be a second writer beside the ledger: GPU bytes,
 versions and wake locks, occupants, intents, leases, replica state and the audit trail change
-only through `scheduling.ledger` / `scheduling.services`, which keep the invariants of DESIGN §3
+only through `scheduling.ledger` / `scheduling.services`, which keep the invariants of docs/architecture.md
 and write an Event for each change. So those are read-only here, and deletes that would
 cascade into occupants are refused (Django checks delete permission on every cascaded row).
 Controls (drain, sleep, wake, evict) belong in admin actions that call services."""

@@ -24,7 +24,7 @@ Where this goes beyond the seed, on purpose:
   dropped again, most recently used first, so no replica is put to sleep for nothing. The
   result is irredundant: without any one of the victims some needed GPU would be short.
 - A `dedicated` replica is not a victim either: the Deployment model documents it as "never
-  evicted to make room for others", and placement (DESIGN §4) keeps that rule too.
+  evicted to make room for others", and placement keeps that rule too.
 - A replica with no `serving_since` is not eligible: nothing proves it has served its
   min_runtime, and guessing in its disfavour is what thrashing is made of.
 - `last_accessed = None` counts as the *oldest*: a serving replica that no request has reached
@@ -62,7 +62,7 @@ not wait for the replica's weights to leave.
 that instant. The seed's guarantees are untouched: the filters above still decide who may be a
 victim; the wait is never longer than max_wait, only shorter.
 
-Why min_runtime prevents thrashing (DESIGN invariant 3, the thrash check): a replica is a
+Why min_runtime prevents thrashing (invariant 3 of docs/architecture.md, the thrash check): a replica is a
 victim only once `now - serving_since >= min_runtime_s`. As long as the wake path sets
 `serving_since` to the time the replica (re)starts serving, and never carries it over a sleep,
 a replica woken at t cannot be preempted before t + min_runtime. Two deployments that fit a GPU
@@ -421,7 +421,7 @@ def choose_target(
 ) -> Target | None:
     """The GPU where making room for a replica of `need_bytes` costs least, and its victims.
 
-    Placement's targeting (DESIGN §4) picks the GPU with the fewest evictions as if every
+    Placement's targeting (scheduling.placement) picks the GPU with the fewest evictions as if every
     non-dedicated occupant could leave, and only then asks who may; a GPU whose occupants turn
     out popular, young or busy makes the wake fail and start again (the trace simulator: the
     large models starve that way). Here every GPU that can hold the need as a fraction is asked

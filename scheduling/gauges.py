@@ -214,7 +214,7 @@ def _kv_blocks() -> list[Metric]:
 
 def _failover_states() -> list[Metric]:
     """Each live pair member's state, and per failover deployment how many members are active:
-    0 is an outage, more than 1 a split brain (DESIGN invariant 4)."""
+    0 is an outage, more than 1 a split brain (invariant 4 of docs/architecture.md)."""
     by_state = GaugeMetricFamily(
         "gpuportal_failover_state",
         "1 for each failover pair member in the state it reports (init, standby, waking, active, dead).",

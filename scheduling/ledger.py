@@ -1,4 +1,4 @@
-"""The one commit path (DESIGN §4): snapshot GPUs, let a pure module plan, commit with
+"""The one commit path (docs/architecture.md, the ledger): snapshot GPUs, let a pure module plan, commit with
 compare-and-swap on the GPU rows. A snapshot of every GPU is this process's Mirror, refreshed with
 only the GPUs whose view changed since its last read (the services decide on it, so it
 must equal a fresh read, which the change stamps the database puts on every row a view is built

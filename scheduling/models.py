@@ -1,4 +1,4 @@
-"""The portal's state (DESIGN §3). PostgreSQL is the source of truth; only `ledger` and
+"""The portal's state (docs/architecture.md). PostgreSQL is the source of truth; only `ledger` and
 `services` write these rows."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class GPU(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_node_index"),
             models.CheckConstraint(condition=Q(total_bytes__gt=0), name="gpu_total_positive"),
-            # The over-commit invariant (DESIGN §3.1) as a last line of defence under the ledger.
+            # Invariant 1 of docs/architecture.md (no over-commit) as a last line of defence under the ledger.
             models.CheckConstraint(
                 condition=Q(available_bytes__gte=0) & Q(available_bytes__lte=F("total_bytes")),
                 name="gpu_available_within_total",
@@ -226,7 +226,7 @@ class Replica(models.Model):
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="replicas")
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.PRIMARY)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING, db_index=True)
-    # {"<gpu index>": bytes} on its node, as in the REST shape of DESIGN §7.
+    # {"<gpu index>": bytes} on its node, as in the REST shape of docs/api.md.
     gpu_mem_bytes_by_id = models.JSONField(default=dict, blank=True)
     gpu_memory_fraction = models.FloatField(null=True, blank=True)
     pid = models.IntegerField(null=True, blank=True)
@@ -356,7 +356,7 @@ class FailoverLease(models.Model):
 
 
 class Event(models.Model):
-    """The audit trail: why each thing happened (DESIGN §3.1 invariant 6)."""
+    """The audit trail: why each thing happened (invariant 6 of docs/architecture.md)."""
 
     class Kind(models.TextChoices):
         NODE_REGISTERED = "node.registered"

@@ -77,7 +77,7 @@ class Policy:
     # "fewest": the fewest tenants that free enough, the smallest such. "smallest_first": evict
     # in ascending size until enough is free (the seed's order).
     victims: Literal["fewest", "smallest_first"]
-    # DESIGN invariant 3: popular replicas, and those inside their min_runtime, are never
+    # Invariant 3 of docs/architecture.md: popular replicas, and those inside their min_runtime, are never
     # victims. Off, the seed's rule applies: only a dedicated request may evict a young replica.
     protect_fairness: bool
     # False: never evict anyone, only use free memory. The fair wake path (services/preemption)
@@ -109,7 +109,7 @@ class PlacementRequest:
     replicas of the deployment, promoted in preference to creating one (the promoted replica
     keeps its own id). `allow_new=False` only promotes (a wake rather than a scale-up).
     `dedicated` matters only under `ndif`, where (as in the seed) a dedicated request may evict
-    replicas still inside their min_runtime; `gpuportal` keeps DESIGN invariant 3 for everyone.
+    replicas still inside their min_runtime; `gpuportal` keeps invariant 3 (docs/architecture.md) for everyone.
     `spread` (a deployment's `placement.spread`) trades packing for isolation: among the nodes and
     GPUs that can host it without evictions, the replica goes where the fewest of its siblings
     are, then to the emptiest GPU, rather than to the fullest GPU that fits (best fit packs, so

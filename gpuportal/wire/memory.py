@@ -1,4 +1,4 @@
-"""How many GPU bytes a replica needs (DESIGN §5). Pure: no Django, no torch, no I/O.
+"""How many GPU bytes a replica needs (docs/architecture.md, Memory). Pure: no Django, no torch, no I/O.
 
 In order of trust a replica's need is the operator's override, the bytes measured after its
 first load, or an estimate from the model's shape. Measured or estimated, it is one formula,

@@ -24,7 +24,7 @@ class PlanInput(StrictSerializer):
         required=False,
         allow_blank=False,
         trim_whitespace=False,
-        help_text="A trace file's text (CSV or JSON lines, see the README). Without it: the recorded traffic.",
+        help_text="A trace file's text (CSV or JSON lines, see docs/operating.md). Without it: the recorded traffic.",
     )
     format = serializers.ChoiceField(choices=["csv", "jsonl"], required=False, help_text="Guessed when left out.")
     since = serializers.CharField(

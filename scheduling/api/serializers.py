@@ -1,4 +1,4 @@
-"""REST shapes of DESIGN §7. Field names here are a contract with clients: add, never rename.
+"""REST shapes of docs/api.md. Field names here are a contract with clients: add, never rename.
 
 The serializers expect querysets from `scheduling.selectors` (related rows already loaded)."""
 
@@ -163,7 +163,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
         return known.get(obj.id)
 
 
-# Deployment settings are grouped as in the POST body of DESIGN §7; each group reads from the
+# Deployment settings are grouped as in the POST body of docs/api.md; each group reads from the
 # deployment's own flat columns (source="*"), so the same classes can take writes later.
 
 

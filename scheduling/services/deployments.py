@@ -32,7 +32,7 @@ from scheduling.services.scaling import scale
 
 @dataclass(frozen=True)
 class DeploymentSpec:
-    """A validated deployment as a user asked for it (the REST shape of DESIGN §7, flattened)."""
+    """A validated deployment as a user asked for it (the REST shape of docs/api.md, flattened)."""
 
     name: str
     source: str

@@ -16,8 +16,8 @@ A wake that does not fit without evicting anyone does not evict at once. Instead
    last; no more victims than requests wait for the waker). For what neither decides (no GPU
    that could ever make room as things stand, or a whole-GPU target refused by those guards),
    placement with evictions allowed says where the waker *would* go (the fewest evictions);
-2. takes the WAKE LOCK of each of those GPUs (at most one wake in progress per GPU, DESIGN
-   invariant 2); a lock held by a live replica and not expired makes this wake wait and retry;
+2. takes the WAKE LOCK of each of those GPUs (at most one wake in progress per GPU, invariant
+   2 of docs/architecture.md); a lock held by a live replica and not expired makes this wake wait and retry;
    an expired one, or one whose holder is gone, stopped or failed, is taken over;
 3. writes a PreemptionIntent per GPU. Its deadline is created_at + the deployment's max_wait_s,
    unless every victim of the chosen target serves no request right now

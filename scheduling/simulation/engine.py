@@ -18,7 +18,7 @@ services build one from the ledger. Simulated replicas:
 - a sleeping replica keeps its weights in its node's CPU RAM (assumed large enough) and holds no GPU
   memory (virtual GPUs: no CUDA context is kept), so it is not an occupant but a `CachedReplica`.
 
-Every change of reservations is checked against every GPU's total (DESIGN invariant 1): an
+Every change of reservations is checked against every GPU's total (invariant 1 of docs/architecture.md): an
 over-commit raises `OverCommit` at the simulated instant it would happen.
 """
 
@@ -663,7 +663,7 @@ class Simulation:
         self._check(())
 
     def _check(self, gpu_ids: Iterable[int]) -> None:
-        # DESIGN invariant 1, at every simulated instant the reservations change.
+        # Invariant 1 of docs/architecture.md, at every simulated instant the reservations change.
         self.counters.overcommit_checks += 1
         for gpu_id in gpu_ids:
             gpu = self.gpus[gpu_id]

@@ -1,6 +1,8 @@
-"""The README's "Using the API" commands, run as a user types them: in a shell, in the
-checkout, against a fresh `make run` (`up` with no GPUPORTAL_ADMIN_PASSWORD, so the token step
-reads var/admin-password). Only the port and the model's directory are the test's own."""
+"""The README's quickstart, run as a user types it: in a shell, in the checkout, against a fresh
+`make run` (`up` with no GPUPORTAL_ADMIN_PASSWORD, so the token step reads var/admin-password).
+After the first deploy and the first request come the README's "Using the API" commands and the
+embeddings example of docs/api.md, in the same shell. Only the port and the model's directory are
+the test's own. (tests/gpuportal/test_docs.py checks, without a stack, where the quickstart sits.)"""
 
 from __future__ import annotations
 
@@ -15,18 +17,16 @@ from tests.support.up import ROOT, Up
 pytestmark = pytest.mark.slow
 
 
-def sh_blocks(after: str) -> list[str]:
-    """The ```sh blocks of the README's section that starts with the line `after`."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(after) :]
-    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
+def sh_blocks(path: str, heading: str) -> list[str]:
+    """The ```sh blocks of the section of `path` (relative to the checkout) under the line `heading`."""
+    text = (ROOT / path).read_text()
+    section = text[text.index(f"\n{heading}\n") + 1 :]
+    section = section[: section.index("\n## ")] if "\n## " in section else section
     return re.findall(r"```sh\n(.*?)```", section, flags=re.S)
 
 
-def run_as_typed(block: str, *, cwd, port: int, model_dir) -> str:
-    script = block.replace("localhost:8000", f"localhost:{port}").replace("/tmp/tiny", str(model_dir))
-    # A placeholder line (`<id>`) is for the reader to fill in; it is not run.
-    script = "\n".join(line for line in script.splitlines() if "<id>" not in line)
+def run_as_typed(script: str, *, cwd, port: int, model_dir) -> str:
+    script = script.replace("localhost:8000", f"localhost:{port}").replace("/tmp/tiny", str(model_dir))
     done = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, capture_output=True, text=True, timeout=300
     )
@@ -49,8 +49,11 @@ def json_values(text: str) -> list:
     return found
 
 
-def test_the_readmes_api_commands_work_as_typed_on_a_fresh_stack(tmp_path):
-    using_the_api, requests, embeddings = sh_blocks("## Using the API")[:3]
+def test_the_readmes_quickstart_works_as_typed_on_a_fresh_stack(tmp_path):
+    make, first_deploy = sh_blocks("README.md", "## Quickstart")  # `make run` is what the test starts
+    (using_the_api,) = sh_blocks("README.md", "## Using the API")
+    (embeddings,) = sh_blocks("docs/api.md", "## Embeddings")
+    assert make.startswith("make run")
     checkout = tmp_path / "checkout"  # the checkout as the user's shell sees it, var/ being up's
     checkout.mkdir()
     for name in (".venv", "manage.py"):
@@ -62,18 +65,21 @@ def test_the_readmes_api_commands_work_as_typed_on_a_fresh_stack(tmp_path):
         assert (tmp_path / "var" / "admin-password").stat().st_mode & 0o777 == 0o600
 
         # One shell, as a user pastes one block after the other: the later ones use the first's $AUTH.
-        blocks = using_the_api + requests + embeddings
-        said = run_as_typed(blocks, cwd=checkout, port=up.port, model_dir=tmp_path / "tiny")
+        said = run_as_typed(
+            first_deploy + using_the_api + embeddings, cwd=checkout, port=up.port, model_dir=tmp_path / "tiny"
+        )
 
-        created, scaled, gpus, inferred, submitted, listed, encoder, embedded = json_values(said)
+        created, inferred, scaled, gpus, followed, listed, encoder, embedded = json_values(said)
         assert created["name"] == "tiny-a" and created["replicas_wanted"] == 1, created
+        # The first request waits (timeout_s 30) for the first replica to load and serve it.
+        assert inferred["status"] == "done" and inferred["output"]["text"], inferred
         assert scaled["replicas_wanted"] == 3, scaled
         assert len(gpus["results"]) == 2, gpus
-        # The infer waits (timeout_s 30) for a replica to load and serve it.
-        assert inferred["status"] == "done" and inferred["output"]["text"], inferred
-        assert submitted["status"] in ("queued", "waking", "dispatched", "running", "done"), submitted
+        # The request submitted without waiting, followed by the id its answer gave.
+        assert followed["deployment"] == "tiny-a", followed
+        assert followed["status"] in ("queued", "waking", "dispatched", "running", "done"), followed
         assert inferred["id"] in [r["id"] for r in listed["results"]], listed
-        # The packaged sentence encoder (a dev dependency), deployed and asked as the README says.
+        # The packaged sentence encoder (a dev dependency), deployed and asked as docs/api.md says.
         assert encoder["name"] == "minilm", encoder
         assert [len(d["embedding"]) for d in embedded["data"]] == [384, 384], embedded
     finally:

@@ -1,4 +1,4 @@
-"""The read side of the REST API (DESIGN §7): auth, shapes, filters, query counts, schema."""
+"""The read side of the REST API (docs/api.md): auth, shapes, filters, query counts, schema."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The commit path (DESIGN §4): snapshot → plan → compare-and-swap commit, on real PostgreSQL."""
+"""The commit path (docs/architecture.md, the ledger): snapshot → plan → compare-and-swap commit, on real PostgreSQL."""
 
 from __future__ import annotations
 

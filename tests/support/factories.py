@@ -1,5 +1,5 @@
 """Test rows made straight with the ORM. Placing a replica here writes the Occupant and the
-GPU's available_bytes together, keeping invariant 1 of DESIGN §3 as the ledger would."""
+GPU's available_bytes together, keeping invariant 1 of docs/architecture.md as the ledger would."""
 
 from __future__ import annotations
 
