@@ -136,7 +136,7 @@ class FailoverMember:
     def try_acquire(self) -> Grant | None:
         """Take the lock if it is free and ours to take; None otherwise (without waiting)."""
         conn = self._connect_retrying()
-        if not self._lock_call(conn, "pg_try_advisory_lock"):
+        if not self._lock_call(conn, lease.TRY_LOCK):
             conn.close()
             return None
         grant = self._claim(conn)
@@ -152,7 +152,7 @@ class FailoverMember:
             conn: psycopg.Connection | None = None
             try:
                 conn = self._connect_retrying(stop)
-                self._lock_call(conn, "pg_advisory_lock")  # blocks in the server until granted
+                self._lock_call(conn, lease.LOCK)  # blocks in the server until granted
                 grant = self._claim(conn)
                 if grant is not None:
                     return grant
@@ -277,7 +277,7 @@ class FailoverMember:
                 self._closed.wait(0.1)
                 continue
             try:
-                if self._lock_call(conn, "pg_try_advisory_lock") and self._claim(conn) is not None:
+                if self._lock_call(conn, lease.TRY_LOCK) and self._claim(conn) is not None:
                     log.info("failover lock re-acquired at epoch %s", self.epoch)
                     return True
             except Stale as exc:
@@ -318,9 +318,9 @@ class FailoverMember:
                     raise
                 time.sleep(0.2)
 
-    def _lock_call(self, conn: psycopg.Connection, function: str) -> bool:
-        result = conn.execute(f"SELECT {function}(%s, %s)", (LOCK_NAMESPACE, self.config.lease_id)).fetchone()
+    def _lock_call(self, conn: psycopg.Connection, call: str) -> bool:
+        result = conn.execute(call, (LOCK_NAMESPACE, self.config.lease_id)).fetchone()
         return result is None or result[0] is not False  # pg_advisory_lock returns void (None)
 
     def _unlock(self, conn: psycopg.Connection) -> None:
-        conn.execute("SELECT pg_advisory_unlock(%s, %s)", (LOCK_NAMESPACE, self.config.lease_id))
+        conn.execute(lease.UNLOCK, (LOCK_NAMESPACE, self.config.lease_id))

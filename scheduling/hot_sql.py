@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -34,6 +35,18 @@ class _Cursor(psycopg.Cursor):
         if connection.queries_logged:
             connection.queries_log.append({"sql": f"{query} -- × {len(params_seq)}", "params": None, "time": "0.000"})
         super().executemany(query, params_seq, **kwargs)
+
+
+STATEMENTS = Path(__file__).resolve().parent / "sql" / "statements"
+
+
+@functools.cache
+def statement(name: str, **fill: str) -> str:
+    """The text of `sql/statements/<name>.sql`, its {placeholders} filled (names the code owns,
+    never values: those go as parameters). Read once per process."""
+    text = (STATEMENTS / f"{name}.sql").read_text()
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+    return body.format(**fill).strip() if fill else body.strip()
 
 
 @contextmanager

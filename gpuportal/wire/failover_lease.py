@@ -10,6 +10,11 @@ from __future__ import annotations
 # The first key of the two-key advisory lock form: keeps our locks apart from anyone else's.
 LOCK_NAMESPACE = 0x6770  # "gp"
 
+# The pair's session lock, on (LOCK_NAMESPACE, lease id): taken if free, waited for, given back.
+TRY_LOCK = "SELECT pg_try_advisory_lock(%s, %s)"
+LOCK = "SELECT pg_advisory_lock(%s, %s)"
+UNLOCK = "SELECT pg_advisory_unlock(%s, %s)"
+
 TABLE = "scheduling_failoverlease"
 # Every column a member touches.
 COLUMNS = ("id", "holder_id", "epoch", "granted_at", "reconnect_deadline", "server_started_at", "closed_at")

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from gpuportal.wire import memory
 from gpuportal.wire.states import DeploymentStatus
-from scheduling import events, fairness, ledger, locks
+from scheduling import events, fairness, hot_sql, ledger, locks
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import dispatch, queueing
 from scheduling.services import replicas as replica_services
@@ -393,19 +393,12 @@ def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
     return serving
 
 
-# A deleted deployment's replicas: (id, state, node name or None), by its locked id.
-_REPLICAS_OF = (
-    "SELECT r.id, r.state, n.name FROM scheduling_replica r LEFT JOIN scheduling_node n ON n.id = r.node_id "
-    "WHERE r.deployment_id = ANY(%s)"
-)
-
-
 @locks.retry_deadlocks
 def delete(name: str, *, reason: str = "deleted by an operator") -> None:
     """Release every reservation, stop every process, and forget the deployment."""
     with transaction.atomic(), events.gathered():
         # Its row locked and its replicas read in statements the server keeps prepared.
-        found, (replicas,) = locks.lock_deployments_reading([name], _REPLICAS_OF)
+        found, (replicas,) = locks.lock_deployments_reading([name], hot_sql.statement("replicas_of"))
         if not found:
             raise NotFound(f"no deployment named {name!r}")
         deployment = found[0]

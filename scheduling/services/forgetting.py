@@ -22,37 +22,11 @@ and not also updated, and so on.
 
 from __future__ import annotations
 
-from scheduling.hot_sql import cursor
-
-_FORGET = """
-WITH doomed AS (
-    SELECT id FROM scheduling_replica WHERE deployment_id = %(deployment)s
-), leases AS (
-    SELECT id FROM scheduling_failoverlease WHERE deployment_id = %(deployment)s
-), waiting AS (
-    DELETE FROM scheduling_preemptionintent WHERE waiting_replica_id IN (SELECT id FROM doomed)
-), victims AS (
-    UPDATE scheduling_preemptionintent SET victim_id = NULL
-    WHERE victim_id IN (SELECT id FROM doomed) AND waiting_replica_id NOT IN (SELECT id FROM doomed)
-), wake_locks AS (
-    UPDATE scheduling_gpu SET wake_lock_holder_id = NULL WHERE wake_lock_holder_id IN (SELECT id FROM doomed)
-), holders AS (
-    UPDATE scheduling_failoverlease SET holder_id = NULL
-    WHERE holder_id IN (SELECT id FROM doomed) AND deployment_id <> %(deployment)s
-), members AS (
-    UPDATE scheduling_replica SET lease_id = NULL
-    WHERE lease_id IN (SELECT id FROM leases) AND deployment_id <> %(deployment)s
-), replicas AS (
-    DELETE FROM scheduling_replica WHERE deployment_id = %(deployment)s
-), own_leases AS (
-    DELETE FROM scheduling_failoverlease WHERE deployment_id = %(deployment)s
-)
-DELETE FROM scheduling_deployment WHERE id = %(deployment)s
-"""
+from scheduling.hot_sql import cursor, statement
 
 
 def forget_deployment(deployment_id: int) -> None:
     """Delete the deployment and what hangs on it, inside the caller's transaction, which holds
     the deployment's row lock (`locks.lock_deployment`) so that no replica joins it meanwhile."""
     with cursor() as cur:
-        cur.execute(_FORGET, {"deployment": deployment_id})
+        cur.execute(statement("forget_deployment"), {"deployment": deployment_id})

@@ -339,7 +339,10 @@ def set_states_of(replicas: Sequence[KnownReplica], state: str) -> None:
         check_transition(r.id, r.state, state)
     with hot_sql.cursor() as cursor:
         draining = str(Replica.State.DRAINING)
-        cursor.execute(_SET_STATES_SQL, [state, timezone.now(), draining, state, draining, [r.id for r in replicas]])
+        cursor.execute(
+            hot_sql.statement("set_states"),
+            [state, timezone.now(), draining, state, draining, [r.id for r in replicas]],
+        )
     for r in replicas:
         if r.state != state:
             _state_event(Event.Kind.REPLICA_STATE, r.id, r.state, state, r.reason, r.node or "", r.deployment)
@@ -352,16 +355,6 @@ def check_transition(replica_id: str, before: str, after: str, why: str = "") ->
         states.check(before, after)
     except states.IllegalTransition:
         raise TransitionRefused(replica_id, before, after, why) from None
-
-
-# The rows locked first in primary-key order (the global lock order, scheduling.locks): an UPDATE
-# alone locks them in whatever order its scan meets them.
-_SET_STATES_SQL = (
-    "UPDATE scheduling_replica r SET state = %s, updated_at = %s, "
-    "wake_when_asleep = r.wake_when_asleep AND r.state = %s AND %s = %s "
-    "FROM (SELECT id FROM scheduling_replica WHERE id = ANY(%s) ORDER BY id FOR UPDATE) locked "
-    "WHERE r.id = locked.id"
-)
 
 
 def _state_event(

@@ -18,7 +18,7 @@ from django.db import InterfaceError, OperationalError, connection
 
 from gpuportal.wire import states
 from gpuportal.wire.requestqueue import Request, family_of_kind, family_of_loader
-from scheduling import ledger, requeststats
+from scheduling import hot_sql, ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import placing, sleep, user_limits
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound, Unavailable
@@ -72,14 +72,6 @@ _TAKES = {
 _AWAKE_OR_STANDBY = states.names(sorted(states.AWAKE | {Replica.State.STANDBY}))
 # A fair wake's waiter without a place yet is not awake (node_id null): asking again is what lets
 # a wake whose preempt task died start over (sleep.awake_count).
-_SUBMIT_SQL = """
-SELECT d.loader,
-       EXISTS (SELECT 1 FROM scheduling_replica r
-               WHERE r.deployment_id = d.id AND r.state = ANY(%s) AND r.node_id IS NOT NULL),
-       EXISTS (SELECT 1 FROM scheduling_replica r WHERE r.deployment_id = d.id AND r.state = %s)
-FROM scheduling_deployment d
-WHERE d.name = %s
-"""
 
 
 def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str) -> Request:
@@ -194,7 +186,7 @@ def _fetch(params: list) -> tuple[str, bool, bool] | None:
     # planning it on every request (about 0.15 ms of each, out of the portal's small overhead budget).
     connection.ensure_connection()
     with psycopg.Cursor(connection.connection) as cursor:
-        cursor.execute(_SUBMIT_SQL, params)
+        cursor.execute(hot_sql.statement("submit_facts"), params)
         return cursor.fetchone()
 
 

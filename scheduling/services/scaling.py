@@ -76,18 +76,8 @@ class _Census:
         return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
 
 
-# Not the gone ones: nothing here counts or stops them, and their rows pile up until swept.
-_CENSUS_SQL = (
-    "SELECT r.deployment_id, r.id, r.state, r.role, n.name FROM scheduling_replica r "
-    "LEFT JOIN scheduling_node n ON n.id = r.node_id "
-    "WHERE r.deployment_id = ANY(%s) "
-    f"AND r.state NOT IN ({', '.join(repr(state) for state in states.names(sorted(GONE)))}) "
-    "ORDER BY r.created_at DESC"
-)
-_WANTED_SQL = (
-    "UPDATE scheduling_deployment d SET replicas_wanted = v.wanted, updated_at = %s "
-    "FROM unnest(%s::bigint[], %s::int[]) AS v(id, wanted) WHERE d.id = v.id"
-)
+def _census_sql() -> str:
+    return hot_sql.statement("scale_census", gone=", ".join(repr(state) for state in states.names(sorted(GONE))))
 
 
 @dataclass
@@ -179,7 +169,7 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
 def _locking(names: list[str]) -> dict[str, tuple[Deployment, _Census]]:
     """The deployments' rows locked (in primary-key order) and their census, by name; a name with
     no deployment is left out."""
-    deployments, (rows,) = locks.lock_deployments_reading(names, _CENSUS_SQL)
+    deployments, (rows,) = locks.lock_deployments_reading(names, _census_sql())
     by_id: dict[int, list[tuple]] = {d.pk: [] for d in deployments}
     for deployment_id, *row in rows:
         by_id[deployment_id].append(row)
@@ -252,7 +242,7 @@ def _write_wanted(done: list[_Scaling]) -> None:
         scaling.deployment.replicas_wanted = scaling.intent.replicas
     with hot_sql.cursor() as cursor:
         ids, wanted = [s.deployment.pk for s in done], [s.intent.replicas for s in done]
-        cursor.execute(_WANTED_SQL, [timezone.now(), ids, wanted])
+        cursor.execute(hot_sql.statement("scale_wanted"), [timezone.now(), ids, wanted])
 
 
 def _after(scaling: _Scaling) -> None:

@@ -10,6 +10,7 @@ through scheduling/locks.py, which holds the one lock order."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,3 +197,46 @@ def test_the_pure_decisions_reach_no_django_through_any_import():
                 reached.setdefault(start, []).append(module)
             todo.extend(t for t in graph.get(module, ()) if t not in seen and not seen.add(t))
     assert reached == {}
+
+
+# SQL as a statement's text: DML, a row lock, or a function call read back.
+SQL = re.compile(
+    r"\b(SELECT\s.+\bFROM\b|SELECT\s+\w+\(|SELECT\s+1\b|INSERT\s+INTO\b|UPDATE\s+\w+\s.*\bSET\b|DELETE\s+FROM\b"
+    r"|FOR\s+UPDATE\b|CREATE\s+DATABASE\b|ALTER\s+ROLE\b)",
+    re.S,
+)
+# Where SQL may be written in Python: the lock order, the ledger and the statement runner (whose
+# hand-written statements are .sql files under scheduling/sql/), the failover lease the contract
+# shares with the pair members' own connections, and the embedded server's set-up and probe.
+SQL_HOMES = (
+    "scheduling.locks",
+    "scheduling.ledger",
+    "scheduling.hot_sql",
+    "gpuportal.wire.failover_lease",
+    "gpuportal.stack",
+    "gpuportal.health",
+)
+
+
+def sql_strings_in(source: str) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and SQL.search(node.value)
+    ]
+
+
+def test_no_sql_is_written_outside_the_locks_the_ledger_and_sql_files():
+    offenders = [
+        f"{name}:{line}"
+        for name, path in modules().items()
+        if not name.startswith(("bench", *SQL_HOMES))
+        for line in sql_strings_in(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_the_sql_check_finds_statements_and_leaves_prose_alone():
+    assert sql_strings_in('q = "UPDATE scheduling_replica SET state = %s WHERE id = %s"')
+    assert sql_strings_in('q = "SELECT id FROM scheduling_gpu ORDER BY id FOR UPDATE"')
+    assert not sql_strings_in('reason = "select a victim from the GPU, then update its books"')
