@@ -26,6 +26,8 @@ STATE_STYLES = {
     S.WAKING: "yellow",
     S.DRAINING: "magenta",
     S.STOPPING: "magenta",
+    S.PARKED: "bright_black",
+    S.STOPPED: "bright_black",
 }
 STATUS_STYLES = {DeploymentStatus.OK: "green", DeploymentStatus.RETRYING: "yellow", DeploymentStatus.FAILED: "red"}
 # Deployments get a colour each in the GPU bars, stable across runs (not Python's salted hash).
