@@ -9,7 +9,7 @@ each waiting for its own answer."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -17,14 +17,35 @@ from celery import Celery
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from gpuportal.wire import replies
-from gpuportal.wire.control import AGENT_CALL_TASK, AGENT_QUEUE, Call, ControlError, encode_call
-from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
+from gpuportal.wire.control import (
+    AGENT_CALL_TASK,
+    AGENT_QUEUE,
+    OPTIONAL,
+    TIMEOUTS_S,
+    Call,
+    ControlError,
+    encode_call,
+)
 
 log = logging.getLogger(__name__)
 
 
+def _sent(name: str) -> Callable[..., Any]:
+    """The contract's call `name` (its signature is gpuportal.wire.control.ControlPlane's), sent."""
+
+    def send(self: RemoteControl, *args: Any, **kwargs: Any) -> Any:
+        for key in OPTIONAL.get(name, ()):
+            if kwargs.get(key) is None:
+                kwargs.pop(key, None)
+        return self.call(name, *args, timeout_s=TIMEOUTS_S.get(name), **kwargs)
+
+    send.__name__ = name
+    return send
+
+
 class RemoteControl:
-    """gpuportal.wire.control.ControlPlane over Celery and Redis."""
+    """gpuportal.wire.control.ControlPlane over Celery and Redis: every call of the contract,
+    sent as written there."""
 
     def __init__(self, app: Celery, redis_url: str, *, timeout_s: float = 120.0, outage_s: float = 60.0):
         self.app = app
@@ -58,59 +79,22 @@ class RemoteControl:
             reraise=True,
         )
 
-    # -- gpuportal.wire.control.ControlPlane ---------------------------------------------------
+    # -- the calls of gpuportal.wire.control.ControlPlane, with their signatures there ------
 
-    def register_node(
-        self,
-        node: str,
-        devices: Sequence[DeviceInfo],
-        *,
-        hostname: str,
-        cpu_cache_bytes: int,
-        virtual: bool,
-        survivors: Sequence[Survivor],
-        host_ram_bytes: int = 0,
-    ) -> None:
-        self.call(
-            "register_node",
-            node,
-            list(devices),
-            hostname=hostname,
-            cpu_cache_bytes=cpu_cache_bytes,
-            virtual=virtual,
-            survivors=list(survivors),
-            host_ram_bytes=host_ram_bytes,
-        )
+    register_node = _sent("register_node")
+    node_stopping = _sent("node_stopping")
+    node_stopped = _sent("node_stopped")
+    replica_state = _sent("replica_state")
+    _heartbeat = _sent("heartbeat")
+    _report = _sent("report")
 
-    def heartbeat(
-        self,
-        node: str,
-        *,
-        books: Books | None,
-        running: Sequence[str],
-        processes: Mapping[str, str] | None = None,
-        arenas: Mapping[str, int] | None = None,
-    ) -> list[str]:
-        # Sent only when known (optional fields of version 1): None leaves the call as it was before them.
-        extra: dict[str, Any] = {"processes": dict(processes)} if processes is not None else {}
-        if arenas is not None:
-            extra["arenas"] = dict(arenas)
-        # No longer than a few beats: a beat that waits past the next one is stale.
-        return list(self.call("heartbeat", node, books=books, running=list(running), timeout_s=30, **extra) or [])
-
-    def node_stopping(self, node: str, reason: str) -> None:
-        self.call("node_stopping", node, reason, timeout_s=10)
-
-    def node_stopped(self, node: str, reason: str) -> None:
-        self.call("node_stopped", node, reason, timeout_s=10)
+    def heartbeat(self, node: str, **kwargs: Any) -> list[str]:
+        return list(self._heartbeat(node, **kwargs) or [])
 
     def report(self, replica_id: str, event: dict[str, Any]) -> None:
         try:
-            self.call("report", replica_id, event)
+            self._report(replica_id, event)
         except Exception:
             # The reader thread must go on to the next event; the heartbeat's books let the
             # control plane catch up with what a lost report said.
             log.exception("could not report %s of replica %s", event.get("event"), replica_id)
-
-    def replica_state(self, replica_id: str) -> str | None:
-        return self.call("replica_state", replica_id, timeout_s=30)

@@ -76,6 +76,12 @@ class ControlPlane(Protocol):
 AGENT_QUEUE = "agents"
 AGENT_CALL_TASK = "scheduling.tasks.agent_call"
 CALLS = ("register_node", "heartbeat", "node_stopping", "node_stopped", "report", "replica_state")
+# How long the agent waits for each call's answer where it is not the default: a beat that waits
+# past the next one is stale, and a leaving agent does not wait long to say so.
+TIMEOUTS_S: Mapping[str, float] = {"heartbeat": 30, "node_stopping": 10, "node_stopped": 10, "replica_state": 30}
+# Arguments added to version 1 with a default: sent only when known, so that a call without them
+# reads as it did before them.
+OPTIONAL: Mapping[str, tuple[str, ...]] = {"heartbeat": ("processes", "arenas")}
 
 
 @dataclass(frozen=True)

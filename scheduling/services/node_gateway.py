@@ -8,7 +8,7 @@ restart must lose none of what a replica reports."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -18,9 +18,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 
 from gpuportal.wire import replies
 from gpuportal.wire.control import ControlError, WireError, decode_call
-from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
-from scheduling.models import Replica
-from scheduling.services import nodes, reports
+from scheduling.services import nodes, replicas, reports
 from scheduling.services.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -42,68 +40,44 @@ REPORT_RETRY = Retrying(
 )
 
 
+def _applied(service: Callable[..., Any], *, retried: bool = False, answers: bool = True) -> Callable[..., Any]:
+    """A call of the contract (its signature is gpuportal.wire.control.ControlPlane's), applied by
+    `service` on this worker thread's own connection. Why close_old_connections first: a database
+    restart leaves the thread's connection dead; Django drops it here so the next query
+    reconnects instead of failing forever. `retried`: through a restart too (REPORT_RETRY).
+    `answers`: what the service returns is the call's answer (else None, as the contract says)."""
+
+    def apply(self: ServicesGateway, *args: Any, **kwargs: Any) -> Any:
+        close_old_connections()
+        # A copy of the retry: no state shared between threads.
+        run = REPORT_RETRY.copy() if retried else (lambda f, *a, **k: f(*a, **k))
+        result = run(service, *args, **kwargs)
+        return result if answers else None
+
+    apply.__name__ = service.__name__
+    return apply
+
+
 class ServicesGateway:
-    """gpuportal.wire.control.ControlPlane, applied by the services in this process."""
+    """gpuportal.wire.control.ControlPlane, applied by the services in this process: each call of
+    the contract, and the service that carries it out."""
 
-    def register_node(
-        self,
-        node: str,
-        devices: Sequence[DeviceInfo],
-        *,
-        hostname: str,
-        cpu_cache_bytes: int,
-        virtual: bool,
-        survivors: Sequence[Survivor],
-        host_ram_bytes: int = 0,
-    ) -> None:
-        close_old_connections()
-        # Retried through a database restart like a report: an agent that `up` just started
-        # again must not give up (and stop the replicas it is taking over) because the database
-        # blinked while it registered. Registering again is harmless: it is how an agent rejoins.
-        REPORT_RETRY.copy()(
-            nodes.register_node,
-            node,
-            list(devices),
-            hostname=hostname,
-            cpu_cache_bytes=cpu_cache_bytes,
-            virtual=virtual,
-            survivors=survivors,
-            host_ram_bytes=host_ram_bytes,
-        )
-
-    def heartbeat(
-        self,
-        node: str,
-        *,
-        books: Books | None,
-        running: Sequence[str],
-        processes: Mapping[str, str] | None = None,
-        arenas: Mapping[str, int] | None = None,
-    ) -> list[str]:
-        # Why close_old_connections: a database restart leaves this thread's connection dead;
-        # Django drops it here so the next query reconnects instead of failing forever.
-        close_old_connections()
-        return nodes.heartbeat(node, books=books, running=running, processes=processes, arenas=arenas)
-
-    def node_stopping(self, node: str, reason: str) -> None:
-        close_old_connections()
-        nodes.mark_stopping(node, reason)
-
-    def node_stopped(self, node: str, reason: str) -> None:
-        close_old_connections()
-        nodes.mark_stopped(node, reason)
+    # Retried through a database restart like a report: an agent that `up` just started again
+    # must not give up (and stop the replicas it is taking over) because the database blinked
+    # while it registered. Registering again is harmless: it is how an agent rejoins.
+    register_node = _applied(nodes.register_node, retried=True, answers=False)
+    heartbeat = _applied(nodes.heartbeat)
+    node_stopping = _applied(nodes.mark_stopping, answers=False)
+    node_stopped = _applied(nodes.mark_stopped, answers=False)
+    replica_state = _applied(replicas.state_of)
+    _report = _applied(reports.report, retried=True, answers=False)
 
     def report(self, replica_id: str, event: dict[str, Any]) -> None:
         try:
-            close_old_connections()
-            REPORT_RETRY.copy()(reports.report, replica_id, event)  # a copy: no state shared between threads
+            self._report(replica_id, event)
         except Exception as err:
             log.exception("could not record %s of replica %s", event.get("event"), replica_id)
             raise ControlError(f"could not record {event.get('event')} of replica {replica_id}: {err}") from err
-
-    def replica_state(self, replica_id: str) -> str | None:
-        close_old_connections()
-        return Replica.objects.filter(pk=replica_id).values_list("state", flat=True).first()
 
 
 def _answers() -> redis.Redis:

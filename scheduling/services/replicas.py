@@ -29,6 +29,11 @@ def get(replica_id: str) -> Replica:
         raise NotFound(f"no replica with id {replica_id!r}") from None
 
 
+def state_of(replica_id: str) -> str | None:
+    """The replica's state in the books (None: it is gone)."""
+    return Replica.objects.filter(pk=replica_id).values_list("state", flat=True).first()
+
+
 def log_of(replica_id: str, tail: int) -> dict:
     """The last `tail` lines of the replica process's own log, as its node's agent reads them
     (gpuportal.wire.replica_logs): {"replica", "node", "path", "lines", "missing"}."""

@@ -190,3 +190,17 @@ def test_the_failover_lease_contract_names_the_models_table_and_columns():
         # Every lower-case name the statement assigns, compares or selects is a column it declares.
         named = set(re.findall(r"\b([a-z_]+) (?:=|IS)\b", statement)) | set(re.findall(r"SET ([a-z_]+)", statement))
         assert named <= set(failover_lease.COLUMNS), named - set(failover_lease.COLUMNS)
+
+
+def test_both_sides_of_the_agent_calls_carry_exactly_the_contracts_calls():
+    # The interface is written once (gpuportal.wire.control.ControlPlane); each side only names
+    # the calls, so one it misses, or one the contract lacks, fails here rather than on a node.
+    from gpuportal.wire.control import CALLS, OPTIONAL, TIMEOUTS_S, ControlPlane
+    from inference.gateway import RemoteControl
+    from scheduling.services.node_gateway import ServicesGateway
+
+    declared = {name for name in vars(ControlPlane) if not name.startswith("_")}
+    assert set(CALLS) == declared
+    for side in (RemoteControl, ServicesGateway):
+        assert all(callable(getattr(side, name, None)) for name in CALLS), side
+    assert set(TIMEOUTS_S) <= declared and set(OPTIONAL) <= declared
