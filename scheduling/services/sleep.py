@@ -13,7 +13,6 @@ Lock order, as in `deployments`: the deployment row, then GPU rows (the ledger),
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import replace
 from datetime import datetime, timedelta
@@ -25,15 +24,13 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from gpuportal.wire.states import AWAKE
-from scheduling import events, fairness, ledger, locks
+from scheduling import costs, events, fairness, ledger, locks
 from scheduling.models import Deployment, Event, Replica, new_replica_id
 from scheduling.placement import POLICIES, CachedReplica, Placement, place
 from scheduling.planning import withhold_locked
 from scheduling.services import deployments, placing, preemption, queueing, traffic
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError, TransitionRefused
-from scheduling.simulation import config as sim_config
-from scheduling.simulation.traces import resolve
 from scheduling.state import Snapshot
 
 log = logging.getLogger(__name__)
@@ -166,22 +163,15 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
 
 def reload_times(deployment: Deployment) -> fairness.ReloadTimes:
     """The deployment's load from disk and wake from CPU RAM: what its replicas measured, else the
-    capacity planner's estimate from its bytes and the [hardware] speeds of the simulator's config
-    (through the same catalogue entry the planner reads, so that both judge it alike)."""
-    config = _planner_config()
-    spec = resolve(traffic.catalogue_entry(deployment), config, 0.0)
+    cost model's estimate from its weights (scheduling.costs, which the capacity planner's
+    simulator uses too, with the weights its catalogue entry carries, so that both judge it alike)."""
+    weights, hardware = traffic.weight_bytes_of(deployment), costs.hardware()
     return fairness.ReloadTimes(
-        load_s=spec.disk_load_s(config.hardware),
-        wake_s=spec.ram_wake_s(config.hardware),
+        load_s=costs.disk_load_s(weights, hardware, deployment.measured_load_s),
+        wake_s=costs.ram_wake_s(weights, hardware, deployment.measured_wake_s),
         load_measured=deployment.measured_load_s is not None,
         wake_measured=deployment.measured_wake_s is not None,
     )
-
-
-@functools.cache
-def _planner_config() -> sim_config.Config:
-    # The file does not change while the process runs; a wake need not read it each time.
-    return sim_config.load()
 
 
 class _LoadAfterAll(Exception):

@@ -103,7 +103,7 @@ def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> Catalogu
     policy, with the CUDA context, and a failover standby's) as those GPUs count it; without one
     the need is left out (the wake path reads only the reload times, which come from the weights)."""
     need = _reserved_need(d, snapshot) if snapshot is not None else None
-    weights = d.weight_bytes or int((d.memory_need_bytes or 0) * 0.8) or memory.MiB
+    weights = weight_bytes_of(d)
     return CatalogueEntry(
         name=d.name,
         dtype=d.dtype,
@@ -117,6 +117,12 @@ def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> Catalogu
         load_s=d.measured_load_s,
         wake_s=d.measured_wake_s,
     )
+
+
+def weight_bytes_of(d: Deployment) -> int:
+    """What the cost model moves for a load or a wake of the deployment: its weights as read from
+    its files, else most of its need (an older row read none), never nothing."""
+    return d.weight_bytes or int((d.memory_need_bytes or 0) * 0.8) or memory.MiB
 
 
 def _reserved_need(d: Deployment, snapshot: Snapshot) -> int | None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduling.costs import HardwareConfig
+
 DEFAULT_CONFIG = Path(__file__).with_name("config.toml")
 GiB = 1024**3
 
@@ -40,16 +42,6 @@ class ClusterConfig:
     @property
     def gpu_bytes(self) -> int:
         return int(self.gpu_memory_gib * GiB)
-
-
-@dataclass(frozen=True)
-class HardwareConfig:
-    disk_gb_per_s: float
-    h2d_gb_per_s: float
-    d2h_gb_per_s: float
-    hbm_tb_per_s: float
-    prefill_tflops: float
-    cuda_context_mib: int
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from gpuportal.wire import memory
 from gpuportal.wire.memory import ModelShape
-from scheduling.simulation.config import Config, HardwareConfig, ServingConfig
+from scheduling import costs
+from scheduling.costs import HardwareConfig
+from scheduling.simulation.config import Config, ServingConfig
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,10 @@ class Deployment:
     wake_s: float | None = None
 
     def disk_load_s(self, hardware: HardwareConfig) -> float:
-        """A cold load: the portal's measured figure where it has one, else weights / disk speed."""
-        return self.load_s if self.load_s is not None else self.weight_bytes / (hardware.disk_gb_per_s * 1e9)
+        return costs.disk_load_s(self.weight_bytes, hardware, self.load_s)
 
     def ram_wake_s(self, hardware: HardwareConfig) -> float:
-        """A wake from CPU RAM: measured where known, else weights / host-to-device speed."""
-        return self.wake_s if self.wake_s is not None else self.weight_bytes / (hardware.h2d_gb_per_s * 1e9)
+        return costs.ram_wake_s(self.weight_bytes, hardware, self.wake_s)
 
     def need_bytes(self, policy: str) -> int:
         inputs = memory.NeedInputs(weight_bytes=self.weight_bytes, estimate_bytes=self.estimate_bytes)

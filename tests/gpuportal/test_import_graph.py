@@ -180,6 +180,7 @@ PURE = (
     "scheduling.host_cache",
     "scheduling.adoption",
     "scheduling.progress",
+    "scheduling.costs",
     "scheduling.planning",
     "scheduling.simulation",
 )
