@@ -63,7 +63,7 @@ class EventSink:
 
 
 def nvml_bytes(gpu: int) -> int | None:
-    from inference.replica import nvml_process_bytes
+    from inference.backends import nvml_process_bytes
 
     return (nvml_process_bytes(os.getpid()) or {}).get(str(gpu))
 
@@ -105,7 +105,7 @@ def host_to_device(nbytes: int, gpu: int) -> dict[str, Any]:
 
 def make_host(**kwargs: Any) -> Any:
     """The replica host the product runs, in this process, on the probe's GPU."""
-    from inference.replica import ReplicaHost
+    from inference.host import ReplicaHost
 
     return ReplicaHost(**kwargs)
 
@@ -257,8 +257,8 @@ class Probe:
     def load(self) -> None:
         import torch
 
+        from inference.backends import CudaBackend, Placement
         from inference.event_stream import EventWriter
-        from inference.replica import CudaBackend, Placement
 
         self.step = "load"
         gpu = self.gpu

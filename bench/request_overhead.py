@@ -54,9 +54,9 @@ def direct_calls(model_dir: Path) -> tuple[Callable[[], None], Callable[[], None
 
     from gpuportal.wire.requestqueue import Request
     from inference.batching import Batcher, eos_ids, run_until_idle
+    from inference.host import load_tokenizer
     from inference.loaders import load_model, tensor_bytes
     from inference.paged import engine_for
-    from inference.replica import load_tokenizer
     from inference.serving import Executor
 
     # As inference.replica sets it for a replica on a virtual GPU.

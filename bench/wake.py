@@ -1,7 +1,7 @@
 """Sleep and wake bandwidth: the replica's own path against a plain copy of the same bytes.
 
 For each model size, a random Llama written by `make_tiny_model` is loaded by the replica's own
-backend (inference.replica: CudaBackend on a GPU, VirtualBackend on the CPU) and put to sleep and
+backend (inference.backends: CudaBackend on a GPU, VirtualBackend on the CPU) and put to sleep and
 woken through its to_cache / from_cache, which pack into and unpack out of the arena
 (inference.arena). Bytes per second of weights moved, against a reference copy of the same number
 of bytes on the same device in the same run:
@@ -29,7 +29,7 @@ replica's sleep comes long after its wake), and "host kept", the process's resid
 the last wake less before the first sleep, is read once every arena is back: about 0 when the wake
 gave the arena back.
 
-A wake allocates the replica's KV pool while its copies run (inference.replica, `_wake_onto`):
+A wake allocates the replica's KV pool while its copies run (inference.host, `_wake_onto`):
 "wake + pool" times the same wake with a pool as large as the weights allocated between queueing
 the copies and waiting for them, and "pool alone" that allocation by itself (after the allocator's
 cache was emptied, as a sleep leaves it). On a GPU, "wake + pool" near the wake alone rather than
@@ -200,9 +200,9 @@ def kept_sleeps(
 def measure(size_mb: int, device: str, dtype: str, repeats: int, work: Path) -> Figures:
     import torch
 
+    from inference.backends import CudaBackend, Placement, VirtualBackend
     from inference.loaders import tensor_bytes
     from inference.management.commands.make_tiny_model import write_tiny_model
-    from inference.replica import CudaBackend, Placement, VirtualBackend
 
     target = work / f"llama-{size_mb}"
     target.mkdir()

@@ -158,7 +158,7 @@ class NodeAgent:
         """What each replica process holds per GPU, for the control plane to check the books
         against: NVML's per-process figures on a real GPU, the replicas' own model of
         them on a virtual one (refreshed by a ping; the answers arrive for the next beat)."""
-        from inference.replica import nvml_bytes_by_pid, nvml_device_free
+        from inference.backends import nvml_bytes_by_pid, nvml_device_free
 
         running = self.supervisor.usage()
         self.supervisor.ping_all()

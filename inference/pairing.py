@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class PairedHost(Protocol):
-    """What a pair member drives of its replica's host (inference.replica.ReplicaHost is one):
+    """What a pair member drives of its replica's host (inference.host.ReplicaHost is one):
     declared here, so that this module need not import the host's."""
 
     replica_id: str

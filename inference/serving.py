@@ -41,7 +41,7 @@ log = logging.getLogger("inference.serving")
 
 
 class ServingHost(Protocol):
-    """What the serving threads use of their replica's host (inference.replica.ReplicaHost is
+    """What the serving threads use of their replica's host (inference.host.ReplicaHost is
     one): declared here, so that this module need not import the host's."""
 
     replica_id: str

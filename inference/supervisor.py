@@ -48,7 +48,7 @@ FINAL_EVENTS = (S.STOPPED, S.FAILED)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # How long a replica that announced stopped/failed may take to exit before it is killed.
 EXIT_GRACE_S = 10.0
-# A replica's drain on stop when the command names none: inference.replica.DEFAULT_DRAIN_TIMEOUT_S
+# A replica's drain on stop when the command names none: inference.host.DEFAULT_DRAIN_TIMEOUT_S
 # (not imported: the agent need not load the replica program's modules).
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
@@ -299,7 +299,7 @@ class Supervisor:
 
         With `drain_timeout_s`, the replica first lets its request in flight finish for that long (or
         gives it back to its queue), and the kill waits that much longer. Without it, the replica
-        drains for its own default (inference.replica.DEFAULT_DRAIN_TIMEOUT_S), so the kill waits
+        drains for its own default (inference.host.DEFAULT_DRAIN_TIMEOUT_S), so the kill waits
         for that. Returns the exit code (negative: the signal that ended it). KeyError for an unknown
         replica.
         """

@@ -65,7 +65,7 @@ def wait_released(replica_ids: list[str], gpus: list[int], *, virtual: bool, tim
 
 
 def still_holding(pid: int, keeps: dict[str, int], gpus: list[int]) -> bool:
-    from inference.replica import nvml_process_bytes
+    from inference.backends import nvml_process_bytes
 
     measured = nvml_process_bytes(pid)
     if measured is None:  # no NVML here: the process's word is all there is

@@ -41,7 +41,7 @@ class ControlPlane(Protocol):
         """The node is alive; returns the running replicas the control plane has written off,
         for the agent to stop.
 
-        `processes`: {replica id: the state its process last said it is in (inference.replica's
+        `processes`: {replica id: the state its process last said it is in (inference.host's
         ReplicaHost.state: loading, serving, draining, sleeping, waking, ...; "" before it said
         any)} of the running replicas, from which the control plane sees that a wake or a sleep it
         sent never arrived (scheduling.services.lost_commands). Added to version 1 with a default:

@@ -51,7 +51,7 @@ class Books:
 class Survivor:
     replica_id: str
     pid: int
-    # The state the process is in (inference.replica.ReplicaHost.state: loading, serving, ...).
+    # The state the process is in (inference.host.ReplicaHost.state: loading, serving, ...).
     state: str
     # The last state event it emitted (serving, woken or sleeping; None before any): which
     # transition its books may still be waiting for.

@@ -284,7 +284,7 @@ def test_on_a_real_gpu_the_waker_also_waits_for_nvml_to_show_the_victims_memory_
         asked.append(pid)
         return next(readings)
 
-    monkeypatch.setattr("inference.replica.nvml_process_bytes", nvml)
+    monkeypatch.setattr("inference.backends.nvml_process_bytes", nvml)
 
     assert tasks.wait_released(["victim"], [0], virtual=virtual, timeout=30) == []
     # Only what it holds on the waker's GPUs counts (GPU 1 is someone else's business).
@@ -295,7 +295,7 @@ def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(monkeypa
     from inference import agent, tasks
 
     monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=_Sleeper()))
-    monkeypatch.setattr("inference.replica.nvml_process_bytes", lambda pid: {"0": 30 * 1024 * MiB})
+    monkeypatch.setattr("inference.backends.nvml_process_bytes", lambda pid: {"0": 30 * 1024 * MiB})
 
     assert tasks.wait_released(["victim"], [0], virtual=False, timeout=0.3) == ["victim"]
 

@@ -31,7 +31,7 @@ from inference.arena import (
     unpack,
     unpack_async,
 )
-from inference.replica import Placement, VirtualBackend
+from inference.backends import Placement, VirtualBackend
 from tests.support import cuda
 from tests.support.cuda import is_page_locked
 
@@ -716,8 +716,8 @@ def test_on_a_gpu_sleep_pins_one_arena_and_frees_the_gpu_memory(dtype):
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_backend_sleeps_and_wakes_without_changing_generation(tiny_model_dir):
+    from inference.backends import CudaBackend
     from inference.loaders import load_model
-    from inference.replica import CudaBackend
 
     placement = Placement.parse([0], {"0": 2 * GiB}, None)
     backend = CudaBackend()
@@ -761,8 +761,8 @@ def test_on_a_gpu_it_returns_with_the_copies_queued_and_releases_the_pinned_aren
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_backend_keeps_a_pinned_arena_and_sleeps_into_it_without_changing_generation(tiny_model_dir):
+    from inference.backends import CudaBackend
     from inference.loaders import load_model
-    from inference.replica import CudaBackend
 
     placement = Placement.parse([0], {"0": 2 * GiB}, None)
     backend = CudaBackend()

@@ -20,8 +20,9 @@ from torch import nn
 
 from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_KERNEL_GROWTH_BYTES
 from gpuportal.wire.requestqueue import Request, RequestQueue, processing_key, queue_key
+from inference.backends import Placement, VirtualBackend
 from inference.event_stream import EventWriter
-from inference.replica import Placement, ReplicaHost, VirtualBackend
+from inference.host import ReplicaHost
 from inference.supervisor import ReplicaSpec, Supervisor
 from tests.support.processes import wait_until
 from tests.support.replicas import Events

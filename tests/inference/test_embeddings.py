@@ -23,9 +23,9 @@ import torch
 from gpuportal.wire.requestqueue import Request
 from inference.embedding import Embedder, Recipe, read_recipe
 from inference.errors import BadInput
+from inference.host import load_tokenizer
 from inference.inspection import read_model
 from inference.loaders import EMBEDDING, load_model
-from inference.replica import load_tokenizer
 from inference.serving import Aborted, Executor
 from scheduling.models import Replica
 from scheduling.services import requests as request_services

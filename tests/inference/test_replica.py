@@ -25,17 +25,10 @@ import psutil
 import pytest
 import torch
 
+from inference.backends import CommandRejected, CudaBackend, Placement, ReplicaFailure, VirtualBackend, classify_failure
 from inference.event_stream import EventWriter
+from inference.host import ReplicaHost
 from inference.loaders import load_model, tensor_bytes
-from inference.replica import (
-    CommandRejected,
-    CudaBackend,
-    Placement,
-    ReplicaFailure,
-    ReplicaHost,
-    VirtualBackend,
-    classify_failure,
-)
 from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line, replica_argv
 from tests.support.models import tiny_mlp
 from tests.support.processes import wait_until
@@ -684,7 +677,7 @@ def _gpu_count() -> int:
 CAP_PROBE = textwrap.dedent(
     """
     import torch
-    from inference.replica import CudaBackend, Placement
+    from inference.backends import CudaBackend, Placement
 
     total = torch.cuda.get_device_properties(0).total_memory
     CudaBackend().attach(Placement.parse([0], {"0": total // 20}, 0.05))

@@ -26,11 +26,12 @@ from gpuportal.wire.memory import (
     MiB,
 )
 from gpuportal.wire.node_reports import Books, DeviceInfo
+from inference.backends import Placement, ReplicaFailure, VirtualBackend
 from inference.devices import VirtualProfile, allocatable_bytes, virtual_gpus
 from inference.event_stream import EventWriter
+from inference.host import ReplicaHost
 from inference.loaders import weight_allocation_bytes
 from inference.management.commands.make_tiny_model import write_tiny_model
-from inference.replica import Placement, ReplicaFailure, ReplicaHost, VirtualBackend
 from scheduling import ledger
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Occupant, Replica
 from scheduling.services import nodes, replica_reports, reports
