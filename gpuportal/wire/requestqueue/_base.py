@@ -1,0 +1,131 @@
+"""What every side of the queue shares: its Redis client and the registered scripts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Self
+
+import redis
+
+from gpuportal.wire.requestqueue.protocol import (
+    _ANNOUNCE,
+    _END,
+    _GIVE_BACK,
+    _MARK_TAKEN,
+    _RAISE_EPOCH,
+    _START,
+    RECORDS_KEY,
+    RECORDS_MAX,
+    STREAM_END,
+    STREAM_RESTART,
+    TTL_S,
+    Fence,
+    NotTaken,
+    Request,
+    StaleEpoch,
+    done_key,
+    epoch_key,
+    finished_key,
+    last_key,
+    now,
+    processing_key,
+    request_key,
+    stream_key,
+)
+
+
+class QueueBase:
+    """The client and scripts, and the end of a request, which every side may write."""
+
+    def __init__(self, client: redis.Redis):
+        self.redis = client
+        self._raise_epoch = client.register_script(_RAISE_EPOCH)
+        self._end_script = client.register_script(_END)
+        self._mark_taken = client.register_script(_MARK_TAKEN)
+        self._start = client.register_script(_START)
+        self._give_back = client.register_script(_GIVE_BACK)
+        self._announce = client.register_script(_ANNOUNCE)
+
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        return cls(redis.Redis.from_url(url, health_check_interval=30))
+
+    @staticmethod
+    def _mark_restart(pipe: redis.client.Pipeline, request: Request) -> None:
+        if request.params.get("stream"):
+            pipe.rpush(stream_key(request.id), STREAM_RESTART)
+            pipe.expire(stream_key(request.id), TTL_S)
+
+    def start(self, request_id: str, replica_id: str) -> None:
+        self.started({request_id: now()}, replica_id)
+
+    def started(self, stamps: dict[str, float], replica_id: str) -> None:
+        """Mark the replica's requests running since the given times, in one round trip; one no
+        longer its (given back meanwhile) is left as it is."""
+        ids = list(stamps)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in ids:
+                pipe.evalsha(self._start.sha, 1, request_key(request_id), replica_id, stamps[request_id])
+            replies = pipe.execute(raise_on_error=False)
+        for request_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted Redis lost its scripts
+                self._start(keys=[request_key(request_id)], args=[replica_id, stamps[request_id]])
+            elif isinstance(reply, Exception):
+                raise reply
+
+    def chunk(self, request_id: str, text: str) -> None:
+        with self.redis.pipeline() as pipe:
+            pipe.rpush(stream_key(request_id), text)
+            pipe.expire(stream_key(request_id), TTL_S)
+            pipe.execute()
+
+    def finish(
+        self, request_id: str, replica_id: str, output: Any, fence: Fence | None = None, started_at: float | None = None
+    ) -> None:
+        """The request's answer. `started_at`: when it started, if that was not written yet (a
+        request that starts and ends within one batch step has both in one round trip)."""
+        fields: dict[str, Any] = {"output": json.dumps(output)}
+        if started_at is not None:
+            fields["started_at"] = started_at
+        usage = output.get("usage") if isinstance(output, dict) else None
+        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence, usage=usage)
+
+    def fail(self, request_id: str, replica_id: str, error: str, kind: str, fence: Fence | None = None) -> None:
+        self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id, fence=fence)
+
+    def raise_epoch(self, fence: str, epoch: int) -> int:
+        """Make `epoch` the pair's current one (unless a later one already is); returns the current."""
+        return int(self._raise_epoch(keys=[epoch_key(fence)], args=[epoch]))
+
+    def _end(
+        self,
+        request_id: str,
+        status: str,
+        fields: dict[str, Any],
+        replica_id: str = "",
+        fence: Fence | None = None,
+        usage: Any = None,
+    ) -> None:
+        values = {"status": status, "finished_at": now(), **fields}
+        keys = [
+            epoch_key(fence.name) if fence is not None else request_key(request_id),
+            request_key(request_id),
+            stream_key(request_id),
+            done_key(request_id),
+            processing_key(replica_id),
+            last_key(replica_id),
+            finished_key(status),
+            RECORDS_KEY,
+        ]
+        epoch = str(fence.epoch) if fence is not None else ""
+        counts = usage if isinstance(usage, dict) else {}
+        tokens = [counts.get(k, "") for k in ("prompt_tokens", "completion_tokens")]
+        tokens = [n if isinstance(n, int) else "" for n in tokens]
+        args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX, *tokens]
+        args += [x for kv in values.items() for x in kv]
+        written = self._end_script(keys=keys, args=args)
+        if written == 0:
+            assert fence is not None
+            raise StaleEpoch(f"epoch {fence.epoch} of failover pair {fence.name} is no longer current")
+        if written == -1:
+            raise NotTaken(f"request {request_id} is no longer held by replica {replica_id}: it was given back")

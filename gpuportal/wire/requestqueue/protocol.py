@@ -1,0 +1,377 @@
+"""The request queue's protocol: its Redis keys, the Lua scripts that move a request between
+them atomically, a request as read back, and the fences that refuse a written-off replica's
+results. What each side of the queue (web.py, oversight.py, serving.py) builds on."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+TTL_S = 24 * 3600
+FINAL = ("done", "failed", "cancelled")
+STREAM_END = "\x00end"
+# In a stream, before the chunks of a run that starts over (its request was re-queued after some
+# of its text went out): the reader skips what it already sent (StreamSplice).
+STREAM_RESTART = "\x00restart"
+# The longest a blocking read waits in one call; see RequestQueue.wait.
+BLOCK_SLICE_S = 2.0
+# How long a replica's claim to be taking requests (gp:live) holds unless renewed: its every take
+# renews it, an idle take waits at most a second, so only a replica that stopped taking (dead,
+# hung, or in a forward pass this long) lets it lapse. Scored with the replica's clock, compared
+# with Redis's: a skew far below this is harmless.
+LIVE_TTL_S = 5.0
+# Long enough for a deleted deployment's stop commands to reach its replicas. A deployment made
+# again under the same name meanwhile only serves the long way (each request asks the database)
+# until it passes.
+DELETED_TTL_S = 60
+
+
+def now() -> float:
+    return time.time()
+
+
+def queue_key(deployment: str) -> str:
+    return f"gp:queue:{deployment}"
+
+
+def index_keys(owner: str) -> tuple[str, str]:
+    """The requests of `owner`, and everyone's, by when each was accepted (sorted sets, trimmed to
+    TTL_S as requests are added): what `recent` lists, newest first."""
+    return f"gp:requests:owner:{owner}", "gp:requests:all"
+
+
+def processing_key(replica_id: str) -> str:
+    return f"gp:proc:{replica_id}"
+
+
+REQUEST_PREFIX = "gp:req:"
+
+
+def request_key(request_id: str) -> str:
+    return f"{REQUEST_PREFIX}{request_id}"
+
+
+def done_key(request_id: str) -> str:
+    return f"gp:done:{request_id}"
+
+
+def stream_key(request_id: str) -> str:
+    return f"gp:stream:{request_id}"
+
+
+def last_key(replica_id: str) -> str:
+    return f"gp:last:{replica_id}"
+
+
+def finished_key(status: str) -> str:
+    """A portal-wide count of requests that ended with `status` (done, failed, cancelled)."""
+    return f"gp:finished:{status}"
+
+
+# Every ended request's record (see _END), oldest first, until the control plane drains them.
+RECORDS_KEY = "gp:records"
+# A week of 10 requests a second drained every minute needs far fewer; only a control plane that
+# stopped draining reaches it, and then the oldest records go first.
+RECORDS_MAX = 1_000_000
+
+
+def live_key(deployment: str, family: str) -> str:
+    """Replicas taking `family` requests (see family_of_kind) for the deployment now."""
+    return f"gp:live:{deployment}:{family}"
+
+
+# What a replica takes, by its loader, and what a request needs, by its kind: a causal LM takes
+# text (generate, chat), a plain module takes tensors (forward), an encoder takes text to embed
+# (embed). A live claim is per family, so a request of the wrong kind finds no claim and is
+# admitted the long way, which refuses it.
+FAMILIES = ("text", "tensor", "embedding")
+_KIND_FAMILIES = {"forward": "tensor", "embed": "embedding"}
+_LOADER_FAMILIES = {"transformers": "text", "transformers-embedding": "embedding"}
+
+
+def family_of_kind(kind: str) -> str:
+    return _KIND_FAMILIES.get(kind, "text")
+
+
+def family_of_loader(loader: str) -> str:
+    return _LOADER_FAMILIES.get(loader, "tensor")
+
+
+def deleted_key(deployment: str) -> str:
+    """Set for DELETED_TTL_S once the deployment is deleted: no replica may claim it meanwhile."""
+    return f"gp:deleted:{deployment}"
+
+
+def epoch_key(fence: str) -> str:
+    return f"gp:epoch:{fence}"
+
+
+def written_off_key(replica_id: str) -> str:
+    """Set once the control plane wrote the replica off: it may take no more requests."""
+    return f"gp:off:{replica_id}"
+
+
+class Fenced(Exception):
+    """A replica's result was refused: the request is no longer its to answer."""
+
+
+class StaleEpoch(Fenced):
+    """A failover pair member wrote with an epoch that has been superseded: the write was refused."""
+
+
+class NotTaken(Fenced):
+    """A replica answered a request it no longer holds: the control plane wrote the replica off
+    (its node went silent, say) and gave the request back to the queue, perhaps to another."""
+
+
+class WrittenOff(Fenced):
+    """A replica the control plane wrote off tried to take a request: it may take none. Whatever
+    it held was given back when it was written off, so it can end at once and lose nothing."""
+
+
+# The second half of a take, sent in the same round trip as the (blocking) move that precedes it:
+# the id just moved is at the head of the processing list and still `queued` or `waking` (every id
+# a take has handled is `dispatched` or later), so a move that found nothing leaves nothing to do.
+# The request's key is derived from the id here, not declared: fine on one Redis, not a cluster.
+# Stamped with the server's clock: the replica's would be from before the wait for a request.
+# A replica written off (KEYS[2] set) takes nothing: an id its move just brought in goes back to
+# the end of the queue takes read from, and it is told (-1). Checked here, in the step that makes
+# a request the replica's, so that a take racing the write-off either ends before it (and the
+# write-off gives the request back) or after it (and is refused): none is left with a replica
+# that nobody will hear from again.
+# KEYS: processing list, written-off marker, the deployment's queue. ARGV: replica id, request key prefix.
+_MARK_TAKEN = """
+local id = redis.call('LINDEX', KEYS[1], 0)
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  if id then
+    local status = redis.call('HGET', ARGV[2] .. id, 'status')
+    if status == 'queued' or status == 'waking' then
+      redis.call('LPOP', KEYS[1])
+      redis.call('RPUSH', KEYS[3], id)
+    end
+  end
+  return -1
+end
+if not id then return false end
+local key = ARGV[2] .. id
+local status = redis.call('HGET', key, 'status')
+if not status then
+  redis.call('LREM', KEYS[1], 1, id)
+  return false
+end
+if status ~= 'queued' and status ~= 'waking' then return false end
+local t = redis.call('TIME')
+local at = string.format('%s.%06d', t[1], tonumber(t[2]))
+redis.call('HSET', key, 'status', 'dispatched', 'replica', ARGV[1], 'dispatched_at', at)
+redis.call('HINCRBY', key, 'attempts', 1)
+return {id, redis.call('HGETALL', key)}
+"""
+
+# A submit that needs no database read: queued only if a replica of the deployment claims to be
+# taking requests (gp:live, renewed by its takes, withdrawn before it stops taking), so that
+# nothing has to be woken. Otherwise nothing is queued, and a refusal token is pushed where the
+# blocking read sent in the same round trip waits, so that it returns at once: the web then
+# admits the request the long way (the database says what to wake, or why not).
+# KEYS: live set, request, queue, done, count, the owner's index, everyone's index. ARGV: request
+# id, ttl, count ttl or '', created at, then the request's field/value pairs.
+_SUBMIT_IF_LIVE = """
+local t = redis.call('TIME')
+if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf') == 0 then
+  redis.call('RPUSH', KEYS[4], 'refused')
+  redis.call('EXPIRE', KEYS[4], 60)
+  return 0
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('INCR', KEYS[5])
+  redis.call('EXPIRE', KEYS[5], ARGV[3])
+end
+for i = 6, 7 do
+  redis.call('ZADD', KEYS[i], ARGV[4], ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', tonumber(ARGV[4]) - tonumber(ARGV[2]))
+  redis.call('EXPIRE', KEYS[i], ARGV[2])
+end
+redis.call('LPUSH', KEYS[3], ARGV[1])
+return 1
+"""
+
+# A replica's claim to take requests, refused for a deployment deleted a moment ago. Also clears
+# the claims of replicas long gone. KEYS: live set, deleted marker. ARGV: replica id, now, claim
+# ttl, key ttl.
+_ANNOUNCE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[3]))
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+# A request starts running only while it is the starting replica's: one written off may have had
+# it given back (status `queued`, owner '') an instant before, and a `running` written over that
+# would make every take pass it by, so that it ran nowhere. KEYS: request. ARGV: replica id, time.
+_START = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'dispatched' or redis.call('HGET', KEYS[1], 'replica') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[2])
+return 1
+"""
+
+# A request taken but not started goes back first in line, only if it is still the replica's
+# (in its processing list): one given back for it already (it was written off) may be another's
+# by now. KEYS: processing list, request, queue, stream. ARGV: request id, restart marker or '', ttl.
+_GIVE_BACK = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], 'status', 'queued', 'replica', '')
+redis.call('HINCRBY', KEYS[2], 'attempts', -1)
+if ARGV[2] ~= '' then
+  redis.call('RPUSH', KEYS[4], ARGV[2])
+  redis.call('EXPIRE', KEYS[4], ARGV[3])
+end
+redis.call('RPUSH', KEYS[3], ARGV[1])
+return 1
+"""
+
+# Raise the pair's epoch, never lower it: a slow writer of an old epoch cannot undo a takeover.
+_RAISE_EPOCH = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return math.max(current, tonumber(ARGV[1]))
+"""
+
+# How a request ends, in one step (one round trip on the replica's hot path):
+# - behind an epoch check when ARGV[1] is not empty: a superseded failover member's result never
+#   lands (seed 004 fencing);
+# - behind an owner check when a replica writes (ARGV[6]): a request given back to the queue when
+#   its replica was written off (its node went silent) has an owner of '' or of the
+#   replica that took it since, so the written-off replica's late answer never lands beside the
+#   new one. A request whose record has expired has no owner to check, and is written as before;
+# - the token pushed to gp:done:<id> carries the final fields (all but input and params), so a
+#   waiter has the answer in the same round trip as its wake-up, with no read of the hash after.
+# - a compact record of it (times, token counts from the answer's `usage`, status) goes onto
+#   gp:records, which the control plane drains into PostgreSQL (scheduling.services.traffic): the
+#   capacity planner's recorded traffic, kept past the request's own TTL. Capped at ARGV[7]
+#   entries, oldest dropped, should nothing drain it. The token counts come as arguments, read
+#   from the answer by the caller: decoding the answer here (an embedding call's can be megabytes)
+#   would hold Redis, which runs one script at a time, for every request's end.
+# KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count,
+# records. ARGV: epoch or '', request id, ttl, now, stream end marker, replica id or '', the records'
+# cap, prompt tokens or '', output tokens or '', then the request's field/value pairs.
+_END = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[6] ~= '' then
+  local owner = redis.call('HGET', KEYS[2], 'replica')
+  if owner and owner ~= ARGV[6] then return -1 end
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 10))
+redis.call('RPUSH', KEYS[3], ARGV[5])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+local fields = redis.call('HGETALL', KEYS[2])
+local final = {}
+for i = 1, #fields, 2 do
+  if fields[i] ~= 'input' and fields[i] ~= 'params' then final[fields[i]] = fields[i + 1] end
+end
+redis.call('RPUSH', KEYS[4], cjson.encode(final))
+redis.call('EXPIRE', KEYS[4], ARGV[3])
+if ARGV[6] ~= '' then
+  redis.call('LREM', KEYS[5], 1, ARGV[2])
+  redis.call('SET', KEYS[6], ARGV[4], 'EX', ARGV[3])
+end
+redis.call('INCR', KEYS[7])
+redis.call('RPUSH', KEYS[8], cjson.encode({
+  id = ARGV[2], deployment = final['deployment'], kind = final['kind'], status = final['status'],
+  created_at = final['created_at'], started_at = final['started_at'], finished_at = final['finished_at'],
+  prompt_tokens = tonumber(ARGV[8]), output_tokens = tonumber(ARGV[9])}))
+redis.call('LTRIM', KEYS[8], -tonumber(ARGV[7]), -1)
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A failover pair member's right to write results: its pair's fence name and the epoch it holds."""
+
+    name: str
+    epoch: int
+
+
+@dataclass
+class Request:
+    id: str
+    deployment: str
+    kind: str  # "generate", "chat", "forward" or "embed"
+    input: Any
+    params: dict[str, Any] = field(default_factory=dict)
+    status: str = "queued"
+    owner: str = ""
+    attempts: int = 0
+    replica: str = ""
+    output: Any = None
+    error: str = ""
+    error_kind: str = ""
+    created_at: float | None = None
+    dispatched_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL
+
+    @classmethod
+    def from_hash(cls, request_id: str, raw: dict[bytes, bytes]) -> Request:
+        return cls.from_fields(request_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+    @classmethod
+    def from_fields(cls, request_id: str, data: dict[str, str]) -> Request:
+
+        def stamp(name: str) -> float | None:
+            return float(data[name]) if data.get(name) else None
+
+        return cls(
+            id=request_id,
+            deployment=data.get("deployment", ""),
+            kind=data.get("kind", "generate"),
+            input=json.loads(data.get("input", "null")),
+            params=json.loads(data.get("params", "{}")),
+            status=data.get("status", "queued"),
+            owner=data.get("owner", ""),
+            attempts=int(data.get("attempts", "0")),
+            replica=data.get("replica", ""),
+            output=json.loads(data["output"]) if data.get("output") else None,
+            error=data.get("error", ""),
+            error_kind=data.get("error_kind", ""),
+            created_at=stamp("created_at"),
+            dispatched_at=stamp("dispatched_at"),
+            started_at=stamp("started_at"),
+            finished_at=stamp("finished_at"),
+        )
+
+
+class StreamSplice:
+    """A streamed answer as its reader should send it, across re-runs of the request.
+
+    A re-run starts its text over (after STREAM_RESTART): what the reader already sent is not sent
+    again, only what the new run adds beyond it. A greedy re-run repeats its text exactly, so the
+    client sees one seamless answer; a sampled one may differ in what was already sent, and the
+    client keeps the first run's beginning with the second run's continuation.
+    """
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters sent
+        self.run = ""  # text of the current run
+
+    def feed(self, chunk: str) -> str:
+        """The text to send for this raw stream entry ("" for none)."""
+        if chunk == STREAM_RESTART:
+            self.run = ""
+            return ""
+        self.run += chunk
+        if len(self.run) <= self.sent:
+            return ""
+        text = self.run[self.sent :]
+        self.sent = len(self.run)
+        return text

@@ -1,0 +1,270 @@
+"""The web side of the queue: submit a request, wait for it, read it, its stream and recent ones,
+cancel it."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from gpuportal.wire.requestqueue._base import QueueBase
+from gpuportal.wire.requestqueue.protocol import (
+    _SUBMIT_IF_LIVE,
+    BLOCK_SLICE_S,
+    STREAM_END,
+    TTL_S,
+    Request,
+    done_key,
+    family_of_kind,
+    index_keys,
+    live_key,
+    now,
+    queue_key,
+    request_key,
+    stream_key,
+)
+
+
+class Submitting(QueueBase):
+    # -- the web side --------------------------------------------------------------------------
+
+    def submit(
+        self,
+        deployment: str,
+        *,
+        kind: str,
+        input: Any,
+        params: dict[str, Any],
+        owner: str,
+        status: str = "queued",
+        count_in: tuple[str, int] | None = None,
+        if_live: bool = False,
+        request_id: str | None = None,
+    ) -> Request | None:
+        """Queue a request. `count_in` (key, ttl): a counter incremented in the same round trip
+        (the control plane's requests per minute). `if_live`: only if a replica of the deployment
+        takes requests now (gp:live), else queue nothing and return None. `request_id`: its id,
+        when the caller needs it first (a submit again after an `if_live` one queued nothing
+        takes the same id); a new one by default."""
+        submitted = self._submit(
+            deployment, kind, input, params, owner, status, count_in, wait_s=0.0, if_live=if_live,
+            request_id=request_id,
+        )  # fmt: skip
+        return None if submitted is None else submitted[0]
+
+    def submit_and_wait(
+        self,
+        deployment: str,
+        *,
+        kind: str,
+        input: Any,
+        params: dict[str, Any],
+        owner: str,
+        timeout: float,
+        status: str = "queued",
+        count_in: tuple[str, int] | None = None,
+        if_live: bool = False,
+        request_id: str | None = None,
+    ) -> tuple[Request, Request | None] | None:
+        """Queue a request and wait up to `timeout` for its end: (as submitted, final or None);
+        None if `if_live` and no replica takes requests now (nothing queued, as in `submit`).
+
+        The submit and the first blocking read travel together, so a request answered within one
+        blocking slice costs the web process a single round trip to Redis.
+        """
+        deadline = time.monotonic() + timeout
+        submitted = self._submit(
+            deployment, kind, input, params, owner, status, count_in, wait_s=min(timeout, BLOCK_SLICE_S),
+            if_live=if_live, request_id=request_id,
+        )  # fmt: skip
+        if submitted is None:
+            return None
+        request, final = submitted
+        if final is None and (left := deadline - time.monotonic()) > 0:
+            final = self._wait_final(request.id, left)
+        return request, final
+
+    def _submit(
+        self,
+        deployment: str,
+        kind: str,
+        input: Any,
+        params: dict[str, Any],
+        owner: str,
+        status: str,
+        count_in: tuple[str, int] | None,
+        *,
+        wait_s: float,
+        if_live: bool = False,
+        request_id: str | None = None,
+    ) -> tuple[Request, Request | None] | None:
+        request = Request(
+            id=request_id or uuid.uuid4().hex,
+            deployment=deployment,
+            kind=kind,
+            input=input,
+            params=params,
+            owner=owner,
+            status=status,
+            created_at=now(),
+        )
+        key = request_key(request.id)
+        # No MULTI: Redis runs one connection's commands in the order sent, so the request exists
+        # in full before its id reaches the queue (LPUSH last), and a replica that takes the id
+        # finds it. A transaction could not hold the blocking read that follows anyway.
+        fields = {
+            "deployment": deployment,
+            "kind": kind,
+            "input": json.dumps(input),
+            "params": json.dumps(params),
+            "owner": owner,
+            "status": status,
+            "attempts": 0,
+            "created_at": request.created_at,
+        }
+        with self.redis.pipeline(transaction=False) as pipe:
+            if if_live:
+                keys = [
+                    live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
+                    count_in[0] if count_in is not None else key, *index_keys(owner),
+                ]  # fmt: skip
+                count_ttl = count_in[1] if count_in is not None else ""
+                args = [request.id, TTL_S, count_ttl, request.created_at, *(x for kv in fields.items() for x in kv)]
+                # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
+                # read behind it blocked for nothing. Redis caches the script by its digest anyway.
+                pipe.eval(_SUBMIT_IF_LIVE, len(keys), *keys, *args)
+            else:
+                if request_id is not None:
+                    # An `if_live` submit of the same id that queued nothing left its refusal
+                    # where the blocking read below waits: it is not this request's end.
+                    pipe.delete(done_key(request.id))
+                pipe.hset(key, mapping=fields)
+                pipe.expire(key, TTL_S)
+                if count_in is not None:
+                    pipe.incr(count_in[0])
+                    pipe.expire(count_in[0], count_in[1])
+                for index in index_keys(owner):
+                    pipe.zadd(index, {request.id: request.created_at})
+                    pipe.zremrangebyscore(index, "-inf", request.created_at - TTL_S)
+                    pipe.expire(index, TTL_S)
+                pipe.lpush(queue_key(deployment), request.id)
+            if wait_s > 0:
+                self._block_for_end(pipe, request.id, wait_s)
+            replies = pipe.execute()
+        if if_live and not replies[0]:
+            return None
+        final = self._final(request.id, replies[-1]) if wait_s > 0 else None
+        return request, final
+
+    def get(self, request_id: str) -> Request | None:
+        raw = self.redis.hgetall(request_key(request_id))
+        return Request.from_hash(request_id, raw) if raw else None
+
+    def recent(
+        self,
+        owner: str | None,
+        *,
+        deployment: str | None = None,
+        status: str | None = None,
+        offset: int = 0,
+        limit: int = 100,
+        scan: int = 200,
+    ) -> tuple[list[Request], bool]:
+        """The requests of `owner` (everyone's with None), newest first, that match the filters:
+        `limit` of them after skipping `offset`, and whether there are more. Reads the index
+        `scan` ids at a time, so a page of an unfiltered list costs a round trip or two."""
+        index = index_keys(owner or "")[1 if owner is None else 0]
+        wanted = offset + limit + 1
+        found: list[Request] = []
+        start = 0
+        while len(found) < wanted:
+            ids = [raw.decode() for raw in self.redis.zrevrange(index, start, start + scan - 1)]
+            if not ids:
+                break
+            with self.redis.pipeline(transaction=False) as pipe:
+                for request_id in ids:
+                    pipe.hgetall(request_key(request_id))
+                hashes = pipe.execute()
+            for request_id, raw in zip(ids, hashes, strict=True):
+                if not raw:  # expired before the index was trimmed past it
+                    continue
+                request = Request.from_hash(request_id, raw)
+                if (deployment is None or request.deployment == deployment) and (
+                    status is None or request.status == status
+                ):
+                    found.append(request)
+            start += scan
+        return found[offset : offset + limit], len(found) > offset + limit
+
+    def wait(self, request_id: str, timeout: float) -> Request | None:
+        """The request once final, or as it stands when the timeout passes (None if unknown)."""
+        return self._wait_final(request_id, timeout) or self.get(request_id)
+
+    def _wait_final(self, request_id: str, timeout: float) -> Request | None:
+        """The request once final within `timeout`, else None.
+
+        Straight to the blocking read: a request that has ended has its token waiting, so this
+        returns at once for it too, and the hot path saves a round trip.
+        """
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            # In slices shorter than the client's socket timeout (redis-py's default is 5 s): a
+            # blocking call longer than that would end in a socket timeout, not in our answer.
+            final = self._final(request_id, self._block_for_end(self.redis, request_id, left))
+            if final is not None:
+                return final
+        return None
+
+    @staticmethod
+    def _block_for_end(client: Any, request_id: str, timeout: float) -> Any:
+        # BLMOVE from the token list onto itself: the read leaves the token where it was, for any
+        # other waiter of the same request, without a second command to put it back.
+        key = done_key(request_id)
+        return client.blmove(key, key, max(0.01, min(timeout, BLOCK_SLICE_S)), "RIGHT", "LEFT")
+
+    def _final(self, request_id: str, token: bytes | None) -> Request | None:
+        if token is None:
+            return None
+        if token == b"1":  # pushed by a portal from before tokens carried the answer
+            return self.get(request_id)
+        return Request.from_fields(request_id, json.loads(token))
+
+    def cancel(self, request_id: str, reason: str = "cancelled by its owner") -> bool:
+        """Cancel a request still waiting in its queue; one already taken runs to its end."""
+        request = self.get(request_id)
+        if request is None or request.final:
+            return False
+        if not self.redis.lrem(queue_key(request.deployment), 1, request_id):
+            return False
+        self._end(request_id, "cancelled", {"error": reason})
+        return True
+
+    def depth(self, deployment: str) -> int:
+        return int(self.redis.llen(queue_key(deployment)))
+
+    def position(self, deployment: str, request_id: str) -> int | None:
+        """Where the request stands in its deployment's queue, 1 for the next to be taken; None
+        once a replica has taken it (or it ended). Replicas take from the right, the oldest."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.lpos(queue_key(deployment), request_id)
+            pipe.llen(queue_key(deployment))
+            index, length = pipe.execute()
+        return None if index is None else int(length) - int(index)
+
+    def read_stream(self, request_id: str, start: int, timeout: float) -> tuple[list[str], bool]:
+        """Chunks from index `start` on, waiting up to `timeout` for the first; and whether the
+        stream has ended."""
+        deadline = time.monotonic() + timeout
+        while True:
+            chunks = [c.decode() for c in self.redis.lrange(stream_key(request_id), start, -1)]
+            ended = bool(chunks) and chunks[-1] == STREAM_END
+            if ended:
+                chunks = chunks[:-1]
+            if chunks or ended or time.monotonic() >= deadline:
+                if not ended and not chunks:
+                    request = self.get(request_id)
+                    ended = request is None or request.final
+                return chunks, ended
+            # A list has no blocking read from an offset; the stream is short-lived, so poll it.
+            time.sleep(0.005)
