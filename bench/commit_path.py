@@ -35,8 +35,8 @@ def run(mode: str, gpu_ids: list[int], replica_ids: list[str], clients: int, sec
     from django.db import connection, transaction
 
     from scheduling import ledger
+    from scheduling.core.state import Plan, Release, Reservation
     from scheduling.ledger import CasConflict
-    from scheduling.state import Plan, Release, Reservation
 
     latencies: list[float] = []
     conflicts = failures = 0

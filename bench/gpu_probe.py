@@ -226,7 +226,7 @@ class Probe:
 
         from gpuportal.wire import memory
         from inference.model_size import shape_from_model_dir
-        from scheduling.placement import gpu_fraction
+        from scheduling.core.placement import gpu_fraction
 
         args, gpu = self.args, self.gpu
         torch.cuda.set_device(gpu)
@@ -330,7 +330,7 @@ class Probe:
     def cycles(self) -> None:
         import torch
 
-        from scheduling.placement import gpu_fraction
+        from scheduling.core.placement import gpu_fraction
 
         host, gpu, sink = self.host, self.gpu, self.sink
         for n in (1, 2):  # each sleep packs a fresh pinned arena (every wake frees it): the two should agree

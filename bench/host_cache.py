@@ -78,7 +78,7 @@ def node_state(names: list[str]) -> tuple[int, dict[str, str]]:
 
 def node_cache(names: list[str]) -> tuple[int, int, dict[str, str]]:
     """`node_state`, with the kept arenas' share of what is used (gpuportal_host_cache_kept_bytes)."""
-    from scheduling import host_cache as rules
+    from scheduling.core import host_cache as rules
     from scheduling.models import Node, Replica
     from scheduling.services import host_cache
 

@@ -318,8 +318,8 @@ class Client:
     def _place(self):
         from gpuportal.wire import memory
         from scheduling import ledger
+        from scheduling.core.placement import CantAccommodate, PlacementRequest, place
         from scheduling.ledger import CasConflict
-        from scheduling.placement import CantAccommodate, PlacementRequest, place
 
         rng = self.rng
         entry = self.free.pop(rng.randrange(len(self.free)))
@@ -347,8 +347,8 @@ class Client:
 
     def _release(self):
         from scheduling import ledger
+        from scheduling.core.state import Plan, Release
         from scheduling.ledger import CasConflict
-        from scheduling.state import Plan, Release
 
         replica_id = self.placed.pop(self.rng.randrange(len(self.placed)))
         gpu_ids = self.where[replica_id]

@@ -29,9 +29,9 @@ from django.utils import timezone
 
 from gpuportal.wire.node_reports import DeviceInfo
 from scheduling import locks
+from scheduling.core.state import GPUView, IntentView, OccupantView, Plan, Snapshot, SnapshotIndex
 from scheduling.metrics import CAS_CONFLICTS, COMMITS
 from scheduling.models import GPU
-from scheduling.state import GPUView, IntentView, OccupantView, Plan, Snapshot, SnapshotIndex
 
 
 class CasConflict(Exception):

@@ -20,7 +20,8 @@ from django.utils import timezone
 
 from gpuportal.wire import memory
 from gpuportal.wire.states import DeploymentStatus
-from scheduling import events, fairness, hot_sql, ledger, locks
+from scheduling import events, hot_sql, ledger, locks
+from scheduling.core import fairness
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import dispatch, queueing
 from scheduling.services import replicas as replica_services

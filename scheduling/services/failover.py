@@ -22,11 +22,11 @@ from django.db.models import Max
 from django.utils import timezone
 
 from scheduling import events, ledger, locks
+from scheduling.core.state import Plan, Release, Reservation, Snapshot
 from scheduling.models import Deployment, Event, FailoverLease, FailoverState, Replica
 from scheduling.services import dispatch
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState
-from scheduling.state import Plan, Release, Reservation, Snapshot
 
 log = logging.getLogger(__name__)
 

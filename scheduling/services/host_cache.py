@@ -1,4 +1,4 @@
-"""A node's host cache kept within its budget: what scheduling.host_cache decides,
+"""A node's host cache kept within its budget: what scheduling.core.host_cache decides,
 applied. When replicas go to sleep on a node, `trim` (on the control worker, after the commit that
 sent them) first has awake replicas drop the arenas they keep, then parks the least valuable
 sleepers, until what the node's host memory holds fits its budget (Node.cpu_cache_bytes,
@@ -18,7 +18,8 @@ from django.db import transaction
 from django.db.models import Q
 
 from gpuportal.wire import memory, states
-from scheduling import events, host_cache, locks
+from scheduling import events, locks
+from scheduling.core import host_cache
 from scheduling.models import Event, Node, Replica
 from scheduling.services import dispatch, queueing, replicas
 
@@ -171,7 +172,7 @@ def _park(replica_id: str, node: Node) -> bool:
 
 def grant(node_name: str) -> list[str]:
     """Let the node's serving replicas keep an arena for their next sleep while its host cache has
-    room (scheduling.host_cache.grants); the ids granted. Each is counted from the commit that
+    room (scheduling.core.host_cache.grants); the ids granted. Each is counted from the commit that
     grants it, before its replica has allocated anything: the books never lag the memory."""
     node = Node.objects.filter(name=node_name, status=Node.Status.ONLINE).first()
     if node is None or node.cpu_cache_bytes <= 0:

@@ -12,7 +12,8 @@ from django.utils import timezone
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.states import ENDED
-from scheduling import adoption, events, ledger, locks
+from scheduling import events, ledger, locks
+from scheduling.core import adoption
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import dispatch, lost_commands
@@ -46,7 +47,7 @@ def register_node(
     """Create or refresh a node and its GPUs as its agent reports them; the node is online after.
 
     `survivors` are the replica processes the node's previous agent left running, which the new
-    one took over: those whose books agree with what they say are kept (scheduling.adoption);
+    one took over: those whose books agree with what they say are kept (scheduling.core.adoption);
     the others are lost, and the agent's first beat learns to stop them (`written_off`)."""
     now = timezone.now()
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction

@@ -17,14 +17,14 @@ from django.utils import timezone
 from gpuportal.wire import memory
 from gpuportal.wire.states import COUNTED
 from scheduling import events, hot_sql, ledger
+from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
+from scheduling.core.planning import apply_placement, place_all, plan_of, withhold_locked
+from scheduling.core.state import GPUView, OccupantView, Plan, Release, Snapshot
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
-from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
-from scheduling.planning import apply_placement, place_all, plan_of, withhold_locked
 from scheduling.services import dispatch, failover, replica_specs
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace
 from scheduling.services.replica_specs import contexts_of
-from scheduling.state import GPUView, OccupantView, Plan, Release, Snapshot
 
 # A failover pair counts once while any member lives: between its active member's death and its
 # standby's takeover report, the standby is the pair (a reconcile in that window must not place

@@ -52,15 +52,16 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire.states import AWAKE, GONE
-from scheduling import events, fairness, ledger, locks
+from scheduling import events, ledger, locks
+from scheduling.core import fairness
+from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
+from scheduling.core.planning import withhold_locked
+from scheduling.core.state import OccupantView, Snapshot
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
-from scheduling.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
-from scheduling.planning import withhold_locked
 from scheduling.services import dispatch, placing, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState
-from scheduling.state import OccupantView, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Reads what scheduling.progress describes: the deployment's awake replicas and measured times
+"""Reads what scheduling.core.progress describes: the deployment's awake replicas and measured times
 (PostgreSQL) and the request's place in its queue (Redis). A finished or running request reads
 nothing, so the hot path's answers cost no query."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from gpuportal.wire.requestqueue import Request
 from gpuportal.wire.states import AWAKE
+from scheduling.core.progress import ENDED, RUNNING, Progress, ReplicaFacts, describe
 from scheduling.models import Deployment, Replica
-from scheduling.progress import ENDED, RUNNING, Progress, ReplicaFacts, describe
 from scheduling.services.queueing import queue
 
 _Facts = tuple[tuple[ReplicaFacts, ...], float | None, float | None]

@@ -14,10 +14,10 @@ from django.utils import timezone
 
 from gpuportal.wire import memory, states
 from scheduling import events, hot_sql, ledger, locks
+from scheduling.core.state import Plan, Release, Reservation, Snapshot
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
 from scheduling.services import dispatch, queueing
 from scheduling.services.errors import InvalidState, NotFound, TransitionRefused
-from scheduling.state import Plan, Release, Reservation, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,11 @@ from django.utils import timezone
 from gpuportal.wire import states
 from gpuportal.wire.states import AWAKE, GONE
 from scheduling import events, hot_sql, ledger, locks
+from scheduling.core.placement import CachedReplica
+from scheduling.core.planning import plan_of, without_releases
+from scheduling.core.state import Plan, Snapshot
 from scheduling.group_commit import Group
 from scheduling.models import Deployment, Event, Replica
-from scheduling.placement import CachedReplica
-from scheduling.planning import plan_of, without_releases
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.services.placing import (
     PLAIN_COUNTED,
@@ -35,7 +36,6 @@ from scheduling.services.placing import (
     releases_of,
     retire_parked,
 )
-from scheduling.state import Plan, Snapshot
 
 # The most calls one batch holds: enough for every thread of the web (16) and then some; a
 # longer batch would make its first caller wait for the last one's placement.

@@ -24,14 +24,15 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from gpuportal.wire.states import AWAKE
-from scheduling import costs, events, fairness, ledger, locks
+from scheduling import events, ledger, locks
+from scheduling.core import costs, fairness
+from scheduling.core.placement import POLICIES, CachedReplica, Placement, place
+from scheduling.core.planning import withhold_locked
+from scheduling.core.state import Snapshot
 from scheduling.models import Deployment, Event, Replica, new_replica_id
-from scheduling.placement import POLICIES, CachedReplica, Placement, place
-from scheduling.planning import withhold_locked
 from scheduling.services import deployments, placing, preemption, queueing, traffic
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError, TransitionRefused
-from scheduling.state import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
 
 def reload_times(deployment: Deployment) -> fairness.ReloadTimes:
     """The deployment's load from disk and wake from CPU RAM: what its replicas measured, else the
-    cost model's estimate from its weights (scheduling.costs, which the capacity planner's
+    cost model's estimate from its weights (scheduling.core.costs, which the capacity planner's
     simulator uses too, with the weights its catalogue entry carries, so that both judge it alike)."""
     weights, hardware = traffic.weight_bytes_of(deployment), costs.hardware()
     return fairness.ReloadTimes(

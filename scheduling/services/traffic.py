@@ -17,11 +17,11 @@ from django.utils import timezone
 
 from gpuportal.wire import memory
 from scheduling import ledger
+from scheduling.core.state import Snapshot
 from scheduling.models import Deployment, RequestRecord
 from scheduling.services import placing
 from scheduling.services.queueing import queue
 from scheduling.simulation.traces import CatalogueEntry, TraceRow
-from scheduling.state import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduling.costs import HardwareConfig
+from scheduling.core.costs import HardwareConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.toml")
 GiB = 1024**3

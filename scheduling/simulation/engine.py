@@ -34,12 +34,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gpuportal.wire.states import ReplicaState as S
-from scheduling import fairness, planning
-from scheduling.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
+from scheduling.core import fairness, planning
+from scheduling.core.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
+from scheduling.core.state import GPUView, OccupantView, Snapshot
 from scheduling.simulation.config import Config
 from scheduling.simulation.policies import SimPolicy
 from scheduling.simulation.trace import Deployment, Request, Trace
-from scheduling.state import GPUView, OccupantView, Snapshot
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 LOADING, SERVING, DRAINING, SLEEPING, STOPPED = S.LOADING, S.SERVING, S.DRAINING, S.SLEEPING, S.STOPPED

@@ -1,13 +1,13 @@
 """The policies compared on one trace. Each is a set of choices fed to the project's own pure
-modules (scheduling.placement / fairness / memory); the engine applies them on a simulated clock."""
+modules (scheduling.core.placement / fairness / memory); the engine applies them on a simulated clock."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from scheduling.placement import POLICIES as PLACEMENT
-from scheduling.placement import Policy
+from scheduling.core.placement import POLICIES as PLACEMENT
+from scheduling.core.placement import Policy
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from gpuportal.wire import memory
 from gpuportal.wire.memory import ModelShape
-from scheduling import costs
-from scheduling.costs import HardwareConfig
+from scheduling.core import costs
+from scheduling.core.costs import HardwareConfig
 from scheduling.simulation.config import Config, ServingConfig
 
 

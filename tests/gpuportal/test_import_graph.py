@@ -173,17 +173,7 @@ def test_the_project_package_imports_a_plane_only_where_it_wires_them():
 
 
 # The decisions: pure functions over dataclasses, which hypothesis tests and the simulator runs.
-PURE = (
-    "scheduling.state",
-    "scheduling.placement",
-    "scheduling.fairness",
-    "scheduling.host_cache",
-    "scheduling.adoption",
-    "scheduling.progress",
-    "scheduling.costs",
-    "scheduling.planning",
-    "scheduling.simulation",
-)
+PURE = ("scheduling.core", "scheduling.simulation")
 
 
 def test_the_pure_decisions_reach_no_django_through_any_import():

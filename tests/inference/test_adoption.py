@@ -18,7 +18,7 @@ import pytest
 
 from gpuportal.wire.node_reports import Survivor
 from inference.supervisor import Supervisor
-from scheduling import adoption
+from scheduling.core import adoption
 from tests.support.processes import wait_until
 from tests.support.replicas import LOAD_TIMEOUT_S, TINY_MLP, Events, gone, spec
 

@@ -20,7 +20,7 @@ from rest_framework.test import APIClient
 
 from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
 from inference.devices import virtual_gpus
-from scheduling import fairness
+from scheduling.core import fairness
 from scheduling.models import CapacityPlan, Deployment, Replica, RequestRecord
 from scheduling.services import capacity, traffic
 from scheduling.services import requests as request_services

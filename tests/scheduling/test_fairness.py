@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.fairness import (
+from scheduling.core.fairness import (
     AsleepCopy,
     Cause,
     NoVictim,
@@ -28,7 +28,7 @@ from scheduling.fairness import (
     sleep_when_idle,
     wait_deadline,
 )
-from scheduling.state import GPUView, OccupantView
+from scheduling.core.state import GPUView, OccupantView
 
 GiB = 1024**3
 MiB = 1024**2

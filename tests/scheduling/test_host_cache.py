@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuportal.wire.requestqueue import last_key
 from gpuportal.wire.states import AWAKE, IN_HOST_CACHE
 from inference.devices import virtual_gpus
-from scheduling.host_cache import HostHolder, grants, holds, trim, used_bytes
+from scheduling.core.host_cache import HostHolder, grants, holds, trim, used_bytes
 from scheduling.models import Deployment, Event, Node, Replica
 from scheduling.services import deployments, host_cache, queueing, reports, sleep
 from scheduling.services.nodes import register_node
@@ -395,7 +395,7 @@ def test_a_replica_that_loads_afresh_keeps_no_arena_until_it_is_lent_one_again(s
 def test_two_balances_of_one_node_take_turns_so_they_never_lend_the_same_room_twice(monkeypatch, dispatched):
     from django.db import connection, connections
 
-    from scheduling import host_cache as rules
+    from scheduling.core import host_cache as rules
 
     register_node("edge", virtual_gpus("edge", "2x1GiB", NO_OVERHEAD), virtual=True, cpu_cache_bytes=150 * MiB)
     late = deploy("late")  # made first, so the likelier to sleep of the two once it serves

@@ -11,10 +11,10 @@ from prometheus_client import REGISTRY
 
 from inference.devices import virtual_gpus
 from scheduling import ledger
+from scheduling.core.state import Plan, Release, Reservation, SnapshotIndex
 from scheduling.ledger import CasConflict, OverCommit, commit, commit_with_retry, snapshot
 from scheduling.models import GPU, Deployment, Event, Occupant, Replica
 from scheduling.services.nodes import register_node
-from scheduling.state import Plan, Release, Reservation, SnapshotIndex
 from tests.support.factories import NO_OVERHEAD
 
 MiB = 1024**2

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 
 from inference.devices import virtual_gpus
 from scheduling import ledger
+from scheduling.core.placement import CantAccommodate, PlacementRequest, place
+from scheduling.core.planning import withhold_locked
+from scheduling.core.state import Plan, Release, Reservation, Snapshot, SnapshotIndex
 from scheduling.models import GPU, Deployment, Node, Occupant, PreemptionIntent, Replica
-from scheduling.placement import CantAccommodate, PlacementRequest, place
-from scheduling.planning import withhold_locked
 from scheduling.services import nodes
 from scheduling.services.nodes import register_node
-from scheduling.state import Plan, Release, Reservation, Snapshot, SnapshotIndex
 from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 

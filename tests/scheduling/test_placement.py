@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.placement import (
+from scheduling.core.placement import (
     MAX_FRACTION,
     MIN_FRACTION,
     CachedReplica,
@@ -24,8 +24,8 @@ from scheduling.placement import (
     cached_replicas,
     place,
 )
-from scheduling.planning import apply_placement, without_releases
-from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
+from scheduling.core.planning import apply_placement, without_releases
+from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 GiB = 1024**3
 MiB = 1024**2

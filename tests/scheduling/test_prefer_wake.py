@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from gpuportal.wire.requestqueue import processing_key, queue_key
 from inference.devices import virtual_gpus
-from scheduling import fairness
+from scheduling.core import fairness
 from scheduling.models import GPU, Deployment, Event, PreemptionIntent, Replica
 from scheduling.services import preemption, reports, sleep
 from scheduling.services import requests as request_services

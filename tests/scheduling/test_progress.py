@@ -15,8 +15,8 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
+from scheduling.core.progress import ReplicaFacts, describe
 from scheduling.models import Deployment, Replica
-from scheduling.progress import ReplicaFacts, describe
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
 from tests.support.factories import NO_OVERHEAD

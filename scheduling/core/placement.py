@@ -38,7 +38,7 @@ from typing import Literal, NamedTuple, TypeVar
 
 from gpuportal.wire import states
 from gpuportal.wire.states import ReplicaState
-from scheduling.state import GPUView, Holdings, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
+from scheduling.core.state import GPUView, Holdings, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 MIN_FRACTION = 0.01
 MAX_FRACTION = 0.99

@@ -82,7 +82,7 @@ from typing import Literal
 
 from gpuportal.wire import states
 from gpuportal.wire.states import ReplicaState
-from scheduling.state import GPUView, OccupantView
+from scheduling.core.state import GPUView, OccupantView
 
 # "cost": expired idle replicas first, busy ones last, and in between the lowest reload cost per
 # second of idleness (see the module docstring); "lru": seed 001's least recently used first.
@@ -421,7 +421,7 @@ def choose_target(
 ) -> Target | None:
     """The GPU where making room for a replica of `need_bytes` costs least, and its victims.
 
-    Placement's targeting (scheduling.placement) picks the GPU with the fewest evictions as if every
+    Placement's targeting (scheduling.core.placement) picks the GPU with the fewest evictions as if every
     non-dedicated occupant could leave, and only then asks who may; a GPU whose occupants turn
     out popular, young or busy makes the wake fail and start again (the trace simulator: the
     large models starve that way). Here every GPU that can hold the need as a fraction is asked

@@ -10,7 +10,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-HARDWARE_FILE = Path(__file__).with_name("simulation") / "config.toml"
+HARDWARE_FILE = Path(__file__).resolve().parents[1] / "simulation" / "config.toml"
 
 
 @dataclass(frozen=True)

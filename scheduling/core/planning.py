@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from scheduling.placement import CantAccommodate, Placement, PlacementRequest, Policy, place
-from scheduling.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
+from scheduling.core.placement import CantAccommodate, Placement, PlacementRequest, Policy, place
+from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
 
 
 @dataclass(frozen=True)
