@@ -18,7 +18,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 
-from scheduling import admin_actions, selectors
+from scheduling import selectors
 from scheduling.models import (
     GPU,
     CapacityPlan,
@@ -32,6 +32,7 @@ from scheduling.models import (
     RequestRecord,
     UserLimits,
 )
+from scheduling.web import admin_actions
 
 GIB = 1024**3
 
@@ -434,7 +435,7 @@ _admin_urls = admin.site.get_urls
 def _urls_with_dashboard() -> list:
     from django.urls import include, path
 
-    from scheduling import dashboard_urls
+    from scheduling.web import urls as dashboard_urls
 
     return [path("dashboard/", include(dashboard_urls.urls())), *_admin_urls()]
 

@@ -7,7 +7,7 @@ from datetime import datetime
 from django import template
 from django.utils import timezone
 
-from scheduling.dashboard import human_bytes
+from scheduling.web.dashboard import human_bytes
 
 register = template.Library()
 

@@ -222,7 +222,7 @@ def test_an_api_call_asking_for_a_change_the_table_refuses_gets_a_409_naming_bot
 def test_every_state_is_shown_by_the_cli_and_every_one_holding_memory_by_the_dashboard():
     # A new state gets its colour and its place here, or this fails: nothing falls back silently.
     from gpuportal.cli.render import STATE_STYLES
-    from scheduling.dashboard import SEGMENT_OF_STATE
+    from scheduling.web.dashboard import SEGMENT_OF_STATE
 
     assert set(STATE_STYLES) == set(ReplicaState)
     holding_memory = states.ACTIVE | states.IN_HOST_CACHE | {ReplicaState.STOPPING}

@@ -64,7 +64,7 @@ def test_it_shows_nodes_gpus_and_each_occupants_bar_segment(cluster, admin_clien
 def test_each_deployment_has_its_own_colour_in_the_bars_and_the_key_whatever_its_state(
     cluster, admin_client, dispatched
 ) -> None:
-    from scheduling.dashboard import deployment_hue
+    from scheduling.web.dashboard import deployment_hue
 
     first, second = deploy("tiny-a"), deploy("tiny-b")
     body = admin_client.get(FRAGMENT).content.decode()

@@ -119,7 +119,7 @@ def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(l
 def test_staff_deploys_from_the_page_sees_its_colour_then_deletes_it(live_server, cluster, dispatched, tiny_model_dir):
     from playwright.sync_api import expect, sync_playwright
 
-    from scheduling.dashboard import deployment_hue
+    from scheduling.web.dashboard import deployment_hue
 
     User.objects.create_user("ops", password="s3cret-pass", is_staff=True)
     deploy("tiny-a")  # another deployment beside it: two colours in the bars and the key

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from django.urls import path
 
-from scheduling import dashboard_controls as controls
-from scheduling.dashboard import fragment, page
+from scheduling.web import controls
+from scheduling.web.dashboard import fragment, page
 
 
 def urls() -> list:

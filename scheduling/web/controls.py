@@ -16,7 +16,6 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from scheduling.api.inputs import DeploymentInput
-from scheduling.dashboard import render_page, staff_only
 from scheduling.models import Deployment
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
@@ -24,6 +23,7 @@ from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import ServiceError
+from scheduling.web.dashboard import render_page, staff_only
 
 
 def _confirmed(request: HttpRequest) -> bool:
