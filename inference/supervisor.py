@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from gpuportal.stack import die_with_parent
+from gpuportal.processes import die_with_parent
 from gpuportal.wire.commands import ReplicaSpec
 from gpuportal.wire.states import ReplicaState as S
 from inference import adoption

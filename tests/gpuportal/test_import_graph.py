@@ -231,3 +231,19 @@ def test_the_sql_check_finds_statements_and_leaves_prose_alone():
     assert sql_strings_in('q = "UPDATE scheduling_replica SET state = %s WHERE id = %s"')
     assert sql_strings_in('q = "SELECT id FROM scheduling_gpu ORDER BY id FOR UPDATE"')
     assert not sql_strings_in('reason = "select a victim from the GPU, then update its books"')
+
+
+# What the planes borrow from the project package besides the contract: the Celery app, the API's
+# authentication and sign-in throttle, and the process helpers. Nothing that starts servers.
+BORROWED = ("gpuportal", "gpuportal.celery", "gpuportal.auth", "gpuportal.throttle", "gpuportal.processes")
+
+
+def test_the_planes_borrow_from_the_project_package_only_its_shared_helpers():
+    borrowed = {
+        (module, target)
+        for module, targets in import_graph().items()
+        if module.split(".")[0] in PLANES
+        for target in targets
+        if target.split(".")[0] == "gpuportal" and not target.startswith("gpuportal.wire") and target not in BORROWED
+    }
+    assert borrowed == set()

@@ -33,7 +33,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuportal.stack import EmbeddedPostgres, die_with_parent
+from gpuportal.processes import die_with_parent
+from gpuportal.stack import EmbeddedPostgres
 from inference import failover
 from inference.failover import LOCK_NAMESPACE, Claim, FailoverMember, LeaseConfig, LeaseRow, Stale, decide_claim
 from tests.support.failover_member import application_name

@@ -1,0 +1,26 @@
+"""A child process tied to its parent: it gets a signal when the process that started it dies,
+even by SIGKILL, so that nothing `up`, an agent or a replica started outlives it unseen. Used by
+the stack, the node agent's supervisor and the replica process alike; Django-free."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+from collections.abc import Callable
+
+PR_SET_PDEATHSIG = 1
+
+
+def tie_to_parent(sig: int = signal.SIGTERM) -> None:
+    """This process gets `sig` when its parent dies. OSError where prctl is not to be had (not Linux)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, sig)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn: the child gets `sig` when the process that started it dies, even by SIGKILL."""
+
+    def _preexec() -> None:
+        tie_to_parent(sig)
+
+    return _preexec
