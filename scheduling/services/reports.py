@@ -14,6 +14,7 @@ from gpuportal.wire.states import ENDED
 from scheduling import locks
 from scheduling.models import Replica
 from scheduling.services import dispatch, pair_reports, replica_reports, replicas
+from scheduling.services.errors import TransitionRefused
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,14 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
             # reports take turns, and each reads the rows the previous one wrote.
             handler = pair_reports.HANDLERS.get(kind, handler)
         before = replica.state
-        handler(replica, event)
+        try:
+            with transaction.atomic():  # a savepoint: a report the state machine refuses leaves nothing
+                handler(replica, event)
+        except TransitionRefused as refused:
+            # A process is not the books: a report that would move its replica where the table
+            # allows no way (a sleep said by a replica the books already stop) changes nothing.
+            log.warning("replica %s reported %s, which it cannot be now: %s; ignored", replica_id, kind, refused)
+            return
         if (
             replica.state in ENDED
             and before not in (*ENDED, Replica.State.STOPPING)

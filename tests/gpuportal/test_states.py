@@ -227,3 +227,21 @@ def test_every_state_is_shown_by_the_cli_and_every_one_holding_memory_by_the_das
     assert set(STATE_STYLES) == set(ReplicaState)
     holding_memory = states.ACTIVE | states.IN_HOST_CACHE | {ReplicaState.STOPPING}
     assert set(SEGMENT_OF_STATE) == holding_memory
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_report_the_table_refuses_changes_nothing_and_raises_nothing():
+    # A process is behind its books (its sleep crossed the stop the control plane sent): what it
+    # says is dropped whole, the ledger's part with it, rather than failing the agent's call.
+    from scheduling.models import Event, Occupant, Replica
+    from scheduling.services import reports
+    from tests.support import factories
+
+    node = factories.node()
+    gpu = factories.gpu(node)
+    stopping = factories.replica(factories.deployment(), on=node, state=ReplicaState.STOPPING)
+    factories.occupy(stopping, gpu, 100)
+    reports.report(stopping.id, {"event": "sleeping", "residual_bytes_by_id": {"0": 7}})
+    assert Replica.objects.get(pk=stopping.pk).state == ReplicaState.STOPPING
+    assert list(Occupant.objects.values_list("reserved_bytes", flat=True)) == [100]
+    assert not Event.objects.filter(replica=stopping.id).exists()
