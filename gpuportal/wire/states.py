@@ -93,28 +93,33 @@ DISPLAY_ORDER: tuple[ReplicaState, ...] = (
 # -- transitions ----------------------------------------------------------------------------------
 
 # Any replica with a process may be told to stop, may exit, and may die; one whose CUDA context
-# broke restarts in place (back to pending, its reservation kept).
+# broke (a device-side assert) restarts in place: back to pending, its reservation kept.
 _MAY_END = frozenset({S.STOPPING, S.STOPPED, S.FAILED})
+_RESTARTS = frozenset({S.PENDING})
 
 TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    # Serving straight from pending: a process that loaded before its progress was heard, or a
+    # failover standby taking over before it stood by.
     S.PENDING: _MAY_END | {S.LOADING, S.SERVING, S.STANDBY},
-    S.LOADING: _MAY_END | {S.SERVING, S.STANDBY, S.PENDING},
-    # A sleeping report from a serving replica: an adopting agent found it asleep.
-    S.SERVING: _MAY_END | {S.DRAINING, S.SLEEPING, S.PENDING},
-    # Back to serving: a failover member's drain abandoned for its pair.
-    S.DRAINING: _MAY_END | {S.SLEEPING, S.SERVING, S.PENDING},
+    S.LOADING: _MAY_END | _RESTARTS | {S.SERVING, S.STANDBY},
+    # Sleeping with no drain in the books: its process says it sleeps (its report is the truth of
+    # where its weights are).
+    S.SERVING: _MAY_END | _RESTARTS | {S.DRAINING, S.SLEEPING},
+    S.DRAINING: _MAY_END | _RESTARTS | {S.SLEEPING},
     # Draining again: evicted from a GPU a whole-GPU replica takes, it is told to sleep once more
-    # and its report gives back what it held there.
+    # and its report gives back what it held there. Parked: left a full host cache.
     S.SLEEPING: _MAY_END | {S.WAKING, S.PARKED, S.DRAINING},
-    # Back to sleeping: a wake that could not finish leaves the weights in host memory.
-    S.WAKING: _MAY_END | {S.SERVING, S.SLEEPING, S.PENDING},
-    S.STANDBY: _MAY_END | {S.WAKING, S.SERVING, S.PENDING},
+    # Back to sleeping: a process whose wake never reached it says it still sleeps.
+    S.WAKING: _MAY_END | _RESTARTS | {S.SERVING, S.SLEEPING},
+    # Serving: it took the pair's lock over and woke.
+    S.STANDBY: _MAY_END | _RESTARTS | {S.SERVING},
     S.STOPPING: frozenset({S.STOPPED, S.FAILED}),
     S.STOPPED: frozenset(),
-    # A failed process is stopped if it comes back; its row stays until collected.
+    # Its process exits after all, or its deployment is deleted; its row stays until collected.
     S.FAILED: frozenset({S.STOPPING, S.STOPPED}),
-    # A wake loads a parked replica from disk (a new process) where its deployment wants it.
-    S.PARKED: frozenset({S.PENDING, S.STOPPING, S.STOPPED}),
+    # A parked replica is never placed again: a load from disk is a new replica, and the parked
+    # one is retired (stopped), or stopped with its deployment.
+    S.PARKED: frozenset({S.STOPPING, S.STOPPED}),
 }
 
 
