@@ -16,6 +16,7 @@ from rest_framework.fields import empty
 from gpuportal.wire import deployment_spec
 from gpuportal.wire.deployment_spec import SETTINGS, Setting, Update
 from scheduling.api.inputs import DeploymentInput, DeploymentPatch, RefusedField
+from scheduling.api.serializers import NOT_SHOWN, DeploymentSerializer
 from scheduling.models import Deployment
 from scheduling.services.deployments import MUTABLE, DeploymentSpec
 from tests.support.deployments import body
@@ -148,6 +149,19 @@ def test_a_patch_takes_each_setting_without_a_default_and_a_group_of_refused_one
             continue
         field = _field_of(fields, setting)
         assert not field.required and field.default is empty, setting.path
+
+
+def test_an_answer_shows_every_setting_but_the_ones_named_as_never_shown():
+    fields = DeploymentSerializer().fields
+
+    for setting in SETTINGS:
+        if not setting.group:
+            assert setting.column in fields, setting.path  # by its column: "replicas" lists the replicas
+            continue
+        shown = fields[setting.group].fields
+        assert (setting.key in shown) == (setting.name not in NOT_SHOWN), setting.path
+        if setting.key in shown:
+            assert shown[setting.key].source == setting.column, setting.path
 
 
 def test_the_docs_show_the_deploy_body_with_every_default():
