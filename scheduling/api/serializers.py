@@ -172,8 +172,13 @@ class ReplicaSerializer(serializers.ModelSerializer):
 # A setting the answers have never shown: adding it is a change of the contract of its own.
 NOT_SHOWN = {"memory_policy"}
 
-SHOWN_BESIDE = {
-    "memory": {
+
+def _shown_beside(group: str) -> dict[str, serializers.Field]:
+    """What a group shows after its settings. Made when called: DRF orders declared fields by
+    when each was made."""
+    if group != "memory":
+        return {}
+    return {
         "estimate_bytes": serializers.IntegerField(source="memory_estimate_bytes", allow_null=True, read_only=True),
         "measured_bytes": serializers.IntegerField(source="memory_measured_bytes", allow_null=True, read_only=True),
         "need_bytes": serializers.IntegerField(
@@ -182,8 +187,7 @@ SHOWN_BESIDE = {
             read_only=True,
             help_text="What placement reserves: override, else measured, else estimate.",
         ),
-    },
-}
+    }
 
 
 def _shown(setting: Setting) -> serializers.Field:
@@ -202,7 +206,7 @@ def _shown(setting: Setting) -> serializers.Field:
 def _group_shown(group: str) -> type[serializers.Serializer]:
     name = f"Deployment{group.title()}Serializer"
     fields = {s.key: _shown(s) for s in deployment_spec.in_group(group) if s.name not in NOT_SHOWN}
-    namespace = {**fields, **SHOWN_BESIDE.get(group, {}), "__module__": __name__, "__qualname__": name}
+    namespace = {**fields, **_shown_beside(group), "__module__": __name__, "__qualname__": name}
     return type(serializers.Serializer)(name, (serializers.Serializer,), namespace)
 
 

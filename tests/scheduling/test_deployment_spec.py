@@ -15,6 +15,7 @@ from rest_framework.fields import empty
 
 from gpuportal.wire import deployment_spec
 from gpuportal.wire.deployment_spec import SETTINGS, Setting, Update
+from scheduling.api.examples import EXAMPLES
 from scheduling.api.inputs import DeploymentInput, DeploymentPatch, RefusedField
 from scheduling.api.serializers import NOT_SHOWN, DeploymentSerializer
 from scheduling.models import Deployment
@@ -162,6 +163,14 @@ def test_an_answer_shows_every_setting_but_the_ones_named_as_never_shown():
         assert (setting.key in shown) == (setting.name not in NOT_SHOWN), setting.path
         if setting.key in shown:
             assert shown[setting.key].source == setting.column, setting.path
+
+
+def test_the_api_docs_example_answer_shows_each_group_as_the_answers_do():
+    fields = DeploymentSerializer().fields
+    example = EXAMPLES[("get", "/api/deployments/{name}/")]["response"]
+
+    for group in deployment_spec.GROUPS:
+        assert list(example[group]) == list(fields[group].fields), group
 
 
 def test_the_docs_show_the_deploy_body_with_every_default():
