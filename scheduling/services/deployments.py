@@ -165,7 +165,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
             events.record(
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
-                "settings changed: " + ", ".join(f"{k} {before[k]!r} → {v!r}" for k, v in after.items()),
+                "settings changed: " + ", ".join(f"{k} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()),
                 before={k: before[k] for k in after},
                 after=after,
                 deployment=name,
@@ -178,6 +178,14 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 scale(name, changes[key])
     deployment.refresh_from_db()
     return deployment
+
+
+def _when(key: str) -> str:
+    """When a changed setting takes effect, where it is not at once: an operator reading the
+    Event should not expect running replicas to follow it."""
+    if deployment_spec.BY_NAME[key].update == deployment_spec.Update.NEXT_REPLICA:
+        return " (for replicas placed from now on)"
+    return ""
 
 
 # -- crash-loop backoff ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from gpuportal.wire.deployment_spec import SETTINGS, Setting, Update
 from scheduling.api.examples import EXAMPLES
 from scheduling.api.inputs import DeploymentInput, DeploymentPatch, RefusedField
 from scheduling.api.serializers import NOT_SHOWN, DeploymentSerializer
-from scheduling.models import Deployment
+from scheduling.models import Deployment, Event
 from scheduling.services.deployments import MUTABLE, DeploymentSpec
 from tests.support.deployments import body
 
@@ -248,3 +248,7 @@ def test_a_patch_of_a_setting_that_may_change_applies_it_at_once(cluster, api, d
 
     assert response.status_code == 200, response.json()
     assert Deployment.objects.values_list(setting.column, flat=True).get(name="tiny-a") == wanted
+    if setting.update != Update.SCALE:
+        changed = Event.objects.get(reason__startswith="settings changed", deployment="tiny-a")
+        # Running replicas keep what they started with: the Event says so.
+        assert ("from now on" in changed.reason) == (setting.update == Update.NEXT_REPLICA), changed.reason
