@@ -12,9 +12,12 @@ imports it too.
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from gpuportal.wire import memory
 
@@ -206,3 +209,68 @@ def in_group(group: str) -> tuple[Setting, ...]:
 def defaults() -> dict[str, object]:
     """Every optional setting's default, by name."""
     return {setting.name: setting.default for setting in SETTINGS if not setting.required}
+
+
+# -- the docs' table ------------------------------------------------------------------------------
+
+_PATCHED = {
+    Update.LIVE: "applies at once",
+    Update.NEXT_REPLICA: "applies to replicas placed from now on",
+    Update.SCALE: "scales at once",
+    Update.REFUSED: "refused (a 400 naming it)",
+    Update.REFUSED_IF_CHANGED: "refused (a 400 naming it) unless it is the current value",
+}
+
+
+def _shown(value: object) -> str:
+    if value is REQUIRED:
+        return "required"
+    if isinstance(value, bool) or value is None:
+        return f"`{json.dumps(value)}`"
+    if isinstance(value, float):
+        return f"`{value:g}`"
+    if isinstance(value, int) and value > 2**20 and value.bit_count() == 1:
+        return f"`{value}` (2^{value.bit_length() - 1})"
+    return f"`{value}`"
+
+
+def _allowed(setting: Setting) -> str:
+    if setting.choices:
+        named = [f"`{choice}`" for choice in setting.choices]
+        allowed = ", ".join(named[:-1]) + f" or {named[-1]}"
+    elif setting.type is bool:
+        allowed = "`true` or `false`"
+    elif setting.max_length is not None:
+        allowed = f"up to {setting.max_length} characters"
+    else:
+        most = f"`{setting.max_setting}`" if setting.max_setting else _shown(setting.max)
+        allowed = f"{_shown(setting.min)} to {most}"
+    return allowed + (", or `null`" if setting.nullable else "")
+
+
+def markdown_table() -> str:
+    """Every setting's default, what it allows and what a PATCH does to it: docs/api.md holds it."""
+    lines = ["| setting | default | allowed | a PATCH |", "| --- | --- | --- | --- |"]
+    for s in SETTINGS:
+        lines.append(f"| `{s.path}` | {_shown(s.default)} | {_allowed(s)} | {_PATCHED[s.update]} |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- deployment-settings:begin -->\n", "<!-- deployment-settings:end -->"
+
+
+def write_docs(path: Path) -> None:
+    """Put the table between the deployment-settings markers of `path` (docs/api.md)."""
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{path} has no deployment-settings markers to put the table between")
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    path.write_text(f"{head}{BEGIN}{markdown_table()}{END}{tail}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-docs"]:
+        write_docs(Path(__file__).resolve().parents[2] / "docs" / "api.md")
+    else:
+        print(markdown_table(), end="")

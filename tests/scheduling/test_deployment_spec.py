@@ -173,6 +173,12 @@ def test_the_api_docs_example_answer_shows_each_group_as_the_answers_do():
         assert list(example[group]) == list(fields[group].fields), group
 
 
+def test_the_docs_table_of_settings_is_drawn_from_the_spec():
+    text = DOCS.read_text()
+    drawn = text.partition(deployment_spec.BEGIN)[2].partition(deployment_spec.END)[0]
+    assert drawn == deployment_spec.markdown_table(), "run `python -m gpuportal.wire.deployment_spec --write-docs`"
+
+
 def test_the_docs_show_the_deploy_body_with_every_default():
     text = DOCS.read_text()
     shown = json.loads(re.search(r"## Deployments\n.*?```json\n(.*?)```", text, re.S).group(1))
