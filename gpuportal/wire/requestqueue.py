@@ -29,8 +29,6 @@ from typing import Any
 
 import redis
 
-from gpuportal.wire.deployment_spec import Loader
-
 TTL_S = 24 * 3600
 FINAL = ("done", "failed", "cancelled")
 STREAM_END = "\x00end"
@@ -110,7 +108,7 @@ def live_key(deployment: str, family: str) -> str:
 # admitted the long way, which refuses it.
 FAMILIES = ("text", "tensor", "embedding")
 _KIND_FAMILIES = {"forward": "tensor", "embed": "embedding"}
-_LOADER_FAMILIES = {Loader.TRANSFORMERS: "text", Loader.EMBEDDING: "embedding"}
+_LOADER_FAMILIES = {"transformers": "text", "transformers-embedding": "embedding"}
 
 
 def family_of_kind(kind: str) -> str:
