@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuportal.wire.deployment_spec import DType, Loader
 from inference.hub import local_model_dir
 
 if TYPE_CHECKING:
@@ -31,11 +32,12 @@ if TYPE_CHECKING:
 
     from inference.arena import Arena, PendingCopies
 
-TRANSFORMERS, TORCH_MODULE, EMBEDDING = "transformers", "torch-module", "transformers-embedding"
-LOADERS = (TRANSFORMERS, TORCH_MODULE, EMBEDDING)
+# The loaders and dtypes a deployment may name: the contract's (gpuportal.wire.deployment_spec).
+TRANSFORMERS, TORCH_MODULE, EMBEDDING = Loader.TRANSFORMERS, Loader.TORCH_MODULE, Loader.EMBEDDING
+LOADERS = tuple(Loader)
 # The loaders whose source is a model directory (or a hf: name), with a tokenizer beside its weights.
 DIRECTORY_LOADERS = (TRANSFORMERS, EMBEDDING)
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = tuple(DType)
 # What transformers can load weights from; an index file alone is not weights.
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 _FACTORY_PATH = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")

@@ -11,6 +11,7 @@ from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Cast
 
+from gpuportal.wire import deployment_spec as spec
 from gpuportal.wire import memory, states
 
 
@@ -108,34 +109,52 @@ class GPU(models.Model):
         return self.total_bytes - self.available_bytes
 
 
-class Deployment(models.Model):
-    class Loader(models.TextChoices):
-        TRANSFORMERS = "transformers", "Hugging Face transformers causal LM"
-        TORCH_MODULE = "torch-module", "PyTorch module from a factory path"
-        # An encoder (BERT, MiniLM, MPNet...) served as sentence embeddings on /v1/embeddings.
-        EMBEDDING = "transformers-embedding", "Hugging Face transformers encoder, as sentence embeddings"
+def _choices_of(enum: type[StrEnum], labels: dict[StrEnum, str] | None = None) -> type[models.TextChoices]:
+    """A model field's choices from an enum of the contract: the names are written there once
+    (the labels, the admin's, here; without them, Django's from each name)."""
+    labels = labels or {}
+    return models.TextChoices(
+        enum.__name__,
+        [(m.name, (m.value, labels[m]) if m in labels else m.value) for m in enum],
+    )
 
-    class DType(models.TextChoices):
-        FLOAT32 = "float32"
-        FLOAT16 = "float16"
-        BFLOAT16 = "bfloat16"
+
+def _default(name: str) -> object:
+    """The spec's default of a deployment setting."""
+    return spec.BY_NAME[name].default
+
+
+class Deployment(models.Model):
+    # The operator's settings and their defaults are gpuportal.wire.deployment_spec's: a default
+    # below reads the spec, and a test holds every field here either to the spec or to the list
+    # of what is measured or decided (tests/scheduling/test_deployment_spec.py).
+    Loader = _choices_of(
+        spec.Loader,
+        labels={
+            spec.Loader.TRANSFORMERS: "Hugging Face transformers causal LM",
+            spec.Loader.TORCH_MODULE: "PyTorch module from a factory path",
+            # An encoder (BERT, MiniLM, MPNet...) served as sentence embeddings on /v1/embeddings.
+            spec.Loader.EMBEDDING: "Hugging Face transformers encoder, as sentence embeddings",
+        },
+    )
+    DType = _choices_of(spec.DType)
 
     name = models.SlugField(max_length=100, unique=True)
     model_source = models.CharField(
         max_length=1000,
         help_text="Local model directory, hf:org/name (in the nodes' Hugging Face cache), or factory path.",
     )
-    loader = models.CharField(max_length=32, choices=Loader.choices, default=Loader.TRANSFORMERS)
-    dtype = models.CharField(max_length=16, choices=DType.choices, default=DType.FLOAT32)
-    replicas_wanted = models.PositiveIntegerField(default=1)
-    dedicated = models.BooleanField(default=False, help_text="Never evicted to make room for others.")
+    loader = models.CharField(max_length=32, choices=Loader.choices, default=_default("loader"))
+    dtype = models.CharField(max_length=16, choices=DType.choices, default=_default("dtype"))
+    replicas_wanted = models.PositiveIntegerField(default=_default("replicas"))
+    dedicated = models.BooleanField(default=_default("dedicated"), help_text="Never evicted to make room for others.")
     # Fairness (seed 001).
-    min_runtime_s = models.FloatField(default=10.0)
-    max_wait_s = models.FloatField(default=5.0)
-    popular = models.BooleanField(default=False, help_text="Never preempted and never idle-slept.")
+    min_runtime_s = models.FloatField(default=_default("min_runtime_s"))
+    max_wait_s = models.FloatField(default=_default("max_wait_s"))
+    popular = models.BooleanField(default=_default("popular"), help_text="Never preempted and never idle-slept.")
     # Sleep.
-    idle_timeout_s = models.FloatField(default=300.0, help_text="0 means never sleep when idle.")
-    drain_timeout_s = models.FloatField(default=30.0)
+    idle_timeout_s = models.FloatField(default=_default("idle_timeout_s"), help_text="0 means never sleep when idle.")
+    drain_timeout_s = models.FloatField(default=_default("drain_timeout_s"))
     # Memory, in order of trust: override, measured (per GPU), estimate.
     memory_override_bytes = models.BigIntegerField(null=True, blank=True)
     memory_measured_bytes = models.BigIntegerField(null=True, blank=True)
@@ -145,13 +164,13 @@ class Deployment(models.Model):
     memory_estimate_bytes = models.BigIntegerField(null=True, blank=True)
     # Weight bytes read from the model without loading it: the `ndif` policy's size × 3 needs it.
     weight_bytes = models.BigIntegerField(null=True, blank=True)
-    memory_policy = models.CharField(max_length=32, default="gpuportal")
-    max_tokens = models.PositiveIntegerField(default=2048)
-    failover_standby = models.BooleanField(default=False)
+    memory_policy = models.CharField(max_length=32, default=_default("memory_policy"))
+    max_tokens = models.PositiveIntegerField(default=_default("max_tokens"))
+    failover_standby = models.BooleanField(default=_default("standby"))
     # Placement: False packs replicas onto the fullest GPU that fits (best fit, which
     # keeps whole GPUs free for large replicas); True prefers GPUs and nodes with the fewest of
     # its own replicas, then the emptiest GPU.
-    placement_spread = models.BooleanField(default=False, db_default=False)
+    placement_spread = models.BooleanField(default=_default("spread"), db_default=_default("spread"))
     # How long its last replicas took to serve: placed → serving for a load, waking →
     # serving for a wake. A waiting caller's estimate, and the dashboard's, come from these.
     measured_load_s = models.FloatField(null=True, blank=True)
@@ -160,9 +179,11 @@ class Deployment(models.Model):
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
     # the deployment is failed (failed_reason) and starts nothing until retried or changed.
     # Defaults in the database too: rows written by plain SQL (tests, tools) need not name them.
-    max_load_failures = models.PositiveIntegerField(default=3, db_default=3)
-    load_backoff_s = models.FloatField(default=5.0, db_default=5.0)
-    load_backoff_max_s = models.FloatField(default=300.0, db_default=300.0)
+    max_load_failures = models.PositiveIntegerField(
+        default=_default("max_load_failures"), db_default=_default("max_load_failures")
+    )
+    load_backoff_s = models.FloatField(default=_default("backoff_s"), db_default=_default("backoff_s"))
+    load_backoff_max_s = models.FloatField(default=_default("backoff_max_s"), db_default=_default("backoff_max_s"))
     load_failures = models.PositiveIntegerField(default=0, db_default=0, help_text="Consecutive failed loads.")
     failed_reason = models.TextField(
         blank=True, default="", db_default="", help_text="Set once it gave up: the last load error."
@@ -205,11 +226,6 @@ class Deployment(models.Model):
     @property
     def memory_need_bytes(self) -> int | None:
         return self.memory_override_bytes or self.memory_measured_bytes or self.memory_estimate_bytes
-
-
-def _choices_of(enum: type[StrEnum]) -> type[models.TextChoices]:
-    """A model field's choices from a state enum of the contract: the names are written there once."""
-    return models.TextChoices(enum.__name__, [(member.name, member.value) for member in enum])
 
 
 # Liveness by state (seed 004): what a failover pair member is doing, as it reports it.

@@ -21,6 +21,8 @@ from rich.text import Text
 from gpuportal.cli import config, planning, render
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.waiting import Goal, wait_for
+from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
+from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import ReplicaState as S
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -315,6 +317,12 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def choices_help(setting: Setting) -> str:
+    """E.g. "float32 (default), float16 or bfloat16"."""
+    named = [f"{choice} (default)" if choice == setting.default else choice for choice in setting.choices]
+    return ", ".join(named[:-1]) + f" or {named[-1]}"
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -360,10 +368,20 @@ def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentP
     deploy = commands.add_parser("deploy", help="create a deployment and wait until its replicas serve")
     deploy.add_argument("name")
     deploy.add_argument("source", help="a model directory, hf:org/name, or package.module:factory (torch-module)")
-    deploy.add_argument("--replicas", type=non_negative_int, default=1, metavar="N", help="default 1")
-    deploy.add_argument("--max-tokens", type=non_negative_int, metavar="N", help="longest sequence served")
-    deploy.add_argument("--loader", help="transformers (default), transformers-embedding or torch-module")
-    deploy.add_argument("--dtype", help="float32 (default), float16, ...")
+    # The flags that mirror a setting say its default and choices as the spec declares them; only
+    # what is given is sent (the API fills in the rest), the replica count always.
+    replicas, max_tokens = SETTINGS["replicas"], SETTINGS["max_tokens"]
+    deploy.add_argument(
+        "--replicas", type=non_negative_int, default=replicas.default, metavar="N", help=f"default {replicas.default}"
+    )
+    deploy.add_argument(
+        "--max-tokens",
+        type=non_negative_int,
+        metavar="N",
+        help=f"longest sequence served (prompt and output; default {max_tokens.default})",
+    )
+    deploy.add_argument("--loader", help=choices_help(SETTINGS["loader"]))
+    deploy.add_argument("--dtype", help=choices_help(SETTINGS["dtype"]))
     add_wait_options(deploy, "the replicas serve")
     deploy.set_defaults(run=cmd_deploy)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuportal.wire import deployment_spec
 from gpuportal.wire.states import ReplicaState as S
+from scheduling.api.serializers import NOT_SHOWN
 
 GiB = 1024**3
 MiB = 1024**2
@@ -17,6 +19,15 @@ REQUEST = "3f2a9d0c1b7e4e55a0c6d2b8e9f01a47"
 AT = "2026-11-25T17:36:13.512Z"
 
 MODEL = {"source": "/srv/models/tiny-a", "loader": "transformers", "dtype": "float32"}
+
+
+def shown_group(group: str, **given: Any) -> dict[str, Any]:
+    """A settings group of the answer as a deploy that left it to the spec's defaults shows it,
+    but for what is `given` (what was measured among it)."""
+    shown = {s.key: s.default for s in deployment_spec.in_group(group) if s.name not in NOT_SHOWN}
+    return {**shown, **given}
+
+
 REPLICA_SHOWN = {
     "id": REPLICA,
     "deployment": "tiny-a",
@@ -56,18 +67,14 @@ DEPLOYMENT_SHOWN = {
     "replicas": [REPLICA_SHOWN],
     "replicas_wanted": 1,
     "dedicated": False,
-    "memory": {
-        "override_bytes": None,
-        "max_tokens": 512,
-        "estimate_bytes": 300 * MiB,
-        "measured_bytes": 300 * MiB,
-        "need_bytes": 300 * MiB,
-    },
-    "fairness": {"min_runtime_s": 10.0, "max_wait_s": 5.0, "popular": False},
-    "sleep": {"idle_timeout_s": 300.0, "drain_timeout_s": 30.0},
-    "restart": {"max_load_failures": 3, "backoff_s": 5.0, "backoff_max_s": 300.0},
-    "failover": {"standby": False},
-    "placement": {"spread": False},
+    "memory": shown_group(
+        "memory", max_tokens=512, estimate_bytes=300 * MiB, measured_bytes=300 * MiB, need_bytes=300 * MiB
+    ),
+    "fairness": shown_group("fairness"),
+    "sleep": shown_group("sleep"),
+    "restart": shown_group("restart"),
+    "failover": shown_group("failover"),
+    "placement": shown_group("placement"),
     "created_at": AT,
     "updated_at": AT,
 }

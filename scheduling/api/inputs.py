@@ -9,7 +9,8 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
-from scheduling.models import Deployment
+from gpuportal.wire import deployment_spec
+from gpuportal.wire.deployment_spec import Setting, Update
 from scheduling.services.deployments import DeploymentSpec
 
 
@@ -32,185 +33,146 @@ class FiniteFloatField(serializers.FloatField):
         return value
 
 
+REPLICAS = deployment_spec.BY_NAME["replicas"]
+
+
 class ReplicaCountField(serializers.IntegerField):
-    """A replica count, at most GPUPORTAL_MAX_REPLICAS (read per request: an operator's setting)."""
+    """A replica count, at most what the operator's Django setting says (read per request)."""
 
     def __init__(self, **kwargs: Any):
-        super().__init__(min_value=0, **kwargs)
+        self.max_setting = REPLICAS.max_setting
+        super().__init__(min_value=REPLICAS.min, **kwargs)
 
     def to_internal_value(self, data: Any) -> int:
         value = super().to_internal_value(data)
-        if value > settings.GPUPORTAL_MAX_REPLICAS:
-            raise serializers.ValidationError(
-                f"at most {settings.GPUPORTAL_MAX_REPLICAS} replicas per deployment (GPUPORTAL_MAX_REPLICAS)"
-            )
+        cap = getattr(settings, self.max_setting)
+        if value > cap:
+            raise serializers.ValidationError(f"at most {cap} replicas per deployment ({self.max_setting})")
         return value
 
 
-# What PostgreSQL's bigint holds is far above any GPU; 1 PiB is a typo's bound, not a GPU's.
-MAX_BYTES = 2**50
+class RefusedField(serializers.JSONField):
+    """What a PATCH cannot change, whatever it sends (the model: a different one is a different
+    deployment)."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        raise serializers.ValidationError("cannot be changed; create a new deployment instead")
 
 
-class ModelInput(StrictSerializer):
-    source = serializers.CharField(
-        max_length=1000,
-        help_text="A model directory on the nodes, hf:org/name (from the nodes' Hugging Face cache, never "
-        "downloaded), or package.module:factory (torch-module).",
-    )
-    loader = serializers.ChoiceField(
-        choices=Deployment.Loader.values,
-        default=Deployment.Loader.TRANSFORMERS,
-        help_text="transformers: a causal LM (text, chat, /v1 completions); transformers-embedding: an encoder "
-        "(/v1/embeddings); torch-module: a PyTorch module (JSON tensors).",
-    )
-    dtype = serializers.ChoiceField(choices=Deployment.DType.values, default=Deployment.DType.FLOAT32)
+def _field(setting: Setting, *, patch: bool = False) -> serializers.Field:
+    """The setting's field, with the spec's bounds, choices and help. A deploy fills in its
+    default when it is omitted; a PATCH changes what it names and nothing else, so no field of it
+    is required and none gets its default filled in."""
+    kwargs: dict[str, Any] = {"help_text": setting.help}
+    if patch or not setting.required:
+        kwargs["required"] = False
+    if not patch and not setting.required:
+        kwargs["default"] = setting.default
+    if setting.nullable:
+        kwargs["allow_null"] = True
+    if setting.max_setting:
+        if setting is not REPLICAS:
+            raise TypeError(f"{setting.name}: only the replica count has a maximum an operator sets")
+        return ReplicaCountField(**kwargs)
+    if setting.choices:
+        return serializers.ChoiceField(choices=list(setting.choices), **kwargs)
+    if setting.type is bool:
+        return serializers.BooleanField(**kwargs)
+    if setting.type is int:
+        return serializers.IntegerField(min_value=setting.min, max_value=setting.max, **kwargs)
+    if setting.type is float:
+        return FiniteFloatField(min_value=setting.min, max_value=setting.max, **kwargs)
+    if setting.type is str:
+        return serializers.CharField(max_length=setting.max_length, **kwargs)
+    raise TypeError(f"{setting.name}: no input field for {setting.type}")
 
 
-class MemoryInput(StrictSerializer):
-    override_bytes = serializers.IntegerField(
-        min_value=1, max_value=MAX_BYTES, allow_null=True, required=False, default=None
-    )
-    max_tokens = serializers.IntegerField(min_value=1, max_value=1_048_576, required=False, default=2048)
-    policy = serializers.ChoiceField(choices=["gpuportal", "ndif"], required=False, default="gpuportal")
+def _group_input(group: str, *, patch: bool = False) -> type[StrictSerializer]:
+    """A group of the body (memory, fairness...) as a serializer: ModelInput, MemoryInput...,
+    and PatchedMemoryInput... as a PATCH takes it (the OpenAPI schema's names)."""
+    name = f"{'Patched' if patch else ''}{group.title()}Input"
+    fields = {s.key: _field(s, patch=patch) for s in deployment_spec.in_group(group)}
+    namespace = {**fields, "__doc__": deployment_spec.GROUPS[group], "__module__": __name__, "__qualname__": name}
+    return type(StrictSerializer)(name, (StrictSerializer,), namespace)
 
 
-class FairnessInput(StrictSerializer):
-    min_runtime_s = FiniteFloatField(min_value=0, max_value=86_400, required=False, default=10.0)
-    max_wait_s = FiniteFloatField(min_value=0, max_value=3_600, required=False, default=5.0)
-    popular = serializers.BooleanField(required=False, default=False)
+GROUP_INPUTS = {group: _group_input(group) for group in deployment_spec.GROUPS}
+GROUP_PATCHES = {group: _group_input(group, patch=True) for group in deployment_spec.GROUPS}
 
 
-class SleepInput(StrictSerializer):
-    idle_timeout_s = FiniteFloatField(min_value=0, max_value=30 * 86_400, required=False, default=300.0)
-    drain_timeout_s = FiniteFloatField(min_value=0, max_value=3_600, required=False, default=30.0)
-
-
-class RestartInput(StrictSerializer):
-    """Crash-loop backoff: a failed load is replaced after backoff_s, doubling up to backoff_max_s;
-    after max_load_failures in a row the deployment is failed until retried or changed."""
-
-    max_load_failures = serializers.IntegerField(min_value=1, max_value=100, required=False, default=3)
-    backoff_s = FiniteFloatField(min_value=0, max_value=3_600, required=False, default=5.0)
-    backoff_max_s = FiniteFloatField(min_value=0, max_value=86_400, required=False, default=300.0)
-
-
-class FailoverInput(StrictSerializer):
-    standby = serializers.BooleanField(required=False, default=False)
-
-
-class PlacementInput(StrictSerializer):
-    spread = serializers.BooleanField(
-        required=False,
-        default=False,
-        help_text=(
-            "false (default): pack replicas onto the fullest GPU that fits, keeping whole GPUs free for "
-            "large replicas. true: prefer the GPUs and nodes with the fewest of this deployment's "
-            "replicas, then the emptiest GPU."
-        ),
-    )
+def _refused_whole(group: str) -> bool:
+    return all(s.update == Update.REFUSED for s in deployment_spec.in_group(group))
 
 
 class DeploymentInput(StrictSerializer):
+    """A deploy: the name, then the spec's settings in the body's order, each group optional
+    unless it holds a required setting (the model's source)."""
+
     name = serializers.SlugField(max_length=100)
-    model = ModelInput()
-    replicas = ReplicaCountField(required=False, default=1)
-    dedicated = serializers.BooleanField(required=False, default=False)
-    memory = MemoryInput(required=False)
-    fairness = FairnessInput(required=False)
-    sleep = SleepInput(required=False)
-    restart = RestartInput(required=False)
-    failover = FailoverInput(required=False)
-    placement = PlacementInput(required=False)
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        for setting in deployment_spec.SETTINGS:
+            if not setting.group:
+                fields[setting.key] = _field(setting)
+            elif setting.group not in fields:
+                required = any(s.required for s in deployment_spec.in_group(setting.group))
+                fields[setting.group] = GROUP_INPUTS[setting.group](required=required)
+        return fields
 
     def to_spec(self) -> DeploymentSpec:
         data = self.validated_data
 
-        def group(name: str, serializer: serializers.Serializer) -> dict[str, Any]:
+        def given(group: str) -> dict[str, Any]:
+            if not group:
+                return data
             # An omitted group gets every default, exactly as if it had been sent empty.
-            return data.get(name) or serializer.run_validation({})
+            return data.get(group) or GROUP_INPUTS[group]().run_validation({})
 
-        memory = group("memory", MemoryInput())
-        fairness = group("fairness", FairnessInput())
-        sleep = group("sleep", SleepInput())
-        failover = group("failover", FailoverInput())
-        restart = group("restart", RestartInput())
-        placement = group("placement", PlacementInput())
-        return DeploymentSpec(
-            name=data["name"],
-            source=data["model"]["source"],
-            loader=data["model"]["loader"],
-            dtype=data["model"]["dtype"],
-            replicas=data["replicas"],
-            dedicated=data["dedicated"],
-            override_bytes=memory["override_bytes"],
-            max_tokens=memory["max_tokens"],
-            memory_policy=memory["policy"],
-            min_runtime_s=fairness["min_runtime_s"],
-            max_wait_s=fairness["max_wait_s"],
-            popular=fairness["popular"],
-            idle_timeout_s=sleep["idle_timeout_s"],
-            drain_timeout_s=sleep["drain_timeout_s"],
-            standby=failover["standby"],
-            max_load_failures=restart["max_load_failures"],
-            backoff_s=restart["backoff_s"],
-            backoff_max_s=restart["backoff_max_s"],
-            spread=placement["spread"],
-        )
-
-
-def _partial(serializer_class: type[StrictSerializer]) -> StrictSerializer:
-    """The group as a PATCH takes it: a PATCH changes what it names and nothing else, so no field
-    is required and none gets its default filled in.
-
-    Said in a subclass's get_fields, not by changing an instance's fields: DRF builds every
-    request's serializer from deep copies of the declared ones, and a field's copy is made anew
-    from its constructor arguments, so changed fields came back required and with defaults. A
-    PATCH of {"fairness": {"max_wait_s": 1}} then reset min_runtime_s and popular, and any PATCH
-    of the memory group was refused for changing its policy (found by tests/scheduling/test_storm.py)."""
-
-    class Partial(serializer_class):
-        def get_fields(self) -> dict[str, serializers.Field]:
-            fields = super().get_fields()
-            for field in fields.values():
-                field.required, field.default = False, serializers.empty
-            return fields
-
-    Partial.__name__ = Partial.__qualname__ = f"Patched{serializer_class.__name__}"
-    return Partial(required=False)
+        values = {s.name: given(s.group)[s.key] for s in deployment_spec.SETTINGS}
+        return DeploymentSpec(name=data["name"], **values)
 
 
 class DeploymentPatch(StrictSerializer):
-    """PATCH: settings groups, each partial. The model and the name cannot change."""
+    """PATCH: settings groups, each partial. The name cannot change, nor a setting the spec says
+    is refused: a group of nothing else (the model) whatever it holds, another by name."""
 
     name = serializers.CharField(required=False)
-    model = serializers.JSONField(required=False)
-    replicas = ReplicaCountField(required=False)
-    dedicated = serializers.BooleanField(required=False)
-    memory = _partial(MemoryInput)
-    fairness = _partial(FairnessInput)
-    sleep = _partial(SleepInput)
-    restart = _partial(RestartInput)
-    failover = _partial(FailoverInput)
-    placement = _partial(PlacementInput)
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        for setting in deployment_spec.SETTINGS:
+            if not setting.group:
+                refused = setting.update == Update.REFUSED
+                fields[setting.key] = RefusedField(required=False) if refused else _field(setting, patch=True)
+            elif setting.group not in fields:
+                group = setting.group
+                fields[group] = (
+                    RefusedField(required=False) if _refused_whole(group) else GROUP_PATCHES[group](required=False)
+                )
+        return fields
 
     def validate_name(self, value: str) -> str:
         raise serializers.ValidationError("cannot be changed; create a new deployment instead")
 
-    def validate_model(self, value: Any) -> Any:
-        raise serializers.ValidationError("cannot be changed; create a new deployment instead")
-
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        if "policy" in attrs.get("memory", {}):
-            raise serializers.ValidationError({"memory": {"policy": ["cannot be changed on an existing deployment"]}})
+        refused: dict[str, dict[str, list[str]]] = {}
+        for setting in deployment_spec.SETTINGS:
+            if setting.update == Update.REFUSED and setting.key in attrs.get(setting.group, {}):
+                refused.setdefault(setting.group, {})[setting.key] = ["cannot be changed on an existing deployment"]
+        if refused:
+            raise serializers.ValidationError(refused)
         return attrs
 
     def to_changes(self) -> dict[str, Any]:
+        """What the PATCH names, by spec name (a setting refused only if changed goes to the
+        service, which knows the current value)."""
         data = self.validated_data
-        changes: dict[str, Any] = {k: data[k] for k in ("replicas", "dedicated") if k in data}
-        for group in ("memory", "fairness", "sleep", "restart", "placement"):
-            changes.update(data.get(group, {}))
-        if "standby" in data.get("failover", {}):
-            changes["standby"] = data["failover"]["standby"]
+        changes = {}
+        for setting in deployment_spec.SETTINGS:
+            given = data.get(setting.group, {}) if setting.group else data
+            if setting.key in given:
+                changes[setting.name] = given[setting.key]
         return changes
 
 

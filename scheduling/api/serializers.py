@@ -10,6 +10,8 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from gpuportal.wire import deployment_spec
+from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import selectors
 from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
@@ -164,62 +166,62 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
 
 # Deployment settings are grouped as in the POST body of docs/api.md; each group reads from the
-# deployment's own flat columns (source="*"), so the same classes can take writes later.
+# deployment's own flat columns (source="*"). Its fields are the spec's settings
+# (gpuportal.wire.deployment_spec), then what the portal measured or decided about them.
+
+# A setting the answers have never shown: adding it is a change of the contract of its own.
+NOT_SHOWN = {"memory_policy"}
 
 
-class DeploymentModelSerializer(serializers.Serializer):
-    source = serializers.CharField(source="model_source")
-    loader = serializers.ChoiceField(choices=Deployment.Loader.choices)
-    dtype = serializers.ChoiceField(choices=Deployment.DType.choices)
+def _shown_beside(group: str) -> dict[str, serializers.Field]:
+    """What a group shows after its settings. Made when called: DRF orders declared fields by
+    when each was made."""
+    if group != "memory":
+        return {}
+    return {
+        "estimate_bytes": serializers.IntegerField(source="memory_estimate_bytes", allow_null=True, read_only=True),
+        "measured_bytes": serializers.IntegerField(source="memory_measured_bytes", allow_null=True, read_only=True),
+        "need_bytes": serializers.IntegerField(
+            source="memory_need_bytes",
+            allow_null=True,
+            read_only=True,
+            help_text="What placement reserves: override, else measured, else estimate.",
+        ),
+    }
 
 
-class DeploymentMemorySerializer(serializers.Serializer):
-    override_bytes = serializers.IntegerField(source="memory_override_bytes", allow_null=True)
-    max_tokens = serializers.IntegerField()
-    estimate_bytes = serializers.IntegerField(source="memory_estimate_bytes", allow_null=True, read_only=True)
-    measured_bytes = serializers.IntegerField(source="memory_measured_bytes", allow_null=True, read_only=True)
-    need_bytes = serializers.IntegerField(
-        source="memory_need_bytes",
-        allow_null=True,
-        read_only=True,
-        help_text="What placement reserves: override, else measured, else estimate.",
-    )
+def _shown(setting: Setting) -> serializers.Field:
+    kwargs: dict[str, Any] = {"help_text": setting.help}
+    if setting.column != setting.key:
+        kwargs["source"] = setting.column
+    if setting.nullable:
+        kwargs["allow_null"] = True
+    if setting.choices:
+        # With the model's labels, as the answers' schema has always named them.
+        return serializers.ChoiceField(choices=Deployment._meta.get_field(setting.column).choices, **kwargs)
+    kinds = {bool: serializers.BooleanField, int: serializers.IntegerField, float: serializers.FloatField}
+    return kinds.get(setting.type, serializers.CharField)(**kwargs)
 
 
-class DeploymentFairnessSerializer(serializers.Serializer):
-    min_runtime_s = serializers.FloatField()
-    max_wait_s = serializers.FloatField()
-    popular = serializers.BooleanField()
+def _group_shown(group: str) -> type[serializers.Serializer]:
+    name = f"Deployment{group.title()}Serializer"
+    fields = {s.key: _shown(s) for s in deployment_spec.in_group(group) if s.name not in NOT_SHOWN}
+    namespace = {**fields, **_shown_beside(group), "__module__": __name__, "__qualname__": name}
+    return type(serializers.Serializer)(name, (serializers.Serializer,), namespace)
 
 
-class DeploymentSleepSerializer(serializers.Serializer):
-    idle_timeout_s = serializers.FloatField()
-    drain_timeout_s = serializers.FloatField()
-
-
-class DeploymentRestartSerializer(serializers.Serializer):
-    max_load_failures = serializers.IntegerField()
-    backoff_s = serializers.FloatField(source="load_backoff_s")
-    backoff_max_s = serializers.FloatField(source="load_backoff_max_s")
-
-
-class DeploymentFailoverSerializer(serializers.Serializer):
-    standby = serializers.BooleanField(source="failover_standby")
-
-
-class DeploymentPlacementSerializer(serializers.Serializer):
-    spread = serializers.BooleanField(source="placement_spread")
+GROUPS_SHOWN = {group: _group_shown(group) for group in deployment_spec.GROUPS}
 
 
 class DeploymentSerializer(serializers.ModelSerializer):
-    model = DeploymentModelSerializer(source="*", read_only=True)
+    model = GROUPS_SHOWN["model"](source="*", read_only=True)
     replicas = ReplicaSerializer(many=True, read_only=True)
-    memory = DeploymentMemorySerializer(source="*", read_only=True)
-    fairness = DeploymentFairnessSerializer(source="*", read_only=True)
-    sleep = DeploymentSleepSerializer(source="*", read_only=True)
-    restart = DeploymentRestartSerializer(source="*", read_only=True)
-    failover = DeploymentFailoverSerializer(source="*", read_only=True)
-    placement = DeploymentPlacementSerializer(source="*", read_only=True)
+    memory = GROUPS_SHOWN["memory"](source="*", read_only=True)
+    fairness = GROUPS_SHOWN["fairness"](source="*", read_only=True)
+    sleep = GROUPS_SHOWN["sleep"](source="*", read_only=True)
+    restart = GROUPS_SHOWN["restart"](source="*", read_only=True)
+    failover = GROUPS_SHOWN["failover"](source="*", read_only=True)
+    placement = GROUPS_SHOWN["placement"](source="*", read_only=True)
     status = serializers.ChoiceField(
         choices=[s.value for s in DeploymentStatus],
         read_only=True,

@@ -8,7 +8,7 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +18,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
-from gpuportal.wire import memory
+from gpuportal.wire import deployment_spec, memory
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import events, hot_sql, ledger, locks
 from scheduling.core import fairness
@@ -30,48 +30,28 @@ from scheduling.services.forgetting import forget_deployment
 from scheduling.services.placing import COUNTED, PAIR_LIVE, PLAIN_COUNTED, add_replicas, releasing
 from scheduling.services.scaling import scale
 
+# A validated deployment as a user asked for it: its name, then every setting of
+# gpuportal.wire.deployment_spec by its spec name (the REST shape of docs/api.md, flattened), each
+# with the spec's default. Made from the spec, so a setting is declared there alone.
+DeploymentSpec = make_dataclass(
+    "DeploymentSpec",
+    [
+        ("name", str),
+        *(
+            (s.name, (s.type | None) if s.nullable else s.type, field() if s.required else field(default=s.default))
+            for s in deployment_spec.SETTINGS
+        ),
+    ],
+    frozen=True,
+)
+DeploymentSpec.__module__ = __name__
 
-@dataclass(frozen=True)
-class DeploymentSpec:
-    """A validated deployment as a user asked for it (the REST shape of docs/api.md, flattened)."""
-
-    name: str
-    source: str
-    loader: str = Deployment.Loader.TRANSFORMERS
-    dtype: str = Deployment.DType.FLOAT32
-    replicas: int = 1
-    dedicated: bool = False
-    override_bytes: int | None = None
-    max_tokens: int = 2048
-    min_runtime_s: float = 10.0
-    max_wait_s: float = 5.0
-    popular: bool = False
-    idle_timeout_s: float = 300.0
-    drain_timeout_s: float = 30.0
-    standby: bool = False
-    memory_policy: str = "gpuportal"
-    max_load_failures: int = 3
-    backoff_s: float = 5.0
-    backoff_max_s: float = 300.0
-    spread: bool = False
-
-
-# Deployment fields a PATCH may change, by spec name. Model, loader and dtype are not among them:
-# a different model is a different deployment.
-MUTABLE = {
-    "dedicated": "dedicated",
-    "override_bytes": "memory_override_bytes",
-    "max_tokens": "max_tokens",
-    "min_runtime_s": "min_runtime_s",
-    "max_wait_s": "max_wait_s",
-    "popular": "popular",
-    "idle_timeout_s": "idle_timeout_s",
-    "drain_timeout_s": "drain_timeout_s",
-    "max_load_failures": "max_load_failures",
-    "backoff_s": "load_backoff_s",
-    "backoff_max_s": "load_backoff_max_s",
-    "spread": "placement_spread",
-}
+# The columns a PATCH writes, by spec name: the settings that change in place (the rest scale,
+# or cannot change: deployment_spec.Update).
+MUTABLE = {s.name: s.column for s in deployment_spec.SETTINGS if s.stored}
+# What a PATCH scales to (the replica count), and what it may only send back unchanged.
+SCALED = {s.name: s for s in deployment_spec.SETTINGS if s.update == deployment_spec.Update.SCALE}
+KEPT = {s.name: s for s in deployment_spec.SETTINGS if s.update == deployment_spec.Update.REFUSED_IF_CHANGED}
 
 
 @dataclass(frozen=True)
@@ -108,7 +88,8 @@ def get(name: str, *, lock: bool = False) -> Deployment:
 def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployment:
     """Create the deployment and place all its replicas, or nothing at all (409 with reasons)."""
     if memory.POLICIES.get(spec.memory_policy) is None:
-        raise InvalidInput("memory.policy", f"unknown policy {spec.memory_policy!r} (gpuportal or ndif)")
+        known = " or ".join(memory.POLICIES)
+        raise InvalidInput("memory.policy", f"unknown policy {spec.memory_policy!r} ({known})")
     if spec.loader == Deployment.Loader.TORCH_MODULE and not torch_module_allowed(spec.source):
         listed = ", ".join(settings.GPUPORTAL_TORCH_MODULES) or "none"
         raise InvalidInput(
@@ -153,44 +134,29 @@ def torch_module_allowed(source: str) -> bool:
 def _insert(spec: DeploymentSpec, facts: ModelFacts) -> Deployment:
     return Deployment.objects.create(
         name=spec.name,
-        model_source=spec.source,
-        loader=spec.loader,
-        dtype=spec.dtype,
-        replicas_wanted=spec.replicas,
-        dedicated=spec.dedicated,
-        memory_override_bytes=spec.override_bytes,
+        **{s.column: getattr(spec, s.name) for s in deployment_spec.SETTINGS},
         memory_estimate_bytes=facts.estimate_bytes,
         weight_bytes=facts.weight_bytes,
-        memory_policy=spec.memory_policy,
-        max_tokens=spec.max_tokens,
-        min_runtime_s=spec.min_runtime_s,
-        max_wait_s=spec.max_wait_s,
-        popular=spec.popular,
-        idle_timeout_s=spec.idle_timeout_s,
-        drain_timeout_s=spec.drain_timeout_s,
-        failover_standby=spec.standby,
-        max_load_failures=spec.max_load_failures,
-        load_backoff_s=spec.backoff_s,
-        load_backoff_max_s=spec.backoff_max_s,
-        placement_spread=spec.spread,
     )
 
 
 @locks.retry_deadlocks
 def update(name: str, changes: dict[str, Any]) -> Deployment:
     """Change settings (and the replica count, through scale). Unknown fields are a caller bug."""
-    unknown = set(changes) - set(MUTABLE) - {"replicas", "standby"}
+    unknown = set(changes) - set(MUTABLE) - set(SCALED) - set(KEPT)
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
     changes = dict(changes)
     with transaction.atomic():
         deployment = get(name, lock=True)
-        if "standby" in changes and changes.pop("standby") != deployment.failover_standby:
-            # Its replicas run without a pair's lock (or hold one): pairing them up, or splitting
-            # them, would need every process restarted; a new deployment says so honestly.
-            raise InvalidInput(
-                "failover.standby", "cannot be changed on an existing deployment; create a new deployment instead"
-            )
+        for key, setting in KEPT.items():
+            if key in changes and changes.pop(key) != getattr(deployment, setting.column):
+                # Failover, for one: its replicas run without a pair's lock (or hold one); pairing
+                # them up, or splitting them, would need every process restarted; a new
+                # deployment says so honestly.
+                raise InvalidInput(
+                    setting.path, "cannot be changed on an existing deployment; create a new deployment instead"
+                )
         before = {key: getattr(deployment, MUTABLE[key]) for key in changes if key in MUTABLE}
         after = {key: value for key, value in changes.items() if key in MUTABLE and before[key] != value}
         for key, value in after.items():
@@ -200,7 +166,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
             events.record(
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
-                "settings changed: " + ", ".join(f"{k} {before[k]!r} → {v!r}" for k, v in after.items()),
+                "settings changed: " + ", ".join(f"{k} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()),
                 before={k: before[k] for k in after},
                 after=after,
                 deployment=name,
@@ -208,10 +174,19 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
             if deployment.failed_reason:
                 # A changed spec is the operator's answer to the failure: try again.
                 retry(name, reason="its settings changed")
-        if "replicas" in changes:
-            scale(name, changes["replicas"])
+        for key in SCALED:
+            if key in changes:
+                scale(name, changes[key])
     deployment.refresh_from_db()
     return deployment
+
+
+def _when(key: str) -> str:
+    """When a changed setting takes effect, where it is not at once: an operator reading the
+    Event should not expect running replicas to follow it."""
+    if deployment_spec.BY_NAME[key].update == deployment_spec.Update.NEXT_REPLICA:
+        return " (for replicas placed from now on)"
+    return ""
 
 
 # -- crash-loop backoff ---------------------------------------------------------------------------

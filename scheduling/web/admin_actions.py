@@ -11,6 +11,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
+from gpuportal.wire import deployment_spec
 from scheduling.models import Deployment, Replica
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
@@ -31,7 +32,9 @@ def report_each(
 
 
 class ScaleForm(forms.Form):
-    replicas = forms.IntegerField(min_value=0, max_value=256, label="Replicas wanted")
+    replicas = forms.IntegerField(
+        min_value=deployment_spec.BY_NAME["replicas"].min, max_value=256, label="Replicas wanted"
+    )
 
 
 def form_page(
@@ -75,14 +78,22 @@ def scale_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
     )  # fmt: skip
 
 
+def _setting_field(name: str, label: str) -> forms.Field:
+    """A form field for a setting, bounded as the spec says; blank leaves it as it is."""
+    setting = deployment_spec.BY_NAME[name]
+    if setting.type is bool:
+        return forms.NullBooleanField(required=False, label=label)
+    return forms.FloatField(required=False, min_value=setting.min, max_value=setting.max, label=label)
+
+
 class SettingsForm(forms.Form):
     """Fairness and sleep settings; a blank field leaves the setting as it is."""
 
-    min_runtime_s = forms.FloatField(required=False, min_value=0, max_value=86_400, label="Min runtime (s)")
-    max_wait_s = forms.FloatField(required=False, min_value=0, max_value=3_600, label="Max wait (s)")
-    popular = forms.NullBooleanField(required=False, label="Popular (never preempted, never idle-slept)")
-    idle_timeout_s = forms.FloatField(required=False, min_value=0, max_value=30 * 86_400, label="Idle timeout (s)")
-    drain_timeout_s = forms.FloatField(required=False, min_value=0, max_value=3_600, label="Drain timeout (s)")
+    min_runtime_s = _setting_field("min_runtime_s", "Min runtime (s)")
+    max_wait_s = _setting_field("max_wait_s", "Max wait (s)")
+    popular = _setting_field("popular", "Popular (never preempted, never idle-slept)")
+    idle_timeout_s = _setting_field("idle_timeout_s", "Idle timeout (s)")
+    drain_timeout_s = _setting_field("drain_timeout_s", "Drain timeout (s)")
 
 
 @admin.action(description="Edit fairness and sleep settings…")

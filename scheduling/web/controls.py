@@ -15,6 +15,7 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from gpuportal.wire import deployment_spec
 from scheduling.api.inputs import DeploymentInput
 from scheduling.models import Deployment
 from scheduling.services import deployments as deployment_services
@@ -130,6 +131,8 @@ def undrain(request: HttpRequest, name: str) -> HttpResponse:
 
 
 MiB = 1024**2
+# The form's fields: the name and the settings it offers (by spec name, the override in MiB),
+# and its checkboxes, each a boolean setting.
 DEPLOY_FIELDS = ("name", "source", "loader", "dtype", "replicas", "max_tokens", "override_mib")
 DEPLOY_FLAGS = ("dedicated", "spread", "standby")
 
@@ -158,25 +161,29 @@ def deploy(request: HttpRequest) -> HttpResponse:
 
 
 def _deploy_body(typed: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
-    """The form as the API's JSON body; the errors of what the form alone can tell (a size in MiB)."""
-    memory: dict[str, Any] = {"max_tokens": typed["max_tokens"] or None}
+    """The form as the API's JSON body, each setting where the spec puts it; the errors of what
+    the form alone can tell (a size in MiB)."""
+    body: dict[str, Any] = {"name": typed["name"]}
     errors = []
+
+    def put(name: str, value: Any) -> None:
+        setting = deployment_spec.BY_NAME[name]
+        (body.setdefault(setting.group, {}) if setting.group else body)[setting.key] = value
+
+    for name in ("source", "loader", "dtype"):
+        put(name, typed[name])
+    for name in ("replicas", "max_tokens"):
+        if typed[name]:  # left empty: the default
+            put(name, typed[name])
     if typed["override_mib"]:
         try:
-            memory["override_bytes"] = int(float(typed["override_mib"]) * MiB)
+            put("override_bytes", int(float(typed["override_mib"]) * MiB))
         except ValueError:
-            errors.append("memory.override_bytes: a number of MiB, or empty to use the estimate")
-    body = {
-        "name": typed["name"],
-        "model": {"source": typed["source"], "loader": typed["loader"], "dtype": typed["dtype"]},
-        "replicas": typed["replicas"] or None,
-        "dedicated": "dedicated" in typed,
-        "memory": {k: v for k, v in memory.items() if v is not None},
-        "placement": {"spread": "spread" in typed},
-        "failover": {"standby": "standby" in typed},
-    }
-    if body["replicas"] is None:
-        del body["replicas"]
+            errors.append(
+                f"{deployment_spec.BY_NAME['override_bytes'].path}: a number of MiB, or empty to use the estimate"
+            )
+    for flag in DEPLOY_FLAGS:
+        put(flag, flag in typed)
     return body, errors
 
 

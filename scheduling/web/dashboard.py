@@ -26,7 +26,7 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from gpuportal.wire import states
+from gpuportal.wire import deployment_spec, states
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 from scheduling import requeststats, selectors
@@ -280,8 +280,11 @@ def page(request: HttpRequest) -> HttpResponse:
     return render_page(request)
 
 
-# What the deploy form shows before anything is typed: the API's defaults.
-DEPLOY_DEFAULTS = {"loader": "transformers", "dtype": "float32", "replicas": "1", "max_tokens": "2048"}
+# The deploy form's settings (each named as in the spec) and what it shows before anything is
+# typed: the spec's defaults, and its lower bounds for the number fields.
+DEPLOY_SETTINGS = ("loader", "dtype", "replicas", "max_tokens")
+DEPLOY_DEFAULTS = {name: str(deployment_spec.BY_NAME[name].default) for name in DEPLOY_SETTINGS}
+DEPLOY_MINIMA = {name: deployment_spec.BY_NAME[name].min for name in DEPLOY_SETTINGS}
 
 
 def render_page(
@@ -296,8 +299,9 @@ def render_page(
         "is_nav_sidebar_enabled": False,
         "deploy_form": {**DEPLOY_DEFAULTS, **(deploy_form or {})},
         "deploy_errors": deploy_errors or [],
-        "loaders": Deployment.Loader.values,
-        "dtypes": Deployment.DType.values,
+        "deploy_minima": DEPLOY_MINIMA,
+        "loaders": deployment_spec.BY_NAME["loader"].choices,
+        "dtypes": deployment_spec.BY_NAME["dtype"].choices,
     }
     return render(request, "admin/scheduling/dashboard.html", ctx, status=400 if deploy_errors else 200)
 
