@@ -181,6 +181,27 @@ class FailoverState(StrEnum):
     DEAD = "dead"
 
 
+# A member's way through a takeover: it starts, stands by (or, finding the lock free, is active
+# at once), wakes when it takes the lock over, and serves; dead from anywhere (its process gone,
+# its lock passed on). A new standby is a new replica, so nothing comes back from dead or active.
+FAILOVER_TRANSITIONS: dict[FailoverState, frozenset[FailoverState]] = {
+    FailoverState.INIT: frozenset(
+        {FailoverState.STANDBY, FailoverState.WAKING, FailoverState.ACTIVE, FailoverState.DEAD}
+    ),
+    FailoverState.STANDBY: frozenset({FailoverState.WAKING, FailoverState.ACTIVE, FailoverState.DEAD}),
+    FailoverState.WAKING: frozenset({FailoverState.ACTIVE, FailoverState.DEAD}),
+    FailoverState.ACTIVE: frozenset({FailoverState.DEAD}),
+    FailoverState.DEAD: frozenset(),
+}
+
+
+def failover_allowed(before: str, after: str) -> bool:
+    """Whether a pair member may go from `before` to `after` ("" : not yet a member)."""
+    if before == after or not before:
+        return True
+    return FailoverState(after) in FAILOVER_TRANSITIONS[FailoverState(before)]
+
+
 # -- a capacity plan ------------------------------------------------------------------------------
 
 

@@ -41,7 +41,7 @@ def pair_up(deployment: Deployment, primary: Replica) -> Replica:
     lease = FailoverLease.objects.create(deployment=deployment, slot=slot)
     primary.lease = lease
     primary.role = Replica.Role.PRIMARY
-    primary.failover_state = FailoverState.INIT
+    replica_services.set_failover_state_of(primary, FailoverState.INIT)
     primary.save(update_fields=["lease", "role", "failover_state", "updated_at"])
     return start_standby(lease, primary, reason=f"pair {slot} of {deployment.name}: standby for {primary.id[:8]}")
 
@@ -162,7 +162,7 @@ def hand_over(successor: Replica, from_ids: list[str]) -> None:
 
 def set_failover_state(replica: Replica, state: str, reason: str, *, extra: list[str] | None = None) -> None:
     before = replica.failover_state
-    replica.failover_state = state
+    replica_services.set_failover_state_of(replica, state)
     replica.save(update_fields=["failover_state", "updated_at", *(extra or [])])
     if before == state:
         return

@@ -81,7 +81,7 @@ def on_standby(replica: Replica, event: dict[str, Any]) -> None:
         return
     replica.pid = event.get("pid") or replica.pid
     replica.progress = 100
-    replica.failover_state = FailoverState.STANDBY
+    replica_services.set_failover_state_of(replica, FailoverState.STANDBY)
     # A primary that found the lock taken stands by too: whoever holds the lock is the active one.
     replica.role = Replica.Role.STANDBY
     weights = int(event.get("weights_bytes") or 0)
@@ -139,7 +139,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
     replica.serving_since = now
     replica.last_accessed = now
     replica.progress = 100
-    replica.failover_state = FailoverState.ACTIVE
+    replica_services.set_failover_state_of(replica, FailoverState.ACTIVE)
     replica_services.set_state(
         replica,
         Replica.State.SERVING,
@@ -199,7 +199,7 @@ def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
     replica.failure_reason = "" if stopped else reason
     replica.pid = None
     replica.serving_since = None
-    replica.failover_state = FailoverState.DEAD
+    replica_services.set_failover_state_of(replica, FailoverState.DEAD)
     replica_services.set_state(
         replica,
         Replica.State.STOPPED if stopped else Replica.State.FAILED,

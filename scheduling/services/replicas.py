@@ -192,7 +192,7 @@ def lose_with_node(node_name: str, reason: str, *, keep: Collection[str] = ()) -
             replica.serving_since = None
             extra = ["pid", "serving_since"]
             if replica.lease_id is not None:
-                replica.failover_state = FailoverState.DEAD
+                set_failover_state_of(replica, FailoverState.DEAD)
                 extra.append("failover_state")
             set_state(replica, Replica.State.STOPPED, reason, extra=extra)
             deployments.add(replica.deployment.name)
@@ -351,6 +351,14 @@ def set_states_of(replicas: Sequence[KnownReplica], state: str) -> None:
     for r in replicas:
         if r.state != state:
             _state_event(Event.Kind.REPLICA_STATE, r.id, r.state, state, r.reason, r.node or "", r.deployment)
+
+
+def set_failover_state_of(replica: Replica, state: str) -> None:
+    """The pair member's failover state, once the table allows it (TransitionRefused, 409, if
+    not); the caller saves the row."""
+    if not states.failover_allowed(replica.failover_state, state):
+        raise TransitionRefused(replica.id, f"failover {replica.failover_state}", f"failover {state}")
+    replica.failover_state = state
 
 
 def check_transition(replica_id: str, before: str, after: str, why: str = "") -> None:

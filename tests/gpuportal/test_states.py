@@ -6,6 +6,7 @@ for one gets a 409 naming both states, and the diagram in the docs is the table'
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -245,3 +246,28 @@ def test_a_report_the_table_refuses_changes_nothing_and_raises_nothing():
     assert Replica.objects.get(pk=stopping.pk).state == ReplicaState.STOPPING
     assert list(Occupant.objects.values_list("reserved_bytes", flat=True)) == [100]
     assert not Event.objects.filter(replica=stopping.id).exists()
+
+
+def test_a_failover_member_goes_through_its_takeover_in_order_and_never_comes_back_from_dead():
+    from gpuportal.wire.states import FAILOVER_TRANSITIONS, FailoverState, failover_allowed
+
+    assert set(FAILOVER_TRANSITIONS) == set(FailoverState)
+    takeover = ["", "init", "standby", "waking", "active", "dead"]
+    assert all(failover_allowed(a, b) for a, b in itertools.pairwise(takeover))
+    assert not failover_allowed("dead", "active")
+    assert not failover_allowed("active", "standby")
+    assert all(failover_allowed(s, "dead") for s in FailoverState)
+
+
+@pytest.mark.django_db
+def test_a_refused_failover_state_is_not_written():
+    from scheduling.models import Event, Replica
+    from scheduling.services import failover
+    from scheduling.services.errors import TransitionRefused
+    from tests.support import factories
+
+    member = factories.replica(factories.deployment(), on=factories.node(), failover_state="dead")
+    with pytest.raises(TransitionRefused, match="failover dead: it cannot become failover active"):
+        failover.set_failover_state(member, "active", "a report from a member whose lock passed on")
+    assert Replica.objects.get(pk=member.pk).failover_state == "dead"
+    assert not Event.objects.filter(replica=member.id).exists()
