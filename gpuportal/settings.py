@@ -83,6 +83,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # A path with a NUL character (%00): a 400 before any view queries the database with it.
+    "scheduling.api.bodies.PathGuard",
     # Serves the admin's and the API docs' static files under granian too (docker/compose.yaml).
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -141,6 +143,12 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PAGINATION_CLASS": "gpuportal.pagination.Pagination",
+    # JSON nested past a limit, or a string with a NUL character: a 400 naming it, not a 500.
+    "DEFAULT_PARSER_CLASSES": [
+        "scheduling.api.bodies.GuardedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "scheduling.api.errors.exception_handler",
 }

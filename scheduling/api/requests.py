@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from datetime import UTC, datetime
 from typing import Any
@@ -11,12 +10,14 @@ from django.conf import settings
 from django.http import JsonResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import permissions, serializers, status
+from rest_framework.exceptions import ParseError, ValidationError
 from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import user_from_header
 from gpuportal.wire.requestqueue import Request
+from scheduling.api import bodies
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
 from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
@@ -208,8 +209,8 @@ def json_body(request: Any) -> Any | None:
     if request.content_type != "application/json":
         return None
     try:
-        return json.loads(request.body)
-    except ValueError:
+        return bodies.loads(request.body)
+    except (ParseError, ValidationError):
         return None
 
 

@@ -194,3 +194,63 @@ def test_a_report_that_arrives_as_its_deployment_is_deleted_is_ignored(cluster, 
 
     assert errors == []
     assert not Replica.objects.filter(pk=replica_id).exists()
+
+
+DEEP = "[" * 5000 + "]" * 5000
+BODIES = [
+    ("post", "/api/deployments/"),
+    ("patch", "/api/deployments/tiny-a/"),
+    ("post", "/api/deployments/tiny-a/scale/"),
+    ("post", "/api/deployments/tiny-a/infer/"),
+    ("post", "/api/requests/"),
+    ("post", "/api/plan/"),
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+    ("post", "/v1/embeddings"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), BODIES)
+def test_json_nested_past_the_limit_is_a_400_naming_the_limit(staff, method, path):
+    from scheduling.api.bodies import MAX_DEPTH
+
+    response = getattr(staff, method)(path, data=DEEP, content_type="application/json")
+    assert response.status_code == 400, response.content[:300]
+    assert f"nested deeper than {MAX_DEPTH} levels" in response.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("path", "sent", "field"),
+    [
+        ("/api/deployments/", {"name": "a\x00b", "model": {"source": "/srv/m"}}, "name"),
+        ("/api/deployments/", {"name": "ok", "model": {"source": "/srv/\x00m"}}, "model.source"),
+        ("/api/requests/", {"deployment": "tiny-a", "input": "hi\x00"}, "input"),
+        ("/v1/completions", {"model": "tiny\x00b", "prompt": "hi"}, "model"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "\x00"}]},
+            "messages.0.content",
+        ),
+    ],
+)
+def test_a_nul_character_in_a_body_is_a_400_naming_the_field_and_nothing_is_stored(staff, path, sent, field):
+    response = staff.post(path, sent, format="json")
+    assert response.status_code == 400, response.content[:300]
+    assert field in response.json(), response.json()
+    assert not Deployment.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("get", "/api/deployments/a%00b/"),
+        ("post", "/api/deployments/a%00b/infer/"),
+        ("get", "/api/replicas/a%00b/"),
+        ("get", "/api/nodes/a%00b/"),
+        ("get", "/api/requests/a%00b/"),
+    ],
+)
+def test_a_nul_character_in_a_path_is_a_400_before_any_query(staff, method, path):
+    response = getattr(staff, method)(path)
+    assert response.status_code == 400
+    assert "NUL" in response.json()["detail"]
