@@ -29,6 +29,7 @@ from inference.backends import (
 )
 from inference.event_stream import EventWriter
 from inference.hub import local_model_dir
+from inference.lazy_imports import from_transformers
 from inference.loaders import DIRECTORY_LOADERS, EMBEDDING
 from inference.process_exit import exit_now as _exit
 from inference.serving import Executor
@@ -688,7 +689,7 @@ def load_tokenizer(source: str, loader: str) -> Any | None:
     An encoder takes nothing but text: without its tokenizer the load fails."""
     if loader not in DIRECTORY_LOADERS:
         return None
-    from transformers import AutoTokenizer
+    (AutoTokenizer,) = from_transformers("AutoTokenizer")
 
     try:
         return AutoTokenizer.from_pretrained(local_model_dir(source), local_files_only=True)

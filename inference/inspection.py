@@ -10,6 +10,7 @@ import json
 
 from gpuportal.wire.inspection import ModelReading
 from inference.hub import local_model_dir
+from inference.lazy_imports import from_transformers
 from inference.loaders import EMBEDDING, TRANSFORMERS, factory_weight_bytes, validate_source
 from inference.model_size import shape_from_model_dir
 
@@ -59,7 +60,7 @@ def _tokenizer_refusal(source: str) -> str:
     """Why the replicas could not read text for this model, or "": a causal LM or an encoder takes
     only text, so one without a tokenizer would be accepted here and fail on its first request
     instead. Loaded the way a replica loads it (inference.replica), from local files."""
-    from transformers import AutoTokenizer
+    (AutoTokenizer,) = from_transformers("AutoTokenizer")
 
     try:
         AutoTokenizer.from_pretrained(local_model_dir(source), local_files_only=True)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuportal.wire.deployment_spec import DType, Loader
 from inference.hub import local_model_dir
+from inference.lazy_imports import from_transformers
 
 if TYPE_CHECKING:
     import torch
@@ -255,9 +256,8 @@ def _model_dir(source: str) -> Path:
 
 def _dtype_kwarg() -> str:
     # transformers 4.56 renamed torch_dtype to dtype; 5.x warns on the old name, <4.56 ignores the new.
-    import transformers
-
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    (version,) = from_transformers("__version__")
+    major, minor = (int(part) for part in version.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
@@ -270,7 +270,7 @@ def _load_transformers(
     encoder: bool = False,
 ) -> nn.Module:
     # An encoder is loaded headless (AutoModel): its last hidden states are what embeddings pool.
-    from transformers import AutoModel, AutoModelForCausalLM
+    AutoModel, AutoModelForCausalLM = from_transformers("AutoModel", "AutoModelForCausalLM")
 
     kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False, _dtype_kwarg(): dtype}
     if device_map is not None:

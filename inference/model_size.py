@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuportal.wire.memory import DTYPE_BYTES, ModelShape, allocation_bytes, dtype_bytes
 from inference.hub import local_model_dir
+from inference.lazy_imports import from_transformers
 
 # safetensors dtype codes whose tensors a loader casts to the requested dtype. Integer, boolean and
 # 8-bit float tensors are quantised data or indices, which loaders keep as stored, so they are not
@@ -80,7 +81,7 @@ def _model_dir(path: str | Path) -> Path:
 def _load_config(root: Path) -> Any:
     # Through transformers rather than json.load: a saved config omits values equal to its class's
     # defaults (Mistral's num_key_value_heads=8, for one), and only the config class knows them.
-    from transformers import AutoConfig
+    (AutoConfig,) = from_transformers("AutoConfig")
 
     try:
         json.loads((root / "config.json").read_text())
@@ -170,7 +171,8 @@ def _safetensors_bytes(path: Path, run_bytes: int) -> int:
 def _meta_bytes(config: Any, root: Path, run_bytes: int, *, encoder: bool = False) -> int:
     """Bytes of the model's parameters and saved buffers, counted on a storage-less meta-device build."""
     from accelerate import init_empty_weights
-    from transformers import AutoModel, AutoModelForCausalLM
+
+    AutoModel, AutoModelForCausalLM = from_transformers("AutoModel", "AutoModelForCausalLM")
 
     try:
         # include_buffers: buffers too stay off the host, so even a huge model costs only its metadata.

@@ -31,6 +31,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from gpuportal.wire import kvstats
 from gpuportal.wire.requestqueue import Fence, Fenced, Request, RequestQueue, family_of_loader
 from inference.errors import BadInput
+from inference.lazy_imports import from_transformers
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
@@ -178,7 +179,7 @@ class Executor:
             kwargs.update(temperature=temperature, top_p=top_p)
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
-        from transformers import StoppingCriteriaList
+        (StoppingCriteriaList,) = from_transformers("StoppingCriteriaList")
 
         abort = AbortOnFlag(self.abort)
         with torch.no_grad():

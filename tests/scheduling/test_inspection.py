@@ -147,3 +147,38 @@ def test_a_text_model_without_a_tokenizer_is_a_400_naming_model_source_at_deploy
     (says,) = response.json()["model.source"]
     assert says.startswith(f"{weights_only} has no tokenizer a replica can load")
     assert not Deployment.objects.exists()
+
+
+# In a process of its own: transformers must not have been imported yet, as in an agent that has
+# just started, for its lazy imports to race at all.
+_PARALLEL_READS = """
+import sys, threading
+from inference.inspection import read_model
+start, refusals = threading.Barrier(16), []
+def read():
+    start.wait()
+    try:
+        refusal = read_model(sys.argv[1], "transformers", "float32").refusal
+    except Exception as exc:
+        refusal = repr(exc)
+    if refusal:
+        refusals.append(refusal)
+threads = [threading.Thread(target=read) for _ in range(16)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(refusals)
+"""
+
+
+@pytest.mark.slow
+def test_sixteen_reads_at_once_on_a_fresh_agent_all_succeed(tiny_model_dir):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PARALLEL_READS, str(tiny_model_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
