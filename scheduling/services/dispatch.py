@@ -20,7 +20,7 @@ from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel,
 from gpuportal.wire.replica_logs import LOG_TASK, ReadLog
 from scheduling.models import Node
 from scheduling.services import replica_specs
-from scheduling.services.errors import Unavailable
+from scheduling.services.errors import InvalidState, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,13 @@ def inspect(source: str, loader: str, dtype: str) -> ModelReading:
     """What a node agent reads of the model's files, waited for. Not on commit: nothing is
     decided yet, and this is what the decision needs. Whichever agent is free first answers."""
     if not Node.objects.filter(status=Node.Status.ONLINE).exists():
+        drained = sorted(Node.objects.filter(status=Node.Status.DRAINING).values_list("name", flat=True))
+        if drained:
+            # Waiting would not help, and the operator's own drain is why: say so, not "start one".
+            raise InvalidState(
+                f"every online node is drained ({', '.join(drained)}): nothing new is placed on a drained node; "
+                f"return one to service (POST /api/nodes/{drained[0]}/undrain/) to deploy"
+            )
         raise Unavailable("no node is online to read the model's files: start a node agent (manage.py agent)")
     ask = InspectModel(source, loader, dtype, replies.new_list("inspect"))
     timeout = settings.GPUPORTAL_INSPECT_TIMEOUT_S

@@ -88,6 +88,18 @@ def test_with_no_node_online_a_deploy_answers_503_saying_so(cluster, staff, node
 
 
 @pytest.mark.django_db
+def test_with_every_online_node_drained_a_deploy_is_a_409_that_says_so(cluster, staff, node_worker, tiny_model_dir):
+    Node.objects.update(status=Node.Status.DRAINING)
+
+    response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
+
+    assert response.status_code == 409
+    assert "every online node is drained" in response.json()["detail"]
+    assert "/undrain/" in response.json()["detail"]
+    assert node_worker.sent == [] and not Deployment.objects.exists()
+
+
+@pytest.mark.django_db
 def test_a_node_that_never_answers_makes_the_deploy_a_503_after_the_wait_not_a_hang(
     cluster, staff, monkeypatch, settings, tiny_model_dir
 ):
