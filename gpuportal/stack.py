@@ -147,6 +147,7 @@ class EmbeddedPostgres:
             self._initdb()
         self._refuse_if_running()
         self.log_path.touch()
+        self.log_path.chmod(0o600)  # the server's log names its clients and their errors: its own
         self._chown(self.log_path)
 
     def _initdb(self) -> None:

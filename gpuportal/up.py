@@ -186,6 +186,11 @@ class Portal:
             )
             urls["DATABASE_URL"] = self.postgres.start()
             self.servers.append(Server("postgresql", self.postgres))
+        # From here on everything the stack writes (Redis's append-only file of every prompt and
+        # answer, the logs, the replicas' records) is its owner's alone, and every child started
+        # from here inherits that. Not before: an embedded PostgreSQL run as its own user (up
+        # started as root) reads its password file and the folders above its data as that user.
+        os.umask(0o077)
         if opts.redis_url:
             urls["REDIS_URL"] = opts.redis_url
         else:

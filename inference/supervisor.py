@@ -85,7 +85,9 @@ def replica_argv(spec: ReplicaSpec, python: str = sys.executable) -> list[str]:
     if spec.adoption_window_s > 0:
         args += ["--adoption-window", repr(float(spec.adoption_window_s))]
     if spec.deployment and spec.redis_url:
-        args += ["--deployment", spec.deployment, "--redis-url", spec.redis_url]
+        # The queue's URL (with its password) goes by the environment (_child_env), never on a
+        # command line, which every user of the host can read.
+        args += ["--deployment", spec.deployment]
     if spec.failover_lease is not None:
         args += [
             "--failover-lease",
@@ -287,7 +289,10 @@ class Supervisor:
     def _write_record(self, spec: ReplicaSpec, pid: int) -> None:
         path = self._record_path(spec.replica_id)
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"pid": pid, "spec": spec.record()}))
+        temporary.unlink(missing_ok=True)
+        # Only its owner may read it: the spec carries the queue's URL, password and all.
+        with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(json.dumps({"pid": pid, "spec": spec.record()}))
         temporary.replace(path)  # a new agent reading it at this moment sees all of it or nothing
 
     def send(self, replica_id: str, command: dict[str, Any]) -> None:
@@ -448,6 +453,8 @@ class Supervisor:
             env.pop("CUDA_VISIBLE_DEVICES", None)
         if spec.failover_dsn:
             env["GPUPORTAL_FAILOVER_DSN"] = spec.failover_dsn
+        if spec.deployment and spec.redis_url:
+            env["GPUPORTAL_REDIS_URL"] = spec.redis_url
         # `python -m inference.replica` must import this project whatever the agent's working directory.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
         return env

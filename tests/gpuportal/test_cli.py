@@ -26,6 +26,7 @@ from rich.console import Console
 from gpuportal.cli import app, config, planning, render, waiting
 from gpuportal.cli.client import CliError, api_message
 from gpuportal.stack import free_port
+from tests.support import privacy
 from tests.support.processes import wait_until
 from tests.support.up import PASSWORD, ROOT, Up, env_without_servers
 
@@ -568,6 +569,11 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
 
         assert cli.ok("sleep", "tiny").splitlines()[-1].startswith("tiny: 2 sleeping (wanted 2)")
         assert cli.ok("wake", "tiny").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
+        # With replicas serving, as another user of the host would look: no password on a command
+        # line (ps), nothing of the stack's data readable (prompts and answers are in Redis's AOF).
+        secrets = privacy.passwords_of(tmp_path / "var")
+        assert secrets and privacy.command_lines_showing(secrets) == []
+        assert privacy.readable_by_others(tmp_path / "var") == []
         short = next(m[1] for m in re.finditer(r"^([0-9a-f]{8}) +tiny +serving ", cli.ok("ls"), re.MULTILINE))
         logs = cli.ok("logs", short)
         assert logs.startswith(f"replica {short}") and " of tiny: serving on box/" in logs
