@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-gpu clean
+.PHONY: run test test-fast lint bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -n auto --maxprocesses 2 --dist loadfile --no-loadscope-reorder $(ARGS)
+
+# The inner loop: the tests that start no process (those not marked `slow`, which
+# tests/support/process_watch.py keeps true), in about a minute. CI runs the whole of `make test`.
+test-fast: $(STAMP)
+	$(BIN)/pytest -n auto --maxprocesses 2 -m "not slow" $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

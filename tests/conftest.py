@@ -18,6 +18,10 @@ def pytest_configure(config):
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
+    from tests.support import process_watch
+
+    config.pluginmanager.register(process_watch, "process_watch")
+
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
