@@ -18,6 +18,10 @@ def pytest_configure(config):
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
+    from tests.support import process_watch
+
+    config.pluginmanager.register(process_watch, "process_watch")
+
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
@@ -216,7 +220,7 @@ def agents_worker(django_db_setup, django_db_blocker, tmp_path_factory):
 @pytest.fixture
 def start_agent(tmp_path, agents_worker):
     """Starts real node agents on this test's database and Redis: `start_agent(node, gpus)`, e.g.
-    `start_agent("e2e", "1x2GiB")`; each is stopped (SIGTERM) at the end of the test. Their
+    `start_agent("e2e", "1x2GiB")`; each is killed with its replicas at the end of the test. Their
     virtual GPUs account like the H100's: a CUDA context per replica process, the
     driver's reserve, the allocator's rounding."""
     import subprocess
@@ -247,9 +251,14 @@ def start_agent(tmp_path, agents_worker):
         yield start
     finally:
         for process, log in reversed(started):
-            _stop(process, log)
+            # Killed whole, with its replicas (its process group), not stopped: an agent's orderly
+            # stop drains every replica and can take seconds, and no test checks it here (those
+            # that stop an agent on purpose, and check how, do so themselves). Killed, it leaves
+            # no replica behind to serve the next test's queues, and its unacknowledged commands
+            # stay with the broker far longer than a session (the visibility timeout).
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
+            _stop(process, log)
 
 
 @pytest.fixture
@@ -263,7 +272,7 @@ def agent(start_agent):
 def control_worker(tmp_path):
     """Starts real control-plane Celery workers (`-Q control`, 2 threads) on this test's database
     and Redis: `control_worker(**env)` returns the process once it is ready; extra env such as
-    GPUPORTAL_WAKE_LOCK_TTL_S="3" is passed to it. Each is stopped (SIGTERM) at the end of the
+    GPUPORTAL_WAKE_LOCK_TTL_S="3" is passed to it. Each is killed (SIGKILL) at the end of the
     test, and its log printed (shown when the test failed)."""
     import subprocess
     import sys
@@ -304,4 +313,8 @@ def control_worker(tmp_path):
         yield start
     finally:
         for process, log in reversed(started):
+            # Killed, not stopped: a warm shutdown waits for the tasks it runs, which would then
+            # write to the next test's rows; unacknowledged, they stay with the broker far longer
+            # than a session (the visibility timeout), and the next test empties the queue.
+            process.kill()
             _stop(process, log, grace=30)

@@ -30,6 +30,7 @@ def _cuda_available() -> bool:
 # -- the command on this machine ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_cuda_available(), reason="with CUDA, bench.gpu runs for minutes and records its figures")
 def test_without_a_gpu_it_names_what_it_lacks_exits_2_and_leaves_benchmarks_alone():
     before = (ROOT / "BENCHMARKS.md").read_bytes()
@@ -101,6 +102,7 @@ def canned(monkeypatch, tmp_path):
     return benchmarks, probe
 
 
+@pytest.mark.slow
 def test_a_complete_run_records_one_section_and_exits_by_its_checks(canned, tmp_path):
     benchmarks, probe = canned
 
@@ -115,6 +117,7 @@ def test_a_complete_run_records_one_section_and_exits_by_its_checks(canned, tmp_
     assert second.count("## GPU validation (bench.gpu)") == 1 and "FAIL: allocated past the cap" in second
 
 
+@pytest.mark.slow
 def test_no_record_and_a_partial_run_leave_benchmarks_alone(canned, tmp_path):
     benchmarks, _ = canned
 

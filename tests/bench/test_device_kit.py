@@ -130,6 +130,7 @@ def run_script(
     return done, calls
 
 
+@pytest.mark.slow
 def test_the_device_script_installs_the_wheels_then_runs_the_checks_named_and_brings_their_logs_back(tmp_path):
     done, calls = run_script(tmp_path, "wake", "failover")
 
@@ -148,6 +149,7 @@ def test_the_device_script_installs_the_wheels_then_runs_the_checks_named_and_br
     assert not (out / "gpu.log").exists()
 
 
+@pytest.mark.slow
 def test_the_placement_check_runs_only_when_named_and_records_its_own_section(tmp_path):
     done, calls = run_script(tmp_path, "placement")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -158,6 +160,7 @@ def test_the_placement_check_runs_only_when_named_and_records_its_own_section(tm
     assert not any("bench.placement" in line for line in calls.read_text().splitlines())
 
 
+@pytest.mark.slow
 def test_a_budget_cuts_each_checks_limit_to_what_is_left_and_skips_a_check_with_no_time(tmp_path):
     done, calls = run_script(tmp_path, "wake", "failover", budget=100)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -175,6 +178,7 @@ def test_a_budget_cuts_each_checks_limit_to_what_is_left_and_skips_a_check_with_
     assert "skipped" in (tmp_path / "short" / "out" / "wake.log").read_text()
 
 
+@pytest.mark.slow
 def test_the_device_script_refuses_an_unknown_check_before_installing_anything(tmp_path):
     done, calls = run_script(tmp_path, "wake", "bechmark")
 
@@ -183,6 +187,7 @@ def test_the_device_script_refuses_an_unknown_check_before_installing_anything(t
     assert not calls.exists()
 
 
+@pytest.mark.slow
 def test_the_device_script_names_a_module_the_machine_lacks_before_any_check_runs(tmp_path):
     done, calls = run_script(tmp_path, "gpu", bare=True)
 

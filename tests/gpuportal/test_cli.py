@@ -174,6 +174,7 @@ def test_deploy_sends_only_what_was_given_and_a_local_directory_as_an_absolute_p
     }
 
 
+@pytest.mark.slow
 def test_the_command_line_imports_nothing_of_django_or_the_portals_planes():
     code = (
         "import sys, gpuportal.cli.app\n"

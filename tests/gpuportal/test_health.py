@@ -17,6 +17,7 @@ def test_healthz_answers_ok_without_auth_or_database() -> None:
     assert response.json() == {"status": "ok"}
 
 
+@pytest.mark.slow
 @pytest.mark.django_db
 def test_readyz_is_ready_while_database_and_redis_answer_and_503_naming_redis_once_it_stops(
     tmp_path: Path, settings

@@ -115,6 +115,7 @@ def orphan(log_dir: Path, window_s: float) -> tuple[int, int]:
         doomed.kill()
 
 
+@pytest.mark.slow
 def test_a_replica_outlives_its_agent_and_the_next_one_takes_it_over(tmp_path):
     log_dir = tmp_path / "logs"
     pid, agent_pid = orphan(log_dir, window_s=60)
@@ -147,6 +148,7 @@ def test_a_replica_outlives_its_agent_and_the_next_one_takes_it_over(tmp_path):
         successor.stop_all(timeout=5)
 
 
+@pytest.mark.slow
 def test_an_orphan_nobody_adopts_stops_after_its_window_and_is_not_adopted_later(tmp_path):
     log_dir = tmp_path / "logs"
     pid, _ = orphan(log_dir, window_s=1)
@@ -159,12 +161,14 @@ def test_an_orphan_nobody_adopts_stops_after_its_window_and_is_not_adopted_later
     assert not list(log_dir.glob("*.adopt")), "the record of a replica that is gone is removed"
 
 
+@pytest.mark.slow
 def test_a_replica_without_a_window_dies_with_its_agent(tmp_path):
     pid, _ = orphan(tmp_path / "logs", window_s=0)
     wait_until(lambda: gone(pid), 10, "the replica to die with its agent")
     assert Supervisor(tmp_path / "logs").adopt_survivors(Events()) == {}
 
 
+@pytest.mark.slow
 def test_an_adopted_replica_that_is_killed_is_reported_as_a_crash(tmp_path):
     log_dir = tmp_path / "logs"
     pid, _ = orphan(log_dir, window_s=60)

@@ -54,7 +54,7 @@ def paired(agent, staff, tmp_path) -> tuple[Replica, Replica]:
     return wait_until(pair_of, LOAD_TIMEOUT, "an active replica and its standby")
 
 
-def test_a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservation(paired, staff):
+def a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservation(paired, staff) -> None:
     active, standby = paired
 
     assert active.node_id == standby.node_id
@@ -142,7 +142,7 @@ def test_a_planned_switchover_drains_the_active_and_its_standby_takes_over(paire
     assert list(Occupant.objects.values_list("replica_id", flat=True)) == [standby.id]
 
 
-def test_scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff):
+def scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff) -> None:
     active, standby = paired
     assert staff.post("/api/deployments/tiny/scale/", {"replicas": 0}, format="json").status_code == 200
 
@@ -151,3 +151,10 @@ def test_scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, 
     # The standby stopped with its active member: it never took over.
     assert FailoverLease.objects.get().epoch == 1 and FailoverLease.objects.get().holder_id == active.id
     assert Replica.objects.get(pk=standby.id).failover_state == "dead"
+
+
+# One pair for the look at a fresh pair, which changes nothing of it, and the scale-down that ends
+# it: its two replica processes take most of a test's time to load.
+def test_a_pair_shares_one_reservation_and_scaling_it_down_stops_both_members_and_releases_the_memory(paired, staff):
+    a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservation(paired, staff)
+    scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff)

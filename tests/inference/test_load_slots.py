@@ -9,6 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from inference.load_slots import from_environment, load_slot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +47,7 @@ def test_two_slots_let_two_loads_run_at_once(tmp_path):
         assert {one, other} == {0, 1}
 
 
+@pytest.mark.slow
 def test_a_load_that_died_frees_its_slot_at_once(tmp_path):
     holder = subprocess.Popen(
         [
@@ -83,6 +86,7 @@ def test_without_a_directory_or_a_limit_nothing_waits(tmp_path):
     assert from_environment({}) == (None, 0)
 
 
+@pytest.mark.slow
 def test_a_replica_process_waits_for_its_nodes_load_slot_before_it_loads(tmp_path):
     from inference.supervisor import Supervisor
     from tests.support.replicas import TINY_MLP, Events, spec

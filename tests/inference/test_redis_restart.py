@@ -19,6 +19,8 @@ from gpuportal.wire.requestqueue import RequestQueue
 from inference.serving import PatientQueue, Server
 from tests.support.processes import wait_until
 
+pytestmark = pytest.mark.slow  # a Redis server of its own
+
 
 @pytest.fixture
 def private_redis(tmp_path):

@@ -57,6 +57,7 @@ def supervisor(tmp_path):
 # -- whole replica processes, virtual GPUs ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(supervisor, tiny_model_dir):
     events = Events()
     supervisor.start(spec(str(tiny_model_dir), reserved=CONTEXT + 96 * MiB, fraction=0.03), events)
@@ -131,6 +132,7 @@ def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(superviso
         supervisor.send("r1", {"cmd": "ping"})
 
 
+@pytest.mark.slow
 def test_a_reservation_smaller_than_the_weights_fails_like_an_out_of_memory(supervisor, tiny_model_dir):
     events = Events()
     supervisor.start(spec(str(tiny_model_dir), reserved=2 * MiB), events)
@@ -145,6 +147,7 @@ def test_a_reservation_smaller_than_the_weights_fails_like_an_out_of_memory(supe
     assert supervisor.running() == []
 
 
+@pytest.mark.slow
 def test_a_source_that_is_not_a_model_fails_the_load_saying_why(supervisor, tmp_path):
     events = Events()
     supervisor.start(spec(str(tmp_path / "missing")), events)
@@ -155,6 +158,7 @@ def test_a_source_that_is_not_a_model_fails_the_load_saying_why(supervisor, tmp_
     assert failed["exit_code"] == 1
 
 
+@pytest.mark.slow
 def test_a_torch_module_replica_serves_and_a_killed_one_is_reported_as_a_crash(supervisor):
     events = Events()
     # Started from a thread that ends at once: PR_SET_PDEATHSIG follows the thread that forked, not
@@ -175,6 +179,7 @@ def test_a_torch_module_replica_serves_and_a_killed_one_is_reported_as_a_crash(s
     assert supervisor.running() == []
 
 
+@pytest.mark.slow
 def test_a_replica_that_does_not_answer_stop_is_killed_and_reported_stopped(supervisor):
     events = Events()
     supervisor.start(spec(TINY_MLP, loader="torch-module"), events)
@@ -206,6 +211,7 @@ HELPER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_replicas_die_with_the_agent_that_started_them(tmp_path):
     helper = subprocess.Popen(
         [sys.executable, "-c", HELPER, str(tmp_path / "logs"), TINY_MLP],
@@ -233,6 +239,7 @@ def test_replicas_die_with_the_agent_that_started_them(tmp_path):
         helper.stdout.close()
 
 
+@pytest.mark.slow
 def test_the_supervisor_refuses_unknown_replicas_and_bad_specs(supervisor):
     with pytest.raises(KeyError):
         supervisor.send("nobody", {"cmd": "ping"})
@@ -691,6 +698,7 @@ CAP_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_the_fraction_cap_raises_out_of_memory_above_it():
     # Its own process: the cap is per process and must not leak into the test session.
@@ -723,6 +731,7 @@ def _serve_big_on_gpu(supervisor: Supervisor, events: Events, gpu: int) -> dict[
     return serving
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_sleep_frees_the_gpu_memory_per_nvml(supervisor):
     events = Events()
@@ -741,6 +750,7 @@ def test_sleep_frees_the_gpu_memory_per_nvml(supervisor):
     assert residual is not None and residual <= awake - weights // 2, (awake, residual)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_wake_lands_on_the_new_gpu(supervisor):
     if _gpu_count() < 2:

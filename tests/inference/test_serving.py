@@ -44,7 +44,7 @@ def deployed(agent, staff, tmp_path):
     return staff
 
 
-def test_infer_generates_text_with_usage_and_polling_sees_the_same(deployed: APIClient):
+def infer_generates_text_with_usage_and_polling_sees_the_same(deployed: APIClient) -> None:
     response = deployed.post(
         "/api/deployments/tiny/infer/", {"input": "Hello", "params": {"max_tokens": 8}, "timeout_s": 60}, format="json"
     )
@@ -186,7 +186,7 @@ def test_an_idle_deployment_sleeps_and_the_next_request_wakes_it_and_completes(a
     wait_until(lambda: Replica.objects.get().state == "serving", 30, "the woken replica's report to land")
 
 
-def test_the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(deployed, live_server):
+def the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(live_server) -> None:
     import openai
     from django.contrib.auth.models import User
     from rest_framework.authtoken.models import Token
@@ -203,6 +203,13 @@ def test_the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(de
     assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
     assert len(chunks) > 2, "text arrived as it was generated, not all at the end"
     assert isinstance(streamed, str)
+
+
+# One deployment for the two checks that change nothing of it: its two replica processes take
+# most of a test's time to load.
+def test_infer_and_the_openai_client_get_text_from_real_replicas(deployed: APIClient, live_server):
+    infer_generates_text_with_usage_and_polling_sees_the_same(deployed)
+    the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(live_server)
 
 
 def test_a_plain_pytorch_module_takes_json_tensors_on_infer(agent, staff):

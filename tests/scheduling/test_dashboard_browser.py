@@ -31,6 +31,7 @@ LAUNCH_ARGS = [
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.slow,  # Playwright's driver and the browser are processes
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason=f"Chromium is missing: no {CHROMIUM} (apt install chromium)"
     ),

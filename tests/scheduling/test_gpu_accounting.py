@@ -348,6 +348,7 @@ def test_a_standbys_context_counts_against_its_pairs_reservation(db):
     assert dep.memory_measured_bytes == 950 * MiB
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_on_a_real_gpu_a_replica_reserved_its_estimate_serves_max_tokens_within_it_per_nvml(llm_dir, tmp_path):
     """The first load on CUDA: reserved the estimate and a context, as the scheduler reserves it,
