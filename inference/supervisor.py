@@ -36,6 +36,7 @@ from typing import IO, Any
 
 from gpuportal.processes import die_with_parent
 from gpuportal.wire.commands import ReplicaSpec
+from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 from inference import adoption
 
@@ -476,7 +477,7 @@ class Supervisor:
             if event["event"] == "failover":
                 replica.failover_state = str(event.get("state") or "")
             elif event["event"] == "active" or (event["event"] == "serving" and event.get("failover_state")):
-                replica.failover_state = "active"
+                replica.failover_state = FailoverState.ACTIVE
             if event["event"] in FINAL_EVENTS:
                 final = event
                 break
@@ -545,7 +546,7 @@ class Supervisor:
             now = time.monotonic()
             for replica in replicas:
                 silent = now - replica.last_seen
-                if replica.failover_state != "active" or silent <= replica.spec.liveness_timeout_s:
+                if replica.failover_state != FailoverState.ACTIVE or silent <= replica.spec.liveness_timeout_s:
                     continue
                 if replica.killed_because or not isinstance(replica.process, subprocess.Popen):
                     continue
