@@ -199,6 +199,21 @@ def test_a_sleep_past_the_budget_parks_the_longest_unused_sleeper_and_its_next_w
     assert sleep.awake_count(Deployment.objects.get(name="a")) == 1
 
 
+def test_a_sleeper_whose_process_exits_unasked_is_parked_and_its_deployment_stays_asleep(small_host, dispatched):
+    # What `up` stopped and started again does to a sleeping deployment: its agent stops its
+    # replicas' processes. It was asleep before and is asleep after; a request wakes it.
+    sleeper = asleep("a", idle_s=10)
+    reports.report(sleeper, {"event": "stopped"})
+
+    parked = Replica.objects.get(pk=sleeper)
+    assert parked.state == "parked" and parked.node is None and not parked.occupancies.exists()
+    assert Event.objects.filter(replica=sleeper, reason__contains="stays asleep").exists()
+    assert deployments.reconcile_all("test") == {}
+    assert sleep.awake_count(Deployment.objects.get(name="a")) == 0
+    assert ("control", "scheduling.tasks.reconcile") not in [(q, t) for q, t, _ in dispatched]
+    assert invariant_holds()
+
+
 def test_among_sleepers_no_request_reached_the_one_made_first_leaves_first(small_host):
     age_min = {"first": 3, "second": 2, "third": 1}
     made = {}
