@@ -234,15 +234,11 @@ def _stopped(replica: Replica, event: dict[str, Any]) -> None:
         # its deployment was asleep and stays so. Parked, it is still wanted, so no reconcile
         # loads a replacement that would serve with no request; the next wake loads it from disk.
         node = replica.node.name if replica.node else "its node"
-        replica.node = None
-        replica.gpu_mem_bytes_by_id = {}
-        replica.arena_kept_bytes = 0
-        replicas.set_state(
+        replicas.park(
             replica,
-            Replica.State.PARKED,
             f"its sleeping process on {node} exited: parked, so that its deployment stays asleep; "
             "the next wake loads it from disk",
-            extra=["pid", "serving_since", "node", "gpu_mem_bytes_by_id", "arena_kept_bytes"],
+            extra=["pid", "serving_since"],
         )
         return
     replicas.set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])

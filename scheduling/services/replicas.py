@@ -194,9 +194,24 @@ def lose_with_node(node_name: str, reason: str, *, keep: Collection[str] = ()) -
             if replica.lease_id is not None:
                 set_failover_state_of(replica, FailoverState.DEAD)
                 extra.append("failover_state")
+            elif replica.state == Replica.State.SLEEPING:
+                # Its deployment was asleep, and stays so: still wanted, loaded by the next wake.
+                park(replica, f"{reason}: parked, so that its deployment stays asleep", extra=extra)
+                continue
             set_state(replica, Replica.State.STOPPED, reason, extra=extra)
             deployments.add(replica.deployment.name)
     return sorted(deployments)
+
+
+def park(replica: Replica, reason: str, *, extra: list[str] | None = None) -> None:
+    """A sleeper whose weights are gone from its node's host (its process ended, or its node did):
+    wanted still, on no node and holding nothing, so that no reconcile loads it anew and its
+    deployment stays asleep until a wake loads it from disk. The caller released its reservation."""
+    replica.node = None
+    replica.gpu_mem_bytes_by_id = {}
+    replica.arena_kept_bytes = 0  # its next process starts with none
+    fields = ["node", "gpu_mem_bytes_by_id", "arena_kept_bytes", *(extra or [])]
+    set_state(replica, Replica.State.PARKED, reason, extra=fields)
 
 
 def requeue_taken(replica: Replica, reason: str) -> None:

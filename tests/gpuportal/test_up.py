@@ -80,6 +80,16 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         code, answer = up.post("/api/deployments/", deployed, token)
         assert code == 201, answer
         (first,) = wait_until(lambda: up.serving(token, "tiny"), 120, "the deployment to serve")
+        # A second deployment, put to sleep: it is to be asleep after the restart too.
+        code, answer = up.post("/api/deployments/", {**deployed, "name": "nap"}, token)
+        assert code == 201, answer
+        wait_until(lambda: up.serving(token, "nap"), 120, "the second deployment to serve")
+        assert up.post("/api/deployments/nap/sleep/", {}, token)[0] == 200
+
+        def states_of(stack: Up, name: str) -> list[str]:
+            return sorted(r["state"] for r in stack.get(f"/api/replicas/?deployment={name}", token)[1]["results"])
+
+        wait_until(lambda: states_of(up, "nap") == ["sleeping"], 120, "the second deployment to sleep")
         running = processes_of(data_dir)
         # web, control worker (+ its pool), beat, agent, PostgreSQL (+ its workers), Redis
         assert len(running) >= 7, running
@@ -118,6 +128,8 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         assert restored["id"] != first["id"]
         replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
         assert sorted(r["state"] for r in replicas) == ["serving", "stopped"]
+        # Asleep before the stop, asleep after the start: its sleeper parked, nothing loaded anew.
+        assert states_of(again, "nap") == ["parked"]
 
         # The agent dies: `up` starts it again, and the new agent takes over the replica process
         # the old one left (it waits for its adoption window) instead of loading the model again.
