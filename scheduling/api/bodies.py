@@ -24,13 +24,18 @@ def loads(text: str | bytes) -> Any:
     """The body's JSON: ParseError (400) if it does not parse or nests past MAX_DEPTH, a
     ValidationError (400, naming the field) for a string holding a NUL character."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
         raise ParseError(f"JSON nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as exc:
         raise ParseError(f"JSON parse error - {exc}") from None
     check(value)
     return value
+
+
+def _refuse_constant(name: str) -> Any:
+    # Strict JSON, as DRF's own parser reads it (STRICT_JSON): Python's would take NaN and Infinity.
+    raise ValueError(f"Out of range float values are not JSON compliant: {name!r}")
 
 
 def check(value: Any) -> None:

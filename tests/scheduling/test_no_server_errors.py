@@ -254,3 +254,11 @@ def test_a_nul_character_in_a_path_is_a_400_before_any_query(staff, method, path
     response = getattr(staff, method)(path)
     assert response.status_code == 400
     assert "NUL" in response.json()["detail"]
+
+
+def test_nan_and_infinity_are_refused_as_strict_json_does(staff):
+    response = staff.post(
+        "/api/requests/", data='{"deployment": "tiny-a", "input": NaN}', content_type="application/json"
+    )
+    assert response.status_code == 400
+    assert "not JSON compliant" in response.json()["detail"]
