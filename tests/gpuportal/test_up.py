@@ -76,12 +76,13 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         finally:
             second.send_signal(signal.SIGTERM)
             assert second.wait(30) == 0
-        deployed = {"name": "tiny", "model": {"source": str(model)}, "replicas": 1}
+        # Popular: never slept early to make room for the wake of the deployment slept below.
+        deployed = {"name": "tiny", "model": {"source": str(model)}, "replicas": 1, "fairness": {"popular": True}}
         code, answer = up.post("/api/deployments/", deployed, token)
         assert code == 201, answer
         (first,) = wait_until(lambda: up.serving(token, "tiny"), 120, "the deployment to serve")
         # A second deployment, put to sleep: it is to be asleep after the restart too.
-        code, answer = up.post("/api/deployments/", {**deployed, "name": "nap"}, token)
+        code, answer = up.post("/api/deployments/", {**deployed, "name": "nap", "fairness": {"popular": False}}, token)
         assert code == 201, answer
         wait_until(lambda: up.serving(token, "nap"), 120, "the second deployment to serve")
         assert up.post("/api/deployments/nap/sleep/", {}, token)[0] == 200
