@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 from collections.abc import Iterator
@@ -44,7 +45,9 @@ _COLUMNS = ("time", "kind", "subject", "reason", "before", "after", "node", "gpu
 _TYPES = {"time": "timestamptz", "before": "jsonb", "after": "jsonb"}
 
 
+@functools.cache
 def _insert_sql() -> str:
+    # Built once: every block of Events runs it.
     return hot_sql.statement(
         "insert_events",
         columns=", ".join(_COLUMNS),

@@ -42,8 +42,8 @@ STATEMENTS = Path(__file__).resolve().parent / "sql" / "statements"
 
 @functools.cache
 def statement(name: str, **fill: str) -> str:
-    """The text of `sql/statements/<name>.sql`, its {placeholders} filled (names the code owns,
-    never values: those go as parameters). Read once per process."""
+    """The text of `sql/statements/<name>.sql` with its placeholders (such as `{gone}`) filled by
+    `fill`: names the code owns, never values, which go as parameters. Read once per process."""
     text = (STATEMENTS / f"{name}.sql").read_text()
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
     return body.format(**fill).strip() if fill else body.strip()

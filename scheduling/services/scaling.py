@@ -11,6 +11,7 @@ trace; the others commit. A lone call is a batch of one, on the same path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,7 +77,9 @@ class _Census:
         return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
 
 
+@functools.cache
 def _census_sql() -> str:
+    # Built once: every batch of scale calls runs it.
     return hot_sql.statement("scale_census", gone=", ".join(repr(state) for state in states.names(sorted(GONE))))
 
 
