@@ -19,8 +19,9 @@ from django.db import transaction
 
 from gpuportal.wire import memory, states
 from gpuportal.wire.node_reports import Books
-from scheduling import events, locks
+from scheduling import locks
 from scheduling.models import GPU, Event, Occupant, Replica
+from scheduling.services import outbox
 from scheduling.services import replicas as replica_services
 from scheduling.services.placing import gpu_contexts
 
@@ -171,7 +172,7 @@ def _act_on(excess: Excess, replica: Replica | None, node_name: str) -> None:
         then.append(f"it is {replica.state}: its reservation is left to its next report")
     if raised is not None:
         then.append(f"{deployment.name}'s measured need is raised to {memory.human_bytes(raised)}")
-    events.record(
+    outbox.note(
         Event.Kind.GPU_OVERCOMMIT,
         f"gpu {node_name}/{excess.index}",
         f"{what}: {'; '.join(then)}",

@@ -16,8 +16,9 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from scheduling.core import effects
 from scheduling.models import GPU, CapacityPlan
-from scheduling.services import dispatch, traffic
+from scheduling.services import outbox, traffic
 from scheduling.services.errors import NotFound
 from scheduling.simulation import config as sim_config
 from scheduling.simulation import planner
@@ -134,7 +135,7 @@ def submit(
             since=since,
             options={**options, "format": fmt, "recorded": trace_text is None},
         )
-        dispatch.to_control(PLAN_TASK, plan.pk)
+        outbox.want(effects.to_control(PLAN_TASK, plan.pk))
     return plan
 
 

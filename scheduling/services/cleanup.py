@@ -17,8 +17,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire.states import ENDED
-from scheduling import events, locks
+from scheduling import locks
 from scheduling.models import Event, Replica
+from scheduling.services import outbox
 
 
 def collect_ended_replicas(
@@ -52,7 +53,7 @@ def collect_ended_replicas(
             removed[replica.deployment.name].append(replica.id)
         Replica.objects.filter(pk__in=[r.id for r in doomed]).delete()
         for name, ids in sorted(removed.items()):
-            events.record(
+            outbox.note(
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
                 f"removed {len(ids)} replica(s) that ended over {_age(retention_s)} ago "

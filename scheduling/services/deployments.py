@@ -20,10 +20,10 @@ from django.utils import timezone
 
 from gpuportal.wire import deployment_spec, memory
 from gpuportal.wire.states import DeploymentStatus
-from scheduling import events, hot_sql, ledger, locks
-from scheduling.core import fairness
+from scheduling import hot_sql, ledger, locks
+from scheduling.core import effects, fairness
 from scheduling.models import Deployment, Event, Replica
-from scheduling.services import dispatch, queueing
+from scheduling.services import dispatch, outbox, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput, NotFound
 from scheduling.services.forgetting import forget_deployment
@@ -102,7 +102,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
         raise taken  # before asking a node to read the model
     facts = facts or inspect_model(spec.source, spec.loader, spec.dtype, spec.max_tokens)
     # Its Events are written in one statement at the end (the savepoint's error below ends the call).
-    with transaction.atomic(), events.gathered():
+    with transaction.atomic(), outbox.gathered():
         try:
             # A savepoint: a create of the same name that committed since the check above makes
             # this insert fail on the unique name, which is a 409 like the check's, not a 500.
@@ -110,7 +110,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
                 deployment = _insert(spec, facts)
         except IntegrityError:
             raise taken from None
-        events.record(
+        outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {spec.name}",
             f"created with {spec.replicas} replica(s) of {spec.source} ({spec.loader}, {spec.dtype}); "
@@ -163,7 +163,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
             setattr(deployment, MUTABLE[key], value)
         if after:
             deployment.save()
-            events.record(
+            outbox.note(
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
                 "settings changed: " + ", ".join(f"{k} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()),
@@ -218,7 +218,7 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
         deployment.failed_reason = reason
         deployment.retry_at = None
         deployment.save(update_fields=["load_failures", "failed_reason", "retry_at", "updated_at"])
-        events.record(
+        outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {deployment.name}",
             f"failed: {failures} load(s) in a row failed, the last (replica {replica_id[:8]}): {reason}; "
@@ -232,7 +232,7 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
     delay = backoff_s(deployment, failures)
     deployment.retry_at = timezone.now() + timedelta(seconds=delay)
     deployment.save(update_fields=["load_failures", "retry_at", "updated_at"])
-    events.record(
+    outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
         f"load {failures} of at most {limit} in a row failed (replica {replica_id[:8]}): {reason}; "
@@ -241,7 +241,7 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
         deployment=deployment.name,
         replica=replica_id,
     )
-    dispatch.to_control(REPLACE_TASK, deployment.name, countdown=delay)
+    outbox.want(effects.to_control(REPLACE_TASK, deployment.name, countdown=delay))
     return True
 
 
@@ -315,7 +315,7 @@ def _top_up(deployment: Deployment, wanted: int, reason: str) -> list[str]:
                 cached=(),  # the sleeping ones are counted already
             )
     except CannotPlace as err:
-        events.record(
+        outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {deployment.name}",
             f"{reason}: {have} of {wanted} replica(s), and no room for more: {err}",
@@ -345,7 +345,7 @@ def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
         deployment.load_failures, deployment.failed_reason = 0, ""
         deployment.retry_at = timezone.now()  # due now: replace_failed below places at once
         deployment.save(update_fields=["load_failures", "failed_reason", "retry_at", "updated_at"])
-        events.record(
+        outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",
             f"{reason}: load failures cleared" + (f" (it had failed: {was})" if was else ""),
@@ -372,7 +372,7 @@ def evict(name: str, *, reason: str = "evicted by an operator") -> list[str]:
 @locks.retry_deadlocks
 def delete(name: str, *, reason: str = "deleted by an operator") -> None:
     """Release every reservation, stop every process, and forget the deployment."""
-    with transaction.atomic(), events.gathered():
+    with transaction.atomic(), outbox.gathered():
         # Its row locked and its replicas read in statements the server keeps prepared.
         found, (replicas,) = locks.lock_deployments_reading([name], hot_sql.statement("replicas_of"))
         if not found:
@@ -384,8 +384,8 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
         for replica_id, state, node in replicas:
             if node is not None and state not in (Replica.State.STOPPED, Replica.State.FAILED):
                 # The drain as the row says it now: after the commit there is no row to read it from.
-                dispatch.stop(node, replica_id, drain_timeout_s=deployment.drain_timeout_s)
-        events.record(
+                outbox.want(effects.stop(node, replica_id, drain_timeout_s=deployment.drain_timeout_s))
+        outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",
             f"{reason}: {len(replicas)} replica(s) stopped and their reservations released",
@@ -396,9 +396,12 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
         forget_deployment(deployment.pk)
         # Nothing will ever serve what still waits in its queue: end it now, saying why (once the
         # delete has committed). Requests already taken finish first: stopping waits for them.
-        # Imported here: the request service itself builds on this module.
-
-        transaction.on_commit(lambda: queueing.fail_waiting(name, f"deployment {name} was deleted", deleted=True))
+        outbox.want(
+            effects.AfterCommit(
+                f"end the requests waiting for {name}",
+                lambda: queueing.fail_waiting(name, f"deployment {name} was deleted", deleted=True),
+            )
+        )
 
 
 def popular_warnings() -> list[str]:

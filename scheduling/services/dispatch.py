@@ -1,13 +1,13 @@
 """Everything the control plane sends to the other side goes through here: the
 commands to node agents (gpuportal.wire.commands), each sent only once the decision that caused
-it has committed; the tasks on the control queue; and the one question it asks the nodes, what a
-model's files hold (gpuportal.wire.inspection). By task name: the control plane never imports the
+it has committed, and the tasks on the control queue, both as the outbox hands them over
+(scheduling.services.outbox); and the two questions it asks the nodes and waits for, what a
+model's files hold (gpuportal.wire.inspection) and a replica's log. By task name: the control plane never imports the
 GPU side."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import redis
 from django.conf import settings
@@ -18,6 +18,7 @@ from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
 from gpuportal.wire.replica_logs import LOG_TASK, ReadLog
+from scheduling.core.effects import Order, ToControl, ToNode
 from scheduling.models import Node
 from scheduling.services import replica_specs
 from scheduling.services.errors import InvalidState, Unavailable
@@ -29,57 +30,38 @@ CONTROL_QUEUE = "control"
 
 # How long a log read waits for the node's agent: an operator at a prompt, not a deploy.
 LOG_TIMEOUT_S = 10.0
-# scheduling.tasks.trim_host_cache: named here, as the node tasks are, so no service imports the tasks.
-TRIM_HOST_CACHE_TASK = "scheduling.tasks.trim_host_cache"
 
 
-def _to_node(node: str, build: Callable[[], commands.Command | None]) -> None:
-    # on_commit: a rolled-back decision must not reach an agent. The command is built then, from
-    # the committed rows, as the agent once read them itself.
-    def send() -> None:
-        command = build()
+def _command(order: ToNode) -> commands.Command | None:
+    """The wire command for an order, from the committed rows, as the agent once read them itself
+    (None when its replica no longer waits for it)."""
+    match order.order:
+        case Order.START:
+            return replica_specs.start(order.replica_id, list(order.wait_for))
+        case Order.START_PLACED:
+            return order.command
+        case Order.WAKE:
+            return replica_specs.wake(order.replica_id, list(order.wait_for))
+        case Order.SLEEP:
+            return replica_specs.sleep(order.replica_id)
+        case Order.STOP:
+            return replica_specs.stop(order.replica_id, order.drain_timeout_s)
+        case Order.KEEP_ARENA:
+            return commands.KeepArena(order.replica_id, order.keep)
+
+
+def send(order: ToNode) -> None:
+    """The order to its node's agent once the transaction commits (scheduling.services.outbox)."""
+
+    # on_commit: a rolled-back decision must not reach an agent.
+    def send_now() -> None:
+        command = _command(order)
         if command is None:
-            log.info("no command for node %s: its replica is no longer waiting for it", node)
+            log.info("no command for node %s: its replica is no longer waiting for it", order.node)
             return
-        app.send_task(commands.TASKS[command.kind], args=[commands.encode(command)], queue=node_queue(node))
+        app.send_task(commands.TASKS[command.kind], args=[commands.encode(command)], queue=node_queue(order.node))
 
-    transaction.on_commit(send)
-
-
-def start(node: str, replica_id: str, wait_for: list[str]) -> None:
-    """Start the replica's process, once `wait_for` (replicas evicted for it) let go of its GPUs."""
-    _to_node(node, lambda: replica_specs.start(replica_id, wait_for))
-
-
-def start_placed(node: str, command: commands.StartReplica) -> None:
-    """Send a START built inside the transaction that placed its replica (replica_specs.start_placed),
-    once that transaction commits: what the committed rows would give, without reading them."""
-    _to_node(node, lambda: command)
-
-
-def wake(node: str, replica_id: str, wait_for: list[str]) -> None:
-    _to_node(node, lambda: replica_specs.wake(replica_id, wait_for))
-
-
-def sleep(node: str, replica_id: str) -> None:
-    _to_node(node, lambda: replica_specs.sleep(replica_id))
-
-
-def trim_host_cache(node: str) -> None:
-    """After the commit that sends replicas to sleep on `node`, or wakes one there: its host cache
-    within its budget, then its spare room lent as kept arenas (scheduling.services.host_cache.balance,
-    on the control worker)."""
-    to_control(TRIM_HOST_CACHE_TASK, node)
-
-
-def keep_arena(node: str, replica_id: str, *, keep: bool) -> None:
-    """Whether the awake replica may keep a host arena for its next sleep."""
-    _to_node(node, lambda: commands.KeepArena(replica_id, keep))
-
-
-def stop(node: str, replica_id: str, *, drain_timeout_s: float | None = None) -> None:
-    """`drain_timeout_s`: the deployment's, when the caller holds its row (else read at commit)."""
-    _to_node(node, lambda: replica_specs.stop(replica_id, drain_timeout_s))
+    transaction.on_commit(send_now)
 
 
 def _answers() -> redis.Redis:
@@ -120,6 +102,8 @@ def replica_log(node: str, replica_id: str, tail: int) -> dict:
         raise Unavailable(f"{err}: is node {node}'s agent up?") from None
 
 
-def to_control(task: str, *args: object, countdown: float | None = None) -> None:
-    """A control-plane task, after the commit, optionally not before `countdown` seconds."""
-    transaction.on_commit(lambda: app.send_task(task, args=list(args), queue=CONTROL_QUEUE, countdown=countdown))
+def enqueue(task: ToControl) -> None:
+    """A control-plane task, after the commit, not before its countdown."""
+    transaction.on_commit(
+        lambda: app.send_task(task.task, args=list(task.args), queue=CONTROL_QUEUE, countdown=task.countdown)
+    )

@@ -21,10 +21,11 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
-from scheduling import events, ledger, locks
+from scheduling import ledger, locks
+from scheduling.core import effects
 from scheduling.core.state import Plan, Release, Reservation, Snapshot
 from scheduling.models import Deployment, Event, FailoverLease, FailoverState, Replica
-from scheduling.services import dispatch
+from scheduling.services import outbox
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState
 
@@ -59,7 +60,7 @@ def start_standby(lease: FailoverLease, active: Replica, *, reason: str) -> Repl
         gpu_memory_fraction=active.gpu_memory_fraction,
     )
     deployment_name = Deployment.objects.values_list("name", flat=True).get(pk=lease.deployment_id)
-    events.record(
+    outbox.note(
         Event.Kind.REPLICA_STATE,
         f"replica {standby.id[:8]}",
         f"standby placed beside {active.id[:8]} on its GPUs {sorted(active.gpu_mem_bytes_by_id)}: {reason}",
@@ -69,7 +70,7 @@ def start_standby(lease: FailoverLease, active: Replica, *, reason: str) -> Repl
         replica=standby.id,
     )
     if active.node is not None:
-        dispatch.start(active.node.name, standby.id, [])
+        outbox.want(effects.start(active.node.name, standby.id, []))
     return standby
 
 
@@ -118,7 +119,7 @@ def switchover(name: str, *, reason: str = "planned switchover by an operator") 
         for active in actives:
             # Draining, not stopping: when it exits, the pair's reservation passes to the standby.
             replica_services.set_state(active, Replica.State.DRAINING, f"{reason}: stepping down for its standby")
-            events.record(
+            outbox.note(
                 Event.Kind.FAILOVER_SWITCHOVER,
                 f"replica {active.id[:8]}",
                 f"{reason}: drains for up to {deployment.drain_timeout_s:g} s and exits; its standby takes over",
@@ -127,7 +128,7 @@ def switchover(name: str, *, reason: str = "planned switchover by an operator") 
                 replica=active.id,
             )
             if active.node is not None:
-                dispatch.stop(active.node.name, active.id)
+                outbox.want(effects.stop(active.node.name, active.id))
     return [a.id for a in actives]
 
 
@@ -166,7 +167,7 @@ def set_failover_state(replica: Replica, state: str, reason: str, *, extra: list
     replica.save(update_fields=["failover_state", "updated_at", *(extra or [])])
     if before == state:
         return
-    events.record(
+    outbox.note(
         Event.Kind.FAILOVER_STATE,
         f"replica {replica.id[:8]}",
         reason,

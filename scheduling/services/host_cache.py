@@ -18,10 +18,10 @@ from django.db import transaction
 from django.db.models import Q
 
 from gpuportal.wire import memory, states
-from scheduling import events, locks
-from scheduling.core import host_cache
+from scheduling import locks
+from scheduling.core import effects, host_cache
 from scheduling.models import Event, Node, Replica
-from scheduling.services import dispatch, queueing, replicas
+from scheduling.services import outbox, queueing, replicas
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def trim(node_name: str) -> list[str]:
     parked = [replica_id for replica_id in decided.park if _park(replica_id, node)]
     if decided.over_bytes > 0:
         # What is left is on its way to sleep or a standby: nothing more may leave. Said once per trim.
-        events.record(
+        outbox.note(
             Event.Kind.HOST_CACHE,
             f"node {node.name}",
             f"host cache over its budget of {memory.human_bytes(node.cpu_cache_bytes)} by "
@@ -145,7 +145,7 @@ def _park(replica_id: str, node: Node) -> bool:
             return False
         freed = host_bytes(replica)
         replicas.reserve_exactly(replica, {}, reason=f"replica {replica_id[:8]} parked out of the host cache")
-        dispatch.stop(node.name, replica.id)
+        outbox.want(effects.stop(node.name, replica.id))
         replica.node = None
         replica.pid = None
         replica.gpu_mem_bytes_by_id = {}
@@ -158,7 +158,7 @@ def _park(replica_id: str, node: Node) -> bool:
             "them from disk",
             extra=["node", "pid", "gpu_mem_bytes_by_id", "arena_kept_bytes"],
         )
-        events.record(
+        outbox.note(
             Event.Kind.HOST_CACHE,
             f"node {node.name}",
             f"replica {replica_id[:8]} of {replica.deployment.name} left the host cache ({memory.human_bytes(freed)})",
@@ -204,7 +204,7 @@ def _set_kept(replica_id: str, node: Node, *, keep: bool) -> bool:
         size = host_bytes(replica) if keep else replica.arena_kept_bytes
         replica.arena_kept_bytes = size if keep else 0
         replica.save(update_fields=["arena_kept_bytes", "updated_at"])
-        events.record(
+        outbox.note(
             Event.Kind.HOST_CACHE,
             f"node {node.name}",
             (
@@ -220,7 +220,7 @@ def _set_kept(replica_id: str, node: Node, *, keep: bool) -> bool:
             deployment=replica.deployment.name,
             replica=replica_id,
         )
-        dispatch.keep_arena(node.name, replica_id, keep=keep)
+        outbox.want(effects.keep_arena(node.name, replica_id, keep=keep))
     return True
 
 
@@ -232,7 +232,7 @@ def note_unkept(replica: Replica, why: str) -> None:
         return
     size, replica.arena_kept_bytes = replica.arena_kept_bytes, 0
     replica.save(update_fields=["arena_kept_bytes", "updated_at"])
-    events.record(
+    outbox.note(
         Event.Kind.HOST_CACHE,
         f"node {replica.node.name if replica.node else '?'}",
         f"replica {replica.id[:8]} of {replica.deployment.name} could not allocate the "
@@ -255,7 +255,7 @@ def note_kept(replica: Replica, kept_bytes: int) -> None:
         return
     if replica.arena_kept_bytes == 0:
         if replica.node is not None:
-            dispatch.keep_arena(replica.node.name, replica.id, keep=False)
+            outbox.want(effects.keep_arena(replica.node.name, replica.id, keep=False))
         return
     if kept_bytes != replica.arena_kept_bytes:
         replica.arena_kept_bytes = kept_bytes

@@ -41,9 +41,10 @@ from django.conf import settings
 from django.db import transaction
 
 from gpuportal.wire import memory
-from scheduling import events
+from scheduling.core import effects
+from scheduling.core.effects import ToNode
 from scheduling.models import Event, Occupant, Replica
-from scheduling.services import dispatch, reports
+from scheduling.services import outbox, reports
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def resend_lost_starts(name: str, running: Collection[str], now: datetime) -> li
             f"still pending {grace:g} s after its placement and not run by node {name}'s agent: its start "
             "command was lost, sent again"
         )
-        if _claim(replica, now, reason, "start", None, partial(dispatch.start, name, replica.id, [])):
+        if _claim(replica, now, reason, "start", None, effects.start(name, replica.id, [])):
             resent.append(replica.id)
     return resent
 
@@ -130,8 +131,8 @@ def resend_lost_wakes(name: str, running: Collection[str], processes: Mapping[st
         if replica.paired or process not in why:
             continue  # waking now, or a state it has not said yet
         reason = f"still waking {grace:g} s after its promotion, and node {name}'s agent says {why[process]}"
-        send = partial(dispatch.wake, name, replica.id, _draining_beside(replica.id))
-        if _claim(replica, now, reason, "wake", process, send):
+        order = effects.wake(name, replica.id, _draining_beside(replica.id))
+        if _claim(replica, now, reason, "wake", process, order):
             resent.append(replica.id)
     return resent
 
@@ -155,7 +156,7 @@ def resend_lost_sleeps(name: str, running: Collection[str], processes: Mapping[s
             f"still draining {replica.allowed_s:g} s (its drain timeout and {grace:g} s) after it was sent to "
             f"sleep, and node {name}'s agent says {why[process]}"
         )
-        if _claim(replica, now, reason, "sleep", process, partial(dispatch.sleep, name, replica.id)):
+        if _claim(replica, now, reason, "sleep", process, effects.sleep(name, replica.id)):
             resent.append(replica.id)
     return resent
 
@@ -171,7 +172,7 @@ def resend_lost_stops(name: str, running: Collection[str], now: datetime) -> lis
         still = f"still stopping {replica.allowed_s:g} s (its drain timeout and {grace:g} s) after it was stopped"
         if replica.id in running:
             reason = f"{still}, and node {name}'s agent still runs its process: its stop command was lost, sent again"
-            if _claim(replica, now, reason, "stop", "running", partial(dispatch.stop, name, replica.id)):
+            if _claim(replica, now, reason, "stop", "running", effects.stop(name, replica.id)):
                 found.append(replica.id)
             continue
         reason = (
@@ -221,8 +222,8 @@ def resend_lost_arenas(
             else f"its host arena was taken back, and node {name}'s agent says its process still keeps "
             f"{memory.human_bytes(kept)} that the host cache does not count: the drop was lost, sent again"
         )
-        send = partial(dispatch.keep_arena, name, replica_id, keep=keep)
-        if _claim(replica, now, reason, "arena keep" if keep else "arena drop", "serving", send):
+        order = effects.keep_arena(name, replica_id, keep=keep)
+        if _claim(replica, now, reason, "arena keep" if keep else "arena drop", "serving", order):
             resent.append(replica_id)
     return resent
 
@@ -248,19 +249,19 @@ def _overdue(name: str, state: str, grace_s: float, now: datetime, *, drain: boo
 
 
 def _claim(
-    replica: _Overdue, now: datetime, reason: str, command: str, process: str | None, send: Callable[[], None] | None
+    replica: _Overdue, now: datetime, reason: str, command: str, process: str | None, order: ToNode | None
 ) -> bool:
     """Claim the replica (one of two beats that saw it wins, and the next resend waits a grace),
-    `send` its command once the claim has committed, and say why in an Event. False: claimed by
+    send its `order` once the claim has committed, and say why in an Event. False: claimed by
     another beat, or it moved on meanwhile."""
     with transaction.atomic():
         # A compare-and-swap on updated_at: the row as this beat saw it, still in that state.
         claimed = Replica.objects.filter(pk=replica.id, state=replica.state, updated_at=replica.seen)
         if not claimed.update(updated_at=now):
             return False
-        if send is not None:
-            send()  # on commit (scheduling.services.dispatch)
-        events.record(
+        if order is not None:
+            outbox.want(order)
+        outbox.note(
             Event.Kind.REPLICA_STATE,
             f"replica {replica.id[:8]}",
             reason,

@@ -12,11 +12,11 @@ from django.utils import timezone
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.states import ENDED
-from scheduling import events, ledger, locks
-from scheduling.core import adoption
+from scheduling import ledger, locks
+from scheduling.core import adoption, effects
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
-from scheduling.services import dispatch, lost_commands
+from scheduling.services import lost_commands, outbox
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState
 
@@ -64,7 +64,7 @@ def register_node(
         summary = ", ".join(f"{d.index}: {d.product} {d.total_bytes} B" for d in devices) or "no GPUs"
         kind = "virtual" if virtual else "NVIDIA"
         if created:
-            events.record(
+            outbox.note(
                 Event.Kind.NODE_REGISTERED,
                 f"node {name}",
                 f"agent registered with {len(devices)} {kind} GPU(s) ({summary})",
@@ -73,7 +73,7 @@ def register_node(
             )
         else:
             was = "" if previous_status == Node.Status.ONLINE else f" (was {previous_status})"
-            events.record(
+            outbox.note(
                 Event.Kind.NODE_ONLINE,
                 f"node {name}",
                 f"agent re-registered with {len(devices)} {kind} GPU(s){was}",
@@ -82,7 +82,7 @@ def register_node(
                 node=name,
             )
         for change in changes:
-            events.record(
+            outbox.note(
                 INVENTORY_EVENT[change.kind],
                 f"gpu {change.label}",
                 f"{change.kind}: {INVENTORY_REASON[change.kind]}",
@@ -126,7 +126,7 @@ def keep_survivors(node: Node, survivors: Sequence[Survivor]) -> list[str]:
             else:
                 reason = f"not taken over by the new agent of node {node.name}: "
                 reason += adoption.why_not(replica.state, survivor)
-            events.record(
+            outbox.note(
                 Event.Kind.REPLICA_ADOPTED if agrees else Event.Kind.REPLICA_STATE,
                 f"replica {replica.pk[:8]}",
                 reason,
@@ -141,7 +141,7 @@ def keep_survivors(node: Node, survivors: Sequence[Survivor]) -> list[str]:
 
 def reconcile_later(reason: str) -> None:
     """Ask the control queue to bring every deployment back to its replicas (after the commit)."""
-    dispatch.to_control(replica_services.RECONCILE_TASK, reason)
+    outbox.want(effects.to_control(replica_services.RECONCILE_TASK, reason))
 
 
 def heartbeat(
@@ -172,7 +172,7 @@ def heartbeat(
         fields = ["last_heartbeat"]
         stale = written_off(node, running) if running is not None else []
         if node.status == Node.Status.OFFLINE and stale:
-            events.record(
+            outbox.note(
                 Event.Kind.NODE_OFFLINE,
                 f"node {name}",
                 f"heartbeat resumed, but its agent still runs {len(stale)} replica process(es) written off while "
@@ -183,7 +183,7 @@ def heartbeat(
         elif node.status == Node.Status.OFFLINE:
             node.status = Node.Status.ONLINE
             fields.append("status")
-            events.record(
+            outbox.note(
                 Event.Kind.NODE_ONLINE,
                 f"node {name}",
                 "heartbeat resumed",
@@ -228,7 +228,7 @@ def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = 
             before = node.status
             node.status = Node.Status.OFFLINE
             node.save(update_fields=["status"])
-            events.record(
+            outbox.note(
                 Event.Kind.NODE_OFFLINE,
                 f"node {node.name}",
                 f"no heartbeat for {silent:.0f} s (timeout {timeout_s:.0f} s)",
@@ -255,7 +255,7 @@ def mark_stopping(name: str, reason: str) -> None:
         before = node.status
         node.status = Node.Status.OFFLINE
         node.save(update_fields=["status"])
-        events.record(
+        outbox.note(
             Event.Kind.NODE_STOPPED,
             f"node {name}",
             reason,
@@ -286,7 +286,7 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
         if node.status != Node.Status.DRAINING:
             node.status = Node.Status.DRAINING
             node.save(update_fields=["status"])
-            events.record(
+            outbox.note(
                 Event.Kind.NODE_DRAINING,
                 f"node {name}",
                 f"{reason}: no new placements; its serving replicas go to sleep",
@@ -307,7 +307,7 @@ def undrain(name: str, *, reason: str = "returned to service by an operator") ->
             raise InvalidState(f"node {name} is {node.status}, not draining")
         node.status = Node.Status.ONLINE
         node.save(update_fields=["status"])
-        events.record(
+        outbox.note(
             Event.Kind.NODE_ONLINE,
             f"node {name}",
             reason,

@@ -12,10 +12,10 @@ from django.conf import settings
 from django.utils import timezone
 
 from gpuportal.wire import memory, states
-from scheduling import events, locks
+from scheduling import locks
 from scheduling.metrics import FAILOVER_SECONDS, FAILOVERS
 from scheduling.models import Event, FailoverLease, FailoverState, Replica
-from scheduling.services import failover, replica_reports
+from scheduling.services import failover, outbox, replica_reports
 from scheduling.services import replicas as replica_services
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def is_stale(replica: Replica, event: dict[str, Any]) -> bool:
     current = FailoverLease.objects.filter(pk=replica.lease_id).values_list("epoch", flat=True).first()
     if current is None or int(epoch) >= current:
         return False
-    events.record(
+    outbox.note(
         Event.Kind.FAILOVER_STALE,
         f"replica {replica.id[:8]}",
         f"refused a {event.get('event')} report at epoch {epoch}: the pair is at epoch {current}",
@@ -63,7 +63,7 @@ def on_lease(replica: Replica, event: dict[str, Any]) -> None:
     else:
         kind = Event.Kind.FAILOVER_LOSS
         reason = f"lock lost at epoch {epoch}: {event.get('reason') or 'connection lost'}"
-    events.record(
+    outbox.note(
         kind,
         f"replica {replica.id[:8]}",
         reason,
@@ -149,7 +149,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
     )
     FAILOVERS.labels(deployment=deployment.name).inc()
     FAILOVER_SECONDS.observe(takeover_s)
-    events.record(
+    outbox.note(
         Event.Kind.FAILOVER_TAKEOVER,
         f"deployment {deployment.name}",
         f"replica {replica.id[:8]} took over pair {replica.lease_id} at epoch {epoch}",
@@ -227,7 +227,7 @@ def _replace_failed_standby(replica: Replica, reason: str) -> None:
     if active is None:
         return
     if failures > settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR:
-        events.record(
+        outbox.note(
             Event.Kind.REPLICA_STATE,
             f"replica {replica.id[:8]}",
             f"not replacing this standby: {failures} standbys of the pair failed in the last hour (last: {reason})",

@@ -16,12 +16,13 @@ from django.utils import timezone
 
 from gpuportal.wire import memory
 from gpuportal.wire.states import COUNTED
-from scheduling import events, hot_sql, ledger
+from scheduling import hot_sql, ledger
+from scheduling.core import effects
 from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.core.planning import apply_placement, place_all, plan_of, withhold_locked
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Snapshot
 from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
-from scheduling.services import dispatch, failover, replica_specs
+from scheduling.services import failover, outbox, replica_specs
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace
 from scheduling.services.replica_specs import contexts_of
@@ -304,7 +305,7 @@ def apply_placements(asks: Sequence[Ask]) -> None:
         deployment = ask.deployment
         if replica.id not in ask.decision.created:
             replica.save()
-        events.record(
+        outbox.note(
             Event.Kind.REPLICA_STATE,
             f"replica {replica.id[:8]}",
             ("promoted from the CPU cache: " if promoted else "placed: ") + f"{placement.reason}; {ask.reason}",
@@ -330,16 +331,16 @@ def _send(ask: Ask, placement: Placement, replica: Replica, first: GPUView, prom
     if deployment.failover_standby and not promoted and replica.lease_id is None:
         failover.pair_up(deployment, replica)
     if promoted:
-        dispatch.wake(first.node, replica.id, wait_for)
+        outbox.want(effects.wake(first.node, replica.id, wait_for))
     elif replica.lease_id is None:
         # Built now from the row as written and the GPUs' own contexts: the command the
         # committed books would give, without reading them back after the commit.
         views = [gpus[g] for g in placement.gpu_ids]
         contexts = (max(v.context_bytes for v in views), max(v.standby_context_bytes for v in views))
         command = replica_specs.start_placed(replica, contexts=contexts, virtual=first.virtual, wait_for=wait_for)
-        dispatch.start_placed(first.node, command)
+        outbox.want(effects.start_placed(first.node, command))
     else:
-        dispatch.start(first.node, replica.id, wait_for)
+        outbox.want(effects.start(first.node, replica.id, wait_for))
 
 
 def _replicas_in_pk_order(ids: set[str]) -> list[Replica]:
@@ -351,9 +352,9 @@ def _mark_evicted(victim: Replica, placement: Placement) -> None:
         victim, Replica.State.DRAINING, f"evicted to the CPU cache to make room: {placement.reason}"
     )
     if victim.node is not None:
-        dispatch.sleep(victim.node.name, victim.id)
+        outbox.want(effects.sleep(victim.node.name, victim.id))
         if victim.node.cpu_cache_bytes > 0:  # its weights go to the node's host memory
-            dispatch.trim_host_cache(victim.node.name)
+            outbox.want(effects.trim_host_cache(victim.node.name))
 
 
 @dataclass(frozen=True)
@@ -400,14 +401,14 @@ def apply_stops(stops: Sequence[Stop]) -> None:
     )
     for replica_id, stop, _, node in read:
         if node is not None:
-            dispatch.stop(node, replica_id, drain_timeout_s=stop.deployment.drain_timeout_s)
+            outbox.want(effects.stop(node, replica_id, drain_timeout_s=stop.deployment.drain_timeout_s))
     unknown = {replica_id: stop for stop in stops if stop.known is None for replica_id in stop.ids}
     if unknown:
         query = Replica.objects.select_related("node", "deployment").filter(id__in=unknown).order_by("pk")
         for replica in query:
             replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {unknown[replica.id].reason}")
             if replica.node is not None:
-                dispatch.stop(replica.node.name, replica.id)
+                outbox.want(effects.stop(replica.node.name, replica.id))
     for stop in stops:
         if stop.deployment.failover_standby:
             # The stops go out on commit, this with them: no member takes over from one that exits.

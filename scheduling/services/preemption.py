@@ -52,14 +52,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire.states import AWAKE, GONE
-from scheduling import events, ledger, locks
-from scheduling.core import fairness
+from scheduling import ledger, locks
+from scheduling.core import effects, fairness
 from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
 from scheduling.core.planning import withhold_locked
 from scheduling.core.state import OccupantView, Snapshot
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
-from scheduling.services import dispatch, placing, queueing
+from scheduling.services import outbox, placing, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState
 
@@ -202,7 +202,7 @@ def start(
     waker = _waker(deployment, wake, gpus, reason)
     _take_locks(gpus, waker, deployment, now)
     ids = [i.pk for i in _record_intents(deployment, wake, gpus, waker, now, reason)]
-    dispatch.to_control(PREEMPT_TASK, ids)
+    outbox.want(effects.to_control(PREEMPT_TASK, ids))
     if wake.at_once:
         return Preempting(waker_id, tuple(ids), f"preempting at once on {_labels(gpus)}: its victims serve no request")
     return Preempting(waker_id, tuple(ids), f"waiting up to {deployment.max_wait_s:g} s for room on {_labels(gpus)}")
@@ -215,7 +215,7 @@ def _waker(deployment: Deployment, wake: _Wake, gpus: list[GPU], reason: str) ->
     # The row exists before anything points at it (lock holder, intents); it has no node until
     # placed, and wake paths do not count it as awake (see sleep.awake_count).
     waker = Replica.objects.create(id=wake.waker_id, deployment=deployment)
-    events.record(
+    outbox.note(
         Event.Kind.REPLICA_STATE,
         f"replica {wake.waker_id[:8]}",
         f"waiting for room on {_labels(gpus)} for a new replica: {reason}",
@@ -248,7 +248,7 @@ def _record_intents(
                 f"waits up to its max_wait of {deployment.max_wait_s:g} s for memory freed voluntarily, "
                 f"then preempts ({reason})"
             )
-        events.record(
+        outbox.note(
             Event.Kind.PREEMPTION_INTENT,
             f"gpu {_label(gpu)}",
             f"{deployment.name} ({waker.id[:8]}) needs {fmt_bytes(needed)} on gpu {_label(gpu)}: "
@@ -528,7 +528,7 @@ def _wait_for_lock(deployment: Deployment, gpu: GPU, holder: Replica, reason: st
     if not Event.objects.filter(
         kind=Event.Kind.GPU_WAKE_LOCK, deployment=deployment.name, gpu=_label(gpu), after__waiting_for=holder.id
     ).exists():
-        events.record(
+        outbox.note(
             Event.Kind.GPU_WAKE_LOCK,
             f"gpu {_label(gpu)}",
             f"{deployment.name} {why}: {reason}",
@@ -542,12 +542,12 @@ def _wait_for_lock(deployment: Deployment, gpu: GPU, holder: Replica, reason: st
 
 def wake_later(name: str, reason: str) -> None:
     """Ask the control queue to wake this deployment once the caller's transaction committed."""
-    dispatch.to_control(WAKE_TASK, name, reason)
+    outbox.want(effects.to_control(WAKE_TASK, name, reason))
 
 
 def retry_later(name: str, reason: str) -> None:
     """Ask the control queue to try this wake again once the lock may be free."""
-    dispatch.to_control(WAKE_TASK, name, reason, countdown=LOCK_RETRY_S)
+    outbox.want(effects.to_control(WAKE_TASK, name, reason, countdown=LOCK_RETRY_S))
 
 
 def _take_locks(gpus: list[GPU], waker: Replica, deployment: Deployment, now: datetime) -> None:
@@ -581,7 +581,7 @@ def _take_locks(gpus: list[GPU], waker: Replica, deployment: Deployment, now: da
             )
             _drop_unplaced(previous, "its wake lock was taken over: the wake is abandoned")
         ledger.hold_wake_lock(gpu.pk, waker.id, expires, fresh=how != "renewed")
-        events.record(
+        outbox.note(
             Event.Kind.GPU_WAKE_LOCK,
             f"gpu {_label(gpu)}",
             text,
@@ -744,7 +744,7 @@ def _preempt(ids: list[int], deployment: Deployment, choice: fairness.VictimChoi
             intent.victim_id = victim.replica_id if victim else None
             intent.save(update_fields=["status", "victim"])
         for victim in choice.victims:
-            events.record(
+            outbox.note(
                 Event.Kind.PREEMPTION_VICTIM,
                 f"replica {victim.replica_id[:8]}",
                 f"preempted for {deployment.name}: {victim.reason}",
@@ -832,7 +832,7 @@ def _close(intents: list[PreemptionIntent], status: str, reason: str) -> None:
         gpu = gpus[intent.gpu_id]
         waited = max(0.0, (timezone.now() - intent.created_at).total_seconds())
         PREEMPTION_WAIT_SECONDS.observe(waited)
-        events.record(
+        outbox.note(
             Event.Kind.PREEMPTION_OUTCOME,
             f"gpu {_label(gpu)}",
             f"intent of {deployment} ({waker_id[:8]}) {status} after {waited:.1f} s: {reason}",
@@ -847,7 +847,7 @@ def _close(intents: list[PreemptionIntent], status: str, reason: str) -> None:
         if gpu.wake_lock_holder_id != waker_id:
             continue  # taken over meanwhile: the lock is someone else's now
         ledger.release_wake_lock(gpu.pk)
-        events.record(
+        outbox.note(
             Event.Kind.GPU_WAKE_LOCK,
             f"gpu {_label(gpu)}",
             f"wake lock released by {deployment} ({waker_id[:8]}): its wake {status}",

@@ -16,9 +16,10 @@ from django.utils import timezone
 
 from gpuportal.wire import memory
 from scheduling import locks
+from scheduling.core import effects
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
 from scheduling.models import GPU, Deployment, Event, Replica
-from scheduling.services import deployments, dispatch, host_cache, preemption, queueing, replicas, sleep
+from scheduling.services import deployments, host_cache, outbox, preemption, queueing, replicas, sleep
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def _lend_host_room(replica: Replica) -> None:
     """A replica came awake: it left the host cache's room (woken), or may use some (loaded). The
     control worker balances the node's cache, which may let it keep an arena for its next sleep."""
     if replica.node is not None and replica.node.cpu_cache_bytes > 0:
-        dispatch.trim_host_cache(replica.node.name)
+        outbox.want(effects.trim_host_cache(replica.node.name))
 
 
 def _arena(replica: Replica, event: dict[str, Any]) -> None:
@@ -186,7 +187,7 @@ def _failed(replica: Replica, event: dict[str, Any]) -> None:
             extra=["failure_reason", "progress"],
             kind=Event.Kind.REPLICA_RESTARTED,
         )
-        dispatch.start(replica.node.name, replica.id, [])
+        outbox.want(effects.start(replica.node.name, replica.id, []))
         return
     replicas.reserve_exactly(replica, {}, reason=f"replica failed: {reason}")
     replica.failure_reason = reason

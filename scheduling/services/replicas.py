@@ -13,10 +13,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire import memory, states
-from scheduling import events, hot_sql, ledger, locks
+from scheduling import hot_sql, ledger, locks
+from scheduling.core import effects
 from scheduling.core.state import Plan, Release, Reservation, Snapshot
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
-from scheduling.services import dispatch, queueing
+from scheduling.services import dispatch, outbox, queueing
 from scheduling.services.errors import InvalidState, NotFound, TransitionRefused
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def to_cache(
             before = deployment.replicas_wanted
             deployment.replicas_wanted -= 1
             deployment.save(update_fields=["replicas_wanted", "updated_at"])
-            events.record(
+            outbox.note(
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {deployment.name}",
                 f"{reason} (replica {replica_id[:8]}): {before} → {deployment.replicas_wanted} replica(s) wanted",
@@ -98,11 +99,11 @@ def to_cache(
                 deployment=deployment.name,
                 replica=replica_id,
             )
-        dispatch.sleep(replica.node.name, replica.id)
+        outbox.want(effects.sleep(replica.node.name, replica.id))
         # Its weights are on their way to the node's host memory: keep that within its budget
         # (a node that reports none has nothing to keep within).
         if replica.node.cpu_cache_bytes > 0:
-            dispatch.trim_host_cache(replica.node.name)
+            outbox.want(effects.trim_host_cache(replica.node.name))
     return replica
 
 
@@ -139,7 +140,7 @@ def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
             log.warning("cannot end the requests waiting for %s (Redis: %s)", name, err)
             return
         if failed:
-            events.record(
+            outbox.note(
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
                 f"ended {len(failed)} waiting request(s): {why}",
@@ -150,7 +151,7 @@ def fail_waiting_if_none_may_serve(replica: Replica, reason: str) -> None:
 
     # After the commit: the failure is recorded first, so a request that arrives meanwhile and
     # finds nothing to serve it is admitted against the failed replica's state, not a stale one.
-    transaction.on_commit(fail_them)
+    outbox.want(effects.AfterCommit(f"end the requests waiting for {name}", fail_them))
 
 
 def lose_with_node(node_name: str, reason: str, *, keep: Collection[str] = ()) -> list[str]:
@@ -245,7 +246,7 @@ def set_measured_need(
     deployment.memory_measured_bytes = measured
     deployment.memory_measured_context_bytes = context
     deployment.save(update_fields=["memory_measured_bytes", "memory_measured_context_bytes", "updated_at"])
-    events.record(
+    outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
         reason,
@@ -273,7 +274,7 @@ def record_context(replica: Replica, context: int, *, standby: bool = False) -> 
     updated = GPU.objects.filter(node_id=replica.node_id, product__in=products, **{f"{field}__lt": context})
     if updated.update(**{field: context, "context_measured": True}):
         what = "a standby's CUDA context" if standby else "CUDA context"
-        events.record(
+        outbox.note(
             Event.Kind.GPU_CHANGED,
             f"node {replica.node.name}",
             f"{what} measured at {memory.human_bytes(context)} per process by replica {replica.id[:8]} "
@@ -388,7 +389,7 @@ def check_transition(replica_id: str, before: str, after: str, why: str = "") ->
 def _state_event(
     kind: str, replica_id: str, before: str, state: str, reason: str, node: str, deployment: Deployment
 ) -> None:
-    events.record(
+    outbox.note(
         kind,
         f"replica {replica_id[:8]}",
         reason,

@@ -12,8 +12,9 @@ from django.db import transaction
 
 from gpuportal.wire.states import ENDED
 from scheduling import locks
+from scheduling.core import effects
 from scheduling.models import Replica
-from scheduling.services import dispatch, pair_reports, replica_reports, replicas
+from scheduling.services import outbox, pair_reports, replica_reports, replicas
 from scheduling.services.errors import TransitionRefused
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def report(replica_id: str, event: dict[str, Any]) -> None:
             # It ended without being asked to: its deployment may be a replica short, and the
             # reconcile puts one back.
             why = f"replica {replica.id[:8]} of {replica.deployment.name} {replica.state}"
-            dispatch.to_control(replicas.RECONCILE_TASK, why)
+            outbox.want(effects.to_control(replicas.RECONCILE_TASK, why))
 
 
 def _with_its_deployment_locked(replica_id: str) -> Replica | None:

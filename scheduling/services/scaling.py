@@ -21,12 +21,13 @@ from django.utils import timezone
 
 from gpuportal.wire import states
 from gpuportal.wire.states import AWAKE, GONE
-from scheduling import events, hot_sql, ledger, locks
+from scheduling import hot_sql, ledger, locks
 from scheduling.core.placement import CachedReplica
 from scheduling.core.planning import plan_of, without_releases
 from scheduling.core.state import Plan, Snapshot
 from scheduling.group_commit import Group
 from scheduling.models import Deployment, Event, Replica
+from scheduling.services import outbox
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.services.placing import (
     PLAIN_COUNTED,
@@ -148,7 +149,7 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
     outcomes: list[_Scaling | Exception] = []
     # Its Events are written in one statement at the end (a call that cannot be placed records
     # nothing before its placement fails).
-    with transaction.atomic(), events.gathered():
+    with transaction.atomic(), outbox.gathered():
         # The deployment row locks serialise scale operations of each deployment, so the census
         # read with them stays true until the commit.
         read = _locking([intent.name for intent in intents])
@@ -260,7 +261,7 @@ def _after(scaling: _Scaling) -> None:
         retire_parked(deployment, surplus, reason=f"{intent.reason}: no longer wanted")
     before = scaling.before
     if before != intent.replicas:
-        events.record(
+        outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {deployment.name}",
             f"{intent.reason}: {before} → {intent.replicas} replica(s)",

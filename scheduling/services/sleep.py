@@ -24,13 +24,13 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from gpuportal.wire.states import AWAKE
-from scheduling import events, ledger, locks
+from scheduling import ledger, locks
 from scheduling.core import costs, fairness
 from scheduling.core.placement import POLICIES, CachedReplica, Placement, place
 from scheduling.core.planning import withhold_locked
 from scheduling.core.state import Snapshot
 from scheduling.models import Deployment, Event, Replica, new_replica_id
-from scheduling.services import deployments, placing, preemption, queueing, traffic
+from scheduling.services import deployments, outbox, placing, preemption, queueing, traffic
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState, ServiceError, TransitionRefused
 
@@ -208,7 +208,7 @@ def _wait_for_draining_copy(deployment: Deployment, *, reason: str) -> list[str]
     newly = [(replica_id, node) for replica_id, node, flagged in draining if not flagged]
     Replica.objects.filter(pk__in=[replica_id for replica_id, _ in newly]).update(wake_when_asleep=True)
     for replica_id, node in newly:
-        events.record(
+        outbox.note(
             Event.Kind.REPLICA_STATE,
             f"replica {replica_id[:8]}",
             f"waiting for it to finish draining and wake from the CPU RAM of {node} rather than loading a new "
@@ -256,7 +256,7 @@ def _wake_copy_rather_than_load(deployment: Deployment, *, reason: str) -> list[
     # allow_new=False: whoever woke or waits is one of the copies.
     copy = woken[0]
     node = next(c.node for c in cached if c.replica_id == copy)
-    events.record(
+    outbox.note(
         Event.Kind.REPLICA_STATE,
         f"replica {copy[:8]}",
         f"waking the copy in the CPU RAM of {node} rather than loading a new replica from disk on a free GPU: "
@@ -311,7 +311,7 @@ def _kept_awake(deployment: Deployment, times: fairness.ReloadTimes, now: dateti
         )
         if said.exists():
             continue
-        events.record(
+        outbox.note(
             Event.Kind.REPLICA_STATE,
             f"replica {replica_id[:8]}",
             f"{KEPT_AWAKE} after {int((now - idle_since).total_seconds())} s idle: a wake from CPU RAM takes "

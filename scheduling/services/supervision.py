@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from scheduling import events
+from scheduling.core.effects import Note
 from scheduling.models import Event
+from scheduling.services import outbox
 
 
 @transaction.atomic(durable=True)
-def record_restart(process: str, reason: str, *, node: str = "") -> Event:
+def record_restart(process: str, reason: str, *, node: str = "") -> Note:
     """An Event for a process of the stack that died and was started again: the
     operator sees in the trail, beside the replicas' own events, why the portal blinked."""
-    return events.record(Event.Kind.STACK_RESTARTED, f"process {process}", reason, node=node)
+    return outbox.note(Event.Kind.STACK_RESTARTED, f"process {process}", reason, node=node)
