@@ -10,6 +10,9 @@ node agent, Redis, PostgreSQL), and `up` starts it again by itself. Measured per
 - `503s` / `refused`: what the clients met meanwhile (JSON 503s, connections refused or cut);
 - `5xx`: any other server error (must be 0); `lost`: accepted requests that never ended done
   (must be 0).
+Then PostgreSQL (every process of it) and Redis are each frozen (SIGSTOP) for longer than the
+heartbeat timeout and let go (SIGCONT): a stall of the control plane's own servers, which must not
+be read as the death of the node (no node written off, the same replica process serving after).
 
     python -m bench.recovery [--trials 1] [--no-record]
 
@@ -19,6 +22,7 @@ tests/gpuportal/test_recovery.py runs the same scenario and asserts what must ho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -53,6 +57,13 @@ PROCESSES = {
     "redis": "redis-server",
     "postgresql": "postgres -D",
 }
+# Frozen, each in turn, longer than the stack's heartbeat timeout (HEARTBEAT_TIMEOUT_S below).
+STALLS = ("postgresql", "redis")
+# Beats every second and a 12 s timeout (5 s and 20 s by default), so that a stall of 16 s
+# outlasts the timeout without the scenario taking a minute per stall; the window in which a
+# restarted agent adopts its replicas stays what it is by default (the timeout less two beats).
+HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 1.0, 12.0
+STALL_S = 16.0
 TERMINAL = {"done", "failed", "cancelled"}
 CUT = (OSError, HTTPException)  # refused, reset, or closed while the server died
 
@@ -85,6 +96,10 @@ class Stack:
         dropped = {"DATABASE_URL", "REDIS_URL", "PROMETHEUS_MULTIPROC_DIR"}
         env = {k: v for k, v in os.environ.items() if k not in dropped}
         env |= {"GPUPORTAL_DATA_DIR": str(data_dir), "GPUPORTAL_ADMIN_PASSWORD": PASSWORD, "PYTHONUNBUFFERED": "1"}
+        env |= {
+            "GPUPORTAL_HEARTBEAT_S": f"{HEARTBEAT_S:g}",
+            "GPUPORTAL_HEARTBEAT_TIMEOUT_S": f"{HEARTBEAT_TIMEOUT_S:g}",
+        }
         self.process = subprocess.Popen(
             [sys.executable, "manage.py", "up", "--port", str(self.port), "--quiet",
              "--virtual-gpus", "1x4GiB", "--node", "steady"],
@@ -288,6 +303,54 @@ def kill_each(stack: Stack, clients: Clients, processes: list[str]) -> list[Reco
     return recoveries
 
 
+@dataclass
+class Stall:
+    process: str
+    # Let go → the first answer to a request sent after that.
+    first_answer_s: float | None
+    seen: Seen
+    # Let go → the heartbeat sweep's Event saying the control plane stalled (its first sweep after).
+    judged_s: float | None = None
+
+
+def stall_each(stack: Stack, clients: Clients, processes: tuple[str, ...]) -> list[Stall]:
+    """Freeze each server, every process of it (PostgreSQL's backends too: its postmaster alone
+    stopped would leave open connections answering), for STALL_S, then let it go."""
+    stalls = []
+    for name in processes:
+        wait_for(lambda: clients.first_answer_after(time.monotonic() - 1), 60, "answers before the stall")
+        clients.next_window()
+        seen_before = stalls_seen(stack)
+        main = stack.process_of(name)
+        frozen = [main, *main.children(recursive=True)]
+        for process in frozen:
+            process.suspend()
+        try:
+            # The stall itself: held for its length, as a frozen disk or a paused VM would.
+            time.sleep(STALL_S)
+        finally:
+            for process in frozen:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.resume()
+        resumed = time.monotonic()
+        first = wait_for(lambda t=resumed: clients.first_answer_after(t), 120, f"an answer once {name} runs again")
+        # The first sweep after the stall has judged the nodes (a stall read as a death would
+        # have written the node off in that very sweep).
+        wait_for(lambda n=seen_before: stalls_seen(stack) > n, 60, f"the heartbeat sweep to see {name}'s stall")
+        judged = time.monotonic() - resumed
+        stalls.append(Stall(name, first, clients.next_window(), judged))  # type: ignore[arg-type]
+    return stalls
+
+
+def stalls_seen(stack: Stack) -> int:
+    """The control.stalled Events so far; 0 while the API cannot answer."""
+    try:
+        code, body = stack.call("GET", "/api/events/?kind=control.stalled&page_size=1")
+    except CUT:
+        return 0
+    return body.get("count", 0) if code == 200 else 0
+
+
 def _running_again(stack: Stack, name: str, old_pid: int) -> bool:
     try:
         process = stack.process_of(name)
@@ -308,13 +371,20 @@ class Outcome:
     # lives through every restart of the control plane (the agent's replicas are adopted).
     pids_before: list[int] = field(default_factory=list)
     pids_after: list[int] = field(default_factory=list)
+    stalls: list[Stall] = field(default_factory=list)
+    # Events of the run: nodes written off (node.offline) and stalls the control plane saw.
+    written_off: list[str] = field(default_factory=list)
+    stalls_seen: int = 0
 
 
-def run(processes: list[str], model_dir: Path, data_dir: Path) -> Outcome:
+def run(processes: list[str], model_dir: Path, data_dir: Path, stalls: tuple[str, ...] = STALLS) -> Outcome:
     """The scenario, on a fresh `up` in `data_dir`, stopped at the end."""
     stack = Stack(data_dir)
     clients: Clients | None = None
     recoveries: list[Recovery] = []
+    stalled: list[Stall] = []
+    written_off: list[str] = []
+    seen = 0
     lost: list[Sent] = []
     restarted: set[str] = set()
     pids: list[list[int]] = []
@@ -324,9 +394,12 @@ def run(processes: list[str], model_dir: Path, data_dir: Path) -> Outcome:
         pids.append(serving_pids(stack))
         clients = Clients(stack)
         recoveries = kill_each(stack, clients, processes)
+        stalled = stall_each(stack, clients, stalls)
         clients.finish()
         pids.append(wait_for(lambda: serving_pids(stack), 60, "a serving replica after the kills"))  # type: ignore[arg-type]
         lost = clients.unfinished()
+        written_off = [e["reason"] for e in stack.call("GET", "/api/events/?kind=node.offline")[1].get("results", [])]
+        seen = stalls_seen(stack)
         # Each restart's Event is written by a process of its own: give the last one its moment.
         deadline = time.monotonic() + 30
         while not (restarted := _restarted(stack)) >= set(processes) and time.monotonic() < deadline:
@@ -339,7 +412,9 @@ def run(processes: list[str], model_dir: Path, data_dir: Path) -> Outcome:
         if clients is not None:
             clients.stopping.set()
         code = stack.stop()
-    return Outcome(recoveries, lost, restarted, code, [line for _, line in stack.lines], *pids)
+    said = [line for _, line in stack.lines]
+    return Outcome(recoveries, lost, restarted, code, said, *pids, stalls=stalled, written_off=written_off,
+                   stalls_seen=seen)  # fmt: skip
 
 
 def serving_pids(stack: Stack) -> list[int]:
@@ -363,7 +438,7 @@ def main() -> None:
     django.setup()
     from inference.management.commands.make_tiny_model import write_tiny_model
 
-    rows = []
+    rows, stall_rows = [], []
     for trial in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="gpuportal-recovery-") as tmp:
             model = write_tiny_model(Path(tmp) / "tiny", size_mb=2, seed=trial, log=lambda _: None).path
@@ -377,8 +452,17 @@ def main() -> None:
             f"trial {trial + 1}: up exited {outcome.exit_code}, {len(outcome.lost)} accepted request(s) lost",
             file=sys.stderr,
         )
+        for stall in outcome.stalls:
+            stall_rows.append([
+                stall.process, trial + 1, f"{STALL_S:g} s", _ms(stall.first_answer_s), _ms(stall.judged_s),
+                stall.seen.unavailable,
+                stall.seen.refused, len(stall.seen.server_errors), len(outcome.written_off),
+                "yes" if outcome.pids_after == outcome.pids_before else "no",
+            ])  # fmt: skip
     headers = ["SIGKILL of", "trial", "detected", "first answer", "503s", "refused", "5xx", "lost", "Event"]
-    text = table(headers, rows)
+    stall_headers = ["SIGSTOP of", "trial", "for", "first answer after", "stall seen after", "503s", "refused", "5xx",
+                     "nodes written off", "same replica"]  # fmt: skip
+    text = table(headers, rows) + "\n\n" + table(stall_headers, stall_rows)
     print(text)
     if not args.no_record:
         record(
@@ -388,13 +472,18 @@ def main() -> None:
             "two clients sending requests back to back and polling each accepted one to its end.\n"
             "`detected`: SIGKILL → `up` says so; `first answer`: SIGKILL → the first answer to a request\n"
             "sent after it; `503s`/`refused`: what the clients met meanwhile; `lost`: accepted requests\n"
-            "that never ended done; `Event`: the restart is in the trail (`stack.restarted`).\n\n"
+            "that never ended done; `Event`: the restart is in the trail (`stack.restarted`). Then\n"
+            f"PostgreSQL and Redis each frozen (SIGSTOP) for {STALL_S:g} s, beyond the stack's "
+            f"{HEARTBEAT_TIMEOUT_S:g} s\nheartbeat timeout; `first answer after`: let go → the first answer to a "
+            "request sent after it;\n`stall seen after`: let go → the heartbeat sweep's `control.stalled` Event.\n\n"
             + text
             + "\n\nReading it: only the web server and Redis are on the request path. The web comes back in about\n"
             "the time granian takes to import Django again; Redis in its restart plus the clients' retry, its\n"
             "append-only file keeping every accepted request. A PostgreSQL restart shows only in the operator's\n"
             "reads (JSON 503s): a request needs no database while a replica claims its deployment and the\n"
-            "caller's token is cached. The control plane's processes are off the request path altogether.",
+            "caller's token is cached. The control plane's processes are off the request path altogether.\n"
+            "A frozen server writes off no node: the heartbeat sweep reads its own gap as the control plane's\n"
+            "stall, and the agent's lease in Redis says the node lives (scheduling.core.liveness).",
         )
 
 

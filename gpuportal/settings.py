@@ -189,6 +189,10 @@ GPUPORTAL_HEARTBEAT_S = env_float("GPUPORTAL_HEARTBEAT_S", 5.0)
 # How long a deploy waits for a node agent to read the model's files (gpuportal.wire.inspection).
 GPUPORTAL_INSPECT_TIMEOUT_S = env_float("GPUPORTAL_INSPECT_TIMEOUT_S", 60.0)
 GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
+# A gap this long between two heartbeat sweeps (they run every 5 s) means the control plane itself
+# stalled (PostgreSQL frozen, Redis down, its worker restarting) and heard no node meanwhile: node
+# silence counts only from the sweep after it (scheduling.core.liveness).
+GPUPORTAL_CONTROL_STALL_S = env_float("GPUPORTAL_CONTROL_STALL_S", 10.0)
 # A pending replica whose process the node's agent still does not run this long after it was
 # placed: its start command was lost (a broker that blinked as the placement committed), and the
 # next heartbeat sends it again (scheduling.services.lost_commands.resend_lost_starts).

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import redis
 from celery.signals import worker_ready
 from django.conf import settings
 
 from gpuportal.celery import app
+from gpuportal.wire import node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import ControlPlane
 from gpuportal.wire.inspection import INSPECT_QUEUE
@@ -129,11 +131,25 @@ class NodeAgent:
         self._heartbeat_thread.start()
 
     def _beat(self) -> None:
+        self.renew_lease()  # held from registration on, not a beat later
         while not self._stop.wait(self.heartbeat_s):
+            self.renew_lease()
             try:
                 self.beat_once()
             except Exception:
                 log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
+
+    def renew_lease(self) -> None:
+        """The node's lease in Redis, renewed straight there (gpuportal.wire.node_lease): when its
+        heartbeats stop reaching the books (the agents' worker or PostgreSQL stalled), the lease
+        still says the node is alive, and the control plane does not write it off."""
+        try:
+            ttl = node_lease.ttl_s(self.heartbeat_s, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
+            node_lease.renew(replies.client(settings.REDIS_URL), self.name, ttl)
+        except redis.RedisError as err:
+            log.warning(
+                "cannot renew node %s's lease (Redis: %s); retrying in %.0f s", self.name, err, self.heartbeat_s
+            )
 
     def beat_once(self) -> list[str]:
         """One heartbeat. Replicas the control plane wrote off while this node was silent (a
@@ -181,6 +197,10 @@ class NodeAgent:
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=self.heartbeat_s + 5)
+        try:
+            node_lease.release(replies.client(settings.REDIS_URL), self.name)
+        except redis.RedisError as err:
+            log.warning("cannot release node %s's lease (Redis: %s); it expires by itself", self.name, err)
         try:
             # Then out of placement, so that the replacements of its replicas go elsewhere.
             self.control.node_stopping(self.name, reason)

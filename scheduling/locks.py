@@ -1,5 +1,6 @@
 """The one lock order of the control plane's writes, in one place (like Saleor's
-lock_objects): a deployment row first, then node rows, then GPU rows in primary-key order (the
+lock_objects): a deployment row first, then the heartbeat sweep's hearing row (only the sweep
+takes it, before the nodes it judges), then node rows, then GPU rows in primary-key order (the
 ledger's commit takes those itself), then replica rows in primary-key order. Every
 `select_for_update` of a service goes through here, and a writer that needs several takes them in
 that order, so two writers never wait on each other in a circle.
@@ -23,7 +24,7 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import QuerySet
 
 from scheduling import hot_sql
-from scheduling.models import GPU, Deployment, Node, Replica
+from scheduling.models import GPU, Deployment, Hearing, Node, Replica
 from scheduling.services.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,20 @@ def lock_node_if_there(name: str) -> Node | None:
 
 def lock_or_create_node(name: str, defaults: dict) -> tuple[Node, bool]:
     return Node.objects.select_for_update().get_or_create(name=name, defaults=defaults)
+
+
+def lock_hearing() -> Hearing | None:
+    """The sweep's hearing row, made if the books have none yet; None while another sweep holds
+    it (two sweeps at once would each read the other's gap as a stall)."""
+    rows = Hearing.objects.filter(pk=1)
+    if (held := rows.select_for_update(skip_locked=True).first()) is not None:
+        return held
+    if rows.exists():
+        return None  # there, and locked by another sweep
+    # The first sweep of these books (or the first after a test's flush): made once, and a
+    # sweep making it at the same moment waits here for the other's insert, then skips.
+    Hearing.objects.bulk_create([Hearing(pk=1)], ignore_conflicts=True)
+    return rows.select_for_update(skip_locked=True).first()
 
 
 def lock_silent_nodes(nodes: QuerySet[Node]) -> list[Node]:

@@ -20,6 +20,18 @@ def new_replica_id() -> str:
     return uuid.uuid4().hex
 
 
+class Hearing(models.Model):
+    """The heartbeat sweep's own record, one row: when it last ran, and since when the control
+    plane has been able to hear its nodes (None: since the books began). A gap between sweeps
+    is a stall of the control plane, not silence of the nodes (scheduling.core.liveness)."""
+
+    last_sweep = models.DateTimeField(null=True, blank=True)
+    heard_since = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"last sweep {self.last_sweep}, heard since {self.heard_since or 'the start'}"
+
+
 class Node(models.Model):
     class Status(models.TextChoices):
         ONLINE = "online"
@@ -404,6 +416,9 @@ class Event(models.Model):
         FAILOVER_SWITCHOVER = "failover.switchover"
         # `up` started one of its processes again after it died.
         STACK_RESTARTED = "stack.restarted"
+        # The control plane heard no node for a while (its database, broker or worker stalled):
+        # node silence from before counts for nothing.
+        CONTROL_STALLED = "control.stalled"
         # A node's host cache: a sleeper parked out of it, or what is over its budget.
         HOST_CACHE = "host_cache"
 

@@ -1,24 +1,30 @@
-"""Node lifecycle: registration by its agent, heartbeats, and expiry when they stop."""
+"""Node lifecycle: registration by its agent, heartbeats, and expiry when they stop (and its
+lease in Redis expired too: scheduling.core.liveness)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from gpuportal.wire import node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.states import ENDED
 from scheduling import ledger, locks
-from scheduling.core import adoption, effects
+from scheduling.core import adoption, effects, liveness
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import lost_commands, outbox
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState
+
+log = logging.getLogger(__name__)
 
 INVENTORY_EVENT = {
     "added": Event.Kind.GPU_REGISTERED,
@@ -212,28 +218,61 @@ def written_off(node: Node, running: Collection[str]) -> list[str]:
     return sorted(set(running) - kept)
 
 
-def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = None) -> list[str]:
-    """Mark offline every node whose agent has been silent longer than the timeout."""
-    now = now or timezone.now()
+def expire_heartbeats(
+    *, now: datetime | None = None, timeout_s: float | None = None, stall_s: float | None = None
+) -> list[str]:
+    """Mark offline every node silent longer than the timeout while the control plane could hear
+    it, and whose lease in Redis has expired too (scheduling.core.liveness): a stall of the
+    control plane's own database, broker or worker is not read as the death of its nodes."""
     timeout_s = settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S if timeout_s is None else timeout_s
-    cutoff = now - timedelta(seconds=timeout_s)
+    stall_s = settings.GPUPORTAL_CONTROL_STALL_S if stall_s is None else stall_s
     expired: list[str] = []
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
+        record = locks.lock_hearing()
+        if record is None:
+            return []  # another sweep is judging the same nodes right now
+        # The clock read once the books answer: a sweep that waited out a frozen database is as
+        # late as its wait, and its gap since the last sweep shows the stall.
+        now = now or timezone.now()
+        heard = liveness.hear(liveness.Hearing(record.last_sweep, record.heard_since), now, stall_s)
+        record.last_sweep, record.heard_since = heard.hearing.last_sweep, heard.hearing.heard_since
+        record.save()
+        if heard.deaf_for_s is not None:
+            outbox.note(
+                Event.Kind.CONTROL_STALLED,
+                "control plane",
+                f"no heartbeat sweep for {heard.deaf_for_s:.0f} s (PostgreSQL, Redis or the control worker "
+                "stalled): no heartbeat could be recorded meanwhile, so node silence counts from now",
+                after={"deaf_for_s": round(heard.deaf_for_s, 1)},
+            )
         # skip_locked: a node being registered or heartbeating right now is, by definition, alive.
+        cutoff = now - timedelta(seconds=timeout_s)
         stale = locks.lock_silent_nodes(
             Node.objects.exclude(status=Node.Status.OFFLINE).filter(last_heartbeat__lt=cutoff)
         )
-        for node in stale:
-            silent = (now - node.last_heartbeat).total_seconds()
+        beats = [liveness.Beat(node.name, node.last_heartbeat) for node in stale]
+        verdicts = liveness.judge(beats, heard.hearing, now, timeout_s, _leases_held(beats))
+        by_name = {node.name: node for node in stale}
+        for verdict in verdicts:
+            node = by_name[verdict.name]
+            if verdict.leased:
+                log.warning(
+                    "node %s: no heartbeat recorded for %.0f s, but its agent renews its lease in Redis: it is "
+                    "alive and its heartbeats are not reaching the books (is the agents' worker running?)",
+                    node.name,
+                    verdict.silent_s,
+                )
+                continue
             before = node.status
             node.status = Node.Status.OFFLINE
             node.save(update_fields=["status"])
             outbox.note(
                 Event.Kind.NODE_OFFLINE,
                 f"node {node.name}",
-                f"no heartbeat for {silent:.0f} s (timeout {timeout_s:.0f} s)",
+                f"no heartbeat for {verdict.silent_s:.0f} s (timeout {timeout_s:.0f} s)",
                 before={"status": before, "last_heartbeat": node.last_heartbeat.isoformat()},
-                after={"status": Node.Status.OFFLINE},
+                # Both pieces of evidence: the books' silence, and the lease the agent renews itself.
+                after={"status": Node.Status.OFFLINE, "lease": "expired"},
                 node=node.name,
             )
             expired.append(node.name)
@@ -242,6 +281,17 @@ def expire_heartbeats(*, now: datetime | None = None, timeout_s: float | None = 
     if expired:
         reconcile_later(f"node(s) {', '.join(expired)} went offline")
     return expired
+
+
+def _leases_held(beats: list[liveness.Beat]) -> set[str]:
+    """The silent nodes whose agents still renew their leases. All of them when Redis cannot be
+    read: no node is written off on evidence the sweep could not gather."""
+    names = [beat.name for beat in beats]
+    try:
+        return node_lease.held(replies.client(settings.REDIS_URL), names)
+    except redis.RedisError as err:
+        log.warning("cannot read the nodes' leases (Redis: %s): no node is written off this sweep", err)
+        return set(names)
 
 
 def mark_stopping(name: str, reason: str) -> None:

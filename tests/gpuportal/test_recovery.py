@@ -1,4 +1,5 @@
-"""`up` outlives its own parts: each of its processes SIGKILLed under two clients.
+"""`up` outlives its own parts: each of its processes SIGKILLed under two clients, then its
+PostgreSQL and its Redis each frozen longer than the heartbeat timeout.
 
 The scenario is bench/recovery.py's (which records the recovery times in BENCHMARKS.md); here
 only what must hold is asserted, never a time.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.recovery import PROCESSES, run
+from bench.recovery import PROCESSES, STALLS, run
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ def test_every_process_of_up_killed_under_load_is_started_again_and_no_accepted_
 
     # run() waits, after each kill, for up to start the process again (a new pid) and for an
     # answer to a request sent after that: it raises if the stack does not recover by itself.
-    outcome = run(list(PROCESSES), model, tmp_path / "var")
+    outcome = run(list(PROCESSES), model, tmp_path / "var", STALLS)
 
     said = "\n".join(outcome.said[-40:])
     assert outcome.exit_code == 0, said
@@ -35,3 +36,8 @@ def test_every_process_of_up_killed_under_load_is_started_again_and_no_accepted_
     for name in PROCESSES:
         assert any(line.startswith(f"{name} was killed by SIGKILL; starting it again") for line in outcome.said), said
     assert outcome.pids_before and outcome.pids_after == outcome.pids_before, "the replica lived through it all"
+    # A stall of the control plane's own servers is not the death of its node.
+    assert [s.process for s in outcome.stalls] == list(STALLS)
+    assert all(s.first_answer_s is not None and s.seen.server_errors == [] for s in outcome.stalls)
+    assert outcome.written_off == [], f"a stall was read as a death: {outcome.written_off}"
+    assert outcome.stalls_seen > 0, "the heartbeat sweep says it stalled (control.stalled Events)"

@@ -14,6 +14,7 @@ import pytest
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
+from gpuportal.wire import node_lease, replies
 from gpuportal.wire.memory import H100_DRIVER_RESERVE_BYTES, MiB
 from inference.devices import discover, parse_size, parse_virtual_spec, virtual_gpus
 from scheduling.models import GPU, Event, Node
@@ -183,6 +184,9 @@ def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_sto
         wait_until(
             lambda: Node.objects.get(name="edge1").last_heartbeat > first_beat, 30, "a heartbeat after registration"
         )
+        # Its lease, renewed by the agent straight in Redis: the second evidence that it lives.
+        redis_client = replies.client(settings.REDIS_URL)
+        assert node_lease.held(redis_client, ["edge1", "nobody"]) == {"edge1"}
 
         reply = describe_node.apply_async(args=["edge1"], queue="node.edge1").get(timeout=60)
         assert reply["node"] == "edge1" and [g["index"] for g in reply["gpus"]] == [0, 1]
@@ -198,6 +202,7 @@ def test_a_real_agent_registers_heartbeats_serves_its_queue_and_says_when_it_sto
         log.seek(0)
         output = log.read()
     assert Node.objects.get(name="edge1").status == Node.Status.OFFLINE, output
+    assert node_lease.held(redis_client, ["edge1"]) == set(), "a stopping agent gives its lease back"
     assert f"'read {tiny_model_dir}'" in output, "the agent's worker read the model (its task's result)"
     assert Event.objects.filter(kind=Event.Kind.NODE_STOPPED, node="edge1", reason="agent stopped").exists()
 
