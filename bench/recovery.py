@@ -73,6 +73,8 @@ class Sent:
     """One request a client sent: accepted once an id came back."""
 
     at: float
+    # When the POST came back, whatever it said (None: cut, or not back yet).
+    answered_at: float | None = None
     id: str | None = None
     status: str | None = None
     ended_at: float | None = None
@@ -185,6 +187,7 @@ class Clients:
             self.sent.append(sent)
             body = {"input": f"client {index} at {sent.at:.3f}", "params": {"max_tokens": 2}, "timeout_s": 2}
             answer = self._try("POST", f"/api/deployments/{NAME}/infer/", body)
+            sent.answered_at = time.monotonic()
             if answer is None or not answer.get("id"):
                 self.stopping.wait(0.1)  # not accepted: the server is on its way back
                 continue
@@ -212,6 +215,12 @@ class Clients:
             self.seen.server_errors.append(f"{method} {path}: {code} {answer}")
             return None
         return answer
+
+    def slowest_post_s(self, since: float) -> float:
+        """The longest any POST sent after `since` took to come back (a refused one counts too):
+        `timeout_s` bounds it whatever the database does."""
+        waits = [(s.answered_at or time.monotonic()) - s.at for s in list(self.sent) if s.at >= since]
+        return max(waits, default=0.0)
 
     def first_answer_after(self, since: float) -> float | None:
         ends = [s.ended_at for s in list(self.sent) if s.at > since and s.status == "done" and s.ended_at]
@@ -311,6 +320,8 @@ class Stall:
     seen: Seen
     # Let go → the heartbeat sweep's Event saying the control plane stalled (its first sweep after).
     judged_s: float | None = None
+    # The longest a POST /infer/ sent from the stall on took to come back (each asks timeout_s 2).
+    slowest_post_s: float = 0.0
 
 
 def stall_each(stack: Stack, clients: Clients, processes: tuple[str, ...]) -> list[Stall]:
@@ -323,6 +334,7 @@ def stall_each(stack: Stack, clients: Clients, processes: tuple[str, ...]) -> li
         seen_before = stalls_seen(stack)
         main = stack.process_of(name)
         frozen = [main, *main.children(recursive=True)]
+        stalled_at = time.monotonic()
         for process in frozen:
             process.suspend()
         try:
@@ -338,7 +350,8 @@ def stall_each(stack: Stack, clients: Clients, processes: tuple[str, ...]) -> li
         # have written the node off in that very sweep).
         wait_for(lambda n=seen_before: stalls_seen(stack) > n, 60, f"the heartbeat sweep to see {name}'s stall")
         judged = time.monotonic() - resumed
-        stalls.append(Stall(name, first, clients.next_window(), judged))  # type: ignore[arg-type]
+        slowest = clients.slowest_post_s(stalled_at)
+        stalls.append(Stall(name, first, clients.next_window(), judged, slowest))  # type: ignore[arg-type]
     return stalls
 
 
@@ -454,14 +467,15 @@ def main() -> None:
         )
         for stall in outcome.stalls:
             stall_rows.append([
-                stall.process, trial + 1, f"{STALL_S:g} s", _ms(stall.first_answer_s), _ms(stall.judged_s),
+                stall.process, trial + 1, f"{STALL_S:g} s", _ms(stall.slowest_post_s), _ms(stall.first_answer_s),
+                _ms(stall.judged_s),
                 stall.seen.unavailable,
                 stall.seen.refused, len(stall.seen.server_errors), len(outcome.written_off),
                 "yes" if outcome.pids_after == outcome.pids_before else "no",
             ])  # fmt: skip
     headers = ["SIGKILL of", "trial", "detected", "first answer", "503s", "refused", "5xx", "lost", "Event"]
-    stall_headers = ["SIGSTOP of", "trial", "for", "first answer after", "stall seen after", "503s", "refused", "5xx",
-                     "nodes written off", "same replica"]  # fmt: skip
+    stall_headers = ["SIGSTOP of", "trial", "for", "slowest POST", "first answer after", "stall seen after",
+                     "503s", "refused", "5xx", "nodes written off", "same replica"]  # fmt: skip
     text = table(headers, rows) + "\n\n" + table(stall_headers, stall_rows)
     print(text)
     if not args.no_record:
@@ -475,7 +489,8 @@ def main() -> None:
             "that never ended done; `Event`: the restart is in the trail (`stack.restarted`). Then\n"
             f"PostgreSQL and Redis each frozen (SIGSTOP) for {STALL_S:g} s, beyond the stack's "
             f"{HEARTBEAT_TIMEOUT_S:g} s\nheartbeat timeout; `first answer after`: let go → the first answer to a "
-            "request sent after it;\n`stall seen after`: let go → the heartbeat sweep's `control.stalled` Event.\n\n"
+            "request sent after it;\n`slowest POST`: the longest an `/infer/` asking `timeout_s` 2 took to come "
+            "back from the stall on;\n`stall seen after`: let go → the heartbeat sweep's `control.stalled` Event.\n\n"
             + text
             + "\n\nReading it: only the web server and Redis are on the request path. The web comes back in about\n"
             "the time granian takes to import Django again; Redis in its restart plus the clients' retry, its\n"

@@ -4,12 +4,14 @@ Every API request authenticates, and on the inference hot path that look-up is o
 database round trips (within the request path's overhead budget). A token seen valid within the last
 GPUPORTAL_TOKEN_CACHE_S seconds is trusted again without asking; the price is that a revoked
 token, or a deactivated user, is refused that much later. 0 turns the cache off.
+
+Past that, for GPUPORTAL_TOKEN_STALE_S more, it is still trusted at once while a thread looks it
+up again (gpuportal.remembered), so a frozen database does not hold up the request; the look-up
+that finds it revoked forgets it, and the next request is refused.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 from django.conf import settings
@@ -17,12 +19,14 @@ from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed, Throttled
 
 from gpuportal import throttle
+from gpuportal.remembered import Remembered
 
-# Enough for every live client of a portal; beyond it the cache starts over rather than grow.
-MAX_ENTRIES = 10_000
-
-_lock = threading.Lock()
-_seen: dict[str, tuple[float, Any, Any]] = {}
+_tokens: Remembered[tuple[Any, Any]] = Remembered(
+    "token",
+    lambda: settings.GPUPORTAL_TOKEN_CACHE_S,
+    lambda: settings.GPUPORTAL_TOKEN_STALE_S,
+    forget_on=(AuthenticationFailed,),
+)
 
 
 class CachedTokenAuthentication(TokenAuthentication):
@@ -39,25 +43,15 @@ class CachedTokenAuthentication(TokenAuthentication):
             raise
 
     def authenticate_credentials(self, key: str) -> tuple[Any, Any]:
-        ttl = settings.GPUPORTAL_TOKEN_CACHE_S
-        if ttl <= 0:
-            return super().authenticate_credentials(key)
-        now = time.monotonic()
-        hit = _seen.get(key)
-        if hit is not None and hit[0] > now:
-            return hit[1], hit[2]
-        user, token = super().authenticate_credentials(key)  # raises for a bad or inactive one
-        with _lock:
-            if len(_seen) >= MAX_ENTRIES:
-                _seen.clear()
-            _seen[key] = (now + ttl, user, token)
-        return user, token
+        look_up = super().authenticate_credentials  # raises for a bad or inactive token
+        if settings.GPUPORTAL_TOKEN_CACHE_S <= 0:
+            return look_up(key)
+        return _tokens.get(key, lambda: look_up(key))
 
 
 def forget_tokens() -> None:
     """Drop every remembered token (tests; or an operator who just revoked one)."""
-    with _lock:
-        _seen.clear()
+    _tokens.forget()
 
 
 _authenticator = CachedTokenAuthentication()

@@ -274,6 +274,9 @@ GPUPORTAL_WAKE_LOCK_TTL_S = env_float("GPUPORTAL_WAKE_LOCK_TTL_S", 60.0)
 GPUPORTAL_H2D_BYTES_PER_S = env_float("GPUPORTAL_H2D_BYTES_PER_S", 20e9)
 # How long a token found valid is trusted again without a database look-up (gpuportal.auth).
 GPUPORTAL_TOKEN_CACHE_S = env_float("GPUPORTAL_TOKEN_CACHE_S", 5.0)
+# How long past that it is still trusted at once while a thread looks it up again: a frozen or
+# restarting database does not hold up a request that needs nothing else from it.
+GPUPORTAL_TOKEN_STALE_S = env_float("GPUPORTAL_TOKEN_STALE_S", 60.0)
 # Failover pairs (seed 004). After a PostgreSQL restart the previous lock holder has this long to
 # re-acquire before its standby takes over; a takeover's wake past its timeout ends the process;
 # an active member silent past the liveness timeout is killed by its node agent.

@@ -7,14 +7,13 @@ row of models.UserLimits (edited in the admin) says instead; 0 is no limit, and 
 costs no Redis round trip more. The counts live in Redis (gpuportal.wire.ownerlimits), shared by every web
 process. A row is read at most once every CACHE_S per process and user: a request queued on a
 replica's live claim reads nothing else from the database. An edit holds at once in the process
-that made it, and in the others within CACHE_S.
+that made it, and in the others within CACHE_S (and one request more, answered while the row is
+read again).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -23,6 +22,7 @@ import redis
 from django.conf import settings
 from django.db import DatabaseError
 
+from gpuportal.remembered import Remembered
 from gpuportal.wire.ownerlimits import CONCURRENT, OwnerLimits, Refusal
 from gpuportal.wire.requestqueue import RequestQueue
 from scheduling.metrics import REQUESTS_LIMITED
@@ -32,16 +32,16 @@ from scheduling.services.queueing import queue
 
 log = logging.getLogger(__name__)
 
+# A user's row is read again after CACHE_S, at once while a thread reads it for up to STALE_S
+# more (gpuportal.remembered): a frozen database does not hold up their requests.
 CACHE_S = 5.0
-# Enough for every active user of a portal; beyond it the cache starts over rather than grow.
-MAX_ENTRIES = 10_000
+STALE_S = 60.0
 
 # A user's own (max_concurrent, max_per_minute); None where the setting applies.
 Override = tuple[int | None, int | None]
 NO_OVERRIDE: Override = (None, None)
 
-_lock = threading.Lock()
-_overrides: dict[str, tuple[float, Override]] = {}
+_overrides: Remembered[Override] = Remembered("user-limits", lambda: CACHE_S, lambda: STALE_S)
 
 
 @dataclass(frozen=True)
@@ -107,11 +107,7 @@ def too_many(refusal: Refusal) -> TooManyRequests:
 
 def forget(owner: str | None = None) -> None:
     """Read the user's row (every user's, with no owner) again on their next request."""
-    with _lock:
-        if owner is None:
-            _overrides.clear()
-        else:
-            _overrides.pop(owner, None)
+    _overrides.forget(owner)
 
 
 def on_row_changed(sender: type, instance: UserLimits, **kwargs: Any) -> None:
@@ -126,22 +122,13 @@ def _counts(requests: RequestQueue) -> OwnerLimits:
 
 
 def _override(owner: str) -> Override:
-    now = time.monotonic()
-    hit = _overrides.get(owner)
-    if hit is not None and hit[0] > now:
-        return hit[1]
     try:
-        found = _read(owner)
+        return _overrides.get(owner, lambda: _read(owner))
     except DatabaseError as err:
         # A database that blinks must not stop what a replica's claim lets through without it:
         # the row last read (or the settings) until it is back.
         log.warning("user limits of %s not read, the last known apply: %s", owner, err)
-        found = hit[1] if hit is not None else NO_OVERRIDE
-    with _lock:
-        if len(_overrides) >= MAX_ENTRIES:
-            _overrides.clear()
-        _overrides[owner] = (now + CACHE_S, found)
-    return found
+        return _overrides.last(owner) or NO_OVERRIDE
 
 
 def _read(owner: str) -> Override:

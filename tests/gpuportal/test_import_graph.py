@@ -234,8 +234,16 @@ def test_the_sql_check_finds_statements_and_leaves_prose_alone():
 
 
 # What the planes borrow from the project package besides the contract: the Celery app, the API's
-# authentication and sign-in throttle, and the process helpers. Nothing that starts servers.
-BORROWED = ("gpuportal", "gpuportal.celery", "gpuportal.auth", "gpuportal.throttle", "gpuportal.processes")
+# authentication and sign-in throttle, the look-ups the request path remembers, and the process
+# helpers. Nothing that starts servers.
+BORROWED = (
+    "gpuportal",
+    "gpuportal.celery",
+    "gpuportal.auth",
+    "gpuportal.throttle",
+    "gpuportal.remembered",
+    "gpuportal.processes",
+)
 
 
 def test_the_planes_borrow_from_the_project_package_only_its_shared_helpers():

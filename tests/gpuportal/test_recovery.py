@@ -41,3 +41,7 @@ def test_every_process_of_up_killed_under_load_is_started_again_and_no_accepted_
     assert all(s.first_answer_s is not None and s.seen.server_errors == [] for s in outcome.stalls)
     assert outcome.written_off == [], f"a stall was read as a death: {outcome.written_off}"
     assert outcome.stalls_seen > 0, "the heartbeat sweep says it stalled (control.stalled Events)"
+    # Each /infer/ asks timeout_s 2: it comes back within that and a margin, whatever the servers do.
+    assert {s.process: s.slowest_post_s <= 2 + 5 for s in outcome.stalls} == dict.fromkeys(STALLS, True), [
+        (s.process, round(s.slowest_post_s, 1)) for s in outcome.stalls
+    ]
