@@ -13,6 +13,8 @@ node agent, Redis, PostgreSQL), and `up` starts it again by itself. Measured per
 Then PostgreSQL (every process of it) and Redis are each frozen (SIGSTOP) for longer than the
 heartbeat timeout and let go (SIGCONT): a stall of the control plane's own servers, which must not
 be read as the death of the node (no node written off, the same replica process serving after).
+Last, beat is killed CRASH_LOOP times in a row, each time as soon as `up` has started it again: a
+helper that crash-loops degrades the portal (/readyz names it) and stops nothing.
 
     python -m bench.recovery [--trials 1] [--no-record]
 
@@ -64,6 +66,10 @@ STALLS = ("postgresql", "redis")
 # restarted agent adopts its replicas stays what it is by default (the timeout less two beats).
 HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 1.0, 12.0
 STALL_S = 16.0
+# Beat killed this many times in a row; `up` backs off at most RESTART_BACKOFF_MAX_S between
+# restarts in this stack (30 s by default), so the loop takes seconds, not minutes.
+CRASH_LOOP = 10
+RESTART_BACKOFF_MAX_S = 1.0
 TERMINAL = {"done", "failed", "cancelled"}
 CUT = (OSError, HTTPException)  # refused, reset, or closed while the server died
 
@@ -101,6 +107,7 @@ class Stack:
         env |= {
             "GPUPORTAL_HEARTBEAT_S": f"{HEARTBEAT_S:g}",
             "GPUPORTAL_HEARTBEAT_TIMEOUT_S": f"{HEARTBEAT_TIMEOUT_S:g}",
+            "GPUPORTAL_RESTART_BACKOFF_MAX_S": f"{RESTART_BACKOFF_MAX_S:g}",
         }
         self.process = subprocess.Popen(
             [sys.executable, "manage.py", "up", "--port", str(self.port), "--quiet",
@@ -355,6 +362,52 @@ def stall_each(stack: Stack, clients: Clients, processes: tuple[str, ...]) -> li
     return stalls
 
 
+@dataclass
+class CrashLoop:
+    process: str
+    kills: int
+    # /readyz named it as down after how many of the kills (it may be back before a look).
+    named_down: int
+    # After the last kill: it runs again and /readyz says ready, nothing down.
+    whole_after: bool
+    seen: Seen
+
+
+def crash_loop(stack: Stack, clients: Clients, name: str, kills: int) -> CrashLoop:
+    """Kill `name` `kills` times in a row, each time as soon as `up` has started it again."""
+    wait_for(lambda: clients.first_answer_after(time.monotonic() - 1), 60, "answers before the crash loop")
+    clients.next_window()
+    named = 0
+    for _ in range(kills):
+        victim = wait_for(lambda: _process_or_none(stack, name), 60, f"{name} to run")
+        victim.kill()  # type: ignore[attr-defined]
+        # While it is down, /readyz names it (until `up` has it ready again).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if name in readiness(stack).get("down", {}):
+                named += 1
+                break
+            time.sleep(0.05)
+        wait_for(lambda v=victim: _running_again(stack, name, v.pid), 60, f"{name} to run again")  # type: ignore[attr-defined]
+    whole = wait_for(lambda: readiness(stack).get("status") == "ready", 120, "/readyz to say ready again")
+    wait_for(lambda: clients.first_answer_after(time.monotonic() - 1), 60, "answers after the crash loop")
+    return CrashLoop(name, kills, named, bool(whole), clients.next_window())
+
+
+def _process_or_none(stack: Stack, name: str) -> psutil.Process | None:
+    try:
+        return stack.process_of(name)
+    except (ValueError, psutil.NoSuchProcess):
+        return None
+
+
+def readiness(stack: Stack) -> dict:
+    try:
+        return stack.call("GET", "/readyz")[1]
+    except CUT:
+        return {}
+
+
 def stalls_seen(stack: Stack) -> int:
     """The control.stalled Events so far; 0 while the API cannot answer."""
     try:
@@ -385,17 +438,21 @@ class Outcome:
     pids_before: list[int] = field(default_factory=list)
     pids_after: list[int] = field(default_factory=list)
     stalls: list[Stall] = field(default_factory=list)
+    crash_loop: CrashLoop | None = None
     # Events of the run: nodes written off (node.offline) and stalls the control plane saw.
     written_off: list[str] = field(default_factory=list)
     stalls_seen: int = 0
 
 
-def run(processes: list[str], model_dir: Path, data_dir: Path, stalls: tuple[str, ...] = STALLS) -> Outcome:
+def run(
+    processes: list[str], model_dir: Path, data_dir: Path, stalls: tuple[str, ...] = STALLS, crash_loops: bool = True
+) -> Outcome:
     """The scenario, on a fresh `up` in `data_dir`, stopped at the end."""
     stack = Stack(data_dir)
     clients: Clients | None = None
     recoveries: list[Recovery] = []
     stalled: list[Stall] = []
+    looped: CrashLoop | None = None
     written_off: list[str] = []
     seen = 0
     lost: list[Sent] = []
@@ -408,6 +465,7 @@ def run(processes: list[str], model_dir: Path, data_dir: Path, stalls: tuple[str
         clients = Clients(stack)
         recoveries = kill_each(stack, clients, processes)
         stalled = stall_each(stack, clients, stalls)
+        looped = crash_loop(stack, clients, "beat", CRASH_LOOP) if crash_loops else None
         clients.finish()
         pids.append(wait_for(lambda: serving_pids(stack), 60, "a serving replica after the kills"))  # type: ignore[arg-type]
         lost = clients.unfinished()
@@ -426,8 +484,8 @@ def run(processes: list[str], model_dir: Path, data_dir: Path, stalls: tuple[str
             clients.stopping.set()
         code = stack.stop()
     said = [line for _, line in stack.lines]
-    return Outcome(recoveries, lost, restarted, code, said, *pids, stalls=stalled, written_off=written_off,
-                   stalls_seen=seen)  # fmt: skip
+    return Outcome(recoveries, lost, restarted, code, said, *pids, stalls=stalled, crash_loop=looped,
+                   written_off=written_off, stalls_seen=seen)  # fmt: skip
 
 
 def serving_pids(stack: Stack) -> list[int]:
@@ -451,7 +509,7 @@ def main() -> None:
     django.setup()
     from inference.management.commands.make_tiny_model import write_tiny_model
 
-    rows, stall_rows = [], []
+    rows, stall_rows, loop_rows = [], [], []
     for trial in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="gpuportal-recovery-") as tmp:
             model = write_tiny_model(Path(tmp) / "tiny", size_mb=2, seed=trial, log=lambda _: None).path
@@ -473,10 +531,18 @@ def main() -> None:
                 stall.seen.refused, len(stall.seen.server_errors), len(outcome.written_off),
                 "yes" if outcome.pids_after == outcome.pids_before else "no",
             ])  # fmt: skip
+        if outcome.crash_loop is not None:
+            loop = outcome.crash_loop
+            loop_rows.append([
+                loop.process, trial + 1, loop.kills, loop.named_down, "yes" if loop.whole_after else "no",
+                loop.seen.unavailable, loop.seen.refused, len(loop.seen.server_errors), outcome.exit_code,
+            ])  # fmt: skip
     headers = ["SIGKILL of", "trial", "detected", "first answer", "503s", "refused", "5xx", "lost", "Event"]
     stall_headers = ["SIGSTOP of", "trial", "for", "slowest POST", "first answer after", "stall seen after",
                      "503s", "refused", "5xx", "nodes written off", "same replica"]  # fmt: skip
-    text = table(headers, rows) + "\n\n" + table(stall_headers, stall_rows)
+    loop_headers = ["crash loop of", "trial", "kills", "named by /readyz", "whole after", "503s", "refused", "5xx",
+                    "up's exit code"]  # fmt: skip
+    text = "\n\n".join([table(headers, rows), table(stall_headers, stall_rows), table(loop_headers, loop_rows)])
     print(text)
     if not args.no_record:
         record(
@@ -490,7 +556,9 @@ def main() -> None:
             f"PostgreSQL and Redis each frozen (SIGSTOP) for {STALL_S:g} s, beyond the stack's "
             f"{HEARTBEAT_TIMEOUT_S:g} s\nheartbeat timeout; `first answer after`: let go → the first answer to a "
             "request sent after it;\n`slowest POST`: the longest an `/infer/` asking `timeout_s` 2 took to come "
-            "back from the stall on;\n`stall seen after`: let go → the heartbeat sweep's `control.stalled` Event.\n\n"
+            "back from the stall on;\n`stall seen after`: let go → the heartbeat sweep's `control.stalled` Event. "
+            f"Last, beat killed {CRASH_LOOP} times in a row,\neach as soon as `up` ran it again "
+            "(`named by /readyz`: kills after which /readyz named it down).\n\n"
             + text
             + "\n\nReading it: only the web server and Redis are on the request path. The web comes back in about\n"
             "the time granian takes to import Django again; Redis in its restart plus the clients' retry, its\n"

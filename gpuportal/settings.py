@@ -193,6 +193,9 @@ GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
 # stalled (PostgreSQL frozen, Redis down, its worker restarting) and heard no node meanwhile: node
 # silence counts only from the sweep after it (scheduling.core.liveness).
 GPUPORTAL_CONTROL_STALL_S = env_float("GPUPORTAL_CONTROL_STALL_S", 10.0)
+# `up` starts a process that died again after a backoff that doubles per restart in ten minutes,
+# up to this (gpuportal.up): a helper that keeps crashing is retried for as long as `up` runs.
+GPUPORTAL_RESTART_BACKOFF_MAX_S = env_float("GPUPORTAL_RESTART_BACKOFF_MAX_S", 30.0)
 # A pending replica whose process the node's agent still does not run this long after it was
 # placed: its start command was lost (a broker that blinked as the placement committed), and the
 # next heartbeat sends it again (scheduling.services.lost_commands.resend_lost_starts).

@@ -1,8 +1,10 @@
 """The `<data dir>/stack.env` file through which `up` tells processes started beside it
-which PostgreSQL and Redis to use. Plain KEY=VALUE lines, so a shell can `source` it."""
+which PostgreSQL and Redis to use (plain KEY=VALUE lines, so a shell can `source` it); and
+`<data dir>/stack-status.json`, which of its processes are down now, for /readyz to name."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -47,6 +49,22 @@ def write_stack_env(path: Path, values: dict[str, str]) -> None:
     lines = ["# Written by `manage.py up`: the servers of the running stack."]
     lines += [f"export {key}={value}" for key, value in values.items()]
     write_private(path, "\n".join(lines) + "\n")
+
+
+STATUS_FILE = "stack-status.json"
+
+
+def write_status(data_dir: Path, down: dict[str, str]) -> None:
+    """The processes of `up` that are down now ({name: why}), replaced whole."""
+    write_private(data_dir / STATUS_FILE, json.dumps({"down": down}))
+
+
+def read_status(data_dir: Path) -> dict[str, str]:
+    """The processes `up` says are down ({} with no `up` beside: nothing to say)."""
+    try:
+        return dict(json.loads((data_dir / STATUS_FILE).read_text()).get("down", {}))
+    except (FileNotFoundError, PermissionError, ValueError):
+        return {}
 
 
 def redact(url: str) -> str:

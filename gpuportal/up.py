@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from django.conf import settings
+
 from gpuportal.processes import die_with_parent
 from gpuportal.stack import (
     EmbeddedPostgres,
@@ -34,17 +36,18 @@ from gpuportal.stack import (
     kept_secret,
     port_in_use,
 )
-from gpuportal.stackenv import redact, write_stack_env
+from gpuportal.stackenv import STATUS_FILE, redact, write_stack_env, write_status
 
 ROOT = Path(__file__).resolve().parent.parent
-# A child that dies once the portal is up is started again (a crash: one that fails while the
-# portal starts stops it, with its error), at most RESTART_LIMIT times in RESTART_PERIOD_S, the
-# n-th time after RESTART_BACKOFF_S * 2**(n-1) seconds (at most RESTART_BACKOFF_MAX_S): a child
-# that cannot run (its port taken, its server gone) must not spin.
+# A process that dies once the portal is up is started again (one that fails while the portal
+# starts stops it, with its error), the n-th time in RESTART_PERIOD_S after RESTART_BACKOFF_S *
+# 2**(n-1) seconds, at most GPUPORTAL_RESTART_BACKOFF_MAX_S: one that cannot run must not spin.
+# A child (web, workers, beat, agent) is started again for as long as `up` runs: while it
+# crash-loops the rest serves on, and /readyz names it. A server (PostgreSQL, Redis) that dies
+# RESTART_LIMIT times in RESTART_PERIOD_S stops the portal: nothing works without it.
 RESTART_LIMIT = 5
 RESTART_PERIOD_S = 600.0
 RESTART_BACKOFF_S = 0.5
-RESTART_BACKOFF_MAX_S = 8.0
 # The lines of a child's output the console shows without --verbose: its warnings and errors,
 # in the formats of Django's logging, Celery's and granian's.
 CONSOLE_LEVELS = re.compile(r"(^|[\s\[:])(WARNING|ERROR|CRITICAL)\b")
@@ -72,13 +75,16 @@ class Restarts:
     # When the next start is due (time.monotonic()), while it waits out its backoff.
     due: float | None = None
 
+    # Whether it stops the portal after RESTART_LIMIT restarts in RESTART_PERIOD_S (a server).
+    limited: bool = False
+
     def may_restart(self, now: float) -> bool:
         while self.times and now - self.times[0] > RESTART_PERIOD_S:
             self.times.popleft()
-        return len(self.times) < RESTART_LIMIT
+        return not self.limited or len(self.times) < RESTART_LIMIT
 
     def backoff(self) -> float:
-        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(self.times))
+        return min(settings.GPUPORTAL_RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(self.times))
 
 
 @dataclass
@@ -120,7 +126,7 @@ class Server:
 
     name: str
     embedded: EmbeddedPostgres | EmbeddedRedis
-    restarts: Restarts = field(default_factory=Restarts)
+    restarts: Restarts = field(default_factory=lambda: Restarts(limited=True))
     ended: str = ""
 
 
@@ -152,6 +158,8 @@ class Portal:
         # Set once this `up` has written stack.env: only then is it this `up`'s to remove. A
         # second `up` refused because one is running must leave that one's file alone.
         self.wrote_stack_env = False
+        # What write_status last wrote (None: nothing yet).
+        self.status_written: dict[str, str] | None = None
 
     @property
     def admin_password_file(self) -> Path:
@@ -294,6 +302,7 @@ class Portal:
     def spawn(self, child: Child) -> None:
         log_dir = self.options.data_dir / "logs"
         log_dir.mkdir(exist_ok=True)
+        child.ready.clear()  # a run started again is starting until it says it is ready
         child.process = subprocess.Popen(
             child.argv,
             env=self.env,
@@ -417,6 +426,24 @@ class Portal:
         self.say(f"{server.name} is back on port {server.embedded.port}")
         self.record_restart(server.name, server.ended)
 
+    def down(self) -> dict[str, str]:
+        """The children not serving now, and why: dead and waiting out their backoff, or started
+        again and not ready yet."""
+        found = {}
+        for child in self.children:
+            if child.process is None or child.process.poll() is not None or child.restarts.due is not None:
+                found[child.name] = f"{child.ended or 'exited'}; starting it again"
+            elif child.ready_marker and not child.ready.is_set():
+                found[child.name] = f"{child.ended or 'started'}; started again, not ready yet"
+        return found
+
+    def write_status(self) -> None:
+        """What /readyz names (gpuportal.health): written when it changes, read by the web."""
+        down = self.down()
+        if down != self.status_written:
+            write_status(self.options.data_dir, down)
+            self.status_written = down
+
     def schedule(self, name: str, restarts: Restarts, ended: str, now: float) -> None:
         if not restarts.may_restart(now):
             raise StackError(f"{name} {ended}")
@@ -463,6 +490,7 @@ class Portal:
                 self.banner(urls, starting)
             while not self.stopping.wait(POLL_S):
                 self.restart_or_raise()
+                self.write_status()
             self.say("stopping: the portal's processes, then its servers")
             return 0
         finally:
@@ -476,6 +504,8 @@ class Portal:
         signal.signal(signal.SIGTERM, request_stop)
 
     def shutdown(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.options.data_dir / STATUS_FILE).unlink()  # no `up`, nothing down to name
         running = [c for c in self.children if c.process and c.process.poll() is None]
         first = [c for c in running if c.stops_first]
         # The agent, then all the rest at once: each warm shutdown overlaps the others'.
