@@ -23,10 +23,11 @@ from bench.common import register_cluster, setup_database, stop
 
 
 def populate(nodes: int, gpus_per_node: int, replicas: int) -> tuple[list[int], list[str]]:
-    from scheduling.models import Deployment, Replica
+    from scheduling.models import Deployment, DeploymentObserved, Replica
 
     gpu_ids = register_cluster(nodes, gpus_per_node, "80GiB")
     dep = Deployment.objects.create(name="bench", model_source="/srv/models/bench")
+    DeploymentObserved.objects.create(deployment=dep)  # every deployment has its record
     ids = [Replica.objects.create(deployment=dep).id for _ in range(replicas)]
     return gpu_ids, ids
 

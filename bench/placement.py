@@ -148,7 +148,15 @@ def reset_services(models: list[Model]) -> None:
     with transaction.atomic(), connection.cursor() as cursor:
         # Django's foreign keys are checked at commit, so the order of these does not matter.
         cursor.execute("UPDATE scheduling_gpu SET wake_lock_holder_id = NULL, available_bytes = total_bytes")
-        for table in ("occupant", "preemptionintent", "failoverlease", "replica", "deployment", "event"):
+        for table in (
+            "occupant",
+            "preemptionintent",
+            "failoverlease",
+            "replica",
+            "deploymentobserved",
+            "deployment",
+            "event",
+        ):
             cursor.execute(f"DELETE FROM scheduling_{table}")
     with effects_kept():
         for model in models:
@@ -244,29 +252,23 @@ class ServiceClient:
 def create_state(clients: int) -> list[list[tuple[str, str, int, int]]]:
     """Deployments of spread sizes, and a pool of replica rows per client:
     (replica id, deployment, weight bytes, estimate bytes)."""
-    from scheduling.models import Deployment, Replica
+    from scheduling.models import Deployment, DeploymentObserved, Replica
 
     rng = random.Random(7)
     deployments = []
     for n in range(DEPLOYMENTS):
         weights = int(rng.uniform(1, 20) * GiB)
         estimate = int(weights * 1.3) + GiB  # KV cache and activations beside the weights
-        deployments.append(
-            Deployment.objects.create(
-                name=f"model-{n:02d}",
-                model_source=f"/srv/models/{n}",
-                weight_bytes=weights,
-                memory_estimate_bytes=estimate,
-                min_runtime_s=0,
-            )
-        )
+        deployment = Deployment.objects.create(name=f"model-{n:02d}", model_source=f"/srv/models/{n}", min_runtime_s=0)
+        # Every deployment has its observed record (what the portal measured or decided about it).
+        DeploymentObserved.objects.create(deployment=deployment, weight_bytes=weights, memory_estimate_bytes=estimate)
+        deployments.append(deployment)
+    facts = {d.pk: (d.observed.weight_bytes, d.observed.memory_estimate_bytes) for d in deployments}
     pools = []
     for _ in range(clients):
         rows = [Replica(deployment=rng.choice(deployments)) for _ in range(POOL_PER_CLIENT)]
         Replica.objects.bulk_create(rows)
-        pools.append(
-            [(r.id, r.deployment.name, r.deployment.weight_bytes, r.deployment.memory_estimate_bytes) for r in rows]
-        )
+        pools.append([(r.id, r.deployment.name, *facts[r.deployment_id]) for r in rows])
     return pools
 
 

@@ -23,6 +23,7 @@ from scheduling.models import (
     GPU,
     CapacityPlan,
     Deployment,
+    DeploymentObserved,
     Event,
     FailoverLease,
     Node,
@@ -171,6 +172,26 @@ class ReplicaInline(ReadOnlyInline):
     readonly_fields = fields
 
 
+class ObservedInline(ViewOnly, admin.StackedInline):
+    """What the portal measured or decided about the deployment, beside its settings: read-only,
+    as everything here (the services write it)."""
+
+    model = DeploymentObserved
+    can_delete = False
+    fields = [
+        "memory_estimate_bytes",
+        "memory_measured_bytes",
+        "memory_measured_context_bytes",
+        "weight_bytes",
+        "measured_load_s",
+        "measured_wake_s",
+        "load_failures",
+        "failed_reason",
+        "retry_at",
+    ]
+    readonly_fields = fields
+
+
 @admin.register(Deployment)
 class DeploymentAdmin(ReadOnlyAdmin):
     """No edit form: a change here would bypass placement and the Event trail. Controls are
@@ -201,10 +222,11 @@ class DeploymentAdmin(ReadOnlyAdmin):
     ]
     list_filter = ["loader", "dtype", "dedicated", "popular", "failover_standby"]
     search_fields = ["name", "model_source"]
-    inlines = [ReplicaInline]
+    inlines = [ObservedInline, ReplicaInline]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Deployment]:
-        return super().get_queryset(request).annotate(replica_count=Count("replicas"))
+        # With the observed record: the list's status and memory need read it.
+        return super().get_queryset(request).select_related("observed").annotate(replica_count=Count("replicas"))
 
     @admin.display(description="replicas", ordering="replica_count")
     def replica_count(self, obj: Deployment) -> int:

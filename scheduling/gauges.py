@@ -126,7 +126,7 @@ def _host_cache() -> list[Metric]:
 
 
 def _measured_bytes() -> Metric:
-    """Per GPU, the sum of the measured footprint (Deployment.memory_measured_bytes: the serving
+    """Per GPU, the sum of the measured footprint (DeploymentObserved.memory_measured_bytes: the serving
     footprint a replica composed from measured parts, gpuportal.wire.memory) of its
     serving occupants whose deployment has been measured. Occupants in other states, or not yet
     measured, add nothing: compare with reserved bytes to see how much of a reservation is used."""
@@ -136,9 +136,11 @@ def _measured_bytes() -> Metric:
         labels=["node", "gpu"],
     )
     sums = dict(
-        Occupant.objects.filter(replica__state=Replica.State.SERVING, replica__deployment__memory_measured_bytes__gt=0)
+        Occupant.objects.filter(
+            replica__state=Replica.State.SERVING, replica__deployment__observed__memory_measured_bytes__gt=0
+        )
         .values_list("gpu_id")
-        .annotate(n=Sum("replica__deployment__memory_measured_bytes"))
+        .annotate(n=Sum("replica__deployment__observed__memory_measured_bytes"))
         .order_by()
     )
     for gpu_id, node, index in GPU.objects.values_list("pk", "node__name", "index"):

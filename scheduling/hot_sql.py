@@ -57,8 +57,10 @@ def cursor() -> Iterator[psycopg.Cursor]:
         yield cur
 
 
-def columns(model: type[models.Model]) -> str:
-    return ", ".join(connection.ops.quote_name(f.column) for f in model._meta.concrete_fields)
+def columns(model: type[models.Model], table: str = "") -> str:
+    """The model's columns in `instance`'s order, each qualified by `table` (an alias) if given."""
+    prefix = f"{table}." if table else ""
+    return ", ".join(prefix + connection.ops.quote_name(f.column) for f in model._meta.concrete_fields)
 
 
 def instance(model: type[models.Model], row: Sequence[Any]) -> models.Model:

@@ -5,6 +5,12 @@ ledger's commit takes those itself), then replica rows in primary-key order. Eve
 `select_for_update` of a service goes through here, and a writer that needs several takes them in
 that order, so two writers never wait on each other in a circle.
 
+A deployment's observed record (DeploymentObserved: what the portal measured or decided about it)
+has no place of its own in the order: its deployment's row lock covers it. Every writer of the
+record holds that lock first (the locks below read the record with the row, unlocked), so two of
+them never meet on the record's row alone, and no writer takes the record's row before its
+deployment's.
+
 Rows a writer reaches through a foreign key (an Occupant's cascade, a row PostgreSQL locks for
 a reference check) can still close a circle now and then: `retry_deadlocks` runs a top-level
 command again when PostgreSQL aborted it for that."""
@@ -24,7 +30,7 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import QuerySet
 
 from scheduling import hot_sql
-from scheduling.models import GPU, Deployment, Hearing, Node, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Hearing, Node, Replica
 from scheduling.services.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -60,10 +66,17 @@ def retry_deadlocks(command: Callable[P, R]) -> Callable[P, R]:
     return run
 
 
+def _deployments_locking(*, skip_locked: bool = False) -> QuerySet[Deployment]:
+    """Deployments read with their observed record, only the deployment's row locked: the record
+    is covered by that lock (the order above), and read here so that its readers and writers under
+    the lock need no query of their own."""
+    return Deployment.objects.select_for_update(of=("self",), skip_locked=skip_locked).select_related("observed")
+
+
 def lock_deployment(name: str) -> Deployment:
     """The deployment's row, locked until the transaction ends (NotFound, a 404, if there is none)."""
     try:
-        return Deployment.objects.select_for_update().get(name=name)
+        return _deployments_locking().get(name=name)
     except Deployment.DoesNotExist:
         raise NotFound(f"no deployment named {name!r}") from None
 
@@ -80,7 +93,7 @@ def lock_deployments_reading(names: Sequence[str], *queries: str) -> tuple[list[
     delete of the old one is not locked here, yet a query by name would read its rows."""
     with hot_sql.cursor() as cursor:
         cursor.execute(_lock_by_names(), [list(names)])
-        deployments = [hot_sql.instance(Deployment, row) for row in cursor.fetchall()]
+        deployments = [_with_observed(row) for row in cursor.fetchall()]
         ids = [d.pk for d in deployments]
         rows = []
         for query in queries:
@@ -91,15 +104,29 @@ def lock_deployments_reading(names: Sequence[str], *queries: str) -> tuple[list[
 
 @functools.cache
 def _lock_by_names() -> str:
-    # FOR UPDATE locks rows as the sorted result is read: in primary-key order.
+    # FOR UPDATE locks rows as the sorted result is read: in primary-key order. OF d: the observed
+    # record is read beside its deployment and covered by the deployment's lock (the order above).
     return (
-        f"SELECT {hot_sql.columns(Deployment)} FROM scheduling_deployment WHERE name = ANY(%s) ORDER BY id FOR UPDATE"
+        f"SELECT {hot_sql.columns(Deployment, 'd')}, {hot_sql.columns(DeploymentObserved, 'o')} "
+        "FROM scheduling_deployment d JOIN scheduling_deploymentobserved o ON o.deployment_id = d.id "
+        "WHERE d.name = ANY(%s) ORDER BY d.id FOR UPDATE OF d"
     )
+
+
+def _with_observed(row: Sequence) -> Deployment:
+    """A deployment and its observed record from a row of `_lock_by_names`, the record cached on
+    it as select_related("observed") leaves it."""
+    split = len(Deployment._meta.concrete_fields)
+    deployment = hot_sql.instance(Deployment, row[:split])
+    observed = hot_sql.instance(DeploymentObserved, row[split:])
+    Deployment._meta.get_field("observed").set_cached_value(deployment, observed)
+    DeploymentObserved._meta.get_field("deployment").set_cached_value(observed, deployment)
+    return deployment
 
 
 def lock_deployment_of(replica: Replica) -> Deployment:
     """The row of the replica's deployment (a replica never outlives its deployment's row)."""
-    return Deployment.objects.select_for_update().get(pk=replica.deployment_id)
+    return _deployments_locking().get(pk=replica.deployment_id)
 
 
 def lock_deployment_if_there(
@@ -107,7 +134,7 @@ def lock_deployment_if_there(
 ) -> Deployment | None:
     """The deployment's row locked, or None if it is gone (deleted meanwhile) or, with
     `skip_locked`, if another transaction holds it (a sweep that comes back later)."""
-    query = Deployment.objects.select_for_update(skip_locked=skip_locked)
+    query = _deployments_locking(skip_locked=skip_locked)
     return query.filter(name=name).first() if name is not None else query.filter(pk=pk).first()
 
 
@@ -181,7 +208,13 @@ def lock_node_gpus(node_id: int) -> list[GPU]:
 
 
 def lock_replica(replica_id: str) -> Replica:
-    return Replica.objects.select_for_update(of=("self",)).select_related("node", "deployment").get(pk=replica_id)
+    """The replica's row, read with its node and its deployment (unlocked: a caller that needs the
+    deployment's row took its lock first) and that deployment's observed record."""
+    return (
+        Replica.objects.select_for_update(of=("self",))
+        .select_related("node", "deployment__observed")
+        .get(pk=replica_id)
+    )
 
 
 def lock_replica_ids(ids: Iterable[str]) -> None:

@@ -138,8 +138,9 @@ def _default(name: str) -> object:
 
 class Deployment(models.Model):
     # The operator's settings and their defaults are gpuportal.wire.deployment_spec's: a default
-    # below reads the spec, and a test holds every field here either to the spec or to the list
-    # of what is measured or decided (tests/scheduling/test_deployment_spec.py).
+    # below reads the spec, and a test holds the fields here to the spec's columns and the
+    # deployment's identity (tests/scheduling/test_deployment_spec.py). What the portal measures
+    # or decides about it is its DeploymentObserved record (`observed`).
     Loader = _choices_of(
         spec.Loader,
         labels={
@@ -167,15 +168,9 @@ class Deployment(models.Model):
     # Sleep.
     idle_timeout_s = models.FloatField(default=_default("idle_timeout_s"), help_text="0 means never sleep when idle.")
     drain_timeout_s = models.FloatField(default=_default("drain_timeout_s"))
-    # Memory, in order of trust: override, measured (per GPU), estimate.
+    # Memory, in order of trust: the override here, then the observed record's measured need (per
+    # GPU), then its estimate.
     memory_override_bytes = models.BigIntegerField(null=True, blank=True)
-    memory_measured_bytes = models.BigIntegerField(null=True, blank=True)
-    # The CUDA context the measured need counted: a context grows as forward passes load kernels,
-    # so a GPU whose context has since been measured larger adds the difference (placing.need_bytes).
-    memory_measured_context_bytes = models.BigIntegerField(null=True, blank=True)
-    memory_estimate_bytes = models.BigIntegerField(null=True, blank=True)
-    # Weight bytes read from the model without loading it: the `ndif` policy's size × 3 needs it.
-    weight_bytes = models.BigIntegerField(null=True, blank=True)
     memory_policy = models.CharField(max_length=32, default=_default("memory_policy"))
     max_tokens = models.PositiveIntegerField(default=_default("max_tokens"))
     failover_standby = models.BooleanField(default=_default("standby"))
@@ -183,24 +178,16 @@ class Deployment(models.Model):
     # keeps whole GPUs free for large replicas); True prefers GPUs and nodes with the fewest of
     # its own replicas, then the emptiest GPU.
     placement_spread = models.BooleanField(default=_default("spread"), db_default=_default("spread"))
-    # How long its last replicas took to serve: placed → serving for a load, waking →
-    # serving for a wake. A waiting caller's estimate, and the dashboard's, come from these.
-    measured_load_s = models.FloatField(null=True, blank=True)
-    measured_wake_s = models.FloatField(null=True, blank=True)
     # Crash-loop backoff: a replica that fails to load is replaced after load_backoff_s,
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
-    # the deployment is failed (failed_reason) and starts nothing until retried or changed.
-    # Defaults in the database too: rows written by plain SQL (tests, tools) need not name them.
+    # the deployment is failed (DeploymentObserved.failed_reason) and starts nothing until retried
+    # or changed. Defaults in the database too: rows written by plain SQL (tests, tools) need not
+    # name them.
     max_load_failures = models.PositiveIntegerField(
         default=_default("max_load_failures"), db_default=_default("max_load_failures")
     )
     load_backoff_s = models.FloatField(default=_default("backoff_s"), db_default=_default("backoff_s"))
     load_backoff_max_s = models.FloatField(default=_default("backoff_max_s"), db_default=_default("backoff_max_s"))
-    load_failures = models.PositiveIntegerField(default=0, db_default=0, help_text="Consecutive failed loads.")
-    failed_reason = models.TextField(
-        blank=True, default="", db_default="", help_text="Set once it gave up: the last load error."
-    )
-    retry_at = models.DateTimeField(null=True, blank=True, help_text="When a replacement for a failed load starts.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -220,24 +207,66 @@ class Deployment(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    # The three below read the observed record too: a query of their own unless it was read with
+    # the deployment (select_related("observed"), or the locks of scheduling.locks).
+
     @property
     def status(self) -> str:
         """ok; retrying (a failed load is replaced after its backoff); failed (it gave up)."""
-        if self.failed_reason:
+        observed = self.observed
+        if observed.failed_reason:
             return states.DeploymentStatus.FAILED
-        return states.DeploymentStatus.RETRYING if self.retry_at is not None else states.DeploymentStatus.OK
+        return states.DeploymentStatus.RETRYING if observed.retry_at is not None else states.DeploymentStatus.OK
 
     @property
     def status_text(self) -> str:
-        if self.failed_reason:
-            return f"failed: {self.failed_reason}"
-        if self.retry_at is not None:
-            return f"retrying ({self.load_failures} of {self.max_load_failures} loads failed)"
+        observed = self.observed
+        if observed.failed_reason:
+            return f"failed: {observed.failed_reason}"
+        if observed.retry_at is not None:
+            return f"retrying ({observed.load_failures} of {self.max_load_failures} loads failed)"
         return "ok"
 
     @property
     def memory_need_bytes(self) -> int | None:
-        return self.memory_override_bytes or self.memory_measured_bytes or self.memory_estimate_bytes
+        observed = self.observed
+        return self.memory_override_bytes or observed.memory_measured_bytes or observed.memory_estimate_bytes
+
+
+class DeploymentObserved(models.Model):
+    """What the portal measured or decided about a deployment: never set by an operator, so apart
+    from the operator's settings on the Deployment row (gpuportal.wire.deployment_spec's). Every
+    deployment has one from its creation and it goes with it. Written under its deployment's row
+    lock (scheduling.locks), which covers it: it takes no lock of its own."""
+
+    deployment = models.OneToOneField(Deployment, primary_key=True, on_delete=models.CASCADE, related_name="observed")
+    # The need one replica measured serving (per GPU): placement trusts it over the estimate,
+    # below the operator's override.
+    memory_measured_bytes = models.BigIntegerField(null=True, blank=True)
+    # The CUDA context the measured need counted: a context grows as forward passes load kernels,
+    # so a GPU whose context has since been measured larger adds the difference (placing.need_bytes).
+    memory_measured_context_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_estimate_bytes = models.BigIntegerField(null=True, blank=True)
+    # Weight bytes read from the model without loading it: the `ndif` policy's size × 3 needs it.
+    weight_bytes = models.BigIntegerField(null=True, blank=True)
+    # How long its last replicas took to serve: placed → serving for a load, waking →
+    # serving for a wake. A waiting caller's estimate, and the dashboard's, come from these.
+    measured_load_s = models.FloatField(null=True, blank=True)
+    measured_wake_s = models.FloatField(null=True, blank=True)
+    # Where the crash-loop backoff stands (Deployment.max_load_failures and the backoff settings
+    # say how it goes). Defaults in the database too: rows written by plain SQL (tests, tools)
+    # need not name them.
+    load_failures = models.PositiveIntegerField(default=0, db_default=0, help_text="Consecutive failed loads.")
+    failed_reason = models.TextField(
+        blank=True, default="", db_default="", help_text="Set once it gave up: the last load error."
+    )
+    retry_at = models.DateTimeField(null=True, blank=True, help_text="When a replacement for a failed load starts.")
+
+    class Meta:
+        verbose_name = verbose_name_plural = "measured and decided"
+
+    def __str__(self) -> str:
+        return f"deployment {self.deployment_id}: measured and decided"
 
 
 # Liveness by state (seed 004): what a failover pair member is doing, as it reports it.

@@ -42,7 +42,7 @@ def replicas(*, deployment: str | None = None, state: str | None = None, node: s
 
 
 def deployments() -> QuerySet[Deployment]:
-    return Deployment.objects.prefetch_related(
+    return Deployment.objects.select_related("observed").prefetch_related(
         Prefetch(
             "replicas",
             queryset=Replica.objects.select_related("node", "lease").prefetch_related(_occupancies_with_gpu()),
@@ -53,7 +53,8 @@ def deployments() -> QuerySet[Deployment]:
 def gpus(*, node: str | None = None) -> QuerySet[GPU]:
     """GPUs with occupants, active intents (as `active_intents`) and the wake-lock holder."""
     qs = GPU.objects.select_related("node", "wake_lock_holder__deployment").prefetch_related(
-        Prefetch("occupants", queryset=Occupant.objects.select_related("replica__deployment")),
+        # With what was measured of each occupant's deployment: the dashboard's bars show it.
+        Prefetch("occupants", queryset=Occupant.objects.select_related("replica__deployment__observed")),
         Prefetch(
             "intents",
             queryset=PreemptionIntent.objects.filter(status__in=ACTIVE_INTENT_STATUSES).select_related(

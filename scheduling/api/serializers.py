@@ -14,7 +14,7 @@ from gpuportal.wire import deployment_spec
 from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import selectors
-from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Node, Occupant, PreemptionIntent, Replica
 from scheduling.services import host_cache
 
 
@@ -167,7 +167,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
 # Deployment settings are grouped as in the POST body of docs/api.md; each group reads from the
 # deployment's own flat columns (source="*"). Its fields are the spec's settings
-# (gpuportal.wire.deployment_spec), then what the portal measured or decided about them.
+# (gpuportal.wire.deployment_spec), then what the portal measured or decided about them, which is
+# the deployment's observed record (DeploymentObserved) and shown where the answers always had it.
 
 # A setting the answers have never shown: adding it is a change of the contract of its own.
 NOT_SHOWN = {"memory_policy"}
@@ -179,8 +180,12 @@ def _shown_beside(group: str) -> dict[str, serializers.Field]:
     if group != "memory":
         return {}
     return {
-        "estimate_bytes": serializers.IntegerField(source="memory_estimate_bytes", allow_null=True, read_only=True),
-        "measured_bytes": serializers.IntegerField(source="memory_measured_bytes", allow_null=True, read_only=True),
+        "estimate_bytes": serializers.IntegerField(
+            source="observed.memory_estimate_bytes", allow_null=True, read_only=True
+        ),
+        "measured_bytes": serializers.IntegerField(
+            source="observed.memory_measured_bytes", allow_null=True, read_only=True
+        ),
         "need_bytes": serializers.IntegerField(
             source="memory_need_bytes",
             allow_null=True,
@@ -213,6 +218,11 @@ def _group_shown(group: str) -> type[serializers.Serializer]:
 GROUPS_SHOWN = {group: _group_shown(group) for group in deployment_spec.GROUPS}
 
 
+def _observed_help(name: str) -> str:
+    """The help of a field of the observed record: the model's, as the answer's schema has always had it."""
+    return str(DeploymentObserved._meta.get_field(name).help_text)
+
+
 class DeploymentSerializer(serializers.ModelSerializer):
     model = GROUPS_SHOWN["model"](source="*", read_only=True)
     replicas = ReplicaSerializer(many=True, read_only=True)
@@ -226,6 +236,15 @@ class DeploymentSerializer(serializers.ModelSerializer):
         choices=[s.value for s in DeploymentStatus],
         read_only=True,
         help_text="retrying: a failed load is replaced after its backoff; failed: it gave up (failed_reason).",
+    )
+    failed_reason = serializers.CharField(
+        source="observed.failed_reason", read_only=True, help_text=_observed_help("failed_reason")
+    )
+    load_failures = serializers.IntegerField(
+        source="observed.load_failures", read_only=True, help_text=_observed_help("load_failures")
+    )
+    retry_at = serializers.DateTimeField(
+        source="observed.retry_at", read_only=True, allow_null=True, help_text=_observed_help("retry_at")
     )
 
     class Meta:

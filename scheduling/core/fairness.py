@@ -348,7 +348,7 @@ def sleep_early(
 @dataclass(frozen=True)
 class ReloadTimes:
     """How long one replica of a deployment takes to come up: loaded from disk, or woken from a
-    node's CPU RAM; each measured by its replicas (Deployment.measured_load_s / measured_wake_s)
+    node's CPU RAM; each measured by its replicas (DeploymentObserved.measured_load_s / measured_wake_s)
     or else estimated from its bytes, as the capacity planner does."""
 
     load_s: float

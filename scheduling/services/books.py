@@ -194,7 +194,7 @@ def _raise_need(replica: Replica, excess: Excess) -> int | None:
         used -= gpu_contexts([excess.gpu_id])[1]
     with transaction.atomic():
         deployment = locks.lock_deployment_of(replica)
-        before = deployment.memory_measured_bytes
+        before = deployment.observed.memory_measured_bytes
         if before is not None and before >= used:
             return None
         replica_services.set_measured_need(

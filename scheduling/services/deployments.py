@@ -22,11 +22,12 @@ from gpuportal.wire import deployment_spec, memory
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import effects, fairness
-from scheduling.models import Deployment, Event, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import dispatch, outbox, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput, NotFound
 from scheduling.services.forgetting import forget_deployment
+from scheduling.services.observing import save_observed
 from scheduling.services.placing import COUNTED, PAIR_LIVE, PLAIN_COUNTED, add_replicas, releasing
 from scheduling.services.scaling import scale
 
@@ -79,7 +80,7 @@ def get(name: str, *, lock: bool = False) -> Deployment:
     if lock:
         return locks.lock_deployment(name)
     try:
-        return Deployment.objects.get(name=name)
+        return Deployment.objects.select_related("observed").get(name=name)
     except Deployment.DoesNotExist:
         raise NotFound(f"no deployment named {name!r}") from None
 
@@ -132,12 +133,16 @@ def torch_module_allowed(source: str) -> bool:
 
 
 def _insert(spec: DeploymentSpec, facts: ModelFacts) -> Deployment:
-    return Deployment.objects.create(
-        name=spec.name,
-        **{s.column: getattr(spec, s.name) for s in deployment_spec.SETTINGS},
-        memory_estimate_bytes=facts.estimate_bytes,
-        weight_bytes=facts.weight_bytes,
+    """The deployment's row and its observed record, which every deployment has from its start:
+    what was read of its model is the first thing the portal knows about it."""
+    deployment = Deployment.objects.create(
+        name=spec.name, **{s.column: getattr(spec, s.name) for s in deployment_spec.SETTINGS}
     )
+    # Cached on the deployment as it is made: placing its replicas below reads it.
+    DeploymentObserved.objects.create(
+        deployment=deployment, memory_estimate_bytes=facts.estimate_bytes, weight_bytes=facts.weight_bytes
+    )
+    return deployment
 
 
 @locks.retry_deadlocks
@@ -171,14 +176,19 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 after=after,
                 deployment=name,
             )
-            if deployment.failed_reason:
+            if deployment.observed.failed_reason:
                 # A changed spec is the operator's answer to the failure: try again.
                 retry(name, reason="its settings changed")
         for key in SCALED:
             if key in changes:
                 scale(name, changes[key])
-    deployment.refresh_from_db()
+    _reread(deployment)
     return deployment
+
+
+def _reread(deployment: Deployment) -> None:
+    """The deployment as committed, its observed record with it (the answer shows both)."""
+    deployment.refresh_from_db(from_queryset=Deployment.objects.select_related("observed"))
 
 
 def _when(key: str) -> str:
@@ -212,12 +222,13 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
     """A replica of the deployment (its row locked by the caller) failed to load. Either a
     replacement is scheduled after the backoff, or, at max_load_failures in a row, the deployment
     is failed with the error and starts nothing more. Returns True if a retry is pending."""
-    deployment.load_failures += 1
-    failures, limit = deployment.load_failures, deployment.max_load_failures
+    record = deployment.observed
+    record.load_failures += 1
+    failures, limit = record.load_failures, deployment.max_load_failures
     if failures >= limit:
-        deployment.failed_reason = reason
-        deployment.retry_at = None
-        deployment.save(update_fields=["load_failures", "failed_reason", "retry_at", "updated_at"])
+        record.failed_reason = reason
+        record.retry_at = None
+        save_observed(deployment, ["load_failures", "failed_reason", "retry_at"])
         outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {deployment.name}",
@@ -230,8 +241,8 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
         )
         return False
     delay = backoff_s(deployment, failures)
-    deployment.retry_at = timezone.now() + timedelta(seconds=delay)
-    deployment.save(update_fields=["load_failures", "retry_at", "updated_at"])
+    record.retry_at = timezone.now() + timedelta(seconds=delay)
+    save_observed(deployment, ["load_failures", "retry_at"])
     outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
@@ -247,9 +258,10 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
 
 def note_loaded(deployment: Deployment) -> None:
     """A replica loaded: the failures in a row are over (the caller holds the row)."""
-    if deployment.load_failures or deployment.retry_at or deployment.failed_reason:
-        deployment.load_failures, deployment.retry_at, deployment.failed_reason = 0, None, ""
-        deployment.save(update_fields=["load_failures", "retry_at", "failed_reason", "updated_at"])
+    record = deployment.observed
+    if record.load_failures or record.retry_at or record.failed_reason:
+        record.load_failures, record.retry_at, record.failed_reason = 0, None, ""
+        save_observed(deployment, ["load_failures", "retry_at", "failed_reason"])
 
 
 def replace_failed(name: str) -> list[str]:
@@ -257,15 +269,15 @@ def replace_failed(name: str) -> list[str]:
     one for the requests that wait when it wants none awake). Returns the replicas placed."""
     with transaction.atomic():
         deployment = locks.lock_deployment_if_there(name=name)
-        if deployment is None or deployment.failed_reason or deployment.retry_at is None:
+        if deployment is None or deployment.observed.failed_reason or deployment.observed.retry_at is None:
             return []  # deleted, given up, or retried by hand meanwhile
-        deployment.retry_at = None
-        deployment.save(update_fields=["retry_at", "updated_at"])
+        deployment.observed.retry_at = None
+        save_observed(deployment, ["retry_at"])
         wanted = deployment.replicas_wanted or (1 if _requests_wait(name) else 0)
         return _top_up(
             deployment,
             wanted,
-            f"replacing a failed load ({deployment.load_failures} in a row) after its backoff",
+            f"replacing a failed load ({deployment.observed.load_failures} in a row) after its backoff",
         )
 
 
@@ -275,7 +287,7 @@ def reconcile(name: str, reason: str) -> list[str]:
     backoff, nor once it gave up. Returns the replicas placed."""
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         deployment = locks.lock_deployment_if_there(name=name)
-        if deployment is None or deployment.failed_reason or deployment.retry_at is not None:
+        if deployment is None or deployment.observed.failed_reason or deployment.observed.retry_at is not None:
             return []
         return _top_up(deployment, deployment.replicas_wanted, reason)
 
@@ -283,7 +295,7 @@ def reconcile(name: str, reason: str) -> list[str]:
 def reconcile_all(reason: str) -> dict[str, list[str]]:
     """`reconcile` every deployment that has fewer replicas than it wants: one query to find them."""
     short = (
-        Deployment.objects.filter(failed_reason="", retry_at__isnull=True, replicas_wanted__gt=0)
+        Deployment.objects.filter(observed__failed_reason="", observed__retry_at__isnull=True, replicas_wanted__gt=0)
         .annotate(
             plain=Count("replicas", filter=Q(replicas__lease__isnull=True, replicas__state__in=COUNTED)),
             pairs=Count(
@@ -341,10 +353,11 @@ def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
     """Clear a failed deployment (or the backoff of one retrying) and place what it lacks now."""
     with transaction.atomic():
         deployment = get(name, lock=True)
-        was = deployment.failed_reason
-        deployment.load_failures, deployment.failed_reason = 0, ""
-        deployment.retry_at = timezone.now()  # due now: replace_failed below places at once
-        deployment.save(update_fields=["load_failures", "failed_reason", "retry_at", "updated_at"])
+        record = deployment.observed
+        was = record.failed_reason
+        record.load_failures, record.failed_reason = 0, ""
+        record.retry_at = timezone.now()  # due now: replace_failed below places at once
+        save_observed(deployment, ["load_failures", "failed_reason", "retry_at"])
         outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",
@@ -354,7 +367,7 @@ def retry(name: str, *, reason: str = "retried by an operator") -> Deployment:
             deployment=name,
         )
         replace_failed(name)
-    deployment.refresh_from_db()
+    _reread(deployment)
     return deployment
 
 
@@ -407,6 +420,6 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
 def popular_warnings() -> list[str]:
     """What the API tells an operator who marks deployments popular: GPUs left with no room."""
     snap = ledger.snapshot()
-    others = [d for d in Deployment.objects.filter(popular=False) if d.memory_need_bytes]
+    others = [d for d in Deployment.objects.filter(popular=False).select_related("observed") if d.memory_need_bytes]
     smallest = min((d.memory_need_bytes for d in others), default=None)
     return fairness.popular_crowding(list(snap.gpus.values()), smallest_other_need=smallest)

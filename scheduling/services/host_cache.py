@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 def host_bytes(replica: Replica) -> int:
     """What a replica's weights take in host memory: the bytes read from its model's files."""
-    deployment = replica.deployment
-    return int(deployment.weight_bytes or deployment.memory_estimate_bytes or 0)
+    observed = replica.deployment.observed
+    return int(observed.weight_bytes or observed.memory_estimate_bytes or 0)
 
 
 def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
@@ -38,7 +38,7 @@ def holders(node_ids: Iterable[int]) -> dict[int, list[host_cache.HostHolder]]:
     found: dict[int, list[host_cache.HostHolder]] = {n: [] for n in node_ids}
     rows = Replica.objects.filter(
         Q(state__in=states.IN_HOST_CACHE) | Q(state__in=states.AWAKE, arena_kept_bytes__gt=0), node_id__in=list(found)
-    ).select_related("deployment")
+    ).select_related("deployment__observed")
     for replica in rows:
         kept = replica.state in states.AWAKE
         found[replica.node_id].append(
@@ -182,7 +182,7 @@ def grant(node_name: str) -> list[str]:
         _holder(replica, host_bytes(replica), kept_arena=True)
         for replica in Replica.objects.filter(
             node=node, state=Replica.State.SERVING, arena_kept_bytes=0, lease__isnull=True
-        ).select_related("deployment")
+        ).select_related("deployment__observed")
     ]
     # One read of Redis's last-request times for both.
     seen = _with_last_requests([*held, *candidates])

@@ -72,20 +72,21 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
     (gpuportal.wire.memory's footprint) with a CUDA context, plus, in a failover pair, the context its
     sleeping standby keeps beside it. Contexts are the GPUs' own (measured per node and model, or
     the virtual GPU's), the largest among the snapshot's GPUs, so the need fits wherever it goes."""
+    observed = deployment.observed
     need = memory.need_for(
         deployment.memory_policy,
         memory.NeedInputs(
-            weight_bytes=deployment.weight_bytes,
-            estimate_bytes=deployment.memory_estimate_bytes,
+            weight_bytes=observed.weight_bytes,
+            estimate_bytes=observed.memory_estimate_bytes,
             override_bytes=deployment.memory_override_bytes,
-            measured_bytes=deployment.memory_measured_bytes,
+            measured_bytes=observed.memory_measured_bytes,
         ),
     )
     context, standby_context = snapshot.index.contexts
     # A measured need is the replica's own footprint, its context included (as it was measured:
     # the GPUs' context may have grown since); others have none.
     if need.source == "measured":
-        grown = memory.with_grown_context(need.bytes, deployment.memory_measured_context_bytes, context)
+        grown = memory.with_grown_context(need.bytes, observed.memory_measured_context_bytes, context)
         need = replace(need, bytes=grown)
     else:
         need = replace(need, bytes=need.bytes + context)

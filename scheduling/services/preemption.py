@@ -441,16 +441,21 @@ def enrich(snap: Snapshot) -> Snapshot:
         return snap
     names = {o.deployment for o in occupants}
     reload_s: dict[str, float] = {}
-    for d in Deployment.objects.filter(name__in=names).only(
-        "name",
-        "weight_bytes",
-        "memory_policy",
-        "memory_estimate_bytes",
-        "memory_override_bytes",
-        "memory_measured_bytes",
-        "failover_standby",
+    for d in (
+        Deployment.objects.filter(name__in=names)
+        .select_related("observed")
+        .only(
+            "name",
+            "memory_policy",
+            "memory_override_bytes",
+            "failover_standby",
+            "observed__weight_bytes",
+            "observed__memory_estimate_bytes",
+            "observed__memory_measured_bytes",
+            "observed__memory_measured_context_bytes",
+        )
     ):
-        size = d.weight_bytes or placing.need_bytes(d, snap).bytes
+        size = d.observed.weight_bytes or placing.need_bytes(d, snap).bytes
         reload_s[d.name] = size / settings.GPUPORTAL_H2D_BYTES_PER_S
     activity = _activity(sorted({o.replica_id for o in occupants}))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from gpuportal.wire.requestqueue import Request
 from gpuportal.wire.states import AWAKE
 from scheduling.core.progress import ENDED, RUNNING, Progress, ReplicaFacts, describe
-from scheduling.models import Deployment, Replica
+from scheduling.models import DeploymentObserved, Replica
 from scheduling.services.queueing import queue
 
 _Facts = tuple[tuple[ReplicaFacts, ...], float | None, float | None]
@@ -28,7 +28,11 @@ class Reader:
 
     def _deployment(self, name: str) -> _Facts:
         if name not in self._facts:
-            times = Deployment.objects.filter(name=name).values_list("measured_load_s", "measured_wake_s").first()
+            times = (
+                DeploymentObserved.objects.filter(deployment__name=name)
+                .values_list("measured_load_s", "measured_wake_s")
+                .first()
+            )
             rows = Replica.objects.filter(deployment__name=name, state__in=AWAKE)
             replicas = tuple(ReplicaFacts(state, progress) for state, progress in rows.values_list("state", "progress"))
             self._facts[name] = (replicas, *(times or (None, None)))

@@ -18,7 +18,7 @@ from gpuportal.wire import memory
 from scheduling import locks
 from scheduling.core import effects
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
-from scheduling.models import GPU, Deployment, Event, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import deployments, host_cache, outbox, preemption, queueing, replicas, sleep
 
 log = logging.getLogger(__name__)
@@ -47,16 +47,14 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     # The context the replica's footprint counted, when the need is its footprint.
     counted = event.get("context_bytes") if isinstance(event.get("need_bytes"), int) else None
     counted = counted if isinstance(counted, int) and counted > 0 else None
-    if measured and (measured, counted) != (
-        deployment.memory_measured_bytes,
-        deployment.memory_measured_context_bytes,
-    ):
+    record = deployment.observed
+    if measured and (measured, counted) != (record.memory_measured_bytes, record.memory_measured_context_bytes):
         replicas.set_measured_need(
             deployment,
             measured,
             replica,
             f"measured {memory.human_bytes(measured)} per replica after loading "
-            f"(estimate was {memory.human_bytes(deployment.memory_estimate_bytes or 0)}); "
+            f"(estimate was {memory.human_bytes(record.memory_estimate_bytes or 0)}); "
             "placement uses the measurement from now on",
             context=counted,
         )
@@ -80,9 +78,9 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     weights = event.get("weights_bytes")
     detail = f"loaded ({memory.human_bytes(weights)} of weights)" if weights else "loaded"
     replicas.set_state(replica, Replica.State.SERVING, detail, extra=extra)
-    # Last, and as an UPDATE of these columns alone: a save of the deployment above (its measured
-    # need) must not write back what this replaces.
-    Deployment.objects.filter(pk=deployment.pk).update(**took)
+    # Last, and as an UPDATE of these columns alone: a save of the record above (its measured
+    # need) must not write back what this replaces. Under the deployment's row lock, taken above.
+    DeploymentObserved.objects.filter(pk=deployment.pk).update(**took)
     _lend_host_room(replica)
 
 
@@ -94,8 +92,9 @@ def _woken(replica: Replica, event: dict[str, Any]) -> None:
     WAKE_SECONDS.observe(woke_in)
     replica.progress = 100
     replicas.set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
-    # The report holds its deployment's row lock already (services.reports): no new lock order.
-    Deployment.objects.filter(pk=replica.deployment_id).update(measured_wake_s=woke_in)
+    # The report holds its deployment's row lock already (services.reports), which covers the
+    # observed record: no new lock order.
+    DeploymentObserved.objects.filter(pk=replica.deployment_id).update(measured_wake_s=woke_in)
     _lend_host_room(replica)
 
 
@@ -278,7 +277,8 @@ def _measured_bytes(deployment: Deployment, event: dict[str, Any]) -> int | None
     weights = event.get("weights_bytes")
     if not weights:
         return None
-    reserves = max(0, (deployment.memory_estimate_bytes or 0) - (deployment.weight_bytes or 0))
+    record = deployment.observed
+    reserves = max(0, (record.memory_estimate_bytes or 0) - (record.weight_bytes or 0))
     return int(weights) + reserves
 
 

@@ -19,6 +19,7 @@ from scheduling.core.state import Plan, Release, Reservation, Snapshot
 from scheduling.models import GPU, Deployment, Event, FailoverState, Replica
 from scheduling.services import dispatch, outbox, queueing
 from scheduling.services.errors import InvalidState, NotFound, TransitionRefused
+from scheduling.services.observing import save_observed
 
 log = logging.getLogger(__name__)
 
@@ -242,10 +243,11 @@ def set_measured_need(
 ) -> None:
     """Record the deployment's measured need and the CUDA context it counts (None: unknown), with
     an Event saying why (the caller holds its row)."""
-    before = deployment.memory_measured_bytes
-    deployment.memory_measured_bytes = measured
-    deployment.memory_measured_context_bytes = context
-    deployment.save(update_fields=["memory_measured_bytes", "memory_measured_context_bytes", "updated_at"])
+    record = deployment.observed
+    before = record.memory_measured_bytes
+    record.memory_measured_bytes = measured
+    record.memory_measured_context_bytes = context
+    save_observed(deployment, ["memory_measured_bytes", "memory_measured_context_bytes"])
     outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",

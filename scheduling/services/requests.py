@@ -144,15 +144,16 @@ def _admit(deployment_name: str, kind: str) -> str:
     if family_of_kind(kind) != takes:
         raise InvalidInput("input", f"{deployment_name} is {_TAKES[takes]}")
     if not awake:
-        deployment = Deployment.objects.get(name=deployment_name)
+        deployment = Deployment.objects.select_related("observed").get(name=deployment_name)
+        observed = deployment.observed
         # A sleeping replica loaded once and wakes as usual; with none, a request would only
         # start one more load after failed ones (the crash loop the backoff stops).
-        loads = (deployment.failed_reason or deployment.retry_at) and not deployment.replicas.filter(
+        loads = (observed.failed_reason or observed.retry_at) and not deployment.replicas.filter(
             state=Replica.State.SLEEPING
         ).exists()
-        if loads and deployment.failed_reason:
+        if loads and observed.failed_reason:
             raise Unavailable(
-                f"deployment {deployment_name} failed: {deployment.failed_reason} "
+                f"deployment {deployment_name} failed: {observed.failed_reason} "
                 f"(retry with POST /api/deployments/{deployment_name}/retry/ or change its settings)"
             )
         if loads:

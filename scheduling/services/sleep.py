@@ -166,12 +166,12 @@ def reload_times(deployment: Deployment) -> fairness.ReloadTimes:
     """The deployment's load from disk and wake from CPU RAM: what its replicas measured, else the
     cost model's estimate from its weights (scheduling.core.costs, which the capacity planner's
     simulator uses too, with the weights its catalogue entry carries, so that both judge it alike)."""
-    weights, hardware = traffic.weight_bytes_of(deployment), costs.hardware()
+    weights, hardware, observed = traffic.weight_bytes_of(deployment), costs.hardware(), deployment.observed
     return fairness.ReloadTimes(
-        load_s=costs.disk_load_s(weights, hardware, deployment.measured_load_s),
-        wake_s=costs.ram_wake_s(weights, hardware, deployment.measured_wake_s),
-        load_measured=deployment.measured_load_s is not None,
-        wake_measured=deployment.measured_wake_s is not None,
+        load_s=costs.disk_load_s(weights, hardware, observed.measured_load_s),
+        wake_s=costs.ram_wake_s(weights, hardware, observed.measured_wake_s),
+        load_measured=observed.measured_load_s is not None,
+        wake_measured=observed.measured_wake_s is not None,
     )
 
 
@@ -425,7 +425,8 @@ def _short_of_room(nodes: list[str], snap: Snapshot) -> dict[str, fairness.Aslee
     ):
         there[node].add(deployment_id)
     copies: dict[int, fairness.AsleepCopy] = {}
-    for deployment in Deployment.objects.filter(pk__in=set().union(*there.values())).order_by("pk"):
+    asleep_there = Deployment.objects.filter(pk__in=set().union(*there.values())).select_related("observed")
+    for deployment in asleep_there.order_by("pk"):
         if awake_count(deployment):
             continue
         copies[deployment.pk] = fairness.AsleepCopy(

@@ -93,7 +93,7 @@ def live_catalogue() -> tuple[CatalogueEntry, ...]:
     """The portal's deployments as a catalogue: their bytes (weights, and the memory need in its
     order of trust), settings, and the load and wake times their replicas measured."""
     snap = ledger.snapshot()
-    return tuple(catalogue_entry(d, snap) for d in Deployment.objects.order_by("name"))
+    return tuple(catalogue_entry(d, snap) for d in Deployment.objects.select_related("observed").order_by("name"))
 
 
 def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> CatalogueEntry:
@@ -114,15 +114,15 @@ def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> Catalogu
         min_runtime_s=d.min_runtime_s,
         max_wait_s=d.max_wait_s,
         idle_timeout_s=d.idle_timeout_s,
-        load_s=d.measured_load_s,
-        wake_s=d.measured_wake_s,
+        load_s=d.observed.measured_load_s,
+        wake_s=d.observed.measured_wake_s,
     )
 
 
 def weight_bytes_of(d: Deployment) -> int:
     """What the cost model moves for a load or a wake of the deployment: its weights as read from
     its files, else most of its need (an older row read none), never nothing."""
-    return d.weight_bytes or int((d.memory_need_bytes or 0) * 0.8) or memory.MiB
+    return d.observed.weight_bytes or int((d.memory_need_bytes or 0) * 0.8) or memory.MiB
 
 
 def _reserved_need(d: Deployment, snapshot: Snapshot) -> int | None:

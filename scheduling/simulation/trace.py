@@ -59,7 +59,7 @@ class Deployment:
     max_wait_s: float | None = None
     idle_timeout_s: float | None = None  # 0: never sleeps when idle
     slo_ttft_s: float | None = None
-    # Measured on the live portal (Deployment.measured_load_s / measured_wake_s): a cold load from
+    # Measured on the live portal (DeploymentObserved.measured_load_s / measured_wake_s): a cold load from
     # disk and a wake from CPU RAM; None derives them from the bytes and the [hardware] speeds.
     load_s: float | None = None
     wake_s: float | None = None

@@ -250,11 +250,15 @@ def server(tmp_path_factory):
         )
         assert migrated.returncode == 0, migrated.stdout[-2000:] + migrated.stderr[-3000:]
         srv = Server(pg, url)
+        # The deployment and its observed record, which every deployment has (its columns take
+        # their database defaults), in one statement.
         (srv.deployment_id,) = srv.query(
-            "INSERT INTO scheduling_deployment (name, model_source, loader, dtype, replicas_wanted, dedicated, "
-            "min_runtime_s, max_wait_s, popular, idle_timeout_s, drain_timeout_s, max_tokens, failover_standby, "
-            "memory_policy, created_at, updated_at) VALUES ('failover-lock', '/srv/models/tiny', 'transformers', "
-            "'float32', 1, false, 10, 5, false, 300, 30, 2048, true, 'gpuportal', now(), now()) RETURNING id"
+            "WITH made AS (INSERT INTO scheduling_deployment (name, model_source, loader, dtype, replicas_wanted, "
+            "dedicated, min_runtime_s, max_wait_s, popular, idle_timeout_s, drain_timeout_s, max_tokens, "
+            "failover_standby, memory_policy, created_at, updated_at) VALUES ('failover-lock', '/srv/models/tiny', "
+            "'transformers', 'float32', 1, false, 10, 5, false, 300, 30, 2048, true, 'gpuportal', now(), now()) "
+            "RETURNING id), observed AS (INSERT INTO scheduling_deploymentobserved (deployment_id) "
+            "SELECT id FROM made) SELECT id FROM made"
         )[0]
         yield srv
     finally:

@@ -21,7 +21,7 @@ from rest_framework.test import APIClient
 from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
 from inference.devices import virtual_gpus
 from scheduling.core import fairness
-from scheduling.models import CapacityPlan, Deployment, Replica, RequestRecord
+from scheduling.models import CapacityPlan, Replica, RequestRecord
 from scheduling.services import capacity, traffic
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
@@ -32,6 +32,7 @@ from scheduling.simulation.planner import Advice, PolicyPlan, bins_lower_bound, 
 from scheduling.simulation.policies import ALL, POLICIES
 from scheduling.simulation.trace import Deployment as SimDeployment
 from scheduling.simulation.trace import Request, Trace
+from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import StandIn
 
@@ -53,7 +54,7 @@ def rq() -> RequestQueue:
 def serving_tiny(db, rq, tiny_model_dir):
     """`tiny`, one replica marked serving on a 1 GiB virtual GPU; a thread answers its queue."""
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = Deployment.objects.create(
+    deployment = factories.deployment(
         name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=200 * MiB, weight_bytes=100 * MiB
     )
     request_services.queue.cache_clear()

@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 
 from gpuportal.celery import app
 from gpuportal.wire import commands
-from scheduling.models import Deployment, Event, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import deployments, reports
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
@@ -76,7 +76,7 @@ def test_a_failed_load_is_replaced_after_a_doubling_backoff_and_the_deployment_f
 
     fail_load(capture, first)
     deployment = Deployment.objects.get()
-    assert (deployment.status, deployment.load_failures) == ("retrying", 1)
+    assert (deployment.status, deployment.observed.load_failures) == ("retrying", 1)
     assert sent[-1] == (REPLACE, ["broken"], 2.0)  # the backoff: 2 s
     assert pending() == [] and request_services.queue().get(waiting.id).status == "queued", "it waits"
 
@@ -91,7 +91,7 @@ def test_a_failed_load_is_replaced_after_a_doubling_backoff_and_the_deployment_f
     fail_load(capture, third)
 
     deployment.refresh_from_db()
-    assert deployment.status == "failed" and deployment.failed_reason == BROKEN
+    assert deployment.status == "failed" and deployment.observed.failed_reason == BROKEN
     assert sent[-1][0] != REPLACE, "given up: no more replacements"
     assert Replica.objects.count() == 3, "exactly max_load_failures loads were tried"
     assert Event.objects.filter(reason__startswith="failed: 3 load(s) in a row failed").exists()
@@ -110,7 +110,7 @@ def test_an_operator_retries_a_failed_deployment_and_a_load_that_serves_resets_t
     capture = django_capture_on_commit_callbacks
     with capture(execute=True):
         broken()
-    Deployment.objects.update(load_failures=3, failed_reason=BROKEN)
+    DeploymentObserved.objects.update(load_failures=3, failed_reason=BROKEN)
     Replica.objects.update(state=Replica.State.FAILED)
     staff = APIClient()
     staff.force_authenticate(User.objects.create_user("ops", is_staff=True))
@@ -126,18 +126,18 @@ def test_an_operator_retries_a_failed_deployment_and_a_load_that_serves_resets_t
     assert sent[-1][0] == START and commands.decode(sent[-1][1][0]).replica_id == fresh
 
     reports.report(fresh, {"event": "failed", "kind": "load", "reason": BROKEN})
-    assert Deployment.objects.get().load_failures == 1
+    assert DeploymentObserved.objects.get().load_failures == 1
     with capture(execute=True):
         (again,) = deployments.replace_failed("broken")
     reports.report(again, {"event": "serving", "pid": 1})
     deployment = Deployment.objects.get()
-    assert (deployment.status, deployment.load_failures, deployment.retry_at) == ("ok", 0, None)
+    assert (deployment.status, deployment.observed.load_failures, deployment.observed.retry_at) == ("ok", 0, None)
 
 
 def test_changing_a_failed_deployments_settings_tries_again(sent, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         broken()
-    Deployment.objects.update(load_failures=3, failed_reason=BROKEN)
+    DeploymentObserved.objects.update(load_failures=3, failed_reason=BROKEN)
     Replica.objects.update(state=Replica.State.FAILED)
 
     with django_capture_on_commit_callbacks(execute=True):
@@ -205,7 +205,7 @@ def test_a_truncated_checkpoint_ends_its_requests_with_the_load_error_and_serves
 def test_the_admin_retries_a_failed_deployment(sent, admin_client, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         dep = broken()
-    Deployment.objects.update(load_failures=3, failed_reason=BROKEN)
+    DeploymentObserved.objects.update(load_failures=3, failed_reason=BROKEN)
     Replica.objects.update(state=Replica.State.FAILED)
     changelist = "/admin/scheduling/deployment/"
     assert "failed: SafetensorError" in admin_client.get(changelist).content.decode()

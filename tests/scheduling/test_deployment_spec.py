@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from django.db.models import NOT_PROVIDED
+from django.db.models import CASCADE, NOT_PROVIDED
 from rest_framework.fields import empty
 
 from gpuportal.wire import deployment_spec
@@ -18,18 +18,17 @@ from gpuportal.wire.deployment_spec import SETTINGS, Setting, Update
 from scheduling.api.examples import EXAMPLES
 from scheduling.api.inputs import DeploymentInput, DeploymentPatch, RefusedField
 from scheduling.api.serializers import NOT_SHOWN, DeploymentSerializer
-from scheduling.models import Deployment, Event
+from scheduling.models import Deployment, DeploymentObserved, Event
 from scheduling.services.deployments import MUTABLE, DeploymentSpec
 from tests.support.deployments import body
 
 MiB = 1024**2
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
-# The deployment's fields that are no operator's setting: its identity, and what the portal
-# measures or decides about it. A field in neither this list nor the spec fails the first test.
-NOT_SETTINGS = {
-    "id",
-    "name",
+# The Deployment row's fields that are no operator's setting: its identity alone.
+IDENTITY = {"id", "name", "created_at", "updated_at"}
+# What the portal measures or decides about a deployment: its observed record's, never the row's.
+OBSERVED = {
     "memory_measured_bytes",
     "memory_measured_context_bytes",
     "memory_estimate_bytes",
@@ -39,8 +38,6 @@ NOT_SETTINGS = {
     "load_failures",
     "failed_reason",
     "retry_at",
-    "created_at",
-    "updated_at",
 }
 
 REFUSED = [s for s in SETTINGS if s.update in (Update.REFUSED, Update.REFUSED_IF_CHANGED)]
@@ -51,16 +48,26 @@ def ids(settings: list[Setting]) -> list[str]:
     return [s.path for s in settings]
 
 
-def test_every_operator_setting_is_declared_in_the_spec_alone():
+def test_a_deployments_row_holds_the_specs_settings_and_its_identity_and_nothing_else():
     fields = {field.name for field in Deployment._meta.concrete_fields}
     columns = [s.column for s in SETTINGS]
 
     assert len(set(columns)) == len(columns), "two settings in one column"
-    assert not NOT_SETTINGS & set(columns), "a setting listed as measured or decided"
-    assert fields - NOT_SETTINGS == set(columns), (
-        f"not in the spec: {sorted(fields - NOT_SETTINGS - set(columns))}; "
-        f"not on the model: {sorted(set(columns) - fields)}"
+    assert not IDENTITY & set(columns), "a setting named as the deployment's identity"
+    assert fields == IDENTITY | set(columns), (
+        f"neither a setting in the spec nor identity: {sorted(fields - IDENTITY - set(columns))}; "
+        f"not on the model: {sorted(IDENTITY | set(columns) - fields)}"
     )
+
+
+def test_what_the_portal_measures_or_decides_is_held_by_the_deployments_observed_record():
+    fields = {field.name for field in DeploymentObserved._meta.concrete_fields}
+    link = DeploymentObserved._meta.get_field("deployment")
+
+    assert fields == {"deployment", *OBSERVED}
+    assert link.one_to_one and link.primary_key and link.related_model is Deployment
+    assert link.remote_field.on_delete is CASCADE, "it goes with its deployment"
+    assert not OBSERVED & {s.column for s in SETTINGS}, "a setting is the operator's, never observed"
 
 
 def test_the_spec_names_each_setting_once_and_places_it_once_in_the_body():

@@ -13,7 +13,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
-from scheduling.models import GPU, Deployment, Event, Occupant, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Occupant, Replica
 from scheduling.services import reports
 from scheduling.services.nodes import register_node
 from tests.support.deployments import FROM_CACHE, START, STOP, TO_CACHE, body, invariant_holds, reserved, serve
@@ -67,9 +67,10 @@ def test_the_estimate_is_read_from_the_model_without_loading_it(cluster, api, ti
 
     assert response.status_code == 201, response.json()
     deployment = Deployment.objects.get(name="tiny-est")
-    assert deployment.weight_bytes > 0 and deployment.memory_estimate_bytes > deployment.weight_bytes
+    observed = deployment.observed
+    assert observed.weight_bytes > 0 and observed.memory_estimate_bytes > observed.weight_bytes
     replica = deployment.replicas.get()
-    assert reserved(replica.id) == deployment.memory_estimate_bytes, "virtual GPUs add no CUDA context"
+    assert reserved(replica.id) == observed.memory_estimate_bytes, "virtual GPUs add no CUDA context"
 
 
 def test_what_cannot_be_placed_is_a_409_with_reasons_per_node_and_changes_nothing(cluster, api, tiny_model_dir):
@@ -263,6 +264,7 @@ def test_deleting_a_deployment_releases_everything_and_stops_its_processes(clust
     assert api("delete", "/api/deployments/tiny-a/").status_code == 204
 
     assert not Deployment.objects.exists() and not Replica.objects.exists() and not Occupant.objects.exists()
+    assert not DeploymentObserved.objects.exists(), "what was measured of it went with it"
     assert [task for _, task, _ in dispatched] == [STOP, STOP]
     assert all(g.available_bytes == g.total_bytes for g in GPU.objects.all())
     assert Event.objects.filter(kind=Event.Kind.DEPLOYMENT_CHANGED, reason__contains="deleted").exists()
@@ -317,12 +319,14 @@ def test_what_the_replica_reports_moves_its_state_and_measures_the_deployment(cl
     replica.refresh_from_db()
     assert (replica.state, replica.progress) == ("loading", 40)
 
+    before = deployment.updated_at
     serve(replica.id, weights_bytes=12 * MiB)
     replica.refresh_from_db()
     deployment.refresh_from_db()
     assert replica.state == "serving" and replica.pid == 4242 and replica.serving_since is not None
-    reserves = deployment.memory_estimate_bytes - deployment.weight_bytes
-    assert deployment.memory_measured_bytes == 12 * MiB + reserves
+    reserves = deployment.observed.memory_estimate_bytes - deployment.observed.weight_bytes
+    assert deployment.observed.memory_measured_bytes == 12 * MiB + reserves
+    assert deployment.updated_at > before, "the answer's updated_at moves with its measured need"
     assert Event.objects.filter(kind=Event.Kind.DEPLOYMENT_CHANGED, reason__startswith="measured").exists()
 
 

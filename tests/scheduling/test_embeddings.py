@@ -23,6 +23,7 @@ from scheduling.api import completion_input
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
+from tests.support import factories
 from tests.support.deployments import body
 from tests.support.factories import NO_OVERHEAD
 from tests.support.hub import cache_model, use_cache
@@ -70,9 +71,7 @@ def served(transactional_db) -> dict[str, Replica]:
         ("tiny", Deployment.Loader.TRANSFORMERS),
         ("mlp", Deployment.Loader.TORCH_MODULE),
     ]:
-        deployment = Deployment.objects.create(
-            name=name, model_source="/models/x", loader=loader, memory_override_bytes=MiB
-        )
+        deployment = factories.deployment(name=name, model_source="/models/x", loader=loader, memory_override_bytes=MiB)
         request_services.queue().fail_queued(name, reason="left over from another test")
         replicas[name] = Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
     return replicas
@@ -199,7 +198,8 @@ def test_a_model_in_the_nodes_hugging_face_cache_deploys_by_its_name(
     assert response.status_code == by_path.status_code == 201, response.json()
     from_hub, from_dir = (Deployment.objects.get(name=n) for n in ("from-hub", "from-dir"))
     assert from_hub.model_source == "hf:acme/tiny-llama"
-    assert from_hub.weight_bytes == from_dir.weight_bytes > 0, "read from the snapshot the name points at"
+    weights = from_hub.observed.weight_bytes
+    assert weights == from_dir.observed.weight_bytes > 0, "read from the snapshot the name points at"
 
 
 @pytest.mark.django_db

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from django.db import IntegrityError, connection, models, transaction
 
-from scheduling.models import GPU, Deployment, FailoverLease, Occupant, PreemptionIntent, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, FailoverLease, Occupant, PreemptionIntent, Replica
 from scheduling.services.forgetting import forget_deployment
 from tests.support import factories
 
@@ -23,6 +23,7 @@ def _rows() -> dict[str, list[tuple]]:
     """Every row a deployment's delete may touch, by the columns its relations use."""
     return {
         "deployments": sorted(Deployment.objects.values_list("id", "name")),
+        "observed": sorted(DeploymentObserved.objects.values_list("deployment_id", "load_failures")),
         "replicas": sorted(Replica.objects.values_list("id", "deployment_id", "lease_id")),
         "leases": sorted(FailoverLease.objects.values_list("id", "deployment_id", "holder_id")),
         "intents": sorted(PreemptionIntent.objects.values_list("id", "waiting_replica_id", "victim_id")),
@@ -47,7 +48,7 @@ def _tangled_world() -> Deployment:
     way the models allow, beside that other deployment's own."""
     node = factories.node()
     first, second = factories.gpu(node, 0), factories.gpu(node, 1)
-    gone, kept = factories.deployment("gone"), factories.deployment("kept")
+    gone, kept = factories.deployment("gone", load_failures=1), factories.deployment("kept", load_failures=2)
     r1, r2 = factories.replica(gone, node), factories.replica(gone, node)
     k1, k2 = factories.replica(kept, node), factories.replica(kept, node)
     own_lease = FailoverLease.objects.create(deployment=gone, holder=r1)
@@ -69,6 +70,7 @@ def _tangled_world() -> Deployment:
 def test_it_leaves_the_rows_as_djangos_cascade_leaves_them():
     gone = _tangled_world()
     gone_id = gone.pk  # Django's delete sets the instance's to None
+    kept_id = Deployment.objects.get(name="kept").pk
     expected = _as_django_deletes(gone)
 
     forget_deployment(gone_id)
@@ -76,6 +78,7 @@ def test_it_leaves_the_rows_as_djangos_cascade_leaves_them():
     assert _rows() == expected
     # The differential check above is only as good as the world: it did delete and clear things.
     assert [name for _, name in expected["deployments"]] == ["kept"]
+    assert [deployment for deployment, _ in expected["observed"]] == [kept_id], "its observed record went with it"
     assert sorted(lease is None for *_, lease in expected["replicas"]) == [False, True]  # k2 left gone's lease
     assert sorted(victim is None for *_, victim in expected["intents"]) == [False, True]
     assert sorted(holder is None for *_, holder in expected["leases"]) == [False, True]
@@ -92,6 +95,7 @@ def test_it_follows_every_relation_the_models_declare():
     }
 
     assert declared == {
+        ("DeploymentObserved", "deployment", "CASCADE"),
         ("Replica", "deployment", "CASCADE"),
         ("FailoverLease", "deployment", "CASCADE"),
         ("PreemptionIntent", "waiting_replica", "CASCADE"),

@@ -33,7 +33,7 @@ from inference.host import ReplicaHost
 from inference.loaders import weight_allocation_bytes
 from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling import ledger
-from scheduling.models import GPU, Deployment, Event, FailoverLease, Occupant, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, FailoverLease, Occupant, Replica
 from scheduling.services import nodes, replica_reports, reports
 from scheduling.services import replicas as replica_services
 from scheduling.services.deployments import inspect_model
@@ -130,7 +130,8 @@ def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_
     tiny_model_dir = llm_dir
     # First load: the scheduler reserves the estimate and a context.
     first_need = need_bytes(llm, ledger.snapshot())
-    assert first_need.source == "estimate" and first_need.bytes == llm.memory_estimate_bytes + H100_CONTEXT_BYTES
+    assert first_need.source == "estimate"
+    assert first_need.bytes == llm.observed.memory_estimate_bytes + H100_CONTEXT_BYTES
     first, out = host(tiny_model_dir, first_need.bytes)
     first.load()
     serving = last(out, "serving")
@@ -140,7 +141,7 @@ def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_
     assert serving["need_bytes"] == serving["footprint"]["total_bytes"] == first_need.bytes
     measured = replica_reports._measured_bytes(llm, serving)
     assert measured == serving["need_bytes"]
-    Deployment.objects.filter(pk=llm.pk).update(memory_measured_bytes=measured)
+    DeploymentObserved.objects.filter(pk=llm.pk).update(memory_measured_bytes=measured)
     llm.refresh_from_db()
 
     # A scale-out is reserved the measured need, and its pool holds max_tokens.
@@ -158,7 +159,7 @@ def test_the_reservation_and_the_pool_agree_for_a_first_load_a_scale_out_a_wake_
     assert last(out, "sleeping")["residual_bytes_by_id"] == {"0": grown}
     # The sleep's report raises the GPUs' figure; the wake's need counts the growth.
     GPU.objects.update(context_bytes=grown)
-    Deployment.objects.filter(pk=llm.pk).update(memory_measured_context_bytes=serving["context_bytes"])
+    DeploymentObserved.objects.filter(pk=llm.pk).update(memory_measured_context_bytes=serving["context_bytes"])
     llm.refresh_from_db()
     wake_need = need_bytes(llm, ledger.snapshot())
     assert wake_need.bytes == measured + H100_KERNEL_GROWTH_BYTES
@@ -285,7 +286,7 @@ def test_a_process_over_its_reservation_is_an_event_a_metric_a_raised_need_and_a
     assert event.replica == replica.id and event.gpu == "n1/0"
     assert "holds 1000 MiB on n1/0, 100 MiB more than its reservation of 900 MiB" in event.reason
     dep.refresh_from_db()
-    assert dep.memory_measured_bytes == used  # the next replica is reserved what this one holds
+    assert dep.observed.memory_measured_bytes == used  # the next replica is reserved what this one holds
     assert Occupant.objects.get(replica=replica).reserved_bytes == used
     replica.refresh_from_db()
     assert replica.gpu_mem_bytes_by_id == {"0": used}
@@ -323,7 +324,7 @@ def test_a_figure_reported_before_a_state_change_is_not_held_against_the_new_sta
     nodes.heartbeat("n1", books=Books(usage={asleep.id: {"0": 900 * MiB}}, states={asleep.id: "sleeping"}))
     assert Event.objects.get(kind=Event.Kind.GPU_OVERCOMMIT).replica == asleep.id
     dep.refresh_from_db()
-    assert dep.memory_measured_bytes == 900 * MiB  # a sleeper's figure says nothing of the serving need
+    assert dep.observed.memory_measured_bytes == 900 * MiB  # a sleeper's figure says nothing of the serving need
 
 
 def test_a_standbys_context_counts_against_its_pairs_reservation(db):
@@ -345,7 +346,7 @@ def test_a_standbys_context_counts_against_its_pairs_reservation(db):
     nodes.heartbeat("n1", books=books)
     assert Event.objects.get(kind=Event.Kind.GPU_OVERCOMMIT).replica == active.id
     dep.refresh_from_db()
-    assert dep.memory_measured_bytes == 950 * MiB
+    assert dep.observed.memory_measured_bytes == 950 * MiB
 
 
 @pytest.mark.slow
@@ -415,7 +416,7 @@ def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_i
     # files hold them; the arena aligns each tensor, so this tiny model's differs).
     granted = host_cache.balance("e2e")["granted"]
     assert len(granted) == 3
-    weights = Deployment.objects.get(name="llm").weight_bytes
+    weights = DeploymentObserved.objects.get(deployment__name="llm").weight_bytes
     wait_until(
         lambda: all(r.arena_kept_bytes not in (0, weights) for r in Replica.objects.filter(pk__in=granted)),
         60,

@@ -18,7 +18,7 @@ from gpuportal.wire.requestqueue import last_key
 from gpuportal.wire.states import AWAKE, IN_HOST_CACHE
 from inference.devices import virtual_gpus
 from scheduling.core.host_cache import HostHolder, grants, holds, trim, used_bytes
-from scheduling.models import Deployment, Event, Node, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, Node, Replica
 from scheduling.services import deployments, host_cache, queueing, reports, sleep
 from scheduling.services.nodes import register_node
 from tests.support.deployments import START, STOP, deploy, invariant_holds, serve
@@ -157,7 +157,7 @@ def small_host(db) -> Node:
 def asleep(name: str, *, idle_s: float) -> str:
     """A deployment with 100 MiB of weights whose one replica served, then slept."""
     replica_id = deploy(name)
-    Deployment.objects.filter(name=name).update(weight_bytes=100 * MiB)
+    DeploymentObserved.objects.filter(deployment__name=name).update(weight_bytes=100 * MiB)
     Replica.objects.filter(pk=replica_id).update(last_accessed=NOW - timedelta(seconds=idle_s))
     sleep.sleep_replica(replica_id, reason="idle")
     reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
@@ -220,7 +220,7 @@ def test_among_sleepers_no_request_reached_the_one_made_first_leaves_first(small
     # Rows written newest first, so that neither the rows' order nor the sleeps' says who is oldest.
     for name in ["third", "second", "first"]:
         made[name] = deploy(name)
-        Deployment.objects.filter(name=name).update(weight_bytes=100 * MiB)
+        DeploymentObserved.objects.filter(deployment__name=name).update(weight_bytes=100 * MiB)
         Replica.objects.filter(pk=made[name]).update(
             last_accessed=None, created_at=NOW - timedelta(minutes=age_min[name])
         )
@@ -271,7 +271,7 @@ def test_the_dashboard_shows_each_nodes_host_cache_use_and_budget(small_host, ad
     assert '<small class="gp-host-cache">host cache 100.00 MiB of 250.00 MiB</small>' in body
     # An arena lent to a serving replica shows as such.
     keeper = deploy("b")
-    Deployment.objects.filter(name="b").update(weight_bytes=50 * MiB)
+    DeploymentObserved.objects.filter(deployment__name="b").update(weight_bytes=50 * MiB)
     assert host_cache.grant("edge") == [keeper]
     body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
     assert "host cache 150.00 MiB of 250.00 MiB (50.00 MiB kept for sleeps)</small>" in body
@@ -288,7 +288,7 @@ def test_a_serving_replica_is_lent_an_arena_from_spare_room_counted_from_the_gra
         serving = deploy("a")
     # Coming to serve asked the control worker to balance the node's host cache.
     assert ("control", "scheduling.tasks.trim_host_cache", ["edge"]) in dispatched
-    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+    DeploymentObserved.objects.filter(deployment__name="a").update(weight_bytes=100 * MiB)
 
     with django_capture_on_commit_callbacks(execute=True):
         assert host_cache.balance("edge") == {"parked": [], "granted": [serving]}
@@ -318,7 +318,7 @@ def test_a_replica_that_could_not_allocate_its_granted_arena_is_no_longer_counte
     small_host, dispatched, django_capture_on_commit_callbacks
 ):
     serving = deploy("a")
-    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+    DeploymentObserved.objects.filter(deployment__name="a").update(weight_bytes=100 * MiB)
     with django_capture_on_commit_callbacks(execute=True):
         assert host_cache.balance("edge")["granted"] == [serving]
 
@@ -335,7 +335,7 @@ def test_a_replica_that_could_not_allocate_its_granted_arena_is_no_longer_counte
 
 def test_an_arena_is_not_lent_past_the_budget_nor_to_a_sleeper(small_host, dispatched):
     big = deploy("big")
-    Deployment.objects.filter(name="big").update(weight_bytes=300 * MiB)
+    DeploymentObserved.objects.filter(deployment__name="big").update(weight_bytes=300 * MiB)
     asleep("a", idle_s=10)
 
     assert host_cache.grant("edge") == []
@@ -348,7 +348,7 @@ def test_a_sleep_past_the_budget_drops_a_kept_arena_before_it_parks_a_sleeper(
 ):
     sleeper = asleep("a", idle_s=900)
     keeper = deploy("b")
-    Deployment.objects.filter(name="b").update(weight_bytes=100 * MiB)
+    DeploymentObserved.objects.filter(deployment__name="b").update(weight_bytes=100 * MiB)
     assert host_cache.grant("edge") == [keeper]
     asleep("c", idle_s=10)  # 300 MiB held now against a budget of 250
     dispatched.clear()
@@ -377,7 +377,7 @@ def test_a_sleep_past_the_budget_drops_a_kept_arena_before_it_parks_a_sleeper(
 
 def test_a_replica_that_keeps_an_arena_counts_once_asleep_and_its_arena_again_once_woken(small_host, dispatched):
     keeper = deploy("a")
-    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+    DeploymentObserved.objects.filter(deployment__name="a").update(weight_bytes=100 * MiB)
     assert host_cache.grant("edge") == [keeper]
 
     sleep.sleep_replica(keeper, reason="idle")
@@ -394,7 +394,7 @@ def test_a_replica_that_keeps_an_arena_counts_once_asleep_and_its_arena_again_on
 
 def test_a_replica_that_loads_afresh_keeps_no_arena_until_it_is_lent_one_again(small_host, dispatched):
     keeper = deploy("a")
-    Deployment.objects.filter(name="a").update(weight_bytes=100 * MiB)
+    DeploymentObserved.objects.filter(deployment__name="a").update(weight_bytes=100 * MiB)
     assert host_cache.grant("edge") == [keeper]
     # Its process restarted under the same id (after a CUDA assert, say) and loaded again.
     Replica.objects.filter(pk=keeper).update(state="loading")
@@ -416,7 +416,7 @@ def test_two_balances_of_one_node_take_turns_so_they_never_lend_the_same_room_tw
     late = deploy("late")  # made first, so the likelier to sleep of the two once it serves
     Replica.objects.filter(pk=late).update(state="loading")
     deploy("early")
-    Deployment.objects.update(weight_bytes=100 * MiB)  # room for one arena
+    DeploymentObserved.objects.update(weight_bytes=100 * MiB)  # room for one arena
     decided, go_on = threading.Event(), threading.Event()
     choose = rules.grants
     results: dict[str, dict] = {}

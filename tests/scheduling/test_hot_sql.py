@@ -8,9 +8,10 @@ import threading
 import pytest
 from django.db import ProgrammingError, connection, connections, transaction
 from django.forms.models import model_to_dict
+from django.test.utils import CaptureQueriesContext
 
 from scheduling import hot_sql, locks
-from scheduling.models import Deployment, Event, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, Replica
 from tests.support import factories
 from tests.support.processes import wait_until
 
@@ -67,8 +68,8 @@ def test_it_updates_a_row_as_save_with_update_fields_does():
 
 
 @pytest.mark.django_db
-def test_it_reads_the_locked_deployment_as_the_orm_reads_it():
-    dep = factories.deployment("hot", replicas_wanted=3, min_runtime_s=2.5, failed_reason="x")
+def test_it_reads_the_locked_deployment_and_its_observed_record_as_the_orm_reads_them():
+    dep = factories.deployment("hot", replicas_wanted=3, min_runtime_s=2.5, failed_reason="x", measured_load_s=1.5)
     rep = factories.replica(dep)
 
     with transaction.atomic():
@@ -78,15 +79,21 @@ def test_it_reads_the_locked_deployment_as_the_orm_reads_it():
 
     assert model_to_dict(locked) == model_to_dict(Deployment.objects.get(pk=dep.pk))
     assert (locked.created_at, locked.updated_at) == (dep.created_at, dep.updated_at)
+    with CaptureQueriesContext(connection) as reading:
+        observed = locked.observed
+    assert len(reading) == 0, "read with the lock: its readers under the lock ask nothing more"
+    assert model_to_dict(observed) == model_to_dict(DeploymentObserved.objects.get(pk=dep.pk))
+    assert (observed.failed_reason, observed.measured_load_s, observed.deployment) == ("x", 1.5, locked)
     assert rows == [(rep.id,)]
     assert names == [("hot",)], "each query's rows, in order"
 
 
-def test_models_read_by_hand_need_no_database_converters():
-    # hot_sql.instance builds a Deployment from the raw row: a field Django converts on the way
-    # out of the database would come back wrong from it.
-    assert not [f.name for f in Deployment._meta.concrete_fields if f.get_db_converters(connection)]
-    assert not [f.name for f in Deployment._meta.concrete_fields if connection.ops.get_db_converters(f)]
+@pytest.mark.parametrize("model", [Deployment, DeploymentObserved])
+def test_models_read_by_hand_need_no_database_converters(model):
+    # hot_sql.instance builds a Deployment and its observed record from the raw row: a field
+    # Django converts on the way out of the database would come back wrong from it.
+    assert not [f.name for f in model._meta.concrete_fields if f.get_db_converters(connection)]
+    assert not [f.name for f in model._meta.concrete_fields if connection.ops.get_db_converters(f)]
 
 
 @pytest.mark.django_db

@@ -13,7 +13,7 @@ import pytest
 
 from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
 from inference.inspection import read_model
-from scheduling.models import Deployment, Node
+from scheduling.models import Deployment, DeploymentObserved, Node
 from scheduling.services import dispatch
 from tests.support.deployments import body
 
@@ -53,10 +53,10 @@ def test_a_deploy_asks_a_node_to_read_the_model_and_reserves_what_it_read(cluste
     ((name, queue, payload, _),) = [sent for sent in node_worker.sent if sent[0] == INSPECT_TASK]
     assert (name, queue) == (INSPECT_TASK, INSPECT_QUEUE)
     assert InspectModel.decode(payload).source == str(tiny_model_dir)
-    deployment = Deployment.objects.get(name="tiny")
+    observed = DeploymentObserved.objects.get(deployment__name="tiny")
     read_here = read_model(str(tiny_model_dir), "transformers", "float32")
-    assert deployment.weight_bytes == read_here.weight_bytes > 0
-    assert deployment.memory_estimate_bytes > deployment.weight_bytes
+    assert observed.weight_bytes == read_here.weight_bytes > 0
+    assert observed.memory_estimate_bytes > observed.weight_bytes
 
 
 @pytest.mark.django_db

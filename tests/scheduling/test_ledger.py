@@ -15,6 +15,7 @@ from scheduling.core.state import Plan, Release, Reservation, SnapshotIndex
 from scheduling.ledger import CasConflict, OverCommit, commit, commit_with_retry, snapshot
 from scheduling.models import GPU, Deployment, Event, Occupant, Replica
 from scheduling.services.nodes import register_node
+from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 
 MiB = 1024**2
@@ -26,7 +27,7 @@ def conflicts_counted() -> float:
 
 
 def make_replicas(count: int, deployment: str = "tiny") -> list[str]:
-    dep, _ = Deployment.objects.get_or_create(name=deployment, defaults={"model_source": "/srv/models/tiny"})
+    dep = Deployment.objects.filter(name=deployment).first() or factories.deployment(deployment)
     return [Replica.objects.create(deployment=dep).id for _ in range(count)]
 
 

@@ -15,7 +15,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from scheduling.models import Deployment, Event, FailoverLease, Node, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, FailoverLease, Node, Replica
 from scheduling.services import host_cache, lost_commands, nodes, reports
 from tests.support import factories
 from tests.support.deployments import FROM_CACHE, START, STOP, TO_CACHE, MiB, body, invariant_holds, reserved, serve
@@ -335,7 +335,7 @@ def granted(api, model_dir, on_commit) -> Replica:
     (replica_id,) = serving(api, model_dir)
     replica = Replica.objects.select_related("node").get(pk=replica_id)
     Node.objects.filter(pk=replica.node_id).update(cpu_cache_bytes=1024 * MiB)
-    Deployment.objects.filter(pk=replica.deployment_id).update(weight_bytes=100 * MiB)
+    DeploymentObserved.objects.filter(pk=replica.deployment_id).update(weight_bytes=100 * MiB)
     with on_commit():
         assert host_cache.balance(replica.node.name)["granted"] == [replica_id]
     assert Replica.objects.get(pk=replica_id).arena_kept_bytes == 100 * MiB

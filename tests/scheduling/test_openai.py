@@ -18,6 +18,7 @@ from scheduling.api import completion_input
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
+from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import StandIn
 
@@ -27,7 +28,7 @@ MiB = 1024**2
 @pytest.fixture
 def replica(transactional_db, tiny_model_dir) -> Replica:
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    deployment = factories.deployment(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     request_services.queue.cache_clear()
     request_services.queue().fail_queued("tiny", reason="left over from another test")
     return Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
@@ -166,9 +167,7 @@ def test_a_timeout_out_of_bounds_is_a_400_naming_it(client, replica, settings):
 
 
 def test_a_model_that_is_not_a_causal_lm_is_refused_naming_the_model(client, replica):
-    Deployment.objects.create(
-        name="mlp", model_source="tests.support.factories:mlp", loader=Deployment.Loader.TORCH_MODULE
-    )
+    factories.deployment(name="mlp", model_source="tests.support.factories:mlp", loader=Deployment.Loader.TORCH_MODULE)
 
     with pytest.raises(openai.BadRequestError, match="not a causal language model"):
         client.chat.completions.create(model="mlp", messages=[{"role": "user", "content": "x"}])

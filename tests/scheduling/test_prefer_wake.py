@@ -21,7 +21,7 @@ from django.utils import timezone
 from gpuportal.wire.requestqueue import processing_key, queue_key
 from inference.devices import virtual_gpus
 from scheduling.core import fairness
-from scheduling.models import GPU, Deployment, Event, PreemptionIntent, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, PreemptionIntent, Replica
 from scheduling.services import preemption, reports, sleep
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
@@ -68,7 +68,7 @@ def deploy(
         DeploymentSpec(name=name, source="/srv/models/tiny", replicas=0, override_bytes=NEED, **spec),
         facts=ModelFacts(weight_bytes=weight_bytes, estimate_bytes=NEED),
     )
-    Deployment.objects.filter(pk=deployment.pk).update(measured_load_s=load_s, measured_wake_s=wake_s)
+    DeploymentObserved.objects.filter(pk=deployment.pk).update(measured_load_s=load_s, measured_wake_s=wake_s)
     deployment.refresh_from_db()
     return deployment
 

@@ -16,9 +16,10 @@ from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
 from scheduling.core.progress import ReplicaFacts, describe
-from scheduling.models import Deployment, Replica
+from scheduling.models import Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
+from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import StandIn
 
@@ -94,7 +95,7 @@ def test_percent_stays_within_0_and_100_and_the_estimate_within_the_measured_tim
 def loading(transactional_db, tiny_model_dir) -> Replica:
     """A deployment whose one replica is 40 % through its load, and whose last load took 10 s."""
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = Deployment.objects.create(
+    deployment = factories.deployment(
         name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB, measured_load_s=10.0
     )
     request_services.queue.cache_clear()

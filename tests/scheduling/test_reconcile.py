@@ -12,7 +12,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from gpuportal.celery import app
-from scheduling.models import Deployment, Event, Node, Occupant, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, Node, Occupant, Replica
 from scheduling.services import deployments, nodes, reports
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
@@ -185,7 +185,8 @@ def test_reconcile_counts_sleeping_replicas_never_stops_any_and_leaves_a_failed_
 
     Replica.objects.filter(pk=second.pk).update(state="failed")
     Replica.objects.filter(pk=first.pk).update(state="failed")
-    Deployment.objects.filter(pk=deployment.pk).update(replicas_wanted=2, failed_reason="broken")
+    Deployment.objects.filter(pk=deployment.pk).update(replicas_wanted=2)
+    DeploymentObserved.objects.filter(pk=deployment.pk).update(failed_reason="broken")
     assert deployments.reconcile_all("reconciled: test") == {}, "a deployment that gave up starts nothing"
 
 

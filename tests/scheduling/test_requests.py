@@ -31,11 +31,12 @@ from gpuportal.wire.requestqueue import (
 from inference.devices import virtual_gpus
 from inference.serving import Server
 from scheduling.api.requests import InferInput, fast_inputs, params_of
-from scheduling.models import Deployment, Replica
+from scheduling.models import Replica
 from scheduling.services import reports
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NotFound
 from scheduling.services.nodes import register_node
+from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import StandIn
 
@@ -314,7 +315,7 @@ def test_streamed_chunks_arrive_in_order_then_the_end(rq):
 def serving_deployment(db, rq, tiny_model_dir):
     """A deployment with one replica marked serving (no process: a thread answers its queue)."""
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    deployment = factories.deployment(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     replica = Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
     request_services.queue.cache_clear()
     return replica
@@ -417,7 +418,7 @@ def test_unknown_deployments_and_requests_are_404(serving_deployment, user_clien
 
 def test_a_deployment_that_can_never_be_placed_is_refused_at_once_with_409(db, rq, user_client, tiny_model_dir):
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    Deployment.objects.create(name="giant", model_source=str(tiny_model_dir), memory_override_bytes=2 * 1024**3)
+    factories.deployment(name="giant", model_source=str(tiny_model_dir), memory_override_bytes=2 * 1024**3)
     request_services.queue.cache_clear()
 
     response = user_client.post("/api/deployments/giant/infer/", {"input": "x"}, format="json")
@@ -428,9 +429,7 @@ def test_a_deployment_that_can_never_be_placed_is_refused_at_once_with_409(db, r
 
 def test_a_request_for_a_sleeping_deployment_wakes_it_and_says_waking(db, rq, user_client, tiny_model_dir, dispatched):
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    Deployment.objects.create(
-        name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB, replicas_wanted=0
-    )
+    factories.deployment(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB, replicas_wanted=0)
     request_services.queue.cache_clear()
 
     response = user_client.post("/api/requests/", {"deployment": "tiny", "input": "wake up"}, format="json")
@@ -483,7 +482,7 @@ STARTING = (Replica.State.PENDING, Replica.State.WAKING)
 def sleeping_deployment(tiny_model_dir) -> Replica:
     """A deployment whose only replica the database says is asleep (so a request must wake it)."""
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    deployment = factories.deployment(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     request_services.queue.cache_clear()
     return Replica.objects.create(deployment=deployment, state=Replica.State.SLEEPING)
 
@@ -689,7 +688,7 @@ def test_a_request_is_accepted_after_the_database_dropped_the_web_processs_conne
     from django.db import connection, connections
 
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = Deployment.objects.create(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
+    deployment = factories.deployment(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
     request_services.queue.cache_clear()
     connection.ensure_connection()

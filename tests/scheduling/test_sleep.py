@@ -19,7 +19,7 @@ from rest_framework.test import APIClient
 from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_KERNEL_GROWTH_BYTES
 from inference.devices import virtual_gpus
 from inference.management.commands.make_tiny_model import write_tiny_model
-from scheduling.models import GPU, Deployment, Event, Occupant, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Occupant, Replica
 from scheduling.services import reports, sleep
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
@@ -315,8 +315,8 @@ def test_the_sweep_keeps_awake_a_replica_whose_wake_would_miss_the_slo_and_says_
     settings.GPUPORTAL_TTFT_SLO_S = 5.0
     slow = deploy_serving(api, tiny_model_dir, "slow", sleep={"idle_timeout_s": 60})[0]
     quick = deploy_serving(api, tiny_model_dir, "quick", sleep={"idle_timeout_s": 60})[0]
-    Deployment.objects.filter(name="slow").update(measured_wake_s=7.0)
-    Deployment.objects.filter(name="quick").update(measured_wake_s=0.5)
+    DeploymentObserved.objects.filter(deployment__name="slow").update(measured_wake_s=7.0)
+    DeploymentObserved.objects.filter(deployment__name="quick").update(measured_wake_s=0.5)
     now = timezone.now()
     long_ago = now - timedelta(seconds=300)
     Replica.objects.update(serving_since=long_ago, last_accessed=long_ago)
@@ -342,10 +342,11 @@ def _one_gpu_with_a_copy_asleep(api, model_dir, *, copy_mib: int, copy_wake_s: f
     (copy,) = deploy_serving(api, model_dir, "copy", memory=memory)
     sleep.sleep_replica(copy, reason="put to sleep by an operator")
     asleep(copy)
-    Deployment.objects.filter(name="copy").update(measured_wake_s=copy_wake_s)
+    DeploymentObserved.objects.filter(deployment__name="copy").update(measured_wake_s=copy_wake_s)
     (idle,) = deploy_serving(api, model_dir, "idle", sleep={"idle_timeout_s": 300})
     (recent,) = deploy_serving(api, model_dir, "recent", sleep={"idle_timeout_s": 300})
-    Deployment.objects.filter(name__in=["idle", "recent"]).update(measured_wake_s=0.5, max_wait_s=5.0)
+    Deployment.objects.filter(name__in=["idle", "recent"]).update(max_wait_s=5.0)
+    DeploymentObserved.objects.filter(deployment__name__in=["idle", "recent"]).update(measured_wake_s=0.5)
     now = timezone.now()
     Replica.objects.filter(pk__in=[idle, recent]).update(serving_since=now - timedelta(seconds=300))
     Replica.objects.filter(pk=idle).update(last_accessed=now - timedelta(seconds=10))
@@ -592,7 +593,7 @@ def test_an_idle_replica_sleeps_with_its_process_alive_and_wakes_as_the_same_pro
     replica = Replica.objects.get()
     assert replica.pid and psutil.pid_exists(replica.pid)
     # Its need is now what it measured, counting the context as it was at the load.
-    measured = Deployment.objects.get(name="sleepy")
+    measured = DeploymentObserved.objects.get(deployment__name="sleepy")
     assert measured.memory_measured_bytes and measured.memory_measured_context_bytes == H100_CONTEXT_BYTES
 
     # Beat does not run in tests: sweep by hand until the idle timeout has passed.

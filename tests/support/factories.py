@@ -11,7 +11,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from inference.devices import VirtualProfile
-from scheduling.models import GPU, Deployment, Event, Node, Occupant, PreemptionIntent, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Node, Occupant, PreemptionIntent, Replica
 
 GIB = 1024**3
 # A GPU with no CUDA context, driver reserve or standby context: for tests of placement, fairness
@@ -38,9 +38,18 @@ def gpu(on: Node, index: int = 0, total_bytes: int = 24 * GIB, **fields: Any) ->
     return GPU.objects.create(node=on, index=index, total_bytes=total_bytes, available_bytes=total_bytes, **fields)
 
 
+# What a test may give a deployment of its observed record's (measured or decided), by name.
+OBSERVED = frozenset(f.name for f in DeploymentObserved._meta.concrete_fields) - {"deployment"}
+
+
 def deployment(name: str | None = None, **fields: Any) -> Deployment:
+    """A deployment and its observed record, as the services create them: `fields` names settings
+    and, to start from, what was measured or decided (`load_failures=2`)."""
     fields.setdefault("model_source", "/srv/models/tiny")
-    return Deployment.objects.create(name=name or f"dep{next(_seq)}", **fields)
+    observed = {key: fields.pop(key) for key in OBSERVED & set(fields)}
+    made = Deployment.objects.create(name=name or f"dep{next(_seq)}", **fields)
+    DeploymentObserved.objects.create(deployment=made, **observed)
+    return made
 
 
 def replica(of: Deployment, on: Node | None = None, **fields: Any) -> Replica:

@@ -21,5 +21,7 @@ WITH doomed AS (
     DELETE FROM scheduling_replica WHERE deployment_id = %(deployment)s
 ), own_leases AS (
     DELETE FROM scheduling_failoverlease WHERE deployment_id = %(deployment)s
+), observed AS (
+    DELETE FROM scheduling_deploymentobserved WHERE deployment_id = %(deployment)s
 )
 DELETE FROM scheduling_deployment WHERE id = %(deployment)s
