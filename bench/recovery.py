@@ -35,6 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.client import HTTPException
@@ -79,8 +80,10 @@ class Sent:
     """One request a client sent: accepted once an id came back."""
 
     at: float
-    # When the POST came back, whatever it said (None: cut, or not back yet).
+    # When it was accepted (or given up at the end).
     answered_at: float | None = None
+    # The longest one POST of it took to come back, whatever it said (each asks timeout_s 2).
+    slowest_s: float = 0.0
     id: str | None = None
     status: str | None = None
     ended_at: float | None = None
@@ -136,13 +139,16 @@ class Stack:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(120)
 
-    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
-        """The status and JSON body; a server that is down raises one of CUT."""
+    def call(
+        self, method: str, path: str, body: dict | None = None, timeout: float = 30, key: str | None = None
+    ) -> tuple[int, dict]:
+        """The status and JSON body; a server that is down raises one of CUT. `key`: an
+        Idempotency-Key."""
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}{path}",
             method=method,
             data=json.dumps(body).encode() if body is not None else None,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **({"Idempotency-Key": key} if key else {})},
         )
         if self.token:
             request.add_header("Authorization", f"Token {self.token}")
@@ -193,10 +199,19 @@ class Clients:
             sent = Sent(at=time.monotonic())
             self.sent.append(sent)
             body = {"input": f"client {index} at {sent.at:.3f}", "params": {"max_tokens": 2}, "timeout_s": 2}
-            answer = self._try("POST", f"/api/deployments/{NAME}/infer/", body)
+            # Not accepted (a 503, a cut connection): sent again under the same key until it is,
+            # as a client that cannot tell whether it ran must. The key makes that safe.
+            key = uuid.uuid4().hex
+            answer = None
+            while not self.stopping.is_set():
+                tried = time.monotonic()
+                answer = self._try("POST", f"/api/deployments/{NAME}/infer/", body, key=key)
+                sent.slowest_s = max(sent.slowest_s, time.monotonic() - tried)
+                if answer is not None and answer.get("id"):
+                    break
+                self.stopping.wait(0.1)  # the server is on its way back
             sent.answered_at = time.monotonic()
             if answer is None or not answer.get("id"):
-                self.stopping.wait(0.1)  # not accepted: the server is on its way back
                 continue
             sent.id = answer["id"]
             while answer.get("status") not in TERMINAL and not self.stopping.is_set():
@@ -209,9 +224,9 @@ class Clients:
         while not self.stopping.wait(0.05):
             self._try("GET", f"/api/deployments/{NAME}/")
 
-    def _try(self, method: str, path: str, body: dict | None = None) -> dict | None:
+    def _try(self, method: str, path: str, body: dict | None = None, key: str | None = None) -> dict | None:
         try:
-            code, answer = self.stack.call(method, path, body)
+            code, answer = self.stack.call(method, path, body, key=key)
         except CUT:
             self.seen.refused += 1
             return None
@@ -224,10 +239,9 @@ class Clients:
         return answer
 
     def slowest_post_s(self, since: float) -> float:
-        """The longest any POST sent after `since` took to come back (a refused one counts too):
-        `timeout_s` bounds it whatever the database does."""
-        waits = [(s.answered_at or time.monotonic()) - s.at for s in list(self.sent) if s.at >= since]
-        return max(waits, default=0.0)
+        """The longest one POST of a request still sending after `since` took to come back (a
+        refused one counts too): `timeout_s` bounds it whatever the database does."""
+        return max((s.slowest_s for s in list(self.sent) if (s.answered_at or time.monotonic()) >= since), default=0.0)
 
     def first_answer_after(self, since: float) -> float | None:
         ends = [s.ended_at for s in list(self.sent) if s.at > since and s.status == "done" and s.ended_at]
@@ -238,6 +252,23 @@ class Clients:
         self.stopping.set()
         for thread in self.threads:
             thread.join(timeout)
+
+    def run_twice(self) -> list[str]:
+        """Requests the portal holds that no client knows of: one accepted while its client met a
+        503 or a cut, and then sent again. Each client request, sent again under its key, must be
+        the one the portal runs."""
+        known = {sent.id for sent in list(self.sent) if sent.id}
+        held: set[str] = set()
+        page = 1
+        while True:
+            code, body = self.stack.call("GET", f"/api/requests/?deployment={NAME}&page_size=1000&page={page}")
+            if code != 200:
+                break
+            held |= {request["id"] for request in body.get("results", [])}
+            if not body.get("next"):
+                break
+            page += 1
+        return sorted(held - known)
 
     def unfinished(self) -> list[Sent]:
         """Accepted requests that did not end done: polled again now that nothing is killed."""
@@ -439,6 +470,8 @@ class Outcome:
     pids_after: list[int] = field(default_factory=list)
     stalls: list[Stall] = field(default_factory=list)
     crash_loop: CrashLoop | None = None
+    # Client requests the portal holds more than one of (sent again under their key).
+    run_twice: list[str] = field(default_factory=list)
     # Events of the run: nodes written off (node.offline) and stalls the control plane saw.
     written_off: list[str] = field(default_factory=list)
     stalls_seen: int = 0
@@ -453,6 +486,7 @@ def run(
     recoveries: list[Recovery] = []
     stalled: list[Stall] = []
     looped: CrashLoop | None = None
+    twice: list[str] = []
     written_off: list[str] = []
     seen = 0
     lost: list[Sent] = []
@@ -469,6 +503,7 @@ def run(
         clients.finish()
         pids.append(wait_for(lambda: serving_pids(stack), 60, "a serving replica after the kills"))  # type: ignore[arg-type]
         lost = clients.unfinished()
+        twice = clients.run_twice()
         written_off = [e["reason"] for e in stack.call("GET", "/api/events/?kind=node.offline")[1].get("results", [])]
         seen = stalls_seen(stack)
         # Each restart's Event is written by a process of its own: give the last one its moment.
@@ -485,7 +520,7 @@ def run(
         code = stack.stop()
     said = [line for _, line in stack.lines]
     return Outcome(recoveries, lost, restarted, code, said, *pids, stalls=stalled, crash_loop=looped,
-                   written_off=written_off, stalls_seen=seen)  # fmt: skip
+                   run_twice=twice, written_off=written_off, stalls_seen=seen)  # fmt: skip
 
 
 def serving_pids(stack: Stack) -> list[int]:

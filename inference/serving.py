@@ -17,6 +17,7 @@ the weights move. A forward pass cannot be interrupted: it finishes, and its ans
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -132,10 +133,37 @@ class Executor:
         if self.tokenizer is None:
             raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
         prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
+        self.refuse_oversized(prompt)
         result = self.generate(prompt, request.params, on_chunk)
         if request.kind == "chat":
             result["message"] = {"role": "assistant", "content": result["text"]}
         return result
+
+    @functools.cached_property
+    def _prompt_bound(self) -> tuple[int, int, int] | None:
+        """(most bytes a prompt that could fit may have, the model's context in tokens, the longest
+        token of its tokenizer in bytes), or None where either is unknown. No token stands for more
+        bytes than its text's UTF-8 length (a byte-level or SentencePiece token's text spells each
+        byte with a character of one or more), so a prompt longer than the context times that can
+        never fit: it is refused without spending seconds tokenising megabytes."""
+        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        vocab = getattr(self.tokenizer, "get_vocab", None)
+        if not context or vocab is None:
+            return None
+        longest = max((len(token.encode()) for token in vocab()), default=0)
+        return (int(context) * longest, int(context), longest) if longest else None
+
+    def refuse_oversized(self, prompt: str) -> None:
+        """BadInput for a prompt that can never fit the model's context, told by its size alone."""
+        bound = self._prompt_bound
+        if bound is None or len(prompt) <= bound[0] // 4:  # 4 bytes a character at most: fits
+            return
+        size = len(prompt.encode())
+        if size > bound[0]:
+            raise BadInput(
+                f"input too long: {size} bytes can never fit the model's context of {bound[1]} tokens "
+                f"(no token of its tokenizer is longer than {bound[2]} bytes)"
+            )
 
     def chat_prompt(self, messages: Any) -> str:
         if getattr(self.tokenizer, "chat_template", None):
@@ -151,6 +179,7 @@ class Executor:
         if self.tokenizer is None:
             raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
         prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
+        self.refuse_oversized(prompt)
         max_tokens, temperature, top_p, stop = generation_params(request.params)
         ids = [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:

@@ -29,7 +29,7 @@ from rest_framework.views import APIView
 
 from gpuportal.auth import CachedTokenAuthentication, user_from_header
 from gpuportal.wire.requestqueue import Request, StreamSplice
-from scheduling.api import completion_input
+from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS, ROLES, Completion, Refused
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.requests import json_body
@@ -187,17 +187,24 @@ class _Answered(OpenAIView, ABC):
         body = json_body(request) if user is not None else None
         if body is None:
             return None  # not JSON: DRF's parser says why
-        code, answer = self.answer(body, str(user.pk))
+        code, answer = self._answer_with_key(request, body, str(user.pk))
         return JsonResponse(answer, status=code) if isinstance(answer, dict) else answer
 
     def post(self, request: HttpRequest) -> HttpResponseBase:
-        code, answer = self.answer(request.data, str(request.user.pk))
+        code, answer = self._answer_with_key(request, request.data, str(request.user.pk))
         return Response(answer, status=code) if isinstance(answer, dict) else answer
 
+    def _answer_with_key(self, request: Any, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        try:
+            key = idempotency.key_of(request)
+        except idempotency.BadKey as err:
+            return 400, error_body(str(err), idempotency.HEADER)
+        return self.answer(body, owner, key)
+
     @abstractmethod
-    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         """The status and OpenAI-shaped body of a call, or the response that answers it (a stream,
-        or an error with headers)."""
+        or an error with headers); `key`, the caller's Idempotency-Key."""
 
 
 def _service_answer(exc: ServiceError) -> tuple[int, dict[str, Any] | HttpResponseBase]:
@@ -220,15 +227,15 @@ class _Generate(_Answered):
     object_name: str
     id_prefix: str
 
-    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         try:
             call = self.parse(body)
         except Refused as refused:
             return 400, error_body(str(refused), refused.param)
         try:
             if not call.params["stream"]:
-                return self.run(call.model, call.input, call.params, owner, call.timeout_s)
-            return self.stream(call, owner)
+                return self.run(call.model, call.input, call.params, owner, call.timeout_s, key)
+            return self.stream(call, owner, key)
         except ServiceError as exc:
             return _service_answer(exc)
 
@@ -240,10 +247,12 @@ class _Generate(_Answered):
             max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
         )
 
-    def stream(self, call: Completion, owner: str) -> tuple[int, dict[str, Any] | StreamingHttpResponse]:
+    def stream(
+        self, call: Completion, owner: str, key: str | None = None
+    ) -> tuple[int, dict[str, Any] | StreamingHttpResponse]:
         try:
             submitted = request_services.submit(
-                call.model, kind=self.kind, input=call.input, params=call.params, owner=owner
+                call.model, kind=self.kind, input=call.input, params=call.params, owner=owner, idempotency_key=key
             )
         except (NotFound, InvalidInput) as exc:
             return self.refusal(exc, call.model)
@@ -254,7 +263,7 @@ class _Generate(_Answered):
         return 200, response
 
     def run(
-        self, model: str, request_input: Any, params: dict[str, Any], owner: str, timeout: float
+        self, model: str, request_input: Any, params: dict[str, Any], owner: str, timeout: float, key: str | None = None
     ) -> tuple[int, dict[str, Any]]:
         """Run a non-streamed request and wait for it, at most `timeout` seconds: the HTTP status
         and OpenAI-shaped body."""
@@ -262,8 +271,9 @@ class _Generate(_Answered):
         # request (no look-up of our own first: one database round trip per request, not two).
         try:
             submitted, result = request_services.run(
-                model, kind=self.kind, input=request_input, params=params, owner=owner, timeout=timeout
-            )
+                model, kind=self.kind, input=request_input, params=params, owner=owner, timeout=timeout,
+                idempotency_key=key,
+            )  # fmt: skip
         except (NotFound, InvalidInput) as exc:
             return self.refusal(exc, model)
         if result is None:
@@ -377,7 +387,7 @@ class CompletionsView(_Generate):
     object_name = "text_completion"
     id_prefix = "cmpl"
 
-    @extend_schema(request=PromptInput, responses={200: dict})
+    @extend_schema(parameters=[idempotency.PARAMETER], request=PromptInput, responses={200: dict})
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
@@ -393,7 +403,7 @@ class ChatCompletionsView(_Generate):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
 
-    @extend_schema(request=ChatInput, responses={200: dict})
+    @extend_schema(parameters=[idempotency.PARAMETER], request=ChatInput, responses={200: dict})
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
@@ -412,6 +422,7 @@ class EmbeddingsView(_Answered):
     for all the inputs of a call, which its replica embeds in as few forward passes as fit."""
 
     @extend_schema(
+        parameters=[idempotency.PARAMETER],
         summary="Embed texts with an embedding deployment, as OpenAI's embeddings API does.",
         description="One vector per input, in order, each of unit length when the model's recipe "
         "normalises (sentence-transformers models do). Inputs longer than the model takes are "
@@ -422,7 +433,7 @@ class EmbeddingsView(_Answered):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
-    def answer(self, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         try:
             call = completion_input.parse_embeddings(
                 body,
@@ -433,8 +444,9 @@ class EmbeddingsView(_Answered):
             return 400, error_body(str(refused), refused.param)
         try:
             submitted, result = request_services.run(
-                call.model, kind="embed", input=call.input, params={}, owner=owner, timeout=call.timeout_s
-            )
+                call.model, kind="embed", input=call.input, params={}, owner=owner, timeout=call.timeout_s,
+                idempotency_key=key,
+            )  # fmt: skip
         except (NotFound, InvalidInput) as exc:
             return _refusal(exc, call.model, "an embedding model")
         except ServiceError as exc:

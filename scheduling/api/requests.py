@@ -17,7 +17,7 @@ from rest_framework.views import APIView
 
 from gpuportal.auth import user_from_header
 from gpuportal.wire.requestqueue import Request
-from scheduling.api import bodies
+from scheduling.api import bodies, idempotency
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
 from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
@@ -161,6 +161,7 @@ class InferView(APIView):
         return fast if fast is not None else super().dispatch(request, *args, **kwargs)
 
     @extend_schema(
+        parameters=[idempotency.PARAMETER],
         request=InferInput,
         responses={
             200: RequestSerializer,
@@ -172,13 +173,14 @@ class InferView(APIView):
         },
     )
     def post(self, request: HttpRequest, name: str) -> Response:
+        key = idempotency_key(request)
         data = InferInput(data=request.data)
         data.is_valid(raise_exception=True)
         kind = kind_of(data.validated_data["input"])
         timeout = data.validated_data.get("timeout_s", settings.GPUPORTAL_INFER_TIMEOUT_S)
         submitted, final = request_services.run(
             name, kind=kind, input=data.validated_data["input"], params=params_of(data.validated_data),
-            owner=str(request.user.pk), timeout=timeout,
+            owner=str(request.user.pk), timeout=timeout, idempotency_key=key,
         )  # fmt: skip
         status_code, body = _answer(final or request_services.latest(submitted))
         return Response(body, status=status_code)
@@ -191,17 +193,30 @@ def _fast_infer(request: Any, name: str) -> JsonResponse | None:
     inputs = fast_inputs(body) if body is not None else None
     if inputs is None:
         return None
+    try:
+        key = idempotency.key_of(request)
+    except idempotency.BadKey:
+        return None  # DRF's way says what is wrong with it
     data, params, timeout = inputs
     try:
         submitted, final = request_services.run(
-            name, kind=kind_of(data), input=data, params=params, owner=str(user.pk), timeout=timeout
-        )
+            name, kind=kind_of(data), input=data, params=params, owner=str(user.pk), timeout=timeout,
+            idempotency_key=key,
+        )  # fmt: skip
     except serializers.ValidationError as exc:  # kind_of: messages that look like chat but are not
         return JsonResponse(exc.detail, status=400)
     except ServiceError as exc:
         return JsonResponse(exc.body(), status=exc.status, headers=exc.headers())
     status_code, body = _answer(final or request_services.latest(submitted))
     return JsonResponse(body, status=status_code)
+
+
+def idempotency_key(request: Any) -> str | None:
+    """The Idempotency-Key header's value; a 400 naming it when it cannot be a key."""
+    try:
+        return idempotency.key_of(request)
+    except idempotency.BadKey as err:
+        raise ValidationError({idempotency.HEADER: [str(err)]}) from None
 
 
 def json_body(request: Any) -> Any | None:
@@ -333,8 +348,13 @@ class RequestListView(APIView):
             }
         )
 
-    @extend_schema(request=RequestInput, responses={202: RequestSerializer, 429: TOO_MANY_REQUESTS})
+    @extend_schema(
+        parameters=[idempotency.PARAMETER],
+        request=RequestInput,
+        responses={202: RequestSerializer, 429: TOO_MANY_REQUESTS},
+    )
     def post(self, request: HttpRequest) -> Response:
+        key = idempotency_key(request)
         data = RequestInput(data=request.data)
         data.is_valid(raise_exception=True)
         name = data.validated_data["deployment"]
@@ -344,6 +364,7 @@ class RequestListView(APIView):
             input=data.validated_data["input"],
             params=params_of(data.validated_data),
             owner=str(request.user.pk),
+            idempotency_key=key,
         )
         return Response(shape(submitted), status=status.HTTP_202_ACCEPTED)
 

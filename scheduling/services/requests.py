@@ -74,14 +74,26 @@ _AWAKE_OR_STANDBY = states.names(sorted(states.AWAKE | {Replica.State.STANDBY}))
 # a wake whose preempt task died start over (sleep.awake_count).
 
 
-def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str) -> Request:
+def submit(
+    deployment_name: str,
+    *,
+    kind: str,
+    input: Any,
+    params: dict[str, Any],
+    owner: str,
+    idempotency_key: str | None = None,
+) -> Request:
     """Accept a request: it waits in its deployment's queue until an awake replica takes it.
 
     A deployment with no awake replica is woken first (a cached replica promoted, or a new one
     placed); the request then shows `waking` until a replica takes it. One that can never be
     placed anywhere is refused with 409, and nothing is queued. One past its owner's limits
-    (user_limits) is refused with 429, before anything is read or woken for it.
+    (user_limits) is refused with 429, before anything is read or woken for it. Sent again under
+    the `idempotency_key` of one accepted before, it is that one, and nothing is queued.
     """
+    request_id, first = _first_under(owner, idempotency_key)
+    if first is not None:
+        return first
     # Counted for the dashboard's requests per minute in the same round trip, and in /metrics
     # once accepted.
     queued = _queued(
@@ -89,34 +101,54 @@ def submit(deployment_name: str, *, kind: str, input: Any, params: dict[str, Any
             queue().submit, deployment_name, kind=kind, input=input, params=params, owner=owner,
             count_in=requeststats.bucket(deployment_name),
         ),
+        request_id,
     )  # fmt: skip
     requeststats.accepted(deployment_name)
     return queued
 
 
 def run(
-    deployment_name: str, *, kind: str, input: Any, params: dict[str, Any], owner: str, timeout: float
+    deployment_name: str,
+    *,
+    kind: str,
+    input: Any,
+    params: dict[str, Any],
+    owner: str,
+    timeout: float,
+    idempotency_key: str | None = None,
 ) -> tuple[Request, Request | None]:
     """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
+    request_id, first = _first_under(owner, idempotency_key)
+    if first is not None:
+        return first, first if first.final else queue().wait(first.id, timeout)
     # Counted in /metrics once it has ended or its wait is over (accepted either way).
     outcome = _queued(
         deployment_name, kind, owner, partial(
             queue().submit_and_wait, deployment_name, kind=kind, input=input, params=params, owner=owner,
             timeout=timeout, count_in=requeststats.bucket(deployment_name),
         ),
+        request_id,
     )  # fmt: skip
     requeststats.accepted(deployment_name)
     return outcome
 
 
-def _queued(deployment_name: str, kind: str, owner: str, put: Callable[..., T | None]) -> T:
+def _first_under(owner: str, key: str | None) -> tuple[str, Request | None]:
+    """The id a new request takes, and the request first accepted under `key` if there is one."""
+    request_id = uuid.uuid4().hex
+    if key is None:
+        return request_id, None
+    first_id = queue().claim_idempotency_key(owner, key, request_id)
+    return request_id, None if first_id == request_id else queue().get(first_id)
+
+
+def _queued(deployment_name: str, kind: str, owner: str, put: Callable[..., T | None], request_id: str) -> T:
     """`put` (a queue's submit) first with no database read, which queues the request only if a
     replica claims to take such requests now (gpuportal.wire.requestqueue's gp:live): there is then
     nothing to wake. Else `put` again once the database has admitted it (`_admit`).
 
     Before either, the request is counted against its owner's limits under the id both puts give
     it, or refused (TooManyRequests)."""
-    request_id = uuid.uuid4().hex
     holds_place = user_limits.admit(owner, request_id)
     try:
         queued = put(if_live=True, request_id=request_id)

@@ -234,3 +234,32 @@ def test_a_module_without_parameters_serves_a_forward_pass_instead_of_an_empty_e
     answer = Executor(torch.nn.Identity(), None).forward([[1.0, 2.5]])
 
     assert answer == {"output": [[1.0, 2.5]], "shape": [1, 2]}
+
+
+def test_a_prompt_too_big_for_the_context_is_refused_by_its_size_before_it_is_tokenised(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpuportal.wire.requestqueue import Request
+    from inference.errors import BadInput
+    from inference.serving import Executor
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    executor = Executor(model, tokenizer)
+    bound, context, longest = executor._prompt_bound
+    assert context == model.config.max_position_embeddings
+    assert longest == max(len(token.encode()) for token in tokenizer.get_vocab()) and bound == context * longest
+
+    class NeverTokenises:
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("a prompt that can never fit was tokenised")
+
+    executor.tokenizer = NeverTokenises()
+    oversized = Request(id="r", deployment="tiny", kind="generate", input="é" * (bound // 2 + 1))
+    with pytest.raises(
+        BadInput, match=rf"input too long: {2 * (bound // 2 + 1)} bytes can never fit .* {context} tokens"
+    ):
+        executor.run(oversized, None)
+    with pytest.raises(BadInput, match="can never fit"):
+        executor.sequence(oversized, None)
+    executor.refuse_oversized("a" * bound)  # at the bound it may fit: its tokens decide, as before

@@ -3,6 +3,7 @@ serves the queue here; tests/inference/test_serving.py runs real replica process
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from types import SimpleNamespace
@@ -756,3 +757,80 @@ def test_the_list_filters_by_status_and_deployment_and_pages_with_links(serving_
 def test_a_bad_list_filter_is_a_400_naming_the_parameter(serving_deployment, user_client, query, parameter):
     response = user_client.get(f"/api/requests/?{query}")
     assert response.status_code == 400 and list(response.json()) == [parameter]
+
+
+# -- Idempotency-Key -------------------------------------------------------------------------------
+
+
+def queued_ids(rq: RequestQueue, deployment: str = "tiny") -> list[str]:
+    return [raw.decode() for raw in rq.redis.lrange(queue_key(deployment), 0, -1)]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/deployments/tiny/infer/", {"input": "once", "timeout_s": 0.1}),
+        ("/api/requests/", {"deployment": "tiny", "input": "once"}),
+    ],
+)
+def test_a_retry_with_the_same_key_is_the_first_request_and_queues_nothing_more(
+    serving_deployment, user_client, rq, path, body
+):
+    first = user_client.post(path, body, format="json", HTTP_IDEMPOTENCY_KEY="order-17")
+    again = user_client.post(path, body, format="json", HTTP_IDEMPOTENCY_KEY="order-17")
+
+    assert first.status_code == again.status_code == 202
+    assert again.json()["id"] == first.json()["id"] and queued_ids(rq) == [first.json()["id"]]
+    other = user_client.post(path, body, format="json", HTTP_IDEMPOTENCY_KEY="order-18")
+    assert other.json()["id"] != first.json()["id"] and len(queued_ids(rq)) == 2
+
+
+def test_a_retry_of_a_request_that_ended_answers_with_its_output_and_runs_nothing(serving_deployment, user_client, rq):
+    StandIn(serving_deployment.id, 1).start()
+    body = {"input": "hello", "timeout_s": 10}
+    first = user_client.post("/api/deployments/tiny/infer/", body, format="json", HTTP_IDEMPOTENCY_KEY="k")
+    assert first.status_code == 200 and first.json()["output"]["text"] == "HELLO"
+
+    again = user_client.post("/api/deployments/tiny/infer/", body, format="json", HTTP_IDEMPOTENCY_KEY="k")
+
+    assert again.status_code == 200 and again.json() == first.json()
+    assert queued_ids(rq) == [], "nothing queued for the retry"
+
+
+def test_the_same_key_from_another_caller_is_another_request(serving_deployment, user_client, rq):
+    bob = APIClient()
+    bob.force_authenticate(User.objects.create_user("bob"))
+    body = {"deployment": "tiny", "input": "mine"}
+
+    alice_id = user_client.post("/api/requests/", body, format="json", HTTP_IDEMPOTENCY_KEY="k").json()["id"]
+    bob_id = bob.post("/api/requests/", body, format="json", HTTP_IDEMPOTENCY_KEY="k").json()["id"]
+
+    assert alice_id != bob_id and sorted(queued_ids(rq)) == sorted([alice_id, bob_id])
+
+
+def test_a_key_whose_request_was_never_written_is_taken_over_by_the_retry(serving_deployment, user_client, rq):
+    # The key claimed, then Redis died before the request itself was written: the retry runs it.
+    owner = str(User.objects.get(username="alice").pk)
+    assert rq.claim_idempotency_key(owner, "lost", "never-written") == "never-written"
+
+    retry = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json",
+                             HTTP_IDEMPOTENCY_KEY="lost")  # fmt: skip
+
+    assert retry.status_code == 202 and queued_ids(rq) == [retry.json()["id"]] != ["never-written"]
+
+
+@pytest.mark.parametrize("key", ["", "x" * 256, "caf\u00e9", "tab\there"])
+@pytest.mark.parametrize(
+    "path", ["/api/deployments/tiny/infer/", "/api/requests/", "/v1/completions", "/v1/embeddings"]
+)
+def test_a_key_that_cannot_be_one_is_a_400_naming_the_header_and_queues_nothing(
+    serving_deployment, user_client, rq, path, key
+):
+    body = {"deployment": "tiny", "input": "x", "model": "tiny", "prompt": "x"}
+    if path != "/api/requests/":
+        body.pop("deployment")
+
+    response = user_client.post(path, body, format="json", HTTP_IDEMPOTENCY_KEY=key)
+
+    assert response.status_code == 400, response.json()
+    assert "Idempotency-Key" in json.dumps(response.json()) and queued_ids(rq) == []

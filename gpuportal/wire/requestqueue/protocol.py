@@ -4,6 +4,7 @@ results. What each side of the queue (web.py, oversight.py, serving.py) builds o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -169,21 +170,29 @@ redis.call('HINCRBY', key, 'attempts', 1)
 return {id, redis.call('HGETALL', key)}
 """
 
-# A submit that needs no database read: queued only if a replica of the deployment claims to be
-# taking requests (gp:live, renewed by its takes, withdrawn before it stops taking), so that
-# nothing has to be woken. Otherwise nothing is queued, and a refusal token is pushed where the
-# blocking read sent in the same round trip waits, so that it returns at once: the web then
-# admits the request the long way (the database says what to wake, or why not).
+# A submit, whole or not at all (a Redis killed mid-way leaves no request half written: its
+# hash without its place in the queue would be waited on for ever). With ARGV[5] '1', one that needs
+# no database read: queued only if a replica of the deployment claims to be taking requests
+# (gp:live, renewed by its takes, withdrawn before it stops taking), so that nothing has to be
+# woken. Otherwise nothing is queued, and a refusal token is pushed where the blocking read sent
+# in the same round trip waits, so that it returns at once: the web then admits the request the
+# long way (the database says what to wake, or why not), and submits it again with '0'.
 # KEYS: live set, request, queue, done, count, the owner's index, everyone's index. ARGV: request
-# id, ttl, count ttl or '', created at, then the request's field/value pairs.
-_SUBMIT_IF_LIVE = """
-local t = redis.call('TIME')
-if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf') == 0 then
-  redis.call('RPUSH', KEYS[4], 'refused')
-  redis.call('EXPIRE', KEYS[4], 60)
-  return 0
+# id, ttl, count ttl or '', created at, whether to ask gp:live, then the request's field/value pairs.
+_SUBMIT = """
+if ARGV[5] == '1' then
+  local t = redis.call('TIME')
+  if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf') == 0 then
+    redis.call('RPUSH', KEYS[4], 'refused')
+    redis.call('EXPIRE', KEYS[4], 60)
+    return 0
+  end
+else
+  -- An `if_live` submit of the same id that queued nothing left its refusal where the blocking
+  -- read waits: it is not this request's end.
+  redis.call('DEL', KEYS[4])
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+redis.call('HSET', KEYS[2], unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 if ARGV[3] ~= '' then
   redis.call('INCR', KEYS[5])
@@ -197,6 +206,26 @@ end
 redis.call('LPUSH', KEYS[3], ARGV[1])
 return 1
 """
+
+# An Idempotency-Key's request: the id of the request first accepted under the key, if it is still
+# there; else the key is this request's (`ARGV[1]`) from now on. A key whose request was never
+# written (Redis died between the claim and the submit) is taken over, so a retry runs it once.
+# KEYS: the key's own. ARGV: the new request's id, ttl, the request key's prefix.
+_CLAIM_IDEMPOTENCY_KEY = """
+local first = redis.call('GET', KEYS[1])
+if first and redis.call('EXISTS', ARGV[3] .. first) == 1 then
+  return first
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return ARGV[1]
+"""
+
+
+def idempotency_key(owner: str, key: str) -> str:
+    """An owner's own keys: another caller's same key is another request. Hashed: a key is the
+    caller's text, of any characters."""
+    return f"gp:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
+
 
 # A replica's claim to take requests, refused for a deployment deleted a moment ago. Also clears
 # the claims of replicas long gone. KEYS: live set, deleted marker. ARGV: replica id, now, claim

@@ -10,13 +10,16 @@ from typing import Any
 
 from gpuportal.wire.requestqueue._base import QueueBase
 from gpuportal.wire.requestqueue.protocol import (
-    _SUBMIT_IF_LIVE,
+    _CLAIM_IDEMPOTENCY_KEY,
+    _SUBMIT,
     BLOCK_SLICE_S,
+    REQUEST_PREFIX,
     STREAM_END,
     TTL_S,
     Request,
     done_key,
     family_of_kind,
+    idempotency_key,
     index_keys,
     live_key,
     now,
@@ -28,6 +31,14 @@ from gpuportal.wire.requestqueue.protocol import (
 
 class Submitting(QueueBase):
     # -- the web side --------------------------------------------------------------------------
+
+    def claim_idempotency_key(self, owner: str, key: str, request_id: str) -> str:
+        """The id of the request `owner` first sent under `key` while it is kept (TTL_S), or
+        `request_id`, which the key names from now on: the caller then submits under that id."""
+        first = self.redis.eval(
+            _CLAIM_IDEMPOTENCY_KEY, 1, idempotency_key(owner, key), request_id, TTL_S, REQUEST_PREFIX
+        )
+        return first.decode() if isinstance(first, bytes) else str(first)
 
     def submit(
         self,
@@ -110,9 +121,8 @@ class Submitting(QueueBase):
             created_at=now(),
         )
         key = request_key(request.id)
-        # No MULTI: Redis runs one connection's commands in the order sent, so the request exists
-        # in full before its id reaches the queue (LPUSH last), and a replica that takes the id
-        # finds it. A transaction could not hold the blocking read that follows anyway.
+        # One script writes it whole (its hash, then its place in the queue, so a replica that takes
+        # the id finds it); the blocking read travels in the same round trip, after it.
         fields = {
             "deployment": deployment,
             "kind": kind,
@@ -124,31 +134,18 @@ class Submitting(QueueBase):
             "created_at": request.created_at,
         }
         with self.redis.pipeline(transaction=False) as pipe:
-            if if_live:
-                keys = [
-                    live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
-                    count_in[0] if count_in is not None else key, *index_keys(owner),
-                ]  # fmt: skip
-                count_ttl = count_in[1] if count_in is not None else ""
-                args = [request.id, TTL_S, count_ttl, request.created_at, *(x for kv in fields.items() for x in kv)]
-                # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
-                # read behind it blocked for nothing. Redis caches the script by its digest anyway.
-                pipe.eval(_SUBMIT_IF_LIVE, len(keys), *keys, *args)
-            else:
-                if request_id is not None:
-                    # An `if_live` submit of the same id that queued nothing left its refusal
-                    # where the blocking read below waits: it is not this request's end.
-                    pipe.delete(done_key(request.id))
-                pipe.hset(key, mapping=fields)
-                pipe.expire(key, TTL_S)
-                if count_in is not None:
-                    pipe.incr(count_in[0])
-                    pipe.expire(count_in[0], count_in[1])
-                for index in index_keys(owner):
-                    pipe.zadd(index, {request.id: request.created_at})
-                    pipe.zremrangebyscore(index, "-inf", request.created_at - TTL_S)
-                    pipe.expire(index, TTL_S)
-                pipe.lpush(queue_key(deployment), request.id)
+            keys = [
+                live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
+                count_in[0] if count_in is not None else key, *index_keys(owner),
+            ]  # fmt: skip
+            count_ttl = count_in[1] if count_in is not None else ""
+            args = [
+                request.id, TTL_S, count_ttl, request.created_at, "1" if if_live else "0",
+                *(x for kv in fields.items() for x in kv),
+            ]  # fmt: skip
+            # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
+            # read behind it blocked for nothing. Redis caches the script by its digest anyway.
+            pipe.eval(_SUBMIT, len(keys), *keys, *args)
             if wait_s > 0:
                 self._block_for_end(pipe, request.id, wait_s)
             replies = pipe.execute()
