@@ -1,6 +1,5 @@
-"""`up` outlives its own parts: each of its processes SIGKILLed under two clients, then its
-PostgreSQL and its Redis each frozen longer than the heartbeat timeout, then beat killed ten times
-in a row.
+"""`up` outlives its own parts: each of its processes SIGKILLed under two clients. Its servers
+frozen, and beat crash-looping: tests/gpuportal/test_stalls.py.
 
 The scenario is bench/recovery.py's (which records the recovery times in BENCHMARKS.md); here
 only what must hold is asserted, never a time.
@@ -10,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.recovery import CRASH_LOOP, PROCESSES, STALLS, run
+from bench.recovery import PROCESSES, run
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +21,7 @@ def test_every_process_of_up_killed_under_load_is_started_again_and_no_accepted_
 
     # run() waits, after each kill, for up to start the process again (a new pid) and for an
     # answer to a request sent after that: it raises if the stack does not recover by itself.
-    outcome = run(list(PROCESSES), model, tmp_path / "var", STALLS)
+    outcome = run(list(PROCESSES), model, tmp_path / "var", stalls=(), crash_loops=False)
 
     said = "\n".join(outcome.said[-40:])
     assert outcome.exit_code == 0, said
@@ -40,17 +39,3 @@ def test_every_process_of_up_killed_under_load_is_started_again_and_no_accepted_
     for name in PROCESSES:
         assert any(line.startswith(f"{name} was killed by SIGKILL; starting it again") for line in outcome.said), said
     assert outcome.pids_before and outcome.pids_after == outcome.pids_before, "the replica lived through it all"
-    # A stall of the control plane's own servers is not the death of its node.
-    assert [s.process for s in outcome.stalls] == list(STALLS)
-    assert all(s.first_answer_s is not None and s.seen.server_errors == [] for s in outcome.stalls)
-    assert outcome.written_off == [], f"a stall was read as a death: {outcome.written_off}"
-    assert outcome.stalls_seen > 0, "the heartbeat sweep says it stalled (control.stalled Events)"
-    # Each /infer/ asks timeout_s 2: it comes back within that and a margin, whatever the servers do.
-    assert {s.process: s.slowest_post_s <= 2 + 5 for s in outcome.stalls} == dict.fromkeys(STALLS, True), [
-        (s.process, round(s.slowest_post_s, 1)) for s in outcome.stalls
-    ]
-    # A helper that crash-loops degrades the portal and stops nothing: /readyz names it each time,
-    # requests are answered throughout, and it is whole again afterwards (up exits 0 when asked, above).
-    loop = outcome.crash_loop
-    assert loop is not None and (loop.kills, loop.named_down) == (CRASH_LOOP, CRASH_LOOP), loop
-    assert loop.whole_after and loop.seen.server_errors == [], loop
