@@ -582,7 +582,7 @@ def main() -> None:
     if not args.no_record:
         record(
             "recovery",
-            "Recovery: each of up's processes SIGKILLed under two clients",
+            "Recovery: each of up's processes SIGKILLed, its servers frozen, beat crash-looping, under two clients",
             "`python -m bench.recovery`: one `up` (embedded servers, 1 virtual GPU), a tiny causal LM,\n"
             "two clients sending requests back to back and polling each accepted one to its end.\n"
             "`detected`: SIGKILL → `up` says so; `first answer`: SIGKILL → the first answer to a request\n"
@@ -601,7 +601,11 @@ def main() -> None:
             "reads (JSON 503s): a request needs no database while a replica claims its deployment and the\n"
             "caller's token is cached. The control plane's processes are off the request path altogether.\n"
             "A frozen server writes off no node: the heartbeat sweep reads its own gap as the control plane's\n"
-            "stall, and the agent's lease in Redis says the node lives (scheduling.core.liveness).",
+            "stall, and the agent's lease in Redis says the node lives (scheduling.core.liveness). While\n"
+            "PostgreSQL is frozen, an `/infer/` comes back at once (the caller's token is trusted while it is\n"
+            "read again); the 503s are the operator's reads. While Redis is frozen, a POST waits out the Redis\n"
+            "client's 5 s timeout, answers 503, and is sent again under its Idempotency-Key. Beat killed ten\n"
+            "times in a row: named by /readyz after each kill, no request failed, `up` stayed up.",
         )
 
 
