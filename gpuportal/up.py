@@ -434,7 +434,7 @@ class Portal:
             if child.process is None or child.process.poll() is not None or child.restarts.due is not None:
                 found[child.name] = f"{child.ended or 'exited'}; starting it again"
             elif child.ready_marker and not child.ready.is_set():
-                found[child.name] = f"{child.ended or 'started'}; started again, not ready yet"
+                found[child.name] = f"{child.ended}; started again, not ready yet" if child.ended else "starting"
         return found
 
     def write_status(self) -> None:

@@ -65,20 +65,10 @@ def apply(effects: Effects) -> None:
     want(*effects.items)
 
 
-def note(
-    kind: str,
-    subject: str,
-    reason: str,
-    *,
-    before: Any = None,
-    after: Any = None,
-    node: str = "",
-    gpu: str = "",
-    deployment: str = "",
-    replica: str = "",
-) -> Note:
-    """An Event saying why (the Note, for a caller that shows what it recorded)."""
-    wanted = Note(str(kind), subject, reason, before, after, node, gpu, deployment, replica)
+def note(kind: str, subject: str, reason: str, **where: Any) -> Note:
+    """An Event saying why (the Note, for a caller that shows what it recorded). `where`: the
+    Note's other fields (before, after, node, gpu, deployment, replica)."""
+    wanted = Note(str(kind), subject, reason, **where)
     want(wanted)
     return wanted
 

@@ -12,17 +12,9 @@ from django.db import transaction
 from scheduling.core.effects import AfterCommit, Note, Order, ToControl
 from scheduling.models import Event, Replica
 from scheduling.services import outbox, replicas
-from tests.support.deployments import TO_CACHE, body, serve
+from tests.support.deployments import TO_CACHE, deploy_serving
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def deploy_serving(api, model_dir, name: str = "tiny-a", **overrides) -> list[str]:
-    assert api("post", "/api/deployments/", body(name, model_dir, **overrides)).status_code == 201
-    ids = list(Replica.objects.filter(deployment__name=name).order_by("pk").values_list("id", flat=True))
-    for replica_id in ids:
-        serve(replica_id)
-    return ids
 
 
 def test_a_service_run_captured_sends_nothing_and_hands_back_what_it_wanted(cluster, api, dispatched, tiny_model_dir):

@@ -34,6 +34,7 @@ from tests.support.deployments import (
     MiB,
     all_in,
     body,
+    deploy_serving,
     invariant_holds,
     reserved,
     serve,
@@ -66,14 +67,6 @@ def on_commit(django_capture_on_commit_callbacks):
 def asleep(replica_id: str) -> None:
     """What the replica process reports once its weights are in CPU RAM (a virtual GPU keeps nothing)."""
     reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
-
-
-def deploy_serving(api, model_dir, name: str = "tiny-a", **overrides) -> list[str]:
-    assert api("post", "/api/deployments/", body(name, model_dir, **overrides)).status_code == 201
-    ids = list(Replica.objects.filter(deployment__name=name).order_by("pk").values_list("id", flat=True))
-    for replica_id in ids:
-        serve(replica_id)
-    return ids
 
 
 def awake_count(name: str) -> int:

@@ -69,3 +69,12 @@ def deploy(name: str, replicas: int = 1, **spec) -> str:
     replica_id = deployment.replicas.order_by("created_at").first().id
     serve(replica_id)
     return replica_id
+
+
+def deploy_serving(api, model_dir, name: str = "tiny-a", **overrides) -> list[str]:
+    """Deploy through the API and report each placed replica serving (no process): its ids."""
+    assert api("post", "/api/deployments/", body(name, model_dir, **overrides)).status_code == 201
+    ids = list(Replica.objects.filter(deployment__name=name).order_by("pk").values_list("id", flat=True))
+    for replica_id in ids:
+        serve(replica_id)
+    return ids
