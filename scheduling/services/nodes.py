@@ -11,6 +11,7 @@ import redis
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from django_celery_beat.models import PeriodicTask
 
 from gpuportal.wire import node_lease, replies
 from gpuportal.wire.commands import node_queue
@@ -225,7 +226,7 @@ def expire_heartbeats(
     it, and whose lease in Redis has expired too (scheduling.core.liveness): a stall of the
     control plane's own database, broker or worker is not read as the death of its nodes."""
     timeout_s = settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S if timeout_s is None else timeout_s
-    stall_s = settings.GPUPORTAL_CONTROL_STALL_S if stall_s is None else stall_s
+    stall_s = stall_threshold_s() if stall_s is None else stall_s
     expired: list[str] = []
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         record = locks.lock_hearing()
@@ -281,6 +282,23 @@ def expire_heartbeats(
     if expired:
         reconcile_later(f"node(s) {', '.join(expired)} went offline")
     return expired
+
+
+EXPIRE_TASK = "scheduling.tasks.expire_heartbeats"
+_PERIOD_S = {"microseconds": 1e-6, "seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}
+
+
+def stall_threshold_s() -> float:
+    """How long a gap between two sweeps must be to be a stall: GPUPORTAL_CONTROL_STALL_S, or two
+    of the sweep's own intervals where an operator set them longer in the admin (else every sweep
+    would look like a stall, and no node would ever be written off)."""
+    schedule = (
+        PeriodicTask.objects.filter(task=EXPIRE_TASK, enabled=True, interval__isnull=False)
+        .values_list("interval__every", "interval__period")
+        .first()
+    )
+    every_s = schedule[0] * _PERIOD_S.get(schedule[1], 1.0) if schedule else 0.0
+    return max(settings.GPUPORTAL_CONTROL_STALL_S, 2 * every_s)
 
 
 def _leases_held(beats: list[liveness.Beat]) -> set[str]:

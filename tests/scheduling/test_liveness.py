@@ -150,3 +150,18 @@ def test_a_sweep_while_another_holds_the_hearing_judges_nothing():
         release.set()
         thread.join(30)
     assert nodes.expire_heartbeats(now=at(0), timeout_s=TIMEOUT_S) == ["held"]
+
+
+def test_a_sweep_scheduled_less_often_than_the_stall_threshold_does_not_read_its_own_interval_as_a_stall(
+    box, beat_schedules
+):
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    every_30_s, _ = IntervalSchedule.objects.get_or_create(every=30, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.filter(task=nodes.EXPIRE_TASK).update(interval=every_30_s)
+    Node.objects.filter(name=box).update(last_heartbeat=at(-1))
+
+    assert nodes.stall_threshold_s() == 60.0
+    assert nodes.expire_heartbeats(now=at(0), timeout_s=TIMEOUT_S) == []
+    assert nodes.expire_heartbeats(now=at(30), timeout_s=TIMEOUT_S) == [box], "30 s apart is its rhythm"
+    assert not Event.objects.filter(kind=Event.Kind.CONTROL_STALLED).exists()
