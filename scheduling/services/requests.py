@@ -14,7 +14,9 @@ from functools import partial
 from typing import Any, TypeVar
 
 import psycopg
+import redis
 from django.db import InterfaceError, OperationalError, connection
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from gpuportal.wire import states
 from gpuportal.wire.requestqueue import Request, family_of_kind, family_of_loader
@@ -96,13 +98,16 @@ def submit(
         return first
     # Counted for the dashboard's requests per minute in the same round trip, and in /metrics
     # once accepted.
-    queued = _queued(
-        deployment_name, kind, owner, partial(
-            queue().submit, deployment_name, kind=kind, input=input, params=params, owner=owner,
-            count_in=requeststats.bucket(deployment_name),
-        ),
-        request_id,
-    )  # fmt: skip
+    try:
+        queued = _queued(
+            deployment_name, kind, owner, partial(
+                queue().submit, deployment_name, kind=kind, input=input, params=params, owner=owner,
+                count_in=requeststats.bucket(deployment_name),
+            ),
+            request_id,
+        )  # fmt: skip
+    except redis.RedisError as err:
+        queued = _accepted_after_all(request_id, err, keyed=idempotency_key is not None)
     requeststats.accepted(deployment_name)
     return queued
 
@@ -122,15 +127,49 @@ def run(
     if first is not None:
         return first, first if first.final else queue().wait(first.id, timeout)
     # Counted in /metrics once it has ended or its wait is over (accepted either way).
-    outcome = _queued(
-        deployment_name, kind, owner, partial(
-            queue().submit_and_wait, deployment_name, kind=kind, input=input, params=params, owner=owner,
-            timeout=timeout, count_in=requeststats.bucket(deployment_name),
-        ),
-        request_id,
-    )  # fmt: skip
+    try:
+        outcome = _queued(
+            deployment_name, kind, owner, partial(
+                queue().submit_and_wait, deployment_name, kind=kind, input=input, params=params, owner=owner,
+                timeout=timeout, count_in=requeststats.bucket(deployment_name),
+            ),
+            request_id,
+        )  # fmt: skip
+    except redis.RedisError as err:
+        accepted = _accepted_after_all(request_id, err, keyed=idempotency_key is not None)
+        outcome = (accepted, accepted if accepted.final else None)
     requeststats.accepted(deployment_name)
     return outcome
+
+
+# How long a submit that lost Redis tries to learn what became of its request: about what `up`
+# takes to start Redis again.
+WITHDRAW_FOR_S = 3.0
+
+
+def _accepted_after_all(request_id: str, err: redis.RedisError, *, keyed: bool) -> Request:
+    """Redis failed under a submit: the request may have been written with only the answer lost.
+    A 503 must mean it will not run, so it is withdrawn if it still waits; one a replica has
+    taken already was accepted after all, and is returned (the caller answers with its id). `err`
+    again (a 503) when it was never written, was withdrawn, or Redis stays unreachable; and at
+    once for a request with an Idempotency-Key, which the client sends again safely instead."""
+    if keyed:
+        raise err
+    for attempt in Retrying(
+        stop=stop_after_delay(WITHDRAW_FOR_S), wait=wait_fixed(0.2), retry=retry_if_exception_type(redis.RedisError),
+        reraise=True,
+    ):  # fmt: skip
+        with attempt:  # a RedisError here is tried again, then raised: still a 503
+            written = queue().get(request_id)
+            withdrawn = written is None or queue().cancel(request_id, reason=WITHDRAWN)
+            taken = None if withdrawn else queue().get(request_id)
+    if taken is None or taken.status == "cancelled":
+        raise err
+    log.info("request %s was accepted after all (Redis: %s): answered with its id", request_id, err)
+    return taken
+
+
+WITHDRAWN = "withdrawn: the web lost Redis before it could say the request was accepted, and answered 503"
 
 
 def _first_under(owner: str, key: str | None) -> tuple[str, Request | None]:

@@ -18,6 +18,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from gpuportal.wire.requestqueue import (
+    REQUEST_PREFIX,
     STREAM_RESTART,
     Fence,
     NotTaken,
@@ -834,3 +835,67 @@ def test_a_key_that_cannot_be_one_is_a_400_naming_the_header_and_queues_nothing(
 
     assert response.status_code == 400, response.json()
     assert "Idempotency-Key" in json.dumps(response.json()) and queued_ids(rq) == []
+
+
+# -- a 503 means not run ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def answer_lost(monkeypatch, rq):
+    """Redis runs each submit, then the connection dies before its answer comes back; `then`
+    runs between the two (a replica that takes the request meanwhile)."""
+    submit = RequestQueue._submit
+    state = SimpleNamespace(then=lambda request_id: None)
+
+    def lost(self, *args, **kwargs):
+        submitted = submit(self, *args, **kwargs)
+        if submitted is None:
+            return None  # no replica claims to take it now: nothing written, the long way follows
+        state.then(submitted[0].id)
+        raise redis.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(RequestQueue, "_submit", lost)
+    return state
+
+
+def written_requests(rq: RequestQueue) -> list:
+    return [rq.get(key.decode().removeprefix(REQUEST_PREFIX)) for key in rq.redis.scan_iter(f"{REQUEST_PREFIX}*")]
+
+
+def test_a_submit_whose_answer_redis_lost_is_withdrawn_so_its_503_means_it_will_not_run(
+    serving_deployment, user_client, rq, answer_lost
+):
+    response = user_client.post("/api/requests/", {"deployment": "tiny", "input": "x"}, format="json")
+
+    assert response.status_code == 503
+    (written,) = written_requests(rq)
+    assert written.status == "cancelled" and written.error == request_services.WITHDRAWN
+    assert queued_ids(rq) == [], "no replica will take it"
+
+
+def test_a_submit_whose_answer_was_lost_after_a_replica_took_it_answers_with_its_id(
+    serving_deployment, user_client, rq, answer_lost
+):
+    answer_lost.then = lambda request_id: rq.take("tiny", serving_deployment.id, timeout=1)
+
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "x", "timeout_s": 1}, format="json")
+
+    assert response.status_code == 202, "accepted after all: it runs, and the caller has its id"
+    assert response.json()["status"] == "dispatched" and response.json()["replica"] == serving_deployment.id
+
+
+def test_a_keyed_submit_whose_answer_was_lost_stays_for_the_retry_under_its_key(
+    serving_deployment, user_client, rq, answer_lost, monkeypatch
+):
+    failed = user_client.post(
+        "/api/requests/", {"deployment": "tiny", "input": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="k1"
+    )
+    assert failed.status_code == 503
+    monkeypatch.undo()  # Redis answers again
+
+    retry = user_client.post(
+        "/api/requests/", {"deployment": "tiny", "input": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="k1"
+    )
+
+    (written,) = written_requests(rq)
+    assert retry.status_code == 202 and retry.json()["id"] == written.id and written.status == "queued"
