@@ -156,10 +156,12 @@ def _accepted_after_all(request_id: str, err: redis.RedisError, *, keyed: bool) 
     if keyed:
         raise err
     for attempt in Retrying(
-        stop=stop_after_delay(WITHDRAW_FOR_S), wait=wait_fixed(0.2), retry=retry_if_exception_type(redis.RedisError),
+        stop=stop_after_delay(WITHDRAW_FOR_S), wait=wait_fixed(0.2), retry=retry_if_exception_type(redis.ConnectionError),
         reraise=True,
     ):  # fmt: skip
-        with attempt:  # a RedisError here is tried again, then raised: still a 503
+        # Refused (Redis starting again) is tried again; a frozen Redis's timeout is not waited
+        # out twice. Either way, raised at the end: still a 503.
+        with attempt:
             written = queue().get(request_id)
             withdrawn = written is None or queue().cancel(request_id, reason=WITHDRAWN)
             taken = None if withdrawn else queue().get(request_id)
