@@ -155,10 +155,8 @@ def _accepted_after_all(request_id: str, err: redis.RedisError, *, keyed: bool) 
     once for a request with an Idempotency-Key, which the client sends again safely instead."""
     if keyed:
         raise err
-    for attempt in Retrying(
-        stop=stop_after_delay(WITHDRAW_FOR_S), wait=wait_fixed(0.2), retry=retry_if_exception_type(redis.ConnectionError),
-        reraise=True,
-    ):  # fmt: skip
+    refused = retry_if_exception_type(redis.ConnectionError)
+    for attempt in Retrying(stop=stop_after_delay(WITHDRAW_FOR_S), wait=wait_fixed(0.2), retry=refused, reraise=True):
         # Refused (Redis starting again) is tried again; a frozen Redis's timeout is not waited
         # out twice. Either way, raised at the end: still a 503.
         with attempt:
