@@ -30,11 +30,14 @@ def env_without_servers(**extra: str) -> dict[str, str]:
 class Up:
     """One `manage.py up` process, its output collected by a thread."""
 
-    def __init__(self, data_dir: Path, *args: str, admin_password: str | None = PASSWORD):
+    def __init__(
+        self, data_dir: Path, *args: str, admin_password: str | None = PASSWORD, settings: dict[str, str] | None = None
+    ):
         """`admin_password` None: as a user runs it, with no GPUPORTAL_ADMIN_PASSWORD (`up` then
-        keeps the one it makes in <data dir>/admin-password)."""
+        keeps the one it makes in <data dir>/admin-password). `settings`: environment variables
+        for the stack (GPUPORTAL_*)."""
         self.data_dir = data_dir
-        env = env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+        env = env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", **(settings or {}))
         env.pop("GPUPORTAL_ADMIN_PASSWORD", None)
         if admin_password is not None:
             env["GPUPORTAL_ADMIN_PASSWORD"] = admin_password
