@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 
 from scheduling.core.effects import AfterCommit, Note, Order, ToControl
 from scheduling.models import Event, Replica
@@ -20,19 +20,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_service_run_captured_sends_nothing_and_hands_back_what_it_wanted(cluster, api, dispatched, tiny_model_dir):
     (replica_id,) = deploy_serving(api, tiny_model_dir)
     dispatched.clear()
-    events_before = Event.objects.count()
+    events_before, after_commit_before = Event.objects.count(), len(connection.run_on_commit)
 
-    with transaction.atomic(), outbox.captured() as wanted:
+    with outbox.captured() as wanted:
         replicas.sleep_replica(replica_id, reason="idle for the test")
-        node = Replica.objects.get(pk=replica_id).node.name
-        transaction.set_rollback(True)
 
+    # Read in the same transaction, before any commit could send or roll back could hide anything.
+    assert Event.objects.count() == events_before, "captured: no Event written"
+    assert len(connection.run_on_commit) == after_commit_before, "captured: nothing to send after the commit"
     fx = wanted.effects
+    node = Replica.objects.get(pk=replica_id).node.name
     assert fx.orders_for(replica_id) == [Order.SLEEP] and fx.orders[0].node == node
     assert any(
         isinstance(n, Note) and n.replica == replica_id and n.after == {"state": "draining"} for n in fx.notes
     ), fx.notes
-    assert dispatched == [] and Event.objects.count() == events_before, "captured: nothing sent or written"
+    assert Replica.objects.get(pk=replica_id).state == "draining", "the books changed: only the effects wait"
 
 
 def test_the_same_call_not_captured_writes_its_events_and_sends_its_order_after_commit(
