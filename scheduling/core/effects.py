@@ -84,12 +84,6 @@ class Effects:
 
     items: tuple[Effect, ...] = ()
 
-    def __add__(self, other: Effects) -> Effects:
-        return Effects(self.items + other.items)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
     @classmethod
     def of(cls, effects: Iterable[Effect]) -> Effects:
         return cls(tuple(effects))
@@ -101,14 +95,6 @@ class Effects:
     @property
     def orders(self) -> list[ToNode]:
         return [e for e in self.items if isinstance(e, ToNode)]
-
-    @property
-    def tasks(self) -> list[ToControl]:
-        return [e for e in self.items if isinstance(e, ToControl)]
-
-    @property
-    def after_commit(self) -> list[AfterCommit]:
-        return [e for e in self.items if isinstance(e, AfterCommit)]
 
     def orders_for(self, replica_id: str) -> list[Order]:
         return [e.order for e in self.orders if e.replica_id == replica_id]

@@ -60,11 +60,6 @@ def want(*effects: Effect) -> None:
         _apply(effect)
 
 
-def apply(effects: Effects) -> None:
-    """Do what a decision returned (the effects of a plan made without the outbox)."""
-    want(*effects.items)
-
-
 def note(kind: str, subject: str, reason: str, **where: Any) -> Note:
     """An Event saying why (the Note, for a caller that shows what it recorded). `where`: the
     Note's other fields (before, after, node, gpu, deployment, replica)."""

@@ -160,8 +160,8 @@ def _accepted_after_all(request_id: str, err: redis.RedisError, *, keyed: bool) 
         # Refused (Redis starting again) is tried again; a frozen Redis's timeout is not waited
         # out twice. Either way, raised at the end: still a 503.
         with attempt:
-            written = queue().get(request_id)
-            withdrawn = written is None or queue().cancel(request_id, reason=WITHDRAWN)
+            # cancel() is False for one never written too: then `taken` is None as well.
+            withdrawn = queue().cancel(request_id, reason=WITHDRAWN)
             taken = None if withdrawn else queue().get(request_id)
     if taken is None or taken.status == "cancelled":
         raise err
