@@ -182,7 +182,12 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_RESULT_EXPIRES = 3600
 CELERY_TIMEZONE = "UTC"
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# django-celery-beat's schedules, sent only by the beat that holds the beat lock in Redis: a
+# second beat (a rollout's overlap, a stray process) waits rather than sending every sweep twice.
+CELERY_BEAT_SCHEDULER = "scheduling.beat_lock:LockedDatabaseScheduler"
+# How long the beat lock outlives its holder's last renewal (it renews on every tick, at least
+# every third of this): after a beat dies, how long before a waiting one takes over.
+GPUPORTAL_BEAT_LOCK_TTL_S = env_float("GPUPORTAL_BEAT_LOCK_TTL_S", 15.0)
 
 # Node liveness: agents beat every HEARTBEAT_S; a node silent for HEARTBEAT_TIMEOUT_S is offline.
 GPUPORTAL_HEARTBEAT_S = env_float("GPUPORTAL_HEARTBEAT_S", 5.0)

@@ -283,7 +283,7 @@ class Portal:
                     "-l",
                     "INFO",
                     "--scheduler",
-                    "django_celery_beat.schedulers:DatabaseScheduler",
+                    settings.CELERY_BEAT_SCHEDULER,
                     "--pidfile",
                     str(opts.data_dir / "beat.pid"),
                 ],
