@@ -22,6 +22,7 @@ from gpuportal.wire import node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import ControlPlane
 from gpuportal.wire.inspection import INSPECT_QUEUE
+from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from inference.devices import VirtualProfile, discover
 from inference.supervisor import Supervisor
@@ -76,6 +77,9 @@ class NodeAgent:
         self._stop_requested = threading.Event()
         self.supervisor = Supervisor(Path(settings.GPUPORTAL_DATA_DIR) / "replicas" / name)
         self._heartbeat_thread: threading.Thread | None = None
+        # The node's epoch (gpuportal.wire.node_lease): from the control plane at registration,
+        # moved on only after every replica process of the old one has stopped.
+        self.epoch = 0
         # Whether its GPUs are virtual (no NVML to ask): known for sure once it has registered.
         self.virtual = backend == "virtual"
 
@@ -92,7 +96,7 @@ class NodeAgent:
         self.virtual = virtual
         self.devices = list(devices)
         survivors = [Survivor.from_hello(h) for h in self.supervisor.adopt_survivors(on_event=self.relay).values()]
-        self.control.register_node(
+        epoch = self.control.register_node(
             self.name,
             devices,
             hostname=socket.gethostname(),
@@ -101,12 +105,14 @@ class NodeAgent:
             virtual=virtual,
             survivors=survivors,
         )
+        self._hold_epoch(int(epoch or 0))
         log.info(
-            "node %s registered: %d %s GPU(s), queue %s",
+            "node %s registered: %d %s GPU(s), queue %s, epoch %d",
             self.name,
             len(devices),
             "virtual" if virtual else "NVIDIA",
             self.queue,
+            self.epoch,
         )
         if survivors:
             self.supervisor.resume()
@@ -142,14 +148,41 @@ class NodeAgent:
     def renew_lease(self) -> None:
         """The node's lease in Redis, renewed straight there (gpuportal.wire.node_lease): when its
         heartbeats stop reaching the books (the agents' worker or PostgreSQL stalled), the lease
-        still says the node is alive, and the control plane does not write it off."""
+        still says the node is alive, and the control plane does not write it off; while it
+        holds, the node's replicas take requests.
+
+        A renewal that finds the epoch raised learns that the control plane wrote the node off
+        (this agent was frozen or cut off): everything it runs was given up, and their work given
+        to others. They are stopped before the lease is renewed under the new epoch, so that the
+        node offers its GPUs again only once nothing of the old epoch holds them."""
         try:
             ttl = node_lease.ttl_s(self.heartbeat_s, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
-            node_lease.renew(replies.client(settings.REDIS_URL), self.name, ttl)
+            client = replies.client(settings.REDIS_URL)
+            current = node_lease.renew(client, self.name, ttl, self.epoch)
+            if current > self.epoch:
+                self._fenced(current)
+                node_lease.renew(client, self.name, ttl, self.epoch)
         except redis.RedisError as err:
             log.warning(
                 "cannot renew node %s's lease (Redis: %s); retrying in %.0f s", self.name, err, self.heartbeat_s
             )
+
+    def _fenced(self, epoch: int) -> None:
+        running = sorted(self.supervisor.states())
+        log.warning(
+            "node %s was written off by the control plane (its epoch went from %d to %d): stopping its %d "
+            "replica process(es) before it takes new work",
+            self.name,
+            self.epoch,
+            epoch,
+            len(running),
+        )
+        self.supervisor.stop_written_off(running)
+        self._hold_epoch(epoch)
+
+    def _hold_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.supervisor.node_fence = NodeFence(self.name, epoch)
 
     def beat_once(self) -> list[str]:
         """One heartbeat. Replicas the control plane wrote off while this node was silent (a

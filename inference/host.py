@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.requestqueue import Fence
 from gpuportal.wire.states import PROCESS_STARTING
 from gpuportal.wire.states import ReplicaState as S
@@ -74,8 +75,12 @@ class ReplicaHost:
         kv_max_tokens: int = DEFAULT_KV_MAX_TOKENS,
         context_bytes: int = 0,
         standby_context_bytes: int = 0,
+        node_fence: NodeFence | None = None,
     ):
         self.replica_id = replica_id
+        # Its node's epoch at its start: what it takes and writes is refused once the control
+        # plane writes the node off (gpuportal.wire.node_lease).
+        self.node_fence = node_fence
         self.source = source
         self.loader = loader
         self.dtype = dtype

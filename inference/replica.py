@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuportal.processes import tie_to_parent
+from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.requestqueue import RequestQueue
 from gpuportal.wire.states import PROCESS_STARTING, Role
 from gpuportal.wire.states import ReplicaState as S
@@ -189,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=BACKENDS, default="virtual")
     parser.add_argument("--deployment", default="", help="Serve this deployment's request queue.")
     parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
+    parser.add_argument("--node", default="", help="The node it runs on, whose epoch fences it.")
+    parser.add_argument("--node-epoch", type=int, default=None, help="The node's epoch at its start.")
     parser.add_argument("--failover-lease", type=int, default=None, help="Member of this failover pair's lease.")
     parser.add_argument("--failover-fence", default="", help="Names the pair's result fence in Redis.")
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.PRIMARY.value)
@@ -268,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_max_tokens=args.kv_max_tokens,
         context_bytes=args.context_bytes,
         standby_context_bytes=args.standby_context_bytes,
+        node_fence=NodeFence(args.node, args.node_epoch) if args.node and args.node_epoch is not None else None,
     )
     commands: queue.Queue[Any] = queue.Queue()
     on_eof = adopt_later(host, commands, args) if adoptable else None

@@ -30,7 +30,8 @@ import redis
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from gpuportal.wire import kvstats
-from gpuportal.wire.requestqueue import Fence, Fenced, Request, RequestQueue, family_of_loader
+from gpuportal.wire.node_lease import NodeFence
+from gpuportal.wire.requestqueue import Fence, Fenced, LeaseLapsed, Request, RequestQueue, family_of_loader
 from inference.errors import BadInput
 from inference.lazy_imports import from_transformers
 
@@ -51,6 +52,8 @@ class ServingHost(Protocol):
     tokenizer: Any | None
     paged: PagedModel | None
     fence: Fence | None
+    # The node epoch it was started under (gpuportal.wire.node_lease), None where it has none.
+    node_fence: NodeFence | None
     # Set while the replica takes requests; `abort`: a drain's deadline passed.
     accepting: threading.Event
     abort: threading.Event
@@ -367,6 +370,9 @@ class Server(threading.Thread):
         self.live = False
         self._claim = threading.Lock()
         self.family = family_of_loader(host.loader)  # what its claim is for: text or tensors
+        self.node = host.node_fence
+        # Whether its node's lease was last found lapsed: said once when it lapses, once when back.
+        self.paused = False
         host.on_stop_taking = self.withdraw
 
     def run(self) -> None:
@@ -393,8 +399,13 @@ class Server(threading.Thread):
     def _take(self, timeout: float) -> Request | None:
         try:
             if not self.live:
-                return self.queue.take(self.deployment, self.host.replica_id, timeout=timeout)
-            request, renewed = self.queue.take_renewing(self.deployment, self.host.replica_id, timeout, self.family)
+                request = self.queue.take(self.deployment, self.host.replica_id, timeout=timeout, node=self.node)
+                self._resume()
+                return request
+            request, renewed = self.queue.take_renewing(
+                self.deployment, self.host.replica_id, timeout, self.family, node=self.node
+            )
+            self._resume()
             if not renewed:
                 # Gone while the replica still takes requests: Redis lost it (a restart without
                 # persistence). Claimed again on the next turn, unless the replica stopped taking
@@ -406,10 +417,31 @@ class Server(threading.Thread):
             # Written off (its node went silent): what it held went back to the queue already.
             self.host.on_stale(str(exc))
             return None
+        except LeaseLapsed as exc:
+            # Its agent has not renewed the node's lease (frozen, or cut off from Redis): the
+            # control plane may be writing the node off and placing this replica's work elsewhere,
+            # so it takes nothing until the lease is back. What it runs now still ends here.
+            if not self.paused:
+                log.warning("%s; pausing", exc)
+                self.paused = True
+            self.stopped.wait(min(self.poll_s, 0.5))
+            return None
         except Exception:
             log.exception("cannot take requests from the queue; retrying")
             self.stopped.wait(self.poll_s)
             return None
+
+    def _resume(self) -> None:
+        if self.paused:
+            log.info("node %s's lease is held again: taking requests", self.node.node if self.node else "")
+            self.paused = False
+
+    def _chunk(self, request: Request) -> Callable[[str], None] | None:
+        """What a streamed request's chunks go through, fenced as its end is."""
+        if not request.params.get("stream"):
+            return None
+        replica_id = self.host.replica_id
+        return lambda text: self.queue.chunk(request.id, text, replica_id, self.host.fence, self.node)
 
     def _announce(self) -> None:
         with self._claim:
@@ -445,7 +477,7 @@ class Server(threading.Thread):
         if not self.host.begin_request():
             self.queue.give_back(request, self.host.replica_id)
             return
-        on_chunk = (lambda c: self.queue.chunk(request.id, c)) if request.params.get("stream") else None
+        on_chunk = self._chunk(request)
         try:
             self._batcher_for(paged).submit(self.host.executor().sequence(request, on_chunk))
         except BadInput as exc:
@@ -495,7 +527,9 @@ class Server(threading.Thread):
             output["message"] = {"role": "assistant", "content": output["text"]}
         try:
             self._record(
-                lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence, started_at=started_at)
+                lambda fence: self.queue.finish(
+                    request.id, self.host.replica_id, output, fence, started_at=started_at, node=self.node
+                )
             )
         finally:
             self.host.end_request()
@@ -523,7 +557,9 @@ class Server(threading.Thread):
 
     def _fail(self, request: Request, reason: str, kind: str) -> None:
         try:
-            self._record(lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, kind, fence))
+            self._record(
+                lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, kind, fence, self.node)
+            )
         finally:
             self.host.end_request()
 
@@ -545,7 +581,7 @@ class Server(threading.Thread):
             self.queue.give_back(request, self.host.replica_id)
             return
         self.queue.start(request.id, self.host.replica_id)
-        on_chunk = (lambda c: self.queue.chunk(request.id, c)) if request.params.get("stream") else None
+        on_chunk = self._chunk(request)
         try:
             output = self.host.executor().run(request, on_chunk)
         except Aborted:
@@ -554,14 +590,18 @@ class Server(threading.Thread):
             return
         except BadInput as exc:
             reason = str(exc)
-            self._record(lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, "bad_input", fence))
+            self._record(
+                lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, "bad_input", fence, self.node)
+            )
             return
         except Exception as exc:
             log.exception("request %s failed", request.id)
             error = " ".join(str(exc).split())[:500]
-            self._record(lambda fence: self.queue.fail(request.id, self.host.replica_id, error, "error", fence))
+            self._record(
+                lambda fence: self.queue.fail(request.id, self.host.replica_id, error, "error", fence, self.node)
+            )
             return
-        self._record(lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence))
+        self._record(lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence, node=self.node))
 
     def _record(self, write: Callable[[Any], None]) -> None:
         """Write an outcome, fenced by the failover epoch if the replica is a pair member: a member

@@ -36,6 +36,7 @@ from typing import IO, Any
 
 from gpuportal.processes import die_with_parent
 from gpuportal.wire.commands import ReplicaSpec
+from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 from inference import adoption
@@ -54,8 +55,8 @@ EXIT_GRACE_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
-def replica_argv(spec: ReplicaSpec, python: str = sys.executable) -> list[str]:
-    """The replica program's command line for a spec."""
+def replica_argv(spec: ReplicaSpec, python: str = sys.executable, node: NodeFence | None = None) -> list[str]:
+    """The replica program's command line for a spec, fenced by its node's epoch where it has one."""
     args = [
         python,
         "-m",
@@ -85,6 +86,8 @@ def replica_argv(spec: ReplicaSpec, python: str = sys.executable) -> list[str]:
         args += ["--standby-context-bytes", str(int(spec.standby_context_bytes))]
     if spec.adoption_window_s > 0:
         args += ["--adoption-window", repr(float(spec.adoption_window_s))]
+    if node is not None:
+        args += ["--node", node.node, "--node-epoch", str(node.epoch)]
     if spec.deployment and spec.redis_url:
         # The queue's URL (with its password) goes by the environment (_child_env), never on a
         # command line, which every user of the host can read.
@@ -177,6 +180,9 @@ class Supervisor:
         self.log_dir = Path(log_dir)
         self.python = python
         self.env = env
+        # The node's epoch its agent holds (gpuportal.wire.node_lease), given to each replica it
+        # starts: the agent moves it on only once every replica of the old one is stopped.
+        self.node_fence: NodeFence | None = None
         self._lock = threading.Lock()
         # Notified whenever a replica's state changes or it exits (held with _lock: one lock).
         self._changed = threading.Condition(self._lock)
@@ -428,7 +434,7 @@ class Supervisor:
     # -- processes -----------------------------------------------------------------------------
 
     def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen:
-        argv = replica_argv(spec, self.python)
+        argv = replica_argv(spec, self.python, self.node_fence)
         if spec.adoption_window_s > 0:
             argv += ["--adopt-address", adoption.address(self.log_dir, spec.replica_id)]
         with log_path.open("ab") as log_file:

@@ -20,6 +20,7 @@ import os
 import socket
 import uuid
 
+import psutil
 import redis
 from django.conf import settings
 from django_celery_beat.schedulers import DatabaseScheduler
@@ -32,6 +33,12 @@ LOCK_KEY = "gp:beat:lock"
 # must neither extend nor delete its successor's.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Taken from a holder seen dead, only if it still holds it: two beats that saw the same dead holder
+# cannot both take it.
+_TAKE_OVER = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) end "
+    "return false"
+)
 
 
 class BeatLock:
@@ -50,7 +57,15 @@ class BeatLock:
         was free; False while another beat's lease runs."""
         if self.client.eval(_RENEW, 1, self.key, self.holder, self.ttl_ms):
             return True
-        return bool(self.client.set(self.key, self.holder, nx=True, px=self.ttl_ms))
+        if self.client.set(self.key, self.holder, nx=True, px=self.ttl_ms):
+            return True
+        # A beat killed on this host (`up` starts it again at once) need not be waited out for a
+        # whole TTL: its pid is gone, so it sends nothing. Another host's holder, or a live pid
+        # (or one reused since), is waited out.
+        holder = self.holder_now()
+        if holder is None or not _dead_here(holder):
+            return False
+        return bool(self.client.eval(_TAKE_OVER, 1, self.key, holder, self.holder, self.ttl_ms))
 
     def holder_now(self) -> str | None:
         value = self.client.get(self.key)
@@ -58,6 +73,13 @@ class BeatLock:
 
     def release(self) -> None:
         self.client.eval(_RELEASE, 1, self.key, self.holder)
+
+
+def _dead_here(holder: str) -> bool:
+    """Whether the holder named a process of this host that no longer runs."""
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    return host == socket.gethostname() and pid.isdigit() and not psutil.pid_exists(int(pid))
 
 
 class SendsOnlyWhileLocked:

@@ -8,6 +8,13 @@ import signal
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
+
+# No deadline on an example: a property's example that takes 200 ms on a loaded 2-core machine (three
+# test processes and the servers they start) is no failure of the property, and a time limit is
+# no behaviour of the code.
+hypothesis_settings.register_profile("gpuportal", deadline=None)
+hypothesis_settings.load_profile("gpuportal")
 
 
 def pytest_configure(config):

@@ -25,9 +25,11 @@ class ControlPlane(Protocol):
         virtual: bool,
         survivors: Sequence[Survivor],
         host_ram_bytes: int = 0,
-    ) -> None:
+    ) -> int:
         """The node is up with these GPUs; of the survivors, the control plane keeps those whose
-        books agree and loses the rest, which the next heartbeat names."""
+        books agree and loses the rest, which the next heartbeat names. Returns the node's epoch,
+        which the agent starts its replicas under and renews its lease with
+        (gpuportal.wire.node_lease); an older control plane answered None, read as 0."""
 
     def heartbeat(
         self,

@@ -65,7 +65,7 @@ class ServicesGateway:
     # Retried through a database restart like a report: an agent that `up` just started again
     # must not give up (and stop the replicas it is taking over) because the database blinked
     # while it registered. Registering again is harmless: it is how an agent rejoins.
-    register_node = _applied(nodes.register_node, retried=True, answers=False)
+    register_node = _applied(nodes.register_and_fence, retried=True)
     heartbeat = _applied(nodes.heartbeat)
     node_stopping = _applied(nodes.mark_stopping, answers=False)
     node_stopped = _applied(nodes.mark_stopped, answers=False)

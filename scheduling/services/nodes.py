@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 import redis
 from django.conf import settings
@@ -105,6 +106,26 @@ def register_node(
         replica_services.lose_with_node(name, f"lost: the agent of node {name} started anew", keep=kept)
     reconcile_later(f"node {name} registered")
     return node
+
+
+def register_and_fence(name: str, devices: list[DeviceInfo], **details: Any) -> int:
+    """`register_node`, answering the agent with the epoch it starts its replicas under."""
+    register_node(name, devices, **details)
+    return node_lease.current_epoch(replies.client(settings.REDIS_URL), name)
+
+
+def fence_off(name: str) -> int | None:
+    """Raise the node's epoch (gpuportal.wire.node_lease): every replica process it runs is refused
+    by the request queue from now on, whether or not its agent hears of it, and the agent stops them
+    all before it renews its lease again. None when Redis cannot be reached: the per-replica marks
+    that lose_with_node sets, and the heartbeat's list of what was written off, still fence it."""
+    try:
+        epoch = node_lease.write_off(replies.client(settings.REDIS_URL), name)
+    except redis.RedisError as err:
+        log.warning("cannot raise node %s's epoch (Redis: %s): its replicas are fenced one by one", name, err)
+        return None
+    log.info("node %s fenced: its epoch is %d", name, epoch)
+    return epoch
 
 
 def keep_survivors(node: Node, survivors: Sequence[Survivor]) -> list[str]:
@@ -278,6 +299,9 @@ def expire_heartbeats(
             )
             expired.append(node.name)
     for name in expired:
+        # Fenced first: by the time its requests are given back to the queue, nothing its
+        # replicas still write under the old epoch is accepted.
+        fence_off(name)
         replica_services.lose_with_node(name, f"lost with node {name} (no heartbeat for {timeout_s:.0f} s)")
     if expired:
         reconcile_later(f"node(s) {', '.join(expired)} went offline")

@@ -4,11 +4,13 @@ purpose at once. Real Redis, two scheduler objects in this process: no beat proc
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from celery.beat import Scheduler
@@ -103,6 +105,30 @@ def test_a_stopping_beat_leaves_a_lock_it_no_longer_holds_alone(client, key):
     client.set(key, second.lock.holder)  # its lease ran out and the other took it meanwhile
     first.close()
     assert client.get(key).decode() == second.lock.holder
+
+
+def test_a_beat_started_again_on_the_same_host_takes_the_lock_of_the_killed_one_at_once(client, key):
+    # `up` starts beat again the moment it dies: a whole TTL without sweeps would follow each crash.
+    dead = f"{socket.gethostname()}:{pid_gone()}:0000"
+    client.set(key, dead, px=30_000)
+    beat = Beat(BeatLock(client, 30, key=key))
+    beat.run(1)
+    assert beat.sent and client.get(key).decode() == beat.lock.holder
+
+
+def test_a_holder_on_another_host_is_waited_out_though_no_such_pid_runs_here(client, key):
+    elsewhere = f"another-host:{pid_gone()}:0000"
+    client.set(key, elsewhere, px=30_000)
+    beat = Beat(BeatLock(client, 30, key=key))
+    beat.run(2)
+    assert beat.sent == [] and client.get(key).decode() == elsewhere
+
+
+def pid_gone() -> int:
+    """A pid no process of this host has now."""
+    return next(
+        pid for pid in range(int(Path("/proc/sys/kernel/pid_max").read_text()) - 1, 1, -1) if not psutil.pid_exists(pid)
+    )
 
 
 def test_a_beat_that_cannot_reach_redis_sends_nothing_and_keeps_ticking(key):

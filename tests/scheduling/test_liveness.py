@@ -110,7 +110,7 @@ def test_a_sweep_after_a_stall_writes_off_no_node_and_says_why(box):
 def test_a_node_that_renews_its_lease_is_not_written_off_until_the_lease_expires(box):
     client = replies.client(settings.REDIS_URL)
     Node.objects.filter(name=box).update(last_heartbeat=at(-45))
-    node_lease.renew(client, box, ttl_s=60)
+    node_lease.renew(client, box, ttl_s=60, epoch=node_lease.current_epoch(client, box))
     try:
         assert nodes.expire_heartbeats(now=at(0), timeout_s=TIMEOUT_S) == []
         assert Node.objects.get(name=box).status == Node.Status.ONLINE
@@ -165,3 +165,17 @@ def test_a_sweep_scheduled_less_often_than_the_stall_threshold_does_not_read_its
     assert nodes.expire_heartbeats(now=at(0), timeout_s=TIMEOUT_S) == []
     assert nodes.expire_heartbeats(now=at(30), timeout_s=TIMEOUT_S) == [box], "30 s apart is its rhythm"
     assert not Event.objects.filter(kind=Event.Kind.CONTROL_STALLED).exists()
+
+
+def test_a_node_the_sweep_writes_off_is_fenced_by_a_new_epoch_which_its_agent_learns_on_registering(box):
+    client = replies.client(settings.REDIS_URL)
+    before = node_lease.current_epoch(client, box)
+    Node.objects.filter(name=box).update(last_heartbeat=at(-45))
+
+    assert nodes.expire_heartbeats(now=at(0), timeout_s=TIMEOUT_S) == [box]
+
+    # Its replicas' takes, chunks and answers under the old epoch are refused from now on
+    # (tests/inference/test_node_fence.py); an agent that registers starts its replicas under this one.
+    assert node_lease.current_epoch(client, box) == before + 1
+    devices = virtual_gpus(box, "1x1GiB", NO_OVERHEAD)
+    assert nodes.register_and_fence(box, devices, virtual=True) == before + 1

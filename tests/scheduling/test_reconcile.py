@@ -12,6 +12,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from gpuportal.celery import app
+from gpuportal.wire import node_lease
 from scheduling.models import Deployment, DeploymentObserved, Event, Node, Occupant, Replica
 from scheduling.services import deployments, nodes, reports
 from scheduling.services import requests as request_services
@@ -372,5 +373,14 @@ def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_on
         node=keeper,
         reason__contains=f"still runs 1 replica process(es) written off while it was silent ({second.id[:8]})",
     ).exists()
-    assert stopped_by_agent or f"replica {second.id} was written off by the control plane" in log, log[-2000:]
+    fenced = (f"replica {second.id} was written off by the control plane", f"node {keeper} was written off after")
+    assert stopped_by_agent or any(why in log for why in fenced), log[-2000:]
     assert [r.node.name for r in Replica.objects.exclude(state="stopped")] == [cut_off]
+    # Each written off node was fenced by a new epoch, and no GPU is held twice: the books equal
+    # what the processes hold (no over-commit seen by a heartbeat), every reservation accounted.
+    fenced_at = redis.Redis.from_url(settings.REDIS_URL).mget([node_lease.epoch_key(n) for n in (cut_off, keeper)])
+    assert all(int(epoch or 0) >= 1 for epoch in fenced_at), fenced_at
+    assert invariant_holds()
+    assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+    (live,) = Replica.objects.exclude(state="stopped")
+    assert Occupant.objects.filter(replica=live).exists() and not Occupant.objects.exclude(replica=live).exists()

@@ -555,7 +555,7 @@ def test_a_renewal_never_brings_back_a_withdrawn_claim_and_says_it_found_none(rq
 
 
 def test_a_replica_claims_again_once_redis_lost_its_claim_but_not_for_a_deleted_deployment(rq):
-    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event())
+    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event(), node_fence=None)
     host.accepting.set()
     server = Server(host, rq, "tiny")
     server._announce()
@@ -573,7 +573,7 @@ def test_a_replica_claims_again_once_redis_lost_its_claim_but_not_for_a_deleted_
 
 
 def test_a_claim_made_as_the_replica_stops_taking_is_withdrawn_not_left(rq):
-    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event())
+    host = SimpleNamespace(replica_id="r1", loader="transformers", accepting=threading.Event(), node_fence=None)
     server = Server(host, rq, "tiny")
     host.accepting.set()
     server._announce()

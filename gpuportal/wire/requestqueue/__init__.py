@@ -14,6 +14,10 @@ request somewhere at every instant:
     gp:deleted:<deployment>        a deployment deleted a moment ago, which no replica may claim
     gp:records              a compact record of every ended request, until the control plane drains it
 
+A replica writes under its fences: its own written-off marker (gp:off:<replica>), its failover
+pair's epoch (gp:epoch:<fence>) and its node's epoch and lease (gp:node:<node>:epoch, :lease;
+gpuportal.wire.node_lease).
+
 A replica that dies leaves its ids in gp:proc:<replica>; `requeue_from` puts them back at the
 head of the queue (or fails them once they used their attempts).
 """
@@ -35,6 +39,8 @@ from gpuportal.wire.requestqueue.protocol import (
     TTL_S,
     Fence,
     Fenced,
+    LeaseLapsed,
+    NodeWrittenOff,
     NotTaken,
     Request,
     StaleEpoch,
@@ -79,6 +85,8 @@ __all__ = [
     "TTL_S",
     "Fence",
     "Fenced",
+    "LeaseLapsed",
+    "NodeWrittenOff",
     "NotTaken",
     "Request",
     "RequestQueue",

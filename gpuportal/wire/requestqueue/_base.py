@@ -7,8 +7,11 @@ from typing import Any, Self
 
 import redis
 
+from gpuportal.wire.node_lease import NodeFence
+from gpuportal.wire.node_lease import epoch_key as node_epoch_key
 from gpuportal.wire.requestqueue.protocol import (
     _ANNOUNCE,
+    _CHUNK,
     _END,
     _GIVE_BACK,
     _MARK_TAKEN,
@@ -20,6 +23,7 @@ from gpuportal.wire.requestqueue.protocol import (
     STREAM_RESTART,
     TTL_S,
     Fence,
+    NodeWrittenOff,
     NotTaken,
     Request,
     StaleEpoch,
@@ -41,6 +45,7 @@ class QueueBase:
         self.redis = client
         self._raise_epoch = client.register_script(_RAISE_EPOCH)
         self._end_script = client.register_script(_END)
+        self._chunk = client.register_script(_CHUNK)
         self._mark_taken = client.register_script(_MARK_TAKEN)
         self._start = client.register_script(_START)
         self._give_back = client.register_script(_GIVE_BACK)
@@ -73,14 +78,32 @@ class QueueBase:
             elif isinstance(reply, Exception):
                 raise reply
 
-    def chunk(self, request_id: str, text: str) -> None:
-        with self.redis.pipeline() as pipe:
-            pipe.rpush(stream_key(request_id), text)
-            pipe.expire(stream_key(request_id), TTL_S)
-            pipe.execute()
+    def chunk(
+        self,
+        request_id: str,
+        text: str,
+        replica_id: str = "",
+        fence: Fence | None = None,
+        node: NodeFence | None = None,
+    ) -> None:
+        """One piece of a streamed answer, refused (Fenced) where the request's end would be."""
+        keys = [
+            request_key(request_id),
+            stream_key(request_id),
+            epoch_key(fence.name) if fence is not None else request_key(request_id),
+            node_epoch_key(node.node) if node is not None else request_key(request_id),
+        ]
+        args = [replica_id, _epoch(fence), _epoch(node), text, TTL_S]
+        _refusal(self._chunk(keys=keys, args=args), request_id, replica_id, fence, node)
 
     def finish(
-        self, request_id: str, replica_id: str, output: Any, fence: Fence | None = None, started_at: float | None = None
+        self,
+        request_id: str,
+        replica_id: str,
+        output: Any,
+        fence: Fence | None = None,
+        started_at: float | None = None,
+        node: NodeFence | None = None,
     ) -> None:
         """The request's answer. `started_at`: when it started, if that was not written yet (a
         request that starts and ends within one batch step has both in one round trip)."""
@@ -88,10 +111,19 @@ class QueueBase:
         if started_at is not None:
             fields["started_at"] = started_at
         usage = output.get("usage") if isinstance(output, dict) else None
-        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence, usage=usage)
+        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence, usage=usage, node=node)
 
-    def fail(self, request_id: str, replica_id: str, error: str, kind: str, fence: Fence | None = None) -> None:
-        self._end(request_id, "failed", {"error": error, "error_kind": kind}, replica_id=replica_id, fence=fence)
+    def fail(
+        self,
+        request_id: str,
+        replica_id: str,
+        error: str,
+        kind: str,
+        fence: Fence | None = None,
+        node: NodeFence | None = None,
+    ) -> None:
+        fields = {"error": error, "error_kind": kind}
+        self._end(request_id, "failed", fields, replica_id=replica_id, fence=fence, node=node)
 
     def raise_epoch(self, fence: str, epoch: int) -> int:
         """Make `epoch` the pair's current one (unless a later one already is); returns the current."""
@@ -105,6 +137,7 @@ class QueueBase:
         replica_id: str = "",
         fence: Fence | None = None,
         usage: Any = None,
+        node: NodeFence | None = None,
     ) -> None:
         values = {"status": status, "finished_at": now(), **fields}
         keys = [
@@ -116,16 +149,29 @@ class QueueBase:
             last_key(replica_id),
             finished_key(status),
             RECORDS_KEY,
+            node_epoch_key(node.node) if node is not None else request_key(request_id),
         ]
-        epoch = str(fence.epoch) if fence is not None else ""
         counts = usage if isinstance(usage, dict) else {}
         tokens = [counts.get(k, "") for k in ("prompt_tokens", "completion_tokens")]
         tokens = [n if isinstance(n, int) else "" for n in tokens]
-        args = [epoch, request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX, *tokens]
+        args = [_epoch(fence), request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX, *tokens, _epoch(node)]
         args += [x for kv in values.items() for x in kv]
-        written = self._end_script(keys=keys, args=args)
-        if written == 0:
-            assert fence is not None
-            raise StaleEpoch(f"epoch {fence.epoch} of failover pair {fence.name} is no longer current")
-        if written == -1:
-            raise NotTaken(f"request {request_id} is no longer held by replica {replica_id}: it was given back")
+        _refusal(self._end_script(keys=keys, args=args), request_id, replica_id, fence, node)
+
+
+def _epoch(fence: Fence | NodeFence | None) -> str:
+    return str(fence.epoch) if fence is not None else ""
+
+
+def _refusal(written: int, request_id: str, replica_id: str, fence: Fence | None, node: NodeFence | None) -> None:
+    """Raise what a write's script refused: 1 was written."""
+    if written == 0:
+        assert fence is not None
+        raise StaleEpoch(f"epoch {fence.epoch} of failover pair {fence.name} is no longer current")
+    if written == -1:
+        raise NotTaken(f"request {request_id} is no longer held by replica {replica_id}: it was given back")
+    if written == -2:
+        assert node is not None
+        raise NodeWrittenOff(
+            f"node {node.node} was written off after replica {replica_id} started under its epoch {node.epoch}"
+        )

@@ -127,6 +127,16 @@ class NotTaken(Fenced):
     (its node went silent, say) and gave the request back to the queue, perhaps to another."""
 
 
+class NodeWrittenOff(Fenced):
+    """A replica wrote under a node epoch the control plane has raised since (it wrote the node off:
+    gpuportal.wire.node_lease): the write was refused, and the replica must stop."""
+
+
+class LeaseLapsed(Exception):
+    """A replica's node holds no lease under the replica's epoch (its agent stopped renewing it): it
+    takes nothing until the lease is renewed. Not a fence: the node may only be slow."""
+
+
 class WrittenOff(Fenced):
     """A replica the control plane wrote off tried to take a request: it may take none. Whatever
     it held was given back when it was written off, so it can end at once and lose nothing."""
@@ -137,15 +147,29 @@ class WrittenOff(Fenced):
 # a take has handled is `dispatched` or later), so a move that found nothing leaves nothing to do.
 # The request's key is derived from the id here, not declared: fine on one Redis, not a cluster.
 # Stamped with the server's clock: the replica's would be from before the wait for a request.
-# A replica written off (KEYS[2] set) takes nothing: an id its move just brought in goes back to
-# the end of the queue takes read from, and it is told (-1). Checked here, in the step that makes
-# a request the replica's, so that a take racing the write-off either ends before it (and the
-# write-off gives the request back) or after it (and is refused): none is left with a replica
-# that nobody will hear from again.
-# KEYS: processing list, written-off marker, the deployment's queue. ARGV: replica id, request key prefix.
+# A replica written off (KEYS[2] set, or its node's epoch raised past the one it was started under:
+# gpuportal.wire.node_lease) takes nothing: an id its move just brought in goes back to the end of
+# the queue takes read from, and it is told (-1). Checked here, in the step that makes a request
+# the replica's, so that a take racing the write-off either ends before it (and the write-off gives
+# the request back) or after it (and is refused): none is left with a replica that nobody will hear
+# from again. A replica whose node's lease is not held under its epoch (the agent stopped renewing
+# it: frozen, or cut off) gives the id back the same way and is told to wait (-2): it takes again
+# once the lease is renewed, and is written off if it is not.
+# KEYS: processing list, written-off marker, the deployment's queue, the node's epoch, its lease.
+# ARGV: replica id, request key prefix, the replica's node epoch or '' (not fenced by a node).
 _MARK_TAKEN = """
 local id = redis.call('LINDEX', KEYS[1], 0)
+local refused = 0
 if redis.call('EXISTS', KEYS[2]) == 1 then
+  refused = -1
+elseif ARGV[3] ~= '' then
+  if tonumber(redis.call('GET', KEYS[4]) or '0') > tonumber(ARGV[3]) then
+    refused = -1
+  elseif redis.call('GET', KEYS[5]) ~= ARGV[3] then
+    refused = -2
+  end
+end
+if refused ~= 0 then
   if id then
     local status = redis.call('HGET', ARGV[2] .. id, 'status')
     if status == 'queued' or status == 'waking' then
@@ -153,7 +177,7 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
       redis.call('RPUSH', KEYS[3], id)
     end
   end
-  return -1
+  return refused
 end
 if not id then return false end
 local key = ARGV[2] .. id
@@ -168,6 +192,22 @@ local at = string.format('%s.%06d', t[1], tonumber(t[2]))
 redis.call('HSET', key, 'status', 'dispatched', 'replica', ARGV[1], 'dispatched_at', at)
 redis.call('HINCRBY', key, 'attempts', 1)
 return {id, redis.call('HGETALL', key)}
+"""
+
+# One streamed chunk, under the same fences as the request's end (_END): not from a replica that no
+# longer holds the request (-1), nor under a superseded failover epoch (0) or node epoch (-2).
+# KEYS: request, stream, the pair's epoch (or any key when unfenced), the node's epoch (or any key).
+# ARGV: replica id or '', pair epoch or '', node epoch or '', the chunk, ttl.
+_CHUNK = """
+if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[2] then return 0 end
+if ARGV[3] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') > tonumber(ARGV[3]) then return -2 end
+if ARGV[1] ~= '' then
+  local owner = redis.call('HGET', KEYS[1], 'replica')
+  if owner and owner ~= ARGV[1] then return -1 end
+end
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+return 1
 """
 
 # A submit, whole or not at all (a Redis killed mid-way leaves no request half written: its
@@ -278,6 +318,8 @@ return math.max(current, tonumber(ARGV[1]))
 #   its replica was written off (its node went silent) has an owner of '' or of the
 #   replica that took it since, so the written-off replica's late answer never lands beside the
 #   new one. A request whose record has expired has no owner to check, and is written as before;
+# - behind its node's epoch when ARGV[10] is not empty: a replica of a node written off since it
+#   started has nothing more accepted (gpuportal.wire.node_lease);
 # - the token pushed to gp:done:<id> carries the final fields (all but input and params), so a
 #   waiter has the answer in the same round trip as its wake-up, with no read of the hash after.
 # - a compact record of it (times, token counts from the answer's `usage`, status) goes onto
@@ -287,15 +329,17 @@ return math.max(current, tonumber(ARGV[1]))
 #   from the answer by the caller: decoding the answer here (an embedding call's can be megabytes)
 #   would hold Redis, which runs one script at a time, for every request's end.
 # KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count,
-# records. ARGV: epoch or '', request id, ttl, now, stream end marker, replica id or '', the records'
-# cap, prompt tokens or '', output tokens or '', then the request's field/value pairs.
+# records, the node's epoch (or any key). ARGV: epoch or '', request id, ttl, now, stream end
+# marker, replica id or '', the records' cap, prompt tokens or '', output tokens or '', node epoch
+# or '', then the request's field/value pairs.
 _END = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[10] ~= '' and tonumber(redis.call('GET', KEYS[9]) or '0') > tonumber(ARGV[10]) then return -2 end
 if ARGV[6] ~= '' then
   local owner = redis.call('HGET', KEYS[2], 'replica')
   if owner and owner ~= ARGV[6] then return -1 end
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 10))
+redis.call('HSET', KEYS[2], unpack(ARGV, 11))
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 local fields = redis.call('HGETALL', KEYS[2])

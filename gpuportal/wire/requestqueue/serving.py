@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import redis
 
+from gpuportal.wire.node_lease import NodeFence, epoch_key, lease_key
 from gpuportal.wire.requestqueue._base import QueueBase
 from gpuportal.wire.requestqueue.protocol import (
     DELETED_TTL_S,
@@ -13,6 +14,7 @@ from gpuportal.wire.requestqueue.protocol import (
     REQUEST_PREFIX,
     STREAM_RESTART,
     TTL_S,
+    LeaseLapsed,
     Request,
     WrittenOff,
     deleted_key,
@@ -29,24 +31,30 @@ from gpuportal.wire.requestqueue.protocol import (
 class Serving(QueueBase):
     # -- the replica side ----------------------------------------------------------------------
 
-    def take(self, deployment: str, replica_id: str, timeout: float) -> Request | None:
+    def take(self, deployment: str, replica_id: str, timeout: float, node: NodeFence | None = None) -> Request | None:
         """The oldest waiting request, moved atomically into this replica's processing list.
 
         Waits up to `timeout` seconds for one; timeout <= 0 only looks (a batch that must keep stepping).
+        Under `node`'s fence (gpuportal.wire.node_lease): WrittenOff once its epoch was raised,
+        LeaseLapsed while its lease is not held under that epoch.
         """
-        return self._take(deployment, replica_id, timeout, None)[0]
+        return self._take(deployment, replica_id, timeout, None, node)[0]
 
     def take_renewing(
-        self, deployment: str, replica_id: str, timeout: float, family: str
+        self, deployment: str, replica_id: str, timeout: float, family: str, node: NodeFence | None = None
     ) -> tuple[Request | None, bool]:
         """`take`, renewing in the same round trip the replica's claim to take `family` requests
         (see `announce`); and whether the claim was still there to renew."""
-        return self._take(deployment, replica_id, timeout, family)
+        return self._take(deployment, replica_id, timeout, family, node)
 
-    def _take(self, deployment: str, replica_id: str, timeout: float, renew: str | None) -> tuple[Request | None, bool]:
+    def _take(
+        self, deployment: str, replica_id: str, timeout: float, renew: str | None, node: NodeFence | None
+    ) -> tuple[Request | None, bool]:
         source, target = queue_key(deployment), processing_key(replica_id)
         keys = [target, written_off_key(replica_id), source]
-        args = [replica_id, REQUEST_PREFIX]
+        # Unfenced by a node, the node keys are any keys: the script never reads them then.
+        keys += [epoch_key(node.node), lease_key(node.node)] if node is not None else [target, target]
+        args = [replica_id, REQUEST_PREFIX, str(node.epoch) if node is not None else ""]
         # The move and the marking in one round trip: Redis runs the script the moment the move
         # returns. By its SHA, so the pipeline sends no SCRIPT EXISTS first; a Redis that lost
         # its scripts (a restart) answers NOSCRIPT, and the marking runs again on its own.
@@ -72,6 +80,9 @@ class Serving(QueueBase):
             raise marked
         if marked == -1:
             raise WrittenOff(f"replica {replica_id} was written off by the control plane: it takes no more requests")
+        if marked == -2:
+            assert node is not None
+            raise LeaseLapsed(f"node {node.node} holds no lease under epoch {node.epoch}: taking nothing until it does")
         if not marked:
             return None, renewed
         # Marked even if this move found nothing: an earlier move whose marking never ran (its

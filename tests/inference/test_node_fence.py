@@ -1,0 +1,155 @@
+"""A node written off is fenced by its epoch: its replicas take nothing while its lease is not held
+under the epoch they were started with, and once the control plane raises the epoch nothing they
+take, stream or answer is accepted; its agent stops them all before it renews under the new one.
+
+Real Redis; no process is started (the agent's supervisor is its own class, with the replica
+processes it would stop recorded rather than run)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+from django.conf import settings
+
+from gpuportal.wire import node_lease
+from gpuportal.wire.node_lease import NodeFence
+from gpuportal.wire.requestqueue import LeaseLapsed, NodeWrittenOff, NotTaken, RequestQueue, WrittenOff
+
+
+@pytest.fixture
+def client():
+    connection = redis.Redis.from_url(settings.REDIS_URL)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def node(client):
+    name = f"fence-{uuid.uuid4().hex[:8]}"
+    yield name
+    client.delete(node_lease.epoch_key(name), node_lease.lease_key(name))
+
+
+@pytest.fixture
+def rq(client):
+    return RequestQueue(client)
+
+
+def submit(rq: RequestQueue, deployment: str, stream: bool = False):
+    return rq.submit(deployment, kind="generate", input="hi", params={"stream": stream}, owner="u")
+
+
+def test_a_renewal_under_an_epoch_the_control_plane_raised_since_is_refused_and_names_the_new_one(client, node):
+    assert node_lease.renew(client, node, ttl_s=30, epoch=0) == 0
+    assert node_lease.held(client, [node]) == {node}
+
+    assert node_lease.write_off(client, node) == 1
+
+    assert node_lease.held(client, [node]) == set(), "writing a node off drops its lease"
+    assert node_lease.renew(client, node, ttl_s=30, epoch=0) == 1
+    assert node_lease.held(client, [node]) == set(), "nothing renewed under the old epoch"
+    assert node_lease.renew(client, node, ttl_s=30, epoch=1) == 1
+    assert node_lease.held(client, [node]) == {node}
+
+
+def test_an_epoch_redis_forgot_is_restored_from_the_agent_that_holds_it(client, node):
+    # A Redis restarted without its file: the agent had epoch 3 from the control plane.
+    assert node_lease.renew(client, node, ttl_s=30, epoch=3) == 3
+    assert node_lease.current_epoch(client, node) == 3
+    assert node_lease.renew(client, node, ttl_s=30, epoch=2) == 3, "and an older epoch stays refused"
+
+
+def test_a_replica_takes_nothing_while_its_node_holds_no_lease_under_its_epoch(client, rq, node):
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    request = submit(rq, deployment)
+    fence = NodeFence(node, 0)
+
+    with pytest.raises(LeaseLapsed):
+        rq.take(deployment, "r1", timeout=0, node=fence)
+    assert rq.get(request.id).status == "queued" and rq.depth(deployment) == 1, "given back untouched"
+
+    node_lease.renew(client, node, ttl_s=30, epoch=0)
+    taken = rq.take(deployment, "r1", timeout=0, node=fence)
+    assert taken is not None and taken.id == request.id
+
+
+def test_a_replica_of_a_written_off_node_streams_answers_and_takes_nothing_more(client, rq, node):
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    node_lease.renew(client, node, ttl_s=30, epoch=0)
+    old = NodeFence(node, 0)
+    first = submit(rq, deployment, stream=True)
+    second = submit(rq, deployment)
+    taken = rq.take(deployment, "old", timeout=0, node=old)
+    assert taken is not None and taken.id == first.id
+    rq.chunk(first.id, "Hel", "old", node=old)
+
+    node_lease.write_off(client, node)  # what the heartbeat sweep does before giving its work back
+
+    with pytest.raises(NodeWrittenOff):
+        rq.chunk(first.id, "lo", "old", node=old)
+    with pytest.raises(NodeWrittenOff):
+        rq.finish(first.id, "old", {"text": "Hello"}, node=old)
+    with pytest.raises(WrittenOff):
+        rq.take(deployment, "old", timeout=0, node=old)
+    assert rq.get(second.id).status == "queued", "the refused take gave its request back"
+    assert rq.read_stream(first.id, 0, 0) == (["Hel"], False), "no chunk after the write-off"
+    assert not rq.get(first.id).final
+
+    # Given back by the control plane and answered once, by a replica of a node in good standing.
+    rq.requeue_from("old", max_attempts=3, reason="lost with its node")
+    retaken = rq.take(deployment, "new", timeout=0)
+    assert retaken is not None and retaken.id == first.id
+    rq.finish(first.id, "new", {"text": "Hello"})
+    assert rq.get(first.id).status == "done" and rq.get(first.id).replica == "new"
+
+
+def test_a_chunk_for_a_request_given_back_to_another_replica_is_refused(rq):
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    request = submit(rq, deployment, stream=True)
+    rq.take(deployment, "old", timeout=0)
+    rq.write_off("old")
+    rq.requeue_from("old", max_attempts=3, reason="written off")
+    rq.take(deployment, "new", timeout=0)
+
+    with pytest.raises(NotTaken):
+        rq.chunk(request.id, "late", "old")
+    rq.chunk(request.id, "fresh", "new")
+    assert "late" not in rq.read_stream(request.id, 0, 0)[0]
+
+
+class Stops:
+    """The agent's supervisor, as far as a fenced renewal uses it: what it runs, what it stops,
+    and whether the lease was held when it stopped them."""
+
+    def __init__(self, client, node: str, running: list[str]):
+        self.client, self.node, self.running = client, node, running
+        self.node_fence: NodeFence | None = None
+        self.stopped: list[str] = []
+        self.lease_held_at_stop: set[str] | None = None
+
+    def states(self) -> dict[str, str]:
+        return dict.fromkeys(self.running, "serving")
+
+    def stop_written_off(self, replica_ids, timeout: float = 5.0) -> list[str]:
+        self.lease_held_at_stop = node_lease.held(self.client, [self.node])
+        self.stopped, self.running = list(replica_ids), []
+        return self.stopped
+
+
+def test_an_agent_that_finds_its_node_written_off_stops_its_replicas_before_it_renews(client, node):
+    from inference.agent import NodeAgent
+
+    agent = NodeAgent(node, control=None, backend="virtual", heartbeat_s=1)
+    agent.supervisor = Stops(client, node, ["a", "b"])
+    agent._hold_epoch(0)
+    agent.renew_lease()
+    node_lease.write_off(client, node)
+
+    agent.renew_lease()
+
+    assert agent.supervisor.stopped == ["a", "b"]
+    assert agent.supervisor.lease_held_at_stop == set(), "nothing renewed while they still ran"
+    assert agent.epoch == 1 and agent.supervisor.node_fence == NodeFence(node, 1), "what it starts next"
+    assert node_lease.held(client, [node]) == {node}
