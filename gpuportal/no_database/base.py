@@ -18,7 +18,17 @@ def refuse(*args: Any, **kwargs: Any) -> NoReturn:
     raise ImproperlyConfigured(WHY)
 
 
+class DatabaseOperations(dummy.DatabaseOperations):
+    quote_name = refuse
+
+
+class DatabaseIntrospection(dummy.DatabaseIntrospection):
+    get_table_list = get_table_description = get_relations = get_indexes = refuse
+
+
 class DatabaseWrapper(dummy.DatabaseWrapper):
+    ops_class = DatabaseOperations
+    introspection_class = DatabaseIntrospection
     _cursor = refuse
     ensure_connection = refuse
     _commit = refuse

@@ -6,8 +6,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
-from gpuportal import no_database
 from gpuportal.celery import app
+from gpuportal.no_database.base import ENGINE as NO_DATABASE
 from gpuportal.wire import node_auth
 from inference import load_slots
 from inference.agent import NodeAgent
@@ -134,6 +134,6 @@ def without_database() -> None:
     unset, and an agent that reached it by mistake would pass unnoticed. Any use now raises,
     naming why (gpuportal.no_database); a failover member's start says so too (inference.tasks)."""
     connections.close_all()
-    connections.settings = connections.configure_settings({"default": {"ENGINE": no_database.base.ENGINE}})
+    connections.settings = connections.configure_settings({"default": {"ENGINE": NO_DATABASE}})
     for alias in list(connections):
         del connections[alias]
