@@ -54,12 +54,16 @@ class RemoteControl:
         redis_url: str,
         *,
         token: str | None = None,
+        node: str = "",
         timeout_s: float = 120.0,
         outage_s: float = 60.0,
     ):
         self.app = app
         # The node's credential (gpuportal.wire.node_auth), sent with every call.
         self.token = token
+        # Its answers' lists are named after the node: its Redis user reads only its own
+        # (gpuportal.wire.node_acl).
+        self.replies_kind = f"agent:{node}" if node else "agent"
         self.redis = redis.Redis.from_url(redis_url)
         # How long a call waits for the control plane (its worker busy, restarting, or not up yet).
         self.timeout_s = timeout_s
@@ -67,7 +71,7 @@ class RemoteControl:
         self.outage_s = outage_s
 
     def call(self, name: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        call = Call(name, replies.new_list("agent"), args, kwargs, token=self.token)
+        call = Call(name, replies.new_list(self.replies_kind), args, kwargs, token=self.token)
         payload = encode_call(call)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         for attempt in self._on_outage():

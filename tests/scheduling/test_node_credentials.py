@@ -335,3 +335,53 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(10)
+
+
+# -- the node's Redis user ---------------------------------------------------------------------
+
+
+def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_another_nodes():
+    import uuid
+
+    import redis
+
+    from gpuportal.wire import node_acl
+
+    admin = redis.Redis.from_url(settings.REDIS_URL)
+    node, password = f"acl-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.execute_command(
+        "ACL", "SETUSER", node_acl.user_name(node), *node_acl.setuser_line(node, password).split()[3:]
+    )
+    try:
+        kwargs = admin.connection_pool.connection_kwargs
+        user = redis.Redis(
+            host=kwargs["host"],
+            port=kwargs["port"],
+            db=kwargs["db"],
+            username=node_acl.user_name(node),
+            password=password,
+        )
+        node_lease.renew(user, node, 5)
+        user.lpush(f"node.{node}", "a command")
+        user.lpush("agents", "a call")
+        user.lpush(f"gp:reply:agent:{node}:1", "an answer")
+        assert user.blpop([f"gp:reply:agent:{node}:1"], timeout=1) is not None
+        user.rpush("gp:reply:inspect:1", "an answer to a question")
+        user.set("gp:kv:some-replica", "{}")
+        for refused in (
+            lambda: node_lease.renew(user, "another-node", 5),
+            lambda: user.lpush("node.another-node", "a command"),
+            lambda: user.lpush(f"node.{node}2", "a longer name's command"),
+            lambda: user.lrange("agents", 0, -1),
+            lambda: user.blpop(["gp:reply:agent:another-node:1"], timeout=1),
+            lambda: user.get("gp:idem:alice:0"),
+            lambda: user.keys("*"),
+            lambda: user.flushall(),
+            lambda: user.config_get("*"),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+    finally:
+        admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
+        admin.delete(node_lease.lease_key(node), f"node.{node}", "gp:reply:inspect:1", "gp:kv:some-replica")
+        admin.lrem("agents", 0, "a call")  # no worker is to read it

@@ -116,7 +116,7 @@ class Command(BaseCommand):
             # The data plane talks to the control plane only through this gateway
             # (gpuportal.wire.control): calls on the `agents` queue, answered by its worker, each
             # with the node's credential.
-            control=RemoteControl(app, settings.REDIS_URL, token=token),
+            control=RemoteControl(app, settings.REDIS_URL, token=token, node=node),
             backend=backend,
             virtual_spec=virtual_gpus,
             cpu_cache_bytes=cache,

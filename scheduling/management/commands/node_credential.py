@@ -1,9 +1,10 @@
+import secrets
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
 from gpuportal.stackenv import write_private
-from gpuportal.wire import node_auth
+from gpuportal.wire import node_acl, node_auth
 from scheduling.services import node_credentials
 from scheduling.services.errors import ServiceError
 
@@ -34,8 +35,17 @@ class Command(BaseCommand):
         revoke.add_argument("node")
         revoke.add_argument("--reason", default="")
         revoke.add_argument("--by", default="manage.py node_credential")
+        acl = sub.add_parser(
+            "acl", help="Print the ACL SETUSER line of the node's own Redis user, to run in redis-cli."
+        )
+        acl.add_argument("node")
+        acl.add_argument("--password", help="The user's password (default: one made now, printed with the line).")
 
-    def handle(self, *args, action: str, node: str, by: str, **options):
+    def handle(self, *args, action: str, node: str, **options):
+        if action == "acl":
+            self.acl(node, options["password"] or secrets.token_urlsafe(24))
+            return
+        by = options["by"]
         try:
             if action == "revoke":
                 node_credentials.revoke(node, by, options["reason"])
@@ -57,3 +67,14 @@ class Command(BaseCommand):
             return
         write_private(path, token + "\n")
         self.stdout.write(f"node {node}'s credential issued; its token is in {path} ({node_auth.TOKEN_FILE_ENV})")
+
+    def acl(self, node: str, password: str) -> None:
+        try:
+            line = node_acl.setuser_line(node, password)
+        except ValueError as err:
+            raise CommandError(str(err)) from None
+        self.stdout.write(line)
+        self.stderr.write(
+            f"Then give node {node}'s agent REDIS_URL=redis://{node_acl.user_name(node)}:PASSWORD@HOST:PORT/DB "
+            "(what the rules cannot keep apart is in gpuportal/wire/node_acl.py)."
+        )
