@@ -260,7 +260,10 @@ class Portal:
         if result.returncode != 0:
             raise StackError(f"could not create the admin user: {_last_line(result.stderr or result.stdout)}")
         self.say(result.stdout.rstrip())
-        # Its own node's credential: a token kept from the last run while it is still valid.
+        # Its own node's credential: a token kept from the last run while it is still valid. A
+        # name that is no node's is left for the agent to refuse, in its own words.
+        if not node_auth.NODE_NAME.fullmatch(self.options.node):
+            return
         result = self.manage(
             "node_credential", "issue", self.options.node, "--token-file", str(self.node_token_file), "--keep",
             "--by", "manage.py up",
