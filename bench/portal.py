@@ -153,10 +153,15 @@ class Portal:
 
     def start_agent(self, name: str) -> subprocess.Popen:
         """Start (or start anew) the node agent `name`."""
+        from gpuportal.wire import node_auth
+        from scheduling.services import node_credentials
+
         gpus = self.agent_gpus[name]
         argv = [sys.executable, "manage.py", "agent", "--node", name]
         argv += ["--virtual-gpus", gpus] if gpus is not None else []
-        self.agents[name] = self._spawn(argv, f"agent-{name}")
+        # A credential of its own, as an operator issues one (the portal runs them `required`).
+        token = node_credentials.issue(name, "bench")
+        self.agents[name] = self._spawn(argv, f"agent-{name}", {node_auth.TOKEN_ENV: token})
         return self.agents[name]
 
     def ready(self, key: str) -> None:
@@ -189,8 +194,10 @@ class Portal:
                 except subprocess.TimeoutExpired:
                     child.kill()
 
-    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(self.tmp / f"{name}.log", "a") as log:  # the child keeps its own copy of the descriptor
-            child = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            child = subprocess.Popen(
+                argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+            )
         self.children.append(child)
         return child

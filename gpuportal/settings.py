@@ -50,6 +50,10 @@ def database_from_url(url: str) -> dict:
 
 
 STACK_URLS = resolve_stack_urls(os.environ)
+# Whether this process was told where the database is. A node agent needs none (it reaches the
+# control plane through Redis alone), and one that was not told opens none rather than the local
+# default below (gpuportal.management.commands.agent).
+DATABASE_URL_GIVEN = "DATABASE_URL" in STACK_URLS
 DATABASE_URL = STACK_URLS.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/gpuportal")
 REDIS_URL = STACK_URLS.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -285,6 +289,12 @@ GPUPORTAL_TOKEN_CACHE_S = env_float("GPUPORTAL_TOKEN_CACHE_S", 5.0)
 # How long past that it is still trusted at once while a thread looks it up again: a frozen or
 # restarting database does not hold up a request that needs nothing else from it.
 GPUPORTAL_TOKEN_STALE_S = env_float("GPUPORTAL_TOKEN_STALE_S", 60.0)
+# Node credentials (scheduling.services.node_credentials): `required`, every agent's call carries
+# a valid token of its node; `open`, a node that was never issued one may call without (a node that
+# has one must show it, and a revoked node is always refused).
+GPUPORTAL_NODE_AUTH = os.environ.get("GPUPORTAL_NODE_AUTH", "required").strip().lower() or "required"
+if GPUPORTAL_NODE_AUTH not in {"required", "open"}:
+    raise ValueError(f"GPUPORTAL_NODE_AUTH must be 'required' or 'open', not {GPUPORTAL_NODE_AUTH!r}")
 # Failover pairs (seed 004). After a PostgreSQL restart the previous lock holder has this long to
 # re-acquire before its standby takes over; a takeover's wake past its timeout ends the process;
 # an active member silent past the liveness timeout is killed by its node agent.

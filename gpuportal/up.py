@@ -37,6 +37,7 @@ from gpuportal.stack import (
     port_in_use,
 )
 from gpuportal.stackenv import STATUS_FILE, redact, write_stack_env, write_status
+from gpuportal.wire import node_auth
 
 ROOT = Path(__file__).resolve().parent.parent
 # A process that dies once the portal is up is started again (one that fails while the portal
@@ -165,6 +166,11 @@ class Portal:
     def admin_password_file(self) -> Path:
         return self.options.data_dir / "admin-password"
 
+    @property
+    def node_token_file(self) -> Path:
+        """Its agent's credential (0600), which `up` issues itself (prepare_database)."""
+        return self.options.data_dir / "node-tokens" / self.options.node
+
     # -- start -------------------------------------------------------------------------------
 
     def check(self) -> None:
@@ -218,6 +224,7 @@ class Portal:
                 stale.unlink()
         metrics_dir.mkdir(exist_ok=True)
         env.update(urls)
+        env.pop(node_auth.TOKEN_ENV, None)  # another node's, or an old one: the file below is this node's
         if not env.get("GPUPORTAL_SECRET_KEY"):
             env["GPUPORTAL_SECRET_KEY"] = kept_secret_key(self.options.data_dir / "secret-key")
         env.update(
@@ -226,6 +233,8 @@ class Portal:
                 # Where ensure_admin writes the password it generates (0600): see the banner.
                 "GPUPORTAL_ADMIN_PASSWORD_FILE": str(self.admin_password_file),
                 "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+                # Only the agent reads it: the token its node's credential holds.
+                node_auth.TOKEN_FILE_ENV: str(self.node_token_file),
                 "PYTHONUNBUFFERED": "1",
                 "DJANGO_SETTINGS_MODULE": "gpuportal.settings",
             }
@@ -251,6 +260,17 @@ class Portal:
         if result.returncode != 0:
             raise StackError(f"could not create the admin user: {_last_line(result.stderr or result.stdout)}")
         self.say(result.stdout.rstrip())
+        # Its own node's credential: a token kept from the last run while it is still valid. A
+        # name that is no node's is left for the agent to refuse, in its own words.
+        if not node_auth.NODE_NAME.fullmatch(self.options.node):
+            return
+        result = self.manage(
+            "node_credential", "issue", self.options.node, "--token-file", str(self.node_token_file), "--keep",
+            "--by", "manage.py up",
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise StackError(f"could not issue node {self.options.node}'s credential: "
+                             f"{_last_line(result.stderr or result.stdout)}")  # fmt: skip
 
     def plan_children(self) -> list[Child]:
         opts = self.options

@@ -20,8 +20,9 @@ from django.conf import settings
 from gpuportal.celery import app
 from gpuportal.wire import node_lease, replies
 from gpuportal.wire.commands import node_queue
-from gpuportal.wire.control import ControlPlane
+from gpuportal.wire.control import ControlPlane, Refused
 from gpuportal.wire.inspection import INSPECT_QUEUE
+from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from inference.devices import VirtualProfile, discover
@@ -46,6 +47,18 @@ def supervisor() -> Supervisor:
 
 def node_name() -> str:
     return current().name
+
+
+class CredentialRefused(ValueError):
+    """The control plane refused this node's credential: the agent stops, with its replicas."""
+
+
+def refused_message(node: str, err: Exception) -> str:
+    return (
+        f"node {node}: {err}. Issue it a credential (`gpuportal node add {node}`, or "
+        f"`manage.py node_credential issue {node}`) and pass it to the agent in {TOKEN_FILE_ENV} "
+        f"(or {TOKEN_ENV})"
+    )
 
 
 class NodeAgent:
@@ -82,6 +95,8 @@ class NodeAgent:
         self.epoch = 0
         # Whether its GPUs are virtual (no NVML to ask): known for sure once it has registered.
         self.virtual = backend == "virtual"
+        # Why the control plane refused this node's credential, once it has: the agent stops.
+        self.refused: str | None = None
 
     @property
     def queue(self) -> str:
@@ -130,7 +145,21 @@ class NodeAgent:
         replica's reader thread, so one replica's events arrive in the order it emitted them."""
         if event.get("event") == "pong":
             return  # answers ping_all: the heartbeat reads its figures from the supervisor
-        self.control.report(replica_id, event)
+        try:
+            self.control.report(replica_id, event)
+        except Refused as err:
+            self.fence(err)
+
+    def fence(self, err: Exception) -> None:
+        """The control plane no longer takes this node's word (its credential was revoked or
+        replaced): what its replicas serve is written off there, so the agent stops them and
+        itself rather than serve on unheard."""
+        if self.refused is not None:
+            return
+        self.refused = refused_message(self.name, err)
+        log.error("%s; stopping the agent and its replicas", self.refused)
+        self._stop.set()  # no more beats: each would be refused too
+        os.kill(os.getpid(), signal.SIGTERM)  # the worker's warm shutdown, then stop()
 
     def start_heartbeat(self) -> None:
         self._heartbeat_thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
@@ -142,6 +171,8 @@ class NodeAgent:
             self.renew_lease()
             try:
                 self.beat_once()
+            except Refused as err:
+                self.fence(err)
             except Exception:
                 log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
 
@@ -234,6 +265,10 @@ class NodeAgent:
             node_lease.release(replies.client(settings.REDIS_URL), self.name)
         except redis.RedisError as err:
             log.warning("cannot release node %s's lease (Redis: %s); it expires by itself", self.name, err)
+        if self.refused is not None:
+            # Refused, its word counts for nothing: the control plane wrote the node off itself.
+            self.supervisor.stop_all()
+            return
         try:
             # Then out of placement, so that the replacements of its replicas go elsewhere.
             self.control.node_stopping(self.name, reason)
@@ -275,7 +310,12 @@ class NodeAgent:
         # the node would wait out the heartbeat timeout instead of saying it stopped.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._early_stop)
-        self.register()
+        try:
+            self.register()
+        except Refused as err:
+            # Its survivors, if any, were taken over and must not serve on unheard.
+            self.supervisor.stop_all()
+            raise CredentialRefused(refused_message(self.name, err)) from None
         self.start_heartbeat()
         try:
             if not self._stop_requested.is_set():
@@ -283,6 +323,8 @@ class NodeAgent:
                 self.run_worker(loglevel)
         finally:
             self.stop()
+        if self.refused is not None:
+            raise CredentialRefused(self.refused)
 
     def _early_stop(self, signum: int, frame: object) -> None:
         self._stop_requested.set()

@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from gpuportal.wire import replies
+from gpuportal.wire import node_auth, replies
 from gpuportal.wire.control import (
     AGENT_CALL_TASK,
     AGENT_QUEUE,
@@ -24,6 +24,7 @@ from gpuportal.wire.control import (
     TIMEOUTS_S,
     Call,
     ControlError,
+    Refused,
     encode_call,
 )
 
@@ -47,8 +48,22 @@ class RemoteControl:
     """gpuportal.wire.control.ControlPlane over Celery and Redis: every call of the contract,
     sent as written there."""
 
-    def __init__(self, app: Celery, redis_url: str, *, timeout_s: float = 120.0, outage_s: float = 60.0):
+    def __init__(
+        self,
+        app: Celery,
+        redis_url: str,
+        *,
+        token: str | None = None,
+        node: str = "",
+        timeout_s: float = 120.0,
+        outage_s: float = 60.0,
+    ):
         self.app = app
+        # The node's credential (gpuportal.wire.node_auth), sent with every call.
+        self.token = token
+        # Its answers' lists are named after the node: its Redis user reads only its own
+        # (gpuportal.wire.node_acl).
+        self.replies_kind = f"agent:{node}" if node else "agent"
         self.redis = redis.Redis.from_url(redis_url)
         # How long a call waits for the control plane (its worker busy, restarting, or not up yet).
         self.timeout_s = timeout_s
@@ -56,7 +71,7 @@ class RemoteControl:
         self.outage_s = outage_s
 
     def call(self, name: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        call = Call(name, replies.new_list("agent"), args, kwargs)
+        call = Call(name, replies.new_list(self.replies_kind), args, kwargs, token=self.token)
         payload = encode_call(call)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         for attempt in self._on_outage():
@@ -68,6 +83,8 @@ class RemoteControl:
                 with attempt:
                     return replies.wait(self.redis, call.reply_to, timeout, name)
         except replies.NoAnswer as err:
+            if node_auth.is_refusal(str(err)):
+                raise Refused(str(err)) from None
             raise ControlError(str(err)) from None
 
     def _on_outage(self) -> Retrying:
@@ -94,6 +111,8 @@ class RemoteControl:
     def report(self, replica_id: str, event: dict[str, Any]) -> None:
         try:
             self._report(replica_id, event)
+        except Refused:
+            raise  # the agent stops: no report of this node will be taken any more
         except Exception:
             # The reader thread must go on to the next event; the heartbeat's books let the
             # control plane catch up with what a lost report said.

@@ -79,6 +79,10 @@ def _still_wanted(replica_id: str, state: str) -> str | None:
     return None if found == state else f"skipped: replica is {found or 'gone'}"
 
 
+class NoDatabase(RuntimeError):
+    """A failover member was to start on an agent that has no database to hold its lock on."""
+
+
 def with_local_urls(spec: commands.ReplicaSpec) -> commands.ReplicaSpec:
     """The spec with what only this host knows: how it reaches Redis, and (a failover member's
     lock connection) the database."""
@@ -91,12 +95,17 @@ def with_local_urls(spec: commands.ReplicaSpec) -> commands.ReplicaSpec:
 
 
 def database_dsn() -> str:
-    """A libpq URL of this process's database, for a failover member's own lock connection."""
+    """A libpq URL of this process's database, for a failover member's own lock connection; a
+    NoDatabase error on an agent that was given none."""
     from urllib.parse import quote
 
     from django.db import connection
 
+    from gpuportal.no_database.base import ENGINE, WHY
+
     s = connection.settings_dict
+    if s["ENGINE"] == ENGINE:
+        raise NoDatabase(f"a failover pair's member holds its lock on a database connection of its own, and {WHY}")
     auth = quote(s["USER"] or "", safe="") + (f":{quote(s['PASSWORD'], safe='')}" if s["PASSWORD"] else "")
     return f"postgresql://{auth}@{s['HOST'] or 'localhost'}:{s['PORT'] or 5432}/{quote(s['NAME'], safe='')}"
 
@@ -157,9 +166,17 @@ def start_replica(payload: dict) -> str:
     if late := wait_released(list(command.wait_for), list(spec.gpus), virtual=spec.backend == "virtual"):
         log.warning("replica %s starts while %s still hold memory", spec.replica_id, ", ".join(late))
     current = agent.current()
+    try:
+        local = with_local_urls(spec)
+    except NoDatabase as err:
+        # The replica never runs: its load fails with why, and the control plane places it elsewhere
+        # or gives up after its failed loads, as for any load error.
+        log.error("replica %s cannot start: %s", spec.replica_id, err)
+        current.relay(spec.replica_id, {"event": "failed", "reason": str(err), "kind": "load"})
+        return f"not started: {err}"
     if spec.replica_id in current.supervisor.running():
         current.supervisor.stop(spec.replica_id)  # a restart (e.g. after a CUDA assert): a fresh process
-    current.supervisor.start(with_local_urls(spec), on_event=current.relay)
+    current.supervisor.start(local, on_event=current.relay)
     return "started"
 
 

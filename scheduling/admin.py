@@ -27,6 +27,7 @@ from scheduling.models import (
     Event,
     FailoverLease,
     Node,
+    NodeCredential,
     Occupant,
     PreemptionIntent,
     Replica,
@@ -86,6 +87,40 @@ class NodeAdmin(ReadOnlyAdmin):
     @admin.display(description="CPU cache", ordering="cpu_cache_bytes")
     def cpu_cache(self, obj: Node) -> str:
         return gib(obj.cpu_cache_bytes)
+
+
+@admin.register(NodeCredential)
+class NodeCredentialAdmin(admin.ModelAdmin):
+    """Issued (added) and revoked here through scheduling.services.node_credentials, never edited:
+    the token is shown once, in a message, and only its hash is kept."""
+
+    list_display = ["node", "valid", "created_at", "created_by", "revoked_at", "last_used_at"]
+    list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
+    search_fields = ["node"]
+    fields = ["node"]
+    readonly_fields = ["token_hash", "created_at", "created_by", "revoked_at", "last_used_at"]
+    actions = [admin_actions.issue_node_credentials, admin_actions.revoke_node_credentials]
+
+    def get_fields(self, request: HttpRequest, obj: NodeCredential | None = None) -> list[str]:
+        return ["node"] if obj is None else ["node", *self.readonly_fields]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: NodeCredential | None = None) -> list[str]:
+        return [] if obj is None else ["node", *self.readonly_fields]
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    @admin.display(boolean=True, description="valid")
+    def valid(self, obj: NodeCredential) -> bool:
+        return obj.revoked_at is None
+
+    def save_model(self, request: HttpRequest, obj: NodeCredential, form: object, change: bool) -> None:
+        # Issued by the service, not saved from the form: the token is made, its hash kept, and
+        # an Event written there. The form's own check refuses a node that has one already.
+        obj.pk = admin_actions.issue_and_show(self, request, obj.node).pk
 
 
 class OccupantInline(ReadOnlyInline):

@@ -30,7 +30,7 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import QuerySet
 
 from scheduling import hot_sql
-from scheduling.models import GPU, Deployment, DeploymentObserved, Hearing, Node, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Hearing, Node, NodeCredential, Replica
 from scheduling.services.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,12 @@ def lock_node_if_there(name: str) -> Node | None:
 
 def lock_or_create_node(name: str, defaults: dict) -> tuple[Node, bool]:
     return Node.objects.select_for_update().get_or_create(name=name, defaults=defaults)
+
+
+def lock_node_credential(name: str) -> NodeCredential | None:
+    """A node's credential row, if it has one. Its own transaction, before the node's row is
+    taken: revoking writes the credential off first, then the node (nodes.mark_stopped)."""
+    return NodeCredential.objects.select_for_update().filter(node=name).first()
 
 
 def lock_hearing() -> Hearing | None:

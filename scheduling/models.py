@@ -56,6 +56,27 @@ class Node(models.Model):
         return self.name
 
 
+class NodeCredential(models.Model):
+    """What a node's agent shows with every call (scheduling.services.node_credentials). By name,
+    not a foreign key: a credential is issued before its node first registers. Only the token's
+    hash is kept; the token is shown once, when it is issued."""
+
+    node = models.SlugField(max_length=100, unique=True, help_text="The node's name, as its agent's --node.")
+    token_hash = models.CharField(
+        max_length=64, db_index=True, help_text="sha256 of the token, hex: the token itself is not kept."
+    )
+    created_at = models.DateTimeField(help_text="When this token was issued (a re-issue replaces it).")
+    created_by = models.CharField(max_length=150, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    last_used_at = models.DateTimeField(null=True, blank=True, help_text="A call carried it (to the minute).")
+
+    class Meta:
+        ordering = ["node"]
+
+    def __str__(self) -> str:
+        return f"{self.node} ({'revoked' if self.revoked_at else 'valid'})"
+
+
 class GPU(models.Model):
     class Health(models.TextChoices):
         OK = "ok"
@@ -421,6 +442,11 @@ class Event(models.Model):
         NODE_OFFLINE = "node.offline"
         NODE_STOPPED = "node.stopped"
         NODE_DRAINING = "node.draining"
+        # A node's credential (scheduling.services.node_credentials): issued or replaced, revoked,
+        # and a call refused from a node the books still count replicas on.
+        NODE_CREDENTIAL = "node.credential"
+        NODE_REVOKED = "node.revoked"
+        NODE_REFUSED = "node.refused"
         GPU_REGISTERED = "gpu.registered"
         GPU_CHANGED = "gpu.changed"
         GPU_RESERVED = "gpu.reserved"

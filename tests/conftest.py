@@ -16,6 +16,8 @@ from hypothesis import settings as hypothesis_settings
 hypothesis_settings.register_profile("gpuportal", deadline=None)
 hypothesis_settings.load_profile("gpuportal")
 
+NODE_AUTH = "open"
+
 
 def pytest_configure(config):
     # Django's default hasher spends about half a second of CPU per password on this machine, by
@@ -24,6 +26,10 @@ def pytest_configure(config):
     from django.conf import settings
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    # The suite's agents and calls speak for nodes that were never issued a credential; a node that
+    # has one must still show it, and tests/scheduling/test_node_credentials.py runs `required`.
+    # The stacks that tests start (`up`) run the portal's own default, `required`.
+    settings.GPUPORTAL_NODE_AUTH = NODE_AUTH
 
     from tests.support import process_watch
 
@@ -183,6 +189,7 @@ def _process_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         "DATABASE_URL": database_url_of_this_test(),
         "REDIS_URL": settings.REDIS_URL,
         "GPUPORTAL_DATA_DIR": str(tmp_path),
+        "GPUPORTAL_NODE_AUTH": NODE_AUTH,
         **extra,
     }
 

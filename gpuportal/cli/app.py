@@ -21,6 +21,7 @@ from rich.text import Text
 from gpuportal.cli import config, planning, render
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.waiting import Goal, wait_for
+from gpuportal.wire import node_auth
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
 from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import ReplicaState as S
@@ -159,6 +160,33 @@ def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_rm(ctx: Context, args: argparse.Namespace) -> int:
     ctx.client.delete(deployment_path(args.name))
     ctx.out.print(Text(f"deleted {args.name}: its replicas stop and their memory is released"))
+    return 0
+
+
+def credential_path(name: str) -> str:
+    return f"/api/nodes/{quote(name, safe='')}/credential/"
+
+
+def cmd_node_add(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post(credential_path(args.name))
+    # The token on stdout alone, so `gpuportal node add gpu-7 > token` captures just it; how to
+    # pass it on, on stderr.
+    ctx.out.print(answer["token"], markup=False)
+    ctx.err.print(
+        Text(
+            f"node {args.name}'s credential: the token above is shown only this once (a previous one is refused "
+            f"from now on). Put it in a file (mode 0600) on the node's host and start its agent with "
+            f"{node_auth.TOKEN_FILE_ENV}=FILE python manage.py agent --node {args.name}"
+        )
+    )
+    return 0
+
+
+def cmd_node_revoke(ctx: Context, args: argparse.Namespace) -> int:
+    ctx.client.delete(credential_path(args.name), params={"reason": args.reason} if args.reason else None)
+    ctx.out.print(
+        Text(f"revoked node {args.name}'s credential: its calls are refused, and its replicas are replaced elsewhere")
+    )
     return 0
 
 
@@ -432,6 +460,16 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     rm = commands.add_parser("rm", help="delete a deployment: its replicas stop")
     rm.add_argument("name")
     rm.set_defaults(run=cmd_rm)
+
+    node = commands.add_parser("node", help="issue or revoke a node's credential (staff)")
+    node_commands = node.add_subparsers(dest="node_command", required=True, metavar="ACTION")
+    add = node_commands.add_parser("add", help="issue the node's credential and print its token, once")
+    add.add_argument("name", help="the node's name, as its agent's --node")
+    add.set_defaults(run=cmd_node_add)
+    revoke = node_commands.add_parser("revoke", help="revoke the node's credential: it is written off")
+    revoke.add_argument("name")
+    revoke.add_argument("--reason", help="why, for the audit trail")
+    revoke.set_defaults(run=cmd_node_revoke)
 
 
 def _add_the_record(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -102,8 +102,8 @@ class Client:
     def post(self, path: str, body: Any = None) -> Any:
         return self.request("POST", path, body=body)
 
-    def delete(self, path: str) -> Any:
-        return self.request("DELETE", path)
+    def delete(self, path: str, params: dict | None = None) -> Any:
+        return self.request("DELETE", path, params=params)
 
     def pages(self, path: str, params: dict | None = None, *, page_size: int = 1000) -> Iterator[dict]:
         """Every result of a paginated list, page after page. By page number rather than the

@@ -84,6 +84,9 @@ TIMEOUTS_S: Mapping[str, float] = {"heartbeat": 30, "node_stopping": 10, "node_s
 # Arguments added to version 1 with a default: sent only when known, so that a call without them
 # reads as it did before them.
 OPTIONAL: Mapping[str, tuple[str, ...]] = {"heartbeat": ("processes", "arenas")}
+# The calls whose first argument is the node they speak for; the others name a replica, which
+# speaks for the node the books place it on.
+NODE_CALLS = ("register_node", "heartbeat", "node_stopping", "node_stopped")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,10 @@ class Call:
     reply_to: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # The node's credential (gpuportal.wire.node_auth), checked before the call is applied. Added
+    # to version 1 with a default: a call without one reads as it did before, and is refused
+    # unless the control plane lets that node call without a credential.
+    token: str | None = field(default=None, repr=False)
 
     def apply(self, control: ControlPlane) -> Any:
         return getattr(control, self.name)(*self.args, **self.kwargs)
@@ -109,13 +116,16 @@ def _plain(value: Any) -> Any:
 def encode_call(call: Call) -> dict[str, Any]:
     if call.name not in CALLS:
         raise WireError(f"unknown call {call.name!r} (known: {', '.join(CALLS)})")
-    return {
+    payload = {
         "v": VERSION,
         "call": call.name,
         "reply_to": call.reply_to,
         "args": _plain(list(call.args)),
         "kwargs": {k: _plain(v) for k, v in call.kwargs.items()},
     }
+    if call.token is not None:
+        payload["token"] = call.token
+    return payload
 
 
 def decode_call(payload: Any) -> Call:
@@ -133,6 +143,11 @@ def decode_call(payload: Any) -> Call:
     args, kwargs = payload.get("args", []), payload.get("kwargs", {})
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise WireError(f"a {name} call with bad arguments")
+    token = payload.get("token")
+    if token is not None and not isinstance(token, str):
+        raise WireError(f"a {name} call whose token is not a string")
+    if not args or not isinstance(args[0], str):
+        raise WireError(f"a {name} call names no {'node' if name in NODE_CALLS else 'replica'}")
     try:
         if name == "register_node":
             args = [args[0], [DeviceInfo(**d) for d in args[1]]]
@@ -146,7 +161,13 @@ def decode_call(payload: Any) -> Call:
                 kwargs = {**kwargs, "arenas": _arena_bytes(kwargs["arenas"])}
     except (IndexError, TypeError) as err:
         raise WireError(f"a {name} call with bad fields: {err}") from None
-    return Call(name, reply_to, tuple(args), kwargs)
+    return Call(name, reply_to, tuple(args), kwargs, token=token)
+
+
+def speaks_for(call: Call) -> tuple[str, str]:
+    """What the call speaks for: ("node", its name) or ("replica", its id), whose node the books
+    know (a token of one node cannot report for another's replica)."""
+    return ("node" if call.name in NODE_CALLS else "replica", call.args[0])
 
 
 def _process_states(value: Any) -> dict[str, str]:
@@ -165,3 +186,8 @@ def _arena_bytes(value: Any) -> dict[str, int]:
 
 class ControlError(NoAnswer):
     """The control plane could not carry out a call (its message), or did not answer in time."""
+
+
+class Refused(ControlError):
+    """The control plane refused the node's credential (gpuportal.wire.node_auth): the call was
+    not applied, and no call of this node will be until it has a valid one."""

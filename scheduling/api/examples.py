@@ -227,6 +227,18 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "/api/nodes/{name}/"): {"response": NODE_SHOWN},
     ("post", "/api/nodes/{name}/drain/"): {"response": {**NODE_SHOWN, "status": "draining"}},
     ("post", "/api/nodes/{name}/undrain/"): {"response": NODE_SHOWN},
+    ("post", "/api/nodes/{name}/credential/"): {
+        "response": {"node": "node1", "token": "gpn_Xq3v0mJc2kU9yR1tB8dLwA4sHfN6pE7gZo5iYbTcVuQ"}
+    },
+    ("delete", "/api/nodes/{name}/credential/"): {
+        "response": {
+            "node": "node1",
+            "created_at": AT,
+            "created_by": "admin",
+            "revoked_at": AT,
+            "last_used_at": AT,
+        }
+    },
     ("get", "/api/gpus/"): {
         "summary": "List GPUs: memory, occupants, waiting intents and the wake lock of each",
         "response": page(GPU_SHOWN),

@@ -14,8 +14,38 @@ from gpuportal.wire import deployment_spec
 from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import selectors
-from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Node, Occupant, PreemptionIntent, Replica
+from scheduling.models import (
+    GPU,
+    Deployment,
+    DeploymentObserved,
+    Event,
+    Node,
+    NodeCredential,
+    Occupant,
+    PreemptionIntent,
+    Replica,
+)
 from scheduling.services import host_cache
+
+
+class NodeCredentialSerializer(serializers.ModelSerializer):
+    """A node's credential as the books keep it: never its token."""
+
+    class Meta:
+        model = NodeCredential
+        fields = ["node", "created_at", "created_by", "revoked_at", "last_used_at"]
+
+
+class NodeCredentialIssuedSerializer(serializers.Serializer):
+    node = serializers.CharField()
+    token = serializers.CharField(
+        help_text="The node's token, shown this once: its agent reads it from GPUPORTAL_NODE_TOKEN_FILE "
+        "(or GPUPORTAL_NODE_TOKEN)."
+    )
+
+
+class RevokeFilterSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, default="", max_length=500, help_text="Why, for the Event.")
 
 
 class NodeSerializer(serializers.ModelSerializer):

@@ -21,6 +21,7 @@ from scheduling.api import serializers as s
 from scheduling.models import Deployment
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
+from scheduling.services import node_credentials
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
@@ -77,6 +78,38 @@ class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def undrain(self, request: Request, name: str) -> Response:
         node_services.undrain(name)
         return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
+
+    @extend_schema(
+        methods=["post"],
+        summary="Issue the node's credential (its token is shown once; a previous one is refused from now on)",
+        request=None,
+        responses={
+            201: s.NodeCredentialIssuedSerializer,
+            400: OpenApiResponse(description="Not a valid node name."),
+        },
+    )
+    @extend_schema(
+        methods=["delete"],
+        summary="Revoke the node's credential: its calls are refused and it is written off with its replicas",
+        parameters=[s.RevokeFilterSerializer],
+        request=None,
+        responses={
+            200: s.NodeCredentialSerializer,
+            400: OpenApiResponse(description="Not a valid node name."),
+            404: OpenApiResponse(description="The node has no credential."),
+            409: OpenApiResponse(description="Its credential is revoked already."),
+        },
+    )
+    # Any name, not only a node's that registered: a credential is issued before its agent starts.
+    @action(detail=True, methods=["post", "delete"])
+    def credential(self, request: Request, name: str) -> Response:
+        by = request.user.get_username()
+        if request.method == "POST":
+            token = node_credentials.issue(name, by)
+            body = s.NodeCredentialIssuedSerializer({"node": name, "token": token}).data
+            return Response(body, status=status.HTTP_201_CREATED)
+        reason = query_filters(request, s.RevokeFilterSerializer)["reason"]
+        return Response(s.NodeCredentialSerializer(node_credentials.revoke(name, by, reason)).data)
 
 
 @extend_schema_view(list=extend_schema(parameters=[s.GPUFilterSerializer]))

@@ -17,8 +17,8 @@ from django.db import InterfaceError, OperationalError, close_old_connections, c
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from gpuportal.wire import replies
-from gpuportal.wire.control import ControlError, WireError, decode_call
-from scheduling.services import nodes, replicas, reports
+from gpuportal.wire.control import ControlError, WireError, decode_call, speaks_for
+from scheduling.services import node_credentials, nodes, replicas, reports
 from scheduling.services.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ class ServicesGateway:
             raise ControlError(f"could not record {event.get('event')} of replica {replica_id}: {err}") from err
 
 
+# The calls that bring a node online: checked again once applied, in case its revocation committed
+# meanwhile (node_credentials.revoke writes the node off only after it has).
+ONLINE_CALLS = ("register_node", "heartbeat")
+
+
 def _answers() -> redis.Redis:
     return replies.client(settings.REDIS_URL)
 
@@ -87,7 +92,9 @@ def _answers() -> redis.Redis:
 def answer(payload: Any, control: ServicesGateway | None = None) -> str:
     """Applies one call of an agent (gpuportal.wire.control.Call) and pushes the answer to the
     list its caller blocks on. Returns the call's name. A call that cannot be read, or that the
-    services refuse, is answered with the error: the agent logs it instead of waiting it out."""
+    services refuse, is answered with the error: the agent logs it instead of waiting it out. A
+    call whose token is not the credential of the node it speaks for is not applied, and its
+    answer says so (scheduling.services.node_credentials): "refused"."""
     try:
         call = decode_call(payload)
     except WireError as err:
@@ -97,7 +104,15 @@ def answer(payload: Any, control: ServicesGateway | None = None) -> str:
             replies.answer(_answers(), reply_to, error=str(err))
         return "unreadable"
     try:
+        kind, subject = speaks_for(call)
+        refusal = node_credentials.check_call(kind, subject, call.token)
+        if refusal is not None:
+            log.warning("refused an agent's %s for %s %s: %s", call.name, kind, subject, refusal.why)
+            replies.answer(_answers(), call.reply_to, error=str(refusal))
+            return "refused"
         result = call.apply(control or ServicesGateway())
+        if call.name in ONLINE_CALLS and node_credentials.revoked(subject):
+            node_credentials.write_off_again(subject)
     except Exception as err:
         if not isinstance(err, ControlError | ServiceError):  # those say all there is to say
             log.exception("an agent's %s failed", call.name)

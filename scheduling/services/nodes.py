@@ -336,10 +336,11 @@ def _leases_held(beats: list[liveness.Beat]) -> set[str]:
         return set(names)
 
 
-def mark_stopping(name: str, reason: str) -> None:
+def mark_stopping(name: str, reason: str, *, kind: str = Event.Kind.NODE_STOPPED) -> None:
     """The agent is shutting down on purpose: say so now rather than after the heartbeat timeout.
     Offline, the node is no candidate for placement: the reconciles its replicas' `stopped`
-    reports set off place their replacements elsewhere, not back on a node that is leaving."""
+    reports set off place their replacements elsewhere, not back on a node that is leaving.
+    `kind`: the Event's, where the node is taken offline for another cause (a revocation)."""
     with transaction.atomic():
         node = locks.lock_node_if_there(name)
         if node is None or node.status == Node.Status.OFFLINE:
@@ -348,7 +349,7 @@ def mark_stopping(name: str, reason: str) -> None:
         node.status = Node.Status.OFFLINE
         node.save(update_fields=["status"])
         outbox.note(
-            Event.Kind.NODE_STOPPED,
+            kind,
             f"node {name}",
             reason,
             before={"status": before},
@@ -357,10 +358,10 @@ def mark_stopping(name: str, reason: str) -> None:
         )
 
 
-def mark_stopped(name: str, reason: str) -> None:
-    """The agent has stopped its replicas (or is gone): the node is offline, and what the books
-    still say runs on it is lost with it."""
-    mark_stopping(name, reason)
+def mark_stopped(name: str, reason: str, *, kind: str = Event.Kind.NODE_STOPPED) -> None:
+    """The agent has stopped its replicas (or is gone, or no longer heard: its credential was
+    revoked): the node is offline, and what the books still say runs on it is lost with it."""
+    mark_stopping(name, reason, kind=kind)
     # Its replicas stopped with it (they said so, or they are lost now): elsewhere, others take
     # their place.
     if replica_services.lose_with_node(name, f"lost with node {name} ({reason})"):

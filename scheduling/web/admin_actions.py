@@ -12,9 +12,10 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from gpuportal.wire import deployment_spec
-from scheduling.models import Deployment, Replica
+from scheduling.models import Deployment, NodeCredential, Replica
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
+from scheduling.services import node_credentials
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import ServiceError
@@ -195,3 +196,37 @@ def wake_replicas(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: 
         return f"{replica}: waking on {replica.node}"
 
     report_each(admin_view, request, queryset.values_list("id", flat=True), act)
+
+
+def issue_and_show(admin_view: admin.ModelAdmin, request: HttpRequest, node: str) -> NodeCredential:
+    """The node's credential issued, and its token shown in a message: the only time it is."""
+    token = node_credentials.issue(node, f"{request.user} (admin)")
+    admin_view.message_user(
+        request,
+        f"node {node}'s token, shown only this once: {token} (pass it to its agent in a 0600 file named by "
+        "GPUPORTAL_NODE_TOKEN_FILE; a previous token of the node is refused from now on)",
+        messages.WARNING,
+    )
+    return NodeCredential.objects.get(node=node)
+
+
+@admin.action(description="Issue a new token for selected nodes (their current one is refused from then on)")
+def issue_node_credentials(
+    admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[NodeCredential]
+) -> None:
+    for node in queryset.values_list("node", flat=True):
+        try:
+            issue_and_show(admin_view, request, node)
+        except ServiceError as err:
+            admin_view.message_user(request, f"{node}: {err}", messages.ERROR)
+
+
+@admin.action(description="Revoke selected credentials (their nodes are written off)")
+def revoke_node_credentials(
+    admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[NodeCredential]
+) -> None:
+    def act(node: str) -> str:
+        node_credentials.revoke(node, f"{request.user} (admin)", "revoked from the admin")
+        return f"{node}: credential revoked; its calls are refused and its replicas are replaced elsewhere"
+
+    report_each(admin_view, request, queryset.values_list("node", flat=True), act)

@@ -74,7 +74,7 @@ class StubPortal(ThreadingHTTPServer):
                 self.end_headers()
                 self.wfile.write(payload)
 
-            do_GET = do_POST
+            do_GET = do_DELETE = do_POST
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -103,6 +103,38 @@ def test_a_refusal_prints_the_apis_message_on_stderr_and_exits_1(stub_portal, ca
     assert err.splitlines() == ["error: not even one replica fits", "  box: GPUs full"]
     assert out == ""
     assert stub_portal.paths == ["/api/deployments/tiny/wake/"]
+
+
+def test_node_add_prints_the_token_alone_on_stdout_and_how_to_pass_it_on_stderr(capsys):
+    portal = StubPortal(201, {"node": "gpu-7", "token": "gpn_abc"})
+    threading.Thread(target=portal.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        code = app.main(["node", "add", "gpu-7"], env={"GPUPORTAL_URL": portal.url, "GPUPORTAL_TOKEN": "t"})
+    finally:
+        portal.shutdown()
+        portal.server_close()
+
+    out, err = capsys.readouterr()
+    assert code == 0 and out == "gpn_abc\n"
+    assert "shown only this once" in err and "GPUPORTAL_NODE_TOKEN_FILE=FILE python manage.py agent --node gpu-7" in err
+    assert portal.paths == ["/api/nodes/gpu-7/credential/"]
+
+
+def test_node_revoke_sends_the_reason_and_prints_the_apis_refusal(capsys):
+    portal = StubPortal(409, {"detail": "node gpu-7's credential was revoked already, at 2026-11-25T17:36:13Z"})
+    threading.Thread(target=portal.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        env = {"GPUPORTAL_URL": portal.url, "GPUPORTAL_TOKEN": "t"}
+        code = app.main(["node", "revoke", "gpu-7", "--reason", "host sold"], env=env)
+    finally:
+        portal.shutdown()
+        portal.server_close()
+
+    assert code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: node gpu-7's credential was revoked already, at 2026-11-25T17:36:13Z"
+    ]
+    assert portal.paths == ["/api/nodes/gpu-7/credential/?reason=host+sold"]
 
 
 def test_a_portal_that_cannot_be_reached_is_a_one_line_error_and_exit_1(capsys):

@@ -29,7 +29,7 @@ DOCKER = ROOT / "docker"
 COMPOSE_FILE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
 
-SERVICES = {"postgres", "redis", "migrate", "web", "control", "agents", "beat", "agent"}
+SERVICES = {"postgres", "redis", "migrate", "node-credential", "web", "control", "agents", "beat", "agent"}
 APP_IMAGE = "gpuportal:latest"
 
 

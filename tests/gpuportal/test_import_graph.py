@@ -234,8 +234,8 @@ def test_the_sql_check_finds_statements_and_leaves_prose_alone():
 
 
 # What the planes borrow from the project package besides the contract: the Celery app, the API's
-# authentication and sign-in throttle, the look-ups the request path remembers, and the process
-# helpers. Nothing that starts servers.
+# authentication and sign-in throttle, the look-ups the request path remembers, the process
+# helpers, and the database backend of an agent that has none. Nothing that starts servers.
 BORROWED = (
     "gpuportal",
     "gpuportal.celery",
@@ -243,6 +243,7 @@ BORROWED = (
     "gpuportal.throttle",
     "gpuportal.remembered",
     "gpuportal.processes",
+    "gpuportal.no_database.base",
 )
 
 

@@ -58,11 +58,16 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
             ("box", 0, True, 2 * 1024**3 - reserve, 2 * 1024**3),
             ("box", 1, True, 2 * 1024**3 - reserve, 2 * 1024**3),
         ]
-        # An agent started beside `up` with no URLs set finds the stack through stack.env.
+        # `up` issued its own node's credential, in a file only its owner reads.
+        assert (data_dir / "node-tokens" / "box").stat().st_mode & 0o777 == 0o600
+        # An agent started beside `up` with no URLs set finds the stack through stack.env; it
+        # needs a credential of its own (`up` runs them `required`).
+        code, issued = up.post("/api/nodes/second/credential/", {}, token)
+        assert code == 201, issued
         second = subprocess.Popen(
             [sys.executable, "manage.py", "agent", "--node", "second", "--virtual-gpus", "1x3GiB"],
             cwd=ROOT,
-            env=env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir)),
+            env=env_without_servers(GPUPORTAL_DATA_DIR=str(data_dir), GPUPORTAL_NODE_TOKEN=issued["token"]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

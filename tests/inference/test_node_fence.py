@@ -37,6 +37,12 @@ def rq(client):
     return RequestQueue(client)
 
 
+@pytest.fixture
+def old() -> str:
+    """A replica id of this test's own: a written-off mark outlives the test that set it."""
+    return f"old-{uuid.uuid4().hex[:8]}"
+
+
 def submit(rq: RequestQueue, deployment: str, stream: bool = False):
     return rq.submit(deployment, kind="generate", input="hi", params={"stream": stream}, owner="u")
 
@@ -75,46 +81,46 @@ def test_a_replica_takes_nothing_while_its_node_holds_no_lease_under_its_epoch(c
     assert taken is not None and taken.id == request.id
 
 
-def test_a_replica_of_a_written_off_node_streams_answers_and_takes_nothing_more(client, rq, node):
+def test_a_replica_of_a_written_off_node_streams_answers_and_takes_nothing_more(client, rq, node, old):
     deployment = f"d-{uuid.uuid4().hex[:8]}"
     node_lease.renew(client, node, ttl_s=30, epoch=0)
-    old = NodeFence(node, 0)
+    fence = NodeFence(node, 0)
     first = submit(rq, deployment, stream=True)
     second = submit(rq, deployment)
-    taken = rq.take(deployment, "old", timeout=0, node=old)
+    taken = rq.take(deployment, old, timeout=0, node=fence)
     assert taken is not None and taken.id == first.id
-    rq.chunk(first.id, "Hel", "old", node=old)
+    rq.chunk(first.id, "Hel", old, node=fence)
 
     node_lease.write_off(client, node)  # what the heartbeat sweep does before giving its work back
 
     with pytest.raises(NodeWrittenOff):
-        rq.chunk(first.id, "lo", "old", node=old)
+        rq.chunk(first.id, "lo", old, node=fence)
     with pytest.raises(NodeWrittenOff):
-        rq.finish(first.id, "old", {"text": "Hello"}, node=old)
+        rq.finish(first.id, old, {"text": "Hello"}, node=fence)
     with pytest.raises(WrittenOff):
-        rq.take(deployment, "old", timeout=0, node=old)
+        rq.take(deployment, old, timeout=0, node=fence)
     assert rq.get(second.id).status == "queued", "the refused take gave its request back"
     assert rq.read_stream(first.id, 0, 0) == (["Hel"], False), "no chunk after the write-off"
     assert not rq.get(first.id).final
 
     # Given back by the control plane and answered once, by a replica of a node in good standing.
-    rq.requeue_from("old", max_attempts=3, reason="lost with its node")
+    rq.requeue_from(old, max_attempts=3, reason="lost with its node")
     retaken = rq.take(deployment, "new", timeout=0)
     assert retaken is not None and retaken.id == first.id
     rq.finish(first.id, "new", {"text": "Hello"})
     assert rq.get(first.id).status == "done" and rq.get(first.id).replica == "new"
 
 
-def test_a_chunk_for_a_request_given_back_to_another_replica_is_refused(rq):
+def test_a_chunk_for_a_request_given_back_to_another_replica_is_refused(rq, old):
     deployment = f"d-{uuid.uuid4().hex[:8]}"
     request = submit(rq, deployment, stream=True)
-    rq.take(deployment, "old", timeout=0)
-    rq.write_off("old")
-    rq.requeue_from("old", max_attempts=3, reason="written off")
+    rq.take(deployment, old, timeout=0)
+    rq.write_off(old)
+    rq.requeue_from(old, max_attempts=3, reason="written off")
     rq.take(deployment, "new", timeout=0)
 
     with pytest.raises(NotTaken):
-        rq.chunk(request.id, "late", "old")
+        rq.chunk(request.id, "late", old)
     rq.chunk(request.id, "fresh", "new")
     assert "late" not in rq.read_stream(request.id, 0, 0)[0]
 

@@ -4,8 +4,11 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
 
 from gpuportal.celery import app
+from gpuportal.no_database.base import ENGINE as NO_DATABASE
+from gpuportal.wire import node_auth
 from inference import load_slots
 from inference.agent import NodeAgent
 from inference.devices import VirtualProfile, parse_size, parse_virtual_spec
@@ -102,11 +105,18 @@ class Command(BaseCommand):
         os.environ[load_slots.MAX_LOADS_ENV] = str(settings.GPUPORTAL_MAX_LOADS_PER_NODE)
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
+        try:
+            token = node_auth.read_token()
+        except node_auth.TokenError as err:
+            raise CommandError(f"node {node}'s credential: {err}") from None
+        if not settings.DATABASE_URL_GIVEN:
+            without_database()
         agent = NodeAgent(
             node,
             # The data plane talks to the control plane only through this gateway
-            # (gpuportal.wire.control): calls on the `agents` queue, answered by its worker.
-            control=RemoteControl(app, settings.REDIS_URL),
+            # (gpuportal.wire.control): calls on the `agents` queue, answered by its worker, each
+            # with the node's credential.
+            control=RemoteControl(app, settings.REDIS_URL, token=token, node=node),
             backend=backend,
             virtual_spec=virtual_gpus,
             cpu_cache_bytes=cache,
@@ -117,3 +127,13 @@ class Command(BaseCommand):
             agent.run(loglevel=loglevel)
         except ValueError as err:
             raise CommandError(str(err)) from None
+
+
+def without_database() -> None:
+    """No database for this process: settings fall back to a local default when DATABASE_URL is
+    unset, and an agent that reached it by mistake would pass unnoticed. Any use now raises,
+    naming why (gpuportal.no_database); a failover member's start says so too (inference.tasks)."""
+    connections.close_all()
+    connections.settings = connections.configure_settings({"default": {"ENGINE": NO_DATABASE}})
+    for alias in list(connections):
+        del connections[alias]

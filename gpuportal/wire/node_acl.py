@@ -1,0 +1,103 @@
+"""A node's Redis ACL user: the rules that confine an agent (and the replica processes it starts,
+which inherit its REDIS_URL) to what a node does in Redis, for an operator to load with
+`ACL SETUSER` (`manage.py node_credential acl NAME` prints the line). Django-free.
+
+What a node does there: it consumes its own Celery queue and the shared `inspect` queue, sends
+calls to the `agents` queue, blocks on its own answer lists and answers the control plane's
+questions (a model's files, a replica's log), renews its lease, and its replicas serve the
+request queues. What the rules cannot tell apart, since the keys are not per node:
+
+- Celery's and kombu's shared keys: `unacked*` (every consumer's unacknowledged messages),
+  `_kombu.binding.*` (read by every sender), task results (`celery-task-meta-*`) and the Pub/Sub
+  channels of remote control and results. A node could read another's unacknowledged commands.
+- The answers a node pushes (`gp:reply:*`): it may write to any asker's list, so a hostile node
+  could answer a question put to another.
+- The request queues: every replica of a deployment, on whichever node, takes from the same
+  queue and writes the same request keys, so a node may read and answer any deployment's
+  requests. Only the control plane's placement says which deployments a node serves.
+
+The rules are the confinement of an honest node's mistakes and a hostile node's reach into the
+control plane's own keys (other nodes' queues and leases, the admission and idempotency keys, the
+server's configuration); the credential (gpuportal.wire.node_auth) is what the control plane
+believes."""
+
+from __future__ import annotations
+
+from gpuportal.wire.commands import node_queue
+from gpuportal.wire.control import AGENT_QUEUE
+from gpuportal.wire.inspection import INSPECT_QUEUE
+from gpuportal.wire.node_auth import NODE_NAME
+from gpuportal.wire.node_lease import epoch_key, lease_key
+
+# What follows a queue's name in kombu's keys for its priorities (a separator that is no node
+# name's character, then the priority): the queue's own keys, not a longer-named queue's.
+_QUEUE_SUFFIX = "[^A-Za-z0-9_-]*"
+# The keys a replica process reads and writes as it serves (gpuportal.wire.requestqueue,
+# gpuportal.wire.kvstats), shared by every replica of a deployment.
+REPLICA_KEYS = (
+    "gp:queue:*",
+    "gp:proc:*",
+    "gp:req:*",
+    "gp:done:*",
+    "gp:stream:*",
+    "gp:last:*",
+    "gp:finished:*",
+    "gp:records",
+    "gp:live:*",
+    "gp:deleted:*",
+    "gp:epoch:*",
+    "gp:off:*",
+    "gp:kv:*",
+    "gp:requests:*",
+    "gp:user:*",
+)
+# Commands: everything a client of kombu, Celery's result backend and the request-queue scripts
+# uses, none of the server's administration (CONFIG, DEBUG, SHUTDOWN, ...) nor what reads or
+# drops every key (KEYS, FLUSHALL, FLUSHDB, SCAN would list others' keys).
+COMMANDS = ("+@all", "-@admin", "-@dangerous", "-scan", "-swapdb", "-move")
+
+
+def user_name(node: str) -> str:
+    return f"node-{node}"
+
+
+def rules(node: str) -> list[str]:
+    """The ACL rules of node `node`'s user, less its password, one rule per item."""
+    if not NODE_NAME.fullmatch(node):
+        raise ValueError(f"{node!r} is not a valid node name: use letters, digits, '-' and '_'")
+    own = node_queue(node)
+    keys = [
+        # Its own queue and the shared questions: consumed (read and written by kombu's moves).
+        f"~{own}",
+        f"~{own}{_QUEUE_SUFFIX}",
+        f"~{INSPECT_QUEUE}",
+        f"~{INSPECT_QUEUE}{_QUEUE_SUFFIX}",
+        f"~_kombu.binding.{own}",
+        f"~_kombu.binding.{INSPECT_QUEUE}",
+        "~_kombu.binding.*pidbox",
+        # Its worker's remote-control queue (named after its hostname, agent.NODE@host).
+        f"~agent.{node}@*",
+        "~unacked*",
+        "~celery-task-meta-*",
+        # Calls to the control plane: pushed, never read.
+        f"%W~{AGENT_QUEUE}",
+        f"%W~{AGENT_QUEUE}{_QUEUE_SUFFIX}",
+        "%R~_kombu.binding.*",
+        # Its answers (inference.gateway names them after the node), and those it gives.
+        f"~gp:reply:agent:{node}:*",
+        "%W~gp:reply:*",
+        f"~{lease_key(node)}",
+        # Its epoch, which its renewals and its replicas' scripts read. Whole, not read-only: Redis
+        # checks a script's keys for both. So a node's own user could lower it and lift its own
+        # fence: a node written off for good (revoked) loses its user too (ACL DELUSER).
+        f"~{epoch_key(node)}",
+        *(f"~{pattern}" for pattern in REPLICA_KEYS),
+    ]
+    return ["reset", "on", *keys, "&*", *COMMANDS]
+
+
+def setuser_line(node: str, password: str) -> str:
+    """The `ACL SETUSER` command for redis-cli, with the user's password."""
+    if not password or any(c.isspace() for c in password):
+        raise ValueError("the password must be a non-empty word")
+    return " ".join(["ACL", "SETUSER", user_name(node), *rules(node)[:2], f">{password}", *rules(node)[2:]])

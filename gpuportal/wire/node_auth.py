@@ -1,0 +1,66 @@
+"""A node's credential as both planes see it: the token's form and its hash, how an agent finds
+its own token, and the words of a refusal. The control plane keeps only the hash
+(scheduling.services.node_credentials); the agent sends the token with every call
+(gpuportal.wire.control). Django-free."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+# Recognisable in a log, a secret scanner or a paste: a node token, not an API token.
+TOKEN_PREFIX = "gpn_"
+TOKEN_ENV = "GPUPORTAL_NODE_TOKEN"
+# A file holding the token (a Kubernetes Secret mounted into the agent's pod, `up`'s 0600 file):
+# read at start, so the token never shows in the process's environment or command line.
+TOKEN_FILE_ENV = "GPUPORTAL_NODE_TOKEN_FILE"
+# What a refused call's error begins with, so that the agent tells a refusal from a failure.
+REFUSED = "node credential refused"
+# Node names, as the agent's --node and the API accept them (a slug).
+NODE_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+class TokenError(ValueError):
+    """The agent's token cannot be read (its file is missing, unreadable or empty)."""
+
+
+def new_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def token_hash(token: str) -> str:
+    """The sha256 of the token, hex: what the books keep. A token is 256 random bits, so a plain
+    hash is enough: there is nothing to guess that a slow hash would protect."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def read_token(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The agent's token: GPUPORTAL_NODE_TOKEN, else the file GPUPORTAL_NODE_TOKEN_FILE names;
+    None when neither is set (a portal that runs its node credentials `open` may accept that)."""
+    token = environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    path = environ.get(TOKEN_FILE_ENV, "").strip()
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise TokenError(f"{TOKEN_FILE_ENV}={path}: {err.strerror or err}") from None
+    if not token:
+        raise TokenError(f"{TOKEN_FILE_ENV}={path} is empty")
+    return token
+
+
+def refusal(why: str) -> str:
+    return f"{REFUSED}: {why}"
+
+
+def is_refusal(error: str) -> bool:
+    """Whether an answer's error (as gpuportal.wire.replies hands it on: "call: error") is a
+    refusal of the node's credential."""
+    return error.startswith(REFUSED) or f": {REFUSED}: " in error

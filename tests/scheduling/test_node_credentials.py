@@ -1,0 +1,388 @@
+"""Each node's agent shows a credential of its own with every call, and the control plane applies
+a call only when the token is the one issued to the node it speaks for: a wrong, absent or other
+node's token is refused and nothing is applied; revoking a credential writes its node off at once.
+The calls go through the control plane's side of the wire (node_gateway.answer) as the `agents`
+worker receives them, in this process; the last test runs three real agents without a database."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.db import connection
+from rest_framework.test import APIClient
+
+from gpuportal.wire import node_auth, node_lease, replies
+from gpuportal.wire.control import Call, encode_call
+from gpuportal.wire.node_reports import DeviceInfo
+from scheduling.models import Event, Node, NodeCredential, Replica
+from scheduling.services import node_credentials, node_gateway
+from scheduling.services.errors import InvalidInput, InvalidState, NotFound
+from tests.support import factories
+from tests.support.processes import wait_until
+
+GIB = 1024**3
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def required(settings, db, dispatched, monkeypatch):
+    """Credentials `required`, as a portal runs by default; nothing sent to a worker. The gateway's
+    calls run inside the test's transaction: its worker's way of dropping a dead connection first
+    would end that transaction."""
+    settings.GPUPORTAL_NODE_AUTH = "required"
+    monkeypatch.setattr(node_gateway, "close_old_connections", lambda: None)
+
+
+def call(name: str, *args, token: str | None = None, **kwargs) -> tuple[str, object]:
+    """One agent's call as the `agents` worker gets it: what the gateway did ("refused", or the
+    call's name) and the answer's error, or its result."""
+    reply_to = replies.new_list("test")
+    outcome = node_gateway.answer(encode_call(Call(name, reply_to, args, kwargs, token=token)))
+    try:
+        return outcome, replies.wait(replies.client(settings.REDIS_URL), reply_to, 2, name)
+    except replies.NoAnswer as err:
+        return outcome, str(err)
+
+
+def register(node: str, token: str | None) -> tuple[str, object]:
+    gpu = DeviceInfo(index=0, uuid=f"GPU-{node}-0", product="Virtual GPU", total_bytes=4 * GIB, virtual=True)
+    return call("register_node", node, [gpu], token=token, hostname="h", cpu_cache_bytes=GIB, virtual=True)
+
+
+def test_an_issued_token_is_shown_once_and_only_its_hash_is_kept(required):
+    token = node_credentials.issue("gpu-1", "ops")
+
+    row = NodeCredential.objects.get(node="gpu-1")
+    assert token.startswith(node_auth.TOKEN_PREFIX) and token not in str(row.__dict__)
+    assert row.token_hash == node_auth.token_hash(token) and row.created_by == "ops" and row.revoked_at is None
+    assert Event.objects.filter(kind=Event.Kind.NODE_CREDENTIAL, node="gpu-1").exists()
+    assert node_credentials.verify("gpu-1", token) is None
+
+
+def test_a_node_with_its_token_registers_and_beats(required):
+    token = node_credentials.issue("gpu-1", "ops")
+
+    epoch = node_lease.current_epoch(replies.client(settings.REDIS_URL), "gpu-1")
+    assert register("gpu-1", token) == ("register_node", epoch), "answered with the epoch it starts replicas under"
+    assert call("heartbeat", "gpu-1", token=token, books=None, running=[]) == ("heartbeat", [])
+    assert Node.objects.get(name="gpu-1").status == Node.Status.ONLINE
+    assert NodeCredential.objects.get(node="gpu-1").last_used_at is not None
+
+
+@pytest.mark.parametrize(
+    ("issued", "sent", "why"),
+    [
+        (False, None, "node gpu-1 has no credential (GPUPORTAL_NODE_AUTH is required)"),
+        (True, None, "node gpu-1 has a credential, and the call carries no token"),
+        (True, "gpn_not-it", "the call's token is not node gpu-1's credential"),
+    ],
+)
+def test_it_refuses_a_call_with_an_absent_or_wrong_token_and_applies_nothing(required, issued, sent, why):
+    if issued:
+        node_credentials.issue("gpu-1", "ops")
+
+    outcome, error = register("gpu-1", sent)
+
+    assert outcome == "refused"
+    assert node_auth.is_refusal(error) and why in error, error
+    assert not Node.objects.filter(name="gpu-1").exists()
+
+
+def test_a_token_of_one_node_cannot_speak_for_another_or_for_its_replicas(required):
+    mine, theirs = node_credentials.issue("a", "ops"), node_credentials.issue("b", "ops")
+    register("a", mine)
+    register("b", theirs)
+    replica = factories.replica(factories.deployment("d"), on=Node.objects.get(name="b"), state=Replica.State.PENDING)
+
+    assert call("heartbeat", "b", token=mine, books=None, running=[])[0] == "refused"
+    outcome, error = call("report", replica.id, {"event": "progress", "percent": 40}, token=mine)
+    assert outcome == "refused" and "not node b's credential" in error
+    assert call("replica_state", replica.id, token=mine)[0] == "refused"
+    replica.refresh_from_db()
+    assert (replica.state, replica.progress) == (Replica.State.PENDING, None), "the refused report was not applied"
+    # Its own node's token reports for it; a replica the books no longer know needs some node's.
+    assert call("report", replica.id, {"event": "progress", "percent": 40}, token=theirs) == ("report", None)
+    assert call("replica_state", "gone", token=mine) == ("replica_state", None)
+    assert call("replica_state", "gone", token=None)[0] == "refused"
+
+
+def test_revoking_writes_the_node_off_with_its_replicas_and_refuses_it_from_then_on(
+    required, django_capture_on_commit_callbacks
+):
+    token = node_credentials.issue("gpu-1", "ops")
+    register("gpu-1", token)
+    node = Node.objects.get(name="gpu-1")
+    replica = factories.replica(factories.deployment("d"), on=node, state=Replica.State.SERVING)
+    node_lease.renew(replies.client(settings.REDIS_URL), "gpu-1", 30)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        node_credentials.revoke("gpu-1", "ops", "host decommissioned")
+
+    assert Node.objects.get(name="gpu-1").status == Node.Status.OFFLINE
+    replica.refresh_from_db()
+    assert replica.state in (Replica.State.STOPPED, Replica.State.FAILED), "lost with its node"
+    revoked = Event.objects.get(kind=Event.Kind.NODE_REVOKED, node="gpu-1")
+    assert "credential revoked by ops: host decommissioned" in revoked.reason
+    assert Event.objects.filter(kind=Event.Kind.NODE_OFFLINE, node="gpu-1").exists()
+    assert node_lease.held(replies.client(settings.REDIS_URL), ["gpu-1"]) == set(), "its lease is no evidence now"
+    outcome, error = call("heartbeat", "gpu-1", token=token, books=None, running=[])
+    assert outcome == "refused" and "node gpu-1's credential was revoked" in error
+    assert Node.objects.get(name="gpu-1").status == Node.Status.OFFLINE, "a refused beat brings nothing back"
+    with pytest.raises(InvalidState, match="revoked already"):
+        node_credentials.revoke("gpu-1", "ops")
+
+
+def test_a_node_is_written_off_again_when_its_revocation_commits_while_its_beat_is_applied(required, monkeypatch):
+    token = node_credentials.issue("gpu-1", "ops")
+    register("gpu-1", token)
+    node_credentials.revoke("gpu-1", "ops")
+    # The beat passed its check before the revocation committed, and is applied after it.
+    monkeypatch.setattr(node_credentials, "check_call", lambda *args: None)
+
+    call("heartbeat", "gpu-1", token=token, books=None, running=[])
+
+    assert Node.objects.get(name="gpu-1").status == Node.Status.OFFLINE
+
+
+def test_issuing_anew_refuses_the_old_token_and_gives_a_revoked_node_a_credential_again(required):
+    old = node_credentials.issue("gpu-1", "ops")
+    new = node_credentials.issue("gpu-1", "ops")
+
+    assert node_credentials.verify("gpu-1", old) is not None and node_credentials.verify("gpu-1", new) is None
+    node_credentials.revoke("gpu-1", "ops")
+    again = node_credentials.issue("gpu-1", "ops")
+    assert node_credentials.verify("gpu-1", again) is None and node_credentials.verify("gpu-1", new) is not None
+
+
+def test_open_lets_a_node_without_a_credential_call_but_not_one_that_has_one_or_was_revoked(required, settings):
+    settings.GPUPORTAL_NODE_AUTH = "open"
+    assert register("free", None)[0] == "register_node"
+
+    node_credentials.issue("issued", "ops")
+    assert register("issued", None)[0] == "refused"
+    node_credentials.revoke("issued", "ops")
+    assert register("issued", None)[0] == "refused"
+
+
+def test_a_refused_call_from_a_node_with_live_replicas_is_an_event_once_a_minute(required):
+    token = node_credentials.issue("gpu-1", "ops")
+    register("gpu-1", token)
+    factories.replica(factories.deployment("d"), on=Node.objects.get(name="gpu-1"), state=Replica.State.SERVING)
+
+    for _ in range(3):
+        assert call("heartbeat", "gpu-1", token="gpn_stale", books=None, running=[])[0] == "refused"
+
+    (refused,) = Event.objects.filter(kind=Event.Kind.NODE_REFUSED, node="gpu-1")
+    assert "not node gpu-1's credential" in refused.reason and refused.after == {"replicas": 1}
+
+
+def test_a_bad_name_or_a_missing_credential_is_refused_naming_it(required):
+    with pytest.raises(InvalidInput, match="'bad name!' is not a valid node name"):
+        node_credentials.issue("bad name!", "ops")
+    with pytest.raises(NotFound, match="node nobody has no credential"):
+        node_credentials.revoke("nobody", "ops")
+    assert not NodeCredential.objects.exists()
+
+
+# -- the agent's side --------------------------------------------------------------------------
+
+
+def test_the_agent_reads_its_token_from_the_environment_or_the_file_named_there(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("gpn_from-file\n")
+
+    assert node_auth.read_token({node_auth.TOKEN_ENV: "gpn_direct"}) == "gpn_direct"
+    assert node_auth.read_token({node_auth.TOKEN_FILE_ENV: str(path)}) == "gpn_from-file"
+    assert node_auth.read_token({}) is None
+    with pytest.raises(node_auth.TokenError, match="missing: No such file"):
+        node_auth.read_token({node_auth.TOKEN_FILE_ENV: str(tmp_path / "missing")})
+
+
+def test_a_failover_member_cannot_start_on_an_agent_without_a_database(monkeypatch):
+    from gpuportal.no_database.base import ENGINE
+    from inference import tasks
+
+    monkeypatch.setitem(connection.settings_dict, "ENGINE", ENGINE)
+    with pytest.raises(tasks.NoDatabase, match=r"no DATABASE_URL.*only a failover pair's member needs"):
+        tasks.database_dsn()
+
+
+def test_the_command_issues_into_a_private_file_and_keeps_a_token_still_valid(required, tmp_path, capsys):
+    path = tmp_path / "tokens" / "local"
+
+    call_command("node_credential", "issue", "local", "--token-file", str(path), "--keep")
+    token = path.read_text().strip()
+    assert path.stat().st_mode & 0o777 == 0o600 and node_credentials.holds("local", token)
+    call_command("node_credential", "issue", "local", "--token-file", str(path), "--keep")
+    assert path.read_text().strip() == token and "still valid: kept" in capsys.readouterr().out
+
+    call_command("node_credential", "revoke", "local", "--reason", "moved")
+    call_command("node_credential", "issue", "local", "--token-file", str(path), "--keep")
+    assert path.read_text().strip() != token and node_credentials.holds("local", path.read_text().strip())
+
+
+# -- the API -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def admin_api(required) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(User.objects.create_user("ops", is_staff=True))
+    return client
+
+
+def test_the_api_issues_a_token_once_and_revokes_it(admin_api):
+    issued = admin_api.post("/api/nodes/gpu-7/credential/")
+    assert issued.status_code == 201, issued.data
+    assert issued.data["node"] == "gpu-7" and node_credentials.holds("gpu-7", issued.data["token"])
+
+    revoked = admin_api.delete("/api/nodes/gpu-7/credential/?reason=stolen")
+    assert revoked.status_code == 200, revoked.data
+    assert revoked.data["revoked_at"] and "token" not in revoked.data
+    assert "stolen" in Event.objects.get(kind=Event.Kind.NODE_REVOKED, node="gpu-7").reason
+    again = admin_api.delete("/api/nodes/gpu-7/credential/")
+    assert again.status_code == 409 and "revoked already" in again.data["detail"]
+
+
+def test_the_api_answers_404_400_and_403_naming_what_is_wrong(admin_api):
+    missing = admin_api.delete("/api/nodes/nobody/credential/")
+    assert missing.status_code == 404 and missing.data == {"detail": "node nobody has no credential"}
+    bad = admin_api.post("/api/nodes/bad%20name!/credential/")
+    assert bad.status_code == 400 and "'bad name!' is not a valid node name" in bad.data["node"][0]
+
+    user = APIClient()
+    user.force_authenticate(User.objects.create_user("alice"))
+    assert user.post("/api/nodes/gpu-7/credential/").status_code == 403
+    assert user.delete("/api/nodes/gpu-7/credential/").status_code == 403
+    assert not NodeCredential.objects.exists()
+
+
+# -- three agents on loopback ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a_lease(tmp_path, agents_worker):
+    """A control host (the test's `agents` worker) and three node agents, each with its own data
+    directory and token, none told where the database is: they register and beat through Redis
+    alone. Revoking one writes it off at once; its agent hears the refusal at its next beat and
+    stops, exit code 1 naming why, within one lease; the others serve on."""
+    names = ("n1", "n2", "n3")
+    base = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "GPUPORTAL_DATA_DIR"}}
+    agents = {}
+    for name in names:
+        data_dir = tmp_path / name
+        data_dir.mkdir()
+        token_file = data_dir / "token"
+        token_file.write_text(node_credentials.issue(name, "test"))
+        env = {
+            **base,
+            "REDIS_URL": settings.REDIS_URL,
+            "GPUPORTAL_DATA_DIR": str(data_dir),
+            "GPUPORTAL_HEARTBEAT_S": "1",
+            node_auth.TOKEN_FILE_ENV: str(token_file),
+        }
+        with open(data_dir / "agent.log", "w") as log:  # the child keeps its own copy of the descriptor
+            agents[name] = subprocess.Popen(
+                [sys.executable, "manage.py", "agent", "--node", name, "--virtual-gpus", "1x2GiB"],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def log_of(name: str) -> str:
+        return (tmp_path / name / "agent.log").read_text()
+
+    try:
+        wait_until(
+            lambda: (
+                Node.objects.filter(name__in=names, status="online").count() == 3
+                or any(p.poll() is not None for p in agents.values())
+            ),
+            60,
+            "three agents",
+        )
+        assert all(p.poll() is None for p in agents.values()), {n: log_of(n)[-2000:] for n in names}
+        beats = dict(Node.objects.filter(name__in=names).values_list("name", "last_heartbeat"))
+        wait_until(lambda: all(Node.objects.get(name=n).last_heartbeat > beats[n] for n in names), 30, "a beat of each")
+
+        node_credentials.revoke("n2", "test", "compromised")
+
+        assert Node.objects.get(name="n2").status == Node.Status.OFFLINE
+        lease_s = node_lease.ttl_s(1, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
+        code = agents["n2"].wait(lease_s + 30)  # its stop after the refusal takes a moment of its own
+        assert code == 1, log_of("n2")[-3000:]
+        assert "CommandError: node n2: heartbeat: node credential refused: node n2's credential was revoked" in log_of(
+            "n2"
+        )
+        assert not node_lease.held(replies.client(settings.REDIS_URL), ["n2"])
+        assert Node.objects.get(name="n2").status == Node.Status.OFFLINE
+        assert all(agents[n].poll() is None for n in ("n1", "n3"))
+        assert set(Node.objects.filter(status="online").values_list("name", flat=True)) == {"n1", "n3"}
+        # Any use of a database on an agent raises, naming this (gpuportal.no_database).
+        assert not any("has no database" in log_of(n) for n in names), "nothing on an agent reached for one"
+    finally:
+        for process in agents.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+
+
+# -- the node's Redis user ---------------------------------------------------------------------
+
+
+def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_another_nodes():
+    import uuid
+
+    import redis
+
+    from gpuportal.wire import node_acl
+
+    admin = redis.Redis.from_url(settings.REDIS_URL)
+    node, password = f"acl-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.execute_command(
+        "ACL", "SETUSER", node_acl.user_name(node), *node_acl.setuser_line(node, password).split()[3:]
+    )
+    try:
+        kwargs = admin.connection_pool.connection_kwargs
+        user = redis.Redis(
+            host=kwargs["host"],
+            port=kwargs["port"],
+            db=kwargs["db"],
+            username=node_acl.user_name(node),
+            password=password,
+        )
+        node_lease.renew(user, node, 5)
+        user.lpush(f"node.{node}", "a command")
+        user.lpush("agents", "a call")
+        user.lpush(f"gp:reply:agent:{node}:1", "an answer")
+        assert user.blpop([f"gp:reply:agent:{node}:1"], timeout=1) is not None
+        user.rpush("gp:reply:inspect:1", "an answer to a question")
+        user.set("gp:kv:some-replica", "{}")
+        for refused in (
+            lambda: node_lease.renew(user, "another-node", 5),
+            lambda: user.lpush("node.another-node", "a command"),
+            lambda: user.lpush(f"node.{node}2", "a longer name's command"),
+            lambda: user.lrange("agents", 0, -1),
+            lambda: user.blpop(["gp:reply:agent:another-node:1"], timeout=1),
+            lambda: user.get("gp:idem:alice:0"),
+            lambda: user.keys("*"),
+            lambda: user.flushall(),
+            lambda: user.config_get("*"),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+    finally:
+        admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
+        admin.delete(node_lease.lease_key(node), f"node.{node}", "gp:reply:inspect:1", "gp:kv:some-replica")
+        admin.lrem("agents", 0, "a call")  # no worker is to read it
