@@ -38,8 +38,6 @@ NOT_THE_PRODUCTS = {
     "NODE_NAME": "the agent's --node and token file, expanded by the kubelet",
     "HOME": "where the libraries keep their caches: an emptyDir on a read-only root",
     "HF_HUB_CACHE": "huggingface_hub: where `hf:` sources are found (inference.hub)",
-    # Read by the agent once node credentials land: the token file each agent reads.
-    "GPUPORTAL_NODE_TOKEN_FILE": "the node's own credential, read by its agent",
 }
 
 
