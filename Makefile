@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast lint bench bench-gpu clean
+.PHONY: run test test-fast durations lint bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder $(ARGS)
+
+# The suite as `make test` runs it, recording each file's time in tests/durations.json: the order
+# in which `make test` hands files out, the longest first (tests/support/durations.py).
+durations: $(STAMP)
+	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --record-durations $(ARGS)
 
 # The inner loop: the tests that start no process (those not marked `slow`, which
 # tests/support/process_watch.py keeps true), in under two minutes. CI runs the whole of `make test`.

@@ -19,6 +19,12 @@ hypothesis_settings.load_profile("gpuportal")
 NODE_AUTH = "open"
 
 
+def pytest_addoption(parser):
+    from tests.support import durations
+
+    durations.add_option(parser)
+
+
 def pytest_configure(config):
     # Django's default hasher spends about half a second of CPU per password on this machine, by
     # design; the suite creates and checks hundreds. Only this process's users: the stacks that
@@ -31,19 +37,22 @@ def pytest_configure(config):
     # The stacks that tests start (`up`) run the portal's own default, `required`.
     settings.GPUPORTAL_NODE_AUTH = NODE_AUTH
 
-    from tests.support import process_watch
+    from tests.support import durations, process_watch
 
     config.pluginmanager.register(process_watch, "process_watch")
+    durations.configure(config)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # `make test` hands each process whole files (--dist loadfile) in this order: files that
-        # start processes (the `slow` ones, up to 100 s each) go first, so that the last minutes
-        # are many short files spread over every process rather than one long file on its own.
-        slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: item.path not in slow_files)
+        # start processes (the `slow` ones) first, the longest of each kind first
+        # (tests/support/durations.py), so that the last minutes are many short files spread over
+        # every process rather than one long file on its own.
+        from tests.support import durations
+
+        durations.order(items, durations.recorded())
 
 
 @pytest.fixture(autouse=True)
