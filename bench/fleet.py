@@ -56,7 +56,7 @@ REPLICA_BYTES = 4 * GiB
 NODES_PER_PROCESS = 250
 PROCESSES = ("web", "control", "agents", "beat")
 # How long each phase may take before the run says it did not finish (and goes on).
-REGISTER_TIMEOUT_S = 600
+REGISTER_TIMEOUT_S = 300
 PLACE_TIMEOUT_S = 300
 LOST_TIMEOUT_S = 180
 
@@ -269,8 +269,8 @@ def _measure(
     result.registered_s = wait_until(lambda: online.count() >= nodes, REGISTER_TIMEOUT_S, every=0.5)
     print(f"{nodes} nodes: registered in {result.registered_s} s", flush=True)
     if result.registered_s is None:
-        result.notes.append(f"only {online.count()} of {nodes} nodes registered within {REGISTER_TIMEOUT_S} s")
-        return
+        # Measured all the same, against the nodes that did: how far it got is the finding.
+        result.notes.append(f"only {online.count()} of {nodes} nodes online {REGISTER_TIMEOUT_S} s after they started")
     http = Http(portal.port, key)
     body = {
         "name": NAME,
