@@ -105,7 +105,11 @@ def wait_until(predicate: Callable[[], object], timeout: float, every: float = 0
 def cpu_seconds(process: psutil.Process) -> float:
     """User and system CPU of a process and its children (a prefork pool, granian's worker)."""
     total = 0.0
-    for each in [process, *process.children(recursive=True)]:
+    try:
+        family = [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:  # a database backend that closed its connection meanwhile
+        return 0.0
+    for each in family:
         try:
             times = each.cpu_times()
             total += times.user + times.system
@@ -327,8 +331,9 @@ def _steady_window(
     counted_after = simulators.counters()
     result.window_s = end - start
     result.cpu_s = {name: cpu_seconds(p) - before[name] for name, p in procs.items()}
+    # The backends open all through the window (a connection closed meanwhile took its figure with it).
     result.cpu_s["postgres"] = sum(
-        cpu_seconds(p) - pg_before[p.pid] for p in pg if p.is_running() and p.pid in pg_before
+        max(0.0, cpu_seconds(p) - pg_before[p.pid]) for p in pg if p.is_running() and pg_before[p.pid]
     )
     result.cpu_s["redis"] = redis_cpu_s(client) - redis_before
     result.cpu_s["simulators"] = simulators.cpu_s() - sim_before
