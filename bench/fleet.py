@@ -513,6 +513,7 @@ def reading(results: list[Result]) -> str:
             f"({r.answered_per_s:.0f} of {r.offered_per_s:.0f} a second answered); its busiest process was "
             f"{busiest}, at {100 * share:.0f} % of a core."
         )
+    lines.append("Where the time goes, and why it falls behind: docs/fleet.md.")
     return "\n".join(lines)
 
 
