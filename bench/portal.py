@@ -99,8 +99,10 @@ class Portal:
 
     `agents`: node name → virtual GPUs of each node agent (default one node, `bench`, 1x4GiB), or
     None for the machine's own GPUs (NVML's);
-    `control`: a control-plane worker; `beat`: celery beat on the product's schedule (the
-    heartbeat expiry, the reconcile sweep), as `manage.py up` runs it."""
+    `control`: a control-plane worker, on `control_pool` (threads; `prefork` as `manage.py up` and
+    docker/compose.yaml run it); `beat`: celery beat on the product's schedule (the heartbeat
+    expiry, the reconcile sweep), as `manage.py up` runs it. `agents={}`: no node agent (the
+    nodes are simulated: bench.fleet). `processes`: each process by its name (its log's)."""
 
     def __init__(
         self,
@@ -110,12 +112,14 @@ class Portal:
         control: bool = False,
         agents: dict[str, str | None] | None = None,
         beat: bool = False,
+        control_pool: str = "threads",
     ):
         from gpuportal.stack import free_port
 
         self.tmp = tmp
         self.port = free_port()
         self.children: list[subprocess.Popen] = []
+        self.processes: dict[str, subprocess.Popen] = {}
         self.env = {
             **os.environ,
             "GPUPORTAL_DATA_DIR": str(tmp),
@@ -129,14 +133,14 @@ class Portal:
              "--pool", "threads", "--concurrency", "8", "--without-gossip", "--without-mingle"],
             "agents",
         )  # fmt: skip
-        self.agent_gpus: dict[str, str | None] = agents or {"bench": "1x4GiB"}
+        self.agent_gpus: dict[str, str | None] = {"bench": "1x4GiB"} if agents is None else agents
         self.agents: dict[str, subprocess.Popen] = {}
         for name in self.agent_gpus:
             self.start_agent(name)
         if control:
             self._spawn(
                 [*celery, "worker", "-Q", "control", "-n", "control@%h",
-                 "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"],
+                 "--pool", control_pool, "--concurrency", "2", "--without-gossip", "--without-mingle"],
                 "control",
             )  # fmt: skip
         if beat:
@@ -200,4 +204,5 @@ class Portal:
                 argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
             )
         self.children.append(child)
+        self.processes[name] = child
         return child

@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     # The copies, then the host cache under pressure, in one run.
     "wake": (["--host-cache"], ["--repeats", "2", "--host-cache"]),
     "simulate": ([], []),
+    "fleet": ([], ["--nodes", "10,100", "--duration", "20"]),
 }
 
 

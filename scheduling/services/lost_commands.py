@@ -84,6 +84,8 @@ def resend(
         kinds["sleep"] = partial(resend_lost_sleeps, name, running, processes, now)
         if arenas is not None:
             kinds["arena"] = partial(resend_lost_arenas, name, running, processes, arenas, now)
+    if not _anything_waited(name, now):
+        return {kind: [] for kind in kinds}
     found: dict[str, list[str]] = {}
     for kind, look in kinds.items():
         try:
@@ -229,6 +231,31 @@ def resend_lost_arenas(
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+# The states a lost command leaves a replica waiting in (serving: an arena grant or drop).
+_WAITING = (
+    Replica.State.PENDING,
+    Replica.State.WAKING,
+    Replica.State.DRAINING,
+    Replica.State.STOPPING,
+    Replica.State.SERVING,
+)
+
+
+def _anything_waited(name: str, now: datetime) -> bool:
+    """Whether a replica of the node has been in a state a lost command leaves it in for at least
+    the shortest grace: one query, where each kind's look runs one of its own. Most nodes of a
+    large fleet host nothing, and their every beat asks this alone."""
+    shortest = min(
+        settings.GPUPORTAL_START_GRACE_S,
+        settings.GPUPORTAL_WAKE_GRACE_S,
+        settings.GPUPORTAL_SLEEP_GRACE_S,
+        settings.GPUPORTAL_STOP_GRACE_S,
+        settings.GPUPORTAL_ARENA_GRACE_S,
+    )
+    return Replica.objects.filter(
+        node__name=name, state__in=_WAITING, updated_at__lt=now - timedelta(seconds=shortest)
+    ).exists()
 
 
 def _overdue(name: str, state: str, grace_s: float, now: datetime, *, drain: bool) -> list[_Overdue]:

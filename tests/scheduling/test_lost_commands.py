@@ -400,3 +400,24 @@ def test_a_lost_arena_drop_is_sent_again_while_the_process_still_keeps_what_the_
         now=after(replica.id, grace + 1),
     )
     assert dispatched == []
+
+
+# -- a node with nothing waiting -------------------------------------------------------------------
+
+
+def test_a_beat_finds_no_lost_command_in_one_query_while_no_replica_has_waited_a_grace(
+    cluster, api, dispatched, tiny_model_dir, django_assert_num_queries
+):
+    # Most nodes of a large fleet host nothing, or nothing that changed a grace ago: their beats
+    # look for lost commands once, not once per kind.
+    (replica_id,) = serving(api, model_dir=tiny_model_dir)
+    node = Replica.objects.get(pk=replica_id).node.name
+    dispatched.clear()
+    now = timezone.now()
+    beat = {"running": [replica_id], "processes": {replica_id: "serving"}, "arenas": {replica_id: 0}}
+
+    for name in (node, "node2" if node == "node1" else "node1"):
+        with django_assert_num_queries(1):
+            found = lost_commands.resend(name, beat["running"], beat["processes"], now, arenas=beat["arenas"])
+        assert found == {kind: [] for kind in ("start", "stop", "wake", "sleep", "arena")}
+    assert dispatched == []
