@@ -182,7 +182,16 @@ class Simulators:
     """The simulated nodes, NODES_PER_PROCESS to a process (bench.fleet_node)."""
 
     def __init__(self, tmp: Path, nodes: int, load_s: float, env: dict[str, str]):
+        from bench.fleet_node import node_name
+        from scheduling.services import node_credentials
+
         self.tmp = tmp
+        # Each node's own credential, issued as an operator would (`gpuportal node add`): every
+        # call of every simulated node is checked, as the portal's default has it.
+        tokens = tmp / "node-tokens.json"
+        issued = {node_name(i): node_credentials.issue(node_name(i), "bench") for i in range(nodes)}
+        tokens.write_text(json.dumps(issued))
+        tokens.chmod(0o600)
         self.silence_file = tmp / "silent-nodes"
         self.stats_files: list[Path] = []
         self.processes: list[subprocess.Popen] = []
@@ -190,7 +199,8 @@ class Simulators:
             count = min(NODES_PER_PROCESS, nodes - first)
             stats = tmp / f"fleet-{first}.json"
             argv = [sys.executable, "-m", "bench.fleet_node", "--first", str(first), "--count", str(count),
-                    "--stats", str(stats), "--silence", str(self.silence_file), "--load-s", f"{load_s:g}"]  # fmt: skip
+                    "--stats", str(stats), "--silence", str(self.silence_file), "--load-s", f"{load_s:g}",
+                    "--tokens", str(tokens)]  # fmt: skip
             with open(tmp / f"fleet-{first}.log", "a") as log:
                 self.processes.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
             self.stats_files.append(stats)

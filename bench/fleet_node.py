@@ -125,23 +125,34 @@ class SimulatedNode:
         self.load_slots = threading.Semaphore(LOADS_PER_NODE)
         self.silent = threading.Event()
         self.stopped = threading.Event()
+        self.epoch = 0
         self._sleep = sleep
 
     # -- what the agent says of itself -----------------------------------------------------------
 
     def register(self) -> None:
-        self.control.register_node(
-            self.name,
-            self.devices,
-            hostname=f"{socket.gethostname()}-{self.name}",
-            cpu_cache_bytes=HOST_RAM_BYTES // 2,
-            host_ram_bytes=HOST_RAM_BYTES,
-            virtual=True,
-            survivors=[],
+        self.epoch = int(
+            self.control.register_node(
+                self.name,
+                self.devices,
+                hostname=f"{socket.gethostname()}-{self.name}",
+                cpu_cache_bytes=HOST_RAM_BYTES // 2,
+                host_ram_bytes=HOST_RAM_BYTES,
+                virtual=True,
+                survivors=[],
+            )
+            or 0
         )
 
     def renew_lease(self) -> None:
-        node_lease.renew(self.lease, self.name, self.lease_ttl_s)
+        """As NodeAgent.renew_lease: written off meanwhile, it drops what it ran under the old epoch
+        before it renews under the new one."""
+        current = node_lease.renew(self.lease, self.name, self.lease_ttl_s, self.epoch)
+        if current > self.epoch:
+            with self.lock:
+                self.replicas.clear()
+            self.epoch = current
+            node_lease.renew(self.lease, self.name, self.lease_ttl_s, self.epoch)
 
     def beat_once(self) -> list[str]:
         """One heartbeat as NodeAgent.beat_once sends it; replicas written off are dropped, and
@@ -171,24 +182,31 @@ class SimulatedNode:
         return {"running": sorted(states), "processes": states, "arenas": arenas}
 
     def run(self, on_beat: Callable[[float | None], None] = lambda latency: None) -> None:
-        """The heartbeat thread of NodeAgent._beat: the lease at once, then every heartbeat_s
-        after the last beat came back, the lease and a beat. `on_beat`: each beat's latency
-        (None: it failed). A silent node returns at once."""
+        """The threads of NodeAgent.start_heartbeat: the lease at once and then every heartbeat_s
+        on a thread of its own, and a beat every heartbeat_s after the last came back. `on_beat`:
+        each beat's latency (None: it failed). A silent node returns at once."""
         if self.silent.is_set():
             return
         self.renew_lease()
+        threading.Thread(target=self._renew, name=f"lease-{self.name}", daemon=True).start()
         while not self.stopped.wait(self.heartbeat_s):
             if self.silent.is_set():
                 return
             began = time.monotonic()
             try:
-                self.renew_lease()
                 self.beat_once()
             except Exception as err:
                 log.warning("heartbeat of %s failed: %s", self.name, err)
                 on_beat(None)
             else:
                 on_beat(time.monotonic() - began)
+
+    def _renew(self) -> None:
+        while not self.stopped.wait(self.heartbeat_s) and not self.silent.is_set():
+            try:
+                self.renew_lease()
+            except Exception as err:
+                log.warning("lease of %s not renewed: %s", self.name, err)
 
     # -- what the control plane asks of it ----------------------------------------------------
 
@@ -371,7 +389,15 @@ def percentile_s(buckets: list[int], q: float) -> float | None:
 class Fleet:
     """The nodes of one process: a heartbeat thread each, one consumer of all their queues."""
 
-    def __init__(self, names: list[str], *, load_s: float, registrations: int = 8, workers: int = 64):
+    def __init__(
+        self,
+        names: list[str],
+        *,
+        load_s: float,
+        tokens: Mapping[str, str] | None = None,
+        registrations: int = 8,
+        workers: int = 64,
+    ):
         from django.conf import settings
 
         from gpuportal.celery import app
@@ -379,12 +405,18 @@ class Fleet:
         from inference.gateway import RemoteControl
 
         self.app = app
-        self.control = RemoteControl(app, settings.REDIS_URL)
+        tokens = tokens or {}
         lease = replies.client(settings.REDIS_URL)
         ttl = node_lease.ttl_s(settings.GPUPORTAL_HEARTBEAT_S, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
         self.nodes = {
+            # Each with its own credential on its calls, as each agent is.
             name: SimulatedNode(
-                name, self.control, lease, heartbeat_s=settings.GPUPORTAL_HEARTBEAT_S, lease_ttl_s=ttl, load_s=load_s
+                name,
+                RemoteControl(app, settings.REDIS_URL, token=tokens.get(name), node=name),
+                lease,
+                heartbeat_s=settings.GPUPORTAL_HEARTBEAT_S,
+                lease_ttl_s=ttl,
+                load_s=load_s,
             )
             for name in names
         }
@@ -474,13 +506,15 @@ def main() -> None:
     parser.add_argument("--stats", type=Path, required=True, help="where its counters are written every second")
     parser.add_argument("--silence", type=Path, required=True, help="a file naming nodes that go silent")
     parser.add_argument("--load-s", type=float, default=1.0, help="how long a replica's load takes (default 1)")
+    parser.add_argument("--tokens", type=Path, default=None, help="JSON: each node's credential")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gpuportal.settings")
     import django
 
     django.setup()
-    fleet = Fleet([node_name(i) for i in range(args.first, args.first + args.count)], load_s=args.load_s)
+    tokens = json.loads(args.tokens.read_text()) if args.tokens else {}
+    fleet = Fleet([node_name(i) for i in range(args.first, args.first + args.count)], load_s=args.load_s, tokens=tokens)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

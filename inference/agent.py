@@ -90,6 +90,7 @@ class NodeAgent:
         self._stop_requested = threading.Event()
         self.supervisor = Supervisor(Path(settings.GPUPORTAL_DATA_DIR) / "replicas" / name)
         self._heartbeat_thread: threading.Thread | None = None
+        self._lease_thread: threading.Thread | None = None
         # The node's epoch (gpuportal.wire.node_lease): from the control plane at registration,
         # moved on only after every replica process of the old one has stopped.
         self.epoch = 0
@@ -162,13 +163,21 @@ class NodeAgent:
         os.kill(os.getpid(), signal.SIGTERM)  # the worker's warm shutdown, then stop()
 
     def start_heartbeat(self) -> None:
+        self.renew_lease()  # held from registration on, not a beat later
+        # The lease on a thread of its own: a beat waits up to 30 s for its answer (an agents'
+        # worker far behind, a stalled database), three beats' lease would lapse meanwhile, and an
+        # alive node would be written off for the control plane's slowness.
+        self._lease_thread = threading.Thread(target=self._renew, name=f"lease-{self.name}", daemon=True)
+        self._lease_thread.start()
         self._heartbeat_thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
         self._heartbeat_thread.start()
 
-    def _beat(self) -> None:
-        self.renew_lease()  # held from registration on, not a beat later
+    def _renew(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             self.renew_lease()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
             try:
                 self.beat_once()
             except Refused as err:
@@ -259,8 +268,9 @@ class NodeAgent:
     def stop(self, reason: str = "agent stopped") -> None:
         # The heartbeat first: a beat would bring the node back online while it leaves.
         self._stop.set()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=self.heartbeat_s + 5)
+        for thread in (self._heartbeat_thread, self._lease_thread):
+            if thread is not None:
+                thread.join(timeout=self.heartbeat_s + 5)
         try:
             node_lease.release(replies.client(settings.REDIS_URL), self.name)
         except redis.RedisError as err:

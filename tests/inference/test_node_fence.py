@@ -7,6 +7,7 @@ processes it would stop recorded rather than run)."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -138,6 +139,9 @@ class Stops:
     def states(self) -> dict[str, str]:
         return dict.fromkeys(self.running, "serving")
 
+    def arenas(self) -> dict[str, int]:
+        return {}
+
     def stop_written_off(self, replica_ids, timeout: float = 5.0) -> list[str]:
         self.lease_held_at_stop = node_lease.held(self.client, [self.node])
         self.stopped, self.running = list(replica_ids), []
@@ -159,3 +163,44 @@ def test_an_agent_that_finds_its_node_written_off_stops_its_replicas_before_it_r
     assert agent.supervisor.lease_held_at_stop == set(), "nothing renewed while they still ran"
     assert agent.epoch == 1 and agent.supervisor.node_fence == NodeFence(node, 1), "what it starts next"
     assert node_lease.held(client, [node]) == {node}
+
+
+class StuckControl:
+    """A control plane whose heartbeat answers only when let go (an agents' worker far behind)."""
+
+    def __init__(self) -> None:
+        self.beating, self.let_go = threading.Event(), threading.Event()
+
+    def heartbeat(self, node: str, **kwargs) -> list[str]:
+        self.beating.set()
+        self.let_go.wait(30)
+        return []
+
+
+def test_the_lease_is_renewed_while_a_heartbeat_waits_for_its_answer(client, node):
+    from inference.agent import NodeAgent
+
+    control = StuckControl()
+    agent = NodeAgent(node, control=control, backend="virtual", heartbeat_s=0.05)
+    agent.supervisor = Stops(client, node, [])
+    agent.books = lambda: None
+    agent._hold_epoch(0)
+    agent.start_heartbeat()
+    try:
+        assert control.beating.wait(10)
+        client.delete(node_lease.lease_key(node))  # what a lease that lapsed meanwhile would be
+        assert _until_held(client, node), "the lease lapsed while one heartbeat waited for its answer"
+        assert not control.let_go.is_set(), "and that heartbeat still waits"
+    finally:
+        control.let_go.set()
+        agent._stop.set()
+
+
+def _until_held(client, node: str) -> bool:
+    """Whether the lease is held again within 10 s (renewals come every 0.05 s)."""
+    pause = threading.Event()
+    for _ in range(200):
+        if node_lease.held(client, [node]):
+            return True
+        pause.wait(0.05)
+    return False
