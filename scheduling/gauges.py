@@ -79,7 +79,8 @@ class StateCollector:
             "nvml_free_bytes",
             "foreign_bytes",
         )
-        for node, index, virtual, total_bytes, available_bytes, overcommit_bytes, nvml_free_bytes, foreign_bytes in rows:
+        for row in rows:
+            node, index, virtual, total_bytes, available_bytes, overcommit_bytes, nvml_free_bytes, foreign_bytes = row
             gpu = str(index)
             total.add_metric([node, gpu, "true" if virtual else "false"], total_bytes)
             reserved.add_metric([node, gpu], max(0, total_bytes - foreign_bytes - available_bytes))
