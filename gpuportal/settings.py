@@ -237,6 +237,10 @@ GPUPORTAL_REPLICA_KEEP_ENDED = int(os.environ.get("GPUPORTAL_REPLICA_KEEP_ENDED"
 # The capacity planner's recorded traffic (scheduling.models.RequestRecord): ended requests are
 # kept this long (7 days by default: `export_trace --since 7d`), then pruned by the drain task.
 GPUPORTAL_REQUEST_RECORD_RETENTION_S = env_float("GPUPORTAL_REQUEST_RECORD_RETENTION_S", 7 * 86400.0)
+# The books' tolerance (scheduling.core.books): a replica over its reservation, or a change of
+# other tenants' use of a GPU, within the larger of this and 1 % of the figure shows in the gauges
+# but records no Event and changes nothing.
+GPUPORTAL_BOOKS_TOLERANCE_BYTES = int(os.environ.get("GPUPORTAL_BOOKS_TOLERANCE_BYTES", str(16 * 1024**2)))
 # Commit path: attempts and the cap of the jittered backoff between them.
 GPUPORTAL_CAS_ATTEMPTS = int(os.environ.get("GPUPORTAL_CAS_ATTEMPTS", "8"))
 GPUPORTAL_CAS_BACKOFF_MAX_S = env_float("GPUPORTAL_CAS_BACKOFF_MAX_S", 0.05)

@@ -25,7 +25,7 @@ from gpuportal.wire.inspection import INSPECT_QUEUE
 from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
-from inference.devices import VirtualProfile, discover
+from inference.devices import FOREIGN_ENV, VirtualProfile, discover, foreign_use, parse_virtual_foreign
 from inference.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class NodeAgent:
         heartbeat_s: float | None = None,
         concurrency: int = 4,
         profile: VirtualProfile | None = None,
+        virtual_foreign: dict[int, int] | None = None,
     ):
         self.name = name
         # The one way to the control plane (gpuportal.wire.control): this package never imports it.
@@ -80,6 +81,13 @@ class NodeAgent:
         # Its GPUs as discovered at registration.
         self.devices: list[DeviceInfo] = []
         self.profile = profile or VirtualProfile.from_env()
+        # What other tenants hold on each virtual GPU, as the operator declared it (--virtual-foreign):
+        # a real GPU's is read from NVML at every beat.
+        self.virtual_foreign = (
+            dict(virtual_foreign)
+            if virtual_foreign is not None
+            else parse_virtual_foreign(os.environ.get(FOREIGN_ENV, ""))
+        )
         self.backend = backend
         self.virtual_spec = virtual_spec or settings.GPUPORTAL_VIRTUAL_GPUS
         # Default room for sleeping weights: half the host's RAM.
@@ -246,13 +254,15 @@ class NodeAgent:
     def books(self) -> Books:
         """What each replica process holds per GPU, for the control plane to check the books
         against: NVML's per-process figures on a real GPU, the replicas' own model of
-        them on a virtual one (refreshed by a ping; the answers arrive for the next beat)."""
-        from inference.backends import nvml_bytes_by_pid, nvml_device_free
+        them on a virtual one (refreshed by a ping; the answers arrive for the next beat), and
+        what other tenants hold on each GPU."""
+        from inference.backends import nvml_memory
 
         running = self.supervisor.usage()
         self.supervisor.ping_all()
         pids = {pid for pid, _, _ in running.values() if pid is not None}
-        by_pid = None if self.virtual else nvml_bytes_by_pid(pids)
+        seen = None if self.virtual else nvml_memory(pids)
+        by_pid, free = seen if seen is not None else (None, None)
         usage: dict[str, dict[str, int]] = {}
         states: dict[str, str] = {}
         for replica_id, (pid, reported, state) in running.items():
@@ -262,8 +272,29 @@ class NodeAgent:
             if figures is not None:
                 usage[replica_id] = figures
                 states[replica_id] = state
-        free = None if self.virtual else nvml_device_free()
-        return Books(usage=usage, states=states, free_by_index=free)
+        return Books(usage=usage, states=states, free_by_index=free, foreign_by_index=self.foreign(pids, by_pid, free))
+
+    def foreign(
+        self, pids: set[int], by_pid: dict[int, dict[str, int]] | None, free: dict[str, int] | None
+    ) -> dict[str, int] | None:
+        """What other tenants hold per GPU index: on a virtual GPU what the operator declared;
+        on a real one NVML's used memory less the driver's reserve and what this node's replica
+        processes hold, read in the same pass. None where that cannot be told: no NVML, or a
+        replica process NVML does not list (a container without the host's PID namespace, or
+        one that has not made its context yet), whose memory would pass for another tenant's."""
+        if self.virtual:
+            return {str(d.index): self.virtual_foreign.get(d.index, 0) for d in self.devices}
+        if by_pid is None or free is None or any(pid not in by_pid for pid in pids):
+            return None
+        own: dict[str, int] = {}
+        for figures in by_pid.values():
+            for index, bytes_ in figures.items():
+                own[index] = own.get(index, 0) + bytes_
+        return {
+            str(d.index): foreign_use(d.total_bytes, free[str(d.index)], own.get(str(d.index), 0))
+            for d in self.devices
+            if str(d.index) in free
+        }
 
     def stop(self, reason: str = "agent stopped") -> None:
         # The heartbeat first: a beat would bring the node back online while it leaves.

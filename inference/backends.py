@@ -527,17 +527,33 @@ def nvml_bytes_by_pid(pids: set[int]) -> dict[int, dict[str, int]] | None:
 
 def nvml_device_free() -> dict[str, int] | None:
     """{GPU index: bytes} NVML reports free on each device; None without NVML."""
+    seen = nvml_memory(set())
+    return None if seen is None else seen[1]
+
+
+def nvml_memory(pids: set[int]) -> tuple[dict[int, dict[str, int]], dict[str, int]] | None:
+    """What a heartbeat reads of NVML, in one pass over the devices: {pid: {GPU index: bytes}}
+    for each of `pids` NVML lists, and {GPU index: bytes} free. Each device's processes and its
+    free memory are read back to back, so that what other tenants hold (the used memory no pid of
+    ours explains) is not mistaken for a replica that grew between two reads. None without NVML."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:  # no library, no driver: nothing to measure with
+    except Exception as exc:  # no library, no driver: nothing to measure with
+        log.warning("NVML unavailable: %s", exc)
         return None
     try:
-        return {
-            str(index): int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free)
-            for index in range(pynvml.nvmlDeviceGetCount())
-        }
+        found: dict[int, dict[str, int]] = {}
+        free: dict[str, int] = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid in pids:
+                    by_gpu = found.setdefault(process.pid, {})
+                    by_gpu[str(index)] = by_gpu.get(str(index), 0) + int(process.usedGpuMemory or 0)
+            free[str(index)] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+        return found, free
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # shutdown failing changes nothing we measured
             pynvml.nvmlShutdown()

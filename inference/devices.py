@@ -118,6 +118,38 @@ class VirtualProfile:
         return {var: str(getattr(self, field_name)) for field_name, var in self.ENV}
 
 
+FOREIGN_ENV = "GPUPORTAL_VIRTUAL_FOREIGN"
+
+
+def parse_virtual_foreign(spec: str, gpu_count: int | None = None) -> dict[int, int]:
+    """'0:1GiB' or '0:1GiB,1:512MiB' → {GPU index: bytes other tenants hold there}: the memory a
+    virtual GPU shows used by processes that are not the node's replicas. Empty: none."""
+    found: dict[int, int] = {}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        index_text, sep, size_text = item.partition(":")
+        if not sep or not index_text.strip().isdigit():
+            raise ValueError(f"{item.strip()!r} is not INDEX:SIZE (example: 0:1GiB)")
+        index = int(index_text)
+        if gpu_count is not None and index >= gpu_count:
+            raise ValueError(f"{item.strip()!r}: there is no virtual GPU {index} (the node has {gpu_count})")
+        if index in found:
+            raise ValueError(f"{item.strip()!r}: GPU {index} is named twice")
+        try:
+            found[index] = parse_size(size_text) if size_text.strip() != "0" else 0
+        except ValueError as err:
+            raise ValueError(f"{item.strip()!r}: {err}") from None
+    return found
+
+
+def foreign_use(total_bytes: int, free_bytes: int, own_bytes: int) -> int:
+    """What other tenants hold on a GPU, from NVML: what CUDA could allocate on it idle (its
+    total, the driver's reserve already out) less what is free and what the node's own replica
+    processes hold; never negative (the figures are read a moment apart)."""
+    return max(0, total_bytes - free_bytes - own_bytes)
+
+
 def virtual_gpus(node: str, spec: str, profile: VirtualProfile | None = None) -> list[DeviceInfo]:
     """The GPUs of `spec`, each declared size being NVML's total: CUDA can allocate that less the
     profile's driver reserve, which is what the books count."""

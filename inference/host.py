@@ -460,7 +460,14 @@ class ReplicaHost:
     def process_bytes_by_id(self) -> dict[str, int] | None:
         """What NVML shows of this process per GPU; on a virtual GPU, what it would show: the
         context, and while the weights are on the GPU the allocator's segments for them, the
-        pool and the activation reserve (the working set a forward pass leaves cached)."""
+        pool and the activation reserve (the working set a forward pass leaves cached).
+
+        The pool's two allocations are rounded up by the allocator, but that rounding is part of
+        the activation reserve in the formula both planes size by (gpuportal.wire.memory): the
+        working set is the reserve less it. Counting it on top of a whole reserve, as this model
+        once did, showed a replica up to 4 MiB over a reservation the scheduler had sized right,
+        whenever the cap below did not clip it (after a wake, the context has grown past the one
+        the cap was computed with)."""
         measured = self.backend.process_bytes_by_id()
         if measured is not None or not isinstance(self.backend, VirtualBackend):
             return measured
@@ -472,7 +479,8 @@ class ReplicaHost:
             first = str(self.placement.gpus[0])
             activation = self.footprint.activation_bytes if self.footprint is not None else 0
             pool = 2 * memory.allocation_bytes(self.pool_bytes // 2)  # K and V, one allocation each
-            wanted = weight_allocation_bytes(self.model) + pool + activation
+            working = max(0, activation - (pool - self.pool_bytes))
+            wanted = weight_allocation_bytes(self.model) + pool + working
             # The allocator never holds more than its cap (set_per_process_memory_fraction): what it
             # may take is the reservation less what sits beside it, the context(s) above all.
             cap = self.placement.reserved_total - self._outside_allocator()

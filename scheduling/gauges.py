@@ -54,7 +54,14 @@ class StateCollector:
         overcommit = GaugeMetricFamily(
             "gpuportal_gpu_overcommit_bytes",
             "Bytes a GPU's replica processes held beyond their reservations at the last heartbeat "
-            "(NVML, or the virtual GPU's model of it); 0 when the books are honest.",
+            "(NVML, or the virtual GPU's model of it), with other tenants' use reaching into reserved "
+            "memory; 0 when the books are honest.",
+            labels=["node", "gpu"],
+        )
+        foreign = GaugeMetricFamily(
+            "gpuportal_gpu_foreign_bytes",
+            "GPU memory other tenants hold (processes that are not the portal's replicas, beyond the "
+            "driver's reserve) at the last heartbeat that changed it; out of placement's reach.",
             labels=["node", "gpu"],
         )
         free = GaugeMetricFamily(
@@ -63,14 +70,23 @@ class StateCollector:
             labels=["node", "gpu"],
         )
         rows = GPU.objects.values_list(
-            "node__name", "index", "virtual", "total_bytes", "available_bytes", "overcommit_bytes", "nvml_free_bytes"
+            "node__name",
+            "index",
+            "virtual",
+            "total_bytes",
+            "available_bytes",
+            "overcommit_bytes",
+            "nvml_free_bytes",
+            "foreign_bytes",
         )
-        for node, index, virtual, total_bytes, available_bytes, overcommit_bytes, nvml_free_bytes in rows:
+        for row in rows:
+            node, index, virtual, total_bytes, available_bytes, overcommit_bytes, nvml_free_bytes, foreign_bytes = row
             gpu = str(index)
             total.add_metric([node, gpu, "true" if virtual else "false"], total_bytes)
-            reserved.add_metric([node, gpu], total_bytes - available_bytes)
+            reserved.add_metric([node, gpu], max(0, total_bytes - foreign_bytes - available_bytes))
             available.add_metric([node, gpu], available_bytes)
             overcommit.add_metric([node, gpu], overcommit_bytes)
+            foreign.add_metric([node, gpu], foreign_bytes)
             if nvml_free_bytes is not None:
                 free.add_metric([node, gpu], nvml_free_bytes)
 
@@ -83,6 +99,7 @@ class StateCollector:
             reserved,
             available,
             overcommit,
+            foreign,
             free,
             _measured_bytes(),
             *_host_cache(),

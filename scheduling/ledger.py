@@ -69,8 +69,8 @@ READ_SQL = "SELECT * FROM gpuportal_ledger_read(%s, %s::bigint[], %s::bigint[])"
 # which the migration that last changed it loaded. A change is a new file and a new migration.
 SQL_DIR = Path(__file__).resolve().parent / "sql"
 SQL_FUNCTIONS = {
-    "gpuportal_ledger_commit": "ledger_commit_v3.sql",
-    "gpuportal_ledger_read": "ledger_read_v4.sql",
+    "gpuportal_ledger_commit": "ledger_commit_v4.sql",
+    "gpuportal_ledger_read": "ledger_read_v5.sql",
     "gpuportal_ledger_stamp": "ledger_stamp_v1.sql",
     "gpuportal_ledger_gpus_gone": "ledger_gone_v2.sql",
 }
@@ -78,8 +78,8 @@ SQL_FUNCTIONS = {
 # Where a row of `gpuportal_ledger_read` ends what a view is built from; then whether it was built
 # from the reader's own uncommitted writes, the GPU generation (bumped by deletions), and the
 # read's snapshot.
-VIEW_COLUMNS = 16
-INTENTS, MINE, GENERATION = 14, 16, 17
+VIEW_COLUMNS = 17
+INTENTS, MINE, GENERATION = 14, 17, 18
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPU
     entries to views already built from them: they are reused, and it is updated to hold
     exactly this GPU's, so that a Mirror builds only the occupants that changed."""
     (gpu_id, node, node_status, index, total, available, version, virtual, health, holder, expires) = row[:11]
-    context, standby_context, raw_occupants, raw_intents, node_id = row[11:VIEW_COLUMNS]
+    context, standby_context, raw_occupants, raw_intents, node_id, foreign = row[11:VIEW_COLUMNS]
     occupants = []
     fresh: dict[tuple, OccupantView] = {}
     for entry in json.loads(raw_occupants) if raw_occupants != "[]" else ():
@@ -125,8 +125,10 @@ def _gpu_view(row: tuple, known: dict[tuple, OccupantView] | None = None) -> GPU
         node_id=node_id,
         node_status=node_status,
         index=index,
-        total_bytes=total,
+        # What placement may reserve: other tenants' use is out of its reach (GPUView).
+        total_bytes=total - foreign,
         available_bytes=available,
+        foreign_bytes=foreign,
         version=version,
         virtual=virtual,
         health=health,
@@ -490,6 +492,45 @@ def release_wake_lock(gpu_id: int) -> None:
     GPU.objects.filter(pk=gpu_id).update(wake_lock_holder=None, wake_lock_expires_at=None)
 
 
+# -- other tenants: memory on a GPU that no replica of the portal holds -------------------------
+
+
+@dataclass(frozen=True)
+class ForeignChange:
+    """Other tenants' use of one GPU, recorded: before and after, with the GPU's books then."""
+
+    gpu_id: int
+    before: int
+    after: int
+    total_bytes: int
+    reserved_bytes: int  # what the portal's occupants reserve there
+    available_before: int
+    available_after: int
+
+
+def record_foreign(gpu_id: int, foreign_bytes: int) -> ForeignChange | None:
+    """Other tenants now hold `foreign_bytes` on this GPU: it leaves placement's reach, as an
+    occupant the portal does not own would. Under the GPU's row lock, like a commit: the version
+    is bumped, so a plan made against the old figure conflicts and plans again. None when the GPU
+    is gone. One row, in the caller's transaction (or its own): it cannot close a circle of
+    waits with a commit that locks GPUs in primary-key order."""
+    if foreign_bytes < 0:
+        raise ValueError(f"foreign_bytes must be >= 0, got {foreign_bytes}")
+    with transaction.atomic():
+        locked = locks.lock_gpus([gpu_id])
+        if not locked:
+            return None
+        gpu = locked[0]
+        reserved = sum(gpu.occupants.values_list("reserved_bytes", flat=True))
+        available = max(0, gpu.total_bytes - foreign_bytes - reserved)
+        GPU.objects.filter(pk=gpu_id).update(
+            foreign_bytes=foreign_bytes, available_bytes=available, version=F("version") + 1
+        )
+    return ForeignChange(
+        gpu_id, gpu.foreign_bytes, foreign_bytes, gpu.total_bytes, reserved, gpu.available_bytes, available
+    )
+
+
 @dataclass(frozen=True)
 class InventoryChange:
     gpu_id: int
@@ -527,7 +568,7 @@ def sync_inventory(node_id: int, node_name: str, devices: list[DeviceInfo]) -> l
                 changes.append(InventoryChange(gpu.pk, label, "added", None, _inventory_fields(gpu)))
                 continue
             before = _inventory_fields(gpu)
-            reserved = gpu.total_bytes - gpu.available_bytes
+            reserved = sum(gpu.occupants.values_list("reserved_bytes", flat=True))
             gpu.uuid, gpu.product, gpu.virtual = device.uuid, device.product, device.virtual
             for name, value in _accounting_fields(device).items():
                 setattr(gpu, name, value)
@@ -535,7 +576,8 @@ def sync_inventory(node_id: int, node_name: str, devices: list[DeviceInfo]) -> l
                 gpu.total_bytes = device.total_bytes
                 # Occupants that no longer fit stay recorded; the GPU shows as degraded and has
                 # nothing available until they are released, rather than violating the CHECK.
-                gpu.available_bytes = max(device.total_bytes - reserved, 0)
+                # Other tenants' use stays out of reach whatever the size.
+                gpu.available_bytes = max(device.total_bytes - gpu.foreign_bytes - reserved, 0)
                 gpu.health = GPU.Health.OK if reserved <= device.total_bytes else GPU.Health.DEGRADED
                 gpu.version += 1
                 kind = "resized"

@@ -89,9 +89,14 @@ class GPU(models.Model):
     product = models.CharField(max_length=200)
     virtual = models.BooleanField(default=False)
     total_bytes = models.BigIntegerField()
-    # Derived (total − Σ occupants' reserved_bytes) but stored, so a plan's fit check and the
-    # API read one row; the ledger recomputes it under the row lock on every commit.
+    # Derived (total − foreign − Σ occupants' reserved_bytes, never below 0) but stored, so a
+    # plan's fit check and the API read one row; the ledger recomputes it under the row lock on
+    # every commit and every change of foreign_bytes.
     available_bytes = models.BigIntegerField()
+    # Memory other tenants hold: what NVML shows used by processes that are not this portal's
+    # replicas, beyond the driver's reserve (or what a virtual GPU declares). Like an occupant the
+    # portal does not own: nothing is placed into it. Written by the ledger alone.
+    foreign_bytes = models.BigIntegerField(default=0, db_default=0)
     # Compare-and-swap version: bumped by every commit that touches this GPU.
     version = models.BigIntegerField(default=0)
     # The transaction id of the last writer, set by the database on every write (the trigger in
@@ -115,8 +120,9 @@ class GPU(models.Model):
         default=memory.H100_STANDBY_CONTEXT_BYTES, db_default=memory.H100_STANDBY_CONTEXT_BYTES
     )
     context_measured = models.BooleanField(default=False, db_default=False)
-    # The books against NVML, from the agent's last heartbeat: what NVML showed
-    # free, and by how much its replicas' processes exceeded their reservations in all.
+    # The books against NVML, from the agent's last heartbeat: what NVML showed free, and by how
+    # much its replicas' processes exceeded their reservations in all, with other tenants' use
+    # that reached into reserved memory.
     nvml_free_bytes = models.BigIntegerField(null=True, blank=True)
     overcommit_bytes = models.BigIntegerField(default=0, db_default=0)
     updated_at = models.DateTimeField(auto_now=True)
@@ -132,6 +138,7 @@ class GPU(models.Model):
                 condition=Q(available_bytes__gte=0) & Q(available_bytes__lte=F("total_bytes")),
                 name="gpu_available_within_total",
             ),
+            models.CheckConstraint(condition=Q(foreign_bytes__gte=0), name="gpu_foreign_not_negative"),
         ]
 
     def __str__(self) -> str:
@@ -139,7 +146,9 @@ class GPU(models.Model):
 
     @property
     def reserved_bytes(self) -> int:
-        return self.total_bytes - self.available_bytes
+        """What the portal's occupants reserve, or at least what is out of placement's reach
+        beside other tenants' use when that use has grown into reserved memory."""
+        return max(0, self.total_bytes - self.foreign_bytes - self.available_bytes)
 
 
 def _choices_of(enum: type[StrEnum], labels: dict[StrEnum, str] | None = None) -> type[models.TextChoices]:
@@ -453,6 +462,8 @@ class Event(models.Model):
         GPU_RELEASED = "gpu.released"
         # A replica's process seen by NVML (or the virtual GPU's model of it) above its reservation.
         GPU_OVERCOMMIT = "gpu.overcommit"
+        # Other tenants' use of a GPU (GPU.foreign_bytes) changed, by more than the books' tolerance.
+        GPU_FOREIGN = "gpu.foreign"
         REPLICA_STATE = "replica.state"
         REPLICA_RESTARTED = "replica.restarted"
         REPLICA_ADOPTED = "replica.adopted"

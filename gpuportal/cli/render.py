@@ -33,8 +33,8 @@ STATUS_STYLES = {DeploymentStatus.OK: "green", DeploymentStatus.RETRYING: "yello
 # Deployments get a colour each in the GPU bars, stable across runs (not Python's salted hash).
 PALETTE = ("green", "cyan", "magenta", "yellow", "blue", "bright_green", "bright_cyan", "bright_magenta")
 
-USED, RESERVED, FREE = "█", "▒", "░"
-BAR_STYLES = {USED: "green", RESERVED: "yellow", FREE: "bright_black"}
+USED, RESERVED, FREE, FOREIGN = "█", "▒", "░", "▓"
+BAR_STYLES = {USED: "green", RESERVED: "yellow", FREE: "bright_black", FOREIGN: "red"}
 
 
 def short_id(replica_id: str) -> str:
@@ -150,29 +150,35 @@ def replicas_table(deployments: list[dict[str, Any]]) -> Table:
 
 
 def used_bytes(gpu: dict[str, Any]) -> int | None:
-    """What the GPU's processes hold as the agent last measured it (NVML, or a virtual GPU's model
-    of it): its allocatable total less what was free. None before the first measurement."""
+    """What the portal's replica processes hold as the agent last measured it (NVML, or a virtual
+    GPU's model of it): its allocatable total less what was free and what other tenants hold. None
+    before the first measurement."""
     free = gpu.get("nvml_free_bytes")
     if free is None:
         return None
-    return max(0, gpu["total_bytes"] - free)
+    return max(0, gpu["total_bytes"] - free - gpu.get("foreign_bytes", 0))
 
 
-def memory_bar(total: int, reserved: int, used: int | None, width: int = 40) -> str:
+def memory_bar(total: int, reserved: int, used: int | None, width: int = 40, foreign: int = 0) -> str:
     """`width` cells over the GPU's allocatable memory: USED what processes hold within the
-    reservations, RESERVED reserved but not (yet) in use, FREE the rest. Use past the reservations
-    (an over-commit) shows as used cells past the reserved ones."""
+    reservations, RESERVED reserved but not (yet) in use, FREE the rest, and FOREIGN, at the
+    end, what other tenants hold. Use past the reservations (an over-commit) shows as used cells
+    past the reserved ones."""
     if total <= 0 or width <= 0:
         return ""
 
     def cells(n: int) -> int:
         return max(0, min(width, round(width * n / total)))
 
-    reserved_cells = cells(reserved)
-    used_cells = 0 if used is None else cells(used)
+    foreign_cells = cells(foreign)
+    room = width - foreign_cells
+    reserved_cells = min(room, cells(reserved))
+    used_cells = 0 if used is None else min(room, cells(used))
     if used_cells <= reserved_cells:
-        return USED * used_cells + RESERVED * (reserved_cells - used_cells) + FREE * (width - reserved_cells)
-    return USED * used_cells + FREE * (width - used_cells)
+        bar = USED * used_cells + RESERVED * (reserved_cells - used_cells) + FREE * (room - reserved_cells)
+    else:
+        bar = USED * used_cells + FREE * (room - used_cells)
+    return bar + FOREIGN * foreign_cells
 
 
 def gpu_block(gpu: dict[str, Any], width: int = 40) -> Text:
@@ -184,7 +190,7 @@ def gpu_block(gpu: dict[str, Any], width: int = 40) -> Text:
     if gpu.get("health", "ok") != "ok":
         head.append(f"  {gpu['health']}", style="red")
     bar = Text("  [")
-    for cell in memory_bar(total, reserved, used, width):
+    for cell in memory_bar(total, reserved, used, width, foreign=gpu.get("foreign_bytes", 0)):
         bar.append(cell, style=BAR_STYLES[cell])
     bar.append("]")
     figures = Text(
@@ -192,6 +198,8 @@ def gpu_block(gpu: dict[str, Any], width: int = 40) -> Text:
         f" · reserved {human_bytes(reserved)} · total {human_bytes(total)}"
         f" · free {human_bytes(gpu.get('available_bytes'))}"
     )
+    if gpu.get("foreign_bytes"):
+        figures.append(f" · other tenants {human_bytes(gpu['foreign_bytes'])}", style="red")
     if gpu.get("overcommit_bytes"):
         figures.append(f" · over-committed {human_bytes(gpu['overcommit_bytes'])}", style="red")
     lines = [head, bar, figures]

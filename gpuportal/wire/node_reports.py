@@ -40,11 +40,16 @@ class Books:
     figure is compared only with the books of that state: a serving figure read just before a
     sleep is no over-commit of the sleeper); free_by_index: NVML's free bytes per GPU index, None
     where there is no NVML (a virtual GPU's free memory is derived from the usage instead).
+    foreign_by_index: what other tenants hold per GPU index, processes that are not the node's
+    replicas (NVML's used memory less the driver's reserve and what its replicas hold, or what a
+    virtual GPU declares); a GPU missing from it, or None (an agent that does not say), keeps
+    the figure the books hold.
     """
 
     usage: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     states: Mapping[str, str] = field(default_factory=dict)
     free_by_index: Mapping[str, int] | None = None
+    foreign_by_index: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -354,6 +354,7 @@ class GPUSerializer(serializers.ModelSerializer):
             "virtual",
             "total_bytes",
             "available_bytes",
+            "foreign_bytes",
             "reserved_bytes",
             "nvml_total_bytes",
             "context_bytes",

@@ -709,7 +709,8 @@ def _evictions(index: SnapshotIndex, victims: tuple[OccupantView, ...]) -> tuple
 def _fraction(gpus: Sequence[GPUView], bytes_by_gpu: Mapping[int, int]) -> float | None:
     if len(gpus) != 1:
         return None
-    return gpu_fraction(bytes_by_gpu[gpus[0].id], gpus[0].total_bytes)
+    # Of the whole GPU, other tenants' share included: the allocator's cap is a share of it all.
+    return gpu_fraction(bytes_by_gpu[gpus[0].id], gpus[0].total_bytes + gpus[0].foreign_bytes)
 
 
 def _mode(gpus: Sequence[GPUView], bytes_by_gpu: Mapping[int, int]) -> Mode:

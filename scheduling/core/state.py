@@ -50,6 +50,11 @@ class IntentView:
 
 @dataclass(frozen=True)
 class GPUView:
+    """A GPU as decisions see it. `total_bytes` is what the portal may reserve there: what CUDA
+    can allocate less what other tenants hold (`foreign_bytes`), so that no decision places into
+    their memory; `available_bytes` is what of it no occupant reserves (0 when other tenants have
+    reached into reserved memory)."""
+
     id: int
     node: str
     index: int
@@ -70,6 +75,8 @@ class GPUView:
     # The node's row, for the services that write a placement (None in views built without one:
     # the simulator's, the tests').
     node_id: int | None = None
+    # Other tenants' use (scheduling.models.GPU.foreign_bytes), already out of total_bytes.
+    foreign_bytes: int = 0
 
     @property
     def label(self) -> str:

@@ -1,12 +1,18 @@
 """The books against the hardware: every heartbeat, the node agent reports what
-each replica process really holds per GPU (NVML, or the virtual GPU's model of it), and this
-compares it with the ledger.
+each replica process really holds per GPU (NVML, or the virtual GPU's model of it) and what other
+tenants hold there, and this compares it with the ledger.
 
 A replica (or failover pair: its standby's context is in the active member's reservation) whose
-processes hold more than it reserved is an over-commit: it is recorded as an Event, shown as
-`gpuportal_gpu_overcommit_bytes`, its deployment's measured need is raised to what it really
-holds so the next replica is reserved enough, and its own reservation grows by the excess where
-the GPU has room, so that available_bytes never promises memory NVML does not have.
+processes hold more than it reserved is an over-commit, shown as `gpuportal_gpu_overcommit_bytes`.
+Past the books' tolerance (scheduling.core.books: the larger of GPUPORTAL_BOOKS_TOLERANCE_BYTES and
+1 % of the reservation) it is recorded as an Event, its deployment's measured need is raised to
+what it really holds so the next replica is reserved enough, and its own reservation grows by the
+excess where the GPU has room, so that available_bytes never promises memory NVML does not have.
+
+Other tenants' use (processes that are not the portal's replicas) is recorded on the GPU through
+the ledger, which keeps it out of available_bytes; a change past the tolerance is a `gpu.foreign`
+Event. Where it reaches into memory the portal's occupants reserve, the excess counts in the
+GPU's over-commit figure too, and the Event says so.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db import transaction
 
 from gpuportal.wire import memory, states
 from gpuportal.wire.node_reports import Books
-from scheduling import locks
+from scheduling import ledger, locks
+from scheduling.core import books as tolerance
 from scheduling.models import GPU, Event, Occupant, Replica
 from scheduling.services import outbox
 from scheduling.services import replicas as replica_services
@@ -88,16 +96,75 @@ def check(node_name: str, books: Books) -> list[Excess]:
         (o.replica_id, o.gpu.index): o.reserved_bytes
         for o in Occupant.objects.filter(gpu__in=gpus.values()).select_related("gpu")
     }
+    reserved_on: dict[int, int] = defaultdict(int)
+    for (_, index), bytes_ in reserved.items():
+        reserved_on[index] += bytes_
     found = [
         Excess(holder, gpus[index].pk, index, used, held)
         for holder, index, used, held in over_reservations(usage, reserved, holder_of)
     ]
-    _record_gpu_figures(gpus, usage, books, found)
+    floor = settings.GPUPORTAL_BOOKS_TOLERANCE_BYTES
+    _record_foreign(node_name, gpus, books, reserved_on, floor)
+    _record_gpu_figures(gpus, usage, books, found, reserved_on)
     for excess in found:
+        # Within the tolerance it shows in the gauge only: acting on it would record an Event, and
+        # a reservation change, for the wobble of every beat.
+        if not tolerance.overcommit_matters(excess.bytes, excess.reserved, floor):
+            continue
         _act_on(
             excess, replicas.get(excess.replica_id) or Replica.objects.filter(pk=excess.replica_id).first(), node_name
         )
     return found
+
+
+def _record_foreign(
+    node_name: str, gpus: dict[int, GPU], books: Books, reserved_on: dict[int, int], floor: int
+) -> None:
+    """Other tenants' use as the agent saw it, into the books where it changed past the
+    tolerance: through the ledger (out of available_bytes), with a `gpu.foreign` Event saying
+    what it leaves, and whether it reaches into reserved memory. `gpus` are updated to match."""
+    if books.foreign_by_index is None:
+        return
+    for index, gpu in sorted(gpus.items(), key=lambda item: item[1].pk):
+        seen = books.foreign_by_index.get(str(index))
+        if seen is None:
+            continue
+        wanted = tolerance.foreign_to_record(gpu.foreign_bytes, int(seen), floor)
+        if wanted is None:
+            continue
+        label = f"{node_name}/{index}"
+        with transaction.atomic():
+            change = ledger.record_foreign(gpu.pk, wanted)
+            if change is None:
+                continue
+            into = tolerance.intrusion(change.total_bytes, change.after, change.reserved_bytes)
+            what = (
+                f"processes that are not the portal's replicas hold {memory.human_bytes(change.after)} on {label} "
+                f"(was {memory.human_bytes(change.before)}): {memory.human_bytes(change.available_after)} "
+                f"left to place (was {memory.human_bytes(change.available_before)})"
+            )
+            if into:
+                what += (
+                    f"; {memory.human_bytes(into)} of it is memory reserved for the portal's replicas, which "
+                    "is over-committed until they or the other tenants let go of it"
+                )
+            outbox.note(
+                Event.Kind.GPU_FOREIGN,
+                f"gpu {label}",
+                what,
+                before={"foreign_bytes": change.before, "available_bytes": change.available_before},
+                after={
+                    "foreign_bytes": change.after,
+                    "available_bytes": change.available_after,
+                    "reserved_bytes": change.reserved_bytes,
+                    "intrusion_bytes": into,
+                },
+                node=node_name,
+                gpu=label,
+            )
+        if into:
+            log.warning("other tenants: %s", what)
+        gpu.foreign_bytes, gpu.available_bytes = change.after, change.available_after
 
 
 # What the control plane calls the state a replica reports itself in.
@@ -125,7 +192,13 @@ def _holders(replicas) -> dict[str, str]:
     return {r.id: holding.get(r.lease_id, r.id) if r.lease_id is not None else r.id for r in replicas}
 
 
-def _record_gpu_figures(gpus: dict[int, GPU], usage: dict[str, dict[int, int]], books: Books, found: list[Excess]):
+def _record_gpu_figures(
+    gpus: dict[int, GPU],
+    usage: dict[str, dict[int, int]],
+    books: Books,
+    found: list[Excess],
+    reserved_on: dict[int, int],
+):
     over: dict[int, int] = defaultdict(int)
     for excess in found:
         over[excess.index] += excess.bytes
@@ -134,11 +207,13 @@ def _record_gpu_figures(gpus: dict[int, GPU], usage: dict[str, dict[int, int]], 
         for index, bytes_ in figures.items():
             held[index] += bytes_
     for index, gpu in sorted(gpus.items(), key=lambda item: item[1].pk):
+        # Other tenants in reserved memory: bytes the books promised that NVML no longer has.
+        over[index] += tolerance.intrusion(gpu.total_bytes, gpu.foreign_bytes, reserved_on[index])
         if books.free_by_index is not None and str(index) in books.free_by_index:
             free = int(books.free_by_index[str(index)])
         else:
-            # A virtual GPU: what CUDA could allocate less what its processes hold.
-            free = max(0, gpu.total_bytes - held[index])
+            # A virtual GPU: what CUDA could allocate less what its processes and other tenants hold.
+            free = max(0, gpu.total_bytes - held[index] - gpu.foreign_bytes)
         if gpu.overcommit_bytes != over[index] or gpu.nvml_free_bytes != free:
             # One row per statement, outside any transaction: this never holds two GPU rows at
             # once, so it cannot deadlock with a ledger commit locking them in primary-key order.

@@ -69,7 +69,7 @@ def human_bytes(n: int | None) -> str:
 
 @dataclass
 class Segment:
-    kind: str  # serving, waking, draining, sleeping, free
+    kind: str  # serving, waking, draining, sleeping, free, foreign (other tenants)
     bytes: int
     percent: float
     deployment: str = ""
@@ -81,14 +81,16 @@ class Segment:
     def label(self) -> str:
         if self.kind == "free":
             return f"free {human_bytes(self.bytes)}"
+        if self.kind == "foreign":
+            return f"other tenants {human_bytes(self.bytes)}"
         measured = f", measured {human_bytes(self.measured)}" if self.measured is not None else ""
         return f"{self.deployment} ({self.state}): reserved {human_bytes(self.bytes)}{measured}"
 
     @property
     def short(self) -> str:
         """What fits in the bar itself: the full label is its tooltip and in the legend."""
-        if self.kind == "free":
-            return f"free {human_bytes(self.bytes)}"
+        if self.kind in ("free", "foreign"):
+            return self.label
         return f"{self.deployment} · {self.state} · {human_bytes(self.bytes)}"
 
     @property
@@ -145,7 +147,13 @@ def _gpu_row(gpu: GPU) -> GpuRow:
         )
     free = Segment(kind="free", bytes=gpu.available_bytes, percent=round(100 * gpu.available_bytes / total, 2))
     segments = sorted(occupants, key=lambda s: SEGMENT_ORDER.index(s.kind) if s.kind in SEGMENT_ORDER else 9)
-    return GpuRow(gpu=gpu, segments=[*segments, free], occupants=occupants)
+    # Other tenants' memory at the end of the bar, beside what is free but never part of it.
+    foreign = (
+        [Segment(kind="foreign", bytes=gpu.foreign_bytes, percent=round(100 * gpu.foreign_bytes / total, 2))]
+        if gpu.foreign_bytes
+        else []
+    )
+    return GpuRow(gpu=gpu, segments=[*segments, free, *foreign], occupants=occupants)
 
 
 def _heartbeat_age(last: datetime | None, now: datetime) -> float | None:

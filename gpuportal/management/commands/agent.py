@@ -11,7 +11,7 @@ from gpuportal.no_database.base import ENGINE as NO_DATABASE
 from gpuportal.wire import node_auth
 from inference import load_slots
 from inference.agent import NodeAgent
-from inference.devices import VirtualProfile, parse_size, parse_virtual_spec
+from inference.devices import FOREIGN_ENV, VirtualProfile, parse_size, parse_virtual_foreign, parse_virtual_spec
 from inference.devices import virtual_gpus as declared_virtual_gpus
 from inference.gateway import RemoteControl
 
@@ -51,6 +51,12 @@ class Command(BaseCommand):
             "--virtual-driver-reserve",
             default=None,
             help="What NVML counts but CUDA cannot allocate on a virtual GPU (default: 480MiB).",
+        )
+        parser.add_argument(
+            "--virtual-foreign",
+            default=None,
+            help="Memory other tenants hold on virtual GPUs, INDEX:SIZE[,INDEX:SIZE], e.g. 0:1GiB "
+            "(default: GPUPORTAL_VIRTUAL_FOREIGN, else none). Out of placement's reach, as on a real GPU.",
         )
         parser.add_argument(
             "--cpu-cache",
@@ -98,6 +104,7 @@ class Command(BaseCommand):
                 declared_virtual_gpus(node, virtual_gpus, profile)
             except ValueError as err:
                 raise CommandError(f"--virtual-gpus {virtual_gpus}: {err}") from None
+        foreign = self._virtual_foreign(node, options.get("virtual_foreign"), virtual_gpus, profile)
         # The agent's replica processes inherit the environment: they model the same GPU, and
         # share the node's load slots.
         os.environ.update(profile.as_env())
@@ -122,11 +129,32 @@ class Command(BaseCommand):
             cpu_cache_bytes=cache,
             concurrency=concurrency,
             profile=profile,
+            virtual_foreign=foreign,
         )
         try:
             agent.run(loglevel=loglevel)
         except ValueError as err:
             raise CommandError(str(err)) from None
+
+    @staticmethod
+    def _virtual_foreign(node: str, value: str | None, virtual_gpus: str | None, profile: VirtualProfile) -> dict:
+        """Other tenants' use of the virtual GPUs, checked against them before anything starts."""
+        flag = "--virtual-foreign" if value is not None else FOREIGN_ENV
+        spec = value if value is not None else os.environ.get(FOREIGN_ENV, "")
+        if not spec.strip():
+            return {}
+        try:
+            devices = declared_virtual_gpus(node, virtual_gpus or settings.GPUPORTAL_VIRTUAL_GPUS, profile)
+            foreign = parse_virtual_foreign(spec, len(devices))
+        except ValueError as err:
+            raise CommandError(f"{flag} {spec}: {err}") from None
+        for index, bytes_ in foreign.items():
+            if bytes_ > devices[index].total_bytes:
+                raise CommandError(
+                    f"{flag} {spec}: other tenants cannot hold {bytes_} bytes of virtual GPU {index}, "
+                    f"which has {devices[index].total_bytes} bytes to allocate"
+                )
+        return foreign
 
 
 def without_database() -> None:
