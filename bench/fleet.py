@@ -48,6 +48,7 @@ import psutil
 
 from bench.fleet_node import percentile_s
 from bench.portal import ROOT, Http, Portal, servers, staff_key
+from gpuportal.wire.states import ENDED
 
 NAME = "fleet"
 GiB = 1024**3
@@ -305,7 +306,7 @@ def _measure(
     code, answer = http.post(f"/api/deployments/{NAME}/scale/", {"replicas": replicas})
     result.place_call_s = time.monotonic() - began
     result.place_status = code
-    result.placed = of_it.exclude(node=None).exclude(state__in=("stopped", "failed")).count()
+    result.placed = of_it.exclude(node=None).exclude(state__in=ENDED).count()
     print(f"scale to {replicas}: {code} in {result.place_call_s:.2f} s, {result.placed} placed", flush=True)
     if code != 200:
         result.notes.append(f"scale answered {code}: {str(answer)[:200]}")

@@ -154,6 +154,8 @@ class Portal:
         self.postgres: EmbeddedPostgres | None = None
         self.redis: EmbeddedRedis | None = None
         self.stopping = threading.Event()
+        # The threads writing a restart's Event (record_restart), joined before the servers stop.
+        self.recorders: list[threading.Thread] = []
         self.env: dict[str, str] = {}
         self.log_lock = threading.Lock()
         # Set once this `up` has written stack.env: only then is it this `up`'s to remove. A
@@ -486,7 +488,9 @@ class Portal:
                     return
             self.say(f"could not record the restart of {name}: {_last_line(result.stderr or result.stdout)}")
 
-        threading.Thread(target=record, name=f"record-restart-{name}", daemon=True).start()
+        recorder = threading.Thread(target=record, name=f"record-restart-{name}", daemon=True)
+        self.recorders.append(recorder)
+        recorder.start()
 
     # -- run and stop ------------------------------------------------------------------------
 
@@ -526,6 +530,10 @@ class Portal:
     def shutdown(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             (self.options.data_dir / STATUS_FILE).unlink()  # no `up`, nothing down to name
+        # A restart's Event still being written: its `manage.py` ends on its own within seconds
+        # (no next attempt once stopping is set), before the servers it writes to are stopped.
+        for recorder in self.recorders:
+            recorder.join(30)
         running = [c for c in self.children if c.process and c.process.poll() is None]
         first = [c for c in running if c.stops_first]
         # The agent, then all the rest at once: each warm shutdown overlaps the others'.

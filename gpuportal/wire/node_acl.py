@@ -57,6 +57,11 @@ REPLICA_KEYS = (
 COMMANDS = ("+@all", "-@admin", "-@dangerous", "-scan", "-swapdb", "-move")
 
 
+# Read-only and write-only key patterns (%R~, %W~) came with Redis 7: an older server refuses the
+# rules whole (docs/operating.md says so).
+MIN_REDIS = (7, 0)
+
+
 def user_name(node: str) -> str:
     return f"node-{node}"
 

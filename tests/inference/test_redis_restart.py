@@ -48,7 +48,12 @@ def test_an_answer_written_while_redis_restarts_lands_once_it_is_back(private_re
     assert taken is not None
     lost: list[str] = []
     host = SimpleNamespace(
-        replica_id="r1", loader="transformers", accepting=threading.Event(), fence=None, on_queue_lost=lost.append
+        replica_id="r1",
+        loader="transformers",
+        accepting=threading.Event(),
+        fence=None,
+        node_fence=None,
+        on_queue_lost=lost.append,
     )
     server = Server(host, rq, "tiny")
 

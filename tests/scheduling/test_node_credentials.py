@@ -350,9 +350,16 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
 
     admin = redis.Redis.from_url(settings.REDIS_URL)
     node, password = f"acl-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin.execute_command(
-        "ACL", "SETUSER", node_acl.user_name(node), *node_acl.setuser_line(node, password).split()[3:]
-    )
+    rules = node_acl.setuser_line(node, password).split()[3:]
+    version = tuple(int(n) for n in admin.info("server")["redis_version"].split(".")[:2])
+    if version < node_acl.MIN_REDIS:
+        # The embedded Redis of `make test` is 6.2: the rules need 7's read-only and write-only
+        # key patterns, and such a server refuses them whole rather than granting more.
+        with pytest.raises(redis.ResponseError, match=r"%W~|%R~"):
+            admin.execute_command("ACL", "SETUSER", node_acl.user_name(node), *rules)
+        assert node_acl.user_name(node) not in admin.acl_users()
+        return
+    admin.execute_command("ACL", "SETUSER", node_acl.user_name(node), *rules)
     try:
         kwargs = admin.connection_pool.connection_kwargs
         user = redis.Redis(
