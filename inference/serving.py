@@ -424,7 +424,8 @@ class Server(threading.Thread):
             if not self.paused:
                 log.warning("%s; pausing", exc)
                 self.paused = True
-            self.stopped.wait(min(self.poll_s, 0.5))
+            if timeout > 0:  # idle: look again shortly; a batch in flight keeps stepping meanwhile
+                self.stopped.wait(min(self.poll_s, 0.5))
             return None
         except Exception:
             log.exception("cannot take requests from the queue; retrying")
