@@ -322,7 +322,12 @@ def test_a_waker_killed_while_holding_the_wake_lock_is_taken_over_after_expiry(
         10,
         "the dead wake to be abandoned",
     )
-    assert "lapsed or was taken over" in abandoned.reason, abandoned.reason
+    # Abandoned as its lock lapsed or, where its waiter was given up first (the new worker's
+    # handling of c's wakes got there before the abandonment: seen once in a loaded whole run),
+    # because that waiter failed. Either way the dead wake does nothing more.
+    assert "lapsed or was taken over" in abandoned.reason or abandoned.reason.endswith(
+        "the waiting replica is failed now"
+    ), abandoned.reason
     # A new wake took the GPU over: its intent ended satisfied (the lock it held for its fairness
     # wait is released by then, and can come and go between two polls on a loaded machine, so the
     # trail is what shows it).
