@@ -281,13 +281,21 @@ class SimulatedNode:
         with self.lock:
             return self.replicas.get(replica_id)
 
-    def _sleep_replica(self, command: SleepReplica) -> str:
-        if self.control.replica_state(command.replica_id) != S.DRAINING:
+    def _awaited(self, replica_id: str, state: str) -> SimReplica | str:
+        """The replica a sleep or wake is for, if the books still wait for it in `state`; else
+        what the command came to ("skipped", or "no process" after reporting it failed)."""
+        if self.control.replica_state(replica_id) != state:
             return "skipped"
-        replica = self._replica(command.replica_id)
+        replica = self._replica(replica_id)
         if replica is None:
-            self.report(command.replica_id, "failed", kind="crash", reason=f"no process on {self.name}")
+            self.report(replica_id, "failed", kind="crash", reason=f"no process on {self.name}")
             return "no process"
+        return replica
+
+    def _sleep_replica(self, command: SleepReplica) -> str:
+        replica = self._awaited(command.replica_id, S.DRAINING)
+        if isinstance(replica, str):
+            return replica
         with replica.lock:
             replica.state, replica.arena_bytes = S.SLEEPING, 0
             residual = replica.holds()
@@ -295,12 +303,9 @@ class SimulatedNode:
         return "sent"
 
     def _wake(self, command: WakeReplica) -> str:
-        if self.control.replica_state(command.replica_id) != S.WAKING:
-            return "skipped"
-        replica = self._replica(command.replica_id)
-        if replica is None:
-            self.report(command.replica_id, "failed", kind="crash", reason=f"no process on {self.name}")
-            return "no process"
+        replica = self._awaited(command.replica_id, S.WAKING)
+        if isinstance(replica, str):
+            return replica
         with replica.lock:
             replica.spec = _replaced(replica.spec, command)
             replica.state = S.SERVING
