@@ -19,7 +19,7 @@ from django.db import InterfaceError, OperationalError, connection
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from gpuportal.wire import states
-from gpuportal.wire.requestqueue import Request, family_of_kind, family_of_loader
+from gpuportal.wire.requestqueue import KeyTakenOver, Request, family_of_kind, family_of_loader
 from scheduling import hot_sql, ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import placing, sleep, user_limits
@@ -102,10 +102,12 @@ def submit(
         queued = _queued(
             deployment_name, kind, owner, partial(
                 queue().submit, deployment_name, kind=kind, input=input, params=params, owner=owner,
-                count_in=requeststats.bucket(deployment_name),
+                count_in=requeststats.bucket(deployment_name), under_key=_under(owner, idempotency_key),
             ),
             request_id,
         )  # fmt: skip
+    except KeyTakenOver as taken:
+        return _taken_over(taken)
     except redis.RedisError as err:
         queued = _accepted_after_all(request_id, err, keyed=idempotency_key is not None)
     requeststats.accepted(deployment_name)
@@ -132,9 +134,13 @@ def run(
             deployment_name, kind, owner, partial(
                 queue().submit_and_wait, deployment_name, kind=kind, input=input, params=params, owner=owner,
                 timeout=timeout, count_in=requeststats.bucket(deployment_name),
+                under_key=_under(owner, idempotency_key),
             ),
             request_id,
         )  # fmt: skip
+    except KeyTakenOver as taken:
+        first = _taken_over(taken)
+        return first, first if first.final else queue().wait(first.id, timeout)
     except redis.RedisError as err:
         accepted = _accepted_after_all(request_id, err, keyed=idempotency_key is not None)
         outcome = (accepted, accepted if accepted.final else None)
@@ -179,6 +185,20 @@ def _first_under(owner: str, key: str | None) -> tuple[str, Request | None]:
         return request_id, None
     first_id = queue().claim_idempotency_key(owner, key, request_id)
     return request_id, None if first_id == request_id else queue().get(first_id)
+
+
+def _under(owner: str, key: str | None) -> tuple[str, str] | None:
+    return None if key is None else (owner, key)
+
+
+def _taken_over(taken: KeyTakenOver) -> Request:
+    """The request a retry under the same key queued while this submit was on its way (its client
+    gave up on it and sent it again): that one is the answer, and this one was never queued."""
+    first = queue().get(taken.first) if taken.first else None
+    if first is None:  # the retry has claimed the key but not yet written its request
+        raise Unavailable("a request under the same Idempotency-Key is being accepted now: send it again")
+    log.info("request under a key taken over by its retry: answered with %s", first.id)
+    return first
 
 
 def _queued(deployment_name: str, kind: str, owner: str, put: Callable[..., T | None], request_id: str) -> T:

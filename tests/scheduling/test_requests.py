@@ -21,6 +21,7 @@ from gpuportal.wire.requestqueue import (
     REQUEST_PREFIX,
     STREAM_RESTART,
     Fence,
+    KeyTakenOver,
     NotTaken,
     RequestQueue,
     StaleEpoch,
@@ -818,6 +819,45 @@ def test_a_key_whose_request_was_never_written_is_taken_over_by_the_retry(servin
                              HTTP_IDEMPOTENCY_KEY="lost")  # fmt: skip
 
     assert retry.status_code == 202 and queued_ids(rq) == [retry.json()["id"]] != ["never-written"]
+
+
+def test_a_slow_first_submit_whose_key_its_retry_took_over_queues_nothing_beside_the_retry(rq):
+    # The first web process claimed the key, then waited (the database admitting it) while its
+    # client gave up and sent the request again: the retry found no request under the key and took
+    # it over. The first submit, when it comes, must not queue a second copy.
+    assert rq.claim_idempotency_key("1", "k", "first") == "first"
+    assert rq.claim_idempotency_key("1", "k", "retry") == "retry"
+    rq.submit("tiny", kind="generate", input="x", params={}, owner="1", request_id="retry", under_key=("1", "k"))
+
+    with pytest.raises(KeyTakenOver) as taken:
+        rq.submit("tiny", kind="generate", input="x", params={}, owner="1", request_id="first", under_key=("1", "k"))
+
+    assert taken.value.first == "retry" and rq.get("first") is None
+    assert queued_ids(rq) == ["retry"]
+
+
+def test_a_client_that_retried_while_its_first_post_was_slow_gets_one_request_from_both(
+    serving_deployment, user_client, rq, monkeypatch
+):
+    submit = RequestQueue._submit
+    retried: list = []
+
+    def slow(self, *args, **kwargs):
+        if not retried:  # the first post, before its submit: its client sends it again meanwhile
+            retried.append(None)
+            retried[0] = user_client.post(
+                "/api/requests/", {"deployment": "tiny", "input": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="slow"
+            )
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(RequestQueue, "_submit", slow)
+    first = user_client.post(
+        "/api/requests/", {"deployment": "tiny", "input": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="slow"
+    )
+
+    retry = retried[0]
+    assert first.status_code == retry.status_code == 202, (first.json(), retry.json())
+    assert first.json()["id"] == retry.json()["id"] and queued_ids(rq) == [retry.json()["id"]]
 
 
 @pytest.mark.parametrize("key", ["", "x" * 256, "caf\u00e9", "tab\there"])

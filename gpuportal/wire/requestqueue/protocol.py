@@ -132,6 +132,15 @@ class NodeWrittenOff(Fenced):
     gpuportal.wire.node_lease): the write was refused, and the replica must stop."""
 
 
+class KeyTakenOver(Exception):
+    """A submit under an Idempotency-Key that a retry took over before this request was written:
+    nothing was queued. `first` is the request the key names now."""
+
+    def __init__(self, first: str):
+        self.first = first
+        super().__init__(f"the Idempotency-Key names request {first} now")
+
+
 class LeaseLapsed(Exception):
     """A replica's node holds no lease under the replica's epoch (its agent stopped renewing it): it
     takes nothing until the lease is renewed. Not a fence: the node may only be slow."""
@@ -217,9 +226,20 @@ return 1
 # woken. Otherwise nothing is queued, and a refusal token is pushed where the blocking read sent
 # in the same round trip waits, so that it returns at once: the web then admits the request the
 # long way (the database says what to wake, or why not), and submits it again with '0'.
-# KEYS: live set, request, queue, done, count, the owner's index, everyone's index. ARGV: request
-# id, ttl, count ttl or '', created at, whether to ask gp:live, then the request's field/value pairs.
+#
+# Under an Idempotency-Key, only while the key still names this request (else -1, nothing
+# written): a claim whose request was not written yet is taken over by a retry
+# (_CLAIM_IDEMPOTENCY_KEY), and the first submit, only slow (its client gave up while the database
+# admitted it), must then not queue a second copy beside the retry's.
+# KEYS: live set, request, queue, done, count, the owner's index, everyone's index, the
+# Idempotency-Key's (or any key). ARGV: request id, ttl, count ttl or '', created at, whether to
+# ask gp:live, whether the key must name it, then the request's field/value pairs.
 _SUBMIT = """
+if ARGV[6] == '1' and redis.call('GET', KEYS[8]) ~= ARGV[1] then
+  redis.call('RPUSH', KEYS[4], 'refused')
+  redis.call('EXPIRE', KEYS[4], 60)
+  return -1
+end
 if ARGV[5] == '1' then
   local t = redis.call('TIME')
   if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf') == 0 then
@@ -232,7 +252,7 @@ else
   -- read waits: it is not this request's end.
   redis.call('DEL', KEYS[4])
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+redis.call('HSET', KEYS[2], unpack(ARGV, 7))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 if ARGV[3] ~= '' then
   redis.call('INCR', KEYS[5])

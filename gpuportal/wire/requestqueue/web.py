@@ -16,6 +16,7 @@ from gpuportal.wire.requestqueue.protocol import (
     REQUEST_PREFIX,
     STREAM_END,
     TTL_S,
+    KeyTakenOver,
     Request,
     done_key,
     family_of_kind,
@@ -52,15 +53,17 @@ class Submitting(QueueBase):
         count_in: tuple[str, int] | None = None,
         if_live: bool = False,
         request_id: str | None = None,
+        under_key: tuple[str, str] | None = None,
     ) -> Request | None:
         """Queue a request. `count_in` (key, ttl): a counter incremented in the same round trip
         (the control plane's requests per minute). `if_live`: only if a replica of the deployment
         takes requests now (gp:live), else queue nothing and return None. `request_id`: its id,
         when the caller needs it first (a submit again after an `if_live` one queued nothing
-        takes the same id); a new one by default."""
+        takes the same id); a new one by default. `under_key` (owner, Idempotency-Key): queued
+        only while that key names `request_id`, else KeyTakenOver and nothing queued."""
         submitted = self._submit(
             deployment, kind, input, params, owner, status, count_in, wait_s=0.0, if_live=if_live,
-            request_id=request_id,
+            request_id=request_id, under_key=under_key,
         )  # fmt: skip
         return None if submitted is None else submitted[0]
 
@@ -77,6 +80,7 @@ class Submitting(QueueBase):
         count_in: tuple[str, int] | None = None,
         if_live: bool = False,
         request_id: str | None = None,
+        under_key: tuple[str, str] | None = None,
     ) -> tuple[Request, Request | None] | None:
         """Queue a request and wait up to `timeout` for its end: (as submitted, final or None);
         None if `if_live` and no replica takes requests now (nothing queued, as in `submit`).
@@ -87,7 +91,7 @@ class Submitting(QueueBase):
         deadline = time.monotonic() + timeout
         submitted = self._submit(
             deployment, kind, input, params, owner, status, count_in, wait_s=min(timeout, BLOCK_SLICE_S),
-            if_live=if_live, request_id=request_id,
+            if_live=if_live, request_id=request_id, under_key=under_key,
         )  # fmt: skip
         if submitted is None:
             return None
@@ -109,6 +113,7 @@ class Submitting(QueueBase):
         wait_s: float,
         if_live: bool = False,
         request_id: str | None = None,
+        under_key: tuple[str, str] | None = None,
     ) -> tuple[Request, Request | None] | None:
         request = Request(
             id=request_id or uuid.uuid4().hex,
@@ -137,11 +142,12 @@ class Submitting(QueueBase):
             keys = [
                 live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
                 count_in[0] if count_in is not None else key, *index_keys(owner),
+                idempotency_key(*under_key) if under_key is not None else key,
             ]  # fmt: skip
             count_ttl = count_in[1] if count_in is not None else ""
             args = [
                 request.id, TTL_S, count_ttl, request.created_at, "1" if if_live else "0",
-                *(x for kv in fields.items() for x in kv),
+                "1" if under_key is not None else "0", *(x for kv in fields.items() for x in kv),
             ]  # fmt: skip
             # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
             # read behind it blocked for nothing. Redis caches the script by its digest anyway.
@@ -149,6 +155,9 @@ class Submitting(QueueBase):
             if wait_s > 0:
                 self._block_for_end(pipe, request.id, wait_s)
             replies = pipe.execute()
+        if replies[0] == -1:
+            first = self.redis.get(keys[-1]) or b""
+            raise KeyTakenOver(first.decode() if isinstance(first, bytes) else str(first))
         if if_live and not replies[0]:
             return None
         final = self._final(request.id, replies[-1]) if wait_s > 0 else None
