@@ -105,7 +105,11 @@ def answer(payload: Any, control: ServicesGateway | None = None) -> str:
         return "unreadable"
     try:
         kind, subject = speaks_for(call)
-        refusal = node_credentials.check_call(kind, subject, call.token)
+        # The check reads the database, so it waits out a restart as a registration and a report
+        # do (REPORT_RETRY): an agent `up` started again while PostgreSQL was starting up would
+        # otherwise give up, and the replicas it had just taken over would wait for yet another.
+        close_old_connections()
+        refusal = REPORT_RETRY.copy()(node_credentials.check_call, kind, subject, call.token)
         if refusal is not None:
             log.warning("refused an agent's %s for %s %s: %s", call.name, kind, subject, refusal.why)
             replies.answer(_answers(), call.reply_to, error=str(refusal))

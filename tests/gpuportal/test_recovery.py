@@ -7,6 +7,8 @@ only what must hold is asserted, never a time.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.recovery import PROCESSES, run
@@ -38,7 +40,13 @@ def test_every_process_of_up_killed_under_load_is_started_again_and_no_accepted_
     assert outcome.restarted >= set(PROCESSES), "every restart is in the trail (stack.restarted Events)"
     for name in PROCESSES:
         assert any(line.startswith(f"{name} was killed by SIGKILL; starting it again") for line in outcome.said), said
-    replaced = "\n".join(line for line in outcome.said if "replica" in line.lower())
-    assert outcome.pids_before and outcome.pids_after == outcome.pids_before, (
-        f"the replica lived through it all:\n{replaced}"
-    )
+    assert outcome.pids_before and outcome.pids_after == outcome.pids_before, replaced(outcome.said, tmp_path / "var")
+
+
+def replaced(said: list[str], data_dir: Path) -> str:
+    """Why the replica was not the same at the end: what up said of replicas and adoption, and the
+    last lines of each replica's own log (where it says whether an agent adopted it in time)."""
+    lines = [line for line in said if "replica" in line.lower() or "adopt" in line.lower()]
+    for log in sorted(data_dir.glob("replicas/*/replica-*.log")):
+        lines += [f"== {log.name}", *log.read_text(errors="replace").splitlines()[-15:]]
+    return "the replica did not live through it all:\n" + "\n".join(lines)

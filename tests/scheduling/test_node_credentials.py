@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
-from django.db import connection
+from django.db import OperationalError, connection
 from rest_framework.test import APIClient
 
 from gpuportal.wire import node_auth, node_lease, replies
@@ -75,6 +76,26 @@ def test_a_node_with_its_token_registers_and_beats(required):
     assert call("heartbeat", "gpu-1", token=token, books=None, running=[]) == ("heartbeat", [])
     assert Node.objects.get(name="gpu-1").status == Node.Status.ONLINE
     assert NodeCredential.objects.get(node="gpu-1").last_used_at is not None
+
+
+def test_a_registration_whose_credential_check_meets_a_database_starting_up_waits_for_it(required, monkeypatch):
+    # `up` starts a killed agent again while PostgreSQL restarts: the check must wait for the
+    # database as the registration behind it does, not answer the agent with an error.
+    token = node_credentials.issue("gpu-1", "ops")
+    verify, refused = node_credentials.verify, []
+
+    def starting_up(node, sent):
+        if not refused:
+            refused.append(node)
+            raise OperationalError("FATAL:  the database system is starting up")
+        return verify(node, sent)
+
+    monkeypatch.setattr(node_credentials, "verify", starting_up)
+    # Between tries the gateway drops its dead connection; here that would end the test's transaction.
+    monkeypatch.setattr(node_gateway, "connection", SimpleNamespace(close=lambda: None))
+
+    assert register("gpu-1", token)[0] == "register_node" and refused == ["gpu-1"]
+    assert Node.objects.get(name="gpu-1").status == Node.Status.ONLINE
 
 
 @pytest.mark.parametrize(
