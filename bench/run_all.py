@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "self_healing": ([], ["--trials", "1"]),
     "recovery": (["--trials", "2"], ["--trials", "1"]),
     "kvpool": ([], []),
+    "replica_start": ([], ["--starts", "3"]),
     # The copies, then the host cache under pressure, in one run.
     "wake": (["--host-cache"], ["--repeats", "2", "--host-cache"]),
     "simulate": ([], []),

@@ -357,6 +357,11 @@ class NodeAgent:
             # Its survivors, if any, were taken over and must not serve on unheard.
             self.supervisor.stop_all()
             raise CredentialRefused(refused_message(self.name, err)) from None
+        # Once registered, when the agent knows whether its GPUs are virtual.
+        if settings.GPUPORTAL_REPLICA_FORKSERVER == "all" or (
+            settings.GPUPORTAL_REPLICA_FORKSERVER == "virtual" and self.virtual
+        ):
+            self.supervisor.use_forkserver()
         self.start_heartbeat()
         try:
             if not self._stop_requested.is_set():
@@ -364,6 +369,7 @@ class NodeAgent:
                 self.run_worker(loglevel)
         finally:
             self.stop()
+            self.supervisor.close()
         if self.refused is not None:
             raise CredentialRefused(self.refused)
 

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +40,7 @@ from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 from inference import adoption
+from inference.forkserver import READY_TIMEOUT_S, ForkedProcess, ForkServer
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class AdoptedProcess:
 @dataclass
 class _Replica:
     spec: ReplicaSpec
-    process: subprocess.Popen | AdoptedProcess
+    process: subprocess.Popen | ForkedProcess | AdoptedProcess
     on_event: EventCallback
     log_path: Path
     # Its command and event streams: the pipes of a process this agent started, the adoption
@@ -192,11 +193,19 @@ class Supervisor:
         # the supervisor (an executor never retires an idle worker).
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-spawner")
         self._watchdog: threading.Thread | None = None
+        # Whether replicas are forked from a template (use_forkserver), and the template once
+        # the first start (or a warm-up) began it.
+        self._forkserver_wanted = False
+        self._forkserver: Future[ForkServer | None] | None = None
 
     # -- API -----------------------------------------------------------------------------------
 
     def start(self, spec: ReplicaSpec, on_event: EventCallback) -> None:
         """Spawn the replica process; its events (progress, serving, ...) arrive on `on_event`."""
+        # The template's imports are waited for before the lock: a heartbeat reading the
+        # supervisor meanwhile must not wait for torch to import.
+        if self._forkserver_wanted:
+            self.forkserver_ready(READY_TIMEOUT_S)
         with self._lock:
             if spec.replica_id in self._replicas:
                 pid = self._replicas[spec.replica_id].process.pid
@@ -433,10 +442,54 @@ class Supervisor:
 
     # -- processes -----------------------------------------------------------------------------
 
-    def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen:
+    def use_forkserver(self, *, warm: bool = False) -> None:
+        """Fork replicas from here on from a template that has imported torch and the replica
+        program once (inference.forkserver). It starts with the first replica (whose start it
+        then costs about what a fresh interpreter would), so that a node never given one
+        spends nothing on it; `warm`, now."""
+        self._forkserver_wanted = True
+        if warm:
+            self._template()
+
+    def forkserver_ready(self, timeout: float) -> bool:
+        """Whether the template has its imports done within `timeout` (False without one)."""
+        if not self._forkserver_wanted:
+            return False
+        server = self._template().result(timeout)
+        return server is not None and server.ready(timeout) and server.alive
+
+    def _template(self) -> Future[ForkServer | None]:
+        # Started on the spawner thread, which its PR_SET_PDEATHSIG ties it to.
+        with self._lock:
+            if self._forkserver is None:
+                self._forkserver = self._spawner.submit(self._start_forkserver)
+            return self._forkserver
+
+    def close(self) -> None:
+        """Stop the replica template, if there is one (the replicas it forked carry on)."""
+        if self._forkserver is not None and (server := self._forkserver.result()) is not None:
+            server.close()
+
+    def _start_forkserver(self) -> ForkServer | None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return ForkServer(self.python, self._base_env(), self.log_dir / "forkserver.log")
+        except OSError as exc:
+            log.warning("cannot start the replica template (%s): replicas start the plain way", exc)
+            return None
+
+    def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen | ForkedProcess:
         argv = replica_argv(spec, self.python, self.node_fence)
         if spec.adoption_window_s > 0:
             argv += ["--adopt-address", adoption.address(self.log_dir, spec.replica_id)]
+        server = self._forkserver.result() if self._forkserver is not None else None
+        if server is not None and server.alive:
+            # argv is [python, -m, inference.replica, *arguments]: the template runs the last part.
+            forked = server.spawn(
+                argv[3:], self._child_env(spec), log_path, tie=spec.adoption_window_s <= 0, name=spec.replica_id[:7]
+            )
+            if forked is not None:
+                return forked
         with log_path.open("ab") as log_file:
             return subprocess.Popen(
                 argv,
@@ -450,11 +503,7 @@ class Supervisor:
             )
 
     def _child_env(self, spec: ReplicaSpec) -> dict[str, str]:
-        env = dict(os.environ if self.env is None else self.env)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["HF_HUB_OFFLINE"] = "1"
-        # The agent reports NVML's GPU indices; PCI bus order makes them torch's indices too.
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env = self._base_env()
         if spec.backend == "cuda":
             # The replica targets its GPUs itself (set_device, max_memory), by NVML index: it must see them all.
             env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -462,6 +511,15 @@ class Supervisor:
             env["GPUPORTAL_FAILOVER_DSN"] = spec.failover_dsn
         if spec.deployment and spec.redis_url:
             env["GPUPORTAL_REDIS_URL"] = spec.redis_url
+        return env
+
+    def _base_env(self) -> dict[str, str]:
+        """What every replica's environment holds, the template's too."""
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["HF_HUB_OFFLINE"] = "1"
+        # The agent reports NVML's GPU indices; PCI bus order makes them torch's indices too.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         # `python -m inference.replica` must import this project whatever the agent's working directory.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
         return env
@@ -512,7 +570,7 @@ class Supervisor:
         for stream in (replica.writer, replica.reader):
             with contextlib.suppress(OSError):
                 stream.close()
-        if isinstance(process, AdoptedProcess):
+        if isinstance(process, AdoptedProcess | ForkedProcess):
             process.close()
         return code
 
@@ -554,7 +612,7 @@ class Supervisor:
                 silent = now - replica.last_seen
                 if replica.failover_state != FailoverState.ACTIVE or silent <= replica.spec.liveness_timeout_s:
                     continue
-                if replica.killed_because or not isinstance(replica.process, subprocess.Popen):
+                if replica.killed_because or isinstance(replica.process, AdoptedProcess):
                     continue
                 if replica.process.poll() is not None:
                     continue

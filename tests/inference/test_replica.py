@@ -48,16 +48,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def supervisor(tmp_path):
+def supervisor(tmp_path, request):
+    """A supervisor that starts each replica in a fresh interpreter, or ("forked", by indirect
+    parametrization) forks it from its template (inference.forkserver) as an agent does."""
     sup = Supervisor(tmp_path / "logs")
+    if getattr(request, "param", "fresh") == "forked":
+        sup.use_forkserver()
     yield sup
     sup.stop_all(timeout=5)
+    sup.close()
+
+
+# The tests of a replica's whole life, each way an agent may start one.
+BOTH_STARTS = pytest.mark.parametrize("supervisor", ["fresh", "forked"], indirect=True)
 
 
 # -- whole replica processes, virtual GPUs ---------------------------------------------------------
 
 
 @pytest.mark.slow
+@BOTH_STARTS
 def test_a_virtual_replica_loads_sleeps_wakes_on_another_gpu_and_stops(supervisor, tiny_model_dir):
     events = Events()
     supervisor.start(spec(str(tiny_model_dir), reserved=CONTEXT + 96 * MiB, fraction=0.03), events)
@@ -159,6 +169,7 @@ def test_a_source_that_is_not_a_model_fails_the_load_saying_why(supervisor, tmp_
 
 
 @pytest.mark.slow
+@BOTH_STARTS
 def test_a_torch_module_replica_serves_and_a_killed_one_is_reported_as_a_crash(supervisor):
     events = Events()
     # Started from a thread that ends at once: PR_SET_PDEATHSIG follows the thread that forked, not
@@ -180,6 +191,7 @@ def test_a_torch_module_replica_serves_and_a_killed_one_is_reported_as_a_crash(s
 
 
 @pytest.mark.slow
+@BOTH_STARTS
 def test_a_replica_that_does_not_answer_stop_is_killed_and_reported_stopped(supervisor):
     events = Events()
     supervisor.start(spec(TINY_MLP, loader="torch-module"), events)
@@ -192,6 +204,28 @@ def test_a_replica_that_does_not_answer_stop_is_killed_and_reported_stopped(supe
     assert "signal SIGKILL" in stopped["reason"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("supervisor", ["forked"], indirect=True)
+def test_once_its_template_is_gone_replicas_start_in_a_fresh_interpreter(supervisor):
+    assert supervisor.forkserver_ready(LOAD_TIMEOUT_S)
+    events = Events()
+    supervisor.start(spec(TINY_MLP, loader="torch-module"), events)
+    forked = events.until("serving")[1]["pid"]
+    assert psutil.Process(forked).ppid() != os.getpid(), "forked: the template's child"
+    assert psutil.Process(forked).name() == "replica-r1", "named, its command line being the template's"
+
+    template = psutil.Process(forked).parent()
+    template.kill()
+    template.wait(10)
+    # Tied to the template, as a replica without an adoption window is tied to its agent.
+    wait_until(lambda: gone(forked), timeout=10, what="the forked replica to die with its template")
+    assert events.final()["event"] == "failed"
+
+    supervisor.start(spec(TINY_MLP, loader="torch-module", replica_id="r2"), events)
+    fresh = events.until("serving")[1]["pid"]
+    assert psutil.Process(fresh).ppid() == os.getpid(), "the plain way: the supervisor's own child"
+
+
 HELPER = textwrap.dedent(
     """
     import sys, threading
@@ -201,6 +235,8 @@ HELPER = textwrap.dedent(
         print(event["event"], event.get("pid", ""), flush=True)
 
     supervisor = Supervisor(sys.argv[1])
+    if sys.argv[3] == "forked":
+        supervisor.use_forkserver()
     supervisor.start(
         ReplicaSpec(replica_id="orphan", source=sys.argv[2], loader="torch-module", dtype="float32",
                     gpus=(0,), reserved_bytes_by_gpu={"0": 64 << 20}),
@@ -212,9 +248,10 @@ HELPER = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_replicas_die_with_the_agent_that_started_them(tmp_path):
+@pytest.mark.parametrize("start", ["fresh", "forked"])
+def test_replicas_die_with_the_agent_that_started_them(tmp_path, start):
     helper = subprocess.Popen(
-        [sys.executable, "-c", HELPER, str(tmp_path / "logs"), TINY_MLP],
+        [sys.executable, "-c", HELPER, str(tmp_path / "logs"), TINY_MLP, start],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -227,7 +264,9 @@ def test_replicas_die_with_the_agent_that_started_them(tmp_path):
             line = lines.get(timeout=LOAD_TIMEOUT_S)
         assert line.startswith("serving"), line
         replica_pid = int(line.split()[1])
-        assert psutil.Process(replica_pid).ppid() == helper.pid
+        parent = psutil.Process(psutil.Process(replica_pid).ppid())
+        # A forked replica is its template's child, the template the agent's (and tied to it).
+        assert (parent.pid if start == "fresh" else parent.ppid()) == helper.pid
 
         helper.kill()
         helper.wait(10)
@@ -733,6 +772,7 @@ def _serve_big_on_gpu(supervisor: Supervisor, events: Events, gpu: int) -> dict[
 
 @pytest.mark.slow
 @pytest.mark.gpu
+@BOTH_STARTS
 def test_sleep_frees_the_gpu_memory_per_nvml(supervisor):
     events = Events()
     serving = _serve_big_on_gpu(supervisor, events, 0)

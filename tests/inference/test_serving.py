@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
+import psutil
 import pytest
 from rest_framework.test import APIClient
 
@@ -210,6 +211,16 @@ def the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(live_se
 def test_infer_and_the_openai_client_get_text_from_real_replicas(deployed: APIClient, live_server):
     infer_generates_text_with_usage_and_polling_sees_the_same(deployed)
     the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(live_server)
+    replicas_were_forked_from_their_agents_template()
+
+
+def replicas_were_forked_from_their_agents_template() -> None:
+    # An agent on virtual GPUs forks its replicas from its template (inference.forkserver), which
+    # it started itself: what served above ran there.
+    for pid in Replica.objects.filter(state="serving").values_list("pid", flat=True):
+        template = psutil.Process(pid).parent()
+        assert template is not None and "inference.forkserver" in template.cmdline(), template
+        assert "agent" in " ".join(template.parent().cmdline())
 
 
 def test_a_plain_pytorch_module_takes_json_tensors_on_infer(agent, staff):
