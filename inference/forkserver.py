@@ -18,10 +18,10 @@ reaps it; the agent watches the process itself through a pidfd, as it watches an
 
 Protocol, over a SOCK_SEQPACKET socket pair, one JSON object a message:
     template → agent  {"ready": pid} once its imports are done
-    agent → template  {"argv": [...], "env": {...}, "tie": bool, "name": str} with the child's stdin, stdout
-                      and stderr passed as ancillary data (SCM_RIGHTS); `tie`: the child dies
-                      with the template (PR_SET_PDEATHSIG), as a replica without an adoption
-                      window dies with its agent; `name`, what `ps -o comm` shows of it
+    agent → template  {"argv": [...], "env": {...}, "tie": bool, "name": str} with the child's
+                      stdin, stdout and stderr passed as ancillary data (SCM_RIGHTS); `tie`: the
+                      child dies with the template (PR_SET_PDEATHSIG), as a replica without an
+                      adoption window dies with its agent; `name`: what `ps -o comm` shows of it
     template → agent  {"pid": n} or {"error": "..."}, one per start, in order
     template → agent  {"exit": pid, "code": c} when a child ends (c negative: the signal)
 The template dies with its agent (PR_SET_PDEATHSIG) and exits when the agent closes its end.
@@ -90,7 +90,8 @@ def serve(channel: socket.socket) -> None:
     # SIGCHLD wakes the select below through the pipe: no thread, so nothing is held across a fork.
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     signal.set_wakeup_fd(wake_w)
-    _send(channel, {"ready": os.getpid()})
+    template = os.getpid()
+    _send(channel, {"ready": template})
     while True:
         ready, _, _ = select.select([channel, wake_r], [], [], 1.0)
         if wake_r in ready:
@@ -112,7 +113,7 @@ def serve(channel: socket.socket) -> None:
             _close(fds)
             continue
         if pid == 0:
-            _child(start, fds, keep_out=(channel.fileno(), wake_r, wake_w))
+            _child(start, fds, keep_out=(channel.fileno(), wake_r, wake_w), template=template)
         _close(fds)
         _send(channel, {"pid": pid})
 
@@ -129,7 +130,7 @@ def _reap(channel: socket.socket) -> None:
             _send(channel, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _child(start: dict[str, Any], fds: list[int], keep_out: tuple[int, ...]) -> None:
+def _child(start: dict[str, Any], fds: list[int], keep_out: tuple[int, ...], template: int) -> None:
     """In the forked child: become the replica `start` describes. Never returns."""
     code = 1
     try:
@@ -142,6 +143,8 @@ def _child(start: dict[str, Any], fds: list[int], keep_out: tuple[int, ...]) -> 
         _close([fd for fd in fds if fd > 2])
         if start.get("tie"):
             tie_to_parent(signal.SIGKILL)
+            if os.getppid() != template:  # it died between the fork and the tie: no signal will come
+                os._exit(1)
         # Its command line stays the template's: its name says which replica it is.
         with contextlib.suppress(Exception):
             name_this_process(f"replica-{start.get('name', '')}")

@@ -94,10 +94,17 @@ def with_local_urls(spec: commands.ReplicaSpec) -> commands.ReplicaSpec:
     return replace(spec, **local)
 
 
+# What a database's OPTIONS hold that is psycopg's own rather than a libpq connection parameter:
+# not for a URL that libpq reads.
+_NOT_LIBPQ = frozenset({"prepare_threshold", "pool", "server_side_binding", "isolation_level", "assume_role"})
+
+
 def database_dsn() -> str:
-    """A libpq URL of this process's database, for a failover member's own lock connection; a
-    NoDatabase error on an agent that was given none."""
-    from urllib.parse import quote
+    """A libpq URL of this process's database, for a failover member's own lock connection, with
+    the connection parameters DATABASE_URL gave (its `sslmode`, certificates and the like: the
+    member's lock travels as encrypted as everything else); a NoDatabase error on an agent that
+    was given none."""
+    from urllib.parse import quote, urlencode
 
     from django.db import connection
 
@@ -107,7 +114,14 @@ def database_dsn() -> str:
     if s["ENGINE"] == ENGINE:
         raise NoDatabase(f"a failover pair's member holds its lock on a database connection of its own, and {WHY}")
     auth = quote(s["USER"] or "", safe="") + (f":{quote(s['PASSWORD'], safe='')}" if s["PASSWORD"] else "")
-    return f"postgresql://{auth}@{s['HOST'] or 'localhost'}:{s['PORT'] or 5432}/{quote(s['NAME'], safe='')}"
+    params = {k: str(v) for k, v in (s.get("OPTIONS") or {}).items() if k not in _NOT_LIBPQ and v is not None}
+    host = s["HOST"] or "localhost"
+    if host.startswith("/"):  # a Unix socket's directory goes in the query, where libpq reads it
+        params["host"], host = host, ""
+    elif ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    query = f"?{urlencode(params)}" if params else ""
+    return f"postgresql://{auth}@{host}:{s['PORT'] or 5432}/{quote(s['NAME'], safe='')}{query}"
 
 
 def _read(payload: Any, kind: type[C]) -> C:

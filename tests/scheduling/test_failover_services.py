@@ -597,3 +597,36 @@ def test_a_failed_standby_is_replaced_until_standbys_keep_failing(ready_pair, re
     assert "2 standbys of the pair failed in the last hour" in refusal.reason
     assert fresh(active).state == "serving" and holders() == {active.id: PAIR_BYTES}
     assert invariant_holds()
+
+
+@pytest.mark.parametrize(
+    ("settings_dict", "dsn"),
+    [
+        (
+            {
+                "HOST": "db.internal",
+                "PORT": "5433",
+                "OPTIONS": {"sslmode": "verify-full", "sslrootcert": "/etc/ca.crt", "prepare_threshold": 5},
+            },
+            "postgresql://gp:p%40ss@db.internal:5433/portal?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.crt",
+        ),
+        (
+            {"HOST": "/var/run/postgresql", "PORT": "", "OPTIONS": {}},
+            "postgresql://gp:p%40ss@:5432/portal?host=%2Fvar%2Frun%2Fpostgresql",
+        ),
+        (
+            {"HOST": "::1", "PORT": "", "OPTIONS": {"prepare_threshold": None}},
+            "postgresql://gp:p%40ss@[::1]:5432/portal",
+        ),
+    ],
+)
+def test_a_members_lock_connection_keeps_the_databases_tls_and_host_as_given(monkeypatch, settings_dict, dsn):
+    # The member opens its own connection for the lock: with the URL's TLS settings, not without.
+    from django.db import connection
+
+    from inference import tasks
+
+    for key, value in {"USER": "gp", "PASSWORD": "p@ss", "NAME": "portal", **settings_dict}.items():
+        monkeypatch.setitem(connection.settings_dict, key, value)
+
+    assert tasks.database_dsn() == dsn

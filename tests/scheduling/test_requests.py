@@ -860,6 +860,26 @@ def test_a_client_that_retried_while_its_first_post_was_slow_gets_one_request_fr
     assert first.json()["id"] == retry.json()["id"] and queued_ids(rq) == [retry.json()["id"]]
 
 
+def test_a_first_post_whose_retry_has_taken_its_key_but_not_yet_queued_is_a_503_and_queues_nothing(
+    serving_deployment, user_client, rq, monkeypatch
+):
+    owner = str(User.objects.get(username="alice").pk)
+    submit = RequestQueue._submit
+
+    def overtaken(self, *args, **kwargs):
+        # The retry claims the key (the first request not written yet) and has not submitted.
+        assert rq.claim_idempotency_key(owner, "late", "the-retry") == "the-retry"
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(RequestQueue, "_submit", overtaken)
+    first = user_client.post(
+        "/api/requests/", {"deployment": "tiny", "input": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="late"
+    )
+
+    assert first.status_code == 503 and "send it again" in first.json()["detail"], first.json()
+    assert queued_ids(rq) == []
+
+
 @pytest.mark.parametrize("key", ["", "x" * 256, "caf\u00e9", "tab\there"])
 @pytest.mark.parametrize(
     "path", ["/api/deployments/tiny/infer/", "/api/requests/", "/v1/completions", "/v1/embeddings"]
