@@ -7,12 +7,16 @@ import uuid
 from enum import StrEnum
 
 from django.conf import settings
+from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Cast
 
 from gpuportal.wire import deployment_spec as spec
-from gpuportal.wire import memory, states
+from gpuportal.wire import memory, node_auth, states
+
+# A node's name as its agent's --node takes it (gpuportal.wire.node_auth): a host's name, dots and all.
+node_name_validator = RegexValidator(rf"\A{node_auth.NODE_NAME.pattern}\Z", node_auth.NODE_NAME_RULE)
 
 
 def new_replica_id() -> str:
@@ -38,7 +42,7 @@ class Node(models.Model):
         DRAINING = "draining"
         OFFLINE = "offline"
 
-    name = models.SlugField(max_length=100, unique=True)
+    name = models.CharField(max_length=100, unique=True, validators=[node_name_validator])
     queue = models.CharField(max_length=150, unique=True, help_text="Celery queue the node agent consumes.")
     hostname = models.CharField(max_length=255, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE, db_index=True)
@@ -61,7 +65,12 @@ class NodeCredential(models.Model):
     not a foreign key: a credential is issued before its node first registers. Only the token's
     hash is kept; the token is shown once, when it is issued."""
 
-    node = models.SlugField(max_length=100, unique=True, help_text="The node's name, as its agent's --node.")
+    node = models.CharField(
+        max_length=100,
+        unique=True,
+        validators=[node_name_validator],
+        help_text="The node's name, as its agent's --node.",
+    )
     token_hash = models.CharField(
         max_length=64, db_index=True, help_text="sha256 of the token, hex: the token itself is not kept."
     )

@@ -26,7 +26,7 @@ from __future__ import annotations
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import AGENT_QUEUE
 from gpuportal.wire.inspection import INSPECT_QUEUE
-from gpuportal.wire.node_auth import NODE_NAME
+from gpuportal.wire.node_auth import node_name_problem
 from gpuportal.wire.node_lease import epoch_key, lease_key
 
 # What follows a queue's name in kombu's keys for its priorities (a separator that is no node
@@ -68,8 +68,8 @@ def user_name(node: str) -> str:
 
 def rules(node: str) -> list[str]:
     """The ACL rules of node `node`'s user, less its password, one rule per item."""
-    if not NODE_NAME.fullmatch(node):
-        raise ValueError(f"{node!r} is not a valid node name: use letters, digits, '-' and '_'")
+    if (problem := node_name_problem(node)) is not None:
+        raise ValueError(problem)
     own = node_queue(node)
     keys = [
         # Its own queue and the shared questions: consumed (read and written by kombu's moves).

@@ -20,8 +20,16 @@ TOKEN_ENV = "GPUPORTAL_NODE_TOKEN"
 TOKEN_FILE_ENV = "GPUPORTAL_NODE_TOKEN_FILE"
 # What a refused call's error begins with, so that the agent tells a refusal from a failure.
 REFUSED = "node credential refused"
-# Node names, as the agent's --node and the API accept them (a slug).
-NODE_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
+# Node names, as the agent's --node and the API accept them: a host's name as Kubernetes and the
+# clouds give it (`ip-10-0-1-2.ec2.internal`), nothing that is special in a Redis ACL pattern, a
+# URL path or a queue's name.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+NODE_NAME_RULE = "use letters, digits, '.', '-' and '_', starting with a letter or digit, at most 100"
+
+
+def node_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a node, or None when it can."""
+    return None if NODE_NAME.fullmatch(name) else f"{name!r} is not a valid node name: {NODE_NAME_RULE}"
 
 
 class TokenError(ValueError):

@@ -49,6 +49,8 @@ def query_filters(request: Any, serializer_class: type[serializers.Serializer]) 
 class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.NodeSerializer
     lookup_field = "name"
+    # A node's name may hold dots (a host's name); the router's default lookup stops at the first.
+    lookup_value_regex = "[^/]+"
 
     def get_queryset(self) -> QuerySet:
         return selectors.nodes()

@@ -44,8 +44,8 @@ class Refusal:
 
 
 def check_name(name: str) -> str:
-    if not node_auth.NODE_NAME.fullmatch(name):
-        raise InvalidInput("node", f"{name!r} is not a valid node name: use letters, digits, '-' and '_'")
+    if (problem := node_auth.node_name_problem(name)) is not None:
+        raise InvalidInput("node", problem)
     return name
 
 

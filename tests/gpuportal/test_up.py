@@ -212,7 +212,7 @@ def test_a_child_that_fails_stops_the_whole_stack_with_a_one_line_error(tmp_path
     assert code == 1
     assert stderr.strip().splitlines() == [
         "CommandError: agent exited with code 1: CommandError: --node 'not a valid name' is not a valid node "
-        "name: use letters, digits, '-' and '_'"
+        "name: use letters, digits, '.', '-' and '_', starting with a letter or digit, at most 100"
     ]
     assert processes_of(data_dir) == [], "the servers and the other children were stopped"
 

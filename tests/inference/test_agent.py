@@ -219,7 +219,8 @@ def test_the_agent_rejects_a_bad_node_name_in_one_line():
     )
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        "CommandError: --node 'bad name!' is not a valid node name: use letters, digits, '-' and '_'"
+        "CommandError: --node 'bad name!' is not a valid node name: use letters, digits, '.', '-' and '_', "
+        "starting with a letter or digit, at most 100"
     )
 
 

@@ -7,6 +7,7 @@ worker receives them, in this process; the last test runs three real agents with
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from django.core.management import call_command
 from django.db import OperationalError, connection
 from rest_framework.test import APIClient
 
-from gpuportal.wire import node_auth, node_lease, replies
+from gpuportal.wire import node_acl, node_auth, node_lease, replies
 from gpuportal.wire.control import Call, encode_call
 from gpuportal.wire.node_reports import DeviceInfo
 from scheduling.models import Event, Node, NodeCredential, Replica
@@ -211,6 +212,30 @@ def test_a_bad_name_or_a_missing_credential_is_refused_naming_it(required):
     with pytest.raises(NotFound, match="node nobody has no credential"):
         node_credentials.revoke("nobody", "ops")
     assert not NodeCredential.objects.exists()
+
+
+# A node as Kubernetes names it on EKS (its DaemonSet passes spec.nodeName as --node).
+EKS_NODE = "ip-10-0-1-2.ec2.internal"
+
+
+def test_a_node_named_as_a_cloud_names_its_hosts_registers_beats_and_is_read_by_the_api(required, admin_api):
+    token = node_credentials.issue(EKS_NODE, "ops")
+
+    assert register(EKS_NODE, token)[0] == "register_node"
+    assert call("heartbeat", EKS_NODE, token=token, books=None, running=[]) == ("heartbeat", [])
+    read = admin_api.get(f"/api/nodes/{EKS_NODE}/")
+    assert read.status_code == 200 and read.data["name"] == EKS_NODE and read.data["status"] == "online"
+    assert f"~node.{EKS_NODE}" in node_acl.rules(EKS_NODE), "its Redis user reaches its own queue"
+    revoked = admin_api.delete(f"/api/nodes/{EKS_NODE}/credential/")
+    assert revoked.status_code == 200, revoked.data
+
+
+@pytest.mark.parametrize("name", [".hidden", "a b", "a/b", "a:b", "gpu*", "x" * 101, ""])
+def test_a_name_no_host_has_is_refused_everywhere_a_node_is_named(required, name):
+    with pytest.raises(InvalidInput, match=re.escape(f"is not a valid node name: {node_auth.NODE_NAME_RULE}")):
+        node_credentials.issue(name, "ops")
+    with pytest.raises(ValueError, match="is not a valid node name"):
+        node_acl.rules(name)
 
 
 # -- the agent's side --------------------------------------------------------------------------

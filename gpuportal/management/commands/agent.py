@@ -1,5 +1,4 @@
 import os
-import re
 from pathlib import Path
 
 from django.conf import settings
@@ -23,7 +22,11 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--node", required=True, help="Node name (a slug: letters, digits, - and _).")
+        parser.add_argument(
+            "--node",
+            required=True,
+            help="Node name: letters, digits, '.', '-' and '_' (a host's name, such as ip-10-0-1-2.ec2.internal).",
+        )
         parser.add_argument(
             "--virtual-gpus",
             default=None,
@@ -67,8 +70,8 @@ class Command(BaseCommand):
         parser.add_argument("--loglevel", default="INFO")
 
     def handle(self, *args, node: str, virtual_gpus, backend, cpu_cache, concurrency, loglevel, **options):
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,100}", node):
-            raise CommandError(f"--node {node!r} is not a valid node name: use letters, digits, '-' and '_'")
+        if (problem := node_auth.node_name_problem(node)) is not None:
+            raise CommandError(f"--node {problem}")
         try:
             if virtual_gpus is not None:
                 parse_virtual_spec(virtual_gpus)
