@@ -16,11 +16,12 @@ import psutil
 import redis
 from celery.signals import worker_ready
 from django.conf import settings
+from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_event_set, wait_exponential
 
 from gpuportal.celery import app
 from gpuportal.wire import node_lease, replies
 from gpuportal.wire.commands import node_queue
-from gpuportal.wire.control import ControlPlane, Refused
+from gpuportal.wire.control import ControlError, ControlPlane, Refused
 from gpuportal.wire.inspection import INSPECT_QUEUE
 from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from gpuportal.wire.node_lease import NodeFence
@@ -29,6 +30,10 @@ from inference.devices import FOREIGN_ENV, VirtualProfile, discover, foreign_use
 from inference.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+
+# How long a registering agent waits for a control plane that cannot answer yet before it exits
+# (and `up`, or its supervisor, starts it again): longer than a PostgreSQL restart or a worker's.
+REGISTER_PATIENCE_S = 120.0
 
 # The agent of this process, if it is one: node tasks run in its worker threads and use its
 # supervisor, which owns this host's replica processes.
@@ -120,7 +125,22 @@ class NodeAgent:
         self.virtual = virtual
         self.devices = list(devices)
         survivors = [Survivor.from_hello(h) for h in self.supervisor.adopt_survivors(on_event=self.relay).values()]
-        epoch = self.control.register_node(
+        # A control plane that cannot answer yet (its worker restarting, PostgreSQL starting up) is
+        # waited for rather than given up on: an agent that exited here would leave the replicas it
+        # has just adopted to wait out another adoption window. Registering again is harmless (it
+        # is how an agent rejoins), even after a try that was applied and lost its answer. A
+        # refusal is final.
+        retrying = Retrying(
+            retry=retry_if_exception(lambda err: isinstance(err, ControlError) and not isinstance(err, Refused)),
+            stop=stop_after_delay(REGISTER_PATIENCE_S) | stop_when_event_set(self._stop_requested),
+            wait=wait_exponential(multiplier=0.2, max=5),
+            before_sleep=lambda state: log.warning(
+                "node %s could not register yet; retrying (%s)", self.name, state.outcome.exception()
+            ),
+            reraise=True,
+        )
+        epoch = retrying(
+            self.control.register_node,
             self.name,
             devices,
             hostname=socket.gethostname(),

@@ -452,3 +452,30 @@ def test_each_beat_tells_the_state_each_replica_process_last_said_it_is_in(monke
     assert beat["processes"] == {"r1": "sleeping", "r2": "serving", "r3": ""}
     assert beat["arenas"] == {"r2": MiB}, "the host arenas they keep (a lost grant or drop shows there)"
     assert beat["books"].states == {"r1": "sleeping", "r2": "serving", "r3": ""}
+
+
+def test_a_registration_the_control_plane_cannot_answer_yet_is_tried_again_and_a_refusal_is_not(tmp_path, settings):
+    from gpuportal.wire.control import ControlError, Refused
+    from inference.agent import NodeAgent
+
+    settings.GPUPORTAL_DATA_DIR = str(tmp_path)
+    tries: list[str] = []
+
+    class Control:
+        def __init__(self, failures: list[Exception]):
+            self.failures = failures
+
+        def register_node(self, node: str, devices, **details) -> int:
+            tries.append(node)
+            if self.failures:
+                raise self.failures.pop(0)
+            return 3
+
+    agent = NodeAgent("n1", control=Control([ControlError("the database system is starting up")]), backend="virtual")
+    agent.register()
+    assert tries == ["n1", "n1"] and agent.epoch == 3, "registered on the second try, under its epoch"
+
+    refused = NodeAgent("n2", control=Control([Refused("node credential refused: revoked")]), backend="virtual")
+    with pytest.raises(Refused):
+        refused.register()
+    assert tries.count("n2") == 1, "a refusal is not tried again"
