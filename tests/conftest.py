@@ -38,9 +38,13 @@ def pytest_configure(config):
     settings.GPUPORTAL_NODE_AUTH = NODE_AUTH
 
     from tests.support import durations, process_watch
+    from tests.support.flush import flush_through_deadlocks
 
     config.pluginmanager.register(process_watch, "process_watch")
     durations.configure(config)
+    # A killed agent's last call, applied by the session's agents worker while a test's rows are
+    # flushed, can deadlock with the flush (tests/support/flush.py).
+    flush_through_deadlocks()
 
 
 @pytest.hookimpl(trylast=True)
