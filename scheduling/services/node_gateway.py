@@ -42,13 +42,11 @@ REPORT_RETRY = Retrying(
 
 def _applied(service: Callable[..., Any], *, retried: bool = False, answers: bool = True) -> Callable[..., Any]:
     """A call of the contract (its signature is gpuportal.wire.control.ControlPlane's), applied by
-    `service` on this worker thread's own connection. Why close_old_connections first: a database
-    restart leaves the thread's connection dead; Django drops it here so the next query
-    reconnects instead of failing forever. `retried`: through a restart too (REPORT_RETRY).
-    `answers`: what the service returns is the call's answer (else None, as the contract says)."""
+    `service` on this worker thread's own connection (`answer` has dropped a dead one first).
+    `retried`: through a restart too (REPORT_RETRY). `answers`: what the service returns is the
+    call's answer (else None, as the contract says)."""
 
     def apply(self: ServicesGateway, *args: Any, **kwargs: Any) -> Any:
-        close_old_connections()
         # A copy of the retry: no state shared between threads.
         run = REPORT_RETRY.copy() if retried else (lambda f, *a, **k: f(*a, **k))
         result = run(service, *args, **kwargs)
@@ -105,10 +103,13 @@ def answer(payload: Any, control: ServicesGateway | None = None) -> str:
         return "unreadable"
     try:
         kind, subject = speaks_for(call)
+        # Once a call, before its first query: a database restart leaves this worker thread's
+        # connection dead, and Django drops it here so the query reconnects instead of failing
+        # for ever. Once only: each drop costs the next query a health check's round trip.
+        close_old_connections()
         # The check reads the database, so it waits out a restart as a registration and a report
         # do (REPORT_RETRY): an agent `up` started again while PostgreSQL was starting up would
         # otherwise give up, and the replicas it had just taken over would wait for yet another.
-        close_old_connections()
         refusal = REPORT_RETRY.copy()(node_credentials.check_call, kind, subject, call.token)
         if refusal is not None:
             log.warning("refused an agent's %s for %s %s: %s", call.name, kind, subject, refusal.why)
