@@ -13,7 +13,8 @@
 # image's own packages (its python3 has torch, transformers and nvidia-ml-py), then runs each check
 # named, one after the other, under a limit of its own so that one that hangs leaves the next its
 # time: gpu = bench.gpu (the `gpu` tests, the probe, the stack), wake = bench.wake --device cuda,
-# failover = bench.failover --device cuda, and, named only (not in the default three), placement =
+# failover = bench.failover --device cuda, serve = bench.serve --device cuda (serving throughput:
+# the engine, the stack and transformers' generate, 1 and 8 GiB bf16 Llamas), and, named only (not in the default three), placement =
 # bench.placement on the lent machine's CPUs (16 cores against this project's 2: the placement
 # throughput measured where PostgreSQL and the web process do not share two cores; its own
 # section, placement-device, in BENCHMARKS.md). What comes back under $OUT: each check's log and
@@ -21,14 +22,20 @@
 # sections go into the repository's BENCHMARKS.md. With DEVICE_RUN_BUDGET_S set (the call's
 # timeout_s less a margin), each check's limit is also cut to what the budget has left, so that one
 # call can run all three and still bring back every log (a check with under 20 s left is skipped,
-# saying so). Exit: 0 every check passed, 1 one failed, ran out of time or was skipped, 2 an unknown
-# check, 3 the wheels did not install or a module the checks import is missing.
+# saying so). DEVICE_GPU_PARTS picks bench.gpu's parts (default tests,probe,stack) and
+# DEVICE_GPU_LIMIT_S its limit (default 480 s), so that one call can also leave serve its minutes:
+#
+#     command: DEVICE_RUN_BUDGET_S=560 DEVICE_GPU_PARTS=tests,stack DEVICE_GPU_LIMIT_S=300
+#              bash bench/device_run.sh gpu serve                  carry: [".whl"]   timeout_s: 590
+#
+# Exit: 0 every check passed, 1 one failed, ran out of time or was skipped, 2 an unknown check, 3
+# the wheels did not install or a module the checks import is missing.
 set -uo pipefail
 checks=(${@:-gpu wake failover})
 for one in "${checks[@]}"; do
     case $one in
-        gpu | wake | failover | placement) ;;
-        *) echo "device_run: unknown check $one (expected gpu, wake, failover or placement)"; exit 2 ;;
+        gpu | wake | failover | serve | placement) ;;
+        *) echo "device_run: unknown check $one (expected gpu, wake, failover, serve or placement)"; exit 2 ;;
     esac
 done
 OUT=${OUT:-/tmp/gpuportal-device}
@@ -67,7 +74,8 @@ check() {
 }
 for one in "${checks[@]}"; do
     case $one in
-        gpu) check gpu 480 python3 -m bench.gpu ;;
+        gpu) check gpu "${DEVICE_GPU_LIMIT_S:-480}" python3 -m bench.gpu --parts "${DEVICE_GPU_PARTS:-tests,probe,stack}" ;;
+        serve) check serve 300 python3 -m bench.serve --device cuda ;;
         wake) check wake 110 python3 -m bench.wake --device cuda --sizes 512,1024,4096 --repeats 2 ;;
         failover) check failover 170 python3 -m bench.failover --device cuda --trials 5 --baseline-trials 1 ;;
         placement) check placement 200 python3 -m bench.placement --seconds 3 --cpu --section placement-device ;;

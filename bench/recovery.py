@@ -60,6 +60,10 @@ PROCESSES = {
     "redis": "redis-server",
     "postgresql": "postgres -D",
 }
+# The short-lived `manage.py record_restart NAME` with which `up` writes a restart's Event names the
+# process it records ("record_restart beat"). Taken for that process, it made beat two processes, and
+# so not yet running again, for as long as the recorder ran: seconds after each of its restarts.
+RECORDER = "record_restart"
 # Frozen, each in turn, longer than the stack's heartbeat timeout (HEARTBEAT_TIMEOUT_S below).
 STALLS = ("postgresql", "redis")
 # Beats every second and a 12 s timeout (5 s and 20 s by default), so that a stall of 16 s
@@ -163,12 +167,13 @@ class Stack:
                 return err.code, {"body": raw[:200].decode(errors="replace")}
 
     def process_of(self, name: str) -> psutil.Process:
-        (found,) = [
-            child
-            for child in psutil.Process(self.process.pid).children()
-            if PROCESSES[name] in " ".join(child.cmdline()) + " "
-        ]
-        return found
+        found = []
+        for child in psutil.Process(self.process.pid).children():
+            line = " ".join(child.cmdline()) + " "
+            if PROCESSES[name] in line and RECORDER not in line:
+                found.append(child)
+        (one,) = found
+        return one
 
     def said_after(self, since: float, text: str) -> float | None:
         return next((at for at, line in list(self.lines) if at >= since and text in line), None)

@@ -134,10 +134,37 @@ def references(nbytes: int, device: str) -> dict[str, float]:
         "pinned H2D": best_rate(nbytes, lambda: gpu.copy_(pinned, non_blocking=True), device),
         "pageable H2D": best_rate(nbytes, lambda: gpu.copy_(pageable), device),
         "pinned D2H": best_rate(nbytes, lambda: pinned.copy_(gpu, non_blocking=True), device),
+        **fresh_arena_rates(nbytes),
     }
     gpu = pinned = pageable = None  # freed before the next model loads
     torch.cuda.empty_cache()
     return rates
+
+
+def fresh_arena_rates(nbytes: int) -> dict[str, float]:
+    """What a first sleep with no arena prepared pays before its copy, phase by phase, through the
+    arena's own allocation (inference.arena): its pages faulted in (`fault-in`, huge pages asked
+    for), then those and their page-locking (`fault-in + pin`); beside them, the same bytes faulted
+    in by a plain allocation (`plain fault-in`: whether asking for huge pages pays on this
+    machine). Each timed once on fresh memory, as a sleep meets it."""
+    import torch
+
+    from inference.arena import _host_buffer, _populated_pages
+
+    began = time.perf_counter()
+    torch.empty(nbytes, dtype=torch.uint8).zero_()
+    plain = time.perf_counter() - began
+    began = time.perf_counter()
+    host = _populated_pages(nbytes)
+    fault_in = time.perf_counter() - began
+    del host
+    began = time.perf_counter()
+    host, unpin = _host_buffer(nbytes, pin=True)
+    pinned = time.perf_counter() - began
+    if unpin is not None:
+        unpin()
+    del host
+    return {"plain fault-in": nbytes / plain, "fault-in": nbytes / fault_in, "fault-in + pin": nbytes / pinned}
 
 
 def kv_pool(model: Any, weights: int, device: str) -> Any:
@@ -270,6 +297,9 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
             "wake / pinned",
             "pinned D2H GB/s",
             "sleep / D2H",
+            "plain fault-in GB/s",
+            "fresh arena: fault-in GB/s",
+            "fault-in + pin GB/s",
             "host kept",
         ]
     else:
@@ -288,6 +318,7 @@ def rows(figures: list[Figures], device: str) -> tuple[list[str], list[list[obje
             pinned, d2h = f.reference["pinned H2D"], f.reference["pinned D2H"]
             row += [gbs(pinned), gbs(f.reference["pageable H2D"]), f"{wake / pinned:.0%}", gbs(d2h)]
             row.append(f"{sleep / d2h:.0%}")
+            row += [gbs(f.reference[k]) for k in ("plain fault-in", "fault-in", "fault-in + pin")]
         else:
             fresh = f.reference["fresh memcpy"]
             row += [gbs(f.reference["memcpy"]), gbs(fresh), f"{wake / fresh:.0%}", f"{sleep / fresh:.0%}"]
@@ -345,7 +376,11 @@ def record_copies(args: argparse.Namespace, device: str, result: str) -> None:
             "one copy of the same bytes in the same process: pinned and pageable host-to-device, pinned "
             "device-to-host (best of 3). Targets: wake ≥ 90 % of pinned H2D, first sleep ≥ 20 GB/s "
             "(`kept sleep`, the first sleep of a replica allowed to keep an arena, is a time in ms: its arena "
-            "was filled in advance, so it copies only what was written since)"
+            "was filled in advance, so it copies only what was written since). `fresh arena`: what a first "
+            "sleep with no arena prepared pays before its copy, through the arena's own allocation "
+            f"(inference.arena, {torch.get_num_threads()} intra-op threads): its pages faulted in, then "
+            "faulted in and page-locked, once each on fresh memory; `plain fault-in`: a plain allocation's pages "
+            "faulted in, without asking for huge pages"
         )
     else:
         reference = (

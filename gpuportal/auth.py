@@ -49,6 +49,18 @@ class CachedTokenAuthentication(TokenAuthentication):
         return _tokens.get(key, lambda: look_up(key))
 
 
+class BearerTokenAuthentication(CachedTokenAuthentication):
+    """The same tokens sent the way OpenAI clients, and most HTTP tools, send keys:
+    `Authorization: Bearer <key>`. Taken on every path, /api as /v1: a valid token is not refused
+    for its keyword."""
+
+    keyword = "Bearer"
+
+
+# The header's keywords a token may come under, on every path.
+KEYWORDS = ("Token", BearerTokenAuthentication.keyword)
+
+
 def forget_tokens() -> None:
     """Drop every remembered token (tests; or an operator who just revoked one)."""
     _tokens.forget()
@@ -57,7 +69,7 @@ def forget_tokens() -> None:
 _authenticator = CachedTokenAuthentication()
 
 
-def user_from_header(request: Any, keywords: tuple[str, ...] = ("Token",)) -> Any | None:
+def user_from_header(request: Any, keywords: tuple[str, ...] = KEYWORDS) -> Any | None:
     """The user of a valid `Authorization: <keyword> <key>` header, or None for anything else
     (no header, another scheme, a bad or inactive token): a caller's fast path then hands the
     request to DRF, whose authentication says what is wrong."""

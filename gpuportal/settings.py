@@ -50,10 +50,8 @@ def database_from_url(url: str) -> dict:
 
 
 STACK_URLS = resolve_stack_urls(os.environ)
-# Whether this process was told where the database is. A node agent needs none (it reaches the
-# control plane through Redis alone), and one that was not told opens none rather than the local
-# default below (gpuportal.management.commands.agent).
-DATABASE_URL_GIVEN = "DATABASE_URL" in STACK_URLS
+# A node agent opens none of it, given or not: it reaches the control plane through Redis alone
+# (gpuportal.management.commands.agent).
 DATABASE_URL = STACK_URLS.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/gpuportal")
 REDIS_URL = STACK_URLS.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -143,6 +141,7 @@ REST_FRAMEWORK = {
     # Token first: DRF answers anonymous requests with the first class's challenge, so 401 not 403.
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "gpuportal.auth.CachedTokenAuthentication",
+        "gpuportal.auth.BearerTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -220,6 +219,11 @@ GPUPORTAL_SLEEP_GRACE_S = env_float("GPUPORTAL_SLEEP_GRACE_S", 60.0)
 # A replica still stopping this long beyond its drain timeout is sent its stop again if its process
 # still runs; if the agent runs none, its `stopped` report was lost and is applied then.
 GPUPORTAL_STOP_GRACE_S = env_float("GPUPORTAL_STOP_GRACE_S", 60.0)
+# A replica loading, serving, asleep in its process or standing by whose process the node's agent
+# no longer runs, unchanged this long: the process ended and its last report (`failed`) was lost,
+# and it is applied then. Longer than a report waits for its answer (120 s), so that a report
+# still on its way is never overtaken.
+GPUPORTAL_END_GRACE_S = env_float("GPUPORTAL_END_GRACE_S", 150.0)
 # A serving replica granted a host arena this long ago whose process still keeps none is sent the
 # grant again; one whose arena was taken back this long ago, its process still keeping one, the
 # drop. Longer than it takes to allocate and pin a large model's arena.
@@ -274,6 +278,9 @@ GPUPORTAL_USER_MAX_PER_MINUTE = int(os.environ.get("GPUPORTAL_USER_MAX_PER_MINUT
 # How many replicas of one node load their weights at once (inference.load_slots); the rest wait
 # their turn. Default: the host's CPU cores.
 GPUPORTAL_MAX_LOADS_PER_NODE = int(os.environ.get("GPUPORTAL_MAX_LOADS_PER_NODE") or os.cpu_count() or 1)
+# The host RAM a new replica's process is counted to take (scheduling.core.host_memory) until one
+# of its deployment's has been measured: about what a process that imported torch holds.
+GPUPORTAL_REPLICA_HOST_BYTES = int(os.environ.get("GPUPORTAL_REPLICA_HOST_BYTES", str(1024**3)))
 # The most replicas one deployment may ask for (a scale of 256 started ~74 processes).
 GPUPORTAL_MAX_REPLICAS = int(os.environ.get("GPUPORTAL_MAX_REPLICAS", "32"))
 # A `torch-module` source (package.module:factory) is code the nodes run: only the modules an
@@ -309,10 +316,8 @@ GPUPORTAL_TOKEN_STALE_S = env_float("GPUPORTAL_TOKEN_STALE_S", 60.0)
 GPUPORTAL_NODE_AUTH = os.environ.get("GPUPORTAL_NODE_AUTH", "required").strip().lower() or "required"
 if GPUPORTAL_NODE_AUTH not in {"required", "open"}:
     raise ValueError(f"GPUPORTAL_NODE_AUTH must be 'required' or 'open', not {GPUPORTAL_NODE_AUTH!r}")
-# Failover pairs (seed 004). After a PostgreSQL restart the previous lock holder has this long to
-# re-acquire before its standby takes over; a takeover's wake past its timeout ends the process;
-# an active member silent past the liveness timeout is killed by its node agent.
-GPUPORTAL_FAILOVER_RECONNECT_WINDOW_S = env_float("GPUPORTAL_FAILOVER_RECONNECT_WINDOW_S", 10.0)
+# Failover pairs (seed 004): a takeover's wake past its timeout ends the process; an active member
+# silent past the liveness timeout is killed by its node agent.
 GPUPORTAL_FAILOVER_WAKE_TIMEOUT_S = env_float("GPUPORTAL_FAILOVER_WAKE_TIMEOUT_S", 60.0)
 GPUPORTAL_FAILOVER_LIVENESS_TIMEOUT_S = env_float("GPUPORTAL_FAILOVER_LIVENESS_TIMEOUT_S", 3.0)
 

@@ -10,6 +10,9 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 STACK_KEYS = ("DATABASE_URL", "REDIS_URL")
+# The web's address, for the command line run beside `up` (gpuportal.cli.config): the port up
+# chose is found without typing it.
+CLI_URL_KEY = "GPUPORTAL_URL"
 
 
 def default_data_dir() -> Path:

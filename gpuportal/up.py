@@ -28,6 +28,7 @@ from typing import TextIO
 
 from django.conf import settings
 
+from gpuportal import orphans
 from gpuportal.processes import die_with_parent
 from gpuportal.stack import (
     EmbeddedPostgres,
@@ -36,8 +37,8 @@ from gpuportal.stack import (
     kept_secret,
     port_in_use,
 )
-from gpuportal.stackenv import STATUS_FILE, redact, write_stack_env, write_status
-from gpuportal.wire import node_auth
+from gpuportal.stackenv import CLI_URL_KEY, STATUS_FILE, redact, write_stack_env, write_status
+from gpuportal.wire import console, node_auth
 
 ROOT = Path(__file__).resolve().parent.parent
 # A process that dies once the portal is up is started again (one that fails while the portal
@@ -163,6 +164,8 @@ class Portal:
         self.wrote_stack_env = False
         # What write_status last wrote (None: nothing yet).
         self.status_written: dict[str, str] | None = None
+        # When the exit records no agent read were last swept (monotonic).
+        self.swept_exits = 0.0
 
     @property
     def admin_password_file(self) -> Path:
@@ -255,24 +258,15 @@ class Portal:
         )
 
     def prepare_database(self) -> None:
-        result = self.manage("migrate", "--noinput")
+        """Migrations, the admin user and its own node's credential (a token kept from the last run
+        while it is still valid): one `manage.py prepare_database`, whose steps name themselves."""
+        result = self.manage("prepare_database", "--node", self.options.node, "--token-file", str(self.node_token_file))
         if result.returncode != 0:
-            raise StackError(f"migrate failed: {_last_line(result.stderr or result.stdout)}")
-        result = self.manage("ensure_admin")
-        if result.returncode != 0:
-            raise StackError(f"could not create the admin user: {_last_line(result.stderr or result.stdout)}")
+            said = _last_line(result.stderr or result.stdout)
+            # Failed before its first step (Django's settings, the database's URL): the migration's.
+            raise StackError(said.removeprefix("CommandError: ") if said.startswith("CommandError: ")
+                             else f"migrate failed: {said}")  # fmt: skip
         self.say(result.stdout.rstrip())
-        # Its own node's credential: a token kept from the last run while it is still valid. A
-        # name that is no node's is left for the agent to refuse, in its own words.
-        if not node_auth.NODE_NAME.fullmatch(self.options.node):
-            return
-        result = self.manage(
-            "node_credential", "issue", self.options.node, "--token-file", str(self.node_token_file), "--keep",
-            "--by", "manage.py up",
-        )  # fmt: skip
-        if result.returncode != 0:
-            raise StackError(f"could not issue node {self.options.node}'s credential: "
-                             f"{_last_line(result.stderr or result.stdout)}")  # fmt: skip
 
     def plan_children(self) -> list[Child]:
         opts = self.options
@@ -281,6 +275,11 @@ class Portal:
         celery = [python, "-m", "celery", "-A", "gpuportal"]
         agent = [python, manage, "agent", "--node", opts.node]
         agents = ["worker", "-Q", "agents", "-n", "agents@%h", "--pool", "threads", "--concurrency", "8"]
+        # No mingle (nor gossip), as the agents' worker: the portal revokes no task, so a worker has
+        # nothing to learn from the others at its start, and its second of waiting for their answers
+        # made the control worker the last of the processes to be ready, at every start of `up` and of it.
+        control = ["worker", "-Q", "control", "-n", "control@%h", "--concurrency", "2", "--without-gossip",
+                   "--without-mingle"]  # fmt: skip
         if opts.virtual_gpus:
             agent += ["--virtual-gpus", opts.virtual_gpus]
         # granian, as docker/compose.yaml and the benchmarks serve it (WhiteNoise serves the
@@ -292,11 +291,7 @@ class Portal:
         # unless --verbose (CONSOLE_LEVELS), and the markers tell the banner when each is ready.
         return [
             Child("web", web),
-            Child(
-                "control",
-                [*celery, "worker", "-Q", "control", "-n", "control@%h", "--concurrency", "2", "-l", "INFO"],
-                ready_marker=" ready.",
-            ),
+            Child("control", [*celery, *control, "-l", "INFO"], ready_marker=" ready."),
             Child(
                 "beat",
                 [
@@ -360,6 +355,8 @@ class Portal:
             return False
         if self.options.verbose:
             return True
+        if console.MARK in line:
+            return True  # a deploy, load, sleep, wake or failure (gpuportal.wire.console)
         return CONSOLE_LEVELS.search(line[:80]) is not None and not any(noise in line for noise in CONSOLE_NOISE)
 
     def wait_all_ready(self, timeout: float = 120.0) -> list[str]:
@@ -372,6 +369,12 @@ class Portal:
                 if self.stopping.is_set() or time.monotonic() > deadline:
                     break
         return [c.name for c in self.children if c.ready_marker and not c.ready.is_set()]
+
+    def client_url(self) -> str:
+        """Where a client on this host reaches the web: its own address, or the loopback when it
+        listens on every address."""
+        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "::", "") else self.options.host
+        return f"http://{host}:{self.options.port}"
 
     def wait_web_ready(self, timeout: float = 120.0) -> None:
         url = f"http://{self.options.host}:{self.options.port}/healthz"
@@ -498,9 +501,12 @@ class Portal:
         self.check()
         self._install_signal_handlers()
         try:
+            # Replicas whose agent died become our children, and we learn how they end.
+            orphans.become_subreaper(self.exits)
             urls = self.start_servers()
             self.env = self.child_env(urls)
-            write_stack_env(self.options.data_dir / "stack.env", urls)
+            # Its web's address too: the command line run beside it finds the port up chose.
+            write_stack_env(self.options.data_dir / "stack.env", {**urls, CLI_URL_KEY: self.client_url()})
             self.wrote_stack_env = True
             self.prepare_database()
             for child in self.plan_children():
@@ -514,11 +520,29 @@ class Portal:
                 self.banner(urls, starting)
             while not self.stopping.wait(POLL_S):
                 self.restart_or_raise()
+                self.reap_orphans()
                 self.write_status()
             self.say("stopping: the portal's processes, then its servers")
             return 0
         finally:
             self.shutdown()
+
+    @property
+    def exits(self) -> Path:
+        return orphans.exits_dir(self.options.data_dir)
+
+    def reap_orphans(self) -> None:
+        """The orphans of what it started, once they end: reaped (as init would have), and how the
+        replicas of an agent that died ended recorded for the agent that took them over
+        (gpuportal.orphans)."""
+        own = {c.process.pid for c in self.children if c.process}
+        own |= {s.embedded.process.pid for s in self.servers if s.embedded.process is not None}
+        agents = {g for c in self.children if c.keeps_group and c.process for g in (*c.old_groups, c.process.pid)}
+        orphans.reap(own, agents, self.exits)
+        now = time.monotonic()
+        if now - self.swept_exits > 60:
+            self.swept_exits = now
+            orphans.sweep(self.exits)
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -530,6 +554,7 @@ class Portal:
     def shutdown(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             (self.options.data_dir / STATUS_FILE).unlink()  # no `up`, nothing down to name
+        orphans.stop_reaping(self.exits)
         # A restart's Event still being written: its `manage.py` ends on its own within seconds
         # (no next attempt once stopping is set), before the servers it writes to are stopped.
         for recorder in self.recorders:

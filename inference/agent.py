@@ -18,6 +18,7 @@ from celery.signals import worker_ready
 from django.conf import settings
 from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_event_set, wait_exponential
 
+from gpuportal import orphans
 from gpuportal.celery import app
 from gpuportal.wire import node_lease, replies
 from gpuportal.wire.commands import node_queue
@@ -75,6 +76,7 @@ class NodeAgent:
         backend: str = "auto",
         virtual_spec: str | None = None,
         cpu_cache_bytes: int | None = None,
+        host_ram_bytes: int | None = None,
         heartbeat_s: float | None = None,
         concurrency: int = 4,
         profile: VirtualProfile | None = None,
@@ -97,11 +99,15 @@ class NodeAgent:
         self.virtual_spec = virtual_spec or settings.GPUPORTAL_VIRTUAL_GPUS
         # Default room for sleeping weights: half the host's RAM.
         self.cpu_cache_bytes = cpu_cache_bytes if cpu_cache_bytes is not None else psutil.virtual_memory().total // 2
+        # What its host cache and replica processes may use together (scheduling.core.host_memory).
+        self.host_ram_bytes = host_ram_bytes if host_ram_bytes is not None else psutil.virtual_memory().total
         self.heartbeat_s = heartbeat_s or settings.GPUPORTAL_HEARTBEAT_S
         self.concurrency = concurrency
         self._stop = threading.Event()
         self._stop_requested = threading.Event()
-        self.supervisor = Supervisor(Path(settings.GPUPORTAL_DATA_DIR) / "replicas" / name)
+        self.supervisor = Supervisor(
+            Path(settings.GPUPORTAL_DATA_DIR) / "replicas" / name, exits=orphans.exits_dir(settings.GPUPORTAL_DATA_DIR)
+        )
         self._heartbeat_thread: threading.Thread | None = None
         self._lease_thread: threading.Thread | None = None
         # The node's epoch (gpuportal.wire.node_lease): from the control plane at registration,
@@ -145,7 +151,7 @@ class NodeAgent:
             devices,
             hostname=socket.gethostname(),
             cpu_cache_bytes=self.cpu_cache_bytes,
-            host_ram_bytes=psutil.virtual_memory().total,
+            host_ram_bytes=self.host_ram_bytes,
             virtual=virtual,
             survivors=survivors,
         )
@@ -267,9 +273,15 @@ class NodeAgent:
     def processes(self) -> dict[str, Any]:
         """What a beat says of the replica processes: those it runs, the state each last said it
         is in (from which the control plane sees a wake or a sleep that never arrived), and the
-        host arenas they keep (a grant or a drop of one that never arrived)."""
+        host arenas they keep (a grant or a drop of one that never arrived), and the host RAM
+        each holds beside its arena (placement counts the host's RAM)."""
         states = self.supervisor.states()
-        return {"running": sorted(states), "processes": states, "arenas": self.supervisor.arenas()}
+        return {
+            "running": sorted(states),
+            "processes": states,
+            "arenas": self.supervisor.arenas(),
+            "host_bytes": self.supervisor.host_bytes(),
+        }
 
     def books(self) -> Books:
         """What each replica process holds per GPU, for the control plane to check the books

@@ -138,6 +138,7 @@ class Backend(Protocol):
         self, source: str, loader: str, dtype: str, placement: Placement
     ) -> tuple[nn.Module, dict[str, int | None]]: ...
     def process_bytes_by_id(self) -> dict[str, int] | None: ...
+    def loaded_bytes(self) -> int: ...
     def context_bytes_measured(self, placement: Placement) -> int: ...
     def outside_allocator_bytes(self, placement: Placement, context_bytes: int) -> int: ...
     def release(self) -> None: ...
@@ -236,6 +237,13 @@ class VirtualBackend(ArenaKeeper):
         self.context_bytes = max(self.context_bytes, self.profile.context_bytes)
         self._limit_threads()
 
+    def loaded_bytes(self) -> int:
+        """What the process holds of the host's memory: a virtual GPU's weights load there
+        (inference.load_progress reads it from another thread while they load)."""
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
     @staticmethod
     def _limit_threads() -> None:
         import torch
@@ -326,10 +334,20 @@ class CudaBackend(ArenaKeeper):
         self.arena: Arena | None = None
         # A standby's warm-up on its GPU (inference.warmup), reported in its `standby` event.
         self.warm_up: WarmUp | None = None
+        # The GPUs it attached to (its placement's).
+        self._gpus: tuple[int, ...] = ()
+
+    def loaded_bytes(self) -> int:
+        """What the allocator holds on this replica's GPUs (inference.load_progress reads it from
+        another thread while the weights load)."""
+        import torch
+
+        return sum(torch.cuda.memory_allocated(index) for index in self._gpus)
 
     def attach(self, placement: Placement) -> None:
         import torch
 
+        self._gpus = tuple(placement.gpus)
         if not torch.cuda.is_available():
             raise ReplicaFailure("load", f"--backend cuda, but this torch {torch.__version__} cannot use a GPU here")
         count = torch.cuda.device_count()

@@ -27,6 +27,7 @@ from gpuportal.wire.memory import kv_blocks
 from inference.errors import BadInput
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
+from inference.stream_text import IncrementalText, newly_settled
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Sequence:
     text: str = ""
     error: Exception | None = None
     _sent: str = ""
+    _decoded: IncrementalText | None = None  # the text so far, for streaming and stop strings
 
     @property
     def tokens_needed(self) -> int:
@@ -108,6 +110,13 @@ class Batcher:
                 f"capacity is {self.capacity_tokens} tokens ({self.pool.blocks_total} blocks)"
             )
 
+    def has_room(self) -> bool:
+        """Whether every waiting sequence would be admitted at the next step with blocks to spare:
+        a driver may then hand over another one (which may still have to wait)."""
+        bt = self.pool.block_tokens
+        wanted = sum(kv_blocks(s.tokens_needed, bt) for s in self.waiting)
+        return wanted < self.pool.blocks_free - self._promised()
+
     def submit(self, seq: Sequence) -> None:
         self.check(seq)
         self.waiting.append(seq)
@@ -135,9 +144,9 @@ class Batcher:
                     s.error = exc
                     ended.append(s)
                 continue
-            for s, sl, row in zip(group, slices, logits, strict=True):
+            for s, sl, token in zip(group, slices, self._sample_all(group, logits), strict=True):
                 s.cached += len(sl.tokens)
-                self._append(s, self._sample(s, row))
+                self._append(s, token)
                 if s.finish is not None:
                     ended.append(s)
         for s in ended:
@@ -194,6 +203,15 @@ class Batcher:
         with torch.inference_mode():
             return self.engine.forward(slices)
 
+    def _sample_all(self, group: list[Sequence], logits: Any) -> list[int]:
+        """Each sequence's next token from its row of `logits`: the greedy ones from one argmax
+        over the whole batch, read back at once (one device synchronisation a step, not one a
+        sequence), the sampled ones row by row."""
+        import torch
+
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        return [greedy[i] if s.temperature <= 0 else self._sample(s, logits[i]) for i, s in enumerate(group)]
+
     def _sample(self, s: Sequence, logits: Any) -> int:
         import torch
 
@@ -210,13 +228,11 @@ class Batcher:
 
     def _append(self, s: Sequence, token: int) -> None:
         s.generated.append(token)
-        text = None
         if s.on_chunk is not None or s.stop:
-            text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
-            # Decoding a prefix can change its tail (merged bytes): only what is settled goes out.
-            if s.on_chunk is not None and text.startswith(s._sent) and len(text) > len(s._sent):
-                s.on_chunk(text[len(s._sent) :])
-                s._sent = text
+            if s._decoded is None:
+                s._decoded = IncrementalText(self.tokenizer)
+            text = s._decoded.update(s.generated)
+            self._stream(s, text)
             cut = min((text.find(x) for x in s.stop if x and x in text), default=-1)
             if cut >= 0:
                 s.text, s.finish = text[:cut], "stop"
@@ -226,7 +242,19 @@ class Batcher:
         elif len(s.generated) >= s.max_tokens:
             s.finish = "length"
         if s.finish is not None:
-            s.text = text if text is not None else self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            # Decoded whole once, at the end: the answer's text is the tokenizer's own.
+            s.text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            self._stream(s, s.text, final=True)
+
+    @staticmethod
+    def _stream(s: Sequence, text: str, *, final: bool = False) -> None:
+        """Hand the streamed sequence's newly settled text to its on_chunk (inference.stream_text)."""
+        if s.on_chunk is None:
+            return
+        piece = newly_settled(text, s._sent, final=final)
+        if piece:
+            s.on_chunk(piece)
+            s._sent += piece
 
     def _retire(self, s: Sequence) -> None:
         if s in self.running:

@@ -1,52 +1,52 @@
-"""The failover lock client (seed 004, carried onto PostgreSQL). Runs inside a replica process; no Django.
+"""The failover lock (seed 004), held on the pair's own host. Runs inside a replica process (and
+the node agent closes pairs with it); no Django, no database.
 
-A failover pair (an active replica and a standby on the same GPUs) shares one lock: a PostgreSQL
-session-level advisory lock keyed by the pair's FailoverLease id, held by the replica process on a
-dedicated connection of its own. The connection IS the lock:
+A failover pair (an active replica and a standby on the same GPUs, so on the same host) shares one
+lock: an exclusive `flock` on a file in its node's directory (`<dir>/<fence>.lock`), held by the
+replica process on a descriptor of its own. The descriptor IS the lock:
 
-- leader election and resource safety at once: the lock is free only once the holder's session
-  ended, and on one host that means its process (and every byte it held on the GPU) is gone;
+- leader election and resource safety at once: the kernel frees the lock only once every
+  descriptor of it is closed, which for the holder means its process has ended, and every byte it
+  held on the GPU with it;
 - fencing by process death: there is no release call on the failure path;
-- the persistent half is the FailoverLease row: holder, epoch, and `reconnect_deadline`, which
-  the holder pushes forward while it is healthy. Every grant that changes the holder bumps the
-  epoch by compare-and-swap; every renewal is a compare-and-swap on (holder, epoch), so a holder
-  that was superseded learns it is stale on its next renewal.
+- nothing to reconnect: a database or network restart cannot drop it, so there is no reconnect
+  window to wait out, and the GPU host needs no database credentials for it;
+- the persistent half is the lease file beside it (`<fence>.lease`: holder and epoch), which only
+  the lock's holder writes: every grant bumps the epoch. The member reports each grant, and the
+  control plane keeps holder and epoch in its FailoverLease row from those reports; the pair's
+  result fence in Redis refuses results of an older epoch (gpuportal.wire.requestqueue);
+- a pair stopped whole is closed first (`<fence>.closed`, written by the node agent before it
+  stops the members): a standby granted the lock then leaves it, so it never takes over in the
+  moment before its own stop arrives.
 
-Reconnect window: a PostgreSQL restart drops every session, the holder's included, without the
-holder dying. The lease row records the server's start time at each renewal; a lock granted on a
-server that started since then follows a restart, so the grantee must leave the lock to the named
-holder until `reconnect_deadline` passes. The holder re-acquires and keeps its epoch; or, if it
-cannot before its own deadline (a margin before the row's), it stops serving, so two replicas never
-serve at once.
-
-Why not Django's connection: Django and Celery close and recycle connections, and a session lock
-dies with its session. Why never through a transaction-pooling proxy: it would hand the session,
-and the lock with it, to someone else.
+Why flock and not a POSIX (fcntl) lock: a POSIX lock belongs to the process and is dropped when the
+process closes any descriptor of the file (reading the lease file would release it). Why the
+fence names the files: it is unique to the pair's lease, whatever the database's ids do.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from enum import Enum
-
-import psycopg
-
-from gpuportal.wire import failover_lease as lease
-from gpuportal.wire.failover_lease import LOCK_NAMESPACE
+from pathlib import Path
 
 log = logging.getLogger("inference.failover")
+
+# The folder of a node's pair locks, under its agent's replica directory.
+LOCKS_FOLDER = "failover"
 
 
 class Claim(Enum):
     TAKE = "take"  # become the holder: bump the epoch
-    KEEP = "keep"  # still the holder (re-acquired after a reconnect): same epoch
-    WAIT = "wait"  # the named holder may still be alive and reconnecting: leave it the lock
-    STALE = "stale"  # we were the holder, and someone took over since
     CLOSED = "closed"  # the pair is being stopped whole: no one takes over (our own stop is on its way)
 
 
@@ -54,273 +54,162 @@ class Claim(Enum):
 class LeaseRow:
     holder: str | None
     epoch: int
-    reconnect_deadline: datetime | None
-    server_started_at: datetime | None
-    closed: bool = False  # the control plane stopped the pair whole (FailoverLease.closed_at)
+    closed: bool = False  # the node's agent stopped the pair whole (`<fence>.closed`)
 
 
-def decide_claim(row: LeaseRow, me: str, my_epoch: int | None, now: datetime, server_started: datetime) -> Claim:
-    """What the holder of a freshly granted lock may do (pure: the tests drive every branch).
-
-    `my_epoch` is the epoch we held before, if we were the holder (a reconnect), else None.
-    """
-    if my_epoch is not None:
-        # A holder reconnecting keeps its lock even in a closing pair: it is draining to its stop.
-        return Claim.KEEP if row.holder == me and row.epoch == my_epoch else Claim.STALE
+def decide_claim(row: LeaseRow, me: str) -> Claim:
+    """What the holder of a freshly granted lock may do (pure: the tests drive every branch). The
+    lock is only ever free once its holder's process has ended, so a grant is a takeover, unless
+    the pair is closing (a closing holder never asks again: it holds the lock until it exits)."""
     if row.closed and row.holder != me:
         return Claim.CLOSED
-    if row.holder is None or row.holder == me:
-        return Claim.TAKE
-    restarted = row.server_started_at is not None and row.server_started_at != server_started
-    # The lock was free because every session dropped, not because the holder's process died:
-    # the holder may be reconnecting. Only once its window has passed is it presumed dead.
-    if restarted and row.reconnect_deadline is not None and now < row.reconnect_deadline:
-        return Claim.WAIT
     return Claim.TAKE
 
 
 @dataclass(frozen=True)
 class LeaseConfig:
-    dsn: str
-    lease_id: int
+    folder: Path
+    fence: str
     replica_id: str
-    reconnect_window_s: float = 10.0
 
     @property
-    def renew_every_s(self) -> float:
-        # Often enough that the row's deadline is never far behind; at most once a second.
-        return max(0.05, min(1.0, self.reconnect_window_s / 5))
+    def lock_path(self) -> Path:
+        return self.folder / f"{self.fence}.lock"
 
     @property
-    def give_up_margin_s(self) -> float:
-        # The holder stops serving this long before the standby may take over: room to stop.
-        return max(0.05, min(1.0, self.reconnect_window_s / 4))
+    def lease_path(self) -> Path:
+        return self.folder / f"{self.fence}.lease"
+
+    @property
+    def closed_path(self) -> Path:
+        return self.folder / f"{self.fence}.closed"
 
 
 @dataclass(frozen=True)
 class Grant:
     epoch: int
-    took_over: bool  # False: the holder kept its epoch (a reconnect)
     previous_holder: str | None
     previous_epoch: int
     granted_monotonic: float
 
 
 class Stale(Exception):
-    """This member's epoch has been superseded: it must stop serving and exit."""
+    """This member cannot hold the pair's lock (its lease file is unreadable): it must exit."""
+
+
+def close_pair(folder: Path, fence: str) -> None:
+    """Mark the pair closing (the agent, before it stops the pair whole): whoever is granted the
+    lock from now on leaves it. Durable before the stop goes out: the standby reads it under the
+    lock, which it can only get once the active has exited."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = LeaseConfig(folder, fence, "").closed_path
+    with open(path, "w") as marker:
+        marker.flush()
+        os.fsync(marker.fileno())
+
+
+def forget_pair(folder: Path, fence: str) -> None:
+    """Remove a closed pair's files once its members have exited."""
+    config = LeaseConfig(folder, fence, "")
+    for path in (config.lease_path, config.lock_path, config.closed_path):
+        path.unlink(missing_ok=True)
 
 
 class FailoverMember:
-    """One pair member's side of the lock. `acquire` (blocking) or `try_acquire`, then `keep`.
+    """One pair member's side of the lock: `try_acquire` (the primary at start) or `acquire`
+    (the standby's wait). Held until the process ends."""
 
-    `on_lost(reason)` is called at most once, from the keeper thread, when the lock is gone for
-    good (stale, or not re-acquired within the window): the caller stops serving and exits.
-    """
-
-    def __init__(
-        self, config: LeaseConfig, on_lost: Callable[[str], None], on_event: Callable[..., None] | None = None
-    ):
+    def __init__(self, config: LeaseConfig, on_event: Callable[..., None] | None = None):
         self.config = config
-        self.on_lost = on_lost
         self.on_event = on_event or (lambda *a, **k: None)
         self.epoch: int | None = None
-        self._conn: psycopg.Connection | None = None
-        self._closed = threading.Event()
-        self._lost = False
-        self._lose_lock = threading.Lock()
-        # Monotonic time until which serving is safe without a renewal (see LeaseConfig).
-        self.safe_until = 0.0
-
-    # -- acquiring -----------------------------------------------------------------------------
+        self._fd: int | None = None
 
     def try_acquire(self) -> Grant | None:
         """Take the lock if it is free and ours to take; None otherwise (without waiting)."""
-        conn = self._connect_retrying()
-        if not self._lock_call(conn, lease.TRY_LOCK):
-            conn.close()
-            return None
-        grant = self._claim(conn)
-        if grant is None:
-            self._unlock(conn)
-            conn.close()
-        return grant
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return None
+            raise
+        return self._claimed(fd)
 
     def acquire(self, stop: threading.Event | None = None) -> Grant:
         """Block until the lock is granted and ours to take (the standby's wait)."""
         stop = stop or threading.Event()
-        while not stop.is_set():
-            conn: psycopg.Connection | None = None
-            try:
-                conn = self._connect_retrying(stop)
-                self._lock_call(conn, lease.LOCK)  # blocks in the server until granted
-                grant = self._claim(conn)
-                if grant is not None:
-                    return grant
-                self._unlock(conn)
-            except psycopg.OperationalError as exc:
-                # A restart drops the waiting session too: reconnect and wait again.
-                log.warning("lock wait interrupted (%s); waiting again", " ".join(str(exc).split()))
-            if conn is not None:
-                conn.close()
-            stop.wait(0.2)
+        if not stop.is_set():
+            fd = self._open()
+            # Blocks in the kernel until the holder's process has ended: woken at once, with no
+            # polling delay in the takeover.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if stop.is_set():
+                os.close(fd)
+            elif (grant := self._claimed(fd)) is not None:
+                return grant
+            else:
+                # Closed, which is for good: not ours, ever. Our own stop is on its way.
+                stop.wait()
         raise InterruptedError("stopped while waiting for the failover lock")
 
-    def _claim(self, conn: psycopg.Connection) -> Grant | None:
-        """With the lock held: decide, and write the lease by compare-and-swap. None: not ours yet."""
+    def _claimed(self, fd: int) -> Grant | None:
+        """With the lock held: decide, and write the lease file. None (the lock given back): not ours."""
+        try:
+            return self._claim(fd)
+        except BaseException:
+            os.close(fd)  # closing the descriptor gives the lock back
+            raise
+
+    def _claim(self, fd: int) -> Grant | None:
         cfg = self.config
-        # Before the transaction: the deadline written below counts from its start (now()), and
-        # the row lock may keep us waiting; our safe time must not start later than the row's.
-        before = time.monotonic()
-        with conn.transaction():
-            found = conn.execute(lease.READ_FOR_CLAIM, (cfg.lease_id,)).fetchone()
-            if found is None:
-                raise Stale(f"failover lease {cfg.lease_id} no longer exists")
-            row = LeaseRow(*found[:5])
-            now, server_started = found[5], found[6]
-            claim = decide_claim(row, cfg.replica_id, self.epoch, now, server_started)
-            if claim is Claim.WAIT:
-                log.info(
-                    "lock granted after a PostgreSQL restart, but %s (epoch %d) may reconnect until %s: leaving it",
-                    row.holder,
-                    row.epoch,
-                    row.reconnect_deadline,
-                )
-                return None
-            if claim is Claim.CLOSED:
-                # Not ours, and never will be: wait on (acquire's loop) until our own stop comes.
-                log.info("lock granted, but the pair is being stopped whole: not taking over")
-                return None
-            if claim is Claim.STALE:
-                raise Stale(f"epoch {self.epoch} superseded: the lease is at epoch {row.epoch}, held by {row.holder}")
-            epoch = row.epoch + 1 if claim is Claim.TAKE else row.epoch
-            updated = conn.execute(
-                lease.CLAIM,
-                (
-                    cfg.replica_id,
-                    epoch,
-                    claim is Claim.TAKE,
-                    cfg.reconnect_window_s,
-                    server_started,
-                    cfg.lease_id,
-                    row.epoch,
-                ),
-            ).rowcount
-            if updated != 1:  # cannot happen under FOR UPDATE; refuse rather than guess
-                raise Stale(f"lease {cfg.lease_id} changed under its row lock")
-        self._conn = conn
+        row = self._read()
+        claim = decide_claim(row, cfg.replica_id)
+        if claim is Claim.CLOSED:
+            log.info("lock granted, but the pair is being stopped whole: not taking over")
+            os.close(fd)
+            return None
+        epoch = row.epoch + 1
+        self._write(cfg.replica_id, epoch)
+        self._fd = fd
         self.epoch = epoch
-        self.safe_until = before + cfg.reconnect_window_s - cfg.give_up_margin_s
-        grant = Grant(epoch, claim is Claim.TAKE, row.holder, row.epoch, time.monotonic())
-        self.on_event(
-            "grant", epoch=epoch, took_over=grant.took_over, previous_holder=row.holder, previous_epoch=row.epoch
-        )
+        grant = Grant(epoch, row.holder, row.epoch, time.monotonic())
+        self.on_event("grant", epoch=epoch, previous_holder=row.holder, previous_epoch=row.epoch)
         return grant
 
-    # -- keeping -------------------------------------------------------------------------------
-
-    def keep(self) -> threading.Thread:
-        """Start the keeper: renew the lease, notice a lost connection, re-acquire or give up.
-        And its watchdog: a renewal or reconnect can hang (a dead network path has no error to
-        raise), and the give-up must come before the standby may take over all the same."""
-        thread = threading.Thread(target=self._keep, name="failover-keeper", daemon=True)
-        thread.start()
-        threading.Thread(target=self._watch_deadline, name="failover-deadline", daemon=True).start()
-        return thread
-
-    def _watch_deadline(self) -> None:
-        while not self._closed.is_set() and not self._lost:
-            left = self.safe_until - time.monotonic()
-            if left <= 0:
-                self._lose("no renewal of the failover lease within the reconnect window (hung connection?)")
-                return
-            self._closed.wait(min(left, 0.1))
-
-    def renew(self) -> None:
-        """One renewal: push the reconnect deadline forward, by compare-and-swap on (holder, epoch)."""
-        assert self._conn is not None and self.epoch is not None
-        before = time.monotonic()
-        updated = self._conn.execute(
-            lease.RENEW,
-            (self.config.reconnect_window_s, self.config.lease_id, self.config.replica_id, self.epoch),
-        ).rowcount
-        if updated != 1:
-            raise Stale(f"epoch {self.epoch} superseded: the lease no longer names this replica at that epoch")
-        self.safe_until = before + self.config.reconnect_window_s - self.config.give_up_margin_s
-
-    def _keep(self) -> None:
+    def _read(self) -> LeaseRow:
         cfg = self.config
-        while not self._closed.wait(cfg.renew_every_s):
-            try:
-                self.renew()
-                continue
-            except Stale as exc:
-                self._lose(str(exc))
-                return
-            except (psycopg.Error, OSError) as exc:
-                log.warning("failover lock connection lost (%s); re-acquiring", " ".join(str(exc).split()))
-                self.on_event("loss", epoch=self.epoch, reason="lock connection lost; re-acquiring")
-            if not self._reacquire():
-                return
+        closed = cfg.closed_path.exists()
+        try:
+            found = json.loads(cfg.lease_path.read_text())
+            if not isinstance(found, dict):
+                raise ValueError(f"not an object: {found!r}")
+            return LeaseRow(found.get("holder"), int(found.get("epoch") or 0), closed)
+        except FileNotFoundError:
+            return LeaseRow(None, 0, closed)  # never held
+        except (OSError, ValueError, TypeError) as err:
+            raise Stale(f"the pair's lease file {cfg.lease_path} cannot be read: {err}") from None
 
-    def _reacquire(self) -> bool:
-        """Until our safe deadline: reconnect and take the lock back at the same epoch."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        while not self._closed.is_set():
-            if time.monotonic() >= self.safe_until:
-                self._lose("lost the failover lock and could not re-acquire it within the reconnect window")
-                return False
-            try:
-                conn = psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=1)
-            except psycopg.OperationalError:
-                self._closed.wait(0.1)
-                continue
-            try:
-                if self._lock_call(conn, lease.TRY_LOCK) and self._claim(conn) is not None:
-                    log.info("failover lock re-acquired at epoch %s", self.epoch)
-                    return True
-            except Stale as exc:
-                conn.close()
-                self._lose(str(exc))
-                return False
-            except psycopg.Error:
-                pass
-            conn.close()
-            self._closed.wait(0.1)
-        return False
+    def _write(self, holder: str, epoch: int) -> None:
+        """Whole or not at all (a rename), and durable before the grant is reported: a host that
+        crashes right after must not hand out the same epoch twice."""
+        path = self.config.lease_path
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(temporary, "w") as out:
+            json.dump({"holder": holder, "epoch": epoch}, out)
+            out.flush()
+            os.fsync(out.fileno())
+        temporary.replace(path)
 
-    def _lose(self, reason: str) -> None:
-        with self._lose_lock:  # the keeper and its watchdog may both get here: once is enough
-            if self._lost or self._closed.is_set():
-                return
-            self._lost = True
-        log.error("failover lock lost at epoch %s: %s", self.epoch, reason)
-        self.on_event("loss", epoch=self.epoch, reason=reason, final=True)
-        self.on_lost(reason)
+    def _open(self) -> int:
+        self.config.folder.mkdir(parents=True, exist_ok=True)
+        # O_CLOEXEC: a process this one starts must not inherit the lock and outlive it with it.
+        return os.open(self.config.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def close(self) -> None:
-        """Only on a planned exit; a dying process needs no call: its session ends with it."""
-        self._closed.set()
-        if self._conn is not None:
-            self._conn.close()
-
-    # -- plumbing ------------------------------------------------------------------------------
-
-    def _connect_retrying(self, stop: threading.Event | None = None, timeout_s: float = 60.0) -> psycopg.Connection:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                # autocommit: a session lock must not sit inside a long-open transaction.
-                return psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=2)
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline or (stop is not None and stop.is_set()):
-                    raise
-                time.sleep(0.2)
-
-    def _lock_call(self, conn: psycopg.Connection, call: str) -> bool:
-        result = conn.execute(call, (LOCK_NAMESPACE, self.config.lease_id)).fetchone()
-        return result is None or result[0] is not False  # pg_advisory_lock returns void (None)
-
-    def _unlock(self, conn: psycopg.Connection) -> None:
-        conn.execute(lease.UNLOCK, (LOCK_NAMESPACE, self.config.lease_id))
+        """Only on a planned exit; a dying process needs no call: the kernel frees the lock."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None

@@ -31,6 +31,7 @@ from inference.backends import (
 from inference.event_stream import EventWriter
 from inference.hub import local_model_dir
 from inference.lazy_imports import from_transformers
+from inference.load_progress import LoadGauge
 from inference.loaders import DIRECTORY_LOADERS, EMBEDDING
 from inference.process_exit import exit_now as _exit
 from inference.serving import Executor
@@ -211,7 +212,15 @@ class ReplicaHost:
                 self._progress(10, "preparing the device")
                 self.backend.attach(self.placement)
                 self._progress(25, f"loading weights from {self.source} ({self.loader}, {self.dtype})")
-                model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
+                expected = self._expected_weight_bytes()
+                with LoadGauge(
+                    self.backend.loaded_bytes,
+                    expected,
+                    lambda percent, held: self._progress(percent, f"loading weights: {mib(held)} of {mib(expected)}"),
+                    low=25,
+                    high=85,
+                ):
+                    model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
                 self.tokenizer = load_tokenizer(self.source, self.loader)
                 self.recipe = load_recipe(self.source, self.loader)
                 self._progress(85, "checking placement and memory cap")
@@ -655,6 +664,20 @@ class ReplicaHost:
     def _require(self, state: str, action: str) -> None:
         if self.state != state:
             raise CommandRejected(f"cannot {action} while {self.state}")
+
+    def _expected_weight_bytes(self) -> int | None:
+        """The weights' size, read from the model's files without loading them (None where it
+        cannot be: a torch module's factory, a model whose files say too little)."""
+        if self.loader not in DIRECTORY_LOADERS:
+            return None
+        from inference.model_size import shape_from_model_dir
+
+        try:
+            return shape_from_model_dir(
+                local_model_dir(self.source), self.dtype, encoder=self.loader == EMBEDDING
+            ).weight_bytes
+        except Exception:  # files the loader reads its own way: only the progress bar goes without
+            return None
 
     def _progress(self, percent: int, detail: str) -> None:
         log.info("%s %d%%: %s", self.replica_id, percent, detail)

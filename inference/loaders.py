@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuportal.wire.deployment_spec import DType, Loader
-from inference.hub import local_model_dir
+from inference.hub import local_model_dir, no_directory
 from inference.lazy_imports import from_transformers
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ def resolve_factory(source: str) -> Callable[[], Any]:
 def _model_dir(source: str) -> Path:
     root = local_model_dir(source)
     if not root.exists():
-        raise ValueError(f"not a model directory: {root} does not exist")
+        raise ValueError(no_directory(source, root))
     if not root.is_dir():
         raise ValueError(f"not a model directory: {root} is not a directory")
     config = root / "config.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuportal.wire.memory import DTYPE_BYTES, ModelShape, allocation_bytes, dtype_bytes
-from inference.hub import local_model_dir
+from inference.hub import local_model_dir, no_directory
 from inference.lazy_imports import from_transformers
 
 # safetensors dtype codes whose tensors a loader casts to the requested dtype. Integer, boolean and
@@ -70,7 +70,7 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None, *, encoder:
 def _model_dir(path: str | Path) -> Path:
     root = local_model_dir(path)
     if not root.exists():
-        raise ValueError(f"not a model directory: {root} does not exist")
+        raise ValueError(no_directory(path, root))
     if not root.is_dir():
         raise ValueError(f"not a model directory: {root} is not a directory")
     if not (root / "config.json").is_file():

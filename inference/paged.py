@@ -153,35 +153,34 @@ class PagedModel:
         bt = pool.block_tokens
         device = self.device
         size = len(batch)
-        width = max(len(s.tokens) for s in batch)  # new tokens per slice, padded
-        keys_len = max(s.start + len(s.tokens) for s in batch)
+        lengths = [len(s.tokens) for s in batch]
+        width = max(lengths)  # new tokens per slice, padded
+        keys_len = max(s.start + n for s, n in zip(batch, lengths, strict=True))
         span = -(-keys_len // bt)  # blocks to gather per slice
 
+        # Whole tensors at once, not a Python loop per token: on a GPU, where a decode step's
+        # forward takes about a millisecond, the host's bookkeeping is what sets a step's pace.
+        lens = torch.tensor(lengths)
+        starts = torch.tensor([s.start for s in batch])
+        cols = torch.arange(width)
+        real = cols[None, :] < lens[:, None]  # [batch, width]: a real token, not padding
         ids = torch.zeros((size, width), dtype=torch.long)
-        positions = torch.zeros((size, width), dtype=torch.long)
-        table = torch.zeros((size, span), dtype=torch.long)  # padded with block 0: masked out below
-        rows: list[int] = []
-        cols: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        for i, s in enumerate(batch):
-            n = len(s.tokens)
-            ids[i, :n] = torch.tensor(s.tokens)
-            positions[i, :n] = torch.arange(s.start, s.start + n)
-            positions[i, n:] = s.start + n - 1  # padding: any valid position, its output is dropped
-            used = s.blocks[: min(span, len(s.blocks))]
-            table[i, : len(used)] = torch.tensor(used)
-            for j in range(n):
-                p = s.start + j
-                rows.append(i)
-                cols.append(j)
-                slot_blocks.append(s.blocks[p // bt])
-                slot_offsets.append(p % bt)
-        ids, positions, table = ids.to(device), positions.to(device), table.to(device)
-        rows_t = torch.tensor(rows, device=device)
-        cols_t = torch.tensor(cols, device=device)
-        blk_t = torch.tensor(slot_blocks, device=device)
-        off_t = torch.tensor(slot_offsets, device=device)
+        ids[real] = torch.tensor([t for s in batch for t in s.tokens], dtype=torch.long)
+        # Padding repeats the slice's last position (any valid one would do: its output is dropped).
+        positions = starts[:, None] + torch.minimum(cols[None, :], (lens - 1)[:, None])
+        # Padded with block 0: masked out below.
+        table = torch.tensor([(s.blocks[:span] + [0] * span)[:span] for s in batch], dtype=torch.long)
+        rows, slot_cols = real.nonzero(as_tuple=True)
+        slot_positions = positions[rows, slot_cols]
+        slot_blocks = table[rows, slot_positions // bt]
+        slot_offsets = slot_positions % bt
+        # One copy to the device instead of one per tensor.
+        parts = [ids, positions, table, rows, slot_cols, slot_blocks, slot_offsets, lens - 1]
+        sent = torch.cat([part.flatten() for part in parts]).to(device)
+        ids, positions, table, rows_t, cols_t, blk_t, off_t, last = (
+            piece.view(part.shape)
+            for piece, part in zip(sent.split([part.numel() for part in parts]), parts, strict=True)
+        )
         # Query j of slice i (position start+j) sees key positions up to its own: causal inside the
         # new tokens, everything cached before them. Padded queries see position 0 only (no NaN).
         key_pos = torch.arange(span * bt, device=device)
@@ -213,7 +212,6 @@ class PagedModel:
             hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(size, width, -1))
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = torch.tensor([len(s.tokens) - 1 for s in batch], device=device)
         return self.norm(hidden[torch.arange(size, device=device), last])
 
 

@@ -7,8 +7,9 @@ lock holder ever puts weights on the GPU, so the pair needs the active's memory 
 
 Liveness by state: the member reports each state as it enters it (`failover` events), and an
 `alive` event every `liveness_every_s` on its own thread; the node agent kills an active member
-that goes silent (hung, e.g. SIGSTOP), which ends its session and so passes the lock. A wake that
-runs past `wake_timeout_s` ends the process here, for the same reason. No Django here.
+that goes silent (hung, e.g. SIGSTOP), which ends its process and so passes the lock. A wake that
+runs past `wake_timeout_s` ends the process here, for the same reason. The lock is the node's own
+(inference.failover): a pair member needs Redis for its queue and fence, and no database. No Django here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
@@ -63,7 +65,7 @@ def give_back_from(requests: RequestQueue, deployment: str, grant: Grant, me: st
     takes for a dead replica (write off, withdraw its claim, give back), so doing them first is
     harmless: the control plane then finds nothing left. {request id: "requeued" | "failed"}."""
     old = grant.previous_holder
-    if not grant.took_over or not old or old == me:
+    if not old or old == me:
         return {}
     try:
         requests.write_off(old)  # its takes from now on are refused: the grant proved it gone
@@ -98,12 +100,12 @@ class PairMember:
         self.wake_timeout_s = wake_timeout_s
         self.liveness_every_s = liveness_every_s
         self.state = FailoverState.INIT
-        self.member = FailoverMember(config, on_lost=self._lost, on_event=self._lease_event)
+        self.member = FailoverMember(config, on_event=self._lease_event)
         self._stop = threading.Event()
 
     @classmethod
-    def from_args(cls, host: PairedHost, requests: RequestQueue, dsn: str, args: argparse.Namespace) -> PairMember:
-        config = LeaseConfig(dsn, args.failover_lease, host.replica_id, args.reconnect_window)
+    def from_args(cls, host: PairedHost, requests: RequestQueue, args: argparse.Namespace) -> PairMember:
+        config = LeaseConfig(Path(args.failover_dir), args.failover_fence, host.replica_id)
         return cls(
             host,
             requests,
@@ -139,7 +141,7 @@ class PairMember:
             reason = str(exc)
             commands.put(lambda: self._lost(reason))
             return
-        except Exception as exc:  # the database never came back: nothing here can take over
+        except Exception as exc:  # the lock's folder cannot be used: nothing here can take over
             reason = f"cannot wait for the failover lock: {exc}"
             commands.put(lambda: self._fail(reason))
             return
@@ -173,7 +175,7 @@ class PairMember:
             epoch=grant.epoch,
             previous_holder=grant.previous_holder,
             previous_epoch=grant.previous_epoch,
-            # From the grant (the old holder's session ended) to taking requests, and where that
+            # From the grant (the old holder's process ended) to taking requests, and where that
             # time went: fencing the old holder's results, giving back what it had
             # taken, the wake (weights onto the GPU, the KV pool).
             takeover_s=time.monotonic() - granted,
@@ -194,7 +196,6 @@ class PairMember:
         if current != grant.epoch:
             self._lost(f"granted epoch {grant.epoch}, but results are already fenced at epoch {current}")
         self.host.fence = Fence(self.fence_name, grant.epoch)
-        self.member.keep()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.liveness_every_s):
@@ -214,5 +215,5 @@ class PairMember:
         _exit(1)
 
     def _wake_timed_out(self) -> None:
-        # Seed 004: a hung wake must not go unnoticed; dying ends the session and frees the lock.
+        # Seed 004: a hung wake must not go unnoticed; dying frees the lock.
         self._fail(f"the takeover's wake ran past its timeout of {self.wake_timeout_s:.0f} s")

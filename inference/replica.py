@@ -46,7 +46,7 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuportal.processes import tie_to_parent
@@ -100,7 +100,7 @@ def read_commands(
 ) -> None:
     """The command thread: answer pings at once, queue the rest for the main thread. At EOF the
     agent is gone: exit, or, for a replica that may outlive it, `on_eof` (inference.adoption)."""
-    for line in stream:
+    for line in _until_gone(stream):
         text = line.strip()
         if not text:
             continue
@@ -127,6 +127,16 @@ def read_commands(
         return
     log.info("stdin closed: the agent is gone; exiting")
     _exit(0)
+
+
+def _until_gone(stream: Iterable[str]) -> Iterator[str]:
+    """The agent's lines until it is gone. An adopter's stream is a Unix socket, and an agent that
+    dies with our events unread in it resets the connection rather than closing it: that is its
+    end too, and this thread must live on to wait for the next adopter, or exit."""
+    try:
+        yield from stream
+    except OSError as err:
+        log.info("the agent's stream ended (%s)", err)
 
 
 def give_up(host: ReplicaHost, commands: queue.Queue[Any]) -> None:
@@ -192,10 +202,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
     parser.add_argument("--node", default="", help="The node it runs on, whose epoch fences it.")
     parser.add_argument("--node-epoch", type=int, default=None, help="The node's epoch at its start.")
-    parser.add_argument("--failover-lease", type=int, default=None, help="Member of this failover pair's lease.")
-    parser.add_argument("--failover-fence", default="", help="Names the pair's result fence in Redis.")
+    parser.add_argument(
+        "--failover-dir", default="", help="A failover pair's member: its node's folder of pair locks (seed 004)."
+    )
+    parser.add_argument("--failover-fence", default="", help="Names the pair: its lock's files, its result fence.")
     parser.add_argument("--role", choices=[r.value for r in Role], default=Role.PRIMARY.value)
-    parser.add_argument("--reconnect-window", type=float, default=10.0, help="Seconds (seed 004).")
     parser.add_argument("--wake-timeout", type=float, default=60.0, help="A takeover's wake past this exits.")
     parser.add_argument("--liveness-every", type=float, default=0.5, help="Seconds between `alive` events.")
     parser.add_argument(
@@ -280,14 +291,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.deployment and requests is not None:
         Server(host, requests, args.deployment).start()
     pair = None
-    if args.failover_lease is not None:
+    if args.failover_dir:
         from inference.pairing import PairMember
 
-        dsn = os.environ.get("GPUPORTAL_FAILOVER_DSN", "")
-        if not dsn or requests is None:
-            events.emit("failed", reason="a failover member needs GPUPORTAL_FAILOVER_DSN and --redis-url", kind="load")
+        if not args.failover_fence or requests is None:
+            events.emit("failed", reason="a failover member needs --failover-fence and --redis-url", kind="load")
             _exit(2)
-        pair = PairMember.from_args(host, requests, dsn, args)
+        pair = PairMember.from_args(host, requests, args)
     _exit(run(host, commands, pair))
 
 

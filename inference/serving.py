@@ -31,9 +31,18 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from gpuportal.wire import kvstats
 from gpuportal.wire.node_lease import NodeFence
-from gpuportal.wire.requestqueue import Fence, Fenced, LeaseLapsed, Request, RequestQueue, family_of_loader
+from gpuportal.wire.requestqueue import (
+    Fence,
+    Fenced,
+    LeaseLapsed,
+    NotTaken,
+    Request,
+    RequestQueue,
+    family_of_loader,
+)
 from inference.errors import BadInput
 from inference.lazy_imports import from_transformers
+from inference.stream_text import newly_settled
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
@@ -69,6 +78,8 @@ class ServingHost(Protocol):
 
 
 DEFAULT_MAX_TOKENS = 16
+# Requests a busy batch takes from the queue between two steps, at most (see Server._take_more).
+MORE_PER_STEP = 64
 
 
 class Aborted(Exception):
@@ -286,14 +297,16 @@ class _ChunkStreamer:
             self.prompt_seen = True
             return
         self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        # Decoding a prefix can change its tail (merged bytes): only what is settled goes out.
-        if text.startswith(self.sent) and len(text) > len(self.sent):
-            self.emit(text[len(self.sent) :])
-            self.sent = text
+        self._emit(final=False)
 
     def end(self) -> None:
-        pass
+        self._emit(final=True)  # a last incomplete character, as the answer's text has it
+
+    def _emit(self, *, final: bool) -> None:
+        piece = newly_settled(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.sent, final=final)
+        if piece:
+            self.emit(piece)
+            self.sent += piece
 
 
 # How long a replica waits out an unreachable Redis (a restart) before it gives up: it then reports
@@ -308,7 +321,7 @@ class PatientQueue:
     `on_lost` (the replica reports `failed` and exits) rather than end the serving loop silently
     with a request half-done. Takes are not wrapped: the loop tries them again itself."""
 
-    WRITES = frozenset({"start", "started", "chunk", "finish", "fail", "give_back"})
+    WRITES = frozenset({"start", "started", "chunk", "chunks", "finish", "fail", "give_back"})
 
     def __init__(self, queue: RequestQueue, on_lost: Callable[[str], None], outage_s: float = REDIS_OUTAGE_S):
         self.queue, self.on_lost, self.outage_s = queue, on_lost, outage_s
@@ -339,10 +352,13 @@ class Server(threading.Thread):
     """The replica's serving loop.
 
     With a KV block pool (a Llama-style causal LM, inference.paged) text requests run batched: the
-    loop takes a request whenever nobody is waiting for blocks, and between requests steps the
-    batch (inference.batching), which admits waiting sequences as blocks free up. At most one
-    taken request waits for blocks here; the rest stay in the deployment's queue, where another
-    replica may take them. Without a pool (forward passes, other models) requests run one at a
+    loop takes a request whenever nobody is waiting for blocks, then, between steps, as many more
+    as are queued while the batch has blocks for all it holds (clients that sent theirs in the
+    same moment start in the same step, not one a step), and steps the batch
+    (inference.batching), which admits waiting sequences as blocks free up. At most one taken
+    request waits for blocks here; the rest stay in the deployment's queue, where another replica
+    may take them. A step's streamed tokens go to the queue together, in one round trip, before
+    the answers that step ended. Without a pool (forward passes, other models) requests run one at a
     time through Executor.run, as before.
 
     Every taken request is counted in flight (host.begin_request) until its outcome is written,
@@ -365,6 +381,8 @@ class Server(threading.Thread):
         # Requests admitted in the current batch step, and when: written with their answer if
         # they end in the same step, else all together once it is over (see step).
         self.starting: dict[str, float] = {}
+        # The current step's streamed tokens, (request id, text), written together after it.
+        self.chunks: list[tuple[str, str]] = []
         # Whether the claim to take requests is made; under `_claim` with the check of
         # host.accepting, so a claim made as the replica stops taking is withdrawn, never left.
         self.live = False
@@ -387,9 +405,23 @@ class Server(threading.Thread):
                 request = self._take(self.poll_s if not busy else 0)
                 if request is not None:
                     self.accept(request)
+                    self._take_more()
             if self.batch is not None and not self.batch.idle:
                 self.step()
             self.kv.publish()
+
+    def _take_more(self) -> None:
+        """The requests already queued, taken while the batch has blocks for every one it holds:
+        at most MORE_PER_STEP, so that a flood of them delays the running batch's next step by no
+        more than that many round trips."""
+        for _ in range(MORE_PER_STEP):
+            batch = self.batch
+            if batch is None or not batch.has_room() or not self.host.accepting.is_set():
+                return
+            request = self._take(0)
+            if request is None:
+                return
+            self.accept(request)
 
     def _lost(self, reason: str) -> None:
         lost = getattr(self.host, "on_queue_lost", None)
@@ -437,12 +469,33 @@ class Server(threading.Thread):
             log.info("node %s's lease is held again: taking requests", self.node.node if self.node else "")
             self.paused = False
 
-    def _chunk(self, request: Request) -> Callable[[str], None] | None:
-        """What a streamed request's chunks go through, fenced as its end is."""
+    def _chunk(self, request: Request, *, batched: bool = False) -> Callable[[str], None] | None:
+        """What a streamed request's chunks go through, fenced as its end is: written at once, or,
+        for a batched request, kept for the step's one write (`_send_chunks`)."""
         if not request.params.get("stream"):
             return None
+        if batched:
+            return lambda text: self.chunks.append((request.id, text))
         replica_id = self.host.replica_id
         return lambda text: self.queue.chunk(request.id, text, replica_id, self.host.fence, self.node)
+
+    def _send_chunks(self) -> None:
+        """The step's streamed tokens, in one round trip. A request given back meanwhile (its
+        replica written off and the request handed to another) loses its piece, as its end will be
+        refused; a fence that refuses them all stops the replica, as a refused end does."""
+        pieces, self.chunks = self.chunks, []
+        if not pieces:
+            return
+        try:
+            self.queue.chunks(pieces, self.host.replica_id, self.host.fence, self.node)
+        except NotTaken as exc:
+            log.info("%s; its streamed text is dropped", exc)
+        except Fenced as exc:
+            self.host.on_stale(str(exc))
+        except Exception:
+            # Redis gone past the patient queue's wait (which told the host already): the pieces
+            # are lost, the answers below are still tried, and the loop goes on to its end.
+            log.warning("cannot write %d streamed piece(s)", len(pieces), exc_info=True)
 
     def _announce(self) -> None:
         with self._claim:
@@ -478,7 +531,7 @@ class Server(threading.Thread):
         if not self.host.begin_request():
             self.queue.give_back(request, self.host.replica_id)
             return
-        on_chunk = self._chunk(request)
+        on_chunk = self._chunk(request, batched=True)
         try:
             self._batcher_for(paged).submit(self.host.executor().sequence(request, on_chunk))
         except BadInput as exc:
@@ -506,7 +559,10 @@ class Server(threading.Thread):
             error = " ".join(str(exc).split())[:500]
             for seq in batch.abort_all():
                 self._fail(seq.tag, error, "error")
+            self.chunks.clear()
             return
+        # Before the ends: a stream's last piece must be there when its end says it is complete.
+        self._send_chunks()
         for seq in ended:
             self._finish(seq)
         if self.starting:

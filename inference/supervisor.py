@@ -28,19 +28,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from gpuportal import orphans
 from gpuportal.processes import die_with_parent
+from gpuportal.wire import states
 from gpuportal.wire.commands import ReplicaSpec
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
-from inference import adoption
+from inference import adoption, failover
 from inference.forkserver import READY_TIMEOUT_S, ForkedProcess, ForkServer
+from inference.host_ram import proportional_bytes
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,19 @@ EXIT_GRACE_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
-def replica_argv(spec: ReplicaSpec, python: str = sys.executable, node: NodeFence | None = None) -> list[str]:
-    """The replica program's command line for a spec, fenced by its node's epoch where it has one."""
+def fence_of(spec: ReplicaSpec) -> str:
+    """The name of a failover member's pair (its result fence in Redis, its lock's files); "" for
+    a replica of no pair."""
+    if spec.failover_lease is None:
+        return ""
+    return spec.failover_fence or str(spec.failover_lease)
+
+
+def replica_argv(
+    spec: ReplicaSpec, python: str = sys.executable, node: NodeFence | None = None, pairs: Path | None = None
+) -> list[str]:
+    """The replica program's command line for a spec, fenced by its node's epoch where it has one.
+    `pairs`: the node's folder of failover locks (inference.failover), for a pair's member."""
     args = [
         python,
         "-m",
@@ -94,15 +108,15 @@ def replica_argv(spec: ReplicaSpec, python: str = sys.executable, node: NodeFenc
         # command line, which every user of the host can read.
         args += ["--deployment", spec.deployment]
     if spec.failover_lease is not None:
+        if pairs is None:
+            raise ValueError(f"replica {spec.replica_id} is a failover pair's member: it needs the node's lock folder")
         args += [
-            "--failover-lease",
-            str(spec.failover_lease),
+            "--failover-dir",
+            str(pairs),
             "--failover-fence",
-            spec.failover_fence or str(spec.failover_lease),
+            fence_of(spec),
             "--role",
             spec.role,
-            "--reconnect-window",
-            repr(float(spec.reconnect_window_s)),
             "--wake-timeout",
             repr(float(spec.wake_timeout_s)),
             "--liveness-every",
@@ -113,20 +127,27 @@ def replica_argv(spec: ReplicaSpec, python: str = sys.executable, node: NodeFenc
 
 class AdoptedProcess:
     """A replica process the node's previous agent started: not this agent's child, so it is
-    watched through a pidfd, and its exit code went to whoever reaps it (returncode stays None)."""
+    watched through a pidfd, and its exit code goes to whoever reaps it: `up`, which records it
+    (gpuportal.orphans), or else init (returncode stays None)."""
 
     returncode: int | None = None
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, exits: Path | None = None):
         self.pid = pid
         self._pidfd = os.pidfd_open(pid)
+        self._exits = exits
+        self._ended = False
 
     def wait(self, timeout: float | None = None) -> int | None:
+        if self._ended:
+            return self.returncode
         poller = select.poll()
         poller.register(self._pidfd, select.POLLIN)
         if not poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
             raise subprocess.TimeoutExpired(f"replica pid {self.pid}", timeout or 0)
-        return None
+        self._ended = True
+        self.returncode = orphans.exit_code(self._exits, self.pid)
+        return self.returncode
 
     def kill(self) -> None:
         signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
@@ -166,6 +187,9 @@ class _Replica:
     # The host arena it keeps for its next sleep, as it last said (an `arena` event or a pong);
     # None until it has said (an adopted process before its first pong).
     arena_bytes: int | None = None
+    # What of its process's memory the host cache counts: its arena's bytes awake, its weights'
+    # (the `cpu_bytes` of its sleep) asleep. Taken out of what the heartbeat says it holds.
+    cached_bytes: int = 0
     # What it said it still holds per GPU index as it fell asleep (its residual context).
     residual: dict[str, int] = field(default_factory=dict)
     # Whether a reader thread delivers its events (an adopted one waits for `resume`).
@@ -177,10 +201,20 @@ class _Replica:
 class Supervisor:
     """Thread-safe: the agent calls it from a pool of Celery task threads."""
 
-    def __init__(self, log_dir: str | Path, *, python: str = sys.executable, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        exits: Path | None = None,
+    ):
         self.log_dir = Path(log_dir)
         self.python = python
         self.env = env
+        # Where `up` records how the replicas it reaped ended (gpuportal.orphans): an adopted
+        # replica's exit code is there, not ours to wait for.
+        self.exits = exits
         # The node's epoch its agent holds (gpuportal.wire.node_lease), given to each replica it
         # starts: the agent moves it on only once every replica of the old one is stopped.
         self.node_fence: NodeFence | None = None
@@ -283,7 +317,7 @@ class Supervisor:
                 conn.settimeout(None)
                 if not isinstance(hello, dict) or hello.get("event") != "hello" or hello.get("pid") != pid:
                     raise ValueError(f"not the hello of pid {pid}: {hello!r}")
-                process = AdoptedProcess(pid)
+                process = AdoptedProcess(pid, self.exits)
             except (OSError, ValueError) as exc:
                 log.info("replica %s (pid %d) cannot be adopted: %s", spec.replica_id, pid, exc)
                 reader.close()
@@ -315,16 +349,21 @@ class Supervisor:
         """Write one command. KeyError for an unknown replica; ProcessLookupError if it has just exited."""
         self._write(self._get(replica_id), command)
 
-    def stop(self, replica_id: str, timeout: float = 10.0, drain_timeout_s: float | None = None) -> int | None:
+    def stop(
+        self, replica_id: str, timeout: float = 10.0, drain_timeout_s: float | None = None, *, close_pair: bool = False
+    ) -> int | None:
         """Ask the replica to stop, kill it after `timeout`; returns once its final event was delivered.
 
         With `drain_timeout_s`, the replica first lets its request in flight finish for that long (or
         gives it back to its queue), and the kill waits that much longer. Without it, the replica
         drains for its own default (inference.host.DEFAULT_DRAIN_TIMEOUT_S), so the kill waits
-        for that. Returns the exit code (negative: the signal that ended it). KeyError for an unknown
-        replica.
+        for that. `close_pair`: a failover member whose pair stops whole (inference.failover): its
+        partner does not take over. Returns the exit code (negative: the signal that ended it).
+        KeyError for an unknown replica.
         """
         replica = self._get(replica_id)
+        # Closed before the stop goes out: the partner is granted the lock only once this one has exited.
+        fences = self._close_pairs([replica]) if close_pair else []
         replica.stopping = True
         command: dict[str, Any] = {"cmd": "stop"}
         if drain_timeout_s is not None:
@@ -335,13 +374,17 @@ class Supervisor:
         # The kill comes only after the drain had its time, plus `timeout` to release and exit.
         self._wait_or_kill(replica, drain + timeout)
         replica.done.wait(EXIT_GRACE_S)
+        self._forget_pairs(fences)
         return replica.process.returncode
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        """Stop every replica at once (they unload in parallel), killing those still alive after `timeout`."""
+        """Stop every replica at once (they unload in parallel), killing those still alive after
+        `timeout`. Their pairs are closed first: no standby takes over from an active stopping with it."""
         with self._lock:
             replicas = list(self._replicas.values())
+        fences = self._close_pairs(replicas)
         self._stop_together(replicas, {"cmd": "stop"}, timeout)
+        self._forget_pairs(fences)
 
     def stop_written_off(self, replica_ids: Iterable[str], timeout: float = 5.0) -> list[str]:
         """Stop, without a drain, replicas the control plane wrote off (nodes.heartbeat): it gave
@@ -351,8 +394,34 @@ class Supervisor:
             replicas = [r for rid in replica_ids if (r := self._replicas.get(rid)) is not None and not r.stopping]
         for replica in replicas:
             log.warning("replica %s was written off by the control plane; stopping it", replica.spec.replica_id)
+        # A pair written off whole was replaced elsewhere: its standby must not take over here. A
+        # member written off alone (its partner still counted) leaves the pair open for the next.
+        going = {r.spec.replica_id for r in replicas}
+        with self._lock:
+            kept = {fence_of(r.spec) for rid, r in self._replicas.items() if rid not in going}
+        fences = self._close_pairs([r for r in replicas if fence_of(r.spec) not in kept])
         self._stop_together(replicas, {"cmd": "stop", "drain_timeout_s": 0}, timeout)
+        self._forget_pairs(fences)
         return [r.spec.replica_id for r in replicas]
+
+    @property
+    def pairs(self) -> Path:
+        """The node's folder of failover pair locks (inference.failover)."""
+        return self.log_dir / failover.LOCKS_FOLDER
+
+    def _close_pairs(self, replicas: list[_Replica]) -> list[str]:
+        fences = sorted({fence for r in replicas if (fence := fence_of(r.spec))})
+        for fence in fences:
+            failover.close_pair(self.pairs, fence)
+        return fences
+
+    def _forget_pairs(self, fences: list[str]) -> None:
+        """The files of closed pairs none of whose members runs any more."""
+        with self._lock:
+            running = {fence_of(r.spec) for r in self._replicas.values()}
+        for fence in fences:
+            if fence not in running:
+                failover.forget_pair(self.pairs, fence)
 
     def _stop_together(self, replicas: list[_Replica], command: dict[str, Any], timeout: float) -> None:
         for replica in replicas:
@@ -437,6 +506,18 @@ class Supervisor:
         with self._lock:
             return {rid: r.arena_bytes for rid, r in self._replicas.items() if r.arena_bytes is not None}
 
+    def host_bytes(self) -> dict[str, int]:
+        """{replica id: bytes} of host RAM each running replica's process holds outside what the
+        host cache counts of it (its arena): what placement counts of its node's RAM for it."""
+        with self._lock:
+            running = {rid: (r.process.pid, r.cached_bytes) for rid, r in self._replicas.items()}
+        found = {}
+        for rid, (pid, cached) in running.items():
+            held = proportional_bytes(pid) if pid is not None else None
+            if held is not None:
+                found[rid] = max(0, held - cached)
+        return found
+
     def log_path(self, replica_id: str) -> Path:
         return self.log_dir / f"replica-{replica_id}.log"
 
@@ -479,7 +560,7 @@ class Supervisor:
             return None
 
     def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen | ForkedProcess:
-        argv = replica_argv(spec, self.python, self.node_fence)
+        argv = replica_argv(spec, self.python, self.node_fence, self.pairs)
         if spec.adoption_window_s > 0:
             argv += ["--adopt-address", adoption.address(self.log_dir, spec.replica_id)]
         server = self._forkserver.result() if self._forkserver is not None else None
@@ -507,8 +588,6 @@ class Supervisor:
         if spec.backend == "cuda":
             # The replica targets its GPUs itself (set_device, max_memory), by NVML index: it must see them all.
             env.pop("CUDA_VISIBLE_DEVICES", None)
-        if spec.failover_dsn:
-            env["GPUPORTAL_FAILOVER_DSN"] = spec.failover_dsn
         if spec.deployment and spec.redis_url:
             env["GPUPORTAL_REDIS_URL"] = spec.redis_url
         return env
@@ -527,7 +606,7 @@ class Supervisor:
     def _watch(self, replica: _Replica) -> None:
         """The reader thread: deliver events until the final one, then reap the process and report its end."""
         final: dict[str, Any] | None = None
-        for raw in replica.reader:
+        for raw in _lines(replica):
             event = self._parse(replica, raw)
             if event is None:
                 continue
@@ -659,6 +738,17 @@ class Supervisor:
             log.exception("on_event failed for replica %s event %s", replica.spec.replica_id, event.get("event"))
 
 
+def _lines(replica: _Replica) -> Iterator[bytes]:
+    """What the replica writes, line by line, until its stream ends. An adopted replica's stream
+    is a Unix socket: one that dies with our commands still unread in it (a ping, killed before it
+    read it) resets the connection rather than closing it, and that is its end too. A reader
+    thread that died of it would leave the replica counted as running, its end never reported."""
+    try:
+        yield from replica.reader
+    except OSError as err:
+        log.info("replica %s: its stream ended (%s)", replica.spec.replica_id, err)
+
+
 # The state a replica is in when it sends each event that carries its figures (a state event
 # names the state it reached, `woken` aside).
 _STATE_OF_EVENT = {S.SERVING: S.SERVING, "woken": S.SERVING, S.SLEEPING: S.SLEEPING, S.STANDBY: S.STANDBY}
@@ -671,8 +761,12 @@ def _note_usage(replica: _Replica, event: dict[str, Any]) -> None:
     arena = event.get("kept_bytes") if event.get("event") == "arena" else event.get("arena_bytes")
     if isinstance(arena, int) and not isinstance(arena, bool) and arena >= 0:
         replica.arena_bytes = arena
+        if replica.usage_state not in states.IN_HOST_CACHE:
+            replica.cached_bytes = arena
     elif event.get("event") == "sleeping":
         replica.arena_bytes = 0  # the sleep packed its weights into the arena it kept
+    if isinstance(weights := event.get("cpu_bytes"), int) and not isinstance(weights, bool) and weights >= 0:
+        replica.cached_bytes = weights
     figures = event.get("process_bytes_by_id")
     if not isinstance(figures, dict) and event.get("event") in {S.SLEEPING, S.STANDBY}:
         figures = event.get("residual_bytes_by_id")  # what a sleeper still holds

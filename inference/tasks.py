@@ -4,9 +4,11 @@ supervisor. What the processes report goes back through the agent's gateway to t
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import redis
@@ -16,6 +18,7 @@ from django.conf import settings
 from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import KeepArena, SleepReplica, StartReplica, StopReplica, WakeReplica
 from gpuportal.wire.inspection import INSPECT_TASK, InspectModel
+from gpuportal.wire.pulls import PULL_TASK, PULL_TTL_S, PullModel, PullProgress
 from gpuportal.wire.replica_logs import LOG_TASK, MAX_LOG_BYTES, ReadLog, last_lines
 from gpuportal.wire.states import ReplicaState as S
 from inference import agent
@@ -79,51 +82,6 @@ def _still_wanted(replica_id: str, state: str) -> str | None:
     return None if found == state else f"skipped: replica is {found or 'gone'}"
 
 
-class NoDatabase(RuntimeError):
-    """A failover member was to start on an agent that has no database to hold its lock on."""
-
-
-def with_local_urls(spec: commands.ReplicaSpec) -> commands.ReplicaSpec:
-    """The spec with what only this host knows: how it reaches Redis, and (a failover member's
-    lock connection) the database."""
-    from dataclasses import replace
-
-    local: dict[str, Any] = {"redis_url": settings.REDIS_URL}
-    if spec.failover_lease is not None:
-        local["failover_dsn"] = database_dsn()
-    return replace(spec, **local)
-
-
-# What a database's OPTIONS hold that is psycopg's own rather than a libpq connection parameter:
-# not for a URL that libpq reads.
-_NOT_LIBPQ = frozenset({"prepare_threshold", "pool", "server_side_binding", "isolation_level", "assume_role"})
-
-
-def database_dsn() -> str:
-    """A libpq URL of this process's database, for a failover member's own lock connection, with
-    the connection parameters DATABASE_URL gave (its `sslmode`, certificates and the like: the
-    member's lock travels as encrypted as everything else); a NoDatabase error on an agent that
-    was given none."""
-    from urllib.parse import quote, urlencode
-
-    from django.db import connection
-
-    from gpuportal.no_database.base import ENGINE, WHY
-
-    s = connection.settings_dict
-    if s["ENGINE"] == ENGINE:
-        raise NoDatabase(f"a failover pair's member holds its lock on a database connection of its own, and {WHY}")
-    auth = quote(s["USER"] or "", safe="") + (f":{quote(s['PASSWORD'], safe='')}" if s["PASSWORD"] else "")
-    params = {k: str(v) for k, v in (s.get("OPTIONS") or {}).items() if k not in _NOT_LIBPQ and v is not None}
-    host = s["HOST"] or "localhost"
-    if host.startswith("/"):  # a Unix socket's directory goes in the query, where libpq reads it
-        params["host"], host = host, ""
-    elif ":" in host:  # an IPv6 address
-        host = f"[{host}]"
-    query = f"?{urlencode(params)}" if params else ""
-    return f"postgresql://{auth}@{host}:{s['PORT'] or 5432}/{quote(s['NAME'], safe='')}{query}"
-
-
 def _read(payload: Any, kind: type[C]) -> C:
     command = commands.decode(payload)
     if not isinstance(command, kind):
@@ -150,6 +108,27 @@ def inspect_model(payload: dict) -> str:
         return f"failed: {err}"
     replies.answer(_answers(), ask.reply_to, result=reading.record())
     return f"refused: {reading.refusal}" if reading.refusal else f"read {ask.source}"
+
+
+# On the node's own queue (its cache is its own); acknowledged on receipt: an agent that dies in
+# the middle leaves the pull to be asked again, which resumes where the download stopped.
+@shared_task(name=PULL_TASK, ignore_result=True, acks_late=False)
+def pull_model(payload: dict) -> str:
+    """Fetches a Hugging Face model into this node's cache, writing its progress where the
+    control plane reads it (gpuportal.wire.pulls)."""
+    from inference.pull import pull
+
+    ask = PullModel.decode(payload)
+    client = _answers()
+
+    def report(progress: PullProgress) -> None:
+        try:
+            client.set(ask.progress_key, json.dumps(progress.record()), ex=PULL_TTL_S)
+        except redis.RedisError as err:  # the pull goes on; the next report may get through
+            log.warning("could not report the pull of %s: %s", ask.repo, err)
+
+    final = pull(ask.repo, ask.revision, report)
+    return f"{final.state}: {final.path or final.error}"
 
 
 # On the node's own queue (only its agent has the file); acknowledged on receipt, like inspection.
@@ -180,14 +159,7 @@ def start_replica(payload: dict) -> str:
     if late := wait_released(list(command.wait_for), list(spec.gpus), virtual=spec.backend == "virtual"):
         log.warning("replica %s starts while %s still hold memory", spec.replica_id, ", ".join(late))
     current = agent.current()
-    try:
-        local = with_local_urls(spec)
-    except NoDatabase as err:
-        # The replica never runs: its load fails with why, and the control plane places it elsewhere
-        # or gives up after its failed loads, as for any load error.
-        log.error("replica %s cannot start: %s", spec.replica_id, err)
-        current.relay(spec.replica_id, {"event": "failed", "reason": str(err), "kind": "load"})
-        return f"not started: {err}"
+    local = replace(spec, redis_url=settings.REDIS_URL)  # what only this host knows: how it reaches Redis
     if spec.replica_id in current.supervisor.running():
         current.supervisor.stop(spec.replica_id)  # a restart (e.g. after a CUDA assert): a fresh process
     current.supervisor.start(local, on_event=current.relay)
@@ -229,7 +201,9 @@ def stop_replica(payload: dict) -> str:
     current = agent.current()
     if command.replica_id in current.supervisor.running():
         # Drains first: the request in flight finishes or goes back to its queue (scale-down loses nothing).
-        current.supervisor.stop(command.replica_id, drain_timeout_s=command.drain_timeout_s)
+        current.supervisor.stop(
+            command.replica_id, drain_timeout_s=command.drain_timeout_s, close_pair=command.close_pair
+        )
         return "stopped"
     current.relay(command.replica_id, {"event": "stopped"})
     return "not running here"

@@ -201,9 +201,16 @@ class GPUAdmin(ReadOnlyAdmin):
         return "-" if holder is None else str(holder)
 
 
+@admin.display(description="GPU memory", ordering="gpu_memory_fraction")
+def gpu_share(obj: Replica) -> str:
+    """The replica's cap as a share of its GPU, as an operator reads one (4.9 %, not 0.0488481053)."""
+    fraction = obj.gpu_memory_fraction
+    return "-" if fraction is None else f"{100 * fraction:.1f} %"
+
+
 class ReplicaInline(ReadOnlyInline):
     model = Replica
-    fields = ["id", "node", "role", "state", "failover_state", "gpu_memory_fraction", "last_accessed"]
+    fields = ["id", "node", "role", "state", "failover_state", gpu_share, "last_accessed"]
     readonly_fields = fields
 
 
@@ -299,7 +306,7 @@ class ReplicaAdmin(ReadOnlyAdmin):
         "role",
         "state",
         "failover_state",
-        "gpu_memory_fraction",
+        gpu_share,
         "kv_blocks",
         "pid",
         "epoch",
@@ -373,7 +380,7 @@ class PreemptionIntentAdmin(ReadOnlyAdmin):
 
 @admin.register(FailoverLease)
 class FailoverLeaseAdmin(ReadOnlyAdmin):
-    list_display = ["deployment", "slot", "holder_short", "epoch", "granted_at", "reconnect_deadline"]
+    list_display = ["deployment", "slot", "holder_short", "epoch", "granted_at", "closed_at"]
     search_fields = ["deployment__name", "holder__id"]
     list_select_related = ["deployment"]
 
@@ -498,3 +505,6 @@ def _urls_with_dashboard() -> list:
 
 
 admin.site.get_urls = _urls_with_dashboard
+# The product's name where Django's would show ("Django administration").
+admin.site.site_header = admin.site.site_title = "gpuportal administration"
+admin.site.index_title = "Deployments, replicas, nodes and their events"

@@ -5,16 +5,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from django.db import transaction
 from django.utils import timezone
 
+from gpuportal.wire import console as wire_console
 from scheduling import hot_sql
 from scheduling.models import Event
 
 _local = threading.local()
+log = logging.getLogger("scheduling.lifecycle")
 
 
 @contextlib.contextmanager
@@ -76,8 +80,12 @@ def record(
     gpu: str = "",
     deployment: str = "",
     replica: str = "",
+    console: bool = False,
 ) -> Event | None:
-    """The Event, written now; or, inside `gathered()`, written when the block ends (None here)."""
+    """The Event, written now; or, inside `gathered()`, written when the block ends (None here).
+    With `console`, also one line for the operator watching `up` (gpuportal.wire.console)."""
+    if console:
+        _tell_console(subject, reason, after, deployment)
     pending = getattr(_local, "pending", None)
     if pending is not None:
         pending.append(
@@ -108,3 +116,15 @@ def record(
     )
     event.save(force_insert=True)
     return event
+
+
+def console_line(subject: str, reason: str, after: Any, deployment: str) -> str:
+    """The Event as one line for the operator's console: whose, what it became, and why."""
+    became = f" {after['state']}" if isinstance(after, dict) and isinstance(after.get("state"), str) else ""
+    return f"{deployment + ': ' if deployment else ''}{subject}{became}: {reason}"
+
+
+def _tell_console(subject: str, reason: str, after: Any, deployment: str) -> None:
+    line = console_line(subject, reason, after, deployment)
+    # Once it is so: an Event that rolls back with its transaction never happened.
+    transaction.on_commit(lambda: log.info("%s %s", wire_console.MARK, line))

@@ -31,6 +31,7 @@ from django.db.models import QuerySet
 
 from scheduling import hot_sql
 from scheduling.models import GPU, Deployment, DeploymentObserved, Hearing, Node, NodeCredential, Replica
+from scheduling.services import not_found
 from scheduling.services.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def lock_deployment(name: str) -> Deployment:
     try:
         return _deployments_locking().get(name=name)
     except Deployment.DoesNotExist:
-        raise NotFound(f"no deployment named {name!r}") from None
+        raise not_found.deployment(name) from None
 
 
 def lock_deployments_reading(names: Sequence[str], *queries: str) -> tuple[list[Deployment], list[list[tuple]]]:

@@ -340,6 +340,9 @@ class Replica(models.Model):
     # Granted within its node's host cache budget and counted there while it is awake (a sleeping
     # replica's weights are in that arena, counted once); 0: none granted.
     arena_kept_bytes = models.BigIntegerField(default=0, db_default=0)
+    # Host RAM its process holds outside its host arena (proportional set size), as its agent
+    # last measured it; 0 until measured (scheduling.core.host_memory).
+    host_bytes = models.BigIntegerField(default=0, db_default=0)
     # Draining to sleep, it is what a request that found nothing awake waits for: its
     # sleeping report wakes the deployment again whatever the queue holds when it comes, since the
     # request is queued only after its wake was decided. Cleared as it leaves draining.
@@ -413,14 +416,14 @@ ACTIVE_INTENT_STATUSES = (PreemptionIntent.Status.WAITING, PreemptionIntent.Stat
 
 
 class FailoverLease(models.Model):
-    """Persistent half of a failover pair's lock (seed 004): who holds it at which epoch.
-    The lock itself is a PostgreSQL advisory lock held by the replica process."""
+    """A failover pair (seed 004), and who holds its lock at which epoch as its members report it.
+    The lock itself is the node's: a file lock held by the replica process (inference.failover)."""
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="failover_leases")
     slot = models.PositiveIntegerField(default=0, help_text="Which pair of the deployment.")
-    # Names the pair's result fence in Redis (gpuportal.wire.requestqueue): ids restart with a new
-    # database, Redis may outlive it, and a fence left by another pair must never apply to this one.
-    # The database default serves rows written outside Django (the lock's tests write raw SQL).
+    # Names the pair's result fence in Redis (gpuportal.wire.requestqueue) and its lock's files on
+    # the node: ids restart with a new database, Redis and the node's files may outlive it, and a
+    # fence left by another pair must never apply to this one.
     fence = models.CharField(
         max_length=32,
         default=new_replica_id,
@@ -429,16 +432,13 @@ class FailoverLease(models.Model):
         ),
         editable=False,
     )
+    # The lock's holder and epoch as the members' grants reported them (never moved back by a
+    # report of an older epoch, which is refused: scheduling.services.pair_reports).
     holder = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="leases")
     epoch = models.BigIntegerField(default=0)
     granted_at = models.DateTimeField(null=True, blank=True)
-    reconnect_deadline = models.DateTimeField(null=True, blank=True)
-    # pg_postmaster_start_time() at the holder's last renewal: a lock granted on a server that
-    # started later follows a restart (every session dropped), not the holder's death.
-    server_started_at = models.DateTimeField(null=True, blank=True)
-    # Set when a scale down stops the pair whole: the lock that its active member releases as it
-    # exits is then no one's to take, so its standby, stopped in the same breath, never takes over
-    # in the moment before its own stop arrives. (A delete removes the lease: a claim finds it gone.)
+    # Set when a scale down stops the pair whole; its stops close the lock on the node too, so the
+    # standby, stopped in the same breath, never takes over as the active member exits.
     closed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -41,6 +41,20 @@ def replicas(*, deployment: str | None = None, state: str | None = None, node: s
     return qs
 
 
+def state_reasons(replica_ids: Iterable[str]) -> dict[str, str]:
+    """Why each replica is in its state: the reason its latest state Event gives, in one query."""
+    ids = list(replica_ids)
+    if not ids:
+        return {}
+    latest = (
+        Event.objects.filter(kind=Event.Kind.REPLICA_STATE, replica__in=ids)
+        .order_by("replica", "-time", "-id")
+        .distinct("replica")
+        .values_list("replica", "reason")
+    )
+    return dict(latest)
+
+
 def deployments() -> QuerySet[Deployment]:
     return Deployment.objects.select_related("observed").prefetch_related(
         Prefetch(

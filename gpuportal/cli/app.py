@@ -18,7 +18,7 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.text import Text
 
-from gpuportal.cli import config, planning, render
+from gpuportal.cli import config, planning, pulling, render, talk
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import node_auth
@@ -27,6 +27,7 @@ from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import ReplicaState as S
 
 DEFAULT_TIMEOUT_S = 600.0
+URL_HELP = f"the portal's address (default: GPUPORTAL_URL, the one login stored, or {config.DEFAULT_URL})"
 EVENTS_POLL_S = 1.0
 # An event's time is when its transaction wrote it, not when it committed: one written a moment
 # before the newest seen may become visible after it. Each poll looks this far back, and the
@@ -37,18 +38,26 @@ EVENTS_OVERLAP_S = 10.0
 class Context:
     """What every command needs: the API client, and where to print."""
 
-    def __init__(self, env: Mapping[str, str], out: Console, err: Console):
+    def __init__(self, env: Mapping[str, str], out: Console, err: Console, url: str | None = None):
         self.env, self.out, self.err = env, out, err
+        self.url = url  # --url, over GPUPORTAL_URL and the stored one
         self._client: Client | None = None
 
     @property
     def client(self) -> Client:
         if self._client is None:
             settings = config.load(self.env)
+            url = config.normal_url(self.url) if self.url else settings.url
             if not settings.token:
-                raise CliError(f"not logged in to {settings.url}: run `gpuportal login` (or set GPUPORTAL_TOKEN)")
-            self._client = Client(settings.url, settings.token)
+                raise CliError(f"not logged in to {url}: run `gpuportal login` (or set GPUPORTAL_TOKEN)")
+            self._client = Client(url, settings.token)
         return self._client
+
+    def token_refused(self) -> str:
+        """What to do when the portal refuses the token (401): which token it was says how."""
+        if self.env.get("GPUPORTAL_TOKEN"):
+            return "the token in GPUPORTAL_TOKEN is not accepted: set a valid one, or unset it to use the stored one"
+        return "the stored token is not accepted: `gpuportal login` again"
 
     def warn(self, message: str) -> None:
         self.err.print(Text(f"warning: {message}", style="yellow"))
@@ -78,19 +87,9 @@ def cmd_login(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
-def model_source(source: str) -> str:
-    """A model directory that exists here is sent as an absolute path: the portal resolves paths
-    on its nodes, not in this shell's directory. Anything else (a `package.module:factory`, a
-    path only the nodes have) is sent as written."""
-    path = Path(source).expanduser()
-    if ("/" in source or source.startswith((".", "~"))) and path.exists():
-        return str(path.resolve())
-    return source
-
-
 def deploy_body(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the operator gave: the API fills in its own defaults for the rest."""
-    model: dict[str, Any] = {"source": model_source(args.source)}
+    model: dict[str, Any] = {"source": config.model_source(args.source)}
     if args.loader:
         model["loader"] = args.loader
     if args.dtype:
@@ -221,7 +220,8 @@ def cmd_gpus(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def resolve_replica(client: Client, given: str) -> dict[str, Any]:
-    """A replica by its id or an unambiguous start of it (as `ls` shows it)."""
+    """A replica by its id or an unambiguous start of it (as `ls` shows it): the portal takes
+    either; a portal from before it did is searched here."""
     try:
         return client.get(f"/api/replicas/{quote(given, safe='')}/")
     except ApiError as err:
@@ -332,6 +332,15 @@ def cmd_plan(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pull(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post("/api/models/pull/", pulling.pull_body(args))
+    if args.no_wait:
+        ctx.out.print(f"pull {answer['id']} of {answer['model']}: {answer['state']} (GET {answer['url']})")
+        return 0
+    done = pulling.wait_for_pull(ctx.client, answer, console=ctx.err, timeout_s=args.timeout)
+    return pulling.show_pull(done, ctx.out, ctx.err)
+
+
 # -- the parser ------------------------------------------------------------------------------
 
 
@@ -380,18 +389,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    # In the order `--help` lists them: getting started, looking, steering, the record.
-    for add in (_add_getting_started, _add_looking, _add_steering, _add_the_record):
+    parser.add_argument("--url", help=URL_HELP)
+    # In the order `--help` lists them: getting started, talking, looking, steering, the record.
+    for add in (_add_getting_started, talk.add_talking, _add_looking, _add_steering, _add_the_record):
         add(commands)
+    _url_everywhere(parser)
     return parser
+
+
+def _url_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Every command, however deep, takes --url after its name too (`gpuportal ls --url ...`,
+    `gpuportal node add gpu-7 --url ...`); given there, it must not be undone by another level's
+    default, hence SUPPRESS."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                if not any("--url" in option.option_strings for option in command._actions):
+                    command.add_argument("--url", default=argparse.SUPPRESS, help=URL_HELP)
+                _url_everywhere(command)
 
 
 def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     login = commands.add_parser("login", help="get a token and store it with the portal's URL")
-    login.add_argument("--url", help=f"the portal (default: GPUPORTAL_URL, the stored one, or {config.DEFAULT_URL})")
+    login.add_argument("--url", default=argparse.SUPPRESS, help=URL_HELP)
     login.add_argument("--user", default="admin", help="user name (default admin)")
     login.add_argument("--password-stdin", action="store_true", help="read the password from stdin, not a prompt")
     login.set_defaults(run=cmd_login)
+
+    pull = commands.add_parser("pull", help="fetch a Hugging Face model into the nodes' caches, with progress (staff)")
+    pull.add_argument("model", help="org/name[@revision], e.g. Qwen/Qwen2.5-0.5B-Instruct (hf:org/name too)")
+    pull.add_argument("-n", "--node", help="only this node (default: every node whose agent runs)")
+    add_wait_options(pull, "every node has it")
+    pull.set_defaults(run=cmd_pull)
 
     deploy = commands.add_parser("deploy", help="create a deployment and wait until its replicas serve")
     deploy.add_argument("name")
@@ -504,13 +533,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     # soft_wrap: a message or an event is one line however narrow the terminal (or a pipe's 80
     # columns): what scripts grep for is not cut in two. Tables still fit the width.
     out, err = Console(highlight=False, soft_wrap=True), Console(stderr=True, highlight=False, soft_wrap=True)
-    ctx = Context(os.environ if env is None else env, out, err)
+    ctx = Context(os.environ if env is None else env, out, err, url=args.url)
     try:
         return args.run(ctx, args)
     except CliError as error:
         err.print(Text(f"error: {error}", style="red"))
-        if isinstance(error, ApiError) and error.status == 401:
-            err.print(Text("the stored token is not accepted: `gpuportal login` again"))
+        if isinstance(error, ApiError) and error.status == 401 and args.command != "login":
+            err.print(Text(ctx.token_refused()))
         return 1
     except config.ConfigError as error:
         err.print(Text(f"error: {error}", style="red"))

@@ -4,6 +4,7 @@ that cannot be reached becomes Unreachable with one line saying so."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,8 @@ def api_message(status: int, body: Any, reason: str = "") -> str:
     """What the API said, as an operator reads it. A body with a `detail` is that detail (and a
     placement refusal's reason per node); other JSON bodies are field errors; anything else (a
     proxy's HTML page) is the status line."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
+        return str(body["error"]["message"])  # /v1's answers, in OpenAI's shape
     if isinstance(body, dict) and "detail" in body:
         lines = [str(body["detail"])]
         reasons = body.get("reasons")
@@ -79,7 +82,7 @@ class Client:
                 method, self.url + path, params=params, json=body, timeout=self.timeout_s, allow_redirects=False
             )
         except requests.ConnectionError:
-            raise Unreachable(f"cannot reach the portal at {self.url} (is it up? see GPUPORTAL_URL)") from None
+            raise self._unreachable() from None
         except requests.Timeout:
             raise Unreachable(f"the portal at {self.url} did not answer within {self.timeout_s:.0f} s") from None
         except requests.RequestException as err:
@@ -95,6 +98,38 @@ class Client:
             where = response.headers.get("Location", "?")
             raise ApiError(response.status_code, f"{self.url} redirected to {where}: is it the portal's URL?")
         return body
+
+    def events(self, path: str, body: Any) -> Iterator[dict[str, Any]]:
+        """A streamed answer's server-sent events (each `data:` line's JSON, until `[DONE]`) as
+        they arrive; ApiError for a refusal. No read timeout: the portal ends a call that runs past
+        its own `timeout` with an error event."""
+        try:
+            response = self.session.post(
+                self.url + path, json=body, stream=True, timeout=(self.timeout_s, None), allow_redirects=False
+            )
+        except requests.ConnectionError:
+            raise self._unreachable() from None
+        with response:
+            if response.status_code >= 300:
+                try:
+                    refusal = response.json() if response.content else None
+                except ValueError:
+                    refusal = None
+                raise ApiError(response.status_code, api_message(response.status_code, refusal, response.reason))
+            # chunk_size None: each piece as the server sends it, not once 512 bytes have come.
+            for raw in response.iter_lines(chunk_size=None):
+                line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+                if not line.startswith("data: "):
+                    continue  # a comment (what the call waits for) or the blank line between events
+                data = line.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
+
+    def _unreachable(self) -> Unreachable:
+        return Unreachable(
+            f"cannot reach the portal at {self.url} (is it up? give its address with --url or GPUPORTAL_URL)"
+        )
 
     def get(self, path: str, params: dict | None = None) -> Any:
         return self.request("GET", path, params=params)

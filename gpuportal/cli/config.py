@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuportal.stackenv import CLI_URL_KEY, read_stack_env
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -50,9 +52,10 @@ def read_stored(path: Path) -> dict[str, str]:
 
 
 def load(env: Mapping[str, str] = os.environ) -> Settings:
-    """The environment's GPUPORTAL_URL / GPUPORTAL_TOKEN, else what login stored, else the default URL."""
+    """The environment's GPUPORTAL_URL / GPUPORTAL_TOKEN, else what login stored, else the address
+    of the `up` running beside this shell (its data directory's stack.env), else the default URL."""
     stored = read_stored(config_path(env))
-    url = env.get("GPUPORTAL_URL") or stored.get("url") or DEFAULT_URL
+    url = env.get("GPUPORTAL_URL") or stored.get("url") or up_url(env) or DEFAULT_URL
     token = env.get("GPUPORTAL_TOKEN") or stored.get("token") or None
     return Settings(url=normal_url(url), token=token)
 
@@ -71,3 +74,20 @@ def store(settings: Settings, env: Mapping[str, str] = os.environ) -> Path:
     os.chmod(partial, 0o600)
     os.replace(partial, path)
     return path
+
+
+def model_source(source: str) -> str:
+    """A model directory that exists here is sent as an absolute path: the portal resolves paths
+    on its nodes, not in this shell's directory. Anything else (a `package.module:factory`, a
+    path only the nodes have) is sent as written."""
+    path = Path(source).expanduser()
+    if ("/" in source or source.startswith((".", "~"))) and path.exists():
+        return str(path.resolve())
+    return source
+
+
+def up_url(env: Mapping[str, str]) -> str | None:
+    """The web address a running `up` wrote in its data directory (GPUPORTAL_DATA_DIR, or ./var as
+    up's own default), so that `gpuportal login` in the checkout finds the port up chose."""
+    data_dir = Path(env.get("GPUPORTAL_DATA_DIR") or Path.cwd() / "var")
+    return read_stack_env(data_dir / "stack.env").get(CLI_URL_KEY) or None

@@ -9,8 +9,8 @@ from django.db.backends.dummy import base as dummy
 
 ENGINE = "gpuportal.no_database"
 WHY = (
-    "this node agent has no database (no DATABASE_URL): it reaches the control plane through Redis "
-    "alone (gpuportal.wire.control), and only a failover pair's member needs DATABASE_URL"
+    "a node agent opens no database, whatever DATABASE_URL says: it reaches the control plane through "
+    "Redis alone (gpuportal.wire.control), and the control plane alone writes the database"
 )
 
 

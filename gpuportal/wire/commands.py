@@ -10,8 +10,8 @@ told and never reads the Replica row. Django-free: the agent and the replica imp
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, TypeVar
 
 # Raised whenever a field is added, renamed or given a new meaning: an agent of another version
 # refuses the command (and the control plane's books show the replica never started) rather
@@ -27,6 +27,22 @@ class WireError(ValueError):
     """A command this side cannot read: another version, an unknown kind, or a bad field."""
 
 
+M = TypeVar("M")
+
+
+def decode_as(kind: type[M], payload: Any, what: str) -> M:
+    """A versioned message of this contract (a dataclass encoded as its fields and `v`) read back
+    as `kind`; WireError naming `what` (e.g. "an inspection") when it cannot be."""
+    if not isinstance(payload, dict):
+        raise WireError(f"{what} is a JSON object, not {type(payload).__name__}")
+    if payload.get("v") != VERSION:
+        raise WireError(f"{what} of version {payload.get('v')!r} is not this agent's ({VERSION}): upgrade one side")
+    try:
+        return kind(**{k: v for k, v in payload.items() if k != "v"})
+    except TypeError as err:
+        raise WireError(f"{what} with bad fields: {err}") from None
+
+
 def node_queue(node: str) -> str:
     """The Celery queue a node's agent consumes."""
     return f"node.{node}"
@@ -36,7 +52,7 @@ def node_queue(node: str) -> str:
 class ReplicaSpec:
     """One replica: its model, where it runs and under which cap. Built by the control plane
     from its books (scheduling.services.replica_specs); the agent adds only what is local to it
-    (the Redis URL it reaches, the database URL of a failover member's lock connection)."""
+    (the Redis URL it reaches)."""
 
     replica_id: str
     source: str
@@ -49,13 +65,11 @@ class ReplicaSpec:
     # The request queue it serves; empty in tests of the process layer alone.
     deployment: str = ""
     redis_url: str = ""
-    # A failover pair member (seed 004): its lease, its initial role, and its timeouts. The
-    # database URL for its lock connection travels in the environment, not on the command line.
+    # A failover pair member (seed 004): its lease, the pair's name (its lock on the node, its
+    # result fence), its initial role, and its timeouts.
     failover_lease: int | None = None
     failover_fence: str = ""
     role: str = "primary"
-    failover_dsn: str = field(default="", repr=False)
-    reconnect_window_s: float = 10.0
     wake_timeout_s: float = 60.0
     # An active member silent for this long is hung: the agent kills it, which passes the lock.
     liveness_timeout_s: float = 3.0
@@ -79,11 +93,9 @@ class ReplicaSpec:
             raise ValueError("a replica needs at least one GPU id")
 
     def record(self) -> dict[str, Any]:
-        """The spec as plain data, without the database URL: what is written beside a replica's
-        log for the next agent, and what travels on the queue (the agent adds its own URL)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "failover_dsn"} | {
-            "gpus": list(self.gpus)
-        }
+        """The spec as plain data: what is written beside a replica's log for the next agent, and
+        what travels on the queue (the agent adds its own Redis URL)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"gpus": list(self.gpus)}
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,9 @@ class StopReplica:
     kind: ClassVar[str] = "stop"
     replica_id: str
     drain_timeout_s: float | None = None
+    # A failover member whose pair stops whole: the agent closes the pair's lock before the stop,
+    # so its partner never takes over (inference.failover). Added to version 1 with a default.
+    close_pair: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,10 +195,12 @@ def decode(payload: Any) -> Command:
 
 
 def brief(command: Command) -> list[Any]:
-    """The replica a command is for and, for a start or a wake, whom it waits for, or for an
-    arena, whether it may keep one: how tests and logs name a command."""
+    """The replica a command is for and, for a start or a wake, whom it waits for, for an arena,
+    whether it may keep one, for a stop, whether it closes its pair: how tests and logs name a command."""
     if isinstance(command, StartReplica | WakeReplica):
         return [command.replica_id, list(command.wait_for)]
     if isinstance(command, KeepArena):
         return [command.replica_id, command.keep]
+    if isinstance(command, StopReplica) and command.close_pair:
+        return [command.replica_id, "close pair"]
     return [command.replica_id]

@@ -39,6 +39,7 @@ class ControlPlane(Protocol):
         running: Sequence[str],
         processes: Mapping[str, str] | None = None,
         arenas: Mapping[str, int] | None = None,
+        host_bytes: Mapping[str, int] | None = None,
     ) -> list[str]:
         """The node is alive; returns the running replicas the control plane has written off,
         for the agent to stop.
@@ -52,7 +53,11 @@ class ControlPlane(Protocol):
         `arenas`: {replica id: bytes, 0 for none} of the host arenas the running replicas keep for
         their next sleep (a replica that has not said yet left out), from which the
         control plane sees that a grant or a drop of one never arrived. Added to version 1 with a
-        default, like `processes`."""
+        default, like `processes`.
+
+        `host_bytes`: {replica id: bytes} of host RAM each running replica's process holds outside
+        its host arena (its proportional set size), for placement to count host RAM as a resource
+        (scheduling.core.host_memory). Added to version 1 with a default, like `processes`."""
 
     def node_stopping(self, node: str, reason: str) -> None:
         """Out of placement: the agent is leaving and stops its replicas next."""
@@ -83,7 +88,7 @@ CALLS = ("register_node", "heartbeat", "node_stopping", "node_stopped", "report"
 TIMEOUTS_S: Mapping[str, float] = {"heartbeat": 30, "node_stopping": 10, "node_stopped": 10, "replica_state": 30}
 # Arguments added to version 1 with a default: sent only when known, so that a call without them
 # reads as it did before them.
-OPTIONAL: Mapping[str, tuple[str, ...]] = {"heartbeat": ("processes", "arenas")}
+OPTIONAL: Mapping[str, tuple[str, ...]] = {"heartbeat": ("processes", "arenas", "host_bytes")}
 # The calls whose first argument is the node they speak for; the others name a replica, which
 # speaks for the node the books place it on.
 NODE_CALLS = ("register_node", "heartbeat", "node_stopping", "node_stopped")
@@ -157,8 +162,9 @@ def decode_call(payload: Any) -> Call:
                 kwargs = {**kwargs, "books": Books(**kwargs["books"])}
             if kwargs.get("processes") is not None:
                 kwargs = {**kwargs, "processes": _process_states(kwargs["processes"])}
-            if kwargs.get("arenas") is not None:
-                kwargs = {**kwargs, "arenas": _arena_bytes(kwargs["arenas"])}
+            for counted in ("arenas", "host_bytes"):
+                if kwargs.get(counted) is not None:
+                    kwargs = {**kwargs, counted: _byte_counts(counted, kwargs[counted])}
     except (IndexError, TypeError) as err:
         raise WireError(f"a {name} call with bad fields: {err}") from None
     return Call(name, reply_to, tuple(args), kwargs, token=token)
@@ -176,11 +182,11 @@ def _process_states(value: Any) -> dict[str, str]:
     return {str(k): v for k, v in value.items()}
 
 
-def _arena_bytes(value: Any) -> dict[str, int]:
+def _byte_counts(name: str, value: Any) -> dict[str, int]:
     if not isinstance(value, dict) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()
     ):
-        raise TypeError(f"arenas must map replica ids to byte counts, not {value!r:.200}")
+        raise TypeError(f"{name} must map replica ids to byte counts, not {value!r:.200}")
     return {str(k): v for k, v in value.items()}
 
 

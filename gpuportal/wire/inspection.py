@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpuportal.wire.commands import VERSION, WireError
+from gpuportal.wire.commands import VERSION, WireError, decode_as
 from gpuportal.wire.memory import ModelShape
 
 INSPECT_QUEUE = "inspect"
@@ -29,15 +29,7 @@ class InspectModel:
 
     @classmethod
     def decode(cls, payload: Any) -> InspectModel:
-        if not isinstance(payload, dict):
-            raise WireError(f"an inspection is a JSON object, not {type(payload).__name__}")
-        if payload.get("v") != VERSION:
-            version = payload.get("v")
-            raise WireError(f"inspection version {version!r} is not this agent's ({VERSION}): upgrade one side")
-        try:
-            return cls(**{k: v for k, v in payload.items() if k != "v"})
-        except TypeError as err:
-            raise WireError(f"an inspection with bad fields: {err}") from None
+        return decode_as(cls, payload, "an inspection")
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ def rules(node: str) -> list[str]:
         f"~{lease_key(node)}",
         # Its epoch, which its renewals and its replicas' scripts read. Whole, not read-only: Redis
         # checks a script's keys for both. So a node's own user could lower it and lift its own
-        # fence: a node written off for good (revoked) loses its user too (ACL DELUSER).
+        # fence: a node written off for good (revoked) loses its user too (ACL DELUSER, done by
+        # scheduling.services.nodes.drop_redis_user before the epoch is raised).
         f"~{epoch_key(node)}",
         *(f"~{pattern}" for pattern in REPLICA_KEYS),
     ]

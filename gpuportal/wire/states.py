@@ -66,6 +66,9 @@ IN_HOST_CACHE = frozenset({S.SLEEPING, S.DRAINING, S.STANDBY})
 ENDED = frozenset({S.STOPPED, S.FAILED})
 # Process gone or going: they hold no reservation the placement may count on.
 GONE = ENDED | {S.STOPPING}
+# A process of their own on their node, holding host RAM (scheduling.core.host_memory): awake,
+# draining, asleep, standing by or still stopping.
+WITH_PROCESS = ACTIVE | {S.SLEEPING, S.STANDBY, S.STOPPING}
 # Count toward a deployment's replicas: serving, sleeping, or on the way to either (a parked
 # replica is still wanted: its next wake loads it). A failover standby is its active member's.
 COUNTED = ACTIVE | {S.SLEEPING, S.PARKED}

@@ -4,10 +4,13 @@ that what is accepted and what each refusal says cannot drift apart. The seriali
 openai_compat describe the same body for the OpenAPI schema only.
 
 Fields OpenAI clients send that the portal does not use (`user`, `seed`, ...) are ignored, as
-OpenAI's own server ignores what it does not know."""
+OpenAI's own server ignores what it does not know; but a field that reads as a misspelling of one
+the portal does use (`max_tokns`) is refused, naming the one it is nearest: ignored, it would be a
+limit not applied."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +26,22 @@ ENCODING_FORMATS = ("float", "base64")
 # What a request leaves out (scheduling.api.requests.ParamsInput's defaults).
 DEFAULT_MAX_TOKENS = 16
 MIN_TIMEOUT_S = 0.001
+
+
+# What the portal reads of a /v1 body, and what OpenAI's and vLLM's clients send that it ignores.
+READ_FIELDS = frozenset(
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "n",
+     "stream", "timeout", "input", "encoding_format", "dimensions"}
+)  # fmt: skip
+IGNORED_FIELDS = frozenset(
+    {"user", "seed", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "presence_penalty",
+     "frequency_penalty", "logit_bias", "stream_options", "response_format", "tools", "tool_choice",
+     "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata", "modalities",
+     "audio", "prediction", "reasoning_effort", "top_k", "min_p", "repetition_penalty", "min_tokens",
+     "ignore_eos", "stop_token_ids", "skip_special_tokens", "extra_body", "web_search_options"}
+)  # fmt: skip
+# How near an unknown field must be to one the portal reads to be taken for its misspelling.
+TYPO_CUTOFF = 0.8
 
 
 class Refused(Exception):
@@ -47,6 +66,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     """The call to make, or Refused naming the first field that is wrong."""
     if not isinstance(body, dict):
         raise Refused(None, "the body must be a JSON object")
+    _no_typos(body)
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise Refused("model", "required: the deployment's name")
@@ -83,6 +103,7 @@ def parse_embeddings(body: Any, *, default_timeout_s: float, max_timeout_s: floa
     """The embeddings call to make, or Refused naming the first field that is wrong."""
     if not isinstance(body, dict):
         raise Refused(None, "the body must be a JSON object")
+    _no_typos(body)
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise Refused("model", "required: the deployment's name")
@@ -97,6 +118,17 @@ def parse_embeddings(body: Any, *, default_timeout_s: float, max_timeout_s: floa
     return Embeddings(model.strip(), texts, encoding, timeout)
 
 
+def _no_typos(body: dict[str, Any]) -> None:
+    """Refused for the first field that is neither read nor known to be ignored, and reads as a
+    misspelling of one that is read."""
+    for key in body:
+        if not isinstance(key, str) or key in READ_FIELDS or key in IGNORED_FIELDS:
+            continue
+        near = difflib.get_close_matches(key, sorted(READ_FIELDS), n=1, cutoff=TYPO_CUTOFF)
+        if near:
+            raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
+
+
 def _texts(value: Any) -> list[str]:
     texts = value if isinstance(value, list) else [value]
     if value is None or value == []:
@@ -109,7 +141,7 @@ def _texts(value: Any) -> list[str]:
             # Token ids are the ids of OpenAI's tokenizer, which mean nothing to this model's.
             raise Refused(param, "token arrays are not supported: send text")
         if not _text(text):
-            raise Refused(param, "must be a string")
+            raise Refused(param, _not_text(text, "must be a string"))
         if not text:
             raise Refused(param, "must not be an empty string")
     return texts
@@ -131,7 +163,7 @@ def _timeout(value: Any, default_s: float, max_s: float) -> float:
 def _prompt(body: dict[str, Any]) -> str:
     prompt = body.get("prompt")
     if not _text(prompt):
-        raise Refused("prompt", "required: a string")
+        raise Refused("prompt", _not_text(prompt, "required: a string"))
     return prompt
 
 
@@ -146,7 +178,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if message.get("role") not in ROLES:
             raise Refused(f"messages.{i}.role", f"must be one of {', '.join(ROLES)}")
         if not _text(message.get("content")):
-            raise Refused(f"messages.{i}.content", "required: a string")
+            raise Refused(f"messages.{i}.content", _not_text(message.get("content"), "required: a string"))
         read.append({"role": message["role"], "content": message["content"]})  # other keys: ignored
     return read
 
@@ -189,4 +221,17 @@ def _integer(value: Any) -> bool:
 
 def _text(value: Any) -> bool:
     """A string that can be encoded as UTF-8 (no lone surrogates, which JSON can carry)."""
-    return type(value) is str and (value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value))
+    return type(value) is str and _surrogate(value) is None
+
+
+def _surrogate(text: str) -> str | None:
+    if text.isascii():
+        return None
+    return next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+
+
+def _not_text(value: Any, required: str) -> str:
+    """Why `value` is no text: not a string at all (`required`), or one no UTF-8 can hold."""
+    if type(value) is str and (lone := _surrogate(value)) is not None:
+        return f"contains a lone surrogate (U+{ord(lone):04X}), which UTF-8 cannot encode"
+    return required

@@ -56,6 +56,7 @@ REPLICA_SHOWN = {
     "failure_reason": "",
     "progress": 100,
     "arena_kept_bytes": 0,
+    "host_bytes": 702545920,
 }
 DEPLOYMENT_SHOWN = {
     "name": "tiny-a",
@@ -204,6 +205,36 @@ PLAN_DONE = {
 }
 
 
+PULL = "5d0c8a1e9f2b4c7d8e6f1a2b3c4d5e6f"
+PULLING = {
+    "id": PULL,
+    "model": "Qwen/Qwen2.5-0.5B-Instruct",
+    "revision": None,
+    "state": "downloading",
+    "nodes": {
+        "gpu-host-1": {
+            "state": "downloading",
+            "percent": 41,
+            "done_bytes": 406847488,
+            "total_bytes": 988097824,
+            "files": 0,
+            "path": "",
+            "error": "",
+        },
+        "gpu-host-2": {
+            "state": "done",
+            "percent": 100,
+            "done_bytes": 988097824,
+            "total_bytes": 988097824,
+            "files": 10,
+            "path": "/home/gpuportal/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/7ae557604adf",
+            "error": "",
+        },
+    },
+    "url": f"/api/models/pulls/{PULL}/",
+}
+
+
 def page(*results: dict[str, Any]) -> dict[str, Any]:
     return {"count": len(results), "next": None, "previous": None, "results": list(results)}
 
@@ -311,6 +342,26 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "response": {**PLAN_RUNNING, "state": "queued", "percent": 0},
     },
     ("get", "/api/plan/{id}/"): {"response": PLAN_DONE},
+    ("post", "/api/models/pull/"): {
+        "request": {"model": "Qwen/Qwen2.5-0.5B-Instruct"},
+        "response": {
+            **PULLING,
+            "state": "queued",
+            "nodes": {
+                node: {
+                    **said,
+                    "state": "queued",
+                    "percent": 0,
+                    "done_bytes": 0,
+                    "total_bytes": 0,
+                    "files": 0,
+                    "path": "",
+                }
+                for node, said in PULLING["nodes"].items()
+            },
+        },
+    },
+    ("get", "/api/models/pulls/{id}/"): {"response": PULLING},
     ("get", "/v1/models"): {
         "summary": "The deployments, as OpenAI's model list (a model is a deployment's name)",
         "response": {

@@ -3,7 +3,9 @@ request, e.g. {"memory": {"max_tokens": [...]}}) and nothing is applied."""
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
@@ -21,8 +23,26 @@ class StrictSerializer(serializers.Serializer):
         if isinstance(data, dict):
             unknown = sorted(set(data) - set(self.fields))
             if unknown:
-                raise serializers.ValidationError({key: ["unknown field"] for key in unknown})
+                raise serializers.ValidationError({key: [unknown_field(key, self.fields)] for key in unknown})
         return super().to_internal_value(data)
+
+
+def unknown_field(key: str, known: Iterable[str]) -> str:
+    """Why `key` is refused: the known field it is nearest, else every known one."""
+    names = sorted(known)
+    near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+    if near:
+        return f"unknown field; did you mean {near[0]!r}?"
+    return f"unknown field (known here: {', '.join(names)})"
+
+
+class ChoiceField(serializers.ChoiceField):
+    """A choice whose refusal lists the choices."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        listed = ", ".join(str(choice) for choice in self.choices)
+        self.error_messages["invalid_choice"] = f'"{{input}}" is not a valid choice; expected one of: {listed}.'
 
 
 class FiniteFloatField(serializers.FloatField):
@@ -75,7 +95,7 @@ def _field(setting: Setting, *, patch: bool = False) -> serializers.Field:
             raise TypeError(f"{setting.name}: only the replica count has a maximum an operator sets")
         return ReplicaCountField(**kwargs)
     if setting.choices:
-        return serializers.ChoiceField(choices=list(setting.choices), **kwargs)
+        return ChoiceField(choices=list(setting.choices), **kwargs)
     if setting.type is bool:
         return serializers.BooleanField(**kwargs)
     if setting.type is int:

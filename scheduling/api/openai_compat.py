@@ -27,7 +27,7 @@ from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from gpuportal.auth import CachedTokenAuthentication, user_from_header
+from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
 from gpuportal.wire.requestqueue import Request, StreamSplice
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS, ROLES, Completion, Refused
@@ -36,20 +36,14 @@ from scheduling.api.requests import json_body
 from scheduling.models import Deployment
 from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
-from scheduling.services.errors import InvalidInput, NotFound, ServiceError, TooManyRequests
+from scheduling.services.errors import InvalidInput, NoDeployment, NotFound, ServiceError, TooManyRequests
 
 # Streams poll Redis in slices this long, so a dropped client is noticed between slices.
 STREAM_SLICE_S = 1.0
 
 
-class BearerTokenAuthentication(CachedTokenAuthentication):
-    """The portal's API tokens, sent the way OpenAI clients send keys: `Authorization: Bearer <key>`."""
-
-    keyword = "Bearer"
-
-
 class BearerTokenScheme(OpenApiAuthenticationExtension):
-    """Tells the OpenAPI schema that /v1 takes the portal's tokens as HTTP bearer tokens."""
+    """Tells the OpenAPI schema that the portal takes its tokens as HTTP bearer tokens too."""
 
     target_class = BearerTokenAuthentication
     name = "bearerAuth"
@@ -183,7 +177,7 @@ class _Answered(OpenAIView, ABC):
         return fast if fast is not None else super().dispatch(request, *args, **kwargs)
 
     def _fast(self, request: Any) -> HttpResponseBase | None:
-        user = user_from_header(request, ("Bearer", "Token"))
+        user = user_from_header(request)
         body = json_body(request) if user is not None else None
         if body is None:
             return None  # not JSON: DRF's parser says why
@@ -356,7 +350,12 @@ class _Generate(_Answered):
 def _refusal(exc: NotFound | InvalidInput, model: str, wanted: str) -> tuple[int, dict[str, Any]]:
     """A model that does not exist, or is not what the endpoint serves (the service says what it is)."""
     if isinstance(exc, NotFound):
-        return 404, error_body(f"The model `{model}` does not exist", "model", "model_not_found")
+        hint = ""
+        if isinstance(exc, NoDeployment):
+            deployed = ", ".join(f"`{name}`" for name in exc.deployed[: exc.LISTED])
+            hint = f"; did you mean `{exc.near}`?" if exc.near else ""
+            hint += f" Deployed: {deployed}." if deployed else " Nothing is deployed."
+        return 404, error_body(f"The model `{model}` does not exist{hint}", "model", "model_not_found")
     return 400, error_body(f"`{model}` is not {wanted} ({exc.message})", "model")
 
 

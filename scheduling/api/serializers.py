@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from gpuportal.wire import deployment_spec
@@ -103,6 +103,9 @@ class NodeSerializer(serializers.ModelSerializer):
         return round((timezone.now() - obj.last_heartbeat).total_seconds(), 3)
 
 
+# `gpus` was the first name of `gpu_indexes`: kept for the clients that read it, marked deprecated
+# in the schema, and gone in a later release.
+@extend_schema_serializer(deprecate_fields=["gpus"])
 class ReplicaSerializer(serializers.ModelSerializer):
     deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
     node = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
@@ -112,7 +115,9 @@ class ReplicaSerializer(serializers.ModelSerializer):
         help_text="Indexes, on its node, of the GPUs it occupies (nvidia-smi's numbering there)."
     )
     gpu_ids = serializers.SerializerMethodField(help_text="Ids, in /api/gpus/, of the GPUs it occupies.")
-    gpus = serializers.SerializerMethodField(help_text="The same as gpu_indexes (kept for existing clients).")
+    gpus = serializers.SerializerMethodField(
+        help_text="Deprecated: the same as gpu_indexes, kept for the clients that read it; read gpu_indexes."
+    )
     gpu_mem_bytes_by_id = serializers.DictField(
         child=serializers.IntegerField(), read_only=True, help_text='{"<gpu index>": bytes} on its node.'
     )
@@ -147,13 +152,18 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "failure_reason",
             "progress",
             "arena_kept_bytes",
+            "host_bytes",
         ]
         read_only_fields = fields
         extra_kwargs = {
             "arena_kept_bytes": {
                 "help_text": "Host memory this awake replica keeps for its next sleep, counted in its node's "
                 "host cache; 0: none."
-            }
+            },
+            "host_bytes": {
+                "help_text": "Host RAM its process holds beside what the host cache counts of it, as its node's "
+                "agent last measured it (placement counts it against the node's host RAM); 0: not measured yet."
+            },
         }
 
     def get_gpu_indexes(self, obj: Replica) -> list[int]:
@@ -177,7 +187,6 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "pair": lease.slot,
             "lease_epoch": lease.epoch,
             "holder": lease.holder_id == obj.id,
-            "reconnect_deadline": lease.reconnect_deadline,
         }
 
     @extend_schema_field(serializers.DictField(allow_null=True))

@@ -3,7 +3,7 @@
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from scheduling.api import plans, requests, views
+from scheduling.api import plans, pulls, requests, views
 
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="node")
@@ -19,5 +19,7 @@ urlpatterns = [
     path("requests/<str:pk>/", requests.RequestDetailView.as_view(), name="request-detail"),
     path("plan/", plans.PlanView.as_view(), name="plan"),
     path("plan/<int:pk>/", plans.PlanDetailView.as_view(), name="plan-detail"),
+    path("models/pull/", pulls.PullView.as_view(), name="model-pull"),
+    path("models/pulls/<slug:pk>/", pulls.PullDetailView.as_view(), name="model-pull-detail"),
     *router.urls,
 ]

@@ -18,14 +18,14 @@ from gpuportal import throttle
 from scheduling import selectors
 from scheduling.api import inputs
 from scheduling.api import serializers as s
-from scheduling.models import Deployment
+from scheduling.models import Deployment, Replica
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
-from scheduling.services import node_credentials
+from scheduling.services import node_credentials, not_found
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
-from scheduling.services.errors import NotFound
+from scheduling.services.errors import NotFound, ServiceError
 
 READ_ACTIONS = {"list", "retrieve"}
 
@@ -139,6 +139,16 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def get_queryset(self) -> QuerySet:
         return selectors.deployments()
 
+    def get_object(self) -> Deployment:
+        # A name that names none is told the nearest and what is deployed, not DRF's "No
+        # Deployment matches the given query."
+        name = self.kwargs[self.lookup_field]
+        deployment = self.get_queryset().filter(name=name).first()
+        if deployment is None:
+            raise not_found.deployment(name)
+        self.check_object_permissions(self.request, deployment)
+        return deployment
+
     def shown(self, name: str, code: int = status.HTTP_200_OK, *, warn: bool = False) -> Response:
         try:
             deployment = selectors.deployments().get(name=name)
@@ -233,6 +243,12 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return self.shown(name)
 
 
+# A replica's short id (`gpuportal ls`): its first 8 characters; a start shorter than this is
+# not taken for one (it would match too many ids to say which).
+SHORT_ID_MIN = 4
+SHORT_ID_SHOWN = 5
+
+
 @extend_schema_view(list=extend_schema(parameters=[s.ReplicaFilterSerializer]))
 class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.ReplicaSerializer
@@ -241,6 +257,24 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         if self.action == "list":
             return selectors.replicas(**query_filters(self.request, s.ReplicaFilterSerializer))
         return selectors.replicas()
+
+    def get_object(self) -> Replica:
+        # Its id, or an unambiguous start of it as `gpuportal ls` shows one (like git's and
+        # docker's short ids): the command line asks for the start directly, rather than asking
+        # for it as an id first and reading a 404 (a warning in the server's log each time).
+        given = self.kwargs[self.lookup_url_kwarg or self.lookup_field]
+        queryset = self.get_queryset()
+        replica = queryset.filter(pk=given).first()
+        if replica is None and len(given) >= SHORT_ID_MIN:
+            starting = list(queryset.filter(pk__startswith=given)[:SHORT_ID_SHOWN])
+            if len(starting) > 1:
+                named = ", ".join(r.id for r in starting)
+                raise ServiceError(f"{given!r} starts more than one replica's id ({named}): give more of it")
+            replica = starting[0] if starting else None
+        if replica is None:
+            raise NotFound(f"no replica {given!r}")
+        self.check_object_permissions(self.request, replica)
+        return replica
 
     @extend_schema(
         request=None,

@@ -25,6 +25,9 @@ class Note:
     gpu: str = ""
     deployment: str = ""
     replica: str = ""
+    # Whether the operator's console (up's) tells of it too: a deploy, a delete, a replica
+    # serving, asleep or failed (gpuportal.wire.console). The rest is the audit trail's alone.
+    console: bool = False
 
 
 class Order(StrEnum):
@@ -49,8 +52,10 @@ class ToNode:
     replica_id: str
     # START and WAKE: replicas evicted for this one, whose GPUs it waits for.
     wait_for: tuple[str, ...] = ()
-    # STOP: the deployment's drain timeout when the caller holds its row (else read at commit).
+    # STOP: the deployment's drain timeout when the caller holds its row (else read at commit), and
+    # whether the replica's failover pair stops whole (its partner must not take over).
     drain_timeout_s: float | None = None
+    close_pair: bool = False
     # KEEP_ARENA: whether the awake replica may keep a host arena for its next sleep.
     keep: bool = False
     # START_PLACED: the wire command itself.
@@ -122,8 +127,8 @@ def sleep(node: str, replica_id: str) -> ToNode:
     return ToNode(Order.SLEEP, node, replica_id)
 
 
-def stop(node: str, replica_id: str, *, drain_timeout_s: float | None = None) -> ToNode:
-    return ToNode(Order.STOP, node, replica_id, drain_timeout_s=drain_timeout_s)
+def stop(node: str, replica_id: str, *, drain_timeout_s: float | None = None, close_pair: bool = False) -> ToNode:
+    return ToNode(Order.STOP, node, replica_id, drain_timeout_s=drain_timeout_s, close_pair=close_pair)
 
 
 def keep_arena(node: str, replica_id: str, *, keep: bool) -> ToNode:

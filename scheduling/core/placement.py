@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import IntEnum, StrEnum
 from typing import Literal, NamedTuple, TypeVar
@@ -114,6 +114,9 @@ class PlacementRequest:
     GPUs that can host it without evictions, the replica goes where the fewest of its siblings
     are, then to the emptiest GPU, rather than to the fullest GPU that fits (best fit packs, so
     that large replicas still find whole GPUs later).
+    `host_refused`: {node: why} of the nodes whose host RAM has no room for a new replica's
+    process (scheduling.core.host_memory); a cached replica there may still be promoted, since
+    its process runs already.
     """
 
     deployment: str
@@ -124,6 +127,7 @@ class PlacementRequest:
     cached: tuple[CachedReplica, ...] = ()
     allow_new: bool = True
     spread: bool = False
+    host_refused: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.need_bytes <= 0:
@@ -361,6 +365,8 @@ def _candidates(
             for c in cached_on[node]:
                 residual = {g.id: o.reserved_bytes for g, o in holdings.get(c.replica_id, ())}
                 candidates.append((node, _Ticket(replica_id=c.replica_id, promoted=True, residual=residual, **common)))
+        elif can_create and node in request.host_refused:
+            reasons[node] = request.host_refused[node]
         elif can_create:
             candidates.append((node, new))
         else:

@@ -8,10 +8,12 @@ stay those of the real snapshot, so the plan conflicts if any GPU it writes move
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from scheduling.core import host_memory
+from scheduling.core.host_memory import HostView
 from scheduling.core.placement import CantAccommodate, Placement, PlacementRequest, Policy, place
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
 
@@ -102,22 +104,33 @@ def place_all(
     reason: str,
     policy: str | Policy = "gpuportal",
     rng: random.Random | None = None,
+    hosts: Mapping[str, HostView] | None = None,
+    host_need_bytes: int = 0,
 ) -> MultiPlacement | CantAccommodate:
     """Place every request or none. `occupant_for` describes the placed replica as an occupant
-    (its deployment's fairness settings), so later requests see it as the commit will."""
+    (its deployment's fairness settings), so later requests see it as the commit will.
+    `hosts`: each node's host RAM, where a new replica's process takes `host_need_bytes`
+    (scheduling.core.host_memory); each new replica placed counts against its node's for the next."""
     rng = rng if rng is not None else random.Random()
     current = snapshot
     placements: list[Placement] = []
     promoted: set[str] = set()
+    room = dict(hosts or {})
     for request in requests:
         # A cached replica promoted for an earlier request is no longer cached for this one.
-        request = replace(request, cached=tuple(c for c in request.cached if c.replica_id not in promoted))
+        request = replace(
+            request,
+            cached=tuple(c for c in request.cached if c.replica_id not in promoted),
+            host_refused=host_memory.refusals(room, host_need_bytes),
+        )
         result = place(current, request, policy=policy, rng=rng)
         if isinstance(result, CantAccommodate):
             return result
         placements.append(result)
         if result.promoted:
             promoted.add(result.promoted)
+        elif result.node in room:
+            room[result.node] = room[result.node].with_process(host_need_bytes)
         current = apply_placement(current, result, occupant_for(result))
     return MultiPlacement(tuple(placements), _combined_plan(snapshot, placements, reason), current)
 

@@ -23,9 +23,9 @@ from gpuportal.wire.states import DeploymentStatus
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import effects, fairness
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
-from scheduling.services import dispatch, outbox, queueing
+from scheduling.services import dispatch, not_found, outbox, queueing
 from scheduling.services import replicas as replica_services
-from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput, NotFound
+from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput
 from scheduling.services.forgetting import forget_deployment
 from scheduling.services.observing import save_observed
 from scheduling.services.placing import COUNTED, PAIR_LIVE, PLAIN_COUNTED, add_replicas, releasing
@@ -82,7 +82,7 @@ def get(name: str, *, lock: bool = False) -> Deployment:
     try:
         return Deployment.objects.select_related("observed").get(name=name)
     except Deployment.DoesNotExist:
-        raise NotFound(f"no deployment named {name!r}") from None
+        raise not_found.deployment(name) from None
 
 
 @locks.retry_deadlocks
@@ -118,6 +118,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
             f"estimated need {memory.human_bytes(facts.estimate_bytes)}: {facts.detail}".rstrip(": "),
             after={"replicas": spec.replicas, "estimate_bytes": facts.estimate_bytes},
             deployment=spec.name,
+            console=True,
         )
         if spec.replicas:
             # A deployment this transaction made has no replica yet: no sleeping one to promote,
@@ -238,6 +239,7 @@ def note_load_failure(deployment: Deployment, replica_id: str, reason: str) -> b
             after={"status": DeploymentStatus.FAILED, "load_failures": failures},
             deployment=deployment.name,
             replica=replica_id,
+            console=True,
         )
         return False
     delay = backoff_s(deployment, failures)
@@ -389,7 +391,7 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
         # Its row locked and its replicas read in statements the server keeps prepared.
         found, (replicas,) = locks.lock_deployments_reading([name], hot_sql.statement("replicas_of"))
         if not found:
-            raise NotFound(f"no deployment named {name!r}")
+            raise not_found.deployment(name)
         deployment = found[0]
         ledger.commit_with_retry(
             releasing({replica_id for replica_id, _, _ in replicas}, f"{reason}: deployment {name}")
@@ -397,13 +399,22 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
         for replica_id, state, node in replicas:
             if node is not None and state not in (Replica.State.STOPPED, Replica.State.FAILED):
                 # The drain as the row says it now: after the commit there is no row to read it from.
-                outbox.want(effects.stop(node, replica_id, drain_timeout_s=deployment.drain_timeout_s))
+                # A failover pair goes whole: its standby must not take over from the active.
+                outbox.want(
+                    effects.stop(
+                        node,
+                        replica_id,
+                        drain_timeout_s=deployment.drain_timeout_s,
+                        close_pair=deployment.failover_standby,
+                    )
+                )
         outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {name}",
             f"{reason}: {len(replicas)} replica(s) stopped and their reservations released",
             before={"replicas": len(replicas)},
             deployment=name,
+            console=True,
         )
         # One statement for the cascade Django's collector runs in about ten (scheduling.services.forgetting).
         forget_deployment(deployment.pk)

@@ -17,6 +17,7 @@ from gpuportal.celery import app
 from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
+from gpuportal.wire.pulls import PULL_TASK, PullModel
 from gpuportal.wire.replica_logs import LOG_TASK, ReadLog
 from scheduling.core.effects import Order, ToControl, ToNode
 from scheduling.models import Node
@@ -45,7 +46,7 @@ def _command(order: ToNode) -> commands.Command | None:
         case Order.SLEEP:
             return replica_specs.sleep(order.replica_id)
         case Order.STOP:
-            return replica_specs.stop(order.replica_id, order.drain_timeout_s)
+            return replica_specs.stop(order.replica_id, order.drain_timeout_s, close_pair=order.close_pair)
         case Order.KEEP_ARENA:
             return commands.KeepArena(order.replica_id, order.keep)
 
@@ -62,6 +63,13 @@ def send(order: ToNode) -> None:
         app.send_task(commands.TASKS[command.kind], args=[commands.encode(command)], queue=node_queue(order.node))
 
     transaction.on_commit(send_now)
+
+
+def pull(node: str, pull_id: str, repo: str, revision: str | None, progress: str) -> None:
+    """Ask `node`'s agent to fetch a model into its cache (scheduling.services.pulls). At once:
+    nothing is decided in the database for it."""
+    ask = PullModel(pull_id, repo, revision, progress)
+    app.send_task(PULL_TASK, args=[ask.encode()], queue=node_queue(node))
 
 
 def _answers() -> redis.Redis:

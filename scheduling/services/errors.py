@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Mapping, Sequence
 
 
 class ServiceError(Exception):
@@ -18,6 +19,29 @@ class ServiceError(Exception):
 
 class NotFound(ServiceError):
     status = 404
+
+
+class NoDeployment(NotFound):
+    """A name that names no deployment, saying what is deployed and the name it is nearest, so that
+    a typo or a forgotten name is answered with what to ask instead."""
+
+    LISTED = 10  # names listed at most
+
+    def __init__(self, name: str, deployed: Sequence[str]):
+        self.name = name
+        self.deployed = list(deployed)
+        near = difflib.get_close_matches(name, self.deployed, n=1, cutoff=0.6)
+        self.near = near[0] if near else None
+        super().__init__(f"no deployment named {name!r}{self.hint()}")
+
+    def hint(self) -> str:
+        """What follows the refusal: nothing deployed, or the nearest name and those deployed."""
+        if not self.deployed:
+            return ": nothing is deployed (POST /api/deployments/ deploys a model)"
+        listed = ", ".join(self.deployed[: self.LISTED])
+        if len(self.deployed) > self.LISTED:
+            listed += f" and {len(self.deployed) - self.LISTED} more"
+        return (f"; did you mean {self.near!r}?" if self.near else "") + f" (deployed: {listed})"
 
 
 class InvalidInput(ServiceError):
@@ -74,6 +98,13 @@ class Unavailable(ServiceError):
     """It exists but cannot serve now, and waiting would not help (a deployment that gave up)."""
 
     status = 503
+
+
+class KeyReused(ServiceError):
+    """An Idempotency-Key sent again with another request than the one first accepted under it:
+    a retry must be the same request, and a new request needs a new key (the IETF draft's 422)."""
+
+    status = 422
 
 
 class TooManyRequests(ServiceError):

@@ -1,5 +1,5 @@
 """Failover pairs (seed 004): an active replica and a sleeping standby on the same GPUs, sharing
-one lock (inference.failover) whose holder is the only member with weights on the GPU.
+one lock on their node (inference.failover) whose holder is the only member with weights on the GPU.
 
 What the control plane does around the lock, which itself needs none of it to fail over:
 - pairs up a newly placed replica of a failover deployment (a FailoverLease and a standby);
@@ -75,9 +75,9 @@ def start_standby(lease: FailoverLease, active: Replica, *, reason: str) -> Repl
 
 
 def close_pairs(replica_ids: set[str]) -> int:
-    """Mark the leases of these members closed (their pairs are being stopped whole), inside the
-    stop's transaction: a standby granted the lock as its active member exits then leaves it, so
-    it never takes over in the moment before its own stop arrives. Leases are written after the
+    """Record the leases of these members closed (their pairs are being stopped whole), inside the
+    stop's transaction; the stops it sends close the lock on the node (StopReplica.close_pair), so
+    a standby granted the lock as its active member exits leaves it. Leases are written after the
     replica rows (the lock order). Returns how many were closed."""
     leases = Replica.objects.filter(id__in=replica_ids, lease__isnull=False).values("lease_id")
     return FailoverLease.objects.filter(id__in=leases, closed_at__isnull=True).update(closed_at=timezone.now())

@@ -15,7 +15,10 @@ past its grace, while the beat shows that the command never arrived, gets it aga
 - serving, its host arena granted GPUPORTAL_ARENA_GRACE_S ago, its process serving and keeping
   none: the grant (ARENA keep) again; serving with no arena in the books GPUPORTAL_ARENA_GRACE_S
   after its last change, its process keeping one: the drop (ARENA drop) again, since host memory
-  held unaccounted is the unsafe side.
+  held unaccounted is the unsafe side;
+- loading, serving, asleep in its process or standing by past GPUPORTAL_END_GRACE_S, no process:
+  its process ended and its `failed` report was lost; applied as the agent would have sent it.
+  Without this the books would count a replica serving on memory nobody holds, for good.
 
 A process in the middle of the command (waking, draining, or a state not said yet) is left
 alone. Where there is no process, the command sent again makes the agent say so (a failed
@@ -78,6 +81,7 @@ def resend(
     kinds: dict[str, Callable[[], list[str]]] = {
         "start": partial(resend_lost_starts, name, running, now),
         "stop": partial(resend_lost_stops, name, running, now),
+        "end": partial(apply_lost_ends, name, running, now),
     }
     if processes is not None:
         kinds["wake"] = partial(resend_lost_wakes, name, running, processes, now)
@@ -174,7 +178,9 @@ def resend_lost_stops(name: str, running: Collection[str], now: datetime) -> lis
         still = f"still stopping {replica.allowed_s:g} s (its drain timeout and {grace:g} s) after it was stopped"
         if replica.id in running:
             reason = f"{still}, and node {name}'s agent still runs its process: its stop command was lost, sent again"
-            if _claim(replica, now, reason, "stop", "running", effects.stop(name, replica.id)):
+            # A pair member stopping (not stepping down, which drains) stops with its whole pair.
+            order = effects.stop(name, replica.id, close_pair=replica.paired)
+            if _claim(replica, now, reason, "stop", "running", order):
                 found.append(replica.id)
             continue
         reason = (
@@ -184,6 +190,32 @@ def resend_lost_stops(name: str, running: Collection[str], now: datetime) -> lis
         if _claim(replica, now, reason, "stopped report", None, None):
             # After the claim's commit, as the agent's report would come: in a transaction of its own.
             reports.report(replica.id, {"event": "stopped", "reason": reason})
+            found.append(replica.id)
+    return found
+
+
+# The states only the replica's process moves it out of: it reports each change itself, its end too.
+_OWN_STATES = (Replica.State.LOADING, Replica.State.SERVING, Replica.State.SLEEPING, Replica.State.STANDBY)
+
+
+def apply_lost_ends(name: str, running: Collection[str], now: datetime) -> list[str]:
+    """`failed` reports that never came back: a replica in a state only its process moves it out
+    of, unchanged past GPUPORTAL_END_GRACE_S, whose process the node's agent does not run. The
+    process ended (killed, crashed) and the agent's report of it was lost (it timed out, the
+    broker blinked); applied as the agent would have reported it, through the one path a report
+    takes, so the reservation goes back and the reconcile replaces it."""
+    grace = settings.GPUPORTAL_END_GRACE_S
+    found = []
+    for replica in _overdue(name, _OWN_STATES, grace, now, drain=False):  # one query for the four
+        if replica.id in running:
+            continue
+        reason = (
+            f"{replica.state} {replica.waited_s:.0f} s with no word from its process, and node {name}'s agent runs "
+            "no process for it: the process ended and its failed report was lost, applied now"
+        )
+        if _claim(replica, now, reason, "failed report", None, None):
+            # After the claim's commit, as the agent's report would come: in a transaction of its own.
+            reports.report(replica.id, {"event": "failed", "kind": "crash", "reason": reason})
             found.append(replica.id)
     return found
 
@@ -232,13 +264,12 @@ def resend_lost_arenas(
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-# The states a lost command leaves a replica waiting in (serving: an arena grant or drop).
-_WAITING = (
-    Replica.State.PENDING,
-    Replica.State.WAKING,
-    Replica.State.DRAINING,
-    Replica.State.STOPPING,
-    Replica.State.SERVING,
+# The states a lost command or report leaves a replica waiting in (serving: an arena grant or
+# drop, or its end).
+_WAITING = tuple(
+    dict.fromkeys(
+        (Replica.State.PENDING, Replica.State.WAKING, Replica.State.DRAINING, Replica.State.STOPPING, *_OWN_STATES)
+    )
 )
 
 
@@ -252,26 +283,29 @@ def _anything_waited(name: str, now: datetime) -> bool:
         settings.GPUPORTAL_SLEEP_GRACE_S,
         settings.GPUPORTAL_STOP_GRACE_S,
         settings.GPUPORTAL_ARENA_GRACE_S,
+        settings.GPUPORTAL_END_GRACE_S,
     )
     return Replica.objects.filter(
         node__name=name, state__in=_WAITING, updated_at__lt=now - timedelta(seconds=shortest)
     ).exists()
 
 
-def _overdue(name: str, state: str, grace_s: float, now: datetime, *, drain: bool) -> list[_Overdue]:
-    """The node's replicas in `state` unchanged for longer than the grace (and, with `drain`, their
-    deployment's drain timeout), oldest first."""
+def _overdue(name: str, state: str | tuple[str, ...], grace_s: float, now: datetime, *, drain: bool) -> list[_Overdue]:
+    """The node's replicas in `state` (or any of several) unchanged for longer than the grace (and,
+    with `drain`, their deployment's drain timeout), oldest first."""
+    states = (state,) if isinstance(state, str) else state
     rows = (
-        Replica.objects.filter(node__name=name, state=state, updated_at__lt=now - timedelta(seconds=grace_s))
+        Replica.objects.filter(node__name=name, state__in=states, updated_at__lt=now - timedelta(seconds=grace_s))
         .order_by("updated_at", "pk")
-        .values_list("pk", "deployment__name", "updated_at", "deployment__drain_timeout_s", "lease_id")
+        .values_list("pk", "deployment__name", "updated_at", "deployment__drain_timeout_s", "lease_id", "state")
     )
     found = []
-    for replica_id, deployment, updated_at, drain_s, lease in rows:
+    for replica_id, deployment, updated_at, drain_s, lease, in_state in rows:
         allowed = grace_s + (float(drain_s or 0.0) if drain else 0.0)
         waited = (now - updated_at).total_seconds()
         if waited > allowed:
-            found.append(_Overdue(replica_id, name, deployment, state, updated_at, waited, allowed, lease is not None))
+            paired = lease is not None
+            found.append(_Overdue(replica_id, name, deployment, in_state, updated_at, waited, allowed, paired))
     return found
 
 

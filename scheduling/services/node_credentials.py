@@ -76,11 +76,12 @@ def issue(name: str, by: str) -> str:
 
 
 def revoke(name: str, by: str, reason: str = "") -> NodeCredential:
-    """The node's credential revoked: nothing its agent sends is applied any more, and the node
-    is written off now, its replicas lost and replaced elsewhere (nodes.mark_stopped, as when an
-    agent stops), fenced first (its epoch raised and its lease dropped: nodes.fence_off), so that
-    nothing its replicas still take, stream or answer is accepted and no sweep reads it as alive.
-    NotFound when it has none, InvalidState when it is revoked already."""
+    """The node's credential revoked: nothing its agent sends is applied any more, its own Redis
+    user is deleted (nodes.drop_redis_user), and the node is written off now, its replicas lost and
+    replaced elsewhere (nodes.mark_stopped, as when an agent stops), fenced first (its epoch raised
+    and its lease dropped: nodes.fence_off), so that nothing its replicas still take, stream or
+    answer is accepted and no sweep reads it as alive. NotFound when it has none, InvalidState when
+    it is revoked already."""
     check_name(name)
     why = f"credential revoked by {by}" + (f": {reason}" if reason else "")
     with transaction.atomic():
@@ -94,12 +95,14 @@ def revoke(name: str, by: str, reason: str = "") -> NodeCredential:
         outbox.note(
             Event.Kind.NODE_REVOKED,
             f"node {name}",
-            f"{why}: its calls are refused, and the node is written off with its replicas",
+            f"{why}: its calls are refused, its own Redis user (if it has one) deleted, and the node is "
+            "written off with its replicas",
             before={"revoked": False},
             after={"revoked": True},
             node=name,
         )
-        outbox.want(AfterCommit(f"fence node {name}", lambda: nodes.fence_off(name)))
+        # Its Redis user first: until it is gone, the node's user could lower the epoch just raised.
+        outbox.want(AfterCommit(f"fence node {name}", lambda: (nodes.drop_redis_user(name), nodes.fence_off(name))))
     # After the commit that refuses its calls: a heartbeat applied in between is undone here,
     # and one applied after this is caught by its own second look (node_gateway).
     nodes.mark_stopped(name, why, kind=Event.Kind.NODE_OFFLINE)

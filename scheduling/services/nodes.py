@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
-from gpuportal.wire import node_lease, replies
+from gpuportal.wire import node_acl, node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.states import ENDED
@@ -129,6 +129,26 @@ def fence_off(name: str) -> int | None:
     return epoch
 
 
+def drop_redis_user(name: str) -> bool | None:
+    """Delete node `name`'s own Redis user (gpuportal.wire.node_acl), which Redis follows by closing
+    every connection it has: a revoked node keeps no way into Redis, not even to lower its own
+    epoch (which its user may write, as its replicas' scripts read it). True when one was deleted,
+    False when it had none (an operator who gives nodes no users of their own), None when Redis
+    cannot be reached or refuses the control plane's user the command: the operator then runs
+    `ACL DELUSER` (the warning says so)."""
+    user = node_acl.user_name(name)
+    try:
+        deleted = int(replies.client(settings.REDIS_URL).execute_command("ACL", "DELUSER", user))
+    except redis.RedisError as err:
+        log.warning(
+            "cannot delete node %s's Redis user %s (%s): run ACL DELUSER %s in redis-cli", name, user, err, user
+        )
+        return None
+    if deleted:
+        log.info("node %s's Redis user %s deleted, its connections closed", name, user)
+    return bool(deleted)
+
+
 def keep_survivors(node: Node, survivors: Sequence[Survivor]) -> list[str]:
     """Of the survivors, those the books agree with; an Event says of each why it is kept or not."""
     if not survivors:
@@ -181,6 +201,7 @@ def heartbeat(
     running: Collection[str] | None = None,
     processes: Mapping[str, str] | None = None,
     arenas: Mapping[str, int] | None = None,
+    host_bytes: Mapping[str, int] | None = None,
 ) -> list[str]:
     """Record that the node's agent is alive; a node that had been marked offline comes back.
     With `books`, what the agent saw its replica processes hold is checked against the ledger.
@@ -193,7 +214,8 @@ def heartbeat(
     `processes`, the state each of those processes last said it is in, and `running` show which
     commands to them were lost (the broker blinked as they were sent): those are sent again
     (scheduling.services.lost_commands); `arenas`, the host arenas they keep, which grants and
-    drops of one were."""
+    drops of one were; `host_bytes`, the host RAM each holds beside its arena, what placement
+    counts of the node's RAM for it (`record_host_bytes`)."""
     now = now or timezone.now()
     if not running and (books is None or not books.usage) and _quiet_beat(name, now, books):
         return []
@@ -229,7 +251,25 @@ def heartbeat(
         book_checks.check(name, books)
     if running is not None:
         lost_commands.resend(name, running, processes, now, arenas=arenas)
+    if host_bytes:
+        record_host_bytes(name, host_bytes)
     return stale
+
+
+# A process's host RAM moves a little at every beat: written again only when it moved by this
+# much, or by a tenth, so that a beat does not rewrite every replica's row.
+HOST_BYTES_STEP = 32 * 1024 * 1024
+
+
+def record_host_bytes(node: str, measured: Mapping[str, int]) -> None:
+    """Keep each replica's host RAM (Replica.host_bytes) as its node's agent measured it."""
+    known = dict(Replica.objects.filter(pk__in=list(measured), node__name=node).values_list("pk", "host_bytes"))
+    for replica_id, held in sorted(measured.items()):
+        if replica_id not in known or abs(held - known[replica_id]) < max(HOST_BYTES_STEP, known[replica_id] // 10):
+            continue
+        # One row per statement, outside any transaction: a single row lock held at a time
+        # cannot close a cycle with a writer that locks replicas in primary-key order.
+        Replica.objects.filter(pk=replica_id).update(host_bytes=held)
 
 
 def _quiet_beat(name: str, now: datetime, books: Books | None) -> bool:

@@ -62,7 +62,7 @@ def want(*effects: Effect) -> None:
 
 def note(kind: str, subject: str, reason: str, **where: Any) -> Note:
     """An Event saying why (the Note, for a caller that shows what it recorded). `where`: the
-    Note's other fields (before, after, node, gpu, deployment, replica)."""
+    Note's other fields (before, after, node, gpu, deployment, replica, console)."""
     wanted = Note(str(kind), subject, reason, **where)
     want(wanted)
     return wanted
@@ -82,6 +82,7 @@ def _apply(effect: Effect) -> None:
             gpu=effect.gpu,
             deployment=effect.deployment,
             replica=effect.replica,
+            console=effect.console,
         )
     elif isinstance(effect, ToNode):
         dispatch.send(effect)

@@ -1,6 +1,8 @@
 """What failover pair members report through their node agent (seed 004): the lock's grants
-and losses with their epochs, standing by, serving, a takeover, a member's end. A report carrying
-an older epoch than its pair's lease is refused. Reached through scheduling.services.reports."""
+and losses with their epochs, standing by, serving, a takeover, a member's end. The lock is the
+node's (inference.failover): the pair's FailoverLease row learns its holder and epoch from these
+reports alone, and a report carrying an older epoch than the row's is refused. Reached through
+scheduling.services.reports."""
 
 from __future__ import annotations
 
@@ -45,6 +47,16 @@ def is_stale(replica: Replica, event: dict[str, Any]) -> bool:
     return True
 
 
+def record_holder(replica: Replica, epoch: int) -> None:
+    """The member holds its pair's lock at `epoch`, as it reported: the lease row moves forward
+    only (two members' reports cross on their agent's reader threads; the newer epoch wins).
+    Written under the deployment's row lock, which every report holds (scheduling.services.reports),
+    and after the replica rows it touches (the lock order)."""
+    FailoverLease.objects.filter(pk=replica.lease_id, epoch__lte=epoch).update(
+        holder_id=replica.id, epoch=epoch, granted_at=timezone.now()
+    )
+
+
 def on_failover(replica: Replica, event: dict[str, Any]) -> None:
     state = str(event.get("state") or "")
     if state not in FailoverState.values or is_stale(replica, event):
@@ -58,8 +70,9 @@ def on_lease(replica: Replica, event: dict[str, Any]) -> None:
     epoch = event.get("epoch")
     if what == "grant":
         kind = Event.Kind.FAILOVER_GRANT
-        how = "took over" if event.get("took_over") else "re-acquired it and kept its epoch"
-        reason = f"lock granted at epoch {epoch}: {how} (previous holder {str(event.get('previous_holder'))[:8]})"
+        previous = event.get("previous_holder")
+        how = f"took over from {str(previous)[:8]}" if previous else "the pair's first holder"
+        reason = f"lock granted at epoch {epoch}: {how}"
     else:
         kind = Event.Kind.FAILOVER_LOSS
         reason = f"lock lost at epoch {epoch}: {event.get('reason') or 'connection lost'}"
@@ -72,8 +85,10 @@ def on_lease(replica: Replica, event: dict[str, Any]) -> None:
         deployment=replica.deployment.name,
         replica=replica.id,
     )
-    if what == "grant" and replica.epoch != epoch and epoch is not None:
-        Replica.objects.filter(pk=replica.pk).update(epoch=int(epoch))
+    if what == "grant" and epoch is not None:
+        record_holder(replica, int(epoch))
+        if replica.epoch != epoch:
+            Replica.objects.filter(pk=replica.pk).update(epoch=int(epoch))
 
 
 def on_standby(replica: Replica, event: dict[str, Any]) -> None:
@@ -104,6 +119,7 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     replica_reports.on_serving(replica, event)
     if event.get("epoch") is not None:
         replica.epoch = int(event["epoch"])
+        record_holder(replica, replica.epoch)  # its grant's report may have been lost
         failover.set_failover_state(replica, FailoverState.ACTIVE, f"active at epoch {replica.epoch}", extra=["epoch"])
 
 
@@ -147,6 +163,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
         f"in {takeover_s * 1000:.0f} ms from the lock grant",
         extra=["role", "epoch", "pid", "serving_since", "last_accessed", "progress", "failover_state"],
     )
+    record_holder(replica, epoch)  # the lease row after the replica rows, as everywhere
     FAILOVERS.labels(deployment=deployment.name).inc()
     FAILOVER_SECONDS.observe(takeover_s)
     outbox.note(

@@ -11,17 +11,19 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from django.db.models import Q
+from django.conf import settings
+from django.db.models import Count, Max, Q, Sum
 from django.utils import timezone
 
-from gpuportal.wire import memory
+from gpuportal.wire import memory, states
 from gpuportal.wire.states import COUNTED
 from scheduling import hot_sql, ledger
-from scheduling.core import effects
+from scheduling.core import effects, host_memory
+from scheduling.core.host_memory import HostView
 from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
 from scheduling.core.planning import apply_placement, place_all, plan_of, withhold_locked
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Snapshot
-from scheduling.models import GPU, Deployment, Event, Replica, new_replica_id
+from scheduling.models import GPU, Deployment, Event, Node, Replica, new_replica_id
 from scheduling.services import failover, outbox, replica_specs
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace
@@ -95,6 +97,42 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
     return need
 
 
+def host_views() -> dict[str, HostView]:
+    """Each node's host RAM as placement counts it, for the nodes whose agents reported theirs:
+    its host cache's budget and its replicas' processes (as measured, or the default for one not
+    measured yet). Two queries for any number of nodes."""
+    nodes = Node.objects.filter(host_ram_bytes__gt=0).values_list("pk", "name", "host_ram_bytes", "cpu_cache_bytes")
+    processes = {
+        row["node_id"]: row
+        for row in Replica.objects.filter(state__in=states.WITH_PROCESS, node__isnull=False, node__host_ram_bytes__gt=0)
+        .values("node_id")
+        .annotate(measured=Sum("host_bytes"), count=Count("pk"), unmeasured=Count("pk", filter=Q(host_bytes=0)))
+    }
+    default = settings.GPUPORTAL_REPLICA_HOST_BYTES
+    views = {}
+    for pk, name, ram, cache in nodes:
+        found = processes.get(pk, {"measured": 0, "count": 0, "unmeasured": 0})
+        held = int(found["measured"] or 0) + found["unmeasured"] * default
+        views[name] = HostView(name, ram, cache, held, found["count"])
+    return views
+
+
+def host_need_bytes(deployment: Deployment) -> int:
+    """The host RAM a new replica's process of the deployment is counted to take (`process_need`)."""
+    return process_need(deployment.replicas.aggregate(most=Max("host_bytes"))["most"])
+
+
+def process_need(most_measured: int | None) -> int:
+    """The most host RAM one of a deployment's processes was measured holding, else the default."""
+    return int(most_measured) if most_measured else settings.GPUPORTAL_REPLICA_HOST_BYTES
+
+
+def host_refusals(deployment: Deployment) -> dict[str, str]:
+    """{node: why} of the nodes whose host RAM has no room for a new replica's process of the
+    deployment (scheduling.core.host_memory)."""
+    return host_memory.refusals(host_views(), host_need_bytes(deployment))
+
+
 def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
     """(serving context, standby context) in bytes: the largest of these GPUs'."""
     return contexts_of(GPU.objects.filter(pk__in=list(gpu_ids)))
@@ -124,6 +162,10 @@ class Ask:
     policy: str | Policy
     decision: Decision
     plan_reason: str = ""
+    # Each node's host RAM, and what a new replica's process takes of it: read once per ask, and
+    # only when it may start a process (a wake of a sleeper starts none).
+    hosts: dict[str, HostView] = field(default_factory=dict)
+    host_need: int = 0
 
     @classmethod
     def of(
@@ -136,7 +178,11 @@ class Ask:
         allow_new: bool = True,
         evictions: bool = True,
         new_ids: list[str] | None = None,
+        hosts: dict[str, HostView] | None = None,
+        host_need: int | None = None,
     ) -> Ask:
+        """`hosts` and `host_need` (`host_views`, `host_need_bytes`): read here unless the caller
+        read them (a batch reads the hosts once for all its asks)."""
         # Placement needs an id per request even when it may only promote; those ids never get rows.
         decision = Decision(new_ids=list(new_ids) if new_ids is not None else [new_replica_id() for _ in range(count)])
         if allow_new and new_ids is None:
@@ -147,7 +193,11 @@ class Ask:
         policy: str | Policy = deployment.memory_policy
         if not evictions:
             policy = replace(POLICIES[deployment.memory_policy], evictions=False)
-        return cls(deployment, reason, cached, allow_new, policy, decision)
+        ask = cls(deployment, reason, cached, allow_new, policy, decision)
+        if allow_new:
+            ask.hosts = host_views() if hosts is None else hosts
+            ask.host_need = host_need_bytes(deployment) if host_need is None else host_need
+        return ask
 
     def place(self, current: Snapshot, now: datetime) -> Snapshot:
         """Its placements on `current` (the snapshot as the asks placed before it left it), kept in
@@ -163,6 +213,8 @@ class Ask:
             occupant_for=lambda placement: _occupant_for(deployment, placement),
             reason=f"{self.reason} ({need})",
             policy=self.policy,
+            hosts=self.hosts,
+            host_need_bytes=self.host_need,
         )
         if isinstance(result, CantAccommodate):
             decision.placements = ()
@@ -402,15 +454,17 @@ def apply_stops(stops: Sequence[Stop]) -> None:
     )
     for replica_id, stop, _, node in read:
         if node is not None:
-            outbox.want(effects.stop(node, replica_id, drain_timeout_s=stop.deployment.drain_timeout_s))
+            drain, paired = stop.deployment.drain_timeout_s, stop.deployment.failover_standby
+            outbox.want(effects.stop(node, replica_id, drain_timeout_s=drain, close_pair=paired))
     unknown = {replica_id: stop for stop in stops if stop.known is None for replica_id in stop.ids}
     if unknown:
         query = Replica.objects.select_related("node", "deployment").filter(id__in=unknown).order_by("pk")
         for replica in query:
             replica_services.set_state(replica, Replica.State.STOPPING, f"stopping: {unknown[replica.id].reason}")
             if replica.node is not None:
-                outbox.want(effects.stop(replica.node.name, replica.id))
+                paired = unknown[replica.id].deployment.failover_standby
+                outbox.want(effects.stop(replica.node.name, replica.id, close_pair=paired))
     for stop in stops:
         if stop.deployment.failover_standby:
-            # The stops go out on commit, this with them: no member takes over from one that exits.
+            # The books' record that the pair stops whole; its stops close the lock on the node.
             failover.close_pairs(set(stop.ids))

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -175,11 +175,14 @@ def start(
     # the next locks this transaction takes, as the global order wants.
     snap = enrich(ledger.snapshot())
     need = placing.need_bytes(deployment, snap)
-    wake = _costed_wake(deployment, snap, need.bytes, cached, allow_new)
+    # A new replica's process needs host RAM too: no GPU is emptied on a node that could not
+    # start it (evicting GPU occupants frees none of the host's RAM).
+    host_refused = placing.host_refusals(deployment) if allow_new else {}
+    wake = _costed_wake(deployment, snap, need.bytes, cached, allow_new, host_refused)
     if wake is None and by_cost_only:
         raise CannotPlace(f"no GPU the waker may use can make room for {deployment.name} by preempting fairly", {})
     if wake is None:
-        wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new)
+        wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new, host_refused)
     if not wake.victims:
         # Memory was freed between the caller's attempt and this snapshot: no one need wait...
         try:
@@ -280,7 +283,12 @@ class _Wake:
 
 
 def _costed_wake(
-    deployment: Deployment, snap: Snapshot, need: int, cached: tuple[CachedReplica, ...], allow_new: bool
+    deployment: Deployment,
+    snap: Snapshot,
+    need: int,
+    cached: tuple[CachedReplica, ...],
+    allow_new: bool,
+    host_refused: Mapping[str, str],
 ) -> _Wake | None:
     """fairness.choose_target over the GPUs the waker may use, as the simulator's engine does
     (bench/simulate, policy `gpuportal`): each cached replica may only wake on its own node's
@@ -304,7 +312,10 @@ def _costed_wake(
         # Minus the GPUs another wake holds the lock of: the memory freed there is promised to it
         # (planning.withhold_locked, as add_replicas does); this waker's own locks stay.
         visible, _ = withhold_locked(snap, [replica_id], snap.taken_at)
-        gpus = [g for n, group in usable.items() if node is None or n == node for g in group if g.id in visible.gpus]
+        # A new replica goes to any node whose host has room for its process; a cached one
+        # wakes on its own (its process runs there already).
+        nodes = [n for n in usable if n not in host_refused] if node is None else [node]
+        gpus = [g for n in nodes for g in usable.get(n, ()) if g.id in visible.gpus]
         if not gpus:
             continue
         if all(need >= whole_gpu_from * g.total_bytes for g in gpus):
@@ -387,7 +398,12 @@ def _victim_summary(victim: fairness.Victim, view: OccupantView) -> str:
 
 
 def _placement_wake(
-    deployment: Deployment, snap: Snapshot, need: int, cached: tuple[CachedReplica, ...], allow_new: bool
+    deployment: Deployment,
+    snap: Snapshot,
+    need: int,
+    cached: tuple[CachedReplica, ...],
+    allow_new: bool,
+    host_refused: Mapping[str, str],
 ) -> _Wake:
     """Placement's targeting: for what choose_target does not decide (a need of a whole
     GPU or more, or no GPU that can ever make room as things stand)."""
@@ -403,6 +419,7 @@ def _placement_wake(
         dedicated=True,
         cached=cached,
         allow_new=allow_new,
+        host_refused=host_refused,
     )
     targeting = replace(POLICIES[deployment.memory_policy], protect_fairness=False)
     target = place(snap, request, policy=targeting)

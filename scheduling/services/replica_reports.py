@@ -35,6 +35,23 @@ def _progress(replica: Replica, event: dict[str, Any]) -> None:
     Replica.objects.filter(pk=replica.pk).update(progress=percent)
 
 
+def measured_reason(measured: int, estimate: int, context: int | None) -> str:
+    """Why the deployment's need changed, its figures comparable: a footprint measured with its
+    CUDA context in it is set beside the estimate and that context, not the estimate alone (which
+    read "need 819 MiB" at deploy, then "measured 819 MiB (estimate was 97 MiB)")."""
+    human = memory.human_bytes
+    if context:
+        compared = f"the estimate {human(estimate)} and the CUDA context {human(context)}, {human(estimate + context)}"
+        return (
+            f"measured {human(measured)} per replica after loading, its CUDA context included ({compared}); "
+            "placement uses the measurement from now on"
+        )
+    return (
+        f"measured {human(measured)} per replica after loading (the estimate was {human(estimate)}); "
+        "placement uses the measurement from now on"
+    )
+
+
 def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
         return
@@ -50,14 +67,9 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     record = deployment.observed
     if measured and (measured, counted) != (record.memory_measured_bytes, record.memory_measured_context_bytes):
         replicas.set_measured_need(
-            deployment,
-            measured,
-            replica,
-            f"measured {memory.human_bytes(measured)} per replica after loading "
-            f"(estimate was {memory.human_bytes(record.memory_estimate_bytes or 0)}); "
-            "placement uses the measurement from now on",
+            deployment, measured, replica, measured_reason(measured, record.memory_estimate_bytes or 0, counted),
             context=counted,
-        )
+        )  # fmt: skip
     now = timezone.now()
     if replica.state == Replica.State.WAKING:
         woke_in = _seconds_in(replica, Replica.State.WAKING, now)

@@ -34,7 +34,6 @@ def _failover_fields(replica: Replica) -> dict:
         "failover_lease": replica.lease_id,
         "failover_fence": replica.lease.fence,
         "role": replica.role,
-        "reconnect_window_s": settings.GPUPORTAL_FAILOVER_RECONNECT_WINDOW_S,
         "wake_timeout_s": settings.GPUPORTAL_FAILOVER_WAKE_TIMEOUT_S,
         "liveness_timeout_s": settings.GPUPORTAL_FAILOVER_LIVENESS_TIMEOUT_S,
     }
@@ -107,7 +106,7 @@ def sleep(replica_id: str) -> SleepReplica:
     return SleepReplica(replica_id=replica_id, drain_timeout_s=_drain_of(replica_id))
 
 
-def stop(replica_id: str, drain_timeout_s: float | None = None) -> StopReplica:
+def stop(replica_id: str, drain_timeout_s: float | None = None, *, close_pair: bool = False) -> StopReplica:
     """`drain_timeout_s`: the deployment's, when the caller holds its row (no read)."""
     drain = _drain_of(replica_id) if drain_timeout_s is None else drain_timeout_s
-    return StopReplica(replica_id=replica_id, drain_timeout_s=drain)
+    return StopReplica(replica_id=replica_id, drain_timeout_s=drain, close_pair=close_pair)

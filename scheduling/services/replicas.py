@@ -336,6 +336,10 @@ def set_state(
     _state_event(kind, replica.id, before, state, reason, replica.node.name if replica.node else "", replica.deployment)
 
 
+# The states the operator's console tells of (up's): a load or a wake done, a sleep, a failure.
+CONSOLE_STATES = frozenset({Replica.State.SERVING, Replica.State.SLEEPING, Replica.State.FAILED})
+
+
 class KnownReplica(NamedTuple):
     """A replica as its caller read it under its deployment's lock, and why its state changes."""
 
@@ -400,4 +404,5 @@ def _state_event(
         node=node,
         deployment=deployment.name,
         replica=replica_id,
+        console=state in CONSOLE_STATES,
     )

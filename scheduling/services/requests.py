@@ -7,6 +7,7 @@ request costs a few Redis round trips on top of the model. What the scheduler ne
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -22,8 +23,8 @@ from gpuportal.wire import states
 from gpuportal.wire.requestqueue import KeyTakenOver, Request, family_of_kind, family_of_loader
 from scheduling import hot_sql, ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
-from scheduling.services import placing, sleep, user_limits
-from scheduling.services.errors import CannotPlace, InvalidInput, NotFound, Unavailable
+from scheduling.services import not_found, placing, sleep, user_limits
+from scheduling.services.errors import CannotPlace, InvalidInput, KeyReused, Unavailable
 from scheduling.services.queueing import (
     cancel,
     cancel_unstarted,
@@ -93,7 +94,7 @@ def submit(
     (user_limits) is refused with 429, before anything is read or woken for it. Sent again under
     the `idempotency_key` of one accepted before, it is that one, and nothing is queued.
     """
-    request_id, first = _first_under(owner, idempotency_key)
+    request_id, first = _first_under(owner, idempotency_key, (deployment_name, kind, input, params))
     if first is not None:
         return first
     # Counted for the dashboard's requests per minute in the same round trip, and in /metrics
@@ -125,7 +126,7 @@ def run(
     idempotency_key: str | None = None,
 ) -> tuple[Request, Request | None]:
     """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
-    request_id, first = _first_under(owner, idempotency_key)
+    request_id, first = _first_under(owner, idempotency_key, (deployment_name, kind, input, params))
     if first is not None:
         return first, first if first.final else queue().wait(first.id, timeout)
     # Counted in /metrics once it has ended or its wait is over (accepted either way).
@@ -178,13 +179,28 @@ def _accepted_after_all(request_id: str, err: redis.RedisError, *, keyed: bool) 
 WITHDRAWN = "withdrawn: the web lost Redis before it could say the request was accepted, and answered 503"
 
 
-def _first_under(owner: str, key: str | None) -> tuple[str, Request | None]:
-    """The id a new request takes, and the request first accepted under `key` if there is one."""
+def _first_under(
+    owner: str, key: str | None, asked: tuple[str, str, Any, dict[str, Any]]
+) -> tuple[str, Request | None]:
+    """The id a new request takes, and the request first accepted under `key` if there is one.
+    KeyReused (422) when that one is not `asked` (deployment, kind, input, params): a retry that
+    got another's answer would never learn its own was not run."""
     request_id = uuid.uuid4().hex
     if key is None:
         return request_id, None
     first_id = queue().claim_idempotency_key(owner, key, request_id)
-    return request_id, None if first_id == request_id else queue().get(first_id)
+    first = None if first_id == request_id else queue().get(first_id)
+    if first is not None and _canonical(first.deployment, first.kind, first.input, first.params) != _canonical(*asked):
+        raise KeyReused(
+            f"Idempotency-Key {key!r} was first sent with another request (to {first.deployment}, "
+            f"{first.kind}, request {first.id}): a retry must send the same request; a new request needs a new key"
+        )
+    return request_id, first
+
+
+def _canonical(*parts: Any) -> str:
+    # As stored: Redis keeps the input and params as JSON, so tuples come back as lists.
+    return json.dumps(parts, sort_keys=True, default=str)
 
 
 def _under(owner: str, key: str | None) -> tuple[str, str] | None:
@@ -229,7 +245,7 @@ def _admit(deployment_name: str, kind: str) -> str:
     # time, and psycopg prepares it on the server after a few runs.
     row = _read_deployment(deployment_name)
     if row is None:
-        raise NotFound(f"no deployment named {deployment_name!r}")
+        raise not_found.deployment(deployment_name)
     loader, awake, serving = row
     takes = family_of_loader(loader)
     if family_of_kind(kind) != takes:

@@ -22,13 +22,14 @@ from django.utils import timezone
 from gpuportal.wire import states
 from gpuportal.wire.states import AWAKE, GONE
 from scheduling import hot_sql, ledger, locks
+from scheduling.core.host_memory import HostView
 from scheduling.core.placement import CachedReplica
 from scheduling.core.planning import plan_of, without_releases
 from scheduling.core.state import Plan, Snapshot
 from scheduling.group_commit import Group
 from scheduling.models import Deployment, Event, Replica
-from scheduling.services import outbox
-from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
+from scheduling.services import not_found, outbox, placing
+from scheduling.services.errors import CannotPlace, InvalidInput
 from scheduling.services.placing import (
     PLAIN_COUNTED,
     Ask,
@@ -64,18 +65,20 @@ class _Census:
     cached: tuple[CachedReplica, ...]
     parked: bool
     rows: dict[str, tuple[str, str | None]]  # replica id → (state, node name)
+    host_bytes: int = 0  # the most host RAM one of its processes was measured holding
 
     @classmethod
     def of(cls, rows: Sequence[tuple]) -> _Census:
-        awake, cached, parked, by_id = [], [], False, {}
-        for replica_id, state, role, node in rows:
+        awake, cached, parked, by_id, most = [], [], False, {}, 0
+        for replica_id, state, role, node, host_bytes in rows:
             by_id[replica_id] = (state, node)
+            most = max(most, host_bytes)
             if state in AWAKE and role != Replica.Role.STANDBY:
                 awake.append(replica_id)
             elif state == Replica.State.SLEEPING and node is not None:
                 cached.append(CachedReplica(replica_id, node))
             parked = parked or state == Replica.State.PARKED
-        return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id)
+        return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id, host_bytes=most)
 
 
 @functools.cache
@@ -153,13 +156,16 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
         # The deployment row locks serialise scale operations of each deployment, so the census
         # read with them stays true until the commit.
         read = _locking([intent.name for intent in intents])
+        hosts: dict[str, HostView] | None = None
         for intent in intents:
             if intent.name not in read:
-                outcomes.append(NotFound(f"no deployment named {intent.name!r}"))
+                outcomes.append(not_found.deployment(intent.name))
                 continue
             deployment, census = read[intent.name]
             scaling = _Scaling(intent, deployment, census, before=deployment.replicas_wanted)
-            _plan_intent(scaling)
+            if hosts is None and intent.replicas > len(census.awake):
+                hosts = placing.host_views()  # read once for the batch: its asks share the hosts
+            _plan_intent(scaling, hosts or {})
             outcomes.append(scaling)
         scalings = [o for o in outcomes if isinstance(o, _Scaling)]
         _commit(scalings)
@@ -180,11 +186,18 @@ def _locking(names: list[str]) -> dict[str, tuple[Deployment, _Census]]:
     return {d.name: (d, _Census.of(by_id[d.pk])) for d in deployments}
 
 
-def _plan_intent(scaling: _Scaling) -> None:
+def _plan_intent(scaling: _Scaling, hosts: dict[str, HostView]) -> None:
     deployment, census, wanted = scaling.deployment, scaling.census, scaling.intent.replicas
     awake = census.awake
     if wanted > len(awake):
-        scaling.ask = Ask.of(deployment, wanted - len(awake), reason=scaling.why, cached=census.cached)
+        scaling.ask = Ask.of(
+            deployment,
+            wanted - len(awake),
+            reason=scaling.why,
+            cached=census.cached,
+            hosts=hosts,
+            host_need=placing.process_need(census.host_bytes),
+        )
     elif wanted < len(awake):
         stopping = awake[: len(awake) - wanted]
         known = {replica_id: census.rows[replica_id] for replica_id in stopping}

@@ -4,9 +4,12 @@ recorded as an Event), with the outcome reported as a message per item."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
+from django.core.validators import MaxValueValidator
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -33,9 +36,16 @@ def report_each(
 
 
 class ScaleForm(forms.Form):
-    replicas = forms.IntegerField(
-        min_value=deployment_spec.BY_NAME["replicas"].min, max_value=256, label="Replicas wanted"
-    )
+    replicas = forms.IntegerField(min_value=deployment_spec.BY_NAME["replicas"].min, label="Replicas wanted")
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # The API's own cap (GPUPORTAL_MAX_REPLICAS), read per form as the API reads it per request.
+        cap = getattr(settings, deployment_spec.BY_NAME["replicas"].max_setting)
+        field = self.fields["replicas"]
+        field.max_value = cap
+        field.validators.append(MaxValueValidator(cap))
+        field.widget.attrs["max"] = cap
 
 
 def form_page(

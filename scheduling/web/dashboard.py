@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import wraps
 from typing import Any
 
+from django.conf import settings
 from django.contrib import admin
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
@@ -58,6 +59,52 @@ def deployment_hue(name: str) -> int:
     return round(zlib.crc32(name.encode()) * 137.508) % 360
 
 
+# Two deployments' colours at least this far apart on the colour wheel, where the wheel has room;
+# and how many golden-angle steps from its own hue a deployment's colour may be looked for.
+MIN_HUE_APART = 30
+HUE_CANDIDATES = 36
+
+
+def hue_distance(a: int, b: int) -> int:
+    """Degrees between two hues, the short way round the colour wheel."""
+    return min(abs(a - b), 360 - abs(a - b))
+
+
+def deployment_hues(names: Iterable[str]) -> dict[str, int]:
+    """The colours of the deployments on one page: each its name's own hue, moved on by the golden
+    angle while it is near one already given (names taken in order, so the same deployments get
+    the same colours on every refresh). Two names' hues alone can land a few degrees apart and
+    read as one colour. Past about ten deployments the wheel has no more room for 30 degrees
+    between each: each then takes the hue farthest from those given."""
+    given: dict[str, int] = {}
+
+    def apart(hue: int) -> int:
+        return min((hue_distance(hue, h) for h in given.values()), default=360)
+
+    for name in sorted(set(names)):
+        own = deployment_hue(name)
+        candidates = [round(own + step * 137.508) % 360 for step in range(HUE_CANDIDATES)]
+        # The first far enough from every colour given; failing that, the one farthest from them.
+        far = [hue for hue in candidates if apart(hue) >= MIN_HUE_APART]
+        given[name] = far[0] if far else max(candidates, key=apart)
+    return given
+
+
+def striped(hues: dict[str, int]) -> set[str]:
+    """The deployments painted with stripes over their colour: those whose colour lies within
+    MIN_HUE_APART of one given before it (names in order), which past about ten deployments the
+    colour wheel cannot keep apart by hue alone. A colour, then a pattern: any number stay told
+    apart from their neighbours."""
+    seen: list[int] = []
+    marked: set[str] = set()
+    for name in sorted(hues):
+        hue = hues[name]
+        if any(hue_distance(hue, h) < MIN_HUE_APART for h in seen):
+            marked.add(name)
+        seen.append(hue)
+    return marked
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "–"
@@ -93,9 +140,10 @@ class Segment:
             return self.label
         return f"{self.deployment} · {self.state} · {human_bytes(self.bytes)}"
 
-    @property
-    def hue(self) -> int | None:
-        return deployment_hue(self.deployment) if self.deployment else None
+    # Its deployment's colour on this page (deployment_hues), given once every segment is known,
+    # and whether stripes tell it from a deployment of a near colour (`striped`).
+    hue: int | None = None
+    striped: bool = False
 
 
 @dataclass
@@ -244,15 +292,24 @@ def context(request: HttpRequest) -> dict[str, Any]:
     )
     awake = [r.id for r in replicas if r.state in (Replica.State.SERVING, Replica.State.DRAINING)]
     kv = selectors.kv_stats(awake)
+    why = selectors.state_reasons(r.id for r in replicas)
     for replica in replicas:
         replica.kv = kv.get(replica.id)
+        # Why it is asleep, draining, parked...: beside its state, not only in the events list.
+        replica.why = why.get(replica.id, "")
         # A replica's occupancies are all on its own node.
         node = replica.node.name if replica.node else "?"
         replica.gpu_labels = ", ".join(f"{node}/{o.gpu.index}" for o in replica.occupancies.all())
     filters = event_filters(request)
     shown = sorted({seg.deployment for node in node_rows.values() for row in node.gpus for seg in row.occupants})
+    painted = [seg for node in node_rows.values() for row in node.gpus for seg in (*row.segments, *row.occupants)]
+    hues = deployment_hues(seg.deployment for seg in painted if seg.deployment)
+    with_stripes = striped(hues)
+    for seg in painted:
+        seg.hue = hues.get(seg.deployment)
+        seg.striped = seg.deployment in with_stripes
     return {
-        "legend": [(name, deployment_hue(name)) for name in shown],
+        "legend": [(name, hues[name], name in with_stripes) for name in shown],
         "now": now,
         "nodes": list(node_rows.values()),
         "intents": intents,
@@ -264,6 +321,8 @@ def context(request: HttpRequest) -> dict[str, Any]:
         "filters": filters,
         "event_kinds": sorted(Event.Kind.values),
         "fragment_url": reverse("admin:scheduling_dashboard_fragment"),
+        # The API's own cap (GPUPORTAL_MAX_REPLICAS), read per page as the API reads it per request.
+        "max_replicas": getattr(settings, deployment_spec.BY_NAME["replicas"].max_setting),
     }
 
 

@@ -96,3 +96,17 @@ def test_past_the_stale_window_a_token_is_looked_up_before_the_answer(key, froze
     with pytest.raises(AuthenticationFailed):
         auth._authenticator.authenticate_credentials(key)
     assert looked_up.is_set(), "looked up in the request itself"
+
+
+@pytest.mark.parametrize("keyword", ["Token", "Bearer"])
+def test_a_token_is_taken_under_either_keyword_on_the_api_as_on_v1(key, keyword):
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"{keyword} {key}")
+
+    assert client.get("/api/deployments/").status_code == 200
+    assert client.get("/v1/models").status_code == 200
+    client.credentials(HTTP_AUTHORIZATION=f"{keyword} not-{key}")
+    refused = client.get("/api/deployments/")
+    assert refused.status_code == 401 and refused.json()["detail"] == "Invalid token."

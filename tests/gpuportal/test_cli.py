@@ -7,7 +7,9 @@ import base64
 import io
 import json
 import os
+import pty
 import re
+import select
 import shutil
 import signal
 import stat
@@ -144,8 +146,43 @@ def test_a_portal_that_cannot_be_reached_is_a_one_line_error_and_exit_1(capsys):
 
     assert code == 1
     assert capsys.readouterr().err.splitlines() == [
-        f"error: cannot reach the portal at {url} (is it up? see GPUPORTAL_URL)"
+        f"error: cannot reach the portal at {url} (is it up? give its address with --url or GPUPORTAL_URL)"
     ]
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_every_command_takes_the_portals_address_with_url_over_the_environment(stub_portal, capsys, where):
+    elsewhere = f"http://127.0.0.1:{free_port()}"  # where GPUPORTAL_URL points: nothing answers there
+    argv = (
+        ["--url", stub_portal.url, "wake", "tiny"] if where == "before" else ["wake", "tiny", "--url", stub_portal.url]
+    )
+
+    code = app.main(argv, env={"GPUPORTAL_URL": elsewhere, "GPUPORTAL_TOKEN": "t"})
+
+    assert code == 1 and capsys.readouterr().err.startswith("error: not even one replica fits")
+    assert stub_portal.paths == ["/api/deployments/tiny/wake/"]
+
+
+def test_a_refused_token_is_told_by_where_it_came_from(tmp_path, capsys):
+    portal = StubPortal(401, {"detail": "Invalid token."})
+    threading.Thread(target=portal.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        from_env = app.main(["ls"], env={"GPUPORTAL_URL": portal.url, "GPUPORTAL_TOKEN": "t"})
+        env_says = capsys.readouterr().err.splitlines()
+        stored = {"GPUPORTAL_CONFIG": str(tmp_path / "cli.json")}
+        config.store(config.Settings(url=portal.url, token="old"), stored)
+        from_login = app.main(["ls"], env=stored)
+        login_says = capsys.readouterr().err.splitlines()
+    finally:
+        portal.shutdown()
+        portal.server_close()
+
+    assert from_env == from_login == 1
+    assert env_says == [
+        "error: Invalid token.",
+        "the token in GPUPORTAL_TOKEN is not accepted: set a valid one, or unset it to use the stored one",
+    ]
+    assert login_says == ["error: Invalid token.", "the stored token is not accepted: `gpuportal login` again"]
 
 
 def test_without_a_token_the_command_says_to_log_in(tmp_path, capsys):
@@ -166,9 +203,22 @@ def test_login_stores_the_url_and_token_for_its_owner_only_and_the_environment_o
     assert config.load(env) == config.Settings(url="http://portal:8000", token="abc")
     overridden = {**env, "GPUPORTAL_URL": "other:9000/", "GPUPORTAL_TOKEN": "xyz"}
     assert config.load(overridden) == config.Settings(url="http://other:9000", token="xyz")
-    assert config.load({"GPUPORTAL_CONFIG": str(tmp_path / "none.json")}) == config.Settings(
-        url="http://127.0.0.1:8000", token=None
-    )
+    nothing = {"GPUPORTAL_CONFIG": str(tmp_path / "none.json"), "GPUPORTAL_DATA_DIR": str(tmp_path / "no-up")}
+    assert config.load(nothing) == config.Settings(url="http://127.0.0.1:8000", token=None)
+
+
+def test_beside_a_running_up_the_command_line_finds_the_port_it_chose(tmp_path):
+    from gpuportal.stackenv import write_stack_env
+
+    data = tmp_path / "var"
+    write_stack_env(data / "stack.env", {"REDIS_URL": "redis://x", "GPUPORTAL_URL": "http://127.0.0.1:8123"})
+    env = {"GPUPORTAL_CONFIG": str(tmp_path / "none.json"), "GPUPORTAL_DATA_DIR": str(data)}
+
+    assert config.load(env).url == "http://127.0.0.1:8123"
+    # What was typed or stored still comes first.
+    assert config.load({**env, "GPUPORTAL_URL": "http://elsewhere:1"}).url == "http://elsewhere:1"
+    config.store(config.Settings(url="http://stored:2", token="t"), env)
+    assert config.load(env).url == "http://stored:2"
 
 
 # -- the command line -------------------------------------------------------------------------
@@ -568,6 +618,55 @@ class Cli:
         return process, lines
 
 
+def chat_in_a_terminal(cli: Cli, model: str, turns: list[str]) -> str:
+    """`gpuportal chat` on a pseudo-terminal: each turn typed once its prompt shows, then /exit;
+    everything the terminal showed (the turns echoed, the answers streamed, the prompts)."""
+    main, secondary = pty.openpty()
+    process = subprocess.Popen(
+        [cli.script, "chat", model, "--max-tokens", "4"],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=cli.env,
+        cwd=ROOT,
+        close_fds=True,
+    )
+    os.close(secondary)
+    shown = b""
+
+    def until_prompt(after: int) -> int:
+        # The terminal is read as it fills: there is no Event to wait on in another process.
+        nonlocal shown
+        deadline = time.monotonic() + 120
+        while b">>> " not in shown[after:]:
+            ready, _, _ = select.select([main], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no prompt within 120 s: {shown.decode(errors='replace')}"
+            shown += os.read(main, 4096)
+        return shown.index(b">>> ", after) + 4
+
+    try:
+        at = until_prompt(0)
+        for turn in turns:
+            os.write(main, turn.encode() + b"\n")
+            at = until_prompt(at)
+        os.write(main, b"/exit\n")
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+        os.close(main)
+    return shown.decode(errors="replace")
+
+
+def chats_done(up: Up) -> int:
+    listed = up.get("/api/requests/?deployment=tiny&status=done&page_size=1000", up.token())[1]
+    return sum(1 for r in listed["results"] if r["kind"] == "chat")
+
+
+def short_of(cli: Cli) -> str:
+    """The short id `ls` shows for the one replica of `tiny`."""
+    return next(m[1] for m in re.finditer(r"^([0-9a-f]{8}) +tiny +serving ", cli.ok("ls"), re.MULTILINE))
+
+
 def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
@@ -594,6 +693,15 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         assert any(line.startswith("tiny ok 1/1 1 serving") for line in listed), listed
         gpus = cli.ok("gpus")
         assert "box/0  (id " in gpus and "■ tiny" in gpus and render.RESERVED in gpus
+        # Talking to it, through a pipe as a script would: the answer alone on stdout.
+        answer = cli.ok("run", "tiny", "--max-tokens", "4", stdin="Once upon a time")
+        assert answer.endswith("\n") and answer.count("\n") >= 1
+        assert [line.split()[:3] for line in cli.ok("ps").splitlines()[1:]] == [["tiny", short_of(cli), "serving"]]
+        # And in a terminal, as a person would: two turns of a conversation, then /exit.
+        before = chats_done(up)
+        screen = chat_in_a_terminal(cli, "tiny", ["Hello", "And then?"])
+        assert "chatting with tiny" in screen and screen.count(">>> ") == 3, screen
+        assert chats_done(up) == before + 2, "each turn asked the model once"
 
         assert cli.ok("scale", "tiny", "2").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
         refused = cli("scale", "tiny", "--replicas", "999")
@@ -634,6 +742,19 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         assert "created with 1 replica(s)" in history and "scaled by an operator: 1 → 2" in history
         assert cli.ok("ls") == "no deployments; `gpuportal deploy NAME SOURCE` makes one\n"
         gone = cli("rm", "tiny")
-        assert (gone.returncode, gone.stderr) == (1, "error: no deployment named 'tiny'\n")
+        assert (gone.returncode, gone.stderr) == (
+            1,
+            "error: no deployment named 'tiny': nothing is deployed (POST /api/deployments/ deploys a model)\n",
+        )
     finally:
         assert up.stop() == 0
+
+
+def test_a_gpu_using_a_little_past_its_reservations_says_by_how_much_and_that_it_is_within_tolerance():
+    # NVML's free memory leaves 1.25 GiB in use against 1 GiB reserved, no over-commit counted.
+    text = render.gpu_block(gpu(nvml_free_bytes=int(2.75 * 1024**3)), width=8).plain.splitlines()
+
+    assert text[2] == (
+        "  used 1.2 GiB · reserved 1.0 GiB · total 4.0 GiB · free 3.0 GiB · 256.0 MiB in use past the "
+        "reservations, within tolerance"
+    )

@@ -50,9 +50,11 @@ def test_the_quickstart_comes_within_the_first_lines_of_the_readme():
     commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
     assert "make run" in commands and "make test" in commands, blocks
     shell = "\n".join(blocks)
-    assert re.search(r"curl .*localhost:8000/api/auth/token/", shell), "no token step"
-    assert re.search(r"curl .*localhost:8000/api/deployments/ -d", shell), "no first deploy"
-    assert re.search(r"localhost:8000/api/deployments/[\w-]+/infer/", shell), "no first request"
+    # The address from where `up` wrote it, so that the commands work on any port as typed.
+    assert re.search(r"^PORTAL=.*var/stack\.env", shell, flags=re.M), "no address step"
+    assert re.search(r"curl .*\$PORTAL/api/auth/token/", shell), "no token step"
+    assert re.search(r"curl .*\$PORTAL/api/deployments/ -d", shell), "no first deploy"
+    assert re.search(r"\$PORTAL/api/deployments/[\w-]+/infer/", shell), "no first request"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))

@@ -197,13 +197,12 @@ SQL = re.compile(
     re.S,
 )
 # Where SQL may be written in Python: the lock order, the ledger and the statement runner (whose
-# hand-written statements are .sql files under scheduling/sql/), the failover lease the contract
-# shares with the pair members' own connections, and the embedded server's set-up and probe.
+# hand-written statements are .sql files under scheduling/sql/), and the embedded server's set-up
+# and probe.
 SQL_HOMES = (
     "scheduling.locks",
     "scheduling.ledger",
     "scheduling.hot_sql",
-    "gpuportal.wire.failover_lease",
     "gpuportal.stack",
     "gpuportal.health",
 )
@@ -235,7 +234,8 @@ def test_the_sql_check_finds_statements_and_leaves_prose_alone():
 
 # What the planes borrow from the project package besides the contract: the Celery app, the API's
 # authentication and sign-in throttle, the look-ups the request path remembers, the process
-# helpers, and the database backend of an agent that has none. Nothing that starts servers.
+# helpers (and how an orphaned replica ended, which `up` records for its adopter), and the
+# database backend of an agent that has none. Nothing that starts servers.
 BORROWED = (
     "gpuportal",
     "gpuportal.celery",
@@ -243,6 +243,7 @@ BORROWED = (
     "gpuportal.throttle",
     "gpuportal.remembered",
     "gpuportal.processes",
+    "gpuportal.orphans",
     "gpuportal.no_database.base",
 )
 

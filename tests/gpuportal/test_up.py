@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -155,6 +156,21 @@ def test_up_boots_the_portal_stops_cleanly_on_sigterm_and_reuses_its_data(tmp_pa
         replicas = again.get("/api/replicas/?deployment=tiny", token)[1]["results"]
         assert sorted(r["state"] for r in replicas) == ["serving", "stopped"], "adopted, not duplicated"
 
+        # The adopted process killed: the agent that watches it is not its parent, but `up` reaped
+        # it and recorded how it ended (gpuportal.orphans), so its failure names the signal.
+        os.kill(still["pid"], signal.SIGKILL)
+
+        def failed() -> dict | None:
+            found = again.get(f"/api/replicas/{still['id']}/", token)[1]
+            return found if found.get("state") == "failed" else None
+
+        # A report waits up to 120 s for the control plane's answer (a loaded machine's agents worker).
+        try:
+            killed = wait_until(failed, 120, "the killed replica to be failed")
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{again.diagnosis(token, still['id'])}") from None
+        assert "exited with code -9 (signal SIGKILL)" in killed["failure_reason"], killed
+
         # Every other process of `up` killed under load: tests/gpuportal/test_recovery.py.
         code, answer = again.post("/api/deployments/tiny/scale/", {"replicas": 1}, token)
         assert code == 200, answer
@@ -253,6 +269,41 @@ def test_a_generated_admin_password_is_kept_in_a_file_only_its_owner_reads_and_n
     assert (tmp_path / "admin-password").read_text().strip() == password
 
 
+@pytest.mark.django_db
+def test_up_prepares_its_database_in_one_command_that_says_only_the_admins_line_and_names_a_step_that_fails(
+    tmp_path, monkeypatch
+):
+    import io
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from scheduling.services import node_credentials
+
+    monkeypatch.setenv("GPUPORTAL_ADMIN_PASSWORD", "s3cret")
+    said = io.StringIO()
+    call_command("prepare_database", "--node", "box", "--token-file", str(tmp_path / "box"), stdout=said)
+
+    assert said.getvalue().strip() == "admin user 'admin' created (password from GPUPORTAL_ADMIN_PASSWORD)"
+    token = (tmp_path / "box").read_text().strip()
+    assert (tmp_path / "box").stat().st_mode & 0o777 == 0o600
+    assert node_credentials.holds(node_credentials.check_name("box"), token)
+    call_command("prepare_database", "--node", "box", "--token-file", str(tmp_path / "box"), stdout=io.StringIO())
+    assert (tmp_path / "box").read_text().strip() == token, "a token still valid is kept"
+
+    # A name that is no node's gets no credential: the agent refuses it, in its own words.
+    call_command("prepare_database", "--node", "not a name", "--token-file", str(tmp_path / "bad"), stdout=said)
+    assert not (tmp_path / "bad").exists()
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CommandError) as failed:
+        call_command("prepare_database", "--node", "box", "--token-file", str(blocker / "box"), stdout=said)
+    assert str(failed.value) == (
+        f"could not issue node box's credential: FileExistsError: [Errno 17] File exists: '{blocker}'"
+    )
+
+
 def test_the_banner_says_how_to_sign_in_and_the_console_shows_only_warnings_and_errors(tmp_path, monkeypatch):
     import io
 
@@ -278,6 +329,10 @@ def test_the_banner_says_how_to_sign_in_and_the_console_shows_only_warnings_and_
     assert portal.on_console("[2026-11-25 17:15:03,092: WARNING/MainProcess] consumer: Connection to broker lost")
     assert portal.on_console("2026-11-25 17:15:02,699 ERROR scheduling.tasks: reconcile failed")
     assert portal.on_console("[ERROR] granian worker died")
+    # A deploy, load, sleep, wake or failure: one line each, though logged at INFO.
+    assert portal.on_console(
+        "[2026-11-25 17:15:03,092: INFO/MainProcess] [gpuportal] tiny-a: replica 3f2a1b2c serving: loaded"
+    )
     verbose = Portal(Options(data_dir=tmp_path, verbose=True), out=out)
     assert verbose.on_console("[2026-11-25 17:15:03,092: INFO/MainProcess] Sending due task sweep")
 

@@ -5,6 +5,7 @@ side cannot read is refused with what is wrong rather than half-read."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 from hypothesis import given
@@ -34,6 +35,7 @@ def specs(draw) -> commands.ReplicaSpec:
         backend=draw(st.sampled_from(commands.BACKENDS)),
         deployment=draw(ids),
         failover_lease=draw(st.none() | st.integers(1, 10**6)),
+        failover_fence=draw(ids),
         role=draw(st.sampled_from(["primary", "standby"])),
         kv_max_tokens=draw(st.none() | st.integers(1, 10**6)),
         context_bytes=draw(st.integers(0, 2**32)),
@@ -52,7 +54,7 @@ any_command = st.one_of(
         fraction=fractions,
         wait_for=waits,
     ),
-    st.builds(commands.StopReplica, replica_id=ids, drain_timeout_s=drains),
+    st.builds(commands.StopReplica, replica_id=ids, drain_timeout_s=drains, close_pair=st.booleans()),
     st.builds(commands.KeepArena, replica_id=ids, keep=st.booleans()),
 )
 
@@ -62,11 +64,18 @@ def test_every_command_comes_back_from_its_json_as_it_was_sent(command):
     assert commands.decode(json.loads(json.dumps(commands.encode(command)))) == command
 
 
-def test_a_start_leaves_the_database_url_of_its_spec_behind():
-    spec = commands.ReplicaSpec("r1", "/m", "auto", "float32", (0,), {"0": 1}, failover_dsn="postgres://secret@db/x")
-    payload = commands.encode(commands.StartReplica(spec))
-    assert "secret" not in json.dumps(payload)
-    assert commands.decode(payload).spec.failover_dsn == ""
+def test_no_command_carries_a_database_url():
+    # A node holds no database credentials: its failover pairs lock on the node (inference.failover).
+    names = {f.name for kind in commands.KINDS.values() for f in fields(kind)} | {
+        f.name for f in fields(commands.ReplicaSpec)
+    }
+    assert not {n for n in names if "dsn" in n or "database" in n}, names
+
+
+def test_a_stop_from_an_older_control_plane_closes_no_pair():
+    # close_pair came to version 1 with a default: a stop without it reads as it did before.
+    payload = {"v": commands.VERSION, "kind": "stop", "replica_id": "r1", "drain_timeout_s": 5.0}
+    assert commands.decode(payload) == commands.StopReplica("r1", 5.0, close_pair=False)
 
 
 A_SPEC = {"replica_id": "r1", "source": "/m", "loader": "auto", "dtype": "float32", "gpus": [0]}
@@ -174,22 +183,6 @@ def test_a_call_the_control_plane_cannot_read_is_refused_naming_why(payload, mes
 def test_a_call_that_is_no_control_plane_method_cannot_be_sent():
     with pytest.raises(commands.WireError, match="unknown call 'shutdown'"):
         encode_call(Call("shutdown", "gp:r"))
-
-
-def test_the_failover_lease_contract_names_the_models_table_and_columns():
-    import re
-
-    from gpuportal.wire import failover_lease
-    from scheduling.models import FailoverLease
-
-    assert FailoverLease._meta.db_table == failover_lease.TABLE
-    columns = {field.column for field in FailoverLease._meta.concrete_fields}
-    assert set(failover_lease.COLUMNS) <= columns, set(failover_lease.COLUMNS) - columns
-    for statement in (failover_lease.READ_FOR_CLAIM, failover_lease.CLAIM, failover_lease.RENEW):
-        assert f" {failover_lease.TABLE} " in statement
-        # Every lower-case name the statement assigns, compares or selects is a column it declares.
-        named = set(re.findall(r"\b([a-z_]+) (?:=|IS)\b", statement)) | set(re.findall(r"SET ([a-z_]+)", statement))
-        assert named <= set(failover_lease.COLUMNS), named - set(failover_lease.COLUMNS)
 
 
 def test_both_sides_of_the_agent_calls_carry_exactly_the_contracts_calls():

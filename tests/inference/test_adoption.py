@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
-import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from gpuportal.wire.node_reports import Survivor
+from inference import adoption as adoption_socket
 from inference.supervisor import Supervisor
 from scheduling.core import adoption
 from tests.support.processes import wait_until
@@ -169,7 +170,8 @@ def test_a_replica_without_a_window_dies_with_its_agent(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_adopted_replica_that_is_killed_is_reported_as_a_crash(tmp_path):
+@pytest.mark.parametrize("unread", [False, True], ids=["idle", "with-a-command-unread"])
+def test_an_adopted_replica_that_is_killed_is_reported_as_a_crash(tmp_path, unread):
     log_dir = tmp_path / "logs"
     pid, _ = orphan(log_dir, window_s=60)
     events = Events()
@@ -177,10 +179,41 @@ def test_an_adopted_replica_that_is_killed_is_reported_as_a_crash(tmp_path):
     try:
         assert list(successor.adopt_survivors(events)) == ["r1"]
         successor.resume()
-        psutil.Process(pid).send_signal(signal.SIGKILL)
+        replica = psutil.Process(pid)
+        if unread:
+            # Its stream is a Unix socket: a peer that dies with data unread in it resets the
+            # connection instead of closing it. That is its end as well: the reader thread used to
+            # die of the reset, leaving the replica counted as running and never failed.
+            replica.suspend()
+            successor.send("r1", {"cmd": "ping"})  # stopped, it never reads this
+        replica.kill()
         failed = events.final(timeout=30)
         assert failed["event"] == "failed" and failed["kind"] == "crash"
         assert failed["reason"].startswith("replica process exited: ")
         assert successor.running() == []
+    finally:
+        successor.stop_all(timeout=5)
+
+
+@pytest.mark.slow
+def test_an_adopter_that_dies_with_events_unread_leaves_the_replica_waiting_for_the_next(tmp_path):
+    # The adopter's death resets the socket (the replica's events unread in it) rather than
+    # closing it: the replica's command thread must take that as the agent gone, and wait again.
+    log_dir = tmp_path / "logs"
+    pid, _ = orphan(log_dir, window_s=60)
+    doomed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    doomed.connect(adoption_socket.socket_name(adoption_socket.address(log_dir, "r1")))
+    doomed.settimeout(10)
+    doomed.sendall(b'{"cmd": "ping"}\n')  # it answers with a pong; nobody reads it
+    # Its hello and its pong wait in the socket, unread (peeked at, not taken), as the adopter dies.
+    wait_until(lambda: b'"pong"' in doomed.recv(65536, socket.MSG_PEEK), 10, "the pong to be written")
+    assert f'"pid":{pid}'.encode() in doomed.recv(65536, socket.MSG_PEEK)
+    doomed.close()
+
+    events = Events()
+    successor = Supervisor(log_dir)
+    try:
+        hellos = wait_until(lambda: successor.adopt_survivors(events), 30, "the replica to wait for an adopter again")
+        assert hellos["r1"]["pid"] == pid and not gone(pid)
     finally:
         successor.stop_all(timeout=5)

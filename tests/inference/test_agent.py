@@ -329,6 +329,9 @@ class _Processes:
     def arenas(self) -> dict[str, int]:
         return dict(self._arenas)
 
+    def host_bytes(self) -> dict[str, int]:
+        return {rid: 300 * MiB for rid in self._states}
+
     def usage(self) -> dict:
         return {rid: (4242, {"0": MiB}, state) for rid, state in self._states.items()}
 
@@ -451,6 +454,7 @@ def test_each_beat_tells_the_state_each_replica_process_last_said_it_is_in(monke
     assert beat["running"] == ["r1", "r2", "r3"]
     assert beat["processes"] == {"r1": "sleeping", "r2": "serving", "r3": ""}
     assert beat["arenas"] == {"r2": MiB}, "the host arenas they keep (a lost grant or drop shows there)"
+    assert beat["host_bytes"] == {"r1": 300 * MiB, "r2": 300 * MiB, "r3": 300 * MiB}, "their host RAM"
     assert beat["books"].states == {"r1": "sleeping", "r2": "serving", "r3": ""}
 
 

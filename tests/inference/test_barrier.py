@@ -285,7 +285,9 @@ class _FakeSupervisor:
     def send(self, replica_id: str, command: dict) -> None:
         self.calls.append(("send", replica_id, command))
 
-    def stop(self, replica_id: str, timeout: float = 10.0, drain_timeout_s: float | None = None) -> int:
+    def stop(
+        self, replica_id: str, timeout: float = 10.0, drain_timeout_s: float | None = None, *, close_pair: bool = False
+    ) -> int:
         self.calls.append(("stop", replica_id, drain_timeout_s))
         return 0
 

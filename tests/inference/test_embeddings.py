@@ -183,5 +183,5 @@ def test_a_replica_loads_a_hf_name_from_the_cache_as_the_directory_it_names(tiny
     assert from_hub.state_dict().keys() == from_dir.state_dict().keys()
     assert all(torch.equal(from_hub.state_dict()[k], v) for k, v in from_dir.state_dict().items())
     assert load_tokenizer("hf:acme/tiny-llama", "transformers") is not None
-    with pytest.raises(ValueError, match=r"not in this node's Hugging Face cache.*`hf download acme/elsewhere`"):
+    with pytest.raises(ValueError, match=r"not in this node's Hugging Face cache.*`gpuportal pull acme/elsewhere`"):
         load_model("hf:acme/elsewhere", "transformers", "float32")

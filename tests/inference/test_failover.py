@@ -7,12 +7,14 @@ tests/scheduling/test_failover_services.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 
 import pytest
 
 from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
+from inference import failover
 from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling.models import Event, FailoverLease, Occupant, Replica
 from scheduling.services import requests as request_services
@@ -54,7 +56,7 @@ def paired(agent, staff, tmp_path) -> tuple[Replica, Replica]:
     return wait_until(pair_of, LOAD_TIMEOUT, "an active replica and its standby")
 
 
-def a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservation(paired, staff) -> None:
+def a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservation(paired, staff, pairs) -> None:
     active, standby = paired
 
     assert active.node_id == standby.node_id
@@ -65,6 +67,10 @@ def a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservatio
     assert list(Occupant.objects.values_list("replica_id", "reserved_bytes")) == [(active.id, pair)]
     lease = FailoverLease.objects.get()
     assert lease.holder_id == active.id and lease.epoch == 1 and active.epoch == 1
+    # The lock is the node's: a file in its agent's folder, which the active member holds, and a
+    # lease file beside it that says so. The agent was given no database.
+    assert json.loads((pairs / f"{lease.fence}.lease").read_text()) == {"holder": active.id, "epoch": 1}
+    assert not (pairs / f"{lease.fence}.closed").exists()
     shown = {r["id"]: r for r in staff.get("/api/replicas/").json()["results"]}
     assert shown[active.id]["failover_state"]["state"] == "active" and shown[active.id]["failover_state"]["holder"]
     assert shown[standby.id]["failover_state"]["state"] == "standby"
@@ -142,7 +148,7 @@ def test_a_planned_switchover_drains_the_active_and_its_standby_takes_over(paire
     assert list(Occupant.objects.values_list("replica_id", flat=True)) == [standby.id]
 
 
-def scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff) -> None:
+def scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff, pairs) -> None:
     active, standby = paired
     assert staff.post("/api/deployments/tiny/scale/", {"replicas": 0}, format="json").status_code == 200
 
@@ -151,10 +157,16 @@ def scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff
     # The standby stopped with its active member: it never took over.
     assert FailoverLease.objects.get().epoch == 1 and FailoverLease.objects.get().holder_id == active.id
     assert Replica.objects.get(pk=standby.id).failover_state == "dead"
+    # The agent closed the pair before the stops, and forgets its files once both have exited
+    # (after their reports, which the books above followed).
+    wait_until(lambda: list(pairs.iterdir()) == [], 30, "the agent to forget the pair's files")
 
 
 # One pair for the look at a fresh pair, which changes nothing of it, and the scale-down that ends
 # it: its two replica processes take most of a test's time to load.
-def test_a_pair_shares_one_reservation_and_scaling_it_down_stops_both_members_and_releases_the_memory(paired, staff):
-    a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservation(paired, staff)
-    scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff)
+def test_a_pair_shares_one_reservation_and_scaling_it_down_stops_both_members_and_releases_the_memory(
+    paired, staff, tmp_path
+):
+    pairs = tmp_path / "replicas" / "e2e" / failover.LOCKS_FOLDER  # the agent's folder of pair locks
+    a_failover_deployment_runs_an_active_and_a_standby_that_share_one_reservation(paired, staff, pairs)
+    scaling_a_pair_down_stops_both_members_and_releases_the_memory(paired, staff, pairs)

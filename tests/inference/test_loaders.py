@@ -263,3 +263,48 @@ def test_a_prompt_too_big_for_the_context_is_refused_by_its_size_before_it_is_to
     with pytest.raises(BadInput, match="can never fit"):
         executor.sequence(oversized, None)
     executor.refuse_oversized("a" * bound)  # at the bound it may fit: its tokens decide, as before
+
+
+@pytest.mark.parametrize(
+    ("source", "hint"),
+    [
+        (
+            "Qwen/Qwen2.5-0.5B-Instruct",
+            "pull it first (`gpuportal pull Qwen/Qwen2.5-0.5B-Instruct`), then deploy hf:Qwen/Qwen2.5-0.5B-Instruct",
+        ),
+        ("meta-llama/Llama-3.2-1B", "holds no model meta-llama/Llama-3.2-1B"),
+        ("/models/missing", None),
+        ("./missing/model", None),
+        ("missing", None),
+    ],
+)
+def test_a_missing_source_that_reads_as_a_hugging_face_name_is_told_the_hf_spelling(
+    source, hint, tmp_path, monkeypatch
+):
+    from tests.support.hub import use_cache
+
+    use_cache(monkeypatch, tmp_path / "empty-cache")
+    with pytest.raises(ValueError, match=r"not a model directory: .* does not exist") as refused:
+        validate_source(source, "transformers")
+
+    if hint is None:
+        assert "hf:" not in str(refused.value)
+    else:
+        assert hint in str(refused.value)
+
+
+def test_a_bare_hugging_face_name_the_cache_holds_is_loaded_from_it_as_vllm_takes_one(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    from inference.hub import local_model_dir
+    from tests.support.hub import cache_model, use_cache
+
+    use_cache(monkeypatch, tmp_path / "cache")
+    snapshot = cache_model(tmp_path / "cache", "acme/tiny-llm", tiny_model_dir, link=True)
+
+    assert local_model_dir("acme/tiny-llm") == snapshot
+    validate_source("acme/tiny-llm", "transformers")
+    # A directory of that name here is still the directory.
+    (tmp_path / "acme" / "tiny-llm").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert local_model_dir("acme/tiny-llm") == Path("acme/tiny-llm")

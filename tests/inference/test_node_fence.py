@@ -17,6 +17,7 @@ from django.conf import settings
 from gpuportal.wire import node_lease
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.requestqueue import LeaseLapsed, NodeWrittenOff, NotTaken, RequestQueue, WrittenOff
+from gpuportal.wire.requestqueue.protocol import request_key
 
 
 @pytest.fixture
@@ -126,6 +127,28 @@ def test_a_chunk_for_a_request_given_back_to_another_replica_is_refused(rq, old)
     assert "late" not in rq.read_stream(request.id, 0, 0)[0]
 
 
+def test_a_steps_pieces_land_but_for_a_request_given_back_and_a_fence_refuses_them_all(client, rq, node, old):
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    node_lease.renew(client, node, ttl_s=30, epoch=0)
+    fence = NodeFence(node, 0)
+    kept, lost = submit(rq, deployment, stream=True), submit(rq, deployment, stream=True)
+    rq.take(deployment, old, timeout=0, node=fence)
+    rq.take(deployment, old, timeout=0, node=fence)
+    client.hset(request_key(lost.id), "replica", "another")  # handed to another replica meanwhile
+
+    with pytest.raises(NotTaken):
+        rq.chunks([(lost.id, "late"), (kept.id, "Hel")], old, node=fence)
+    assert rq.read_stream(kept.id, 0, 0) == (["Hel"], False), "the other request's piece still landed"
+    assert rq.read_stream(lost.id, 0, 0) == ([], False)
+
+    node_lease.write_off(client, node)
+
+    # Every piece refused, and the fence named rather than the one request given back.
+    with pytest.raises(NodeWrittenOff):
+        rq.chunks([(lost.id, "x"), (kept.id, "lo")], old, node=fence)
+    assert rq.read_stream(kept.id, 0, 0) == (["Hel"], False)
+
+
 class Stops:
     """The agent's supervisor, as far as a fenced renewal uses it: what it runs, what it stops,
     and whether the lease was held when it stopped them."""
@@ -140,6 +163,9 @@ class Stops:
         return dict.fromkeys(self.running, "serving")
 
     def arenas(self) -> dict[str, int]:
+        return {}
+
+    def host_bytes(self) -> dict[str, int]:
         return {}
 
     def stop_written_off(self, replica_ids, timeout: float = 5.0) -> list[str]:

@@ -290,3 +290,39 @@ def test_the_pool_takes_what_the_cap_leaves_by_the_schedulers_formula(tiny):
     assert small.pool.blocks_total == 0
     engine.pool.release()
     assert engine.pool.tensor_bytes == 0
+
+
+def test_a_streamed_piece_never_ends_inside_a_character_and_the_pieces_add_up_to_the_text():
+    from inference.stream_text import newly_settled
+
+    # What decoding a byte-level tokenizer's tokens so far gives, one token at a time: "é" is two
+    # bytes, and the token holding the first shows as U+FFFD until the second arrives.
+    decodes = ["Caf", "Caf\ufffd", "Café", "Café \ufffd"]
+    sent, pieces = "", []
+    for index, text in enumerate(decodes):
+        piece = newly_settled(text, sent, final=index == len(decodes) - 1)
+        pieces.append(piece)
+        sent += piece
+
+    assert pieces == ["Caf", "", "é", " \ufffd"], "held back, then sent whole; the last one as the answer has it"
+    assert sent == decodes[-1]
+    assert newly_settled("Cab", "Caf") == "", "a tail that changed under what was sent sends nothing"
+
+
+def test_text_decoded_a_token_at_a_time_is_the_whole_decode_of_the_same_tokens(tiny):
+    import random
+
+    from inference.stream_text import REPLACEMENT, IncrementalText
+
+    _, tokenizer = tiny
+    rng = random.Random(4)
+    for _ in range(40):
+        # Any ids at all: byte tokens that split characters, special tokens, merges.
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+        text = IncrementalText(tokenizer)
+        for end in range(1, len(ids) + 1):
+            so_far = text.update(ids[:end])
+            whole = tokenizer.decode(ids[:end], skip_special_tokens=True)
+            assert whole.startswith(so_far), (ids[:end], so_far, whole)
+            if not whole.endswith(REPLACEMENT):
+                assert so_far == whole, (ids[:end], so_far, whole)

@@ -21,8 +21,8 @@ def rq() -> RequestQueue:
     return RequestQueue.from_url(settings.REDIS_URL)
 
 
-def grant(previous: str | None, took_over: bool = True) -> Grant:
-    return Grant(epoch=2, took_over=took_over, previous_holder=previous, previous_epoch=1, granted_monotonic=0.0)
+def grant(previous: str | None) -> Grant:
+    return Grant(epoch=2, previous_holder=previous, previous_epoch=1, granted_monotonic=0.0)
 
 
 def test_at_the_grant_the_dead_actives_request_goes_back_first_in_line_and_it_may_take_no_more(rq):
@@ -39,10 +39,10 @@ def test_at_the_grant_the_dead_actives_request_goes_back_first_in_line_and_it_ma
         rq.take("pair", "dead-active", timeout=0.1)
 
 
-def test_a_reconnect_or_a_first_grant_gives_back_nothing(rq):
+def test_a_first_grant_or_a_fresh_process_of_the_holder_gives_back_nothing(rq):
     rq.submit("pair", kind="generate", input="x", params={}, owner="1")
     taken = rq.take("pair", "holder", timeout=1).id
 
-    assert give_back_from(rq, "pair", grant("holder", took_over=False), "holder") == {}
+    assert give_back_from(rq, "pair", grant("holder"), "holder") == {}
     assert give_back_from(rq, "pair", grant(None), "standby") == {}
     assert rq.get(taken).status == "dispatched"

@@ -62,6 +62,17 @@ def test_the_gpu_changelist_shows_bytes_in_gib_and_the_wake_lock(admin_client, w
     assert str(world["gpu"].wake_lock_holder) in content
 
 
+def test_the_admin_is_titled_for_the_portal_and_shows_a_replicas_share_of_its_gpu_in_percent(
+    admin_client, world: dict
+) -> None:
+    index = admin_client.get(reverse("admin:index")).content.decode()
+    assert "gpuportal administration" in index and "Django administration" not in index
+    replicas = admin_client.get(url(Replica, "changelist")).content.decode()
+    assert "10.0 %" in replicas and "0.1<" not in replicas
+    deployment = admin_client.get(url(Deployment, "change", world["deployment"].pk)).content.decode()
+    assert "10.0 %" in deployment
+
+
 def test_the_gpu_page_shows_occupants_and_refuses_edits(admin_client, world: dict) -> None:
     gpu: GPU = world["gpu"]
     page = admin_client.get(url(GPU, "change", gpu.pk))

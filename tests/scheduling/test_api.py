@@ -330,7 +330,23 @@ def test_replica_detail_has_the_replica_shape(api: APIClient) -> None:
         "failure_reason": "",
         "progress": None,
         "arena_kept_bytes": 0,
+        "host_bytes": 0,
     }
+
+
+def test_a_replica_is_found_by_an_unambiguous_start_of_its_id_as_ls_shows_one(api: APIClient) -> None:
+    dep = f.deployment("tiny-a")
+    one = f.replica(dep, None, id="abcd1234" + "0" * 24)
+    f.replica(dep, None, id="abce9999" + "0" * 24)
+    f.replica(dep, None, id="abce8888" + "0" * 24)
+
+    assert api.get("/api/replicas/abcd1234/").json()["id"] == one.id
+    assert api.get(f"/api/replicas/{one.id}/").json()["id"] == one.id
+    ambiguous = api.get("/api/replicas/abce/")
+    assert ambiguous.status_code == 400 and ambiguous.json()["detail"].startswith("'abce' starts more than one")
+    assert api.get("/api/replicas/abc/").status_code == 404, "too short to be taken for a start"
+    missing = api.get("/api/replicas/ffff0000/")
+    assert missing.status_code == 404 and missing.json()["detail"] == "no replica 'ffff0000'"
 
 
 def test_replicas_filter_by_deployment_state_and_node(api: APIClient) -> None:

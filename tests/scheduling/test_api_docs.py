@@ -66,3 +66,10 @@ def test_the_examples_of_a_deploy_and_an_answer_name_the_same_fields_as_the_sche
     assert set(EXAMPLES[("get", "/api/requests/{id}/")]["response"]) == request
     gpu = set(schema["components"]["schemas"]["GPU"]["properties"])
     assert set(EXAMPLES[("get", "/api/gpus/{id}/")]["response"]) == gpu
+
+
+def test_a_replicas_gpus_have_one_name_the_first_one_marked_deprecated(schema):
+    replica = schema["components"]["schemas"]["Replica"]["properties"]
+
+    assert replica["gpus"]["deprecated"] is True and "read gpu_indexes" in replica["gpus"]["description"]
+    assert not replica["gpu_indexes"].get("deprecated") and not replica["gpu_ids"].get("deprecated")

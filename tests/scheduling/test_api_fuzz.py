@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+from urllib.parse import quote
 
 import pytest
 import schemathesis
 from django.contrib.auth.models import User
+from django.test import Client
 from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.renderers import OpenApiJsonRenderer
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error
 
@@ -57,3 +60,73 @@ for _label in OPERATIONS:
 def test_every_operation_of_the_schema_has_its_test():
     tests = [name for name in globals() if name.startswith("test_") and name.endswith("_answers_no_server_error")]
     assert len(tests) == len(OPERATIONS) > 30 and any("post_api_deployments" in name for name in tests)
+
+
+# -- hostile bodies and paths -------------------------------------------------------------------------
+# What schemathesis does not send on its own: JSON nested past any sane depth, NUL and lone
+# surrogates in any string (PostgreSQL stores neither), in bodies shaped like each operation's
+# own (its field names as keys, so validators past the parser see them too) and in path parameters.
+
+
+def _body_operations() -> list[tuple[str, str, list[str]]]:
+    """(method, path template, the field names its body schema knows) of every operation with a body."""
+    raw = _raw_schema()
+    components = raw.get("components", {}).get("schemas", {})
+
+    def names(node: object, seen: set[str]) -> set[str]:
+        found: set[str] = set()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref not in seen:
+                found |= names(components.get(ref.rsplit("/", 1)[-1], {}), seen | {ref})
+            found |= set(node.get("properties", {}))
+            for value in node.values():
+                found |= names(value, seen)
+        elif isinstance(node, list):
+            for value in node:
+                found |= names(value, seen)
+        return found
+
+    operations = []
+    for path, methods in raw["paths"].items():
+        for method, operation in methods.items():
+            if isinstance(operation, dict) and "requestBody" in operation:
+                operations.append((method, path, sorted(names(operation["requestBody"], set()))))
+    return operations
+
+
+BODY_OPERATIONS = _body_operations()
+HOSTILE_TEXT = st.text(
+    alphabet=st.sampled_from(["a", "-", "\x00", "\ud800", "\udfff", "é", "%", "\u2028", "/", " "]) | st.characters(),
+    max_size=10,
+)
+LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | HOSTILE_TEXT
+
+
+def _values(keys: list[str]):
+    key = st.sampled_from(keys) | HOSTILE_TEXT if keys else HOSTILE_TEXT
+    return st.recursive(
+        LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(key, inner, max_size=5), max_leaves=24
+    )
+
+
+@st.composite
+def hostile_calls(draw) -> tuple[str, str, str]:
+    method, template, keys = draw(st.sampled_from(BODY_OPERATIONS))
+    path = re.sub(r"\{[^}]+\}", lambda _: quote(draw(HOSTILE_TEXT) or "x", safe=""), template)
+    if draw(st.booleans()):
+        depth = draw(st.integers(min_value=1, max_value=200))
+        body = "[" * depth + "]" * depth if draw(st.booleans()) else '{"a":' * depth + "1" + "}" * depth
+    else:
+        body = json.dumps(draw(st.dictionaries(st.sampled_from(keys) if keys else HOSTILE_TEXT, _values(keys))))
+    return method, path, body
+
+
+@pytest.mark.django_db(transaction=True)
+@given(call=hostile_calls())
+@settings(max_examples=50, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+def test_hostile_bodies_and_path_parameters_get_no_server_error(call, token, cluster):
+    method, path, body = call
+    client = Client(HTTP_AUTHORIZATION=f"Token {token}", raise_request_exception=False)
+    response = getattr(client, method)(path, data=body, content_type="application/json")
+    assert response.status_code < 500, (method, path, body[:300], response.content[:300])

@@ -64,13 +64,14 @@ def test_it_shows_nodes_gpus_and_each_occupants_bar_segment(cluster, admin_clien
 def test_each_deployment_has_its_own_colour_in_the_bars_and_the_key_whatever_its_state(
     cluster, admin_client, dispatched
 ) -> None:
-    from scheduling.web.dashboard import deployment_hue
+    from scheduling.web.dashboard import deployment_hues
 
     first, second = deploy("tiny-a"), deploy("tiny-b")
     body = admin_client.get(FRAGMENT).content.decode()
 
-    hue_a, hue_b = deployment_hue("tiny-a"), deployment_hue("tiny-b")
-    assert hue_a != hue_b and deployment_hue("tiny-a") == hue_a, "stable across renders"
+    hues = deployment_hues(["tiny-a", "tiny-b"])
+    hue_a, hue_b = hues["tiny-a"], hues["tiny-b"]
+    assert hue_a != hue_b and deployment_hues(["tiny-b", "tiny-a"]) == hues, "stable across renders"
     assert (
         f'<li data-deployment="tiny-a"><span class="gp-swatch" style="background-color: hsl({hue_a} 55% 38%)">' in body
     )
@@ -78,6 +79,77 @@ def test_each_deployment_has_its_own_colour_in_the_bars_and_the_key_whatever_its
         assert f'background-color: hsl({hue} 55% 38%)"\n        data-replica="{replica_id}"' in body
     # The bar itself holds a short label, readable in the segment; the whole one is its tooltip.
     assert "tiny-a · serving · 300.00 MiB" in body and 'title="tiny-a (serving): reserved 300.00 MiB' in body
+
+
+def test_deployments_whose_names_give_near_colours_are_painted_far_apart_the_same_each_time() -> None:
+    from scheduling.web.dashboard import MIN_HUE_APART, deployment_hue, deployment_hues
+
+    # These two names' own hues are a degree apart: one colour to the eye.
+    assert abs(deployment_hue("model-1") - deployment_hue("model-36")) <= 3
+    hues = deployment_hues(["model-36", "model-1"])
+    apart = abs(hues["model-1"] - hues["model-36"])
+    assert min(apart, 360 - apart) >= MIN_HUE_APART
+    assert deployment_hues(["model-1", "model-36"]) == hues
+    assert deployment_hues(["model-1"]) == {"model-1": deployment_hue("model-1")}, "alone: its own hue"
+    many = deployment_hues(f"d{i}" for i in range(12))
+    assert len(set(many.values())) == 12
+
+
+def test_past_the_colours_the_wheel_has_room_for_a_deployment_near_another_gets_stripes() -> None:
+    from scheduling.web.dashboard import MIN_HUE_APART, deployment_hues, striped
+
+    few = deployment_hues(["tiny-a", "tiny-b", "big"])
+    assert striped(few) == set(), "colours alone while they are far apart"
+    many = deployment_hues(f"model-{i:02d}" for i in range(24))
+    marked = striped(many)
+    assert marked and striped(dict(reversed(list(many.items())))) == marked, "the same each refresh"
+    plain = sorted(name for name in many if name not in marked)
+    for i, a in enumerate(plain):
+        for b in plain[i + 1 :]:
+            apart = abs(many[a] - many[b])
+            assert min(apart, 360 - apart) >= MIN_HUE_APART, (a, b)
+
+
+def test_a_striped_deployment_is_striped_in_the_bars_and_the_key(admin_client) -> None:
+    from scheduling.web.dashboard import deployment_hues, striped
+
+    node = f.node("node1")
+    gpus = [f.gpu(node, i) for i in range(4)]
+    names = [f"model-{i:02d}" for i in range(24)]
+    for i, name in enumerate(names):
+        f.occupy(f.replica(f.deployment(name), node, state="serving"), gpus[i % 4], 64 * 1024**2)
+    marked = sorted(striped(deployment_hues(names)))
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    for name in names:
+        key = body[body.index(f'<li data-deployment="{name}">') :][:120]
+        assert ("gp-striped" in key) == (name in marked), (name, key)
+
+
+def test_a_message_shows_the_deployments_name_as_written_and_scale_keeps_to_the_replica_cap(
+    cluster, admin_client, dispatched, settings
+) -> None:
+    deploy("ui-tiny")
+
+    page = admin_client.post(control("scale", "ui-tiny"), {"replicas": "2"}, follow=True).content.decode()
+
+    assert "ui-tiny: scaled to 2" in page and "Ui-tiny" not in page
+    body = admin_client.get(FRAGMENT).content.decode()
+    assert f'max="{settings.GPUPORTAL_MAX_REPLICAS}"' in body and 'max="256"' not in body
+
+
+def test_a_sleeping_replica_shows_why_beside_its_state_from_its_latest_state_event(admin_client) -> None:
+    replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="sleeping")
+    f.event(kind="replica.state", subject=f"replica {replica.id[:8]}", reason="loaded", replica=replica.id)
+    f.event(kind="replica.state", subject="r", reason="idle 300 s: put to sleep", replica=replica.id)
+    f.event(kind="gpu.changed", subject="gpu node1/0", reason="not a state", replica=replica.id)
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    row = body[body.index(f'<tr data-replica="{replica.id}">') :]
+    row = row[: row.index("</tr>")]
+    assert '<div class="gp-why gp-why-state">idle 300 s: put to sleep</div>' in row
 
 
 def test_a_failed_replica_shows_why_beside_it_and_events_show_their_seconds(admin_client) -> None:
@@ -325,3 +397,10 @@ def test_controls_need_a_csrf_token(db) -> None:
 
 def test_controls_only_accept_post(admin_client) -> None:
     assert admin_client.get(control("drain", "node1")).status_code == 405
+
+
+def test_a_browser_asking_for_the_favicon_gets_one_without_logging_in(client):
+    response = client.get("/favicon.ico")
+
+    assert response.status_code == 200 and response["Content-Type"] == "image/svg+xml"
+    assert response.content.startswith(b"<svg")

@@ -13,7 +13,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.db import connection
 
-from scheduling.models import Deployment, Occupant, Replica
+from scheduling.models import GPU, Deployment, Occupant, Replica
 from scheduling.services import reports
 from tests.support.deployments import deploy
 
@@ -108,7 +108,11 @@ def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(l
             expect(segment).to_have_count(0, timeout=15_000)
             free = page.locator(f'.gp-gpu[data-gpu="{gpu_label}"] .gp-seg-free')
             expect(free).to_have_attribute("style", "width: 100.00%")
-            expect(page.locator(f'tr[data-replica="{replica_id}"] .gp-state')).to_have_text("sleeping")
+            expect(page.locator(f'tr[data-replica="{replica_id}"] .gp-state .gp-pill')).to_have_text("sleeping")
+            # Why, beside it: its latest state change's reason, not only in the events list.
+            expect(page.locator(f'tr[data-replica="{replica_id}"] .gp-why-state')).to_contain_text(
+                "weights moved to CPU RAM"
+            )
             expect(page.locator("#gp-refreshed")).to_contain_text("Refreshed")
             page.screenshot(path=str(ARTIFACTS / "3-sleeping.png"), full_page=True)
         finally:
@@ -120,7 +124,7 @@ def test_staff_sees_the_virtual_gpus_and_puts_a_replica_to_sleep_from_the_page(l
 def test_staff_deploys_from_the_page_sees_its_colour_then_deletes_it(live_server, cluster, dispatched, tiny_model_dir):
     from playwright.sync_api import expect, sync_playwright
 
-    from scheduling.web.dashboard import deployment_hue
+    from scheduling.web.dashboard import deployment_hues
 
     User.objects.create_user("ops", password="s3cret-pass", is_staff=True)
     deploy("tiny-a")  # another deployment beside it: two colours in the bars and the key
@@ -145,15 +149,14 @@ def test_staff_deploys_from_the_page_sees_its_colour_then_deletes_it(live_server
             page.locator("#gp-deploy input[name=replicas]").fill("2")
             page.locator("#gp-deploy input[name=override_mib]").fill("200")
             page.locator("#gp-deploy button[type=submit]").click()
-            # (The admin's style capitalises a message's first letter.)
-            expect(page.locator(".messagelist")).to_contain_text(re.compile(r"chat-b: deployed, 2 replica\(s\)", re.I))
+            expect(page.locator(".messagelist")).to_contain_text("chat-b: deployed, 2 replica(s)")
             segments = page.locator('.gp-bar [data-deployment="chat-b"]')
             expect(segments).to_have_count(2)
             colour = segments.first.evaluate("el => getComputedStyle(el).backgroundColor")
             other = page.locator('.gp-bar [data-deployment="tiny-a"]').first
             assert colour != other.evaluate("el => getComputedStyle(el).backgroundColor"), "a colour of its own"
             expect(page.locator('.gp-key [data-deployment="chat-b"] .gp-swatch')).to_have_attribute(
-                "style", f"background-color: hsl({deployment_hue('chat-b')} 55% 38%)"
+                "style", f"background-color: hsl({deployment_hues(['chat-b', 'tiny-a'])['chat-b']} 55% 38%)"
             )
             page.screenshot(path=str(ARTIFACTS / "5-deployed.png"), full_page=True)
 
@@ -167,3 +170,44 @@ def test_staff_deploys_from_the_page_sees_its_colour_then_deletes_it(live_server
             browser.close()
 
     assert not Deployment.objects.filter(name="chat-b").exists()
+
+
+# The least two deployments' colours may differ by on the page, as RGB distance (0-441): twelve
+# deployments' hues land at least 20 degrees apart at the bars' saturation and lightness, about
+# 32 in RGB; two names' own hues alone could land a degree apart, under 2.
+MIN_RGB_APART = 25
+
+
+def test_twelve_deployments_get_twelve_colours_far_enough_apart_to_tell(live_server, cluster):
+    from itertools import combinations
+
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.support import factories as f
+
+    User.objects.create_user("ops", password="s3cret-pass", is_staff=True)
+    gpus = list(GPU.objects.select_related("node").order_by("node__name", "index"))
+    names = [f"model-{i:02d}" for i in range(12)]
+    for i, name in enumerate(names):
+        gpu = gpus[i % len(gpus)]
+        f.occupy(f.replica(f.deployment(name), gpu.node, state="serving"), gpu, 64 * 1024**2)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        try:
+            page = signed_in(browser, f"{live_server.url}/admin/login/?next=/admin/dashboard/")
+            swatches = page.locator(".gp-key [data-deployment] .gp-swatch")
+            expect(swatches).to_have_count(12)
+            colours = [
+                tuple(
+                    int(c)
+                    for c in re.findall(r"\d+", swatches.nth(i).evaluate("el => getComputedStyle(el).backgroundColor"))
+                )
+                for i in range(12)
+            ]
+            page.screenshot(path=str(ARTIFACTS / "6-twelve-colours.png"), full_page=True)
+        finally:
+            browser.close()
+
+    apart = min(sum((a - b) ** 2 for a, b in zip(x, y, strict=True)) ** 0.5 for x, y in combinations(colours, 2))
+    assert apart >= MIN_RGB_APART, (apart, colours)

@@ -124,6 +124,51 @@ def test_bad_input_is_a_400_naming_the_field_and_creates_nothing(cluster, api, t
     assert not Deployment.objects.filter(name="bad").exists()
 
 
+@pytest.mark.parametrize(
+    ("change", "field_path", "says"),
+    [
+        ({"replica": 2}, ["replica"], "unknown field; did you mean 'replicas'?"),
+        ({"memory": {"max_token": 64}}, ["memory", "max_token"], "unknown field; did you mean 'max_tokens'?"),
+        ({"memory": {"zzz": 1}}, ["memory", "zzz"], "unknown field (known here: max_tokens, override_bytes, policy)"),
+        (
+            {"model": {"source": "MODEL", "loader": "onnx"}},
+            ["model", "loader"],
+            '"onnx" is not a valid choice; expected one of: transformers, torch-module, transformers-embedding.',
+        ),
+    ],
+)
+def test_a_typo_is_told_the_field_or_choice_it_is_nearest(cluster, api, tiny_model_dir, change, field_path, says):
+    data = body("typo", tiny_model_dir)
+    for key, value in change.items():
+        data[key] = {**value, "source": str(tiny_model_dir)} if key == "model" else value
+
+    response = api("post", "/api/deployments/", data)
+
+    node = response.json()
+    for part in field_path:
+        node = node[part]
+    assert response.status_code == 400 and node == [says]
+
+
+def test_a_name_that_names_no_deployment_is_told_the_nearest_and_what_is_deployed(cluster, api, tiny_model_dir):
+    nothing = api("get", "/api/deployments/tiny-b/")
+    assert nothing.status_code == 404
+    assert nothing.json()["detail"] == (
+        "no deployment named 'tiny-b': nothing is deployed (POST /api/deployments/ deploys a model)"
+    )
+    for name in ("tiny-a", "big"):
+        assert api("post", "/api/deployments/", body(name, tiny_model_dir)).status_code == 201
+
+    for method, path in (("get", "/api/deployments/tiny-b/"), ("delete", "/api/deployments/tiny-b/")):
+        response = api(method, path)
+        assert response.status_code == 404
+        assert (
+            response.json()["detail"] == "no deployment named 'tiny-b'; did you mean 'tiny-a'? (deployed: big, tiny-a)"
+        )
+    far = api("post", "/api/deployments/zzz/infer/", {"input": "hi"})
+    assert far.status_code == 404 and far.json()["detail"] == "no deployment named 'zzz' (deployed: big, tiny-a)"
+
+
 def test_a_source_that_is_not_a_model_directory_says_why(cluster, api, tmp_path):
     (tmp_path / "empty").mkdir()
     response = api("post", "/api/deployments/", body("nomodel", tmp_path / "empty"))
@@ -328,6 +373,16 @@ def test_what_the_replica_reports_moves_its_state_and_measures_the_deployment(cl
     assert deployment.observed.memory_measured_bytes == 12 * MiB + reserves
     assert deployment.updated_at > before, "the answer's updated_at moves with its measured need"
     assert Event.objects.filter(kind=Event.Kind.DEPLOYMENT_CHANGED, reason__startswith="measured").exists()
+
+
+def test_a_measured_need_is_told_beside_what_it_is_comparable_to():
+    from scheduling.services.replica_reports import measured_reason
+
+    with_context = measured_reason(819 * MiB, 97 * MiB, 722 * MiB)
+    assert with_context.startswith("measured 819 MiB per replica after loading, its CUDA context included")
+    assert "(the estimate 97 MiB and the CUDA context 722 MiB, 819 MiB)" in with_context
+    alone = measured_reason(120 * MiB, 97 * MiB, None)
+    assert alone.startswith("measured 120 MiB per replica after loading (the estimate was 97 MiB)")
 
 
 def test_a_failed_replica_releases_its_reservation_and_says_why(cluster, api, tiny_model_dir):

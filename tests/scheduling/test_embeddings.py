@@ -214,7 +214,7 @@ def test_a_model_not_in_the_cache_is_a_400_naming_model_source_that_says_how_to_
     (says,) = response.json()["model.source"]
     cache = tmp_path / "empty-hub"
     assert says.startswith(f"hf:acme/not-downloaded is not in this node's Hugging Face cache ({cache})")
-    assert "`hf download acme/not-downloaded`" in says and "snapshot_download('acme/not-downloaded')" in says
+    assert "`gpuportal pull acme/not-downloaded`" in says and "`hf download acme/not-downloaded`" in says
     bad_name = api("post", "/api/deployments/", body("bad", "hf:not a name"))
     assert bad_name.status_code == 400 and "is not a Hugging Face model name" in str(bad_name.json())
     assert not Deployment.objects.exists()

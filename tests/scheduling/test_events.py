@@ -76,3 +76,41 @@ def test_events_gathered_are_the_rows_recorded_one_at_a_time():
     assert Event.objects.filter(before__isnull=True).count() == 2
     times = list(Event.objects.order_by("id").values_list("time", flat=True))
     assert times == sorted(times), "each Event's own time, in the order recorded"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_event_for_the_console_is_told_once_it_commits_and_not_if_it_rolls_back(caplog):
+    caplog.set_level("INFO", logger="scheduling.lifecycle")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        events.record(Event.Kind.REPLICA_STATE, "replica 3f2a1b2c", "never", after={"state": "serving"}, console=True)
+        raise RuntimeError("rolled back")
+    assert caplog.messages == []
+
+    with transaction.atomic():
+        events.record(
+            Event.Kind.REPLICA_STATE, "replica 3f2a1b2c", "loaded", after={"state": "serving"}, deployment="tiny-a",
+            console=True,
+        )  # fmt: skip
+        events.record(Event.Kind.REPLICA_STATE, "replica 3f2a1b2c", "quiet", after={"state": "loading"})
+        assert caplog.messages == [], "not before the commit"
+
+    assert caplog.messages == ["[gpuportal] tiny-a: replica 3f2a1b2c serving: loaded"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_console_is_told_of_a_replica_serving_asleep_or_failed_and_not_of_the_steps_between(caplog):
+    from scheduling.services import replicas
+    from tests.support import factories
+
+    caplog.set_level("INFO", logger="scheduling.lifecycle")
+    replica = factories.replica(factories.deployment("tiny-a"), None, state="pending")
+    for state in ("loading", "serving", "draining", "sleeping", "waking", "failed"):
+        with transaction.atomic():
+            replicas.set_state(replica, state, f"now {state}")
+
+    short = replica.id[:8]
+    assert caplog.messages == [
+        f"[gpuportal] tiny-a: replica {short} serving: now serving",
+        f"[gpuportal] tiny-a: replica {short} sleeping: now sleeping",
+        f"[gpuportal] tiny-a: replica {short} failed: now failed",
+    ]

@@ -1,7 +1,7 @@
 """Failover pairs on the control-plane side (seed 004), without processes: what the agents are
 sent is recorded, and what pair members report (standing by, serving at an epoch, taking over,
-failing, stopping) is fed to `replicas.report` as their node agent would relay it. The lock
-client of a real member writes the pair's FailoverLease row itself; here the tests do.
+failing, stopping) is fed to `replicas.report` as their node agent would relay it. The pair's
+FailoverLease row learns its holder and epoch from those reports alone (the lock is the node's).
 The same behaviours end to end with real processes are in tests/inference/test_failover.py, and the lock
 itself in tests/inference/test_failover_lock.py."""
 
@@ -48,12 +48,10 @@ def stands_by(report, standby: Replica) -> None:
 
 
 def serves_at(report, primary: Replica, epoch: int = 1) -> None:
-    """A primary that found the pair's lock free: its lock client writes the lease, it loads and serves."""
-    lease = FailoverLease.objects.get(pk=primary.lease_id)
-    previous = lease.epoch
-    FailoverLease.objects.filter(pk=lease.pk).update(holder_id=primary.id, epoch=epoch, granted_at=timezone.now())
+    """A primary that found the pair's lock free: it reports the grant, loads and serves."""
+    previous = FailoverLease.objects.get(pk=primary.lease_id).epoch
     report(primary, "failover", state="init")
-    report(primary, "lease", what="grant", epoch=epoch, took_over=False, previous_holder=None, previous_epoch=previous)
+    report(primary, "lease", what="grant", epoch=epoch, previous_holder=None, previous_epoch=previous)
     report(
         primary,
         "serving",
@@ -66,12 +64,9 @@ def serves_at(report, primary: Replica, epoch: int = 1) -> None:
 
 
 def takes_over(report, standby: Replica, epoch: int, previous: Replica | None) -> None:
-    """The standby got the lock (its active's session ended): the lease row moves, it wakes, serves."""
-    FailoverLease.objects.filter(pk=standby.lease_id).update(
-        holder_id=standby.id, epoch=epoch, granted_at=timezone.now()
-    )
+    """The standby got the lock (its active's process ended): it reports the grant, wakes, serves."""
     handed = {"previous_holder": previous.id if previous else None, "previous_epoch": epoch - 1}
-    report(standby, "lease", what="grant", epoch=epoch, took_over=True, **handed)
+    report(standby, "lease", what="grant", epoch=epoch, **handed)
     report(standby, "failover", state="waking", epoch=epoch)
     report(standby, "active", epoch=epoch, takeover_s=0.005, pid=5001, **handed)
 
@@ -227,10 +222,10 @@ def test_when_the_primary_dies_holding_the_lock_while_loading_its_standby_inheri
 ):
     primary, standby = deploy_pair(api, tiny_model_dir)
     stands_by(report, standby)
-    # The primary took the free lock at once (its lock client wrote the lease), and is loading.
-    FailoverLease.objects.filter(pk=primary.lease_id).update(holder_id=primary.id, epoch=1)
+    # The primary took the free lock at once (it reported the grant), and is loading.
     report(primary, "failover", state="init")
-    report(primary, "lease", what="grant", epoch=1, took_over=False, previous_holder=None, previous_epoch=0)
+    report(primary, "lease", what="grant", epoch=1, previous_holder=None, previous_epoch=0)
+    assert FailoverLease.objects.get(pk=primary.lease_id).holder_id == primary.id
     report(primary, "progress", percent=40)
     assert fresh(primary).state == "loading"
     gpu = gpu_of(primary)
@@ -238,7 +233,7 @@ def test_when_the_primary_dies_holding_the_lock_while_loading_its_standby_inheri
 
     crashes(report, primary, reason="killed while loading")
 
-    # Its session ended, so the standby is granted the lock and wakes into the pair's memory:
+    # Its process ended, so the standby is granted the lock and wakes into the pair's memory:
     # that memory must still be reserved for it, as when a serving active dies.
     assert fresh(primary).state == "failed"
     assert holders() == {standby.id: PAIR_BYTES}
@@ -282,10 +277,25 @@ def test_a_pair_counts_once_as_awake_while_its_standby_is_about_to_take_over(rea
     assert sleep.awake_count(deployment) == 1, "the standby standing by counts for the pair"
 
 
+def test_the_lease_follows_the_grants_its_members_report_and_never_moves_back(ready_pair, report):
+    active, standby = ready_pair
+    lease = FailoverLease.objects.get(pk=active.lease_id)
+    assert (lease.holder_id, lease.epoch) == (active.id, 1), "the primary's grant, as it reported it"
+
+    # Two members' reports cross on their agent's reader threads: the newer grant stands.
+    report(standby, "lease", what="grant", epoch=2, previous_holder=active.id, previous_epoch=1)
+    report(active, "lease", what="grant", epoch=1, previous_holder=None, previous_epoch=0)
+
+    lease.refresh_from_db()
+    assert (lease.holder_id, lease.epoch) == (standby.id, 2)
+    assert [e.after["epoch"] for e in events(Event.Kind.FAILOVER_GRANT)] == [1, 2, 1], "each grant is on record"
+
+
 def test_it_refuses_a_report_carrying_an_older_epoch_than_the_lease(ready_pair, report, dispatched):
     active, standby = ready_pair
-    # Another member of the pair has since taken the lock at epoch 3 (the lock client wrote it).
-    FailoverLease.objects.filter(pk=active.lease_id).update(epoch=3)
+    # Another member of the pair has since taken the lock at epoch 3, and said so.
+    report(active, "lease", what="grant", epoch=3, previous_holder=None, previous_epoch=2)
+    assert FailoverLease.objects.get(pk=active.lease_id).epoch == 3
     before = {r.id: (r.state, r.role, r.epoch, r.failover_state) for r in Replica.objects.all()}
     ledger = holders()
 
@@ -434,8 +444,10 @@ def test_scaling_up_adds_whole_pairs_and_scaling_to_zero_stops_every_member(read
     assert tasks(dispatched, START) == []
     assert holders() == {} and invariant_holds()
     assert all(g.available_bytes == g.total_bytes for g in GPU.objects.all())
-    # Both leases closed with the stops: a standby granted a lock as its active exits leaves it.
+    # Both leases closed with the stops, and each stop closes its pair's lock on the node: a
+    # standby granted a lock as its active exits leaves it.
     assert all(lease.closed_at is not None for lease in FailoverLease.objects.filter(deployment=deployment))
+    assert sorted(a for _q, t, a in dispatched if t == STOP) == sorted([r.id, "close pair"] for r in everyone)
     dispatched.clear()
 
     # The members' exits arrive in any order: a standby first, then its active; nothing hands over.
@@ -597,36 +609,3 @@ def test_a_failed_standby_is_replaced_until_standbys_keep_failing(ready_pair, re
     assert "2 standbys of the pair failed in the last hour" in refusal.reason
     assert fresh(active).state == "serving" and holders() == {active.id: PAIR_BYTES}
     assert invariant_holds()
-
-
-@pytest.mark.parametrize(
-    ("settings_dict", "dsn"),
-    [
-        (
-            {
-                "HOST": "db.internal",
-                "PORT": "5433",
-                "OPTIONS": {"sslmode": "verify-full", "sslrootcert": "/etc/ca.crt", "prepare_threshold": 5},
-            },
-            "postgresql://gp:p%40ss@db.internal:5433/portal?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.crt",
-        ),
-        (
-            {"HOST": "/var/run/postgresql", "PORT": "", "OPTIONS": {}},
-            "postgresql://gp:p%40ss@:5432/portal?host=%2Fvar%2Frun%2Fpostgresql",
-        ),
-        (
-            {"HOST": "::1", "PORT": "", "OPTIONS": {"prepare_threshold": None}},
-            "postgresql://gp:p%40ss@[::1]:5432/portal",
-        ),
-    ],
-)
-def test_a_members_lock_connection_keeps_the_databases_tls_and_host_as_given(monkeypatch, settings_dict, dsn):
-    # The member opens its own connection for the lock: with the URL's TLS settings, not without.
-    from django.db import connection
-
-    from inference import tasks
-
-    for key, value in {"USER": "gp", "PASSWORD": "p@ss", "NAME": "portal", **settings_dict}.items():
-        monkeypatch.setitem(connection.settings_dict, key, value)
-
-    assert tasks.database_dsn() == dsn

@@ -29,6 +29,7 @@ from scheduling.core.fairness import (
     wait_deadline,
 )
 from scheduling.core.state import GPUView, OccupantView
+from tests.support.views import gpu
 
 GiB = 1024**3
 MiB = 1024**2
@@ -68,19 +69,6 @@ def occ(
         min_runtime_s=min_runtime_s,
         serving_since=serving_since,
         last_accessed=last_accessed,
-    )
-
-
-def gpu(gpu_id: int, occupants: Iterable[OccupantView] = (), *, total: int = 4 * GiB, node: str = "node1") -> GPUView:
-    occupants = tuple(occupants)
-    return GPUView(
-        id=gpu_id,
-        node=node,
-        index=gpu_id,
-        total_bytes=total,
-        available_bytes=total - sum(o.reserved_bytes for o in occupants),
-        version=1,
-        occupants=occupants,
     )
 
 

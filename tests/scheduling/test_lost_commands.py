@@ -296,6 +296,59 @@ def test_a_stopping_replica_the_agent_no_longer_runs_is_stopped_as_its_lost_repo
     assert dispatched == [], "nothing to send, and a scale-down's stop sets off no reconcile"
 
 
+# -- an end nobody reported -------------------------------------------------------------------------
+
+
+def test_a_serving_replica_the_agent_no_longer_runs_fails_as_its_lost_report_would_have(
+    cluster, api, dispatched, tiny_model_dir, on_commit
+):
+    # Its process was killed and the agent's `failed` report timed out: without the beat, the
+    # books would count it serving on memory nobody holds, and never replace it.
+    gone, kept = serving(api, tiny_model_dir, replicas=2)
+    node = Replica.objects.get(pk=gone).node.name
+    dispatched.clear()
+    grace = settings.GPUPORTAL_END_GRACE_S
+
+    nodes.heartbeat(node, running=[kept], processes={kept: "serving"}, now=after(gone, grace - 1))
+    assert Replica.objects.get(pk=gone).state == "serving", "within the grace: its report may be on its way"
+    nodes.heartbeat(
+        node, running=[gone, kept], processes={gone: "serving", kept: "serving"}, now=after(gone, grace + 1)
+    )
+    assert Replica.objects.get(pk=gone).state == "serving", "its process runs: nothing was lost"
+
+    past = after(gone, grace + 1)
+    with on_commit():
+        nodes.heartbeat(node, running=[kept], processes={kept: "serving"}, now=past)
+        nodes.heartbeat(node, running=[kept], processes={kept: "serving"}, now=past)  # a second beat: once
+
+    replica = Replica.objects.get(pk=gone)
+    assert (replica.state, replica.pid) == ("failed", None)
+    assert "its failed report was lost, applied now" in replica.failure_reason
+    assert reserved(gone) == 0 and invariant_holds()
+    said = Event.objects.filter(replica=gone, reason__contains="its failed report was lost, applied now")
+    assert said.filter(after__resent="failed report").count() == 1, "of two beats, one applies it"
+    assert said.filter(after__state="failed").count() == 1, "through the report's own path, once"
+    assert Replica.objects.get(pk=kept).state == "serving"
+    assert [t for _q, t, _a in dispatched] == ["scheduling.tasks.reconcile"], "a replacement is placed"
+
+
+def test_a_sleeping_replica_whose_process_is_gone_fails_but_a_parked_one_has_no_process_to_lose(
+    cluster, api, dispatched, tiny_model_dir, on_commit
+):
+    asleep_id, parked_id = serving(api, tiny_model_dir, replicas=2)
+    for replica_id in (asleep_id, parked_id):
+        assert api("post", f"/api/replicas/{replica_id}/sleep/").status_code == 200
+        asleep(replica_id)
+    Replica.objects.filter(pk=parked_id).update(state=Replica.State.PARKED)
+    node = Replica.objects.get(pk=asleep_id).node.name
+
+    with on_commit():
+        nodes.heartbeat(node, running=[], processes={}, now=after(asleep_id, settings.GPUPORTAL_END_GRACE_S + 1))
+
+    assert Replica.objects.get(pk=asleep_id).state == "failed"
+    assert Replica.objects.get(pk=parked_id).state == "parked"
+
+
 def test_a_report_repeated_for_a_command_sent_twice_changes_nothing(cluster, api, dispatched, tiny_model_dir):
     replica = waking(api, tiny_model_dir)
 
@@ -419,5 +472,5 @@ def test_a_beat_finds_no_lost_command_in_one_query_while_no_replica_has_waited_a
     for name in (node, "node2" if node == "node1" else "node1"):
         with django_assert_num_queries(1):
             found = lost_commands.resend(name, beat["running"], beat["processes"], now, arenas=beat["arenas"])
-        assert found == {kind: [] for kind in ("start", "stop", "wake", "sleep", "arena")}
+        assert found == {kind: [] for kind in ("start", "stop", "end", "wake", "sleep", "arena")}
     assert dispatched == []

@@ -241,6 +241,26 @@ def test_a_nul_character_in_a_body_is_a_400_naming_the_field_and_nothing_is_stor
 
 
 @pytest.mark.parametrize(
+    ("path", "sent", "field"),
+    [
+        ("/v1/completions", '{"model": "m", "prompt": "hi \\ud800"}', "prompt"),
+        (
+            "/v1/chat/completions",
+            '{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}',
+            "messages.0.content",
+        ),
+        ("/v1/embeddings", '{"model": "m", "input": ["ok", "\\ud83d"]}', "input.1"),
+    ],
+)
+def test_a_lone_surrogate_in_a_v1_text_is_a_400_that_says_so(staff, path, sent, field):
+    response = staff.post(path, data=sent, content_type="application/json")
+
+    assert response.status_code == 400, response.content[:300]
+    error = response.json()["error"]
+    assert error["param"] == field and "lone surrogate" in error["message"] and "UTF-8" in error["message"], error
+
+
+@pytest.mark.parametrize(
     ("method", "path"),
     [
         ("get", "/api/deployments/a%00b/"),

@@ -18,7 +18,7 @@ import pytest
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
-from django.db import OperationalError, connection
+from django.db import OperationalError
 from rest_framework.test import APIClient
 
 from gpuportal.wire import node_acl, node_auth, node_lease, replies
@@ -162,6 +162,46 @@ def test_revoking_writes_the_node_off_with_its_replicas_and_refuses_it_from_then
         node_credentials.revoke("gpu-1", "ops")
 
 
+def test_revoking_deletes_the_nodes_own_redis_user_and_closes_its_connections(
+    required, django_capture_on_commit_callbacks
+):
+    import redis
+
+    node_credentials.issue("gpu-7", "ops")
+    admin = replies.client(settings.REDIS_URL)
+    user = node_acl.user_name("gpu-7")
+    # Rules any Redis 6 takes: what matters here is that the user exists and is connected.
+    admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw-of-gpu-7", "~gp:*", "&*", "+@all")
+    try:
+        kwargs = admin.connection_pool.connection_kwargs
+        node_side = redis.Redis(
+            host=kwargs.get("host", "127.0.0.1"),
+            port=kwargs.get("port", 6379),
+            db=kwargs.get("db", 0),
+            username=user,
+            password="pw-of-gpu-7",
+        )
+        # What a revoked node would do: lower the epoch it is about to be fenced by.
+        assert node_side.set(node_lease.epoch_key("gpu-7"), 0)
+
+        with django_capture_on_commit_callbacks(execute=True):
+            node_credentials.revoke("gpu-7", "ops")
+
+        assert admin.execute_command("ACL", "GETUSER", user) is None
+        with pytest.raises(redis.RedisError):
+            node_side.set(node_lease.epoch_key("gpu-7"), 0)
+        assert node_lease.current_epoch(admin, "gpu-7") >= 1, "fenced, and the node cannot undo it"
+        assert "its own Redis user (if it has one) deleted" in Event.objects.get(kind=Event.Kind.NODE_REVOKED).reason
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.delete(node_lease.epoch_key("gpu-7"), node_lease.lease_key("gpu-7"))
+    # A node given no user of its own is revoked all the same.
+    node_credentials.issue("gpu-8", "ops")
+    with django_capture_on_commit_callbacks(execute=True):
+        node_credentials.revoke("gpu-8", "ops")
+    assert NodeCredential.objects.get(node="gpu-8").revoked_at is not None
+
+
 def test_a_node_is_written_off_again_when_its_revocation_commits_while_its_beat_is_applied(required, monkeypatch):
     token = node_credentials.issue("gpu-1", "ops")
     register("gpu-1", token)
@@ -250,15 +290,6 @@ def test_the_agent_reads_its_token_from_the_environment_or_the_file_named_there(
     assert node_auth.read_token({}) is None
     with pytest.raises(node_auth.TokenError, match="missing: No such file"):
         node_auth.read_token({node_auth.TOKEN_FILE_ENV: str(tmp_path / "missing")})
-
-
-def test_a_failover_member_cannot_start_on_an_agent_without_a_database(monkeypatch):
-    from gpuportal.no_database.base import ENGINE
-    from inference import tasks
-
-    monkeypatch.setitem(connection.settings_dict, "ENGINE", ENGINE)
-    with pytest.raises(tasks.NoDatabase, match=r"no DATABASE_URL.*only a failover pair's member needs"):
-        tasks.database_dsn()
 
 
 def test_the_command_issues_into_a_private_file_and_keeps_a_token_still_valid(required, tmp_path, capsys):

@@ -90,9 +90,29 @@ def test_a_streamed_completion_arrives_in_pieces(client, replica):
     assert "".join(pieces) == "ABCDEF"
 
 
+def test_the_command_lines_run_and_chat_stream_the_real_v1s_answers(live_server, replica, capsys, monkeypatch):
+    import io
+
+    from gpuportal.cli import app
+
+    StandIn(replica.id, 2).start()
+    env = {
+        "GPUPORTAL_URL": live_server.url,
+        "GPUPORTAL_TOKEN": Token.objects.create(user=User.objects.create_user("bo")).key,
+    }
+
+    assert app.main(["run", "tiny", "abcdef"], env=env) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("say hi\n/exit\n"))
+    assert app.main(["chat", "tiny"], env=env) == 0
+
+    assert capsys.readouterr().out == "ABCDEF\nSAY HI\n"
+
+
 def test_bad_requests_fail_the_openai_way_naming_the_parameter(client, replica):
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match=r"^.*The model `nope` does not exist Deployed: `tiny`\."):
         client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.NotFoundError, match=r"The model `tinny` does not exist; did you mean `tiny`\?"):
+        client.completions.create(model="tinny", prompt="x")
     with pytest.raises(openai.BadRequestError, match="only n=1"):
         client.completions.create(model="tiny", prompt="x", n=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -261,12 +281,22 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
         ),
         ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream: must be true or false"),
         ({"model": "tiny", "prompt": "x", "timeout": 301}, "timeout: at most 300 s (GPUPORTAL_INFER_MAX_TIMEOUT_S)"),
+        ({"model": "tiny", "prompt": "x", "max_tokns": 5}, "max_tokns: unknown field; did you mean 'max_tokens'?"),
+        ({"model": "tiny", "prompt": "x", "temprature": 0.5}, "temprature: unknown field; did you mean 'temperature'?"),
+        ({"model": "tiny", "promt": "x"}, "promt: unknown field; did you mean 'prompt'?"),
     ],
 )
 def test_the_parser_refuses_saying_which_field_and_why(body, refusal):
     with pytest.raises(completion_input.Refused) as refused:
         read(body, "generate")
     assert str(refused.value) == refusal
+
+
+def test_fields_openais_and_vllms_clients_send_are_ignored_even_when_near_one_the_portal_reads():
+    body = {"model": "tiny", "prompt": "x", "top_k": 5, "min_p": 0.1, "user": "u", "seed": 3, "logprobs": None}
+
+    assert read(body, "generate").input == "x"
+    assert read({**body, "something_else_entirely": 1}, "generate").input == "x", "far from any: ignored"
 
 
 def test_a_chat_refusal_names_the_message_and_its_field():

@@ -228,6 +228,27 @@ def test_on_nvml_other_tenants_are_what_is_used_beyond_the_replicas_and_the_driv
 
 # -- on a real GPU --------------------------------------------------------------------------------
 
+# What NVML's used memory may hold beyond its processes' figures (allocations of the driver's own
+# that no process is charged with), and what moves between two reads a moment apart.
+NVML_SLACK = 256 * 1024**2
+
+
+def non_replica_bytes(index: int, replicas: set[int]) -> int:
+    """NVML's bytes of every process on GPU `index` that is not one of `replicas`."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return sum(
+            int(p.usedGpuMemory or 0)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            if p.pid not in replicas
+        )
+    finally:
+        pynvml.nvmlShutdown()
+
+
 FOREIGN_PROCESS = textwrap.dedent(
     """
     import sys, time, torch
@@ -242,8 +263,10 @@ FOREIGN_PROCESS = textwrap.dedent(
 @pytest.mark.gpu
 def test_on_a_real_gpu_a_foreign_cuda_process_beside_a_replica_is_counted_and_the_replica_is_not(tmp_path):
     """A CUDA process that is not a replica holds 2 GiB beside a replica the node's agent runs:
-    the agent's books say other tenants hold that much and its context, and nothing of the
-    replica. (Not yet run on a GPU: bench/device_run.sh runs the `gpu` tests.)"""
+    the agent's books say other tenants hold what NVML lists for every process that is not a
+    replica (that one, its context, and whatever else holds a context there, this test's own
+    process when an earlier test made one in it), and nothing of the replica. On an H200 on
+    2026-11-28 the other tenants came to 3.26 GiB with the 2 GiB tensor: two contexts beside it."""
     from inference.backends import nvml_memory
     from inference.devices import nvidia_gpus
     from inference.management.commands.make_tiny_model import write_tiny_model
@@ -284,9 +307,11 @@ def test_on_a_real_gpu_a_foreign_cuda_process_beside_a_replica_is_counted_and_th
         if not by_pid:
             pytest.skip("NVML does not list the replica's process (a container without the host PID namespace)")
         found = agent.foreign(pids, by_pid, free)
+        others = non_replica_bytes(0, pids)
         assert found is not None
-        # The foreign process's tensor and its CUDA context (under 1 GiB), and nothing of ours.
-        assert held <= found["0"] <= held + GiB, (found, by_pid)
+        # Every byte NVML gives to a process that is not ours (the driver's own share of a
+        # context aside, which no process is given), and nothing of the replica's.
+        assert held <= others and abs(found["0"] - others) <= NVML_SLACK, (found, others, by_pid)
     finally:
         supervisor.stop_all(timeout=10)
         foreign.kill()

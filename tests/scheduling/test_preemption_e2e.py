@@ -228,12 +228,13 @@ def test_after_max_wait_the_least_recently_used_is_preempted_and_the_waiting_req
     assert request["status"] == "waking", request
     gpu = waits_for_room(staff, "c")
     deadline = datetime.fromisoformat(gpu["intents"][0]["deadline"])
-    time.sleep(max(0.0, (deadline - timezone.now()).total_seconds() - 0.7))
-    assert not Event.objects.filter(kind=Event.Kind.PREEMPTION_VICTIM).exists(), "no preemption before max_wait"
 
     victim = wait_until(
         lambda: Event.objects.filter(kind=Event.Kind.PREEMPTION_VICTIM).first(), 15, "a victim to be chosen"
     )
+    # Judged by the books' own clock, not by this test's sleep: a sleep on a busy machine can
+    # oversleep the deadline, and then a preemption made on time looked early.
+    assert victim.time >= deadline, ("no preemption before max_wait", victim.time, deadline)
     assert victim.deployment == lru, (victim.deployment, victim.reason)
     done = finished(request["id"], LOAD_TIMEOUT)
     assert done.status == "done", (done.status, done.error)
@@ -291,7 +292,10 @@ def test_a_waker_killed_while_holding_the_wake_lock_is_taken_over_after_expiry(
     held = waits_for_room(staff, "c")["wake_lock"]
     holder = held["holder"]
     log = tmp_path / "control-0.log"
-    wait_until(lambda: "scheduling.tasks.preempt" in log.read_text(), 10, "the worker to take the preempt task")
+    # The task's own line, not the banner's list of tasks (which names it too): killed before it
+    # took the task, the worker would leave it queued, and the next worker would run the very
+    # wake this test wants dead.
+    wait_until(lambda: "Task scheduling.tasks.preempt[" in log.read_text(), 10, "the worker to take the preempt task")
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(10)
     assert not Event.objects.filter(kind=Event.Kind.PREEMPTION_VICTIM).exists(), "killed during the fairness wait"
@@ -322,12 +326,8 @@ def test_a_waker_killed_while_holding_the_wake_lock_is_taken_over_after_expiry(
         10,
         "the dead wake to be abandoned",
     )
-    # Abandoned as its lock lapsed or, where its waiter was given up first (the new worker's
-    # handling of c's wakes got there before the abandonment: seen once in a loaded whole run),
-    # because that waiter failed. Either way the dead wake does nothing more.
-    assert "lapsed or was taken over" in abandoned.reason or abandoned.reason.endswith(
-        "the waiting replica is failed now"
-    ), abandoned.reason
+    # Abandoned as its lock lapsed: its task died with the worker, so nothing else can end it.
+    assert "lapsed or was taken over" in abandoned.reason, abandoned.reason
     # A new wake took the GPU over: its intent ended satisfied (the lock it held for its fairness
     # wait is released by then, and can come and go between two polls on a loaded machine, so the
     # trail is what shows it).

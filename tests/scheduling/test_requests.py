@@ -31,6 +31,7 @@ from gpuportal.wire.requestqueue import (
     processing_key,
     queue_key,
 )
+from gpuportal.wire.requestqueue.protocol import BELL_TTL_S
 from inference.devices import virtual_gpus
 from inference.serving import Server
 from scheduling.api.requests import InferInput, fast_inputs, params_of
@@ -309,6 +310,53 @@ def test_streamed_chunks_arrive_in_order_then_the_end(rq):
 
     chunks, ended = rq.read_stream(request_id, 0, timeout=1)
     assert chunks == ["Hel", "lo", "!"] and ended
+
+
+def test_a_steps_pieces_of_several_streams_land_in_one_call_each_in_its_own_order(rq):
+    first, second = submit(rq), submit(rq)
+    rq.take("tiny", "a", timeout=1)
+    rq.take("tiny", "a", timeout=1)
+
+    rq.chunks([(first, "Hel"), (second, "Good")], "a")
+    rq.chunks([(first, "lo"), (second, "bye")], "a")
+    rq.finish(first, "a", {"text": "Hello"})
+    rq.finish(second, "a", {"text": "Goodbye"})
+
+    assert rq.read_stream(first, 0, timeout=1) == (["Hel", "lo"], True)
+    assert rq.read_stream(second, 0, timeout=1) == (["Good", "bye"], True)
+    # A ring nobody took (every request's end rings) is kept a minute, not the request's day.
+    rq.finish(submit(rq), "", {"text": "unstreamed"})
+    assert all(0 < rq.redis.ttl(k) <= BELL_TTL_S for k in rq.redis.keys("gp:stream:*:bell"))
+
+
+def test_a_stream_reader_blocks_until_a_piece_rings_rather_than_polling(rq, monkeypatch):
+    request_id = submit(rq)
+    rq.take("tiny", "a", timeout=1)
+    blocking = threading.Event()
+    reads = []
+    real_blpop, real_pipeline = rq.redis.blpop, rq.redis.pipeline
+
+    def blpop(*args, **kwargs):
+        blocking.set()
+        return real_blpop(*args, **kwargs)
+
+    def pipeline(*args, **kwargs):
+        reads.append(1)
+        return real_pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(rq.redis, "blpop", blpop)
+    monkeypatch.setattr(rq.redis, "pipeline", pipeline)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(rq.read_stream(request_id, 0, timeout=60)))
+    reader.start()
+    assert blocking.wait(10), "the reader found nothing and blocked"
+    writer = RequestQueue(redis.Redis.from_url(settings.REDIS_URL))
+
+    writer.chunk(request_id, "Hel", "a")
+    reader.join(60)
+
+    assert got == [(["Hel"], False)]
+    assert len(reads) == 2, "one read before blocking, one after the ring: no polling in between"
 
 
 # -- the REST path -------------------------------------------------------------------------------
@@ -797,6 +845,31 @@ def test_a_retry_of_a_request_that_ended_answers_with_its_output_and_runs_nothin
 
     assert again.status_code == 200 and again.json() == first.json()
     assert queued_ids(rq) == [], "nothing queued for the retry"
+
+
+@pytest.mark.parametrize(
+    ("path", "first", "then"),
+    [
+        ("/api/requests/", {"deployment": "tiny", "input": "once"}, {"deployment": "tiny", "input": "twice"}),
+        (
+            "/api/requests/",
+            {"deployment": "tiny", "input": "once", "params": {"max_tokens": 4}},
+            {"deployment": "tiny", "input": "once", "params": {"max_tokens": 5}},
+        ),
+    ],
+)
+def test_a_key_sent_again_with_another_request_is_a_422_naming_the_first_and_queues_nothing(
+    serving_deployment, user_client, rq, path, first, then
+):
+    accepted = user_client.post(path, first, format="json", HTTP_IDEMPOTENCY_KEY="order-17")
+    assert accepted.status_code in (200, 202), accepted.content[:300]
+    queued = queued_ids(rq)
+
+    reused = user_client.post(path, then, format="json", HTTP_IDEMPOTENCY_KEY="order-17")
+
+    assert reused.status_code == 422, reused.content[:300]
+    assert "Idempotency-Key 'order-17' was first sent with another request" in reused.content.decode()
+    assert queued_ids(rq) == queued, "nothing queued for it"
 
 
 def test_the_same_key_from_another_caller_is_another_request(serving_deployment, user_client, rq):

@@ -1,21 +1,16 @@
 """One failover pair member as its own process, for tests/inference/test_failover_lock.py: the lock and
 nothing else (no model, no Django, so it starts fast and can be SIGKILLed or SIGSTOPped whole).
 
-    python -m tests.support.failover_member --dsn DSN --lease N --replica-id X --window S [--try-first]
+    python -m tests.support.failover_member --dir DIR --fence F --replica-id X [--try-first]
 
-Takes the lock (`--try-first`: try without waiting before blocking like a standby does), keeps it,
-and prints what happens as JSON lines on stdout, each with `t` from time.monotonic() (one clock
-for every process on Linux, so the harness can order events across members):
+Takes the lock (`--try-first`: try without waiting before blocking like a standby does), holds it
+until killed, and prints what happens as JSON lines on stdout, each with `t` from time.monotonic()
+(one clock for every process on Linux, so the harness can order events across members):
 
     {"event": "ready", "pid": ..., "t": ...}                    started, about to take or wait
-    {"event": "grant", "epoch": E, "took_over": bool, ...}      granted (again, after a reconnect)
-    {"event": "loss", "epoch": E, "reason": ..., "final": bool} lost the connection, or for good
-    {"event": "lost", "reason": ..., "t": ...}                  on_lost: stops serving, exits 1
-    {"event": "claim", "claim": "take"|"keep"|"wait"|"stale"}   decide_claim's answer, on each grant
-                                                                of the advisory lock
-
-Its lock connections carry application_name `member-<replica id>`, so the harness can see in
-pg_locks whether it holds the lock or waits for it.
+    {"event": "claim", "claim": "take"|"closed", "t": ...}     decide_claim's answer, on each grant
+                                                                of the file lock
+    {"event": "grant", "epoch": E, "previous_holder": ..., "t": ...}   the lock is ours
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ import os
 import sys
 import threading
 import time
-
-import psycopg
+from pathlib import Path
 
 from inference import failover
 from inference.failover import FailoverMember, LeaseConfig
@@ -52,40 +46,25 @@ def _telling_decide_claim(*args, **kwargs) -> failover.Claim:
     return claim
 
 
-def application_name(replica_id: str) -> str:
-    return f"member-{replica_id}"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dsn", required=True)
-    parser.add_argument("--lease", type=int, required=True)
+    parser.add_argument("--dir", required=True, help="the node's folder of pair locks")
+    parser.add_argument("--fence", required=True, help="the pair's name")
     parser.add_argument("--replica-id", required=True)
-    parser.add_argument("--window", type=float, required=True, help="reconnect window, seconds")
     parser.add_argument("--try-first", action="store_true", help="try_acquire before waiting")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(relativeCreated)d %(name)s: %(message)s")
 
-    dsn = psycopg.conninfo.make_conninfo(args.dsn, application_name=application_name(args.replica_id))
-    config = LeaseConfig(dsn=dsn, lease_id=args.lease, replica_id=args.replica_id, reconnect_window_s=args.window)
-
-    def on_lost(reason: str) -> None:
-        emit("lost", reason=reason)
-        os._exit(1)  # as a replica does: stop serving at once, the session (and lock) ends with us
-
-    def on_event(kind: str, **fields) -> None:
-        emit(kind, **fields)
-
-    # What the member decides each time the server grants it the advisory lock, e.g. WAIT while the
-    # holder named in the lease may still reconnect after a restart.
+    config = LeaseConfig(Path(args.dir), args.fence, args.replica_id)
+    # What the member decides each time the kernel grants it the file lock, e.g. CLOSED while its
+    # pair is being stopped whole.
     failover.decide_claim = _telling_decide_claim
-    member = FailoverMember(config, on_lost=on_lost, on_event=on_event)
+    member = FailoverMember(config, on_event=lambda kind, **fields: emit(kind, **fields))
     emit("ready", pid=os.getpid())
-    # The grant itself is printed by on_event("grant"), as are later re-grants after a reconnect.
+    # The grant itself is printed by on_event("grant").
     if not (args.try_first and member.try_acquire() is not None):
         member.acquire()
-    member.keep()
-    threading.Event().wait()  # serve until killed, or until on_lost exits
+    threading.Event().wait()  # serve until killed
 
 
 if __name__ == "__main__":

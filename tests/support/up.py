@@ -102,6 +102,18 @@ class Up:
     def serving(self, token: str, deployment: str) -> list[dict]:
         return self.get(f"/api/replicas/?deployment={deployment}&state=serving", token)[1].get("results", [])
 
+    def diagnosis(self, token: str, replica_id: str) -> str:
+        """What a failed wait on a replica of this stack needs to be read: its row, its Events, and
+        the last lines of `up` and of its processes' logs (the agent's, the workers')."""
+        row = self.get(f"/api/replicas/{replica_id}/", token)[1]
+        events = self.get(f"/api/events/?replica={replica_id}", token)[1].get("results", [])
+        parts = [f"replica: {json.dumps(row)}", *(f"event: {e.get('kind')} {e.get('reason')}" for e in events[:20])]
+        parts.append("up:\n" + "".join(self.lines[-30:]))
+        for log in sorted((self.data_dir / "logs").glob("*.log")):
+            with open(log, errors="replace") as text:
+                parts.append(f"{log.name}:\n" + "".join(text.readlines()[-30:]))
+        return "\n".join(parts)
+
     def token(self) -> str:
         body = json.dumps({"username": "admin", "password": PASSWORD}).encode()
         request = urllib.request.Request(

@@ -66,6 +66,12 @@ class Command(BaseCommand):
             default=None,
             help="Host RAM for sleeping weights (default: GPUPORTAL_HOST_CACHE_BYTES, else half of RAM).",
         )
+        parser.add_argument(
+            "--host-ram",
+            default=None,
+            help="Host RAM the node's host cache and replica processes may use together; no new replica "
+            "starts past it (default: GPUPORTAL_HOST_RAM_BYTES, else all of RAM).",
+        )
         parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
         parser.add_argument("--loglevel", default="INFO")
 
@@ -78,6 +84,8 @@ class Command(BaseCommand):
             # The host cache's budget: the flag, else the operator's setting, else half of RAM.
             cpu_cache = cpu_cache or os.environ.get("GPUPORTAL_HOST_CACHE_BYTES") or None
             cache = parse_size(cpu_cache) if cpu_cache else None
+            host_ram = options.get("host_ram") or os.environ.get("GPUPORTAL_HOST_RAM_BYTES") or None
+            ram = parse_size(host_ram) if host_ram else None
         except ValueError as err:
             raise CommandError(f"invalid size: {err}") from None
         overrides = {
@@ -119,8 +127,10 @@ class Command(BaseCommand):
             token = node_auth.read_token()
         except node_auth.TokenError as err:
             raise CommandError(f"node {node}'s credential: {err}") from None
-        if not settings.DATABASE_URL_GIVEN:
-            without_database()
+        # Given a DATABASE_URL or not (a shell that sourced stack.env), the agent opens no database,
+        # and its replicas do not inherit the credentials.
+        os.environ.pop("DATABASE_URL", None)
+        without_database()
         agent = NodeAgent(
             node,
             # The data plane talks to the control plane only through this gateway
@@ -130,6 +140,7 @@ class Command(BaseCommand):
             backend=backend,
             virtual_spec=virtual_gpus,
             cpu_cache_bytes=cache,
+            host_ram_bytes=ram,
             concurrency=concurrency,
             profile=profile,
             virtual_foreign=foreign,
@@ -163,7 +174,7 @@ class Command(BaseCommand):
 def without_database() -> None:
     """No database for this process: settings fall back to a local default when DATABASE_URL is
     unset, and an agent that reached it by mistake would pass unnoticed. Any use now raises,
-    naming why (gpuportal.no_database); a failover member's start says so too (inference.tasks)."""
+    naming why (gpuportal.no_database)."""
     connections.close_all()
     connections.settings = connections.configure_settings({"default": {"ENGINE": NO_DATABASE}})
     for alias in list(connections):

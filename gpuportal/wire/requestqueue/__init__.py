@@ -60,6 +60,7 @@ from gpuportal.wire.requestqueue.protocol import (
     processing_key,
     queue_key,
     request_key,
+    stream_bell_key,
     stream_key,
     written_off_key,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "processing_key",
     "queue_key",
     "request_key",
+    "stream_bell_key",
     "stream_key",
     "written_off_key",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Self
 
 import redis
@@ -17,12 +18,14 @@ from gpuportal.wire.requestqueue.protocol import (
     _MARK_TAKEN,
     _RAISE_EPOCH,
     _START,
+    BELL_TTL_S,
     RECORDS_KEY,
     RECORDS_MAX,
     STREAM_END,
     STREAM_RESTART,
     TTL_S,
     Fence,
+    Fenced,
     NodeWrittenOff,
     NotTaken,
     Request,
@@ -34,6 +37,7 @@ from gpuportal.wire.requestqueue.protocol import (
     now,
     processing_key,
     request_key,
+    stream_bell_key,
     stream_key,
 )
 
@@ -87,14 +91,32 @@ class QueueBase:
         node: NodeFence | None = None,
     ) -> None:
         """One piece of a streamed answer, refused (Fenced) where the request's end would be."""
-        keys = [
-            request_key(request_id),
-            stream_key(request_id),
-            epoch_key(fence.name) if fence is not None else request_key(request_id),
-            node_epoch_key(node.node) if node is not None else request_key(request_id),
-        ]
-        args = [replica_id, _epoch(fence), _epoch(node), text, TTL_S]
+        keys, args = _chunk_call(request_id, text, replica_id, fence, node)
         _refusal(self._chunk(keys=keys, args=args), request_id, replica_id, fence, node)
+
+    def chunks(
+        self,
+        pieces: Sequence[tuple[str, str]],
+        replica_id: str = "",
+        fence: Fence | None = None,
+        node: NodeFence | None = None,
+    ) -> None:
+        """Pieces of several streamed answers, (request id, text) in order, in one round trip: a
+        batch step's tokens, one per streaming request. Each is refused where `chunk` would refuse
+        it and the others still land; then the refusal is raised, a fence's (every piece's) before
+        a request's that was given back (NotTaken, that request's alone)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id, text in pieces:
+            keys, args = _chunk_call(request_id, text, replica_id, fence, node)
+            self._chunk(keys=keys, args=args, client=pipe)
+        refusals = []
+        for (request_id, _), written in zip(pieces, pipe.execute(), strict=True):
+            try:
+                _refusal(written, request_id, replica_id, fence, node)
+            except Fenced as refused:
+                refusals.append(refused)
+        if refusals:
+            raise next((r for r in refusals if not isinstance(r, NotTaken)), refusals[0])
 
     def finish(
         self,
@@ -150,17 +172,33 @@ class QueueBase:
             finished_key(status),
             RECORDS_KEY,
             node_epoch_key(node.node) if node is not None else request_key(request_id),
+            stream_bell_key(request_id),
         ]
         counts = usage if isinstance(usage, dict) else {}
         tokens = [counts.get(k, "") for k in ("prompt_tokens", "completion_tokens")]
         tokens = [n if isinstance(n, int) else "" for n in tokens]
         args = [_epoch(fence), request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX, *tokens, _epoch(node)]
+        args.append(BELL_TTL_S)
         args += [x for kv in values.items() for x in kv]
         _refusal(self._end_script(keys=keys, args=args), request_id, replica_id, fence, node)
 
 
 def _epoch(fence: Fence | NodeFence | None) -> str:
     return str(fence.epoch) if fence is not None else ""
+
+
+def _chunk_call(
+    request_id: str, text: str, replica_id: str, fence: Fence | None, node: NodeFence | None
+) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of _CHUNK for one piece (an absent fence names the request's key)."""
+    keys = [
+        request_key(request_id),
+        stream_key(request_id),
+        epoch_key(fence.name) if fence is not None else request_key(request_id),
+        node_epoch_key(node.node) if node is not None else request_key(request_id),
+        stream_bell_key(request_id),
+    ]
+    return keys, [replica_id, _epoch(fence), _epoch(node), text, TTL_S, BELL_TTL_S]
 
 
 def _refusal(written: int, request_id: str, replica_id: str, fence: Fence | None, node: NodeFence | None) -> None:

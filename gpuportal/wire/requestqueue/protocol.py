@@ -62,6 +62,17 @@ def stream_key(request_id: str) -> str:
     return f"gp:stream:{request_id}"
 
 
+def stream_bell_key(request_id: str) -> str:
+    """Rung (a list pushed to) by every piece and by the end of a stream, so that its reader blocks
+    on it (BLPOP) instead of polling the stream; under gp:stream:*, as a node's ACL allows."""
+    return f"gp:stream:{request_id}:bell"
+
+
+# How long a ring nobody took is kept: only a reader blocked at that moment needs it (one that is
+# not reads the stream itself before it blocks), and every request's end rings, streamed or not.
+BELL_TTL_S = 60
+
+
 def last_key(replica_id: str) -> str:
     return f"gp:last:{replica_id}"
 
@@ -205,8 +216,9 @@ return {id, redis.call('HGETALL', key)}
 
 # One streamed chunk, under the same fences as the request's end (_END): not from a replica that no
 # longer holds the request (-1), nor under a superseded failover epoch (0) or node epoch (-2).
-# KEYS: request, stream, the pair's epoch (or any key when unfenced), the node's epoch (or any key).
-# ARGV: replica id or '', pair epoch or '', node epoch or '', the chunk, ttl.
+# KEYS: request, stream, the pair's epoch (or any key when unfenced), the node's epoch (or any key),
+# the stream's bell. ARGV: replica id or '', pair epoch or '', node epoch or '', the chunk, ttl,
+# the bell's ttl.
 _CHUNK = """
 if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[2] then return 0 end
 if ARGV[3] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') > tonumber(ARGV[3]) then return -2 end
@@ -216,6 +228,8 @@ if ARGV[1] ~= '' then
 end
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('RPUSH', KEYS[5], 1)
+redis.call('EXPIRE', KEYS[5], ARGV[6])
 return 1
 """
 
@@ -349,9 +363,9 @@ return math.max(current, tonumber(ARGV[1]))
 #   from the answer by the caller: decoding the answer here (an embedding call's can be megabytes)
 #   would hold Redis, which runs one script at a time, for every request's end.
 # KEYS: epoch (or any key when unfenced), request, stream, done, processing, last, finished count,
-# records, the node's epoch (or any key). ARGV: epoch or '', request id, ttl, now, stream end
-# marker, replica id or '', the records' cap, prompt tokens or '', output tokens or '', node epoch
-# or '', then the request's field/value pairs.
+# records, the node's epoch (or any key), the stream's bell. ARGV: epoch or '', request id, ttl,
+# now, stream end marker, replica id or '', the records' cap, prompt tokens or '', output tokens or
+# '', node epoch or '', the bell's ttl, then the request's field/value pairs.
 _END = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[10] ~= '' and tonumber(redis.call('GET', KEYS[9]) or '0') > tonumber(ARGV[10]) then return -2 end
@@ -359,9 +373,11 @@ if ARGV[6] ~= '' then
   local owner = redis.call('HGET', KEYS[2], 'replica')
   if owner and owner ~= ARGV[6] then return -1 end
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 11))
+redis.call('HSET', KEYS[2], unpack(ARGV, 12))
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('RPUSH', KEYS[10], 1)
+redis.call('EXPIRE', KEYS[10], ARGV[11])
 local fields = redis.call('HGETALL', KEYS[2])
 local final = {}
 for i = 1, #fields, 2 do

@@ -26,8 +26,13 @@ from gpuportal.wire.requestqueue.protocol import (
     now,
     queue_key,
     request_key,
+    stream_bell_key,
     stream_key,
 )
+
+# Redis reads a BLPOP timeout of 0 as for ever: a deadline all but reached still waits this long
+# (and a wait is sliced as RequestQueue.wait's is: within the client's socket timeout).
+BELL_MIN_WAIT_S = 0.01
 
 
 class Submitting(QueueBase):
@@ -262,15 +267,25 @@ class Submitting(QueueBase):
         """Chunks from index `start` on, waiting up to `timeout` for the first; and whether the
         stream has ended."""
         deadline = time.monotonic() + timeout
+        bell = stream_bell_key(request_id)
         while True:
-            chunks = [c.decode() for c in self.redis.lrange(stream_key(request_id), start, -1)]
+            with self.redis.pipeline(transaction=False) as pipe:
+                # Silenced before the stream is read, in this order: a piece written after the read
+                # rings it again, and one written before it is in the read.
+                pipe.delete(bell)
+                pipe.lrange(stream_key(request_id), start, -1)
+                _, raw = pipe.execute()
+            chunks = [c.decode() for c in raw]
             ended = bool(chunks) and chunks[-1] == STREAM_END
             if ended:
                 chunks = chunks[:-1]
-            if chunks or ended or time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if chunks or ended or left <= 0:
                 if not ended and not chunks:
                     request = self.get(request_id)
                     ended = request is None or request.final
                 return chunks, ended
-            # A list has no blocking read from an offset; the stream is short-lived, so poll it.
-            time.sleep(0.005)
+            # A list has no blocking read from an offset: block on the bell its writers ring instead
+            # (a second reader of the same stream may take a ring meant for this one: it then reads
+            # at its deadline, late but whole).
+            self.redis.blpop([bell], timeout=max(BELL_MIN_WAIT_S, min(left, BLOCK_SLICE_S)))

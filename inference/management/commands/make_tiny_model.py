@@ -17,6 +17,7 @@ from django.core.management.base import BaseCommand, CommandError
 MiB = 1024**2
 FLOAT32_BYTES = 4
 HEAD_DIM = 64
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<unk>", "<pad>", "<s>", "</s>")
 
@@ -50,24 +51,30 @@ class TinyModel:
 
 class Command(BaseCommand):
     help = (
-        "Write a randomly initialised causal LM (Llama architecture, float32 safetensors) with a working "
-        "tokenizer to DIR, sized to about --size-mb MiB of weights. For demos and tests: no hub needed."
+        "Write a randomly initialised causal LM (Llama architecture, safetensors; float32 unless --dtype) with a "
+        "working tokenizer to DIR, sized to about --size-mb MiB of weights. For demos and tests: no hub needed."
     )
 
     def add_arguments(self, parser):
         parser.add_argument("dir", help="Directory to write the model to (created if missing).")
         parser.add_argument("--size-mb", type=float, default=20.0, help="Weights size in MiB (default 20).")
         parser.add_argument("--seed", type=int, default=0, help="Random seed for the weights (default 0).")
+        parser.add_argument(
+            "--dtype",
+            choices=WEIGHT_DTYPES,
+            default="float32",
+            help="The dtype the weights are stored in; --size-mb counts them in it (default float32).",
+        )
         parser.add_argument("--force", action="store_true", help="Write into DIR even if it is not empty.")
 
-    def handle(self, *args, dir: str, size_mb: float, seed: int, force: bool, **options):
+    def handle(self, *args, dir: str, size_mb: float, seed: int, force: bool, dtype: str, **options):
         if not size_mb > 0:
             raise CommandError(f"--size-mb must be positive, got {size_mb}")
         path = prepare_dir(Path(dir), force=force)
-        model = write_tiny_model(path, size_mb=size_mb, seed=seed, log=self.stdout.write)
+        model = write_tiny_model(path, size_mb=size_mb, seed=seed, dtype=dtype, log=self.stdout.write)
         self.stdout.write(
             self.style.SUCCESS(
-                f"wrote {model.path}: {model.weights_bytes / MiB:.1f} MiB of float32 weights "
+                f"wrote {model.path}: {model.weights_bytes / MiB:.1f} MiB of {dtype} weights "
                 f"({model.parameters:,} parameters)"
             )
         )
@@ -89,16 +96,28 @@ def prepare_dir(path: Path, *, force: bool = False) -> Path:
 
 
 def write_tiny_model(
-    path: Path, *, size_mb: float = 20.0, seed: int = 0, log: Callable[[str], None] = print
+    path: Path,
+    *,
+    size_mb: float = 20.0,
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
+    log: Callable[[str], None] = print,
 ) -> TinyModel:
-    """Write the model and tokenizer to an existing, writable `path`."""
+    """Write the model and tokenizer to an existing, writable `path`: `size_mb` MiB of weights in
+    `dtype`. `device`: where the random weights are drawn (a GPU draws gigabytes in moments, where
+    a CPU takes a minute); what is written is the same kind of checkpoint either way."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(WEIGHT_DTYPES)})")
+    element = getattr(torch, dtype)
+    element_bytes = torch.empty(0, dtype=element).element_size()
     log("training the tokenizer (byte-level BPE on a built-in text)")
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)
-    layers, hidden, intermediate = size_llama(size_mb * MiB / FLOAT32_BYTES, vocab)
+    layers, hidden, intermediate = size_llama(size_mb * MiB / element_bytes, vocab)
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -114,7 +133,8 @@ def write_tiny_model(
     )
     log(f"building the model: {layers} layers, hidden {hidden}, intermediate {intermediate}, vocab {vocab}")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(element).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     parameters = sum(p.numel() for p in model.parameters())
     log(f"saving to {path}")
@@ -122,7 +142,7 @@ def write_tiny_model(
     tokenizer.save_pretrained(path)
     return TinyModel(
         path=path,
-        weights_bytes=parameters * FLOAT32_BYTES,
+        weights_bytes=parameters * element_bytes,
         parameters=parameters,
         layers=layers,
         hidden_size=hidden,

@@ -1,0 +1,226 @@
+"""Talking to models from the command line, as `ollama run` and `ollama ps` users do: `run` (one
+answer, streamed to stdout as it is generated, so it pipes), `chat` (a conversation with its
+history), `embed` (one JSON vector a line), `ps` (what is loaded where). Through `/v1`, as
+OpenAI's clients call the portal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpuportal.cli import config, render
+from gpuportal.cli.client import ApiError, Client, CliError
+from gpuportal.cli.waiting import Goal, wait_for
+from gpuportal.wire.states import ReplicaState as S
+
+# What `run` and `chat` ask for when not told: a whole answer rather than the API's 16 tokens.
+DEFAULT_MAX_TOKENS = 256
+# Each call's own limit on the portal (a cold model may load first: the portal's most).
+TIMEOUT_S = 300.0
+CHAT_COMMANDS = "/exit (or Ctrl-D) ends, /clear forgets the conversation"
+
+
+class Talker(Protocol):
+    """What these commands use of the command line's context (gpuportal.cli.app.Context)."""
+
+    env: Any
+    out: Console
+    err: Console
+
+    @property
+    def client(self) -> Client: ...
+
+
+def cmd_run(ctx: Talker, args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
+    if not prompt.strip():
+        raise CliError('run: no prompt: give it after the model (`gpuportal run tiny "Hello"`) or on stdin')
+    if args.source:
+        deployed(ctx, args.model, args.source, args.timeout)
+    body = {"model": args.model, "prompt": prompt, **_sampling(args)}
+    write = _writer(ctx.out)
+    text = "".join(stream(ctx.client, "/v1/completions", body, write))
+    if not text.endswith("\n"):
+        write("\n")
+    return 0
+
+
+def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
+    interactive = sys.stdin.isatty()
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    write = _writer(ctx.out)
+    if interactive:
+        ctx.err.print(Text(f"chatting with {args.model}: {CHAT_COMMANDS}", style="bright_black"))
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            break
+        said = line.strip()
+        if said in ("/exit", "/quit", "/bye"):
+            break
+        if said == "/clear":
+            history = list(start)
+            ctx.err.print(Text("the conversation is forgotten", style="bright_black"))
+            continue
+        if not said:
+            continue
+        history.append({"role": "user", "content": line})
+        body = {"model": args.model, "messages": history, **_sampling(args)}
+        reply = "".join(stream(ctx.client, "/v1/chat/completions", body, write))
+        write("\n" if not reply.endswith("\n") else "")
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_embed(ctx: Talker, args: argparse.Namespace) -> int:
+    texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise CliError("embed: no text: give them after the model, or one a line on stdin")
+    answer = ctx.client.post("/v1/embeddings", {"model": args.model, "input": texts, "timeout": args.timeout})
+    for item in sorted(answer.get("data", []), key=lambda d: d.get("index", 0)):
+        ctx.out.file.write(json.dumps(item["embedding"]) + "\n")
+    return 0
+
+
+def cmd_ps(ctx: Talker, args: argparse.Namespace) -> int:
+    replicas = [r for r in ctx.client.pages("/api/replicas/") if r.get("state") != S.STOPPED]
+    if args.model:
+        replicas = [r for r in replicas if r.get("deployment") == args.model]
+    if not replicas:
+        ctx.out.print("nothing is loaded; `gpuportal run MODEL PROMPT --source DIR` loads one and asks it")
+        return 0
+    ctx.out.print(ps_table(replicas))
+    return 0
+
+
+def ps_table(replicas: list[dict[str, Any]]) -> Table:
+    """Each replica: its model, whether it is awake, where, the GPU memory it holds, its last use."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("MODEL", "REPLICA", "STATE", "ON", "GPU MEMORY", "LAST USED"):
+        table.add_column(column, overflow="fold")
+    for replica in sorted(replicas, key=lambda r: (r.get("deployment") or "", r["id"])):
+        state = replica.get("state", "?")
+        held = sum((replica.get("gpu_mem_bytes_by_id") or {}).values())
+        table.add_row(
+            Text(replica.get("deployment") or "?"),
+            render.short_id(replica["id"]),
+            Text(state, style=render.STATE_STYLES.get(state, "")),
+            Text(render.placement(replica)),
+            render.human_bytes(held) if held else "-",
+            render.local_time(replica.get("last_accessed")),
+        )
+    return table
+
+
+def stream(client: Client, path: str, body: dict[str, Any], write: Callable[[str], None]) -> list[str]:
+    """A streamed /v1 call: each piece of text written as it arrives; the pieces."""
+    pieces: list[str] = []
+    for event in client.events(path, {**body, "stream": True}):
+        if "error" in event:
+            raise CliError(str((event["error"] or {}).get("message") or event["error"]))
+        for choice in event.get("choices") or []:
+            piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if piece:
+                write(piece)
+                pieces.append(piece)
+    return pieces
+
+
+def deployed(ctx: Talker, name: str, source: str, timeout_s: float) -> None:
+    """Deploy `source` as `name` unless a deployment of that name exists, waiting (with its
+    progress) until it serves."""
+    try:
+        ctx.client.get(f"/api/deployments/{quote(name, safe='')}/")
+        return
+    except ApiError as err:
+        if err.status != 404:
+            raise
+    ctx.err.print(Text(f"{name} is not deployed: deploying {source}"))
+    body = {"name": name, "model": {"source": config.model_source(source)}, "replicas": 1}
+    answer = ctx.client.post("/api/deployments/", body)
+    wait_for(ctx.client, answer, Goal(S.SERVING, 1, at_least=True), console=ctx.err, timeout_s=timeout_s)
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "timeout": args.timeout}
+
+
+def _writer(console: Console) -> Callable[[str], None]:
+    """Text as it comes, unwrapped and unstyled, flushed at once: what a pipe or a terminal reads."""
+    out = console.file
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    return write
+
+
+def _number(kind: Callable[[str], float], *, least: float, strict: bool) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` at least `least` (more than it, `strict`), or a
+    one-line error naming what was given, before anything is sent."""
+    bound = f"more than {least:g}" if strict else f"{least:g} or more"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {'whole number' if kind is int else 'number'}: {text!r}") from None
+        if value < least or (strict and value == least) or value != value:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be {bound}, not {text}")
+        return value
+
+    return parse
+
+
+SECONDS = _number(float, least=0, strict=True)
+
+
+def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    def sampling(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--max-tokens",
+            type=_number(int, least=1, strict=False),
+            default=DEFAULT_MAX_TOKENS,
+            help=f"longest answer (default {DEFAULT_MAX_TOKENS})",
+        )
+        parser.add_argument(
+            "--temperature",
+            type=_number(float, least=0, strict=False),
+            default=0.0,
+            help="0 (default): the likeliest each time",
+        )
+        parser.add_argument("--timeout", type=SECONDS, default=TIMEOUT_S, help=f"seconds (default {TIMEOUT_S:.0f})")
+
+    run = commands.add_parser("run", help="ask a model once; the answer streams to stdout")
+    run.add_argument("model", help="the deployment's name")
+    run.add_argument("prompt", nargs="?", help="the prompt (default, or `-`: stdin)")
+    run.add_argument("--source", help="deploy this model directory (or hf:org/name) as MODEL first, if it is not")
+    sampling(run)
+    run.set_defaults(run=cmd_run)
+
+    chat = commands.add_parser("chat", help=f"talk with a model, keeping the conversation ({CHAT_COMMANDS})")
+    chat.add_argument("model", help="the deployment's name")
+    chat.add_argument("--system", help="a system message that starts the conversation")
+    sampling(chat)
+    chat.set_defaults(run=cmd_chat)
+
+    embed = commands.add_parser("embed", help="embed texts: one JSON vector a line")
+    embed.add_argument("model", help="an embedding deployment's name")
+    embed.add_argument("texts", nargs="*", help="the texts (default: one a line on stdin)")
+    embed.add_argument("--timeout", type=SECONDS, default=TIMEOUT_S, help=f"seconds (default {TIMEOUT_S:.0f})")
+    embed.set_defaults(run=cmd_embed)
+
+    ps = commands.add_parser("ps", help="what is loaded where: each replica awake or asleep, its memory, its last use")
+    ps.add_argument("model", nargs="?", help="only this deployment's replicas")
+    ps.set_defaults(run=cmd_ps)

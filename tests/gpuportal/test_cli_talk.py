@@ -1,0 +1,219 @@
+"""Talking to models from the command line (`run`, `chat`, `embed`, `ps`), against a portal that
+answers as the real one does on /v1 (server-sent events, OpenAI's error shape) and /api. The
+real portal's /v1 is tested in tests/scheduling/test_openai.py; this is what the commands make of
+its answers."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from gpuportal.cli import app
+
+SERVING = {"id": "b" * 32, "deployment": "tiny", "state": "serving", "node": "box", "gpu_indexes": [0]}
+
+
+class FakePortal(ThreadingHTTPServer):
+    """/v1 completions and chat stream their answer in pieces (chat echoes what it was sent,
+    upper-cased); /v1/embeddings answers one vector per input; /api knows `deployed`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.deployed: dict[str, dict[str, Any]] = {}
+        portal = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _body(self) -> Any:
+                length = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(length)) if length else None
+
+            def _json(self, status: int, body: Any) -> None:
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def _events(self, pieces: list[dict[str, Any]]) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(b": waiting for tiny to wake\n\n")
+                for piece in pieces:
+                    self.wfile.write(f"data: {json.dumps(piece)}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.close_connection = True
+
+            def do_POST(self) -> None:
+                body = self._body()
+                portal.calls.append(("POST", self.path, body))
+                if self.path == "/v1/completions":
+                    if body["model"] not in portal.deployed:
+                        self._json(404, {"error": {"message": f"The model `{body['model']}` does not exist"}})
+                        return
+                    self._events([{"choices": [{"text": t}]} for t in ("Once", " upon", " a time")])
+                elif self.path == "/v1/chat/completions":
+                    said = body["messages"][-1]["content"].upper()
+                    self._events([{"choices": [{"delta": {"content": w}}]} for w in (said[:2], said[2:])])
+                elif self.path == "/v1/embeddings":
+                    vectors = [{"index": i, "embedding": [float(len(t)), 0.5]} for i, t in enumerate(body["input"])]
+                    self._json(200, {"data": vectors[::-1]})
+                elif self.path == "/api/deployments/":
+                    deployment = {"name": body["name"], "replicas_wanted": 1, "replicas": [SERVING]}
+                    portal.deployed[body["name"]] = deployment
+                    self._json(201, deployment)
+
+            def do_GET(self) -> None:
+                portal.calls.append(("GET", self.path, None))
+                if self.path.startswith("/api/replicas/"):
+                    replicas = [
+                        {**SERVING, "gpu_mem_bytes_by_id": {"0": 2 * 1024**3}, "last_accessed": None},
+                        {**SERVING, "id": "c" * 32, "deployment": "big", "state": "sleeping", "node": "box"},
+                        {**SERVING, "id": "d" * 32, "state": "stopped"},
+                    ]
+                    self._json(200, {"results": replicas, "next": None})
+                    return
+                name = self.path.removeprefix("/api/deployments/").strip("/")
+                if name in portal.deployed:
+                    self._json(200, portal.deployed[name])
+                else:
+                    self._json(404, {"detail": f"no deployment named {name!r}"})
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"GPUPORTAL_URL": f"http://127.0.0.1:{self.server_address[1]}", "GPUPORTAL_TOKEN": "t"}
+
+
+@pytest.fixture
+def portal() -> Iterator[FakePortal]:
+    server = FakePortal()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def stdin(monkeypatch, text: str) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+
+
+def test_run_streams_the_answer_to_stdout_and_asks_for_a_whole_answer(portal, capsys):
+    portal.deployed["tiny"] = {}
+
+    assert app.main(["run", "tiny", "Tell me a story", "--temperature", "0.5"], env=portal.env) == 0
+
+    assert capsys.readouterr().out == "Once upon a time\n"
+    (_, path, body) = portal.calls[-1]
+    assert path == "/v1/completions"
+    assert body == {
+        "model": "tiny", "prompt": "Tell me a story", "max_tokens": 256, "temperature": 0.5, "timeout": 300.0,
+        "stream": True,
+    }  # fmt: skip
+
+
+def test_run_reads_the_prompt_from_stdin_so_that_it_pipes(portal, capsys, monkeypatch):
+    portal.deployed["tiny"] = {}
+    stdin(monkeypatch, "a prompt\nof two lines\n")
+
+    assert app.main(["run", "tiny"], env=portal.env) == 0
+
+    assert portal.calls[-1][2]["prompt"] == "a prompt\nof two lines\n"
+    assert capsys.readouterr().out == "Once upon a time\n"
+
+
+def test_run_of_a_model_that_is_not_deployed_says_so_and_exits_1(portal, capsys):
+    assert app.main(["run", "nope", "Hi"], env=portal.env) == 1
+
+    assert capsys.readouterr().err.splitlines() == ["error: The model `nope` does not exist"]
+
+
+def test_run_with_a_source_deploys_the_model_first_when_it_is_not_and_then_asks_it(portal, capsys, tmp_path):
+    model = tmp_path / "tiny-model"
+    model.mkdir()
+
+    assert app.main(["run", "tiny", "Hi", "--source", str(model)], env=portal.env) == 0
+    assert app.main(["run", "tiny", "Hi again", "--source", str(model)], env=portal.env) == 0
+
+    posts = [(path, body) for method, path, body in portal.calls if method == "POST"]
+    assert posts[0] == ("/api/deployments/", {"name": "tiny", "model": {"source": str(model)}, "replicas": 1})
+    assert [path for path, _ in posts[1:]] == ["/v1/completions", "/v1/completions"], "deployed once"
+    out, err = capsys.readouterr()
+    assert out == "Once upon a time\n" * 2 and "tiny is not deployed: deploying" in err
+
+
+def test_a_run_without_a_prompt_is_refused_before_anything_is_sent(portal, capsys, monkeypatch):
+    stdin(monkeypatch, "  \n")
+
+    assert app.main(["run", "tiny"], env=portal.env) == 1
+
+    assert "no prompt" in capsys.readouterr().err and portal.calls == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["run", "tiny", "hi", "--max-tokens", "0"], "argument --max-tokens: must be 1 or more, not 0"),
+        (["run", "tiny", "hi", "--max-tokens", "many"], "argument --max-tokens: not a whole number: 'many'"),
+        (["chat", "tiny", "--temperature", "-1"], "argument --temperature: must be 0 or more, not -1"),
+        (["embed", "e", "x", "--timeout", "0"], "argument --timeout: must be more than 0, not 0"),
+        (["run", "tiny", "hi", "--timeout", "nan"], "argument --timeout: must be more than 0, not nan"),
+    ],
+)
+def test_a_sampling_setting_out_of_range_is_a_one_line_error_before_anything_is_sent(portal, capsys, argv, said):
+    with pytest.raises(SystemExit) as exited:
+        app.main(argv, env=portal.env)
+
+    assert exited.value.code == 2 and said in capsys.readouterr().err and portal.calls == []
+
+
+def test_chat_keeps_the_conversation_forgets_it_on_clear_and_ends_on_exit(portal, capsys, monkeypatch):
+    stdin(monkeypatch, "hello\nhow are you\n/clear\nagain\n/exit\nnot sent\n")
+
+    assert app.main(["chat", "tiny", "--system", "be brief"], env=portal.env) == 0
+
+    assert capsys.readouterr().out == "HELLO\nHOW ARE YOU\nAGAIN\n"
+    sent = [body["messages"] for method, path, body in portal.calls if path == "/v1/chat/completions"]
+    assert sent == [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "HELLO"},
+            {"role": "user", "content": "how are you"},
+        ],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "again"}],
+    ]
+
+
+def test_embed_prints_one_json_vector_a_line_in_the_inputs_order(portal, capsys, monkeypatch):
+    assert app.main(["embed", "enc", "a", "abc"], env=portal.env) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [[1.0, 0.5], [3.0, 0.5]]
+
+    stdin(monkeypatch, "one\n\ntwo words\n")
+    assert app.main(["embed", "enc"], env=portal.env) == 0
+    assert portal.calls[-1][2]["input"] == ["one", "two words"]
+
+
+def test_ps_shows_what_is_loaded_where_awake_or_asleep_and_not_what_stopped(portal, capsys):
+    assert app.main(["ps"], env=portal.env) == 0
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["MODEL", "REPLICA", "STATE", "ON", "GPU", "MEMORY", "LAST", "USED"]
+    assert lines[1].split() == ["big", "cccccccc", "sleeping", "box/0", "-", "-"]
+    assert lines[2].split() == ["tiny", "bbbbbbbb", "serving", "box/0", "2.0", "GiB", "-"]
+    assert len(lines) == 3, "the stopped replica is history"
+    assert app.main(["ps", "big"], env=portal.env) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2

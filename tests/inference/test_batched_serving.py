@@ -1,0 +1,98 @@
+"""The serving loop's batching, in-process over real Redis: requests queued together start in the
+same step rather than one a step, and a step's streamed pieces go to the queue in one write,
+before the answers that step ended. (tests/inference/test_serving.py runs the loop end to end in
+replica processes.)"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from django.conf import settings
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gpuportal.wire.requestqueue import RequestQueue
+from inference.batching import Batcher
+from inference.management.commands.make_tiny_model import write_tiny_model
+from inference.paged import engine_for
+from inference.serving import Executor, Server
+
+MiB = 1024**2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Any, Any]:
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-batched"), size_mb=2, seed=3, log=lambda _: None).path
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture
+def rq():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    yield RequestQueue(client)
+    client.close()
+
+
+def host_for(model: Any, tokenizer: Any) -> SimpleNamespace:
+    """A replica host as far as the serving loop uses one: serving, with a pool of 1,024 tokens."""
+    paged = engine_for(model, weights_bytes=8 * MiB, cap_bytes=256 * MiB, max_tokens=1024, context_bytes=0)
+    accepting = threading.Event()
+    accepting.set()
+    return SimpleNamespace(
+        replica_id=f"r-{uuid.uuid4().hex[:8]}",
+        loader="transformers",
+        tokenizer=tokenizer,
+        paged=paged,
+        fence=None,
+        node_fence=None,
+        accepting=accepting,
+        abort=threading.Event(),
+        lock=threading.Lock(),
+        on_stop_taking=None,
+        begin_request=lambda: True,
+        end_request=lambda: None,
+        executor=lambda: Executor(model, tokenizer),
+        kv_stats=lambda: None,
+        on_stale=lambda reason: None,
+    )
+
+
+def test_requests_queued_together_start_in_the_same_step_and_streams_get_every_piece_before_the_end(
+    tiny, rq, monkeypatch
+):
+    model, tokenizer = tiny
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    ids = [
+        rq.submit(deployment, kind="generate", input=text, params={"max_tokens": 6, "stream": stream}, owner="u").id
+        for text, stream in (("Hello", True), ("Once upon", False), ("GPU", True), ("Pack my box", False))
+    ]
+    admitted: list[int] = []  # how many sequences each step ran
+    every_step = Batcher.step
+
+    def counting(self: Batcher) -> list:
+        ended = every_step(self)
+        admitted.append(len(self.running) + len(ended))
+        return ended
+
+    monkeypatch.setattr(Batcher, "step", counting)
+    single = []
+    monkeypatch.setattr(rq, "chunk", lambda *args, **kwargs: single.append(args))
+    server = Server(host_for(model, tokenizer), rq, deployment, poll_s=0.05)
+    server.start()
+    try:
+        answers = [rq.wait(request_id, 60) for request_id in ids]
+    finally:
+        server.stopped.set()
+        server.join(10)
+
+    assert all(a is not None and a.status == "done" for a in answers), answers
+    # All four were queued before the loop took its first: all four ran in its first step.
+    assert admitted[0] == 4, admitted
+    for request_id, answer in zip(ids[::2], answers[::2], strict=True):
+        pieces, ended = rq.read_stream(request_id, 0, 0)
+        assert ended and "".join(pieces) == answer.output["text"]
+    assert single == [], "a batched stream's pieces go in the step's one write"
