@@ -351,6 +351,11 @@ def kill_each(stack: Stack, clients: Clients, processes: list[str]) -> list[Reco
         back = time.monotonic()
         first = wait_for(lambda t=killed_at: clients.first_answer_after(t), 120, f"an answer after {name} was killed")
         wait_for(lambda t=back: clients.first_answer_after(t), 120, f"an answer once {name} is back")
+        # And until /readyz says every process is ready: an agent is once it has registered again,
+        # which it does after adopting the replicas it found. Answers alone come sooner (the
+        # replica serves on while orphaned), and the next kill (Redis, after the agent) then fell
+        # inside the new agent's start, which it slowed past the replica's adoption window.
+        wait_for(lambda: readiness(stack).get("status") == "ready", 120, f"/readyz to say ready once {name} is back")
         recoveries.append(Recovery(name, killed_at, detected - killed_at, first, clients.next_window()))  # type: ignore[operator]
     return recoveries
 

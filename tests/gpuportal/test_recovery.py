@@ -44,9 +44,13 @@ def test_every_process_of_up_killed_under_load_is_started_again_and_no_accepted_
 
 
 def replaced(said: list[str], data_dir: Path) -> str:
-    """Why the replica was not the same at the end: what up said of replicas and adoption, and the
-    last lines of each replica's own log (where it says whether an agent adopted it in time)."""
+    """Why the replica was not the same at the end: what up said of replicas and adoption, the
+    last lines of each replica's own log (where it says whether an agent adopted it in time) and
+    of the agent's."""
     lines = [line for line in said if "replica" in line.lower() or "adopt" in line.lower()]
     for log in sorted(data_dir.glob("replicas/*/replica-*.log")):
         lines += [f"== {log.name}", *log.read_text(errors="replace").splitlines()[-15:]]
+    # The agent's own log: when it started again, and whether and when it adopted the replica.
+    for log in sorted(data_dir.glob("logs/agent*.log")):
+        lines += [f"== {log.name}", *log.read_text(errors="replace").splitlines()[-40:]]
     return "the replica did not live through it all:\n" + "\n".join(lines)
