@@ -130,7 +130,8 @@ class NodeAgent:
         virtual = all(d.virtual for d in devices)
         self.virtual = virtual
         self.devices = list(devices)
-        survivors = [Survivor.from_hello(h) for h in self.supervisor.adopt_survivors(on_event=self.relay).values()]
+        adopted = self.supervisor.adopt_survivors(on_event=self.relay)
+        survivors = [Survivor.from_hello(h) for h in [*adopted.values(), *self.supervisor.deep_sleepers().values()]]
         # A control plane that cannot answer yet (its worker restarting, PostgreSQL starting up) is
         # waited for rather than given up on: an agent that exited here would leave the replicas it
         # has just adopted to wait out another adoption window. Registering again is harmless (it

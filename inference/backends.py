@@ -145,6 +145,7 @@ class Backend(Protocol):
     def prepare_spare(self, model: nn.Module) -> Arena: ...
     def drop_spare(self) -> int: ...
     def collect_kept(self, copies: PendingCopies) -> None: ...
+    def hold_in_arena(self, model: nn.Module) -> None: ...
 
 
 class ArenaKeeper:
@@ -165,6 +166,8 @@ class ArenaKeeper:
         self.keep_arena = False
         # The arena held ready for the next sleep; None when there is none (consumed by a sleep).
         self.spare: Arena | None = None
+        # The weights while asleep or standing by (inference.arena); None while awake.
+        self.arena: Arena | None = None
 
     def prepare_spare(self, model: nn.Module) -> Arena:
         """The spare for `model` as it is now: the one held, else one allocated (and pinned) now
@@ -198,6 +201,14 @@ class ArenaKeeper:
             self.drop_spare()  # none expected: the sleep before this wake consumed it
             self.spare = kept
 
+    def hold_in_arena(self, model: nn.Module) -> None:
+        """Take weights read from outside (a host copy, inference.host_copy) into an arena, pinned
+        where the spare would be, as if this replica had gone to sleep: `from_cache` then wakes
+        it at the copy's speed."""
+        from inference.arena import pack
+
+        self.arena = pack(model, pin=self.pin_spare)
+
     def _pack(self, model: nn.Module, *, pin: bool | None = None) -> Arena:
         """`pack`, into the spare when one is held: it is consumed either way (taken, or freed
         for another layout's fresh arena)."""
@@ -230,8 +241,6 @@ class VirtualBackend(ArenaKeeper):
         self.profile = profile or VirtualProfile.from_env()
         # The context this process would hold on its first GPU: none until it attaches.
         self.context_bytes = 0
-        # The weights while asleep or standing by (inference.arena); None while awake.
-        self.arena: Arena | None = None
 
     def attach(self, placement: Placement) -> None:
         self.context_bytes = max(self.context_bytes, self.profile.context_bytes)

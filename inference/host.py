@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuportal.wire.node_lease import NodeFence
@@ -77,8 +78,12 @@ class ReplicaHost:
         context_bytes: int = 0,
         standby_context_bytes: int = 0,
         node_fence: NodeFence | None = None,
+        host_copy: Path | None = None,
     ):
         self.replica_id = replica_id
+        # Woken from deep sleep: the node's copy of its weights (inference.host_copy), read
+        # instead of `source`'s; None for a load from disk.
+        self.host_copy = host_copy
         # Its node's epoch at its start: what it takes and writes is refused once the control
         # plane writes the node off (gpuportal.wire.node_lease).
         self.node_fence = node_fence
@@ -200,6 +205,12 @@ class ReplicaHost:
     # -- transitions -------------------------------------------------------------------------
 
     def load(self) -> None:
+        if self.host_copy is not None and self.host_copy.exists():
+            self._load_host_copy(self.host_copy)
+            return
+        if self.host_copy is not None:
+            # Gone (its node restarted, a full /dev/shm): the disk still has the weights.
+            log.warning("%s: no host copy at %s; loading from disk", self.replica_id, self.host_copy)
         with self.lock, self._failing_as("load"):
             started = time.monotonic()
             self.state = S.LOADING
@@ -227,6 +238,34 @@ class ReplicaHost:
                 self._adopt(model, self.placement)
                 self._allocate_pool()
             self._progress(100, f"loaded {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
+            self.state = S.SERVING
+            self.events.emit("serving", pid=os.getpid(), **self.where(), **self.serving_tags)
+
+    def _load_host_copy(self, path: Path) -> None:
+        """A wake from deep sleep: the model's skeleton from its source's configuration, its
+        weights from the node's host copy, packed into an arena and copied to the GPU as a wake
+        from the first level is (inference.host_copy). The copy is deleted once the weights are
+        this process's own: from then on it is an awake replica like any other."""
+        from inference import host_copy
+        from inference.loaders import empty_model
+
+        with self.lock, self._failing_as("load"):
+            started = time.monotonic()
+            self.state = S.LOADING
+            self._progress(0, f"waking from deep sleep on {self.backend.name} GPUs {list(self.placement.gpus)}")
+            model = empty_model(self.source, self.loader, self.dtype)
+            try:
+                host_copy.assign(model, host_copy.load(path))
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ReplicaFailure("load", f"the host copy {path} cannot be read: {exc}") from exc
+            self.tokenizer = load_tokenizer(self.source, self.loader)
+            self.recipe = load_recipe(self.source, self.loader)
+            self._progress(25, f"copying {mib(path.stat().st_size)} from the host copy")
+            self.backend.hold_in_arena(model)
+            host_copy.forget(path)
+            self.model = model
+            self._wake_onto(self.placement)
+            self._progress(100, f"woke from deep sleep in {time.monotonic() - started:.1f} s")
             self.state = S.SERVING
             self.events.emit("serving", pid=os.getpid(), **self.where(), **self.serving_tags)
 
@@ -330,6 +369,31 @@ class ReplicaHost:
             if self.backend.keep_arena:
                 self._keep_spare()  # the arena the wake kept, or one prepared now
 
+    def deepen(self, path: Any) -> None:
+        """Sleep deeply: the weights this sleeper holds in its arena go to the node's host copy at
+        `path` (inference.host_copy), then everything this process holds is let go and it says
+        `deep_sleeping`; the process exits after (inference.replica.run)."""
+        from inference import host_copy
+
+        if not isinstance(path, str) or not path:
+            raise CommandRejected(f"bad deepen: path must be a file's path, got {path!r}")
+        with self.lock:
+            self._require(S.SLEEPING, "sleep deeply")
+            assert self.model is not None
+            started = time.monotonic()
+            try:
+                written = host_copy.save(self.model, Path(path))
+            except OSError as exc:
+                # /dev/shm full, say: it stays asleep as it was, and the control plane hears why.
+                raise CommandRejected(f"cannot write the host copy {path}: {exc}") from None
+            self.model = None
+            self.backend.release()
+            self.state = S.DEEP_SLEEPING
+            log.info(
+                "%s: %s written to the host copy in %.2f s", self.replica_id, mib(written), time.monotonic() - started
+            )
+            self.events.emit("deep_sleeping", host_copy_bytes=written)
+
     def stop(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         # A scale-down loses nothing: the request in flight finishes or goes back to its queue.
         self.drain(drain_timeout_s, S.STOPPING)
@@ -363,8 +427,10 @@ class ReplicaHost:
                 self.stop(drain)
             elif name == "arena":
                 self.keep_arena(command.get("keep"))
+            elif name == "deepen":
+                self.deepen(command.get("path"))
             else:
-                raise CommandRejected(f"unknown command {name!r} (known: sleep, wake, stop, ping, arena)")
+                raise CommandRejected(f"unknown command {name!r} (known: sleep, wake, stop, ping, arena, deepen)")
         except CommandRejected as exc:
             log.warning("refused %s: %s", name, exc)
             self.events.emit("error", cmd=name, reason=str(exc))

@@ -96,6 +96,30 @@ def load_model(
     return model.eval()
 
 
+def empty_model(source: str, loader: str, dtype: str) -> nn.Module:
+    """The model of `source` on the meta device: its modules, shapes and dtypes, with no weight
+    read or allocated (a wake from deep sleep fills it from the node's host copy: inference.host_copy)."""
+    import torch
+
+    validate_source(source, loader)
+    run_dtype = torch_dtype(dtype)
+    if loader == TORCH_MODULE:
+        with torch.device("meta"):
+            module = resolve_factory(source)()
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"factory {source!r} returned a {type(module).__name__}, not a torch.nn.Module")
+        return module.to(dtype=run_dtype).eval()
+    from inference.model_size import load_config
+
+    AutoModel, AutoModelForCausalLM = from_transformers("AutoModel", "AutoModelForCausalLM")
+    config = load_config(_model_dir(source))
+    with torch.device("meta"):
+        model = (AutoModel if loader == EMBEDDING else AutoModelForCausalLM).from_config(
+            config, **{_dtype_kwarg(): run_dtype}
+        )
+    return model.eval()
+
+
 def tensor_bytes(module: nn.Module) -> int:
     """Bytes held by the module's parameters and buffers; tied weights count once, as they are stored once."""
     return sum(tensor_bytes_by_device(module).values())

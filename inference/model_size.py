@@ -35,7 +35,7 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None, *, encoder:
     Raises ValueError naming what is missing or malformed; the API reports it on `model.source`.
     """
     root = _model_dir(path)
-    config = _load_config(root)
+    config = load_config(root)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
 
     run_dtype = str(dtype).removeprefix("torch.") if dtype is not None else _config_dtype(config)
@@ -78,7 +78,7 @@ def _model_dir(path: str | Path) -> Path:
     return root
 
 
-def _load_config(root: Path) -> Any:
+def load_config(root: Path) -> Any:
     # Through transformers rather than json.load: a saved config omits values equal to its class's
     # defaults (Mistral's num_key_value_heads=8, for one), and only the config class knows them.
     (AutoConfig,) = from_transformers("AutoConfig")

@@ -47,6 +47,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuportal.processes import tie_to_parent
@@ -154,7 +155,8 @@ def run(host: ReplicaHost, commands: queue.Queue[Any], pair: PairMember | None =
             host.load()
         else:
             pair.start(commands)
-        while host.state != S.STOPPED:
+        # Stopped, or deep asleep: its weights are in the node's host copy, and nothing is left here.
+        while host.state not in (S.STOPPED, S.DEEP_SLEEPING):
             command = commands.get()
             # Callables come from this process's own threads (a failover lock grant): they run
             # here so that every transition stays on the main thread.
@@ -231,6 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Seconds to outlive the agent, waiting for a new one to adopt it (0: die with the agent).",
     )
     parser.add_argument("--adopt-address", default="", help="Abstract socket name an adopter connects to.")
+    parser.add_argument(
+        "--host-copy", default="", help="Wake from deep sleep: the weights from this host copy, not the source's files."
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -283,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         context_bytes=args.context_bytes,
         standby_context_bytes=args.standby_context_bytes,
         node_fence=NodeFence(args.node, args.node_epoch) if args.node and args.node_epoch is not None else None,
+        host_copy=Path(args.host_copy) if args.host_copy else None,
     )
     commands: queue.Queue[Any] = queue.Queue()
     on_eof = adopt_later(host, commands, args) if adoptable else None

@@ -41,7 +41,7 @@ from gpuportal.wire.commands import ReplicaSpec
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
-from inference import adoption, failover
+from inference import adoption, failover, host_copy
 from inference.forkserver import READY_TIMEOUT_S, ForkedProcess, ForkServer
 from inference.host_ram import proportional_bytes
 
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 EventCallback = Callable[[str, dict[str, Any]], None]
 
 # The events a replica process ends with: they name the state it ends in.
-FINAL_EVENTS = (S.STOPPED, S.FAILED)
+FINAL_EVENTS = (S.STOPPED, S.FAILED, S.DEEP_SLEEPING)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # How long a replica that announced stopped/failed may take to exit before it is killed.
 EXIT_GRACE_S = 10.0
@@ -208,8 +208,12 @@ class Supervisor:
         python: str = sys.executable,
         env: dict[str, str] | None = None,
         exits: Path | None = None,
+        host_copies: Path | None = None,
     ):
         self.log_dir = Path(log_dir)
+        # The node's host copies of its deep sleepers' weights (inference.host_copy): they outlive
+        # the replicas' processes, and this agent's too.
+        self.host_copies = host_copies if host_copies is not None else host_copy.node_folder(self.log_dir)
         self.python = python
         self.env = env
         # Where `up` records how the replicas it reaped ended (gpuportal.orphans): an adopted
@@ -263,6 +267,28 @@ class Supervisor:
         if spec.failover_lease is not None:
             self._start_watchdog()
         self._start_reader(replica)
+
+    def host_copy_path(self, replica_id: str) -> Path:
+        """Where a deep sleeper's weights wait (inference.host_copy)."""
+        return host_copy.path_of(self.host_copies, replica_id)
+
+    def forget_host_copy(self, replica_id: str) -> bool:
+        """Delete a deep sleeper's host copy (it stops, or leaves the host cache); whether there was one."""
+        forgotten = host_copy.forget(self.host_copy_path(replica_id))
+        if forgotten:
+            log.info("replica %s: host copy deleted", replica_id)
+        return forgotten
+
+    def deep_sleepers(self) -> dict[str, dict[str, Any]]:
+        """The deep sleepers whose host copies this node holds, each as the hello of a survivor
+        with no process (pid 0): a new agent offers them to the control plane with the processes
+        it adopted, and the books keep those that agree (scheduling.core.adoption)."""
+        running = set(self.running())
+        return {
+            replica_id: {"replica_id": replica_id, "pid": 0, "state": S.DEEP_SLEEPING, "last": S.DEEP_SLEEPING}
+            for replica_id in host_copy.held(self.host_copies)
+            if replica_id not in running
+        }
 
     def adopt_survivors(self, on_event: EventCallback) -> dict[str, dict[str, Any]]:
         """Take over the replicas the node's previous agent left running (they wait for an adopter
@@ -563,6 +589,8 @@ class Supervisor:
         argv = replica_argv(spec, self.python, self.node_fence, self.pairs)
         if spec.adoption_window_s > 0:
             argv += ["--adopt-address", adoption.address(self.log_dir, spec.replica_id)]
+        if spec.from_host_copy:
+            argv += ["--host-copy", str(self.host_copy_path(spec.replica_id))]
         server = self._forkserver.result() if self._forkserver is not None else None
         if server is not None and server.alive:
             # argv is [python, -m, inference.replica, *arguments]: the template runs the last part.

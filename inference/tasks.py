@@ -4,6 +4,7 @@ supervisor. What the processes report goes back through the agent's gateway to t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -16,7 +17,7 @@ from celery import shared_task
 from django.conf import settings
 
 from gpuportal.wire import commands, replies
-from gpuportal.wire.commands import KeepArena, SleepReplica, StartReplica, StopReplica, WakeReplica
+from gpuportal.wire.commands import DeepenReplica, KeepArena, SleepReplica, StartReplica, StopReplica, WakeReplica
 from gpuportal.wire.inspection import INSPECT_TASK, InspectModel
 from gpuportal.wire.pulls import PULL_TASK, PULL_TTL_S, PullModel, PullProgress
 from gpuportal.wire.replica_logs import LOG_TASK, MAX_LOG_BYTES, ReadLog, last_lines
@@ -26,7 +27,7 @@ from inference.inspection import read_model
 
 log = logging.getLogger(__name__)
 
-C = TypeVar("C", StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena)
+C = TypeVar("C", StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena, DeepenReplica)
 
 # What a sleeping victim may still hold on a GPU beyond what it said it keeps (its CUDA context
 # is in that; this covers the allocator's rounding) before the waker stops waiting for it.
@@ -153,13 +154,19 @@ def replica_log(payload: dict) -> str:
 @shared_task(name="inference.tasks.start_replica")
 def start_replica(payload: dict) -> str:
     command = _read(payload, StartReplica)
-    if skipped := _still_wanted(command.replica_id, S.PENDING):
+    # A wake from deep sleep is a start too: of a replica the books have waking, not pending.
+    if skipped := _still_wanted(command.replica_id, S.WAKING if command.spec.from_host_copy else S.PENDING):
         return skipped
     spec = command.spec
     if late := wait_released(list(command.wait_for), list(spec.gpus), virtual=spec.backend == "virtual"):
         log.warning("replica %s starts while %s still hold memory", spec.replica_id, ", ".join(late))
     current = agent.current()
     local = replace(spec, redis_url=settings.REDIS_URL)  # what only this host knows: how it reaches Redis
+    if spec.replica_id in current.supervisor.running() and spec.from_host_copy:
+        # A deep wake sent again (its report was lost): the process it started says where it is.
+        with contextlib.suppress(KeyError, ProcessLookupError):
+            current.supervisor.send(spec.replica_id, {"cmd": "resync"})
+        return "running"
     if spec.replica_id in current.supervisor.running():
         current.supervisor.stop(spec.replica_id)  # a restart (e.g. after a CUDA assert): a fresh process
     current.supervisor.start(local, on_event=current.relay)
@@ -205,6 +212,8 @@ def stop_replica(payload: dict) -> str:
             command.replica_id, drain_timeout_s=command.drain_timeout_s, close_pair=command.close_pair
         )
         return "stopped"
+    # No process: stopped already, or deep asleep, whose weights wait in the node's host copy.
+    current.supervisor.forget_host_copy(command.replica_id)
     current.relay(command.replica_id, {"event": "stopped"})
     return "not running here"
 
@@ -217,6 +226,19 @@ def replica_arena(payload: dict) -> str:
     # No process: the replica stopped or died since the control plane decided. Its death is
     # reported by whatever waits on it; an arena for a process that is gone is no failure.
     return _command(command.replica_id, {"cmd": "arena", "keep": command.keep}, gone_is_crash=False)
+
+
+@shared_task(name="inference.tasks.replica_deepen")
+def replica_deepen(payload: dict) -> str:
+    """Sleep deeply (gpuportal.wire.commands.DeepenReplica): the sleeper writes its weights to the
+    node's host copy, says `deep_sleeping` and exits."""
+    command = _read(payload, DeepenReplica)
+    if skipped := _still_wanted(command.replica_id, S.SLEEPING):
+        return skipped
+    path = agent.current().supervisor.host_copy_path(command.replica_id)
+    # No process: it wrote its copy and exited after a first deepen (its report is on its way),
+    # or it died, which its reader reports. Not a crash to report from here.
+    return _command(command.replica_id, {"cmd": "deepen", "path": str(path)}, gone_is_crash=False)
 
 
 def _command(replica_id: str, command: dict, *, gone_is_crash: bool = True) -> str:

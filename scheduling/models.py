@@ -207,6 +207,9 @@ class Deployment(models.Model):
     # Sleep.
     idle_timeout_s = models.FloatField(default=_default("idle_timeout_s"), help_text="0 means never sleep when idle.")
     drain_timeout_s = models.FloatField(default=_default("drain_timeout_s"))
+    deep_sleep_after_s = models.FloatField(
+        default=_default("deep_after_s"), db_default=_default("deep_after_s"), help_text="0 means never sleep deeply."
+    )
     # Memory, in order of trust: the override here, then the observed record's measured need (per
     # GPU), then its estimate.
     memory_override_bytes = models.BigIntegerField(null=True, blank=True)
@@ -237,6 +240,7 @@ class Deployment(models.Model):
             models.CheckConstraint(condition=Q(max_wait_s__gte=0), name="deployment_max_wait_nonneg"),
             models.CheckConstraint(condition=Q(idle_timeout_s__gte=0), name="deployment_idle_timeout_nonneg"),
             models.CheckConstraint(condition=Q(drain_timeout_s__gte=0), name="deployment_drain_timeout_nonneg"),
+            models.CheckConstraint(condition=Q(deep_sleep_after_s__gte=0), name="deployment_deep_sleep_after_nonneg"),
             models.CheckConstraint(
                 condition=Q(memory_override_bytes__isnull=True) | Q(memory_override_bytes__gt=0),
                 name="deployment_override_positive",
@@ -347,6 +351,12 @@ class Replica(models.Model):
     # sleeping report wakes the deployment again whatever the queue holds when it comes, since the
     # request is queued only after its wake was decided. Cleared as it leaves draining.
     wake_when_asleep = models.BooleanField(default=False, db_default=False)
+    # When it last fell asleep (its sleeping report): its deployment's deep_sleep_after_s counts
+    # from here. Cleared as it comes awake.
+    asleep_since = models.DateTimeField(null=True, blank=True)
+    # Deep asleep: the size of the copy of its weights its node's host memory holds
+    # (inference.host_copy); its wake starts a process that reads it. 0: none.
+    host_copy_bytes = models.BigIntegerField(default=0, db_default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

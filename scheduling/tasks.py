@@ -7,6 +7,7 @@ from celery import shared_task
 from scheduling.services import (
     capacity,
     cleanup,
+    deep_sleep,
     deployments,
     host_cache,
     node_gateway,
@@ -35,7 +36,8 @@ def expire_heartbeats() -> list[str]:
 
 @shared_task(name="scheduling.tasks.sleep_idle", ignore_result=True)
 def sleep_idle() -> list[str]:
-    return sleep.sweep_idle()
+    """Idle replicas to sleep, and long sleepers to deep sleep: the ids told."""
+    return sleep.sweep_idle() + deep_sleep.sweep_deep()
 
 
 @shared_task(name="scheduling.tasks.collect_ended_replicas", ignore_result=True)

@@ -20,6 +20,7 @@ STATE_STYLES = {
     S.SERVING: "green",
     S.STANDBY: "cyan",
     S.SLEEPING: "blue",
+    S.DEEP_SLEEPING: "blue",
     S.FAILED: "red",
     S.PENDING: "yellow",
     S.LOADING: "yellow",

@@ -81,6 +81,9 @@ class ReplicaSpec:
     standby_context_bytes: int = 0
     # Seconds the replica outlives its agent waiting to be adopted; 0: it dies with the agent.
     adoption_window_s: float = 0.0
+    # A wake from deep sleep: the weights come from the host copy its node keeps of them
+    # (inference.host_copy), not from `source`, which still gives the model's shape and tokenizer.
+    from_host_copy: bool = False
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):
@@ -140,6 +143,15 @@ class StopReplica:
 
 
 @dataclass(frozen=True)
+class DeepenReplica:
+    """Sleep deeply: the sleeping replica writes its weights to its node's host copy
+    (inference.host_copy), says `deep_sleeping` and exits, leaving no GPU memory held."""
+
+    kind: ClassVar[str] = "deepen"
+    replica_id: str
+
+
+@dataclass(frozen=True)
 class KeepArena:
     """Whether the replica may keep a host arena of its weights while awake: with
     `keep`, an awake replica holds one ready (page-locked in advance on a GPU) and a wake keeps
@@ -152,8 +164,10 @@ class KeepArena:
     keep: bool
 
 
-Command = StartReplica | SleepReplica | WakeReplica | StopReplica | KeepArena
-KINDS: dict[str, type[Command]] = {c.kind: c for c in (StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena)}
+Command = StartReplica | SleepReplica | WakeReplica | StopReplica | KeepArena | DeepenReplica
+KINDS: dict[str, type[Command]] = {
+    c.kind: c for c in (StartReplica, SleepReplica, WakeReplica, StopReplica, KeepArena, DeepenReplica)
+}
 # The node task that runs each kind, by name: the control plane never imports the agent's tasks.
 TASKS = {
     "start": "inference.tasks.start_replica",
@@ -161,6 +175,7 @@ TASKS = {
     "wake": "inference.tasks.replica_from_cache",
     "stop": "inference.tasks.stop_replica",
     "arena": "inference.tasks.replica_arena",
+    "deepen": "inference.tasks.replica_deepen",
 }
 
 

@@ -157,6 +157,12 @@ SETTINGS: tuple[Setting, ...] = (
         help="A replica idle this long is put to sleep (0: never).",
     ),
     Setting(
+        "deep_after_s", "sleep", "deep_after_s", "deep_sleep_after_s", float, 0.0, Update.LIVE,
+        min=0, max=30 * 86_400,
+        help="A replica asleep this long sleeps deeply: its process exits and it holds no GPU memory, "
+        "its weights waiting in its node's host memory for the next wake (0: never).",
+    ),
+    Setting(
         "drain_timeout_s", "sleep", "drain_timeout_s", "drain_timeout_s", float, 30.0, Update.LIVE,
         min=0, max=3_600,
         help="How long a replica going to sleep or stopping may finish the requests it holds.",
@@ -194,7 +200,7 @@ GROUPS: Mapping[str, str] = {
     "model": "The model: a different one is a different deployment.",
     "memory": "What a replica reserves, and how the need is reckoned.",
     "fairness": "Who may preempt whom, and when.",
-    "sleep": "When replicas sleep, and how long they drain.",
+    "sleep": "When replicas sleep, when they sleep deeply, and how long they drain.",
     "restart": "Crash-loop backoff: a failed load is replaced after backoff_s, doubling up to backoff_max_s; "
     "after max_load_failures in a row the deployment is failed until retried or changed.",
     "failover": "Failover pairs.",

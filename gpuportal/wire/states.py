@@ -42,6 +42,10 @@ class ReplicaState(StrEnum):
     # Wanted, but its weights are nowhere: it left a full host cache, and its next wake loads
     # it from disk. No process, no node, no reservation.
     PARKED = "parked"
+    # Deep asleep: its weights wait in its node's host memory (a host copy its agent owns), its
+    # process has exited and it holds no GPU memory. A wake starts a process on that node that
+    # copies them back (waking), never reading the disk.
+    DEEP_SLEEPING = "deep_sleeping"
 
 
 S = ReplicaState
@@ -61,7 +65,9 @@ ACTIVE = AWAKE | {S.DRAINING}
 # Weights on the GPU in full, serving or finishing what they took: what serving is measured on.
 HOLDING_WEIGHTS = frozenset({S.SERVING, S.DRAINING})
 # Weights in (or on their way to) the node's host cache.
-IN_HOST_CACHE = frozenset({S.SLEEPING, S.DRAINING, S.STANDBY})
+IN_HOST_CACHE = frozenset({S.SLEEPING, S.DRAINING, S.STANDBY, S.DEEP_SLEEPING})
+# Asleep at either level: weights in the node's host memory, waiting for a wake on that node.
+ASLEEP = frozenset({S.SLEEPING, S.DEEP_SLEEPING})
 # Process gone for good. Nothing leaves these but a row's removal.
 ENDED = frozenset({S.STOPPED, S.FAILED})
 # Process gone or going: they hold no reservation the placement may count on.
@@ -69,9 +75,9 @@ GONE = ENDED | {S.STOPPING}
 # A process of their own on their node, holding host RAM (scheduling.core.host_memory): awake,
 # draining, asleep, standing by or still stopping.
 WITH_PROCESS = ACTIVE | {S.SLEEPING, S.STANDBY, S.STOPPING}
-# Count toward a deployment's replicas: serving, sleeping, or on the way to either (a parked
+# Count toward a deployment's replicas: serving, asleep, or on the way to either (a parked
 # replica is still wanted: its next wake loads it). A failover standby is its active member's.
-COUNTED = ACTIVE | {S.SLEEPING, S.PARKED}
+COUNTED = ACTIVE | {S.SLEEPING, S.DEEP_SLEEPING, S.PARKED}
 # A failover member that can take over: loading or loaded and standing by.
 READY_TO_TAKE_OVER = frozenset({S.PENDING, S.LOADING, S.STANDBY, S.WAKING})
 # Moving between two resting states: shown as in transit by the CLI and the dashboard.
@@ -83,6 +89,7 @@ DISPLAY_ORDER: tuple[ReplicaState, ...] = (
     S.SERVING,
     S.STANDBY,
     S.SLEEPING,
+    S.DEEP_SLEEPING,
     S.PENDING,
     S.LOADING,
     S.WAKING,
@@ -110,8 +117,9 @@ TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     S.SERVING: _MAY_END | _RESTARTS | {S.DRAINING, S.SLEEPING},
     S.DRAINING: _MAY_END | _RESTARTS | {S.SLEEPING},
     # Draining again: evicted from a GPU a whole-GPU replica takes, it is told to sleep once more
-    # and its report gives back what it held there. Parked: left a full host cache.
-    S.SLEEPING: _MAY_END | {S.WAKING, S.PARKED, S.DRAINING},
+    # and its report gives back what it held there. Parked: left a full host cache. Deep asleep:
+    # its process wrote its weights to the node's host memory and exited.
+    S.SLEEPING: _MAY_END | {S.WAKING, S.PARKED, S.DRAINING, S.DEEP_SLEEPING},
     # Back to sleeping: a process whose wake never reached it says it still sleeps.
     S.WAKING: _MAY_END | _RESTARTS | {S.SERVING, S.SLEEPING},
     # Serving: it took the pair's lock over and woke.
@@ -120,6 +128,9 @@ TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     S.STOPPED: frozenset(),
     # Its process exits after all, or its deployment is deleted; its row stays until collected.
     S.FAILED: frozenset({S.STOPPING, S.STOPPED}),
+    # No process: a wake starts one (waking, on its node: the host copy is there); a full host
+    # cache parks it; a scale-down or a delete stops it (its agent deletes the copy).
+    S.DEEP_SLEEPING: frozenset({S.WAKING, S.PARKED, S.STOPPING, S.STOPPED}),
     # A parked replica is never placed again: a load from disk is a new replica, and the parked
     # one is retired (stopped), or stopped with its deployment.
     S.PARKED: frozenset({S.STOPPING, S.STOPPED}),

@@ -57,6 +57,7 @@ REPLICA_SHOWN = {
     "progress": 100,
     "arena_kept_bytes": 0,
     "host_bytes": 702545920,
+    "host_copy_bytes": 0,
 }
 DEPLOYMENT_SHOWN = {
     "name": "tiny-a",

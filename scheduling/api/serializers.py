@@ -153,6 +153,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "progress",
             "arena_kept_bytes",
             "host_bytes",
+            "host_copy_bytes",
         ]
         read_only_fields = fields
         extra_kwargs = {
@@ -163,6 +164,10 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "host_bytes": {
                 "help_text": "Host RAM its process holds beside what the host cache counts of it, as its node's "
                 "agent last measured it (placement counts it against the node's host RAM); 0: not measured yet."
+            },
+            "host_copy_bytes": {
+                "help_text": "Deep asleep: the copy of its weights its node's host memory holds, which its next "
+                "wake reads; 0: none."
             },
         }
 

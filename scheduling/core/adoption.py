@@ -34,6 +34,8 @@ AGREES: dict[tuple[str, str | None], frozenset[str]] = {
     # Asleep: its `sleeping` report may be the one lost.
     (SLEEPING, "sleeping"): frozenset({DRAINING, SLEEPING}),
     (WAKING, "sleeping"): frozenset({WAKING}),
+    # No process: a deep sleeper's host copy, found in the node's host memory (inference.host_copy).
+    (S.DEEP_SLEEPING, S.DEEP_SLEEPING): frozenset({S.DEEP_SLEEPING}),
 }
 
 

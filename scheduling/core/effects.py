@@ -40,6 +40,7 @@ class Order(StrEnum):
     SLEEP = "sleep"
     STOP = "stop"
     KEEP_ARENA = "keep_arena"
+    DEEPEN = "deepen"
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,11 @@ def stop(node: str, replica_id: str, *, drain_timeout_s: float | None = None, cl
 
 def keep_arena(node: str, replica_id: str, *, keep: bool) -> ToNode:
     return ToNode(Order.KEEP_ARENA, node, replica_id, keep=keep)
+
+
+def deepen(node: str, replica_id: str) -> ToNode:
+    """The sleeper writes its weights to the node's host copy and its process exits (deep sleep)."""
+    return ToNode(Order.DEEPEN, node, replica_id)
 
 
 # scheduling.tasks.trim_host_cache, by name: no service imports the tasks.

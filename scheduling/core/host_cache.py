@@ -77,9 +77,7 @@ def trim(holders: Sequence[HostHolder], budget_bytes: int) -> Trim:
         drop.append(holder.replica_id)
         over -= holder.host_bytes
     park: list[str] = []
-    for holder in sorted(
-        (h for h in holders if not h.kept_arena and h.state == states.ReplicaState.SLEEPING), key=value
-    ):
+    for holder in sorted((h for h in holders if not h.kept_arena and h.state in states.ASLEEP), key=value):
         if over <= 0:
             break
         park.append(holder.replica_id)

@@ -49,6 +49,8 @@ def _command(order: ToNode) -> commands.Command | None:
             return replica_specs.stop(order.replica_id, order.drain_timeout_s, close_pair=order.close_pair)
         case Order.KEEP_ARENA:
             return commands.KeepArena(order.replica_id, order.keep)
+        case Order.DEEPEN:
+            return replica_specs.deepen(order.replica_id)
 
 
 def send(order: ToNode) -> None:

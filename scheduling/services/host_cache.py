@@ -27,7 +27,10 @@ log = logging.getLogger(__name__)
 
 
 def host_bytes(replica: Replica) -> int:
-    """What a replica's weights take in host memory: the bytes read from its model's files."""
+    """What a replica's weights take in host memory: the bytes read from its model's files, or a
+    deep sleeper's host copy as its process wrote it."""
+    if replica.host_copy_bytes > 0:
+        return int(replica.host_copy_bytes)
     observed = replica.deployment.observed
     return int(observed.weight_bytes or observed.memory_estimate_bytes or 0)
 
@@ -141,22 +144,24 @@ def _park(replica_id: str, node: Node) -> bool:
     with transaction.atomic():
         replica = _locked(replica_id)
         # Re-read under the lock: a wake may have promoted it since the trim looked.
-        if replica is None or replica.state != Replica.State.SLEEPING or replica.node_id != node.pk:
+        if replica is None or replica.state not in states.ASLEEP or replica.node_id != node.pk:
             return False
         freed = host_bytes(replica)
         replicas.reserve_exactly(replica, {}, reason=f"replica {replica_id[:8]} parked out of the host cache")
+        # Its process stops, or, deep asleep, its agent deletes its host copy.
         outbox.want(effects.stop(node.name, replica.id))
         replica.node = None
         replica.pid = None
         replica.gpu_mem_bytes_by_id = {}
         replica.arena_kept_bytes = 0  # its next process starts with none
+        replica.host_copy_bytes = 0  # deep asleep, its copy is deleted by its agent
         replicas.set_state(
             replica,
             Replica.State.PARKED,
             f"parked out of node {node.name}'s host cache (budget {memory.human_bytes(node.cpu_cache_bytes)}) "
             f"to make room: its {memory.human_bytes(freed)} of weights are freed, and its next wake loads "
             "them from disk",
-            extra=["node", "pid", "gpu_mem_bytes_by_id", "arena_kept_bytes"],
+            extra=["node", "pid", "gpu_mem_bytes_by_id", "arena_kept_bytes", "host_copy_bytes"],
         )
         outbox.note(
             Event.Kind.HOST_CACHE,

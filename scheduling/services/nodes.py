@@ -166,7 +166,10 @@ def keep_survivors(node: Node, survivors: Sequence[Survivor]) -> list[str]:
             if replica is None or replica.node_id != node.pk or replica.state in ENDED:
                 continue  # written off already (or deleted): the first beat stops it
             agrees = adoption.keeps(replica.state, survivor)
-            if agrees:
+            if agrees and survivor.state == Replica.State.DEEP_SLEEPING:
+                kept.append(replica.pk)
+                reason = f"its host copy outlived the agent of node {node.name}: it sleeps on deeply"
+            elif agrees:
                 kept.append(replica.pk)
                 reason = (
                     f"its process (pid {survivor.pid}) outlived the agent of node {node.name} and was taken "

@@ -139,13 +139,13 @@ def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
 
 
 def cached_of(deployment: Deployment) -> tuple[CachedReplica, ...]:
-    """The deployment's sleeping replicas, each on the node whose RAM holds its weights: the
-    replicas placement promotes before it creates new ones."""
+    """The deployment's sleeping replicas, deep asleep or not, each on the node whose RAM holds
+    its weights: the replicas placement promotes before it creates new ones."""
     return tuple(
         CachedReplica(replica_id, node)
-        for replica_id, node in deployment.replicas.filter(
-            state=Replica.State.SLEEPING, node__isnull=False
-        ).values_list("id", "node__name")
+        for replica_id, node in deployment.replicas.filter(state__in=states.ASLEEP, node__isnull=False).values_list(
+            "id", "node__name"
+        )
     )
 
 

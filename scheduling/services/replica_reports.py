@@ -71,7 +71,12 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
             context=counted,
         )  # fmt: skip
     now = timezone.now()
-    if replica.state == Replica.State.WAKING:
+    deep = replica.state == Replica.State.WAKING and replica.host_copy_bytes > 0
+    if deep:
+        # Woken from deep sleep (a process started for it): slower than a wake from the first
+        # level, whose measured time fairness weighs, so it is not recorded as one.
+        took = {}
+    elif replica.state == Replica.State.WAKING:
         woke_in = _seconds_in(replica, Replica.State.WAKING, now)
         WAKE_SECONDS.observe(woke_in)
         took = {"measured_wake_s": woke_in}
@@ -81,7 +86,9 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     replica.serving_since = now
     replica.last_accessed = replica.last_accessed or now
     replica.progress = 100
-    extra = ["pid", "serving_since", "last_accessed", "progress"]
+    replica.asleep_since = None
+    replica.host_copy_bytes = 0  # its process deleted the copy once it held the weights
+    extra = ["pid", "serving_since", "last_accessed", "progress", "asleep_since", "host_copy_bytes"]
     if replica.state != Replica.State.WAKING and replica.arena_kept_bytes:
         # A fresh process (a restart under the same id) keeps no arena until it is told again:
         # the balance below lends it one anew, rather than the books counting one it lacks.
@@ -89,10 +96,13 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
         extra.append("arena_kept_bytes")
     weights = event.get("weights_bytes")
     detail = f"loaded ({memory.human_bytes(weights)} of weights)" if weights else "loaded"
+    if deep:
+        detail = f"woken from deep sleep: {detail}, from its node's host copy"
     replicas.set_state(replica, Replica.State.SERVING, detail, extra=extra)
     # Last, and as an UPDATE of these columns alone: a save of the record above (its measured
     # need) must not write back what this replaces. Under the deployment's row lock, taken above.
-    DeploymentObserved.objects.filter(pk=deployment.pk).update(**took)
+    if took:
+        DeploymentObserved.objects.filter(pk=deployment.pk).update(**took)
     _lend_host_room(replica)
 
 
@@ -103,7 +113,10 @@ def _woken(replica: Replica, event: dict[str, Any]) -> None:
     woke_in = _seconds_in(replica, Replica.State.WAKING, replica.serving_since)
     WAKE_SECONDS.observe(woke_in)
     replica.progress = 100
-    replicas.set_state(replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress"])
+    replica.asleep_since = None
+    replicas.set_state(
+        replica, Replica.State.SERVING, "woken from the CPU cache", extra=["serving_since", "progress", "asleep_since"]
+    )
     # The report holds its deployment's row lock already (services.reports), which covers the
     # observed record: no new lock order.
     DeploymentObserved.objects.filter(pk=replica.deployment_id).update(measured_wake_s=woke_in)
@@ -154,11 +167,14 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
     replica.gpu_mem_bytes_by_id = {k: v for k, v in residual.items() if v > 0}
     replica.gpu_memory_fraction = None
     replica.serving_since = None
+    replica.asleep_since = timezone.now()
+    deep_after = replica.deployment.deep_sleep_after_s
     replicas.set_state(
         replica,
         Replica.State.SLEEPING,
-        f"weights moved to CPU RAM; holds {memory.human_bytes(held)} on its GPU(s)",
-        extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since"],
+        f"weights moved to CPU RAM; holds {memory.human_bytes(held)} on its GPU(s)"
+        + (f" until it sleeps deeply in {deep_after:g} s (sleep.deep_after_s)" if deep_after > 0 else ""),
+        extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since", "asleep_since"],
     )
     # A request accepted while this replica still served (so it woke nothing), or one its drain
     # handed back, waits with nothing awake to take it: the last replica to fall asleep wakes
@@ -173,6 +189,32 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
             preemption.wake_later(replica.deployment.name, f"a request waited for replica {replica.id[:8]} to sleep")
         else:
             wake_for_waiting(replica.deployment.name, f"replica {replica.id[:8]} slept")
+
+
+def _deep_sleeping(replica: Replica, event: dict[str, Any]) -> None:
+    """The sleeper wrote its weights to its node's host copy and its process exited: it holds no
+    GPU memory now, and its node's host memory still holds its weights (scheduling.services.host_cache
+    counts them as a sleeper's), for the next wake to start a process that copies them back."""
+    if replica.state != Replica.State.SLEEPING:
+        return  # said again, or too late: the books hold it already, or it went another way
+    held = memory.human_bytes(sum(int(v) for v in (replica.gpu_mem_bytes_by_id or {}).values()))
+    replicas.reserve_exactly(replica, {}, reason=f"replica {replica.id[:8]} sleeps deeply: its process exited")
+    written = event.get("host_copy_bytes")
+    if not isinstance(written, int) or isinstance(written, bool) or written <= 0:
+        written = host_cache.host_bytes(replica) or 1  # unsaid: its weights' size, as a sleeper's
+    copy = f"its {memory.human_bytes(written)} of weights"
+    replica.gpu_mem_bytes_by_id = {}
+    replica.pid = None
+    replica.arena_kept_bytes = 0
+    replica.host_copy_bytes = written
+    node = replica.node.name if replica.node else "its node"
+    replicas.set_state(
+        replica,
+        Replica.State.DEEP_SLEEPING,
+        f"sleeps deeply: its process exited and gave back {held} of GPU memory; {copy} wait in node "
+        f"{node}'s host memory for the next wake",
+        extra=["gpu_mem_bytes_by_id", "pid", "arena_kept_bytes", "host_copy_bytes"],
+    )
 
 
 def _failed(replica: Replica, event: dict[str, Any]) -> None:
@@ -236,9 +278,9 @@ def _stopped(replica: Replica, event: dict[str, Any]) -> None:
     replicas.reserve_exactly(replica, {}, reason="replica stopped")
     replica.pid = None
     replica.serving_since = None
-    if replica.state == Replica.State.PARKED:
-        # Parked out of the host cache: its process was meant to go, and the replica
-        # stays wanted, for the next wake to load from disk.
+    if replica.state in (Replica.State.PARKED, Replica.State.DEEP_SLEEPING):
+        # Parked out of the host cache, or deep asleep: its process was meant to go, and the
+        # replica stays wanted, for the next wake to load from disk or from the host copy.
         replica.save(update_fields=["pid", "serving_since", "updated_at"])
         return
     if replica.state == Replica.State.SLEEPING:
@@ -264,6 +306,7 @@ HANDLERS = {
     "failed": _failed,
     "stopped": _stopped,
     "arena": _arena,
+    "deep_sleeping": _deep_sleeping,
 }
 
 

@@ -4,11 +4,13 @@ from committed rows, so an agent acts on what was decided and never reads the da
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from django.conf import settings
 from django.db.models import Max, QuerySet
 
 from gpuportal.wire import memory
-from gpuportal.wire.commands import ReplicaSpec, SleepReplica, StartReplica, StopReplica, WakeReplica
+from gpuportal.wire.commands import DeepenReplica, ReplicaSpec, SleepReplica, StartReplica, StopReplica, WakeReplica
 from scheduling.models import GPU, Replica
 
 
@@ -83,10 +85,14 @@ def start_placed(replica: Replica, *, contexts: tuple[int, int], virtual: bool, 
     return StartReplica(spec=spec_of(replica, contexts=contexts, virtual=virtual), wait_for=tuple(wait_for))
 
 
-def wake(replica_id: str, wait_for: list[str]) -> WakeReplica | None:
+def wake(replica_id: str, wait_for: list[str]) -> WakeReplica | StartReplica | None:
+    """A waking replica's command: a wake of its sleeping process, or, woken from deep sleep (its
+    node holds a host copy of its weights, and no process), the start of one that reads it."""
     replica = _committed(replica_id)
     if replica is None or replica.state != Replica.State.WAKING:
         return None
+    if replica.host_copy_bytes > 0:
+        return StartReplica(spec=replace(spec_of(replica), from_host_copy=True), wait_for=tuple(wait_for))
     mapping = {str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()}
     return WakeReplica(
         replica_id=replica.id,
@@ -95,6 +101,10 @@ def wake(replica_id: str, wait_for: list[str]) -> WakeReplica | None:
         fraction=replica.gpu_memory_fraction,
         wait_for=tuple(wait_for),
     )
+
+
+def deepen(replica_id: str) -> DeepenReplica:
+    return DeepenReplica(replica_id=replica_id)
 
 
 def _drain_of(replica_id: str) -> float | None:

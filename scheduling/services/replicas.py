@@ -196,8 +196,11 @@ def lose_with_node(node_name: str, reason: str, *, keep: Collection[str] = ()) -
             if replica.lease_id is not None:
                 set_failover_state_of(replica, FailoverState.DEAD)
                 extra.append("failover_state")
-            elif replica.state == Replica.State.SLEEPING:
+            elif replica.state in states.ASLEEP:
                 # Its deployment was asleep, and stays so: still wanted, loaded by the next wake.
+                if replica.state == Replica.State.DEEP_SLEEPING:
+                    # Its host copy, should the node still hold it, goes: its agent deletes it.
+                    outbox.want(effects.stop(node_name, replica.id))
                 park(replica, f"{reason}: parked, so that its deployment stays asleep", extra=extra)
                 continue
             set_state(replica, Replica.State.STOPPED, reason, extra=extra)
@@ -212,7 +215,8 @@ def park(replica: Replica, reason: str, *, extra: list[str] | None = None) -> No
     replica.node = None
     replica.gpu_mem_bytes_by_id = {}
     replica.arena_kept_bytes = 0  # its next process starts with none
-    fields = ["node", "gpu_mem_bytes_by_id", "arena_kept_bytes", *(extra or [])]
+    replica.host_copy_bytes = 0  # a deep sleeper's copy goes with its node's word on it
+    fields = ["node", "gpu_mem_bytes_by_id", "arena_kept_bytes", "host_copy_bytes", *(extra or [])]
     set_state(replica, Replica.State.PARKED, reason, extra=fields)
 
 
@@ -337,7 +341,9 @@ def set_state(
 
 
 # The states the operator's console tells of (up's): a load or a wake done, a sleep, a failure.
-CONSOLE_STATES = frozenset({Replica.State.SERVING, Replica.State.SLEEPING, Replica.State.FAILED})
+CONSOLE_STATES = frozenset(
+    {Replica.State.SERVING, Replica.State.SLEEPING, Replica.State.DEEP_SLEEPING, Replica.State.FAILED}
+)
 
 
 class KnownReplica(NamedTuple):

@@ -256,7 +256,7 @@ def _admit(deployment_name: str, kind: str) -> str:
         # A sleeping replica loaded once and wakes as usual; with none, a request would only
         # start one more load after failed ones (the crash loop the backoff stops).
         loads = (observed.failed_reason or observed.retry_at) and not deployment.replicas.filter(
-            state=Replica.State.SLEEPING
+            state__in=states.ASLEEP
         ).exists()
         if loads and observed.failed_reason:
             raise Unavailable(

@@ -75,7 +75,7 @@ class _Census:
             most = max(most, host_bytes)
             if state in AWAKE and role != Replica.Role.STANDBY:
                 awake.append(replica_id)
-            elif state == Replica.State.SLEEPING and node is not None:
+            elif state in states.ASLEEP and node is not None:
                 cached.append(CachedReplica(replica_id, node))
             parked = parked or state == Replica.State.PARKED
         return cls(awake=awake, cached=tuple(cached), parked=parked, rows=by_id, host_bytes=most)

@@ -23,7 +23,7 @@ from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
-from gpuportal.wire.states import AWAKE
+from gpuportal.wire.states import ASLEEP, AWAKE
 from scheduling import ledger, locks
 from scheduling.core import costs, fairness
 from scheduling.core.placement import POLICIES, CachedReplica, Placement, place
@@ -82,7 +82,7 @@ def wake_replica(replica_id: str, *, reason: str) -> Replica:
         # the state read below cannot be changed by another service before the commit.
         deployment = deployments.get(replica.deployment.name, lock=True)
         replica = replica_services.get(replica_id)
-        if replica.state != Replica.State.SLEEPING:
+        if replica.state not in ASLEEP:
             why = "only a sleeping replica can be woken"
             raise TransitionRefused(replica_id, replica.state, Replica.State.WAKING, why)
         if replica.node is None:
@@ -420,7 +420,7 @@ def _short_of_room(nodes: list[str], snap: Snapshot) -> dict[str, fairness.Aslee
     """fairness.short_of_room for each of `nodes`: its GPUs in `snap`, and the deployments with
     nothing awake whose copy sleeps in its CPU RAM (each judged once, wherever its copies are)."""
     there: dict[str, set[int]] = {node: set() for node in nodes}
-    for deployment_id, node in Replica.objects.filter(state=Replica.State.SLEEPING, node__name__in=nodes).values_list(
+    for deployment_id, node in Replica.objects.filter(state__in=ASLEEP, node__name__in=nodes).values_list(
         "deployment_id", "node__name"
     ):
         there[node].add(deployment_id)

@@ -104,6 +104,7 @@ class SettingsForm(forms.Form):
     max_wait_s = _setting_field("max_wait_s", "Max wait (s)")
     popular = _setting_field("popular", "Popular (never preempted, never idle-slept)")
     idle_timeout_s = _setting_field("idle_timeout_s", "Idle timeout (s)")
+    deep_after_s = _setting_field("deep_after_s", "Deep sleep after (s asleep; 0: never)")
     drain_timeout_s = _setting_field("drain_timeout_s", "Drain timeout (s)")
 
 

@@ -226,7 +226,8 @@ def test_every_state_is_shown_by_the_cli_and_every_one_holding_memory_by_the_das
     from scheduling.web.dashboard import SEGMENT_OF_STATE
 
     assert set(STATE_STYLES) == set(ReplicaState)
-    holding_memory = states.ACTIVE | states.IN_HOST_CACHE | {ReplicaState.STOPPING}
+    # A deep sleeper holds host memory alone: no GPU bar shows it.
+    holding_memory = (states.ACTIVE | states.IN_HOST_CACHE | {ReplicaState.STOPPING}) - {ReplicaState.DEEP_SLEEPING}
     assert set(SEGMENT_OF_STATE) == holding_memory
 
 

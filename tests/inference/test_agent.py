@@ -319,6 +319,8 @@ class _Processes:
         self._arenas = arenas or {}
         self.sent: list[tuple[str, dict]] = []
         self.stopped: list[str] = []
+        # Host copies of deep sleepers (inference.host_copy) it was told to delete.
+        self.forgotten: list[str] = []
 
     def running(self) -> list[str]:
         return sorted(self._states)
@@ -352,6 +354,13 @@ class _Processes:
     def stop(self, replica_id: str, timeout: float = 10.0, drain_timeout_s: float | None = None) -> int:
         self.stopped.append(replica_id)
         return 0
+
+    def host_copy_path(self, replica_id: str) -> Path:
+        return Path("/dev/shm/copies") / f"{replica_id}.pt"
+
+    def forget_host_copy(self, replica_id: str) -> bool:
+        self.forgotten.append(replica_id)
+        return True
 
 
 def _agent_with(monkeypatch, processes: _Processes, books_state: str | None) -> list[tuple[str, dict]]:
@@ -410,6 +419,23 @@ def test_a_stop_of_a_replica_the_agent_no_longer_runs_is_answered_stopped_again(
 
     assert tasks.stop_replica(encode(StopReplica("r1", drain_timeout_s=5.0))) == "not running here"
     assert relayed == [("r1", {"event": "stopped"})] and processes.stopped == []
+    assert processes.forgotten == ["r1"], "a deep sleeper has no process: its host copy is what goes"
+
+
+def test_a_deepen_is_forwarded_with_the_path_of_the_nodes_host_copy_and_a_gone_sleeper_is_no_crash(monkeypatch):
+    from gpuportal.wire.commands import DeepenReplica, encode
+    from inference import tasks
+
+    processes = _Processes({"r1": "sleeping"})
+    relayed = _agent_with(monkeypatch, processes, "sleeping")
+
+    assert tasks.replica_deepen(encode(DeepenReplica("r1"))) == "sent"
+    assert processes.sent == [("r1", {"cmd": "deepen", "path": "/dev/shm/copies/r1.pt"})]
+    assert relayed == []
+    # Sent again after its process wrote the copy and exited: the books already say so, or soon will.
+    processes._states.clear()
+    assert tasks.replica_deepen(encode(DeepenReplica("r1"))) == "no process"
+    assert relayed == [], "a deep sleeper's process is meant to be gone"
 
 
 def test_an_arena_command_is_forwarded_to_the_replica_process(monkeypatch):

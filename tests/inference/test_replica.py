@@ -359,7 +359,7 @@ def test_the_host_refuses_commands_that_make_no_sense_now_and_carries_on():
     assert [e["reason"] for e in errors] == [
         "cannot wake while serving",
         "bad wake: gpus must be a non-empty list of GPU ids, got '0'",
-        "unknown command 'launch' (known: sleep, wake, stop, ping, arena)",
+        "unknown command 'launch' (known: sleep, wake, stop, ping, arena, deepen)",
     ]
     # kv: the KV pool's statistics; a torch-module replica has none.
     # process_bytes_by_id: what NVML would show; a virtual GPU models it (the context and weights).

@@ -157,7 +157,9 @@ def test_scaling_down_while_requests_are_in_flight_loses_none(deployed: APIClien
     assert [r.status for r in finished] == ["done"] * 6, [(r.status, r.error) for r in finished]
 
 
-def test_an_idle_deployment_sleeps_and_the_next_request_wakes_it_and_completes(agent, staff, tmp_path):
+def test_an_idle_deployment_sleeps_then_sleeps_deeply_and_each_next_request_wakes_it_and_completes(
+    agent, staff, tmp_path
+):
     from scheduling.tasks import sleep_idle
 
     request_services.queue.cache_clear()
@@ -185,6 +187,32 @@ def test_an_idle_deployment_sleeps_and_the_next_request_wakes_it_and_completes(a
     # The woken replica takes requests as soon as its weights are back; its `woken` report reaches
     # the books through the agents' worker on its own time, so it may land after the answer.
     wait_until(lambda: Replica.objects.get().state == "serving", 30, "the woken replica's report to land")
+
+    # Deep sleep: asleep past sleep.deep_after_s, its process writes the weights to the node's
+    # host copy and exits, holding no GPU memory; the next request starts a process from the copy.
+    patched = staff.patch("/api/deployments/tiny/", {"sleep": {"deep_after_s": 0.5}}, format="json")
+    assert patched.status_code == 200, patched.json()
+    pid = Replica.objects.get().pid
+
+    def swept_into_deep_sleep() -> bool:
+        sleep_idle.apply().get()  # beat's task: to sleep when idle, then deeply when long asleep
+        return Replica.objects.get().state == "deep_sleeping"
+
+    wait_until(swept_into_deep_sleep, 90, "the sweeps to put the replica to sleep, then deeply")
+    deep = staff.get(f"/api/replicas/{replica.id}/").json()
+    assert deep["gpu_mem_bytes_by_id"] == {} and deep["node"] == "e2e"
+
+    def exited() -> bool:
+        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+    wait_until(exited, 30, "its process to exit")
+
+    third = staff.post("/api/deployments/tiny/infer/", {"input": "Hi once more", "timeout_s": 120}, format="json")
+
+    assert third.status_code == 200 and third.json()["status"] == "done", third.json()
+    assert third.json()["replica"] == replica.id, "woken from its host copy, not loaded anew"
+    wait_until(lambda: Replica.objects.get().state == "serving", 30, "the deep wake's report to land")
+    assert Replica.objects.get().pid != pid, "a new process serves"
 
 
 def the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(live_server) -> None:

@@ -291,7 +291,7 @@ def test_deployment_detail_by_name_has_the_grouped_shape(api: APIClient) -> None
         "need_bytes": 3 * f.GIB,
     }
     assert body["fairness"] == {"min_runtime_s": 10.0, "max_wait_s": 5.0, "popular": True}
-    assert body["sleep"] == {"idle_timeout_s": 60.0, "drain_timeout_s": 30.0}
+    assert body["sleep"] == {"idle_timeout_s": 60.0, "deep_after_s": 0.0, "drain_timeout_s": 30.0}
     assert body["failover"] == {"standby": True}
     assert body["created_at"] and body["updated_at"]
     [replica] = body["replicas"]
@@ -331,6 +331,7 @@ def test_replica_detail_has_the_replica_shape(api: APIClient) -> None:
         "progress": None,
         "arena_kept_bytes": 0,
         "host_bytes": 0,
+        "host_copy_bytes": 0,
     }
 
 

@@ -435,7 +435,7 @@ def test_patch_changes_settings_scales_and_refuses_a_new_model(cluster, api, dis
 
 def test_a_patch_of_one_setting_leaves_the_rest_of_its_group_as_it_was(cluster, api, dispatched, tiny_model_dir):
     fairness = {"min_runtime_s": 3.0, "max_wait_s": 7.0, "popular": True}
-    sleep = {"idle_timeout_s": 60.0, "drain_timeout_s": 9.0}
+    sleep = {"idle_timeout_s": 60.0, "deep_after_s": 600.0, "drain_timeout_s": 9.0}
     api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, fairness=fairness, sleep=sleep))
 
     response = api(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuportal.wire.requestqueue import last_key
-from gpuportal.wire.states import AWAKE, IN_HOST_CACHE
+from gpuportal.wire.states import ASLEEP, AWAKE, IN_HOST_CACHE
 from inference.devices import virtual_gpus
 from scheduling.core.host_cache import HostHolder, grants, holds, trim, used_bytes
 from scheduling.models import Deployment, DeploymentObserved, Event, Node, Replica
@@ -114,11 +114,11 @@ def test_after_a_trim_the_host_fits_its_budget_unless_only_what_may_not_leave_is
     gone = set(decided.park) | set(decided.drop)
     left = [h for h in held if h.replica_id not in gone]
 
-    assert all(h.state == "sleeping" and not h.kept_arena for h in held if h.replica_id in decided.park)
+    assert all(h.state in ASLEEP and not h.kept_arena for h in held if h.replica_id in decided.park)
     assert all(h.kept_arena and holds(h) for h in held if h.replica_id in decided.drop)
     assert used_bytes(left) - budget == decided.over_bytes or (decided.over_bytes == 0 and used_bytes(left) <= budget)
     if decided.over_bytes:
-        assert not [h for h in left if h.state == "sleeping" and not h.kept_arena], "a sleeper that could leave stayed"
+        assert not [h for h in left if h.state in ASLEEP and not h.kept_arena], "a sleeper that could leave stayed"
         assert not [h for h in left if h.kept_arena and holds(h)], "a kept arena that could go stayed"
     if decided.park:  # no sleeper parked while an arena was kept, and no more than needed
         assert not [h for h in left if h.kept_arena and holds(h)]

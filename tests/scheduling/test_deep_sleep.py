@@ -1,0 +1,198 @@
+"""Deep sleep in the books (scheduling.services.deep_sleep): sleepers past sleep.deep_after_s are
+told to sleep deeply, their report gives back every byte of GPU memory, a wake starts a process on
+their node from its host copy, the host cache counts and parks them, and an agent that starts
+again keeps those whose copies it holds. No replica processes: what agents are sent is recorded,
+what replica processes report is fed in (their side: tests/inference/test_deep_sleep.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.utils import timezone
+
+from gpuportal.wire.commands import StartReplica, WakeReplica
+from gpuportal.wire.node_reports import Survivor
+from inference.devices import virtual_gpus
+from scheduling.core.host_cache import HostHolder, trim, used_bytes
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
+from scheduling.services import deep_sleep, host_cache, replica_specs, reports, sleep
+from scheduling.services.nodes import register_node
+from tests.support.deployments import START, STOP, MiB, deploy_serving, invariant_holds, reserved
+from tests.support.factories import NO_OVERHEAD
+
+DEEPEN = "inference.tasks.replica_deepen"
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def asleep(replica_id: str, *, context: int = 0) -> None:
+    """What the replica process reports once its weights are in CPU RAM; asleep ten minutes now."""
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": context}})
+    Replica.objects.filter(pk=replica_id).update(asleep_since=timezone.now() - timedelta(seconds=600))
+
+
+def deep(replica_id: str, copy: int = 10 * MiB) -> None:
+    """What the replica process reports once its weights are in the host copy, as it exits."""
+    reports.report(replica_id, {"event": "deep_sleeping", "host_copy_bytes": copy, "exit_code": 0})
+
+
+def test_the_sweep_tells_a_replica_asleep_past_deep_after_to_sleep_deeply_and_no_other(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
+):
+    (due,) = deploy_serving(api, tiny_model_dir, "due", sleep={"deep_after_s": 300})
+    (recent,) = deploy_serving(api, tiny_model_dir, "recent", sleep={"deep_after_s": 900})
+    (never,) = deploy_serving(api, tiny_model_dir, "never")
+    (awake,) = deploy_serving(api, tiny_model_dir, "awake", sleep={"deep_after_s": 1})
+    for replica_id in (due, recent, never):
+        sleep.sleep_replica(replica_id, reason="idle")
+        asleep(replica_id)
+    dispatched.clear()
+
+    now = timezone.now()
+    with django_capture_on_commit_callbacks(execute=True):
+        told = deep_sleep.sweep_deep(now=now)
+
+    assert told == [due]
+    assert dispatched == [(f"node.{Replica.objects.get(pk=due).node.name}", DEEPEN, [due])]
+    event = Event.objects.get(replica=due, reason__startswith=deep_sleep.DEEPENING)
+    assert "asleep longer than sleep.deep_after_s (300 s)" in event.reason
+    assert Replica.objects.get(pk=due).state == "sleeping", "the books wait for its report"
+    assert Replica.objects.get(pk=awake).state == "serving"
+    # Asked once: while its process writes the copy, the next sweeps leave it be...
+    assert deep_sleep.sweep_deep(now=now + timedelta(seconds=5)) == []
+    # ...and past RESEND_S without its report (a lost command), it is asked again.
+    assert deep_sleep.sweep_deep(now=now + timedelta(seconds=deep_sleep.RESEND_S + 1)) == [due]
+
+
+def test_a_deep_sleeper_gives_back_all_its_gpu_memory_and_keeps_its_node(cluster, api, dispatched, tiny_model_dir):
+    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
+    sleep.sleep_replica(replica_id, reason="idle")
+    asleep(replica_id, context=200 * MiB)
+    node = Replica.objects.get(pk=replica_id).node
+    assert reserved(replica_id) == 200 * MiB, "asleep, it holds its CUDA context"
+
+    deep(replica_id)
+
+    replica = Replica.objects.get(pk=replica_id)
+    assert replica.state == "deep_sleeping" and replica.node == node and replica.pid is None
+    assert replica.host_copy_bytes == 10 * MiB
+    assert reserved(replica_id) == 0 and replica.gpu_mem_bytes_by_id == {}
+    assert {g.available_bytes for g in GPU.objects.filter(node=node)} == {1024 * MiB}, "its node's GPUs are free"
+    assert invariant_holds()
+    event = Event.objects.get(replica=replica_id, after__state="deep_sleeping")
+    assert "gave back 200 MiB of GPU memory" in event.reason and f"node {node.name}'s host memory" in event.reason
+    assert Deployment.objects.get().replicas_wanted == 1, "still wanted: a deep sleep is no scale-down"
+    deep(replica_id)  # said again: nothing changes
+    assert Event.objects.filter(replica=replica_id, after__state="deep_sleeping").count() == 1
+
+
+def test_a_wake_reserves_a_deep_sleepers_whole_need_on_its_node_and_starts_a_process_from_the_host_copy(
+    cluster, api, dispatched, tiny_model_dir
+):
+    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
+    sleep.sleep_replica(replica_id, reason="idle")
+    asleep(replica_id)
+    deep(replica_id)
+    node = Replica.objects.get(pk=replica_id).node
+    dispatched.clear()
+
+    response = api("post", "/api/deployments/tiny-a/wake/")
+
+    assert response.status_code == 200, response.json()
+    assert [(r["id"], r["state"], r["node"]) for r in response.json()["replicas"]] == [
+        (replica_id, "waking", node.name)
+    ]
+    assert reserved(replica_id) == 300 * MiB and Replica.objects.count() == 1
+    # The wake's command is a start, of a process that reads the node's host copy.
+    assert dispatched == [(node.queue, START, [replica_id, []])]
+    command = replica_specs.wake(replica_id, [])
+    assert isinstance(command, StartReplica) and command.spec.from_host_copy
+    assert list(command.spec.reserved_bytes_by_gpu.values()) == [300 * MiB], "its whole need, on one GPU"
+
+    reports.report(replica_id, {"event": "serving", "pid": 77, "weights_bytes": 10 * MiB})
+
+    replica = Replica.objects.get(pk=replica_id)
+    assert replica.state == "serving" and replica.pid == 77 and replica.asleep_since is None
+    assert replica.host_copy_bytes == 0
+    assert Event.objects.filter(replica=replica_id, reason__startswith="woken from deep sleep").exists()
+    assert DeploymentObserved.objects.get().measured_wake_s is None, "not a wake from the first level"
+    # Asleep again, the next wake is a plain one: its process holds the weights.
+    sleep.sleep_replica(replica_id, reason="idle")
+    asleep(replica_id)
+    api("post", f"/api/replicas/{replica_id}/wake/")
+    assert isinstance(replica_specs.wake(replica_id, []), WakeReplica)
+
+
+def test_a_deep_sleeper_counts_in_its_node_host_cache_and_a_full_one_parks_it_deleting_its_copy(
+    db, dispatched, django_capture_on_commit_callbacks, api, tiny_model_dir
+):
+    node = register_node("edge", virtual_gpus("edge", "2x1GiB", NO_OVERHEAD), virtual=True, cpu_cache_bytes=250 * MiB)
+    ids = []
+    for name in ("a", "b", "c"):
+        (replica_id,) = deploy_serving(api, tiny_model_dir, name, sleep={"deep_after_s": 60})
+        sleep.sleep_replica(replica_id, reason="idle")
+        asleep(replica_id)
+        deep(replica_id, 100 * MiB)
+        ids.append(replica_id)
+    Replica.objects.filter(pk=ids[0]).update(last_accessed=timezone.now() - timedelta(hours=1))
+    assert host_cache.used_bytes([node.pk]) == {node.pk: 300 * MiB}
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert host_cache.trim("edge") == [ids[0]]
+
+    parked = Replica.objects.get(pk=ids[0])
+    assert parked.state == "parked" and parked.host_copy_bytes == 0
+    assert dispatched == [("node.edge", STOP, [ids[0]])], "its agent deletes the copy"
+    assert host_cache.used_bytes([node.pk]) == {node.pk: 200 * MiB}
+
+
+def test_two_hundred_deep_sleepers_stay_within_their_nodes_host_budget():
+    # One node of two virtual GPUs and 8 GiB of host cache: 200 deployments of 100 MiB asleep there.
+    held = [HostHolder(f"r{i}", f"d{i}", "deep_sleeping", 100 * MiB, NOW - timedelta(seconds=i)) for i in range(200)]
+    budget = 8 * 1024 * MiB
+
+    decided = trim(held, budget)
+
+    left = [h for h in held if h.replica_id not in decided.park]
+    assert used_bytes(left) <= budget and decided.over_bytes == 0
+    assert len(left) == budget // (100 * MiB), "only as many leave as the budget needs"
+    assert set(decided.park) == {f"r{i}" for i in range(len(left), 200)}, "the longest unused leave first"
+
+
+@pytest.mark.parametrize("holds_the_copy", [True, False])
+def test_an_agent_starting_again_keeps_the_deep_sleepers_whose_copies_it_holds(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks, holds_the_copy
+):
+    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
+    sleep.sleep_replica(replica_id, reason="idle")
+    asleep(replica_id)
+    deep(replica_id)
+    node = Replica.objects.get(pk=replica_id).node
+    survivors = [Survivor(replica_id, 0, "deep_sleeping", "deep_sleeping")] if holds_the_copy else []
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        register_node(node.name, virtual_gpus(node.name, "2x1GiB", NO_OVERHEAD), virtual=True, survivors=survivors)
+
+    replica = Replica.objects.get(pk=replica_id)
+    if holds_the_copy:
+        assert replica.state == "deep_sleeping" and replica.node == node
+        assert Event.objects.filter(replica=replica_id, reason__contains="its host copy outlived").exists()
+        assert (node.queue, STOP, [replica_id]) not in dispatched
+    else:
+        assert replica.state == "parked" and replica.node is None
+        assert (node.queue, STOP, [replica_id]) in dispatched, "a copy it may still hold is deleted"
+
+
+def test_deep_after_is_a_sleep_setting_a_patch_applies_at_once(cluster, api, tiny_model_dir):
+    deploy_serving(api, tiny_model_dir)
+    assert api("get", "/api/deployments/tiny-a/").json()["sleep"]["deep_after_s"] == 0
+
+    bad = api("patch", "/api/deployments/tiny-a/", {"sleep": {"deep_after_s": -1}})
+    assert bad.status_code == 400
+    assert bad.json() == {"sleep": {"deep_after_s": ["Ensure this value is greater than or equal to 0."]}}
+
+    good = api("patch", "/api/deployments/tiny-a/", {"sleep": {"deep_after_s": 120}})
+    assert good.status_code == 200 and good.json()["sleep"]["deep_after_s"] == 120
+    assert Deployment.objects.get().deep_sleep_after_s == 120
