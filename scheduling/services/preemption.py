@@ -51,7 +51,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire.states import AWAKE, GONE
+from gpuportal.wire.states import ASLEEP, AWAKE, GONE
 from scheduling import ledger, locks
 from scheduling.core import effects, fairness
 from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
@@ -787,7 +787,7 @@ def _try_place(ids: list[int], why: str, *, victims: list[str] | None = None) ->
             return Outcome(PreemptionIntent.Status.CANCELLED, "the intents were closed by someone else")
         waker = Replica.objects.select_related("node").get(pk=intent.waiting_replica_id)
         unplaced = waker.state == Replica.State.PENDING and waker.node_id is None
-        if waker.state != Replica.State.SLEEPING and not unplaced:
+        if waker.state not in ASLEEP and not unplaced:
             # Scaled down, stopped, or woken some other way: this wake has nothing left to do.
             outcome = Outcome(PreemptionIntent.Status.CANCELLED, f"the waiting replica is {waker.state} now", waker.id)
             _close(intents, outcome.status, outcome.reason)
