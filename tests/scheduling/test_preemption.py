@@ -257,17 +257,23 @@ def test_when_every_occupant_is_popular_or_within_min_runtime_the_wake_fails_and
     assert PreemptionIntent.objects.filter(status="waiting").count() == 1
 
 
-def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(one_gpu, dispatched):
+# Deep asleep, it holds nothing on the GPU and waits as itself all the same; its promotion starts
+# a process from its node's host copy, which reports serving.
+@pytest.mark.parametrize("deep", [False, True], ids=["asleep", "deep-asleep"])
+def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(one_gpu, dispatched, deep):
     sleeper = serving("c")
     sleep.sleep_replica(sleeper, reason="test")
     asleep(sleeper)
+    if deep:
+        reports.report(sleeper, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
     victim = serving("a")
     serving("b", last_accessed=timezone.now())
     assert GPU.objects.get().available_bytes < 400 * MiB
 
     (waker,) = sleep.wake_deployment("c", reason="a request arrived")
 
-    assert waker == sleeper and Replica.objects.get(pk=sleeper).state == "sleeping"
+    before = "deep_sleeping" if deep else "sleeping"
+    assert waker == sleeper and Replica.objects.get(pk=sleeper).state == before
 
     def world(elapsed: float) -> None:
         if Replica.objects.get(pk=victim).state == "draining":
@@ -277,7 +283,7 @@ def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(o
     outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
     assert outcome.status == "satisfied" and outcome.victims == (victim,)
     assert Replica.objects.get(pk=sleeper).state == "waking", "promoted from the CPU cache"
-    reports.report(sleeper, {"event": "woken"})
+    reports.report(sleeper, {"event": "serving", "pid": 99} if deep else {"event": "woken"})
     assert Replica.objects.get(pk=sleeper).state == "serving"
     assert_not_over_committed()
 
