@@ -82,16 +82,23 @@ def deepen_replica(replica_id: str, *, reason: str, now: datetime | None = None)
         )
         if asked.exists():
             return False
-        outbox.want(effects.deepen(replica.node.name, replica_id))
-        outbox.note(
-            Event.Kind.REPLICA_STATE,
-            f"replica {replica_id[:8]}",
-            f"{DEEPENING}: {reason}; its process writes its weights to node {replica.node.name}'s host "
-            "memory and exits, giving back its GPU memory",
-            before={"state": Replica.State.SLEEPING},
-            after={"state": Replica.State.SLEEPING, "deepening": True},
-            node=replica.node.name,
-            deployment=replica.deployment.name,
-            replica=replica_id,
-        )
+        tell(replica, reason)
     return True
+
+
+def tell(replica: Replica, reason: str) -> None:
+    """Send a sleeper (on a node, its row locked by the caller) the deepen command once the
+    caller's transaction commits, with an Event saying why."""
+    assert replica.node is not None
+    outbox.want(effects.deepen(replica.node.name, replica.id))
+    outbox.note(
+        Event.Kind.REPLICA_STATE,
+        f"replica {replica.id[:8]}",
+        f"{DEEPENING}: {reason}; its process writes its weights to node {replica.node.name}'s host "
+        "memory and exits, giving back its GPU memory",
+        before={"state": Replica.State.SLEEPING},
+        after={"state": Replica.State.SLEEPING, "deepening": True},
+        node=replica.node.name,
+        deployment=replica.deployment.name,
+        replica=replica.id,
+    )

@@ -24,7 +24,7 @@ from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, 
 from scheduling.core.planning import apply_placement, place_all, plan_of, withhold_locked
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Snapshot
 from scheduling.models import GPU, Deployment, Event, Node, Replica, new_replica_id
-from scheduling.services import failover, outbox, replica_specs
+from scheduling.services import deep_sleep, failover, outbox, replica_specs
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace
 from scheduling.services.replica_specs import contexts_of
@@ -401,6 +401,12 @@ def _replicas_in_pk_order(ids: set[str]) -> list[Replica]:
 
 
 def _mark_evicted(victim: Replica, placement: Placement) -> None:
+    if victim.state == Replica.State.SLEEPING and victim.node is not None:
+        # A sleeper holds only its CUDA context on the GPU, which its process gives back only by
+        # exiting: it sleeps deeply, its weights kept in its node's host memory. Its reservation
+        # went with this placement's release; its report moves it to deep_sleeping.
+        deep_sleep.tell(victim, f"evicted to make room: {placement.reason}")
+        return
     replica_services.set_state(
         victim, Replica.State.DRAINING, f"evicted to the CPU cache to make room: {placement.reason}"
     )

@@ -18,7 +18,7 @@ from scheduling.core.host_cache import HostHolder, trim, used_bytes
 from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import deep_sleep, host_cache, replica_specs, reports, sleep
 from scheduling.services.nodes import register_node
-from tests.support.deployments import START, STOP, MiB, deploy_serving, invariant_holds, reserved
+from tests.support.deployments import START, STOP, MiB, body, deploy_serving, invariant_holds, reserved
 from tests.support.factories import NO_OVERHEAD
 
 DEEPEN = "inference.tasks.replica_deepen"
@@ -196,3 +196,26 @@ def test_deep_after_is_a_sleep_setting_a_patch_applies_at_once(cluster, api, tin
     good = api("patch", "/api/deployments/tiny-a/", {"sleep": {"deep_after_s": 120}})
     assert good.status_code == 200 and good.json()["sleep"]["deep_after_s"] == 120
     assert Deployment.objects.get().deep_sleep_after_s == 120
+
+
+def test_a_placement_that_evicts_a_sleeper_has_it_sleep_deeply_since_only_that_gives_back_its_context(
+    db, dispatched, django_capture_on_commit_callbacks, api, tiny_model_dir
+):
+    node = register_node("solo", virtual_gpus("solo", "1x1GiB", NO_OVERHEAD), virtual=True)
+    (sleeper,) = deploy_serving(api, tiny_model_dir, "asleep")
+    sleep.sleep_replica(sleeper, reason="idle")
+    # Its context, 600 MiB (the GPU's figure from now on): the next replica, 300 MiB and a
+    # context, cannot fit beside it.
+    asleep(sleeper, context=600 * MiB)
+    dispatched.clear()
+
+    response = api("post", "/api/deployments/", body("next", tiny_model_dir))
+
+    assert response.status_code == 201, response.json()
+    (placed,) = Replica.objects.filter(deployment__name="next").values_list("id", flat=True)
+    assert dispatched == [(node.queue, DEEPEN, [sleeper]), (node.queue, START, [placed, [sleeper]])]
+    assert Replica.objects.get(pk=sleeper).state == "sleeping" and reserved(sleeper) == 0
+    event = Event.objects.get(replica=sleeper, reason__startswith=deep_sleep.DEEPENING)
+    assert "evicted to make room" in event.reason
+    deep(sleeper)
+    assert Replica.objects.get(pk=sleeper).state == "deep_sleeping" and invariant_holds()
