@@ -292,10 +292,16 @@ def test_sleep_puts_a_serving_replica_to_sleep_through_the_service(cluster, admi
     assert any("going to sleep" in m for m in outcome(response))
 
 
-def test_wake_brings_a_sleeping_replica_back(cluster, admin_client, dispatched) -> None:
+@pytest.mark.parametrize("deep", [False, True], ids=["asleep", "deep-asleep"])
+def test_wake_brings_a_sleeping_replica_back(cluster, admin_client, dispatched, deep) -> None:
     replica_id = deploy("tiny-a")
     admin_client.post(control("replica", replica_id, "sleep"))
     reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    if deep:
+        reports.report(replica_id, {"event": "deep_sleeping", "host_copy_bytes": 10 * 2**20})
+    page = admin_client.get(DASHBOARD).content.decode()
+    assert f"gp-state-{'deep_sleeping' if deep else 'sleeping'}" in page
+    assert control("replica", replica_id, "wake") in page, "its Wake button"
 
     response = admin_client.post(control("replica", replica_id, "wake"))
 

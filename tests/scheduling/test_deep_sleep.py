@@ -219,3 +219,20 @@ def test_a_placement_that_evicts_a_sleeper_has_it_sleep_deeply_since_only_that_g
     assert "evicted to make room" in event.reason
     deep(sleeper)
     assert Replica.objects.get(pk=sleeper).state == "deep_sleeping" and invariant_holds()
+
+
+def test_deleting_a_deployment_sends_its_deep_sleepers_node_the_stop_that_deletes_the_copy(
+    cluster, api, dispatched, tiny_model_dir
+):
+    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
+    sleep.sleep_replica(replica_id, reason="idle")
+    asleep(replica_id)
+    deep(replica_id)
+    node = Replica.objects.get(pk=replica_id).node
+    dispatched.clear()
+
+    assert api("delete", "/api/deployments/tiny-a/").status_code in (200, 202, 204)
+
+    assert not Replica.objects.filter(pk=replica_id).exists()
+    assert [(q, t, a[:1]) for q, t, a in dispatched] == [(node.queue, STOP, [replica_id])]
+    assert invariant_holds()
