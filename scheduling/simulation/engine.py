@@ -16,7 +16,9 @@ services build one from the ledger. Simulated replicas:
 - a request takes a batch slot for prefill (2 × params × prompt tokens / FLOPS) plus one HBM pass over
   the weights per output token (decoding is memory bound); time to first token = wait + prefill;
 - a sleeping replica keeps its weights in its node's CPU RAM (assumed large enough) and holds no GPU
-  memory (virtual GPUs: no CUDA context is kept), so it is not an occupant but a `CachedReplica`.
+  memory, as the product's deep sleeper does (`deep_sleeping`), so it is not an occupant but a
+  `CachedReplica`; its wake costs the weights at host-to-device speed. The product's first level of
+  sleep, whose process keeps its CUDA context on the GPU, is not modelled apart yet.
 
 Every change of reservations is checked against every GPU's total (invariant 1 of docs/architecture.md): an
 over-commit raises `OverCommit` at the simulated instant it would happen.
