@@ -512,7 +512,7 @@ def _make_whole(
 
 def _victims(others: Iterable[OccupantView], deficit: int, ticket: _Ticket) -> tuple[OccupantView, ...] | None:
     # Occupants holding nothing here free nothing by leaving.
-    pool = sorted((o for o in others if o.reserved_bytes > 0 and ticket.evictable(o)), key=_by_size)
+    pool = sorted((o for o in others if o.reserved_bytes > 0 and ticket.evictable(o)), key=_victim_order)
     if sum(o.reserved_bytes for o in pool) < deficit:
         return None
     if ticket.policy.victims == "smallest_first":
@@ -522,11 +522,13 @@ def _victims(others: Iterable[OccupantView], deficit: int, ticket: _Ticket) -> t
             if sum(c.reserved_bytes for c in chosen) >= deficit:
                 break
         return tuple(chosen)
-    return _fewest_reaching(pool, deficit, size=lambda o: o.reserved_bytes, prefer=_by_size)
+    return _fewest_reaching(pool, deficit, size=lambda o: o.reserved_bytes, prefer=_victim_order)
 
 
-def _by_size(o: OccupantView) -> tuple[int, str]:
-    return (o.reserved_bytes, o.replica_id)
+def _victim_order(o: OccupantView) -> tuple[bool, int, str]:
+    # A sleeper first: it serves no one, and evicted it sleeps deeply, which costs only its next
+    # wake a process's start (scheduling.services.deep_sleep); then the smallest.
+    return (o.state != ReplicaState.SLEEPING, o.reserved_bytes, o.replica_id)
 
 
 def _fewest_reaching(

@@ -236,6 +236,18 @@ def test_it_evicts_the_fewest_replicas():
         assert (p.gpu_ids, p.evicted_replicas, p.level) == ((1,), ("b1" * 8,), CandidateLevel.FULL)
 
 
+def test_of_tenants_that_would_each_do_a_sleeper_is_evicted_before_a_serving_one_even_a_smaller_one():
+    # A sleeper serves no one: evicted, it sleeps deeply (its context goes with its process),
+    # which costs only its next wake a process's start.
+    serving = occ("5e" * 8, 1 * GiB)
+    sleeper = occ("51" * 8, 2 * GiB, state="sleeping")
+    snapshot = snap(gpu(0, total=4 * GiB, occupants=[serving, sleeper]))
+
+    for policy in ("gpuportal", "ndif"):
+        p = placed(snapshot, req(2 * GiB), policy=policy)
+        assert p.evicted_replicas == (sleeper.replica_id,)
+
+
 def test_evicting_a_small_tenant_frees_only_its_bytes():
     big = occ("b16" * 5 + "0", 8 * GiB, dedicated=True)
     small = occ("5a11" * 4, 1 * GiB)
