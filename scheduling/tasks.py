@@ -40,6 +40,13 @@ def sleep_idle() -> list[str]:
     return sleep.sweep_idle() + deep_sleep.sweep_deep()
 
 
+@shared_task(name="scheduling.tasks.deepen_sleepers", ignore_result=True)
+def deepen_sleepers(replica_ids: list[str], reason: str) -> list[str]:
+    """Sleepers a waiting wake needs the GPU memory of (scheduling.services.preemption): told to
+    sleep deeply, each in its own transaction."""
+    return deep_sleep.deepen_all(replica_ids, reason=reason)
+
+
 @shared_task(name="scheduling.tasks.collect_ended_replicas", ignore_result=True)
 def collect_ended_replicas() -> list[str]:
     return cleanup.collect_ended_replicas()

@@ -76,7 +76,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Literal
 
@@ -232,6 +232,29 @@ def choose_victim(
         )
     victims = tuple(_victim(c, chosen, candidates, by_id, short, now, order) for c in chosen)
     return VictimChoice(waiting_replica_id, victims, "; ".join(v.reason for v in victims), skipped)
+
+
+def sleepers_to_deepen(gpus: Sequence[GPUView], needed: Mapping[int, int], *, waiting_replica_id: str) -> list[str]:
+    """Which sleepers on the GPUs a wake waits for sleep deeply at once: a sleeper serves no one,
+    and only its process's exit gives back the CUDA context it holds there, so it goes before any
+    serving replica is preempted, and without waiting out max_wait. Per GPU, the longest unused
+    first, until what they hold covers what the waker still lacks there (`needed` less what is
+    available); all of them when even that falls short (the rest is choose_victim's). Pure."""
+    chosen: dict[str, None] = {}
+    for gpu in sorted(gpus, key=lambda g: g.id):
+        lacking = needed.get(gpu.id, 0) - gpu.available_bytes
+        asleep = [
+            o
+            for o in gpu.occupants
+            if o.state == ReplicaState.SLEEPING and o.replica_id != waiting_replica_id and o.reserved_bytes > 0
+        ]
+        oldest_first = sorted(asleep, key=lambda o: (o.last_accessed or datetime.min.replace(tzinfo=UTC), o.replica_id))
+        for occupant in oldest_first:
+            if lacking <= 0:
+                break
+            chosen[occupant.replica_id] = None
+            lacking -= occupant.reserved_bytes
+    return list(chosen)
 
 
 def wait_deadline(created_at: datetime, max_wait_s: float) -> datetime:

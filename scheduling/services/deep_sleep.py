@@ -62,6 +62,18 @@ def sweep_deep(now: datetime | None = None) -> list[str]:
     return told
 
 
+def deepen_all(replica_ids: list[str], *, reason: str) -> list[str]:
+    """`deepen_replica` for each (those told); one's trouble does not keep the others asleep."""
+    told = []
+    for replica_id in sorted(replica_ids):
+        try:
+            if deepen_replica(replica_id, reason=reason):
+                told.append(replica_id)
+        except ServiceError as err:
+            log.warning("deep sleep of replica %s: %s", replica_id, err)
+    return told
+
+
 def deepen_replica(replica_id: str, *, reason: str, now: datetime | None = None) -> bool:
     """Tell one sleeping replica to sleep deeply, once its commit is in; False when it is not
     asleep (woken, gone, deep already) or was told less than RESEND_S ago."""

@@ -66,6 +66,7 @@ from scheduling.services.errors import CannotPlace, InvalidState
 log = logging.getLogger(__name__)
 
 PREEMPT_TASK = "scheduling.tasks.preempt"
+DEEPEN_TASK = "scheduling.tasks.deepen_sleepers"
 WAKE_TASK = "scheduling.tasks.wake"
 # Seed 001: the waiter re-checks fit every second during max_wait, and polls the victims'
 # release more often, since by then the waker is the one the user is waiting on.
@@ -206,6 +207,14 @@ def start(
     _take_locks(gpus, waker, deployment, now)
     ids = [i.pk for i in _record_intents(deployment, wake, gpus, waker, now, reason)]
     outbox.want(effects.to_control(PREEMPT_TASK, ids))
+    # Sleepers there give back their contexts at once by sleeping deeply: on a task of their own,
+    # since their rows' locks come after the GPU rows this transaction holds (the one lock order).
+    sleepers = fairness.sleepers_to_deepen(
+        [snap.gpus[g.pk] for g in gpus], wake.needed_bytes_by_gpu, waiting_replica_id=waker_id
+    )
+    if sleepers:
+        why = f"{deployment.name} ({waker_id[:8]}) needs the memory its context holds on {_labels(gpus)}"
+        outbox.want(effects.to_control(DEEPEN_TASK, sleepers, why))
     if wake.at_once:
         return Preempting(waker_id, tuple(ids), f"preempting at once on {_labels(gpus)}: its victims serve no request")
     return Preempting(waker_id, tuple(ids), f"waiting up to {deployment.max_wait_s:g} s for room on {_labels(gpus)}")

@@ -236,3 +236,24 @@ def test_deleting_a_deployment_sends_its_deep_sleepers_node_the_stop_that_delete
     assert not Replica.objects.filter(pk=replica_id).exists()
     assert [(q, t, a[:1]) for q, t, a in dispatched] == [(node.queue, STOP, [replica_id])]
     assert invariant_holds()
+
+
+def test_the_sleepers_a_waiting_wake_deepens_are_the_longest_unused_until_its_shortfall_is_covered():
+    from scheduling.core.fairness import sleepers_to_deepen
+    from scheduling.core.state import GPUView, OccupantView
+
+    def sleeper(name: str, hours: int, state: str = "sleeping") -> OccupantView:
+        return OccupantView(name, f"d-{name}", state, 200 * MiB, last_accessed=NOW - timedelta(hours=hours))
+
+    occupants = (sleeper("old", 9), sleeper("mid", 5), sleeper("new", 1), sleeper("busy", 20, "serving"))
+    gpu = GPUView(
+        id=1, node="n", index=0, total_bytes=1024 * MiB, available_bytes=224 * MiB, version=1, occupants=occupants
+    )
+
+    assert sleepers_to_deepen([gpu], {1: 224 * MiB}, waiting_replica_id="w") == [], "it fits as things are"
+    assert sleepers_to_deepen([gpu], {1: 300 * MiB}, waiting_replica_id="w") == ["old"]
+    assert sleepers_to_deepen([gpu], {1: 500 * MiB}, waiting_replica_id="w") == ["old", "mid"]
+    # Short even with every sleeper gone: all of them (a serving one is choose_victim's to preempt).
+    assert sleepers_to_deepen([gpu], {1: 1000 * MiB}, waiting_replica_id="w") == ["old", "mid", "new"]
+    # The waker's own residual is not its to give up.
+    assert sleepers_to_deepen([gpu], {1: 300 * MiB}, waiting_replica_id="old") == ["mid"]

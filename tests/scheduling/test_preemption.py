@@ -288,6 +288,40 @@ def test_a_cached_replica_waits_as_itself_and_is_promoted_after_the_preemption(o
     assert_not_over_committed()
 
 
+def test_a_wake_short_of_room_has_the_longest_unused_sleeper_there_sleep_deeply_and_preempts_no_one(
+    one_gpu, dispatched, django_capture_on_commit_callbacks
+):
+    from scheduling import tasks
+
+    waker = serving("c", need=300 * MiB)
+    old = serving("a", need=300 * MiB, last_accessed=timezone.now() - timedelta(hours=2))
+    recent = serving("b", need=300 * MiB, last_accessed=timezone.now() - timedelta(minutes=5))
+    for replica_id in (old, recent):
+        sleep.sleep_replica(replica_id, reason="test")
+        reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
+    sleep.sleep_replica(waker, reason="test")
+    asleep(waker)
+    dispatched.clear()
+
+    # It needs 300 MiB and a 300 MiB context; two sleepers' contexts leave 424 MiB.
+    with django_capture_on_commit_callbacks(execute=True):
+        assert sleep.wake_deployment("c", reason="a request arrived") == [waker]
+
+    (deepen,) = [args for queue, task, args in dispatched if task == "scheduling.tasks.deepen_sleepers"]
+    assert deepen[0] == [old], "one sleeper's context covers the shortfall: the longest unused"
+    with django_capture_on_commit_callbacks(execute=True):
+        assert tasks.deepen_sleepers(*deepen) == [old]
+    assert ("node.node1", "inference.tasks.replica_deepen", [old]) in dispatched
+    reports.report(old, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+
+    clock = FakeClock()
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+    assert outcome.status == "satisfied" and outcome.victims == ()
+    assert Replica.objects.get(pk=waker).state == "waking" and Replica.objects.get(pk=recent).state == "sleeping"
+    assert clock.t - clock.start < 5.0, "placed before max_wait: the sleeper's memory came back at once"
+    assert_not_over_committed()
+
+
 # -- targeting by cost, and when not to wait -------------------------------------------------------
 
 
