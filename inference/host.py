@@ -383,8 +383,9 @@ class ReplicaHost:
             started = time.monotonic()
             try:
                 written = host_copy.save(self.model, Path(path))
-            except OSError as exc:
-                # /dev/shm full, say: it stays asleep as it was, and the control plane hears why.
+            except (OSError, RuntimeError) as exc:
+                # /dev/shm full, say (OSError; RuntimeError should torch's archive writer fail on
+                # its own): it stays asleep as it was, and the control plane hears why.
                 raise CommandRejected(f"cannot write the host copy {path}: {exc}") from None
             self.model = None
             self.backend.release()

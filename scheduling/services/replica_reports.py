@@ -298,6 +298,23 @@ def _stopped(replica: Replica, event: dict[str, Any]) -> None:
     replicas.set_state(replica, Replica.State.STOPPED, "process exited", extra=["pid", "serving_since"])
 
 
+def _refused(replica: Replica, event: dict[str, Any]) -> None:
+    """Its process refused a command (a deepen that found no room for its host copy, a wake it
+    was not asleep for): nothing changed there, and the trail says why. What sent the command
+    sends it again if it still wants it (the deep sleep sweep, the lost-command repairs)."""
+    command, reason = str(event.get("cmd") or "a command"), str(event.get("reason") or "no reason given")
+    outbox.note(
+        Event.Kind.REPLICA_STATE,
+        f"replica {replica.id[:8]}",
+        f"its process refused {command}: {reason}",
+        before={"state": replica.state},
+        after={"state": replica.state, "refused": command},
+        node=replica.node.name if replica.node else "",
+        deployment=replica.deployment.name,
+        replica=replica.id,
+    )
+
+
 HANDLERS = {
     "progress": _progress,
     "serving": on_serving,
@@ -307,6 +324,7 @@ HANDLERS = {
     "stopped": _stopped,
     "arena": _arena,
     "deep_sleeping": _deep_sleeping,
+    "error": _refused,
 }
 
 

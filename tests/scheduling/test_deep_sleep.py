@@ -257,3 +257,15 @@ def test_the_sleepers_a_waiting_wake_deepens_are_the_longest_unused_until_its_sh
     assert sleepers_to_deepen([gpu], {1: 1000 * MiB}, waiting_replica_id="w") == ["old", "mid", "new"]
     # The waker's own residual is not its to give up.
     assert sleepers_to_deepen([gpu], {1: 300 * MiB}, waiting_replica_id="old") == ["mid"]
+
+
+def test_a_deepen_its_process_refused_leaves_it_asleep_and_says_why(cluster, api, dispatched, tiny_model_dir):
+    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
+    sleep.sleep_replica(replica_id, reason="idle")
+    asleep(replica_id)
+
+    reason = "cannot write the host copy /dev/shm/x.pt: [Errno 28] No space left on device"
+    reports.report(replica_id, {"event": "error", "cmd": "deepen", "reason": reason})
+
+    assert Replica.objects.get(pk=replica_id).state == "sleeping"
+    assert Event.objects.filter(replica=replica_id, reason=f"its process refused deepen: {reason}").exists()
