@@ -282,6 +282,8 @@ class NodeAgent:
             "processes": states,
             "arenas": self.supervisor.arenas(),
             "host_bytes": self.supervisor.host_bytes(),
+            # The deep sleepers' copies it holds: the beat answers which are no longer wanted.
+            "host_copies": sorted(self.supervisor.deep_sleepers()),
         }
 
     def books(self) -> Books:

@@ -416,6 +416,7 @@ class Supervisor:
         """Stop, without a drain, replicas the control plane wrote off (nodes.heartbeat): it gave
         their requests back already, so nothing they hold is worth waiting for. Those already
         stopping (a scale-down's drain) are left to finish. Returns the ids stopped."""
+        replica_ids = list(replica_ids)
         with self._lock:
             replicas = [r for rid in replica_ids if (r := self._replicas.get(rid)) is not None and not r.stopping]
         for replica in replicas:
@@ -428,6 +429,9 @@ class Supervisor:
         fences = self._close_pairs([r for r in replicas if fence_of(r.spec) not in kept])
         self._stop_together(replicas, {"cmd": "stop", "drain_timeout_s": 0}, timeout)
         self._forget_pairs(fences)
+        # One with no process here may be a deep sleeper the books no longer hold: its copy goes.
+        for replica_id in set(replica_ids) - going - set(self.running()):
+            self.forget_host_copy(replica_id)
         return [r.spec.replica_id for r in replicas]
 
     @property

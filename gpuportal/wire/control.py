@@ -40,6 +40,7 @@ class ControlPlane(Protocol):
         processes: Mapping[str, str] | None = None,
         arenas: Mapping[str, int] | None = None,
         host_bytes: Mapping[str, int] | None = None,
+        host_copies: Sequence[str] | None = None,
     ) -> list[str]:
         """The node is alive; returns the running replicas the control plane has written off,
         for the agent to stop.
@@ -57,7 +58,12 @@ class ControlPlane(Protocol):
 
         `host_bytes`: {replica id: bytes} of host RAM each running replica's process holds outside
         its host arena (its proportional set size), for placement to count host RAM as a resource
-        (scheduling.core.host_memory). Added to version 1 with a default, like `processes`."""
+        (scheduling.core.host_memory). Added to version 1 with a default, like `processes`.
+
+        `host_copies`: the replica ids whose deep sleep copies (inference.host_copy) the node holds
+        with no process reading them. Those the books no longer hold asleep on this node (parked,
+        stopped, deleted, elsewhere) are returned with the written-off replicas, for the agent to
+        delete. Added to version 1 with a default, like `processes`."""
 
     def node_stopping(self, node: str, reason: str) -> None:
         """Out of placement: the agent is leaving and stops its replicas next."""

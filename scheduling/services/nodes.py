@@ -18,7 +18,7 @@ from django_celery_beat.models import PeriodicTask
 from gpuportal.wire import node_acl, node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
-from gpuportal.wire.states import ENDED
+from gpuportal.wire.states import ASLEEP, ENDED
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import adoption, effects, liveness
 from scheduling.models import Event, Node, Replica
@@ -205,6 +205,7 @@ def heartbeat(
     processes: Mapping[str, str] | None = None,
     arenas: Mapping[str, int] | None = None,
     host_bytes: Mapping[str, int] | None = None,
+    host_copies: Collection[str] | None = None,
 ) -> list[str]:
     """Record that the node's agent is alive; a node that had been marked offline comes back.
     With `books`, what the agent saw its replica processes hold is checked against the ledger.
@@ -218,9 +219,10 @@ def heartbeat(
     commands to them were lost (the broker blinked as they were sent): those are sent again
     (scheduling.services.lost_commands); `arenas`, the host arenas they keep, which grants and
     drops of one were; `host_bytes`, the host RAM each holds beside its arena, what placement
-    counts of the node's RAM for it (`record_host_bytes`)."""
+    counts of the node's RAM for it (`record_host_bytes`). `host_copies`, the deep sleepers' copies
+    it holds: those no longer wanted are returned too (`copies_to_forget`), for it to delete."""
     now = now or timezone.now()
-    if not running and (books is None or not books.usage) and _quiet_beat(name, now, books):
+    if not running and not host_copies and (books is None or not books.usage) and _quiet_beat(name, now, books):
         return []
     with transaction.atomic(durable=True):  # a boundary: its callers hold no transaction
         node = locks.lock_node(name)
@@ -256,7 +258,19 @@ def heartbeat(
         lost_commands.resend(name, running, processes, now, arenas=arenas)
     if host_bytes:
         record_host_bytes(name, host_bytes)
-    return stale
+    return stale + copies_to_forget(name, host_copies) if host_copies else stale
+
+
+def copies_to_forget(name: str, host_copies: Collection[str]) -> list[str]:
+    """Of the host copies a node holds, those of replicas its books no longer hold asleep there:
+    parked out of a full cache or written off with the node while its agent was away (the stop
+    that deletes the copy may not have reached it), stopped, deleted, or elsewhere. One that is
+    sleeping (its deepen's report on its way) or waking (its new process reading the copy) is
+    wanted still."""
+    wanted = Replica.objects.filter(
+        pk__in=list(host_copies), node__name=name, state__in=(*ASLEEP, Replica.State.WAKING)
+    ).values_list("pk", flat=True)
+    return sorted(set(host_copies) - set(wanted))
 
 
 # A process's host RAM moves a little at every beat: written again only when it moved by this

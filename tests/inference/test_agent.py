@@ -362,6 +362,9 @@ class _Processes:
         self.forgotten.append(replica_id)
         return True
 
+    def deep_sleepers(self) -> dict[str, dict]:
+        return {"d1": {"replica_id": "d1", "pid": 0, "state": "deep_sleeping", "last": "deep_sleeping"}}
+
 
 def _agent_with(monkeypatch, processes: _Processes, books_state: str | None) -> list[tuple[str, dict]]:
     """The node tasks' agent, its books holding each replica in `books_state`; returns what it relays."""
@@ -481,6 +484,7 @@ def test_each_beat_tells_the_state_each_replica_process_last_said_it_is_in(monke
     assert beat["processes"] == {"r1": "sleeping", "r2": "serving", "r3": ""}
     assert beat["arenas"] == {"r2": MiB}, "the host arenas they keep (a lost grant or drop shows there)"
     assert beat["host_bytes"] == {"r1": 300 * MiB, "r2": 300 * MiB, "r3": 300 * MiB}, "their host RAM"
+    assert beat["host_copies"] == ["d1"], "the deep sleepers' copies it holds (which the answer may name to delete)"
     assert beat["books"].states == {"r1": "sleeping", "r2": "serving", "r3": ""}
 
 

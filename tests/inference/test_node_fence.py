@@ -168,6 +168,9 @@ class Stops:
     def host_bytes(self) -> dict[str, int]:
         return {}
 
+    def deep_sleepers(self) -> dict[str, dict]:
+        return {}
+
     def stop_written_off(self, replica_ids, timeout: float = 5.0) -> list[str]:
         self.lease_held_at_stop = node_lease.held(self.client, [self.node])
         self.stopped, self.running = list(replica_ids), []

@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import torch
 from django.utils import timezone
 
 from gpuportal.wire.commands import StartReplica, WakeReplica
@@ -16,7 +17,8 @@ from gpuportal.wire.node_reports import Survivor
 from inference.devices import virtual_gpus
 from scheduling.core.host_cache import HostHolder, trim, used_bytes
 from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
-from scheduling.services import deep_sleep, host_cache, replica_specs, reports, sleep
+from scheduling.services import deep_sleep, host_cache, nodes, replica_specs, reports, sleep
+from scheduling.services import replicas as replicas_services
 from scheduling.services.nodes import register_node
 from tests.support.deployments import START, STOP, MiB, body, deploy_serving, invariant_holds, reserved
 from tests.support.factories import NO_OVERHEAD
@@ -269,3 +271,33 @@ def test_a_deepen_its_process_refused_leaves_it_asleep_and_says_why(cluster, api
 
     assert Replica.objects.get(pk=replica_id).state == "sleeping"
     assert Event.objects.filter(replica=replica_id, reason=f"its process refused deepen: {reason}").exists()
+
+
+def test_a_beat_returns_the_host_copies_the_books_no_longer_hold_asleep_there(cluster, api, dispatched, tiny_model_dir):
+    (kept,) = deploy_serving(api, tiny_model_dir, "kept", sleep={"deep_after_s": 60})
+    (parked,) = deploy_serving(api, tiny_model_dir, "parked", sleep={"deep_after_s": 60})
+    for replica_id in (kept, parked):
+        sleep.sleep_replica(replica_id, reason="idle")
+        asleep(replica_id)
+        deep(replica_id)
+    node = Replica.objects.get(pk=kept).node.name
+    # Parked while its agent was away: the stop that deletes its copy never reached it.
+    replicas_services.park(Replica.objects.get(pk=parked), "left the host cache")
+
+    answer = nodes.heartbeat(node, running=[], host_copies=[kept, parked, "gone1234"])
+
+    assert answer == sorted([parked, "gone1234"]), "a deep sleeper's own copy is kept"
+    assert nodes.heartbeat(node, running=[], host_copies=[kept]) == []
+
+
+def test_a_copy_written_off_is_deleted_by_the_agent_with_the_processes_it_stops(tmp_path):
+    from inference import host_copy
+    from inference.supervisor import Supervisor
+
+    supervisor = Supervisor(tmp_path / "logs", host_copies=tmp_path / "copies")
+    for replica_id in ("kept", "gone"):
+        host_copy.save(torch.nn.Linear(2, 2), supervisor.host_copy_path(replica_id))
+
+    assert supervisor.stop_written_off(iter(["gone"])) == [], "no process was stopped"
+
+    assert sorted(supervisor.deep_sleepers()) == ["kept"]
