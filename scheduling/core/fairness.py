@@ -74,7 +74,7 @@ checks this as a property by simulating such request streams.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -82,7 +82,7 @@ from typing import Literal
 
 from gpuportal.wire import states
 from gpuportal.wire.states import ReplicaState
-from scheduling.core.state import GPUView, OccupantView
+from scheduling.core.state import GPUView, OccupantView, Snapshot
 
 # "cost": expired idle replicas first, busy ones last, and in between the lowest reload cost per
 # second of idleness (see the module docstring); "lru": seed 001's least recently used first.
@@ -255,6 +255,23 @@ def sleepers_to_deepen(gpus: Sequence[GPUView], needed: Mapping[int, int], *, wa
             chosen[occupant.replica_id] = None
             lacking -= occupant.reserved_bytes
     return list(chosen)
+
+
+def as_if_deep_asleep(snapshot: Snapshot, keep: Collection[str]) -> Snapshot:
+    """The snapshot as it will be once its sleepers (but `keep`, a waker's own) sleep deeply:
+    their occupants gone and what they held available. A wake's target is chosen on it, so that a
+    GPU whose sleepers can give their contexts back costs no one's preemption (they are told to
+    sleep deeply at once: `sleepers_to_deepen`). Pure."""
+    gpus = {}
+    for gpu_id, gpu in snapshot.gpus.items():
+        going = [o for o in gpu.occupants if o.state == ReplicaState.SLEEPING and o.replica_id not in keep]
+        if not going:
+            gpus[gpu_id] = gpu
+            continue
+        freed = sum(o.reserved_bytes for o in going)
+        staying = tuple(o for o in gpu.occupants if o not in going)
+        gpus[gpu_id] = replace(gpu, occupants=staying, available_bytes=gpu.available_bytes + freed)
+    return replace(snapshot, gpus=gpus)
 
 
 def wait_deadline(created_at: datetime, max_wait_s: float) -> datetime:

@@ -179,7 +179,10 @@ def start(
     # A new replica's process needs host RAM too: no GPU is emptied on a node that could not
     # start it (evicting GPU occupants frees none of the host's RAM).
     host_refused = placing.host_refusals(deployment) if allow_new else {}
-    wake = _costed_wake(deployment, snap, need.bytes, cached, allow_new, host_refused)
+    # Costed on the GPUs as they will be once their sleepers sleep deeply (they are told to at
+    # once, below): a GPU whose sleepers hold the room costs no one's preemption.
+    deepened = fairness.as_if_deep_asleep(snap, keep={c.replica_id for c in cached})
+    wake = _costed_wake(deployment, deepened, need.bytes, cached, allow_new, host_refused)
     if wake is None and by_cost_only:
         raise CannotPlace(f"no GPU the waker may use can make room for {deployment.name} by preempting fairly", {})
     if wake is None:
@@ -203,15 +206,18 @@ def start(
         blocked = _held_by_another(gpu, waker_id, now)
         if blocked is not None:
             return _wait_for_lock(deployment, gpu, blocked, reason)
+    # Sleepers there give back their contexts by sleeping deeply: told on a task of their own,
+    # since their rows' locks come after the GPU rows this transaction holds (the one lock order).
+    # The wake then waits out max_wait for them rather than preempt anyone at once.
+    sleepers = fairness.sleepers_to_deepen(
+        [snap.gpus[g.pk] for g in gpus], wake.needed_bytes_by_gpu, waiting_replica_id=waker_id
+    )
+    if sleepers:
+        wake = replace(wake, at_once=False)
     waker = _waker(deployment, wake, gpus, reason)
     _take_locks(gpus, waker, deployment, now)
     ids = [i.pk for i in _record_intents(deployment, wake, gpus, waker, now, reason)]
     outbox.want(effects.to_control(PREEMPT_TASK, ids))
-    # Sleepers there give back their contexts at once by sleeping deeply: on a task of their own,
-    # since their rows' locks come after the GPU rows this transaction holds (the one lock order).
-    sleepers = fairness.sleepers_to_deepen(
-        [snap.gpus[g.pk] for g in gpus], wake.needed_bytes_by_gpu, waiting_replica_id=waker_id
-    )
     if sleepers:
         why = f"{deployment.name} ({waker_id[:8]}) needs the memory its context holds on {_labels(gpus)}"
         outbox.want(effects.to_control(DEEPEN_TASK, sleepers, why))

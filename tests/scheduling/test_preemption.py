@@ -383,6 +383,27 @@ def test_a_wake_targets_the_gpu_whose_victims_are_idle_not_the_one_with_busy_rep
     assert_not_over_committed()
 
 
+def test_a_wake_goes_where_sleepers_can_make_room_by_sleeping_deeply_rather_than_preempt_anyone(
+    two_gpus, dispatched, rq, django_capture_on_commit_callbacks
+):
+    first, second = two_gpus
+    idle = occupant("idle", first, 800 * MiB)  # serving no one for an hour: a cheap victim
+    sleeper = occupant("asleep", second, 800 * MiB)
+    Replica.objects.filter(pk=sleeper).update(state="sleeping", serving_since=None)
+    deploy("waker", replicas=0, need=600 * MiB)  # nothing awake, nothing cached: a new replica
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        sleep.wake_deployment("waker", reason="a request arrived")
+
+    (intent,) = PreemptionIntent.objects.all()
+    assert intent.gpu_id == second.pk, "its sleeper's room, not the idle replica's"
+    assert intent.deadline > intent.created_at, "it waits for the sleeper rather than preempt at once"
+    (deepen,) = [args for _, task, args in dispatched if task == "scheduling.tasks.deepen_sleepers"]
+    assert deepen[0] == [sleeper]
+    assert Replica.objects.get(pk=idle).state == "serving"
+
+
 def test_a_wake_whose_victims_serve_nothing_preempts_without_waiting_out_max_wait(one_gpu, dispatched, rq):
     now = timezone.now()
     older = serving("a", last_accessed=now - timedelta(minutes=30))
