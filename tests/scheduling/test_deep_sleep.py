@@ -301,3 +301,35 @@ def test_a_copy_written_off_is_deleted_by_the_agent_with_the_processes_it_stops(
     assert supervisor.stop_written_off(iter(["gone"])) == [], "no process was stopped"
 
     assert sorted(supervisor.deep_sleepers()) == ["kept"]
+
+
+def test_two_hundred_deep_sleeping_deployments_on_one_node_stay_within_its_host_budget(
+    db, dispatched, django_capture_on_commit_callbacks
+):
+    from tests.support import factories
+
+    # One node of two virtual GPUs whose host cache holds 8 GiB: 200 deployments of 100 MiB deep
+    # asleep there would take 20 GiB. None of them holds any GPU memory.
+    node = register_node("big", virtual_gpus("big", "2x24GiB", NO_OVERHEAD), virtual=True, cpu_cache_bytes=8192 * MiB)
+    made = []
+    for i in range(200):
+        deployment = factories.deployment(f"d{i:03}", weight_bytes=100 * MiB)
+        made.append(
+            factories.replica(
+                deployment,
+                node,
+                state="deep_sleeping",
+                host_copy_bytes=100 * MiB,
+                last_accessed=timezone.now() - timedelta(minutes=200 - i),
+            ).id
+        )
+    assert {g.available_bytes for g in GPU.objects.filter(node=node)} == {24 * 1024 * MiB}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        parked = host_cache.trim("big")
+
+    assert host_cache.used_bytes([node.pk]) == {node.pk: (8192 // 100) * 100 * MiB}, "within the budget"
+    assert sorted(parked) == sorted(made[: len(parked)]), "the longest unused left first"
+    assert len(parked) == 200 - 8192 // 100, "only as many as the budget needs"
+    assert sorted(a[0] for _, t, a in dispatched if t == STOP) == sorted(parked), "their copies are deleted"
+    assert Replica.objects.filter(state="deep_sleeping").count() == 8192 // 100
