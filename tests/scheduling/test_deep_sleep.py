@@ -38,6 +38,15 @@ def deep(replica_id: str, copy: int = 10 * MiB) -> None:
     reports.report(replica_id, {"event": "deep_sleeping", "host_copy_bytes": copy, "exit_code": 0})
 
 
+def deep_asleep(api, model_dir, name: str = "tiny-a", copy: int = 10 * MiB) -> str:
+    """A deployment deployed, its one replica asleep, then deep asleep: that replica's id."""
+    (replica_id,) = deploy_serving(api, model_dir, name, sleep={"deep_after_s": 60})
+    sleep.sleep_replica(replica_id, reason="idle")
+    asleep(replica_id)
+    deep(replica_id, copy)
+    return replica_id
+
+
 def test_the_sweep_tells_a_replica_asleep_past_deep_after_to_sleep_deeply_and_no_other(
     cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
 ):
@@ -91,10 +100,7 @@ def test_a_deep_sleeper_gives_back_all_its_gpu_memory_and_keeps_its_node(cluster
 def test_a_wake_reserves_a_deep_sleepers_whole_need_on_its_node_and_starts_a_process_from_the_host_copy(
     cluster, api, dispatched, tiny_model_dir
 ):
-    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
-    sleep.sleep_replica(replica_id, reason="idle")
-    asleep(replica_id)
-    deep(replica_id)
+    replica_id = deep_asleep(api, tiny_model_dir)
     node = Replica.objects.get(pk=replica_id).node
     dispatched.clear()
 
@@ -129,13 +135,7 @@ def test_a_deep_sleeper_counts_in_its_node_host_cache_and_a_full_one_parks_it_de
     db, dispatched, django_capture_on_commit_callbacks, api, tiny_model_dir
 ):
     node = register_node("edge", virtual_gpus("edge", "2x1GiB", NO_OVERHEAD), virtual=True, cpu_cache_bytes=250 * MiB)
-    ids = []
-    for name in ("a", "b", "c"):
-        (replica_id,) = deploy_serving(api, tiny_model_dir, name, sleep={"deep_after_s": 60})
-        sleep.sleep_replica(replica_id, reason="idle")
-        asleep(replica_id)
-        deep(replica_id, 100 * MiB)
-        ids.append(replica_id)
+    ids = [deep_asleep(api, tiny_model_dir, name, 100 * MiB) for name in ("a", "b", "c")]
     Replica.objects.filter(pk=ids[0]).update(last_accessed=timezone.now() - timedelta(hours=1))
     assert host_cache.used_bytes([node.pk]) == {node.pk: 300 * MiB}
     dispatched.clear()
@@ -166,10 +166,7 @@ def test_two_hundred_deep_sleepers_stay_within_their_nodes_host_budget():
 def test_an_agent_starting_again_keeps_the_deep_sleepers_whose_copies_it_holds(
     cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks, holds_the_copy
 ):
-    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
-    sleep.sleep_replica(replica_id, reason="idle")
-    asleep(replica_id)
-    deep(replica_id)
+    replica_id = deep_asleep(api, tiny_model_dir)
     node = Replica.objects.get(pk=replica_id).node
     survivors = [Survivor(replica_id, 0, "deep_sleeping", "deep_sleeping")] if holds_the_copy else []
     dispatched.clear()
@@ -226,10 +223,7 @@ def test_a_placement_that_evicts_a_sleeper_has_it_sleep_deeply_since_only_that_g
 def test_deleting_a_deployment_sends_its_deep_sleepers_node_the_stop_that_deletes_the_copy(
     cluster, api, dispatched, tiny_model_dir
 ):
-    (replica_id,) = deploy_serving(api, tiny_model_dir, sleep={"deep_after_s": 60})
-    sleep.sleep_replica(replica_id, reason="idle")
-    asleep(replica_id)
-    deep(replica_id)
+    replica_id = deep_asleep(api, tiny_model_dir)
     node = Replica.objects.get(pk=replica_id).node
     dispatched.clear()
 
@@ -274,12 +268,7 @@ def test_a_deepen_its_process_refused_leaves_it_asleep_and_says_why(cluster, api
 
 
 def test_a_beat_returns_the_host_copies_the_books_no_longer_hold_asleep_there(cluster, api, dispatched, tiny_model_dir):
-    (kept,) = deploy_serving(api, tiny_model_dir, "kept", sleep={"deep_after_s": 60})
-    (parked,) = deploy_serving(api, tiny_model_dir, "parked", sleep={"deep_after_s": 60})
-    for replica_id in (kept, parked):
-        sleep.sleep_replica(replica_id, reason="idle")
-        asleep(replica_id)
-        deep(replica_id)
+    kept, parked = deep_asleep(api, tiny_model_dir, "kept"), deep_asleep(api, tiny_model_dir, "parked")
     node = Replica.objects.get(pk=kept).node.name
     # Parked while its agent was away: the stop that deletes its copy never reached it.
     replicas_services.park(Replica.objects.get(pk=parked), "left the host cache")
