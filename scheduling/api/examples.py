@@ -299,6 +299,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/deployments/{name}/failover/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/retry/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/sleep/"): {"response": DEPLOYMENT_SHOWN},
+    ("post", "/api/deployments/{name}/deep-sleep/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/wake/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/infer/"): {
         "request": {"input": "Hello", "params": {"max_tokens": 2}, "timeout_s": 30},
@@ -308,6 +309,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "/api/replicas/{id}/"): {"response": REPLICA_SHOWN},
     ("post", "/api/replicas/{id}/evict/"): {"response": {**REPLICA_SHOWN, "state": S.DRAINING}},
     ("post", "/api/replicas/{id}/sleep/"): {"response": {**REPLICA_SHOWN, "state": S.DRAINING}},
+    ("post", "/api/replicas/{id}/deep-sleep/"): {"response": {**REPLICA_SHOWN, "state": S.SLEEPING}},
     ("post", "/api/replicas/{id}/wake/"): {"response": {**REPLICA_SHOWN, "state": S.WAKING}},
     ("get", "/api/replicas/{id}/logs/"): {
         "response": {

@@ -19,6 +19,7 @@ from scheduling import selectors
 from scheduling.api import inputs
 from scheduling.api import serializers as s
 from scheduling.models import Deployment, Replica
+from scheduling.services import deep_sleep as deep_sleep_services
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
 from scheduling.services import node_credentials, not_found
@@ -216,6 +217,17 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
 
     @extend_schema(
         request=None,
+        summary="Every replica asleep in its process sleeps deeply: its weights to its node's shared memory, "
+        "its process gone, no GPU memory held (sleep first; they are deep_sleeping once their processes say so).",
+        responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]},
+    )
+    @action(detail=True, methods=["post"], url_path="deep-sleep")
+    def deep_sleep(self, request: Request, name: str) -> Response:
+        deep_sleep_services.deepen_deployment(name, reason=f"put to sleep deeply by {request.user.get_username()}")
+        return self.shown(name)
+
+    @extend_schema(
+        request=None,
         summary="Wake replicas until max(1, replicas wanted) are awake: cached ones first, else new ones.",
         responses={
             200: s.DeploymentSerializer,
@@ -301,6 +313,21 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     @action(detail=True, methods=["post"])
     def sleep(self, request: Request, pk: str) -> Response:
         sleep_services.sleep_replica(pk, reason="put to sleep by an operator")
+        return self.shown(pk)
+
+    @extend_schema(
+        request=None,
+        summary="A replica asleep in its process sleeps deeply: its weights to its node's shared memory, "
+        "its process gone, no GPU memory held; deep_sleeping once its process says so.",
+        responses={
+            200: s.ReplicaSerializer,
+            404: OpenApiResponse(description="No such replica."),
+            409: OpenApiResponse(description="Only a replica asleep in its process can sleep deeply."),
+        },
+    )
+    @action(detail=True, methods=["post"], url_path="deep-sleep")
+    def deep_sleep(self, request: Request, pk: str) -> Response:
+        deep_sleep_services.deepen_now(pk, reason=f"put to sleep deeply by {request.user.get_username()}")
         return self.shown(pk)
 
     @extend_schema(

@@ -25,8 +25,8 @@ from django.utils import timezone
 from scheduling import locks
 from scheduling.core import effects
 from scheduling.models import Event, Node, Replica
-from scheduling.services import outbox
-from scheduling.services.errors import ServiceError
+from scheduling.services import outbox, replicas
+from scheduling.services.errors import ServiceError, TransitionRefused
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,35 @@ def deepen_replica(replica_id: str, *, reason: str, now: datetime | None = None)
             return False
         tell(replica, reason)
     return True
+
+
+def deepen_now(replica_id: str, *, reason: str) -> Replica:
+    """An operator's deep sleep of one sleeping replica, whatever its deployment's setting;
+    NotFound (404), TransitionRefused (409) when it is not asleep in its process."""
+    replica = replicas.get(replica_id)
+    with transaction.atomic():
+        locks.lock_deployment_of(replica)
+        replica = locks.lock_replica(replica_id)
+        if replica.state != Replica.State.SLEEPING or replica.node is None:
+            why = "only a replica asleep in its process can sleep deeply (put it to sleep first)"
+            raise TransitionRefused(replica_id, replica.state, Replica.State.DEEP_SLEEPING, why)
+        tell(replica, reason)
+    return replica
+
+
+def deepen_deployment(name: str, *, reason: str) -> list[str]:
+    """An operator's deep sleep of every replica of the deployment asleep in its process; the ids
+    told (none when none sleeps: its serving replicas are put to sleep first, by `sleep`)."""
+    with transaction.atomic():
+        deployment = locks.lock_deployment(name)
+        asleep = list(
+            Replica.objects.filter(deployment=deployment, state=Replica.State.SLEEPING, node__isnull=False)
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        )
+        for replica_id in asleep:
+            tell(locks.lock_replica(replica_id), reason)
+    return asleep
 
 
 def tell(replica: Replica, reason: str) -> None:

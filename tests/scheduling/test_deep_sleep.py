@@ -322,3 +322,32 @@ def test_two_hundred_deep_sleeping_deployments_on_one_node_stay_within_its_host_
     assert len(parked) == 200 - 8192 // 100, "only as many as the budget needs"
     assert sorted(a[0] for _, t, a in dispatched if t == STOP) == sorted(parked), "their copies are deleted"
     assert Replica.objects.filter(state="deep_sleeping").count() == 8192 // 100
+
+
+def test_an_operator_has_sleepers_sleep_deeply_by_replica_or_by_deployment_and_a_serving_one_is_a_409(
+    cluster, api, dispatched, tiny_model_dir
+):
+    first, second = deploy_serving(api, tiny_model_dir, replicas=2)
+    sleep.sleep_replica(first, reason="idle")
+    asleep(first)
+    dispatched.clear()
+
+    refused = api("post", f"/api/replicas/{second}/deep-sleep/")
+    assert refused.status_code == 409 and (refused.json()["state"], refused.json()["wanted"]) == (
+        "serving",
+        "deep_sleeping",
+    )
+    assert "put it to sleep first" in refused.json()["detail"] and dispatched == []
+
+    response = api("post", f"/api/replicas/{first}/deep-sleep/")
+    assert response.status_code == 200 and response.json()["state"] == "sleeping", "deep once its process says so"
+    assert [(t, a) for _, t, a in dispatched] == [(DEEPEN, [first])]
+    assert Event.objects.filter(replica=first, reason__contains="put to sleep deeply by ops").exists()
+
+    dispatched.clear()
+    sleep.sleep_replica(second, reason="idle")
+    asleep(second)
+    whole = api("post", "/api/deployments/tiny-a/deep-sleep/")
+    assert whole.status_code == 200
+    assert sorted(a[0] for _, t, a in dispatched if t == DEEPEN) == sorted([first, second])
+    assert api("post", "/api/deployments/nope/deep-sleep/").status_code == 404
