@@ -152,8 +152,17 @@ def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:
     # Both put serving replicas to sleep: `sleep` lets them finish what they serve, `evict` does not wait.
     action = "evict" if args.command == "evict" else "sleep"
+    deep = getattr(args, "deep", False)
+    if deep and args.no_wait:
+        raise CliError("sleep: --deep waits for the replicas to sleep before they sleep deeply: drop --no-wait")
     answer = ctx.client.post(deployment_path(args.name, action))
-    return finish(ctx, args, answer, Goal(S.SERVING, 0, towards=S.SLEEPING))
+    if not deep:
+        return finish(ctx, args, answer, Goal(S.SERVING, 0, towards=S.SLEEPING))
+    wait_for(ctx.client, answer, Goal(S.SERVING, 0, towards=S.SLEEPING), console=ctx.out, timeout_s=args.timeout)
+    # Asleep, each process writes its weights to its node's shared memory and exits.
+    answer = ctx.client.post(deployment_path(args.name, "deep-sleep"))
+    deeply = Goal(S.SLEEPING, 0, towards=S.DEEP_SLEEPING, moving=frozenset({S.SLEEPING}))
+    return finish(ctx, args, answer, deeply)
 
 
 def cmd_rm(ctx: Context, args: argparse.Namespace) -> int:
@@ -474,6 +483,13 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         command = commands.add_parser(name, help=help_text)
         command.add_argument("name")
         add_wait_options(command, "none serves")
+        if name == "sleep":
+            command.add_argument(
+                "--deep",
+                action="store_true",
+                help="then sleep deeply: each process exits, holding no GPU memory (its weights wait in its "
+                "node's shared memory)",
+            )
         command.set_defaults(run=cmd_sleep)
 
     wake = commands.add_parser("wake", help="wake a deployment and wait until it serves")

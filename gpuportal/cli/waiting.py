@@ -36,6 +36,9 @@ class Goal:
     count: int
     at_least: bool = False
     towards: str = ""
+    # States on their way for this goal besides those in transit: a sleeper told to sleep deeply
+    # is one until its process says it is deep asleep.
+    moving: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         return f"{'at least ' if self.at_least else ''}{self.count} {self.state}"
@@ -64,7 +67,7 @@ def verdict(deployment: dict[str, Any], goal: Goal, failed_before: set[str]) -> 
             message += f"\nthe portal tries again after a backoff: see `gpuportal ls` and `gpuportal events -d {name}`"
         return Verdict("failed", message)
     reached = sum(1 for r in live if r.get("state") == goal.state)
-    in_transit = any(r.get("state") in states.IN_TRANSIT for r in live)
+    in_transit = any(r.get("state") in states.IN_TRANSIT or r.get("state") in goal.moving for r in live)
     enough = reached >= goal.count if goal.at_least else reached == goal.count
     if enough and not in_transit:
         return Verdict("done")

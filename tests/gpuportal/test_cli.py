@@ -224,6 +224,17 @@ def test_beside_a_running_up_the_command_line_finds_the_port_it_chose(tmp_path):
 # -- the command line -------------------------------------------------------------------------
 
 
+def test_a_deep_sleep_that_would_not_wait_for_the_sleep_is_refused_before_anything_is_sent(stub_portal, capsys):
+    code = app.main(
+        ["sleep", "tiny", "--deep", "--no-wait"], env={"GPUPORTAL_URL": stub_portal.url, "GPUPORTAL_TOKEN": "t"}
+    )
+
+    assert code == 1 and stub_portal.paths == []
+    assert capsys.readouterr().err == (
+        "error: sleep: --deep waits for the replicas to sleep before they sleep deeply: drop --no-wait\n"
+    )
+
+
 def test_scale_takes_the_count_as_an_argument_or_as_replicas_but_not_two_different_ones():
     parser = app.build_parser()
 
@@ -353,6 +364,11 @@ def test_a_wait_is_done_when_the_goal_is_reached_and_nothing_is_on_its_way():
     stalled = waiting.verdict(deployment(replica("a", "serving"), replica("b", "sleeping")), goal, set())
     assert stalled.outcome == "stalled"
     assert "1 serving, 1 sleeping, wanted 2 serving" in stalled.message
+    # A deep sleep: a sleeper is on its way until its process says it is deep asleep.
+    deeply = waiting.Goal("sleeping", 0, towards="deep_sleeping", moving=frozenset({"sleeping"}))
+    one_to_go = deployment(replica("a", "sleeping"), replica("b", "deep_sleeping"))
+    assert waiting.verdict(one_to_go, deeply, set()).outcome == "waiting"
+    assert waiting.verdict(deployment(replica("a", "deep_sleeping")), deeply, set()).outcome == "done"
     # Scaling down: exactly the goal, the stopping replica still on its way.
     one = waiting.Goal("serving", 1)
     assert waiting.verdict(deployment(replica("a", "serving"), replica("b", "stopping")), one, set()).outcome == (
@@ -709,6 +725,9 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         assert refused.stderr == "error: replicas: at most 32 replicas per deployment (GPUPORTAL_MAX_REPLICAS)\n"
 
         assert cli.ok("sleep", "tiny").splitlines()[-1].startswith("tiny: 2 sleeping (wanted 2)")
+        assert cli.ok("wake", "tiny").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
+        # Deeply: each process exits; the wake starts new ones from the node's shared memory.
+        assert cli.ok("sleep", "tiny", "--deep").splitlines()[-1].startswith("tiny: 2 deep_sleeping (wanted 2)")
         assert cli.ok("wake", "tiny").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
         # With replicas serving, as another user of the host would look: no password on a command
         # line (ps), nothing of the stack's data readable (prompts and answers are in Redis's AOF).
