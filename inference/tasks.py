@@ -162,12 +162,13 @@ def start_replica(payload: dict) -> str:
         log.warning("replica %s starts while %s still hold memory", spec.replica_id, ", ".join(late))
     current = agent.current()
     local = replace(spec, redis_url=settings.REDIS_URL)  # what only this host knows: how it reaches Redis
-    if spec.replica_id in current.supervisor.running() and spec.from_host_copy:
+    running = spec.replica_id in current.supervisor.running()
+    if running and spec.from_host_copy:
         # A deep wake sent again (its report was lost): the process it started says where it is.
         with contextlib.suppress(KeyError, ProcessLookupError):
             current.supervisor.send(spec.replica_id, {"cmd": "resync"})
         return "running"
-    if spec.replica_id in current.supervisor.running():
+    if running:
         current.supervisor.stop(spec.replica_id)  # a restart (e.g. after a CUDA assert): a fresh process
     current.supervisor.start(local, on_event=current.relay)
     return "started"

@@ -52,22 +52,23 @@ def sweep_deep(now: datetime | None = None) -> list[str]:
         .order_by("pk")
         .values_list("pk", "deployment__deep_sleep_after_s")
     )
-    told = []
-    for replica_id, after_s in due:
-        try:
-            if deepen_replica(replica_id, reason=f"asleep longer than sleep.deep_after_s ({after_s:g} s)", now=now):
-                told.append(replica_id)
-        except ServiceError as err:  # one replica's trouble must not keep the others from their sleep
-            log.warning("deep sleep of replica %s: %s", replica_id, err)
-    return told
+    return _deepen_each(
+        [(replica_id, f"asleep longer than sleep.deep_after_s ({after_s:g} s)") for replica_id, after_s in due], now
+    )
 
 
 def deepen_all(replica_ids: list[str], *, reason: str) -> list[str]:
-    """`deepen_replica` for each (those told); one's trouble does not keep the others asleep."""
+    """`deepen_replica` for each (those told)."""
+    return _deepen_each([(replica_id, reason) for replica_id in sorted(replica_ids)], timezone.now())
+
+
+def _deepen_each(asks: list[tuple[str, str]], now: datetime) -> list[str]:
+    """(replica id, reason) each in a transaction of its own; the ids told. One replica's trouble
+    must not keep the others from their sleep."""
     told = []
-    for replica_id in sorted(replica_ids):
+    for replica_id, reason in asks:
         try:
-            if deepen_replica(replica_id, reason=reason):
+            if deepen_replica(replica_id, reason=reason, now=now):
                 told.append(replica_id)
         except ServiceError as err:
             log.warning("deep sleep of replica %s: %s", replica_id, err)
