@@ -42,9 +42,12 @@ from http.client import HTTPException
 from pathlib import Path
 
 import psutil
+import redis
 
 from bench.report import record, table
 from gpuportal.stack import free_port
+from gpuportal.stackenv import read_stack_env
+from gpuportal.wire.requestqueue import REQUEST_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "recovery-bench-password"
@@ -99,6 +102,8 @@ class Seen:
 
     unavailable: int = 0
     refused: int = 0
+    # 504s: the portal could not tell whether a request was accepted (Redis went away mid-submit).
+    unknown: int = 0
     server_errors: list[str] = field(default_factory=list)
 
 
@@ -180,14 +185,19 @@ class Stack:
 
 
 class Clients:
-    """Two clients sending requests back to back; each accepted one is polled until it ends."""
+    """Two clients sending requests back to back, each sent again under its Idempotency-Key until
+    it is accepted; a third that sends no key and never sends again (whose 503s must not run);
+    each accepted request is polled until it ends."""
 
     def __init__(self, stack: Stack, count: int = 2):
         self.stack = stack
         self.sent: list[Sent] = []
         self.seen = Seen()
         self.stopping = threading.Event()
+        # The inputs of the keyless client's requests that were answered 503.
+        self.refused_inputs: list[str] = []
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(count)]
+        self.threads.append(threading.Thread(target=self._client, args=(count, False), daemon=True))
         # An operator's dashboard beside them: it reads the database on every call, where the
         # clients' hot path may not (a cached token, a replica that claims requests in Redis).
         self.threads.append(threading.Thread(target=self._operator, daemon=True))
@@ -199,27 +209,37 @@ class Clients:
         seen, self.seen = self.seen, Seen()
         return seen
 
-    def _client(self, index: int) -> None:
+    def _client(self, index: int, keyed: bool = True) -> None:
         while not self.stopping.is_set():
             sent = Sent(at=time.monotonic())
             self.sent.append(sent)
-            body = {"input": f"client {index} at {sent.at:.3f}", "params": {"max_tokens": 2}, "timeout_s": 2}
-            # Not accepted (a 503, a cut connection): sent again under the same key until it is,
-            # as a client that cannot tell whether it ran must. The key makes that safe.
-            key = uuid.uuid4().hex
+            text = f"{'client' if keyed else 'keyless'} {index} at {sent.at:.3f}"
+            body = {"input": text, "params": {"max_tokens": 2}, "timeout_s": 2}
+            # Not accepted (a 503, a 504, a cut connection): sent again under the same key until
+            # it is, as a client that cannot tell whether it ran must. The key makes that safe.
+            # The keyless client never sends again: its 503s must not have run.
+            key = uuid.uuid4().hex if keyed else None
             answer = None
             while not self.stopping.is_set():
                 tried = time.monotonic()
-                answer = self._try("POST", f"/api/deployments/{NAME}/infer/", body, key=key)
+                code, answer = self._call("POST", f"/api/deployments/{NAME}/infer/", body, key=key)
                 sent.slowest_s = max(sent.slowest_s, time.monotonic() - tried)
                 if answer is not None and answer.get("id"):
+                    break
+                if not keyed:
+                    if code == 503:
+                        self.refused_inputs.append(text)
                     break
                 self.stopping.wait(0.1)  # the server is on its way back
             sent.answered_at = time.monotonic()
             if answer is None or not answer.get("id"):
+                if not keyed:
+                    self.stopping.wait(0.1)
                 continue
             sent.id = answer["id"]
-            while answer.get("status") not in TERMINAL and not self.stopping.is_set():
+            # The keyless client sends on at once, to meet more of each outage: what it had
+            # accepted is polled at the end (`unfinished`).
+            while keyed and answer.get("status") not in TERMINAL and not self.stopping.is_set():
                 self.stopping.wait(0.05)
                 answer = self._try("GET", f"/api/requests/{sent.id}/") or {}
             sent.status = answer.get("status")
@@ -230,18 +250,27 @@ class Clients:
             self._try("GET", f"/api/deployments/{NAME}/")
 
     def _try(self, method: str, path: str, body: dict | None = None, key: str | None = None) -> dict | None:
+        return self._call(method, path, body, key)[1]
+
+    def _call(
+        self, method: str, path: str, body: dict | None = None, key: str | None = None
+    ) -> tuple[int | None, dict | None]:
+        """The status (None for a cut) and the answer, None where nothing was accepted."""
         try:
             code, answer = self.stack.call(method, path, body, key=key)
         except CUT:
             self.seen.refused += 1
-            return None
+            return None, None
         if code == 503 and not answer.get("id"):  # an outage: nothing accepted, try again
             self.seen.unavailable += 1
-            return None
+            return code, None
+        if code == 504 and answer.get("request"):  # Redis went away mid-submit: it may have run
+            self.seen.unknown += 1
+            return code, None
         if code >= 500 and not answer.get("id"):
             self.seen.server_errors.append(f"{method} {path}: {code} {answer}")
-            return None
-        return answer
+            return code, None
+        return code, answer
 
     def slowest_post_s(self, since: float) -> float:
         """The longest one POST of a request still sending after `since` took to come back (a
@@ -259,21 +288,28 @@ class Clients:
             thread.join(timeout)
 
     def run_twice(self) -> list[str]:
-        """Requests the portal holds that no client knows of: one accepted while its client met a
-        503 or a cut, and then sent again. Each client request, sent again under its key, must be
-        the one the portal runs."""
+        """Requests of the keyed clients the portal holds that no client knows of: one accepted
+        while its client met a 503, a 504 or a cut, and then sent again. Each client request, sent
+        again under its key, must be the one the portal runs."""
         known = {sent.id for sent in list(self.sent) if sent.id}
-        held: set[str] = set()
-        page = 1
-        while True:
-            code, body = self.stack.call("GET", f"/api/requests/?deployment={NAME}&page_size=1000&page={page}")
-            if code != 200:
-                break
-            held |= {request["id"] for request in body.get("results", [])}
-            if not body.get("next"):
-                break
-            page += 1
-        return sorted(held - known)
+        return sorted(id for id, text in self.held().items() if id not in known and text.startswith("client "))
+
+    def ran_after_503(self) -> list[str]:
+        """The keyless client's requests answered 503 that the portal holds all the same: a 503
+        must mean "not run"."""
+        return sorted(set(self.held().values()) & set(self.refused_inputs))
+
+    def held(self) -> dict[str, str]:
+        """{id: input} of every request the portal holds, read from its Redis: the API does not
+        show a request's input."""
+        env = read_stack_env(self.stack.data_dir / "stack.env")
+        client = redis.Redis.from_url(env["REDIS_URL"])
+        held = {}
+        for key in client.scan_iter(f"{REQUEST_PREFIX}*", count=1000):
+            raw = client.hget(key, "input")
+            if raw is not None:
+                held[key.decode().removeprefix(REQUEST_PREFIX)] = json.loads(raw)
+        return held
 
     def unfinished(self) -> list[Sent]:
         """Accepted requests that did not end done: polled again now that nothing is killed."""
@@ -482,6 +518,10 @@ class Outcome:
     crash_loop: CrashLoop | None = None
     # Client requests the portal holds more than one of (sent again under their key).
     run_twice: list[str] = field(default_factory=list)
+    # The keyless client's requests answered 503 that the portal holds anyway, and how many 503s
+    # it met in all.
+    ran_after_503: list[str] = field(default_factory=list)
+    keyless_503s: int = 0
     # Events of the run: nodes written off (node.offline) and stalls the control plane saw.
     written_off: list[str] = field(default_factory=list)
     stalls_seen: int = 0
@@ -497,6 +537,7 @@ def run(
     stalled: list[Stall] = []
     looped: CrashLoop | None = None
     twice: list[str] = []
+    after_503: list[str] = []
     written_off: list[str] = []
     seen = 0
     lost: list[Sent] = []
@@ -514,6 +555,7 @@ def run(
         pids.append(wait_for(lambda: serving_pids(stack), 60, "a serving replica after the kills"))  # type: ignore[arg-type]
         lost = clients.unfinished()
         twice = clients.run_twice()
+        after_503 = clients.ran_after_503()
         written_off = [e["reason"] for e in stack.call("GET", "/api/events/?kind=node.offline")[1].get("results", [])]
         seen = stalls_seen(stack)
         # Each restart's Event is written by a process of its own: give the last one its moment.
@@ -530,7 +572,8 @@ def run(
         code = stack.stop()
     said = [line for _, line in stack.lines]
     return Outcome(recoveries, lost, restarted, code, said, *pids, stalls=stalled, crash_loop=looped,
-                   run_twice=twice, written_off=written_off, stalls_seen=seen)  # fmt: skip
+                   run_twice=twice, written_off=written_off, stalls_seen=seen, ran_after_503=after_503,
+                   keyless_503s=len(clients.refused_inputs) if clients is not None else 0)  # fmt: skip
 
 
 def serving_pids(stack: Stack) -> list[int]:
@@ -561,18 +604,19 @@ def main() -> None:
             outcome = run(list(PROCESSES), model, Path(tmp) / "var")
         for r in outcome.recoveries:
             rows.append([
-                r.process, trial + 1, _ms(r.detected_s), _ms(r.first_answer_s), r.seen.unavailable,
+                r.process, trial + 1, _ms(r.detected_s), _ms(r.first_answer_s), r.seen.unavailable, r.seen.unknown,
                 r.seen.refused, len(r.seen.server_errors), r.lost, "yes" if r.process in outcome.restarted else "no",
             ])  # fmt: skip
         print(
-            f"trial {trial + 1}: up exited {outcome.exit_code}, {len(outcome.lost)} accepted request(s) lost",
+            f"trial {trial + 1}: up exited {outcome.exit_code}, {len(outcome.lost)} accepted request(s) lost, "
+            f"{len(outcome.ran_after_503)} of the keyless client's {outcome.keyless_503s} 503s run",
             file=sys.stderr,
         )
         for stall in outcome.stalls:
             stall_rows.append([
                 stall.process, trial + 1, f"{STALL_S:g} s", _ms(stall.slowest_post_s), _ms(stall.first_answer_s),
                 _ms(stall.judged_s),
-                stall.seen.unavailable,
+                stall.seen.unavailable, stall.seen.unknown,
                 stall.seen.refused, len(stall.seen.server_errors), len(outcome.written_off),
                 "yes" if outcome.pids_after == outcome.pids_before else "no",
             ])  # fmt: skip
@@ -582,9 +626,9 @@ def main() -> None:
                 loop.process, trial + 1, loop.kills, loop.named_down, "yes" if loop.whole_after else "no",
                 loop.seen.unavailable, loop.seen.refused, len(loop.seen.server_errors), outcome.exit_code,
             ])  # fmt: skip
-    headers = ["SIGKILL of", "trial", "detected", "first answer", "503s", "refused", "5xx", "lost", "Event"]
+    headers = ["SIGKILL of", "trial", "detected", "first answer", "503s", "504s", "refused", "5xx", "lost", "Event"]
     stall_headers = ["SIGSTOP of", "trial", "for", "slowest POST", "first answer after", "stall seen after",
-                     "503s", "refused", "5xx", "nodes written off", "same replica"]  # fmt: skip
+                     "503s", "504s", "refused", "5xx", "nodes written off", "same replica"]  # fmt: skip
     loop_headers = ["crash loop of", "trial", "kills", "named by /readyz", "whole after", "503s", "refused", "5xx",
                     "up's exit code"]  # fmt: skip
     text = "\n\n".join([table(headers, rows), table(stall_headers, stall_rows), table(loop_headers, loop_rows)])
@@ -594,9 +638,11 @@ def main() -> None:
             "recovery",
             "Recovery: each of up's processes SIGKILLed, its servers frozen, beat crash-looping, under two clients",
             "`python -m bench.recovery`: one `up` (embedded servers, 1 virtual GPU), a tiny causal LM,\n"
-            "two clients sending requests back to back and polling each accepted one to its end.\n"
+            "two clients sending requests back to back and polling each accepted one to its end, and a third\n"
+            "that sends no Idempotency-Key and never sends again (none of its 503s may run).\n"
             "`detected`: SIGKILL → `up` says so; `first answer`: SIGKILL → the first answer to a request\n"
-            "sent after it; `503s`/`refused`: what the clients met meanwhile; `lost`: accepted requests\n"
+            "sent after it; `503s`/`504s`/`refused`: what the clients met meanwhile (a 504: Redis went away\n"
+            "before it said whether a submit was written, so it may run); `lost`: accepted requests\n"
             "that never ended done; `Event`: the restart is in the trail (`stack.restarted`). Then\n"
             f"PostgreSQL and Redis each frozen (SIGSTOP) for {STALL_S:g} s, beyond the stack's "
             f"{HEARTBEAT_TIMEOUT_S:g} s\nheartbeat timeout; `first answer after`: let go → the first answer to a "
@@ -613,8 +659,10 @@ def main() -> None:
             "A frozen server writes off no node: the heartbeat sweep reads its own gap as the control plane's\n"
             "stall, and the agent's lease in Redis says the node lives (scheduling.core.liveness). While\n"
             "PostgreSQL is frozen, an `/infer/` comes back at once (the caller's token is trusted while it is\n"
-            "read again); the 503s are the operator's reads. While Redis is frozen, a POST waits out the Redis\n"
-            "client's 5 s timeout, answers 503, and is sent again under its Idempotency-Key. Beat killed ten\n"
+            "read again); the 503s are the operator's reads. While Redis is frozen, a POST waits out the web's\n"
+            "5 s Redis timeout and answers 503 (504 where its submit was sent before the freeze), and is sent\n"
+            "again under its Idempotency-Key; a submit Redis runs once it resumes is past its deadline and\n"
+            "writes nothing. Beat killed ten\n"
             "times in a row: named by /readyz after each kill, no request failed, `up` stayed up.",
         )
 

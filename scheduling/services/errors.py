@@ -100,6 +100,28 @@ class Unavailable(ServiceError):
     status = 503
 
 
+class OutcomeUnknown(ServiceError):
+    """Redis went away after a request's submit was sent and before it said whether the request
+    was written (killed or frozen mid-call, and not back in time to look): the request may run,
+    so this is not a 503, which says it was not. A 504 naming the request's id, by which it can be
+    looked up once Redis is back (a 404 if it was never written)."""
+
+    status = 504
+
+    def __init__(self, request_id: str, keyed: bool):
+        self.request_id = request_id
+        again = (
+            "send it again with the same Idempotency-Key: it runs once"
+            if keyed
+            else f"GET /api/requests/{request_id}/ says once Redis is back (404: it was not accepted); "
+            "send an Idempotency-Key to retry such a request safely"
+        )
+        super().__init__(f"Redis stopped answering before it said whether request {request_id} was accepted: {again}")
+
+    def body(self) -> dict:
+        return {"detail": str(self), "request": self.request_id}
+
+
 class KeyReused(ServiceError):
     """An Idempotency-Key sent again with another request than the one first accepted under it:
     a retry must be the same request, and a new request needs a new key (the IETF draft's 422)."""

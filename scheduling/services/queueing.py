@@ -21,9 +21,17 @@ from scheduling.services.errors import InvalidState, NotFound
 log = logging.getLogger(__name__)
 
 
+# No call on the control plane's queue waits longer for Redis: a frozen Redis holds up no web
+# thread past it, so a request's timeout_s is kept whatever Redis does. Longer than a blocking
+# read's slice (BLOCK_SLICE_S), which is cut to fit within it.
+REDIS_TIMEOUT_S = 5.0
+
+
 @cache
 def queue() -> RequestQueue:
-    return RequestQueue.from_url(settings.REDIS_URL)
+    return RequestQueue.from_url(
+        settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+    )
 
 
 def wait(request_id: str, timeout: float) -> Request | None:
@@ -31,8 +39,12 @@ def wait(request_id: str, timeout: float) -> Request | None:
 
 
 def latest(request: Request) -> Request:
-    """The request as it stands now (a waiter's timeout passed): its status may have moved on."""
-    return queue().get(request.id) or request
+    """The request as it stands now (a waiter's timeout passed): its status may have moved on. As
+    it was accepted, when Redis cannot say now: the caller polls it once Redis is back."""
+    try:
+        return queue().get(request.id) or request
+    except redis.RedisError:
+        return request
 
 
 def get(request_id: str, *, user_id: str, staff: bool) -> Request:

@@ -20,11 +20,17 @@ from django.db import InterfaceError, OperationalError, connection
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from gpuportal.wire import states
-from gpuportal.wire.requestqueue import KeyTakenOver, Request, family_of_kind, family_of_loader
+from gpuportal.wire.requestqueue import (
+    KeyTakenOver,
+    Request,
+    family_of_kind,
+    family_of_loader,
+    never_sent,
+)
 from scheduling import hot_sql, ledger, requeststats
 from scheduling.models import GPU, Deployment, Replica
 from scheduling.services import not_found, placing, sleep, user_limits
-from scheduling.services.errors import CannotPlace, InvalidInput, KeyReused, Unavailable
+from scheduling.services.errors import CannotPlace, InvalidInput, KeyReused, OutcomeUnknown, Unavailable
 from scheduling.services.queueing import (
     cancel,
     cancel_unstarted,
@@ -156,20 +162,32 @@ WITHDRAW_FOR_S = 3.0
 
 def _accepted_after_all(request_id: str, err: redis.RedisError, *, keyed: bool) -> Request:
     """Redis failed under a submit: the request may have been written with only the answer lost.
-    A 503 must mean it will not run, so it is withdrawn if it still waits; one a replica has
-    taken already was accepted after all, and is returned (the caller answers with its id). `err`
-    again (a 503) when it was never written, was withdrawn, or Redis stays unreachable; and at
-    once for a request with an Idempotency-Key, which the client sends again safely instead."""
-    if keyed:
+    A 503 must mean it will not run, so `err` (a 503) is raised again only where that is known:
+    - the submit was never sent (no connection);
+    - Redis did not answer it in time (a timeout; one while waiting for its end, after the submit
+      was answered, is no error). Redis was frozen before it ran the submit, and runs it once it
+      resumes, past its deadline, writing nothing (SubmitTooLate where that answer came in time).
+      Only a freeze that fell between running it and answering, microseconds, escapes this;
+    - Redis killed and back within WITHDRAW_FOR_S: the request was never written, or was
+      withdrawn while it still waited. One a replica has taken already was accepted after all,
+      and is returned (the caller answers with its id).
+    Where it cannot be known (Redis killed and not back in time; at once under an
+    Idempotency-Key, whose retry is safe anyway): OutcomeUnknown, a 504 naming the request."""
+    if isinstance(err, redis.TimeoutError) or never_sent(err):
         raise err
+    if keyed:
+        raise OutcomeUnknown(request_id, keyed) from err
     refused = retry_if_exception_type(redis.ConnectionError)
-    for attempt in Retrying(stop=stop_after_delay(WITHDRAW_FOR_S), wait=wait_fixed(0.2), retry=refused, reraise=True):
-        # Refused (Redis starting again) is tried again; a frozen Redis's timeout is not waited
-        # out twice. Either way, raised at the end: still a 503.
-        with attempt:
-            # cancel() is False for one never written too: then `taken` is None as well.
-            withdrawn = queue().cancel(request_id, reason=WITHDRAWN)
-            taken = None if withdrawn else queue().get(request_id)
+    try:
+        for attempt in Retrying(
+            stop=stop_after_delay(WITHDRAW_FOR_S), wait=wait_fixed(0.2), retry=refused, reraise=True
+        ):
+            with attempt:
+                # cancel() is False for one never written too: then `taken` is None as well.
+                withdrawn = queue().cancel(request_id, reason=WITHDRAWN)
+                taken = None if withdrawn else queue().get(request_id)
+    except redis.RedisError:
+        raise OutcomeUnknown(request_id, keyed) from err
     if taken is None or taken.status == "cancelled":
         raise err
     log.info("request %s was accepted after all (Redis: %s): answered with its id", request_id, err)

@@ -24,6 +24,9 @@ def test_a_frozen_server_writes_off_no_node_and_a_crash_looping_beat_stops_nothi
     said = "\n".join(outcome.said[-40:])
     assert outcome.exit_code == 0, said
     assert outcome.lost == [] and outcome.run_twice == [], (outcome.lost, outcome.run_twice)
+    # A Redis frozen mid-submit runs it once it resumes: past its deadline, so a 503 ran nothing.
+    # The keyless client (it never sends again) met 503s while Redis was frozen, and none ran.
+    assert outcome.keyless_503s > 0 and outcome.ran_after_503 == [], outcome.ran_after_503
     assert outcome.pids_before and outcome.pids_after == outcome.pids_before, "the replica lived through it all"
     # A stall of the control plane's own servers is not the death of its node.
     assert [s.process for s in outcome.stalls] == list(STALLS)

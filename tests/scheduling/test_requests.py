@@ -4,6 +4,7 @@ serves the queue here; tests/inference/test_serving.py runs real replica process
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import uuid
 from types import SimpleNamespace
@@ -42,7 +43,7 @@ from scheduling.services.errors import InvalidInput, NotFound
 from scheduling.services.nodes import register_node
 from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
-from tests.support.processes import StandIn
+from tests.support.processes import StandIn, wait_until
 
 MiB = 1024**2
 
@@ -976,16 +977,17 @@ def test_a_key_that_cannot_be_one_is_a_400_naming_the_header_and_queues_nothing(
 @pytest.fixture
 def answer_lost(monkeypatch, rq):
     """Redis runs each submit, then the connection dies before its answer comes back; `then`
-    runs between the two (a replica that takes the request meanwhile)."""
+    runs between the two (a replica that takes the request meanwhile); `error`, what the web
+    meets (a dead Redis's cut connection, by default; a frozen one's timeout)."""
     submit = RequestQueue._submit
-    state = SimpleNamespace(then=lambda request_id: None)
+    state = SimpleNamespace(then=lambda request_id: None, error=redis.ConnectionError("Connection closed by server."))
 
     def lost(self, *args, **kwargs):
         submitted = submit(self, *args, **kwargs)
         if submitted is None:
             return None  # no replica claims to take it now: nothing written, the long way follows
         state.then(submitted[0].id)
-        raise redis.ConnectionError("Connection closed by server.")
+        raise state.error
 
     monkeypatch.setattr(RequestQueue, "_submit", lost)
     return state
@@ -1023,7 +1025,8 @@ def test_a_keyed_submit_whose_answer_was_lost_stays_for_the_retry_under_its_key(
     failed = user_client.post(
         "/api/requests/", {"deployment": "tiny", "input": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="k1"
     )
-    assert failed.status_code == 503
+    # Not a 503: it was written, and runs. Nothing is withdrawn: the retry under the key finds it.
+    assert failed.status_code == 504 and "same Idempotency-Key" in failed.json()["detail"]
     monkeypatch.undo()  # Redis answers again
 
     retry = user_client.post(
@@ -1032,3 +1035,91 @@ def test_a_keyed_submit_whose_answer_was_lost_stays_for_the_retry_under_its_key(
 
     (written,) = written_requests(rq)
     assert retry.status_code == 202 and retry.json()["id"] == written.id and written.status == "queued"
+    assert failed.json()["request"] == written.id
+
+
+def test_a_submit_whose_answer_was_lost_with_redis_not_back_in_time_is_a_504_naming_it_not_a_503(
+    serving_deployment, user_client, rq, answer_lost, monkeypatch
+):
+    monkeypatch.setattr(request_services, "WITHDRAW_FOR_S", 0.3)
+    # Redis stays away for the whole look-up: whether the request was written cannot be known.
+    monkeypatch.setattr(
+        RequestQueue, "cancel", lambda *args, **kwargs: (_ for _ in ()).throw(redis.ConnectionError("refused"))
+    )
+
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "x", "timeout_s": 1}, format="json")
+
+    (written,) = written_requests(rq)
+    assert response.status_code == 504, "it may run: a 503 would say it did not"
+    assert response.json()["request"] == written.id and f"/api/requests/{written.id}/" in response.json()["detail"]
+    assert written.status == "queued"
+
+
+def test_a_submit_redis_runs_past_its_deadline_writes_nothing_and_is_a_503(
+    serving_deployment, user_client, rq, monkeypatch
+):
+    monkeypatch.setattr(RequestQueue, "submit_deadline", lambda self: "1.0")  # long past, on any clock
+
+    response = user_client.post("/api/deployments/tiny/infer/", {"input": "x", "timeout_s": 1}, format="json")
+
+    assert response.status_code == 503 and response.json()["dependency"] == "redis"
+    assert written_requests(rq) == [] and queued_ids(rq) == []
+
+
+@pytest.fixture
+def frozen_redis(tmp_path):
+    """A Redis server of its own, to freeze (SIGSTOP) and let go."""
+    from gpuportal.stack import EmbeddedRedis
+
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", persist=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        server.stop()
+
+
+@pytest.mark.slow  # a Redis server of its own
+def test_a_submit_that_reaches_a_frozen_redis_is_refused_when_it_resumes_so_its_timeout_ran_nothing(frozen_redis):
+    from gpuportal.wire.requestqueue import SubmitTooLate, done_key
+
+    web = RequestQueue.from_url(frozen_redis.url(), socket_timeout=1.0)
+    web.submit_deadline()  # Redis's clock measured while it answers
+    request_id = uuid.uuid4().hex
+    frozen_redis.process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(redis.TimeoutError) as timed_out:
+            web.submit("tiny", kind="generate", input="x", params={}, owner="u", request_id=request_id)
+        assert not isinstance(timed_out.value, SubmitTooLate), "the web gave up before Redis ran it"
+    finally:
+        frozen_redis.process.send_signal(signal.SIGCONT)
+    # Redis runs the submit it held once it resumes: past its deadline, so it says 'refused' where
+    # the answer is waited for, and writes nothing.
+    other = redis.Redis.from_url(frozen_redis.url())
+    assert other.blpop([done_key(request_id)], timeout=30) == (done_key(request_id).encode(), b"refused")
+    assert other.keys(f"{REQUEST_PREFIX}*") == [] and other.llen(queue_key("tiny")) == 0
+
+
+@pytest.mark.slow  # a Redis server of its own
+def test_a_request_accepted_before_redis_froze_comes_back_accepted_not_as_an_error(frozen_redis):
+    web = RequestQueue.from_url(frozen_redis.url(), socket_timeout=1.0)
+    other = redis.Redis.from_url(frozen_redis.url())
+    outcome: list = []
+    waiting = threading.Thread(
+        target=lambda: outcome.append(
+            web.submit_and_wait("tiny", kind="generate", input="x", params={}, owner="u", timeout=30)
+        )
+    )
+    waiting.start()
+    # Frozen once the submit is written, while the web waits for the request's end.
+    wait_until(lambda: other.llen(queue_key("tiny")) == 1, 30, "the submit to be written")
+    frozen_redis.process.send_signal(signal.SIGSTOP)
+    try:
+        waiting.join(60)
+    finally:
+        frozen_redis.process.send_signal(signal.SIGCONT)
+
+    ((request, final),) = outcome
+    assert final is None and request.status == "queued", "accepted: its end is polled once Redis is back"
+    assert other.lrange(queue_key("tiny"), 0, -1) == [request.id.encode()]

@@ -56,8 +56,9 @@ class QueueBase:
         self._announce = client.register_script(_ANNOUNCE)
 
     @classmethod
-    def from_url(cls, url: str) -> Self:
-        return cls(redis.Redis.from_url(url, health_check_interval=30))
+    def from_url(cls, url: str, **client: Any) -> Self:
+        """A queue on its own client; `client`: redis-py's options (a socket timeout, say)."""
+        return cls(redis.Redis.from_url(url, health_check_interval=30, **client))
 
     @staticmethod
     def _mark_restart(pipe: redis.client.Pipeline, request: Request) -> None:

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 TTL_S = 24 * 3600
 FINAL = ("done", "failed", "cancelled")
 STREAM_END = "\x00end"
@@ -143,6 +145,18 @@ class NodeWrittenOff(Fenced):
     gpuportal.wire.node_lease): the write was refused, and the replica must stop."""
 
 
+class SubmitTooLate(redis.TimeoutError):
+    """Redis ran a submit past the deadline its web gave it (it was frozen meanwhile): nothing
+    was queued. A timeout like any other to the caller (a 503, safe to send again)."""
+
+
+def never_sent(err: redis.RedisError) -> bool:
+    """Whether redis-py raised `err` before the command left this process: the connection was
+    refused or timed out as it was being made (redis-py says "connecting to" then). Any other
+    error may have come after Redis ran the command."""
+    return isinstance(err.__context__, ConnectionRefusedError) or "connecting to" in str(err)
+
+
 class KeyTakenOver(Exception):
     """A submit under an Idempotency-Key that a retry took over before this request was written:
     nothing was queued. `first` is the request the key names now."""
@@ -245,18 +259,28 @@ return 1
 # written): a claim whose request was not written yet is taken over by a retry
 # (_CLAIM_IDEMPOTENCY_KEY), and the first submit, only slow (its client gave up while the database
 # admitted it), must then not queue a second copy beside the retry's.
+#
+# Only before its deadline (ARGV[7], on Redis's clock; '' for none), else -3 and nothing written: a
+# Redis frozen (SIGSTOP, a stalled disk) runs the commands it received once it resumes, by when
+# the web may have given up on the answer and said 503, which must mean "not run".
 # KEYS: live set, request, queue, done, count, the owner's index, everyone's index, the
 # Idempotency-Key's (or any key). ARGV: request id, ttl, count ttl or '', created at, whether to
-# ask gp:live, whether the key must name it, then the request's field/value pairs.
+# ask gp:live, whether the key must name it, the deadline, then the request's field/value pairs.
 _SUBMIT = """
+local t = redis.call('TIME')
+local at = tonumber(t[1]) + tonumber(t[2]) / 1000000
+if ARGV[7] ~= '' and at > tonumber(ARGV[7]) then
+  redis.call('RPUSH', KEYS[4], 'refused')
+  redis.call('EXPIRE', KEYS[4], 60)
+  return -3
+end
 if ARGV[6] == '1' and redis.call('GET', KEYS[8]) ~= ARGV[1] then
   redis.call('RPUSH', KEYS[4], 'refused')
   redis.call('EXPIRE', KEYS[4], 60)
   return -1
 end
 if ARGV[5] == '1' then
-  local t = redis.call('TIME')
-  if redis.call('ZCOUNT', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, '+inf') == 0 then
+  if redis.call('ZCOUNT', KEYS[1], at, '+inf') == 0 then
     redis.call('RPUSH', KEYS[4], 'refused')
     redis.call('EXPIRE', KEYS[4], 60)
     return 0
@@ -266,7 +290,7 @@ else
   -- read waits: it is not this request's end.
   redis.call('DEL', KEYS[4])
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 7))
+redis.call('HSET', KEYS[2], unpack(ARGV, 8))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 if ARGV[3] ~= '' then
   redis.call('INCR', KEYS[5])

@@ -8,6 +8,8 @@ import time
 import uuid
 from typing import Any
 
+import redis
+
 from gpuportal.wire.requestqueue._base import QueueBase
 from gpuportal.wire.requestqueue.protocol import (
     _CLAIM_IDEMPOTENCY_KEY,
@@ -18,6 +20,7 @@ from gpuportal.wire.requestqueue.protocol import (
     TTL_S,
     KeyTakenOver,
     Request,
+    SubmitTooLate,
     done_key,
     family_of_kind,
     idempotency_key,
@@ -33,10 +36,36 @@ from gpuportal.wire.requestqueue.protocol import (
 # Redis reads a BLPOP timeout of 0 as for ever: a deadline all but reached still waits this long
 # (and a wait is sliced as RequestQueue.wait's is: within the client's socket timeout).
 BELL_MIN_WAIT_S = 0.01
+# How often the web measures again how far Redis's clock is from its own (a submit's deadline is
+# given on Redis's clock, so that a skew between hosts cannot refuse every submit).
+CLOCK_CHECK_S = 300.0
 
 
 class Submitting(QueueBase):
     # -- the web side --------------------------------------------------------------------------
+
+    # Redis's clock less this process's, and when that was measured (time.monotonic()).
+    _clock: tuple[float, float] | None = None
+
+    def submit_deadline(self) -> str:
+        """When Redis must have run a submit sent now, on Redis's clock, or '' for none: half the
+        client's socket timeout from now, so that a submit Redis runs late (it was frozen) is
+        refused before the web can have given up on it and said 503. A client with no socket
+        timeout waits for the answer however late, and needs none."""
+        timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if not timeout:
+            return ""
+        return repr(time.time() + self._clock_offset() + timeout / 2)
+
+    def _clock_offset(self) -> float:
+        measured = self._clock
+        if measured is None or time.monotonic() - measured[1] > CLOCK_CHECK_S:
+            before = time.time()
+            seconds, micros = self.redis.time()
+            # The middle of the round trip: off by half of it at most, far below the deadline.
+            offset = seconds + micros / 1e6 - (before + time.time()) / 2
+            self._clock = measured = (offset, time.monotonic())
+        return measured[0]
 
     def claim_idempotency_key(self, owner: str, key: str, request_id: str) -> str:
         """The id of the request `owner` first sent under `key` while it is kept (TTL_S), or
@@ -102,7 +131,12 @@ class Submitting(QueueBase):
             return None
         request, final = submitted
         if final is None and (left := deadline - time.monotonic()) > 0:
-            final = self._wait_final(request.id, left)
+            try:
+                final = self._wait_final(request.id, left)
+            except redis.RedisError:
+                # Accepted already: the caller answers with its id, to be polled once Redis is
+                # back, rather than with an outage that would say it was not run.
+                return request, None
         return request, final
 
     def _submit(
@@ -143,30 +177,58 @@ class Submitting(QueueBase):
             "attempts": 0,
             "created_at": request.created_at,
         }
-        with self.redis.pipeline(transaction=False) as pipe:
-            keys = [
-                live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
-                count_in[0] if count_in is not None else key, *index_keys(owner),
-                idempotency_key(*under_key) if under_key is not None else key,
-            ]  # fmt: skip
-            count_ttl = count_in[1] if count_in is not None else ""
-            args = [
-                request.id, TTL_S, count_ttl, request.created_at, "1" if if_live else "0",
-                "1" if under_key is not None else "0", *(x for kv in fields.items() for x in kv),
-            ]  # fmt: skip
-            # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
-            # read behind it blocked for nothing. Redis caches the script by its digest anyway.
-            pipe.eval(_SUBMIT, len(keys), *keys, *args)
-            if wait_s > 0:
-                self._block_for_end(pipe, request.id, wait_s)
-            replies = pipe.execute()
+        keys = [
+            live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
+            count_in[0] if count_in is not None else key, *index_keys(owner),
+            idempotency_key(*under_key) if under_key is not None else key,
+        ]  # fmt: skip
+        count_ttl = count_in[1] if count_in is not None else ""
+        args = [
+            request.id, TTL_S, count_ttl, request.created_at, "1" if if_live else "0",
+            "1" if under_key is not None else "0", self.submit_deadline(),
+            *(x for kv in fields.items() for x in kv),
+        ]  # fmt: skip
+        # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
+        # read behind it blocked for nothing. Redis caches the script by its digest anyway.
+        commands: list[tuple[Any, ...]] = [("EVAL", _SUBMIT, len(keys), *keys, *args)]
+        if wait_s > 0:
+            end = done_key(request.id)
+            commands.append(("BLMOVE", end, end, max(0.01, min(wait_s, BLOCK_SLICE_S)), "RIGHT", "LEFT"))
+        replies = self._submit_round_trip(commands)
+        if replies[0] == -3:
+            raise SubmitTooLate(f"Redis ran the submit of request {request.id} after its deadline: nothing was queued")
         if replies[0] == -1:
             first = self.redis.get(keys[-1]) or b""
             raise KeyTakenOver(first.decode() if isinstance(first, bytes) else str(first))
         if if_live and not replies[0]:
             return None
-        final = self._final(request.id, replies[-1]) if wait_s > 0 else None
+        final = self._final(request.id, replies[1]) if wait_s > 0 else None
         return request, final
+
+    def _submit_round_trip(self, commands: list[tuple[Any, ...]]) -> tuple[Any, Any]:
+        """The submit's reply, and the blocking read's behind it (None without one), in one round
+        trip, each read on its own: a Redis that stops answering (killed, frozen) after the
+        submit's reply leaves the read's None, since the request is accepted and its end can be
+        waited for again; one that stops before it raises, so the caller knows which it was. A
+        pipeline would lose the submit's reply with the read's."""
+        pool = self.redis.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(connection.pack_commands(commands))
+            submitted = connection.read_response()
+            if len(commands) == 1:
+                return submitted, None
+            try:
+                return submitted, connection.read_response()
+            except redis.RedisError:
+                connection.disconnect()
+                return submitted, None
+        except BaseException:
+            # A reply may still be on its way on this connection: it is never used again.
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
 
     def get(self, request_id: str) -> Request | None:
         raw = self.redis.hgetall(request_key(request_id))
