@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -30,7 +31,11 @@ def read_stack_env(path: Path) -> dict[str, str]:
         if not line or line.startswith("#") or "=" not in line:
             continue
         key, _, value = line.removeprefix("export ").partition("=")
-        values[key.strip()] = value.strip().strip("'\"")
+        try:
+            words = shlex.split(value)  # as the shell that sources the file reads it
+        except ValueError:  # unbalanced quotes: not written by write_stack_env
+            words = [value.strip().strip("'\"")]
+        values[key.strip()] = " ".join(words)
     return values
 
 
@@ -48,9 +53,12 @@ def write_private(path: Path, text: str) -> None:
 
 
 def write_stack_env(path: Path, values: dict[str, str]) -> None:
-    """Only its owner may read it: the URLs carry the servers' passwords."""
+    """Only its owner may read it: the URLs carry the servers' passwords. Each value is quoted for
+    the shell where it needs it: a URL with TLS parameters (`?sslmode=...&sslrootcert=...`) holds
+    `&`, which a shell that sources the file would take for the end of a command, run in the
+    background, and the variable would never be set."""
     lines = ["# Written by `manage.py up`: the servers of the running stack."]
-    lines += [f"export {key}={value}" for key, value in values.items()]
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in values.items()]
     write_private(path, "\n".join(lines) + "\n")
 
 
