@@ -18,8 +18,8 @@ from gpuportal.wire import memory
 from scheduling import locks
 from scheduling.core import effects
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
-from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
-from scheduling.services import deployments, host_cache, outbox, preemption, queueing, replicas, sleep
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Occupant, Replica
+from scheduling.services import deep_sleep, deployments, host_cache, outbox, preemption, queueing, replicas, sleep
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         {int(index): bytes_ for index, bytes_ in residual.items() if bytes_ > 0},
         reason=f"asleep in the CPU cache, still holding {memory.human_bytes(held)} on its GPU(s)",
     )
+    booked = dict(Occupant.objects.filter(replica_id=replica.id).values_list("gpu__index", "reserved_bytes"))
     replica.gpu_mem_bytes_by_id = {k: v for k, v in residual.items() if v > 0}
     replica.gpu_memory_fraction = None
     replica.serving_since = None
@@ -176,6 +177,14 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         + (f" until it sleeps deeply in {deep_after:g} s (sleep.deep_after_s)" if deep_after > 0 else ""),
         extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since", "asleep_since"],
     )
+    if replica.node is not None and any(booked.get(int(k), 0) < v for k, v in residual.items() if v > 0):
+        # Its room went to another replica while it fell asleep (an eviction: placement freed its
+        # whole reservation), yet its process still holds its CUDA context there: only exiting
+        # gives that back, so it sleeps deeply now rather than whenever its setting says.
+        deep_sleep.tell(
+            replica, "its GPU's room went to another replica while it fell asleep (an eviction), and its CUDA "
+            "context still held there comes back only when its process exits",
+        )  # fmt: skip
     # A request accepted while this replica still served (so it woke nothing), or one its drain
     # handed back, waits with nothing awake to take it: the last replica to fall asleep wakes
     # the deployment again, as the next request would have.

@@ -20,7 +20,7 @@ from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replic
 from scheduling.services import deep_sleep, host_cache, nodes, replica_specs, reports, sleep
 from scheduling.services import replicas as replicas_services
 from scheduling.services.nodes import register_node
-from tests.support.deployments import START, STOP, MiB, body, deploy_serving, invariant_holds, reserved
+from tests.support.deployments import START, STOP, MiB, body, deploy_serving, invariant_holds, reserved, serve
 from tests.support.factories import NO_OVERHEAD
 
 DEEPEN = "inference.tasks.replica_deepen"
@@ -218,6 +218,49 @@ def test_a_placement_that_evicts_a_sleeper_has_it_sleep_deeply_since_only_that_g
     assert "evicted to make room" in event.reason
     deep(sleeper)
     assert Replica.objects.get(pk=sleeper).state == "deep_sleeping" and invariant_holds()
+
+
+def test_a_serving_replica_evicted_for_room_sleeps_deeply_once_asleep_since_its_room_went_to_another(
+    db, dispatched, django_capture_on_commit_callbacks, api, tiny_model_dir
+):
+    node = register_node("solo", virtual_gpus("solo", "1x1GiB", NO_OVERHEAD), virtual=True)
+    api("post", "/api/deployments/", body("small", tiny_model_dir, memory={"override_bytes": 600 * MiB}))
+    (victim,) = Replica.objects.values_list("id", flat=True)
+    serve(victim)
+    Replica.objects.update(serving_since=timezone.now() - timedelta(minutes=5))
+    assert (
+        api("post", "/api/deployments/", body("big", tiny_model_dir, memory={"override_bytes": 900 * MiB})).status_code
+        == 201
+    )
+    assert Replica.objects.get(pk=victim).state == "draining"
+    dispatched.clear()
+
+    # Its weights are in CPU RAM, and its process still holds 200 MiB of CUDA context on the GPU
+    # whose room placement gave to `big` (124 MiB are left there).
+    with django_capture_on_commit_callbacks(execute=True):
+        asleep(victim, context=200 * MiB)
+
+    assert dispatched == [(node.queue, DEEPEN, [victim])], "only its process's exit gives the context back"
+    event = Event.objects.get(replica=victim, reason__startswith=deep_sleep.DEEPENING)
+    assert "room went to another replica" in event.reason
+    assert reserved(victim) == 124 * MiB and invariant_holds(), "no more than is free is booked meanwhile"
+    deep(victim)
+    assert Replica.objects.get(pk=victim).state == "deep_sleeping" and reserved(victim) == 0
+
+
+def test_a_sleeper_whose_context_fits_stays_asleep_in_its_process(
+    db, dispatched, django_capture_on_commit_callbacks, api, tiny_model_dir
+):
+    register_node("solo", virtual_gpus("solo", "1x1GiB", NO_OVERHEAD), virtual=True)
+    (replica_id,) = deploy_serving(api, tiny_model_dir, "small")
+    sleep.sleep_replica(replica_id, reason="idle")
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        asleep(replica_id, context=200 * MiB)
+
+    assert dispatched == [] and reserved(replica_id) == 200 * MiB
+    assert Replica.objects.get(pk=replica_id).state == "sleeping"
 
 
 def test_deleting_a_deployment_sends_its_deep_sleepers_node_the_stop_that_deletes_the_copy(
