@@ -21,6 +21,9 @@ class HardwareConfig:
     hbm_tb_per_s: float
     prefill_tflops: float
     cuda_context_mib: int
+    # What a wake from deep sleep adds to a wake from the first level: a new process, its imports
+    # and its CUDA context, before the weights cross the bus.
+    process_start_s: float = 0.0
 
 
 @functools.cache
@@ -37,3 +40,9 @@ def disk_load_s(weight_bytes: int, hardware: HardwareConfig, measured: float | N
 def ram_wake_s(weight_bytes: int, hardware: HardwareConfig, measured: float | None = None) -> float:
     """A wake from host memory: measured where known, else the weights at host-to-device speed."""
     return measured if measured is not None else weight_bytes / (hardware.h2d_gb_per_s * 1e9)
+
+
+def deep_wake_s(weight_bytes: int, hardware: HardwareConfig, measured: float | None = None) -> float:
+    """A wake from deep sleep: a process started, then the weights from the node's host copy as a
+    first-level wake copies them."""
+    return hardware.process_start_s + ram_wake_s(weight_bytes, hardware, measured)

@@ -12,13 +12,23 @@ from typing import Any
 
 import redis
 from django.conf import settings
+from django.db.models import F
 from django.utils import timezone
 
 from gpuportal.wire import memory
 from scheduling import locks
 from scheduling.core import effects
 from scheduling.metrics import SLEEP_SECONDS, WAKE_SECONDS
-from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Occupant, Replica
+from scheduling.models import (
+    ACTIVE_INTENT_STATUSES,
+    GPU,
+    Deployment,
+    DeploymentObserved,
+    Event,
+    Occupant,
+    PreemptionIntent,
+    Replica,
+)
 from scheduling.services import deep_sleep, deployments, host_cache, outbox, preemption, queueing, replicas, sleep
 
 log = logging.getLogger(__name__)
@@ -138,6 +148,33 @@ def _arena(replica: Replica, event: dict[str, Any]) -> None:
         host_cache.note_kept(replica, kept)
 
 
+def _why_deeply(replica: Replica, residual: dict[str, int], booked: dict[int, int]) -> str | None:
+    """Why a replica just asleep must sleep deeply at once, if it must: the room its context holds
+    went to another replica while it fell asleep (an eviction: placement freed its whole
+    reservation), or a wake waits on one of its GPUs for more room than is left there beside that
+    context (it was preempted for that wake)."""
+    held = {int(k) for k, v in residual.items() if v > 0}
+    if any(booked.get(index, 0) < residual[str(index)] for index in held):
+        return (
+            "its GPU's room went to another replica while it fell asleep (an eviction), and its CUDA context "
+            "still held there comes back only when its process exits"
+        )
+    waiting = (
+        PreemptionIntent.objects.filter(
+            gpu__node_id=replica.node_id,
+            gpu__index__in=held,
+            status__in=ACTIVE_INTENT_STATUSES,
+            needed_bytes__gt=F("gpu__available_bytes"),
+        )
+        .exclude(waiting_replica_id=replica.id)
+        .values_list("waiting_replica_id", flat=True)
+        .first()
+    )
+    if waiting is not None:
+        return f"a wake ({waiting[:8]}) waits on its GPU for more room than its CUDA context leaves there"
+    return None
+
+
 def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state in (Replica.State.SLEEPING, Replica.State.STOPPED, Replica.State.FAILED):
         # Said again (an adopting agent's resync), or too late: the books hold it already, and a
@@ -177,14 +214,11 @@ def _sleeping(replica: Replica, event: dict[str, Any]) -> None:
         + (f" until it sleeps deeply in {deep_after:g} s (sleep.deep_after_s)" if deep_after > 0 else ""),
         extra=["gpu_mem_bytes_by_id", "gpu_memory_fraction", "serving_since", "asleep_since"],
     )
-    if replica.node is not None and any(booked.get(int(k), 0) < v for k, v in residual.items() if v > 0):
-        # Its room went to another replica while it fell asleep (an eviction: placement freed its
-        # whole reservation), yet its process still holds its CUDA context there: only exiting
-        # gives that back, so it sleeps deeply now rather than whenever its setting says.
-        deep_sleep.tell(
-            replica, "its GPU's room went to another replica while it fell asleep (an eviction), and its CUDA "
-            "context still held there comes back only when its process exits",
-        )  # fmt: skip
+    why_deeply = _why_deeply(replica, residual, booked)
+    if replica.node is not None and why_deeply:
+        # Its process still holds its CUDA context there, and only its exit gives that back: it
+        # sleeps deeply now rather than whenever its setting says.
+        deep_sleep.tell(replica, why_deeply)
     # A request accepted while this replica still served (so it woke nothing), or one its drain
     # handed back, waits with nothing awake to take it: the last replica to fall asleep wakes
     # the deployment again, as the next request would have.

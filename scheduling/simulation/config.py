@@ -55,6 +55,7 @@ class ServingConfig:
     drain_timeout_s: float
     retry_s: float
     grace_s: float
+    deep_after_s: float = 0.0
 
 
 @dataclass(frozen=True)

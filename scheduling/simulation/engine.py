@@ -15,10 +15,15 @@ services build one from the ledger. Simulated replicas:
   serves (a device-to-host copy's time), so a sleep frees at once, or once that copy is done;
 - a request takes a batch slot for prefill (2 × params × prompt tokens / FLOPS) plus one HBM pass over
   the weights per output token (decoding is memory bound); time to first token = wait + prefill;
-- a sleeping replica keeps its weights in its node's CPU RAM (assumed large enough) and holds no GPU
-  memory, as the product's deep sleeper does (`deep_sleeping`), so it is not an occupant but a
-  `CachedReplica`; its wake costs the weights at host-to-device speed. The product's first level of
-  sleep, whose process keeps its CUDA context on the GPU, is not modelled apart yet.
+- a sleeping replica keeps its weights in its node's CPU RAM (assumed large enough), and sleeps at
+  two levels, as the product's do. Asleep in its process (`sleeping`) it keeps its CUDA context
+  (`cuda_context_mib`) on each of its GPUs, an occupant there; its wake costs the weights at
+  host-to-device speed. Deeply asleep (`deep_sleeping`: past `deep_after_s`, evicted by a
+  placement, or told to by a fair wake that needs the room its context holds, the longest unused
+  first: fairness.as_if_deep_asleep and sleepers_to_deepen) it holds nothing on any GPU, and its
+  wake starts a process first (`process_start_s`). A serving replica evicted by a placement sleeps
+  deeply at once: its room went to the replica placed. Either way it is a `CachedReplica` of its
+  node to placement;
 
 Every change of reservations is checked against every GPU's total (invariant 1 of docs/architecture.md): an
 over-commit raises `OverCommit` at the simulated instant it would happen.
@@ -36,7 +41,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gpuportal.wire.states import ReplicaState as S
-from scheduling.core import fairness, planning
+from scheduling.core import costs, fairness, planning
 from scheduling.core.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
 from scheduling.core.state import GPUView, OccupantView, Snapshot
 from scheduling.simulation.config import Config
@@ -44,6 +49,7 @@ from scheduling.simulation.policies import SimPolicy
 from scheduling.simulation.trace import Deployment, Request, Trace
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+MiB = 1024**2
 LOADING, SERVING, DRAINING, SLEEPING, STOPPED = S.LOADING, S.SERVING, S.DRAINING, S.SLEEPING, S.STOPPED
 MAX_BACKOFF_DOUBLINGS = 4
 # Far more events at one simulated instant than any real burst makes: two policies' decisions undoing each other.
@@ -94,6 +100,11 @@ class SimReplica:
     # When its host memory holds a whole copy of its weights (SimPolicy.sleep_from_kept_copy): the
     # end of the wake that kept it, or a copy's time after a load from disk; None: never.
     kept_copy_s: float | None = None
+    # Asleep with no process (deep sleep): nothing on any GPU, and its wake starts a process first.
+    deep: bool = False
+    # Told to sleep deeply and not there yet (its process writing its host copy, then exiting).
+    deepening: bool = False
+    asleep_token: int = 0
 
 
 @dataclass
@@ -146,6 +157,8 @@ class Counters:
     wakes_by_deployment: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
     idle_sleeps: int = 0
+    deep_sleeps: int = 0
+    deep_wakes: int = 0
     placements: int = 0
     overcommit_checks: int = 0
     memory_byte_s: float = 0.0
@@ -386,13 +399,60 @@ class Simulation:
         if replica.state != DRAINING:
             return  # evicted meanwhile (ndif)
         ds = self.deployments[replica.deployment]
+        held = dict(replica.bytes_by_gpu)
+        gpus = list(held)
         self._release(replica)
         replica.state, replica.serving_since = SLEEPING, None
+        # Asleep in its process: what stays on each of its GPUs is its CUDA context (no more than
+        # it held there: a need measured on a small device may count a smaller one).
+        context = self.hw.cuda_context_mib * MiB if self.policy.two_level_sleep else 0
+        replica.deep, replica.deepening = self.policy.two_level_sleep and not (context and gpus), False
+        if context and gpus:
+            replica.bytes_by_gpu = {g: min(context, held[g]) for g in gpus}
+            self._reserve(replica)
+            replica.asleep_token += 1
+            if self._short_beside(replica, gpus):
+                # Preempted for a wake its context leaves short (replica_reports._why_deeply).
+                self._deepen(replica)
+            elif self.serving.deep_after_s > 0:
+                self._at(self.now + self.serving.deep_after_s, self._deep_check, replica, replica.asleep_token)
         if ds.active is replica:
             ds.active = None
         ds.cached[replica.node] = replica
         self._memory_freed()
         self._dispatch(ds)
+
+    def _short_beside(self, replica: SimReplica, gpus: Iterable[int]) -> bool:
+        """Whether a wake waits on one of these GPUs for more room than is left beside `replica`."""
+        waiters = [ds.waiter for ds in self.deployments.values() if ds.waiter and ds.waiter.replica_id != replica.id]
+        return any(
+            w.needed_bytes_by_gpu.get(g, 0) > self.gpus[g].total_bytes - self.gpus[g].reserved_bytes
+            for w in waiters
+            for g in gpus
+        )
+
+    def _deep_check(self, replica: SimReplica, token: int) -> None:
+        if replica.state == SLEEPING and replica.asleep_token == token:
+            self._deepen(replica)
+
+    def _deepen(self, replica: SimReplica) -> None:
+        """Told to sleep deeply: its process writes its weights to its node's host copy (a host
+        memory copy, counted at the device-to-host rate) and exits, giving back its context."""
+        if replica.state != SLEEPING or replica.deep or replica.deepening:
+            return
+        replica.deepening = True
+        self._at(self.now + self._copy_out_s(self.deployments[replica.deployment].spec), self._deepened, replica)
+
+    def _deepened(self, replica: SimReplica) -> None:
+        if replica.state != SLEEPING or not replica.deepening:
+            return  # woken meanwhile
+        self._fall_deep(replica)
+        self._memory_freed()
+
+    def _fall_deep(self, replica: SimReplica) -> None:
+        self._release(replica)
+        replica.deep, replica.deepening = True, False
+        self.counters.deep_sleeps += 1
 
     # --- wake ------------------------------------------------------------------------------
 
@@ -462,7 +522,9 @@ class Simulation:
         """fairness.choose_target over the GPUs the waker may use: those of the nodes holding a
         sleeping replica of it (a wake from CPU RAM), else every node (a new replica)."""
         tickets = [(c.replica_id, True, c.node) for c in request.cached] or [(request.replica_id, False, None)]
-        snapshot = self._snapshot(ds)
+        # Chosen on the GPUs as they will be once their sleepers sleep deeply (they are told to
+        # as the wait begins): a GPU whose sleepers hold the room costs no one's preemption.
+        snapshot = fairness.as_if_deep_asleep(self._snapshot(ds), keep={t[0] for t in tickets})
         best: tuple[fairness.Target, str, bool] | None = None
         for replica_id, promoted, node in tickets:
             gpus = [g for g in snapshot.gpus.values() if node is None or g.node == node]
@@ -504,6 +566,11 @@ class Simulation:
     ) -> None:
         for gpu_id in bytes_by_gpu:
             self.gpus[gpu_id].lock_holder = waker
+        # The sleepers whose contexts stand in its way sleep deeply at once, before anyone serving
+        # is preempted (services.preemption, as fairness.sleepers_to_deepen chooses them).
+        views = [self._view(self.gpus[gpu_id]) for gpu_id in sorted(bytes_by_gpu)]
+        for replica_id in fairness.sleepers_to_deepen(views, bytes_by_gpu, waiting_replica_id=waker):
+            self._deepen(self.replicas[replica_id])
         max_wait = self._setting(ds.spec.max_wait_s, self.serving.max_wait_s)
         deadline = fairness.wait_deadline(self._dt(self.now), max_wait)
         ds.waiter = Waiter(waker, promoted, bytes_by_gpu, (deadline - EPOCH).total_seconds())
@@ -546,7 +613,9 @@ class Simulation:
         if self._try_waiter(ds):
             return
         ids = sorted(waiter.needed_bytes_by_gpu)
-        views = list(self._snapshot(ds, holder=waiter.replica_id, only=ids, withhold=False).gpus.values())
+        snapshot = self._snapshot(ds, holder=waiter.replica_id, only=ids, withhold=False)
+        # Its GPUs' sleepers were told to sleep deeply as it began to wait: leaving, not victims.
+        views = list(fairness.as_if_deep_asleep(snapshot, keep={waiter.replica_id}).gpus.values())
         choice = fairness.choose_victim(
             views,
             waiting_replica_id=waiter.replica_id,
@@ -605,7 +674,14 @@ class Simulation:
         if placement.promoted:
             replica = self.replicas[placement.promoted]
             del ds.cached[replica.node]
+            # Its context, where it kept one, is the residual placement counted: replaced by its need.
+            self._release(replica)
             load, replica.loaded_by = self.wake_s(ds.spec), "wake"
+            if replica.deep:
+                load = costs.deep_wake_s(ds.spec.weight_bytes, self.hw, ds.spec.wake_s)
+                self.counters.deep_wakes += 1
+            replica.deep = replica.deepening = False
+            replica.asleep_token += 1
             self.counters.wakes += 1
             self.counters.wakes_by_deployment[name] = self.counters.wakes_by_deployment.get(name, 0) + 1
         else:
@@ -624,8 +700,13 @@ class Simulation:
         self._at(self.now + delay + load, self._loaded, replica)
 
     def _evict(self, victim: SimReplica) -> float:
-        """Seed 000's eviction (to_cache): returns how long moving its weights out takes."""
+        """Seed 000's eviction (to_cache): returns how long moving its weights out takes. A sleeper
+        evicted sleeps deeply (only its process's exit gives its context back); a serving one
+        sleeps deeply too, its room given to the replica placed."""
         ds = self.deployments[victim.deployment]
+        if victim.state == SLEEPING:  # only a two-level sleeper is an occupant asleep
+            self._fall_deep(victim)
+            return 0.0
         self.counters.preemptions += 1
         for request in list(victim.in_flight.values()):
             self._cancel(victim, request, "cancelled by an eviction")
@@ -637,7 +718,8 @@ class Simulation:
         if victim.loading_from_disk:
             victim.state = STOPPED
         else:
-            victim.state = SLEEPING
+            victim.state, victim.deep = SLEEPING, self.policy.two_level_sleep
+            self.counters.deep_sleeps += victim.deep
             ds.cached[victim.node] = victim
         self._at(self.now, self._dispatch, ds)
         return self._copy_out_s(ds.spec)
@@ -692,7 +774,8 @@ class Simulation:
             if isinstance(result, CantAccommodate):
                 node = self._park_on(ds, parked)
                 parked[node] += ds.need_bytes
-                asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING)
+                deep = self.policy.two_level_sleep
+                asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING, deep=deep)
                 self.replicas[asleep.id] = asleep
                 ds.cached[node] = asleep
                 continue

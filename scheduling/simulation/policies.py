@@ -65,6 +65,11 @@ class SimPolicy:
     # background while it serves (`arena.fill`, a device-to-host copy's time). A sleep then copies
     # nothing and frees the GPU at once, or once that copy is whole.
     sleep_from_kept_copy: bool = False
+    # Two levels of sleep, as the product's: asleep in its process a replica keeps its CUDA context
+    # on its GPUs; deeply asleep (past deep_after_s, evicted, or told to by a wake that needs that
+    # room) it holds nothing and its wake starts a process first. Off, a sleeper holds nothing and
+    # wakes without one (the baselines: their systems keep a process they do not count).
+    two_level_sleep: bool = False
     # The oracle: memory is unlimited, every deployment is always loaded.
     unlimited: bool = False
 
@@ -108,6 +113,7 @@ GPUPORTAL = SimPolicy(
     target_by_cost=True,
     preempt_idle_at_once=True,
     sleep_from_kept_copy=True,
+    two_level_sleep=True,
 )
 # gpuportal with fairness.prefer_wake: a deployment with a copy in CPU RAM wakes it on
 # its node, by a fair wait if need be, rather than load a new replica from disk on another node

@@ -153,9 +153,12 @@ def test_ndif_evicts_at_once_and_gpuportal_preempts_an_idle_victim_at_once_too(q
         (outcome,) = result.outcomes
         waits[policy] = outcome.start_s - outcome.request.arrival_s
         assert result.counters.preemptions == 1
-    # b wakes from CPU RAM once a's weights are out: only the waits before preempting differ.
-    assert waits["gpuportal"] == pytest.approx(waits["ndif"], abs=1e-6)
-    assert waits["lru-fair"] - waits["gpuportal"] == pytest.approx(3.0, abs=1e-6)
+    # b wakes from CPU RAM once a's weights are out: only the waits before preempting differ, and
+    # gpuportal's process start (b, which did not fit at the start, sleeps deeply under its two
+    # levels of sleep; the baselines count no process).
+    start = config.hardware.process_start_s
+    assert waits["gpuportal"] == pytest.approx(waits["ndif"] + start, abs=1e-6)
+    assert waits["lru-fair"] - (waits["gpuportal"] - start) == pytest.approx(3.0, abs=1e-6)
 
 
 def test_a_victim_that_keeps_a_copy_of_its_weights_frees_the_gpu_at_once(quick):
@@ -173,10 +176,14 @@ def test_a_victim_that_keeps_a_copy_of_its_weights_frees_the_gpu_at_once(quick):
         assert result.counters.preemptions == 2 and result.counters.cold_loads == 0
         return [o.start_s - o.request.arrival_s for o in sorted(result.outcomes, key=lambda o: o.request.arrival_s)]
 
+    # b, which did not fit at the start, sleeps deeply there (no process): its wake starts one
+    # first. a, preempted, sleeps in its process (its context stays beside b): its wake does not.
+    start = config.hardware.process_start_s
     kept = POLICIES["gpuportal"]
     assert kept.sleep_from_kept_copy
-    assert waits(kept) == [pytest.approx(wake)] * 2
-    assert waits(replace(kept, sleep_from_kept_copy=False)) == [pytest.approx(copy_out + wake)] * 2
+    assert waits(kept) == [pytest.approx(start + wake), pytest.approx(wake)]
+    uncopied = waits(replace(kept, sleep_from_kept_copy=False))
+    assert uncopied == [pytest.approx(copy_out + start + wake), pytest.approx(copy_out + wake)]
 
 
 def test_a_replica_loaded_from_disk_leaves_once_the_copy_it_fills_while_serving_is_whole(quick):
@@ -191,7 +198,55 @@ def test_a_replica_loaded_from_disk_leaves_once_the_copy_it_fills_while_serving_
 
     (outcome,) = simulate(trace, config, POLICIES["gpuportal"]).outcomes
 
-    assert outcome.start_s - outcome.request.arrival_s == pytest.approx(copy_out / 2 + wake)
+    # b did not fit at the start: asleep deeply (no process), its wake starts one first.
+    start = config.hardware.process_start_s
+    assert outcome.start_s - outcome.request.arrival_s == pytest.approx(copy_out / 2 + start + wake)
+
+
+def test_a_sleeper_keeps_its_context_on_its_gpu_until_deep_after_then_its_wake_starts_a_process(quick):
+    # a serves at the start, sleeps after its idle timeout (10 s), and is asked for again at 100 s.
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=10.0, min_runtime_s=0.0))
+    a = deployment("a", 50)
+    trace = hand_trace([a], [(100.0, "a")])
+    wake, start = a.weight_bytes / (config.hardware.h2d_gb_per_s * 1e9), config.hardware.process_start_s
+    held: dict[float, int] = {}
+
+    class Watching(Simulation):
+        def _advance(self, t: float) -> None:
+            held[self.now] = self.reserved_total
+            super()._advance(t)
+
+    def wait(deep_after_s: float) -> float:
+        held.clear()
+        sim = Watching(
+            trace, replace(config, serving=replace(config.serving, deep_after_s=deep_after_s)), ALL["gpuportal"]
+        )
+        (outcome,) = sim.run().outcomes
+        return outcome.start_s - outcome.request.arrival_s
+
+    context = config.hardware.cuda_context_mib * 1024**2
+    # Never deeply (the default): asleep it holds its context until asked, and wakes from it.
+    assert wait(0.0) == pytest.approx(wake)
+    assert held[max(t for t in held if t < 100.0)] == context
+    # Deeply after 30 s asleep: it holds nothing from then on, and its wake starts a process first.
+    assert wait(30.0) == pytest.approx(start + wake)
+    asleep_since = min(t for t, reserved in held.items() if reserved == context)
+    assert {reserved for t, reserved in held.items() if asleep_since + 30.0 < t < 100.0} == {0}
+
+
+def test_a_sleeper_a_placement_evicts_sleeps_deeply_and_frees_its_context_at_once(quick):
+    # b (asleep in its process on the one GPU, holding its context) is in the way of c's new
+    # replica, which needs the whole GPU: ndif's placement evicts it, and it sleeps deeply.
+    config = replace(one_gpu_node(quick), serving=replace(quick.serving, min_runtime_s=0.0))
+    b, c = deployment("b", 50), deployment("c", 79.5)
+    sim = Simulation(hand_trace([b, c], []), config, POLICIES["ndif"])
+    asleep = SimReplica("b.1", "b", "node00", {1: config.hardware.cuda_context_mib * 1024**2}, engine.SLEEPING)
+    sim.replicas[asleep.id] = asleep
+    sim.deployments["b"].cached["node00"] = asleep
+    sim._reserve(asleep)
+
+    assert sim._evict(asleep) == 0.0, "nothing to copy out: its weights are in host memory already"
+    assert asleep.deep and sim.gpus[1].reserved_bytes == 0 and sim.counters.deep_sleeps == 1
 
 
 def test_gpuportal_waits_max_wait_before_preempting_a_busy_victim(quick):
@@ -293,13 +348,16 @@ def test_idle_replicas_sleep_before_their_timeout_when_their_node_has_no_room_fo
     # no preemption, and no wait for a victim's weights to leave.
     # The victims hold no copy of their weights in host memory (a host cache with no room for kept
     # arenas): with one, they leave at once and the rule saves that wait only while a copy is filling.
+    # Asleep in their processes they keep their CUDA contexts, which `big`'s whole GPUs must not
+    # hold: those sleep deeply once it asks, its only wait for room.
     config, trace = _three_idle_and_a_sleeping_big(quick)
     uncopied = replace(ALL["gpuportal-next"], sleep_from_kept_copy=False)
     early = simulate(trace, config, uncopied)
     late = simulate(trace, config, replace(uncopied, sleep_early=False))
     assert (early.counters.preemptions, late.counters.preemptions) == (0, 1)
+    assert early.counters.deep_sleeps == 1, "one sleeper's context stood on the GPUs big took"
     (first,), (then,) = early.outcomes, late.outcomes
-    assert first.room_s == 0 and then.room_s > 0
+    assert first.room_s < then.room_s
     assert first.ttft_s is not None and then.ttft_s is not None and first.ttft_s < then.ttft_s
 
 

@@ -16,7 +16,7 @@ from gpuportal.wire.commands import StartReplica, WakeReplica
 from gpuportal.wire.node_reports import Survivor
 from inference.devices import virtual_gpus
 from scheduling.core.host_cache import HostHolder, trim, used_bytes
-from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, PreemptionIntent, Replica
 from scheduling.services import deep_sleep, host_cache, nodes, replica_specs, reports, sleep
 from scheduling.services import replicas as replicas_services
 from scheduling.services.nodes import register_node
@@ -246,6 +246,31 @@ def test_a_serving_replica_evicted_for_room_sleeps_deeply_once_asleep_since_its_
     assert reserved(victim) == 124 * MiB and invariant_holds(), "no more than is free is booked meanwhile"
     deep(victim)
     assert Replica.objects.get(pk=victim).state == "deep_sleeping" and reserved(victim) == 0
+
+
+@pytest.mark.parametrize("needed", [1024 * MiB, 1 * MiB])
+def test_a_replica_preempted_for_a_wake_sleeps_deeply_where_its_context_leaves_that_wake_short(
+    db, dispatched, django_capture_on_commit_callbacks, api, tiny_model_dir, needed
+):
+    node = register_node("solo", virtual_gpus("solo", "1x1GiB", NO_OVERHEAD), virtual=True)
+    (victim,) = deploy_serving(api, tiny_model_dir, "small")
+    (waker,) = deploy_serving(api, tiny_model_dir, "waker")
+    # Preempted for a wake that waits on its GPU for `needed`: all of it, or a sliver.
+    PreemptionIntent.objects.create(
+        gpu=GPU.objects.get(), waiting_replica_id=waker, needed_bytes=needed, deadline=timezone.now()
+    )
+    sleep.sleep_replica(victim, reason="preempted")
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        asleep(victim, context=200 * MiB)
+
+    if needed > 200 * MiB:
+        assert dispatched == [(node.queue, DEEPEN, [victim])], "its context leaves the wake short"
+        event = Event.objects.get(replica=victim, reason__startswith=deep_sleep.DEEPENING)
+        assert f"a wake ({waker[:8]}) waits on its GPU" in event.reason
+    else:
+        assert dispatched == [] and Replica.objects.get(pk=victim).state == "sleeping", "room enough beside it"
 
 
 def test_a_sleeper_whose_context_fits_stays_asleep_in_its_process(
