@@ -153,6 +153,8 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
     changes = dict(changes)
+    # Before any lock: a node agent reads the model's files, as at its deploy.
+    estimate = _estimate_for(name, changes)
     with transaction.atomic():
         deployment = get(name, lock=True)
         for key, setting in KEPT.items():
@@ -177,6 +179,8 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 after=after,
                 deployment=name,
             )
+            if "max_tokens" in after and estimate is not None:
+                _estimate_anew(deployment, estimate)
             if deployment.observed.failed_reason:
                 # A changed spec is the operator's answer to the failure: try again.
                 retry(name, reason="its settings changed")
@@ -185,6 +189,39 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 scale(name, changes[key])
     _reread(deployment)
     return deployment
+
+
+def _estimate_for(name: str, changes: dict[str, Any]) -> ModelFacts | None:
+    """The model read again for a changed `max_tokens`, whose KV pool the estimate sizes; None
+    when it does not change."""
+    if "max_tokens" not in changes:
+        return None
+    current = get(name)
+    if changes["max_tokens"] == current.max_tokens:
+        return None
+    return inspect_model(current.model_source, current.loader, current.dtype, changes["max_tokens"])
+
+
+def _estimate_anew(deployment: Deployment, facts: ModelFacts) -> None:
+    """The need for the new `max_tokens` (the caller holds the deployment's lock): its estimate,
+    and no measurement, since the one kept was of a KV pool sized for the old figure. Replicas
+    placed from now on reserve the estimate until one measures its own; those running keep theirs."""
+    record = deployment.observed
+    was, measured = record.memory_estimate_bytes, record.memory_measured_bytes
+    record.memory_estimate_bytes, record.weight_bytes = facts.estimate_bytes, facts.weight_bytes
+    record.memory_measured_bytes = record.memory_measured_context_bytes = None
+    fields = ["memory_estimate_bytes", "weight_bytes", "memory_measured_bytes", "memory_measured_context_bytes"]
+    save_observed(deployment, fields)
+    dropped = f"; the need measured at the old size ({memory.human_bytes(measured)}) is dropped" if measured else ""
+    outbox.note(
+        Event.Kind.DEPLOYMENT_CHANGED,
+        f"deployment {deployment.name}",
+        f"estimated need {memory.human_bytes(facts.estimate_bytes)} for max_tokens {deployment.max_tokens} "
+        f"(was {memory.human_bytes(was or 0)}){dropped}: replicas placed from now on reserve it",
+        before={"estimate_bytes": was, "measured_bytes": measured},
+        after={"estimate_bytes": facts.estimate_bytes, "measured_bytes": None},
+        deployment=deployment.name,
+    )
 
 
 def _reread(deployment: Deployment) -> None:

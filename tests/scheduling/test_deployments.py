@@ -433,6 +433,31 @@ def test_patch_changes_settings_scales_and_refuses_a_new_model(cluster, api, dis
     assert api("put", "/api/deployments/tiny-a/", body("tiny-a", tiny_model_dir)).status_code == 405
 
 
+def test_a_patch_of_max_tokens_estimates_the_need_anew_and_drops_the_old_sizes_measurement(
+    cluster, api, dispatched, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, memory={"max_tokens": 256}))
+    observed = DeploymentObserved.objects.get()
+    first = observed.memory_estimate_bytes
+    DeploymentObserved.objects.update(memory_measured_bytes=first + 5 * MiB, memory_measured_context_bytes=MiB)
+
+    response = api("patch", "/api/deployments/tiny-a/", {"memory": {"max_tokens": 8192}})
+
+    assert response.status_code == 200, response.json()
+    observed.refresh_from_db()
+    assert observed.memory_estimate_bytes > first, "a KV pool for 8192 tokens, not 256"
+    assert (observed.memory_measured_bytes, observed.memory_measured_context_bytes) == (None, None)
+    event = Event.objects.get(reason__startswith="estimated need", reason__contains="for max_tokens 8192")
+    assert "the need measured at the old size" in event.reason
+    # The next replica reserves the new estimate (and the GPU's context), not the old measurement.
+    assert api("patch", "/api/deployments/tiny-a/", {"replicas": 2}).status_code == 200
+    (added,) = Replica.objects.order_by("-created_at")[:1]
+    assert reserved(added.id) >= observed.memory_estimate_bytes
+    # The same figure again reads nothing and changes nothing.
+    assert api("patch", "/api/deployments/tiny-a/", {"memory": {"max_tokens": 8192}}).status_code == 200
+    assert Event.objects.filter(reason__startswith="estimated need", reason__contains="for max_tokens").count() == 1
+
+
 def test_a_patch_of_one_setting_leaves_the_rest_of_its_group_as_it_was(cluster, api, dispatched, tiny_model_dir):
     fairness = {"min_runtime_s": 3.0, "max_wait_s": 7.0, "popular": True}
     sleep = {"idle_timeout_s": 60.0, "deep_after_s": 600.0, "drain_timeout_s": 9.0}
