@@ -35,7 +35,7 @@ replica the agent no longer runs is answered `stopped`, which the books apply as
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -66,6 +66,19 @@ class _Overdue:
     paired: bool
 
 
+@dataclass(frozen=True)
+class _Row:
+    """A replica of the node as one look read it: what every kind of lost command is judged on."""
+
+    id: str
+    deployment: str
+    updated_at: datetime
+    drain_timeout_s: float | None
+    lease_id: int | None
+    state: str
+    arena_kept_bytes: int
+
+
 def resend(
     name: str,
     running: Collection[str],
@@ -78,17 +91,22 @@ def resend(
     applied): {command: replica ids}. Without `processes` (an agent that does not send them),
     only what `running` shows: lost starts and stops; without `arenas`, no lost arena command."""
     running = set(running)
+    # One read for every kind: a node serving anything has replicas past the shortest grace at
+    # every beat, and each kind reading its own cost that beat six more statements. The kinds'
+    # states do not overlap (the end's and the arena's serving replicas: without a process, and
+    # with one), and a claim's compare-and-swap refuses a row that moved since it was read.
+    rows = _rows(name, _WAITING, now - timedelta(seconds=_shortest_grace_s()))
     kinds: dict[str, Callable[[], list[str]]] = {
-        "start": partial(resend_lost_starts, name, running, now),
-        "stop": partial(resend_lost_stops, name, running, now),
-        "end": partial(apply_lost_ends, name, running, now),
+        "start": partial(resend_lost_starts, name, running, now, rows=rows),
+        "stop": partial(resend_lost_stops, name, running, now, rows=rows),
+        "end": partial(apply_lost_ends, name, running, now, rows=rows),
     }
     if processes is not None:
-        kinds["wake"] = partial(resend_lost_wakes, name, running, processes, now)
-        kinds["sleep"] = partial(resend_lost_sleeps, name, running, processes, now)
+        kinds["wake"] = partial(resend_lost_wakes, name, running, processes, now, rows=rows)
+        kinds["sleep"] = partial(resend_lost_sleeps, name, running, processes, now, rows=rows)
         if arenas is not None:
-            kinds["arena"] = partial(resend_lost_arenas, name, running, processes, arenas, now)
-    if not _anything_waited(name, now):
+            kinds["arena"] = partial(resend_lost_arenas, name, running, processes, arenas, now, rows=rows)
+    if not rows:
         return {kind: [] for kind in kinds}
     found: dict[str, list[str]] = {}
     for kind, look in kinds.items():
@@ -102,14 +120,16 @@ def resend(
     return found
 
 
-def resend_lost_starts(name: str, running: Collection[str], now: datetime) -> list[str]:
+def resend_lost_starts(
+    name: str, running: Collection[str], now: datetime, *, rows: Sequence[_Row] | None = None
+) -> list[str]:
     """Start commands that never reached the node's agent, sent again: a replica placed here long
     enough ago (GPUPORTAL_START_GRACE_S) that is still pending, and whose process the agent does not
     run, lost its command after the placement committed. Sending it twice is harmless: the agent
     refuses to start a replica it runs."""
     grace = settings.GPUPORTAL_START_GRACE_S
     resent = []
-    for replica in _overdue(name, Replica.State.PENDING, grace, now, drain=False):
+    for replica in _overdue(name, Replica.State.PENDING, grace, now, drain=False, rows=rows):
         if replica.id in running:
             continue
         reason = (
@@ -121,7 +141,14 @@ def resend_lost_starts(name: str, running: Collection[str], now: datetime) -> li
     return resent
 
 
-def resend_lost_wakes(name: str, running: Collection[str], processes: Mapping[str, str], now: datetime) -> list[str]:
+def resend_lost_wakes(
+    name: str,
+    running: Collection[str],
+    processes: Mapping[str, str],
+    now: datetime,
+    *,
+    rows: Sequence[_Row] | None = None,
+) -> list[str]:
     """Wake commands that never reached the node's agent (its process still sleeps), or whose
     `woken` report never came back (it serves): sent again past GPUPORTAL_WAKE_GRACE_S, waiting, as
     the first did, for the replicas still draining on its GPUs to let go of them."""
@@ -132,7 +159,7 @@ def resend_lost_wakes(name: str, running: Collection[str], processes: Mapping[st
         None: "it runs no process for it: the wake is sent again for the agent to report it gone",
     }
     resent = []
-    for replica in _overdue(name, Replica.State.WAKING, grace, now, drain=False):
+    for replica in _overdue(name, Replica.State.WAKING, grace, now, drain=False, rows=rows):
         process = processes.get(replica.id) if replica.id in running else None
         if replica.paired or process not in why:
             continue  # waking now, or a state it has not said yet
@@ -143,7 +170,14 @@ def resend_lost_wakes(name: str, running: Collection[str], processes: Mapping[st
     return resent
 
 
-def resend_lost_sleeps(name: str, running: Collection[str], processes: Mapping[str, str], now: datetime) -> list[str]:
+def resend_lost_sleeps(
+    name: str,
+    running: Collection[str],
+    processes: Mapping[str, str],
+    now: datetime,
+    *,
+    rows: Sequence[_Row] | None = None,
+) -> list[str]:
     """Sleep commands that never reached the node's agent (its process still serves), or whose
     `sleeping` report never came back (it sleeps): sent again past the deployment's drain timeout
     and GPUPORTAL_SLEEP_GRACE_S."""
@@ -154,7 +188,7 @@ def resend_lost_sleeps(name: str, running: Collection[str], processes: Mapping[s
         None: "it runs no process for it: the sleep is sent again for the agent to report it gone",
     }
     resent = []
-    for replica in _overdue(name, Replica.State.DRAINING, grace, now, drain=True):
+    for replica in _overdue(name, Replica.State.DRAINING, grace, now, drain=True, rows=rows):
         process = processes.get(replica.id) if replica.id in running else None
         if replica.paired or process not in why:
             continue  # draining now, or a state it has not said yet; a pair member steps down by a stop
@@ -167,14 +201,16 @@ def resend_lost_sleeps(name: str, running: Collection[str], processes: Mapping[s
     return resent
 
 
-def resend_lost_stops(name: str, running: Collection[str], now: datetime) -> list[str]:
+def resend_lost_stops(
+    name: str, running: Collection[str], now: datetime, *, rows: Sequence[_Row] | None = None
+) -> list[str]:
     """Stop commands that never reached the node's agent (it still runs the process), sent again
     past the deployment's drain timeout and GPUPORTAL_STOP_GRACE_S; and `stopped` reports that never
     came back (it runs no process for the replica), applied as the agent would have reported them:
     the reservation goes back through the one path a report takes (scheduling.services.reports)."""
     grace = settings.GPUPORTAL_STOP_GRACE_S
     found = []
-    for replica in _overdue(name, Replica.State.STOPPING, grace, now, drain=True):
+    for replica in _overdue(name, Replica.State.STOPPING, grace, now, drain=True, rows=rows):
         still = f"still stopping {replica.allowed_s:g} s (its drain timeout and {grace:g} s) after it was stopped"
         if replica.id in running:
             reason = f"{still}, and node {name}'s agent still runs its process: its stop command was lost, sent again"
@@ -198,7 +234,9 @@ def resend_lost_stops(name: str, running: Collection[str], now: datetime) -> lis
 _OWN_STATES = (Replica.State.LOADING, Replica.State.SERVING, Replica.State.SLEEPING, Replica.State.STANDBY)
 
 
-def apply_lost_ends(name: str, running: Collection[str], now: datetime) -> list[str]:
+def apply_lost_ends(
+    name: str, running: Collection[str], now: datetime, *, rows: Sequence[_Row] | None = None
+) -> list[str]:
     """`failed` reports that never came back: a replica in a state only its process moves it out
     of, unchanged past GPUPORTAL_END_GRACE_S, whose process the node's agent does not run. The
     process ended (killed, crashed) and the agent's report of it was lost (it timed out, the
@@ -206,7 +244,7 @@ def apply_lost_ends(name: str, running: Collection[str], now: datetime) -> list[
     takes, so the reservation goes back and the reconcile replaces it."""
     grace = settings.GPUPORTAL_END_GRACE_S
     found = []
-    for replica in _overdue(name, _OWN_STATES, grace, now, drain=False):  # one query for the four
+    for replica in _overdue(name, _OWN_STATES, grace, now, drain=False, rows=rows):
         if replica.id in running:
             continue
         reason = (
@@ -221,7 +259,13 @@ def apply_lost_ends(name: str, running: Collection[str], now: datetime) -> list[
 
 
 def resend_lost_arenas(
-    name: str, running: Collection[str], processes: Mapping[str, str], arenas: Mapping[str, int], now: datetime
+    name: str,
+    running: Collection[str],
+    processes: Mapping[str, str],
+    arenas: Mapping[str, int],
+    now: datetime,
+    *,
+    rows: Sequence[_Row] | None = None,
 ) -> list[str]:
     """Arena commands (scheduling.services.host_cache) that never reached a serving replica, sent
     again past GPUPORTAL_ARENA_GRACE_S (preparing an arena of a large model's weights takes
@@ -231,23 +275,21 @@ def resend_lost_arenas(
     process that is not serving (asleep, waking, draining) is left alone: a sleep consumes the
     arena and a wake keeps the one it read."""
     grace = settings.GPUPORTAL_ARENA_GRACE_S
-    rows = (
-        Replica.objects.filter(
-            node__name=name, state=Replica.State.SERVING, updated_at__lt=now - timedelta(seconds=grace)
-        )
-        .order_by("updated_at", "pk")
-        .values_list("pk", "deployment__name", "updated_at", "arena_kept_bytes", "lease_id")
-    )
+    cutoff = now - timedelta(seconds=grace)
+    serving = (Replica.State.SERVING,)
     resent = []
-    for replica_id, deployment, updated_at, booked, lease in rows:
+    for row in _rows(name, serving, cutoff) if rows is None else rows:
+        if row.state not in serving or row.updated_at >= cutoff:
+            continue
+        replica_id, booked = row.id, row.arena_kept_bytes
         if replica_id not in running or processes.get(replica_id) != "serving":
             continue  # no process (the start or stop checks see to it), or one between states
         kept = arenas.get(replica_id)
         if kept is None or (booked > 0) == (kept > 0):
             continue  # not said yet (an adopted process before its first pong), or as the books say
-        waited = (now - updated_at).total_seconds()
-        paired = lease is not None
-        replica = _Overdue(replica_id, name, deployment, Replica.State.SERVING, updated_at, waited, grace, paired)
+        waited = (now - row.updated_at).total_seconds()
+        paired = row.lease_id is not None
+        replica = _Overdue(replica_id, name, row.deployment, row.state, row.updated_at, waited, grace, paired)
         keep = booked > 0
         reason = (
             f"granted a {memory.human_bytes(booked)} host arena {waited:.0f} s ago, and node {name}'s agent says "
@@ -273,11 +315,8 @@ _WAITING = tuple(
 )
 
 
-def _anything_waited(name: str, now: datetime) -> bool:
-    """Whether a replica of the node has been in a state a lost command leaves it in for at least
-    the shortest grace: one query, where each kind's look runs one of its own. Most nodes of a
-    large fleet host nothing, and their every beat asks this alone."""
-    shortest = min(
+def _shortest_grace_s() -> float:
+    return min(
         settings.GPUPORTAL_START_GRACE_S,
         settings.GPUPORTAL_WAKE_GRACE_S,
         settings.GPUPORTAL_SLEEP_GRACE_S,
@@ -285,27 +324,54 @@ def _anything_waited(name: str, now: datetime) -> bool:
         settings.GPUPORTAL_ARENA_GRACE_S,
         settings.GPUPORTAL_END_GRACE_S,
     )
-    return Replica.objects.filter(
-        node__name=name, state__in=_WAITING, updated_at__lt=now - timedelta(seconds=shortest)
-    ).exists()
 
 
-def _overdue(name: str, state: str | tuple[str, ...], grace_s: float, now: datetime, *, drain: bool) -> list[_Overdue]:
-    """The node's replicas in `state` (or any of several) unchanged for longer than the grace (and,
-    with `drain`, their deployment's drain timeout), oldest first."""
-    states = (state,) if isinstance(state, str) else state
-    rows = (
-        Replica.objects.filter(node__name=name, state__in=states, updated_at__lt=now - timedelta(seconds=grace_s))
+# _Row's fields, in its order.
+_ROW_COLUMNS = (
+    "pk",
+    "deployment__name",
+    "updated_at",
+    "deployment__drain_timeout_s",
+    "lease_id",
+    "state",
+    "arena_kept_bytes",
+)
+
+
+def _rows(name: str, states: Sequence[str], older_than: datetime) -> list[_Row]:
+    """The node's replicas in `states` unchanged since before `older_than`, oldest first (the
+    order each kind resends in)."""
+    return [
+        _Row(*row)
+        for row in Replica.objects.filter(node__name=name, state__in=states, updated_at__lt=older_than)
         .order_by("updated_at", "pk")
-        .values_list("pk", "deployment__name", "updated_at", "deployment__drain_timeout_s", "lease_id", "state")
-    )
+        .values_list(*_ROW_COLUMNS)
+    ]
+
+
+def _overdue(
+    name: str,
+    state: str | tuple[str, ...],
+    grace_s: float,
+    now: datetime,
+    *,
+    drain: bool,
+    rows: Sequence[_Row] | None = None,
+) -> list[_Overdue]:
+    """The node's replicas in `state` (or any of several) unchanged for longer than the grace (and,
+    with `drain`, their deployment's drain timeout), oldest first. `rows`: the node's replicas as
+    the beat read them for every kind (`resend`), a superset of these."""
+    states = (state,) if isinstance(state, str) else state
+    cutoff = now - timedelta(seconds=grace_s)
     found = []
-    for replica_id, deployment, updated_at, drain_s, lease, in_state in rows:
-        allowed = grace_s + (float(drain_s or 0.0) if drain else 0.0)
-        waited = (now - updated_at).total_seconds()
+    for row in _rows(name, states, cutoff) if rows is None else rows:
+        if row.state not in states or row.updated_at >= cutoff:
+            continue
+        allowed = grace_s + (float(row.drain_timeout_s or 0.0) if drain else 0.0)
+        waited = (now - row.updated_at).total_seconds()
         if waited > allowed:
-            paired = lease is not None
-            found.append(_Overdue(replica_id, name, deployment, in_state, updated_at, waited, allowed, paired))
+            paired = row.lease_id is not None
+            found.append(_Overdue(row.id, name, row.deployment, row.state, row.updated_at, waited, allowed, paired))
     return found
 
 

@@ -474,3 +474,21 @@ def test_a_beat_finds_no_lost_command_in_one_query_while_no_replica_has_waited_a
             found = lost_commands.resend(name, beat["running"], beat["processes"], now, arenas=beat["arenas"])
         assert found == {kind: [] for kind in ("start", "stop", "end", "wake", "sleep", "arena")}
     assert dispatched == []
+
+
+def test_a_beat_of_a_node_serving_for_a_while_looks_for_every_kind_of_lost_command_in_one_query(
+    cluster, api, dispatched, tiny_model_dir, django_assert_num_queries
+):
+    # Its serving replica is past every grace at every beat: each kind reading the node's replicas
+    # on its own made six statements of every such beat.
+    (replica_id,) = serving(api, model_dir=tiny_model_dir)
+    node = Replica.objects.get(pk=replica_id).node.name
+    dispatched.clear()
+    later = timezone.now() + timedelta(hours=1)
+    beat = {"running": [replica_id], "processes": {replica_id: "serving"}, "arenas": {replica_id: 0}}
+
+    with django_assert_num_queries(1):
+        found = lost_commands.resend(node, beat["running"], beat["processes"], later, arenas=beat["arenas"])
+
+    assert found == {kind: [] for kind in ("start", "stop", "end", "wake", "sleep", "arena")}
+    assert dispatched == []
