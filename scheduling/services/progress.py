@@ -13,7 +13,7 @@ from gpuportal.wire.requestqueue import Request
 from gpuportal.wire.states import AWAKE
 from scheduling.core.progress import ENDED, RUNNING, Progress, ReplicaFacts, describe
 from scheduling.models import DeploymentObserved, Replica
-from scheduling.services.queueing import queue
+from scheduling.services.queueing import glance
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Reader:
             return describe(request.status, (), queue_position=None, load_s=None, wake_s=None)
         try:
             replicas, load_s, wake_s = self._deployment(request.deployment)
-            position = queue().position(request.deployment, request.id)
+            position = glance().position(request.deployment, request.id)
         except (DatabaseError, InterfaceError, redis.RedisError) as err:
             # Said without what it waits for: the answer to a request just accepted must not fail
             # for want of its progress, since an outage's 503 would tell its client it did not run.

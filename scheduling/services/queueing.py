@@ -27,11 +27,26 @@ log = logging.getLogger(__name__)
 REDIS_TIMEOUT_S = 5.0
 
 
+# What an answer only glances at (where a request stands, to show it) waits no longer than this:
+# an answer must not wait out a frozen Redis for what it can answer without.
+GLANCE_TIMEOUT_S = 0.5
+
+
 @cache
 def queue() -> RequestQueue:
     return RequestQueue.from_url(
         settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
     )
+
+
+def glance() -> RequestQueue:
+    """The queue on a client of its own with a short timeout, for reads an answer can do without."""
+    return _glance(settings.REDIS_URL)
+
+
+@cache
+def _glance(url: str) -> RequestQueue:
+    return RequestQueue.from_url(url, socket_timeout=GLANCE_TIMEOUT_S, socket_connect_timeout=GLANCE_TIMEOUT_S)
 
 
 def wait(request_id: str, timeout: float) -> Request | None:
@@ -42,7 +57,7 @@ def latest(request: Request) -> Request:
     """The request as it stands now (a waiter's timeout passed): its status may have moved on. As
     it was accepted, when Redis cannot say now: the caller polls it once Redis is back."""
     try:
-        return queue().get(request.id) or request
+        return glance().get(request.id) or request
     except redis.RedisError:
         return request
 

@@ -49,9 +49,10 @@ class Submitting(QueueBase):
 
     def submit_deadline(self) -> str:
         """When Redis must have run a submit sent now, on Redis's clock, or '' for none: half the
-        client's socket timeout from now, so that a submit Redis runs late (it was frozen) is
-        refused before the web can have given up on it and said 503. A client with no socket
-        timeout waits for the answer however late, and needs none."""
+        client's socket timeout from now (the web waits a second longer for its reply:
+        `_submit_round_trip`), so that a submit Redis runs late (it was frozen) is refused before
+        the web can have given up on it and said 503. A client with no socket timeout waits for
+        the answer however late, and needs none."""
         timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
         if not timeout:
             return ""
@@ -210,16 +211,25 @@ class Submitting(QueueBase):
         trip, each read on its own: a Redis that stops answering (killed, frozen) after the
         submit's reply leaves the read's None, since the request is accepted and its end can be
         waited for again; one that stops before it raises, so the caller knows which it was. A
-        pipeline would lose the submit's reply with the read's."""
+        pipeline would lose the submit's reply with the read's.
+
+        With a socket timeout (the web's), neither read waits longer than it must: the submit's a
+        second past its deadline (Redis refuses it after that; a submit run just before it has its
+        reply here well within that second, so a give-up never meets a written request), the
+        blocking read its own block and a second: a frozen Redis holds a caller past its
+        timeout_s by a few seconds at most."""
         pool = self.redis.connection_pool
+        socket_s = pool.connection_kwargs.get("socket_timeout")
+        bounded = bool(socket_s)
+        submit_s = min(socket_s, socket_s / 2 + 1.0) if bounded else None
         connection = pool.get_connection()
         try:
             connection.send_packed_command(connection.pack_commands(commands))
-            submitted = connection.read_response()
+            submitted = _read(connection, submit_s)
             if len(commands) == 1:
                 return submitted, None
             try:
-                return submitted, connection.read_response()
+                return submitted, _read(connection, float(commands[1][3]) + 1.0 if bounded else None)
             except redis.RedisError:
                 connection.disconnect()
                 return submitted, None
@@ -351,3 +361,8 @@ class Submitting(QueueBase):
             # (a second reader of the same stream may take a ring meant for this one: it then reads
             # at its deadline, late but whole).
             self.redis.blpop([bell], timeout=max(BELL_MIN_WAIT_S, min(left, BLOCK_SLICE_S)))
+
+
+def _read(connection: Any, timeout: float | None) -> Any:
+    """One reply, waited for `timeout` seconds at most (None: the connection's socket timeout)."""
+    return connection.read_response() if timeout is None else connection.read_response(timeout=timeout)
