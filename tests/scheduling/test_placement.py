@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from scheduling.core.placement import (
     MAX_FRACTION,
     MIN_FRACTION,
+    POLICIES,
     CachedReplica,
     CandidateLevel,
     CantAccommodate,
@@ -21,6 +22,9 @@ from scheduling.core.placement import (
     Mode,
     Placement,
     PlacementRequest,
+    _siblings,
+    _siblings_by_node,
+    _Ticket,
     cached_replicas,
     place,
 )
@@ -330,6 +334,30 @@ def test_a_spread_deployment_goes_to_the_gpu_without_its_siblings_rather_than_th
     # that holds none of its own replicas.
     assert chosen_over_seeds(snapshot, req(3 * GiB)) == {(1,)}
     assert chosen_over_seeds(snapshot, req(3 * GiB, spread=True)) == {(2,)}
+
+
+def test_a_spread_placement_counts_siblings_only_on_usable_gpus_and_never_its_own_replica():
+    snapshot = snap(
+        # node1: two siblings, one of them on a GPU that is not usable (placement cannot use it).
+        gpu(0, node="node1", index=0, occupants=[occ("a" * 16, deployment="llama-8b")]),
+        gpu(1, node="node1", index=1, occupants=[occ("b" * 16, deployment="llama-8b")], health="lost"),
+        # node2: the replica being placed (a promotion) sits here: not its own sibling.
+        gpu(2, node="node2", index=0, occupants=[occ(NEW, deployment="llama-8b", state="sleeping")]),
+        gpu(3, node="node3", index=0, occupants=[occ("c" * 16, deployment="llama-8b")]),
+        gpu(4, node="node3", index=1, occupants=[occ("d" * 16, deployment="llama-8b")]),
+        gpu(5, node="node4", index=0),
+    )
+    index = snapshot.index
+    ticket = _Ticket(NEW, True, {2: 1 * GiB}, req(1 * GiB, spread=True), POLICIES["gpuportal"], NOW)
+
+    counted = _siblings_by_node(index.holdings, ticket, index.usable)
+
+    # As `_siblings` sums it over each node's usable GPUs, without asking every GPU.
+    assert (
+        {node: counted[node] for node in index.usable}
+        == {node: sum(_siblings(g, ticket) for g in gpus) for node, gpus in index.usable.items()}
+        == {"node1": 1, "node2": 0, "node3": 2, "node4": 0}
+    )
 
 
 def test_a_spread_deployment_prefers_a_node_without_its_siblings():
