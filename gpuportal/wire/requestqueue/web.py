@@ -191,11 +191,11 @@ class Submitting(QueueBase):
         ]  # fmt: skip
         # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
         # read behind it blocked for nothing. Redis caches the script by its digest anyway.
-        commands: list[tuple[Any, ...]] = [("EVAL", _SUBMIT, len(keys), *keys, *args)]
-        if wait_s > 0:
-            end = done_key(request.id)
-            commands.append(("BLMOVE", end, end, max(0.01, min(wait_s, BLOCK_SLICE_S)), "RIGHT", "LEFT"))
-        replies = self._submit_round_trip(commands)
+        replies = self._submit_round_trip(
+            ("EVAL", _SUBMIT, len(keys), *keys, *args),
+            done_key(request.id),
+            max(0.01, min(wait_s, BLOCK_SLICE_S)) if wait_s > 0 else None,
+        )
         if replies[0] == -3:
             raise SubmitTooLate(f"Redis ran the submit of request {request.id} after its deadline: nothing was queued")
         if replies[0] == -1:
@@ -206,12 +206,12 @@ class Submitting(QueueBase):
         final = self._final(request.id, replies[1]) if wait_s > 0 else None
         return request, final
 
-    def _submit_round_trip(self, commands: list[tuple[Any, ...]]) -> tuple[Any, Any]:
-        """The submit's reply, and the blocking read's behind it (None without one), in one round
-        trip, each read on its own: a Redis that stops answering (killed, frozen) after the
-        submit's reply leaves the read's None, since the request is accepted and its end can be
-        waited for again; one that stops before it raises, so the caller knows which it was. A
-        pipeline would lose the submit's reply with the read's.
+    def _submit_round_trip(self, submit: tuple[Any, ...], end: str, block_s: float | None) -> tuple[Any, Any]:
+        """The submit's reply, and that of the blocking read of `end` behind it for `block_s` (None:
+        no read, and None for its reply), in one round trip, each read on its own: a Redis that
+        stops answering (killed, frozen) after the submit's reply leaves the read's None, since the
+        request is accepted and its end can be waited for again; one that stops before it raises,
+        so the caller knows which it was. A pipeline would lose the submit's reply with the read's.
 
         With a socket timeout (the web's), neither read waits longer than it must: the submit's a
         second past its deadline (Redis refuses it after that; a submit run just before it has its
@@ -224,12 +224,13 @@ class Submitting(QueueBase):
         submit_s = min(socket_s, socket_s / 2 + 1.0) if bounded else None
         connection = pool.get_connection()
         try:
+            commands = [submit] if block_s is None else [submit, ("BLMOVE", end, end, block_s, "RIGHT", "LEFT")]
             connection.send_packed_command(connection.pack_commands(commands))
             submitted = _read(connection, submit_s)
-            if len(commands) == 1:
+            if block_s is None:
                 return submitted, None
             try:
-                return submitted, _read(connection, float(commands[1][3]) + 1.0 if bounded else None)
+                return submitted, _read(connection, block_s + 1.0 if bounded else None)
             except redis.RedisError:
                 connection.disconnect()
                 return submitted, None
