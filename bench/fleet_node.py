@@ -412,7 +412,9 @@ class Fleet:
         self.app = app
         tokens = tokens or {}
         lease = replies.client(settings.REDIS_URL)
-        ttl = node_lease.ttl_s(settings.GPUPORTAL_HEARTBEAT_S, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
+        ttl = node_lease.ttl_s(
+            settings.GPUPORTAL_HEARTBEAT_S, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S, settings.GPUPORTAL_CONTROL_STALL_S
+        )
         self.nodes = {
             # Each with its own credential on its calls, as each agent is.
             name: SimulatedNode(

@@ -188,7 +188,9 @@ def build_fleet(broker: Broker, nodes: int, replicas: int) -> tuple[dict[str, Si
     from scheduling.services.deployments import DeploymentSpec, ModelFacts
 
     lease = replies.client(settings.REDIS_URL)
-    ttl = node_lease.ttl_s(settings.GPUPORTAL_HEARTBEAT_S, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
+    ttl = node_lease.ttl_s(
+        settings.GPUPORTAL_HEARTBEAT_S, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S, settings.GPUPORTAL_CONTROL_STALL_S
+    )
     tokens = {node_name(i): node_credentials.issue(node_name(i), "bench") for i in range(nodes)}
     fleet = {
         name: SimulatedNode(

@@ -231,7 +231,9 @@ class NodeAgent:
         to others. They are stopped before the lease is renewed under the new epoch, so that the
         node offers its GPUs again only once nothing of the old epoch holds them."""
         try:
-            ttl = node_lease.ttl_s(self.heartbeat_s, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
+            ttl = node_lease.ttl_s(
+                self.heartbeat_s, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S, settings.GPUPORTAL_CONTROL_STALL_S
+            )
             client = replies.client(settings.REDIS_URL)
             current = node_lease.renew(client, self.name, ttl, self.epoch)
             if current > self.epoch:

@@ -263,7 +263,9 @@ def start_agent(tmp_path, agents_worker):
         process = subprocess.Popen(
             [sys.executable, "manage.py", "agent", "--node", node, "--virtual-gpus", virtual_gpus],
             cwd=Path(__file__).resolve().parent.parent,
-            env=_process_env(tmp_path, GPUPORTAL_HEARTBEAT_S="1"),
+            # A short stall threshold keeps the node's lease at 4 s (gpuportal.wire.node_lease.ttl_s):
+            # the tests that cut an agent off wait for it to lapse, and they freeze no Redis.
+            env=_process_env(tmp_path, GPUPORTAL_HEARTBEAT_S="1", GPUPORTAL_CONTROL_STALL_S="2"),
             stdout=log,
             stderr=subprocess.STDOUT,
             # A group of its own, with its replicas: those a killed agent left waiting to be

@@ -42,11 +42,18 @@ class NodeFence:
     epoch: int
 
 
-def ttl_s(heartbeat_s: float, timeout_s: float) -> float:
+def ttl_s(heartbeat_s: float, timeout_s: float, stall_s: float) -> float:
     """How long one renewal holds: three beats and a second, so a lease outlives a couple of slow
     renewals, and never longer than the heartbeat timeout, so a dead node is written off no
-    later than its heartbeats alone would have it."""
-    return min(timeout_s, 3 * heartbeat_s + 1)
+    later than its heartbeats alone would have it.
+
+    And at least the control plane's stall threshold, a beat and a second: the sweep runs over
+    Redis, so a Redis outage is a gap between sweeps at least as long. An outage short of a stall
+    (`stall_s`) must leave every lease held when Redis is back, even one restored from a file
+    that lost the last second's renewal; a longer one is read as a stall, and silence counts
+    afresh. With 1 s beats a 4 s lease lapsed in a 6 s Redis restart that the sweep, 9 s after
+    its last, did not read as a stall, and a node heard 13 s before was written off."""
+    return min(timeout_s, max(3 * heartbeat_s + 1, stall_s + heartbeat_s + 1))
 
 
 # The lease renewed under ARGV[1], unless the node's epoch has passed it: then the current epoch is

@@ -81,6 +81,40 @@ def test_no_node_is_lost_sooner_than_a_timeout_after_the_control_plane_could_hea
         assert bool(lost) == ((now - since).total_seconds() > TIMEOUT_S)
 
 
+SWEEP_EVERY_S = 5.0
+
+
+@given(
+    heartbeat_ms=st.integers(min_value=500, max_value=10_000),
+    outage_ms=st.integers(min_value=0, max_value=60_000),
+    # When, within a sweep's interval, Redis died after one sweep and the first sweep ran after it.
+    swept_before_ms=st.integers(min_value=0, max_value=int(SWEEP_EVERY_S * 1000)),
+    swept_after_ms=st.integers(min_value=0, max_value=int(SWEEP_EVERY_S * 1000)),
+    # The last renewal Redis kept: the agent renews once a beat, and a file synced every second
+    # loses the last second's writes when Redis is killed.
+    renewed_before_ms=st.integers(min_value=0, max_value=11_000),
+)
+def test_a_redis_outage_long_enough_to_lapse_a_lease_is_read_as_a_stall(
+    heartbeat_ms, outage_ms, swept_before_ms, swept_after_ms, renewed_before_ms
+):
+    heartbeat_s = heartbeat_ms / 1000
+    renewed_before_s = min(renewed_before_ms / 1000, heartbeat_s + 1)
+    timeout_s = max(TIMEOUT_S, STALL_S + heartbeat_s + 1)  # a timeout that leaves the lease its room
+    ttl_s = node_lease.ttl_s(heartbeat_s, timeout_s, STALL_S)
+    killed = at(0)
+    back = killed + timedelta(milliseconds=outage_ms)
+    sweep = back + timedelta(milliseconds=swept_after_ms)
+    # Redis drops a key once its clock passes the expiry.
+    lapsed = sweep > killed - timedelta(seconds=renewed_before_s) + timedelta(seconds=ttl_s)
+
+    heard = hear(Hearing(killed - timedelta(milliseconds=swept_before_ms), None), sweep, STALL_S)
+
+    # The sweep runs over Redis, so the outage is a gap between two sweeps: either the lease is
+    # still held when the sweep reads it, or the gap is a stall and silence counts afresh.
+    assert not lapsed or heard.deaf_for_s is not None
+    assert ttl_s <= timeout_s, "a dead node is written off no later than its heartbeats alone would have it"
+
+
 # -- the sweep ------------------------------------------------------------------------------------
 
 

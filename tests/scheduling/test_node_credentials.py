@@ -396,7 +396,7 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
         node_credentials.revoke("n2", "test", "compromised")
 
         assert Node.objects.get(name="n2").status == Node.Status.OFFLINE
-        lease_s = node_lease.ttl_s(1, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S)
+        lease_s = node_lease.ttl_s(1, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S, settings.GPUPORTAL_CONTROL_STALL_S)
         code = agents["n2"].wait(lease_s + 30)  # its stop after the refusal takes a moment of its own
         assert code == 1, log_of("n2")[-3000:]
         assert "CommandError: node n2: heartbeat: node credential refused: node n2's credential was revoked" in log_of(
