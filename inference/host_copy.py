@@ -81,12 +81,33 @@ def save(model: nn.Module, path: Path) -> int:
         tensors[name] = by_id.setdefault(id(tensor), tensor.detach())
     partial = path.with_name(path.name + ".partial")
     try:
-        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+        with os.fdopen(_create(partial), "wb") as out:
             torch.save(tensors, out)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
     return path.stat().st_size
+
+
+def _create(partial: Path) -> int:
+    flags, mode = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+    try:
+        return os.open(partial, flags, mode)
+    except FileNotFoundError:
+        # An agent leaving removed the folder, empty, after this process made it (tidy).
+        partial.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return os.open(partial, flags, mode)
+
+
+def tidy(where: Path) -> bool:
+    """Remove a node's folder of host copies once it holds none (its agent is leaving), so that
+    agents gone leave no empty folders behind; whether it went. One holding a copy stays: the
+    next agent of the node offers it."""
+    try:
+        where.rmdir()
+    except OSError:  # not empty, already gone, or not ours to remove
+        return False
+    return True
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:

@@ -577,9 +577,11 @@ class Supervisor:
             return self._forkserver
 
     def close(self) -> None:
-        """Stop the replica template, if there is one (the replicas it forked carry on)."""
+        """Stop the replica template, if there is one (the replicas it forked carry on), and
+        remove the node's folder of host copies if it holds none."""
         if self._forkserver is not None and (server := self._forkserver.result()) is not None:
             server.close()
+        host_copy.tidy(self.host_copies)
 
     def _start_forkserver(self) -> ForkServer | None:
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,34 @@ def test_a_host_copy_keeps_tied_weights_tied_and_the_tables_no_checkpoint_holds(
     assert torch.equal(skeleton(ids), model(ids))
 
 
+def test_an_agent_leaving_removes_its_folder_of_host_copies_only_when_it_holds_none(tmp_path):
+    empty, holding = tmp_path / "empty", tmp_path / "holding"
+    host_copy.save(nn.Linear(2, 2), host_copy.path_of(holding, "r1"))
+    empty.mkdir()
+
+    for folder in (empty, holding):
+        Supervisor(tmp_path / "logs", host_copies=folder).close()
+
+    assert not empty.exists(), "no empty folder is left in the node's shared memory"
+    assert host_copy.held(holding) == ["r1"], "a copy outlives its agent: the next one offers it"
+
+
+def test_a_copy_written_as_its_folder_is_tidied_away_makes_the_folder_again(tmp_path, monkeypatch):
+    folder = tmp_path / "copies"
+    opened = host_copy.os.open
+
+    def tidied_first(path, *args):
+        # The agent's tidy lands between this process's mkdir and its open.
+        host_copy.tidy(Path(path).parent)
+        monkeypatch.setattr(host_copy.os, "open", opened)
+        return opened(path, *args)
+
+    monkeypatch.setattr(host_copy.os, "open", tidied_first)
+
+    assert host_copy.save(nn.Linear(2, 2), host_copy.path_of(folder, "r1")) > 0
+    assert host_copy.held(folder) == ["r1"]
+
+
 def test_a_host_copy_that_does_not_fit_the_model_is_refused_naming_the_tensor(tmp_path):
     path = tmp_path / "r1.pt"
     host_copy.save(nn.Linear(4, 2), path)
