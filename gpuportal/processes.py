@@ -18,6 +18,11 @@ def tie_to_parent(sig: int = signal.SIGTERM) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig)
 
 
+def untie_from_parent() -> None:
+    """This process no longer gets a signal when its parent dies. OSError where prctl is not to be had."""
+    tie_to_parent(0)
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A preexec_fn: the child gets `sig` when the process that started it dies, even by SIGKILL."""
 

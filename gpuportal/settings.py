@@ -234,6 +234,10 @@ GPUPORTAL_ARENA_GRACE_S = env_float("GPUPORTAL_ARENA_GRACE_S", 120.0)
 # off and its replacements placed. 0: replicas die with their agent.
 _ADOPTION_LIMIT_S = max(0.0, GPUPORTAL_HEARTBEAT_TIMEOUT_S - 2 * GPUPORTAL_HEARTBEAT_S)
 GPUPORTAL_ADOPTION_WINDOW_S = min(env_float("GPUPORTAL_ADOPTION_WINDOW_S", _ADOPTION_LIMIT_S), _ADOPTION_LIMIT_S)
+# Whether node agents keep a warm spare on each GPU (inference.spare_pool): a replica process
+# with its CUDA context made there, for the next replica started on that GPU (a deep sleeper's
+# wake above all) to run in. Each costs one context per GPU, which placement leaves alone.
+GPUPORTAL_WARM_SPARES = env_bool("GPUPORTAL_WARM_SPARES", False)
 # Which agents fork their replicas from a template that has imported torch and the replica
 # program once (inference.forkserver) rather than start each in a fresh interpreter (3-4 s of CPU
 # less per start): `virtual`, those on virtual GPUs; `all`, those on NVIDIA GPUs too (the forked

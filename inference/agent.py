@@ -20,7 +20,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_e
 
 from gpuportal import orphans
 from gpuportal.celery import app
-from gpuportal.wire import node_lease, replies
+from gpuportal.wire import memory, node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import ControlError, ControlPlane, Refused
 from gpuportal.wire.inspection import INSPECT_QUEUE
@@ -81,6 +81,7 @@ class NodeAgent:
         concurrency: int = 4,
         profile: VirtualProfile | None = None,
         virtual_foreign: dict[int, int] | None = None,
+        warm_spares: bool | None = None,
     ):
         self.name = name
         # The one way to the control plane (gpuportal.wire.control): this package never imports it.
@@ -103,6 +104,8 @@ class NodeAgent:
         self.host_ram_bytes = host_ram_bytes if host_ram_bytes is not None else psutil.virtual_memory().total
         self.heartbeat_s = heartbeat_s or settings.GPUPORTAL_HEARTBEAT_S
         self.concurrency = concurrency
+        # One warm spare per GPU (inference.spare_pool), each holding a CUDA context there.
+        self.warm_spares = settings.GPUPORTAL_WARM_SPARES if warm_spares is None else warm_spares
         self._stop = threading.Event()
         self._stop_requested = threading.Event()
         self.supervisor = Supervisor(
@@ -298,7 +301,8 @@ class NodeAgent:
         running = self.supervisor.usage()
         self.supervisor.ping_all()
         pids = {pid for pid, _, _ in running.values() if pid is not None}
-        seen = None if self.virtual else nvml_memory(pids)
+        # The warm spares' too: what they hold is the node's, counted in their slots.
+        seen = None if self.virtual else nvml_memory(pids | self.supervisor.spare_pids())
         by_pid, free = seen if seen is not None else (None, None)
         usage: dict[str, dict[str, int]] = {}
         states: dict[str, str] = {}
@@ -314,13 +318,20 @@ class NodeAgent:
     def foreign(
         self, pids: set[int], by_pid: dict[int, dict[str, int]] | None, free: dict[str, int] | None
     ) -> dict[str, int] | None:
-        """What other tenants hold per GPU index: on a virtual GPU what the operator declared;
-        on a real one NVML's used memory less the driver's reserve and what this node's replica
-        processes hold, read in the same pass. None where that cannot be told: no NVML, or a
-        replica process NVML does not list (a container without the host's PID namespace, or
-        one that has not made its context yet), whose memory would pass for another tenant's."""
+        """What other processes than the node's replicas hold per GPU index: on a virtual GPU
+        what the operator declared; on a real one NVML's used memory less the driver's reserve
+        and what this node's replica processes and warm spares hold, read in the same pass. None
+        where that cannot be told: no NVML, or a replica process NVML does not list (a container
+        without the host's PID namespace, or one that has not made its context yet), whose
+        memory would pass for another tenant's.
+
+        Each GPU the node keeps a warm spare on adds its slot (inference.spare_pool): a context
+        placement must leave alone, whether its spare is warm, starting, or just became a replica."""
+        spares = self.supervisor.spare_slots()
         if self.virtual:
-            return {str(d.index): self.virtual_foreign.get(d.index, 0) for d in self.devices}
+            return {
+                str(d.index): self.virtual_foreign.get(d.index, 0) + spares.get(str(d.index), 0) for d in self.devices
+            }
         if by_pid is None or free is None or any(pid not in by_pid for pid in pids):
             return None
         own: dict[str, int] = {}
@@ -329,6 +340,7 @@ class NodeAgent:
                 own[index] = own.get(index, 0) + bytes_
         return {
             str(d.index): foreign_use(d.total_bytes, free[str(d.index)], own.get(str(d.index), 0))
+            + spares.get(str(d.index), 0)
             for d in self.devices
             if str(d.index) in free
         }
@@ -399,6 +411,8 @@ class NodeAgent:
             settings.GPUPORTAL_REPLICA_FORKSERVER == "virtual" and self.virtual
         ):
             self.supervisor.use_forkserver()
+        if self.warm_spares:
+            self.keep_spares()
         self.start_heartbeat()
         try:
             if not self._stop_requested.is_set():
@@ -409,6 +423,14 @@ class NodeAgent:
             self.supervisor.close()
         if self.refused is not None:
             raise CredentialRefused(self.refused)
+
+    def keep_spares(self) -> None:
+        """A warm spare on each of the node's GPUs, each held to hold a context there until it
+        says what it does: the virtual profile's on a virtual GPU, an H100's on a real one."""
+        backend = "virtual" if self.virtual else "cuda"
+        context = self.profile.context_bytes if self.virtual else memory.H100_CONTEXT_BYTES
+        self.supervisor.keep_spares(backend, [d.index for d in self.devices], context)
+        log.info("node %s keeps a warm spare on each of its %d GPU(s)", self.name, len(self.devices))
 
     def _early_stop(self, signum: int, frame: object) -> None:
         self._stop_requested.set()

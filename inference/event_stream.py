@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -13,6 +15,15 @@ from gpuportal.wire.states import ReplicaState as S
 from inference.process_exit import exit_now as _exit
 
 log = logging.getLogger("inference.replica")
+
+
+def protocol_stream() -> TextIO:
+    """Keep the real stdout for events and point fd 1 at stderr, so stray prints cannot corrupt the protocol."""
+    sys.stdout.flush()
+    events_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
 
 
 class EventWriter:

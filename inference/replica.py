@@ -50,11 +50,12 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gpuportal.processes import tie_to_parent
+from gpuportal.processes import tie_to_parent, untie_from_parent
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.requestqueue import RequestQueue
 from gpuportal.wire.states import PROCESS_STARTING, Role
 from gpuportal.wire.states import ReplicaState as S
+from inference import warm_spare
 from inference.backends import (
     BACKENDS,
     Backend,
@@ -64,7 +65,7 @@ from inference.backends import (
     VirtualBackend,
     classify_failure,
 )
-from inference.event_stream import EventWriter
+from inference.event_stream import EventWriter, protocol_stream
 from inference.host import DEFAULT_KV_MAX_TOKENS, ReplicaHost
 from inference.loaders import LOADERS
 from inference.process_exit import exit_now as _exit
@@ -85,15 +86,6 @@ def die_with_parent() -> None:
         tie_to_parent(signal.SIGKILL)
     except OSError as exc:  # not Linux: the agent's stdin EOF still ends us
         log.warning("cannot set PR_SET_PDEATHSIG: %s", exc)
-
-
-def protocol_stream() -> TextIO:
-    """Keep the real stdout for events and point fd 1 at stderr, so stray prints cannot corrupt the protocol."""
-    sys.stdout.flush()
-    events_fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
 
 
 def read_commands(
@@ -253,15 +245,25 @@ def placement_from_args(args: argparse.Namespace) -> Placement:
     return Placement.parse(gpus, reserved, fraction)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, events: TextIO | None = None) -> None:
+    """The replica program. `events`: the protocol's stream where this process already kept it (a
+    warm spare becoming this replica, inference.warm_spare); else fd 1 becomes it here."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [warm_spare.FLAG]:
+        # Warm on its GPU, then this replica: the one it is told to become.
+        argv, events = warm_spare.wait_to_become(argv[1:])
     args = parse_args(argv)
     adoptable = args.adoption_window > 0 and bool(args.adopt_address)
     if not adoptable:
         die_with_parent()
+    else:
+        # A warm spare dies with its agent; the replica it became outlives it for its window.
+        untie_from_parent()
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s replica {args.replica_id} pid {os.getpid()}: %(message)s",
+        force=True,
     )
     # Never the hub, whatever the environment says: a node has no network and a download would
     # blow the memory plan. PCI bus order makes torch's GPU indices NVML's, which the agent reports.
@@ -269,11 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     # Progress bars redraw with carriage returns: noise in a log file, and progress goes out as events.
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    events = EventWriter(protocol_stream())
+    writer = EventWriter(protocol_stream() if events is None else events)
     try:
         placement = placement_from_args(args)
     except ValueError as exc:
-        events.emit("failed", reason=f"bad arguments: {exc}", kind="load")
+        writer.emit("failed", reason=f"bad arguments: {exc}", kind="load")
         _exit(2)
     backend: Backend = CudaBackend() if args.backend == "cuda" else VirtualBackend()
     host = ReplicaHost(
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         placement=placement,
         backend=backend,
-        events=events,
+        events=writer,
         kv_max_tokens=args.kv_max_tokens,
         context_bytes=args.context_bytes,
         standby_context_bytes=args.standby_context_bytes,
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         from inference.pairing import PairMember
 
         if not args.failover_fence or requests is None:
-            events.emit("failed", reason="a failover member needs --failover-fence and --redis-url", kind="load")
+            writer.emit("failed", reason="a failover member needs --failover-fence and --redis-url", kind="load")
             _exit(2)
         pair = PairMember.from_args(host, requests, args)
     _exit(run(host, commands, pair))

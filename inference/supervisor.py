@@ -44,6 +44,7 @@ from gpuportal.wire.states import ReplicaState as S
 from inference import adoption, failover, host_copy
 from inference.forkserver import READY_TIMEOUT_S, ForkedProcess, ForkServer
 from inference.host_ram import proportional_bytes
+from inference.spare_pool import Process, Spare, SparePool
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ EXIT_GRACE_S = 10.0
 # A replica's drain on stop when the command names none: inference.host.DEFAULT_DRAIN_TIMEOUT_S
 # (not imported: the agent need not load the replica program's modules).
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def _may_take_a_spare(spec: ReplicaSpec) -> bool:
+    """A failover pair's member stays a process of its own: its standby's context is a figure of
+    its own (standby_context_bytes) that a spare's warm-up would outgrow."""
+    return bool(spec.gpus) and spec.failover_lease is None
 
 
 def fence_of(spec: ReplicaSpec) -> str:
@@ -235,6 +242,8 @@ class Supervisor:
         # the first start (or a warm-up) began it.
         self._forkserver_wanted = False
         self._forkserver: Future[ForkServer | None] | None = None
+        # The warm spares, once the agent keeps some (keep_spares).
+        self._spares: SparePool | None = None
 
     # -- API -----------------------------------------------------------------------------------
 
@@ -250,7 +259,10 @@ class Supervisor:
                 raise ValueError(f"replica {spec.replica_id} is already running (pid {pid})")
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"replica-{spec.replica_id}.log"
-            process = self._spawner.submit(self._spawn, spec, log_path).result()
+            spare = self._spares.take(spec.gpus[0], spec.backend) if self._spares and _may_take_a_spare(spec) else None
+            process = self._become(spare, spec, log_path) if spare is not None else None
+            if process is None:
+                process = self._spawner.submit(self._spawn, spec, log_path).result()
             assert process.stdout is not None and process.stdin is not None
             replica = _Replica(
                 spec=spec,
@@ -267,6 +279,52 @@ class Supervisor:
         if spec.failover_lease is not None:
             self._start_watchdog()
         self._start_reader(replica)
+
+    def keep_spares(self, backend: str, gpus: list[int], context_bytes: int) -> None:
+        """A warm spare on each of `gpus` from now on (inference.spare_pool): the next replica
+        started on one runs in it, its CUDA context already made."""
+        if self._forkserver_wanted:
+            self._template()  # queued before the spares' starts, which fork from it
+        with self._lock:
+            if self._spares is None:
+                self._spares = SparePool(self.log_dir, self._spawn_spare, self._spawner.submit)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._spares.keep(backend, gpus, context_bytes)
+
+    def spare_slots(self) -> dict[str, int]:
+        """{GPU index: bytes} the node's warm spares hold, or are held to, per GPU it keeps one on."""
+        return self._spares.slots() if self._spares is not None else {}
+
+    def spare_pids(self) -> set[int]:
+        return self._spares.pids() if self._spares is not None else set()
+
+    def warm_spares(self) -> dict[int, int]:
+        """{GPU index: pid} of the warm spares ready now."""
+        return self._spares.warm() if self._spares is not None else {}
+
+    def _become(self, spare: Spare, spec: ReplicaSpec, log_path: Path) -> Process | None:
+        """Tell the warm spare to become this replica; None where it cannot be told (it died)."""
+        message = {
+            "cmd": "become",
+            "argv": self._argv(spec)[3:],
+            "env": self._child_env(spec),
+            "log": str(log_path),
+            "name": spec.replica_id[:7],
+        }
+        try:
+            assert spare.process.stdin is not None
+            spare.process.stdin.write(json.dumps(message).encode() + b"\n")
+            spare.process.stdin.flush()
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "the warm spare of GPU %d is gone (%s): replica %s starts the plain way",
+                spare.gpu,
+                exc,
+                spec.replica_id,
+            )
+            return None
+        log.info("replica %s runs in the warm spare of GPU %d (pid %d)", spec.replica_id, spare.gpu, spare.pid)
+        return spare.process
 
     def host_copy_path(self, replica_id: str) -> Path:
         """Where a deep sleeper's weights wait (inference.host_copy)."""
@@ -578,7 +636,10 @@ class Supervisor:
 
     def close(self) -> None:
         """Stop the replica template, if there is one (the replicas it forked carry on), and
-        remove the node's folder of host copies if it holds none."""
+        remove the node's folder of host copies if it holds none. The warm spares go first: they
+        are nobody's replicas yet."""
+        if self._spares is not None:
+            self._spares.close()
         if self._forkserver is not None and (server := self._forkserver.result()) is not None:
             server.close()
         host_copy.tidy(self.host_copies)
@@ -591,18 +652,35 @@ class Supervisor:
             log.warning("cannot start the replica template (%s): replicas start the plain way", exc)
             return None
 
-    def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen | ForkedProcess:
+    def _argv(self, spec: ReplicaSpec) -> list[str]:
         argv = replica_argv(spec, self.python, self.node_fence, self.pairs)
         if spec.adoption_window_s > 0:
             argv += ["--adopt-address", adoption.address(self.log_dir, spec.replica_id)]
         if spec.from_host_copy:
             argv += ["--host-copy", str(self.host_copy_path(spec.replica_id))]
+        return argv
+
+    def _spawn(self, spec: ReplicaSpec, log_path: Path) -> subprocess.Popen | ForkedProcess:
+        # An adoptable replica outlives us for its window; it ends itself after that.
+        return self._run(
+            self._argv(spec),
+            self._child_env(spec),
+            log_path,
+            tie=spec.adoption_window_s <= 0,
+            name=spec.replica_id[:7],
+        )
+
+    def _spawn_spare(self, arguments: list[str], backend: str, log_path: Path, name: str) -> Process:
+        """A warm spare's process (inference.spare_pool), started as a replica's is: it dies with us."""
+        argv = [self.python, "-m", "inference.replica", *arguments]
+        return self._run(argv, self._device_env(backend), log_path, tie=True, name=name)
+
+    def _run(self, argv: list[str], env: dict[str, str], log_path: Path, *, tie: bool, name: str) -> Process:
+        """`python -m inference.replica ...`, forked from the template where there is one."""
         server = self._forkserver.result() if self._forkserver is not None else None
         if server is not None and server.alive:
             # argv is [python, -m, inference.replica, *arguments]: the template runs the last part.
-            forked = server.spawn(
-                argv[3:], self._child_env(spec), log_path, tie=spec.adoption_window_s <= 0, name=spec.replica_id[:7]
-            )
+            forked = server.spawn(argv[3:], env, log_path, tie=tie, name=name)
             if forked is not None:
                 return forked
         with log_path.open("ab") as log_file:
@@ -611,19 +689,22 @@ class Supervisor:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
-                env=self._child_env(spec),
-                # An adoptable replica outlives us for its window; it ends itself after that.
-                preexec_fn=None if spec.adoption_window_s > 0 else die_with_parent(signal.SIGKILL),
+                env=env,
+                preexec_fn=die_with_parent(signal.SIGKILL) if tie else None,
                 close_fds=True,
             )
 
     def _child_env(self, spec: ReplicaSpec) -> dict[str, str]:
-        env = self._base_env()
-        if spec.backend == "cuda":
-            # The replica targets its GPUs itself (set_device, max_memory), by NVML index: it must see them all.
-            env.pop("CUDA_VISIBLE_DEVICES", None)
+        env = self._device_env(spec.backend)
         if spec.deployment and spec.redis_url:
             env["GPUPORTAL_REDIS_URL"] = spec.redis_url
+        return env
+
+    def _device_env(self, backend: str) -> dict[str, str]:
+        env = self._base_env()
+        if backend == "cuda":
+            # The replica targets its GPUs itself (set_device, max_memory), by NVML index: it must see them all.
+            env.pop("CUDA_VISIBLE_DEVICES", None)
         return env
 
     def _base_env(self) -> dict[str, str]:

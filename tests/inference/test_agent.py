@@ -340,6 +340,12 @@ class _Processes:
     def ping_all(self) -> None:
         pass
 
+    def spare_slots(self) -> dict[str, int]:
+        return {}  # no warm spares (tests/inference/test_warm_spares.py has them)
+
+    def spare_pids(self) -> set[int]:
+        return set()
+
     def backend_of(self, replica_id: str) -> str | None:
         return "virtual" if replica_id in self._states else None
 

@@ -1,0 +1,125 @@
+"""Warm spares: a replica process per GPU started ahead of need, its context made there, that the
+next replica started on that GPU runs in (inference.warm_spare, inference.spare_pool); the agent
+counts each GPU's spare as memory placement leaves alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from inference.agent import NodeAgent
+from inference.devices import virtual_gpus
+from inference.spare_pool import GIVE_UP_AFTER
+from inference.supervisor import Supervisor
+from tests.support.processes import wait_until
+from tests.support.replicas import CONTEXT, Events, MiB, gone, spec
+
+GiB = 1024**3
+
+
+def _warm(supervisor: Supervisor, gpu: int, *, not_pid: int | None = None) -> int:
+    return wait_until(
+        lambda: (pid := supervisor.warm_spares().get(gpu)) is not None and pid != not_pid and pid,
+        60,
+        f"a warm spare on GPU {gpu}",
+    )
+
+
+@pytest.mark.slow
+def test_a_replica_started_on_a_gpu_with_a_warm_spare_runs_in_it_and_the_next_one_warms(tiny_model_dir, tmp_path):
+    supervisor = Supervisor(tmp_path / "logs", host_copies=tmp_path / "copies")
+    supervisor.use_forkserver()  # as an agent on virtual GPUs does
+    supervisor.keep_spares("virtual", [0], CONTEXT)
+    events = Events()
+    try:
+        first = _warm(supervisor, 0)
+        assert supervisor.spare_slots() == {"0": CONTEXT}
+
+        supervisor.start(spec(str(tiny_model_dir)), events)
+
+        _, serving = events.until("serving")
+        assert serving["pid"] == first and supervisor.pid("r1") == first, "it runs in the spare's process"
+        log = (tmp_path / "logs" / "replica-r1.log").read_text()
+        assert f"replica r1 pid {first}: r1 100%: loaded" in log, "its log is the replica's own"
+        assert "warm on virtual GPU 0" in (tmp_path / "logs" / "spare-gpu0.log").read_text()
+        second = _warm(supervisor, 0, not_pid=first)
+        # One context placement leaves alone before, while and after a spare is taken.
+        assert supervisor.spare_slots() == {"0": CONTEXT}
+
+        # A deep sleeper's wake, the spare's reason to be: its new process is the spare.
+        supervisor.send("r1", {"cmd": "sleep"})
+        events.until("sleeping")
+        supervisor.send("r1", {"cmd": "deepen", "path": str(supervisor.host_copy_path("r1"))})
+        events.until("deep_sleeping")
+        woken = dataclasses.replace(spec(str(tiny_model_dir)), from_host_copy=True)
+        supervisor.start(woken, events)
+        progress, again = events.until("serving")
+        assert again["pid"] == second and progress[0]["detail"].startswith("waking from deep sleep")
+        assert again["weights_bytes"] == serving["weights_bytes"]
+        third = _warm(supervisor, 0, not_pid=second)
+    finally:
+        supervisor.stop_all(timeout=5)
+        supervisor.close()
+    assert wait_until(lambda: gone(third), 10, "the last spare to exit with its supervisor")
+
+
+@pytest.mark.slow
+def test_a_replica_of_another_backend_or_gpu_starts_the_plain_way(tiny_model_dir, tmp_path):
+    supervisor = Supervisor(tmp_path / "logs")
+    supervisor.keep_spares("virtual", [1], CONTEXT)
+    events = Events()
+    try:
+        spare = _warm(supervisor, 1)
+
+        supervisor.start(spec(str(tiny_model_dir), gpus=(0,)), events)
+
+        _, serving = events.until("serving")
+        assert serving["pid"] != spare and supervisor.warm_spares() == {1: spare}
+    finally:
+        supervisor.stop_all(timeout=5)
+        supervisor.close()
+
+
+@pytest.mark.slow
+def test_a_spare_that_never_warms_is_given_up_on_its_gpu_and_holds_no_slot(tmp_path):
+    # An interpreter that exits at once: the spare says nothing, as one whose GPU will not do.
+    broken = tmp_path / "python"
+    broken.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'raise SystemExit(3)'\n")
+    broken.chmod(0o755)
+    supervisor = Supervisor(tmp_path / "logs", python=str(broken))
+    try:
+        supervisor.keep_spares("virtual", [0], CONTEXT)
+        assert supervisor.spare_slots() == {"0": CONTEXT}, "held from the start, while the first one warms"
+
+        reason = wait_until(lambda: supervisor._spares.given_up().get(0), 60, f"{GIVE_UP_AFTER} tries")
+
+        assert "exited before it was warm" in reason and "spare-gpu0.log" in reason
+        assert supervisor.spare_slots() == {} and supervisor.warm_spares() == {}
+    finally:
+        supervisor.close()
+
+
+def test_the_agent_counts_each_gpus_spare_as_memory_placement_leaves_alone(tmp_path):
+    agent = NodeAgent("n1", control=SimpleNamespace(), backend="virtual", virtual_foreign={1: GiB})
+    agent.devices = virtual_gpus("n1", "2x8GiB")
+    agent.virtual = True
+    agent.supervisor = SimpleNamespace(spare_slots=lambda: {"0": CONTEXT, "1": CONTEXT})
+
+    assert agent.foreign(set(), None, None) == {"0": CONTEXT, "1": GiB + CONTEXT}
+
+    # On NVML the spare's own process is counted once: in its slot, not again as another tenant.
+    agent.virtual = False
+    agent.devices = [SimpleNamespace(index=0, total_bytes=80 * GiB), SimpleNamespace(index=1, total_bytes=80 * GiB)]
+    replica, spare = {"0": 10 * GiB}, {"0": 600 * MiB}
+    by_pid = {101: replica, 202: spare}
+    free = {"0": 80 * GiB - 10 * GiB - 600 * MiB, "1": 80 * GiB}
+    assert agent.foreign({101}, by_pid, free) == {"0": CONTEXT, "1": CONTEXT}
+
+
+def test_warm_spares_are_off_unless_the_operator_turns_them_on(settings):
+    assert NodeAgent("n1", control=SimpleNamespace()).warm_spares is False
+    settings.GPUPORTAL_WARM_SPARES = True
+    assert NodeAgent("n1", control=SimpleNamespace()).warm_spares is True
