@@ -247,7 +247,8 @@ def agents_worker(django_db_setup, django_db_blocker, tmp_path_factory):
 @pytest.fixture
 def start_agent(tmp_path, agents_worker):
     """Starts real node agents on this test's database and Redis: `start_agent(node, gpus)`, e.g.
-    `start_agent("e2e", "1x2GiB")`; each is killed with its replicas at the end of the test. Their
+    `start_agent("e2e", "1x2GiB")`, with settings of its own as keywords
+    (`GPUPORTAL_WARM_SPARES="1"`); each is killed with its replicas at the end of the test. Their
     virtual GPUs account like the H100's: a CUDA context per replica process, the
     driver's reserve, the allocator's rounding."""
     import subprocess
@@ -258,14 +259,14 @@ def start_agent(tmp_path, agents_worker):
 
     started = []
 
-    def start(node: str = "e2e", virtual_gpus: str = "2x4GiB"):
+    def start(node: str = "e2e", virtual_gpus: str = "2x4GiB", **env: str):
         log = open(tmp_path / f"agent-{node}.log", "w+")  # noqa: SIM115 - read back when the test fails
         process = subprocess.Popen(
             [sys.executable, "manage.py", "agent", "--node", node, "--virtual-gpus", virtual_gpus],
             cwd=Path(__file__).resolve().parent.parent,
             # A short stall threshold keeps the node's lease at 4 s (gpuportal.wire.node_lease.ttl_s):
             # the tests that cut an agent off wait for it to lapse, and they freeze no Redis.
-            env=_process_env(tmp_path, GPUPORTAL_HEARTBEAT_S="1", GPUPORTAL_CONTROL_STALL_S="2"),
+            env=_process_env(tmp_path, GPUPORTAL_HEARTBEAT_S="1", GPUPORTAL_CONTROL_STALL_S="2", **env),
             stdout=log,
             stderr=subprocess.STDOUT,
             # A group of its own, with its replicas: those a killed agent left waiting to be

@@ -5,7 +5,9 @@ counts each GPU's spare as memory placement leaves alone."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -123,3 +125,45 @@ def test_warm_spares_are_off_unless_the_operator_turns_them_on(settings):
     assert NodeAgent("n1", control=SimpleNamespace()).warm_spares is False
     settings.GPUPORTAL_WARM_SPARES = True
     assert NodeAgent("n1", control=SimpleNamespace()).warm_spares is True
+
+
+def _spare_pids(log: Path) -> set[int]:
+    """The pids of every spare a node's agent started on GPU 0, from their log's lines."""
+    return {int(pid) for pid in re.findall(r"spare gpu 0 pid (\d+): warm on", log.read_text())}
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_through_the_portal_a_deep_sleepers_wake_runs_in_its_gpus_warm_spare_within_the_books(
+    start_agent, staff, tmp_path
+):
+    from inference.management.commands.make_tiny_model import write_tiny_model
+    from scheduling.models import GPU, Event, Replica
+    from scheduling.services import requests as request_services
+
+    request_services.queue.cache_clear()
+    start_agent("warm", "1x4GiB", GPUPORTAL_WARM_SPARES="1")
+    spares = tmp_path / "replicas" / "warm" / "spare-gpu0.log"
+    # The node's beat books its spare's context as memory placement leaves alone.
+    wait_until(lambda: GPU.objects.get(node__name="warm").foreign_bytes == CONTEXT, 60, "the spare's slot booked")
+    model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3).path
+    body = {"name": "tiny", "model": {"source": str(model)}, "memory": {"max_tokens": 256}}
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    replica = wait_until(lambda: Replica.objects.filter(state="serving").first(), 120, "the replica to serve")
+    assert replica.pid in _spare_pids(spares), "it runs in the spare that warmed first"
+
+    assert staff.post("/api/deployments/tiny/sleep/").status_code in (200, 202)
+    wait_until(lambda: Replica.objects.get(pk=replica.pk).state == "sleeping", 60, "the replica to sleep")
+    assert staff.post("/api/deployments/tiny/deep-sleep/").status_code in (200, 202)
+    wait_until(lambda: Replica.objects.get(pk=replica.pk).state == "deep_sleeping", 60, "the replica to sleep deeply")
+
+    answer = staff.post("/api/deployments/tiny/infer/", {"input": "Hello", "timeout_s": 120}, format="json")
+
+    assert answer.status_code == 200, answer.content
+    woken = Replica.objects.get(pk=replica.pk)
+    assert woken.state == "serving" and woken.pid != replica.pid
+    assert woken.pid in _spare_pids(spares), "the deep sleeper's new process is the spare that warmed next"
+    gpu = GPU.objects.get(node__name="warm")
+    assert gpu.foreign_bytes == CONTEXT, "one slot all along: a spare's coming and going moved no figure"
+    assert Event.objects.filter(kind=Event.Kind.GPU_FOREIGN).count() == 1, "the slot's booking, once"
+    assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
