@@ -148,6 +148,7 @@ class SparePool:
                 spare.process.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     spare.process.wait(STOP_TIMEOUT_S)
+            _release(spare)
 
     # -- the spares' lives ---------------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class SparePool:
             return
         with contextlib.suppress(subprocess.TimeoutExpired):
             spare.process.wait(STOP_TIMEOUT_S)
+        _release(spare)
         if self._closed.is_set():
             return
         reason = str(said.get("reason") or f"it exited before it was warm (see {spare.log_path})")
@@ -231,3 +233,13 @@ class SparePool:
         retry = threading.Timer(RETRY_S, self._refill, args=(gpu,))
         retry.daemon = True
         retry.start()
+
+
+def _release(spare: Spare) -> None:
+    """Its pipes, and the pidfd a forked one is watched through: a spare that ended is nobody's."""
+    for stream in (spare.process.stdin, spare.process.stdout):
+        with contextlib.suppress(OSError, ValueError):
+            if stream is not None:
+                stream.close()
+    if isinstance(spare.process, ForkedProcess):
+        spare.process.close()

@@ -167,3 +167,45 @@ def test_through_the_portal_a_deep_sleepers_wake_runs_in_its_gpus_warm_spare_wit
     assert gpu.foreign_bytes == CONTEXT, "one slot all along: a spare's coming and going moved no figure"
     assert Event.objects.filter(kind=Event.Kind.GPU_FOREIGN).count() == 1, "the slot's booking, once"
     assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_on_a_real_gpu_a_warm_spare_holds_its_context_and_a_deep_sleepers_wake_runs_in_it(tmp_path):
+    from gpuportal.wire.commands import ReplicaSpec
+    from inference.backends import nvml_process_bytes
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", size_mb=64, seed=7).path
+    supervisor = Supervisor(tmp_path / "logs", host_copies=tmp_path / "copies")
+    supervisor.keep_spares("cuda", [0], CONTEXT)
+    events = Events()
+    cuda = ReplicaSpec(
+        replica_id="r1", source=str(model), loader="transformers", dtype="float32", gpus=(0,),
+        reserved_bytes_by_gpu={"0": 2 * GiB}, fraction=0.1, backend="cuda", kv_max_tokens=512,
+    )  # fmt: skip
+    try:
+        first = _warm(supervisor, 0)
+        held = (nvml_process_bytes(first) or {}).get("0", 0)
+        if not held:
+            pytest.skip("NVML does not list the spare's process (a container without the host PID namespace)")
+        # Its context, and no more than a slot of the books: what it warmed with was given back.
+        assert 0 < held <= supervisor.spare_slots()["0"], (held, supervisor.spare_slots())
+
+        supervisor.start(cuda, events)
+        _, serving = events.until("serving", timeout=180)
+        assert serving["pid"] == first
+        second = _warm(supervisor, 0, not_pid=first)
+        supervisor.send("r1", {"cmd": "sleep"})
+        events.until("sleeping")
+        supervisor.send("r1", {"cmd": "deepen", "path": str(supervisor.host_copy_path("r1"))})
+        events.until("deep_sleeping")
+        assert wait_until(lambda: gone(first), 30, "the deep sleeper's process to exit")
+
+        supervisor.start(dataclasses.replace(cuda, from_host_copy=True), events)
+
+        progress, again = events.until("serving", timeout=180)
+        assert again["pid"] == second and progress[0]["detail"].startswith("waking from deep sleep")
+    finally:
+        supervisor.stop_all(timeout=10)
+        supervisor.close()
