@@ -313,7 +313,13 @@ class NodeAgent:
             if figures is not None:
                 usage[replica_id] = figures
                 states[replica_id] = state
-        return Books(usage=usage, states=states, free_by_index=free, foreign_by_index=self.foreign(pids, by_pid, free))
+        return Books(
+            usage=usage,
+            states=states,
+            free_by_index=free,
+            foreign_by_index=self.foreign(pids, by_pid, free),
+            spare_by_index=self.supervisor.spare_slots(),
+        )
 
     def foreign(
         self, pids: set[int], by_pid: dict[int, dict[str, int]] | None, free: dict[str, int] | None

@@ -64,6 +64,12 @@ class StateCollector:
             "driver's reserve) at the last heartbeat that changed it; out of placement's reach.",
             labels=["node", "gpu"],
         )
+        spare = GaugeMetricFamily(
+            "gpuportal_gpu_spare_bytes",
+            "Of gpuportal_gpu_foreign_bytes, what the node's own warm spares hold or are held to "
+            "(GPUPORTAL_WARM_SPARES): a CUDA context per GPU, out of placement's reach.",
+            labels=["node", "gpu"],
+        )
         free = GaugeMetricFamily(
             "gpuportal_gpu_nvml_free_bytes",
             "Free memory NVML reported at the last heartbeat (a virtual GPU's: total less its processes').",
@@ -78,15 +84,27 @@ class StateCollector:
             "overcommit_bytes",
             "nvml_free_bytes",
             "foreign_bytes",
+            "spare_bytes",
         )
         for row in rows:
-            node, index, virtual, total_bytes, available_bytes, overcommit_bytes, nvml_free_bytes, foreign_bytes = row
+            (
+                node,
+                index,
+                virtual,
+                total_bytes,
+                available_bytes,
+                overcommit_bytes,
+                nvml_free_bytes,
+                foreign_bytes,
+                spare_bytes,
+            ) = row
             gpu = str(index)
             total.add_metric([node, gpu, "true" if virtual else "false"], total_bytes)
             reserved.add_metric([node, gpu], max(0, total_bytes - foreign_bytes - available_bytes))
             available.add_metric([node, gpu], available_bytes)
             overcommit.add_metric([node, gpu], overcommit_bytes)
             foreign.add_metric([node, gpu], foreign_bytes)
+            spare.add_metric([node, gpu], spare_bytes)
             if nvml_free_bytes is not None:
                 free.add_metric([node, gpu], nvml_free_bytes)
 
@@ -100,6 +118,7 @@ class StateCollector:
             available,
             overcommit,
             foreign,
+            spare,
             free,
             _measured_bytes(),
             *_host_cache(),

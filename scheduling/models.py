@@ -106,6 +106,10 @@ class GPU(models.Model):
     # replicas, beyond the driver's reserve (or what a virtual GPU declares). Like an occupant the
     # portal does not own: nothing is placed into it. Written by the ledger alone.
     foreign_bytes = models.BigIntegerField(default=0, db_default=0)
+    # Of foreign_bytes, what the node's own warm spares hold or are held to (inference.spare_pool):
+    # the portal's processes, but no replica's. Shown apart from other tenants; placement keeps
+    # out of it as out of the rest of foreign_bytes.
+    spare_bytes = models.BigIntegerField(default=0, db_default=0)
     # Compare-and-swap version: bumped by every commit that touches this GPU.
     version = models.BigIntegerField(default=0)
     # The transaction id of the last writer, set by the database on every write (the trigger in

@@ -199,8 +199,11 @@ def gpu_block(gpu: dict[str, Any], width: int = 40) -> Text:
         f" · reserved {human_bytes(reserved)} · total {human_bytes(total)}"
         f" · free {human_bytes(gpu.get('available_bytes'))}"
     )
-    if gpu.get("foreign_bytes"):
-        figures.append(f" · other tenants {human_bytes(gpu['foreign_bytes'])}", style="red")
+    spare = gpu.get("spare_bytes") or 0
+    if gpu.get("foreign_bytes", 0) > spare:
+        figures.append(f" · other tenants {human_bytes(gpu['foreign_bytes'] - spare)}", style="red")
+    if spare:
+        figures.append(f" · warm spare {human_bytes(spare)}")
     if gpu.get("overcommit_bytes"):
         figures.append(f" · over-committed {human_bytes(gpu['overcommit_bytes'])}", style="red")
     elif used is not None and used > reserved:

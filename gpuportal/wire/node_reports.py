@@ -43,13 +43,16 @@ class Books:
     foreign_by_index: what other tenants hold per GPU index, processes that are not the node's
     replicas (NVML's used memory less the driver's reserve and what its replicas hold, or what a
     virtual GPU declares); a GPU missing from it, or None (an agent that does not say), keeps
-    the figure the books hold.
+    the figure the books hold. spare_by_index: of foreign_by_index, what the node's own warm
+    spares hold or are held to per GPU index (inference.spare_pool): the portal's processes, but
+    no replica's, shown apart from other tenants.
     """
 
     usage: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     states: Mapping[str, str] = field(default_factory=dict)
     free_by_index: Mapping[str, int] | None = None
     foreign_by_index: Mapping[str, int] | None = None
+    spare_by_index: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ GPU_SHOWN = {
     "total_bytes": 24 * GiB,
     "available_bytes": 24 * GiB - 300 * MiB,
     "foreign_bytes": 0,
+    "spare_bytes": 0,
     "reserved_bytes": 300 * MiB,
     "nvml_total_bytes": 24 * GiB + 512 * MiB,
     "context_bytes": 512 * MiB,

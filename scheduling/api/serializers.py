@@ -369,6 +369,7 @@ class GPUSerializer(serializers.ModelSerializer):
             "total_bytes",
             "available_bytes",
             "foreign_bytes",
+            "spare_bytes",
             "reserved_bytes",
             "nvml_total_bytes",
             "context_bytes",

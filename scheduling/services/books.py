@@ -143,6 +143,9 @@ def _record_foreign(
                 f"(was {memory.human_bytes(change.before)}): {memory.human_bytes(change.available_after)} "
                 f"left to place (was {memory.human_bytes(change.available_before)})"
             )
+            spare = int((books.spare_by_index or {}).get(str(index), 0))
+            if spare:
+                what += f"; {memory.human_bytes(min(spare, change.after))} of it is the node's warm spare"
             if into:
                 what += (
                     f"; {memory.human_bytes(into)} of it is memory reserved for the portal's replicas, which "
@@ -214,10 +217,13 @@ def _record_gpu_figures(
         else:
             # A virtual GPU: what CUDA could allocate less what its processes and other tenants hold.
             free = max(0, gpu.total_bytes - held[index] - gpu.foreign_bytes)
-        if gpu.overcommit_bytes != over[index] or gpu.nvml_free_bytes != free:
+        spare = gpu.spare_bytes
+        if books.spare_by_index is not None:
+            spare = min(int(books.spare_by_index.get(str(index), 0)), gpu.foreign_bytes)
+        if gpu.overcommit_bytes != over[index] or gpu.nvml_free_bytes != free or gpu.spare_bytes != spare:
             # One row per statement, outside any transaction: this never holds two GPU rows at
             # once, so it cannot deadlock with a ledger commit locking them in primary-key order.
-            GPU.objects.filter(pk=gpu.pk).update(overcommit_bytes=over[index], nvml_free_bytes=free)
+            GPU.objects.filter(pk=gpu.pk).update(overcommit_bytes=over[index], nvml_free_bytes=free, spare_bytes=spare)
 
 
 def _act_on(excess: Excess, replica: Replica | None, node_name: str) -> None:

@@ -130,13 +130,15 @@ class Segment:
             return f"free {human_bytes(self.bytes)}"
         if self.kind == "foreign":
             return f"other tenants {human_bytes(self.bytes)}"
+        if self.kind == "spare":
+            return f"warm spare {human_bytes(self.bytes)}"
         measured = f", measured {human_bytes(self.measured)}" if self.measured is not None else ""
         return f"{self.deployment} ({self.state}): reserved {human_bytes(self.bytes)}{measured}"
 
     @property
     def short(self) -> str:
         """What fits in the bar itself: the full label is its tooltip and in the legend."""
-        if self.kind in ("free", "foreign"):
+        if self.kind in ("free", "foreign", "spare"):
             return self.label
         return f"{self.deployment} · {self.state} · {human_bytes(self.bytes)}"
 
@@ -155,6 +157,11 @@ class GpuRow:
     @property
     def label(self) -> str:
         return f"{self.gpu.node.name}/{self.gpu.index}"
+
+    @property
+    def others_bytes(self) -> int:
+        """What other tenants hold: foreign_bytes less the node's own warm spare."""
+        return max(0, self.gpu.foreign_bytes - self.gpu.spare_bytes)
 
 
 @dataclass
@@ -195,13 +202,15 @@ def _gpu_row(gpu: GPU) -> GpuRow:
         )
     free = Segment(kind="free", bytes=gpu.available_bytes, percent=round(100 * gpu.available_bytes / total, 2))
     segments = sorted(occupants, key=lambda s: SEGMENT_ORDER.index(s.kind) if s.kind in SEGMENT_ORDER else 9)
-    # Other tenants' memory at the end of the bar, beside what is free but never part of it.
-    foreign = (
-        [Segment(kind="foreign", bytes=gpu.foreign_bytes, percent=round(100 * gpu.foreign_bytes / total, 2))]
-        if gpu.foreign_bytes
-        else []
-    )
-    return GpuRow(gpu=gpu, segments=[*segments, free, *foreign], occupants=occupants)
+    # Other tenants' memory at the end of the bar, beside what is free but never part of it, and
+    # the node's warm spare (inference.spare_pool), which placement keeps out of as well.
+    spare = min(gpu.spare_bytes, gpu.foreign_bytes)
+    outside = [
+        Segment(kind=kind, bytes=held, percent=round(100 * held / total, 2))
+        for kind, held in (("spare", spare), ("foreign", gpu.foreign_bytes - spare))
+        if held
+    ]
+    return GpuRow(gpu=gpu, segments=[*segments, free, *outside], occupants=occupants)
 
 
 def _heartbeat_age(last: datetime | None, now: datetime) -> float | None:

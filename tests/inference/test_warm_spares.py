@@ -146,6 +146,7 @@ def test_through_the_portal_a_deep_sleepers_wake_runs_in_its_gpus_warm_spare_wit
     spares = tmp_path / "replicas" / "warm" / "spare-gpu0.log"
     # The node's beat books its spare's context as memory placement leaves alone.
     wait_until(lambda: GPU.objects.get(node__name="warm").foreign_bytes == CONTEXT, 60, "the spare's slot booked")
+    wait_until(lambda: spares.exists() and _spare_pids(spares), 60, "the spare to be warm")
     model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3).path
     body = {"name": "tiny", "model": {"source": str(model)}, "memory": {"max_tokens": 256}}
     assert staff.post("/api/deployments/", body, format="json").status_code == 201
@@ -157,6 +158,8 @@ def test_through_the_portal_a_deep_sleepers_wake_runs_in_its_gpus_warm_spare_wit
     assert staff.post("/api/deployments/tiny/deep-sleep/").status_code in (200, 202)
     wait_until(lambda: Replica.objects.get(pk=replica.pk).state == "deep_sleeping", 60, "the replica to sleep deeply")
 
+    wait_until(lambda: len(_spare_pids(spares)) == 2, 60, "the next spare to be warm")
+
     answer = staff.post("/api/deployments/tiny/infer/", {"input": "Hello", "timeout_s": 120}, format="json")
 
     assert answer.status_code == 200, answer.content
@@ -165,6 +168,9 @@ def test_through_the_portal_a_deep_sleepers_wake_runs_in_its_gpus_warm_spare_wit
     assert woken.pid in _spare_pids(spares), "the deep sleeper's new process is the spare that warmed next"
     gpu = GPU.objects.get(node__name="warm")
     assert gpu.foreign_bytes == CONTEXT, "one slot all along: a spare's coming and going moved no figure"
+    assert gpu.spare_bytes == CONTEXT, "and it is the node's warm spare, not another tenant"
+    shown = staff.get(f"/api/gpus/{gpu.pk}/").json()
+    assert (shown["foreign_bytes"], shown["spare_bytes"]) == (CONTEXT, CONTEXT)
     assert Event.objects.filter(kind=Event.Kind.GPU_FOREIGN).count() == 1, "the slot's booking, once"
     assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
 
@@ -209,3 +215,36 @@ def test_on_a_real_gpu_a_warm_spare_holds_its_context_and_a_deep_sleepers_wake_r
     finally:
         supervisor.stop_all(timeout=10)
         supervisor.close()
+
+
+@pytest.mark.django_db
+def test_the_books_api_cli_and_dashboard_show_a_gpus_warm_spare_apart_from_other_tenants(staff, admin_client):
+    from django.urls import reverse
+
+    from gpuportal.cli import render
+    from gpuportal.wire.node_reports import Books
+    from scheduling.models import GPU, Event
+    from scheduling.services import nodes
+    from tests.support.factories import NO_OVERHEAD
+
+    nodes.register_node("n1", virtual_gpus("n1", "1x8GiB", NO_OVERHEAD), virtual=True)
+
+    nodes.heartbeat("n1", books=Books(foreign_by_index={"0": GiB + CONTEXT}, spare_by_index={"0": CONTEXT}))
+
+    gpu = GPU.objects.get()
+    assert (gpu.foreign_bytes, gpu.spare_bytes) == (GiB + CONTEXT, CONTEXT)
+    assert gpu.available_bytes == 8 * GiB - GiB - CONTEXT, "placement keeps out of both"
+    (event,) = Event.objects.filter(kind=Event.Kind.GPU_FOREIGN)
+    assert "722 MiB of it is the node's warm spare" in event.reason
+    row = staff.get(f"/api/gpus/{gpu.pk}/").json()
+    assert (row["foreign_bytes"], row["spare_bytes"]) == (GiB + CONTEXT, CONTEXT)
+    shown = render.gpu_block(row, width=8).plain
+    assert "other tenants 1.0 GiB" in shown and "warm spare 722.0 MiB" in shown
+    page = admin_client.get(reverse("admin:scheduling_dashboard")).content.decode()
+    assert "1.00 GiB held by other tenants" in page and "722.00 MiB held by the node's warm spare" in page
+    assert 'data-kind="spare" title="warm spare 722.00 MiB"' in page
+
+    # An agent that keeps no spare says so with an empty figure: the GPU's spare is gone.
+    nodes.heartbeat("n1", books=Books(foreign_by_index={"0": GiB}, spare_by_index={}))
+    gpu.refresh_from_db()
+    assert (gpu.foreign_bytes, gpu.spare_bytes) == (GiB, 0)
