@@ -102,10 +102,10 @@ class SparePool:
             if slot is None or slot.backend != backend or slot.spare is None or not slot.spare.ready.is_set():
                 return None
             spare, slot.spare = slot.spare, None
-        if spare.process.poll() is not None:
-            self._refill(gpu)
-            return None
         self._refill(gpu)
+        if spare.process.poll() is not None:  # it died waiting: this start goes the plain way
+            _release(spare)
+            return None
         return spare
 
     def slots(self) -> dict[str, int]:

@@ -163,8 +163,11 @@ def test_through_the_portal_a_deep_sleepers_wake_runs_in_its_gpus_warm_spare_wit
     answer = staff.post("/api/deployments/tiny/infer/", {"input": "Hello", "timeout_s": 120}, format="json")
 
     assert answer.status_code == 200, answer.content
-    woken = Replica.objects.get(pk=replica.pk)
-    assert woken.state == "serving" and woken.pid != replica.pid
+    # Its `serving` report reaches the books through the agents' worker, maybe after the answer.
+    woken = wait_until(
+        lambda: (row := Replica.objects.get(pk=replica.pk)).state == "serving" and row, 30, "the woken replica's report"
+    )
+    assert woken.pid != replica.pid
     assert woken.pid in _spare_pids(spares), "the deep sleeper's new process is the spare that warmed next"
     gpu = GPU.objects.get(node__name="warm")
     assert gpu.foreign_bytes == CONTEXT, "one slot all along: a spare's coming and going moved no figure"
