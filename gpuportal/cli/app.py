@@ -538,6 +538,12 @@ def _add_the_record(commands: argparse._SubParsersAction[argparse.ArgumentParser
     plan.add_argument("--slo", type=positive_float, help="seconds to the first token (default 5)")
     plan.add_argument("--gpu-memory-gib", type=positive_float, help="the GPU kind to plan for")
     plan.add_argument("--gpus", type=non_negative_int, help="GPUs now (default: the portal's count)")
+    plan.add_argument(
+        "--warm-spares",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan with (or without) a warm spare on every GPU (default: as the portal's GPUs run)",
+    )
     plan.add_argument("--skip-bad", action="store_true", help="skip rows that are not requests, listing them")
     plan.add_argument("--plot", type=Path, help="write the attainment plot (PNG) here")
     add_wait_options(plan, "the plan is done")

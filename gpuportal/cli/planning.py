@@ -52,6 +52,7 @@ def plan_body(args: argparse.Namespace) -> dict[str, Any]:
         body["catalogue"] = catalogue_of(args.catalogue)
     given = {"target": args.target, "slo_ttft_s": args.slo, "gpu_memory_gib": args.gpu_memory_gib}
     given["current_gpus"] = args.gpus
+    given["warm_spares"] = args.warm_spares
     body.update({key: value for key, value in given.items() if value is not None})
     return body
 

@@ -37,6 +37,10 @@ class PlanInput(StrictSerializer):
     slo_ttft_s = FiniteFloatField(required=False, min_value=0.01, max_value=3600, help_text="Seconds to first token.")
     gpu_memory_gib = FiniteFloatField(required=False, min_value=1, max_value=4096, help_text="The GPU kind.")
     current_gpus = serializers.IntegerField(required=False, min_value=1, max_value=4096)
+    warm_spares = serializers.BooleanField(
+        required=False,
+        help_text="Plan with a warm spare on every GPU (GPUPORTAL_WARM_SPARES). By default: as the portal's GPUs run.",
+    )
     skip_bad = serializers.BooleanField(required=False, default=False, help_text="Skip rows that are not requests.")
 
 

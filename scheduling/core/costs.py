@@ -24,6 +24,9 @@ class HardwareConfig:
     # What a wake from deep sleep adds to a wake from the first level: a new process, its imports
     # and its CUDA context, before the weights cross the bus.
     process_start_s: float = 0.0
+    # A wake from deep sleep that runs in its GPU's warm spare (GPUPORTAL_WARM_SPARES): the process
+    # and its CUDA context were made before the wake; what is left is the replica program's start.
+    spare_start_s: float = 0.0
 
 
 @functools.cache

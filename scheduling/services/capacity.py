@@ -54,12 +54,14 @@ def prepare(
     skip_bad: bool = False,
     gpu_memory_gib: float | None = None,
     current_gpus: int | None = None,
+    warm_spares: bool | None = None,
 ) -> Inputs:
     """The trace, config and GPU count to plan with. The trace is a file's text, else the traffic
     recorded since `since`; the catalogue is the one given, else the portal's deployments (with the
     load and wake times they measured). The GPUs are of the kind the portal has most of, and as
-    many as it has now, unless told otherwise (the config's cluster when it has none). Raises
-    TraceFileError for rows that are not requests, unless `skip_bad`."""
+    many as it has now, unless told otherwise (the config's cluster when it has none), with warm
+    spares where its GPUs keep them (GPUPORTAL_WARM_SPARES), unless told. Raises TraceFileError
+    for rows that are not requests, unless `skip_bad`."""
     entries = tuple(catalogue) if catalogue is not None else traffic.live_catalogue()
     known = {e.name for e in entries}
     if trace_text is not None:
@@ -75,7 +77,9 @@ def prepare(
     sizes = Counter(GPU.objects.values_list("total_bytes", flat=True))
     gib = gpu_memory_gib or (sizes.most_common(1)[0][0] / GiB if sizes else config.cluster.gpu_memory_gib)
     gpus = current_gpus or sum(sizes.values()) or config.cluster.gpus
-    config = replace(config, cluster=replace(config.cluster, gpu_memory_gib=gib))
+    if warm_spares is None:
+        warm_spares = config.cluster.warm_spares or GPU.objects.filter(spare_bytes__gt=0).exists()
+    config = replace(config, cluster=replace(config.cluster, gpu_memory_gib=gib, warm_spares=warm_spares))
     return Inputs(build_trace(rows, entries, config), config, gpus, tuple(errors))
 
 
@@ -156,6 +160,7 @@ def run(plan_id: int) -> str:
             skip_bad=bool(options.get("skip_bad")),
             gpu_memory_gib=options.get("gpu_memory_gib"),
             current_gpus=options.get("current_gpus"),
+            warm_spares=options.get("warm_spares"),
         )
         result, elapsed = compute(
             inputs,

@@ -34,6 +34,9 @@ class ClusterConfig:
     nodes: int
     gpus_per_node: int
     gpu_memory_gib: float
+    # A warm spare on every GPU (GPUPORTAL_WARM_SPARES): one CUDA context less of each GPU to place
+    # into, and a deep wake that finds its GPU's spare warm starts in `spare_start_s`.
+    warm_spares: bool = False
 
     @property
     def gpus(self) -> int:

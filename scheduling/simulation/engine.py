@@ -23,7 +23,10 @@ services build one from the ledger. Simulated replicas:
   first: fairness.as_if_deep_asleep and sleepers_to_deepen) it holds nothing on any GPU, and its
   wake starts a process first (`process_start_s`). A serving replica evicted by a placement sleeps
   deeply at once: its room went to the replica placed. Either way it is a `CachedReplica` of its
-  node to placement;
+  node to placement. With `[cluster] warm_spares` every GPU keeps a warm spare, as the product's
+  agents do with GPUPORTAL_WARM_SPARES: a context of each GPU is the spare's, and a deep wake runs
+  in its first GPU's spare (`spare_start_s`) where that is sooner than a process start, waiting
+  for the one warming if need be; the next spare is warm a process start after it is taken;
 
 Every change of reservations is checked against every GPU's total (invariant 1 of docs/architecture.md): an
 over-commit raises `OverCommit` at the simulated instant it would happen.
@@ -191,7 +194,12 @@ class Simulation:
         self.trace, self.config, self.policy = trace, config, policy
         self.serving, self.hw = config.serving, config.hardware
         self.gpu_count = config.cluster.gpus if gpus is None else gpus
-        self.gpus = layout(self.gpu_count, config.cluster.gpus_per_node, config.cluster.gpu_bytes)
+        # Warm spares (the product's inference.spare_pool) where the policy sleeps at two levels:
+        # each GPU's spare holds a context there, and `spare_warm_at` says when it is next warm.
+        self.spares = config.cluster.warm_spares and policy.two_level_sleep
+        spare = config.hardware.cuda_context_mib * MiB if self.spares else 0
+        self.gpus = layout(self.gpu_count, config.cluster.gpus_per_node, config.cluster.gpu_bytes - spare)
+        self.spare_warm_at: dict[int, float] = {}
         self.node_gpus: dict[str, list[SimGPU]] = {}
         for gpu in self.gpus.values():
             self.node_gpus.setdefault(gpu.node, []).append(gpu)
@@ -662,6 +670,20 @@ class Simulation:
 
     # --- committing a placement ------------------------------------------------------------
 
+    def _deep_wake_s(self, ds: DeploymentState, placement: Placement) -> float:
+        """A deep sleeper's wake: a process started, then its weights copied from the host copy.
+        With warm spares it runs in its first GPU's spare where that is sooner, even waiting for
+        the one warming (a process start after the last was taken), and the next one starts."""
+        plain = costs.deep_wake_s(ds.spec.weight_bytes, self.hw, ds.spec.wake_s)
+        if not self.spares:
+            return plain
+        gpu = placement.gpu_ids[0]
+        wait = max(0.0, self.spare_warm_at.get(gpu, 0.0) - self.now)
+        if wait + self.hw.spare_start_s >= self.hw.process_start_s:
+            return plain
+        self.spare_warm_at[gpu] = self.now + wait + self.hw.process_start_s
+        return wait + self.hw.spare_start_s + costs.ram_wake_s(ds.spec.weight_bytes, self.hw, ds.spec.wake_s)
+
     def _commit(self, ds: DeploymentState, placement: Placement) -> None:
         """Apply a placement as the ledger would: evictions (ndif: at once, in-flight work is
         cancelled, the replica goes to its node's CPU RAM), then the reservation; then load."""
@@ -678,7 +700,7 @@ class Simulation:
             self._release(replica)
             load, replica.loaded_by = self.wake_s(ds.spec), "wake"
             if replica.deep:
-                load = costs.deep_wake_s(ds.spec.weight_bytes, self.hw, ds.spec.wake_s)
+                load = self._deep_wake_s(ds, placement)
                 self.counters.deep_wakes += 1
             replica.deep = replica.deepening = False
             replica.asleep_token += 1

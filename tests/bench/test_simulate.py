@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -184,6 +185,48 @@ def test_a_victim_that_keeps_a_copy_of_its_weights_frees_the_gpu_at_once(quick):
     assert waits(kept) == [pytest.approx(start + wake), pytest.approx(wake)]
     uncopied = waits(replace(kept, sleep_from_kept_copy=False))
     assert uncopied == [pytest.approx(copy_out + start + wake), pytest.approx(copy_out + wake)]
+
+
+def test_with_warm_spares_a_deep_wake_runs_in_its_gpus_spare_which_costs_a_context_of_room(quick):
+    # As above, b does not fit at the start and sleeps deeply; a, preempted for it, sleeps in its
+    # process. With warm spares b's wake starts in its GPU's spare, and the GPU has a context less.
+    plain = replace(one_gpu_node(quick), serving=replace(quick.serving, idle_timeout_s=1e6))
+    spared = replace(plain, cluster=replace(plain.cluster, warm_spares=True))
+    a, b = deployment("a", 50), deployment("b", 50)
+    trace = hand_trace([a, b], [(20.0, "b"), (40.0, "a")])
+    wake = a.weight_bytes / (plain.hardware.h2d_gb_per_s * 1e9)
+    hw = plain.hardware
+    assert 0 < hw.spare_start_s < hw.process_start_s
+
+    def waits(config: Config) -> list[float]:
+        result = simulate(trace, config, POLICIES["gpuportal"])
+        return [o.start_s - o.request.arrival_s for o in sorted(result.outcomes, key=lambda o: o.request.arrival_s)]
+
+    assert waits(plain) == [pytest.approx(hw.process_start_s + wake), pytest.approx(wake)]
+    assert waits(spared) == [pytest.approx(hw.spare_start_s + wake), pytest.approx(wake)]
+    context = hw.cuda_context_mib * 1024**2
+    assert Simulation(trace, spared, POLICIES["gpuportal"]).gpus[1].total_bytes == plain.cluster.gpu_bytes - context
+    # The baselines count no process, and so no spare.
+    assert Simulation(trace, spared, POLICIES["ndif"]).gpus[1].total_bytes == plain.cluster.gpu_bytes
+
+
+def test_a_deep_wake_soon_after_another_on_its_gpu_waits_for_the_next_spare_or_starts_the_plain_way(quick):
+    config = one_gpu_node(quick)
+    config = replace(config, cluster=replace(config.cluster, warm_spares=True))
+    sim = Simulation(hand_trace([deployment("a", 1)], []), config, POLICIES["gpuportal"])
+    ds = sim.deployments["a"]
+    placement = SimpleNamespace(gpu_ids=(1,))
+    hw = config.hardware
+    wake = ds.spec.weight_bytes / (hw.h2d_gb_per_s * 1e9)
+
+    first = sim._deep_wake_s(ds, placement)
+    sim.now = hw.process_start_s - 1.0  # the next spare is a second from warm
+    second = sim._deep_wake_s(ds, placement)
+    third = sim._deep_wake_s(ds, placement)  # the one after that has only begun
+
+    assert first == pytest.approx(hw.spare_start_s + wake)
+    assert second == pytest.approx(1.0 + hw.spare_start_s + wake)
+    assert third == pytest.approx(hw.process_start_s + wake)
 
 
 def test_a_replica_loaded_from_disk_leaves_once_the_copy_it_fills_while_serving_is_whole(quick):

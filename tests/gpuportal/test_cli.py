@@ -522,7 +522,7 @@ def test_plan_sends_the_trace_and_what_was_given_then_prints_the_table_and_write
     ctx = app.Context({}, Console(highlight=False, soft_wrap=True), Console(stderr=True, highlight=False))
     ctx._client = client
     args = app.build_parser().parse_args(
-        ["plan", str(trace), "--catalogue", str(catalogue), "--target", "0.95", "--plot", str(plot)]
+        ["plan", str(trace), "--catalogue", str(catalogue), "--target", "0.95", "--no-warm-spares", "--plot", str(plot)]
     )
 
     assert app.cmd_plan(ctx, args) == 0
@@ -535,6 +535,7 @@ def test_plan_sends_the_trace_and_what_was_given_then_prints_the_table_and_write
                 "trace": trace.read_text(),
                 "catalogue": {"deployments": [{"name": "a", "size": "7B"}]},
                 "target": 0.95,
+                "warm_spares": False,
             },
         )
     ]

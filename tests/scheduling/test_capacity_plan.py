@@ -180,6 +180,21 @@ def test_a_plan_is_accepted_at_once_then_shows_its_progress_and_its_answer(
 
 
 @pytest.mark.django_db
+def test_a_plan_has_warm_spares_where_the_portals_gpus_keep_them_unless_told(cluster):
+    from scheduling.models import GPU
+    from scheduling.simulation.traces import catalogue_from
+
+    def spares(**told) -> bool:
+        return capacity.prepare(
+            trace_text=TRACE, catalogue=catalogue_from(CATALOGUE), **told
+        ).config.cluster.warm_spares
+
+    assert spares() is False and spares(warm_spares=True) is True
+    GPU.objects.filter(pk=GPU.objects.order_by("pk").first().pk).update(spare_bytes=722 * MiB)
+    assert spares() is True and spares(warm_spares=False) is False
+
+
+@pytest.mark.django_db
 def test_a_trace_row_naming_an_unknown_deployment_is_refused_with_its_line_number_unless_skipped(staff, dispatched):
     body = {"trace": TRACE + "61,ghost,10,10\n", "catalogue": CATALOGUE}
     response = staff.post("/api/plan/", body, format="json")

@@ -3,6 +3,7 @@ trace needs (scheduling.simulation.planner), as a table, and a plot with --plot.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
@@ -29,6 +30,12 @@ class Command(BaseCommand):
         parser.add_argument("--gpus", type=int, default=None, help="GPUs now; the portal's count by default.")
         parser.add_argument("--gpu-memory-gib", type=float, default=None, help="The GPU kind to plan for.")
         parser.add_argument(
+            "--warm-spares",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Plan with (or without) a warm spare on every GPU; by default as the portal's GPUs run.",
+        )
+        parser.add_argument(
             "--policy", action="append", choices=sorted(POLICIES), help=f"Repeatable; {', '.join(DEFAULT_POLICIES)}."
         )
         parser.add_argument("--skip-bad", action="store_true", help="Skip rows that are not requests, listing them.")
@@ -47,6 +54,7 @@ class Command(BaseCommand):
                 skip_bad=o["skip_bad"],
                 gpu_memory_gib=o["gpu_memory_gib"],
                 current_gpus=o["gpus"],
+                warm_spares=o["warm_spares"],
             )
             plan, elapsed = capacity.compute(
                 inputs, target=o["target"], slo_ttft_s=o["slo"], policies=tuple(o["policy"] or DEFAULT_POLICIES)
