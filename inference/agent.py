@@ -300,6 +300,8 @@ class NodeAgent:
 
         running = self.supervisor.usage()
         self.supervisor.ping_all()
+        # Read once: the foreign figures and the slots they name must agree within a beat.
+        spares = self.supervisor.spare_slots()
         pids = {pid for pid, _, _ in running.values() if pid is not None}
         # The warm spares' too: what they hold is the node's, counted in their slots.
         seen = None if self.virtual else nvml_memory(pids | self.supervisor.spare_pids())
@@ -317,12 +319,16 @@ class NodeAgent:
             usage=usage,
             states=states,
             free_by_index=free,
-            foreign_by_index=self.foreign(pids, by_pid, free),
-            spare_by_index=self.supervisor.spare_slots(),
+            foreign_by_index=self.foreign(pids, by_pid, free, spares),
+            spare_by_index=spares,
         )
 
     def foreign(
-        self, pids: set[int], by_pid: dict[int, dict[str, int]] | None, free: dict[str, int] | None
+        self,
+        pids: set[int],
+        by_pid: dict[int, dict[str, int]] | None,
+        free: dict[str, int] | None,
+        spares: dict[str, int] | None = None,
     ) -> dict[str, int] | None:
         """What other processes than the node's replicas hold per GPU index: on a virtual GPU
         what the operator declared; on a real one NVML's used memory less the driver's reserve
@@ -333,7 +339,7 @@ class NodeAgent:
 
         Each GPU the node keeps a warm spare on adds its slot (inference.spare_pool): a context
         placement must leave alone, whether its spare is warm, starting, or just became a replica."""
-        spares = self.supervisor.spare_slots()
+        spares = self.supervisor.spare_slots() if spares is None else spares
         if self.virtual:
             return {
                 str(d.index): self.virtual_foreign.get(d.index, 0) + spares.get(str(d.index), 0) for d in self.devices

@@ -91,7 +91,6 @@ def become(command: dict[str, Any]) -> list[str]:
     if not isinstance(argv, list) or not isinstance(env, dict) or not isinstance(log_path, str):
         log.error("not a become command: %s", json.dumps(command)[:300])
         exit_now(2)
-        raise AssertionError("unreachable")
     # From here on what this process writes to its stderr (and to fd 1, pointed there when it
     # kept its real stdout for events) goes to the replica's log, as a started replica's does.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -140,5 +139,4 @@ def wait_to_become(argv: list[str]) -> tuple[list[str], TextIO]:
     if not isinstance(command, dict) or command.get("cmd") != "become":
         log.info("no replica to become (%s): exiting", "the agent is gone" if not line else line.strip()[:200])
         exit_now(0)
-        raise AssertionError("unreachable")
     return become(command), stream
