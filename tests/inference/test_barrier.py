@@ -33,6 +33,7 @@ MiB = 1024**2
 RESERVED = H100_CONTEXT_BYTES + 64 * MiB  # a CUDA context beside the allocator, as the scheduler reserves
 SLOW_FORWARD_S = 2.0
 LONG_TOKENS = 2000  # the tiny model's context is 2048 tokens: seconds of generation on a CPU
+SHORT_TOKENS = 150
 # Room in the KV block pool for the prompt: one long request fills the pool, so a later one waits.
 PROMPT_ROOM = 16
 
@@ -183,7 +184,8 @@ def test_a_generous_drain_lets_the_request_finish_and_stop_drains_the_same_way(
     events = Events()
     supervisor.start(replica(str(endless_model_dir), "endless", reserved=kv_reserved), events)
     events.until("serving")
-    short = generate(rq, "endless", 600)
+    # Long enough to be in flight when the sleep comes (seconds on a CPU), short enough to finish.
+    short = generate(rq, "endless", SHORT_TOKENS)
     running(rq, short.id)
 
     sent_at = time.time()
@@ -194,7 +196,7 @@ def test_a_generous_drain_lets_the_request_finish_and_stop_drains_the_same_way(
     done = rq.get(short.id)
     assert done.status == "done" and done.attempts == 1, done
     assert done.finished_at >= sent_at, "it was still in flight when the sleep came"
-    assert done.output["usage"]["completion_tokens"] == 600
+    assert done.output["usage"]["completion_tokens"] == SHORT_TOKENS
     waiting = rq.get(newcomer.id)
     assert waiting.status == "queued" and waiting.attempts == 0, "nothing new starts once draining"
 
