@@ -21,6 +21,7 @@ from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.states import ASLEEP, ENDED
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import adoption, effects, liveness
+from scheduling.core import books as tolerance
 from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import lost_commands, outbox
@@ -294,7 +295,10 @@ def _quiet_beat(name: str, now: datetime, books: Books | None) -> bool:
     else to do (sql/statements/quiet_beat.sql says when): what the full beat would write, without
     its dozen statements. Most nodes of a large fleet host nothing, and the agents' worker answers
     each of their beats. False: the full beat runs."""
-    free = books.free_by_index if books is not None else None
+
+    def by_index(figures: Mapping[str, int] | None) -> str | None:
+        return json.dumps({str(k): int(v) for k, v in figures.items()}) if figures is not None else None
+
     with hot_sql.cursor() as cursor:
         cursor.execute(
             hot_sql.statement("quiet_beat"),
@@ -303,7 +307,11 @@ def _quiet_beat(name: str, now: datetime, books: Books | None) -> bool:
                 "name": name,
                 "offline": Node.Status.OFFLINE,
                 "ended": list(ENDED),
-                "free": json.dumps({str(k): int(v) for k, v in free.items()}) if free is not None else None,
+                "free": by_index(books.free_by_index if books is not None else None),
+                "foreign": by_index(books.foreign_by_index if books is not None else None),
+                "spare": by_index(books.spare_by_index if books is not None else None),
+                "floor": settings.GPUPORTAL_BOOKS_TOLERANCE_BYTES,
+                "share": tolerance.TOLERANCE_SHARE,
             },
         )
         return cursor.fetchone() is not None

@@ -53,6 +53,51 @@ def test_a_node_whose_nvml_figures_are_unchanged_beats_in_one_statement_and_a_ch
     assert dict(GPU.objects.filter(node=box).values_list("index", "nvml_free_bytes")) == {0: 800, 1: 900}
 
 
+def test_a_virtual_node_beside_other_tenants_and_a_warm_spare_beats_in_one_statement_once_they_are_recorded(
+    box, django_assert_num_queries
+):
+    # What a virtual node's agent says with declared tenants and a warm spare: no NVML free figure,
+    # the spare's slot counted among the other tenants' use.
+    said = Books(foreign_by_index={"0": 300 * MiB, "1": 0}, spare_by_index={"0": 200 * MiB})
+    nodes.heartbeat("box", books=said, running=[])  # the first records them, the full beat
+    assert gpu_figures(box) == {0: (300 * MiB, 200 * MiB, 1024 * MiB - 300 * MiB), 1: (0, 0, 1024 * MiB)}
+
+    with django_assert_num_queries(1):
+        nodes.heartbeat("box", books=said, running=[])
+    # A wobble within the books' tolerance (16 MiB) is what the full beat would not record either.
+    wobbled = Books(foreign_by_index={"0": 310 * MiB, "1": 0}, spare_by_index={"0": 200 * MiB})
+    with django_assert_num_queries(1):
+        nodes.heartbeat("box", books=wobbled, running=[])
+    assert gpu_figures(box)[0] == (300 * MiB, 200 * MiB, 1024 * MiB - 300 * MiB)
+
+
+@pytest.mark.parametrize(
+    "said, recorded",
+    [
+        # Other tenants took more: past the tolerance, recorded with its Event.
+        (Books(foreign_by_index={"0": 500 * MiB}, spare_by_index={"0": 200 * MiB}), (500 * MiB, 200 * MiB)),
+        # Gone, however little there was: all of it comes back.
+        (Books(foreign_by_index={"0": 0}, spare_by_index={}), (0, 0)),
+        # The spare given up, its slot kept by other tenants' use (NVML had not seen it go yet).
+        (Books(foreign_by_index={"0": 300 * MiB}, spare_by_index={}), (300 * MiB, 0)),
+    ],
+)
+def test_a_change_of_other_tenants_or_of_the_spare_is_recorded_by_the_full_beat(box, said, recorded):
+    nodes.heartbeat("box", books=Books(foreign_by_index={"0": 300 * MiB}, spare_by_index={"0": 200 * MiB}), running=[])
+
+    nodes.heartbeat("box", books=said, running=[])
+
+    foreign, spare, free = gpu_figures(box)[0]
+    assert (foreign, spare) == recorded
+    assert free == 1024 * MiB - foreign
+
+
+def gpu_figures(node: Node) -> dict[int, tuple[int, int, int | None]]:
+    """Each GPU's other tenants' use, warm spare's slot and free memory, as the books hold them."""
+    rows = GPU.objects.filter(node=node).values_list("index", "foreign_bytes", "spare_bytes", "nvml_free_bytes")
+    return {index: (foreign, spare, free) for index, foreign, spare, free in rows}
+
+
 def test_an_offline_node_comes_back_by_the_full_beat(box):
     Node.objects.filter(pk=box.pk).update(status=Node.Status.OFFLINE)
 
