@@ -4,7 +4,8 @@ and a new replica's process must fit beside them.
 The host cache's budget is counted whole, used or not: it is promised to sleeping weights, and
 a process that took it would leave the next sleep with nowhere to go. A process counts what
 it holds outside its host arena (the arena is the cache's), measured by its agent; one not yet
-measured counts its deployment's figure, or the default. A node whose agent reported no RAM
+measured counts its deployment's figure, or the default, and so does each warm spare (a replica
+process waiting to become the next one, which another replaces at once). A node whose agent reported no RAM
 is not judged. Waking a sleeping replica starts no process, so only new replicas are refused.
 """
 
@@ -23,10 +24,13 @@ class HostView:
     cache_budget_bytes: int  # the host cache's budget
     process_bytes: int  # its replicas' processes, outside their arenas
     processes: int
+    # Its warm spares' processes: each the next replica's process, and another started in its place.
+    spare_bytes: int = 0
+    spares: int = 0
 
     @property
     def free_bytes(self) -> int:
-        return self.ram_bytes - self.cache_budget_bytes - self.process_bytes
+        return self.ram_bytes - self.cache_budget_bytes - self.process_bytes - self.spare_bytes
 
     def with_process(self, need_bytes: int) -> HostView:
         """The host once a new replica's process of `need_bytes` runs there."""
@@ -42,7 +46,9 @@ def refusal(host: HostView, need_bytes: int) -> str | None:
         f"host RAM: a new replica's process needs {fmt_bytes(need_bytes)}, and the host has "
         f"{fmt_bytes(max(0, host.free_bytes))} of its {fmt_bytes(host.ram_bytes)} left "
         f"(host cache budget {fmt_bytes(host.cache_budget_bytes)} + {host.processes} replica "
-        f"process(es) {fmt_bytes(host.process_bytes)})"
+        f"process(es) {fmt_bytes(host.process_bytes)}"
+        + (f" + {host.spares} warm spare(s) {fmt_bytes(host.spare_bytes)}" if host.spares else "")
+        + ")"
     )
 
 

@@ -99,8 +99,8 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
 
 def host_views() -> dict[str, HostView]:
     """Each node's host RAM as placement counts it, for the nodes whose agents reported theirs:
-    its host cache's budget and its replicas' processes (as measured, or the default for one not
-    measured yet). Two queries for any number of nodes."""
+    its host cache's budget, its replicas' processes (as measured, or the default for one not
+    measured yet) and its warm spares' (the default each). Three queries for any number of nodes."""
     nodes = Node.objects.filter(host_ram_bytes__gt=0).values_list("pk", "name", "host_ram_bytes", "cpu_cache_bytes")
     processes = {
         row["node_id"]: row
@@ -108,12 +108,20 @@ def host_views() -> dict[str, HostView]:
         .values("node_id")
         .annotate(measured=Sum("host_bytes"), count=Count("pk"), unmeasured=Count("pk", filter=Q(host_bytes=0)))
     }
+    # A GPU whose spare slot is booked has a spare process (warm, warming, or the next one after a take).
+    spares = dict(
+        GPU.objects.filter(spare_bytes__gt=0, node__host_ram_bytes__gt=0)
+        .values("node_id")
+        .annotate(count=Count("pk"))
+        .values_list("node_id", "count")
+    )
     default = settings.GPUPORTAL_REPLICA_HOST_BYTES
     views = {}
     for pk, name, ram, cache in nodes:
         found = processes.get(pk, {"measured": 0, "count": 0, "unmeasured": 0})
         held = int(found["measured"] or 0) + found["unmeasured"] * default
-        views[name] = HostView(name, ram, cache, held, found["count"])
+        kept = spares.get(pk, 0)
+        views[name] = HostView(name, ram, cache, held, found["count"], spare_bytes=kept * default, spares=kept)
     return views
 
 

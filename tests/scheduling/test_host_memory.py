@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 
 from inference.devices import virtual_gpus
 from inference.host_ram import proportional_bytes
+from scheduling import ledger
 from scheduling.core.host_memory import HostView, refusal, refusals
 from scheduling.core.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
 from scheduling.core.planning import place_all
 from scheduling.core.state import OccupantView, Snapshot
-from scheduling.models import Deployment, Event, Replica
+from scheduling.models import GPU, Deployment, Event, Replica
 from scheduling.services import deployments, placing, sleep
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from scheduling.services.errors import CannotPlace
@@ -51,6 +52,17 @@ def test_a_host_with_room_for_the_process_takes_it_and_one_without_says_why_with
         "(host cache budget 8.0 GiB + 7 replica process(es) 7.0 GiB)"
     )
     assert refusal(host("c", ram=0), 100 * GiB) is None, "a host whose RAM is unknown is not judged"
+
+
+def test_a_hosts_warm_spares_take_room_as_processes_and_the_refusal_names_them():
+    spared = HostView("a", 16 * GiB, 8 * GiB, 6 * GiB, 6, spare_bytes=GiB, spares=1)
+
+    assert spared.free_bytes == GiB
+    assert refusal(spared, GiB) is None
+    assert refusal(spared, 2 * GiB) == (
+        "host RAM: a new replica's process needs 2.0 GiB, and the host has 1.0 GiB of its 16.0 GiB left "
+        "(host cache budget 8.0 GiB + 6 replica process(es) 6.0 GiB + 1 warm spare(s) 1.0 GiB)"
+    )
 
 
 def test_a_new_replica_goes_only_to_a_node_whose_host_has_room_for_its_process():
@@ -175,6 +187,26 @@ def test_a_deploy_whose_process_the_host_has_no_room_for_is_refused_naming_the_f
     )
     assert "host cache budget 1.0 GiB + 2 replica process(es) 2.0 GiB" in str(response.json())
     assert not Deployment.objects.filter(name="c").exists(), "nothing half-applied"
+
+
+def test_a_gpus_warm_spare_counts_as_a_process_of_its_hosts_ram(small_host, staff, dispatched, tiny_model_dir):
+    # The agent's beat booked a spare's slot on one GPU (GPUPORTAL_WARM_SPARES): its process
+    # takes host RAM as a replica's does, leaving room for one replica's process of two.
+    spared = GPU.objects.get(node=small_host, index=0)
+    ledger.record_foreign(spared.pk, 500 * MiB)
+    GPU.objects.filter(pk=spared.pk).update(spare_bytes=500 * MiB)
+    assert placing.host_views()["edge"].spares == 1
+    deploy("a")
+
+    response = staff.post(
+        "/api/deployments/",
+        {"name": "b", "model": {"source": str(tiny_model_dir)}, "memory": {"override_bytes": 300 * MiB}},
+        format="json",
+    )
+
+    assert response.status_code == 409, response.json()
+    assert "+ 1 replica process(es) 1.0 GiB + 1 warm spare(s) 1.0 GiB" in str(response.json()), response.json()
+    assert not Deployment.objects.filter(name="b").exists()
 
 
 def test_a_scale_up_past_the_hosts_ram_places_nothing_and_an_event_says_why_with_the_figures(small_host, dispatched):
