@@ -175,18 +175,22 @@ def test_a_deploy_whose_process_the_host_has_no_room_for_is_refused_naming_the_f
     deploy("a")
     deploy("b")
 
+    said = refused_deploy(staff, "c", tiny_model_dir)
+
+    assert "host RAM: a new replica's process needs 1.0 GiB, and the host has 0 B of its 3.0 GiB left" in said
+    assert "host cache budget 1.0 GiB + 2 replica process(es) 2.0 GiB" in said
+
+
+def refused_deploy(staff, name: str, model_dir) -> str:
+    """A deploy the API refuses with a 409, creating nothing: what it said."""
     response = staff.post(
         "/api/deployments/",
-        {"name": "c", "model": {"source": str(tiny_model_dir)}, "memory": {"override_bytes": 300 * MiB}},
+        {"name": name, "model": {"source": str(model_dir)}, "memory": {"override_bytes": 300 * MiB}},
         format="json",
     )
-
     assert response.status_code == 409, response.json()
-    assert "host RAM: a new replica's process needs 1.0 GiB, and the host has 0 B of its 3.0 GiB left" in str(
-        response.json()
-    )
-    assert "host cache budget 1.0 GiB + 2 replica process(es) 2.0 GiB" in str(response.json())
-    assert not Deployment.objects.filter(name="c").exists(), "nothing half-applied"
+    assert not Deployment.objects.filter(name=name).exists(), "nothing half-applied"
+    return str(response.json())
 
 
 def test_a_gpus_warm_spare_counts_as_a_process_of_its_hosts_ram(small_host, staff, dispatched, tiny_model_dir):
@@ -198,15 +202,9 @@ def test_a_gpus_warm_spare_counts_as_a_process_of_its_hosts_ram(small_host, staf
     assert placing.host_views()["edge"].spares == 1
     deploy("a")
 
-    response = staff.post(
-        "/api/deployments/",
-        {"name": "b", "model": {"source": str(tiny_model_dir)}, "memory": {"override_bytes": 300 * MiB}},
-        format="json",
-    )
+    said = refused_deploy(staff, "b", tiny_model_dir)
 
-    assert response.status_code == 409, response.json()
-    assert "+ 1 replica process(es) 1.0 GiB + 1 warm spare(s) 1.0 GiB" in str(response.json()), response.json()
-    assert not Deployment.objects.filter(name="b").exists()
+    assert "+ 1 replica process(es) 1.0 GiB + 1 warm spare(s) 1.0 GiB" in said, said
 
 
 def test_a_scale_up_past_the_hosts_ram_places_nothing_and_an_event_says_why_with_the_figures(small_host, dispatched):
