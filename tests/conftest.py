@@ -32,6 +32,11 @@ def pytest_configure(config):
     from django.conf import settings
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    # WhiteNoise reads every static file's metadata (the admin's, DRF's, the dashboard's: about 170)
+    # each time a middleware chain is built, which every test client does once: 28 ms of each
+    # API test. Finding a file when one is asked for serves the same files; no test asks the
+    # test client for one, and the stacks that tests start serve them the portal's own way.
+    settings.WHITENOISE_AUTOREFRESH = True
     # The suite's agents and calls speak for nodes that were never issued a credential; a node that
     # has one must still show it, and tests/scheduling/test_node_credentials.py runs `required`.
     # The stacks that tests start (`up`) run the portal's own default, `required`.
