@@ -10,6 +10,7 @@ through scheduling/locks.py, which holds the one lock order."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -47,6 +48,13 @@ def imported_names(tree: ast.AST) -> list[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """Each module's edges, a copy of its own for the caller."""
+    return {name: set(targets) for name, targets in _parsed_graph().items()}
+
+
+@functools.cache
+def _parsed_graph() -> dict[str, set[str]]:
+    # Parsing every module is most of these tests' time: once per test process.
     known = modules()
 
     def owner(name: str) -> str | None:
