@@ -104,11 +104,22 @@ def rq():
     clean()
 
 
-@pytest.fixture
-def supervisor(tmp_path):
-    sup = Supervisor(tmp_path / "logs")
+@pytest.fixture(scope="module")
+def forking_supervisor(tmp_path_factory):
+    """One supervisor for the file, forking each replica from its template as an agent on virtual
+    GPUs does: the template's imports (torch, transformers: seconds of CPU) are paid once, not by
+    every test's replica."""
+    sup = Supervisor(tmp_path_factory.mktemp("barrier-logs"))
+    sup.use_forkserver()
     yield sup
     sup.stop_all(timeout=5)
+    sup.close()
+
+
+@pytest.fixture
+def supervisor(forking_supervisor):
+    yield forking_supervisor
+    forking_supervisor.stop_all(timeout=5)  # each test's replica ends with it, whatever it asserted
 
 
 def replica(source: str, deployment: str, *, loader: str = "transformers", reserved: int = RESERVED) -> ReplicaSpec:

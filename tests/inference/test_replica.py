@@ -47,12 +47,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def forking_supervisor(tmp_path_factory):
+    """The file's supervisor that forks replicas from its template, as an agent on virtual GPUs
+    does: the template's imports (torch, transformers: seconds of CPU) are paid once for the file."""
+    sup = Supervisor(tmp_path_factory.mktemp("forked-logs"))
+    sup.use_forkserver()
+    yield sup
+    sup.stop_all(timeout=5)
+    sup.close()
+
+
 @pytest.fixture
-def supervisor(tmp_path, request):
-    """A supervisor that starts each replica in a fresh interpreter, or ("forked", by indirect
-    parametrization) forks it from its template (inference.forkserver) as an agent does."""
+def supervisor(tmp_path, request, forking_supervisor):
+    """A supervisor that forks each replica from the file's template (the default), starts it in a
+    fresh interpreter ("fresh", by indirect parametrization), or forks it from a template of its
+    own ("own template": a test that kills it)."""
+    way = getattr(request, "param", "forked")
+    if way == "forked":
+        yield forking_supervisor
+        forking_supervisor.stop_all(timeout=5)  # each test's replicas end with it
+        return
     sup = Supervisor(tmp_path / "logs")
-    if getattr(request, "param", "fresh") == "forked":
+    if way == "own template":
         sup.use_forkserver()
     yield sup
     sup.stop_all(timeout=5)
@@ -205,7 +222,7 @@ def test_a_replica_that_does_not_answer_stop_is_killed_and_reported_stopped(supe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("supervisor", ["forked"], indirect=True)
+@pytest.mark.parametrize("supervisor", ["own template"], indirect=True)
 def test_once_its_template_is_gone_replicas_start_in_a_fresh_interpreter(supervisor):
     assert supervisor.forkserver_ready(LOAD_TIMEOUT_S)
     events = Events()
@@ -792,6 +809,7 @@ def test_sleep_frees_the_gpu_memory_per_nvml(supervisor):
 
 @pytest.mark.slow
 @pytest.mark.gpu
+@pytest.mark.parametrize("supervisor", ["fresh"], indirect=True)  # agents fork only on virtual GPUs by default
 def test_wake_lands_on_the_new_gpu(supervisor):
     if _gpu_count() < 2:
         pytest.skip("needs two GPUs to wake a replica on another one")
