@@ -5,8 +5,9 @@ The host cache's budget is counted whole, used or not: it is promised to sleepin
 a process that took it would leave the next sleep with nowhere to go. A process counts what
 it holds outside its host arena (the arena is the cache's), measured by its agent; one not yet
 measured counts its deployment's figure, or the default, and so does each warm spare (a replica
-process waiting to become the next one, which another replaces at once). A node whose agent reported no RAM
-is not judged. Waking a sleeping replica starts no process, so only new replicas are refused.
+process waiting to become the next one, which another replaces at once). A node whose agent
+reported no RAM is not judged. Waking a sleeping replica starts no process, so only new replicas
+are refused.
 """
 
 from __future__ import annotations

@@ -296,8 +296,10 @@ def _quiet_beat(name: str, now: datetime, books: Books | None) -> bool:
     its dozen statements. Most nodes of a large fleet host nothing, and the agents' worker answers
     each of their beats. False: the full beat runs."""
 
-    def by_index(figures: Mapping[str, int] | None) -> str | None:
-        return json.dumps({str(k): int(v) for k, v in figures.items()}) if figures is not None else None
+    def by_index(figures: Mapping[str, int] | None, at_least: int | None = None) -> str | None:
+        if figures is None:
+            return None
+        return json.dumps({str(k): int(v) if at_least is None else max(at_least, int(v)) for k, v in figures.items()})
 
     with hot_sql.cursor() as cursor:
         cursor.execute(
@@ -308,7 +310,8 @@ def _quiet_beat(name: str, now: datetime, books: Books | None) -> bool:
                 "offline": Node.Status.OFFLINE,
                 "ended": list(ENDED),
                 "free": by_index(books.free_by_index if books is not None else None),
-                "foreign": by_index(books.foreign_by_index if books is not None else None),
+                # Never below 0, as the full beat takes it (scheduling.core.books.foreign_to_record).
+                "foreign": by_index(books.foreign_by_index if books is not None else None, at_least=0),
                 "spare": by_index(books.spare_by_index if books is not None else None),
                 "floor": settings.GPUPORTAL_BOOKS_TOLERANCE_BYTES,
                 "share": tolerance.TOLERANCE_SHARE,

@@ -8,8 +8,8 @@
 -- tenants' use. Returns the node's id, or no row: then the full beat runs
 -- (scheduling.services.nodes.heartbeat).
 -- Parameters: %(now)s; %(name)s; %(offline)s, the offline status; %(ended)s, the ended states (an
--- array); %(free)s, %(foreign)s and %(spare)s, NVML's free bytes, other tenants' use and the warm
--- spares' slots by GPU index, each a JSON object or null (not said); %(floor)s and %(share)s, the
+-- array); %(free)s, %(foreign)s and %(spare)s, NVML's free bytes, other tenants' use (never
+-- below 0) and the warm spares' slots by GPU index, each a JSON object or null (not said); %(floor)s and %(share)s, the
 -- books' tolerance: its floor in bytes, and the share of a figure (1 in it) past which a change is
 -- never noise (scheduling.core.books.tolerance).
 UPDATE scheduling_node AS n SET last_heartbeat = %(now)s
@@ -22,7 +22,7 @@ WHERE n.name = %(name)s
       SELECT 1
       FROM scheduling_gpu AS g
       CROSS JOIN LATERAL (
-          SELECT greatest(0, (%(foreign)s::jsonb ->> g.index::text)::bigint) AS seen
+          SELECT (%(foreign)s::jsonb ->> g.index::text)::bigint AS seen
       ) AS f
       WHERE g.node_id = n.id
         AND (g.overcommit_bytes <> 0
