@@ -81,7 +81,7 @@ def test_a_virtual_node_beside_other_tenants_and_a_warm_spare_beats_in_one_state
         (Books(foreign_by_index={"0": 500 * MiB}, spare_by_index={"0": 200 * MiB}), (500 * MiB, 200 * MiB)),
         # Gone, however little there was: all of it comes back.
         (Books(foreign_by_index={"0": 0}, spare_by_index={}), (0, 0)),
-        # The spare given up, its slot kept by other tenants' use (NVML had not seen it go yet).
+        # The spare given up, other tenants as they were: only what of their use is the spare changes.
         (Books(foreign_by_index={"0": 300 * MiB}, spare_by_index={}), (300 * MiB, 0)),
     ],
 )
