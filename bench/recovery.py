@@ -3,8 +3,9 @@
 One `up`, as `make run` starts it (embedded PostgreSQL and Redis, virtual GPUs), a tiny causal LM
 deployed, two clients sending requests one after another, at most ten a second (each request
 accepted, an id came back, is polled until it ends) and an operator reading the deployment every
-50 ms. Then each of up's processes in turn is SIGKILLed (the web server, the control worker, beat,
-the agents' worker, the node agent, Redis, PostgreSQL), and `up` starts it again by itself. Measured per kill:
+50 ms. Then each of up's processes in turn is SIGKILLed (the web server, the control
+worker, beat, the agents' worker, the node agent, Redis, PostgreSQL), and `up` starts it again by
+itself. Measured per kill:
 - `detected`: SIGKILL → `up` says it died (it looks every 0.2 s);
 - `first answer`: SIGKILL → the first answer to a request sent after the kill;
 - `503s` / `refused`: what the clients met meanwhile (JSON 503s, connections refused or cut);
@@ -241,8 +242,8 @@ class Clients:
                     self.stopping.wait(0.1)
                 continue
             sent.id = answer["id"]
-            # The keyless client sends on at once, to meet more of each outage: what it had
-            # accepted is polled at the end (`unfinished`).
+            # The keyless client sends on without waiting for what it sent to end, to meet more of
+            # each outage: what it had accepted is polled at the end (`unfinished`).
             while keyed and answer.get("status") not in TERMINAL and not self.stopping.is_set():
                 self.stopping.wait(0.05)
                 answer = self._try("GET", f"/api/requests/{sent.id}/") or {}
