@@ -161,7 +161,7 @@ class GpuRow:
     @property
     def others_bytes(self) -> int:
         """What other tenants hold: foreign_bytes less the node's own warm spare."""
-        return max(0, self.gpu.foreign_bytes - self.gpu.spare_bytes)
+        return _outside(self.gpu)[1]
 
 
 @dataclass
@@ -204,13 +204,20 @@ def _gpu_row(gpu: GPU) -> GpuRow:
     segments = sorted(occupants, key=lambda s: SEGMENT_ORDER.index(s.kind) if s.kind in SEGMENT_ORDER else 9)
     # Other tenants' memory at the end of the bar, beside what is free but never part of it, and
     # the node's warm spare (inference.spare_pool), which placement keeps out of as well.
-    spare = min(gpu.spare_bytes, gpu.foreign_bytes)
+    spare, others = _outside(gpu)
     outside = [
         Segment(kind=kind, bytes=held, percent=round(100 * held / total, 2))
-        for kind, held in (("spare", spare), ("foreign", gpu.foreign_bytes - spare))
+        for kind, held in (("spare", spare), ("foreign", others))
         if held
     ]
     return GpuRow(gpu=gpu, segments=[*segments, free, *outside], occupants=occupants)
+
+
+def _outside(gpu: GPU) -> tuple[int, int]:
+    """What placement keeps out of besides the reservations: the node's warm spare, and what
+    other tenants hold (foreign_bytes counts both)."""
+    spare = min(gpu.spare_bytes, gpu.foreign_bytes)
+    return spare, gpu.foreign_bytes - spare
 
 
 def _heartbeat_age(last: datetime | None, now: datetime) -> float | None:
