@@ -28,6 +28,7 @@ from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from inference.devices import FOREIGN_ENV, VirtualProfile, discover, foreign_use, parse_virtual_foreign
+from inference.gateway import RedisRefused, redis_refusal
 from inference.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ class CredentialRefused(ValueError):
 
 
 def refused_message(node: str, err: Exception) -> str:
+    if isinstance(err, RedisRefused):
+        return (
+            f"node {node}: {err}. A revoked node's own Redis user is deleted: issue the node a "
+            f"credential again, make its user anew (`manage.py node_credential acl {node}`) and give "
+            "the agent a REDIS_URL with that user and its password"
+        )
     return (
         f"node {node}: {err}. Issue it a credential (`gpuportal node add {node}`, or "
         f"`manage.py node_credential issue {node}`) and pass it to the agent in {TOKEN_FILE_ENV} "
@@ -120,6 +127,9 @@ class NodeAgent:
         self.virtual = backend == "virtual"
         # Why the control plane refused this node's credential, once it has: the agent stops.
         self.refused: str | None = None
+        # The lease's thread, the heartbeat's and every replica's reader may each be refused at
+        # once: one of them stops the agent.
+        self._fencing = threading.Lock()
 
     @property
     def queue(self) -> str:
@@ -191,11 +201,12 @@ class NodeAgent:
 
     def fence(self, err: Exception) -> None:
         """The control plane no longer takes this node's word (its credential was revoked or
-        replaced): what its replicas serve is written off there, so the agent stops them and
-        itself rather than serve on unheard."""
-        if self.refused is not None:
-            return
-        self.refused = refused_message(self.name, err)
+        replaced), or Redis no longer takes its user: what its replicas serve is written off
+        there, so the agent stops them and itself rather than serve on unheard."""
+        with self._fencing:
+            if self.refused is not None:
+                return
+            self.refused = refused_message(self.name, err)
         log.error("%s; stopping the agent and its replicas", self.refused)
         self._stop.set()  # no more beats: each would be refused too
         os.kill(os.getpid(), signal.SIGTERM)  # the worker's warm shutdown, then stop()
@@ -243,6 +254,12 @@ class NodeAgent:
                 self._fenced(current)
                 node_lease.renew(client, self.name, ttl, self.epoch)
         except redis.RedisError as err:
+            refused = redis_refusal(err)
+            if refused is not None:
+                # Its lease cannot be renewed any more: the control plane will write it off, if
+                # it has not already (a revocation deletes the node's Redis user first).
+                self.fence(refused)
+                return
             log.warning(
                 "cannot renew node %s's lease (Redis: %s); retrying in %.0f s", self.name, err, self.heartbeat_s
             )

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from gpuportal.wire import node_auth, replies
 from gpuportal.wire.control import (
@@ -31,6 +31,25 @@ from gpuportal.wire.control import (
 log = logging.getLogger(__name__)
 
 
+class RedisRefused(Refused):
+    """Redis refused the user or password of the agent's REDIS_URL: no call can be sent nor
+    answered until the agent is given one it takes. A revoked node's own Redis user is deleted
+    (scheduling.services.nodes.drop_redis_user), so this is how such a node hears of it."""
+
+
+def redis_refusal(err: BaseException) -> RedisRefused | None:
+    """`err` as a RedisRefused when Redis refused the connection's credential, found along its
+    causes: kombu reports a refused broker connection as an error of its own, caused by redis-py's."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = err
+    while seen is not None and seen not in chain:
+        if isinstance(seen, redis.AuthenticationError):
+            return RedisRefused(f"Redis refused the node's user: {str(seen).rstrip('.')}")
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _sent(name: str) -> Callable[..., Any]:
     """The contract's call `name` (its signature is gpuportal.wire.control.ControlPlane's), sent."""
 
@@ -42,6 +61,10 @@ def _sent(name: str) -> Callable[..., Any]:
 
     send.__name__ = name
     return send
+
+
+def _outage(err: BaseException) -> bool:
+    return isinstance(err, redis.ConnectionError | redis.TimeoutError | OSError)
 
 
 class RemoteControl:
@@ -74,11 +97,11 @@ class RemoteControl:
         call = Call(name, replies.new_list(self.replies_kind), args, kwargs, token=self.token)
         payload = encode_call(call)
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        for attempt in self._on_outage():
-            with attempt:
-                # Expires with the wait: a call its caller gave up on is never applied late.
-                self.app.send_task(AGENT_CALL_TASK, args=[payload], queue=AGENT_QUEUE, expires=timeout)
         try:
+            for attempt in self._on_outage():
+                with attempt:
+                    # Expires with the wait: a call its caller gave up on is never applied late.
+                    self.app.send_task(AGENT_CALL_TASK, args=[payload], queue=AGENT_QUEUE, expires=timeout)
             for attempt in self._on_outage():
                 with attempt:
                     return replies.wait(self.redis, call.reply_to, timeout, name)
@@ -86,10 +109,16 @@ class RemoteControl:
             if node_auth.is_refusal(str(err)):
                 raise Refused(str(err)) from None
             raise ControlError(str(err)) from None
+        except Exception as err:
+            refused = redis_refusal(err)
+            if refused is None:
+                raise
+            raise refused from None
 
     def _on_outage(self) -> Retrying:
         return Retrying(
-            retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError, OSError)),
+            # A refused credential is no outage: it lasts until the agent is given another.
+            retry=retry_if_exception(lambda err: _outage(err) and redis_refusal(err) is None),
             stop=stop_after_delay(self.outage_s),
             wait=wait_exponential(multiplier=0.1, max=2),
             before_sleep=lambda state: log.warning("Redis unavailable; retrying (%s)", state.outcome),

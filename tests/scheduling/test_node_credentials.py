@@ -351,9 +351,18 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
     """A control host (the test's `agents` worker) and three node agents, each with its own data
     directory and token, none told where the database is: they register and beat through Redis
     alone. Revoking one writes it off at once; its agent hears the refusal at its next beat and
-    stops, exit code 1 naming why, within one lease; the others serve on."""
+    stops, exit code 1 naming why, within one lease; the others serve on. A node with a Redis
+    user of its own (n3) hears it from Redis, which no longer knows its user, and stops the same."""
+    import redis
+
     names = ("n1", "n2", "n3")
     base = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "GPUPORTAL_DATA_DIR"}}
+    admin = redis.Redis.from_url(settings.REDIS_URL)
+    # Rules any Redis 6 takes (the node's own need 7): what matters is that its user exists.
+    own_user = node_acl.user_name("n3")
+    admin.execute_command("ACL", "SETUSER", own_user, "reset", "on", ">pw-of-n3", "~*", "&*", "+@all")
+    server = admin.connection_pool.connection_kwargs
+    own_url = f"redis://{own_user}:pw-of-n3@{server['host']}:{server['port']}/{server['db']}"
     agents = {}
     for name in names:
         data_dir = tmp_path / name
@@ -362,7 +371,7 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
         token_file.write_text(node_credentials.issue(name, "test"))
         env = {
             **base,
-            "REDIS_URL": settings.REDIS_URL,
+            "REDIS_URL": own_url if name == "n3" else settings.REDIS_URL,
             "GPUPORTAL_DATA_DIR": str(data_dir),
             "GPUPORTAL_HEARTBEAT_S": "1",
             node_auth.TOKEN_FILE_ENV: str(token_file),
@@ -406,6 +415,16 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
         assert Node.objects.get(name="n2").status == Node.Status.OFFLINE
         assert all(agents[n].poll() is None for n in ("n1", "n3"))
         assert set(Node.objects.filter(status="online").values_list("name", flat=True)) == {"n1", "n3"}
+
+        node_credentials.revoke("n3", "test", "compromised")
+
+        assert admin.execute_command("ACL", "GETUSER", own_user) is None, "its user deleted with its credential"
+        code = agents["n3"].wait(lease_s + 30)
+        assert code == 1, log_of("n3")[-3000:]
+        said = r"CommandError: node n3: Redis refused the node's user: .*`manage.py node_credential acl n3`"
+        assert re.search(said, log_of("n3")), log_of("n3")[-3000:]
+        assert agents["n1"].poll() is None
+        assert set(Node.objects.filter(status="online").values_list("name", flat=True)) == {"n1"}
         # Any use of a database on an agent raises, naming this (gpuportal.no_database).
         assert not any("has no database" in log_of(n) for n in names), "nothing on an agent reached for one"
     finally:
@@ -413,6 +432,7 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(10)
+        admin.execute_command("ACL", "DELUSER", own_user)
 
 
 # -- the node's Redis user ---------------------------------------------------------------------

@@ -167,3 +167,27 @@ def test_a_beat_carries_the_arenas_replicas_keep_and_a_lost_drop_is_sent_again(d
         ("node.gw", "inference.tasks.replica_arena", [replica.id, False])
     ]
     assert Event.objects.filter(replica=replica.id, reason__contains="the drop was lost, sent again").exists()
+
+
+def _url_of_a_user_redis_does_not_know() -> str:
+    server = redis.Redis.from_url(settings.REDIS_URL).connection_pool.connection_kwargs
+    return f"redis://node-nobody-{uuid.uuid4().hex[:6]}:wrong@{server['host']}:{server['port']}/{server['db']}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_user_redis_refuses_is_a_refusal_at_once_not_an_outage_waited_out(caplog):
+    from celery import Celery
+
+    from inference.gateway import RedisRefused
+
+    url = _url_of_a_user_redis_does_not_know()
+    # The answer's list refuses it (the call itself goes out on a broker that takes it)...
+    control = RemoteControl(Worker(deliver=False), url)  # type: ignore[arg-type]
+    with pytest.raises(RedisRefused, match=r"Redis refused the node's user: .*(password|user)"):
+        control.heartbeat("gw", books=None, running=[])
+    # ...and so does the broker, which kombu reports as an error of its own.
+    app = Celery("refused", broker=url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = False
+    with pytest.raises(RedisRefused, match="Redis refused the node's user"):
+        RemoteControl(app, url).heartbeat("gw", books=None, running=[])
+    assert "retrying" not in caplog.text, "no outage's retries"
