@@ -51,6 +51,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # the OpenAI client's headers read), asked now: else whichever test first asks is blamed for it,
     # and one file run alone fails where the whole suite, in another order, passes.
     platform.processor()
+    if not hasattr(config, "workerinput"):
+        # matplotlib's font cache, which it builds (running fc-list) the first time anything plots
+        # on a machine: built now, before any worker starts, else a fresh machine's first test to
+        # plot is blamed for it. Once built, this is a read of it.
+        import matplotlib.font_manager  # noqa: F401
     # Audit hooks cannot be removed: this one records only while a test sets up or runs.
     sys.addaudithook(_watch)
 
