@@ -24,6 +24,16 @@ def new_replica_id() -> str:
     return uuid.uuid4().hex
 
 
+def _choices_of(enum: type[StrEnum], labels: dict[StrEnum, str] | None = None) -> type[models.TextChoices]:
+    """A model field's choices from an enum of the contract: the names are written there once
+    (the labels, the admin's, here; without them, Django's from each name)."""
+    labels = labels or {}
+    return models.TextChoices(
+        enum.__name__,
+        [(m.name, (m.value, labels[m]) if m in labels else m.value) for m in enum],
+    )
+
+
 class Hearing(models.Model):
     """The heartbeat sweep's own record, one row: when it last ran, and since when the control
     plane has been able to hear its nodes (None: since the books began). A gap between sweeps
@@ -37,10 +47,7 @@ class Hearing(models.Model):
 
 
 class Node(models.Model):
-    class Status(models.TextChoices):
-        ONLINE = "online"
-        DRAINING = "draining"
-        OFFLINE = "offline"
+    Status = _choices_of(states.NodeStatus)
 
     name = models.CharField(max_length=100, unique=True, validators=[node_name_validator])
     queue = models.CharField(max_length=150, unique=True, help_text="Celery queue the node agent consumes.")
@@ -162,16 +169,6 @@ class GPU(models.Model):
         """What the portal's occupants reserve, or at least what is out of placement's reach
         beside other tenants' use when that use has grown into reserved memory."""
         return max(0, self.total_bytes - self.foreign_bytes - self.available_bytes)
-
-
-def _choices_of(enum: type[StrEnum], labels: dict[StrEnum, str] | None = None) -> type[models.TextChoices]:
-    """A model field's choices from an enum of the contract: the names are written there once
-    (the labels, the admin's, here; without them, Django's from each name)."""
-    labels = labels or {}
-    return models.TextChoices(
-        enum.__name__,
-        [(m.name, (m.value, labels[m]) if m in labels else m.value) for m in enum],
-    )
 
 
 def _default(name: str) -> object:

@@ -164,6 +164,19 @@ def names(states: Iterable[ReplicaState]) -> list[str]:
     return [str(s) for s in states]
 
 
+# -- a node's status ------------------------------------------------------------------------------
+
+
+class NodeStatus(StrEnum):
+    """Whether placement may use a node: its agent beats (online), an operator took it out of
+    service (draining: nothing new lands there, what serves there sleeps), or it went silent,
+    stopped or was written off (offline)."""
+
+    ONLINE = "online"
+    DRAINING = "draining"
+    OFFLINE = "offline"
+
+
 # -- a deployment's status ------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from datetime import datetime
 from functools import cached_property
 
 from gpuportal.wire.memory import H100_CONTEXT_BYTES, H100_STANDBY_CONTEXT_BYTES
+from gpuportal.wire.states import NodeStatus
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class GPUView:
     total_bytes: int
     available_bytes: int
     version: int
-    node_status: str = "online"
+    node_status: str = NodeStatus.ONLINE
     virtual: bool = False
     health: str = "ok"
     occupants: tuple[OccupantView, ...] = ()
@@ -218,10 +219,10 @@ def _usable(nodes: Mapping[str, tuple[GPUView, ...]]) -> tuple[dict[str, tuple[G
     usable: dict[str, tuple[GPUView, ...]] = {}
     unusable: dict[str, str] = {}
     for node, gpus in nodes.items():
-        fit = [g for g in gpus if g.node_status == "online" and g.health == "ok"]
+        fit = [g for g in gpus if g.node_status == NodeStatus.ONLINE and g.health == "ok"]
         if fit:
             usable[node] = gpus if len(fit) == len(gpus) else tuple(fit)
-        elif gpus[0].node_status != "online":
+        elif gpus[0].node_status != NodeStatus.ONLINE:
             unusable[node] = f"node is {gpus[0].node_status}"
         else:
             unusable[node] = "no healthy GPU (" + ", ".join(f"{g.label} {g.health}" for g in gpus) + ")"

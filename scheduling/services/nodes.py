@@ -26,7 +26,7 @@ from scheduling.models import Event, Node, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import lost_commands, outbox
 from scheduling.services import replicas as replica_services
-from scheduling.services.errors import InvalidState
+from scheduling.services.errors import InvalidState, TransitionRefused
 
 log = logging.getLogger(__name__)
 
@@ -480,10 +480,28 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
                 after={"status": Node.Status.DRAINING},
                 node=name,
             )
-        serving = list(node.replicas.filter(state=Replica.State.SERVING).order_by("pk").values_list("id", flat=True))
-    for replica_id in serving:
-        replica_services.sleep_replica(replica_id, reason=f"node {name} {reason}")
-    return serving
+        serving = node.replicas.filter(state=Replica.State.SERVING).order_by("pk")
+        # A failover pair's active member never sleeps (replicas.to_cache refuses it): it keeps
+        # serving, said here, rather than the drain failing half-way with a 409 for it.
+        paired = list(serving.filter(lease_id__isnull=False).values_list("id", flat=True))
+        asleep = list(serving.filter(lease_id__isnull=True).values_list("id", flat=True))
+        for replica_id in paired:
+            outbox.note(
+                Event.Kind.NODE_DRAINING,
+                f"node {name}",
+                f"{reason}: replica {replica_id[:8]} keeps serving there: it is the active member of a failover "
+                "pair, which never sleeps (scale its deployment down to move it)",
+                node=name,
+                replica=replica_id,
+            )
+    put_to_sleep = []
+    for replica_id in asleep:
+        try:
+            replica_services.sleep_replica(replica_id, reason=f"node {name} {reason}")
+        except TransitionRefused:
+            continue  # it stopped serving since it was read (a sleep, a stop): nothing to put to sleep
+        put_to_sleep.append(replica_id)
+    return put_to_sleep
 
 
 def undrain(name: str, *, reason: str = "returned to service by an operator") -> Node:

@@ -322,7 +322,7 @@ def _refuse_if_never_placeable(deployment: Deployment) -> None:
     need = placing.need_bytes(deployment, snapshot).bytes
     per_node: dict[str, int] = {}
     for gpu in snapshot.gpus.values():
-        if gpu.node_status == "online" and gpu.health == GPU.Health.OK:
+        if gpu.node_status == states.NodeStatus.ONLINE and gpu.health == GPU.Health.OK:
             per_node[gpu.node] = per_node.get(gpu.node, 0) + gpu.total_bytes
     if not per_node:
         raise CannotPlace(f"cannot serve {deployment.name}: no online node with a healthy GPU", {})

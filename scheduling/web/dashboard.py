@@ -179,7 +179,7 @@ class NodeRow:
 
     @property
     def drained(self) -> bool:
-        return self.status == "draining"
+        return self.status == states.NodeStatus.DRAINING
 
 
 def _gpu_row(gpu: GPU) -> GpuRow:

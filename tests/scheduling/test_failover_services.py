@@ -509,6 +509,30 @@ def test_a_pair_member_cannot_be_put_to_sleep_or_evicted(ready_pair, api, dispat
     assert dispatched == [] and holders() == {active.id: PAIR_BYTES}
 
 
+def test_a_drain_puts_its_nodes_plain_replicas_to_sleep_and_leaves_a_pair_serving_saying_why(
+    ready_pair, api, report, dispatched, tiny_model_dir
+):
+    active, standby = ready_pair
+    node = active.node.name
+    spread = {"spread": True}  # one on each node: one beside the pair
+    assert (
+        api("post", "/api/deployments/", body("plain", tiny_model_dir, replicas=2, placement=spread)).status_code == 201
+    )
+    for plain in Replica.objects.filter(deployment__name="plain"):
+        report(plain, "serving", pid=4002, weights_bytes=10 * MiB)
+    on_node = set(Replica.objects.filter(deployment__name="plain", node__name=node).values_list("id", flat=True))
+    assert on_node, "a plain replica beside the pair"
+
+    response = api("post", f"/api/nodes/{node}/drain/")
+
+    assert response.status_code == 200, response.json()
+    assert Node.objects.get(name=node).status == "draining"
+    assert {r.id for r in Replica.objects.filter(pk__in=on_node, state="draining")} == on_node
+    assert (fresh(active).state, fresh(standby).state) == ("serving", "standby")
+    (kept,) = events("node.draining", replica=active.id)
+    assert "keeps serving there: it is the active member of a failover pair" in kept.reason
+
+
 def test_the_idle_sweep_never_puts_a_pair_to_sleep(cluster, api, report, dispatched, tiny_model_dir):
     primary, standby = deploy_pair(api, tiny_model_dir, sleep={"idle_timeout_s": 1})
     stands_by(report, standby)
