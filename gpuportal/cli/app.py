@@ -18,15 +18,14 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.text import Text
 
-from gpuportal.cli import config, planning, pulling, render, talk
+from gpuportal.cli import config, nodes, planning, pulling, render, talk
 from gpuportal.cli.client import ApiError, Client, CliError
+from gpuportal.cli.options import add_wait_options, non_negative_int, positive_float
 from gpuportal.cli.waiting import Goal, wait_for
-from gpuportal.wire import node_auth
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
 from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import ReplicaState as S
 
-DEFAULT_TIMEOUT_S = 600.0
 URL_HELP = f"the portal's address (default: GPUPORTAL_URL, the one login stored, or {config.DEFAULT_URL})"
 EVENTS_POLL_S = 1.0
 # An event's time is when its transaction wrote it, not when it committed: one written a moment
@@ -168,33 +167,6 @@ def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_rm(ctx: Context, args: argparse.Namespace) -> int:
     ctx.client.delete(deployment_path(args.name))
     ctx.out.print(Text(f"deleted {args.name}: its replicas stop and their memory is released"))
-    return 0
-
-
-def credential_path(name: str) -> str:
-    return f"/api/nodes/{quote(name, safe='')}/credential/"
-
-
-def cmd_node_add(ctx: Context, args: argparse.Namespace) -> int:
-    answer = ctx.client.post(credential_path(args.name))
-    # The token on stdout alone, so `gpuportal node add gpu-7 > token` captures just it; how to
-    # pass it on, on stderr.
-    ctx.out.print(answer["token"], markup=False)
-    ctx.err.print(
-        Text(
-            f"node {args.name}'s credential: the token above is shown only this once (a previous one is refused "
-            f"from now on). Put it in a file (mode 0600) on the node's host and start its agent with "
-            f"{node_auth.TOKEN_FILE_ENV}=FILE python manage.py agent --node {args.name}"
-        )
-    )
-    return 0
-
-
-def cmd_node_revoke(ctx: Context, args: argparse.Namespace) -> int:
-    ctx.client.delete(credential_path(args.name), params={"reason": args.reason} if args.reason else None)
-    ctx.out.print(
-        Text(f"revoked node {args.name}'s credential: its calls are refused, and its replicas are replaced elsewhere")
-    )
     return 0
 
 
@@ -353,41 +325,10 @@ def cmd_pull(ctx: Context, args: argparse.Namespace) -> int:
 # -- the parser ------------------------------------------------------------------------------
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
-
-
 def choices_help(setting: Setting) -> str:
     """E.g. "float32 (default), float16 or bfloat16"."""
     named = [f"{choice} (default)" if choice == setting.default else choice for choice in setting.choices]
     return ", ".join(named[:-1]) + f" or {named[-1]}"
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
-    return value
-
-
-def add_wait_options(parser: argparse.ArgumentParser, until: str) -> None:
-    parser.add_argument("--no-wait", action="store_true", help=f"return at once instead of waiting until {until}")
-    parser.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=DEFAULT_TIMEOUT_S,
-        metavar="S",
-        help=f"give up waiting after S seconds (default {DEFAULT_TIMEOUT_S:.0f}); the portal goes on",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -462,6 +403,8 @@ def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     gpus.add_argument("--width", type=non_negative_int, default=40, help="cells per bar (default 40)")
     gpus.set_defaults(run=cmd_gpus)
 
+    nodes.add_looking(commands)
+
     logs = commands.add_parser("logs", help="a replica's state, error and events, then its process's log")
     logs.add_argument("replica", help="replica id, or its start as `ls` shows it")
     logs.add_argument("--tail", type=non_negative_int, default=50, metavar="N", help="last N events (default 50)")
@@ -506,15 +449,7 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     rm.add_argument("name")
     rm.set_defaults(run=cmd_rm)
 
-    node = commands.add_parser("node", help="issue or revoke a node's credential (staff)")
-    node_commands = node.add_subparsers(dest="node_command", required=True, metavar="ACTION")
-    add = node_commands.add_parser("add", help="issue the node's credential and print its token, once")
-    add.add_argument("name", help="the node's name, as its agent's --node")
-    add.set_defaults(run=cmd_node_add)
-    revoke = node_commands.add_parser("revoke", help="revoke the node's credential: it is written off")
-    revoke.add_argument("name")
-    revoke.add_argument("--reason", help="why, for the audit trail")
-    revoke.set_defaults(run=cmd_node_revoke)
+    nodes.add_steering(commands)
 
 
 def _add_the_record(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus
+from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus, NodeStatus
 from gpuportal.wire.states import ReplicaState as S
 
 # Shown in `ls` in states.DISPLAY_ORDER; stopped replicas are history and not counted.
@@ -31,6 +31,7 @@ STATE_STYLES = {
     S.STOPPED: "bright_black",
 }
 STATUS_STYLES = {DeploymentStatus.OK: "green", DeploymentStatus.RETRYING: "yellow", DeploymentStatus.FAILED: "red"}
+NODE_STYLES = {NodeStatus.ONLINE: "green", NodeStatus.DRAINING: "magenta", NodeStatus.OFFLINE: "red"}
 # Deployments get a colour each in the GPU bars, stable across runs (not Python's salted hash).
 PALETTE = ("green", "cyan", "magenta", "yellow", "blue", "bright_green", "bright_cyan", "bright_magenta")
 
@@ -147,6 +148,45 @@ def replicas_table(deployments: list[dict[str, Any]]) -> Table:
                 str(replica.get("pid") or "-"),
                 Text(note, style="red" if state == S.FAILED else ""),
             )
+    return table
+
+
+def ago(seconds: float | None) -> str:
+    """E.g. "3 s ago", "12 min ago": how long since something happened, to a unit an operator reads."""
+    if seconds is None:
+        return "never"
+    for unit, size in (("d", 86_400), ("h", 3_600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replicas: list[dict[str, Any]]) -> Table:
+    """A row per node: its status, its last beat, its GPUs' memory (reserved / total, and what
+    other tenants hold), the states of the replicas on it, and its host cache (used / budget)."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "STATUS", "LAST BEAT", "GPUS", "RESERVED", "REPLICAS", "HOST CACHE"):
+        table.add_column(column, overflow="fold")
+    for node in nodes:
+        its_gpus = [g for g in gpus if g.get("node") == node["name"]]
+        reserved = sum(g.get("reserved_bytes", 0) for g in its_gpus)
+        total = sum(g.get("total_bytes", 0) for g in its_gpus)
+        memory = Text(f"{human_bytes(reserved)} / {human_bytes(total)}")
+        # Other tenants: what other processes hold, less the node's own warm spares.
+        others = sum(max(0, g.get("foreign_bytes", 0) - (g.get("spare_bytes") or 0)) for g in its_gpus)
+        if others:
+            memory.append(f", other tenants {human_bytes(others)}", style="red")
+        status = node.get("status", "?")
+        count = node.get("gpu_count", len(its_gpus))
+        table.add_row(
+            Text(node["name"]),
+            Text(status, style=NODE_STYLES.get(status, "")),
+            ago(node.get("heartbeat_age_s")),
+            f"{count}{' virtual' if node.get('virtual') else ''}",
+            memory,
+            state_counts(r for r in replicas if r.get("node") == node["name"]),
+            f"{human_bytes(node.get('host_cache_used_bytes'))} / {human_bytes(node.get('host_cache_budget_bytes'))}",
+        )
     return table
 
 

@@ -1,0 +1,200 @@
+"""The nodes: `gpuportal nodes` lists them (status, last beat, GPU memory, what runs there),
+`gpuportal node drain NAME` takes one out of service and waits until nothing is awake there but
+what never sleeps, `node undrain` returns it, and `node add`/`node revoke` issue and revoke its
+credential. Draining asks `POST /api/nodes/NAME/drain/`; the wait polls the node's replicas."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from rich.console import Console
+from rich.text import Text
+
+from gpuportal.cli import render
+from gpuportal.cli.client import Client, CliError
+from gpuportal.cli.options import add_wait_options
+from gpuportal.cli.waiting import POLL_S, STALL_S
+from gpuportal.wire import node_auth, states
+from gpuportal.wire.states import ReplicaState as S
+
+
+class Operator(Protocol):
+    """What these commands use of the command line's context (gpuportal.cli.app.Context)."""
+
+    out: Console
+    err: Console
+
+    @property
+    def client(self) -> Client: ...
+
+
+def node_path(name: str, action: str = "") -> str:
+    return f"/api/nodes/{quote(name, safe='')}/" + (f"{action}/" if action else "")
+
+
+# -- looking -------------------------------------------------------------------------------------
+
+
+def cmd_nodes(ctx: Operator, args: argparse.Namespace) -> int:
+    nodes = list(ctx.client.pages("/api/nodes/"))
+    if not nodes:
+        ctx.out.print("no nodes: start a node agent (`python manage.py agent --node NAME`)")
+        return 0
+    gpus = list(ctx.client.pages("/api/gpus/"))
+    replicas = [r for r in ctx.client.pages("/api/replicas/") if r.get("state") != S.STOPPED]
+    ctx.out.print(render.nodes_table(nodes, gpus, replicas))
+    return 0
+
+
+# -- draining ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Drained:
+    """Where a draining node stands: the replicas still awake there that will sleep (or are on
+    their way), and the failover pairs' active members, which never sleep and keep serving."""
+
+    awake: list[dict[str, Any]]
+    kept: list[dict[str, Any]]
+
+    @property
+    def done(self) -> bool:
+        return not self.awake
+
+    @property
+    def moving(self) -> bool:
+        return any(r.get("state") in states.IN_TRANSIT for r in self.awake)
+
+
+def drained(replicas: list[dict[str, Any]]) -> Drained:
+    """Of a node's replicas, those still awake there, apart from the pairs' active members."""
+    awake = [r for r in replicas if r.get("state") in states.ACTIVE]
+    kept = [r for r in awake if r.get("state") == S.SERVING and r.get("failover_state")]
+    return Drained([r for r in awake if r not in kept], kept)
+
+
+def wait_until_drained(
+    client: Client,
+    name: str,
+    *,
+    console: Console,
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    pause: Callable[[float], None] = time.sleep,
+) -> Drained:
+    """Poll the node's replicas until none is awake but the pairs' active members; each change of
+    a replica's state is a line. CliError when some stay serving with nothing on its way (they
+    were not put to sleep) or the wait runs out."""
+    began = clock()
+    stalled_since: float | None = None
+    seen: dict[str, str] = {}
+    with console.status(f"draining node {name}", spinner="dots") as status:
+        while True:
+            replicas = list(client.pages("/api/replicas/", {"node": name}))
+            for replica in replicas:
+                if seen.get(replica["id"], replica.get("state")) != replica.get("state"):
+                    line = Text(f"{replica.get('deployment', '?')}: ")
+                    line.append_text(render.replica_line(replica))
+                    console.print(line)
+                seen[replica["id"]] = replica.get("state", "?")
+            where = drained(replicas)
+            if where.done:
+                return where
+            status.update(f"draining node {name}: {render.state_counts(where.awake)}")
+            now = clock()
+            stalled_since = None if where.moving else (stalled_since if stalled_since is not None else now)
+            if stalled_since is not None and now - stalled_since >= STALL_S:
+                raise CliError(
+                    f"node {name}: {render.state_counts(where.awake)} that do not go to sleep: "
+                    f"see `gpuportal events -n {name}`"
+                )
+            if now - began >= timeout_s:
+                raise CliError(
+                    f"node {name}: still {render.state_counts(where.awake)} after {timeout_s:.0f} s;"
+                    " the portal goes on without this command waiting"
+                )
+            pause(POLL_S)
+
+
+def cmd_node_drain(ctx: Operator, args: argparse.Namespace) -> int:
+    ctx.client.post(node_path(args.name, "drain"))
+    if args.no_wait:
+        ctx.out.print(Text(f"node {args.name} draining: nothing new lands there, and what serves there goes to sleep"))
+        return 0
+    began = time.monotonic()
+    where = wait_until_drained(ctx.client, args.name, console=ctx.out, timeout_s=args.timeout)
+    line = Text(f"node {args.name} drained after {time.monotonic() - began:.1f} s: nothing awake there")
+    if where.kept:
+        pairs = ", ".join(f"{r.get('deployment')} ({render.short_id(r['id'])})" for r in where.kept)
+        line = Text(
+            f"node {args.name} drained after {time.monotonic() - began:.1f} s, but for the failover pairs that "
+            f"keep serving there (an active member never sleeps; scale its deployment down to move it): {pairs}"
+        )
+    ctx.out.print(line)
+    return 0
+
+
+def cmd_node_undrain(ctx: Operator, args: argparse.Namespace) -> int:
+    ctx.client.post(node_path(args.name, "undrain"))
+    ctx.out.print(Text(f"node {args.name} is back in service: placement may use it again"))
+    return 0
+
+
+# -- credentials ---------------------------------------------------------------------------------
+
+
+def cmd_node_add(ctx: Operator, args: argparse.Namespace) -> int:
+    answer = ctx.client.post(node_path(args.name, "credential"))
+    # The token on stdout alone, so `gpuportal node add gpu-7 > token` captures just it; how to
+    # pass it on, on stderr.
+    ctx.out.print(answer["token"], markup=False)
+    ctx.err.print(
+        Text(
+            f"node {args.name}'s credential: the token above is shown only this once (a previous one is refused "
+            f"from now on). Put it in a file (mode 0600) on the node's host and start its agent with "
+            f"{node_auth.TOKEN_FILE_ENV}=FILE python manage.py agent --node {args.name}"
+        )
+    )
+    return 0
+
+
+def cmd_node_revoke(ctx: Operator, args: argparse.Namespace) -> int:
+    ctx.client.delete(node_path(args.name, "credential"), params={"reason": args.reason} if args.reason else None)
+    ctx.out.print(
+        Text(f"revoked node {args.name}'s credential: its calls are refused, and its replicas are replaced elsewhere")
+    )
+    return 0
+
+
+# -- the parsers ---------------------------------------------------------------------------------
+
+
+def add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    listed = commands.add_parser("nodes", help="the nodes: status, last beat, GPU memory, what runs on each")
+    listed.set_defaults(run=cmd_nodes)
+
+
+def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    node = commands.add_parser("node", help="drain a node or return it to service; issue or revoke its credential")
+    actions = node.add_subparsers(dest="node_command", required=True, metavar="ACTION")
+    drain = actions.add_parser(
+        "drain", help="take the node out of service: nothing new lands there, what serves there goes to sleep (staff)"
+    )
+    drain.add_argument("name")
+    add_wait_options(drain, "nothing is awake there")
+    drain.set_defaults(run=cmd_node_drain)
+    undrain = actions.add_parser("undrain", help="return a drained node to service (staff)")
+    undrain.add_argument("name")
+    undrain.set_defaults(run=cmd_node_undrain)
+    add = actions.add_parser("add", help="issue the node's credential and print its token, once (staff)")
+    add.add_argument("name", help="the node's name, as its agent's --node")
+    add.set_defaults(run=cmd_node_add)
+    revoke = actions.add_parser("revoke", help="revoke the node's credential: it is written off (staff)")
+    revoke.add_argument("name")
+    revoke.add_argument("--reason", help="why, for the audit trail")
+    revoke.set_defaults(run=cmd_node_revoke)
