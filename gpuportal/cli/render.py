@@ -161,17 +161,25 @@ def ago(seconds: float | None) -> str:
     return f"{seconds:.0f} s ago"
 
 
+def bytes_of(part: int | None, whole: int | None) -> str:
+    """E.g. "1.6 / 47.1 GiB", or "40.0 MiB / 11.8 GiB" where the units differ."""
+    shown, of = human_bytes(part), human_bytes(whole)
+    number, _, unit = shown.partition(" ")
+    return f"{number} / {of}" if of.endswith(f" {unit}") else f"{shown} / {of}"
+
+
 def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replicas: list[dict[str, Any]]) -> Table:
     """A row per node: its status, its last beat, its GPUs' memory (reserved / total, and what
     other tenants hold), the states of the replicas on it, and its host cache (used / budget)."""
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    # One space between columns: a row of a fleet's node fits 80 columns.
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     for column in ("NAME", "STATUS", "LAST BEAT", "GPUS", "RESERVED", "REPLICAS", "HOST CACHE"):
         table.add_column(column, overflow="fold")
     for node in nodes:
         its_gpus = [g for g in gpus if g.get("node") == node["name"]]
         reserved = sum(g.get("reserved_bytes", 0) for g in its_gpus)
         total = sum(g.get("total_bytes", 0) for g in its_gpus)
-        memory = Text(f"{human_bytes(reserved)} / {human_bytes(total)}")
+        memory = Text(bytes_of(reserved, total))
         # Other tenants: what other processes hold, less the node's own warm spares.
         others = sum(max(0, g.get("foreign_bytes", 0) - (g.get("spare_bytes") or 0)) for g in its_gpus)
         if others:
@@ -185,7 +193,7 @@ def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replica
             f"{count}{' virtual' if node.get('virtual') else ''}",
             memory,
             state_counts(r for r in replicas if r.get("node") == node["name"]),
-            f"{human_bytes(node.get('host_cache_used_bytes'))} / {human_bytes(node.get('host_cache_budget_bytes'))}",
+            bytes_of(node.get("host_cache_used_bytes"), node.get("host_cache_budget_bytes")),
         )
     return table
 

@@ -325,6 +325,15 @@ def _refuse_if_never_placeable(deployment: Deployment) -> None:
         if gpu.node_status == states.NodeStatus.ONLINE and gpu.health == GPU.Health.OK:
             per_node[gpu.node] = per_node.get(gpu.node, 0) + gpu.total_bytes
     if not per_node:
+        drained = sorted({g.node for g in snapshot.gpus.values() if g.node_status == states.NodeStatus.DRAINING})
+        if drained:
+            # The operator's own drain is why: say which nodes and how to undo it, as a deploy does.
+            raise CannotPlace(
+                f"cannot serve {deployment.name}: every node with a GPU is drained ({', '.join(drained)}), and "
+                f"nothing is placed on a drained node: return one to service (`gpuportal node undrain {drained[0]}`, "
+                f"POST /api/nodes/{drained[0]}/undrain/)",
+                {node: "drained" for node in drained},
+            )
         raise CannotPlace(f"cannot serve {deployment.name}: no online node with a healthy GPU", {})
     if need > max(per_node.values()):
         reasons = {node: f"all its GPUs hold {total} B, the replica needs {need} B" for node, total in per_node.items()}

@@ -173,6 +173,6 @@ def test_a_nodes_row_names_other_tenants_apart_from_its_warm_spare():
     (row,) = out.getvalue().splitlines()[1:]
     assert row.split() == [
         *("box", "online", "2", "min", "ago", "1"),
-        *("10.0", "GiB", "/", "80.0", "GiB,", "other", "tenants", "2.0", "GiB"),
+        *("10.0", "/", "80.0", "GiB,", "other", "tenants", "2.0", "GiB"),
         *("1", "serving", "0", "B", "/", "8.0", "GiB"),
     ]

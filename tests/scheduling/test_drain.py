@@ -122,3 +122,20 @@ def test_a_replica_that_comes_up_while_a_drain_commits_is_put_to_sleep_by_one_or
     report.join(30)
 
     assert Replica.objects.get(pk=replica.id).state == "draining", "neither the drain nor the report let it serve"
+
+
+def test_a_request_when_every_node_is_drained_is_refused_naming_the_drain_and_how_to_undo_it(
+    cluster, api, dispatched, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    serve(Replica.objects.get().id)
+    for node in ("node1", "node2"):
+        assert api("post", f"/api/nodes/{node}/drain/").status_code == 200
+
+    response = api("post", "/api/requests/", {"deployment": "tiny-a", "input": "Hello"})
+
+    assert response.status_code == 409, response.json()
+    assert response.json()["detail"] == (
+        "cannot serve tiny-a: every node with a GPU is drained (node1, node2), and nothing is placed on a drained "
+        "node: return one to service (`gpuportal node undrain node1`, POST /api/nodes/node1/undrain/)"
+    )
