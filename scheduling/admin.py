@@ -75,7 +75,9 @@ class NodeAdmin(ReadOnlyAdmin):
     list_display = ["name", "status", "hostname", "queue", "virtual", "gpu_count", "cpu_cache", "last_heartbeat"]
     list_filter = ["status", "virtual"]
     search_fields = ["name", "hostname", "queue"]
-    # Node agents register nodes and report these; status moves through services (heartbeats, drain).
+    # Node agents register nodes and report these; status moves through services (heartbeats, drain),
+    # and an offline node leaves through one (nodes.remove), never the admin's own delete.
+    actions = [admin_actions.remove_nodes]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Node]:
         return super().get_queryset(request).annotate(gpu_count=Count("gpus"))

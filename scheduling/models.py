@@ -471,6 +471,8 @@ class Event(models.Model):
         NODE_OFFLINE = "node.offline"
         NODE_STOPPED = "node.stopped"
         NODE_DRAINING = "node.draining"
+        # An offline node forgotten by an operator (a retired host), with its GPUs.
+        NODE_REMOVED = "node.removed"
         # A node's credential (scheduling.services.node_credentials): issued or replaced, revoked,
         # and a call refused from a node the books still count replicas on.
         NODE_CREDENTIAL = "node.credential"

@@ -1,7 +1,8 @@
 """The nodes: `gpuportal nodes` lists them (status, last beat, GPU memory, what runs there),
 `gpuportal node drain NAME` takes one out of service and waits until nothing is awake there but
-what never sleeps, `node undrain` returns it, and `node add`/`node revoke` issue and revoke its
-credential. Draining asks `POST /api/nodes/NAME/drain/`; the wait polls the node's replicas."""
+what never sleeps, `node undrain` returns it, `node rm` forgets an offline one, and
+`node add`/`node revoke` issue and revoke its credential. Draining asks
+`POST /api/nodes/NAME/drain/`; the wait polls the node's replicas."""
 
 from __future__ import annotations
 
@@ -145,6 +146,14 @@ def cmd_node_undrain(ctx: Operator, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node_rm(ctx: Operator, args: argparse.Namespace) -> int:
+    ctx.client.delete(node_path(args.name))
+    ctx.out.print(
+        Text(f"removed node {args.name}: its GPUs left the books (its agent, started again, registers it anew)")
+    )
+    return 0
+
+
 # -- credentials ---------------------------------------------------------------------------------
 
 
@@ -180,7 +189,9 @@ def add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    node = commands.add_parser("node", help="drain a node or return it to service; issue or revoke its credential")
+    node = commands.add_parser(
+        "node", help="drain a node or return it to service, remove a retired one; issue or revoke its credential"
+    )
     actions = node.add_subparsers(dest="node_command", required=True, metavar="ACTION")
     drain = actions.add_parser(
         "drain", help="take the node out of service: nothing new lands there, what serves there goes to sleep (staff)"
@@ -191,6 +202,9 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     undrain = actions.add_parser("undrain", help="return a drained node to service (staff)")
     undrain.add_argument("name")
     undrain.set_defaults(run=cmd_node_undrain)
+    rm = actions.add_parser("rm", help="remove an offline node (a retired host) and its GPUs from the books (staff)")
+    rm.add_argument("name")
+    rm.set_defaults(run=cmd_node_rm)
     add = actions.add_parser("add", help="issue the node's credential and print its token, once (staff)")
     add.add_argument("name", help="the node's name, as its agent's --node")
     add.set_defaults(run=cmd_node_add)

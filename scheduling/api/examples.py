@@ -259,6 +259,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "/api/nodes/"): {"response": page(NODE_SHOWN)},
     ("get", "/api/nodes/{name}/"): {"response": NODE_SHOWN},
+    ("delete", "/api/nodes/{name}/"): {"parameter": "node1"},
     ("post", "/api/nodes/{name}/drain/"): {"response": {**NODE_SHOWN, "status": "draining"}},
     ("post", "/api/nodes/{name}/undrain/"): {"response": NODE_SHOWN},
     ("post", "/api/nodes/{name}/credential/"): {

@@ -57,6 +57,22 @@ class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return selectors.nodes()
 
     @extend_schema(
+        summary="Remove an offline node (a retired host): its GPUs leave the books; its ended replicas keep their "
+        "history",
+        responses={
+            204: OpenApiResponse(description="Removed."),
+            404: OpenApiResponse(description="No such node."),
+            409: OpenApiResponse(
+                description="The node is online or draining, or the books still place a replica or a reservation "
+                "on it. Nothing removed."
+            ),
+        },
+    )
+    def destroy(self, request: Request, name: str) -> Response:
+        node_services.remove(name, by=request.user.get_username())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(
         request=None,
         responses={
             200: s.NodeSerializer,

@@ -22,7 +22,7 @@ from gpuportal.wire.states import ASLEEP, ENDED
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import adoption, effects, liveness
 from scheduling.core import books as tolerance
-from scheduling.models import Event, Node, Replica
+from scheduling.models import ACTIVE_INTENT_STATUSES, Event, Node, Occupant, PreemptionIntent, Replica
 from scheduling.services import books as book_checks
 from scheduling.services import lost_commands, outbox
 from scheduling.services import replicas as replica_services
@@ -520,3 +520,43 @@ def undrain(name: str, *, reason: str = "returned to service by an operator") ->
             node=name,
         )
     return node
+
+
+def remove(name: str, *, by: str) -> int:
+    """Forget a node that is gone for good (a retired host): its row and its GPUs' leave the books,
+    and its ended replicas keep their history on no node. Only an offline node that the books
+    place nothing on: an online or draining node's agent may beat again, and a replica the books
+    still count there must end first (its node's write-off, or its deployment's delete). Should
+    its agent start again, it registers the node anew. Returns how many GPUs went with it."""
+    with transaction.atomic():
+        node = locks.lock_node(name)
+        if node.status != Node.Status.OFFLINE:
+            raise InvalidState(
+                f"node {name} is {node.status}: stop its agent, or revoke its credential "
+                f"(`gpuportal node revoke {name}`), before removing it"
+            )
+        held = list(
+            node.replicas.exclude(state__in=ENDED).order_by("pk").values_list("deployment__name", "id", "state")
+        )
+        if held:
+            named = ", ".join(f"{deployment} {replica_id[:8]} {state}" for deployment, replica_id, state in held)
+            raise InvalidState(
+                f"node {name} still has {len(held)} replica{'s' if len(held) > 1 else ''} in the books ({named}): "
+                "they end with the node's write-off, or with their deployment"
+            )
+        # Its GPUs' rows in the lock order (the ledger's), and nothing reserved on them: the books
+        # change only through the ledger, never by a cascade.
+        gpus = locks.lock_node_gpus(node.pk)
+        if Occupant.objects.filter(gpu__in=gpus).exists():
+            raise InvalidState(f"node {name}'s GPUs still hold reservations: they go with its write-off")
+        if PreemptionIntent.objects.filter(gpu__in=gpus, status__in=ACTIVE_INTENT_STATUSES).exists():
+            raise InvalidState(f"a wake still waits for memory on node {name}'s GPUs: it ends within its max_wait")
+        outbox.note(
+            Event.Kind.NODE_REMOVED,
+            f"node {name}",
+            f"removed by {by}: its {len(gpus)} GPU(s) leave the books",
+            before={"status": node.status, "gpus": len(gpus)},
+            node=name,
+        )
+        node.delete()
+    return len(gpus)

@@ -15,10 +15,11 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from gpuportal.wire import deployment_spec
-from scheduling.models import Deployment, NodeCredential, Replica
+from scheduling.models import Deployment, Node, NodeCredential, Replica
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
 from scheduling.services import node_credentials
+from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import ServiceError
@@ -241,3 +242,12 @@ def revoke_node_credentials(
         return f"{node}: credential revoked; its calls are refused and its replicas are replaced elsewhere"
 
     report_each(admin_view, request, queryset.values_list("node", flat=True), act)
+
+
+@admin.action(description="Remove selected offline nodes (retired hosts): their GPUs leave the books")
+def remove_nodes(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+    def act(node: str) -> str:
+        gpus = node_services.remove(node, by=f"{request.user} (admin)")
+        return f"{node}: removed, with its {gpus} GPU(s)"
+
+    report_each(admin_view, request, queryset.order_by("name").values_list("name", flat=True), act)

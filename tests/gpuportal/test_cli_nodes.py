@@ -176,3 +176,21 @@ def test_a_nodes_row_names_other_tenants_apart_from_its_warm_spare():
         *("10.0", "/", "80.0", "GiB,", "other", "tenants", "2.0", "GiB"),
         *("1", "serving", "0", "B", "/", "8.0", "GiB"),
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_node_rm_removes_an_offline_node_and_prints_why_an_online_one_stays(cluster, operator, capsys):
+    from scheduling.services import nodes as node_services
+
+    node_services.mark_stopped("node1", "host retired")
+
+    assert app.main(["node", "rm", "node1"], env=operator) == 0
+    assert capsys.readouterr().out == (
+        "removed node node1: its GPUs left the books (its agent, started again, registers it anew)\n"
+    )
+    assert list(Node.objects.values_list("name", flat=True)) == ["node2"]
+    assert app.main(["node", "rm", "node2"], env=operator) == 1
+    assert capsys.readouterr().err == (
+        "error: node node2 is online: stop its agent, or revoke its credential (`gpuportal node revoke node2`), "
+        "before removing it\n"
+    )
