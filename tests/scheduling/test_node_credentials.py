@@ -166,6 +166,8 @@ def test_revoking_deletes_the_nodes_own_redis_user_and_closes_its_connections(
     required, django_capture_on_commit_callbacks
 ):
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     node_credentials.issue("gpu-7", "ops")
     admin = replies.client(settings.REDIS_URL)
@@ -180,6 +182,8 @@ def test_revoking_deletes_the_nodes_own_redis_user_and_closes_its_connections(
             db=kwargs.get("db", 0),
             username=user,
             password="pw-of-gpu-7",
+            # Once refused, refused: redis-py's default tries a refused password again for seconds.
+            retry=Retry(NoBackoff(), 0),
         )
         # What a revoked node would do: lower the epoch it is about to be fenced by.
         assert node_side.set(node_lease.epoch_key("gpu-7"), 0)
