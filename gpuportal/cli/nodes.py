@@ -21,6 +21,7 @@ from gpuportal.cli.client import Client, CliError
 from gpuportal.cli.options import add_wait_options
 from gpuportal.cli.waiting import POLL_S, STALL_S
 from gpuportal.wire import node_auth, states
+from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 
 
@@ -75,7 +76,7 @@ class Drained:
 def drained(replicas: list[dict[str, Any]]) -> Drained:
     """Of a node's replicas, those still awake there, apart from the pairs' active members."""
     awake = [r for r in replicas if r.get("state") in states.ACTIVE]
-    kept = [r for r in awake if r.get("state") == S.SERVING and r.get("failover_state")]
+    kept = [r for r in awake if r.get("state") == S.SERVING and r.get("failover_state") == FailoverState.ACTIVE]
     return Drained([r for r in awake if r not in kept], kept)
 
 
