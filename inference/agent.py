@@ -22,7 +22,7 @@ from gpuportal import orphans
 from gpuportal.celery import app
 from gpuportal.wire import memory, node_lease, replies
 from gpuportal.wire.commands import node_queue
-from gpuportal.wire.control import ControlError, ControlPlane, Refused
+from gpuportal.wire.control import ControlError, ControlPlane, Refused, unknown_node
 from gpuportal.wire.inspection import INSPECT_QUEUE
 from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from gpuportal.wire.node_lease import NodeFence
@@ -60,7 +60,17 @@ class CredentialRefused(ValueError):
     """The control plane refused this node's credential: the agent stops, with its replicas."""
 
 
+class NodeRemoved(ControlError):
+    """The control plane has no node of this agent's name any more: an operator removed it while
+    this agent ran, cut off (scheduling.services.nodes.remove)."""
+
+
 def refused_message(node: str, err: Exception) -> str:
+    if isinstance(err, NodeRemoved):
+        return (
+            f"node {node}: the portal has no node of this name any more: it was removed while this agent ran "
+            "(`gpuportal node rm`). Start the agent again to register the node anew"
+        )
     if isinstance(err, RedisRefused):
         return (
             f"node {node}: {err}. A revoked node's own Redis user is deleted: issue the node a "
@@ -201,8 +211,9 @@ class NodeAgent:
 
     def fence(self, err: Exception) -> None:
         """The control plane no longer takes this node's word (its credential was revoked or
-        replaced), or Redis no longer takes its user: what its replicas serve is written off
-        there, so the agent stops them and itself rather than serve on unheard."""
+        replaced, or the node was removed), or Redis no longer takes its user: what its replicas
+        serve is written off there, so the agent stops them and itself rather than serve on
+        unheard."""
         with self._fencing:
             if self.refused is not None:
                 return
@@ -231,6 +242,13 @@ class NodeAgent:
                 self.beat_once()
             except Refused as err:
                 self.fence(err)
+            except ControlError as err:
+                if unknown_node(self.name) not in str(err):
+                    log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
+                    continue
+                # Removed while this agent ran: its replicas were written off with the node, and a
+                # beat brings back no node. It stops, and started again, registers the node anew.
+                self.fence(NodeRemoved(str(err)))
             except Exception:
                 log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
 

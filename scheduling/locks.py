@@ -29,6 +29,7 @@ import psycopg
 from django.db import OperationalError, connection, transaction
 from django.db.models import QuerySet
 
+from gpuportal.wire import control
 from scheduling import hot_sql
 from scheduling.models import GPU, Deployment, DeploymentObserved, Hearing, Node, NodeCredential, Replica
 from scheduling.services import not_found
@@ -144,7 +145,7 @@ def lock_node(name: str) -> Node:
     try:
         return Node.objects.select_for_update().get(name=name)
     except Node.DoesNotExist:
-        raise NotFound(f"no node named {name!r}") from None
+        raise NotFound(control.unknown_node(name)) from None
 
 
 def lock_node_if_there(name: str) -> Node | None:

@@ -200,6 +200,12 @@ class ControlError(NoAnswer):
     """The control plane could not carry out a call (its message), or did not answer in time."""
 
 
+def unknown_node(name: str) -> str:
+    """How the control plane says it has no node `name` (never registered, or removed since:
+    scheduling.services.nodes.remove); an agent whose beat is answered so stops."""
+    return f"no node named {name!r}"
+
+
 class Refused(ControlError):
     """The control plane refused the node's credential (gpuportal.wire.node_auth): the call was
     not applied, and no call of this node will be until it has a valid one."""

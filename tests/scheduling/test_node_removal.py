@@ -113,3 +113,26 @@ def test_the_admin_removes_selected_offline_nodes_and_says_why_it_keeps_the_othe
     assert "node1: removed, with its 2 GPU(s)" in said
     assert any(m.startswith("node2: node node2 is online: stop its agent") for m in said)
     assert list(Node.objects.values_list("name", flat=True)) == ["node2"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_whose_node_was_removed_while_it_was_cut_off_stops_saying_how_to_register_again(start_agent, tmp_path):
+    import signal
+
+    from tests.support.processes import wait_until
+
+    agent = start_agent("gone", "1x2GiB")
+    agent.send_signal(signal.SIGSTOP)  # cut off: its lease lapses and the sweep writes it off
+    try:
+        wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == ["gone"], 30, "gone to be offline")
+        nodes.remove("gone", by="ops")
+    finally:
+        agent.send_signal(signal.SIGCONT)
+
+    code = agent.wait(60)
+
+    log = (tmp_path / "agent-gone.log").read_text()
+    assert code == 1, log[-3000:]
+    assert "CommandError: node gone: the portal has no node of this name any more" in log, log[-3000:]
+    assert not Node.objects.filter(name="gone").exists(), "a beat of a removed node brings back nothing"
