@@ -242,15 +242,13 @@ class NodeAgent:
                 self.beat_once()
             except Refused as err:
                 self.fence(err)
-            except ControlError as err:
-                if unknown_node(self.name) not in str(err):
+            except Exception as err:
+                if isinstance(err, ControlError) and unknown_node(self.name) in str(err):
+                    # Removed while this agent ran: its replicas were written off with the node,
+                    # and a beat brings back no node. It stops; started again, it registers anew.
+                    self.fence(NodeRemoved(str(err)))
+                else:
                     log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
-                    continue
-                # Removed while this agent ran: its replicas were written off with the node, and a
-                # beat brings back no node. It stops, and started again, registers the node anew.
-                self.fence(NodeRemoved(str(err)))
-            except Exception:
-                log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
 
     def renew_lease(self) -> None:
         """The node's lease in Redis, renewed straight there (gpuportal.wire.node_lease): when its

@@ -130,14 +130,17 @@ def cmd_node_drain(ctx: Operator, args: argparse.Namespace) -> int:
         return 0
     began = time.monotonic()
     where = wait_until_drained(ctx.client, args.name, console=ctx.out, timeout_s=args.timeout)
-    line = Text(f"node {args.name} drained after {time.monotonic() - began:.1f} s: nothing awake there")
-    if where.kept:
-        pairs = ", ".join(f"{r.get('deployment')} ({render.short_id(r['id'])})" for r in where.kept)
-        line = Text(
-            f"node {args.name} drained after {time.monotonic() - began:.1f} s, but for the failover pairs that "
-            f"keep serving there (an active member never sleeps; scale its deployment down to move it): {pairs}"
+    drained_after = f"node {args.name} drained after {time.monotonic() - began:.1f} s"
+    if not where.kept:
+        ctx.out.print(Text(f"{drained_after}: nothing awake there"))
+        return 0
+    pairs = ", ".join(f"{r.get('deployment')} ({render.short_id(r['id'])})" for r in where.kept)
+    ctx.out.print(
+        Text(
+            f"{drained_after}, but for the failover pairs that keep serving there (an active member never "
+            f"sleeps; scale its deployment down to move it): {pairs}"
         )
-    ctx.out.print(line)
+    )
     return 0
 
 

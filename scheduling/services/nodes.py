@@ -480,11 +480,11 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
                 after={"status": Node.Status.DRAINING},
                 node=name,
             )
-        serving = node.replicas.filter(state=Replica.State.SERVING).order_by("pk")
+        serving = list(node.replicas.filter(state=Replica.State.SERVING).order_by("pk").values_list("id", "lease_id"))
         # A failover pair's active member never sleeps (replicas.to_cache refuses it): it keeps
         # serving, said here, rather than the drain failing half-way with a 409 for it.
-        paired = list(serving.filter(lease_id__isnull=False).values_list("id", flat=True))
-        asleep = list(serving.filter(lease_id__isnull=True).values_list("id", flat=True))
+        paired = [replica_id for replica_id, lease in serving if lease is not None]
+        asleep = [replica_id for replica_id, lease in serving if lease is None]
         for replica_id in paired:
             outbox.note(
                 Event.Kind.NODE_DRAINING,

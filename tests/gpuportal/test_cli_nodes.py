@@ -136,30 +136,27 @@ class Replay:
         yield from self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
+def wait_on_box(replicas: list[dict[str, Any]], *, timeout_s: float, tick_s: int) -> nodes.Drained:
+    """A drain of node `box` whose replicas stand so for ever, its clock moving `tick_s` a poll."""
+    clock = iter(range(0, 100_000, tick_s))
+    return nodes.wait_until_drained(
+        Replay([replicas]),  # type: ignore[arg-type]
+        "box",
+        console=Console(file=io.StringIO()),
+        timeout_s=timeout_s,
+        clock=lambda: next(clock),
+        pause=lambda s: None,
+    )
+
+
 def test_a_drain_whose_replicas_stay_serving_with_nothing_on_its_way_says_so():
-    clock = iter(range(0, 1000, 5))
     with pytest.raises(CliError, match=r"node box: 1 serving that do not go to sleep: see `gpuportal events -n box`"):
-        nodes.wait_until_drained(
-            Replay([[replica("a", "serving")]]),  # type: ignore[arg-type]
-            "box",
-            console=Console(file=io.StringIO()),
-            timeout_s=600,
-            clock=lambda: next(clock),
-            pause=lambda s: None,
-        )
+        wait_on_box([replica("a", "serving")], timeout_s=600, tick_s=5)
 
 
 def test_a_drain_that_runs_out_of_time_says_where_the_node_stands():
-    clock = iter(range(0, 1000, 100))
     with pytest.raises(CliError, match=r"node box: still 1 draining after 150 s; the portal goes on"):
-        nodes.wait_until_drained(
-            Replay([[replica("a", "draining")]]),  # type: ignore[arg-type]
-            "box",
-            console=Console(file=io.StringIO()),
-            timeout_s=150,
-            clock=lambda: next(clock),
-            pause=lambda s: None,
-        )
+        wait_on_box([replica("a", "draining")], timeout_s=150, tick_s=100)
 
 
 def test_a_nodes_row_names_other_tenants_apart_from_its_warm_spare():
