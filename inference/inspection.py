@@ -7,6 +7,7 @@ node's Hugging Face cache (inference.hub), or refused saying how to download it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from gpuportal.wire.inspection import ModelReading
 from inference.hub import local_model_dir
@@ -59,7 +60,11 @@ def _headless_refusal(source: str) -> str:
 def _tokenizer_refusal(source: str) -> str:
     """Why the replicas could not read text for this model, or "": a causal LM or an encoder takes
     only text, so one without a tokenizer would be accepted here and fail on its first request
-    instead. Loaded the way a replica loads it (inference.replica), from local files."""
+    instead. Loaded the way a replica loads it (inference.replica), from local files; a plain
+    tokenizer.json is loaded by the `tokenizers` library alone, as transformers' own backend
+    would, which spares the agent transformers' and torch's imports (see inference.model_size)."""
+    if _plain_tokenizer_loads(local_model_dir(source)):
+        return ""
     (AutoTokenizer,) = from_transformers("AutoTokenizer")
 
     try:
@@ -82,3 +87,31 @@ def _factory_bytes(source: str, dtype: str) -> int:
         # The factory is the deployer's code: whatever it raises is a source that cannot be
         # served, and the agent that ran it must answer rather than die with the task.
         raise ValueError(f"factory {source!r} raised {type(err).__name__}: {err}") from err
+
+
+# The classes with which transformers loads a tokenizer.json through the `tokenizers` library and
+# nothing else (what make_tiny_model and most recent checkpoints write); a tokenizer_config.json
+# naming another (a model's own class, remote code) is left to AutoTokenizer, which alone knows
+# whether it loads.
+_PLAIN_TOKENIZER_CLASSES = {None, "TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def _plain_tokenizer_loads(root: Path) -> bool:
+    try:
+        settings = json.loads((root / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):  # without it, the model type picks the class: AutoTokenizer's call
+        return False
+    if not isinstance(settings, dict) or "auto_map" in settings:
+        return False
+    if (
+        settings.get("tokenizer_class") not in _PLAIN_TOKENIZER_CLASSES
+        or settings.get("backend", "tokenizers") != "tokenizers"
+    ):
+        return False
+    try:
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_file(str(root / "tokenizer.json"))
+    except Exception:  # a file the library cannot read: AutoTokenizer says why
+        return False
+    return True

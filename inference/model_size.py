@@ -2,8 +2,10 @@
 
 Weight bytes come from the safetensors headers (a few KiB read per file, however big the model) or,
 for checkpoints without safetensors, from a build on the meta device, which allocates no storage.
-torch and transformers are imported inside the functions: the web process calls this at deploy
-time and should not pay their import on start-up.
+The shape comes from config.json itself for the common model types (_PLAIN_TYPES), else through
+transformers' AutoConfig. A node agent reads every model deployed on it, so the common case
+imports neither transformers nor torch: those cost the agent 3 s of CPU and 270 MB of memory,
+which only its replicas need.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,35 +38,112 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None, *, encoder:
     Raises ValueError naming what is missing or malformed; the API reports it on `model.source`.
     """
     root = _model_dir(path)
-    config = load_config(root)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = None
+    values = plain_config(root)
+    if values is None:
+        config = load_config(root)
+        values = config_values(config, root)
 
-    run_dtype = str(dtype).removeprefix("torch.") if dtype is not None else _config_dtype(config)
+    run_dtype = str(dtype).removeprefix("torch.") if dtype is not None else values.dtype
     run_bytes = dtype_bytes(run_dtype)
-
-    layers = _config_int(text, root, "num_hidden_layers")
-    heads = _config_int(text, root, "num_attention_heads")
-    hidden = _config_int(text, root, "hidden_size")
-    # Without GQA/MQA the config leaves num_key_value_heads out (or None): every head has its own K and V.
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    # Some models (Gemma, Qwen3) set head_dim independently of hidden / heads.
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
 
     files = _safetensors_files(root)
     weight_bytes = (
         sum(_safetensors_bytes(f, run_bytes) for f in files)
         if files
-        else _meta_bytes(config, root, run_bytes, encoder=encoder)
+        else _meta_bytes(config or load_config(root), root, run_bytes, encoder=encoder)
     )
     return ModelShape(
         weight_bytes=weight_bytes,
-        num_layers=layers,
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
+        num_layers=values.layers,
+        num_kv_heads=values.kv_heads,
+        head_dim=values.head_dim,
         dtype_bytes=run_bytes,
-        hidden_size=hidden,
-        intermediate_size=_optional_int(text, "intermediate_size"),
-        vocab_size=_optional_int(text, "vocab_size"),
+        hidden_size=values.hidden,
+        intermediate_size=values.intermediate,
+        vocab_size=values.vocab,
+    )
+
+
+@dataclass(frozen=True)
+class ConfigValues:
+    """What the estimate reads of a model's config: its text model's, for a multimodal one."""
+
+    layers: int
+    heads: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int | None
+    vocab: int | None
+    dtype: str  # the checkpoint's own, one of DTYPE_BYTES
+
+
+# The model types whose config class keeps config.json's values as written, under their own names
+# (no attribute map, nothing nested), and what it takes for num_key_value_heads when the file leaves
+# it out (None: one per attention head). A file leaving out head_dim gets hidden_size / heads, as
+# _config_values reads these classes. tests/gpuportal/test_memory.py checks every entry against
+# transformers' own reading; any other type, or a file that leaves out another value, is read
+# through AutoConfig, which alone knows the class's defaults.
+_PLAIN_TYPES: dict[str, int | None] = {"llama": None, "mistral": 8, "qwen2": 32, "bert": None}
+_REQUIRED = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size")
+
+
+def plain_config(root: Path) -> ConfigValues | None:
+    """The values of `root`'s config.json read as JSON, or None where only its config class can
+    say what they are (another model type, a value left out, anything malformed: AutoConfig then
+    reads it, and says what is wrong)."""
+    try:
+        raw = json.loads((root / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") not in _PLAIN_TYPES:
+        return None
+    layers, heads, hidden, intermediate, vocab = (raw.get(name) for name in _REQUIRED)
+    if not all(_positive(v) for v in (layers, heads, hidden, intermediate, vocab)):
+        return None
+    if "num_key_value_heads" in raw:
+        kv_heads = raw["num_key_value_heads"]
+        if not _positive(kv_heads):
+            return None  # a null asks the class for its own rule, which differs from leaving it out
+    else:
+        kv_heads = _PLAIN_TYPES[raw["model_type"]] or heads
+    head_dim = raw.get("head_dim") or hidden // heads
+    if not _positive(head_dim):
+        return None
+    return ConfigValues(
+        layers=layers,
+        heads=heads,
+        hidden=hidden,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab=vocab,
+        dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype")),
+    )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def config_values(config: Any, root: Path) -> ConfigValues:
+    """What the estimate reads of a config loaded by transformers (load_config)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = _config_int(text, root, "num_hidden_layers")  # first: the error names the first missing
+    heads = _config_int(text, root, "num_attention_heads")
+    hidden = _config_int(text, root, "hidden_size")
+    return ConfigValues(
+        layers=layers,
+        heads=heads,
+        hidden=hidden,
+        # Without GQA/MQA the config leaves num_key_value_heads out (or None): every head has its own K and V.
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        # Some models (Gemma, Qwen3) set head_dim independently of hidden / heads.
+        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+        intermediate=_optional_int(text, "intermediate_size"),
+        vocab=_optional_int(text, "vocab_size"),
+        dtype=_config_dtype(config),
     )
 
 
@@ -96,9 +176,11 @@ def load_config(root: Path) -> Any:
 def _config_dtype(config: Any) -> str:
     # transformers 5 calls it dtype, older releases torch_dtype; a config without either loads as float32.
     # Reading torch_dtype on a transformers 5 config logs a deprecation warning, hence the hasattr.
-    value = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
-    value = value or "float32"
-    name = str(value).removeprefix("torch.")
+    return _dtype_name(config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None))
+
+
+def _dtype_name(value: Any) -> str:
+    name = str(value or "float32").removeprefix("torch.")
     return name if name in DTYPE_BYTES else "float32"
 
 

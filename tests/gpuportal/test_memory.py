@@ -30,7 +30,7 @@ from gpuportal.wire.memory import (
     need_bytes,
     need_for,
 )
-from inference.model_size import shape_from_model_dir
+from inference.model_size import _PLAIN_TYPES, config_values, load_config, plain_config, shape_from_model_dir
 
 # 2 layers, 4 KV heads of 64 dims, fp16.
 SHAPE = ModelShape(
@@ -316,6 +316,63 @@ def test_estimate_from_a_real_directory(saved):
     assert est.kv_block_bytes == 4096
     assert est.kv_bytes == 128 * 4096
     assert est.total_bytes == param_bytes(model, 2) + 128 * 4096 + ACTIVATION_FLOOR_BYTES
+
+
+@st.composite
+def saved_configs(draw) -> dict[str, Any]:
+    """A config.json as checkpoints of the common types write it, some values left out."""
+    heads = draw(st.integers(1, 16))
+    config = {
+        "model_type": draw(st.sampled_from(sorted(_PLAIN_TYPES))),
+        "num_hidden_layers": draw(st.integers(1, 80)),
+        "num_attention_heads": heads,
+        "hidden_size": heads * draw(st.sampled_from([8, 64, 128])),
+        "intermediate_size": draw(st.integers(1, 30000)),
+        "vocab_size": draw(st.integers(1, 200000)),
+        "num_key_value_heads": draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0] + [heads])),
+        "head_dim": draw(st.sampled_from([64, 128, 256])),
+        draw(st.sampled_from(["dtype", "torch_dtype"])): draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+    }
+    for optional in ("num_key_value_heads", "head_dim", "dtype", "torch_dtype"):
+        if draw(st.booleans()):
+            config.pop(optional, None)
+    return config
+
+
+@given(config=saved_configs())
+def test_the_common_model_types_are_read_from_config_json_as_transformers_reads_them(config, tmp_path_factory):
+    root = tmp_path_factory.mktemp("config")
+    (root / "config.json").write_text(json.dumps(config))
+
+    assert plain_config(root) == config_values(load_config(root), root)
+
+
+def test_another_type_a_null_or_a_left_out_size_is_left_to_transformers(tmp_path):
+    llama = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "vocab_size": 128,
+    }
+    assert plain_config_of(tmp_path, llama) is not None
+    # Gemma's class sets head_dim on its own (256), not hidden_size / heads.
+    assert plain_config_of(tmp_path, {**llama, "model_type": "gemma"}) is None
+    # Mistral's class reads a null as one KV head per head, but a left-out value as 8.
+    assert plain_config_of(tmp_path, {**llama, "model_type": "mistral", "num_key_value_heads": None}) is None
+    without_vocab = {k: v for k, v in llama.items() if k != "vocab_size"}
+    assert plain_config_of(tmp_path, without_vocab) is None  # the class's default, which only it knows
+    assert plain_config_of(tmp_path, {**llama, "hidden_size": True}) is None
+    assert plain_config_of(tmp_path, {**llama, "text_config": {}, "model_type": "llava"}) is None
+    # Whatever the route, the shape read is transformers' own.
+    (tmp_path / "config.json").write_text(json.dumps({**llama, "model_type": "gemma"}))
+    assert config_values(load_config(tmp_path), tmp_path).head_dim == 256
+
+
+def plain_config_of(root: Path, config: dict[str, Any]):
+    (root / "config.json").write_text(json.dumps(config))
+    return plain_config(root)
 
 
 def test_bad_directories_say_what_is_wrong(tmp_path, saved):

@@ -180,17 +180,67 @@ for thread in threads:
     thread.start()
 for thread in threads:
     thread.join()
-print(refusals)
+print(refusals, "transformers" in sys.modules)
 """
 
 
 @pytest.mark.slow
-def test_sixteen_reads_at_once_on_a_fresh_agent_all_succeed(tiny_model_dir):
+def test_sixteen_reads_at_once_on_a_fresh_agent_all_succeed(tiny_model_dir, tmp_path):
+    import json
+    import shutil
     import subprocess
     import sys
 
+    # A null num_key_value_heads is the config class's to read (inference.model_size.plain_config):
+    # this copy is read through transformers, whose lazy imports the sixteen threads race.
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "num_key_value_heads": None}))
+
     done = subprocess.run(
-        [sys.executable, "-c", _PARALLEL_READS, str(tiny_model_dir)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _PARALLEL_READS, str(copy)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[] True", done.stdout[-2000:]
+
+
+_READ_AND_SAY_WHAT_WAS_IMPORTED = """
+import json, sys
+from inference.inspection import read_model
+reading = read_model(sys.argv[1], "transformers", "bfloat16")
+print(json.dumps([reading.record(), sorted({"torch", "transformers"} & set(sys.modules))]))
+"""
+
+
+@pytest.mark.slow
+def test_an_agent_reads_a_common_checkpoint_without_importing_torch_or_transformers(tiny_model_dir):
+    import json
+    import subprocess
+    import sys
+
+    # A node agent reads every model deployed on it; those imports would cost it 3 s of CPU and
+    # 270 MB of memory that only its replicas need.
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_AND_SAY_WHAT_WAS_IMPORTED, str(tiny_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    record, imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert imported == []
+    # Its reading is this process's, which tests/gpuportal/test_memory.py checks against transformers'.
+    assert ModelReading.from_record(record) == read_model(str(tiny_model_dir), "transformers", "bfloat16")
+
+
+def test_a_tokenizer_json_the_library_cannot_read_is_refused_as_transformers_refuses_it(tiny_model_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken-tokenizer"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+
+    reading = read_model(str(broken), "transformers", "float32")
+
+    assert reading.refusal.startswith(f"{broken} has no tokenizer a replica can load")
