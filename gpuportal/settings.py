@@ -248,6 +248,10 @@ if GPUPORTAL_REPLICA_FORKSERVER not in {"virtual", "all", "off"}:
     raise ValueError(
         f"GPUPORTAL_REPLICA_FORKSERVER must be 'virtual', 'all' or 'off', not {GPUPORTAL_REPLICA_FORKSERVER!r}"
     )
+# Where the node's templates' service listens (`python -m inference.forkserver --listen PATH`), when it
+# runs one: an agent that forks its replicas asks it for a template already imported rather than
+# start its own (and starts its own when it does not answer). Empty: each agent starts its own.
+GPUPORTAL_REPLICA_TEMPLATE_SOCKET = os.environ.get("GPUPORTAL_REPLICA_TEMPLATE_SOCKET", "").strip()
 # Stopped and failed replicas are removed this long after they ended, but the newest
 # GPUPORTAL_REPLICA_KEEP_ENDED of each deployment stay for their errors (their Events always stay).
 GPUPORTAL_REPLICA_RETENTION_S = env_float("GPUPORTAL_REPLICA_RETENTION_S", 3600.0)

@@ -455,7 +455,7 @@ class NodeAgent:
         if settings.GPUPORTAL_REPLICA_FORKSERVER == "all" or (
             settings.GPUPORTAL_REPLICA_FORKSERVER == "virtual" and self.virtual
         ):
-            self.supervisor.use_forkserver()
+            self.supervisor.use_forkserver(service=settings.GPUPORTAL_REPLICA_TEMPLATE_SOCKET)
         if self.warm_spares:
             self.keep_spares()
         self.start_heartbeat()

@@ -26,6 +26,15 @@ Protocol, over a SOCK_SEQPACKET socket pair, one JSON object a message:
     template → agent  {"exit": pid, "code": c} when a child ends (c negative: the signal)
 The template dies with its agent (PR_SET_PDEATHSIG) and exits when the agent closes its end.
 
+A node may also run its templates as a service of its own, `python -m inference.forkserver
+--listen PATH`, and point its agents at it (GPUPORTAL_REPLICA_TEMPLATE_SOCKET=PATH). The service
+imports once; each agent that connects gets a template forked from it, which speaks the protocol
+above to that agent alone, leads a process group of its own with the replicas it forks, and exits
+when that agent closes the connection or dies. Its imports are done before the agent needs them,
+and agents started one after another (a restart, several on one host, a test suite's) pay them
+once. The service prints `template PID` for each template it forks. What the imports read of the
+environment (huggingface_hub its cache's place) is the service's: it runs with its agents'.
+
 Django-free, like the replica it forks.
 """
 
@@ -187,8 +196,7 @@ def _close(fds: list[int]) -> None:
             os.close(fd)
 
 
-def main() -> None:
-    channel = socket.socket(fileno=int(sys.argv[1]))
+def _prepare() -> None:
     _preload()
     # A thread could hold a lock across a fork, and a CUDA context does not survive one: either
     # makes this no template, and the agent starts its replicas the plain way.
@@ -196,7 +204,52 @@ def main() -> None:
         sys.exit(f"forkserver: {threading.active_count()} threads after the imports; refusing to fork")
     if sys.modules["torch"].cuda.is_initialized():
         sys.exit("forkserver: CUDA was initialised by the imports; refusing to fork")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--listen"] and len(sys.argv) == 3:
+        listen(Path(sys.argv[2]))
+        return
+    channel = socket.socket(fileno=int(sys.argv[1]))
+    _prepare()
     serve(channel)
+
+
+def listen(address: Path) -> None:
+    """The templates' service: a template forked for each agent that connects to `address`."""
+    # As ForkServer sets it for a template it starts: an import that asks whether CUDA is there
+    # gets NVML's answer, which initialises nothing a fork would break.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    _prepare()
+    with contextlib.suppress(FileNotFoundError):
+        address.unlink()  # a socket file left by a service that died
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(address))
+    listener.listen(16)
+    print(f"listening on {address}", flush=True)
+    while True:
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:  # templates whose agents have gone
+                pass
+        if not ready:
+            continue
+        channel, _ = listener.accept()
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                listener.close()
+                # Its own group, with the replicas it forks: whoever stops a node's processes by
+                # group stops them, and none of them is in the service's.
+                os.setpgid(0, 0)
+                serve(channel)
+                code = 0
+            finally:
+                os._exit(code)
+        channel.close()
+        print(f"template {pid}", flush=True)
 
 
 # -- the agent's side ------------------------------------------------------------------------------
@@ -266,13 +319,28 @@ class ForkServer:
     """The agent's handle on its template. Thread-safe; `spawn` answers None when the template
     cannot start a replica (not ready, or gone), and the caller starts it the plain way."""
 
-    def __init__(self, python: str, env: dict[str, str], log_path: Path):
+    def __init__(self, channel: socket.socket, process: subprocess.Popen | None = None):
+        """Over `channel`, to the template `process` we started, or (None) to one a templates'
+        service forked for us (`connect`)."""
+        self.process = process
+        self._channel = channel
+        self._starts: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._start_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._ended = threading.Condition()
+        self._codes: dict[int, int] = {}
+        self._closed = False
+        threading.Thread(target=self._read, name="forkserver", daemon=True).start()
+
+    @classmethod
+    def start(cls, python: str, env: dict[str, str], log_path: Path) -> ForkServer:
+        """A template of our own: `python -m inference.forkserver`, which dies with us."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Should an import ask torch whether CUDA is there, NVML answers: the CUDA driver's own
         # answer would initialise it, and a child forked after that could not use the GPU.
         template_env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         with log_path.open("ab") as log_file:
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 [python, "-m", "inference.forkserver", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
@@ -282,14 +350,19 @@ class ForkServer:
                 preexec_fn=die_with_parent(signal.SIGKILL),
             )
         theirs.close()
-        self._channel = ours
-        self._starts: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._start_lock = threading.Lock()
-        self._ready = threading.Event()
-        self._ended = threading.Condition()
-        self._codes: dict[int, int] = {}
-        self._closed = False
-        threading.Thread(target=self._read, name="forkserver", daemon=True).start()
+        return cls(ours, process)
+
+    @classmethod
+    def connect(cls, address: str) -> ForkServer:
+        """A template forked for us by the templates' service at `address` (`--listen`). It ends
+        when we close the connection, or die: the kernel closes it then."""
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            channel.connect(address)
+        except OSError:
+            channel.close()
+            raise
+        return cls(channel)
 
     def ready(self, timeout: float) -> bool:
         """Whether the template said it is ready (or died: then `alive` is False) within `timeout`."""
@@ -297,7 +370,7 @@ class ForkServer:
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self.process.poll() is None
+        return not self._closed and (self.process is None or self.process.poll() is None)
 
     def spawn(
         self, argv: list[str], env: dict[str, str], log_path: Path, *, tie: bool, name: str = ""
@@ -345,6 +418,8 @@ class ForkServer:
         self._closed = True
         with contextlib.suppress(OSError):
             self._channel.shutdown(socket.SHUT_RDWR)
+        if self.process is None:
+            return  # a service's template: the connection's end is its end
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -53,9 +53,13 @@ class PairedHost(Protocol):
 
 log = logging.getLogger("inference.pairing")
 
-# How many times a request may be taken before it fails: the control plane's setting of the same
-# name, which reaches the replica through its environment (the agent passes its own on).
-REQUEST_ATTEMPTS = int(os.environ.get("GPUPORTAL_REQUEST_ATTEMPTS", "3"))
+
+def request_attempts() -> int:
+    """How many times a request may be taken before it fails: the control plane's setting of the
+    same name, which reaches the replica through its environment (the agent passes its own on).
+    Read when used, not at import: a replica forked from a template (inference.forkserver) was
+    imported under the template's environment, not its own."""
+    return int(os.environ.get("GPUPORTAL_REQUEST_ATTEMPTS", "3"))
 
 
 def give_back_from(requests: RequestQueue, deployment: str, grant: Grant, me: str) -> dict[str, str]:
@@ -72,7 +76,7 @@ def give_back_from(requests: RequestQueue, deployment: str, grant: Grant, me: st
         if deployment:
             requests.withdraw(deployment, old)
         reason = f"its failover partner {old[:8]} died; taken over at epoch {grant.epoch}"
-        return requests.requeue_from(old, max_attempts=REQUEST_ATTEMPTS, reason=reason)
+        return requests.requeue_from(old, max_attempts=request_attempts(), reason=reason)
     except redis.RedisError as exc:  # the control plane gives them back when it hears of the death
         log.warning("could not give back what %s had taken: %s", old, exc)
         return {}

@@ -241,6 +241,7 @@ class Supervisor:
         # Whether replicas are forked from a template (use_forkserver), and the template once
         # the first start (or a warm-up) began it.
         self._forkserver_wanted = False
+        self._template_service = ""
         self._forkserver: Future[ForkServer | None] | None = None
         # The warm spares, once the agent keeps some (keep_spares).
         self._spares: SparePool | None = None
@@ -611,12 +612,15 @@ class Supervisor:
 
     # -- processes -----------------------------------------------------------------------------
 
-    def use_forkserver(self, *, warm: bool = False) -> None:
+    def use_forkserver(self, *, warm: bool = False, service: str = "") -> None:
         """Fork replicas from here on from a template that has imported torch and the replica
         program once (inference.forkserver). It starts with the first replica (whose start it
         then costs about what a fresh interpreter would), so that a node never given one
-        spends nothing on it; `warm`, now."""
+        spends nothing on it; `warm`, now. `service`: the address of the node's templates'
+        service (`--listen`), which forks us a template already imported; without one, or if it
+        does not answer, we start our own."""
         self._forkserver_wanted = True
+        self._template_service = service
         if warm:
             self._template()
 
@@ -646,8 +650,17 @@ class Supervisor:
 
     def _start_forkserver(self) -> ForkServer | None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._template_service:
+            try:
+                return ForkServer.connect(self._template_service)
+            except OSError as exc:
+                log.warning(
+                    "the templates' service at %s does not answer (%s): starting a template of our own",
+                    self._template_service,
+                    exc,
+                )
         try:
-            return ForkServer(self.python, self._base_env(), self.log_dir / "forkserver.log")
+            return ForkServer.start(self.python, self._base_env(), self.log_dir / "forkserver.log")
         except OSError as exc:
             log.warning("cannot start the replica template (%s): replicas start the plain way", exc)
             return None

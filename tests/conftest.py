@@ -249,8 +249,61 @@ def agents_worker(django_db_setup, django_db_blocker, tmp_path_factory):
         _stop(process, log, grace=30)
 
 
+class TemplateService:
+    """The templates' service this process's agents share (inference.forkserver --listen)."""
+
+    def __init__(self, address: Path, log: Path):
+        self.address, self.log = address, log
+
+    def templates_since(self, offset: int) -> list[int]:
+        """The templates it forked since its log was `offset` bytes long: `template PID` lines."""
+        with self.log.open() as log:
+            log.seek(offset)
+            return [int(line.split()[1]) for line in log if line.startswith("template ")]
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size
+
+
+@pytest.fixture(scope="session")
+def template_service(tmp_path_factory):
+    """One templates' service for this process's agents, as a node may run one: each test's agent
+    gets a template already imported from it rather than import torch and transformers for a
+    template of its own (5 CPU-seconds here, more than the rest of what a test's agent costs).
+    `up`, which the suite runs as a user would, starts its agent without it; so does a test that
+    passes GPUPORTAL_REPLICA_TEMPLATE_SOCKET itself."""
+    import subprocess
+    import sys
+
+    from tests.support.processes import wait_until
+
+    directory = tmp_path_factory.mktemp("templates")
+    service = TemplateService(directory / "templates.sock", directory / "service.log")
+    log = service.log.open("w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "inference.forkserver", "--listen", str(service.address)],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+
+        def listening() -> bool:
+            return process.poll() is not None or "listening on" in service.log.read_text()
+
+        wait_until(listening, 120, "the templates' service")
+        assert process.poll() is None, service.log.read_text()[-3000:]
+        yield service
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        _stop(process, log)
+
+
 @pytest.fixture
-def start_agent(tmp_path, agents_worker):
+def start_agent(tmp_path, agents_worker, template_service):
     """Starts real node agents on this test's database and Redis: `start_agent(node, gpus)`, e.g.
     `start_agent("e2e", "1x2GiB")`, with settings of its own as keywords
     (`GPUPORTAL_WARM_SPARES="1"`); each is killed with its replicas at the end of the test. Their
@@ -263,6 +316,12 @@ def start_agent(tmp_path, agents_worker):
     from tests.support.processes import wait_until
 
     started = []
+    templates_from = template_service.log_size()
+    # An earlier test's replicas, killed as it ended, still claim to take their deployments'
+    # requests for a few seconds (gpuportal.wire.requestqueue's LIVE_TTL_S), and a request of this
+    # test's deployment of the same name would wait for them rather than wake its own; its queued
+    # requests would go to this test's replicas.
+    _forget_earlier_deployments()
 
     def start(node: str = "e2e", virtual_gpus: str = "2x4GiB", **env: str):
         log = open(tmp_path / f"agent-{node}.log", "w+")  # noqa: SIM115 - read back when the test fails
@@ -271,7 +330,15 @@ def start_agent(tmp_path, agents_worker):
             cwd=Path(__file__).resolve().parent.parent,
             # A short stall threshold keeps the node's lease at 4 s (gpuportal.wire.node_lease.ttl_s):
             # the tests that cut an agent off wait for it to lapse, and they freeze no Redis.
-            env=_process_env(tmp_path, GPUPORTAL_HEARTBEAT_S="1", GPUPORTAL_CONTROL_STALL_S="2", **env),
+            env=_process_env(
+                tmp_path,
+                **{
+                    "GPUPORTAL_HEARTBEAT_S": "1",
+                    "GPUPORTAL_CONTROL_STALL_S": "2",
+                    "GPUPORTAL_REPLICA_TEMPLATE_SOCKET": str(template_service.address),
+                    **env,
+                },
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             # A group of its own, with its replicas: those a killed agent left waiting to be
@@ -294,6 +361,21 @@ def start_agent(tmp_path, agents_worker):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             _stop(process, log)
+        # The templates the service forked for this test's agents lead groups of their own, with
+        # the replicas they forked: those an agent left to be adopted would outlive the test.
+        for template in template_service.templates_since(templates_from):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(template, signal.SIGKILL)
+
+
+def _forget_earlier_deployments() -> None:
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for pattern in ("gp:live:*", "gp:queue:*"):
+        if keys := list(client.scan_iter(match=pattern, count=1000)):
+            client.delete(*keys)
 
 
 @pytest.fixture

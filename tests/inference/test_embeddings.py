@@ -54,7 +54,9 @@ def test_a_packaged_sentence_embedding_model_served_by_real_replicas_matches_its
     # The same files under a Hugging Face name, in a cache the agent and its replicas read.
     use_cache(monkeypatch, tmp_path / "hub")
     cache_model(tmp_path / "hub", "sentence-transformers/all-MiniLM-L6-v2", MODEL_DIR, link=True)
-    start_agent("e2e", "2x2GiB")
+    # A template of its own, imported under this cache: huggingface_hub reads where its cache is
+    # when it is imported, and the suite's templates' service imported it under the default.
+    start_agent("e2e", "2x2GiB", GPUPORTAL_REPLICA_TEMPLATE_SOCKET="")
     request_services.queue.cache_clear()
     sources = {"minilm": str(MODEL_DIR), "minilm-hub": "hf:sentence-transformers/all-MiniLM-L6-v2"}
     for name, source in sources.items():

@@ -31,7 +31,14 @@ def serving(count: int):
 
 
 @pytest.fixture
-def deployed(agent, staff, tmp_path):
+def deployed(start_agent, staff, tmp_path, request):
+    """Two replicas of the tiny model serving on a real agent; with `own template` (indirect
+    parametrization), an agent pointed at a templates' service that is not there, which then
+    starts a template of its own, as every agent does by default."""
+    if getattr(request, "param", None) == "own template":
+        start_agent("e2e", "2x4GiB", GPUPORTAL_REPLICA_TEMPLATE_SOCKET=str(tmp_path / "no-service.sock"))
+    else:
+        start_agent("e2e", "2x4GiB")
     request_services.queue.cache_clear()
     model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3).path
     body = {
@@ -236,19 +243,40 @@ def the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(live_se
 
 # One deployment for the two checks that change nothing of it: its two replica processes take
 # most of a test's time to load.
-def test_infer_and_the_openai_client_get_text_from_real_replicas(deployed: APIClient, live_server):
+@pytest.mark.parametrize("deployed", ["own template"], indirect=True)
+def test_infer_and_the_openai_client_get_text_from_real_replicas(deployed: APIClient, live_server, tmp_path):
     infer_generates_text_with_usage_and_polling_sees_the_same(deployed)
     the_openai_client_gets_plain_and_streamed_answers_from_real_replicas(live_server)
     replicas_were_forked_from_their_agents_template()
+    agent_log = (tmp_path / "agent-e2e.log").read_text()
+    assert "the templates' service at" in agent_log and "starting a template of our own" in agent_log
 
 
 def replicas_were_forked_from_their_agents_template() -> None:
     # An agent on virtual GPUs forks its replicas from its template (inference.forkserver), which
-    # it started itself: what served above ran there.
+    # it started itself (its templates' service did not answer): what served above ran there.
     for pid in Replica.objects.filter(state="serving").values_list("pid", flat=True):
         template = psutil.Process(pid).parent()
         assert template is not None and "inference.forkserver" in template.cmdline(), template
         assert "agent" in " ".join(template.parent().cmdline())
+
+
+def test_agents_get_their_templates_from_the_nodes_templates_service_and_each_ends_with_its_agent(
+    deployed: APIClient, template_service, tmp_path
+):
+    serving_pids = list(Replica.objects.filter(state="serving").values_list("pid", flat=True))
+    templates = {psutil.Process(pid).parent() for pid in serving_pids}
+    (template,) = templates  # the agent's one template, forked by the service
+    assert template.pid in template_service.templates_since(0)
+    assert "--listen" in template.parent().cmdline()
+    assert os.getpgid(template.pid) == template.pid  # its group, with its replicas
+    assert {os.getpgid(pid) for pid in serving_pids} == {template.pid}
+
+    (agent,) = [p for p in psutil.Process().children() if p.cmdline()[1:3] == ["manage.py", "agent"]]
+    agent.kill()
+
+    # Its template hears the connection close, as the kernel closes a killed agent's end, and ends.
+    template.wait(30)
 
 
 def test_a_plain_pytorch_module_takes_json_tensors_on_infer(agent, staff):
