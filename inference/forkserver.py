@@ -236,7 +236,12 @@ def listen(address: Path) -> None:
             continue
         channel, _ = listener.accept()
         sys.stdout.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # no memory to fork: its agent, its template gone, starts replicas the plain way
+            print(f"cannot fork a template: {exc}", flush=True)
+            channel.close()
+            continue
         if pid == 0:
             code = 1
             try:
