@@ -82,7 +82,7 @@ class ConfigValues:
 # The model types whose config class keeps config.json's values as written, under their own names
 # (no attribute map, nothing nested), and what it takes for num_key_value_heads when the file leaves
 # it out (None: one per attention head). A file leaving out head_dim gets hidden_size / heads, as
-# _config_values reads these classes. tests/gpuportal/test_memory.py checks every entry against
+# config_values reads these classes. tests/gpuportal/test_memory.py checks every entry against
 # transformers' own reading; any other type, or a file that leaves out another value, is read
 # through AutoConfig, which alone knows the class's defaults.
 _PLAIN_TYPES: dict[str, int | None] = {"llama": None, "mistral": 8, "qwen2": 32, "bert": None}
