@@ -63,12 +63,13 @@ def _tokenizer_refusal(source: str) -> str:
     instead. Loaded the way a replica loads it (inference.replica), from local files; a plain
     tokenizer.json is loaded by the `tokenizers` library alone, as transformers' own backend
     would, which spares the agent transformers' and torch's imports (see inference.model_size)."""
-    if _plain_tokenizer_loads(local_model_dir(source)):
+    root = local_model_dir(source)  # a hf: name is looked up in the cache once
+    if _plain_tokenizer_loads(root):
         return ""
     (AutoTokenizer,) = from_transformers("AutoTokenizer")
 
     try:
-        AutoTokenizer.from_pretrained(local_model_dir(source), local_files_only=True)
+        AutoTokenizer.from_pretrained(root, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return (
