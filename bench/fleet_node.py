@@ -8,8 +8,9 @@ Redis list), renews its lease straight in Redis every beat (`gpuportal.wire.node
 the commands the control plane sends on its own queue, `node.<name>` (`gpuportal.wire.commands`),
 answering each with the reports a replica process would give (`progress` while it loads, then
 `serving` with what it holds per GPU; `sleeping`, `woken`, `stopped`, `arena`). What it does not
-do is run a model: a load is `load_s` of waiting. A questions on the `inspect` queue is answered by
-the agent's own task (`inference.tasks.inspect_model`), which reads the model's files.
+do is run a model: a load is `load_s` of waiting. A question of what a model's files hold, sent to
+a node's queue, is answered by the agent's own task (`inference.tasks.inspect_model`), which reads
+them.
 
 One process carries many nodes: a heartbeat thread per node (as an agent has), one consumer of
 all their queues (kombu, as the agent's Celery worker consumes its own) and a pool of threads that
@@ -455,15 +456,14 @@ class Fleet:
         node.run(self.counters.beat)
 
     def _consume(self) -> None:
-        """Every node's queue and `inspect`, on one connection, as the agents' Celery workers
-        consume them; each command carried out on the pool."""
+        """Every node's queue, on one connection, as the agents' Celery workers consume them;
+        each command carried out on the pool."""
         from kombu import Consumer
 
         from gpuportal.wire.commands import node_queue
-        from gpuportal.wire.inspection import INSPECT_QUEUE
 
         by_queue = {node_queue(name): node for name, node in self.nodes.items()}
-        queues = [self.app.amqp.queues[name] for name in [*by_queue, INSPECT_QUEUE]]
+        queues = [self.app.amqp.queues[name] for name in by_queue]
         with self.app.connection_for_read() as conn:
 
             def received(body: Any, message: Any) -> None:

@@ -175,11 +175,16 @@ SPECTACULAR_SETTINGS = {
 # Celery: Redis is broker and result store; control-plane work defaults to the `control` queue,
 # node work goes to each node's own queue (see inference.agent).
 CELERY_BROKER_URL = REDIS_URL
+# Kombu's Redis transport, less what lets a node that writes to a queue stop or steer its reader.
+CELERY_BROKER_TRANSPORT = "gpuportal.broker:Transport"
 CELERY_RESULT_BACKEND = REDIS_URL
 CELERY_TASK_DEFAULT_QUEUE = "control"
 # The agents' calls have a worker of their own (gpuportal.wire.control).
 CELERY_TASK_ROUTES = {AGENT_CALL_TASK: {"queue": AGENT_QUEUE}}
 CELERY_TASK_ACKS_LATE = True
+# No worker takes remote-control commands (shutdown, revoke, pool restart): they come over Redis
+# Pub/Sub with no credential, which every node's Redis user may publish to. The portal sends none.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

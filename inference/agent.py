@@ -20,10 +20,9 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_e
 
 from gpuportal import orphans
 from gpuportal.celery import app
-from gpuportal.wire import memory, node_lease, replies
+from gpuportal.wire import memory, node_acl, node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import ControlError, ControlPlane, Refused, unknown_node
-from gpuportal.wire.inspection import INSPECT_QUEUE
 from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
@@ -418,12 +417,13 @@ class NodeAgent:
 
     def run_worker(self, loglevel: str = "INFO") -> None:
         """Blocks until the worker shuts down (SIGTERM or SIGINT: a warm shutdown)."""
+        # Its unacknowledged messages where its Redis user may keep them (gpuportal.wire.node_acl).
+        app.conf.broker_transport_options = {**app.conf.broker_transport_options, **node_acl.unacked_keys(self.name)}
         app.worker_main(
             [
                 "worker",
                 "--queues",
-                # Its own, and the questions any node may answer (what a model's files hold).
-                f"{self.queue},{INSPECT_QUEUE}",
+                self.queue,
                 "--hostname",
                 f"agent.{self.name}@%h",
                 "--pool",

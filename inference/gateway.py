@@ -101,7 +101,10 @@ class RemoteControl:
             for attempt in self._on_outage():
                 with attempt:
                     # Expires with the wait: a call its caller gave up on is never applied late.
-                    self.app.send_task(AGENT_CALL_TASK, args=[payload], queue=AGENT_QUEUE, expires=timeout)
+                    # Not declared: kombu declares a queue by reading its length, and a node's
+                    # Redis user may only push onto this one (gpuportal.wire.node_acl); a push
+                    # needs no declaring.
+                    self.app.send_task(AGENT_CALL_TASK, args=[payload], queue=AGENT_QUEUE, expires=timeout, declare=[])
             for attempt in self._on_outage():
                 with attempt:
                     return replies.wait(self.redis, call.reply_to, timeout, name)

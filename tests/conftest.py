@@ -244,6 +244,7 @@ def agents_worker(django_db_setup, django_db_blocker, tmp_path_factory):
     try:
         wait_until(lambda: process.poll() is not None or " ready." in path.read_text(), 60, "the agents worker")
         assert process.poll() is None, path.read_text()[-3000:]
+        process.log_path = path  # type: ignore[attr-defined]  # what a test may read of it
         yield process
     finally:
         _stop(process, log, grace=30)

@@ -2,8 +2,10 @@
 process. The files live where the replicas load them, on the nodes; and a `torch-module` source
 is code, which must run in no process that serves the API. Django-free.
 
-The control plane sends an InspectModel to the `inspect` queue, which every node agent consumes
-besides its own, and waits on `reply_to` (gpuportal.wire.replies) for a ModelReading."""
+The control plane sends an InspectModel to one online node's own queue and waits on `reply_to`
+(gpuportal.wire.replies) for a ModelReading. Not a queue every node consumes: a queue a node
+reads from is one it may write to, and a node's worker must take a question (for a torch-module
+source, code it imports and runs) from the control plane alone."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from typing import Any
 from gpuportal.wire.commands import VERSION, WireError, decode_as
 from gpuportal.wire.memory import ModelShape
 
-INSPECT_QUEUE = "inspect"
 INSPECT_TASK = "inference.tasks.inspect_model"
 
 

@@ -2,14 +2,16 @@
 which inherit its REDIS_URL) to what a node does in Redis, for an operator to load with
 `ACL SETUSER` (`manage.py node_credential acl NAME` prints the line). Django-free.
 
-What a node does there: it consumes its own Celery queue and the shared `inspect` queue, sends
-calls to the `agents` queue, blocks on its own answer lists and answers the control plane's
+What a node does there: it consumes its own Celery queue, sends calls to the `agents` queue
+(whose worker runs nothing else: gpuportal.broker), blocks on its own answer lists and answers the control plane's
 questions (a model's files, a replica's log), renews its lease, and its replicas serve the
 request queues. What the rules cannot tell apart, since the keys are not per node:
 
-- Celery's and kombu's shared keys: `unacked*` (every consumer's unacknowledged messages),
-  `_kombu.binding.*` (read by every sender), task results (`celery-task-meta-*`) and the Pub/Sub
-  channels of remote control and results. A node could read another's unacknowledged commands.
+- Celery's and kombu's shared keys: `_kombu.binding.*` (read by every sender), task results
+  (`celery-task-meta-*`) and Pub/Sub channels. No worker takes remote control
+  (CELERY_WORKER_ENABLE_REMOTE_CONTROL), so what a node publishes there reaches no one. A node's
+  worker keeps its unacknowledged messages in keys of its own (unacked_keys), not kombu's shared
+  `unacked`: the control plane's workers put what is there back on the queue it names, any queue.
 - The answers a node pushes (`gp:reply:*`): it may write to any asker's list, so a hostile node
   could answer a question put to another.
 - The request queues: every replica of a deployment, on whichever node, takes from the same
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import AGENT_QUEUE
-from gpuportal.wire.inspection import INSPECT_QUEUE
 from gpuportal.wire.node_auth import node_name_problem
 from gpuportal.wire.node_lease import epoch_key, lease_key
 
 # What follows a queue's name in kombu's keys for its priorities (a separator that is no node
-# name's character, then the priority): the queue's own keys, not a longer-named queue's.
-_QUEUE_SUFFIX = "[^A-Za-z0-9_-]*"
+# name's character, then the priority): the queue's own keys, not a longer-named queue's. The
+# '-' comes first: Redis's glob reads "_-]" as a range from '_' to ']', which left the class
+# unclosed and the priorities' keys refused.
+_QUEUE_SUFFIX = "[^-A-Za-z0-9_]*"
 # The keys a replica process reads and writes as it serves (gpuportal.wire.requestqueue,
 # gpuportal.wire.kvstats), shared by every replica of a deployment.
 REPLICA_KEYS = (
@@ -66,23 +69,33 @@ def user_name(node: str) -> str:
     return f"node-{node}"
 
 
+def unacked_keys(node: str) -> dict[str, str]:
+    """Kombu's transport options for node `node`'s worker: where it keeps the messages it took
+    and has not acknowledged, and the lock of putting them back (kombu's default is one `unacked`
+    hash that every consumer shares, and that its consumers put back on whichever queue an entry
+    names)."""
+    return {
+        "unacked_key": f"unacked.node.{node}",
+        "unacked_index_key": f"unacked_index.node.{node}",
+        "unacked_mutex_key": f"unacked_mutex.node.{node}",
+    }
+
+
 def rules(node: str) -> list[str]:
     """The ACL rules of node `node`'s user, less its password, one rule per item."""
     if (problem := node_name_problem(node)) is not None:
         raise ValueError(problem)
     own = node_queue(node)
     keys = [
-        # Its own queue and the shared questions: consumed (read and written by kombu's moves).
+        # Its own queue, the only one it consumes (read and written by kombu's moves). None that
+        # another node may write to: a node's worker runs what the control plane sends it.
         f"~{own}",
         f"~{own}{_QUEUE_SUFFIX}",
-        f"~{INSPECT_QUEUE}",
-        f"~{INSPECT_QUEUE}{_QUEUE_SUFFIX}",
         f"~_kombu.binding.{own}",
-        f"~_kombu.binding.{INSPECT_QUEUE}",
-        "~_kombu.binding.*pidbox",
-        # Its worker's remote-control queue (named after its hostname, agent.NODE@host).
-        f"~agent.{node}@*",
-        "~unacked*",
+        # Kombu's mark (5.7 on) that its binding never expires, written with the binding.
+        f"~_kombu.binding_permanent.{own}",
+        # Its worker's unacknowledged messages (unacked_keys), not the control plane's.
+        *(f"~{key}" for key in unacked_keys(node).values()),
         "~celery-task-meta-*",
         # Calls to the control plane: pushed, never read.
         f"%W~{AGENT_QUEUE}",

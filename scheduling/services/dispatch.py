@@ -12,11 +12,12 @@ import logging
 import redis
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 
 from gpuportal.celery import app
 from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import node_queue
-from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
+from gpuportal.wire.inspection import INSPECT_TASK, InspectModel, ModelReading
 from gpuportal.wire.pulls import PULL_TASK, PullModel
 from gpuportal.wire.replica_logs import LOG_TASK, ReadLog
 from scheduling.core.effects import Order, ToControl, ToNode
@@ -80,8 +81,9 @@ def _answers() -> redis.Redis:
 
 def inspect(source: str, loader: str, dtype: str) -> ModelReading:
     """What a node agent reads of the model's files, waited for. Not on commit: nothing is
-    decided yet, and this is what the decision needs. Whichever agent is free first answers."""
-    if not Node.objects.filter(status=Node.Status.ONLINE).exists():
+    decided yet, and this is what the decision needs. Asked of the online node heard from last."""
+    node = Node.objects.filter(status=Node.Status.ONLINE).order_by(F("last_heartbeat").desc(nulls_last=True)).first()
+    if node is None:
         drained = sorted(Node.objects.filter(status=Node.Status.DRAINING).values_list("name", flat=True))
         if drained:
             # Waiting would not help, and the operator's own drain is why: say so, not "start one".
@@ -93,11 +95,13 @@ def inspect(source: str, loader: str, dtype: str) -> ModelReading:
     ask = InspectModel(source, loader, dtype, replies.new_list("inspect"))
     timeout = settings.GPUPORTAL_INSPECT_TIMEOUT_S
     # Expires with the wait: an agent that comes to it later does not read for nobody.
-    app.send_task(INSPECT_TASK, args=[ask.encode()], queue=INSPECT_QUEUE, expires=timeout)
+    app.send_task(INSPECT_TASK, args=[ask.encode()], queue=node_queue(node.name), expires=timeout)
     try:
-        return ModelReading.from_record(replies.wait(_answers(), ask.reply_to, timeout, "reading the model's files"))
+        return ModelReading.from_record(
+            replies.wait(_answers(), ask.reply_to, timeout, f"reading the model's files on node {node.name}")
+        )
     except replies.NoAnswer as err:
-        raise Unavailable(f"{err}: are the node agents up and their `{INSPECT_QUEUE}` queue consumed?") from None
+        raise Unavailable(f"{err}: is its agent up?") from None
 
 
 def replica_log(node: str, replica_id: str, tail: int) -> dict:

@@ -27,8 +27,8 @@ from tests.support.deployments import invariant_holds
 class AgentsWorker:
     """What RemoteControl sends, carried out as the `agents` worker would: each call on a thread."""
 
-    def send_task(self, name: str, *, args: list, queue: str, expires: float) -> None:
-        assert (name, queue) == (AGENT_CALL_TASK, "agents")
+    def send_task(self, name: str, *, args: list, queue: str, expires: float, declare: list) -> None:
+        assert (name, queue, declare) == (AGENT_CALL_TASK, "agents", [])
         threading.Thread(target=self._run, args=(args[0],)).start()
 
     def _run(self, payload: dict) -> None:

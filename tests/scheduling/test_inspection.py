@@ -3,7 +3,7 @@ model file and runs no model code, and it answers 503 rather than hang when no a
 
 Here the node's task runs on a thread, as an agent's worker thread would, over the real Redis;
 every test that starts a real agent (test_replica_lifecycle, test_serving, ...) deploys through
-a real agent's `inspect` queue."""
+a real agent's own queue."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from gpuportal.wire.inspection import INSPECT_QUEUE, INSPECT_TASK, InspectModel, ModelReading
+from gpuportal.wire.commands import node_queue
+from gpuportal.wire.inspection import INSPECT_TASK, InspectModel, ModelReading
 from inference.inspection import read_model
 from scheduling.models import Deployment, DeploymentObserved, Node
 from scheduling.services import dispatch
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.nodes_read_models
 
 
 class NodeWorker:
-    """Takes what the control plane sends to the `inspect` queue as an agent's worker would."""
+    """Takes what the control plane sends to a node's queue as that node's agent's worker would."""
 
     def __init__(self, answer: bool = True):
         self.answer = answer
@@ -50,8 +51,8 @@ def test_a_deploy_asks_a_node_to_read_the_model_and_reserves_what_it_read(cluste
     response = staff.post("/api/deployments/", body("tiny", tiny_model_dir, memory={"max_tokens": 512}), format="json")
 
     assert response.status_code == 201, response.json()
-    ((name, queue, payload, _),) = [sent for sent in node_worker.sent if sent[0] == INSPECT_TASK]
-    assert (name, queue) == (INSPECT_TASK, INSPECT_QUEUE)
+    ((_, queue, payload, _),) = [sent for sent in node_worker.sent if sent[0] == INSPECT_TASK]
+    assert queue in {node_queue("node1"), node_queue("node2")}, "a node's own queue, which no other node may write to"
     assert InspectModel.decode(payload).source == str(tiny_model_dir)
     observed = DeploymentObserved.objects.get(deployment__name="tiny")
     read_here = read_model(str(tiny_model_dir), "transformers", "float32")
@@ -88,6 +89,25 @@ def test_with_no_node_online_a_deploy_answers_503_saying_so(cluster, staff, node
 
 
 @pytest.mark.django_db
+def test_the_question_goes_to_the_online_node_heard_from_last(cluster, staff, node_worker, tiny_model_dir):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    now = timezone.now()
+    Node.objects.filter(name="node1").update(last_heartbeat=now)
+    Node.objects.filter(name="node2").update(last_heartbeat=now - timedelta(seconds=3))
+    Node.objects.create(name="node3", queue=node_queue("node3"), status=Node.Status.OFFLINE, last_heartbeat=now)
+
+    assert staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json").status_code == 201
+    Node.objects.filter(name="node2").update(last_heartbeat=now + timedelta(seconds=3))
+    assert staff.post("/api/deployments/", body("tiny2", tiny_model_dir), format="json").status_code == 201
+
+    asked = [queue for name, queue, _, _ in node_worker.sent if name == INSPECT_TASK]
+    assert asked == [node_queue("node1"), node_queue("node2")]
+
+
+@pytest.mark.django_db
 def test_with_every_online_node_drained_a_deploy_is_a_409_that_says_so(cluster, staff, node_worker, tiny_model_dir):
     Node.objects.update(status=Node.Status.DRAINING)
 
@@ -110,7 +130,7 @@ def test_a_node_that_never_answers_makes_the_deploy_a_503_after_the_wait_not_a_h
     response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
 
     assert response.status_code == 503
-    assert "no answer to reading the model's files within 1 s" in response.json()["detail"]
+    assert "no answer to reading the model's files on node node" in response.json()["detail"]
     assert silent.sent[0][3] == 1, "the question expires with the wait: no agent reads for nobody"
     assert not Deployment.objects.exists()
 
@@ -137,7 +157,8 @@ def test_a_reading_that_breaks_on_the_node_is_answered_at_once_with_its_error(
     response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
 
     assert response.status_code == 503
-    assert "reading the model's files: KeyError: 'num_hidden_layers'" in response.json()["detail"]
+    assert "reading the model's files on node node" in response.json()["detail"]
+    assert "KeyError: 'num_hidden_layers'" in response.json()["detail"]
     assert not Deployment.objects.exists()
 
 

@@ -442,6 +442,23 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
 # -- the node's Redis user ---------------------------------------------------------------------
 
 
+def test_a_nodes_redis_user_consumes_its_own_queue_alone_and_keeps_its_own_unacknowledged_messages():
+    rules = node_acl.rules("gpu-3")
+    key_rules = [rule for rule in rules if "~" in rule]
+
+    assert [rule for rule in key_rules if "node." in rule and "unacked" not in rule] == [
+        "~node.gpu-3",
+        f"~node.gpu-3{node_acl._QUEUE_SUFFIX}",
+        "~_kombu.binding.node.gpu-3",
+        "~_kombu.binding_permanent.node.gpu-3",
+    ]
+    assert sorted(rule for rule in key_rules if "unacked" in rule) == sorted(
+        f"~{key}" for key in node_acl.unacked_keys("gpu-3").values()
+    )
+    assert all(key.endswith(".node.gpu-3") for key in node_acl.unacked_keys("gpu-3").values())
+    assert not any("inspect" in rule or "pidbox" in rule for rule in key_rules), "no queue another node writes to"
+
+
 def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_another_nodes():
     import uuid
 
@@ -461,6 +478,7 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
         assert node_acl.user_name(node) not in admin.acl_users()
         return
     admin.execute_command("ACL", "SETUSER", node_acl.user_name(node), *rules)
+    own_unacked = node_acl.unacked_keys(node)
     try:
         kwargs = admin.connection_pool.connection_kwargs
         user = redis.Redis(
@@ -472,6 +490,8 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
         )
         node_lease.renew(user, node, 5)
         user.lpush(f"node.{node}", "a command")
+        user.hset(own_unacked["unacked_key"], "a tag", "a command it took")
+        user.zadd(own_unacked["unacked_index_key"], {"a tag": 0})
         user.lpush("agents", "a call")
         user.lpush(f"gp:reply:agent:{node}:1", "an answer")
         assert user.blpop([f"gp:reply:agent:{node}:1"], timeout=1) is not None
@@ -481,6 +501,12 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
             lambda: node_lease.renew(user, "another-node", 5),
             lambda: user.lpush("node.another-node", "a command"),
             lambda: user.lpush(f"node.{node}2", "a longer name's command"),
+            # What the control plane's workers put back on the queue it names, whichever.
+            lambda: user.hset("unacked", "a tag", '[{}, "", "control"]'),
+            lambda: user.zadd("unacked_index", {"a tag": 0}),
+            lambda: user.hset(node_acl.unacked_keys("another-node")["unacked_key"], "a tag", "x"),
+            lambda: user.lpush("inspect", "a question for every node"),
+            lambda: user.lpush("control", "a task"),
             lambda: user.lrange("agents", 0, -1),
             lambda: user.blpop(["gp:reply:agent:another-node:1"], timeout=1),
             lambda: user.get("gp:idem:alice:0"),
@@ -493,4 +519,48 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
     finally:
         admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
         admin.delete(node_lease.lease_key(node), f"node.{node}", "gp:reply:inspect:1", "gp:kv:some-replica")
-        admin.lrem("agents", 0, "a call")  # no worker is to read it
+        admin.delete(*own_unacked.values())
+        admin.lrem("agents", 0, "a call")  # not a call: the agents worker would only drop it
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_and_serve(tmp_path, start_agent, staff):
+    """The rules as `node_credential acl` prints them, loaded, and an agent given that user alone
+    (its replica inherits it): what they do in Redis (the agent's calls and their answers, its
+    lease, its queue, its worker's unacknowledged messages, the replica's request queue) is all
+    the rules let them do. Redis 7 only: make test's embedded 6.2 refuses the rules whole (the
+    test above), so this runs where REDIS_URL names a Redis 7."""
+    import redis
+
+    from inference.management.commands.make_tiny_model import write_tiny_model
+    from scheduling.models import Replica
+
+    admin = redis.Redis.from_url(settings.REDIS_URL)
+    version = tuple(int(n) for n in admin.info("server")["redis_version"].split(".")[:2])
+    if version < node_acl.MIN_REDIS:
+        pytest.skip("the node's rules need Redis 7 (make test's embedded Redis is 6.2): run with REDIS_URL on a 7")
+    node, password = "acl-agent", "pw-of-acl-agent"
+    admin.execute_command(*node_acl.setuser_line(node, password).split())
+    server = admin.connection_pool.connection_kwargs
+    own_url = f"redis://{node_acl.user_name(node)}:{password}@{server['host']}:{server['port']}/{server['db']}"
+    try:
+        agent = start_agent(node, "1x4GiB", REDIS_URL=own_url)
+        beat = Node.objects.get(name=node).last_heartbeat
+        wait_until(lambda: Node.objects.get(name=node).last_heartbeat > beat, 30, "a beat")
+        model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3).path
+        spec = {"name": "acl", "model": {"source": str(model)}, "memory": {"override_bytes": 200 * 1024**2}}
+
+        assert staff.post("/api/deployments/", spec, format="json").status_code == 201, "its agent read the files"
+        wait_until(
+            lambda: agent.poll() is not None or Replica.objects.filter(state="serving").exists(), 180, "its replica"
+        )
+        answer = staff.post("/api/deployments/acl/infer/", {"input": "Hi", "params": {"max_tokens": 4}}, format="json")
+
+        assert answer.status_code == 200, answer.json()
+        assert agent.poll() is None
+        said = (tmp_path / f"agent-{node}.log").read_text()
+        assert "NoPermissionError" not in said and "NOPERM" not in said
+    finally:
+        admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
+        admin.delete(*node_acl.unacked_keys(node).values())

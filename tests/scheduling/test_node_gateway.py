@@ -31,7 +31,9 @@ class Worker:
         self.deliver = deliver
         self.sent: list[tuple[str, str, float]] = []
 
-    def send_task(self, name: str, *, args: list, queue: str, expires: float) -> None:
+    def send_task(self, name: str, *, args: list, queue: str, expires: float, declare: list) -> None:
+        # Never declared: declaring reads the queue's length, which a node's Redis user may not.
+        assert declare == []
         self.sent.append((name, queue, expires))
         if self.deliver:
             thread = threading.Thread(target=self._run, args=(args[0],))
