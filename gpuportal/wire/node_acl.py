@@ -3,9 +3,9 @@ which inherit its REDIS_URL) to what a node does in Redis, for an operator to lo
 `ACL SETUSER` (`manage.py node_credential acl NAME` prints the line). Django-free.
 
 What a node does there: it consumes its own Celery queue, sends calls to the `agents` queue
-(whose worker runs nothing else: gpuportal.broker), blocks on its own answer lists and answers the control plane's
-questions (a model's files, a replica's log), renews its lease, and its replicas serve the
-request queues. What the rules cannot tell apart, since the keys are not per node:
+(whose worker runs nothing else: gpuportal.broker), blocks on its own answer lists and answers
+the control plane's questions (a model's files, a replica's log), renews its lease, and its
+replicas serve the request queues. What the rules cannot tell apart, since the keys are not per node:
 
 - Celery's and kombu's shared keys: `_kombu.binding.*` (read by every sender), task results
   (`celery-task-meta-*`) and Pub/Sub channels. No worker takes remote control
