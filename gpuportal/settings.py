@@ -201,6 +201,9 @@ GPUPORTAL_BEAT_LOCK_TTL_S = env_float("GPUPORTAL_BEAT_LOCK_TTL_S", 15.0)
 GPUPORTAL_HEARTBEAT_S = env_float("GPUPORTAL_HEARTBEAT_S", 5.0)
 # How long a deploy waits for a node agent to read the model's files (gpuportal.wire.inspection).
 GPUPORTAL_INSPECT_TIMEOUT_S = env_float("GPUPORTAL_INSPECT_TIMEOUT_S", 60.0)
+# While no node has answered, the next online node is asked as well this often (a node's worker
+# may be busy): long enough that a node importing torch for a factory's first reading answers.
+GPUPORTAL_INSPECT_HEDGE_S = env_float("GPUPORTAL_INSPECT_HEDGE_S", 15.0)
 GPUPORTAL_HEARTBEAT_TIMEOUT_S = env_float("GPUPORTAL_HEARTBEAT_TIMEOUT_S", 20.0)
 # A gap this long between two heartbeat sweeps (they run every 5 s) means the control plane itself
 # stalled (PostgreSQL frozen, Redis down, its worker restarting) and heard no node meanwhile: node

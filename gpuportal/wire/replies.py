@@ -27,6 +27,10 @@ class NoAnswer(RuntimeError):
     """The other side refused (its message), or did not answer in time."""
 
 
+class TimedOut(NoAnswer):
+    """No answer came in time (the other side may still give one, to nobody)."""
+
+
 @lru_cache(maxsize=4)
 def client(url: str) -> redis.Redis:
     """One client (and its connection pool) per Redis URL for a process's answers, on every side."""
@@ -52,7 +56,7 @@ def wait(client: redis.Redis, reply_to: str, timeout_s: float, what: str) -> Any
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise NoAnswer(f"no answer to {what} within {timeout_s:g} s")
+            raise TimedOut(f"no answer to {what} within {timeout_s:g} s")
         got = client.blpop([reply_to], timeout=max(0.01, min(left, block_s)))
         if got is not None:
             break

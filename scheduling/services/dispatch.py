@@ -8,6 +8,7 @@ GPU side."""
 from __future__ import annotations
 
 import logging
+import time
 
 import redis
 from django.conf import settings
@@ -81,9 +82,18 @@ def _answers() -> redis.Redis:
 
 def inspect(source: str, loader: str, dtype: str) -> ModelReading:
     """What a node agent reads of the model's files, waited for. Not on commit: nothing is
-    decided yet, and this is what the decision needs. Asked of the online node heard from last."""
-    node = Node.objects.filter(status=Node.Status.ONLINE).order_by(F("last_heartbeat").desc(nulls_last=True)).first()
-    if node is None:
+    decided yet, and this is what the decision needs.
+
+    Asked of the online node heard from last, on its own queue (no queue is shared by the nodes:
+    gpuportal.wire.node_acl). While none has answered, the next online node is asked as well every
+    GPUPORTAL_INSPECT_HEDGE_S: a node's worker may be busy (a pull), or stuck while its beat goes
+    on. They all answer on one list, and the first answer counts."""
+    online = list(
+        Node.objects.filter(status=Node.Status.ONLINE)
+        .order_by(F("last_heartbeat").desc(nulls_last=True), "name")
+        .values_list("name", flat=True)
+    )
+    if not online:
         drained = sorted(Node.objects.filter(status=Node.Status.DRAINING).values_list("name", flat=True))
         if drained:
             # Waiting would not help, and the operator's own drain is why: say so, not "start one".
@@ -94,14 +104,26 @@ def inspect(source: str, loader: str, dtype: str) -> ModelReading:
         raise Unavailable("no node is online to read the model's files: start a node agent (manage.py agent)")
     ask = InspectModel(source, loader, dtype, replies.new_list("inspect"))
     timeout = settings.GPUPORTAL_INSPECT_TIMEOUT_S
-    # Expires with the wait: an agent that comes to it later does not read for nobody.
-    app.send_task(INSPECT_TASK, args=[ask.encode()], queue=node_queue(node.name), expires=timeout)
-    try:
-        return ModelReading.from_record(
-            replies.wait(_answers(), ask.reply_to, timeout, f"reading the model's files on node {node.name}")
-        )
-    except replies.NoAnswer as err:
-        raise Unavailable(f"{err}: is its agent up?") from None
+    deadline = time.monotonic() + timeout
+    asked: list[str] = []
+    for name in online:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        # Expires with the wait: an agent that comes to it later does not read for nobody.
+        app.send_task(INSPECT_TASK, args=[ask.encode()], queue=node_queue(name), expires=left)
+        asked.append(name)
+        wait_s = left if name == online[-1] else min(left, settings.GPUPORTAL_INSPECT_HEDGE_S)
+        try:
+            return ModelReading.from_record(replies.wait(_answers(), ask.reply_to, wait_s, "reading the model's files"))
+        except replies.TimedOut:
+            continue
+        except replies.NoAnswer as err:
+            raise Unavailable(str(err)) from None
+    raise Unavailable(
+        f"no answer to reading the model's files within {timeout:g} s from node(s) {', '.join(asked)}: "
+        "are their agents up?"
+    )
 
 
 def replica_log(node: str, replica_id: str, tail: int) -> dict:

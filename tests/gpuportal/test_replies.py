@@ -51,7 +51,7 @@ def test_a_wait_longer_than_the_clients_socket_timeout_gets_its_answer():
 
 def test_a_wait_nobody_answers_ends_at_its_timeout_naming_what_it_waited_for():
     waiter = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=0.6)
-    with pytest.raises(replies.NoAnswer, match=r"no answer to reading the model.s files within 0\.5 s"):
+    with pytest.raises(replies.TimedOut, match=r"no answer to reading the model.s files within 0\.5 s"):
         replies.wait(waiter, replies.new_list("test"), 0.5, "reading the model's files")
 
 
@@ -59,5 +59,6 @@ def test_a_refusal_comes_back_as_no_answer_with_the_other_sides_message():
     client = redis.Redis.from_url(settings.REDIS_URL)
     reply_to = replies.new_list("test")
     replies.answer(client, reply_to, error="no such file: /models/missing")
-    with pytest.raises(replies.NoAnswer, match="reading the model's files: no such file: /models/missing"):
+    with pytest.raises(replies.NoAnswer, match="reading the model's files: no such file: /models/missing") as raised:
         replies.wait(client, reply_to, 5, "reading the model's files")
+    assert not isinstance(raised.value, replies.TimedOut), "an answer, not a wait to give up on"

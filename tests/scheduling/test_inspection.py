@@ -24,13 +24,15 @@ pytestmark = pytest.mark.nodes_read_models
 class NodeWorker:
     """Takes what the control plane sends to a node's queue as that node's agent's worker would."""
 
-    def __init__(self, answer: bool = True):
+    def __init__(self, answer: bool = True, silent: frozenset[str] = frozenset()):
         self.answer = answer
+        # The queues of nodes whose workers take nothing (busy, or stuck while they beat).
+        self.silent = silent
         self.sent: list[tuple[str, str, dict, float]] = []
 
     def send_task(self, name: str, *, args: list, queue: str, expires: float) -> None:
         self.sent.append((name, queue, args[0], expires))
-        if self.answer:
+        if self.answer and queue not in self.silent:
             threading.Thread(target=self._run, args=(args[0],)).start()
 
     def _run(self, payload: dict) -> None:
@@ -108,6 +110,29 @@ def test_the_question_goes_to_the_online_node_heard_from_last(cluster, staff, no
 
 
 @pytest.mark.django_db
+def test_while_the_node_asked_first_is_silent_the_next_is_asked_too_and_its_answer_counts(
+    cluster, staff, monkeypatch, settings, tiny_model_dir
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    Node.objects.filter(name="node1").update(last_heartbeat=timezone.now())
+    Node.objects.filter(name="node2").update(last_heartbeat=timezone.now() - timedelta(seconds=3))
+    worker = NodeWorker(silent=frozenset({node_queue("node1")}))
+    monkeypatch.setattr(dispatch.app, "send_task", worker.send_task)
+    settings.GPUPORTAL_INSPECT_HEDGE_S = 0.2
+
+    response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
+
+    assert response.status_code == 201, response.json()
+    asked = [(queue, payload["reply_to"]) for name, queue, payload, _ in worker.sent if name == INSPECT_TASK]
+    assert [queue for queue, _ in asked] == [node_queue("node1"), node_queue("node2")]
+    assert asked[0][1] == asked[1][1], "both answer on one list: the first answer counts"
+    assert DeploymentObserved.objects.get(deployment__name="tiny").weight_bytes > 0
+
+
+@pytest.mark.django_db
 def test_with_every_online_node_drained_a_deploy_is_a_409_that_says_so(cluster, staff, node_worker, tiny_model_dir):
     Node.objects.update(status=Node.Status.DRAINING)
 
@@ -120,18 +145,22 @@ def test_with_every_online_node_drained_a_deploy_is_a_409_that_says_so(cluster, 
 
 
 @pytest.mark.django_db
-def test_a_node_that_never_answers_makes_the_deploy_a_503_after_the_wait_not_a_hang(
+def test_nodes_that_never_answer_make_the_deploy_a_503_after_the_wait_naming_them_not_a_hang(
     cluster, staff, monkeypatch, settings, tiny_model_dir
 ):
     silent = NodeWorker(answer=False)
     monkeypatch.setattr(dispatch.app, "send_task", silent.send_task)
-    settings.GPUPORTAL_INSPECT_TIMEOUT_S = 1
+    settings.GPUPORTAL_INSPECT_TIMEOUT_S, settings.GPUPORTAL_INSPECT_HEDGE_S = 1, 0.2
 
     response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
 
     assert response.status_code == 503
-    assert "no answer to reading the model's files on node node" in response.json()["detail"]
-    assert silent.sent[0][3] == 1, "the question expires with the wait: no agent reads for nobody"
+    detail = response.json()["detail"]
+    assert "no answer to reading the model's files within 1 s from node(s) " in detail
+    assert "node1" in detail and "node2" in detail, "each node asked, named"
+    asked = [(queue, expires) for name, queue, _, expires in silent.sent if name == INSPECT_TASK]
+    assert sorted(queue for queue, _ in asked) == [node_queue("node1"), node_queue("node2")]
+    assert all(0 < expires <= 1 for _, expires in asked), "each question expires with the wait: none read for nobody"
     assert not Deployment.objects.exists()
 
 
@@ -157,8 +186,7 @@ def test_a_reading_that_breaks_on_the_node_is_answered_at_once_with_its_error(
     response = staff.post("/api/deployments/", body("tiny", tiny_model_dir), format="json")
 
     assert response.status_code == 503
-    assert "reading the model's files on node node" in response.json()["detail"]
-    assert "KeyError: 'num_hidden_layers'" in response.json()["detail"]
+    assert "reading the model's files: KeyError: 'num_hidden_layers'" in response.json()["detail"]
     assert not Deployment.objects.exists()
 
 
