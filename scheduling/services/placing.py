@@ -256,6 +256,7 @@ def add_replicas(
     evictions: bool = True,
     new_ids: list[str] | None = None,
     parked: bool = True,
+    wake: bool = False,
 ) -> Decision:
     """Place `count` more replicas as one all-or-nothing decision, promoting sleeping ones first.
 
@@ -264,8 +265,10 @@ def add_replicas(
     `evictions=False` uses only free memory (the fair wake path: victims are fairness.py's
     call, not placement's). `new_ids` are rows the caller already created (a waker that held a
     wake lock under that id); they are kept even if unused. `parked=False`: the caller knows the
-    deployment has no parked replica (none to retire for a new load). The caller holds the
-    deployment row lock.
+    deployment has no parked replica (none to retire for a new load). `wake=True`: the loads are
+    a wake's, which counted only the awake, so each replaces a sleeper it could not wake: one on a
+    drained node is retired as well (retire_replaced). A top-up's loads, which count the sleepers,
+    are not. The caller holds the deployment row lock.
     """
     ask = Ask.of(
         deployment,
@@ -283,7 +286,7 @@ def add_replicas(
 
     ledger.commit_with_retry(decide, apply=lambda plan: apply_placements([ask]))
     if parked:
-        retire_parked(deployment, ask.loaded, reason=f"replaced by a load from disk ({reason})")
+        retire_replaced(deployment, ask.loaded, reason=reason, drained_sleepers=wake)
     return ask.decision
 
 
@@ -324,13 +327,44 @@ def _occupant_for(deployment: Deployment, placement: Placement) -> OccupantView:
     )
 
 
-def retire_parked(deployment: Deployment, count: int, *, reason: str) -> None:
+def retire_parked(deployment: Deployment, count: int, *, reason: str) -> int:
     """Parked replicas that new loads replace, or a lower count no longer wants:
-    stopped, oldest first. The caller holds the deployment row."""
+    stopped, oldest first; how many. The caller holds the deployment row."""
     if count <= 0:
-        return
-    for replica in deployment.replicas.filter(state=Replica.State.PARKED).order_by("created_at")[:count]:
+        return 0
+    retired = list(deployment.replicas.filter(state=Replica.State.PARKED).order_by("created_at")[:count])
+    for replica in retired:
         replica_services.set_state(replica, Replica.State.STOPPED, reason)
+    return len(retired)
+
+
+def retire_replaced(deployment: Deployment, loaded: int, *, reason: str, drained_sleepers: bool) -> None:
+    """What `loaded` new loads from disk replace, one each: parked replicas (they hold nothing),
+    then, for a wake's loads (`drained_sleepers`), sleepers (deep ones too) on drained nodes,
+    oldest first. Nothing wakes on a drained node, so such a sleeper is what a wake had to load
+    anew elsewhere; kept, it would hold its process, its context and its host copy there, counted
+    as one of the deployment's replicas, until the drain's end. Its reservation is released and
+    its process stopped, as a scale-down stops one. The caller holds the deployment row."""
+    left = loaded - retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
+    if left <= 0 or not drained_sleepers:
+        return
+    asleep = (Replica.State.SLEEPING, Replica.State.DEEP_SLEEPING)
+    drained = list(
+        # Plain replicas: a failover pair's members stay and go as a pair (failover.py).
+        deployment.replicas.filter(state__in=asleep, node__status=Node.Status.DRAINING, lease__isnull=True)
+        .order_by("created_at")
+        .values_list("id", "state", "node__name")[:left]
+    )
+    if not drained:
+        return
+    nodes = ", ".join(sorted({node for _, _, node in drained}))
+    why = f"replaced by a load from disk ({reason}): its node {nodes} is drained"
+    known = {replica_id: (state, node) for replica_id, state, node in drained}
+    stop = Stop.of(deployment, list(known), reason=why, known=known)
+    # The global lock order: the deployment row (the caller's), the GPU rows (the ledger's
+    # commit), then the replica rows (apply_stops, in primary-key order).
+    if ledger.commit_with_retry(releasing(stop.ids, why), apply=lambda plan: apply_stops([stop])) is None:
+        apply_stops([stop])  # it held nothing on the GPUs (a deep sleeper's copy is its node's)
 
 
 def apply_placements(asks: Sequence[Ask]) -> None:

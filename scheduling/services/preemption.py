@@ -192,7 +192,7 @@ def start(
         try:
             with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
                 decision = placing.add_replicas(
-                    deployment, 1, reason=reason, cached=cached, allow_new=allow_new, evictions=False
+                    deployment, 1, reason=reason, cached=cached, allow_new=allow_new, evictions=False, wake=True
                 )
             return Placed(tuple(p.replica_id for p in decision.placements))
         except CannotPlace:
@@ -811,7 +811,9 @@ def _try_place(ids: list[int], why: str, *, victims: list[str] | None = None) ->
         try:
             with transaction.atomic():
                 if unplaced:
-                    placing.add_replicas(deployment, 1, reason=reason, cached=(), new_ids=[waker.id], evictions=False)
+                    placing.add_replicas(
+                        deployment, 1, reason=reason, cached=(), new_ids=[waker.id], evictions=False, wake=True
+                    )
                 else:
                     placing.add_replicas(
                         deployment,

@@ -149,7 +149,7 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         for count, because in attempts:
             try:
                 with transaction.atomic():  # a savepoint: a refused attempt leaves no rows behind
-                    decision = placing.add_replicas(deployment, count, reason=because, evictions=False)
+                    decision = placing.add_replicas(deployment, count, reason=because, evictions=False, wake=True)
                 return [p.replica_id for p in decision.placements]
             except CannotPlace:
                 continue

@@ -10,12 +10,17 @@ from django.contrib.auth.models import User
 from django.db import connection, transaction
 from rest_framework.test import APIClient
 
-from scheduling.models import Event, Node, Replica
+from inference.devices import virtual_gpus
+from scheduling.models import Deployment, Event, Node, Occupant, Replica
 from scheduling.services import nodes, reports
-from tests.support.deployments import TO_CACHE, body, serve
+from scheduling.services.nodes import register_node
+from tests.support.deployments import STOP, TO_CACHE, body, serve
+from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.django_db
+
+MiB = 1024**2
 
 
 def test_a_drained_node_takes_no_new_replica_and_its_replicas_sleep(cluster, api, dispatched, tiny_model_dir):
@@ -139,3 +144,55 @@ def test_a_request_when_every_node_is_drained_is_refused_naming_the_drain_and_ho
         "cannot serve tiny-a: every node with a GPU is drained (node1, node2), and nothing is placed on a drained "
         "node: return one to service (`gpuportal node undrain node1`, POST /api/nodes/node1/undrain/)"
     )
+
+
+def test_a_drained_nodes_sleeper_that_a_wake_loads_anew_elsewhere_is_stopped_and_its_memory_released(
+    cluster, api, dispatched, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    sleeper = Replica.objects.get().id
+    serve(sleeper)
+    node = Replica.objects.get(pk=sleeper).node.name
+    assert api("post", f"/api/nodes/{node}/drain/").status_code == 200
+    reports.report(sleeper, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    assert Replica.objects.get(pk=sleeper).state == "sleeping"
+    dispatched.clear()
+
+    response = api("post", "/api/requests/", {"deployment": "tiny-a", "input": "Hello"})
+
+    assert response.status_code == 202, response.json()
+    loaded = Replica.objects.exclude(pk=sleeper).get()
+    assert loaded.state == "pending" and loaded.node.name != node, "loaded anew where it may be placed"
+    stopped = Replica.objects.get(pk=sleeper)
+    assert stopped.state == "stopping", "the sleeper it replaces leaves the drained node"
+    stops = [(queue.removeprefix("node."), args[0]) for queue, task, args in dispatched if task == STOP]
+    assert stops == [(node, sleeper)]
+    assert Event.objects.filter(replica=sleeper, reason__contains=f"its node {node} is drained").exists()
+    assert not Occupant.objects.filter(replica_id=sleeper).exists(), "what it held there released"
+    assert Deployment.objects.get(name="tiny-a").replicas.filter(state__in=["pending", "sleeping"]).count() == 1
+
+
+def test_a_wake_that_loads_elsewhere_stops_no_more_drained_sleepers_than_it_loaded(
+    cluster, api, dispatched, tiny_model_dir
+):
+    # Two fit in the drained nodes' four GPUs, one in node3's.
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir, replicas=2, memory={"override_bytes": 600 * MiB}))
+    sleepers = list(Replica.objects.order_by("created_at").values_list("id", flat=True))
+    for replica_id in sleepers:
+        serve(replica_id)
+    for node in ("node1", "node2"):
+        api("post", f"/api/nodes/{node}/drain/")
+    for replica_id in sleepers:
+        reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+    deep = Replica.objects.get(pk=sleepers[1])
+    deep.state = Replica.State.DEEP_SLEEPING
+    deep.save(update_fields=["state"])
+    register_node("node3", virtual_gpus("node3", "1x1GiB", NO_OVERHEAD), virtual=True)  # room for one
+
+    response = api("post", "/api/requests/", {"deployment": "tiny-a", "input": "Hello"})
+
+    assert response.status_code == 202, response.json()
+    assert Replica.objects.exclude(pk__in=sleepers).get().node.name == "node3"
+    states = dict(Replica.objects.filter(pk__in=sleepers).values_list("id", "state"))
+    assert sorted(states.values()) == ["deep_sleeping", "stopping"], "one load, one sleeper replaced"
+    assert states[sleepers[0]] == "stopping", "the oldest first"
