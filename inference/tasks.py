@@ -20,7 +20,7 @@ from gpuportal.wire import commands, replies
 from gpuportal.wire.commands import DeepenReplica, KeepArena, SleepReplica, StartReplica, StopReplica, WakeReplica
 from gpuportal.wire.inspection import INSPECT_TASK, InspectModel
 from gpuportal.wire.pulls import PULL_TASK, PULL_TTL_S, PullModel, PullProgress
-from gpuportal.wire.replica_logs import LOG_TASK, MAX_LOG_BYTES, ReadLog, last_lines
+from gpuportal.wire.replica_logs import LOG_TASK, MAX_LOG_BYTES, ReadLog, last_lines, whole_lines
 from gpuportal.wire.states import ReplicaState as S
 from inference import agent
 from inference.inspection import read_model
@@ -135,19 +135,30 @@ def pull_model(payload: dict) -> str:
 # On the node's own queue (only its agent has the file); acknowledged on receipt, like inspection.
 @shared_task(name=LOG_TASK, ignore_result=True, acks_late=False)
 def replica_log(payload: dict) -> str:
-    """The last lines of a replica's log file on this node, for the control plane on reply_to."""
+    """The last lines of a replica's log file on this node, or those written since an offset,
+    for the control plane on reply_to; `end` is where the next read goes on from."""
     ask = ReadLog.decode(payload)
     path = agent.supervisor().log_path(ask.replica_id)
     try:
         with path.open("rb") as log_file:
             size = log_file.seek(0, 2)
-            log_file.seek(max(0, size - MAX_LOG_BYTES))
-            text = log_file.read().decode(errors="replace")
+            if ask.since is None:
+                log_file.seek(max(0, size - MAX_LOG_BYTES))
+                lines, end, skipped = last_lines(log_file.read().decode(errors="replace"), ask.tail), size, 0
+            else:
+                # Shorter than where the follower was: a new file (the replica started anew).
+                since = ask.since if ask.since <= size else 0
+                # At most MAX_LOG_BYTES an answer, as for a tail: a follower far behind skips.
+                start = max(since, size - MAX_LOG_BYTES)
+                log_file.seek(start)
+                (lines, end), skipped = whole_lines(log_file.read(size - start), start), start - since
     except FileNotFoundError:
-        replies.answer(_answers(), ask.reply_to, result={"path": str(path), "lines": [], "missing": True})
+        replies.answer(
+            _answers(), ask.reply_to, result={"path": str(path), "lines": [], "missing": True, "end": 0, "skipped": 0}
+        )
         return f"no log for {ask.replica_id}"
-    lines = last_lines(text, ask.tail)
-    replies.answer(_answers(), ask.reply_to, result={"path": str(path), "lines": lines, "missing": False})
+    result = {"path": str(path), "lines": lines, "missing": False, "end": end, "skipped": skipped}
+    replies.answer(_answers(), ask.reply_to, result=result)
     return f"{len(lines)} line(s) of {ask.replica_id}"
 
 

@@ -24,10 +24,13 @@ from gpuportal.cli.options import add_wait_options, non_negative_int, positive_f
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
 from gpuportal.wire.deployment_spec import Setting
+from gpuportal.wire.states import ENDED
 from gpuportal.wire.states import ReplicaState as S
 
 URL_HELP = f"the portal's address (default: GPUPORTAL_URL, the one login stored, or {config.DEFAULT_URL})"
 EVENTS_POLL_S = 1.0
+# How often `logs --follow` reads what the replica's process wrote since.
+LOG_POLL_S = 1.0
 # An event's time is when its transaction wrote it, not when it committed: one written a moment
 # before the newest seen may become visible after it. Each poll looks this far back, and the
 # ids already printed keep those events from printing twice.
@@ -217,9 +220,16 @@ def resolve_replica(client: Client, given: str) -> dict[str, Any]:
     raise CliError(f"{given!r} could be any of {len(matches)} replicas: {named}")
 
 
-def cmd_logs(ctx: Context, args: argparse.Namespace) -> int:
+def cmd_logs(
+    ctx: Context,
+    args: argparse.Namespace,
+    *,
+    pause: Callable[[float], None] = time.sleep,
+    polls: int | None = None,
+) -> int:
     """A replica's state, its error and its events, then the last lines of its process's own log
-    (read on its node by its agent: GET /api/replicas/ID/logs/)."""
+    (read on its node by its agent: GET /api/replicas/ID/logs/); with --follow, then each line it
+    writes, until it ends or Ctrl-C. `polls` bounds the following, for tests."""
     replica = resolve_replica(ctx.client, args.replica)
     head = Text(f"replica {replica['id']} of {replica['deployment']}: ")
     head.append(replica["state"], style=render.STATE_STYLES.get(replica["state"], ""))
@@ -244,9 +254,45 @@ def cmd_logs(ctx: Context, args: argparse.Namespace) -> int:
         return 0
     ctx.out.print(Text(f"{log['path']} on {log['node']}:", style="dim"))
     if log.get("missing"):
-        ctx.out.print(Text("(no log file there: it never started on this node)", style="dim"))
+        said = "it has not started there yet" if args.follow else "it never started on this node"
+        ctx.out.print(Text(f"(no log file there: {said})", style="dim"))
     for line in log["lines"]:
         ctx.out.print(Text(line))
+    if not args.follow:
+        return 0
+    if log.get("end") is None:
+        ctx.out.print(Text("(its node's agent is of a release that cannot follow a log)", style="dim"))
+        return 0
+    try:
+        return follow_log(ctx, replica["id"], log["end"], args.interval, pause, polls)
+    except KeyboardInterrupt:
+        return 0  # the way to stop following, not a failure
+
+
+def follow_log(
+    ctx: Context, replica_id: str, end: int, interval: float, pause: Callable[[float], None], polls: int | None
+) -> int:
+    """Each line the replica's process writes after byte `end` of its log, until it ends (its
+    last lines read once more) or `polls` run out."""
+    done = 0
+    while polls is None or done < polls:
+        pause(interval)
+        done += 1
+        ended = ctx.client.get(f"/api/replicas/{replica_id}/")["state"] in ENDED
+        try:
+            more = ctx.client.get(f"/api/replicas/{replica_id}/logs/", {"since": end})
+        except ApiError as err:  # its node away, or the replica on no node any more
+            ctx.out.print(Text(f"its log: {err}", style="dim"))
+            return 0
+        if more.get("skipped"):
+            skipped = f"({more['skipped']} bytes of its log skipped: more came than one read holds)"
+            ctx.out.print(Text(skipped, style="dim"))
+        for line in more["lines"]:
+            ctx.out.print(Text(line))
+        end = more["end"]
+        if ended:
+            ctx.out.print(Text(f"(replica {replica_id} has ended)", style="dim"))
+            return 0
     return 0
 
 
@@ -408,6 +454,12 @@ def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     logs = commands.add_parser("logs", help="a replica's state, error and events, then its process's log")
     logs.add_argument("replica", help="replica id, or its start as `ls` shows it")
     logs.add_argument("--tail", type=non_negative_int, default=50, metavar="N", help="last N events (default 50)")
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="then print each line its process writes, until it ends or Ctrl-C"
+    )
+    logs.add_argument(
+        "--interval", type=positive_float, default=LOG_POLL_S, metavar="S", help="seconds between reads when following"
+    )
     logs.set_defaults(run=cmd_logs)
 
 

@@ -454,6 +454,11 @@ class DeploymentChangedSerializer(DeploymentSerializer):
 
 class ReplicaLogQuery(serializers.Serializer):
     tail = serializers.IntegerField(min_value=1, max_value=10_000, required=False, default=200)
+    since = serializers.IntegerField(
+        min_value=0,
+        required=False,
+        help_text="A byte offset an earlier answer's `end` gave: the whole lines written since, not the tail.",
+    )
 
 
 class ReplicaLogSerializer(serializers.Serializer):
@@ -462,3 +467,9 @@ class ReplicaLogSerializer(serializers.Serializer):
     path = serializers.CharField(help_text="Where the log is on the node.")
     lines = serializers.ListField(child=serializers.CharField(allow_blank=True))
     missing = serializers.BooleanField(help_text="The node has no log file for it (never started there).")
+    end = serializers.IntegerField(
+        required=False, help_text="The byte offset this read ended at: pass it as `since` for what comes after."
+    )
+    skipped = serializers.IntegerField(
+        required=False, help_text="Bytes after `since` not shown: more than one answer holds (256 KiB) came since."
+    )

@@ -362,7 +362,7 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
 
     @extend_schema(
         parameters=[s.ReplicaLogQuery],
-        summary="The last lines of a replica process's own log, read on its node (staff only).",
+        summary="The last lines of a replica process's own log, or those after `since`, read on its node (staff only).",
         responses={
             200: s.ReplicaLogSerializer,
             404: OpenApiResponse(description="No such replica."),
@@ -374,7 +374,7 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def logs(self, request: Request, pk: str) -> Response:
         # Staff only (not a read action): a replica's log may hold what callers sent it.
         query = query_filters(request, s.ReplicaLogQuery)
-        return Response(replica_services.log_of(pk, query["tail"]))
+        return Response(replica_services.log_of(pk, query["tail"], query.get("since")))
 
     def shown(self, pk: str) -> Response:
         return Response(s.ReplicaSerializer(selectors.replicas().get(pk=pk)).data)

@@ -126,10 +126,12 @@ def inspect(source: str, loader: str, dtype: str) -> ModelReading:
     )
 
 
-def replica_log(node: str, replica_id: str, tail: int) -> dict:
-    """The last `tail` lines of the replica's log, read by its node's agent: {"path", "lines",
-    "missing"}. Unavailable (503) when the agent does not answer in a few seconds."""
-    ask = ReadLog(replica_id, tail, replies.new_list("log"))
+def replica_log(node: str, replica_id: str, tail: int, since: int | None = None) -> dict:
+    """The last `tail` lines of the replica's log, or its whole lines after byte `since`, read by
+    its node's agent: {"path", "lines", "missing", "end", "skipped"} ("end" and "skipped" where
+    the agent is of this release). Unavailable (503) when the agent does not answer in a few
+    seconds."""
+    ask = ReadLog(replica_id, tail, replies.new_list("log"), since)
     # Expires with the wait, as an inspection does: an agent that comes to it later reads for nobody.
     app.send_task(LOG_TASK, args=[ask.encode()], queue=node_queue(node), expires=LOG_TIMEOUT_S)
     try:

@@ -36,13 +36,14 @@ def state_of(replica_id: str) -> str | None:
     return Replica.objects.filter(pk=replica_id).values_list("state", flat=True).first()
 
 
-def log_of(replica_id: str, tail: int) -> dict:
-    """The last `tail` lines of the replica process's own log, as its node's agent reads them
-    (gpuportal.wire.replica_logs): {"replica", "node", "path", "lines", "missing"}."""
+def log_of(replica_id: str, tail: int, since: int | None = None) -> dict:
+    """The last `tail` lines of the replica process's own log, or those written after byte
+    `since`, as its node's agent reads them (gpuportal.wire.replica_logs): {"replica", "node",
+    "path", "lines", "missing", "end", "skipped"}."""
     replica = get(replica_id)
     if replica.node is None:
         raise InvalidState(f"replica {replica_id} is {replica.state} on no node: it has no process, and no log")
-    read = dispatch.replica_log(replica.node.name, replica.id, tail)
+    read = dispatch.replica_log(replica.node.name, replica.id, tail, since)
     return {"replica": replica.id, "node": replica.node.name, **read}
 
 

@@ -1,17 +1,27 @@
 """A replica process's own log, read on its node (`gpuportal logs REPLICA`): the control
-plane asks the node's agent on the node's queue and waits for the last lines. Here the agent's task
-runs on a thread, as its worker would, over the real Redis."""
+plane asks the node's agent on the node's queue and waits for the last lines, or for those written
+since an offset (`gpuportal logs --follow`). Here the agent's task runs on a thread, as its worker
+would, over the real Redis."""
 
 from __future__ import annotations
 
+import io
 import threading
 from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
+from hypothesis import given
+from hypothesis import strategies as st
+from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
+from rich.console import Console
 
+from gpuportal.cli import app
+from gpuportal.wire.commands import WireError
+from gpuportal.wire.replica_logs import MAX_LOG_BYTES, ReadLog, whole_lines
 from inference import agent
+from scheduling.models import Replica
 from scheduling.services import dispatch
 from tests.support import factories as f
 
@@ -57,6 +67,8 @@ def test_staff_read_the_last_lines_of_a_replicas_log_from_its_node(staff, node_a
         "path": str(node_agent.log_path(replica.id)),
         "lines": ["line 497", "line 498", "line 499"],
         "missing": False,
+        "end": node_agent.log_path(replica.id).stat().st_size,
+        "skipped": 0,
     }
     assert node_agent.sent == [("inference.tasks.replica_log", "node.node1")]
 
@@ -87,3 +99,94 @@ def test_an_agent_that_does_not_answer_makes_it_a_503_not_a_hang(staff, node_age
     answer = staff.get(f"/api/replicas/{replica.id}/logs/")
 
     assert answer.status_code == 503 and "node node1's agent" in answer.json()["detail"]
+
+
+# -- following ----------------------------------------------------------------------------------
+
+
+def test_a_follower_reads_the_whole_lines_written_since_its_offset_and_waits_for_a_half_written_one(staff, node_agent):
+    replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="serving")
+    log = node_agent.log_path(replica.id)
+    log.write_bytes(b"loaded\n")
+    url = f"/api/replicas/{replica.id}/logs/"
+    end = staff.get(url).json()["end"]
+
+    assert staff.get(url, {"since": end}).json()["lines"] == []
+    with log.open("ab") as out:
+        out.write(b"serving\nhalf a li")
+    read = staff.get(url, {"since": end}).json()
+    assert (read["lines"], read["end"]) == (["serving"], len(b"loaded\nserving\n"))
+    with log.open("ab") as out:
+        out.write(b"ne\r\n")
+    assert staff.get(url, {"since": read["end"]}).json()["lines"] == ["half a line"]
+
+    log.write_bytes(b"a new process\n")  # the replica started anew: a shorter file
+    assert staff.get(url, {"since": read["end"]}).json()["lines"] == ["a new process"]
+    assert staff.get(url, {"since": -1}).status_code == 400
+
+
+def test_a_follower_far_behind_is_told_what_it_skipped(staff, node_agent):
+    replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="serving")
+    line = b"x" * 99 + b"\n"
+    node_agent.log_path(replica.id).write_bytes(line * (3 * MAX_LOG_BYTES // len(line)))
+
+    read = staff.get(f"/api/replicas/{replica.id}/logs/", {"since": 0}).json()
+
+    size = node_agent.log_path(replica.id).stat().st_size
+    assert read["skipped"] == size - MAX_LOG_BYTES and read["end"] == size
+    assert 0 < len(read["lines"]) <= MAX_LOG_BYTES // len(line) + 1
+
+
+def test_a_read_from_an_offset_survives_the_wire_and_one_without_reads_as_before():
+    follower = ReadLog("r1", 200, "gp:reply:log:1", since=4096)
+    assert ReadLog.decode(follower.encode()) == follower
+    earlier = {"v": follower.encode()["v"], "replica_id": "r1", "tail": 200, "reply_to": "gp:reply:log:1"}
+    assert ReadLog.decode(earlier).since is None, "a control plane of an earlier release asks for the tail"
+    with pytest.raises(WireError, match="negative offset"):
+        ReadLog.decode({**earlier, "since": -5})
+
+
+@given(st.binary(max_size=300), st.lists(st.integers(min_value=0, max_value=300), max_size=8))
+def test_reads_as_a_log_grows_give_its_lines_once_each_as_one_read_would(content, sizes):
+    end, lines = 0, []
+    for size in [*sorted(sizes), len(content)]:
+        size = max(end, min(size, len(content)))
+        got, end = whole_lines(content[end:size], end)
+        lines += got
+
+    assert lines == content[:end].decode(errors="replace").splitlines()
+    assert content[end:].count(b"\n") == 0, "nothing but a half-written line is left"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_logs_follow_prints_each_line_the_process_writes_until_it_ends(live_server, node_agent):
+    replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="serving")
+    log = node_agent.log_path(replica.id)
+    log.write_text("loading\nserving\n")
+    staff = User.objects.create_user("ops", is_staff=True)
+    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
+    out = io.StringIO()
+    ctx = app.Context(env, Console(file=out, highlight=False, soft_wrap=True), Console(file=io.StringIO()))
+    args = app.build_parser().parse_args(["logs", replica.id, "--follow", "--tail", "5"])
+    written = iter(
+        [
+            lambda: log.open("a").write("request 1 done\nrequest 2 ha"),
+            lambda: log.open("a").write("lf done\nstopping\n"),
+            lambda: Replica.objects.filter(pk=replica.id).update(state="stopped"),
+        ]
+    )
+
+    def pause(seconds: float) -> None:  # what the process does while the follower waits
+        next(written)()
+
+    assert app.cmd_logs(ctx, args, pause=pause, polls=10) == 0
+
+    shown = out.getvalue().splitlines()
+    assert shown[-6:] == [
+        "loading",
+        "serving",
+        "request 1 done",
+        "request 2 half done",
+        "stopping",
+        f"(replica {replica.id} has ended)",
+    ]
