@@ -19,6 +19,7 @@ from typing import Any
 from kombu.exceptions import KombuError
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import Empty
+from prometheus_client import Counter
 
 from gpuportal.wire.control import AGENT_CALL_TASK, AGENT_QUEUE
 
@@ -28,6 +29,15 @@ log = logging.getLogger(__name__)
 QUEUE_TASKS: Mapping[str, frozenset[str]] = {AGENT_QUEUE: frozenset({AGENT_CALL_TASK})}
 # How much of a dropped message the log keeps.
 SHOWN_CHARS = 200
+# Summed over the portal's processes as its other counters are (PROMETHEUS_MULTIPROC_DIR): a rise
+# on `agents` is a node that pushes what it should not, or one of an incompatible release.
+DROPPED = Counter(
+    "gpuportal_broker_messages_dropped_total",
+    "Messages read off a queue and dropped: not a kombu message, or a task the queue does not carry.",
+    ["queue"],
+)
+# The label of a message whose queue is not known: it did not decode.
+NOT_JSON = "(not JSON)"
 
 
 def envelope_problem(message: Any, queue: str) -> str | None:
@@ -78,6 +88,7 @@ class Channel(kombu_redis.Channel):
             if self.connection.delivered != delivered:
                 raise
             log.error("dropped a message on the broker that is not JSON: %s: %s", type(err).__name__, err)
+            DROPPED.labels(NOT_JSON).inc()
             return True
 
 
@@ -93,5 +104,6 @@ class Transport(kombu_redis.Transport):
         self.delivered += 1
         if (problem := envelope_problem(message, queue)) is not None:
             log.error("dropped a message on the %r queue: %s: %s", queue, problem, _shown(message))
+            DROPPED.labels(queue).inc()
             return
         super()._deliver(message, queue)

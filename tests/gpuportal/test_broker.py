@@ -77,6 +77,30 @@ def test_a_field_of_the_wrong_type_is_named():
     assert "task None" in envelope_problem(untasked, AGENT_QUEUE)
 
 
+def test_the_transport_delivers_a_message_fit_to_deliver_and_counts_what_it_drops():
+    from kombu import Connection
+    from prometheus_client import REGISTRY
+
+    from gpuportal.broker import Transport
+
+    def dropped(queue: str) -> float:
+        return REGISTRY.get_sample_value("gpuportal_broker_messages_dropped_total", {"queue": queue}) or 0.0
+
+    call = sent_as_celery_sends(AGENT_CALL_TASK, [{}])
+    forged = sent_as_celery_sends("scheduling.tasks.reconcile", ["forged"])
+    delivered: list[dict[str, Any]] = []
+    with Connection(settings.REDIS_URL, transport=Transport) as connection:
+        transport = connection.transport
+        transport._callbacks[AGENT_QUEUE] = delivered.append
+        before = dropped(AGENT_QUEUE)
+
+        for message in (call, forged, [], {"properties": 3}):
+            transport._deliver(message, AGENT_QUEUE)
+
+    assert delivered == [call]
+    assert dropped(AGENT_QUEUE) == before + 3
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
