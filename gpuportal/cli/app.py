@@ -246,7 +246,15 @@ def cmd_logs(
     if answer.get("count", 0) > len(events):
         ctx.out.print(Text(f"({answer['count'] - len(events)} earlier events; --tail N for more)", style="dim"))
     if not replica.get("node"):
-        return 0
+        if not args.follow or replica["state"] in ENDED:
+            return 0
+        try:
+            placed = wait_for_a_node(ctx, replica["id"], args.interval, pause, polls)
+        except KeyboardInterrupt:
+            return 0
+        if placed is None:
+            return 0
+        replica = placed
     try:
         log = ctx.client.get(f"/api/replicas/{replica['id']}/logs/", {"tail": max(1, args.tail)})
     except ApiError as err:  # the agent away, or no process: the events above are what there is
@@ -267,6 +275,25 @@ def cmd_logs(
         return follow_log(ctx, replica["id"], log["end"], args.interval, pause, polls)
     except KeyboardInterrupt:
         return 0  # the way to stop following, not a failure
+
+
+def wait_for_a_node(
+    ctx: Context, replica_id: str, interval: float, pause: Callable[[float], None], polls: int | None
+) -> dict[str, Any] | None:
+    """The replica once the books place it on a node (pending placement, or parked until a wake
+    loads it); None when it ends first or `polls` run out."""
+    ctx.out.print(Text("(on no node yet: waiting for it to be placed)", style="dim"))
+    done = 0
+    while polls is None or done < polls:
+        pause(interval)
+        done += 1
+        replica = ctx.client.get(f"/api/replicas/{replica_id}/")
+        if replica.get("node"):
+            return replica
+        if replica["state"] in ENDED:
+            ctx.out.print(Text(f"(replica {replica_id} has ended)", style="dim"))
+            return None
+    return None
 
 
 def follow_log(

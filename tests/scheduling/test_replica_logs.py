@@ -190,3 +190,29 @@ def test_logs_follow_prints_each_line_the_process_writes_until_it_ends(live_serv
         "stopping",
         f"(replica {replica.id} has ended)",
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_logs_follow_waits_for_a_replica_on_no_node_to_be_placed_then_follows_it(live_server, node_agent):
+    replica = f.replica(f.deployment("tiny-a"), None, state="pending")
+    node = f.node("node1")
+    staff = User.objects.create_user("ops", is_staff=True)
+    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
+    out = io.StringIO()
+    ctx = app.Context(env, Console(file=out, highlight=False, soft_wrap=True), Console(file=io.StringIO()))
+    args = app.build_parser().parse_args(["logs", replica.id, "-f"])
+    log = node_agent.log_path(replica.id)
+    happens = iter(
+        [
+            lambda: None,  # still waiting for a GPU
+            lambda: Replica.objects.filter(pk=replica.id).update(node=node, state="loading"),
+            lambda: log.write_text("loading weights\n"),
+            lambda: Replica.objects.filter(pk=replica.id).update(state="failed"),
+        ]
+    )
+
+    assert app.cmd_logs(ctx, args, pause=lambda s: next(happens)(), polls=10) == 0
+
+    shown = out.getvalue().splitlines()
+    assert "(on no node yet: waiting for it to be placed)" in shown
+    assert shown[-2:] == ["loading weights", f"(replica {replica.id} has ended)"]
