@@ -142,16 +142,18 @@ def replica_log(payload: dict) -> str:
     try:
         with path.open("rb") as log_file:
             size = log_file.seek(0, 2)
+            end, skipped = size, 0
             if ask.since is None:
                 log_file.seek(max(0, size - MAX_LOG_BYTES))
-                lines, end, skipped = last_lines(log_file.read().decode(errors="replace"), ask.tail), size, 0
+                lines = last_lines(log_file.read().decode(errors="replace"), ask.tail)
             else:
                 # Shorter than where the follower was: a new file (the replica started anew).
                 since = ask.since if ask.since <= size else 0
                 # At most MAX_LOG_BYTES an answer, as for a tail: a follower far behind skips.
                 start = max(since, size - MAX_LOG_BYTES)
                 log_file.seek(start)
-                (lines, end), skipped = whole_lines(log_file.read(size - start), start), start - since
+                lines, end = whole_lines(log_file.read(size - start), start)
+                skipped = start - since
     except FileNotFoundError:
         replies.answer(
             _answers(), ask.reply_to, result={"path": str(path), "lines": [], "missing": True, "end": 0, "skipped": 0}

@@ -442,6 +442,12 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
 # -- the node's Redis user ---------------------------------------------------------------------
 
 
+def redis_version(client) -> tuple[int, int]:
+    """The server's (major, minor): the node's rules need node_acl.MIN_REDIS."""
+    major, minor = client.info("server")["redis_version"].split(".")[:2]
+    return int(major), int(minor)
+
+
 def test_a_nodes_redis_user_consumes_its_own_queue_alone_and_keeps_its_own_unacknowledged_messages():
     rules = node_acl.rules("gpu-3")
     key_rules = [rule for rule in rules if "~" in rule]
@@ -469,7 +475,7 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
     admin = redis.Redis.from_url(settings.REDIS_URL)
     node, password = f"acl-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     rules = node_acl.setuser_line(node, password).split()[3:]
-    version = tuple(int(n) for n in admin.info("server")["redis_version"].split(".")[:2])
+    version = redis_version(admin)
     if version < node_acl.MIN_REDIS:
         # The embedded Redis of `make test` is 6.2: the rules need 7's read-only and write-only
         # key patterns, and such a server refuses them whole rather than granting more.
@@ -537,7 +543,7 @@ def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_a
     from scheduling.models import Replica
 
     admin = redis.Redis.from_url(settings.REDIS_URL)
-    version = tuple(int(n) for n in admin.info("server")["redis_version"].split(".")[:2])
+    version = redis_version(admin)
     if version < node_acl.MIN_REDIS:
         pytest.skip("the node's rules need Redis 7 (make test's embedded Redis is 6.2): run with REDIS_URL on a 7")
     node, password = "acl-agent", "pw-of-acl-agent"
