@@ -61,7 +61,7 @@ PROCESSES = {
     "beat": " beat ",
     "agents": "-Q agents",
     "agent": "manage.py agent",
-    "redis": "redis-server",
+    "redis": "valkey-server",  # the embedded Redis (gpuportal.stack.EmbeddedRedis)
     "postgresql": "postgres -D",
 }
 # The short-lived `manage.py record_restart NAME` with which `up` writes a restart's Event names the

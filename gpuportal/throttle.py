@@ -60,7 +60,8 @@ def failed(names: list[str]) -> None:
     try:
         with _client().pipeline() as pipe:
             for name in names:
-                # SET NX starts the window (EXPIRE's NX needs Redis 7; the embedded one is 6.2).
+                # SET NX starts the window: EXPIRE's NX would need Redis 7, and Redis 6 still serves
+                # all but the nodes' own users (docs/operating.md).
                 pipe.set(name, 0, ex=WINDOW_S, nx=True)
                 pipe.incr(name)
             pipe.execute()

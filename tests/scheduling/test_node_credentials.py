@@ -477,8 +477,8 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
     rules = node_acl.setuser_line(node, password).split()[3:]
     version = redis_version(admin)
     if version < node_acl.MIN_REDIS:
-        # The embedded Redis of `make test` is 6.2: the rules need 7's read-only and write-only
-        # key patterns, and such a server refuses them whole rather than granting more.
+        # An external Redis 6 (REDIS_URL): the rules need 7's read-only and write-only key
+        # patterns, and such a server refuses them whole rather than granting more.
         with pytest.raises(redis.ResponseError, match=r"%W~|%R~"):
             admin.execute_command("ACL", "SETUSER", node_acl.user_name(node), *rules)
         assert node_acl.user_name(node) not in admin.acl_users()
@@ -535,8 +535,8 @@ def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_a
     """The rules as `node_credential acl` prints them, loaded, and an agent given that user alone
     (its replica inherits it): what they do in Redis (the agent's calls and their answers, its
     lease, its queue, its worker's unacknowledged messages, the replica's request queue) is all
-    the rules let them do. Redis 7 only: make test's embedded 6.2 refuses the rules whole (the
-    test above), so this runs where REDIS_URL names a Redis 7."""
+    the rules let them do. A Redis 6 refuses the rules whole (the test above): the embedded
+    server (Valkey 9) and a Redis 7 take them."""
     import redis
 
     from inference.management.commands.make_tiny_model import write_tiny_model
@@ -545,7 +545,7 @@ def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_a
     admin = redis.Redis.from_url(settings.REDIS_URL)
     version = redis_version(admin)
     if version < node_acl.MIN_REDIS:
-        pytest.skip("the node's rules need Redis 7 (make test's embedded Redis is 6.2): run with REDIS_URL on a 7")
+        pytest.skip("the node's rules need Redis 7: REDIS_URL names a Redis 6")
     node, password = "acl-agent", "pw-of-acl-agent"
     admin.execute_command(*node_acl.setuser_line(node, password).split())
     server = admin.connection_pool.connection_kwargs
