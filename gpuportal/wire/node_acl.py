@@ -25,6 +25,8 @@ believes."""
 
 from __future__ import annotations
 
+from urllib.parse import quote, urlsplit, urlunsplit
+
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import AGENT_QUEUE
 from gpuportal.wire.node_auth import node_name_problem
@@ -120,3 +122,14 @@ def setuser_line(node: str, password: str) -> str:
     if not password or any(c.isspace() for c in password):
         raise ValueError("the password must be a non-empty word")
     return " ".join(["ACL", "SETUSER", user_name(node), *rules(node)[:2], f">{password}", *rules(node)[2:]])
+
+
+def node_url(control_url: str, node: str, password: str) -> str:
+    """The REDIS_URL of node `node`'s agent: the control plane's server, database and options
+    (TLS's among them), signed in as the node's own user."""
+    parts = urlsplit(control_url)
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 address, bracketed again
+    where = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=f"{quote(user_name(node), safe='')}:{quote(password, safe='')}@{where}"))

@@ -14,16 +14,17 @@ import hmac
 from dataclasses import dataclass
 from datetime import timedelta
 
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire import node_auth
+from gpuportal.wire import node_acl, node_auth, replies
 from scheduling import locks
 from scheduling.core.effects import AfterCommit
 from scheduling.models import Event, NodeCredential, Replica
 from scheduling.services import nodes, outbox
-from scheduling.services.errors import InvalidInput, InvalidState, NotFound
+from scheduling.services.errors import InvalidInput, InvalidState, NotFound, Unavailable
 
 # last_used_at is written at most this often: every call of every node carries the token.
 USED_EVERY = timedelta(minutes=1)
@@ -107,6 +108,39 @@ def revoke(name: str, by: str, reason: str = "") -> NodeCredential:
     # and one applied after this is caught by its own second look (node_gateway).
     nodes.mark_stopped(name, why, kind=Event.Kind.NODE_OFFLINE)
     return row
+
+
+def make_redis_user(name: str, password: str, by: str) -> str:
+    """Node `name`'s own Redis user (gpuportal.wire.node_acl), made or remade with these rules and
+    password through the control plane's own connection, as revoking deletes it; the REDIS_URL
+    its agent is to be given. InvalidState when Redis refuses (the rules need Redis 7 or Valkey;
+    making users needs @admin), naming how to do it by hand."""
+    check_name(name)
+    try:
+        line = node_acl.setuser_line(name, password)
+    except ValueError as err:
+        raise InvalidInput("password", str(err)) from None
+    by_hand = f"an administrator of Redis runs the line `manage.py node_credential acl {name}` prints"
+    try:
+        replies.client(settings.REDIS_URL).execute_command(*line.split())
+    except redis.exceptions.NoPermissionError as err:
+        raise InvalidState(f"the control plane's Redis user may not make users ({err}): {by_hand}") from None
+    except redis.ResponseError as err:
+        raise InvalidState(
+            f"Redis refused the node's rules ({err}): they need Redis "
+            f"{'.'.join(map(str, node_acl.MIN_REDIS))} or later, or Valkey"
+        ) from None
+    except redis.RedisError as err:
+        raise Unavailable(f"Redis cannot be reached to make node {name}'s user ({err})") from None
+    with transaction.atomic():
+        outbox.note(
+            Event.Kind.NODE_CREDENTIAL,
+            f"node {name}",
+            f"its own Redis user {node_acl.user_name(name)} made by {by} (its previous password, if it had "
+            "one, no longer signs in)",
+            node=name,
+        )
+    return node_acl.node_url(settings.REDIS_URL, name, password)
 
 
 def verify(name: str | None, token: str | None, *, now=None) -> str | None:

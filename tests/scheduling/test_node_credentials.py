@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import OperationalError
 from rest_framework.test import APIClient
 
@@ -527,6 +527,81 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
         admin.delete(node_lease.lease_key(node), f"node.{node}", "gp:reply:inspect:1", "gp:kv:some-replica")
         admin.delete(*own_unacked.values())
         admin.lrem("agents", 0, "a call")  # not a call: the agents worker would only drop it
+
+
+def test_a_nodes_url_signs_in_as_its_user_on_the_control_planes_server_database_and_options():
+    assert (
+        node_acl.node_url("redis://:cp-secret@10.0.0.5:6380/3", "gpu-1", "pw")
+        == "redis://node-gpu-1:pw@10.0.0.5:6380/3"
+    )
+    tls = "rediss://cp:s@redis.internal:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem"
+    assert node_acl.node_url(tls, "gpu-1", "a/b@c:d") == (
+        "rediss://node-gpu-1:a%2Fb%40c%3Ad@redis.internal:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem"
+    )
+    assert node_acl.node_url("redis://[::1]:6379/0", "n", "pw") == "redis://node-n:pw@[::1]:6379/0"
+    assert node_acl.node_url("redis://localhost", "n", "pw") == "redis://node-n:pw@localhost"
+
+
+def test_the_command_makes_the_nodes_redis_user_and_prints_the_url_its_agent_signs_in_with(required, capsys):
+    import redis
+
+    admin = replies.client(settings.REDIS_URL)
+    node = "acl-made"
+    if redis_version(admin) < node_acl.MIN_REDIS:
+        with pytest.raises(CommandError, match=r"Redis refused the node's rules .*need Redis 7\.0 or later, or Valkey"):
+            call_command("node_credential", "acl", node, "--apply")
+        assert node_acl.user_name(node) not in admin.acl_users()
+        return
+    try:
+        call_command("node_credential", "acl", node, "--apply", "--password", "first-pw", "--by", "ops")
+        url = capsys.readouterr().out.strip()
+        assert url.startswith("redis://node-acl-made:first-pw@") and url.endswith(
+            f"/{admin.connection_pool.connection_kwargs['db']}"
+        )
+        first = redis.Redis.from_url(url)
+        node_lease.renew(first, node, 5)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            first.lpush("control", "a task")
+        made = Event.objects.get(kind=Event.Kind.NODE_CREDENTIAL, node=node)
+        assert made.reason == (
+            "its own Redis user node-acl-made made by ops (its previous password, if it had one, no longer signs in)"
+        )
+
+        # Made again (a node issued its credential anew): the new password alone signs in.
+        call_command("node_credential", "acl", node, "--apply")
+        second = capsys.readouterr().out.strip()
+        assert second != url
+        redis.Redis.from_url(second).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url).ping()
+    finally:
+        admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
+        admin.delete(node_lease.lease_key(node))
+
+
+def test_making_a_nodes_redis_user_is_refused_naming_why_and_makes_nothing(required, settings):
+    admin = replies.client(settings.REDIS_URL)
+    with pytest.raises(CommandError, match="is not a valid node name"):
+        call_command("node_credential", "acl", "bad/name", "--apply")
+    with pytest.raises(CommandError, match="the password must be a non-empty word"):
+        call_command("node_credential", "acl", "n1", "--apply", "--password", "two words")
+    # A control plane whose own Redis user may not administer the server.
+    admin.execute_command("ACL", "SETUSER", "cp-limited", "reset", "on", ">cp-pw", "~*", "&*", "+@all", "-@admin")
+    kwargs = admin.connection_pool.connection_kwargs
+    settings.REDIS_URL = f"redis://cp-limited:cp-pw@{kwargs['host']}:{kwargs['port']}/{kwargs['db']}"
+    try:
+        with pytest.raises(
+            CommandError, match=r"the control plane's Redis user may not make users .*: an administrator"
+        ):
+            call_command("node_credential", "acl", "n1", "--apply")
+        assert node_acl.user_name("n1") not in admin.acl_users()
+        assert not Event.objects.filter(node="n1").exists()
+        # Nor one that Redis cannot be reached by.
+        settings.REDIS_URL = "redis://127.0.0.1:1/0"
+        with pytest.raises(CommandError, match="Redis cannot be reached to make node n1's user"):
+            call_command("node_credential", "acl", "n1", "--apply")
+    finally:
+        admin.execute_command("ACL", "DELUSER", "cp-limited")
 
 
 @pytest.mark.slow

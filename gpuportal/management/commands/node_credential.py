@@ -36,17 +36,34 @@ class Command(BaseCommand):
         revoke.add_argument("--reason", default="")
         revoke.add_argument("--by", default="manage.py node_credential")
         acl = sub.add_parser(
-            "acl", help="Print the ACL SETUSER line of the node's own Redis user, to run in redis-cli."
+            "acl",
+            help="Print the ACL SETUSER line of the node's own Redis user, to run in redis-cli; "
+            "or, with --apply, make the user and print its agent's REDIS_URL.",
         )
         acl.add_argument("node")
         acl.add_argument("--password", help="The user's password (default: one made now, printed with the line).")
+        acl.add_argument(
+            "--apply",
+            action="store_true",
+            help="Make (or remake) the user through the control plane's REDIS_URL, whose user needs @admin, "
+            "and print only the node's REDIS_URL.",
+        )
+        acl.add_argument("--by", default="manage.py node_credential", help="Who makes it, for the Event (--apply).")
 
     def handle(self, *args, action: str, node: str, **options):
-        if action == "acl":
-            self.acl(node, options["password"] or secrets.token_urlsafe(24))
-            return
         by = options["by"]
         try:
+            if action == "acl" and options["apply"]:
+                url = node_credentials.make_redis_user(node, options["password"] or secrets.token_urlsafe(24), by)
+                self.stdout.write(url)
+                self.stderr.write(
+                    f"node {node}'s Redis user {node_acl.user_name(node)} made: give its agent this REDIS_URL "
+                    "(from another host, with the address by which that host reaches this Redis)."
+                )
+                return
+            if action == "acl":
+                self.acl(node, options["password"] or secrets.token_urlsafe(24))
+                return
             if action == "revoke":
                 node_credentials.revoke(node, by, options["reason"])
                 self.stdout.write(f"node {node}'s credential revoked: its calls are refused and it is written off")
