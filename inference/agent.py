@@ -73,8 +73,8 @@ def refused_message(node: str, err: Exception) -> str:
     if isinstance(err, RedisRefused):
         return (
             f"node {node}: {err}. A revoked node's own Redis user is deleted: issue the node a "
-            f"credential again, make its user anew (`manage.py node_credential acl {node}`) and give "
-            "the agent a REDIS_URL with that user and its password"
+            f"credential again, make its user anew and give the agent the REDIS_URL that "
+            f"`manage.py node_credential acl {node} --apply` prints"
         )
     return (
         f"node {node}: {err}. Issue it a credential (`gpuportal node add {node}`, or "

@@ -425,7 +425,7 @@ def test_three_agents_without_a_database_url_and_revoking_one_fences_it_within_a
         assert admin.execute_command("ACL", "GETUSER", own_user) is None, "its user deleted with its credential"
         code = agents["n3"].wait(lease_s + 30)
         assert code == 1, log_of("n3")[-3000:]
-        said = r"CommandError: node n3: Redis refused the node's user: .*`manage.py node_credential acl n3`"
+        said = r"CommandError: node n3: Redis refused the node's user: .*`manage.py node_credential acl n3 --apply`"
         assert re.search(said, log_of("n3")), log_of("n3")[-3000:]
         assert agents["n1"].poll() is None
         assert set(Node.objects.filter(status="online").values_list("name", flat=True)) == {"n1"}
