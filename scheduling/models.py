@@ -231,6 +231,19 @@ class Deployment(models.Model):
     )
     load_backoff_s = models.FloatField(default=_default("backoff_s"), db_default=_default("backoff_s"))
     load_backoff_max_s = models.FloatField(default=_default("backoff_max_s"), db_default=_default("backoff_max_s"))
+    # Replicas by load (scheduling.services.autoscaling): off while autoscale_max_replicas is 0.
+    autoscale_max_replicas = models.PositiveIntegerField(
+        default=_default("autoscale_max_replicas"), db_default=_default("autoscale_max_replicas")
+    )
+    autoscale_min_replicas = models.PositiveIntegerField(
+        default=_default("autoscale_min_replicas"), db_default=_default("autoscale_min_replicas")
+    )
+    autoscale_target_in_flight = models.FloatField(
+        default=_default("autoscale_target_in_flight"), db_default=_default("autoscale_target_in_flight")
+    )
+    autoscale_down_after_s = models.FloatField(
+        default=_default("autoscale_down_after_s"), db_default=_default("autoscale_down_after_s")
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -5,6 +5,7 @@ import logging
 from celery import shared_task
 
 from scheduling.services import (
+    autoscaling,
     capacity,
     cleanup,
     deep_sleep,
@@ -38,6 +39,12 @@ def expire_heartbeats() -> list[str]:
 def sleep_idle() -> list[str]:
     """Idle replicas to sleep, and long sleepers to deep sleep: the ids told."""
     return sleep.sweep_idle() + deep_sleep.sweep_deep()
+
+
+@shared_task(name="scheduling.tasks.autoscale", ignore_result=True)
+def autoscale() -> dict[str, int]:
+    """Each autoscaled deployment to the replicas its requests in flight want: those changed."""
+    return autoscaling.sweep()
 
 
 @shared_task(name="scheduling.tasks.deepen_sleepers", ignore_result=True)

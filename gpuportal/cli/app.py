@@ -20,7 +20,7 @@ from rich.text import Text
 
 from gpuportal.cli import config, nodes, planning, pulling, render, talk
 from gpuportal.cli.client import ApiError, Client, CliError
-from gpuportal.cli.options import add_wait_options, non_negative_int, positive_float
+from gpuportal.cli.options import add_wait_options, non_negative_float, non_negative_int, positive_float
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
 from gpuportal.wire.deployment_spec import Setting
@@ -139,6 +139,30 @@ def replica_count(args: argparse.Namespace) -> int:
 def cmd_scale(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, "scale"), {"replicas": replica_count(args)})
     return finish(ctx, args, answer, Goal(S.SERVING, answer["replicas_wanted"]))
+
+
+# `autoscale`'s flags and the settings they set (group `autoscale` of the spec).
+AUTOSCALE_FLAGS = {
+    "min": "min_replicas",
+    "max": "max_replicas",
+    "target": "target_in_flight",
+    "down_after": "down_after_s",
+}
+
+
+def cmd_autoscale(ctx: Context, args: argparse.Namespace) -> int:
+    given = {key: getattr(args, flag) for flag, key in AUTOSCALE_FLAGS.items() if getattr(args, flag) is not None}
+    if args.off and given:
+        raise CliError("autoscale: --off takes no other flag")
+    if args.off:
+        given = {"max_replicas": 0}
+    elif not given:
+        raise CliError("autoscale: give --min, --max, --target or --down-after (or --off)")
+    elif "max_replicas" not in given and not ctx.client.get(deployment_path(args.name))["autoscale"]["max_replicas"]:
+        raise CliError(f"autoscale: {args.name} is not autoscaled yet: give --max")
+    answer = ctx.client.patch(deployment_path(args.name), {"autoscale": given})
+    ctx.out.print(f"{answer['name']}: {render.autoscale_text(answer)}")
+    return 0
 
 
 def cmd_wake(ctx: Context, args: argparse.Namespace) -> int:
@@ -404,6 +428,13 @@ def choices_help(setting: Setting) -> str:
     return ", ".join(named[:-1]) + f" or {named[-1]}"
 
 
+def setting_help(name: str) -> str:
+    """A setting's help and default, as the spec declares them."""
+    setting = SETTINGS[name]
+    default = f"{setting.default:g}" if isinstance(setting.default, float) else setting.default
+    return f"{setting.help} Default {default}."
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuportal",
@@ -497,6 +528,21 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     scale.add_argument("--replicas", type=non_negative_int, metavar="N", help="the same as N")
     add_wait_options(scale, "that many serve")
     scale.set_defaults(run=cmd_scale)
+
+    autoscale = commands.add_parser(
+        "autoscale", help="scale a deployment by its requests in flight, between --min and --max replicas"
+    )
+    autoscale.add_argument("name")
+    autoscale.add_argument("--min", type=non_negative_int, metavar="N", help=setting_help("autoscale_min_replicas"))
+    autoscale.add_argument("--max", type=non_negative_int, metavar="N", help=setting_help("autoscale_max_replicas"))
+    autoscale.add_argument(
+        "--target", type=positive_float, metavar="X", help=setting_help("autoscale_target_in_flight")
+    )
+    autoscale.add_argument(
+        "--down-after", type=non_negative_float, metavar="S", help=setting_help("autoscale_down_after_s")
+    )
+    autoscale.add_argument("--off", action="store_true", help="stop autoscaling: replicas stays where it is")
+    autoscale.set_defaults(run=cmd_autoscale)
 
     for name, help_text in (
         ("sleep", "put serving replicas to sleep once they finish what they serve (weights to CPU RAM)"),

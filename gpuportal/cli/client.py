@@ -137,6 +137,9 @@ class Client:
     def post(self, path: str, body: Any = None) -> Any:
         return self.request("POST", path, body=body)
 
+    def patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, body=body)
+
     def delete(self, path: str, params: dict | None = None) -> Any:
         return self.request("DELETE", path, params=params)
 

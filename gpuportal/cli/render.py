@@ -102,6 +102,17 @@ def replica_line(replica: dict[str, Any]) -> Text:
     return line
 
 
+def autoscale_text(deployment: dict[str, Any]) -> str:
+    """E.g. "autoscaled between 1 and 4 replicas, 4 requests in flight each; fewer after 300 s"."""
+    auto = deployment.get("autoscale") or {}
+    if not auto.get("max_replicas"):
+        return f"not autoscaled: {deployment.get('replicas_wanted', '?')} replica(s) kept as set"
+    return (
+        f"autoscaled between {auto['min_replicas']} and {auto['max_replicas']} replicas, "
+        f"{auto['target_in_flight']:g} requests in flight each; fewer after {auto['down_after_s']:g} s"
+    )
+
+
 def deployments_table(deployments: list[dict[str, Any]]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("NAME", "STATUS", "SERVING", "STATES", "MEMORY", "SOURCE"):
@@ -116,12 +127,17 @@ def deployments_table(deployments: list[dict[str, Any]]) -> Table:
         table.add_row(
             Text(deployment["name"]),
             status_text,
-            f"{serving}/{deployment.get('replicas_wanted', '?')}",
+            f"{serving}/{deployment.get('replicas_wanted', '?')}" + _auto_bounds(deployment),
             state_counts(live),
             human_bytes((deployment.get("memory") or {}).get("need_bytes")),
             Text((deployment.get("model") or {}).get("source", "")),
         )
     return table
+
+
+def _auto_bounds(deployment: dict[str, Any]) -> str:
+    auto = deployment.get("autoscale") or {}
+    return f" (auto {auto['min_replicas']}–{auto['max_replicas']})" if auto.get("max_replicas") else ""
 
 
 def replicas_table(deployments: list[dict[str, Any]]) -> Table:

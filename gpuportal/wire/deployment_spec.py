@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -191,6 +191,27 @@ SETTINGS: tuple[Setting, ...] = (
         "large replicas. true: prefer the GPUs and nodes with the fewest of this deployment's "
         "replicas, then the emptiest GPU.",
     ),
+    Setting(
+        "autoscale_max_replicas", "autoscale", "max_replicas", "autoscale_max_replicas", int, 0, Update.LIVE,
+        min=0, max_setting="GPUPORTAL_MAX_REPLICAS",
+        help="Scale replicas by load between min_replicas and this many (0: off, replicas stays as set). "
+        "The autoscaler writes replicas, as an operator's scale would.",
+    ),
+    Setting(
+        "autoscale_min_replicas", "autoscale", "min_replicas", "autoscale_min_replicas", int, 1, Update.LIVE,
+        min=1, max_setting="GPUPORTAL_MAX_REPLICAS",
+        help="The fewest replicas the autoscaler keeps (sleeping ones counted); at most max_replicas.",
+    ),
+    Setting(
+        "autoscale_target_in_flight", "autoscale", "target_in_flight", "autoscale_target_in_flight", float, 4.0,
+        Update.LIVE, min=0.1, max=10_000,
+        help="The requests in flight (queued or running) per replica the autoscaler aims at.",
+    ),
+    Setting(
+        "autoscale_down_after_s", "autoscale", "down_after_s", "autoscale_down_after_s", float, 300.0, Update.LIVE,
+        min=0, max=86_400,
+        help="A replica is stopped only once the load has wanted fewer for this long (a scale-up is at once).",
+    ),
 )  # fmt: skip
 
 BY_NAME: Mapping[str, Setting] = {setting.name: setting for setting in SETTINGS}
@@ -205,7 +226,20 @@ GROUPS: Mapping[str, str] = {
     "after max_load_failures in a row the deployment is failed until retried or changed.",
     "failover": "Failover pairs.",
     "placement": "Where replicas go.",
+    "autoscale": "Replicas by load: between min_replicas and max_replicas, target_in_flight requests each.",
 }
+
+
+def autoscale_problem(values: Mapping[str, object], changed: Collection[str] = ()) -> tuple[str, str] | None:
+    """What is wrong across the autoscale settings (`values` by name), as (path, message), naming
+    the one of them a PATCH changed (`changed`); None when fine. Each alone is held to its bounds
+    elsewhere."""
+    most, least = values["autoscale_max_replicas"], values["autoscale_min_replicas"]
+    if not (isinstance(most, int) and isinstance(least, int) and most and least > most):
+        return None
+    if "autoscale_max_replicas" in changed and "autoscale_min_replicas" not in changed:
+        return "autoscale.max_replicas", f"must be 0 (off) or at least autoscale.min_replicas ({least}), got {most}"
+    return "autoscale.min_replicas", f"must be at most autoscale.max_replicas ({most}), got {least}"
 
 
 def in_group(group: str) -> tuple[Setting, ...]:

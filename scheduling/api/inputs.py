@@ -57,11 +57,12 @@ REPLICAS = deployment_spec.BY_NAME["replicas"]
 
 
 class ReplicaCountField(serializers.IntegerField):
-    """A replica count, at most what the operator's Django setting says (read per request)."""
+    """A replica count (`replicas`, the autoscaler's bounds), at most what the operator's Django
+    setting says (read per request)."""
 
-    def __init__(self, **kwargs: Any):
-        self.max_setting = REPLICAS.max_setting
-        super().__init__(min_value=REPLICAS.min, **kwargs)
+    def __init__(self, setting: Setting = REPLICAS, **kwargs: Any):
+        self.max_setting = setting.max_setting
+        super().__init__(min_value=setting.min, **kwargs)
 
     def to_internal_value(self, data: Any) -> int:
         value = super().to_internal_value(data)
@@ -91,9 +92,9 @@ def _field(setting: Setting, *, patch: bool = False) -> serializers.Field:
     if setting.nullable:
         kwargs["allow_null"] = True
     if setting.max_setting:
-        if setting is not REPLICAS:
-            raise TypeError(f"{setting.name}: only the replica count has a maximum an operator sets")
-        return ReplicaCountField(**kwargs)
+        if setting.type is not int or setting.max_setting != REPLICAS.max_setting:
+            raise TypeError(f"{setting.name}: only replica counts have a maximum an operator sets")
+        return ReplicaCountField(setting, **kwargs)
     if setting.choices:
         return ChoiceField(choices=list(setting.choices), **kwargs)
     if setting.type is bool:

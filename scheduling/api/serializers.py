@@ -276,6 +276,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     restart = GROUPS_SHOWN["restart"](source="*", read_only=True)
     failover = GROUPS_SHOWN["failover"](source="*", read_only=True)
     placement = GROUPS_SHOWN["placement"](source="*", read_only=True)
+    autoscale = GROUPS_SHOWN["autoscale"](source="*", read_only=True)
     status = serializers.ChoiceField(
         choices=[s.value for s in DeploymentStatus],
         read_only=True,
@@ -309,6 +310,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "restart",
             "failover",
             "placement",
+            "autoscale",
             "created_at",
             "updated_at",
         ]

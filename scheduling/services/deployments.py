@@ -8,6 +8,7 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, make_dataclass
 from datetime import timedelta
 from typing import Any
@@ -88,6 +89,7 @@ def get(name: str, *, lock: bool = False) -> Deployment:
 @locks.retry_deadlocks
 def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployment:
     """Create the deployment and place all its replicas, or nothing at all (409 with reasons)."""
+    _check_together({s.name: getattr(spec, s.name) for s in deployment_spec.SETTINGS})
     if memory.POLICIES.get(spec.memory_policy) is None:
         known = " or ".join(memory.POLICIES)
         raise InvalidInput("memory.policy", f"unknown policy {spec.memory_policy!r} ({known})")
@@ -165,6 +167,10 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 raise InvalidInput(
                     setting.path, "cannot be changed on an existing deployment; create a new deployment instead"
                 )
+        _check_together(
+            {s.name: changes.get(s.name, getattr(deployment, s.column)) for s in deployment_spec.SETTINGS},
+            changes,
+        )
         before = {key: getattr(deployment, MUTABLE[key]) for key in changes if key in MUTABLE}
         after = {key: value for key, value in changes.items() if key in MUTABLE and before[key] != value}
         for key, value in after.items():
@@ -189,6 +195,12 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 scale(name, changes[key])
     _reread(deployment)
     return deployment
+
+
+def _check_together(values: dict[str, Any], changed: Collection[str] = ()) -> None:
+    """What no one setting's bounds can say: InvalidInput naming the setting at fault."""
+    if (problem := deployment_spec.autoscale_problem(values, changed)) is not None:
+        raise InvalidInput(*problem)
 
 
 def _estimate_for(name: str, changes: dict[str, Any]) -> ModelFacts | None:

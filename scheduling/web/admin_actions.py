@@ -95,11 +95,14 @@ def _setting_field(name: str, label: str) -> forms.Field:
     setting = deployment_spec.BY_NAME[name]
     if setting.type is bool:
         return forms.NullBooleanField(required=False, label=label)
+    if setting.type is int:
+        cap = getattr(settings, setting.max_setting) if setting.max_setting else setting.max
+        return forms.IntegerField(required=False, min_value=setting.min, max_value=cap, label=label)
     return forms.FloatField(required=False, min_value=setting.min, max_value=setting.max, label=label)
 
 
 class SettingsForm(forms.Form):
-    """Fairness and sleep settings; a blank field leaves the setting as it is."""
+    """Fairness, sleep and autoscale settings; a blank field leaves the setting as it is."""
 
     min_runtime_s = _setting_field("min_runtime_s", "Min runtime (s)")
     max_wait_s = _setting_field("max_wait_s", "Max wait (s)")
@@ -107,9 +110,13 @@ class SettingsForm(forms.Form):
     idle_timeout_s = _setting_field("idle_timeout_s", "Idle timeout (s)")
     deep_after_s = _setting_field("deep_after_s", "Deep sleep after (s asleep; 0: never)")
     drain_timeout_s = _setting_field("drain_timeout_s", "Drain timeout (s)")
+    autoscale_max_replicas = _setting_field("autoscale_max_replicas", "Autoscale up to (replicas; 0: off)")
+    autoscale_min_replicas = _setting_field("autoscale_min_replicas", "Autoscale down to (replicas)")
+    autoscale_target_in_flight = _setting_field("autoscale_target_in_flight", "Requests in flight per replica")
+    autoscale_down_after_s = _setting_field("autoscale_down_after_s", "Scale down after (s of less load)")
 
 
-@admin.action(description="Edit fairness and sleep settings…")
+@admin.action(description="Edit fairness, sleep and autoscale settings…")
 def edit_settings(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]):
     names = list(queryset.values_list("name", flat=True))
     form = SettingsForm(request.POST if "apply" in request.POST else None)
@@ -125,7 +132,7 @@ def edit_settings(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: 
             admin_view.message_user(request, warning, messages.WARNING)
         return None
     return form_page(
-        admin_view, request, form, names, action="edit_settings", title="Edit fairness and sleep settings",
+        admin_view, request, form, names, action="edit_settings", title="Edit fairness, sleep and autoscale settings",
         submit="Save", intro="Blank fields stay as they are. Change",
     )  # fmt: skip
 

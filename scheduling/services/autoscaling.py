@@ -1,0 +1,121 @@
+"""The autoscaler: every few seconds (beat's `autoscale deployments`), each deployment with
+autoscale.max_replicas set is scaled to what its requests in flight want (scheduling.core.autoscale
+decides). It writes `replicas` through the scaling service, as an operator's scale does, with an
+Event saying why; an operator's scale of an autoscaled deployment holds until the next sweep.
+
+What each sweep wanted is kept in Redis (`gp:autoscale:NAME`, a sorted set by time) for the
+scale-down window: sweeps run on whichever control worker takes them, and a restarted one must
+not forget a burst a minute old.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+from django.db.models import F
+
+from gpuportal.wire.states import ENDED
+from scheduling.core import autoscale
+from scheduling.models import Deployment, Replica
+from scheduling.services import queueing, scaling
+from scheduling.services.errors import CannotPlace, ServiceError
+
+log = logging.getLogger(__name__)
+
+# What each sweep wanted is kept this much past the window, so that the sweep just before it is
+# still there to show that the window is covered (sweeps come every 5 s; beat may lag).
+_KEPT_PAST_WINDOW_S = 60.0
+
+
+def history_key(deployment: str) -> str:
+    return f"gp:autoscale:{deployment}"
+
+
+def policy_of(deployment: Deployment) -> autoscale.Policy:
+    return autoscale.Policy(
+        min_replicas=deployment.autoscale_min_replicas,
+        max_replicas=deployment.autoscale_max_replicas,
+        target_in_flight=deployment.autoscale_target_in_flight,
+        down_after_s=deployment.autoscale_down_after_s,
+    )
+
+
+def sweep(now: float | None = None) -> dict[str, int]:
+    """Scale each autoscaled deployment that is not failed to what its load wants: {name: the
+    replicas set}, for those changed."""
+    now = time.time() if now is None else now
+    deployments = list(
+        Deployment.objects.filter(autoscale_max_replicas__gt=0, observed__failed_reason="").order_by("pk")
+    )
+    if not deployments:
+        return {}
+    in_flight = _in_flight([d.name for d in deployments])
+    client = queueing.queue().redis
+    changed: dict[str, int] = {}
+    for deployment in deployments:
+        policy = policy_of(deployment)
+        try:
+            recent = _remember(
+                client, deployment.name, now, autoscale.wanted(in_flight[deployment.name], policy), policy
+            )
+        except redis.RedisError as err:
+            log.warning("autoscaler: cannot keep what %s wanted (%s): no change this sweep", deployment.name, err)
+            continue
+        decision = autoscale.decide(deployment.replicas_wanted, in_flight[deployment.name], recent, now, policy)
+        if decision is None:
+            continue
+        try:
+            changed[deployment.name] = _scale(deployment, decision)
+        except ServiceError as err:
+            # Deleted meanwhile, or no room even for one more: the next sweep asks again.
+            log.warning("autoscaler: %s: %s", deployment.name, err)
+    return changed
+
+
+def _in_flight(names: list[str]) -> dict[str, int]:
+    """Per deployment, its requests waiting in its queue and those its replicas took and have not
+    ended: two round trips to Redis for them all."""
+    replicas = list(
+        Replica.objects.filter(deployment__name__in=names)
+        .exclude(state__in=ENDED)
+        .annotate(name=F("deployment__name"))
+        .values_list("id", "name")
+    )
+    queue = queueing.queue()
+    counts = dict(queue.depths(names))
+    taken = queue.in_flight(replica_id for replica_id, _ in replicas)
+    for replica_id, name in replicas:
+        counts[name] += taken[replica_id]
+    return counts
+
+
+def _remember(
+    client: redis.Redis, name: str, now: float, wanted: int, policy: autoscale.Policy
+) -> list[tuple[float, int]]:
+    """Keep what this sweep wanted, drop what is too old to matter, and read what earlier sweeps
+    wanted, in one round trip."""
+    key, kept_s = history_key(name), policy.down_after_s + _KEPT_PAST_WINDOW_S
+    with client.pipeline(transaction=True) as pipe:
+        pipe.zrangebyscore(key, now - kept_s, "+inf", withscores=True)
+        pipe.zadd(key, {f"{now:.6f}:{wanted}": now})
+        pipe.zremrangebyscore(key, "-inf", f"({now - kept_s}")
+        pipe.expire(key, int(kept_s) + 1)
+        earlier = pipe.execute()[0]
+    return [(when, int(member.decode().rpartition(":")[2])) for member, when in earlier]
+
+
+def _scale(deployment: Deployment, decision: autoscale.Decision) -> int:
+    """Scale to the decision; a scale-up with no room for all it wants takes one more replica if
+    that fits (the next sweep asks for the rest again)."""
+    reason = f"autoscaled: {decision.reason}"
+    try:
+        scaling.scale(deployment.name, decision.replicas, reason=reason)
+        return decision.replicas
+    except CannotPlace:
+        one_more = deployment.replicas_wanted + 1
+        if decision.replicas <= one_more:
+            raise
+    scaling.scale(deployment.name, one_more, reason=f"{reason}; room for one more only")
+    return one_more
