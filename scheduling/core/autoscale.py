@@ -47,7 +47,11 @@ def decide(
 ) -> Decision | None:
     """The replica count to set, and why; None to keep `current`. `recent`: (when, wanted) of the
     earlier sweeps, oldest first or not; only those of the last `down_after_s` count, and a
-    scale-down waits until they reach back that far (after a restart of the sweeps, say)."""
+    scale-down waits until they reach back that far (after a restart of the sweeps, say). A
+    deployment scaled to 0 is left there, as Kubernetes' HPA leaves a Deployment scaled to zero:
+    that is how an operator stops one without forgetting its settings."""
+    if current == 0:
+        return None
     now_wanted = wanted(in_flight, policy)
     load = f"{in_flight} request(s) in flight, {policy.target_in_flight:g} per replica wanted"
     if current < policy.min_replicas:

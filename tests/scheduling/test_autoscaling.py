@@ -58,10 +58,11 @@ def test_it_waits_for_sweeps_that_cover_the_window_before_scaling_down():
     )
 
 
-def test_it_brings_a_count_outside_the_bounds_back_within_them_at_once():
-    assert decide(0, 0, [], T0, POLICY) == Decision(
-        1, "below autoscale.min_replicas (0 request(s) in flight, 2 per replica wanted)"
+def test_it_brings_a_count_outside_the_bounds_back_within_them_at_once_but_leaves_a_stopped_one_stopped():
+    assert decide(1, 0, [], T0, Policy(2, 4, 2, 60)) == Decision(
+        2, "below autoscale.min_replicas (0 request(s) in flight, 2 per replica wanted)"
     )
+    assert decide(0, 100, [], T0, POLICY) is None, "scaled to 0 by an operator: stopped, not autoscaled"
     assert decide(7, 100, [], T0, POLICY) == Decision(
         4, "above autoscale.max_replicas (100 request(s) in flight, 2 per replica wanted)"
     )
@@ -91,6 +92,8 @@ def test_a_decision_stays_within_the_bounds_scales_up_to_the_load_and_never_down
         if after < current:
             in_window = [count for when, count in recent if when > T0 - policy.down_after_s]
             assert all(count <= after for count in in_window), "nor fewer than any sweep of the window wanted"
+    elif current == 0:
+        assert decision is None, "a deployment scaled to 0 stays stopped"
     else:
         assert policy.min_replicas <= after <= policy.max_replicas, "brought back within the bounds"
     assert decision is None or decision.replicas != current
@@ -104,7 +107,7 @@ def named(cluster):
     """A fresh deployment name, its Redis keys dropped after the test."""
     name = f"auto-{uuid.uuid4().hex[:8]}"
     yield name
-    for each in (name, f"{name}-failed"):
+    for each in (name, f"{name}-failed", f"{name}-stopped"):
         queueing.queue().redis.delete(autoscaling.history_key(each), f"gp:queue:{each}")
 
 
@@ -198,7 +201,9 @@ def test_a_scale_up_with_room_for_fewer_takes_one_more_and_asks_again_next_sweep
     assert invariant_holds()
 
 
-def test_a_deployment_without_autoscale_or_failed_is_left_as_set(named, dispatched, django_capture_on_commit_callbacks):
+def test_a_deployment_without_autoscale_failed_or_scaled_to_zero_is_left_as_set(
+    named, dispatched, django_capture_on_commit_callbacks
+):
     deploy(named, 1)
     accept(named, 8)
     other = f"{named}-failed"
@@ -206,12 +211,15 @@ def test_a_deployment_without_autoscale_or_failed_is_left_as_set(named, dispatch
     observed = Deployment.objects.get(name=other).observed
     observed.failed_reason = "its loads failed"
     observed.save(update_fields=["failed_reason"])
+    stopped = f"{named}-stopped"
+    deploy(stopped, 0, autoscale_max_replicas=4, autoscale_min_replicas=2)
 
     with django_capture_on_commit_callbacks(execute=True):
         assert autoscaling.sweep(T0) == {}
 
     assert Deployment.objects.get(name=named).replicas_wanted == 1
     assert Deployment.objects.get(name=other).replicas_wanted == 1
+    assert Deployment.objects.get(name=stopped).replicas_wanted == 0, "scaled to 0: stopped, not autoscaled"
 
 
 def test_the_sweep_is_scheduled_every_5_s_on_the_control_queue_and_runs_as_a_task(beat_schedules):
