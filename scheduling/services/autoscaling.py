@@ -69,7 +69,7 @@ def sweep(now: float | None = None) -> dict[str, int]:
         try:
             changed[deployment.name] = _scale(deployment, decision)
         except ServiceError as err:
-            # Deleted meanwhile, or no room even for one more: the next sweep asks again.
+            # Deleted or scaled meanwhile, or no room even for one more: the next sweep asks again.
             log.warning("autoscaler: %s: %s", deployment.name, err)
     return changed
 
@@ -109,13 +109,14 @@ def _remember(
 def _scale(deployment: Deployment, decision: autoscale.Decision) -> int:
     """Scale to the decision; a scale-up with no room for all it wants takes one more replica if
     that fits (the next sweep asks for the rest again)."""
-    reason = f"autoscaled: {decision.reason}"
+    reason, current = f"autoscaled: {decision.reason}", deployment.replicas_wanted
+    # `expected`: an operator's scale committed since the count was read is left as it is.
     try:
-        scaling.scale(deployment.name, decision.replicas, reason=reason)
+        scaling.scale(deployment.name, decision.replicas, reason=reason, expected=current)
         return decision.replicas
     except CannotPlace:
-        one_more = deployment.replicas_wanted + 1
+        one_more = current + 1
         if decision.replicas <= one_more:
             raise
-    scaling.scale(deployment.name, one_more, reason=f"{reason}; room for one more only")
+    scaling.scale(deployment.name, one_more, reason=f"{reason}; room for one more only", expected=current)
     return one_more

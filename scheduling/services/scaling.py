@@ -29,7 +29,7 @@ from scheduling.core.state import Plan, Snapshot
 from scheduling.group_commit import Group
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import not_found, outbox, placing
-from scheduling.services.errors import CannotPlace, InvalidInput
+from scheduling.services.errors import CannotPlace, InvalidInput, InvalidState
 from scheduling.services.placing import (
     PLAIN_COUNTED,
     Ask,
@@ -54,6 +54,9 @@ class ScaleIntent:
     name: str
     replicas: int
     reason: str
+    # The count the caller decided from (the autoscaler): another count found under the lock
+    # means someone scaled it since, and this intent changes nothing (compare-and-swap).
+    expected: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,12 +107,15 @@ class _Scaling:
         return f"{self.intent.reason}: {len(self.census.awake)} → {self.intent.replicas}"
 
 
-def scale(name: str, replicas: int, *, reason: str = "scaled by an operator") -> Deployment:
+def scale(
+    name: str, replicas: int, *, reason: str = "scaled by an operator", expected: int | None = None
+) -> Deployment:
     """Bring the number of awake replicas to `replicas`: cached ones are promoted before new ones
-    are created; scaling down stops the most recently started first (they have served least)."""
+    are created; scaling down stops the most recently started first (they have served least).
+    With `expected`, only if the deployment still wants that many (InvalidState if not)."""
     if replicas < 0:
         raise InvalidInput("replicas", "must be 0 or more")
-    intent = ScaleIntent(name, replicas, reason)
+    intent = ScaleIntent(name, replicas, reason, expected)
     if transaction.get_connection().in_atomic_block or not settings.GPUPORTAL_SCALE_TOGETHER:
         # In a caller's transaction (an update that scales): what it locked and wrote is its own
         # to commit, so no other call may share it.
@@ -162,6 +168,14 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
                 outcomes.append(not_found.deployment(intent.name))
                 continue
             deployment, census = read[intent.name]
+            if intent.expected is not None and deployment.replicas_wanted != intent.expected:
+                outcomes.append(
+                    InvalidState(
+                        f"deployment {intent.name} was scaled meanwhile: it wants {deployment.replicas_wanted} "
+                        f"replica(s), not {intent.expected}"
+                    )
+                )
+                continue
             scaling = _Scaling(intent, deployment, census, before=deployment.replicas_wanted)
             if hosts is None and intent.replicas > len(census.awake):
                 hosts = placing.host_views()  # read once for the batch: its asks share the hosts

@@ -16,7 +16,7 @@ from gpuportal.wire.memory import MiB
 from gpuportal.wire.states import AWAKE
 from scheduling.core.autoscale import Decision, Policy, decide, wanted
 from scheduling.models import Deployment, Event, Replica
-from scheduling.services import autoscaling, queueing
+from scheduling.services import autoscaling, queueing, scaling
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from tests.support.deployments import invariant_holds
@@ -180,6 +180,29 @@ def test_a_sweep_scales_down_after_the_window_to_the_most_a_sweep_in_it_wanted(
         "autoscaled: 0 request(s) in flight, 2 per replica wanted; at most 1 wanted for 60 s: 2 → 1 replica(s)",
     ]
     assert invariant_holds()
+
+
+def test_a_sweep_leaves_the_count_of_an_operators_scale_committed_after_it_read_the_deployment(
+    named, dispatched, django_capture_on_commit_callbacks, monkeypatch
+):
+    deploy(named, 1, autoscale_max_replicas=4, autoscale_target_in_flight=1)
+    accept(named, 4)
+    read_load = autoscaling._in_flight
+
+    def an_operator_scales_meanwhile(names: list[str]) -> dict[str, int]:
+        load = read_load(names)  # the deployments were read just before: wanting 1
+        scaling.scale(named, 2, reason="scaled by an operator")
+        return load
+
+    monkeypatch.setattr(autoscaling, "_in_flight", an_operator_scales_meanwhile)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert autoscaling.sweep(T0) == {}
+
+    assert Deployment.objects.get(name=named).replicas_wanted == 2
+    assert changes(named) == []
+    monkeypatch.setattr(autoscaling, "_in_flight", read_load)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert autoscaling.sweep(T0 + 5) == {named: 4}, "the next sweep reads the operator's count"
 
 
 def test_a_scale_up_with_room_for_fewer_takes_one_more_and_asks_again_next_sweep(
