@@ -231,6 +231,8 @@ def _deployment_rows() -> list[dict[str, Any]]:
             "name",
             "replicas_wanted",
             "failover_standby",
+            "autoscale_min_replicas",
+            "autoscale_max_replicas",
             # Under the names the page has always read them by: one join, no query of its own.
             failed_reason=F("observed__failed_reason"),
             load_failures=F("observed__load_failures"),

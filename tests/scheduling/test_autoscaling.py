@@ -379,3 +379,18 @@ def test_ls_shows_an_autoscaled_deployments_bounds_beside_its_count():
     rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
     assert "0/2 (auto 1–4)" in rows["auto"]
     assert "0/2 " in rows["fixed"] and "auto" not in rows["fixed"].replace("fixed", "")
+
+
+def test_the_dashboard_shows_an_autoscaled_deployments_bounds_beside_its_count(admin_client):
+    from django.urls import reverse
+
+    from tests.support import factories as f
+
+    f.deployment("auto", autoscale_max_replicas=4, autoscale_min_replicas=2, replicas_wanted=3)
+    f.deployment("fixed", replicas_wanted=3)
+
+    body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
+
+    assert body.count("auto 2–4</span>") == 1
+    row = body.partition('data-deployment="auto"')[2].partition("</tr>")[0]
+    assert "<td>3 <span" in row and "auto 2–4" in row
