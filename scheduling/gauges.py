@@ -124,7 +124,7 @@ class StateCollector:
             *_host_cache(),
             nodes,
             replicas,
-            _queue_depths(),
+            *_deployments(),
             _requests_in_flight(),
             _requests_finished(),
             *_failover_states(),
@@ -280,24 +280,32 @@ def _failover_states() -> list[Metric]:
     return [by_state, active]
 
 
-def _queue_depths() -> Metric:
-    """Requests waiting per deployment, read from Redis at scrape time (one round trip)."""
+def _deployments() -> list[Metric]:
+    """Per deployment, the replicas it wants (an operator's count, or the autoscaler's), and the
+    requests waiting, read from Redis at scrape time (one round trip)."""
     from redis.exceptions import RedisError
 
     from scheduling.services import requests as request_services
 
+    wanted = GaugeMetricFamily(
+        "gpuportal_deployment_replicas_wanted",
+        "Replicas a deployment wants: as scaled, or as its autoscaler set them.",
+        labels=["deployment"],
+    )
     family = GaugeMetricFamily(
         "gpuportal_queue_depth", "Requests waiting for a replica, per deployment.", labels=["deployment"]
     )
-    names = list(Deployment.objects.order_by("name").values_list("name", flat=True))
+    rows = list(Deployment.objects.order_by("name").values_list("name", "replicas_wanted"))
+    for name, count in rows:
+        wanted.add_metric([name], count)
     try:
-        depths = request_services.queue().depths(names)
+        depths = request_services.queue().depths(name for name, _ in rows)
     except RedisError:
         logger.warning("metrics: cannot read queue depths from Redis", exc_info=True)
-        return family
+        return [wanted, family]
     for name, depth in depths.items():
         family.add_metric([name], depth)
-    return family
+    return [wanted, family]
 
 
 def _count_by(name: str, documentation: str, field: str, model: type, values: Iterable[str]) -> Metric:

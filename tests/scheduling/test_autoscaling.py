@@ -381,6 +381,21 @@ def test_ls_shows_an_autoscaled_deployments_bounds_beside_its_count():
     assert "0/2 " in rows["fixed"] and "auto" not in rows["fixed"].replace("fixed", "")
 
 
+def test_metrics_show_the_replicas_each_deployment_wants_as_the_autoscaler_sets_them(
+    named, dispatched, django_capture_on_commit_callbacks, client
+):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deploy(named, 1, autoscale_max_replicas=4, autoscale_target_in_flight=1)
+    accept(named, 3)
+    with django_capture_on_commit_callbacks(execute=True):
+        autoscaling.sweep(T0)
+
+    families = {m.name: m for m in text_string_to_metric_families(client.get("/metrics").content.decode())}
+    wanted = {s.labels["deployment"]: s.value for s in families["gpuportal_deployment_replicas_wanted"].samples}
+    assert wanted[named] == 3
+
+
 def test_the_dashboard_shows_an_autoscaled_deployments_bounds_beside_its_count(admin_client):
     from django.urls import reverse
 
