@@ -180,7 +180,11 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
             outbox.note(
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
-                "settings changed: " + ", ".join(f"{k} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()),
+                # Each by its place in the REST body, as the caller named it.
+                "settings changed: "
+                + ", ".join(
+                    f"{deployment_spec.BY_NAME[k].path} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()
+                ),
                 before={k: before[k] for k in after},
                 after=after,
                 deployment=name,

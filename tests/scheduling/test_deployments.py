@@ -425,7 +425,7 @@ def test_patch_changes_settings_scales_and_refuses_a_new_model(cluster, api, dis
     response = api("patch", "/api/deployments/tiny-a/", {"fairness": {"popular": True}, "replicas": 2})
     assert response.status_code == 200
     assert response.json()["fairness"]["popular"] is True and len(response.json()["replicas"]) == 2
-    assert Event.objects.filter(reason__startswith="settings changed: popular False → True").exists()
+    assert Event.objects.filter(reason__startswith="settings changed: fairness.popular False → True").exists()
 
     response = api("patch", "/api/deployments/tiny-a/", {"model": {"source": "/elsewhere"}})
     assert response.status_code == 400 and "cannot be changed" in response.json()["model"][0]
