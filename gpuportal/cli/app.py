@@ -325,16 +325,23 @@ def follow_log(
 ) -> int:
     """Each line the replica's process writes after byte `end` of its log, until it ends (its
     last lines read once more) or `polls` run out."""
-    done = 0
+    done, seen_ended = 0, False
     while polls is None or done < polls:
         pause(interval)
         done += 1
-        ended = ctx.client.get(f"/api/replicas/{replica_id}/")["state"] in ENDED
         try:
             more = ctx.client.get(f"/api/replicas/{replica_id}/logs/", {"since": end})
         except ApiError as err:  # its node away, or the replica on no node any more
             ctx.out.print(Text(f"its log: {err}", style="dim"))
             return 0
+        if "state" in more:
+            # Read before its lines: those of an ended replica are its last. One request a round.
+            ended = more["state"] in ENDED
+        else:
+            # A portal of an earlier release: the state is asked after the lines, so an end seen
+            # now is acted on after one more read, which has the lines written before it.
+            ended = seen_ended
+            seen_ended = seen_ended or ctx.client.get(f"/api/replicas/{replica_id}/")["state"] in ENDED
         if more.get("skipped"):
             skipped = f"({more['skipped']} bytes of its log skipped: more came than one read holds)"
             ctx.out.print(Text(skipped, style="dim"))

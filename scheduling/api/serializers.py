@@ -466,6 +466,10 @@ class ReplicaLogQuery(serializers.Serializer):
 class ReplicaLogSerializer(serializers.Serializer):
     replica = serializers.CharField()
     node = serializers.CharField()
+    state = serializers.ChoiceField(
+        choices=Replica.State.choices,
+        help_text="The replica's state, read before its log: once it has ended, the lines read are its last.",
+    )
     path = serializers.CharField(help_text="Where the log is on the node.")
     lines = serializers.ListField(child=serializers.CharField(allow_blank=True))
     missing = serializers.BooleanField(help_text="The node has no log file for it (never started there).")

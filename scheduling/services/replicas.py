@@ -39,12 +39,13 @@ def state_of(replica_id: str) -> str | None:
 def log_of(replica_id: str, tail: int, since: int | None = None) -> dict:
     """The last `tail` lines of the replica process's own log, or those written after byte
     `since`, as its node's agent reads them (gpuportal.wire.replica_logs): {"replica", "node",
-    "path", "lines", "missing", "end", "skipped"}."""
+    "state", "path", "lines", "missing", "end", "skipped"}. The state is read before the lines:
+    a follower that sees it ended has read what the process wrote before it did."""
     replica = get(replica_id)
     if replica.node is None:
         raise InvalidState(f"replica {replica_id} is {replica.state} on no node: it has no process, and no log")
     read = dispatch.replica_log(replica.node.name, replica.id, tail, since)
-    return {"replica": replica.id, "node": replica.node.name, **read}
+    return {"replica": replica.id, "node": replica.node.name, "state": replica.state, **read}
 
 
 def evict(replica_id: str, *, reason: str = "evicted by an operator", deployment: Deployment | None = None) -> Replica:

@@ -64,6 +64,7 @@ def test_staff_read_the_last_lines_of_a_replicas_log_from_its_node(staff, node_a
     assert answer.json() == {
         "replica": replica.id,
         "node": "node1",
+        "state": "serving",
         "path": str(node_agent.log_path(replica.id)),
         "lines": ["line 497", "line 498", "line 499"],
         "missing": False,
@@ -190,6 +191,44 @@ def test_logs_follow_prints_each_line_the_process_writes_until_it_ends(live_serv
         "stopping",
         f"(replica {replica.id} has ended)",
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("portal", ["this release", "an earlier release"])
+def test_logs_follow_asks_once_a_round_and_reads_the_lines_written_before_the_end(
+    live_server, node_agent, monkeypatch, portal
+):
+    from scheduling.services import replicas as replica_services
+
+    if portal == "an earlier release":  # its log answer has no state: the follower asks for it
+        log_of = replica_services.log_of
+        monkeypatch.setattr(
+            replica_services, "log_of", lambda *a: {k: v for k, v in log_of(*a).items() if k != "state"}
+        )
+    replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="serving")
+    log = node_agent.log_path(replica.id)
+    log.write_text("loading\n")
+    staff = User.objects.create_user("ops", is_staff=True)
+    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
+    out = io.StringIO()
+    ctx = app.Context(env, Console(file=out, highlight=False, soft_wrap=True), Console(file=io.StringIO()))
+    asked: list[str] = []
+    get = ctx.client.get
+    monkeypatch.setattr(ctx.client, "get", lambda path, params=None: (asked.append(path), get(path, params))[1])
+
+    rounds = iter(
+        [
+            # What the process writes as it stops, then its end: in one round, between two reads.
+            lambda: (log.open("a").write("stopping\n"), Replica.objects.filter(pk=replica.id).update(state="stopped")),
+            lambda: None,
+        ]
+    )
+
+    assert app.follow_log(ctx, replica.id, len("loading\n"), 1.0, lambda s: next(rounds)(), polls=5) == 0
+
+    assert out.getvalue().splitlines() == ["stopping", f"(replica {replica.id} has ended)"]
+    logs, states = f"/api/replicas/{replica.id}/logs/", f"/api/replicas/{replica.id}/"
+    assert asked == ([logs] if portal == "this release" else [logs, states, logs])
 
 
 @pytest.mark.django_db(transaction=True)
