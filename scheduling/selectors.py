@@ -30,12 +30,20 @@ def _occupancies_with_gpu() -> Prefetch:
     return Prefetch("occupancies", queryset=Occupant.objects.select_related("gpu"))
 
 
-def replicas(*, deployment: str | None = None, state: str | None = None, node: str | None = None) -> QuerySet[Replica]:
+def replicas(
+    *,
+    deployment: str | None = None,
+    state: str | None = None,
+    exclude_state: str | None = None,
+    node: str | None = None,
+) -> QuerySet[Replica]:
     qs = Replica.objects.select_related("deployment", "node", "lease").prefetch_related(_occupancies_with_gpu())
     if deployment:
         qs = qs.filter(deployment__name=deployment)
     if state:
         qs = qs.filter(state=state)
+    if exclude_state:
+        qs = qs.exclude(state=exclude_state)
     if node:
         qs = qs.filter(node__name=node)
     return qs

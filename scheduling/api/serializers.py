@@ -423,6 +423,12 @@ class GPUFilterSerializer(serializers.Serializer):
 class ReplicaFilterSerializer(serializers.Serializer):
     deployment = serializers.CharField(required=False, allow_blank=True, help_text="Deployment name.")
     state = serializers.ChoiceField(choices=Replica.State.choices, required=False, allow_blank=True)
+    exclude_state = serializers.ChoiceField(
+        choices=Replica.State.choices,
+        required=False,
+        allow_blank=True,
+        help_text="All but this state: `stopped` leaves out the history kept for an hour after a replica stops.",
+    )
     node = serializers.CharField(required=False, allow_blank=True, help_text="Node name.")
 
 

@@ -366,12 +366,19 @@ def test_replicas_filter_by_deployment_state_and_node(api: APIClient) -> None:
     assert ids("?node=n1") == {a1.id, b1.id}
     assert ids("?deployment=a&state=serving&node=n1") == {a1.id}
     assert ids("?deployment=nope") == set()
+    gone = f.replica(b, n2, state=Replica.State.STOPPED)
+    assert ids("?state=stopped") == {gone.id}
+    assert ids("?exclude_state=stopped") == {a1.id, a2.id, b1.id}
+    assert ids("?exclude_state=sleeping&node=n2") == {gone.id}
 
 
 def test_replicas_reject_an_unknown_state_naming_the_field(api: APIClient) -> None:
     response = api.get("/api/replicas/?state=asleep")
     assert response.status_code == 400
     assert "state" in response.json()
+    response = api.get("/api/replicas/?exclude_state=gone")
+    assert response.status_code == 400
+    assert "exclude_state" in response.json()
 
 
 # --- events -------------------------------------------------------------------------------
