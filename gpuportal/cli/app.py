@@ -156,8 +156,10 @@ def cmd_autoscale(ctx: Context, args: argparse.Namespace) -> int:
         raise CliError("autoscale: --off takes no other flag")
     if args.off:
         given = {"max_replicas": 0}
-    elif not given:
-        raise CliError("autoscale: give --min, --max, --target or --down-after (or --off)")
+    elif not given:  # what it is set to now
+        answer = ctx.client.get(deployment_path(args.name))
+        ctx.out.print(f"{answer['name']}: {render.autoscale_text(answer)}")
+        return 0
     elif "max_replicas" not in given and not ctx.client.get(deployment_path(args.name))["autoscale"]["max_replicas"]:
         raise CliError(f"autoscale: {args.name} is not autoscaled yet: give --max")
     answer = ctx.client.patch(deployment_path(args.name), {"autoscale": given})
@@ -537,7 +539,8 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     scale.set_defaults(run=cmd_scale)
 
     autoscale = commands.add_parser(
-        "autoscale", help="scale a deployment by its requests in flight, between --min and --max replicas"
+        "autoscale",
+        help="scale a deployment by its requests in flight, between --min and --max replicas (no flag: as it is now)",
     )
     autoscale.add_argument("name")
     autoscale.add_argument("--min", type=non_negative_int, metavar="N", help=setting_help("autoscale_min_replicas"))

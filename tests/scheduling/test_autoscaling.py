@@ -316,7 +316,7 @@ def test_the_command_line_turns_autoscaling_on_changes_its_bounds_and_turns_it_o
         return code, out.strip(), err.strip()
 
     assert run("--min", "2") == (1, "", "error: autoscale: tiny-a is not autoscaled yet: give --max")
-    assert run() == (1, "", "error: autoscale: give --min, --max, --target or --down-after (or --off)")
+    assert run() == (0, "tiny-a: not autoscaled: 1 replica(s) kept as set", "")
     assert run("--max", "4", "--target", "2") == (
         0,
         "tiny-a: autoscaled between 1 and 4 replicas, 2 requests in flight each; fewer after 300 s",
@@ -331,6 +331,7 @@ def test_the_command_line_turns_autoscaling_on_changes_its_bounds_and_turns_it_o
         "error: autoscale.min_replicas: must be at most autoscale.max_replicas (4), got 5",
     )
     assert run("--off", "--max", "3")[2] == "error: autoscale: --off takes no other flag"
+    assert run()[1] == "tiny-a: autoscaled between 2 and 4 replicas, 2 requests in flight each; fewer after 60 s"
     assert run("--off") == (0, "tiny-a: not autoscaled: 1 replica(s) kept as set", "")
     deployment = Deployment.objects.get(name="tiny-a")
     assert (deployment.autoscale_max_replicas, deployment.autoscale_min_replicas) == (0, 2)
