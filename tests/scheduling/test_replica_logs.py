@@ -159,15 +159,20 @@ def test_reads_as_a_log_grows_give_its_lines_once_each_as_one_read_would(content
     assert content[end:].count(b"\n") == 0, "nothing but a half-written line is left"
 
 
+def operator_at(live_server) -> tuple[app.Context, io.StringIO]:
+    """The command line of a staff user against the live server, and what it prints."""
+    staff = User.objects.create_user("ops", is_staff=True)
+    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
+    out = io.StringIO()
+    return app.Context(env, Console(file=out, highlight=False, soft_wrap=True), Console(file=io.StringIO())), out
+
+
 @pytest.mark.django_db(transaction=True)
 def test_logs_follow_prints_each_line_the_process_writes_until_it_ends(live_server, node_agent):
     replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="serving")
     log = node_agent.log_path(replica.id)
     log.write_text("loading\nserving\n")
-    staff = User.objects.create_user("ops", is_staff=True)
-    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
-    out = io.StringIO()
-    ctx = app.Context(env, Console(file=out, highlight=False, soft_wrap=True), Console(file=io.StringIO()))
+    ctx, out = operator_at(live_server)
     args = app.build_parser().parse_args(["logs", replica.id, "--follow", "--tail", "5"])
     written = iter(
         [
@@ -208,10 +213,7 @@ def test_logs_follow_asks_once_a_round_and_reads_the_lines_written_before_the_en
     replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="serving")
     log = node_agent.log_path(replica.id)
     log.write_text("loading\n")
-    staff = User.objects.create_user("ops", is_staff=True)
-    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
-    out = io.StringIO()
-    ctx = app.Context(env, Console(file=out, highlight=False, soft_wrap=True), Console(file=io.StringIO()))
+    ctx, out = operator_at(live_server)
     asked: list[str] = []
     get = ctx.client.get
     monkeypatch.setattr(ctx.client, "get", lambda path, params=None: (asked.append(path), get(path, params))[1])
@@ -235,10 +237,7 @@ def test_logs_follow_asks_once_a_round_and_reads_the_lines_written_before_the_en
 def test_logs_follow_waits_for_a_replica_on_no_node_to_be_placed_then_follows_it(live_server, node_agent):
     replica = f.replica(f.deployment("tiny-a"), None, state="pending")
     node = f.node("node1")
-    staff = User.objects.create_user("ops", is_staff=True)
-    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
-    out = io.StringIO()
-    ctx = app.Context(env, Console(file=out, highlight=False, soft_wrap=True), Console(file=io.StringIO()))
+    ctx, out = operator_at(live_server)
     args = app.build_parser().parse_args(["logs", replica.id, "-f"])
     log = node_agent.log_path(replica.id)
     happens = iter(
