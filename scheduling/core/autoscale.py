@@ -55,7 +55,7 @@ def decide(
     now_wanted = wanted(in_flight, policy)
     load = f"{in_flight} request(s) in flight, {policy.target_in_flight:g} per replica wanted"
     if current < policy.min_replicas:
-        return Decision(max(now_wanted, policy.min_replicas), f"below autoscale.min_replicas ({load})")
+        return Decision(now_wanted, f"below autoscale.min_replicas ({load})")
     if current > policy.max_replicas:
         return Decision(policy.max_replicas, f"above autoscale.max_replicas ({load})")
     if now_wanted > current:

@@ -43,15 +43,22 @@ def policy_of(deployment: Deployment) -> autoscale.Policy:
 
 
 def sweep(now: float | None = None) -> dict[str, int]:
-    """Scale each autoscaled deployment that is not failed to what its load wants: {name: the
-    replicas set}, for those changed."""
+    """Scale each autoscaled deployment to what its load wants: {name: the replicas set}, for
+    those changed. One whose loads fail (failed, or retrying after its backoff) is left alone:
+    more replicas would be more failed loads."""
     now = time.time() if now is None else now
     deployments = list(
-        Deployment.objects.filter(autoscale_max_replicas__gt=0, observed__failed_reason="").order_by("pk")
+        Deployment.objects.filter(
+            autoscale_max_replicas__gt=0, observed__failed_reason="", observed__retry_at__isnull=True
+        ).order_by("pk")
     )
     if not deployments:
         return {}
-    in_flight = _in_flight([d.name for d in deployments])
+    try:
+        in_flight = _in_flight([d.name for d in deployments])
+    except redis.RedisError as err:
+        log.warning("autoscaler: cannot read the requests in flight (%s): no change this sweep", err)
+        return {}
     client = queueing.queue().redis
     changed: dict[str, int] = {}
     for deployment in deployments:

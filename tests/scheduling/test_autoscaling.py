@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -107,7 +108,7 @@ def named(cluster):
     """A fresh deployment name, its Redis keys dropped after the test."""
     name = f"auto-{uuid.uuid4().hex[:8]}"
     yield name
-    for each in (name, f"{name}-failed", f"{name}-stopped"):
+    for each in (name, f"{name}-failed", f"{name}-retrying", f"{name}-stopped"):
         queueing.queue().redis.delete(autoscaling.history_key(each), f"gp:queue:{each}")
 
 
@@ -205,6 +206,20 @@ def test_a_sweep_leaves_the_count_of_an_operators_scale_committed_after_it_read_
         assert autoscaling.sweep(T0 + 5) == {named: 4}, "the next sweep reads the operator's count"
 
 
+def test_a_sweep_that_cannot_read_the_load_changes_nothing_and_says_why(named, dispatched, monkeypatch, caplog):
+    import redis
+
+    deploy(named, 2, autoscale_max_replicas=4, autoscale_down_after_s=0)
+
+    def redis_is_away(names: list[str]) -> dict[str, int]:
+        raise redis.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(autoscaling, "_in_flight", redis_is_away)
+    assert autoscaling.sweep(T0) == {}, "no load read is not no load: nothing is stopped"
+    assert Deployment.objects.get(name=named).replicas_wanted == 2
+    assert "cannot read the requests in flight (Connection refused): no change this sweep" in caplog.text
+
+
 def test_a_scale_up_with_room_for_fewer_takes_one_more_and_asks_again_next_sweep(
     named, dispatched, django_capture_on_commit_callbacks
 ):
@@ -224,7 +239,7 @@ def test_a_scale_up_with_room_for_fewer_takes_one_more_and_asks_again_next_sweep
     assert invariant_holds()
 
 
-def test_a_deployment_without_autoscale_failed_or_scaled_to_zero_is_left_as_set(
+def test_a_deployment_without_autoscale_failing_or_scaled_to_zero_is_left_as_set(
     named, dispatched, django_capture_on_commit_callbacks
 ):
     deploy(named, 1)
@@ -234,6 +249,11 @@ def test_a_deployment_without_autoscale_failed_or_scaled_to_zero_is_left_as_set(
     observed = Deployment.objects.get(name=other).observed
     observed.failed_reason = "its loads failed"
     observed.save(update_fields=["failed_reason"])
+    retrying = f"{named}-retrying"
+    deploy(retrying, 1, autoscale_max_replicas=4, autoscale_target_in_flight=1)
+    observed = Deployment.objects.get(name=retrying).observed
+    observed.retry_at = timezone.now()
+    observed.save(update_fields=["retry_at"])
     stopped = f"{named}-stopped"
     deploy(stopped, 0, autoscale_max_replicas=4, autoscale_min_replicas=2)
 
@@ -242,6 +262,7 @@ def test_a_deployment_without_autoscale_failed_or_scaled_to_zero_is_left_as_set(
 
     assert Deployment.objects.get(name=named).replicas_wanted == 1
     assert Deployment.objects.get(name=other).replicas_wanted == 1
+    assert Deployment.objects.get(name=retrying).replicas_wanted == 1
     assert Deployment.objects.get(name=stopped).replicas_wanted == 0, "scaled to 0: stopped, not autoscaled"
 
 
