@@ -23,6 +23,7 @@ from scheduling.services import deployments, host_cache, queueing, reports, slee
 from scheduling.services.nodes import register_node
 from tests.support.deployments import START, STOP, deploy, invariant_holds, serve
 from tests.support.factories import NO_OVERHEAD
+from tests.support.lock_waits import waiting
 from tests.support.processes import wait_until
 
 MiB = 1024**2
@@ -448,8 +449,7 @@ def test_two_balances_of_one_node_take_turns_so_they_never_lend_the_same_room_tw
     with connection.cursor() as cursor:
 
         def queued() -> bool:
-            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-            return cursor.fetchone()[0] == 1
+            return waiting(cursor, "advisory") == 1
 
         wait_until(queued, 30, "the second balance to wait for the first")
     go_on.set()

@@ -13,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from scheduling import hot_sql, locks
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
 from tests.support import factories
+from tests.support.lock_waits import waiting
 from tests.support.processes import wait_until
 
 CENSUS = "SELECT id FROM scheduling_replica WHERE deployment_id = ANY(%s)"
@@ -133,8 +134,7 @@ def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed(
         with connections["default"].cursor() as cur:
 
             def queued() -> bool:
-                cur.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
-                return cur.fetchone()[0] > 0
+                return waiting(cur, "transactionid") > 0
 
             wait_until(queued, 10, "the other transaction to wait for the deployment's row lock", every=0.01)
     assert done.wait(10)

@@ -22,6 +22,7 @@ from scheduling.services.nodes import register_node
 from scheduling.services.scaling import ScaleIntent, scale_together
 from tests.support.deployments import START, STOP, invariant_holds, reserved
 from tests.support.factories import NO_OVERHEAD
+from tests.support.lock_waits import waiting
 from tests.support.processes import wait_until
 
 TIMEOUT = 30
@@ -157,8 +158,7 @@ def test_concurrent_calls_of_one_process_share_a_batch_and_each_gets_its_own_out
         with connections["default"].cursor() as cur:
 
             def queued() -> bool:
-                cur.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
-                return cur.fetchone()[0] >= len(held)
+                return waiting(cur, "transactionid") >= len(held)
 
             wait_until(queued, TIMEOUT, "the leading batches to wait for their row locks", every=0.01)
         others = [threading.Thread(target=call, args=(name,)) for name in [*names[len(held) :], "huge"]]
@@ -226,8 +226,7 @@ def test_a_scale_that_waited_for_a_deleted_deployment_answers_not_found_though_i
         with connections["default"].cursor() as cur:
 
             def queued() -> bool:
-                cur.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
-                return cur.fetchone()[0] > 0
+                return waiting(cur, "transactionid") > 0
 
             wait_until(queued, TIMEOUT, "the scale to wait for the old deployment's row lock", every=0.01)
     thread.join(TIMEOUT)
