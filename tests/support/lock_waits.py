@@ -14,5 +14,8 @@ _WAITING_HERE = """
 def waiting(cursor, locktype: str) -> int:
     """Backends of this database waiting for a lock of `locktype` ('transactionid' for a row
     lock held by another transaction, 'advisory' for pg_advisory_xact_lock's)."""
+    # pg_stat_activity is read once a transaction and kept (the tests ask inside theirs): the
+    # backends that came since would not be seen without a fresh read.
+    cursor.execute("SELECT pg_stat_clear_snapshot()")
     cursor.execute(_WAITING_HERE, [locktype])
     return int(cursor.fetchone()[0])
