@@ -16,7 +16,10 @@ replicas serve the request queues. What the rules cannot tell apart, since the k
   could answer a question put to another.
 - The request queues: every replica of a deployment, on whichever node, takes from the same
   queue and writes the same request keys, so a node may read and answer any deployment's
-  requests. Only the control plane's placement says which deployments a node serves.
+  requests whose ids it finds: in a deployment's queue (named by the deployment), or in the
+  records of ended requests (`gp:records`, which every replica's end appends to). Only the
+  control plane's placement says which deployments a node serves. The indexes of the requests
+  by owner, which hold every request's id, are the web's alone.
 
 The rules are the confinement of an honest node's mistakes and a hostile node's reach into the
 control plane's own keys (other nodes' queues and leases, the admission and idempotency keys, the
@@ -53,9 +56,9 @@ REPLICA_KEYS = (
     "gp:epoch:*",
     "gp:off:*",
     "gp:kv:*",
-    "gp:requests:*",
-    "gp:user:*",
 )
+# Not the web's: the indexes of every owner's requests (`gp:requests:*`, whose ids would open
+# every request's key) and the owners' limits (`gp:user:*`). No replica reads or writes them.
 # Commands: everything a client of kombu, Celery's result backend and the request-queue scripts
 # uses, none of the server's administration (CONFIG, DEBUG, SHUTDOWN, ...) nor what reads or
 # drops every key (KEYS, FLUSHALL, FLUSHDB, SCAN would list others' keys).

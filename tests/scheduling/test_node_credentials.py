@@ -516,6 +516,10 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
             lambda: user.lrange("agents", 0, -1),
             lambda: user.blpop(["gp:reply:agent:another-node:1"], timeout=1),
             lambda: user.get("gp:idem:alice:0"),
+            # The indexes of requests by owner (every request's id) and the owners' limits.
+            lambda: user.zrange("gp:requests:all", 0, -1),
+            lambda: user.zrange("gp:requests:owner:alice", 0, -1),
+            lambda: user.zcard("gp:user:alice:in_flight"),
             lambda: user.keys("*"),
             lambda: user.flushall(),
             lambda: user.config_get("*"),
