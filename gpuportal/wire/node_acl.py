@@ -16,10 +16,10 @@ replicas serve the request queues. What the rules cannot tell apart, since the k
   could answer a question put to another.
 - The request queues: every replica of a deployment, on whichever node, takes from the same
   queue and writes the same request keys, so a node may read and answer any deployment's
-  requests whose ids it finds: in a deployment's queue (named by the deployment), or in the
-  records of ended requests (`gp:records`, which every replica's end appends to). Only the
+  requests whose ids it finds in a deployment's queue (named by the deployment). Only the
   control plane's placement says which deployments a node serves. The indexes of the requests
-  by owner, which hold every request's id, are the web's alone.
+  by owner and the records of those the web ends, which hold their ids, are the web's alone, and
+  each node's replicas write the records of theirs to a list of the node's own.
 
 The rules are the confinement of an honest node's mistakes and a hostile node's reach into the
 control plane's own keys (other nodes' queues and leases, the admission and idempotency keys, the
@@ -34,6 +34,7 @@ from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import AGENT_QUEUE
 from gpuportal.wire.node_auth import node_name_problem
 from gpuportal.wire.node_lease import epoch_key, lease_key
+from gpuportal.wire.requestqueue.protocol import records_key
 
 # What follows a queue's name in kombu's keys for its priorities (a separator that is no node
 # name's character, then the priority): the queue's own keys, not a longer-named queue's. The
@@ -50,7 +51,6 @@ REPLICA_KEYS = (
     "gp:stream:*",
     "gp:last:*",
     "gp:finished:*",
-    "gp:records",
     "gp:live:*",
     "gp:deleted:*",
     "gp:epoch:*",
@@ -116,6 +116,9 @@ def rules(node: str) -> list[str]:
         # scheduling.services.nodes.drop_redis_user before the epoch is raised).
         f"~{epoch_key(node)}",
         *(f"~{pattern}" for pattern in REPLICA_KEYS),
+        # The records of the requests its replicas end: its own list, not every node's (a record
+        # holds its request's id, which opens the request's key).
+        f"~{records_key(node)}",
     ]
     return ["reset", "on", *keys, "&*", *COMMANDS]
 

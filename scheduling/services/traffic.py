@@ -16,9 +16,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire import memory
+from gpuportal.wire.requestqueue import records_key
 from scheduling import ledger
 from scheduling.core.state import Snapshot
-from scheduling.models import Deployment, RequestRecord
+from scheduling.models import Deployment, Node, RequestRecord
 from scheduling.services import placing
 from scheduling.services.queueing import queue
 from scheduling.simulation.traces import CatalogueEntry, TraceRow
@@ -32,22 +33,29 @@ MAX_BATCHES = 50
 
 
 def drain(batch: int = BATCH, max_batches: int = MAX_BATCHES) -> int:
-    """Move the records of ended requests from Redis into PostgreSQL, oldest first; the count.
-    A record is removed from Redis only once stored, and a record stored twice (a drain that died
-    between the two steps) is one row: the request id is unique."""
-    moved = 0
+    """Move the records of ended requests from Redis into PostgreSQL, oldest first in each list
+    (the web's, and each node's: records_key); the count. A record is removed from Redis only
+    once stored, and a record stored twice (a drain that died between the two steps) is one row:
+    the request id is unique."""
+    moved, batches = 0, max_batches
     q = queue()
-    for _ in range(max_batches):
-        raw = q.raw_records(batch)
-        if not raw:
-            break
-        rows = [r for r in (_row(_parsed(item)) for item in raw) if r is not None]
-        with transaction.atomic():
-            RequestRecord.objects.bulk_create(rows, ignore_conflicts=True)
-        q.drop_raw_records(raw)
-        moved += len(rows)
-        if len(raw) < batch:
-            break
+    # Every node the books know, offline ones too (their lists may still hold records); only those
+    # holding any are read, one round trip telling which.
+    nodes = Node.objects.order_by("name").values_list("name", flat=True)
+    held = q.record_counts([records_key(), *(records_key(name) for name in nodes)])
+    for key in (key for key, count in held.items() if count):
+        while batches > 0:
+            batches -= 1
+            raw = q.raw_records(batch, key)
+            if not raw:
+                break
+            rows = [r for r in (_row(_parsed(item)) for item in raw) if r is not None]
+            with transaction.atomic():
+                RequestRecord.objects.bulk_create(rows, ignore_conflicts=True)
+            q.drop_raw_records(raw, key)
+            moved += len(rows)
+            if len(raw) < batch:
+                break
     return moved
 
 

@@ -6,6 +6,7 @@ worker receives them, in this process; the last test runs three real agents with
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,7 +24,9 @@ from rest_framework.test import APIClient
 
 from gpuportal.wire import node_acl, node_auth, node_lease, replies
 from gpuportal.wire.control import Call, encode_call
+from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import DeviceInfo
+from gpuportal.wire.requestqueue import RequestQueue, records_key
 from scheduling.models import Event, Node, NodeCredential, Replica
 from scheduling.services import node_credentials, node_gateway
 from scheduling.services.errors import InvalidInput, InvalidState, NotFound
@@ -463,6 +466,7 @@ def test_a_nodes_redis_user_consumes_its_own_queue_alone_and_keeps_its_own_unack
     )
     assert all(key.endswith(".node.gpu-3") for key in node_acl.unacked_keys("gpu-3").values())
     assert not any("inspect" in rule or "pidbox" in rule for rule in key_rules), "no queue another node writes to"
+    assert [rule for rule in key_rules if "gp:records" in rule] == ["~gp:records:node:gpu-3"], "its own records"
 
 
 def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_another_nodes():
@@ -503,6 +507,7 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
         assert user.blpop([f"gp:reply:agent:{node}:1"], timeout=1) is not None
         user.rpush("gp:reply:inspect:1", "an answer to a question")
         user.set("gp:kv:some-replica", "{}")
+        user.rpush(records_key(node), "a record of its own")
         for refused in (
             lambda: node_lease.renew(user, "another-node", 5),
             lambda: user.lpush("node.another-node", "a command"),
@@ -520,6 +525,9 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
             lambda: user.zrange("gp:requests:all", 0, -1),
             lambda: user.zrange("gp:requests:owner:alice", 0, -1),
             lambda: user.zcard("gp:user:alice:in_flight"),
+            # The records of the requests others end (each names its request's id).
+            lambda: user.lrange(records_key(), 0, -1),
+            lambda: user.lrange(records_key("another-node"), 0, -1),
             lambda: user.keys("*"),
             lambda: user.flushall(),
             lambda: user.config_get("*"),
@@ -529,8 +537,84 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
     finally:
         admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
         admin.delete(node_lease.lease_key(node), f"node.{node}", "gp:reply:inspect:1", "gp:kv:some-replica")
-        admin.delete(*own_unacked.values())
+        admin.delete(*own_unacked.values(), records_key(node))
         admin.lrem("agents", 0, "a call")  # not a call: the agents worker would only drop it
+
+
+@pytest.fixture
+def fenced_node():
+    """A node of the test's own holding its lease under epoch 0, and its keys dropped after."""
+    import uuid
+
+    admin = replies.client(settings.REDIS_URL)
+    node = f"rec-{uuid.uuid4().hex[:8]}"
+    node_lease.renew(admin, node, 30, epoch=0)
+    yield node, NodeFence(node, 0)
+    admin.delete(node_lease.lease_key(node), node_lease.epoch_key(node), records_key(node))
+
+
+def ended_by_a_replica(web: RequestQueue, replica_side: RequestQueue, fence: NodeFence) -> str:
+    """A request accepted by the web, taken and answered by a replica of the fenced node."""
+    import uuid
+
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    request = web.submit(deployment, kind="generate", input="hi", params={}, owner="alice")
+    replica = f"r-{uuid.uuid4().hex[:8]}"
+    taken = replica_side.take(deployment, replica, timeout=0, node=fence)
+    assert taken is not None and taken.id == request.id
+    replica_side.finish(request.id, replica, {"text": "hello"}, node=fence)
+    return request.id
+
+
+@pytest.mark.django_db
+def test_a_nodes_replicas_record_what_they_end_in_the_nodes_own_list_which_the_control_plane_drains(
+    fenced_node,
+):
+    from scheduling.models import RequestRecord
+    from scheduling.services import traffic
+
+    node, fence = fenced_node
+    factories.node(node)
+    web = RequestQueue(replies.client(settings.REDIS_URL))
+    traffic.drain()  # what earlier tests left in the shared list
+    request_id = ended_by_a_replica(web, web, fence)
+
+    assert [r["id"] for r in web.records(10, records_key(node))] == [request_id]
+    assert request_id not in [r["id"] for r in web.records(10_000)], "not in the web's list"
+    assert traffic.drain() == 1
+    assert RequestRecord.objects.filter(request_id=request_id).exists()
+    assert web.record_counts([records_key(node)]) == {records_key(node): 0}
+
+
+def test_a_replica_under_an_earlier_releases_node_user_records_in_the_shared_list_and_says_so(fenced_node, caplog):
+    import redis
+
+    node, fence = fenced_node
+    admin = replies.client(settings.REDIS_URL)
+    if redis_version(admin) < node_acl.MIN_REDIS:
+        pytest.skip("the node's rules need Redis 7: REDIS_URL names a Redis 6")
+    # The rules of the release before: the shared records, not the node's own.
+    earlier = [rule.replace(records_key(node), records_key()) for rule in node_acl.rules(node)]
+    admin.execute_command("ACL", "SETUSER", node_acl.user_name(node), *earlier[:2], ">pw", *earlier[2:])
+    try:
+        kwargs = admin.connection_pool.connection_kwargs
+        user = redis.Redis(
+            host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], username=node_acl.user_name(node), password="pw"
+        )
+        web, replica_side = RequestQueue(admin), RequestQueue(user)
+        first = ended_by_a_replica(web, replica_side, fence)
+        second = ended_by_a_replica(web, replica_side, fence)
+
+        shared = [r["id"] for r in web.records(100_000)]
+        assert first in shared and second in shared, "both recorded, where its user may write"
+        assert web.record_counts([records_key(node)]) == {records_key(node): 0}
+        warned = [r.getMessage() for r in caplog.records if "may not write" in r.getMessage()]
+        assert warned == [
+            f"node {node}'s Redis user may not write {records_key(node)}: its requests' records go to gp:records, "
+            f"which every node's user may read; load the user anew (manage.py node_credential acl {node} --apply)"
+        ], "said once, then kept to"
+    finally:
+        admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
 
 
 def test_a_nodes_url_signs_in_as_its_user_on_the_control_planes_server_database_and_options():
@@ -646,6 +730,8 @@ def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_a
         assert agent.poll() is None
         said = (tmp_path / f"agent-{node}.log").read_text()
         assert "NoPermissionError" not in said and "NOPERM" not in said
+        records = [json.loads(raw)["id"] for raw in admin.lrange(records_key(node), 0, -1)]
+        assert records == [answer.json()["id"]], "its record in the node's own list"
     finally:
         admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
-        admin.delete(*node_acl.unacked_keys(node).values())
+        admin.delete(*node_acl.unacked_keys(node).values(), records_key(node))

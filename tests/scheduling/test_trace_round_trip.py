@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from gpuportal.stackenv import read_stack_env
-from gpuportal.wire.requestqueue import RECORDS_KEY
+from gpuportal.wire.requestqueue import RECORDS_KEY, records_key
 from scheduling.simulation.planner import DEFAULT_POLICIES
 from tests.support.processes import wait_until
 from tests.support.up import ROOT, Up, env_without_servers
@@ -39,10 +39,12 @@ def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 
 def recorded_ids(urls: dict[str, str]) -> set[str]:
-    """Ids of the ended requests the stack has recorded: still in Redis, or drained into PostgreSQL."""
+    """Ids of the ended requests the stack has recorded: still in Redis (the web's list, or a
+    node's), or drained into PostgreSQL."""
     client = redis.Redis.from_url(urls["REDIS_URL"])
     try:
-        waiting = {json.loads(raw)["id"] for raw in client.lrange(RECORDS_KEY, 0, -1)}
+        lists = [RECORDS_KEY, *client.scan_iter(f"{records_key('*')}")]
+        waiting = {json.loads(raw)["id"] for key in lists for raw in client.lrange(key, 0, -1)}
     finally:
         client.close()
     with psycopg.connect(urls["DATABASE_URL"], connect_timeout=10) as db:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any, Self
 
@@ -36,10 +37,13 @@ from gpuportal.wire.requestqueue.protocol import (
     last_key,
     now,
     processing_key,
+    records_key,
     request_key,
     stream_bell_key,
     stream_key,
 )
+
+log = logging.getLogger(__name__)
 
 
 class QueueBase:
@@ -54,6 +58,9 @@ class QueueBase:
         self._start = client.register_script(_START)
         self._give_back = client.register_script(_GIVE_BACK)
         self._announce = client.register_script(_ANNOUNCE)
+        # A node's Redis user of an earlier release may write the shared records, not its own
+        # (found at its first end, and then kept to).
+        self._shared_records = False
 
     @classmethod
     def from_url(cls, url: str, **client: Any) -> Self:
@@ -171,7 +178,7 @@ class QueueBase:
             processing_key(replica_id),
             last_key(replica_id),
             finished_key(status),
-            RECORDS_KEY,
+            records_key(None if node is None or self._shared_records else node.node),
             node_epoch_key(node.node) if node is not None else request_key(request_id),
             stream_bell_key(request_id),
         ]
@@ -181,7 +188,21 @@ class QueueBase:
         args = [_epoch(fence), request_id, TTL_S, now(), STREAM_END, replica_id, RECORDS_MAX, *tokens, _epoch(node)]
         args.append(BELL_TTL_S)
         args += [x for kv in values.items() for x in kv]
-        _refusal(self._end_script(keys=keys, args=args), request_id, replica_id, fence, node)
+        try:
+            answer = self._end_script(keys=keys, args=args)
+        except redis.exceptions.NoPermissionError:
+            if node is None or self._shared_records:
+                raise
+            # Its user's rules are an earlier release's: they grant the shared records alone.
+            log.warning(
+                "node %s's Redis user may not write %s: its requests' records go to %s, which every node's "
+                "user may read; load the user anew (manage.py node_credential acl %s --apply)",
+                node.node, keys[7], RECORDS_KEY, node.node,
+            )  # fmt: skip
+            self._shared_records = True
+            keys[7] = RECORDS_KEY
+            answer = self._end_script(keys=keys, args=args)
+        _refusal(answer, request_id, replica_id, fence, node)
 
 
 def _epoch(fence: Fence | NodeFence | None) -> str:

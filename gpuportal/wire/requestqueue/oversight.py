@@ -53,23 +53,28 @@ class Overseeing(QueueBase):
         counts = self.redis.mget([finished_key(status) for status in FINAL])
         return {status: int(count or 0) for status, count in zip(FINAL, counts, strict=True)}
 
-    def records(self, count: int) -> list[dict[str, Any]]:
-        """The oldest `count` records of ended requests (see _END), read."""
-        return [json.loads(raw) for raw in self.raw_records(count)]
+    def record_counts(self, keys: Iterable[str]) -> dict[str, int]:
+        """How many records each list (records_key) holds, in one round trip."""
+        return dict(zip(*self._lengths(str, keys), strict=True))
 
-    def raw_records(self, count: int) -> list[bytes]:
-        """The oldest `count` records of ended requests as stored, left in place: `drop_raw_records`
-        removes them once they are stored, so a drain that dies in between loses none."""
-        return self.redis.lrange(RECORDS_KEY, 0, count - 1)
+    def records(self, count: int, key: str = RECORDS_KEY) -> list[dict[str, Any]]:
+        """The oldest `count` records of ended requests (see _END) in `key` (records_key), read."""
+        return [json.loads(raw) for raw in self.raw_records(count, key)]
 
-    def drop_raw_records(self, raw: list[bytes]) -> None:
+    def raw_records(self, count: int, key: str = RECORDS_KEY) -> list[bytes]:
+        """The oldest `count` records of ended requests in `key` as stored, left in place:
+        `drop_raw_records` removes them once they are stored, so a drain that dies in between
+        loses none."""
+        return self.redis.lrange(key, 0, count - 1)
+
+    def drop_raw_records(self, raw: list[bytes], key: str = RECORDS_KEY) -> None:
         """Exactly these records, wherever they are now. Not by count from the head: a drain
         running beside this one, or the cap's trim in _END, may have moved the head since they
         were read, and a trim by count would then drop records nobody stored. Each record holds
         its request's id, so no two are alike."""
         pipe = self.redis.pipeline(transaction=False)
         for item in raw:
-            pipe.lrem(RECORDS_KEY, 1, item)
+            pipe.lrem(key, 1, item)
         pipe.execute()
 
     def _lengths(self, key: Callable[[str], str], names: Iterable[str]) -> tuple[list[str], list[int]]:

@@ -84,8 +84,19 @@ def finished_key(status: str) -> str:
     return f"gp:finished:{status}"
 
 
-# Every ended request's record (see _END), oldest first, until the control plane drains them.
+# Every ended request's record (see _END), oldest first, until the control plane drains them:
+# here those the web ends, and those a node's replicas end in the node's own list (records_key),
+# so that a node's Redis user reads no other node's (each holds its request's id, which opens
+# the request's key: gpuportal.wire.node_acl).
 RECORDS_KEY = "gp:records"
+
+
+def records_key(node: str | None = None) -> str:
+    """Where the records of the requests `node`'s replicas end go (None: the web's, and those of
+    a replica fenced by no node)."""
+    return f"{RECORDS_KEY}:node:{node}" if node else RECORDS_KEY
+
+
 # A week of 10 requests a second drained every minute needs far fewer; only a control plane that
 # stopped draining reaches it, and then the oldest records go first.
 RECORDS_MAX = 1_000_000
