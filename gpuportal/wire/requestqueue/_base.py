@@ -193,15 +193,16 @@ class QueueBase:
         except redis.exceptions.NoPermissionError:
             if node is None or self._shared_records:
                 raise
-            # Its user's rules are an earlier release's: they grant the shared records alone.
+            # Perhaps its user's rules are an earlier release's, which grant the shared records
+            # alone (Redis does not say which key it refused): tried there once.
+            own, keys[7] = keys[7], RECORDS_KEY
+            answer = self._end_script(keys=keys, args=args)
+            self._shared_records = True
             log.warning(
                 "node %s's Redis user may not write %s: its requests' records go to %s, which every node's "
                 "user may read; load the user anew (manage.py node_credential acl %s --apply)",
-                node.node, keys[7], RECORDS_KEY, node.node,
+                node.node, own, RECORDS_KEY, node.node,
             )  # fmt: skip
-            self._shared_records = True
-            keys[7] = RECORDS_KEY
-            answer = self._end_script(keys=keys, args=args)
         _refusal(answer, request_id, replica_id, fence, node)
 
 
