@@ -170,6 +170,7 @@ class QueueBase:
         node: NodeFence | None = None,
     ) -> None:
         values = {"status": status, "finished_at": now(), **fields}
+        records = records_key(None if node is None or self._shared_records else node.node)
         keys = [
             epoch_key(fence.name) if fence is not None else request_key(request_id),
             request_key(request_id),
@@ -178,7 +179,7 @@ class QueueBase:
             processing_key(replica_id),
             last_key(replica_id),
             finished_key(status),
-            records_key(None if node is None or self._shared_records else node.node),
+            records,
             node_epoch_key(node.node) if node is not None else request_key(request_id),
             stream_bell_key(request_id),
         ]
@@ -195,13 +196,13 @@ class QueueBase:
                 raise
             # Perhaps its user's rules are an earlier release's, which grant the shared records
             # alone (Redis does not say which key it refused): tried there once.
-            own, keys[7] = keys[7], RECORDS_KEY
+            keys[keys.index(records)] = RECORDS_KEY
             answer = self._end_script(keys=keys, args=args)
             self._shared_records = True
             log.warning(
                 "node %s's Redis user may not write %s: its requests' records go to %s, which every node's "
                 "user may read; load the user anew (manage.py node_credential acl %s --apply)",
-                node.node, own, RECORDS_KEY, node.node,
+                node.node, records, RECORDS_KEY, node.node,
             )  # fmt: skip
         _refusal(answer, request_id, replica_id, fence, node)
 
