@@ -18,13 +18,14 @@ from django_celery_beat.models import PeriodicTask
 from gpuportal.wire import node_acl, node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
+from gpuportal.wire.requestqueue import records_key
 from gpuportal.wire.states import ASLEEP, ENDED
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import adoption, effects, liveness
 from scheduling.core import books as tolerance
 from scheduling.models import ACTIVE_INTENT_STATUSES, Event, Node, Occupant, PreemptionIntent, Replica
 from scheduling.services import books as book_checks
-from scheduling.services import lost_commands, outbox
+from scheduling.services import lost_commands, outbox, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState, TransitionRefused
 
@@ -559,4 +560,11 @@ def remove(name: str, *, by: str) -> int:
             node=name,
         )
         node.delete()
+        # The drain reads the lists of the nodes in the books: what its replicas ended last goes to
+        # the web's list, or it would never be stored.
+        outbox.want(
+            effects.AfterCommit(
+                f"keep node {name}'s request records", lambda: queueing.queue().hand_over_records(records_key(name))
+            )
+        )
     return len(gpus)

@@ -47,6 +47,36 @@ def test_an_offline_node_is_removed_with_its_gpus_and_its_replicas_keep_their_hi
     assert api("delete", "/api/nodes/node1/").status_code == 404
 
 
+def test_the_records_a_removed_nodes_replicas_left_in_redis_are_still_stored(cluster, api, dispatched, tiny_model_dir):
+    from gpuportal.wire import node_lease
+    from gpuportal.wire.node_lease import NodeFence
+    from gpuportal.wire.requestqueue import records_key
+    from scheduling.models import RequestRecord
+    from scheduling.services import queueing, traffic
+
+    queue = queueing.queue()
+    traffic.drain()  # what earlier tests left
+    # A request its replica answered just before the node stopped: recorded in the node's list.
+    had_epoch = queue.redis.exists(node_lease.epoch_key("node1"))
+    fence = NodeFence("node1", node_lease.current_epoch(queue.redis, "node1"))
+    node_lease.renew(queue.redis, "node1", 30, epoch=fence.epoch)
+    try:
+        request = queue.submit("tiny-a", kind="generate", input="hi", params={}, owner="1")
+        assert queue.take("tiny-a", "a-replica", timeout=0, node=fence) is not None
+        queue.finish(request.id, "a-replica", {"text": "hello"}, node=fence)
+    finally:
+        # No lease of node1 outlives the test, to be read by a later one's sweep.
+        queue.redis.delete(node_lease.lease_key("node1"), *([] if had_epoch else [node_lease.epoch_key("node1")]))
+    retired(api, tiny_model_dir)
+    assert [r["id"] for r in queue.records(10, records_key("node1"))] == [request.id]
+
+    assert api("delete", "/api/nodes/node1/").status_code == 204
+
+    assert queue.record_counts([records_key("node1")]) == {records_key("node1"): 0}
+    assert traffic.drain() == 1
+    assert RequestRecord.objects.filter(request_id=request.id).exists()
+
+
 @pytest.mark.parametrize("status", ["online", "draining"])
 def test_a_node_whose_agent_may_still_beat_is_not_removed(cluster, api, status):
     Node.objects.filter(name="node1").update(status=status)

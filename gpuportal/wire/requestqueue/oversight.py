@@ -57,6 +57,14 @@ class Overseeing(QueueBase):
         """How many records each list (records_key) holds, in one round trip."""
         return dict(zip(*self._lengths(str, keys), strict=True))
 
+    def hand_over_records(self, key: str) -> int:
+        """Move the records in `key` (a node's list) onto the end of the web's, oldest first, for
+        the drain to find once the node is no longer in the books: how many."""
+        moved = 0
+        while self.redis.lmove(key, RECORDS_KEY, "LEFT", "RIGHT") is not None:
+            moved += 1
+        return moved
+
     def records(self, count: int, key: str = RECORDS_KEY) -> list[dict[str, Any]]:
         """The oldest `count` records of ended requests (see _END) in `key` (records_key), read."""
         return [json.loads(raw) for raw in self.raw_records(count, key)]
