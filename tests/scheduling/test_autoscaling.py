@@ -20,7 +20,7 @@ from scheduling.models import Deployment, Event, Replica
 from scheduling.services import autoscaling, queueing, scaling
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
-from tests.support.deployments import invariant_holds
+from tests.support.deployments import body, invariant_holds
 
 POLICY = Policy(min_replicas=1, max_replicas=4, target_in_flight=2, down_after_s=60)
 T0 = 1_000_000.0
@@ -279,20 +279,20 @@ def test_the_sweep_is_scheduled_every_5_s_on_the_control_queue_and_runs_as_a_tas
 # -- the settings, through the API -------------------------------------------------------------
 
 
-def body(name: str, source: str, **autoscale: object) -> dict:
-    return {"name": name, "model": {"source": str(source)}, "memory": {"max_tokens": 64}, "autoscale": autoscale}
-
-
 def test_a_deploy_or_patch_whose_bounds_cross_is_a_400_naming_the_setting_and_applies_nothing(
     cluster, api, tiny_model_dir
 ):
-    response = api("post", "/api/deployments/", body("crossed", tiny_model_dir, max_replicas=2, min_replicas=3))
+    response = api(
+        "post", "/api/deployments/", body("crossed", tiny_model_dir, autoscale={"max_replicas": 2, "min_replicas": 3})
+    )
     assert response.status_code == 400, response.json()
     assert response.json()["autoscale.min_replicas"] == ["must be at most autoscale.max_replicas (2), got 3"]
     assert not Deployment.objects.filter(name="crossed").exists()
 
     assert (
-        api("post", "/api/deployments/", body("auto", tiny_model_dir, max_replicas=4, min_replicas=2)).status_code
+        api(
+            "post", "/api/deployments/", body("auto", tiny_model_dir, autoscale={"max_replicas": 4, "min_replicas": 2})
+        ).status_code
         == 201
     )
     before = Deployment.objects.values().get(name="auto")
