@@ -59,18 +59,16 @@ def sweep(now: float | None = None) -> dict[str, int]:
     except redis.RedisError as err:
         log.warning("autoscaler: cannot read the requests in flight (%s): no change this sweep", err)
         return {}
-    client = queueing.queue().redis
+    policies = {d.name: policy_of(d) for d in deployments}
+    try:
+        recent = _remember(queueing.queue().redis, now, in_flight, policies)
+    except redis.RedisError as err:
+        log.warning("autoscaler: cannot keep what the deployments wanted (%s): no change this sweep", err)
+        return {}
     changed: dict[str, int] = {}
     for deployment in deployments:
-        policy = policy_of(deployment)
-        try:
-            recent = _remember(
-                client, deployment.name, now, autoscale.wanted(in_flight[deployment.name], policy), policy
-            )
-        except redis.RedisError as err:
-            log.warning("autoscaler: cannot keep what %s wanted (%s): no change this sweep", deployment.name, err)
-            continue
-        decision = autoscale.decide(deployment.replicas_wanted, in_flight[deployment.name], recent, now, policy)
+        policy, load = policies[deployment.name], in_flight[deployment.name]
+        decision = autoscale.decide(deployment.replicas_wanted, load, recent[deployment.name], now, policy)
         if decision is None:
             continue
         try:
@@ -99,18 +97,23 @@ def _in_flight(names: list[str]) -> dict[str, int]:
 
 
 def _remember(
-    client: redis.Redis, name: str, now: float, wanted: int, policy: autoscale.Policy
-) -> list[tuple[float, int]]:
-    """Keep what this sweep wanted, drop what is too old to matter, and read what earlier sweeps
-    wanted, in one round trip."""
-    key, kept_s = history_key(name), policy.down_after_s + _KEPT_PAST_WINDOW_S
+    client: redis.Redis, now: float, in_flight: dict[str, int], policies: dict[str, autoscale.Policy]
+) -> dict[str, list[tuple[float, int]]]:
+    """For each deployment: keep what this sweep wanted, drop what is too old to matter, and read
+    what earlier sweeps wanted; one round trip for them all."""
     with client.pipeline(transaction=True) as pipe:
-        pipe.zrangebyscore(key, now - kept_s, "+inf", withscores=True)
-        pipe.zadd(key, {f"{now:.6f}:{wanted}": now})
-        pipe.zremrangebyscore(key, "-inf", f"({now - kept_s}")
-        pipe.expire(key, int(kept_s) + 1)
-        earlier = pipe.execute()[0]
-    return [(when, int(member.decode().rpartition(":")[2])) for member, when in earlier]
+        for name, policy in policies.items():
+            key, kept_s = history_key(name), policy.down_after_s + _KEPT_PAST_WINDOW_S
+            pipe.zrangebyscore(key, now - kept_s, "+inf", withscores=True)
+            pipe.zadd(key, {f"{now:.6f}:{autoscale.wanted(in_flight[name], policy)}": now})
+            pipe.zremrangebyscore(key, "-inf", f"({now - kept_s}")
+            pipe.expire(key, int(kept_s) + 1)
+        replies = pipe.execute()
+    # Four replies per deployment, the first of them the earlier sweeps' figures.
+    return {
+        name: [(when, int(member.decode().rpartition(":")[2])) for member, when in replies[4 * i]]
+        for i, name in enumerate(policies)
+    }
 
 
 def _scale(deployment: Deployment, decision: autoscale.Decision) -> int:
