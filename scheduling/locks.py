@@ -203,6 +203,26 @@ def host_cache_balance(node_id: int) -> Iterator[None]:
             cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [HOST_CACHE_LOCK, node_id])
 
 
+# The first key of the node users' advisory locks, the second the hash of the node's name (a
+# node's user may be made before the node registers, so there may be no row to take an id from).
+NODE_USER_LOCK = 20
+
+
+@contextlib.contextmanager
+def node_user(name: str) -> Iterator[None]:
+    """One change at a time to node `name`'s Redis user (scheduling.services.node_users): a sweep
+    reads the books and then sets the user's keys anew, and a grant made between the two would be
+    dropped. Session-level and outside the row lock order, as host_cache_balance is: whoever takes
+    it holds no row, and takes none while holding it other than by plain reads."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [NODE_USER_LOCK, name])
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", [NODE_USER_LOCK, name])
+
+
 def lock_gpus(ids: Iterable[int]) -> list[GPU]:
     """These GPUs' rows (with their node), in primary-key order."""
     return list(

@@ -12,6 +12,7 @@ from scheduling.services import (
     deployments,
     host_cache,
     node_gateway,
+    node_users,
     nodes,
     preemption,
     sleep,
@@ -45,6 +46,13 @@ def sleep_idle() -> list[str]:
 def autoscale() -> dict[str, int]:
     """Each autoscaled deployment to the replicas its requests in flight want: those changed."""
     return autoscaling.sweep()
+
+
+@shared_task(name="scheduling.tasks.keep_node_users", ignore_result=True)
+def keep_node_users() -> dict[str, list[str]]:
+    """Each node's Redis user the control plane keeps to the deployments placed on its node: by
+    node, the deployments whose queues it no longer reaches."""
+    return node_users.sweep()
 
 
 @shared_task(name="scheduling.tasks.deepen_sleepers", ignore_result=True)

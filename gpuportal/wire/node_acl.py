@@ -14,12 +14,15 @@ replicas serve the request queues. What the rules cannot tell apart, since the k
   `unacked`: the control plane's workers put what is there back on the queue it names, any queue.
 - The answers a node pushes (`gp:reply:*`): it may write to any asker's list, so a hostile node
   could answer a question put to another.
-- The request queues: every replica of a deployment, on whichever node, takes from the same
-  queue and writes the same request keys, so a node may read and answer any deployment's
-  requests whose ids it finds in a deployment's queue (named by the deployment). Only the
-  control plane's placement says which deployments a node serves. The indexes of the requests
-  by owner and the records of those the web ends, which hold their ids, are the web's alone, and
-  each node's replicas write the records of theirs to a list of the node's own.
+- The request keys: every replica of a deployment, on whichever node, writes the same request
+  keys, so a node may read and answer any request whose id it learns. It learns ids only from
+  the keys a deployment's name opens (its queue, its live claims: served_keys), and those a
+  node's user reaches only for the deployments placed on it, when the control plane keeps its
+  user (scheduling.services.node_users: granted before a replica's start is sent, swept back to
+  the books). The indexes of the requests by owner and the records of those the web ends, which
+  hold their ids, are the web's alone, and each node's replicas write the records of theirs to a
+  list of the node's own. What a replica's or a failover pair's id names (its processing list,
+  its fence) is reached by any node's user, but those ids are random and held by the keys above.
 
 The rules are the confinement of an honest node's mistakes and a hostile node's reach into the
 control plane's own keys (other nodes' queues and leases, the admission and idempotency keys, the
@@ -28,13 +31,14 @@ believes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.control import AGENT_QUEUE
 from gpuportal.wire.node_auth import node_name_problem
 from gpuportal.wire.node_lease import epoch_key, lease_key
-from gpuportal.wire.requestqueue.protocol import records_key
+from gpuportal.wire.requestqueue.protocol import deleted_key, live_key, queue_key, records_key
 
 # What follows a queue's name in kombu's keys for its priorities (a separator that is no node
 # name's character, then the priority): the queue's own keys, not a longer-named queue's. The
@@ -42,17 +46,15 @@ from gpuportal.wire.requestqueue.protocol import records_key
 # unclosed and the priorities' keys refused.
 _QUEUE_SUFFIX = "[^-A-Za-z0-9_]*"
 # The keys a replica process reads and writes as it serves (gpuportal.wire.requestqueue,
-# gpuportal.wire.kvstats), shared by every replica of a deployment.
+# gpuportal.wire.kvstats), shared by every replica of a deployment: those named by a request's,
+# a replica's or a pair's random id, and the portal's counts.
 REPLICA_KEYS = (
-    "gp:queue:*",
     "gp:proc:*",
     "gp:req:*",
     "gp:done:*",
     "gp:stream:*",
     "gp:last:*",
     "gp:finished:*",
-    "gp:live:*",
-    "gp:deleted:*",
     "gp:epoch:*",
     "gp:off:*",
     "gp:kv:*",
@@ -68,6 +70,19 @@ COMMANDS = ("+@all", "-@admin", "-@dangerous", "-scan", "-swapdb", "-move")
 # Read-only and write-only key patterns (%R~, %W~) came with Redis 7: an older server refuses the
 # rules whole (docs/operating.md says so).
 MIN_REDIS = (7, 0)
+
+
+def served_keys(deployment: str) -> tuple[str, ...]:
+    """The key patterns a deployment's name opens, which its replicas read and write as they serve:
+    its queue (every waiting request's id), its live claims and its deleted mark. "*": every
+    deployment's. Deployment names are slugs, so no name is a pattern of its own."""
+    return queue_key(deployment), live_key(deployment, "*"), deleted_key(deployment)
+
+
+# A user that reaches every deployment's keys: one loaded by hand from `setuser_line`, which
+# nothing keeps in step with placement. A user the control plane keeps reaches those of the
+# deployments it names alone (scheduling.services.node_users).
+EVERY_DEPLOYMENT = "*"
 
 
 def user_name(node: str) -> str:
@@ -86,8 +101,15 @@ def unacked_keys(node: str) -> dict[str, str]:
     }
 
 
-def rules(node: str) -> list[str]:
-    """The ACL rules of node `node`'s user, less its password, one rule per item."""
+def rules(node: str, serves: Iterable[str] = (EVERY_DEPLOYMENT,)) -> list[str]:
+    """The ACL rules of node `node`'s user, less its password, one rule per item, reaching the keys
+    of the deployments `serves` names (every deployment's by default)."""
+    return ["reset", "on", *key_rules(node, serves), "&*", *COMMANDS]
+
+
+def key_rules(node: str, serves: Iterable[str] = (EVERY_DEPLOYMENT,)) -> list[str]:
+    """The key patterns of node `node`'s user (`~` rules, `%R~`/`%W~` for one way), those of the
+    deployments it serves last, in the order of `serves`."""
     if (problem := node_name_problem(node)) is not None:
         raise ValueError(problem)
     own = node_queue(node)
@@ -120,14 +142,21 @@ def rules(node: str) -> list[str]:
         # holds its request's id, which opens the request's key).
         f"~{records_key(node)}",
     ]
-    return ["reset", "on", *keys, "&*", *COMMANDS]
+    return keys + [f"~{pattern}" for deployment in serves for pattern in served_keys(deployment)]
 
 
-def setuser_line(node: str, password: str) -> str:
+def reaches_every_deployment(key_patterns: Iterable[str]) -> bool:
+    """Whether a user with these key patterns (as ACL GETUSER lists them) reaches every
+    deployment's queue: one loaded from the line for every node, not one the control plane keeps."""
+    return f"~{queue_key(EVERY_DEPLOYMENT)}" in key_patterns
+
+
+def setuser_line(node: str, password: str, serves: Iterable[str] = (EVERY_DEPLOYMENT,)) -> str:
     """The `ACL SETUSER` command for redis-cli, with the user's password."""
     if not password or any(c.isspace() for c in password):
         raise ValueError("the password must be a non-empty word")
-    return " ".join(["ACL", "SETUSER", user_name(node), *rules(node)[:2], f">{password}", *rules(node)[2:]])
+    reset, on, *rest = rules(node, serves)
+    return " ".join(["ACL", "SETUSER", user_name(node), reset, on, f">{password}", *rest])
 
 
 def node_url(control_url: str, node: str, password: str) -> str:

@@ -23,7 +23,7 @@ from gpuportal.wire.pulls import PULL_TASK, PullModel
 from gpuportal.wire.replica_logs import LOG_TASK, ReadLog
 from scheduling.core.effects import Order, ToControl, ToNode
 from scheduling.models import Node
-from scheduling.services import replica_specs
+from scheduling.services import node_users, replica_specs
 from scheduling.services.errors import InvalidState, Unavailable
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,20 @@ def send(order: ToNode) -> None:
         if command is None:
             log.info("no command for node %s: its replica is no longer waiting for it", order.node)
             return
+        if isinstance(command, commands.StartReplica) and command.spec.deployment:
+            # Before the start: its process takes from the deployment's queue as soon as it loads.
+            try:
+                node_users.grant(order.node, command.spec.deployment)
+            except redis.RedisError as err:
+                log.warning(
+                    "node %s's Redis user could not be given deployment %s's queue (%s): replica %s's start "
+                    "is not sent, and its node's heartbeat finds it lost",
+                    order.node,
+                    command.spec.deployment,
+                    err,
+                    command.replica_id,
+                )
+                return
         app.send_task(commands.TASKS[command.kind], args=[commands.encode(command)], queue=node_queue(order.node))
 
     transaction.on_commit(send_now)

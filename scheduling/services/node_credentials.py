@@ -19,11 +19,11 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire import node_acl, node_auth, replies
+from gpuportal.wire import node_acl, node_auth
 from scheduling import locks
 from scheduling.core.effects import AfterCommit
 from scheduling.models import Event, NodeCredential, Replica
-from scheduling.services import nodes, outbox
+from scheduling.services import node_users, nodes, outbox
 from scheduling.services.errors import InvalidInput, InvalidState, NotFound, Unavailable
 
 # last_used_at is written at most this often: every call of every node carries the token.
@@ -112,17 +112,17 @@ def revoke(name: str, by: str, reason: str = "") -> NodeCredential:
 
 def make_redis_user(name: str, password: str, by: str) -> str:
     """Node `name`'s own Redis user (gpuportal.wire.node_acl), made or remade with these rules and
-    password through the control plane's own connection, as revoking deletes it; the REDIS_URL
-    its agent is to be given. InvalidState when Redis refuses (the rules need Redis 7 or Valkey;
-    making users needs @admin), naming how to do it by hand."""
+    password through the control plane's own connection, as revoking deletes it, and kept by the
+    control plane from then on: it reaches the queues of the deployments placed on the node alone
+    (scheduling.services.node_users). The REDIS_URL its agent is to be given. InvalidState when
+    Redis refuses (the rules need Redis 7 or Valkey; making users needs @admin), naming how to do
+    it by hand."""
     check_name(name)
-    try:
-        line = node_acl.setuser_line(name, password)
-    except ValueError as err:
-        raise InvalidInput("password", str(err)) from None
     by_hand = f"an administrator of Redis runs the line `manage.py node_credential acl {name}` prints"
     try:
-        replies.client(settings.REDIS_URL).execute_command(*line.split())
+        reaches = node_users.make(name, password)
+    except ValueError as err:
+        raise InvalidInput("password", str(err)) from None
     except redis.exceptions.NoPermissionError as err:
         raise InvalidState(f"the control plane's Redis user may not make users ({err}): {by_hand}") from None
     except redis.ResponseError as err:
@@ -137,7 +137,8 @@ def make_redis_user(name: str, password: str, by: str) -> str:
             Event.Kind.NODE_CREDENTIAL,
             f"node {name}",
             f"its own Redis user {node_acl.user_name(name)} made by {by} (its previous password, if it had "
-            "one, no longer signs in)",
+            "one, no longer signs in), reaching the queues of the deployments placed on it alone",
+            after={"deployments": reaches},
             node=name,
         )
     return node_acl.node_url(settings.REDIS_URL, name, password)

@@ -28,7 +28,7 @@ from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import DeviceInfo
 from gpuportal.wire.requestqueue import RequestQueue, records_key
 from scheduling.models import Event, Node, NodeCredential, Replica
-from scheduling.services import node_credentials, node_gateway
+from scheduling.services import node_credentials, node_gateway, node_users
 from scheduling.services.errors import InvalidInput, InvalidState, NotFound
 from tests.support import factories
 from tests.support.processes import wait_until
@@ -652,7 +652,8 @@ def test_the_command_makes_the_nodes_redis_user_and_prints_the_url_its_agent_sig
             first.lpush("control", "a task")
         made = Event.objects.get(kind=Event.Kind.NODE_CREDENTIAL, node=node)
         assert made.reason == (
-            "its own Redis user node-acl-made made by ops (its previous password, if it had one, no longer signs in)"
+            "its own Redis user node-acl-made made by ops (its previous password, if it had one, no longer signs in), "
+            "reaching the queues of the deployments placed on it alone"
         )
 
         # Made again (a node issued its credential anew): the new password alone signs in.
@@ -664,7 +665,7 @@ def test_the_command_makes_the_nodes_redis_user_and_prints_the_url_its_agent_sig
             redis.Redis.from_url(url).ping()
     finally:
         admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
-        admin.delete(node_lease.lease_key(node))
+        admin.delete(node_lease.lease_key(node), node_users.until_key(node))
 
 
 def test_making_a_nodes_redis_user_is_refused_naming_why_and_makes_nothing(required, settings):
@@ -695,11 +696,12 @@ def test_making_a_nodes_redis_user_is_refused_naming_why_and_makes_nothing(requi
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_and_serve(tmp_path, start_agent, staff):
-    """The rules as `node_credential acl` prints them, loaded, and an agent given that user alone
-    (its replica inherits it): what they do in Redis (the agent's calls and their answers, its
-    lease, its queue, its worker's unacknowledged messages, the replica's request queue) is all
-    the rules let them do. A Redis 6 refuses the rules whole (the test above): the embedded
-    server (Valkey 9) and a Redis 7 take them."""
+    """The node's user as `node_credential acl NAME --apply` makes it (kept by the control plane:
+    it reaches no deployment's queue until one is placed on the node), and an agent given that
+    user alone (its replica inherits it): what they do in Redis (the agent's calls and their
+    answers, its lease, its queue, its worker's unacknowledged messages, the replica's request
+    queue, granted before its start) is all the rules let them do. A Redis 6 refuses the rules
+    whole (the test above): the embedded server (Valkey 9) and a Redis 7 take them."""
     import redis
 
     from inference.management.commands.make_tiny_model import write_tiny_model
@@ -710,9 +712,7 @@ def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_a
     if version < node_acl.MIN_REDIS:
         pytest.skip("the node's rules need Redis 7: REDIS_URL names a Redis 6")
     node, password = "acl-agent", "pw-of-acl-agent"
-    admin.execute_command(*node_acl.setuser_line(node, password).split())
-    server = admin.connection_pool.connection_kwargs
-    own_url = f"redis://{node_acl.user_name(node)}:{password}@{server['host']}:{server['port']}/{server['db']}"
+    own_url = node_credentials.make_redis_user(node, password, by="test")
     try:
         agent = start_agent(node, "1x4GiB", REDIS_URL=own_url)
         beat = Node.objects.get(name=node).last_heartbeat
@@ -734,4 +734,4 @@ def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_a
         assert records == [answer.json()["id"]], "its record in the node's own list"
     finally:
         admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
-        admin.delete(*node_acl.unacked_keys(node).values(), records_key(node))
+        admin.delete(*node_acl.unacked_keys(node).values(), records_key(node), node_users.until_key(node))

@@ -46,7 +46,8 @@ class Command(BaseCommand):
             "--apply",
             action="store_true",
             help="Make (or remake) the user through the control plane's REDIS_URL, whose user needs @admin, "
-            "and print only the node's REDIS_URL.",
+            "and print only the node's REDIS_URL. The control plane keeps such a user: it reaches the queues "
+            "of the deployments placed on the node alone (the printed line reaches every deployment's).",
         )
         acl.add_argument("--by", default="manage.py node_credential", help="Who makes it, for the Event (--apply).")
 
