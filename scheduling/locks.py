@@ -182,25 +182,31 @@ def lock_silent_nodes(nodes: QuerySet[Node]) -> list[Node]:
     return list(nodes.select_for_update(skip_locked=True).order_by("pk"))
 
 
+@contextlib.contextmanager
+def _session_lock(keys: str, params: list) -> Iterator[None]:
+    """A session-level advisory lock on `keys` (SQL of PostgreSQL's two-key form), held until the
+    block ends, whatever transactions it runs."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT pg_advisory_lock({keys})", params)
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT pg_advisory_unlock({keys})", params)
+
+
 # The first key of the host cache's advisory locks (PostgreSQL's two-key form, the second the
 # node's id): a number of its own, so no other advisory lock of the project's can share one.
 HOST_CACHE_LOCK = 19
 
 
-@contextlib.contextmanager
-def host_cache_balance(node_id: int) -> Iterator[None]:
+def host_cache_balance(node_id: int) -> contextlib.AbstractContextManager[None]:
     """One balance of the node's host cache at a time (trim, then grant: each decision reads the
     node's whole cache and applies in transactions of its own, so two at once could each lend the
     same spare room). A session-level advisory lock, held across those transactions, outside the
     row lock order: only a balance takes it, and takes it before any row, so no writer that holds a
     row ever waits for it and no circle can close through it."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(%s, %s)", [HOST_CACHE_LOCK, node_id])
-    try:
-        yield
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [HOST_CACHE_LOCK, node_id])
+    return _session_lock("%s, %s", [HOST_CACHE_LOCK, node_id])
 
 
 # The first key of the node users' advisory locks, the second the hash of the node's name (a
@@ -208,19 +214,12 @@ def host_cache_balance(node_id: int) -> Iterator[None]:
 NODE_USER_LOCK = 20
 
 
-@contextlib.contextmanager
-def node_user(name: str) -> Iterator[None]:
+def node_user(name: str) -> contextlib.AbstractContextManager[None]:
     """One change at a time to node `name`'s Redis user (scheduling.services.node_users): a sweep
     reads the books and then sets the user's keys anew, and a grant made between the two would be
     dropped. Session-level and outside the row lock order, as host_cache_balance is: whoever takes
     it holds no row, and takes none while holding it other than by plain reads."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [NODE_USER_LOCK, name])
-    try:
-        yield
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", [NODE_USER_LOCK, name])
+    return _session_lock("%s, hashtext(%s)", [NODE_USER_LOCK, name])
 
 
 def lock_gpus(ids: Iterable[int]) -> list[GPU]:

@@ -163,14 +163,15 @@ def test_the_sweep_drops_a_deployment_whose_last_replica_left_a_drain_and_a_minu
 
     assert not reaches(user, gone)
     assert reaches(user, staying) and reaches(user, serving)
-    said = Event.objects.get(kind=Event.Kind.NODE_CREDENTIAL, node=node, reason__startswith="its Redis user no longer")
+    said = Event.objects.get(kind=Event.Kind.NODE_CREDENTIAL, node=node, reason__startswith="its Redis user no")
     assert said.reason == (
         f"its Redis user no longer reaches the queue of {gone}: no replica of it has been on the node "
         "for its drain and a minute"
     )
     assert said.after == {"deployments": sorted([staying, serving])}
     assert node_users.sweep([node]) == {}, "a second sweep finds nothing to drop"
-    assert Event.objects.filter(kind=Event.Kind.NODE_CREDENTIAL, reason__startswith="its Redis user no longer").count() == 1
+    dropping = Event.objects.filter(kind=Event.Kind.NODE_CREDENTIAL, reason__startswith="its Redis user no longer")
+    assert dropping.count() == 1
 
     # A deployment deleted while its replica drains: its rows are forgotten at once, and its grant
     # lasts for the drain and a minute past the last sweep that saw it (30 s and 60 s after `now`).
