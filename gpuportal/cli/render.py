@@ -103,14 +103,22 @@ def replica_line(replica: dict[str, Any]) -> Text:
 
 
 def autoscale_text(deployment: dict[str, Any]) -> str:
-    """E.g. "autoscaled between 1 and 4 replicas, 4 requests in flight each; fewer after 300 s"."""
+    """E.g. "autoscaled between 1 and 4 replicas, 4 requests in flight each; fewer after 300 s",
+    then what the autoscaler last measured: "last measured 2 s ago: 9 request(s) in flight, wanting
+    3 replica(s); 2 set"."""
     auto = deployment.get("autoscale") or {}
     if not auto.get("max_replicas"):
         return f"not autoscaled: {deployment.get('replicas_wanted', '?')} replica(s) kept as set"
-    return (
+    text = (
         f"autoscaled between {auto['min_replicas']} and {auto['max_replicas']} replicas, "
         f"{auto['target_in_flight']:g} requests in flight each; fewer after {auto['down_after_s']:g} s"
     )
+    if load := auto.get("load"):
+        text += (
+            f"\nlast measured {ago(load['age_s'])}: {load['in_flight']} request(s) in flight, wanting "
+            f"{load['wanted']} replica(s); {deployment.get('replicas_wanted', '?')} set"
+        )
+    return text
 
 
 def deployments_table(deployments: list[dict[str, Any]]) -> Table:

@@ -77,7 +77,7 @@ DEPLOYMENT_SHOWN = {
     "restart": shown_group("restart"),
     "failover": shown_group("failover"),
     "placement": shown_group("placement"),
-    "autoscale": shown_group("autoscale"),
+    "autoscale": shown_group("autoscale", load=None),
     "created_at": AT,
     "updated_at": AT,
 }

@@ -4,6 +4,7 @@ The serializers expect querysets from `scheduling.selectors` (related rows alrea
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.utils import timezone
@@ -25,7 +26,7 @@ from scheduling.models import (
     PreemptionIntent,
     Replica,
 )
-from scheduling.services import host_cache
+from scheduling.services import autoscaling, host_cache
 
 
 class NodeCredentialSerializer(serializers.ModelSerializer):
@@ -218,9 +219,42 @@ class ReplicaSerializer(serializers.ModelSerializer):
 NOT_SHOWN = {"memory_policy"}
 
 
+class AutoscaleLoadSerializer(serializers.Serializer):
+    in_flight = serializers.IntegerField(help_text="Its requests waiting in its queue or taken and not ended.")
+    wanted = serializers.IntegerField(help_text="The replicas they want, within min_replicas and max_replicas.")
+    age_s = serializers.FloatField(help_text="Seconds since the autoscaler measured it.")
+
+
+@extend_schema_field(AutoscaleLoadSerializer(allow_null=True))
+class AutoscaleLoadField(serializers.Field):
+    """An autoscaled deployment's load as the autoscaler's last sweep measured it (null: not
+    autoscaled, or not measured yet). The sweep's figures for every deployment are read once per
+    answer, however many deployments it shows."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(source="*", read_only=True, **kwargs)
+
+    def to_representation(self, deployment: Deployment) -> dict[str, float] | None:
+        if not deployment.autoscale_max_replicas:
+            return None
+        if (loads := self.context.get("_autoscale_loads")) is None:
+            loads = self.context["_autoscale_loads"] = autoscaling.last_loads()
+        if (load := loads.get(deployment.name)) is None:
+            return None
+        age_s = max(0.0, round(time.time() - load.at, 1))
+        return {"in_flight": load.in_flight, "wanted": load.wanted, "age_s": age_s}
+
+
 def _shown_beside(group: str) -> dict[str, serializers.Field]:
     """What a group shows after its settings. Made when called: DRF orders declared fields by
     when each was made."""
+    if group == "autoscale":
+        return {
+            "load": AutoscaleLoadField(
+                allow_null=True,
+                help_text="Its load as the autoscaler last measured it; null when not autoscaled or not measured yet.",
+            )
+        }
     if group != "memory":
         return {}
     return {

@@ -10,8 +10,10 @@ not forget a burst a minute old.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import asdict, dataclass
 
 import redis
 from django.db.models import F
@@ -31,6 +33,31 @@ _KEPT_PAST_WINDOW_S = 60.0
 
 def history_key(deployment: str) -> str:
     return f"gp:autoscale:{deployment}"
+
+
+# What the last sweep measured of each deployment it scaled (a hash by name, of Load as JSON):
+# what the API shows as a deployment's `autoscale.load`. Written whole by each sweep.
+LAST_KEY = "gp:autoscale:last"
+
+
+@dataclass(frozen=True)
+class Load:
+    """A deployment's load as a sweep measured it: its requests in flight, the replicas they want
+    within its bounds, and when (unix seconds)."""
+
+    in_flight: int
+    wanted: int
+    at: float
+
+
+def last_loads() -> dict[str, Load]:
+    """What the last sweep measured, by deployment (empty when Redis cannot say)."""
+    try:
+        raw = queueing.queue().redis.hgetall(LAST_KEY)
+    except redis.RedisError as err:
+        log.warning("autoscaler: cannot read the last sweep's loads (%s)", err)
+        return {}
+    return {name.decode(): Load(**json.loads(value)) for name, value in raw.items()}
 
 
 def policy_of(deployment: Deployment) -> autoscale.Policy:
@@ -53,6 +80,7 @@ def sweep(now: float | None = None) -> dict[str, int]:
         ).order_by("pk")
     )
     if not deployments:
+        _forget_loads()
         return {}
     try:
         in_flight = _in_flight([d.name for d in deployments])
@@ -101,19 +129,31 @@ def _remember(
 ) -> dict[str, list[tuple[float, int]]]:
     """For each deployment: keep what this sweep wanted, drop what is too old to matter, and read
     what earlier sweeps wanted; one round trip for them all."""
+    wants = {name: autoscale.wanted(in_flight[name], policy) for name, policy in policies.items()}
     with client.pipeline(transaction=True) as pipe:
         for name, policy in policies.items():
             key, kept_s = history_key(name), policy.down_after_s + _KEPT_PAST_WINDOW_S
             pipe.zrangebyscore(key, now - kept_s, "+inf", withscores=True)
-            pipe.zadd(key, {f"{now:.6f}:{autoscale.wanted(in_flight[name], policy)}": now})
+            pipe.zadd(key, {f"{now:.6f}:{wants[name]}": now})
             pipe.zremrangebyscore(key, "-inf", f"({now - kept_s}")
             pipe.expire(key, int(kept_s) + 1)
+        # After the four replies of each deployment: what the API shows, the last sweep's alone.
+        pipe.delete(LAST_KEY)
+        loads = {name: Load(in_flight[name], wanted, now) for name, wanted in wants.items()}
+        pipe.hset(LAST_KEY, mapping={name: json.dumps(asdict(load)) for name, load in loads.items()})
         replies = pipe.execute()
     # Four replies per deployment, the first of them the earlier sweeps' figures.
     return {
         name: [(when, int(member.decode().rpartition(":")[2])) for member, when in replies[4 * i]]
         for i, name in enumerate(policies)
     }
+
+
+def _forget_loads() -> None:
+    try:
+        queueing.queue().redis.delete(LAST_KEY)
+    except redis.RedisError as err:
+        log.warning("autoscaler: cannot forget the last sweep's loads (%s)", err)
 
 
 def _scale(deployment: Deployment, decision: autoscale.Decision) -> int:

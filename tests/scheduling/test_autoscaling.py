@@ -313,7 +313,35 @@ def test_a_deploy_or_patch_whose_bounds_cross_is_a_400_naming_the_setting_and_ap
         "min_replicas": 2,
         "target_in_flight": 8.0,
         "down_after_s": 300.0,
+        "load": None,
     }
+
+
+def test_the_api_shows_the_load_the_last_sweep_measured_reading_it_once_an_answer(
+    named, api, dispatched, django_capture_on_commit_callbacks, monkeypatch
+):
+    from scheduling.api import serializers
+
+    deploy(named, 1, autoscale_max_replicas=4, autoscale_target_in_flight=2)
+    fixed = deploy(f"{named}-stopped", 1)
+    accept(named, 5)
+    with django_capture_on_commit_callbacks(execute=True):
+        autoscaling.sweep(T0)
+    monkeypatch.setattr(serializers.time, "time", lambda: T0 + 2.5)
+    reads: list[int] = []
+    reading = autoscaling.last_loads
+    monkeypatch.setattr(autoscaling, "last_loads", lambda: reads.append(1) or reading())
+
+    shown = {d["name"]: d["autoscale"]["load"] for d in api("get", "/api/deployments/").json()["results"]}
+
+    assert shown[named] == {"in_flight": 5, "wanted": 3, "age_s": 2.5}
+    assert shown[fixed.name] is None, "not autoscaled"
+    assert len(reads) == 1, "one read of Redis for the whole list"
+    assert api("get", f"/api/deployments/{named}/").json()["autoscale"]["load"]["wanted"] == 3
+    # Autoscaling turned off everywhere: the next sweep leaves no figures behind.
+    api("patch", f"/api/deployments/{named}/", {"autoscale": {"max_replicas": 0}})
+    autoscaling.sweep(T0 + 5)
+    assert reading() == {}
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -375,6 +403,19 @@ def test_the_admin_sets_the_autoscale_settings_through_the_service_and_refuses_c
     deployment.refresh_from_db()
     assert (deployment.autoscale_max_replicas, deployment.autoscale_min_replicas) == (4, 1)
     assert deployment.autoscale_target_in_flight == 2
+
+
+def test_the_command_line_shows_what_the_autoscaler_last_measured_below_the_bounds():
+    from gpuportal.cli import render
+
+    auto = {"max_replicas": 4, "min_replicas": 1, "target_in_flight": 4.0, "down_after_s": 300.0}
+    measured = {"in_flight": 9, "wanted": 3, "age_s": 2.0}
+
+    assert render.autoscale_text({"replicas_wanted": 2, "autoscale": {**auto, "load": measured}}) == (
+        "autoscaled between 1 and 4 replicas, 4 requests in flight each; fewer after 300 s\n"
+        "last measured 2 s ago: 9 request(s) in flight, wanting 3 replica(s); 2 set"
+    )
+    assert render.autoscale_text({"replicas_wanted": 2, "autoscale": {**auto, "load": None}}).count("\n") == 0
 
 
 def test_ls_shows_an_autoscaled_deployments_bounds_beside_its_count():
