@@ -32,7 +32,7 @@ from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 from scheduling import requeststats, selectors
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Replica
-from scheduling.services import host_cache
+from scheduling.services import autoscaling, host_cache
 from scheduling.services import requests as request_services
 
 EVENT_LIMIT = 50
@@ -246,12 +246,14 @@ def _deployment_rows() -> list[dict[str, Any]]:
     names = [row["name"] for row in rows]
     rates = requeststats.per_minute(names)
     depths = _queue_depths(names)
+    loads = autoscaling.last_loads() if any(row["autoscale_max_replicas"] for row in rows) else {}
     for row in rows:
         name = row["name"]
         row["states"] = sorted(by_state[name].items())
         row["last_access"] = last.get(name)
         row["rpm"] = rates.get(name)
         row["queue_depth"] = depths.get(name)
+        row["autoscale_load"] = loads.get(name)
     return rows
 
 

@@ -459,16 +459,32 @@ def test_metrics_show_the_replicas_each_deployment_wants_as_the_autoscaler_sets_
     assert wanted[named] == 3
 
 
-def test_the_dashboard_shows_an_autoscaled_deployments_bounds_beside_its_count(admin_client):
+def test_the_dashboard_shows_an_autoscaled_deployments_bounds_beside_its_count(admin_client, cluster, dispatched):
     from django.urls import reverse
 
     from tests.support import factories as f
 
-    f.deployment("auto", autoscale_max_replicas=4, autoscale_min_replicas=2, replicas_wanted=3)
+    f.deployment(
+        "auto", autoscale_max_replicas=4, autoscale_min_replicas=2, replicas_wanted=3, memory_override_bytes=300 * MiB
+    )
     f.deployment("fixed", replicas_wanted=3)
+    # What earlier tests of this process left: their requests and their sweeps' figures.
+    keys = ("gp:queue:auto", autoscaling.history_key("auto"), autoscaling.LAST_KEY)
+    queueing.queue().redis.delete(*keys)
 
     body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
 
     assert body.count("auto 2–4</span>") == 1
-    row = body.partition('data-deployment="auto"')[2].partition("</tr>")[0]
+    row = body.partition('<tr data-deployment="auto">')[2].partition("</tr>")[0]
     assert "<td>3 <span" in row and "auto 2–4" in row
+
+    # Once swept (two requests in flight, fewer than the minimum wants: nothing changes), the load.
+    try:
+        accept("auto", 2)
+        assert autoscaling.sweep(T0) == {}
+        body = admin_client.get(reverse("admin:scheduling_dashboard_fragment")).content.decode()
+    finally:
+        queueing.queue().redis.delete(*keys)
+    row = body.partition('<tr data-deployment="auto">')[2].partition("</tr>")[0]
+    assert "auto 2–4 · 2 in flight</span>" in row
+    assert 'title="autoscaled by requests in flight; last sweep: 2 in flight, wanting 2"' in row
