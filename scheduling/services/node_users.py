@@ -29,14 +29,12 @@ from collections.abc import Iterable
 
 import redis
 from django.conf import settings
-from django.db import transaction
 
 from gpuportal.wire import deployment_spec, node_acl, replies
 from gpuportal.wire.requestqueue.protocol import queue_key
 from gpuportal.wire.states import ENDED
-from scheduling import locks
+from scheduling import events, locks
 from scheduling.models import Deployment, Event, Node, Replica
-from scheduling.services import outbox
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +157,15 @@ def _sweep_one(client: redis.Redis, node: str) -> list[str]:
             client.execute_command("ACL", "SETUSER", node_acl.user_name(node), "resetkeys", *wanted)
     gone = sorted(_reached(rules) - set(lasting))
     if gone:
-        with transaction.atomic():
-            outbox.note(
-                Event.Kind.NODE_CREDENTIAL,
-                f"node {node}",
-                f"its Redis user no longer reaches the queue of {', '.join(gone)}: no replica of "
-                f"{'it' if len(gone) == 1 else 'them'} has been on the node for its drain and a minute",
-                before={"deployments": sorted(_reached(rules))},
-                after={"deployments": lasting},
-                node=node,
-            )
+        # Written now, not through the outbox (which sends starts through dispatch, which grants
+        # through here): there is no other write for it to commit with.
+        events.record(
+            Event.Kind.NODE_CREDENTIAL,
+            f"node {node}",
+            f"its Redis user no longer reaches the queue of {', '.join(gone)}: no replica of "
+            f"{'it' if len(gone) == 1 else 'them'} has been on the node for its drain and a minute",
+            before={"deployments": sorted(_reached(rules))},
+            after={"deployments": lasting},
+            node=node,
+        )
     return gone

@@ -296,8 +296,7 @@ def test_revoking_a_node_forgets_what_its_user_reached(node, dispatched, django_
     assert not admin().exists(node_users.until_key(node))
 
 
-@pytest.mark.django_db
-def test_beat_sweeps_the_kept_users_every_minute():
+def test_beat_sweeps_the_kept_users_every_minute(beat_schedules):
     schedule = PeriodicTask.objects.get(name="keep node users")
     assert schedule.task == tasks.keep_node_users.name == "scheduling.tasks.keep_node_users"
     assert (schedule.interval.every, schedule.interval.period, schedule.queue) == (60, "seconds", "control")
