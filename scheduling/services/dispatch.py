@@ -23,7 +23,7 @@ from gpuportal.wire.pulls import PULL_TASK, PullModel
 from gpuportal.wire.replica_logs import LOG_TASK, ReadLog
 from scheduling.core.effects import Order, ToControl, ToNode
 from scheduling.models import Node
-from scheduling.services import node_users, replica_specs
+from scheduling.services import queue_grants, replica_specs
 from scheduling.services.errors import InvalidState, Unavailable
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def send(order: ToNode) -> None:
         if isinstance(command, commands.StartReplica) and command.spec.deployment:
             # Before the start: its process takes from the deployment's queue as soon as it loads.
             try:
-                node_users.grant(order.node, command.spec.deployment)
+                queue_grants.grant(order.node, command.spec.deployment)
             except redis.RedisError as err:
                 log.warning(
                     "node %s's Redis user could not be given deployment %s's queue (%s): replica %s's start "

@@ -25,7 +25,7 @@ from scheduling.core import adoption, effects, liveness
 from scheduling.core import books as tolerance
 from scheduling.models import ACTIVE_INTENT_STATUSES, Event, Node, Occupant, PreemptionIntent, Replica
 from scheduling.services import books as book_checks
-from scheduling.services import lost_commands, node_users, outbox, queueing
+from scheduling.services import lost_commands, outbox, queue_grants, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState, TransitionRefused
 
@@ -142,7 +142,7 @@ def drop_redis_user(name: str) -> bool | None:
     try:
         client = replies.client(settings.REDIS_URL)
         deleted = int(client.execute_command("ACL", "DELUSER", user))
-        client.delete(node_users.until_key(name))
+        client.delete(queue_grants.until_key(name))
     except redis.RedisError as err:
         log.warning(
             "cannot delete node %s's Redis user %s (%s): run ACL DELUSER %s in redis-cli", name, user, err, user

@@ -28,7 +28,7 @@ from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import DeviceInfo
 from gpuportal.wire.requestqueue import RequestQueue, records_key
 from scheduling.models import Event, Node, NodeCredential, Replica
-from scheduling.services import node_credentials, node_gateway, node_users
+from scheduling.services import node_credentials, node_gateway, queue_grants
 from scheduling.services.errors import InvalidInput, InvalidState, NotFound
 from tests.support import factories
 from tests.support.processes import wait_until
@@ -665,7 +665,7 @@ def test_the_command_makes_the_nodes_redis_user_and_prints_the_url_its_agent_sig
             redis.Redis.from_url(url).ping()
     finally:
         admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
-        admin.delete(node_lease.lease_key(node), node_users.until_key(node))
+        admin.delete(node_lease.lease_key(node), queue_grants.until_key(node))
 
 
 def test_making_a_nodes_redis_user_is_refused_naming_why_and_makes_nothing(required, settings):
@@ -734,4 +734,4 @@ def test_an_agent_and_its_replica_under_the_nodes_own_redis_user_register_beat_a
         assert records == [answer.json()["id"]], "its record in the node's own list"
     finally:
         admin.execute_command("ACL", "DELUSER", node_acl.user_name(node))
-        admin.delete(*node_acl.unacked_keys(node).values(), records_key(node), node_users.until_key(node))
+        admin.delete(*node_acl.unacked_keys(node).values(), records_key(node), queue_grants.until_key(node))

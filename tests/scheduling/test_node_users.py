@@ -21,7 +21,7 @@ from gpuportal.wire.requestqueue.protocol import deleted_key, live_key, queue_ke
 from inference.devices import virtual_gpus
 from scheduling import tasks
 from scheduling.models import Event, Node, Replica
-from scheduling.services import deployments, node_credentials, node_users
+from scheduling.services import deployments, node_credentials, node_users, queue_grants
 from scheduling.services.deployments import DeploymentSpec, ModelFacts
 from scheduling.services.nodes import register_node
 from tests.support import factories
@@ -60,7 +60,7 @@ def node():
         pytest.skip("a node's rules need Redis 7: REDIS_URL names an older Redis")
     yield name
     server.execute_command("ACL", "DELUSER", node_acl.user_name(name))
-    server.delete(node_users.until_key(name))
+    server.delete(queue_grants.until_key(name))
 
 
 def registered(name: str) -> None:
@@ -118,7 +118,7 @@ def test_a_start_is_sent_only_once_its_node_reaches_the_deployments_queue(
         deploy(name)
 
     assert reached_when_sent == [True]
-    assert float(admin().hget(node_users.until_key(node), name)) > 0
+    assert float(admin().hget(queue_grants.until_key(node), name)) > 0
 
 
 @pytest.mark.django_db
@@ -135,7 +135,7 @@ def test_a_start_whose_grant_meets_no_redis_is_not_sent_and_waits_for_the_heartb
     def unreachable(*args, **kwargs):
         raise redis.ConnectionError("Connection refused")
 
-    monkeypatch.setattr(node_users, "grant", unreachable)
+    monkeypatch.setattr(queue_grants, "grant", unreachable)
     with django_capture_on_commit_callbacks(execute=True):
         deploy(f"unsent-{node}")
 
@@ -157,7 +157,7 @@ def test_the_sweep_drops_a_deployment_whose_last_replica_left_a_drain_and_a_minu
     now = node_users.time.time()
     # When the sweep before this one last saw each on the node: `gone` longer ago than its drain
     # (30 s) and a minute, `staying` within them.
-    admin().hset(node_users.until_key(node), mapping={gone: now - 1, staying: now + 30})
+    admin().hset(queue_grants.until_key(node), mapping={gone: now - 1, staying: now + 30})
 
     assert node_users.sweep([node]) == {node: [gone]}
 
@@ -180,7 +180,7 @@ def test_the_sweep_drops_a_deployment_whose_last_replica_left_a_drain_and_a_minu
     monkeypatch.setattr(node_users.time, "time", lambda: now + 60)
     assert node_users.sweep([node]) == {node: [staying]}
     assert reaches(user, serving)
-    monkeypatch.setattr(node_users.time, "time", lambda: now + 30 + node_users.MARGIN_S + 1)
+    monkeypatch.setattr(node_users.time, "time", lambda: now + 30 + queue_grants.MARGIN_S + 1)
     assert node_users.sweep([node]) == {node: [serving]}
     assert not reaches(user, serving)
 
@@ -209,11 +209,11 @@ def test_a_user_that_reaches_every_deployment_is_left_alone(node, dispatched, dj
 
     with django_capture_on_commit_callbacks(execute=True):
         deploy(f"hand-{node}")
-    assert node_users.grant(node, f"hand-{node}") is False
+    assert queue_grants.grant(node, f"hand-{node}") is False
     assert node_users.sweep([node]) == {}
 
     assert key_rules(node) == before
-    assert admin().exists(node_users.until_key(node)) == 0
+    assert admin().exists(queue_grants.until_key(node)) == 0
 
 
 @pytest.mark.django_db
@@ -226,7 +226,7 @@ def test_a_control_plane_that_may_not_administer_redis_keeps_no_user_and_still_s
     kwargs = server.connection_pool.connection_kwargs
     settings.REDIS_URL = f"redis://cp-plain:cp-pw@{kwargs['host']}:{kwargs['port']}/{kwargs['db']}"
     try:
-        assert node_users.grant(node, "whatever") is False
+        assert queue_grants.grant(node, "whatever") is False
         assert node_users.sweep([node]) == {}
         with django_capture_on_commit_callbacks(execute=True):
             deploy(f"plain-{node}")
@@ -269,7 +269,7 @@ def test_a_sweep_that_read_the_books_before_a_placement_does_not_drop_the_grant_
     assert books_read.wait(30)
     # The placement commits after the sweep read the books, and is granted.
     factories.replica(late, Node.objects.get(name=node), state=Replica.State.PENDING)
-    granting = in_a_thread("grant", lambda: node_users.grant(node, late.name))
+    granting = in_a_thread("grant", lambda: queue_grants.grant(node, late.name))
     with connection.cursor() as cursor:
         wait_until(lambda: waiting(cursor, "advisory") > 0, 30, "the grant to wait for the node's lock", every=0.01)
     go_on.set()
@@ -287,13 +287,13 @@ def test_revoking_a_node_forgets_what_its_user_reached(node, dispatched, django_
         deploy(f"revoked-{node}")
     kept_user(node)
     node_credentials.issue(node, by="ops")
-    assert admin().exists(node_users.until_key(node))
+    assert admin().exists(queue_grants.until_key(node))
 
     with django_capture_on_commit_callbacks(execute=True):
         node_credentials.revoke(node, by="ops")
 
     assert admin().acl_getuser(node_acl.user_name(node)) is None
-    assert not admin().exists(node_users.until_key(node))
+    assert not admin().exists(queue_grants.until_key(node))
 
 
 def test_beat_sweeps_the_kept_users_every_minute(beat_schedules):
