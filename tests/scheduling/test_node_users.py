@@ -118,7 +118,8 @@ def test_a_start_is_sent_only_once_its_node_reaches_the_deployments_queue(
         deploy(name)
 
     assert reached_when_sent == [True]
-    assert float(admin().hget(queue_grants.until_key(node), name)) > 0
+    lasts_until = float(admin().hget(queue_grants.until_key(node), name))
+    assert lasts_until > queue_grants.time.time(), "the grant is remembered in force, for the sweeps"
 
 
 @pytest.mark.django_db
