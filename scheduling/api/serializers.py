@@ -234,7 +234,7 @@ class AutoscaleLoadField(serializers.Field):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(source="*", read_only=True, **kwargs)
 
-    def to_representation(self, deployment: Deployment) -> dict[str, float] | None:
+    def to_representation(self, deployment: Deployment) -> dict[str, int | float] | None:
         if not deployment.autoscale_max_replicas:
             return None
         if (loads := self.context.get("_autoscale_loads")) is None:

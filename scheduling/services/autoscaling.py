@@ -35,7 +35,7 @@ def history_key(deployment: str) -> str:
     return f"gp:autoscale:{deployment}"
 
 
-# What the last sweep measured of each deployment it scaled (a hash by name, of Load as JSON):
+# What the last sweep measured of each autoscaled deployment (a hash by name, of Load as JSON):
 # what the API shows as a deployment's `autoscale.load`. Written whole by each sweep.
 LAST_KEY = "gp:autoscale:last"
 

@@ -71,7 +71,17 @@ def sweep(nodes: Iterable[str] | None = None) -> dict[str, list[str]]:
     by node, the deployments whose keys its user reached and no longer does, with an Event each."""
     server = queue_grants.client()
     dropped: dict[str, list[str]] = {}
+    try:
+        users = {user.decode() if isinstance(user, bytes) else user for user in server.acl_users()}
+    except redis.exceptions.NoPermissionError:
+        log.debug("the control plane's Redis user may not read users: it keeps none")
+        return dropped
+    except redis.RedisError as err:
+        log.warning("node users not swept (%s): the next sweep tries again", err)
+        return dropped
     for node in Node.objects.values_list("name", flat=True) if nodes is None else nodes:
+        if node_acl.user_name(node) not in users:
+            continue  # no user of its own: nothing to keep (and no lock to take, in a fleet of many)
         try:
             if gone := _sweep_one(server, node):
                 dropped[node] = gone
