@@ -1,5 +1,7 @@
 from django.db import migrations
 
+from scheduling.migrations._beat import schedule_functions
+
 # The sweep of the node users the control plane keeps (scheduling.services.node_users), as a
 # django-celery-beat row, editable in the admin like 0006's.
 SCHEDULES = [
@@ -12,21 +14,7 @@ SCHEDULES = [
     ),
 ]
 
-
-def create_schedules(apps, schema_editor):
-    IntervalSchedule = apps.get_model("django_celery_beat", "IntervalSchedule")
-    PeriodicTask = apps.get_model("django_celery_beat", "PeriodicTask")
-    for name, task, every, description in SCHEDULES:
-        interval, _ = IntervalSchedule.objects.get_or_create(every=every, period="seconds")
-        PeriodicTask.objects.get_or_create(
-            name=name,
-            defaults={"task": task, "interval": interval, "description": description, "queue": "control"},
-        )
-
-
-def remove_schedules(apps, schema_editor):
-    PeriodicTask = apps.get_model("django_celery_beat", "PeriodicTask")
-    PeriodicTask.objects.filter(name__in=[name for name, *_ in SCHEDULES]).delete()
+create_schedules, remove_schedules = schedule_functions(SCHEDULES)
 
 
 class Migration(migrations.Migration):
