@@ -24,7 +24,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
+
+if TYPE_CHECKING:
+    from gpuportal.wire.node_lease import NodeFence
 
 log = logging.getLogger("inference.replica")
 
@@ -60,6 +63,7 @@ class Events(Protocol):
 
 class Host(Protocol):
     replica_id: str
+    node_fence: NodeFence | None
 
     @property
     def state(self) -> str: ...
@@ -108,7 +112,11 @@ class Orphanage:
         writer = conn.makefile("w", encoding="utf-8", buffering=1)
         with self._lock:
             self._orphaned = False
-        hello = {"replica_id": self.host.replica_id, "pid": os.getpid(), "state": self.host.state}
+        hello: dict[str, Any] = {"replica_id": self.host.replica_id, "pid": os.getpid(), "state": self.host.state}
+        if self.host.node_fence is not None:
+            # The epoch it serves under: its adopter holds the node's lease under it while it
+            # registers (inference.agent), so the node is not written off in between.
+            hello["node_epoch"] = self.host.node_fence.epoch
         self.events.attach(writer, {**hello, "last": self.events.last_state()})
         log.info("%s: adopted by a new node agent (state %s)", self.host.replica_id, self.host.state)
         # This thread reads the new agent's commands until it goes too; then the wait starts again.

@@ -154,6 +154,7 @@ class NodeAgent:
         self.devices = list(devices)
         adopted = self.supervisor.adopt_survivors(on_event=self.relay)
         survivors = [Survivor.from_hello(h) for h in [*adopted.values(), *self.supervisor.deep_sleepers().values()]]
+        registered = self._hold_lease_for_adopted(adopted)
         # A control plane that cannot answer yet (its worker restarting, PostgreSQL starting up) is
         # waited for rather than given up on: an agent that exited here would leave the replicas it
         # has just adopted to wait out another adoption window. Registering again is harmless (it
@@ -168,16 +169,19 @@ class NodeAgent:
             ),
             reraise=True,
         )
-        epoch = retrying(
-            self.control.register_node,
-            self.name,
-            devices,
-            hostname=socket.gethostname(),
-            cpu_cache_bytes=self.cpu_cache_bytes,
-            host_ram_bytes=self.host_ram_bytes,
-            virtual=virtual,
-            survivors=survivors,
-        )
+        try:
+            epoch = retrying(
+                self.control.register_node,
+                self.name,
+                devices,
+                hostname=socket.gethostname(),
+                cpu_cache_bytes=self.cpu_cache_bytes,
+                host_ram_bytes=self.host_ram_bytes,
+                virtual=virtual,
+                survivors=survivors,
+            )
+        finally:
+            registered.set()
         self._hold_epoch(int(epoch or 0))
         log.info(
             "node %s registered: %d %s GPU(s), queue %s, epoch %d",
@@ -249,6 +253,53 @@ class NodeAgent:
                 else:
                     log.exception("heartbeat of node %s failed; retrying in %.0f s", self.name, self.heartbeat_s)
 
+    def _hold_lease_for_adopted(self, adopted: dict[str, dict[str, Any]]) -> threading.Event:
+        """The node's lease held, while the agent registers, under the epoch the replicas it has
+        just adopted serve under; set the Event returned once it has registered.
+
+        Why: the previous agent's last renewal lapses a lease after the heartbeat timeout, and
+        the adoption window is shorter than that by two beats only. An agent that adopted its
+        replicas near the window's end and then waited on a busy control plane for its
+        registration left the node with neither a lease nor a recorded heartbeat: a sweep in
+        between wrote off a node whose replicas served on and had just been adopted. Under their
+        own epoch, the renewal is refused once the node has been written off (the epoch moved
+        on): nothing the control plane gave up is revived. No adopted replica: nothing on the node
+        is known to be alive, and nothing is held."""
+        registered = threading.Event()
+        epochs = [int(h["node_epoch"]) for h in adopted.values() if h.get("node_epoch") is not None]
+        if not epochs:
+            return registered
+        epoch = max(epochs)
+        self._renew_unregistered(epoch)
+
+        def hold() -> None:
+            while not registered.wait(self.heartbeat_s) and not self._stop.is_set():
+                self._renew_unregistered(epoch)
+
+        threading.Thread(target=hold, name=f"lease-{self.name}-registering", daemon=True).start()
+        return registered
+
+    def _renew_unregistered(self, epoch: int) -> None:
+        """One renewal before registration, under `epoch`. A written-off node is only told: the
+        registration that follows says what the control plane keeps of it."""
+        try:
+            current = node_lease.renew(replies.client(settings.REDIS_URL), self.name, self._lease_ttl_s(), epoch)
+        except redis.RedisError as err:
+            log.warning("cannot hold node %s's lease while it registers (Redis: %s)", self.name, err)
+            return
+        if current > epoch:
+            log.info(
+                "node %s was written off while its agent was away (epoch %d, its replicas' %d): not holding its lease",
+                self.name,
+                current,
+                epoch,
+            )
+
+    def _lease_ttl_s(self) -> float:
+        return node_lease.ttl_s(
+            self.heartbeat_s, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S, settings.GPUPORTAL_CONTROL_STALL_S
+        )
+
     def renew_lease(self) -> None:
         """The node's lease in Redis, renewed straight there (gpuportal.wire.node_lease): when its
         heartbeats stop reaching the books (the agents' worker or PostgreSQL stalled), the lease
@@ -260,9 +311,7 @@ class NodeAgent:
         to others. They are stopped before the lease is renewed under the new epoch, so that the
         node offers its GPUs again only once nothing of the old epoch holds them."""
         try:
-            ttl = node_lease.ttl_s(
-                self.heartbeat_s, settings.GPUPORTAL_HEARTBEAT_TIMEOUT_S, settings.GPUPORTAL_CONTROL_STALL_S
-            )
+            ttl = self._lease_ttl_s()
             client = replies.client(settings.REDIS_URL)
             current = node_lease.renew(client, self.name, ttl, self.epoch)
             if current > self.epoch:

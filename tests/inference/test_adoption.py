@@ -69,12 +69,15 @@ def test_it_refuses_a_survivor_behind_its_books_saying_why():
 AGENT = textwrap.dedent(
     """
     import json, sys, threading
+    from gpuportal.wire.node_lease import NodeFence
     from inference.supervisor import ReplicaSpec, Supervisor
 
     def on_event(replica_id, event):
         print(json.dumps(event), flush=True)
 
-    Supervisor(sys.argv[1]).start(ReplicaSpec(**json.loads(sys.argv[2])), on_event)
+    supervisor = Supervisor(sys.argv[1])
+    supervisor.node_fence = NodeFence("box", 4)
+    supervisor.start(ReplicaSpec(**json.loads(sys.argv[2])), on_event)
     threading.Event().wait()
     """
 )
@@ -128,7 +131,9 @@ def test_a_replica_outlives_its_agent_and_the_next_one_takes_it_over(tmp_path):
     try:
         hellos = successor.adopt_survivors(events)
         hello = {"event": "hello", "replica_id": "r1", "pid": pid, "state": "serving", "last": "serving"}
-        assert hellos == {"r1": hello}
+        # And the node epoch it serves under, under which its adopter holds the node's lease
+        # while it registers (tests/inference/test_agent.py).
+        assert hellos == {"r1": {**hello, "node_epoch": 4}}
         assert successor.running() == ["r1"] and successor.pid("r1") == pid
         successor.resume()
         # The books may have missed its last report with the old agent: it says it again.

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -519,3 +521,91 @@ def test_a_registration_the_control_plane_cannot_answer_yet_is_tried_again_and_a
     with pytest.raises(Refused):
         refused.register()
     assert tries.count("n2") == 1, "a refusal is not tried again"
+
+
+class _Survivors(_Processes):
+    """A supervisor that has just found the replicas the node's previous agent left, each serving
+    under the node epoch its hello names."""
+
+    def __init__(self, epochs: dict[str, int | None]) -> None:
+        super().__init__({rid: "serving" for rid in epochs})
+        self.epochs = epochs
+
+    def adopt_survivors(self, on_event) -> dict[str, dict]:
+        hellos = {rid: {"replica_id": rid, "pid": 4242, "state": "serving", "last": "serving"} for rid in self.epochs}
+        for rid, epoch in self.epochs.items():
+            if epoch is not None:
+                hellos[rid]["node_epoch"] = epoch
+        return hellos
+
+    def deep_sleepers(self) -> dict[str, dict]:
+        return {}
+
+    def resume(self) -> None:
+        pass
+
+
+class _SlowToRegister:
+    """A control plane that answers a registration only when the test lets it (its worker busy,
+    PostgreSQL starting up): `asked` is set once the agent waits on it."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.asked, self.answer = threading.Event(), threading.Event()
+
+    def register_node(self, node: str, devices, **details) -> int:
+        self.asked.set()
+        assert self.answer.wait(30), "the test never let the registration through"
+        return self.epoch
+
+    def heartbeat(self, node: str, **kwargs) -> list[str]:
+        return []
+
+
+def _registering(name: str, adopted: dict[str, int | None], epoch: int) -> tuple[_SlowToRegister, threading.Thread]:
+    """An agent of node `name`, started again, that adopted `adopted` ({replica: its node epoch})
+    and now waits for its registration's answer, on a thread of its own."""
+    from inference.agent import NodeAgent
+
+    control = _SlowToRegister(epoch)
+    agent = NodeAgent(name, control=control, backend="virtual", cpu_cache_bytes=0, heartbeat_s=0.05)
+    agent.supervisor = _Survivors(adopted)  # type: ignore[assignment]
+    thread = threading.Thread(target=agent.register, daemon=True)
+    thread.start()
+    assert control.asked.wait(30), "the agent never asked to register"
+    return control, thread
+
+
+@pytest.mark.parametrize(
+    ("adopted", "kept"),
+    [
+        pytest.param("current", True, id="under-the-node's-epoch"),
+        pytest.param("before", False, id="under-an-epoch-written-off"),
+        pytest.param(None, False, id="nothing-adopted"),
+    ],
+)
+@pytest.mark.django_db
+def test_a_restarted_agent_keeps_its_node_alive_while_it_registers_only_for_replicas_of_the_nodes_epoch(
+    settings, tmp_path, adopted, kept
+):
+    # The previous agent's lease has lapsed and its last beat is past the timeout: the new agent
+    # adopted its replicas near the end of their window, and the control plane is slow to answer.
+    settings.GPUPORTAL_DATA_DIR = str(tmp_path)
+    name = f"restarted-{uuid.uuid4().hex[:8]}"
+    client = replies.client(settings.REDIS_URL)
+    nodes.register_node(name, virtual_gpus(name, "1x1GiB", NO_OVERHEAD), virtual=True)
+    epoch = node_lease.write_off(client, name)  # the node wrote off once before: epoch 1
+    Node.objects.filter(name=name).update(last_heartbeat=timezone.now() - timedelta(seconds=45))
+    epochs = {"current": {"r1": epoch}, "before": {"r1": epoch - 1}, None: {}}[adopted]
+
+    control, thread = _registering(name, epochs, epoch)
+    try:
+        written_off = nodes.expire_heartbeats(timeout_s=20)
+    finally:
+        control.answer.set()
+        thread.join(30)
+        node_lease.release(client, name)
+
+    assert (written_off == []) is kept
+    assert Node.objects.get(name=name).status == (Node.Status.ONLINE if kept else Node.Status.OFFLINE)
+    assert node_lease.current_epoch(client, name) == (epoch if kept else epoch + 1)
