@@ -246,6 +246,30 @@ def resolve_replica(client: Client, given: str) -> dict[str, Any]:
     raise CliError(f"{given!r} could be any of {len(matches)} replicas: {named}")
 
 
+def resolve_log_target(ctx: Context, given: str) -> dict[str, Any]:
+    """The replica `gpuportal logs` shows: one by its id or start, else one of the deployment so
+    named (as `kubectl logs deploy/NAME` picks a pod): a serving one first, and a line on stderr
+    says which when there are several."""
+    try:
+        return resolve_replica(ctx.client, given)
+    except CliError as no_replica:
+        try:
+            deployment = ctx.client.get(f"/api/deployments/{quote(given, safe='')}/")
+        except ApiError as err:
+            if err.status == 404:
+                raise CliError(f"no replica or deployment named {given!r} (`gpuportal ls` lists both)") from None
+            raise no_replica from err
+    replicas = sorted(deployment["replicas"], key=lambda r: (r["state"] != S.SERVING, r["state"] in ENDED, r["id"]))
+    if not replicas:
+        raise CliError(f"{given} has no replicas now; `gpuportal events -d {given}` says what became of them")
+    chosen = replicas[0]
+    if len(replicas) > 1:
+        others = ", ".join(r["id"][:8] for r in replicas[1:])
+        which = f"{given} has {len(replicas)} replicas: showing {chosen['id'][:8]} (the others: {others})"
+        ctx.err.print(Text(which, style="dim"))
+    return chosen
+
+
 def cmd_logs(
     ctx: Context,
     args: argparse.Namespace,
@@ -256,7 +280,7 @@ def cmd_logs(
     """A replica's state, its error and its events, then the last lines of its process's own log
     (read on its node by its agent: GET /api/replicas/ID/logs/); with --follow, then each line it
     writes, until it ends or Ctrl-C. `polls` bounds the following, for tests."""
-    replica = resolve_replica(ctx.client, args.replica)
+    replica = resolve_log_target(ctx, args.replica)
     head = Text(f"replica {replica['id']} of {replica['deployment']}: ")
     head.append(replica["state"], style=render.STATE_STYLES.get(replica["state"], ""))
     head.append(f" on {render.placement(replica)}")
@@ -519,7 +543,10 @@ def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     nodes.add_looking(commands)
 
     logs = commands.add_parser("logs", help="a replica's state, error and events, then its process's log")
-    logs.add_argument("replica", help="replica id, or its start as `ls` shows it")
+    logs.add_argument(
+        "replica",
+        help="replica id, or its start as `ls` shows it, or a deployment's name (one of its replicas, serving first)",
+    )
     logs.add_argument("--tail", type=non_negative_int, default=50, metavar="N", help="last N events (default 50)")
     logs.add_argument(
         "-f", "--follow", action="store_true", help="then print each line its process writes, until it ends or Ctrl-C"

@@ -350,10 +350,10 @@ class _Generate(_Answered):
 def _refusal(exc: NotFound | InvalidInput, model: str, wanted: str) -> tuple[int, dict[str, Any]]:
     """A model that does not exist, or is not what the endpoint serves (the service says what it is)."""
     if isinstance(exc, NotFound):
-        hint = ""
+        hint = "."
         if isinstance(exc, NoDeployment):
             deployed = ", ".join(f"`{name}`" for name in exc.deployed[: exc.LISTED])
-            hint = f"; did you mean `{exc.near}`?" if exc.near else ""
+            hint = f"; did you mean `{exc.near}`?" if exc.near else "."
             hint += f" Deployed: {deployed}." if deployed else " Nothing is deployed."
         return 404, error_body(f"The model `{model}` does not exist{hint}", "model", "model_not_found")
     return 400, error_body(f"`{model}` is not {wanted} ({exc.message})", "model")

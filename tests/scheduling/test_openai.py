@@ -109,7 +109,7 @@ def test_the_command_lines_run_and_chat_stream_the_real_v1s_answers(live_server,
 
 
 def test_bad_requests_fail_the_openai_way_naming_the_parameter(client, replica):
-    with pytest.raises(openai.NotFoundError, match=r"^.*The model `nope` does not exist Deployed: `tiny`\."):
+    with pytest.raises(openai.NotFoundError, match=r"^.*The model `nope` does not exist\. Deployed: `tiny`\."):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.NotFoundError, match=r"The model `tinny` does not exist; did you mean `tiny`\?"):
         client.completions.create(model="tinny", prompt="x")

@@ -254,3 +254,30 @@ def test_logs_follow_waits_for_a_replica_on_no_node_to_be_placed_then_follows_it
     shown = out.getvalue().splitlines()
     assert "(on no node yet: waiting for it to be placed)" in shown
     assert shown[-2:] == ["loading weights", f"(replica {replica.id} has ended)"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_logs_of_a_deployments_name_shows_its_serving_replica_and_says_which_of_several(live_server, node_agent):
+    node = f.node("node1")
+    alone = f.replica(f.deployment("tiny-a"), node, state="serving")
+    busy = f.deployment("tiny-b")
+    loading = f.replica(busy, node, state="loading")
+    serving = f.replica(busy, node, state="serving")
+    node_agent.log_path(serving.id).write_text("serving\n")
+    ctx, out = operator_at(live_server)
+    err = ctx.err.file
+
+    assert app.cmd_logs(ctx, app.build_parser().parse_args(["logs", "tiny-a", "--tail", "1"])) == 0
+    assert out.getvalue().startswith(f"replica {alone.id} of tiny-a: serving on node1\n")
+    assert err.getvalue() == "", "one replica: nothing to say about which"
+
+    out.truncate(0), out.seek(0)
+    assert app.cmd_logs(ctx, app.build_parser().parse_args(["logs", "tiny-b", "--tail", "1"])) == 0
+    assert out.getvalue().startswith(f"replica {serving.id} of tiny-b: serving on node1\n")
+    assert out.getvalue().splitlines()[-1] == "serving", "then its process's own log"
+    assert err.getvalue() == (f"tiny-b has 2 replicas: showing {serving.id[:8]} (the others: {loading.id[:8]})\n"), (
+        "the serving one first, and which it is on stderr (stdout stays the log)"
+    )
+
+    with pytest.raises(app.CliError, match=r"^no replica or deployment named 'tiny-c' \(`gpuportal ls` lists both\)$"):
+        app.cmd_logs(ctx, app.build_parser().parse_args(["logs", "tiny-c"]))
