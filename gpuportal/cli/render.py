@@ -109,9 +109,10 @@ def autoscale_text(deployment: dict[str, Any]) -> str:
     auto = deployment.get("autoscale") or {}
     if not auto.get("max_replicas"):
         return f"not autoscaled: {deployment.get('replicas_wanted', '?')} replica(s) kept as set"
+    target = auto["target_in_flight"]
     text = (
         f"autoscaled between {auto['min_replicas']} and {auto['max_replicas']} replicas, "
-        f"{auto['target_in_flight']:g} requests in flight each; fewer after {auto['down_after_s']:g} s"
+        f"{target:g} {'request' if target == 1 else 'requests'} in flight each; fewer after {auto['down_after_s']:g} s"
     )
     if load := auto.get("load"):
         text += (

@@ -380,6 +380,10 @@ def test_the_command_line_turns_autoscaling_on_changes_its_bounds_and_turns_it_o
         "error: autoscale.min_replicas: must be at most autoscale.max_replicas (4), got 5",
     )
     assert run("--off", "--max", "3")[2] == "error: autoscale: --off takes no other flag"
+    assert run("--target", "1")[1] == (
+        "tiny-a: autoscaled between 2 and 4 replicas, 1 request in flight each; fewer after 60 s"
+    )
+    assert run("--target", "2")[0] == 0
     assert run()[1] == "tiny-a: autoscaled between 2 and 4 replicas, 2 requests in flight each; fewer after 60 s"
     assert run("--off") == (0, "tiny-a: not autoscaled: 1 replica(s) kept as set", "")
     deployment = Deployment.objects.get(name="tiny-a")
