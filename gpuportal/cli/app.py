@@ -108,13 +108,22 @@ def serving_summary(deployment: dict[str, Any]) -> Text:
     return Text(f"{deployment['name']}: {live} (wanted {deployment.get('replicas_wanted', '?')})")
 
 
-def finish(ctx: Context, args: argparse.Namespace, answer: dict[str, Any], goal: Goal) -> int:
-    """Wait for the goal unless told not to, then say where the deployment stands."""
+def finish(
+    ctx: Context,
+    args: argparse.Namespace,
+    answer: dict[str, Any],
+    goal: Goal,
+    *,
+    began: float | None = None,
+    seen: dict[str, str] | None = None,
+) -> int:
+    """Wait for the goal unless told not to, then say where the deployment stands. `began` and
+    `seen`: when the command's first wait began, and what it printed (a command of two waits)."""
     for warning in answer.get("warnings") or []:
         ctx.warn(warning)
-    began = time.monotonic()
+    began = time.monotonic() if began is None else began
     if not args.no_wait:
-        answer = wait_for(ctx.client, answer, goal, console=ctx.out, timeout_s=args.timeout)
+        answer = wait_for(ctx.client, answer, goal, console=ctx.out, timeout_s=args.timeout, seen=seen)
     line = serving_summary(answer)
     if not args.no_wait:
         line.append(f" after {time.monotonic() - began:.1f} s")
@@ -186,11 +195,13 @@ def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, action))
     if not deep:
         return finish(ctx, args, answer, Goal(S.SERVING, 0, towards=S.SLEEPING))
-    wait_for(ctx.client, answer, Goal(S.SERVING, 0, towards=S.SLEEPING), console=ctx.out, timeout_s=args.timeout)
+    began, seen = time.monotonic(), {}
+    asleep = Goal(S.SERVING, 0, towards=S.SLEEPING)
+    wait_for(ctx.client, answer, asleep, console=ctx.out, timeout_s=args.timeout, seen=seen)
     # Asleep, each process writes its weights to its node's shared memory and exits.
     answer = ctx.client.post(deployment_path(args.name, "deep-sleep"))
     deeply = Goal(S.SLEEPING, 0, towards=S.DEEP_SLEEPING, moving=frozenset({S.SLEEPING}))
-    return finish(ctx, args, answer, deeply)
+    return finish(ctx, args, answer, deeply, began=began, seen=seen)
 
 
 def cmd_rm(ctx: Context, args: argparse.Namespace) -> int:

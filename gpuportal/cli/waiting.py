@@ -105,9 +105,11 @@ def bar_percent(replica: dict[str, Any], goal: Goal) -> float | None:
 class Display:
     """A bar per replica on a terminal; elsewhere, nothing but the lines of `changes`."""
 
-    def __init__(self, console: Console, goal: Goal):
+    def __init__(self, console: Console, goal: Goal, seen: dict[str, str] | None = None):
         self.console, self.goal = console, goal
-        self.seen: dict[str, str] = {}
+        # The state each replica was last printed in: shared by the waits of one command (a deep
+        # sleep waits for the sleep, then for the deep sleep), so none is printed twice.
+        self.seen: dict[str, str] = {} if seen is None else seen
         self.tasks: dict[str, TaskID] = {}
         self.progress: Progress | None = None
         if console.is_terminal:
@@ -160,16 +162,18 @@ def wait_for(
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
+    seen: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Poll the deployment until its verdict is done (its last answer returned); CliError when it
     fails, stalls or runs out of time. `start` is the answer of the call that began the operation:
-    replicas already failed then are not this operation's failure."""
+    replicas already failed then are not this operation's failure. `seen`: the states an earlier
+    wait of the same command printed (Display)."""
     name = start["name"]
     failed_before = failed_ids(start)
     began = clock()
     stalled_since: float | None = None
     deployment = start
-    with Display(console, goal) as display:
+    with Display(console, goal, seen) as display:
         while True:
             display.show(deployment)
             found = verdict(deployment, goal, failed_before)

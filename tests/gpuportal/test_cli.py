@@ -437,6 +437,29 @@ def test_a_wait_away_from_a_terminal_prints_each_change_of_state_once():
     ]
 
 
+def test_two_waits_of_one_command_print_each_state_of_a_replica_once():
+    # `sleep --deep`: a wait for the sleep, then one for the deep sleep from where the first ended.
+    console = Console(file=io.StringIO(), width=200)
+    seen: dict[str, str] = {}
+    asleep = waiting.Goal("serving", 0, towards="sleeping")
+    deeply = waiting.Goal("sleeping", 0, towards="deep_sleeping", moving=frozenset({"sleeping"}))
+
+    for goal, answers in (
+        (asleep, [deployment(replica("a" * 32, "draining")), deployment(replica("a" * 32, "sleeping"))]),
+        (deeply, [deployment(replica("a" * 32, "sleeping")), deployment(replica("a" * 32, "deep_sleeping"))]),
+    ):
+        start, *polled = answers
+        waiting.wait_for(
+            ReplayClient(polled), start, goal, console=console, timeout_s=60, pause=lambda s: None, seen=seen
+        )
+
+    assert console.file.getvalue().splitlines() == [
+        "tiny: aaaaaaaa draining box/0",
+        "tiny: aaaaaaaa sleeping box/0",
+        "tiny: aaaaaaaa deep_sleeping box/0",
+    ]
+
+
 def test_a_wait_that_runs_out_of_time_says_where_the_deployment_stands():
     clock = iter(range(0, 1000, 100))
     with pytest.raises(CliError, match=r"tiny: 1 loading after 150 s, wanted 1 serving"):
