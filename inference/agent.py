@@ -154,7 +154,6 @@ class NodeAgent:
         self.devices = list(devices)
         adopted = self.supervisor.adopt_survivors(on_event=self.relay)
         survivors = [Survivor.from_hello(h) for h in [*adopted.values(), *self.supervisor.deep_sleepers().values()]]
-        registered = self._hold_lease_for_adopted(adopted)
         # A control plane that cannot answer yet (its worker restarting, PostgreSQL starting up) is
         # waited for rather than given up on: an agent that exited here would leave the replicas it
         # has just adopted to wait out another adoption window. Registering again is harmless (it
@@ -169,6 +168,7 @@ class NodeAgent:
             ),
             reraise=True,
         )
+        registered = self._hold_lease_for_adopted(adopted)
         try:
             epoch = retrying(
                 self.control.register_node,
