@@ -18,7 +18,7 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.text import Text
 
-from gpuportal.cli import config, nodes, planning, pulling, render, talk
+from gpuportal.cli import config, nodes, planning, pulling, render, setting_values, talk
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.options import add_wait_options, non_negative_float, non_negative_int, positive_float
 from gpuportal.cli.waiting import Goal, wait_for
@@ -89,17 +89,26 @@ def cmd_login(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+# The settings `deploy` takes as arguments of their own: --set may not give them a second time.
+DEPLOY_FLAGS = {"source": "SOURCE", "loader": "--loader", "dtype": "--dtype", "replicas": "--replicas"}
+DEPLOY_FLAGS |= {"max_tokens": "--max-tokens"}
+
+
 def deploy_body(args: argparse.Namespace) -> dict[str, Any]:
-    """Only what the operator gave: the API fills in its own defaults for the rest."""
-    model: dict[str, Any] = {"source": config.model_source(args.source)}
-    if args.loader:
-        model["loader"] = args.loader
-    if args.dtype:
-        model["dtype"] = args.dtype
-    body: dict[str, Any] = {"name": args.name, "model": model, "replicas": args.replicas}
-    if args.max_tokens is not None:
-        body["memory"] = {"max_tokens": args.max_tokens}
-    return body
+    """Only what the operator gave: the API fills in its own defaults for the rest. The replica
+    count is always sent: --replicas, --set replicas=N, or the spec's default."""
+    given = setting_values.parse_assignments(getattr(args, "set", None) or [], "deploy", changing=False)
+    flags = {"loader": args.loader, "dtype": args.dtype, "replicas": args.replicas, "max_tokens": args.max_tokens}
+    for setting, _ in given:
+        if setting.name == "source" or flags.get(setting.name) is not None:
+            raise CliError(f"deploy: {setting.path} is given by {DEPLOY_FLAGS[setting.name]}: not by --set too")
+    from_flags = [(SETTINGS[name], value) for name, value in flags.items() if value is not None]
+    body = setting_values.body_of([*from_flags, *given])
+    body["name"] = args.name
+    body.setdefault("model", {})["source"] = config.model_source(args.source)
+    body.setdefault("replicas", SETTINGS["replicas"].default)
+    # The body's order as the API documents it: name, model, replicas, then the groups.
+    return {"name": body.pop("name"), "model": body.pop("model"), "replicas": body.pop("replicas"), **body}
 
 
 def serving_summary(deployment: dict[str, Any]) -> Text:
@@ -526,9 +535,7 @@ def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentP
     # The flags that mirror a setting say its default and choices as the spec declares them; only
     # what is given is sent (the API fills in the rest), the replica count always.
     replicas, max_tokens = SETTINGS["replicas"], SETTINGS["max_tokens"]
-    deploy.add_argument(
-        "--replicas", type=non_negative_int, default=replicas.default, metavar="N", help=f"default {replicas.default}"
-    )
+    deploy.add_argument("--replicas", type=non_negative_int, metavar="N", help=f"default {replicas.default}")
     deploy.add_argument(
         "--max-tokens",
         type=non_negative_int,
@@ -537,6 +544,13 @@ def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentP
     )
     deploy.add_argument("--loader", help=choices_help(SETTINGS["loader"]))
     deploy.add_argument("--dtype", help=choices_help(SETTINGS["dtype"]))
+    deploy.add_argument(
+        "--set",
+        action="append",
+        metavar="SETTING=VALUE",
+        help="any other setting, e.g. --set sleep.idle_timeout_s=60 --set failover.standby=true "
+        "(`gpuportal set --help` lists them)",
+    )
     add_wait_options(deploy, "the replicas serve")
     deploy.set_defaults(run=cmd_deploy)
 
@@ -617,6 +631,8 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     retry.add_argument("name")
     add_wait_options(retry, "its replicas serve")
     retry.set_defaults(run=cmd_retry)
+
+    setting_values.add_set(commands)
 
     rm = commands.add_parser("rm", help="delete a deployment: its replicas stop")
     rm.add_argument("name")

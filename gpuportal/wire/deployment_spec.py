@@ -262,6 +262,18 @@ _PATCHED = {
 }
 
 
+def patch_effect(setting: Setting) -> str:
+    """What a PATCH of the setting does, in a few words ("applies at once", ...)."""
+    return _PATCHED[setting.update]
+
+
+def by_key(key: str) -> Setting | None:
+    """The setting whose REST key is `key` alone (`idle_timeout_s` for `sleep.idle_timeout_s`),
+    where no other group has that key; None otherwise."""
+    found = [setting for setting in SETTINGS if setting.key == key]
+    return found[0] if len(found) == 1 else None
+
+
 def _shown(value: object) -> str:
     if value is REQUIRED:
         return "required"
