@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import User
-from rest_framework.authtoken.models import Token
 
 from gpuportal.cli import app
 from gpuportal.cli.client import CliError
@@ -105,15 +103,10 @@ def test_deploy_takes_any_setting_with_set_beside_its_own_flags_but_not_one_twic
 @pytest.mark.django_db(transaction=True)
 def test_set_changes_settings_through_the_api_saying_each_change_and_shows_them_all(live_server, capsys):
     from tests.support import factories as f
+    from tests.support.cli import staff_cli
 
     f.deployment("tiny-a")
-    staff = User.objects.create_user("ops", is_staff=True)
-    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = app.main(["set", "tiny-a", *argv], env=env)
-        out, err = capsys.readouterr()
-        return code, out.strip(), err.strip()
+    run = staff_cli(live_server, capsys, "set", "tiny-a")
 
     assert run("sleep.idle_timeout_s=60", "popular=true", "deep_after_s=600") == (
         0,

@@ -349,20 +349,11 @@ def test_the_api_shows_the_load_the_last_sweep_measured_reading_it_once_an_answe
 
 @pytest.mark.django_db(transaction=True)
 def test_the_command_line_turns_autoscaling_on_changes_its_bounds_and_turns_it_off(live_server, capsys):
-    from django.contrib.auth.models import User
-    from rest_framework.authtoken.models import Token
-
-    from gpuportal.cli import app
     from tests.support import factories as f
+    from tests.support.cli import staff_cli
 
     f.deployment("tiny-a")
-    staff = User.objects.create_user("ops", is_staff=True)
-    env = {"GPUPORTAL_URL": live_server.url, "GPUPORTAL_TOKEN": Token.objects.create(user=staff).key}
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = app.main(["autoscale", "tiny-a", *argv], env=env)
-        out, err = capsys.readouterr()
-        return code, out.strip(), err.strip()
+    run = staff_cli(live_server, capsys, "autoscale", "tiny-a")
 
     assert run("--min", "2") == (1, "", "error: autoscale: tiny-a is not autoscaled yet: give --max")
     assert run() == (0, "tiny-a: not autoscaled: 1 replica(s) kept as set", "")
