@@ -272,13 +272,13 @@ def resolve_log_target(ctx: Context, given: str) -> dict[str, Any]:
     says which when there are several."""
     try:
         return resolve_replica(ctx.client, given)
-    except CliError as no_replica:
+    except CliError:
         try:
             deployment = ctx.client.get(f"/api/deployments/{quote(given, safe='')}/")
         except ApiError as err:
             if err.status == 404:
                 raise CliError(f"no replica or deployment named {given!r} (`gpuportal ls` lists both)") from None
-            raise no_replica from err
+            raise
     replicas = sorted(deployment["replicas"], key=lambda r: (r["state"] != S.SERVING, r["state"] in ENDED, r["id"]))
     if not replicas:
         raise CliError(f"{given} has no replicas now; `gpuportal events -d {given}` says what became of them")

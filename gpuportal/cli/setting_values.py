@@ -57,7 +57,7 @@ def setting_named(name: str, command: str) -> Setting:
         else difflib.get_close_matches(name, names + [s.key for s in spec.SETTINGS], n=3, cutoff=0.6)
     )
     hint = f"; did you mean {' or '.join(dict.fromkeys(_path_of(n) for n in near))}?" if near else ""
-    raise CliError(f"{command}: no setting {name!r}{hint} (`gpuportal set NAME` lists them)")
+    raise CliError(f"{command}: no setting {name!r}{hint} (`gpuportal set --help` lists them)")
 
 
 def _path_of(name: str) -> str:
