@@ -104,19 +104,29 @@ def cmd_ps(ctx: Talker, args: argparse.Namespace) -> int:
 
 
 def ps_table(replicas: list[dict[str, Any]]) -> Table:
-    """Each replica: its model, whether it is awake, where, the GPU memory it holds, its last use."""
+    """Each replica: its model, whether it is awake, where, the GPU memory it holds, its last use.
+    A failover pair holds one reservation, counted on the row of the member that holds it; the
+    other member's row names that one instead of showing the same bytes twice."""
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("MODEL", "REPLICA", "STATE", "ON", "GPU MEMORY", "LAST USED"):
         table.add_column(column, overflow="fold")
+    holders = {
+        (r.get("deployment"), pair["pair"]): r["id"]
+        for r in replicas
+        if (pair := r.get("failover_state") or {}).get("holder") and "pair" in pair
+    }
     for replica in sorted(replicas, key=lambda r: (r.get("deployment") or "", r["id"])):
         state = replica.get("state", "?")
         held = sum((replica.get("gpu_mem_bytes_by_id") or {}).values())
+        pair = replica.get("failover_state") or {}
+        holder = None if pair.get("holder") else holders.get((replica.get("deployment"), pair.get("pair")))
+        memory = f"in {render.short_id(holder)}'s" if holder else render.human_bytes(held) if held else "-"
         table.add_row(
             Text(replica.get("deployment") or "?"),
             render.short_id(replica["id"]),
             Text(state, style=render.STATE_STYLES.get(state, "")),
             Text(render.placement(replica)),
-            render.human_bytes(held) if held else "-",
+            memory,
             render.local_time(replica.get("last_accessed")),
         )
     return table

@@ -207,6 +207,28 @@ def test_embed_prints_one_json_vector_a_line_in_the_inputs_order(portal, capsys,
     assert portal.calls[-1][2]["input"] == ["one", "two words"]
 
 
+def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
+    from rich.console import Console
+
+    from gpuportal.cli.talk import ps_table
+
+    pair = {"deployment": "duo", "node": "box", "gpus": [0], "gpu_mem_bytes_by_id": {"0": 1400 * 1024**2}}
+    replicas = [
+        {**pair, "id": "a" * 32, "state": "serving", "failover_state": {"pair": 2, "holder": True}},
+        {**pair, "id": "b" * 32, "state": "standby", "gpus": [], "failover_state": {"pair": 2, "holder": False}},
+        {**SERVING, "gpu_mem_bytes_by_id": {"0": 2 * 1024**3}, "failover_state": None},
+    ]
+    console = Console(file=io.StringIO(), width=200)
+    console.print(ps_table(replicas))
+
+    rows = [line.split()[:6] for line in console.file.getvalue().splitlines()[1:]]
+    assert rows == [
+        ["duo", "aaaaaaaa", "serving", "box/0", "1.4", "GiB"],
+        ["duo", "bbbbbbbb", "standby", "box", "in", "aaaaaaaa's"],
+        ["tiny", "bbbbbbbb", "serving", "box/0", "2.0", "GiB"],
+    ]
+
+
 def test_ps_shows_what_is_loaded_where_awake_or_asleep_and_not_what_stopped(portal, capsys):
     assert app.main(["ps"], env=portal.env) == 0
 
