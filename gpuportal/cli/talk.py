@@ -19,6 +19,7 @@ from rich.text import Text
 from gpuportal.cli import config, render
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.waiting import Goal, wait_for
+from gpuportal.wire.states import ENDED
 from gpuportal.wire.states import ReplicaState as S
 
 # What `run` and `chat` ask for when not told: a whole answer rather than the API's 16 tokens.
@@ -106,7 +107,8 @@ def cmd_ps(ctx: Talker, args: argparse.Namespace) -> int:
 def ps_table(replicas: list[dict[str, Any]]) -> Table:
     """Each replica: its model, whether it is awake, where, the GPU memory it holds, its last use.
     A failover pair holds one reservation, counted on the row of the member that holds it; the
-    other member's row names that one instead of showing the same bytes twice."""
+    other member's row names that one instead of showing the same bytes twice. A failed replica
+    holds nothing."""
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("MODEL", "REPLICA", "STATE", "ON", "GPU MEMORY", "LAST USED"):
         table.add_column(column, overflow="fold")
@@ -120,7 +122,10 @@ def ps_table(replicas: list[dict[str, Any]]) -> Table:
         held = sum((replica.get("gpu_mem_bytes_by_id") or {}).values())
         pair = replica.get("failover_state") or {}
         holder = None if pair.get("holder") else holders.get((replica.get("deployment"), pair.get("pair")))
-        memory = f"in {render.short_id(holder)}'s" if holder else render.human_bytes(held) if held else "-"
+        if state in ENDED:
+            memory = "-"
+        else:
+            memory = f"in {render.short_id(holder)}'s" if holder else render.human_bytes(held) if held else "-"
         table.add_row(
             Text(replica.get("deployment") or "?"),
             render.short_id(replica["id"]),

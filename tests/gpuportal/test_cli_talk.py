@@ -216,6 +216,8 @@ def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
     replicas = [
         {**pair, "id": "a" * 32, "state": "serving", "failover_state": {"pair": 2, "holder": True}},
         {**pair, "id": "b" * 32, "state": "standby", "gpus": [], "failover_state": {"pair": 2, "holder": False}},
+        # The active it took over from: failed, it holds nothing.
+        {**pair, "id": "9" * 32, "state": "failed", "gpus": [], "failover_state": {"pair": 2, "holder": False}},
         {**SERVING, "gpu_mem_bytes_by_id": {"0": 2 * 1024**3}, "failover_state": None},
     ]
     console = Console(file=io.StringIO(), width=200)
@@ -223,6 +225,7 @@ def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
 
     rows = [line.split()[:6] for line in console.file.getvalue().splitlines()[1:]]
     assert rows == [
+        ["duo", "99999999", "failed", "box", "-", "-"],
         ["duo", "aaaaaaaa", "serving", "box/0", "1.4", "GiB"],
         ["duo", "bbbbbbbb", "standby", "box", "in", "aaaaaaaa's"],
         ["tiny", "bbbbbbbb", "serving", "box/0", "2.0", "GiB"],
