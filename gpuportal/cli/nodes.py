@@ -80,8 +80,15 @@ class Drained:
 def drained(replicas: list[dict[str, Any]]) -> Drained:
     """Of a node's replicas, those still awake there, apart from the pairs' active members."""
     awake = [r for r in replicas if r.get("state") in states.ACTIVE]
-    kept = [r for r in awake if r.get("state") == S.SERVING and r.get("failover_state") == FailoverState.ACTIVE]
+    kept = [r for r in awake if r.get("state") == S.SERVING and _pair_state(r) == FailoverState.ACTIVE]
     return Drained([r for r in awake if r not in kept], kept)
+
+
+def _pair_state(replica: dict[str, Any]) -> str | None:
+    """A failover pair member's liveness state, as the API shows it ({"state": ..., "pair": ...});
+    None for other replicas."""
+    pair = replica.get("failover_state")
+    return pair.get("state") if isinstance(pair, dict) else None
 
 
 def wait_until_drained(

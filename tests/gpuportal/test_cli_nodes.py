@@ -121,8 +121,33 @@ def test_a_node_is_drained_when_nothing_is_awake_there_but_a_failover_pairs_acti
     assert not waiting.done and waiting.moving
     stuck = nodes.drained([replica("a", "serving")])
     assert not stuck.done and not stuck.moving
-    paired = nodes.drained([replica("a", "serving", failover_state="active"), replica("b", "standby")])
+    pair = {"pair": 1, "lease_epoch": 1}
+    paired = nodes.drained(
+        [
+            replica("a", "serving", failover_state={**pair, "state": "active", "holder": True}),
+            replica("b", "standby", failover_state={**pair, "state": "standby", "holder": False}),
+        ]
+    )
     assert paired.done and [r["id"] for r in paired.kept] == ["a"]
+
+
+@pytest.mark.django_db
+def test_a_failover_pair_as_the_api_shows_it_is_kept_serving_by_a_drain():
+    from scheduling.api.serializers import ReplicaSerializer
+    from scheduling.models import FailoverLease
+    from tests.support import factories as f
+
+    node = f.node("box")
+    dep = f.deployment("duo", failover_standby=True)
+    active = f.replica(dep, node, state="serving", failover_state="active")
+    lease = FailoverLease.objects.create(deployment=dep, holder=active, epoch=1)
+    standby = f.replica(dep, node, state="standby", failover_state="standby", lease=lease, role="standby")
+    Replica.objects.filter(pk=active.pk).update(lease=lease)
+    shown = ReplicaSerializer(Replica.objects.filter(pk__in=[active.pk, standby.pk]), many=True).data
+
+    where = nodes.drained([dict(r) for r in shown])
+
+    assert where.done and [r["id"] for r in where.kept] == [active.id]
 
 
 class Replay:
