@@ -22,6 +22,7 @@ from gpuportal.cli import config, nodes, planning, pulling, render, setting_valu
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.options import add_wait_options, non_negative_float, non_negative_int, positive_float
 from gpuportal.cli.waiting import Goal, wait_for
+from gpuportal.wire import states
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
 from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import ENDED
@@ -192,7 +193,9 @@ def cmd_wake(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, "retry"))
-    return finish(ctx, args, answer, Goal(S.SERVING, answer["replicas_wanted"], at_least=True))
+    # What it lacks serves; what sleeps was not lacking, and stays asleep.
+    lacked = Goal(S.SERVING, answer["replicas_wanted"], at_least=True, also=states.ASLEEP)
+    return finish(ctx, args, answer, lacked)
 
 
 def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:

@@ -39,9 +39,13 @@ class Goal:
     # States on their way for this goal besides those in transit: a sleeper told to sleep deeply
     # is one until its process says it is deep asleep.
     moving: frozenset[str] = frozenset()
+    # States that count towards `count` as `state` does: a retry starts what a deployment lacks,
+    # and its sleepers are not lacking.
+    also: frozenset[str] = frozenset()
 
     def describe(self) -> str:
-        return f"{'at least ' if self.at_least else ''}{self.count} {self.state}"
+        named = " or ".join([self.state, *sorted(self.also)])
+        return f"{'at least ' if self.at_least else ''}{self.count} {named}"
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def verdict(deployment: dict[str, Any], goal: Goal, failed_before: set[str]) -> 
         if deployment.get("status") == DeploymentStatus.RETRYING:
             message += f"\nthe portal tries again after a backoff: see `gpuportal ls` and `gpuportal events -d {name}`"
         return Verdict("failed", message)
-    reached = sum(1 for r in live if r.get("state") == goal.state)
+    reached = sum(1 for r in live if r.get("state") == goal.state or r.get("state") in goal.also)
     in_transit = any(r.get("state") in states.IN_TRANSIT or r.get("state") in goal.moving for r in live)
     enough = reached >= goal.count if goal.at_least else reached == goal.count
     if enough and not in_transit:

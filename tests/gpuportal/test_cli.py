@@ -437,6 +437,20 @@ def test_a_wait_away_from_a_terminal_prints_each_change_of_state_once():
     ]
 
 
+def test_a_retry_is_done_once_what_was_lacking_serves_and_its_sleepers_count_as_there():
+    lacked = waiting.Goal("serving", 2, at_least=True, also=frozenset({"sleeping", "deep_sleeping"}))
+
+    slept = deployment(replica("a", "sleeping"), replica("b", "deep_sleeping"))
+    assert waiting.verdict(slept, lacked, set()).outcome == "done", "nothing lacked: nothing to wait for"
+    loading = deployment(replica("a", "sleeping"), replica("b", "loading"))
+    assert waiting.verdict(loading, lacked, set()).outcome == "waiting"
+    short = waiting.verdict(deployment(replica("a", "sleeping")), lacked, set())
+    assert (short.outcome, short.message) == (
+        "stalled",
+        "tiny: 1 sleeping, wanted at least 2 serving or deep_sleeping or sleeping, nothing on its way",
+    )
+
+
 def test_two_waits_of_one_command_print_each_state_of_a_replica_once():
     # `sleep --deep`: a wait for the sleep, then one for the deep sleep from where the first ended.
     console = Console(file=io.StringIO(), width=200)
