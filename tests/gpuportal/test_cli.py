@@ -31,6 +31,7 @@ from gpuportal.cli import app, config, planning, render, waiting
 from gpuportal.cli.client import CliError, api_message
 from gpuportal.stack import free_port
 from tests.support import privacy
+from tests.support.api_shapes import shaped
 from tests.support.processes import wait_until
 from tests.support.up import PASSWORD, ROOT, Up, env_without_servers
 
@@ -295,24 +296,27 @@ def test_a_memory_bar_shows_used_within_reserved_then_free():
 
 
 def gpu(**fields: Any) -> dict[str, Any]:
-    return {
-        "id": 7,
-        "node": "box",
-        "index": 0,
-        "product": "H100",
-        "virtual": False,
-        "total_bytes": 4 * 1024**3,
-        "available_bytes": 3 * 1024**3,
-        "reserved_bytes": 1024**3,
-        "nvml_free_bytes": 3 * 1024**3 + 512 * 1024**2,
-        "overcommit_bytes": 0,
-        "health": "ok",
-        "occupants": [
-            {"replica": "a" * 32, "deployment": "tiny", "state": "serving", "reserved_bytes": 1024**3, "since": ""}
-        ],
-        "intents": [],
-        **fields,
-    }
+    return shaped(
+        "GPU",
+        {
+            "id": 7,
+            "node": "box",
+            "index": 0,
+            "product": "H100",
+            "virtual": False,
+            "total_bytes": 4 * 1024**3,
+            "available_bytes": 3 * 1024**3,
+            "reserved_bytes": 1024**3,
+            "nvml_free_bytes": 3 * 1024**3 + 512 * 1024**2,
+            "overcommit_bytes": 0,
+            "health": "ok",
+            "occupants": [
+                {"replica": "a" * 32, "deployment": "tiny", "state": "serving", "reserved_bytes": 1024**3, "since": ""}
+            ],
+            "intents": [],
+            **fields,
+        },
+    )
 
 
 def test_a_gpu_shows_its_database_id_its_bar_figures_and_occupants():
@@ -325,17 +329,28 @@ def test_a_gpu_shows_its_database_id_its_bar_figures_and_occupants():
 
 
 def replica(id_: str, state: str, **fields: Any) -> dict[str, Any]:
-    return {"id": id_, "state": state, "node": "box", "gpus": [0], "progress": None, "failure_reason": "", **fields}
+    fields = {"id": id_, "state": state, "node": "box", "gpus": [0], "progress": None, "failure_reason": "", **fields}
+    return shaped("Replica", fields)
 
 
 def deployment(*replicas: dict[str, Any], status: str = "ok", wanted: int = 1) -> dict[str, Any]:
-    return {
-        "name": "tiny",
-        "status": status,
-        "failed_reason": "",
-        "replicas_wanted": wanted,
-        "replicas": list(replicas),
-    }
+    return shaped(
+        "Deployment",
+        {"name": "tiny", "status": status, "failed_reason": "", "replicas_wanted": wanted, "replicas": list(replicas)},
+    )
+
+
+def test_an_answer_built_here_in_a_shape_the_api_never_gives_is_refused_naming_each_field():
+    # What kept `node drain`'s test passing while the command failed against the portal.
+    with pytest.raises(AssertionError) as refused:
+        replica("a" * 32, "servin", failover_state="active", gpus="0")
+    assert str(refused.value).splitlines()[1:] == [
+        "failover_state: 'active' is not valid under any of the given schemas",
+        "gpus: '0' is not of type 'array'",
+        "state: 'servin' is not one of ['pending', 'loading', 'serving', 'draining', 'sleeping', 'waking', "
+        "'standby', 'stopping', 'stopped', 'failed', 'parked', 'deep_sleeping']",
+    ]
+    assert replica("a" * 32, "serving", failover_state={"state": "active", "pair": 1, "holder": True})
 
 
 def test_ls_lists_deployments_and_their_live_replicas_not_the_stopped_ones():

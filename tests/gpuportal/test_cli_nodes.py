@@ -19,6 +19,7 @@ from gpuportal.cli import app, nodes, render
 from gpuportal.cli.client import CliError
 from scheduling.models import Node, Replica
 from scheduling.services import reports
+from tests.support.api_shapes import shaped
 from tests.support.deployments import body, serve
 from tests.support.processes import wait_until
 
@@ -112,7 +113,9 @@ def test_drain_without_waiting_returns_at_once_saying_what_happens(
 
 
 def replica(id_: str, state: str, **more: Any) -> dict[str, Any]:
-    return {"id": id_, "deployment": "tiny", "state": state, "node": "box", "gpu_indexes": [0], **more}
+    return shaped(
+        "Replica", {"id": id_, "deployment": "tiny", "state": state, "node": "box", "gpu_indexes": [0], **more}
+    )
 
 
 def test_a_node_is_drained_when_nothing_is_awake_there_but_a_failover_pairs_active_member():
@@ -186,9 +189,9 @@ def test_a_drain_that_runs_out_of_time_says_where_the_node_stands():
 
 def test_a_nodes_row_names_other_tenants_apart_from_its_warm_spare():
     node = {"name": "box", "status": "online", "heartbeat_age_s": 125.0, "gpu_count": 1, "virtual": False}
-    node |= {"host_cache_used_bytes": 0, "host_cache_budget_bytes": 8 << 30}
+    node = shaped("Node", node | {"host_cache_used_bytes": 0, "host_cache_budget_bytes": 8 << 30})
     gpu = {"node": "box", "total_bytes": 80 << 30, "reserved_bytes": 10 << 30}
-    gpu |= {"foreign_bytes": 3 << 30, "spare_bytes": 1 << 30}
+    gpu = shaped("GPU", gpu | {"foreign_bytes": 3 << 30, "spare_bytes": 1 << 30})
     out = io.StringIO()
     Console(file=out, width=200).print(render.nodes_table([node], [gpu], [replica("a", "serving")]))
 

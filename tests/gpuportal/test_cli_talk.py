@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from gpuportal.cli import app
+from tests.support.api_shapes import shaped
 
 SERVING = {"id": "b" * 32, "deployment": "tiny", "state": "serving", "node": "box", "gpu_indexes": [0]}
 
@@ -68,6 +69,7 @@ class FakePortal(ThreadingHTTPServer):
                     self._json(200, {"data": vectors[::-1]})
                 elif self.path == "/api/deployments/":
                     deployment = {"name": body["name"], "replicas_wanted": 1, "replicas": [SERVING]}
+                    deployment = shaped("Deployment", deployment)
                     portal.deployed[body["name"]] = deployment
                     self._json(201, deployment)
 
@@ -79,6 +81,7 @@ class FakePortal(ThreadingHTTPServer):
                         {**SERVING, "id": "c" * 32, "deployment": "big", "state": "sleeping", "node": "box"},
                         {**SERVING, "id": "d" * 32, "state": "stopped"},
                     ]
+                    replicas = [shaped("Replica", r) for r in replicas]
                     self._json(200, {"results": replicas, "next": None})
                     return
                 name = self.path.removeprefix("/api/deployments/").strip("/")
@@ -213,13 +216,15 @@ def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
     from gpuportal.cli.talk import ps_table
 
     pair = {"deployment": "duo", "node": "box", "gpus": [0], "gpu_mem_bytes_by_id": {"0": 1400 * 1024**2}}
+    member = {"pair": 2, "lease_epoch": 2}
     replicas = [
-        {**pair, "id": "a" * 32, "state": "serving", "failover_state": {"pair": 2, "holder": True}},
-        {**pair, "id": "b" * 32, "state": "standby", "gpus": [], "failover_state": {"pair": 2, "holder": False}},
+        {**pair, "id": "a" * 32, "state": "serving", "failover_state": {**member, "state": "active", "holder": True}},
+        {**pair, "id": "b" * 32, "state": "standby", "gpus": [], "failover_state": {**member, "holder": False}},
         # The active it took over from: failed, it holds nothing.
-        {**pair, "id": "9" * 32, "state": "failed", "gpus": [], "failover_state": {"pair": 2, "holder": False}},
+        {**pair, "id": "9" * 32, "state": "failed", "gpus": [], "failover_state": {**member, "holder": False}},
         {**SERVING, "gpu_mem_bytes_by_id": {"0": 2 * 1024**3}, "failover_state": None},
     ]
+    replicas = [shaped("Replica", r) for r in replicas]
     console = Console(file=io.StringIO(), width=200)
     console.print(ps_table(replicas))
 

@@ -20,6 +20,7 @@ from scheduling.models import Deployment, Event, Replica
 from scheduling.services import autoscaling, queueing, scaling
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
+from tests.support.api_shapes import shaped
 from tests.support.deployments import body, invariant_holds
 
 POLICY = Policy(min_replicas=1, max_replicas=4, target_in_flight=2, down_after_s=60)
@@ -406,11 +407,14 @@ def test_the_command_line_shows_what_the_autoscaler_last_measured_below_the_boun
     auto = {"max_replicas": 4, "min_replicas": 1, "target_in_flight": 4.0, "down_after_s": 300.0}
     measured = {"in_flight": 9, "wanted": 3, "age_s": 2.0}
 
-    assert render.autoscale_text({"replicas_wanted": 2, "autoscale": {**auto, "load": measured}}) == (
+    def shown(load: dict | None) -> str:
+        return render.autoscale_text(shaped("Deployment", {"replicas_wanted": 2, "autoscale": {**auto, "load": load}}))
+
+    assert shown(measured) == (
         "autoscaled between 1 and 4 replicas, 4 requests in flight each; fewer after 300 s\n"
         "last measured 2 s ago: 9 request(s) in flight, wanting 3 replica(s); 2 set"
     )
-    assert render.autoscale_text({"replicas_wanted": 2, "autoscale": {**auto, "load": None}}).count("\n") == 0
+    assert shown(None).count("\n") == 0
 
 
 def test_ls_shows_an_autoscaled_deployments_bounds_beside_its_count():
@@ -432,7 +436,7 @@ def test_ls_shows_an_autoscaled_deployments_bounds_beside_its_count():
         },
     ]
     out = io.StringIO()
-    Console(file=out, width=200).print(render.deployments_table(deployments))
+    Console(file=out, width=200).print(render.deployments_table([shaped("Deployment", d) for d in deployments]))
 
     rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
     assert "0/2 (auto 1–4)" in rows["auto"]
