@@ -25,6 +25,7 @@ from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import states
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
 from gpuportal.wire.deployment_spec import Setting
+from gpuportal.wire.pages import MAX_PAGE_SIZE
 from gpuportal.wire.states import ENDED
 from gpuportal.wire.states import ReplicaState as S
 
@@ -312,7 +313,9 @@ def cmd_logs(
     ctx.out.print(head)
     if replica.get("failure_reason"):
         ctx.out.print(Text(f"failure: {replica['failure_reason']}", style="red"))
-    answer = ctx.client.get("/api/events/", {"replica": replica["id"], "page_size": max(1, args.tail)})
+    answer = ctx.client.get(
+        "/api/events/", {"replica": replica["id"], "page_size": min(MAX_PAGE_SIZE, max(1, args.tail))}
+    )
     events = list(reversed(answer.get("results", [])))[-args.tail :] if args.tail else []
     for event in events:
         ctx.out.print(render.event_line(event))
@@ -427,7 +430,7 @@ def cmd_events(
     until Ctrl-C. `polls` bounds the following, for tests."""
     filters = event_filters(args)
     try:
-        answer = ctx.client.get("/api/events/", {**filters, "page_size": max(1, args.tail)})
+        answer = ctx.client.get("/api/events/", {**filters, "page_size": min(MAX_PAGE_SIZE, max(1, args.tail))})
         latest = answer.get("results", [])
         for event in reversed(latest[: args.tail] if args.tail else []):
             ctx.out.print(render.event_line(event))

@@ -10,6 +10,8 @@ from typing import Any
 
 import requests
 
+from gpuportal.wire.pages import MAX_PAGE_SIZE
+
 # A deploy waits for a node agent to read the model's files: give it more than a read needs.
 TIMEOUT_S = 60.0
 
@@ -143,7 +145,7 @@ class Client:
     def delete(self, path: str, params: dict | None = None) -> Any:
         return self.request("DELETE", path, params=params)
 
-    def pages(self, path: str, params: dict | None = None, *, page_size: int = 1000) -> Iterator[dict]:
+    def pages(self, path: str, params: dict | None = None, *, page_size: int = MAX_PAGE_SIZE) -> Iterator[dict]:
         """Every result of a paginated list, page after page. By page number rather than the
         answer's `next` link: that link names the host as the server saw it (behind a proxy, not
         the one this client can reach)."""

@@ -16,6 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import user_from_header
+from gpuportal.wire.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import bodies, idempotency
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
@@ -301,7 +302,9 @@ class RequestFilters(serializers.Serializer):
     deployment = serializers.SlugField(max_length=100, required=False)
     status = serializers.ChoiceField(choices=STATUSES, required=False)
     page = serializers.IntegerField(min_value=1, max_value=10_000, required=False, default=1)
-    page_size = serializers.IntegerField(min_value=1, max_value=1000, required=False, default=100)
+    page_size = serializers.IntegerField(
+        min_value=1, max_value=MAX_PAGE_SIZE, required=False, default=DEFAULT_PAGE_SIZE
+    )
 
 
 class RequestPageSerializer(serializers.Serializer):

@@ -406,6 +406,35 @@ def test_events_come_newest_first_and_filter(api: APIClient) -> None:
     assert ids("?since=2000-01-01T00:00:00Z&node=n2") == [new.pk]
 
 
+@pytest.mark.parametrize("url", LIST_ENDPOINTS)
+@pytest.mark.parametrize(
+    ("query", "parameter", "message"),
+    [
+        ("page_size=abc", "page_size", "A valid integer is required."),
+        ("page_size=0", "page_size", "Ensure this value is greater than or equal to 1."),
+        ("page_size=5000", "page_size", "Ensure this value is less than or equal to 1000."),
+        ("page=abc", "page", "A valid integer is required."),
+        ("page=0", "page", "Ensure this value is greater than or equal to 1."),
+    ],
+)
+def test_a_page_or_page_size_out_of_bounds_is_a_400_naming_it_not_a_silent_default(
+    api: APIClient, url: str, query: str, parameter: str, message: str
+) -> None:
+    response = api.get(f"{url}?{query}")
+    assert (response.status_code, response.json()) == (400, {parameter: [message]})
+
+
+def test_a_page_in_bounds_is_that_page_and_one_past_the_last_is_a_404(api: APIClient) -> None:
+    for kind in (Event.Kind.NODE_ONLINE, Event.Kind.GPU_RESERVED, Event.Kind.REPLICA_STATE):
+        f.event(kind)
+
+    second = api.get("/api/events/?page_size=2&page=2").json()
+    assert second["count"] == 3 and len(second["results"]) == 1 and second["next"] is None
+    assert api.get("/api/events/?page_size=2&page=last").json()["results"] == second["results"]
+    assert api.get("/api/events/?page_size=1000").status_code == 200
+    assert api.get("/api/events/?page_size=2&page=3").status_code == 404
+
+
 def test_events_reject_a_bad_since_naming_the_field(api: APIClient) -> None:
     response = api.get("/api/events/?since=yesterday")
     assert response.status_code == 400
