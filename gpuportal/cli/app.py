@@ -91,16 +91,22 @@ def cmd_login(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
-# The settings `deploy` takes as arguments of their own: --set may not give them a second time.
-DEPLOY_FLAGS = {"source": "SOURCE", "loader": "--loader", "dtype": "--dtype", "replicas": "--replicas"}
-DEPLOY_FLAGS |= {"max_tokens": "--max-tokens"}
+# The settings `deploy` takes as arguments of their own, each named as it is given there (and
+# stored under the setting's name): --set may not give them a second time.
+DEPLOY_FLAGS = {
+    "source": "SOURCE",
+    "loader": "--loader",
+    "dtype": "--dtype",
+    "replicas": "--replicas",
+    "max_tokens": "--max-tokens",
+}
 
 
 def deploy_body(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the operator gave: the API fills in its own defaults for the rest. The replica
     count is always sent: --replicas, --set replicas=N, or the spec's default."""
     given = setting_values.parse_assignments(getattr(args, "set", None) or [], "deploy", changing=False)
-    flags = {"loader": args.loader, "dtype": args.dtype, "replicas": args.replicas, "max_tokens": args.max_tokens}
+    flags = {name: getattr(args, name) for name in DEPLOY_FLAGS if name != "source"}
     for setting, _ in given:
         if setting.name == "source" or flags.get(setting.name) is not None:
             raise CliError(f"deploy: {setting.path} is given by {DEPLOY_FLAGS[setting.name]}: not by --set too")
