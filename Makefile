@@ -18,16 +18,24 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python manage.py up $(ARGS)
 
+# The project's modules compiled once, before the suite: where PYTHONDONTWRITEBYTECODE is set
+# (as it is on the machines this suite runs on here), no process writes the bytecode it compiles, and each of the hundreds of
+# processes the suite starts (agents, workers, `up` and its children) compiled the project again:
+# 6 of the 29 CPU-s of an `up` started and stopped on a slow 2-core machine (BENCHMARKS.md).
+COMPILE := $(BIN)/python -m compileall -q -j 0 gpuportal scheduling inference bench tests manage.py
+
 # Three processes, whole files each (tests/conftest.py orders them), even on two cores: most tests
 # wait on the processes they start (an agent's registration, a replica's load, a heartbeat), and a
 # third file runs meanwhile; on this 2-core machine that was a fifth less time than two.
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(COMPILE)
 	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder $(ARGS)
 
 # The suite as `make test` runs it, recording each file's time in tests/durations.json: the order
 # in which `make test` hands files out, the longest first (tests/support/durations.py).
 durations: $(STAMP)
+	$(COMPILE)
 	$(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --record-durations $(ARGS)
 
 # The inner loop: the tests that start no process (those not marked `slow`, which
