@@ -552,16 +552,32 @@ class ReplicaHost:
             from gpuportal.wire import memory
             from inference.loaders import weight_allocation_bytes
 
-            first = str(self.placement.gpus[0])
             activation = self.footprint.activation_bytes if self.footprint is not None else 0
             pool = 2 * memory.allocation_bytes(self.pool_bytes // 2)  # K and V, one allocation each
             working = max(0, activation - (pool - self.pool_bytes))
             wanted = weight_allocation_bytes(self.model) + pool + working
-            # The allocator never holds more than its cap (set_per_process_memory_fraction): what it
-            # may take is the reservation less what sits beside it, the context(s) above all.
-            cap = self.placement.reserved_total - self._outside_allocator()
-            held[first] += max(0, min(wanted, cap))
+            for gpu, nbytes in self._spread_over_gpus(wanted).items():
+                held[gpu] += nbytes
         return held
+
+    def _spread_over_gpus(self, nbytes: int) -> dict[str, int]:
+        """What the allocator holds of `nbytes` on each GPU of a virtual placement: on one GPU, all
+        of it; over several, as accelerate's balanced device map lays a model over them (in
+        proportion to each GPU's room). Never past a GPU's room: its reservation, less what sits
+        beside the allocator (the context(s), on the first GPU), which a real allocator never takes
+        (set_per_process_memory_fraction, max_memory). Counting a two-GPU replica's every byte on
+        its first GPU, as this model once did, showed that GPU twice over-committed."""
+        first = str(self.placement.gpus[0])
+        rooms = {
+            gpu: max(0, reserved - (self._outside_allocator() if gpu == first else 0))
+            for gpu, reserved in self.placement.reserved_bytes_by_gpu.items()
+        }
+        room = sum(rooms.values())
+        nbytes = max(0, min(nbytes, room))
+        spread = {gpu: nbytes * share // room if room else 0 for gpu, share in rooms.items()}
+        # What the integer shares leave (a few bytes) goes where the first GPU's room allows.
+        spread[first] += min(nbytes - sum(spread.values()), rooms[first] - spread[first])
+        return spread
 
     def _allocate_pool(self) -> None:
         """Compose the footprint from measured parts, then size the KV pool inside the reservation
@@ -594,7 +610,7 @@ class ReplicaHost:
         self.footprint = self._compose_footprint(shape, weights, context, overhead)
         if shape is None:
             return
-        reason = unsupported_reason(self.model)
+        reason = unsupported_reason(self.model) or self._spread_reason()
         if reason is not None:
             log.warning("%s: no KV block pool (%s); generating with transformers' own cache", self.replica_id, reason)
             return
@@ -631,6 +647,15 @@ class ReplicaHost:
             pool.capacity_tokens,
             self.footprint.describe(),
         )
+
+    def _spread_reason(self) -> str | None:
+        """Why a model on virtual GPUs is not paged though its parameters are all on one device:
+        over several GPUs, a real one's device map spreads it (CudaBackend.load), and the paged
+        engine serves a model on one device only (inference.paged.unsupported_reason). The CPU
+        suite then serves it as a GPU would, with transformers' own cache and no pool."""
+        if isinstance(self.backend, VirtualBackend) and len(self.placement.gpus) > 1:
+            return f"the model is spread over GPUs {list(self.placement.gpus)}"
+        return None
 
     def _compose_footprint(self, shape: ModelShape | None, weights: int, context: int, overhead: int) -> MemoryEstimate:
         """What this replica holds serving at max_tokens, from its measured parts."""

@@ -82,9 +82,11 @@ def host(
     context: int = H100_CONTEXT_BYTES,
     standby_context: int = 0,
     max_tokens: int = MAX_TOKENS,
+    over: dict[str, int] | None = None,
 ) -> tuple[ReplicaHost, io.StringIO]:
     """A replica host in this process on a virtual GPU with the H100's accounting; the spec's
-    contexts are what the scheduler counted (tasks.spec_for)."""
+    contexts are what the scheduler counted (tasks.spec_for). `over`: several GPUs instead, their
+    reservations by GPU id (whole GPUs, as placement gives them: no fraction)."""
     out = io.StringIO()
     return (
         ReplicaHost(
@@ -92,7 +94,11 @@ def host(
             source=str(model_dir),
             loader="transformers",
             dtype="float32",
-            placement=Placement.parse([gpu], {str(gpu): reserved}, 0.5),
+            placement=(
+                Placement.parse(sorted(map(int, over)), over, None)
+                if over
+                else Placement.parse([gpu], {str(gpu): reserved}, 0.5)
+            ),
             backend=VirtualBackend(VirtualProfile()),
             events=EventWriter(out),
             kv_max_tokens=max_tokens,
@@ -388,6 +394,48 @@ def test_a_replica_slept_and_woken_on_a_virtual_gpu_holds_no_more_than_the_sched
         assert gpu.overcommit_bytes == 0
         replica.sleep(0)
     assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+
+
+def test_a_replica_over_two_whole_virtual_gpus_holds_its_share_within_each_and_raises_no_overcommit(db, llm_dir):
+    """A model too big for one GPU gets whole GPUs (scheduling.core.placement). On real ones the
+    device map spreads it over them, so it is not paged and each GPU holds a share. The virtual
+    GPU once counted the whole process on the first: that GPU twice over its reservation, a
+    `gpu.overcommit` every beat, and the deployment's need raised to both GPUs' total."""
+    nodes.register_node("n1", virtual_gpus("n1", "2x2GiB"), virtual=True)
+    gpus = list(GPU.objects.order_by("index"))
+    whole = {str(gpu.index): gpu.total_bytes for gpu in gpus}
+    replica, out = host(llm_dir, 0, over=whole)
+    replica.load()
+
+    serving = last(out, "serving")
+    assert replica.paged is None and serving["kv"] is None, "served as a spread model is: no pool"
+    held = serving["process_bytes_by_id"]
+    assert held.keys() == whole.keys() and all(0 < held[g] <= whole[g] for g in held), held
+    # Every byte counted once: the context on the first GPU, the weights and the working set shared
+    # in proportion to each GPU's room beside it.
+    allocator = weight_allocation_bytes(replica.model) + replica.footprint.activation_bytes
+    assert sum(held.values()) == H100_CONTEXT_BYTES + allocator
+    rooms = {"0": whole["0"] - H100_CONTEXT_BYTES, "1": whole["1"]}
+    assert held["1"] == allocator * rooms["1"] // sum(rooms.values())
+
+    dep = factories.deployment("wide", memory_measured_bytes=serving["need_bytes"])
+    row = factories.replica(dep, gpus[0].node, state=Replica.State.SERVING, gpu_mem_bytes_by_id=whole)
+    for gpu in gpus:
+        factories.occupy(row, gpu, gpu.total_bytes)
+    nodes.heartbeat("n1", books=Books(usage={row.id: held}))
+    assert not Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT).exists()
+    assert [gpu.overcommit_bytes for gpu in GPU.objects.order_by("index")] == [0, 0]
+    dep.refresh_from_db()
+    assert dep.observed.memory_measured_bytes == serving["need_bytes"], "the need is not raised"
+
+
+def test_a_virtual_replica_over_two_gpus_never_holds_more_than_either_reservation_leaves_it(llm_dir):
+    # Reservations too small for the working set: each GPU's allocator stops at its room, as a
+    # real one's cap and max_memory stop it; the context alone sits beside it on the first GPU.
+    reserved = {"0": H100_CONTEXT_BYTES + 8 * MiB, "1": 8 * MiB}
+    replica, out = host(llm_dir, 0, over=reserved)
+    replica.load()
+    assert last(out, "serving")["process_bytes_by_id"] == reserved
 
 
 def test_a_figure_reported_before_a_state_change_is_not_held_against_the_new_state(db):
