@@ -58,14 +58,26 @@ def api_message(status: int, body: Any, reason: str = "") -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
         return str(body["error"]["message"])  # /v1's answers, in OpenAI's shape
     if isinstance(body, dict) and "detail" in body:
-        lines = [str(body["detail"])]
+        detail = str(body["detail"])
         reasons = body.get("reasons")
-        if isinstance(reasons, dict):
-            lines.extend(f"  {where}: {why}" for where, why in reasons.items())
-        return "\n".join(lines)
+        if not isinstance(reasons, dict) or not reasons:
+            return detail
+        said = [f"{where}: {why}" for where, why in reasons.items()]
+        return "\n".join([_without(detail, said), *(f"  {line}" for line in said)])
     if isinstance(body, (dict, list)) and body:
         return "\n".join(field_errors(body))
     return f"HTTP {status} {reason}".rstrip()
+
+
+def _without(detail: str, said: list[str]) -> str:
+    """A refusal's detail less the per-node reasons it spells out (a placement's does, on one line)
+    when the lines below give each once: what comes before the first and after the last."""
+    found = [(detail.find(line), line) for line in said]
+    if any(at < 0 for at, _ in found):
+        return detail
+    first = min(at for at, _ in found)
+    end = max(at + len(line) for at, line in found)
+    return " ".join(part for part in (detail[:first].rstrip(" :;"), detail[end:].strip(" ;")) if part)
 
 
 class Client:

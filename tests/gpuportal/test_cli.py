@@ -44,6 +44,17 @@ def test_a_detail_is_the_message_and_a_placement_refusal_names_each_node():
     assert api_message(404, {"detail": "no deployment named 'nope'"}) == "no deployment named 'nope'"
     refused = {"detail": "no node can host 1 replica", "reasons": {"box": "needs 3 GiB, 1 GiB free"}}
     assert api_message(409, refused) == "no node can host 1 replica\n  box: needs 3 GiB, 1 GiB free"
+    # A placement's detail spells its reasons out on one line: each is said once, on a line of its own,
+    # and what the detail says besides them stays.
+    spelled = {
+        "detail": "cannot place big (8.9 GiB): a: no room; b: draining (not counting c: another wake holds its lock)",
+        "reasons": {"a": "no room", "b": "draining"},
+    }
+    assert api_message(409, spelled).splitlines() == [
+        "cannot place big (8.9 GiB) (not counting c: another wake holds its lock)",
+        "  a: no room",
+        "  b: draining",
+    ]
 
 
 def test_field_errors_name_each_field_as_the_request_body_nests_it():
