@@ -87,6 +87,10 @@ def placement(replica: dict[str, Any]) -> str:
         return "-"
     # gpu_indexes: on its node, as NODE/INDEX names a GPU everywhere else (gpus: older portals).
     gpus = replica.get("gpu_indexes", replica.get("gpus")) or []
+    if not gpus and replica.get("state") == S.STANDBY:
+        # A standby reserves nothing of its own (its context is in its pair's reservation), but its
+        # process sits on the GPUs it would take over: those its reservation names.
+        gpus = sorted(int(g) for g in replica.get("gpu_mem_bytes_by_id") or {})
     return f"{node}/{'+'.join(str(g) for g in gpus)}" if gpus else node
 
 

@@ -232,7 +232,7 @@ def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
     assert rows == [
         ["duo", "99999999", "failed", "box", "-", "-"],
         ["duo", "aaaaaaaa", "serving", "box/0", "1.4", "GiB"],
-        ["duo", "bbbbbbbb", "standby", "box", "in", "aaaaaaaa's"],
+        ["duo", "bbbbbbbb", "standby", "box/0", "in", "aaaaaaaa's"],  # beside it, on the GPU it would take
         ["tiny", "bbbbbbbb", "serving", "box/0", "2.0", "GiB"],
     ]
 
