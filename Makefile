@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python manage.py up $(ARGS)
 
-# The project's modules compiled once, before the suite: where PYTHONDONTWRITEBYTECODE is set
-# (as it is on the machines this suite runs on here), no process writes the bytecode it compiles, and each of the hundreds of
-# processes the suite starts (agents, workers, `up` and its children) compiled the project again:
-# 6 of the 29 CPU-s of an `up` started and stopped on a slow 2-core machine (BENCHMARKS.md).
+# The project's modules compiled once, before the suite: where PYTHONDONTWRITEBYTECODE is set (as
+# on the machines this suite runs on here), no process writes the bytecode it compiles, and each of
+# the hundreds of processes the suite starts (agents, workers, `up` and its children) compiled the
+# project again: 6 of the 29 CPU-s of an `up` started and stopped on a slow 2-core machine
+# (BENCHMARKS.md).
 COMPILE := $(BIN)/python -m compileall -q -j 0 gpuportal scheduling inference bench tests manage.py
 
 # Three processes, whole files each (tests/conftest.py orders them), even on two cores: most tests
