@@ -270,23 +270,27 @@ class NodeAgent:
         if not epochs:
             return registered
         epoch = max(epochs)
-        self._renew_unregistered(epoch)
+        if not self._renew_unregistered(epoch):
+            return registered
 
         def hold() -> None:
+            # Until registered, or written off: a lease refused once is refused at every beat after.
             while not registered.wait(self.heartbeat_s) and not self._stop.is_set():
-                self._renew_unregistered(epoch)
+                if not self._renew_unregistered(epoch):
+                    return
 
         threading.Thread(target=hold, name=f"lease-{self.name}-registering", daemon=True).start()
         return registered
 
-    def _renew_unregistered(self, epoch: int) -> None:
-        """One renewal before registration, under `epoch`. A written-off node is only told: the
-        registration that follows says what the control plane keeps of it."""
+    def _renew_unregistered(self, epoch: int) -> bool:
+        """One renewal before registration, under `epoch`; False once the node has been written off
+        (its epoch moved on), which is only told: the registration that follows says what the
+        control plane keeps of it. Redis unreachable is not that: the next beat tries again."""
         try:
             current = node_lease.renew(replies.client(settings.REDIS_URL), self.name, self._lease_ttl_s(), epoch)
         except redis.RedisError as err:
             log.warning("cannot hold node %s's lease while it registers (Redis: %s)", self.name, err)
-            return
+            return True
         if current > epoch:
             log.info(
                 "node %s was written off while its agent was away (epoch %d, its replicas' %d): not holding its lease",
@@ -294,6 +298,8 @@ class NodeAgent:
                 current,
                 epoch,
             )
+            return False
+        return True
 
     def _lease_ttl_s(self) -> float:
         return node_lease.ttl_s(
