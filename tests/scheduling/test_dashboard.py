@@ -216,7 +216,10 @@ def test_it_shows_intents_wake_locks_pairs_and_deployment_figures(admin_client) 
     gpu.wake_lock_holder, gpu.wake_lock_expires_at = waiting, timezone.now()
     gpu.save(update_fields=["wake_lock_holder", "wake_lock_expires_at"])
     lease = FailoverLease.objects.create(deployment=dep, holder=active, epoch=7)
-    f.replica(dep, node, state="standby", failover_state="standby", lease=lease, role="standby")
+    standby = f.replica(
+        dep, node, state="standby", failover_state="standby", lease=lease, role="standby",
+        gpu_mem_bytes_by_id={"0": 518 * 1024**2},
+    )  # fmt: skip
     Replica.objects.filter(pk=active.pk).update(lease=lease)
 
     body = admin_client.get(FRAGMENT).content.decode()
@@ -225,6 +228,10 @@ def test_it_shows_intents_wake_locks_pairs_and_deployment_figures(admin_client) 
     assert "Wake locks" in body and "No GPU is locked" not in body
     assert "tiny-a#0" in body and "<td>7</td>" in body and "standby/standby" in body
     assert 'data-deployment="tiny-a"' in body and "serving 1" in body and "waking 1" in body
+    # The standby reserves nothing of its own, and is shown on the GPU its process sits on.
+    row = body[body.index(f'data-replica="{standby.id}"') :]
+    row = row[: row.index("</tr>")]
+    assert "<td>node1/0</td>" in row, row
 
 
 def test_a_failed_or_retrying_deployment_says_so(admin_client) -> None:
