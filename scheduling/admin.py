@@ -326,7 +326,7 @@ class ReplicaAdmin(ReadOnlyAdmin):
     def get_changelist_instance(self, request: HttpRequest):
         # The page's KV figures in one Redis round trip, rather than one per row.
         changelist = super().get_changelist_instance(request)
-        found = selectors.kv_stats([r.id for r in changelist.result_list])
+        found = selectors.kv_figures(changelist.result_list)
         for replica in changelist.result_list:
             replica.kv_figures = found.get(replica.id)
         return changelist
@@ -334,7 +334,7 @@ class ReplicaAdmin(ReadOnlyAdmin):
     @admin.display(description="KV blocks used")
     def kv_blocks(self, obj: Replica) -> str:
         # Set for a whole page by get_changelist_instance; read alone elsewhere.
-        stats = obj.kv_figures if hasattr(obj, "kv_figures") else selectors.kv_stats([obj.id]).get(obj.id)
+        stats = obj.kv_figures if hasattr(obj, "kv_figures") else selectors.kv_figures([obj]).get(obj.id)
         if stats is None:
             return "–"
         return f"{stats.get('blocks_used', 0)} / {stats.get('blocks_total', 0)} (peak {stats.get('blocks_peak', 0)})"

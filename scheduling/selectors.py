@@ -10,6 +10,7 @@ from typing import Any
 
 from django.db.models import Count, Prefetch, QuerySet
 
+from gpuportal.wire import states
 from scheduling.models import (
     ACTIVE_INTENT_STATUSES,
     GPU,
@@ -106,6 +107,12 @@ def events(
     if since is not None:
         qs = qs.filter(time__gte=since)
     return qs
+
+
+def kv_figures(replicas: Iterable[Replica]) -> dict[str, dict[str, Any]]:
+    """The KV pool figures of those of `replicas` that hold their weights (serving or draining): a
+    replica gone to sleep has freed its pool, though what it last published has yet to expire."""
+    return kv_stats(r.id for r in replicas if r.state in states.HOLDING_WEIGHTS)
 
 
 def kv_stats(replica_ids: Iterable[str]) -> dict[str, dict[str, Any]]:

@@ -205,7 +205,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
         batch = [obj] if listed is None else list(listed)
         known: dict[str, dict[str, Any] | None] = self.context.setdefault("_kv", {})
         if obj.id not in known:
-            found = selectors.kv_stats([r.id for r in batch])
+            found = selectors.kv_figures(batch)
             known.update({r.id: found.get(r.id) for r in batch})
         return known.get(obj.id)
 

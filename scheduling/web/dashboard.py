@@ -310,8 +310,7 @@ def context(request: HttpRequest) -> dict[str, Any]:
     replicas = list(
         selectors.replicas().exclude(state=Replica.State.STOPPED).order_by("deployment__name", "created_at")
     )
-    awake = [r.id for r in replicas if r.state in (Replica.State.SERVING, Replica.State.DRAINING)]
-    kv = selectors.kv_stats(awake)
+    kv = selectors.kv_figures(replicas)
     why = selectors.state_reasons(r.id for r in replicas)
     for replica in replicas:
         replica.kv = kv.get(replica.id)

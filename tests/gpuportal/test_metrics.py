@@ -131,7 +131,8 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     redis = Redis.from_url(settings.REDIS_URL)
     figures = {"block_tokens": 16, "blocks_total": 512, "blocks_used": 40, "blocks_peak": 64, "allocations": 9}
     kvstats.publish(redis, serving.id, {**figures, "frees": 5, "utilisation": 40 / 512})
-    redis.delete(kvstats.kv_key(asleep.id))
+    # What the sleeper published while it served has yet to expire: its pool is gone all the same.
+    kvstats.publish(redis, asleep.id, {**figures, "blocks_used": 7, "blocks_peak": 9})
 
     samples = scrape()
     labels = (("deployment", "tiny"), ("replica", serving.id))
@@ -144,7 +145,8 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     api.force_authenticate(User.objects.create_user("viewer"))
     assert api.get(f"/api/replicas/{serving.id}/").json()["kv"]["blocks_used"] == 40
     assert api.get(f"/api/replicas/{asleep.id}/").json()["kv"] is None
-    assert "40 / 512 (peak 64)" in admin_client.get("/admin/scheduling/replica/").content.decode()
+    listed = admin_client.get("/admin/scheduling/replica/").content.decode()
+    assert "40 / 512 (peak 64)" in listed and "7 / 512" not in listed
     # A replica that stops publishing stops being shown: the figures expire with it.
     assert 0 < redis.ttl(kvstats.kv_key(serving.id)) <= kvstats.TTL_S
 
