@@ -29,6 +29,7 @@ therefore neither preferred nor avoided; the seed breaks ties at random and so d
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -245,19 +246,27 @@ def gpu_fraction(reserved_bytes: int, total_bytes: int) -> float:
 
 
 def is_evictable(occupant: OccupantView, request: PlacementRequest, policy: Policy, now: datetime) -> bool:
+    return protection(occupant, request, policy, now) is None
+
+
+def protection(occupant: OccupantView, request: PlacementRequest, policy: Policy, now: datetime) -> str | None:
+    """Why `occupant` may not be evicted to place `request`'s replica; None: it may be."""
     # An eviction sends its victim to sleep: a replica still starting has nothing to put to sleep
     # yet (the state machine has no way from there to draining).
     if occupant.state in states.STARTING:
-        return False
+        return f"still {occupant.state}"
     if occupant.dedicated:
-        return False
+        return "dedicated"
     # Evicting a sibling to place a sibling only churns; a sleeping one is promoted instead.
     if occupant.deployment == request.deployment:
-        return False
-    young = _inside_min_runtime(occupant, now)
-    if policy.protect_fairness:
-        return not occupant.popular and not young
-    return request.dedicated or not young
+        return "of the same deployment"
+    if policy.protect_fairness and occupant.popular:
+        return "popular (fairness.popular)"
+    if not _inside_min_runtime(occupant, now) or (not policy.protect_fairness and request.dedicated):
+        return None
+    served = (now - occupant.serving_since).total_seconds() if occupant.serving_since is not None else 0.0
+    left = occupant.min_runtime_s - served
+    return f"serving for less than its fairness.min_runtime_s ({occupant.min_runtime_s:g} s): {math.ceil(left)} s more"
 
 
 def fmt_bytes(n: int) -> str:
@@ -285,6 +294,9 @@ class _Ticket:
 
     def evictable(self, occupant: OccupantView) -> bool:
         return is_evictable(occupant, self.request, self.policy, self.now)
+
+    def protection(self, occupant: OccupantView) -> str | None:
+        return protection(occupant, self.request, self.policy, self.now)
 
     def others(self, gpu: GPUView) -> tuple[OccupantView, ...]:
         if gpu.id not in self.residual:
@@ -377,7 +389,39 @@ def _candidates(
 
 def _node_option(gpus: Sequence[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:
     """The seed-000 tree for one node: one GPU if the need fits one, else (or failing that)
-    the fewest whole GPUs."""
+    the fewest whole GPUs. Refused, the reason names who holds the node's GPUs and may not be
+    evicted, and why: what an operator waits for, or changes, to make room."""
+    option = _node_tree(gpus, ticket, allow_evictions, rng)
+    if isinstance(option, str) and allow_evictions and (held := _protected(gpus, ticket)):
+        return f"{option}; {held}"
+    return option
+
+
+# How many of the replicas that may not be evicted a refusal names, per node.
+PROTECTED_NAMED = 3
+
+
+def _protected(gpus: Sequence[GPUView], ticket: _Ticket) -> str:
+    """E.g. "not evictable: chat 214c38b8 on box/0 (dedicated)", the GPUs' order; "" if none."""
+    held: dict[str, tuple[OccupantView, str, list[int]]] = {}
+    for g in sorted(gpus, key=lambda g: g.index):
+        for o in ticket.others(g):
+            if o.replica_id in held:
+                held[o.replica_id][2].append(g.index)
+            elif (why := ticket.protection(o)) is not None:
+                held[o.replica_id] = (o, why, [g.index])
+    if not held:
+        return ""
+    node = gpus[0].node
+    named = [
+        f"{o.deployment} {o.replica_id[:8]} on {node}/{'+'.join(map(str, indexes))} ({why})"
+        for o, why, indexes in list(held.values())[:PROTECTED_NAMED]
+    ]
+    more = f" and {len(held) - PROTECTED_NAMED} more" if len(held) > PROTECTED_NAMED else ""
+    return f"not evictable: {', '.join(named)}{more}"
+
+
+def _node_tree(gpus: Sequence[GPUView], ticket: _Ticket, allow_evictions: bool, rng: random.Random) -> _Option | str:
     need, span = ticket.request.need_bytes, ticket.request.gpus
     single_reason = None
     if span == 1 or (span is None and need <= max(g.total_bytes for g in gpus)):
@@ -815,4 +859,5 @@ __all__ = [
     "gpu_fraction",
     "is_evictable",
     "place",
+    "protection",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -432,6 +433,46 @@ def test_cant_accommodate_gives_a_reason_per_node():
     assert set(result.reasons) == {"node1", "node2"}
     assert result.level is CandidateLevel.CANT_ACCOMMODATE
     assert result.reason.startswith("cannot place llama-8b (8.0 GiB): node1: no GPU has 8.0 GiB free")
+
+
+def test_a_refusal_names_who_may_not_be_evicted_and_why_each_replica_once():
+    young = occ("a" * 32, 10 * GiB, "chat", min_runtime_s=10, serving_since=NOW - timedelta(seconds=3.5))
+    pinned = occ("b" * 32, 10 * GiB, "pinned", dedicated=True)
+    loved = occ("c" * 32, 4 * GiB, "loved", popular=True)
+    # Over both GPUs of a node (a multi-GPU tenant): named once, on both.
+    wide = occ("d" * 32, 24 * GiB, "wide", state="waking")
+    snapshot = snap(
+        gpu(0, occupants=[young, pinned]),
+        gpu(1, occupants=[loved, occ("e" * 32, 4 * GiB, "idle")]),
+        gpu(2, node="node2", index=0, occupants=[wide]),
+        gpu(3, node="node2", index=1, occupants=[wide]),
+    )
+
+    result = refused(snapshot, req(30 * GiB))
+
+    assert result.reasons["node1"].endswith(
+        "; not evictable: chat aaaaaaaa on node1/0 "
+        "(serving for less than its fairness.min_runtime_s (10 s): 7 s more), "
+        "pinned bbbbbbbb on node1/0 (dedicated), loved cccccccc on node1/1 (popular (fairness.popular))"
+    ), result.reasons["node1"]
+    assert result.reasons["node2"].endswith("; not evictable: wide dddddddd on node2/0+1 (still waking)")
+    # Past its min_runtime the young one may go, and is no longer named.
+    later = refused(replace(snapshot, taken_at=NOW + timedelta(seconds=7)), req(30 * GiB))
+    assert "chat" not in later.reasons["node1"] and "pinned bbbbbbbb" in later.reasons["node1"]
+
+
+def test_a_refusal_names_a_few_of_those_that_may_not_be_evicted_and_counts_the_rest():
+    many = [occ(f"{i}" * 32, 1 * GiB, f"d{i}", dedicated=True) for i in range(5)]
+
+    reason = refused(snap(gpu(0, total=8 * GiB, occupants=many)), req(6 * GiB)).reasons["node1"]
+
+    assert reason.count("(dedicated)") == 3 and reason.endswith(" and 2 more"), reason
+
+
+def test_a_refusal_with_nothing_protected_names_no_one():
+    reason = refused(snap(gpu(0, total=8 * GiB, occupants=[occ("x" * 32, 2 * GiB)])), req(9 * GiB)).reasons["node1"]
+
+    assert "not evictable" not in reason, reason
 
 
 # --- seed 002: candidate levels across nodes -------------------------------------------------------
