@@ -59,7 +59,7 @@ from scheduling.core.planning import withhold_locked
 from scheduling.core.state import OccupantView, Snapshot
 from scheduling.metrics import PREEMPTION_WAIT_SECONDS, PREEMPTIONS
 from scheduling.models import ACTIVE_INTENT_STATUSES, GPU, Deployment, Event, PreemptionIntent, Replica, new_replica_id
-from scheduling.services import outbox, placing, queueing
+from scheduling.services import deep_sleep, outbox, placing, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState
 
@@ -677,6 +677,14 @@ def run_preemption(
         # With reload costs and requests in flight: the cost order (fairness's default) weighs
         # them; without, it would be plain LRU.
         snap = enrich(ledger.snapshot([i.gpu_id for i in intents]))
+        asleep = fairness.sleepers_to_deepen(
+            list(snap.gpus.values()), {i.gpu_id: i.needed_bytes for i in intents}, waiting_replica_id=waker.id
+        )
+        if asleep:
+            done = _deepen_for(ids, deployment, waker.id, asleep, renewer, clock, sleep, preempted)
+            if done is not None:
+                return done
+            snap = enrich(ledger.snapshot([i.gpu_id for i in intents]))
         kept = _kept_bytes(snap)
         choice = fairness.choose_victim(
             list(snap.gpus.values()),
@@ -707,6 +715,35 @@ def run_preemption(
         f"placement, {VICTIM_ROUNDS} times",
         victims=preempted,
     )
+
+
+def _deepen_for(
+    ids: list[int],
+    deployment: Deployment,
+    waker_id: str,
+    asleep: list[str],
+    renewer: _Renewer,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    preempted: list[str],
+) -> Outcome | None:
+    """Sleepers on the waker's GPUs, past its wait: each holds only its CUDA context, which comes
+    back when its process exits, and serves no one, so it sleeps deeply rather than the wake fail
+    for want of a serving victim. Such a sleeper fell asleep during the wait (the idle sweep's
+    early sleep, for this very wake) or is a victim whose sleep kept its context; its deep sleep
+    may be under way already, a moment from giving the room back (deepen_replica tells it once).
+    Waited for as a preempted replica is; the waker placed if that made room, else None (victims
+    are chosen from who is left)."""
+    why = f"{deployment.name} ({waker_id[:8]}) needs the memory its context holds, past its wait"
+    deep_sleep.deepen_all(asleep, reason=why)
+    limit = clock() + RELEASE_GRACE_S
+    while Replica.objects.filter(pk__in=asleep, state=Replica.State.SLEEPING).exists():
+        if clock() >= limit:
+            return None
+        renewer.renew()
+        sleep(POLL_EVERY_S)
+    who = ", ".join(replica_id[:8] for replica_id in asleep)
+    return _try_place(ids, f"placed once {who} slept deeply, giving back its GPU memory", victims=preempted)
 
 
 def _fairness_wait(

@@ -322,6 +322,43 @@ def test_a_wake_short_of_room_has_the_longest_unused_sleeper_there_sleep_deeply_
     assert_not_over_committed()
 
 
+def test_a_replica_that_fell_asleep_during_the_wait_sleeps_deeply_for_the_waker_rather_than_the_wake_failing(
+    one_gpu, dispatched, rq
+):
+    # Inside its min_runtime, it is no victim; it falls asleep of its own accord during the wait
+    # (the idle sweep's early sleep), and its sleep keeps a context there that leaves the waker
+    # too little room. Its deep sleep gives that back, a moment after the wait is over.
+    # The node's CUDA context is known (300 MiB, measured by an earlier sleeper), so needs count it.
+    earlier = serving("z", need=100 * MiB)
+    sleep.sleep_replica(earlier, reason="test")
+    reports.report(earlier, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
+    reports.report(earlier, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+    young = serving("b", need=400 * MiB, min_runtime_s=600)
+    Replica.objects.filter(pk=young).update(serving_since=timezone.now())
+    deploy("c", replicas=0, need=500 * MiB, max_wait_s=5)
+    request = request_services.submit("c", kind="generate", input="hi", params={}, owner="1")
+    (waker,) = Replica.objects.filter(deployment__name="c").values_list("id", flat=True)
+
+    def world(elapsed: float) -> None:
+        state = Replica.objects.get(pk=young).state
+        if elapsed >= 4 and state == "serving":
+            sleep.sleep_replica(young, reason="idle, and its node has no room for the waker")
+            reports.report(young, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
+        elif elapsed >= 5.3 and state == "sleeping":
+            reports.report(young, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (), outcome
+    assert outcome.reason.startswith(f"placed once {young[:8]} slept deeply"), outcome.reason
+    assert Replica.objects.get(pk=young).state == "deep_sleeping"
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert rq.get(request.id).status != "failed"
+    assert Event.objects.filter(replica=young, reason__startswith="told to sleep deeply").exists()
+    assert_not_over_committed()
+
+
 # -- targeting by cost, and when not to wait -------------------------------------------------------
 
 
