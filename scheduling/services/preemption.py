@@ -677,9 +677,8 @@ def run_preemption(
         # With reload costs and requests in flight: the cost order (fairness's default) weighs
         # them; without, it would be plain LRU.
         snap = enrich(ledger.snapshot([i.gpu_id for i in intents]))
-        asleep = fairness.sleepers_to_deepen(
-            list(snap.gpus.values()), {i.gpu_id: i.needed_bytes for i in intents}, waiting_replica_id=waker.id
-        )
+        needed = _needed_now(intents, snap, deployment, waker.id)
+        asleep = fairness.sleepers_to_deepen(list(snap.gpus.values()), needed, waiting_replica_id=waker.id)
         if asleep:
             done = _deepen_for(ids, deployment, waker.id, asleep, renewer, clock, sleep, preempted)
             if done is not None:
@@ -689,7 +688,7 @@ def run_preemption(
         choice = fairness.choose_victim(
             list(snap.gpus.values()),
             waiting_replica_id=waker.id,
-            needed_bytes_by_gpu={i.gpu_id: i.needed_bytes for i in intents},
+            needed_bytes_by_gpu=needed,
             now=wall(),
             kept_bytes_by_gpu=kept,
         )
@@ -715,6 +714,24 @@ def run_preemption(
         f"placement, {VICTIM_ROUNDS} times",
         victims=preempted,
     )
+
+
+def _needed_now(
+    intents: list[PreemptionIntent], snap: Snapshot, deployment: Deployment, waker_id: str
+) -> dict[int, int]:
+    """What each intent's GPU must have available for the waker: what the intent says, or more
+    where the waker's need grew since it was written (a sleep measured the node's CUDA context
+    larger meanwhile). The placement that ends the wait reserves the need as it is now: victims
+    chosen for the old figure would leave it short, and the wake would fail saying its room was
+    taken. Never less: a smaller need is placed all the same."""
+    need = placing.need_bytes(deployment, snap).bytes
+    found = {}
+    for intent in intents:
+        gpu = snap.gpus[intent.gpu_id]
+        # Less what it holds there already (a sleeper's context); a need above one GPU takes it whole.
+        own = sum(o.reserved_bytes for o in gpu.occupants if o.replica_id == waker_id)
+        found[intent.gpu_id] = max(intent.needed_bytes, min(need, gpu.total_bytes) - own)
+    return found
 
 
 def _deepen_for(

@@ -386,6 +386,46 @@ def two_gpus(db) -> tuple[GPU, GPU]:
     return first, second
 
 
+def test_victims_are_chosen_for_the_wakers_need_as_it_is_at_the_deadline_not_as_its_intent_was_written(
+    two_gpus, dispatched, rq
+):
+    gpu, other = two_gpus
+    now = timezone.now()
+    older, newer = occupant("a", gpu, 300 * MiB), occupant("b", gpu, 300 * MiB)
+    busy(older, newer)
+    deploy("x", replicas=0, need=150 * MiB, dedicated=True)
+    occupant("x", gpu, 150 * MiB)
+    # The other GPU can make no room: a dedicated replica, and one inside its min_runtime.
+    deploy("y", replicas=0, need=400 * MiB, dedicated=True)
+    occupant("y", other, 400 * MiB)
+    deploy("z", replicas=0, need=550 * MiB, min_runtime_s=600)
+    young = occupant("z", other, 550 * MiB)
+    Replica.objects.filter(pk=young).update(serving_since=now, gpu_mem_bytes_by_id={"1": 550 * MiB})
+    deploy("c", replicas=0, need=500 * MiB, max_wait_s=5)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+    (intent,) = intents_of(waker)
+    assert intent.gpu_id == gpu.pk and intent.needed_bytes == 500 * MiB
+
+    def world(elapsed: float) -> None:
+        if elapsed >= 2 and Replica.objects.get(pk=young).state == "serving":
+            # The node's first sleep measures its CUDA context, 150 MiB: from now on every new
+            # replica there reserves it too, the waker's 500 MiB becoming 650.
+            sleep.sleep_replica(young, reason="idle")
+            reports.report(young, {"event": "sleeping", "residual_bytes_by_id": {"1": 150 * MiB}})
+            # And a sleeps of its own accord: 574 MiB free, the 500 the intent says but not 650.
+            sleep.sleep_replica(older, reason="idle")
+            asleep(older)
+        for replica in Replica.objects.filter(state="draining"):
+            asleep(replica.id)
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (newer,), outcome
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert_not_over_committed()
+
+
 def test_a_wake_targets_the_gpu_whose_victims_are_idle_not_the_one_with_busy_replicas(two_gpus, dispatched, rq):
     busy_gpu, idle_gpu = two_gpus
     # One busy replica on the first GPU: placement's fewest-evictions targeting would pick it (one
