@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,15 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None, *, encoder:
     run_bytes = dtype_bytes(run_dtype)
 
     files = _safetensors_files(root)
+    if files and values.model_type in _CHECKED_TYPES and values.intermediate and values.vocab:
+        shapes = {name: shape for f in files for name, shape in safetensors_tensor_shapes(f).items()}
+        if mismatches := config_mismatches(values, shapes):
+            more = len(mismatches) - _MISMATCHES_NAMED
+            raise ValueError(
+                f"the weights in {root} do not match its config.json: "
+                + "; ".join(mismatches[:_MISMATCHES_NAMED])
+                + (f"; and {more} more" if more > 0 else "")
+            )
     weight_bytes = (
         sum(_safetensors_bytes(f, run_bytes) for f in files)
         if files
@@ -77,6 +87,8 @@ class ConfigValues:
     intermediate: int | None
     vocab: int | None
     dtype: str  # the checkpoint's own, one of DTYPE_BYTES
+    # Its text model's type ("llama"): which tensors its checkpoint holds, under which names.
+    model_type: str = ""
 
 
 # The model types whose config class keeps config.json's values as written, under their own names
@@ -120,6 +132,7 @@ def plain_config(root: Path) -> ConfigValues | None:
         intermediate=intermediate,
         vocab=vocab,
         dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype")),
+        model_type=raw["model_type"],
     )
 
 
@@ -144,6 +157,7 @@ def config_values(config: Any, root: Path) -> ConfigValues:
         intermediate=_optional_int(text, "intermediate_size"),
         vocab=_optional_int(text, "vocab_size"),
         dtype=_config_dtype(config),
+        model_type=str(getattr(text, "model_type", "") or ""),
     )
 
 
@@ -216,11 +230,19 @@ def _safetensors_files(root: Path) -> list[Path]:
 
 
 def safetensors_tensor_sizes(path: Path) -> dict[str, tuple[str, int, int]]:
-    """{name: (dtype code, element count, stored bytes)} from the header alone.
+    """{name: (dtype code, element count, stored bytes)} from the header alone."""
+    return {name: (info["dtype"], math.prod(info["shape"]), info["stored"]) for name, info in _tensors(path).items()}
 
-    The format is an 8-byte little-endian header length, then that many bytes of JSON; the tensor
-    data after it is never read.
-    """
+
+def safetensors_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} from the header alone."""
+    return {name: tuple(info["shape"]) for name, info in _tensors(path).items()}
+
+
+def _tensors(path: Path) -> dict[str, dict[str, Any]]:
+    """The header's tensors, each with its bytes as stored (`stored`). The format is an 8-byte
+    little-endian header length, then that many bytes of JSON; the tensor data after it is never
+    read."""
     try:
         with path.open("rb") as f:
             head = f.read(8)
@@ -230,15 +252,60 @@ def safetensors_tensor_sizes(path: Path) -> dict[str, tuple[str, int, int]]:
             if length > _MAX_HEADER_BYTES or length > path.stat().st_size - 8:
                 raise ValueError(f"header length {length} does not fit the file")
             header = json.loads(f.read(length))
-        sizes = {}
+        tensors = {}
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
-            sizes[name] = (info["dtype"], math.prod(info["shape"]), end - begin)
-        return sizes
+            shape = [int(n) for n in info["shape"]]
+            tensors[name] = {"dtype": info["dtype"], "shape": shape, "stored": end - begin}
+        return tensors
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a model directory: {path} is not a safetensors file ({exc})") from exc
+
+
+# A Llama-style checkpoint's tensors whose shapes config.json fixes, under their usual names: what
+# transformers builds from that config, and refuses to load (or, for a missing layer, fills with
+# random weights) where the checkpoint differs.
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight")
+_CHECKED_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# How many differences a refusal spells out; the rest are counted.
+_MISMATCHES_NAMED = 3
+
+
+def config_mismatches(values: ConfigValues, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Where a Llama-style checkpoint's weights (their shapes, from the headers) differ from what
+    its config.json makes of them, one line per kind of tensor; [] where they agree. Other
+    tensors (biases, quantised or fused layouts, other names) are left to the loader. Pure."""
+    q, kv, hidden = values.heads * values.head_dim, values.kv_heads * values.head_dim, values.hidden
+    wanted = {
+        "self_attn.q_proj": (q, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "mlp.gate_proj": (values.intermediate, hidden),
+        "mlp.up_proj": (values.intermediate, hidden),
+        "mlp.down_proj": (hidden, values.intermediate),
+    }
+    layers: set[int] = set()
+    differ: dict[tuple[str, tuple[int, ...], tuple[int | None, ...]], int] = {}
+    for name, shape in sorted(shapes.items()):
+        if match := _LAYER_TENSOR.fullmatch(name):
+            layers.add(int(match[1]))
+            kind, want = f"model.layers.*.{match[2]}.weight", wanted[match[2]]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            kind, want = name, (values.vocab, hidden)
+        else:
+            continue
+        if tuple(shape) != want:
+            differ[kind, tuple(shape), want] = differ.get((kind, tuple(shape), want), 0) + 1
+    found = []
+    if layers and (max(layers) + 1 != values.layers or len(layers) != values.layers):
+        found.append(f"num_hidden_layers is {values.layers}, the weights hold {len(layers)} layers")
+    for (kind, shape, want), count in differ.items():
+        where = f" ({count} layers)" if kind.startswith("model.layers.*") else ""
+        found.append(f"{kind}{where} is {list(shape)} in the weights, {list(want)} by config.json")
+    return found
 
 
 def _safetensors_bytes(path: Path, run_bytes: int) -> int:

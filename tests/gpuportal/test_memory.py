@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuportal.wire import memory
@@ -368,6 +368,46 @@ def test_another_type_a_null_or_a_left_out_size_is_left_to_transformers(tmp_path
     # Whatever the route, the shape read is transformers' own.
     (tmp_path / "config.json").write_text(json.dumps({**llama, "model_type": "gemma"}))
     assert config_values(load_config(tmp_path), tmp_path).head_dim == 256
+
+
+def test_weights_that_do_not_match_their_config_are_refused_naming_the_tensors(saved, tmp_path):
+    path, _ = saved
+    config = json.loads((path / "config.json").read_text())
+    for name, value in {"intermediate_size": 256, "num_hidden_layers": 3, "vocab_size": 64}.items():
+        edited = tmp_path / name
+        edited.mkdir()
+        (edited / "model.safetensors").symlink_to(path / "model.safetensors")
+        (edited / "config.json").write_text(json.dumps({**config, name: value}))
+        with pytest.raises(ValueError, match=f"the weights in {edited} do not match its config.json: ") as refused:
+            shape_from_model_dir(edited)
+        said = str(refused.value)
+        if name == "intermediate_size":
+            assert "model.layers.*.mlp.up_proj.weight (2 layers) is [128, 64] in the weights, [256, 64]" in said
+            assert said.count(" in the weights, ") == 3, said  # gate, up and down
+        elif name == "num_hidden_layers":
+            assert "num_hidden_layers is 3, the weights hold 2 layers" in said
+        else:  # the tied head is not in the file: the embedding alone differs
+            assert said.endswith("model.embed_tokens.weight is [128, 64] in the weights, [64, 64] by config.json")
+
+
+@given(config=saved_configs())
+@settings(max_examples=25, deadline=None)
+def test_what_transformers_builds_from_a_common_config_is_what_the_check_expects(config):
+    """No false refusal: the check's shapes are those of the model transformers builds (on the
+    meta device: no storage), for every common type, with or without GQA, head_dim or tied heads."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from inference.model_size import config_mismatches
+
+    small = {**config, "num_hidden_layers": min(config["num_hidden_layers"], 3), "vocab_size": 97}
+    small["intermediate_size"] = min(small["intermediate_size"], 96)
+    built = AutoConfig.for_model(small.pop("model_type"), **small)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(built)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+    assert config_mismatches(config_values(built, Path(".")), shapes) == []
 
 
 def plain_config_of(root: Path, config: dict[str, Any]):
