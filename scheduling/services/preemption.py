@@ -342,7 +342,10 @@ def _costed_wake(
                 waiting_replica_id=replica_id,
                 need_bytes=need,
                 now=snap.taken_at,
-                kept_bytes_by_gpu=kept,
+                # No context is kept on a GPU emptied for a waker: each victim's sleep report finds
+                # the wake short beside its context, and it sleeps deeply (replica_reports._why_deeply).
+                # Counted as kept, no GPU with an occupant could ever be emptied.
+                kept_bytes_by_gpu=None,
                 slo_ttft_s=settings.GPUPORTAL_TTFT_SLO_S,
                 waiting_requests=waiting,
             )
@@ -692,6 +695,15 @@ def run_preemption(
             now=wall(),
             kept_bytes_by_gpu=kept,
         )
+        if isinstance(choice, fairness.NoVictim) and any(kept.values()):
+            # Not enough with each victim keeping its context once asleep (a waker that needs
+            # whole GPUs, above all): then its sleep report finds this wake still short beside
+            # that context, and it sleeps deeply, giving all it held back
+            # (replica_reports._why_deeply), which the next round waits for (_deepen_for).
+            deeper = fairness.choose_victim(
+                list(snap.gpus.values()), waiting_replica_id=waker.id, needed_bytes_by_gpu=needed, now=wall()
+            )
+            choice = choice if isinstance(deeper, fairness.NoVictim) else deeper
         if isinstance(choice, fairness.NoVictim):
             return _fail(ids, f"cannot wake {deployment.name}: {choice.reason}", victims=preempted)
 

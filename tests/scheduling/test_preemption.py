@@ -359,6 +359,35 @@ def test_a_replica_that_fell_asleep_during_the_wait_sleeps_deeply_for_the_waker_
     assert_not_over_committed()
 
 
+def test_a_wake_that_needs_more_than_its_victims_contexts_leave_has_them_sleep_deeply_rather_than_fail(
+    one_gpu, dispatched, rq
+):
+    # The node's contexts measured at 300 MiB: a victim asleep keeps that much here, and the waker
+    # (500 MiB and its own context) fits only once its victim has given the GPU all back.
+    GPU.objects.update(context_bytes=300 * MiB)
+    victim = serving("a", need=400 * MiB)
+    busy(victim)
+    deploy("c", replicas=0, need=500 * MiB, max_wait_s=5)
+    (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    def world(elapsed: float) -> None:
+        replica = Replica.objects.get(pk=victim)
+        if replica.state == "draining":
+            reports.report(victim, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
+        elif replica.state == "sleeping" and Event.objects.filter(
+            replica=victim, reason__startswith="told to sleep deeply"
+        ):
+            reports.report(victim, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (victim,), outcome
+    assert Replica.objects.get(pk=victim).state == "deep_sleeping"
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert_not_over_committed()
+
+
 # -- targeting by cost, and when not to wait -------------------------------------------------------
 
 
@@ -632,6 +661,45 @@ def test_a_wake_needing_two_whole_gpus_targets_the_node_fairness_can_empty_not_o
     assert Replica.objects.get(pk=hot).state == "serving", f"the {how} replica on node1 was left alone"
     assert set(Occupant.objects.filter(replica_id=waker).values_list("gpu_id", flat=True)) == {n2a.pk, n2b.pk}
     assert n1b.pk not in {i.gpu_id for i in PreemptionIntent.objects.all()}
+    assert_not_over_committed()
+
+
+def test_a_wake_needing_whole_gpus_empties_them_though_its_victims_asleep_would_keep_their_contexts(
+    two_gpus, dispatched, rq
+):
+    # The node's contexts measured at 300 MiB: asleep, a victim keeps that much on its GPU, so
+    # only its deep sleep empties the GPU; the waker needs both GPUs whole.
+    GPU.objects.update(context_bytes=300 * MiB)
+    first, second = two_gpus
+    idle = {occupant("a", first, 400 * MiB, idle_for=timedelta(minutes=30)), occupant("b", second, 400 * MiB)}
+    deploy("big", replicas=0, need=1536 * MiB, max_wait_s=30)
+    for _ in range(2):  # two requests wait for it: two victims are not more than that
+        rq.submit("big", kind="generate", input="hi", params={}, owner="1")
+
+    (waker,) = sleep.wake_deployment("big", reason="a request arrived")
+
+    intents = intents_of(waker)
+    assert {i.gpu_id for i in intents} == {first.pk, second.pk}
+    assert all(i.deadline == i.created_at for i in intents), "its victims serve nothing: no max_wait"
+    said = Event.objects.filter(kind="preemption.intent", replica=waker).first().reason
+    assert "the GPUs of one node that fairness can empty" in said, said
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(pk__in=idle).select_related("deployment"):
+            index = "0" if replica.deployment.name == "a" else "1"
+            if replica.state == "draining":
+                reports.report(replica.id, {"event": "sleeping", "residual_bytes_by_id": {index: 300 * MiB}})
+            elif replica.state == "sleeping" and Event.objects.filter(
+                replica=replica.id, reason__startswith="told to sleep deeply"
+            ):
+                reports.report(replica.id, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and set(outcome.victims) == idle, outcome
+    assert set(Replica.objects.filter(pk__in=idle).values_list("state", flat=True)) == {"deep_sleeping"}
+    assert set(Occupant.objects.filter(replica_id=waker).values_list("gpu_id", flat=True)) == {first.pk, second.pk}
     assert_not_over_committed()
 
 
