@@ -212,8 +212,8 @@ def start(
     sleepers = fairness.sleepers_to_deepen(
         [snap.gpus[g.pk] for g in gpus], wake.needed_bytes_by_gpu, waiting_replica_id=waker_id
     )
-    if sleepers:
-        wake = replace(wake, at_once=False)
+    # The victims (if any) were chosen on the GPUs as they will be once every sleeper there has
+    # slept deeply (`deepened`): they must go as well, so idle ones go at once, beside the sleepers.
     waker = _waker(deployment, wake, gpus, reason)
     _take_locks(gpus, waker, deployment, now)
     ids = [i.pk for i in _record_intents(deployment, wake, gpus, waker, now, reason)]

@@ -388,6 +388,47 @@ def test_a_wake_that_needs_more_than_its_victims_contexts_leave_has_them_sleep_d
     assert_not_over_committed()
 
 
+def test_a_wake_that_needs_an_idle_victim_besides_the_sleepers_contexts_preempts_it_at_once(
+    one_gpu, dispatched, rq, django_capture_on_commit_callbacks
+):
+    # A sleeper's 200 MiB context (the node's, measured by its sleep), then an idle replica: the
+    # waker needs more than the sleeper's deep sleep gives back, so the idle one goes too, and at
+    # once (sleeping it cuts no one off), rather than after max_wait.
+    asleep_ = serving("a", need=300 * MiB, last_accessed=timezone.now() - timedelta(hours=2))
+    sleep.sleep_replica(asleep_, reason="test")
+    reports.report(asleep_, {"event": "sleeping", "residual_bytes_by_id": {"0": 200 * MiB}})
+    idle = serving("b", need=300 * MiB)
+    deploy("c", replicas=0, need=400 * MiB, max_wait_s=30)
+    assert GPU.objects.get().available_bytes == 324 * MiB
+    dispatched.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        (waker,) = sleep.wake_deployment("c", reason="a request arrived")
+
+    (intent,) = intents_of(waker)
+    assert intent.deadline == intent.created_at, "its victim serves nothing: no max_wait"
+    assert "preempting at once" in Event.objects.get(kind="preemption.intent", replica=waker).reason
+    (deepen,) = [args for _, task, args in dispatched if task == "scheduling.tasks.deepen_sleepers"]
+    assert deepen[0] == [asleep_]
+
+    def world(elapsed: float) -> None:
+        for replica in Replica.objects.filter(pk__in=[asleep_, idle]):
+            if replica.state == "draining":
+                reports.report(replica.id, {"event": "sleeping", "residual_bytes_by_id": {"0": 200 * MiB}})
+            elif replica.state == "sleeping" and Event.objects.filter(
+                replica=replica.id, reason__startswith="told to sleep deeply"
+            ):
+                reports.report(replica.id, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([intent.pk], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "satisfied" and outcome.victims == (idle,), outcome
+    assert clock.t - clock.start < 30, "placed without waiting out max_wait"
+    assert Replica.objects.get(pk=waker).node.name == "node1"
+    assert_not_over_committed()
+
+
 # -- targeting by cost, and when not to wait -------------------------------------------------------
 
 
