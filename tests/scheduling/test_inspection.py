@@ -234,17 +234,20 @@ print(refusals, "transformers" in sys.modules)
 
 
 @pytest.mark.slow
-def test_sixteen_reads_at_once_on_a_fresh_agent_all_succeed(tiny_model_dir, tmp_path):
+def test_sixteen_reads_at_once_on_a_fresh_agent_all_succeed(tmp_path):
     import json
-    import shutil
     import subprocess
     import sys
 
+    from inference.management.commands.make_tiny_model import write_tiny_model
+
     # A null num_key_value_heads is the config class's to read (inference.model_size.plain_config):
-    # this copy is read through transformers, whose lazy imports the sixteen threads race.
-    copy = tmp_path / "tiny"
-    shutil.copytree(tiny_model_dir, copy)
+    # this model is read through transformers, whose lazy imports the sixteen threads race. Its
+    # class reads null as one KV head per head, as this model has (one of each), so that its
+    # weights still match its config.
+    copy = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=0, log=lambda _: None).path
     config = json.loads((copy / "config.json").read_text())
+    assert config["num_key_value_heads"] == config["num_attention_heads"]
     (copy / "config.json").write_text(json.dumps({**config, "num_key_value_heads": None}))
 
     done = subprocess.run(
