@@ -251,15 +251,16 @@ def is_evictable(occupant: OccupantView, request: PlacementRequest, policy: Poli
 
 def protection(occupant: OccupantView, request: PlacementRequest, policy: Policy, now: datetime) -> str | None:
     """Why `occupant` may not be evicted to place `request`'s replica; None: it may be."""
+    # Evicting a sibling to place a sibling only churns; a sleeping one is promoted instead. First,
+    # as the reason: a sibling may be one this very plan placed a moment ago, still pending.
+    if occupant.deployment == request.deployment:
+        return "of the same deployment"
     # An eviction sends its victim to sleep: a replica still starting has nothing to put to sleep
     # yet (the state machine has no way from there to draining).
     if occupant.state in states.STARTING:
         return f"still {occupant.state}"
     if occupant.dedicated:
         return "dedicated"
-    # Evicting a sibling to place a sibling only churns; a sleeping one is promoted instead.
-    if occupant.deployment == request.deployment:
-        return "of the same deployment"
     if policy.protect_fairness and occupant.popular:
         return "popular (fairness.popular)"
     if not _inside_min_runtime(occupant, now) or (not policy.protect_fairness and request.dedicated):

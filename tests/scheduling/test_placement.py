@@ -469,6 +469,15 @@ def test_a_refusal_names_a_few_of_those_that_may_not_be_evicted_and_counts_the_r
     assert reason.count("(dedicated)") == 3 and reason.endswith(" and 2 more"), reason
 
 
+def test_a_refusal_names_a_sibling_as_such_even_one_still_starting():
+    # A replica the same plan placed a moment ago is a sibling first: not "still pending".
+    sibling = occ("s" * 32, 20 * GiB, "llama-8b", state="pending")
+
+    reason = refused(snap(gpu(0, occupants=[sibling])), req(8 * GiB)).reasons["node1"]
+
+    assert reason.endswith("; not evictable: llama-8b ssssssss on node1/0 (of the same deployment)"), reason
+
+
 def test_a_refusal_with_nothing_protected_names_no_one():
     reason = refused(snap(gpu(0, total=8 * GiB, occupants=[occ("x" * 32, 2 * GiB)])), req(9 * GiB)).reasons["node1"]
 
