@@ -246,28 +246,48 @@ def gpu_fraction(reserved_bytes: int, total_bytes: int) -> float:
 
 
 def is_evictable(occupant: OccupantView, request: PlacementRequest, policy: Policy, now: datetime) -> bool:
-    return protection(occupant, request, policy, now) is None
+    return _protected_as(occupant, request, policy, now) is None
 
 
 def protection(occupant: OccupantView, request: PlacementRequest, policy: Policy, now: datetime) -> str | None:
     """Why `occupant` may not be evicted to place `request`'s replica; None: it may be."""
+    kind = _protected_as(occupant, request, policy, now)
+    if kind != "young":
+        return _PROTECTIONS.get(kind, kind) if kind is not None else None
+    served = (now - occupant.serving_since).total_seconds() if occupant.serving_since is not None else 0.0
+    left = math.ceil(occupant.min_runtime_s - served)
+    return f"serving for less than its fairness.min_runtime_s ({occupant.min_runtime_s:g} s): {left} s more"
+
+
+_PROTECTIONS = {
+    "sibling": "of the same deployment",
+    "dedicated": "dedicated",
+    "popular": "popular (fairness.popular)",
+}
+
+
+def _protected_as(occupant: OccupantView, request: PlacementRequest, policy: Policy, now: datetime) -> str | None:
+    """The rule, once: what protects `occupant` ("sibling", "dedicated", "popular", "young", or
+    "still " and its state), None: nothing. A constant, not a sentence: placement asks it of every
+    occupant it looks at, and `protection` words it only for a refusal."""
     # Evicting a sibling to place a sibling only churns; a sleeping one is promoted instead. First,
     # as the reason: a sibling may be one this very plan placed a moment ago, still pending.
     if occupant.deployment == request.deployment:
-        return "of the same deployment"
+        return "sibling"
     # An eviction sends its victim to sleep: a replica still starting has nothing to put to sleep
     # yet (the state machine has no way from there to draining).
     if occupant.state in states.STARTING:
-        return f"still {occupant.state}"
+        return _STILL[occupant.state]
     if occupant.dedicated:
         return "dedicated"
     if policy.protect_fairness and occupant.popular:
-        return "popular (fairness.popular)"
+        return "popular"
     if not _inside_min_runtime(occupant, now) or (not policy.protect_fairness and request.dedicated):
         return None
-    served = (now - occupant.serving_since).total_seconds() if occupant.serving_since is not None else 0.0
-    left = occupant.min_runtime_s - served
-    return f"serving for less than its fairness.min_runtime_s ({occupant.min_runtime_s:g} s): {math.ceil(left)} s more"
+    return "young"
+
+
+_STILL = {state: f"still {state}" for state in states.STARTING}
 
 
 def fmt_bytes(n: int) -> str:
