@@ -565,6 +565,18 @@ class Supervisor:
             self._changed.wait_for(lambda: not holding(), timeout)
             return holding()
 
+    def exited(self, replica_ids: Iterable[str], timeout: float) -> list[str]:
+        """Wait until the processes of these replicas have exited (a deep sleep's end); returns
+        those still running when the timeout passed."""
+        ids = list(replica_ids)
+
+        def running() -> list[str]:
+            return [rid for rid in ids if rid in self._replicas]
+
+        with self._changed:
+            self._changed.wait_for(lambda: not running(), timeout)
+            return running()
+
     def sleepers(self, replica_ids: Iterable[str]) -> dict[str, tuple[int, dict[str, int]]]:
         """{replica id: (pid, what it said it still holds per GPU index)} of those of `replica_ids`
         that sleep in a process of their own."""

@@ -46,18 +46,29 @@ def describe_node(name: str) -> dict:
     }
 
 
-def wait_released(replica_ids: list[str], gpus: list[int], *, virtual: bool, timeout: float | None = None) -> list[str]:
+def wait_released(
+    replica_ids: list[str], gpus: list[int], *, virtual: bool, whole: bool = False, timeout: float | None = None
+) -> list[str]:
     """Wait until replicas evicted to make room have let go of their GPU memory; returns those
     that had not when the timeout passed (loading then proceeds and may fail like an OOM).
 
     They run here (they share this node's GPUs), so their own processes say when: each has said
     it sleeps, or has exited. On a real GPU NVML must also no longer show a sleeper holding more
     on `gpus` (the waker's) than what it said it keeps: a process that says it moved its weights
-    but whose memory the driver has not freed yet is still in the way.
+    but whose memory the driver has not freed yet is still in the way. `whole`: the waker takes
+    `gpus` whole, which leaves no room for a sleeper's CUDA context there; such a sleeper sleeps
+    deeply (the control plane tells it, as its sleep report finds the room gone:
+    scheduling.services.replica_reports), and the waker waits for its process's exit rather than
+    load beside a context its GPUs no longer have room for.
     """
     supervisor = agent.supervisor()
     deadline = time.monotonic() + (settings.GPUPORTAL_EVICTION_WAIT_S if timeout is None else timeout)
     pending = supervisor.released(replica_ids, timeout=max(0.0, deadline - time.monotonic()))
+    if not pending and whole:
+        on_gpus = {str(g) for g in gpus}
+        asleep = supervisor.sleepers(replica_ids)
+        in_the_way = [rid for rid, (_, keeps) in asleep.items() if any(keeps.get(g) for g in on_gpus)]
+        pending = supervisor.exited(in_the_way, timeout=max(0.0, deadline - time.monotonic()))
     if pending or virtual:
         return pending
     while True:
@@ -171,7 +182,8 @@ def start_replica(payload: dict) -> str:
     if skipped := _still_wanted(command.replica_id, S.WAKING if command.spec.from_host_copy else S.PENDING):
         return skipped
     spec = command.spec
-    if late := wait_released(list(command.wait_for), list(spec.gpus), virtual=spec.backend == "virtual"):
+    whole = spec.fraction is None
+    if late := wait_released(list(command.wait_for), list(spec.gpus), virtual=spec.backend == "virtual", whole=whole):
         log.warning("replica %s starts while %s still hold memory", spec.replica_id, ", ".join(late))
     current = agent.current()
     local = replace(spec, redis_url=settings.REDIS_URL)  # what only this host knows: how it reaches Redis
@@ -206,7 +218,7 @@ def replica_from_cache(payload: dict) -> str:
     if skipped := _still_wanted(command.replica_id, S.WAKING):
         return skipped
     backend = agent.current().supervisor.backend_of(command.replica_id)
-    wait_released(list(command.wait_for), list(command.gpus), virtual=backend != "cuda")
+    wait_released(list(command.wait_for), list(command.gpus), virtual=backend != "cuda", whole=command.fraction is None)
     sent = {
         "cmd": "wake",
         "gpus": list(command.gpus),

@@ -99,9 +99,15 @@ def check(node_name: str, books: Books) -> list[Excess]:
     reserved_on: dict[int, int] = defaultdict(int)
     for (_, index), bytes_ in reserved.items():
         reserved_on[index] += bytes_
+    # An evicted replica drains with no reservation left: a placement gave it to the replica it
+    # made room for, which its node starts only once this one has let go (inference.tasks.
+    # wait_released). What it holds meanwhile is leaving, not an over-commit to raise a need for.
+    holding = {replica_id for replica_id, _ in reserved}
+    leaving = {rid for rid, r in replicas.items() if r.state == Replica.State.DRAINING and rid not in holding}
     found = [
         Excess(holder, gpus[index].pk, index, used, held)
         for holder, index, used, held in over_reservations(usage, reserved, holder_of)
+        if holder not in leaving
     ]
     floor = settings.GPUPORTAL_BOOKS_TOLERANCE_BYTES
     _record_foreign(node_name, gpus, books, reserved_on, floor)

@@ -308,6 +308,36 @@ def test_a_victim_nvml_still_shows_holding_its_weights_is_reported_late(monkeypa
     assert tasks.wait_released(["victim"], [0], virtual=False, timeout=0.3) == ["victim"]
 
 
+class _DeepSleeper(_Sleeper):
+    """The victim that sleeps with its context on GPU 0, and exits once `gone` is set (its deep
+    sleep's end)."""
+
+    def __init__(self) -> None:
+        self.gone = threading.Event()
+        self.waited: list[list[str]] = []
+
+    def exited(self, replica_ids: list[str], timeout: float) -> list[str]:
+        self.waited.append(list(replica_ids))
+        return [] if self.gone.wait(timeout) else list(replica_ids)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole GPU", "a fraction"])
+def test_a_waker_taking_its_gpu_whole_waits_for_a_sleeping_victims_exit(monkeypatch, whole):
+    from inference import agent, tasks
+
+    supervisor = _DeepSleeper()
+    monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=supervisor))
+
+    # Its context stays where the waker takes the GPU whole: its deep sleep must end first.
+    assert tasks.wait_released(["victim"], [0], virtual=True, whole=whole, timeout=0.2) == (["victim"] if whole else [])
+    assert supervisor.waited == ([["victim"]] if whole else [])
+    supervisor.gone.set()
+    assert tasks.wait_released(["victim"], [0], virtual=True, whole=whole, timeout=30) == []
+    # A waker that takes another GPU whole does not wait for it.
+    monkeypatch.setattr(agent, "_current", SimpleNamespace(supervisor=_DeepSleeper()))
+    assert tasks.wait_released(["victim"], [1], virtual=True, whole=True, timeout=0.2) == []
+
+
 # -- a command sent twice (scheduling.services.lost_commands) --------------------------------------
 
 

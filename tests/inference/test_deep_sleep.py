@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -192,11 +193,15 @@ def test_a_replica_process_sleeps_deeply_exits_and_a_process_started_from_its_co
         _, serving = events.until("serving")
         supervisor.send("r1", {"cmd": "sleep"})
         events.until("sleeping")
+        # A waker that takes its GPU whole waits for its process's exit (inference.tasks.wait_released).
+        assert supervisor.exited(["r1", "not-here"], timeout=0) == ["r1"], "asleep, it runs still"
+        waiter = ThreadPoolExecutor(1).submit(supervisor.exited, ["r1"], 60)
 
         supervisor.send("r1", {"cmd": "deepen", "path": str(supervisor.host_copy_path("r1"))})
 
         _, deep = events.until("deep_sleeping")
         assert deep["exit_code"] == 0 and "r1" not in supervisor.running(), "its process is gone"
+        assert waiter.result(timeout=60) == [], "its exit wakes the waiter"
         assert supervisor.deep_sleepers() == {
             "r1": {"replica_id": "r1", "pid": 0, "state": "deep_sleeping", "last": "deep_sleeping"}
         }

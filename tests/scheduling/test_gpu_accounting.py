@@ -460,6 +460,32 @@ def test_a_figure_reported_before_a_state_change_is_not_held_against_the_new_sta
     assert dep.observed.memory_measured_bytes == 900 * MiB  # a sleeper's figure says nothing of the serving need
 
 
+def test_an_evicted_replica_draining_after_its_reservation_went_to_another_is_no_overcommit(db):
+    """A placement evicts it and gives its room to a new replica at once; it drains meanwhile,
+    its weights still on the GPU, and the new replica's node waits for it to let go."""
+    nodes.register_node("n1", virtual_gpus("n1", "1x8GiB"), virtual=True)
+    gpu = GPU.objects.get()
+    dep = factories.deployment("llm", memory_measured_bytes=900 * MiB)
+    evicted = factories.replica(dep, gpu.node, state=Replica.State.DRAINING, gpu_mem_bytes_by_id={})
+    drained = _serving_replica(factories.deployment("other"), gpu, 800 * MiB)
+    Replica.objects.filter(pk=drained.pk).update(state=Replica.State.DRAINING)
+
+    nodes.heartbeat(
+        "n1",
+        books=Books(
+            usage={evicted.id: {"0": 900 * MiB}, drained.id: {"0": 900 * MiB}},
+            states={evicted.id: "serving", drained.id: "serving"},
+        ),
+    )
+
+    # The one that drains with its reservation (an operator's sleep) still answers for it.
+    (event,) = Event.objects.filter(kind=Event.Kind.GPU_OVERCOMMIT)
+    assert event.replica == drained.id, event.reason
+    assert not Occupant.objects.filter(replica=evicted).exists(), "no reservation grown for one leaving"
+    dep.refresh_from_db()
+    assert dep.observed.memory_measured_bytes == 900 * MiB
+
+
 def test_a_standbys_context_counts_against_its_pairs_reservation(db):
     nodes.register_node("n1", virtual_gpus("n1", "1x8GiB"), virtual=True)
     gpu = GPU.objects.get()
