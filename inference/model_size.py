@@ -49,8 +49,9 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None, *, encoder:
     run_bytes = dtype_bytes(run_dtype)
 
     files = _safetensors_files(root)
-    if files and values.model_type in _CHECKED_TYPES and values.intermediate and values.vocab:
-        shapes = {name: shape for f in files for name, shape in safetensors_tensor_shapes(f).items()}
+    headers = [_tensors(f) for f in files]  # each file's header read once, for its shapes and bytes
+    if headers and values.model_type in _CHECKED_TYPES and values.intermediate and values.vocab:
+        shapes = {name: tuple(info["shape"]) for tensors in headers for name, info in tensors.items()}
         if mismatches := config_mismatches(values, shapes):
             more = len(mismatches) - _MISMATCHES_NAMED
             raise ValueError(
@@ -59,7 +60,7 @@ def shape_from_model_dir(path: str | Path, dtype: str | None = None, *, encoder:
                 + (f"; and {more} more" if more > 0 else "")
             )
     weight_bytes = (
-        sum(_safetensors_bytes(f, run_bytes) for f in files)
+        sum(_safetensors_bytes(tensors, run_bytes) for tensors in headers)
         if files
         else _meta_bytes(config or load_config(root), root, run_bytes, encoder=encoder)
     )
@@ -229,18 +230,8 @@ def _safetensors_files(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
 
-def safetensors_tensor_sizes(path: Path) -> dict[str, tuple[str, int, int]]:
-    """{name: (dtype code, element count, stored bytes)} from the header alone."""
-    return {name: (info["dtype"], math.prod(info["shape"]), info["stored"]) for name, info in _tensors(path).items()}
-
-
-def safetensors_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """{name: shape} from the header alone."""
-    return {name: tuple(info["shape"]) for name, info in _tensors(path).items()}
-
-
 def _tensors(path: Path) -> dict[str, dict[str, Any]]:
-    """The header's tensors, each with its bytes as stored (`stored`). The format is an 8-byte
+    """The header's tensors ({name: {dtype code, shape, bytes as stored}}). The format is an 8-byte
     little-endian header length, then that many bytes of JSON; the tensor data after it is never
     read."""
     try:
@@ -308,12 +299,12 @@ def config_mismatches(values: ConfigValues, shapes: dict[str, tuple[int, ...]]) 
     return found
 
 
-def _safetensors_bytes(path: Path, run_bytes: int) -> int:
+def _safetensors_bytes(tensors: dict[str, dict[str, Any]], run_bytes: int) -> int:
     # Tensor by tensor as the allocator will hold them (gpuportal.wire.memory.allocation_bytes): what
     # the replica's weights take on the GPU, so the estimate and the replica's own count agree.
     return sum(
-        allocation_bytes(numel * run_bytes if code in _CASTABLE else stored)
-        for code, numel, stored in safetensors_tensor_sizes(path).values()
+        allocation_bytes(math.prod(t["shape"]) * run_bytes if t["dtype"] in _CASTABLE else t["stored"])
+        for t in tensors.values()
     )
 
 

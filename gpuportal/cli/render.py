@@ -12,7 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus, NodeStatus
+from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus, NodeStatus, sits_on
 from gpuportal.wire.states import ReplicaState as S
 
 # Shown in `ls` in states.DISPLAY_ORDER; stopped replicas are history and not counted.
@@ -86,11 +86,8 @@ def placement(replica: dict[str, Any]) -> str:
     if not node:
         return "-"
     # gpu_indexes: on its node, as NODE/INDEX names a GPU everywhere else (gpus: older portals).
-    gpus = replica.get("gpu_indexes", replica.get("gpus")) or []
-    if not gpus and replica.get("state") == S.STANDBY:
-        # A standby reserves nothing of its own (its context is in its pair's reservation), but its
-        # process sits on the GPUs it would take over: those its reservation names.
-        gpus = sorted(int(g) for g in replica.get("gpu_mem_bytes_by_id") or {})
+    occupied = replica.get("gpu_indexes", replica.get("gpus")) or []
+    gpus = sits_on(replica.get("state", ""), occupied, replica.get("gpu_mem_bytes_by_id") or {})
     return f"{node}/{'+'.join(str(g) for g in gpus)}" if gpus else node
 
 

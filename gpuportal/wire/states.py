@@ -159,6 +159,17 @@ def check(before: str, after: str) -> None:
         raise IllegalTransition(before, after)
 
 
+def sits_on(state: str, occupied: Iterable[int], held_by_index: Iterable[str | int]) -> list[int]:
+    """The indexes of the GPUs a replica's process sits on: those it occupies; for a standby,
+    which reserves nothing of its own (its context is in its pair's reservation), those its
+    process holds memory on, the GPUs it would take over. How `gpuportal ps` and the dashboard
+    name where it is."""
+    indexes = sorted(int(i) for i in occupied)
+    if not indexes and state == ReplicaState.STANDBY:
+        indexes = sorted(int(i) for i in held_by_index)
+    return indexes
+
+
 def names(states: Iterable[ReplicaState]) -> list[str]:
     """Plain strings, for a query parameter or raw SQL."""
     return [str(s) for s in states]

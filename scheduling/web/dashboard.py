@@ -318,11 +318,8 @@ def context(request: HttpRequest) -> dict[str, Any]:
         replica.why = why.get(replica.id, "")
         # A replica's occupancies are all on its own node.
         node = replica.node.name if replica.node else "?"
-        indexes = sorted(o.gpu.index for o in replica.occupancies.all())
-        if not indexes and replica.state == Replica.State.STANDBY:
-            # A standby reserves nothing of its own (its context is in its pair's reservation), but
-            # its process sits on the GPUs it would take over, as `gpuportal ps` shows it.
-            indexes = sorted(int(g) for g in replica.gpu_mem_bytes_by_id or {})
+        occupied = [o.gpu.index for o in replica.occupancies.all()]
+        indexes = states.sits_on(replica.state, occupied, replica.gpu_mem_bytes_by_id or {})
         replica.gpu_labels = ", ".join(f"{node}/{index}" for index in indexes)
     filters = event_filters(request)
     shown = sorted({seg.deployment for node in node_rows.values() for row in node.gpus for seg in row.occupants})

@@ -667,6 +667,16 @@ def stuck_on_node1(how: str, gpu: GPU) -> str:
     return young
 
 
+def wake_big_for_two_requests(rq) -> tuple[str, list[PreemptionIntent]]:
+    """A deployment that needs two whole 1 GiB GPUs, woken by the first of two waiting requests
+    (two victims are then not more than wait for it): its waker, and the intents it wrote."""
+    deploy("big", replicas=0, need=1536 * MiB, max_wait_s=30)
+    for _ in range(2):
+        rq.submit("big", kind="generate", input="hi", params={}, owner="1")
+    (waker,) = sleep.wake_deployment("big", reason="a request arrived")
+    return waker, intents_of(waker)
+
+
 @pytest.mark.parametrize("how", ["popular", "young"])
 def test_a_wake_needing_two_whole_gpus_targets_the_node_fairness_can_empty_not_one_holding_a_replica_that_may_not_go(
     two_nodes, dispatched, rq, how
@@ -677,13 +687,8 @@ def test_a_wake_needing_two_whole_gpus_targets_the_node_fairness_can_empty_not_o
     # victim choose_victim cannot name. node2's two idle replicas can go.
     hot = stuck_on_node1(how, n1a)
     idle = [occupant("a", n2a, 400 * MiB, idle_for=timedelta(minutes=30)), occupant("b", n2b, 400 * MiB)]
-    deploy("big", replicas=0, need=1536 * MiB, max_wait_s=30)
-    for _ in range(2):  # two requests wait for it: two victims are not more than that
-        rq.submit("big", kind="generate", input="hi", params={}, owner="1")
+    waker, intents = wake_big_for_two_requests(rq)
 
-    (waker,) = sleep.wake_deployment("big", reason="a request arrived")
-
-    intents = intents_of(waker)
     assert {i.gpu_id for i in intents} == {n2a.pk, n2b.pk}
     assert {i.needed_bytes for i in intents} == {1024 * MiB}
     assert all(i.deadline == i.created_at for i in intents), "its victims serve nothing: no max_wait"
@@ -713,13 +718,8 @@ def test_a_wake_needing_whole_gpus_empties_them_though_its_victims_asleep_would_
     GPU.objects.update(context_bytes=300 * MiB)
     first, second = two_gpus
     idle = {occupant("a", first, 400 * MiB, idle_for=timedelta(minutes=30)), occupant("b", second, 400 * MiB)}
-    deploy("big", replicas=0, need=1536 * MiB, max_wait_s=30)
-    for _ in range(2):  # two requests wait for it: two victims are not more than that
-        rq.submit("big", kind="generate", input="hi", params={}, owner="1")
+    waker, intents = wake_big_for_two_requests(rq)
 
-    (waker,) = sleep.wake_deployment("big", reason="a request arrived")
-
-    intents = intents_of(waker)
     assert {i.gpu_id for i in intents} == {first.pk, second.pk}
     assert all(i.deadline == i.created_at for i in intents), "its victims serve nothing: no max_wait"
     said = Event.objects.filter(kind="preemption.intent", replica=waker).first().reason
