@@ -21,7 +21,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_e
 from gpuportal import orphans
 from gpuportal.celery import app
 from gpuportal.wire import memory, node_acl, node_lease, replies
-from gpuportal.wire.commands import node_queue
+from gpuportal.wire.commands import ReplicaSpec, node_queue
 from gpuportal.wire.control import ControlError, ControlPlane, Refused, unknown_node
 from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from gpuportal.wire.node_lease import NodeFence
@@ -139,6 +139,9 @@ class NodeAgent:
         # The lease's thread, the heartbeat's and every replica's reader may each be refused at
         # once: one of them stops the agent.
         self._fencing = threading.Lock()
+        # Held while the lease is renewed and, when the node was written off, while the old
+        # epoch's replicas stop: a replica starting meanwhile waits for the new epoch (start).
+        self._epoch_lock = threading.Lock()
 
     @property
     def queue(self) -> str:
@@ -319,10 +322,11 @@ class NodeAgent:
         try:
             ttl = self._lease_ttl_s()
             client = replies.client(settings.REDIS_URL)
-            current = node_lease.renew(client, self.name, ttl, self.epoch)
-            if current > self.epoch:
-                self._fenced(current)
-                node_lease.renew(client, self.name, ttl, self.epoch)
+            with self._epoch_lock:
+                current = node_lease.renew(client, self.name, ttl, self.epoch)
+                if current > self.epoch:
+                    self._fenced(current)
+                    node_lease.renew(client, self.name, ttl, self.epoch)
         except redis.RedisError as err:
             refused = redis_refusal(err)
             if refused is not None:
@@ -333,6 +337,18 @@ class NodeAgent:
             log.warning(
                 "cannot renew node %s's lease (Redis: %s); retrying in %.0f s", self.name, err, self.heartbeat_s
             )
+
+    def start(self, spec: ReplicaSpec) -> None:
+        """Start a replica process under the node's epoch as Redis has it now.
+
+        Why not the epoch the agent holds: a node written off while its agent was cut off comes
+        back online once a beat of its is heard, and the lease's thread may not have seen the
+        raised epoch by then, or may still be stopping the old epoch's replicas (seconds). A
+        replica placed there meanwhile and started under the old epoch was refused at its first
+        take and failed as superseded. The renewal here catches up first, or waits for the
+        catch-up under way (_epoch_lock)."""
+        self.renew_lease()
+        self.supervisor.start(spec, on_event=self.relay)
 
     def _fenced(self, epoch: int) -> None:
         running = sorted(self.supervisor.states())

@@ -195,7 +195,7 @@ def start_replica(payload: dict) -> str:
         return "running"
     if running:
         current.supervisor.stop(spec.replica_id)  # a restart (e.g. after a CUDA assert): a fresh process
-    current.supervisor.start(local, on_event=current.relay)
+    current.start(local)
     return "started"
 
 

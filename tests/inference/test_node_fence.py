@@ -177,6 +177,26 @@ class Stops:
         return self.stopped
 
 
+class SlowStops(Stops):
+    """Stops whose processes take their time to end (a stop waits up to 5 s for each): the
+    stop begins, and ends only when the test lets it. What each start was given is recorded."""
+
+    def __init__(self, client, node: str, running: list[str]):
+        super().__init__(client, node, running)
+        self.stopping, self.let_go = threading.Event(), threading.Event()
+        self.calls = 0
+        self.started: list[tuple[str, NodeFence | None, list[str]]] = []
+
+    def stop_written_off(self, replica_ids, timeout: float = 5.0) -> list[str]:
+        self.calls += 1
+        self.stopping.set()
+        assert self.let_go.wait(30), "the test never let the stop end"
+        return super().stop_written_off(replica_ids, timeout)
+
+    def start(self, spec, on_event) -> None:
+        self.started.append((spec.replica_id, self.node_fence, list(self.running)))
+
+
 def test_an_agent_that_finds_its_node_written_off_stops_its_replicas_before_it_renews(client, node):
     from inference.agent import NodeAgent
 
@@ -192,6 +212,58 @@ def test_an_agent_that_finds_its_node_written_off_stops_its_replicas_before_it_r
     assert agent.supervisor.lease_held_at_stop == set(), "nothing renewed while they still ran"
     assert agent.epoch == 1 and agent.supervisor.node_fence == NodeFence(node, 1), "what it starts next"
     assert node_lease.held(client, [node]) == {node}
+
+
+def _spec(replica_id: str):
+    from gpuportal.wire.commands import ReplicaSpec
+
+    return ReplicaSpec(replica_id, "/models/m", "transformers", "float16", (0,), {"0": 1 << 30})
+
+
+def test_a_replica_started_while_the_old_epochs_replicas_stop_starts_under_the_new_epoch_once_they_are_gone(
+    client, node
+):
+    # The node was cut off and written off; its agent, heard again, is back online in the books
+    # and is sent a new replica while its lease's thread still stops what the old epoch ran.
+    from inference.agent import NodeAgent
+
+    agent = NodeAgent(node, control=None, backend="virtual", heartbeat_s=1)
+    agent.supervisor = SlowStops(client, node, ["old"])
+    agent._hold_epoch(0)
+    agent.renew_lease()
+    node_lease.write_off(client, node)
+    lease_thread = threading.Thread(target=agent.renew_lease, daemon=True)
+    lease_thread.start()
+    assert agent.supervisor.stopping.wait(30)
+
+    starting = threading.Thread(target=agent.start, args=(_spec("new"),), daemon=True)
+    starting.start()
+    starting.join(0.2)
+    assert starting.is_alive() and agent.supervisor.started == [], "no start while the old epoch's replicas run"
+    agent.supervisor.let_go.set()
+    lease_thread.join(30)
+    starting.join(30)
+
+    assert agent.supervisor.started == [("new", NodeFence(node, 1), [])], "under the new epoch, the old ones gone"
+    assert agent.supervisor.calls == 1, "the old epoch's replicas were stopped once"
+    assert node_lease.held(client, [node]) == {node}
+
+
+def test_a_replica_started_before_the_lease_thread_saw_the_write_off_stops_the_old_epochs_replicas_first(client, node):
+    from inference.agent import NodeAgent
+
+    agent = NodeAgent(node, control=None, backend="virtual", heartbeat_s=1)
+    agent.supervisor = SlowStops(client, node, ["old"])
+    agent.supervisor.let_go.set()
+    agent._hold_epoch(0)
+    agent.renew_lease()
+    node_lease.write_off(client, node)
+
+    agent.start(_spec("new"))
+
+    assert agent.supervisor.stopped == ["old"]
+    assert agent.supervisor.started == [("new", NodeFence(node, 1), [])]
+    assert agent.epoch == 1 and node_lease.held(client, [node]) == {node}
 
 
 class StuckControl:

@@ -380,7 +380,9 @@ def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_on
     agent_log = (tmp_path / f"agent-{keeper}.log").read_text()
     fenced_by_agent = f"node {keeper} was written off by the control plane (its epoch went from" in agent_log
     assert stopped_by_agent or fenced_by_agent or any(why in log for why in fenced), log[-2000:]
-    assert [r.node.name for r in Replica.objects.exclude(state="stopped")] == [cut_off]
+    assert [r.node.name for r in Replica.objects.exclude(state="stopped")] == [cut_off], [
+        (r.id[:8], r.node_id, r.state, r.failure_reason) for r in Replica.objects.all()
+    ]
     # Each written off node was fenced by a new epoch, and no GPU is held twice: the books equal
     # what the processes hold (no over-commit seen by a heartbeat), every reservation accounted.
     fenced_at = redis.Redis.from_url(settings.REDIS_URL).mget([node_lease.epoch_key(n) for n in (cut_off, keeper)])
