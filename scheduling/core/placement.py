@@ -184,11 +184,24 @@ class CantAccommodate:
     need_bytes: int
     reasons: Mapping[str, str]
     level: CandidateLevel = CandidateLevel.CANT_ACCOMMODATE
+    # In a plan that places several at once (planning.place_all): which one this is, of how many.
+    ordinal: int = 1
+    asked: int = 1
+    # Where the GPUs could not hold all the deployment's replicas even with nothing else on them,
+    # that said (planning.ceiling); the reasons per node then matter less.
+    ceiling: str = ""
 
     @property
     def reason(self) -> str:
         per_node = "; ".join(f"{node}: {why}" for node, why in sorted(self.reasons.items())) or "no nodes"
-        return f"cannot place {self.deployment} ({fmt_bytes(self.need_bytes)}): {per_node}"
+        head = f"cannot place {self.deployment} ({fmt_bytes(self.need_bytes)})"
+        if self.asked > 1:
+            # The reasons describe the GPUs as the replicas before it left them, not as they are.
+            fit = f"the {self.ordinal - 1} before it fit, " if self.ordinal > 1 else ""
+            head += f", replica {self.ordinal} of {self.asked} placed together ({fit}nothing is applied)"
+        if self.ceiling:
+            head += f"; {self.ceiling}"
+        return f"{head}: {per_node}"
 
 
 def place(

@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from gpuportal.wire.states import AWAKE
 from scheduling.core import host_memory
 from scheduling.core.host_memory import HostView
-from scheduling.core.placement import CantAccommodate, Placement, PlacementRequest, Policy, place
+from scheduling.core.placement import CantAccommodate, Placement, PlacementRequest, Policy, fmt_bytes, place
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
 
 
@@ -125,7 +126,13 @@ def place_all(
         )
         result = place(current, request, policy=policy, rng=rng)
         if isinstance(result, CantAccommodate):
-            return result
+            wanted = len(requests) + len(_awake(snapshot, request.deployment) - {r.replica_id for r in requests})
+            return replace(
+                result,
+                ordinal=len(placements) + 1,
+                asked=len(requests),
+                ceiling=ceiling(snapshot, request.need_bytes, wanted),
+            )
         placements.append(result)
         if result.promoted:
             promoted.add(result.promoted)
@@ -133,6 +140,33 @@ def place_all(
             room[result.node] = room[result.node].with_process(host_need_bytes)
         current = apply_placement(current, result, occupant_for(result))
     return MultiPlacement(tuple(placements), _combined_plan(snapshot, placements, reason), current)
+
+
+def _awake(snapshot: Snapshot, deployment: str) -> set[str]:
+    """The deployment's replicas holding (or about to hold) their whole need in the snapshot."""
+    return {
+        o.replica_id
+        for gpu in snapshot.gpus.values()
+        for o in gpu.occupants
+        if o.deployment == deployment and o.state in AWAKE
+    }
+
+
+def ceiling(snapshot: Snapshot, need_bytes: int, wanted: int) -> str:
+    """ "" unless `wanted` replicas of `need_bytes` each could never be awake at once on the GPUs
+    placement may use now, even with nothing else on them; then how many could. Said so that a
+    refusal shows when no wait and no eviction will help (fewer replicas, or more GPUs, will).
+    Only for replicas of one GPU each: a larger one's bound depends on how nodes group GPUs."""
+    gpus = [gpu for group in snapshot.index.usable.values() for gpu in group]
+    if not gpus or need_bytes <= 0 or need_bytes > max(gpu.total_bytes for gpu in gpus):
+        return ""
+    most = sum(gpu.total_bytes // need_bytes for gpu in gpus)
+    if wanted <= most:
+        return ""
+    return (
+        f"{wanted} replicas of {fmt_bytes(need_bytes)} never fit at once: the {len(gpus)} GPU(s) placement "
+        f"may use hold at most {most}, with nothing else on them"
+    )
 
 
 def _combined_plan(snapshot: Snapshot, placements: Sequence[Placement], reason: str) -> Plan:

@@ -29,7 +29,7 @@ from scheduling.core.placement import (
     cached_replicas,
     place,
 )
-from scheduling.core.planning import apply_placement, without_releases
+from scheduling.core.planning import apply_placement, place_all, without_releases
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 GiB = 1024**3
@@ -482,6 +482,57 @@ def test_a_refusal_with_nothing_protected_names_no_one():
     reason = refused(snap(gpu(0, total=8 * GiB, occupants=[occ("x" * 32, 2 * GiB)])), req(9 * GiB)).reasons["node1"]
 
     assert "not evictable" not in reason, reason
+
+
+def _all(snapshot: Snapshot, count: int, need: int, deployment: str = "llama-8b") -> CantAccommodate:
+    requests = [req(need, deployment, replica_id=f"{i}" * 32) for i in range(count)]
+    result = place_all(
+        snapshot,
+        requests,
+        occupant_for=lambda p: OccupantView(p.replica_id, deployment, "pending", p.bytes_by_gpu[p.gpu_ids[0]]),
+        reason="scale",
+        rng=random.Random(0),
+    )
+    assert isinstance(result, CantAccommodate), result
+    return result
+
+
+def test_a_refusal_of_several_replicas_says_which_one_did_not_fit_and_that_nothing_is_applied():
+    # The reasons describe the GPUs as the two placed before it left them, not as they are now.
+    snapshot = snap(gpu(0, total=10 * GiB), gpu(1, total=10 * GiB, occupants=[occ("a" * 32, 7 * GiB, dedicated=True)]))
+
+    result = _all(snapshot, 4, 4 * GiB)
+
+    assert result.reason.startswith(
+        "cannot place llama-8b (4.0 GiB), replica 3 of 4 placed together (the 2 before it fit, nothing is "
+        "applied): node1: "
+    ), result.reason
+    assert "never fit" not in result.reason, "four fit on these GPUs once the dedicated one is gone"
+
+
+def test_a_refusal_of_more_replicas_than_the_gpus_could_ever_hold_says_how_many_they_could():
+    # 2 + 1 replicas of 4 GiB fit on GPUs of 10 and 6 GiB with nothing else there; one of the
+    # deployment serves already, so asking 3 more wants 4. Drained and lost GPUs count for nothing.
+    mine = occ("m" * 32, 4 * GiB, "llama-8b", dedicated=True)
+    snapshot = snap(
+        gpu(0, total=10 * GiB, occupants=[mine]),
+        gpu(1, total=6 * GiB, occupants=[occ("s" * 32, 2 * GiB, "llama-8b", state="sleeping")]),
+        gpu(2, node="node2", index=0, total=80 * GiB, node_status="draining"),
+        gpu(3, total=80 * GiB, health="lost"),
+    )
+
+    result = _all(snapshot, 3, 4 * GiB)
+
+    assert "; 4 replicas of 4.0 GiB never fit at once: the 2 GPU(s) placement may use hold at most 3, with " in (
+        result.reason
+    ), result.reason
+    assert "never fit" not in _all(snapshot, 3, 4 * GiB, deployment="other").reason, "3 of another would fit"
+
+
+def test_a_refusal_of_one_replica_larger_than_any_gpu_states_no_ceiling():
+    result = refused(snap(gpu(0, total=8 * GiB), gpu(1, node="node2", index=0, total=8 * GiB)), req(12 * GiB))
+
+    assert result.reason.startswith("cannot place llama-8b (12.0 GiB): node1: "), result.reason
 
 
 # --- seed 002: candidate levels across nodes -------------------------------------------------------
