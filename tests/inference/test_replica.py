@@ -29,7 +29,7 @@ from inference.backends import CommandRejected, CudaBackend, Placement, ReplicaF
 from inference.event_stream import EventWriter
 from inference.host import ReplicaHost
 from inference.loaders import load_model, tensor_bytes
-from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line, replica_argv
+from inference.supervisor import ReplicaSpec, Supervisor, describe_exit, last_line, last_words, replica_argv
 from tests.support.models import tiny_mlp
 from tests.support.processes import wait_until
 from tests.support.replicas import BIG_MLP, CONTEXT, LOAD_TIMEOUT_S, SERVED_CONTEXT, TINY_MLP, Events, MiB, gone, spec
@@ -201,9 +201,11 @@ def test_a_torch_module_replica_serves_and_a_killed_one_is_reported_as_a_crash(s
 
     failed = events.final()
     assert failed["event"] == "failed" and failed["kind"] == "crash"
-    last = last_line(supervisor.log_path("r1"))
-    assert "loaded" in last  # the replica's last log line before the kill
-    assert failed["reason"] == f"replica process exited with code -9 (signal SIGKILL): {last}"
+    assert "loaded" in last_line(supervisor.log_path("r1")), "its log ends with a routine record, not an error"
+    assert failed["reason"] == (
+        "replica process exited with code -9 (signal SIGKILL), with no error in its log: SIGKILL comes from "
+        "outside it (the kernel's OOM killer, or a kill -9)"
+    )
     assert supervisor.running() == []
 
 
@@ -339,6 +341,35 @@ def test_a_spec_becomes_the_documented_command_line():
 )
 def test_exits_are_described_with_their_signal(code, text):
     assert text in describe_exit(code)
+
+
+RECORD = "2026-11-30 08:50:29,750 {} replica r1 pid 7: {}"
+ILLEGAL = "CUDA error: an illegal memory access was encountered"
+
+
+@pytest.mark.parametrize(
+    ("tail", "words"),
+    [
+        pytest.param([RECORD.format("INFO", "r1 100%: loaded 200 MiB in 0.4 s")], "", id="a routine record"),
+        pytest.param([RECORD.format("DEBUG", "pong")], "", id="a debug record"),
+        pytest.param(
+            [RECORD.format("INFO", "serving"), "Traceback (most recent call last):", f"RuntimeError: {ILLEGAL}"],
+            f"RuntimeError: {ILLEGAL}",
+            id="a traceback",
+        ),
+        pytest.param(
+            [RECORD.format("ERROR", "r1: the engine stopped: out of blocks")],
+            RECORD.format("ERROR", "r1: the engine stopped: out of blocks"),
+            id="an error record",
+        ),
+        pytest.param([], "", id="nothing"),
+    ],
+)
+def test_a_dead_replicas_last_words_are_its_logs_last_line_unless_that_is_routine(tmp_path, tail, words):
+    log = tmp_path / "replica-r1.log"
+    log.write_text("\n".join([RECORD.format("INFO", "r1 0%: starting"), *tail, ""]) if tail else "")
+
+    assert last_words(log) == words
 
 
 # -- the host in this process: commands and failures, without a process per case -----------------
