@@ -23,7 +23,7 @@ from gpuportal.wire import deployment_spec, memory
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import effects, fairness
-from scheduling.models import Deployment, DeploymentObserved, Event, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import dispatch, not_found, outbox, queueing
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput
@@ -470,7 +470,7 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
             console=True,
         )
         # One statement for the cascade Django's collector runs in about ten (scheduling.services.forgetting).
-        forget_deployment(deployment.pk)
+        _note_wake_locks_dropped(name, forget_deployment(deployment.pk), reason)
         # Nothing will ever serve what still waits in its queue: end it now, saying why (once the
         # delete has committed). Requests already taken finish first: stopping waits for them.
         outbox.want(
@@ -478,6 +478,24 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
                 f"end the requests waiting for {name}",
                 lambda: queueing.fail_waiting(name, f"deployment {name} was deleted", deleted=True),
             )
+        )
+
+
+def _note_wake_locks_dropped(name: str, dropped: list[tuple[int, str]], reason: str) -> None:
+    """The wake locks its replicas held, which went with them ((GPU id, holder) as
+    forget_deployment cleared them): said, as every release of one is."""
+    for gpu in GPU.objects.filter(pk__in=[gpu_id for gpu_id, _ in dropped]).select_related("node").order_by("pk"):
+        label, holder = f"{gpu.node.name}/{gpu.index}", dict(dropped)[gpu.pk]
+        outbox.note(
+            Event.Kind.GPU_WAKE_LOCK,
+            f"gpu {label}",
+            f"wake lock released by {name} ({holder[:8]}): its deployment was {reason}",
+            before={"holder": holder},
+            after={"holder": None},
+            node=gpu.node.name,
+            gpu=label,
+            deployment=name,
+            replica=holder,
         )
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 from scheduling.hot_sql import cursor, statement
 
 
-def forget_deployment(deployment_id: int) -> None:
+def forget_deployment(deployment_id: int) -> list[tuple[int, str]]:
     """Delete the deployment and what hangs on it, inside the caller's transaction, which holds
-    the deployment's row lock (`locks.lock_deployment`) so that no replica joins it meanwhile."""
+    the deployment's row lock (`locks.lock_deployment`) so that no replica joins it meanwhile.
+    Returns the wake locks its replicas held, which it cleared: (GPU id, the holder), by GPU."""
     with cursor() as cur:
         cur.execute(statement("forget_deployment"), {"deployment": deployment_id})
+        return [(gpu_id, holder) for gpu_id, holder in cur.fetchall()]

@@ -315,6 +315,22 @@ def test_deleting_a_deployment_releases_everything_and_stops_its_processes(clust
     assert Event.objects.filter(kind=Event.Kind.DEPLOYMENT_CHANGED, reason__contains="deleted").exists()
 
 
+def test_deleting_a_deployment_whose_wake_holds_a_gpus_lock_says_the_lock_went_with_it(
+    cluster, api, dispatched, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    waker, gpu = Replica.objects.get(), GPU.objects.order_by("pk").first()
+    expires = timezone.now() + timedelta(minutes=1)
+    GPU.objects.filter(pk=gpu.pk).update(wake_lock_holder=waker, wake_lock_expires_at=expires)
+
+    assert api("delete", "/api/deployments/tiny-a/").status_code == 204
+
+    event = Event.objects.get(kind=Event.Kind.GPU_WAKE_LOCK)
+    assert (event.gpu, event.replica, event.deployment) == (f"{gpu.node.name}/{gpu.index}", waker.id, "tiny-a")
+    assert event.reason == f"wake lock released by tiny-a ({waker.id[:8]}): its deployment was deleted by an operator"
+    assert GPU.objects.get(pk=gpu.pk).wake_lock_holder is None
+
+
 def test_a_larger_deploy_evicts_the_fewest_idle_replicas_of_others(cluster, api, dispatched, tiny_model_dir):
     # Fill all four GPUs with 600 MiB replicas that have served past their min_runtime.
     api("post", "/api/deployments/", body("small", tiny_model_dir, replicas=4, memory={"override_bytes": 600 * MiB}))

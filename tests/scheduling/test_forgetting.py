@@ -73,9 +73,13 @@ def test_it_leaves_the_rows_as_djangos_cascade_leaves_them():
     kept_id = Deployment.objects.get(name="kept").pk
     expected = _as_django_deletes(gone)
 
-    forget_deployment(gone_id)
+    held = dict(GPU.objects.values_list("pk", "wake_lock_holder_id"))
+
+    cleared = forget_deployment(gone_id)
 
     assert _rows() == expected
+    first = GPU.objects.get(index=0).pk
+    assert cleared == [(first, held[first])], "the wake lock gone's r1 held, and whose; not kept's k1's"
     # The differential check above is only as good as the world: it did delete and clear things.
     assert [name for _, name in expected["deployments"]] == ["kept"]
     assert [deployment for deployment, _ in expected["observed"]] == [kept_id], "its observed record went with it"
