@@ -153,8 +153,8 @@ def _awake(snapshot: Snapshot, deployment: str) -> set[str]:
 
 
 def ceiling(snapshot: Snapshot, need_bytes: int, wanted: int) -> str:
-    """ "" unless `wanted` replicas of `need_bytes` each could never be awake at once on the GPUs
-    placement may use now, even with nothing else on them; then how many could. Said so that a
+    """Empty unless `wanted` replicas of `need_bytes` each could never be awake at once on the
+    GPUs placement may use now, even with nothing else on them; then how many could. Said so that a
     refusal shows when no wait and no eviction will help (fewer replicas, or more GPUs, will).
     Only for replicas of one GPU each: a larger one's bound depends on how nodes group GPUs."""
     gpus = [gpu for group in snapshot.index.usable.values() for gpu in group]
