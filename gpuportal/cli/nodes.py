@@ -7,9 +7,11 @@ what never sleeps, `node undrain` returns it, `node rm` forgets an offline one, 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -20,6 +22,7 @@ from gpuportal.cli import render
 from gpuportal.cli.client import Client, CliError
 from gpuportal.cli.options import add_wait_options
 from gpuportal.cli.waiting import POLL_S, STALL_S
+from gpuportal.stackenv import write_private
 from gpuportal.wire import node_auth, states
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
@@ -173,18 +176,44 @@ def cmd_node_rm(ctx: Operator, args: argparse.Namespace) -> int:
 
 
 def cmd_node_add(ctx: Operator, args: argparse.Namespace) -> int:
+    path: Path | None = args.token_file
+    if path is not None:
+        _check_writable(path)  # before the token is issued: a previous one is refused from then on
     answer = ctx.client.post(node_path(args.name, "credential"))
+    start = f"python manage.py agent --node {args.name}"
+    if path is not None:
+        try:
+            write_private(path, answer["token"] + "\n")
+        except OSError as err:
+            ctx.out.print(answer["token"], markup=False)
+            raise CliError(f"--token-file {path}: {err.strerror or err}; the token is printed above instead") from None
+        ctx.err.print(
+            Text(
+                f"node {args.name}'s credential: its token is in {path} (mode 0600; a previous one is refused from "
+                f"now on). Start its agent with {node_auth.TOKEN_FILE_ENV}={path} {start}"
+            )
+        )
+        return 0
     # The token on stdout alone, so `gpuportal node add gpu-7 > token` captures just it; how to
     # pass it on, on stderr.
     ctx.out.print(answer["token"], markup=False)
     ctx.err.print(
         Text(
             f"node {args.name}'s credential: the token above is shown only this once (a previous one is refused "
-            f"from now on). Put it in a file (mode 0600) on the node's host and start its agent with "
-            f"{node_auth.TOKEN_FILE_ENV}=FILE python manage.py agent --node {args.name}"
+            f"from now on). Put it in a file (mode 0600, or --token-file FILE) on the node's host and start its "
+            f"agent with {node_auth.TOKEN_FILE_ENV}=FILE {start}"
         )
     )
     return 0
+
+
+def _check_writable(path: Path) -> None:
+    """A CliError unless `path` can be written (its folder made where it is missing)."""
+    if path.is_dir():
+        raise CliError(f"--token-file {path} is a folder")
+    folder = next(p for p in (path.absolute().parent, *path.absolute().parents) if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise CliError(f"--token-file {path}: cannot write in {folder}")
 
 
 def cmd_node_revoke(ctx: Operator, args: argparse.Namespace) -> int:
@@ -222,6 +251,13 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     rm.set_defaults(run=cmd_node_rm)
     add = actions.add_parser("add", help="issue the node's credential and print its token, once (staff)")
     add.add_argument("name", help="the node's name, as its agent's --node")
+    add.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help=f"write the token to FILE, readable by its owner alone, for the agent's {node_auth.TOKEN_FILE_ENV} "
+        "(default: print it)",
+    )
     add.set_defaults(run=cmd_node_add)
     revoke = actions.add_parser("revoke", help="revoke the node's credential: it is written off (staff)")
     revoke.add_argument("name")

@@ -6,11 +6,15 @@ its own token, and the words of a refusal. The control plane keeps only the hash
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # Recognisable in a log, a secret scanner or a paste: a node token, not an API token.
 TOKEN_PREFIX = "gpn_"
@@ -57,10 +61,21 @@ def read_token(environ: Mapping[str, str] = os.environ) -> str | None:
         return None
     try:
         token = Path(path).read_text().strip()
+        mode = stat.S_IMODE(Path(path).stat().st_mode)
     except OSError as err:
         raise TokenError(f"{TOKEN_FILE_ENV}={path}: {err.strerror or err}") from None
     if not token:
         raise TokenError(f"{TOKEN_FILE_ENV}={path} is empty")
+    if mode & 0o004:
+        # Told, not refused: a group may be meant to read it (Kubernetes mounts it 0440), and an
+        # agent that would not start is worse than one that says so.
+        log.warning(
+            "%s=%s is readable by every user of this host (mode %04o): whoever reads it can speak for the "
+            "node; `chmod 600` it (or 640, for a group of its own)",
+            TOKEN_FILE_ENV,
+            path,
+            mode,
+        )
     return token
 
 

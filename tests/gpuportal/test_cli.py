@@ -138,6 +138,43 @@ def test_node_add_prints_the_token_alone_on_stdout_and_how_to_pass_it_on_stderr(
     assert portal.paths == ["/api/nodes/gpu-7/credential/"]
 
 
+def _node_add(argv: list[str]) -> tuple[int, StubPortal]:
+    portal = StubPortal(201, {"node": "gpu-7", "token": "gpn_abc"})
+    threading.Thread(target=portal.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        env = {"GPUPORTAL_URL": portal.url, "GPUPORTAL_TOKEN": "t"}
+        code = app.main(["node", "add", "gpu-7", *argv], env=env)
+    finally:
+        portal.shutdown()
+        portal.server_close()
+    return code, portal
+
+
+def test_node_add_writes_the_token_to_a_file_its_owner_alone_reads(tmp_path, capsys):
+    path = tmp_path / "node-tokens" / "gpu-7"
+
+    code, _ = _node_add(["--token-file", str(path)])
+
+    out, err = capsys.readouterr()
+    assert code == 0 and out == "" and path.read_text() == "gpn_abc\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert f"GPUPORTAL_NODE_TOKEN_FILE={path} python manage.py agent --node gpu-7" in err
+
+
+def test_node_add_issues_nothing_when_its_token_file_cannot_be_written(tmp_path, capsys):
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    if os.access(folder, os.W_OK):
+        folder = tmp_path / "a-file"  # root writes anywhere: a path under a file cannot be made
+        folder.write_text("")
+
+    code, portal = _node_add(["--token-file", str(folder / "gpu-7")])
+
+    _, err = capsys.readouterr()
+    assert code == 1 and err.startswith(f"error: --token-file {folder / 'gpu-7'}: cannot write in ")
+    assert portal.paths == [], "no credential issued: the node's previous token still holds"
+
+
 def test_node_revoke_sends_the_reason_and_prints_the_apis_refusal(capsys):
     portal = StubPortal(409, {"detail": "node gpu-7's credential was revoked already, at 2026-11-25T17:36:13Z"})
     threading.Thread(target=portal.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

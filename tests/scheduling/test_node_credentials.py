@@ -7,6 +7,7 @@ worker receives them, in this process; the last test runs three real agents with
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -297,6 +298,24 @@ def test_the_agent_reads_its_token_from_the_environment_or_the_file_named_there(
     assert node_auth.read_token({}) is None
     with pytest.raises(node_auth.TokenError, match="missing: No such file"):
         node_auth.read_token({node_auth.TOKEN_FILE_ENV: str(tmp_path / "missing")})
+
+
+@pytest.mark.parametrize(("mode", "warned"), [(0o600, False), (0o440, False), (0o644, True)])
+def test_the_agent_warns_of_a_token_file_every_user_of_its_host_may_read(tmp_path, caplog, mode, warned):
+    path = tmp_path / "token"
+    path.write_text("gpn_from-file\n")
+    path.chmod(mode)
+
+    with caplog.at_level(logging.WARNING, logger="gpuportal.wire.node_auth"):
+        assert node_auth.read_token({node_auth.TOKEN_FILE_ENV: str(path)}) == "gpn_from-file"
+
+    said = [r.getMessage() for r in caplog.records]
+    assert bool(said) is warned, said
+    if warned:
+        assert said == [
+            f"{node_auth.TOKEN_FILE_ENV}={path} is readable by every user of this host (mode 0644): "
+            "whoever reads it can speak for the node; `chmod 600` it (or 640, for a group of its own)"
+        ]
 
 
 def test_the_command_issues_into_a_private_file_and_keeps_a_token_still_valid(required, tmp_path, capsys):
