@@ -32,7 +32,7 @@ from gpuportal.wire.requestqueue import Request, StreamSplice
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS, ROLES, Completion, Refused
 from scheduling.api.inputs import FiniteFloatField
-from scheduling.api.requests import json_body
+from scheduling.api.requests import json_body, retry_after
 from scheduling.models import Deployment
 from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
@@ -208,10 +208,14 @@ def _service_answer(exc: ServiceError) -> tuple[int, dict[str, Any] | HttpRespon
     return code, JsonResponse(error, status=code, headers=exc.headers()) if exc.headers() else error
 
 
-def _failure(result: Request, param: str) -> tuple[int, dict[str, Any]]:
-    """A request that ended without an answer: input the model cannot take is the caller's to fix."""
+def _failure(result: Request, param: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+    """A request that ended without an answer: input the model cannot take is the caller's to fix.
+    With a Retry-After where its failure said when asking again may succeed: OpenAI's client
+    library waits that long before it retries a 503."""
     code = 400 if result.error_kind == "bad_input" else 503
-    return code, error_body(result.error, param, "server_error" if code == 503 else "invalid_request_error")
+    error = error_body(result.error, param, "server_error" if code == 503 else "invalid_request_error")
+    headers = retry_after(result)
+    return code, JsonResponse(error, status=code, headers=headers) if headers else error
 
 
 class _Generate(_Answered):
@@ -258,7 +262,7 @@ class _Generate(_Answered):
 
     def run(
         self, model: str, request_input: Any, params: dict[str, Any], owner: str, timeout: float, key: str | None = None
-    ) -> tuple[int, dict[str, Any]]:
+    ) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         """Run a non-streamed request and wait for it, at most `timeout` seconds: the HTTP status
         and OpenAI-shaped body."""
         # The service checks the model exists and is a causal LM in the statement that accepts the

@@ -183,8 +183,9 @@ class InferView(APIView):
             name, kind=kind, input=data.validated_data["input"], params=params_of(data.validated_data),
             owner=str(request.user.pk), timeout=timeout, idempotency_key=key,
         )  # fmt: skip
-        status_code, body = _answer(final or request_services.latest(submitted))
-        return Response(body, status=status_code)
+        result = final or request_services.latest(submitted)
+        status_code, body = _answer(result)
+        return Response(body, status=status_code, headers=retry_after(result))
 
 
 def _fast_infer(request: Any, name: str) -> JsonResponse | None:
@@ -208,8 +209,9 @@ def _fast_infer(request: Any, name: str) -> JsonResponse | None:
         return JsonResponse(exc.detail, status=400)
     except ServiceError as exc:
         return JsonResponse(exc.body(), status=exc.status, headers=exc.headers())
-    status_code, body = _answer(final or request_services.latest(submitted))
-    return JsonResponse(body, status=status_code)
+    result = final or request_services.latest(submitted)
+    status_code, body = _answer(result)
+    return JsonResponse(body, status=status_code, headers=retry_after(result))
 
 
 def idempotency_key(request: Any) -> str | None:
@@ -281,6 +283,15 @@ def fast_params(params: Any) -> dict[str, Any] | None:
         return None
     out["stop"] = list(stops)
     return out
+
+
+def retry_after(result: Request) -> dict[str, str] | None:
+    """A failed request's Retry-After, where its failure said when asking again may succeed (a
+    wake refused only for replicas inside their min_runtime); a client library that honours it
+    (OpenAI's does) asks again then rather than at once."""
+    if result.status != "failed" or result.retry_after_s is None:
+        return None
+    return {"Retry-After": str(result.retry_after_s)}
 
 
 def _answer(result: Request) -> tuple[int, dict[str, Any]]:

@@ -41,6 +41,7 @@ while renewing or releasing it bumps nothing.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -705,7 +706,18 @@ def run_preemption(
             )
             choice = choice if isinstance(deeper, fairness.NoVictim) else deeper
         if isinstance(choice, fairness.NoVictim):
-            return _fail(ids, f"cannot wake {deployment.name}: {choice.reason}", victims=preempted)
+            at = fairness.room_at(
+                list(snap.gpus.values()),
+                waiting_replica_id=waker.id,
+                needed_bytes_by_gpu=needed,
+                now=wall(),
+                kept_bytes_by_gpu=kept,
+            )
+            retry_s = max(1, math.ceil((at - wall()).total_seconds())) if at is not None else None
+            # A wait lifts it: said, and answered as Retry-After to the requests it fails.
+            later = f"; room in {retry_s} s, once their min_runtime lapses" if retry_s is not None else ""
+            why = f"cannot wake {deployment.name}: {choice.reason}{later}"
+            return _fail(ids, why, victims=preempted, retry_after_s=retry_s)
 
         victims = _preempt(ids, deployment, choice)
         preempted += victims
@@ -895,9 +907,12 @@ def _try_place(ids: list[int], why: str, *, victims: list[str] | None = None) ->
     return Outcome(PreemptionIntent.Status.SATISFIED, why, waker.id, tuple(victims or ()))
 
 
-def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> Outcome:
+def _fail(
+    ids: list[int], reason: str, *, victims: list[str] | None = None, retry_after_s: int | None = None
+) -> Outcome:
     """The wake cannot happen: close the intents, drop an unplaced waker, and end the waiting
-    requests with the reason, unless another replica of the deployment can still serve them."""
+    requests with the reason (and when asking again may succeed), unless another replica of the
+    deployment can still serve them."""
 
     intent = PreemptionIntent.objects.select_related("waiting_replica").get(pk=ids[0])
     with transaction.atomic():
@@ -909,7 +924,7 @@ def _fail(ids: list[int], reason: str, *, victims: list[str] | None = None) -> O
             deployment.replicas.filter(state__in=AWAKE).exclude(state=Replica.State.PENDING, node=None).exists()
         )
     if not others_awake:
-        queueing.fail_waiting(deployment.name, reason)
+        queueing.fail_waiting(deployment.name, reason, retry_after_s=retry_after_s)
     return Outcome(PreemptionIntent.Status.FAILED, reason, intent.waiting_replica_id, tuple(victims or ()))
 
 

@@ -114,14 +114,22 @@ def requeue_from(replica_id: str, reason: str) -> dict[str, str]:
     return outcomes
 
 
-def fail_waiting(deployment_name: str, reason: str, *, deleted: bool = False, kind: str = "placement") -> list[str]:
+def fail_waiting(
+    deployment_name: str,
+    reason: str,
+    *,
+    deleted: bool = False,
+    kind: str = "placement",
+    retry_after_s: int | None = None,
+) -> list[str]:
     """End the waiting requests of a deployment that cannot be woken, saying why. `deleted`: it
     is gone, so its replicas' claims to take requests go first; a request queued on the strength
     of one before that is then in the queue, and ends here too. `kind` is the error's (a failed
-    load is `load`, answered 503; what cannot be placed, 409)."""
+    load is `load`, answered 503; what cannot be placed, 409). `retry_after_s`: when asking
+    again may succeed, where that is known (answered as Retry-After)."""
     if deleted:
         queue().forget_live(deployment_name)
-    return queue().fail_queued(deployment_name, reason=reason, kind=kind)
+    return queue().fail_queued(deployment_name, reason=reason, kind=kind, retry_after_s=retry_after_s)
 
 
 def last_requests(replica_ids: Iterable[str]) -> dict[str, datetime]:

@@ -22,6 +22,7 @@ from scheduling.core.fairness import (
     choose_whole_gpus,
     eligible,
     preempt_at_once,
+    room_at,
     short_of_room,
     should_preempt,
     sleep_early,
@@ -512,6 +513,53 @@ def test_no_victim_when_all_occupants_are_within_min_runtime():
     result = refusal([gpu(0, [occ("a", 4 * GiB, serving_since=ago(1))])], {0: 1 * GiB})
 
     assert result.reason.startswith("all occupants of gpu node1/0 are within min_runtime (")
+
+
+def _room_at(gpus: Iterable[GPUView], needed: Mapping[int, int], **kw) -> datetime | None:
+    return room_at(list(gpus), waiting_replica_id=WAITER, needed_bytes_by_gpu=needed, now=NOW, **kw)
+
+
+def test_a_wake_refused_for_young_replicas_finds_room_once_enough_of_their_min_runtimes_lapse():
+    # 3 GiB short: a (1 GiB) settles in 2 s, b (2 GiB) in 5 s, c (2 GiB) in 8 s. a and b free 3.
+    young = [occ("a", 1 * GiB, serving_since=ago(8)), occ("b", 2 * GiB, serving_since=ago(5))]
+    g = gpu(0, [*young, occ("c", 2 * GiB, serving_since=ago(2))], total=6 * GiB)
+    needed = {0: 4 * GiB}
+    refusal([g], needed)
+
+    at = _room_at([g], needed)
+
+    assert at is not None and timedelta(seconds=5) < at - NOW < timedelta(seconds=5.01), at
+    assert isinstance(choose([g], needed, now=at), VictimChoice)
+
+
+def test_no_room_is_foreseen_where_no_lapse_helps():
+    popular = gpu(0, [occ("a", 4 * GiB, popular=True), occ("b", 1 * GiB, serving_since=ago(1))], total=5 * GiB)
+    assert _room_at([popular], {0: 3 * GiB}) is None, "b alone, once settled, frees too little"
+    assert _room_at([gpu(0, [occ("a", 4 * GiB, state="waking")])], {0: 1 * GiB}) is None, "no one serving"
+
+
+@PROPERTY
+@given(
+    settle_in=st.lists(st.floats(min_value=-5, max_value=60), min_size=1, max_size=6),
+    popular=st.lists(st.booleans(), min_size=6, max_size=6),
+    needed_gib=st.integers(min_value=1, max_value=7),
+)
+def test_the_room_foreseen_is_the_first_moment_a_victim_is_found(settle_in, popular, needed_gib):
+    occupants = [
+        occ(f"r{i}", 1 * GiB, popular=popular[i], serving_since=NOW - timedelta(seconds=10 - s))
+        for i, s in enumerate(settle_in)
+    ]
+    g = gpu(0, occupants, total=8 * GiB)
+    needed = {0: needed_gib * GiB}
+    if isinstance(choose([g], needed), VictimChoice):
+        return  # no refusal now: nothing to foresee
+
+    at = _room_at([g], needed)
+
+    # Every moment a victim could first be found is a lapse: one before `at` finds none, `at` does.
+    moments = sorted({o.serving_since + timedelta(seconds=10, milliseconds=1) for o in occupants})
+    found = [m for m in moments if m > NOW and isinstance(choose([g], needed, now=m), VictimChoice)]
+    assert at == (found[0] if found else None)
 
 
 def test_no_victim_when_no_occupant_is_serving():

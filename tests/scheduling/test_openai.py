@@ -3,7 +3,10 @@ server in the test process; a stand-in replica thread serves the queue)."""
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import openai
@@ -20,7 +23,7 @@ from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
 from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
-from tests.support.processes import StandIn
+from tests.support.processes import StandIn, wait_until
 
 MiB = 1024**2
 
@@ -155,6 +158,39 @@ def test_a_call_nothing_answers_ends_at_its_timeout_and_its_unstarted_request_is
     with pytest.raises(openai.APIError, match=r"did not start within 0\.3 s"):
         list(client.completions.create(model="tiny", prompt="x", stream=True, extra_body={"timeout": 0.3}))
     assert request_services.queue_depth("tiny") == 0
+
+
+def _fail_once_queued(retry_after_s: int) -> threading.Thread:
+    """Ends the call's request once it waits, as a wake refused for young replicas would."""
+
+    def fail() -> None:
+        wait_until(lambda: request_services.queue_depth("tiny") > 0, 30, "the call's request to wait")
+        request_services.fail_waiting("tiny", "cannot wake tiny: young; room in 42 s", retry_after_s=retry_after_s)
+
+    thread = threading.Thread(target=fail, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_call_whose_wake_failed_for_young_replicas_says_when_to_ask_again(client, replica, live_server):
+    _fail_once_queued(42)
+    with pytest.raises(openai.InternalServerError, match="room in 42 s") as caught:
+        client.completions.create(model="tiny", prompt="anyone?")
+    assert caught.value.status_code == 503 and caught.value.response.headers["Retry-After"] == "42"
+
+    # The portal's own /infer/ answers the same way (a 409: what cannot be placed now).
+    key = Token.objects.get(user__username="alice").key
+    _fail_once_queued(7)
+    call = urllib.request.Request(
+        f"{live_server.url}/api/deployments/tiny/infer/",
+        data=json.dumps({"input": "anyone?"}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Token {key}"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(call, timeout=30)
+    assert refused.value.code == 409 and refused.value.headers["Retry-After"] == "7"
+    answer = json.loads(refused.value.read())
+    assert answer["status"] == "failed" and "room in 42 s" in answer["error"]
 
 
 def test_a_call_whose_request_runs_past_its_timeout_gets_a_504_and_the_answer_stays_pollable(client, replica):

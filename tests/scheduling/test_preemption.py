@@ -257,6 +257,24 @@ def test_when_every_occupant_is_popular_or_within_min_runtime_the_wake_fails_and
     assert PreemptionIntent.objects.filter(status="waiting").count() == 1
 
 
+def test_a_wake_refused_only_for_a_young_replica_tells_its_requests_when_to_ask_again(one_gpu, dispatched, rq):
+    # Either one's leaving makes room: the sooner to settle, b, says when.
+    young = [serving("a", min_runtime_s=600), serving("b", min_runtime_s=300)]
+    Replica.objects.filter(pk__in=young).update(serving_since=timezone.now())
+    deploy("c", replicas=0, max_wait_s=2)
+    request = request_services.submit("c", kind="generate", input="hi", params={}, owner="1")
+    (waker,) = Replica.objects.filter(deployment__name="c").values_list("id", flat=True)
+
+    clock = FakeClock()
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    # About 300 s from b's serving_since, less the moments the test took: the wait was a fake one.
+    ended = rq.get(request.id)
+    assert outcome.status == "failed" and ended.status == "failed", outcome.reason
+    assert ended.retry_after_s is not None and 290 <= ended.retry_after_s <= 300, ended.retry_after_s
+    assert ended.error.endswith(f"; room in {ended.retry_after_s} s, once their min_runtime lapses"), ended.error
+
+
 # Deep asleep, it holds nothing on the GPU and waits as itself all the same; its promotion starts
 # a process from its node's host copy, which reports serving.
 @pytest.mark.parametrize("deep", [False, True], ids=["asleep", "deep-asleep"])

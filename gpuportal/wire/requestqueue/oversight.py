@@ -126,11 +126,17 @@ class Overseeing(QueueBase):
             outcomes[request_id] = "requeued"
         return outcomes
 
-    def fail_queued(self, deployment: str, *, reason: str, kind: str = "placement") -> list[str]:
-        """End every request waiting for `deployment`: it cannot be served (e.g. cannot wake)."""
+    def fail_queued(
+        self, deployment: str, *, reason: str, kind: str = "placement", retry_after_s: int | None = None
+    ) -> list[str]:
+        """End every request waiting for `deployment`: it cannot be served (e.g. cannot wake);
+        `retry_after_s`, when asking again may succeed, where that is known."""
         failed = []
+        fields = {"error": reason, "error_kind": kind}
+        if retry_after_s is not None:
+            fields["retry_after_s"] = str(retry_after_s)
         while (raw := self.redis.rpop(queue_key(deployment))) is not None:
             request_id = raw.decode()
-            self._end(request_id, "failed", {"error": reason, "error_kind": kind})
+            self._end(request_id, "failed", fields)
             failed.append(request_id)
         return failed

@@ -456,6 +456,9 @@ class Request:
     output: Any = None
     error: str = ""
     error_kind: str = ""
+    # Of a failed request: in how many seconds asking again may succeed, where that is known
+    # (a wake that failed only for replicas inside their min_runtime).
+    retry_after_s: int | None = None
     created_at: float | None = None
     dispatched_at: float | None = None
     started_at: float | None = None
@@ -488,6 +491,7 @@ class Request:
             output=json.loads(data["output"]) if data.get("output") else None,
             error=data.get("error", ""),
             error_kind=data.get("error_kind", ""),
+            retry_after_s=int(data["retry_after_s"]) if data.get("retry_after_s") else None,
             created_at=stamp("created_at"),
             dispatched_at=stamp("dispatched_at"),
             started_at=stamp("started_at"),
