@@ -169,7 +169,10 @@ class InferView(APIView):
             202: OpenApiResponse(RequestSerializer, description="Not finished within timeout_s: poll its id."),
             400: OpenApiResponse(description="A field is invalid, or the input is too long for the model."),
             404: OpenApiResponse(description="No such deployment."),
-            409: OpenApiResponse(description="The deployment can never be placed; the body says why."),
+            409: OpenApiResponse(
+                description="The deployment cannot be placed or woken; the body says why. With Retry-After "
+                "where a wait will make room (replicas inside their min_runtime)."
+            ),
             429: TOO_MANY_REQUESTS,
         },
     )
