@@ -82,6 +82,7 @@ from typing import Literal
 
 from gpuportal.wire import states
 from gpuportal.wire.states import ReplicaState
+from scheduling.core import settling
 from scheduling.core.state import GPUView, OccupantView, Snapshot
 
 # "cost": expired idle replicas first, busy ones last, and in between the lowest reload cost per
@@ -246,22 +247,11 @@ def room_at(
     the clock: the soonest moment a `min_runtime` lapses after which choose_victim succeeds, with
     or without counting the kept contexts (as the wake's own choice tries both); None when no
     lapse helps (dedicated, popular or starting occupants in the way, or too little memory even
-    with every young one gone). What a failed wake's `Retry-After` says. Pure.
-
-    A bisection over the lapses: at a later moment more occupants are eligible and nothing else
-    changes, so once a choice succeeds, every later one does."""
+    with every young one gone). What a failed wake's `Retry-After` says. Pure."""
     by_id = _index(gpus)
-    lapses = sorted(
-        {
-            at
-            for gpu_id in needed_bytes_by_gpu
-            for o in by_id[gpu_id].occupants
-            if (at := _eligible_from(o)) is not None and at > now
-        }
-    )
+    asks = [kept_bytes_by_gpu, None] if kept_bytes_by_gpu else [None]
 
     def found(at: datetime) -> bool:
-        asks = [kept_bytes_by_gpu, None] if kept_bytes_by_gpu else [None]
         return any(
             isinstance(
                 choose_victim(
@@ -276,25 +266,8 @@ def room_at(
             for kept in asks
         )
 
-    if not lapses or not found(lapses[-1]):
-        return None
-    low, high = 0, len(lapses) - 1
-    while low < high:
-        middle = (low + high) // 2
-        if found(lapses[middle]):
-            high = middle
-        else:
-            low = middle + 1
-    return lapses[low]
-
-
-def _eligible_from(occupant: OccupantView) -> datetime | None:
-    """When a serving occupant's min_runtime lapses (the first moment _verdict finds it eligible
-    on that count), a millisecond over so that rounding cannot put it a hair inside; None for one
-    that is not serving or has no min_runtime."""
-    if occupant.state != ReplicaState.SERVING or occupant.serving_since is None or occupant.min_runtime_s <= 0:
-        return None
-    return occupant.serving_since + timedelta(seconds=occupant.min_runtime_s, milliseconds=1)
+    occupants = [o for gpu_id in needed_bytes_by_gpu for o in by_id[gpu_id].occupants]
+    return settling.soonest(settling.lapses(occupants, now), found)
 
 
 def sleepers_to_deepen(gpus: Sequence[GPUView], needed: Mapping[int, int], *, waiting_replica_id: str) -> list[str]:

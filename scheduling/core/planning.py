@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from gpuportal.wire.states import AWAKE
-from scheduling.core import host_memory
+from scheduling.core import host_memory, settling
 from scheduling.core.host_memory import HostView
 from scheduling.core.placement import CantAccommodate, Placement, PlacementRequest, Policy, fmt_bytes, place
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
@@ -140,6 +140,37 @@ def place_all(
             room[result.node] = room[result.node].with_process(host_need_bytes)
         current = apply_placement(current, result, occupant_for(result))
     return MultiPlacement(tuple(placements), _combined_plan(snapshot, placements, reason), current)
+
+
+def room_at(
+    snapshot: Snapshot,
+    requests: Sequence[PlacementRequest],
+    *,
+    occupant_for: Callable[[Placement], OccupantView],
+    policy: str | Policy = "gpuportal",
+    hosts: Mapping[str, HostView] | None = None,
+    host_need_bytes: int = 0,
+) -> datetime | None:
+    """When `place_all`, refused on `snapshot`, would place them all as things stand but for the
+    clock: the soonest moment a replica in the way leaves its `min_runtime` (settling); None when
+    no such moment helps. Its ties broken alike at every moment tried. What a refusal's
+    Retry-After says; asked only for one that is answered (it places the requests a few times)."""
+
+    def placed(at: datetime) -> bool:
+        result = place_all(
+            replace(snapshot, taken_at=at),
+            requests,
+            occupant_for=occupant_for,
+            reason="",
+            policy=policy,
+            rng=random.Random(0),
+            hosts=hosts,
+            host_need_bytes=host_need_bytes,
+        )
+        return not isinstance(result, CantAccommodate)
+
+    occupants = [o for gpu in snapshot.gpus.values() for o in gpu.occupants]
+    return settling.soonest(settling.lapses(occupants, snapshot.taken_at), placed)
 
 
 def _awake(snapshot: Snapshot, deployment: str) -> set[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 class ServiceError(Exception):
@@ -64,16 +64,23 @@ class AlreadyExists(InvalidInput):
 
 
 class CannotPlace(ServiceError):
-    """No node can host what was asked; nothing was applied."""
+    """No node can host what was asked; nothing was applied. `retry_after`: in how many seconds
+    asking again may succeed (replicas in the way leave their min_runtime), or None; asked only
+    when the refusal is answered, as the Retry-After header, since it places the ask again."""
 
     status = 409
 
-    def __init__(self, reason: str, reasons: Mapping[str, str]):
+    def __init__(self, reason: str, reasons: Mapping[str, str], *, retry_after: Callable[[], int | None] | None = None):
         self.reasons = dict(reasons)
+        self._retry_after = retry_after
         super().__init__(reason)
 
     def body(self) -> dict:
         return {"detail": str(self), "reasons": self.reasons}
+
+    def headers(self) -> dict[str, str]:
+        seconds = self._retry_after() if self._retry_after is not None else None
+        return {"Retry-After": str(seconds)} if seconds is not None else {}
 
 
 class InvalidState(ServiceError):

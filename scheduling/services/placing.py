@@ -18,10 +18,10 @@ from django.utils import timezone
 from gpuportal.wire import memory, states
 from gpuportal.wire.states import COUNTED
 from scheduling import hot_sql, ledger
-from scheduling.core import effects, host_memory
+from scheduling.core import effects, host_memory, settling
 from scheduling.core.host_memory import HostView
 from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, Placement, PlacementRequest, Policy
-from scheduling.core.planning import apply_placement, place_all, plan_of, withhold_locked
+from scheduling.core.planning import apply_placement, place_all, plan_of, room_at, withhold_locked
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Snapshot
 from scheduling.models import GPU, Deployment, Event, Node, Replica, new_replica_id
 from scheduling.services import deep_sleep, failover, outbox, replica_specs
@@ -226,11 +226,24 @@ class Ask:
         )
         if isinstance(result, CantAccommodate):
             decision.placements = ()
+
+            def retry_after() -> int | None:
+                at = room_at(
+                    view,
+                    requests,
+                    occupant_for=lambda placement: _occupant_for(deployment, placement),
+                    policy=self.policy,
+                    hosts=self.hosts,
+                    host_need_bytes=self.host_need,
+                )
+                return settling.seconds_until(view.taken_at, at) if at is not None else None
+
             if withheld:
                 locked = ", ".join(withheld)
                 reasons = {**result.reasons, **{label: "another wake holds its wake lock" for label in withheld}}
-                raise CannotPlace(f"{result.reason} (not counting {locked}: another wake holds its lock)", reasons)
-            raise CannotPlace(result.reason, result.reasons)
+                why = f"{result.reason} (not counting {locked}: another wake holds its lock)"
+                raise CannotPlace(why, reasons, retry_after=retry_after)
+            raise CannotPlace(result.reason, result.reasons, retry_after=retry_after)
         decision.placements = result.placements
         decision.gpus = current.gpus
         self.plan_reason = result.plan.reason

@@ -41,7 +41,6 @@ while renewing or releasing it bumps nothing.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -54,7 +53,7 @@ from django.utils import timezone
 
 from gpuportal.wire.states import ASLEEP, AWAKE, GONE
 from scheduling import ledger, locks
-from scheduling.core import effects, fairness
+from scheduling.core import effects, fairness, settling
 from scheduling.core.placement import POLICIES, CachedReplica, CantAccommodate, PlacementRequest, fmt_bytes, place
 from scheduling.core.planning import withhold_locked
 from scheduling.core.state import OccupantView, Snapshot
@@ -713,7 +712,7 @@ def run_preemption(
                 now=wall(),
                 kept_bytes_by_gpu=kept,
             )
-            retry_s = max(1, math.ceil((at - wall()).total_seconds())) if at is not None else None
+            retry_s = settling.seconds_until(wall(), at) if at is not None else None
             # A wait lifts it: said, and answered as Retry-After to the requests it fails.
             later = f"; room in {retry_s} s, once their min_runtime lapses" if retry_s is not None else ""
             why = f"cannot wake {deployment.name}: {choice.reason}{later}"

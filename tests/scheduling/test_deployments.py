@@ -355,6 +355,28 @@ def test_a_larger_deploy_evicts_the_fewest_idle_replicas_of_others(cluster, api,
     assert invariant_holds()
 
 
+def test_a_deploy_refused_for_replicas_inside_their_min_runtime_says_when_to_ask_again(
+    cluster, api, dispatched, tiny_model_dir
+):
+    # All four GPUs hold a replica of small serving for 100 s of its 120 s min_runtime.
+    fairness = {"min_runtime_s": 120}
+    small = body("small", tiny_model_dir, replicas=4, memory={"override_bytes": 600 * MiB}, fairness=fairness)
+    api("post", "/api/deployments/", small)
+    for replica_id in Replica.objects.values_list("id", flat=True):
+        serve(replica_id)
+    Replica.objects.update(serving_since=timezone.now() - timedelta(seconds=100))
+
+    response = api("post", "/api/deployments/", body("big", tiny_model_dir, memory={"override_bytes": 900 * MiB}))
+
+    assert response.status_code == 409 and "fairness.min_runtime_s (120 s): 20 s more" in response.json()["detail"]
+    assert 18 <= int(response.headers["Retry-After"]) <= 20, response.headers["Retry-After"]
+    assert not Deployment.objects.filter(name="big").exists(), "nothing half-applied"
+    # A dedicated one is never evicted: no wait helps, and no Retry-After says otherwise.
+    Deployment.objects.filter(name="small").update(dedicated=True)
+    response = api("post", "/api/deployments/", body("big", tiny_model_dir, memory={"override_bytes": 900 * MiB}))
+    assert response.status_code == 409 and "Retry-After" not in response.headers
+
+
 def test_a_dedicated_replica_is_never_evicted(cluster, api, tiny_model_dir):
     api(
         "post",

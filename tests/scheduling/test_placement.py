@@ -29,7 +29,7 @@ from scheduling.core.placement import (
     cached_replicas,
     place,
 )
-from scheduling.core.planning import apply_placement, place_all, without_releases
+from scheduling.core.planning import apply_placement, place_all, room_at, without_releases
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 GiB = 1024**3
@@ -527,6 +527,26 @@ def test_a_refusal_of_more_replicas_than_the_gpus_could_ever_hold_says_how_many_
         result.reason
     ), result.reason
     assert "never fit" not in _all(snapshot, 3, 4 * GiB, deployment="other").reason, "3 of another would fit"
+
+
+def test_a_plan_refused_for_young_replicas_finds_room_once_enough_of_them_leave_their_min_runtime():
+    # Two replicas of 14 GiB wanted, one a GPU; each GPU holds a young 20 GiB replica. The one on
+    # node1/1 settles first (in 4 s), but room for both needs the other too (in 9 s).
+    def young(replica_id: str, settles_in: float) -> OccupantView:
+        since = NOW - timedelta(seconds=10 - settles_in)
+        return occ(replica_id * 32, 20 * GiB, min_runtime_s=10, serving_since=since)
+
+    snapshot = snap(gpu(0, occupants=[young("a", 9)]), gpu(1, occupants=[young("b", 4)]))
+    requests = [req(14 * GiB, replica_id=f"{i}" * 32) for i in range(2)]
+    mine = {"occupant_for": lambda p: OccupantView(p.replica_id, "llama-8b", "pending", 14 * GiB)}
+    assert isinstance(place_all(snapshot, requests, reason="scale", **mine), CantAccommodate)
+
+    at = room_at(snapshot, requests, **mine)
+
+    assert at is not None and timedelta(seconds=9) < at - NOW < timedelta(seconds=9.01), at
+    assert room_at(snapshot, requests[:1], **mine) - NOW < timedelta(seconds=4.01), "one needs b gone alone"
+    pinned = snap(gpu(0, occupants=[occ("p" * 32, 20 * GiB, dedicated=True)]))
+    assert room_at(pinned, requests[:1], **mine) is None, "no lapse moves a dedicated replica"
 
 
 def test_a_refusal_of_one_replica_larger_than_any_gpu_states_no_ceiling():
