@@ -235,36 +235,57 @@ def choose_victim(
     return VictimChoice(waiting_replica_id, victims, "; ".join(v.reason for v in victims), skipped)
 
 
+def choose_for_wake(
+    gpus: Sequence[GPUView],
+    *,
+    waiting_replica_id: str,
+    needed_bytes_by_gpu: Mapping[int, int],
+    now: datetime,
+    kept_bytes_by_gpu: Mapping[int, int],
+) -> VictimChoice | NoVictim:
+    """choose_victim as a wake at its deadline asks it: counting what each victim keeps asleep
+    (its CUDA context), and, where that leaves the waker short (a waker that needs whole GPUs,
+    above all), counting none: such a victim's sleep report then finds the wake still short beside
+    its context, and it sleeps deeply, giving all it held back (replica_reports._why_deeply). The
+    NoVictim counting the kept contexts when neither finds victims."""
+    choice = choose_victim(
+        gpus,
+        waiting_replica_id=waiting_replica_id,
+        needed_bytes_by_gpu=needed_bytes_by_gpu,
+        now=now,
+        kept_bytes_by_gpu=kept_bytes_by_gpu,
+    )
+    if not isinstance(choice, NoVictim) or not any(kept_bytes_by_gpu.values()):
+        return choice
+    deeper = choose_victim(
+        gpus, waiting_replica_id=waiting_replica_id, needed_bytes_by_gpu=needed_bytes_by_gpu, now=now
+    )
+    return choice if isinstance(deeper, NoVictim) else deeper
+
+
 def room_at(
     gpus: Sequence[GPUView],
     *,
     waiting_replica_id: str,
     needed_bytes_by_gpu: Mapping[int, int],
     now: datetime,
-    kept_bytes_by_gpu: Mapping[int, int] | None = None,
+    kept_bytes_by_gpu: Mapping[int, int],
 ) -> datetime | None:
-    """When a wake that finds no victim now (NoVictim) would find one, as things stand but for
-    the clock: the soonest moment a `min_runtime` lapses after which choose_victim succeeds, with
-    or without counting the kept contexts (as the wake's own choice tries both); None when no
-    lapse helps (dedicated, popular or starting occupants in the way, or too little memory even
-    with every young one gone). What a failed wake's `Retry-After` says. Pure."""
+    """When a wake that finds no victim now (choose_for_wake's NoVictim) would find one, as
+    things stand but for the clock: the soonest moment a `min_runtime` lapses after which it does;
+    None when no lapse helps (dedicated, popular or starting occupants in the way, or too little
+    memory even with every young one gone). What a failed wake's `Retry-After` says. Pure."""
     by_id = _index(gpus)
-    asks = [kept_bytes_by_gpu, None] if kept_bytes_by_gpu else [None]
 
     def found(at: datetime) -> bool:
-        return any(
-            isinstance(
-                choose_victim(
-                    gpus,
-                    waiting_replica_id=waiting_replica_id,
-                    needed_bytes_by_gpu=needed_bytes_by_gpu,
-                    now=at,
-                    kept_bytes_by_gpu=kept,
-                ),
-                VictimChoice,
-            )
-            for kept in asks
+        choice = choose_for_wake(
+            gpus,
+            waiting_replica_id=waiting_replica_id,
+            needed_bytes_by_gpu=needed_bytes_by_gpu,
+            now=at,
+            kept_bytes_by_gpu=kept_bytes_by_gpu,
         )
+        return isinstance(choice, VictimChoice)
 
     occupants = [o for gpu_id in needed_bytes_by_gpu for o in by_id[gpu_id].occupants]
     return settling.soonest(settling.lapses(occupants, now), found)

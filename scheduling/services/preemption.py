@@ -688,29 +688,13 @@ def run_preemption(
                 return done
             snap = enrich(ledger.snapshot([i.gpu_id for i in intents]))
         kept = _kept_bytes(snap)
-        choice = fairness.choose_victim(
-            list(snap.gpus.values()),
-            waiting_replica_id=waker.id,
-            needed_bytes_by_gpu=needed,
-            now=wall(),
-            kept_bytes_by_gpu=kept,
+        gpus = list(snap.gpus.values())
+        choice = fairness.choose_for_wake(
+            gpus, waiting_replica_id=waker.id, needed_bytes_by_gpu=needed, now=wall(), kept_bytes_by_gpu=kept
         )
-        if isinstance(choice, fairness.NoVictim) and any(kept.values()):
-            # Not enough with each victim keeping its context once asleep (a waker that needs
-            # whole GPUs, above all): then its sleep report finds this wake still short beside
-            # that context, and it sleeps deeply, giving all it held back
-            # (replica_reports._why_deeply), which the next round waits for (_deepen_for).
-            deeper = fairness.choose_victim(
-                list(snap.gpus.values()), waiting_replica_id=waker.id, needed_bytes_by_gpu=needed, now=wall()
-            )
-            choice = choice if isinstance(deeper, fairness.NoVictim) else deeper
         if isinstance(choice, fairness.NoVictim):
             at = fairness.room_at(
-                list(snap.gpus.values()),
-                waiting_replica_id=waker.id,
-                needed_bytes_by_gpu=needed,
-                now=wall(),
-                kept_bytes_by_gpu=kept,
+                gpus, waiting_replica_id=waker.id, needed_bytes_by_gpu=needed, now=wall(), kept_bytes_by_gpu=kept
             )
             retry_s = settling.seconds_until(wall(), at) if at is not None else None
             # A wait lifts it: said, and answered as Retry-After to the requests it fails.

@@ -515,8 +515,8 @@ def test_no_victim_when_all_occupants_are_within_min_runtime():
     assert result.reason.startswith("all occupants of gpu node1/0 are within min_runtime (")
 
 
-def _room_at(gpus: Iterable[GPUView], needed: Mapping[int, int], **kw) -> datetime | None:
-    return room_at(list(gpus), waiting_replica_id=WAITER, needed_bytes_by_gpu=needed, now=NOW, **kw)
+def _room_at(gpus: Iterable[GPUView], needed: Mapping[int, int]) -> datetime | None:
+    return room_at(list(gpus), waiting_replica_id=WAITER, needed_bytes_by_gpu=needed, now=NOW, kept_bytes_by_gpu={})
 
 
 def test_a_wake_refused_for_young_replicas_finds_room_once_enough_of_their_min_runtimes_lapse():
