@@ -73,14 +73,17 @@ class CannotPlace(ServiceError):
     def __init__(self, reason: str, reasons: Mapping[str, str], *, retry_after: Callable[[], int | None] | None = None):
         self.reasons = dict(reasons)
         self._retry_after = retry_after
+        self._headers: dict[str, str] = {}
         super().__init__(reason)
 
     def body(self) -> dict:
         return {"detail": str(self), "reasons": self.reasons}
 
     def headers(self) -> dict[str, str]:
-        seconds = self._retry_after() if self._retry_after is not None else None
-        return {"Retry-After": str(seconds)} if seconds is not None else {}
+        if self._retry_after is not None:  # once: an answer may ask for its headers twice
+            seconds, self._retry_after = self._retry_after(), None
+            self._headers = {"Retry-After": str(seconds)} if seconds is not None else {}
+        return self._headers
 
 
 class InvalidState(ServiceError):
