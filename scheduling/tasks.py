@@ -97,9 +97,9 @@ def preempt(intent_ids: list[int]) -> str:
 def wake(name: str, reason: str) -> list[str]:
     """A wake that found another wake holding the GPU's lock, asked again."""
     try:
-        return sleep.wake_deployment(name, reason=reason)
+        return sleep.wake_again(name, reason=reason)
     except ServiceError as err:
-        # Deleted meanwhile, or it can never fit: nothing to retry; the error says why.
+        # Deleted meanwhile, or it cannot fit (its waiting requests were told): nothing to retry.
         log.warning("retried wake of %s: %s", name, err)
         return []
 

@@ -162,6 +162,21 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         return []
 
 
+def wake_again(name: str, *, reason: str) -> list[str]:
+    """A wake that found another wake holding its GPU's lock, asked again (`wake_deployment`).
+    Refused now, not even evictions making room (dedicated replicas took the GPUs meanwhile), its
+    waiting requests end with the reason, as a failed fair wake's do, rather than wait out their
+    timeout with nothing on its way to serve them; unless a replica of it is awake to serve them.
+    A deployment deleted meanwhile had its requests ended by the delete."""
+    try:
+        return wake_deployment(name, reason=reason)
+    except CannotPlace as err:
+        deployment = Deployment.objects.filter(name=name).first()
+        if deployment is not None and not awake_count(deployment):
+            queueing.fail_waiting(name, f"cannot wake {name}: {err}")
+        raise
+
+
 def reload_times(deployment: Deployment) -> fairness.ReloadTimes:
     """The deployment's load from disk and wake from CPU RAM: what its replicas measured, else the
     cost model's estimate from its weights (scheduling.core.costs, which the capacity planner's

@@ -863,6 +863,23 @@ def test_two_deployments_waking_at_once_for_the_same_gpu_one_holds_the_wake_lock
     assert GPU.objects.get().wake_lock_holder_id == second and second != holder
 
 
+def test_a_retried_wake_that_can_no_longer_fit_ends_its_waiting_requests_saying_why(one_gpu, dispatched, rq):
+    # The request waits while another wake holds the GPU's lock; meanwhile dedicated replicas
+    # took the GPU, so the wake asked again can never place it.
+    from scheduling import tasks
+
+    deploy("c", replicas=0)
+    waiting = rq.submit("c", kind="generate", input="hi", params={}, owner="1")
+    serving("a", dedicated=True), serving("b", dedicated=True)
+
+    assert tasks.wake("c", "a request arrived") == []
+
+    ended = rq.get(waiting.id)
+    assert ended.status == "failed" and ended.error_kind == "placement", ended
+    assert ended.error.startswith("cannot wake c: cannot place c (400.0 MiB): node1: "), ended.error
+    assert "(dedicated)" in ended.error
+
+
 def test_memory_freed_on_a_gpu_another_wake_holds_goes_to_that_wake_not_to_other_placements(one_gpu, dispatched):
     older = serving("a")
     serving("b")
