@@ -12,9 +12,11 @@ WITH doomed AS (
     WHERE victim_id IN (SELECT id FROM doomed) AND waiting_replica_id NOT IN (SELECT id FROM doomed)
 ), wake_locks AS (
     -- The holders read from a snapshot of the rows: RETURNING alone gives the new value (NULL).
+    -- The holder compared on the row itself too: a lock another wake took over since the snapshot
+    -- (its commit waited for) is rechecked against the row as that wake left it, and kept.
     UPDATE scheduling_gpu AS gpu SET wake_lock_holder_id = NULL
     FROM (SELECT id, wake_lock_holder_id FROM scheduling_gpu WHERE wake_lock_holder_id IN (SELECT id FROM doomed)) AS held
-    WHERE gpu.id = held.id
+    WHERE gpu.id = held.id AND gpu.wake_lock_holder_id = held.wake_lock_holder_id
     RETURNING gpu.id, held.wake_lock_holder_id
 ), holders AS (
     UPDATE scheduling_failoverlease SET holder_id = NULL
