@@ -637,12 +637,18 @@ def miss_rows(misses: Sequence[DeploymentMisses], limit: int = 15) -> list[list[
     return [[m.deployment, m.requests, m.missed, m.why] for m in misses[:limit]]
 
 
+def gib(size: float) -> str:
+    """A GPU's size as a plan names it: 80, 3.53 (a virtual GPU's usable 3.53125 GiB), 139.8."""
+    return f"{round(size, 2):g}"
+
+
 def render(p: Plan) -> str:
     """The plan as Markdown: the policies, the bounds, who misses now and at the bound."""
     target = f"{100 * p.target:g} %"
     out = [
-        f"{p.requests} requests to {p.deployments} deployments over {p.duration_s:.0f} s; GPUs of "
-        f"{p.gpu_memory_gib:g} GiB; {p.current_gpus} now; target {target} of first tokens within {p.slo_ttft_s:g} s.",
+        f"{p.requests} requests to {p.deployments} deployment{'' if p.deployments == 1 else 's'} over "
+        f"{p.duration_s:.0f} s; GPUs of {gib(p.gpu_memory_gib)} GiB; {p.current_gpus} now; target {target} of "
+        f"first tokens within {p.slo_ttft_s:g} s.",
         "",
         table(POLICY_HEADERS, policy_rows(p)),
         "",
@@ -741,7 +747,7 @@ def plot(p: Plan) -> bytes:
     if p.bound.packed_gpus > max(p.bound.oracle_gpus, p.bound.load_aware_gpus):
         axes.axvline(p.bound.packed_gpus, color="brown", linewidth=0.8, linestyle=":", label="bound in whole GPUs")
     axes.axvline(p.current_gpus, color="green", linewidth=0.8, label="now")
-    axes.set_xlabel(f"GPUs of {p.gpu_memory_gib:g} GiB")
+    axes.set_xlabel(f"GPUs of {gib(p.gpu_memory_gib)} GiB")
     axes.set_ylabel("SLO attainment (%)")
     axes.set_xscale("log", base=2)
     axes.grid(True, alpha=0.3)

@@ -862,7 +862,7 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         trace, plot = tmp_path / "trace.csv", tmp_path / "plan.png"
         trace.write_text("arrival,deployment,prompt_tokens,output_tokens\n0,tiny,12,4\n2,tiny,30,8\n5,tiny,9,2\n")
         planned = cli.ok("plan", str(trace), "--plot", str(plot))
-        assert planned.startswith("3 requests to 1 deployments over 5 s;") and "| gpuportal-next " in planned
+        assert planned.startswith("3 requests to 1 deployment over 5 s;") and "| gpuportal-next " in planned
         assert plot.read_bytes().startswith(b"\x89PNG")
 
         follow, followed = cli.follow("events", "--follow", "--tail", "0", "--interval", "0.2", "-d", "tiny")

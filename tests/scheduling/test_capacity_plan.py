@@ -133,7 +133,7 @@ def test_export_trace_then_plan_round_trips_the_recorded_requests(serving_tiny, 
     printed = io.StringIO()
     call_command("plan", str(trace), "--policy", "gpuportal", "--policy", "oracle", stdout=printed)
     text = printed.getvalue()
-    assert "4 requests to 1 deployments" in text and "GPUs of 1 GiB; 1 now" in text
+    assert "4 requests to 1 deployment over" in text and "GPUs of 1 GiB; 1 now" in text
     assert "| gpuportal | 1 " in text and "| oracle    | 1 (bound)" in text
     assert "per simulated hour" in text
 

@@ -19,6 +19,7 @@ import redis
 
 from gpuportal.stackenv import read_stack_env
 from gpuportal.wire.requestqueue import RECORDS_KEY, records_key
+from scheduling.simulation import planner
 from scheduling.simulation.planner import DEFAULT_POLICIES
 from tests.support.processes import wait_until
 from tests.support.up import ROOT, Up, env_without_servers
@@ -127,15 +128,15 @@ def test_export_trace_then_plan_round_trips_requests_served_by_the_tiny_model(tm
         # The catalogue's need is what the replica's reservation holds, its CUDA context included.
         assert entry["need_bytes"] == gpu["reserved_bytes"] > 200 * MiB, (entry, gpu)
         text = manage(env, "plan", str(trace)).stdout
-        assert text.startswith("4 requests to 1 deployments over "), text
-        assert f"GPUs of {gpu['total_bytes'] / GiB:g} GiB; 1 now;" in text, text
+        assert text.startswith("4 requests to 1 deployment over "), text
+        assert f"GPUs of {planner.gib(gpu['total_bytes'] / GiB)} GiB; 1 now;" in text, text
         assert fewest_gpus(text) == dict.fromkeys(DEFAULT_POLICIES, 1), text
 
         # On the exported catalogue, for GPUs too small to hold one replica: the plan names the
         # deployment that misses now and why, and the GPUs each policy needs for it.
         small = f"{entry['need_bytes'] / 1.9 / GiB:.4f}"
         text = manage(env, "plan", str(trace), "--catalogue", str(catalogue), "--gpu-memory-gib", small).stdout
-        assert f"GPUs of {float(small):g} GiB; 1 now;" in text, text
+        assert f"GPUs of {planner.gib(float(small))} GiB; 1 now;" in text, text
         assert fewest_gpus(text) == dict.fromkeys(DEFAULT_POLICIES, 2), text
         missed_now = text[text.index("Missed at 1 GPUs (now):") : text.index("Missed at 2 GPUs")]
         assert re.search(r"^\| tiny +\| 4 +\| 4 +\| failed", missed_now, re.MULTILINE), text
