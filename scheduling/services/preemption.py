@@ -759,15 +759,29 @@ def _deepen_for(
     Waited for as a preempted replica is; the waker placed if that made room, else None (victims
     are chosen from who is left)."""
     why = f"{deployment.name} ({waker_id[:8]}) needs the memory its context holds, past its wait"
+    # A deep sleep told up to RESEND_S ago is not told again: its refusal may be that old.
+    since = timezone.now() - timedelta(seconds=deep_sleep.RESEND_S)
     deep_sleep.deepen_all(asleep, reason=why)
     limit = clock() + RELEASE_GRACE_S
-    while Replica.objects.filter(pk__in=asleep, state=Replica.State.SLEEPING).exists():
-        if clock() >= limit:
+    sleeping = Replica.objects.filter(pk__in=asleep, state=Replica.State.SLEEPING)
+    while still := set(sleeping.values_list("pk", flat=True)):
+        # One whose process refused the deep sleep (no room for its host copy) gives nothing back:
+        # waited for no longer, so the victims are chosen now rather than at the end of the grace.
+        if clock() >= limit or still <= _refused_deepen(still, since):
             return None
         renewer.renew()
         sleep(POLL_EVERY_S)
     who = ", ".join(replica_id[:8] for replica_id in asleep)
     return _try_place(ids, f"placed once {who} slept deeply, giving back its GPU memory", victims=preempted)
+
+
+def _refused_deepen(replica_ids: set[str], since: datetime) -> set[str]:
+    """Of these sleepers, those whose process refused a deep sleep since `since` (its report:
+    replica_reports._refused)."""
+    refused = Event.objects.filter(
+        replica__in=replica_ids, kind=Event.Kind.REPLICA_STATE, time__gte=since, after__refused="deepen"
+    )
+    return set(refused.values_list("replica", flat=True))
 
 
 def _fairness_wait(

@@ -377,6 +377,36 @@ def test_a_replica_that_fell_asleep_during_the_wait_sleeps_deeply_for_the_waker_
     assert_not_over_committed()
 
 
+def test_a_sleeper_whose_process_refuses_the_deep_sleep_is_not_waited_for(one_gpu, dispatched, rq):
+    # As above, but the sleeper's node has no room for its host copy: its process refuses the deep
+    # sleep, and the wake goes on at once (here: to fail, no one else being evictable) rather than
+    # wait out the grace for room that is not coming.
+    earlier = serving("z", need=100 * MiB)
+    sleep.sleep_replica(earlier, reason="test")
+    reports.report(earlier, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
+    reports.report(earlier, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+    young = serving("b", need=400 * MiB, min_runtime_s=600)
+    Replica.objects.filter(pk=young).update(serving_since=timezone.now())
+    deploy("c", replicas=0, need=500 * MiB, max_wait_s=5)
+    request = request_services.submit("c", kind="generate", input="hi", params={}, owner="1")
+    (waker,) = Replica.objects.filter(deployment__name="c").values_list("id", flat=True)
+
+    def world(elapsed: float) -> None:
+        state = Replica.objects.get(pk=young).state
+        if elapsed >= 4 and state == "serving":
+            sleep.sleep_replica(young, reason="idle, and its node has no room for the waker")
+            reports.report(young, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
+        elif elapsed >= 5.3 and state == "sleeping" and not Event.objects.filter(reason__contains="refused deepen"):
+            reports.report(young, {"event": "error", "cmd": "deepen", "reason": "no room for its host copy"})
+
+    clock = FakeClock(world)
+    outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
+
+    assert outcome.status == "failed" and Replica.objects.get(pk=young).state == "sleeping", outcome
+    assert clock.t - clock.start < 5 + 2, f"waited {clock.t - clock.start:.1f} s for a deep sleep refused"
+    assert rq.get(request.id).status == "failed"
+
+
 def test_a_wake_that_needs_more_than_its_victims_contexts_leave_has_them_sleep_deeply_rather_than_fail(
     one_gpu, dispatched, rq
 ):
