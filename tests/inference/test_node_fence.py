@@ -214,6 +214,22 @@ def test_an_agent_that_finds_its_node_written_off_stops_its_replicas_before_it_r
     assert node_lease.held(client, [node]) == {node}
 
 
+class Watched:
+    """A lock that says when a second holder asks for it (the first being the lease's renewal)."""
+
+    def __init__(self, lock: threading.Lock):
+        self.lock, self.asked, self.second = lock, 0, threading.Event()
+
+    def __enter__(self) -> None:
+        self.asked += 1
+        if self.asked == 2:
+            self.second.set()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
 def _spec(replica_id: str):
     from gpuportal.wire.commands import ReplicaSpec
 
@@ -232,18 +248,19 @@ def test_a_replica_started_while_the_old_epochs_replicas_stop_starts_under_the_n
     agent._hold_epoch(0)
     agent.renew_lease()
     node_lease.write_off(client, node)
+    agent._epoch_lock = lock = Watched(agent._epoch_lock)
     lease_thread = threading.Thread(target=agent.renew_lease, daemon=True)
     lease_thread.start()
     assert agent.supervisor.stopping.wait(30)
 
     starting = threading.Thread(target=agent.start, args=(_spec("new"),), daemon=True)
     starting.start()
-    starting.join(0.2)
-    assert starting.is_alive() and agent.supervisor.started == [], "no start while the old epoch's replicas run"
+    assert lock.second.wait(30), "the start asks for the lock the lease's catch-up holds"
     agent.supervisor.let_go.set()
     lease_thread.join(30)
     starting.join(30)
 
+    # Had it not waited for the stop under way, it would have started beside "old", under epoch 0.
     assert agent.supervisor.started == [("new", NodeFence(node, 1), [])], "under the new epoch, the old ones gone"
     assert agent.supervisor.calls == 1, "the old epoch's replicas were stopped once"
     assert node_lease.held(client, [node]) == {node}
