@@ -11,6 +11,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 import redis
@@ -340,13 +341,12 @@ def test_a_wake_short_of_room_has_the_longest_unused_sleeper_there_sleep_deeply_
     assert_not_over_committed()
 
 
-def test_a_replica_that_fell_asleep_during_the_wait_sleeps_deeply_for_the_waker_rather_than_the_wake_failing(
-    one_gpu, dispatched, rq
-):
-    # Inside its min_runtime, it is no victim; it falls asleep of its own accord during the wait
-    # (the idle sweep's early sleep), and its sleep keeps a context there that leaves the waker
-    # too little room. Its deep sleep gives that back, a moment after the wait is over.
-    # The node's CUDA context is known (300 MiB, measured by an earlier sleeper), so needs count it.
+def young_one_falls_asleep_during_the_wait(answer: dict[str, Any]) -> tuple[str, str, str, FakeClock]:
+    """A waker (c) and, in its way, a replica inside its min_runtime (b): no victim. b falls asleep
+    of its own accord during the wait (the idle sweep's early sleep), its sleep keeping a context
+    there that leaves c too little room; 0.3 s after the wait is over, b's process answers the
+    deep sleep it is told with `answer`. The node's CUDA context is known (300 MiB, measured by
+    an earlier sleeper), so needs count it. (young, request, waker) and the wait's clock."""
     earlier = serving("z", need=100 * MiB)
     sleep.sleep_replica(earlier, reason="test")
     reports.report(earlier, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
@@ -356,55 +356,52 @@ def test_a_replica_that_fell_asleep_during_the_wait_sleeps_deeply_for_the_waker_
     deploy("c", replicas=0, need=500 * MiB, max_wait_s=5)
     request = request_services.submit("c", kind="generate", input="hi", params={}, owner="1")
     (waker,) = Replica.objects.filter(deployment__name="c").values_list("id", flat=True)
+    answered = []
 
     def world(elapsed: float) -> None:
         state = Replica.objects.get(pk=young).state
         if elapsed >= 4 and state == "serving":
             sleep.sleep_replica(young, reason="idle, and its node has no room for the waker")
             reports.report(young, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
-        elif elapsed >= 5.3 and state == "sleeping":
-            reports.report(young, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
+        elif elapsed >= 5.3 and state == "sleeping" and not answered:
+            answered.append(answer)
+            reports.report(young, answer)
 
-    clock = FakeClock(world)
+    return young, request.id, waker, FakeClock(world)
+
+
+def test_a_replica_that_fell_asleep_during_the_wait_sleeps_deeply_for_the_waker_rather_than_the_wake_failing(
+    one_gpu, dispatched, rq
+):
+    # Its deep sleep gives the room back, a moment after the wait is over.
+    young, request, waker, clock = young_one_falls_asleep_during_the_wait(
+        {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB}
+    )
+
     outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
 
     assert outcome.status == "satisfied" and outcome.victims == (), outcome
     assert outcome.reason.startswith(f"placed once {young[:8]} slept deeply"), outcome.reason
     assert Replica.objects.get(pk=young).state == "deep_sleeping"
     assert Replica.objects.get(pk=waker).node.name == "node1"
-    assert rq.get(request.id).status != "failed"
+    assert rq.get(request).status != "failed"
     assert Event.objects.filter(replica=young, reason__startswith="told to sleep deeply").exists()
     assert_not_over_committed()
 
 
 def test_a_sleeper_whose_process_refuses_the_deep_sleep_is_not_waited_for(one_gpu, dispatched, rq):
-    # As above, but the sleeper's node has no room for its host copy: its process refuses the deep
-    # sleep, and the wake goes on at once (here: to fail, no one else being evictable) rather than
-    # wait out the grace for room that is not coming.
-    earlier = serving("z", need=100 * MiB)
-    sleep.sleep_replica(earlier, reason="test")
-    reports.report(earlier, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
-    reports.report(earlier, {"event": "deep_sleeping", "host_copy_bytes": 10 * MiB})
-    young = serving("b", need=400 * MiB, min_runtime_s=600)
-    Replica.objects.filter(pk=young).update(serving_since=timezone.now())
-    deploy("c", replicas=0, need=500 * MiB, max_wait_s=5)
-    request = request_services.submit("c", kind="generate", input="hi", params={}, owner="1")
-    (waker,) = Replica.objects.filter(deployment__name="c").values_list("id", flat=True)
+    # Its node has no room for its host copy: its process refuses the deep sleep, and the wake goes
+    # on at once (here: to fail, no one else being evictable) rather than wait out the grace for
+    # room that is not coming.
+    young, request, waker, clock = young_one_falls_asleep_during_the_wait(
+        {"event": "error", "cmd": "deepen", "reason": "no room for its host copy"}
+    )
 
-    def world(elapsed: float) -> None:
-        state = Replica.objects.get(pk=young).state
-        if elapsed >= 4 and state == "serving":
-            sleep.sleep_replica(young, reason="idle, and its node has no room for the waker")
-            reports.report(young, {"event": "sleeping", "residual_bytes_by_id": {"0": 300 * MiB}})
-        elif elapsed >= 5.3 and state == "sleeping" and not Event.objects.filter(reason__contains="refused deepen"):
-            reports.report(young, {"event": "error", "cmd": "deepen", "reason": "no room for its host copy"})
-
-    clock = FakeClock(world)
     outcome = preemption.run_preemption([i.pk for i in intents_of(waker)], clock=clock, sleep=clock.sleep)
 
     assert outcome.status == "failed" and Replica.objects.get(pk=young).state == "sleeping", outcome
     assert clock.t - clock.start < 5 + 2, f"waited {clock.t - clock.start:.1f} s for a deep sleep refused"
-    assert rq.get(request.id).status == "failed"
+    assert rq.get(request).status == "failed"
 
 
 def test_a_wake_that_needs_more_than_its_victims_contexts_leave_has_them_sleep_deeply_rather_than_fail(
