@@ -484,8 +484,9 @@ def delete(name: str, *, reason: str = "deleted by an operator") -> None:
 def _note_wake_locks_dropped(name: str, dropped: list[tuple[int, str]], reason: str) -> None:
     """The wake locks its replicas held, which went with them ((GPU id, holder) as
     forget_deployment cleared them): said, as every release of one is."""
-    for gpu in GPU.objects.filter(pk__in=[gpu_id for gpu_id, _ in dropped]).select_related("node").order_by("pk"):
-        label, holder = f"{gpu.node.name}/{gpu.index}", dict(dropped)[gpu.pk]
+    holders = dict(dropped)
+    for gpu in GPU.objects.filter(pk__in=list(holders)).select_related("node").order_by("pk"):
+        label, holder = f"{gpu.node.name}/{gpu.index}", holders[gpu.pk]
         outbox.note(
             Event.Kind.GPU_WAKE_LOCK,
             f"gpu {label}",
