@@ -22,7 +22,10 @@ from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire.states import ENDED
 from gpuportal.wire.states import ReplicaState as S
 
-# What `run` and `chat` ask for when not told: a whole answer rather than the API's 16 tokens.
+# What `run` and `chat` ask for when not told: a whole answer rather than the API's 16 tokens,
+# but never more than half a replica's KV cache, so that a prompt has the other half: a replica
+# refuses a prompt plus max_tokens that its cache cannot hold (a deployment of 256 tokens
+# refused every `run` that did not set --max-tokens).
 DEFAULT_MAX_TOKENS = 256
 # Each call's own limit on the portal (a cold model may load first: the portal's most).
 TIMEOUT_S = 300.0
@@ -46,7 +49,7 @@ def cmd_run(ctx: Talker, args: argparse.Namespace) -> int:
         raise CliError('run: no prompt: give it after the model (`gpuportal run tiny "Hello"`) or on stdin')
     if args.source:
         deployed(ctx, args.model, args.source, args.timeout)
-    body = {"model": args.model, "prompt": prompt, **_sampling(args)}
+    body = {"model": args.model, "prompt": prompt, **_sampling(ctx, args)}
     write = _writer(ctx.out)
     text = "".join(stream(ctx.client, "/v1/completions", body, write))
     if not text.endswith("\n"):
@@ -59,6 +62,7 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     write = _writer(ctx.out)
+    sampling = _sampling(ctx, args)
     if interactive:
         ctx.err.print(Text(f"chatting with {args.model}: {CHAT_COMMANDS}", style="bright_black"))
     while True:
@@ -75,11 +79,20 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
             continue
         if not said:
             continue
-        history.append({"role": "user", "content": line})
-        body = {"model": args.model, "messages": history, **_sampling(args)}
-        reply = "".join(stream(ctx.client, "/v1/chat/completions", body, write))
+        body = {"model": args.model, "messages": [*history, {"role": "user", "content": line}], **sampling}
+        try:
+            reply = "".join(stream(ctx.client, "/v1/chat/completions", body, write))
+        except CliError as error:
+            if not interactive:
+                raise  # a script learns of it by the exit status
+            # The conversation is kept, less the turn that failed: a refusal (the conversation
+            # grown past the replica's KV cache, a model asleep past the call's timeout) need not
+            # end it.
+            ctx.err.print(Text(f"error: {error}", style="red"))
+            ctx.err.print(Text(f"not sent again: ask again, or {CHAT_COMMANDS}", style="bright_black"))
+            continue
         write("\n" if not reply.endswith("\n") else "")
-        history.append({"role": "assistant", "content": reply})
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
     return 0
 
 
@@ -166,8 +179,35 @@ def deployed(ctx: Talker, name: str, source: str, timeout_s: float) -> None:
     wait_for(ctx.client, answer, Goal(S.SERVING, 1, at_least=True), console=ctx.err, timeout_s=timeout_s)
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "timeout": args.timeout}
+def _sampling(ctx: Talker, args: argparse.Namespace) -> dict[str, Any]:
+    max_tokens = args.max_tokens
+    if max_tokens is None:
+        capacity = kv_capacity(ctx.client, args.model)
+        max_tokens = DEFAULT_MAX_TOKENS if capacity is None else max(1, min(DEFAULT_MAX_TOKENS, capacity // 2))
+    return {"max_tokens": max_tokens, "temperature": args.temperature, "timeout": args.timeout}
+
+
+def kv_capacity(client: Client, name: str) -> int | None:
+    """The tokens the smallest KV cache among the deployment's replicas holds (a replica's
+    `kv`, else the deployment's `memory.max_tokens`, what its replicas are sized for); None
+    where neither is known, or there is no such deployment (the /v1 call then says so)."""
+    try:
+        deployment = client.get(f"/api/deployments/{quote(name, safe='')}/")
+    except ApiError as err:
+        if err.status == 404:
+            return None
+        raise
+    if not isinstance(deployment, dict):
+        return None
+    held = [
+        kv["blocks_total"] * kv["block_tokens"]
+        for replica in deployment.get("replicas") or []
+        if replica.get("state") not in ENDED and isinstance(kv := replica.get("kv"), dict) and kv.get("blocks_total")
+    ]
+    if held:
+        return min(held)
+    sized = (deployment.get("memory") or {}).get("max_tokens")
+    return sized if isinstance(sized, int) and sized > 0 else None
 
 
 def _writer(console: Console) -> Callable[[str], None]:
@@ -206,8 +246,8 @@ def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         parser.add_argument(
             "--max-tokens",
             type=_number(int, least=1, strict=False),
-            default=DEFAULT_MAX_TOKENS,
-            help=f"longest answer (default {DEFAULT_MAX_TOKENS})",
+            default=None,
+            help=f"longest answer (default {DEFAULT_MAX_TOKENS}, or half the replica's KV cache where that is less)",
         )
         parser.add_argument(
             "--temperature",

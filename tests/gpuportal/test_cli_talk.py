@@ -62,6 +62,10 @@ class FakePortal(ThreadingHTTPServer):
                         return
                     self._events([{"choices": [{"text": t}]} for t in ("Once", " upon", " a time")])
                 elif self.path == "/v1/chat/completions":
+                    if body["messages"][-1]["content"] == "too long":
+                        refusal = "input too long for this replica's KV cache: 300 prompt tokens plus max_tokens 256"
+                        self._json(400, {"error": {"message": refusal, "type": "invalid_request_error"}})
+                        return
                     said = body["messages"][-1]["content"].upper()
                     self._events([{"choices": [{"delta": {"content": w}}]} for w in (said[:2], said[2:])])
                 elif self.path == "/v1/embeddings":
@@ -109,8 +113,13 @@ def portal() -> Iterator[FakePortal]:
     server.server_close()
 
 
-def stdin(monkeypatch, text: str) -> None:
-    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def stdin(monkeypatch, text: str, *, terminal: bool = False) -> None:
+    monkeypatch.setattr("sys.stdin", (Terminal if terminal else io.StringIO)(text))
 
 
 def test_run_streams_the_answer_to_stdout_and_asks_for_a_whole_answer(portal, capsys):
@@ -199,6 +208,60 @@ def test_chat_keeps_the_conversation_forgets_it_on_clear_and_ends_on_exit(portal
         ],
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "again"}],
     ]
+
+
+def test_a_refused_turn_leaves_an_interactive_chat_going_with_its_conversation_less_that_turn(
+    portal, capsys, monkeypatch
+):
+    stdin(monkeypatch, "hello\ntoo long\nagain\n", terminal=True)
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 0
+
+    out, err = capsys.readouterr()
+    assert "HELLO\n" in out and "AGAIN\n" in out
+    assert "error: input too long for this replica's KV cache" in err and "/clear forgets the conversation" in err
+    sent = [body["messages"] for method, path, body in portal.calls if path == "/v1/chat/completions"]
+    assert sent[-1] == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "HELLO"},
+        {"role": "user", "content": "again"},
+    ], "the refused turn is not sent again"
+
+
+def test_a_refused_turn_ends_a_chat_read_from_a_pipe_with_exit_1(portal, capsys, monkeypatch):
+    stdin(monkeypatch, "too long\nnot sent\n")
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 1
+
+    assert "input too long" in capsys.readouterr().err
+    assert len([path for _, path, _ in portal.calls if path == "/v1/chat/completions"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("deployment", "asked"),
+    [
+        # Its replicas' KV caches, the smallest: half of 16 blocks of 16 tokens.
+        (
+            {"replicas": [{"state": "serving", "kv": {"block_tokens": 16, "blocks_total": 16}},
+                          {"state": "serving", "kv": {"block_tokens": 16, "blocks_total": 64}},
+                          {"state": "stopped", "kv": {"block_tokens": 16, "blocks_total": 1}}],
+             "memory": {"max_tokens": 1024}},
+            128,
+        ),
+        # None awake: what its replicas are sized for.
+        ({"replicas": [{"state": "sleeping", "kv": None}], "memory": {"max_tokens": 300}}, 150),
+        # Room for a whole answer: the default.
+        ({"replicas": [], "memory": {"max_tokens": 4096}}, 256),
+    ],
+)  # fmt: skip
+def test_run_asks_for_no_more_than_half_the_kv_cache_when_not_told_how_much(portal, capsys, deployment, asked):
+    portal.deployed["small"] = deployment
+
+    assert app.main(["run", "small", "Hi"], env=portal.env) == 0
+    assert app.main(["run", "small", "Hi", "--max-tokens", "1000"], env=portal.env) == 0
+
+    sent = [body["max_tokens"] for _, path, body in portal.calls if path == "/v1/completions"]
+    assert sent == [asked, 1000], "what it is told, it asks for"
 
 
 def test_embed_prints_one_json_vector_a_line_in_the_inputs_order(portal, capsys, monkeypatch):
