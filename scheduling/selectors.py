@@ -91,6 +91,12 @@ def gpus(*, node: str | None = None) -> QuerySet[GPU]:
     return qs
 
 
+# The kinds the trail records, and their families (the part before the dot, "replica" for
+# replica.state): a filter names one or the other.
+EVENT_KINDS: tuple[str, ...] = tuple(Event.Kind.values)
+EVENT_FAMILIES: tuple[str, ...] = tuple(sorted({k.split(".")[0] for k in EVENT_KINDS if "." in k}))
+
+
 def events(
     *,
     kind: str | None = None,
@@ -100,8 +106,11 @@ def events(
     replica: str | None = None,
     since: datetime | None = None,
 ) -> QuerySet[Event]:
-    """Newest first (the model's ordering); each filter is an exact match on the stored name."""
+    """Newest first (the model's ordering); each filter is an exact match on the stored name, but
+    a `kind` that names a family (`replica`) matches each of its kinds."""
     qs = Event.objects.all()
+    if kind in EVENT_FAMILIES:
+        qs, kind = qs.filter(kind__startswith=kind + "."), None
     exact = {"kind": kind, "deployment": deployment, "gpu": gpu, "node": node, "replica": replica}
     qs = qs.filter(**{field: value for field, value in exact.items() if value})
     if since is not None:

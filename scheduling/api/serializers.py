@@ -467,7 +467,11 @@ class ReplicaFilterSerializer(serializers.Serializer):
 
 
 class EventFilterSerializer(serializers.Serializer):
-    kind = serializers.CharField(required=False, allow_blank=True, help_text='Event kind, e.g. "replica.state".')
+    kind = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        help_text='Event kind, e.g. "replica.state", or a family of them, e.g. "replica" (every replica.* kind).',
+    )
     deployment = serializers.CharField(required=False, allow_blank=True)
     gpu = serializers.RegexField(
         r"^[A-Za-z0-9_-]{1,100}/[0-9]{1,4}$",
@@ -478,6 +482,15 @@ class EventFilterSerializer(serializers.Serializer):
     node = serializers.CharField(required=False, allow_blank=True)
     replica = serializers.CharField(required=False, allow_blank=True, help_text="Replica id.")
     since = serializers.DateTimeField(required=False, help_text="ISO 8601; only events at or after it.")
+
+    def validate_kind(self, value: str) -> str:
+        # A misspelt kind matched nothing, and an empty trail read as "nothing happened".
+        if value and value not in selectors.EVENT_KINDS and value not in selectors.EVENT_FAMILIES:
+            raise serializers.ValidationError(
+                f"no event kind {value!r}: one of {', '.join(selectors.EVENT_KINDS)}, "
+                f"or a family of them: {', '.join(selectors.EVENT_FAMILIES)}"
+            )
+        return value
 
 
 class DeploymentChangedSerializer(DeploymentSerializer):

@@ -404,6 +404,21 @@ def test_events_come_newest_first_and_filter(api: APIClient) -> None:
     since = (now - timedelta(seconds=200)).isoformat()
     assert ids(f"?since={since.replace('+', '%2B')}") == [new.pk, mid.pk]
     assert ids("?since=2000-01-01T00:00:00Z&node=n2") == [new.pk]
+    # A family: each of its kinds, and no other family whose name begins the same.
+    also = f.event(Event.Kind.GPU_RELEASED, node="n1", gpu="n1/0")
+    assert ids("?kind=gpu") == [also.pk, mid.pk]
+    assert ids("?kind=node&node=n1") == [old.pk]
+
+
+def test_an_event_kind_that_is_none_is_a_400_naming_the_kinds_not_an_empty_trail(api: APIClient) -> None:
+    f.event(Event.Kind.REPLICA_STATE)
+
+    response = api.get("/api/events/?kind=replica.sate")
+
+    assert response.status_code == 400
+    (said,) = response.json()["kind"]
+    assert said.startswith("no event kind 'replica.sate': one of node.registered, ") and "replica.state" in said
+    assert said.endswith("or a family of them: control, deployment, failover, gpu, node, preemption, replica, stack")
 
 
 @pytest.mark.parametrize("url", LIST_ENDPOINTS)
