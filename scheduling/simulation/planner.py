@@ -95,7 +95,7 @@ class PolicyPlan:
         start, end = self.holds_from, self.holds_to
         below = [g for g in self.short_after if start is None or g < start]
         above = [g for g in self.short_after if end is not None and g > end]
-        text = f"{self.policy} reaches the target at {self.fewest_gpus} GPUs"
+        text = f"{self.policy} reaches the target at {gpus(self.fewest_gpus)}"
         if below:
             text += f" but not at {', '.join(map(str, below))}"
         if start is not None:
@@ -222,11 +222,11 @@ class Advice:
         if self.helps:
             return (
                 f"mark {names} popular (never preempted, as the bound holds them): {self.plan.policy} then needs "
-                f"{with_} GPUs instead of {without}"
+                f"{gpus(with_)} instead of {without}"
             )
         return (
             f"marking {names} popular, as the bound holds them, would not lower {self.plan.policy}'s "
-            f"{without} GPUs ({with_} with it)"
+            f"{gpus(without)} ({with_} with it)"
         )
 
 
@@ -637,6 +637,11 @@ def miss_rows(misses: Sequence[DeploymentMisses], limit: int = 15) -> list[list[
     return [[m.deployment, m.requests, m.missed, m.why] for m in misses[:limit]]
 
 
+def gpus(count: int | str) -> str:
+    """A count of GPUs as a plan's prose says it: "1 GPU", "3 GPUs", "> 64 GPUs"."""
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
+
+
 def gib(size: float) -> str:
     """A GPU's size as a plan names it: 80, 3.53 (a virtual GPU's usable 3.53125 GiB), 139.8."""
     return f"{round(size, 2):g}"
@@ -656,7 +661,7 @@ def render(p: Plan) -> str:
         "in a row (attainment does not always grow with the count)."
         + "".join(f" {pp.unsteady}." for pp in p.policies if pp.unsteady),
         "",
-        f"Bounds: the oracle's {p.bound.oracle_gpus} GPUs (every deployment always loaded); counting the wakes "
+        f"Bounds: the oracle's {gpus(p.bound.oracle_gpus)} (every deployment always loaded); counting the wakes "
         f"(the memory each holds, the misses of those slower than the SLO), {p.bound.load_aware_gpus} "
         f"({p.bound.explanation}); that working set in whole GPUs as "
         f"placement packs it, {p.bound.packed_gpus}.",
@@ -664,8 +669,8 @@ def render(p: Plan) -> str:
     if p.advice is not None:
         out += ["", f"Advice: {p.advice.text}."]
     for title, misses in (
-        (f"Missed at {p.current_gpus} GPUs (now)", p.misses_now),
-        (f"Missed at {p.bound_gpus} GPUs (the bound)", p.misses_at_bound),
+        (f"Missed at {gpus(p.current_gpus)} (now)", p.misses_now),
+        (f"Missed at {gpus(p.bound_gpus)} (the bound)", p.misses_at_bound),
     ):
         out += ["", f"{title}:", ""]
         out.append(table(MISS_HEADERS, miss_rows(misses)) if misses else "none")

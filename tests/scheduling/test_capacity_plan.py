@@ -136,6 +136,7 @@ def test_export_trace_then_plan_round_trips_the_recorded_requests(serving_tiny, 
     assert "4 requests to 1 deployment over" in text and "GPUs of 1 GiB; 1 now" in text
     assert "| gpuportal | 1 " in text and "| oracle    | 1 (bound)" in text
     assert "per simulated hour" in text
+    assert "the oracle's 1 GPU (every" in text and "Missed at 1 GPU (now):" in text, "one GPU, not 1 GPUs"
 
 
 # --- the API ---------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_export_trace_then_plan_round_trips_requests_served_by_the_tiny_model(tm
         text = manage(env, "plan", str(trace), "--catalogue", str(catalogue), "--gpu-memory-gib", small).stdout
         assert f"GPUs of {planner.gib(float(small))} GiB; 1 now;" in text, text
         assert fewest_gpus(text) == dict.fromkeys(DEFAULT_POLICIES, 2), text
-        missed_now = text[text.index("Missed at 1 GPUs (now):") : text.index("Missed at 2 GPUs")]
+        missed_now = text[text.index("Missed at 1 GPU (now):") : text.index("Missed at 2 GPUs")]
         assert re.search(r"^\| tiny +\| 4 +\| 4 +\| failed", missed_now, re.MULTILINE), text
     finally:
         assert up.stop() == 0
