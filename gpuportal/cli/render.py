@@ -281,9 +281,14 @@ def gpu_block(gpu: dict[str, Any], width: int = 40) -> Text:
     if gpu.get("overcommit_bytes"):
         figures.append(f" · over-committed {human_bytes(gpu['overcommit_bytes'])}", style="red")
     elif used is not None and used > reserved:
-        # Within the books' tolerance (no over-commit counted), but "used 6.6 GiB · reserved
-        # 6.4 GiB" unexplained reads as a mistake: say by how much, and that it is allowed.
-        figures.append(f" · {human_bytes(used - reserved)} in use past the reservations, within tolerance")
+        # No over-commit counted: within the books' tolerance, or read before a replica let go of
+        # its reservation (a deep sleep or a stop releases it at once; its process's memory shows
+        # until the node's next beat). Unexplained, "used 6.6 GiB · reserved 6.4 GiB" reads as a
+        # mistake: say by how much, and why it is not one.
+        figures.append(
+            f" · {human_bytes(used - reserved)} in use past the reservations, not an over-commit"
+            " (within tolerance, or a replica letting go)"
+        )
     lines = [head, bar, figures]
     for occupant in gpu.get("occupants", []):
         line = Text("  ")

@@ -886,11 +886,11 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         assert up.stop() == 0
 
 
-def test_a_gpu_using_a_little_past_its_reservations_says_by_how_much_and_that_it_is_within_tolerance():
+def test_a_gpu_using_a_little_past_its_reservations_says_by_how_much_and_that_it_is_no_over_commit():
     # NVML's free memory leaves 1.25 GiB in use against 1 GiB reserved, no over-commit counted.
     text = render.gpu_block(gpu(nvml_free_bytes=int(2.75 * 1024**3)), width=8).plain.splitlines()
 
     assert text[2] == (
         "  used 1.2 GiB · reserved 1.0 GiB · total 4.0 GiB · free 3.0 GiB · 256.0 MiB in use past the "
-        "reservations, within tolerance"
+        "reservations, not an over-commit (within tolerance, or a replica letting go)"
     )
