@@ -447,9 +447,12 @@ def _protected(gpus: Sequence[GPUView], ticket: _Ticket) -> str:
     if not held:
         return ""
     node = gpus[0].node
+    # The deployment's own replicas last: a refusal of replica 4 of 4 that named only the 3 placed
+    # before it said nothing of the others', whose protection an operator may wait out or change.
+    ordered = sorted(held.values(), key=lambda entry: entry[0].deployment == ticket.request.deployment)
     named = [
         f"{o.deployment} {o.replica_id[:8]} on {node}/{'+'.join(map(str, indexes))} ({why})"
-        for o, why, indexes in list(held.values())[:PROTECTED_NAMED]
+        for o, why, indexes in ordered[:PROTECTED_NAMED]
     ]
     more = f" and {len(held) - PROTECTED_NAMED} more" if len(held) > PROTECTED_NAMED else ""
     return f"not evictable: {', '.join(named)}{more}"

@@ -478,6 +478,18 @@ def test_a_refusal_names_a_sibling_as_such_even_one_still_starting():
     assert reason.endswith("; not evictable: llama-8b ssssssss on node1/0 (of the same deployment)"), reason
 
 
+def test_a_refusal_names_the_other_deployments_protected_replicas_before_its_own():
+    siblings = [occ(f"{i}" * 32, 2 * GiB, "llama-8b") for i in range(3)]
+    pinned = occ("p" * 32, 7 * GiB, "pinned", dedicated=True)
+
+    reason = refused(
+        snap(gpu(0, total=8 * GiB, occupants=siblings), gpu(1, total=8 * GiB, occupants=[pinned])), req(3 * GiB)
+    ).reasons["node1"]
+
+    assert "; not evictable: pinned pppppppp on node1/1 (dedicated), llama-8b 00000000 on node1/0" in reason, reason
+    assert reason.endswith(" and 1 more"), reason
+
+
 def test_a_refusal_with_nothing_protected_names_no_one():
     reason = refused(snap(gpu(0, total=8 * GiB, occupants=[occ("x" * 32, 2 * GiB)])), req(9 * GiB)).reasons["node1"]
 
