@@ -127,6 +127,7 @@ class StateCollector:
             *_deployments(),
             _requests_in_flight(),
             _requests_finished(),
+            *_request_latency(),
             *_failover_states(),
             *_kv_blocks(),
         ]
@@ -229,6 +230,46 @@ def _requests_finished() -> Metric:
     for status, count in counts.items():
         family.add_metric([status], count)
     return family
+
+
+def _request_latency() -> list[Metric]:
+    """Per deployment, the quantiles of its recorded requests of the last few minutes, as a
+    Prometheus summary shows them (scheduling.services.traffic_stats: the records are drained
+    each minute, so the newest minute is missing), and the tokens its done requests generated
+    per second over that window."""
+    from scheduling.services import traffic_stats
+
+    window = f"{traffic_stats.METRICS_WINDOW_S:g} s"
+    families = {
+        "latency_s": GaugeMetricFamily(
+            "gpuportal_request_latency_seconds",
+            f"From a request's acceptance to its answer, of the requests done in the last {window} recorded.",
+            labels=["deployment", "quantile"],
+        ),
+        "queue_s": GaugeMetricFamily(
+            "gpuportal_request_queue_seconds",
+            f"From a request's acceptance to a replica taking it (a wake or a load included), last {window}.",
+            labels=["deployment", "quantile"],
+        ),
+        "per_output_token_s": GaugeMetricFamily(
+            "gpuportal_request_per_output_token_seconds",
+            f"A done request's time on its replica over the tokens it generated, last {window}.",
+            labels=["deployment", "quantile"],
+        ),
+    }
+    tokens = GaugeMetricFamily(
+        "gpuportal_output_tokens_per_second",
+        f"Tokens generated per second by a deployment's requests done in the last {window} recorded.",
+        labels=["deployment"],
+    )
+    for found in traffic_stats.stats(traffic_stats.METRICS_WINDOW_S):
+        for attribute, family in families.items():
+            quantiles = getattr(found, attribute)
+            if quantiles is not None:
+                for label, value in (("0.5", quantiles.p50), ("0.95", quantiles.p95), ("0.99", quantiles.p99)):
+                    family.add_metric([found.deployment, label], value)
+        tokens.add_metric([found.deployment], found.output_tokens_per_s)
+    return [*families.values(), tokens]
 
 
 def _kv_blocks() -> list[Metric]:

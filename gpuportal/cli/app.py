@@ -18,7 +18,7 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.text import Text
 
-from gpuportal.cli import config, nodes, planning, pulling, render, setting_values, talk
+from gpuportal.cli import config, nodes, planning, pulling, render, setting_values, talk, traffic
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.options import add_wait_options, non_negative_float, non_negative_int, positive_float
 from gpuportal.cli.waiting import Goal, wait_for
@@ -578,6 +578,7 @@ def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     gpus.set_defaults(run=cmd_gpus)
 
     nodes.add_looking(commands)
+    traffic.add_stats(commands)
 
     logs = commands.add_parser("logs", help="a replica's state, error and events, then its process's log")
     logs.add_argument(

@@ -3,7 +3,7 @@
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from scheduling.api import plans, pulls, requests, views
+from scheduling.api import plans, pulls, requests, traffic, views
 
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="node")
@@ -17,6 +17,7 @@ urlpatterns = [
     path("deployments/<slug:name>/infer/", requests.InferView.as_view(), name="deployment-infer"),
     path("requests/", requests.RequestListView.as_view(), name="request-list"),
     path("requests/<str:pk>/", requests.RequestDetailView.as_view(), name="request-detail"),
+    path("traffic/", traffic.TrafficView.as_view(), name="traffic"),
     path("plan/", plans.PlanView.as_view(), name="plan"),
     path("plan/<int:pk>/", plans.PlanDetailView.as_view(), name="plan-detail"),
     path("models/pull/", pulls.PullView.as_view(), name="model-pull"),

@@ -167,6 +167,10 @@ REQUIRED_SERIES = {
     "gpuportal_failover_active",
     "gpuportal_kv_blocks_total",
     "gpuportal_kv_blocks_used",
+    "gpuportal_request_latency_seconds",
+    "gpuportal_request_queue_seconds",
+    "gpuportal_request_per_output_token_seconds",
+    "gpuportal_output_tokens_per_second",
 }
 
 
@@ -184,6 +188,18 @@ def test_metrics_cover_every_series_the_dashboard_needs() -> None:
 
     serving = f.replica(f.deployment("lm"), node, state=Replica.State.SERVING)
     kvstats.publish(Redis.from_url(settings.REDIS_URL), serving.id, {"blocks_total": 8, "blocks_used": 1})
+    # A request recorded a minute ago: the latency series have a deployment to show.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from scheduling.models import RequestRecord
+
+    began = timezone.now() - timedelta(seconds=60)
+    RequestRecord.objects.create(
+        request_id="r1", deployment="lm", status="done", created_at=began, started_at=began,
+        finished_at=began + timedelta(seconds=2), prompt_tokens=3, output_tokens=8,
+    )  # fmt: skip
 
     assert set(scrape()) >= REQUIRED_SERIES
 
