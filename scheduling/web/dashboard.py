@@ -32,7 +32,7 @@ from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 from scheduling import requeststats, selectors
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Replica
-from scheduling.services import autoscaling, host_cache
+from scheduling.services import autoscaling, host_cache, traffic_stats
 from scheduling.services import requests as request_services
 
 EVENT_LIMIT = 50
@@ -245,6 +245,7 @@ def _deployment_rows() -> list[dict[str, Any]]:
     last = dict(Replica.objects.values_list("deployment__name").annotate(last=Max("last_accessed")).order_by())
     names = [row["name"] for row in rows]
     rates = requeststats.per_minute(names)
+    latency = {t.deployment: t.latency_s for t in traffic_stats.stats(traffic_stats.METRICS_WINDOW_S)}
     depths = _queue_depths(names)
     loads = autoscaling.last_loads() if any(row["autoscale_max_replicas"] for row in rows) else {}
     for row in rows:
@@ -252,6 +253,7 @@ def _deployment_rows() -> list[dict[str, Any]]:
         row["states"] = sorted(by_state[name].items())
         row["last_access"] = last.get(name)
         row["rpm"] = rates.get(name)
+        row["latency_p95_s"] = quantiles.p95 if (quantiles := latency.get(name)) is not None else None
         row["queue_depth"] = depths.get(name)
         row["autoscale_load"] = loads.get(name)
     return rows

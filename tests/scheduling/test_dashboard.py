@@ -234,6 +234,29 @@ def test_it_shows_intents_wake_locks_pairs_and_deployment_figures(admin_client) 
     assert "<td>node1/0</td>" in row, row
 
 
+def test_each_deployment_shows_the_p95_latency_of_its_requests_of_the_last_minutes(admin_client) -> None:
+    from datetime import timedelta
+
+    from scheduling.models import RequestRecord
+
+    f.deployment("busy")
+    f.deployment("idle")
+    now = timezone.now()
+    for n in range(1, 21):  # 1..20 s from acceptance to answer: p95 interpolates to 19.05 s
+        began = now - timedelta(seconds=200)
+        RequestRecord.objects.create(
+            request_id=f"r{n}", deployment="busy", status="done", created_at=began,
+            started_at=began, finished_at=began + timedelta(seconds=n), output_tokens=4,
+        )  # fmt: skip
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    busy = body[body.index('data-deployment="busy"') :]
+    idle = body[body.index('data-deployment="idle"') :]
+    assert "<td>19.05 s</td>" in busy[: busy.index("</tr>")]
+    assert " s</td>" not in idle[: idle.index("</tr>")], "no request, no figure"
+
+
 def test_a_failed_or_retrying_deployment_says_so(admin_client) -> None:
     f.deployment("broken", failed_reason="SafetensorError: incomplete metadata", load_failures=3)
     f.deployment("flaky", load_failures=1, retry_at=timezone.now())
