@@ -19,6 +19,7 @@ so other threads may read its statistics.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,8 @@ class Sequence:
     cached: int = 0  # tokens whose K/V are in the blocks
     promised: int = 0  # blocks reserved at admission, not taken yet
     finish: str | None = None  # "stop" | "length" once done
+    # When its first token was sampled (time.time()): the request's time to first token.
+    first_token_at: float | None = None
     text: str = ""
     error: Exception | None = None
     _sent: str = ""
@@ -228,6 +231,8 @@ class Batcher:
 
     def _append(self, s: Sequence, token: int) -> None:
         s.generated.append(token)
+        if s.first_token_at is None:
+            s.first_token_at = time.time()
         if s.on_chunk is not None or s.stop:
             if s._decoded is None:
                 s._decoded = IncrementalText(self.tokenizer)

@@ -585,7 +585,13 @@ class Server(threading.Thread):
         try:
             self._record(
                 lambda fence: self.queue.finish(
-                    request.id, self.host.replica_id, output, fence, started_at=started_at, node=self.node
+                    request.id,
+                    self.host.replica_id,
+                    output,
+                    fence,
+                    started_at=started_at,
+                    first_token_at=seq.first_token_at,
+                    node=self.node,
                 )
             )
         finally:

@@ -246,6 +246,11 @@ def _request_latency() -> list[Metric]:
             f"From a request's acceptance to its answer, of the requests done in the last {window} recorded.",
             labels=["deployment", "quantile"],
         ),
+        "ttft_s": GaugeMetricFamily(
+            "gpuportal_request_ttft_seconds",
+            f"From a request's acceptance to its first token (generations on batching replicas), last {window}.",
+            labels=["deployment", "quantile"],
+        ),
         "queue_s": GaugeMetricFamily(
             "gpuportal_request_queue_seconds",
             f"From a request's acceptance to a replica taking it (a wake or a load included), last {window}.",

@@ -581,6 +581,8 @@ class RequestRecord(models.Model):
     created_at = models.DateTimeField(db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # When its first token was sampled: a generation done by a batching replica only.
+    first_token_at = models.DateTimeField(null=True, blank=True)
     # From the answer's usage; None for a request that ended without one (failed, cancelled).
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     output_tokens = models.PositiveIntegerField(null=True, blank=True)

@@ -16,6 +16,10 @@ from gpuportal.cli.client import Client
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 DEFAULT_WINDOW = "5m"
+# P50, P95, P99: the latency, from acceptance to the answer; TTFT95 and WAIT95: the 95th
+# percentiles of the time to the first token and of the wait for a replica. Narrow enough for 80
+# columns.
+COLUMNS = ("DEPLOYMENT", "ENDED", "FAILED", "P50", "P95", "P99", "TTFT95", "WAIT95", "TOK/S", "MS/TOK")
 
 
 class Looker(Protocol):
@@ -50,10 +54,12 @@ def cmd_stats(ctx: Looker, args: argparse.Namespace) -> int:
 
 def stats_table(found: list[dict[str, Any]]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("DEPLOYMENT", "ENDED", "FAILED", "P50", "P95", "P99", "WAIT P95", "TOKENS/S", "MS/TOKEN"):
+    for column in COLUMNS:
         table.add_column(column, justify="left" if column == "DEPLOYMENT" else "right")
     for row in found:
-        latency, wait, per_token = (row.get(k) or {} for k in ("latency_s", "queue_s", "per_output_token_s"))
+        latency, ttft, wait, per_token = (
+            row.get(k) or {} for k in ("latency_s", "ttft_s", "queue_s", "per_output_token_s")
+        )
         failed = row.get("failed", 0)
         table.add_row(
             Text(row["deployment"]),
@@ -62,6 +68,7 @@ def stats_table(found: list[dict[str, Any]]) -> Table:
             _seconds(latency.get("p50")),
             _seconds(latency.get("p95")),
             _seconds(latency.get("p99")),
+            _seconds(ttft.get("p95")),
             _seconds(wait.get("p95")),
             f"{row.get('output_tokens_per_s', 0):.2f}",
             "-" if per_token.get("p50") is None else f"{1000 * per_token['p50']:.1f}",
@@ -76,7 +83,8 @@ def _seconds(value: float | None) -> str:
 def add_stats(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     stats = commands.add_parser(
         "stats",
-        help="how each deployment's requests fared lately: ended, failed, latency p50/p95/p99, wait, tokens/s",
+        help="how each deployment's requests fared lately: ended, failed, latency p50/p95/p99, time to first "
+        "token and wait for a replica (p95), tokens/s, ms per token",
     )
     stats.add_argument("name", nargs="?", help="only this deployment")
     stats.add_argument(

@@ -88,6 +88,9 @@ class RequestSerializer(serializers.Serializer):
     created_at = serializers.DateTimeField(allow_null=True)
     dispatched_at = serializers.DateTimeField(allow_null=True)
     started_at = serializers.DateTimeField(allow_null=True)
+    first_token_at = serializers.DateTimeField(
+        allow_null=True, help_text="When its first token was generated (a generation on a batching replica)."
+    )
     finished_at = serializers.DateTimeField(allow_null=True)
     progress = ProgressSerializer()
 
@@ -111,6 +114,7 @@ def shape(request: Request, progress: progress_services.Reader | None = None) ->
         "created_at": at(request.created_at),
         "dispatched_at": at(request.dispatched_at),
         "started_at": at(request.started_at),
+        "first_token_at": at(request.first_token_at),
         "finished_at": at(request.finished_at),
         "progress": (progress or progress_services.Reader()).of(request).record(),
     }

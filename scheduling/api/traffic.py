@@ -54,6 +54,9 @@ class TrafficSerializer(serializers.Serializer):
     failed = serializers.IntegerField()
     cancelled = serializers.IntegerField()
     latency_s = QuantilesSerializer(allow_null=True, help_text="From acceptance to the answer, of those done.")
+    ttft_s = QuantilesSerializer(
+        allow_null=True, help_text="From acceptance to the first token, of the generations a batching replica did."
+    )
     queue_s = QuantilesSerializer(
         allow_null=True, help_text="From acceptance to a replica taking it (a wake or a load included)."
     )

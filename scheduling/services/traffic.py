@@ -160,6 +160,7 @@ def _row(record: dict[str, Any]) -> RequestRecord | None:
             created_at=_required_stamp(record.get("created_at")),
             started_at=_stamp(record.get("started_at")),
             finished_at=_stamp(record.get("finished_at")),
+            first_token_at=_stamp(record.get("first_token_at")),
             prompt_tokens=_tokens(record.get("prompt_tokens")),
             output_tokens=_tokens(record.get("output_tokens")),
         )

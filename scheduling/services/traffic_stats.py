@@ -31,7 +31,8 @@ class Quantiles:
 class TrafficStats:
     """One deployment's requests accepted in the window that have ended (and been recorded).
 
-    `latency_s`: from acceptance to the answer, of those done; `queue_s`: from acceptance to a
+    `latency_s`: from acceptance to the answer, of those done; `ttft_s`: from acceptance to the
+    first token, of the generations a batching replica did; `queue_s`: from acceptance to a
     replica taking it (a wake or a load included), of those a replica took; `per_output_token_s`:
     a done request's time on its replica divided by the tokens it generated (its prefill
     included). None where no request had that figure."""
@@ -42,6 +43,7 @@ class TrafficStats:
     failed: int
     cancelled: int
     latency_s: Quantiles | None
+    ttft_s: Quantiles | None
     queue_s: Quantiles | None
     per_output_token_s: Quantiles | None
     output_tokens: int
@@ -63,6 +65,8 @@ SELECT deployment,
        count(*) FILTER (WHERE status = 'cancelled'),
        percentile_cont({_QUANTILES}) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))
            FILTER (WHERE status = 'done' AND finished_at IS NOT NULL),
+       percentile_cont({_QUANTILES}) WITHIN GROUP (ORDER BY extract(epoch FROM first_token_at - created_at))
+           FILTER (WHERE first_token_at IS NOT NULL),
        percentile_cont({_QUANTILES}) WITHIN GROUP (ORDER BY extract(epoch FROM started_at - created_at))
            FILTER (WHERE started_at IS NOT NULL),
        percentile_cont({_QUANTILES})
@@ -94,11 +98,12 @@ def stats(window_s: float, *, deployment: str | None = None, now: datetime | Non
             failed=failed,
             cancelled=cancelled,
             latency_s=_quantiles(latency),
+            ttft_s=_quantiles(ttft),
             queue_s=_quantiles(queue),
             per_output_token_s=_quantiles(per_token),
             output_tokens=int(tokens),
         )
-        for name, done, failed, cancelled, latency, queue, per_token, tokens in rows
+        for name, done, failed, cancelled, latency, ttft, queue, per_token, tokens in rows
     ]
 
 

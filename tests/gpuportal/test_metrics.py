@@ -168,6 +168,7 @@ REQUIRED_SERIES = {
     "gpuportal_kv_blocks_total",
     "gpuportal_kv_blocks_used",
     "gpuportal_request_latency_seconds",
+    "gpuportal_request_ttft_seconds",
     "gpuportal_request_queue_seconds",
     "gpuportal_request_per_output_token_seconds",
     "gpuportal_output_tokens_per_second",
@@ -198,7 +199,8 @@ def test_metrics_cover_every_series_the_dashboard_needs() -> None:
     began = timezone.now() - timedelta(seconds=60)
     RequestRecord.objects.create(
         request_id="r1", deployment="lm", status="done", created_at=began, started_at=began,
-        finished_at=began + timedelta(seconds=2), prompt_tokens=3, output_tokens=8,
+        finished_at=began + timedelta(seconds=2), first_token_at=began + timedelta(seconds=1),
+        prompt_tokens=3, output_tokens=8,
     )  # fmt: skip
 
     assert set(scrape()) >= REQUIRED_SERIES

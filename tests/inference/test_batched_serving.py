@@ -5,6 +5,7 @@ replica processes.)"""
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ import redis
 from django.conf import settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpuportal.wire.requestqueue import RequestQueue
+from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
 from inference.batching import Batcher
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.paged import engine_for
@@ -96,3 +97,23 @@ def test_requests_queued_together_start_in_the_same_step_and_streams_get_every_p
         pieces, ended = rq.read_stream(request_id, 0, 0)
         assert ended and "".join(pieces) == answer.output["text"]
     assert single == [], "a batched stream's pieces go in the step's one write"
+
+
+def test_a_batched_generation_records_when_its_first_token_came_between_its_start_and_its_end(tiny, rq):
+    model, tokenizer = tiny
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    request_id = rq.submit(deployment, kind="generate", input="Hello", params={"max_tokens": 8}, owner="u").id
+    server = Server(host_for(model, tokenizer), rq, deployment, poll_s=0.05)
+    server.start()
+    try:
+        answer = rq.wait(request_id, 60)
+    finally:
+        server.stopped.set()
+        server.join(10)
+
+    assert answer is not None and answer.status == "done", answer
+    assert answer.created_at <= answer.started_at <= answer.first_token_at <= answer.finished_at, answer
+    # The record the control plane drains into its recorded traffic carries it too.
+    newest = [json.loads(raw) for raw in rq.redis.lrange(RECORDS_KEY, -100, -1)]
+    (record,) = [r for r in newest if r["id"] == request_id]
+    assert float(record["first_token_at"]) == pytest.approx(answer.first_token_at)

@@ -134,12 +134,16 @@ class QueueBase:
         fence: Fence | None = None,
         started_at: float | None = None,
         node: NodeFence | None = None,
+        first_token_at: float | None = None,
     ) -> None:
         """The request's answer. `started_at`: when it started, if that was not written yet (a
-        request that starts and ends within one batch step has both in one round trip)."""
+        request that starts and ends within one batch step has both in one round trip).
+        `first_token_at`: when its first token was sampled, where the replica's batcher knows."""
         fields: dict[str, Any] = {"output": json.dumps(output)}
         if started_at is not None:
             fields["started_at"] = started_at
+        if first_token_at is not None:
+            fields["first_token_at"] = first_token_at
         usage = output.get("usage") if isinstance(output, dict) else None
         self._end(request_id, "done", fields, replica_id=replica_id, fence=fence, usage=usage, node=node)
 

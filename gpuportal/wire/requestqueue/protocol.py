@@ -428,6 +428,7 @@ redis.call('INCR', KEYS[7])
 redis.call('RPUSH', KEYS[8], cjson.encode({
   id = ARGV[2], deployment = final['deployment'], kind = final['kind'], status = final['status'],
   created_at = final['created_at'], started_at = final['started_at'], finished_at = final['finished_at'],
+  first_token_at = final['first_token_at'],
   prompt_tokens = tonumber(ARGV[8]), output_tokens = tonumber(ARGV[9])}))
 redis.call('LTRIM', KEYS[8], -tonumber(ARGV[7]), -1)
 return 1
@@ -462,6 +463,8 @@ class Request:
     created_at: float | None = None
     dispatched_at: float | None = None
     started_at: float | None = None
+    # Of a generation done by a batching replica: when its first token was sampled.
+    first_token_at: float | None = None
     finished_at: float | None = None
 
     @property
@@ -495,6 +498,7 @@ class Request:
             created_at=stamp("created_at"),
             dispatched_at=stamp("dispatched_at"),
             started_at=stamp("started_at"),
+            first_token_at=stamp("first_token_at"),
             finished_at=stamp("finished_at"),
         )
 
