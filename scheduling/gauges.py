@@ -232,6 +232,23 @@ def _requests_finished() -> Metric:
     return family
 
 
+# (TrafficStats' quantiles, the series, what it measures) of gauges._request_latency.
+_LATENCY_SERIES = (
+    ("latency_s", "gpuportal_request_latency_seconds", "From a request's acceptance to its answer (those done)"),
+    ("ttft_s", "gpuportal_request_ttft_seconds", "From a request's acceptance to its first token (batching replicas)"),
+    (
+        "queue_s",
+        "gpuportal_request_queue_seconds",
+        "From a request's acceptance to a replica taking it (a wake or a load included)",
+    ),
+    (
+        "per_output_token_s",
+        "gpuportal_request_per_output_token_seconds",
+        "A done request's time on its replica over the tokens it generated",
+    ),
+)
+
+
 def _request_latency() -> list[Metric]:
     """Per deployment, the quantiles of its recorded requests of the last few minutes, as a
     Prometheus summary shows them (scheduling.services.traffic_stats: the records are drained
@@ -241,26 +258,8 @@ def _request_latency() -> list[Metric]:
 
     window = f"{traffic_stats.METRICS_WINDOW_S:g} s"
     families = {
-        "latency_s": GaugeMetricFamily(
-            "gpuportal_request_latency_seconds",
-            f"From a request's acceptance to its answer, of the requests done in the last {window} recorded.",
-            labels=["deployment", "quantile"],
-        ),
-        "ttft_s": GaugeMetricFamily(
-            "gpuportal_request_ttft_seconds",
-            f"From a request's acceptance to its first token (generations on batching replicas), last {window}.",
-            labels=["deployment", "quantile"],
-        ),
-        "queue_s": GaugeMetricFamily(
-            "gpuportal_request_queue_seconds",
-            f"From a request's acceptance to a replica taking it (a wake or a load included), last {window}.",
-            labels=["deployment", "quantile"],
-        ),
-        "per_output_token_s": GaugeMetricFamily(
-            "gpuportal_request_per_output_token_seconds",
-            f"A done request's time on its replica over the tokens it generated, last {window}.",
-            labels=["deployment", "quantile"],
-        ),
+        attribute: GaugeMetricFamily(name, f"{what}, last {window}.", labels=["deployment", "quantile"])
+        for attribute, name, what in _LATENCY_SERIES
     }
     tokens = GaugeMetricFamily(
         "gpuportal_output_tokens_per_second",
