@@ -142,6 +142,7 @@ REQUEST_SHOWN = {
     "created_at": AT,
     "dispatched_at": AT,
     "started_at": AT,
+    "first_token_at": AT,
     "finished_at": AT,
     "progress": {"phase": "done", "percent": None, "queue_position": None, "estimate_s": None},
 }
@@ -153,6 +154,7 @@ WAITING_REQUEST = {
     "output": None,
     "dispatched_at": None,
     "started_at": None,
+    "first_token_at": None,
     "finished_at": None,
     "progress": {"phase": "loading", "percent": 40, "queue_position": 1, "estimate_s": 6.0},
 }
@@ -325,6 +327,26 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "/api/events/"): {"response": page(EVENT_SHOWN)},
     ("get", "/api/events/{id}/"): {"response": EVENT_SHOWN},
+    ("get", "/api/traffic/"): {
+        "response": {
+            "results": [
+                {
+                    "deployment": "tiny-a",
+                    "window_s": 300.0,
+                    "ended": 42,
+                    "done": 41,
+                    "failed": 1,
+                    "cancelled": 0,
+                    "latency_s": {"p50": 0.84, "p95": 2.1, "p99": 6.3},
+                    "ttft_s": {"p50": 0.12, "p95": 0.4, "p99": 4.9},
+                    "queue_s": {"p50": 0.01, "p95": 0.2, "p99": 4.7},
+                    "per_output_token_s": {"p50": 0.021, "p95": 0.03, "p99": 0.05},
+                    "output_tokens": 1312,
+                    "output_tokens_per_s": 4.37,
+                }
+            ]
+        }
+    },
     ("get", "/api/requests/"): {"response": {"next": None, "previous": None, "results": [REQUEST_SHOWN]}},
     ("post", "/api/requests/"): {
         "summary": "Submit a request and get its id at once (202); poll it, or list it",
