@@ -89,7 +89,7 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
             # grown past the replica's KV cache, a model asleep past the call's timeout) need not
             # end it.
             ctx.err.print(Text(f"error: {error}", style="red"))
-            ctx.err.print(Text(f"not sent again: ask again, or {CHAT_COMMANDS}", style="bright_black"))
+            ctx.err.print(Text(f"that turn is left out of the conversation: {CHAT_COMMANDS}", style="bright_black"))
             continue
         write("\n" if not reply.endswith("\n") else "")
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]

@@ -1,7 +1,8 @@
 """How each deployment's requests fared over a recent window, read from the recorded traffic
 (RequestRecord, drained from Redis each minute by scheduling.services.traffic): how many ended
-and how, the latency percentiles, the wait for a replica, and the tokens generated. What
-`GET /api/traffic/`, `gpuportal stats` and the latency series of /metrics show.
+and how, the latency and time-to-first-token percentiles, the wait for a replica, and the tokens
+generated. What `GET /api/traffic/`, `gpuportal stats`, the dashboard's p95 and the latency
+series of /metrics show.
 
 The percentiles are PostgreSQL's (`percentile_cont`, interpolated), computed where the rows are:
 a busy hour is hundreds of thousands of records, which no scrape should read into Python."""
