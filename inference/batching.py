@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuportal.wire.memory import kv_blocks
-from inference.errors import BadInput
+from inference.errors import TooLong
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
 from inference.stream_text import IncrementalText, newly_settled
@@ -101,13 +101,13 @@ class Batcher:
         """BadInput if `seq` could never run here, however long it waited."""
         context = self.engine.context
         if context is not None and seq.tokens_needed > context:
-            raise BadInput(
+            raise TooLong(
                 f"input too long: {len(seq.prompt)} prompt tokens plus max_tokens {seq.max_tokens} exceed "
                 f"the model's context of {context} tokens"
             )
         blocks = kv_blocks(seq.tokens_needed, self.pool.block_tokens)
         if blocks > self.pool.blocks_total:
-            raise BadInput(
+            raise TooLong(
                 f"input too long for this replica's KV cache: {len(seq.prompt)} prompt tokens plus max_tokens "
                 f"{seq.max_tokens} need {blocks} blocks of {self.pool.block_tokens} tokens; the replica's KV "
                 f"capacity is {self.capacity_tokens} tokens ({self.pool.blocks_total} blocks)"

@@ -40,7 +40,7 @@ from gpuportal.wire.requestqueue import (
     RequestQueue,
     family_of_loader,
 )
-from inference.errors import BadInput
+from inference.errors import BadInput, TooLong
 from inference.lazy_imports import from_transformers
 from inference.stream_text import newly_settled
 
@@ -174,7 +174,7 @@ class Executor:
             return
         size = len(prompt.encode())
         if size > bound[0]:
-            raise BadInput(
+            raise TooLong(
                 f"input too long: {size} bytes can never fit the model's context of {bound[1]} tokens "
                 f"(no token of its tokenizer is longer than {bound[2]} bytes)"
             )
@@ -207,7 +207,7 @@ class Executor:
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and ids.shape[1] + max_tokens > limit:
-            raise BadInput(
+            raise TooLong(
                 f"input too long: {ids.shape[1]} prompt tokens plus max_tokens {max_tokens} exceed "
                 f"the model's context of {limit} tokens"
             )
@@ -535,7 +535,7 @@ class Server(threading.Thread):
         try:
             self._batcher_for(paged).submit(self.host.executor().sequence(request, on_chunk))
         except BadInput as exc:
-            self._fail(request, str(exc), "bad_input")
+            self._fail(request, str(exc), exc.kind)
         except Exception as exc:
             log.exception("request %s failed", request.id)
             self._fail(request, " ".join(str(exc).split())[:500], "error")
@@ -652,9 +652,9 @@ class Server(threading.Thread):
             self.queue.give_back(request, self.host.replica_id)
             return
         except BadInput as exc:
-            reason = str(exc)
+            reason, kind = str(exc), exc.kind
             self._record(
-                lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, "bad_input", fence, self.node)
+                lambda fence: self.queue.fail(request.id, self.host.replica_id, reason, kind, fence, self.node)
             )
             return
         except Exception as exc:

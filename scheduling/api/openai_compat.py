@@ -28,7 +28,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
-from gpuportal.wire.requestqueue import Request, StreamSplice
+from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS, ROLES, Completion, Refused
 from scheduling.api.inputs import FiniteFloatField
@@ -208,12 +208,18 @@ def _service_answer(exc: ServiceError) -> tuple[int, dict[str, Any] | HttpRespon
     return code, JsonResponse(error, status=code, headers=exc.headers()) if exc.headers() else error
 
 
+def _code(failed: Request) -> str | None:
+    """OpenAI's `code` of a failure where it has one: a prompt plus max_tokens past what the
+    replica holds is its `context_length_exceeded`, on which clients trim a conversation."""
+    return "context_length_exceeded" if failed.error_kind == TOO_LONG else None
+
+
 def _failure(result: Request, param: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
     """A request that ended without an answer: input the model cannot take is the caller's to fix.
     With a Retry-After where its failure said when asking again may succeed: OpenAI's client
     library waits that long before it retries a 503."""
-    code = 400 if result.error_kind == "bad_input" else 503
-    error = error_body(result.error, param, "server_error" if code == 503 else "invalid_request_error")
+    code = 400 if result.error_kind in CALLERS_INPUT else 503
+    error = error_body(result.error, param, "server_error" if code == 503 else "invalid_request_error", _code(result))
     headers = retry_after(result)
     return code, JsonResponse(error, status=code, headers=headers) if headers else error
 
@@ -334,7 +340,8 @@ class _Generate(_Answered):
         final = queue.get(submitted.id)
         output = (final.output if final else None) or {}
         if final is not None and final.status == "failed":
-            yield _sse({"error": {"message": final.error, "type": "server_error", "param": None, "code": None}})
+            kind = "invalid_request_error" if final.error_kind in CALLERS_INPUT else "server_error"
+            yield _sse(error_body(final.error, None, kind, _code(final)))
         elif final is None or final.status != "done":
             message = timed_out(submitted.id, timeout)
             yield _sse({"error": {"message": message, "type": "timeout", "param": None, "code": None}})

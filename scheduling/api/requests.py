@@ -17,7 +17,7 @@ from rest_framework.views import APIView
 
 from gpuportal.auth import user_from_header
 from gpuportal.wire.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
-from gpuportal.wire.requestqueue import Request
+from gpuportal.wire.requestqueue import CALLERS_INPUT, Request
 from scheduling.api import bodies, idempotency
 from scheduling.api.inputs import FiniteFloatField, StrictSerializer
 from scheduling.services import progress as progress_services
@@ -146,7 +146,7 @@ TOO_MANY_REQUESTS = OpenApiResponse(
 
 # A failed request's HTTP answer when the caller waited for it: input the model cannot take is
 # the client's to fix (400); what cannot be placed is a conflict (409); anything else is ours (503).
-FAILURE_STATUS = {"bad_input": 400, "placement": 409}
+FAILURE_STATUS = {**dict.fromkeys(CALLERS_INPUT, 400), "placement": 409}
 
 
 class InferView(APIView):

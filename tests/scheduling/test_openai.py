@@ -127,10 +127,19 @@ def test_bad_requests_fail_the_openai_way_naming_the_parameter(client, replica):
     assert request_services.queue_depth("tiny") == 0, "nothing invalid was queued"
 
 
-def test_input_too_long_for_the_model_is_a_400(client, replica):
-    StandIn(replica.id, 1).start()
-    with pytest.raises(openai.BadRequestError, match="input too long"):
+def test_input_too_long_for_the_model_is_a_400_with_openais_context_length_code(client, replica):
+    StandIn(replica.id, 2).start()
+    with pytest.raises(openai.BadRequestError, match="input too long") as refused:
         client.completions.create(model="tiny", prompt="too long")
+    assert refused.value.code == "context_length_exceeded"
+
+    # Streamed, the refusal comes as the stream's error event, in the same words and code.
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "too long"}], stream=True
+    )
+    with pytest.raises(openai.APIError, match="input too long") as ended:
+        list(stream)
+    assert ended.value.code == "context_length_exceeded" and ended.value.type == "invalid_request_error"
 
 
 def test_a_wrong_key_is_refused(live_server, replica):

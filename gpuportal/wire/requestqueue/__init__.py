@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from gpuportal.wire.requestqueue.oversight import Overseeing
 from gpuportal.wire.requestqueue.protocol import (
+    BAD_INPUT,
     BLOCK_SLICE_S,
+    CALLERS_INPUT,
     DELETED_TTL_S,
     FAMILIES,
     FINAL,
@@ -36,6 +38,7 @@ from gpuportal.wire.requestqueue.protocol import (
     REQUEST_PREFIX,
     STREAM_END,
     STREAM_RESTART,
+    TOO_LONG,
     TTL_S,
     Fence,
     Fenced,
@@ -77,7 +80,9 @@ class RequestQueue(Submitting, Overseeing, Serving):
 
 
 __all__ = [
+    "BAD_INPUT",
     "BLOCK_SLICE_S",
+    "CALLERS_INPUT",
     "DELETED_TTL_S",
     "FAMILIES",
     "FINAL",
@@ -87,6 +92,7 @@ __all__ = [
     "REQUEST_PREFIX",
     "STREAM_END",
     "STREAM_RESTART",
+    "TOO_LONG",
     "TTL_S",
     "Fence",
     "Fenced",

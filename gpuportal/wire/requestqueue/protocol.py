@@ -435,6 +435,14 @@ return 1
 """
 
 
+# How a request failed that its caller is to fix (its `error_kind`), each a 400: input the model
+# cannot take, and of that a prompt plus max_tokens past the model's context or the replica's KV
+# cache (OpenAI's `context_length_exceeded`, on which its clients' users trim a conversation).
+BAD_INPUT = "bad_input"
+TOO_LONG = "too_long"
+CALLERS_INPUT = frozenset({BAD_INPUT, TOO_LONG})
+
+
 @dataclass(frozen=True)
 class Fence:
     """A failover pair member's right to write results: its pair's fence name and the epoch it holds."""
