@@ -32,6 +32,18 @@ TIMEOUT_S = 300.0
 CHAT_COMMANDS = "/exit (or Ctrl-D) ends, /clear forgets the conversation"
 
 
+# OpenAI's code for a prompt plus max_tokens past what the model (here: the replica) holds.
+TOO_LONG = "context_length_exceeded"
+
+
+class Refused(CliError):
+    """A streamed call that ended with an error event: its message, and OpenAI's code if it had one."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
 class Talker(Protocol):
     """What these commands use of the command line's context (gpuportal.cli.app.Context)."""
 
@@ -79,9 +91,8 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
             continue
         if not said:
             continue
-        body = {"model": args.model, "messages": [*history, {"role": "user", "content": line}], **sampling}
         try:
-            reply = "".join(stream(ctx.client, "/v1/chat/completions", body, write))
+            reply = _reply(ctx, args.model, history, line, sampling, write, kept=len(start))
         except CliError as error:
             if not interactive:
                 raise  # a script learns of it by the exit status
@@ -94,6 +105,33 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
         write("\n" if not reply.endswith("\n") else "")
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
     return 0
+
+
+def _reply(
+    ctx: Talker,
+    model: str,
+    history: list[dict[str, str]],
+    line: str,
+    sampling: dict[str, Any],
+    write: Callable[[str], None],
+    *,
+    kept: int,
+) -> str:
+    """The model's answer to `line` after `history`. A conversation grown past the replica's KV
+    cache loses its oldest turns (the first `kept` messages, a system message, stay), each said on
+    stderr, until it fits, as `ollama run` shifts its context; `history` is trimmed in place."""
+    while True:
+        body = {"model": model, "messages": [*history, {"role": "user", "content": line}], **sampling}
+        try:
+            return "".join(stream(ctx.client, "/v1/chat/completions", body, write))
+        except Refused as refused:
+            if refused.code != TOO_LONG or len(history) <= kept:
+                raise
+        # The oldest exchange: a user's turn and the answer to it.
+        del history[kept : kept + 2]
+        ctx.err.print(
+            Text("(the oldest turn is left out: the conversation outgrew the replica's KV cache)", style="bright_black")
+        )
 
 
 def cmd_embed(ctx: Talker, args: argparse.Namespace) -> int:
@@ -155,7 +193,8 @@ def stream(client: Client, path: str, body: dict[str, Any], write: Callable[[str
     pieces: list[str] = []
     for event in client.events(path, {**body, "stream": True}):
         if "error" in event:
-            raise CliError(str((event["error"] or {}).get("message") or event["error"]))
+            error = event["error"] if isinstance(event["error"], dict) else {"message": event["error"]}
+            raise Refused(str(error.get("message") or error), error.get("code"))
         for choice in event.get("choices") or []:
             piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
             if piece:

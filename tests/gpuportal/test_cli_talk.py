@@ -17,6 +17,8 @@ import pytest
 from gpuportal.cli import app
 from tests.support.api_shapes import shaped
 
+# The fake's "KV cache": a chat whose messages hold more characters is refused as too long.
+CONTEXT_CHARACTERS = 45
 SERVING = {"id": "b" * 32, "deployment": "tiny", "state": "serving", "node": "box", "gpu_indexes": [0]}
 
 
@@ -65,6 +67,12 @@ class FakePortal(ThreadingHTTPServer):
                     if body["messages"][-1]["content"] == "too long":
                         refusal = "input too long for this replica's KV cache: 300 prompt tokens plus max_tokens 256"
                         self._json(400, {"error": {"message": refusal, "type": "invalid_request_error"}})
+                        return
+                    if sum(len(m["content"]) for m in body["messages"]) > CONTEXT_CHARACTERS:
+                        # As the portal ends a stream whose prompt its replica cannot hold.
+                        too_long = {"message": "input too long for this replica's KV cache", "type":
+                                    "invalid_request_error", "code": "context_length_exceeded"}  # fmt: skip
+                        self._events([{"error": too_long}])
                         return
                     said = body["messages"][-1]["content"].upper()
                     self._events([{"choices": [{"delta": {"content": w}}]} for w in (said[:2], said[2:])])
@@ -226,6 +234,34 @@ def test_a_refused_turn_leaves_an_interactive_chat_going_with_its_conversation_l
         {"role": "assistant", "content": "HELLO"},
         {"role": "user", "content": "again"},
     ], "the refused turn is not sent again"
+
+
+def test_a_conversation_grown_past_the_kv_cache_loses_its_oldest_turns_but_not_its_system_message(
+    portal, capsys, monkeypatch
+):
+    stdin(monkeypatch, "aaaaaaaaaa\nbbbbbbbbbb\ncccccccccc\ndddddddddd\n")
+
+    assert app.main(["chat", "tiny", "--system", "be"], env=portal.env) == 0
+
+    out, err = capsys.readouterr()
+    assert out == "AAAAAAAAAA\nBBBBBBBBBB\nCCCCCCCCCC\nDDDDDDDDDD\n"
+    assert err.count("the oldest turn is left out") == 2, err
+    sent = [body["messages"] for _, path, body in portal.calls if path == "/v1/chat/completions"]
+    assert sent[-1] == [
+        {"role": "system", "content": "be"},
+        {"role": "user", "content": "cccccccccc"},
+        {"role": "assistant", "content": "CCCCCCCCCC"},
+        {"role": "user", "content": "dddddddddd"},
+    ]
+
+
+def test_a_single_turn_past_the_kv_cache_is_refused_with_nothing_left_to_leave_out(portal, capsys, monkeypatch):
+    stdin(monkeypatch, "x" * 50 + "\n")
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 1
+
+    assert "error: input too long for this replica's KV cache" in capsys.readouterr().err
+    assert len([path for _, path, _ in portal.calls if path == "/v1/chat/completions"]) == 1
 
 
 def test_a_refused_turn_ends_a_chat_read_from_a_pipe_with_exit_1(portal, capsys, monkeypatch):
