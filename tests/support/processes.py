@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from gpuportal.wire.requestqueue import TOO_LONG
+
 T = TypeVar("T")
 
 
@@ -41,9 +43,7 @@ class StandIn(threading.Thread):
         super().__init__(daemon=True)
         from django.conf import settings
 
-        from gpuportal.wire.requestqueue import TOO_LONG, RequestQueue
-
-        self.too_long = TOO_LONG
+        from gpuportal.wire.requestqueue import RequestQueue
 
         self.replica_id, self.count, self.deployment = replica_id, count, deployment
         self.queue = RequestQueue.from_url(settings.REDIS_URL)
@@ -56,7 +56,7 @@ class StandIn(threading.Thread):
             self.queue.start(request.id, self.replica_id)
             text = str(request.input[-1]["content"] if request.kind == "chat" else request.input)
             if "too long" in text:
-                self.queue.fail(request.id, self.replica_id, "input too long: 300 prompt tokens", self.too_long)
+                self.queue.fail(request.id, self.replica_id, "input too long: 300 prompt tokens", TOO_LONG)
                 continue
             answer = text.upper()
             if request.params.get("stream"):
