@@ -249,6 +249,7 @@ class DeploymentAdmin(ReadOnlyAdmin):
         admin_actions.wake_deployments,
         admin_actions.switch_over_deployments,
         admin_actions.retry_deployments,
+        admin_actions.restart_deployments,
     ]
 
     list_display = [

@@ -318,6 +318,13 @@ class DeploymentObserved(models.Model):
         blank=True, default="", db_default="", help_text="Set once it gave up: the last load error."
     )
     retry_at = models.DateTimeField(null=True, blank=True, help_text="When a replacement for a failed load starts.")
+    # A rolling restart under way (scheduling.core.rollout): the replicas started before it are
+    # replaced one at a time; None once none is left. The surge: the replica placed ahead of the
+    # one it replaces, stopped for it once the surge serves ("" while none is).
+    restart_since = models.DateTimeField(
+        null=True, blank=True, help_text="A rolling restart replaces the replicas started before this."
+    )
+    restart_surge = models.CharField(max_length=32, blank=True, default="", db_default="")
 
     class Meta:
         verbose_name = verbose_name_plural = "measured and decided"

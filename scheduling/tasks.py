@@ -15,6 +15,7 @@ from scheduling.services import (
     node_users,
     nodes,
     preemption,
+    rollouts,
     sleep,
     traffic,
 )
@@ -46,6 +47,12 @@ def sleep_idle() -> list[str]:
 def autoscale() -> dict[str, int]:
     """Each autoscaled deployment to the replicas its requests in flight want: those changed."""
     return autoscaling.sweep()
+
+
+@shared_task(name="scheduling.tasks.advance_restarts", ignore_result=True)
+def advance_restarts() -> dict[str, str]:
+    """One step of each rolling restart under way: by deployment, the step taken."""
+    return rollouts.advance_all()
 
 
 @shared_task(name="scheduling.tasks.keep_node_users", ignore_result=True)

@@ -205,6 +205,13 @@ def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
     return finish(ctx, args, answer, lacked)
 
 
+def cmd_restart(ctx: Context, args: argparse.Namespace) -> int:
+    answer = ctx.client.post(deployment_path(args.name, "restart"))
+    said = f"{args.name}: a rolling restart, one replica at a time; requests meanwhile are served or wait"
+    ctx.err.print(Text(said, style="dim"))
+    return finish(ctx, args, answer, Goal(S.SERVING, 0, at_least=True, rollout=True))
+
+
 def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:
     # Both put serving replicas to sleep: `sleep` lets them finish what they serve, `evict` does not wait.
     action = "evict" if args.command == "evict" else "sleep"
@@ -644,6 +651,15 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     retry.add_argument("name")
     add_wait_options(retry, "its replicas serve")
     retry.set_defaults(run=cmd_retry)
+
+    restart = commands.add_parser(
+        "restart",
+        help="replace every replica, one at a time, serving throughout (settings that apply to replicas placed "
+        "from now on reach them all); sleepers are parked, not woken",
+    )
+    restart.add_argument("name")
+    add_wait_options(restart, "every replica is replaced")
+    restart.set_defaults(run=cmd_restart)
 
     setting_values.add_set(commands)
 

@@ -134,6 +134,8 @@ def deployments_table(deployments: list[dict[str, Any]]) -> Table:
         status_text = Text(status, style=STATUS_STYLES.get(status, ""))
         if status != "ok" and deployment.get("failed_reason"):
             status_text.append(f": {deployment['failed_reason']}")
+        if rollout := deployment.get("rollout"):
+            status_text.append(f", restarting ({rollout['left']} left)")
         table.add_row(
             Text(deployment["name"]),
             status_text,

@@ -42,8 +42,13 @@ class Goal:
     # States that count towards `count` as `state` does: a retry starts what a deployment lacks,
     # and its sleepers are not lacking.
     also: frozenset[str] = frozenset()
+    # A rolling restart: done once the deployment shows none under way (its `rollout` null), the
+    # replicas' counts aside.
+    rollout: bool = False
 
     def describe(self) -> str:
+        if self.rollout:
+            return "every replica replaced"
         named = " or ".join([self.state, *sorted(self.also)])
         return f"{'at least ' if self.at_least else ''}{self.count} {named}"
 
@@ -70,6 +75,10 @@ def verdict(deployment: dict[str, Any], goal: Goal, failed_before: set[str]) -> 
         if deployment.get("status") == DeploymentStatus.RETRYING:
             message += f"\nthe portal tries again after a backoff: see `gpuportal ls` and `gpuportal events -d {name}`"
         return Verdict("failed", message)
+    if goal.rollout and deployment.get("rollout") is not None:
+        # Its steps come from the portal's sweep every few seconds, with nothing on its way between
+        # two of them: not a stall.
+        return Verdict("waiting")
     reached = sum(1 for r in live if r.get("state") == goal.state or r.get("state") in goal.also)
     in_transit = any(r.get("state") in states.IN_TRANSIT or r.get("state") in goal.moving for r in live)
     enough = reached >= goal.count if goal.at_least else reached == goal.count

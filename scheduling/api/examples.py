@@ -65,6 +65,7 @@ DEPLOYMENT_SHOWN = {
     "failed_reason": "",
     "load_failures": 0,
     "retry_at": None,
+    "rollout": None,
     "model": MODEL,
     "replicas": [REPLICA_SHOWN],
     "replicas_wanted": 1,
@@ -303,6 +304,17 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/deployments/{name}/evict/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/failover/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/retry/"): {"response": DEPLOYMENT_SHOWN},
+    ("post", "/api/deployments/{name}/restart/"): {
+        # Its first step taken: a surge placed beside the one replica, the deployment still wanting one.
+        "response": {
+            **DEPLOYMENT_SHOWN,
+            "rollout": {"since": AT, "replaced": 1, "left": 1},
+            "replicas": [
+                REPLICA_SHOWN,
+                {**REPLICA_SHOWN, "id": "9e1b7c2d4f6a48b0a3c5d7e9f1a2b3c4", "state": "pending", "progress": None},
+            ],
+        }
+    },
     ("post", "/api/deployments/{name}/sleep/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/deep-sleep/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/wake/"): {"response": DEPLOYMENT_SHOWN},

@@ -26,7 +26,7 @@ from scheduling.models import (
     PreemptionIntent,
     Replica,
 )
-from scheduling.services import autoscaling, host_cache
+from scheduling.services import autoscaling, host_cache, rollouts
 
 
 class NodeCredentialSerializer(serializers.ModelSerializer):
@@ -301,6 +301,14 @@ def _observed_help(name: str) -> str:
     return str(DeploymentObserved._meta.get_field(name).help_text)
 
 
+class RolloutSerializer(serializers.Serializer):
+    since = serializers.DateTimeField(help_text="Replicas started before this are replaced.")
+    replaced = serializers.IntegerField(help_text="Replicas started since the restart was asked for.")
+    left = serializers.IntegerField(
+        help_text="Replicas started before it that still hold a process, a host copy or GPU memory."
+    )
+
+
 class DeploymentSerializer(serializers.ModelSerializer):
     model = GROUPS_SHOWN["model"](source="*", read_only=True)
     replicas = ReplicaSerializer(many=True, read_only=True)
@@ -325,6 +333,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
     retry_at = serializers.DateTimeField(
         source="observed.retry_at", read_only=True, allow_null=True, help_text=_observed_help("retry_at")
     )
+    rollout = serializers.SerializerMethodField(
+        help_text="A rolling restart under way (POST .../restart/): when it was asked for and how far it is; "
+        "null when none is."
+    )
 
     class Meta:
         model = Deployment
@@ -334,6 +346,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "failed_reason",
             "load_failures",
             "retry_at",
+            "rollout",
             "model",
             "replicas",
             "replicas_wanted",
@@ -349,6 +362,13 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "updated_at",
         ]
         read_only_fields = fields
+
+    @extend_schema_field(RolloutSerializer(allow_null=True))
+    def get_rollout(self, deployment: Deployment) -> dict[str, Any] | None:
+        done = rollouts.progress_of(deployment)
+        if done is None:
+            return None
+        return {"since": deployment.observed.restart_since, "replaced": done.replaced, "left": done.left}
 
 
 class OccupantSerializer(serializers.ModelSerializer):

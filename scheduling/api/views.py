@@ -22,7 +22,7 @@ from scheduling.models import Deployment, Replica
 from scheduling.services import deep_sleep as deep_sleep_services
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
-from scheduling.services import node_credentials, not_found
+from scheduling.services import node_credentials, not_found, rollouts
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
@@ -214,6 +214,24 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def retry(self, request: Request, name: str) -> Response:
         deployment_services.retry(name, reason=f"retried by {request.user}")
         return self.shown(name)
+
+    @extend_schema(
+        request=None,
+        summary="Replace every replica, one at a time, with no request lost: an awake one once its replacement "
+        "serves beside it (or, with no room for that, first), a sleeping one parked (its next wake loads anew).",
+        responses={
+            202: s.DeploymentSerializer,
+            404: PLACEMENT_ERRORS[404],
+            409: OpenApiResponse(
+                description="A restart is under way, the deployment failed or runs failover pairs, or nothing "
+                "holds a process to restart."
+            ),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def restart(self, request: Request, name: str) -> Response:
+        rollouts.restart(name, by=request.user.get_username())
+        return self.shown(name, status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]})
     @action(detail=True, methods=["post"])

@@ -151,5 +151,15 @@ def trim_host_cache(node: str) -> ToControl:
     return ToControl(TRIM_HOST_CACHE_TASK, (node,))
 
 
+# scheduling.tasks.advance_restarts, by name.
+ADVANCE_RESTARTS_TASK = "scheduling.tasks.advance_restarts"
+
+
+def advance_restarts() -> ToControl:
+    """After the commit in which a replacement of a rolling restart serves: the restart's next
+    step now, rather than at the beat's next sweep."""
+    return ToControl(ADVANCE_RESTARTS_TASK, ())
+
+
 def to_control(task: str, *args: Any, countdown: float | None = None) -> ToControl:
     return ToControl(task, tuple(args), countdown)

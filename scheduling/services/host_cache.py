@@ -146,22 +146,10 @@ def _park(replica_id: str, node: Node) -> bool:
         # Re-read under the lock: a wake may have promoted it since the trim looked.
         if replica is None or replica.state not in states.ASLEEP or replica.node_id != node.pk:
             return False
-        freed = host_bytes(replica)
-        replicas.reserve_exactly(replica, {}, reason=f"replica {replica_id[:8]} parked out of the host cache")
-        # Its process stops, or, deep asleep, its agent deletes its host copy.
-        outbox.want(effects.stop(node.name, replica.id))
-        replica.node = None
-        replica.pid = None
-        replica.gpu_mem_bytes_by_id = {}
-        replica.arena_kept_bytes = 0  # its next process starts with none
-        replica.host_copy_bytes = 0  # deep asleep, its copy is deleted by its agent
-        replicas.set_state(
+        freed = park_sleeper(
             replica,
-            Replica.State.PARKED,
             f"parked out of node {node.name}'s host cache (budget {memory.human_bytes(node.cpu_cache_bytes)}) "
-            f"to make room: its {memory.human_bytes(freed)} of weights are freed, and its next wake loads "
-            "them from disk",
-            extra=["node", "pid", "gpu_mem_bytes_by_id", "arena_kept_bytes", "host_copy_bytes"],
+            "to make room",
         )
         outbox.note(
             Event.Kind.HOST_CACHE,
@@ -173,6 +161,29 @@ def _park(replica_id: str, node: Node) -> bool:
             replica=replica_id,
         )
     return True
+
+
+def park_sleeper(replica: Replica, why: str) -> int:
+    """A sleeper (either level, on its node) parked: its reservation released, its process stopped
+    or, deep asleep, its host copy deleted by its agent; its deployment's next wake loads a new
+    replica from disk. The bytes of weights its node's host memory no longer holds. The caller
+    holds its deployment's row, then its own (the one lock order)."""
+    node = replica.node
+    freed = host_bytes(replica)
+    replicas.reserve_exactly(replica, {}, reason=f"replica {replica.id[:8]} {why}")
+    outbox.want(effects.stop(node.name, replica.id))
+    replica.node = None
+    replica.pid = None
+    replica.gpu_mem_bytes_by_id = {}
+    replica.arena_kept_bytes = 0  # its next process starts with none
+    replica.host_copy_bytes = 0  # deep asleep, its copy is deleted by its agent
+    replicas.set_state(
+        replica,
+        Replica.State.PARKED,
+        f"{why}: its {memory.human_bytes(freed)} of weights are freed, and its next wake loads them from disk",
+        extra=["node", "pid", "gpu_mem_bytes_by_id", "arena_kept_bytes", "host_copy_bytes"],
+    )
+    return freed
 
 
 def grant(node_name: str) -> list[str]:

@@ -117,6 +117,8 @@ def on_serving(replica: Replica, event: dict[str, Any]) -> None:
     if took:
         DeploymentObserved.objects.filter(pk=deployment.pk).update(**took)
     _lend_host_room(replica)
+    if record.restart_since is not None:
+        outbox.want(effects.advance_restarts())
     if drained:
         _sleep_on_a_drained_node(replica, deployment, did)
 

@@ -18,7 +18,7 @@ from gpuportal.wire import deployment_spec
 from scheduling.models import Deployment, Node, NodeCredential, Replica
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
-from scheduling.services import node_credentials
+from scheduling.services import node_credentials, rollouts
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
@@ -151,6 +151,15 @@ def retry_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
     def act(name: str) -> str:
         deployment = deployment_services.retry(name, reason=f"retried by {request.user} (admin)")
         return f"{name}: load failures cleared; {deployment.replicas_wanted} replica(s) wanted"
+
+    report_each(admin_view, request, queryset.values_list("name", flat=True), act)
+
+
+@admin.action(description="Restart selected deployments (every replica replaced, one at a time)")
+def restart_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+    def act(name: str) -> str:
+        rollouts.restart(name, by=f"{request.user} (admin)")
+        return f"{name}: rolling restart under way; the dashboard and the events show each step"
 
     report_each(admin_view, request, queryset.values_list("name", flat=True), act)
 

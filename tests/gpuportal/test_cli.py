@@ -381,11 +381,15 @@ def replica(id_: str, state: str, **fields: Any) -> dict[str, Any]:
     return shaped("Replica", fields)
 
 
-def deployment(*replicas: dict[str, Any], status: str = "ok", wanted: int = 1) -> dict[str, Any]:
-    return shaped(
-        "Deployment",
-        {"name": "tiny", "status": status, "failed_reason": "", "replicas_wanted": wanted, "replicas": list(replicas)},
-    )
+def deployment(*replicas: dict[str, Any], status: str = "ok", wanted: int = 1, **fields: Any) -> dict[str, Any]:
+    answer = {
+        "name": "tiny",
+        "status": status,
+        "failed_reason": "",
+        "replicas_wanted": wanted,
+        "replicas": list(replicas),
+    }
+    return shaped("Deployment", {**answer, **fields})
 
 
 def test_an_answer_built_here_in_a_shape_the_api_never_gives_is_refused_naming_each_field():
@@ -416,6 +420,13 @@ def test_ls_lists_deployments_and_their_live_replicas_not_the_stopped_ones():
     assert "aaaaaaaa tiny serving box/0 42" in lines
     assert "cccccccc tiny loading box/0 -" in lines
     assert not any(line.startswith("bbbbbbbb") for line in lines)
+
+    restarting = deployment(
+        replica("a" * 32, "serving"), rollout={"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1}
+    )
+    console = Console(file=io.StringIO(), width=120)
+    console.print(render.deployments_table([restarting]))
+    assert "tiny ok, restarting (1 left) 1/1 1 serving" in " ".join(console.file.getvalue().split())
 
 
 # -- waiting ----------------------------------------------------------------------------------
@@ -512,6 +523,20 @@ def test_a_retry_is_done_once_what_was_lacking_serves_and_its_sleepers_count_as_
         "stalled",
         "tiny: 1 sleeping, wanted at least 2 serving or deep_sleeping or sleeping, nothing on its way",
     )
+
+
+def test_a_restart_is_waited_for_until_none_is_under_way_though_nothing_moves_between_its_steps():
+    goal = waiting.Goal("serving", 0, at_least=True, rollout=True)
+    under_way = {"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1}
+
+    between_steps = deployment(replica("a", "serving"), replica("b", "serving"), rollout=under_way)
+    assert waiting.verdict(between_steps, goal, set()).outcome == "waiting", "the sweep's next step is coming"
+    last_stop = deployment(replica("a", "stopping"), replica("b", "serving"), rollout=None)
+    assert waiting.verdict(last_stop, goal, set()).outcome == "waiting"
+    assert waiting.verdict(deployment(replica("b", "serving"), rollout=None), goal, set()).outcome == "done"
+    failed = deployment(replica("a", "serving"), status="failed", failed_reason="a broken checkpoint", rollout=None)
+    assert waiting.verdict(failed, goal, set()).message == "tiny failed: a broken checkpoint"
+    assert goal.describe() == "every replica replaced"
 
 
 def test_two_waits_of_one_command_print_each_state_of_a_replica_once():
@@ -858,6 +883,31 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         # Then the process's own log, read on its node by its agent.
         assert re.search(rf"replica-{short}[0-9a-f]+\.log on box:", logs), logs
 
+        # A rolling restart under requests: each replica replaced by a new process (the beat's
+        # sweep takes each step), and every request accepted meanwhile answered.
+        token = up.token()
+        before = {r["id"] for r in up.serving(token, "tiny")}
+        answers: list[int] = []
+        restarted = threading.Event()
+
+        def ask() -> None:
+            while not restarted.is_set():
+                body = {"input": "Once upon a time", "params": {"max_tokens": 4}, "timeout_s": 120}
+                answers.append(up.post("/api/deployments/tiny/infer/", body, token)[0])
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        try:
+            said = cli("restart", "tiny")
+        finally:
+            restarted.set()
+            asking.join(150)
+        assert said.returncode == 0, said.stderr + said.stdout
+        assert said.stderr.startswith("tiny: a rolling restart, one replica at a time"), said.stderr
+        assert said.stdout.splitlines()[-1].startswith("tiny: 2 serving (wanted 2)"), said.stdout
+        after = {r["id"] for r in up.serving(token, "tiny")}
+        assert len(after) == 2 and not after & before, (before, after)
+        assert answers and set(answers) == {200}, answers
         # A capacity plan of a small trace of `tiny`, made on the control worker.
         trace, plot = tmp_path / "trace.csv", tmp_path / "plan.png"
         trace.write_text("arrival,deployment,prompt_tokens,output_tokens\n0,tiny,12,4\n2,tiny,30,8\n5,tiny,9,2\n")

@@ -38,6 +38,8 @@ OBSERVED = {
     "load_failures",
     "failed_reason",
     "retry_at",
+    "restart_since",
+    "restart_surge",
 }
 
 REFUSED = [s for s in SETTINGS if s.update in (Update.REFUSED, Update.REFUSED_IF_CHANGED)]

@@ -1,0 +1,112 @@
+"""A rolling restart's next step: which replica of a deployment is replaced next, and how. Pure (no
+ORM), so hypothesis can test it and the simulator could reuse it.
+
+A restart replaces every replica that was started before it was asked for (`since`), so that
+settings which apply to replicas placed from now on (`memory.max_tokens`, `memory.override_bytes`,
+`placement.spread`) reach all of them, and each process starts afresh, as Kubernetes' `rollout
+restart` does. One replica at a time, and serving goes on throughout:
+
+- an awake replica is replaced by a surge: one more replica is placed beside the old ones (the
+  deployment's `replicas` unchanged), and only once it serves is the oldest outdated replica
+  stopped. Where the surge does not fit, the oldest is stopped first and a replacement placed in
+  its room; its requests wait in the queue meanwhile, as they wait for a wake;
+- a sleeping replica is parked: its process (or its host copy) goes and it holds nothing, and its
+  deployment's next wake loads a new replica from disk. A restart wakes nothing;
+- a replica on its way (loading, waking, draining) is waited for, and so is a replacement that
+  has not served yet.
+
+A replacement that fails to load leaves the outdated replicas serving: the crash-loop backoff
+replaces it, and once the deployment has given up the restart stops (the service's part).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from gpuportal.wire.states import ASLEEP, COUNTED, GONE, IN_TRANSIT, STARTING, ReplicaState
+
+
+class Action(StrEnum):
+    DONE = "done"  # nothing outdated is left
+    WAIT = "wait"  # something is on its way; the next step comes once it settles
+    SURGE = "surge"  # place one replica more; `replica_ids`: the one it replaces
+    STOP = "stop"  # stop `replica_ids` (one); a surge serving in its place, or none fitting
+    PARK = "park"  # park the outdated sleepers `replica_ids`
+    TOP_UP = "top-up"  # place what the deployment lacks of its `replicas` (after a stop with no surge)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One of the deployment's replicas, as the step reads it (a failover standby is none)."""
+
+    id: str
+    state: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Step:
+    action: Action
+    replica_ids: tuple[str, ...] = ()
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a restart is: replicas of the deployment started since it was asked for, and those
+    started before it that still hold a process, a copy or a reservation."""
+
+    replaced: int
+    left: int
+
+
+def outdated(members: Sequence[Member], since: datetime) -> list[Member]:
+    """The replicas a restart asked for at `since` has still to replace, oldest first. A parked one
+    holds nothing and its next wake is a new replica already; an ended one is gone."""
+    return sorted(
+        (m for m in members if m.created_at < since and m.state not in GONE and m.state != ReplicaState.PARKED),
+        key=lambda m: (m.created_at, m.id),
+    )
+
+
+def progress(members: Sequence[Member], since: datetime) -> Progress:
+    fresh = sum(1 for m in members if m.created_at >= since and m.state not in GONE)
+    return Progress(replaced=fresh, left=len(outdated(members, since)))
+
+
+def next_step(members: Sequence[Member], *, since: datetime, surge_id: str, wanted: int) -> Step:
+    """What the restart asked for at `since` does next. `surge_id`: the replica it placed ahead of
+    the one it replaces ("" if none); `wanted`: the deployment's `replicas`."""
+    old = outdated(members, since)
+    surge = next((m for m in members if m.id == surge_id and m.state not in GONE), None)
+    if surge is not None and surge.state in STARTING:
+        return Step(Action.WAIT, (surge.id,), f"replacement {surge.id[:8]} is {surge.state}")
+    moving = [m for m in old if m.state in IN_TRANSIT]
+    if moving:
+        return Step(Action.WAIT, (moving[0].id,), f"replica {moving[0].id[:8]} is {moving[0].state}")
+    starting = [m for m in members if m.created_at >= since and m.state in STARTING]
+    if starting:
+        return Step(Action.WAIT, (starting[0].id,), f"replacement {starting[0].id[:8]} is {starting[0].state}")
+    # Before the end too: the last replica may have gone first for want of room for a surge.
+    if sum(1 for m in members if m.state in COUNTED) < wanted:
+        return Step(Action.TOP_UP, why="a replacement for the replica stopped before it")
+    if not old:
+        return Step(Action.DONE, why="every replica started before the restart is replaced")
+    awake = [m for m in old if m.state == ReplicaState.SERVING]
+    asleep = [m for m in old if m.state in ASLEEP]
+    if surge is not None:
+        # The surge serves (or has served and slept): the replica it was placed for goes, awake
+        # ones first (an outdated one may have slept meanwhile: then a sleeper goes, since the
+        # surge already counts in its place).
+        target = (awake or asleep or old)[0]
+        return Step(Action.STOP, (target.id,), f"replacement {surge.id[:8]} serves in its place")
+    if awake:
+        return Step(Action.SURGE, (awake[0].id,), f"replica {awake[0].id[:8]} started before the restart")
+    if asleep:
+        return Step(Action.PARK, tuple(m.id for m in asleep), "asleep: its next wake loads a new replica")
+    # Outdated, but neither awake, asleep nor on its way: a failover standby's partner state the
+    # service refuses to restart; nothing this step can do.
+    return Step(Action.WAIT, (old[0].id,), f"replica {old[0].id[:8]} is {old[0].state}")

@@ -1,0 +1,208 @@
+"""Rolling restarts: every replica of a deployment replaced, one at a time, with no request lost
+(scheduling.core.rollout decides each step). `restart` starts one and takes its first step;
+`advance` takes the next, from the beat's sweep every few seconds (`advance_all`), each in a
+transaction of its own under the deployment's row lock, so two sweeps never take a step twice.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from gpuportal.wire import states
+from scheduling import ledger, locks
+from scheduling.core import rollout
+from scheduling.core.rollout import Action, Member, Step
+from scheduling.models import Deployment, DeploymentObserved, Event, Replica
+from scheduling.services import host_cache, outbox
+from scheduling.services.errors import CannotPlace, InvalidState
+from scheduling.services.observing import save_observed
+from scheduling.services.placing import Stop, add_replicas, apply_stops, releasing
+
+STEP = "rolling restart"
+
+
+def members(replicas: list[Replica]) -> list[Member]:
+    """The replicas a restart counts, from rows already read: a failover standby goes with its
+    active member, and ended ones are gone."""
+    return [
+        Member(r.id, r.state, r.created_at)
+        for r in replicas
+        if r.role != Replica.Role.STANDBY and r.state not in states.GONE
+    ]
+
+
+def progress_of(deployment: Deployment) -> rollout.Progress | None:
+    """How far the deployment's restart is (None: none under way), from its prefetched replicas."""
+    since = deployment.observed.restart_since
+    if since is None:
+        return None
+    return rollout.progress(members(list(deployment.replicas.all())), since)
+
+
+@locks.retry_deadlocks
+def restart(name: str, *, by: str) -> Deployment:
+    """Start a rolling restart of the deployment and take its first step. InvalidState (409) for a
+    deployment that runs failover pairs, has failed, is being restarted, or has nothing to restart."""
+    with transaction.atomic():
+        deployment = locks.lock_deployment(name)
+        observed = deployment.observed
+        if deployment.failover_standby:
+            raise InvalidState(
+                f"deployment {name} runs failover pairs, which a rolling restart does not replace: a planned "
+                f"switchover (POST /api/deployments/{name}/failover/) moves each pair to its standby"
+            )
+        if observed.failed_reason:
+            raise InvalidState(
+                f"deployment {name} has failed ({observed.failed_reason}): retry it rather than restart it"
+            )
+        if observed.restart_since is not None:
+            done = progress_of(deployment)
+            raise InvalidState(
+                f"a rolling restart of {name} is under way since {observed.restart_since.isoformat()} "
+                f"({done.replaced} replica(s) started since, {done.left} to replace): wait for it to end"  # type: ignore[union-attr]
+            )
+        now = timezone.now()
+        left = rollout.outdated(_members_of(deployment), now)
+        if not left:
+            raise InvalidState(
+                f"deployment {name} has no replica to restart: none holds a process, a host copy or GPU memory "
+                "(a parked replica's next wake loads it anew)"
+            )
+        observed.restart_since, observed.restart_surge = now, ""
+        save_observed(deployment, ["restart_since", "restart_surge"])
+        outbox.note(
+            Event.Kind.DEPLOYMENT_CHANGED,
+            f"deployment {name}",
+            f"{STEP} asked by {by}: {len(left)} replica(s) to replace, one at a time",
+            after={"restart_since": now.isoformat(), "replicas": [m.id for m in left]},
+            deployment=name,
+        )
+    advance(name)
+    return deployment
+
+
+# The most steps one advance takes: a restart's steps until one waits (a stop-first and its
+# replacement's placement; a surge's stop and the next surge), bounded so that a sweep of many
+# deployments moves each of them on rather than one to its end.
+STEPS_PER_ADVANCE = 4
+
+
+def advance_all() -> dict[str, str]:
+    """Every restart under way taken as far as it goes now: by deployment, the last step taken."""
+    names = DeploymentObserved.objects.filter(restart_since__isnull=False).values_list("deployment__name", flat=True)
+    taken = {name: advance(name) for name in sorted(names)}
+    return {name: step.action.value for name, step in taken.items() if step is not None}
+
+
+def advance(name: str) -> Step | None:
+    """The deployment's restart taken as far as it goes now, a step per transaction, until a step
+    waits or it is done: the last step taken (None: none under way, or the deployment went)."""
+    last = None
+    for _ in range(STEPS_PER_ADVANCE):
+        taken = step(name)
+        if taken is None:
+            return last
+        last = taken
+        if taken.action in (Action.WAIT, Action.DONE):
+            break
+    return last
+
+
+@locks.retry_deadlocks
+def step(name: str) -> Step | None:
+    """The next step of the deployment's restart (None: none under way, or the deployment went)."""
+    with transaction.atomic():
+        deployment = locks.lock_deployment_if_there(name=name)
+        if deployment is None or deployment.observed.restart_since is None:
+            return None
+        observed = deployment.observed
+        found = _members_of(deployment)
+        if observed.failed_reason:
+            left = len(rollout.outdated(found, observed.restart_since))
+            why = (
+                f"{STEP} stopped: its replacements failed to load ({observed.failed_reason}); the {left} replica(s) "
+                "started before it keep serving"
+            )
+            _end(deployment, why)
+            return Step(Action.DONE, why=why)
+        if observed.retry_at is not None:
+            return Step(Action.WAIT, why="a failed load's replacement waits out its backoff")
+        if observed.restart_surge and observed.restart_surge not in {m.id for m in found}:
+            observed.restart_surge = ""  # it failed or was stopped (a scale-down): the next step places another
+            save_observed(deployment, ["restart_surge"])
+        decided = rollout.next_step(
+            found, since=observed.restart_since, surge_id=observed.restart_surge, wanted=deployment.replicas_wanted
+        )
+        return _take(deployment, decided, found)
+
+
+def _members_of(deployment: Deployment) -> list[Member]:
+    return members(list(deployment.replicas.exclude(state__in=states.GONE).order_by("created_at", "id")))
+
+
+def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
+    """The step taken: the one decided, or a stop where a surge found no room."""
+    observed = deployment.observed
+    if decided.action == Action.DONE:
+        replaced = sum(1 for m in found if m.created_at >= observed.restart_since)  # type: ignore[operator]
+        _end(deployment, f"{STEP} done: {replaced} replica(s) started since it was asked for")
+    elif decided.action == Action.SURGE:
+        (old,) = decided.replica_ids
+        try:
+            with transaction.atomic():  # a savepoint: nothing of a placement that cannot be made
+                decision = add_replicas(
+                    deployment, 1, reason=f"{STEP}: a replacement for replica {old[:8]}", cached=(), parked=False
+                )
+        except CannotPlace as err:
+            why = f"no room for its replacement beside it, so it goes first ({err})"
+            _stop(deployment, old, f"{STEP}: {why}")
+            return Step(Action.STOP, (old,), why)
+        observed.restart_surge = decision.new_ids[0]
+        save_observed(deployment, ["restart_surge"])
+    elif decided.action == Action.STOP:
+        (old,) = decided.replica_ids
+        _stop(deployment, old, f"{STEP}: {decided.why}")
+        observed.restart_surge = ""
+        save_observed(deployment, ["restart_surge"])
+    elif decided.action == Action.PARK:
+        for replica_id in decided.replica_ids:
+            replica = locks.lock_replica(replica_id)  # after its deployment's row: the one lock order
+            if replica.state in states.ASLEEP and replica.node is not None:
+                host_cache.park_sleeper(replica, f"parked by a {STEP}: {decided.why}")
+    elif decided.action == Action.TOP_UP:
+        have = sum(1 for m in found if m.state in states.COUNTED)
+        try:
+            with transaction.atomic():
+                add_replicas(
+                    deployment,
+                    deployment.replicas_wanted - have,
+                    reason=f"{STEP}: {decided.why}",
+                    cached=(),
+                    parked=False,
+                )
+        except CannotPlace as err:
+            why = (
+                f"{STEP} stopped: no room for the replacement of a replica it stopped ({err}); a request wakes "
+                "the deployment as usual"
+            )
+            _end(deployment, why)
+            return Step(Action.DONE, why=why)
+    return decided
+
+
+def _stop(deployment: Deployment, replica_id: str, why: str) -> None:
+    """The replica's reservation released and its process told to stop once it has finished what
+    it took (its drain timeout); requests still queued wait for the others, or for its replacement."""
+    stop = Stop.of(deployment, [replica_id], reason=why)
+    # The one lock order: the deployment's row (the caller's), the GPU rows (the ledger's commit),
+    # then the replica's (apply_stops).
+    if ledger.commit_with_retry(releasing(stop.ids, why), apply=lambda plan: apply_stops([stop])) is None:
+        apply_stops([stop])  # it held nothing on the GPUs
+
+
+def _end(deployment: Deployment, why: str) -> None:
+    observed = deployment.observed
+    observed.restart_since, observed.restart_surge = None, ""
+    save_observed(deployment, ["restart_since", "restart_surge"])
+    outbox.note(Event.Kind.DEPLOYMENT_CHANGED, f"deployment {deployment.name}", why, deployment=deployment.name)

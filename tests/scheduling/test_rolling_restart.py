@@ -1,0 +1,315 @@
+"""Rolling restarts (scheduling.core.rollout decides each step, scheduling.services.rollouts takes
+it): every replica started before the restart replaced one at a time, awake ones after a surge
+serves beside them, sleepers parked, nothing woken, with an Event for each step. The services run
+here against the test's PostgreSQL on virtual GPUs with no processes: each replica's reports are
+made by hand, as its process would make them."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuportal.wire.memory import MiB
+from scheduling.core.rollout import Action, Member, Step, next_step, progress
+from scheduling.models import Deployment, DeploymentObserved, Event, Replica
+from scheduling.services import reports, rollouts, sleep
+from tests.support.api_shapes import shaped
+from tests.support.deployments import STOP, body, invariant_holds, reserved, serve
+
+T0 = datetime(2026, 11, 30, 12, 0, 0)
+SINCE = T0 + timedelta(hours=1)
+
+
+def old(replica_id: str, state: str = "serving", minute: int = 0) -> Member:
+    return Member(replica_id, state, T0 + timedelta(minutes=minute))
+
+
+def new(replica_id: str, state: str = "serving", minute: int = 1) -> Member:
+    return Member(replica_id, state, SINCE + timedelta(minutes=minute))
+
+
+# -- the decision ------------------------------------------------------------------------------
+
+
+def test_it_places_a_surge_for_the_oldest_awake_replica_first():
+    members = [old("b", minute=5), old("a", minute=1), old("s", "sleeping", minute=0)]
+    assert next_step(members, since=SINCE, surge_id="", wanted=3).action == Action.SURGE
+    assert next_step(members, since=SINCE, surge_id="", wanted=3).replica_ids == ("a",)
+
+
+def test_it_waits_while_the_surge_loads_then_stops_the_replica_it_replaces():
+    loading = [old("a"), old("b", minute=1), new("n", "loading")]
+    assert next_step(loading, since=SINCE, surge_id="n", wanted=2) == Step(
+        Action.WAIT, ("n",), "replacement n is loading"
+    )
+    serving = [old("a"), old("b", minute=1), new("n")]
+    assert next_step(serving, since=SINCE, surge_id="n", wanted=2) == Step(
+        Action.STOP, ("a",), "replacement n serves in its place"
+    )
+
+
+def test_a_surge_serving_for_a_replica_that_slept_meanwhile_stops_the_sleeper_not_a_second_surge():
+    members = [old("a", "sleeping"), new("n")]
+    assert next_step(members, since=SINCE, surge_id="n", wanted=1).replica_ids == ("a",)
+    assert next_step(members, since=SINCE, surge_id="n", wanted=1).action == Action.STOP
+
+
+def test_outdated_sleepers_are_parked_together_and_nothing_is_woken():
+    members = [old("a", "sleeping"), old("b", "deep_sleeping", minute=1), new("n")]
+    assert next_step(members, since=SINCE, surge_id="", wanted=3) == Step(
+        Action.PARK, ("a", "b"), "asleep: its next wake loads a new replica"
+    )
+
+
+def test_it_waits_for_a_replica_on_its_way_and_for_a_replacement_the_reconcile_placed():
+    assert next_step([old("a", "draining"), old("b")], since=SINCE, surge_id="", wanted=2).action == Action.WAIT
+    assert next_step([old("a", "waking"), old("b")], since=SINCE, surge_id="", wanted=2).action == Action.WAIT
+    assert next_step([old("a"), new("n", "pending")], since=SINCE, surge_id="", wanted=2).action == Action.WAIT
+
+
+def test_after_a_stop_with_no_surge_it_places_the_replacement_before_the_next():
+    # The stopped one is gone from the members (stopping): one short of the two wanted.
+    assert next_step([old("b")], since=SINCE, surge_id="", wanted=2).action == Action.TOP_UP
+
+
+def test_it_is_done_once_only_parked_and_new_replicas_are_left_and_counts_them():
+    members = [old("p", "parked"), new("n"), new("m", "sleeping", minute=2)]
+    assert next_step(members, since=SINCE, surge_id="", wanted=3).action == Action.DONE
+    assert progress(members, SINCE).replaced == 2 and progress(members, SINCE).left == 0
+    assert progress([old("a"), new("n", "loading")], SINCE) == progress([new("n"), old("a")], SINCE)
+
+
+RESTING = st.sampled_from(["serving", "serving", "sleeping", "deep_sleeping", "parked"])
+
+
+@settings(max_examples=150)
+@given(states=st.lists(RESTING, min_size=1, max_size=6), room=st.booleans())
+def test_a_restart_replaces_every_replica_and_never_leaves_fewer_serving_than_one_less(states, room):
+    """The steps played out, each new replica serving once placed: the restart ends, with every
+    replica started since (or parked), in a bounded number of steps; with room for a surge the
+    serving count never drops below where it began, and without it by at most one."""
+    members = [old(f"o{i}", state, minute=i) for i, state in enumerate(states)]
+    wanted = len(members)
+    serving_before = states.count("serving")
+    surge, made = "", 0
+    for _ in range(4 * wanted + 4):
+        step = next_step(members, since=SINCE, surge_id=surge, wanted=wanted)
+        if step.action == Action.DONE:
+            break
+        if step.action == Action.SURGE and room:
+            made += 1
+            surge = f"n{made}"
+            members.append(new(surge, minute=made))
+        elif step.action in (Action.SURGE, Action.STOP):
+            # No room: the replica goes first (SURGE refused), or the surge serves in its place.
+            members = [m for m in members if m.id != step.replica_ids[0]]
+            surge = ""
+        elif step.action == Action.PARK:
+            members = [Member(m.id, "parked", m.created_at) if m.id in step.replica_ids else m for m in members]
+        elif step.action == Action.TOP_UP:
+            made += 1
+            members.append(new(f"n{made}", minute=made))
+        else:
+            raise AssertionError(f"nothing on its way, yet it waits: {step}")
+        serving = sum(1 for m in members if m.state == "serving")
+        assert serving >= serving_before - (0 if room else 1), (step, members)
+    else:
+        raise AssertionError(f"not done after {4 * wanted + 4} steps: {members}")
+    assert all(m.created_at >= SINCE or m.state == "parked" for m in members)
+    assert sum(1 for m in members if m.created_at >= SINCE) == serving_before
+
+
+# -- the service, through the API ----------------------------------------------------------------
+
+
+@pytest.fixture
+def on_commit(django_capture_on_commit_callbacks):
+    return lambda: django_capture_on_commit_callbacks(execute=True)
+
+
+def live(name: str) -> dict[str, str]:
+    """The deployment's replicas that have not ended, oldest first: id → state."""
+    rows = Replica.objects.filter(deployment__name=name).exclude(state__in=["stopped", "failed"])
+    return dict(rows.order_by("created_at").values_list("id", "state"))
+
+
+def step(on_commit, name: str) -> Step | None:
+    """One step of the restart, its dispatches run."""
+    with on_commit():
+        return rollouts.step(name)
+
+
+def test_a_restart_replaces_each_awake_replica_once_its_replacement_serves_and_keeps_the_count(
+    cluster, api, dispatched, tiny_model_dir, on_commit
+):
+    assert api("post", "/api/deployments/", body("r", tiny_model_dir, replicas=2)).status_code == 201
+    first, second = live("r")
+    serve(first), serve(second)
+
+    answer = api("post", "/api/deployments/r/restart/")
+    assert answer.status_code == 202, answer.json()
+    shaped("Deployment", answer.json())
+    assert answer.json()["rollout"]["left"] == 2 and answer.json()["rollout"]["replaced"] == 1
+    # Its first step placed a surge beside the two: three replicas, two wanted.
+    surge = [r for r in live("r") if r not in (first, second)]
+    assert len(surge) == 1 and live("r")[surge[0]] == "pending"
+    assert Deployment.objects.get(name="r").replicas_wanted == 2
+    assert DeploymentObserved.objects.get(deployment__name="r").restart_surge == surge[0]
+
+    assert step(on_commit, "r").action == Action.WAIT, "the surge has not served yet"
+    assert live("r")[first] == "serving"
+    serve(surge[0])
+    dispatched.clear()
+    assert step(on_commit, "r").action == Action.STOP
+    assert live("r")[first] == "stopping" and reserved(first) == 0
+    assert [(t, a[0]) for _, t, a in dispatched if t == STOP] == [(STOP, first)]
+
+    assert step(on_commit, "r").action == Action.SURGE
+    (surge2,) = [r for r in live("r") if r not in (first, second, surge[0])]
+    # Its serving report asks the control worker for the next step at once, not at the next sweep.
+    dispatched.clear()
+    with on_commit():
+        serve(surge2)
+    assert ("control", "scheduling.tasks.advance_restarts", []) in [(q, t, list(a)) for q, t, a in dispatched]
+    # One advance takes the steps that need no waiting: the stop, then the end.
+    with on_commit():
+        assert rollouts.advance("r").action == Action.DONE
+    assert live("r")[second] == "stopping"
+    assert step(on_commit, "r") is None, "none under way any more"
+
+    shown = api("get", "/api/deployments/r/").json()
+    assert shown["rollout"] is None
+    assert sorted(r["id"] for r in shown["replicas"] if r["state"] == "serving") == sorted([surge[0], surge2])
+    reasons = list(Event.objects.filter(deployment="r", kind="deployment.changed").values_list("reason", flat=True))
+    assert any(r.startswith("rolling restart asked by ops: 2 replica(s) to replace") for r in reasons), reasons
+    assert "rolling restart done: 2 replica(s) started since it was asked for" in reasons
+    assert Event.objects.filter(replica=first, reason__contains="rolling restart: replacement").exists()
+    assert invariant_holds()
+
+
+def test_with_no_room_for_a_surge_the_oldest_goes_first_and_its_replacement_is_placed_in_its_room(
+    cluster, api, tiny_model_dir, on_commit
+):
+    # Four replicas of 900 MiB fill the four 1 GiB GPUs: no room for a fifth beside them.
+    big = body("full", tiny_model_dir, replicas=4, memory={"override_bytes": 900 * MiB, "max_tokens": 256})
+    assert api("post", "/api/deployments/", big).status_code == 201
+    ids = list(live("full"))
+    for replica_id in ids:
+        serve(replica_id)
+
+    # Its first steps: no surge fits, so the oldest went first, and its replacement was placed in
+    # the room it left; then it waits for that one to serve.
+    assert api("post", "/api/deployments/full/restart/").status_code == 202
+    assert live("full")[ids[0]] == "stopping"
+    assert Event.objects.filter(replica=ids[0], reason__contains="no room for its replacement beside it").exists()
+    (replacement,) = [r for r in live("full") if r not in ids]
+    assert live("full")[replacement] == "pending" and len(live("full")) == 5
+    assert invariant_holds()
+    assert step(on_commit, "full").action == Action.WAIT
+    serve(replacement)
+    assert step(on_commit, "full").action == Action.STOP  # the next one goes first too
+    assert step(on_commit, "full").action == Action.TOP_UP
+    assert invariant_holds()
+
+
+def test_sleepers_are_parked_not_woken_and_the_next_wake_loads_a_new_replica(cluster, api, tiny_model_dir, on_commit):
+    assert api("post", "/api/deployments/", body("s", tiny_model_dir)).status_code == 201
+    (sleeper,) = live("s")
+    serve(sleeper)
+    sleep.sleep_replica(sleeper, reason="idle")
+    reports.report(sleeper, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+
+    assert api("post", "/api/deployments/s/restart/").status_code == 202
+    parked = Replica.objects.get(pk=sleeper)
+    assert parked.state == "parked" and parked.node is None and reserved(sleeper) == 0
+    assert Event.objects.filter(replica=sleeper, reason__contains="parked by a rolling restart").exists()
+    assert live("s") == {sleeper: "parked"}, "nothing woken by the restart"
+    assert DeploymentObserved.objects.get(deployment__name="s").restart_since is None, "done in the same call"
+    assert step(on_commit, "s") is None
+
+    with on_commit():
+        woken = sleep.wake_deployment("s", reason="woken by a request")
+    assert len(woken) == 1 and woken[0] != sleeper
+    assert Replica.objects.get(pk=sleeper).state == "stopped"
+
+
+def test_a_replacement_that_fails_to_load_leaves_the_old_replica_serving_and_a_failed_deployment_ends_it(
+    cluster, api, tiny_model_dir, on_commit
+):
+    crashy = body("c", tiny_model_dir, restart={"max_load_failures": 1})
+    assert api("post", "/api/deployments/", crashy).status_code == 201
+    (old_one,) = live("c")
+    serve(old_one)
+    assert api("post", "/api/deployments/c/restart/").status_code == 202
+    (surge,) = [r for r in live("c") if r != old_one]
+    reports.report(surge, {"event": "failed", "kind": "load", "reason": "a broken checkpoint"})
+
+    assert step(on_commit, "c") is not None
+    assert live("c") == {old_one: "serving"}
+    assert api("get", "/api/deployments/c/").json()["rollout"] is None
+    assert Event.objects.filter(
+        deployment="c", reason__startswith="rolling restart stopped: its replacements failed to load"
+    ).exists()
+
+
+def test_a_restart_is_refused_naming_why_and_changes_nothing(cluster, api, client, tiny_model_dir, on_commit):
+    assert api("post", "/api/deployments/", body("a", tiny_model_dir)).status_code == 201
+    (replica_id,) = live("a")
+    serve(replica_id)
+    assert api("post", "/api/deployments/a/restart/").status_code == 202
+    again = api("post", "/api/deployments/a/restart/")
+    assert again.status_code == 409 and "a rolling restart of a is under way" in again.json()["detail"]
+
+    assert api("post", "/api/deployments/", body("none", tiny_model_dir, replicas=0)).status_code == 201
+    empty = api("post", "/api/deployments/none/restart/")
+    assert empty.status_code == 409 and "has no replica to restart" in empty.json()["detail"]
+    assert DeploymentObserved.objects.get(deployment__name="none").restart_since is None
+
+    paired = body("pair", tiny_model_dir, failover={"standby": True})
+    assert api("post", "/api/deployments/", paired).status_code == 201
+    refused = api("post", "/api/deployments/pair/restart/")
+    assert refused.status_code == 409 and "runs failover pairs" in refused.json()["detail"]
+
+    missing = api("post", "/api/deployments/nope/restart/")
+    assert missing.status_code == 404
+    from django.contrib.auth.models import User
+
+    client.force_login(User.objects.create_user("viewer"))
+    assert client.post("/api/deployments/a/restart/").status_code == 403
+
+
+def test_the_sweep_is_scheduled_every_5_s_on_the_control_queue_and_runs_as_a_task(beat_schedules):
+    from django_celery_beat.models import PeriodicTask
+
+    from scheduling import tasks
+
+    schedule = PeriodicTask.objects.get(name="advance rolling restarts")
+    assert schedule.task == tasks.advance_restarts.name == "scheduling.tasks.advance_restarts" and schedule.enabled
+    assert (schedule.interval.every, schedule.interval.period, schedule.queue) == (5, "seconds", "control")
+    assert tasks.advance_restarts() == {}
+
+
+def test_the_admin_restarts_the_selected_deployments_and_names_one_it_cannot(
+    cluster, api, admin_client, tiny_model_dir, on_commit
+):
+    from django.contrib.messages import get_messages
+
+    assert api("post", "/api/deployments/", body("a", tiny_model_dir)).status_code == 201
+    (replica_id,) = live("a")
+    serve(replica_id)
+    assert api("post", "/api/deployments/", body("idle", tiny_model_dir, replicas=0)).status_code == 201
+    selected = list(Deployment.objects.order_by("name").values_list("pk", flat=True))
+
+    with on_commit():
+        done = admin_client.post(
+            "/admin/scheduling/deployment/", {"_selected_action": selected, "action": "restart_deployments"}
+        )
+
+    assert done.status_code == 302, done.content.decode()[-3000:]
+    said = [str(m) for m in get_messages(done.wsgi_request)]
+    assert "a: rolling restart under way; the dashboard and the events show each step" in said
+    assert any(m.startswith("idle: deployment idle has no replica to restart") for m in said), said
+    assert len(live("a")) == 2, "its surge placed beside it"
