@@ -311,7 +311,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "rollout": {"since": AT, "replaced": 1, "left": 1},
             "replicas": [
                 REPLICA_SHOWN,
-                {**REPLICA_SHOWN, "id": "9e1b7c2d4f6a48b0a3c5d7e9f1a2b3c4", "state": "pending", "progress": None},
+                {**REPLICA_SHOWN, "id": "9e1b7c2d4f6a48b0a3c5d7e9f1a2b3c4", "state": S.PENDING, "progress": None},
             ],
         }
     },

@@ -166,8 +166,9 @@ def _park(replica_id: str, node: Node) -> bool:
 def park_sleeper(replica: Replica, why: str) -> int:
     """A sleeper (either level, on its node) parked: its reservation released, its process stopped
     or, deep asleep, its host copy deleted by its agent; its deployment's next wake loads a new
-    replica from disk. The bytes of weights its node's host memory no longer holds. The caller
-    holds its deployment's row, then its own (the one lock order)."""
+    replica from disk. `why` reads after "replica <id>" ("parked out of ..."). The bytes of weights
+    its node's host memory no longer holds. The caller holds its deployment's row, then its own
+    (the one lock order)."""
     node = replica.node
     freed = host_bytes(replica)
     replicas.reserve_exactly(replica, {}, reason=f"replica {replica.id[:8]} {why}")
