@@ -237,6 +237,7 @@ def _deployment_rows() -> list[dict[str, Any]]:
             failed_reason=F("observed__failed_reason"),
             load_failures=F("observed__load_failures"),
             retry_at=F("observed__retry_at"),
+            restart_since=F("observed__restart_since"),
         )
     )
     by_state: dict[str, Counter[str]] = defaultdict(Counter)

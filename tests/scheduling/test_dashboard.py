@@ -10,7 +10,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from scheduling.models import Deployment, Event, FailoverLease, Node, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, FailoverLease, Node, Replica
 from scheduling.services import reports
 from tests.support import factories as f
 from tests.support.deployments import deploy
@@ -267,6 +267,19 @@ def test_a_failed_or_retrying_deployment_says_so(admin_client) -> None:
     assert "failed: SafetensorError: incomplete metadata" in body
     assert "retrying after 1 failed load(s)" in body
     assert body.count("gp-state-failed") == 1
+
+
+def test_a_deployment_under_a_rolling_restart_says_so(admin_client) -> None:
+    f.deployment("rolling")
+    f.deployment("still")
+    DeploymentObserved.objects.filter(deployment__name="rolling").update(restart_since=timezone.now())
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    rolling = body[body.index('data-deployment="rolling"') :]
+    still = body[body.index('data-deployment="still"') :]
+    assert ">restarting</span>" in rolling[: rolling.index("</tr>")]
+    assert "restarting" not in still[: still.index("</tr>")]
 
 
 def test_the_event_timeline_filters_by_kind_deployment_and_gpu(admin_client) -> None:
