@@ -35,7 +35,7 @@ class Action(StrEnum):
     SURGE = "surge"  # place one replica more; `replica_ids`: the one it replaces
     STOP = "stop"  # stop `replica_ids` (one); a surge serving in its place, or none fitting
     PARK = "park"  # park the outdated sleepers `replica_ids`
-    TOP_UP = "top-up"  # place what the deployment lacks of its `replicas` (after a stop with no surge)
+    TOP_UP = "top-up"  # place what the deployment lacks of its `replicas` (after a stop with no surge, mostly)
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def next_step(members: Sequence[Member], *, since: datetime, surge_id: str, want
         return Step(Action.WAIT, (starting[0].id,), f"replacement {starting[0].id[:8]} is {starting[0].state}")
     # Before the end too: the last replica may have gone first for want of room for a surge.
     if sum(1 for m in members if m.state in COUNTED) < wanted:
-        return Step(Action.TOP_UP, why="a replacement for the replica stopped before it")
+        return Step(Action.TOP_UP, why="the deployment lacks a replica (one stopped before its replacement)")
     if not old:
         return Step(Action.DONE, why="every replica started before the restart is replaced")
     awake = [m for m in old if m.state == ReplicaState.SERVING]

@@ -183,8 +183,8 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
                 )
         except CannotPlace as err:
             why = (
-                f"{STEP} stopped: no room for the replacement of a replica it stopped ({err}); a request wakes "
-                "the deployment as usual"
+                f"{STEP} stopped: no room to place what the deployment lacks of its {deployment.replicas_wanted} "
+                f"replica(s) ({err}); those it has serve on, and the next reconcile or request places the rest"
             )
             _end(deployment, why)
             return Step(Action.DONE, why=why)

@@ -215,6 +215,25 @@ def test_with_no_room_for_a_surge_the_oldest_goes_first_and_its_replacement_is_p
     assert invariant_holds()
 
 
+def test_a_deployment_short_of_replicas_with_no_room_for_them_ends_its_restart_saying_so(
+    cluster, api, tiny_model_dir, on_commit
+):
+    big = body("short", tiny_model_dir, replicas=4, memory={"override_bytes": 900 * MiB, "max_tokens": 256})
+    assert api("post", "/api/deployments/", big).status_code == 201
+    for replica_id in live("short"):
+        serve(replica_id)
+    Deployment.objects.filter(name="short").update(replicas_wanted=5)  # more than the four GPUs hold
+
+    assert api("post", "/api/deployments/short/restart/").status_code == 202
+
+    assert DeploymentObserved.objects.get(deployment__name="short").restart_since is None
+    assert set(live("short").values()) == {"serving"} and len(live("short")) == 4, "nothing stopped"
+    assert Event.objects.filter(
+        deployment="short", reason__startswith="rolling restart stopped: no room to place what the deployment lacks"
+    ).exists()
+    assert invariant_holds()
+
+
 def test_sleepers_are_parked_not_woken_and_the_next_wake_loads_a_new_replica(cluster, api, tiny_model_dir, on_commit):
     assert api("post", "/api/deployments/", body("s", tiny_model_dir)).status_code == 201
     (sleeper,) = live("s")
