@@ -156,6 +156,10 @@ def test_the_sweep_drops_a_deployment_whose_last_replica_left_a_drain_and_a_minu
     user = kept_user(node)
     Replica.objects.filter(deployment__name__in=[gone, staying]).update(state=Replica.State.STOPPED)
     now = node_users.time.time()
+    # The clock stands still from here: each sweep that sees `serving` on the node grants it its
+    # drain and a minute from the sweep's time, and on a loaded machine the sweeps below ran more
+    # than the second of slack the last check allows after `now` (so `serving` was kept).
+    monkeypatch.setattr(node_users.time, "time", lambda: now)
     # When the sweep before this one last saw each on the node: `gone` longer ago than its drain
     # (30 s) and a minute, `staying` within them.
     admin().hset(queue_grants.until_key(node), mapping={gone: now - 1, staying: now + 30})
