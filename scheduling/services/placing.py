@@ -373,11 +373,7 @@ def retire_replaced(deployment: Deployment, loaded: int, *, reason: str, drained
     nodes = ", ".join(sorted({node for _, _, node in drained}))
     why = f"replaced by a load from disk ({reason}): its node {nodes} is drained"
     known = {replica_id: (state, node) for replica_id, state, node in drained}
-    stop = Stop.of(deployment, list(known), reason=why, known=known)
-    # The global lock order: the deployment row (the caller's), the GPU rows (the ledger's
-    # commit), then the replica rows (apply_stops, in primary-key order).
-    if ledger.commit_with_retry(releasing(stop.ids, why), apply=lambda plan: apply_stops([stop])) is None:
-        apply_stops([stop])  # it held nothing on the GPUs (a deep sleeper's copy is its node's)
+    release_and_stop(Stop.of(deployment, list(known), reason=why, known=known))
 
 
 def apply_placements(asks: Sequence[Ask]) -> None:
@@ -497,6 +493,15 @@ class Stop:
         if known is not None and not ids <= set(known):
             known = None
         return cls(deployment, frozenset(ids), reason, known)
+
+
+def release_and_stop(stop: Stop) -> None:
+    """The stop's replicas released and stopped in one commit, as a scale-down's are; the caller
+    holds their deployment's row."""
+    # The global lock order: the deployment row (the caller's), the GPU rows (the ledger's
+    # commit), then the replica rows (apply_stops, in primary-key order).
+    if ledger.commit_with_retry(releasing(stop.ids, stop.reason), apply=lambda plan: apply_stops([stop])) is None:
+        apply_stops([stop])  # they held nothing on the GPUs (a deep sleeper's copy is its node's)
 
 
 def apply_stops(stops: Sequence[Stop]) -> None:

@@ -10,14 +10,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire import states
-from scheduling import ledger, locks
+from scheduling import locks
 from scheduling.core import rollout
 from scheduling.core.rollout import Action, Member, Step
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import host_cache, outbox
 from scheduling.services.errors import CannotPlace, InvalidState
 from scheduling.services.observing import save_observed
-from scheduling.services.placing import Stop, add_replicas, apply_stops, releasing
+from scheduling.services.placing import Stop, add_replicas, release_and_stop
 
 STEP = "rolling restart"
 
@@ -194,11 +194,7 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
 def _stop(deployment: Deployment, replica_id: str, why: str) -> None:
     """The replica's reservation released and its process told to stop once it has finished what
     it took (its drain timeout); requests still queued wait for the others, or for its replacement."""
-    stop = Stop.of(deployment, [replica_id], reason=why)
-    # The one lock order: the deployment's row (the caller's), the GPU rows (the ledger's commit),
-    # then the replica's (apply_stops).
-    if ledger.commit_with_retry(releasing(stop.ids, why), apply=lambda plan: apply_stops([stop])) is None:
-        apply_stops([stop])  # it held nothing on the GPUs
+    release_and_stop(Stop.of(deployment, [replica_id], reason=why))
 
 
 def _end(deployment: Deployment, why: str) -> None:
