@@ -151,6 +151,21 @@ def dispatched(monkeypatch) -> list[tuple[str, str, list]]:
 
 
 @pytest.fixture
+def report(django_capture_on_commit_callbacks, dispatched):
+    """`report(replica, "event", **fields)`: one report relayed by the member's node agent, with
+    what the control plane dispatches once it has committed (recorded in `dispatched`)."""
+
+    from scheduling.services import reports
+
+    def send(replica, event: str, **fields) -> None:
+        replica_id = replica if isinstance(replica, str) else replica.id
+        with django_capture_on_commit_callbacks(execute=True):
+            reports.report(replica_id, {"event": event, **fields})
+
+    return send
+
+
+@pytest.fixture
 def cluster(db) -> None:
     """Two virtual nodes of two 1 GiB GPUs each."""
     from inference.devices import virtual_gpus

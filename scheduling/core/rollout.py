@@ -17,6 +17,12 @@ restart` does. One replica at a time, and serving goes on throughout:
 
 A replacement that fails to load leaves the outdated replicas serving: the crash-loop backoff
 replaces it, and once the deployment has given up the restart stops (the service's part).
+
+A deployment of failover pairs (seed 004) is restarted a pair at a time, and no pair is ever
+left without a member that serves or one ready to take over (`next_pair_step`): its outdated
+standby is stopped and a new one started beside the active member; once the new one stands by,
+the active steps down to it as in a planned switchover (a takeover, ~145 ms on an H200, with
+the requests in flight given back), and the takeover's fresh standby completes the pair.
 """
 
 from __future__ import annotations
@@ -36,15 +42,22 @@ class Action(StrEnum):
     STOP = "stop"  # stop `replica_ids` (one); a surge serving in its place, or none fitting
     PARK = "park"  # park the outdated sleepers `replica_ids`
     TOP_UP = "top-up"  # place what the deployment lacks of its `replicas` (after a stop with no surge, mostly)
+    # Failover pairs: a new standby beside the active `replica_ids[0]`, its outdated standby
+    # `replica_ids[1:]` (if any) stopped; then the outdated active `replica_ids` steps down to it.
+    STANDBY = "standby"
+    SWITCHOVER = "switchover"
 
 
 @dataclass(frozen=True)
 class Member:
-    """One of the deployment's replicas, as the step reads it (a failover standby is none)."""
+    """One of the deployment's replicas, as the step reads it. `pair`: its failover pair (its
+    lease), for a deployment of pairs, whose standbys are members too; None elsewhere, where a
+    standby is none."""
 
     id: str
     state: str
     created_at: datetime
+    pair: int | None = None
 
 
 @dataclass(frozen=True)
@@ -110,3 +123,35 @@ def next_step(members: Sequence[Member], *, since: datetime, surge_id: str, want
     # Outdated, but neither awake, asleep nor on its way: a failover standby's partner state the
     # service refuses to restart; nothing this step can do.
     return Step(Action.WAIT, (old[0].id,), f"replica {old[0].id[:8]} is {old[0].state}")
+
+
+def next_pair_step(members: Sequence[Member], *, since: datetime) -> Step:
+    """What the restart asked for at `since` does next in a deployment of failover pairs: one pair
+    at a time, oldest first, and only while nothing of the deployment is on its way, so every other
+    pair keeps its standby throughout. A pair with no member serving (its standby about to take
+    over, its primary loading) is waited for; the reconcile replaces a pair lost whole."""
+    moving = [m for m in members if m.state in IN_TRANSIT]
+    if moving:
+        return Step(Action.WAIT, (moving[0].id,), f"replica {moving[0].id[:8]} is {moving[0].state}")
+    pairs: dict[object, list[Member]] = {}
+    for m in sorted(members, key=lambda m: (m.created_at, m.id)):
+        pairs.setdefault(m.pair if m.pair is not None else m.id, []).append(m)
+    for pair in pairs.values():
+        if all(m.created_at >= since for m in pair):
+            continue
+        active = next((m for m in pair if m.state == ReplicaState.SERVING), None)
+        standby = next((m for m in pair if m.state == ReplicaState.STANDBY), None)
+        if active is None:
+            return Step(Action.WAIT, (pair[0].id,), f"pair of {pair[0].id[:8]} has no member serving")
+        if standby is None:
+            return Step(Action.STANDBY, (active.id,), f"replica {active.id[:8]} has no standby")
+        if standby.created_at < since:
+            return Step(Action.STANDBY, (active.id, standby.id), f"standby {standby.id[:8]} started before the restart")
+        if active.created_at < since:
+            return Step(
+                Action.SWITCHOVER, (active.id,), f"its new standby {standby.id[:8]} stands by to take over from it"
+            )
+        # Both members new, and an outdated one neither serving, standing by nor on its way.
+        stuck = next(m for m in pair if m.created_at < since)
+        return Step(Action.WAIT, (stuck.id,), f"replica {stuck.id[:8]} is {stuck.state}")
+    return Step(Action.DONE, why="every replica started before the restart is replaced")

@@ -16,6 +16,7 @@ Lock order, as everywhere: the deployment row, then GPU rows (the ledger), then 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from django.db import transaction
 from django.db.models import Max
@@ -74,6 +75,15 @@ def start_standby(lease: FailoverLease, active: Replica, *, reason: str) -> Repl
     return standby
 
 
+def failed_standbys(lease_id: int) -> int:
+    """How many of the pair's standbys failed in the last hour: past GPUPORTAL_MAX_RESTARTS_PER_HOUR
+    none is started again, rather than one a crash loop."""
+    since = timezone.now() - timedelta(hours=1)
+    return Replica.objects.filter(
+        lease=lease_id, state=Replica.State.FAILED, role=Replica.Role.STANDBY, updated_at__gte=since
+    ).count()
+
+
 def close_pairs(replica_ids: set[str]) -> int:
     """Record the leases of these members closed (their pairs are being stopped whole), inside the
     stop's transaction; the stops it sends close the lock on the node (StopReplica.close_pair), so
@@ -117,19 +127,39 @@ def switchover(name: str, *, reason: str = "planned switchover by an operator") 
                     "or gone); try again once it stands by"
                 )
         for active in actives:
-            # Draining, not stopping: when it exits, the pair's reservation passes to the standby.
-            replica_services.set_state(active, Replica.State.DRAINING, f"{reason}: stepping down for its standby")
-            outbox.note(
-                Event.Kind.FAILOVER_SWITCHOVER,
-                f"replica {active.id[:8]}",
-                f"{reason}: drains for up to {deployment.drain_timeout_s:g} s and exits; its standby takes over",
-                node=active.node.name if active.node else "",
-                deployment=name,
-                replica=active.id,
-            )
-            if active.node is not None:
-                outbox.want(effects.stop(active.node.name, active.id))
+            step_down(deployment, active, reason=reason)
     return [a.id for a in actives]
+
+
+def step_down(deployment: Deployment, active: Replica, *, reason: str) -> None:
+    """The pair's active member drains and exits; its standby takes over on the lock. The caller
+    holds the deployment's row and the active's, and has seen a standby stand by."""
+    # Draining, not stopping: when it exits, the pair's reservation passes to the standby.
+    replica_services.set_state(active, Replica.State.DRAINING, f"{reason}: stepping down for its standby")
+    outbox.note(
+        Event.Kind.FAILOVER_SWITCHOVER,
+        f"replica {active.id[:8]}",
+        f"{reason}: drains for up to {deployment.drain_timeout_s:g} s and exits; its standby takes over",
+        node=active.node.name if active.node else "",
+        deployment=deployment.name,
+        replica=active.id,
+    )
+    if active.node is not None:
+        outbox.want(effects.stop(active.node.name, active.id))
+
+
+def renew_standby(active: Replica, outdated: list[Replica], *, reason: str) -> Replica:
+    """A new standby beside the pair's active member, and its `outdated` standbys stopped alone:
+    the pair goes on (its lock stays open, so the stop closes nothing), and until the new one
+    stands by the pair has no standby, as after a standby's crash. A standby holds none of the
+    pair's reservation (the active does), so nothing is released. The caller holds the
+    deployment's row and these replicas' rows."""
+    for standby in outdated:
+        replica_services.set_state(standby, Replica.State.STOPPING, f"stopping: {reason}")
+        if standby.node is not None:
+            outbox.want(effects.stop(standby.node.name, standby.id, drain_timeout_s=0))
+    lease = FailoverLease.objects.get(pk=active.lease_id)
+    return start_standby(lease, active, reason=reason)
 
 
 # -- the ledger ----------------------------------------------------------------------------------

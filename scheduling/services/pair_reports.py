@@ -7,7 +7,6 @@ scheduling.services.reports."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -15,8 +14,9 @@ from django.utils import timezone
 
 from gpuportal.wire import memory, states
 from scheduling import locks
+from scheduling.core import effects
 from scheduling.metrics import FAILOVER_SECONDS, FAILOVERS
-from scheduling.models import Event, FailoverLease, FailoverState, Replica
+from scheduling.models import DeploymentObserved, Event, FailoverLease, FailoverState, Replica
 from scheduling.services import failover, outbox, replica_reports
 from scheduling.services import replicas as replica_services
 
@@ -110,6 +110,7 @@ def on_standby(replica: Replica, event: dict[str, Any]) -> None:
         f"{memory.human_bytes(residual)} on its GPU(s); waiting for the pair's lock",
         extra=["pid", "progress", "failover_state", "role"],
     )
+    _restart_goes_on(replica)
 
 
 def on_serving(replica: Replica, event: dict[str, Any]) -> None:
@@ -185,6 +186,7 @@ def on_active(replica: Replica, event: dict[str, Any]) -> None:
     if not any(o.state in states.READY_TO_TAKE_OVER for o in olds):
         lease = FailoverLease.objects.get(pk=replica.lease_id)
         failover.start_standby(lease, replica, reason=f"the pair is whole again after the takeover at epoch {epoch}")
+    _restart_goes_on(replica)
 
 
 def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
@@ -225,14 +227,19 @@ def on_gone(replica: Replica, event: dict[str, Any], *, stopped: bool) -> None:
     )
     if not was_active and not superseded and not leaving and not stopped and replica.lease_id is not None:
         _replace_failed_standby(replica, reason)
+    _restart_goes_on(replica)
+
+
+def _restart_goes_on(replica: Replica) -> None:
+    """A member of a deployment under a rolling restart stood by, took over or ended: the
+    restart's next step now (after the commit), rather than at the beat's next sweep."""
+    if DeploymentObserved.objects.filter(pk=replica.deployment_id, restart_since__isnull=False).exists():
+        outbox.want(effects.advance_restarts())
 
 
 def _replace_failed_standby(replica: Replica, reason: str) -> None:
     """A standby died before it was needed: start another, unless standbys keep dying."""
-    since = timezone.now() - timedelta(hours=1)
-    failures = Replica.objects.filter(
-        lease=replica.lease_id, state=Replica.State.FAILED, role=Replica.Role.STANDBY, updated_at__gte=since
-    ).count()
+    failures = failover.failed_standbys(replica.lease_id)
     active = (
         Replica.objects.select_related("node")
         .filter(

@@ -1,11 +1,13 @@
-"""Rolling restarts: every replica of a deployment replaced, one at a time, with no request lost
-(scheduling.core.rollout decides each step). `restart` starts one and takes its first step;
+"""Rolling restarts: every replica of a deployment replaced, one at a time (a failover pair's
+members through a new standby and a switchover), with no request lost (scheduling.core.rollout
+decides each step). `restart` starts one and takes its first step;
 `advance` takes the next, from the beat's sweep every few seconds (`advance_all`), each in a
 transaction of its own under the deployment's row lock, so two sweeps never take a step twice.
 """
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -14,7 +16,7 @@ from scheduling import locks
 from scheduling.core import rollout
 from scheduling.core.rollout import Action, Member, Step
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
-from scheduling.services import host_cache, outbox
+from scheduling.services import failover, host_cache, outbox
 from scheduling.services.errors import CannotPlace, InvalidState
 from scheduling.services.observing import save_observed
 from scheduling.services.placing import Stop, add_replicas, release_and_stop
@@ -22,13 +24,14 @@ from scheduling.services.placing import Stop, add_replicas, release_and_stop
 STEP = "rolling restart"
 
 
-def members(replicas: list[Replica]) -> list[Member]:
-    """The replicas a restart counts, from rows already read: a failover standby goes with its
-    active member, and ended ones are gone."""
+def members(replicas: list[Replica], *, paired: bool) -> list[Member]:
+    """The replicas a restart counts, from rows already read, ended ones gone. In a deployment of
+    failover pairs (`paired`) each member with its pair, standbys included, since a restart
+    replaces them too; elsewhere a standby is none (it cannot be: only such a deployment pairs)."""
     return [
-        Member(r.id, r.state, r.created_at)
+        Member(r.id, r.state, r.created_at, r.lease_id if paired else None)
         for r in replicas
-        if r.role != Replica.Role.STANDBY and r.state not in states.GONE
+        if (paired or r.role != Replica.Role.STANDBY) and r.state not in states.GONE
     ]
 
 
@@ -37,21 +40,16 @@ def progress_of(deployment: Deployment) -> rollout.Progress | None:
     since = deployment.observed.restart_since
     if since is None:
         return None
-    return rollout.progress(members(list(deployment.replicas.all())), since)
+    return rollout.progress(members(list(deployment.replicas.all()), paired=deployment.failover_standby), since)
 
 
 @locks.retry_deadlocks
 def restart(name: str, *, by: str) -> Deployment:
     """Start a rolling restart of the deployment and take its first step. InvalidState (409) for a
-    deployment that runs failover pairs, has failed, is being restarted, or has nothing to restart."""
+    deployment that has failed, is being restarted, or has nothing to restart."""
     with transaction.atomic():
         deployment = locks.lock_deployment(name)
         observed = deployment.observed
-        if deployment.failover_standby:
-            raise InvalidState(
-                f"deployment {name} runs failover pairs, which a rolling restart does not replace: a planned "
-                f"switchover (POST /api/deployments/{name}/failover/) moves each pair to its standby"
-            )
         if observed.failed_reason:
             raise InvalidState(
                 f"deployment {name} has failed ({observed.failed_reason}): retry it rather than restart it"
@@ -131,14 +129,35 @@ def step(name: str) -> Step | None:
         if observed.restart_surge and observed.restart_surge not in {m.id for m in found}:
             observed.restart_surge = ""  # it failed or was stopped (a scale-down): the next step places another
             save_observed(deployment, ["restart_surge"])
-        decided = rollout.next_step(
-            found, since=observed.restart_since, surge_id=observed.restart_surge, wanted=deployment.replicas_wanted
-        )
+        if deployment.failover_standby:
+            decided = rollout.next_pair_step(found, since=observed.restart_since)
+            if decided.action == Action.STANDBY and (ended := _standbys_keep_failing(deployment, decided)):
+                return ended
+        else:
+            decided = rollout.next_step(
+                found, since=observed.restart_since, surge_id=observed.restart_surge, wanted=deployment.replicas_wanted
+            )
         return _take(deployment, decided, found)
 
 
 def _members_of(deployment: Deployment) -> list[Member]:
-    return members(list(deployment.replicas.exclude(state__in=states.GONE).order_by("created_at", "id")))
+    replicas = deployment.replicas.exclude(state__in=states.GONE).order_by("created_at", "id")
+    return members(list(replicas), paired=deployment.failover_standby)
+
+
+def _standbys_keep_failing(deployment: Deployment, decided: Step) -> Step | None:
+    """The restart ends rather than start standby after standby for a pair whose standbys keep
+    failing (past the limit, no takeover's or crash's replacement starts one either)."""
+    lease_id = Replica.objects.filter(pk=decided.replica_ids[0]).values_list("lease_id", flat=True).first()
+    failures = failover.failed_standbys(lease_id) if lease_id is not None else 0
+    if failures <= settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR:
+        return None
+    why = (
+        f"{STEP} stopped: {failures} standbys of replica {decided.replica_ids[0][:8]}'s pair failed in the last "
+        "hour; the pairs serve on, and `logs` on a failed standby says why"
+    )
+    _end(deployment, why)
+    return Step(Action.DONE, why=why)
 
 
 def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
@@ -170,6 +189,14 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
             replica = locks.lock_replica(replica_id)  # after its deployment's row: the one lock order
             if replica.state in states.ASLEEP and replica.node is not None:
                 host_cache.park_sleeper(replica, f"parked by a {STEP}: {decided.why}")
+    elif decided.action == Action.STANDBY:
+        locks.lock_replica_ids(decided.replica_ids)  # after the deployment's row, in primary-key order
+        rows = Replica.objects.select_related("node", "deployment").in_bulk(decided.replica_ids)
+        active_id, *outdated = decided.replica_ids
+        failover.renew_standby(rows[active_id], [rows[i] for i in outdated], reason=f"{STEP}: {decided.why}")
+    elif decided.action == Action.SWITCHOVER:
+        (active_id,) = decided.replica_ids
+        failover.step_down(deployment, locks.lock_replica(active_id), reason=f"{STEP}: {decided.why}")
     elif decided.action == Action.TOP_UP:
         have = sum(1 for m in found if m.state in states.COUNTED)
         try:

@@ -15,10 +15,11 @@ from django.utils import timezone
 
 from scheduling.models import GPU, Deployment, Event, FailoverLease, Node, Occupant, Replica
 from scheduling.services import replicas as replica_services
-from scheduling.services import reports, sleep
 from scheduling.services import requests as request_services
+from scheduling.services import sleep
 from scheduling.services.replicas import RECONCILE_TASK
 from tests.support.deployments import START, STOP, MiB, body, invariant_holds
+from tests.support.pairs import serves_at, stands_by, takes_over
 
 pytestmark = pytest.mark.django_db
 
@@ -26,49 +27,6 @@ PAIR_BYTES = 300 * MiB  # the override `body` deploys with: what one pair reserv
 
 
 # -- what pair members report ----------------------------------------------------------------------
-
-
-@pytest.fixture
-def report(django_capture_on_commit_callbacks, dispatched):
-    """`report(replica, "event", **fields)`: one report relayed by the member's node agent, with
-    what the control plane dispatches once it has committed (recorded in `dispatched`)."""
-
-    def send(replica: Replica | str, event: str, **fields) -> None:
-        replica_id = replica if isinstance(replica, str) else replica.id
-        with django_capture_on_commit_callbacks(execute=True):
-            reports.report(replica_id, {"event": event, **fields})
-
-    return send
-
-
-def stands_by(report, standby: Replica) -> None:
-    """A standby's start: weights in host memory, nothing of its own on the GPU (virtual)."""
-    report(standby, "failover", state="init")
-    report(standby, "standby", pid=5001, weights_bytes=10 * MiB, residual_bytes_by_id={"0": 0})
-
-
-def serves_at(report, primary: Replica, epoch: int = 1) -> None:
-    """A primary that found the pair's lock free: it reports the grant, loads and serves."""
-    previous = FailoverLease.objects.get(pk=primary.lease_id).epoch
-    report(primary, "failover", state="init")
-    report(primary, "lease", what="grant", epoch=epoch, previous_holder=None, previous_epoch=previous)
-    report(
-        primary,
-        "serving",
-        pid=4001,
-        weights_bytes=10 * MiB,
-        epoch=epoch,
-        failover_state="active",
-        gpu_mem_bytes_by_id=dict(primary.gpu_mem_bytes_by_id),
-    )
-
-
-def takes_over(report, standby: Replica, epoch: int, previous: Replica | None) -> None:
-    """The standby got the lock (its active's process ended): it reports the grant, wakes, serves."""
-    handed = {"previous_holder": previous.id if previous else None, "previous_epoch": epoch - 1}
-    report(standby, "lease", what="grant", epoch=epoch, **handed)
-    report(standby, "failover", state="waking", epoch=epoch)
-    report(standby, "active", epoch=epoch, takeover_s=0.005, pid=5001, **handed)
 
 
 def crashes(report, replica: Replica, reason: str = "SIGKILL") -> None:

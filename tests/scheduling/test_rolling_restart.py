@@ -1,6 +1,7 @@
 """Rolling restarts (scheduling.core.rollout decides each step, scheduling.services.rollouts takes
 it): every replica started before the restart replaced one at a time, awake ones after a surge
-serves beside them, sleepers parked, nothing woken, with an Event for each step. The services run
+serves beside them, sleepers parked, nothing woken, failover pairs through a new standby and a
+switchover, with an Event for each step. The services run
 here against the test's PostgreSQL on virtual GPUs with no processes: each replica's reports are
 made by hand, as its process would make them."""
 
@@ -13,22 +14,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuportal.wire.memory import MiB
-from scheduling.core.rollout import Action, Member, Step, next_step, progress
-from scheduling.models import Deployment, DeploymentObserved, Event, Replica
+from scheduling.core.rollout import Action, Member, Step, next_pair_step, next_step, progress
+from scheduling.models import Deployment, DeploymentObserved, Event, FailoverLease, Occupant, Replica
 from scheduling.services import reports, rollouts, sleep
 from tests.support.api_shapes import shaped
-from tests.support.deployments import STOP, body, invariant_holds, reserved, serve
+from tests.support.deployments import START, STOP, body, invariant_holds, reserved, serve
+from tests.support.pairs import serves_at, stands_by, takes_over
 
 T0 = datetime(2026, 11, 30, 12, 0, 0)
 SINCE = T0 + timedelta(hours=1)
 
 
-def old(replica_id: str, state: str = "serving", minute: int = 0) -> Member:
-    return Member(replica_id, state, T0 + timedelta(minutes=minute))
+def old(replica_id: str, state: str = "serving", minute: int = 0, pair: int | None = None) -> Member:
+    return Member(replica_id, state, T0 + timedelta(minutes=minute), pair)
 
 
-def new(replica_id: str, state: str = "serving", minute: int = 1) -> Member:
-    return Member(replica_id, state, SINCE + timedelta(minutes=minute))
+def new(replica_id: str, state: str = "serving", minute: int = 1, pair: int | None = None) -> Member:
+    return Member(replica_id, state, SINCE + timedelta(minutes=minute), pair)
 
 
 # -- the decision ------------------------------------------------------------------------------
@@ -120,6 +122,92 @@ def test_a_restart_replaces_every_replica_and_never_leaves_fewer_serving_than_on
         raise AssertionError(f"not done after {4 * wanted + 4} steps: {members}")
     assert all(m.created_at >= SINCE or m.state == "parked" for m in members)
     assert sum(1 for m in members if m.created_at >= SINCE) == serving_before
+
+
+# -- failover pairs: the decision -----------------------------------------------------------------
+
+
+def test_a_pairs_outdated_standby_is_renewed_then_its_active_steps_down_to_the_new_one():
+    pair = [old("a", pair=1), old("s", "standby", minute=1, pair=1)]
+    assert next_pair_step(pair, since=SINCE) == Step(Action.STANDBY, ("a", "s"), "standby s started before the restart")
+    renewing = [old("a", pair=1), new("n", "pending", pair=1)]
+    assert next_pair_step(renewing, since=SINCE).action == Action.WAIT
+    ready = [old("a", pair=1), new("n", "standby", pair=1)]
+    assert next_pair_step(ready, since=SINCE) == Step(
+        Action.SWITCHOVER, ("a",), "its new standby n stands by to take over from it"
+    )
+    stepping_down = [old("a", "draining", pair=1), new("n", "standby", pair=1)]
+    assert next_pair_step(stepping_down, since=SINCE).action == Action.WAIT
+    taken_over = [new("n", pair=1), new("m", "standby", minute=2, pair=1)]
+    assert next_pair_step(taken_over, since=SINCE).action == Action.DONE
+
+
+def test_pairs_are_restarted_one_at_a_time_oldest_first():
+    first = [old("a", pair=1), old("s", "standby", minute=1, pair=1)]
+    second = [old("b", minute=2, pair=2), old("t", "standby", minute=3, pair=2)]
+    assert next_pair_step(second + first, since=SINCE).replica_ids == ("a", "s")
+    # The first pair's new standby still loads: the second pair keeps its standby meanwhile.
+    loading = [old("a", pair=1), new("n", "loading", pair=1), *second]
+    assert next_pair_step(loading, since=SINCE).action == Action.WAIT
+    first_done = [new("n", pair=1), new("m", "standby", minute=2, pair=1), *second]
+    assert next_pair_step(first_done, since=SINCE).replica_ids == ("b", "t")
+
+
+def test_a_pair_without_a_standby_gets_one_and_a_pair_serving_nothing_is_waited_for():
+    assert next_pair_step([old("a", pair=1)], since=SINCE) == Step(Action.STANDBY, ("a",), "replica a has no standby")
+    # Its active died and the standby has the lock but has not reported waking yet.
+    assert next_pair_step([old("s", "standby", pair=1)], since=SINCE).action == Action.WAIT
+
+
+def _settle(members: list[Member], made: int) -> tuple[list[Member], int]:
+    """The world moves one member on, as pair members' processes would: a standby loading stands
+    by; an active that stepped down exits, its standby takes over, and a fresh standby starts."""
+    moving = next(m for m in members if m.state in ("pending", "draining"))
+    if moving.state == "pending":
+        return [Member(m.id, "standby", m.created_at, m.pair) if m is moving else m for m in members], made
+    heir = next(m for m in members if m.pair == moving.pair and m.state == "standby")
+    made += 1
+    rest = [Member(m.id, "serving", m.created_at, m.pair) if m is heir else m for m in members if m is not moving]
+    return [*rest, new(f"n{made}", "pending", minute=made, pair=moving.pair)], made
+
+
+@settings(max_examples=100)
+@given(standbys=st.lists(st.booleans(), min_size=1, max_size=4))
+def test_a_restart_of_pairs_replaces_every_member_and_never_leaves_a_pair_without_one_that_serves(standbys):
+    """The steps played out against members that do as they are told: the restart ends with every
+    member new and every pair whole, each pair always has a member serving (a draining active
+    serves what it took until its standby takes over), and one pair at most is without a standby."""
+    members = []
+    for pair, has_standby in enumerate(standbys):
+        members.append(old(f"a{pair}", minute=2 * pair, pair=pair))
+        if has_standby:
+            members.append(old(f"s{pair}", "standby", minute=2 * pair + 1, pair=pair))
+    made = 0
+    for _ in range(8 * len(standbys) + 4):
+        step = next_pair_step(members, since=SINCE)
+        if step.action == Action.DONE:
+            break
+        if step.action == Action.STANDBY:
+            made += 1
+            pair = next(m.pair for m in members if m.id == step.replica_ids[0])
+            members = [m for m in members if m.id not in step.replica_ids[1:]]
+            members.append(new(f"n{made}", "pending", minute=made, pair=pair))
+        elif step.action == Action.SWITCHOVER:
+            members = [
+                Member(m.id, "draining", m.created_at, m.pair) if m.id in step.replica_ids else m for m in members
+            ]
+        else:
+            assert step.action == Action.WAIT, step
+            members, made = _settle(members, made)
+        for pair in range(len(standbys)):
+            assert any(m.state in ("serving", "draining") for m in members if m.pair == pair), (step, members)
+        without = [p for p in range(len(standbys)) if not any(m.state == "standby" for m in members if m.pair == p)]
+        assert len(without) <= 1 + sum(1 for flag in standbys if not flag), (step, members)
+    else:
+        raise AssertionError(f"not done after {8 * len(standbys) + 4} steps: {members}")
+    assert all(m.created_at >= SINCE for m in members)
+    for pair in range(len(standbys)):
+        assert sorted(m.state for m in members if m.pair == pair) == ["serving", "standby"]
 
 
 # -- the service, through the API ----------------------------------------------------------------
@@ -274,6 +362,95 @@ def test_a_replacement_that_fails_to_load_leaves_the_old_replica_serving_and_a_f
     ).exists()
 
 
+def pair_of(name: str) -> tuple[Replica, Replica]:
+    """(active, standby) of the deployment's only pair: the members that serve and stand by, or
+    were placed as such."""
+    rows = Replica.objects.select_related("node").filter(deployment__name=name).exclude(state__in=["stopped", "failed"])
+    by_role = {r.role: r for r in rows if r.state != "stopping"}
+    return by_role["primary"], by_role["standby"]
+
+
+def holders() -> dict[str, int]:
+    return dict(Occupant.objects.values_list("replica_id", "reserved_bytes"))
+
+
+PAIR_BYTES = 300 * MiB  # what `body`'s override reserves for one pair
+
+
+def test_a_failover_pair_is_restarted_through_a_new_standby_and_a_switchover_keeping_one_reservation(
+    cluster, api, report, dispatched, tiny_model_dir, on_commit
+):
+    assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
+    active, standby = pair_of("pair")
+    stands_by(report, standby)
+    serves_at(report, active)
+    dispatched.clear()
+
+    answer = api("post", "/api/deployments/pair/restart/")
+
+    assert answer.status_code == 202, answer.json()
+    # Shown after its first step: the old standby stopping, its replacement placed.
+    assert (answer.json()["rollout"]["left"], answer.json()["rollout"]["replaced"]) == (1, 1)
+    # Its first step: the old standby stopped alone (the pair's lock stays open: no "close pair"),
+    # and a new one started beside the active, which serves throughout.
+    _, renewed = pair_of("pair")
+    assert renewed.id != standby.id and renewed.state == "pending" and renewed.lease_id == active.lease_id
+    assert Replica.objects.get(pk=standby.id).state == "stopping"
+    assert [(t, a) for _, t, a in dispatched if t in (START, STOP)] == [(STOP, [standby.id]), (START, [renewed.id, []])]
+    assert FailoverLease.objects.get(pk=active.lease_id).closed_at is None
+    assert holders() == {active.id: PAIR_BYTES}, "a standby holds none of the pair's reservation"
+    report(standby, "stopped")
+    assert step(on_commit, "pair").action == Action.WAIT, "the new standby has not stood by yet"
+
+    # Its standing by asks for the next step at once: the active steps down to it.
+    dispatched.clear()
+    stands_by(report, renewed)
+    assert ("control", "scheduling.tasks.advance_restarts", []) in [(q, t, list(a)) for q, t, a in dispatched]
+    assert step(on_commit, "pair").action == Action.SWITCHOVER
+    assert Replica.objects.get(pk=active.id).state == "draining"
+    assert Event.objects.filter(
+        kind=Event.Kind.FAILOVER_SWITCHOVER, replica=active.id, reason__startswith="rolling restart"
+    ).exists()
+    assert holders() == {active.id: PAIR_BYTES}, "the active keeps the reservation while it drains"
+
+    report(active, "stopped")
+    takes_over(report, renewed, epoch=2, previous=active)
+    heir, fresh_standby = pair_of("pair")
+    assert heir.id == renewed.id and heir.state == "serving" and fresh_standby.state == "pending"
+    assert holders() == {renewed.id: PAIR_BYTES}
+    assert step(on_commit, "pair").action == Action.WAIT
+    stands_by(report, fresh_standby)
+    assert step(on_commit, "pair").action == Action.DONE
+
+    assert api("get", "/api/deployments/pair/").json()["rollout"] is None
+    assert "rolling restart done: 2 replica(s) started since it was asked for" in Event.objects.filter(
+        deployment="pair", kind="deployment.changed"
+    ).values_list("reason", flat=True)
+    assert live("pair") == {renewed.id: "serving", fresh_standby.id: "standby"}
+    assert invariant_holds()
+
+
+def test_a_pair_restart_ends_saying_so_when_its_new_standbys_keep_failing(
+    cluster, api, report, tiny_model_dir, on_commit, settings
+):
+    settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR = 0
+    assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
+    active, standby = pair_of("pair")
+    stands_by(report, standby)
+    serves_at(report, active)
+    assert api("post", "/api/deployments/pair/restart/").status_code == 202
+    report(standby, "stopped")
+    _, renewed = pair_of("pair")
+    report(renewed, "failed", kind="load", reason="out of host memory")
+
+    assert step(on_commit, "pair").action == Action.DONE
+    assert DeploymentObserved.objects.get(deployment__name="pair").restart_since is None
+    assert Event.objects.filter(
+        deployment="pair", reason__startswith="rolling restart stopped: 1 standbys of replica"
+    ).exists()
+    assert live("pair") == {active.id: "serving"}, "the active serves on"
+
+
 def test_a_restart_is_refused_naming_why_and_changes_nothing(cluster, api, client, tiny_model_dir, on_commit):
     assert api("post", "/api/deployments/", body("a", tiny_model_dir)).status_code == 201
     (replica_id,) = live("a")
@@ -286,11 +463,6 @@ def test_a_restart_is_refused_naming_why_and_changes_nothing(cluster, api, clien
     empty = api("post", "/api/deployments/none/restart/")
     assert empty.status_code == 409 and "has no replica to restart" in empty.json()["detail"]
     assert DeploymentObserved.objects.get(deployment__name="none").restart_since is None
-
-    paired = body("pair", tiny_model_dir, failover={"standby": True})
-    assert api("post", "/api/deployments/", paired).status_code == 201
-    refused = api("post", "/api/deployments/pair/restart/")
-    assert refused.status_code == 409 and "runs failover pairs" in refused.json()["detail"]
 
     missing = api("post", "/api/deployments/nope/restart/")
     assert missing.status_code == 404
