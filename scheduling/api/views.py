@@ -218,13 +218,14 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     @extend_schema(
         request=None,
         summary="Replace every replica, one at a time, with no request lost: an awake one once its replacement "
-        "serves beside it (or, with no room for that, first), a sleeping one parked (its next wake loads anew).",
+        "serves beside it (or, with no room for that, first), a sleeping one parked (its next wake loads anew), "
+        "a failover pair through a new standby and a switchover to it.",
         responses={
             202: s.DeploymentSerializer,
             404: PLACEMENT_ERRORS[404],
             409: OpenApiResponse(
-                description="A restart is under way, the deployment failed or runs failover pairs, or nothing "
-                "holds a process to restart."
+                description="A restart is under way, the deployment failed, or nothing holds a process to "
+                "restart."
             ),
         },
     )
