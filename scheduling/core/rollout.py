@@ -127,22 +127,25 @@ def next_step(members: Sequence[Member], *, since: datetime, surge_id: str, want
 
 def next_pair_step(members: Sequence[Member], *, since: datetime) -> Step:
     """What the restart asked for at `since` does next in a deployment of failover pairs: one pair
-    at a time, oldest first, and only while nothing of the deployment is on its way, so every other
-    pair keeps its standby throughout. A pair with no member serving (its standby about to take
-    over, its primary loading) is waited for; the reconcile replaces a pair lost whole."""
+    at a time, oldest first, and only while nothing of the deployment is on its way and every pair
+    has a member serving, so every other pair keeps its standby throughout. A pair with no member
+    serving (its standby about to take over, its primary loading) is waited for, and so the
+    restart ends only once its last takeover is done; the reconcile replaces a pair lost whole."""
     moving = [m for m in members if m.state in IN_TRANSIT]
     if moving:
         return Step(Action.WAIT, (moving[0].id,), f"replica {moving[0].id[:8]} is {moving[0].state}")
     pairs: dict[object, list[Member]] = {}
     for m in sorted(members, key=lambda m: (m.created_at, m.id)):
         pairs.setdefault(m.pair if m.pair is not None else m.id, []).append(m)
+    # New pairs too: a switchover's standby has yet to take over.
+    unserved = next((p for p in pairs.values() if all(m.state != ReplicaState.SERVING for m in p)), None)
+    if unserved is not None:
+        return Step(Action.WAIT, (unserved[0].id,), f"pair of {unserved[0].id[:8]} has no member serving")
     for pair in pairs.values():
         if all(m.created_at >= since for m in pair):
             continue
-        active = next((m for m in pair if m.state == ReplicaState.SERVING), None)
+        active = next(m for m in pair if m.state == ReplicaState.SERVING)
         standby = next((m for m in pair if m.state == ReplicaState.STANDBY), None)
-        if active is None:
-            return Step(Action.WAIT, (pair[0].id,), f"pair of {pair[0].id[:8]} has no member serving")
         if standby is None:
             return Step(Action.STANDBY, (active.id,), f"replica {active.id[:8]} has no standby")
         if standby.created_at < since:
