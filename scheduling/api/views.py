@@ -224,8 +224,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
             202: s.DeploymentSerializer,
             404: PLACEMENT_ERRORS[404],
             409: OpenApiResponse(
-                description="A restart is under way, the deployment failed, or nothing holds a process to "
-                "restart."
+                description="A restart is under way, the deployment failed, or nothing holds a process to restart."
             ),
         },
     )
