@@ -120,8 +120,8 @@ def next_step(members: Sequence[Member], *, since: datetime, surge_id: str, want
         return Step(Action.SURGE, (awake[0].id,), f"replica {awake[0].id[:8]} started before the restart")
     if asleep:
         return Step(Action.PARK, tuple(m.id for m in asleep), "asleep: its next wake loads a new replica")
-    # Outdated, but neither awake, asleep nor on its way: a failover standby's partner state the
-    # service refuses to restart; nothing this step can do.
+    # Outdated, but neither awake, asleep nor on its way (a standby's state, which only a deployment
+    # of pairs has, and next_pair_step restarts those): nothing this step can do.
     return Step(Action.WAIT, (old[0].id,), f"replica {old[0].id[:8]} is {old[0].state}")
 
 

@@ -22,6 +22,7 @@ from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
+from scheduling.services import rollouts
 from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import ServiceError
 from scheduling.web.dashboard import render_page, staff_only
@@ -103,6 +104,23 @@ def switchover(request: HttpRequest, name: str) -> HttpResponse:
     def act() -> str:
         stepping_down = failover_services.switchover(name, reason=f"planned switchover by {_who(request)}")
         return f"{name}: {len(stepping_down)} active replica(s) draining; their standbys take over"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def restart(request: HttpRequest, name: str) -> HttpResponse:
+    if not _confirmed(request):
+        return _confirm_page(
+            request,
+            f"Restart {name}? Each replica is replaced by a new one, one at a time, serving throughout; "
+            "sleepers are parked and load anew at their next wake.",
+        )
+
+    def act() -> str:
+        rollouts.restart(name, by=_who(request))
+        return f"{name}: rolling restart under way; the deployment shows how far it is and the events each step"
 
     return _run(request, act)
 

@@ -20,6 +20,7 @@ def urls() -> list:
         path("deployments/<slug:name>/scale/", controls.scale, name="scheduling_dashboard_scale"),
         path("deployments/<slug:name>/delete/", controls.delete, name="scheduling_dashboard_delete"),
         path("deployments/<slug:name>/switchover/", controls.switchover, name="scheduling_dashboard_switchover"),
+        path("deployments/<slug:name>/restart/", controls.restart, name="scheduling_dashboard_restart"),
         path("nodes/<slug:name>/drain/", controls.drain, name="scheduling_dashboard_drain"),
         path("nodes/<slug:name>/undrain/", controls.undrain, name="scheduling_dashboard_undrain"),
     ]

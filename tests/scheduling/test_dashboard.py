@@ -399,6 +399,26 @@ def test_switchover_asks_then_goes_through_the_failover_service(cluster, admin_c
     assert "has no failover standby" in message
 
 
+def test_restart_asks_then_starts_a_rolling_restart_through_the_service(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    assert f'action="{control("restart", "tiny-a")}"' in admin_client.get(DASHBOARD).content.decode()
+    asked = admin_client.post(control("restart", "tiny-a"))
+    assert asked.status_code == 200 and b"Restart tiny-a?" in asked.content
+    assert DeploymentObserved.objects.get(deployment__name="tiny-a").restart_since is None
+
+    done = admin_client.post(control("restart", "tiny-a"), {"confirm": "yes"})
+
+    assert outcome(done) == [
+        "tiny-a: rolling restart under way; the deployment shows how far it is and the events each step"
+    ]
+    assert DeploymentObserved.objects.get(deployment__name="tiny-a").restart_since is not None
+    assert Replica.objects.filter(deployment__name="tiny-a").exclude(pk=replica_id).count() == 1, "its surge"
+    asked_by = "rolling restart asked by admin (dashboard)"
+    assert Event.objects.filter(deployment="tiny-a", reason__startswith=asked_by).exists()
+    again = admin_client.post(control("restart", "tiny-a"), {"confirm": "yes"})
+    assert any(m.startswith("Refused: a rolling restart of tiny-a is under way") for m in outcome(again)), outcome(again)
+
+
 def test_drain_and_return_to_service(cluster, admin_client, dispatched) -> None:
     replica_id = deploy("tiny-a")
     node = Replica.objects.get(pk=replica_id).node.name
@@ -423,6 +443,7 @@ CONTROLS = [
     ("replica", "abc", "evict"),
     ("scale", "tiny-a"),
     ("switchover", "tiny-a"),
+    ("restart", "tiny-a"),
     ("drain", "node1"),
     ("undrain", "node1"),
 ]
