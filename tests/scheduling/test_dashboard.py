@@ -416,7 +416,8 @@ def test_restart_asks_then_starts_a_rolling_restart_through_the_service(cluster,
     asked_by = "rolling restart asked by admin (dashboard)"
     assert Event.objects.filter(deployment="tiny-a", reason__startswith=asked_by).exists()
     again = admin_client.post(control("restart", "tiny-a"), {"confirm": "yes"})
-    assert any(m.startswith("Refused: a rolling restart of tiny-a is under way") for m in outcome(again)), outcome(again)
+    said = outcome(again)
+    assert any(m.startswith("Refused: a rolling restart of tiny-a is under way") for m in said), said
 
 
 def test_drain_and_return_to_service(cluster, admin_client, dispatched) -> None:
