@@ -205,6 +205,17 @@ def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
     return finish(ctx, args, answer, lacked)
 
 
+def cmd_set(ctx: Context, args: argparse.Namespace) -> int:
+    rolling = setting_values.set_settings(ctx, args)
+    if rolling is None:
+        return 0
+    said = (
+        f"{args.name}: rolling every replica onto the new model, one at a time; requests meanwhile are served or wait"
+    )
+    ctx.err.print(Text(said, style="dim"))
+    return finish(ctx, args, rolling, Goal(S.SERVING, 0, at_least=True, rollout=True))
+
+
 def cmd_restart(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, "restart"))
     said = f"{args.name}: a rolling restart, one replica at a time; requests meanwhile are served or wait"
@@ -661,7 +672,7 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     add_wait_options(restart, "every replica is replaced")
     restart.set_defaults(run=cmd_restart)
 
-    setting_values.add_set(commands)
+    setting_values.add_set(commands, cmd_set)
 
     rm = commands.add_parser("rm", help="delete a deployment: its replicas stop")
     rm.add_argument("name")

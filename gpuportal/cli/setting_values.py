@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import quote
 
 from rich.console import Console
 
 from gpuportal.cli.client import Client, CliError
+from gpuportal.cli.options import add_wait_options
 from gpuportal.wire import deployment_spec as spec
 from gpuportal.wire.deployment_spec import Setting, Update
 
@@ -94,7 +95,7 @@ def parse_value(setting: Setting, text: str, command: str) -> object:
 
 def parse_assignments(items: Iterable[str], command: str, *, changing: bool) -> list[Assignment]:
     """`SETTING=VALUE` items, each setting once. `changing`: of an existing deployment, whose
-    model cannot change (another model is another deployment)."""
+    loader and memory policy cannot change (another is another deployment)."""
     assignments: list[Assignment] = []
     seen: set[str] = set()
     for item in items:
@@ -107,7 +108,7 @@ def parse_assignments(items: Iterable[str], command: str, *, changing: bool) -> 
         seen.add(setting.name)
         if changing and setting.update is Update.REFUSED:
             raise CliError(
-                f"{command}: {setting.path} cannot change: another model or policy is another deployment "
+                f"{command}: {setting.path} cannot change: another loader or policy is another deployment "
                 "(`gpuportal deploy` it under a new name)"
             )
         assignments.append(Assignment(setting, parse_value(setting, text, command)))
@@ -147,7 +148,9 @@ def shown(value: object) -> str:
     return str(value)
 
 
-def cmd_set(ctx: Operator, args: argparse.Namespace) -> int:
+def set_settings(ctx: Operator, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Change the settings named (each change said), or show them all. The PATCH's answer when
+    it began a rolling restart onto a new model (the caller waits for it); None otherwise."""
     path = f"/api/deployments/{quote(args.name, safe='')}/"
     assignments = parse_assignments(args.assignments, "set", changing=True)
     before = ctx.client.get(path)
@@ -155,18 +158,21 @@ def cmd_set(ctx: Operator, args: argparse.Namespace) -> int:
         for setting in spec.SETTINGS:
             if (value := current(before, setting)) is not MISSING:
                 ctx.out.print(f"{setting.path}={shown(value)}", markup=False, highlight=False)
-        return 0
+        return None
     after = ctx.client.patch(path, body_of(assignments))
-    lines = []
+    lines, rolled = [], False
     for setting, _ in assignments:
         was, now = shown(current(before, setting)), shown(current(after, setting))
         change = f"{was} → {now} ({spec.patch_effect(setting)})" if was != now else f"{now} (unchanged)"
         lines.append(f"{setting.path} {change}")
+        rolled = rolled or (was != now and setting.update is Update.ROLLOUT)
     ctx.out.print(f"{after['name']}: " + "; ".join(lines), markup=False, highlight=False)
-    return 0
+    return after if rolled and after.get("rollout") else None
 
 
-def add_set(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_set(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], run: Callable[[Any, argparse.Namespace], int]
+) -> None:
     listed = "\n".join(
         f"  {s.path:<32} {spec.patch_effect(s)}" for s in spec.SETTINGS if s.update is not Update.REFUSED
     )
@@ -182,4 +188,5 @@ def add_set(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     command.add_argument("name")
     command.add_argument("assignments", nargs="*", metavar="SETTING=VALUE")
-    command.set_defaults(run=cmd_set)
+    add_wait_options(command, "a new model is rolled onto every replica")
+    command.set_defaults(run=run)

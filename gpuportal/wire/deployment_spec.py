@@ -44,6 +44,10 @@ class Update(StrEnum):
     # Stored at once; replicas placed (or, for a reservation, woken) from now on follow it,
     # running ones keep what they started with.
     NEXT_REPLICA = "next-replica"
+    # Stored at once, and a rolling restart replaces every replica with one that follows it: a
+    # running process cannot load other weights, and a deployment keeps its name (its clients,
+    # its `/v1` model id) across a new model, as a Kubernetes Deployment keeps its across a new image.
+    ROLLOUT = "rollout"
     # Scales the deployment at once: replicas are placed or stopped.
     SCALE = "scale"
     # A PATCH naming it is a 400 naming it: another value is another deployment.
@@ -92,7 +96,7 @@ class Setting:
     @property
     def stored(self) -> bool:
         """Whether a PATCH writes it to its column (the rest scale, or are refused)."""
-        return self.update in (Update.LIVE, Update.NEXT_REPLICA)
+        return self.update in (Update.LIVE, Update.NEXT_REPLICA, Update.ROLLOUT)
 
 
 # What PostgreSQL's bigint holds is far above any GPU; 1 PiB is a typo's bound, not a GPU's.
@@ -101,9 +105,10 @@ MAX_BYTES = 2**50
 # In the order of the REST body.
 SETTINGS: tuple[Setting, ...] = (
     Setting(
-        "source", "model", "source", "model_source", str, REQUIRED, Update.REFUSED, max_length=1000,
+        "source", "model", "source", "model_source", str, REQUIRED, Update.ROLLOUT, max_length=1000,
         help="A model directory on the nodes, hf:org/name (from the nodes' Hugging Face cache, never "
-        "downloaded), or package.module:factory (torch-module).",
+        "downloaded), or package.module:factory (torch-module). Changed, it rolls every replica onto "
+        "the new model, one at a time.",
     ),
     Setting(
         "loader", "model", "loader", "loader", str, Loader.TRANSFORMERS.value, Update.REFUSED,
@@ -112,7 +117,7 @@ SETTINGS: tuple[Setting, ...] = (
         "(/v1/embeddings); torch-module: a PyTorch module (JSON tensors).",
     ),
     Setting(
-        "dtype", "model", "dtype", "dtype", str, DType.FLOAT32.value, Update.REFUSED, choices=tuple(DType),
+        "dtype", "model", "dtype", "dtype", str, DType.FLOAT32.value, Update.ROLLOUT, choices=tuple(DType),
         help="The dtype the weights are loaded in.",
     ),
     Setting(
@@ -256,6 +261,7 @@ def defaults() -> dict[str, object]:
 _PATCHED = {
     Update.LIVE: "applies at once",
     Update.NEXT_REPLICA: "applies to replicas placed from now on",
+    Update.ROLLOUT: "rolls every replica onto it, one at a time (a rolling restart)",
     Update.SCALE: "scales at once",
     Update.REFUSED: "refused (a 400 naming it)",
     Update.REFUSED_IF_CHANGED: "refused (a 400 naming it) unless it is the current value",

@@ -24,7 +24,7 @@ from gpuportal.wire.states import DeploymentStatus
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import effects, fairness
 from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
-from scheduling.services import dispatch, not_found, outbox, queueing
+from scheduling.services import dispatch, not_found, outbox, queueing, rollouts
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput
 from scheduling.services.forgetting import forget_deployment
@@ -93,13 +93,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
     if memory.POLICIES.get(spec.memory_policy) is None:
         known = " or ".join(memory.POLICIES)
         raise InvalidInput("memory.policy", f"unknown policy {spec.memory_policy!r} ({known})")
-    if spec.loader == Deployment.Loader.TORCH_MODULE and not torch_module_allowed(spec.source):
-        listed = ", ".join(settings.GPUPORTAL_TORCH_MODULES) or "none"
-        raise InvalidInput(
-            "model.source",
-            f"{spec.source!r} is code the nodes would run: only modules an operator lists in "
-            f"GPUPORTAL_TORCH_MODULES may be deployed (listed: {listed})",
-        )
+    _check_source(spec.source, spec.loader)
     taken = AlreadyExists("name", f"a deployment named {spec.name!r} already exists")
     if Deployment.objects.filter(name=spec.name).exists():
         raise taken  # before asking a node to read the model
@@ -127,6 +121,16 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
             # no parked one to retire (two queries fewer).
             add_replicas(deployment, spec.replicas, reason=f"deploy {spec.name}", cached=(), parked=False)
     return deployment
+
+
+def _check_source(source: str, loader: str) -> None:
+    if loader == Deployment.Loader.TORCH_MODULE and not torch_module_allowed(source):
+        listed = ", ".join(settings.GPUPORTAL_TORCH_MODULES) or "none"
+        raise InvalidInput(
+            "model.source",
+            f"{source!r} is code the nodes would run: only modules an operator lists in "
+            f"GPUPORTAL_TORCH_MODULES may be deployed (listed: {listed})",
+        )
 
 
 def torch_module_allowed(source: str) -> bool:
@@ -189,8 +193,12 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 after=after,
                 deployment=name,
             )
-            if "max_tokens" in after and estimate is not None:
+            if estimate is not None and after.keys() & ESTIMATED:
                 _estimate_anew(deployment, estimate)
+            rolled = [deployment_spec.BY_NAME[k].path for k in after if k in ROLLED]
+            # Before a retry places what a failed deployment lacks: what it places follows the change.
+            if rolled and rollouts.begin(deployment, why=f"for the new {' and '.join(rolled)}", park_asleep=True):
+                outbox.want(effects.advance_restarts())
             if deployment.observed.failed_reason:
                 # A changed spec is the operator's answer to the failure: try again.
                 retry(name, reason="its settings changed")
@@ -207,33 +215,45 @@ def _check_together(values: dict[str, Any], changed: Collection[str] = ()) -> No
         raise InvalidInput(*problem)
 
 
+# What the estimate of a replica's need is made from: a change of any reads the model again.
+ESTIMATED = frozenset({"source", "dtype", "max_tokens"})
+# What a running replica cannot follow: a change starts a rolling restart.
+ROLLED = frozenset(s.name for s in deployment_spec.SETTINGS if s.update == deployment_spec.Update.ROLLOUT)
+
+
 def _estimate_for(name: str, changes: dict[str, Any]) -> ModelFacts | None:
-    """The model read again for a changed `max_tokens`, whose KV pool the estimate sizes; None
-    when it does not change."""
-    if "max_tokens" not in changes:
+    """The model read again (by a node agent, as at its deploy) for a changed source, dtype or
+    `max_tokens` (whose KV pool the estimate sizes): a source no node can read is a 400 naming
+    it before anything changes. None when none of them changes."""
+    if not changes.keys() & ESTIMATED:
         return None
     current = get(name)
-    if changes["max_tokens"] == current.max_tokens:
+    now = {key: getattr(current, MUTABLE[key]) for key in ESTIMATED}
+    wanted = {**now, **{key: changes[key] for key in ESTIMATED if key in changes}}
+    if wanted == now:
         return None
-    return inspect_model(current.model_source, current.loader, current.dtype, changes["max_tokens"])
+    _check_source(wanted["source"], current.loader)
+    return inspect_model(wanted["source"], current.loader, wanted["dtype"], wanted["max_tokens"])
 
 
 def _estimate_anew(deployment: Deployment, facts: ModelFacts) -> None:
-    """The need for the new `max_tokens` (the caller holds the deployment's lock): its estimate,
-    and no measurement, since the one kept was of a KV pool sized for the old figure. Replicas
-    placed from now on reserve the estimate until one measures its own; those running keep theirs."""
+    """The need for the new model, dtype or `max_tokens` (the caller holds the deployment's
+    lock): its estimate, and no measurement, since the one kept was of other weights or a KV pool
+    sized for the old figure. Replicas placed from now on reserve the estimate until one measures
+    its own; those running keep theirs."""
     record = deployment.observed
     was, measured = record.memory_estimate_bytes, record.memory_measured_bytes
     record.memory_estimate_bytes, record.weight_bytes = facts.estimate_bytes, facts.weight_bytes
     record.memory_measured_bytes = record.memory_measured_context_bytes = None
     fields = ["memory_estimate_bytes", "weight_bytes", "memory_measured_bytes", "memory_measured_context_bytes"]
     save_observed(deployment, fields)
-    dropped = f"; the need measured at the old size ({memory.human_bytes(measured)}) is dropped" if measured else ""
+    dropped = f"; the need measured before ({memory.human_bytes(measured)}) is dropped" if measured else ""
     outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
-        f"estimated need {memory.human_bytes(facts.estimate_bytes)} for max_tokens {deployment.max_tokens} "
-        f"(was {memory.human_bytes(was or 0)}){dropped}: replicas placed from now on reserve it",
+        f"estimated need {memory.human_bytes(facts.estimate_bytes)} for {deployment.model_source} "
+        f"({deployment.dtype}) at max_tokens {deployment.max_tokens} (was {memory.human_bytes(was or 0)}){dropped}: "
+        "replicas placed from now on reserve it",
         before={"estimate_bytes": was, "measured_bytes": measured},
         after={"estimate_bytes": facts.estimate_bytes, "measured_bytes": None},
         deployment=deployment.name,
@@ -250,6 +270,8 @@ def _when(key: str) -> str:
     Event should not expect running replicas to follow it."""
     if deployment_spec.BY_NAME[key].update == deployment_spec.Update.NEXT_REPLICA:
         return " (for replicas placed from now on)"
+    if deployment_spec.BY_NAME[key].update == deployment_spec.Update.ROLLOUT:
+        return " (every replica rolled onto it, one at a time)"
     return ""
 
 

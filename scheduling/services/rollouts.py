@@ -7,6 +7,8 @@ transaction of its own under the deployment's row lock, so two sweeps never take
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -60,24 +62,39 @@ def restart(name: str, *, by: str) -> Deployment:
                 f"a rolling restart of {name} is under way since {observed.restart_since.isoformat()} "
                 f"({done.replaced} replica(s) started since, {done.left} to replace): wait for it to end"  # type: ignore[union-attr]
             )
-        now = timezone.now()
-        left = rollout.outdated(_members_of(deployment), now)
-        if not left:
+        if not begin(deployment, why=f"asked by {by}"):
             raise InvalidState(
                 f"deployment {name} has no replica to restart: none holds a process, a host copy or GPU memory "
                 "(a parked replica's next wake loads it anew)"
             )
-        observed.restart_since, observed.restart_surge = now, ""
-        save_observed(deployment, ["restart_since", "restart_surge"])
-        outbox.note(
-            Event.Kind.DEPLOYMENT_CHANGED,
-            f"deployment {name}",
-            f"{STEP} asked by {by}: {len(left)} replica(s) to replace, one at a time",
-            after={"restart_since": now.isoformat(), "replicas": [m.id for m in left]},
-            deployment=name,
-        )
     advance(name)
     return deployment
+
+
+def begin(deployment: Deployment, *, why: str, park_asleep: bool = False) -> int:
+    """A rolling restart of the deployment from now, recorded in the caller's transaction (which
+    holds the deployment's row); the caller takes its first step, or has it taken, after the commit.
+    One under way already starts again from now, keeping the surge it has on its way (which then
+    counts as the replacement of an outdated replica, and is itself replaced later). `park_asleep`:
+    its sleepers parked at once, not in their turn (a new model: a wake meanwhile would serve the
+    old one, and a deep sleeper's host copy is of the old weights). Returns how many replicas it is
+    to replace; 0, and nothing recorded, when none holds a process, a host copy or GPU memory."""
+    now = timezone.now()
+    left = rollout.outdated(_members_of(deployment), now)
+    if not left:
+        return 0
+    if park_asleep:
+        _park([m.id for m in left if m.state in states.ASLEEP], f"parked by a {STEP} {why}")
+    deployment.observed.restart_since = now
+    save_observed(deployment, ["restart_since"])
+    outbox.note(
+        Event.Kind.DEPLOYMENT_CHANGED,
+        f"deployment {deployment.name}",
+        f"{STEP} {why}: {len(left)} replica(s) to replace, one at a time",
+        after={"restart_since": now.isoformat(), "replicas": [m.id for m in left]},
+        deployment=deployment.name,
+    )
+    return len(left)
 
 
 # The most steps one advance takes: a restart's steps until one waits (a stop-first and its
@@ -185,10 +202,7 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
         observed.restart_surge = ""
         save_observed(deployment, ["restart_surge"])
     elif decided.action == Action.PARK:
-        for replica_id in decided.replica_ids:
-            replica = locks.lock_replica(replica_id)  # after its deployment's row: the one lock order
-            if replica.state in states.ASLEEP and replica.node is not None:
-                host_cache.park_sleeper(replica, f"parked by a {STEP}: {decided.why}")
+        _park(decided.replica_ids, f"parked by a {STEP}: {decided.why}")
     elif decided.action == Action.STANDBY:
         locks.lock_replica_ids(decided.replica_ids)  # after the deployment's row, in primary-key order
         rows = Replica.objects.select_related("node", "deployment").in_bulk(decided.replica_ids)
@@ -216,6 +230,15 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
             _end(deployment, why)
             return Step(Action.DONE, why=why)
     return decided
+
+
+def _park(replica_ids: Iterable[str], why: str) -> None:
+    """These sleepers parked (scheduling.services.host_cache.park_sleeper); the caller holds their
+    deployment's row."""
+    for replica_id in sorted(replica_ids):  # after the deployment's row, in primary-key order: the one lock order
+        replica = locks.lock_replica(replica_id)
+        if replica.state in states.ASLEEP and replica.node is not None:
+            host_cache.park_sleeper(replica, why)
 
 
 def _stop(deployment: Deployment, replica_id: str, why: str) -> None:

@@ -46,7 +46,10 @@ def test_a_setting_is_named_by_its_place_in_the_body_or_by_its_key_alone_and_rea
         (["replicas=two"], "set: replicas is a whole number, not 'two'"),
         (["sleep.idle_timeout_s=nan"], "set: sleep.idle_timeout_s is a number, not 'nan'"),
         (["replicas=null"], "set: replicas is a whole number, not 'null'"),
-        (["model.source=/elsewhere"], "set: model.source cannot change: another model or policy is another deployment"),
+        (
+            ["model.loader=torch-module"],
+            "set: model.loader cannot change: another loader or policy is another deployment",
+        ),
         (["memory.policy=ndif"], "set: memory.policy cannot change"),
     ],
 )
@@ -131,3 +134,26 @@ def test_set_changes_settings_through_the_api_saying_each_change_and_shows_them_
     assert code == 0 and "sleep.idle_timeout_s=60" in lines and "fairness.popular=true" in lines
     # Every setting the answers show, one a line, in the spec's order.
     assert [line.partition("=")[0] for line in lines] == [s.path for s in spec.SETTINGS if s.name != "memory_policy"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_set_of_a_new_model_rolls_it_onto_the_replicas_and_says_so(live_server, capsys, dispatched, tiny_model_dir):
+    from tests.support import factories as f
+    from tests.support.cli import staff_cli
+
+    node = f.node("node1")
+    deployment = f.deployment("tiny-a")
+    f.replica(deployment, node, state="serving")
+    run = staff_cli(live_server, capsys, "set", "tiny-a")
+
+    code, out, err = run(f"source={tiny_model_dir}", "--no-wait")
+
+    assert code == 0, err
+    assert out.splitlines()[0] == (
+        f"tiny-a: model.source /srv/models/tiny → {tiny_model_dir} "
+        "(rolls every replica onto it, one at a time (a rolling restart))"
+    )
+    assert "tiny-a: rolling every replica onto the new model, one at a time" in err
+    assert Deployment.objects.get(name="tiny-a").model_source == str(tiny_model_dir)
+    assert Deployment.objects.get(name="tiny-a").observed.restart_since is not None
+    assert any(task == "scheduling.tasks.advance_restarts" for _, task, _ in dispatched)

@@ -104,7 +104,7 @@ def test_deployment_spec_has_the_name_and_every_setting_with_its_default():
 
 
 def test_a_patch_writes_the_columns_of_the_settings_that_change_in_place_and_no_other():
-    in_place = {s.name: s.column for s in SETTINGS if s.update in (Update.LIVE, Update.NEXT_REPLICA)}
+    in_place = {s.name: s.column for s in SETTINGS if s.update in (Update.LIVE, Update.NEXT_REPLICA, Update.ROLLOUT)}
     assert in_place == MUTABLE
 
 

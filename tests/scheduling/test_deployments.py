@@ -457,7 +457,7 @@ def test_a_cuda_assert_restarts_the_replica_a_bounded_number_of_times(
     assert Event.objects.filter(replica=replica.id, kind=Event.Kind.REPLICA_RESTARTED).count() == 2
 
 
-def test_patch_changes_settings_scales_and_refuses_a_new_model(cluster, api, dispatched, tiny_model_dir):
+def test_patch_changes_settings_scales_and_refuses_a_new_loader(cluster, api, dispatched, tiny_model_dir):
     api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
 
     response = api("patch", "/api/deployments/tiny-a/", {"fairness": {"popular": True}, "replicas": 2})
@@ -465,8 +465,9 @@ def test_patch_changes_settings_scales_and_refuses_a_new_model(cluster, api, dis
     assert response.json()["fairness"]["popular"] is True and len(response.json()["replicas"]) == 2
     assert Event.objects.filter(reason__startswith="settings changed: fairness.popular False → True").exists()
 
-    response = api("patch", "/api/deployments/tiny-a/", {"model": {"source": "/elsewhere"}})
-    assert response.status_code == 400 and "cannot be changed" in response.json()["model"][0]
+    # A new model is rolled out (tests/scheduling/test_model_update.py); another loader is another deployment.
+    response = api("patch", "/api/deployments/tiny-a/", {"model": {"loader": "torch-module"}})
+    assert response.status_code == 400 and "cannot be changed" in response.json()["model"]["loader"][0]
     assert api("patch", "/api/deployments/tiny-a/", {"sleep": {"drain_timeout_s": -1}}).status_code == 400
     assert api("put", "/api/deployments/tiny-a/", body("tiny-a", tiny_model_dir)).status_code == 405
 
@@ -485,15 +486,15 @@ def test_a_patch_of_max_tokens_estimates_the_need_anew_and_drops_the_old_sizes_m
     observed.refresh_from_db()
     assert observed.memory_estimate_bytes > first, "a KV pool for 8192 tokens, not 256"
     assert (observed.memory_measured_bytes, observed.memory_measured_context_bytes) == (None, None)
-    event = Event.objects.get(reason__startswith="estimated need", reason__contains="for max_tokens 8192")
-    assert "the need measured at the old size" in event.reason
+    event = Event.objects.get(reason__startswith="estimated need", reason__contains="at max_tokens 8192")
+    assert "the need measured before" in event.reason
     # The next replica reserves the new estimate (and the GPU's context), not the old measurement.
     assert api("patch", "/api/deployments/tiny-a/", {"replicas": 2}).status_code == 200
     (added,) = Replica.objects.order_by("-created_at")[:1]
     assert reserved(added.id) >= observed.memory_estimate_bytes
     # The same figure again reads nothing and changes nothing.
     assert api("patch", "/api/deployments/tiny-a/", {"memory": {"max_tokens": 8192}}).status_code == 200
-    assert Event.objects.filter(reason__startswith="estimated need", reason__contains="for max_tokens").count() == 1
+    assert Event.objects.filter(reason__startswith="estimated need", reason__contains="at max_tokens").count() == 1
 
 
 def test_a_patch_of_one_setting_leaves_the_rest_of_its_group_as_it_was(cluster, api, dispatched, tiny_model_dir):

@@ -1,0 +1,155 @@
+"""A deployment's model changed in place: a PATCH of `model.source` (or `model.dtype`) reads the new
+model as a deploy does, and rolls every replica onto it one at a time (a rolling restart), its
+sleepers parked at once so that no wake serves the old model; the deployment keeps its name, so
+its clients and its `/v1` model id are unchanged. The services run against the test's PostgreSQL on
+virtual GPUs with no processes: each replica's reports are made by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.management.commands.make_tiny_model import write_tiny_model
+from scheduling.core.rollout import Action
+from scheduling.models import Deployment, DeploymentObserved, Event, Replica
+from scheduling.services import replica_specs, reports, rollouts, sleep
+from tests.support.deployments import body, invariant_holds, serve
+
+pytestmark = pytest.mark.django_db
+
+ADVANCE = "scheduling.tasks.advance_restarts"
+
+
+@pytest.fixture(scope="module")
+def second_model(tmp_path_factory):
+    """Another model than `tiny_model_dir`'s: other weights, another size."""
+    return write_tiny_model(tmp_path_factory.mktemp("v2") / "tiny-v2", size_mb=1, seed=9).path
+
+
+def live(name: str) -> dict[str, str]:
+    rows = Replica.objects.filter(deployment__name=name).exclude(state__in=["stopped", "failed"])
+    return dict(rows.order_by("created_at").values_list("id", "state"))
+
+
+def source_of(replica_id: str) -> str:
+    """The model the replica's process is started with (its start command's spec)."""
+    return replica_specs.spec_of(Replica.objects.select_related("deployment", "node").get(pk=replica_id)).source
+
+
+def test_a_new_model_source_is_rolled_onto_every_replica_one_at_a_time(
+    cluster, api, dispatched, tiny_model_dir, second_model
+):
+    assert api("post", "/api/deployments/", body("m", tiny_model_dir, replicas=2)).status_code == 201
+    first, second = live("m")
+    serve(first), serve(second)
+    weights_before = DeploymentObserved.objects.get(deployment__name="m").weight_bytes
+    dispatched.clear()
+
+    answer = api("patch", "/api/deployments/m/", {"model": {"source": str(second_model)}})
+
+    assert answer.status_code == 200, answer.json()
+    shown = answer.json()
+    assert shown["name"] == "m" and shown["model"]["source"] == str(second_model)
+    assert shown["rollout"]["left"] == 2, "both replicas run the old model"
+    observed = DeploymentObserved.objects.get(deployment__name="m")
+    assert observed.weight_bytes != weights_before, "the new model was read, as at a deploy"
+    reasons = list(Event.objects.filter(deployment="m").values_list("reason", flat=True))
+    assert any(
+        r.startswith(f"settings changed: model.source '{tiny_model_dir}' → '{second_model}' (every replica rolled")
+        for r in reasons
+    ), reasons
+    assert "rolling restart for the new model.source: 2 replica(s) to replace, one at a time" in reasons
+    # Its first step is the control worker's, asked for once the change committed.
+    assert [t for _, t, _ in dispatched] == [ADVANCE]
+    assert live("m") == {first: "serving", second: "serving"}, "nothing stopped before a replacement serves"
+
+    # The steps, as the worker takes them: each replacement runs the new model.
+    assert rollouts.advance("m").action == Action.WAIT
+    (surge,) = [r for r in live("m") if r not in (first, second)]
+    assert source_of(surge) == str(second_model)
+    serve(surge)
+    assert rollouts.advance("m").action == Action.WAIT  # the first stopped, the next surge placed
+    assert live("m")[first] == "stopping"
+    (surge2,) = [r for r in live("m") if r not in (first, second, surge)]
+    serve(surge2)
+    assert rollouts.advance("m").action == Action.DONE
+
+    assert live("m") == {first: "stopping", second: "stopping", surge: "serving", surge2: "serving"}
+    assert {source_of(r) for r in (surge, surge2)} == {str(second_model)}
+    assert api("get", "/api/deployments/m/").json()["rollout"] is None
+    assert invariant_holds()
+
+
+def test_a_model_change_parks_the_sleepers_at_once_so_no_wake_serves_the_old_model(
+    cluster, api, tiny_model_dir, second_model
+):
+    assert api("post", "/api/deployments/", body("s", tiny_model_dir, replicas=2)).status_code == 201
+    awake, sleeper = live("s")
+    serve(awake), serve(sleeper)
+    sleep.sleep_replica(sleeper, reason="idle")
+    reports.report(sleeper, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+
+    assert api("patch", "/api/deployments/s/", {"model": {"dtype": "bfloat16"}}).status_code == 200
+
+    parked = Replica.objects.get(pk=sleeper)
+    assert parked.state == "parked" and parked.node is None
+    assert Event.objects.filter(
+        replica=sleeper, reason__contains="parked by a rolling restart for the new model.dtype"
+    ).exists()
+    assert live("s")[awake] == "serving", "the awake one serves on until its replacement serves"
+    assert Deployment.objects.get(name="s").dtype == "bfloat16"
+
+
+def test_a_deployment_with_nothing_running_takes_the_new_model_with_no_restart(
+    cluster, api, dispatched, tiny_model_dir, second_model
+):
+    assert api("post", "/api/deployments/", body("idle", tiny_model_dir, replicas=0)).status_code == 201
+    dispatched.clear()
+
+    answer = api("patch", "/api/deployments/idle/", {"model": {"source": str(second_model)}})
+
+    assert answer.status_code == 200 and answer.json()["rollout"] is None
+    assert [t for _, t, _ in dispatched] == []
+    assert api("patch", "/api/deployments/idle/", {"replicas": 1}).status_code == 200
+    (placed,) = live("idle")
+    assert source_of(placed) == str(second_model)
+
+
+def test_a_model_no_node_can_read_is_a_400_naming_it_and_nothing_changes(cluster, api, tiny_model_dir, tmp_path):
+    assert api("post", "/api/deployments/", body("m", tiny_model_dir)).status_code == 201
+    (replica,) = live("m")
+    serve(replica)
+    events = Event.objects.count()
+
+    nowhere = {"model": {"source": str(tmp_path / "nowhere")}, "fairness": {"popular": True}}
+    missing = api("patch", "/api/deployments/m/", nowhere)
+
+    assert missing.status_code == 400 and "model.source" in str(missing.json()), missing.json()
+    deployment = Deployment.objects.get(name="m")
+    assert (deployment.model_source, deployment.popular) == (str(tiny_model_dir), False)
+    assert DeploymentObserved.objects.get(deployment__name="m").restart_since is None
+    assert Event.objects.count() == events
+    assert live("m") == {replica: "serving"}
+
+    loader = api("patch", "/api/deployments/m/", {"model": {"loader": "transformers-embedding"}})
+    assert loader.status_code == 400
+    assert loader.json() == {"model": {"loader": ["cannot be changed on an existing deployment"]}}
+
+    # The same model again is no change: nothing read, nothing restarted.
+    same = api("patch", "/api/deployments/m/", {"model": {"source": str(tiny_model_dir), "dtype": "float32"}})
+    assert same.status_code == 200 and same.json()["rollout"] is None
+    assert Event.objects.count() == events
+
+
+def test_a_torch_module_source_must_be_one_an_operator_allowed(cluster, api, settings):
+    settings.GPUPORTAL_TORCH_MODULES = ("tests.support.models",)
+    mlp = "tests.support.models:tiny_mlp"
+    torch_module = {"name": "t", "model": {"source": mlp, "loader": "torch-module"}, "replicas": 0}
+    created = api("post", "/api/deployments/", {**torch_module, "memory": {"override_bytes": 64 * 1024**2}})
+    assert created.status_code == 201, created.json()
+
+    refused = api("patch", "/api/deployments/t/", {"model": {"source": "os:getcwd"}})
+    bigger = api("patch", "/api/deployments/t/", {"model": {"source": "tests.support.models:big_mlp"}})
+
+    assert refused.status_code == 400
+    assert "only modules an operator lists in GPUPORTAL_TORCH_MODULES" in str(refused.json())
+    assert bigger.status_code == 200 and bigger.json()["model"]["source"] == "tests.support.models:big_mlp"
