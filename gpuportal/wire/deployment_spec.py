@@ -261,7 +261,7 @@ def defaults() -> dict[str, object]:
 _PATCHED = {
     Update.LIVE: "applies at once",
     Update.NEXT_REPLICA: "applies to replicas placed from now on",
-    Update.ROLLOUT: "rolls every replica onto it, one at a time (a rolling restart)",
+    Update.ROLLOUT: "rolls every replica onto it, one at a time, by a rolling restart",
     Update.SCALE: "scales at once",
     Update.REFUSED: "refused (a 400 naming it)",
     Update.REFUSED_IF_CHANGED: "refused (a 400 naming it) unless it is the current value",

@@ -96,7 +96,8 @@ def _field(setting: Setting, *, patch: bool = False) -> serializers.Field:
             raise TypeError(f"{setting.name}: only replica counts have a maximum an operator sets")
         return ReplicaCountField(setting, **kwargs)
     if setting.choices:
-        return ChoiceField(choices=list(setting.choices), **kwargs)
+        # Plain strings, not the spec's enum members: a value goes into Events' text and JSON as written.
+        return ChoiceField(choices=[str(choice) for choice in setting.choices], **kwargs)
     if setting.type is bool:
         return serializers.BooleanField(**kwargs)
     if setting.type is int:

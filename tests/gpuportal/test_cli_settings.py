@@ -151,7 +151,7 @@ def test_set_of_a_new_model_rolls_it_onto_the_replicas_and_says_so(live_server, 
     assert code == 0, err
     assert out.splitlines()[0] == (
         f"tiny-a: model.source /srv/models/tiny → {tiny_model_dir} "
-        "(rolls every replica onto it, one at a time (a rolling restart))"
+        "(rolls every replica onto it, one at a time, by a rolling restart)"
     )
     assert "tiny-a: rolling every replica onto the new model, one at a time" in err
     assert Deployment.objects.get(name="tiny-a").model_source == str(tiny_model_dir)

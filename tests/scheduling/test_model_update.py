@@ -97,6 +97,9 @@ def test_a_model_change_parks_the_sleepers_at_once_so_no_wake_serves_the_old_mod
     ).exists()
     assert live("s")[awake] == "serving", "the awake one serves on until its replacement serves"
     assert Deployment.objects.get(name="s").dtype == "bfloat16"
+    assert Event.objects.filter(
+        deployment="s", reason__startswith="settings changed: model.dtype 'float32' → 'bfloat16' (every replica rolled"
+    ).exists()
 
 
 def test_a_deployment_with_nothing_running_takes_the_new_model_with_no_restart(
