@@ -156,3 +156,14 @@ def test_a_torch_module_source_must_be_one_an_operator_allowed(cluster, api, set
     assert refused.status_code == 400
     assert "only modules an operator lists in GPUPORTAL_TORCH_MODULES" in str(refused.json())
     assert bigger.status_code == 200 and bigger.json()["model"]["source"] == "tests.support.models:big_mlp"
+
+
+def test_a_deployment_of_failover_pairs_keeps_its_model_saying_why(cluster, api, tiny_model_dir, second_model):
+    paired = body("pair", tiny_model_dir, failover={"standby": True})
+    assert api("post", "/api/deployments/", paired).status_code == 201
+
+    refused = api("patch", "/api/deployments/pair/", {"model": {"source": str(second_model)}})
+
+    assert refused.status_code == 400
+    assert "cannot change on a deployment of failover pairs" in str(refused.json()["model.source"])
+    assert Deployment.objects.get(name="pair").model_source == str(tiny_model_dir)
