@@ -167,3 +167,20 @@ def test_a_deployment_of_failover_pairs_keeps_its_model_saying_why(cluster, api,
     assert refused.status_code == 400
     assert "cannot change on a deployment of failover pairs" in str(refused.json()["model.source"])
     assert Deployment.objects.get(name="pair").model_source == str(tiny_model_dir)
+
+
+def test_a_new_model_is_the_answer_to_a_failed_one_and_what_is_placed_loads_it(
+    cluster, api, tiny_model_dir, second_model
+):
+    crashy = body("c", tiny_model_dir, restart={"max_load_failures": 1})
+    assert api("post", "/api/deployments/", crashy).status_code == 201
+    (broken,) = live("c")
+    reports.report(broken, {"event": "failed", "kind": "load", "reason": "a broken checkpoint"})
+    assert api("get", "/api/deployments/c/").json()["status"] == "failed"
+
+    answer = api("patch", "/api/deployments/c/", {"model": {"source": str(second_model)}})
+
+    assert answer.status_code == 200, answer.json()
+    assert answer.json()["status"] != "failed" and answer.json()["rollout"] is None, "nothing ran the old model"
+    (placed,) = live("c")
+    assert placed != broken and source_of(placed) == str(second_model)
