@@ -74,6 +74,11 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
     (gpuportal.wire.memory's footprint) with a CUDA context, plus, in a failover pair, the context its
     sleeping standby keeps beside it. Contexts are the GPUs' own (measured per node and model, or
     the virtual GPU's), the largest among the snapshot's GPUs, so the need fits wherever it goes."""
+    return need_with(deployment, snapshot.index.contexts)
+
+
+def need_with(deployment: Deployment, contexts: tuple[int, int]) -> memory.Need:
+    """`need_bytes` on GPUs of these (CUDA context, standby context) bytes."""
     observed = deployment.observed
     need = memory.need_for(
         deployment.memory_policy,
@@ -84,7 +89,7 @@ def need_bytes(deployment: Deployment, snapshot: Snapshot) -> memory.Need:
             measured_bytes=observed.memory_measured_bytes,
         ),
     )
-    context, standby_context = snapshot.index.contexts
+    context, standby_context = contexts
     # A measured need is the replica's own footprint, its context included (as it was measured:
     # the GPUs' context may have grown since); others have none.
     if need.source == "measured":

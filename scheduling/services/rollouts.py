@@ -13,15 +13,15 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire import states
+from gpuportal.wire import memory, states
 from scheduling import locks
 from scheduling.core import rollout
 from scheduling.core.rollout import Action, Member, Step
-from scheduling.models import Deployment, DeploymentObserved, Event, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Occupant, Replica
 from scheduling.services import failover, host_cache, outbox
 from scheduling.services.errors import CannotPlace, InvalidState
 from scheduling.services.observing import save_observed
-from scheduling.services.placing import Stop, add_replicas, release_and_stop
+from scheduling.services.placing import Stop, add_replicas, need_with, release_and_stop
 
 STEP = "rolling restart"
 
@@ -203,6 +203,10 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
         save_observed(deployment, ["restart_surge"])
     elif decided.action == Action.PARK:
         _park(decided.replica_ids, f"parked by a {STEP}: {decided.why}")
+    elif decided.action in (Action.STANDBY, Action.SWITCHOVER) and (short := _pair_short(deployment, decided)):
+        why = f"{STEP} stopped: {short}; the pairs serve on, and a scale to 0 and back places pairs of the new size"
+        _end(deployment, why)
+        return Step(Action.DONE, why=why)
     elif decided.action == Action.STANDBY:
         locks.lock_replica_ids(decided.replica_ids)  # after the deployment's row, in primary-key order
         rows = Replica.objects.select_related("node", "deployment").in_bulk(decided.replica_ids)
@@ -230,6 +234,27 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
             _end(deployment, why)
             return Step(Action.DONE, why=why)
     return decided
+
+
+def _pair_short(deployment: Deployment, decided: Step) -> str | None:
+    """Why the pair of the active `decided.replica_ids[0]` cannot be restarted in place, or None:
+    its new standby wakes into the pair's reservation, which a need grown since it was placed (a
+    larger `max_tokens` or `override_bytes`) no longer fits, and a wake that does not fit fails
+    after the active has stepped down. Checked before the pair is touched, so it loses nothing."""
+    active = Replica.objects.only("node_id", "gpu_mem_bytes_by_id").get(pk=decided.replica_ids[0])
+    indices = [int(index) for index in active.gpu_mem_bytes_by_id]
+    gpus = GPU.objects.filter(node_id=active.node_id, index__in=indices)
+    contexts = list(gpus.values_list("context_bytes", "standby_context_bytes"))
+    if not contexts:
+        return None
+    need = need_with(deployment, (max(c for c, _ in contexts), max(s for _, s in contexts))).bytes
+    held = sum(Occupant.objects.filter(replica_id=active.pk).values_list("reserved_bytes", flat=True))
+    if held >= need:
+        return None
+    return (
+        f"the pair of replica {active.pk[:8]} reserves {memory.human_bytes(held)}, and the deployment needs "
+        f"{memory.human_bytes(need)} a pair now: a new standby could not wake into it"
+    )
 
 
 def _park(replica_ids: Iterable[str], why: str) -> None:

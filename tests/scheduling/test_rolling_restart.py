@@ -456,6 +456,25 @@ def test_a_pair_restart_ends_saying_so_when_its_new_standbys_keep_failing(
     assert live("pair") == {active.id: "serving"}, "the active serves on"
 
 
+def test_a_pair_whose_reservation_no_longer_fits_the_need_is_left_serving_with_its_standby(
+    cluster, api, report, tiny_model_dir, on_commit
+):
+    assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
+    active, standby = pair_of("pair")
+    stands_by(report, standby)
+    serves_at(report, active)
+    # A larger need than the pair was placed with: its new standby would wake into too little.
+    assert api("patch", "/api/deployments/pair/", {"memory": {"override_bytes": 400 * MiB}}).status_code == 200
+
+    assert api("post", "/api/deployments/pair/restart/").status_code == 202
+
+    assert DeploymentObserved.objects.get(deployment__name="pair").restart_since is None
+    assert live("pair") == {active.id: "serving", standby.id: "standby"}, "nothing of the pair touched"
+    [stopped] = Event.objects.filter(deployment="pair", reason__startswith="rolling restart stopped")
+    assert f"the pair of replica {active.id[:8]} reserves 300 MiB" in stopped.reason, stopped.reason
+    assert "a scale to 0 and back places pairs of the new size" in stopped.reason
+
+
 def test_a_restart_is_refused_naming_why_and_changes_nothing(cluster, api, client, tiny_model_dir, on_commit):
     assert api("post", "/api/deployments/", body("a", tiny_model_dir)).status_code == 201
     (replica_id,) = live("a")
