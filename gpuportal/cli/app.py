@@ -213,14 +213,32 @@ def cmd_set(ctx: Context, args: argparse.Namespace) -> int:
         f"{args.name}: rolling every replica onto the new model, one at a time; requests meanwhile are served or wait"
     )
     ctx.err.print(Text(said, style="dim"))
-    return finish(ctx, args, rolling, Goal(S.SERVING, 0, at_least=True, rollout=True))
+    return finish_rollout(ctx, args, rolling)
 
 
 def cmd_restart(ctx: Context, args: argparse.Namespace) -> int:
     answer = ctx.client.post(deployment_path(args.name, "restart"))
     said = f"{args.name}: a rolling restart, one replica at a time; requests meanwhile are served or wait"
     ctx.err.print(Text(said, style="dim"))
-    return finish(ctx, args, answer, Goal(S.SERVING, 0, at_least=True, rollout=True))
+    return finish_rollout(ctx, args, answer)
+
+
+def finish_rollout(ctx: Context, args: argparse.Namespace, answer: dict[str, Any]) -> int:
+    """Wait for a rolling restart to end, then say whether it replaced every replica: one that
+    stopped short (no room, failed loads, a pair too small for the need now) is an error, its
+    reason the one its Event gives."""
+    finish(ctx, args, answer, Goal(S.SERVING, 0, at_least=True, rollout=True))
+    if args.no_wait:
+        return 0
+    # Its turns as its Events carry them, newest first: the first end after its start is its own.
+    filters = {"deployment": args.name, "kind": "deployment.changed", "page_size": 50}
+    for event in ctx.client.get("/api/events/", filters)["results"]:
+        turn = (event.get("after") or {}).get("rollout")
+        if turn == states.Rollout.STOPPED:
+            raise CliError(f"{args.name}: {event['reason']}")
+        if turn in (states.Rollout.DONE, states.Rollout.BEGAN):
+            break
+    return 0
 
 
 def cmd_sleep(ctx: Context, args: argparse.Namespace) -> int:

@@ -199,6 +199,15 @@ class DeploymentStatus(StrEnum):
     FAILED = "failed"
 
 
+class Rollout(StrEnum):
+    """A rolling restart's turns, as its `deployment.changed` Events carry them (`after.rollout`):
+    how a command that waited for one tells an end short of its goal from its end."""
+
+    BEGAN = "began"
+    DONE = "done"
+    STOPPED = "stopped"  # short of replacing every replica: the Event's reason says why
+
+
 # -- failover -------------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire import memory, states
+from gpuportal.wire.states import Rollout
 from scheduling import locks
 from scheduling.core import rollout
 from scheduling.core.rollout import Action, Member, Step
@@ -91,7 +92,7 @@ def begin(deployment: Deployment, *, why: str, park_asleep: bool = False) -> int
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
         f"{STEP} {why}: {len(left)} replica(s) to replace, one at a time",
-        after={"restart_since": now.isoformat(), "replicas": [m.id for m in left]},
+        after={"restart_since": now.isoformat(), "replicas": [m.id for m in left], "rollout": Rollout.BEGAN},
         deployment=deployment.name,
     )
     return len(left)
@@ -182,7 +183,7 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
     observed = deployment.observed
     if decided.action == Action.DONE:
         replaced = sum(1 for m in found if m.created_at >= observed.restart_since)  # type: ignore[operator]
-        _end(deployment, f"{STEP} done: {replaced} replica(s) started since it was asked for")
+        _end(deployment, f"{STEP} done: {replaced} replica(s) started since it was asked for", outcome=Rollout.DONE)
     elif decided.action == Action.SURGE:
         (old,) = decided.replica_ids
         try:
@@ -272,8 +273,14 @@ def _stop(deployment: Deployment, replica_id: str, why: str) -> None:
     release_and_stop(Stop.of(deployment, [replica_id], reason=why))
 
 
-def _end(deployment: Deployment, why: str) -> None:
+def _end(deployment: Deployment, why: str, *, outcome: Rollout = Rollout.STOPPED) -> None:
     observed = deployment.observed
     observed.restart_since, observed.restart_surge = None, ""
     save_observed(deployment, ["restart_since", "restart_surge"])
-    outbox.note(Event.Kind.DEPLOYMENT_CHANGED, f"deployment {deployment.name}", why, deployment=deployment.name)
+    outbox.note(
+        Event.Kind.DEPLOYMENT_CHANGED,
+        f"deployment {deployment.name}",
+        why,
+        after={"rollout": outcome},
+        deployment=deployment.name,
+    )

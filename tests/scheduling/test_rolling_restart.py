@@ -528,3 +528,25 @@ def test_the_admin_restarts_the_selected_deployments_and_names_one_it_cannot(
     assert "a: rolling restart under way; the dashboard and the events show each step" in said
     assert any(m.startswith("idle: deployment idle has no replica to restart") for m in said), said
     assert len(live("a")) == 2, "its surge placed beside it"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_command_line_says_a_restart_that_stopped_short_and_why(cluster, live_server, capsys, dispatched):
+    from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
+    from tests.support.cli import staff_cli
+
+    # Four replicas fill the four 1 GiB GPUs, and the deployment wants a fifth: no room for it.
+    spec = DeploymentSpec(name="short", source="/srv/models/tiny", replicas=4, override_bytes=900 * MiB, max_tokens=256)
+    create(spec, facts=ModelFacts(weight_bytes=10 * MiB, estimate_bytes=300 * MiB))
+    for replica_id in live("short"):
+        serve(replica_id)
+    Deployment.objects.filter(name="short").update(replicas_wanted=5)
+
+    code, _, err = staff_cli(live_server, capsys, "restart", "short")("--timeout", "30")
+
+    assert code == 1
+    assert err.splitlines()[-1].startswith(
+        "error: short: rolling restart stopped: no room to place what the deployment lacks of its 5 replica(s)"
+    ), err
+    assert Event.objects.filter(deployment="short", after__rollout="stopped").exists()
+    assert set(live("short").values()) == {"serving"}, "nothing stopped"
