@@ -22,12 +22,13 @@ A deployment of failover pairs (seed 004) is restarted a pair at a time, and no 
 left without a member that serves or one ready to take over (`next_pair_step`): its outdated
 standby is stopped and a new one started beside the active member; once the new one stands by,
 the active steps down to it as in a planned switchover (a takeover, ~145 ms on an H200, with
-the requests in flight given back), and the takeover's fresh standby completes the pair.
+the requests in flight given back), and the takeover's fresh standby completes the pair. A pair
+whose reservation the need has outgrown is replaced by a new pair beside it instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -125,12 +126,18 @@ def next_step(members: Sequence[Member], *, since: datetime, surge_id: str, want
     return Step(Action.WAIT, (old[0].id,), f"replica {old[0].id[:8]} is {old[0].state}")
 
 
-def next_pair_step(members: Sequence[Member], *, since: datetime) -> Step:
+def next_pair_step(
+    members: Sequence[Member], *, since: datetime, surge_id: str = "", short: Collection[int] = ()
+) -> Step:
     """What the restart asked for at `since` does next in a deployment of failover pairs: one pair
     at a time, oldest first, and only while nothing of the deployment is on its way and every pair
     has a member serving, so every other pair keeps its standby throughout. A pair with no member
     serving (its standby about to take over, its primary loading) is waited for, and so the
-    restart ends only once its last takeover is done; the reconcile replaces a pair lost whole."""
+    restart ends only once its last takeover is done; the reconcile replaces a pair lost whole.
+
+    A pair in `short` (its reservation is less than the deployment needs now: a new standby could
+    not wake into it) is not restarted in place: a whole new pair is placed beside it (a surge,
+    `surge_id` its primary), and once that one serves and stands by, the old pair stops whole."""
     moving = [m for m in members if m.state in IN_TRANSIT]
     if moving:
         return Step(Action.WAIT, (moving[0].id,), f"replica {moving[0].id[:8]} is {moving[0].state}")
@@ -141,11 +148,14 @@ def next_pair_step(members: Sequence[Member], *, since: datetime) -> Step:
     unserved = next((p for p in pairs.values() if all(m.state != ReplicaState.SERVING for m in p)), None)
     if unserved is not None:
         return Step(Action.WAIT, (unserved[0].id,), f"pair of {unserved[0].id[:8]} has no member serving")
+    surge = next((m for m in members if m.id == surge_id), None)
     for pair in pairs.values():
         if all(m.created_at >= since for m in pair):
             continue
         active = next(m for m in pair if m.state == ReplicaState.SERVING)
         standby = next((m for m in pair if m.state == ReplicaState.STANDBY), None)
+        if active.pair in short:
+            return _pair_surge_step(pairs, active, surge)
         if standby is None:
             return Step(Action.STANDBY, (active.id,), f"replica {active.id[:8]} has no standby")
         if standby.created_at < since:
@@ -158,3 +168,16 @@ def next_pair_step(members: Sequence[Member], *, since: datetime) -> Step:
         stuck = next(m for m in pair if m.created_at < since)
         return Step(Action.WAIT, (stuck.id,), f"replica {stuck.id[:8]} is {stuck.state}")
     return Step(Action.DONE, why="every replica started before the restart is replaced")
+
+
+def _pair_surge_step(pairs: dict[object, list[Member]], active: Member, surge: Member | None) -> Step:
+    """The next step for a pair replaced by a new pair beside it (its reservation is short)."""
+    if surge is None:
+        why = f"the pair of {active.id[:8]} reserves less than the deployment needs now: a new pair goes beside it"
+        return Step(Action.SURGE, (active.id,), why)
+    # Every pair has a member serving here (next_pair_step waited for that), the surge's too.
+    placed = pairs[surge.pair if surge.pair is not None else surge.id]
+    serving = next(m for m in placed if m.state == ReplicaState.SERVING)
+    if not any(m.state == ReplicaState.STANDBY for m in placed):
+        return Step(Action.STANDBY, (serving.id,), f"replica {serving.id[:8]} has no standby")
+    return Step(Action.STOP, (active.id,), f"the new pair of {surge.id[:8]} serves and stands by in its place")

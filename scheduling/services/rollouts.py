@@ -8,6 +8,7 @@ transaction of its own under the deployment's row lock, so two sweeps never take
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
@@ -148,7 +149,10 @@ def step(name: str) -> Step | None:
             observed.restart_surge = ""  # it failed or was stopped (a scale-down): the next step places another
             save_observed(deployment, ["restart_surge"])
         if deployment.failover_standby:
-            decided = rollout.next_pair_step(found, since=observed.restart_since)
+            short = _short_pairs(deployment, found, observed.restart_since)
+            decided = rollout.next_pair_step(
+                found, since=observed.restart_since, surge_id=observed.restart_surge, short=short
+            )
             if decided.action == Action.STANDBY and (ended := _standbys_keep_failing(deployment, decided)):
                 return ended
         else:
@@ -192,6 +196,11 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
                     deployment, 1, reason=f"{STEP}: a replacement for replica {old[:8]}", cached=(), parked=False
                 )
         except CannotPlace as err:
+            if deployment.failover_standby:
+                # A pair is never stopped before its replacement serves: that is what it is for.
+                why = f"{STEP} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); the pairs serve on"
+                _end(deployment, why)
+                return Step(Action.DONE, why=why)
             why = f"no room for its replacement beside it, so it goes first ({err})"
             _stop(deployment, old, f"{STEP}: {why}")
             return Step(Action.STOP, (old,), why)
@@ -204,8 +213,11 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
         save_observed(deployment, ["restart_surge"])
     elif decided.action == Action.PARK:
         _park(decided.replica_ids, f"parked by a {STEP}: {decided.why}")
-    elif decided.action in (Action.STANDBY, Action.SWITCHOVER) and (short := _pair_short(deployment, decided)):
-        why = f"{STEP} stopped: {short}; the pairs serve on, and a scale to 0 and back places pairs of the new size"
+    elif decided.action in (Action.STANDBY, Action.SWITCHOVER) and (
+        short := _pair_short(deployment, decided.replica_ids[0])
+    ):
+        # Settled above for every outdated pair; a need grown since (a PATCH between two steps) ends here.
+        why = f"{STEP} stopped: {short}; the pairs serve on"
         _end(deployment, why)
         return Step(Action.DONE, why=why)
     elif decided.action == Action.STANDBY:
@@ -237,12 +249,18 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
     return decided
 
 
-def _pair_short(deployment: Deployment, decided: Step) -> str | None:
-    """Why the pair of the active `decided.replica_ids[0]` cannot be restarted in place, or None:
-    its new standby wakes into the pair's reservation, which a need grown since it was placed (a
-    larger `max_tokens` or `override_bytes`) no longer fits, and a wake that does not fit fails
-    after the active has stepped down. Checked before the pair is touched, so it loses nothing."""
-    active = Replica.objects.only("node_id", "gpu_mem_bytes_by_id").get(pk=decided.replica_ids[0])
+def _short_pairs(deployment: Deployment, found: list[Member], since: datetime) -> set[int]:
+    """The outdated pairs (their leases) that a restart in place would not fit (`_pair_short`)."""
+    actives = [m for m in found if m.pair is not None and m.created_at < since and m.state == Replica.State.SERVING]
+    return {m.pair for m in actives if _pair_short(deployment, m.id)}  # type: ignore[misc]
+
+
+def _pair_short(deployment: Deployment, active_id: str) -> str | None:
+    """Why the pair of the active `active_id` cannot be restarted in place, or None: its new
+    standby wakes into the pair's reservation, which a need grown since it was placed (a larger
+    `max_tokens` or `override_bytes`) no longer fits, and a wake that does not fit fails after
+    the active has stepped down. Such a pair is replaced by a new pair placed beside it."""
+    active = Replica.objects.only("node_id", "gpu_mem_bytes_by_id").get(pk=active_id)
     indices = [int(index) for index in active.gpu_mem_bytes_by_id]
     gpus = GPU.objects.filter(node_id=active.node_id, index__in=indices)
     contexts = list(gpus.values_list("context_bytes", "standby_context_bytes"))

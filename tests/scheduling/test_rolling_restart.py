@@ -162,12 +162,29 @@ def test_a_pair_without_a_standby_gets_one_and_a_pair_serving_nothing_is_waited_
     assert next_pair_step(last, since=SINCE).action == Action.WAIT
 
 
-def _settle(members: list[Member], made: int) -> tuple[list[Member], int]:
-    """The world moves one member on, as pair members' processes would: a standby loading stands
-    by; an active that stepped down exits; then its standby takes over, and a fresh standby starts."""
+def test_a_pair_short_of_the_need_gets_a_new_pair_beside_it_and_goes_once_that_one_stands_by():
+    pair = [old("a", pair=1), old("s", "standby", minute=1, pair=1)]
+    assert next_pair_step(pair, since=SINCE, short={1}).action == Action.SURGE
+    placed = [*pair, new("n", "pending", pair=2), new("m", "pending", minute=2, pair=2)]
+    assert next_pair_step(placed, since=SINCE, surge_id="n", short={1}).action == Action.WAIT
+    serving = [*pair, new("n", pair=2), new("m", "standby", minute=2, pair=2)]
+    assert next_pair_step(serving, since=SINCE, surge_id="n", short={1}) == Step(
+        Action.STOP, ("a",), "the new pair of n serves and stands by in its place"
+    )
+    # Its standby failed for good: one is started beside it before the old pair goes.
+    alone = [*pair, new("n", pair=2)]
+    assert next_pair_step(alone, since=SINCE, surge_id="n", short={1}).replica_ids == ("n",)
+    assert next_pair_step(alone, since=SINCE, surge_id="n", short={1}).action == Action.STANDBY
+
+
+def _settle(members: list[Member], made: int, primaries: set[str]) -> tuple[list[Member], int]:
+    """The world moves one member on, as pair members' processes would: a member loading serves
+    (a primary) or stands by; an active that stepped down exits; then its standby takes over, and
+    a fresh standby starts."""
     moving = next((m for m in members if m.state in ("pending", "draining")), None)
     if moving is not None and moving.state == "pending":
-        return [Member(m.id, "standby", m.created_at, m.pair) if m is moving else m for m in members], made
+        settled = "serving" if moving.id in primaries else "standby"
+        return [Member(m.id, settled, m.created_at, m.pair) if m is moving else m for m in members], made
     if moving is not None:
         return [m for m in members if m is not moving], made
     heir = next(m for m in members if not any(o.pair == m.pair and o.state == "serving" for o in members))
@@ -177,23 +194,28 @@ def _settle(members: list[Member], made: int) -> tuple[list[Member], int]:
 
 
 @settings(max_examples=100)
-@given(standbys=st.lists(st.booleans(), min_size=1, max_size=4))
-def test_a_restart_of_pairs_replaces_every_member_and_never_leaves_a_pair_without_one_that_serves(standbys):
-    """The steps played out against members that do as they are told: the restart ends with every
-    member new and every pair whole, it acts only while every pair has a member serving (none
-    while a takeover is under way), and one pair at most is without a standby."""
-    members = []
-    for pair, has_standby in enumerate(standbys):
+@given(pairs=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=4))
+def test_a_restart_of_pairs_replaces_every_member_and_never_leaves_a_pair_without_one_that_serves(pairs):
+    """The steps played out against members that do as they are told, each pair with or without
+    a standby, and fitting its reservation or short of the need (a new pair goes beside it): the
+    restart ends with every member new and as many pairs, each whole; it acts only while every
+    pair has a member serving (none while a takeover is under way), and one pair at most is
+    without a standby."""
+    members, short = [], set()
+    for pair, (has_standby, is_short) in enumerate(pairs):
         members.append(old(f"a{pair}", minute=2 * pair, pair=pair))
         if has_standby:
             members.append(old(f"s{pair}", "standby", minute=2 * pair + 1, pair=pair))
-    made = 0
-    for _ in range(8 * len(standbys) + 4):
-        step = next_pair_step(members, since=SINCE)
+        if is_short:
+            short.add(pair)
+    made, surge, primaries, next_pair = 0, "", set(), len(pairs)
+    for _ in range(10 * len(pairs) + 4):
+        step = next_pair_step(members, since=SINCE, surge_id=surge, short=short)
         if step.action == Action.DONE:
             break
+        keys = {m.pair for m in members}
         if step.action != Action.WAIT:
-            assert all(any(m.state == "serving" for m in members if m.pair == p) for p in range(len(standbys)))
+            assert all(any(m.state == "serving" for m in members if m.pair == k) for k in keys), (step, members)
         if step.action == Action.STANDBY:
             made += 1
             pair = next(m.pair for m in members if m.id == step.replica_ids[0])
@@ -203,16 +225,27 @@ def test_a_restart_of_pairs_replaces_every_member_and_never_leaves_a_pair_withou
             members = [
                 Member(m.id, "draining", m.created_at, m.pair) if m.id in step.replica_ids else m for m in members
             ]
+        elif step.action == Action.SURGE:
+            made += 2
+            surge = f"n{made - 1}"
+            primaries.add(surge)
+            members += [new(surge, "pending", minute=made, pair=next_pair), new(f"n{made}", "pending", pair=next_pair)]
+            next_pair += 1
+        elif step.action == Action.STOP:
+            gone = next(m.pair for m in members if m.id == step.replica_ids[0])
+            assert gone in short and surge, step
+            members, surge = [m for m in members if m.pair != gone], ""
         else:
             assert step.action == Action.WAIT, step
-            members, made = _settle(members, made)
-        without = [p for p in range(len(standbys)) if not any(m.state == "standby" for m in members if m.pair == p)]
-        assert len(without) <= 1 + sum(1 for flag in standbys if not flag), (step, members)
+            members, made = _settle(members, made, primaries)
+        without = [k for k in keys if not any(m.state == "standby" for m in members if m.pair == k)]
+        assert len(without) <= 1 + sum(1 for has_standby, _ in pairs if not has_standby), (step, members)
     else:
-        raise AssertionError(f"not done after {8 * len(standbys) + 4} steps: {members}")
+        raise AssertionError(f"not done after {10 * len(pairs) + 4} steps: {members}")
     assert all(m.created_at >= SINCE for m in members)
-    for pair in range(len(standbys)):
-        assert sorted(m.state for m in members if m.pair == pair) == ["serving", "standby"]
+    assert len({m.pair for m in members}) == len(pairs)
+    for key in {m.pair for m in members}:
+        assert sorted(m.state for m in members if m.pair == key) == ["serving", "standby"]
 
 
 # -- the service, through the API ----------------------------------------------------------------
@@ -456,23 +489,59 @@ def test_a_pair_restart_ends_saying_so_when_its_new_standbys_keep_failing(
     assert live("pair") == {active.id: "serving"}, "the active serves on"
 
 
-def test_a_pair_whose_reservation_no_longer_fits_the_need_is_left_serving_with_its_standby(
+def test_a_pair_whose_reservation_no_longer_fits_the_need_is_replaced_by_a_new_pair_beside_it(
+    cluster, api, report, dispatched, tiny_model_dir, on_commit
+):
+    assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
+    active, standby = pair_of("pair")
+    stands_by(report, standby)
+    serves_at(report, active)
+    # A larger need than the pair was placed with: a new standby would wake into too little.
+    assert api("patch", "/api/deployments/pair/", {"memory": {"override_bytes": 400 * MiB}}).status_code == 200
+
+    assert api("post", "/api/deployments/pair/restart/").status_code == 202
+
+    # Its first step: a whole new pair of the new size beside the old one, which serves on.
+    new_pair = [r for r in Replica.objects.filter(deployment__name="pair").exclude(pk__in=[active.id, standby.id])]
+    new_active = next(r for r in new_pair if r.role == "primary")
+    new_standby = next(r for r in new_pair if r.role == "standby")
+    assert new_active.lease_id == new_standby.lease_id != active.lease_id
+    assert reserved(new_active.id) == 400 * MiB and reserved(active.id) == 300 * MiB
+    assert live("pair")[active.id] == "serving" and live("pair")[standby.id] == "standby"
+    assert DeploymentObserved.objects.get(deployment__name="pair").restart_surge == new_active.id
+
+    serves_at(report, new_active)
+    assert step(on_commit, "pair").action == Action.WAIT, "its new pair's standby loads"
+    dispatched.clear()
+    stands_by(report, new_standby)
+    assert step(on_commit, "pair").action == Action.STOP
+    # The old pair stops whole: its lock closed, so its standby does not take over.
+    assert live("pair")[active.id] == "stopping" and live("pair")[standby.id] == "stopping"
+    assert FailoverLease.objects.get(pk=active.lease_id).closed_at is not None
+    assert {a[0] for _, t, a in dispatched if t == STOP} == {active.id, standby.id}
+    assert reserved(active.id) == 0 and reserved(new_active.id) == 400 * MiB
+    assert step(on_commit, "pair").action == Action.DONE
+    assert invariant_holds()
+
+
+def test_a_pair_with_no_room_for_a_new_pair_beside_it_is_left_serving_with_its_standby(
     cluster, api, report, tiny_model_dir, on_commit
 ):
     assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
     active, standby = pair_of("pair")
     stands_by(report, standby)
     serves_at(report, active)
-    # A larger need than the pair was placed with: its new standby would wake into too little.
-    assert api("patch", "/api/deployments/pair/", {"memory": {"override_bytes": 400 * MiB}}).status_code == 200
+    # More than any node's two 1 GiB GPUs hold together: no new pair fits anywhere.
+    assert api("patch", "/api/deployments/pair/", {"memory": {"override_bytes": 3 * 1024 * MiB}}).status_code == 200
 
     assert api("post", "/api/deployments/pair/restart/").status_code == 202
 
     assert DeploymentObserved.objects.get(deployment__name="pair").restart_since is None
     assert live("pair") == {active.id: "serving", standby.id: "standby"}, "nothing of the pair touched"
     [stopped] = Event.objects.filter(deployment="pair", reason__startswith="rolling restart stopped")
-    assert f"the pair of replica {active.id[:8]} reserves 300 MiB" in stopped.reason, stopped.reason
-    assert "a scale to 0 and back places pairs of the new size" in stopped.reason
+    assert f"no room for a new pair beside the pair of {active.id[:8]}" in stopped.reason, stopped.reason
+    assert stopped.after == {"rollout": "stopped"}
+    assert invariant_holds()
 
 
 def test_a_restart_is_refused_naming_why_and_changes_nothing(cluster, api, client, tiny_model_dir, on_commit):
