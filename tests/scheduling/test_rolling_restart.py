@@ -415,13 +415,20 @@ def holders() -> dict[str, int]:
 PAIR_BYTES = 300 * MiB  # what `body`'s override reserves for one pair
 
 
-def test_a_failover_pair_is_restarted_through_a_new_standby_and_a_switchover_keeping_one_reservation(
-    cluster, api, report, dispatched, tiny_model_dir, on_commit
-):
+@pytest.fixture
+def ready_pair(cluster, api, report, tiny_model_dir) -> tuple[Replica, Replica]:
+    """A failover deployment `pair` whose primary serves at epoch 1 and whose standby stands by."""
     assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
     active, standby = pair_of("pair")
     stands_by(report, standby)
     serves_at(report, active)
+    return active, standby
+
+
+def test_a_failover_pair_is_restarted_through_a_new_standby_and_a_switchover_keeping_one_reservation(
+    ready_pair, api, report, dispatched, on_commit
+):
+    active, standby = ready_pair
     dispatched.clear()
 
     answer = api("post", "/api/deployments/pair/restart/")
@@ -468,14 +475,9 @@ def test_a_failover_pair_is_restarted_through_a_new_standby_and_a_switchover_kee
     assert invariant_holds()
 
 
-def test_a_pair_restart_ends_saying_so_when_its_new_standbys_keep_failing(
-    cluster, api, report, tiny_model_dir, on_commit, settings
-):
+def test_a_pair_restart_ends_saying_so_when_its_new_standbys_keep_failing(ready_pair, api, report, on_commit, settings):
     settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR = 0
-    assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
-    active, standby = pair_of("pair")
-    stands_by(report, standby)
-    serves_at(report, active)
+    active, standby = ready_pair
     assert api("post", "/api/deployments/pair/restart/").status_code == 202
     report(standby, "stopped")
     _, renewed = pair_of("pair")
@@ -490,12 +492,9 @@ def test_a_pair_restart_ends_saying_so_when_its_new_standbys_keep_failing(
 
 
 def test_a_pair_whose_reservation_no_longer_fits_the_need_is_replaced_by_a_new_pair_beside_it(
-    cluster, api, report, dispatched, tiny_model_dir, on_commit
+    ready_pair, api, report, dispatched, on_commit
 ):
-    assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
-    active, standby = pair_of("pair")
-    stands_by(report, standby)
-    serves_at(report, active)
+    active, standby = ready_pair
     # A larger need than the pair was placed with: a new standby would wake into too little.
     assert api("patch", "/api/deployments/pair/", {"memory": {"override_bytes": 400 * MiB}}).status_code == 200
 
@@ -524,13 +523,8 @@ def test_a_pair_whose_reservation_no_longer_fits_the_need_is_replaced_by_a_new_p
     assert invariant_holds()
 
 
-def test_a_pair_with_no_room_for_a_new_pair_beside_it_is_left_serving_with_its_standby(
-    cluster, api, report, tiny_model_dir, on_commit
-):
-    assert api("post", "/api/deployments/", body("pair", tiny_model_dir, failover={"standby": True})).status_code == 201
-    active, standby = pair_of("pair")
-    stands_by(report, standby)
-    serves_at(report, active)
+def test_a_pair_with_no_room_for_a_new_pair_beside_it_is_left_serving_with_its_standby(ready_pair, api, on_commit):
+    active, standby = ready_pair
     # More than any node's two 1 GiB GPUs hold together: no new pair fits anywhere.
     assert api("patch", "/api/deployments/pair/", {"memory": {"override_bytes": 3 * 1024 * MiB}}).status_code == 200
 
