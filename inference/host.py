@@ -284,9 +284,12 @@ class ReplicaHost:
                 self.tokenizer = load_tokenizer(self.source, self.loader)
                 self.recipe = load_recipe(self.source, self.loader)
             self.weights_bytes = tensor_bytes(model)
-            # A standby that could never wake into its reservation is no standby: fail now, not at takeover.
+            # A standby that could never wake into its reservation is no standby: fail now, not at
+            # takeover, when its active is gone. Its KV pool too: its pair's reservation was sized for
+            # the max_tokens of its placement, which may have grown since.
             check_cap(self.weights_bytes, self.placement, self._outside_allocator())
             self.model = model
+            self._size_pool()
             self.residual_bytes_by_id = residual
             self._progress(100, f"standing by with {mib(self.weights_bytes)} in {time.monotonic() - started:.1f} s")
             self.state = S.STANDBY
@@ -580,56 +583,22 @@ class ReplicaHost:
         return spread
 
     def _allocate_pool(self) -> None:
-        """Compose the footprint from measured parts, then size the KV pool inside the reservation
-        with the scheduler's own formula (gpuportal.wire.memory): what the reservation leaves after the
-        weights as allocated, the activation budget for max_tokens, the CUDA context(s) and what
-        the process holds outside the allocator. A pool that cannot hold one request of max_tokens
-        fails the load or wake, naming the bytes, before the replica takes anything.
-        A model that cannot be paged (not Llama-style, spread over GPUs) keeps generate()."""
+        """The KV pool sized inside the reservation (`_size_pool`) and allocated. A model that
+        cannot be paged (not Llama-style, spread over GPUs) keeps generate()."""
         from gpuportal.wire import memory
-        from inference.loaders import weight_allocation_bytes
-        from inference.paged import engine_for, model_shape, unsupported_reason
+        from inference.paged import engine_for
 
         self.paged = None
         self.pool_bytes = 0
-        if self.model is None:
+        sized = self._size_pool()
+        if sized is None:
             return
-        weights = weight_allocation_bytes(self.model)
-        # The larger of what the reservation counted and what this process holds now (a real
-        # context grows as the first forward passes load kernels; the GPU row has the grown one).
-        context = max(self.context_bytes, self.backend.context_bytes_measured(self.placement))
-        overhead = self.backend.outside_allocator_bytes(self.placement, context)
-        shape = None
-        # An encoder keeps no KV cache: its footprint is its weights and the activation floor, as
-        # its deploy-time estimate (inference.inspection), and its passes are sized to fit it.
-        if self.tokenizer is not None and self.recipe is None:
-            try:
-                shape = model_shape(self.model, weights)
-            except (AttributeError, TypeError, ValueError) as exc:  # a config without the usual fields
-                log.warning("%s: no model shape for the memory formula (%s)", self.replica_id, exc)
-        self.footprint = self._compose_footprint(shape, weights, context, overhead)
-        if shape is None:
-            return
-        reason = unsupported_reason(self.model) or self._spread_reason()
-        if reason is not None:
-            log.warning("%s: no KV block pool (%s); generating with transformers' own cache", self.replica_id, reason)
-            return
-        reserved = self.placement.reserved_total
-        blocks = memory.kv_pool_blocks(
-            shape,
-            cap_bytes=reserved,
-            max_tokens=self.kv_max_tokens,
-            cuda_context_bytes=context,
-            standby_context_bytes=self.standby_context_bytes,
-            overhead_bytes=overhead,
-        )
+        shape, weights, context, overhead = sized
         block_tokens = memory.DEFAULT_BLOCK_TOKENS
-        if blocks * block_tokens < max(1, self.kv_max_tokens):
-            raise self._pool_too_small(shape, blocks, context, overhead)
         self.paged = engine_for(
             self.model,
             weights_bytes=weights,
-            cap_bytes=reserved,
+            cap_bytes=self.placement.reserved_total,
             max_tokens=self.kv_max_tokens,
             context_bytes=context,
             standby_context_bytes=self.standby_context_bytes,
@@ -645,8 +614,53 @@ class ReplicaHost:
             pool.block_tokens,
             mib(pool.tensor_bytes),
             pool.capacity_tokens,
-            self.footprint.describe(),
+            self.footprint.describe() if self.footprint else "",
         )
+
+    def _size_pool(self) -> tuple[ModelShape, int, int, int] | None:
+        """Compose the footprint from measured parts, then size the KV pool inside the reservation
+        with the scheduler's own formula (gpuportal.wire.memory): what the reservation leaves after the
+        weights as allocated, the activation budget for max_tokens, the CUDA context(s) and what
+        the process holds outside the allocator. A pool that cannot hold one request of max_tokens
+        fails the load or wake, naming the bytes, before the replica takes anything. The model's
+        shape, weights, context and overhead for the pool; None where no pool is made."""
+        from gpuportal.wire import memory
+        from inference.loaders import weight_allocation_bytes
+        from inference.paged import model_shape, unsupported_reason
+
+        if self.model is None:
+            return None
+        weights = weight_allocation_bytes(self.model)
+        # The larger of what the reservation counted and what this process holds now (a real
+        # context grows as the first forward passes load kernels; the GPU row has the grown one).
+        context = max(self.context_bytes, self.backend.context_bytes_measured(self.placement))
+        overhead = self.backend.outside_allocator_bytes(self.placement, context)
+        shape = None
+        # An encoder keeps no KV cache: its footprint is its weights and the activation floor, as
+        # its deploy-time estimate (inference.inspection), and its passes are sized to fit it.
+        if self.tokenizer is not None and self.recipe is None:
+            try:
+                shape = model_shape(self.model, weights)
+            except (AttributeError, TypeError, ValueError) as exc:  # a config without the usual fields
+                log.warning("%s: no model shape for the memory formula (%s)", self.replica_id, exc)
+        self.footprint = self._compose_footprint(shape, weights, context, overhead)
+        if shape is None:
+            return None
+        reason = unsupported_reason(self.model) or self._spread_reason()
+        if reason is not None:
+            log.warning("%s: no KV block pool (%s); generating with transformers' own cache", self.replica_id, reason)
+            return None
+        blocks = memory.kv_pool_blocks(
+            shape,
+            cap_bytes=self.placement.reserved_total,
+            max_tokens=self.kv_max_tokens,
+            cuda_context_bytes=context,
+            standby_context_bytes=self.standby_context_bytes,
+            overhead_bytes=overhead,
+        )
+        if blocks * memory.DEFAULT_BLOCK_TOKENS < max(1, self.kv_max_tokens):
+            raise self._pool_too_small(shape, blocks, context, overhead)
+        return shape, weights, context, overhead
 
     def _spread_reason(self) -> str | None:
         """Why a model on virtual GPUs is not paged though its parameters are all on one device:

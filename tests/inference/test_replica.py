@@ -520,6 +520,21 @@ def test_it_allocates_a_standbys_kv_pool_while_its_takeover_copies_are_pending(t
     assert all(torch.equal(after[name], tensor) for name, tensor in weights.items())
 
 
+def test_a_standby_whose_kv_pool_would_not_fit_its_pairs_reservation_fails_before_it_stands_by(tiny_model_dir):
+    roomy, _ = _llm_host(tiny_model_dir)
+    roomy.load_standby()
+    assert roomy.state == "standby"
+
+    # Room for the weights, none for a pool of max_tokens (its pair was placed for fewer tokens):
+    # at takeover its active would be gone already, so it fails now, naming the bytes.
+    tight, out = _llm_host(tiny_model_dir, reserved=roomy.weights_bytes + MiB)
+    with pytest.raises(ReplicaFailure, match="cannot serve: the KV pool left by the reservation") as err:
+        tight.load_standby()
+
+    assert err.value.kind == "oom" and tight.state == "failed"
+    assert "standby" not in [e["event"] for e in _events(out)]
+
+
 def test_it_waits_for_the_copies_and_frees_the_arena_when_the_pool_fails_after_they_were_queued(
     tiny_model_dir, monkeypatch
 ):
