@@ -1,8 +1,9 @@
 """Rolling restarts: every replica of a deployment replaced, one at a time (a failover pair's
-members through a new standby and a switchover), with no request lost (scheduling.core.rollout
-decides each step). `restart` starts one and takes its first step;
-`advance` takes the next, from the beat's sweep every few seconds (`advance_all`), each in a
-transaction of its own under the deployment's row lock, so two sweeps never take a step twice.
+members through a new standby and a switchover, or by a new pair beside them where the need has
+outgrown their reservation), with no request lost (scheduling.core.rollout decides each step).
+`restart` starts one and takes its first step; `advance` takes the next, from the beat's sweep
+every few seconds (`advance_all`), each in a transaction of its own under the deployment's row
+lock, so two sweeps never take a step twice.
 """
 
 from __future__ import annotations
