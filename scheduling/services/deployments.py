@@ -232,13 +232,6 @@ def _estimate_for(name: str, changes: dict[str, Any]) -> ModelFacts | None:
     wanted = {**now, **{key: changes[key] for key in ESTIMATED if key in changes}}
     if wanted == now:
         return None
-    rolled = [key for key in sorted(ROLLED) if wanted[key] != now[key]]
-    if rolled and current.failover_standby:
-        raise InvalidInput(
-            deployment_spec.BY_NAME[rolled[0]].path,
-            "cannot change on a deployment of failover pairs: a pair's new standby wakes into the reservation "
-            "its pair was placed with, sized for the model it runs; deploy the new model as a new deployment",
-        )
     _check_source(wanted["source"], current.loader)
     return inspect_model(wanted["source"], current.loader, wanted["dtype"], wanted["max_tokens"])
 

@@ -13,6 +13,7 @@ from scheduling.core.rollout import Action
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import replica_specs, reports, rollouts, sleep
 from tests.support.deployments import body, invariant_holds, serve
+from tests.support.pairs import serves_at, stands_by
 
 pytestmark = pytest.mark.django_db
 
@@ -158,15 +159,24 @@ def test_a_torch_module_source_must_be_one_an_operator_allowed(cluster, api, set
     assert bigger.status_code == 200 and bigger.json()["model"]["source"] == "tests.support.models:big_mlp"
 
 
-def test_a_deployment_of_failover_pairs_keeps_its_model_saying_why(cluster, api, tiny_model_dir, second_model):
+def test_failover_pairs_roll_onto_a_new_model_a_pair_at_a_time(cluster, api, report, tiny_model_dir, second_model):
     paired = body("pair", tiny_model_dir, failover={"standby": True})
     assert api("post", "/api/deployments/", paired).status_code == 201
+    active = Replica.objects.get(deployment__name="pair", role="primary")
+    standby = Replica.objects.get(deployment__name="pair", role="standby")
+    stands_by(report, standby)
+    serves_at(report, active)
 
-    refused = api("patch", "/api/deployments/pair/", {"model": {"source": str(second_model)}})
+    answer = api("patch", "/api/deployments/pair/", {"model": {"source": str(second_model)}})
 
-    assert refused.status_code == 400
-    assert "cannot change on a deployment of failover pairs" in str(refused.json()["model.source"])
-    assert Deployment.objects.get(name="pair").model_source == str(tiny_model_dir)
+    assert answer.status_code == 200 and answer.json()["rollout"] is not None, answer.json()
+    # The pair fits its reservation (its override): restarted in place, its new standby first,
+    # which loads the new model and fails before it stands by if that would not fit.
+    assert rollouts.advance("pair").action == Action.WAIT
+    assert Replica.objects.get(pk=standby.id).state == "stopping"
+    renewed = Replica.objects.get(deployment__name="pair", role="standby", state="pending")
+    assert source_of(renewed.id) == str(second_model)
+    assert live("pair")[active.id] == "serving"
 
 
 def test_a_new_model_is_the_answer_to_a_failed_one_and_what_is_placed_loads_it(
