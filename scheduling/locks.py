@@ -69,10 +69,16 @@ def retry_deadlocks(command: Callable[P, R]) -> Callable[P, R]:
 
 
 def _deployments_locking(*, skip_locked: bool = False) -> QuerySet[Deployment]:
-    """Deployments read with their observed record, only the deployment's row locked: the record
-    is covered by that lock (the order above), and read here so that its readers and writers under
-    the lock need no query of their own."""
-    return Deployment.objects.select_for_update(of=("self",), skip_locked=skip_locked).select_related("observed")
+    """Deployments read with their observed record, so that its readers and writers under the lock
+    need no query of their own. The record's row is locked with the deployment's (after it, in the
+    one statement; every writer of the record holds the deployment's lock, so no one else waits
+    for it): in READ COMMITTED, a statement that waited for a lock reads again only the rows it
+    locks, and the record read beside an unlocked row was the one from before the wait, not what
+    the lock's previous holder committed."""
+    locking = Deployment.objects.select_for_update(of=("self", "observed"), skip_locked=skip_locked)
+    # An inner join (every deployment has its record from its start): FOR UPDATE locks no row of
+    # the nullable side of the outer join select_related would make.
+    return locking.filter(observed__isnull=False).select_related("observed")
 
 
 def lock_deployment(name: str) -> Deployment:
@@ -106,12 +112,13 @@ def lock_deployments_reading(names: Sequence[str], *queries: str) -> tuple[list[
 
 @functools.cache
 def _lock_by_names() -> str:
-    # FOR UPDATE locks rows as the sorted result is read: in primary-key order. OF d: the observed
-    # record is read beside its deployment and covered by the deployment's lock (the order above).
+    # FOR UPDATE locks rows as the sorted result is read: in primary-key order. OF d, o: the
+    # observed record is read beside its deployment and locked with it, so that a statement that
+    # waited for the lock reads what the previous holder committed (_deployments_locking).
     return (
         f"SELECT {hot_sql.columns(Deployment, 'd')}, {hot_sql.columns(DeploymentObserved, 'o')} "
         "FROM scheduling_deployment d JOIN scheduling_deploymentobserved o ON o.deployment_id = d.id "
-        "WHERE d.name = ANY(%s) ORDER BY d.id FOR UPDATE OF d"
+        "WHERE d.name = ANY(%s) ORDER BY d.id FOR UPDATE OF d, o"
     )
 
 

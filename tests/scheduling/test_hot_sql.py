@@ -12,6 +12,7 @@ from django.test.utils import CaptureQueriesContext
 
 from scheduling import hot_sql, locks
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
+from scheduling.services.observing import save_observed
 from tests.support import factories
 from tests.support.lock_waits import waiting
 from tests.support.processes import wait_until
@@ -140,3 +141,46 @@ def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed(
     assert done.wait(10)
     thread.join()
     assert seen["rows"] == [(added.id,)]
+
+
+def _by_orm(name: str) -> Deployment:
+    return locks.lock_deployment(name)
+
+
+def _by_hand(name: str) -> Deployment:
+    return locks.lock_deployments_reading([name])[0][0]
+
+
+@pytest.mark.parametrize("lock", [_by_orm, _by_hand], ids=["orm", "hot-sql"])
+@pytest.mark.django_db(transaction=True)
+def test_the_observed_record_read_with_the_lock_is_what_its_previous_holder_committed(lock):
+    """The record is read in the locking statement: one that waited for the lock must see what the
+    previous holder wrote to the record, not the record as it was when the statement began (in
+    READ COMMITTED, only the rows a statement locks are read again after its wait)."""
+    factories.deployment("hot")
+    holding, done = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            holding.wait(10)
+            with transaction.atomic():
+                seen["failures"] = lock("hot").observed.load_failures
+        finally:
+            connections.close_all()
+            done.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    with transaction.atomic():
+        deployment = locks.lock_deployment("hot")
+        deployment.observed.load_failures = 2
+        save_observed(deployment, ["load_failures"])
+        holding.set()
+        # Why a wait on pg_locks: the other thread must be queued on this row lock before this
+        # transaction commits, or the test proves nothing.
+        with connections["default"].cursor() as cur:
+            wait_until(lambda: waiting(cur, "transactionid") > 0, 10, "the other to wait for the lock", every=0.01)
+    assert done.wait(10)
+    thread.join()
+    assert seen["failures"] == 2
