@@ -4,6 +4,7 @@ they write and read exactly what the ORM would, inside the caller's transaction.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 from django.db import ProgrammingError, connection, connections, transaction
@@ -107,11 +108,10 @@ def test_a_missing_deployment_is_left_out_and_a_bad_statement_is_djangos_error()
         locks.lock_deployments_reading(["hot"], "SELECT no_such_column FROM scheduling_replica WHERE id = ANY(%s)")
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed():
-    """The census is read once the lock is granted, as a statement of its own: a replica the
-    lock's previous holder added and committed while we waited is in it."""
-    dep = factories.deployment("hot")
+def _read_after_a_wait(write: Callable[[], object], read: Callable[[], object]) -> tuple[object, object]:
+    """(what `write` returned, what `read` returned): `write` runs in a transaction that holds the
+    deployment "hot"'s row lock, `read` in another's that waited for that lock until the first
+    committed."""
     holding, done = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
 
@@ -119,7 +119,7 @@ def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed(
         try:
             holding.wait(10)
             with transaction.atomic():
-                seen["rows"] = locks.lock_deployments_reading(["hot"], CENSUS)[1][0]
+                seen["read"] = read()
         finally:
             connections.close_all()
             done.set()
@@ -128,7 +128,7 @@ def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed(
     thread.start()
     with transaction.atomic():
         locks.lock_deployment("hot")
-        added = factories.replica(dep)
+        written = write()
         holding.set()
         # Why a wait on pg_locks: the other thread must be queued on this row lock before this
         # transaction commits, or the test proves nothing.
@@ -140,7 +140,20 @@ def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed(
             wait_until(queued, 10, "the other transaction to wait for the deployment's row lock", every=0.01)
     assert done.wait(10)
     thread.join()
-    assert seen["rows"] == [(added.id,)]
+    return written, seen["read"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_read_beside_the_lock_sees_what_the_locks_previous_holder_committed():
+    """The census is read once the lock is granted, as a statement of its own: a replica the
+    lock's previous holder added and committed while we waited is in it."""
+    dep = factories.deployment("hot")
+
+    added, rows = _read_after_a_wait(
+        lambda: factories.replica(dep), lambda: locks.lock_deployments_reading(["hot"], CENSUS)[1][0]
+    )
+
+    assert rows == [(added.id,)]  # type: ignore[attr-defined]
 
 
 def _by_orm(name: str) -> Deployment:
@@ -157,30 +170,12 @@ def test_the_observed_record_read_with_the_lock_is_what_its_previous_holder_comm
     """The record is read in the locking statement: one that waited for the lock must see what the
     previous holder wrote to the record, not the record as it was when the statement began (in
     READ COMMITTED, only the rows a statement locks are read again after its wait)."""
-    factories.deployment("hot")
-    holding, done = threading.Event(), threading.Event()
-    seen: dict[str, object] = {}
+    deployment = factories.deployment("hot")
 
-    def waiter() -> None:
-        try:
-            holding.wait(10)
-            with transaction.atomic():
-                seen["failures"] = lock("hot").observed.load_failures
-        finally:
-            connections.close_all()
-            done.set()
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    with transaction.atomic():
-        deployment = locks.lock_deployment("hot")
+    def write() -> None:
         deployment.observed.load_failures = 2
         save_observed(deployment, ["load_failures"])
-        holding.set()
-        # Why a wait on pg_locks: the other thread must be queued on this row lock before this
-        # transaction commits, or the test proves nothing.
-        with connections["default"].cursor() as cur:
-            wait_until(lambda: waiting(cur, "transactionid") > 0, 10, "the other to wait for the lock", every=0.01)
-    assert done.wait(10)
-    thread.join()
-    assert seen["failures"] == 2
+
+    _, failures = _read_after_a_wait(write, lambda: lock("hot").observed.load_failures)
+
+    assert failures == 2
