@@ -206,6 +206,8 @@ def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_set(ctx: Context, args: argparse.Namespace) -> int:
+    rolls = setting_values.rolls(setting_values.parse_assignments(args.assignments, "set", changing=True))
+    mark = newest_event(ctx, args.name) if rolls else 0
     rolling = setting_values.set_settings(ctx, args)
     if rolling is None:
         return 0
@@ -213,26 +215,40 @@ def cmd_set(ctx: Context, args: argparse.Namespace) -> int:
         f"{args.name}: rolling every replica onto the new model, one at a time; requests meanwhile are served or wait"
     )
     ctx.err.print(Text(said, style="dim"))
-    return finish_rollout(ctx, args, rolling)
+    try:
+        return finish_rollout(ctx, args, rolling, after_event=mark)
+    except CliError as stopped:
+        # The change itself is made: say so, and how to roll it out once what stopped it is mended.
+        raise CliError(f"{stopped}; the new model is set, and `gpuportal restart {args.name}` rolls it out") from None
 
 
 def cmd_restart(ctx: Context, args: argparse.Namespace) -> int:
+    mark = newest_event(ctx, args.name)
     answer = ctx.client.post(deployment_path(args.name, "restart"))
     said = f"{args.name}: a rolling restart, one replica at a time; requests meanwhile are served or wait"
     ctx.err.print(Text(said, style="dim"))
-    return finish_rollout(ctx, args, answer)
+    return finish_rollout(ctx, args, answer, after_event=mark)
 
 
-def finish_rollout(ctx: Context, args: argparse.Namespace, answer: dict[str, Any]) -> int:
-    """Wait for a rolling restart to end, then say whether it replaced every replica: one that
-    stopped short (no room, failed loads, a pair too small for the need now) is an error, its
-    reason the one its Event gives."""
+def newest_event(ctx: Context, name: str) -> int:
+    """The id of the deployment's newest Event (0: none): a command's own come after it."""
+    newest = ctx.client.get("/api/events/", {"deployment": name, "page_size": 1})["results"]
+    return int(newest[0]["id"]) if newest else 0
+
+
+def finish_rollout(ctx: Context, args: argparse.Namespace, answer: dict[str, Any], *, after_event: int) -> int:
+    """Wait for the rolling restart the command began to end (its first steps may have ended it
+    already), then say whether it replaced every replica: one that stopped short (no room, failed
+    loads) is an error, its reason the one its Event gives. `after_event`: the deployment's newest
+    Event before the command; none of the restart's turns after it, none began (nothing ran)."""
     finish(ctx, args, answer, Goal(S.SERVING, 0, at_least=True, rollout=True))
     if args.no_wait:
         return 0
-    # Its turns as its Events carry them, newest first: the first end after its start is its own.
+    # Its turns as its Events carry them, newest first: the first end after the command is its own.
     filters = {"deployment": args.name, "kind": "deployment.changed", "page_size": 50}
     for event in ctx.client.get("/api/events/", filters)["results"]:
+        if int(event["id"]) <= after_event:
+            break
         turn = (event.get("after") or {}).get("rollout")
         if turn == states.Rollout.STOPPED:
             raise CliError(f"{args.name}: {event['reason']}")

@@ -150,7 +150,8 @@ def shown(value: object) -> str:
 
 def set_settings(ctx: Operator, args: argparse.Namespace) -> dict[str, Any] | None:
     """Change the settings named (each change said), or show them all. The PATCH's answer when
-    it began a rolling restart onto a new model (the caller waits for it); None otherwise."""
+    it changed the model (a rolling restart onto it began, unless nothing ran; the caller waits for
+    it); None otherwise."""
     path = f"/api/deployments/{quote(args.name, safe='')}/"
     assignments = parse_assignments(args.assignments, "set", changing=True)
     before = ctx.client.get(path)
@@ -167,7 +168,12 @@ def set_settings(ctx: Operator, args: argparse.Namespace) -> dict[str, Any] | No
         lines.append(f"{setting.path} {change}")
         rolled = rolled or (was != now and setting.update is Update.ROLLOUT)
     ctx.out.print(f"{after['name']}: " + "; ".join(lines), markup=False, highlight=False)
-    return after if rolled and after.get("rollout") else None
+    return after if rolled else None
+
+
+def rolls(assignments: Iterable[Assignment]) -> bool:
+    """Whether a change of these settings rolls every replica onto it (a new model)."""
+    return any(assignment.setting.update is Update.ROLLOUT for assignment in assignments)
 
 
 def add_set(

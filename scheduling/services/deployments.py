@@ -161,6 +161,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
     changes = dict(changes)
     # Before any lock: a node agent reads the model's files, as at its deploy.
     estimate = _estimate_for(name, changes)
+    rolling = 0
     with transaction.atomic():
         deployment = get(name, lock=True)
         for key, setting in KEPT.items():
@@ -197,14 +198,16 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 _estimate_anew(deployment, estimate)
             rolled = [deployment_spec.BY_NAME[k].path for k in after if k in ROLLED]
             # Before a retry places what a failed deployment lacks: what it places follows the change.
-            if rolled and rollouts.begin(deployment, why=f"for the new {' and '.join(rolled)}", park_asleep=True):
-                outbox.want(effects.advance_restarts())
+            if rolled:
+                rolling = rollouts.begin(deployment, why=f"for the new {' and '.join(rolled)}", park_asleep=True)
             if deployment.observed.failed_reason:
                 # A changed spec is the operator's answer to the failure: try again.
                 retry(name, reason="its settings changed")
         for key in SCALED:
             if key in changes:
                 scale(name, changes[key])
+    if rolling:
+        rollouts.advance(name)  # its first steps, as a restart takes them: the answer shows them
     _reread(deployment)
     return deployment
 

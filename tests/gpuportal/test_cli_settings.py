@@ -137,13 +137,13 @@ def test_set_changes_settings_through_the_api_saying_each_change_and_shows_them_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_set_of_a_new_model_rolls_it_onto_the_replicas_and_says_so(live_server, capsys, dispatched, tiny_model_dir):
-    from tests.support import factories as f
+def test_set_of_a_new_model_rolls_it_onto_the_replicas_and_says_so(
+    cluster, live_server, capsys, dispatched, tiny_model_dir
+):
     from tests.support.cli import staff_cli
+    from tests.support.deployments import deploy
 
-    node = f.node("node1")
-    deployment = f.deployment("tiny-a")
-    f.replica(deployment, node, state="serving")
+    deploy("tiny-a")
     run = staff_cli(live_server, capsys, "set", "tiny-a")
 
     code, out, err = run(f"source={tiny_model_dir}", "--no-wait")
@@ -155,5 +155,27 @@ def test_set_of_a_new_model_rolls_it_onto_the_replicas_and_says_so(live_server, 
     )
     assert "tiny-a: rolling every replica onto the new model, one at a time" in err
     assert Deployment.objects.get(name="tiny-a").model_source == str(tiny_model_dir)
-    assert Deployment.objects.get(name="tiny-a").observed.restart_since is not None
-    assert any(task == "scheduling.tasks.advance_restarts" for _, task, _ in dispatched)
+    assert Deployment.objects.get(name="tiny-a").observed.restart_since is not None, "its surge loads"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_set_of_a_new_model_whose_rollout_stops_says_why_and_that_the_model_is_set(
+    cluster, live_server, capsys, dispatched, tiny_model_dir
+):
+    from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
+    from scheduling.services.reports import report
+    from tests.support.cli import staff_cli
+
+    # Four replicas fill the four 1 GiB GPUs, and the deployment wants a fifth: no room for it.
+    spec = DeploymentSpec(name="full", source="/srv/models/tiny", replicas=4, override_bytes=900 * 1024**2)
+    for replica in create(spec, facts=ModelFacts(weight_bytes=2**20, estimate_bytes=2**20)).replicas.all():
+        report(replica.id, {"event": "serving", "pid": 1, "weights_bytes": 2**20})
+    Deployment.objects.filter(name="full").update(replicas_wanted=5)
+
+    code, _, err = staff_cli(live_server, capsys, "set", "full")(f"source={tiny_model_dir}", "--timeout", "30")
+
+    assert code == 1
+    last = err.splitlines()[-1]
+    assert last.startswith("error: full: rolling restart stopped: no room to place what the deployment lacks"), err
+    assert last.endswith("; the new model is set, and `gpuportal restart full` rolls it out")
+    assert Deployment.objects.get(name="full").model_source == str(tiny_model_dir)

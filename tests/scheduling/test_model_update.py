@@ -12,12 +12,10 @@ from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling.core.rollout import Action
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
 from scheduling.services import replica_specs, reports, rollouts, sleep
-from tests.support.deployments import body, invariant_holds, serve
+from tests.support.deployments import START, body, invariant_holds, serve
 from tests.support.pairs import serves_at, stands_by
 
 pytestmark = pytest.mark.django_db
-
-ADVANCE = "scheduling.tasks.advance_restarts"
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +57,13 @@ def test_a_new_model_source_is_rolled_onto_every_replica_one_at_a_time(
         for r in reasons
     ), reasons
     assert "rolling restart for the new model.source: 2 replica(s) to replace, one at a time" in reasons
-    # Its first step is the control worker's, asked for once the change committed.
-    assert [t for _, t, _ in dispatched] == [ADVANCE]
-    assert live("m") == {first: "serving", second: "serving"}, "nothing stopped before a replacement serves"
-
-    # The steps, as the worker takes them: each replacement runs the new model.
-    assert rollouts.advance("m").action == Action.WAIT
+    # Its first step is taken at once, as a restart's: a surge beside the two, which serve on.
     (surge,) = [r for r in live("m") if r not in (first, second)]
+    assert live("m") == {first: "serving", second: "serving", surge: "pending"}
+    assert [(t, a[0]) for _, t, a in dispatched if t == START] == [(START, surge)]
+
+    # The next steps, as the beat or a replacement's report takes them: each runs the new model.
+    assert rollouts.advance("m").action == Action.WAIT
     assert source_of(surge) == str(second_model)
     serve(surge)
     assert rollouts.advance("m").action == Action.WAIT  # the first stopped, the next surge placed
@@ -172,7 +170,7 @@ def test_failover_pairs_roll_onto_a_new_model_a_pair_at_a_time(cluster, api, rep
     assert answer.status_code == 200 and answer.json()["rollout"] is not None, answer.json()
     # The pair fits its reservation (its override): restarted in place, its new standby first,
     # which loads the new model and fails before it stands by if that would not fit.
-    assert rollouts.advance("pair").action == Action.WAIT
+    assert rollouts.advance("pair").action == Action.WAIT, "the new standby loads"
     assert Replica.objects.get(pk=standby.id).state == "stopping"
     renewed = Replica.objects.get(deployment__name="pair", role="standby", state="pending")
     assert source_of(renewed.id) == str(second_model)
