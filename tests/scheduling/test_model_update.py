@@ -11,7 +11,7 @@ import pytest
 from inference.management.commands.make_tiny_model import write_tiny_model
 from scheduling.core.rollout import Action
 from scheduling.models import Deployment, DeploymentObserved, Event, Replica
-from scheduling.services import replica_specs, reports, rollouts, sleep
+from scheduling.services import reports, rollouts, sleep
 from tests.support.deployments import START, body, invariant_holds, serve
 from tests.support.pairs import serves_at, stands_by
 
@@ -29,13 +29,29 @@ def live(name: str) -> dict[str, str]:
     return dict(rows.order_by("created_at").values_list("id", "state"))
 
 
-def source_of(replica_id: str) -> str:
-    """The model the replica's process is started with (its start command's spec)."""
-    return replica_specs.spec_of(Replica.objects.select_related("deployment", "node").get(pk=replica_id)).source
+@pytest.fixture
+def started(dispatched, monkeypatch) -> dict[str, str]:
+    """The model each start command sent to a node agent names, by replica, as the agent reads
+    the command: what the replica's process loads."""
+    from gpuportal.celery import app
+    from gpuportal.wire import commands
+
+    seen: dict[str, str] = {}
+    send = app.send_task
+
+    def record(name, args=None, queue=None, **kw):
+        if name in commands.TASKS.values():
+            command = commands.decode(args[0])
+            if isinstance(command, commands.StartReplica):
+                seen[command.replica_id] = command.spec.source
+        return send(name, args=args, queue=queue, **kw)
+
+    monkeypatch.setattr(app, "send_task", record)
+    return seen
 
 
 def test_a_new_model_source_is_rolled_onto_every_replica_one_at_a_time(
-    cluster, api, dispatched, tiny_model_dir, second_model
+    cluster, api, dispatched, started, tiny_model_dir, second_model, django_capture_on_commit_callbacks
 ):
     assert api("post", "/api/deployments/", body("m", tiny_model_dir, replicas=2)).status_code == 201
     first, second = live("m")
@@ -64,16 +80,17 @@ def test_a_new_model_source_is_rolled_onto_every_replica_one_at_a_time(
 
     # The next steps, as the beat or a replacement's report takes them: each runs the new model.
     assert rollouts.advance("m").action == Action.WAIT
-    assert source_of(surge) == str(second_model)
+    assert started[surge] == str(second_model)
     serve(surge)
-    assert rollouts.advance("m").action == Action.WAIT  # the first stopped, the next surge placed
+    with django_capture_on_commit_callbacks(execute=True):  # its commands sent, as after a commit
+        assert rollouts.advance("m").action == Action.WAIT  # the first stopped, the next surge placed
     assert live("m")[first] == "stopping"
     (surge2,) = [r for r in live("m") if r not in (first, second, surge)]
+    assert started[surge2] == str(second_model)
     serve(surge2)
     assert rollouts.advance("m").action == Action.DONE
 
     assert live("m") == {first: "stopping", second: "stopping", surge: "serving", surge2: "serving"}
-    assert {source_of(r) for r in (surge, surge2)} == {str(second_model)}
     assert api("get", "/api/deployments/m/").json()["rollout"] is None
     assert invariant_holds()
 
@@ -102,7 +119,7 @@ def test_a_model_change_parks_the_sleepers_at_once_so_no_wake_serves_the_old_mod
 
 
 def test_a_deployment_with_nothing_running_takes_the_new_model_with_no_restart(
-    cluster, api, dispatched, tiny_model_dir, second_model
+    cluster, api, dispatched, started, tiny_model_dir, second_model
 ):
     assert api("post", "/api/deployments/", body("idle", tiny_model_dir, replicas=0)).status_code == 201
     dispatched.clear()
@@ -113,7 +130,7 @@ def test_a_deployment_with_nothing_running_takes_the_new_model_with_no_restart(
     assert [t for _, t, _ in dispatched] == []
     assert api("patch", "/api/deployments/idle/", {"replicas": 1}).status_code == 200
     (placed,) = live("idle")
-    assert source_of(placed) == str(second_model)
+    assert started == {placed: str(second_model)}
 
 
 def test_a_model_no_node_can_read_is_a_400_naming_it_and_nothing_changes(cluster, api, tiny_model_dir, tmp_path):
@@ -157,7 +174,9 @@ def test_a_torch_module_source_must_be_one_an_operator_allowed(cluster, api, set
     assert bigger.status_code == 200 and bigger.json()["model"]["source"] == "tests.support.models:big_mlp"
 
 
-def test_failover_pairs_roll_onto_a_new_model_a_pair_at_a_time(cluster, api, report, tiny_model_dir, second_model):
+def test_failover_pairs_roll_onto_a_new_model_a_pair_at_a_time(
+    cluster, api, report, started, tiny_model_dir, second_model
+):
     paired = body("pair", tiny_model_dir, failover={"standby": True})
     assert api("post", "/api/deployments/", paired).status_code == 201
     active = Replica.objects.get(deployment__name="pair", role="primary")
@@ -173,12 +192,12 @@ def test_failover_pairs_roll_onto_a_new_model_a_pair_at_a_time(cluster, api, rep
     assert rollouts.advance("pair").action == Action.WAIT, "the new standby loads"
     assert Replica.objects.get(pk=standby.id).state == "stopping"
     renewed = Replica.objects.get(deployment__name="pair", role="standby", state="pending")
-    assert source_of(renewed.id) == str(second_model)
+    assert started[renewed.id] == str(second_model)
     assert live("pair")[active.id] == "serving"
 
 
 def test_a_new_model_is_the_answer_to_a_failed_one_and_what_is_placed_loads_it(
-    cluster, api, tiny_model_dir, second_model
+    cluster, api, started, tiny_model_dir, second_model
 ):
     crashy = body("c", tiny_model_dir, restart={"max_load_failures": 1})
     assert api("post", "/api/deployments/", crashy).status_code == 201
@@ -191,4 +210,4 @@ def test_a_new_model_is_the_answer_to_a_failed_one_and_what_is_placed_loads_it(
     assert answer.status_code == 200, answer.json()
     assert answer.json()["status"] != "failed" and answer.json()["rollout"] is None, "nothing ran the old model"
     (placed,) = live("c")
-    assert placed != broken and source_of(placed) == str(second_model)
+    assert placed != broken and started[placed] == str(second_model)
