@@ -206,9 +206,9 @@ def cmd_retry(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_set(ctx: Context, args: argparse.Namespace) -> int:
-    rolls = setting_values.rolls(setting_values.parse_assignments(args.assignments, "set", changing=True))
-    mark = newest_event(ctx, args.name) if rolls else 0
-    rolling = setting_values.set_settings(ctx, args)
+    assignments = setting_values.parse_assignments(args.assignments, "set", changing=True)
+    mark = newest_event(ctx, args.name) if setting_values.rolls(assignments) else 0
+    rolling = setting_values.set_settings(ctx, args, assignments)
     if rolling is None:
         return 0
     said = (

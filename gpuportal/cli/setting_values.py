@@ -148,12 +148,11 @@ def shown(value: object) -> str:
     return str(value)
 
 
-def set_settings(ctx: Operator, args: argparse.Namespace) -> dict[str, Any] | None:
-    """Change the settings named (each change said), or show them all. The PATCH's answer when
-    it changed the model (a rolling restart onto it began, unless nothing ran; the caller waits for
-    it); None otherwise."""
+def set_settings(ctx: Operator, args: argparse.Namespace, assignments: list[Assignment]) -> dict[str, Any] | None:
+    """Change the settings `assignments` name (each change said), or show them all (none named).
+    The PATCH's answer when it changed the model (a rolling restart onto it began, unless nothing
+    ran; the caller waits for it); None otherwise."""
     path = f"/api/deployments/{quote(args.name, safe='')}/"
-    assignments = parse_assignments(args.assignments, "set", changing=True)
     before = ctx.client.get(path)
     if not assignments:
         for setting in spec.SETTINGS:

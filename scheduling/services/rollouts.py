@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire import memory, states
+from gpuportal.wire import states
 from gpuportal.wire.states import Rollout
 from scheduling import locks
 from scheduling.core import rollout
@@ -214,13 +214,6 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
         save_observed(deployment, ["restart_surge"])
     elif decided.action == Action.PARK:
         _park(decided.replica_ids, f"parked by a {STEP}: {decided.why}")
-    elif decided.action in (Action.STANDBY, Action.SWITCHOVER) and (
-        short := _pair_short(deployment, decided.replica_ids[0])
-    ):
-        # Settled above for every outdated pair; a need grown since (a PATCH between two steps) ends here.
-        why = f"{STEP} stopped: {short}; the pairs serve on"
-        _end(deployment, why)
-        return Step(Action.DONE, why=why)
     elif decided.action == Action.STANDBY:
         locks.lock_replica_ids(decided.replica_ids)  # after the deployment's row, in primary-key order
         rows = Replica.objects.select_related("node", "deployment").in_bulk(decided.replica_ids)
@@ -251,30 +244,25 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
 
 
 def _short_pairs(deployment: Deployment, found: list[Member], since: datetime) -> set[int]:
-    """The outdated pairs (their leases) that a restart in place would not fit (`_pair_short`)."""
+    """The outdated pairs (their leases) that a restart in place would not fit (`_outgrown`),
+    read in the step's own transaction, so the step taken for them is decided on what it reads."""
     actives = [m for m in found if m.pair is not None and m.created_at < since and m.state == Replica.State.SERVING]
-    return {m.pair for m in actives if _pair_short(deployment, m.id)}  # type: ignore[misc]
+    return {m.pair for m in actives if _outgrown(deployment, m.id)}  # type: ignore[misc]
 
 
-def _pair_short(deployment: Deployment, active_id: str) -> str | None:
-    """Why the pair of the active `active_id` cannot be restarted in place, or None: its new
-    standby wakes into the pair's reservation, which a need grown since it was placed (a larger
-    `max_tokens` or `override_bytes`) no longer fits, and a wake that does not fit fails after
-    the active has stepped down. Such a pair is replaced by a new pair placed beside it."""
+def _outgrown(deployment: Deployment, active_id: str) -> bool:
+    """Whether the deployment's need has outgrown the reservation of the active `active_id`'s
+    pair (a larger `max_tokens` or `override_bytes` since it was placed): its new standby would
+    wake into too little, after the active had stepped down. Such a pair is replaced by a new
+    pair placed beside it, not in place."""
     active = Replica.objects.only("node_id", "gpu_mem_bytes_by_id").get(pk=active_id)
     indices = [int(index) for index in active.gpu_mem_bytes_by_id]
     gpus = GPU.objects.filter(node_id=active.node_id, index__in=indices)
     contexts = list(gpus.values_list("context_bytes", "standby_context_bytes"))
     if not contexts:
-        return None
+        return False
     need = need_with(deployment, (max(c for c, _ in contexts), max(s for _, s in contexts))).bytes
-    held = sum(Occupant.objects.filter(replica_id=active.pk).values_list("reserved_bytes", flat=True))
-    if held >= need:
-        return None
-    return (
-        f"the pair of replica {active.pk[:8]} reserves {memory.human_bytes(held)}, and the deployment needs "
-        f"{memory.human_bytes(need)} a pair now: a new standby could not wake into it"
-    )
+    return sum(Occupant.objects.filter(replica_id=active.pk).values_list("reserved_bytes", flat=True)) < need
 
 
 def _park(replica_ids: Iterable[str], why: str) -> None:
