@@ -14,6 +14,7 @@ from django.db.models.functions import Cast
 
 from gpuportal.wire import deployment_spec as spec
 from gpuportal.wire import memory, node_auth, states
+from scheduling.core import autoscale
 
 # A node's name as its agent's --node takes it (gpuportal.wire.node_auth): a host's name, dots and all.
 node_name_validator = RegexValidator(rf"\A{node_auth.NODE_NAME.pattern}\Z", node_auth.NODE_NAME_RULE)
@@ -288,6 +289,19 @@ class Deployment(models.Model):
     def memory_need_bytes(self) -> int | None:
         observed = self.observed
         return self.memory_override_bytes or observed.memory_measured_bytes or observed.memory_estimate_bytes
+
+    @property
+    def autoscale_policy(self) -> autoscale.Policy | None:
+        """Its autoscale settings as the autoscaler (and the capacity planner) read them; None
+        while autoscale.max_replicas is 0 (off)."""
+        if not self.autoscale_max_replicas:
+            return None
+        return autoscale.Policy(
+            min_replicas=self.autoscale_min_replicas,
+            max_replicas=self.autoscale_max_replicas,
+            target_in_flight=self.autoscale_target_in_flight,
+            down_after_s=self.autoscale_down_after_s,
+        )
 
 
 class DeploymentObserved(models.Model):

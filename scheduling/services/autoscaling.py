@@ -60,15 +60,6 @@ def last_loads() -> dict[str, Load]:
     return {name.decode(): Load(**json.loads(value)) for name, value in raw.items()}
 
 
-def policy_of(deployment: Deployment) -> autoscale.Policy:
-    return autoscale.Policy(
-        min_replicas=deployment.autoscale_min_replicas,
-        max_replicas=deployment.autoscale_max_replicas,
-        target_in_flight=deployment.autoscale_target_in_flight,
-        down_after_s=deployment.autoscale_down_after_s,
-    )
-
-
 def sweep(now: float | None = None) -> dict[str, int]:
     """Scale each autoscaled deployment to what its load wants: {name: the replicas set}, for
     those changed. One whose loads fail (failed, or retrying after its backoff) is left alone:
@@ -87,7 +78,7 @@ def sweep(now: float | None = None) -> dict[str, int]:
     except redis.RedisError as err:
         log.warning("autoscaler: cannot read the requests in flight (%s): no change this sweep", err)
         return {}
-    policies = {d.name: policy_of(d) for d in deployments}
+    policies = {d.name: policy for d in deployments if (policy := d.autoscale_policy) is not None}
     try:
         recent = _remember(queueing.queue().redis, now, in_flight, policies)
     except redis.RedisError as err:

@@ -27,6 +27,14 @@ services build one from the ledger. Simulated replicas:
   agents do with GPUPORTAL_WARM_SPARES: a context of each GPU is the spare's, and a deep wake runs
   in its first GPU's spare (`spare_start_s`) where that is sooner than a process start, waiting
   for the one warming if need be; the next spare is warm a process start after it is taken;
+- a deployment keeps `replicas` awake where it can, as the product's do: a wake of one with
+  nothing awake brings back as many (the first by the wake path below, the rest with free memory
+  only, all or none, as sleep.wake_deployment does), and with `autoscale` set the autoscaler's
+  sweep (scheduling.core.autoscale, every AUTOSCALE_S) scales it by its requests in flight:
+  a scale-up places the replicas it adds as an operator's scale does (sleepers promoted first,
+  evictions as the policy's placement allows; short of room for all, one more if that fits),
+  a scale-down stops the most recently started, each finishing what it took first. Requests go
+  to the serving replica with the fewest in flight;
 
 Every change of reservations is checked against every GPU's total (invariant 1 of docs/architecture.md): an
 over-commit raises `OverCommit` at the simulated instant it would happen.
@@ -44,7 +52,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gpuportal.wire.states import ReplicaState as S
-from scheduling.core import costs, fairness, planning
+from scheduling.core import autoscale, costs, fairness, planning
 from scheduling.core.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
 from scheduling.core.state import GPUView, OccupantView, Snapshot
 from scheduling.simulation.config import Config
@@ -62,6 +70,8 @@ GIVE_UP_AFTER_DRAIN_S = 60.0
 # The live idle sweep's period (its beat schedule, migration 0006): how often an idle replica is
 # judged again for fairness.sleep_early.
 SWEEP_S = 5.0
+# The autoscaler's period (its beat schedule, migration 0039).
+AUTOSCALE_S = 5.0
 
 
 class OverCommit(AssertionError):
@@ -108,6 +118,8 @@ class SimReplica:
     # Told to sleep deeply and not there yet (its process writing its host copy, then exiting).
     deepening: bool = False
     asleep_token: int = 0
+    # Stopped by a scale-down: it finishes what it took (draining), then leaves for good.
+    stopping: bool = False
 
 
 @dataclass
@@ -126,8 +138,13 @@ class DeploymentState:
     spec: Deployment
     need_bytes: int
     queue: deque[Request] = field(default_factory=deque)
-    active: SimReplica | None = None  # loading, serving or draining
-    cached: dict[str, SimReplica] = field(default_factory=dict)  # node -> sleeping replica
+    # Loading, serving or draining, oldest first: a draining one still finishes what it took.
+    awake: list[SimReplica] = field(default_factory=list)
+    cached: dict[str, SimReplica] = field(default_factory=dict)  # replica id -> sleeping replica
+    # How many it wants awake (the product's replicas_wanted): its own, then the autoscaler's.
+    replicas: int = 1
+    # What the autoscaler's earlier sweeps wanted, (when, replicas): its scale-down window.
+    recent: list[tuple[float, int]] = field(default_factory=list)
     waiter: Waiter | None = None
     retry_pending: bool = False
     retry_token: int = 0
@@ -163,6 +180,8 @@ class Counters:
     deep_sleeps: int = 0
     deep_wakes: int = 0
     placements: int = 0
+    scale_ups: int = 0
+    scale_downs: int = 0
     overcommit_checks: int = 0
     memory_byte_s: float = 0.0
     working_set_bytes: int = 0
@@ -212,7 +231,9 @@ class Simulation:
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
-        self.deployments = {d.name: DeploymentState(d, d.need_bytes(policy.memory)) for d in trace.deployments}
+        self.deployments = {
+            d.name: DeploymentState(d, d.need_bytes(policy.memory), replicas=d.replicas) for d in trace.deployments
+        }
         self.outcomes = {r.id: RequestOutcome(r) for r in trace.requests}
         self._in_flight_of: dict[str, int] = dict.fromkeys(self.deployments, 0)
 
@@ -222,10 +243,16 @@ class Simulation:
         if self.policy.unlimited:
             gpu_bytes = self.config.cluster.gpu_bytes
             for ds in self.deployments.values():
-                ds.active = SimReplica(self._new_id(ds), ds.spec.name, "unlimited", {}, SERVING, serving_since=0.0)
-                ds.active.spread = -(-ds.need_bytes // gpu_bytes)
+                # Always loaded, as many as it could ever want.
+                most = ds.spec.autoscale.max_replicas if ds.spec.autoscale else 0
+                for _ in range(max(ds.replicas, most)):
+                    replica = SimReplica(self._new_id(ds), ds.spec.name, "unlimited", {}, SERVING, serving_since=0.0)
+                    replica.spread = -(-ds.need_bytes // gpu_bytes)
+                    ds.awake.append(replica)
         else:
             self._provision()
+            if any(ds.spec.autoscale for ds in self.deployments.values()):
+                self._at(AUTOSCALE_S, self._autoscale)
         for r in self.trace.requests:
             self._at(r.arrival_s, self._arrive, r)
         self._at(self.trace.duration_s + self.serving.grace_s, self._close)
@@ -268,27 +295,26 @@ class Simulation:
     def _arrive(self, request: Request) -> None:
         ds = self.deployments[request.deployment]
         ds.queue.append(request)
-        if self.policy.wake_on_arrival and ds.retry_pending and ds.active is None:
+        if self.policy.wake_on_arrival and ds.retry_pending and not ds.awake:
             # services.requests._admit: a request for a deployment with nothing awake asks for a
             # wake itself (sleep.wake_deployment), whatever backoff an earlier failed wake is in.
             ds.retry_pending = False
         self._dispatch(ds)
 
     def _dispatch(self, ds: DeploymentState) -> None:
-        replica = ds.active
-        if replica is not None:
-            if replica.state == SERVING:
-                while ds.queue and len(replica.in_flight) < self.serving.max_batch:
-                    self._start(replica, ds.queue.popleft())
+        if ds.awake:
+            while ds.queue:
+                free = [r for r in ds.awake if r.state == SERVING and len(r.in_flight) < self.serving.max_batch]
+                if not free:
+                    break
+                self._start(min(free, key=lambda r: len(r.in_flight)), ds.queue.popleft())
             return
         if ds.queue and ds.waiter is None and not ds.retry_pending and not self.closed:
             self._wake(ds)
 
     def _start(self, replica: SimReplica, request: Request) -> None:
         ds = self.deployments[replica.deployment]
-        spread = max(1, len(replica.bytes_by_gpu), replica.spread)
-        prefill = ds.spec.flops_per_token * request.prompt_tokens / (self.hw.prefill_tflops * 1e12 * spread)
-        per_token = ds.spec.weight_bytes / (self.hw.hbm_tb_per_s * 1e12 * spread)
+        prefill, per_token = request_times(ds.spec, request, self.hw, max(1, len(replica.bytes_by_gpu), replica.spread))
         outcome = self.outcomes[request.id]
         outcome.start_s, outcome.ttft_s = self.now, self.now - request.arrival_s + prefill
         since = replica.serving_since
@@ -310,7 +336,7 @@ class Simulation:
         self.outcomes[request.id].end_s = self.now
         self._working_set(ds, -1)
         if replica.state == DRAINING and not replica.in_flight:
-            self._begin_sleep(replica)
+            self._begin_sleep(replica)  # or its stop, for one a scale-down stops
         elif replica.state == SERVING:
             self._dispatch(ds)
             self._maybe_idle(replica, ds)
@@ -320,13 +346,14 @@ class Simulation:
         outcome.failed, outcome.end_s = why, self.now
 
     def _working_set(self, ds: DeploymentState, delta: int) -> None:
-        # The oracle's GPU count: the bytes of the deployments serving a request at this instant.
+        # The oracle's GPU count: the bytes of the replicas serving a request at this instant, as
+        # few as hold them (a batch each): one replica of each deployment that serves any, more
+        # only for a deployment of several replicas serving more than one batch.
         before = self._in_flight_of[ds.spec.name]
         self._in_flight_of[ds.spec.name] = before + delta
-        if before == 0 and delta > 0:
-            self.counters.working_set_bytes += ds.need_bytes
-        elif before + delta == 0:
-            self.counters.working_set_bytes -= ds.need_bytes
+        batch = self.serving.max_batch
+        replicas = -(-(before + delta) // batch) - -(-before // batch)
+        self.counters.working_set_bytes += replicas * ds.need_bytes
         self.counters.peak_working_set_bytes = max(
             self.counters.peak_working_set_bytes, self.counters.working_set_bytes
         )
@@ -360,7 +387,7 @@ class Simulation:
                 other.spec.name, other.need_bytes, self.wake_s(other.spec), self.policy.placement.whole_gpu_from
             )
             for other in self.deployments.values()
-            if other.active is None and replica.node in other.cached
+            if not other.awake and any(c.node == replica.node for c in other.cached.values())
         ]
         slo = self._setting(ds.spec.slo_ttft_s, self.serving.slo_ttft_s)
         short = fairness.short_of_room(gpus, asleep, slo_ttft_s=slo)
@@ -389,6 +416,9 @@ class Simulation:
         # keeps a copy there has nothing to copy out once the copy is whole (inference.arena's
         # kept arena, filled by a wake or in the background after a load: the sleep waits for it).
         ds = self.deployments[replica.deployment]
+        if replica.stopping:
+            self._stopped(replica)
+            return
         if self.policy.sleep_from_kept_copy and replica.kept_copy_s is not None:
             self._at(max(self.now, replica.kept_copy_s), self._slept, replica)
             return
@@ -424,9 +454,8 @@ class Simulation:
                 self._deepen(replica)
             elif self.serving.deep_after_s > 0:
                 self._at(self.now + self.serving.deep_after_s, self._deep_check, replica, replica.asleep_token)
-        if ds.active is replica:
-            ds.active = None
-        ds.cached[replica.node] = replica
+        self._leave(ds, replica)
+        ds.cached[replica.id] = replica
         self._memory_freed()
         self._dispatch(ds)
 
@@ -475,6 +504,7 @@ class Simulation:
             return
         if isinstance(result, Placement):
             self._commit(ds, result)
+            self._top_up(ds)
             return
         if fair:
             if self.policy.target_by_cost and self._begin_costed_wait(ds, request):
@@ -499,7 +529,7 @@ class Simulation:
         return self._begin_costed_wait(ds, replace(request, allow_new=False))
 
     def _request(self, ds: DeploymentState, *, only: str | None = None) -> PlacementRequest:
-        cached = tuple(CachedReplica(r.id, node) for node, r in sorted(ds.cached.items()))
+        cached = tuple(CachedReplica(r.id, r.node) for r in sorted(ds.cached.values(), key=lambda r: (r.node, r.id)))
         if only is not None:
             cached = tuple(c for c in cached if c.replica_id == only)
         return PlacementRequest(
@@ -659,14 +689,115 @@ class Simulation:
     def _drain_over(self, victim: SimReplica) -> None:
         if victim.state != DRAINING or not victim.in_flight:
             return
+        cause = "a scale-down's" if victim.stopping else "a preemption's"
         for request in list(victim.in_flight.values()):
-            self._cancel(victim, request, "cut off by a preemption's drain timeout")
+            self._cancel(victim, request, f"cut off by {cause} drain timeout")
         self._begin_sleep(victim)
 
     def _cancel(self, replica: SimReplica, request: Request, why: str) -> None:
         replica.in_flight.pop(request.id)
         self._working_set(self.deployments[replica.deployment], -1)
         self._fail(request, why)
+
+    # --- replicas by load ------------------------------------------------------------------
+
+    def _top_up(self, ds: DeploymentState) -> None:
+        """After a wake placed its first replica: the rest it wants, with free memory only and all
+        or none (sleep.wake_deployment); short of room, the one woken serves alone."""
+        missing = ds.replicas - len(self._running(ds))
+        if missing > 0:
+            self._place_more(ds, missing, evictions=False)
+
+    def _autoscale(self) -> None:
+        """The autoscaler's sweep (services.autoscaling.sweep): each autoscaled deployment's
+        requests in flight, queued or taken, decide how many replicas it wants."""
+        if self.closed:
+            return
+        for ds in self.deployments.values():
+            policy = ds.spec.autoscale
+            if policy is None:
+                continue
+            in_flight = len(ds.queue) + sum(len(r.in_flight) for r in ds.awake)
+            # The sweeps of the window and the one before it: what tells the window is covered.
+            ds.recent = [(t, n) for t, n in ds.recent if t >= self.now - policy.down_after_s - AUTOSCALE_S]
+            decision = autoscale.decide(ds.replicas, in_flight, ds.recent, self.now, policy)
+            ds.recent.append((self.now, autoscale.wanted(in_flight, policy)))
+            if decision is not None:
+                self._scale(ds, decision.replicas)
+        self._at(self.now + AUTOSCALE_S, self._autoscale)
+
+    def _scale(self, ds: DeploymentState, replicas: int) -> None:
+        """scaling.scale as the autoscaler calls it: up, the replicas it adds placed as an
+        operator's scale places them (evictions as the policy allows), all or none, else one more
+        than it wanted if that fits; down, the most recently started stop."""
+        running = self._running(ds)
+        if replicas > len(running):
+            if not self._place_more(ds, replicas - len(running), evictions=True):
+                replicas = ds.replicas + 1
+                if replicas <= len(running) or not self._place_more(ds, replicas - len(running), evictions=True):
+                    return  # no room even for one more: the next sweep asks again
+            self.counters.scale_ups += 1
+        elif replicas < len(running):
+            for replica in running[replicas:]:
+                self._stop(replica)
+            self.counters.scale_downs += 1
+        ds.replicas = replicas
+
+    def _running(self, ds: DeploymentState) -> list[SimReplica]:
+        """What a scale counts awake: loading or serving, oldest first (a draining one is leaving)."""
+        return [r for r in ds.awake if r.state in (LOADING, SERVING)]
+
+    def _place_more(self, ds: DeploymentState, count: int, *, evictions: bool) -> bool:
+        """`count` more replicas, sleepers promoted first, all or none (planning.place_all)."""
+        policy = self.policy.placement if evictions else replace(self.policy.placement, evictions=False)
+        first = self._request(ds)
+        requests = [first, *(replace(first, replica_id=self._new_id(ds)) for _ in range(count - 1))]
+        result = planning.place_all(
+            self._snapshot(ds),
+            requests,
+            occupant_for=lambda placement: self._placed_occupant(ds, placement),
+            reason="scaled",
+            policy=policy,
+            rng=self.rng,
+        )
+        if isinstance(result, CantAccommodate):
+            return False
+        for placement in result.placements:
+            self._commit(ds, placement)
+        return True
+
+    def _placed_occupant(self, ds: DeploymentState, placement: Placement) -> OccupantView:
+        return OccupantView(
+            replica_id=placement.replica_id,
+            deployment=ds.spec.name,
+            state=LOADING,
+            reserved_bytes=0,
+            dedicated=self.policy.name == "dedicated" or ds.spec.dedicated,
+            popular=ds.spec.popular,
+            min_runtime_s=self._setting(ds.spec.min_runtime_s, self.serving.min_runtime_s),
+        )
+
+    def _stop(self, replica: SimReplica) -> None:
+        """A scale-down's stop: no new requests; those it took finish (up to drain_timeout)."""
+        replica.stopping = True
+        if replica.state == LOADING or not replica.in_flight:
+            self._stopped(replica)
+            return
+        replica.state = DRAINING
+        self._at(self.now + self.serving.drain_timeout_s, self._drain_over, replica)
+
+    def _stopped(self, replica: SimReplica) -> None:
+        ds = self.deployments[replica.deployment]
+        self._release(replica)
+        replica.state, replica.serving_since = STOPPED, None
+        self._leave(ds, replica)
+        self._memory_freed()
+        self._dispatch(ds)
+
+    @staticmethod
+    def _leave(ds: DeploymentState, replica: SimReplica) -> None:
+        if replica in ds.awake:
+            ds.awake.remove(replica)
 
     # --- committing a placement ------------------------------------------------------------
 
@@ -695,7 +826,7 @@ class Simulation:
         name = ds.spec.name
         if placement.promoted:
             replica = self.replicas[placement.promoted]
-            del ds.cached[replica.node]
+            del ds.cached[replica.id]
             # Its context, where it kept one, is the residual placement counted: replaced by its need.
             self._release(replica)
             load, replica.loaded_by = self.wake_s(ds.spec), "wake"
@@ -716,7 +847,7 @@ class Simulation:
         replica.placed_s = self.now
         replica.state, replica.bytes_by_gpu = LOADING, dict(placement.bytes_by_gpu)
         self._reserve(replica)
-        ds.active = replica
+        ds.awake.append(replica)
         if ds.home is None:
             ds.home = tuple(placement.gpu_ids)
         self._at(self.now + delay + load, self._loaded, replica)
@@ -733,16 +864,15 @@ class Simulation:
         for request in list(victim.in_flight.values()):
             self._cancel(victim, request, "cancelled by an eviction")
         self._release(victim)
-        if ds.active is victim:
-            ds.active = None
+        self._leave(ds, victim)
         # A replica evicted before it finished loading has nothing complete to keep in CPU RAM.
         victim.serving_since = None
-        if victim.loading_from_disk:
+        if victim.loading_from_disk or victim.stopping:
             victim.state = STOPPED
         else:
             victim.state, victim.deep = SLEEPING, self.policy.two_level_sleep
             self.counters.deep_sleeps += victim.deep
-            ds.cached[victim.node] = victim
+            ds.cached[victim.id] = victim
         self._at(self.now, self._dispatch, ds)
         return self._copy_out_s(ds.spec)
 
@@ -789,30 +919,39 @@ class Simulation:
         and has slept since, so its weights are in a node's CPU RAM (`_park_on`) and its first
         request wakes it rather than reading it from disk. A portal is not restarted cold for
         every trace: starting everyone young, or never loaded, would measure a cold start."""
-        policy = replace(self.policy.placement, evictions=False)
         parked: dict[str, int] = dict.fromkeys(sorted(self.node_gpus), 0)
         for ds in sorted(self.deployments.values(), key=lambda d: (-d.spec.rate_per_s, d.spec.name)):
-            result = place(self._snapshot(ds), self._request(ds), policy=policy, rng=self.rng)
-            if isinstance(result, CantAccommodate):
+            # Its replicas as far as they fit; with none, one copy asleep in a node's CPU RAM.
+            for _ in range(max(1, ds.replicas)):
+                if not self._provision_one(ds):
+                    break
+            if not ds.awake:
                 node = self._park_on(ds, parked)
                 parked[node] += ds.need_bytes
                 deep = self.policy.two_level_sleep
                 asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING, deep=deep)
                 self.replicas[asleep.id] = asleep
-                ds.cached[node] = asleep
-                continue
-            replica = SimReplica(result.replica_id, ds.spec.name, result.node, dict(result.bytes_by_gpu), SERVING)
-            replica.serving_since = -self._setting(ds.spec.min_runtime_s, self.serving.min_runtime_s)
-            # Last asked when it started serving, as the live portal stamps a replica that starts
-            # serving (services.replica_reports): never asked (None) is the cost order's cheapest
-            # victim, so every replica of the start, a 70B model the first, was the first victim
-            # of the first wake.
-            replica.last_accessed = replica.serving_since
-            self._keep_copy(replica, ds)  # loaded from disk when deployed: its copy made since
-            self.replicas[replica.id] = replica
-            self._reserve(replica)
-            ds.active, ds.home = replica, tuple(result.gpu_ids)
-            self._maybe_idle(replica, ds)
+                ds.cached[asleep.id] = asleep
+
+    def _provision_one(self, ds: DeploymentState) -> bool:
+        policy = replace(self.policy.placement, evictions=False)
+        result = place(self._snapshot(ds), self._request(ds), policy=policy, rng=self.rng)
+        if isinstance(result, CantAccommodate):
+            return False
+        replica = SimReplica(result.replica_id, ds.spec.name, result.node, dict(result.bytes_by_gpu), SERVING)
+        replica.serving_since = -self._setting(ds.spec.min_runtime_s, self.serving.min_runtime_s)
+        # Last asked when it started serving, as the live portal stamps a replica that starts
+        # serving (services.replica_reports): never asked (None) is the cost order's cheapest
+        # victim, so every replica of the start, a 70B model the first, was the first victim
+        # of the first wake.
+        replica.last_accessed = replica.serving_since
+        self._keep_copy(replica, ds)  # loaded from disk when deployed: its copy made since
+        self.replicas[replica.id] = replica
+        self._reserve(replica)
+        ds.awake.append(replica)
+        ds.home = ds.home or tuple(result.gpu_ids)
+        self._maybe_idle(replica, ds)
+        return True
 
     def _park_on(self, ds: DeploymentState, parked: Mapping[str, int]) -> str:
         """The node whose CPU RAM holds the copy of a deployment that did not fit at the start.
@@ -914,6 +1053,15 @@ class Simulation:
     @staticmethod
     def _dt(t: float) -> datetime:
         return EPOCH + timedelta(seconds=t)
+
+
+def request_times(
+    spec: Deployment, request: Request, hardware: costs.HardwareConfig, spread: int = 1
+) -> tuple[float, float]:
+    """A request's prefill and its time per output token on a replica spread over `spread` GPUs:
+    2 × params × prompt tokens of compute, then one HBM pass over the weights per token."""
+    prefill = spec.flops_per_token * request.prompt_tokens / (hardware.prefill_tflops * 1e12 * spread)
+    return prefill, spec.weight_bytes / (hardware.hbm_tb_per_s * 1e12 * spread)
 
 
 def simulate(trace: Trace, config: Config, policy: SimPolicy, *, gpus: int | None = None) -> SimResult:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from gpuportal.wire import memory
 from gpuportal.wire.memory import ModelShape
-from scheduling.core import costs
+from scheduling.core import autoscale, costs
 from scheduling.core.costs import HardwareConfig
 from scheduling.simulation.config import Config, ServingConfig
 
@@ -63,6 +63,10 @@ class Deployment:
     # disk and a wake from CPU RAM; None derives them from the bytes and the [hardware] speeds.
     load_s: float | None = None
     wake_s: float | None = None
+    # How many replicas it keeps awake where it can (the product's `replicas`), and, where set,
+    # how the autoscaler scales that by load (the deployment's `autoscale` settings).
+    replicas: int = 1
+    autoscale: autoscale.Policy | None = None
 
     def disk_load_s(self, hardware: HardwareConfig) -> float:
         return costs.disk_load_s(self.weight_bytes, hardware, self.load_s)

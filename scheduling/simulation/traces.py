@@ -34,7 +34,10 @@ entry a deployment:
 - `dtype` (float32, float16, bfloat16; bfloat16 by default), `popular`, `dedicated`; the fairness
   and sleep settings `min_runtime_s`, `max_wait_s`, `idle_timeout_s` (0: never sleeps) and
   `slo_ttft_s`, each defaulting to the config's [serving] table; `load_s` and `wake_s`, the
-  measured times of a cold load and a wake (otherwise bytes over the [hardware] speeds).
+  measured times of a cold load and a wake (otherwise bytes over the [hardware] speeds);
+- `replicas` (1 by default) and `autoscale`, as a deployment's REST body has them:
+  `{"max_replicas": 4, "min_replicas": 1, "target_in_flight": 4, "down_after_s": 300}`, each
+  but max_replicas defaulting as a deployment's does (max_replicas 0: off).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from gpuportal.wire import memory
+from gpuportal.wire import deployment_spec, memory
+from scheduling.core import autoscale
 from scheduling.simulation.config import Config
 from scheduling.simulation.trace import SHAPES, Architecture, Deployment, Request, Trace, estimate_bytes
 
@@ -270,7 +274,7 @@ def _count(value: Any, name: str, *, least: int) -> int:
 
 _ENTRY_KEYS = {
     "name", "size", "shape", "weight_bytes", "need_bytes", "dtype", "max_tokens", "popular", "dedicated",
-    "min_runtime_s", "max_wait_s", "idle_timeout_s", "slo_ttft_s", "load_s", "wake_s",
+    "min_runtime_s", "max_wait_s", "idle_timeout_s", "slo_ttft_s", "load_s", "wake_s", "replicas", "autoscale",
 }  # fmt: skip
 _SHAPE_KEYS = ("params_b", "layers", "hidden", "kv_heads", "head_dim", "intermediate")
 _SECONDS = ("min_runtime_s", "max_wait_s", "idle_timeout_s", "slo_ttft_s", "load_s", "wake_s")
@@ -295,6 +299,8 @@ class CatalogueEntry:
     slo_ttft_s: float | None = None
     load_s: float | None = None
     wake_s: float | None = None
+    replicas: int = 1
+    autoscale: autoscale.Policy | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The entry as a catalogue file writes it (None and default values left out)."""
@@ -309,6 +315,10 @@ class CatalogueEntry:
         for key in ("popular", "dedicated"):
             if getattr(self, key):
                 out[key] = True
+        if self.replicas != 1:
+            out["replicas"] = self.replicas
+        if self.autoscale is not None:
+            out["autoscale"] = {setting.key: getattr(self.autoscale, setting.key) for setting in _AUTOSCALE}
         return out
 
 
@@ -398,7 +408,49 @@ def _entry(raw: Any) -> CatalogueEntry:
         max_tokens=_optional_int(raw, "max_tokens"),
         **flags,
         **seconds,
+        replicas=_replicas(raw.get("replicas", 1), "replicas"),
+        autoscale=_autoscale(raw.get("autoscale")),
     )
+
+
+# The autoscale settings in their REST order; each one's default and bounds are the spec's.
+_AUTOSCALE = deployment_spec.in_group("autoscale")
+# A replica count's bound here, where the portal's is its GPUPORTAL_MAX_REPLICAS (32 by default):
+# the simulator keeps an object per replica, and the oracle starts autoscale.max_replicas of each.
+MAX_REPLICAS = 1024
+
+
+def _replicas(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPLICAS:
+        raise ValueError(f"{name} must be a whole number from 1 to {MAX_REPLICAS}, got {value!r}")
+    return value
+
+
+def _autoscale(raw: Any) -> autoscale.Policy | None:
+    """A catalogue entry's `autoscale`, held to a deployment's bounds; None when off."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"autoscale must be an object of {[s.key for s in _AUTOSCALE]}, got {raw!r}")
+    unknown = sorted(set(raw) - {setting.key for setting in _AUTOSCALE})
+    if unknown:
+        raise ValueError(f"autoscale: unknown keys {unknown}")
+    values: dict[str, Any] = {}
+    for setting in _AUTOSCALE:
+        value = raw.get(setting.key, setting.default)
+        number = int | float if setting.type is float else int
+        if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value):
+            raise ValueError(f"autoscale.{setting.key} must be a {setting.type.__name__}, got {value!r}")
+        most = MAX_REPLICAS if setting.type is int else setting.max
+        if (setting.min is not None and value < setting.min) or (most is not None and value > most):
+            raise ValueError(f"autoscale.{setting.key} must be from {setting.min:g} to {most:g}, got {value!r}")
+        values[setting.name] = setting.type(value)
+    problem = deployment_spec.autoscale_problem(values)
+    if problem is not None:
+        raise ValueError(f"{problem[0]} {problem[1]}")
+    if not values["autoscale_max_replicas"]:
+        return None
+    return autoscale.Policy(**{setting.key: values[setting.name] for setting in _AUTOSCALE})
 
 
 def _optional_int(raw: Mapping[str, Any], name: str) -> int | None:
@@ -444,6 +496,8 @@ def resolve(entry: CatalogueEntry, config: Config, rate_per_s: float) -> Deploym
         slo_ttft_s=entry.slo_ttft_s,
         load_s=entry.load_s,
         wake_s=entry.wake_s,
+        replicas=entry.replicas,
+        autoscale=entry.autoscale,
     )
 
 

@@ -116,7 +116,7 @@ def test_ndif_reserves_three_times_the_weights(quick):
     d = deployment("small", 12)
     sim = Simulation(hand_trace([d], [(1.0, "small")]), one_gpu_node(quick), POLICIES["ndif"])
     sim.run()
-    assert sim.gpus[1].occupants == {sim.deployments["small"].active.id: 3 * d.weight_bytes}
+    assert sim.gpus[1].occupants == {sim.deployments["small"].awake[0].id: 3 * d.weight_bytes}
 
 
 def test_a_popular_deployment_is_never_preempted_while_the_others_take_turns(quick):
@@ -285,7 +285,7 @@ def test_a_sleeper_a_placement_evicts_sleeps_deeply_and_frees_its_context_at_onc
     sim = Simulation(hand_trace([b, c], []), config, POLICIES["ndif"])
     asleep = SimReplica("b.1", "b", "node00", {1: config.hardware.cuda_context_mib * 1024**2}, engine.SLEEPING)
     sim.replicas[asleep.id] = asleep
-    sim.deployments["b"].cached["node00"] = asleep
+    sim.deployments["b"].cached[asleep.id] = asleep
     sim._reserve(asleep)
 
     assert sim._evict(asleep) == 0.0, "nothing to copy out: its weights are in host memory already"
@@ -413,7 +413,7 @@ def test_copies_that_fit_nowhere_at_the_start_sleep_on_the_nodes_by_their_room_a
     small = [deployment(f"s{i:02d}", 70, rate=0.5) for i in range(18)]
     sim = Simulation(hand_trace([*big, *small], []), config, ALL["gpuportal-next"], gpus=9)
     sim._provision()
-    asleep = {name: next(iter(ds.cached)) for name, ds in sim.deployments.items() if ds.cached}
+    asleep = {name: next(iter(ds.cached.values())).node for name, ds in sim.deployments.items() if ds.cached}
     assert {asleep[d.name] for d in big if d.name in asleep} == {"node00"}
     on_small_node = sum(1 for node in asleep.values() if node == "node01")
     assert 0 < on_small_node <= len(asleep) // 8 + 1

@@ -20,7 +20,7 @@ from rest_framework.test import APIClient
 
 from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
 from inference.devices import virtual_gpus
-from scheduling.core import fairness
+from scheduling.core import autoscale, fairness
 from scheduling.models import CapacityPlan, Replica, RequestRecord
 from scheduling.services import capacity, traffic
 from scheduling.services import requests as request_services
@@ -193,6 +193,21 @@ def test_a_plan_has_warm_spares_where_the_portals_gpus_keep_them_unless_told(clu
     assert spares() is False and spares(warm_spares=True) is True
     GPU.objects.filter(pk=GPU.objects.order_by("pk").first().pk).update(spare_bytes=722 * MiB)
     assert spares() is True and spares(warm_spares=False) is False
+
+
+@pytest.mark.django_db
+def test_the_portals_own_deployments_are_planned_with_their_replicas_and_autoscale_settings():
+    factories.deployment(
+        name="busy", replicas_wanted=3, autoscale_max_replicas=6, autoscale_target_in_flight=8.0, weight_bytes=GiB
+    )
+    factories.deployment(name="stopped", replicas_wanted=0, weight_bytes=GiB)
+    entries = {entry.name: entry for entry in traffic.live_catalogue()}
+    assert entries["busy"].replicas == 3
+    assert entries["busy"].autoscale == autoscale.Policy(
+        min_replicas=1, max_replicas=6, target_in_flight=8.0, down_after_s=300.0
+    )
+    # Scaled to 0, a request still wakes one (sleep.wake_deployment): planned as one.
+    assert entries["stopped"].replicas == 1 and entries["stopped"].autoscale is None
 
 
 @pytest.mark.django_db

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduling.core import autoscale
 from scheduling.simulation.config import load
 from scheduling.simulation.traces import (
     TraceFileError,
@@ -203,3 +204,45 @@ def test_a_catalogue_with_bad_entries_names_each():
     assert len(errors) == 5
     assert "unknown keys ['colour']" in errors[0] and "exactly one of size" in errors[1]
     assert "exactly one of size" in errors[2] and "max_wait_s" in errors[3] and "listed twice" in errors[4]
+
+
+def test_a_catalogue_gives_replicas_and_autoscale_as_a_deployments_body_does_and_writes_them_back():
+    catalogue = parse_catalogue(
+        json.dumps(
+            [
+                {"name": "a", "size": "7B", "replicas": 2, "autoscale": {"max_replicas": 6, "target_in_flight": 8}},
+                {"name": "b", "size": "7B", "autoscale": {"max_replicas": 0}},
+                {"name": "c", "size": "7B"},
+            ]
+        )
+    )
+    a, b, c = build_trace([], catalogue, load(quick=True)).deployments
+    # The settings a body leaves out default as a deployment's do (deployment_spec).
+    assert a.replicas == 2 and a.autoscale == autoscale.Policy(1, 6, 8.0, 300.0)
+    assert b.autoscale is None and c.autoscale is None and b.replicas == c.replicas == 1
+    assert parse_catalogue(json.dumps([e.to_record() for e in catalogue])) == catalogue
+    assert "replicas" not in catalogue[2].to_record() and "autoscale" not in catalogue[2].to_record()
+
+
+def test_a_catalogues_bad_replicas_and_autoscale_are_named():
+    with pytest.raises(TraceFileError) as caught:
+        parse_catalogue(
+            json.dumps(
+                [
+                    {"name": "a", "size": "7B", "replicas": 0},
+                    {"name": "b", "size": "7B", "autoscale": {"max_replicas": 2, "min_replicas": 3}},
+                    {"name": "c", "size": "7B", "autoscale": {"max_replicas": 2, "target_in_flight": 0}},
+                    {"name": "d", "size": "7B", "autoscale": {"max_replicas": 2, "up_after_s": 1}},
+                    {"name": "e", "size": "7B", "autoscale": 4},
+                    {"name": "f", "size": "7B", "autoscale": {"max_replicas": 100_000}},
+                ]
+            )
+        )
+    errors = caught.value.errors
+    assert len(errors) == 6
+    assert "replicas must be a whole number from 1 to 1024, got 0" in errors[0]
+    assert "autoscale.min_replicas must be at most autoscale.max_replicas (2), got 3" in errors[1]
+    assert "autoscale.target_in_flight must be from 0.1 to 10000, got 0" in errors[2]
+    assert "autoscale: unknown keys ['up_after_s']" in errors[3]
+    assert "autoscale must be an object" in errors[4]
+    assert "autoscale.max_replicas must be from 0 to 1024" in errors[5]
