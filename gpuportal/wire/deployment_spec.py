@@ -223,7 +223,7 @@ BY_NAME: Mapping[str, Setting] = {setting.name: setting for setting in SETTINGS}
 
 # What each group is about, in the order of the REST body (the top level's settings among them).
 GROUPS: Mapping[str, str] = {
-    "model": "The model: a different one is a different deployment.",
+    "model": "The model: a new source or dtype rolls every replica onto it; another loader is another deployment.",
     "memory": "What a replica reserves, and how the need is reckoned.",
     "fairness": "Who may preempt whom, and when.",
     "sleep": "When replicas sleep, when they sleep deeply, and how long they drain.",

@@ -202,6 +202,16 @@ PLAN_DONE = {
             "text": "mark m29-70b popular (never preempted, as the bound holds them): gpuportal-next then needs "
             "12 GPUs instead of 13",
         },
+        "scale_advice": {
+            "replicas": {"m03-8b": {"replicas": 3, "autoscale": None}},
+            "policy": "gpuportal-next",
+            "fewest_gpus": 12,
+            "holds_from": 12,
+            "fewest_gpus_without": 13,
+            "helps": True,
+            "text": "give what queues behind a busy replica the replicas its busiest moment wants "
+            "(gpuportal set m03-8b replicas=3): gpuportal-next then needs 12 GPUs instead of 13",
+        },
     },
     "table": "| policy | fewest GPUs | holds from | attainment now |\n|---|---|---|---|\n"
     "| gpuportal-next | 13 | 13 | 99.93 % |",

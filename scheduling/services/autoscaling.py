@@ -151,9 +151,13 @@ def _scale(deployment: Deployment, decision: autoscale.Decision) -> int:
     """Scale to the decision; a scale-up with no room for all it wants takes one more replica if
     that fits (the next sweep asks for the rest again)."""
     reason, current = f"autoscaled: {decision.reason}", deployment.replicas_wanted
-    # `expected`: an operator's scale committed since the count was read is left as it is.
+    # `expected`: an operator's scale committed since the count was read is left as it is. A
+    # scale-down stops what is awake beyond the count and wakes nothing: its replicas may have
+    # fallen asleep, idle, before the window let it scale down.
     try:
-        scaling.scale(deployment.name, decision.replicas, reason=reason, expected=current)
+        scaling.scale(
+            deployment.name, decision.replicas, reason=reason, expected=current, wake=decision.replicas > current
+        )
         return decision.replicas
     except CannotPlace:
         one_more = current + 1

@@ -57,6 +57,9 @@ class ScaleIntent:
     # The count the caller decided from (the autoscaler): another count found under the lock
     # means someone scaled it since, and this intent changes nothing (compare-and-swap).
     expected: int | None = None
+    # False: stop awake replicas beyond the count, but wake or place none (the autoscaler's
+    # scale-down: a deployment whose replicas fell asleep is not woken by its load falling).
+    wake: bool = True
 
 
 @dataclass(frozen=True)
@@ -108,14 +111,20 @@ class _Scaling:
 
 
 def scale(
-    name: str, replicas: int, *, reason: str = "scaled by an operator", expected: int | None = None
+    name: str,
+    replicas: int,
+    *,
+    reason: str = "scaled by an operator",
+    expected: int | None = None,
+    wake: bool = True,
 ) -> Deployment:
     """Bring the number of awake replicas to `replicas`: cached ones are promoted before new ones
     are created; scaling down stops the most recently started first (they have served least).
-    With `expected`, only if the deployment still wants that many (InvalidState if not)."""
+    With `expected`, only if the deployment still wants that many (InvalidState if not). With
+    `wake=False`, at most `replicas` awake: fewer are left as they are."""
     if replicas < 0:
         raise InvalidInput("replicas", "must be 0 or more")
-    intent = ScaleIntent(name, replicas, reason, expected)
+    intent = ScaleIntent(name, replicas, reason, expected, wake)
     if transaction.get_connection().in_atomic_block or not settings.GPUPORTAL_SCALE_TOGETHER:
         # In a caller's transaction (an update that scales): what it locked and wrote is its own
         # to commit, so no other call may share it.
@@ -177,7 +186,7 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
                 )
                 continue
             scaling = _Scaling(intent, deployment, census, before=deployment.replicas_wanted)
-            if hosts is None and intent.replicas > len(census.awake):
+            if hosts is None and intent.wake and intent.replicas > len(census.awake):
                 hosts = placing.host_views()  # read once for the batch: its asks share the hosts
             _plan_intent(scaling, hosts or {})
             outcomes.append(scaling)
@@ -203,7 +212,7 @@ def _locking(names: list[str]) -> dict[str, tuple[Deployment, _Census]]:
 def _plan_intent(scaling: _Scaling, hosts: dict[str, HostView]) -> None:
     deployment, census, wanted = scaling.deployment, scaling.census, scaling.intent.replicas
     awake = census.awake
-    if wanted > len(awake):
+    if wanted > len(awake) and scaling.intent.wake:
         scaling.ask = Ask.of(
             deployment,
             wanted - len(awake),

@@ -231,8 +231,12 @@ class Simulation:
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        # An autoscaled deployment starts within its bounds, as the autoscaler keeps it.
         self.deployments = {
-            d.name: DeploymentState(d, d.need_bytes(policy.memory), replicas=d.replicas) for d in trace.deployments
+            d.name: DeploymentState(
+                d, d.need_bytes(policy.memory), replicas=max(d.replicas, d.autoscale.min_replicas if d.autoscale else 0)
+            )
+            for d in trace.deployments
         }
         self.outcomes = {r.id: RequestOutcome(r) for r in trace.requests}
         self._in_flight_of: dict[str, int] = dict.fromkeys(self.deployments, 0)
@@ -729,9 +733,10 @@ class Simulation:
     def _scale(self, ds: DeploymentState, replicas: int) -> None:
         """scaling.scale as the autoscaler calls it: up, the replicas it adds placed as an
         operator's scale places them (evictions as the policy allows), all or none, else one more
-        than it wanted if that fits; down, the most recently started stop."""
+        than it wanted if that fits; down, the most recently started of those awake stop, and
+        none wakes (its replicas may have slept, idle, before the window ended)."""
         running = self._running(ds)
-        if replicas > len(running):
+        if replicas > ds.replicas and replicas > len(running):
             if not self._place_more(ds, replicas - len(running), evictions=True):
                 replicas = ds.replicas + 1
                 if replicas <= len(running) or not self._place_more(ds, replicas - len(running), evictions=True):

@@ -50,6 +50,14 @@ with a setting the portal has, `popular` (never preempted, never slept on the id
 planner searches the explained policy once more with them marked so and says whether that lowers
 its GPU count. It is advice for this trace, tried on it, not a rule: on some traces the memory
 they then hold for good costs the others more than their misses did.
+
+And advice to scale out (`ScaleAdvice`): a deployment whose misses were mostly the queue of a busy
+replica wants more replicas than it has at its busiest. The planner counts how many
+(`replicas_at_peak`: the most of its requests in flight at once had each been served from its
+arrival, over the batch one replica serves, `[serving] max_batch`, or over its own
+`target_in_flight` where it autoscales), searches the explained policy once more with those
+deployments given that many (`replicas`; raised `autoscale.max_replicas` for one that
+autoscales), and says whether that lowers its GPU count, naming the commands.
 """
 
 from __future__ import annotations
@@ -57,13 +65,15 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
+from gpuportal.wire import deployment_spec
+from scheduling.core import autoscale
 from scheduling.simulation.config import Config
-from scheduling.simulation.engine import RequestOutcome, SimResult, simulate
+from scheduling.simulation.engine import RequestOutcome, SimResult, request_times, simulate
 from scheduling.simulation.metrics import fewest_gpus, holds_from, met_slo, summarize
 from scheduling.simulation.policies import ALL as POLICIES
-from scheduling.simulation.trace import Trace
+from scheduling.simulation.trace import Deployment, Trace
 
 DEFAULT_POLICIES = ("gpuportal", "gpuportal-next", "dedicated", "oracle")
 # Each search is a bisection over 1..max_gpus after one run at max_gpus and one at the current count.
@@ -212,22 +222,94 @@ class Advice:
 
     @property
     def helps(self) -> bool:
-        fewest = self.plan.fewest_gpus
-        return fewest is not None and (self.without is None or fewest < self.without)
+        return _helps(self.plan, self.without)
 
     @property
     def text(self) -> str:
         names = ", ".join(self.popular)
-        with_, without = (n if n is not None else f"> {self.max_gpus}" for n in (self.plan.fewest_gpus, self.without))
-        if self.helps:
-            return (
-                f"mark {names} popular (never preempted, as the bound holds them): {self.plan.policy} then needs "
-                f"{gpus(with_)} instead of {without}"
-            )
-        return (
-            f"marking {names} popular, as the bound holds them, would not lower {self.plan.policy}'s "
-            f"{gpus(without)} ({with_} with it)"
+        return _compared(
+            self.plan,
+            self.without,
+            self.max_gpus,
+            f"mark {names} popular (never preempted, as the bound holds them)",
+            f"marking {names} popular, as the bound holds them,",
         )
+
+
+def _helps(plan: PolicyPlan, without: int | None) -> bool:
+    """Whether an advice's search needs fewer GPUs, or reaches a target the policy did not."""
+    return plan.fewest_gpus is not None and (without is None or plan.fewest_gpus < without)
+
+
+def _compared(plan: PolicyPlan, without: int | None, max_gpus: int, do: str, doing: str) -> str:
+    """An advice's sentence: what it says to do, and the GPUs that takes against those without it."""
+    with_, before = (n if n is not None else f"> {max_gpus}" for n in (plan.fewest_gpus, without))
+    if _helps(plan, without):
+        return f"{do}: {plan.policy} then needs {gpus(with_)} instead of {before}"
+    return f"{doing} would not lower {plan.policy}'s {gpus(before)} ({with_} with it)"
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """A deployment's replicas as an advice tries them: `replicas`, and its autoscale settings."""
+
+    deployment: str
+    replicas: int
+    autoscale: autoscale.Policy | None
+
+    @property
+    def command(self) -> str:
+        """The change, as `gpuportal set` takes it: a higher autoscale.max_replicas for one that
+        autoscales, else more replicas."""
+        if self.autoscale is not None:
+            return f"gpuportal set {self.deployment} {_MAX_REPLICAS}={self.autoscale.max_replicas}"
+        return f"gpuportal set {self.deployment} {_REPLICAS}={self.replicas}"
+
+
+_REPLICAS = deployment_spec.BY_NAME["replicas"].path
+_MAX_REPLICAS = deployment_spec.BY_NAME["autoscale_max_replicas"].path
+
+
+@dataclass(frozen=True)
+class ScaleAdvice:
+    """The explained policy searched again with the deployments that queued behind a busy replica
+    given the replicas their load wants at its busiest (`replicas_at_peak`); it compares the
+    fewest GPUs reaching the target, so and as they are."""
+
+    scaled: tuple[Scaled, ...]
+    plan: PolicyPlan  # the explained policy with them scaled
+    without: int | None
+    max_gpus: int
+
+    @property
+    def helps(self) -> bool:
+        return _helps(self.plan, self.without)
+
+    @property
+    def text(self) -> str:
+        commands = "; ".join(s.command for s in self.scaled)
+        what = f"what queues behind a busy replica the replicas its busiest moment wants ({commands})"
+        return _compared(self.plan, self.without, self.max_gpus, f"give {what}", f"giving {what}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What an advice's runs change of the trace's deployments, as an operator would set them."""
+
+    popular: tuple[str, ...] = ()
+    scaled: tuple[Scaled, ...] = ()
+
+    def apply(self, trace: Trace) -> Trace:
+        marked, scaled = set(self.popular), {s.deployment: s for s in self.scaled}
+
+        def changed(d: Deployment) -> Deployment:
+            if d.name in marked:
+                d = replace(d, popular=True)
+            if d.name in scaled:
+                d = replace(d, replicas=scaled[d.name].replicas, autoscale=scaled[d.name].autoscale)
+            return d
+
+        return replace(trace, deployments=tuple(changed(d) for d in trace.deployments))
 
 
 @dataclass(frozen=True)
@@ -248,6 +330,7 @@ class Plan:
     simulations: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
     advice: Advice | None = None  # None: nothing explained, or no deployment the bound holds to mark
+    scale_advice: ScaleAdvice | None = None  # None: nothing explained, or none queued for want of replicas
     window: int = 1  # the counts in a row at which the target must hold (`PolicyPlan.holds_from`)
 
     def policy(self, name: str) -> PolicyPlan:
@@ -263,25 +346,17 @@ class _Runs:
 
     def __init__(self, trace: Trace, config: Config, *, total: int) -> None:
         self.trace, self.config, self.total = trace, config, total
-        self.results: dict[tuple[str, int, tuple[str, ...]], SimResult] = {}
+        self.results: dict[tuple[str, int, Variant], SimResult] = {}
         self.progress: Progress | None = None
 
-    def run(self, name: str, gpus: int, popular: tuple[str, ...] = ()) -> SimResult:
-        """`popular`: deployments marked popular for this run (the advice's)."""
-        if (name, gpus, popular) not in self.results:
-            trace = with_popular(self.trace, popular) if popular else self.trace
-            self.results[(name, gpus, popular)] = simulate(trace, self.config, POLICIES[name], gpus=gpus)
+    def run(self, name: str, gpus: int, variant: Variant = Variant()) -> SimResult:
+        """`variant`: what an advice changes of the deployments for this run."""
+        if (name, gpus, variant) not in self.results:
+            trace = variant.apply(self.trace) if variant != Variant() else self.trace
+            self.results[(name, gpus, variant)] = simulate(trace, self.config, POLICIES[name], gpus=gpus)
             if self.progress is not None:
                 self.progress(min(len(self.results), self.total), self.total)
-        return self.results[(name, gpus, popular)]
-
-
-def with_popular(trace: Trace, names: Iterable[str]) -> Trace:
-    """The trace with those deployments marked popular, as an operator would mark them."""
-    marked = set(names)
-    return replace(
-        trace, deployments=tuple(replace(d, popular=True) if d.name in marked else d for d in trace.deployments)
-    )
+        return self.results[(name, gpus, variant)]
 
 
 def _policy_plan(
@@ -292,13 +367,13 @@ def _policy_plan(
     max_gpus: int,
     target: float,
     slo: float,
-    popular: tuple[str, ...] = (),
+    variant: Variant = Variant(),
 ) -> PolicyPlan:
     """One policy's row: its fewest GPUs for the target (the oracle's: its peak working set in
     GPUs), from it on the first count at which the target holds over a window, its attainment at
     today's count, and the curve the searches walked."""
     policy = POLICIES[name]
-    summary = summarize(runs.run(name, current, popular), slo)
+    summary = summarize(runs.run(name, current, variant), slo)
     curve = {current: summary.attainment}
     if policy.unlimited:
         needed = max(1, math.ceil(summary.peak_working_set_gib * 1024**3 / runs.config.cluster.gpu_bytes))
@@ -306,7 +381,7 @@ def _policy_plan(
     else:
 
         def attainment_at(gpus: int) -> float:
-            curve[gpus] = summarize(runs.run(name, gpus, popular), slo).attainment
+            curve[gpus] = summarize(runs.run(name, gpus, variant), slo).attainment
             return curve[gpus]
 
         best = fewest_gpus(attainment_at, target, max_gpus)
@@ -361,8 +436,8 @@ def plan(
     )
     current = config.cluster.gpus if current_gpus is None else current_gpus
     max_gpus = max(config.search.max_gpus, current)
-    # The advice's search counted too (it runs only where the bound holds a deployment).
-    searches = sum(1 for p in policies if not POLICIES[p].unlimited) + (1 if explained else 0)
+    # The advices' searches counted too (each runs only where it has something to advise).
+    searches = sum(1 for p in policies if not POLICIES[p].unlimited) + (2 if explained else 0)
     # Each search: a bisection, then the rest of the window from its answer (more where a count there
     # falls short).
     steps = 2 + math.ceil(math.log2(max(2, max_gpus))) + config.search.steady_window - 1
@@ -373,14 +448,26 @@ def plan(
     bound = load_aware_bound(trace, config, runs.run("oracle", current), target=target, slo_ttft_s=slo)
     misses_now = misses_by_deployment(trace, runs.run(explained, current), slo) if explained else ()
     misses_at_bound = misses_by_deployment(trace, runs.run(explained, bound.gpus), slo) if explained else ()
-    advice = None
+    advice, scale_advice = None, None
+    without = next((pp.fewest_gpus for pp in plans if pp.policy == explained), None)
     marked = tuple(h.deployment for h in bound.held if not _popular(trace, h.deployment))
     if explained and marked:
         advised = _policy_plan(
-            runs, explained, current=current, max_gpus=max_gpus, target=target, slo=slo, popular=marked
+            runs, explained, current=current, max_gpus=max_gpus, target=target, slo=slo, variant=Variant(marked)
         )
-        without = next(pp.fewest_gpus for pp in plans if pp.policy == explained)
         advice = Advice(marked, advised, without, max_gpus)
+    scaled = _scale_out(trace, config, (*misses_now, *misses_at_bound))
+    if explained and scaled:
+        advised = _policy_plan(
+            runs,
+            explained,
+            current=current,
+            max_gpus=max_gpus,
+            target=target,
+            slo=slo,
+            variant=Variant(scaled=scaled),
+        )
+        scale_advice = ScaleAdvice(scaled, advised, without, max_gpus)
     return Plan(
         requests=len(trace.requests),
         deployments=len(trace.deployments),
@@ -396,12 +483,51 @@ def plan(
         misses_at_bound=misses_at_bound,
         simulations=len(runs.results),
         advice=advice,
+        scale_advice=scale_advice,
         window=config.search.steady_window,
     )
 
 
 def _popular(trace: Trace, name: str) -> bool:
     return any(d.popular for d in trace.deployments if d.name == name)
+
+
+def _scale_out(trace: Trace, config: Config, misses: Iterable[DeploymentMisses]) -> tuple[Scaled, ...]:
+    """The deployments whose misses were mostly the queue of a busy replica and whose load wants
+    more replicas at its busiest than they may have: an autoscaled one with its max_replicas
+    raised to that many (at its own target in flight), another with that many replicas (a batch
+    to each)."""
+    queued = {m.deployment for m in misses if m.cause == "queued behind a busy replica"}
+    out = []
+    for d in trace.deployments:
+        if d.name not in queued:
+            continue
+        own = d.autoscale
+        per_replica = own.target_in_flight if own is not None else float(config.serving.max_batch)
+        wanted = replicas_at_peak(trace, config, d.name, per_replica)
+        if own is not None and wanted > own.max_replicas:
+            out.append(Scaled(d.name, d.replicas, replace(own, max_replicas=wanted)))
+        elif own is None and wanted > d.replicas:
+            out.append(Scaled(d.name, wanted, None))
+    return tuple(out)
+
+
+def replicas_at_peak(trace: Trace, config: Config, name: str, per_replica: float) -> int:
+    """The replicas a deployment's requests want at their busiest, `per_replica` in flight each:
+    the most in flight at once had each been served from its arrival (its prefill and decode on
+    as many GPUs as its need takes, `engine.request_times`), as the autoscaler counts them."""
+    spec = next(d for d in trace.deployments if d.name == name)
+    spread = max(1, -(-spec.need_bytes("gpuportal") // config.cluster.gpu_bytes))
+    edges: list[tuple[float, int]] = []
+    for r in trace.requests:
+        if r.deployment == name:
+            prefill, per_token = request_times(spec, r, config.hardware, spread)
+            edges += [(r.arrival_s, 1), (r.arrival_s + prefill + r.output_tokens * per_token, -1)]
+    most = running = 0
+    for _, step in sorted(edges):  # an end before a start at the same instant
+        running += step
+        most = max(most, running)
+    return autoscale.wanted(most, autoscale.Policy(1, 10**9, per_replica, 0.0))
 
 
 def misses_by_deployment(trace: Trace, result: SimResult, slo_ttft_s: float) -> tuple[DeploymentMisses, ...]:
@@ -668,6 +794,8 @@ def render(p: Plan) -> str:
     ]
     if p.advice is not None:
         out += ["", f"Advice: {p.advice.text}."]
+    if p.scale_advice is not None:
+        out += ["", f"Advice: {p.scale_advice.text}."]
     for title, misses in (
         (f"Missed at {gpus(p.current_gpus)} (now)", p.misses_now),
         (f"Missed at {gpus(p.bound_gpus)} (the bound)", p.misses_at_bound),
@@ -721,6 +849,23 @@ def record(p: Plan) -> dict[str, object]:
             "fewest_gpus_without": p.advice.without,
             "helps": p.advice.helps,
             "text": p.advice.text,
+        },
+        "scale_advice": None
+        if p.scale_advice is None
+        else {
+            "replicas": {
+                s.deployment: {
+                    "replicas": s.replicas,
+                    "autoscale": None if s.autoscale is None else asdict(s.autoscale),
+                }
+                for s in p.scale_advice.scaled
+            },
+            "policy": p.scale_advice.plan.policy,
+            "fewest_gpus": p.scale_advice.plan.fewest_gpus,
+            "holds_from": p.scale_advice.plan.holds_from,
+            "fewest_gpus_without": p.scale_advice.without,
+            "helps": p.scale_advice.helps,
+            "text": p.scale_advice.text,
         },
         "misses_now": [
             {"deployment": m.deployment, "requests": m.requests, "missed": m.missed, "why": m.why} for m in p.misses_now

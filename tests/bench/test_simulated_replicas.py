@@ -128,3 +128,16 @@ def test_the_oracles_working_set_counts_a_replica_per_batch_in_flight(quick):
     result = simulate(Trace((d,), requests, 10.0), quick, ALL["oracle"])
     assert result.counters.peak_working_set_bytes == 3 * d.estimate_bytes
     assert all(o.start_s == 1.0 for o in result.outcomes), "four replicas: none of the 40 waits"
+
+
+def test_a_scale_down_after_its_replicas_fell_asleep_wakes_none(quick):
+    # Scaled to 4 by a burst, idle 5 s after it and asleep, then the window (60 s) lets it scale
+    # down: 4 → 1 wanted, and nothing wakes (scaling.scale with wake=False, as the product does).
+    config = on_gpus(quick, 8)
+    busy = deployment("a", 12, idle_timeout_s=5.0, autoscale=scaled(4, down_after_s=60.0))
+    sim = Simulation(Trace((busy,), tuple(burst("a", 320, 20.0)), 120.0), config, NEXT)
+    result = sim.run()
+
+    assert result.counters.scale_ups == 1 and result.counters.idle_sleeps == 4
+    assert sim.deployments["a"].replicas == 1 and result.counters.scale_downs == 0, "none awake to stop"
+    assert result.counters.wakes == 0

@@ -17,11 +17,11 @@ from gpuportal.wire.memory import MiB
 from gpuportal.wire.states import AWAKE
 from scheduling.core.autoscale import Decision, Policy, decide, wanted
 from scheduling.models import Deployment, Event, Replica
-from scheduling.services import autoscaling, queueing, scaling
+from scheduling.services import autoscaling, queueing, scaling, sleep
 from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from tests.support.api_shapes import shaped
-from tests.support.deployments import body, invariant_holds
+from tests.support.deployments import asleep, body, invariant_holds, serve
 
 POLICY = Policy(min_replicas=1, max_replicas=4, target_in_flight=2, down_after_s=60)
 T0 = 1_000_000.0
@@ -180,6 +180,32 @@ def test_a_sweep_scales_down_after_the_window_to_the_most_a_sweep_in_it_wanted(
     assert changes(named) == [
         "autoscaled: 0 request(s) in flight, 2 per replica wanted; at most 2 wanted for 60 s: 3 → 2 replica(s)",
         "autoscaled: 0 request(s) in flight, 2 per replica wanted; at most 1 wanted for 60 s: 2 → 1 replica(s)",
+    ]
+    assert invariant_holds()
+
+
+def test_a_scale_down_of_a_deployment_whose_replicas_fell_asleep_wakes_none(
+    named, dispatched, django_capture_on_commit_callbacks
+):
+    # Its three replicas slept, idle, before the window let it scale down: 3 → 1 wanted, and the
+    # next request wakes one. It woke one at once (a scale to 1 brought 0 awake up to 1).
+    deploy(named, 3, autoscale_max_replicas=4, autoscale_target_in_flight=2, autoscale_down_after_s=60)
+    with django_capture_on_commit_callbacks(execute=True):
+        for replica_id in Replica.objects.filter(deployment__name=named).values_list("id", flat=True):
+            serve(replica_id)
+            sleep.sleep_replica(replica_id, reason="idle")
+            asleep(replica_id)
+    assert awake(named) == 0
+    sent = len(dispatched)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert autoscaling.sweep(T0) == {}
+        assert autoscaling.sweep(T0 + 65) == {named: 1}
+
+    assert Deployment.objects.get(name=named).replicas_wanted == 1
+    assert awake(named) == 0 and len(dispatched) == sent, "nothing woken, nothing told"
+    assert changes(named) == [
+        "autoscaled: 0 request(s) in flight, 2 per replica wanted; at most 1 wanted for 60 s: 3 → 1 replica(s)"
     ]
     assert invariant_holds()
 

@@ -28,7 +28,17 @@ from scheduling.services.nodes import register_node
 from scheduling.simulation.config import SearchConfig, load
 from scheduling.simulation.engine import simulate
 from scheduling.simulation.metrics import holds_from, summarize
-from scheduling.simulation.planner import Advice, PolicyPlan, bins_lower_bound, load_aware_bound, plan, record, render
+from scheduling.simulation.planner import (
+    Advice,
+    PolicyPlan,
+    Scaled,
+    bins_lower_bound,
+    load_aware_bound,
+    plan,
+    record,
+    render,
+    replicas_at_peak,
+)
 from scheduling.simulation.policies import ALL, POLICIES
 from scheduling.simulation.trace import Deployment as SimDeployment
 from scheduling.simulation.trace import Request, Trace
@@ -301,6 +311,61 @@ def test_no_advice_where_the_bound_holds_nothing():
 
     assert p.bound.held == () and p.advice is None
     assert "Advice" not in render(p) and record(p)["advice"] is None
+
+
+def busy_trace(per_s: int = 12, **settings) -> Trace:
+    """`busy` (12 GiB, ~2.2 s a request) asked `per_s` times a second for a minute: at 12, about 26
+    in flight at once, more than one replica's batch of 16, so one replica's queue grows without end."""
+    busy = replace(hand_deployment("busy", 12), **settings)
+    return Trace((busy,), tuple(Request(i, "busy", i / per_s, 128, 1000) for i in range(60 * per_s)), 60.0)
+
+
+def test_the_planner_advises_the_replicas_a_deployment_queued_behind_one_replica_wants_and_tries_them():
+    config = load(quick=True)
+    trace = busy_trace()
+
+    p = plan(trace, config, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
+
+    assert p.misses_now[0].cause == "queued behind a busy replica"
+    assert p.policy("gpuportal-next").fewest_gpus is None, "one replica misses whatever the GPUs"
+    wanted = replicas_at_peak(trace, config, "busy", config.serving.max_batch)
+    assert wanted == 2
+    assert p.scale_advice is not None and p.scale_advice.scaled == (Scaled("busy", wanted, None),)
+    # What it says is what the portal would need with that many, searched apart.
+    enough = next(
+        g
+        for g in range(1, config.search.max_gpus + 1)
+        if summarize(simulate(busy_trace(replicas=2), config, ALL["gpuportal-next"], gpus=g), 5.0).attainment >= 0.99
+    )
+    assert p.scale_advice.helps and p.scale_advice.plan.fewest_gpus == enough
+    assert "(gpuportal set busy replicas=2): gpuportal-next then needs" in p.scale_advice.text
+    assert f"Advice: {p.scale_advice.text}." in render(p)
+    assert record(p)["scale_advice"]["replicas"] == {"busy": {"replicas": 2, "autoscale": None}}
+
+
+def test_an_autoscaled_deployment_is_advised_a_higher_max_replicas_at_its_own_target():
+    config = load(quick=True)
+    own = autoscale.Policy(min_replicas=1, max_replicas=2, target_in_flight=16.0, down_after_s=300.0)
+    trace = busy_trace(24, autoscale=own)
+
+    p = plan(trace, config, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
+
+    # About 52 in flight at 16 each: 4 replicas, where it may have 2.
+    wanted = replicas_at_peak(trace, config, "busy", 16.0)
+    assert wanted == 4
+    assert p.scale_advice is not None
+    assert p.scale_advice.scaled == (Scaled("busy", 1, replace(own, max_replicas=wanted)),)
+    assert "gpuportal set busy autoscale.max_replicas=4" in p.scale_advice.text
+
+
+def test_no_scale_advice_where_no_deployment_queued_for_want_of_replicas():
+    config = load(quick=True)
+    a, b = hand_deployment("a", 30), hand_deployment("b", 30)
+    requests = tuple(Request(i, "a" if i % 2 else "b", i * 2.0, 128, 16) for i in range(50))
+
+    p = plan(Trace((a, b), requests, 100.0), config, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
+
+    assert p.scale_advice is None and record(p)["scale_advice"] is None
 
 
 def test_advice_helps_only_when_it_needs_fewer_gpus_or_reaches_a_target_the_policy_did_not():

@@ -18,7 +18,18 @@ from django.utils import timezone
 from scheduling.models import Deployment, DeploymentObserved, Event, FailoverLease, Node, Replica
 from scheduling.services import host_cache, lost_commands, nodes, reports
 from tests.support import factories
-from tests.support.deployments import FROM_CACHE, START, STOP, TO_CACHE, MiB, body, invariant_holds, reserved, serve
+from tests.support.deployments import (
+    FROM_CACHE,
+    START,
+    STOP,
+    TO_CACHE,
+    MiB,
+    asleep,
+    body,
+    invariant_holds,
+    reserved,
+    serve,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -41,10 +52,6 @@ def serving(api, model_dir, name: str = "tiny-a", replicas: int = 1, drain_s: fl
     for replica_id in ids:
         serve(replica_id)
     return ids
-
-
-def asleep(replica_id: str) -> None:
-    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
 
 
 def waking(api, model_dir) -> Replica:

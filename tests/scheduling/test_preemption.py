@@ -29,7 +29,7 @@ from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create, scale
 from scheduling.services.errors import CannotPlace
 from scheduling.services.nodes import register_node
-from tests.support.deployments import MiB, invariant_holds, serve
+from tests.support.deployments import MiB, asleep, invariant_holds, serve
 from tests.support.factories import NO_OVERHEAD
 
 PREEMPT, WAKE, TO_CACHE = "scheduling.tasks.preempt", "scheduling.tasks.wake", "inference.tasks.replica_to_cache"
@@ -42,10 +42,6 @@ def busy(*replica_ids: str) -> None:
     client = request_services.queue().redis
     for replica_id in replica_ids:
         client.lpush(processing_key(replica_id), f"in-flight-on-{replica_id[:8]}")
-
-
-def asleep(replica_id: str) -> None:
-    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
 
 
 def assert_not_over_committed() -> None:

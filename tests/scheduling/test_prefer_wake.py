@@ -27,7 +27,7 @@ from scheduling.services import requests as request_services
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from scheduling.services.nodes import register_node
 from tests.support import factories as f
-from tests.support.deployments import MiB, invariant_holds
+from tests.support.deployments import MiB, asleep, invariant_holds
 from tests.support.factories import NO_OVERHEAD
 
 LONG_AGO = timedelta(hours=1)
@@ -85,10 +85,6 @@ def serving_on(gpu: GPU, name: str, *, idle_for: timedelta = LONG_AGO, **spec) -
     )
     f.occupy(replica, gpu, NEED)
     return replica.id
-
-
-def asleep(replica_id: str) -> None:
-    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
 
 
 def copy_asleep_on(gpu: GPU, name: str) -> str:

@@ -33,6 +33,7 @@ from tests.support.deployments import (
     TO_CACHE,
     MiB,
     all_in,
+    asleep,
     body,
     deploy_serving,
     invariant_holds,
@@ -62,11 +63,6 @@ def clean_queues():
 def on_commit(django_capture_on_commit_callbacks):
     """Run the on_commit dispatches of service calls made outside a request (sweeps, reports)."""
     return lambda: django_capture_on_commit_callbacks(execute=True)
-
-
-def asleep(replica_id: str) -> None:
-    """What the replica process reports once its weights are in CPU RAM (a virtual GPU keeps nothing)."""
-    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
 
 
 def awake_count(name: str) -> int:

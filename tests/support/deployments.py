@@ -31,6 +31,11 @@ def serve(replica_id: str, **extra) -> None:
     reports.report(replica_id, {"event": "serving", "pid": 4242, "weights_bytes": 10 * MiB, **extra})
 
 
+def asleep(replica_id: str) -> None:
+    """What the replica process reports once its weights are in CPU RAM (a virtual GPU keeps nothing)."""
+    reports.report(replica_id, {"event": "sleeping", "residual_bytes_by_id": {"0": 0}})
+
+
 def reserved(replica_id: str) -> int:
     return sum(Occupant.objects.filter(replica_id=replica_id).values_list("reserved_bytes", flat=True))
 
