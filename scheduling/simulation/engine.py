@@ -33,8 +33,9 @@ services build one from the ledger. Simulated replicas:
   sweep (scheduling.core.autoscale, every AUTOSCALE_S) scales it by its requests in flight:
   a scale-up places the replicas it adds as an operator's scale does (sleepers promoted first,
   evictions as the policy's placement allows; short of room for all, one more if that fits),
-  a scale-down stops the most recently started, each finishing what it took first. Requests go
-  to the serving replica with the fewest in flight;
+  a scale-down stops the most recently started of those awake, each finishing what it took
+  first, and wakes none (sleepers stay, as they do in the portal). Requests go to the serving
+  replica with the fewest in flight;
 
 Every change of reservations is checked against every GPU's total (invariant 1 of docs/architecture.md): an
 over-commit raises `OverCommit` at the simulated instant it would happen.
