@@ -634,6 +634,11 @@ class Simulation:
     def _try_waiter(self, ds: DeploymentState) -> bool:
         waiter = ds.waiter
         assert waiter is not None
+        if waiter.promoted and waiter.replica_id not in ds.cached:
+            # Woken some other way meanwhile (a scale promoted it): the wake has nothing left to do,
+            # as preemption._try_place finds.
+            self._end_wait(ds)
+            return True
         request = self._request(ds, only=waiter.replica_id)
         policy = replace(self.policy.placement, evictions=False)
         result = place(self._snapshot(ds, holder=waiter.replica_id), request, policy=policy, rng=self.rng)
