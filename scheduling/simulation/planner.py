@@ -740,7 +740,7 @@ def policy_rows(p: Plan) -> list[list[object]]:
                 pp.failed_now,
                 pp.cold_loads_now,
                 pp.wakes_now,
-                f"{pp.p99_wait_s_now:.2f}",
+                "-" if math.isnan(pp.p99_wait_s_now) else f"{pp.p99_wait_s_now:.2f}",  # none served
             ]
         )
     return rows

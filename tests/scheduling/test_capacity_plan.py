@@ -35,6 +35,7 @@ from scheduling.simulation.planner import (
     bins_lower_bound,
     load_aware_bound,
     plan,
+    policy_rows,
     record,
     render,
     replicas_at_peak,
@@ -366,6 +367,18 @@ def test_no_scale_advice_where_no_deployment_queued_for_want_of_replicas():
     p = plan(Trace((a, b), requests, 100.0), config, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
 
     assert p.scale_advice is None and record(p)["scale_advice"] is None
+
+
+def test_a_policy_that_served_nothing_at_todays_count_shows_no_wait_rather_than_nan():
+    # 100 GiB wants two whole GPUs: on today's one, every request fails and none waited.
+    config = load(quick=True)
+    trace = Trace((hand_deployment("huge", 100),), tuple(Request(i, "huge", i * 5.0, 128, 16) for i in range(5)), 30.0)
+
+    p = plan(trace, config, current_gpus=1, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
+
+    row = policy_rows(p)[0]
+    assert row[0] == "gpuportal-next" and row[4] == 5 and row[-1] == "-"
+    assert "nan" not in render(p)
 
 
 def test_advice_helps_only_when_it_needs_fewer_gpus_or_reaches_a_target_the_policy_did_not():
