@@ -34,6 +34,9 @@ class Policy:
 class Decision:
     replicas: int
     reason: str
+    # Whether replicas may be woken or placed for it; a scale-down only stops what is awake
+    # beyond its count (its replicas may have slept, idle, before its window ended).
+    wake: bool = True
 
 
 def wanted(in_flight: int, policy: Policy) -> int:
@@ -43,13 +46,22 @@ def wanted(in_flight: int, policy: Policy) -> int:
 
 
 def decide(
-    current: int, in_flight: int, recent: Sequence[tuple[float, int]], now: float, policy: Policy
+    current: int,
+    in_flight: int,
+    recent: Sequence[tuple[float, int]],
+    now: float,
+    policy: Policy,
+    *,
+    awake: int | None = None,
 ) -> Decision | None:
     """The replica count to set, and why; None to keep `current`. `recent`: (when, wanted) of the
     earlier sweeps, oldest first or not; only those of the last `down_after_s` count, and a
     scale-down waits until they reach back that far (after a restart of the sweeps, say). A
     deployment scaled to 0 is left there, as Kubernetes' HPA leaves a Deployment scaled to zero:
-    that is how an operator stops one without forgetting its settings."""
+    that is how an operator stops one without forgetting its settings. `awake`: how many of its
+    replicas are awake; where requests are in flight and fewer are awake than they want (the
+    others asleep, or short of room when it was woken), it is scaled to what they want, waking
+    that many."""
     if current == 0:
         return None
     now_wanted = wanted(in_flight, policy)
@@ -57,9 +69,11 @@ def decide(
     if current < policy.min_replicas:
         return Decision(now_wanted, f"below autoscale.min_replicas ({load})")
     if current > policy.max_replicas:
-        return Decision(policy.max_replicas, f"above autoscale.max_replicas ({load})")
+        return Decision(policy.max_replicas, f"above autoscale.max_replicas ({load})", wake=False)
     if now_wanted > current:
         return Decision(now_wanted, load)
+    if awake is not None and in_flight and awake < now_wanted:
+        return Decision(now_wanted, f"{load}; {awake} of {current} awake")
     if now_wanted == current:
         return None
     since = now - policy.down_after_s
@@ -68,4 +82,4 @@ def decide(
     peak = max([now_wanted, *(count for when, count in recent if when > since)])
     if peak >= current:
         return None
-    return Decision(peak, f"{load}; at most {peak} wanted for {policy.down_after_s:g} s")
+    return Decision(peak, f"{load}; at most {peak} wanted for {policy.down_after_s:g} s", wake=False)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import redis
 from django.db.models import F
 
-from gpuportal.wire.states import ENDED
+from gpuportal.wire.states import AWAKE, ENDED
 from scheduling.core import autoscale
 from scheduling.models import Deployment, Replica
 from scheduling.services import queueing, scaling
@@ -74,7 +74,7 @@ def sweep(now: float | None = None) -> dict[str, int]:
         _forget_loads()
         return {}
     try:
-        in_flight = _in_flight([d.name for d in deployments])
+        in_flight, awake = _load([d.name for d in deployments])
     except redis.RedisError as err:
         log.warning("autoscaler: cannot read the requests in flight (%s): no change this sweep", err)
         return {}
@@ -87,7 +87,9 @@ def sweep(now: float | None = None) -> dict[str, int]:
     changed: dict[str, int] = {}
     for deployment in deployments:
         policy, load = policies[deployment.name], in_flight[deployment.name]
-        decision = autoscale.decide(deployment.replicas_wanted, load, recent[deployment.name], now, policy)
+        decision = autoscale.decide(
+            deployment.replicas_wanted, load, recent[deployment.name], now, policy, awake=awake[deployment.name]
+        )
         if decision is None:
             continue
         try:
@@ -98,21 +100,24 @@ def sweep(now: float | None = None) -> dict[str, int]:
     return changed
 
 
-def _in_flight(names: list[str]) -> dict[str, int]:
+def _load(names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
     """Per deployment, its requests waiting in its queue and those its replicas took and have not
-    ended: two round trips to Redis for them all."""
+    ended (two round trips to Redis for them all), and its replicas awake as a scale counts them
+    (a failover pair's standby left out)."""
     replicas = list(
         Replica.objects.filter(deployment__name__in=names)
         .exclude(state__in=ENDED)
         .annotate(name=F("deployment__name"))
-        .values_list("id", "name")
+        .values_list("id", "name", "state", "role")
     )
     queue = queueing.queue()
     counts = dict(queue.depths(names))
-    taken = queue.in_flight(replica_id for replica_id, _ in replicas)
-    for replica_id, name in replicas:
+    taken = queue.in_flight(replica_id for replica_id, *_ in replicas)
+    awake = dict.fromkeys(names, 0)
+    for replica_id, name, state, role in replicas:
         counts[name] += taken[replica_id]
-    return counts
+        awake[name] += state in AWAKE and role != Replica.Role.STANDBY
+    return counts, awake
 
 
 def _remember(
@@ -152,12 +157,10 @@ def _scale(deployment: Deployment, decision: autoscale.Decision) -> int:
     that fits (the next sweep asks for the rest again)."""
     reason, current = f"autoscaled: {decision.reason}", deployment.replicas_wanted
     # `expected`: an operator's scale committed since the count was read is left as it is. A
-    # scale-down stops what is awake beyond the count and wakes nothing: its replicas may have
-    # fallen asleep, idle, before the window let it scale down.
+    # scale-down stops what is awake beyond the count and wakes nothing (decision.wake): its
+    # replicas may have fallen asleep, idle, before the window let it scale down.
     try:
-        scaling.scale(
-            deployment.name, decision.replicas, reason=reason, expected=current, wake=decision.replicas > current
-        )
+        scaling.scale(deployment.name, decision.replicas, reason=reason, expected=current, wake=decision.wake)
         return decision.replicas
     except CannotPlace:
         one_more = current + 1

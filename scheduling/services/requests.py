@@ -284,7 +284,7 @@ def _admit(deployment_name: str, kind: str) -> str:
         if loads:
             return "waking"  # a replacement for a failed load starts after its backoff: wait for it
         _refuse_if_never_placeable(deployment)
-        sleep.wake_deployment(deployment_name, reason="woken by a request")
+        sleep.wake_deployment(deployment_name, reason="woken by a request", for_requests=True)
     return "queued" if serving else "waking"
 
 

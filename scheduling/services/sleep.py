@@ -1,7 +1,9 @@
 """Sleep and wake: idle replicas park their weights in CPU RAM and come back on demand.
 
 Sleep is temporary: unlike an operator's evict it leaves `replicas_wanted` alone, so the
-deployment still wants its replicas and the next wake brings back as many. A wake promotes
+deployment still wants its replicas and the next wake brings back as many (a request's wake of
+an autoscaled deployment, as many as its waiting requests want: the autoscaler wakes the rest as
+they grow). A wake promotes
 sleeping replicas first (their process and weights are still there) and places new ones only
 when none is cached, or none fits on its node as things are. In that last case a deployment with
 nothing awake whose load from disk is slower than a wake after its max_wait (fairness.prefer_wake)
@@ -17,6 +19,7 @@ import logging
 from dataclasses import replace
 from datetime import datetime, timedelta
 
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
@@ -25,7 +28,7 @@ from django.utils import timezone
 
 from gpuportal.wire.states import ASLEEP, AWAKE
 from scheduling import ledger, locks
-from scheduling.core import costs, fairness
+from scheduling.core import autoscale, costs, fairness
 from scheduling.core.placement import POLICIES, CachedReplica, Placement, place
 from scheduling.core.planning import withhold_locked
 from scheduling.core.state import Snapshot
@@ -101,10 +104,13 @@ def wake_replica(replica_id: str, *, reason: str) -> Replica:
     return replica_services.get(replica_id)
 
 
-def wake_deployment(name: str, *, reason: str) -> list[str]:
+def wake_deployment(name: str, *, reason: str, for_requests: bool = False) -> list[str]:
     """Make sure at least max(1, replicas_wanted) replicas are awake (pending, loading, serving or
     waking): sleeping ones are promoted first, new ones placed for the rest. Returns the ids of
-    the replicas this call promoted or placed; [] when enough were already awake.
+    the replicas this call promoted or placed; [] when enough were already awake. `for_requests`:
+    woken for the requests waiting in its queue; an autoscaled deployment then wakes no more than
+    they want (autoscale.wanted), and its sweep wakes more as they grow (autoscale.decide's
+    `awake`), rather than all its last burst wanted for one request.
 
     Safe to call concurrently (the request path calls it for every request that finds no awake
     replica): the deployment row lock makes wakes of one deployment take turns, and each counts
@@ -130,7 +136,7 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         if waiting:
             return waiting  # a fair wake is already under way: one is enough
         awake = awake_count(deployment)
-        missing = max(1, deployment.replicas_wanted) - awake
+        missing = _wanted_awake(deployment, for_requests) - awake
         if missing <= 0:
             return []
         if awake == 0:
@@ -162,6 +168,19 @@ def wake_deployment(name: str, *, reason: str) -> list[str]:
         return []
 
 
+def _wanted_awake(deployment: Deployment, for_requests: bool) -> int:
+    wanted, policy = max(1, deployment.replicas_wanted), deployment.autoscale_policy
+    if not for_requests or policy is None:
+        return wanted
+    try:
+        # The request that asks for this wake may not be queued yet: one at least.
+        waiting = max(1, queueing.queue().depths([deployment.name])[deployment.name])
+    except redis.RedisError as err:
+        log.warning("wake of %s: cannot read its queue (%s): waking all %d it wants", deployment.name, err, wanted)
+        return wanted
+    return min(wanted, autoscale.wanted(waiting, policy))
+
+
 def wake_again(name: str, *, reason: str) -> list[str]:
     """A wake that found another wake holding its GPU's lock, asked again (`wake_deployment`).
     Refused now, not even evictions making room (dedicated replicas took the GPUs meanwhile), its
@@ -169,7 +188,7 @@ def wake_again(name: str, *, reason: str) -> list[str]:
     timeout with nothing on its way to serve them; unless a replica of it is awake to serve them.
     A deployment deleted meanwhile had its requests ended by the delete."""
     try:
-        return wake_deployment(name, reason=reason)
+        return wake_deployment(name, reason=reason, for_requests=True)
     except CannotPlace as err:
         deployment = Deployment.objects.filter(name=name).first()
         if deployment is not None and not awake_count(deployment):

@@ -29,8 +29,9 @@ services build one from the ledger. Simulated replicas:
   for the one warming if need be; the next spare is warm a process start after it is taken;
 - a deployment keeps `replicas` awake where it can, as the product's do: a wake of one with
   nothing awake brings back as many (the first by the wake path below, the rest with free memory
-  only, all or none, as sleep.wake_deployment does), and with `autoscale` set the autoscaler's
-  sweep (scheduling.core.autoscale, every AUTOSCALE_S) scales it by its requests in flight:
+  only, all or none, as sleep.wake_deployment does; an autoscaled one, as many as its waiting
+  requests want), and with `autoscale` set the autoscaler's sweep (scheduling.core.autoscale,
+  every AUTOSCALE_S) scales it by its requests in flight, waking more where fewer are awake:
   a scale-up places the replicas it adds as an operator's scale does (sleepers promoted first,
   evictions as the policy's placement allows; short of room for all, one more if that fits),
   a scale-down stops the most recently started of those awake, each finishing what it took
@@ -714,7 +715,11 @@ class Simulation:
     def _top_up(self, ds: DeploymentState) -> None:
         """After a wake placed its first replica: the rest it wants, with free memory only and all
         or none (sleep.wake_deployment); short of room, the one woken serves alone."""
-        missing = ds.replicas - len(self._running(ds))
+        wanted, policy = ds.replicas, ds.spec.autoscale
+        if policy is not None:
+            # An autoscaled one wakes what its waiting requests want (sleep._wanted_awake).
+            wanted = min(wanted, autoscale.wanted(max(1, len(ds.queue)), policy))
+        missing = wanted - len(self._running(ds))
         if missing > 0:
             self._place_more(ds, missing, evictions=False)
 
@@ -730,23 +735,27 @@ class Simulation:
             in_flight = len(ds.queue) + sum(len(r.in_flight) for r in ds.awake)
             # The sweeps of the window and the one before it: what tells the window is covered.
             ds.recent = [(t, n) for t, n in ds.recent if t >= self.now - policy.down_after_s - AUTOSCALE_S]
-            decision = autoscale.decide(ds.replicas, in_flight, ds.recent, self.now, policy)
+            awake = len(self._running(ds))
+            decision = autoscale.decide(ds.replicas, in_flight, ds.recent, self.now, policy, awake=awake)
             ds.recent.append((self.now, autoscale.wanted(in_flight, policy)))
             if decision is not None:
-                self._scale(ds, decision.replicas)
+                self._scale(ds, decision.replicas, wake=decision.wake)
         self._at(self.now + AUTOSCALE_S, self._autoscale)
 
-    def _scale(self, ds: DeploymentState, replicas: int) -> None:
-        """scaling.scale as the autoscaler calls it: up, the replicas it adds placed as an
-        operator's scale places them (evictions as the policy allows), all or none, else one more
-        than it wanted if that fits; down, the most recently started of those awake stop, and
-        none wakes (its replicas may have slept, idle, before the window ended)."""
+    def _scale(self, ds: DeploymentState, replicas: int, *, wake: bool) -> None:
+        """scaling.scale as the autoscaler calls it (services.autoscaling._scale): with `wake`, the
+        replicas it adds placed as an operator's scale places them (evictions as the policy
+        allows), all or none, else one more than it wanted if that fits; down, the most recently
+        started of those awake stop, and none wakes (its replicas may have slept, idle, before the
+        window ended)."""
         running = self._running(ds)
-        if replicas > ds.replicas and replicas > len(running):
+        if wake and replicas > len(running):
             if not self._place_more(ds, replicas - len(running), evictions=True):
-                replicas = ds.replicas + 1
-                if replicas <= len(running) or not self._place_more(ds, replicas - len(running), evictions=True):
+                one_more = ds.replicas + 1
+                short = one_more - len(running)
+                if replicas <= one_more or short <= 0 or not self._place_more(ds, short, evictions=True):
                     return  # no room even for one more: the next sweep asks again
+                replicas = one_more
             self.counters.scale_ups += 1
         elif replicas < len(running):
             for replica in running[replicas:]:

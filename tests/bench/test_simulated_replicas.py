@@ -197,3 +197,22 @@ def test_a_fair_wake_whose_sleeper_a_scale_up_promoted_meanwhile_ends_without_pl
     )
     result = simulate(replace(trace, deployments=deployments), quick, NEXT, gpus=2)
     assert result.counters.scale_ups >= 1 and all(o.end_s is not None for o in result.outcomes)
+
+
+def test_a_request_wakes_what_the_waiting_requests_want_and_the_sweep_wakes_more_as_they_grow(quick):
+    # Scaled to 4 by a burst, idle and asleep 5 s after it, still wanting 4 (a 600 s window): one
+    # request later wakes one replica, not four (sleep._wanted_awake), asleep again 5 s on. A
+    # second burst's first request wakes one, and the sweep the other three (autoscale.decide's
+    # `awake`), without a load from disk.
+    config = on_gpus(quick, 8)
+    busy = deployment("a", 12, idle_timeout_s=5.0, autoscale=scaled(4, down_after_s=600.0))
+    first = burst("a", 320, 20.0)
+    one = Request(len(first), "a", 100.0, 128, 32)
+    second = [replace(r, id=r.id + len(first) + 1) for r in burst("a", 320, 20.0, start_s=200.0)]
+
+    quiet = simulate(Trace((busy,), (*first, one), 150.0), config, NEXT)
+    assert quiet.counters.cold_loads == 3 and quiet.counters.wakes == 1, "one woken for the one request"
+
+    busier = simulate(Trace((busy,), (*first, one, *second), 300.0), config, NEXT)
+    assert busier.counters.cold_loads == 3 and busier.counters.wakes == 1 + 1 + 3
+    assert all(o.failed is None for o in busier.outcomes)

@@ -43,11 +43,11 @@ def test_it_scales_up_at_once_and_says_by_how_much_load():
 def test_it_scales_down_only_once_every_sweep_of_the_window_wanted_fewer_and_to_the_most_they_wanted():
     calm = [(T0 - 61, 3), (T0 - 30, 1), (T0 - 5, 1)]
     assert decide(3, 0, calm, T0, POLICY) == Decision(
-        1, "0 request(s) in flight, 2 per replica wanted; at most 1 wanted for 60 s"
+        1, "0 request(s) in flight, 2 per replica wanted; at most 1 wanted for 60 s", wake=False
     )
     burst = [(T0 - 61, 1), (T0 - 30, 2), (T0 - 5, 1)]
     assert decide(3, 0, burst, T0, POLICY) == Decision(
-        2, "0 request(s) in flight, 2 per replica wanted; at most 2 wanted for 60 s"
+        2, "0 request(s) in flight, 2 per replica wanted; at most 2 wanted for 60 s", wake=False
     )
     assert decide(2, 0, burst, T0, POLICY) is None, "the burst 30 s ago wanted 2"
 
@@ -56,7 +56,7 @@ def test_it_waits_for_sweeps_that_cover_the_window_before_scaling_down():
     assert decide(3, 0, [(T0 - 30, 1), (T0 - 5, 1)], T0, POLICY) is None
     assert decide(3, 0, [], T0, POLICY) is None
     assert decide(3, 0, [], T0, Policy(1, 4, 2, 0)) == Decision(
-        1, "0 request(s) in flight, 2 per replica wanted; at most 1 wanted for 0 s"
+        1, "0 request(s) in flight, 2 per replica wanted; at most 1 wanted for 0 s", wake=False
     )
 
 
@@ -66,8 +66,17 @@ def test_it_brings_a_count_outside_the_bounds_back_within_them_at_once_but_leave
     )
     assert decide(0, 100, [], T0, POLICY) is None, "scaled to 0 by an operator: stopped, not autoscaled"
     assert decide(7, 100, [], T0, POLICY) == Decision(
-        4, "above autoscale.max_replicas (100 request(s) in flight, 2 per replica wanted)"
+        4, "above autoscale.max_replicas (100 request(s) in flight, 2 per replica wanted)", wake=False
     )
+
+
+def test_it_wakes_what_the_load_wants_where_fewer_are_awake_than_that_and_never_for_no_load():
+    # Its last burst left it wanting 4; its replicas slept since, and a request woke one.
+    assert decide(4, 5, [], T0, POLICY, awake=1) == Decision(
+        3, "5 request(s) in flight, 2 per replica wanted; 1 of 4 awake"
+    )
+    assert decide(4, 5, [], T0, POLICY, awake=3) is None, "as many awake as the load wants"
+    assert decide(4, 0, [], T0, POLICY, awake=0) is None, "nothing in flight: nothing to wake"
 
 
 policies = st.builds(
@@ -80,25 +89,27 @@ policies = st.builds(
 histories = st.lists(st.tuples(st.floats(T0 - 1200, T0), st.integers(0, 40)), max_size=20)
 
 
-@given(policies, st.integers(0, 40), st.integers(0, 500), histories)
+@given(policies, st.integers(0, 40), st.integers(0, 500), histories, st.none() | st.integers(0, 40))
 def test_a_decision_stays_within_the_bounds_scales_up_to_the_load_and_never_down_below_the_window(
-    policy, current, in_flight, recent
+    policy, current, in_flight, recent, awake
 ):
-    decision = decide(current, in_flight, recent, T0, policy)
+    decision = decide(current, in_flight, recent, T0, policy, awake=awake)
     after = current if decision is None else decision.replicas
     now_wanted = wanted(in_flight, policy)
     assert policy.min_replicas <= now_wanted <= policy.max_replicas
     if policy.min_replicas <= current <= policy.max_replicas:
         assert policy.min_replicas <= after <= policy.max_replicas
         assert after >= now_wanted, "never fewer than the load wants now"
-        if after < current:
+        if after < current and (decision is None or not decision.wake):
             in_window = [count for when, count in recent if when > T0 - policy.down_after_s]
             assert all(count <= after for count in in_window), "nor fewer than any sweep of the window wanted"
+        if decision is not None and decision.wake:
+            assert after > current or (awake is not None and in_flight and awake < after), "woken for load only"
     elif current == 0:
         assert decision is None, "a deployment scaled to 0 stays stopped"
     else:
         assert policy.min_replicas <= after <= policy.max_replicas, "brought back within the bounds"
-    assert decision is None or decision.replicas != current
+    assert decision is None or decision.replicas != current or (awake is not None and awake < current)
 
 
 # -- the sweep, against PostgreSQL and Redis ---------------------------------------------------
@@ -210,25 +221,63 @@ def test_a_scale_down_of_a_deployment_whose_replicas_fell_asleep_wakes_none(
     assert invariant_holds()
 
 
+def test_a_request_wakes_what_the_waiting_requests_want_and_the_sweep_wakes_more_as_they_grow(
+    named, dispatched, django_capture_on_commit_callbacks
+):
+    # It wants 3 (its last burst's), all asleep. One request wakes one, not three; five in flight
+    # then want three, and the sweep wakes two more: its count stays, what is awake follows the load.
+    deploy(named, 3, autoscale_max_replicas=4, autoscale_target_in_flight=2, autoscale_down_after_s=60)
+    with django_capture_on_commit_callbacks(execute=True):
+        for replica_id in Replica.objects.filter(deployment__name=named).values_list("id", flat=True):
+            serve(replica_id)
+            sleep.sleep_replica(replica_id, reason="idle")
+            asleep(replica_id)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        accept(named, 1)
+    assert awake(named) == 1, "one request wants one replica"
+    with django_capture_on_commit_callbacks(execute=True):
+        accept(named, 4)
+        assert autoscaling.sweep(T0) == {named: 3}
+
+    assert awake(named) == 3 and Deployment.objects.get(name=named).replicas_wanted == 3
+    placed = Event.objects.filter(deployment=named, reason__contains="1 of 3 awake")
+    assert placed.count() == 2, "each woken replica's Event says why"
+    assert invariant_holds()
+
+
+def test_a_deployment_without_autoscale_wakes_all_it_wants_for_one_request(
+    named, dispatched, django_capture_on_commit_callbacks
+):
+    deploy(named, 3)
+    with django_capture_on_commit_callbacks(execute=True):
+        for replica_id in Replica.objects.filter(deployment__name=named).values_list("id", flat=True):
+            serve(replica_id)
+            sleep.sleep_replica(replica_id, reason="idle")
+            asleep(replica_id)
+        accept(named, 1)
+    assert awake(named) == 3, "the next wake brings back as many as it wants (sleep.py)"
+
+
 def test_a_sweep_leaves_the_count_of_an_operators_scale_committed_after_it_read_the_deployment(
     named, dispatched, django_capture_on_commit_callbacks, monkeypatch
 ):
     deploy(named, 1, autoscale_max_replicas=4, autoscale_target_in_flight=1)
     accept(named, 4)
-    read_load = autoscaling._in_flight
+    read_load = autoscaling._load
 
-    def an_operator_scales_meanwhile(names: list[str]) -> dict[str, int]:
+    def an_operator_scales_meanwhile(names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
         load = read_load(names)  # the deployments were read just before: wanting 1
         scaling.scale(named, 2, reason="scaled by an operator")
         return load
 
-    monkeypatch.setattr(autoscaling, "_in_flight", an_operator_scales_meanwhile)
+    monkeypatch.setattr(autoscaling, "_load", an_operator_scales_meanwhile)
     with django_capture_on_commit_callbacks(execute=True):
         assert autoscaling.sweep(T0) == {}
 
     assert Deployment.objects.get(name=named).replicas_wanted == 2
     assert changes(named) == []
-    monkeypatch.setattr(autoscaling, "_in_flight", read_load)
+    monkeypatch.setattr(autoscaling, "_load", read_load)
     with django_capture_on_commit_callbacks(execute=True):
         assert autoscaling.sweep(T0 + 5) == {named: 4}, "the next sweep reads the operator's count"
 
@@ -238,10 +287,10 @@ def test_a_sweep_that_cannot_read_the_load_changes_nothing_and_says_why(named, d
 
     deploy(named, 2, autoscale_max_replicas=4, autoscale_down_after_s=0)
 
-    def redis_is_away(names: list[str]) -> dict[str, int]:
+    def redis_is_away(names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
         raise redis.ConnectionError("Connection refused")
 
-    monkeypatch.setattr(autoscaling, "_in_flight", redis_is_away)
+    monkeypatch.setattr(autoscaling, "_load", redis_is_away)
     assert autoscaling.sweep(T0) == {}, "no load read is not no load: nothing is stopped"
     assert Deployment.objects.get(name=named).replicas_wanted == 2
     assert "cannot read the requests in flight (Connection refused): no change this sweep" in caplog.text
