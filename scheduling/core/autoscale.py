@@ -59,9 +59,10 @@ def decide(
     scale-down waits until they reach back that far (after a restart of the sweeps, say). A
     deployment scaled to 0 is left there, as Kubernetes' HPA leaves a Deployment scaled to zero:
     that is how an operator stops one without forgetting its settings. `awake`: how many of its
-    replicas are awake; where requests are in flight and fewer are awake than they want (the
-    others asleep, or short of room when it was woken), it is scaled to what they want, waking
-    that many."""
+    replicas are awake; where some are, and fewer than its requests in flight want (the others
+    asleep, or short of room when it was woken), it is scaled to what they want, waking that
+    many. With none awake it is left to the wake its requests started: a fair wake waits its
+    max_wait for room, where a scale would evict at once."""
     if current == 0:
         return None
     now_wanted = wanted(in_flight, policy)
@@ -72,7 +73,7 @@ def decide(
         return Decision(policy.max_replicas, f"above autoscale.max_replicas ({load})", wake=False)
     if now_wanted > current:
         return Decision(now_wanted, load)
-    if awake is not None and in_flight and awake < now_wanted:
+    if awake is not None and 0 < awake < now_wanted and in_flight:
         return Decision(now_wanted, f"{load}; {awake} of {current} awake")
     if now_wanted == current:
         return None

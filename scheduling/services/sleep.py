@@ -3,12 +3,12 @@
 Sleep is temporary: unlike an operator's evict it leaves `replicas_wanted` alone, so the
 deployment still wants its replicas and the next wake brings back as many (a request's wake of
 an autoscaled deployment, as many as its waiting requests want: the autoscaler wakes the rest as
-they grow). A wake promotes
-sleeping replicas first (their process and weights are still there) and places new ones only
-when none is cached, or none fits on its node as things are. In that last case a deployment with
-nothing awake whose load from disk is slower than a wake after its max_wait (fairness.prefer_wake)
-wakes its copy all the same, by the fair wake path, rather than load a new replica; and
-one whose replica is still draining to sleep waits for that copy, which its sleeping report wakes.
+they grow). A wake promotes sleeping replicas first (their process and weights are still there)
+and places new ones only when none is cached, or none fits on its node as things are. In that
+last case a deployment with nothing awake whose load from disk is slower than a wake after its
+max_wait (fairness.prefer_wake) wakes its copy all the same, by the fair wake path, rather than
+load a new replica; and one whose replica is still draining to sleep waits for that copy, which
+its sleeping report wakes.
 
 Lock order, as in `deployments`: the deployment row, then GPU rows (the ledger), then replica rows.
 """

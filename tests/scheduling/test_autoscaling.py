@@ -76,7 +76,8 @@ def test_it_wakes_what_the_load_wants_where_fewer_are_awake_than_that_and_never_
         3, "5 request(s) in flight, 2 per replica wanted; 1 of 4 awake"
     )
     assert decide(4, 5, [], T0, POLICY, awake=3) is None, "as many awake as the load wants"
-    assert decide(4, 0, [], T0, POLICY, awake=0) is None, "nothing in flight: nothing to wake"
+    assert decide(4, 1, [], T0, POLICY, awake=1) is None, "one in flight: one awake is enough"
+    assert decide(4, 5, [], T0, POLICY, awake=0) is None, "none awake: the requests' own wake is under way"
 
 
 policies = st.builds(
@@ -104,7 +105,7 @@ def test_a_decision_stays_within_the_bounds_scales_up_to_the_load_and_never_down
             in_window = [count for when, count in recent if when > T0 - policy.down_after_s]
             assert all(count <= after for count in in_window), "nor fewer than any sweep of the window wanted"
         if decision is not None and decision.wake:
-            assert after > current or (awake is not None and in_flight and awake < after), "woken for load only"
+            assert after > current or (awake and in_flight and awake < after), "woken for load only, some awake"
     elif current == 0:
         assert decision is None, "a deployment scaled to 0 stays stopped"
     else:
