@@ -527,7 +527,8 @@ def replicas_at_peak(trace: Trace, config: Config, name: str, per_replica: float
     for _, step in sorted(edges):  # an end before a start at the same instant
         running += step
         most = max(most, running)
-    return autoscale.wanted(most, autoscale.Policy(1, 10**9, per_replica, 0.0))
+    unbounded = autoscale.Policy(min_replicas=1, max_replicas=most + 1, target_in_flight=per_replica, down_after_s=0.0)
+    return autoscale.wanted(most, unbounded)
 
 
 def misses_by_deployment(trace: Trace, result: SimResult, slo_ttft_s: float) -> tuple[DeploymentMisses, ...]:
