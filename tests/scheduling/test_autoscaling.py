@@ -143,6 +143,14 @@ def awake(name: str) -> int:
     return Replica.objects.filter(deployment__name=name, state__in=AWAKE).count()
 
 
+def all_asleep(name: str) -> None:
+    """Every replica of the deployment serving, then asleep (idle), as its processes report it."""
+    for replica_id in Replica.objects.filter(deployment__name=name).values_list("id", flat=True):
+        serve(replica_id)
+        sleep.sleep_replica(replica_id, reason="idle")
+        asleep(replica_id)
+
+
 def changes(name: str) -> list[str]:
     return list(
         Event.objects.filter(kind=Event.Kind.DEPLOYMENT_CHANGED, deployment=name, reason__startswith="autoscaled")
@@ -203,10 +211,7 @@ def test_a_scale_down_of_a_deployment_whose_replicas_fell_asleep_wakes_none(
     # next request wakes one. It woke one at once (a scale to 1 brought 0 awake up to 1).
     deploy(named, 3, autoscale_max_replicas=4, autoscale_target_in_flight=2, autoscale_down_after_s=60)
     with django_capture_on_commit_callbacks(execute=True):
-        for replica_id in Replica.objects.filter(deployment__name=named).values_list("id", flat=True):
-            serve(replica_id)
-            sleep.sleep_replica(replica_id, reason="idle")
-            asleep(replica_id)
+        all_asleep(named)
     assert awake(named) == 0
     sent = len(dispatched)
 
@@ -229,10 +234,7 @@ def test_a_request_wakes_what_the_waiting_requests_want_and_the_sweep_wakes_more
     # then want three, and the sweep wakes two more: its count stays, what is awake follows the load.
     deploy(named, 3, autoscale_max_replicas=4, autoscale_target_in_flight=2, autoscale_down_after_s=60)
     with django_capture_on_commit_callbacks(execute=True):
-        for replica_id in Replica.objects.filter(deployment__name=named).values_list("id", flat=True):
-            serve(replica_id)
-            sleep.sleep_replica(replica_id, reason="idle")
-            asleep(replica_id)
+        all_asleep(named)
 
     with django_capture_on_commit_callbacks(execute=True):
         accept(named, 1)
@@ -252,10 +254,7 @@ def test_a_deployment_without_autoscale_wakes_all_it_wants_for_one_request(
 ):
     deploy(named, 3)
     with django_capture_on_commit_callbacks(execute=True):
-        for replica_id in Replica.objects.filter(deployment__name=named).values_list("id", flat=True):
-            serve(replica_id)
-            sleep.sleep_replica(replica_id, reason="idle")
-            asleep(replica_id)
+        all_asleep(named)
         accept(named, 1)
     assert awake(named) == 3, "the next wake brings back as many as it wants (sleep.py)"
 
