@@ -142,7 +142,10 @@ class DeploymentState:
     queue: deque[Request] = field(default_factory=deque)
     # Loading, serving or draining, oldest first: a draining one still finishes what it took.
     awake: list[SimReplica] = field(default_factory=list)
-    cached: dict[str, SimReplica] = field(default_factory=dict)  # replica id -> sleeping replica
+    # Sleeping replicas by id, and how many sleep on each node (what the idle sweep asks of
+    # every deployment); written through keep_asleep and take_asleep only.
+    cached: dict[str, SimReplica] = field(default_factory=dict)
+    asleep_on: dict[str, int] = field(default_factory=dict)
     # How many it wants awake (the product's replicas_wanted): its own, then the autoscaler's.
     replicas: int = 1
     # What the autoscaler's earlier sweeps wanted, (when, replicas): its scale-down window.
@@ -154,6 +157,16 @@ class DeploymentState:
     # (dedicated on too few GPUs) does not ask placement every retry_s for the whole trace.
     failed_wakes: int = 0
     home: tuple[int, ...] | None = None  # lru-fair: the GPUs of the first load
+
+    def keep_asleep(self, replica: SimReplica) -> None:
+        self.cached[replica.id] = replica
+        self.asleep_on[replica.node] = self.asleep_on.get(replica.node, 0) + 1
+
+    def take_asleep(self, replica: SimReplica) -> None:
+        del self.cached[replica.id]
+        self.asleep_on[replica.node] -= 1
+        if not self.asleep_on[replica.node]:
+            del self.asleep_on[replica.node]
 
 
 @dataclass
@@ -393,7 +406,7 @@ class Simulation:
                 other.spec.name, other.need_bytes, self.wake_s(other.spec), self.policy.placement.whole_gpu_from
             )
             for other in self.deployments.values()
-            if not other.awake and any(c.node == replica.node for c in other.cached.values())
+            if not other.awake and replica.node in other.asleep_on
         ]
         slo = self._setting(ds.spec.slo_ttft_s, self.serving.slo_ttft_s)
         short = fairness.short_of_room(gpus, asleep, slo_ttft_s=slo)
@@ -461,7 +474,7 @@ class Simulation:
             elif self.serving.deep_after_s > 0:
                 self._at(self.now + self.serving.deep_after_s, self._deep_check, replica, replica.asleep_token)
         self._leave(ds, replica)
-        ds.cached[replica.id] = replica
+        ds.keep_asleep(replica)
         self._memory_freed()
         self._dispatch(ds)
 
@@ -846,7 +859,7 @@ class Simulation:
         name = ds.spec.name
         if placement.promoted:
             replica = self.replicas[placement.promoted]
-            del ds.cached[replica.id]
+            ds.take_asleep(replica)
             # Its context, where it kept one, is the residual placement counted: replaced by its need.
             self._release(replica)
             load, replica.loaded_by = self.wake_s(ds.spec), "wake"
@@ -892,7 +905,7 @@ class Simulation:
         else:
             victim.state, victim.deep = SLEEPING, self.policy.two_level_sleep
             self.counters.deep_sleeps += victim.deep
-            ds.cached[victim.id] = victim
+            ds.keep_asleep(victim)
         self._at(self.now, self._dispatch, ds)
         return self._copy_out_s(ds.spec)
 
@@ -951,7 +964,7 @@ class Simulation:
                 deep = self.policy.two_level_sleep
                 asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING, deep=deep)
                 self.replicas[asleep.id] = asleep
-                ds.cached[asleep.id] = asleep
+                ds.keep_asleep(asleep)
 
     def _provision_one(self, ds: DeploymentState) -> bool:
         policy = replace(self.policy.placement, evictions=False)

@@ -285,7 +285,7 @@ def test_a_sleeper_a_placement_evicts_sleeps_deeply_and_frees_its_context_at_onc
     sim = Simulation(hand_trace([b, c], []), config, POLICIES["ndif"])
     asleep = SimReplica("b.1", "b", "node00", {1: config.hardware.cuda_context_mib * 1024**2}, engine.SLEEPING)
     sim.replicas[asleep.id] = asleep
-    sim.deployments["b"].cached[asleep.id] = asleep
+    sim.deployments["b"].keep_asleep(asleep)
     sim._reserve(asleep)
 
     assert sim._evict(asleep) == 0.0, "nothing to copy out: its weights are in host memory already"
