@@ -1,4 +1,5 @@
-"""Scaling deployments: bring each one's awake replicas to the count asked for.
+"""Scaling deployments: bring each one's awake replicas to the count asked for (to 0: stop every
+replica, the sleeping ones too).
 
 Scale calls that arrive together in one process (the web serves the API on threads of one
 process) are committed together (`scheduling.group_commit`): one transaction
@@ -119,7 +120,8 @@ def scale(
     wake: bool = True,
 ) -> Deployment:
     """Bring the number of awake replicas to `replicas`: cached ones are promoted before new ones
-    are created; scaling down stops the most recently started first (they have served least).
+    are created; scaling down stops the most recently started first (they have served least), and
+    scaling to 0 stops the sleeping ones too.
     With `expected`, only if the deployment still wants that many (InvalidState if not). With
     `wake=False`, at most `replicas` awake: fewer are left as they are."""
     if replicas < 0:
@@ -221,10 +223,16 @@ def _plan_intent(scaling: _Scaling, hosts: dict[str, HostView]) -> None:
             hosts=hosts,
             host_need=placing.process_need(census.host_bytes),
         )
-    elif wanted < len(awake):
-        stopping = awake[: len(awake) - wanted]
+    elif wanted < len(awake) or (wanted == 0 and census.cached):
+        stopping, why = awake[: len(awake) - wanted], scaling.why
+        if wanted == 0 and census.cached:
+            # Scaled to 0, it is stopped: its sleepers too, with the contexts and host copies they
+            # hold (as Kubernetes' scale to zero ends every pod). A scale to more keeps them: the
+            # cache a wake promotes from, deepened or evicted when their room is wanted.
+            stopping = [*stopping, *(c.replica_id for c in census.cached)]
+            why += f", its {len(census.cached)} sleeping replica(s) too"
         known = {replica_id: census.rows[replica_id] for replica_id in stopping}
-        scaling.stop = Stop.of(deployment, stopping, reason=scaling.why, known=known)
+        scaling.stop = Stop.of(deployment, stopping, reason=why, known=known)
 
 
 def _commit(scalings: list[_Scaling]) -> None:

@@ -30,6 +30,7 @@ from tests.support.deployments import (
     FROM_CACHE,
     LOAD_TIMEOUT,
     START,
+    STOP,
     TO_CACHE,
     MiB,
     all_in,
@@ -166,6 +167,29 @@ def test_a_deployment_scaled_to_zero_wakes_one_replica(cluster, api, dispatched,
         assert sleep.wake_deployment("tiny-a", reason="a request arrived") == [replica_id]
 
     assert Replica.objects.get().state == "waking" and Deployment.objects.get().replicas_wanted == 0
+
+
+def test_scaling_a_deployment_to_zero_stops_its_sleeping_replicas_too(
+    cluster, api, dispatched, tiny_model_dir, on_commit
+):
+    # Asleep, each keeps a process (and, on a real GPU, its context) and its copy of the weights:
+    # a scale to 0 stops them all, and a request later loads one anew. A scale to 1 would keep them.
+    ids = deploy_serving(api, tiny_model_dir, replicas=2)
+    api("post", "/api/deployments/tiny-a/sleep/")
+    for replica_id in ids:
+        asleep(replica_id)
+    dispatched.clear()
+
+    response = api("post", "/api/deployments/tiny-a/scale/", {"replicas": 0})
+
+    assert response.status_code == 200
+    assert sorted(Replica.objects.filter(pk__in=ids).values_list("state", flat=True)) == ["stopping", "stopping"]
+    assert sorted(args[0] for _, task, args in dispatched if task == STOP) == sorted(ids)
+    assert Event.objects.filter(reason__endswith="0 → 0, its 2 sleeping replica(s) too").count() == 2
+    with on_commit():
+        (placed,) = sleep.wake_deployment("tiny-a", reason="a request arrived")
+    assert placed not in ids, "loaded anew: nothing was left asleep to promote"
+    assert invariant_holds()
 
 
 def test_waking_a_deployment_brings_back_as_many_as_it_wants(cluster, api, dispatched, tiny_model_dir, on_commit):
