@@ -124,7 +124,7 @@ def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> Catalogu
         idle_timeout_s=d.idle_timeout_s,
         load_s=d.observed.measured_load_s,
         wake_s=d.observed.measured_wake_s,
-        # One scaled to 0 still has its requests planned for: a request wakes one.
+        # One scaled to 0 still has its requests planned for: a request brings one back.
         replicas=max(1, d.replicas_wanted),
         autoscale=d.autoscale_policy,
     )

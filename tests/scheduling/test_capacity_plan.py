@@ -217,7 +217,7 @@ def test_the_portals_own_deployments_are_planned_with_their_replicas_and_autosca
     assert entries["busy"].autoscale == autoscale.Policy(
         min_replicas=1, max_replicas=6, target_in_flight=8.0, down_after_s=300.0
     )
-    # Scaled to 0, a request still wakes one (sleep.wake_deployment): planned as one.
+    # Scaled to 0, a request still brings one back (sleep.wake_deployment): planned as one.
     assert entries["stopped"].replicas == 1 and entries["stopped"].autoscale is None
 
 
