@@ -26,9 +26,9 @@ def quick() -> Config:
     return load(quick=True)
 
 
-def deployment(name: str, gib: float, **settings: object) -> Deployment:
+def deployment(name: str, gib: float, **fields: object) -> Deployment:
     # A model whose need is `gib`, its weights a third of it (about 2 ms a token at 2 TB/s for 12 GiB).
-    return replace(Deployment(name, "hand", "float16", int(gib * GiB / 3), int(gib * GiB), 1.0, False, 2e9), **settings)
+    return replace(Deployment(name, "hand", "float16", int(gib * GiB / 3), int(gib * GiB), 1.0, False, 2e9), **fields)
 
 
 def scaled(most: int, *, target: float = 4.0, down_after_s: float = 30.0, least: int = 1) -> autoscale.Policy:
