@@ -159,8 +159,9 @@ class DeploymentState:
     home: tuple[int, ...] | None = None  # lru-fair: the GPUs of the first load
 
     def keep_asleep(self, replica: SimReplica) -> None:
-        self.cached[replica.id] = replica
-        self.asleep_on[replica.node] = self.asleep_on.get(replica.node, 0) + 1
+        if replica.id not in self.cached:  # kept once, counted once
+            self.cached[replica.id] = replica
+            self.asleep_on[replica.node] = self.asleep_on.get(replica.node, 0) + 1
 
     def take_asleep(self, replica: SimReplica) -> None:
         del self.cached[replica.id]
