@@ -128,15 +128,19 @@ def wake_deployment(name: str, *, reason: str, for_requests: bool = False) -> li
     draining to sleep (`_wait_for_draining_copy`: its id is returned, and its sleep wakes it).
     (Operator scale-ups, deployments.scale, still evict at once: the operator asked for it.)
     """
-    if _awake_enough(Deployment.objects.filter(name=name).first()):
+    seen = Deployment.objects.filter(name=name).first()
+    if _awake_enough(seen):
         return []  # the common case, without taking the row lock
+    # Read before the row lock, not under it: a Redis round trip (or its timeout, when Redis is
+    # down) would hold up every other wake and request of the deployment waiting on that lock.
+    waiting_requests = _waiting_requests(seen) if for_requests and seen is not None else None
     with transaction.atomic():
         deployment = deployments.get(name, lock=True)
         waiting = preemption.in_progress(deployment)
         if waiting:
             return waiting  # a fair wake is already under way: one is enough
         awake = awake_count(deployment)
-        missing = _wanted_awake(deployment, for_requests) - awake
+        missing = _wanted_awake(deployment, waiting_requests) - awake
         if missing <= 0:
             return []
         if awake == 0:
@@ -168,17 +172,24 @@ def wake_deployment(name: str, *, reason: str, for_requests: bool = False) -> li
         return []
 
 
-def _wanted_awake(deployment: Deployment, for_requests: bool) -> int:
-    wanted, policy = max(1, deployment.replicas_wanted), deployment.autoscale_policy
-    if not for_requests or policy is None:
-        return wanted
+def _waiting_requests(deployment: Deployment) -> int | None:
+    """How many requests wait in an autoscaled deployment's queue (None: not autoscaled, or its
+    queue unreadable, when a wake brings back all it wants)."""
+    if deployment.autoscale_policy is None:
+        return None
     try:
-        # The request that asks for this wake may not be queued yet: one at least.
-        waiting = max(1, queueing.queue().depths([deployment.name])[deployment.name])
+        return queueing.queue().depths([deployment.name])[deployment.name]
     except redis.RedisError as err:
-        log.warning("wake of %s: cannot read its queue (%s): waking all %d it wants", deployment.name, err, wanted)
+        log.warning("wake of %s: cannot read its queue (%s): waking all it wants", deployment.name, err)
+        return None
+
+
+def _wanted_awake(deployment: Deployment, waiting_requests: int | None) -> int:
+    wanted, policy = max(1, deployment.replicas_wanted), deployment.autoscale_policy
+    if waiting_requests is None or policy is None:
         return wanted
-    return min(wanted, autoscale.wanted(waiting, policy))
+    # The request that asks for this wake may not be queued yet: one at least.
+    return min(wanted, autoscale.wanted(max(1, waiting_requests), policy))
 
 
 def wake_again(name: str, *, reason: str) -> list[str]:

@@ -6,14 +6,17 @@ the request service and taken from the queue as a replica takes them."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuportal.wire.memory import MiB
+from gpuportal.wire.requestqueue import RequestQueue
 from gpuportal.wire.states import AWAKE
 from scheduling.core.autoscale import Decision, Policy, decide, wanted
 from scheduling.models import Deployment, Event, Replica
@@ -257,6 +260,43 @@ def test_a_deployment_without_autoscale_wakes_all_it_wants_for_one_request(
         all_asleep(named)
         accept(named, 1)
     assert awake(named) == 3, "the next wake brings back as many as it wants (sleep.py)"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_requests_wake_reads_the_queue_before_locking_the_deployment_and_wakes_all_when_it_cannot(
+    named, dispatched, django_capture_on_commit_callbacks, monkeypatch, caplog
+):
+    import redis
+    from django.db import connection
+
+    deploy(named, 3, autoscale_max_replicas=4, autoscale_target_in_flight=2)
+    with django_capture_on_commit_callbacks(execute=True):
+        all_asleep(named)
+    locked_while_read: list[bool] = []
+
+    def redis_is_away(queue: RequestQueue, names: list[str]) -> dict[str, int]:
+        # Asked from a connection of its own (a thread): is the deployment's row locked now?
+        def try_lock() -> None:
+            try:
+                with transaction.atomic():
+                    Deployment.objects.select_for_update(nowait=True).get(name=named)
+                locked_while_read.append(False)
+            except DatabaseError:
+                locked_while_read.append(True)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=try_lock)
+        thread.start()
+        thread.join()
+        raise redis.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(RequestQueue, "depths", redis_is_away)
+    woken = sleep.wake_deployment(named, reason="woken by a request", for_requests=True)
+
+    assert locked_while_read == [False], "a Redis round trip must not hold the deployment's row lock"
+    assert len(woken) == 3 and awake(named) == 3, "no load read: it wakes all it wants"
+    assert "cannot read its queue (Connection refused): waking all it wants" in caplog.text
 
 
 def test_a_sweep_leaves_the_count_of_an_operators_scale_committed_after_it_read_the_deployment(
