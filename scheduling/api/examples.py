@@ -203,13 +203,13 @@ PLAN_DONE = {
             "12 GPUs instead of 13",
         },
         "scale_advice": {
-            "replicas": {"m03-8b": {"replicas": 3, "autoscale": None}},
+            "replicas": {"m03-8b": {"replicas": 3, "autoscale": None, "command": "gpuportal set m03-8b replicas=3"}},
             "policy": "gpuportal-next",
             "fewest_gpus": 12,
             "holds_from": 12,
             "fewest_gpus_without": 13,
             "helps": True,
-            "text": "give what queues behind a busy replica the replicas its busiest moment wants "
+            "text": "give what queues behind a busy replica the replicas its load wants "
             "(gpuportal set m03-8b replicas=3): gpuportal-next then needs 12 GPUs instead of 13",
         },
     },

@@ -122,6 +122,9 @@ class SimReplica:
     asleep_token: int = 0
     # Stopped by a scale-down: it finishes what it took (draining), then leaves for good.
     stopping: bool = False
+    # Its current load or wake was an autoscaler's scale-up (`_scale`), not a wake for requests
+    # that found nothing awake: what a request waited before it was placed is the autoscaler's lag.
+    scaled_up: bool = False
 
 
 @dataclass
@@ -183,6 +186,8 @@ class RequestOutcome:
     load_s: float = 0.0
     queue_s: float = 0.0
     loaded_by: str | None = None  # "cold load" or "wake": the request waited for that replica to load
+    # A replica of its deployment served when it arrived, every one's batch full: it queued.
+    arrived_behind_busy: bool = False
 
 
 @dataclass
@@ -315,6 +320,10 @@ class Simulation:
     def _arrive(self, request: Request) -> None:
         ds = self.deployments[request.deployment]
         ds.queue.append(request)
+        serving = [r for r in ds.awake if r.state == SERVING]
+        self.outcomes[request.id].arrived_behind_busy = bool(serving) and all(
+            len(r.in_flight) >= self.serving.max_batch for r in serving
+        )
         if self.policy.wake_on_arrival and ds.retry_pending and not ds.awake:
             # services.requests._admit: a request for a deployment with nothing awake asks for a
             # wake itself (sleep.wake_deployment), whatever backoff an earlier failed wake is in.
@@ -342,6 +351,10 @@ class Simulation:
             placed = max(request.arrival_s, replica.placed_s)
             outcome.room_s, outcome.load_s = placed - request.arrival_s, since - placed
             outcome.queue_s, outcome.loaded_by = self.now - since, replica.loaded_by
+            if replica.scaled_up and outcome.arrived_behind_busy:
+                # It queued behind busy replicas until the autoscaler's sweep placed this one: no
+                # room was wanting, so that wait is the queue's (what the scale advice reads).
+                outcome.queue_s, outcome.room_s = outcome.queue_s + outcome.room_s, 0.0
         else:
             outcome.queue_s = self.now - request.arrival_s
         replica.in_flight[request.id] = request
@@ -764,10 +777,11 @@ class Simulation:
         window ended)."""
         running = self._running(ds)
         if wake and replicas > len(running):
-            if not self._place_more(ds, replicas - len(running), evictions=True):
+            if not self._place_more(ds, replicas - len(running), evictions=True, scaled_up=True):
                 one_more = ds.replicas + 1
                 short = one_more - len(running)
-                if replicas <= one_more or short <= 0 or not self._place_more(ds, short, evictions=True):
+                fits = replicas > one_more and short > 0 and self._place_more(ds, short, evictions=True, scaled_up=True)
+                if not fits:
                     return  # no room even for one more: the next sweep asks again
                 replicas = one_more
             self.counters.scale_ups += 1
@@ -781,8 +795,9 @@ class Simulation:
         """What a scale counts awake: loading or serving, oldest first (a draining one is leaving)."""
         return [r for r in ds.awake if r.state in (LOADING, SERVING)]
 
-    def _place_more(self, ds: DeploymentState, count: int, *, evictions: bool) -> bool:
-        """`count` more replicas, sleepers promoted first, all or none (planning.place_all)."""
+    def _place_more(self, ds: DeploymentState, count: int, *, evictions: bool, scaled_up: bool = False) -> bool:
+        """`count` more replicas, sleepers promoted first, all or none (planning.place_all);
+        `scaled_up`: by the autoscaler's scale-up (`SimReplica.scaled_up`)."""
         policy = self.policy.placement if evictions else replace(self.policy.placement, evictions=False)
         first = self._request(ds)
         requests = [first, *(replace(first, replica_id=self._new_id(ds)) for _ in range(count - 1))]
@@ -798,6 +813,7 @@ class Simulation:
             return False
         for placement in result.placements:
             self._commit(ds, placement)
+            self.replicas[placement.replica_id].scaled_up = scaled_up
         return True
 
     def _placed_occupant(self, ds: DeploymentState, placement: Placement) -> OccupantView:

@@ -57,7 +57,11 @@ replica wants more replicas than it has at its busiest. The planner counts how m
 arrival, over the batch one replica serves, `[serving] max_batch`, or over its own
 `target_in_flight` where it autoscales), searches the explained policy once more with those
 deployments given that many (`replicas`; raised `autoscale.max_replicas` for one that
-autoscales), and says whether that lowers its GPU count, naming the commands.
+autoscales), and says whether that lowers its GPU count, naming the commands. An autoscaled one
+whose max_replicas covers its busiest moment queued while its autoscaler caught up with a burst
+(a sweep, then a load, behind it): it is given instead the fewest `autoscale.min_replicas` with
+which its own requests meet the target where GPUs are plenty (`_floor`, bisected on runs of the
+explained policy). The simulator counts what a request waited for that scale-up as the queue's.
 """
 
 from __future__ import annotations
@@ -251,16 +255,21 @@ def _compared(plan: PolicyPlan, without: int | None, max_gpus: int, do: str, doi
 
 @dataclass(frozen=True)
 class Scaled:
-    """A deployment's replicas as an advice tries them: `replicas`, and its autoscale settings."""
+    """A deployment's replicas as an advice tries them: `replicas`, and its autoscale settings.
+    `floor`: the advice raises its autoscale.min_replicas (its autoscaler reacts too late to
+    its bursts) rather than its max_replicas."""
 
     deployment: str
     replicas: int
     autoscale: autoscale.Policy | None
+    floor: bool = False
 
     @property
     def command(self) -> str:
-        """The change, as `gpuportal set` takes it: a higher autoscale.max_replicas for one that
-        autoscales, else more replicas."""
+        """The change, as `gpuportal set` takes it: a higher autoscale.max_replicas (or
+        min_replicas) for one that autoscales, else more replicas."""
+        if self.autoscale is not None and self.floor:
+            return f"gpuportal set {self.deployment} {_MIN_REPLICAS}={self.autoscale.min_replicas}"
         if self.autoscale is not None:
             return f"gpuportal set {self.deployment} {_MAX_REPLICAS}={self.autoscale.max_replicas}"
         return f"gpuportal set {self.deployment} {_REPLICAS}={self.replicas}"
@@ -268,6 +277,7 @@ class Scaled:
 
 _REPLICAS = deployment_spec.BY_NAME["replicas"].path
 _MAX_REPLICAS = deployment_spec.BY_NAME["autoscale_max_replicas"].path
+_MIN_REPLICAS = deployment_spec.BY_NAME["autoscale_min_replicas"].path
 
 
 @dataclass(frozen=True)
@@ -288,7 +298,7 @@ class ScaleAdvice:
     @property
     def text(self) -> str:
         commands = "; ".join(s.command for s in self.scaled)
-        what = f"what queues behind a busy replica the replicas its busiest moment wants ({commands})"
+        what = f"what queues behind a busy replica the replicas its load wants ({commands})"
         return _compared(self.plan, self.without, self.max_gpus, f"give {what}", f"giving {what}")
 
 
@@ -456,7 +466,13 @@ def plan(
             runs, explained, current=current, max_gpus=max_gpus, target=target, slo=slo, variant=Variant(marked)
         )
         advice = Advice(marked, advised, without, max_gpus)
-    scaled = _scale_out(trace, config, (*misses_now, *misses_at_bound))
+    scaled = ()
+    if explained:
+
+        def meets(variant: Variant, name: str) -> bool:
+            return _own_attainment(runs.run(explained, max_gpus, variant), name, slo) >= target
+
+        scaled = _scale_out(trace, config, (*misses_now, *misses_at_bound), meets)
     if explained and scaled:
         advised = _policy_plan(
             runs,
@@ -492,11 +508,18 @@ def _popular(trace: Trace, name: str) -> bool:
     return any(d.popular for d in trace.deployments if d.name == name)
 
 
-def _scale_out(trace: Trace, config: Config, misses: Iterable[DeploymentMisses]) -> tuple[Scaled, ...]:
+def _scale_out(
+    trace: Trace,
+    config: Config,
+    misses: Iterable[DeploymentMisses],
+    meets: Callable[[Variant, str], bool],
+) -> tuple[Scaled, ...]:
     """The deployments whose misses were mostly the queue of a busy replica and whose load wants
     more replicas at its busiest than they may have: an autoscaled one with its max_replicas
     raised to that many (at its own target in flight), another with that many replicas (a batch
-    to each)."""
+    to each). An autoscaled one whose max_replicas covers its busiest moment queued while its
+    autoscaler caught up with a burst (a sweep, then a load, behind it): it is given the fewest
+    min_replicas with which its own requests meet the target (`_floor`), where some do."""
     queued = {m.deployment for m in misses if m.cause == "queued behind a busy replica"}
     out = []
     for d in trace.deployments:
@@ -507,9 +530,38 @@ def _scale_out(trace: Trace, config: Config, misses: Iterable[DeploymentMisses])
         wanted = replicas_at_peak(trace, config, d.name, per_replica)
         if own is not None and wanted > own.max_replicas:
             out.append(Scaled(d.name, d.replicas, replace(own, max_replicas=wanted)))
+        elif own is not None and wanted > own.min_replicas:
+            floor = _floor(d, own, wanted, meets)
+            if floor is not None:
+                out.append(floor)
         elif own is None and wanted > d.replicas:
             out.append(Scaled(d.name, wanted, None))
     return tuple(out)
+
+
+def _floor(d: Deployment, own: autoscale.Policy, most: int, meets: Callable[[Variant, str], bool]) -> Scaled | None:
+    """The fewest min_replicas, above its own and up to `most` (its busiest moment's), with which
+    the deployment's own requests meet the target where GPUs are plenty; bisected, as more kept
+    ready never queues its bursts longer. None when not even `most` does (its misses are then
+    not the autoscaler's lag alone)."""
+
+    def raised(floor: int) -> Scaled:
+        return Scaled(d.name, max(d.replicas, floor), replace(own, min_replicas=floor), floor=True)
+
+    if not meets(Variant(scaled=(raised(most),)), d.name):
+        return None
+    low, high = own.min_replicas, most  # low misses (its misses said so), high meets
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if meets(Variant(scaled=(raised(middle),)), d.name) else (middle, high)
+    return raised(high)
+
+
+def _own_attainment(result: SimResult, name: str, slo_ttft_s: float) -> float:
+    """The share of a deployment's requests whose first token came within its SLO."""
+    outcomes = [o for o in result.outcomes if o.request.deployment == name]
+    slo = result.slos.get(name, slo_ttft_s)
+    return sum(1 for o in outcomes if met_slo(o, slo)) / max(1, len(outcomes))
 
 
 def replicas_at_peak(trace: Trace, config: Config, name: str, per_replica: float) -> int:
@@ -858,6 +910,7 @@ def record(p: Plan) -> dict[str, object]:
                 s.deployment: {
                     "replicas": s.replicas,
                     "autoscale": None if s.autoscale is None else asdict(s.autoscale),
+                    "command": s.command,
                 }
                 for s in p.scale_advice.scaled
             },

@@ -63,6 +63,24 @@ def test_an_autoscaled_deployment_scales_out_under_a_burst_and_back_in_after_its
     assert alone.counters.scale_ups == alone.counters.cold_loads == 0
 
 
+def test_a_wait_behind_busy_replicas_for_the_autoscalers_new_one_is_the_queues_not_room(quick):
+    # The burst of the test above: the requests that found the first replica's batch full and
+    # were served by a replica the sweep added waited for the autoscaler (a sweep, then a load),
+    # on a cluster with room to spare: none of it is a wait for room, which would point an
+    # operator at GPUs rather than at replicas.
+    config = on_gpus(quick, 8)
+    busy = deployment("a", 12, autoscale=scaled(4))
+    result = simulate(Trace((busy,), tuple(burst("a", 320, 20.0)), 120.0), config, NEXT)
+
+    by_new = [o for o in result.outcomes if o.loaded_by == "cold load" and o.request.arrival_s > 0]
+    assert by_new, "some requests were served by the replicas the sweep added"
+    assert all(o.room_s == 0 for o in by_new)
+    assert all(o.arrived_behind_busy for o in by_new)
+    assert max(o.queue_s for o in by_new) > 0
+    first = result.outcomes[0]  # the replica deployed served it at once
+    assert not first.arrived_behind_busy and first.queue_s == first.room_s == 0
+
+
 def test_a_scale_up_short_of_room_for_all_takes_one_more_where_that_fits(quick):
     # One 80 GiB GPU holds two replicas of 30 GiB: the load wants 4, the sweep gets 2.
     config = on_gpus(quick, 1)

@@ -341,7 +341,9 @@ def test_the_planner_advises_the_replicas_a_deployment_queued_behind_one_replica
     assert p.scale_advice.helps and p.scale_advice.plan.fewest_gpus == enough
     assert "(gpuportal set busy replicas=2): gpuportal-next then needs" in p.scale_advice.text
     assert f"Advice: {p.scale_advice.text}." in render(p)
-    assert record(p)["scale_advice"]["replicas"] == {"busy": {"replicas": 2, "autoscale": None}}
+    assert record(p)["scale_advice"]["replicas"] == {
+        "busy": {"replicas": 2, "autoscale": None, "command": "gpuportal set busy replicas=2"}
+    }
 
 
 def test_an_autoscaled_deployment_is_advised_a_higher_max_replicas_at_its_own_target():
@@ -357,6 +359,43 @@ def test_an_autoscaled_deployment_is_advised_a_higher_max_replicas_at_its_own_ta
     assert p.scale_advice is not None
     assert p.scale_advice.scaled == (Scaled("busy", 1, replace(own, max_replicas=wanted)),)
     assert "gpuportal set busy autoscale.max_replicas=4" in p.scale_advice.text
+
+
+def bursts(per_s: int, **settings) -> Trace:
+    """`busy` asked `per_s` times a second for 10 s, then nothing for 40 s, four times over."""
+    busy = replace(hand_deployment("busy", 12), **settings)
+    arrivals = [cycle * 50 + k / per_s for cycle in range(4) for k in range(10 * per_s)]
+    return Trace((busy,), tuple(Request(i, "busy", at, 128, 1000) for i, at in enumerate(arrivals)), 200.0)
+
+
+def test_an_autoscaled_deployment_whose_bursts_outrun_its_autoscaler_is_advised_the_fewest_min_replicas_serving_them():
+    # Its max of 8 covers its busiest moment, but each burst, after the window has scaled it back
+    # to 1, queues while a sweep and a load catch up: it misses whatever the GPUs.
+    config = load(quick=True)
+    own = autoscale.Policy(min_replicas=1, max_replicas=8, target_in_flight=16.0, down_after_s=10.0)
+    trace = bursts(48, autoscale=own)
+
+    p = plan(trace, config, policies=("gpuportal-next", "oracle"), explain="gpuportal-next")
+
+    assert p.misses_now[0].cause == "queued behind a busy replica"
+    assert p.policy("gpuportal-next").fewest_gpus is None
+    assert replicas_at_peak(trace, config, "busy", 16.0) <= own.max_replicas, "its max is not what it lacks"
+    assert p.scale_advice is not None
+    ((advised,),) = [p.scale_advice.scaled]
+    floor = advised.autoscale.min_replicas
+    assert advised == Scaled("busy", floor, replace(own, min_replicas=floor), floor=True)
+
+    def own_attainment(least: int) -> float:
+        floored = bursts(48, replicas=least, autoscale=replace(own, min_replicas=least))
+        run = simulate(floored, config, ALL["gpuportal-next"], gpus=config.search.max_gpus)
+        return summarize(run, 5.0).attainment
+
+    assert own_attainment(floor) >= 0.99 > own_attainment(floor - 1), "the fewest that serve its bursts"
+    assert p.scale_advice.helps
+    assert f"(gpuportal set busy autoscale.min_replicas={floor}): gpuportal-next then needs" in p.scale_advice.text
+    assert record(p)["scale_advice"]["replicas"]["busy"]["command"] == (
+        f"gpuportal set busy autoscale.min_replicas={floor}"
+    )
 
 
 def test_no_scale_advice_where_no_deployment_queued_for_want_of_replicas():
