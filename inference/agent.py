@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_e
 
 from gpuportal import orphans
 from gpuportal.celery import app
-from gpuportal.wire import memory, node_acl, node_lease, replies
+from gpuportal.wire import memory, node_acl, node_labels, node_lease, replies
 from gpuportal.wire.commands import ReplicaSpec, node_queue
 from gpuportal.wire.control import ControlError, ControlPlane, Refused, unknown_node
 from gpuportal.wire.node_auth import TOKEN_ENV, TOKEN_FILE_ENV
@@ -32,6 +33,8 @@ from inference.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+# What the host is, key=value,... (gpuportal.wire.node_labels), where --labels does not say.
+LABELS_ENV = "GPUPORTAL_NODE_LABELS"
 # How long a registering agent waits for a control plane that cannot answer yet before it exits
 # (and `up`, or its supervisor, starts it again): longer than a PostgreSQL restart or a worker's.
 REGISTER_PATIENCE_S = 120.0
@@ -98,8 +101,11 @@ class NodeAgent:
         profile: VirtualProfile | None = None,
         virtual_foreign: dict[int, int] | None = None,
         warm_spares: bool | None = None,
+        labels: Mapping[str, str] | None = None,
     ):
         self.name = name
+        # What the host is (gpuportal.wire.node_labels), declared at every registration.
+        self.labels = dict(labels) if labels is not None else node_labels.parse(os.environ.get(LABELS_ENV, ""))
         # The one way to the control plane (gpuportal.wire.control): this package never imports it.
         self.control = control
         # Its GPUs as discovered at registration.
@@ -182,6 +188,7 @@ class NodeAgent:
                 host_ram_bytes=self.host_ram_bytes,
                 virtual=virtual,
                 survivors=survivors,
+                labels=self.labels or None,  # none: not sent (gpuportal.wire.control.OPTIONAL)
             )
         finally:
             registered.set()

@@ -18,6 +18,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 
+from gpuportal.wire import node_labels
 from scheduling import selectors
 from scheduling.models import (
     GPU,
@@ -72,7 +73,9 @@ class ReadOnlyInline(ViewOnly, admin.TabularInline):
 
 @admin.register(Node)
 class NodeAdmin(ReadOnlyAdmin):
-    list_display = ["name", "status", "hostname", "queue", "virtual", "gpu_count", "cpu_cache", "last_heartbeat"]
+    list_display = [
+        "name", "status", "hostname", "queue", "virtual", "gpu_count", "cpu_cache", "labels_shown", "last_heartbeat",
+    ]  # fmt: skip
     list_filter = ["status", "virtual"]
     search_fields = ["name", "hostname", "queue"]
     # Node agents register nodes and report these; status moves through services (heartbeats, drain),
@@ -89,6 +92,10 @@ class NodeAdmin(ReadOnlyAdmin):
     @admin.display(description="CPU cache", ordering="cpu_cache_bytes")
     def cpu_cache(self, obj: Node) -> str:
         return gib(obj.cpu_cache_bytes)
+
+    @admin.display(description="Labels")
+    def labels_shown(self, obj: Node) -> str:
+        return node_labels.text(obj.labels or {}) or "-"
 
 
 @admin.register(NodeCredential)

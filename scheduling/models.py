@@ -58,6 +58,12 @@ class Node(models.Model):
     cpu_cache_bytes = models.BigIntegerField(default=0, help_text="Host RAM available for sleeping weights.")
     host_ram_bytes = models.BigIntegerField(default=0, db_default=0, help_text="The host's RAM, as its agent reads it.")
     virtual = models.BooleanField(default=False, help_text="GPUs are simulated on the CPU (no NVIDIA GPU).")
+    labels = models.JSONField(
+        default=dict,
+        db_default={},
+        blank=True,
+        help_text="What its agent declares of the host (--labels): a deployment's node_selector matches them.",
+    )
     registered_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -222,6 +228,13 @@ class Deployment(models.Model):
     # keeps whole GPUs free for large replicas); True prefers GPUs and nodes with the fewest of
     # its own replicas, then the emptiest GPU.
     placement_spread = models.BooleanField(default=_default("spread"), db_default=_default("spread"))
+    # `key=value,...` (gpuportal.wire.node_labels): the node labels its replicas are placed by; "" any node.
+    placement_node_selector = models.CharField(
+        max_length=spec.BY_NAME["node_selector"].max_length,
+        blank=True,
+        default=_default("node_selector"),
+        db_default=_default("node_selector"),
+    )
     # Crash-loop backoff: a replica that fails to load is replaced after load_backoff_s,
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row
     # the deployment is failed (DeploymentObserved.failed_reason) and starts nothing until retried

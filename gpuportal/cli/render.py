@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from gpuportal.wire import node_labels
 from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus, NodeStatus, sits_on
 from gpuportal.wire.states import ReplicaState as S
 
@@ -198,10 +199,13 @@ def bytes_of(part: int | None, whole: int | None) -> str:
 
 def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replicas: list[dict[str, Any]]) -> Table:
     """A row per node: its status, its last beat, its GPUs' memory (reserved / total, and what
-    other tenants hold), the states of the replicas on it, and its host cache (used / budget)."""
-    # One space between columns: a row of a fleet's node fits 80 columns.
+    other tenants hold), the states of the replicas on it, its host cache (used / budget), and,
+    where any node has labels, its labels (what deployments' node selectors match)."""
+    # One space between columns: a row of a fleet's node fits 80 columns (without labels).
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
-    for column in ("NAME", "STATUS", "LAST BEAT", "GPUS", "RESERVED", "REPLICAS", "HOST CACHE"):
+    labelled = any(node.get("labels") for node in nodes)
+    columns = ("NAME", "STATUS", "LAST BEAT", "GPUS", "RESERVED", "REPLICAS", "HOST CACHE")
+    for column in (*columns, "LABELS") if labelled else columns:
         table.add_column(column, overflow="fold")
     for node in nodes:
         its_gpus = [g for g in gpus if g.get("node") == node["name"]]
@@ -222,6 +226,7 @@ def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replica
             memory,
             state_counts(r for r in replicas if r.get("node") == node["name"]),
             bytes_of(node.get("host_cache_used_bytes"), node.get("host_cache_budget_bytes")),
+            *([node_labels.text(node.get("labels") or {}) or "-"] if labelled else []),
         )
     return table
 

@@ -90,6 +90,11 @@ def parse_value(setting: Setting, text: str, command: str) -> object:
         return value
     if setting.choices and text not in setting.choices:
         raise CliError(f"{command}: {setting.path} is one of {', '.join(setting.choices)}, not {text!r}")
+    if setting.check is not None:
+        try:
+            return setting.check(text)
+        except ValueError as err:
+            raise CliError(f"{command}: {setting.path}: {err}") from None
     return text
 
 
@@ -162,7 +167,8 @@ def set_settings(ctx: Operator, args: argparse.Namespace, assignments: list[Assi
     after = ctx.client.patch(path, body_of(assignments))
     lines, rolled = [], False
     for setting, _ in assignments:
-        was, now = shown(current(before, setting)), shown(current(after, setting))
+        # An empty text (no node selector) said as "", not as nothing at all.
+        was, now = (shown(current(answer, setting)) or '""' for answer in (before, after))
         change = f"{was} → {now} ({spec.patch_effect(setting)})" if was != now else f"{now} (unchanged)"
         lines.append(f"{setting.path} {change}")
         rolled = rolled or (was != now and setting.update is Update.ROLLOUT)

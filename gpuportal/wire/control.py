@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Protocol
 
+from gpuportal.wire import node_labels
 from gpuportal.wire.commands import VERSION, WireError
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.replies import NoAnswer
@@ -25,11 +26,16 @@ class ControlPlane(Protocol):
         virtual: bool,
         survivors: Sequence[Survivor],
         host_ram_bytes: int = 0,
+        labels: Mapping[str, str] | None = None,
     ) -> int:
         """The node is up with these GPUs; of the survivors, the control plane keeps those whose
         books agree and loses the rest, which the next heartbeat names. Returns the node's epoch,
         which the agent starts its replicas under and renews its lease with
-        (gpuportal.wire.node_lease); an older control plane answered None, read as 0."""
+        (gpuportal.wire.node_lease); an older control plane answered None, read as 0.
+
+        `labels`: what the host is (gpuportal.wire.node_labels), which deployments' node selectors
+        match; none, not sent. Added to version 1 with a default (OPTIONAL): an agent without
+        labels registers with a control plane older than them as before."""
 
     def heartbeat(
         self,
@@ -94,7 +100,10 @@ CALLS = ("register_node", "heartbeat", "node_stopping", "node_stopped", "report"
 TIMEOUTS_S: Mapping[str, float] = {"heartbeat": 30, "node_stopping": 10, "node_stopped": 10, "replica_state": 30}
 # Arguments added to version 1 with a default: sent only when known, so that a call without them
 # reads as it did before them.
-OPTIONAL: Mapping[str, tuple[str, ...]] = {"heartbeat": ("processes", "arenas", "host_bytes")}
+OPTIONAL: Mapping[str, tuple[str, ...]] = {
+    "heartbeat": ("processes", "arenas", "host_bytes"),
+    "register_node": ("labels",),
+}
 # The calls whose first argument is the node they speak for; the others name a replica, which
 # speaks for the node the books place it on.
 NODE_CALLS = ("register_node", "heartbeat", "node_stopping", "node_stopped")
@@ -163,6 +172,8 @@ def decode_call(payload: Any) -> Call:
         if name == "register_node":
             args = [args[0], [DeviceInfo(**d) for d in args[1]]]
             kwargs = {**kwargs, "survivors": [Survivor(**s) for s in kwargs.get("survivors", [])]}
+            if kwargs.get("labels") is not None:
+                kwargs = {**kwargs, "labels": node_labels.checked(kwargs["labels"])}
         elif name == "heartbeat":
             if kwargs.get("books") is not None:
                 kwargs = {**kwargs, "books": Books(**kwargs["books"])}
@@ -171,7 +182,7 @@ def decode_call(payload: Any) -> Call:
             for counted in ("arenas", "host_bytes"):
                 if kwargs.get(counted) is not None:
                     kwargs = {**kwargs, counted: _byte_counts(counted, kwargs[counted])}
-    except (IndexError, TypeError) as err:
+    except (IndexError, TypeError, ValueError) as err:
         raise WireError(f"a {name} call with bad fields: {err}") from None
     return Call(name, reply_to, tuple(args), kwargs, token=token)
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from gpuportal.wire import memory
+from gpuportal.wire import memory, node_labels
 
 
 class Loader(StrEnum):
@@ -83,6 +83,11 @@ class Setting:
     nullable: bool = False
     choices: tuple[str, ...] = ()
     max_length: int | None = None
+    # A text setting's own syntax: the value as stored (canonical), or ValueError saying what is
+    # wrong. The API's input, the CLI and the admin all call it.
+    check: Callable[[str], str] | None = None
+    # What `check` allows, for the docs' table.
+    rule: str = ""
 
     @property
     def path(self) -> str:
@@ -197,6 +202,13 @@ SETTINGS: tuple[Setting, ...] = (
         "replicas, then the emptiest GPU.",
     ),
     Setting(
+        "node_selector", "placement", "node_selector", "placement_node_selector", str, "", Update.NEXT_REPLICA,
+        max_length=node_labels.MAX_TEXT, check=node_labels.canonical, rule="`key=value,...` (node labels)",
+        help="key=value,... : its replicas go only to nodes whose labels (their agents' --labels) hold "
+        "every pair, as a Kubernetes nodeSelector; empty (default): any node. `gpuportal restart` moves "
+        "running replicas.",
+    ),
+    Setting(
         "autoscale_max_replicas", "autoscale", "max_replicas", "autoscale_max_replicas", int, 0, Update.LIVE,
         min=0, max_setting="GPUPORTAL_MAX_REPLICAS",
         help="Scale replicas by load between min_replicas and this many (0: off, replicas stays as set). "
@@ -298,6 +310,8 @@ def _allowed(setting: Setting) -> str:
         allowed = ", ".join(named[:-1]) + f" or {named[-1]}"
     elif setting.type is bool:
         allowed = "`true` or `false`"
+    elif setting.rule:
+        allowed = setting.rule
     elif setting.max_length is not None:
         allowed = f"up to {setting.max_length} characters"
     else:

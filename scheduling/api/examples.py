@@ -91,6 +91,7 @@ NODE_SHOWN = {
     "heartbeat_age_s": 1.2,
     "cpu_cache_bytes": 64 * GiB,
     "virtual": False,
+    "labels": {"gpu": "h100", "zone": "b"},
     "gpu_count": 2,
     "registered_at": AT,
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.conf import settings
@@ -72,6 +72,21 @@ class ReplicaCountField(serializers.IntegerField):
         return value
 
 
+class CheckedCharField(serializers.CharField):
+    """Text with a syntax of its own (the spec's `check`, a node selector's): stored as `check`
+    writes it, refused with what it says is wrong."""
+
+    def __init__(self, check: Callable[[str], str], **kwargs: Any):
+        self.check = check
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        try:
+            return self.check(super().to_internal_value(data))
+        except ValueError as err:
+            raise serializers.ValidationError(str(err)) from None
+
+
 class RefusedField(serializers.JSONField):
     """What a PATCH cannot change, whatever it sends (the model: a different one is a different
     deployment)."""
@@ -104,6 +119,8 @@ def _field(setting: Setting, *, patch: bool = False) -> serializers.Field:
         return serializers.IntegerField(min_value=setting.min, max_value=setting.max, **kwargs)
     if setting.type is float:
         return FiniteFloatField(min_value=setting.min, max_value=setting.max, **kwargs)
+    if setting.type is str and setting.check is not None:
+        return CheckedCharField(setting.check, max_length=setting.max_length, allow_blank=True, **kwargs)
     if setting.type is str:
         return serializers.CharField(max_length=setting.max_length, **kwargs)
     raise TypeError(f"{setting.name}: no input field for {setting.type}")

@@ -63,6 +63,12 @@ class NodeSerializer(serializers.ModelSerializer):
     host_cache_kept_bytes = serializers.SerializerMethodField(
         help_text="Of host_cache_used_bytes, the arenas serving replicas keep for their next sleep."
     )
+    labels = serializers.DictField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="What its agent declares of the host (--labels, GPUPORTAL_NODE_LABELS): a deployment's "
+        "placement.node_selector places its replicas only on nodes whose labels hold every pair it names.",
+    )
 
     class Meta:
         model = Node
@@ -79,6 +85,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "host_cache_used_bytes",
             "host_cache_kept_bytes",
             "virtual",
+            "labels",
             "gpu_count",
             "registered_at",
         ]

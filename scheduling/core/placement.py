@@ -119,6 +119,9 @@ class PlacementRequest:
     `host_refused`: {node: why} of the nodes whose host RAM has no room for a new replica's
     process (scheduling.core.host_memory); a cached replica there may still be promoted, since
     its process runs already.
+    `refused_nodes`: {node: why} of the nodes where no replica of the deployment may run, neither
+    a new one nor a sleeping one promoted: those its `placement.node_selector` does not match
+    (gpuportal.wire.node_labels).
     """
 
     deployment: str
@@ -130,6 +133,7 @@ class PlacementRequest:
     allow_new: bool = True
     spread: bool = False
     host_refused: Mapping[str, str] = field(default_factory=dict, hash=False)
+    refused_nodes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.need_bytes <= 0:
@@ -408,7 +412,9 @@ def _candidates(
     new = _Ticket(replica_id=request.replica_id, promoted=False, residual={}, **common)
     candidates: list[tuple[str, _Ticket]] = []
     for node in sorted(by_node):
-        if node in cached_on:
+        if node in request.refused_nodes:
+            reasons[node] = request.refused_nodes[node]
+        elif node in cached_on:
             for c in cached_on[node]:
                 residual = {g.id: o.reserved_bytes for g, o in holdings.get(c.replica_id, ())}
                 candidates.append((node, _Ticket(replica_id=c.replica_id, promoted=True, residual=residual, **common)))

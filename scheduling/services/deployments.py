@@ -213,7 +213,15 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
 
 
 def _check_together(values: dict[str, Any], changed: Collection[str] = ()) -> None:
-    """What no one setting's bounds can say: InvalidInput naming the setting at fault."""
+    """What no one setting's bounds can say, and a text setting's own syntax (its `check`, which
+    the API's input and the CLI ran already: here for every other caller): InvalidInput naming
+    the setting at fault."""
+    for setting in deployment_spec.SETTINGS:
+        if setting.check is not None and isinstance(value := values.get(setting.name), str):
+            try:
+                setting.check(value)
+            except ValueError as err:
+                raise InvalidInput(setting.path, str(err)) from None
     if (problem := deployment_spec.autoscale_problem(values, changed)) is not None:
         raise InvalidInput(*problem)
 

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
-from gpuportal.wire import node_acl, node_lease, replies
+from gpuportal.wire import node_acl, node_labels, node_lease, replies
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.requestqueue import records_key
@@ -54,8 +54,11 @@ def register_node(
     virtual: bool = False,
     survivors: Sequence[Survivor] = (),
     host_ram_bytes: int = 0,
+    labels: Mapping[str, str] | None = None,
 ) -> Node:
     """Create or refresh a node and its GPUs as its agent reports them; the node is online after.
+    `labels`: what its agent declares of the host (gpuportal.wire.node_labels), replacing those
+    it had: a registration without them declares none.
 
     `survivors` are the replica processes the node's previous agent left running, which the new
     one took over: those whose books agree with what they say are kept (scheduling.core.adoption);
@@ -65,31 +68,39 @@ def register_node(
         node, created = locks.lock_or_create_node(
             name, {"queue": node_queue(name), "status": Node.Status.ONLINE, "last_heartbeat": now}
         )
-        before = {"status": node.status, "virtual": node.virtual, "gpus": node.gpus.count()}
+        before = {"status": node.status, "virtual": node.virtual, "gpus": node.gpus.count(), "labels": node.labels}
         previous_status = node.status
         node.hostname, node.cpu_cache_bytes, node.virtual = hostname, cpu_cache_bytes, virtual
+        node.labels = dict(labels or {})
         node.host_ram_bytes = host_ram_bytes
         node.status, node.last_heartbeat = Node.Status.ONLINE, now
         node.save()
         changes = ledger.sync_inventory(node.pk, node.name, devices)
         summary = ", ".join(f"{d.index}: {d.product} {d.total_bytes} B" for d in devices) or "no GPUs"
         kind = "virtual" if virtual else "NVIDIA"
+        after = {"status": node.status, "virtual": virtual, "gpus": len(devices), "labels": node.labels}
+        # Its labels decide which deployments' replicas may go there: said whenever they change.
+        labelled = f", labels {node_labels.text(node.labels)}" if node.labels else ""
         if created:
             outbox.note(
                 Event.Kind.NODE_REGISTERED,
                 f"node {name}",
-                f"agent registered with {len(devices)} {kind} GPU(s) ({summary})",
-                after={"status": node.status, "virtual": virtual, "gpus": len(devices)},
+                f"agent registered with {len(devices)} {kind} GPU(s) ({summary}){labelled}",
+                after=after,
                 node=name,
             )
         else:
             was = "" if previous_status == Node.Status.ONLINE else f" (was {previous_status})"
+            relabelled = ""
+            if node.labels != before["labels"]:
+                old, new = (node_labels.text(labels) or "none" for labels in (before["labels"], node.labels))
+                relabelled = f"; labels {old} → {new}"
             outbox.note(
                 Event.Kind.NODE_ONLINE,
                 f"node {name}",
-                f"agent re-registered with {len(devices)} {kind} GPU(s){was}",
+                f"agent re-registered with {len(devices)} {kind} GPU(s){was}{relabelled}",
                 before=before,
-                after={"status": node.status, "virtual": virtual, "gpus": len(devices)},
+                after=after,
                 node=name,
             )
         for change in changes:

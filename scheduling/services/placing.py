@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db.models import Count, Max, Q, Sum
 from django.utils import timezone
 
-from gpuportal.wire import memory, states
+from gpuportal.wire import memory, node_labels, states
 from gpuportal.wire.states import COUNTED
 from scheduling import hot_sql, ledger
 from scheduling.core import effects, host_memory, settling
@@ -146,6 +146,20 @@ def host_refusals(deployment: Deployment) -> dict[str, str]:
     return host_memory.refusals(host_views(), host_need_bytes(deployment))
 
 
+def selector_refusals(deployment: Deployment) -> dict[str, str]:
+    """{node: why} of the nodes whose labels its `placement.node_selector` does not match
+    (gpuportal.wire.node_labels): placement neither starts nor wakes a replica of it there."""
+    if not deployment.placement_node_selector:
+        return {}
+    selector = node_labels.parse(deployment.placement_node_selector)
+    why = f"its labels do not match {deployment.name}'s placement.node_selector {deployment.placement_node_selector}"
+    return {
+        name: why
+        for name, labels in Node.objects.values_list("name", "labels")
+        if not node_labels.matches(labels or {}, selector)
+    }
+
+
 def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
     """(serving context, standby context) in bytes: the largest of these GPUs'."""
     return contexts_of(GPU.objects.filter(pk__in=list(gpu_ids)))
@@ -179,6 +193,8 @@ class Ask:
     # only when it may start a process (a wake of a sleeper starts none).
     hosts: dict[str, HostView] = field(default_factory=dict)
     host_need: int = 0
+    # The nodes its node selector does not match (`selector_refusals`), read once per ask.
+    refused: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -206,7 +222,7 @@ class Ask:
         policy: str | Policy = deployment.memory_policy
         if not evictions:
             policy = replace(POLICIES[deployment.memory_policy], evictions=False)
-        ask = cls(deployment, reason, cached, allow_new, policy, decision)
+        ask = cls(deployment, reason, cached, allow_new, policy, decision, refused=selector_refusals(deployment))
         if allow_new:
             ask.hosts = host_views() if hosts is None else hosts
             ask.host_need = host_need_bytes(deployment) if host_need is None else host_need
@@ -219,7 +235,9 @@ class Ask:
         need = need_bytes(deployment, current)
         mine = [*decision.new_ids, *(c.replica_id for c in self.cached)]
         view, withheld = withhold_locked(current, mine, now)
-        requests = placement_requests(deployment, decision.new_ids, need.bytes, self.cached, allow_new=self.allow_new)
+        requests = placement_requests(
+            deployment, decision.new_ids, need.bytes, self.cached, allow_new=self.allow_new, refused=self.refused
+        )
         result = place_all(
             view,
             requests,
@@ -315,9 +333,12 @@ def placement_requests(
     cached: tuple[CachedReplica, ...],
     *,
     allow_new: bool = True,
+    refused: dict[str, str] | None = None,
 ) -> list[PlacementRequest]:
     """What placement is asked for each replica of the deployment: its need, its settings and the
-    sleeping copies it may promote instead."""
+    sleeping copies it may promote instead. `refused`: `selector_refusals`, read here unless the
+    caller read them."""
+    refused = selector_refusals(deployment) if refused is None else refused
     return [
         PlacementRequest(
             deployment=deployment.name,
@@ -327,6 +348,7 @@ def placement_requests(
             cached=cached,
             allow_new=allow_new,
             spread=deployment.placement_spread,
+            refused_nodes=refused,
         )
         for replica_id in replica_ids
     ]
@@ -358,26 +380,32 @@ def retire_parked(deployment: Deployment, count: int, *, reason: str) -> int:
 
 def retire_replaced(deployment: Deployment, loaded: int, *, reason: str, drained_sleepers: bool) -> None:
     """What `loaded` new loads from disk replace, one each: parked replicas (they hold nothing),
-    then, for a wake's loads (`drained_sleepers`), sleepers (deep ones too) on drained nodes,
-    oldest first. Nothing wakes on a drained node, so such a sleeper is what a wake had to load
-    anew elsewhere; kept, it would hold its process, its context and its host copy there, counted
-    as one of the deployment's replicas, until the drain's end. Its reservation is released and
-    its process stopped, as a scale-down stops one. The caller holds the deployment row."""
+    then, for a wake's loads (`drained_sleepers`), sleepers (deep ones too) on drained nodes or on
+    nodes its node selector no longer matches, oldest first. Nothing of it wakes on such a node, so
+    such a sleeper is what a wake had to load anew elsewhere; kept, it would hold its process, its
+    context and its host copy there, counted as one of the deployment's replicas, until the drain's
+    end (for ever, for the selector). Its reservation is released and its process stopped, as a
+    scale-down stops one. The caller holds the deployment row."""
     left = loaded - retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
     if left <= 0 or not drained_sleepers:
         return
     asleep = (Replica.State.SLEEPING, Replica.State.DEEP_SLEEPING)
-    drained = list(
+    unmatched = selector_refusals(deployment)
+    stranded = list(
         # Plain replicas: a failover pair's members stay and go as a pair (failover.py).
-        deployment.replicas.filter(state__in=asleep, node__status=Node.Status.DRAINING, lease__isnull=True)
+        deployment.replicas.filter(state__in=asleep, lease__isnull=True)
+        .filter(Q(node__status=Node.Status.DRAINING) | Q(node__name__in=list(unmatched)))
         .order_by("created_at")
-        .values_list("id", "state", "node__name")[:left]
+        .values_list("id", "state", "node__name", "node__status")[:left]
     )
-    if not drained:
+    if not stranded:
         return
-    nodes = ", ".join(sorted({node for _, _, node in drained}))
-    why = f"replaced by a load from disk ({reason}): its node {nodes} is drained"
-    known = {replica_id: (state, node) for replica_id, state, node in drained}
+    drained = sorted({node for _, _, node, status in stranded if status == Node.Status.DRAINING})
+    others = sorted({node for _, _, node, status in stranded if status != Node.Status.DRAINING})
+    whys = [f"its node {', '.join(drained)} is drained"] if drained else []
+    whys += [f"its node {', '.join(others)} is not matched by placement.node_selector"] if others else []
+    why = f"replaced by a load from disk ({reason}): {'; '.join(whys)}"
+    known = {replica_id: (state, node) for replica_id, state, node, _ in stranded}
     release_and_stop(Stop.of(deployment, list(known), reason=why, known=known))
 
 

@@ -179,14 +179,16 @@ def start(
     # A new replica's process needs host RAM too: no GPU is emptied on a node that could not
     # start it (evicting GPU occupants frees none of the host's RAM).
     host_refused = placing.host_refusals(deployment) if allow_new else {}
+    # Nodes its node selector does not match: nothing of it wakes or starts there.
+    refused = placing.selector_refusals(deployment)
     # Costed on the GPUs as they will be once their sleepers sleep deeply (they are told to at
     # once, below): a GPU whose sleepers hold the room costs no one's preemption.
     deepened = fairness.as_if_deep_asleep(snap, keep={c.replica_id for c in cached})
-    wake = _costed_wake(deployment, deepened, need.bytes, cached, allow_new, host_refused)
+    wake = _costed_wake(deployment, deepened, need.bytes, cached, allow_new, host_refused, refused)
     if wake is None and by_cost_only:
         raise CannotPlace(f"no GPU the waker may use can make room for {deployment.name} by preempting fairly", {})
     if wake is None:
-        wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new, host_refused)
+        wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new, host_refused, refused)
     if not wake.victims:
         # Memory was freed between the caller's attempt and this snapshot: no one need wait...
         try:
@@ -304,6 +306,7 @@ def _costed_wake(
     cached: tuple[CachedReplica, ...],
     allow_new: bool,
     host_refused: Mapping[str, str],
+    refused: Mapping[str, str],
 ) -> _Wake | None:
     """fairness.choose_target over the GPUs the waker may use, as the simulator's engine does
     (bench/simulate, policy `gpuportal`): each cached replica may only wake on its own node's
@@ -313,7 +316,7 @@ def _costed_wake(
     of one node fairness can empty, victims whose wake misses GPUPORTAL_TTFT_SLO_S last, and no
     more victims than requests wait in the deployment's queue. None when no target is found or
     the whole-GPU one is refused: placement's targeting decides then."""
-    tickets = [(c.replica_id, True, c.node) for c in cached]
+    tickets = [(c.replica_id, True, c.node) for c in cached if c.node not in refused]
     if not tickets and allow_new:
         tickets = [(new_replica_id(), False, None)]
     # The GPUs placement itself would consider (healthy, on online nodes; the snapshot index is
@@ -329,7 +332,7 @@ def _costed_wake(
         visible, _ = withhold_locked(snap, [replica_id], snap.taken_at)
         # A new replica goes to any node whose host has room for its process; a cached one
         # wakes on its own (its process runs there already).
-        nodes = [n for n in usable if n not in host_refused] if node is None else [node]
+        nodes = [n for n in usable if n not in host_refused and n not in refused] if node is None else [node]
         gpus = [g for n in nodes for g in usable.get(n, ()) if g.id in visible.gpus]
         if not gpus:
             continue
@@ -422,6 +425,7 @@ def _placement_wake(
     cached: tuple[CachedReplica, ...],
     allow_new: bool,
     host_refused: Mapping[str, str],
+    refused: Mapping[str, str],
 ) -> _Wake:
     """Placement's targeting: for what choose_target does not decide (a need of a whole
     GPU or more, or no GPU that can ever make room as things stand)."""
@@ -438,6 +442,7 @@ def _placement_wake(
         cached=cached,
         allow_new=allow_new,
         host_refused=host_refused,
+        refused_nodes=refused,
     )
     targeting = replace(POLICIES[deployment.memory_policy], protect_fairness=False)
     target = place(snap, request, policy=targeting)

@@ -27,7 +27,7 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from gpuportal.wire import deployment_spec, states
+from gpuportal.wire import deployment_spec, node_labels, states
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 from scheduling import requeststats, selectors
@@ -176,6 +176,8 @@ class NodeRow:
     host_used: int = 0
     host_budget: int = 0
     host_kept: int = 0
+    # Its agent's labels, `key=value,...` (what deployments' node selectors match); "" none.
+    labels: str = ""
 
     @property
     def drained(self) -> bool:
@@ -300,6 +302,7 @@ def context(request: HttpRequest) -> dict[str, Any]:
             host_used=host_usage.get(n.pk, (0, 0))[0],
             host_kept=host_usage.get(n.pk, (0, 0))[1],
             host_budget=n.cpu_cache_bytes,
+            labels=node_labels.text(n.labels or {}),
         )
         for n in nodes
     }

@@ -207,6 +207,8 @@ def other_value(setting: Setting, current: object) -> object:
         return next(choice for choice in setting.choices if choice != current)
     if setting.type is bool:
         return not current
+    if setting.check is not None:  # a syntax of its own: a node selector
+        return next(value for value in ("gpu=h100", "gpu=a10") if value != current)
     if setting.type is str:
         return f"{current}-elsewhere"
     return min(setting.max or 1e9, (current or setting.min or 0) + 1) if current != setting.max else setting.min

@@ -7,9 +7,9 @@ from django.db import connections
 
 from gpuportal.celery import app
 from gpuportal.no_database.base import ENGINE as NO_DATABASE
-from gpuportal.wire import node_auth
+from gpuportal.wire import node_auth, node_labels
 from inference import load_slots
-from inference.agent import NodeAgent
+from inference.agent import LABELS_ENV, NodeAgent
 from inference.devices import FOREIGN_ENV, VirtualProfile, parse_size, parse_virtual_foreign, parse_virtual_spec
 from inference.devices import virtual_gpus as declared_virtual_gpus
 from inference.gateway import RemoteControl
@@ -72,6 +72,13 @@ class Command(BaseCommand):
             help="Host RAM the node's host cache and replica processes may use together; no new replica "
             "starts past it (default: GPUPORTAL_HOST_RAM_BYTES, else all of RAM).",
         )
+        parser.add_argument(
+            "--labels",
+            default=None,
+            help="What this host is, key=value,... such as gpu=h100,zone=b: a deployment's "
+            "placement.node_selector keeps its replicas on the nodes whose labels hold every pair it names "
+            f"(default: {LABELS_ENV}, else none).",
+        )
         parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
         parser.add_argument("--loglevel", default="INFO")
 
@@ -116,6 +123,7 @@ class Command(BaseCommand):
             except ValueError as err:
                 raise CommandError(f"--virtual-gpus {virtual_gpus}: {err}") from None
         foreign = self._virtual_foreign(node, options.get("virtual_foreign"), virtual_gpus, profile)
+        labels = self._labels(options.get("labels"))
         # The agent's replica processes inherit the environment: they model the same GPU, and
         # share the node's load slots.
         os.environ.update(profile.as_env())
@@ -144,11 +152,22 @@ class Command(BaseCommand):
             concurrency=concurrency,
             profile=profile,
             virtual_foreign=foreign,
+            labels=labels,
         )
         try:
             agent.run(loglevel=loglevel)
         except ValueError as err:
             raise CommandError(str(err)) from None
+
+    @staticmethod
+    def _labels(value: str | None) -> dict[str, str]:
+        """The host's labels, checked before anything starts."""
+        flag = "--labels" if value is not None else LABELS_ENV
+        text = value if value is not None else os.environ.get(LABELS_ENV, "")
+        try:
+            return node_labels.parse(text)
+        except ValueError as err:
+            raise CommandError(f"{flag} {text}: {err}") from None
 
     @staticmethod
     def _virtual_foreign(node: str, value: str | None, virtual_gpus: str | None, profile: VirtualProfile) -> dict:

@@ -1,0 +1,81 @@
+"""A node's labels and a deployment's node selector, as Kubernetes has them for pods: an agent
+declares what its host is (`--labels gpu=h100,zone=b`, GPUPORTAL_NODE_LABELS), and a deployment's
+`placement.node_selector` (`gpu=h100`) keeps its replicas on the nodes whose labels hold every
+pair it names. Both are written `key=value,key=value`. Django-free: the agent, the CLI, the API's
+input and placement read the same rules.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+# Kubernetes' label syntax, as its users write it: a name of letters, digits, '-', '_' and '.'
+# starting and ending with a letter or digit, at most 63, optionally behind a DNS prefix and '/'.
+_NAME = r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?"
+KEY = re.compile(rf"({_NAME}/)?{_NAME}")
+VALUE = re.compile(_NAME)
+RULE = (
+    "key=value pairs separated by commas, each key and value letters, digits, '-', '_' and '.', "
+    "starting and ending with a letter or digit, at most 63 (a key may have a prefix and '/')"
+)
+MAX_PAIRS = 32
+MAX_TEXT = 2_000
+
+
+def parse(text: str) -> dict[str, str]:
+    """`key=value,key=value` as a mapping ("" is none); ValueError naming what is wrong."""
+    if len(text) > MAX_TEXT:
+        raise ValueError(f"at most {MAX_TEXT} characters, got {len(text)}")
+    pairs: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, equals, value = (side.strip() for side in item.partition("="))
+        if not equals:
+            raise ValueError(f"{item!r} is not key=value ({RULE})")
+        if problem := pair_problem(key, value):
+            raise ValueError(problem)
+        if key in pairs and pairs[key] != value:
+            raise ValueError(f"{key} given twice ({pairs[key]} and {value})")
+        pairs[key] = value
+    if len(pairs) > MAX_PAIRS:
+        raise ValueError(f"at most {MAX_PAIRS} pairs, got {len(pairs)}")
+    return pairs
+
+
+def pair_problem(key: object, value: object) -> str | None:
+    """What is wrong with one pair, or None."""
+    if not isinstance(key, str) or not KEY.fullmatch(key):
+        return f"{key!r} is no label key ({RULE})"
+    if not isinstance(value, str) or not VALUE.fullmatch(value):
+        return f"{value!r} is no value for {key} ({RULE})"
+    return None
+
+
+def checked(labels: object) -> dict[str, str]:
+    """A mapping as it comes over the wire, held to the same rules; ValueError otherwise."""
+    if not isinstance(labels, Mapping):
+        raise ValueError(f"labels must map keys to values, not {labels!r:.200}")
+    if len(labels) > MAX_PAIRS:
+        raise ValueError(f"at most {MAX_PAIRS} labels, got {len(labels)}")
+    for key, value in labels.items():
+        if problem := pair_problem(key, value):
+            raise ValueError(problem)
+    return dict(labels)
+
+
+def text(pairs: Mapping[str, str]) -> str:
+    """The canonical `key=value,...`, keys sorted: what a deployment stores and shows."""
+    return ",".join(f"{key}={pairs[key]}" for key in sorted(pairs))
+
+
+def canonical(selector: str) -> str:
+    """A node selector as a deployment stores it (keys sorted, spaces gone); ValueError if bad.
+    The spec's check of `placement.node_selector`."""
+    return text(parse(selector))
+
+
+def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    """Whether a node with `labels` may run a replica asking for `selector` (every pair held)."""
+    return all(labels.get(key) == value for key, value in selector.items())
