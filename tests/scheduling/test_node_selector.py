@@ -202,13 +202,19 @@ def test_a_changed_selector_applies_to_the_replicas_placed_from_then_on_and_says
     assert "placement.node_selector 'gpu=a10' → 'gpu=h100'" in changed.reason
 
 
-def test_a_wake_loads_anew_on_a_matching_node_and_retires_the_sleeper_its_selector_no_longer_matches(
-    labelled, dispatched
-):
+def asleep_on_a10_then_wanted_on_h100() -> str:
+    """`chat`'s one replica, asleep on a10; its selector then changed to gpu=h100: its id."""
     sleeper = deploy("chat", node_selector="gpu=a10")
     sleep.sleep_replica(sleeper, reason="idle")
     asleep(sleeper)
     deployments.update("chat", {"node_selector": "gpu=h100"})
+    return sleeper
+
+
+def test_a_wake_loads_anew_on_a_matching_node_and_retires_the_sleeper_its_selector_no_longer_matches(
+    labelled, dispatched
+):
+    sleeper = asleep_on_a10_then_wanted_on_h100()
 
     woken = sleep.wake_deployment("chat", reason="woken by a request", for_requests=True)
 
@@ -226,10 +232,7 @@ def test_a_fair_wake_waits_for_room_on_a_matching_node_rather_than_wake_its_copy
     # chat's copy sleeps on a10, whose GPU is free; its selector now wants h100, whose GPU another
     # deployment fills: the wake waits for room there (a fair wake's intent on h100's GPU) rather
     # than promote the copy where its selector says it must not run.
-    sleeper = deploy("chat", node_selector="gpu=a10")
-    sleep.sleep_replica(sleeper, reason="idle")
-    asleep(sleeper)
-    deployments.update("chat", {"node_selector": "gpu=h100"})
+    sleeper = asleep_on_a10_then_wanted_on_h100()
     facts = ModelFacts(weight_bytes=10 * MiB, estimate_bytes=900 * MiB)
     other = DeploymentSpec(name="other", source="/srv/models/tiny", override_bytes=900 * MiB, node_selector="gpu=h100")
     create(other, facts=facts)
@@ -245,10 +248,7 @@ def test_a_fair_wake_waits_for_room_on_a_matching_node_rather_than_wake_its_copy
 
 
 def test_waking_one_sleeper_on_a_node_its_selector_no_longer_matches_is_refused_naming_why(labelled, dispatched):
-    sleeper = deploy("chat", node_selector="gpu=a10")
-    sleep.sleep_replica(sleeper, reason="idle")
-    asleep(sleeper)
-    deployments.update("chat", {"node_selector": "gpu=h100"})
+    sleeper = asleep_on_a10_then_wanted_on_h100()
 
     with pytest.raises(CannotPlace) as refused:
         sleep.wake_replica(sleeper, reason="woken by an operator")
