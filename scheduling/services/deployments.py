@@ -272,8 +272,12 @@ def _estimate_anew(deployment: Deployment, facts: ModelFacts) -> None:
 
 
 def _reread(deployment: Deployment) -> None:
-    """The deployment as committed, its observed record with it (the answer shows both)."""
-    deployment.refresh_from_db(from_queryset=Deployment.objects.select_related("observed"))
+    """The deployment as committed, its observed record with it (the answer shows both). A delete
+    committed since this call's own change is a 404, as it would have been a moment earlier."""
+    try:
+        deployment.refresh_from_db(from_queryset=Deployment.objects.select_related("observed"))
+    except Deployment.DoesNotExist:
+        raise not_found.deployment(deployment.name) from None
 
 
 def _when(key: str) -> str:

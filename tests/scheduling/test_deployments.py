@@ -44,6 +44,29 @@ def test_a_deploy_places_each_replica_on_a_fraction_of_a_gpu(cluster, api, dispa
 
 
 @pytest.mark.django_db
+def test_a_patch_whose_deployment_another_client_deletes_before_it_answers_is_a_404_not_a_500(
+    api, tiny_model_dir, monkeypatch
+):
+    # Found by the storm (tests/scheduling/test_storm.py): the PATCH's change committed, another
+    # client's delete committed, then the PATCH read the deployment back for its answer.
+    from scheduling.services import deployments as deployment_services
+
+    register_node("solo", virtual_gpus("solo", "1x1GiB", NO_OVERHEAD), virtual=True)
+    assert api("post", "/api/deployments/", body("gone", tiny_model_dir)).status_code == 201
+    reread = deployment_services._reread
+
+    def deleted_meanwhile(deployment: Deployment) -> None:
+        deployment_services.delete(deployment.name)
+        reread(deployment)
+
+    monkeypatch.setattr(deployment_services, "_reread", deleted_meanwhile)
+    response = api("patch", "/api/deployments/gone/", {"sleep": {"idle_timeout_s": 60}})
+
+    assert response.status_code == 404, response.content
+    assert "gone" in str(response.json())
+
+
+@pytest.mark.django_db
 def test_replicas_pack_onto_one_gpu_unless_the_deployment_asks_to_spread(api, tiny_model_dir):
     register_node("solo", virtual_gpus("solo", "2x1GiB", NO_OVERHEAD), virtual=True)
 
