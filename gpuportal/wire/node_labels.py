@@ -1,14 +1,18 @@
 """A node's labels and a deployment's node selector, as Kubernetes has them for pods: an agent
-declares what its host is (`--labels gpu=h100,zone=b`, GPUPORTAL_NODE_LABELS), and a deployment's
-`placement.node_selector` (`gpu=h100`) keeps its replicas on the nodes whose labels hold every
-pair it names. Both are written `key=value,key=value`. Django-free: the agent, the CLI, the API's
-input and placement read the same rules.
+declares what its host is (`--labels gpu=h100,zone=b`, GPUPORTAL_NODE_LABELS), its GPUs say what
+they are (`gpu_labels`, named as NVIDIA's GPU feature discovery names them on Kubernetes), and a
+deployment's `placement.node_selector` (`gpu=h100`) keeps its replicas on the nodes whose labels
+hold every pair it names. Both are written `key=value,key=value`. Django-free: the agent, the CLI,
+the API's input and placement read the same rules.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+from gpuportal.wire.memory import MiB
+from gpuportal.wire.node_reports import DeviceInfo
 
 # Kubernetes' label syntax, as its users write it: a name of letters, digits, '-', '_' and '.'
 # starting and ending with a letter or digit, at most 63, optionally behind a DNS prefix and '/'.
@@ -74,6 +78,29 @@ def canonical(selector: str) -> str:
     """A node selector as a deployment stores it (keys sorted, spaces gone); ValueError if bad.
     The spec's check of `placement.node_selector`."""
     return text(parse(selector))
+
+
+# The labels a node's GPUs give it, named as NVIDIA's GPU feature discovery labels a Kubernetes node.
+GPU_PRODUCT, GPU_COUNT, GPU_MEMORY = "nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/gpu.memory"
+
+
+def gpu_labels(devices: Sequence[DeviceInfo]) -> dict[str, str]:
+    """What a node's GPUs say of it: how many, the smallest one's memory in MiB as NVML counts it,
+    and their product (`NVIDIA H100 80GB HBM3` as `NVIDIA-H100-80GB-HBM3`) where they all share
+    one. None for a node without GPUs. A label its agent declares under the same key wins."""
+    if not devices:
+        return {}
+    memory = min(d.nvml_total_bytes or d.total_bytes for d in devices) // MiB
+    labels = {GPU_COUNT: str(len(devices)), GPU_MEMORY: str(memory)}
+    products = {d.product for d in devices}
+    if len(products) == 1 and (product := _as_value(products.pop())):
+        labels[GPU_PRODUCT] = product
+    return labels
+
+
+def _as_value(text: str) -> str:
+    """`text` as a label's value: each run of other characters one '-', at most 63, ends trimmed."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63].rstrip("-._")
 
 
 def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:

@@ -91,7 +91,12 @@ NODE_SHOWN = {
     "heartbeat_age_s": 1.2,
     "cpu_cache_bytes": 64 * GiB,
     "virtual": False,
-    "labels": {"gpu": "h100", "zone": "b"},
+    "labels": {
+        "nvidia.com/gpu.count": "2",
+        "nvidia.com/gpu.memory": "81559",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "zone": "b",
+    },
     "gpu_count": 2,
     "registered_at": AT,
 }

@@ -57,8 +57,9 @@ def register_node(
     labels: Mapping[str, str] | None = None,
 ) -> Node:
     """Create or refresh a node and its GPUs as its agent reports them; the node is online after.
-    `labels`: what its agent declares of the host (gpuportal.wire.node_labels), replacing those
-    it had: a registration without them declares none.
+    `labels`: what its agent declares of the host (gpuportal.wire.node_labels), beside what its
+    GPUs say (`node_labels.gpu_labels`: their product, count and memory), replacing those it had:
+    a registration without them declares none of its own.
 
     `survivors` are the replica processes the node's previous agent left running, which the new
     one took over: those whose books agree with what they say are kept (scheduling.core.adoption);
@@ -71,7 +72,7 @@ def register_node(
         before = {"status": node.status, "virtual": node.virtual, "gpus": node.gpus.count(), "labels": node.labels}
         previous_status = node.status
         node.hostname, node.cpu_cache_bytes, node.virtual = hostname, cpu_cache_bytes, virtual
-        node.labels = dict(labels or {})
+        node.labels = {**node_labels.gpu_labels(devices), **(labels or {})}
         node.host_ram_bytes = host_ram_bytes
         node.status, node.last_heartbeat = Node.Status.ONLINE, now
         node.save()

@@ -22,6 +22,7 @@ from gpuportal.wire import deployment_spec, node_labels
 from gpuportal.wire.commands import WireError
 from gpuportal.wire.control import Call, decode_call, encode_call
 from gpuportal.wire.memory import MiB
+from gpuportal.wire.node_reports import DeviceInfo
 from inference.devices import virtual_gpus
 from scheduling.core.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
 from scheduling.core.state import OccupantView, Snapshot
@@ -38,6 +39,12 @@ GiB = 1024**3
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SELECTOR = deployment_spec.BY_NAME["node_selector"]
 DASHBOARD = reverse("admin:scheduling_dashboard")
+# What a node of one 1 GiB virtual GPU is labelled by its GPUs (gpu_labels, tested on its own below).
+GPU_1GIB = {
+    "nvidia.com/gpu.count": "1",
+    "nvidia.com/gpu.memory": "1024",
+    "nvidia.com/gpu.product": "Virtual-GPU-1-GiB",
+}
 
 
 # -- the syntax --------------------------------------------------------------------------------------
@@ -260,18 +267,48 @@ def test_waking_one_sleeper_on_a_node_its_selector_no_longer_matches_is_refused_
 # -- the node's side ---------------------------------------------------------------------------------
 
 
+def test_a_nodes_gpus_label_it_with_their_product_count_and_memory_as_kubernetes_names_them():
+    def device(index: int, product: str, gib: int) -> DeviceInfo:
+        return DeviceInfo(index, f"GPU-{index}", product, gib * GiB - 500 * MiB, False, nvml_total_bytes=gib * GiB)
+
+    eight = [device(i, "NVIDIA H100 80GB HBM3", 80) for i in range(8)]
+    assert node_labels.gpu_labels(eight) == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "nvidia.com/gpu.count": "8",
+        "nvidia.com/gpu.memory": "81920",
+    }
+    mixed = [device(0, "NVIDIA A10", 24), device(1, "NVIDIA L4", 22)]
+    assert node_labels.gpu_labels(mixed) == {"nvidia.com/gpu.count": "2", "nvidia.com/gpu.memory": "22528"}
+    assert node_labels.gpu_labels([]) == {}
+    assert node_labels.gpu_labels(virtual_gpus("v", "2x4GiB", NO_OVERHEAD))["nvidia.com/gpu.product"] == (
+        "Virtual-GPU-4-GiB"
+    )
+
+
+def test_a_deployment_selects_nodes_by_their_gpus_with_no_label_declared(db, dispatched):
+    register_node("big", virtual_gpus("big", "1x2GiB", NO_OVERHEAD), virtual=True)
+    register_node("small", virtual_gpus("small", "1x1GiB", NO_OVERHEAD), virtual=True)
+
+    deploy("chat", replicas=2, node_selector="nvidia.com/gpu.product=Virtual-GPU-2-GiB")
+
+    assert nodes_of("chat") == ["big", "big"]
+
+
 def test_an_agent_declares_its_labels_at_registration_and_a_change_of_them_is_an_event(db, dispatched):
     devices = virtual_gpus("edge", "1x1GiB", NO_OVERHEAD)
+    gpus = node_labels.gpu_labels(devices)
     register_node("edge", devices, virtual=True, labels={"gpu": "a10"})
-    assert Node.objects.get(name="edge").labels == {"gpu": "a10"}
-    assert Event.objects.filter(node="edge", reason__endswith="labels gpu=a10").exists()
+    assert Node.objects.get(name="edge").labels == {**gpus, "gpu": "a10"}
+    assert Event.objects.filter(node="edge", reason__contains="labels gpu=a10,nvidia.com/gpu.count=1").exists()
 
     register_node("edge", devices, virtual=True, labels={"gpu": "a10", "zone": "b"})
-    assert "labels gpu=a10 → gpu=a10,zone=b" in Event.objects.filter(node="edge").latest("pk").reason
+    latest = Event.objects.filter(node="edge").latest("pk").reason
+    assert "labels gpu=a10,nvidia.com/" in latest and "Virtual-GPU-1-GiB → gpu=a10,nvidia.com/" in latest
+    assert latest.endswith("Virtual-GPU-1-GiB,zone=b"), latest
 
     register_node("edge", devices, virtual=True)  # its agent started again without --labels
-    assert Node.objects.get(name="edge").labels == {}
-    assert "labels gpu=a10,zone=b → none" in Event.objects.filter(node="edge").latest("pk").reason
+    assert Node.objects.get(name="edge").labels == gpus, "only what its GPUs say"
+    assert Event.objects.filter(node="edge").latest("pk").reason.endswith(f"→ {node_labels.text(gpus)}")
 
 
 def test_labels_travel_in_the_registration_call_and_bad_ones_are_refused_there():
@@ -296,14 +333,14 @@ def test_the_agent_command_refuses_bad_labels_before_it_starts_anything(monkeypa
 
 def test_the_api_and_the_command_line_show_each_nodes_labels(labelled, staff):
     listed = {n["name"]: n["labels"] for n in staff.get("/api/nodes/").json()["results"]}
-    assert listed == {"a10": {"gpu": "a10", "zone": "b"}, "h100": {"gpu": "h100", "zone": "b"}}
+    assert listed == {"a10": {**GPU_1GIB, "gpu": "a10", "zone": "b"}, "h100": {**GPU_1GIB, "gpu": "h100", "zone": "b"}}
 
     from rich.console import Console
 
     console = Console(width=200, record=True)
     console.print(nodes_table(staff.get("/api/nodes/").json()["results"], [], []))
     shown = console.export_text()
-    assert "LABELS" in shown and "gpu=h100,zone=b" in shown
+    assert "LABELS" in shown and "gpu=h100,nvidia.com/gpu.count=1," in shown and "1-GiB,zone=b" in shown
     unlabelled = Console(width=200, record=True)
     unlabelled.print(nodes_table([{"name": "plain", "status": "online"}], [], []))
     assert "LABELS" not in unlabelled.export_text(), "no column where no node has labels"
@@ -312,8 +349,9 @@ def test_the_api_and_the_command_line_show_each_nodes_labels(labelled, staff):
 def test_the_dashboard_shows_each_nodes_labels_beside_its_name(labelled, admin_client):
     page = admin_client.get(DASHBOARD).content.decode()
 
-    assert '<small class="gp-node-labels">gpu=h100,zone=b</small>' in page
-    assert '<small class="gp-node-labels">gpu=a10,zone=b</small>' in page
+    for kind in ("h100", "a10"):
+        shown = node_labels.text({**GPU_1GIB, "gpu": kind, "zone": "b"})
+        assert f'<small class="gp-node-labels">{shown}</small>' in page
 
 
 def test_the_command_line_checks_a_selector_before_it_sends_it():
