@@ -200,10 +200,12 @@ def bytes_of(part: int | None, whole: int | None) -> str:
 def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replicas: list[dict[str, Any]]) -> Table:
     """A row per node: its status, its last beat, its GPUs' memory (reserved / total, and what
     other tenants hold), the states of the replicas on it, its host cache (used / budget), and,
-    where any node has labels, its labels (what deployments' node selectors match)."""
+    where any node's agent declared labels, those (what deployments' node selectors match; the
+    labels its GPUs give it, `nvidia.com/gpu.*`, are the API's and `gpus`' to show)."""
     # One space between columns: a row of a fleet's node fits 80 columns (without labels).
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
-    labelled = any(node.get("labels") for node in nodes)
+    declared = {node["name"]: _declared(node.get("labels") or {}) for node in nodes}
+    labelled = any(declared.values())
     columns = ("NAME", "STATUS", "LAST BEAT", "GPUS", "RESERVED", "REPLICAS", "HOST CACHE")
     for column in (*columns, "LABELS") if labelled else columns:
         table.add_column(column, overflow="fold")
@@ -226,9 +228,13 @@ def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replica
             memory,
             state_counts(r for r in replicas if r.get("node") == node["name"]),
             bytes_of(node.get("host_cache_used_bytes"), node.get("host_cache_budget_bytes")),
-            *([node_labels.text(node.get("labels") or {}) or "-"] if labelled else []),
+            *([node_labels.text(declared[node["name"]]) or "-"] if labelled else []),
         )
     return table
+
+
+def _declared(labels: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in labels.items() if key not in node_labels.GPU_KEYS}
 
 
 def used_bytes(gpu: dict[str, Any]) -> int | None:

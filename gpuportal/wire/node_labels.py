@@ -82,6 +82,7 @@ def canonical(selector: str) -> str:
 
 # The labels a node's GPUs give it, named as NVIDIA's GPU feature discovery labels a Kubernetes node.
 GPU_PRODUCT, GPU_COUNT, GPU_MEMORY = "nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/gpu.memory"
+GPU_KEYS = (GPU_PRODUCT, GPU_COUNT, GPU_MEMORY)
 
 
 def gpu_labels(devices: Sequence[DeviceInfo]) -> dict[str, str]:
