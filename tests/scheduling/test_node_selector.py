@@ -311,6 +311,33 @@ def test_an_agent_declares_its_labels_at_registration_and_a_change_of_them_is_an
     assert Event.objects.filter(node="edge").latest("pk").reason.endswith(f"→ {node_labels.text(gpus)}")
 
 
+@pytest.mark.parametrize(
+    ("given", "env", "declared"),
+    [
+        pytest.param({"gpu": "h100"}, "zone=a", {"gpu": "h100"}, id="--labels"),
+        pytest.param(None, "zone=a, gpu=a10", {"zone": "a", "gpu": "a10"}, id="GPUPORTAL_NODE_LABELS"),
+        pytest.param(None, "", None, id="none: not sent"),
+    ],
+)
+def test_an_agent_registers_with_the_labels_it_was_given_else_those_of_its_environment(
+    tmp_path, settings, monkeypatch, given, env, declared
+):
+    from inference.agent import LABELS_ENV, NodeAgent
+
+    settings.GPUPORTAL_DATA_DIR = str(tmp_path)
+    monkeypatch.setenv(LABELS_ENV, env)
+    sent: list[dict] = []
+
+    class Control:
+        def register_node(self, node: str, devices, **details) -> int:
+            sent.append(details)
+            return 1
+
+    NodeAgent("edge", control=Control(), backend="virtual", labels=given).register()
+
+    assert [details["labels"] for details in sent] == [declared]
+
+
 def test_labels_travel_in_the_registration_call_and_bad_ones_are_refused_there():
     devices = virtual_gpus("edge", "1x1GiB", NO_OVERHEAD)
     fields = {"hostname": "h", "cpu_cache_bytes": 0, "virtual": True, "survivors": []}
