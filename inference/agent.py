@@ -33,8 +33,9 @@ from inference.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
-# What the host is, key=value,... (gpuportal.wire.node_labels), where --labels does not say.
-LABELS_ENV = "GPUPORTAL_NODE_LABELS"
+# What the host is, and what it keeps off, key=value,... (gpuportal.wire.node_labels), where
+# --labels and --taints do not say.
+LABELS_ENV, TAINTS_ENV = "GPUPORTAL_NODE_LABELS", "GPUPORTAL_NODE_TAINTS"
 # How long a registering agent waits for a control plane that cannot answer yet before it exits
 # (and `up`, or its supervisor, starts it again): longer than a PostgreSQL restart or a worker's.
 REGISTER_PATIENCE_S = 120.0
@@ -102,10 +103,13 @@ class NodeAgent:
         virtual_foreign: dict[int, int] | None = None,
         warm_spares: bool | None = None,
         labels: Mapping[str, str] | None = None,
+        taints: Mapping[str, str] | None = None,
     ):
         self.name = name
-        # What the host is (gpuportal.wire.node_labels), declared at every registration.
+        # What the host is and what it keeps off (gpuportal.wire.node_labels), declared at every
+        # registration.
         self.labels = dict(labels) if labels is not None else node_labels.parse(os.environ.get(LABELS_ENV, ""))
+        self.taints = dict(taints) if taints is not None else node_labels.parse(os.environ.get(TAINTS_ENV, ""))
         # The one way to the control plane (gpuportal.wire.control): this package never imports it.
         self.control = control
         # Its GPUs as discovered at registration.
@@ -188,7 +192,9 @@ class NodeAgent:
                 host_ram_bytes=self.host_ram_bytes,
                 virtual=virtual,
                 survivors=survivors,
-                labels=self.labels or None,  # none: not sent (gpuportal.wire.control.OPTIONAL)
+                # None: not sent (gpuportal.wire.control.OPTIONAL).
+                labels=self.labels or None,
+                taints=self.taints or None,
             )
         finally:
             registered.set()

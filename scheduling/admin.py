@@ -74,7 +74,8 @@ class ReadOnlyInline(ViewOnly, admin.TabularInline):
 @admin.register(Node)
 class NodeAdmin(ReadOnlyAdmin):
     list_display = [
-        "name", "status", "hostname", "queue", "virtual", "gpu_count", "cpu_cache", "labels_shown", "last_heartbeat",
+        "name", "status", "hostname", "queue", "virtual", "gpu_count", "cpu_cache", "labels_shown", "taints_shown",
+        "last_heartbeat",
     ]  # fmt: skip
     list_filter = ["status", "virtual"]
     search_fields = ["name", "hostname", "queue"]
@@ -96,6 +97,10 @@ class NodeAdmin(ReadOnlyAdmin):
     @admin.display(description="Labels")
     def labels_shown(self, obj: Node) -> str:
         return node_labels.text(obj.labels or {}) or "-"
+
+    @admin.display(description="Taints")
+    def taints_shown(self, obj: Node) -> str:
+        return node_labels.text(obj.taints or {}) or "-"
 
 
 @admin.register(NodeCredential)

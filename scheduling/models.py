@@ -62,7 +62,15 @@ class Node(models.Model):
         default=dict,
         db_default={},
         blank=True,
-        help_text="What its agent declares of the host (--labels): a deployment's node_selector matches them.",
+        help_text="What its agent declares of the host (--labels) and its GPUs say: a deployment's "
+        "node_selector matches them.",
+    )
+    taints = models.JSONField(
+        default=dict,
+        db_default={},
+        blank=True,
+        help_text="What its agent keeps off it (--taints): only deployments whose tolerations name each "
+        "are placed here.",
     )
     registered_at = models.DateTimeField(auto_now_add=True)
 
@@ -234,6 +242,13 @@ class Deployment(models.Model):
         blank=True,
         default=_default("node_selector"),
         db_default=_default("node_selector"),
+    )
+    # `key=value,...`: the node taints its replicas may go past; "" only untainted nodes.
+    placement_tolerations = models.CharField(
+        max_length=spec.BY_NAME["tolerations"].max_length,
+        blank=True,
+        default=_default("tolerations"),
+        db_default=_default("tolerations"),
     )
     # Crash-loop backoff: a replica that fails to load is replaced after load_backoff_s,
     # doubling per consecutive failure up to load_backoff_max_s; after max_load_failures in a row

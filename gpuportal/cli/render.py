@@ -200,14 +200,16 @@ def bytes_of(part: int | None, whole: int | None) -> str:
 def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replicas: list[dict[str, Any]]) -> Table:
     """A row per node: its status, its last beat, its GPUs' memory (reserved / total, and what
     other tenants hold), the states of the replicas on it, its host cache (used / budget), and,
-    where any node's agent declared labels, those (what deployments' node selectors match; the
-    labels its GPUs give it, `nvidia.com/gpu.*`, are the API's and `gpus`' to show)."""
+    where any node's agent declared labels or taints, those (what deployments' node selectors
+    match, and what their tolerations must name; the labels its GPUs give it, `nvidia.com/gpu.*`,
+    are the API's and `gpus`' to show)."""
     # One space between columns: a row of a fleet's node fits 80 columns (without labels).
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     declared = {node["name"]: _declared(node.get("labels") or {}) for node in nodes}
     labelled = any(declared.values())
+    tainted = any(node.get("taints") for node in nodes)
     columns = ("NAME", "STATUS", "LAST BEAT", "GPUS", "RESERVED", "REPLICAS", "HOST CACHE")
-    for column in (*columns, "LABELS") if labelled else columns:
+    for column in (*columns, *(["LABELS"] if labelled else []), *(["TAINTS"] if tainted else [])):
         table.add_column(column, overflow="fold")
     for node in nodes:
         its_gpus = [g for g in gpus if g.get("node") == node["name"]]
@@ -229,6 +231,7 @@ def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replica
             state_counts(r for r in replicas if r.get("node") == node["name"]),
             bytes_of(node.get("host_cache_used_bytes"), node.get("host_cache_budget_bytes")),
             *([node_labels.text(declared[node["name"]]) or "-"] if labelled else []),
+            *([node_labels.text(node.get("taints") or {}) or "-"] if tainted else []),
         )
     return table
 

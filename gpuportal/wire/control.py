@@ -27,6 +27,7 @@ class ControlPlane(Protocol):
         survivors: Sequence[Survivor],
         host_ram_bytes: int = 0,
         labels: Mapping[str, str] | None = None,
+        taints: Mapping[str, str] | None = None,
     ) -> int:
         """The node is up with these GPUs; of the survivors, the control plane keeps those whose
         books agree and loses the rest, which the next heartbeat names. Returns the node's epoch,
@@ -34,8 +35,9 @@ class ControlPlane(Protocol):
         (gpuportal.wire.node_lease); an older control plane answered None, read as 0.
 
         `labels`: what the host is (gpuportal.wire.node_labels), which deployments' node selectors
-        match; none, not sent. Added to version 1 with a default (OPTIONAL): an agent without
-        labels registers with a control plane older than them as before."""
+        match; `taints`: what it keeps off the node, which deployments' tolerations must name.
+        None, not sent. Added to version 1 with defaults (OPTIONAL): an agent without either
+        registers with a control plane older than them as before."""
 
     def heartbeat(
         self,
@@ -102,7 +104,7 @@ TIMEOUTS_S: Mapping[str, float] = {"heartbeat": 30, "node_stopping": 10, "node_s
 # reads as it did before them.
 OPTIONAL: Mapping[str, tuple[str, ...]] = {
     "heartbeat": ("processes", "arenas", "host_bytes"),
-    "register_node": ("labels",),
+    "register_node": ("labels", "taints"),
 }
 # The calls whose first argument is the node they speak for; the others name a replica, which
 # speaks for the node the books place it on.
@@ -172,8 +174,9 @@ def decode_call(payload: Any) -> Call:
         if name == "register_node":
             args = [args[0], [DeviceInfo(**d) for d in args[1]]]
             kwargs = {**kwargs, "survivors": [Survivor(**s) for s in kwargs.get("survivors", [])]}
-            if kwargs.get("labels") is not None:
-                kwargs = {**kwargs, "labels": node_labels.checked(kwargs["labels"])}
+            for pairs in ("labels", "taints"):
+                if kwargs.get(pairs) is not None:
+                    kwargs = {**kwargs, pairs: node_labels.checked(kwargs[pairs], pairs)}
         elif name == "heartbeat":
             if kwargs.get("books") is not None:
                 kwargs = {**kwargs, "books": Books(**kwargs["books"])}

@@ -209,6 +209,12 @@ SETTINGS: tuple[Setting, ...] = (
         "running replicas.",
     ),
     Setting(
+        "tolerations", "placement", "tolerations", "placement_tolerations", str, "", Update.NEXT_REPLICA,
+        max_length=node_labels.MAX_TEXT, check=node_labels.canonical, rule="`key=value,...` (node taints)",
+        help="key=value,... : the node taints (their agents' --taints) its replicas may go past; a node "
+        "with a taint not named here takes none of them. Empty (default): only untainted nodes.",
+    ),
+    Setting(
         "autoscale_max_replicas", "autoscale", "max_replicas", "autoscale_max_replicas", int, 0, Update.LIVE,
         min=0, max_setting="GPUPORTAL_MAX_REPLICAS",
         help="Scale replicas by load between min_replicas and this many (0: off, replicas stays as set). "

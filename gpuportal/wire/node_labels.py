@@ -1,9 +1,12 @@
-"""A node's labels and a deployment's node selector, as Kubernetes has them for pods: an agent
-declares what its host is (`--labels gpu=h100,zone=b`, GPUPORTAL_NODE_LABELS), its GPUs say what
-they are (`gpu_labels`, named as NVIDIA's GPU feature discovery names them on Kubernetes), and a
-deployment's `placement.node_selector` (`gpu=h100`) keeps its replicas on the nodes whose labels
-hold every pair it names. Both are written `key=value,key=value`. Django-free: the agent, the CLI,
-the API's input and placement read the same rules.
+"""A node's labels and taints and a deployment's node selector and tolerations, as Kubernetes has
+them for pods: an agent declares what its host is (`--labels gpu=h100,zone=b`,
+GPUPORTAL_NODE_LABELS), its GPUs say what they are (`gpu_labels`, named as NVIDIA's GPU feature
+discovery names them on Kubernetes), and a deployment's `placement.node_selector` (`gpu=h100`)
+keeps its replicas on the nodes whose labels hold every pair it names. The other way round, an
+agent's taints (`--taints team=research`, GPUPORTAL_NODE_TAINTS) keep every deployment off its node
+but those whose `placement.tolerations` name each of them (Kubernetes' NoSchedule: what runs there
+already stays). All are written `key=value,key=value`. Django-free: the agent, the CLI, the API's
+input and placement read the same rules.
 """
 
 from __future__ import annotations
@@ -57,12 +60,13 @@ def pair_problem(key: object, value: object) -> str | None:
     return None
 
 
-def checked(labels: object) -> dict[str, str]:
-    """A mapping as it comes over the wire, held to the same rules; ValueError otherwise."""
+def checked(labels: object, what: str = "labels") -> dict[str, str]:
+    """A mapping (`what`: labels or taints) as it comes over the wire, held to the same rules;
+    ValueError otherwise."""
     if not isinstance(labels, Mapping):
-        raise ValueError(f"labels must map keys to values, not {labels!r:.200}")
+        raise ValueError(f"{what} must map keys to values, not {labels!r:.200}")
     if len(labels) > MAX_PAIRS:
-        raise ValueError(f"at most {MAX_PAIRS} labels, got {len(labels)}")
+        raise ValueError(f"at most {MAX_PAIRS} {what}, got {len(labels)}")
     for key, value in labels.items():
         if problem := pair_problem(key, value):
             raise ValueError(problem)
@@ -107,3 +111,26 @@ def _as_value(text: str) -> str:
 def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
     """Whether a node with `labels` may run a replica asking for `selector` (every pair held)."""
     return all(labels.get(key) == value for key, value in selector.items())
+
+
+def untolerated(taints: Mapping[str, str], tolerations: Mapping[str, str]) -> dict[str, str]:
+    """The taints of a node that `tolerations` do not name, pair for pair: none, and it may run there."""
+    return {key: value for key, value in taints.items() if tolerations.get(key) != value}
+
+
+# A node as placement's refusals read it: its labels and its taints.
+Marks = tuple[Mapping[str, str], Mapping[str, str]]
+
+
+def refusals(nodes: Mapping[str, Marks], deployment: str, selector: str, tolerations: str) -> dict[str, str]:
+    """{node: why} of the nodes a deployment's replicas may not run on: those whose labels do not
+    hold every pair of its node selector, or with a taint its tolerations do not name (both as
+    a deployment stores them)."""
+    wanted, tolerated = parse(selector), parse(tolerations)
+    refused = {}
+    for name, (labels, taints) in nodes.items():
+        if not matches(labels, wanted):
+            refused[name] = f"its labels do not match {deployment}'s placement.node_selector {selector}"
+        elif untolerated_ := untolerated(taints, tolerated):
+            refused[name] = f"its taint {text(untolerated_)} is not in {deployment}'s placement.tolerations"
+    return refused

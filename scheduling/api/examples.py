@@ -97,6 +97,7 @@ NODE_SHOWN = {
         "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
         "zone": "b",
     },
+    "taints": {},
     "gpu_count": 2,
     "registered_at": AT,
 }

@@ -69,6 +69,12 @@ class NodeSerializer(serializers.ModelSerializer):
         help_text="What its agent declares of the host (--labels, GPUPORTAL_NODE_LABELS): a deployment's "
         "placement.node_selector places its replicas only on nodes whose labels hold every pair it names.",
     )
+    taints = serializers.DictField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="What its agent keeps off it (--taints, GPUPORTAL_NODE_TAINTS): only deployments whose "
+        "placement.tolerations name each of them are placed here.",
+    )
 
     class Meta:
         model = Node
@@ -86,6 +92,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "host_cache_kept_bytes",
             "virtual",
             "labels",
+            "taints",
             "gpu_count",
             "registered_at",
         ]

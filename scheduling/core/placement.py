@@ -120,8 +120,8 @@ class PlacementRequest:
     process (scheduling.core.host_memory); a cached replica there may still be promoted, since
     its process runs already.
     `refused_nodes`: {node: why} of the nodes where no replica of the deployment may run, neither
-    a new one nor a sleeping one promoted: those its `placement.node_selector` does not match
-    (gpuportal.wire.node_labels).
+    a new one nor a sleeping one promoted: those its `placement.node_selector` does not match, or
+    whose taints its `placement.tolerations` do not name (gpuportal.wire.node_labels).
     """
 
     deployment: str

@@ -55,11 +55,13 @@ def register_node(
     survivors: Sequence[Survivor] = (),
     host_ram_bytes: int = 0,
     labels: Mapping[str, str] | None = None,
+    taints: Mapping[str, str] | None = None,
 ) -> Node:
     """Create or refresh a node and its GPUs as its agent reports them; the node is online after.
     `labels`: what its agent declares of the host (gpuportal.wire.node_labels), beside what its
     GPUs say (`node_labels.gpu_labels`: their product, count and memory), replacing those it had:
-    a registration without them declares none of its own.
+    a registration without them declares none of its own. `taints`: what it keeps off the node
+    (only deployments that tolerate each are placed there), replacing those it had.
 
     `survivors` are the replica processes the node's previous agent left running, which the new
     one took over: those whose books agree with what they say are kept (scheduling.core.adoption);
@@ -69,10 +71,17 @@ def register_node(
         node, created = locks.lock_or_create_node(
             name, {"queue": node_queue(name), "status": Node.Status.ONLINE, "last_heartbeat": now}
         )
-        before = {"status": node.status, "virtual": node.virtual, "gpus": node.gpus.count(), "labels": node.labels}
+        before = {
+            "status": node.status,
+            "virtual": node.virtual,
+            "gpus": node.gpus.count(),
+            "labels": node.labels,
+            "taints": node.taints,
+        }
         previous_status = node.status
         node.hostname, node.cpu_cache_bytes, node.virtual = hostname, cpu_cache_bytes, virtual
         node.labels = {**node_labels.gpu_labels(devices), **(labels or {})}
+        node.taints = dict(taints or {})
         node.host_ram_bytes = host_ram_bytes
         node.status, node.last_heartbeat = Node.Status.ONLINE, now
         node.save()
@@ -80,8 +89,11 @@ def register_node(
         summary = ", ".join(f"{d.index}: {d.product} {d.total_bytes} B" for d in devices) or "no GPUs"
         kind = "virtual" if virtual else "NVIDIA"
         after = {"status": node.status, "virtual": virtual, "gpus": len(devices), "labels": node.labels}
-        # Its labels decide which deployments' replicas may go there: said whenever they change.
+        after["taints"] = node.taints
+        # Its labels and taints decide which deployments' replicas may go there: said whenever
+        # they change.
         labelled = f", labels {node_labels.text(node.labels)}" if node.labels else ""
+        labelled += f", taints {node_labels.text(node.taints)}" if node.taints else ""
         if created:
             outbox.note(
                 Event.Kind.NODE_REGISTERED,
@@ -93,9 +105,10 @@ def register_node(
         else:
             was = "" if previous_status == Node.Status.ONLINE else f" (was {previous_status})"
             relabelled = ""
-            if node.labels != before["labels"]:
-                old, new = (node_labels.text(labels) or "none" for labels in (before["labels"], node.labels))
-                relabelled = f"; labels {old} → {new}"
+            for what in ("labels", "taints"):
+                if getattr(node, what) != before[what]:
+                    old, new = (node_labels.text(pairs) or "none" for pairs in (before[what], getattr(node, what)))
+                    relabelled += f"; {what} {old} → {new}"
             outbox.note(
                 Event.Kind.NODE_ONLINE,
                 f"node {name}",

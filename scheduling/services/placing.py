@@ -146,18 +146,25 @@ def host_refusals(deployment: Deployment) -> dict[str, str]:
     return host_memory.refusals(host_views(), host_need_bytes(deployment))
 
 
-def selector_refusals(deployment: Deployment) -> dict[str, str]:
-    """{node: why} of the nodes whose labels its `placement.node_selector` does not match
-    (gpuportal.wire.node_labels): placement neither starts nor wakes a replica of it there."""
-    if not deployment.placement_node_selector:
-        return {}
-    selector = node_labels.parse(deployment.placement_node_selector)
-    why = f"its labels do not match {deployment.name}'s placement.node_selector {deployment.placement_node_selector}"
+def node_marks() -> dict[str, node_labels.Marks]:
+    """Every node's labels and taints, as `node_refusals` reads them: one query for any number."""
     return {
-        name: why
-        for name, labels in Node.objects.values_list("name", "labels")
-        if not node_labels.matches(labels or {}, selector)
+        name: (labels or {}, taints or {})
+        for name, labels, taints in Node.objects.values_list("name", "labels", "taints")
     }
+
+
+def node_refusals(deployment: Deployment, marks: dict[str, node_labels.Marks] | None = None) -> dict[str, str]:
+    """{node: why} of the nodes whose labels its `placement.node_selector` does not match, or
+    whose taints its `placement.tolerations` do not name (gpuportal.wire.node_labels): placement
+    neither starts nor wakes a replica of it there. `marks`: `node_marks`, read here unless the
+    caller read them (a batch reads them once for all its asks)."""
+    return node_labels.refusals(
+        node_marks() if marks is None else marks,
+        deployment.name,
+        deployment.placement_node_selector,
+        deployment.placement_tolerations,
+    )
 
 
 def gpu_contexts(gpu_ids: Iterable[int]) -> tuple[int, int]:
@@ -193,7 +200,7 @@ class Ask:
     # only when it may start a process (a wake of a sleeper starts none).
     hosts: dict[str, HostView] = field(default_factory=dict)
     host_need: int = 0
-    # The nodes its node selector does not match (`selector_refusals`), read once per ask.
+    # The nodes its node selector or its tolerations keep it off (`node_refusals`), read once per ask.
     refused: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -209,9 +216,10 @@ class Ask:
         new_ids: list[str] | None = None,
         hosts: dict[str, HostView] | None = None,
         host_need: int | None = None,
+        marks: dict[str, node_labels.Marks] | None = None,
     ) -> Ask:
-        """`hosts` and `host_need` (`host_views`, `host_need_bytes`): read here unless the caller
-        read them (a batch reads the hosts once for all its asks)."""
+        """`hosts`, `host_need` and `marks` (`host_views`, `host_need_bytes`, `node_marks`): read
+        here unless the caller read them (a batch reads the hosts and marks once for all its asks)."""
         # Placement needs an id per request even when it may only promote; those ids never get rows.
         decision = Decision(new_ids=list(new_ids) if new_ids is not None else [new_replica_id() for _ in range(count)])
         if allow_new and new_ids is None:
@@ -222,7 +230,7 @@ class Ask:
         policy: str | Policy = deployment.memory_policy
         if not evictions:
             policy = replace(POLICIES[deployment.memory_policy], evictions=False)
-        ask = cls(deployment, reason, cached, allow_new, policy, decision, refused=selector_refusals(deployment))
+        ask = cls(deployment, reason, cached, allow_new, policy, decision, refused=node_refusals(deployment, marks))
         if allow_new:
             ask.hosts = host_views() if hosts is None else hosts
             ask.host_need = host_need_bytes(deployment) if host_need is None else host_need
@@ -336,9 +344,9 @@ def placement_requests(
     refused: dict[str, str] | None = None,
 ) -> list[PlacementRequest]:
     """What placement is asked for each replica of the deployment: its need, its settings and the
-    sleeping copies it may promote instead. `refused`: `selector_refusals`, read here unless the
+    sleeping copies it may promote instead. `refused`: `node_refusals`, read here unless the
     caller read them."""
-    refused = selector_refusals(deployment) if refused is None else refused
+    refused = node_refusals(deployment) if refused is None else refused
     return [
         PlacementRequest(
             deployment=deployment.name,
@@ -381,20 +389,21 @@ def retire_parked(deployment: Deployment, count: int, *, reason: str) -> int:
 def retire_replaced(deployment: Deployment, loaded: int, *, reason: str, drained_sleepers: bool) -> None:
     """What `loaded` new loads from disk replace, one each: parked replicas (they hold nothing),
     then, for a wake's loads (`drained_sleepers`), sleepers (deep ones too) on drained nodes or on
-    nodes its node selector no longer matches, oldest first. Nothing of it wakes on such a node, so
-    such a sleeper is what a wake had to load anew elsewhere; kept, it would hold its process, its
-    context and its host copy there, counted as one of the deployment's replicas, until the drain's
-    end (for ever, for the selector). Its reservation is released and its process stopped, as a
-    scale-down stops one. The caller holds the deployment row."""
+    nodes its node selector or tolerations no longer let it use (`node_refusals`), oldest first.
+    Nothing of it wakes on such a node, so such a sleeper is what a wake had to load anew
+    elsewhere; kept, it would hold its process, its context and its host copy there, counted as one
+    of the deployment's replicas, until the drain's end (for ever, for its placement). Its
+    reservation is released and its process stopped, as a scale-down stops one. The caller holds
+    the deployment row."""
     left = loaded - retire_parked(deployment, loaded, reason=f"replaced by a load from disk ({reason})")
     if left <= 0 or not drained_sleepers:
         return
     asleep = (Replica.State.SLEEPING, Replica.State.DEEP_SLEEPING)
-    unmatched = selector_refusals(deployment)
+    refused = node_refusals(deployment)
     stranded = list(
         # Plain replicas: a failover pair's members stay and go as a pair (failover.py).
         deployment.replicas.filter(state__in=asleep, lease__isnull=True)
-        .filter(Q(node__status=Node.Status.DRAINING) | Q(node__name__in=list(unmatched)))
+        .filter(Q(node__status=Node.Status.DRAINING) | Q(node__name__in=list(refused)))
         .order_by("created_at")
         .values_list("id", "state", "node__name", "node__status")[:left]
     )
@@ -403,7 +412,7 @@ def retire_replaced(deployment: Deployment, loaded: int, *, reason: str, drained
     drained = sorted({node for _, _, node, status in stranded if status == Node.Status.DRAINING})
     others = sorted({node for _, _, node, status in stranded if status != Node.Status.DRAINING})
     whys = [f"its node {', '.join(drained)} is drained"] if drained else []
-    whys += [f"its node {', '.join(others)} is not matched by placement.node_selector"] if others else []
+    whys += [f"its node {node}: {refused[node]}" for node in others]
     why = f"replaced by a load from disk ({reason}): {'; '.join(whys)}"
     known = {replica_id: (state, node) for replica_id, state, node, _ in stranded}
     release_and_stop(Stop.of(deployment, list(known), reason=why, known=known))

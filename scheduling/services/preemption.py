@@ -179,8 +179,8 @@ def start(
     # A new replica's process needs host RAM too: no GPU is emptied on a node that could not
     # start it (evicting GPU occupants frees none of the host's RAM).
     host_refused = placing.host_refusals(deployment) if allow_new else {}
-    # Nodes its node selector does not match: nothing of it wakes or starts there.
-    refused = placing.selector_refusals(deployment)
+    # Nodes its node selector or tolerations keep it off: nothing of it wakes or starts there.
+    refused = placing.node_refusals(deployment)
     # Costed on the GPUs as they will be once their sleepers sleep deeply (they are told to at
     # once, below): a GPU whose sleepers hold the room costs no one's preemption.
     deepened = fairness.as_if_deep_asleep(snap, keep={c.replica_id for c in cached})

@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire import states
+from gpuportal.wire import node_labels, states
 from gpuportal.wire.states import AWAKE, GONE
 from scheduling import hot_sql, ledger, locks
 from scheduling.core.host_memory import HostView
@@ -174,6 +174,7 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
         # read with them stays true until the commit.
         read = _locking([intent.name for intent in intents])
         hosts: dict[str, HostView] | None = None
+        marks: dict[str, node_labels.Marks] | None = None
         for intent in intents:
             if intent.name not in read:
                 outcomes.append(not_found.deployment(intent.name))
@@ -189,8 +190,9 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
                 continue
             scaling = _Scaling(intent, deployment, census, before=deployment.replicas_wanted)
             if hosts is None and intent.wake and intent.replicas > len(census.awake):
-                hosts = placing.host_views()  # read once for the batch: its asks share the hosts
-            _plan_intent(scaling, hosts or {})
+                # Read once for the batch: its asks share the hosts and the nodes' labels and taints.
+                hosts, marks = placing.host_views(), placing.node_marks()
+            _plan_intent(scaling, hosts or {}, marks or {})
             outcomes.append(scaling)
         scalings = [o for o in outcomes if isinstance(o, _Scaling)]
         _commit(scalings)
@@ -211,7 +213,7 @@ def _locking(names: list[str]) -> dict[str, tuple[Deployment, _Census]]:
     return {d.name: (d, _Census.of(by_id[d.pk])) for d in deployments}
 
 
-def _plan_intent(scaling: _Scaling, hosts: dict[str, HostView]) -> None:
+def _plan_intent(scaling: _Scaling, hosts: dict[str, HostView], marks: dict[str, node_labels.Marks]) -> None:
     deployment, census, wanted = scaling.deployment, scaling.census, scaling.intent.replicas
     awake = census.awake
     if wanted > len(awake) and scaling.intent.wake:
@@ -222,6 +224,7 @@ def _plan_intent(scaling: _Scaling, hosts: dict[str, HostView]) -> None:
             cached=census.cached,
             hosts=hosts,
             host_need=placing.process_need(census.host_bytes),
+            marks=marks,
         )
     elif wanted < len(awake) or (wanted == 0 and census.cached):
         stopping, why = awake[: len(awake) - wanted], scaling.why

@@ -176,8 +176,10 @@ class NodeRow:
     host_used: int = 0
     host_budget: int = 0
     host_kept: int = 0
-    # Its agent's labels, `key=value,...` (what deployments' node selectors match); "" none.
+    # Its agent's labels and taints, `key=value,...` (what deployments' node selectors match, and
+    # what their tolerations must name); "" none.
     labels: str = ""
+    taints: str = ""
 
     @property
     def drained(self) -> bool:
@@ -303,6 +305,7 @@ def context(request: HttpRequest) -> dict[str, Any]:
             host_kept=host_usage.get(n.pk, (0, 0))[1],
             host_budget=n.cpu_cache_bytes,
             labels=node_labels.text(n.labels or {}),
+            taints=node_labels.text(n.taints or {}),
         )
         for n in nodes
     }

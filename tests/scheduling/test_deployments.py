@@ -72,16 +72,17 @@ def test_replicas_pack_onto_one_gpu_unless_the_deployment_asks_to_spread(api, ti
 
     packed = api("post", "/api/deployments/", body("packed", tiny_model_dir, replicas=3))
     assert packed.status_code == 201, packed.json()
-    assert packed.json()["placement"] == {"spread": False, "node_selector": ""}
+    assert packed.json()["placement"] == {"spread": False, "node_selector": "", "tolerations": ""}
     assert len({tuple(r["gpu_ids"]) for r in packed.json()["replicas"]}) == 1, "best fit: the fullest GPU"
     api("delete", "/api/deployments/packed/")
 
     spread = api("post", "/api/deployments/", body("spread", tiny_model_dir, replicas=2, placement={"spread": True}))
     assert spread.status_code == 201, spread.json()
-    assert spread.json()["placement"] == {"spread": True, "node_selector": ""}
+    assert spread.json()["placement"] == {"spread": True, "node_selector": "", "tolerations": ""}
     assert len({tuple(r["gpu_ids"]) for r in spread.json()["replicas"]}) == 2, "one replica per GPU"
     changed = api("patch", "/api/deployments/spread/", {"placement": {"spread": False}})
-    assert changed.status_code == 200 and changed.json()["placement"] == {"spread": False, "node_selector": ""}
+    assert changed.status_code == 200
+    assert changed.json()["placement"] == {"spread": False, "node_selector": "", "tolerations": ""}
     assert Event.objects.filter(deployment="spread", reason__contains="spread True → False").exists()
 
 

@@ -1,8 +1,10 @@
-"""Node labels and a deployment's node selector: an agent declares what its host is (`--labels
-gpu=h100,zone=b`), and a deployment's `placement.node_selector` keeps its replicas, new or woken,
-on the nodes whose labels hold every pair it names (gpuportal.wire.node_labels, placement's
-`refused_nodes`). Placement is pure; the services read each node's labels; bad syntax is a 400
-naming the setting wherever it is given."""
+"""Node labels and taints, a deployment's node selector and tolerations: an agent declares what its
+host is (`--labels gpu=h100,zone=b`) and what it keeps off (`--taints team=research`); a
+deployment's `placement.node_selector` keeps its replicas, new or woken, on the nodes whose labels
+hold every pair it names, and only a deployment whose `placement.tolerations` name each of a
+node's taints is placed there (gpuportal.wire.node_labels, placement's `refused_nodes`). Placement
+is pure; the services read each node's labels and taints; bad syntax is a 400 naming the setting
+wherever it is given."""
 
 from __future__ import annotations
 
@@ -229,7 +231,8 @@ def test_a_wake_loads_anew_on_a_matching_node_and_retires_the_sleeper_its_select
     assert Replica.objects.get(pk=woken[0]).node.name == "h100"
     gone = Replica.objects.get(pk=sleeper)
     assert gone.state in (Replica.State.STOPPING, Replica.State.STOPPED)
-    assert Event.objects.filter(replica=sleeper, reason__contains="not matched by placement.node_selector").exists()
+    why = "its node a10: its labels do not match chat's placement.node_selector gpu=h100"
+    assert Event.objects.filter(replica=sleeper, reason__contains=why).exists()
     assert invariant_holds()
 
 
@@ -262,6 +265,24 @@ def test_waking_one_sleeper_on_a_node_its_selector_no_longer_matches_is_refused_
 
     assert "placement.node_selector gpu=h100" in str(refused.value.reasons)
     assert Replica.objects.get(pk=sleeper).state == Replica.State.SLEEPING
+
+
+def test_a_tainted_node_takes_only_the_deployments_that_tolerate_each_of_its_taints(db, dispatched):
+    # Each node has room for three replicas of 300 MiB.
+    taints = {"team": "research", "gpu": "h100"}
+    register_node("reserved", virtual_gpus("reserved", "1x1GiB", NO_OVERHEAD), virtual=True, taints=taints)
+    register_node("shared", virtual_gpus("shared", "1x1GiB", NO_OVERHEAD), virtual=True)
+
+    deploy("anyone", replicas=3)
+    assert nodes_of("anyone") == ["shared"] * 3, "untainted nodes only, though the tainted one has room"
+    with pytest.raises(CannotPlace) as half:
+        deploy("half", tolerations="team=research")
+    assert half.value.reasons["reserved"] == "its taint gpu=h100 is not in half's placement.tolerations"
+    assert not Deployment.objects.filter(name="half").exists()
+
+    deploy("theirs", replicas=2, tolerations="team=research,gpu=h100")
+    assert nodes_of("theirs") == ["reserved"] * 2
+    assert invariant_holds()
 
 
 # -- the node's side ---------------------------------------------------------------------------------
@@ -310,6 +331,10 @@ def test_an_agent_declares_its_labels_at_registration_and_a_change_of_them_is_an
     assert Node.objects.get(name="edge").labels == gpus, "only what its GPUs say"
     assert Event.objects.filter(node="edge").latest("pk").reason.endswith(f"→ {node_labels.text(gpus)}")
 
+    register_node("edge", devices, virtual=True, taints={"team": "research"})
+    assert Node.objects.get(name="edge").taints == {"team": "research"}
+    assert Event.objects.filter(node="edge").latest("pk").reason.endswith("; taints none → team=research")
+
 
 @pytest.mark.parametrize(
     ("given", "env", "declared"),
@@ -319,13 +344,14 @@ def test_an_agent_declares_its_labels_at_registration_and_a_change_of_them_is_an
         pytest.param(None, "", None, id="none: not sent"),
     ],
 )
-def test_an_agent_registers_with_the_labels_it_was_given_else_those_of_its_environment(
+def test_an_agent_registers_with_the_labels_and_taints_it_was_given_else_those_of_its_environment(
     tmp_path, settings, monkeypatch, given, env, declared
 ):
-    from inference.agent import LABELS_ENV, NodeAgent
+    from inference.agent import LABELS_ENV, TAINTS_ENV, NodeAgent
 
     settings.GPUPORTAL_DATA_DIR = str(tmp_path)
     monkeypatch.setenv(LABELS_ENV, env)
+    monkeypatch.delenv(TAINTS_ENV, raising=False)
     sent: list[dict] = []
 
     class Control:
@@ -334,11 +360,15 @@ def test_an_agent_registers_with_the_labels_it_was_given_else_those_of_its_envir
             return 1
 
     NodeAgent("edge", control=Control(), backend="virtual", labels=given).register()
+    monkeypatch.setenv(TAINTS_ENV, "team=research")
+    NodeAgent("edge", control=Control(), backend="virtual", labels=given).register()
+    NodeAgent("edge", control=Control(), backend="virtual", labels=given, taints={"team": "infra"}).register()
 
-    assert [details["labels"] for details in sent] == [declared]
+    assert [details["labels"] for details in sent] == [declared] * 3
+    assert [details["taints"] for details in sent] == [None, {"team": "research"}, {"team": "infra"}]
 
 
-def test_labels_travel_in_the_registration_call_and_bad_ones_are_refused_there():
+def test_labels_and_taints_travel_in_the_registration_call_and_bad_ones_are_refused_there():
     devices = virtual_gpus("edge", "1x1GiB", NO_OVERHEAD)
     fields = {"hostname": "h", "cpu_cache_bytes": 0, "virtual": True, "survivors": []}
     sent = encode_call(Call("register_node", "r", ("edge", devices), {**fields, "labels": {"gpu": "h100"}}))
@@ -347,20 +377,32 @@ def test_labels_travel_in_the_registration_call_and_bad_ones_are_refused_there()
     bad = encode_call(Call("register_node", "r", ("edge", devices), {**fields, "labels": {"gpu": "h 100"}}))
     with pytest.raises(WireError, match="'h 100' is no value for gpu"):
         decode_call(bad)
+    tainted = encode_call(Call("register_node", "r", ("edge", devices), {**fields, "taints": {"team": "x"}}))
+    assert decode_call(tainted).kwargs["taints"] == {"team": "x"}
+    badly = encode_call(Call("register_node", "r", ("edge", devices), {**fields, "taints": ["team=x"]}))
+    with pytest.raises(WireError, match="taints must map keys to values"):
+        decode_call(badly)
 
 
-def test_the_agent_command_refuses_bad_labels_before_it_starts_anything(monkeypatch):
+@pytest.mark.parametrize("flag", ["--labels", "--taints"])
+def test_the_agent_command_refuses_bad_labels_or_taints_before_it_starts_anything(monkeypatch, flag):
     monkeypatch.delenv("GPUPORTAL_NODE_LABELS", raising=False)
-    with pytest.raises(CommandError, match="--labels gpu: 'gpu' is not key=value"):
-        call_command("agent", "--node", "edge", "--labels", "gpu")
+    monkeypatch.delenv("GPUPORTAL_NODE_TAINTS", raising=False)
+    with pytest.raises(CommandError, match=f"{flag} gpu: 'gpu' is not key=value"):
+        call_command("agent", "--node", "edge", flag, "gpu")
 
 
 # -- shown ---------------------------------------------------------------------------------------------
 
 
-def test_the_api_and_the_command_line_show_each_nodes_labels(labelled, staff):
-    listed = {n["name"]: n["labels"] for n in staff.get("/api/nodes/").json()["results"]}
-    assert listed == {"a10": {**GPU_1GIB, "gpu": "a10", "zone": "b"}, "h100": {**GPU_1GIB, "gpu": "h100", "zone": "b"}}
+def test_the_api_and_the_command_line_show_each_nodes_labels_and_taints(labelled, staff):
+    register_node("lab", virtual_gpus("lab", "1x1GiB", NO_OVERHEAD), virtual=True, taints={"team": "research"})
+    listed = {n["name"]: (n["labels"], n["taints"]) for n in staff.get("/api/nodes/").json()["results"]}
+    assert listed == {
+        "a10": ({**GPU_1GIB, "gpu": "a10", "zone": "b"}, {}),
+        "h100": ({**GPU_1GIB, "gpu": "h100", "zone": "b"}, {}),
+        "lab": (GPU_1GIB, {"team": "research"}),
+    }
 
     from rich.console import Console
 
@@ -369,17 +411,21 @@ def test_the_api_and_the_command_line_show_each_nodes_labels(labelled, staff):
     shown = console.export_text()
     # Those its agent declared: what its GPUs say is the GPUS column's, and `gpus`' and the API's.
     assert "LABELS" in shown and "gpu=h100,zone=b" in shown and "nvidia.com" not in shown
+    assert "TAINTS" in shown and "team=research" in shown
     unlabelled = Console(width=200, record=True)
     unlabelled.print(nodes_table([{"name": "plain", "status": "online", "labels": GPU_1GIB}], [], []))
     assert "LABELS" not in unlabelled.export_text(), "no column where no agent declared labels"
+    assert "TAINTS" not in unlabelled.export_text()
 
 
-def test_the_dashboard_shows_each_nodes_labels_beside_its_name(labelled, admin_client):
+def test_the_dashboard_shows_each_nodes_labels_and_taints_beside_its_name(labelled, admin_client):
+    register_node("lab", virtual_gpus("lab", "1x1GiB", NO_OVERHEAD), virtual=True, taints={"team": "research"})
     page = admin_client.get(DASHBOARD).content.decode()
 
     for kind in ("h100", "a10"):
         shown = node_labels.text({**GPU_1GIB, "gpu": kind, "zone": "b"})
         assert f'<small class="gp-node-labels">{shown}</small>' in page
+    assert '<small class="gp-node-taints">tainted team=research</small>' in page
 
 
 def test_the_command_line_checks_a_selector_before_it_sends_it():

@@ -9,7 +9,7 @@ from gpuportal.celery import app
 from gpuportal.no_database.base import ENGINE as NO_DATABASE
 from gpuportal.wire import node_auth, node_labels
 from inference import load_slots
-from inference.agent import LABELS_ENV, NodeAgent
+from inference.agent import LABELS_ENV, TAINTS_ENV, NodeAgent
 from inference.devices import FOREIGN_ENV, VirtualProfile, parse_size, parse_virtual_foreign, parse_virtual_spec
 from inference.devices import virtual_gpus as declared_virtual_gpus
 from inference.gateway import RemoteControl
@@ -79,6 +79,13 @@ class Command(BaseCommand):
             "placement.node_selector keeps its replicas on the nodes whose labels hold every pair it names "
             f"(default: {LABELS_ENV}, else none).",
         )
+        parser.add_argument(
+            "--taints",
+            default=None,
+            help="What this node keeps off, key=value,... such as team=research: only deployments whose "
+            "placement.tolerations name each of them are placed here; what runs here already stays "
+            f"(default: {TAINTS_ENV}, else none).",
+        )
         parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
         parser.add_argument("--loglevel", default="INFO")
 
@@ -123,7 +130,8 @@ class Command(BaseCommand):
             except ValueError as err:
                 raise CommandError(f"--virtual-gpus {virtual_gpus}: {err}") from None
         foreign = self._virtual_foreign(node, options.get("virtual_foreign"), virtual_gpus, profile)
-        labels = self._labels(options.get("labels"))
+        labels = self._pairs("--labels", options.get("labels"), LABELS_ENV)
+        taints = self._pairs("--taints", options.get("taints"), TAINTS_ENV)
         # The agent's replica processes inherit the environment: they model the same GPU, and
         # share the node's load slots.
         os.environ.update(profile.as_env())
@@ -153,6 +161,7 @@ class Command(BaseCommand):
             profile=profile,
             virtual_foreign=foreign,
             labels=labels,
+            taints=taints,
         )
         try:
             agent.run(loglevel=loglevel)
@@ -160,10 +169,10 @@ class Command(BaseCommand):
             raise CommandError(str(err)) from None
 
     @staticmethod
-    def _labels(value: str | None) -> dict[str, str]:
-        """The host's labels, checked before anything starts."""
-        flag = "--labels" if value is not None else LABELS_ENV
-        text = value if value is not None else os.environ.get(LABELS_ENV, "")
+    def _pairs(flag: str, value: str | None, env: str) -> dict[str, str]:
+        """The host's labels or taints, checked before anything starts."""
+        flag = flag if value is not None else env
+        text = value if value is not None else os.environ.get(env, "")
         try:
             return node_labels.parse(text)
         except ValueError as err:
