@@ -79,8 +79,8 @@ def text(pairs: Mapping[str, str]) -> str:
 
 
 def canonical(selector: str) -> str:
-    """A node selector as a deployment stores it (keys sorted, spaces gone); ValueError if bad.
-    The spec's check of `placement.node_selector`."""
+    """A node selector or tolerations as a deployment stores them (keys sorted, spaces gone);
+    ValueError if bad. The spec's check of `placement.node_selector` and `placement.tolerations`."""
     return text(parse(selector))
 
 
