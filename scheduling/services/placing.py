@@ -146,21 +146,25 @@ def host_refusals(deployment: Deployment) -> dict[str, str]:
     return host_memory.refusals(host_views(), host_need_bytes(deployment))
 
 
-def node_marks() -> dict[str, node_labels.Marks]:
-    """Every node's labels and taints, as `node_refusals` reads them: one query for any number."""
-    return {
-        name: (labels or {}, taints or {})
-        for name, labels, taints in Node.objects.values_list("name", "labels", "taints")
-    }
+def node_marks(*, labels: bool) -> dict[str, node_labels.Marks]:
+    """The nodes' labels and taints, as `node_refusals` reads them: one query for any number.
+    Without `labels` (no node selector to match), only the tainted nodes, their labels unread:
+    most fleets taint none, and then this reads no row."""
+    if not labels:
+        tainted = Node.objects.exclude(taints={}).values_list("name", "taints")
+        return {name: ({}, taints) for name, taints in tainted}
+    rows = Node.objects.values_list("name", "labels", "taints")
+    return {name: (labels or {}, taints or {}) for name, labels, taints in rows}
 
 
 def node_refusals(deployment: Deployment, marks: dict[str, node_labels.Marks] | None = None) -> dict[str, str]:
     """{node: why} of the nodes whose labels its `placement.node_selector` does not match, or
     whose taints its `placement.tolerations` do not name (gpuportal.wire.node_labels): placement
     neither starts nor wakes a replica of it there. `marks`: `node_marks`, read here unless the
-    caller read them (a batch reads them once for all its asks)."""
+    caller read them (a batch reads them once for all its asks, with the labels where any of
+    them has a node selector)."""
     return node_labels.refusals(
-        node_marks() if marks is None else marks,
+        node_marks(labels=bool(deployment.placement_node_selector)) if marks is None else marks,
         deployment.name,
         deployment.placement_node_selector,
         deployment.placement_tolerations,

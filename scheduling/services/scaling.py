@@ -191,7 +191,8 @@ def scale_together(intents: Sequence[ScaleIntent]) -> list[Deployment | Exceptio
             scaling = _Scaling(intent, deployment, census, before=deployment.replicas_wanted)
             if hosts is None and intent.wake and intent.replicas > len(census.awake):
                 # Read once for the batch: its asks share the hosts and the nodes' labels and taints.
-                hosts, marks = placing.host_views(), placing.node_marks()
+                selected = any(d.placement_node_selector for d, _ in read.values())
+                hosts, marks = placing.host_views(), placing.node_marks(labels=selected)
             _plan_intent(scaling, hosts or {}, marks or {})
             outcomes.append(scaling)
         scalings = [o for o in outcomes if isinstance(o, _Scaling)]
