@@ -8,7 +8,7 @@ stay those of the real snapshot, so the plan conflicts if any GPU it writes move
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -131,7 +131,7 @@ def place_all(
                 result,
                 ordinal=len(placements) + 1,
                 asked=len(requests),
-                ceiling=ceiling(snapshot, request.need_bytes, wanted),
+                ceiling=ceiling(snapshot, request.need_bytes, wanted, request.refused_nodes),
             )
         placements.append(result)
         if result.promoted:
@@ -183,12 +183,13 @@ def _awake(snapshot: Snapshot, deployment: str) -> set[str]:
     }
 
 
-def ceiling(snapshot: Snapshot, need_bytes: int, wanted: int) -> str:
+def ceiling(snapshot: Snapshot, need_bytes: int, wanted: int, refused: Collection[str] = ()) -> str:
     """Empty unless `wanted` replicas of `need_bytes` each could never be awake at once on the
     GPUs placement may use now, even with nothing else on them; then how many could. Said so that a
     refusal shows when no wait and no eviction will help (fewer replicas, or more GPUs, will).
+    `refused`: nodes the deployment may not use at all (its node selector, its tolerations).
     Only for replicas of one GPU each: a larger one's bound depends on how nodes group GPUs."""
-    gpus = [gpu for group in snapshot.index.usable.values() for gpu in group]
+    gpus = [gpu for node, group in snapshot.index.usable.items() if node not in refused for gpu in group]
     if not gpus or need_bytes <= 0 or need_bytes > max(gpu.total_bytes for gpu in gpus):
         return ""
     most = sum(gpu.total_bytes // need_bytes for gpu in gpus)

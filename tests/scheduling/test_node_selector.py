@@ -157,6 +157,18 @@ def test_a_deployment_places_its_replicas_only_on_nodes_its_selector_matches(lab
     assert nodes_of("big") == ["h100"] * 3 and invariant_holds()
 
 
+def test_a_scale_past_what_the_matching_nodes_could_ever_hold_says_so_counting_only_them(labelled, dispatched):
+    # Two GPUs of 1 GiB hold six replicas of 300 MiB, but the one it may use holds three.
+    deploy("big", node_selector="gpu=h100")
+
+    with pytest.raises(CannotPlace) as refused:
+        deployments.scale("big", 5)
+
+    assert "5 replicas of 300.0 MiB never fit at once: the 1 GPU(s) placement may use hold at most 3" in str(
+        refused.value
+    )
+
+
 def test_a_deploy_that_no_node_matches_is_a_409_naming_the_selector_and_creates_nothing(
     labelled, staff, dispatched, tiny_model_dir
 ):
