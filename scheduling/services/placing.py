@@ -334,7 +334,7 @@ def add_replicas(
 
     ledger.commit_with_retry(decide, apply=lambda plan: apply_placements([ask]))
     if parked:
-        retire_replaced(deployment, ask.loaded, reason=reason, drained_sleepers=wake)
+        retire_replaced(deployment, ask.loaded, reason=reason, drained_sleepers=wake, refused=ask.refused)
     return ask.decision
 
 
@@ -390,10 +390,13 @@ def retire_parked(deployment: Deployment, count: int, *, reason: str) -> int:
     return len(retired)
 
 
-def retire_replaced(deployment: Deployment, loaded: int, *, reason: str, drained_sleepers: bool) -> None:
+def retire_replaced(
+    deployment: Deployment, loaded: int, *, reason: str, drained_sleepers: bool, refused: dict[str, str]
+) -> None:
     """What `loaded` new loads from disk replace, one each: parked replicas (they hold nothing),
     then, for a wake's loads (`drained_sleepers`), sleepers (deep ones too) on drained nodes or on
-    nodes its node selector or tolerations no longer let it use (`node_refusals`), oldest first.
+    nodes its node selector or tolerations no longer let it use (`refused`: the ask's
+    `node_refusals`, read once for its placement), oldest first.
     Nothing of it wakes on such a node, so such a sleeper is what a wake had to load anew
     elsewhere; kept, it would hold its process, its context and its host copy there, counted as one
     of the deployment's replicas, until the drain's end (for ever, for its placement). Its
@@ -403,7 +406,6 @@ def retire_replaced(deployment: Deployment, loaded: int, *, reason: str, drained
     if left <= 0 or not drained_sleepers:
         return
     asleep = (Replica.State.SLEEPING, Replica.State.DEEP_SLEEPING)
-    refused = node_refusals(deployment)
     stranded = list(
         # Plain replicas: a failover pair's members stay and go as a pair (failover.py).
         deployment.replicas.filter(state__in=asleep, lease__isnull=True)

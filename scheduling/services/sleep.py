@@ -241,11 +241,13 @@ def _wait_for_draining_copy(deployment: Deployment, *, reason: str) -> list[str]
     and finds the flag, whatever the queue holds by then (the request is queued only after this)."""
     draining = list(
         deployment.replicas.filter(state=Replica.State.DRAINING, node__isnull=False)
-        # Not on a node its node selector or tolerations keep it off: it could not wake there.
-        .exclude(node__name__in=list(placing.node_refusals(deployment)))
         .order_by("pk")
         .values_list("id", "node__name", "wake_when_asleep")
     )
+    if draining:
+        # Not on a node its node selector or tolerations keep it off: it could not wake there.
+        refused = placing.node_refusals(deployment)
+        draining = [row for row in draining if row[1] not in refused]
     if not draining:
         return None
     times = reload_times(deployment)
