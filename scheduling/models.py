@@ -58,20 +58,27 @@ class Node(models.Model):
     cpu_cache_bytes = models.BigIntegerField(default=0, help_text="Host RAM available for sleeping weights.")
     host_ram_bytes = models.BigIntegerField(default=0, db_default=0, help_text="The host's RAM, as its agent reads it.")
     virtual = models.BooleanField(default=False, help_text="GPUs are simulated on the CPU (no NVIDIA GPU).")
+    # Its labels and taints in two layers: what its agent said at its last registration, and what
+    # operators set through the API (gpuportal.wire.node_labels.merged: theirs win, and outlive the
+    # agent's restarts). `labels` and `taints` are the two merged, as placement reads them.
     labels = models.JSONField(
         default=dict,
         db_default={},
         blank=True,
-        help_text="What its agent declares of the host (--labels) and its GPUs say: a deployment's "
-        "node_selector matches them.",
+        help_text="What its agent declares of the host (--labels), its GPUs say and operators set: a "
+        "deployment's node_selector matches them.",
     )
     taints = models.JSONField(
         default=dict,
         db_default={},
         blank=True,
-        help_text="What its agent keeps off it (--taints): only deployments whose tolerations name each "
-        "are placed here.",
+        help_text="What its agent (--taints) and operators keep off it: only deployments whose tolerations "
+        "name each are placed here.",
     )
+    agent_labels = models.JSONField(default=dict, db_default={}, blank=True, editable=False)
+    agent_taints = models.JSONField(default=dict, db_default={}, blank=True, editable=False)
+    operator_labels = models.JSONField(default=dict, db_default={}, blank=True, editable=False)
+    operator_taints = models.JSONField(default=dict, db_default={}, blank=True, editable=False)
     registered_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -535,6 +542,8 @@ class Event(models.Model):
         NODE_DRAINING = "node.draining"
         # An offline node forgotten by an operator (a retired host), with its GPUs.
         NODE_REMOVED = "node.removed"
+        # Its labels or taints set by an operator (the API's PATCH, `gpuportal node label`/`taint`).
+        NODE_CHANGED = "node.changed"
         # A node's credential (scheduling.services.node_credentials): issued or replaced, revoked,
         # and a call refused from a node the books still count replicas on.
         NODE_CREDENTIAL = "node.credential"

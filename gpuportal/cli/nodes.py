@@ -1,7 +1,8 @@
 """The nodes: `gpuportal nodes` lists them (status, last beat, GPU memory, what runs there),
 `gpuportal node drain NAME` takes one out of service and waits until nothing is awake there but
-what never sleeps, `node undrain` returns it, `node rm` forgets an offline one, and
-`node add`/`node revoke` issue and revoke its credential. Draining asks
+what never sleeps, `node undrain` returns it, `node rm` forgets an offline one, `node label` and
+`node taint` set its labels and taints, and `node add`/`node revoke` issue and revoke its
+credential. Draining asks
 `POST /api/nodes/NAME/drain/`; the wait polls the node's replicas."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gpuportal.cli.client import Client, CliError
 from gpuportal.cli.options import add_wait_options
 from gpuportal.cli.waiting import POLL_S, STALL_S
 from gpuportal.stackenv import write_private
-from gpuportal.wire import node_auth, states
+from gpuportal.wire import node_auth, node_labels, states
 from gpuportal.wire.states import FailoverState
 from gpuportal.wire.states import ReplicaState as S
 
@@ -172,6 +173,38 @@ def cmd_node_rm(ctx: Operator, args: argparse.Namespace) -> int:
     return 0
 
 
+# -- labels and taints ---------------------------------------------------------------------------
+
+
+def mark_changes(items: list[str], what: str) -> dict[str, str | None]:
+    """`key=value` sets, `key-` removes (as kubectl label and taint take them); CliError naming a
+    bad one before anything is sent."""
+    changes: dict[str, str | None] = {}
+    for item in items:
+        if item.endswith("-") and "=" not in item:
+            key, value = item[:-1], None
+            problem = node_labels.pair_problem(key, "any")
+        else:
+            key, equals, value = item.partition("=")
+            problem = node_labels.pair_problem(key, value) if equals else f"{item!r} is not key=value or key-"
+        if problem:
+            raise CliError(f"{what}: {problem}")
+        if key in changes and changes[key] != value:
+            raise CliError(f"{what}: {key} given twice")
+        changes[key] = value
+    return changes
+
+
+def cmd_node_mark(ctx: Operator, args: argparse.Namespace) -> int:
+    what = args.node_command + "s"  # label → labels, taint → taints
+    node = ctx.client.patch(node_path(args.name), {what: mark_changes(args.changes, what)})
+    # Its GPUs' labels (nvidia.com/gpu.*) are `GET /api/nodes/NAME/`'s to show, as in `gpuportal nodes`.
+    shown = render.declared_labels(node) if what == "labels" else node.get(what) or {}
+    own = node_labels.text(node.get(f"operator_{what}") or {}) or "none"
+    ctx.out.print(Text(f"node {args.name}: {what} {node_labels.text(shown) or 'none'} (set by operators: {own})"))
+    return 0
+
+
 # -- credentials ---------------------------------------------------------------------------------
 
 
@@ -249,6 +282,21 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     rm = actions.add_parser("rm", help="remove an offline node (a retired host) and its GPUs from the books (staff)")
     rm.add_argument("name")
     rm.set_defaults(run=cmd_node_rm)
+    for verb, example, effect in (
+        ("label", "gpu=h100 zone-", "a deployment's placement.node_selector matches them"),
+        ("taint", "team=research", "only deployments whose placement.tolerations name each are placed there"),
+    ):
+        marking = actions.add_parser(
+            verb,
+            help=f"set or remove the node's {verb}s over its agent's, as kubectl {verb} (staff)",
+            description=(
+                f"Set KEY=VALUE or remove KEY- {verb}s of a node ({effect}), over what its agent says; they outlive "
+                f"the agent's restarts. Example: gpuportal node {verb} NODE {example}"
+            ),
+        )
+        marking.add_argument("name")
+        marking.add_argument("changes", nargs="+", metavar="KEY=VALUE|KEY-")
+        marking.set_defaults(run=cmd_node_mark)
     add = actions.add_parser("add", help="issue the node's credential and print its token, once (staff)")
     add.add_argument("name", help="the node's name, as its agent's --node")
     add.add_argument(

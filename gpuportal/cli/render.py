@@ -200,12 +200,12 @@ def bytes_of(part: int | None, whole: int | None) -> str:
 def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replicas: list[dict[str, Any]]) -> Table:
     """A row per node: its status, its last beat, its GPUs' memory (reserved / total, and what
     other tenants hold), the states of the replicas on it, its host cache (used / budget), and,
-    where any node's agent declared labels or taints, those (what deployments' node selectors
-    match, and what their tolerations must name; the labels its GPUs give it, `nvidia.com/gpu.*`,
-    are the API's and `gpus`' to show)."""
+    where any node's agent or an operator declared labels or taints, those (what deployments' node
+    selectors match, and what their tolerations must name; the labels its GPUs give it,
+    `nvidia.com/gpu.*`, are the API's and `gpus`' to show)."""
     # One space between columns: a row of a fleet's node fits 80 columns (without labels).
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
-    declared = {node["name"]: _declared(node.get("labels") or {}) for node in nodes}
+    declared = {node["name"]: declared_labels(node) for node in nodes}
     labelled = any(declared.values())
     tainted = any(node.get("taints") for node in nodes)
     columns = ("NAME", "STATUS", "LAST BEAT", "GPUS", "RESERVED", "REPLICAS", "HOST CACHE")
@@ -236,8 +236,11 @@ def nodes_table(nodes: list[dict[str, Any]], gpus: list[dict[str, Any]], replica
     return table
 
 
-def _declared(labels: dict[str, str]) -> dict[str, str]:
-    return {key: value for key, value in labels.items() if key not in node_labels.GPU_KEYS}
+def declared_labels(node: dict[str, Any]) -> dict[str, str]:
+    """A node's labels but those its GPUs give it (`nvidia.com/gpu.*`), unless an operator set one."""
+    set_here = node.get("operator_labels") or {}
+    labels: dict[str, str] = node.get("labels") or {}
+    return {key: value for key, value in labels.items() if key not in node_labels.GPU_KEYS or key in set_here}
 
 
 def used_bytes(gpu: dict[str, Any]) -> int | None:

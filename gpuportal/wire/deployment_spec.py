@@ -204,15 +204,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "node_selector", "placement", "node_selector", "placement_node_selector", str, "", Update.NEXT_REPLICA,
         max_length=node_labels.MAX_TEXT, check=node_labels.canonical, rule="`key=value,...` (node labels)",
-        help="key=value,... : its replicas go only to nodes whose labels (their agents' --labels) hold "
+        help="key=value,... : its replicas go only to nodes whose labels (their agents' --labels, "
+        "`gpuportal node label`) hold "
         "every pair, as a Kubernetes nodeSelector; empty (default): any node. `gpuportal restart` moves "
         "running replicas.",
     ),
     Setting(
         "tolerations", "placement", "tolerations", "placement_tolerations", str, "", Update.NEXT_REPLICA,
-        max_length=node_labels.MAX_TEXT, check=node_labels.canonical, rule="`key=value,...` (node taints)",
-        help="key=value,... : the node taints (their agents' --taints) its replicas may go past; a node "
-        "with a taint not named here takes none of them. Empty (default): only untainted nodes.",
+        max_length=node_labels.MAX_TEXT, check=node_labels.canonical_tolerations,
+        rule="`key=value,...` (node taints; a bare key for any value)",
+        help="key=value,... : the node taints (their agents' --taints, `gpuportal node taint`) its replicas "
+        "may go past; a bare key, any value of that taint. A node with a taint not named here takes none "
+        "of them. Empty (default): only untainted nodes.",
     ),
     Setting(
         "autoscale_max_replicas", "autoscale", "max_replicas", "autoscale_max_replicas", int, 0, Update.LIVE,

@@ -4,15 +4,18 @@ GPUPORTAL_NODE_LABELS), its GPUs say what they are (`gpu_labels`, named as NVIDI
 discovery names them on Kubernetes), and a deployment's `placement.node_selector` (`gpu=h100`)
 keeps its replicas on the nodes whose labels hold every pair it names. The other way round, an
 agent's taints (`--taints team=research`, GPUPORTAL_NODE_TAINTS) keep every deployment off its node
-but those whose `placement.tolerations` name each of them (Kubernetes' NoSchedule: what runs there
-already stays). All are written `key=value,key=value`. Django-free: the agent, the CLI, the API's
-input and placement read the same rules.
+but those whose `placement.tolerations` name each of them (`key=value`, or a bare `key` for any
+value of it; Kubernetes' NoSchedule: what runs there already stays). All are written
+`key=value,key=value`. Operators set labels and taints of their own over the agent's (`changed`,
+`merged`): `gpuportal node label`/`taint`, as `kubectl label`/`taint`. Django-free: the agent, the
+CLI, the API's input and placement read the same rules.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from gpuportal.wire.memory import MiB
 from gpuportal.wire.node_reports import DeviceInfo
@@ -32,20 +35,31 @@ MAX_TEXT = 2_000
 
 def parse(text: str) -> dict[str, str]:
     """`key=value,key=value` as a mapping ("" is none); ValueError naming what is wrong."""
+    return cast(dict[str, str], _items(text, bare=False))
+
+
+def parse_tolerations(text: str) -> dict[str, str | None]:
+    """Tolerations: `key=value` tolerates that taint, a bare `key` any taint of that key
+    (Kubernetes' `operator: Exists`), None its value; ValueError naming what is wrong."""
+    return _items(text, bare=True)
+
+
+def _items(text: str, *, bare: bool) -> dict[str, str | None]:
     if len(text) > MAX_TEXT:
         raise ValueError(f"at most {MAX_TEXT} characters, got {len(text)}")
-    pairs: dict[str, str] = {}
+    pairs: dict[str, str | None] = {}
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         key, equals, value = (side.strip() for side in item.partition("="))
-        if not equals:
+        if not equals and not bare:
             raise ValueError(f"{item!r} is not key=value ({RULE})")
-        if problem := pair_problem(key, value):
+        if problem := pair_problem(key, value if equals else "any"):
             raise ValueError(problem)
-        if key in pairs and pairs[key] != value:
-            raise ValueError(f"{key} given twice ({pairs[key]} and {value})")
-        pairs[key] = value
+        given = value if equals else None
+        if key in pairs and pairs[key] != given:
+            raise ValueError(f"{key} given twice ({pairs[key] or 'any value'} and {given or 'any value'})")
+        pairs[key] = given
     if len(pairs) > MAX_PAIRS:
         raise ValueError(f"at most {MAX_PAIRS} pairs, got {len(pairs)}")
     return pairs
@@ -79,9 +93,16 @@ def text(pairs: Mapping[str, str]) -> str:
 
 
 def canonical(selector: str) -> str:
-    """A node selector or tolerations as a deployment stores them (keys sorted, spaces gone);
-    ValueError if bad. The spec's check of `placement.node_selector` and `placement.tolerations`."""
+    """A node selector as a deployment stores it (keys sorted, spaces gone); ValueError if bad.
+    The spec's check of `placement.node_selector`."""
     return text(parse(selector))
+
+
+def canonical_tolerations(tolerations: str) -> str:
+    """Tolerations as a deployment stores them (keys sorted, a bare key alone); ValueError if bad.
+    The spec's check of `placement.tolerations`."""
+    pairs = parse_tolerations(tolerations)
+    return ",".join(key if pairs[key] is None else f"{key}={pairs[key]}" for key in sorted(pairs))
 
 
 # The labels a node's GPUs give it, named as NVIDIA's GPU feature discovery labels a Kubernetes node.
@@ -113,9 +134,60 @@ def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
 
 
-def untolerated(taints: Mapping[str, str], tolerations: Mapping[str, str]) -> dict[str, str]:
-    """The taints of a node that `tolerations` do not name, pair for pair: none, and it may run there."""
-    return {key: value for key, value in taints.items() if tolerations.get(key) != value}
+def untolerated(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
+    """The taints of a node that `tolerations` do not name (pair for pair, or by a bare key for
+    any value: `parse_tolerations`): none, and it may run there."""
+    return {
+        key: value for key, value in taints.items() if not (key in tolerations and tolerations[key] in (None, value))
+    }
+
+
+def merged(agent: Mapping[str, str], operator: Mapping[str, str]) -> dict[str, str]:
+    """A node's labels (or taints): what its agent said, with what operators set over them."""
+    return {**agent, **operator}
+
+
+def diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
+    """What changed between two sets of labels (or taints), key by key: `pool=fast added`,
+    `zone=a removed`, `gpu=a10 → gpu=h100`; "none" where nothing did."""
+    parts = []
+    for key in sorted({*before, *after}):
+        old, new = before.get(key), after.get(key)
+        if old == new:
+            continue
+        if old is None:
+            parts.append(f"{key}={new} added")
+        elif new is None:
+            parts.append(f"{key}={old} removed")
+        else:
+            parts.append(f"{key}={old} → {key}={new}")
+    return ", ".join(parts) or "none"
+
+
+def changed(
+    agent: Mapping[str, str], operator: Mapping[str, str], changes: Mapping[str, str | None]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The operators' layer of a node's labels (or taints) after `changes` (a value sets its key,
+    None removes it: a JSON merge patch), and {key: why} of the changes refused. Operators may set
+    any key, their own value over the agent's too, and remove what they set; what the agent says
+    stays its own (its --labels and its GPUs' labels, its --taints), as its next registration
+    would say it again."""
+    layer, refused = dict(operator), {}
+    for key, value in changes.items():
+        if value is None:
+            if key in layer:
+                del layer[key]
+            elif key in agent:
+                refused[key] = f"{key}={agent[key]} is its agent's: start the agent without it, or set another value"
+            else:
+                refused[key] = f"it has no {key}"
+        elif problem := pair_problem(key, value):
+            refused[key] = problem
+        else:
+            layer[key] = value
+    if not refused and len(merged(agent, layer)) > MAX_PAIRS:
+        refused[next(iter(changes))] = f"at most {MAX_PAIRS}, and this makes {len(merged(agent, layer))}"
+    return layer, refused
 
 
 # A node as placement's refusals read it: its labels and its taints.
@@ -126,7 +198,7 @@ def refusals(nodes: Mapping[str, Marks], deployment: str, selector: str, tolerat
     """{node: why} of the nodes a deployment's replicas may not run on: those whose labels do not
     hold every pair of its node selector, or with a taint its tolerations do not name (both as
     a deployment stores them)."""
-    wanted, tolerated = parse(selector), parse(tolerations)
+    wanted, tolerated = parse(selector), parse_tolerations(tolerations)
     refused = {}
     for name, (labels, taints) in nodes.items():
         if not matches(labels, wanted):

@@ -97,7 +97,9 @@ NODE_SHOWN = {
         "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
         "zone": "b",
     },
-    "taints": {},
+    "taints": {"team": "research"},
+    "operator_labels": {"zone": "b"},
+    "operator_taints": {"team": "research"},
     "gpu_count": 2,
     "registered_at": AT,
 }
@@ -280,6 +282,10 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "/api/nodes/"): {"response": page(NODE_SHOWN)},
     ("get", "/api/nodes/{name}/"): {"response": NODE_SHOWN},
+    ("patch", "/api/nodes/{name}/"): {
+        "request": {"labels": {"zone": "b"}, "taints": {"team": "research"}},
+        "response": NODE_SHOWN,
+    },
     ("delete", "/api/nodes/{name}/"): {"parameter": "node1"},
     ("post", "/api/nodes/{name}/drain/"): {"response": {**NODE_SHOWN, "status": "draining"}},
     ("post", "/api/nodes/{name}/undrain/"): {"response": NODE_SHOWN},

@@ -11,7 +11,7 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
-from gpuportal.wire import deployment_spec
+from gpuportal.wire import deployment_spec, node_labels
 from gpuportal.wire.deployment_spec import Setting, Update
 from scheduling.services.deployments import DeploymentSpec
 
@@ -213,6 +213,27 @@ class DeploymentPatch(StrictSerializer):
             if setting.key in given:
                 changes[setting.name] = given[setting.key]
         return changes
+
+
+class MarkChanges(serializers.JSONField):
+    """A node's labels or taints to change, as a JSON merge patch: a value sets its key, null
+    removes it (gpuportal.wire.node_labels.changed checks each key and value)."""
+
+    def to_internal_value(self, data: Any) -> dict[str, str | None]:
+        data = super().to_internal_value(data)
+        if not isinstance(data, dict):
+            raise serializers.ValidationError('must map keys to values (null removes one): {"zone": "b", "gpu": null}')
+        if len(data) > node_labels.MAX_PAIRS:
+            raise serializers.ValidationError(f"at most {node_labels.MAX_PAIRS} changes at once, got {len(data)}")
+        for key, value in data.items():
+            if value is not None and not isinstance(value, str):
+                raise serializers.ValidationError({key: ["must be a string, or null to remove it"]})
+        return data
+
+
+class NodePatch(StrictSerializer):
+    labels = MarkChanges(required=False, help_text='Labels to set, null to remove one: {"gpu": "h100", "zone": null}.')
+    taints = MarkChanges(required=False, help_text='Taints to set, null to remove one: {"team": "research"}.')
 
 
 class ScaleInput(StrictSerializer):

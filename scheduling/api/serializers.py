@@ -66,14 +66,27 @@ class NodeSerializer(serializers.ModelSerializer):
     labels = serializers.DictField(
         child=serializers.CharField(),
         read_only=True,
-        help_text="What its agent declares of the host (--labels, GPUPORTAL_NODE_LABELS): a deployment's "
+        help_text="What its agent declares of the host (--labels, GPUPORTAL_NODE_LABELS), its GPUs say "
+        "(nvidia.com/gpu.*) and operators set (operator_labels, over the others): a deployment's "
         "placement.node_selector places its replicas only on nodes whose labels hold every pair it names.",
     )
     taints = serializers.DictField(
         child=serializers.CharField(),
         read_only=True,
-        help_text="What its agent keeps off it (--taints, GPUPORTAL_NODE_TAINTS): only deployments whose "
-        "placement.tolerations name each of them are placed here.",
+        help_text="What its agent (--taints, GPUPORTAL_NODE_TAINTS) and operators (operator_taints) keep "
+        "off it: only deployments whose placement.tolerations name each of them are placed here.",
+    )
+    operator_labels = serializers.DictField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="Of its labels, those operators set (PATCH, `gpuportal node label`): kept across its "
+        "agent's restarts.",
+    )
+    operator_taints = serializers.DictField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="Of its taints, those operators set (PATCH, `gpuportal node taint`): kept across its "
+        "agent's restarts.",
     )
 
     class Meta:
@@ -93,6 +106,8 @@ class NodeSerializer(serializers.ModelSerializer):
             "virtual",
             "labels",
             "taints",
+            "operator_labels",
+            "operator_taints",
             "gpu_count",
             "registered_at",
         ]

@@ -22,7 +22,7 @@ from scheduling.models import Deployment, Replica
 from scheduling.services import deep_sleep as deep_sleep_services
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
-from scheduling.services import node_credentials, not_found, rollouts
+from scheduling.services import node_credentials, node_marks, not_found, rollouts
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
@@ -71,6 +71,25 @@ class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def destroy(self, request: Request, name: str) -> Response:
         node_services.remove(name, by=request.user.get_username())
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(
+        summary="Set or remove a node's labels and taints (null removes one), over what its agent says, as "
+        "kubectl label and kubectl taint do",
+        request=inputs.NodePatch,
+        responses={
+            200: s.NodeSerializer,
+            400: OpenApiResponse(
+                description="A bad key or value, one its agent says (its --labels, --taints or its GPUs'), or one "
+                "it does not have, named as labels.KEY. Nothing changed."
+            ),
+            404: OpenApiResponse(description="No such node."),
+        },
+    )
+    def partial_update(self, request: Request, name: str) -> Response:
+        data = inputs.NodePatch(data=request.data)
+        data.is_valid(raise_exception=True)
+        node_marks.change(name, **data.validated_data, by=request.user.get_username())
+        return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
 
     @extend_schema(
         request=None,

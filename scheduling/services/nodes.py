@@ -61,7 +61,8 @@ def register_node(
     `labels`: what its agent declares of the host (gpuportal.wire.node_labels), beside what its
     GPUs say (`node_labels.gpu_labels`: their product, count and memory), replacing those it had:
     a registration without them declares none of its own. `taints`: what it keeps off the node
-    (only deployments that tolerate each are placed there), replacing those it had.
+    (only deployments that tolerate each are placed there), replacing those it had. Those operators
+    set (`scheduling.services.node_marks`) stay, over the agent's.
 
     `survivors` are the replica processes the node's previous agent left running, which the new
     one took over: those whose books agree with what they say are kept (scheduling.core.adoption);
@@ -80,8 +81,11 @@ def register_node(
         }
         previous_status = node.status
         node.hostname, node.cpu_cache_bytes, node.virtual = hostname, cpu_cache_bytes, virtual
-        node.labels = {**node_labels.gpu_labels(devices), **(labels or {})}
-        node.taints = dict(taints or {})
+        node.agent_labels = {**node_labels.gpu_labels(devices), **(labels or {})}
+        node.agent_taints = dict(taints or {})
+        # What operators set (`node_marks.change`) outlives the agent's restarts, over what it says.
+        node.labels = node_labels.merged(node.agent_labels, node.operator_labels)
+        node.taints = node_labels.merged(node.agent_taints, node.operator_taints)
         node.host_ram_bytes = host_ram_bytes
         node.status, node.last_heartbeat = Node.Status.ONLINE, now
         node.save()
@@ -107,8 +111,7 @@ def register_node(
             relabelled = ""
             for what in ("labels", "taints"):
                 if getattr(node, what) != before[what]:
-                    old, new = (node_labels.text(pairs) or "none" for pairs in (before[what], getattr(node, what)))
-                    relabelled += f"; {what} {old} → {new}"
+                    relabelled += f"; {what} {node_labels.diff(before[what], getattr(node, what))}"
             outbox.note(
                 Event.Kind.NODE_ONLINE,
                 f"node {name}",

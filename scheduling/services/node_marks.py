@@ -1,0 +1,75 @@
+"""Labels and taints an operator sets on a node (`PATCH /api/nodes/NAME/`, `gpuportal node label`
+and `gpuportal node taint`), as `kubectl label` and `kubectl taint` set them on a Kubernetes node:
+over what its agent says, and kept across the agent's restarts (gpuportal.wire.node_labels.changed).
+A taint keeps new replicas off (NoSchedule): what runs there stays, as a changed label leaves a
+replica whose deployment's node selector no longer matches where it is until a restart moves it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from django.db import transaction
+
+from gpuportal.wire import node_labels
+from scheduling import locks
+from scheduling.models import Event, Node
+from scheduling.services import outbox
+from scheduling.services.errors import InvalidInput
+from scheduling.services.nodes import reconcile_later
+
+MARKS = ("labels", "taints")
+
+
+def change(
+    name: str,
+    *,
+    labels: Mapping[str, str | None] | None = None,
+    taints: Mapping[str, str | None] | None = None,
+    by: str,
+) -> Node:
+    """Set (a value) or remove (None) the operators' labels and taints of a node, all or none:
+    InvalidInput naming the first refused (`labels.zone`: a bad key or value, one its agent says,
+    one it does not have) and nothing changed; NotFound for no such node. An Event says what
+    changed, and the reconciler places what may now go there."""
+    asked = {"labels": labels, "taints": taints}
+    with transaction.atomic():
+        # Under the node's row lock, which its agent's registration takes to write its own layer:
+        # neither write loses the other's.
+        node = locks.lock_node(name)
+        before = {what: getattr(node, what) for what in MARKS}
+        changed: list[str] = []
+        for what in MARKS:
+            if asked[what] is None:
+                continue
+            agent, operator = getattr(node, f"agent_{what}"), getattr(node, f"operator_{what}")
+            layer, refused = node_labels.changed(agent, operator, asked[what])  # type: ignore[arg-type]
+            if refused:
+                key, why = next(iter(refused.items()))
+                raise InvalidInput(f"{what}.{key}", f"node {name}: {why}")
+            if layer != operator:
+                setattr(node, f"operator_{what}", layer)
+                setattr(node, what, node_labels.merged(agent, layer))
+                changed.append(what)
+        if not changed:
+            return node
+        node.save(update_fields=[field for what in changed for field in (what, f"operator_{what}")])
+        outbox.note(
+            Event.Kind.NODE_CHANGED,
+            f"node {name}",
+            f"{by} set its {' and '.join(changed)}: "
+            + "; ".join(_what_changed(what, before[what], node) for what in changed),
+            before={what: before[what] for what in changed},
+            after={what: getattr(node, what) for what in changed},
+            node=name,
+        )
+        # A label added or a taint lifted may let a deployment place what it lacks there.
+        reconcile_later(f"node {name}'s {' and '.join(changed)} changed")
+    return node
+
+
+def _what_changed(what: str, before: Mapping[str, str], node: Node) -> str:
+    after = getattr(node, what)
+    if after == before:
+        mine = node_labels.text(getattr(node, f"operator_{what}")) or "none"
+        return f"{what} as they were, set by operators now: {mine}"
+    return f"{what} {node_labels.diff(before, after)}"
