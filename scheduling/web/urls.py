@@ -21,6 +21,7 @@ def urls() -> list:
         path("deployments/<slug:name>/delete/", controls.delete, name="scheduling_dashboard_delete"),
         path("deployments/<slug:name>/switchover/", controls.switchover, name="scheduling_dashboard_switchover"),
         path("deployments/<slug:name>/restart/", controls.restart, name="scheduling_dashboard_restart"),
-        path("nodes/<slug:name>/drain/", controls.drain, name="scheduling_dashboard_drain"),
-        path("nodes/<slug:name>/undrain/", controls.undrain, name="scheduling_dashboard_undrain"),
+        # A node's name may hold dots (a host's, `ip-10-0-1-2.ec2.internal`), which a slug does not.
+        path("nodes/<str:name>/drain/", controls.drain, name="scheduling_dashboard_drain"),
+        path("nodes/<str:name>/undrain/", controls.undrain, name="scheduling_dashboard_undrain"),
     ]

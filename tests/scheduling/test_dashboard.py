@@ -10,10 +10,13 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from inference.devices import virtual_gpus
 from scheduling.models import Deployment, DeploymentObserved, Event, FailoverLease, Node, Replica
 from scheduling.services import reports
+from scheduling.services.nodes import register_node
 from tests.support import factories as f
 from tests.support.deployments import deploy
+from tests.support.factories import NO_OVERHEAD
 
 pytestmark = pytest.mark.django_db
 
@@ -436,6 +439,19 @@ def test_drain_and_return_to_service(cluster, admin_client, dispatched) -> None:
 
     assert Node.objects.get(name=node).status == "online"
     assert Event.objects.filter(node=node, kind="node.online", reason__contains="(dashboard)").exists()
+
+
+def test_a_node_named_as_a_cloud_names_its_hosts_is_shown_and_drained(admin_client, dispatched) -> None:
+    # EKS names a node by its host: dots, which the dashboard's links once refused (a 500 for all).
+    name = "ip-10-0-1-2.ec2.internal"
+    register_node(name, virtual_gpus(name, "1x1GiB", NO_OVERHEAD), virtual=True)
+    page = admin_client.get(DASHBOARD)
+    assert page.status_code == 200 and f'data-node="{name}"' in page.content.decode()
+
+    admin_client.post(control("drain", name), {"confirm": "yes"})
+    assert Node.objects.get(name=name).status == "draining"
+    admin_client.post(control("undrain", name))
+    assert Node.objects.get(name=name).status == "online"
 
 
 CONTROLS = [
