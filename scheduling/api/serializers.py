@@ -11,7 +11,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
-from gpuportal.wire import deployment_spec
+from gpuportal.wire import deployment_spec, node_auth
 from gpuportal.wire.deployment_spec import Setting
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import selectors
@@ -523,7 +523,8 @@ class EventFilterSerializer(serializers.Serializer):
     )
     deployment = serializers.CharField(required=False, allow_blank=True)
     gpu = serializers.RegexField(
-        r"^[A-Za-z0-9_-]{1,100}/[0-9]{1,4}$",
+        # Any node's name, dots included (a host's: `ip-10-0-1-2.ec2.internal/0`).
+        rf"^{node_auth.NODE_NAME.pattern}/[0-9]{{1,4}}$",
         required=False,
         help_text='GPU as recorded, NODE/INDEX, e.g. "node1/0".',
         error_messages={"invalid": 'expected NODE/INDEX as events record a GPU, e.g. "node1/0"'},

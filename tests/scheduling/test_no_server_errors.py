@@ -11,10 +11,13 @@ from django.contrib.auth.models import User
 from django.db import connection
 from rest_framework.test import APIClient
 
+from inference.devices import virtual_gpus
 from scheduling.api import views
 from scheduling.models import Deployment, Event, Replica
 from scheduling.services import deployments, reports
+from scheduling.services.nodes import register_node
 from tests.support.deployments import body
+from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import wait_until
 
 MiB = 1024**2
@@ -113,6 +116,15 @@ def test_an_events_filter_that_names_no_gpu_is_a_400_naming_the_parameter(staff,
     assert response.status_code == 400
     assert response.json() == {"gpu": ['expected NODE/INDEX as events record a GPU, e.g. "node1/0"']}
     assert staff.get("/api/events/", {"gpu": "node1/0"}).status_code == 200
+
+
+def test_an_events_filter_names_the_gpu_of_a_node_whose_name_holds_dots(staff, dispatched):
+    name = "ip-10-0-1-2.ec2.internal"  # as EKS names a node
+    register_node(name, virtual_gpus(name, "2x1GiB", NO_OVERHEAD), virtual=True)
+
+    response = staff.get("/api/events/", {"gpu": f"{name}/1"})
+    assert response.status_code == 200, response.json()
+    assert [(e["kind"], e["gpu"]) for e in response.json()["results"]] == [("gpu.registered", f"{name}/1")]
 
 
 @pytest.mark.django_db(transaction=True)
