@@ -26,11 +26,13 @@ def change(
     labels: Mapping[str, str | None] | None = None,
     taints: Mapping[str, str | None] | None = None,
     by: str,
+    whole: bool = False,
 ) -> Node:
     """Set (a value) or remove (None) the operators' labels and taints of a node, all or none:
     InvalidInput naming the first refused (`labels.zone`: a bad key or value, one its agent says,
-    one it does not have) and nothing changed; NotFound for no such node. An Event says what
-    changed, and the reconciler places what may now go there."""
+    one it does not have) and nothing changed; NotFound for no such node. With `whole`, what is
+    given is all the operators' labels (or taints): those it leaves out are removed. An Event
+    says what changed, and the reconciler places what may now go there."""
     asked = {"labels": labels, "taints": taints}
     with transaction.atomic():
         # Under the node's row lock, which its agent's registration takes to write its own layer:
@@ -42,7 +44,12 @@ def change(
             if asked[what] is None:
                 continue
             agent, operator = getattr(node, f"agent_{what}"), getattr(node, f"operator_{what}")
-            layer, refused = node_labels.changed(agent, operator, asked[what])  # type: ignore[arg-type]
+            changes: Mapping[str, str | None] = asked[what]  # type: ignore[assignment]
+            if whole:
+                # Read under the lock: what another operator set meanwhile is removed only if the
+                # form that leaves it out is the later write.
+                changes = {**dict.fromkeys(set(operator) - set(changes)), **changes}
+            layer, refused = node_labels.changed(agent, operator, changes)
             if refused:
                 key, why = next(iter(refused.items()))
                 raise InvalidInput(f"{what}.{key}", f"node {name}: {why}")

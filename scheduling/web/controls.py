@@ -15,16 +15,16 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from gpuportal.wire import deployment_spec
+from gpuportal.wire import deployment_spec, node_labels
 from scheduling.api.inputs import DeploymentInput
 from scheduling.models import Deployment
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
+from scheduling.services import node_marks, rollouts
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
-from scheduling.services import rollouts
 from scheduling.services import sleep as sleep_services
-from scheduling.services.errors import ServiceError
+from scheduling.services.errors import InvalidInput, ServiceError
 from scheduling.web.dashboard import render_page, staff_only
 
 
@@ -144,6 +144,26 @@ def undrain(request: HttpRequest, name: str) -> HttpResponse:
     def act() -> str:
         node_services.undrain(name, reason=f"returned to service by {_who(request)}")
         return f"node {name}: back in service"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def marks(request: HttpRequest, name: str) -> HttpResponse:
+    """The labels and taints operators set on a node, as its form lists them: those it leaves out
+    are removed (the agent's own stay)."""
+
+    def act() -> str:
+        wanted = {}
+        for what in node_marks.MARKS:
+            try:
+                wanted[what] = node_labels.parse(request.POST.get(what, ""))
+            except ValueError as err:
+                raise InvalidInput(what, str(err)) from None
+        node = node_marks.change(name, **wanted, by=_who(request), whole=True)
+        shown = (f"{what} {node_labels.text(getattr(node, what)) or 'none'}" for what in node_marks.MARKS)
+        return f"node {name}: " + ", ".join(shown)
 
     return _run(request, act)
 

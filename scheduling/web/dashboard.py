@@ -176,10 +176,12 @@ class NodeRow:
     host_used: int = 0
     host_budget: int = 0
     host_kept: int = 0
-    # Its agent's labels and taints, `key=value,...` (what deployments' node selectors match, and
-    # what their tolerations must name); "" none.
+    # Its labels and taints, `key=value,...` (what deployments' node selectors match, and what
+    # their tolerations must name), and of them those operators set (its form's); "" none.
     labels: str = ""
     taints: str = ""
+    operator_labels: str = ""
+    operator_taints: str = ""
 
     @property
     def drained(self) -> bool:
@@ -306,6 +308,8 @@ def context(request: HttpRequest) -> dict[str, Any]:
             host_budget=n.cpu_cache_bytes,
             labels=node_labels.text(n.labels or {}),
             taints=node_labels.text(n.taints or {}),
+            operator_labels=node_labels.text(n.operator_labels or {}),
+            operator_taints=node_labels.text(n.operator_taints or {}),
         )
         for n in nodes
     }

@@ -24,4 +24,5 @@ def urls() -> list:
         # A node's name may hold dots (a host's, `ip-10-0-1-2.ec2.internal`), which a slug does not.
         path("nodes/<str:name>/drain/", controls.drain, name="scheduling_dashboard_drain"),
         path("nodes/<str:name>/undrain/", controls.undrain, name="scheduling_dashboard_undrain"),
+        path("nodes/<str:name>/marks/", controls.marks, name="scheduling_dashboard_marks"),
     ]

@@ -454,6 +454,28 @@ def test_a_node_named_as_a_cloud_names_its_hosts_is_shown_and_drained(admin_clie
     assert Node.objects.get(name=name).status == "online"
 
 
+def test_a_nodes_labels_and_taints_are_set_from_its_form_through_the_service(cluster, admin_client, dispatched):
+    register_node("node1", virtual_gpus("node1", "2x1GiB", NO_OVERHEAD), virtual=True, labels={"zone": "a"})
+    response = admin_client.post(control("marks", "node1"), {"labels": "pool=fast, zone=c", "taints": "team=research"})
+
+    node = Node.objects.get(name="node1")
+    assert (node.operator_labels, node.operator_taints) == ({"pool": "fast", "zone": "c"}, {"team": "research"})
+    (event,) = Event.objects.filter(kind="node.changed")
+    assert event.reason.startswith("admin (dashboard) set its labels and taints: labels pool=fast added, zone=a → ")
+    assert any(m.startswith("node node1: labels nvidia.com/gpu.count=2,") for m in outcome(response))
+    page = admin_client.get(DASHBOARD).content.decode()
+    assert 'name="labels" value="pool=fast,zone=c"' in page and 'name="taints" value="team=research"' in page
+
+    # What the form leaves out, operators set no more: the agent's own shows again.
+    admin_client.post(control("marks", "node1"), {"labels": "pool=fast", "taints": ""})
+    node = Node.objects.get(name="node1")
+    assert (node.operator_labels, node.operator_taints, node.labels["zone"]) == ({"pool": "fast"}, {}, "a")
+
+    refused = admin_client.post(control("marks", "node1"), {"labels": "pool", "taints": ""})
+    assert any(m.startswith("Refused: labels: 'pool' is not key=value") for m in outcome(refused))
+    assert Node.objects.get(name="node1").operator_labels == {"pool": "fast"}
+
+
 CONTROLS = [
     ("replica", "abc", "sleep"),
     ("replica", "abc", "wake"),
@@ -463,6 +485,7 @@ CONTROLS = [
     ("restart", "tiny-a"),
     ("drain", "node1"),
     ("undrain", "node1"),
+    ("marks", "node1"),
 ]
 
 
