@@ -374,6 +374,10 @@ class DeploymentObserved(models.Model):
         null=True, blank=True, help_text="A rolling restart replaces the replicas started before this."
     )
     restart_surge = models.CharField(max_length=32, blank=True, default="", db_default="")
+    # A move (a drain that moves what serves on its node elsewhere): the restart replaces these
+    # replicas alone (their ids, a space between two), never stopping one before its replacement
+    # serves; "" for a whole restart. Text, not JSON: hot_sql builds this record from a raw row.
+    restart_only = models.TextField(blank=True, default="", db_default="")
 
     class Meta:
         verbose_name = verbose_name_plural = "measured and decided"

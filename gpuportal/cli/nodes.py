@@ -101,12 +101,14 @@ def wait_until_drained(
     *,
     console: Console,
     timeout_s: float,
+    moving: bool = False,
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> Drained:
     """Poll the node's replicas until none is awake but the pairs' active members; each change of
     a replica's state is a line. CliError when some stay serving with nothing on its way (they
-    were not put to sleep) or the wait runs out."""
+    were not put to sleep; with `moving`, nor is their deployment's move under way) or the wait
+    runs out."""
     began = clock()
     stalled_since: float | None = None
     seen: dict[str, str] = {}
@@ -124,10 +126,12 @@ def wait_until_drained(
                 return where
             status.update(f"draining node {name}: {render.state_counts(where.awake)}")
             now = clock()
-            stalled_since = None if where.moving else (stalled_since if stalled_since is not None else now)
+            on_its_way = where.moving or (moving and _moves_under_way(client, where.awake))
+            stalled_since = None if on_its_way else (stalled_since if stalled_since is not None else now)
             if stalled_since is not None and now - stalled_since >= STALL_S:
                 raise CliError(
-                    f"node {name}: {render.state_counts(where.awake)} that do not go to sleep: "
+                    f"node {name}: {render.state_counts(where.awake)} that do not "
+                    f"{'move or ' if moving else ''}go to sleep: "
                     f"see `gpuportal events -n {name}`"
                 )
             if now - began >= timeout_s:
@@ -138,13 +142,20 @@ def wait_until_drained(
             pause(POLL_S)
 
 
+def _moves_under_way(client: Client, awake: list[dict[str, Any]]) -> bool:
+    """Whether a deployment of these replicas is moving them (its rolling restart under way)."""
+    names = sorted({r["deployment"] for r in awake if r.get("deployment")})
+    return any(client.get(f"/api/deployments/{quote(name, safe='')}/").get("rollout") for name in names)
+
+
 def cmd_node_drain(ctx: Operator, args: argparse.Namespace) -> int:
-    ctx.client.post(node_path(args.name, "drain"))
+    ctx.client.post(node_path(args.name, "drain"), {"move": True} if args.move else None)
     if args.no_wait:
-        ctx.out.print(Text(f"node {args.name} draining: nothing new lands there, and what serves there goes to sleep"))
+        what = "moves to other nodes" if args.move else "goes to sleep"
+        ctx.out.print(Text(f"node {args.name} draining: nothing new lands there, and what serves there {what}"))
         return 0
     began = time.monotonic()
-    where = wait_until_drained(ctx.client, args.name, console=ctx.out, timeout_s=args.timeout)
+    where = wait_until_drained(ctx.client, args.name, console=ctx.out, timeout_s=args.timeout, moving=args.move)
     drained_after = f"node {args.name} drained after {time.monotonic() - began:.1f} s"
     if not where.kept:
         ctx.out.print(Text(f"{drained_after}: nothing awake there"))
@@ -274,6 +285,12 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "drain", help="take the node out of service: nothing new lands there, what serves there goes to sleep (staff)"
     )
     drain.add_argument("name")
+    drain.add_argument(
+        "--move",
+        action="store_true",
+        help="move what serves there to other nodes, each replaced before it stops (as kubectl drain), rather than "
+        "put it to sleep there",
+    )
     add_wait_options(drain, "nothing is awake there")
     drain.set_defaults(run=cmd_node_drain)
     undrain = actions.add_parser("undrain", help="return a drained node to service (staff)")

@@ -287,7 +287,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "response": NODE_SHOWN,
     },
     ("delete", "/api/nodes/{name}/"): {"parameter": "node1"},
-    ("post", "/api/nodes/{name}/drain/"): {"response": {**NODE_SHOWN, "status": "draining"}},
+    ("post", "/api/nodes/{name}/drain/"): {"request": {"move": True}, "response": {**NODE_SHOWN, "status": "draining"}},
     ("post", "/api/nodes/{name}/undrain/"): {"response": NODE_SHOWN},
     ("post", "/api/nodes/{name}/credential/"): {
         "response": {"node": "node1", "token": "gpn_Xq3v0mJc2kU9yR1tB8dLwA4sHfN6pE7gZo5iYbTcVuQ"}

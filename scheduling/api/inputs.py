@@ -236,5 +236,14 @@ class NodePatch(StrictSerializer):
     taints = MarkChanges(required=False, help_text='Taints to set, null to remove one: {"team": "research"}.')
 
 
+class DrainInput(StrictSerializer):
+    move = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="Move what serves there to other nodes, each replaced before it stops (as Kubernetes' drain), "
+        "rather than put it to sleep there.",
+    )
+
+
 class ScaleInput(StrictSerializer):
     replicas = ReplicaCountField()

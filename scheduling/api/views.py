@@ -92,16 +92,19 @@ class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
 
     @extend_schema(
-        request=None,
+        request=inputs.DrainInput,
         responses={
             200: s.NodeSerializer,
+            400: OpenApiResponse(description="A bad body."),
             404: OpenApiResponse(description="No such node."),
             409: OpenApiResponse(description="The node is offline."),
         },
     )
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, name: str) -> Response:
-        node_services.drain(name)
+        data = inputs.DrainInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        node_services.drain(name, move=data.validated_data["move"])
         return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
 
     @extend_schema(

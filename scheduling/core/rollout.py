@@ -4,7 +4,8 @@ ORM), so hypothesis can test it and the simulator could reuse it.
 A restart replaces every replica that was started before it was asked for (`since`), so that
 settings which apply to replicas placed from now on (`memory.max_tokens`, `memory.override_bytes`,
 `placement.spread`) reach all of them, and each process starts afresh, as Kubernetes' `rollout
-restart` does. One replica at a time, and serving goes on throughout:
+restart` does; or, for a move (`only`: a drained node's replicas), those alone. One replica at a
+time, and serving goes on throughout:
 
 - an awake replica is replaced by a surge: one more replica is placed beside the old ones (the
   deployment's `replicas` unchanged), and only once it serves is the oldest outdated replica
@@ -77,24 +78,35 @@ class Progress:
     left: int
 
 
-def outdated(members: Sequence[Member], since: datetime) -> list[Member]:
+def outdated(members: Sequence[Member], since: datetime, only: Collection[str] | None = None) -> list[Member]:
     """The replicas a restart asked for at `since` has still to replace, oldest first. A parked one
-    holds nothing and its next wake is a new replica already; an ended one is gone."""
+    holds nothing and its next wake is a new replica already; an ended one is gone. `only`: a
+    move's replicas (those on a drained node), the others left as they are."""
     return sorted(
-        (m for m in members if m.created_at < since and m.state not in GONE and m.state != ReplicaState.PARKED),
+        (
+            m
+            for m in members
+            if m.created_at < since
+            and m.state not in GONE
+            and m.state != ReplicaState.PARKED
+            and (only is None or m.id in only)
+        ),
         key=lambda m: (m.created_at, m.id),
     )
 
 
-def progress(members: Sequence[Member], since: datetime) -> Progress:
+def progress(members: Sequence[Member], since: datetime, only: Collection[str] | None = None) -> Progress:
     fresh = sum(1 for m in members if m.created_at >= since and m.state not in GONE)
-    return Progress(replaced=fresh, left=len(outdated(members, since)))
+    return Progress(replaced=fresh, left=len(outdated(members, since, only)))
 
 
-def next_step(members: Sequence[Member], *, since: datetime, surge_id: str, wanted: int) -> Step:
+def next_step(
+    members: Sequence[Member], *, since: datetime, surge_id: str, wanted: int, only: Collection[str] | None = None
+) -> Step:
     """What the restart asked for at `since` does next. `surge_id`: the replica it placed ahead of
-    the one it replaces ("" if none); `wanted`: the deployment's `replicas`."""
-    old = outdated(members, since)
+    the one it replaces ("" if none); `wanted`: the deployment's `replicas`; `only`: a move's
+    replicas, the only ones it replaces."""
+    old = outdated(members, since, only)
     surge = next((m for m in members if m.id == surge_id and m.state not in GONE), None)
     if surge is not None and surge.state in STARTING:
         return Step(Action.WAIT, (surge.id,), f"replacement {surge.id[:8]} is {surge.state}")

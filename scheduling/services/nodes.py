@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from django.conf import settings
@@ -25,7 +25,7 @@ from scheduling.core import adoption, effects, liveness
 from scheduling.core import books as tolerance
 from scheduling.models import ACTIVE_INTENT_STATUSES, Event, Node, Occupant, PreemptionIntent, Replica
 from scheduling.services import books as book_checks
-from scheduling.services import lost_commands, outbox, queue_grants, queueing
+from scheduling.services import lost_commands, outbox, queue_grants, queueing, rollouts
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import InvalidState, TransitionRefused
 
@@ -490,11 +490,20 @@ def mark_stopped(name: str, reason: str, *, kind: str = Event.Kind.NODE_STOPPED)
         reconcile_later(f"node {name} stopped")
 
 
-def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
+class Drained(NamedTuple):
+    """What a drain did with what served on its node: put to sleep there, or moving elsewhere."""
+
+    asleep: list[str]
+    moving: list[str]
+
+
+def drain(name: str, *, reason: str = "drained by an operator", move: bool = False) -> Drained:
     """Take a node out of service: nothing new is placed on it (placement skips nodes that are
     not online) and its serving replicas go to sleep; one loading or waking there goes to sleep
-    once it serves (replica_reports, under this node's row lock). Returns the replicas put to
-    sleep now."""
+    once it serves (replica_reports, under this node's row lock). With `move`, as Kubernetes'
+    drain: each serving replica is replaced elsewhere first and stops once its replacement serves
+    (scheduling.services.rollouts.move), serving throughout; one that cannot move (its
+    deployment restarting, or of failover pairs) sleeps there as without it."""
 
     with transaction.atomic():
         node = locks.lock_node(name)
@@ -506,16 +515,21 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
             outbox.note(
                 Event.Kind.NODE_DRAINING,
                 f"node {name}",
-                f"{reason}: no new placements; its serving replicas go to sleep",
+                f"{reason}: no new placements; its serving replicas "
+                + ("move to other nodes" if move else "go to sleep"),
                 before={"status": Node.Status.ONLINE},
                 after={"status": Node.Status.DRAINING},
                 node=name,
             )
-        serving = list(node.replicas.filter(state=Replica.State.SERVING).order_by("pk").values_list("id", "lease_id"))
+        serving = list(
+            node.replicas.filter(state=Replica.State.SERVING)
+            .order_by("pk")
+            .values_list("id", "lease_id", "deployment__name")
+        )
         # A failover pair's active member never sleeps (replicas.to_cache refuses it): it keeps
         # serving, said here, rather than the drain failing half-way with a 409 for it.
-        paired = [replica_id for replica_id, lease in serving if lease is not None]
-        asleep = [replica_id for replica_id, lease in serving if lease is None]
+        paired = [replica_id for replica_id, lease, _ in serving if lease is not None]
+        plain = [(replica_id, deployment) for replica_id, lease, deployment in serving if lease is None]
         for replica_id in paired:
             outbox.note(
                 Event.Kind.NODE_DRAINING,
@@ -525,14 +539,24 @@ def drain(name: str, *, reason: str = "drained by an operator") -> list[str]:
                 node=name,
                 replica=replica_id,
             )
+    # Each deployment's move in a transaction of its own, after the node's: the one lock order
+    # takes a deployment's row before a node's.
+    moving: list[str] = []
+    if move:
+        by_deployment: dict[str, list[str]] = {}
+        for replica_id, deployment in plain:
+            by_deployment.setdefault(deployment, []).append(replica_id)
+        for deployment, ids in sorted(by_deployment.items()):
+            if rollouts.move(deployment, ids, why=f"moving off node {name} ({reason})"):
+                moving += ids
     put_to_sleep = []
-    for replica_id in asleep:
+    for replica_id in (replica_id for replica_id, _ in plain if replica_id not in moving):
         try:
             replica_services.sleep_replica(replica_id, reason=f"node {name} {reason}")
         except TransitionRefused:
             continue  # it stopped serving since it was read (a sleep, a stop): nothing to put to sleep
         put_to_sleep.append(replica_id)
-    return put_to_sleep
+    return Drained(put_to_sleep, moving)
 
 
 def undrain(name: str, *, reason: str = "returned to service by an operator") -> Node:

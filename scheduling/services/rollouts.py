@@ -20,8 +20,9 @@ from gpuportal.wire.states import Rollout
 from scheduling import locks
 from scheduling.core import rollout
 from scheduling.core.rollout import Action, Member, Step
-from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Occupant, Replica
+from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Node, Occupant, Replica
 from scheduling.services import failover, host_cache, outbox
+from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState
 from scheduling.services.observing import save_observed
 from scheduling.services.placing import Stop, add_replicas, need_with, release_and_stop
@@ -45,7 +46,13 @@ def progress_of(deployment: Deployment) -> rollout.Progress | None:
     since = deployment.observed.restart_since
     if since is None:
         return None
-    return rollout.progress(members(list(deployment.replicas.all()), paired=deployment.failover_standby), since)
+    found = members(list(deployment.replicas.all()), paired=deployment.failover_standby)
+    return rollout.progress(found, since, _only(deployment))
+
+
+def _only(deployment: Deployment) -> frozenset[str] | None:
+    """A move's replicas (the only ones its restart replaces); None for a whole restart."""
+    return frozenset(deployment.observed.restart_only.split()) or None
 
 
 @locks.retry_deadlocks
@@ -74,26 +81,47 @@ def restart(name: str, *, by: str) -> Deployment:
     return deployment
 
 
-def begin(deployment: Deployment, *, why: str, park_asleep: bool = False) -> int:
+@locks.retry_deadlocks
+def move(name: str, replica_ids: Iterable[str], *, why: str) -> int:
+    """Replace these replicas of the deployment (those serving on a node drained with a move) by
+    new ones placed where placement may put them, each stopped once its replacement serves: a
+    restart of them alone. Returns how many it is to move; 0 when it cannot (a restart under way,
+    a deployment of failover pairs, whose standbys sit beside their active members), and the
+    caller sleeps them instead."""
+    with transaction.atomic():
+        deployment = locks.lock_deployment_if_there(name=name)
+        if deployment is None or deployment.failover_standby or deployment.observed.restart_since is not None:
+            return 0
+        if deployment.observed.failed_reason:
+            return 0
+        count = begin(deployment, why=why, only=replica_ids)
+    if count:
+        advance(name)
+    return count
+
+
+def begin(deployment: Deployment, *, why: str, park_asleep: bool = False, only: Iterable[str] = ()) -> int:
     """A rolling restart of the deployment from now, recorded in the caller's transaction (which
     holds the deployment's row); the caller takes its first step, or has it taken, after the commit.
     One under way already starts again from now, keeping the surge it has on its way (which then
     counts as the replacement of an outdated replica, and is itself replaced later). `park_asleep`:
     its sleepers parked at once, not in their turn (a new model: a wake meanwhile would serve the
-    old one, and a deep sleeper's host copy is of the old weights). Returns how many replicas it is
-    to replace; 0, and nothing recorded, when none holds a process, a host copy or GPU memory."""
+    old one, and a deep sleeper's host copy is of the old weights). `only`: a move, which replaces
+    those replicas alone (`move`). Returns how many replicas it is to replace; 0, and nothing
+    recorded, when none holds a process, a host copy or GPU memory."""
     now = timezone.now()
-    left = rollout.outdated(_members_of(deployment), now)
+    moving = sorted(only)
+    left = rollout.outdated(_members_of(deployment), now, moving or None)
     if not left:
         return 0
     if park_asleep:
         _park([m.id for m in left if m.state in states.ASLEEP], f"parked by a {STEP} {why}")
-    deployment.observed.restart_since = now
-    save_observed(deployment, ["restart_since"])
+    deployment.observed.restart_since, deployment.observed.restart_only = now, " ".join(moving)
+    save_observed(deployment, ["restart_since", "restart_only"])
     outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
-        f"{STEP} {why}: {len(left)} replica(s) to replace, one at a time",
+        f"{STEP} {why}: {len(left)} replica(s) to {'move' if moving else 'replace'}, one at a time",
         after={"restart_since": now.isoformat(), "replicas": [m.id for m in left], "rollout": Rollout.BEGAN},
         deployment=deployment.name,
     )
@@ -137,7 +165,7 @@ def step(name: str) -> Step | None:
         observed = deployment.observed
         found = _members_of(deployment)
         if observed.failed_reason:
-            left = len(rollout.outdated(found, observed.restart_since))
+            left = len(rollout.outdated(found, observed.restart_since, _only(deployment)))
             why = (
                 f"{STEP} stopped: its replacements failed to load ({observed.failed_reason}); the {left} replica(s) "
                 "started before it keep serving"
@@ -158,7 +186,11 @@ def step(name: str) -> Step | None:
                 return ended
         else:
             decided = rollout.next_step(
-                found, since=observed.restart_since, surge_id=observed.restart_surge, wanted=deployment.replicas_wanted
+                found,
+                since=observed.restart_since,
+                surge_id=observed.restart_surge,
+                wanted=deployment.replicas_wanted,
+                only=_only(deployment),
             )
         return _take(deployment, decided, found)
 
@@ -197,6 +229,8 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
                     deployment, 1, reason=f"{STEP}: a replacement for replica {old[:8]}", cached=(), parked=False
                 )
         except CannotPlace as err:
+            if observed.restart_only:
+                return _stays(deployment, old, err)
             if deployment.failover_standby:
                 # A pair is never stopped before its replacement serves: that is what it is for.
                 why = f"{STEP} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); the pairs serve on"
@@ -280,10 +314,44 @@ def _stop(deployment: Deployment, replica_id: str, why: str) -> None:
     release_and_stop(Stop.of(deployment, [replica_id], reason=why))
 
 
+def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
+    """A move whose replacement for `replica_id` finds no room elsewhere: a move never stops a
+    replica before its replacement serves, so it is left out of the move, and on a drained node
+    it goes to sleep there as a drain without a move would have it (a wake elsewhere replaces it
+    once there is room)."""
+    observed = deployment.observed
+    observed.restart_only = " ".join(i for i in observed.restart_only.split() if i != replica_id)
+    if observed.restart_only:
+        save_observed(deployment, ["restart_only"])
+    replica = locks.lock_replica(replica_id)  # after the deployment's row: the one lock order
+    drained = replica.node is not None and replica.node.status == Node.Status.DRAINING
+    why = f"no room for replica {replica_id[:8]}'s replacement elsewhere ({err})"
+    if drained and replica.state == Replica.State.SERVING:
+        replica_services.sleep_replica(
+            replica_id, reason=f"{STEP}: {why}; it sleeps on its drained node", deployment=deployment
+        )
+        why += f"; it sleeps on node {replica.node.name}, drained"  # type: ignore[union-attr]
+    else:
+        why += "; it stays where it is"
+    if not observed.restart_only:
+        # An empty list is a whole restart's: the move ends here, having nothing left to move.
+        why = f"{STEP}: {why}; nothing is left to move"
+        _end(deployment, why)
+        return Step(Action.DONE, (replica_id,), why)
+    outbox.note(
+        Event.Kind.DEPLOYMENT_CHANGED,
+        f"deployment {deployment.name}",
+        f"{STEP}: {why}",
+        deployment=deployment.name,
+        replica=replica_id,
+    )
+    return Step(Action.WAIT, (replica_id,), why)
+
+
 def _end(deployment: Deployment, why: str, *, outcome: Rollout = Rollout.STOPPED) -> None:
     observed = deployment.observed
-    observed.restart_since, observed.restart_surge = None, ""
-    save_observed(deployment, ["restart_since", "restart_surge"])
+    observed.restart_since, observed.restart_surge, observed.restart_only = None, "", ""
+    save_observed(deployment, ["restart_since", "restart_surge", "restart_only"])
     outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",

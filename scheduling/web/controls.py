@@ -128,12 +128,18 @@ def restart(request: HttpRequest, name: str) -> HttpResponse:
 @require_POST
 @staff_only
 def drain(request: HttpRequest, name: str) -> HttpResponse:
+    move = request.POST.get("move") == "yes"
     if not _confirmed(request):
-        return _confirm_page(request, f"Drain node {name}? No new placements; its serving replicas go to sleep.")
+        if move:
+            question = "each serving replica is replaced on another node, then stops"
+        else:
+            question = "its serving replicas go to sleep"
+        return _confirm_page(request, f"Drain node {name}? No new placements; {question}.")
 
     def act() -> str:
-        slept = node_services.drain(name, reason=f"drained by {_who(request)}")
-        return f"node {name}: draining; {len(slept)} serving replica(s) going to sleep"
+        done = node_services.drain(name, reason=f"drained by {_who(request)}", move=move)
+        moving = f"{len(done.moving)} moving to other nodes, " if move else ""
+        return f"node {name}: draining; {moving}{len(done.asleep)} serving replica(s) going to sleep"
 
     return _run(request, act)
 

@@ -182,6 +182,50 @@ def test_a_drain_whose_replicas_stay_serving_with_nothing_on_its_way_says_so():
         wait_on_box([replica("a", "serving")], timeout_s=600, tick_s=5)
 
 
+class Moving(Replay):
+    """A node whose serving replica its deployment moves (a rollout under way) for `polls` polls."""
+
+    def __init__(self, answers: list[list[dict[str, Any]]], *, rollout: dict[str, Any] | None):
+        super().__init__(answers)
+        self.rollout = rollout
+        self.asked: list[str] = []
+
+    def get(self, path: str, params: Any = None) -> dict[str, Any]:
+        self.asked.append(path)
+        return {"name": "tiny", "rollout": self.rollout}
+
+
+def test_a_drain_that_moves_waits_while_the_replicas_deployment_moves_them_however_long_they_serve():
+    serving = [replica("a", "serving")]
+    polls = [serving] * 40 + [[replica("a", "stopped")]]  # 200 s serving on the node, then stopped
+    clock = iter(range(0, 100_000, 5))
+    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1})
+
+    where = nodes.wait_until_drained(
+        client,  # type: ignore[arg-type]
+        "box",
+        console=Console(file=io.StringIO()),
+        timeout_s=600,
+        moving=True,
+        clock=lambda: next(clock),
+        pause=lambda s: None,
+    )
+
+    assert where.done and set(client.asked) == {"/api/deployments/tiny/"}
+    stuck = Moving([serving], rollout=None)  # its move ended, and the replica still serves there
+    clock = iter(range(0, 100_000, 5))
+    with pytest.raises(CliError, match="1 serving that do not move or go to sleep"):
+        nodes.wait_until_drained(
+            stuck,  # type: ignore[arg-type]
+            "box",
+            console=Console(file=io.StringIO()),
+            timeout_s=600,
+            moving=True,
+            clock=lambda: next(clock),
+            pause=lambda s: None,
+        )
+
+
 def test_a_drain_that_runs_out_of_time_says_where_the_node_stands():
     with pytest.raises(CliError, match=r"node box: still 1 draining after 150 s; the portal goes on"):
         wait_on_box([replica("a", "draining")], timeout_s=150, tick_s=100)

@@ -441,6 +441,21 @@ def test_drain_and_return_to_service(cluster, admin_client, dispatched) -> None:
     assert Event.objects.filter(node=node, kind="node.online", reason__contains="(dashboard)").exists()
 
 
+def test_drain_moving_replicas_asks_then_replaces_them_on_another_node(cluster, admin_client, dispatched) -> None:
+    replica_id = deploy("tiny-a")
+    node = Replica.objects.get(pk=replica_id).node.name
+    asked = admin_client.post(control("drain", node), {"move": "yes"})
+    assert "each serving replica is replaced on another node, then stops" in asked.content.decode()
+
+    response = admin_client.post(control("drain", node), {"move": "yes", "confirm": "yes"})
+
+    assert Node.objects.get(name=node).status == "draining"
+    assert Replica.objects.get(pk=replica_id).state == "serving", "it serves until its replacement does"
+    (replacement,) = Replica.objects.exclude(pk=replica_id)
+    assert replacement.node.name != node
+    assert any("1 moving to other nodes, 0 serving replica(s) going to sleep" in m for m in outcome(response))
+
+
 def test_a_node_named_as_a_cloud_names_its_hosts_is_shown_and_drained(admin_client, dispatched) -> None:
     # EKS names a node by its host: dots, which the dashboard's links once refused (a 500 for all).
     name = "ip-10-0-1-2.ec2.internal"

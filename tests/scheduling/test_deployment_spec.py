@@ -40,6 +40,7 @@ OBSERVED = {
     "retry_at",
     "restart_since",
     "restart_surge",
+    "restart_only",
 }
 
 REFUSED = [s for s in SETTINGS if s.update in (Update.REFUSED, Update.REFUSED_IF_CHANGED)]

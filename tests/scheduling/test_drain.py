@@ -11,10 +11,10 @@ from django.db import connection, transaction
 from rest_framework.test import APIClient
 
 from inference.devices import virtual_gpus
-from scheduling.models import Deployment, Event, Node, Occupant, Replica
-from scheduling.services import nodes, reports
+from scheduling.models import Deployment, DeploymentObserved, Event, Node, Occupant, Replica
+from scheduling.services import nodes, reports, rollouts
 from scheduling.services.nodes import register_node
-from tests.support.deployments import STOP, TO_CACHE, body, serve
+from tests.support.deployments import STOP, TO_CACHE, body, invariant_holds, serve
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import wait_until
 
@@ -120,7 +120,7 @@ def test_a_replica_that_comes_up_while_a_drain_commits_is_put_to_sleep_by_one_or
     with transaction.atomic():
         # The drain has marked the node and found nothing serving there, and has not committed:
         # the report, on its own connection, must not read the node as still online.
-        assert nodes.drain(replica.node.name) == []
+        assert nodes.drain(replica.node.name) == ([], [])
         report = threading.Thread(target=report_serving)
         report.start()
         wait_until(lambda: reported.is_set() or waiting_on_a_lock(), 30, "the report to finish or wait for the drain")
@@ -196,3 +196,98 @@ def test_a_wake_that_loads_elsewhere_stops_no_more_drained_sleepers_than_it_load
     states = dict(Replica.objects.filter(pk__in=sleepers).values_list("id", "state"))
     assert sorted(states.values()) == ["deep_sleeping", "stopping"], "one load, one sleeper replaced"
     assert states[sleepers[0]] == "stopping", "the oldest first"
+
+
+# -- a drain that moves --------------------------------------------------------------------------
+
+
+def live(name: str) -> dict[str, tuple[str, str]]:
+    """The deployment's replicas that have not ended, oldest first: id → (state, node)."""
+    rows = Replica.objects.filter(deployment__name=name).exclude(state__in=["stopped", "failed"])
+    return {i: (state, node) for i, state, node in rows.order_by("created_at").values_list("id", "state", "node__name")}
+
+
+def test_a_drain_that_moves_replaces_each_serving_replica_elsewhere_before_it_stops(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
+):
+    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
+    assert api("post", "/api/deployments/", spread).status_code == 201
+    for replica_id in live("m"):
+        serve(replica_id)
+    (moved,) = [i for i, (_, node) in live("m").items() if node == "node1"]
+    (kept,) = [i for i, (_, node) in live("m").items() if node == "node2"]
+    dispatched.clear()
+
+    answer = api("post", "/api/nodes/node1/drain/", {"move": True})
+
+    assert answer.status_code == 200 and answer.json()["status"] == "draining"
+    (surge,) = [i for i in live("m") if i not in (moved, kept)]
+    assert live("m") == {moved: ("serving", "node1"), kept: ("serving", "node2"), surge: ("pending", "node2")}
+    assert not [task for _, task, _ in dispatched if task == TO_CACHE], "nothing put to sleep: it serves on"
+    assert Event.objects.filter(
+        deployment="m",
+        reason="rolling restart moving off node node1 (drained by an operator): 1 replica(s) to move, one at a time",
+    ).exists()
+    assert api("get", "/api/deployments/m/").json()["rollout"]["left"] == 1
+
+    with django_capture_on_commit_callbacks(execute=True):
+        serve(surge)
+    with django_capture_on_commit_callbacks(execute=True):
+        rollouts.advance("m")
+    assert live("m") == {moved: ("stopping", "node1"), kept: ("serving", "node2"), surge: ("serving", "node2")}
+    assert [args[0] for _, task, args in dispatched if task == STOP] == [moved]
+    observed = DeploymentObserved.objects.get(deployment__name="m")
+    assert (observed.restart_since, observed.restart_only) == (None, ""), "the move is done; the other stays"
+    assert invariant_holds()
+
+
+def test_a_drain_that_moves_with_no_room_elsewhere_puts_what_serves_there_to_sleep(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
+):
+    # Four replicas of 900 MiB fill the four 1 GiB GPUs: no room elsewhere for node1's two.
+    full = body("full", tiny_model_dir, replicas=4, memory={"override_bytes": 900 * MiB, "max_tokens": 256})
+    assert api("post", "/api/deployments/", full).status_code == 201
+    for replica_id in live("full"):
+        serve(replica_id)
+    on_node1 = sorted(i for i, (_, node) in live("full").items() if node == "node1")
+
+    api("post", "/api/nodes/node1/drain/", {"move": True})
+    with django_capture_on_commit_callbacks(execute=True):
+        rollouts.advance("full")  # the beat's sweep: the next replica's turn
+
+    assert len(live("full")) == 4, "nothing placed, nothing stopped"
+    assert {live("full")[i][0] for i in on_node1} == {"draining"}, "they sleep there, as a drain without a move"
+    for replica_id in on_node1:
+        assert Event.objects.filter(
+            replica=replica_id, reason__contains=f"no room for replica {replica_id[:8]}'s replacement elsewhere"
+        ).exists()
+    observed = DeploymentObserved.objects.get(deployment__name="full")
+    assert (observed.restart_since, observed.restart_only) == (None, "")
+    assert invariant_holds()
+
+
+def test_a_drain_that_cannot_move_a_deployment_restarting_already_puts_its_replica_to_sleep(
+    cluster, api, dispatched, tiny_model_dir
+):
+    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
+    assert api("post", "/api/deployments/", spread).status_code == 201
+    for replica_id in live("m"):
+        serve(replica_id)
+    assert api("post", "/api/deployments/m/restart/").status_code == 202
+    on_node1 = [i for i, (state, node) in live("m").items() if node == "node1" and state == "serving"]
+
+    assert nodes.drain("node1", move=True) == (on_node1, [])
+    assert {live("m")[i][0] for i in on_node1} == {"draining"}
+
+
+@pytest.mark.parametrize(
+    ("sent", "said"),
+    [
+        ({"move": "perhaps"}, {"move": ["Must be a valid boolean."]}),
+        ({"mvoe": True}, {"mvoe": ["unknown field; did you mean 'move'?"]}),
+    ],
+)
+def test_a_bad_drain_is_a_400_naming_what_is_wrong_and_drains_nothing(cluster, api, sent, said):
+    answer = api("post", "/api/nodes/node1/drain/", sent)
+    assert (answer.status_code, answer.json()) == (400, said)
+    assert Node.objects.get(name="node1").status == "online"

@@ -77,6 +77,19 @@ def test_after_a_stop_with_no_surge_it_places_the_replacement_before_the_next():
     assert next_step([old("b")], since=SINCE, surge_id="", wanted=2).action == Action.TOP_UP
 
 
+def test_a_move_replaces_only_its_replicas_and_leaves_the_others_as_they_are():
+    members = [old("a"), old("b", minute=1), old("s", "sleeping", minute=2)]
+    only = {"b"}
+    assert next_step(members, since=SINCE, surge_id="", wanted=3, only=only) == Step(
+        Action.SURGE, ("b",), "replica b started before the restart"
+    )
+    serving = [*members, new("n")]
+    assert next_step(serving, since=SINCE, surge_id="n", wanted=3, only=only).replica_ids == ("b",)
+    moved = [old("a"), old("s", "sleeping", minute=2), new("n")]
+    assert next_step(moved, since=SINCE, surge_id="", wanted=3, only=only).action == Action.DONE
+    assert progress(members, SINCE, only).left == 1 and progress(members, SINCE).left == 3
+
+
 def test_it_is_done_once_only_parked_and_new_replicas_are_left_and_counts_them():
     members = [old("p", "parked"), new("n"), new("m", "sleeping", minute=2)]
     assert next_step(members, since=SINCE, surge_id="", wanted=3).action == Action.DONE
