@@ -224,8 +224,10 @@ def cmd_set(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_restart(ctx: Context, args: argparse.Namespace) -> int:
     mark = newest_event(ctx, args.name)
-    answer = ctx.client.post(deployment_path(args.name, "restart"))
+    answer = ctx.client.post(deployment_path(args.name, "restart"), {"misplaced": True} if args.misplaced else None)
     said = f"{args.name}: a rolling restart, one replica at a time; requests meanwhile are served or wait"
+    if args.misplaced:
+        said = f"{args.name}: moving its replicas off nodes its placement refuses, one at a time, serving meanwhile"
     ctx.err.print(Text(said, style="dim"))
     return finish_rollout(ctx, args, answer, after_event=mark)
 
@@ -703,6 +705,12 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "from now on reach them all); sleepers are parked, not woken",
     )
     restart.add_argument("name")
+    restart.add_argument(
+        "--misplaced",
+        action="store_true",
+        help="only the replicas on nodes its node_selector or tolerations refuse now (after a change of them, or "
+        "of a node's labels or taints), each replaced where they allow before it stops",
+    )
     add_wait_options(restart, "every replica is replaced")
     restart.set_defaults(run=cmd_restart)
 

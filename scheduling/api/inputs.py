@@ -245,5 +245,14 @@ class DrainInput(StrictSerializer):
     )
 
 
+class RestartInput(StrictSerializer):
+    misplaced = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="Only the replicas on nodes its placement.node_selector or placement.tolerations refuse now, each "
+        "replaced where they allow it before it stops.",
+    )
+
+
 class ScaleInput(StrictSerializer):
     replicas = ReplicaCountField()

@@ -238,7 +238,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return self.shown(name)
 
     @extend_schema(
-        request=None,
+        request=inputs.RestartInput,
         summary="Replace every replica, one at a time, with no request lost: an awake one once its replacement "
         "serves beside it (or, with no room for that, first), a sleeping one parked (its next wake loads anew), "
         "a failover pair through a new standby and a switchover to it.",
@@ -246,13 +246,16 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
             202: s.DeploymentSerializer,
             404: PLACEMENT_ERRORS[404],
             409: OpenApiResponse(
-                description="A restart is under way, the deployment failed, or nothing holds a process to restart."
+                description="A restart is under way, the deployment failed, or nothing holds a process to restart "
+                "(with misplaced: no replica is on a node its placement refuses)."
             ),
         },
     )
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, name: str) -> Response:
-        rollouts.restart(name, by=request.user.get_username())
+        data = inputs.RestartInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        rollouts.restart(name, by=request.user.get_username(), misplaced=data.validated_data["misplaced"])
         return self.shown(name, status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]})

@@ -189,7 +189,8 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 "settings changed: "
                 + ", ".join(
                     f"{deployment_spec.BY_NAME[k].path} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()
-                ),
+                )
+                + (_misplaced(deployment) if after.keys() & PLACING else ""),
                 before={k: before[k] for k in after},
                 after=after,
                 deployment=name,
@@ -278,6 +279,23 @@ def _reread(deployment: Deployment) -> None:
         deployment.refresh_from_db(from_queryset=Deployment.objects.select_related("observed"))
     except Deployment.DoesNotExist:
         raise not_found.deployment(deployment.name) from None
+
+
+# The settings that say which nodes a deployment may use: a change of them may leave replicas
+# where it now refuses them.
+PLACING = {"node_selector", "tolerations"}
+
+
+def _misplaced(deployment: Deployment) -> str:
+    """What the Event of a changed node selector or tolerations says of the replicas they leave
+    on nodes they refuse now, and how to move them ("" for none)."""
+    ids, _ = rollouts.misplaced_of(deployment)
+    if not ids:
+        return ""
+    return (
+        f"; {len(ids)} replica(s) on nodes it now refuses stay there until moved "
+        f"(gpuportal restart {deployment.name} --misplaced)"
+    )
 
 
 def _when(key: str) -> str:

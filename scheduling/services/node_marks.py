@@ -6,13 +6,14 @@ replica whose deployment's node selector no longer matches where it is until a r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 from django.db import transaction
 
-from gpuportal.wire import node_labels
+from gpuportal.wire import node_labels, states
 from scheduling import locks
-from scheduling.models import Event, Node
+from scheduling.models import Event, Node, Replica
 from scheduling.services import outbox
 from scheduling.services.errors import InvalidInput
 from scheduling.services.nodes import reconcile_later
@@ -64,7 +65,8 @@ def change(
             Event.Kind.NODE_CHANGED,
             f"node {name}",
             f"{by} set its {' and '.join(changed)}: "
-            + "; ".join(_what_changed(what, before[what], node) for what in changed),
+            + "; ".join(_what_changed(what, before[what], node) for what in changed)
+            + _misplaced_on(node),
             before={what: before[what] for what in changed},
             after={what: getattr(node, what) for what in changed},
             node=name,
@@ -72,6 +74,23 @@ def change(
         # A label added or a taint lifted may let a deployment place what it lacks there.
         reconcile_later(f"node {name}'s {' and '.join(changed)} changed")
     return node
+
+
+def _misplaced_on(node: Node) -> str:
+    """What the Event says of the replicas on the node whose deployments' placement refuses it
+    now, and how to move them ("" for none): NoSchedule leaves them there."""
+    held = node.replicas.exclude(state__in=[*states.GONE, Replica.State.PARKED]).values_list(
+        "deployment__name", "deployment__placement_node_selector", "deployment__placement_tolerations"
+    )
+    marks = {node.name: (node.labels, node.taints)}
+    refused = Counter(name for name, *placement in held if node_labels.refusals(marks, name, *placement))
+    if not refused:
+        return ""
+    listed = ", ".join(f"{name} ({count})" for name, count in sorted(refused.items()))
+    return (
+        f"; replicas there their placement now refuses stay until moved: {listed} "
+        "(gpuportal restart NAME --misplaced)"
+    )
 
 
 def _what_changed(what: str, before: Mapping[str, str], node: Node) -> str:

@@ -25,7 +25,7 @@ from scheduling.services import failover, host_cache, outbox
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import CannotPlace, InvalidState
 from scheduling.services.observing import save_observed
-from scheduling.services.placing import Stop, add_replicas, need_with, release_and_stop
+from scheduling.services.placing import Stop, add_replicas, need_with, node_refusals, release_and_stop
 
 STEP = "rolling restart"
 
@@ -50,15 +50,29 @@ def progress_of(deployment: Deployment) -> rollout.Progress | None:
     return rollout.progress(found, since, _only(deployment))
 
 
+def misplaced_of(deployment: Deployment) -> tuple[list[str], str]:
+    """The deployment's replicas (those holding a process, a host copy or memory) on nodes its
+    `placement.node_selector` or `placement.tolerations` refuse now, and why, node by node."""
+    refused = node_refusals(deployment)
+    held = deployment.replicas.exclude(state__in=[*states.GONE, Replica.State.PARKED]).filter(
+        node__name__in=list(refused)
+    )
+    rows = list(held.order_by("created_at", "id").values_list("id", "node__name"))
+    why = "; ".join(f"{node}: {refused[node]}" for node in sorted({node for _, node in rows}))
+    return [replica_id for replica_id, _ in rows], why
+
+
 def _only(deployment: Deployment) -> frozenset[str] | None:
     """A move's replicas (the only ones its restart replaces); None for a whole restart."""
     return frozenset(deployment.observed.restart_only.split()) or None
 
 
 @locks.retry_deadlocks
-def restart(name: str, *, by: str) -> Deployment:
+def restart(name: str, *, by: str, misplaced: bool = False) -> Deployment:
     """Start a rolling restart of the deployment and take its first step. InvalidState (409) for a
-    deployment that has failed, is being restarted, or has nothing to restart."""
+    deployment that has failed, is being restarted, or has nothing to restart. `misplaced`: only
+    its replicas on nodes its placement refuses now (`misplaced_of`: a node selector or
+    tolerations changed since, or a node's labels or taints), moved as a drain's are."""
     with transaction.atomic():
         deployment = locks.lock_deployment(name)
         observed = deployment.observed
@@ -72,7 +86,17 @@ def restart(name: str, *, by: str) -> Deployment:
                 f"a rolling restart of {name} is under way since {observed.restart_since.isoformat()} "
                 f"({done.replaced} replica(s) started since, {done.left} to replace): wait for it to end"  # type: ignore[union-attr]
             )
-        if not begin(deployment, why=f"asked by {by}"):
+        if misplaced:
+            ids, why = misplaced_of(deployment)
+            if not ids:
+                raise InvalidState(f"no replica of {name} is on a node its placement refuses: nothing to move")
+            if deployment.failover_standby:
+                raise InvalidState(
+                    f"{name} runs failover pairs, whose standbys sit beside their active members: a pair moves by a "
+                    f"whole restart (gpuportal restart {name}) or a drain of its node"
+                )
+            begin(deployment, why=f"asked by {by} for the replicas where its placement refuses them ({why})", only=ids)
+        elif not begin(deployment, why=f"asked by {by}"):
             raise InvalidState(
                 f"deployment {name} has no replica to restart: none holds a process, a host copy or GPU memory "
                 "(a parked replica's next wake loads it anew)"

@@ -109,6 +109,19 @@ def test_drain_without_waiting_returns_at_once_saying_what_happens(
     assert Replica.objects.get(pk=on["node2"]).state == "draining"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_drain_move_without_waiting_asks_for_a_move_and_says_so(cluster, dispatched, tiny_model_dir, operator, capsys):
+    on = spread_over_both_nodes(tiny_model_dir)
+
+    assert app.main(["node", "drain", "node2", "--move", "--no-wait"], env=operator) == 0
+
+    assert capsys.readouterr().out == (
+        "node node2 draining: nothing new lands there, and what serves there moves to other nodes\n"
+    )
+    assert Replica.objects.get(pk=on["node2"]).state == "serving", "it serves until its replacement does"
+    assert Replica.objects.filter(node__name="node1", state="pending").count() == 1, "its replacement"
+
+
 # -- where a draining node stands, from its replicas -------------------------------------------
 
 

@@ -124,6 +124,11 @@ def test_a_taint_an_operator_sets_keeps_new_replicas_off_and_leaves_what_runs_th
     node_marks.change("box", taints={"team": "research"}, by="ops")
 
     assert nodes_of("old") == ["box"], "NoSchedule: what runs there stays"
+    said = Event.objects.filter(kind="node.changed").latest("pk").reason
+    assert said == (
+        "ops set its taints: taints team=research added; replicas there their placement now refuses stay until "
+        "moved: old (1) (gpuportal restart NAME --misplaced)"
+    )
     with pytest.raises(CannotPlace) as refused:
         deployments.scale("old", 2)
     assert refused.value.reasons["box"] == "its taint team=research is not in old's placement.tolerations"

@@ -28,12 +28,12 @@ from gpuportal.wire.node_reports import DeviceInfo
 from inference.devices import virtual_gpus
 from scheduling.core.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
 from scheduling.core.state import OccupantView, Snapshot
-from scheduling.models import Deployment, Event, Node, PreemptionIntent, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, Node, PreemptionIntent, Replica
 from scheduling.services import deployments, sleep
 from scheduling.services.deployments import DeploymentSpec, ModelFacts, create
 from scheduling.services.errors import CannotPlace, InvalidInput
 from scheduling.services.nodes import register_node
-from tests.support.deployments import asleep, body, deploy, invariant_holds
+from tests.support.deployments import asleep, body, deploy, invariant_holds, serve
 from tests.support.factories import NO_OVERHEAD
 from tests.support.views import gpu
 
@@ -220,7 +220,63 @@ def test_a_changed_selector_applies_to_the_replicas_placed_from_then_on_and_says
 
     assert nodes_of("chat") == ["a10", "h100"], "the running one stays until a restart replaces it"
     changed = Event.objects.filter(deployment="chat", reason__startswith="settings changed").latest("pk")
-    assert "placement.node_selector 'gpu=a10' → 'gpu=h100'" in changed.reason
+    assert changed.reason == (
+        "settings changed: placement.node_selector 'gpu=a10' → 'gpu=h100' (for replicas placed from now on); "
+        "1 replica(s) on nodes it now refuses stay there until moved (gpuportal restart chat --misplaced)"
+    )
+
+
+def test_a_restart_of_the_misplaced_moves_only_the_replicas_its_placement_now_refuses(labelled, dispatched, staff):
+    # Two replicas on h100, then only a10 may hold them, and a third is placed there.
+    deploy("chat", replicas=2, node_selector="gpu=h100")
+    deployments.update("chat", {"node_selector": "gpu=a10"})
+    deployments.scale("chat", 3)
+    for replica in Replica.objects.filter(deployment__name="chat", state="pending"):
+        serve(replica.id)
+    on_h100 = sorted(Replica.objects.filter(deployment__name="chat", node__name="h100").values_list("id", flat=True))
+    assert len(on_h100) == 2 and nodes_of("chat") == ["a10", "h100", "h100"]
+    assert staff.post("/api/deployments/nope/restart/", {"misplaced": True}, format="json").status_code == 404
+
+    answer = staff.post("/api/deployments/chat/restart/", {"misplaced": True}, format="json")
+
+    assert answer.status_code == 202, answer.json()
+    assert answer.json()["rollout"]["left"] == 2
+    began = Event.objects.filter(deployment="chat", reason__contains="2 replica(s) to move").get()
+    assert "h100: its labels do not match chat's placement.node_selector gpu=a10" in began.reason
+    (surge,) = Replica.objects.filter(deployment__name="chat", state="pending").exclude(node__name="h100")
+    assert surge.node.name == "a10", "its replacement where its placement allows"
+    assert DeploymentObserved.objects.get(deployment__name="chat").restart_only == " ".join(on_h100)
+
+    second = staff.post("/api/deployments/chat/restart/", {"misplaced": True}, format="json")
+    assert second.status_code == 409 and "under way" in second.json()["detail"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_command_line_moves_the_misplaced_alone(labelled, live_server, capsys, dispatched):
+    from tests.support.cli import staff_cli
+
+    moved = deploy("chat", node_selector="gpu=h100")
+    deployments.update("chat", {"node_selector": "gpu=a10"})
+
+    code, _, err = staff_cli(live_server, capsys, "restart", "chat")("--misplaced", "--no-wait")
+
+    assert code == 0, err
+    assert err.startswith("chat: moving its replicas off nodes its placement refuses, one at a time"), err
+    assert DeploymentObserved.objects.get(deployment__name="chat").restart_only == moved
+    assert nodes_of("chat") == ["a10", "h100"], "its replacement placed where it may be, beside it"
+
+
+def test_a_restart_of_the_misplaced_with_none_misplaced_or_a_bad_body_changes_nothing(labelled, dispatched, staff):
+    deploy("chat", node_selector="gpu=h100")
+
+    none = staff.post("/api/deployments/chat/restart/", {"misplaced": True}, format="json")
+    assert (none.status_code, none.json()) == (
+        409,
+        {"detail": "no replica of chat is on a node its placement refuses: nothing to move"},
+    )
+    bad = staff.post("/api/deployments/chat/restart/", {"misplaced": "maybe"}, format="json")
+    assert (bad.status_code, bad.json()) == (400, {"misplaced": ["Must be a valid boolean."]})
+    assert DeploymentObserved.objects.get(deployment__name="chat").restart_since is None
 
 
 def asleep_on_a10_then_wanted_on_h100() -> str:
