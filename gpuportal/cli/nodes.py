@@ -122,11 +122,14 @@ def wait_until_drained(
                     console.print(line)
                 seen[replica["id"]] = replica.get("state", "?")
             where = drained(replicas)
-            if where.done:
+            # A failover pair moves as a whole new pair elsewhere: its active member serves here
+            # until then, and the wait is for it too.
+            pairs_moving = moving and bool(where.kept) and _moves_under_way(client, where.kept)
+            if where.done and not pairs_moving:
                 return where
             status.update(f"draining node {name}: {render.state_counts(where.awake)}")
             now = clock()
-            on_its_way = where.moving or (moving and _moves_under_way(client, where.awake))
+            on_its_way = where.moving or pairs_moving or (moving and _moves_under_way(client, where.awake))
             stalled_since = None if on_its_way else (stalled_since if stalled_since is not None else now)
             if stalled_since is not None and now - stalled_since >= STALL_S:
                 raise CliError(
@@ -161,10 +164,14 @@ def cmd_node_drain(ctx: Operator, args: argparse.Namespace) -> int:
         ctx.out.print(Text(f"{drained_after}: nothing awake there"))
         return 0
     pairs = ", ".join(f"{r.get('deployment')} ({render.short_id(r['id'])})" for r in where.kept)
+    if args.move:
+        how = "their deployments were restarting: drain with --move again once they are done"
+    else:
+        how = "a drain with --move moves them"
     ctx.out.print(
         Text(
             f"{drained_after}, but for the failover pairs that keep serving there (an active member never "
-            f"sleeps; scale its deployment down to move it): {pairs}"
+            f"sleeps; {how}): {pairs}"
         )
     )
     return 0

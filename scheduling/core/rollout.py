@@ -139,7 +139,12 @@ def next_step(
 
 
 def next_pair_step(
-    members: Sequence[Member], *, since: datetime, surge_id: str = "", short: Collection[int] = ()
+    members: Sequence[Member],
+    *,
+    since: datetime,
+    surge_id: str = "",
+    short: Collection[int] = (),
+    only: Collection[str] | None = None,
 ) -> Step:
     """What the restart asked for at `since` does next in a deployment of failover pairs: one pair
     at a time, oldest first, and only while nothing of the deployment is on its way and every pair
@@ -149,7 +154,9 @@ def next_pair_step(
 
     A pair in `short` (its reservation is less than the deployment needs now: a new standby could
     not wake into it) is not restarted in place: a whole new pair is placed beside it (a surge,
-    `surge_id` its primary), and once that one serves and stands by, the old pair stops whole."""
+    `surge_id` its primary), and once that one serves and stands by, the old pair stops whole. A
+    move (`only`: the pairs of a drained node) replaces its pairs so, since a new standby in
+    place would sit on the same GPUs, and leaves the others as they are."""
     moving = [m for m in members if m.state in IN_TRANSIT]
     if moving:
         return Step(Action.WAIT, (moving[0].id,), f"replica {moving[0].id[:8]} is {moving[0].state}")
@@ -164,9 +171,11 @@ def next_pair_step(
     for pair in pairs.values():
         if all(m.created_at >= since for m in pair):
             continue
+        if only is not None and not any(m.id in only for m in pair):
+            continue
         active = next(m for m in pair if m.state == ReplicaState.SERVING)
         standby = next((m for m in pair if m.state == ReplicaState.STANDBY), None)
-        if active.pair in short:
+        if active.pair in short or only is not None:
             return _pair_surge_step(pairs, active, surge)
         if standby is None:
             return Step(Action.STANDBY, (active.id,), f"replica {active.id[:8]} has no standby")

@@ -88,8 +88,7 @@ def _misplaced_on(node: Node) -> str:
         return ""
     listed = ", ".join(f"{name} ({count})" for name, count in sorted(refused.items()))
     return (
-        f"; replicas there their placement now refuses stay until moved: {listed} "
-        "(gpuportal restart NAME --misplaced)"
+        f"; replicas there their placement now refuses stay until moved: {listed} (gpuportal restart NAME --misplaced)"
     )
 
 

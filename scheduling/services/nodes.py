@@ -502,8 +502,8 @@ def drain(name: str, *, reason: str = "drained by an operator", move: bool = Fal
     not online) and its serving replicas go to sleep; one loading or waking there goes to sleep
     once it serves (replica_reports, under this node's row lock). With `move`, as Kubernetes'
     drain: each serving replica is replaced elsewhere first and stops once its replacement serves
-    (scheduling.services.rollouts.move), serving throughout; one that cannot move (its
-    deployment restarting, or of failover pairs) sleeps there as without it."""
+    (scheduling.services.rollouts.move), serving throughout, a failover pair by a new pair; one
+    that cannot move (its deployment restarting already) is left as without it."""
 
     with transaction.atomic():
         node = locks.lock_node(name)
@@ -526,29 +526,30 @@ def drain(name: str, *, reason: str = "drained by an operator", move: bool = Fal
             .order_by("pk")
             .values_list("id", "lease_id", "deployment__name")
         )
-        # A failover pair's active member never sleeps (replicas.to_cache refuses it): it keeps
-        # serving, said here, rather than the drain failing half-way with a 409 for it.
-        paired = [replica_id for replica_id, lease, _ in serving if lease is not None]
         plain = [(replica_id, deployment) for replica_id, lease, deployment in serving if lease is None]
-        for replica_id in paired:
-            outbox.note(
-                Event.Kind.NODE_DRAINING,
-                f"node {name}",
-                f"{reason}: replica {replica_id[:8]} keeps serving there: it is the active member of a failover "
-                "pair, which never sleeps (scale its deployment down to move it)",
-                node=name,
-                replica=replica_id,
-            )
     # Each deployment's move in a transaction of its own, after the node's: the one lock order
     # takes a deployment's row before a node's.
     moving: list[str] = []
     if move:
         by_deployment: dict[str, list[str]] = {}
-        for replica_id, deployment in plain:
+        for replica_id, _, deployment in serving:
             by_deployment.setdefault(deployment, []).append(replica_id)
         for deployment, ids in sorted(by_deployment.items()):
             if rollouts.move(deployment, ids, why=f"moving off node {name} ({reason})"):
                 moving += ids
+    # A failover pair's active member never sleeps (replicas.to_cache refuses it): one not moved
+    # keeps serving, said here, rather than the drain failing half-way with a 409 for it.
+    kept = [replica_id for replica_id, lease, _ in serving if lease is not None and replica_id not in moving]
+    with transaction.atomic():
+        for replica_id in kept:
+            outbox.note(
+                Event.Kind.NODE_DRAINING,
+                f"node {name}",
+                f"{reason}: replica {replica_id[:8]} keeps serving there: it is the active member of a failover "
+                f"pair, which never sleeps ({'its deployment restarts already' if move else 'drain with a move'})",
+                node=name,
+                replica=replica_id,
+            )
     put_to_sleep = []
     for replica_id in (replica_id for replica_id, _ in plain if replica_id not in moving):
         try:

@@ -62,6 +62,14 @@ def misplaced_of(deployment: Deployment) -> tuple[list[str], str]:
     return [replica_id for replica_id, _ in rows], why
 
 
+def _with_their_pairs(replica_ids: Iterable[str]) -> list[str]:
+    """These replicas and the other members of their failover pairs: a pair moves whole."""
+    ids = set(replica_ids)
+    leases = Replica.objects.filter(pk__in=ids, lease__isnull=False).values_list("lease_id", flat=True)
+    ids |= set(Replica.objects.filter(lease_id__in=list(leases)).values_list("id", flat=True))
+    return sorted(ids)
+
+
 def _only(deployment: Deployment) -> frozenset[str] | None:
     """A move's replicas (the only ones its restart replaces); None for a whole restart."""
     return frozenset(deployment.observed.restart_only.split()) or None
@@ -90,12 +98,8 @@ def restart(name: str, *, by: str, misplaced: bool = False) -> Deployment:
             ids, why = misplaced_of(deployment)
             if not ids:
                 raise InvalidState(f"no replica of {name} is on a node its placement refuses: nothing to move")
-            if deployment.failover_standby:
-                raise InvalidState(
-                    f"{name} runs failover pairs, whose standbys sit beside their active members: a pair moves by a "
-                    f"whole restart (gpuportal restart {name}) or a drain of its node"
-                )
-            begin(deployment, why=f"asked by {by} for the replicas where its placement refuses them ({why})", only=ids)
+            why = f"asked by {by} for the replicas where its placement refuses them ({why})"
+            begin(deployment, why=why, only=_with_their_pairs(ids))
         elif not begin(deployment, why=f"asked by {by}"):
             raise InvalidState(
                 f"deployment {name} has no replica to restart: none holds a process, a host copy or GPU memory "
@@ -109,16 +113,14 @@ def restart(name: str, *, by: str, misplaced: bool = False) -> Deployment:
 def move(name: str, replica_ids: Iterable[str], *, why: str) -> int:
     """Replace these replicas of the deployment (those serving on a node drained with a move) by
     new ones placed where placement may put them, each stopped once its replacement serves: a
-    restart of them alone. Returns how many it is to move; 0 when it cannot (a restart under way,
-    a deployment of failover pairs, whose standbys sit beside their active members), and the
-    caller sleeps them instead."""
+    restart of them alone (a failover pair's active member, by a whole new pair placed beside
+    its pair). Returns how many it is to move; 0 when it cannot (a restart under way, a failed
+    deployment), and the caller leaves them as a drain without a move would."""
     with transaction.atomic():
         deployment = locks.lock_deployment_if_there(name=name)
-        if deployment is None or deployment.failover_standby or deployment.observed.restart_since is not None:
+        if deployment is None or deployment.observed.restart_since is not None or deployment.observed.failed_reason:
             return 0
-        if deployment.observed.failed_reason:
-            return 0
-        count = begin(deployment, why=why, only=replica_ids)
+        count = begin(deployment, why=why, only=_with_their_pairs(replica_ids))
     if count:
         advance(name)
     return count
@@ -204,7 +206,11 @@ def step(name: str) -> Step | None:
         if deployment.failover_standby:
             short = _short_pairs(deployment, found, observed.restart_since)
             decided = rollout.next_pair_step(
-                found, since=observed.restart_since, surge_id=observed.restart_surge, short=short
+                found,
+                since=observed.restart_since,
+                surge_id=observed.restart_surge,
+                short=short,
+                only=_only(deployment),
             )
             if decided.action == Action.STANDBY and (ended := _standbys_keep_failing(deployment, decided)):
                 return ended
@@ -344,18 +350,20 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
     it goes to sleep there as a drain without a move would have it (a wake elsewhere replaces it
     once there is room)."""
     observed = deployment.observed
-    observed.restart_only = " ".join(i for i in observed.restart_only.split() if i != replica_id)
+    staying = set(_with_their_pairs([replica_id]))
+    observed.restart_only = " ".join(i for i in observed.restart_only.split() if i not in staying)
     if observed.restart_only:
         save_observed(deployment, ["restart_only"])
     replica = locks.lock_replica(replica_id)  # after the deployment's row: the one lock order
     drained = replica.node is not None and replica.node.status == Node.Status.DRAINING
     why = f"no room for replica {replica_id[:8]}'s replacement elsewhere ({err})"
-    if drained and replica.state == Replica.State.SERVING:
+    if drained and replica.state == Replica.State.SERVING and replica.lease_id is None:
         replica_services.sleep_replica(
             replica_id, reason=f"{STEP}: {why}; it sleeps on its drained node", deployment=deployment
         )
         why += f"; it sleeps on node {replica.node.name}, drained"  # type: ignore[union-attr]
     else:
+        # A pair's active member never sleeps: it serves on where it is, as in a plain drain.
         why += "; it stays where it is"
     if not observed.restart_only:
         # An empty list is a whole restart's: the move ends here, having nothing left to move.

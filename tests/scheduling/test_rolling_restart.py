@@ -536,6 +536,34 @@ def test_a_pair_whose_reservation_no_longer_fits_the_need_is_replaced_by_a_new_p
     assert invariant_holds()
 
 
+def test_a_drain_that_moves_a_failover_pair_places_a_new_pair_elsewhere_and_stops_the_old_one_whole(
+    ready_pair, api, report, dispatched, on_commit
+):
+    active, standby = ready_pair
+    there = active.node.name
+
+    answer = api("post", f"/api/nodes/{there}/drain/", {"move": True})
+
+    assert answer.status_code == 200, answer.json()
+    # Its first step: a whole new pair on another node; the old one serves and stands by meanwhile.
+    new_pair = list(Replica.objects.filter(deployment__name="pair").exclude(pk__in=[active.id, standby.id]))
+    new_active = next(r for r in new_pair if r.role == "primary")
+    new_standby = next(r for r in new_pair if r.role == "standby")
+    assert {r.node.name for r in new_pair} != {there} and new_active.node_id == new_standby.node_id
+    assert live("pair")[active.id] == "serving" and live("pair")[standby.id] == "standby"
+    observed = DeploymentObserved.objects.get(deployment__name="pair")
+    assert sorted(observed.restart_only.split()) == sorted([active.id, standby.id]), "the pair moves whole"
+    assert not Event.objects.filter(reason__contains="keeps serving there").exists()
+
+    serves_at(report, new_active)
+    stands_by(report, new_standby)
+    assert step(on_commit, "pair").action == Action.STOP
+    assert live("pair")[active.id] == "stopping" and live("pair")[standby.id] == "stopping"
+    assert step(on_commit, "pair").action == Action.DONE
+    assert DeploymentObserved.objects.get(deployment__name="pair").restart_only == ""
+    assert invariant_holds()
+
+
 def test_a_pair_with_no_room_for_a_new_pair_beside_it_is_left_serving_with_its_standby(ready_pair, api, on_commit):
     active, standby = ready_pair
     # More than any node's two 1 GiB GPUs hold together: no new pair fits anywhere.
