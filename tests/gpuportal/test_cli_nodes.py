@@ -208,13 +208,10 @@ class Moving(Replay):
         return {"name": "tiny", "rollout": self.rollout}
 
 
-def test_a_drain_that_moves_waits_while_the_replicas_deployment_moves_them_however_long_they_serve():
-    serving = [replica("a", "serving")]
-    polls = [serving] * 40 + [[replica("a", "stopped")]]  # 200 s serving on the node, then stopped
+def wait_moving(client: Moving) -> nodes.Drained:
+    """A drain of node `box` with --move, its clock moving 5 s a poll."""
     clock = iter(range(0, 100_000, 5))
-    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1})
-
-    where = nodes.wait_until_drained(
+    return nodes.wait_until_drained(
         client,  # type: ignore[arg-type]
         "box",
         console=Console(file=io.StringIO()),
@@ -224,19 +221,27 @@ def test_a_drain_that_moves_waits_while_the_replicas_deployment_moves_them_howev
         pause=lambda s: None,
     )
 
-    assert where.done and set(client.asked) == {"/api/deployments/tiny/"}
-    stuck = Moving([serving], rollout=None)  # its move ended, and the replica still serves there
-    clock = iter(range(0, 100_000, 5))
+
+def test_a_drain_that_moves_waits_while_the_replicas_deployment_moves_them_however_long_they_serve():
+    serving = [replica("a", "serving")]
+    polls = [serving] * 40 + [[replica("a", "stopped")]]  # 200 s serving on the node, then stopped
+    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1})
+
+    assert wait_moving(client).done and set(client.asked) == {"/api/deployments/tiny/"}
     with pytest.raises(CliError, match="1 serving that do not move or go to sleep"):
-        nodes.wait_until_drained(
-            stuck,  # type: ignore[arg-type]
-            "box",
-            console=Console(file=io.StringIO()),
-            timeout_s=600,
-            moving=True,
-            clock=lambda: next(clock),
-            pause=lambda s: None,
-        )
+        wait_moving(Moving([serving], rollout=None))  # its move ended, and the replica still serves there
+
+
+def test_a_drain_that_moves_waits_for_a_failover_pair_moving_as_a_new_pair_elsewhere():
+    pair = {"pair": 1, "lease_epoch": 1}
+    active = replica("a", "serving", failover_state={**pair, "state": "active", "holder": True})
+    polls = [[active]] * 5 + [[replica("a", "stopped")]]
+    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 2, "left": 2})
+
+    where = wait_moving(client)
+
+    assert where.done and not where.kept, "waited until the pair stopped, not done at once as a kept pair"
+    assert wait_moving(Moving([[active]], rollout=None)).kept == [active], "a pair not moving is kept"
 
 
 def test_a_drain_that_runs_out_of_time_says_where_the_node_stands():
