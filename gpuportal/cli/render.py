@@ -136,7 +136,7 @@ def deployments_table(deployments: list[dict[str, Any]]) -> Table:
         if status != "ok" and deployment.get("failed_reason"):
             status_text.append(f": {deployment['failed_reason']}")
         if rollout := deployment.get("rollout"):
-            status_text.append(f", restarting ({rollout['left']} left)")
+            status_text.append(f", {'moving' if rollout.get('move') else 'restarting'} ({rollout['left']} left)")
         table.add_row(
             Text(deployment["name"]),
             status_text,

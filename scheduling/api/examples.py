@@ -331,7 +331,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         # Its first step taken: a surge placed beside the one replica, the deployment still wanting one.
         "response": {
             **DEPLOYMENT_SHOWN,
-            "rollout": {"since": AT, "replaced": 1, "left": 1},
+            "rollout": {"since": AT, "replaced": 1, "left": 1, "move": False},
             "replicas": [
                 REPLICA_SHOWN,
                 {**REPLICA_SHOWN, "id": "9e1b7c2d4f6a48b0a3c5d7e9f1a2b3c4", "state": S.PENDING, "progress": None},

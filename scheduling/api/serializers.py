@@ -334,7 +334,11 @@ class RolloutSerializer(serializers.Serializer):
     since = serializers.DateTimeField(help_text="Replicas started before this are replaced.")
     replaced = serializers.IntegerField(help_text="Replicas started since the restart was asked for.")
     left = serializers.IntegerField(
-        help_text="Replicas started before it that still hold a process, a host copy or GPU memory."
+        help_text="Replicas started before it that still hold a process, a host copy or GPU memory (of a move, "
+        "those it moves)."
+    )
+    move = serializers.BooleanField(
+        help_text="A move: only some replicas are replaced (a drain's with move, a restart of the misplaced)."
     )
 
 
@@ -397,7 +401,9 @@ class DeploymentSerializer(serializers.ModelSerializer):
         done = rollouts.progress_of(deployment)
         if done is None:
             return None
-        return {"since": deployment.observed.restart_since, "replaced": done.replaced, "left": done.left}
+        observed = deployment.observed
+        moving = bool(observed.restart_only)
+        return {"since": observed.restart_since, "replaced": done.replaced, "left": done.left, "move": moving}
 
 
 class OccupantSerializer(serializers.ModelSerializer):

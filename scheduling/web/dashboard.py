@@ -244,6 +244,7 @@ def _deployment_rows() -> list[dict[str, Any]]:
             load_failures=F("observed__load_failures"),
             retry_at=F("observed__retry_at"),
             restart_since=F("observed__restart_since"),
+            restart_only=F("observed__restart_only"),
         )
     )
     by_state: dict[str, Counter[str]] = defaultdict(Counter)

@@ -421,12 +421,15 @@ def test_ls_lists_deployments_and_their_live_replicas_not_the_stopped_ones():
     assert "cccccccc tiny loading box/0 -" in lines
     assert not any(line.startswith("bbbbbbbb") for line in lines)
 
-    restarting = deployment(
-        replica("a" * 32, "serving"), rollout={"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1}
-    )
+    under_way = {"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1, "move": False}
+    restarting = deployment(replica("a" * 32, "serving"), rollout=under_way)
     console = Console(file=io.StringIO(), width=120)
     console.print(render.deployments_table([restarting]))
     assert "tiny ok, restarting (1 left) 1/1 1 serving" in " ".join(console.file.getvalue().split())
+    moving = deployment(replica("a" * 32, "serving"), rollout={**under_way, "move": True})
+    console = Console(file=io.StringIO(), width=120)
+    console.print(render.deployments_table([moving]))
+    assert "tiny ok, moving (1 left) 1/1 1 serving" in " ".join(console.file.getvalue().split())
 
 
 # -- waiting ----------------------------------------------------------------------------------
@@ -527,7 +530,7 @@ def test_a_retry_is_done_once_what_was_lacking_serves_and_its_sleepers_count_as_
 
 def test_a_restart_is_waited_for_until_none_is_under_way_though_nothing_moves_between_its_steps():
     goal = waiting.Goal("serving", 0, at_least=True, rollout=True)
-    under_way = {"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1}
+    under_way = {"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1, "move": False}
 
     between_steps = deployment(replica("a", "serving"), replica("b", "serving"), rollout=under_way)
     assert waiting.verdict(between_steps, goal, set()).outcome == "waiting", "the sweep's next step is coming"

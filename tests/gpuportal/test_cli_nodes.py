@@ -21,7 +21,6 @@ from scheduling.models import Node, Replica
 from scheduling.services import reports
 from tests.support.api_shapes import shaped
 from tests.support.deployments import body, serve
-from tests.support.processes import wait_until
 
 
 @pytest.fixture
@@ -47,13 +46,16 @@ def spread_over_both_nodes(tiny_model_dir) -> dict[str, str]:
     return on
 
 
+real_drained = nodes.drained
+
+
 def rows(out: str) -> dict[str, str]:
     return {line.split()[0]: line for line in out.splitlines()[1:] if line.strip()}
 
 
 @pytest.mark.django_db(transaction=True)
 def test_drain_waits_until_the_nodes_replicas_sleep_and_nodes_shows_where_each_node_stands(
-    cluster, dispatched, tiny_model_dir, operator, capsys
+    cluster, dispatched, tiny_model_dir, operator, capsys, monkeypatch
 ):
     on = spread_over_both_nodes(tiny_model_dir)
 
@@ -66,10 +68,20 @@ def test_drain_waits_until_the_nodes_replicas_sleep_and_nodes_shows_where_each_n
     assert "2 virtual" in rows(listed)["node1"] and "1 serving" in rows(listed)["node1"]
 
     drained: dict[str, Any] = {}
+    # The sleep is reported once the command has looked at the node (its state draining then):
+    # reported before, the command would see no change of state to print.
+    looked = threading.Event()
+
+    def drained_looked_at(replicas: list[dict[str, Any]]) -> nodes.Drained:
+        looked.set()
+        return real_drained(replicas)
+
+    monkeypatch.setattr(nodes, "drained", drained_looked_at)
     drain = threading.Thread(target=lambda: drained.update(code=app.main(["node", "drain", "node1"], env=operator)))
     drain.start()
     sleeper = on["node1"]
-    wait_until(lambda: Replica.objects.get(pk=sleeper).state == "draining", 30, "the replica on node1 told to sleep")
+    assert looked.wait(30), "the command's first look at node1"
+    assert Replica.objects.get(pk=sleeper).state == "draining", "the replica on node1 told to sleep"
     gpus = Replica.objects.get(pk=sleeper).gpu_mem_bytes_by_id
     reports.report(sleeper, {"event": "sleeping", "residual_bytes_by_id": dict.fromkeys(gpus, 0)})
     drain.join(60)
@@ -225,7 +237,7 @@ def wait_moving(client: Moving) -> nodes.Drained:
 def test_a_drain_that_moves_waits_while_the_replicas_deployment_moves_them_however_long_they_serve():
     serving = [replica("a", "serving")]
     polls = [serving] * 40 + [[replica("a", "stopped")]]  # 200 s serving on the node, then stopped
-    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1})
+    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 1, "left": 1, "move": True})
 
     assert wait_moving(client).done and set(client.asked) == {"/api/deployments/tiny/"}
     with pytest.raises(CliError, match="1 serving that do not move or go to sleep"):
@@ -236,7 +248,7 @@ def test_a_drain_that_moves_waits_for_a_failover_pair_moving_as_a_new_pair_elsew
     pair = {"pair": 1, "lease_epoch": 1}
     active = replica("a", "serving", failover_state={**pair, "state": "active", "holder": True})
     polls = [[active]] * 5 + [[replica("a", "stopped")]]
-    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 2, "left": 2})
+    client = Moving(polls, rollout={"since": "2026-11-30T12:00:00Z", "replaced": 2, "left": 2, "move": True})
 
     where = wait_moving(client)
 

@@ -454,6 +454,7 @@ def test_drain_moving_replicas_asks_then_replaces_them_on_another_node(cluster, 
     (replacement,) = Replica.objects.exclude(pk=replica_id)
     assert replacement.node.name != node
     assert any("1 moving to other nodes, 0 serving replica(s) going to sleep" in m for m in outcome(response))
+    assert 'title="replacing some of the replicas started before' in admin_client.get(DASHBOARD).content.decode()
 
 
 def test_a_node_named_as_a_cloud_names_its_hosts_is_shown_and_drained(admin_client, dispatched) -> None:

@@ -228,7 +228,8 @@ def test_a_drain_that_moves_replaces_each_serving_replica_elsewhere_before_it_st
         deployment="m",
         reason="rolling restart moving off node node1 (drained by an operator): 1 replica(s) to move, one at a time",
     ).exists()
-    assert api("get", "/api/deployments/m/").json()["rollout"]["left"] == 1
+    rollout = api("get", "/api/deployments/m/").json()["rollout"]
+    assert (rollout["left"], rollout["move"]) == (1, True)
 
     with django_capture_on_commit_callbacks(execute=True):
         serve(surge)
