@@ -185,8 +185,9 @@ def changed(
             refused[key] = problem
         else:
             layer[key] = value
-    if not refused and len(merged(agent, layer)) > MAX_PAIRS:
-        refused[next(iter(changes))] = f"at most {MAX_PAIRS}, and this makes {len(merged(agent, layer))}"
+    if not refused and len(layer) > max(MAX_PAIRS, len(operator)):
+        # The operators' own, as an agent's --labels are held to it (its GPUs' come on top).
+        refused[next(iter(changes))] = f"at most {MAX_PAIRS} set by operators, and this makes {len(layer)}"
     return layer, refused
 
 

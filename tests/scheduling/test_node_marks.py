@@ -65,9 +65,12 @@ def test_operators_set_their_own_labels_over_the_agents_and_remove_only_those():
     assert "'bad key' is no label key" in refused["bad key"]
     assert "'-x' is no value for ok" in refused["ok"]
 
-    many = {f"k{i}": "v" for i in range(node_labels.MAX_PAIRS - 1)}
-    _, refused = node_labels.changed(agent, {}, many)
-    assert list(refused.values()) == [f"at most {node_labels.MAX_PAIRS}, and this makes {node_labels.MAX_PAIRS + 1}"]
+    full = {f"k{i}": "v" for i in range(node_labels.MAX_PAIRS)}
+    layer, refused = node_labels.changed(agent, {}, full)
+    assert layer == full and not refused, "the operators' own count, not the agent's beside them"
+    _, refused = node_labels.changed(agent, full, {"one": "more"})
+    assert refused == {"one": f"at most {node_labels.MAX_PAIRS} set by operators, and this makes 33"}
+    assert node_labels.changed(agent, full, {"k0": None}) == ({k: v for k, v in full.items() if k != "k0"}, {})
 
 
 def test_a_bare_key_tolerates_any_value_of_its_taint():
