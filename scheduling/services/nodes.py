@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
-from gpuportal.wire import node_acl, node_labels, node_lease, replies
+from gpuportal.wire import node_acl, node_labels, node_lease, replies, states
 from gpuportal.wire.commands import node_queue
 from gpuportal.wire.node_reports import Books, DeviceInfo, Survivor
 from gpuportal.wire.requestqueue import records_key
@@ -521,18 +521,22 @@ def drain(name: str, *, reason: str = "drained by an operator", move: bool = Fal
                 after={"status": Node.Status.DRAINING},
                 node=name,
             )
-        serving = list(
-            node.replicas.filter(state=Replica.State.SERVING)
+        awake = list(
+            node.replicas.filter(state__in=states.AWAKE)
             .order_by("pk")
-            .values_list("id", "lease_id", "deployment__name")
+            .values_list("id", "state", "lease_id", "deployment__name")
         )
+        serving = [(replica_id, lease, dep) for replica_id, state, lease, dep in awake if state == states.S.SERVING]
         plain = [(replica_id, deployment) for replica_id, lease, deployment in serving if lease is None]
+        # Loading or waking there: a move takes them too (they serve, then are replaced), where a
+        # drain without one puts them to sleep once they serve (replica_reports).
+        starting = [(replica_id, dep) for replica_id, state, _, dep in awake if state != states.S.SERVING]
     # Each deployment's move in a transaction of its own, after the node's: the one lock order
     # takes a deployment's row before a node's.
     moving: list[str] = []
     if move:
         by_deployment: dict[str, list[str]] = {}
-        for replica_id, _, deployment in serving:
+        for replica_id, deployment in [(replica_id, dep) for replica_id, _, dep in serving] + starting:
             by_deployment.setdefault(deployment, []).append(replica_id)
         for deployment, ids in sorted(by_deployment.items()):
             if rollouts.move(deployment, ids, why=f"moving off node {name} ({reason})"):

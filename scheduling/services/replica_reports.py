@@ -156,9 +156,12 @@ def _node_drained(replica: Replica) -> bool:
 
 def _sleep_on_a_drained_node(replica: Replica, deployment: Deployment, did: str) -> None:
     """A replica that came up on a node drained meanwhile goes to sleep, as the drain put to sleep
-    what served there. A failover pair's active member never sleeps (its pair's own reports
-    handle it, not these)."""
+    what served there; one a drain's move is to replace serves until its replacement does. A
+    failover pair's active member never sleeps (its pair's own reports handle it, not these)."""
     if replica.lease_id is not None:
+        return
+    if replica.id in deployment.observed.restart_only.split():
+        outbox.want(effects.advance_restarts())  # its move's next step: its replacement
         return
     replicas.sleep_replica(
         replica.id, reason=f"node {replica.node.name} was drained while it {did}", deployment=deployment

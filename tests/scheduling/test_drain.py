@@ -292,3 +292,29 @@ def test_a_bad_drain_is_a_400_naming_what_is_wrong_and_drains_nothing(cluster, a
     answer = api("post", "/api/nodes/node1/drain/", sent)
     assert (answer.status_code, answer.json()) == (400, said)
     assert Node.objects.get(name="node1").status == "online"
+
+
+def test_a_drain_that_moves_takes_a_replica_loading_there_too_which_serves_until_its_replacement_does(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
+):
+    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
+    assert api("post", "/api/deployments/", spread).status_code == 201
+    (loading,) = [i for i, (_, node) in live("m").items() if node == "node1"]
+    (kept,) = [i for i, (_, node) in live("m").items() if node == "node2"]
+    serve(kept)
+
+    api("post", "/api/nodes/node1/drain/", {"move": True})
+    assert DeploymentObserved.objects.get(deployment__name="m").restart_only == loading
+    assert len(live("m")) == 2, "its move waits for it to come up"
+    with django_capture_on_commit_callbacks(execute=True):
+        serve(loading)
+
+    assert live("m")[loading] == ("serving", "node1"), "not put to sleep: its move replaces it"
+    with django_capture_on_commit_callbacks(execute=True):
+        rollouts.advance("m")
+    (surge,) = [i for i in live("m") if i not in (loading, kept)]
+    assert live("m")[surge] == ("pending", "node2")
+    with django_capture_on_commit_callbacks(execute=True):
+        serve(surge)
+        rollouts.advance("m")
+    assert live("m")[loading][0] == "stopping" and invariant_holds()
