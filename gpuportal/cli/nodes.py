@@ -220,7 +220,26 @@ def cmd_node_mark(ctx: Operator, args: argparse.Namespace) -> int:
     shown = render.declared_labels(node) if what == "labels" else node.get(what) or {}
     own = node_labels.text(node.get(f"operator_{what}") or {}) or "none"
     ctx.out.print(Text(f"node {args.name}: {what} {node_labels.text(shown) or 'none'} (set by operators: {own})"))
+    if args.move:
+        moved = ctx.client.post(node_path(args.name, "move-misplaced"))
+        ctx.out.print(Text(moved_line(args.name, moved)))
     return 0
+
+
+def moved_line(name: str, moved: dict[str, Any]) -> str:
+    """What a move of the misplaced off a node does, deployment by deployment."""
+
+    def listed(counts: dict[str, int]) -> str:
+        return ", ".join(f"{deployment} ({count})" for deployment, count in sorted(counts.items()))
+
+    if not moved.get("moving") and not moved.get("staying"):
+        return f"nothing on node {name} is refused there: nothing to move"
+    said = f"moving off node {name}, each replaced elsewhere before it stops: {listed(moved['moving'])}"
+    if not moved.get("moving"):
+        said = f"nothing moves off node {name} now"
+    if moved.get("staying"):
+        said += f"; staying until their restarts are done: {listed(moved['staying'])}"
+    return said
 
 
 # -- credentials ---------------------------------------------------------------------------------
@@ -320,6 +339,12 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         )
         marking.add_argument("name")
         marking.add_argument("changes", nargs="+", metavar="KEY=VALUE|KEY-")
+        marking.add_argument(
+            "--move",
+            action="store_true",
+            help="then move off the node what its deployments' placement refuses there now, each replica replaced "
+            "elsewhere before it stops (as a NoExecute taint evicts)",
+        )
         marking.set_defaults(run=cmd_node_mark)
     add = actions.add_parser("add", help="issue the node's credential and print its token, once (staff)")
     add.add_argument("name", help="the node's name, as its agent's --node")

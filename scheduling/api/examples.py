@@ -287,6 +287,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "response": NODE_SHOWN,
     },
     ("delete", "/api/nodes/{name}/"): {"parameter": "node1"},
+    ("post", "/api/nodes/{name}/move-misplaced/"): {"response": {"moving": {"chat": 2}, "staying": {}}},
     ("post", "/api/nodes/{name}/drain/"): {"request": {"move": True}, "response": {**NODE_SHOWN, "status": "draining"}},
     ("post", "/api/nodes/{name}/undrain/"): {"response": NODE_SHOWN},
     ("post", "/api/nodes/{name}/credential/"): {

@@ -49,6 +49,16 @@ class RevokeFilterSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, default="", max_length=500, help_text="Why, for the Event.")
 
 
+class MovedSerializer(serializers.Serializer):
+    moving = serializers.DictField(
+        child=serializers.IntegerField(), help_text="By deployment, its replicas there that move (a move each)."
+    )
+    staying = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text="By deployment, its replicas there that stay for now: it is restarting already.",
+    )
+
+
 class NodeSerializer(serializers.ModelSerializer):
     heartbeat_age_s = serializers.SerializerMethodField(help_text="Seconds since the last heartbeat.")
     gpu_count = serializers.IntegerField(read_only=True)

@@ -92,6 +92,17 @@ class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
 
     @extend_schema(
+        summary="Move off the node the replicas whose deployments' placement refuses it now (after a taint or a "
+        "label changed), each replaced where its placement allows before it stops: Kubernetes' NoExecute, gracefully",
+        request=None,
+        responses={200: s.MovedSerializer, 404: OpenApiResponse(description="No such node.")},
+    )
+    @action(detail=True, methods=["post"], url_path="move-misplaced")
+    def move_misplaced(self, request: Request, name: str) -> Response:
+        moving, staying = node_marks.move_misplaced(name, by=request.user.get_username())
+        return Response(s.MovedSerializer({"moving": moving, "staying": staying}).data)
+
+    @extend_schema(
         request=inputs.DrainInput,
         responses={
             200: s.NodeSerializer,

@@ -6,16 +6,15 @@ replica whose deployment's node selector no longer matches where it is until a r
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 
 from django.db import transaction
 
-from gpuportal.wire import node_labels, states
+from gpuportal.wire import control, node_labels, states
 from scheduling import locks
 from scheduling.models import Event, Node, Replica
-from scheduling.services import outbox
-from scheduling.services.errors import InvalidInput
+from scheduling.services import outbox, rollouts
+from scheduling.services.errors import InvalidInput, NotFound
 from scheduling.services.nodes import reconcile_later
 
 MARKS = ("labels", "taints")
@@ -76,19 +75,50 @@ def change(
     return node
 
 
+def move_misplaced(name: str, *, by: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Move off the node the replicas whose deployments' placement refuses it now (Kubernetes'
+    NoExecute, gracefully): each deployment's a move of its own (scheduling.services.rollouts.move),
+    each replica replaced where its placement allows before it stops. Returns (moving, staying),
+    each {deployment: replicas}: one restarting already stays until it is done. NotFound for no
+    such node."""
+    node = Node.objects.filter(name=name).first()
+    if node is None:
+        raise NotFound(control.unknown_node(name))
+    moving: dict[str, int] = {}
+    staying: dict[str, int] = {}
+    for deployment, ids in sorted(_misplaced_there(node).items()):
+        why = f"moving off node {name}, which its placement refuses now (asked by {by})"
+        if rollouts.move(deployment, ids, why=why):
+            moving[deployment] = len(ids)
+        else:
+            staying[deployment] = len(ids)
+    return moving, staying
+
+
+def _misplaced_there(node: Node) -> dict[str, list[str]]:
+    """The replicas on the node (holding a process, a host copy or memory) whose deployments'
+    placement refuses it now, by deployment."""
+    held = node.replicas.exclude(state__in=[*states.GONE, Replica.State.PARKED]).values_list(
+        "id", "deployment__name", "deployment__placement_node_selector", "deployment__placement_tolerations"
+    )
+    marks = {node.name: (node.labels, node.taints)}
+    refused: dict[str, list[str]] = {}
+    for replica_id, deployment, *placement in held.order_by("pk"):
+        if node_labels.refusals(marks, deployment, *placement):
+            refused.setdefault(deployment, []).append(replica_id)
+    return refused
+
+
 def _misplaced_on(node: Node) -> str:
     """What the Event says of the replicas on the node whose deployments' placement refuses it
     now, and how to move them ("" for none): NoSchedule leaves them there."""
-    held = node.replicas.exclude(state__in=[*states.GONE, Replica.State.PARKED]).values_list(
-        "deployment__name", "deployment__placement_node_selector", "deployment__placement_tolerations"
-    )
-    marks = {node.name: (node.labels, node.taints)}
-    refused = Counter(name for name, *placement in held if node_labels.refusals(marks, name, *placement))
+    refused = _misplaced_there(node)
     if not refused:
         return ""
-    listed = ", ".join(f"{name} ({count})" for name, count in sorted(refused.items()))
+    listed = ", ".join(f"{name} ({len(ids)})" for name, ids in sorted(refused.items()))
     return (
-        f"; replicas there their placement now refuses stay until moved: {listed} (gpuportal restart NAME --misplaced)"
+        f"; replicas there their placement now refuses stay until moved: {listed} "
+        f"(gpuportal node taint {node.name} --move, or gpuportal restart NAME --misplaced)"
     )
 
 

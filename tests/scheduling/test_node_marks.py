@@ -14,10 +14,10 @@ from rest_framework.test import APIClient
 
 from gpuportal.cli import app
 from gpuportal.cli.client import CliError
-from gpuportal.cli.nodes import mark_changes
+from gpuportal.cli.nodes import mark_changes, moved_line
 from gpuportal.wire import deployment_spec, node_labels
 from inference.devices import virtual_gpus
-from scheduling.models import Deployment, Event, Node, Replica
+from scheduling.models import Deployment, DeploymentObserved, Event, Node, Replica
 from scheduling.services import deployments, node_marks
 from scheduling.services.errors import CannotPlace, InvalidInput, NotFound
 from scheduling.services.nodes import register_node
@@ -130,7 +130,7 @@ def test_a_taint_an_operator_sets_keeps_new_replicas_off_and_leaves_what_runs_th
     said = Event.objects.filter(kind="node.changed").latest("pk").reason
     assert said == (
         "ops set its taints: taints team=research added; replicas there their placement now refuses stay until "
-        "moved: old (1) (gpuportal restart NAME --misplaced)"
+        "moved: old (1) (gpuportal node taint box --move, or gpuportal restart NAME --misplaced)"
     )
     with pytest.raises(CannotPlace) as refused:
         deployments.scale("old", 2)
@@ -141,6 +141,36 @@ def test_a_taint_an_operator_sets_keeps_new_replicas_off_and_leaves_what_runs_th
     node_marks.change("box", taints={"team": None}, by="ops")
     deployments.scale("old", 2)
     assert nodes_of("old") == ["box", "box"] and invariant_holds()
+
+
+def test_moving_the_misplaced_off_a_tainted_node_replaces_them_elsewhere_and_leaves_who_tolerates_it(
+    db, dispatched, staff, django_capture_on_commit_callbacks
+):
+    start_agent("box")
+    deploy("old")
+    deploy("theirs", tolerations="team")
+    start_agent("other")
+    staff.patch("/api/nodes/box/", {"taints": {"team": "research"}}, format="json")
+    said = Event.objects.filter(kind="node.changed").latest("pk").reason
+    assert said.endswith(
+        "replicas there their placement now refuses stay until moved: old (1) "
+        "(gpuportal node taint box --move, or gpuportal restart NAME --misplaced)"
+    )
+    (old,) = Replica.objects.filter(deployment__name="old").values_list("id", flat=True)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = staff.post("/api/nodes/box/move-misplaced/")
+
+    assert (answer.status_code, answer.json()) == (200, {"moving": {"old": 1}, "staying": {}})
+    assert nodes_of("old") == ["box", "other"], "its replacement elsewhere; it serves until that one does"
+    assert nodes_of("theirs") == ["box"], "what tolerates the taint stays"
+    assert DeploymentObserved.objects.get(deployment__name="old").restart_only == old
+    again = staff.post("/api/nodes/box/move-misplaced/").json()
+    assert again == {"moving": {}, "staying": {"old": 1}}, "its move under way"
+    assert staff.post("/api/nodes/nope/move-misplaced/").status_code == 404
+    user = APIClient()
+    user.force_authenticate(User.objects.create_user("someone"))
+    assert user.post("/api/nodes/box/move-misplaced/").status_code == 403
 
 
 def test_a_taint_lifted_asks_the_reconciler_to_place_what_a_deployment_lacks(
@@ -281,6 +311,17 @@ def test_a_bad_patch_of_a_node_is_a_400_naming_what_is_wrong(db, dispatched, sta
     assert staff.patch("/api/nodes/nope/", {"labels": {"a": "b"}}, format="json").status_code == 404
 
 
+def test_the_command_line_says_what_a_move_off_a_node_moves_and_what_stays():
+    assert moved_line("box", {"moving": {}, "staying": {}}) == "nothing on node box is refused there: nothing to move"
+    assert moved_line("box", {"moving": {"b": 2, "a": 1}, "staying": {"c": 1}}) == (
+        "moving off node box, each replaced elsewhere before it stops: a (1), b (2); "
+        "staying until their restarts are done: c (1)"
+    )
+    assert moved_line("box", {"moving": {}, "staying": {"c": 1}}) == (
+        "nothing moves off node box now; staying until their restarts are done: c (1)"
+    )
+
+
 def test_the_command_line_reads_kubectls_changes_and_refuses_bad_ones_before_sending():
     assert mark_changes(["pool=fast", "zone-", "nvidia.com/gpu.product=H100"], "labels") == {
         "pool": "fast",
@@ -305,8 +346,14 @@ def test_node_label_and_taint_change_a_node_and_print_where_it_stands(live_serve
 
     assert app.main(["node", "label", "box", "pool=fast"], env=env) == 0
     assert capsys.readouterr().out == "node box: labels pool=fast,zone=a (set by operators: pool=fast)\n"
-    assert app.main(["node", "taint", "box", "team=research"], env=env) == 0
-    assert capsys.readouterr().out == "node box: taints team=research (set by operators: team=research)\n"
+    deploy("old")
+    start_agent("other")
+    assert app.main(["node", "taint", "box", "team=research", "--move"], env=env) == 0
+    assert capsys.readouterr().out == (
+        "node box: taints team=research (set by operators: team=research)\n"
+        "moving off node box, each replaced elsewhere before it stops: old (1)\n"
+    )
+    assert nodes_of("old") == ["box", "other"]
     assert app.main(["node", "taint", "box", "team-"], env=env) == 0
     assert capsys.readouterr().out == "node box: taints none (set by operators: none)\n"
 
