@@ -215,7 +215,11 @@ def mark_changes(items: list[str], what: str) -> dict[str, str | None]:
 
 def cmd_node_mark(ctx: Operator, args: argparse.Namespace) -> int:
     what = args.node_command + "s"  # label → labels, taint → taints
-    node = ctx.client.patch(node_path(args.name), {what: mark_changes(args.changes, what)})
+    if not args.changes and not args.move:
+        raise CliError(f"node {args.node_command}: give KEY=VALUE to set, KEY- to remove, or --move")
+    # No change with --move: only what is there already refused moves off.
+    changes = {what: mark_changes(args.changes, what)} if args.changes else {}
+    node = ctx.client.patch(node_path(args.name), changes)
     # Its GPUs' labels (nvidia.com/gpu.*) are `GET /api/nodes/NAME/`'s to show, as in `gpuportal nodes`.
     shown = render.declared_labels(node) if what == "labels" else node.get(what) or {}
     own = node_labels.text(node.get(f"operator_{what}") or {}) or "none"
@@ -338,7 +342,7 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
             ),
         )
         marking.add_argument("name")
-        marking.add_argument("changes", nargs="+", metavar="KEY=VALUE|KEY-")
+        marking.add_argument("changes", nargs="*", metavar="KEY=VALUE|KEY-")
         marking.add_argument(
             "--move",
             action="store_true",

@@ -354,6 +354,12 @@ def test_node_label_and_taint_change_a_node_and_print_where_it_stands(live_serve
         "moving off node box, each replaced elsewhere before it stops: old (1)\n"
     )
     assert nodes_of("old") == ["box", "other"]
+    assert app.main(["node", "taint", "box", "--move"], env=env) == 0, "no change: what is refused there moves"
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "nothing moves off node box now; staying until their restarts are done: old (1)"
+    )
+    assert app.main(["node", "taint", "box"], env=env) == 1
+    assert "node taint: give KEY=VALUE to set, KEY- to remove, or --move" in capsys.readouterr().err
     assert app.main(["node", "taint", "box", "team-"], env=env) == 0
     assert capsys.readouterr().out == "node box: taints none (set by operators: none)\n"
 
