@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -1064,6 +1065,24 @@ def test_a_submit_redis_runs_past_its_deadline_writes_nothing_and_is_a_503(
 
     assert response.status_code == 503 and response.json()["dependency"] == "redis"
     assert written_requests(rq) == [] and queued_ids(rq) == []
+
+
+def test_a_submit_reckons_its_deadline_from_when_it_goes_not_from_before_it_had_a_connection(rq, monkeypatch):
+    # A web process whose threads all submit at once can wait for a connection (and, on a loaded
+    # host, for the interpreter's lock) past the deadline: its submit then went to a Redis that ran
+    # it at once and was refused as late, a 503 for nothing.
+    web = RequestQueue.from_url(settings.REDIS_URL, socket_timeout=0.2)  # a deadline 0.1 s ahead
+    pool = web.redis.connection_pool
+    had = pool.get_connection
+
+    def late_connection(*args, **kwargs):
+        time.sleep(0.3)  # a connection had past that deadline
+        return had(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "get_connection", late_connection)
+    queued = web.submit("tiny", kind="generate", input="x", params={}, owner="u")
+
+    assert queued is not None and queued_ids(rq) == [queued.id]
 
 
 @pytest.fixture

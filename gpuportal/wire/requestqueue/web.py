@@ -39,6 +39,8 @@ BELL_MIN_WAIT_S = 0.01
 # How often the web measures again how far Redis's clock is from its own (a submit's deadline is
 # given on Redis's clock, so that a skew between hosts cannot refuse every submit).
 CLOCK_CHECK_S = 300.0
+# Where a submit's arguments hold its deadline until its connection is had (_submit_round_trip).
+_DEADLINE = object()
 
 
 class Submitting(QueueBase):
@@ -56,7 +58,9 @@ class Submitting(QueueBase):
         timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
         if not timeout:
             return ""
-        return repr(time.time() + self._clock_offset() + timeout / 2)
+        # The offset first: measuring it is a round trip, which must not age the time it is added to.
+        offset = self._clock_offset()
+        return repr(time.time() + offset + timeout / 2)
 
     def _clock_offset(self) -> float:
         measured = self._clock
@@ -186,7 +190,7 @@ class Submitting(QueueBase):
         count_ttl = count_in[1] if count_in is not None else ""
         args = [
             request.id, TTL_S, count_ttl, request.created_at, "1" if if_live else "0",
-            "1" if under_key is not None else "0", self.submit_deadline(),
+            "1" if under_key is not None else "0", _DEADLINE,
             *(x for kv in fields.items() for x in kv),
         ]  # fmt: skip
         # EVAL, not EVALSHA: a Redis that lost its scripts would refuse an EVALSHA while the
@@ -223,6 +227,11 @@ class Submitting(QueueBase):
         bounded = bool(socket_s)
         submit_s = min(socket_s, socket_s / 2 + 1.0) if bounded else None
         connection = pool.get_connection()
+        # The deadline from the moment the submit goes, not from before its connection was had: a
+        # web process whose threads all submit at once (a burst) can wait seconds for a connection
+        # and the interpreter's lock on a loaded host, and its submits were refused as late then
+        # though Redis ran them at once.
+        submit = tuple(self.submit_deadline() if arg is _DEADLINE else arg for arg in submit)
         try:
             commands = [submit] if block_s is None else [submit, ("BLMOVE", end, end, block_s, "RIGHT", "LEFT")]
             connection.send_packed_command(connection.pack_commands(commands))
