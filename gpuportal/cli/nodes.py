@@ -123,13 +123,13 @@ def wait_until_drained(
                 seen[replica["id"]] = replica.get("state", "?")
             where = drained(replicas)
             # A failover pair moves as a whole new pair elsewhere: its active member serves here
-            # until then, and the wait is for it too.
-            pairs_moving = moving and bool(where.kept) and _moves_under_way(client, where.kept)
-            if where.done and not pairs_moving:
+            # until then, and the wait is for it too. One look at the deployments per poll.
+            moves = moving and _moves_under_way(client, [*where.awake, *where.kept])
+            if where.done and not moves:
                 return where
             status.update(f"draining node {name}: {render.state_counts(where.awake)}")
             now = clock()
-            on_its_way = where.moving or pairs_moving or (moving and _moves_under_way(client, where.awake))
+            on_its_way = where.moving or moves
             stalled_since = None if on_its_way else (stalled_since if stalled_since is not None else now)
             if stalled_since is not None and now - stalled_since >= STALL_S:
                 raise CliError(
