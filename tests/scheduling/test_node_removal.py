@@ -150,12 +150,12 @@ def test_the_admin_removes_selected_offline_nodes_and_says_why_it_keeps_the_othe
 def test_an_agent_whose_node_was_removed_while_it_was_cut_off_stops_saying_how_to_register_again(start_agent, tmp_path):
     import signal
 
-    from tests.support.processes import wait_until
+    from tests.support.processes import sweep_until_written_off
 
     agent = start_agent("gone", "1x2GiB")
     agent.send_signal(signal.SIGSTOP)  # cut off: its lease lapses and the sweep writes it off
     try:
-        wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == ["gone"], 30, "gone to be offline")
+        assert sweep_until_written_off("gone") == [["gone"]]
         nodes.remove("gone", by="ops")
     finally:
         agent.send_signal(signal.SIGCONT)

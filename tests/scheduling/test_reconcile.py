@@ -278,7 +278,7 @@ def test_a_killed_agents_replica_is_replaced_on_the_other_node_with_no_request_l
 
     from inference.management.commands.make_tiny_model import write_tiny_model
     from tests.support.load import SteadyLoad
-    from tests.support.processes import wait_until
+    from tests.support.processes import sweep_until_written_off, wait_until
 
     request_services.queue.cache_clear()
     agents = {"left": start_agent("left", "1x8GiB"), "right": start_agent("right", "1x8GiB")}
@@ -304,7 +304,7 @@ def test_a_killed_agents_replica_is_replaced_on_the_other_node_with_no_request_l
         agents[doomed].wait(60)
         if how == "SIGKILL":
             # Beat does not run in tests: expire the silent node as its sweep would.
-            wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == [doomed], 30, "the node to be offline")
+            sweep_until_written_off(doomed)
         else:
             assert Node.objects.get(name=doomed).status == Node.Status.OFFLINE
         wait_until(lambda: serving_on(keeper) == 2, 180, "replacements to serve on the other node")
@@ -328,7 +328,7 @@ def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_on
 
     from inference.management.commands.make_tiny_model import write_tiny_model
     from tests.support.load import SteadyLoad
-    from tests.support.processes import wait_until
+    from tests.support.processes import sweep_until_written_off, wait_until
     from tests.support.replicas import gone
 
     request_services.queue.cache_clear()
@@ -346,7 +346,7 @@ def test_a_cut_off_agents_replica_is_replaced_and_fenced_and_its_node_returns_on
         its replica is replaced on the other node, then let it be heard again."""
         written_off = Replica.objects.get(node__name=node, state="serving")
         agents[node].send_signal(signal.SIGSTOP)
-        wait_until(lambda: nodes.expire_heartbeats(timeout_s=2) == [node], 30, f"{node} to be offline")
+        sweep_until_written_off(node)
         wait_until(lambda: Replica.objects.filter(state="serving", node__name=other).exists(), 180, "a replacement")
         agents[node].send_signal(signal.SIGCONT)
         # gone(): the process may end between a check that it exists and a look at its status.

@@ -34,6 +34,54 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, every: flo
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def sweep_until_written_off(node: str, silence_s: float = 2.0) -> list[list[str]]:
+    """Runs the heartbeat sweep, as beat would (beat runs in no test), until it writes `node` off
+    for a silence of `silence_s`; returns what each sweep that wrote anything off wrote off.
+
+    How long that may take once the node's agent is cut off: its lease lapses within its TTL,
+    and a beat it sent just before may be applied as late as that call's expiry
+    (gpuportal.wire.control.TIMEOUTS_S) on a loaded host, counting the silence afresh. Another
+    node written off by the same sweep (its agent starved past its own lease) does not hide this
+    one. A timeout says what each sweep wrote off, and how the books and Redis saw the nodes."""
+    from gpuportal.wire.control import TIMEOUTS_S
+    from scheduling.services import nodes
+
+    swept: list[list[str]] = []
+
+    def written_off() -> bool:
+        if expired := nodes.expire_heartbeats(timeout_s=silence_s):
+            swept.append(expired)
+        return node in expired
+
+    try:
+        wait_until(written_off, TIMEOUTS_S["heartbeat"] + 30, f"the sweep to write {node} off")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; the sweeps wrote off {swept}; {_liveness_now()}") from None
+    return swept
+
+
+def _liveness_now() -> str:
+    """What the sweep judges by: each node's status and silence in the books, its lease and epoch
+    in Redis, and the sweep's own hearing."""
+    import redis
+    from django.conf import settings
+    from django.utils import timezone
+
+    from gpuportal.wire import node_lease
+    from scheduling.models import Hearing, Node
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    now = timezone.now()
+    rows = list(Node.objects.order_by("name").values_list("name", "status", "last_heartbeat"))
+    held = node_lease.held(client, [name for name, _, _ in rows])
+    said = [
+        f"{name} {status}, {'never heard' if beat is None else f'silent {(now - beat).total_seconds():.1f} s'}, "
+        f"lease {'held' if name in held else 'lapsed'}, epoch {node_lease.current_epoch(client, name)}"
+        for name, status, beat in rows
+    ]
+    return f"nodes: {'; '.join(said)}; hearing: {Hearing.objects.first()}"
+
+
 class StandIn(threading.Thread):
     """Serves a deployment's queue the way a replica does, without a model: upper-cases text,
     streams it in three pieces when asked, and fails input that says 'too long' as a model would.
