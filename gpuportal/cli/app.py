@@ -471,6 +471,34 @@ def event_filters(args: argparse.Namespace) -> dict[str, str]:
     return {key: value for key, value in given.items() if value}
 
 
+def no_events(ctx: Context, filters: dict[str, str], *, following: bool) -> str:
+    """Why nothing was printed, rather than nothing: what was asked, and where a filter names a
+    node or deployment the portal does not have (their history outlives them, so the API cannot
+    refuse one), that too. A node named by digits alone was most likely meant as a count."""
+    asked = ", ".join(f"{key} {value}" for key, value in filters.items())
+    said = f"no event{f' of {asked}' if asked else ''} recorded"
+    absent = [
+        f"the portal has no {kind} named {filters[kind]} now"
+        for kind, path in (("node", "/api/nodes/{}/"), ("deployment", "/api/deployments/{}/"))
+        if kind in filters and not _exists(ctx, path.format(quote(filters[kind], safe="")))
+    ]
+    if absent:
+        said += f" ({'; '.join(absent)})"
+    if filters.get("node", "").isdigit():
+        said += f"; -n names a node: --tail {filters['node']} prints the last {filters['node']} events"
+    return said + ("; waiting for new ones (Ctrl-C stops)" if following else "")
+
+
+def _exists(ctx: Context, path: str) -> bool:
+    """False only where the portal says it has no such thing: a hint is never worth a failure (a
+    user who is not staff may not read nodes)."""
+    try:
+        ctx.client.get(path)
+    except ApiError as err:
+        return err.status != 404
+    return True
+
+
 def recent_events(ctx: Context, filters: dict[str, str], newest: datetime | None) -> list[dict[str, Any]]:
     """The events recorded at most EVENTS_OVERLAP_S before `newest` or since, newest first."""
     params = dict(filters)
@@ -494,6 +522,8 @@ def cmd_events(
         latest = answer.get("results", [])
         for event in reversed(latest[: args.tail] if args.tail else []):
             ctx.out.print(render.event_line(event))
+        if not latest:
+            ctx.err.print(Text(no_events(ctx, filters, following=args.follow), style="dim"))
         if not args.follow:
             return 0
         newest = max((datetime.fromisoformat(e["time"]) for e in latest), default=None)

@@ -28,7 +28,7 @@ import pytest
 from rich.console import Console
 
 from gpuportal.cli import app, config, planning, render, waiting
-from gpuportal.cli.client import CliError, api_message
+from gpuportal.cli.client import ApiError, CliError, api_message
 from gpuportal.stack import free_port
 from tests.support import privacy
 from tests.support.api_shapes import shaped
@@ -606,6 +606,56 @@ def test_following_events_prints_the_tail_then_each_new_event_once_oldest_first(
     assert reasons == ["two", "three", "four", "five", "six"]
     assert all(params["deployment"] == "tiny" for _, params in client.paths)
     assert client.paths[-1][1]["since"] == "2029-12-31T23:59:55+00:00"
+
+
+class PortalOf:
+    """A portal with no event at all, which has the things at `paths`, refuses `forbidden` (403),
+    and has nothing else (404)."""
+
+    def __init__(self, paths: set[str], forbidden: set[str] = frozenset()):
+        self.paths, self.forbidden = paths, forbidden
+
+    def get(self, path: str, params: Any = None) -> Any:
+        if path == "/api/events/":
+            return {"results": []}
+        if path in self.forbidden:
+            raise ApiError(403, "You do not have permission to perform this action.")
+        if path in self.paths:
+            return {}
+        raise ApiError(404, "Not found.")
+
+
+@pytest.mark.parametrize(
+    ("argv", "portal", "said"),
+    [
+        (
+            ["events", "-n", "8"],
+            PortalOf(set()),
+            "no event of node 8 recorded (the portal has no node named 8 now); -n names a node: --tail 8 prints "
+            "the last 8 events",
+        ),
+        (
+            ["events", "-d", "tiny", "-n", "gpu-1"],
+            PortalOf({"/api/deployments/tiny/"}),
+            "no event of deployment tiny, node gpu-1 recorded (the portal has no node named gpu-1 now)",
+        ),
+        # Not staff: nodes are not theirs to read, and nothing is claimed of one.
+        (
+            ["events", "-n", "gpu-1"],
+            PortalOf(set(), forbidden={"/api/nodes/gpu-1/"}),
+            "no event of node gpu-1 recorded",
+        ),
+        (["events"], PortalOf(set()), "no event recorded"),
+    ],
+)
+def test_events_that_match_nothing_say_so_and_name_what_the_portal_does_not_have(argv, portal, said, capsys):
+    ctx = app.Context({}, Console(highlight=False, soft_wrap=True), Console(stderr=True, soft_wrap=True))
+    ctx._client = portal
+
+    assert app.cmd_events(ctx, app.build_parser().parse_args(argv)) == 0
+
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.strip() == said
 
 
 # -- plan: a capacity plan on the portal ------------------------------------------------------
