@@ -31,11 +31,11 @@ MIN_TIMEOUT_S = 0.001
 # What the portal reads of a /v1 body, and what OpenAI's and vLLM's clients send that it ignores.
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "n",
-     "stream", "timeout", "input", "encoding_format", "dimensions"}
+     "stream", "stream_options", "timeout", "input", "encoding_format", "dimensions"}
 )  # fmt: skip
 IGNORED_FIELDS = frozenset(
     {"user", "seed", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "presence_penalty",
-     "frequency_penalty", "logit_bias", "stream_options", "response_format", "tools", "tool_choice",
+     "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice",
      "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata", "modalities",
      "audio", "prediction", "reasoning_effort", "top_k", "min_p", "repetition_penalty", "min_tokens",
      "ignore_eos", "stop_token_ids", "skip_special_tokens", "extra_body", "web_search_options"}
@@ -60,6 +60,8 @@ class Completion:
     # max_tokens, temperature, top_p, stop and stream, as the request queue takes them.
     params: dict[str, Any]
     timeout_s: float
+    # stream_options.include_usage: the stream ends with a chunk of no choices that carries the usage.
+    include_usage: bool = False
 
 
 def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: float) -> Completion:
@@ -87,7 +89,29 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         "stream": stream,
     }
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
-    return Completion(model=model.strip(), input=request_input, params=params, timeout_s=timeout)
+    return Completion(
+        model=model.strip(),
+        input=request_input,
+        params=params,
+        timeout_s=timeout,
+        include_usage=_include_usage(body.get("stream_options"), stream),
+    )
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    """OpenAI's `stream_options`: an object, only beside `stream: true` (as OpenAI refuses it
+    otherwise), whose `include_usage` is read; the others (vLLM's `continuous_usage_stats`) are
+    ignored as the body's unused fields are."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise Refused("stream_options", 'must be an object, such as {"include_usage": true}')
+    if not stream:
+        raise Refused("stream_options", "only allowed when stream is true")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise Refused("stream_options.include_usage", "must be true or false")
+    return bool(include)
 
 
 @dataclass(frozen=True)

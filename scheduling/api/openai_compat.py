@@ -79,6 +79,13 @@ class CompletionInput(WaitInput):
     stop = serializers.JSONField(required=False, allow_null=True)
     n = serializers.IntegerField(required=False, allow_null=True, help_text="Only 1.")
     stream = serializers.BooleanField(required=False, default=False)
+    stream_options = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='With stream: {"include_usage": true} ends the stream with a chunk whose choices are empty and '
+        "whose usage counts the tokens (every other chunk's usage null), as OpenAI's. Without it the last "
+        "choice's chunk carries the usage.",
+    )
 
 
 class PromptInput(CompletionInput):
@@ -261,7 +268,8 @@ class _Generate(_Answered):
         except (NotFound, InvalidInput) as exc:
             return self.refusal(exc, call.model)
         response = StreamingHttpResponse(
-            self.events(submitted, call.model, call.timeout_s), content_type="text/event-stream"
+            self.events(submitted, call.model, call.timeout_s, include_usage=call.include_usage),
+            content_type="text/event-stream",
         )
         response["Cache-Control"] = "no-cache"
         return 200, response
@@ -307,18 +315,23 @@ class _Generate(_Answered):
             "usage": output.get("usage", {}),
         }
 
-    def events(self, submitted: Request, model: str, timeout: float) -> Iterator[bytes]:
+    def events(self, submitted: Request, model: str, timeout: float, *, include_usage: bool = False) -> Iterator[bytes]:
         """Server-sent events: a chunk per piece of text as it is generated, then [DONE]; an
-        error event instead of the last chunk if it fails or does not end within `timeout`."""
+        error event instead of the last chunk if it fails or does not end within `timeout`.
+        `include_usage` (stream_options): every chunk says `usage: null`, and a chunk with no
+        choices carries the usage before [DONE], as OpenAI's stream; without it the last choice's
+        chunk carries it (what this portal always sent, and clients read it there)."""
         queue = request_services.queue()
         sent, first, deadline = 0, True, time.monotonic() + timeout
         splice = StreamSplice()
-        base = {
+        base: dict[str, Any] = {
             "id": f"{self.id_prefix}-{submitted.id}",
             "object": f"{self.object_name}.chunk" if self.kind == "chat" else self.object_name,
             "model": model,
             "created": int(time.time()),
         }
+        if include_usage:
+            base["usage"] = None
         told = ""
         while time.monotonic() < deadline:
             chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
@@ -346,15 +359,12 @@ class _Generate(_Answered):
             message = timed_out(submitted.id, timeout)
             yield _sse({"error": {"message": message, "type": "timeout", "param": None, "code": None}})
         else:
-            yield _sse(
-                {
-                    **base,
-                    "choices": [
-                        {"index": 0, "finish_reason": output.get("finish_reason", "stop"), **self.delta("", first)}
-                    ],
-                    "usage": output.get("usage"),
-                }
-            )
+            last = {"index": 0, "finish_reason": output.get("finish_reason", "stop"), **self.delta("", first)}
+            if include_usage:
+                yield _sse({**base, "choices": [last]})
+                yield _sse({**base, "choices": [], "usage": output.get("usage")})
+            else:
+                yield _sse({**base, "choices": [last], "usage": output.get("usage")})
         yield b"data: [DONE]\n\n"
 
 

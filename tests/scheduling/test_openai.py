@@ -93,6 +93,28 @@ def test_a_streamed_completion_arrives_in_pieces(client, replica):
     assert "".join(pieces) == "ABCDEF"
 
 
+@pytest.mark.parametrize("kind", ["chat", "generate"])
+def test_a_stream_asked_to_include_usage_ends_with_a_chunk_of_no_choices_that_carries_it(client, replica, kind):
+    StandIn(replica.id, 2).start()
+    asked = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True}}
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "count me"}], **asked))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        chunks = list(client.completions.create(prompt="count me", **asked))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+
+    *pieces, last = chunks
+    assert text == "COUNT ME"
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == len("COUNT ME")
+    assert all(c.choices and c.usage is None for c in pieces), "every other chunk says usage: null"
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+    # Not asked: the last choice's chunk carries the usage, as it always has.
+    plain = list(client.completions.create(model="tiny", prompt="count me", stream=True))
+    assert all(c.choices for c in plain) and plain[-1].usage.completion_tokens == len("COUNT ME")
+
+
 def test_the_command_lines_run_and_chat_stream_the_real_v1s_answers(live_server, replica, capsys, monkeypatch):
     import io
 
@@ -308,7 +330,11 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
     prompt = {"model": "tiny", "prompt": "Hi", "max_completion_tokens": 5, "temperature": 0.2, "stop": "\n", "n": 1}
     call = read({**prompt, "stream": True, "timeout": 60, "user": "ignored"}, "generate")
     assert call.params == {"max_tokens": 5, "temperature": 0.2, "top_p": 1.0, "stop": ["\n"], "stream": True}
-    assert call.timeout_s == 60
+    assert call.timeout_s == 60 and not call.include_usage
+    # vLLM's continuous_usage_stats beside OpenAI's include_usage: ignored; a null is none.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    assert read({**prompt, "stream": True, "stream_options": options}, "generate").include_usage
+    assert not read({**prompt, "stream_options": None}, "generate").include_usage
 
 
 @pytest.mark.parametrize(
@@ -325,6 +351,18 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
             "stop: must be a string or a list of at most 4 non-empty strings",
         ),
         ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream: must be true or false"),
+        (
+            {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options: only allowed when stream is true",
+        ),
+        (
+            {"model": "tiny", "prompt": "x", "stream": True, "stream_options": True},
+            'stream_options: must be an object, such as {"include_usage": true}',
+        ),
+        (
+            {"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage: must be true or false",
+        ),
         ({"model": "tiny", "prompt": "x", "timeout": 301}, "timeout: at most 300 s (GPUPORTAL_INFER_MAX_TIMEOUT_S)"),
         ({"model": "tiny", "prompt": "x", "max_tokns": 5}, "max_tokns: unknown field; did you mean 'max_tokens'?"),
         ({"model": "tiny", "prompt": "x", "temprature": 0.5}, "temprature: unknown field; did you mean 'temperature'?"),
