@@ -109,7 +109,9 @@ class NodeAgent:
         # What the host is and what it keeps off (gpuportal.wire.node_labels), declared at every
         # registration.
         self.labels = dict(labels) if labels is not None else node_labels.parse(os.environ.get(LABELS_ENV, ""))
-        self.taints = dict(taints) if taints is not None else node_labels.parse(os.environ.get(TAINTS_ENV, ""))
+        self.taints = (
+            dict(taints) if taints is not None else node_labels.parse(os.environ.get(TAINTS_ENV, ""), taints=True)
+        )
         # The one way to the control plane (gpuportal.wire.control): this package never imports it.
         self.control = control
         # Its GPUs as discovered at registration.

@@ -12,6 +12,7 @@ from scheduling.services import (
     deployments,
     host_cache,
     node_gateway,
+    node_marks,
     node_users,
     nodes,
     preemption,
@@ -82,8 +83,11 @@ def replace_failed(name: str) -> list[str]:
 
 @shared_task(name="scheduling.tasks.reconcile", ignore_result=True)
 def reconcile(reason: str) -> dict[str, list[str]]:
-    """Every deployment back to its replicas (after a node went offline, stopped, or registered)."""
-    return deployments.reconcile_all(f"reconciled: {reason}")
+    """Every deployment back to its replicas (after a node went offline, stopped, or registered),
+    and what a node's NoExecute taints do not let run there moved off."""
+    placed = deployments.reconcile_all(f"reconciled: {reason}")
+    node_marks.evict_untolerated()
+    return placed
 
 
 @shared_task(name="scheduling.tasks.trim_host_cache", ignore_result=True)

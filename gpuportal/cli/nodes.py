@@ -204,7 +204,11 @@ def mark_changes(items: list[str], what: str) -> dict[str, str | None]:
             problem = node_labels.pair_problem(key, "any")
         else:
             key, equals, value = item.partition("=")
-            problem = node_labels.pair_problem(key, value) if equals else f"{item!r} is not key=value or key-"
+            problem = (
+                node_labels.pair_problem(key, value, taint=what == "taints")
+                if equals
+                else f"{item!r} is not key=value or key-"
+            )
         if problem:
             raise CliError(f"{what}: {problem}")
         if key in changes and changes[key] != value:
@@ -331,7 +335,12 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     rm.set_defaults(run=cmd_node_rm)
     for verb, example, effect in (
         ("label", "gpu=h100 zone-", "a deployment's placement.node_selector matches them"),
-        ("taint", "team=research", "only deployments whose placement.tolerations name each are placed there"),
+        (
+            "taint",
+            "team=research",
+            "only deployments whose placement.tolerations name each are placed there; KEY=VALUE:NoExecute also "
+            "moves off what runs there and does not tolerate it, each replica replaced elsewhere first",
+        ),
     ):
         marking = actions.add_parser(
             verb,

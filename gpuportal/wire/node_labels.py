@@ -5,8 +5,10 @@ discovery names them on Kubernetes), and a deployment's `placement.node_selector
 keeps its replicas on the nodes whose labels hold every pair it names. The other way round, an
 agent's taints (`--taints team=research`, GPUPORTAL_NODE_TAINTS) keep every deployment off its node
 but those whose `placement.tolerations` name each of them (`key=value`, or a bare `key` for any
-value of it; Kubernetes' NoSchedule: what runs there already stays). All are written
-`key=value,key=value`. Operators set labels and taints of their own over the agent's (`changed`,
+value of it). A taint keeps new replicas off (Kubernetes' NoSchedule: what runs there stays), or,
+written `key=value:NoExecute`, also moves off what runs there and does not tolerate it
+(`evicting`). All are written `key=value,key=value`. Operators set labels and taints of their own
+over the agent's (`changed`,
 `merged`): `gpuportal node label`/`taint`, as `kubectl label`/`taint`. Django-free: the agent, the
 CLI, the API's input and placement read the same rules.
 """
@@ -32,19 +34,39 @@ RULE = (
 MAX_PAIRS = 32
 MAX_TEXT = 2_000
 
+# A taint's effect, after its value as kubectl writes it (`team=research:NoExecute`). NoSchedule,
+# the default, keeps new replicas off and leaves what runs there; NoExecute also moves it off,
+# each replica replaced elsewhere before it stops (stopped where there is no room, as Kubernetes
+# evicts). A node stores a NoSchedule taint by its value alone, as it always has.
+NO_SCHEDULE, NO_EXECUTE = "NoSchedule", "NoExecute"
+EFFECTS = (NO_SCHEDULE, NO_EXECUTE)
 
-def parse(text: str) -> dict[str, str]:
-    """`key=value,key=value` as a mapping ("" is none); ValueError naming what is wrong."""
-    return cast(dict[str, str], _items(text, bare=False))
+
+def taint_of(value: str) -> tuple[str, str]:
+    """(value, effect) of a taint as a node holds it: `research` or `research:NoExecute`."""
+    bare, colon, effect = value.partition(":")
+    return bare, effect if colon else NO_SCHEDULE
+
+
+def _stored_taint(value: str) -> str:
+    bare, effect = taint_of(value)
+    return bare if effect == NO_SCHEDULE else f"{bare}:{effect}"
+
+
+def parse(text: str, *, taints: bool = False) -> dict[str, str]:
+    """`key=value,key=value` as a mapping ("" is none); with `taints`, each value may name its
+    effect (`key=value:NoExecute`). ValueError naming what is wrong."""
+    pairs = cast(dict[str, str], _items(text, bare=False, taints=taints))
+    return {key: _stored_taint(value) for key, value in pairs.items()} if taints else pairs
 
 
 def parse_tolerations(text: str) -> dict[str, str | None]:
-    """Tolerations: `key=value` tolerates that taint, a bare `key` any taint of that key
-    (Kubernetes' `operator: Exists`), None its value; ValueError naming what is wrong."""
+    """Tolerations: `key=value` tolerates that taint whatever its effect, a bare `key` any taint
+    of that key (Kubernetes' `operator: Exists`), None its value; ValueError naming what is wrong."""
     return _items(text, bare=True)
 
 
-def _items(text: str, *, bare: bool) -> dict[str, str | None]:
+def _items(text: str, *, bare: bool, taints: bool = False) -> dict[str, str | None]:
     if len(text) > MAX_TEXT:
         raise ValueError(f"at most {MAX_TEXT} characters, got {len(text)}")
     pairs: dict[str, str | None] = {}
@@ -54,7 +76,7 @@ def _items(text: str, *, bare: bool) -> dict[str, str | None]:
         key, equals, value = (side.strip() for side in item.partition("="))
         if not equals and not bare:
             raise ValueError(f"{item!r} is not key=value ({RULE})")
-        if problem := pair_problem(key, value if equals else "any"):
+        if problem := pair_problem(key, value if equals else "any", taint=taints):
             raise ValueError(problem)
         given = value if equals else None
         if key in pairs and pairs[key] != given:
@@ -65,10 +87,15 @@ def _items(text: str, *, bare: bool) -> dict[str, str | None]:
     return pairs
 
 
-def pair_problem(key: object, value: object) -> str | None:
-    """What is wrong with one pair, or None."""
+def pair_problem(key: object, value: object, *, taint: bool = False) -> str | None:
+    """What is wrong with one pair (with `taint`, a taint's, whose value may name its effect), or
+    None."""
     if not isinstance(key, str) or not KEY.fullmatch(key):
         return f"{key!r} is no label key ({RULE})"
+    if taint and isinstance(value, str) and ":" in value:
+        value, effect = taint_of(value)
+        if effect not in EFFECTS:
+            return f"{effect!r} is no taint effect for {key}: {NO_SCHEDULE} (the default) or {NO_EXECUTE}"
     if not isinstance(value, str) or not VALUE.fullmatch(value):
         return f"{value!r} is no value for {key} ({RULE})"
     return None
@@ -81,10 +108,11 @@ def checked(labels: object, what: str = "labels") -> dict[str, str]:
         raise ValueError(f"{what} must map keys to values, not {labels!r:.200}")
     if len(labels) > MAX_PAIRS:
         raise ValueError(f"at most {MAX_PAIRS} {what}, got {len(labels)}")
+    taints = what == "taints"
     for key, value in labels.items():
-        if problem := pair_problem(key, value):
+        if problem := pair_problem(key, value, taint=taints):
             raise ValueError(problem)
-    return dict(labels)
+    return {key: _stored_taint(value) for key, value in labels.items()} if taints else dict(labels)
 
 
 def text(pairs: Mapping[str, str]) -> str:
@@ -136,10 +164,18 @@ def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
 
 def untolerated(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
     """The taints of a node that `tolerations` do not name (pair for pair, or by a bare key for
-    any value: `parse_tolerations`): none, and it may run there."""
+    any value: `parse_tolerations`), whatever their effect: none, and it may run there."""
     return {
-        key: value for key, value in taints.items() if not (key in tolerations and tolerations[key] in (None, value))
+        key: value
+        for key, value in taints.items()
+        if not (key in tolerations and tolerations[key] in (None, taint_of(value)[0]))
     }
+
+
+def evicting(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
+    """Of the taints `tolerations` do not name, the NoExecute ones: any, and what runs there with
+    those tolerations is moved off."""
+    return {key: value for key, value in untolerated(taints, tolerations).items() if taint_of(value)[1] == NO_EXECUTE}
 
 
 def merged(agent: Mapping[str, str], operator: Mapping[str, str]) -> dict[str, str]:
@@ -165,13 +201,13 @@ def diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
 
 
 def changed(
-    agent: Mapping[str, str], operator: Mapping[str, str], changes: Mapping[str, str | None]
+    agent: Mapping[str, str], operator: Mapping[str, str], changes: Mapping[str, str | None], *, taints: bool = False
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The operators' layer of a node's labels (or taints) after `changes` (a value sets its key,
     None removes it: a JSON merge patch), and {key: why} of the changes refused. Operators may set
     any key, their own value over the agent's too, and remove what they set; what the agent says
     stays its own (its --labels and its GPUs' labels, its --taints), as its next registration
-    would say it again."""
+    would say it again. With `taints`, a value may name its effect (`research:NoExecute`)."""
     layer, refused = dict(operator), {}
     for key, value in changes.items():
         if value is None:
@@ -181,10 +217,10 @@ def changed(
                 refused[key] = f"{key}={agent[key]} is its agent's: start the agent without it, or set another value"
             else:
                 refused[key] = f"it has no {key}"
-        elif problem := pair_problem(key, value):
+        elif problem := pair_problem(key, value, taint=taints):
             refused[key] = problem
         else:
-            layer[key] = value
+            layer[key] = _stored_taint(value) if taints else value
     if not refused and len(layer) > max(MAX_PAIRS, len(operator)):
         # The operators' own, as an agent's --labels are held to it (its GPUs' come on top).
         refused[next(iter(changes))] = f"at most {MAX_PAIRS} set by operators, and this makes {len(layer)}"

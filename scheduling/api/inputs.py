@@ -233,7 +233,11 @@ class MarkChanges(serializers.JSONField):
 
 class NodePatch(StrictSerializer):
     labels = MarkChanges(required=False, help_text='Labels to set, null to remove one: {"gpu": "h100", "zone": null}.')
-    taints = MarkChanges(required=False, help_text='Taints to set, null to remove one: {"team": "research"}.')
+    taints = MarkChanges(
+        required=False,
+        help_text='Taints to set, null to remove one: {"team": "research"} keeps new replicas off (NoSchedule); '
+        '{"team": "research:NoExecute"} also moves off what runs there and does not tolerate it.',
+    )
 
 
 class DrainInput(StrictSerializer):

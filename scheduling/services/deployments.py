@@ -19,7 +19,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
-from gpuportal.wire import deployment_spec, memory
+from gpuportal.wire import deployment_spec, memory, node_labels
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import effects, fairness
@@ -195,6 +195,12 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 after=after,
                 deployment=name,
             )
+            if after.keys() & PLACING:
+                # What its nodes' NoExecute taints no longer let it run there is moved off by the
+                # reconcile (scheduling.services.node_marks.evict_untolerated), and what it lacks
+                # may go where it is allowed now.
+                placed = f"deployment {name}'s placement changed"
+                outbox.want(effects.to_control(replica_services.RECONCILE_TASK, placed))
             if estimate is not None and after.keys() & ESTIMATED:
                 _estimate_anew(deployment, estimate)
             rolled = [deployment_spec.BY_NAME[k].path for k in after if k in ROLLED]
@@ -288,14 +294,26 @@ PLACING = {"node_selector", "tolerations"}
 
 def _misplaced(deployment: Deployment) -> str:
     """What the Event of a changed node selector or tolerations says of the replicas they leave
-    on nodes they refuse now, and how to move them ("" for none)."""
+    on nodes they refuse now: those a node's NoExecute taint moves off, and how to move the
+    others ("" for none)."""
     ids, _ = rollouts.misplaced_of(deployment)
     if not ids:
         return ""
-    return (
-        f"; {len(ids)} replica(s) on nodes it now refuses stay there until moved "
-        f"(gpuportal restart {deployment.name} --misplaced)"
-    )
+    tolerated = node_labels.parse_tolerations(deployment.placement_tolerations)
+    taints = Replica.objects.filter(pk__in=ids).values_list("node__taints", flat=True)
+    evicted = sum(1 for held in taints if node_labels.evicting(held or {}, tolerated))
+    said = ""
+    if staying := len(ids) - evicted:
+        said += (
+            f"; {staying} replica(s) on nodes it now refuses stay there until moved "
+            f"(gpuportal restart {deployment.name} --misplaced)"
+        )
+    if evicted:
+        said += (
+            f"; {evicted} replica(s) on nodes whose NoExecute taints it no longer tolerates are moved off, each "
+            "replaced elsewhere before it stops"
+        )
+    return said
 
 
 def _when(key: str) -> str:

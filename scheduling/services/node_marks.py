@@ -2,13 +2,16 @@
 and `gpuportal node taint`), as `kubectl label` and `kubectl taint` set them on a Kubernetes node:
 over what its agent says, and kept across the agent's restarts (gpuportal.wire.node_labels.changed).
 A taint keeps new replicas off (NoSchedule): what runs there stays, as a changed label leaves a
-replica whose deployment's node selector no longer matches where it is until a restart moves it."""
+replica whose deployment's node selector no longer matches where it is until a restart moves it.
+A NoExecute taint also moves off what runs there and does not tolerate it (`evict_untolerated`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from django.db import transaction
+from django.db.models import TextField
+from django.db.models.functions import Cast
 
 from gpuportal.wire import control, node_labels, states
 from scheduling import locks
@@ -49,7 +52,7 @@ def change(
                 # Read under the lock: what another operator set meanwhile is removed only if the
                 # form that leaves it out is the later write.
                 changes = {**dict.fromkeys(set(operator) - set(changes)), **changes}
-            layer, refused = node_labels.changed(agent, operator, changes)
+            layer, refused = node_labels.changed(agent, operator, changes, taints=what == "taints")
             if refused:
                 key, why = next(iter(refused.items()))
                 raise InvalidInput(f"{what}.{key}", f"node {name}: {why}")
@@ -65,12 +68,14 @@ def change(
             f"node {name}",
             f"{by} set its {' and '.join(changed)}: "
             + "; ".join(_what_changed(what, before[what], node) for what in changed)
-            + _misplaced_on(node),
+            + _misplaced_on(node)
+            + _evicted_from(node),
             before={what: before[what] for what in changed},
             after={what: getattr(node, what) for what in changed},
             node=name,
         )
-        # A label added or a taint lifted may let a deployment place what it lacks there.
+        # A label added or a taint lifted may let a deployment place what it lacks there, and a
+        # NoExecute taint added moves off what does not tolerate it (the reconcile's eviction).
         reconcile_later(f"node {name}'s {' and '.join(changed)} changed")
     return node
 
@@ -95,24 +100,80 @@ def move_misplaced(name: str, *, by: str) -> tuple[dict[str, int], dict[str, int
     return moving, staying
 
 
-def _misplaced_there(node: Node) -> dict[str, list[str]]:
-    """The replicas on the node (holding a process, a host copy or memory) whose deployments'
-    placement refuses it now, by deployment."""
+def evict_untolerated() -> dict[str, dict[str, int]]:
+    """Move off each node with a NoExecute taint what runs there and does not tolerate it, as
+    Kubernetes evicts, but each replica replaced where its placement allows before it stops (a
+    move of each deployment's, scheduling.services.rollouts.move); with no room anywhere it
+    stops all the same (`rollouts._stays`). Returns, by node, {deployment: replicas} whose move
+    began now. Every reconcile runs it: the beat's, and those a change of a node's taints, a
+    node's registration or a deployment's tolerations asks for; a deployment restarting already
+    is moved by a reconcile after its restart is done."""
+    # Most fleets have no NoExecute taint: one query, which finds no node, is all they pay.
+    tainted = (
+        Node.objects.exclude(status=Node.Status.OFFLINE)
+        .annotate(taint_text=Cast("taints", TextField()))
+        .filter(taint_text__contains=f":{node_labels.NO_EXECUTE}")
+        .order_by("name")
+    )
+    moved: dict[str, dict[str, int]] = {}
+    for node in tainted:
+        for deployment, (ids, taints) in sorted(_evicted_there(node).items()):
+            why = (
+                f"moving off node {node.name}, whose taint {node_labels.text(taints)} it does not tolerate "
+                "(NoExecute: what runs there and does not tolerate it is moved off)"
+            )
+            if rollouts.move(deployment, ids, why=why):
+                moved.setdefault(node.name, {})[deployment] = len(ids)
+    return moved
+
+
+def _held_there(node: Node) -> list[tuple[str, str, str, str]]:
+    """The replicas on the node holding a process, a host copy or memory: (id, deployment, its
+    node selector, its tolerations)."""
     held = node.replicas.exclude(state__in=[*states.GONE, Replica.State.PARKED]).values_list(
         "id", "deployment__name", "deployment__placement_node_selector", "deployment__placement_tolerations"
     )
+    return list(held.order_by("pk"))
+
+
+def _misplaced_there(node: Node, *, evicted_too: bool = True) -> dict[str, list[str]]:
+    """The replicas on the node whose deployments' placement refuses it now, by deployment;
+    without `evicted_too`, those its NoExecute taints move off by themselves left out."""
     marks = {node.name: (node.labels, node.taints)}
+    evicted = set() if evicted_too else {i for ids, _ in _evicted_there(node).values() for i in ids}
     refused: dict[str, list[str]] = {}
-    for replica_id, deployment, *placement in held.order_by("pk"):
-        if node_labels.refusals(marks, deployment, *placement):
+    for replica_id, deployment, *placement in _held_there(node):
+        if replica_id not in evicted and node_labels.refusals(marks, deployment, *placement):
             refused.setdefault(deployment, []).append(replica_id)
     return refused
+
+
+def _evicted_there(node: Node) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The replicas on the node whose deployments do not tolerate one of its NoExecute taints, by
+    deployment, with those taints."""
+    evicted: dict[str, tuple[list[str], dict[str, str]]] = {}
+    for replica_id, deployment, _, tolerations in _held_there(node):
+        if taints := node_labels.evicting(node.taints, node_labels.parse_tolerations(tolerations)):
+            evicted.setdefault(deployment, ([], taints))[0].append(replica_id)
+    return evicted
+
+
+def _evicted_from(node: Node) -> str:
+    """What the Event says of the replicas its NoExecute taints move off ("" for none)."""
+    evicted = _evicted_there(node)
+    if not evicted:
+        return ""
+    listed = ", ".join(f"{name} ({len(ids)})" for name, (ids, _) in sorted(evicted.items()))
+    return (
+        f"; replicas there that do not tolerate its NoExecute taints are moved off, each replaced elsewhere "
+        f"before it stops (stopped if there is no room): {listed}"
+    )
 
 
 def _misplaced_on(node: Node) -> str:
     """What the Event says of the replicas on the node whose deployments' placement refuses it
     now, and how to move them ("" for none): NoSchedule leaves them there."""
-    refused = _misplaced_there(node)
+    refused = _misplaced_there(node, evicted_too=False)
     if not refused:
         return ""
     listed = ", ".join(f"{name} ({len(ids)})" for name, ids in sorted(refused.items()))

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from gpuportal.wire import states
+from gpuportal.wire import node_labels, states
 from gpuportal.wire.states import Rollout
 from scheduling import locks
 from scheduling.core import rollout
@@ -348,7 +348,8 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
     """A move whose replacement for `replica_id` finds no room elsewhere: a move never stops a
     replica before its replacement serves, so it is left out of the move, and on a drained node
     it goes to sleep there as a drain without a move would have it (a wake elsewhere replaces it
-    once there is room)."""
+    once there is room). But on a node whose NoExecute taint its deployment does not tolerate it
+    stops, as Kubernetes evicts (its deployment then lacks it until there is room)."""
     observed = deployment.observed
     staying = set(_with_their_pairs([replica_id]))
     observed.restart_only = " ".join(i for i in observed.restart_only.split() if i not in staying)
@@ -357,7 +358,15 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
     replica = locks.lock_replica(replica_id)  # after the deployment's row: the one lock order
     drained = replica.node is not None and replica.node.status == Node.Status.DRAINING
     why = f"no room for replica {replica_id[:8]}'s replacement elsewhere ({err})"
-    if drained and replica.state == Replica.State.SERVING and replica.lease_id is None:
+    tolerated = node_labels.parse_tolerations(deployment.placement_tolerations)
+    node = replica.node
+    if node is not None and (evicting := node_labels.evicting(node.taints, tolerated)):
+        why += (
+            f"; it stops all the same: node {node.name}'s taint {node_labels.text(evicting)} is NoExecute and "
+            f"{deployment.name} does not tolerate it"
+        )
+        _stop(deployment, replica_id, f"{STEP}: {why}")
+    elif drained and replica.state == Replica.State.SERVING and replica.lease_id is None:
         replica_services.sleep_replica(
             replica_id, reason=f"{STEP}: {why}; it sleeps on its drained node", deployment=deployment
         )

@@ -164,7 +164,7 @@ def marks(request: HttpRequest, name: str) -> HttpResponse:
         wanted = {}
         for what in node_marks.MARKS:
             try:
-                wanted[what] = node_labels.parse(request.POST.get(what, ""))
+                wanted[what] = node_labels.parse(request.POST.get(what, ""), taints=what == "taints")
             except ValueError as err:
                 raise InvalidInput(what, str(err)) from None
         node = node_marks.change(name, **wanted, by=_who(request), whole=True)

@@ -83,8 +83,8 @@ class Command(BaseCommand):
             "--taints",
             default=None,
             help="What this node keeps off, key=value,... such as team=research: only deployments whose "
-            "placement.tolerations name each of them are placed here; what runs here already stays "
-            f"(default: {TAINTS_ENV}, else none).",
+            "placement.tolerations name each of them are placed here; what runs here already stays, but for "
+            f"a taint written key=value:NoExecute, which moves it off (default: {TAINTS_ENV}, else none).",
         )
         parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
         parser.add_argument("--loglevel", default="INFO")
@@ -131,7 +131,7 @@ class Command(BaseCommand):
                 raise CommandError(f"--virtual-gpus {virtual_gpus}: {err}") from None
         foreign = self._virtual_foreign(node, options.get("virtual_foreign"), virtual_gpus, profile)
         labels = self._pairs("--labels", options.get("labels"), LABELS_ENV)
-        taints = self._pairs("--taints", options.get("taints"), TAINTS_ENV)
+        taints = self._pairs("--taints", options.get("taints"), TAINTS_ENV, taints=True)
         # The agent's replica processes inherit the environment: they model the same GPU, and
         # share the node's load slots.
         os.environ.update(profile.as_env())
@@ -169,12 +169,12 @@ class Command(BaseCommand):
             raise CommandError(str(err)) from None
 
     @staticmethod
-    def _pairs(flag: str, value: str | None, env: str) -> dict[str, str]:
+    def _pairs(flag: str, value: str | None, env: str, *, taints: bool = False) -> dict[str, str]:
         """The host's labels or taints, checked before anything starts."""
         flag = flag if value is not None else env
         text = value if value is not None else os.environ.get(env, "")
         try:
-            return node_labels.parse(text)
+            return node_labels.parse(text, taints=taints)
         except ValueError as err:
             raise CommandError(f"{flag} {text}: {err}") from None
 
