@@ -19,7 +19,7 @@ from scheduling.services import deployments, node_marks
 from scheduling.services.errors import InvalidInput
 from scheduling.services.nodes import register_node
 from scheduling.services.replicas import RECONCILE_TASK
-from tests.support.deployments import deploy, invariant_holds
+from tests.support.deployments import asleep, deploy, invariant_holds
 from tests.support.factories import NO_OVERHEAD
 
 EVICTING = {"team": "research:NoExecute"}
@@ -139,6 +139,19 @@ def test_a_noexecute_taint_stops_what_it_cannot_move_for_want_of_room(db, dispat
     )
     assert DeploymentObserved.objects.get(deployment__name="old").restart_since is None, "the move ended"
     assert node_marks.evict_untolerated() == {}, "nothing left there to move"
+    assert invariant_holds()
+
+
+def test_a_sleeper_on_a_noexecute_node_is_parked_and_its_next_wake_loads_elsewhere(db, dispatched):
+    start_agent("box")
+    asleep(deploy("old"))
+    start_agent("other")
+    node_marks.change("box", taints=EVICTING, by="ops")
+
+    assert node_marks.evict_untolerated() == {"box": {"old": 1}}
+
+    assert on("old") == [(None, "parked")], "it holds nothing on the node any more"
+    assert node_marks.evict_untolerated() == {}
     assert invariant_holds()
 
 
