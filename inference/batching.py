@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuportal.wire.memory import kv_blocks
+from gpuportal.wire.sampling import Sampling
 from inference.errors import TooLong
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
@@ -37,10 +38,10 @@ class Sequence:
 
     prompt: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     on_chunk: Callable[[str], None] | None = None
+    # How each next token is chosen (gpuportal.wire.sampling): greedy unless told otherwise.
+    sampling: Sampling = field(default_factory=Sampling)
     # Whatever the driver needs to find its request again (the Server keeps the Request here).
     tag: Any = None
     blocks: list[int] = field(default_factory=list)
@@ -54,6 +55,7 @@ class Sequence:
     error: Exception | None = None
     _sent: str = ""
     _decoded: IncrementalText | None = None  # the text so far, for streaming and stop strings
+    _generator: Any = None  # a seeded request's own torch.Generator, made at its first sample
 
     @property
     def tokens_needed(self) -> int:
@@ -209,25 +211,53 @@ class Batcher:
     def _sample_all(self, group: list[Sequence], logits: Any) -> list[int]:
         """Each sequence's next token from its row of `logits`: the greedy ones from one argmax
         over the whole batch, read back at once (one device synchronisation a step, not one a
-        sequence), the sampled ones row by row."""
+        sequence), the sampled ones row by row. The rows of penalized sequences are changed
+        first, on a copy (the batch's own rows are the forward's)."""
         import torch
 
+        penalized = [i for i, s in enumerate(group) if s.sampling.penalized]
+        if penalized:
+            with torch.inference_mode():
+                logits = logits.clone()
+                for i in penalized:
+                    logits[i] = _penalized(group[i], logits[i])
         greedy = torch.argmax(logits, dim=-1).tolist()
-        return [greedy[i] if s.temperature <= 0 else self._sample(s, logits[i]) for i, s in enumerate(group)]
+        return [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
 
     def _sample(self, s: Sequence, logits: Any) -> int:
         import torch
 
-        if s.temperature <= 0:
+        sampling = s.sampling
+        if sampling.greedy:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / s.temperature, dim=-1)
-        if s.top_p < 1.0:
-            # Nucleus: the smallest set of most likely tokens whose mass reaches top_p.
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < s.top_p
-            keep[0] = True
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        with torch.inference_mode():
+            logits = logits.float() / sampling.temperature
+            if 0 < sampling.top_k < logits.shape[-1]:
+                kth = torch.topk(logits, sampling.top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            if sampling.min_p > 0:
+                probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
+            if sampling.top_p < 1.0:
+                # Nucleus: the smallest set of most likely tokens whose mass reaches top_p.
+                sorted_probs, order = torch.sort(probs, descending=True)
+                mass = sorted_probs.sum()
+                keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < sampling.top_p * mass
+                keep[0] = True
+                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+            return int(torch.multinomial(probs, 1, generator=self._generator_of(s, logits.device)))
+
+    def _generator_of(self, s: Sequence, device: Any) -> Any:
+        """A seeded request's own generator, so that its tokens do not depend on what else the
+        batch sampled; the batcher's for the others."""
+        seed = s.sampling.generator_seed
+        if seed is None:
+            return self.generator
+        if s._generator is None:
+            import torch
+
+            s._generator = torch.Generator(device=device).manual_seed(seed)
+        return s._generator
 
     def _append(self, s: Sequence, token: int) -> None:
         s.generated.append(token)
@@ -289,3 +319,26 @@ def eos_ids(model: Any) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}
+
+
+def _penalized(s: Sequence, logits: Any) -> Any:
+    """One sequence's row of logits with its penalties applied: OpenAI's presence and frequency
+    penalties over the tokens it has generated (each token's count), then the multiplicative
+    repetition penalty of vLLM and Hugging Face over its prompt's and its answer's tokens."""
+    import torch
+
+    sampling, vocab = s.sampling, logits.shape[-1]
+    if (sampling.presence_penalty or sampling.frequency_penalty) and s.generated:
+        ids = torch.tensor(s.generated, device=logits.device)
+        counts = torch.bincount(ids[ids < vocab], minlength=vocab).to(logits.dtype)
+        present = (counts > 0).to(logits.dtype)
+        logits = logits - sampling.frequency_penalty * counts - sampling.presence_penalty * present
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*s.prompt, *s.generated) if t < vocab}), device=logits.device)
+        if len(seen):
+            values = logits[seen]
+            logits = logits.clone()
+            logits[seen] = torch.where(
+                values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty
+            )
+    return logits

@@ -40,6 +40,7 @@ from gpuportal.wire.requestqueue import (
     RequestQueue,
     family_of_loader,
 )
+from gpuportal.wire.sampling import Sampling
 from inference.errors import BadInput, TooLong
 from inference.lazy_imports import from_transformers
 from inference.stream_text import newly_settled
@@ -105,13 +106,31 @@ class AbortOnFlag:
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
-def generation_params(params: dict[str, Any]) -> tuple[int, float, float, list[str]]:
-    """max_tokens, temperature, top_p and stop strings of a text request, defaults filled in."""
+def generation_params(params: dict[str, Any]) -> tuple[int, Sampling, list[str]]:
+    """max_tokens, sampling (gpuportal.wire.sampling) and stop strings of a text request,
+    defaults filled in."""
     max_tokens = int(params.get("max_tokens") or DEFAULT_MAX_TOKENS)
-    temperature = float(params.get("temperature", 0.0) or 0.0)
-    top_p = float(params.get("top_p", 1.0) or 1.0)
     stop = params.get("stop") or []
-    return max_tokens, temperature, top_p, [stop] if isinstance(stop, str) else list(stop)
+    return max_tokens, Sampling.of(params), [stop] if isinstance(stop, str) else list(stop)
+
+
+class OpenAIPenalties:
+    """A transformers logits processor applying OpenAI's presence and frequency penalties to the
+    tokens generated so far (those after the prompt's `start`); transformers has the
+    repetition penalty, not these. Duck-typed, as AbortOnFlag is."""
+
+    def __init__(self, sampling: Sampling, start: int):
+        self.sampling, self.start = sampling, start
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        generated = input_ids[:, self.start :]
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        present = (counts > 0).to(scores.dtype)
+        return scores - self.sampling.frequency_penalty * counts - self.sampling.presence_penalty * present
 
 
 class Executor:
@@ -194,16 +213,16 @@ class Executor:
             raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
         prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
         self.refuse_oversized(prompt)
-        max_tokens, temperature, top_p, stop = generation_params(request.params)
+        max_tokens, sampling, stop = generation_params(request.params)
         ids = [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:
             raise BadInput("the prompt is empty: nothing to continue")
-        return Sequence(ids, max_tokens, temperature, top_p, stop, on_chunk, tag=request)
+        return Sequence(ids, max_tokens, stop, on_chunk, sampling=sampling, tag=request)
 
     def generate(self, prompt: str, params: dict[str, Any], on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
         import torch
 
-        max_tokens, temperature, top_p, stop = generation_params(params)
+        max_tokens, sampling, stop = generation_params(params)
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and ids.shape[1] + max_tokens > limit:
@@ -216,16 +235,27 @@ class Executor:
         kwargs: dict[str, Any] = {
             "max_new_tokens": max_tokens,
             "pad_token_id": self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
-            "do_sample": temperature > 0,
+            "do_sample": not sampling.greedy,
         }
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=top_p)
+        if not sampling.greedy:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(0, sampling.top_k))
+            if sampling.min_p > 0:
+                kwargs["min_p"] = sampling.min_p
+        if sampling.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = sampling.repetition_penalty
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
-        (StoppingCriteriaList,) = from_transformers("StoppingCriteriaList")
+        StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            kwargs["logits_processor"] = LogitsProcessorList([OpenAIPenalties(sampling, ids.shape[1])])
 
         abort = AbortOnFlag(self.abort)
-        with torch.no_grad():
+        # A seed reaches generate() through torch's global generator, forked so that nothing else
+        # in the process sees it (requests run one at a time here: the host's lock).
+        cuda = [device] if device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda, enabled=sampling.seed is not None):
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.generator_seed)
             out = self.model.generate(
                 ids.to(device),
                 attention_mask=torch.ones_like(ids).to(device),

@@ -19,6 +19,7 @@ from rich.text import Text
 from gpuportal.cli import config, render
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.waiting import Goal, wait_for
+from gpuportal.wire import sampling
 from gpuportal.wire.states import ENDED
 from gpuportal.wire.states import ReplicaState as S
 
@@ -74,7 +75,7 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     write = _writer(ctx.out)
-    sampling = _sampling(ctx, args)
+    asked = _sampling(ctx, args)
     if interactive:
         ctx.err.print(Text(f"chatting with {args.model}: {CHAT_COMMANDS}", style="bright_black"))
     while True:
@@ -92,7 +93,7 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
         if not said:
             continue
         try:
-            reply = _reply(ctx, args.model, history, line, sampling, write, kept=len(start))
+            reply = _reply(ctx, args.model, history, line, asked, write, kept=len(start))
         except CliError as error:
             if not interactive:
                 raise  # a script learns of it by the exit status
@@ -112,7 +113,7 @@ def _reply(
     model: str,
     history: list[dict[str, str]],
     line: str,
-    sampling: dict[str, Any],
+    asked: dict[str, Any],
     write: Callable[[str], None],
     *,
     kept: int,
@@ -121,7 +122,7 @@ def _reply(
     cache loses its oldest turns (the first `kept` messages, a system message, stay), each said on
     stderr, until it fits, as `ollama run` shifts its context; `history` is trimmed in place."""
     while True:
-        body = {"model": model, "messages": [*history, {"role": "user", "content": line}], **sampling}
+        body = {"model": model, "messages": [*history, {"role": "user", "content": line}], **asked}
         try:
             return "".join(stream(ctx.client, "/v1/chat/completions", body, write))
         except Refused as refused:
@@ -223,7 +224,8 @@ def _sampling(ctx: Talker, args: argparse.Namespace) -> dict[str, Any]:
     if max_tokens is None:
         capacity = kv_capacity(ctx.client, args.model)
         max_tokens = DEFAULT_MAX_TOKENS if capacity is None else max(1, min(DEFAULT_MAX_TOKENS, capacity // 2))
-    return {"max_tokens": max_tokens, "temperature": args.temperature, "timeout": args.timeout}
+    given = {name: value for name in CLI_SAMPLING if (value := getattr(args, name)) is not None}
+    return {"max_tokens": max_tokens, "temperature": args.temperature, **given, "timeout": args.timeout}
 
 
 def kv_capacity(client: Client, name: str) -> int | None:
@@ -278,10 +280,28 @@ def _number(kind: Callable[[str], float], *, least: float, strict: bool) -> Call
 
 
 SECONDS = _number(float, least=0, strict=True)
+# The sampling parameters `run` and `chat` take beside --temperature (gpuportal.wire.sampling).
+CLI_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
+
+
+def _sampling_param(name: str) -> Callable[[str], Any]:
+    """An argparse type for the sampling parameter `name`, held to its bounds before anything is sent."""
+    param = sampling.BY_NAME[name]
+
+    def parse(text: str) -> Any:
+        try:
+            value = int(text) if param.whole else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {'whole number' if param.whole else 'number'}: {text!r}") from None
+        if (why := param.problem(value)) is not None:
+            raise argparse.ArgumentTypeError(f"{why}, not {text}")
+        return value
+
+    return parse
 
 
 def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    def sampling(parser: argparse.ArgumentParser) -> None:
+    def sampling_options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--max-tokens",
             type=_number(int, least=1, strict=False),
@@ -294,19 +314,22 @@ def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
             default=0.0,
             help="0 (default): the likeliest each time",
         )
+        for name in CLI_SAMPLING:
+            param = sampling.BY_NAME[name]
+            parser.add_argument(f"--{name.replace('_', '-')}", type=_sampling_param(name), help=param.help)
         parser.add_argument("--timeout", type=SECONDS, default=TIMEOUT_S, help=f"seconds (default {TIMEOUT_S:.0f})")
 
     run = commands.add_parser("run", help="ask a model once; the answer streams to stdout")
     run.add_argument("model", help="the deployment's name")
     run.add_argument("prompt", nargs="?", help="the prompt (default, or `-`: stdin)")
     run.add_argument("--source", help="deploy this model directory (or hf:org/name) as MODEL first, if it is not")
-    sampling(run)
+    sampling_options(run)
     run.set_defaults(run=cmd_run)
 
     chat = commands.add_parser("chat", help=f"talk with a model, keeping the conversation ({CHAT_COMMANDS})")
     chat.add_argument("model", help="the deployment's name")
     chat.add_argument("--system", help="a system message that starts the conversation")
-    sampling(chat)
+    sampling_options(chat)
     chat.set_defaults(run=cmd_chat)
 
     embed = commands.add_parser("embed", help="embed texts: one JSON vector a line")

@@ -3,7 +3,7 @@ for every way a call arrives (the hot path without DRF, streams and session user
 that what is accepted and what each refusal says cannot drift apart. The serializers in
 openai_compat describe the same body for the OpenAPI schema only.
 
-Fields OpenAI clients send that the portal does not use (`user`, `seed`, ...) are ignored, as
+Fields OpenAI clients send that the portal does not use (`user`, `logprobs`, ...) are ignored, as
 OpenAI's own server ignores what it does not know; but a field that reads as a misspelling of one
 the portal does use (`max_tokns`) is refused, naming the one it is nearest: ignored, it would be a
 limit not applied."""
@@ -14,6 +14,8 @@ import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from gpuportal.wire import sampling
 
 Kind = Literal["generate", "chat"]
 
@@ -30,15 +32,14 @@ MIN_TIMEOUT_S = 0.001
 
 # What the portal reads of a /v1 body, and what OpenAI's and vLLM's clients send that it ignores.
 READ_FIELDS = frozenset(
-    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "n",
-     "stream", "stream_options", "timeout", "input", "encoding_format", "dimensions"}
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
+     "timeout", "input", "encoding_format", "dimensions", *sampling.NAMES}
 )  # fmt: skip
 IGNORED_FIELDS = frozenset(
-    {"user", "seed", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "presence_penalty",
-     "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice",
-     "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata", "modalities",
-     "audio", "prediction", "reasoning_effort", "top_k", "min_p", "repetition_penalty", "min_tokens",
-     "ignore_eos", "stop_token_ids", "skip_special_tokens", "extra_body", "web_search_options"}
+    {"user", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "response_format", "tools",
+     "tool_choice", "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata",
+     "modalities", "audio", "prediction", "reasoning_effort", "min_tokens", "ignore_eos", "stop_token_ids",
+     "skip_special_tokens", "extra_body", "web_search_options"}
 )  # fmt: skip
 # How near an unknown field must be to one the portal reads to be taken for its misspelling.
 TYPO_CUTOFF = 0.8
@@ -57,7 +58,8 @@ class Completion:
     model: str
     # The prompt (a string) or the messages ([{role, content}]).
     input: Any
-    # max_tokens, temperature, top_p, stop and stream, as the request queue takes them.
+    # max_tokens, the sampling parameters (gpuportal.wire.sampling), stop and stream, as the
+    # request queue takes them.
     params: dict[str, Any]
     timeout_s: float
     # stream_options.include_usage: the stream ends with a chunk of no choices that carries the usage.
@@ -81,10 +83,13 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         stream = False
     if not isinstance(stream, bool):
         raise Refused("stream", "must be true or false")
+    for name, why in sampling.problems(body).items():
+        raise Refused(name, why)
     params = {
         "max_tokens": _max_tokens(body),
-        "temperature": _number(body, "temperature", 0.0, 2.0, default=0.0),
-        "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, above_low=True),
+        "temperature": 0.0,
+        "top_p": 1.0,
+        **sampling.checked(body),
         "stop": _stops(body.get("stop")),
         "stream": stream,
     }
@@ -214,20 +219,6 @@ def _max_tokens(body: dict[str, Any]) -> int:
             raise Refused(key, f"must be a whole number from 1 to {MAX_TOKENS}")
     # OpenAI's newer name stands in for the older when only it is sent.
     return body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
-
-
-def _number(
-    body: dict[str, Any], key: str, low: float, high: float, *, default: float, above_low: bool = False
-) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise Refused(key, "must be a number")
-    if not low <= value <= high or (above_low and value <= low):
-        bounds = f"above {low:g} and at most {high:g}" if above_low else f"from {low:g} to {high:g}"
-        raise Refused(key, f"must be {bounds}")
-    return float(value)
 
 
 def _stops(value: Any) -> list[str]:

@@ -9,9 +9,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.conf import settings
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from gpuportal.wire import deployment_spec, node_labels
+from gpuportal.wire import deployment_spec, node_labels, sampling
 from gpuportal.wire.deployment_spec import Setting, Update
 from scheduling.services.deployments import DeploymentSpec
 
@@ -51,6 +53,40 @@ class FiniteFloatField(serializers.FloatField):
         if not math.isfinite(value):
             raise serializers.ValidationError("must be a finite number")
         return value
+
+
+class _SamplingField(serializers.Field):
+    """A sampling parameter (gpuportal.wire.sampling), held to its bounds there, with its help."""
+
+    def __init__(self, param: sampling.Param, **kwargs: Any):
+        self.param = param
+        default = "none" if param.default is None else f"{param.default:g}"
+        kwargs.setdefault("help_text", f"{param.help} {param.bounds().capitalize()}; default {default}.")
+        super().__init__(required=False, allow_null=True, **kwargs)
+
+    def to_internal_value(self, data: Any) -> float | int:
+        if (why := self.param.problem(data)) is not None:
+            raise serializers.ValidationError(why)
+        return int(data) if self.param.whole else float(data)
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+@extend_schema_field(OpenApiTypes.NUMBER)
+class _SamplingNumber(_SamplingField):
+    pass
+
+
+@extend_schema_field(OpenApiTypes.INT)
+class _SamplingWhole(_SamplingField):
+    pass
+
+
+def sampling_field(name: str, **kwargs: Any) -> serializers.Field:
+    """The field of the sampling parameter `name`: its bounds, default and help declared once."""
+    param = sampling.BY_NAME[name]
+    return (_SamplingWhole if param.whole else _SamplingNumber)(param, **kwargs)
 
 
 REPLICAS = deployment_spec.BY_NAME["replicas"]

@@ -16,10 +16,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import user_from_header
+from gpuportal.wire import sampling
 from gpuportal.wire.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from gpuportal.wire.requestqueue import CALLERS_INPUT, Request
 from scheduling.api import bodies, idempotency
-from scheduling.api.inputs import FiniteFloatField, StrictSerializer
+from scheduling.api.inputs import FiniteFloatField, StrictSerializer, sampling_field
 from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
 from scheduling.services.errors import ServiceError
@@ -29,14 +30,22 @@ STATUSES = ["queued", "waking", "dispatched", "running", "done", "failed", "canc
 
 class ParamsInput(StrictSerializer):
     max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, default=16)
-    temperature = FiniteFloatField(min_value=0, max_value=2, required=False, default=0.0)
-    top_p = FiniteFloatField(min_value=0, max_value=1, required=False, default=1.0)
+    # The sampling parameters, each as gpuportal.wire.sampling declares it.
+    temperature = sampling_field("temperature")
+    top_p = sampling_field("top_p")
+    top_k = sampling_field("top_k")
+    min_p = sampling_field("min_p")
+    presence_penalty = sampling_field("presence_penalty")
+    frequency_penalty = sampling_field("frequency_penalty")
+    repetition_penalty = sampling_field("repetition_penalty")
+    seed = sampling_field("seed")
     stop = serializers.JSONField(required=False, default=list)
 
-    def validate_top_p(self, value: float) -> float:
-        if value <= 0:
-            raise serializers.ValidationError("must be greater than 0")
-        return value
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # As the request queue keeps them: temperature and top_p always (as they always were),
+        # the other sampling parameters only where given.
+        given = {key: value for key, value in attrs.items() if value is not None}
+        return {"temperature": 0.0, "top_p": 1.0, **given}
 
     def validate_stop(self, value: Any) -> list[str]:
         stops = [value] if isinstance(value, str) else value
@@ -272,18 +281,16 @@ def _finite(value: Any) -> bool:
 
 def fast_params(params: Any) -> dict[str, Any] | None:
     """ParamsInput's validated data for params it is sure of (defaults filled in), else None."""
-    if not isinstance(params, dict) or not set(params) <= set(_PARAM_DEFAULTS):
+    if not isinstance(params, dict) or not set(params) <= {*_PARAM_DEFAULTS, *sampling.NAMES}:
         return None
     out = dict(_PARAM_DEFAULTS)
     max_tokens = params.get("max_tokens", out["max_tokens"])
     if type(max_tokens) is not int or not 1 <= max_tokens <= 4096:
         return None
     out["max_tokens"] = max_tokens
-    for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = params.get(key, out[key])
-        if type(value) not in (int, float) or not low <= value <= high or (key == "top_p" and value <= 0):
-            return None
-        out[key] = float(value)
+    if sampling.problems(params):
+        return None
+    out.update(sampling.checked(params))
     stop = params.get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):

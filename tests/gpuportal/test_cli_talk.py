@@ -144,6 +144,22 @@ def test_run_streams_the_answer_to_stdout_and_asks_for_a_whole_answer(portal, ca
     }  # fmt: skip
 
 
+def test_run_sends_the_sampling_parameters_it_is_given_and_no_others(portal, capsys):
+    portal.deployed["tiny"] = {}
+    argv = ["run", "tiny", "Hi", "--seed", "7", "--top-k", "40", "--repetition-penalty", "1.1", "--min-p", "0"]
+
+    assert app.main(argv, env=portal.env) == 0
+
+    body = portal.calls[-1][2]
+    assert {key: body[key] for key in body.keys() - {"model", "prompt", "max_tokens", "timeout", "stream"}} == {
+        "temperature": 0.0,
+        "seed": 7,
+        "top_k": 40,
+        "repetition_penalty": 1.1,
+        "min_p": 0.0,
+    }
+
+
 def test_run_reads_the_prompt_from_stdin_so_that_it_pipes(portal, capsys, monkeypatch):
     portal.deployed["tiny"] = {}
     stdin(monkeypatch, "a prompt\nof two lines\n")
@@ -190,6 +206,9 @@ def test_a_run_without_a_prompt_is_refused_before_anything_is_sent(portal, capsy
         (["chat", "tiny", "--temperature", "-1"], "argument --temperature: must be 0 or more, not -1"),
         (["embed", "e", "x", "--timeout", "0"], "argument --timeout: must be more than 0, not 0"),
         (["run", "tiny", "hi", "--timeout", "nan"], "argument --timeout: must be more than 0, not nan"),
+        (["run", "tiny", "hi", "--top-k", "1.5"], "argument --top-k: not a whole number: '1.5'"),
+        (["chat", "tiny", "--presence-penalty", "3"], "argument --presence-penalty: must be from -2 to 2, not 3"),
+        (["run", "tiny", "hi", "--top-p", "0"], "argument --top-p: must be above 0 and at most 1, not 0"),
     ],
 )
 def test_a_sampling_setting_out_of_range_is_a_one_line_error_before_anything_is_sent(portal, capsys, argv, said):

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpuportal.wire.memory import activation_reserve_bytes, estimate, kv_block_bytes
+from gpuportal.wire.sampling import Sampling
 from inference import paged
 from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
 from inference.errors import BadInput
@@ -264,7 +265,7 @@ def test_stop_strings_eos_streaming_and_sampling(tiny):
 
     b.eos = set()
     b.generator = torch.Generator().manual_seed(0)
-    b.submit(sampled := Sequence(prompt, 8, temperature=0.9, top_p=0.8))
+    b.submit(sampled := Sequence(prompt, 8, sampling=Sampling(temperature=0.9, top_p=0.8)))
     run_until_idle(b)
     assert len(sampled.generated) == 8 and all(0 <= t < model.config.vocab_size for t in sampled.generated)
     assert b.pool.blocks_used == 0

@@ -331,6 +331,16 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
     call = read({**prompt, "stream": True, "timeout": 60, "user": "ignored"}, "generate")
     assert call.params == {"max_tokens": 5, "temperature": 0.2, "top_p": 1.0, "stop": ["\n"], "stream": True}
     assert call.timeout_s == 60 and not call.include_usage
+    # vLLM's and OpenAI's sampling parameters reach the request queue; those left out do not.
+    sampled = {"seed": 3, "top_k": 20, "min_p": 0.1, "presence_penalty": -0.5, "repetition_penalty": 1.2}
+    assert read({**prompt, **sampled, "frequency_penalty": None}, "generate").params == {
+        "max_tokens": 5,
+        "temperature": 0.2,
+        "top_p": 1.0,
+        "stop": ["\n"],
+        "stream": False,
+        **sampled,
+    }
     # vLLM's continuous_usage_stats beside OpenAI's include_usage: ignored; a null is none.
     options = {"include_usage": True, "continuous_usage_stats": True}
     assert read({**prompt, "stream": True, "stream_options": options}, "generate").include_usage
@@ -351,6 +361,9 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
             "stop: must be a string or a list of at most 4 non-empty strings",
         ),
         ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream: must be true or false"),
+        ({"model": "tiny", "prompt": "x", "top_k": 1.5}, "top_k: must be a whole number"),
+        ({"model": "tiny", "prompt": "x", "frequency_penalty": 3}, "frequency_penalty: must be from -2 to 2"),
+        ({"model": "tiny", "prompt": "x", "seed": "7"}, "seed: must be a whole number"),
         (
             {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
             "stream_options: only allowed when stream is true",

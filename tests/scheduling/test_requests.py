@@ -687,6 +687,10 @@ _params = st.fixed_dictionaries(
         "temperature": st.floats(-1, 3) | st.integers(-1, 3) | _json,
         "top_p": st.floats(-0.5, 1.5) | _json,
         "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | _json,
+        "top_k": st.integers(-3, 5) | st.floats(-2, 5) | _json,
+        "seed": st.integers(-(2**64), 2**65) | _json,
+        "presence_penalty": st.floats(-3, 3) | _json,
+        "repetition_penalty": st.floats(-1, 11) | st.integers(-1, 11) | _json,
         "beams": _json,
     },
 )
@@ -723,6 +727,28 @@ def test_the_fast_path_accepts_only_what_the_serializer_accepts_and_reads_it_the
 )
 def test_the_fast_path_takes_the_shapes_clients_send_most(body):
     assert fast_inputs(body) is not None
+
+
+def test_the_sampling_parameters_are_kept_as_given_and_a_bad_one_is_refused_naming_it():
+    sampled = {"temperature": 0.8, "top_k": 40, "min_p": 0.05, "seed": 7, "frequency_penalty": 0.5}
+    serializer = InferInput(data={"input": "hi", "params": sampled})
+    assert serializer.is_valid(), serializer.errors
+    assert params_of(serializer.validated_data) == {"max_tokens": 16, "top_p": 1.0, "stop": [], **sampled}
+    assert fast_inputs({"input": "hi", "params": sampled})[1] == params_of(serializer.validated_data)
+    # Left out, or null: the replica's default (gpuportal.wire.sampling), nothing stored.
+    nulled = InferInput(data={"input": "hi", "params": {"seed": None}})
+    assert nulled.is_valid() and params_of(nulled.validated_data) == {
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "stop": [],
+    }
+
+    refused = InferInput(data={"input": "hi", "params": {"top_k": 2.5, "repetition_penalty": 0}})
+    assert not refused.is_valid()
+    assert refused.errors == {
+        "params": {"top_k": ["must be a whole number"], "repetition_penalty": ["must be above 0 and at most 10"]}
+    }
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,137 @@
+"""How a text request's next token is chosen: the sampling parameters a request may give, each
+declared once with its bounds and default, as OpenAI's, vLLM's and Ollama's clients send them.
+The REST API, the `/v1` endpoints and the web's fast path check them here; the replica reads them
+back as a `Sampling` (inference.batching applies it). Django-free and torch-free."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+# A seed as torch's generators take one: any 64-bit integer, signed or not.
+SEED_LOW, SEED_HIGH = -(2**63), 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: whole or not, its bounds (`above_low`: the low bound itself refused), its
+    default, and what it does, for the API's documentation."""
+
+    name: str
+    low: float
+    high: float
+    default: float | None
+    help: str
+    whole: bool = False
+    above_low: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` cannot be this parameter's, or None (None itself is its default)."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return "must be a whole number" if self.whole else "must be a number"
+        if self.whole and not isinstance(value, int):
+            return "must be a whole number"
+        if not self.low <= value <= self.high or (self.above_low and value <= self.low):
+            return f"must be {self.bounds()}"
+        return None
+
+    def bounds(self) -> str:
+        low, high = (f"{self.low:.0f}", f"{self.high:.0f}") if self.whole else (f"{self.low:g}", f"{self.high:g}")
+        return f"above {low} and at most {high}" if self.above_low else f"from {low} to {high}"
+
+
+PARAMS = (
+    Param("temperature", 0.0, 2.0, 0.0, "0 picks the likeliest token (greedy); higher samples more freely."),
+    Param("top_p", 0.0, 1.0, 1.0, "Sample from the likeliest tokens whose mass reaches it.", above_low=True),
+    Param("top_k", -1, 1_000_000, 0, "Sample from the k likeliest tokens (0 or -1: all).", whole=True),
+    Param("min_p", 0.0, 1.0, 0.0, "Leave out tokens less likely than this share of the likeliest one's."),
+    Param(
+        "presence_penalty",
+        -2.0,
+        2.0,
+        0.0,
+        "Subtracted from the logit of each token the answer holds already (OpenAI's): above 0, new topics.",
+    ),
+    Param(
+        "frequency_penalty",
+        -2.0,
+        2.0,
+        0.0,
+        "Subtracted from a token's logit once for each time the answer holds it (OpenAI's): above 0, less repetition.",
+    ),
+    Param(
+        "repetition_penalty",
+        0.0,
+        10.0,
+        1.0,
+        "Divides the positive logits, and multiplies the negative ones, of tokens in the prompt or the answer "
+        "(vLLM's and Hugging Face's; Ollama's repeat_penalty): above 1, less repetition.",
+        above_low=True,
+    ),
+    Param(
+        "seed",
+        SEED_LOW,
+        SEED_HIGH,
+        None,
+        "Sampling with the same seed, parameters and prompt picks the same tokens (with temperature above 0).",
+        whole=True,
+    ),
+)
+BY_NAME: Mapping[str, Param] = {p.name: p for p in PARAMS}
+NAMES = tuple(BY_NAME)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling parameters, defaults filled in."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, params: Mapping[str, Any]) -> Sampling:
+        """The sampling a request's params ask for; what they leave out (or a replica of an older
+        portal did not know) is the default. The web checked them (`problems`)."""
+        given = {f.name: params[f.name] for f in fields(cls) if params.get(f.name) is not None}
+        return cls(**given)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits change before a token is chosen, greedy or not."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def generator_seed(self) -> int | None:
+        """The seed as torch's Generator.manual_seed takes it (unsigned 64 bits)."""
+        return None if self.seed is None else self.seed % 2**64
+
+
+def problems(params: Mapping[str, Any]) -> dict[str, str]:
+    """{name: why} of the sampling parameters in `params` that are refused (others are not read)."""
+    return {name: why for name in NAMES if name in params and (why := BY_NAME[name].problem(params[name]))}
+
+
+def checked(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling parameters of `params` as the request queue takes them: numbers as floats,
+    whole ones as ints, those given as null left out (the replica fills in the default). The
+    caller has refused `problems`."""
+    out: dict[str, Any] = {}
+    for name in NAMES:
+        value = params.get(name)
+        if value is not None:
+            out[name] = int(value) if BY_NAME[name].whole else float(value)
+    return out

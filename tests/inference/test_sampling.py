@@ -1,0 +1,173 @@
+"""The sampling parameters a text request may give, as OpenAI's, vLLM's and Ollama's clients send
+them (gpuportal.wire.sampling): their rules, and what the paged engine (inference.batching) and
+transformers' generate() path (inference.serving.Executor) do with them. A seeded request picks
+the same tokens whatever else its batch holds; the penalties change the logits as their authors
+define them."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gpuportal.wire import sampling
+from gpuportal.wire.requestqueue import Request
+from gpuportal.wire.sampling import Sampling
+from inference.batching import Batcher, Sequence, _penalized, eos_ids, run_until_idle
+from inference.kvpool import BlockPool
+from inference.management.commands.make_tiny_model import write_tiny_model
+from inference.paged import PagedModel, model_shape
+from inference.serving import Executor, OpenAIPenalties
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Any, Any]:
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-sampling"), size_mb=2, seed=5, log=lambda _: None).path
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def batcher(model: Any, tokenizer: Any) -> Batcher:
+    pool = BlockPool.for_shape(model_shape(model, 0), 64, dtype=torch.float32, device="cpu", block_tokens=4)
+    return Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
+
+
+def run(b: Batcher, *seqs: Sequence) -> list[list[int]]:
+    b.eos = set()  # every sequence runs to its max_tokens: the tokens compare whole
+    for seq in seqs:
+        b.submit(seq)
+    run_until_idle(b)
+    return [seq.generated for seq in seqs]
+
+
+# -- the rules -----------------------------------------------------------------------------------------
+
+
+def test_each_parameter_is_declared_once_with_its_bounds():
+    assert tuple(f.name for f in fields(Sampling)) == sampling.NAMES
+    assert sampling.problems({"top_p": 0, "top_k": 2.5, "seed": True, "min_p": 0.1, "stop": "x"}) == {
+        "top_p": "must be above 0 and at most 1",
+        "top_k": "must be a whole number",
+        "seed": "must be a whole number",
+    }
+    assert sampling.problems({"presence_penalty": 3, "repetition_penalty": 0, "temperature": float("nan")}) == {
+        "temperature": "must be a number",
+        "presence_penalty": "must be from -2 to 2",
+        "repetition_penalty": "must be above 0 and at most 10",
+    }
+    assert sampling.checked({"top_k": 5, "min_p": 0, "seed": None, "max_tokens": 3}) == {"top_k": 5, "min_p": 0.0}
+    assert Sampling.of({"temperature": 0.7, "seed": -1, "top_k": None}) == Sampling(temperature=0.7, seed=-1)
+    assert Sampling(seed=-1).generator_seed == 2**64 - 1
+    assert Sampling().greedy and not Sampling().penalized and Sampling(repetition_penalty=1.1).penalized
+
+
+# -- the paged engine ------------------------------------------------------------------------------------
+
+
+def test_a_seeded_request_picks_the_same_tokens_alone_or_in_any_batch(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer("Once upon a time").input_ids
+    seeded = Sampling(temperature=1.0, seed=1234)
+
+    (alone,) = run(batcher(model, tokenizer), Sequence(prompt, 12, sampling=seeded))
+    # Beside unseeded sampled requests, which draw from the batcher's own generator in between.
+    others = [Sequence(prompt, 12, sampling=Sampling(temperature=1.0)) for _ in range(3)]
+    _, together, *_ = run(batcher(model, tokenizer), others[0], Sequence(prompt, 12, sampling=seeded), *others[1:])
+    (other_seed,) = run(batcher(model, tokenizer), Sequence(prompt, 12, sampling=Sampling(temperature=1.0, seed=99)))
+
+    assert together == alone
+    assert other_seed != alone, "another seed, other tokens"
+
+
+def test_top_k_of_one_and_a_min_p_of_one_sample_the_likeliest_token(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer("The portal").input_ids
+    greedy, top_one, min_one = run(
+        batcher(model, tokenizer),
+        Sequence(prompt, 10),
+        Sequence(prompt, 10, sampling=Sampling(temperature=1.5, top_k=1, seed=3)),
+        Sequence(prompt, 10, sampling=Sampling(temperature=1.5, min_p=1.0, seed=4)),
+    )
+
+    assert top_one == greedy and min_one == greedy
+
+
+def test_min_p_and_top_k_leave_out_the_unlikely_tokens():
+    b = Batcher.__new__(Batcher)  # the sampler alone: no model
+    b.generator = torch.Generator().manual_seed(0)
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+    def drawn(**given: Any) -> set[int]:
+        seq = Sequence([1], 1, sampling=Sampling(temperature=1.0, **given))
+        return {b._sample(seq, logits) for _ in range(300)}
+
+    assert drawn() == {0, 1, 2, 3}
+    assert drawn(min_p=0.4) == {0, 1}, "below 0.4 of the likeliest's 0.5"
+    assert drawn(top_k=3) == {0, 1, 2}
+    assert drawn(top_k=-1) == {0, 1, 2, 3}, "vLLM's -1: all"
+
+
+def test_the_penalties_change_the_logits_as_openai_and_vllm_define_them():
+    row = torch.tensor([1.0, 2.0, -1.0, 0.5, 0.0, 3.0])
+    seq = Sequence([1, 2], 4, sampling=Sampling(presence_penalty=0.5, frequency_penalty=0.25))
+    seq.generated = [3, 3, 4]
+
+    # Generated tokens only: 3 twice (0.25 x 2 + 0.5), 4 once (0.25 + 0.5); the prompt's 1 and 2 untouched.
+    assert _penalized(seq, row).tolist() == [1.0, 2.0, -1.0, -0.5, -0.75, 3.0]
+
+    seq.sampling = Sampling(repetition_penalty=2.0)
+    # The prompt's tokens and the answer's: a positive logit halved, a negative one doubled.
+    assert _penalized(seq, row).tolist() == [1.0, 1.0, -2.0, 0.25, 0.0, 3.0]
+    assert row.tolist() == [1.0, 2.0, -1.0, 0.5, 0.0, 3.0], "the row given is left as it was"
+
+
+def test_a_penalized_request_changes_only_its_own_row_of_the_batch(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer("Once upon a time").input_ids
+    (plain,) = run(batcher(model, tokenizer), Sequence(prompt, 16))
+
+    both = run(
+        batcher(model, tokenizer),
+        Sequence(prompt, 16),
+        Sequence(prompt, 16, sampling=Sampling(repetition_penalty=5.0, frequency_penalty=2.0)),
+    )
+
+    assert both[0] == plain, "its neighbour's penalties do not reach it"
+    assert both[1] != plain
+    assert len(set(both[1])) > len(set(plain)), "repeating less"
+
+
+# -- transformers' generate() path ---------------------------------------------------------------------
+
+
+def request(**params: Any) -> Request:
+    params = {"max_tokens": 10, **params}
+    return Request(id="r1", deployment="tiny", kind="generate", input="Once upon a time", params=params)
+
+
+def test_the_generate_path_takes_a_seed_and_the_penalties(tiny):
+    model, tokenizer = tiny
+    executor = Executor(model, tokenizer)
+    sampled = {"temperature": 1.0, "top_k": 50, "min_p": 0.01}
+
+    first = executor.run(request(seed=7, **sampled), None)["text"]
+    torch.rand(1000)  # the process's own generator moves on meanwhile
+    before = torch.random.get_rng_state()
+    again = executor.run(request(seed=7, **sampled), None)["text"]
+    assert torch.equal(torch.random.get_rng_state(), before), "the seed reached nothing else in the process"
+    other = executor.run(request(seed=8, **sampled), None)["text"]
+    assert first == again and other != first
+
+    plain = executor.run(request(), None)["text"]
+    assert executor.run(request(repetition_penalty=5.0, presence_penalty=2.0), None)["text"] != plain
+
+
+def test_openais_penalties_as_a_logits_processor_count_the_generated_tokens_only():
+    penalties = OpenAIPenalties(Sampling(presence_penalty=1.0, frequency_penalty=0.5), start=2)
+    ids = torch.tensor([[0, 1, 2, 2, 3]])  # the prompt is [0, 1]
+    scores = torch.zeros(1, 5)
+
+    assert penalties(ids, scores).tolist() == [[0.0, 0.0, -2.0, -1.5, 0.0]]
+    assert penalties(ids[:, :2], scores).tolist() == [[0.0] * 5], "nothing generated yet"
