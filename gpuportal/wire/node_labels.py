@@ -76,6 +76,10 @@ def _items(text: str, *, bare: bool, taints: bool = False) -> dict[str, str | No
         key, equals, value = (side.strip() for side in item.partition("="))
         if not equals and not bare:
             raise ValueError(f"{item!r} is not key=value ({RULE})")
+        if bare and ":" in value:
+            raise ValueError(
+                f"{item!r}: a toleration names a taint whatever its effect: write {key}={taint_of(value)[0]}"
+            )
         if problem := pair_problem(key, value if equals else "any", taint=taints):
             raise ValueError(problem)
         given = value if equals else None

@@ -73,6 +73,8 @@ def test_a_toleration_names_a_taint_whatever_its_effect_and_only_noexecute_evict
     assert node_labels.untolerated(taints, node_labels.parse_tolerations("team,gpu=a10")) == {}
     assert node_labels.evicting(taints, {}) == {"team": "research:NoExecute"}
     assert node_labels.evicting(taints, node_labels.parse_tolerations("team")) == {}
+    with pytest.raises(ValueError, match="a toleration names a taint whatever its effect: write team=research"):
+        node_labels.canonical_tolerations("team=research:NoExecute")
     refused = node_labels.refusals({"lab": ({}, taints)}, "d", "", "gpu=a10")
     assert refused == {"lab": "its taint team=research:NoExecute is not in d's placement.tolerations"}
 
