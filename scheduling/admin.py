@@ -13,7 +13,7 @@ import base64
 
 from django.conf import settings
 from django.contrib import admin
-from django.db.models import Count, QuerySet
+from django.db.models import Count, QuerySet, Subquery
 from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
@@ -35,6 +35,8 @@ from scheduling.models import (
     RequestRecord,
     UserLimits,
 )
+from scheduling.services.placing import need_with
+from scheduling.services.replica_specs import largest_contexts
 from scheduling.web import admin_actions
 
 GIB = 1024**3
@@ -282,8 +284,21 @@ class DeploymentAdmin(ReadOnlyAdmin):
     inlines = [ObservedInline, ReplicaInline]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Deployment]:
-        # With the observed record: the list's status and memory need read it.
-        return super().get_queryset(request).select_related("observed").annotate(replica_count=Count("replicas"))
+        # With the observed record: the list's status and memory need read it; and the GPUs'
+        # largest contexts, which the need counts, in the same query.
+        def largest(field: str) -> Subquery:
+            return Subquery(GPU.objects.order_by(f"-{field}").values(field)[:1])
+
+        return (
+            super()
+            .get_queryset(request)
+            .select_related("observed")
+            .annotate(
+                replica_count=Count("replicas"),
+                largest_context=largest("context_bytes"),
+                largest_standby_context=largest("standby_context_bytes"),
+            )
+        )
 
     @admin.display(description="replicas", ordering="replica_count")
     def replica_count(self, obj: Deployment) -> int:
@@ -291,7 +306,12 @@ class DeploymentAdmin(ReadOnlyAdmin):
 
     @admin.display(description="memory need")
     def memory_need(self, obj: Deployment) -> str:
-        return gib(obj.memory_need_bytes)
+        """What placement reserves for one replica (as the API's need_bytes), contexts included."""
+        if obj.memory_need_bytes is None:
+            return gib(None)
+        # Annotated by get_queryset, which the changelist reads.
+        found = getattr(obj, "largest_context", None), getattr(obj, "largest_standby_context", None)
+        return gib(need_with(obj, largest_contexts(*found)).bytes)
 
     @admin.display(description="status")
     def status(self, obj: Deployment) -> str:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
@@ -27,6 +28,8 @@ from scheduling.models import (
     Replica,
 )
 from scheduling.services import autoscaling, host_cache, rollouts
+from scheduling.services.placing import need_with
+from scheduling.services.replica_specs import contexts_of
 
 
 class NodeCredentialSerializer(serializers.ModelSerializer):
@@ -284,6 +287,24 @@ class AutoscaleLoadField(serializers.Field):
         return {"in_flight": load.in_flight, "wanted": load.wanted, "age_s": age_s}
 
 
+@extend_schema_field(OpenApiTypes.INT)
+class NeedBytesField(serializers.Field):
+    """What placement reserves for one more replica of the deployment (placing.need_with): its
+    need under its memory policy with the GPUs' CUDA context, the largest among them as placement
+    counts it, and a pair's standby context beside it. The GPUs' contexts are read once per
+    answer, however many deployments it shows."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(source="*", read_only=True, **kwargs)
+
+    def to_representation(self, deployment: Deployment) -> int | None:
+        if deployment.memory_need_bytes is None:
+            return None  # nothing to size it by yet
+        if (contexts := self.context.get("_gpu_contexts")) is None:
+            contexts = self.context["_gpu_contexts"] = contexts_of(GPU.objects.all())
+        return need_with(deployment, contexts).bytes
+
+
 def _shown_beside(group: str) -> dict[str, serializers.Field]:
     """What a group shows after its settings. Made when called: DRF orders declared fields by
     when each was made."""
@@ -303,11 +324,10 @@ def _shown_beside(group: str) -> dict[str, serializers.Field]:
         "measured_bytes": serializers.IntegerField(
             source="observed.memory_measured_bytes", allow_null=True, read_only=True
         ),
-        "need_bytes": serializers.IntegerField(
-            source="memory_need_bytes",
+        "need_bytes": NeedBytesField(
             allow_null=True,
-            read_only=True,
-            help_text="What placement reserves: override, else measured, else estimate.",
+            help_text="What placement reserves for one replica: override, else measured, else estimate, with the "
+            "GPUs' CUDA context (and, in a failover pair, its standby's beside it).",
         ),
     }
 

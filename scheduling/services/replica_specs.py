@@ -17,9 +17,16 @@ from scheduling.models import GPU, Replica
 def contexts_of(gpus: QuerySet[GPU]) -> tuple[int, int]:
     """(serving context, standby context) in bytes: the largest of `gpus`', in one query."""
     found = gpus.aggregate(c=Max("context_bytes"), s=Max("standby_context_bytes"))
-    # No GPU at all (nothing registered yet): the H100's figures; a GPU's own 0 stays 0.
-    context = memory.H100_CONTEXT_BYTES if found["c"] is None else int(found["c"])
-    return context, memory.H100_STANDBY_CONTEXT_BYTES if found["s"] is None else int(found["s"])
+    return largest_contexts(found["c"], found["s"])
+
+
+def largest_contexts(context: int | None, standby: int | None) -> tuple[int, int]:
+    """The largest contexts of some GPUs as `contexts_of` gives them, from their maxima (None:
+    no GPU at all, nothing registered yet, and then the H100's figures; a GPU's own 0 stays 0)."""
+    return (
+        memory.H100_CONTEXT_BYTES if context is None else int(context),
+        memory.H100_STANDBY_CONTEXT_BYTES if standby is None else int(standby),
+    )
 
 
 def contexts_for(replica: Replica) -> tuple[int, int]:

@@ -62,6 +62,16 @@ def test_the_gpu_changelist_shows_bytes_in_gib_and_the_wake_lock(admin_client, w
     assert str(world["gpu"].wake_lock_holder) in content
 
 
+def test_the_deployment_changelist_shows_the_need_placement_reserves_its_context_included(admin_client) -> None:
+    f.gpu(f.node("node1"), 0, context_bytes=f.GIB // 2)
+    f.gpu(f.node("node2"), 0, context_bytes=f.GIB)  # the largest, as placement counts it
+    f.deployment("big", memory_estimate_bytes=2 * f.GIB)
+
+    content = admin_client.get(url(Deployment, "changelist")).content.decode()
+
+    assert "3.00 GiB" in content and "2.00 GiB" not in content
+
+
 def test_the_admin_is_titled_for_the_portal_and_shows_a_replicas_share_of_its_gpu_in_percent(
     admin_client, world: dict
 ) -> None:

@@ -17,6 +17,7 @@ from scheduling.models import Event, PreemptionIntent, Replica
 from tests.support import factories as f
 
 pytestmark = pytest.mark.django_db
+MiB = 1024**2
 
 LIST_ENDPOINTS = ["/api/nodes/", "/api/gpus/", "/api/deployments/", "/api/replicas/", "/api/events/"]
 
@@ -178,7 +179,7 @@ def test_gpu_detail_by_id(api: APIClient) -> None:
 def _crowd(count: int) -> None:
     """GPUs each with occupants, an active intent and a wake lock: every related row the list reads."""
     node = f.node()
-    dep = f.deployment()
+    dep = f.deployment(memory_override_bytes=f.GIB)  # a need, which counts the GPUs' contexts
     for _ in range(count):
         gpu = f.gpu(node, index=node.gpus.count())
         first, second = f.replica(dep, node), f.replica(dep, node)
@@ -192,8 +193,9 @@ def _crowd(count: int) -> None:
 # token lookup + page count + page, then one per prefetched relation
 @pytest.mark.parametrize(
     ("url", "queries"),
-    # /api/nodes/: one more for every node's host cache use, once per page.
-    [("/api/nodes/", 4), ("/api/gpus/", 5), ("/api/deployments/", 5), ("/api/replicas/", 4), ("/api/events/", 3)],
+    # /api/nodes/: one more for every node's host cache use, once per page; /api/deployments/: one
+    # for the GPUs' CUDA contexts, which each deployment's need_bytes counts.
+    [("/api/nodes/", 4), ("/api/gpus/", 5), ("/api/deployments/", 6), ("/api/replicas/", 4), ("/api/events/", 3)],
 )
 def test_list_endpoints_run_a_constant_number_of_queries(api: APIClient, url: str, queries: int) -> None:
     _crowd(2)
@@ -208,6 +210,27 @@ def test_list_endpoints_run_a_constant_number_of_queries(api: APIClient, url: st
     with CaptureQueriesContext(connection) as many:
         assert len(results(api.get(url))) > before > 0
     assert len(few) == len(many) == queries, [q["sql"] for q in many.captured_queries]
+
+
+def test_a_deployments_need_is_what_placement_reserves_for_one_replica_contexts_included(api: APIClient) -> None:
+    node = f.node("n1")
+    f.gpu(node, 0, context_bytes=500 * MiB, standby_context_bytes=300 * MiB)
+    f.gpu(node, 1, context_bytes=700 * MiB, standby_context_bytes=200 * MiB)  # placement counts the largest
+    f.deployment("estimated", memory_estimate_bytes=f.GIB)
+    f.deployment("paired", memory_estimate_bytes=f.GIB, failover_standby=True)
+    # Measured serving with a 600 MiB context: the GPUs' contexts grew to 700 MiB since.
+    f.deployment("measured", memory_measured_bytes=2 * f.GIB, memory_measured_context_bytes=600 * MiB)
+    f.deployment("new")  # nothing to size it by yet
+
+    needs = {d["name"]: d["memory"]["need_bytes"] for d in results(api.get("/api/deployments/"))}
+
+    assert needs == {
+        "estimated": f.GIB + 700 * MiB,
+        "paired": f.GIB + 700 * MiB + 300 * MiB,
+        "measured": 2 * f.GIB + 100 * MiB,
+        "new": None,
+    }
+    assert api.get("/api/deployments/paired/").json()["memory"]["need_bytes"] == needs["paired"]
 
 
 def test_a_valid_token_is_looked_up_once_within_the_cache_ttl(api: APIClient) -> None:
