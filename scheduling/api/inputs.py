@@ -89,6 +89,20 @@ def sampling_field(name: str, **kwargs: Any) -> serializers.Field:
     return (_SamplingWhole if param.whole else _SamplingNumber)(param, **kwargs)
 
 
+class SamplingInput(serializers.Serializer):
+    """The sampling parameters of a text request, for the serializers that take them to inherit:
+    `/infer/`'s params and, for the OpenAPI schema, `/v1`'s bodies."""
+
+    temperature = sampling_field("temperature")
+    top_p = sampling_field("top_p")
+    top_k = sampling_field("top_k")
+    min_p = sampling_field("min_p")
+    presence_penalty = sampling_field("presence_penalty")
+    frequency_penalty = sampling_field("frequency_penalty")
+    repetition_penalty = sampling_field("repetition_penalty")
+    seed = sampling_field("seed")
+
+
 REPLICAS = deployment_spec.BY_NAME["replicas"]
 
 

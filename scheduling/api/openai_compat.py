@@ -31,7 +31,7 @@ from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication,
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS, ROLES, Completion, Refused
-from scheduling.api.inputs import FiniteFloatField, sampling_field
+from scheduling.api.inputs import FiniteFloatField, SamplingInput
 from scheduling.api.requests import json_body, retry_after
 from scheduling.models import Deployment
 from scheduling.services import progress as progress_services
@@ -67,21 +67,13 @@ class WaitInput(serializers.Serializer):
     )
 
 
-class CompletionInput(WaitInput):
+class CompletionInput(WaitInput, SamplingInput):
     """What OpenAI clients send, for the OpenAPI schema only: completion_input.parse reads every
     body. Fields this portal does not use are accepted and ignored."""
 
     model = serializers.CharField()
     max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
     max_completion_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
-    temperature = sampling_field("temperature")
-    top_p = sampling_field("top_p")
-    top_k = sampling_field("top_k")
-    min_p = sampling_field("min_p")
-    presence_penalty = sampling_field("presence_penalty")
-    frequency_penalty = sampling_field("frequency_penalty")
-    repetition_penalty = sampling_field("repetition_penalty")
-    seed = sampling_field("seed")
     stop = serializers.JSONField(required=False, allow_null=True)
     n = serializers.IntegerField(required=False, allow_null=True, help_text="Only 1.")
     stream = serializers.BooleanField(required=False, default=False)

@@ -20,7 +20,7 @@ from gpuportal.wire import sampling
 from gpuportal.wire.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from gpuportal.wire.requestqueue import CALLERS_INPUT, Request
 from scheduling.api import bodies, idempotency
-from scheduling.api.inputs import FiniteFloatField, StrictSerializer, sampling_field
+from scheduling.api.inputs import FiniteFloatField, SamplingInput, StrictSerializer
 from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
 from scheduling.services.errors import ServiceError
@@ -28,17 +28,8 @@ from scheduling.services.errors import ServiceError
 STATUSES = ["queued", "waking", "dispatched", "running", "done", "failed", "cancelled"]
 
 
-class ParamsInput(StrictSerializer):
+class ParamsInput(StrictSerializer, SamplingInput):
     max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, default=16)
-    # The sampling parameters, each as gpuportal.wire.sampling declares it.
-    temperature = sampling_field("temperature")
-    top_p = sampling_field("top_p")
-    top_k = sampling_field("top_k")
-    min_p = sampling_field("min_p")
-    presence_penalty = sampling_field("presence_penalty")
-    frequency_penalty = sampling_field("frequency_penalty")
-    repetition_penalty = sampling_field("repetition_penalty")
-    seed = sampling_field("seed")
     stop = serializers.JSONField(required=False, default=list)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:

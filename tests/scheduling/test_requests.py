@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from gpuportal.wire import sampling
 from gpuportal.wire.requestqueue import (
     REQUEST_PREFIX,
     STREAM_RESTART,
@@ -36,6 +37,7 @@ from gpuportal.wire.requestqueue import (
 from gpuportal.wire.requestqueue.protocol import BELL_TTL_S
 from inference.devices import virtual_gpus
 from inference.serving import Server
+from scheduling.api.inputs import SamplingInput
 from scheduling.api.requests import InferInput, fast_inputs, params_of
 from scheduling.models import Replica
 from scheduling.services import reports
@@ -730,6 +732,7 @@ def test_the_fast_path_takes_the_shapes_clients_send_most(body):
 
 
 def test_the_sampling_parameters_are_kept_as_given_and_a_bad_one_is_refused_naming_it():
+    assert tuple(SamplingInput().fields) == sampling.NAMES, "each declared in gpuportal.wire.sampling"
     sampled = {"temperature": 0.8, "top_k": 40, "min_p": 0.05, "seed": 7, "frequency_penalty": 0.5}
     serializer = InferInput(data={"input": "hi", "params": sampled})
     assert serializer.is_valid(), serializer.errors
