@@ -250,9 +250,10 @@ class Executor:
             kwargs["logits_processor"] = LogitsProcessorList([OpenAIPenalties(sampling, ids.shape[1])])
 
         abort = AbortOnFlag(self.abort)
-        # A seed reaches generate() through torch's global generator, forked so that nothing else
-        # in the process sees it (requests run one at a time here: the host's lock).
-        cuda = [device] if device.type == "cuda" else []
+        # A seed reaches generate() through torch's global generators (manual_seed seeds every
+        # GPU's), forked so that nothing else in the process sees it (requests run one at a time
+        # here: the host's lock).
+        cuda = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=cuda, enabled=sampling.seed is not None):
             if sampling.seed is not None:
                 torch.manual_seed(sampling.generator_seed)
