@@ -83,7 +83,8 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         stream = False
     if not isinstance(stream, bool):
         raise Refused("stream", "must be true or false")
-    for name, why in sampling.problems(body).items():
+    if refused := sampling.problems(body):
+        name, why = next(iter(refused.items()))  # the first, in the order they are declared
         raise Refused(name, why)
     params = {
         "max_tokens": _max_tokens(body),
