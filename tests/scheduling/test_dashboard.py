@@ -491,6 +491,14 @@ def test_a_nodes_labels_and_taints_are_set_from_its_form_through_the_service(clu
     assert any(m.startswith("Refused: labels: 'pool' is not key=value") for m in outcome(refused))
     assert Node.objects.get(name="node1").operator_labels == {"pool": "fast"}
 
+    # A taint's effect after its value, as kubectl writes it (tests/scheduling/test_no_execute.py).
+    admin_client.post(control("marks", "node1"), {"labels": "pool=fast", "taints": "team=research:NoExecute"})
+    assert Node.objects.get(name="node1").operator_taints == {"team": "research:NoExecute"}
+    page = admin_client.get(DASHBOARD).content.decode()
+    assert 'name="taints" value="team=research:NoExecute"' in page
+    refused = admin_client.post(control("marks", "node1"), {"labels": "pool=fast", "taints": "team=research:Later"})
+    assert any("'Later' is no taint effect for team" in m for m in outcome(refused))
+
 
 CONTROLS = [
     ("replica", "abc", "sleep"),
