@@ -311,7 +311,10 @@ class DeploymentAdmin(ReadOnlyAdmin):
             return gib(None)
         # Annotated by get_queryset, which the changelist reads.
         found = getattr(obj, "largest_context", None), getattr(obj, "largest_standby_context", None)
-        return gib(need_with(obj, largest_contexts(*found)).bytes)
+        try:
+            return gib(need_with(obj, largest_contexts(*found)).bytes)
+        except ValueError:
+            return gib(None)  # its policy cannot size it (ndif without the weights' size)
 
     @admin.display(description="status")
     def status(self, obj: Deployment) -> str:

@@ -302,7 +302,10 @@ class NeedBytesField(serializers.Field):
             return None  # nothing to size it by yet
         if (contexts := self.context.get("_gpu_contexts")) is None:
             contexts = self.context["_gpu_contexts"] = contexts_of(GPU.objects.all())
-        return need_with(deployment, contexts).bytes
+        try:
+            return need_with(deployment, contexts).bytes
+        except ValueError:
+            return None  # its policy cannot size it (ndif without the weights' size): placement cannot either
 
 
 def _shown_beside(group: str) -> dict[str, serializers.Field]:

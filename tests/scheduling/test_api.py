@@ -221,6 +221,7 @@ def test_a_deployments_need_is_what_placement_reserves_for_one_replica_contexts_
     # Measured serving with a 600 MiB context: the GPUs' contexts grew to 700 MiB since.
     f.deployment("measured", memory_measured_bytes=2 * f.GIB, memory_measured_context_bytes=600 * MiB)
     f.deployment("new")  # nothing to size it by yet
+    f.deployment("unsized", memory_policy="ndif", memory_estimate_bytes=f.GIB)  # ndif sizes by weights alone
 
     needs = {d["name"]: d["memory"]["need_bytes"] for d in results(api.get("/api/deployments/"))}
 
@@ -229,6 +230,7 @@ def test_a_deployments_need_is_what_placement_reserves_for_one_replica_contexts_
         "paired": f.GIB + 700 * MiB + 300 * MiB,
         "measured": 2 * f.GIB + 100 * MiB,
         "new": None,
+        "unsized": None,
     }
     assert api.get("/api/deployments/paired/").json()["memory"]["need_bytes"] == needs["paired"]
 
