@@ -336,9 +336,7 @@ def _penalized(s: Sequence, logits: Any) -> Any:
     if sampling.repetition_penalty != 1.0:
         seen = torch.tensor(sorted({t for t in (*s.prompt, *s.generated) if t < vocab}), device=logits.device)
         if len(seen):
-            values = logits[seen]
-            logits = logits.clone()
-            logits[seen] = torch.where(
-                values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty
-            )
+            values, penalty = logits[seen], sampling.repetition_penalty
+            penalized = torch.where(values > 0, values / penalty, values * penalty)
+            logits = logits.index_put((seen,), penalized)  # a new tensor: the row given stays as it was
     return logits

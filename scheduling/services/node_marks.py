@@ -7,7 +7,7 @@ A NoExecute taint also moves off what runs there and does not tolerate it (`evic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from django.db import transaction
 from django.db.models import TextField
@@ -68,8 +68,7 @@ def change(
             f"node {name}",
             f"{by} set its {' and '.join(changed)}: "
             + "; ".join(_what_changed(what, before[what], node) for what in changed)
-            + _misplaced_on(node)
-            + _evicted_from(node),
+            + _moves_said(node),
             before={what: before[what] for what in changed},
             after={what: getattr(node, what) for what in changed},
             node=name,
@@ -127,7 +126,10 @@ def evict_untolerated() -> dict[str, dict[str, int]]:
     return moved
 
 
-def _held_there(node: Node) -> list[tuple[str, str, str, str]]:
+Held = list[tuple[str, str, str, str]]
+
+
+def _held_there(node: Node) -> Held:
     """The replicas on the node holding a process, a host copy or memory: (id, deployment, its
     node selector, its tolerations)."""
     held = node.replicas.exclude(state__in=[*states.GONE, Replica.State.PARKED]).values_list(
@@ -136,51 +138,49 @@ def _held_there(node: Node) -> list[tuple[str, str, str, str]]:
     return list(held.order_by("pk"))
 
 
-def _misplaced_there(node: Node, *, evicted_too: bool = True) -> dict[str, list[str]]:
-    """The replicas on the node whose deployments' placement refuses it now, by deployment;
-    without `evicted_too`, those its NoExecute taints move off by themselves left out."""
+def _misplaced_there(node: Node, held: Held | None = None, *, left_out: Iterable[str] = ()) -> dict[str, list[str]]:
+    """The replicas on the node whose deployments' placement refuses it now, by deployment, but
+    those `left_out`. `held`: `_held_there`, read here unless the caller read it."""
     marks = {node.name: (node.labels, node.taints)}
-    evicted = set() if evicted_too else {i for ids, _ in _evicted_there(node).values() for i in ids}
+    skipped = set(left_out)
     refused: dict[str, list[str]] = {}
-    for replica_id, deployment, *placement in _held_there(node):
-        if replica_id not in evicted and node_labels.refusals(marks, deployment, *placement):
+    for replica_id, deployment, *placement in _held_there(node) if held is None else held:
+        if replica_id not in skipped and node_labels.refusals(marks, deployment, *placement):
             refused.setdefault(deployment, []).append(replica_id)
     return refused
 
 
-def _evicted_there(node: Node) -> dict[str, tuple[list[str], dict[str, str]]]:
+def _evicted_there(node: Node, held: Held | None = None) -> dict[str, tuple[list[str], dict[str, str]]]:
     """The replicas on the node whose deployments do not tolerate one of its NoExecute taints, by
-    deployment, with those taints."""
+    deployment, with those taints. `held`: as `_misplaced_there`'s."""
     evicted: dict[str, tuple[list[str], dict[str, str]]] = {}
-    for replica_id, deployment, _, tolerations in _held_there(node):
+    for replica_id, deployment, _, tolerations in _held_there(node) if held is None else held:
         if taints := node_labels.evicting(node.taints, node_labels.parse_tolerations(tolerations)):
             evicted.setdefault(deployment, ([], taints))[0].append(replica_id)
     return evicted
 
 
-def _evicted_from(node: Node) -> str:
-    """What the Event says of the replicas its NoExecute taints move off ("" for none)."""
-    evicted = _evicted_there(node)
-    if not evicted:
-        return ""
-    listed = ", ".join(f"{name} ({len(ids)})" for name, (ids, _) in sorted(evicted.items()))
-    return (
-        f"; replicas there that do not tolerate its NoExecute taints are moved off, each replaced elsewhere "
-        f"before it stops (stopped if there is no room): {listed}"
-    )
-
-
-def _misplaced_on(node: Node) -> str:
+def _moves_said(node: Node) -> str:
     """What the Event says of the replicas on the node whose deployments' placement refuses it
-    now, and how to move them ("" for none): NoSchedule leaves them there."""
-    refused = _misplaced_there(node, evicted_too=False)
-    if not refused:
-        return ""
-    listed = ", ".join(f"{name} ({len(ids)})" for name, ids in sorted(refused.items()))
-    return (
-        f"; replicas there their placement now refuses stay until moved: {listed} "
-        f"(gpuportal node taint {node.name} --move, or gpuportal restart NAME --misplaced)"
-    )
+    now ("" for none): those NoSchedule leaves there, and how to move them; those its NoExecute
+    taints move off. The node's replicas read once for both."""
+    held = _held_there(node)
+    evicted = _evicted_there(node, held)
+    refused = _misplaced_there(node, held, left_out=(i for ids, _ in evicted.values() for i in ids))
+    said = ""
+    if refused:
+        listed = ", ".join(f"{name} ({len(ids)})" for name, ids in sorted(refused.items()))
+        said += (
+            f"; replicas there their placement now refuses stay until moved: {listed} "
+            f"(gpuportal node taint {node.name} --move, or gpuportal restart NAME --misplaced)"
+        )
+    if evicted:
+        listed = ", ".join(f"{name} ({len(ids)})" for name, (ids, _) in sorted(evicted.items()))
+        said += (
+            f"; replicas there that do not tolerate its NoExecute taints are moved off, each replaced elsewhere "
+            f"before it stops (stopped if there is no room): {listed}"
+        )
+    return said
 
 
 def _what_changed(what: str, before: Mapping[str, str], node: Node) -> str:

@@ -356,21 +356,25 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
     if observed.restart_only:
         save_observed(deployment, ["restart_only"])
     replica = locks.lock_replica(replica_id)  # after the deployment's row: the one lock order
-    drained = replica.node is not None and replica.node.status == Node.Status.DRAINING
+    node = replica.node
     why = f"no room for replica {replica_id[:8]}'s replacement elsewhere ({err})"
     tolerated = node_labels.parse_tolerations(deployment.placement_tolerations)
-    node = replica.node
     if node is not None and (evicting := node_labels.evicting(node.taints, tolerated)):
         why += (
             f"; it stops all the same: node {node.name}'s taint {node_labels.text(evicting)} is NoExecute and "
             f"{deployment.name} does not tolerate it"
         )
         _stop(deployment, replica_id, f"{STEP}: {why}")
-    elif drained and replica.state == Replica.State.SERVING and replica.lease_id is None:
+    elif (
+        node is not None
+        and node.status == Node.Status.DRAINING
+        and replica.state == Replica.State.SERVING
+        and replica.lease_id is None
+    ):
         replica_services.sleep_replica(
             replica_id, reason=f"{STEP}: {why}; it sleeps on its drained node", deployment=deployment
         )
-        why += f"; it sleeps on node {replica.node.name}, drained"  # type: ignore[union-attr]
+        why += f"; it sleeps on node {node.name}, drained"
     else:
         # A pair's active member never sleeps: it serves on where it is, as in a plain drain.
         why += "; it stays where it is"
