@@ -22,8 +22,8 @@ def is_hub_name(source: str) -> bool:
 def local_model_dir(source: str | Path) -> Path:
     """The directory `source` names: itself, or for `hf:org/name` its snapshot in the local
     Hugging Face cache. ValueError saying how to download it when the cache does not hold it.
-    A bare `org/name` that names no directory here is taken for a Hugging Face name when the cache
-    holds it (as `vllm serve Qwen/Qwen2.5-0.5B-Instruct` takes one); else it stays a path, and
+    A bare `org/name` (or `gpt2`) that names no directory here is taken for a Hugging Face name when
+    the cache holds it (as `vllm serve Qwen/Qwen2.5-0.5B-Instruct` takes one); else it stays a path, and
     what refuses it says how to write the name (`no_directory`)."""
     if isinstance(source, Path):
         return source
@@ -65,7 +65,9 @@ def no_directory(source: str | Path, root: Path) -> str:
     """Why `source` names no model directory (`root`, what it resolved to, does not exist), with
     the `hf:` spelling when it reads as a Hugging Face model name rather than a path."""
     message = f"not a model directory: {root} does not exist"
-    if isinstance(source, str) and is_repo_id(source):
+    # A name alone (`gpt2`) is as likely a mistyped directory as one of the hub's oldest models:
+    # the hint is for org/name, the spelling nearly every model on the hub has.
+    if isinstance(source, str) and is_repo_id(source) and "/" in source:
         message += (
             f", and this node's Hugging Face cache holds no model {source}: a deploy never downloads; pull it "
             f"first (`gpuportal pull {source}`), then deploy hf:{source} (or {source})"

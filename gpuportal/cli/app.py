@@ -620,7 +620,9 @@ def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentP
     login.set_defaults(run=cmd_login)
 
     pull = commands.add_parser("pull", help="fetch a Hugging Face model into the nodes' caches, with progress (staff)")
-    pull.add_argument("model", help="org/name[@revision], e.g. Qwen/Qwen2.5-0.5B-Instruct (hf:org/name too)")
+    pull.add_argument(
+        "model", help="org/name[@revision], e.g. Qwen/Qwen2.5-0.5B-Instruct, or a name alone as gpt2 (hf: prefix too)"
+    )
     pull.add_argument("-n", "--node", help="only this node (default: every node whose agent runs)")
     add_wait_options(pull, "every node has it")
     pull.set_defaults(run=cmd_pull)

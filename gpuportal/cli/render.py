@@ -66,6 +66,20 @@ def local_time(iso: str | None) -> str:
         return iso
 
 
+def since(iso: str | None, now: datetime | None = None) -> str:
+    """How long ago an API timestamp was, as `ago` says it ("12 min ago"), or "-" when there is
+    none. A time a little ahead of this machine's clock (the portal's clock and this one differ)
+    reads as "0 s ago" rather than a negative age."""
+    if not iso:
+        return "-"
+    try:
+        then = datetime.fromisoformat(iso)
+    except ValueError:
+        return iso
+    now = now or datetime.now(then.tzinfo)
+    return ago(max(0.0, (now - then).total_seconds()))
+
+
 def colour_of(deployment: str) -> str:
     return PALETTE[sum(deployment.encode()) % len(PALETTE)]
 

@@ -157,7 +157,8 @@ def cmd_ps(ctx: Talker, args: argparse.Namespace) -> int:
 
 
 def ps_table(replicas: list[dict[str, Any]]) -> Table:
-    """Each replica: its model, whether it is awake, where, the GPU memory it holds, its last use.
+    """Each replica: its model, whether it is awake, where, the GPU memory it holds, how long since
+    its last use (as `ollama ps` and `docker ps` say an age).
     A failover pair holds one reservation, counted on the row of the member that holds it; the
     other member's row names that one instead of showing the same bytes twice. A failed replica
     holds nothing."""
@@ -184,7 +185,7 @@ def ps_table(replicas: list[dict[str, Any]]) -> Table:
             Text(state, style=render.STATE_STYLES.get(state, "")),
             Text(render.placement(replica)),
             memory,
-            render.local_time(replica.get("last_accessed")),
+            render.since(replica.get("last_accessed")),
         )
     return table
 

@@ -21,9 +21,11 @@ PULL_TASK = "inference.tasks.pull_model"
 PULL_TTL_S = 24 * 3600
 
 # A Hugging Face model name (org/name), as users of vLLM and Ollama type one, with an optional
-# revision (a branch, a tag or a commit): `org/name@rev`, `hf:org/name`.
+# revision (a branch, a tag or a commit): `org/name@rev`, `hf:org/name`. The hub's oldest models
+# have no org (`gpt2`, `distilgpt2`, `t5-small`) and it still serves them by those names, so a
+# name alone is one too.
 HUB_PREFIX = "hf:"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 _REVISION = re.compile(r"^[\w./-]{1,100}$")
 
 # A node's progress states, in order; the last two end it.
@@ -32,19 +34,19 @@ ENDED = (DONE, FAILED)
 
 
 def is_repo_id(text: str) -> bool:
-    """Whether `text` reads as a Hugging Face model name, org/name."""
+    """Whether `text` reads as a Hugging Face model name, org/name or a name alone."""
     return bool(_REPO_ID.match(text))
 
 
 def parse_model(text: str) -> tuple[str, str | None]:
-    """(repo id, revision or None) of `org/name[@revision]` or `hf:org/name[@revision]`;
+    """(repo id, revision or None) of `[org/]name[@revision]` or `hf:[org/]name[@revision]`;
     ValueError naming what is wrong."""
     name = text.strip().removeprefix(HUB_PREFIX)
     repo, _, revision = name.partition("@")
     if not _REPO_ID.match(repo):
         raise ValueError(
-            f"{text!r} is not a Hugging Face model name: write org/name (e.g. Qwen/Qwen2.5-0.5B-Instruct), "
-            "optionally @revision"
+            f"{text!r} is not a Hugging Face model name: write org/name (e.g. Qwen/Qwen2.5-0.5B-Instruct, "
+            "or a name alone as gpt2), optionally @revision"
         )
     if "@" in name and not _REVISION.match(revision):
         raise ValueError(f"{text!r}: the revision after @ must be a branch, tag or commit (letters, digits, ._/-)")

@@ -17,7 +17,8 @@ from scheduling.services import pulls
 
 class PullInput(StrictSerializer):
     model = serializers.CharField(
-        max_length=300, help_text="A Hugging Face model name, org/name[@revision] (hf:org/name too)."
+        max_length=300,
+        help_text="A Hugging Face model name, org/name[@revision] or a name alone (gpt2); hf: before it too.",
     )
     node = serializers.CharField(
         required=False, max_length=100, help_text="Only this node; by default every node whose agent runs."

@@ -355,6 +355,29 @@ def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
     ]
 
 
+def test_ps_says_how_long_since_each_replica_was_used_not_when():
+    from datetime import UTC, datetime, timedelta
+
+    from rich.console import Console
+
+    from gpuportal.cli.talk import ps_table
+
+    now = datetime.now(UTC)
+    used = {
+        "a" * 32: (now - timedelta(minutes=12, seconds=5)).isoformat(),
+        "b" * 32: (now - timedelta(hours=3)).isoformat(),
+        # The portal's clock a little ahead of this one's: just used, not a negative age.
+        "c" * 32: (now + timedelta(seconds=2)).isoformat(),
+        "d" * 32: None,
+    }
+    replicas = [shaped("Replica", {**SERVING, "id": rid, "last_accessed": at}) for rid, at in used.items()]
+    console = Console(file=io.StringIO(), width=200)
+    console.print(ps_table(replicas))
+
+    ages = [" ".join(line.split()[5:]) for line in console.file.getvalue().splitlines()[1:]]
+    assert ages == ["12 min ago", "3 h ago", "0 s ago", "-"]
+
+
 def test_ps_shows_what_is_loaded_where_awake_or_asleep_and_not_what_stopped(portal, capsys):
     assert app.main(["ps"], env=portal.env) == 0
 

@@ -308,3 +308,16 @@ def test_a_bare_hugging_face_name_the_cache_holds_is_loaded_from_it_as_vllm_take
     (tmp_path / "acme" / "tiny-llm").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert local_model_dir("acme/tiny-llm") == Path("acme/tiny-llm")
+
+
+def test_a_hub_model_with_no_org_is_read_from_the_cache_by_its_name_alone(tiny_model_dir, tmp_path, monkeypatch):
+    # As the hub still serves its oldest models: gpt2, distilgpt2, t5-small.
+    from inference.hub import local_model_dir
+    from tests.support.hub import cache_model, use_cache
+
+    use_cache(monkeypatch, tmp_path / "cache")
+    snapshot = cache_model(tmp_path / "cache", "tinyllm", tiny_model_dir, link=True)
+
+    assert local_model_dir("hf:tinyllm") == snapshot
+    assert local_model_dir("tinyllm") == snapshot
+    validate_source("hf:tinyllm", "transformers")

@@ -139,7 +139,11 @@ def test_model_names_read_as_the_hub_writes_them():
     assert parse_model("Qwen/Qwen2.5-0.5B-Instruct") == ("Qwen/Qwen2.5-0.5B-Instruct", None)
     assert parse_model(" hf:acme/tiny@" + REVISION) == ("acme/tiny", REVISION)
     assert parse_model("acme/tiny@refs/pr/1") == ("acme/tiny", "refs/pr/1")
-    for bad in ("acme", "/acme/tiny", "acme/tiny/extra", "acme/tiny@", "hf:"):
+    # The hub's oldest models have no org, and it serves them by those names still.
+    assert parse_model("gpt2") == ("gpt2", None)
+    assert parse_model("hf:distilgpt2@main") == ("distilgpt2", "main")
+    bad_names = ("/acme/tiny", "-acme", "acme/-tiny", "acme tiny", "../tiny", "pkg.mod:factory", "acme/tiny/extra")
+    for bad in (*bad_names, "acme/tiny@", "hf:"):
         with pytest.raises(ValueError):
             parse_model(bad)
 
