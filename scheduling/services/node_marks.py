@@ -91,7 +91,7 @@ def move_misplaced(name: str, *, by: str) -> tuple[dict[str, int], dict[str, int
     moving: dict[str, int] = {}
     staying: dict[str, int] = {}
     for deployment, ids in sorted(_misplaced_there(node).items()):
-        why = f"moving off node {name}, which its placement refuses now (asked by {by})"
+        why = f"off node {name}, which its placement refuses now (asked by {by})"
         if rollouts.move(deployment, ids, why=why):
             moving[deployment] = len(ids)
         else:
@@ -118,7 +118,7 @@ def evict_untolerated() -> dict[str, dict[str, int]]:
     for node in tainted:
         for deployment, (ids, taints) in sorted(_evicted_there(node).items()):
             why = (
-                f"moving off node {node.name}, whose taint {node_labels.text(taints)} it does not tolerate "
+                f"off node {node.name}, whose taint {node_labels.text(taints)} it does not tolerate "
                 "(NoExecute: what runs there and does not tolerate it is moved off)"
             )
             if rollouts.move(deployment, ids, why=why):

@@ -539,7 +539,7 @@ def drain(name: str, *, reason: str = "drained by an operator", move: bool = Fal
         for replica_id, deployment in [(replica_id, dep) for replica_id, _, dep in serving] + starting:
             by_deployment.setdefault(deployment, []).append(replica_id)
         for deployment, ids in sorted(by_deployment.items()):
-            if rollouts.move(deployment, ids, why=f"moving off node {name} ({reason})"):
+            if rollouts.move(deployment, ids, why=f"off node {name} ({reason})"):
                 moving += ids
     # A failover pair's active member never sleeps (replicas.to_cache refuses it): one not moved
     # keeps serving, said here, rather than the drain failing half-way with a 409 for it.

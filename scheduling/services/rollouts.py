@@ -28,6 +28,8 @@ from scheduling.services.observing import save_observed
 from scheduling.services.placing import Stop, add_replicas, need_with, node_refusals, release_and_stop
 
 STEP = "rolling restart"
+# A restart of some replicas alone (a drain's, a taint's, a placement's): its Events say so.
+MOVE = "move"
 
 
 def members(replicas: list[Replica], *, paired: bool) -> list[Member]:
@@ -70,6 +72,11 @@ def _with_their_pairs(replica_ids: Iterable[str]) -> list[str]:
     return sorted(ids)
 
 
+def _named(deployment: Deployment) -> str:
+    """What the deployment's restart under way is called in its Events: a move, or a restart."""
+    return MOVE if deployment.observed.restart_only else STEP
+
+
 def _only(deployment: Deployment) -> frozenset[str] | None:
     """A move's replicas (the only ones its restart replaces); None for a whole restart."""
     return frozenset(deployment.observed.restart_only.split()) or None
@@ -98,7 +105,7 @@ def restart(name: str, *, by: str, misplaced: bool = False) -> Deployment:
             ids, why = misplaced_of(deployment)
             if not ids:
                 raise InvalidState(f"no replica of {name} is on a node its placement refuses: nothing to move")
-            why = f"asked by {by} for the replicas where its placement refuses them ({why})"
+            why = f"of the replicas where its placement refuses them, asked by {by} ({why})"
             begin(deployment, why=why, only=_with_their_pairs(ids))
         elif not begin(deployment, why=f"asked by {by}"):
             raise InvalidState(
@@ -140,14 +147,15 @@ def begin(deployment: Deployment, *, why: str, park_asleep: bool = False, only: 
     left = rollout.outdated(_members_of(deployment), now, moving or None)
     if not left:
         return 0
+    named = MOVE if moving else STEP
     if park_asleep:
-        _park([m.id for m in left if m.state in states.ASLEEP], f"parked by a {STEP} {why}")
+        _park([m.id for m in left if m.state in states.ASLEEP], f"parked by a {named} {why}")
     deployment.observed.restart_since, deployment.observed.restart_only = now, " ".join(moving)
     save_observed(deployment, ["restart_since", "restart_only"])
     outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
-        f"{STEP} {why}: {len(left)} replica(s) to {'move' if moving else 'replace'}, one at a time",
+        f"{named} {why}: {len(left)} replica(s) to {'move' if moving else 'replace'}, one at a time",
         after={"restart_since": now.isoformat(), "replicas": [m.id for m in left], "rollout": Rollout.BEGAN},
         deployment=deployment.name,
     )
@@ -193,7 +201,7 @@ def step(name: str) -> Step | None:
         if observed.failed_reason:
             left = len(rollout.outdated(found, observed.restart_since, _only(deployment)))
             why = (
-                f"{STEP} stopped: its replacements failed to load ({observed.failed_reason}); the {left} replica(s) "
+                f"{_named(deployment)} stopped: its replacements failed to load ({observed.failed_reason}); the {left} replica(s) "
                 "started before it keep serving"
             )
             _end(deployment, why)
@@ -238,7 +246,7 @@ def _standbys_keep_failing(deployment: Deployment, decided: Step) -> Step | None
     if failures <= settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR:
         return None
     why = (
-        f"{STEP} stopped: {failures} standbys of replica {decided.replica_ids[0][:8]}'s pair failed in the last "
+        f"{_named(deployment)} stopped: {failures} standbys of replica {decided.replica_ids[0][:8]}'s pair failed in the last "
         "hour; the pairs serve on, and `logs` on a failed standby says why"
     )
     _end(deployment, why)
@@ -248,44 +256,45 @@ def _standbys_keep_failing(deployment: Deployment, decided: Step) -> Step | None
 def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
     """The step taken: the one decided, or a stop where a surge found no room."""
     observed = deployment.observed
+    named = _named(deployment)
     if decided.action == Action.DONE:
         replaced = sum(1 for m in found if m.created_at >= observed.restart_since)  # type: ignore[operator]
-        _end(deployment, f"{STEP} done: {replaced} replica(s) started since it was asked for", outcome=Rollout.DONE)
+        _end(deployment, f"{named} done: {replaced} replica(s) started since it was asked for", outcome=Rollout.DONE)
     elif decided.action == Action.SURGE:
         (old,) = decided.replica_ids
         try:
             with transaction.atomic():  # a savepoint: nothing of a placement that cannot be made
                 decision = add_replicas(
-                    deployment, 1, reason=f"{STEP}: a replacement for replica {old[:8]}", cached=(), parked=False
+                    deployment, 1, reason=f"{named}: a replacement for replica {old[:8]}", cached=(), parked=False
                 )
         except CannotPlace as err:
             if observed.restart_only:
                 return _stays(deployment, old, err)
             if deployment.failover_standby:
                 # A pair is never stopped before its replacement serves: that is what it is for.
-                why = f"{STEP} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); the pairs serve on"
+                why = f"{named} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); the pairs serve on"
                 _end(deployment, why)
                 return Step(Action.DONE, why=why)
             why = f"no room for its replacement beside it, so it goes first ({err})"
-            _stop(deployment, old, f"{STEP}: {why}")
+            _stop(deployment, old, f"{named}: {why}")
             return Step(Action.STOP, (old,), why)
         observed.restart_surge = decision.new_ids[0]
         save_observed(deployment, ["restart_surge"])
     elif decided.action == Action.STOP:
         (old,) = decided.replica_ids
-        _stop(deployment, old, f"{STEP}: {decided.why}")
+        _stop(deployment, old, f"{named}: {decided.why}")
         observed.restart_surge = ""
         save_observed(deployment, ["restart_surge"])
     elif decided.action == Action.PARK:
-        _park(decided.replica_ids, f"parked by a {STEP}: {decided.why}")
+        _park(decided.replica_ids, f"parked by a {named}: {decided.why}")
     elif decided.action == Action.STANDBY:
         locks.lock_replica_ids(decided.replica_ids)  # after the deployment's row, in primary-key order
         rows = Replica.objects.select_related("node", "deployment").in_bulk(decided.replica_ids)
         active_id, *outdated = decided.replica_ids
-        failover.renew_standby(rows[active_id], [rows[i] for i in outdated], reason=f"{STEP}: {decided.why}")
+        failover.renew_standby(rows[active_id], [rows[i] for i in outdated], reason=f"{named}: {decided.why}")
     elif decided.action == Action.SWITCHOVER:
         (active_id,) = decided.replica_ids
-        failover.step_down(deployment, locks.lock_replica(active_id), reason=f"{STEP}: {decided.why}")
+        failover.step_down(deployment, locks.lock_replica(active_id), reason=f"{named}: {decided.why}")
     elif decided.action == Action.TOP_UP:
         have = sum(1 for m in found if m.state in states.COUNTED)
         try:
@@ -293,13 +302,13 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
                 add_replicas(
                     deployment,
                     deployment.replicas_wanted - have,
-                    reason=f"{STEP}: {decided.why}",
+                    reason=f"{named}: {decided.why}",
                     cached=(),
                     parked=False,
                 )
         except CannotPlace as err:
             why = (
-                f"{STEP} stopped: no room to place what the deployment lacks of its {deployment.replicas_wanted} "
+                f"{named} stopped: no room to place what the deployment lacks of its {deployment.replicas_wanted} "
                 f"replica(s) ({err}); those it has serve on, and the next reconcile or request places the rest"
             )
             _end(deployment, why)
@@ -351,6 +360,7 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
     once there is room). But on a node whose NoExecute taint its deployment does not tolerate it
     stops, as Kubernetes evicts (its deployment then lacks it until there is room)."""
     observed = deployment.observed
+    named = _named(deployment)  # before it is emptied: then a whole restart's name
     staying = set(_with_their_pairs([replica_id]))
     observed.restart_only = " ".join(i for i in observed.restart_only.split() if i not in staying)
     if observed.restart_only:
@@ -364,7 +374,7 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
             f"; it stops all the same: node {node.name}'s taint {node_labels.text(evicting)} is NoExecute and "
             f"{deployment.name} does not tolerate it"
         )
-        _stop(deployment, replica_id, f"{STEP}: {why}")
+        _stop(deployment, replica_id, f"{named}: {why}")
     elif (
         node is not None
         and node.status == Node.Status.DRAINING
@@ -372,7 +382,7 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
         and replica.lease_id is None
     ):
         replica_services.sleep_replica(
-            replica_id, reason=f"{STEP}: {why}; it sleeps on its drained node", deployment=deployment
+            replica_id, reason=f"{named}: {why}; it sleeps on its drained node", deployment=deployment
         )
         why += f"; it sleeps on node {node.name}, drained"
     else:
@@ -380,13 +390,13 @@ def _stays(deployment: Deployment, replica_id: str, err: CannotPlace) -> Step:
         why += "; it stays where it is"
     if not observed.restart_only:
         # An empty list is a whole restart's: the move ends here, having nothing left to move.
-        why = f"{STEP}: {why}; nothing is left to move"
+        why = f"{named}: {why}; nothing is left to move"
         _end(deployment, why)
         return Step(Action.DONE, (replica_id,), why)
     outbox.note(
         Event.Kind.DEPLOYMENT_CHANGED,
         f"deployment {deployment.name}",
-        f"{STEP}: {why}",
+        f"{named}: {why}",
         deployment=deployment.name,
         replica=replica_id,
     )

@@ -226,7 +226,7 @@ def test_a_drain_that_moves_replaces_each_serving_replica_elsewhere_before_it_st
     assert not [task for _, task, _ in dispatched if task == TO_CACHE], "nothing put to sleep: it serves on"
     assert Event.objects.filter(
         deployment="m",
-        reason="rolling restart moving off node node1 (drained by an operator): 1 replica(s) to move, one at a time",
+        reason="move off node node1 (drained by an operator): 1 replica(s) to move, one at a time",
     ).exists()
     rollout = api("get", "/api/deployments/m/").json()["rollout"]
     assert (rollout["left"], rollout["move"]) == (1, True)
@@ -239,6 +239,10 @@ def test_a_drain_that_moves_replaces_each_serving_replica_elsewhere_before_it_st
     assert [args[0] for _, task, args in dispatched if task == STOP] == [moved]
     observed = DeploymentObserved.objects.get(deployment__name="m")
     assert (observed.restart_since, observed.restart_only) == (None, ""), "the move is done; the other stays"
+    # Its Events call it what it was: a move, not a rolling restart of the deployment.
+    said = list(Event.objects.filter(deployment="m", reason__contains="replica").values_list("reason", flat=True))
+    assert "move done: 1 replica(s) started since it was asked for" in said, said
+    assert not [reason for reason in said if "rolling restart" in reason], said
     assert invariant_holds()
 
 

@@ -121,7 +121,7 @@ def test_a_noexecute_taint_moves_off_what_does_not_tolerate_it_each_replaced_els
     assert DeploymentObserved.objects.get(deployment__name="old").restart_only == old
     assert on("theirs") == [("box", "serving")], "what tolerates the taint stays"
     began = Event.objects.filter(deployment="old", reason__contains="NoExecute").latest("pk").reason
-    assert "moving off node box, whose taint team=research:NoExecute it does not tolerate" in began
+    assert began.startswith("move off node box, whose taint team=research:NoExecute it does not tolerate"), began
     assert node_marks.evict_untolerated() == {}, "a move under way is not begun again"
     assert invariant_holds()
 
@@ -135,7 +135,7 @@ def test_a_noexecute_taint_stops_what_it_cannot_move_for_want_of_room(db, dispat
 
     assert on("old") == [("box", "stopping")], "evicted, as Kubernetes evicts"
     (ended,) = Event.objects.filter(deployment="old", after__rollout="stopped").values_list("reason", flat=True)
-    assert ended.startswith("rolling restart: no room for replica") and ended.endswith(
+    assert ended.startswith("move: no room for replica") and ended.endswith(
         "it stops all the same: node box's taint team=research:NoExecute is NoExecute and old does not tolerate it; "
         "nothing is left to move"
     )
