@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import os
 import sys
 import time
@@ -20,7 +21,15 @@ from rich.text import Text
 
 from gpuportal.cli import config, nodes, planning, pulling, render, setting_values, talk, traffic
 from gpuportal.cli.client import ApiError, Client, CliError
-from gpuportal.cli.options import add_wait_options, non_negative_float, non_negative_int, positive_float
+from gpuportal.cli.options import (
+    JSON,
+    add_output_option,
+    add_wait_options,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    print_json,
+)
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import states
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
@@ -288,6 +297,10 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> int:
         deployments = [ctx.client.get(deployment_path(args.name))]
     else:
         deployments = list(ctx.client.pages("/api/deployments/"))
+    if args.output == JSON:
+        # One deployment named: its object, as `kubectl get deploy NAME -o json` gives one.
+        print_json(ctx.out, deployments[0] if args.name else deployments)
+        return 0
     if not deployments:
         ctx.out.print("no deployments; `gpuportal deploy NAME SOURCE` makes one")
         return 0
@@ -300,6 +313,9 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_gpus(ctx: Context, args: argparse.Namespace) -> int:
     gpus = list(ctx.client.pages("/api/gpus/", {"node": args.node} if args.node else None))
+    if args.output == JSON:
+        print_json(ctx.out, gpus)
+        return 0
     if not gpus:
         ctx.out.print("no GPUs registered: is a node agent up?")
         return 0
@@ -520,8 +536,9 @@ def cmd_events(
     try:
         answer = ctx.client.get("/api/events/", {**filters, "page_size": min(MAX_PAGE_SIZE, max(1, args.tail))})
         latest = answer.get("results", [])
+        show = _event_printer(ctx, args.output)
         for event in reversed(latest[: args.tail] if args.tail else []):
-            ctx.out.print(render.event_line(event))
+            show(event)
         if not latest:
             ctx.err.print(Text(no_events(ctx, filters, following=args.follow), style="dim"))
         if not args.follow:
@@ -536,7 +553,7 @@ def cmd_events(
             done += 1
             fresh = [e for e in recent_events(ctx, filters, newest) if e["id"] not in printed]
             for event in reversed(fresh):
-                ctx.out.print(render.event_line(event))
+                show(event)
                 printed[event["id"]] = event["time"]
             if printed:
                 newest = max(datetime.fromisoformat(t) for t in printed.values())
@@ -547,6 +564,17 @@ def cmd_events(
             raise
         # The way to stop following, not a failure.
     return 0
+
+
+def _event_printer(ctx: Context, output: str) -> Callable[[dict[str, Any]], None]:
+    if output == JSON:
+
+        def as_json(event: dict[str, Any]) -> None:
+            ctx.out.file.write(json.dumps(event) + "\n")
+            ctx.out.file.flush()  # a follower reads each as it comes, through a pipe too
+
+        return as_json
+    return lambda event: ctx.out.print(render.event_line(event))
 
 
 def cmd_plan(ctx: Context, args: argparse.Namespace) -> int:
@@ -656,11 +684,13 @@ def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentP
 def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ls = commands.add_parser("ls", help="deployments, their status and replicas")
     ls.add_argument("name", nargs="?", help="only this deployment")
+    add_output_option(ls, "the deployments (one, when named)")
     ls.set_defaults(run=cmd_ls)
 
     gpus = commands.add_parser("gpus", help="a memory bar per GPU: used, reserved, total")
     gpus.add_argument("--node", help="only this node's GPUs")
     gpus.add_argument("--width", type=non_negative_int, default=40, help="cells per bar (default 40)")
+    add_output_option(gpus, "the GPUs")
     gpus.set_defaults(run=cmd_gpus)
 
     nodes.add_looking(commands)
@@ -766,6 +796,7 @@ def _add_the_record(commands: argparse._SubParsersAction[argparse.ArgumentParser
     events.add_argument(
         "--interval", type=positive_float, default=EVENTS_POLL_S, metavar="S", help="seconds between polls"
     )
+    add_output_option(events, "the events", how=", one a line (JSON Lines, as it follows)")
     events.set_defaults(run=cmd_events)
 
     plan = commands.add_parser("plan", help="how many GPUs a trace (or the recorded traffic) needs: a capacity plan")

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from gpuportal.cli import render
 from gpuportal.cli.client import Client, CliError
-from gpuportal.cli.options import add_wait_options
+from gpuportal.cli.options import JSON, add_output_option, add_wait_options, print_json
 from gpuportal.cli.waiting import POLL_S, STALL_S
 from gpuportal.stackenv import write_private
 from gpuportal.wire import node_auth, node_labels, states
@@ -48,6 +48,9 @@ def node_path(name: str, action: str = "") -> str:
 
 def cmd_nodes(ctx: Operator, args: argparse.Namespace) -> int:
     nodes = list(ctx.client.pages("/api/nodes/"))
+    if args.output == JSON:
+        print_json(ctx.out, nodes)
+        return 0
     if not nodes:
         ctx.out.print("no nodes: start a node agent (`python manage.py agent --node NAME`)")
         return 0
@@ -307,6 +310,7 @@ def cmd_node_revoke(ctx: Operator, args: argparse.Namespace) -> int:
 
 def add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     listed = commands.add_parser("nodes", help="the nodes: status, last beat, GPU memory, what runs on each")
+    add_output_option(listed, "the nodes")
     listed.set_defaults(run=cmd_nodes)
 
 

@@ -1,8 +1,12 @@
-"""What several commands take alike: counts, seconds, and how long to wait."""
+"""What several commands take alike: counts, seconds, how long to wait, and how to print."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
+
+from rich.console import Console
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -46,3 +50,24 @@ def add_wait_options(parser: argparse.ArgumentParser, until: str) -> None:
         metavar="S",
         help=f"give up waiting after S seconds (default {DEFAULT_TIMEOUT_S:.0f}); the portal goes on",
     )
+
+
+# What a looking command prints: a table for people, or the API's objects for scripts (as
+# `kubectl get -o json` and `docker ps --format json` give them).
+TABLE, JSON = "table", "json"
+
+
+def add_output_option(parser: argparse.ArgumentParser, what: str, *, how: str = "") -> None:
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=(TABLE, JSON),
+        default=TABLE,
+        help=f"table (the default), or json: {what} as the API gives them{how}, for scripts",
+    )
+
+
+def print_json(console: Console, data: Any) -> None:
+    """`data` as JSON on the console's stream, untouched by rich (no wrapping, no markup), so
+    that `jq` reads it whatever the terminal's width."""
+    console.file.write(json.dumps(data, indent=2) + "\n")

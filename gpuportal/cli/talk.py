@@ -18,6 +18,7 @@ from rich.text import Text
 
 from gpuportal.cli import config, render
 from gpuportal.cli.client import ApiError, Client, CliError
+from gpuportal.cli.options import JSON, add_output_option, print_json
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import sampling
 from gpuportal.wire.states import ENDED
@@ -149,6 +150,9 @@ def cmd_ps(ctx: Talker, args: argparse.Namespace) -> int:
     replicas = [r for r in ctx.client.pages("/api/replicas/") if r.get("state") != S.STOPPED]
     if args.model:
         replicas = [r for r in replicas if r.get("deployment") == args.model]
+    if args.output == JSON:
+        print_json(ctx.out, replicas)
+        return 0
     if not replicas:
         ctx.out.print("nothing is loaded; `gpuportal run MODEL PROMPT --source DIR` loads one and asks it")
         return 0
@@ -341,4 +345,5 @@ def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
     ps = commands.add_parser("ps", help="what is loaded where: each replica awake or asleep, its memory, its last use")
     ps.add_argument("model", nargs="?", help="only this deployment's replicas")
+    add_output_option(ps, "the replicas that have not stopped")
     ps.set_defaults(run=cmd_ps)

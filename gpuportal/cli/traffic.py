@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuportal.cli.client import Client
+from gpuportal.cli.options import JSON, add_output_option, print_json
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 DEFAULT_WINDOW = "5m"
@@ -42,6 +43,9 @@ def cmd_stats(ctx: Looker, args: argparse.Namespace) -> int:
     if args.name:
         params["deployment"] = args.name
     found = ctx.client.get("/api/traffic/", params=params).get("results", [])
+    if args.output == JSON:
+        print_json(ctx.out, found)
+        return 0
     if not found:
         ctx.out.print(
             f"no request to {args.name or 'any deployment'} ended in the last {args.window:g} s "
@@ -93,4 +97,5 @@ def add_stats(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=window(DEFAULT_WINDOW),
         help=f"the requests accepted in the last this long: 300, 10m, 1h, 7d (default {DEFAULT_WINDOW})",
     )
+    add_output_option(stats, "each deployment's figures")
     stats.set_defaults(run=cmd_stats)

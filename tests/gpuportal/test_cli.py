@@ -432,6 +432,46 @@ def test_ls_lists_deployments_and_their_live_replicas_not_the_stopped_ones():
     assert "tiny ok, moving (1 left) 1/1 1 serving" in " ".join(console.file.getvalue().split())
 
 
+@pytest.mark.parametrize(
+    ("argv", "listed", "printed"),
+    [
+        (["ls"], [deployment(replica("a" * 32, "serving"))], [deployment(replica("a" * 32, "serving"))]),
+        # One named: its object, not a list of one.
+        (["ls", "tiny"], None, deployment(replica("a" * 32, "serving"))),
+        (["gpus"], [gpu()], [gpu()]),
+        (["nodes"], [{"name": "box", "status": "online"}], [{"name": "box", "status": "online"}]),
+        (["stats"], [{"deployment": "tiny", "ended": 3}], [{"deployment": "tiny", "ended": 3}]),
+        # Stopped replicas are history here as in the table.
+        (["ps"], [replica("a" * 32, "serving"), replica("b" * 32, "stopped")], [replica("a" * 32, "serving")]),
+        (["ls"], [], []),
+    ],
+)
+def test_a_looking_command_prints_the_apis_objects_as_json_for_scripts_with_o_json(argv, listed, printed):
+    answer = {"results": listed} if listed is not None else printed
+    ctx = app.Context({}, Console(file=io.StringIO(), width=30), Console(file=io.StringIO()))
+    ctx._client = ReplayClient([answer])
+    args = app.build_parser().parse_args([*argv, "-o", "json"])
+
+    assert args.run(ctx, args) == 0
+
+    # Whole and parseable however narrow the terminal: rich neither wraps nor colours it.
+    assert json.loads(ctx.out.file.getvalue()) == printed
+    assert ctx.err.file.getvalue() == ""
+
+
+def test_events_as_json_are_one_object_a_line_oldest_first_as_they_follow(capsys):
+    tail = {"results": [event(2, 2, "two"), event(1, 1, "one")]}
+    followed = {"results": [event(3, 3, "three"), *tail["results"]]}
+    ctx = app.Context({}, Console(highlight=False, soft_wrap=True), Console(stderr=True))
+    ctx._client = ReplayClient([tail, tail, followed])
+    args = app.build_parser().parse_args(["events", "--follow", "-o", "json"])
+
+    assert app.cmd_events(ctx, args, pause=lambda s: None, polls=1) == 0
+
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [event(1, 1, "one"), event(2, 2, "two"), event(3, 3, "three")]
+
+
 # -- waiting ----------------------------------------------------------------------------------
 
 
@@ -894,6 +934,9 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path)
         assert "tiny: " in deployed.splitlines()[0] and " pending box/" in deployed.splitlines()[0]
         listed = [" ".join(line.split()) for line in cli.ok("ls").splitlines()]
         assert any(line.startswith("tiny ok 1/1 1 serving") for line in listed), listed
+        # And for a script: the API's objects, whole.
+        (listed,) = json.loads(cli.ok("ls", "-o", "json"))
+        assert listed["name"] == "tiny" and [r["state"] for r in listed["replicas"]] == ["serving"]
         gpus = cli.ok("gpus")
         assert "box/0  (id " in gpus and "■ tiny" in gpus and render.RESERVED in gpus
         # Talking to it, through a pipe as a script would: the answer alone on stdout.
