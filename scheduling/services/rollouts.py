@@ -201,8 +201,8 @@ def step(name: str) -> Step | None:
         if observed.failed_reason:
             left = len(rollout.outdated(found, observed.restart_since, _only(deployment)))
             why = (
-                f"{_named(deployment)} stopped: its replacements failed to load ({observed.failed_reason}); the {left} replica(s) "
-                "started before it keep serving"
+                f"{_named(deployment)} stopped: its replacements failed to load ({observed.failed_reason}); "
+                f"the {left} replica(s) started before it keep serving"
             )
             _end(deployment, why)
             return Step(Action.DONE, why=why)
@@ -246,8 +246,8 @@ def _standbys_keep_failing(deployment: Deployment, decided: Step) -> Step | None
     if failures <= settings.GPUPORTAL_MAX_RESTARTS_PER_HOUR:
         return None
     why = (
-        f"{_named(deployment)} stopped: {failures} standbys of replica {decided.replica_ids[0][:8]}'s pair failed in the last "
-        "hour; the pairs serve on, and `logs` on a failed standby says why"
+        f"{_named(deployment)} stopped: {failures} standbys of replica {decided.replica_ids[0][:8]}'s pair failed in "
+        "the last hour; the pairs serve on, and `logs` on a failed standby says why"
     )
     _end(deployment, why)
     return Step(Action.DONE, why=why)
@@ -272,7 +272,10 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
                 return _stays(deployment, old, err)
             if deployment.failover_standby:
                 # A pair is never stopped before its replacement serves: that is what it is for.
-                why = f"{named} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); the pairs serve on"
+                why = (
+                    f"{named} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); "
+                    "the pairs serve on"
+                )
                 _end(deployment, why)
                 return Step(Action.DONE, why=why)
             why = f"no room for its replacement beside it, so it goes first ({err})"
