@@ -273,8 +273,7 @@ def _take(deployment: Deployment, decided: Step, found: list[Member]) -> Step:
             if deployment.failover_standby:
                 # A pair is never stopped before its replacement serves: that is what it is for.
                 why = (
-                    f"{named} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); "
-                    "the pairs serve on"
+                    f"{named} stopped: no room for a new pair beside the pair of {old[:8]} ({err}); the pairs serve on"
                 )
                 _end(deployment, why)
                 return Step(Action.DONE, why=why)
