@@ -343,7 +343,8 @@ def add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "taint",
             "team=research",
             "only deployments whose placement.tolerations name each are placed there; KEY=VALUE:NoExecute also "
-            "moves off what runs there and does not tolerate it, each replica replaced elsewhere first",
+            "moves off what runs there and does not tolerate it, each replica replaced elsewhere first; "
+            "KEY=VALUE:PreferNoSchedule keeps nothing off, but the node is placement's last choice",
         ),
     ):
         marking = actions.add_parser(

@@ -7,7 +7,8 @@ agent's taints (`--taints team=research`, GPUPORTAL_NODE_TAINTS) keep every depl
 but those whose `placement.tolerations` name each of them (`key=value`, or a bare `key` for any
 value of it). A taint keeps new replicas off (Kubernetes' NoSchedule: what runs there stays), or,
 written `key=value:NoExecute`, also moves off what runs there and does not tolerate it
-(`evicting`). All are written `key=value,key=value`. Operators set labels and taints of their own
+(`evicting`); `key=value:PreferNoSchedule` only makes its node placement's last choice
+(`avoidances`). All are written `key=value,key=value`. Operators set labels and taints of their own
 over the agent's (`changed`,
 `merged`): `gpuportal node label`/`taint`, as `kubectl label`/`taint`. Django-free: the agent, the
 CLI, the API's input and placement read the same rules.
@@ -37,9 +38,11 @@ MAX_TEXT = 2_000
 # A taint's effect, after its value as kubectl writes it (`team=research:NoExecute`). NoSchedule,
 # the default, keeps new replicas off and leaves what runs there; NoExecute also moves it off,
 # each replica replaced elsewhere before it stops (stopped where there is no room, as Kubernetes
-# evicts). A node stores a NoSchedule taint by its value alone, as it always has.
-NO_SCHEDULE, NO_EXECUTE = "NoSchedule", "NoExecute"
-EFFECTS = (NO_SCHEDULE, NO_EXECUTE)
+# evicts); PreferNoSchedule keeps nothing off, but placement goes there last, when no other node
+# has room without evicting (`avoidances`). A node stores a NoSchedule taint by its value alone,
+# as it always has.
+NO_SCHEDULE, PREFER_NO_SCHEDULE, NO_EXECUTE = "NoSchedule", "PreferNoSchedule", "NoExecute"
+EFFECTS = (NO_SCHEDULE, PREFER_NO_SCHEDULE, NO_EXECUTE)
 
 
 def taint_of(value: str) -> tuple[str, str]:
@@ -99,7 +102,10 @@ def pair_problem(key: object, value: object, *, taint: bool = False) -> str | No
     if taint and isinstance(value, str) and ":" in value:
         value, effect = taint_of(value)
         if effect not in EFFECTS:
-            return f"{effect!r} is no taint effect for {key}: {NO_SCHEDULE} (the default) or {NO_EXECUTE}"
+            return (
+                f"{effect!r} is no taint effect for {key}: {NO_SCHEDULE} (the default), {PREFER_NO_SCHEDULE} or "
+                f"{NO_EXECUTE}"
+            )
     if not isinstance(value, str) or not VALUE.fullmatch(value):
         return f"{value!r} is no value for {key} ({RULE})"
     return None
@@ -176,6 +182,16 @@ def untolerated(taints: Mapping[str, str], tolerations: Mapping[str, str | None]
     }
 
 
+def keeping_off(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
+    """Of the taints `tolerations` do not name, those that keep new replicas off (NoSchedule,
+    NoExecute): any, and no replica with those tolerations is placed there."""
+    return {
+        key: value
+        for key, value in untolerated(taints, tolerations).items()
+        if taint_of(value)[1] != PREFER_NO_SCHEDULE
+    }
+
+
 def evicting(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
     """Of the taints `tolerations` do not name, the NoExecute ones: any, and what runs there with
     those tolerations is moved off."""
@@ -237,13 +253,26 @@ Marks = tuple[Mapping[str, str], Mapping[str, str]]
 
 def refusals(nodes: Mapping[str, Marks], deployment: str, selector: str, tolerations: str) -> dict[str, str]:
     """{node: why} of the nodes a deployment's replicas may not run on: those whose labels do not
-    hold every pair of its node selector, or with a taint its tolerations do not name (both as
-    a deployment stores them)."""
+    hold every pair of its node selector, or with a NoSchedule or NoExecute taint its tolerations
+    do not name (both as a deployment stores them)."""
     wanted, tolerated = parse(selector), parse_tolerations(tolerations)
     refused = {}
     for name, (labels, taints) in nodes.items():
         if not matches(labels, wanted):
             refused[name] = f"its labels do not match {deployment}'s placement.node_selector {selector}"
-        elif untolerated_ := untolerated(taints, tolerated):
-            refused[name] = f"its taint {text(untolerated_)} is not in {deployment}'s placement.tolerations"
+        elif kept_off := keeping_off(taints, tolerated):
+            refused[name] = f"its taint {text(kept_off)} is not in {deployment}'s placement.tolerations"
     return refused
+
+
+def avoidances(nodes: Mapping[str, Marks], deployment: str, tolerations: str) -> dict[str, str]:
+    """{node: why} of the nodes placement puts a deployment's replicas on last (Kubernetes'
+    PreferNoSchedule): those with a PreferNoSchedule taint its tolerations do not name. They may
+    still be refused (`refusals`): refusal goes first."""
+    tolerated = parse_tolerations(tolerations)
+    avoided = {}
+    for name, (_, taints) in nodes.items():
+        soft = {k: v for k, v in untolerated(taints, tolerated).items() if taint_of(v)[1] == PREFER_NO_SCHEDULE}
+        if soft:
+            avoided[name] = f"its taint {text(soft)} is not in {deployment}'s placement.tolerations"
+    return avoided

@@ -286,7 +286,8 @@ class NodePatch(StrictSerializer):
     taints = MarkChanges(
         required=False,
         help_text='Taints to set, null to remove one: {"team": "research"} keeps new replicas off (NoSchedule); '
-        '{"team": "research:NoExecute"} also moves off what runs there and does not tolerate it.',
+        '{"team": "research:NoExecute"} also moves off what runs there and does not tolerate it; '
+        '{"team": "research:PreferNoSchedule"} keeps nothing off, but the node is placement\'s last choice.',
     )
 
 

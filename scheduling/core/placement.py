@@ -122,6 +122,9 @@ class PlacementRequest:
     `refused_nodes`: {node: why} of the nodes where no replica of the deployment may run, neither
     a new one nor a sleeping one promoted: those its `placement.node_selector` does not match, or
     whose taints its `placement.tolerations` do not name (gpuportal.wire.node_labels).
+    `avoided_nodes`: {node: why} of the nodes it goes to last (a PreferNoSchedule taint it does
+    not tolerate): at each level, only when no other node can host it there; so one is used
+    before anything is evicted elsewhere, as Kubernetes scores such a node low but keeps it.
     """
 
     deployment: str
@@ -134,6 +137,7 @@ class PlacementRequest:
     spread: bool = False
     host_refused: Mapping[str, str] = field(default_factory=dict, hash=False)
     refused_nodes: Mapping[str, str] = field(default_factory=dict, hash=False)
+    avoided_nodes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.need_bytes <= 0:
@@ -507,6 +511,9 @@ def _first_hosting(
             # still at random.
             siblings = _siblings_by_node(holdings, order[0][1], by_node)
             order = sorted(order, key=lambda c: siblings[c[0]])
+        if len(order) > 1 and (avoided := order[0][1].request.avoided_nodes):
+            # Stable again: the nodes it prefers not to go to, last; otherwise as chosen above.
+            order = sorted(order, key=lambda c: c[0] in avoided)
         for node, ticket in order:
             if _can_host(by_node[node], ticket, allow_evictions):
                 return node, ticket
@@ -813,7 +820,7 @@ def _placement(index: SnapshotIndex, node: str, ticket: _Ticket, option: _Option
         promoted=ticket.replica_id if ticket.promoted else None,
         dropped_residuals=dropped,
     )
-    return _with_reason(placement, option, ticket.policy)
+    return _with_reason(placement, option, ticket.policy, ticket.request.avoided_nodes.get(node))
 
 
 def _evictions(index: SnapshotIndex, victims: tuple[OccupantView, ...]) -> tuple[Eviction, ...]:
@@ -838,7 +845,7 @@ def _mode(gpus: Sequence[GPUView], bytes_by_gpu: Mapping[int, int]) -> Mode:
     return Mode.WHOLE if bytes_by_gpu[gpus[0].id] >= gpus[0].total_bytes else Mode.FRACTIONAL
 
 
-def _with_reason(placement: Placement, option: _Option, policy: Policy) -> Placement:
+def _with_reason(placement: Placement, option: _Option, policy: Policy, avoided: str | None = None) -> Placement:
     who = (
         f"cached replica {_short(placement.replica_id)}"
         if placement.promoted
@@ -855,6 +862,8 @@ def _with_reason(placement: Placement, option: _Option, policy: Policy) -> Place
         what = f"{len(option.gpus)} whole GPUs"
     fit = "best fit" if policy.best_fit else "random fit"
     body = f"{who} of {placement.deployment} on {where} ({what}); {placement.level.name}, {fit}, policy {policy.name}"
+    if avoided:
+        body += f"; node {placement.node} is a last choice: {avoided} (PreferNoSchedule)"
     if not placement.evictions:
         verb = "woke" if placement.promoted else "placed"
         return _replace_reason(placement, f"{verb} {body}")

@@ -159,15 +159,25 @@ def node_marks(*, labels: bool) -> dict[str, node_labels.Marks]:
 
 def node_refusals(deployment: Deployment, marks: dict[str, node_labels.Marks] | None = None) -> dict[str, str]:
     """{node: why} of the nodes whose labels its `placement.node_selector` does not match, or
-    whose taints its `placement.tolerations` do not name (gpuportal.wire.node_labels): placement
-    neither starts nor wakes a replica of it there. `marks`: `node_marks`, read here unless the
-    caller read them (a batch reads them once for all its asks, with the labels where any of
-    them has a node selector)."""
-    return node_labels.refusals(
-        node_marks(labels=bool(deployment.placement_node_selector)) if marks is None else marks,
-        deployment.name,
-        deployment.placement_node_selector,
-        deployment.placement_tolerations,
+    whose NoSchedule or NoExecute taints its `placement.tolerations` do not name
+    (gpuportal.wire.node_labels): placement neither starts nor wakes a replica of it there.
+    `marks`: `node_marks`, read here unless the caller read them (a batch reads them once for all
+    its asks, with the labels where any of them has a node selector)."""
+    return node_fit(deployment, marks)[0]
+
+
+def node_fit(
+    deployment: Deployment, marks: dict[str, node_labels.Marks] | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(`node_refusals`, the nodes placement puts it on last: {node: why} of those whose
+    PreferNoSchedule taints its tolerations do not name), from one read of the nodes' marks."""
+    if marks is None:
+        marks = node_marks(labels=bool(deployment.placement_node_selector))
+    return (
+        node_labels.refusals(
+            marks, deployment.name, deployment.placement_node_selector, deployment.placement_tolerations
+        ),
+        node_labels.avoidances(marks, deployment.name, deployment.placement_tolerations),
     )
 
 
@@ -204,8 +214,10 @@ class Ask:
     # only when it may start a process (a wake of a sleeper starts none).
     hosts: dict[str, HostView] = field(default_factory=dict)
     host_need: int = 0
-    # The nodes its node selector or its tolerations keep it off (`node_refusals`), read once per ask.
+    # The nodes its node selector or its tolerations keep it off, and those it goes to last
+    # (`node_fit`), read once per ask.
     refused: dict[str, str] = field(default_factory=dict)
+    avoided: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -234,7 +246,8 @@ class Ask:
         policy: str | Policy = deployment.memory_policy
         if not evictions:
             policy = replace(POLICIES[deployment.memory_policy], evictions=False)
-        ask = cls(deployment, reason, cached, allow_new, policy, decision, refused=node_refusals(deployment, marks))
+        refused, avoided = node_fit(deployment, marks)
+        ask = cls(deployment, reason, cached, allow_new, policy, decision, refused=refused, avoided=avoided)
         if allow_new:
             ask.hosts = host_views() if hosts is None else hosts
             ask.host_need = host_need_bytes(deployment) if host_need is None else host_need
@@ -248,7 +261,13 @@ class Ask:
         mine = [*decision.new_ids, *(c.replica_id for c in self.cached)]
         view, withheld = withhold_locked(current, mine, now)
         requests = placement_requests(
-            deployment, decision.new_ids, need.bytes, self.cached, allow_new=self.allow_new, refused=self.refused
+            deployment,
+            decision.new_ids,
+            need.bytes,
+            self.cached,
+            allow_new=self.allow_new,
+            refused=self.refused,
+            avoided=self.avoided,
         )
         result = place_all(
             view,
@@ -346,11 +365,13 @@ def placement_requests(
     *,
     allow_new: bool = True,
     refused: dict[str, str] | None = None,
+    avoided: dict[str, str] | None = None,
 ) -> list[PlacementRequest]:
     """What placement is asked for each replica of the deployment: its need, its settings and the
-    sleeping copies it may promote instead. `refused`: `node_refusals`, read here unless the
-    caller read them."""
-    refused = node_refusals(deployment) if refused is None else refused
+    sleeping copies it may promote instead. `refused` and `avoided`: `node_fit`, read here unless
+    the caller read them."""
+    if refused is None or avoided is None:
+        refused, avoided = node_fit(deployment)
     return [
         PlacementRequest(
             deployment=deployment.name,
@@ -361,6 +382,7 @@ def placement_requests(
             allow_new=allow_new,
             spread=deployment.placement_spread,
             refused_nodes=refused,
+            avoided_nodes=avoided,
         )
         for replica_id in replica_ids
     ]

@@ -179,8 +179,9 @@ def start(
     # A new replica's process needs host RAM too: no GPU is emptied on a node that could not
     # start it (evicting GPU occupants frees none of the host's RAM).
     host_refused = placing.host_refusals(deployment) if allow_new else {}
-    # Nodes its node selector or tolerations keep it off: nothing of it wakes or starts there.
-    refused = placing.node_refusals(deployment)
+    # Nodes its node selector or tolerations keep it off: nothing of it wakes or starts there; and
+    # those it goes to last (PreferNoSchedule), for placement's targeting.
+    refused, avoided = placing.node_fit(deployment)
     # Costed on the GPUs as they will be once their sleepers sleep deeply (they are told to at
     # once, below): a GPU whose sleepers hold the room costs no one's preemption.
     deepened = fairness.as_if_deep_asleep(snap, keep={c.replica_id for c in cached})
@@ -188,7 +189,7 @@ def start(
     if wake is None and by_cost_only:
         raise CannotPlace(f"no GPU the waker may use can make room for {deployment.name} by preempting fairly", {})
     if wake is None:
-        wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new, host_refused, refused)
+        wake = _placement_wake(deployment, snap, need.bytes, cached, allow_new, host_refused, (refused, avoided))
     if not wake.victims:
         # Memory was freed between the caller's attempt and this snapshot: no one need wait...
         try:
@@ -425,7 +426,7 @@ def _placement_wake(
     cached: tuple[CachedReplica, ...],
     allow_new: bool,
     host_refused: Mapping[str, str],
-    refused: Mapping[str, str],
+    fit: tuple[Mapping[str, str], Mapping[str, str]],
 ) -> _Wake:
     """Placement's targeting: for what choose_target does not decide (a need of a whole
     GPU or more, or no GPU that can ever make room as things stand)."""
@@ -442,7 +443,8 @@ def _placement_wake(
         cached=cached,
         allow_new=allow_new,
         host_refused=host_refused,
-        refused_nodes=refused,
+        refused_nodes=fit[0],
+        avoided_nodes=fit[1],
     )
     targeting = replace(POLICIES[deployment.memory_policy], protect_fairness=False)
     target = place(snap, request, policy=targeting)

@@ -84,7 +84,8 @@ class Command(BaseCommand):
             default=None,
             help="What this node keeps off, key=value,... such as team=research: only deployments whose "
             "placement.tolerations name each of them are placed here; what runs here already stays, but for "
-            f"a taint written key=value:NoExecute, which moves it off (default: {TAINTS_ENV}, else none).",
+            "a taint written key=value:NoExecute, which moves it off; key=value:PreferNoSchedule keeps nothing "
+            f"off but makes this node placement's last choice (default: {TAINTS_ENV}, else none).",
         )
         parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for node tasks.")
         parser.add_argument("--loglevel", default="INFO")
