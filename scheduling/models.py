@@ -25,6 +25,9 @@ def new_replica_id() -> str:
     return uuid.uuid4().hex
 
 
+REPLICA_ID_LENGTH = len(new_replica_id())
+
+
 def _choices_of(enum: type[StrEnum], labels: dict[StrEnum, str] | None = None) -> type[models.TextChoices]:
     """A model field's choices from an enum of the contract: the names are written there once
     (the labels, the admin's, here; without them, Django's from each name)."""

@@ -14,6 +14,7 @@ from gpuportal.wire import states
 from scheduling.models import (
     ACTIVE_INTENT_STATUSES,
     GPU,
+    REPLICA_ID_LENGTH,
     Deployment,
     Event,
     Node,
@@ -97,6 +98,11 @@ EVENT_KINDS: tuple[str, ...] = tuple(Event.Kind.values)
 EVENT_FAMILIES: tuple[str, ...] = tuple(sorted({k.split(".")[0] for k in EVENT_KINDS if "." in k}))
 
 
+# A replica's short id (`gpuportal ls`): its first 8 characters; a start shorter than this is
+# not taken for one (it would match too many ids to say which).
+SHORT_ID_MIN = 4
+
+
 def events(
     *,
     kind: str | None = None,
@@ -107,10 +113,13 @@ def events(
     since: datetime | None = None,
 ) -> QuerySet[Event]:
     """Newest first (the model's ordering); each filter is an exact match on the stored name, but
-    a `kind` that names a family (`replica`) matches each of its kinds."""
+    a `kind` that names a family (`replica`) matches each of its kinds, and a `replica` may be the
+    start of its id, as `gpuportal ls` and the Events themselves show one (`3f2a1b2c`)."""
     qs = Event.objects.all()
     if kind in EVENT_FAMILIES:
         qs, kind = qs.filter(kind__startswith=kind + "."), None
+    if replica and SHORT_ID_MIN <= len(replica) < REPLICA_ID_LENGTH:
+        qs, replica = qs.filter(replica__startswith=replica), None
     exact = {"kind": kind, "deployment": deployment, "gpu": gpu, "node": node, "replica": replica}
     qs = qs.filter(**{field: value for field, value in exact.items() if value})
     if since is not None:

@@ -790,7 +790,7 @@ def _add_the_record(commands: argparse._SubParsersAction[argparse.ArgumentParser
     events.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
     events.add_argument("-d", "--deployment")
     events.add_argument("-k", "--kind", help='e.g. "replica.state", or "replica" for every replica.* kind')
-    events.add_argument("-r", "--replica", help="replica id")
+    events.add_argument("-r", "--replica", help="replica id, or its start as ls shows it")
     events.add_argument("-n", "--node")
     events.add_argument("--tail", type=non_negative_int, default=20, metavar="N", help="last N first (default 20)")
     events.add_argument(

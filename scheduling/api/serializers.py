@@ -569,7 +569,9 @@ class EventFilterSerializer(serializers.Serializer):
         error_messages={"invalid": 'expected NODE/INDEX as events record a GPU, e.g. "node1/0"'},
     )
     node = serializers.CharField(required=False, allow_blank=True)
-    replica = serializers.CharField(required=False, allow_blank=True, help_text="Replica id.")
+    replica = serializers.CharField(
+        required=False, allow_blank=True, help_text="Replica id, or its start as `gpuportal ls` shows it (3f2a1b2c)."
+    )
     since = serializers.DateTimeField(required=False, help_text="ISO 8601; only events at or after it.")
 
     def validate_kind(self, value: str) -> str:

@@ -325,9 +325,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return self.shown(name)
 
 
-# A replica's short id (`gpuportal ls`): its first 8 characters; a start shorter than this is
-# not taken for one (it would match too many ids to say which).
-SHORT_ID_MIN = 4
+# How many replicas an ambiguous short id names in its 400.
 SHORT_ID_SHOWN = 5
 
 
@@ -347,7 +345,7 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         given = self.kwargs[self.lookup_url_kwarg or self.lookup_field]
         queryset = self.get_queryset()
         replica = queryset.filter(pk=given).first()
-        if replica is None and len(given) >= SHORT_ID_MIN:
+        if replica is None and len(given) >= selectors.SHORT_ID_MIN:
             starting = list(queryset.filter(pk__startswith=given)[:SHORT_ID_SHOWN])
             if len(starting) > 1:
                 named = ", ".join(r.id for r in starting)

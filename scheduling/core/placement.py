@@ -863,7 +863,7 @@ def _with_reason(placement: Placement, option: _Option, policy: Policy, avoided:
     fit = "best fit" if policy.best_fit else "random fit"
     body = f"{who} of {placement.deployment} on {where} ({what}); {placement.level.name}, {fit}, policy {policy.name}"
     if avoided:
-        body += f"; node {placement.node} is a last choice: {avoided} (PreferNoSchedule)"
+        body += f"; node {placement.node} is a last choice: {avoided}"
     if not placement.evictions:
         verb = "woke" if placement.promoted else "placed"
         return _replace_reason(placement, f"{verb} {body}")

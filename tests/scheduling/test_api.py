@@ -435,6 +435,19 @@ def test_events_come_newest_first_and_filter(api: APIClient) -> None:
     assert ids("?kind=node&node=n1") == [old.pk]
 
 
+def test_a_replicas_events_are_found_by_the_start_of_its_id_as_ls_shows_it(api: APIClient) -> None:
+    mine = f.event(Event.Kind.REPLICA_STATE, replica="3f2a1b2c" + "0" * 24)
+    other = f.event(Event.Kind.REPLICA_STATE, replica="3f2a9999" + "0" * 24)
+
+    def ids(query: str) -> list[int]:
+        return [e["id"] for e in results(api.get(f"/api/events/{query}"))]
+
+    assert ids("?replica=3f2a1b2c") == [mine.pk]
+    assert ids("?replica=3f2a1b2c" + "0" * 24) == [mine.pk]
+    assert ids("?replica=3f2a") == [other.pk, mine.pk], "a start names each replica it starts"
+    assert ids("?replica=3f2") == [], "too short to be taken for one"
+
+
 def test_an_event_kind_that_is_none_is_a_400_naming_the_kinds_not_an_empty_trail(api: APIClient) -> None:
     f.event(Event.Kind.REPLICA_STATE)
 
