@@ -862,7 +862,8 @@ def _with_reason(placement: Placement, option: _Option, policy: Policy, avoided:
         what = f"{len(option.gpus)} whole GPUs"
     fit = "best fit" if policy.best_fit else "random fit"
     body = f"{who} of {placement.deployment} on {where} ({what}); {placement.level.name}, {fit}, policy {policy.name}"
-    if avoided:
+    if avoided and not placement.promoted:
+        # A sleeper wakes where its weights are: no choice of node to explain.
         body += f"; node {placement.node} is a last choice: {avoided}"
     if not placement.evictions:
         verb = "woke" if placement.promoted else "placed"

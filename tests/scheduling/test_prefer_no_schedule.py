@@ -90,6 +90,7 @@ def test_a_sleeper_on_a_node_it_avoids_wakes_there_rather_than_a_new_replica_loa
     chosen = place(snapshot, request, rng=random.Random(0))
 
     assert isinstance(chosen, Placement) and (chosen.node, chosen.promoted) == ("lab", "r-asleep")
+    assert "last choice" not in chosen.reason, "it wakes where its weights are: no choice to explain"
 
 
 @given(
