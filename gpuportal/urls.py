@@ -60,6 +60,8 @@ urlpatterns = [
     ),
     path("api/", include("scheduling.api.urls")),
     path("v1/models", openai_compat.ModelsView.as_view(), name="openai-models"),
+    # A path, not a slug: a name with a slash (`org/name`) gets OpenAI's 404, not Django's page.
+    path("v1/models/<path:model>", openai_compat.ModelView.as_view(), name="openai-model"),
     path("v1/completions", openai_compat.CompletionsView.as_view(), name="openai-completions"),
     path("v1/chat/completions", openai_compat.ChatCompletionsView.as_view(), name="openai-chat"),
     path("v1/embeddings", openai_compat.EmbeddingsView.as_view(), name="openai-embeddings"),

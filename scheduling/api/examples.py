@@ -433,6 +433,10 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "data": [{"id": "tiny-a", "object": "model", "created": 1795628173, "owned_by": "gpuportal"}],
         },
     },
+    ("get", "/v1/models/{model}"): {
+        "summary": "One model, as OpenAI's retrieve model (a 404 in OpenAI's shape names the nearest)",
+        "response": {"id": "tiny-a", "object": "model", "created": 1795628173, "owned_by": "gpuportal"},
+    },
     ("post", "/v1/completions"): {
         "request": {"model": "tiny-a", "prompt": "Hello", "max_tokens": 3},
         "response": COMPLETION,

@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints (the model is the deployment's name): `GET /v1/models`, for causal
+"""OpenAI-compatible endpoints (the model is the deployment's name): `GET /v1/models` (and
+`/v1/models/{model}`), for causal
 LMs `POST /v1/completions` and `POST /v1/chat/completions` (with `stream: true` as server-sent
 events), for encoders `POST /v1/embeddings`. Requests go through the same queue as
 `/api/.../infer/`."""
@@ -12,6 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
@@ -156,19 +158,31 @@ class OpenAIView(APIView):
 OPENAI_LOADERS = (Deployment.Loader.TRANSFORMERS, Deployment.Loader.EMBEDDING)
 
 
+def _model(name: str, created: datetime) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": "gpuportal"}
+
+
 class ModelsView(OpenAIView):
     @extend_schema(responses={200: dict})
     def get(self, request: HttpRequest) -> Response:
         rows = Deployment.objects.filter(loader__in=OPENAI_LOADERS).values_list("name", "created_at")
-        return Response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": "gpuportal"}
-                    for name, created in rows
-                ],
-            }
-        )
+        return Response({"object": "list", "data": [_model(name, created) for name, created in rows]})
+
+
+class ModelView(OpenAIView):
+    """One model as the list shows it: OpenAI's "retrieve model" (`client.models.retrieve(name)`),
+    which clients call to check a name before they use it."""
+
+    @extend_schema(responses={200: dict, 404: dict}, operation_id="v1_model_retrieve")
+    def get(self, request: HttpRequest, model: str) -> Response:
+        served = Deployment.objects.filter(loader__in=OPENAI_LOADERS)
+        found = served.filter(name=model).values_list("created_at", flat=True).first()
+        if found is None:
+            # As a completion naming it is refused: the nearest name, and what /v1 serves.
+            missing = NoDeployment(model, list(served.order_by("name").values_list("name", flat=True)))
+            status, body = _refusal(missing, model, "")
+            return Response(body, status=status)
+        return Response(_model(model, found))
 
 
 class _Answered(OpenAIView, ABC):

@@ -50,6 +50,18 @@ def test_models_lists_causal_lm_deployments(client):
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_a_model_is_retrieved_by_its_name_and_a_wrong_one_is_openais_not_found(client):
+    tiny = client.models.retrieve("tiny")
+    assert (tiny.id, tiny.object, tiny.owned_by) == ("tiny", "model", "gpuportal")
+
+    for wrong in ("tinny", "org/tiny"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve(wrong)
+        error = missing.value.body
+        assert error["type"] == "model_not_found" and error["param"] == "model", error
+    assert "did you mean `tiny`?" in str(missing.value)
+
+
 def test_a_completion_comes_back_in_the_openai_shape(client, replica):
     StandIn(replica.id, 1).start()
 
