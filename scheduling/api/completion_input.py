@@ -207,10 +207,30 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise Refused(f"messages.{i}", "must be an object with role and content")
         if message.get("role") not in ROLES:
             raise Refused(f"messages.{i}.role", f"must be one of {', '.join(ROLES)}")
-        if not _text(message.get("content")):
-            raise Refused(f"messages.{i}.content", _not_text(message.get("content"), "required: a string"))
-        read.append({"role": message["role"], "content": message["content"]})  # other keys: ignored
-    return read
+        read.append({"role": message["role"], "content": _content(message.get("content"), f"messages.{i}.content")})
+    return read  # other keys of a message: ignored
+
+
+def _content(content: Any, param: str) -> str:
+    """A message's text: a string, or OpenAI's list of content parts, whose text parts are joined
+    a line apart (as vLLM joins them); a part of another type (an image, audio, a file) is refused
+    by name, this portal's models reading text alone."""
+    if not isinstance(content, list):
+        if not _text(content):
+            raise Refused(param, _not_text(content, "required: a string or a list of text parts"))
+        return content
+    if not content:
+        raise Refused(param, "required: a string or a non-empty list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part that is no {type, text} object"
+            raise Refused(f"{param}.{j}", f"{what} is not supported: the models served here read text parts only")
+        if not _text(part.get("text")):
+            raise Refused(f"{param}.{j}.text", _not_text(part.get("text"), "required: a string"))
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

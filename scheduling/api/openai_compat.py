@@ -94,7 +94,11 @@ class PromptInput(CompletionInput):
 
 class MessageInput(serializers.Serializer):
     role = serializers.ChoiceField(choices=ROLES)
-    content = serializers.CharField(allow_blank=True, trim_whitespace=False)
+    content = serializers.CharField(
+        allow_blank=True,
+        trim_whitespace=False,
+        help_text='A string, or OpenAI\'s list of text parts ([{"type": "text", "text": "..."}]), joined a line apart.',
+    )
 
 
 class ChatInput(CompletionInput):

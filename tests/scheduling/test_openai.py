@@ -83,6 +83,20 @@ def test_a_chat_completion_answers_the_last_message(client, replica):
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == "HI"
 
 
+def test_a_message_in_openais_content_parts_is_read_as_its_text_parts_a_line_apart(client, replica):
+    StandIn(replica.id, 1).start()
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}])
+
+    assert chat.choices[0].message.content == "HI\nTHERE"
+    with pytest.raises(openai.BadRequestError) as refused:
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [parts[0], image]}])
+    assert refused.value.body["param"] == "messages.0.content.1"
+    assert "a part of type 'image_url' is not supported" in refused.value.body["message"]
+
+
 def test_a_streamed_chat_arrives_in_pieces_then_ends(client, replica):
     StandIn(replica.id, 1).start()
 
@@ -410,6 +424,14 @@ def test_fields_openais_and_vllms_clients_send_are_ignored_even_when_near_one_th
 def test_a_chat_refusal_names_the_message_and_its_field():
     with pytest.raises(completion_input.Refused, match=r"^messages\.1\.role: must be one of system, user"):
         read({"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "wizard"}]}, "chat")
+    for content, said in (
+        ([], r"^messages\.0\.content: required: a string or a non-empty list of text parts"),
+        (["hi"], r"^messages\.0\.content\.0: a part that is no \{type, text\} object is not supported"),
+        ([{"type": "text"}], r"^messages\.0\.content\.0\.text: required: a string"),
+        (7, r"^messages\.0\.content: required: a string or a list of text parts"),
+    ):
+        with pytest.raises(completion_input.Refused, match=said):
+            read({"model": "tiny", "messages": [{"role": "user", "content": content}]}, "chat")
 
 
 def test_a_session_and_a_token_get_the_same_refusal(replica):
