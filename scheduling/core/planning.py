@@ -15,7 +15,15 @@ from datetime import datetime
 from gpuportal.wire.states import AWAKE
 from scheduling.core import host_memory, settling
 from scheduling.core.host_memory import HostView
-from scheduling.core.placement import CantAccommodate, Placement, PlacementRequest, Policy, fmt_bytes, place
+from scheduling.core.placement import (
+    CandidateLevel,
+    CantAccommodate,
+    Placement,
+    PlacementRequest,
+    Policy,
+    fmt_bytes,
+    place,
+)
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot
 
 
@@ -202,8 +210,21 @@ def ceiling(snapshot: Snapshot, need_bytes: int, wanted: int, refused: Collectio
 
 
 def _combined_plan(snapshot: Snapshot, placements: Sequence[Placement], reason: str) -> Plan:
-    detail = " | ".join(p.reason for p in placements if p.reason)
+    # Every GPU Event of the commit carries the plan's reason: one placement's whole reason, but
+    # of several only where each went (each replica's own Event says why there), not every
+    # placement's reason repeated in each of the others' Events.
+    if len(placements) == 1:
+        detail = placements[0].reason
+    else:
+        detail = "; ".join(_where(snapshot, p) for p in placements) + " (each replica's Event says why there)"
     return plan_of(snapshot, placements, (), f"{reason}: {detail}" if detail else reason)
+
+
+def _where(snapshot: Snapshot, placement: Placement) -> str:
+    gpus = ", ".join(f"{snapshot.gpus[g].node}/{snapshot.gpus[g].index}" for g in placement.gpu_ids)
+    verb = "kept" if placement.level is CandidateLevel.DEPLOYED else "woke" if placement.promoted else "placed"
+    evicted = f", evicting {', '.join(r[:8] for r in placement.evicted_replicas)}" if placement.evictions else ""
+    return f"{verb} {placement.replica_id[:8]} on {gpus or placement.node}{evicted}"
 
 
 def plan_of(snapshot: Snapshot, placements: Sequence[Placement], releases: Iterable[Release], reason: str) -> Plan:

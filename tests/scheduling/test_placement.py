@@ -29,7 +29,7 @@ from scheduling.core.placement import (
     cached_replicas,
     place,
 )
-from scheduling.core.planning import apply_placement, place_all, room_at, without_releases
+from scheduling.core.planning import MultiPlacement, apply_placement, place_all, room_at, without_releases
 from scheduling.core.state import GPUView, OccupantView, Plan, Release, Reservation, Snapshot, SnapshotIndex
 
 GiB = 1024**3
@@ -507,6 +507,30 @@ def _all(snapshot: Snapshot, count: int, need: int, deployment: str = "llama-8b"
     )
     assert isinstance(result, CantAccommodate), result
     return result
+
+
+def test_several_replicas_placed_together_say_where_each_went_once_not_each_ones_reason_in_all():
+    # Best fit: the first to the smaller GPU, the second to what is left.
+    snapshot = snap(gpu(0, total=10 * GiB), gpu(1, total=7 * GiB, index=1))
+    requests = [req(6 * GiB, replica_id=f"{i}" * 32) for i in range(2)]
+
+    result = place_all(
+        snapshot,
+        requests,
+        occupant_for=lambda p: OccupantView(p.replica_id, "llama-8b", "pending", p.bytes_by_gpu[p.gpu_ids[0]]),
+        reason="scale",
+        rng=random.Random(0),
+    )
+
+    assert isinstance(result, MultiPlacement), result
+    assert result.plan.reason == (
+        "scale: placed 00000000 on node1/1; placed 11111111 on node1/0 (each replica's Event says why there)"
+    ), result.plan.reason
+    (alone,) = [req(6 * GiB, replica_id="2" * 32)]
+    single = place_all(
+        snapshot, [alone], occupant_for=lambda p: OccupantView(p.replica_id, "l", "pending", 1), reason="x"
+    )
+    assert isinstance(single, MultiPlacement) and single.plan.reason == f"x: {single.placements[0].reason}"
 
 
 def test_a_refusal_of_several_replicas_says_which_one_did_not_fit_and_that_nothing_is_applied():
