@@ -13,12 +13,12 @@ import base64
 
 from django.conf import settings
 from django.contrib import admin
-from django.db.models import Count, QuerySet, Subquery
+from django.db.models import Count, Q, QuerySet, Subquery
 from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 
-from gpuportal.wire import node_labels
+from gpuportal.wire import node_labels, states
 from scheduling import selectors
 from scheduling.models import (
     GPU,
@@ -294,7 +294,8 @@ class DeploymentAdmin(ReadOnlyAdmin):
             .get_queryset(request)
             .select_related("observed")
             .annotate(
-                replica_count=Count("replicas"),
+                # Those that hold or will hold something: the ended ones are the last hour's history.
+                replica_count=Count("replicas", filter=~Q(replicas__state__in=states.ENDED)),
                 largest_context=largest("context_bytes"),
                 largest_standby_context=largest("standby_context_bytes"),
             )

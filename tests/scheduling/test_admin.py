@@ -72,6 +72,19 @@ def test_the_deployment_changelist_shows_the_need_placement_reserves_its_context
     assert "3.00 GiB" in content and "2.00 GiB" not in content
 
 
+def test_the_deployment_changelist_counts_the_replicas_that_have_not_ended(admin_client) -> None:
+    dep = f.deployment("tiny-a")
+    f.replica(dep, state="serving")
+    f.replica(dep, state="sleeping")
+    f.replica(dep, state="stopped")
+    f.replica(dep, state="failed")
+
+    listed = admin_client.get(url(Deployment, "changelist"))
+
+    (row,) = listed.context["cl"].result_list
+    assert row.replica_count == 2, "the stopped and the failed are history"
+
+
 def test_the_admin_is_titled_for_the_portal_and_shows_a_replicas_share_of_its_gpu_in_percent(
     admin_client, world: dict
 ) -> None:
