@@ -565,6 +565,8 @@ def drain(name: str, *, reason: str = "drained by an operator", move: bool = Fal
 
 
 def undrain(name: str, *, reason: str = "returned to service by an operator") -> Node:
+    """Return a draining node to service; what a drain's move has still to move off it stays
+    (rollouts.stay_on), but for what its placement refuses there."""
     with transaction.atomic():
         node = locks.lock_node(name)
         if node.status != Node.Status.DRAINING:
@@ -579,6 +581,9 @@ def undrain(name: str, *, reason: str = "returned to service by an operator") ->
             after={"status": Node.Status.ONLINE},
             node=name,
         )
+    # Each deployment's in a transaction of its own, after the node's: the one lock order takes a
+    # deployment's row before a node's.
+    rollouts.stay_on(name, why=f"node {name} {reason}")
     return node
 
 

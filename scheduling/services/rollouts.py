@@ -133,6 +133,50 @@ def move(name: str, replica_ids: Iterable[str], *, why: str) -> int:
     return count
 
 
+def stay_on(node: str, *, why: str) -> dict[str, int]:
+    """A node back in service (an undrain) keeps what the moves under way have still to move off
+    it, but for the replicas their placement refuses there (a selector, a taint: those move on).
+    A move left with nothing to move ends, and the replacement it had on its way stops (it would
+    be one replica too many beside the one that stays). Returns {deployment: replicas kept}."""
+    names = (
+        DeploymentObserved.objects.filter(restart_since__isnull=False)
+        .exclude(restart_only="")
+        .values_list("deployment__name", flat=True)
+    )
+    kept = {name: count for name in sorted(names) if (count := _stay_on(name, node, why))}
+    return kept
+
+
+@locks.retry_deadlocks
+def _stay_on(name: str, node: str, why: str) -> int:
+    with transaction.atomic():
+        deployment = locks.lock_deployment_if_there(name=name)
+        if deployment is None or not deployment.observed.restart_only:
+            return 0
+        observed = deployment.observed
+        moving = observed.restart_only.split()
+        live = Replica.objects.filter(pk__in=moving).exclude(state__in=states.GONE)
+        if node in node_refusals(deployment):
+            return 0  # its placement refuses the node: what is there moves on
+        staying = set(_with_their_pairs(live.filter(node__name=node).values_list("id", flat=True)))
+        if not staying:
+            return 0
+        observed.restart_only = " ".join(i for i in moving if i not in staying)
+        said = f"{MOVE} off node {node}: {why}; {len(staying)} replica(s) stay there"
+        if live.exclude(pk__in=staying).exists():
+            # Others elsewhere still move; a replacement on its way replaces one of them.
+            save_observed(deployment, ["restart_only"])
+            outbox.note(Event.Kind.DEPLOYMENT_CHANGED, f"deployment {name}", said, deployment=name)
+            return len(staying)
+        surge = observed.restart_surge
+        if surge and Replica.objects.filter(pk=surge).exclude(state__in=states.GONE).exists():
+            # Kept, it would be one replica too many beside those that stay (a pair, whole).
+            release_and_stop(Stop.of(deployment, [surge], reason=f"{MOVE} ended: {why}; the replica it replaced stays"))
+            said += f", and replacement {surge[:8]} stops"
+        _end(deployment, f"{said}; nothing is left to move")
+    return len(staying)
+
+
 def begin(deployment: Deployment, *, why: str, park_asleep: bool = False, only: Iterable[str] = ()) -> int:
     """A rolling restart of the deployment from now, recorded in the caller's transaction (which
     holds the deployment's row); the caller takes its first step, or has it taken, after the commit.

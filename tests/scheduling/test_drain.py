@@ -285,6 +285,47 @@ def test_a_drain_that_cannot_move_a_deployment_restarting_already_puts_its_repli
     assert {live("m")[i][0] for i in on_node1} == {"draining"}
 
 
+def test_an_undrain_keeps_what_its_drain_had_still_to_move_and_stops_the_replacement_on_its_way(
+    cluster, api, dispatched, tiny_model_dir
+):
+    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
+    assert api("post", "/api/deployments/", spread).status_code == 201
+    for replica_id in live("m"):
+        serve(replica_id)
+    (moved,) = [i for i, (_, node) in live("m").items() if node == "node1"]
+    api("post", "/api/nodes/node1/drain/", {"move": True})
+    (surge,) = [i for i in live("m") if live("m")[i] == ("pending", "node2")]
+
+    assert api("post", "/api/nodes/node1/undrain/").status_code == 200
+
+    assert live("m")[moved] == ("serving", "node1"), "it stays where it serves"
+    assert live("m")[surge][0] == "stopping", "its replacement would be one replica too many"
+    observed = DeploymentObserved.objects.get(deployment__name="m")
+    assert (observed.restart_since, observed.restart_only, observed.restart_surge) == (None, "", "")
+    ended = Event.objects.filter(deployment="m", after__rollout="stopped").latest("pk").reason
+    assert ended == (
+        "move off node node1: node node1 returned to service by an operator; 1 replica(s) stay there, and "
+        f"replacement {surge[:8]} stops; nothing is left to move"
+    )
+    assert invariant_holds()
+
+
+def test_an_undrain_leaves_the_move_of_what_the_nodes_taint_now_keeps_off(cluster, api, dispatched, tiny_model_dir):
+    from scheduling.services import node_marks
+
+    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
+    assert api("post", "/api/deployments/", spread).status_code == 201
+    for replica_id in live("m"):
+        serve(replica_id)
+    api("post", "/api/nodes/node1/drain/", {"move": True})
+    node_marks.change("node1", taints={"team": "research"}, by="ops")
+    before = DeploymentObserved.objects.get(deployment__name="m").restart_only
+
+    assert api("post", "/api/nodes/node1/undrain/").status_code == 200
+
+    assert before and DeploymentObserved.objects.get(deployment__name="m").restart_only == before, "it moves on"
+
+
 @pytest.mark.parametrize(
     ("sent", "said"),
     [
