@@ -21,6 +21,10 @@ Kind = Literal["generate", "chat"]
 
 ROLES = ("system", "user", "assistant", "developer")
 MAX_TOKENS = 4096
+# The most choices one call asks for (`n`, times the prompts of a completion given a list of
+# them): each is a request of its own in the queue, and a call holds its HTTP worker until the
+# last has ended.
+MAX_CHOICES = 16
 MAX_STOPS = 4
 # OpenAI's own bound on the inputs of one embeddings call.
 MAX_EMBEDDING_INPUTS = 2048
@@ -56,7 +60,8 @@ class Refused(Exception):
 @dataclass(frozen=True)
 class Completion:
     model: str
-    # The prompt (a string) or the messages ([{role, content}]).
+    # The prompt (a string) or the messages ([{role, content}]): the first, where a completion is
+    # given a list of prompts (`prompts`).
     input: Any
     # max_tokens, the sampling parameters (gpuportal.wire.sampling), stop and stream, as the
     # request queue takes them.
@@ -64,6 +69,26 @@ class Completion:
     timeout_s: float
     # stream_options.include_usage: the stream ends with a chunk of no choices that carries the usage.
     include_usage: bool = False
+    # OpenAI's `n`: the choices asked of each input.
+    n: int = 1
+    # A completion's prompts, where it was given a list of them (`input` is the first).
+    prompts: tuple[str, ...] = ()
+
+    @property
+    def choices(self) -> int:
+        return max(1, len(self.prompts)) * self.n
+
+    def each(self) -> list[tuple[Any, dict[str, Any]]]:
+        """(input, params) of each choice, in the order of their `index`: a prompt's n choices,
+        then the next prompt's, as OpenAI numbers them. A seed given is each choice's plus its
+        number among its input's (seed, seed + 1, ...): n samples that differ, each reproducible."""
+        inputs = self.prompts or (self.input,)
+        seed = self.params.get("seed")
+        return [
+            (given, self.params if seed is None or j == 0 else {**self.params, "seed": seed + j})
+            for given in inputs
+            for j in range(self.n)
+        ]
 
 
 def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: float) -> Completion:
@@ -74,10 +99,14 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise Refused("model", "required: the deployment's name")
-    request_input = _prompt(body) if kind == "generate" else _messages(body)
+    prompts = _prompts(body) if kind == "generate" else (_messages(body),)
     n = body.get("n")
-    if n is not None and (not _integer(n) or n != 1):
-        raise Refused("n", "only n=1 is supported")
+    if n is None:
+        n = 1
+    if not _integer(n) or not 1 <= n <= MAX_CHOICES:
+        raise Refused("n", f"must be a whole number from 1 to {MAX_CHOICES}")
+    if len(prompts) * n > MAX_CHOICES:
+        raise Refused("n", f"{len(prompts)} prompts of {n} choices each: at most {MAX_CHOICES} choices in one call")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -97,10 +126,12 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
-        input=request_input,
+        input=prompts[0],
         params=params,
         timeout_s=timeout,
         include_usage=_include_usage(body.get("stream_options"), stream),
+        n=n,
+        prompts=prompts if isinstance(body.get("prompt"), list) else (),
     )
 
 
@@ -190,11 +221,24 @@ def _timeout(value: Any, default_s: float, max_s: float) -> float:
     return float(value)
 
 
-def _prompt(body: dict[str, Any]) -> str:
+def _prompts(body: dict[str, Any]) -> tuple[str, ...]:
+    """A completion's prompt, or OpenAI's list of them (a choice each, `index` in their order)."""
     prompt = body.get("prompt")
-    if not _text(prompt):
-        raise Refused("prompt", _not_text(prompt, "required: a string"))
-    return prompt
+    if not isinstance(prompt, list):
+        if not _text(prompt):
+            raise Refused("prompt", _not_text(prompt, "required: a string or a list of strings"))
+        return (prompt,)
+    if not prompt:
+        raise Refused("prompt", "required: a string or a non-empty list of strings")
+    for i, text in enumerate(prompt):
+        if _integer(text) or (isinstance(text, list) and all(_integer(t) for t in text)):
+            # Token ids are the ids of OpenAI's tokenizer, which mean nothing to this model's.
+            raise Refused("prompt", "token arrays are not supported: send text")
+        if not _text(text):
+            raise Refused(f"prompt.{i}", _not_text(text, "must be a string"))
+    if len(prompt) > MAX_CHOICES:
+        raise Refused("prompt", f"at most {MAX_CHOICES} prompts in one call")
+    return tuple(prompt)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:

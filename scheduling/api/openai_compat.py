@@ -32,7 +32,14 @@ from rest_framework.views import APIView
 from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from scheduling.api import completion_input, idempotency
-from scheduling.api.completion_input import ENCODING_FORMATS, MAX_EMBEDDING_INPUTS, ROLES, Completion, Refused
+from scheduling.api.completion_input import (
+    ENCODING_FORMATS,
+    MAX_CHOICES,
+    MAX_EMBEDDING_INPUTS,
+    ROLES,
+    Completion,
+    Refused,
+)
 from scheduling.api.inputs import FiniteFloatField, SamplingInput
 from scheduling.api.requests import json_body, retry_after
 from scheduling.models import Deployment
@@ -77,7 +84,14 @@ class CompletionInput(WaitInput, SamplingInput):
     max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
     max_completion_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
     stop = serializers.JSONField(required=False, allow_null=True)
-    n = serializers.IntegerField(required=False, allow_null=True, help_text="Only 1.")
+    n = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        max_value=MAX_CHOICES,
+        help_text=f"Choices of each input, a request each (at most {MAX_CHOICES} choices a call, not streamed); a "
+        "seed given is each choice's plus its number (seed, seed + 1, ...).",
+    )
     stream = serializers.BooleanField(required=False, default=False)
     stream_options = serializers.JSONField(
         required=False,
@@ -89,7 +103,9 @@ class CompletionInput(WaitInput, SamplingInput):
 
 
 class PromptInput(CompletionInput):
-    prompt = serializers.CharField(allow_blank=True, trim_whitespace=False)
+    prompt = serializers.JSONField(
+        help_text=f"A string, or a list of at most {MAX_CHOICES} strings: n choices each, `index` in their order."
+    )
 
 
 class MessageInput(serializers.Serializer):
@@ -260,11 +276,74 @@ class _Generate(_Answered):
         except Refused as refused:
             return 400, error_body(str(refused), refused.param)
         try:
+            if call.choices > 1:
+                if call.params["stream"]:
+                    param = "n" if call.n > 1 else "prompt"
+                    return 400, error_body(
+                        f"{param}: several choices are not streamed: ask without stream, or a choice a call", param
+                    )
+                return self.run_each(call, owner, key)
             if not call.params["stream"]:
                 return self.run(call.model, call.input, call.params, owner, call.timeout_s, key)
             return self.stream(call, owner, key)
         except ServiceError as exc:
             return _service_answer(exc)
+
+    def run_each(self, call: Completion, owner: str, key: str | None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        """Several choices (`n`, or a list of prompts): a request each, all queued before any is
+        waited for, so that a replica batches them; the call's answer once every one has ended,
+        within the one timeout. Refused or failed, the call is: what it queued and no replica has
+        taken is cancelled. Under an Idempotency-Key, each choice under the key and its index."""
+        submitted: list[Request] = []
+        try:
+            for index, (given, params) in enumerate(call.each()):
+                choice_key = None if key is None else f"{key}#{index}"
+                submitted.append(
+                    request_services.submit(
+                        call.model, kind=self.kind, input=given, params=params, owner=owner, idempotency_key=choice_key
+                    )
+                )
+        except (NotFound, InvalidInput) as exc:
+            _cancel(submitted, "another choice of its call was refused")
+            return self.refusal(exc, call.model)
+        except ServiceError:
+            _cancel(submitted, "another choice of its call was refused")
+            raise
+        queue, deadline = request_services.queue(), time.monotonic() + call.timeout_s
+        results: list[Request] = []
+        for done, request in enumerate(submitted):
+            result = queue.wait(request.id, max(0.0, deadline - time.monotonic()))
+            if result is None or not result.final:
+                _cancel(submitted[done + 1 :], f"another choice of its /v1 call timed out after {call.timeout_s:g} s")
+                return 504, error_body(timed_out(request.id, call.timeout_s), kind="timeout")
+            if result.status != "done":
+                _cancel(submitted[done + 1 :], "another choice of its /v1 call failed")
+                return _failure(result, "messages" if self.kind == "chat" else "prompt")
+            results.append(result)
+        return 200, self.body_of_each(results, call)
+
+    def body_of_each(self, results: list[Request], call: Completion) -> dict[str, Any]:
+        """Their choices, `index` in the order asked; the usage counts each prompt once, as
+        OpenAI's does for its n choices."""
+        outputs = [result.output or {} for result in results]
+        usages = [output.get("usage") or {} for output in outputs]
+        prompt_tokens = sum(usage.get("prompt_tokens", 0) for usage in usages[:: call.n])
+        completion_tokens = sum(usage.get("completion_tokens", 0) for usage in usages)
+        return {
+            "id": f"{self.id_prefix}-{results[0].id}",
+            "object": self.object_name,
+            "created": int(results[0].created_at or time.time()),
+            "model": call.model,
+            "choices": [
+                {"index": index, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output)}
+                for index, output in enumerate(outputs)
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
 
     def parse(self, body: Any) -> Completion:
         return completion_input.parse(
@@ -412,6 +491,13 @@ def timed_out(request_id: str, timeout: float) -> str:
     if request_services.cancel_unstarted(request_id, reason=f"its /v1 call timed out after {timeout:g} s"):
         return f"request {request_id} did not start within {timeout:g} s and was cancelled"
     return f"request {request_id} did not finish within {timeout:g} s; poll /api/requests/{request_id}/ for its answer"
+
+
+def _cancel(requests: list[Request], reason: str) -> None:
+    """What a call with several choices queued and no longer waits for: cancelled where no
+    replica has taken it (one that has runs on, and its answer is kept for polling)."""
+    for request in requests:
+        request_services.cancel_unstarted(request.id, reason=reason)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -97,6 +97,65 @@ def test_a_message_in_openais_content_parts_is_read_as_its_text_parts_a_line_apa
     assert "a part of type 'image_url' is not supported" in refused.value.body["message"]
 
 
+def test_n_choices_are_a_request_each_in_the_order_asked_and_the_prompt_is_counted_once(client, replica):
+    StandIn(replica.id, 3).start()
+
+    completion = client.completions.create(model="tiny", prompt="hello", n=3, max_tokens=5)
+
+    assert [(c.index, c.text) for c in completion.choices] == [(0, "HELLO"), (1, "HELLO"), (2, "HELLO")]
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (5, 15)
+
+
+def test_a_list_of_prompts_is_answered_a_choice_each_n_apiece_in_openais_order(client, replica):
+    StandIn(replica.id, 4).start()
+
+    completion = client.completions.create(model="tiny", prompt=["a", "bb"], n=2, max_tokens=5)
+
+    assert [c.text for c in completion.choices] == ["A", "A", "BB", "BB"]
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert (completion.usage.prompt_tokens, completion.usage.total_tokens) == (3, 9)
+
+
+def test_a_chat_of_n_choices_answers_each(client, replica):
+    StandIn(replica.id, 2).start()
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+
+    assert [(c.index, c.message.content) for c in chat.choices] == [(0, "HI"), (1, "HI")]
+
+
+def test_a_choice_that_fails_fails_the_call_and_what_has_not_started_is_cancelled(client, replica):
+    StandIn(replica.id, 1).start()  # takes the first choice only, which fails as too long
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=["too long", "b", "c"], max_tokens=5)
+
+    assert refused.value.body["code"] == "context_length_exceeded"
+    assert request_services.queue_depth("tiny") == 0, "nothing is left to run for a call that has failed"
+
+
+def test_several_choices_are_not_streamed_and_too_many_are_refused_naming_why(client, replica):
+    for asked, param, said in (
+        ({"prompt": "x", "n": 2, "stream": True}, "n", "n: several choices are not streamed"),
+        ({"prompt": ["x", "y"], "stream": True}, "prompt", "prompt: several choices are not streamed"),
+        ({"prompt": "x", "n": 17}, "n", "n: must be a whole number from 1 to 16"),
+        ({"prompt": ["x"] * 9, "n": 2}, "n", "n: 9 prompts of 2 choices each: at most 16 choices in one call"),
+        ({"prompt": []}, "prompt", "prompt: required: a string or a non-empty list of strings"),
+        ({"prompt": [1, 2]}, "prompt", "prompt: token arrays are not supported"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", max_tokens=5, **asked)
+        assert refused.value.body["param"] == param and refused.value.body["message"].startswith(said), asked
+    assert request_services.queue_depth("tiny") == 0
+
+
+def test_n_samples_of_one_seed_differ_from_each_other_and_each_is_reproducible():
+    call = read({"model": "tiny", "prompt": ["a", "b"], "n": 2, "seed": 7, "temperature": 1}, "generate")
+
+    assert [(given, params["seed"]) for given, params in call.each()] == [("a", 7), ("a", 8), ("b", 7), ("b", 8)]
+    assert all("seed" not in params for _, params in read({"model": "t", "prompt": "a", "n": 2}, "generate").each())
+
+
 def test_a_streamed_chat_arrives_in_pieces_then_ends(client, replica):
     StandIn(replica.id, 1).start()
 
@@ -164,8 +223,8 @@ def test_bad_requests_fail_the_openai_way_naming_the_parameter(client, replica):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.NotFoundError, match=r"The model `tinny` does not exist; did you mean `tiny`\?"):
         client.completions.create(model="tinny", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.completions.create(model="tiny", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="n: must be a whole number from 1 to 16"):
+        client.completions.create(model="tiny", prompt="x", n=0)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=5)
     with pytest.raises(openai.BadRequestError, match="messages"):
@@ -304,7 +363,7 @@ _common = {
     "temperature": st.floats(-1, 3) | _json,
     "top_p": st.floats(-0.5, 1.5) | _json,
     "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | _json,
-    "n": st.integers(0, 2) | _json,
+    "n": st.integers(0, 20) | _json,
     "stream": st.booleans() | _json,
     "user": _json,
     "timeout": st.floats(-1, 400) | st.integers(-1, 400) | _json,
@@ -315,7 +374,7 @@ _chats = st.fixed_dictionaries(
 )
 _prompts = st.fixed_dictionaries(
     {"model": st.sampled_from(["tiny", "tiny "]) | _json},
-    optional={"prompt": st.text(max_size=5) | _json, **_common},
+    optional={"prompt": st.text(max_size=5) | st.lists(st.text(max_size=3), max_size=20) | _json, **_common},
 )
 
 
@@ -337,10 +396,12 @@ def test_the_parser_runs_only_what_is_within_bounds_and_names_the_field_it_refus
         assert 1 <= params["max_tokens"] <= 4096 and 0 <= params["temperature"] <= 2 and 0 < params["top_p"] <= 1
         assert len(params["stop"]) <= 4 and all(isinstance(s, str) and s for s in params["stop"])
         assert params["stream"] is bool(body.get("stream")) and 0.001 <= call.timeout_s <= 300
+        assert 1 <= call.choices <= completion_input.MAX_CHOICES and call.n == body.get("n", 1)
         if kind == "chat":
             assert [set(m) for m in call.input] == [{"role", "content"}] * len(body["messages"])
         else:
-            assert call.input == body["prompt"]
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            assert [given for given, _ in call.each()[:: call.n]] == prompts
 
     check()
 
@@ -378,7 +439,7 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
     [
         ([], "the body must be a JSON object"),
         ({"prompt": "x"}, "model: required: the deployment's name"),
-        ({"model": "tiny"}, "prompt: required: a string"),
+        ({"model": "tiny"}, "prompt: required: a string or a list of strings"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens: must be a whole number from 1 to 4096"),
         ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p: must be above 0 and at most 1"),
         ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature: must be a number"),
