@@ -172,30 +172,28 @@ def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
 
 
-def untolerated(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
-    """The taints of a node that `tolerations` do not name (pair for pair, or by a bare key for
-    any value: `parse_tolerations`), whatever their effect: none, and it may run there."""
+def untolerated(
+    taints: Mapping[str, str], tolerations: Mapping[str, str | None], effects: Sequence[str] = EFFECTS
+) -> dict[str, str]:
+    """The taints of a node of these `effects` that `tolerations` do not name (pair for pair, or
+    by a bare key for any value: `parse_tolerations`): none, and it may run there."""
     return {
         key: value
         for key, value in taints.items()
-        if not (key in tolerations and tolerations[key] in (None, taint_of(value)[0]))
+        if taint_of(value)[1] in effects and not (key in tolerations and tolerations[key] in (None, taint_of(value)[0]))
     }
 
 
 def keeping_off(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
     """Of the taints `tolerations` do not name, those that keep new replicas off (NoSchedule,
     NoExecute): any, and no replica with those tolerations is placed there."""
-    return {
-        key: value
-        for key, value in untolerated(taints, tolerations).items()
-        if taint_of(value)[1] != PREFER_NO_SCHEDULE
-    }
+    return untolerated(taints, tolerations, (NO_SCHEDULE, NO_EXECUTE))
 
 
 def evicting(taints: Mapping[str, str], tolerations: Mapping[str, str | None]) -> dict[str, str]:
     """Of the taints `tolerations` do not name, the NoExecute ones: any, and what runs there with
     those tolerations is moved off."""
-    return {key: value for key, value in untolerated(taints, tolerations).items() if taint_of(value)[1] == NO_EXECUTE}
+    return untolerated(taints, tolerations, (NO_EXECUTE,))
 
 
 def merged(agent: Mapping[str, str], operator: Mapping[str, str]) -> dict[str, str]:
@@ -272,7 +270,6 @@ def avoidances(nodes: Mapping[str, Marks], deployment: str, tolerations: str) ->
     tolerated = parse_tolerations(tolerations)
     avoided = {}
     for name, (_, taints) in nodes.items():
-        soft = {k: v for k, v in untolerated(taints, tolerated).items() if taint_of(v)[1] == PREFER_NO_SCHEDULE}
-        if soft:
+        if soft := untolerated(taints, tolerated, (PREFER_NO_SCHEDULE,)):
             avoided[name] = f"its taint {text(soft)} is not in {deployment}'s placement.tolerations"
     return avoided

@@ -143,13 +143,14 @@ def stay_on(node: str, *, why: str) -> dict[str, int]:
         .exclude(restart_only="")
         .values_list("deployment__name", flat=True)
     )
-    kept = {name: count for name in sorted(names) if (count := _stay_on(name, node, why))}
-    return kept
+    return {name: count for name in sorted(names) if (count := _stay_on(name, node, why))}
 
 
 @locks.retry_deadlocks
 def _stay_on(name: str, node: str, why: str) -> int:
     with transaction.atomic():
+        # Under the deployment's row, as every step of a move is taken: the beat's sweep cannot
+        # place a replacement for a replica this leaves where it is.
         deployment = locks.lock_deployment_if_there(name=name)
         if deployment is None or not deployment.observed.restart_only:
             return 0
