@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import base64
 import json
+import queue as queue_module
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 from django.http import JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
@@ -89,7 +92,7 @@ class CompletionInput(WaitInput, SamplingInput):
         allow_null=True,
         min_value=1,
         max_value=MAX_CHOICES,
-        help_text=f"Choices of each input, a request each (at most {MAX_CHOICES} choices a call, not streamed); a "
+        help_text=f"Choices of each input, a request each (at most {MAX_CHOICES} choices a call); a "
         "seed given is each choice's plus its number (seed, seed + 1, ...).",
     )
     stream = serializers.BooleanField(required=False, default=False)
@@ -276,39 +279,22 @@ class _Generate(_Answered):
         except Refused as refused:
             return 400, error_body(str(refused), refused.param)
         try:
+            if call.params["stream"]:
+                return self.stream(call, owner, key)
             if call.choices > 1:
-                if call.params["stream"]:
-                    param = "n" if call.n > 1 else "prompt"
-                    return 400, error_body(
-                        f"{param}: several choices are not streamed: ask without stream, or a choice a call", param
-                    )
                 return self.run_each(call, owner, key)
-            if not call.params["stream"]:
-                return self.run(call.model, call.input, call.params, owner, call.timeout_s, key)
-            return self.stream(call, owner, key)
+            return self.run(call.model, call.input, call.params, owner, call.timeout_s, key)
         except ServiceError as exc:
             return _service_answer(exc)
 
     def run_each(self, call: Completion, owner: str, key: str | None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         """Several choices (`n`, or a list of prompts): a request each, all queued before any is
         waited for, so that a replica batches them; the call's answer once every one has ended,
-        within the one timeout. Refused or failed, the call is: what it queued and no replica has
-        taken is cancelled. Under an Idempotency-Key, each choice under the key and its index."""
-        submitted: list[Request] = []
-        try:
-            for index, (given, params) in enumerate(call.each()):
-                choice_key = None if key is None else f"{key}#{index}"
-                submitted.append(
-                    request_services.submit(
-                        call.model, kind=self.kind, input=given, params=params, owner=owner, idempotency_key=choice_key
-                    )
-                )
-        except (NotFound, InvalidInput) as exc:
-            _cancel(submitted, "another choice of its call was refused")
-            return self.refusal(exc, call.model)
-        except ServiceError:
-            _cancel(submitted, "another choice of its call was refused")
-            raise
+        within the one timeout. Failed, the call is: what it queued and no replica has taken is
+        cancelled."""
+        submitted = self.submit_each(call, owner, key)
+        if not isinstance(submitted, list):
+            return submitted
         queue, deadline = request_services.queue(), time.monotonic() + call.timeout_s
         results: list[Request] = []
         for done, request in enumerate(submitted):
@@ -322,13 +308,33 @@ class _Generate(_Answered):
             results.append(result)
         return 200, self.body_of_each(results, call)
 
+    def submit_each(
+        self, call: Completion, owner: str, key: str | None
+    ) -> list[Request] | tuple[int, dict[str, Any] | HttpResponseBase]:
+        """A request for each choice, in the order of their `index`; or the refusal of the call,
+        which leaves nothing of it queued (what was queued before a refusal is cancelled). Under
+        an Idempotency-Key, one choice under the key itself, several each under the key and its
+        index."""
+        submitted: list[Request] = []
+        try:
+            for index, (given, params) in enumerate(call.each()):
+                choice_key = key if key is None or call.choices == 1 else f"{key}#{index}"
+                submitted.append(
+                    request_services.submit(
+                        call.model, kind=self.kind, input=given, params=params, owner=owner, idempotency_key=choice_key
+                    )
+                )
+        except (NotFound, InvalidInput) as exc:
+            _cancel(submitted, "another choice of its call was refused")
+            return self.refusal(exc, call.model)
+        except ServiceError:
+            _cancel(submitted, "another choice of its call was refused")
+            raise
+        return submitted
+
     def body_of_each(self, results: list[Request], call: Completion) -> dict[str, Any]:
-        """Their choices, `index` in the order asked; the usage counts each prompt once, as
-        OpenAI's does for its n choices."""
+        """Their choices, `index` in the order asked."""
         outputs = [result.output or {} for result in results]
-        usages = [output.get("usage") or {} for output in outputs]
-        prompt_tokens = sum(usage.get("prompt_tokens", 0) for usage in usages[:: call.n])
-        completion_tokens = sum(usage.get("completion_tokens", 0) for usage in usages)
         return {
             "id": f"{self.id_prefix}-{results[0].id}",
             "object": self.object_name,
@@ -338,11 +344,7 @@ class _Generate(_Answered):
                 {"index": index, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output)}
                 for index, output in enumerate(outputs)
             ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": _usage_of(outputs, call.n),
         }
 
     def parse(self, body: Any) -> Completion:
@@ -355,17 +357,11 @@ class _Generate(_Answered):
 
     def stream(
         self, call: Completion, owner: str, key: str | None = None
-    ) -> tuple[int, dict[str, Any] | StreamingHttpResponse]:
-        try:
-            submitted = request_services.submit(
-                call.model, kind=self.kind, input=call.input, params=call.params, owner=owner, idempotency_key=key
-            )
-        except (NotFound, InvalidInput) as exc:
-            return self.refusal(exc, call.model)
-        response = StreamingHttpResponse(
-            self.events(submitted, call.model, call.timeout_s, include_usage=call.include_usage),
-            content_type="text/event-stream",
-        )
+    ) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        submitted = self.submit_each(call, owner, key)
+        if not isinstance(submitted, list):
+            return submitted
+        response = StreamingHttpResponse(self.events(submitted, call), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         return 200, response
 
@@ -410,57 +406,164 @@ class _Generate(_Answered):
             "usage": output.get("usage", {}),
         }
 
-    def events(self, submitted: Request, model: str, timeout: float, *, include_usage: bool = False) -> Iterator[bytes]:
+    def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
         """Server-sent events: a chunk per piece of text as it is generated, then [DONE]; an
-        error event instead of the last chunk if it fails or does not end within `timeout`.
-        `include_usage` (stream_options): every chunk says `usage: null`, and a chunk with no
-        choices carries the usage before [DONE], as OpenAI's stream; without it the last choice's
-        chunk carries it (what this portal always sent, and clients read it there)."""
-        queue = request_services.queue()
-        sent, first, deadline = 0, True, time.monotonic() + timeout
-        splice = StreamSplice()
+        error event instead of the last chunk if one fails or does not end within the call's
+        timeout. Several choices (`n`, a list of prompts) are followed together, each chunk naming
+        its choice's `index`, each choice's last chunk sent as it ends. `include_usage`
+        (stream_options): every chunk says `usage: null`, and a chunk with no choices carries the
+        usage before [DONE], as OpenAI's stream; without it the last choice's chunk carries it
+        (what this portal always sent, and clients read it there)."""
+        deadline = time.monotonic() + call.timeout_s
         base: dict[str, Any] = {
-            "id": f"{self.id_prefix}-{submitted.id}",
+            "id": f"{self.id_prefix}-{submitted[0].id}",
             "object": f"{self.object_name}.chunk" if self.kind == "chat" else self.object_name,
-            "model": model,
+            "model": call.model,
             "created": int(time.time()),
         }
-        if include_usage:
+        if call.include_usage:
             base["usage"] = None
+        stop = threading.Event()
+        said = (
+            _follow(submitted[0], call.model, deadline, 0, stop)
+            if len(submitted) == 1
+            else _together([_follow(r, call.model, deadline, i, stop) for i, r in enumerate(submitted)], stop)
+        )
+        started: set[int] = set()
+        outputs: dict[int, dict[str, Any]] = {}
         told = ""
-        while time.monotonic() < deadline:
-            chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
-            if first and not chunks and not ended:
-                # Until the first token: what it waits for, as an SSE comment (a line starting
-                # with ':'), which OpenAI's clients skip; sent when it changes.
-                line = _waiting_line(submitted, model)
-                if line and line != told:
-                    told = line
-                    yield f": {line}\n\n".encode()
-            for chunk in chunks:
-                # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
-                if text := splice.feed(chunk):
-                    yield _sse({**base, "choices": [{"index": 0, "finish_reason": None, **self.delta(text, first)}]})
-                    first = False
-            sent += len(chunks)
-            if ended:
-                break
-        final = queue.get(submitted.id)
-        output = (final.output if final else None) or {}
+        try:
+            for item in said:
+                if item.waiting:
+                    # Until the first token: what it waits for, as an SSE comment (a line starting
+                    # with ':'), which OpenAI's clients skip; sent when it changes.
+                    if not started and item.waiting != told:
+                        told = item.waiting
+                        yield f": {told}\n\n".encode()
+                    continue
+                first = item.index not in started
+                if not item.ended:
+                    started.add(item.index)
+                    choice = {"index": item.index, "finish_reason": None, **self.delta(item.text, first)}
+                    yield _sse({**base, "choices": [choice]})
+                    continue
+                final = item.final
+                if final is None or final.status != "done":
+                    error = self._ended_short(final, submitted[item.index], call.timeout_s)
+                    # Before the error is sent: a client closes the stream on reading it.
+                    others = [r for i, r in enumerate(submitted) if i != item.index]
+                    _cancel(others, "another choice of its /v1 call did not end with an answer")
+                    yield _sse(error)
+                    break
+                outputs[item.index] = final.output or {}
+                last = {
+                    "index": item.index,
+                    "finish_reason": outputs[item.index].get("finish_reason", "stop"),
+                    **self.delta("", first),
+                }
+                if len(outputs) < len(submitted):
+                    yield _sse({**base, "choices": [last]})
+                    continue
+                # One choice's usage as its replica counted it; several's summed.
+                usage = (
+                    outputs[0].get("usage")
+                    if len(submitted) == 1
+                    else _usage_of([outputs[i] for i in range(len(submitted))], call.n)
+                )
+                if call.include_usage:
+                    yield _sse({**base, "choices": [last]})
+                    yield _sse({**base, "choices": [], "usage": usage})
+                else:
+                    yield _sse({**base, "choices": [last], "usage": usage})
+        finally:
+            stop.set()  # a caller gone: the other choices' followers stop reading
+        yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def _ended_short(final: Request | None, request: Request, timeout: float) -> dict[str, Any]:
+        """The error event of a choice that failed, or did not end within the call's timeout."""
         if final is not None and final.status == "failed":
             kind = "invalid_request_error" if final.error_kind in CALLERS_INPUT else "server_error"
-            yield _sse(error_body(final.error, None, kind, _code(final)))
-        elif final is None or final.status != "done":
-            message = timed_out(submitted.id, timeout)
-            yield _sse({"error": {"message": message, "type": "timeout", "param": None, "code": None}})
-        else:
-            last = {"index": 0, "finish_reason": output.get("finish_reason", "stop"), **self.delta("", first)}
-            if include_usage:
-                yield _sse({**base, "choices": [last]})
-                yield _sse({**base, "choices": [], "usage": output.get("usage")})
-            else:
-                yield _sse({**base, "choices": [last], "usage": output.get("usage")})
-        yield b"data: [DONE]\n\n"
+            return error_body(final.error, None, kind, _code(final))
+        return {"error": {"message": timed_out(request.id, timeout), "type": "timeout", "param": None, "code": None}}
+
+
+@dataclass(frozen=True)
+class _Said:
+    """What following one choice's request gave: a piece of its text, what it waits for until its
+    first token, or its end (the request as it ended, None if unknown)."""
+
+    index: int
+    text: str = ""
+    waiting: str = ""
+    ended: bool = False
+    final: Request | None = None
+
+
+def _follow(submitted: Request, model: str, deadline: float, index: int, stop: threading.Event) -> Iterator[_Said]:
+    """A request's stream as it is written, until it ends or `deadline` passes (or `stop` is set),
+    then its end."""
+    queue = request_services.queue()
+    sent, first, told = 0, True, ""
+    splice = StreamSplice()
+    while time.monotonic() < deadline and not stop.is_set():
+        chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
+        if first and not chunks and not ended:
+            line = _waiting_line(submitted, model)
+            if line and line != told:
+                told = line
+                yield _Said(index, waiting=line)
+        for chunk in chunks:
+            # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
+            if text := splice.feed(chunk):
+                yield _Said(index, text=text)
+                first = False
+        sent += len(chunks)
+        if ended:
+            break
+    yield _Said(index, ended=True, final=queue.get(submitted.id))
+
+
+def _together(followers: list[Iterator[_Said]], stop: threading.Event) -> Iterator[_Said]:
+    """Several followers' items as each comes: a thread each, which reads its own request's
+    stream (a read blocks until its next piece). What one raises is raised here."""
+    said: queue_module.SimpleQueue[_Said | BaseException] = queue_module.SimpleQueue()
+
+    def pump(follower: Iterator[_Said]) -> None:
+        try:
+            for item in follower:
+                said.put(item)
+        except BaseException as exc:  # handed to the response's thread, which raises it
+            said.put(exc)
+        finally:
+            connections.close_all()  # this thread's own (its waiting lines read the database)
+
+    threads = [threading.Thread(target=pump, args=(f,), daemon=True) for f in followers]
+    for thread in threads:
+        thread.start()
+    try:
+        ended = 0
+        while ended < len(followers):
+            item = said.get()
+            if isinstance(item, BaseException):
+                raise item
+            ended += item.ended
+            yield item
+    finally:
+        stop.set()
+
+
+def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, int]:
+    """The usage of a call's choices: each prompt's tokens once (its n choices read the same
+    prompt, as OpenAI counts them), every choice's completion."""
+    usages = [output.get("usage") or {} for output in outputs]
+    prompt_tokens = sum(usage.get("prompt_tokens", 0) for usage in usages[::n])
+    completion_tokens = sum(usage.get("completion_tokens", 0) for usage in usages)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _refusal(exc: NotFound | InvalidInput, model: str, wanted: str) -> tuple[int, dict[str, Any]]:

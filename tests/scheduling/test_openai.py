@@ -134,14 +134,60 @@ def test_a_choice_that_fails_fails_the_call_and_what_has_not_started_is_cancelle
     assert request_services.queue_depth("tiny") == 0, "nothing is left to run for a call that has failed"
 
 
-def test_several_choices_are_not_streamed_and_too_many_are_refused_naming_why(client, replica):
+def test_several_choices_stream_together_each_chunk_naming_its_index(client, replica):
+    StandIn(replica.id, 2).start()
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "stream me"}], n=2, stream=True
+    )
+    chunks = list(stream)
+
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: "STREAM ME", 1: "STREAM ME"}
+    finished = [(c.index, c.finish_reason) for chunk in chunks for c in chunk.choices if c.finish_reason]
+    assert sorted(finished) == [(0, "stop"), (1, "stop")]
+    roles = [c.index for chunk in chunks for c in chunk.choices if c.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1], "each choice's first chunk says its role"
+    # The last chunk's usage: the prompt once, both answers.
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (9, 18)
+
+
+def test_a_list_of_prompts_streams_with_its_usage_in_a_chunk_of_its_own(client, replica):
+    StandIn(replica.id, 2).start()
+
+    stream = client.completions.create(
+        model="tiny", prompt=["ab", "cde"], stream=True, max_tokens=5, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == {0: "AB", 1: "CDE"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 10
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+def test_a_streamed_choice_that_fails_ends_the_stream_with_its_error_and_cancels_the_rest(client, replica):
+    StandIn(replica.id, 1).start()  # takes the first choice only, which fails as too long
+
+    with pytest.raises(openai.APIError, match="input too long"):
+        list(client.completions.create(model="tiny", prompt=["too long", "b", "c"], stream=True, max_tokens=5))
+
+    assert request_services.queue_depth("tiny") == 0, "nothing is left to run for a call that has failed"
+
+
+def test_too_many_choices_are_refused_naming_why(client, replica):
     for asked, param, said in (
-        ({"prompt": "x", "n": 2, "stream": True}, "n", "n: several choices are not streamed"),
-        ({"prompt": ["x", "y"], "stream": True}, "prompt", "prompt: several choices are not streamed"),
         ({"prompt": "x", "n": 17}, "n", "n: must be a whole number from 1 to 16"),
         ({"prompt": ["x"] * 9, "n": 2}, "n", "n: 9 prompts of 2 choices each: at most 16 choices in one call"),
         ({"prompt": []}, "prompt", "prompt: required: a string or a non-empty list of strings"),
         ({"prompt": [1, 2]}, "prompt", "prompt: token arrays are not supported"),
+        ({"prompt": ["x", None], "stream": True}, "prompt.1", "prompt.1: must be a string"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="tiny", max_tokens=5, **asked)
