@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuportal.wire.memory import kv_blocks
-from gpuportal.wire.sampling import Sampling
+from gpuportal.wire.sampling import Sampling, fitted_max_tokens
 from inference.errors import TooLong
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
@@ -44,6 +44,9 @@ class Sequence:
     sampling: Sampling = field(default_factory=Sampling)
     # Whatever the driver needs to find its request again (the Server keeps the Request here).
     tag: Any = None
+    # max_tokens is the request's default, to be fitted to the room the batcher has (a chat that
+    # asked for no length: gpuportal.wire.sampling.fitted_max_tokens) as it is checked.
+    fit: bool = False
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the blocks
@@ -102,6 +105,8 @@ class Batcher:
     def check(self, seq: Sequence) -> None:
         """BadInput if `seq` could never run here, however long it waited."""
         context = self.engine.context
+        if seq.fit:
+            seq.max_tokens, seq.fit = fitted_max_tokens(len(seq.prompt), context, self.capacity_tokens), False
         if context is not None and seq.tokens_needed > context:
             raise TooLong(
                 f"input too long: {len(seq.prompt)} prompt tokens plus max_tokens {seq.max_tokens} exceed "

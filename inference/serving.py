@@ -40,7 +40,7 @@ from gpuportal.wire.requestqueue import (
     RequestQueue,
     family_of_loader,
 )
-from gpuportal.wire.sampling import Sampling
+from gpuportal.wire.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, Sampling, fitted_max_tokens
 from inference.errors import BadInput, TooLong
 from inference.lazy_imports import from_transformers
 from inference.stream_text import newly_settled
@@ -78,7 +78,6 @@ class ServingHost(Protocol):
     def on_stale(self, reason: str) -> None: ...
 
 
-DEFAULT_MAX_TOKENS = 16
 # Requests a busy batch takes from the queue between two steps, at most (see Server._take_more).
 MORE_PER_STEP = 64
 
@@ -106,10 +105,14 @@ class AbortOnFlag:
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
-def generation_params(params: dict[str, Any]) -> tuple[int, Sampling, list[str]]:
+def generation_params(params: dict[str, Any]) -> tuple[int | None, Sampling, list[str]]:
     """max_tokens, sampling (gpuportal.wire.sampling) and stop strings of a text request,
-    defaults filled in."""
-    max_tokens = int(params.get("max_tokens") or DEFAULT_MAX_TOKENS)
+    defaults filled in; max_tokens None where the request leaves it to the room the replica has
+    (a /v1 chat that asks for no length: gpuportal.wire.sampling.DEFAULT_CHAT_MAX_TOKENS)."""
+    if "max_tokens" in params and params["max_tokens"] is None:
+        max_tokens = None
+    else:
+        max_tokens = int(params.get("max_tokens") or DEFAULT_MAX_TOKENS)
     stop = params.get("stop") or []
     return max_tokens, Sampling.of(params), [stop] if isinstance(stop, str) else list(stop)
 
@@ -217,14 +220,17 @@ class Executor:
         ids = [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:
             raise BadInput("the prompt is empty: nothing to continue")
+        if max_tokens is None:  # the batcher fits it to the room it has (Batcher.check)
+            return Sequence(ids, DEFAULT_CHAT_MAX_TOKENS, stop, on_chunk, sampling=sampling, tag=request, fit=True)
         return Sequence(ids, max_tokens, stop, on_chunk, sampling=sampling, tag=request)
 
     def generate(self, prompt: str, params: dict[str, Any], on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
         import torch
 
-        max_tokens, sampling, stop = generation_params(params)
+        asked, sampling, stop = generation_params(params)
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         limit = getattr(self.model.config, "max_position_embeddings", None)
+        max_tokens = asked if asked is not None else fitted_max_tokens(ids.shape[1], limit)
         if limit is not None and ids.shape[1] + max_tokens > limit:
             raise TooLong(
                 f"input too long: {ids.shape[1]} prompt tokens plus max_tokens {max_tokens} exceed "

@@ -29,8 +29,6 @@ MAX_STOPS = 4
 # OpenAI's own bound on the inputs of one embeddings call.
 MAX_EMBEDDING_INPUTS = 2048
 ENCODING_FORMATS = ("float", "base64")
-# What a request leaves out (scheduling.api.requests.ParamsInput's defaults).
-DEFAULT_MAX_TOKENS = 16
 MIN_TIMEOUT_S = 0.001
 
 
@@ -116,7 +114,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         name, why = next(iter(refused.items()))  # the first, in the order they are declared
         raise Refused(name, why)
     params = {
-        "max_tokens": _max_tokens(body),
+        "max_tokens": _max_tokens(body, kind),
         "temperature": 0.0,
         "top_p": 1.0,
         **sampling.checked(body),
@@ -277,13 +275,16 @@ def _content(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def _max_tokens(body: dict[str, Any]) -> int:
+def _max_tokens(body: dict[str, Any], kind: Kind) -> int | None:
+    """What the body asks for; none asked, a completion's 16 tokens, and a chat's None: as long
+    as its replica has room for (gpuportal.wire.sampling.DEFAULT_CHAT_MAX_TOKENS)."""
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is not None and (not _integer(value) or not 1 <= value <= MAX_TOKENS):
             raise Refused(key, f"must be a whole number from 1 to {MAX_TOKENS}")
     # OpenAI's newer name stands in for the older when only it is sent.
-    return body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
+    asked = body.get("max_tokens") or body.get("max_completion_tokens")
+    return asked or (None if kind == "chat" else sampling.DEFAULT_MAX_TOKENS)
 
 
 def _stops(value: Any) -> list[str]:

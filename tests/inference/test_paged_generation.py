@@ -223,6 +223,23 @@ def test_a_request_that_can_never_fit_is_bad_input_naming_the_kv_capacity(tiny):
         batcher(model, tokenizer, blocks=1000).submit(Sequence([1] * 2000, 100))
 
 
+def test_a_chat_that_asked_for_no_length_runs_as_far_as_the_replica_has_room_beside_its_prompt(tiny):
+    from gpuportal.wire.sampling import DEFAULT_CHAT_MAX_TOKENS
+
+    model, tokenizer = tiny
+    b = batcher(model, tokenizer, blocks=5, block_tokens=4)  # 20 tokens in all
+    fitting = Sequence([1] * 6, DEFAULT_CHAT_MAX_TOKENS, fit=True)
+
+    b.submit(fitting)
+
+    assert (fitting.max_tokens, fitting.tokens_needed) == (14, 20), "the room beside its prompt, not the default"
+    with pytest.raises(BadInput, match="KV capacity is 20 tokens"):
+        b.submit(Sequence([1] * 20, DEFAULT_CHAT_MAX_TOKENS, fit=True))  # no room at all: too long, as asked
+    roomy = Sequence([1] * 6, DEFAULT_CHAT_MAX_TOKENS, fit=True)
+    batcher(model, tokenizer, blocks=1000).submit(roomy)
+    assert roomy.max_tokens == DEFAULT_CHAT_MAX_TOKENS, "where there is room: the default"
+
+
 def test_abort_returns_every_block_newest_first(tiny):
     model, tokenizer = tiny
     b = batcher(model, tokenizer, blocks=18, block_tokens=4)  # room for the first two (9 + 8 blocks)

@@ -164,6 +164,21 @@ def test_the_generate_path_takes_a_seed_and_the_penalties(tiny):
     assert executor.run(request(repetition_penalty=5.0, presence_penalty=2.0), None)["text"] != plain
 
 
+def test_an_unbounded_chat_runs_to_the_default_or_the_room_its_limits_leave_beside_the_prompt(tiny):
+    assert sampling.fitted_max_tokens(10, None, 100) == 90
+    assert sampling.fitted_max_tokens(10, 4096, 2048) == sampling.DEFAULT_CHAT_MAX_TOKENS
+    assert sampling.fitted_max_tokens(10) == sampling.DEFAULT_CHAT_MAX_TOKENS, "no limit known"
+    assert sampling.fitted_max_tokens(100, 100) == sampling.DEFAULT_CHAT_MAX_TOKENS, "no room: refused as asked"
+
+    model, tokenizer = tiny
+    context = model.config.max_position_embeddings
+    prompt = len(tokenizer("Once upon a time").input_ids)
+    # The generate() path, whose limit is the model's context.
+    done = Executor(model, tokenizer).run(request(max_tokens=None), None)
+    assert done["usage"]["completion_tokens"] <= min(sampling.DEFAULT_CHAT_MAX_TOKENS, context - prompt)
+    assert done["usage"]["completion_tokens"] > 10, "more than a default of 10 or 16 tokens"
+
+
 def test_openais_penalties_as_a_logits_processor_count_the_generated_tokens_only():
     penalties = OpenAIPenalties(Sampling(presence_penalty=1.0, frequency_penalty=0.5), start=2)
     ids = torch.tensor([[0, 1, 2, 2, 3]])  # the prompt is [0, 1]

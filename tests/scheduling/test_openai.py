@@ -195,6 +195,17 @@ def test_too_many_choices_are_refused_naming_why(client, replica):
     assert request_services.queue_depth("tiny") == 0
 
 
+def test_a_chat_that_asks_for_no_length_leaves_it_to_its_replica_and_a_completion_gets_16_tokens():
+    assert read({"model": "t", "messages": [{"role": "user", "content": "hi"}]}, "chat").params["max_tokens"] is None
+    assert (
+        read({"model": "t", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}, "chat").params[
+            "max_tokens"
+        ]
+        == 9
+    )
+    assert read({"model": "t", "prompt": "hi"}, "generate").params["max_tokens"] == 16
+
+
 def test_n_samples_of_one_seed_differ_from_each_other_and_each_is_reproducible():
     call = read({"model": "tiny", "prompt": ["a", "b"], "n": 2, "seed": 7, "temperature": 1}, "generate")
 
@@ -439,7 +450,9 @@ def test_the_parser_runs_only_what_is_within_bounds_and_names_the_field_it_refus
             return
         assert call.model == body["model"].strip() != ""
         params = call.params
-        assert 1 <= params["max_tokens"] <= 4096 and 0 <= params["temperature"] <= 2 and 0 < params["top_p"] <= 1
+        unbounded = kind == "chat" and not (body.get("max_tokens") or body.get("max_completion_tokens"))
+        assert params["max_tokens"] is None if unbounded else 1 <= params["max_tokens"] <= 4096
+        assert 0 <= params["temperature"] <= 2 and 0 < params["top_p"] <= 1
         assert len(params["stop"]) <= 4 and all(isinstance(s, str) and s for s in params["stop"])
         assert params["stream"] is bool(body.get("stream")) and 0.001 <= call.timeout_s <= 300
         assert 1 <= call.choices <= completion_input.MAX_CHOICES and call.n == body.get("n", 1)
