@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpuportal.cli import config, render
+from gpuportal.cli import chatting, config, render
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.options import JSON, add_output_option, print_json
 from gpuportal.cli.waiting import Goal, wait_for
@@ -31,7 +31,7 @@ from gpuportal.wire.states import ReplicaState as S
 DEFAULT_MAX_TOKENS = 256
 # Each call's own limit on the portal (a cold model may load first: the portal's most).
 TIMEOUT_S = 300.0
-CHAT_COMMANDS = "/exit (or Ctrl-D) ends, /clear forgets the conversation"
+CHAT_COMMANDS = "/exit (or Ctrl-D) ends, /clear forgets the conversation, /? lists the others"
 
 
 # OpenAI's code for a prompt plus max_tokens past what the model (here: the replica) holds.
@@ -73,28 +73,30 @@ def cmd_run(ctx: Talker, args: argparse.Namespace) -> int:
 
 def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
-    start = [{"role": "system", "content": args.system}] if args.system else []
-    history = list(start)
+    session = chatting.Session(args.system, _sampling(ctx, args))
+    history = session.start()
     write = _writer(ctx.out)
-    asked = _sampling(ctx, args)
     if interactive:
         ctx.err.print(Text(f"chatting with {args.model}: {CHAT_COMMANDS}", style="bright_black"))
     while True:
         try:
-            line = input(">>> " if interactive else "")
+            line = chatting.read_message(input, ">>> " if interactive else "", "... " if interactive else "")
         except EOFError:
             break
         said = line.strip()
-        if said in ("/exit", "/quit", "/bye"):
-            break
-        if said == "/clear":
-            history = list(start)
-            ctx.err.print(Text("the conversation is forgotten", style="bright_black"))
-            continue
         if not said:
             continue
+        if chatting.is_command(said):
+            done = chatting.run(session, said)
+            if done.end:
+                break
+            if done.forget:
+                history = session.start()
+            if done.said:
+                ctx.err.print(Text(done.said, style="bright_black"))
+            continue
         try:
-            reply = _reply(ctx, args.model, history, line, asked, write, kept=len(start))
+            reply = _reply(ctx, args.model, history, line, session.asked, write, kept=len(session.start()))
         except CliError as error:
             if not interactive:
                 raise  # a script learns of it by the exit status

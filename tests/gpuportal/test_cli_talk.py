@@ -237,6 +237,38 @@ def test_chat_keeps_the_conversation_forgets_it_on_clear_and_ends_on_exit(portal
     ]
 
 
+def test_chat_commands_change_how_it_is_asked_from_the_next_turn_as_ollamas_do(portal, capsys, monkeypatch):
+    stdin(
+        monkeypatch,
+        "hello\n/set temperature 0.7\n/set max_tokens 5\n/set top_k 1.5\n/set system Be brief.\n/show\n"
+        "/frobnicate\nagain\n",
+    )
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 0
+
+    out, err = capsys.readouterr()
+    assert out == "HELLO\nAGAIN\n", "no command was sent as a message"
+    sent = [body for _, path, body in portal.calls if path == "/v1/chat/completions"]
+    assert [(body["temperature"], body["max_tokens"]) for body in sent] == [(0.0, sent[0]["max_tokens"]), (0.7, 5)]
+    assert "top_k" not in sent[1], "a value out of its bounds is not set"
+    assert sent[1]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "again"},
+    ], "a new system message starts the conversation again"
+    assert "/set top_k: not a whole number: '1.5'" in err
+    assert "system message: 'Be brief.'; max_tokens=5, temperature=0.7" in err
+    assert "no command /frobnicate: /set system TEXT" in err
+
+
+def test_a_message_of_several_lines_goes_between_triple_quotes(portal, capsys, monkeypatch):
+    stdin(monkeypatch, '"""first line\n\nsecond line\n"""\n"""one line"""\n')
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 0
+
+    # The stand-in answers each message in capitals: each went whole, the quotes left out.
+    assert capsys.readouterr().out == "FIRST LINE\n\nSECOND LINE\nONE LINE\n"
+
+
 def test_a_refused_turn_leaves_an_interactive_chat_going_with_its_conversation_less_that_turn(
     portal, capsys, monkeypatch
 ):
