@@ -30,6 +30,7 @@ from inference.errors import TooLong
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
 from inference.stream_text import IncrementalText, newly_settled
+from inference.token_logprobs import Picked, entries, of_rows
 
 
 @dataclass
@@ -47,6 +48,11 @@ class Sequence:
     # max_tokens is the request's default, to be fitted to the room the batcher has (a chat that
     # asked for no length: gpuportal.wire.sampling.fitted_max_tokens) as it is checked.
     fit: bool = False
+    # Asked for its tokens' log probabilities, with this many alternatives each (None: not asked;
+    # inference.token_logprobs); what each generated token's were, as it was picked.
+    logprobs: int | None = None
+    picked: list[Picked] = field(default_factory=list)
+    logprob_entries: list[dict[str, Any]] = field(default_factory=list)  # as its result gives them
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the blocks
@@ -67,11 +73,14 @@ class Sequence:
     def result(self) -> dict[str, Any]:
         """The request's output, shaped like Executor.generate's."""
         prompt, completion = len(self.prompt), len(self.generated)
-        return {
+        output: dict[str, Any] = {
             "text": self.text,
             "finish_reason": self.finish,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         }
+        if self.logprobs is not None:
+            output["logprobs"] = self.logprob_entries
+        return output
 
 
 class Batcher:
@@ -220,6 +229,7 @@ class Batcher:
         first, on a copy (the batch's own rows are the forward's)."""
         import torch
 
+        raw = logits
         penalized = [i for i, s in enumerate(group) if s.sampling.penalized]
         if penalized:
             with torch.inference_mode():
@@ -227,7 +237,14 @@ class Batcher:
                 for i in penalized:
                     logits[i] = _penalized(group[i], logits[i])
         greedy = torch.argmax(logits, dim=-1).tolist()
-        return [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
+        tokens = [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
+        asked = [i for i, s in enumerate(group) if s.logprobs is not None]
+        if asked:
+            # The model's own distribution (the forward's rows, before any penalty), as vLLM reports it.
+            picks = of_rows(raw[asked], [tokens[i] for i in asked], [group[i].logprobs or 0 for i in asked])
+            for i, pick in zip(asked, picks, strict=True):
+                group[i].picked.append(pick)
+        return tokens
 
     def _sample(self, s: Sequence, logits: Any) -> int:
         import torch
@@ -276,6 +293,7 @@ class Batcher:
             cut = min((text.find(x) for x in s.stop if x and x in text), default=-1)
             if cut >= 0:
                 s.text, s.finish = text[:cut], "stop"
+                self._keep_logprobs(s)
                 return
         if token in self.eos:
             s.finish = "stop"
@@ -284,7 +302,13 @@ class Batcher:
         if s.finish is not None:
             # Decoded whole once, at the end: the answer's text is the tokenizer's own.
             s.text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            self._keep_logprobs(s)
             self._stream(s, s.text, final=True)
+
+    def _keep_logprobs(self, s: Sequence) -> None:
+        """An ended sequence's picks as its result gives them, decoded once (asked for only)."""
+        if s.logprobs is not None:
+            s.logprob_entries = entries(self.tokenizer, _answered(s.picked, self.eos))
 
     @staticmethod
     def _stream(s: Sequence, text: str, *, final: bool = False) -> None:
@@ -305,6 +329,11 @@ class Batcher:
         if s.blocks:
             self.pool.free(s.blocks)
         s.blocks, s.promised = [], 0
+
+
+def _answered(picked: list[Picked], eos: Any) -> list[Picked]:
+    """The picks of the answer's tokens: an end-of-sequence token that ended it is not one."""
+    return picked[:-1] if picked and picked[-1][0] in eos else picked
 
 
 def run_until_idle(batcher: Batcher) -> list[Sequence]:

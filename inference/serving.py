@@ -44,6 +44,7 @@ from gpuportal.wire.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS,
 from inference.errors import BadInput, TooLong
 from inference.lazy_imports import from_transformers
 from inference.stream_text import newly_settled
+from inference.token_logprobs import entries, of_rows
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
@@ -220,9 +221,17 @@ class Executor:
         ids = [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:
             raise BadInput("the prompt is empty: nothing to continue")
-        if max_tokens is None:  # the batcher fits it to the room it has (Batcher.check)
-            return Sequence(ids, DEFAULT_CHAT_MAX_TOKENS, stop, on_chunk, sampling=sampling, tag=request, fit=True)
-        return Sequence(ids, max_tokens, stop, on_chunk, sampling=sampling, tag=request)
+        # max_tokens None: the default, which the batcher fits to the room it has (Batcher.check).
+        return Sequence(
+            ids,
+            DEFAULT_CHAT_MAX_TOKENS if max_tokens is None else max_tokens,
+            stop,
+            on_chunk,
+            sampling=sampling,
+            tag=request,
+            fit=max_tokens is None,
+            logprobs=request.params.get("logprobs"),
+        )
 
     def generate(self, prompt: str, params: dict[str, Any], on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
         import torch
@@ -254,6 +263,10 @@ class Executor:
         StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")
         if sampling.presence_penalty or sampling.frequency_penalty:
             kwargs["logits_processor"] = LogitsProcessorList([OpenAIPenalties(sampling, ids.shape[1])])
+        logprobs = params.get("logprobs")
+        if logprobs is not None:
+            # The model's own logits at each step, before any processor (as the paged engine reports).
+            kwargs.update(output_logits=True, return_dict_in_generate=True)
 
         abort = AbortOnFlag(self.abort)
         # A seed reaches generate() through torch's global generators (manual_seed seeds every
@@ -271,13 +284,14 @@ class Executor:
             )
         if abort.fired:
             raise Aborted("cut short by a drain past its deadline")
-        new = out[0, ids.shape[1] :]
+        sequences = out.sequences if logprobs is not None else out
+        new = sequences[0, ids.shape[1] :]
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         finish = "length" if len(new) >= max_tokens else "stop"
         cut = min((text.find(s) for s in stop if s and s in text), default=-1)
         if cut >= 0:
             text, finish = text[:cut], "stop"
-        return {
+        output: dict[str, Any] = {
             "text": text,
             "finish_reason": finish,
             "usage": {
@@ -286,6 +300,13 @@ class Executor:
                 "total_tokens": int(ids.shape[1] + len(new)),
             },
         }
+        if logprobs is not None:
+            tokens = new.tolist()
+            picked = of_rows(torch.cat(out.logits)[: len(tokens)], tokens, [logprobs] * len(tokens))
+            if picked and picked[-1][0] == eos:
+                picked = picked[:-1]  # the end-of-sequence token that ended it is no token of the answer
+            output["logprobs"] = entries(self.tokenizer, picked)
+        return output
 
     def embed(self, texts: Any) -> dict[str, Any]:
         from inference.embedding import Interrupted

@@ -21,6 +21,8 @@ Kind = Literal["generate", "chat"]
 
 ROLES = ("system", "user", "assistant", "developer")
 MAX_TOKENS = 4096
+# The most alternatives a token's log probability comes with (OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
 # The most choices one call asks for (`n`, times the prompts of a completion given a list of
 # them): each is a request of its own in the queue, and a call holds its HTTP worker until the
 # last has ended.
@@ -35,10 +37,10 @@ MIN_TIMEOUT_S = 0.001
 # What the portal reads of a /v1 body, and what OpenAI's and vLLM's clients send that it ignores.
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
-     "timeout", "input", "encoding_format", "dimensions", *sampling.NAMES}
+     "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", *sampling.NAMES}
 )  # fmt: skip
 IGNORED_FIELDS = frozenset(
-    {"user", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "response_format", "tools",
+    {"user", "echo", "best_of", "suffix", "logit_bias", "response_format", "tools",
      "tool_choice", "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata",
      "modalities", "audio", "prediction", "reasoning_effort", "min_tokens", "ignore_eos", "stop_token_ids",
      "skip_special_tokens", "extra_body", "web_search_options"}
@@ -113,7 +115,9 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     if refused := sampling.problems(body):
         name, why = next(iter(refused.items()))  # the first, in the order they are declared
         raise Refused(name, why)
+    logprobs = _logprobs(body, kind, stream)
     params = {
+        **({} if logprobs is None else {"logprobs": logprobs}),
         "max_tokens": _max_tokens(body, kind),
         "temperature": 0.0,
         "top_p": 1.0,
@@ -131,6 +135,29 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         n=n,
         prompts=prompts if isinstance(body.get("prompt"), list) else (),
     )
+
+
+def _logprobs(body: dict[str, Any], kind: Kind, stream: bool) -> int | None:
+    """How many alternatives each token's log probability comes with (0: its own alone), or None
+    where none is asked: a chat's `logprobs: true` with its `top_logprobs`, a completion's
+    `logprobs` count, as OpenAI's two endpoints ask. Not streamed."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    bound = f"must be a whole number from 0 to {MAX_LOGPROBS}"
+    if kind == "chat":
+        if wanted is not None and not isinstance(wanted, bool):
+            raise Refused("logprobs", "must be true or false (top_logprobs says how many alternatives)")
+        if top is not None and (not _integer(top) or not 0 <= top <= MAX_LOGPROBS):
+            raise Refused("top_logprobs", bound)
+        if top and not wanted:
+            raise Refused("top_logprobs", "only with logprobs: true")
+        asked = (top or 0) if wanted else None
+    else:
+        if wanted is not None and (not _integer(wanted) or not 0 <= wanted <= MAX_LOGPROBS):
+            raise Refused("logprobs", f"{bound}: the alternatives given with each token")
+        asked = wanted
+    if asked is not None and stream:
+        raise Refused("logprobs", "not streamed: ask without stream")
+    return asked
 
 
 def _include_usage(options: Any, stream: bool) -> bool:

@@ -39,6 +39,7 @@ from scheduling.api.completion_input import (
     ENCODING_FORMATS,
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
+    MAX_LOGPROBS,
     ROLES,
     Completion,
     Refused,
@@ -109,6 +110,14 @@ class PromptInput(CompletionInput):
     prompt = serializers.JSONField(
         help_text=f"A string, or a list of at most {MAX_CHOICES} strings: n choices each, `index` in their order."
     )
+    logprobs = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=0,
+        max_value=MAX_LOGPROBS,
+        help_text="Each token's log probability (the model's own), with this many likeliest alternatives; not "
+        "streamed.",
+    )
 
 
 class MessageInput(serializers.Serializer):
@@ -122,6 +131,16 @@ class MessageInput(serializers.Serializer):
 
 class ChatInput(CompletionInput):
     messages = MessageInput(many=True, allow_empty=False)
+    logprobs = serializers.BooleanField(
+        required=False, allow_null=True, help_text="Each token's log probability (the model's own); not streamed."
+    )
+    top_logprobs = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=0,
+        max_value=MAX_LOGPROBS,
+        help_text="With logprobs: this many likeliest alternatives of each token.",
+    )
 
 
 class EmbeddingInput(WaitInput):
@@ -553,6 +572,41 @@ def _together(followers: list[Iterator[_Said]], stop: threading.Event) -> Iterat
         stop.set()
 
 
+def _completion_logprobs(picked: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A replica's picks (inference.token_logprobs.entries) as OpenAI's completions give them:
+    parallel lists of the tokens, their log probabilities, their alternatives and where each
+    begins in the text. None where none were asked."""
+    if picked is None:
+        return None
+    offsets, at = [], 0
+    for entry in picked:
+        offsets.append(at)
+        at += len(entry["token"])
+    return {
+        "tokens": [entry["token"] for entry in picked],
+        "token_logprobs": [entry["logprob"] for entry in picked],
+        "top_logprobs": [dict(entry["top"]) for entry in picked],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(picked: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The picks as OpenAI's chat completions give them: each token with its log probability,
+    its UTF-8 bytes and its alternatives. None where none were asked."""
+    if picked is None:
+        return None
+
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**token(entry["token"], entry["logprob"]), "top_logprobs": [token(t, lp) for t, lp in entry["top"]]}
+            for entry in picked
+        ]
+    }
+
+
 def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, int]:
     """The usage of a call's choices: each prompt's tokens once (its n choices read the same
     prompt, as OpenAI counts them), every choice's completion."""
@@ -617,7 +671,7 @@ class CompletionsView(_Generate):
         return super().post(request)
 
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:
-        return {"text": output.get("text", ""), "logprobs": None}
+        return {"text": output.get("text", ""), "logprobs": _completion_logprobs(output.get("logprobs"))}
 
     def delta(self, text: str, first: bool) -> dict[str, Any]:
         return {"text": text, "logprobs": None}
@@ -633,7 +687,10 @@ class ChatCompletionsView(_Generate):
         return super().post(request)
 
     def choice(self, output: dict[str, Any]) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": output.get("text", "")}}
+        return {
+            "message": {"role": "assistant", "content": output.get("text", "")},
+            "logprobs": _chat_logprobs(output.get("logprobs")),
+        }
 
     def delta(self, text: str, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text} if text else {}

@@ -213,6 +213,53 @@ def test_n_samples_of_one_seed_differ_from_each_other_and_each_is_reproducible()
     assert all("seed" not in params for _, params in read({"model": "t", "prompt": "a", "n": 2}, "generate").each())
 
 
+def test_a_completions_log_probabilities_come_in_openais_parallel_lists(client, replica):
+    StandIn(replica.id, 1).start()
+
+    completion = client.completions.create(model="tiny", prompt="hey", max_tokens=5, logprobs=1)
+
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == ["H", "E", "Y"] and logprobs.token_logprobs == [-0.5] * 3
+    assert logprobs.top_logprobs == [{"?": -1.0}] * 3 and logprobs.text_offset == [0, 1, 2]
+
+
+def test_a_chats_log_probabilities_come_per_token_with_its_bytes_and_alternatives(client, replica):
+    StandIn(replica.id, 2).start()
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "ok"}], logprobs=True, top_logprobs=2
+    )
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ok"}])
+
+    (first, second) = chat.choices[0].logprobs.content
+    assert (first.token, first.logprob, first.bytes) == ("O", -0.5, [79]) and second.token == "K"
+    assert [(t.token, t.logprob) for t in first.top_logprobs] == [("?", -1.0), ("!", -2.0)]
+    assert plain.choices[0].logprobs is None, "none asked for, none given"
+
+
+@pytest.mark.parametrize(
+    ("kind", "asked", "said"),
+    [
+        ("chat", {"logprobs": 2}, "logprobs: must be true or false"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs: must be a whole number from 0 to 20"),
+        ("chat", {"top_logprobs": 3}, "top_logprobs: only with logprobs: true"),
+        ("chat", {"logprobs": True, "stream": True}, "logprobs: not streamed: ask without stream"),
+        ("generate", {"logprobs": True}, "logprobs: must be a whole number from 0 to 20"),
+        ("generate", {"logprobs": 21}, "logprobs: must be a whole number from 0 to 20"),
+    ],
+)
+def test_log_probabilities_asked_wrongly_are_refused_naming_why(kind, asked, said):
+    body = {
+        "model": "tiny",
+        **({"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}),
+    }
+    with pytest.raises(completion_input.Refused) as refused:
+        read({**body, **asked}, kind)
+    assert str(refused.value).startswith(said)
+    assert read({**body, "logprobs": True if kind == "chat" else 0}, kind).params["logprobs"] == 0
+    assert "logprobs" not in read(body, kind).params
+
+
 def test_a_streamed_chat_arrives_in_pieces_then_ends(client, replica):
     StandIn(replica.id, 1).start()
 

@@ -112,4 +112,9 @@ class StandIn(threading.Thread):
                 for start in range(0, len(answer), third):
                     self.queue.chunk(request.id, answer[start : start + third])
             usage = {"prompt_tokens": len(text), "completion_tokens": len(answer), "total_tokens": 2 * len(text)}
-            self.queue.finish(request.id, self.replica_id, {"text": answer, "finish_reason": "stop", "usage": usage})
+            output = {"text": answer, "finish_reason": "stop", "usage": usage}
+            if (alternatives := request.params.get("logprobs")) is not None:
+                # A token a character, as inference.token_logprobs.entries gives them.
+                top = [["?", -1.0], ["!", -2.0]][:alternatives]
+                output["logprobs"] = [{"token": c, "logprob": -0.5, "top": top} for c in answer]
+            self.queue.finish(request.id, self.replica_id, output)

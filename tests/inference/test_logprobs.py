@@ -1,0 +1,96 @@
+"""The log probabilities of an answer's tokens (OpenAI's `logprobs`), on a real tiny Llama: the
+paged engine and transformers' generate() path give the same figures, the model's own (before
+temperature or penalties), each with its likeliest alternatives, and nothing for a request that
+does not ask."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gpuportal.wire.requestqueue import Request
+from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
+from inference.kvpool import BlockPool
+from inference.management.commands.make_tiny_model import write_tiny_model
+from inference.paged import PagedModel, model_shape
+from inference.serving import Executor
+from inference.token_logprobs import of_rows
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Any, Any]:
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-logprobs"), size_mb=2, seed=5, log=lambda _: None).path
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def run(model: Any, tokenizer: Any, **params: Any) -> Sequence:
+    pool = BlockPool.for_shape(model_shape(model, 0), 64, dtype=torch.float32, device="cpu", block_tokens=4)
+    batcher = Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
+    request = Request(id="r1", deployment="tiny", kind="generate", input=PROMPT, params=params)
+    seq = Executor(model, tokenizer).sequence(request, None)
+    batcher.submit(seq)
+    run_until_idle(batcher)
+    return seq
+
+
+def paged(model: Any, tokenizer: Any, **params: Any) -> dict[str, Any]:
+    return run(model, tokenizer, **params).result()
+
+
+def test_a_greedy_answer_gives_each_tokens_log_probability_the_likeliest_of_its_alternatives(tiny):
+    model, tokenizer = tiny
+
+    answer = paged(model, tokenizer, max_tokens=6, logprobs=3)
+
+    picked = answer["logprobs"]
+    assert 1 <= len(picked) <= answer["usage"]["completion_tokens"]
+    for entry in picked:
+        assert entry["logprob"] <= 0 and len(entry["top"]) == 3
+        assert [lp for _, lp in entry["top"]] == sorted((lp for _, lp in entry["top"]), reverse=True)
+        # Greedy: the token picked is the likeliest, its figure the first alternative's.
+        assert entry["top"][0] == [entry["token"], pytest.approx(entry["logprob"])]
+    assert "".join(entry["token"] for entry in picked).strip() == answer["text"].strip()
+
+
+def test_the_generate_path_gives_the_paged_engines_figures(tiny):
+    model, tokenizer = tiny
+
+    from_pages = paged(model, tokenizer, max_tokens=6, logprobs=2)["logprobs"]
+    request = Request(
+        id="r2", deployment="tiny", kind="generate", input=PROMPT, params={"max_tokens": 6, "logprobs": 2}
+    )
+    from_generate = Executor(model, tokenizer).run(request, None)["logprobs"]
+
+    assert [e["token"] for e in from_generate] == [e["token"] for e in from_pages]
+    assert [e["logprob"] for e in from_generate] == pytest.approx([e["logprob"] for e in from_pages], abs=1e-4)
+
+
+def test_a_sampled_answer_reports_the_models_own_figures_not_the_tempered_ones(tiny):
+    model, tokenizer = tiny
+
+    seq = run(model, tokenizer, max_tokens=4, logprobs=0, temperature=1.5, seed=3)
+
+    answer = seq.result()["logprobs"]
+    assert all(entry["top"] == [] for entry in answer), "no alternatives asked for"
+    # Rebuilt from the model's own logits over the same tokens, untempered: the same figures.
+    ids, tokens = tokenizer(PROMPT).input_ids, [token for token, _, _ in seq.picked]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : len(ids) - 1 + len(tokens)]
+    expected = [lp for _, lp, _ in of_rows(logits, tokens, [0] * len(tokens))]
+    assert [lp for _, lp, _ in seq.picked] == pytest.approx(expected, abs=1e-4)
+    assert [e["logprob"] for e in answer] == pytest.approx(expected[: len(answer)], abs=1e-4)
+    tempered = [lp for _, lp, _ in of_rows(logits / 1.5, tokens, [0] * len(tokens))]
+    assert [lp for _, lp, _ in seq.picked] != pytest.approx(tempered, abs=1e-4)
+
+
+def test_a_request_that_does_not_ask_gets_no_log_probabilities(tiny):
+    model, tokenizer = tiny
+
+    assert "logprobs" not in paged(model, tokenizer, max_tokens=3)
+    request = Request(id="r3", deployment="tiny", kind="generate", input=PROMPT, params={"max_tokens": 3})
+    assert "logprobs" not in Executor(model, tokenizer).run(request, None)
