@@ -15,22 +15,26 @@ SEED_LOW, SEED_HIGH = -(2**63), 2**64 - 1
 
 # How long an answer runs that a request leaves unbounded. A completion gets 16 tokens, as OpenAI's
 # and vLLM's legacy completions do. A chat asked on /v1 without max_tokens runs on as OpenAI's
-# and vLLM's chats do, but within what its replica holds: up to DEFAULT_CHAT_MAX_TOKENS, fewer
-# where its KV cache or the model's context has less room beside the prompt (its params say
-# `max_tokens: null`). Not the whole cache: a replica reserves a sequence's blocks as it admits
-# it, and one chat holding them all would leave no other request room beside it.
+# and vLLM's chats do, but within what its replica holds (its params say `max_tokens: null`):
+# `fitted_max_tokens`.
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
 
 
-def fitted_max_tokens(prompt_tokens: int, *limits: int | None) -> int:
-    """An unbounded chat's max_tokens: DEFAULT_CHAT_MAX_TOKENS, or fewer where one of `limits`
-    (tokens a sequence may hold in all: the model's context, the KV cache's capacity) leaves less
-    beside the prompt. A prompt that leaves no room gets the default all the same, and is refused
-    as too long by the check that follows, as a request asking for it would be."""
-    rooms = [limit - prompt_tokens for limit in limits if limit is not None]
-    room = min(rooms, default=DEFAULT_CHAT_MAX_TOKENS)
-    return min(DEFAULT_CHAT_MAX_TOKENS, room) if room >= 1 else DEFAULT_CHAT_MAX_TOKENS
+def fitted_max_tokens(prompt_tokens: int, context: int | None, kv_capacity: int | None = None) -> int:
+    """An unbounded chat's max_tokens: DEFAULT_CHAT_MAX_TOKENS, or fewer where the model's
+    `context` or the replica's KV cache (`kv_capacity` tokens) has less room beside the prompt,
+    and never more than half the cache: a replica reserves a sequence's blocks as it admits it,
+    and a chat holding the whole cache would leave no other request room beside it (as `gpuportal
+    chat` asks for half at most). A prompt that leaves no room gets the default all the same, and
+    is refused as too long by the check that follows, as a request asking for it would be."""
+    rooms = [DEFAULT_CHAT_MAX_TOKENS]
+    if context is not None:
+        rooms.append(context - prompt_tokens)
+    if kv_capacity is not None:
+        rooms += [kv_capacity - prompt_tokens, kv_capacity // 2]
+    room = min(rooms)
+    return room if room >= 1 else DEFAULT_CHAT_MAX_TOKENS
 
 
 @dataclass(frozen=True)

@@ -229,10 +229,13 @@ def test_a_chat_that_asked_for_no_length_runs_as_far_as_the_replica_has_room_bes
     model, tokenizer = tiny
     b = batcher(model, tokenizer, blocks=5, block_tokens=4)  # 20 tokens in all
     fitting = Sequence([1] * 6, DEFAULT_CHAT_MAX_TOKENS, fit=True)
+    crowded = Sequence([1] * 14, DEFAULT_CHAT_MAX_TOKENS, fit=True)
 
     b.submit(fitting)
+    b.submit(crowded)
 
-    assert (fitting.max_tokens, fitting.tokens_needed) == (14, 20), "the room beside its prompt, not the default"
+    assert fitting.max_tokens == 10, "half the cache at most, not the default: room for another beside it"
+    assert (crowded.max_tokens, crowded.tokens_needed) == (6, 20), "the room beside a long prompt"
     with pytest.raises(BadInput, match="KV capacity is 20 tokens"):
         b.submit(Sequence([1] * 20, DEFAULT_CHAT_MAX_TOKENS, fit=True))  # no room at all: too long, as asked
     roomy = Sequence([1] * 6, DEFAULT_CHAT_MAX_TOKENS, fit=True)

@@ -165,9 +165,11 @@ def test_the_generate_path_takes_a_seed_and_the_penalties(tiny):
 
 
 def test_an_unbounded_chat_runs_to_the_default_or_the_room_its_limits_leave_beside_the_prompt(tiny):
-    assert sampling.fitted_max_tokens(10, None, 100) == 90
-    assert sampling.fitted_max_tokens(10, 4096, 2048) == sampling.DEFAULT_CHAT_MAX_TOKENS
-    assert sampling.fitted_max_tokens(10) == sampling.DEFAULT_CHAT_MAX_TOKENS, "no limit known"
+    assert sampling.fitted_max_tokens(10, 100) == 90, "the model's context beside the prompt"
+    assert sampling.fitted_max_tokens(10, 4096, 8192) == sampling.DEFAULT_CHAT_MAX_TOKENS
+    assert sampling.fitted_max_tokens(10, None, 512) == 256, "half the KV cache: room for another beside it"
+    assert sampling.fitted_max_tokens(400, None, 512) == 112, "the cache's room beside a long prompt"
+    assert sampling.fitted_max_tokens(10, None) == sampling.DEFAULT_CHAT_MAX_TOKENS, "no limit known"
     assert sampling.fitted_max_tokens(100, 100) == sampling.DEFAULT_CHAT_MAX_TOKENS, "no room: refused as asked"
 
     model, tokenizer = tiny
