@@ -269,6 +269,20 @@ def test_v1_answers_a_limited_call_in_openais_rate_limit_shape_with_retry_after(
     assert depth() == 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+def test_a_call_of_several_choices_past_the_limit_is_refused_whole_leaving_nothing_queued(
+    replica, alice, settings, stream
+):
+    settings.GPUPORTAL_USER_MAX_CONCURRENT = 2
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {Token.objects.create(user=alice).key}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "y"}], "n": 3, "stream": stream}
+
+    response = Client().post("/v1/chat/completions", body, content_type="application/json", **headers)
+
+    assert response.status_code == 429 and "too many requests in flight" in response.json()["error"]["message"]
+    assert depth() == 0, "the two choices queued before the third was refused are cancelled"
+
+
 def test_openais_client_raises_its_rate_limit_error_and_reads_retry_after(live_server, replica, alice, settings):
     settings.GPUPORTAL_USER_MAX_PER_MINUTE = 1
     key = Token.objects.create(user=alice).key
