@@ -207,13 +207,18 @@ def live(name: str) -> dict[str, tuple[str, str]]:
     return {i: (state, node) for i, state, node in rows.order_by("created_at").values_list("id", "state", "node__name")}
 
 
-def test_a_drain_that_moves_replaces_each_serving_replica_elsewhere_before_it_stops(
-    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
-):
-    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
+def serving_spread(api, model_dir) -> None:
+    """Deployment m's two replicas, one a node (placement.spread), each serving."""
+    spread = body("m", model_dir, replicas=2, placement={"spread": True})
     assert api("post", "/api/deployments/", spread).status_code == 201
     for replica_id in live("m"):
         serve(replica_id)
+
+
+def test_a_drain_that_moves_replaces_each_serving_replica_elsewhere_before_it_stops(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
+):
+    serving_spread(api, tiny_model_dir)
     (moved,) = [i for i, (_, node) in live("m").items() if node == "node1"]
     (kept,) = [i for i, (_, node) in live("m").items() if node == "node2"]
     dispatched.clear()
@@ -274,10 +279,7 @@ def test_a_drain_that_moves_with_no_room_elsewhere_puts_what_serves_there_to_sle
 def test_a_drain_that_cannot_move_a_deployment_restarting_already_puts_its_replica_to_sleep(
     cluster, api, dispatched, tiny_model_dir
 ):
-    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
-    assert api("post", "/api/deployments/", spread).status_code == 201
-    for replica_id in live("m"):
-        serve(replica_id)
+    serving_spread(api, tiny_model_dir)
     assert api("post", "/api/deployments/m/restart/").status_code == 202
     on_node1 = [i for i, (state, node) in live("m").items() if node == "node1" and state == "serving"]
 
@@ -288,10 +290,7 @@ def test_a_drain_that_cannot_move_a_deployment_restarting_already_puts_its_repli
 def test_an_undrain_keeps_what_its_drain_had_still_to_move_and_stops_the_replacement_on_its_way(
     cluster, api, dispatched, tiny_model_dir
 ):
-    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
-    assert api("post", "/api/deployments/", spread).status_code == 201
-    for replica_id in live("m"):
-        serve(replica_id)
+    serving_spread(api, tiny_model_dir)
     (moved,) = [i for i, (_, node) in live("m").items() if node == "node1"]
     api("post", "/api/nodes/node1/drain/", {"move": True})
     (surge,) = [i for i in live("m") if live("m")[i] == ("pending", "node2")]
@@ -313,10 +312,7 @@ def test_an_undrain_keeps_what_its_drain_had_still_to_move_and_stops_the_replace
 def test_an_undrain_leaves_the_move_of_what_the_nodes_taint_now_keeps_off(cluster, api, dispatched, tiny_model_dir):
     from scheduling.services import node_marks
 
-    spread = body("m", tiny_model_dir, replicas=2, placement={"spread": True})
-    assert api("post", "/api/deployments/", spread).status_code == 201
-    for replica_id in live("m"):
-        serve(replica_id)
+    serving_spread(api, tiny_model_dir)
     api("post", "/api/nodes/node1/drain/", {"move": True})
     node_marks.change("node1", taints={"team": "research"}, by="ops")
     before = DeploymentObserved.objects.get(deployment__name="m").restart_only
