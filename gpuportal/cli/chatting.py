@@ -15,7 +15,7 @@ from gpuportal.wire import sampling
 QUOTES = '"""'
 ENDS = ("/exit", "/quit", "/bye")
 # What `/set` may change: the answer's length and the sampling parameters, by their API names.
-MAX_TOKENS, MOST_TOKENS = "max_tokens", 4096
+MAX_TOKENS = "max_tokens"
 SETTABLE = (MAX_TOKENS, *sampling.NAMES)
 HELP = (
     "/set system TEXT and /set PARAM VALUE change how it answers (PARAM: "
@@ -121,8 +121,8 @@ def _number(what: str, text: str) -> int | float:
     except ValueError:
         raise ValueError(f"not a {'whole number' if whole else 'number'}: {text!r}") from None
     if what == MAX_TOKENS:
-        if not 1 <= value <= MOST_TOKENS:
-            raise ValueError(f"must be from 1 to {MOST_TOKENS}, not {text}")
+        if not 1 <= value <= sampling.MOST_TOKENS:
+            raise ValueError(f"must be from 1 to {sampling.MOST_TOKENS}, not {text}")
     elif (why := sampling.BY_NAME[what].problem(value)) is not None:
         raise ValueError(f"{why}, not {text}")
     return value

@@ -19,6 +19,8 @@ SEED_LOW, SEED_HIGH = -(2**63), 2**64 - 1
 # `fitted_max_tokens`.
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
+# The longest answer a request may ask for.
+MOST_TOKENS = 4096
 
 
 def fitted_max_tokens(prompt_tokens: int, context: int | None, kv_capacity: int | None = None) -> int:

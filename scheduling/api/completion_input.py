@@ -20,7 +20,7 @@ from gpuportal.wire import sampling
 Kind = Literal["generate", "chat"]
 
 ROLES = ("system", "user", "assistant", "developer")
-MAX_TOKENS = 4096
+MAX_TOKENS = sampling.MOST_TOKENS
 # The most alternatives a token's log probability comes with (OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
 # The most choices one call asks for (`n`, times the prompts of a completion given a list of

@@ -40,6 +40,7 @@ from scheduling.api.completion_input import (
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
     MAX_LOGPROBS,
+    MAX_TOKENS,
     ROLES,
     Completion,
     Refused,
@@ -85,8 +86,8 @@ class CompletionInput(WaitInput, SamplingInput):
     body. Fields this portal does not use are accepted and ignored."""
 
     model = serializers.CharField()
-    max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
-    max_completion_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, allow_null=True)
+    max_tokens = serializers.IntegerField(min_value=1, max_value=MAX_TOKENS, required=False, allow_null=True)
+    max_completion_tokens = serializers.IntegerField(min_value=1, max_value=MAX_TOKENS, required=False, allow_null=True)
     stop = serializers.JSONField(required=False, allow_null=True)
     n = serializers.IntegerField(
         required=False,

@@ -29,7 +29,9 @@ STATUSES = ["queued", "waking", "dispatched", "running", "done", "failed", "canc
 
 
 class ParamsInput(StrictSerializer, SamplingInput):
-    max_tokens = serializers.IntegerField(min_value=1, max_value=4096, required=False, default=16)
+    max_tokens = serializers.IntegerField(
+        min_value=1, max_value=sampling.MOST_TOKENS, required=False, default=sampling.DEFAULT_MAX_TOKENS
+    )
     stop = serializers.JSONField(required=False, default=list)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +241,7 @@ def json_body(request: Any) -> Any | None:
         return None
 
 
-_PARAM_DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "stop": []}
+_PARAM_DEFAULTS = {"max_tokens": sampling.DEFAULT_MAX_TOKENS, "temperature": 0.0, "top_p": 1.0, "stop": []}
 
 
 def fast_inputs(body: Any) -> tuple[Any, dict[str, Any], float] | None:
@@ -276,7 +278,7 @@ def fast_params(params: Any) -> dict[str, Any] | None:
         return None
     out = dict(_PARAM_DEFAULTS)
     max_tokens = params.get("max_tokens", out["max_tokens"])
-    if type(max_tokens) is not int or not 1 <= max_tokens <= 4096:
+    if type(max_tokens) is not int or not 1 <= max_tokens <= sampling.MOST_TOKENS:
         return None
     out["max_tokens"] = max_tokens
     if sampling.problems(params):
