@@ -22,9 +22,9 @@ def is_hub_name(source: str) -> bool:
 def local_model_dir(source: str | Path) -> Path:
     """The directory `source` names: itself, or for `hf:org/name` its snapshot in the local
     Hugging Face cache. ValueError saying how to download it when the cache does not hold it.
-    A bare `org/name` (or `gpt2`) that names no directory here is taken for a Hugging Face name when
-    the cache holds it (as `vllm serve Qwen/Qwen2.5-0.5B-Instruct` takes one); else it stays a path, and
-    what refuses it says how to write the name (`no_directory`)."""
+    A bare `org/name` (or `gpt2`) that names no directory here is taken for a Hugging Face name
+    when the cache holds it (as `vllm serve Qwen/Qwen2.5-0.5B-Instruct` takes one); else it stays a
+    path, and what refuses it says how to write the name (`no_directory`)."""
     if isinstance(source, Path):
         return source
     if not is_hub_name(source):

@@ -1,8 +1,7 @@
-"""OpenAI-compatible endpoints (the model is the deployment's name): `GET /v1/models` (and
-`/v1/models/{model}`), for causal
-LMs `POST /v1/completions` and `POST /v1/chat/completions` (with `stream: true` as server-sent
-events), for encoders `POST /v1/embeddings`. Requests go through the same queue as
-`/api/.../infer/`."""
+"""OpenAI-compatible endpoints (the model is the deployment's name): `GET /v1/models` and
+`/v1/models/{model}`, for causal LMs `POST /v1/completions` and `POST /v1/chat/completions` (with
+`stream: true` as server-sent events; several choices a request each), for encoders
+`POST /v1/embeddings`. Requests go through the same queue as `/api/.../infer/`."""
 
 from __future__ import annotations
 
