@@ -521,13 +521,15 @@ class _Said:
 
 def _follow(submitted: Request, model: str, deadline: float, index: int, stop: threading.Event) -> Iterator[_Said]:
     """A request's stream as it is written, until it ends or `deadline` passes (or `stop` is set),
-    then its end."""
+    then its end. What it waits for until its first token is read for the first choice alone:
+    the choices of a call wait for the same deployment, and reading it reads the database (a
+    connection for each follower's thread, where one says it all)."""
     queue = request_services.queue()
     sent, first, told = 0, True, ""
     splice = StreamSplice()
     while time.monotonic() < deadline and not stop.is_set():
         chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
-        if first and not chunks and not ended:
+        if first and index == 0 and not chunks and not ended:
             line = _waiting_line(submitted, model)
             if line and line != told:
                 told = line
