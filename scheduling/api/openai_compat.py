@@ -325,7 +325,7 @@ class _Generate(_Answered):
                 _cancel(submitted[done + 1 :], "another choice of its /v1 call failed")
                 return _failure(result, "messages" if self.kind == "chat" else "prompt")
             results.append(result)
-        return 200, self.body_of_each(results, call)
+        return 200, self.body(results, call.model, call.n)
 
     def submit_each(
         self, call: Completion, owner: str, key: str | None
@@ -350,21 +350,6 @@ class _Generate(_Answered):
             _cancel(submitted, "another choice of its call was refused")
             raise
         return submitted
-
-    def body_of_each(self, results: list[Request], call: Completion) -> dict[str, Any]:
-        """Their choices, `index` in the order asked."""
-        outputs = [result.output or {} for result in results]
-        return {
-            "id": f"{self.id_prefix}-{results[0].id}",
-            "object": self.object_name,
-            "created": int(results[0].created_at or time.time()),
-            "model": call.model,
-            "choices": [
-                {"index": index, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output)}
-                for index, output in enumerate(outputs)
-            ],
-            "usage": _usage_of(outputs, call.n),
-        }
 
     def parse(self, body: Any) -> Completion:
         return completion_input.parse(
@@ -402,7 +387,7 @@ class _Generate(_Answered):
             return 504, error_body(timed_out(submitted.id, timeout), kind="timeout")
         if result.status != "done":
             return _failure(result, "messages" if self.kind == "chat" else "prompt")
-        return 200, self.body(result, model)
+        return 200, self.body([result], model)
 
     @staticmethod
     def refusal(exc: NotFound | InvalidInput, model: str) -> tuple[int, dict[str, Any]]:
@@ -414,15 +399,19 @@ class _Generate(_Answered):
     @abstractmethod
     def delta(self, text: str, first: bool) -> dict[str, Any]: ...
 
-    def body(self, result: Request, model: str) -> dict[str, Any]:
-        output = result.output or {}
+    def body(self, results: list[Request], model: str, n: int = 1) -> dict[str, Any]:
+        """The answer of a call's requests: their choices, `index` in the order asked."""
+        outputs = [result.output or {} for result in results]
         return {
-            "id": f"{self.id_prefix}-{result.id}",
+            "id": f"{self.id_prefix}-{results[0].id}",
             "object": self.object_name,
-            "created": int(result.created_at or time.time()),
+            "created": int(results[0].created_at or time.time()),
             "model": model,
-            "choices": [{"index": 0, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output)}],
-            "usage": output.get("usage", {}),
+            "choices": [
+                {"index": index, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output)}
+                for index, output in enumerate(outputs)
+            ],
+            "usage": _usage_of(outputs, n),
         }
 
     def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
@@ -483,12 +472,7 @@ class _Generate(_Answered):
                 if len(outputs) < len(submitted):
                     yield _sse({**base, "choices": [last]})
                     continue
-                # One choice's usage as its replica counted it; several's summed.
-                usage = (
-                    outputs[0].get("usage")
-                    if len(submitted) == 1
-                    else _usage_of([outputs[i] for i in range(len(submitted))], call.n)
-                )
+                usage = _usage_of([outputs[i] for i in range(len(submitted))], call.n)
                 if call.include_usage:
                     yield _sse({**base, "choices": [last]})
                     yield _sse({**base, "choices": [], "usage": usage})
@@ -609,9 +593,12 @@ def _chat_logprobs(picked: list[dict[str, Any]] | None) -> dict[str, Any] | None
     }
 
 
-def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, int]:
-    """The usage of a call's choices: each prompt's tokens once (its n choices read the same
-    prompt, as OpenAI counts them), every choice's completion."""
+def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """The usage of a call's choices: one choice's as its replica counted it; of several, each
+    prompt's tokens once (its n choices read the same prompt, as OpenAI counts them), every
+    choice's completion."""
+    if len(outputs) == 1:
+        return outputs[0].get("usage", {})
     usages = [output.get("usage") or {} for output in outputs]
     prompt_tokens = sum(usage.get("prompt_tokens", 0) for usage in usages[::n])
     completion_tokens = sum(usage.get("completion_tokens", 0) for usage in usages)
