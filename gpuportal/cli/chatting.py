@@ -115,14 +115,12 @@ def _set(session: Session, words: list[str]) -> Done:
 
 def _number(what: str, text: str) -> int | float:
     """`text` as the value of `what`, held to its bounds; ValueError saying why not."""
-    whole = what == MAX_TOKENS or sampling.BY_NAME[what].whole
+    if what != MAX_TOKENS:
+        return sampling.BY_NAME[what].read(text)
     try:
-        value = int(text) if whole else float(text)
+        value = int(text)
     except ValueError:
-        raise ValueError(f"not a {'whole number' if whole else 'number'}: {text!r}") from None
-    if what == MAX_TOKENS:
-        if not 1 <= value <= sampling.MOST_TOKENS:
-            raise ValueError(f"must be from 1 to {sampling.MOST_TOKENS}, not {text}")
-    elif (why := sampling.BY_NAME[what].problem(value)) is not None:
-        raise ValueError(f"{why}, not {text}")
+        raise ValueError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= sampling.MOST_TOKENS:
+        raise ValueError(f"must be from 1 to {sampling.MOST_TOKENS}, not {text}")
     return value

@@ -297,12 +297,9 @@ def _sampling_param(name: str) -> Callable[[str], Any]:
 
     def parse(text: str) -> Any:
         try:
-            value = int(text) if param.whole else float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {'whole number' if param.whole else 'number'}: {text!r}") from None
-        if (why := param.problem(value)) is not None:
-            raise argparse.ArgumentTypeError(f"{why}, not {text}")
-        return value
+            return param.read(text)
+        except ValueError as why:
+            raise argparse.ArgumentTypeError(str(why)) from None
 
     return parse
 

@@ -64,6 +64,17 @@ class Param:
             return f"must be {self.bounds()}"
         return None
 
+    def read(self, text: str) -> int | float:
+        """`text` (a command line's) as this parameter's value, held to its bounds; ValueError
+        saying why not."""
+        try:
+            value = int(text) if self.whole else float(text)
+        except ValueError:
+            raise ValueError(f"not a {'whole number' if self.whole else 'number'}: {text!r}") from None
+        if (why := self.problem(value)) is not None:
+            raise ValueError(f"{why}, not {text}")
+        return value
+
     def bounds(self) -> str:
         low, high = (f"{self.low:.0f}", f"{self.high:.0f}") if self.whole else (f"{self.low:g}", f"{self.high:g}")
         return f"above {low} and at most {high}" if self.above_low else f"from {low} to {high}"
