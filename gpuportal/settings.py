@@ -299,6 +299,9 @@ GPUPORTAL_MAX_LOADS_PER_NODE = int(os.environ.get("GPUPORTAL_MAX_LOADS_PER_NODE"
 GPUPORTAL_REPLICA_HOST_BYTES = int(os.environ.get("GPUPORTAL_REPLICA_HOST_BYTES", str(1024**3)))
 # The most replicas one deployment may ask for (a scale of 256 started ~74 processes).
 GPUPORTAL_MAX_REPLICAS = int(os.environ.get("GPUPORTAL_MAX_REPLICAS", "32"))
+# How many revisions of each deployment's settings are kept for `gpuportal history` and a
+# rollback (Kubernetes' revisionHistoryLimit, and its default); at least 2, so there is one to go back to.
+GPUPORTAL_REVISIONS_KEPT = max(2, int(os.environ.get("GPUPORTAL_REVISIONS_KEPT", "10")))
 # A `torch-module` source (package.module:factory) is code the nodes run: only the modules an
 # operator lists here (comma-separated module prefixes, e.g. "acme.models") may be deployed.
 GPUPORTAL_TORCH_MODULES = tuple(

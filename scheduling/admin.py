@@ -25,6 +25,7 @@ from scheduling.models import (
     CapacityPlan,
     Deployment,
     DeploymentObserved,
+    DeploymentRevision,
     Event,
     FailoverLease,
     Node,
@@ -35,6 +36,7 @@ from scheduling.models import (
     RequestRecord,
     UserLimits,
 )
+from scheduling.services import revisions
 from scheduling.services.placing import need_with
 from scheduling.services.replica_specs import largest_contexts
 from scheduling.web import admin_actions
@@ -250,6 +252,24 @@ class ObservedInline(ViewOnly, admin.StackedInline):
     readonly_fields = fields
 
 
+@admin.display(description="changes")
+def revision_changes(obj: DeploymentRevision) -> str:
+    """What the revision changed from the one kept before it, as `gpuportal history` says it."""
+    before = obj.deployment.revisions.filter(number__lt=obj.number).order_by("-number").first()
+    if before is None:
+        return "-"
+    return revisions.described(revisions.changes_between(before.settings, obj.settings))
+
+
+class RevisionInline(ReadOnlyInline):
+    """Its settings' history, newest first; the action "Roll back…" returns to the one before."""
+
+    model = DeploymentRevision
+    fields = ["number", "at", "by", "cause", revision_changes]
+    readonly_fields = fields
+    show_change_link = False
+
+
 @admin.register(Deployment)
 class DeploymentAdmin(ReadOnlyAdmin):
     """No edit form: a change here would bypass placement and the Event trail. Controls are
@@ -264,6 +284,7 @@ class DeploymentAdmin(ReadOnlyAdmin):
         admin_actions.switch_over_deployments,
         admin_actions.retry_deployments,
         admin_actions.restart_deployments,
+        admin_actions.roll_back_deployments,
     ]
 
     list_display = [
@@ -281,7 +302,7 @@ class DeploymentAdmin(ReadOnlyAdmin):
     ]
     list_filter = ["loader", "dtype", "dedicated", "popular", "failover_standby"]
     search_fields = ["name", "model_source"]
-    inlines = [ObservedInline, ReplicaInline]
+    inlines = [ObservedInline, ReplicaInline, RevisionInline]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Deployment]:
         # With the observed record: the list's status and memory need read it; and the GPUs'

@@ -11,6 +11,7 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.db.models.functions import Cast
+from django.utils import timezone
 
 from gpuportal.wire import deployment_spec as spec
 from gpuportal.wire import memory, node_auth, states
@@ -387,6 +388,31 @@ class DeploymentObserved(models.Model):
 
     def __str__(self) -> str:
         return f"deployment {self.deployment_id}: measured and decided"
+
+
+class DeploymentRevision(models.Model):
+    """A deployment's settings as a deploy, a change or a rollback left them: its history, and what
+    a rollback returns to (scheduling.services.revisions), as a Kubernetes Deployment's rollout
+    history. The replica count is not a setting here: a rollback leaves the scale alone."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="revisions")
+    number = models.PositiveIntegerField()
+    # Every stored setting (deployment_spec.Setting.stored) by its spec name: a setting added later
+    # is missing from an older revision, and a rollback to it leaves that setting as it is.
+    settings = models.JSONField()
+    # What made it: "deployed", "changed", "rolled back to revision N".
+    cause = models.CharField(max_length=200)
+    by = models.CharField(max_length=150, blank=True, default="")
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["deployment", "-number"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "number"], name="deployment_revision_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"deployment {self.deployment_id} revision {self.number}"
 
 
 # Liveness by state (seed 004): what a failover pair member is doing, as it reports it.

@@ -28,12 +28,14 @@ from gpuportal.cli.options import (
     non_negative_float,
     non_negative_int,
     positive_float,
+    positive_int,
     print_json,
 )
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import states
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
-from gpuportal.wire.deployment_spec import Setting
+from gpuportal.wire.deployment_spec import BY_PATH as SETTING_PATHS
+from gpuportal.wire.deployment_spec import Setting, Update, patch_effect
 from gpuportal.wire.pages import MAX_PAGE_SIZE
 from gpuportal.wire.states import ENDED
 from gpuportal.wire.states import ReplicaState as S
@@ -238,6 +240,45 @@ def cmd_restart(ctx: Context, args: argparse.Namespace) -> int:
     if args.misplaced:
         said = f"{args.name}: moving its replicas off nodes its placement refuses, one at a time, serving meanwhile"
     ctx.err.print(Text(said, style="dim"))
+    return finish_rollout(ctx, args, answer, after_event=mark)
+
+
+def cmd_history(ctx: Context, args: argparse.Namespace) -> int:
+    revisions = ctx.client.get(deployment_path(args.name, "revisions"))
+    if args.revision is not None:
+        # One revision's settings in full, as `kubectl rollout history --revision=N` shows its template.
+        found = [revision for revision in revisions if revision["revision"] == args.revision]
+        if not found:
+            kept = ", ".join(str(revision["revision"]) for revision in reversed(revisions))
+            raise CliError(f"history: {args.name} has no revision {args.revision} (kept: {kept})")
+        if args.output == JSON:
+            print_json(ctx.out, found[0])
+            return 0
+        for path, value in found[0]["settings"].items():
+            ctx.out.print(f"{path}={setting_values.shown(value)}", markup=False, highlight=False)
+        return 0
+    if args.output == JSON:
+        print_json(ctx.out, revisions)
+        return 0
+    ctx.out.print(render.revisions_table(revisions))
+    return 0
+
+
+def cmd_rollback(ctx: Context, args: argparse.Namespace) -> int:
+    mark = newest_event(ctx, args.name)
+    answer = ctx.client.post(deployment_path(args.name, "rollback"), {"revision": args.to})
+    done = answer["rollback"]
+    if not done["changes"]:
+        ctx.out.print(Text(f"{args.name}: its settings are revision {done['to']}'s already; nothing changed"))
+        return 0
+    said = "; ".join(
+        f"{render.change_text(path, change)} ({patch_effect(SETTING_PATHS[path])})"
+        for path, change in done["changes"].items()
+    )
+    ctx.out.print(Text(f"{args.name}: rolled back to revision {done['to']} (now revision {done['revision']}): {said}"))
+    if not any(SETTING_PATHS[path].update is Update.ROLLOUT for path in done["changes"]):
+        return 0
+    ctx.err.print(Text(f"{args.name}: rolling every replica back onto the model, one at a time", style="dim"))
     return finish_rollout(ctx, args, answer, after_event=mark)
 
 
@@ -777,6 +818,26 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     restart.set_defaults(run=cmd_restart)
 
     setting_values.add_set(commands, cmd_set)
+
+    history = commands.add_parser(
+        "history", help="a deployment's revisions: its settings as each deploy, change or rollback left them"
+    )
+    history.add_argument("name")
+    history.add_argument("--revision", type=positive_int, metavar="N", help="every setting of revision N")
+    add_output_option(history, "the revisions")
+    history.set_defaults(run=cmd_history)
+
+    rollback = commands.add_parser(
+        "rollback",
+        help="return a deployment's settings to an earlier revision (a new model rolls out one replica at a time); "
+        "the replica count stays",
+    )
+    rollback.add_argument("name")
+    rollback.add_argument(
+        "--to", type=positive_int, metavar="N", help="the revision (`gpuportal history`); default: the one before"
+    )
+    add_wait_options(rollback, "every replica is replaced (where the model goes back)")
+    rollback.set_defaults(run=cmd_rollback)
 
     rm = commands.add_parser("rm", help="delete a deployment: its replicas stop")
     rm.add_argument("name")

@@ -21,6 +21,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    value = non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be 1 or more, not 0")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     try:
         value = float(text)

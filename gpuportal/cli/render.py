@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from gpuportal.cli.setting_values import shown
 from gpuportal.wire import node_labels
 from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus, NodeStatus, sits_on
 from gpuportal.wire.states import ReplicaState as S
@@ -158,6 +159,35 @@ def deployments_table(deployments: list[dict[str, Any]]) -> Table:
             state_counts(live),
             human_bytes((deployment.get("memory") or {}).get("need_bytes")),
             Text((deployment.get("model") or {}).get("source", "")),
+        )
+    return table
+
+
+def change_text(path: str, change: dict[str, Any]) -> str:
+    """A setting's change as the history and a rollback say it: `sleep.idle_timeout_s 60 → 300`,
+    each value as `gpuportal set` reads it back ("" for an empty text)."""
+    before, after = (shown(change.get(side)) or '""' for side in ("before", "after"))
+    return f"{path} {before} → {after}"
+
+
+def revisions_table(revisions: list[dict[str, Any]]) -> Table:
+    """`gpuportal history`: a deployment's revisions, oldest first as `kubectl rollout history`
+    lists them, the current one marked."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("REVISION", "WHEN", "BY", "CAUSE", "CHANGES"):
+        table.add_column(column, overflow="fold")
+    for revision in reversed(revisions):
+        changes = revision.get("changes")
+        said = "; ".join(change_text(path, change) for path, change in changes.items()) if changes else "-"
+        number = Text(str(revision["revision"]))
+        if revision.get("current"):
+            number.append(" (current)", style="green")
+        table.add_row(
+            number,
+            since(revision.get("at")),
+            Text(revision.get("by") or "-"),
+            Text(revision.get("cause", "")),
+            Text(said if changes is not None else "(the oldest kept)" if revision.get("revision") != 1 else "-"),
         )
     return table
 

@@ -241,6 +241,8 @@ SETTINGS: tuple[Setting, ...] = (
 )  # fmt: skip
 
 BY_NAME: Mapping[str, Setting] = {setting.name: setting for setting in SETTINGS}
+# By its place in the REST body (`sleep.idle_timeout_s`), as errors and the history name it.
+BY_PATH: Mapping[str, Setting] = {setting.path: setting for setting in SETTINGS}
 
 # What each group is about, in the order of the REST body (the top level's settings among them).
 GROUPS: Mapping[str, str] = {

@@ -82,6 +82,29 @@ DEPLOYMENT_SHOWN = {
     "created_at": AT,
     "updated_at": AT,
 }
+# A deployment deployed, then its idle timeout changed: revision 2 is the current.
+_FIRST = {s.path: s.default for s in deployment_spec.SETTINGS if s.stored}
+_FIRST.update({"model.source": MODEL["source"], "memory.max_tokens": 512})
+REVISIONS = [
+    {
+        "revision": 2,
+        "current": True,
+        "at": AT,
+        "by": "admin",
+        "cause": "settings changed",
+        "changes": {"sleep.idle_timeout_s": {"before": 300.0, "after": 60.0}},
+        "settings": {**_FIRST, "sleep.idle_timeout_s": 60.0},
+    },
+    {
+        "revision": 1,
+        "current": False,
+        "at": AT,
+        "by": "admin",
+        "cause": "deployed",
+        "changes": None,
+        "settings": _FIRST,
+    },
+]
 NODE_SHOWN = {
     "name": "node1",
     "queue": "node.node1",
@@ -324,6 +347,15 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/deployments/{name}/scale/"): {
         "request": {"replicas": 3},
         "response": {**DEPLOYMENT_SHOWN, "replicas_wanted": 3},
+    },
+    ("get", "/api/deployments/{name}/revisions/"): {"response": REVISIONS},
+    ("post", "/api/deployments/{name}/rollback/"): {
+        "request": {"revision": 1},
+        "response": {
+            **DEPLOYMENT_SHOWN,
+            "warnings": [],
+            "rollback": {"to": 1, "revision": 3, "changes": {"sleep.idle_timeout_s": {"before": 60.0, "after": 300.0}}},
+        },
     },
     ("post", "/api/deployments/{name}/evict/"): {"response": DEPLOYMENT_SHOWN},
     ("post", "/api/deployments/{name}/failover/"): {"response": DEPLOYMENT_SHOWN},

@@ -309,5 +309,16 @@ class RestartInput(StrictSerializer):
     )
 
 
+class RollbackInput(StrictSerializer):
+    revision = serializers.IntegerField(
+        min_value=1,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="The revision to return to (GET .../revisions/ lists them); absent or null: the one before the "
+        "current.",
+    )
+
+
 class ScaleInput(StrictSerializer):
     replicas = ReplicaCountField()

@@ -27,7 +27,7 @@ from scheduling.models import (
     PreemptionIntent,
     Replica,
 )
-from scheduling.services import autoscaling, host_cache, rollouts
+from scheduling.services import autoscaling, host_cache, revisions, rollouts
 from scheduling.services.placing import need_with
 from scheduling.services.replica_specs import contexts_of
 
@@ -595,6 +595,64 @@ class DeploymentChangedSerializer(DeploymentSerializer):
 
     class Meta(DeploymentSerializer.Meta):
         fields = [*DeploymentSerializer.Meta.fields, "warnings"]
+        read_only_fields = fields
+
+
+class SettingChangeSerializer(serializers.Serializer):
+    before = serializers.JSONField(read_only=True)
+    after = serializers.JSONField(read_only=True)
+
+
+class RevisionSerializer(serializers.Serializer):
+    """A revision of a deployment's settings (scheduling.services.revisions), as its history shows it."""
+
+    revision = serializers.IntegerField(source="revision.number", read_only=True)
+    current = serializers.BooleanField(read_only=True, help_text="The settings the deployment has now.")
+    at = serializers.DateTimeField(source="revision.at", read_only=True)
+    by = serializers.CharField(
+        source="revision.by", read_only=True, help_text="Who made it; empty for the portal itself."
+    )
+    cause = serializers.CharField(
+        source="revision.cause", read_only=True, help_text="deployed, settings changed, or rolled back to revision N."
+    )
+    changes = serializers.SerializerMethodField(
+        help_text="What differs from the revision kept before it, by the setting's place in the REST body; null "
+        "for the oldest kept."
+    )
+    settings = serializers.SerializerMethodField(
+        help_text="Every setting it kept, by its place in the REST body (the replica count is no setting here: a "
+        "rollback leaves the scale as it is)."
+    )
+
+    @extend_schema_field(serializers.DictField(child=SettingChangeSerializer(), allow_null=True))
+    def get_changes(self, entry: revisions.Entry) -> dict[str, dict[str, Any]] | None:
+        return None if entry.changes is None else changes_shown(entry.changes)
+
+    @extend_schema_field(serializers.DictField(child=serializers.JSONField()))
+    def get_settings(self, entry: revisions.Entry) -> dict[str, Any]:
+        kept = entry.revision.settings
+        return {setting.path: kept[setting.name] for setting in revisions.STORED if setting.name in kept}
+
+
+def changes_shown(changes: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, Any]]:
+    return {path: {"before": before, "after": after} for path, (before, after) in changes.items()}
+
+
+class RolledBackSerializer(serializers.Serializer):
+    to = serializers.IntegerField(read_only=True, help_text="The revision returned to.")
+    revision = serializers.IntegerField(
+        read_only=True, allow_null=True, help_text="The revision the rollback made; null when nothing differed."
+    )
+    changes = serializers.DictField(child=SettingChangeSerializer(), read_only=True)
+
+
+class RollbackAnswerSerializer(DeploymentChangedSerializer):
+    """A deployment as a rollback leaves it, and what the rollback changed."""
+
+    rollback = RolledBackSerializer(read_only=True)
+
+    class Meta(DeploymentChangedSerializer.Meta):
+        fields = [*DeploymentChangedSerializer.Meta.fields, "rollback"]
         read_only_fields = fields
 
 

@@ -25,10 +25,11 @@ from scheduling.services import failover as failover_services
 from scheduling.services import node_credentials, node_marks, not_found, rollouts
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
+from scheduling.services import revisions as revision_services
 from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import NotFound, ServiceError
 
-READ_ACTIONS = {"list", "retrieve"}
+READ_ACTIONS = {"list", "retrieve", "revisions"}
 
 
 class StaffControls:
@@ -215,14 +216,14 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def create(self, request: Request) -> Response:
         data = inputs.DeploymentInput(data=request.data)
         data.is_valid(raise_exception=True)
-        deployment = deployment_services.create(data.to_spec())
+        deployment = deployment_services.create(data.to_spec(), by=request.user.get_username())
         return self.shown(deployment.name, status.HTTP_201_CREATED, warn=True)
 
     @extend_schema(request=inputs.DeploymentPatch, responses={200: s.DeploymentChangedSerializer, **PLACEMENT_ERRORS})
     def partial_update(self, request: Request, name: str) -> Response:
         data = inputs.DeploymentPatch(data=request.data)
         data.is_valid(raise_exception=True)
-        deployment_services.update(name, data.to_changes())
+        deployment_services.update(name, data.to_changes(), by=request.user.get_username())
         return self.shown(name, warn=True)
 
     @extend_schema(responses={204: None, 404: PLACEMENT_ERRORS[404]})
@@ -268,6 +269,35 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         data.is_valid(raise_exception=True)
         rollouts.restart(name, by=request.user.get_username(), misplaced=data.validated_data["misplaced"])
         return self.shown(name, status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        summary="The deployment's kept revisions, newest first: its settings as each deploy, change or rollback "
+        "left them, and what each changed.",
+        responses={200: s.RevisionSerializer(many=True), 404: PLACEMENT_ERRORS[404]},
+    )
+    @action(detail=True, methods=["get"])
+    def revisions(self, request: Request, name: str) -> Response:
+        entries = revision_services.history(self.get_object())
+        return Response(s.RevisionSerializer(entries, many=True).data)
+
+    @extend_schema(
+        request=inputs.RollbackInput,
+        summary="Return the settings to a revision (the one before the current by default) as a change: a new "
+        "revision, a rolling restart where the model goes back; the replica count stays.",
+        responses={200: s.RollbackAnswerSerializer, **PLACEMENT_ERRORS},
+    )
+    @action(detail=True, methods=["post"])
+    def rollback(self, request: Request, name: str) -> Response:
+        data = inputs.RollbackInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        done = deployment_services.rollback(name, data.validated_data["revision"], by=request.user.get_username())
+        answer = self.shown(name, warn=True)
+        answer.data["rollback"] = {
+            "to": done.to.number,
+            "revision": done.revision.number if done.revision else None,
+            "changes": s.changes_shown(done.changes),
+        }
+        return answer
 
     @extend_schema(request=None, responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]})
     @action(detail=True, methods=["post"])

@@ -23,8 +23,8 @@ from gpuportal.wire import deployment_spec, memory, node_labels
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import effects, fairness
-from scheduling.models import GPU, Deployment, DeploymentObserved, Event, Replica
-from scheduling.services import dispatch, not_found, outbox, queueing, rollouts
+from scheduling.models import GPU, Deployment, DeploymentObserved, DeploymentRevision, Event, Replica
+from scheduling.services import dispatch, not_found, outbox, queueing, revisions, rollouts
 from scheduling.services import replicas as replica_services
 from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput
 from scheduling.services.forgetting import forget_deployment
@@ -87,7 +87,7 @@ def get(name: str, *, lock: bool = False) -> Deployment:
 
 
 @locks.retry_deadlocks
-def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployment:
+def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None, by: str = "") -> Deployment:
     """Create the deployment and place all its replicas, or nothing at all (409 with reasons)."""
     _check_together({s.name: getattr(spec, s.name) for s in deployment_spec.SETTINGS})
     if memory.POLICIES.get(spec.memory_policy) is None:
@@ -116,6 +116,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None) -> Deployme
             deployment=spec.name,
             console=True,
         )
+        revisions.record(deployment, revisions.DEPLOYED, by=by)
         if spec.replicas:
             # A deployment this transaction made has no replica yet: no sleeping one to promote,
             # no parked one to retire (two queries fewer).
@@ -152,16 +153,49 @@ def _insert(spec: DeploymentSpec, facts: ModelFacts) -> Deployment:
     return deployment
 
 
-@locks.retry_deadlocks
-def update(name: str, changes: dict[str, Any]) -> Deployment:
+def update(name: str, changes: dict[str, Any], *, by: str = "") -> Deployment:
     """Change settings (and the replica count, through scale). Unknown fields are a caller bug."""
+    return _update(name, changes, by=by).deployment
+
+
+@dataclass(frozen=True)
+class Rollback:
+    deployment: Deployment
+    to: DeploymentRevision  # the revision returned to
+    revision: DeploymentRevision | None  # the one the rollback made; None when nothing differed
+    changes: dict[str, tuple[Any, Any]]  # by path: (before, after)
+
+
+def rollback(name: str, number: int | None = None, *, by: str = "") -> Rollback:
+    """Return the deployment's settings to revision `number` (None: the one before the current),
+    as a change through `update`: a new revision on top, a rolling restart where the model or
+    its dtype goes back. The replica count stays. InvalidInput naming `revision` for one not
+    kept; nothing changes (and no revision is made) where the settings are already its."""
+    to = revisions.target(get(name), number)
+    cause = f"rolled back to revision {to.number}" + (f" by {by}" if by else "")
+    # Every setting the revision kept, not only those differing now: `update` compares them under
+    # the deployment's lock, so a change committed since the read above is rolled back too.
+    done = _update(name, revisions.restored(to), by=by, cause=cause)
+    changes = {deployment_spec.BY_NAME[key].path: pair for key, pair in done.changes.items()}
+    return Rollback(done.deployment, to, done.revision, changes)
+
+
+@dataclass(frozen=True)
+class _Updated:
+    deployment: Deployment
+    changes: dict[str, tuple[Any, Any]]  # by spec name: (before, after), the stored settings that changed
+    revision: DeploymentRevision | None
+
+
+@locks.retry_deadlocks
+def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED) -> _Updated:
     unknown = set(changes) - set(MUTABLE) - set(SCALED) - set(KEPT)
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
     changes = dict(changes)
     # Before any lock: a node agent reads the model's files, as at its deploy.
     estimate = _estimate_for(name, changes)
-    rolling = 0
+    rolling, revision = 0, None
     with transaction.atomic():
         deployment = get(name, lock=True)
         for key, setting in KEPT.items():
@@ -176,6 +210,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
             {s.name: changes.get(s.name, getattr(deployment, s.column)) for s in deployment_spec.SETTINGS},
             changes,
         )
+        settings_before = revisions.settings_of(deployment)
         before = {key: getattr(deployment, MUTABLE[key]) for key in changes if key in MUTABLE}
         after = {key: value for key, value in changes.items() if key in MUTABLE and before[key] != value}
         for key, value in after.items():
@@ -186,7 +221,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
                 # Each by its place in the REST body, as the caller named it.
-                "settings changed: "
+                f"{cause}: "
                 + ", ".join(
                     f"{deployment_spec.BY_NAME[k].path} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()
                 )
@@ -195,6 +230,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
                 after=after,
                 deployment=name,
             )
+            revision = revisions.record(deployment, cause, by=by, before=settings_before)
             if after.keys() & PLACING:
                 # What its nodes' NoExecute taints no longer let it run there is moved off by the
                 # reconcile (scheduling.services.node_marks.evict_untolerated), and what it lacks
@@ -216,7 +252,7 @@ def update(name: str, changes: dict[str, Any]) -> Deployment:
     if rolling:
         rollouts.advance(name)  # its first steps, as a restart takes them: the answer shows them
     _reread(deployment)
-    return deployment
+    return _Updated(deployment, {key: (before[key], value) for key, value in after.items()}, revision)
 
 
 def _check_together(values: dict[str, Any], changed: Collection[str] = ()) -> None:

@@ -6,7 +6,7 @@ statements and 11 ms of a client's CPU for a deployment of one replica, where a 
 about 2 (bench.placement's mix: one call in twenty a delete, a quarter of the calls' CPU). The relations
 follow the models' `on_delete`, which a test holds this to:
 
-- the deployment's replicas, failover leases and observed record go with it (CASCADE);
+- the deployment's replicas, failover leases, observed record and revisions go with it (CASCADE);
 - preemption intents its replicas wait in go with them (CASCADE); those where one of them was
   the victim lose the victim (SET_NULL), and so do another deployment's leases held by one of
   them, GPUs one of them held the wake lock of, and another deployment's replicas in one of its

@@ -18,7 +18,7 @@ from gpuportal.wire import deployment_spec
 from scheduling.models import Deployment, Node, NodeCredential, Replica
 from scheduling.services import deployments as deployment_services
 from scheduling.services import failover as failover_services
-from scheduling.services import node_credentials, rollouts
+from scheduling.services import node_credentials, revisions, rollouts
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
 from scheduling.services import sleep as sleep_services
@@ -124,7 +124,7 @@ def edit_settings(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: 
         changes = {k: v for k, v in form.cleaned_data.items() if v is not None}
 
         def act(name: str) -> str:
-            deployment_services.update(name, changes)
+            deployment_services.update(name, changes, by=request.user.get_username())
             return f"{name}: settings saved" if changes else f"{name}: nothing to change"
 
         report_each(admin_view, request, names, act)
@@ -160,6 +160,18 @@ def restart_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, quer
     def act(name: str) -> str:
         rollouts.restart(name, by=f"{request.user} (admin)")
         return f"{name}: rolling restart under way; the dashboard and the events show each step"
+
+    report_each(admin_view, request, queryset.values_list("name", flat=True), act)
+
+
+@admin.action(description="Roll back selected deployments' settings to the revision before")
+def roll_back_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+    def act(name: str) -> str:
+        done = deployment_services.rollback(name, by=f"{request.user} (admin)")
+        if done.revision is None:
+            return f"{name}: its settings are revision {done.to.number}'s already"
+        changed = revisions.described(done.changes)
+        return f"{name}: rolled back to revision {done.to.number} (now revision {done.revision.number}): {changed}"
 
     report_each(admin_view, request, queryset.values_list("name", flat=True), act)
 

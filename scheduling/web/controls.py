@@ -193,7 +193,7 @@ def deploy(request: HttpRequest) -> HttpResponse:
         data = DeploymentInput(data=body)
         if data.is_valid():
             try:
-                deployment = deployment_services.create(data.to_spec())
+                deployment = deployment_services.create(data.to_spec(), by=request.user.get_username())
             except ServiceError as err:
                 errors = [f"Refused: {err}"]
             else:

@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 from django.db import IntegrityError, connection, models, transaction
 
-from scheduling.models import GPU, Deployment, DeploymentObserved, FailoverLease, Occupant, PreemptionIntent, Replica
+from scheduling.models import (
+    GPU,
+    Deployment,
+    DeploymentObserved,
+    DeploymentRevision,
+    FailoverLease,
+    Occupant,
+    PreemptionIntent,
+    Replica,
+)
 from scheduling.services.forgetting import forget_deployment
 from tests.support import factories
 
@@ -24,6 +33,7 @@ def _rows() -> dict[str, list[tuple]]:
     return {
         "deployments": sorted(Deployment.objects.values_list("id", "name")),
         "observed": sorted(DeploymentObserved.objects.values_list("deployment_id", "load_failures")),
+        "revisions": sorted(DeploymentRevision.objects.values_list("deployment_id", "number")),
         "replicas": sorted(Replica.objects.values_list("id", "deployment_id", "lease_id")),
         "leases": sorted(FailoverLease.objects.values_list("id", "deployment_id", "holder_id")),
         "intents": sorted(PreemptionIntent.objects.values_list("id", "waiting_replica_id", "victim_id")),
@@ -64,6 +74,8 @@ def _tangled_world() -> Deployment:
     GPU.objects.filter(pk=first.pk).update(wake_lock_holder=r1)
     GPU.objects.filter(pk=second.pk).update(wake_lock_holder=k1)
     factories.occupy(k1, second, MiB)
+    for deployment in (gone, kept):
+        DeploymentRevision.objects.create(deployment=deployment, number=1, settings={}, cause="deployed")
     return gone
 
 
@@ -83,6 +95,7 @@ def test_it_leaves_the_rows_as_djangos_cascade_leaves_them():
     # The differential check above is only as good as the world: it did delete and clear things.
     assert [name for _, name in expected["deployments"]] == ["kept"]
     assert [deployment for deployment, _ in expected["observed"]] == [kept_id], "its observed record went with it"
+    assert expected["revisions"] == [(kept_id, 1)], "its revisions went with it"
     assert sorted(lease is None for *_, lease in expected["replicas"]) == [False, True]  # k2 left gone's lease
     assert sorted(victim is None for *_, victim in expected["intents"]) == [False, True]
     assert sorted(holder is None for *_, holder in expected["leases"]) == [False, True]
@@ -100,6 +113,7 @@ def test_it_follows_every_relation_the_models_declare():
 
     assert declared == {
         ("DeploymentObserved", "deployment", "CASCADE"),
+        ("DeploymentRevision", "deployment", "CASCADE"),
         ("Replica", "deployment", "CASCADE"),
         ("FailoverLease", "deployment", "CASCADE"),
         ("PreemptionIntent", "waiting_replica", "CASCADE"),

@@ -30,6 +30,8 @@ WITH doomed AS (
     DELETE FROM scheduling_failoverlease WHERE deployment_id = %(deployment)s
 ), observed AS (
     DELETE FROM scheduling_deploymentobserved WHERE deployment_id = %(deployment)s
+), revisions AS (
+    DELETE FROM scheduling_deploymentrevision WHERE deployment_id = %(deployment)s
 ), deployment AS (
     DELETE FROM scheduling_deployment WHERE id = %(deployment)s
 )
