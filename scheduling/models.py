@@ -400,7 +400,7 @@ class DeploymentRevision(models.Model):
     # Every stored setting (deployment_spec.Setting.stored) by its spec name: a setting added later
     # is missing from an older revision, and a rollback to it leaves that setting as it is.
     settings = models.JSONField()
-    # What made it: "deployed", "changed", "rolled back to revision N".
+    # What made it: "deployed", "settings changed", "rolled back to revision N".
     cause = models.CharField(max_length=200)
     by = models.CharField(max_length=150, blank=True, default="")
     at = models.DateTimeField(default=timezone.now)

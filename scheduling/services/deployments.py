@@ -172,10 +172,10 @@ def rollback(name: str, number: int | None = None, *, by: str = "") -> Rollback:
     its dtype goes back. The replica count stays. InvalidInput naming `revision` for one not
     kept; nothing changes (and no revision is made) where the settings are already its."""
     to = revisions.target(get(name), number)
-    cause = f"rolled back to revision {to.number}" + (f" by {by}" if by else "")
+    cause = f"rolled back to revision {to.number}"
     # Every setting the revision kept, not only those differing now: `update` compares them under
     # the deployment's lock, so a change committed since the read above is rolled back too.
-    done = _update(name, revisions.restored(to), by=by, cause=cause)
+    done = _update(name, revisions.restored(to), by=by, cause=cause, said=cause + (f" by {by}" if by else ""))
     changes = {deployment_spec.BY_NAME[key].path: pair for key, pair in done.changes.items()}
     return Rollback(done.deployment, to, done.revision, changes)
 
@@ -188,7 +188,10 @@ class _Updated:
 
 
 @locks.retry_deadlocks
-def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED) -> _Updated:
+def _update(
+    name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED, said: str = ""
+) -> _Updated:
+    """`update`'s work; `cause`: the revision's, `said`: what its Event begins with (the cause)."""
     unknown = set(changes) - set(MUTABLE) - set(SCALED) - set(KEPT)
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
@@ -221,7 +224,7 @@ def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisio
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
                 # Each by its place in the REST body, as the caller named it.
-                f"{cause}: "
+                f"{said or cause}: "
                 + ", ".join(
                     f"{deployment_spec.BY_NAME[k].path} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()
                 )

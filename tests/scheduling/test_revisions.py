@@ -80,7 +80,7 @@ def test_a_rollback_returns_the_settings_of_the_revision_before_and_leaves_the_s
     deployment = Deployment.objects.get(name="m")
     assert (deployment.idle_timeout_s, deployment.max_wait_s, deployment.replicas_wanted) == (300.0, 5.0, 2)
     newest = history(staff, "m")[0]
-    assert (newest["revision"], newest["cause"], newest["current"]) == (3, "rolled back to revision 1 by ops", True)
+    assert (newest["revision"], newest["cause"], newest["current"]) == (3, "rolled back to revision 1", True)
     assert Event.objects.filter(
         deployment="m",
         reason__startswith="rolled back to revision 1 by ops: fairness.max_wait_s 2.0 → 5.0, "
