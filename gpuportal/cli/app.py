@@ -19,10 +19,12 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.text import Text
 
-from gpuportal.cli import config, nodes, planning, pulling, render, setting_values, talk, traffic
+from gpuportal.cli import applying, config, nodes, planning, pulling, render, setting_values, talk, traffic
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.options import (
+    DEFAULT_TIMEOUT_S,
     JSON,
+    YAML,
     add_output_option,
     add_wait_options,
     non_negative_float,
@@ -30,6 +32,7 @@ from gpuportal.cli.options import (
     positive_float,
     positive_int,
     print_json,
+    print_yaml,
 )
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import states
@@ -282,6 +285,60 @@ def cmd_rollback(ctx: Context, args: argparse.Namespace) -> int:
     return finish_rollout(ctx, args, answer, after_event=mark)
 
 
+def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
+    source = "stdin" if args.file == "-" else args.file
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CliError(f"apply: cannot read {source}: {err}") from None
+    # Every deployment read and checked before the first call: a mistyped file changes nothing.
+    wanted = applying.read_all(text, source)
+    applied: list[str] = []
+    waits: list[Callable[[], int]] = []
+    for deployment in wanted:
+        try:
+            waits += _apply_one(ctx, args, deployment)
+        except CliError as err:
+            done = ", ".join(applied) or "nothing"
+            raise CliError(f"{err} (applied before it: {done}; not {deployment.name} and what follows)") from None
+        applied.append(deployment.name)
+    for wait in waits:
+        wait()
+    return 0
+
+
+def _apply_one(ctx: Context, args: argparse.Namespace, deployment: applying.Declared) -> list[Callable[[], int]]:
+    """Deploy it, or change what differs; the waits `--wait` asks for."""
+    path = deployment_path(deployment.name)
+    try:
+        answer = ctx.client.get(path)
+    except ApiError as err:
+        if err.status != 404:
+            raise
+        created = ctx.client.post("/api/deployments/", deployment.body())
+        ctx.out.print(Text(f"{deployment.name}: deployed, {created['replicas_wanted']} replica(s)"))
+        for warning in created.get("warnings") or []:
+            ctx.warn(warning)
+        each = argparse.Namespace(name=deployment.name, no_wait=False, timeout=args.timeout)
+        goal = Goal(S.SERVING, created["replicas_wanted"])
+        return [lambda: finish(ctx, each, created, goal)] if args.wait else []
+    changes = applying.differing(deployment, answer)
+    if not changes:
+        ctx.out.print(Text(f"{deployment.name}: unchanged"))
+        return []
+    mark = newest_event(ctx, deployment.name) if setting_values.rolls(changes) else 0
+    after = ctx.client.patch(path, setting_values.body_of(changes))
+    said = "; ".join(
+        f"{setting_values.changed_text(s.path, setting_values.current(answer, s), value)} ({patch_effect(s)})"
+        for s, value in changes
+    )
+    ctx.out.print(Text(f"{deployment.name}: {said}"))
+    if not (args.wait and mark):
+        return []
+    each = argparse.Namespace(name=deployment.name, no_wait=False, timeout=args.timeout)
+    return [lambda: finish_rollout(ctx, each, after, after_event=mark)]
+
+
 def newest_event(ctx: Context, name: str) -> int:
     """The id of the deployment's newest Event (0: none): a command's own come after it."""
     newest = ctx.client.get("/api/events/", {"deployment": name, "page_size": 1})["results"]
@@ -338,9 +395,9 @@ def cmd_ls(ctx: Context, args: argparse.Namespace) -> int:
         deployments = [ctx.client.get(deployment_path(args.name))]
     else:
         deployments = list(ctx.client.pages("/api/deployments/"))
-    if args.output == JSON:
+    if args.output in (JSON, YAML):
         # One deployment named: its object, as `kubectl get deploy NAME -o json` gives one.
-        print_json(ctx.out, deployments[0] if args.name else deployments)
+        (print_json if args.output == JSON else print_yaml)(ctx.out, deployments[0] if args.name else deployments)
         return 0
     if not deployments:
         ctx.out.print("no deployments; `gpuportal deploy NAME SOURCE` makes one")
@@ -725,7 +782,7 @@ def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentP
 def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ls = commands.add_parser("ls", help="deployments, their status and replicas")
     ls.add_argument("name", nargs="?", help="only this deployment")
-    add_output_option(ls, "the deployments (one, when named)")
+    add_output_option(ls, "the deployments (one, when named; `gpuportal apply -f` reads it back)", with_yaml=True)
     ls.set_defaults(run=cmd_ls)
 
     gpus = commands.add_parser("gpus", help="a memory bar per GPU: used, reserved, total")
@@ -818,6 +875,27 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     restart.set_defaults(run=cmd_restart)
 
     setting_values.add_set(commands, cmd_set)
+
+    apply = commands.add_parser(
+        "apply",
+        help="deploy what a file declares, or change what differs from it (YAML or JSON, as kubectl apply)",
+        description="Each deployment the file declares (the REST body's shape, docs/api.md; one, a list, or "
+        "several YAML documents; `gpuportal ls NAME -o yaml` prints one) is deployed where the portal lacks it, "
+        "or given the settings the file names that differ (a new model rolls out, one replica at a time). A "
+        "setting the file leaves out stays as it is. The whole file is checked before anything is sent.",
+    )
+    apply.add_argument("-f", "--file", required=True, metavar="FILE", help="the file, or - for stdin")
+    apply.add_argument(
+        "--wait", action="store_true", help="then wait until each deployed one serves and each new model is rolled out"
+    )
+    apply.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"with --wait: give up waiting after S seconds each (default {DEFAULT_TIMEOUT_S:.0f})",
+    )
+    apply.set_defaults(run=cmd_apply)
 
     history = commands.add_parser(
         "history", help="a deployment's revisions: its settings as each deploy, change or rollback left them"

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+import yaml
 from rich.console import Console
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -61,17 +62,24 @@ def add_wait_options(parser: argparse.ArgumentParser, until: str) -> None:
 
 # What a looking command prints: a table for people, or the API's objects for scripts (as
 # `kubectl get -o json` and `docker ps --format json` give them).
-TABLE, JSON = "table", "json"
+TABLE, JSON, YAML = "table", "json", "yaml"
 
 
-def add_output_option(parser: argparse.ArgumentParser, what: str, *, how: str = "") -> None:
+def add_output_option(parser: argparse.ArgumentParser, what: str, *, how: str = "", with_yaml: bool = False) -> None:
+    """`with_yaml`: the command prints YAML too (`ls`, whose deployments `gpuportal apply` reads back)."""
     parser.add_argument(
         "-o",
         "--output",
-        choices=(TABLE, JSON),
+        choices=(TABLE, JSON, YAML) if with_yaml else (TABLE, JSON),
         default=TABLE,
-        help=f"table (the default), or json: {what} as the API gives them{how}, for scripts",
+        help=f"table (the default), or json{' or yaml' if with_yaml else ''}: {what} as the API gives them{how}, "
+        "for scripts",
     )
+
+
+def print_yaml(console: Console, data: Any) -> None:
+    """`data` as YAML, its keys in the API's order, as `kubectl get -o yaml` prints an object."""
+    console.file.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
 
 def print_json(console: Console, data: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from gpuportal.cli.setting_values import shown
+from gpuportal.cli.setting_values import changed_text
 from gpuportal.wire import node_labels
 from gpuportal.wire.states import DISPLAY_ORDER, DeploymentStatus, NodeStatus, sits_on
 from gpuportal.wire.states import ReplicaState as S
@@ -166,8 +166,7 @@ def deployments_table(deployments: list[dict[str, Any]]) -> Table:
 def change_text(path: str, change: dict[str, Any]) -> str:
     """A setting's change as the history and a rollback say it: `sleep.idle_timeout_s 60 → 300`,
     each value as `gpuportal set` reads it back ("" for an empty text)."""
-    before, after = (shown(change.get(side)) or '""' for side in ("before", "after"))
-    return f"{path} {before} → {after}"
+    return changed_text(path, change.get("before"), change.get("after"))
 
 
 def revisions_table(revisions: list[dict[str, Any]]) -> Table:

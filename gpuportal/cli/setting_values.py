@@ -88,6 +88,12 @@ def parse_value(setting: Setting, text: str, command: str) -> object:
         if not math.isfinite(value):
             raise CliError(f"{command}: {setting.path} is a number, not {text!r}") from None
         return value
+    return text_value(setting, text, command)
+
+
+def text_value(setting: Setting, text: str, command: str) -> str:
+    """A text setting's value held to its choices and its own syntax (as stored), or a CliError
+    saying what it takes."""
     if setting.choices and text not in setting.choices:
         raise CliError(f"{command}: {setting.path} is one of {', '.join(setting.choices)}, not {text!r}")
     if setting.check is not None:
@@ -167,13 +173,22 @@ def set_settings(ctx: Operator, args: argparse.Namespace, assignments: list[Assi
     after = ctx.client.patch(path, body_of(assignments))
     lines, rolled = [], False
     for setting, _ in assignments:
-        # An empty text (no node selector) said as "", not as nothing at all.
-        was, now = (shown(current(answer, setting)) or '""' for answer in (before, after))
-        change = f"{was} → {now} ({spec.patch_effect(setting)})" if was != now else f"{now} (unchanged)"
-        lines.append(f"{setting.path} {change}")
-        rolled = rolled or (was != now and setting.update is Update.ROLLOUT)
+        was, now = current(before, setting), current(after, setting)
+        if shown(was) == shown(now):
+            unchanged = shown(now) or '""'
+            lines.append(f"{setting.path} {unchanged} (unchanged)")
+            continue
+        lines.append(f"{changed_text(setting.path, was, now)} ({spec.patch_effect(setting)})")
+        rolled = rolled or setting.update is Update.ROLLOUT
     ctx.out.print(f"{after['name']}: " + "; ".join(lines), markup=False, highlight=False)
     return after if rolled else None
+
+
+def changed_text(path: str, before: object, after: object) -> str:
+    """A setting's change as the commands say it: `sleep.idle_timeout_s 60 → 300`, an empty text
+    (no node selector) said as "", not as nothing at all."""
+    was, now = (shown(value) or '""' for value in (before, after))
+    return f"{path} {was} → {now}"
 
 
 def rolls(assignments: Iterable[Assignment]) -> bool:

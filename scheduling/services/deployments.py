@@ -188,9 +188,7 @@ class _Updated:
 
 
 @locks.retry_deadlocks
-def _update(
-    name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED, said: str = ""
-) -> _Updated:
+def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED, said: str = "") -> _Updated:
     """`update`'s work; `cause`: the revision's, `said`: what its Event begins with (the cause)."""
     unknown = set(changes) - set(MUTABLE) - set(SCALED) - set(KEPT)
     if unknown:
