@@ -38,7 +38,7 @@ from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import states
 from gpuportal.wire.deployment_spec import BY_NAME as SETTINGS
 from gpuportal.wire.deployment_spec import BY_PATH as SETTING_PATHS
-from gpuportal.wire.deployment_spec import Setting, Update, patch_effect
+from gpuportal.wire.deployment_spec import Setting, Update
 from gpuportal.wire.pages import MAX_PAGE_SIZE
 from gpuportal.wire.states import ENDED
 from gpuportal.wire.states import ReplicaState as S
@@ -275,7 +275,7 @@ def cmd_rollback(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print(Text(f"{args.name}: its settings are revision {done['to']}'s already; nothing changed"))
         return 0
     said = "; ".join(
-        f"{render.change_text(path, change)} ({patch_effect(SETTING_PATHS[path])})"
+        setting_values.change_said(SETTING_PATHS[path], change["before"], change["after"])
         for path, change in done["changes"].items()
     )
     ctx.out.print(Text(f"{args.name}: rolled back to revision {done['to']} (now revision {done['revision']}): {said}"))
@@ -328,10 +328,7 @@ def _apply_one(ctx: Context, args: argparse.Namespace, deployment: applying.Decl
         return []
     mark = newest_event(ctx, deployment.name) if setting_values.rolls(changes) else 0
     after = ctx.client.patch(path, setting_values.body_of(changes))
-    said = "; ".join(
-        f"{setting_values.changed_text(s.path, setting_values.current(answer, s), value)} ({patch_effect(s)})"
-        for s, value in changes
-    )
+    said = "; ".join(setting_values.change_said(s, setting_values.current(answer, s), value) for s, value in changes)
     ctx.out.print(Text(f"{deployment.name}: {said}"))
     if not (args.wait and mark):
         return []

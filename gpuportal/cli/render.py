@@ -163,12 +163,6 @@ def deployments_table(deployments: list[dict[str, Any]]) -> Table:
     return table
 
 
-def change_text(path: str, change: dict[str, Any]) -> str:
-    """A setting's change as the history and a rollback say it: `sleep.idle_timeout_s 60 → 300`,
-    each value as `gpuportal set` reads it back ("" for an empty text)."""
-    return changed_text(path, change.get("before"), change.get("after"))
-
-
 def revisions_table(revisions: list[dict[str, Any]]) -> Table:
     """`gpuportal history`: a deployment's revisions, oldest first as `kubectl rollout history`
     lists them, the current one marked."""
@@ -177,7 +171,7 @@ def revisions_table(revisions: list[dict[str, Any]]) -> Table:
         table.add_column(column, overflow="fold")
     for revision in reversed(revisions):
         changes = revision.get("changes")
-        said = "; ".join(change_text(path, change) for path, change in changes.items()) if changes else "-"
+        said = "; ".join(changed_text(path, c["before"], c["after"]) for path, c in changes.items()) if changes else "-"
         number = Text(str(revision["revision"]))
         if revision.get("current"):
             number.append(" (current)", style="green")

@@ -178,7 +178,7 @@ def set_settings(ctx: Operator, args: argparse.Namespace, assignments: list[Assi
             unchanged = shown(now) or '""'
             lines.append(f"{setting.path} {unchanged} (unchanged)")
             continue
-        lines.append(f"{changed_text(setting.path, was, now)} ({spec.patch_effect(setting)})")
+        lines.append(change_said(setting, was, now))
         rolled = rolled or setting.update is Update.ROLLOUT
     ctx.out.print(f"{after['name']}: " + "; ".join(lines), markup=False, highlight=False)
     return after if rolled else None
@@ -189,6 +189,12 @@ def changed_text(path: str, before: object, after: object) -> str:
     (no node selector) said as "", not as nothing at all."""
     was, now = (shown(value) or '""' for value in (before, after))
     return f"{path} {was} → {now}"
+
+
+def change_said(setting: Setting, before: object, after: object) -> str:
+    """A change as `set`, `apply` and `rollback` say it, with what it does: `sleep.idle_timeout_s
+    60 → 300 (applies at once)`."""
+    return f"{changed_text(setting.path, before, after)} ({spec.patch_effect(setting)})"
 
 
 def rolls(assignments: Iterable[Assignment]) -> bool:
