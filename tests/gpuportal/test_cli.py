@@ -915,11 +915,14 @@ def _sigint_default() -> None:
 
 
 @pytest.mark.slow
-def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path):
+def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path, template_service):
     from inference.management.commands.make_tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=3, log=lambda _: None).path
-    up = Up(tmp_path / "var", "--virtual-gpus", "2x2GiB", "--node", "box")
+    # The session's templates (tests/conftest.py): `up` as a user runs it, its agent's own
+    # template included, is test_up.py's and test_readme.py's; this one is the command line's.
+    templates = {"GPUPORTAL_REPLICA_TEMPLATE_SOCKET": str(template_service.address)}
+    up = Up(tmp_path / "var", "--virtual-gpus", "2x2GiB", "--node", "box", settings=templates)
     cli = Cli(tmp_path / "home" / "cli.json")
     try:
         up.wait_up()

@@ -64,13 +64,15 @@ def fewest_gpus(plan: str) -> dict[str, int | str]:
     return found
 
 
-def test_export_trace_then_plan_round_trips_requests_served_by_the_tiny_model(tmp_path):
+def test_export_trace_then_plan_round_trips_requests_served_by_the_tiny_model(tmp_path, template_service):
     from inference.management.commands.make_tiny_model import write_tiny_model
 
     began = time.monotonic()
     model = write_tiny_model(tmp_path / "tiny", size_mb=2, seed=21, log=lambda _: None).path
     data_dir = tmp_path / "var"
-    up = Up(data_dir, "--virtual-gpus", "1x2GiB", "--node", "box")
+    # The session's templates (tests/conftest.py): its agent forks replicas from an import made once.
+    templates = {"GPUPORTAL_REPLICA_TEMPLATE_SOCKET": str(template_service.address)}
+    up = Up(data_dir, "--virtual-gpus", "1x2GiB", "--node", "box", settings=templates)
     try:
         up.wait_up()
         token = up.token()

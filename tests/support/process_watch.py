@@ -17,7 +17,9 @@ import sys
 import pytest
 
 # Fixtures that start processes: tests/conftest.py's, and `supervisor` (tests/inference/test_replica.py).
-PROCESS_FIXTURES = frozenset({"agents_worker", "start_agent", "agent", "control_worker", "supervisor"})
+PROCESS_FIXTURES = frozenset(
+    {"agents_worker", "template_service", "start_agent", "agent", "control_worker", "supervisor"}
+)
 
 # What starting a process looks like to an audit hook: subprocess (asyncio's, so Playwright's
 # browser, included), os.system and os.spawn*, multiprocessing's forks.

@@ -20,6 +20,9 @@ class Command(BaseCommand):
         "Run this host's node agent: register the node and its GPUs (NVML, or virtual GPUs where "
         "there is no NVIDIA GPU), heartbeat, and run a Celery worker on the node's queue."
     )
+    # A node serves no URL and may hold no database credential: the checks (the whole URLconf read,
+    # about a second of CPU) belong to the control plane's `migrate` and `up`, not to each agent.
+    requires_system_checks: list = []
 
     def add_arguments(self, parser):
         parser.add_argument(
