@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "recovery": (["--trials", "2"], ["--trials", "1"]),
     "kvpool": ([], []),
     "replica_start": ([], ["--starts", "3"]),
+    "process_start": ([], ["--starts", "2"]),
     "serve": ([], ["--concurrency", "1,4", "--requests", "8"]),
     # The copies, then the host cache under pressure, in one run.
     "wake": (["--host-cache"], ["--repeats", "2", "--host-cache"]),
