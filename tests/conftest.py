@@ -286,8 +286,9 @@ def template_service(tmp_path_factory):
     """One templates' service for this process's agents, as a node may run one: each test's agent
     gets a template already imported from it rather than import torch and transformers for a
     template of its own (5 CPU-seconds here, more than the rest of what a test's agent costs).
-    `up`, which the suite runs as a user would, starts its agent without it; so does a test that
-    passes GPUPORTAL_REPLICA_TEMPLATE_SOCKET itself."""
+    The live stacks of test_cli.py and test_trace_round_trip.py point `up`'s agent at it too; `up`
+    as a user runs it (test_up.py, test_readme.py, bench.recovery's) starts its agent without it,
+    and so does a test that passes GPUPORTAL_REPLICA_TEMPLATE_SOCKET itself."""
     import subprocess
     import sys
 
