@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -84,6 +85,7 @@ def main() -> None:
     finally:
         for server in reversed(servers):
             server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)  # the embedded servers' data and the workers' logs
 
     median = {way: statistics.median(cpu for cpu, _ in runs) for way, runs in measured.items()}
     rows = [
