@@ -3,15 +3,20 @@ for every way a call arrives (the hot path without DRF, streams and session user
 that what is accepted and what each refusal says cannot drift apart. The serializers in
 openai_compat describe the same body for the OpenAPI schema only.
 
-Fields OpenAI clients send that the portal does not use (`user`, `logprobs`, ...) are ignored, as
-OpenAI's own server ignores what it does not know; but a field that reads as a misspelling of one
-the portal does use (`max_tokns`) is refused, naming the one it is nearest: ignored, it would be a
-limit not applied."""
+Fields OpenAI's and vLLM's clients send that change nothing the portal answers (`user`,
+`store`, ...) are ignored, as OpenAI's own server ignores what it does not know. One the portal
+does not do (`echo`, `tools`, `response_format`, ...) is refused where its value asks for
+something, naming it: ignored, it would be an answer other than the one asked for (an eval
+harness scoring prompts with `echo` would read a wrong score, a JSON mode would get free text),
+and taken where it asks for nothing (`echo: false`, `tools: []`), as clients send such defaults.
+A field that reads as a misspelling of one the portal reads (`max_tokns`) is refused, naming the
+one it is nearest: ignored, it would be a limit not applied."""
 
 from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,12 +44,48 @@ READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", *sampling.NAMES}
 )  # fmt: skip
+# Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
+# call, a hint only some models read, a latency aid (`prediction`).
 IGNORED_FIELDS = frozenset(
-    {"user", "echo", "best_of", "suffix", "logit_bias", "response_format", "tools",
-     "tool_choice", "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata",
-     "modalities", "audio", "prediction", "reasoning_effort", "min_tokens", "ignore_eos", "stop_token_ids",
-     "skip_special_tokens", "extra_body", "web_search_options"}
+    {"user", "service_tier", "store", "metadata", "parallel_tool_calls", "prediction", "reasoning_effort",
+     "extra_body"}
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NotDone:
+    """A field the portal does not do: taken where its value asks for nothing (`asks_nothing`),
+    refused with `why` otherwise."""
+
+    name: str
+    asks_nothing: Callable[[Any], bool]
+    why: str
+
+
+def _none_or(*nothing: Any) -> Callable[[Any], bool]:
+    # By type too: `True == 1` and `0 == False`, but `echo: 1` asks for something.
+    return lambda value: value is None or any(type(value) is type(n) and value == n for n in nothing)
+
+
+_NO_TOOLS = "not supported: the models here answer in text and call no tools"
+NOT_DONE = (
+    NotDone("echo", _none_or(False), "not supported: an answer never repeats its prompt"),
+    NotDone("suffix", _none_or(""), "not supported: text is only ever added after the prompt"),
+    NotDone("logit_bias", _none_or({}), "not supported: no token's likelihood can be biased"),
+    NotDone("response_format", _none_or({"type": "text"}), "not supported: answers are free text (no JSON mode)"),
+    NotDone("tools", _none_or([]), _NO_TOOLS),
+    NotDone("functions", _none_or([]), _NO_TOOLS),
+    NotDone("tool_choice", _none_or("none", "auto"), _NO_TOOLS),
+    NotDone("function_call", _none_or("none", "auto"), _NO_TOOLS),
+    NotDone("min_tokens", _none_or(0), "not supported: an answer ends at its model's end of text"),
+    NotDone("ignore_eos", _none_or(False), "not supported: an answer ends at its model's end of text"),
+    NotDone("stop_token_ids", _none_or([]), "not supported: stop on text (`stop`) instead"),
+    NotDone("skip_special_tokens", _none_or(True), "not supported: special tokens are always left out of the text"),
+    NotDone("modalities", _none_or(["text"]), "not supported: answers are text only"),
+    NotDone("audio", _none_or(), "not supported: answers are text only"),
+    NotDone("web_search_options", _none_or(), "not supported: the models here search nothing"),
+)
+NOT_DONE_FIELDS = frozenset(field.name for field in NOT_DONE) | {"best_of"}
 # How near an unknown field must be to one the portal reads to be taken for its misspelling.
 TYPO_CUTOFF = 0.8
 
@@ -107,6 +148,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         raise Refused("n", f"must be a whole number from 1 to {MAX_CHOICES}")
     if len(prompts) * n > MAX_CHOICES:
         raise Refused("n", f"{len(prompts)} prompts of {n} choices each: at most {MAX_CHOICES} choices in one call")
+    _nothing_not_done(body, n)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -135,6 +177,17 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         n=n,
         prompts=prompts if isinstance(body.get("prompt"), list) else (),
     )
+
+
+def _nothing_not_done(body: dict[str, Any], n: int) -> None:
+    """Refused for the first field of NOT_DONE whose value asks for something."""
+    for field in NOT_DONE:
+        if not field.asks_nothing(body.get(field.name)):
+            raise Refused(field.name, field.why)
+    best_of = body.get("best_of")
+    # vLLM's and OpenAI's legacy best_of: n choices kept of best_of made. Equal to n, every one is kept.
+    if best_of is not None and not (_integer(best_of) and best_of == n):
+        raise Refused("best_of", f"not supported beyond n: each choice made is returned (give n, here {n})")
 
 
 def _logprobs(body: dict[str, Any], kind: Kind, stream: bool) -> int | None:
@@ -208,7 +261,7 @@ def _no_typos(body: dict[str, Any]) -> None:
     """Refused for the first field that is neither read nor known to be ignored, and reads as a
     misspelling of one that is read."""
     for key in body:
-        if not isinstance(key, str) or key in READ_FIELDS or key in IGNORED_FIELDS:
+        if not isinstance(key, str) or key in READ_FIELDS or key in IGNORED_FIELDS or key in NOT_DONE_FIELDS:
             continue
         near = difflib.get_close_matches(key, sorted(READ_FIELDS), n=1, cutoff=TYPO_CUTOFF)
         if near:

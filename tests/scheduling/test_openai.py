@@ -195,6 +195,21 @@ def test_too_many_choices_are_refused_naming_why(client, replica):
     assert request_services.queue_depth("tiny") == 0
 
 
+def test_what_openais_client_asks_that_the_portal_does_not_do_is_a_400_naming_it_and_nothing_runs(client, replica):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5}
+    for call, asked, param in (
+        (client.completions.create, {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, "echo"),
+        (client.chat.completions.create, {**chat, "tools": [TOOL]}, "tools"),
+        (client.chat.completions.create, {**chat, "response_format": {"type": "json_object"}}, "response_format"),
+        (client.chat.completions.create, {**chat, "stream": True, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            call(**{"model": "tiny", **asked})
+        assert refused.value.body["param"] == param, asked
+        assert refused.value.body["message"].startswith(f"{param}: not supported"), refused.value.body
+    assert request_services.queue_depth("tiny") == 0
+
+
 def test_a_chat_that_asks_for_no_length_leaves_it_to_its_replica_and_a_completion_gets_16_tokens():
     assert read({"model": "t", "messages": [{"role": "user", "content": "hi"}]}, "chat").params["max_tokens"] is None
     assert (
@@ -581,11 +596,58 @@ def test_the_parser_refuses_saying_which_field_and_why(body, refusal):
     assert str(refused.value) == refusal
 
 
-def test_fields_openais_and_vllms_clients_send_are_ignored_even_when_near_one_the_portal_reads():
+def test_fields_that_change_no_answer_are_ignored_even_when_near_one_the_portal_reads():
     body = {"model": "tiny", "prompt": "x", "top_k": 5, "min_p": 0.1, "user": "u", "seed": 3, "logprobs": None}
 
     assert read(body, "generate").input == "x"
+    assert read({**body, "store": True, "metadata": {"team": "a"}, "service_tier": "auto"}, "generate").input == "x"
     assert read({**body, "something_else_entirely": 1}, "generate").input == "x", "far from any: ignored"
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("field", "asking", "nothing"),
+    [
+        ("echo", True, False),
+        ("echo", 1, None),
+        ("suffix", "}", ""),
+        ("logit_bias", {"50256": -100}, {}),
+        ("response_format", {"type": "json_object"}, {"type": "text"}),
+        ("tools", [TOOL], []),
+        ("functions", [TOOL["function"]], []),
+        ("tool_choice", "required", "none"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}, "auto"),
+        ("function_call", {"name": "f"}, "auto"),
+        ("min_tokens", 8, 0),
+        ("ignore_eos", True, False),
+        ("stop_token_ids", [2], []),
+        ("skip_special_tokens", False, True),
+        ("modalities", ["text", "audio"], ["text"]),
+        ("audio", {"voice": "alloy", "format": "wav"}, None),
+        ("web_search_options", {}, None),
+        ("best_of", 3, 1),
+    ],
+)
+def test_a_field_the_portal_does_not_do_is_refused_where_it_asks_for_something_and_taken_where_it_asks_nothing(
+    field, asking, nothing
+):
+    body = {"model": "tiny", "prompt": "x"}
+
+    with pytest.raises(completion_input.Refused) as refused:
+        read({**body, field: asking}, "generate")
+
+    assert refused.value.param == field and refused.value.message.startswith("not supported"), refused.value
+    assert read({**body, field: nothing}, "generate").input == "x"
+
+
+def test_best_of_equal_to_n_keeps_every_choice_and_any_other_is_refused_naming_n():
+    body = {"model": "tiny", "prompt": "x", "n": 3}
+
+    assert read({**body, "best_of": 3}, "generate").n == 3
+    with pytest.raises(completion_input.Refused, match=r"^best_of: not supported beyond n: .* here 3\)$"):
+        read({**body, "best_of": 5}, "generate")
 
 
 def test_a_chat_refusal_names_the_message_and_its_field():
