@@ -231,11 +231,16 @@ class Batcher:
 
         raw = logits
         penalized = [i for i, s in enumerate(group) if s.sampling.penalized]
-        if penalized:
+        # min_tokens: the model's end of text cannot be picked before them (vLLM's), so that the
+        # answer runs on rather than ends (past max_tokens it ends by length all the same).
+        held = [i for i, s in enumerate(group) if len(s.generated) < s.sampling.min_tokens] if self.eos else []
+        if penalized or held:
             with torch.inference_mode():
                 logits = logits.clone()
                 for i in penalized:
                     logits[i] = _penalized(group[i], logits[i])
+                for i in held:
+                    logits[i, sorted(self.eos)] = float("-inf")
         greedy = torch.argmax(logits, dim=-1).tolist()
         tokens = [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
         asked = [i for i, s in enumerate(group) if s.logprobs is not None]

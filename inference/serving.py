@@ -258,6 +258,8 @@ class Executor:
                 kwargs["min_p"] = sampling.min_p
         if sampling.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = sampling.repetition_penalty
+        if sampling.min_tokens:
+            kwargs["min_new_tokens"] = min(sampling.min_tokens, max_tokens)  # as the paged engine holds it
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
         StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")

@@ -288,7 +288,9 @@ def _number(kind: Callable[[str], float], *, least: float, strict: bool) -> Call
 
 SECONDS = _number(float, least=0, strict=True)
 # The sampling parameters `run` and `chat` take beside --temperature (gpuportal.wire.sampling).
-CLI_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
+CLI_SAMPLING = (
+    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "seed"
+)  # fmt: skip
 
 
 def _sampling_param(name: str) -> Callable[[str], Any]:

@@ -109,6 +109,15 @@ PARAMS = (
         above_low=True,
     ),
     Param(
+        "min_tokens",
+        0,
+        MOST_TOKENS,
+        0,
+        "The fewest tokens an answer has: its model's end of text is not picked before them (vLLM's), so "
+        "that an answer of max_tokens runs whole (a load test's fixed length).",
+        whole=True,
+    ),
+    Param(
         "seed",
         SEED_LOW,
         SEED_HIGH,
@@ -132,6 +141,7 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
     seed: int | None = None
 
     @classmethod
@@ -159,6 +169,15 @@ class Sampling:
 def problems(params: Mapping[str, Any]) -> dict[str, str]:
     """{name: why} of the sampling parameters in `params` that are refused (others are not read)."""
     return {name: why for name in NAMES if name in params and (why := BY_NAME[name].problem(params[name]))}
+
+
+def min_tokens_beyond(params: Mapping[str, Any]) -> str | None:
+    """Why a request's min_tokens cannot be had within its max_tokens, or None (either left out,
+    or max_tokens left to the replica, which holds min_tokens to the length it fits)."""
+    least, most = params.get("min_tokens"), params.get("max_tokens")
+    if isinstance(least, int) and isinstance(most, int) and least > most:
+        return f"must be at most max_tokens ({most})"
+    return None
 
 
 def checked(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ MIN_TIMEOUT_S = 0.001
 # What the portal reads of a /v1 body, and what OpenAI's and vLLM's clients send that it ignores.
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
-     "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", *sampling.NAMES}
+     "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -77,8 +77,6 @@ NOT_DONE = (
     NotDone("functions", _none_or([]), _NO_TOOLS),
     NotDone("tool_choice", _none_or("none", "auto"), _NO_TOOLS),
     NotDone("function_call", _none_or("none", "auto"), _NO_TOOLS),
-    NotDone("min_tokens", _none_or(0), "not supported: an answer ends at its model's end of text"),
-    NotDone("ignore_eos", _none_or(False), "not supported: an answer ends at its model's end of text"),
     NotDone("stop_token_ids", _none_or([]), "not supported: stop on text (`stop`) instead"),
     NotDone("skip_special_tokens", _none_or(True), "not supported: special tokens are always left out of the text"),
     NotDone("modalities", _none_or(["text"]), "not supported: answers are text only"),
@@ -167,6 +165,15 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         "stop": _stops(body.get("stop")),
         "stream": stream,
     }
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise Refused("ignore_eos", "must be true or false")
+    if ignore_eos:
+        # vLLM's, for a load test's fixed length: as min_tokens of the whole max_tokens (the
+        # replica holds it to the length it fits where the call leaves that to it).
+        params["min_tokens"] = params["max_tokens"] or sampling.MOST_TOKENS
+    if why := sampling.min_tokens_beyond(params):
+        raise Refused("min_tokens", why)
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),

@@ -100,6 +100,7 @@ class SamplingInput(serializers.Serializer):
     presence_penalty = sampling_field("presence_penalty")
     frequency_penalty = sampling_field("frequency_penalty")
     repetition_penalty = sampling_field("repetition_penalty")
+    min_tokens = sampling_field("min_tokens")
     seed = sampling_field("seed")
 
 

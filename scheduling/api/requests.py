@@ -38,6 +38,8 @@ class ParamsInput(StrictSerializer, SamplingInput):
         # As the request queue keeps them: temperature and top_p always (as they always were),
         # the other sampling parameters only where given.
         given = {key: value for key, value in attrs.items() if value is not None}
+        if why := sampling.min_tokens_beyond(given):
+            raise serializers.ValidationError({"min_tokens": why})
         return {"temperature": 0.0, "top_p": 1.0, **given}
 
     def validate_stop(self, value: Any) -> list[str]:
@@ -284,6 +286,8 @@ def fast_params(params: Any) -> dict[str, Any] | None:
     if sampling.problems(params):
         return None
     out.update(sampling.checked(params))
+    if sampling.min_tokens_beyond(out):
+        return None
     stop = params.get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):

@@ -29,6 +29,9 @@ def tiny(tmp_path_factory) -> tuple[Any, Any]:
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
+PROMPT = "Once upon a time"
+
+
 def batcher(model: Any, tokenizer: Any) -> Batcher:
     pool = BlockPool.for_shape(model_shape(model, 0), 64, dtype=torch.float32, device="cpu", block_tokens=4)
     return Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
@@ -139,12 +142,35 @@ def test_a_penalized_request_changes_only_its_own_row_of_the_batch(tiny):
     assert len(set(both[1])) > len(set(plain)), "repeating less"
 
 
+def greedy_first(model: Any, tokenizer: Any) -> int:
+    """The token greedy picks first after PROMPT: made the end of text, it ends an answer at once."""
+    with torch.no_grad():
+        return int(torch.argmax(model(torch.tensor([tokenizer(PROMPT).input_ids])).logits[0, -1]))
+
+
+def test_min_tokens_keeps_the_end_of_text_from_being_picked_before_them(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer(PROMPT).input_ids
+    b = batcher(model, tokenizer)
+    b.eos = {greedy_first(model, tokenizer)}
+
+    ended, held = Sequence(prompt, 6), Sequence(prompt, 6, sampling=Sampling(min_tokens=3))
+    whole = Sequence(prompt, 6, sampling=Sampling(min_tokens=6))
+    for seq in (ended, held, whole):
+        b.submit(seq)
+    run_until_idle(b)
+
+    assert (ended.generated, ended.finish) == ([*b.eos], "stop")
+    assert len(held.generated) >= 3 and not b.eos & set(held.generated[:3]), held.generated
+    assert (len(whole.generated), whole.finish) == (6, "length") and not b.eos & set(whole.generated)
+
+
 # -- transformers' generate() path ---------------------------------------------------------------------
 
 
 def request(**params: Any) -> Request:
     params = {"max_tokens": 10, **params}
-    return Request(id="r1", deployment="tiny", kind="generate", input="Once upon a time", params=params)
+    return Request(id="r1", deployment="tiny", kind="generate", input=PROMPT, params=params)
 
 
 def test_the_generate_path_takes_a_seed_and_the_penalties(tiny):
@@ -162,6 +188,21 @@ def test_the_generate_path_takes_a_seed_and_the_penalties(tiny):
 
     plain = executor.run(request(), None)["text"]
     assert executor.run(request(repetition_penalty=5.0, presence_penalty=2.0), None)["text"] != plain
+
+
+def test_the_generate_path_holds_min_tokens_too(tiny):
+    model, tokenizer = tiny
+    executor = Executor(model, tokenizer)
+    kept = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = greedy_first(model, tokenizer)
+    try:
+        ended = executor.run(request(max_tokens=6), None)
+        whole = executor.run(request(max_tokens=6, min_tokens=6), None)
+    finally:
+        model.generation_config.eos_token_id = kept
+
+    assert (ended["usage"]["completion_tokens"], ended["finish_reason"]) == (1, "stop")
+    assert (whole["usage"]["completion_tokens"], whole["finish_reason"]) == (6, "length")
 
 
 def test_an_unbounded_chat_runs_to_the_default_or_the_room_its_limits_leave_beside_the_prompt(tiny):

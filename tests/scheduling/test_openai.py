@@ -201,7 +201,11 @@ def test_what_openais_client_asks_that_the_portal_does_not_do_is_a_400_naming_it
         (client.completions.create, {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, "echo"),
         (client.chat.completions.create, {**chat, "tools": [TOOL]}, "tools"),
         (client.chat.completions.create, {**chat, "response_format": {"type": "json_object"}}, "response_format"),
-        (client.chat.completions.create, {**chat, "stream": True, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
+        (
+            client.chat.completions.create,
+            {**chat, "stream": True, "extra_body": {"stop_token_ids": [2]}},
+            "stop_token_ids",
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             call(**{"model": "tiny", **asked})
@@ -620,8 +624,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ("tool_choice", "required", "none"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}, "auto"),
         ("function_call", {"name": "f"}, "auto"),
-        ("min_tokens", 8, 0),
-        ("ignore_eos", True, False),
         ("stop_token_ids", [2], []),
         ("skip_special_tokens", False, True),
         ("modalities", ["text", "audio"], ["text"]),
@@ -640,6 +642,25 @@ def test_a_field_the_portal_does_not_do_is_refused_where_it_asks_for_something_a
 
     assert refused.value.param == field and refused.value.message.startswith("not supported"), refused.value
     assert read({**body, field: nothing}, "generate").input == "x"
+
+
+def test_ignore_eos_runs_an_answer_to_its_max_tokens_as_min_tokens_of_them_all():
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 32}
+
+    assert read({**body, "ignore_eos": True}, "generate").params["min_tokens"] == 32
+    assert "min_tokens" not in read({**body, "ignore_eos": False}, "generate").params
+    assert read({**body, "min_tokens": 4}, "generate").params["min_tokens"] == 4
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "ignore_eos": True}
+    # A chat that leaves its length to the replica: held to the length the replica fits.
+    assert read(chat, "chat").params["min_tokens"] == completion_input.MAX_TOKENS
+    for asked, refusal in (
+        ({"ignore_eos": "yes"}, "ignore_eos: must be true or false"),
+        ({"min_tokens": 33}, "min_tokens: must be at most max_tokens (32)"),
+        ({"min_tokens": -1}, "min_tokens: must be from 0 to 4096"),
+    ):
+        with pytest.raises(completion_input.Refused) as refused:
+            read({**body, **asked}, "generate")
+        assert str(refused.value) == refusal
 
 
 def test_best_of_equal_to_n_keeps_every_choice_and_any_other_is_refused_naming_n():

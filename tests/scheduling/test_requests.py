@@ -754,6 +754,19 @@ def test_the_sampling_parameters_are_kept_as_given_and_a_bad_one_is_refused_nami
     }
 
 
+def test_min_tokens_beyond_max_tokens_is_refused_naming_it_on_either_path():
+    kept = {"input": "hi", "params": {"max_tokens": 8, "min_tokens": 8}}
+    assert fast_inputs(kept)[1]["min_tokens"] == 8
+
+    beyond = {"input": "hi", "params": {"max_tokens": 8, "min_tokens": 9}}
+    assert fast_inputs(beyond) is None, "left to the serializer, which says why"
+    refused = InferInput(data=beyond)
+    assert not refused.is_valid()
+    assert refused.errors == {"params": {"min_tokens": ["must be at most max_tokens (8)"]}}
+    default = InferInput(data={"input": "hi", "params": {"min_tokens": 17}})
+    assert not default.is_valid(), "beyond the default max_tokens (16) too"
+
+
 @pytest.mark.parametrize(
     "body",
     [{"input": float("inf")}, {"input": [[0.5, float("nan")]]}, {"input": [{"role": "user", "x": -float("inf")}]}],
