@@ -110,7 +110,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None, by: str = "
         outbox.note(
             Event.Kind.DEPLOYMENT_CHANGED,
             f"deployment {spec.name}",
-            f"created with {spec.replicas} replica(s) of {spec.source} ({spec.loader}, {spec.dtype}); "
+            f"created{_by(by)} with {spec.replicas} replica(s) of {spec.source} ({spec.loader}, {spec.dtype}); "
             f"estimated need {memory.human_bytes(facts.estimate_bytes)}: {facts.detail}".rstrip(": "),
             after={"replicas": spec.replicas, "estimate_bytes": facts.estimate_bytes},
             deployment=spec.name,
@@ -175,7 +175,7 @@ def rollback(name: str, number: int | None = None, *, by: str = "") -> Rollback:
     cause = f"rolled back to revision {to.number}"
     # Every setting the revision kept, not only those differing now: `update` compares them under
     # the deployment's lock, so a change committed since the read above is rolled back too.
-    done = _update(name, revisions.restored(to), by=by, cause=cause, said=cause + (f" by {by}" if by else ""))
+    done = _update(name, revisions.restored(to), by=by, cause=cause)
     changes = {deployment_spec.BY_NAME[key].path: pair for key, pair in done.changes.items()}
     return Rollback(done.deployment, to, done.revision, changes)
 
@@ -187,9 +187,14 @@ class _Updated:
     revision: DeploymentRevision | None
 
 
+def _by(by: str) -> str:
+    """Who asked, as a deployment's Events say it (as its revisions keep it)."""
+    return f" by {by}" if by else ""
+
+
 @locks.retry_deadlocks
-def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED, said: str = "") -> _Updated:
-    """`update`'s work; `cause`: the revision's, `said`: what its Event begins with (the cause)."""
+def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED) -> _Updated:
+    """`update`'s work; `cause`: the revision's, which its Event begins with, and who asked."""
     unknown = set(changes) - set(MUTABLE) - set(SCALED) - set(KEPT)
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
@@ -222,7 +227,7 @@ def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisio
                 Event.Kind.DEPLOYMENT_CHANGED,
                 f"deployment {name}",
                 # Each by its place in the REST body, as the caller named it.
-                f"{said or cause}: "
+                f"{cause}{_by(by)}: "
                 + ", ".join(
                     f"{deployment_spec.BY_NAME[k].path} {before[k]!r} → {v!r}{_when(k)}" for k, v in after.items()
                 )

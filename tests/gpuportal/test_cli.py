@@ -1022,9 +1022,9 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path,
         finally:
             follow.send_signal(signal.SIGINT)
             assert follow.wait(10) == 0, follow.stderr.read()
-        assert not any("created with 1 replica" in line for line in followed), "history is not printed again"
+        assert not any("with 1 replica(s) of" in line for line in followed), "history is not printed again"
         history = cli.ok("events", "-d", "tiny", "--tail", "100")
-        assert "created with 1 replica(s)" in history and "scaled by an operator: 1 → 2" in history
+        assert "created by admin with 1 replica(s)" in history and "scaled by an operator: 1 → 2" in history
         assert cli.ok("ls") == "no deployments; `gpuportal deploy NAME SOURCE` makes one\n"
         gone = cli("rm", "tiny")
         assert (gone.returncode, gone.stderr) == (

@@ -487,7 +487,7 @@ def test_patch_changes_settings_scales_and_refuses_a_new_loader(cluster, api, di
     response = api("patch", "/api/deployments/tiny-a/", {"fairness": {"popular": True}, "replicas": 2})
     assert response.status_code == 200
     assert response.json()["fairness"]["popular"] is True and len(response.json()["replicas"]) == 2
-    assert Event.objects.filter(reason__startswith="settings changed: fairness.popular False → True").exists()
+    assert Event.objects.filter(reason__startswith="settings changed by ops: fairness.popular False → True").exists()
 
     # A new model is rolled out (tests/scheduling/test_model_update.py); another loader is another deployment.
     response = api("patch", "/api/deployments/tiny-a/", {"model": {"loader": "torch-module"}})
@@ -656,4 +656,4 @@ def test_admin_edits_fairness_and_sleep_settings_through_the_service(cluster, ap
     assert done.status_code == 302
     deployment.refresh_from_db()
     assert (deployment.max_wait_s, deployment.popular, deployment.min_runtime_s) == (12.0, True, 10.0)
-    assert Event.objects.filter(reason__startswith="settings changed:", deployment="tiny-a").exists()
+    assert Event.objects.filter(reason__startswith="settings changed by admin:", deployment="tiny-a").exists()

@@ -69,7 +69,9 @@ def test_a_new_model_source_is_rolled_onto_every_replica_one_at_a_time(
     assert observed.weight_bytes != weights_before, "the new model was read, as at a deploy"
     reasons = list(Event.objects.filter(deployment="m").values_list("reason", flat=True))
     assert any(
-        r.startswith(f"settings changed: model.source '{tiny_model_dir}' → '{second_model}' (every replica rolled")
+        r.startswith(
+            f"settings changed by ops: model.source '{tiny_model_dir}' → '{second_model}' (every replica rolled"
+        )
         for r in reasons
     ), reasons
     assert "rolling restart for the new model.source: 2 replica(s) to replace, one at a time" in reasons
@@ -114,7 +116,8 @@ def test_a_model_change_parks_the_sleepers_at_once_so_no_wake_serves_the_old_mod
     assert live("s")[awake] == "serving", "the awake one serves on until its replacement serves"
     assert Deployment.objects.get(name="s").dtype == "bfloat16"
     assert Event.objects.filter(
-        deployment="s", reason__startswith="settings changed: model.dtype 'float32' → 'bfloat16' (every replica rolled"
+        deployment="s",
+        reason__startswith="settings changed by ops: model.dtype 'float32' → 'bfloat16' (every replica rolled",
     ).exists()
 
 
