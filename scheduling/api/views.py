@@ -116,7 +116,7 @@ class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def drain(self, request: Request, name: str) -> Response:
         data = inputs.DrainInput(data=request.data)
         data.is_valid(raise_exception=True)
-        node_services.drain(name, move=data.validated_data["move"])
+        node_services.drain(name, reason=f"drained by {request.user}", move=data.validated_data["move"])
         return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
 
     @extend_schema(
@@ -129,7 +129,7 @@ class NodeViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def undrain(self, request: Request, name: str) -> Response:
-        node_services.undrain(name)
+        node_services.undrain(name, reason=f"returned to service by {request.user}")
         return Response(s.NodeSerializer(selectors.nodes().get(name=name)).data)
 
     @extend_schema(
@@ -228,7 +228,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
 
     @extend_schema(responses={204: None, 404: PLACEMENT_ERRORS[404]})
     def destroy(self, request: Request, name: str) -> Response:
-        deployment_services.delete(name)
+        deployment_services.delete(name, reason=f"deleted by {request.user}")
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(request=inputs.ScaleInput, responses={200: s.DeploymentSerializer, **PLACEMENT_ERRORS})
@@ -236,7 +236,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     def scale(self, request: Request, name: str) -> Response:
         data = inputs.ScaleInput(data=request.data)
         data.is_valid(raise_exception=True)
-        deployment_services.scale(name, data.validated_data["replicas"])
+        deployment_services.scale(name, data.validated_data["replicas"], reason=f"scaled by {request.user}")
         return self.shown(name)
 
     @extend_schema(
@@ -302,7 +302,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     @extend_schema(request=None, responses={200: s.DeploymentSerializer, 404: PLACEMENT_ERRORS[404]})
     @action(detail=True, methods=["post"])
     def evict(self, request: Request, name: str) -> Response:
-        deployment_services.evict(name)
+        deployment_services.evict(name, reason=f"evicted by {request.user}")
         return self.shown(name)
 
     @extend_schema(
@@ -312,7 +312,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def sleep(self, request: Request, name: str) -> Response:
-        sleep_services.sleep_deployment(name, reason="put to sleep by an operator")
+        sleep_services.sleep_deployment(name, reason=f"put to sleep by {request.user}")
         return self.shown(name)
 
     @extend_schema(
@@ -337,7 +337,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def wake(self, request: Request, name: str) -> Response:
-        sleep_services.wake_deployment(name, reason="woken by an operator")
+        sleep_services.wake_deployment(name, reason=f"woken by {request.user}")
         return self.shown(name)
 
     @extend_schema(
@@ -396,7 +396,7 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def evict(self, request: Request, pk: str) -> Response:
-        replica_services.evict(pk)
+        replica_services.evict(pk, reason=f"evicted by {request.user}")
         return Response(s.ReplicaSerializer(selectors.replicas().get(pk=pk)).data)
 
     @extend_schema(
@@ -410,7 +410,7 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def sleep(self, request: Request, pk: str) -> Response:
-        sleep_services.sleep_replica(pk, reason="put to sleep by an operator")
+        sleep_services.sleep_replica(pk, reason=f"put to sleep by {request.user}")
         return self.shown(pk)
 
     @extend_schema(
@@ -439,7 +439,7 @@ class ReplicaViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def wake(self, request: Request, pk: str) -> Response:
-        sleep_services.wake_replica(pk, reason="woken by an operator")
+        sleep_services.wake_replica(pk, reason=f"woken by {request.user}")
         return self.shown(pk)
 
     @extend_schema(

@@ -79,7 +79,7 @@ def scale_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
         wanted = form.cleaned_data["replicas"]
 
         def act(name: str) -> str:
-            deployment_services.scale(name, wanted, reason="scaled from the admin")
+            deployment_services.scale(name, wanted, reason=f"scaled by {request.user} (admin)")
             return f"{name}: scaled to {wanted} replica(s)"
 
         report_each(admin_view, request, names, act)
@@ -140,7 +140,7 @@ def edit_settings(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: 
 @admin.action(description="Evict selected deployments to the CPU cache")
 def evict_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
     def act(name: str) -> str:
-        evicted = deployment_services.evict(name, reason="evicted from the admin")
+        evicted = deployment_services.evict(name, reason=f"evicted by {request.user} (admin)")
         return f"{name}: {len(evicted)} serving replica(s) going to sleep"
 
     report_each(admin_view, request, queryset.values_list("name", flat=True), act)
@@ -190,7 +190,7 @@ def evict_replicas(
     admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Replica]
 ) -> HttpResponse | None:
     def act(replica_id: str) -> str:
-        replica = replica_services.evict(replica_id, reason="evicted from the admin")
+        replica = replica_services.evict(replica_id, reason=f"evicted by {request.user} (admin)")
         return f"{replica}: going to sleep"
 
     report_each(admin_view, request, queryset.values_list("id", flat=True), act)
@@ -200,7 +200,7 @@ def evict_replicas(
 @admin.action(description="Put selected deployments to sleep")
 def sleep_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
     def act(name: str) -> str:
-        slept = sleep_services.sleep_deployment(name, reason="put to sleep from the admin")
+        slept = sleep_services.sleep_deployment(name, reason=f"put to sleep by {request.user} (admin)")
         return f"{name}: {len(slept)} serving replica(s) going to sleep"
 
     report_each(admin_view, request, queryset.values_list("name", flat=True), act)
@@ -209,7 +209,7 @@ def sleep_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, querys
 @admin.action(description="Wake selected deployments")
 def wake_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
     def act(name: str) -> str:
-        woken = sleep_services.wake_deployment(name, reason="woken from the admin")
+        woken = sleep_services.wake_deployment(name, reason=f"woken by {request.user} (admin)")
         if woken:
             return f"{name}: waking {len(woken)} replica(s)"
         if sleep_services.awake_enough(name):
@@ -223,7 +223,7 @@ def wake_deployments(admin_view: admin.ModelAdmin, request: HttpRequest, queryse
 @admin.action(description="Put selected replicas to sleep")
 def sleep_replicas(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Replica]) -> None:
     def act(replica_id: str) -> str:
-        replica = sleep_services.sleep_replica(replica_id, reason="put to sleep from the admin")
+        replica = sleep_services.sleep_replica(replica_id, reason=f"put to sleep by {request.user} (admin)")
         return f"{replica}: going to sleep"
 
     report_each(admin_view, request, queryset.values_list("id", flat=True), act)
@@ -232,7 +232,7 @@ def sleep_replicas(admin_view: admin.ModelAdmin, request: HttpRequest, queryset:
 @admin.action(description="Wake selected replicas")
 def wake_replicas(admin_view: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Replica]) -> None:
     def act(replica_id: str) -> str:
-        replica = sleep_services.wake_replica(replica_id, reason="woken from the admin")
+        replica = sleep_services.wake_replica(replica_id, reason=f"woken by {request.user} (admin)")
         return f"{replica}: waking on {replica.node}"
 
     report_each(admin_view, request, queryset.values_list("id", flat=True), act)

@@ -1018,13 +1018,13 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path,
         try:
             time.sleep(1.5)  # it has read what is history, and follows from there
             assert cli.ok("rm", "tiny") == "deleted tiny: its replicas stop and their memory is released\n"
-            wait_until(lambda: any("deleted by an operator" in line for line in followed), 30, "the delete's event")
+            wait_until(lambda: any("deleted by admin" in line for line in followed), 30, "the delete's event")
         finally:
             follow.send_signal(signal.SIGINT)
             assert follow.wait(10) == 0, follow.stderr.read()
         assert not any("with 1 replica(s) of" in line for line in followed), "history is not printed again"
         history = cli.ok("events", "-d", "tiny", "--tail", "100")
-        assert "created by admin with 1 replica(s)" in history and "scaled by an operator: 1 → 2" in history
+        assert "created by admin with 1 replica(s)" in history and "scaled by admin: 1 → 2" in history
         assert cli.ok("ls") == "no deployments; `gpuportal deploy NAME SOURCE` makes one\n"
         gone = cli("rm", "tiny")
         assert (gone.returncode, gone.stderr) == (

@@ -351,7 +351,7 @@ def test_deleting_a_deployment_whose_wake_holds_a_gpus_lock_says_the_lock_went_w
 
     event = Event.objects.get(kind=Event.Kind.GPU_WAKE_LOCK)
     assert (event.gpu, event.replica, event.deployment) == (f"{gpu.node.name}/{gpu.index}", waker.id, "tiny-a")
-    assert event.reason == f"wake lock released by tiny-a ({waker.id[:8]}): its deployment was deleted by an operator"
+    assert event.reason == f"wake lock released by tiny-a ({waker.id[:8]}): its deployment was deleted by ops"
     assert GPU.objects.get(pk=gpu.pk).wake_lock_holder is None
 
 
@@ -607,7 +607,7 @@ def test_admin_actions_scale_and_evict_through_the_services(cluster, api, admin_
     done = admin_client.post(changelist, {**selected, "action": "scale_deployments", "apply": "1", "replicas": 2})
     assert done.status_code == 302
     assert deployment.replicas.count() == 2 and Deployment.objects.get().replicas_wanted == 2
-    assert Event.objects.filter(reason__startswith="scaled from the admin").exists()
+    assert Event.objects.filter(reason__startswith="scaled by admin (admin)").exists()
 
     replica_ids = list(deployment.replicas.values_list("id", flat=True))
     serve(replica_ids[0])

@@ -35,7 +35,7 @@ def test_a_drained_node_takes_no_new_replica_and_its_replicas_sleep(cluster, api
     assert response.status_code == 200 and response.json()["status"] == "draining"
     assert set(Replica.objects.filter(pk__in=on_node1).values_list("state", flat=True)) <= {"draining"}
     assert [task for _, task, _ in dispatched] == ["inference.tasks.replica_to_cache"] * len(on_node1)
-    assert Event.objects.filter(node="node1", reason__contains="drained by an operator").exists()
+    assert Event.objects.filter(node="node1", reason__contains="drained by ops").exists()
 
     api("post", "/api/deployments/tiny-a/scale/", {"replicas": 4})
     assert not Replica.objects.filter(node__name="node1", state="pending").exists(), "nothing new on node1"
@@ -231,7 +231,7 @@ def test_a_drain_that_moves_replaces_each_serving_replica_elsewhere_before_it_st
     assert not [task for _, task, _ in dispatched if task == TO_CACHE], "nothing put to sleep: it serves on"
     assert Event.objects.filter(
         deployment="m",
-        reason="move off node node1 (drained by an operator): 1 replica(s) to move, one at a time",
+        reason="move off node node1 (drained by ops): 1 replica(s) to move, one at a time",
     ).exists()
     rollout = api("get", "/api/deployments/m/").json()["rollout"]
     assert (rollout["left"], rollout["move"]) == (1, True)
@@ -303,7 +303,7 @@ def test_an_undrain_keeps_what_its_drain_had_still_to_move_and_stops_the_replace
     assert (observed.restart_since, observed.restart_only, observed.restart_surge) == (None, "", "")
     ended = Event.objects.filter(deployment="m", after__rollout="stopped").latest("pk").reason
     assert ended == (
-        "move off node node1: node node1 returned to service by an operator; 1 replica(s) stay there, and "
+        "move off node node1: node node1 returned to service by ops; 1 replica(s) stay there, and "
         f"replacement {surge[:8]} stops; nothing is left to move"
     )
     assert invariant_holds()

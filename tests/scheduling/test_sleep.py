@@ -84,7 +84,7 @@ def test_a_sleeping_replica_keeps_its_place_in_replicas_wanted(cluster, api, dis
     assert dispatched == [(f"node.{Replica.objects.get(pk=first).node.name}", TO_CACHE, [first])]
     assert reserved(first) == 300 * MiB, "kept until the process says what it still holds"
     assert Deployment.objects.get().replicas_wanted == 2, "sleep is not a scale-down"
-    assert Event.objects.filter(replica=first, reason="put to sleep by an operator").exists()
+    assert Event.objects.filter(replica=first, reason="put to sleep by ops").exists()
 
     asleep(first)
     assert Replica.objects.get(pk=first).state == "sleeping" and reserved(first) == 0
@@ -154,7 +154,7 @@ def test_waking_a_deployment_with_nothing_cached_places_a_new_replica(cluster, a
     assert dispatched == [(fresh.node.queue, START, [fresh.id, []])]
     placed = Event.objects.get(replica=fresh.id, kind=Event.Kind.REPLICA_STATE)
     assert placed.reason.startswith("placed: ") and "new replica" in placed.reason
-    assert placed.reason.endswith("; woken by an operator: 0 → 1 awake")
+    assert placed.reason.endswith("; woken by ops: 0 → 1 awake")
 
 
 def test_a_deployment_scaled_to_zero_wakes_one_replica(cluster, api, dispatched, tiny_model_dir, on_commit):
@@ -565,7 +565,7 @@ def test_admin_actions_sleep_and_wake_through_the_services(cluster, api, admin_c
 
     texts = run("/admin/scheduling/replica/", "sleep_replicas", [first])
     assert any("going to sleep" in t for t in texts) and Replica.objects.get(pk=first).state == "draining"
-    assert Event.objects.filter(replica=first, reason="put to sleep from the admin").exists()
+    assert Event.objects.filter(replica=first, reason="put to sleep by admin (admin)").exists()
 
     texts = run("/admin/scheduling/replica/", "wake_replicas", [first, second])
     assert sum("only a sleeping replica can be woken" in t for t in texts) == 2, "draining and serving: refused"
@@ -573,7 +573,7 @@ def test_admin_actions_sleep_and_wake_through_the_services(cluster, api, admin_c
     texts = run("/admin/scheduling/replica/", "wake_replicas", [first])
     assert texts == [f"{Replica.objects.get(pk=first)}: waking on {Replica.objects.get(pk=first).node}"]
     assert Replica.objects.get(pk=first).state == "waking"
-    assert Event.objects.filter(replica=first, reason__contains="; woken from the admin: wake replica").exists()
+    assert Event.objects.filter(replica=first, reason__contains="; woken by admin (admin): wake replica").exists()
 
     reports.report(first, {"event": "woken"})
     texts = run("/admin/scheduling/deployment/", "sleep_deployments", [deployment.pk])
