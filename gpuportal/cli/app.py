@@ -304,6 +304,8 @@ def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
         applied.append(deployment.name)
     for wait in waits:
         wait()
+    if args.dry_run:
+        ctx.err.print(Text("dry run: nothing was sent that changes anything", style="dim"))
     return 0
 
 
@@ -315,6 +317,10 @@ def _apply_one(ctx: Context, args: argparse.Namespace, deployment: applying.Decl
     except ApiError as err:
         if err.status != 404:
             raise
+        if args.dry_run:
+            replicas = deployment.settings.get("replicas", SETTINGS["replicas"].default)
+            ctx.out.print(Text(f"{deployment.name}: would be deployed, {replicas} replica(s)"))
+            return []
         created = ctx.client.post("/api/deployments/", deployment.body())
         ctx.out.print(Text(f"{deployment.name}: deployed, {created['replicas_wanted']} replica(s)"))
         for warning in created.get("warnings") or []:
@@ -326,9 +332,12 @@ def _apply_one(ctx: Context, args: argparse.Namespace, deployment: applying.Decl
     if not changes:
         ctx.out.print(Text(f"{deployment.name}: unchanged"))
         return []
+    said = "; ".join(setting_values.change_said(s, setting_values.current(answer, s), value) for s, value in changes)
+    if args.dry_run:
+        ctx.out.print(Text(f"{deployment.name}: would change {said}"))
+        return []
     mark = newest_event(ctx, deployment.name) if setting_values.rolls(changes) else 0
     after = ctx.client.patch(path, setting_values.body_of(changes))
-    said = "; ".join(setting_values.change_said(s, setting_values.current(answer, s), value) for s, value in changes)
     ctx.out.print(Text(f"{deployment.name}: {said}"))
     if not (args.wait and mark):
         return []
@@ -882,8 +891,14 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "setting the file leaves out stays as it is. The whole file is checked before anything is sent.",
     )
     apply.add_argument("-f", "--file", required=True, metavar="FILE", help="the file, or - for stdin")
-    apply.add_argument(
+    applied = apply.add_mutually_exclusive_group()
+    applied.add_argument(
         "--wait", action="store_true", help="then wait until each deployed one serves and each new model is rolled out"
+    )
+    applied.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="say what would be deployed and changed, and send nothing that changes anything (as kubectl's)",
     )
     apply.add_argument(
         "--timeout",

@@ -126,7 +126,11 @@ def test_apply_deploys_what_is_missing_changes_what_differs_and_leaves_the_rest(
     coder["sleep"]["idle_timeout_s"] = 45
     coder["replicas_wanted"] = 2
     fleet.write_text(yaml.safe_dump(coder))
-    assert run() == (0, "coder: replicas 1 → 2 (scales at once); sleep.idle_timeout_s 300 → 45 (applies at once)", "")
+    said = "replicas 1 → 2 (scales at once); sleep.idle_timeout_s 300 → 45 (applies at once)"
+    dry = "dry run: nothing was sent that changes anything"
+    assert cli("apply", "-f", str(fleet), "--dry-run") == (0, f"coder: would change {said}", dry)
+    assert Deployment.objects.get(name="coder").replicas_wanted == 1, "a dry run changes nothing"
+    assert run() == (0, f"coder: {said}", "")
     deployment = Deployment.objects.get(name="coder")
     assert (deployment.replicas_wanted, deployment.idle_timeout_s, deployment.max_tokens) == (2, 45.0, 256)
 
@@ -142,6 +146,14 @@ def test_apply_deploys_what_is_missing_changes_what_differs_and_leaves_the_rest(
         "(applied before it: chat; not broken and what follows)"
     ), err
     assert not Deployment.objects.filter(name__in=["broken", "after"]).exists()
+
+    # A dry run of what the portal lacks deploys nothing, and cannot also wait.
+    fleet.write_text(f"name: later\nmodel: {{source: {tiny_model_dir}}}\nreplicas: 2\n")
+    assert cli("apply", "-f", str(fleet), "--dry-run") == (0, "later: would be deployed, 2 replica(s)", dry)
+    assert not Deployment.objects.filter(name="later").exists()
+    with pytest.raises(SystemExit) as usage:
+        cli("apply", "-f", str(fleet), "--dry-run", "--wait")
+    assert usage.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
     # A mistyped file changes nothing: it is read whole before the first call.
     fleet.write_text(f"name: chat\nmodel: {{source: {tiny_model_dir}}}\nsleep: {{idle_timeout_s: 5}}\n---\nname: x\n")
