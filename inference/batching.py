@@ -30,7 +30,7 @@ from inference.errors import TooLong
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
 from inference.stream_text import IncrementalText, newly_settled
-from inference.token_logprobs import Picked, entries, of_rows
+from inference.token_logprobs import Picked, entries, of_rows, prompt_entries
 
 
 @dataclass
@@ -53,6 +53,11 @@ class Sequence:
     logprobs: int | None = None
     picked: list[Picked] = field(default_factory=list)
     logprob_entries: list[dict[str, Any]] = field(default_factory=list)  # as its result gives them
+    # An echoed prompt's tokens scored too, with this many alternatives each (OpenAI's `echo` beside
+    # `logprobs`: what an eval harness reads a prompt's likelihood from); None: not asked.
+    prompt_logprobs: int | None = None
+    prompt_picked: list[Picked] = field(default_factory=list)
+    prompt_entries: list[dict[str, Any]] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the blocks
@@ -80,6 +85,8 @@ class Sequence:
         }
         if self.logprobs is not None:
             output["logprobs"] = self.logprob_entries
+        if self.prompt_logprobs is not None:
+            output["prompt_logprobs"] = self.prompt_entries
         return output
 
 
@@ -157,7 +164,7 @@ class Batcher:
                     self._grow(s)
                 slices = [Slice([s.generated[-1]], s.cached, s.blocks) for s in group]
             try:
-                logits = self._forward(slices)
+                logits = self._forward(slices, group)
             except Exception as exc:  # a bad forward fails its sequences, not the replica
                 for s in group:
                     s.error = exc
@@ -216,11 +223,18 @@ class Batcher:
             s.blocks.extend(self.pool.allocate(1))
             s.promised -= 1
 
-    def _forward(self, slices: list[Slice]) -> Any:
+    def _forward(self, slices: list[Slice], group: list[Sequence]) -> Any:
         import torch
 
+        # Only a prefill scores a prompt: a decode step's slices are no sequence's first.
+        scored = {i: s.prompt_logprobs for i, s in enumerate(group) if s.prompt_logprobs is not None and not s.cached}
         with torch.inference_mode():
-            return self.engine.forward(slices)
+            if not scored:
+                return self.engine.forward(slices)
+            logits, scores = self.engine.forward_scored(slices, scored)
+        for i, picks in scores.items():
+            group[i].prompt_picked = picks
+        return logits
 
     def _sample_all(self, group: list[Sequence], logits: Any) -> list[int]:
         """Each sequence's next token from its row of `logits`: the greedy ones from one argmax
@@ -314,6 +328,8 @@ class Batcher:
         """An ended sequence's picks as its result gives them, decoded once (asked for only)."""
         if s.logprobs is not None:
             s.logprob_entries = entries(self.tokenizer, _answered(s.picked, self.eos))
+        if s.prompt_logprobs is not None:
+            s.prompt_entries = prompt_entries(self.tokenizer, s.prompt, s.prompt_picked)
 
     @staticmethod
     def _stream(s: Sequence, text: str, *, final: bool = False) -> None:

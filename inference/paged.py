@@ -13,10 +13,12 @@ spread over several devices, keep transformers' generate() (inference.serving.Ex
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuportal.wire.memory import DEFAULT_BLOCK_TOKENS, ModelShape, dtype_bytes, kv_pool_blocks
+from inference.token_logprobs import Picked, of_rows
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +39,9 @@ SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 # while a chunk's scores stay small next to the linear budget: 25 heads x 128 queries x 512 keys in
 # float32 are 6.25 MiB per slice, a quarter of what a 512-token prompt in one pass would need.
 PREFILL_CHUNK_TOKENS = 128
+# An echoed prompt's tokens are scored (PagedModel.forward_scored) this many rows of the vocabulary's
+# logits at a time: 32 x a 152k vocabulary in float32 is 19 MiB, small next to a chunk's activations.
+SCORED_ROWS = 32
 
 
 def text_config(model: Any) -> Any:
@@ -119,31 +124,56 @@ class PagedModel:
         tokens [k*C, (k+1)*C) go through all layers (their K/V into the pool) before the next chunk
         attends to them, so no pass holds more than C new tokens per slice; slices whose tokens are
         used up drop out. Same logits as one pass, up to float rounding."""
+        self._check_blocks(batch)
+        width = max(len(s.tokens) for s in batch)
+        if width <= PREFILL_CHUNK_TOKENS:  # decode steps and short prefills: one pass, as always
+            return self.lm_head(self._last_hidden(batch)[0]).float()
+        return self.forward_scored(batch, {})[0]
+
+    def forward_scored(
+        self, batch: list[Slice], scored: Mapping[int, int]
+    ) -> tuple[torch.Tensor, dict[int, list[Picked]]]:
+        """forward's logits, and for each slice `scored` names ({index: k}) each of its tokens after
+        the first with its log probability given those before it and its k likeliest alternatives
+        (an echoed prompt's, inference.token_logprobs): read chunk by chunk as the pass goes,
+        SCORED_ROWS rows of the vocabulary at a time, so that no prompt's length sets the memory."""
         import torch
 
-        bt = self.pool.block_tokens
-        for s in batch:
-            if len(s.blocks) * bt < s.start + len(s.tokens):
-                raise ValueError(f"blocks for {len(s.blocks) * bt} tokens, the slice needs {s.start + len(s.tokens)}")
+        self._check_blocks(batch)
         chunk = PREFILL_CHUNK_TOKENS
         width = max(len(s.tokens) for s in batch)
-        if width <= chunk:  # decode steps and short prefills: one pass, as always
-            return self.lm_head(self._last_hidden(batch)).float()
         last: list[Any] = [None] * len(batch)
+        scores: dict[int, list[Picked]] = {i: [] for i in scored}
         for begin in range(0, width, chunk):
             members = [i for i, s in enumerate(batch) if len(s.tokens) > begin]
             part = [
                 Slice(batch[i].tokens[begin : begin + chunk], batch[i].start + begin, batch[i].blocks) for i in members
             ]
-            hidden = self._last_hidden(part)
+            kept = [row for row, i in enumerate(members) if i in scores]
+            hidden, every = self._last_hidden(part, kept)
             for row, i in enumerate(members):
                 if len(batch[i].tokens) <= begin + chunk:  # its last token was in this chunk
                     last[i] = hidden[row]
-        return self.lm_head(torch.stack(last)).float()
+            for row, rows in zip(kept, every, strict=True):
+                i = members[row]
+                # Each token's row predicts the next; the last token's next is no token of the slice.
+                following = batch[i].tokens[begin + 1 : begin + 1 + chunk]
+                for at in range(0, len(following), SCORED_ROWS):
+                    logits = self.lm_head(rows[at : at + SCORED_ROWS][: len(following) - at]).float()
+                    targets = following[at : at + SCORED_ROWS]
+                    scores[i] += of_rows(logits, targets, [scored[i]] * len(targets))
+        return self.lm_head(torch.stack(last)).float(), scores
 
-    def _last_hidden(self, batch: list[Slice]) -> torch.Tensor:
+    def _check_blocks(self, batch: list[Slice]) -> None:
+        bt = self.pool.block_tokens
+        for s in batch:
+            if len(s.blocks) * bt < s.start + len(s.tokens):
+                raise ValueError(f"blocks for {len(s.blocks) * bt} tokens, the slice needs {s.start + len(s.tokens)}")
+
+    def _last_hidden(self, batch: list[Slice], kept: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One pass of the slices through every layer (K/V into the pool); the final-normed hidden
-        state of each slice's last token, [len(batch), hidden]. The blocks were checked by forward."""
+        state of each slice's last token, [len(batch), hidden], and of every token of the slices
+        `kept` names (by index), [its tokens, hidden] each. The blocks were checked by forward."""
         import torch
         import torch.nn.functional as F
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -212,7 +242,8 @@ class PagedModel:
             hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(size, width, -1))
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.norm(hidden[torch.arange(size, device=device), last])
+        every = [self.norm(hidden[row, : lengths[row]]) for row in kept]
+        return self.norm(hidden[torch.arange(size, device=device), last]), every
 
 
 def engine_for(

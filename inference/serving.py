@@ -44,7 +44,7 @@ from gpuportal.wire.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS,
 from inference.errors import BadInput, TooLong
 from inference.lazy_imports import from_transformers
 from inference.stream_text import newly_settled
-from inference.token_logprobs import entries, of_rows
+from inference.token_logprobs import entries, of_prompt, of_rows, prompt_entries
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
@@ -231,6 +231,7 @@ class Executor:
             tag=request,
             fit=max_tokens is None,
             logprobs=request.params.get("logprobs"),
+            prompt_logprobs=request.params.get("logprobs") if request.params.get("echo") else None,
         )
 
     def generate(self, prompt: str, params: dict[str, Any], on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
@@ -308,6 +309,9 @@ class Executor:
             if picked and picked[-1][0] == eos:
                 picked = picked[:-1]  # the end-of-sequence token that ended it is no token of the answer
             output["logprobs"] = entries(self.tokenizer, picked)
+            if params.get("echo"):
+                scored = of_prompt(self.model, ids.to(device), logprobs)
+                output["prompt_logprobs"] = prompt_entries(self.tokenizer, ids[0].tolist(), scored)
         return output
 
     def embed(self, texts: Any) -> dict[str, Any]:

@@ -47,3 +47,23 @@ def entries(tokenizer: Any, picked: list[Picked]) -> list[dict[str, Any]]:
         {"token": text(token), "logprob": lp, "top": [[text(alt), alt_lp] for alt, alt_lp in top]}
         for token, lp, top in picked
     ]
+
+
+def prompt_entries(tokenizer: Any, prompt: list[int], picked: list[Picked]) -> list[dict[str, Any]]:
+    """An echoed prompt's tokens as the web reads them: the first has no log probability (nothing
+    comes before it; OpenAI's null), each after it its picks' (`picked`, one per token after the
+    first)."""
+    first = {"token": tokenizer.decode(prompt[:1]), "logprob": None, "top": None}
+    return [first, *entries(tokenizer, picked)] if prompt else []
+
+
+def of_prompt(model: Any, ids: Any, top: int) -> list[Picked]:
+    """Each token of `ids` ([1, tokens]) after the first with its log probability given those
+    before it and its `top` likeliest alternatives, from one forward of the whole prompt: the
+    generate() path's (the paged engine scores a prompt as it fills its cache)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(ids, use_cache=False).logits[0, :-1]
+    tokens = ids[0, 1:].tolist()
+    return of_rows(logits, tokens, [top] * len(tokens)) if tokens else []

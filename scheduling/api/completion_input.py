@@ -5,10 +5,9 @@ openai_compat describe the same body for the OpenAPI schema only.
 
 Fields OpenAI's and vLLM's clients send that change nothing the portal answers (`user`,
 `store`, ...) are ignored, as OpenAI's own server ignores what it does not know. One the portal
-does not do (`echo`, `tools`, `response_format`, ...) is refused where its value asks for
-something, naming it: ignored, it would be an answer other than the one asked for (an eval
-harness scoring prompts with `echo` would read a wrong score, a JSON mode would get free text),
-and taken where it asks for nothing (`echo: false`, `tools: []`), as clients send such defaults.
+does not do (`tools`, `response_format`, ...) is refused where its value asks for something,
+naming it: ignored, it would be an answer other than the one asked for (a JSON mode would get
+free text), and taken where it asks for nothing (`tools: []`), as clients send such defaults.
 A field that reads as a misspelling of one the portal reads (`max_tokns`) is refused, naming the
 one it is nearest: ignored, it would be a limit not applied."""
 
@@ -42,7 +41,8 @@ MIN_TIMEOUT_S = 0.001
 # What the portal reads of a /v1 body, and what OpenAI's and vLLM's clients send that it ignores.
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
-     "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", *sampling.NAMES}
+     "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
+     *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -69,7 +69,6 @@ def _none_or(*nothing: Any) -> Callable[[Any], bool]:
 
 _NO_TOOLS = "not supported: the models here answer in text and call no tools"
 NOT_DONE = (
-    NotDone("echo", _none_or(False), "not supported: an answer never repeats its prompt"),
     NotDone("suffix", _none_or(""), "not supported: text is only ever added after the prompt"),
     NotDone("logit_bias", _none_or({}), "not supported: no token's likelihood can be biased"),
     NotDone("response_format", _none_or({"type": "text"}), "not supported: answers are free text (no JSON mode)"),
@@ -135,9 +134,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     if not isinstance(body, dict):
         raise Refused(None, "the body must be a JSON object")
     _no_typos(body)
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise Refused("model", "required: the deployment's name")
+    model = _model(body)
     prompts = _prompts(body) if kind == "generate" else (_messages(body),)
     n = body.get("n")
     if n is None:
@@ -174,6 +171,8 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         params["min_tokens"] = params["max_tokens"] or sampling.MOST_TOKENS
     if why := sampling.min_tokens_beyond(params):
         raise Refused("min_tokens", why)
+    if _echo(body, kind, stream):
+        params["echo"] = True
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
@@ -220,6 +219,22 @@ def _logprobs(body: dict[str, Any], kind: Kind, stream: bool) -> int | None:
     return asked
 
 
+def _echo(body: dict[str, Any], kind: Kind, stream: bool) -> bool:
+    """OpenAI's legacy `echo`: a completion's text begins with its prompt and, beside `logprobs`,
+    its log probabilities with the prompt's tokens' (the first's null), which is how an eval harness
+    scores a prompt (lm-evaluation-harness's loglikelihood). Not streamed, not on chats."""
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        return False
+    if not isinstance(echo, bool):
+        raise Refused("echo", "must be true or false")
+    if kind == "chat":
+        raise Refused("echo", "not supported on chats: an answer never repeats its messages")
+    if stream:
+        raise Refused("echo", "not streamed: ask without stream")
+    return True
+
+
 def _include_usage(options: Any, stream: bool) -> bool:
     """OpenAI's `stream_options`: an object, only beside `stream: true` (as OpenAI refuses it
     otherwise), whose `include_usage` is read; the others (vLLM's `continuous_usage_stats`) are
@@ -250,9 +265,7 @@ def parse_embeddings(body: Any, *, default_timeout_s: float, max_timeout_s: floa
     if not isinstance(body, dict):
         raise Refused(None, "the body must be a JSON object")
     _no_typos(body)
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise Refused("model", "required: the deployment's name")
+    model = _model(body)
     texts = _texts(body.get("input"))
     encoding = body.get("encoding_format")
     encoding = "float" if encoding is None else encoding
@@ -273,6 +286,15 @@ def _no_typos(body: dict[str, Any]) -> None:
         near = difflib.get_close_matches(key, sorted(READ_FIELDS), n=1, cutoff=TYPO_CUTOFF)
         if near:
             raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise Refused("model", "required: the deployment's name")
+    if "\x00" in model:  # no deployment's name has one, and PostgreSQL takes no text with one
+        raise Refused("model", "must not contain a NUL character")
+    return model
 
 
 def _texts(value: Any) -> list[str]:

@@ -104,6 +104,12 @@ class CompletionInput(WaitInput, SamplingInput):
         "whose usage counts the tokens (every other chunk's usage null), as OpenAI's. Without it the last "
         "choice's chunk carries the usage.",
     )
+    ignore_eos = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        help_text="vLLM's: run each answer to its max_tokens (as min_tokens of them all), for a load test's fixed "
+        "length.",
+    )
 
 
 class PromptInput(CompletionInput):
@@ -117,6 +123,12 @@ class PromptInput(CompletionInput):
         max_value=MAX_LOGPROBS,
         help_text="Each token's log probability (the model's own), with this many likeliest alternatives; not "
         "streamed.",
+    )
+    echo = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        help_text="The text begins with the prompt and, with logprobs, the log probabilities with the prompt's "
+        "tokens' (the first's null): how an eval harness scores a prompt. Not streamed.",
     )
 
 
@@ -325,7 +337,7 @@ class _Generate(_Answered):
                 _cancel(submitted[done + 1 :], "another choice of its /v1 call failed")
                 return _failure(result, "messages" if self.kind == "chat" else "prompt")
             results.append(result)
-        return 200, self.body(results, call.model, call.n)
+        return 200, self.body(results, submitted, call.model, call.n)
 
     def submit_each(
         self, call: Completion, owner: str, key: str | None
@@ -387,20 +399,22 @@ class _Generate(_Answered):
             return 504, error_body(timed_out(submitted.id, timeout), kind="timeout")
         if result.status != "done":
             return _failure(result, "messages" if self.kind == "chat" else "prompt")
-        return 200, self.body([result], model)
+        return 200, self.body([result], [submitted], model)
 
     @staticmethod
     def refusal(exc: NotFound | InvalidInput, model: str) -> tuple[int, dict[str, Any]]:
         return _refusal(exc, model, "a causal language model")
 
     @abstractmethod
-    def choice(self, output: dict[str, Any]) -> dict[str, Any]: ...
+    def choice(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
+        """A choice of the answer: the replica's `output` of the request `asked`."""
 
     @abstractmethod
     def delta(self, text: str, first: bool) -> dict[str, Any]: ...
 
-    def body(self, results: list[Request], model: str, n: int = 1) -> dict[str, Any]:
-        """The answer of a call's requests: their choices, `index` in the order asked."""
+    def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
+        """The answer of a call's requests (`results`, as they ended; `asked`, as they were
+        submitted: what a final read leaves out): their choices, `index` in the order asked."""
         outputs = [result.output or {} for result in results]
         return {
             "id": f"{self.id_prefix}-{results[0].id}",
@@ -408,8 +422,8 @@ class _Generate(_Answered):
             "created": int(results[0].created_at or time.time()),
             "model": model,
             "choices": [
-                {"index": index, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output)}
-                for index, output in enumerate(outputs)
+                {"index": index, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output, given)}
+                for index, (output, given) in enumerate(zip(outputs, asked, strict=True))
             ],
             "usage": _usage_of(outputs, n),
         }
@@ -571,7 +585,8 @@ def _completion_logprobs(picked: list[dict[str, Any]] | None) -> dict[str, Any] 
     return {
         "tokens": [entry["token"] for entry in picked],
         "token_logprobs": [entry["logprob"] for entry in picked],
-        "top_logprobs": [dict(entry["top"]) for entry in picked],
+        # An echoed prompt's first token has none (nothing comes before it): null, as OpenAI's.
+        "top_logprobs": [None if entry["top"] is None else dict(entry["top"]) for entry in picked],
         "text_offset": offsets,
     }
 
@@ -659,8 +674,14 @@ class CompletionsView(_Generate):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
-    def choice(self, output: dict[str, Any]) -> dict[str, Any]:
-        return {"text": output.get("text", ""), "logprobs": _completion_logprobs(output.get("logprobs"))}
+    def choice(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
+        text, picked = output.get("text", ""), output.get("logprobs")
+        if asked.params.get("echo"):
+            # The prompt as it was given, and with logprobs its tokens' first (the replica's).
+            text = f"{asked.input}{text}"
+            if picked is not None:
+                picked = [*output.get("prompt_logprobs", []), *picked]
+        return {"text": text, "logprobs": _completion_logprobs(picked)}
 
     def delta(self, text: str, first: bool) -> dict[str, Any]:
         return {"text": text, "logprobs": None}
@@ -675,7 +696,7 @@ class ChatCompletionsView(_Generate):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
-    def choice(self, output: dict[str, Any]) -> dict[str, Any]:
+    def choice(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
         return {
             "message": {"role": "assistant", "content": output.get("text", "")},
             "logprobs": _chat_logprobs(output.get("logprobs")),

@@ -15,7 +15,7 @@ from gpuportal.wire.requestqueue import Request
 from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
 from inference.kvpool import BlockPool
 from inference.management.commands.make_tiny_model import write_tiny_model
-from inference.paged import PagedModel, model_shape
+from inference.paged import PREFILL_CHUNK_TOKENS, PagedModel, model_shape
 from inference.serving import Executor
 from inference.token_logprobs import of_rows
 
@@ -28,18 +28,18 @@ def tiny(tmp_path_factory) -> tuple[Any, Any]:
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def run(model: Any, tokenizer: Any, **params: Any) -> Sequence:
+def run(model: Any, tokenizer: Any, prompt: str = PROMPT, **params: Any) -> Sequence:
     pool = BlockPool.for_shape(model_shape(model, 0), 64, dtype=torch.float32, device="cpu", block_tokens=4)
     batcher = Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
-    request = Request(id="r1", deployment="tiny", kind="generate", input=PROMPT, params=params)
+    request = Request(id="r1", deployment="tiny", kind="generate", input=prompt, params=params)
     seq = Executor(model, tokenizer).sequence(request, None)
     batcher.submit(seq)
     run_until_idle(batcher)
     return seq
 
 
-def paged(model: Any, tokenizer: Any, **params: Any) -> dict[str, Any]:
-    return run(model, tokenizer, **params).result()
+def paged(model: Any, tokenizer: Any, prompt: str = PROMPT, **params: Any) -> dict[str, Any]:
+    return run(model, tokenizer, prompt, **params).result()
 
 
 def test_a_greedy_answer_gives_each_tokens_log_probability_the_likeliest_of_its_alternatives(tiny):
@@ -94,3 +94,46 @@ def test_a_request_that_does_not_ask_gets_no_log_probabilities(tiny):
     assert "logprobs" not in paged(model, tokenizer, max_tokens=3)
     request = Request(id="r3", deployment="tiny", kind="generate", input=PROMPT, params={"max_tokens": 3})
     assert "logprobs" not in Executor(model, tokenizer).run(request, None)
+
+
+# Past PREFILL_CHUNK_TOKENS (and SCORED_ROWS): the paged engine scores it chunk by chunk.
+LONG = " ".join(["the cat sat on the mat"] * 20)
+
+
+def scored_by_one_forward(model: Any, tokenizer: Any, prompt: str, k: int) -> tuple[list[int], list[Any]]:
+    ids = tokenizer(prompt).input_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    return ids, of_rows(logits, ids[1:], [k] * (len(ids) - 1))
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, LONG], ids=["one-pass", "chunked"])
+def test_an_echoed_prompts_tokens_are_scored_as_one_forward_of_the_model_scores_them(tiny, prompt):
+    model, tokenizer = tiny
+    ids, expected = scored_by_one_forward(model, tokenizer, prompt, 2)
+    assert prompt == PROMPT or len(ids) > PREFILL_CHUNK_TOKENS
+
+    plain = paged(model, tokenizer, prompt, max_tokens=2, logprobs=2)
+    echoed = paged(model, tokenizer, prompt, max_tokens=2, logprobs=2, echo=True)
+    request = Request(
+        id="r4", deployment="tiny", kind="generate", input=prompt, params={"max_tokens": 2, "logprobs": 2, "echo": True}
+    )
+    generated = Executor(model, tokenizer).run(request, None)
+
+    assert "prompt_logprobs" not in plain
+    assert echoed["text"] == plain["text"], "scoring the prompt changes nothing of the answer"
+    for scored in (echoed["prompt_logprobs"], generated["prompt_logprobs"]):
+        assert len(scored) == len(ids)
+        assert scored[0] == {"token": tokenizer.decode(ids[:1]), "logprob": None, "top": None}, "nothing before it"
+        assert [e["token"] for e in scored[1:]] == [tokenizer.decode([token]) for token in ids[1:]]
+        assert [e["logprob"] for e in scored[1:]] == pytest.approx([lp for _, lp, _ in expected], abs=1e-4)
+        alternatives = [lp for e in scored[1:] for _, lp in e["top"]]
+        assert alternatives == pytest.approx([lp for _, _, top in expected for _, lp in top], abs=1e-4)
+
+
+def test_a_prompt_is_scored_only_where_echo_and_logprobs_are_both_asked(tiny):
+    model, tokenizer = tiny
+
+    assert "prompt_logprobs" not in paged(model, tokenizer, max_tokens=2, echo=True)
+    request = Request(id="r5", deployment="tiny", kind="generate", input=PROMPT, params={"max_tokens": 2, "echo": True})
+    assert "prompt_logprobs" not in Executor(model, tokenizer).run(request, None)

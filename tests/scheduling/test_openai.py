@@ -198,7 +198,7 @@ def test_too_many_choices_are_refused_naming_why(client, replica):
 def test_what_openais_client_asks_that_the_portal_does_not_do_is_a_400_naming_it_and_nothing_runs(client, replica):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5}
     for call, asked, param in (
-        (client.completions.create, {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, "echo"),
+        (client.completions.create, {"prompt": "x", "max_tokens": 5, "suffix": "}"}, "suffix"),
         (client.chat.completions.create, {**chat, "tools": [TOOL]}, "tools"),
         (client.chat.completions.create, {**chat, "response_format": {"type": "json_object"}}, "response_format"),
         (
@@ -564,6 +564,7 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
     [
         ([], "the body must be a JSON object"),
         ({"prompt": "x"}, "model: required: the deployment's name"),
+        ({"model": "ti\x00ny", "prompt": "x"}, "model: must not contain a NUL character"),
         ({"model": "tiny"}, "prompt: required: a string or a list of strings"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens: must be a whole number from 1 to 4096"),
         ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p: must be above 0 and at most 1"),
@@ -614,8 +615,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize(
     ("field", "asking", "nothing"),
     [
-        ("echo", True, False),
-        ("echo", 1, None),
         ("suffix", "}", ""),
         ("logit_bias", {"50256": -100}, {}),
         ("response_format", {"type": "json_object"}, {"type": "text"}),
@@ -642,6 +641,40 @@ def test_a_field_the_portal_does_not_do_is_refused_where_it_asks_for_something_a
 
     assert refused.value.param == field and refused.value.message.startswith("not supported"), refused.value
     assert read({**body, field: nothing}, "generate").input == "x"
+
+
+def test_echo_is_a_completions_and_not_streamed():
+    body = {"model": "tiny", "prompt": "x"}
+
+    assert read({**body, "echo": True}, "generate").params["echo"] is True
+    assert "echo" not in read({**body, "echo": False}, "generate").params
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    for asked, kind, refusal in (
+        ({**body, "echo": 1}, "generate", "echo: must be true or false"),
+        ({**body, "echo": True, "stream": True}, "generate", "echo: not streamed: ask without stream"),
+        ({**chat, "echo": True}, "chat", "echo: not supported on chats: an answer never repeats its messages"),
+    ):
+        with pytest.raises(completion_input.Refused) as refused:
+            read(asked, kind)
+        assert str(refused.value) == refusal
+
+
+def test_an_echoed_completion_begins_with_its_prompt_and_scores_its_tokens_as_an_eval_harness_reads_them(
+    client, replica
+):
+    StandIn(replica.id, 2).start()
+
+    # As lm-evaluation-harness asks for a loglikelihood: the prompt echoed with its log probabilities.
+    scored = client.completions.create(model="tiny", prompt="ab", max_tokens=1, logprobs=1, echo=True)
+    plain = client.completions.create(model="tiny", prompt="ab", max_tokens=1, echo=True)
+
+    (choice,) = scored.choices
+    assert choice.text == "abAB" and plain.choices[0].text == "abAB" and plain.choices[0].logprobs is None
+    logprobs = choice.logprobs
+    assert logprobs.tokens == ["a", "b", "A", "B"]
+    assert logprobs.token_logprobs == [None, -0.25, -0.5, -0.5], "the prompt's first token has nothing before it"
+    assert logprobs.top_logprobs == [None, {"?": -1.0}, {"?": -1.0}, {"?": -1.0}]
+    assert logprobs.text_offset == [0, 1, 2, 3]
 
 
 def test_ignore_eos_runs_an_answer_to_its_max_tokens_as_min_tokens_of_them_all():

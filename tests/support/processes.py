@@ -117,4 +117,9 @@ class StandIn(threading.Thread):
                 # A token a character, as inference.token_logprobs.entries gives them.
                 top = [["?", -1.0], ["!", -2.0]][:alternatives]
                 output["logprobs"] = [{"token": c, "logprob": -0.5, "top": top} for c in answer]
+                if request.params.get("echo"):  # the prompt's characters too, the first with none
+                    output["prompt_logprobs"] = [
+                        {"token": c, "logprob": None if i == 0 else -0.25, "top": None if i == 0 else top}
+                        for i, c in enumerate(text)
+                    ]
             self.queue.finish(request.id, self.replica_id, output)
