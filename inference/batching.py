@@ -379,7 +379,8 @@ def eos_ids(model: Any) -> set[int]:
 def _penalized(s: Sequence, logits: Any) -> Any:
     """One sequence's row of logits with its penalties applied: OpenAI's presence and frequency
     penalties over the tokens it has generated (each token's count), then the multiplicative
-    repetition penalty of vLLM and Hugging Face over its prompt's and its answer's tokens."""
+    repetition penalty of vLLM and Hugging Face over its prompt's and its answer's tokens, then
+    OpenAI's logit_bias."""
     import torch
 
     sampling, vocab = s.sampling, logits.shape[-1]
@@ -394,4 +395,8 @@ def _penalized(s: Sequence, logits: Any) -> Any:
             values, penalty = logits[seen], sampling.repetition_penalty
             penalized = torch.where(values > 0, values / penalty, values * penalty)
             logits = logits.index_put((seen,), penalized)  # a new tensor: the row given stays as it was
+    if sampling.logit_bias:  # OpenAI's: added to the logits of the tokens it names (checked in vocabulary)
+        ids = torch.tensor([token for token, _ in sampling.logit_bias], device=logits.device)
+        biases = torch.tensor([bias for _, bias in sampling.logit_bias], device=logits.device, dtype=logits.dtype)
+        logits = logits.index_put((ids,), logits[ids] + biases)
     return logits

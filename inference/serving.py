@@ -202,6 +202,17 @@ class Executor:
                 f"(no token of its tokenizer is longer than {bound[2]} bytes)"
             )
 
+    def refuse_unknown_tokens(self, sampling: Sampling) -> None:
+        """BadInput for a logit_bias naming a token the model's vocabulary does not have (the web
+        cannot know its size; an index past it would fail the whole batch's step)."""
+        if not sampling.logit_bias:
+            return
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        vocab = int(head.weight.shape[0]) if head is not None else getattr(self.model.config, "vocab_size", None)
+        beyond = [token for token, _ in sampling.logit_bias if vocab is None or token >= vocab]
+        if beyond:
+            raise BadInput(f"logit_bias: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
+
     def chat_prompt(self, messages: Any) -> str:
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -218,6 +229,7 @@ class Executor:
         prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
         self.refuse_oversized(prompt)
         max_tokens, sampling, stop = generation_params(request.params)
+        self.refuse_unknown_tokens(sampling)
         ids = [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:
             raise BadInput("the prompt is empty: nothing to continue")
@@ -238,6 +250,7 @@ class Executor:
         import torch
 
         asked, sampling, stop = generation_params(params)
+        self.refuse_unknown_tokens(sampling)
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         limit = getattr(self.model.config, "max_position_embeddings", None)
         max_tokens = asked if asked is not None else fitted_max_tokens(ids.shape[1], limit)
@@ -259,6 +272,8 @@ class Executor:
                 kwargs["min_p"] = sampling.min_p
         if sampling.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = sampling.repetition_penalty
+        if sampling.logit_bias:
+            kwargs["sequence_bias"] = [[[token], bias] for token, bias in sampling.logit_bias]
         if sampling.min_tokens:
             kwargs["min_new_tokens"] = min(sampling.min_tokens, max_tokens)  # as the paged engine holds it
         if on_chunk is not None:

@@ -6,8 +6,9 @@ back as a `Sampling` (inference.batching applies it). Django-free and torch-free
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 # A seed as torch's generators take one: any 64-bit integer, signed or not.
@@ -129,6 +130,38 @@ PARAMS = (
 BY_NAME: Mapping[str, Param] = {p.name: p for p in PARAMS}
 NAMES = tuple(BY_NAME)
 
+# OpenAI's logit_bias: a token's id (a key of a JSON object, so text) → a bias added to its logit
+# before the pick, -100 (as good as banned) to 100 (as good as forced). The ids are the model's own
+# tokenizer's, as vLLM takes them (OpenAI's are its own tokenizer's, which mean nothing here).
+LOGIT_BIAS = "logit_bias"
+MOST_BIAS = 100.0
+MOST_BIASED = 300  # tokens in one request's logit_bias, as OpenAI bounds it
+_TOKEN_ID = re.compile(r"[0-9]{1,9}")
+
+
+def logit_bias_problem(value: Any) -> str | None:
+    """Why `value` cannot be a logit_bias, or None (None and {} ask for none)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return 'must be an object of token ids and biases, such as {"50256": -100}'
+    if len(value) > MOST_BIASED:
+        return f"at most {MOST_BIASED} tokens"
+    for key, bias in value.items():
+        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
+            return f"{key!r} is no token id (a whole number, as text)"
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            return f"{key}: must be a number"
+        if not -MOST_BIAS <= bias <= MOST_BIAS:
+            return f"{key}: must be from {-MOST_BIAS:g} to {MOST_BIAS:g}"
+    return None
+
+
+def logit_bias_checked(value: dict[str, Any] | None) -> dict[str, float]:
+    """A logit_bias as the request queue keeps it (biases as floats; none: {}). The caller has
+    refused `logit_bias_problem`."""
+    return {key: float(bias) for key, bias in (value or {}).items()}
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -143,13 +176,16 @@ class Sampling:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     seed: int | None = None
+    # (token id, bias), by token id: what LOGIT_BIAS asks for.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def of(cls, params: Mapping[str, Any]) -> Sampling:
         """The sampling a request's params ask for; what they leave out (or a replica of an older
         portal did not know) is the default. The web checked them (`problems`)."""
-        given = {f.name: params[f.name] for f in fields(cls) if params.get(f.name) is not None}
-        return cls(**given)
+        given = {name: params[name] for name in NAMES if params.get(name) is not None}
+        biased = sorted((int(token), float(bias)) for token, bias in (params.get(LOGIT_BIAS) or {}).items())
+        return cls(**given, logit_bias=tuple(biased))
 
     @property
     def greedy(self) -> bool:
@@ -158,7 +194,9 @@ class Sampling:
     @property
     def penalized(self) -> bool:
         """Whether the logits change before a token is chosen, greedy or not."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     @property
     def generator_seed(self) -> int | None:

@@ -42,7 +42,7 @@ MIN_TIMEOUT_S = 0.001
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
-     *sampling.NAMES}
+     sampling.LOGIT_BIAS, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -70,7 +70,6 @@ def _none_or(*nothing: Any) -> Callable[[Any], bool]:
 _NO_TOOLS = "not supported: the models here answer in text and call no tools"
 NOT_DONE = (
     NotDone("suffix", _none_or(""), "not supported: text is only ever added after the prompt"),
-    NotDone("logit_bias", _none_or({}), "not supported: no token's likelihood can be biased"),
     NotDone("response_format", _none_or({"type": "text"}), "not supported: answers are free text (no JSON mode)"),
     NotDone("tools", _none_or([]), _NO_TOOLS),
     NotDone("functions", _none_or([]), _NO_TOOLS),
@@ -171,6 +170,10 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         params["min_tokens"] = params["max_tokens"] or sampling.MOST_TOKENS
     if why := sampling.min_tokens_beyond(params):
         raise Refused("min_tokens", why)
+    if why := sampling.logit_bias_problem(body.get(sampling.LOGIT_BIAS)):
+        raise Refused(sampling.LOGIT_BIAS, why)
+    if bias := sampling.logit_bias_checked(body.get(sampling.LOGIT_BIAS)):
+        params[sampling.LOGIT_BIAS] = bias
     if _echo(body, kind, stream):
         params["echo"] = True
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)

@@ -102,6 +102,17 @@ class SamplingInput(serializers.Serializer):
     repetition_penalty = sampling_field("repetition_penalty")
     min_tokens = sampling_field("min_tokens")
     seed = sampling_field("seed")
+    logit_bias = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text="OpenAI's: a bias from -100 to 100 added to the logit of each token named, by the id the model's "
+        'own tokenizer gives it, e.g. {"50256": -100}; at most 300 tokens.',
+    )
+
+    def validate_logit_bias(self, value: Any) -> dict[str, float] | None:
+        if why := sampling.logit_bias_problem(value):
+            raise serializers.ValidationError(why)
+        return sampling.logit_bias_checked(value) or None
 
 
 REPLICAS = deployment_spec.BY_NAME["replicas"]

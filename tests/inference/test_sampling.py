@@ -17,6 +17,7 @@ from gpuportal.wire import sampling
 from gpuportal.wire.requestqueue import Request
 from gpuportal.wire.sampling import Sampling
 from inference.batching import Batcher, Sequence, _penalized, eos_ids, run_until_idle
+from inference.errors import BadInput
 from inference.kvpool import BlockPool
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.paged import PagedModel, model_shape
@@ -49,7 +50,7 @@ def run(b: Batcher, *seqs: Sequence) -> list[list[int]]:
 
 
 def test_each_parameter_is_declared_once_with_its_bounds():
-    assert tuple(f.name for f in fields(Sampling)) == sampling.NAMES
+    assert tuple(f.name for f in fields(Sampling)) == (*sampling.NAMES, sampling.LOGIT_BIAS)
     assert sampling.problems({"top_p": 0, "top_k": 2.5, "seed": True, "min_p": 0.1, "stop": "x"}) == {
         "top_p": "must be above 0 and at most 1",
         "top_k": "must be a whole number",
@@ -125,6 +126,25 @@ def test_the_penalties_change_the_logits_as_openai_and_vllm_define_them():
     assert _penalized(seq, row).tolist() == [1.0, 1.0, -2.0, 0.25, 0.0, 3.0]
     assert row.tolist() == [1.0, 2.0, -1.0, 0.5, 0.0, 3.0], "the row given is left as it was"
 
+    seq.sampling = Sampling.of({"logit_bias": {"5": -100, "0": 2.5}})
+    assert seq.sampling.penalized and seq.sampling.logit_bias == ((0, 2.5), (5, -100.0))
+    assert _penalized(seq, row).tolist() == [3.5, 2.0, -1.0, 0.5, 0.0, -97.0], "OpenAI's logit_bias: added"
+
+
+def test_a_logit_bias_is_a_json_object_of_token_ids_and_bounded_biases():
+    assert sampling.logit_bias_problem(None) is None and sampling.logit_bias_problem({}) is None
+    assert sampling.logit_bias_checked({"7": 1}) == {"7": 1.0}
+    for value, problem in (
+        ([1], 'must be an object of token ids and biases, such as {"50256": -100}'),
+        ({"x": 1}, "'x' is no token id (a whole number, as text)"),
+        ({"-3": 1}, "'-3' is no token id (a whole number, as text)"),
+        ({"3": "1"}, "3: must be a number"),
+        ({"3": float("inf")}, "3: must be a number"),
+        ({"3": 101}, "3: must be from -100 to 100"),
+        ({str(i): 1 for i in range(301)}, "at most 300 tokens"),
+    ):
+        assert sampling.logit_bias_problem(value) == problem, value
+
 
 def test_a_penalized_request_changes_only_its_own_row_of_the_batch(tiny):
     model, tokenizer = tiny
@@ -163,6 +183,32 @@ def test_min_tokens_keeps_the_end_of_text_from_being_picked_before_them(tiny):
     assert (ended.generated, ended.finish) == ([*b.eos], "stop")
     assert len(held.generated) >= 3 and not b.eos & set(held.generated[:3]), held.generated
     assert (len(whole.generated), whole.finish) == (6, "length") and not b.eos & set(whole.generated)
+
+
+def test_a_logit_bias_forces_or_bans_a_token_on_either_path_and_one_past_the_vocabulary_is_refused(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer(PROMPT).input_ids
+    first = greedy_first(model, tokenizer)
+    forced = next(token for token in range(10, 500) if token != first)
+    executor = Executor(model, tokenizer)
+
+    b = batcher(model, tokenizer)
+    b.eos = set()
+    banned = Sequence(prompt, 3, sampling=Sampling.of({"logit_bias": {str(first): -100}}))
+    pushed = Sequence(prompt, 3, sampling=Sampling.of({"logit_bias": {str(forced): 100}}))
+    for seq in (banned, pushed):
+        b.submit(seq)
+    run_until_idle(b)
+    assert banned.generated[0] != first and pushed.generated == [forced] * 3
+    generated = executor.run(request(max_tokens=3, logit_bias={str(forced): 100}), None)["text"]
+    assert generated == tokenizer.decode([forced] * 3)
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    beyond = request(logit_bias={str(vocab): 5})
+    with pytest.raises(BadInput, match=rf"^logit_bias: token {vocab} is not in the model's vocabulary of {vocab}"):
+        executor.sequence(beyond, None)
+    with pytest.raises(BadInput, match="logit_bias"):
+        executor.run(beyond, None)
 
 
 # -- transformers' generate() path ---------------------------------------------------------------------

@@ -616,7 +616,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("field", "asking", "nothing"),
     [
         ("suffix", "}", ""),
-        ("logit_bias", {"50256": -100}, {}),
         ("response_format", {"type": "json_object"}, {"type": "text"}),
         ("tools", [TOOL], []),
         ("functions", [TOOL["function"]], []),
@@ -641,6 +640,16 @@ def test_a_field_the_portal_does_not_do_is_refused_where_it_asks_for_something_a
 
     assert refused.value.param == field and refused.value.message.startswith("not supported"), refused.value
     assert read({**body, field: nothing}, "generate").input == "x"
+
+
+def test_a_logit_bias_is_sent_on_with_its_biases_as_numbers_and_a_bad_one_is_refused_naming_it():
+    body = {"model": "tiny", "prompt": "x"}
+
+    assert read({**body, "logit_bias": {"50256": -100}}, "generate").params["logit_bias"] == {"50256": -100.0}
+    assert "logit_bias" not in read({**body, "logit_bias": {}}, "generate").params
+    with pytest.raises(completion_input.Refused) as refused:
+        read({**body, "logit_bias": {"a": 1}}, "generate")
+    assert str(refused.value) == "logit_bias: 'a' is no token id (a whole number, as text)"
 
 
 def test_echo_is_a_completions_and_not_streamed():

@@ -732,7 +732,7 @@ def test_the_fast_path_takes_the_shapes_clients_send_most(body):
 
 
 def test_the_sampling_parameters_are_kept_as_given_and_a_bad_one_is_refused_naming_it():
-    assert tuple(SamplingInput().fields) == sampling.NAMES, "each declared in gpuportal.wire.sampling"
+    assert tuple(SamplingInput().fields) == (*sampling.NAMES, sampling.LOGIT_BIAS), "each declared in the wire"
     sampled = {"temperature": 0.8, "top_k": 40, "min_p": 0.05, "seed": 7, "frequency_penalty": 0.5}
     serializer = InferInput(data={"input": "hi", "params": sampled})
     assert serializer.is_valid(), serializer.errors
@@ -752,6 +752,21 @@ def test_the_sampling_parameters_are_kept_as_given_and_a_bad_one_is_refused_nami
     assert refused.errors == {
         "params": {"top_k": ["must be a whole number"], "repetition_penalty": ["must be above 0 and at most 10"]}
     }
+
+
+def test_a_logit_bias_is_kept_with_its_biases_as_numbers_and_a_bad_one_is_refused_naming_it():
+    biased = {"input": "hi", "params": {"logit_bias": {"17": -100, "3": 2}}}
+    serializer = InferInput(data=biased)
+    assert serializer.is_valid(), serializer.errors
+    assert params_of(serializer.validated_data)["logit_bias"] == {"17": -100.0, "3": 2.0}
+    assert fast_inputs(biased)[1] == params_of(serializer.validated_data)
+    assert "logit_bias" not in fast_inputs({"input": "hi", "params": {"logit_bias": {}}})[1], "none asked"
+
+    bad = {"input": "hi", "params": {"logit_bias": {"17": 200}}}
+    assert fast_inputs(bad) is None
+    refused = InferInput(data=bad)
+    assert not refused.is_valid()
+    assert refused.errors == {"params": {"logit_bias": ["17: must be from -100 to 100"]}}
 
 
 def test_min_tokens_beyond_max_tokens_is_refused_naming_it_on_either_path():
