@@ -38,7 +38,7 @@ ENCODING_FORMATS = ("float", "base64")
 MIN_TIMEOUT_S = 0.001
 
 
-# What the portal reads of a /v1 body, and what OpenAI's and vLLM's clients send that it ignores.
+# What the portal reads of a /v1 body.
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
@@ -63,7 +63,7 @@ class NotDone:
 
 
 def _none_or(*nothing: Any) -> Callable[[Any], bool]:
-    # By type too: `True == 1` and `0 == False`, but `echo: 1` asks for something.
+    # By type too: `True == 1` and `0 == False`, but `skip_special_tokens: 1` is no `true`.
     return lambda value: value is None or any(type(value) is type(n) and value == n for n in nothing)
 
 
