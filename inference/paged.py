@@ -128,7 +128,7 @@ class PagedModel:
         width = max(len(s.tokens) for s in batch)
         if width <= PREFILL_CHUNK_TOKENS:  # decode steps and short prefills: one pass, as always
             return self.lm_head(self._last_hidden(batch)[0]).float()
-        return self.forward_scored(batch, {})[0]
+        return self._chunked(batch, {})[0]
 
     def forward_scored(
         self, batch: list[Slice], scored: Mapping[int, int]
@@ -137,9 +137,13 @@ class PagedModel:
         the first with its log probability given those before it and its k likeliest alternatives
         (an echoed prompt's, inference.token_logprobs): read chunk by chunk as the pass goes,
         SCORED_ROWS rows of the vocabulary at a time, so that no prompt's length sets the memory."""
+        self._check_blocks(batch)
+        return self._chunked(batch, scored)
+
+    def _chunked(self, batch: list[Slice], scored: Mapping[int, int]) -> tuple[torch.Tensor, dict[int, list[Picked]]]:
+        """forward_scored's pass, chunk by chunk; its caller checked the blocks."""
         import torch
 
-        self._check_blocks(batch)
         chunk = PREFILL_CHUNK_TOKENS
         width = max(len(s.tokens) for s in batch)
         last: list[Any] = [None] * len(batch)
@@ -173,7 +177,7 @@ class PagedModel:
     def _last_hidden(self, batch: list[Slice], kept: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One pass of the slices through every layer (K/V into the pool); the final-normed hidden
         state of each slice's last token, [len(batch), hidden], and of every token of the slices
-        `kept` names (by index), [its tokens, hidden] each. The blocks were checked by forward."""
+        `kept` names (by index), [its tokens, hidden] each. The blocks were checked by the caller."""
         import torch
         import torch.nn.functional as F
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
