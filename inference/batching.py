@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuportal.wire.memory import kv_blocks
+from gpuportal.wire.requestqueue import STOPPED
 from gpuportal.wire.sampling import Sampling, fitted_max_tokens
 from inference.errors import TooLong
 from inference.kvpool import BlockPool
@@ -62,7 +63,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the blocks
     promised: int = 0  # blocks reserved at admission, not taken yet
-    finish: str | None = None  # "stop" | "length" once done
+    finish: str | None = None  # "stop" | "length" once done; STOPPED where its caller asked it stopped
     # When its first token was sampled (time.time()): the request's time to first token.
     first_token_at: float | None = None
     text: str = ""
@@ -188,6 +189,20 @@ class Batcher:
         self.running.clear()
         self.waiting.clear()
         return everyone[::-1]
+
+    def stop(self, asked: Callable[[Sequence], bool]) -> list[Sequence]:
+        """End the sequences `asked` names now, running or waiting (their callers asked them
+        stopped): finish STOPPED, their text what they generated until now, their blocks free. The
+        others go on, at their next step, as if nothing had happened."""
+        ended = [s for s in (*self.running, *self.waiting) if asked(s)]
+        for s in ended:
+            if s in self.waiting:
+                self.waiting.remove(s)
+            self._retire(s)
+            s.finish = STOPPED
+            s.text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            self._keep_logprobs(s)
+        return ended
 
     def take_waiting(self) -> list[Sequence]:
         """The sequences not admitted yet (nothing of theirs ran), newest first; they leave the line."""

@@ -13,6 +13,12 @@ new starts, then waits up to its drain timeout for the requests in flight. Past 
 the host's abort flag: generation stops at its next token (`AbortOnFlag`, or the batch's next step),
 the requests are given back to the head of their queue (not counted as attempts), and only then do
 the weights move. A forward pass cannot be interrupted: it finishes, and its answer is kept.
+
+A caller who leaves (a stream's client disconnects) or cancels a request a replica holds has it
+asked stopped (gpuportal.wire.requestqueue: the replica's stops): the serving loop reads the asks
+at most every STOPS_EVERY_S while it generates, and the request ends there, `cancelled`, with the
+text generated until then; its KV blocks go to the others at once, as vLLM aborts a request whose
+client has gone.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from gpuportal.wire import kvstats
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.requestqueue import (
+    STOPPED,
     Fence,
     Fenced,
     LeaseLapsed,
@@ -81,6 +88,10 @@ class ServingHost(Protocol):
 
 # Requests a busy batch takes from the queue between two steps, at most (see Server._take_more).
 MORE_PER_STEP = 64
+# How often a replica that generates reads its callers' asks to stop: a round trip to Redis that
+# a decode step of a few milliseconds should not pay each time; a caller who left waits this long
+# at most for the tokens generated for nobody to stop.
+STOPS_EVERY_S = 0.2
 
 
 class Aborted(Exception):
@@ -116,6 +127,24 @@ def generation_params(params: dict[str, Any]) -> tuple[int | None, Sampling, lis
         max_tokens = int(params.get("max_tokens") or DEFAULT_MAX_TOKENS)
     stop = params.get("stop") or []
     return max_tokens, Sampling.of(params), [stop] if isinstance(stop, str) else list(stop)
+
+
+class StopWhenAsked:
+    """A transformers stopping criterion: stop once `asked()` says the request's caller asked it
+    stopped, read at most every STOPS_EVERY_S (a round trip each). Duck-typed, as AbortOnFlag is."""
+
+    def __init__(self, asked: Callable[[], bool]):
+        self.asked = asked
+        self.fired = False
+        self.read_at = time.monotonic()
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if not self.fired and time.monotonic() - self.read_at >= STOPS_EVERY_S:
+            self.read_at = time.monotonic()
+            self.fired = self.asked()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
 class OpenAIPenalties:
@@ -154,7 +183,11 @@ class Executor:
         # An encoder's (a transformers-embedding deployment): it embeds, and does nothing else.
         self.embedder = embedder
 
-    def run(self, request: Request, on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
+    def run(
+        self, request: Request, on_chunk: Callable[[str], None] | None, asked_stop: Callable[[], bool] | None = None
+    ) -> dict[str, Any]:
+        """The request's output. `asked_stop`: whether its caller asked it stopped (a generation
+        then ends early, its finish_reason STOPPED)."""
         # The web admits only the kinds a deployment takes; these guard a request that was queued
         # under an older deployment of the same name.
         if (request.kind == "embed") != (self.embedder is not None):
@@ -171,7 +204,7 @@ class Executor:
             raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
         prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
         self.refuse_oversized(prompt)
-        result = self.generate(prompt, request.params, on_chunk)
+        result = self.generate(prompt, request.params, on_chunk, asked_stop)
         if request.kind == "chat":
             result["message"] = {"role": "assistant", "content": result["text"]}
         return result
@@ -246,7 +279,13 @@ class Executor:
             prompt_logprobs=request.params.get("logprobs") if request.params.get("echo") else None,
         )
 
-    def generate(self, prompt: str, params: dict[str, Any], on_chunk: Callable[[str], None] | None) -> dict[str, Any]:
+    def generate(
+        self,
+        prompt: str,
+        params: dict[str, Any],
+        on_chunk: Callable[[str], None] | None,
+        asked_stop: Callable[[], bool] | None = None,
+    ) -> dict[str, Any]:
         import torch
 
         asked, sampling, stop = generation_params(params)
@@ -287,6 +326,8 @@ class Executor:
             kwargs.update(output_logits=True, return_dict_in_generate=True)
 
         abort = AbortOnFlag(self.abort)
+        stop_asked = StopWhenAsked(asked_stop) if asked_stop is not None else None
+        stopping = [abort] if stop_asked is None else [abort, stop_asked]
         # A seed reaches generate() through torch's global generators (manual_seed seeds every
         # GPU's), forked so that nothing else in the process sees it (requests run one at a time
         # here: the host's lock).
@@ -297,7 +338,7 @@ class Executor:
             out = self.model.generate(
                 ids.to(device),
                 attention_mask=torch.ones_like(ids).to(device),
-                stopping_criteria=StoppingCriteriaList([abort]),
+                stopping_criteria=StoppingCriteriaList(stopping),
                 **kwargs,
             )
         if abort.fired:
@@ -309,6 +350,8 @@ class Executor:
         cut = min((text.find(s) for s in stop if s and s in text), default=-1)
         if cut >= 0:
             text, finish = text[:cut], "stop"
+        elif stop_asked is not None and stop_asked.fired:
+            finish = STOPPED
         output: dict[str, Any] = {
             "text": text,
             "finish_reason": finish,
@@ -400,7 +443,7 @@ class PatientQueue:
     `on_lost` (the replica reports `failed` and exits) rather than end the serving loop silently
     with a request half-done. Takes are not wrapped: the loop tries them again itself."""
 
-    WRITES = frozenset({"start", "started", "chunk", "chunks", "finish", "fail", "give_back"})
+    WRITES = frozenset({"start", "started", "chunk", "chunks", "finish", "fail", "give_back", "stopped"})
 
     def __init__(self, queue: RequestQueue, on_lost: Callable[[str], None], outage_s: float = REDIS_OUTAGE_S):
         self.queue, self.on_lost, self.outage_s = queue, on_lost, outage_s
@@ -470,6 +513,8 @@ class Server(threading.Thread):
         self.node = host.node_fence
         # Whether its node's lease was last found lapsed: said once when it lapses, once when back.
         self.paused = False
+        # When the callers' asks to stop were last read (time.monotonic()): see STOPS_EVERY_S.
+        self.stops_read_at = 0.0
         host.on_stop_taking = self.withdraw
 
     def run(self) -> None:
@@ -485,6 +530,8 @@ class Server(threading.Thread):
                 if request is not None:
                     self.accept(request)
                     self._take_more()
+            if self.batch is not None and not self.batch.idle:
+                self._end_stopped(self.batch)
             if self.batch is not None and not self.batch.idle:
                 self.step()
             self.kv.publish()
@@ -603,6 +650,11 @@ class Server(threading.Thread):
 
     def accept(self, request: Request) -> None:
         """A taken request: into the batch, or run at once where there is no pool."""
+        if request.stop_asked:
+            # Asked stopped while another replica held it, which then gave it back (it drained,
+            # or died and was written off): it ends here, unrun.
+            self._stopped(request, request.stop_asked)
+            return
         paged = self.host.paged
         if request.kind in ("forward", "embed") or paged is None:
             self.serve(request)
@@ -676,6 +728,57 @@ class Server(threading.Thread):
         finally:
             self.host.end_request()
 
+    def _asked(self) -> dict[str, str]:
+        """The callers' asks to stop the requests this replica holds (id → why), read at most every
+        STOPS_EVERY_S; {} between reads, or when Redis cannot say (asked again at the next read)."""
+        if time.monotonic() - self.stops_read_at < STOPS_EVERY_S:
+            return {}
+        self.stops_read_at = time.monotonic()
+        try:
+            return self.queue.asked_stops(self.host.replica_id)
+        except redis.RedisError:  # an ask kept in Redis is read once it is back; the batch goes on
+            log.warning("cannot read the asks to stop requests", exc_info=True)
+            return {}
+
+    def _end_stopped(self, batch: Batcher) -> None:
+        """End the batch's sequences whose callers asked them stopped, before its next step: their
+        blocks go to the others, and what they generated until now is their answer."""
+        asked = self._asked()
+        if not asked:
+            return
+        for seq in batch.stop(lambda s: s.tag.id in asked):
+            request: Request = seq.tag
+            log.info("request %s stopped after %d token(s): %s", request.id, len(seq.generated), asked[request.id])
+            try:
+                self._stopped(
+                    request, asked[request.id], seq.result(), self.starting.pop(request.id, None), seq.first_token_at
+                )
+            finally:
+                self.host.end_request()
+
+    def _stopped(
+        self,
+        request: Request,
+        why: str,
+        output: dict[str, Any] | None = None,
+        started_at: float | None = None,
+        first_token_at: float | None = None,
+    ) -> None:
+        """Write a request's end as its caller asked: `cancelled`, with what it generated here."""
+        replica_id = self.host.replica_id
+        self._record(
+            lambda fence: self.queue.stopped(
+                request.id,
+                replica_id,
+                why,
+                output,
+                fence,
+                self.node,
+                started_at=started_at,
+                first_token_at=first_token_at,
+            )
+        )
+
     def _batcher_for(self, paged: PagedModel) -> Batcher:
         from inference.batching import Batcher, eos_ids
 
@@ -724,8 +827,15 @@ class Server(threading.Thread):
             return
         self.queue.start(request.id, self.host.replica_id)
         on_chunk = self._chunk(request)
+        why: list[str] = []  # why its caller asked it stopped, once asked
+
+        def asked() -> bool:
+            if (asked_why := self._asked().get(request.id)) is not None:
+                why.append(asked_why)
+            return bool(why)
+
         try:
-            output = self.host.executor().run(request, on_chunk)
+            output = self.host.executor().run(request, on_chunk, asked)
         except Aborted:
             log.info("request %s cut short by a drain; giving it back to the queue", request.id)
             self.queue.give_back(request, self.host.replica_id)
@@ -742,6 +852,9 @@ class Server(threading.Thread):
             self._record(
                 lambda fence: self.queue.fail(request.id, self.host.replica_id, error, "error", fence, self.node)
             )
+            return
+        if why and output.get("finish_reason") == STOPPED:
+            self._stopped(request, why[0], output)
             return
         self._record(lambda fence: self.queue.finish(request.id, self.host.replica_id, output, fence, node=self.node))
 

@@ -65,7 +65,13 @@ def cmd_run(ctx: Talker, args: argparse.Namespace) -> int:
         deployed(ctx, args.model, args.source, args.timeout)
     body = {"model": args.model, "prompt": prompt, **_sampling(ctx, args)}
     write = _writer(ctx.out)
-    text = "".join(stream(ctx.client, "/v1/completions", body, write))
+    try:
+        text = "".join(stream(ctx.client, "/v1/completions", body, write))
+    except KeyboardInterrupt:
+        # The stream is closed as this unwinds, and the portal stops generating for nobody.
+        write("\n")
+        ctx.err.print(Text("interrupted: the answer was stopped", style="bright_black"))
+        return 130
     if not text.endswith("\n"):
         write("\n")
     return 0
@@ -97,6 +103,14 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
             continue
         try:
             reply = _reply(ctx, args.model, history, line, session.asked, write, kept=len(session.start()))
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            # Ctrl-C stops the answer, as in `ollama run`: its stream is closed, so the portal
+            # stops generating it, and the conversation goes on without that turn.
+            write("\n")
+            ctx.err.print(Text("(stopped: that turn is left out of the conversation)", style="bright_black"))
+            continue
         except CliError as error:
             if not interactive:
                 raise  # a script learns of it by the exit status

@@ -53,6 +53,10 @@ from scheduling.services.errors import InvalidInput, NoDeployment, NotFound, Ser
 
 # Streams poll Redis in slices this long, so a dropped client is noticed between slices.
 STREAM_SLICE_S = 1.0
+# Until its first token, a stream says what it waits for again this often: a client that left is
+# noticed only by a write that fails (the server then closes the stream, which stops its
+# requests), and a proxy may close a connection silent for a minute.
+KEEPALIVE_S = 5.0
 
 
 class BearerTokenScheme(OpenApiAuthenticationExtension):
@@ -321,8 +325,8 @@ class _Generate(_Answered):
     def run_each(self, call: Completion, owner: str, key: str | None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         """Several choices (`n`, or a list of prompts): a request each, all queued before any is
         waited for, so that a replica batches them; the call's answer once every one has ended,
-        within the one timeout. Failed, the call is: what it queued and no replica has taken is
-        cancelled."""
+        within the one timeout. A choice failed, the others are stopped wherever they are; timed
+        out, what no replica has taken is cancelled (what runs is kept for polling)."""
         submitted = self.submit_each(call, owner, key)
         if not isinstance(submitted, list):
             return submitted
@@ -334,7 +338,7 @@ class _Generate(_Answered):
                 _cancel(submitted[done + 1 :], f"another choice of its /v1 call timed out after {call.timeout_s:g} s")
                 return 504, error_body(timed_out(request.id, call.timeout_s), kind="timeout")
             if result.status != "done":
-                _cancel(submitted[done + 1 :], "another choice of its /v1 call failed")
+                _stop(submitted[done + 1 :], "another choice of its /v1 call failed")
                 return _failure(result, "messages" if self.kind == "chat" else "prompt")
             results.append(result)
         return 200, self.body(results, submitted, call.model, call.n)
@@ -343,7 +347,7 @@ class _Generate(_Answered):
         self, call: Completion, owner: str, key: str | None
     ) -> list[Request] | tuple[int, dict[str, Any] | HttpResponseBase]:
         """A request for each choice, in the order of their `index`; or the refusal of the call,
-        which leaves nothing of it queued (what was queued before a refusal is cancelled). Under
+        which leaves nothing of it queued (what was queued before a refusal is stopped). Under
         an Idempotency-Key, one choice under the key itself, several each under the key and its
         index."""
         submitted: list[Request] = []
@@ -356,10 +360,10 @@ class _Generate(_Answered):
                     )
                 )
         except (NotFound, InvalidInput) as exc:
-            _cancel(submitted, "another choice of its call was refused")
+            _stop(submitted, "another choice of its call was refused")
             return self.refusal(exc, call.model)
         except ServiceError:
-            _cancel(submitted, "another choice of its call was refused")
+            _stop(submitted, "another choice of its call was refused")
             raise
         return submitted
 
@@ -452,15 +456,17 @@ class _Generate(_Answered):
             else _together([_follow(r, call.model, deadline, i, stop) for i, r in enumerate(submitted)], stop)
         )
         started: set[int] = set()
+        ended: set[int] = set()
         outputs: dict[int, dict[str, Any]] = {}
-        told = ""
+        told, told_at = "", time.monotonic()
         try:
             for item in said:
                 if item.waiting:
                     # Until the first token: what it waits for, as an SSE comment (a line starting
-                    # with ':'), which OpenAI's clients skip; sent when it changes.
-                    if not started and item.waiting != told:
-                        told = item.waiting
+                    # with ':'), which OpenAI's clients skip; sent when it changes, and again
+                    # every KEEPALIVE_S.
+                    if not started and (item.waiting != told or time.monotonic() - told_at >= KEEPALIVE_S):
+                        told, told_at = item.waiting, time.monotonic()
                         yield f": {told}\n\n".encode()
                     continue
                 first = item.index not in started
@@ -469,12 +475,13 @@ class _Generate(_Answered):
                     choice = {"index": item.index, "finish_reason": None, **self.delta(item.text, first)}
                     yield _sse({**base, "choices": [choice]})
                     continue
+                ended.add(item.index)
                 final = item.final
                 if final is None or final.status != "done":
                     error = self._ended_short(final, submitted[item.index], call.timeout_s)
                     # Before the error is sent: a client closes the stream on reading it.
                     others = [r for i, r in enumerate(submitted) if i != item.index]
-                    _cancel(others, "another choice of its /v1 call did not end with an answer")
+                    _stop(others, "another choice of its /v1 call did not end with an answer")
                     yield _sse(error)
                     break
                 outputs[item.index] = final.output or {}
@@ -492,16 +499,24 @@ class _Generate(_Answered):
                     yield _sse({**base, "choices": [], "usage": usage})
                 else:
                     yield _sse({**base, "choices": [last], "usage": usage})
+        except GeneratorExit:
+            # The client left: the server closes a stream whose write failed. What it asked and
+            # has not ended is stopped, so that no replica generates an answer for nobody.
+            _stop([r for i, r in enumerate(submitted) if i not in ended], "its caller left: the stream was closed")
+            raise
         finally:
             stop.set()  # a caller gone: the other choices' followers stop reading
         yield b"data: [DONE]\n\n"
 
     @staticmethod
     def _ended_short(final: Request | None, request: Request, timeout: float) -> dict[str, Any]:
-        """The error event of a choice that failed, or did not end within the call's timeout."""
+        """The error event of a choice that failed, was cancelled (`DELETE /api/requests/{id}/`
+        while it streamed), or did not end within the call's timeout."""
         if final is not None and final.status == "failed":
             kind = "invalid_request_error" if final.error_kind in CALLERS_INPUT else "server_error"
             return error_body(final.error, None, kind, _code(final))
+        if final is not None and final.status == "cancelled":
+            return error_body(f"request {final.id} was {final.error or 'cancelled'}", None, "cancelled")
         return {"error": {"message": timed_out(request.id, timeout), "type": "timeout", "param": None, "code": None}}
 
 
@@ -528,10 +543,9 @@ def _follow(submitted: Request, model: str, deadline: float, index: int, stop: t
     while time.monotonic() < deadline and not stop.is_set():
         chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
         if first and index == 0 and not chunks and not ended:
-            line = _waiting_line(submitted, model)
-            if line and line != told:
-                told = line
-                yield _Said(index, waiting=line)
+            # Every slice, changed or not: the response says it again now and then (KEEPALIVE_S).
+            told = _waiting_line(submitted, model) or told or "waiting"
+            yield _Said(index, waiting=told)
         for chunk in chunks:
             # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
             if text := splice.feed(chunk):
@@ -652,6 +666,12 @@ def timed_out(request_id: str, timeout: float) -> str:
     if request_services.cancel_unstarted(request_id, reason=f"its /v1 call timed out after {timeout:g} s"):
         return f"request {request_id} did not start within {timeout:g} s and was cancelled"
     return f"request {request_id} did not finish within {timeout:g} s; poll /api/requests/{request_id}/ for its answer"
+
+
+def _stop(requests: list[Request], reason: str) -> None:
+    """What a call with several choices queued and whose answer is lost (a choice failed or was
+    refused): stopped wherever it is, so that nothing runs for an answer nobody will read."""
+    request_services.stop_abandoned([request.id for request in requests], reason=reason)
 
 
 def _cancel(requests: list[Request], reason: str) -> None:

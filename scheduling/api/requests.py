@@ -405,12 +405,21 @@ class RequestDetailView(APIView):
         return Response(shape(found))
 
     @extend_schema(
+        summary="Cancel a request",
+        description=(
+            "A waiting request is cancelled at once. One a replica is generating is stopped there "
+            "between two of its steps and ends `cancelled`, its `output` what was generated until "
+            "then (its KV cache goes to the other requests): answered once it has ended, or with a "
+            "202 and the request still running if the replica has not stopped it within a few "
+            "seconds (poll it). A forward pass or an embedding runs to its end."
+        ),
         responses={
             200: RequestSerializer,
+            202: OpenApiResponse(RequestSerializer, description="Asked stopped; not ended yet: poll its id."),
             404: OpenApiResponse(description="No such request."),
-            409: OpenApiResponse(description="Already taken by a replica: it runs to its end."),
-        }
+            409: OpenApiResponse(description="It has ended: there is nothing to cancel."),
+        },
     )
     def delete(self, request: HttpRequest, pk: str) -> Response:
         cancelled = request_services.cancel(pk, user_id=str(request.user.pk), staff=request.user.is_staff)
-        return Response(shape(cancelled))
+        return Response(shape(cancelled), status=status.HTTP_200_OK if cancelled.final else status.HTTP_202_ACCEPTED)

@@ -1,5 +1,5 @@
 """The request queues as the control plane uses them (gpuportal.wire.requestqueue, in Redis): read,
-cancel, re-queue what a gone replica had taken, end what waits for nothing. Below every other
+cancel or stop, re-queue what a gone replica had taken, end what waits for nothing. Below every other
 service: replicas, deployments, sleep and preemption all need it, and it needs none of them;
 admission (which wakes what must serve) is scheduling.services.requests, on top."""
 
@@ -77,10 +77,24 @@ def recent(
     return queue().recent(None if staff else user_id, deployment=deployment, status=status, offset=offset, limit=limit)
 
 
+# How long a cancel of a request a replica holds waits for the replica to end it (it reads the
+# asks to stop every inference.serving.STOPS_EVERY_S): most cancels answer with the request ended.
+STOP_WAIT_S = 3.0
+
+
 def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
+    """Cancel a request wherever it is: where it waits, at once; where a replica generates it, the
+    replica is asked to stop, and ends it `cancelled` with what it generated until then (waited
+    for up to STOP_WAIT_S: the request as it stands then, perhaps still running). InvalidState for
+    one that has ended."""
     request = get(request_id, user_id=user_id, staff=staff)
-    if not queue().cancel(request_id):
-        raise InvalidState(f"request {request_id} is {request.status}: only a waiting request can be cancelled")
+    reason = "cancelled by its owner" if request.owner == user_id else "cancelled by staff"
+    outcome = queue().stop(request_id, reason)
+    if not outcome:
+        ended = get(request_id, user_id=user_id, staff=staff)
+        raise InvalidState(f"request {request_id} is {ended.status}: it has ended, and there is nothing to cancel")
+    if outcome == "stopping":
+        return queue().wait(request_id, STOP_WAIT_S) or get(request_id, user_id=user_id, staff=staff)
     return get(request_id, user_id=user_id, staff=staff)
 
 
@@ -91,6 +105,17 @@ def cancel_unstarted(request_id: str, *, reason: str) -> bool:
     except redis.RedisError as err:  # it then runs for nobody, and its answer is kept for polling
         log.warning("cannot cancel request %s (Redis: %s)", request_id, err)
         return False
+
+
+def stop_abandoned(request_ids: Iterable[str], *, reason: str) -> None:
+    """Stop requests nobody waits for any more (a stream's client left): cancelled where they wait,
+    asked stopped where a replica generates them, so that no replica spends its steps and its KV
+    blocks on an answer nobody reads."""
+    for request_id in request_ids:
+        try:
+            queue().stop(request_id, reason)
+        except redis.RedisError as err:  # it then runs for nobody, and its answer is kept for polling
+            log.warning("cannot stop request %s (Redis: %s)", request_id, err)
 
 
 def withdraw_live(deployment_name: str, replica_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Inference requests: accept, wake what must serve them, wait, read, cancel, re-queue.
+"""Inference requests: accept, wake what must serve them, wait, read, cancel or stop, re-queue.
 
 Requests live in Redis (gpuportal.wire.requestqueue): the hot path writes no database row, so a
 request costs a few Redis round trips on top of the model. What the scheduler needs from them
@@ -41,6 +41,7 @@ from scheduling.services.queueing import (
     queue_depth,
     recent,
     requeue_from,
+    stop_abandoned,
     sync_last_accessed,
     wait,
     withdraw_live,
@@ -59,6 +60,7 @@ __all__ = [
     "recent",
     "requeue_from",
     "run",
+    "stop_abandoned",
     "submit",
     "sync_last_accessed",
     "wait",

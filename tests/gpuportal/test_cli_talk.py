@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gpuportal.cli import app
+from gpuportal.cli import app, talk
 from tests.support.api_shapes import shaped
 
 # The fake's "KV cache": a chat whose messages hold more characters is refused as too long.
@@ -285,6 +285,51 @@ def test_a_refused_turn_leaves_an_interactive_chat_going_with_its_conversation_l
         {"role": "assistant", "content": "HELLO"},
         {"role": "user", "content": "again"},
     ], "the refused turn is not sent again"
+
+
+def interrupted_at(monkeypatch, piece: str) -> None:
+    """Ctrl-C as the answer's `piece` arrives (the chat's stand-in answers in capitals, two
+    letters first): what a user who stops an answer does."""
+    writer = talk._writer
+
+    def writer_of(console: Any) -> Any:
+        write = writer(console)
+
+        def interrupting(text: str) -> None:
+            if text == piece:
+                raise KeyboardInterrupt
+            write(text)
+
+        return interrupting
+
+    monkeypatch.setattr(talk, "_writer", writer_of)
+
+
+def test_ctrl_c_stops_a_chats_answer_and_the_chat_goes_on_without_that_turn(portal, capsys, monkeypatch):
+    stdin(monkeypatch, "hello\nstop me\nagain\n", terminal=True)
+    interrupted_at(monkeypatch, "ST")
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 0
+
+    out, err = capsys.readouterr()
+    assert "HELLO\n" in out and "AGAIN\n" in out and "OP ME" not in out
+    assert "(stopped: that turn is left out of the conversation)" in err
+    sent = [body["messages"] for method, path, body in portal.calls if path == "/v1/chat/completions"]
+    assert sent[-1] == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "HELLO"},
+        {"role": "user", "content": "again"},
+    ], "the stopped turn is not sent again"
+
+
+def test_ctrl_c_stops_runs_answer_with_the_shells_exit_status_for_it(portal, capsys, monkeypatch):
+    portal.deployed["tiny"] = {}
+    interrupted_at(monkeypatch, " upon")
+
+    assert app.main(["run", "tiny", "Tell me a story"], env=portal.env) == 130
+
+    out, err = capsys.readouterr()
+    assert out == "Once\n" and "interrupted: the answer was stopped" in err
 
 
 def test_a_conversation_grown_past_the_kv_cache_loses_its_oldest_turns_but_not_its_system_message(

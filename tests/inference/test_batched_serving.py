@@ -6,9 +6,7 @@ replica processes.)"""
 from __future__ import annotations
 
 import json
-import threading
 import uuid
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,10 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
 from inference.batching import Batcher
 from inference.management.commands.make_tiny_model import write_tiny_model
-from inference.paged import engine_for
-from inference.serving import Executor, Server
-
-MiB = 1024**2
+from inference.serving import Server
+from tests.support.serving import host_for
 
 
 @pytest.fixture(scope="module")
@@ -36,30 +32,6 @@ def rq():
     client = redis.Redis.from_url(settings.REDIS_URL)
     yield RequestQueue(client)
     client.close()
-
-
-def host_for(model: Any, tokenizer: Any) -> SimpleNamespace:
-    """A replica host as far as the serving loop uses one: serving, with a pool of 1,024 tokens."""
-    paged = engine_for(model, weights_bytes=8 * MiB, cap_bytes=256 * MiB, max_tokens=1024, context_bytes=0)
-    accepting = threading.Event()
-    accepting.set()
-    return SimpleNamespace(
-        replica_id=f"r-{uuid.uuid4().hex[:8]}",
-        loader="transformers",
-        tokenizer=tokenizer,
-        paged=paged,
-        fence=None,
-        node_fence=None,
-        accepting=accepting,
-        abort=threading.Event(),
-        lock=threading.Lock(),
-        on_stop_taking=None,
-        begin_request=lambda: True,
-        end_request=lambda: None,
-        executor=lambda: Executor(model, tokenizer),
-        kv_stats=lambda: None,
-        on_stale=lambda reason: None,
-    )
 
 
 def test_requests_queued_together_start_in_the_same_step_and_streams_get_every_piece_before_the_end(

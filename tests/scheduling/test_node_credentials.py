@@ -27,7 +27,7 @@ from gpuportal.wire import node_acl, node_auth, node_lease, replies
 from gpuportal.wire.control import Call, encode_call
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.node_reports import DeviceInfo
-from gpuportal.wire.requestqueue import RequestQueue, records_key
+from gpuportal.wire.requestqueue import RequestQueue, records_key, stops_key
 from scheduling.models import Event, Node, NodeCredential, Replica
 from scheduling.services import node_credentials, node_gateway, queue_grants
 from scheduling.services.errors import InvalidInput, InvalidState, NotFound
@@ -526,6 +526,9 @@ def test_a_nodes_redis_user_reaches_its_own_keys_and_the_shared_ones_but_not_ano
         assert user.blpop([f"gp:reply:agent:{node}:1"], timeout=1) is not None
         user.rpush("gp:reply:inspect:1", "an answer to a question")
         user.set("gp:kv:some-replica", "{}")
+        # The asks to stop what a replica holds, read and cleared in one transaction (MULTI).
+        admin.hset(stops_key("some-replica"), "a-request", "its caller left")
+        assert RequestQueue(user).asked_stops("some-replica") == {"a-request": "its caller left"}
         user.rpush(records_key(node), "a record of its own")
         for refused in (
             lambda: node_lease.renew(user, "another-node", 5),

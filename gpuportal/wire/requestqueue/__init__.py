@@ -10,6 +10,7 @@ request somewhere at every instant:
     gp:done:<id>            a token pushed when the request ends (its final fields), for waiters
     gp:stream:<id>          chunks of a streamed answer, in order, then an end marker
     gp:last:<replica>       when the replica last finished a request (for idle sleep)
+    gp:proc:<replica>:stops the requests it holds that their callers asked to stop (id → why)
     gp:live:<deployment>:<family>  replicas taking requests now, scored by when that claim expires
     gp:deleted:<deployment>        a deployment deleted a moment ago, which no replica may claim
     gp:records              a compact record of every ended request, until the control plane drains it
@@ -36,6 +37,7 @@ from gpuportal.wire.requestqueue.protocol import (
     RECORDS_KEY,
     RECORDS_MAX,
     REQUEST_PREFIX,
+    STOPPED,
     STREAM_END,
     STREAM_RESTART,
     TOO_LONG,
@@ -66,6 +68,7 @@ from gpuportal.wire.requestqueue.protocol import (
     queue_key,
     records_key,
     request_key,
+    stops_key,
     stream_bell_key,
     stream_key,
     written_off_key,
@@ -90,6 +93,7 @@ __all__ = [
     "RECORDS_KEY",
     "RECORDS_MAX",
     "REQUEST_PREFIX",
+    "STOPPED",
     "STREAM_END",
     "STREAM_RESTART",
     "TOO_LONG",
@@ -121,6 +125,7 @@ __all__ = [
     "queue_key",
     "records_key",
     "request_key",
+    "stops_key",
     "stream_bell_key",
     "stream_key",
     "written_off_key",

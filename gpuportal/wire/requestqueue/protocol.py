@@ -45,8 +45,11 @@ def index_keys(owner: str) -> tuple[str, str]:
     return f"gp:requests:owner:{owner}", "gp:requests:all"
 
 
+PROCESSING_PREFIX = "gp:proc:"
+
+
 def processing_key(replica_id: str) -> str:
-    return f"gp:proc:{replica_id}"
+    return f"{PROCESSING_PREFIX}{replica_id}"
 
 
 REQUEST_PREFIX = "gp:req:"
@@ -77,6 +80,24 @@ BELL_TTL_S = 60
 
 def last_key(replica_id: str) -> str:
     return f"gp:last:{replica_id}"
+
+
+STOPS_SUFFIX = ":stops"
+
+
+def stops_key(replica_id: str) -> str:
+    """The requests a replica holds that their callers asked to stop (a hash: id → why), which the
+    replica reads and clears as it serves (_ASK_STOP). Under gp:proc:*, as the processing list it
+    goes with: a node's Redis user reaches it without another rule (gpuportal.wire.node_acl)."""
+    return f"{processing_key(replica_id)}{STOPS_SUFFIX}"
+
+
+# The finish_reason of an answer its caller asked to stop while a replica generated it (vLLM says
+# "abort"): its text is what was generated until then, its status `cancelled`.
+STOPPED = "cancelled"
+# How long an ask to stop is kept for a replica that never reads it (it died: its requests go back
+# to the queue, where the ask travels in the request's own `stop_asked`).
+STOPS_TTL_S = 3600
 
 
 def finished_key(status: str) -> str:
@@ -373,6 +394,28 @@ redis.call('RPUSH', KEYS[3], ARGV[1])
 return 1
 """
 
+# Ask the replica that holds a request to stop generating it (its caller left, or cancelled it):
+# the why goes into the request (`stop_asked`, which a replica that takes it again after a requeue
+# reads: inference.serving ends it at once) and into the holder's stops (stops_key), which the
+# holder reads between its steps. Only a request a replica holds (dispatched or running): a
+# waiting one is cancelled where it waits (Submitting.cancel), an ended one has nothing to stop.
+# In one step, so that a requeue either comes first (the request is waiting: 0, the caller
+# cancels it there) or after (the ask travels with it). The holder's key is derived here from the
+# request's `replica`, as _MARK_TAKEN derives the request's: fine on one Redis, not a cluster.
+# KEYS: request. ARGV: why, the ask's ttl, the request's id, the stops key's prefix and suffix.
+_ASK_STOP = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'dispatched' and status ~= 'running' then return 0 end
+local replica = redis.call('HGET', KEYS[1], 'replica')
+redis.call('HSET', KEYS[1], 'stop_asked', ARGV[1])
+if replica and replica ~= '' then
+  local stops = ARGV[4] .. replica .. ARGV[5]
+  redis.call('HSET', stops, ARGV[3], ARGV[1])
+  redis.call('EXPIRE', stops, ARGV[2])
+end
+return 1
+"""
+
 # Raise the pair's epoch, never lower it: a slow writer of an old epoch cannot undo a takeover.
 _RAISE_EPOCH = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
@@ -474,6 +517,8 @@ class Request:
     # Of a generation done by a batching replica: when its first token was sampled.
     first_token_at: float | None = None
     finished_at: float | None = None
+    # Why its caller asked it stopped while a replica held it ('' if never): see _ASK_STOP.
+    stop_asked: str = ""
 
     @property
     def final(self) -> bool:
@@ -508,6 +553,7 @@ class Request:
             started_at=stamp("started_at"),
             first_token_at=stamp("first_token_at"),
             finished_at=stamp("finished_at"),
+            stop_asked=data.get("stop_asked", ""),
         )
 
 

@@ -1,7 +1,11 @@
 """The replica side of the queue: claim a deployment's requests, take them, stream and finish
-them under the replica's fence, give back what a drain cut short."""
+them under the replica's fence, give back what a drain cut short, stop what its caller asked
+stopped."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import redis
 
@@ -14,6 +18,7 @@ from gpuportal.wire.requestqueue.protocol import (
     REQUEST_PREFIX,
     STREAM_RESTART,
     TTL_S,
+    Fence,
     LeaseLapsed,
     Request,
     WrittenOff,
@@ -23,6 +28,7 @@ from gpuportal.wire.requestqueue.protocol import (
     processing_key,
     queue_key,
     request_key,
+    stops_key,
     stream_key,
     written_off_key,
 )
@@ -125,3 +131,37 @@ class Serving(QueueBase):
         keys = [processing_key(replica_id), request_key(request.id), queue_key(request.deployment)]
         marker = STREAM_RESTART if request.params.get("stream") else ""
         self._give_back(keys=[*keys, stream_key(request.id)], args=[request.id, marker, TTL_S])
+
+    def asked_stops(self, replica_id: str) -> dict[str, str]:
+        """The requests this replica holds that their callers asked to stop since it last looked
+        (id → why), cleared as they are read (an id it no longer holds is the caller's too-late ask)."""
+        key = stops_key(replica_id)
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(key)
+            pipe.delete(key)
+            asked, _ = pipe.execute()
+        return {k.decode(): v.decode() for k, v in asked.items()}
+
+    def stopped(
+        self,
+        request_id: str,
+        replica_id: str,
+        why: str,
+        output: Any = None,
+        fence: Fence | None = None,
+        node: NodeFence | None = None,
+        started_at: float | None = None,
+        first_token_at: float | None = None,
+    ) -> None:
+        """End a request its caller asked to stop: `cancelled`, saying why, with what was
+        generated until then (`output`; None for one stopped before it ran here), under the
+        fences a `finish` is."""
+        fields: dict[str, Any] = {"error": why}
+        if output is not None:
+            fields["output"] = json.dumps(output)
+        if started_at is not None:
+            fields["started_at"] = started_at
+        if first_token_at is not None:
+            fields["first_token_at"] = first_token_at
+        usage = output.get("usage") if isinstance(output, dict) else None
+        self._end(request_id, "cancelled", fields, replica_id=replica_id, fence=fence, usage=usage, node=node)

@@ -1,5 +1,5 @@
 """The web side of the queue: submit a request, wait for it, read it, its stream and recent ones,
-cancel it."""
+cancel it or stop it."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import redis
 
 from gpuportal.wire.requestqueue._base import QueueBase
 from gpuportal.wire.requestqueue.protocol import (
+    _ASK_STOP,
     _CLAIM_IDEMPOTENCY_KEY,
     _SUBMIT,
     BLOCK_SLICE_S,
+    PROCESSING_PREFIX,
     REQUEST_PREFIX,
+    STOPS_SUFFIX,
+    STOPS_TTL_S,
     STREAM_END,
     TTL_S,
     KeyTakenOver,
@@ -332,6 +336,25 @@ class Submitting(QueueBase):
             return False
         self._end(request_id, "cancelled", {"error": reason})
         return True
+
+    def stop(self, request_id: str, reason: str) -> str:
+        """Stop a request wherever it is (its caller left, or cancelled it): "cancelled" where it
+        still waited (as `cancel`); "stopping" where a replica holds it, which ends it `cancelled`
+        between two of its steps, with what it generated until then; "" once it has ended."""
+        # Looked at again when it moved between the look and the act: taken from the queue just
+        # before the cancel, or given back to it just before the ask (its replica drained or died).
+        for _ in range(3):
+            request = self.get(request_id)
+            if request is None or request.final:
+                return ""
+            if request.status in ("queued", "waking"):
+                if self.cancel(request_id, reason):
+                    return "cancelled"
+                continue
+            args = [reason, STOPS_TTL_S, request_id, PROCESSING_PREFIX, STOPS_SUFFIX]
+            if self.redis.eval(_ASK_STOP, 1, request_key(request_id), *args):
+                return "stopping"
+        return ""
 
     def depth(self, deployment: str) -> int:
         return int(self.redis.llen(queue_key(deployment)))
