@@ -19,7 +19,7 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.text import Text
 
-from gpuportal.cli import applying, config, nodes, planning, pulling, render, setting_values, talk, traffic
+from gpuportal.cli import applying, config, nodes, planning, pulling, render, requesting, setting_values, talk, traffic
 from gpuportal.cli.client import ApiError, Client, CliError
 from gpuportal.cli.options import (
     DEFAULT_TIMEOUT_S,
@@ -799,6 +799,7 @@ def _add_looking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     nodes.add_looking(commands)
     traffic.add_stats(commands)
+    requesting.add_looking(commands)
 
     logs = commands.add_parser("logs", help="a replica's state, error and events, then its process's log")
     logs.add_argument(
@@ -933,6 +934,7 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     rm.add_argument("name")
     rm.set_defaults(run=cmd_rm)
 
+    requesting.add_steering(commands)
     nodes.add_steering(commands)
 
 

@@ -31,6 +31,7 @@ from scheduling.services import queueing
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
 from tests.support import factories
+from tests.support.cli import staff_cli
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import wait_until
 from tests.support.serving import host_for
@@ -310,3 +311,33 @@ def test_a_stream_whose_request_is_cancelled_meanwhile_ends_with_an_error_event_
         "param": None,
         "code": None,
     }
+
+
+def test_the_command_line_lists_requests_and_cancels_them_by_the_start_of_their_ids(
+    tiny, rq, gated, deployment, live_server, capsys
+):
+    cli = staff_cli(live_server, capsys)
+    waiting = rq.submit("talk", kind="generate", input="Hi", params={}, owner="someone")
+    code, out, _ = cli("requests", "talk")
+    assert code == 0 and waiting.id[:12] in out and "queued" in out
+
+    assert cli("cancel", waiting.id[:8]) == (0, f"{waiting.id[:12]}: cancelled before it ran", "")
+
+    host = host_for(*tiny)
+    host.replica_id = deployment.id
+    long = rq.submit("talk", kind="generate", input="Once", params=LONG, owner="someone")
+    server = serve(host, rq, "talk", gated, asked(rq, host.replica_id))
+    try:
+        wait_until(lambda: rq.get(long.id).status == "running", 30, "the request to run")
+        code, out, _ = cli("cancel", long.id[:8])
+    finally:
+        halt(server)
+    stopped = rq.get(long.id)
+    assert code == 0 and out == f"{long.id[:12]}: stopped after {stopped.output['usage']['completion_tokens']} token(s)"
+
+    code, out, _ = cli("requests", "--status", "cancelled")
+    assert code == 0 and waiting.id[:12] in out and long.id[:12] in out
+    code, out, err = cli("cancel", waiting.id, "zz")
+    assert code == 1 and out == ""
+    assert f"{waiting.id}: request {waiting.id} is cancelled: it has ended, and there is nothing to cancel" in err
+    assert "zz: not a request id" in err
