@@ -23,11 +23,13 @@ client has gone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -166,6 +168,24 @@ class OpenAIPenalties:
         return scores - self.sampling.frequency_penalty * counts - self.sampling.presence_penalty * present
 
 
+# The longest token of each tokenizer a replica serves with, in UTF-8 bytes, read from its whole
+# vocabulary once: tens of milliseconds for 150,000 tokens, which every request paid on the serving
+# thread while it read it anew (an Executor is made per request).
+_LONGEST_TOKEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The longest of `tokenizer`'s tokens in UTF-8 bytes (0 for an empty vocabulary)."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):  # TypeError: one no weak reference can hold, read each time
+        pass
+    longest = max((len(token.encode()) for token in tokenizer.get_vocab()), default=0)
+    with contextlib.suppress(TypeError):
+        _LONGEST_TOKEN[tokenizer] = longest
+    return longest
+
+
 class Executor:
     """Runs requests on a loaded model."""
 
@@ -200,14 +220,32 @@ class Executor:
             return self.embed(request.input)
         if request.kind == "forward":
             return self.forward(request.input)
-        if self.tokenizer is None:
-            raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
-        prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
-        self.refuse_oversized(prompt)
-        result = self.generate(prompt, request.params, on_chunk, asked_stop)
+        result = self.generate(self.prompt_of(request), request.params, on_chunk, asked_stop)
         if request.kind == "chat":
             result["message"] = {"role": "assistant", "content": result["text"]}
-        return result
+        return self.echoed(request, result)
+
+    def prompt_of(self, request: Request) -> str | list[int]:
+        """A text request's prompt: a chat's messages through the model's template, a completion's
+        text, or the token ids a completion was given (vLLM's; checked against the vocabulary)."""
+        if self.tokenizer is None:
+            raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
+        if request.kind == "generate" and isinstance(request.input, list):
+            vocab = self._vocab_size
+            beyond = [token for token in request.input if vocab is None or not 0 <= int(token) < vocab]
+            if beyond:
+                raise BadInput(f"prompt: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
+            return [int(token) for token in request.input]
+        prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
+        self.refuse_oversized(prompt)
+        return prompt
+
+    def echoed(self, request: Request, output: dict[str, Any]) -> dict[str, Any]:
+        """`output`, with the text of a prompt given as token ids where its answer echoes it (the
+        web, which has no tokenizer, begins the answer's text with it)."""
+        if request.params.get("echo") and isinstance(request.input, list) and self.tokenizer is not None:
+            output["prompt_text"] = self.tokenizer.decode(request.input)
+        return output
 
     @functools.cached_property
     def _prompt_bound(self) -> tuple[int, int, int] | None:
@@ -217,10 +255,9 @@ class Executor:
         byte with a character of one or more), so a prompt longer than the context times that can
         never fit: it is refused without spending seconds tokenising megabytes."""
         context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        vocab = getattr(self.tokenizer, "get_vocab", None)
-        if not context or vocab is None:
+        if not context or not hasattr(self.tokenizer, "get_vocab"):
             return None
-        longest = max((len(token.encode()) for token in vocab()), default=0)
+        longest = longest_token_bytes(self.tokenizer)
         return (int(context) * longest, int(context), longest) if longest else None
 
     def refuse_oversized(self, prompt: str) -> None:
@@ -235,13 +272,18 @@ class Executor:
                 f"(no token of its tokenizer is longer than {bound[2]} bytes)"
             )
 
+    @functools.cached_property
+    def _vocab_size(self) -> int | None:
+        """How many tokens the model's logits cover (its output layer's rows), None where unknown."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        return int(head.weight.shape[0]) if head is not None else getattr(self.model.config, "vocab_size", None)
+
     def refuse_unknown_tokens(self, sampling: Sampling) -> None:
         """BadInput for a logit_bias naming a token the model's vocabulary does not have (the web
         cannot know its size; an index past it would fail the whole batch's step)."""
         if not sampling.logit_bias:
             return
-        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        vocab = int(head.weight.shape[0]) if head is not None else getattr(self.model.config, "vocab_size", None)
+        vocab = self._vocab_size
         beyond = [token for token, _ in sampling.logit_bias if vocab is None or token >= vocab]
         if beyond:
             raise BadInput(f"logit_bias: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
@@ -257,13 +299,10 @@ class Executor:
         """A text request as a Sequence for the batcher (inference.batching); BadInput as run() would."""
         from inference.batching import Sequence
 
-        if self.tokenizer is None:
-            raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
-        prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
-        self.refuse_oversized(prompt)
+        prompt = self.prompt_of(request)
         max_tokens, sampling, stop = generation_params(request.params)
         self.refuse_unknown_tokens(sampling)
-        ids = [int(t) for t in self.tokenizer(prompt).input_ids]
+        ids = prompt if isinstance(prompt, list) else [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:
             raise BadInput("the prompt is empty: nothing to continue")
         # max_tokens None: the default, which the batcher fits to the room it has (Batcher.check).
@@ -281,7 +320,7 @@ class Executor:
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | list[int],
         params: dict[str, Any],
         on_chunk: Callable[[str], None] | None,
         asked_stop: Callable[[], bool] | None = None,
@@ -290,7 +329,11 @@ class Executor:
 
         asked, sampling, stop = generation_params(params)
         self.refuse_unknown_tokens(sampling)
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        ids = (
+            torch.tensor([prompt])
+            if isinstance(prompt, list)
+            else self.tokenizer(prompt, return_tensors="pt").input_ids
+        )
         limit = getattr(self.model.config, "max_position_embeddings", None)
         max_tokens = asked if asked is not None else fitted_max_tokens(ids.shape[1], limit)
         if limit is not None and ids.shape[1] + max_tokens > limit:
@@ -710,7 +753,7 @@ class Server(threading.Thread):
         if seq.error is not None:
             self._fail(request, " ".join(str(seq.error).split())[:500], "error")
             return
-        output = seq.result()
+        output = self.host.executor().echoed(request, seq.result())
         if request.kind == "chat":
             output["message"] = {"role": "assistant", "content": output["text"]}
         try:

@@ -94,11 +94,20 @@ class Refused(Exception):
         self.param, self.message = param, message
 
 
+# A prompt given as token ids, as vLLM takes it: the ids of the model's own tokenizer (what
+# lm-evaluation-harness's local-completions sends by default, tokenized with the model's own
+# tokenizer, so that the tokens it scores are exactly those it counted). The replica refuses an id
+# past its vocabulary.
+Prompt = str | list[int]
+# An id no tokenizer reaches: a bound against a number no model could hold, not a vocabulary.
+MOST_TOKEN_ID = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Completion:
     model: str
-    # The prompt (a string) or the messages ([{role, content}]): the first, where a completion is
-    # given a list of prompts (`prompts`).
+    # The prompt (a string or token ids) or the messages ([{role, content}]): the first, where a
+    # completion is given a list of prompts (`prompts`).
     input: Any
     # max_tokens, the sampling parameters (gpuportal.wire.sampling), stop and stream, as the
     # request queue takes them.
@@ -109,7 +118,7 @@ class Completion:
     # OpenAI's `n`: the choices asked of each input.
     n: int = 1
     # A completion's prompts, where it was given a list of them (`input` is the first).
-    prompts: tuple[str, ...] = ()
+    prompts: tuple[Prompt, ...] = ()
 
     @property
     def choices(self) -> int:
@@ -184,7 +193,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         timeout_s=timeout,
         include_usage=_include_usage(body.get("stream_options"), stream),
         n=n,
-        prompts=prompts if isinstance(body.get("prompt"), list) else (),
+        prompts=prompts if _listed(body.get("prompt")) else (),
     )
 
 
@@ -331,24 +340,40 @@ def _timeout(value: Any, default_s: float, max_s: float) -> float:
     return float(value)
 
 
-def _prompts(body: dict[str, Any]) -> tuple[str, ...]:
-    """A completion's prompt, or OpenAI's list of them (a choice each, `index` in their order)."""
+def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
+    """A completion's prompt, or OpenAI's list of them (a choice each, `index` in their order):
+    each a string, or token ids (a list of them alone is one prompt)."""
     prompt = body.get("prompt")
     if not isinstance(prompt, list):
         if not _text(prompt):
-            raise Refused("prompt", _not_text(prompt, "required: a string or a list of strings"))
+            raise Refused("prompt", _not_text(prompt, "required: a string, token ids, or a list of either"))
         return (prompt,)
     if not prompt:
-        raise Refused("prompt", "required: a string or a non-empty list of strings")
-    for i, text in enumerate(prompt):
-        if _integer(text) or (isinstance(text, list) and all(_integer(t) for t in text)):
-            # Token ids are the ids of OpenAI's tokenizer, which mean nothing to this model's.
-            raise Refused("prompt", "token arrays are not supported: send text")
-        if not _text(text):
-            raise Refused(f"prompt.{i}", _not_text(text, "must be a string"))
+        raise Refused("prompt", "required: a string, token ids, or a non-empty list of either")
+    if not _listed(prompt):
+        return (_token_ids(prompt, "prompt"),)
+    for i, given in enumerate(prompt):
+        if not _text(given) and not isinstance(given, list):
+            raise Refused(f"prompt.{i}", _not_text(given, "must be a string or a list of token ids"))
     if len(prompt) > MAX_CHOICES:
         raise Refused("prompt", f"at most {MAX_CHOICES} prompts in one call")
-    return tuple(prompt)
+    return tuple(
+        given if isinstance(given, str) else _token_ids(given, f"prompt.{i}") for i, given in enumerate(prompt)
+    )
+
+
+def _listed(prompt: Any) -> bool:
+    """Whether a completion's `prompt` is a list of prompts (token ids alone are one)."""
+    return isinstance(prompt, list) and not all(_integer(token) for token in prompt)
+
+
+def _token_ids(ids: list[Any], param: str) -> list[int]:
+    if not ids:
+        raise Refused(param, "no token ids: a prompt has at least one")
+    for j, token in enumerate(ids):
+        if not _integer(token) or not 0 <= token <= MOST_TOKEN_ID:
+            raise Refused(f"{param}.{j}", f"a token id is a whole number from 0 to {MOST_TOKEN_ID}")
+    return ids
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:

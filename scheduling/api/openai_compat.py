@@ -118,7 +118,8 @@ class CompletionInput(WaitInput, SamplingInput):
 
 class PromptInput(CompletionInput):
     prompt = serializers.JSONField(
-        help_text=f"A string, or a list of at most {MAX_CHOICES} strings: n choices each, `index` in their order."
+        help_text=f"A string, or token ids (the model's own tokenizer's, as vLLM takes them: `[1, 450, 4996]`), or "
+        f"a list of at most {MAX_CHOICES} of either: n choices each, `index` in their order."
     )
     logprobs = serializers.IntegerField(
         required=False,
@@ -697,8 +698,10 @@ class CompletionsView(_Generate):
     def choice(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
         text, picked = output.get("text", ""), output.get("logprobs")
         if asked.params.get("echo"):
-            # The prompt as it was given, and with logprobs its tokens' first (the replica's).
-            text = f"{asked.input}{text}"
+            # The prompt as it was given (given as token ids: as the replica decoded them), and
+            # with logprobs its tokens' first (the replica's).
+            prompt = asked.input if isinstance(asked.input, str) else output.get("prompt_text", "")
+            text = f"{prompt}{text}"
             if picked is not None:
                 picked = [*output.get("prompt_logprobs", []), *picked]
         return {"text": text, "logprobs": _completion_logprobs(picked)}

@@ -28,7 +28,7 @@ def tiny(tmp_path_factory) -> tuple[Any, Any]:
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def run(model: Any, tokenizer: Any, prompt: str = PROMPT, **params: Any) -> Sequence:
+def run(model: Any, tokenizer: Any, prompt: str | list[int] = PROMPT, **params: Any) -> Sequence:
     pool = BlockPool.for_shape(model_shape(model, 0), 64, dtype=torch.float32, device="cpu", block_tokens=4)
     batcher = Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
     request = Request(id="r1", deployment="tiny", kind="generate", input=prompt, params=params)
@@ -137,3 +137,22 @@ def test_a_prompt_is_scored_only_where_echo_and_logprobs_are_both_asked(tiny):
     assert "prompt_logprobs" not in paged(model, tokenizer, max_tokens=2, echo=True)
     request = Request(id="r5", deployment="tiny", kind="generate", input=PROMPT, params={"max_tokens": 2, "echo": True})
     assert "prompt_logprobs" not in Executor(model, tokenizer).run(request, None)
+
+
+def test_a_prompt_given_as_token_ids_is_answered_and_scored_as_its_text_is_on_both_paths(tiny):
+    model, tokenizer = tiny
+    ids = tokenizer(PROMPT).input_ids
+    asked = {"max_tokens": 3, "logprobs": 1, "echo": True}
+
+    def generated(given: Any) -> dict[str, Any]:
+        request = Request(id="r6", deployment="tiny", kind="generate", input=given, params=asked)
+        return Executor(model, tokenizer).run(request, None)
+
+    by_text, by_ids = paged(model, tokenizer, PROMPT, **asked), run(model, tokenizer, ids, **asked).result()
+    assert (by_ids["text"], by_ids["logprobs"], by_ids["prompt_logprobs"]) == (
+        by_text["text"], by_text["logprobs"], by_text["prompt_logprobs"]
+    )  # fmt: skip
+    assert generated(ids)["prompt_logprobs"] == generated(PROMPT)["prompt_logprobs"]
+    assert generated(ids)["text"] == by_text["text"]
+    # The web has no tokenizer: the replica decodes the ids the answer's echo begins with.
+    assert generated(ids)["prompt_text"] == tokenizer.decode(ids) and "prompt_text" not in generated(PROMPT)

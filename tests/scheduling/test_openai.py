@@ -15,8 +15,10 @@ from django.contrib.auth.models import User
 from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference.devices import virtual_gpus
+from inference.serving import Server
 from scheduling.api import completion_input
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
@@ -24,6 +26,7 @@ from scheduling.services.nodes import register_node
 from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import StandIn, wait_until
+from tests.support.serving import host_for
 
 MiB = 1024**2
 
@@ -185,8 +188,10 @@ def test_too_many_choices_are_refused_naming_why(client, replica):
     for asked, param, said in (
         ({"prompt": "x", "n": 17}, "n", "n: must be a whole number from 1 to 16"),
         ({"prompt": ["x"] * 9, "n": 2}, "n", "n: 9 prompts of 2 choices each: at most 16 choices in one call"),
-        ({"prompt": []}, "prompt", "prompt: required: a string or a non-empty list of strings"),
-        ({"prompt": [1, 2]}, "prompt", "prompt: token arrays are not supported"),
+        ({"prompt": []}, "prompt", "prompt: required: a string, token ids, or a non-empty list of either"),
+        ({"prompt": [[]]}, "prompt.0", "prompt.0: no token ids: a prompt has at least one"),
+        ({"prompt": [[1, -2]]}, "prompt.0.1", "prompt.0.1: a token id is a whole number from 0 to 2147483647"),
+        ({"prompt": [1, "x"]}, "prompt.0", "prompt.0: must be a string or a list of token ids"),
         ({"prompt": ["x", None], "stream": True}, "prompt.1", "prompt.1: must be a string"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
@@ -565,7 +570,7 @@ def test_the_parser_reads_the_shapes_openai_clients_send():
         ([], "the body must be a JSON object"),
         ({"prompt": "x"}, "model: required: the deployment's name"),
         ({"model": "ti\x00ny", "prompt": "x"}, "model: must not contain a NUL character"),
-        ({"model": "tiny"}, "prompt: required: a string or a list of strings"),
+        ({"model": "tiny"}, "prompt: required: a string, token ids, or a list of either"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens: must be a whole number from 1 to 4096"),
         ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p: must be above 0 and at most 1"),
         ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature: must be a number"),
@@ -684,6 +689,40 @@ def test_an_echoed_completion_begins_with_its_prompt_and_scores_its_tokens_as_an
     assert logprobs.token_logprobs == [None, -0.25, -0.5, -0.5], "the prompt's first token has nothing before it"
     assert logprobs.top_logprobs == [None, {"?": -1.0}, {"?": -1.0}, {"?": -1.0}]
     assert logprobs.text_offset == [0, 1, 2, 3]
+
+
+def test_a_prompt_of_token_ids_is_the_models_own_tokens_as_lm_evaluation_harness_sends_them(
+    client, replica, tiny_model_dir
+):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    host = host_for(model, tokenizer)
+    host.replica_id = replica.id
+    server = Server(host, request_services.queue(), "tiny", poll_s=0.05)
+    server.start()
+    ids = tokenizer("Once upon a time").input_ids
+    try:
+        # As local-completions asks for a loglikelihood by default (tokenized_requests): a batch of
+        # token lists, each echoed with its log probabilities and one token more.
+        by_ids = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, logprobs=1, echo=True)
+        by_text = client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=1, logprobs=1, echo=True
+        )
+        two = client.completions.create(model="tiny", prompt=[ids, ids[:2]], max_tokens=3)
+        with pytest.raises(openai.BadRequestError) as beyond:
+            client.completions.create(model="tiny", prompt=[5, 100_000], max_tokens=1)
+    finally:
+        server.stopped.set()
+        server.join(10)
+
+    (choice,) = by_ids.choices
+    answer = by_text.choices[0].text.removeprefix("Once upon a time")
+    assert choice.text == tokenizer.decode(ids) + answer, "the prompt as its ids decode, then the same answer"
+    scored = choice.logprobs.token_logprobs
+    assert len(scored) == len(ids) + 1 and scored[0] is None, "one a prompt token, the first with none, then one"
+    assert scored == pytest.approx(by_text.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.prompt_tokens == len(ids) + 2
+    assert beyond.value.body["message"] == "prompt: token 100000 is not in the model's vocabulary of 512 tokens"
 
 
 def test_ignore_eos_runs_an_answer_to_its_max_tokens_as_min_tokens_of_them_all():
