@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuportal.wire.memory import kv_blocks
-from gpuportal.wire.requestqueue import STOPPED
+from gpuportal.wire.requestqueue import STOPPED, picked_piece
 from gpuportal.wire.sampling import Sampling, fitted_max_tokens
 from inference.errors import TooLong
 from inference.kvpool import BlockPool
@@ -69,6 +69,7 @@ class Sequence:
     text: str = ""
     error: Exception | None = None
     _sent: str = ""
+    _streamed_picks: int = 0  # of `picked`, those whose log probabilities went out with a piece
     _decoded: IncrementalText | None = None  # the text so far, for streaming and stop strings
     _generator: Any = None  # a seeded request's own torch.Generator, made at its first sample
 
@@ -346,15 +347,22 @@ class Batcher:
         if s.prompt_logprobs is not None:
             s.prompt_entries = prompt_entries(self.tokenizer, s.prompt, s.prompt_picked)
 
-    @staticmethod
-    def _stream(s: Sequence, text: str, *, final: bool = False) -> None:
-        """Hand the streamed sequence's newly settled text to its on_chunk (inference.stream_text)."""
+    def _stream(self, s: Sequence, text: str, *, final: bool = False) -> None:
+        """Hand the streamed sequence's newly settled text to its on_chunk (inference.stream_text);
+        asked for its log probabilities, each piece carries those of the tokens picked since the
+        last (an end of sequence that ended it is no token of the answer)."""
         if s.on_chunk is None:
             return
         piece = newly_settled(text, s._sent, final=final)
-        if piece:
+        if not piece:
+            return
+        if s.logprobs is None:
             s.on_chunk(piece)
-            s._sent += piece
+        else:
+            picks = _answered(s.picked, self.eos)
+            s.on_chunk(picked_piece(piece, entries(self.tokenizer, picks[s._streamed_picks :])))
+            s._streamed_picks = len(picks)
+        s._sent += piece
 
     def _retire(self, s: Sequence) -> None:
         if s in self.running:

@@ -160,7 +160,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     if refused := sampling.problems(body):
         name, why = next(iter(refused.items()))  # the first, in the order they are declared
         raise Refused(name, why)
-    logprobs = _logprobs(body, kind, stream)
+    logprobs = _logprobs(body, kind)
     params = {
         **({} if logprobs is None else {"logprobs": logprobs}),
         "max_tokens": _max_tokens(body, kind),
@@ -208,10 +208,10 @@ def _nothing_not_done(body: dict[str, Any], n: int) -> None:
         raise Refused("best_of", f"not supported beyond n: each choice made is returned (give n, here {n})")
 
 
-def _logprobs(body: dict[str, Any], kind: Kind, stream: bool) -> int | None:
+def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
     """How many alternatives each token's log probability comes with (0: its own alone), or None
     where none is asked: a chat's `logprobs: true` with its `top_logprobs`, a completion's
-    `logprobs` count, as OpenAI's two endpoints ask. Not streamed."""
+    `logprobs` count, as OpenAI's two endpoints ask (streamed too: each chunk with its tokens')."""
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     bound = f"must be a whole number from 0 to {MAX_LOGPROBS}"
     if kind == "chat":
@@ -226,8 +226,6 @@ def _logprobs(body: dict[str, Any], kind: Kind, stream: bool) -> int | None:
         if wanted is not None and (not _integer(wanted) or not 0 <= wanted <= MAX_LOGPROBS):
             raise Refused("logprobs", f"{bound}: the alternatives given with each token")
         asked = wanted
-    if asked is not None and stream:
-        raise Refused("logprobs", "not streamed: ask without stream")
     return asked
 
 

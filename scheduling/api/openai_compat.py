@@ -415,7 +415,9 @@ class _Generate(_Answered):
         """A choice of the answer: the replica's `output` of the request `asked`."""
 
     @abstractmethod
-    def delta(self, text: str, first: bool) -> dict[str, Any]: ...
+    def delta(self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int) -> dict[str, Any]:
+        """A streamed chunk's choice but its index and finish_reason: `text`, and where log
+        probabilities are asked, those of `picked` (the text's tokens, the first at `start`)."""
 
     def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
         """The answer of a call's requests (`results`, as they ended; `asked`, as they were
@@ -459,6 +461,20 @@ class _Generate(_Answered):
         started: set[int] = set()
         ended: set[int] = set()
         outputs: dict[int, dict[str, Any]] = {}
+        # Asked for log probabilities: each choice's streamed so far (how many, and the length of
+        # their tokens' text, where the next begins). Those a piece did not carry (the generate
+        # path streams text alone) come with the choice's last chunk, from its answer.
+        asked = call.params.get("logprobs") is not None
+        picks_sent: dict[int, tuple[int, int]] = {}
+
+        def picks(index: int, picked: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]] | None, int]:
+            count, at = picks_sent.get(index, (0, 0))
+            if not asked:
+                return None, at
+            picked = picked or []
+            picks_sent[index] = (count + len(picked), at + sum(len(entry["token"]) for entry in picked))
+            return picked, at
+
         told, told_at = "", time.monotonic()
         try:
             for item in said:
@@ -473,8 +489,8 @@ class _Generate(_Answered):
                 first = item.index not in started
                 if not item.ended:
                     started.add(item.index)
-                    choice = {"index": item.index, "finish_reason": None, **self.delta(item.text, first)}
-                    yield _sse({**base, "choices": [choice]})
+                    delta = self.delta(item.text, first, *picks(item.index, item.picks))
+                    yield _sse({**base, "choices": [{"index": item.index, "finish_reason": None, **delta}]})
                     continue
                 ended.add(item.index)
                 final = item.final
@@ -486,10 +502,11 @@ class _Generate(_Answered):
                     yield _sse(error)
                     break
                 outputs[item.index] = final.output or {}
+                left = (outputs[item.index].get("logprobs") or [])[picks_sent.get(item.index, (0, 0))[0] :]
                 last = {
                     "index": item.index,
                     "finish_reason": outputs[item.index].get("finish_reason", "stop"),
-                    **self.delta("", first),
+                    **self.delta("", first, *picks(item.index, left)),
                 }
                 if len(outputs) < len(submitted):
                     yield _sse({**base, "choices": [last]})
@@ -528,6 +545,8 @@ class _Said:
 
     index: int
     text: str = ""
+    # The log probabilities of the text's tokens, where its piece carried them.
+    picks: list[dict[str, Any]] | None = None
     waiting: str = ""
     ended: bool = False
     final: Request | None = None
@@ -549,8 +568,9 @@ def _follow(submitted: Request, model: str, deadline: float, index: int, stop: t
             yield _Said(index, waiting=told)
         for chunk in chunks:
             # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
-            if text := splice.feed(chunk):
-                yield _Said(index, text=text)
+            text, picked = splice.feed_piece(chunk)
+            if text:
+                yield _Said(index, text=text, picks=picked)
                 first = False
         sent += len(chunks)
         if ended:
@@ -587,13 +607,14 @@ def _together(followers: list[Iterator[_Said]], stop: threading.Event) -> Iterat
         stop.set()
 
 
-def _completion_logprobs(picked: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+def _completion_logprobs(picked: list[dict[str, Any]] | None, start: int = 0) -> dict[str, Any] | None:
     """A replica's picks (inference.token_logprobs.entries) as OpenAI's completions give them:
     parallel lists of the tokens, their log probabilities, their alternatives and where each
-    begins in the text. None where none were asked."""
+    begins in the text (the first at `start`: a streamed chunk's, after those sent before it).
+    None where none were asked."""
     if picked is None:
         return None
-    offsets, at = [], 0
+    offsets, at = [], start
     for entry in picked:
         offsets.append(at)
         at += len(entry["token"])
@@ -706,8 +727,8 @@ class CompletionsView(_Generate):
                 picked = [*output.get("prompt_logprobs", []), *picked]
         return {"text": text, "logprobs": _completion_logprobs(picked)}
 
-    def delta(self, text: str, first: bool) -> dict[str, Any]:
-        return {"text": text, "logprobs": None}
+    def delta(self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int) -> dict[str, Any]:
+        return {"text": text, "logprobs": _completion_logprobs(picked, start)}
 
 
 class ChatCompletionsView(_Generate):
@@ -725,11 +746,11 @@ class ChatCompletionsView(_Generate):
             "logprobs": _chat_logprobs(output.get("logprobs")),
         }
 
-    def delta(self, text: str, first: bool) -> dict[str, Any]:
+    def delta(self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text} if text else {}
         if first:
             delta["role"] = "assistant"
-        return {"delta": delta}
+        return {"delta": delta, "logprobs": _chat_logprobs(picked)}
 
 
 class EmbeddingsView(_Answered):

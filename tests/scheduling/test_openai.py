@@ -8,6 +8,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -267,7 +268,6 @@ def test_a_chats_log_probabilities_come_per_token_with_its_bytes_and_alternative
         ("chat", {"logprobs": 2}, "logprobs: must be true or false"),
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs: must be a whole number from 0 to 20"),
         ("chat", {"top_logprobs": 3}, "top_logprobs: only with logprobs: true"),
-        ("chat", {"logprobs": True, "stream": True}, "logprobs: not streamed: ask without stream"),
         ("generate", {"logprobs": True}, "logprobs: must be a whole number from 0 to 20"),
         ("generate", {"logprobs": 21}, "logprobs: must be a whole number from 0 to 20"),
     ],
@@ -691,29 +691,32 @@ def test_an_echoed_completion_begins_with_its_prompt_and_scores_its_tokens_as_an
     assert logprobs.text_offset == [0, 1, 2, 3]
 
 
-def test_a_prompt_of_token_ids_is_the_models_own_tokens_as_lm_evaluation_harness_sends_them(
-    client, replica, tiny_model_dir
-):
+@pytest.fixture
+def served(replica, tiny_model_dir) -> Iterator[Any]:
+    """The replica's serving loop, here, over the tiny Llama with a KV pool (no stand-in): its tokenizer."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     host = host_for(model, tokenizer)
     host.replica_id = replica.id
     server = Server(host, request_services.queue(), "tiny", poll_s=0.05)
     server.start()
-    ids = tokenizer("Once upon a time").input_ids
     try:
-        # As local-completions asks for a loglikelihood by default (tokenized_requests): a batch of
-        # token lists, each echoed with its log probabilities and one token more.
-        by_ids = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, logprobs=1, echo=True)
-        by_text = client.completions.create(
-            model="tiny", prompt="Once upon a time", max_tokens=1, logprobs=1, echo=True
-        )
-        two = client.completions.create(model="tiny", prompt=[ids, ids[:2]], max_tokens=3)
-        with pytest.raises(openai.BadRequestError) as beyond:
-            client.completions.create(model="tiny", prompt=[5, 100_000], max_tokens=1)
+        yield tokenizer
     finally:
         server.stopped.set()
         server.join(10)
+
+
+def test_a_prompt_of_token_ids_is_the_models_own_tokens_as_lm_evaluation_harness_sends_them(client, served):
+    tokenizer = served
+    ids = tokenizer("Once upon a time").input_ids
+    # As local-completions asks for a loglikelihood by default (tokenized_requests): a batch of
+    # token lists, each echoed with its log probabilities and one token more.
+    by_ids = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, logprobs=1, echo=True)
+    by_text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1, logprobs=1, echo=True)
+    two = client.completions.create(model="tiny", prompt=[ids, ids[:2]], max_tokens=3)
+    with pytest.raises(openai.BadRequestError) as beyond:
+        client.completions.create(model="tiny", prompt=[5, 100_000], max_tokens=1)
 
     (choice,) = by_ids.choices
     answer = by_text.choices[0].text.removeprefix("Once upon a time")
@@ -723,6 +726,37 @@ def test_a_prompt_of_token_ids_is_the_models_own_tokens_as_lm_evaluation_harness
     assert scored == pytest.approx(by_text.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert [c.index for c in two.choices] == [0, 1] and two.usage.prompt_tokens == len(ids) + 2
     assert beyond.value.body["message"] == "prompt: token 100000 is not in the model's vocabulary of 512 tokens"
+
+
+def test_streamed_log_probabilities_come_with_the_tokens_each_chunk_brings_and_add_up_to_the_answers(client, served):
+    asked = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "logprobs": 2}
+    whole = client.completions.create(**asked).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**asked, stream=True) if c.choices]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "logprobs": True}
+    said = client.chat.completions.create(**chat).choices[0]
+    chat_chunks = [c.choices[0] for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+
+    carried = [c.logprobs for c in chunks if c.logprobs and c.logprobs.tokens]
+    assert len(carried) > 1, "token by token as the text comes, not all at the end"
+    streamed = {
+        key: [value for c in chunks if c.logprobs for value in getattr(c.logprobs, key)]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    assert streamed["tokens"] == whole.logprobs.tokens
+    assert streamed["token_logprobs"] == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+    assert streamed["text_offset"] == whole.logprobs.text_offset, "where each token begins in the whole text"
+    assert [list(top) for top in streamed["top_logprobs"]] == [list(top) for top in whole.logprobs.top_logprobs]
+    tokens = [t for c in chat_chunks if c.logprobs for t in c.logprobs.content]
+    assert [(t.token, t.bytes) for t in tokens] == [(t.token, t.bytes) for t in said.logprobs.content]
+
+
+def test_log_probabilities_a_stream_did_not_carry_come_with_each_choices_last_chunk(client, replica):
+    StandIn(replica.id, 1).start()  # streams its text alone, as the generate() path does
+
+    chunks = [c.choices[0] for c in client.completions.create(model="tiny", prompt="hey", logprobs=1, stream=True)]
+
+    assert [c.logprobs.tokens for c in chunks] == [[]] * (len(chunks) - 1) + [["H", "E", "Y"]]
+    assert chunks[-1].logprobs.text_offset == [0, 1, 2] and chunks[-1].finish_reason == "stop"
 
 
 def test_ignore_eos_runs_an_answer_to_its_max_tokens_as_min_tokens_of_them_all():

@@ -18,6 +18,9 @@ STREAM_END = "\x00end"
 # In a stream, before the chunks of a run that starts over (its request was re-queued after some
 # of its text went out): the reader skips what it already sent (StreamSplice).
 STREAM_RESTART = "\x00restart"
+# A streamed piece that carries its tokens' log probabilities (asked for beside `stream`): this
+# prefix, then the JSON of [text, entries] (inference.token_logprobs.entries' shape).
+STREAM_PICKS = "\x00picks"
 # The longest a blocking read waits in one call; see RequestQueue.wait.
 BLOCK_SLICE_S = 2.0
 # How long a replica's claim to be taking requests (gp:live) holds unless renewed: its every take
@@ -557,6 +560,19 @@ class Request:
         )
 
 
+def picked_piece(text: str, entries: list[dict[str, Any]]) -> str:
+    """A streamed piece of text with the log probabilities of the tokens it brings."""
+    return STREAM_PICKS + json.dumps([text, entries])
+
+
+def read_piece(chunk: str) -> tuple[str, list[dict[str, Any]] | None]:
+    """A stream entry's text, and the log probabilities it carries (None: none)."""
+    if chunk.startswith(STREAM_PICKS):
+        text, entries = json.loads(chunk[len(STREAM_PICKS) :])
+        return text, entries
+    return chunk, None
+
+
 class StreamSplice:
     """A streamed answer as its reader should send it, across re-runs of the request.
 
@@ -581,3 +597,13 @@ class StreamSplice:
         text = self.run[self.sent :]
         self.sent = len(self.run)
         return text
+
+    def feed_piece(self, chunk: str) -> tuple[str, list[dict[str, Any]] | None]:
+        """`feed`, for an entry that may carry its tokens' log probabilities: the text to send,
+        and those log probabilities where the whole piece is sent (a re-run's piece that repeats
+        what was sent already carries none, its tokens' having gone out with the first run's)."""
+        if chunk == STREAM_RESTART:
+            return self.feed(chunk), None
+        piece, entries = read_piece(chunk)
+        text = self.feed(piece)
+        return text, entries if text and text == piece else None
