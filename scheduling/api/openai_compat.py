@@ -295,7 +295,12 @@ def _code(failed: Request) -> str | None:
 def _failure(result: Request, param: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
     """A request that ended without an answer: input the model cannot take is the caller's to fix.
     With a Retry-After where its failure said when asking again may succeed: OpenAI's client
-    library waits that long before it retries a 503."""
+    library waits that long before it retries a 503. One cancelled while the call waited
+    (`DELETE /api/requests/{id}/`) is a 409 its client must not send again: OpenAI's retries a 409
+    unless `x-should-retry` says false, and a retry would run what was cancelled."""
+    if result.status == "cancelled":
+        cancelled = error_body(f"request {result.id} was {result.error or 'cancelled'}", None, "cancelled")
+        return 409, JsonResponse(cancelled, status=409, headers={"x-should-retry": "false"})
     code = 400 if result.error_kind in CALLERS_INPUT else 503
     error = error_body(result.error, param, "server_error" if code == 503 else "invalid_request_error", _code(result))
     headers = retry_after(result)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -341,3 +342,40 @@ def test_the_command_line_lists_requests_and_cancels_them_by_the_start_of_their_
     assert code == 1 and out == ""
     assert f"{waiting.id}: request {waiting.id} is cancelled: it has ended, and there is nothing to cancel" in err
     assert "zz: not a request id" in err
+
+
+def test_a_v1_call_whose_request_is_cancelled_while_it_waits_is_a_409_its_client_does_not_retry(
+    rq, deployment, live_server
+):
+    import openai
+
+    user = User.objects.create_user("erin")
+    key = Token.objects.create(user=user).key
+    raised: list[Exception] = []
+
+    def call() -> None:
+        with openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=key, max_retries=2, timeout=30) as client:
+            try:
+                client.completions.create(model="talk", prompt="Hi", max_tokens=5)
+            except openai.APIError as error:
+                raised.append(error)
+
+    begun = time.time()
+    caller = threading.Thread(target=call)
+    caller.start()
+
+    def mine() -> list[Any]:  # this test's: the owner's index may hold an earlier run's
+        found = rq.recent(str(user.pk), deployment="talk", status=None, offset=0, limit=10)[0]
+        return [r for r in found if r.created_at and r.created_at >= begun]
+
+    # No replica serves it: it waits until it is cancelled.
+    (waiting,) = wait_until(mine, 30, "the call's request to be queued")
+    client = APIClient()
+    client.force_authenticate(user)
+    assert client.delete(f"/api/requests/{waiting.id}/").status_code == 200
+    caller.join(30)
+
+    (error,) = raised
+    assert isinstance(error, openai.ConflictError) and error.response.headers["x-should-retry"] == "false"
+    assert error.body["message"] == f"request {waiting.id} was cancelled by its owner"
+    assert len(mine()) == 1, "the client did not send it again"
