@@ -23,6 +23,7 @@ from scheduling.services import failover as failover_services
 from scheduling.services import node_marks, rollouts
 from scheduling.services import nodes as node_services
 from scheduling.services import replicas as replica_services
+from scheduling.services import requests as request_services
 from scheduling.services import sleep as sleep_services
 from scheduling.services.errors import InvalidInput, ServiceError
 from scheduling.web.dashboard import render_page, staff_only
@@ -72,6 +73,24 @@ def replica(request: HttpRequest, replica_id: str, action: str) -> HttpResponse:
             return f"{replica}: waking on {replica.node}"
         replica = replica_services.evict(replica_id, reason=f"evicted by {_who(request)}")
         return f"{replica}: evicted, going to sleep"
+
+    return _run(request, act)
+
+
+@require_POST
+@staff_only
+def cancel_request(request: HttpRequest, request_id: str) -> HttpResponse:
+    if not _confirmed(request):
+        return _confirm_page(request, f"Cancel request {request_id[:12]}? Its answer so far is kept; no more is made.")
+
+    def act() -> str:
+        ended = request_services.cancel(request_id, user_id=str(request.user.pk), staff=True)
+        if ended.status != "cancelled":
+            return f"request {request_id[:12]}: asked to stop; still {ended.status}"
+        usage = ended.output.get("usage") if isinstance(ended.output, dict) else None
+        if usage:
+            return f"request {request_id[:12]}: stopped after {usage.get('completion_tokens', 0)} token(s)"
+        return f"request {request_id[:12]}: cancelled before it ran"
 
     return _run(request, act)
 

@@ -11,12 +11,14 @@ import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import wraps
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.contrib import admin
+from django.contrib.auth.models import User
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, F, Max
@@ -36,6 +38,8 @@ from scheduling.services import autoscaling, host_cache, traffic_stats
 from scheduling.services import requests as request_services
 
 EVENT_LIMIT = 50
+# The requests the page lists: those replicas hold, then the oldest waiting.
+REQUEST_LIMIT = 50
 
 # Which bar segment an occupant's replica state falls in (five colours with the free one): a
 # segment is named for the state it shows, the states on their way to it drawn with it.
@@ -289,6 +293,32 @@ def _pairs() -> list[dict[str, Any]]:
     return pairs
 
 
+def _live_requests(replicas: list[Replica], names: list[str]) -> tuple[list[dict[str, Any]], int | None]:
+    """The requests replicas generate, then those waiting for the deployments `names`, oldest
+    first (at most REQUEST_LIMIT), and how many there are in all (None when Redis cannot say):
+    two round trips to Redis, one query for their owners' names."""
+    try:
+        found, total = request_services.queue().live_requests([r.id for r in replicas], names, REQUEST_LIMIT)
+    except redis.RedisError:  # the rest of the page does without them
+        return [], None
+    owners = {r.owner for r in found if r.owner.isdigit()}
+    usernames = {str(pk): name for pk, name in User.objects.filter(pk__in=owners).values_list("pk", "username")}
+    held = {"dispatched": 0, "running": 0}
+    rows = [
+        {
+            "id": r.id,
+            "deployment": r.deployment,
+            "owner": usernames.get(r.owner, r.owner or "–"),
+            "status": r.status,
+            "replica": r.replica,
+            "created_at": datetime.fromtimestamp(r.created_at, tz=UTC) if r.created_at else None,
+            "started_at": datetime.fromtimestamp(r.started_at, tz=UTC) if r.started_at else None,
+        }
+        for r in sorted(found, key=lambda r: (r.status not in held, r.created_at or 0.0))
+    ]
+    return rows, total
+
+
 def event_filters(request: HttpRequest) -> dict[str, str]:
     return {key: request.GET.get(key, "").strip() for key in ("kind", "deployment", "gpu")}
 
@@ -335,6 +365,8 @@ def context(request: HttpRequest) -> dict[str, Any]:
         occupied = [o.gpu.index for o in replica.occupancies.all()]
         indexes = states.sits_on(replica.state, occupied, replica.gpu_mem_bytes_by_id or {})
         replica.gpu_labels = ", ".join(f"{node}/{index}" for index in indexes)
+    deployments = _deployment_rows()
+    live, live_total = _live_requests(replicas, [row["name"] for row in deployments])
     filters = event_filters(request)
     shown = sorted({seg.deployment for node in node_rows.values() for row in node.gpus for seg in row.occupants})
     painted = [seg for node in node_rows.values() for row in node.gpus for seg in (*row.segments, *row.occupants)]
@@ -350,8 +382,10 @@ def context(request: HttpRequest) -> dict[str, Any]:
         "intents": intents,
         "locks": locks,
         "pairs": _pairs(),
-        "deployments": _deployment_rows(),
+        "deployments": deployments,
         "replicas": replicas,
+        "live_requests": live,
+        "live_total": live_total,
         "events": list(selectors.events(**{k: v for k, v in filters.items() if v})[:EVENT_LIMIT]),
         "filters": filters,
         "event_kinds": sorted(Event.Kind.values),

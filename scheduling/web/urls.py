@@ -16,6 +16,7 @@ def urls() -> list:
         path("", page, name="scheduling_dashboard"),
         path("fragment/", fragment, name="scheduling_dashboard_fragment"),
         path("replicas/<str:replica_id>/<slug:action>/", controls.replica, name="scheduling_dashboard_replica"),
+        path("requests/<str:request_id>/cancel/", controls.cancel_request, name="scheduling_dashboard_cancel"),
         path("deployments/", controls.deploy, name="scheduling_dashboard_deploy"),
         path("deployments/<slug:name>/scale/", controls.scale, name="scheduling_dashboard_scale"),
         path("deployments/<slug:name>/delete/", controls.delete, name="scheduling_dashboard_delete"),

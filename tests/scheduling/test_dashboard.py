@@ -3,6 +3,9 @@ through the services (an Event per change), staff only, with the outcome as an a
 
 from __future__ import annotations
 
+import re
+import uuid
+
 import pytest
 from django.contrib.auth.models import User
 from django.contrib.messages import get_messages
@@ -12,7 +15,8 @@ from django.utils import timezone
 
 from inference.devices import virtual_gpus
 from scheduling.models import Deployment, DeploymentObserved, Event, FailoverLease, Node, Replica
-from scheduling.services import reports
+from scheduling.services import queueing, reports
+from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
 from tests.support import factories as f
 from tests.support.deployments import deploy
@@ -320,6 +324,35 @@ def test_it_renders_8_nodes_of_8_gpus_and_100_deployments_in_a_fixed_number_of_q
     assert content.count("<tr data-deployment=") == 100
     with django_assert_max_num_queries(16):
         assert admin_client.get(FRAGMENT).status_code == 200
+
+
+def test_it_lists_what_replicas_generate_then_what_waits_and_cancels_a_request_after_asking(
+    admin_client, monkeypatch
+) -> None:
+    monkeypatch.setattr(queueing, "STOP_WAIT_S", 0.1)  # no replica runs here to stop it
+    name = f"req-{uuid.uuid4().hex[:8]}"
+    serving = f.replica(f.deployment(name), state="serving")
+    alice = User.objects.create_user("alice")
+    queue = request_services.queue()
+    held = queue.submit(name, kind="generate", input="first", params={}, owner=str(alice.pk))
+    waiting = queue.submit(name, kind="generate", input="second", params={}, owner=str(alice.pk))
+    assert queue.take(name, serving.id, timeout=1).id == held.id
+
+    rows = re.findall(r'<tr data-request="(\w+)">(.*?)</tr>', admin_client.get(FRAGMENT).content.decode(), re.S)
+    assert [request_id for request_id, _ in rows] == [held.id, waiting.id], "what replicas hold first"
+    assert "dispatched" in rows[0][1] and serving.id[:8] in rows[0][1] and "alice" in rows[0][1]
+    assert "queued" in rows[1][1]
+
+    asked = admin_client.post(control("cancel", waiting.id))
+    assert asked.status_code == 200 and b"Cancel request" in asked.content and queue.get(waiting.id).status == "queued"
+    done = admin_client.post(control("cancel", waiting.id), {"confirm": "yes"})
+    assert outcome(done) == [f"request {waiting.id[:12]}: cancelled before it ran"]
+    stopping = admin_client.post(control("cancel", held.id), {"confirm": "yes"})
+    assert outcome(stopping)[-1] == f"request {held.id[:12]}: asked to stop; still dispatched"
+    assert queue.get(held.id).stop_asked == "cancelled by staff"
+    again = admin_client.post(control("cancel", waiting.id), {"confirm": "yes"})
+    said = f"Refused: request {waiting.id} is cancelled: it has ended, and there is nothing to cancel"
+    assert outcome(again)[-1] == said
 
 
 # -- controls -----------------------------------------------------------------------------------------

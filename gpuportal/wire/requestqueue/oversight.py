@@ -13,6 +13,7 @@ from gpuportal.wire.requestqueue.protocol import (
     FINAL,
     RECORDS_KEY,
     TTL_S,
+    Request,
     finished_key,
     last_key,
     processing_key,
@@ -47,6 +48,32 @@ class Overseeing(QueueBase):
             replica_id: (int(replies[2 * i]), None if replies[2 * i + 1] is None else float(replies[2 * i + 1]))
             for i, replica_id in enumerate(ids)
         }
+
+    def live_requests(
+        self, replica_ids: Iterable[str], deployments: Iterable[str], limit: int
+    ) -> tuple[list[Request], int]:
+        """What the replicas hold (dispatched or running), then what waits in the deployments'
+        queues, oldest first, at most `limit` of them; and how many there are in all. Two round
+        trips whatever the number of replicas and deployments: the lists, then the requests."""
+        replicas, names = list(replica_ids), list(deployments)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for replica_id in replicas:
+                pipe.lrange(processing_key(replica_id), 0, limit - 1)
+                pipe.llen(processing_key(replica_id))
+            for name in names:
+                pipe.lrange(queue_key(name), -limit, -1)  # the oldest are at the right
+                pipe.llen(queue_key(name))
+            replies = pipe.execute()
+        held = [raw.decode() for ids in replies[0 : 2 * len(replicas) : 2] for raw in ids]
+        waiting = [raw.decode() for ids in replies[2 * len(replicas) :: 2] for raw in reversed(ids)]
+        total = sum(int(n) for n in replies[1::2])
+        ids = (held + waiting)[:limit]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in ids:
+                pipe.hgetall(request_key(request_id))
+            hashes = pipe.execute() if ids else []
+        found = [Request.from_hash(i, raw) for i, raw in zip(ids, hashes, strict=True) if raw]
+        return [r for r in found if not r.final], total
 
     def finished_counts(self) -> dict[str, int]:
         """Requests that ended, by final status, counted by whoever ended them."""
