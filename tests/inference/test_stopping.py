@@ -225,6 +225,17 @@ def test_a_running_request_cancelled_through_the_api_ends_cancelled_with_its_tex
     assert again.status_code == 409 and "it has ended" in again.json()["detail"]
 
 
+def streamed(live_server: Any, key: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed /v1 completion of LONG tokens from `talk`, opened as its client opens it."""
+    where = urlsplit(live_server.url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    body = json.dumps({"model": "talk", "prompt": "Once", "stream": True, **LONG})
+    connection.request(
+        "POST", "/v1/completions", body, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    )
+    return connection, connection.getresponse()
+
+
 def test_a_stream_whose_client_leaves_stops_its_request_at_the_replica(tiny, rq, gated, deployment, live_server):
     key = Token.objects.create(user=User.objects.create_user("bob")).key
     host = host_for(*tiny)
@@ -234,13 +245,8 @@ def test_a_stream_whose_client_leaves_stops_its_request_at_the_replica(tiny, rq,
     # fails, so it goes on (each token a write) until the web's ask to stop it has reached Redis.
     client_left = (SOME, left.is_set, "the client to leave")
     server = serve(host, rq, "talk", gated, client_left, asked(rq, host.replica_id, at=SOME + 40))
-    where = urlsplit(live_server.url)
-    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    connection, response = streamed(live_server, key)
     try:
-        body = json.dumps({"model": "talk", "prompt": "Once", "stream": True, **LONG})
-        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        connection.request("POST", "/v1/completions", body, headers)
-        response = connection.getresponse()
         assert response.status == 200
         first = next(line for line in response if line.startswith(b"data: "))
         request_id = json.loads(first.removeprefix(b"data: "))["id"].removeprefix("cmpl-")
@@ -288,13 +294,9 @@ def test_a_stream_whose_request_is_cancelled_meanwhile_ends_with_an_error_event_
     host = host_for(*tiny)
     host.replica_id = deployment.id
     server = serve(host, rq, "talk", gated, asked(rq, host.replica_id))
-    where = urlsplit(live_server.url)
-    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    connection, response = streamed(live_server, key)
     try:
-        body = json.dumps({"model": "talk", "prompt": "Once", "stream": True, **LONG})
-        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        connection.request("POST", "/v1/completions", body, headers)
-        events = (line.removeprefix(b"data: ") for line in connection.getresponse() if line.startswith(b"data: "))
+        events = (line.removeprefix(b"data: ") for line in response if line.startswith(b"data: "))
         request_id = json.loads(next(events))["id"].removeprefix("cmpl-")
         client = APIClient()
         client.force_authenticate(user)

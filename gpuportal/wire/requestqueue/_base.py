@@ -139,13 +139,20 @@ class QueueBase:
         """The request's answer. `started_at`: when it started, if that was not written yet (a
         request that starts and ends within one batch step has both in one round trip).
         `first_token_at`: when its first token was sampled, where the replica's batcher knows."""
-        fields: dict[str, Any] = {"output": json.dumps(output)}
+        fields = self._answered(output, started_at, first_token_at)
+        usage = output.get("usage") if isinstance(output, dict) else None
+        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence, usage=usage, node=node)
+
+    @staticmethod
+    def _answered(output: Any, started_at: float | None, first_token_at: float | None) -> dict[str, Any]:
+        """The fields a replica's answer (whole, or stopped as asked) writes beside its status;
+        an output of None writes none."""
+        fields: dict[str, Any] = {} if output is None else {"output": json.dumps(output)}
         if started_at is not None:
             fields["started_at"] = started_at
         if first_token_at is not None:
             fields["first_token_at"] = first_token_at
-        usage = output.get("usage") if isinstance(output, dict) else None
-        self._end(request_id, "done", fields, replica_id=replica_id, fence=fence, usage=usage, node=node)
+        return fields
 
     def fail(
         self,

@@ -4,7 +4,6 @@ stopped."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import redis
@@ -156,12 +155,6 @@ class Serving(QueueBase):
         """End a request its caller asked to stop: `cancelled`, saying why, with what was
         generated until then (`output`; None for one stopped before it ran here), under the
         fences a `finish` is."""
-        fields: dict[str, Any] = {"error": why}
-        if output is not None:
-            fields["output"] = json.dumps(output)
-        if started_at is not None:
-            fields["started_at"] = started_at
-        if first_token_at is not None:
-            fields["first_token_at"] = first_token_at
+        fields = {"error": why, **self._answered(output, started_at, first_token_at)}
         usage = output.get("usage") if isinstance(output, dict) else None
         self._end(request_id, "cancelled", fields, replica_id=replica_id, fence=fence, usage=usage, node=node)
