@@ -263,14 +263,14 @@ class Batcher:
         penalized = [i for i, s in enumerate(group) if s.sampling.penalized]
         # min_tokens: the model's end of text cannot be picked before them (vLLM's), so that the
         # answer runs on rather than ends (past max_tokens it ends by length all the same).
-        held = [i for i, s in enumerate(group) if len(s.generated) < s.sampling.min_tokens] if self.eos else []
+        held = [i for i, s in enumerate(group) if len(s.generated) < s.sampling.min_tokens and self._ends(s)]
         if penalized or held:
             with torch.inference_mode():
                 logits = logits.clone()
                 for i in penalized:
                     logits[i] = _penalized(group[i], logits[i])
-                for i in held:
-                    logits[i, sorted(self.eos)] = float("-inf")
+                for i in held:  # as vLLM holds min_tokens: neither its end of text nor a stop token
+                    logits[i, sorted(self._ends(group[i]))] = float("-inf")
         greedy = torch.argmax(logits, dim=-1).tolist()
         tokens = [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
         asked = [i for i, s in enumerate(group) if s.logprobs is not None]
@@ -316,10 +316,22 @@ class Batcher:
             s._generator = torch.Generator(device=device).manual_seed(seed)
         return s._generator
 
+    def _ends(self, s: Sequence) -> set[int]:
+        """The tokens that end `s`'s answer and are no part of it: the model's end of text, and
+        the stop tokens it asked for (vLLM's stop_token_ids)."""
+        return self.eos | set(s.sampling.stop_token_ids) if s.sampling.stop_token_ids else self.eos
+
     def _append(self, s: Sequence, token: int) -> None:
         s.generated.append(token)
         if s.first_token_at is None:
             s.first_token_at = time.time()
+        if token in s.sampling.stop_token_ids:
+            # Before its text is streamed: a stop token never reaches the answer, as an end of text does not.
+            s.finish = "stop"
+            s.text = self.tokenizer.decode(s.generated[:-1], skip_special_tokens=True)
+            self._keep_logprobs(s)
+            self._stream(s, s.text, final=True)
+            return
         if s.on_chunk is not None or s.stop:
             if s._decoded is None:
                 s._decoded = IncrementalText(self.tokenizer)
@@ -343,7 +355,7 @@ class Batcher:
     def _keep_logprobs(self, s: Sequence) -> None:
         """An ended sequence's picks as its result gives them, decoded once (asked for only)."""
         if s.logprobs is not None:
-            s.logprob_entries = entries(self.tokenizer, _answered(s.picked, self.eos))
+            s.logprob_entries = entries(self.tokenizer, _answered(s.picked, self._ends(s)))
         if s.prompt_logprobs is not None:
             s.prompt_entries = prompt_entries(self.tokenizer, s.prompt, s.prompt_picked)
 
@@ -359,7 +371,7 @@ class Batcher:
         if s.logprobs is None:
             s.on_chunk(piece)
         else:
-            picks = _answered(s.picked, self.eos)
+            picks = _answered(s.picked, self._ends(s))
             s.on_chunk(picked_piece(piece, entries(self.tokenizer, picks[s._streamed_picks :])))
             s._streamed_picks = len(picks)
         s._sent += piece

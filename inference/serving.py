@@ -279,14 +279,17 @@ class Executor:
         return int(head.weight.shape[0]) if head is not None else getattr(self.model.config, "vocab_size", None)
 
     def refuse_unknown_tokens(self, sampling: Sampling) -> None:
-        """BadInput for a logit_bias naming a token the model's vocabulary does not have (the web
-        cannot know its size; an index past it would fail the whole batch's step)."""
-        if not sampling.logit_bias:
-            return
-        vocab = self._vocab_size
-        beyond = [token for token, _ in sampling.logit_bias if vocab is None or token >= vocab]
-        if beyond:
-            raise BadInput(f"logit_bias: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
+        """BadInput for a logit_bias or stop_token_ids naming a token the model's vocabulary does
+        not have (the web cannot know its size; an index past it would fail the whole batch's step)."""
+        named = (
+            ("logit_bias", [token for token, _ in sampling.logit_bias]),
+            ("stop_token_ids", sampling.stop_token_ids),
+        )
+        for name, tokens in named:
+            vocab = self._vocab_size if tokens else None
+            beyond = [token for token in tokens if vocab is None or token >= vocab]
+            if beyond:
+                raise BadInput(f"{name}: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
 
     def chat_prompt(self, messages: Any) -> str:
         if getattr(self.tokenizer, "chat_template", None):
@@ -327,6 +330,8 @@ class Executor:
     ) -> dict[str, Any]:
         import torch
 
+        from inference.batching import eos_ids
+
         asked, sampling, stop = generation_params(params)
         self.refuse_unknown_tokens(sampling)
         ids = (
@@ -358,6 +363,13 @@ class Executor:
             kwargs["sequence_bias"] = [[[token], bias] for token, bias in sampling.logit_bias]
         if sampling.min_tokens:
             kwargs["min_new_tokens"] = min(sampling.min_tokens, max_tokens)  # as the paged engine holds it
+        # What ends an answer without being part of it: the model's own ends (its generation config
+        # may list several, as Llama 3's does), then the stop tokens asked for.
+        ends = eos_ids(self.model) | ({eos} if eos is not None else set())
+        if sampling.stop_token_ids:
+            # Ended as by the end of text (min_new_tokens holds them back too); cut from the text below.
+            ends |= set(sampling.stop_token_ids)
+            kwargs["eos_token_id"] = sorted(ends)
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
         StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")
@@ -388,8 +400,9 @@ class Executor:
             raise Aborted("cut short by a drain past its deadline")
         sequences = out.sequences if logprobs is not None else out
         new = sequences[0, ids.shape[1] :]
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        finish = "length" if len(new) >= max_tokens else "stop"
+        ended_on_stop = len(new) > 0 and int(new[-1]) in sampling.stop_token_ids
+        text = self.tokenizer.decode(new[:-1] if ended_on_stop else new, skip_special_tokens=True)
+        finish = "length" if len(new) >= max_tokens and not ended_on_stop else "stop"
         cut = min((text.find(s) for s in stop if s and s in text), default=-1)
         if cut >= 0:
             text, finish = text[:cut], "stop"
@@ -407,7 +420,7 @@ class Executor:
         if logprobs is not None:
             tokens = new.tolist()
             picked = of_rows(torch.cat(out.logits)[: len(tokens)], tokens, [logprobs] * len(tokens))
-            if picked and picked[-1][0] == eos:
+            if picked and picked[-1][0] in ends:
                 picked = picked[:-1]  # the end-of-sequence token that ended it is no token of the answer
             output["logprobs"] = entries(self.tokenizer, picked)
             if params.get("echo"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +137,11 @@ LOGIT_BIAS = "logit_bias"
 MOST_BIAS = 100.0
 MOST_BIASED = 300  # tokens in one request's logit_bias, as OpenAI bounds it
 _TOKEN_ID = re.compile(r"[0-9]{1,9}")
+# vLLM's stop_token_ids: the answer ends at the first of these tokens the model picks, which is no
+# part of its text (as the model's own end of text is not). The model's own ids, as logit_bias's.
+STOP_TOKEN_IDS = "stop_token_ids"
+MOST_STOP_TOKENS = 256
+MOST_TOKEN_ID = 999_999_999  # nine digits, as a logit_bias key is: no vocabulary comes near it
 
 
 def logit_bias_problem(value: Any) -> str | None:
@@ -157,10 +162,68 @@ def logit_bias_problem(value: Any) -> str | None:
     return None
 
 
-def logit_bias_checked(value: dict[str, Any] | None) -> dict[str, float]:
-    """A logit_bias as the request queue keeps it (biases as floats; none: {}). The caller has
-    refused `logit_bias_problem`."""
+def _logit_bias_kept(value: dict[str, Any] | None) -> dict[str, float]:
     return {key: float(bias) for key, bias in (value or {}).items()}
+
+
+def _stop_token_ids_problem(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        return "must be a list of token ids, such as [128009]"
+    if len(value) > MOST_STOP_TOKENS:
+        return f"at most {MOST_STOP_TOKENS} tokens"
+    for token in value:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MOST_TOKEN_ID:
+            return f"{token!r} is no token id (a whole number from 0 to {MOST_TOKEN_ID})"
+    return None
+
+
+def _stop_token_ids_kept(value: list[int] | None) -> list[int]:
+    return sorted(set(value or []))
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A parameter whose value is a collection of the model's token ids, not a number: why a
+    value cannot be it (None and an empty one ask for nothing), and the value as the request
+    queue keeps it (empty: nothing asked, left out)."""
+
+    name: str
+    problem: Callable[[Any], str | None]
+    kept: Callable[[Any], Any]
+    help: str
+
+
+LISTED = (
+    Listed(
+        LOGIT_BIAS,
+        logit_bias_problem,
+        _logit_bias_kept,
+        "OpenAI's: a bias from -100 to 100 added to the logit of each token named, by the id the model's own "
+        f'tokenizer gives it, e.g. {{"50256": -100}}; at most {MOST_BIASED} tokens.',
+    ),
+    Listed(
+        STOP_TOKEN_IDS,
+        _stop_token_ids_problem,
+        _stop_token_ids_kept,
+        "vLLM's: the answer ends at the first of these tokens (the model's own ids) it picks, which is no part "
+        f"of its text; at most {MOST_STOP_TOKENS}.",
+    ),
+)
+LISTED_BY_NAME: Mapping[str, Listed] = {p.name: p for p in LISTED}
+LISTED_NAMES = tuple(LISTED_BY_NAME)
+
+
+def listed_problems(params: Mapping[str, Any]) -> dict[str, str]:
+    """{name: why} of the listed parameters in `params` that are refused."""
+    return {p.name: why for p in LISTED if (why := p.problem(params.get(p.name))) is not None}
+
+
+def listed_kept(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The listed parameters `params` asks something of, as the request queue keeps them. The
+    caller has refused `listed_problems`."""
+    return {p.name: kept for p in LISTED if (kept := p.kept(params.get(p.name)))}
 
 
 @dataclass(frozen=True)
@@ -178,6 +241,8 @@ class Sampling:
     seed: int | None = None
     # (token id, bias), by token id: what LOGIT_BIAS asks for.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # What STOP_TOKEN_IDS asks for, in order.
+    stop_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, params: Mapping[str, Any]) -> Sampling:
@@ -185,7 +250,8 @@ class Sampling:
         portal did not know) is the default. The web checked them (`problems`)."""
         given = {name: params[name] for name in NAMES if params.get(name) is not None}
         biased = sorted((int(token), float(bias)) for token, bias in (params.get(LOGIT_BIAS) or {}).items())
-        return cls(**given, logit_bias=tuple(biased))
+        stops = tuple(sorted({int(token) for token in params.get(STOP_TOKEN_IDS) or ()}))
+        return cls(**given, logit_bias=tuple(biased), stop_token_ids=stops)
 
     @property
     def greedy(self) -> bool:

@@ -42,7 +42,7 @@ MIN_TIMEOUT_S = 0.001
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
-     sampling.LOGIT_BIAS, *sampling.NAMES}
+     *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -75,7 +75,6 @@ NOT_DONE = (
     NotDone("functions", _none_or([]), _NO_TOOLS),
     NotDone("tool_choice", _none_or("none", "auto"), _NO_TOOLS),
     NotDone("function_call", _none_or("none", "auto"), _NO_TOOLS),
-    NotDone("stop_token_ids", _none_or([]), "not supported: stop on text (`stop`) instead"),
     NotDone("skip_special_tokens", _none_or(True), "not supported: special tokens are always left out of the text"),
     NotDone("modalities", _none_or(["text"]), "not supported: answers are text only"),
     NotDone("audio", _none_or(), "not supported: answers are text only"),
@@ -179,10 +178,9 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         params["min_tokens"] = params["max_tokens"] or sampling.MOST_TOKENS
     if why := sampling.min_tokens_beyond(params):
         raise Refused("min_tokens", why)
-    if why := sampling.logit_bias_problem(body.get(sampling.LOGIT_BIAS)):
-        raise Refused(sampling.LOGIT_BIAS, why)
-    if bias := sampling.logit_bias_checked(body.get(sampling.LOGIT_BIAS)):
-        params[sampling.LOGIT_BIAS] = bias
+    for name, why in sampling.listed_problems(body).items():
+        raise Refused(name, why)
+    params.update(sampling.listed_kept(body))
     if _echo(body, kind, stream):
         params["echo"] = True
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)

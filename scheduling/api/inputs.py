@@ -83,6 +83,24 @@ class _SamplingWhole(_SamplingField):
     pass
 
 
+class _ListedField(serializers.JSONField):
+    """A sampling parameter of token ids (gpuportal.wire.sampling.LISTED): refused as the wire
+    refuses it, kept as the request queue keeps it (None: nothing asked)."""
+
+    def __init__(self, listed: sampling.Listed):
+        self.listed = listed
+        super().__init__(required=False, allow_null=True, help_text=listed.help)
+
+    def to_internal_value(self, data: Any) -> Any:
+        if (why := self.listed.problem(data)) is not None:
+            raise serializers.ValidationError(why)
+        return self.listed.kept(data) or None
+
+
+def listed_field(name: str) -> serializers.Field:
+    return _ListedField(sampling.LISTED_BY_NAME[name])
+
+
 def sampling_field(name: str, **kwargs: Any) -> serializers.Field:
     """The field of the sampling parameter `name`: its bounds, default and help declared once."""
     param = sampling.BY_NAME[name]
@@ -102,17 +120,8 @@ class SamplingInput(serializers.Serializer):
     repetition_penalty = sampling_field("repetition_penalty")
     min_tokens = sampling_field("min_tokens")
     seed = sampling_field("seed")
-    logit_bias = serializers.JSONField(
-        required=False,
-        allow_null=True,
-        help_text="OpenAI's: a bias from -100 to 100 added to the logit of each token named, by the id the model's "
-        'own tokenizer gives it, e.g. {"50256": -100}; at most 300 tokens.',
-    )
-
-    def validate_logit_bias(self, value: Any) -> dict[str, float] | None:
-        if why := sampling.logit_bias_problem(value):
-            raise serializers.ValidationError(why)
-        return sampling.logit_bias_checked(value) or None
+    logit_bias = listed_field(sampling.LOGIT_BIAS)
+    stop_token_ids = listed_field(sampling.STOP_TOKEN_IDS)
 
 
 REPLICAS = deployment_spec.BY_NAME["replicas"]

@@ -276,7 +276,7 @@ def _finite(value: Any) -> bool:
 
 def fast_params(params: Any) -> dict[str, Any] | None:
     """ParamsInput's validated data for params it is sure of (defaults filled in), else None."""
-    if not isinstance(params, dict) or not set(params) <= {*_PARAM_DEFAULTS, *sampling.NAMES, sampling.LOGIT_BIAS}:
+    if not isinstance(params, dict) or not set(params) <= {*_PARAM_DEFAULTS, *sampling.NAMES, *sampling.LISTED_NAMES}:
         return None
     out = dict(_PARAM_DEFAULTS)
     max_tokens = params.get("max_tokens", out["max_tokens"])
@@ -286,10 +286,9 @@ def fast_params(params: Any) -> dict[str, Any] | None:
     if sampling.problems(params):
         return None
     out.update(sampling.checked(params))
-    if sampling.min_tokens_beyond(out) or sampling.logit_bias_problem(params.get(sampling.LOGIT_BIAS)):
+    if sampling.min_tokens_beyond(out) or sampling.listed_problems(params):
         return None
-    if bias := sampling.logit_bias_checked(params.get(sampling.LOGIT_BIAS)):
-        out[sampling.LOGIT_BIAS] = bias
+    out.update(sampling.listed_kept(params))
     stop = params.get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpuportal.wire import sampling
-from gpuportal.wire.requestqueue import Request
+from gpuportal.wire.requestqueue import Request, read_piece
 from gpuportal.wire.sampling import Sampling
 from inference.batching import Batcher, Sequence, _penalized, eos_ids, run_until_idle
 from inference.errors import BadInput
@@ -50,7 +50,7 @@ def run(b: Batcher, *seqs: Sequence) -> list[list[int]]:
 
 
 def test_each_parameter_is_declared_once_with_its_bounds():
-    assert tuple(f.name for f in fields(Sampling)) == (*sampling.NAMES, sampling.LOGIT_BIAS)
+    assert tuple(f.name for f in fields(Sampling)) == (*sampling.NAMES, *sampling.LISTED_NAMES)
     assert sampling.problems({"top_p": 0, "top_k": 2.5, "seed": True, "min_p": 0.1, "stop": "x"}) == {
         "top_p": "must be above 0 and at most 1",
         "top_k": "must be a whole number",
@@ -132,8 +132,9 @@ def test_the_penalties_change_the_logits_as_openai_and_vllm_define_them():
 
 
 def test_a_logit_bias_is_a_json_object_of_token_ids_and_bounded_biases():
-    assert sampling.logit_bias_problem(None) is None and sampling.logit_bias_problem({}) is None
-    assert sampling.logit_bias_checked({"7": 1}) == {"7": 1.0}
+    assert sampling.listed_problems({"logit_bias": None}) == {} == sampling.listed_problems({"logit_bias": {}})
+    assert sampling.listed_kept({"logit_bias": {"7": 1}}) == {"logit_bias": {"7": 1.0}}
+    assert sampling.listed_kept({"logit_bias": {}, "stop_token_ids": []}) == {}, "empty: nothing asked"
     for value, problem in (
         ([1], 'must be an object of token ids and biases, such as {"50256": -100}'),
         ({"x": 1}, "'x' is no token id (a whole number, as text)"),
@@ -143,7 +144,20 @@ def test_a_logit_bias_is_a_json_object_of_token_ids_and_bounded_biases():
         ({"3": 101}, "3: must be from -100 to 100"),
         ({str(i): 1 for i in range(301)}, "at most 300 tokens"),
     ):
-        assert sampling.logit_bias_problem(value) == problem, value
+        assert sampling.listed_problems({"logit_bias": value}) == {"logit_bias": problem}, value
+
+
+def test_stop_token_ids_are_a_list_of_token_ids_kept_in_order_once_each():
+    assert sampling.listed_kept({"stop_token_ids": [9, 2, 9]}) == {"stop_token_ids": [2, 9]}
+    assert Sampling.of({"stop_token_ids": [9, 2]}).stop_token_ids == (2, 9)
+    for value, problem in (
+        ({"2": 1}, "must be a list of token ids, such as [128009]"),
+        ([1, True], "True is no token id (a whole number from 0 to 999999999)"),
+        ([-1], "-1 is no token id (a whole number from 0 to 999999999)"),
+        ([1.5], "1.5 is no token id (a whole number from 0 to 999999999)"),
+        (list(range(257)), "at most 256 tokens"),
+    ):
+        assert sampling.listed_problems({"stop_token_ids": value}) == {"stop_token_ids": problem}, value
 
 
 def test_a_penalized_request_changes_only_its_own_row_of_the_batch(tiny):
@@ -209,6 +223,35 @@ def test_a_logit_bias_forces_or_bans_a_token_on_either_path_and_one_past_the_voc
         executor.sequence(beyond, None)
     with pytest.raises(BadInput, match="logit_bias"):
         executor.run(beyond, None)
+
+
+def test_a_stop_token_ends_the_answer_before_it_on_either_path_unless_min_tokens_holds_it_back(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer(PROMPT).input_ids
+    b = batcher(model, tokenizer)
+    (plain,) = run(b, Sequence(prompt, 8))
+    k = next(k for k in range(2, 8) if plain[k] not in plain[:k])
+    stop = plain[k]  # a token greedy picks for the first time: the answer ends before it
+    streamed: list[str] = []
+    ended = Sequence(prompt, 8, on_chunk=streamed.append, sampling=Sampling(stop_token_ids=(stop,)), logprobs=0)
+    held = Sequence(prompt, 8, sampling=Sampling(stop_token_ids=(stop,), min_tokens=8))
+    for seq in (ended, held):
+        b.submit(seq)
+    run_until_idle(b)
+
+    assert (ended.generated, ended.finish) == (plain[: k + 1], "stop")
+    assert ended.text == tokenizer.decode(plain[:k], skip_special_tokens=True)
+    assert "".join(read_piece(piece)[0] for piece in streamed) == ended.text, "its text was never streamed"
+    assert len(ended.logprob_entries) == k, "the stop token is no token of the answer"
+    assert stop not in held.generated and len(held.generated) == 8
+    executor = Executor(model, tokenizer)
+    generated = executor.run(request(max_tokens=8, stop_token_ids=[stop], logprobs=0), None)
+    assert (generated["text"], generated["finish_reason"]) == (ended.text, "stop")
+    assert generated["usage"]["completion_tokens"] == k + 1 and len(generated["logprobs"]) == k
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with pytest.raises(BadInput, match=rf"^stop_token_ids: token {vocab} is not in the model's vocabulary"):
+        executor.sequence(request(stop_token_ids=[vocab]), None)
 
 
 # -- transformers' generate() path ---------------------------------------------------------------------

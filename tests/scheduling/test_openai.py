@@ -206,11 +206,10 @@ def test_what_openais_client_asks_that_the_portal_does_not_do_is_a_400_naming_it
     for call, asked, param in (
         (client.completions.create, {"prompt": "x", "max_tokens": 5, "suffix": "}"}, "suffix"),
         (client.chat.completions.create, {**chat, "tools": [TOOL]}, "tools"),
-        (client.chat.completions.create, {**chat, "response_format": {"type": "json_object"}}, "response_format"),
         (
             client.chat.completions.create,
-            {**chat, "stream": True, "extra_body": {"stop_token_ids": [2]}},
-            "stop_token_ids",
+            {**chat, "stream": True, "response_format": {"type": "json_object"}},
+            "response_format",
         ),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
@@ -627,7 +626,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ("tool_choice", "required", "none"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}, "auto"),
         ("function_call", {"name": "f"}, "auto"),
-        ("stop_token_ids", [2], []),
         ("skip_special_tokens", False, True),
         ("modalities", ["text", "audio"], ["text"]),
         ("audio", {"voice": "alloy", "format": "wav"}, None),
@@ -655,6 +653,16 @@ def test_a_logit_bias_is_sent_on_with_its_biases_as_numbers_and_a_bad_one_is_ref
     with pytest.raises(completion_input.Refused) as refused:
         read({**body, "logit_bias": {"a": 1}}, "generate")
     assert str(refused.value) == "logit_bias: 'a' is no token id (a whole number, as text)"
+
+
+def test_stop_token_ids_are_sent_on_once_each_and_a_bad_one_is_refused_naming_it():
+    body = {"model": "tiny", "prompt": "x"}
+
+    assert read({**body, "stop_token_ids": [128009, 2, 2]}, "generate").params["stop_token_ids"] == [2, 128009]
+    assert "stop_token_ids" not in read({**body, "stop_token_ids": []}, "generate").params
+    with pytest.raises(completion_input.Refused) as refused:
+        read({**body, "stop_token_ids": [2, "eot"]}, "generate")
+    assert str(refused.value) == "stop_token_ids: 'eot' is no token id (a whole number from 0 to 999999999)"
 
 
 def test_echo_is_a_completions_and_not_streamed():

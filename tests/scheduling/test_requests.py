@@ -732,7 +732,7 @@ def test_the_fast_path_takes_the_shapes_clients_send_most(body):
 
 
 def test_the_sampling_parameters_are_kept_as_given_and_a_bad_one_is_refused_naming_it():
-    assert tuple(SamplingInput().fields) == (*sampling.NAMES, sampling.LOGIT_BIAS), "each declared in the wire"
+    assert tuple(SamplingInput().fields) == (*sampling.NAMES, *sampling.LISTED_NAMES), "each declared in the wire"
     sampled = {"temperature": 0.8, "top_k": 40, "min_p": 0.05, "seed": 7, "frequency_penalty": 0.5}
     serializer = InferInput(data={"input": "hi", "params": sampled})
     assert serializer.is_valid(), serializer.errors
@@ -767,6 +767,20 @@ def test_a_logit_bias_is_kept_with_its_biases_as_numbers_and_a_bad_one_is_refuse
     refused = InferInput(data=bad)
     assert not refused.is_valid()
     assert refused.errors == {"params": {"logit_bias": ["17: must be from -100 to 100"]}}
+
+
+def test_stop_token_ids_are_kept_on_either_path_and_a_bad_one_is_refused_naming_it():
+    stopping = {"input": "hi", "params": {"stop_token_ids": [7, 3]}}
+    serializer = InferInput(data=stopping)
+    assert serializer.is_valid(), serializer.errors
+    assert params_of(serializer.validated_data)["stop_token_ids"] == [3, 7]
+    assert fast_inputs(stopping)[1] == params_of(serializer.validated_data)
+
+    bad = {"input": "hi", "params": {"stop_token_ids": 7}}
+    assert fast_inputs(bad) is None
+    refused = InferInput(data=bad)
+    assert not refused.is_valid()
+    assert refused.errors == {"params": {"stop_token_ids": ["must be a list of token ids, such as [128009]"]}}
 
 
 def test_min_tokens_beyond_max_tokens_is_refused_naming_it_on_either_path():
