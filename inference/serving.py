@@ -371,7 +371,7 @@ class Executor:
             ends |= set(sampling.stop_token_ids)
             kwargs["eos_token_id"] = sorted(ends)
         if on_chunk is not None:
-            kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk)
+            kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk, skipped=set(sampling.stop_token_ids))
         StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")
         if sampling.presence_penalty or sampling.frequency_penalty:
             kwargs["logits_processor"] = LogitsProcessorList([OpenAIPenalties(sampling, ids.shape[1])])
@@ -464,8 +464,11 @@ class Executor:
 class _ChunkStreamer:
     """A transformers streamer that hands each newly decoded piece of text to `emit`."""
 
-    def __init__(self, tokenizer: Any, emit: Callable[[str], None]):
+    def __init__(self, tokenizer: Any, emit: Callable[[str], None], skipped: set[int] | None = None):
         self.tokenizer, self.emit = tokenizer, emit
+        # Tokens that end the answer and are no part of its text (stop_token_ids: generate() hands
+        # one over before it stops on it).
+        self.skipped = skipped or set()
         self.tokens: list[int] = []
         self.sent = ""
         self.prompt_seen = False
@@ -474,7 +477,7 @@ class _ChunkStreamer:
         if not self.prompt_seen:  # generate() first hands over the prompt itself
             self.prompt_seen = True
             return
-        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+        self.tokens.extend(token for t in value.reshape(-1).tolist() if (token := int(t)) not in self.skipped)
         self._emit(final=False)
 
     def end(self) -> None:

@@ -245,8 +245,9 @@ def test_a_stop_token_ends_the_answer_before_it_on_either_path_unless_min_tokens
     assert len(ended.logprob_entries) == k, "the stop token is no token of the answer"
     assert stop not in held.generated and len(held.generated) == 8
     executor = Executor(model, tokenizer)
-    generated = executor.run(request(max_tokens=8, stop_token_ids=[stop], logprobs=0), None)
-    assert (generated["text"], generated["finish_reason"]) == (ended.text, "stop")
+    pieces: list[str] = []
+    generated = executor.run(request(max_tokens=8, stop_token_ids=[stop], logprobs=0), pieces.append)
+    assert (generated["text"], generated["finish_reason"]) == (ended.text, "stop") and "".join(pieces) == ended.text
     assert generated["usage"]["completion_tokens"] == k + 1 and len(generated["logprobs"]) == k
 
     vocab = model.get_output_embeddings().weight.shape[0]
