@@ -696,8 +696,8 @@ def timed_out(request_id: str, timeout: float) -> str:
 
 
 def _stop(requests: list[Request], reason: str) -> None:
-    """What a call with several choices queued and whose answer is lost (a choice failed or was
-    refused): stopped wherever it is, so that nothing runs for an answer nobody will read."""
+    """A call's requests whose answers nobody will read (another choice failed or was refused,
+    or the stream's client left): stopped wherever they are, so that no replica runs them."""
     request_services.stop_abandoned([request.id for request in requests], reason=reason)
 
 
