@@ -46,6 +46,9 @@ class Sequence:
     sampling: Sampling = field(default_factory=Sampling)
     # Whatever the driver needs to find its request again (the Server keeps the Request here).
     tag: Any = None
+    # Held to a format (inference.constrained): the ids its next token may be, given its prompt
+    # and its answer so far; None: any.
+    allowed: Callable[[list[int]], list[int]] | None = None
     # max_tokens is the request's default, to be fitted to the room the batcher has (a chat that
     # asked for no length: gpuportal.wire.sampling.fitted_max_tokens) as it is checked.
     fit: bool = False
@@ -174,6 +177,9 @@ class Batcher:
                 continue
             for s, sl, token in zip(group, slices, self._sample_all(group, logits), strict=True):
                 s.cached += len(sl.tokens)
+                if s.error is not None:  # its format failed as its next token was chosen
+                    ended.append(s)
+                    continue
                 self._append(s, token)
                 if s.finish is not None:
                     ended.append(s)
@@ -261,16 +267,21 @@ class Batcher:
 
         raw = logits
         penalized = [i for i, s in enumerate(group) if s.sampling.penalized]
+        held_to = {i: self._allowed(s) for i, s in enumerate(group) if s.allowed is not None}
         # min_tokens: the model's end of text cannot be picked before them (vLLM's), so that the
         # answer runs on rather than ends (past max_tokens it ends by length all the same).
         held = [i for i, s in enumerate(group) if len(s.generated) < s.sampling.min_tokens and self._ends(s)]
-        if penalized or held:
+        if penalized or held or held_to:
             with torch.inference_mode():
                 logits = logits.clone()
                 for i in penalized:
                     logits[i] = _penalized(group[i], logits[i])
                 for i in held:  # as vLLM holds min_tokens: neither its end of text nor a stop token
                     logits[i, sorted(self._ends(group[i]))] = float("-inf")
+                for i, allowed in held_to.items():  # a format: only the tokens that keep to it
+                    if allowed:
+                        kept = torch.tensor(allowed, device=logits.device)
+                        logits[i] = torch.full_like(logits[i], float("-inf")).index_copy(0, kept, logits[i, kept])
         greedy = torch.argmax(logits, dim=-1).tolist()
         tokens = [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
         asked = [i for i, s in enumerate(group) if s.logprobs is not None]
@@ -280,6 +291,17 @@ class Batcher:
             for i, pick in zip(asked, picks, strict=True):
                 group[i].picked.append(pick)
         return tokens
+
+    @staticmethod
+    def _allowed(s: Sequence) -> list[int]:
+        """The ids `s`'s format lets its next token be; none (and `s` failed) where its format
+        cannot be held to (a part of a schema its parser meets only now)."""
+        assert s.allowed is not None
+        try:
+            return s.allowed([*s.prompt, *s.generated])
+        except Exception as exc:  # its own failure, not the batch's
+            s.error = exc
+            return []
 
     def _sample(self, s: Sequence, logits: Any) -> int:
         import torch

@@ -49,7 +49,13 @@ from gpuportal.wire.requestqueue import (
     RequestQueue,
     family_of_loader,
 )
-from gpuportal.wire.sampling import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, Sampling, fitted_max_tokens
+from gpuportal.wire.sampling import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    JSON_SCHEMA,
+    Sampling,
+    fitted_max_tokens,
+)
 from inference.errors import BadInput, TooLong
 from inference.lazy_imports import from_transformers
 from inference.stream_text import newly_settled
@@ -308,6 +314,7 @@ class Executor:
         ids = prompt if isinstance(prompt, list) else [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:
             raise BadInput("the prompt is empty: nothing to continue")
+        allowed = self.json_allowed(request.params)
         # max_tokens None: the default, which the batcher fits to the room it has (Batcher.check).
         return Sequence(
             ids,
@@ -319,7 +326,21 @@ class Executor:
             fit=max_tokens is None,
             logprobs=request.params.get("logprobs"),
             prompt_logprobs=request.params.get("logprobs") if request.params.get("echo") else None,
+            allowed=allowed,
         )
+
+    def json_allowed(self, params: dict[str, Any]) -> Callable[[list[int]], list[int]] | None:
+        """What a request's JSON format (OpenAI's response_format) lets each next token be
+        (inference.constrained); None for free text. BadInput for a schema it cannot hold to."""
+        schema = params.get(JSON_SCHEMA)
+        if schema is None:
+            return None
+        from inference.batching import eos_ids
+        from inference.constrained import json_allowed
+
+        eos = self.tokenizer.eos_token_id
+        ends = eos_ids(self.model) | ({eos} if eos is not None else set())
+        return json_allowed(self.tokenizer, self._vocab_size or len(self.tokenizer), ends, schema)
 
     def generate(
         self,
@@ -370,6 +391,8 @@ class Executor:
             # Ended as by the end of text (min_new_tokens holds them back too); cut from the text below.
             ends |= set(sampling.stop_token_ids)
             kwargs["eos_token_id"] = sorted(ends)
+        if (allowed := self.json_allowed(params)) is not None:
+            kwargs["prefix_allowed_tokens_fn"] = lambda batch, tokens: allowed(tokens.tolist())
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk, skipped=set(sampling.stop_token_ids))
         StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")
@@ -767,7 +790,9 @@ class Server(threading.Thread):
         request: Request = seq.tag
         started_at = self.starting.pop(request.id, None)
         if seq.error is not None:
-            self._fail(request, " ".join(str(seq.error).split())[:500], "error")
+            # The caller's to fix where it is its input's (a format that cannot be held to).
+            kind = seq.error.kind if isinstance(seq.error, BadInput) else "error"
+            self._fail(request, " ".join(str(seq.error).split())[:500], kind)
             return
         output = self.host.executor().echoed(request, seq.result())
         if request.kind == "chat":

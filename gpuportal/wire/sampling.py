@@ -183,6 +183,12 @@ def _stop_token_ids_kept(value: list[int] | None) -> list[int]:
     return sorted(set(value or []))
 
 
+# OpenAI's response_format, as the request queue keeps it: the JSON Schema the answer is held to
+# as it is generated ({"type": "object"} for a JSON object); absent, the answer is free text.
+JSON_SCHEMA = "json_schema"
+MOST_SCHEMA_BYTES = 65_536
+
+
 @dataclass(frozen=True)
 class Listed:
     """A parameter whose value is a collection of the model's token ids, not a number: why a

@@ -14,6 +14,7 @@ one it is nearest: ignored, it would be a limit not applied."""
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ MIN_TIMEOUT_S = 0.001
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
+     "response_format",
      *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
@@ -70,7 +72,6 @@ def _none_or(*nothing: Any) -> Callable[[Any], bool]:
 _NO_TOOLS = "not supported: the models here answer in text and call no tools"
 NOT_DONE = (
     NotDone("suffix", _none_or(""), "not supported: text is only ever added after the prompt"),
-    NotDone("response_format", _none_or({"type": "text"}), "not supported: answers are free text (no JSON mode)"),
     NotDone("tools", _none_or([]), _NO_TOOLS),
     NotDone("functions", _none_or([]), _NO_TOOLS),
     NotDone("tool_choice", _none_or("none", "auto"), _NO_TOOLS),
@@ -183,6 +184,8 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     params.update(sampling.listed_kept(body))
     if _echo(body, kind, stream):
         params["echo"] = True
+    if (schema := _json_schema(body.get("response_format"))) is not None:
+        params[sampling.JSON_SCHEMA] = schema
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
@@ -225,6 +228,30 @@ def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
             raise Refused("logprobs", f"{bound}: the alternatives given with each token")
         asked = wanted
     return asked
+
+
+def _json_schema(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as the JSON Schema the answer is held to as it is generated
+    (inference.constrained): `json_object` any JSON object, `json_schema` its `schema`; None for
+    free text (`text`, or none given)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Refused("response_format", 'must be an object such as {"type": "json_object"}')
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise Refused("response_format.type", "must be text, json_object or json_schema")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise Refused("response_format.json_schema", "must be an object whose `schema` is a JSON Schema object")
+    if len(json.dumps(schema)) > sampling.MOST_SCHEMA_BYTES:
+        raise Refused("response_format.json_schema", f"a schema of at most {sampling.MOST_SCHEMA_BYTES} bytes")
+    return schema
 
 
 def _echo(body: dict[str, Any], kind: Kind, stream: bool) -> bool:

@@ -114,6 +114,13 @@ class CompletionInput(WaitInput, SamplingInput):
         help_text="vLLM's: run each answer to its max_tokens (as min_tokens of them all), for a load test's fixed "
         "length.",
     )
+    response_format = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='OpenAI\'s: {"type": "json_object"} holds the answer to a JSON object as it is generated, '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} to the JSON the schema describes '
+        "(a schema the replica cannot hold to is a 400); text by default.",
+    )
 
 
 class PromptInput(CompletionInput):

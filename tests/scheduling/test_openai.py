@@ -206,11 +206,7 @@ def test_what_openais_client_asks_that_the_portal_does_not_do_is_a_400_naming_it
     for call, asked, param in (
         (client.completions.create, {"prompt": "x", "max_tokens": 5, "suffix": "}"}, "suffix"),
         (client.chat.completions.create, {**chat, "tools": [TOOL]}, "tools"),
-        (
-            client.chat.completions.create,
-            {**chat, "stream": True, "response_format": {"type": "json_object"}},
-            "response_format",
-        ),
+        (client.chat.completions.create, {**chat, "stream": True, "tool_choice": "required"}, "tool_choice"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             call(**{"model": "tiny", **asked})
@@ -620,7 +616,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("field", "asking", "nothing"),
     [
         ("suffix", "}", ""),
-        ("response_format", {"type": "json_object"}, {"type": "text"}),
         ("tools", [TOOL], []),
         ("functions", [TOOL["function"]], []),
         ("tool_choice", "required", "none"),
@@ -765,6 +760,44 @@ def test_log_probabilities_a_stream_did_not_carry_come_with_each_choices_last_ch
 
     assert [c.logprobs.tokens for c in chunks] == [[]] * (len(chunks) - 1) + [["H", "E", "Y"]]
     assert chunks[-1].logprobs.text_offset == [0, 1, 2] and chunks[-1].finish_reason == "stop"
+
+
+def test_a_response_format_is_the_json_schema_the_answer_is_held_to_and_a_bad_one_is_refused_naming_it():
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    given = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+    assert read({**body, "response_format": {"type": "json_object"}}, "chat").params["json_schema"] == {
+        "type": "object"
+    }
+    assert read({**body, "response_format": given}, "chat").params["json_schema"] == schema
+    assert "json_schema" not in read({**body, "response_format": {"type": "text"}}, "chat").params
+    for asked, refusal in (
+        ("json", 'response_format: must be an object such as {"type": "json_object"}'),
+        ({"type": "yaml"}, "response_format.type: must be text, json_object or json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x"}},
+            "response_format.json_schema: must be an object whose `schema` is a JSON Schema object",
+        ),
+    ):
+        with pytest.raises(completion_input.Refused) as refused:
+            read({**body, "response_format": asked}, "chat")
+        assert str(refused.value) == refusal
+
+
+def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(client, served):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 60}
+
+    held = client.chat.completions.create(
+        **chat, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**chat, response_format={"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": {"type": "colour"}}})  # fmt: skip
+
+    assert isinstance(json.loads(held.choices[0].message.content)["ok"], bool)
+    assert refused.value.body["message"].startswith("response_format: this JSON Schema cannot be held to")
 
 
 def test_ignore_eos_runs_an_answer_to_its_max_tokens_as_min_tokens_of_them_all():
