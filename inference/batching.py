@@ -46,8 +46,8 @@ class Sequence:
     sampling: Sampling = field(default_factory=Sampling)
     # Whatever the driver needs to find its request again (the Server keeps the Request here).
     tag: Any = None
-    # Held to a format (inference.constrained): the ids its next token may be, given its prompt
-    # and its answer so far; None: any.
+    # Held to a format (inference.constrained): the ids its next token may be, given its answer
+    # so far; None: any.
     allowed: Callable[[list[int]], list[int]] | None = None
     # max_tokens is the request's default, to be fitted to the room the batcher has (a chat that
     # asked for no length: gpuportal.wire.sampling.fitted_max_tokens) as it is checked.
@@ -298,7 +298,7 @@ class Batcher:
         cannot be held to (a part of a schema its parser meets only now)."""
         assert s.allowed is not None
         try:
-            return s.allowed([*s.prompt, *s.generated])
+            return s.allowed(s.generated)
         except Exception as exc:  # its own failure, not the batch's
             s.error = exc
             return []

@@ -46,12 +46,17 @@ def _tokenizer_data(tokenizer: Any, vocab_size: int, ends: Iterable[int]) -> Any
     return data
 
 
+# The root of an answer's tokens as the enforcer keys them: no token's id, so the answer's own
+# tokens, not its prompt's, make each key.
+_ROOT = -1
+
+
 def json_allowed(
     tokenizer: Any, vocab_size: int, ends: Iterable[int], schema: dict[str, Any]
 ) -> Callable[[list[int]], list[int]]:
-    """A function of a sequence's tokens (its prompt, then its answer so far) to the ids its next
-    token may be: those that keep the answer a prefix of JSON `schema` describes, and one of
-    `ends` (its end of text) once that JSON is whole. BadInput for a schema the parser refuses."""
+    """A function of an answer's tokens so far to the ids its next token may be: those that keep
+    the answer a prefix of JSON `schema` describes, and one of `ends` (its end of text) once that
+    JSON is whole. Called with one token more each time. BadInput for a schema the parser refuses."""
     from lmformatenforcer import JsonSchemaParser, TokenEnforcer
 
     try:
@@ -61,10 +66,15 @@ def json_allowed(
         raise BadInput(f"response_format: this JSON Schema cannot be held to: {exc}") from None
     enforcer = TokenEnforcer(_tokenizer_data(tokenizer, vocab_size, ends), parser)
 
-    def allowed(tokens: list[int]) -> list[int]:
+    def allowed(answer: list[int]) -> list[int]:
+        key = (_ROOT, *answer)
         try:
-            return list(enforcer.get_allowed_tokens(tokens).allowed_tokens)
+            found = list(enforcer.get_allowed_tokens(list(key)).allowed_tokens)
         except Exception as exc:  # a part of the schema it meets only now ($ref to nowhere, ...)
             raise BadInput(f"response_format: this JSON Schema cannot be held to: {exc}") from None
+        # Only the last state leads on: the enforcer keeps one for every prefix of the answer,
+        # keyed by the prefix itself, which would grow with the square of the answer's length.
+        enforcer.prefix_states = {key: enforcer.prefix_states[key]}
+        return found
 
     return allowed

@@ -392,7 +392,8 @@ class Executor:
             ends |= set(sampling.stop_token_ids)
             kwargs["eos_token_id"] = sorted(ends)
         if (allowed := self.json_allowed(params)) is not None:
-            kwargs["prefix_allowed_tokens_fn"] = lambda batch, tokens: allowed(tokens.tolist())
+            start = ids.shape[1]  # generate() hands over the prompt too: the format is the answer's
+            kwargs["prefix_allowed_tokens_fn"] = lambda batch, tokens: allowed(tokens[start:].tolist())
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk, skipped=set(sampling.stop_token_ids))
         StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")
