@@ -246,6 +246,8 @@ def _sampling(ctx: Talker, args: argparse.Namespace) -> dict[str, Any]:
         capacity = kv_capacity(ctx.client, args.model)
         max_tokens = DEFAULT_MAX_TOKENS if capacity is None else max(1, min(DEFAULT_MAX_TOKENS, capacity // 2))
     given = {name: value for name in CLI_SAMPLING if (value := getattr(args, name)) is not None}
+    if args.format == "json":  # as `ollama run --format json`: the answer is held to a JSON object
+        given["response_format"] = {"type": "json_object"}
     return {"max_tokens": max_tokens, "temperature": args.temperature, **given, "timeout": args.timeout}
 
 
@@ -337,6 +339,11 @@ def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         for name in CLI_SAMPLING:
             param = sampling.BY_NAME[name]
             parser.add_argument(f"--{name.replace('_', '-')}", type=_sampling_param(name), help=param.help)
+        parser.add_argument(
+            "--format",
+            choices=("json",),
+            help="json: the answer is held to a JSON object as it is generated (as ollama's --format json)",
+        )
         parser.add_argument("--timeout", type=SECONDS, default=TIMEOUT_S, help=f"seconds (default {TIMEOUT_S:.0f})")
 
     run = commands.add_parser("run", help="ask a model once; the answer streams to stdout")

@@ -144,6 +144,21 @@ def test_run_streams_the_answer_to_stdout_and_asks_for_a_whole_answer(portal, ca
     }  # fmt: skip
 
 
+def test_format_json_asks_for_a_json_object_as_ollamas_does(portal, capsys, monkeypatch):
+    portal.deployed["tiny"] = {}
+    stdin(monkeypatch, "hi\n")
+
+    assert app.main(["run", "tiny", "Tell me a story", "--format", "json"], env=portal.env) == 0
+    assert app.main(["chat", "tiny", "--format", "json"], env=portal.env) == 0
+
+    sent = [body for _, path, body in portal.calls if path.startswith("/v1/")]
+    assert [body["response_format"] for body in sent] == [{"type": "json_object"}] * 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        app.main(["run", "tiny", "x", "--format", "yaml"], env=portal.env)
+    assert "invalid choice: 'yaml'" in capsys.readouterr().err
+
+
 def test_run_sends_the_sampling_parameters_it_is_given_and_no_others(portal, capsys):
     portal.deployed["tiny"] = {}
     argv = ["run", "tiny", "Hi", "--seed", "7", "--top-k", "40", "--repetition-penalty", "1.1", "--min-p", "0"]
