@@ -75,10 +75,11 @@ def requests_table(found: list[dict[str, Any]], now: datetime) -> Table:
         widest = max(len(column), *(len(row[index]) for row in rows))
         justify = "right" if column in ("AGE", "TOKENS") else "left"
         table.add_column(column, justify=justify, no_wrap=True, min_width=widest)
-    table.add_column("ERROR", no_wrap=True, overflow="ellipsis")
+    # Wrapped, it is what gives way on a narrow terminal (not the columns before it).
+    table.add_column("ERROR", overflow="fold")
     for row, request in zip(rows, found, strict=True):
         status = Text(row[3], style=_STYLE.get(row[3], ""))
-        error = Text(" ".join((request.get("error") or "").split()))
+        error = Text(" ".join((request.get("error") or "").split())[:120])  # `-o json` has it whole
         table.add_row(row[0], Text(row[1]), row[2], status, *row[4:], error)
     return table
 
