@@ -21,7 +21,7 @@ SHORT_ID = 12
 # Where a start of an id is looked for: the most recent requests a page holds (the API's most).
 SEARCHED = 1000
 STATUSES = ("queued", "waking", "dispatched", "running", "done", "failed", "cancelled")
-# Shown in red, and in bold while a replica holds it.
+# A failed request in red, a cancelled one in yellow, one a replica holds in bold.
 _STYLE = {"failed": "red", "cancelled": "yellow", "running": "bold", "dispatched": "bold"}
 
 
@@ -56,7 +56,7 @@ def cmd_requests(ctx: Requester, args: argparse.Namespace) -> int:
 def requests_table(found: list[dict[str, Any]], now: datetime) -> Table:
     rows = []
     for request in found:
-        usage = (request.get("output") or {}).get("usage") if isinstance(request.get("output"), dict) else None
+        usage = _usage(request)
         tokens = f"{usage.get('prompt_tokens', 0)}+{usage.get('completion_tokens', 0)}" if usage else "-"
         rows.append(
             [
@@ -82,6 +82,13 @@ def requests_table(found: list[dict[str, Any]], now: datetime) -> Table:
         error = Text(" ".join((request.get("error") or "").split())[:120])  # `-o json` has it whole
         table.add_row(row[0], Text(row[1]), row[2], status, *row[4:], error)
     return table
+
+
+def _usage(request: dict[str, Any]) -> dict[str, Any] | None:
+    """The tokens a request's answer counted (as much as was generated, for a stopped one)."""
+    output = request.get("output")
+    usage = output.get("usage") if isinstance(output, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 def _age(stamp: str | None, now: datetime) -> str:
@@ -113,8 +120,7 @@ def _cancelled(request: dict[str, Any]) -> str:
     short = request["id"][:SHORT_ID]
     if request["status"] != "cancelled":
         return f"{short}: asked to stop; still {request['status']} (`gpuportal requests` shows when it ends)"
-    usage = (request.get("output") or {}).get("usage") if isinstance(request.get("output"), dict) else None
-    if usage:
+    if usage := _usage(request):
         return f"{short}: stopped after {usage.get('completion_tokens', 0)} token(s)"
     return f"{short}: cancelled before it ran"
 
