@@ -224,15 +224,24 @@ class OpenAIView(APIView):
 OPENAI_LOADERS = (Deployment.Loader.TRANSFORMERS, Deployment.Loader.EMBEDDING)
 
 
-def _model(name: str, created: datetime) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(created.timestamp()), "owned_by": "gpuportal"}
+def _model(name: str, created: datetime, max_tokens: int) -> dict[str, Any]:
+    """A deployment as OpenAI lists a model, with vLLM's `max_model_len` (the longest prompt and
+    answer together a replica serves: its `memory.max_tokens`, what its KV cache is sized for),
+    which clients read to fit a conversation."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(created.timestamp()),
+        "owned_by": "gpuportal",
+        "max_model_len": max_tokens,
+    }
 
 
 class ModelsView(OpenAIView):
     @extend_schema(responses={200: dict})
     def get(self, request: HttpRequest) -> Response:
-        rows = Deployment.objects.filter(loader__in=OPENAI_LOADERS).values_list("name", "created_at")
-        return Response({"object": "list", "data": [_model(name, created) for name, created in rows]})
+        rows = Deployment.objects.filter(loader__in=OPENAI_LOADERS).values_list("name", "created_at", "max_tokens")
+        return Response({"object": "list", "data": [_model(*row) for row in rows]})
 
 
 class ModelView(OpenAIView):
@@ -242,13 +251,13 @@ class ModelView(OpenAIView):
     @extend_schema(responses={200: dict, 404: dict}, operation_id="v1_model_retrieve")
     def get(self, request: HttpRequest, model: str) -> Response:
         served = Deployment.objects.filter(loader__in=OPENAI_LOADERS)
-        found = served.filter(name=model).values_list("created_at", flat=True).first()
+        found = served.filter(name=model).values_list("created_at", "max_tokens").first()
         if found is None:
             # As a completion naming it is refused: the nearest name, and what /v1 serves.
             missing = NoDeployment(model, list(served.order_by("name").values_list("name", flat=True)))
             status, body = _refusal(missing, model, "")
             return Response(body, status=status)
-        return Response(_model(model, found))
+        return Response(_model(model, *found))
 
 
 class _Answered(OpenAIView, ABC):
@@ -309,6 +318,11 @@ def _failure(result: Request, param: str) -> tuple[int, dict[str, Any] | HttpRes
         cancelled = error_body(f"request {result.id} was {result.error or 'cancelled'}", None, "cancelled")
         return 409, JsonResponse(cancelled, status=409, headers={"x-should-retry": "false"})
     code = 400 if result.error_kind in CALLERS_INPUT else 503
+    # A replica's refusal names the field at its start where it is another than the input
+    # (`stop_token_ids: token 9 is not in the model's vocabulary ...`): OpenAI's `param` says it too.
+    named = result.error.partition(":")[0]
+    if code == 400 and named in completion_input.READ_FIELDS:
+        param = named
     error = error_body(result.error, param, "server_error" if code == 503 else "invalid_request_error", _code(result))
     headers = retry_after(result)
     return code, JsonResponse(error, status=code, headers=headers) if headers else error

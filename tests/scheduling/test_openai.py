@@ -57,6 +57,9 @@ def test_models_lists_causal_lm_deployments(client):
 def test_a_model_is_retrieved_by_its_name_and_a_wrong_one_is_openais_not_found(client):
     tiny = client.models.retrieve("tiny")
     assert (tiny.id, tiny.object, tiny.owned_by) == ("tiny", "model", "gpuportal")
+    # vLLM's: the longest prompt and answer together its replicas serve (memory.max_tokens).
+    assert tiny.max_model_len == Deployment.objects.get(name="tiny").max_tokens
+    assert client.models.list().data[0].max_model_len == tiny.max_model_len
 
     for wrong in ("tinny", "org/tiny"):
         with pytest.raises(openai.NotFoundError) as missing:
@@ -798,6 +801,7 @@ def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_h
 
     assert isinstance(json.loads(held.choices[0].message.content)["ok"], bool)
     assert refused.value.body["message"].startswith("response_format: this JSON Schema cannot be held to")
+    assert refused.value.body["param"] == "response_format", "named by the replica's refusal, not the messages"
 
 
 def test_ignore_eos_runs_an_answer_to_its_max_tokens_as_min_tokens_of_them_all():
