@@ -21,8 +21,9 @@ replicas serve the request queues. What the rules cannot tell apart, since the k
   user (scheduling.services.node_users: granted before a replica's start is sent, swept back to
   the books). The indexes of the requests by owner and the records of those the web ends, which
   hold their ids, are the web's alone, and each node's replicas write the records of theirs to a
-  list of the node's own. What a replica's or a failover pair's id names (its processing list,
-  its fence) is reached by any node's user, but those ids are random and held by the keys above.
+  list of the node's own. What a replica's or a failover pair's id names (its processing list
+  and the asks to stop what it holds, its fence) is reached by any node's user, but those ids
+  are random and held by the keys above.
 
 The rules are the confinement of an honest node's mistakes and a hostile node's reach into the
 control plane's own keys (other nodes' queues and leases, the admission and idempotency keys, the
