@@ -17,10 +17,14 @@ ENDS = ("/exit", "/quit", "/bye")
 # What `/set` may change: the answer's length and the sampling parameters, by their API names.
 MAX_TOKENS = "max_tokens"
 SETTABLE = (MAX_TOKENS, *sampling.NAMES)
+# `/set format json` holds each answer to a JSON object (ollama's), `/set format text` frees it.
+FORMAT = "response_format"
+JSON_OBJECT = {"type": "json_object"}
 HELP = (
     "/set system TEXT and /set PARAM VALUE change how it answers (PARAM: "
     + ", ".join(SETTABLE)
-    + "), /show says how, /clear forgets the conversation, /exit (or Ctrl-D) ends; "
+    + "), /set format json (or text) holds each answer to a JSON object, "
+    + "/show says how, /clear forgets the conversation, /exit (or Ctrl-D) ends; "
     + f"{QUOTES} begins and ends a message of several lines"
 )
 
@@ -91,9 +95,11 @@ def run(session: Session, line: str) -> Done:
 
 
 def show(session: Session) -> str:
-    asked = ", ".join(f"{name}={session.asked[name]}" for name in SETTABLE if session.asked.get(name) is not None)
+    asked = [f"{name}={session.asked[name]}" for name in SETTABLE if session.asked.get(name) is not None]
+    if session.asked.get(FORMAT):
+        asked.append("format=json")
     system = repr(session.system) if session.system else "none"
-    return f"system message: {system}; {asked or 'the portal defaults'}"
+    return f"system message: {system}; {', '.join(asked) or 'the portal defaults'}"
 
 
 def _set(session: Session, words: list[str]) -> Done:
@@ -103,6 +109,14 @@ def _set(session: Session, words: list[str]) -> Done:
     if what == "system":
         session.system = value
         return Done("the system message is set: the conversation starts again from it", forget=True)
+    if what == "format":
+        if value not in ("json", "text"):
+            return Done(f"/set format: json or text, not {value!r}")
+        if value == "json":
+            session.asked[FORMAT] = JSON_OBJECT
+        else:
+            session.asked.pop(FORMAT, None)
+        return Done(f"answers are {'a JSON object' if value == 'json' else 'free text'} from the next turn on")
     if what not in SETTABLE:
         return Done(f"/set: no parameter {what}: one of system, {', '.join(SETTABLE)}")
     try:

@@ -275,6 +275,17 @@ def test_chat_commands_change_how_it_is_asked_from_the_next_turn_as_ollamas_do(p
     assert "no command /frobnicate: /set system TEXT" in err
 
 
+def test_set_format_json_holds_the_next_answers_to_json_until_set_format_text(portal, capsys, monkeypatch):
+    stdin(monkeypatch, "one\n/set format json\n/show\ntwo\n/set format text\nthree\n/set format yaml\n")
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 0
+
+    sent = [body for _, path, body in portal.calls if path == "/v1/chat/completions"]
+    assert [body.get("response_format") for body in sent] == [None, {"type": "json_object"}, None]
+    err = capsys.readouterr().err
+    assert "format=json" in err and "/set format: json or text, not 'yaml'" in err
+
+
 def test_a_message_of_several_lines_goes_between_triple_quotes(portal, capsys, monkeypatch):
     stdin(monkeypatch, '"""first line\n\nsecond line\n"""\n"""one line"""\n')
 
