@@ -26,7 +26,7 @@ from gpuportal.wire.requestqueue import STOPPED, RequestQueue, stops_key
 from inference.batching import Batcher
 from inference.devices import virtual_gpus
 from inference.management.commands.make_tiny_model import write_tiny_model
-from inference.serving import Server
+from inference.serving import Server, StopWhenAsked
 from scheduling.models import Replica
 from scheduling.services import queueing
 from scheduling.services import requests as request_services
@@ -136,10 +136,20 @@ def test_a_generation_asked_stopped_ends_cancelled_with_its_text_so_far_and_free
     assert host.paged.pool.blocks_free == host.paged.pool.blocks_total
 
 
-def test_a_generation_alone_on_a_replica_without_a_pool_is_stopped_too(tiny, rq):
+def test_a_generation_alone_on_a_replica_without_a_pool_is_stopped_too(tiny, rq, monkeypatch):
     model, tokenizer = tiny
     deployment = f"d-{uuid.uuid4().hex[:8]}"
     host = host_for(model, tokenizer, paged=False)
+    # As `gated` holds a batch: a few tokens in, generate() waits for the ask to reach Redis.
+    every_call = StopWhenAsked.__call__
+
+    def gated(self: StopWhenAsked, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        if input_ids.shape[1] > SOME and not getattr(self, "waited", False):
+            wait_until(lambda: rq.redis.exists(stops_key(host.replica_id)), 30, "the ask to stop to reach Redis")
+            self.waited = True
+        return every_call(self, input_ids, scores, **kwargs)
+
+    monkeypatch.setattr(StopWhenAsked, "__call__", gated)
     long = rq.submit(deployment, kind="generate", input="Once upon", params={**LONG, "stream": True}, owner="u")
     server = serve(host, rq, deployment)
     try:
