@@ -1,8 +1,9 @@
-"""Answers held to JSON as they are generated (OpenAI's `response_format`: a JSON object, or the
-JSON a JSON Schema describes): each next token is picked among those that keep the answer a
-prefix of such JSON, and the end of text only once it is whole. lm-format-enforcer's character
-parser does the JSON; this module gives it the model's own tokenizer. Runs in the replica; no
-Django, and nothing imported until a request asks for it."""
+"""Answers held to a format as they are generated: OpenAI's `response_format` (a JSON object, or
+the JSON a JSON Schema describes), vLLM's guided decoding (one of some strings, a regular
+expression). Each next token is picked among those that keep the answer a prefix of such text,
+and the end of text only once it is whole. lm-format-enforcer's character parsers read the
+formats; this module gives them the model's own tokenizer. Runs in the replica; no Django, and
+nothing imported until a request asks for it."""
 
 from __future__ import annotations
 
@@ -51,19 +52,42 @@ def _tokenizer_data(tokenizer: Any, vocab_size: int, ends: Iterable[int]) -> Any
 _ROOT = -1
 
 
-def json_allowed(
-    tokenizer: Any, vocab_size: int, ends: Iterable[int], schema: dict[str, Any]
+def held_to(
+    tokenizer: Any,
+    vocab_size: int,
+    ends: Iterable[int],
+    *,
+    schema: dict[str, Any] | None = None,
+    choices: list[str] | None = None,
+    regex: str | None = None,
 ) -> Callable[[list[int]], list[int]]:
     """A function of an answer's tokens so far to the ids its next token may be: those that keep
-    the answer a prefix of JSON `schema` describes, and one of `ends` (its end of text) once that
-    JSON is whole. Called with one token more each time. BadInput for a schema the parser refuses."""
-    from lmformatenforcer import JsonSchemaParser, TokenEnforcer
+    the answer a prefix of JSON `schema` describes, of one of `choices`, or of a match of `regex`
+    (the one given), and one of `ends` (its end of text) once it is whole. Called with one token
+    more each time. BadInput, naming the field, for a format the parser refuses."""
+    from lmformatenforcer import JsonSchemaParser, RegexParser, StringParser, TokenEnforcer, UnionParser
+
+    field, what = (
+        ("response_format", "this JSON Schema")
+        if schema is not None
+        else ("guided_choice", "these choices")
+        if choices is not None
+        else ("guided_regex", "this regular expression")
+    )
+
+    def refused(exc: Exception) -> BadInput:
+        return BadInput(f"{field}: {what} cannot be held to: {str(exc) or type(exc).__name__}")
 
     try:
-        parser = JsonSchemaParser(schema)
+        if schema is not None:
+            parser = JsonSchemaParser(schema)
+        elif choices is not None:
+            parser = UnionParser([StringParser(choice) for choice in choices])
+        else:
+            parser = RegexParser(regex or "")
         parser.get_allowed_characters()  # what it cannot hold to (an unknown type) it says here
-    except Exception as exc:  # the parser raises plain Exceptions for schemas it does not take
-        raise BadInput(f"response_format: this JSON Schema cannot be held to: {exc}") from None
+    except Exception as exc:  # the parsers raise plain Exceptions (a regex's InvalidSyntax says nothing more)
+        raise refused(exc) from None
     enforcer = TokenEnforcer(_tokenizer_data(tokenizer, vocab_size, ends), parser)
 
     def allowed(answer: list[int]) -> list[int]:
@@ -71,7 +95,7 @@ def json_allowed(
         try:
             found = list(enforcer.get_allowed_tokens(list(key)).allowed_tokens)
         except Exception as exc:  # a part of the schema it meets only now ($ref to nowhere, ...)
-            raise BadInput(f"response_format: this JSON Schema cannot be held to: {exc}") from None
+            raise refused(exc) from None
         # Only the last state leads on: the enforcer keeps one for every prefix of the answer,
         # keyed by the prefix itself, which would grow with the square of the answer's length.
         enforcer.prefix_states = {key: enforcer.prefix_states[key]}

@@ -52,7 +52,7 @@ from gpuportal.wire.requestqueue import (
 from gpuportal.wire.sampling import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
-    JSON_SCHEMA,
+    FORMATS,
     Sampling,
     fitted_max_tokens,
 )
@@ -314,7 +314,7 @@ class Executor:
         ids = prompt if isinstance(prompt, list) else [int(t) for t in self.tokenizer(prompt).input_ids]
         if not ids:
             raise BadInput("the prompt is empty: nothing to continue")
-        allowed = self.json_allowed(request.params)
+        allowed = self.format_allowed(request.params)
         # max_tokens None: the default, which the batcher fits to the room it has (Batcher.check).
         return Sequence(
             ids,
@@ -329,18 +329,20 @@ class Executor:
             allowed=allowed,
         )
 
-    def json_allowed(self, params: dict[str, Any]) -> Callable[[list[int]], list[int]] | None:
-        """What a request's JSON format (OpenAI's response_format) lets each next token be
-        (inference.constrained); None for free text. BadInput for a schema it cannot hold to."""
-        schema = params.get(JSON_SCHEMA)
-        if schema is None:
+    def format_allowed(self, params: dict[str, Any]) -> Callable[[list[int]], list[int]] | None:
+        """What a request's format (OpenAI's response_format, vLLM's guided_choice or
+        guided_regex) lets each next token be (inference.constrained); None for free text.
+        BadInput for a format it cannot hold to."""
+        schema, choices, regex = (params.get(name) for name in FORMATS)
+        if schema is None and choices is None and regex is None:
             return None
         from inference.batching import eos_ids
-        from inference.constrained import json_allowed
+        from inference.constrained import held_to
 
         eos = self.tokenizer.eos_token_id
         ends = eos_ids(self.model) | ({eos} if eos is not None else set())
-        return json_allowed(self.tokenizer, self._vocab_size or len(self.tokenizer), ends, schema)
+        vocab = self._vocab_size or len(self.tokenizer)
+        return held_to(self.tokenizer, vocab, ends, schema=schema, choices=choices, regex=regex)
 
     def generate(
         self,
@@ -391,7 +393,7 @@ class Executor:
             # Ended as by the end of text (min_new_tokens holds them back too); cut from the text below.
             ends |= set(sampling.stop_token_ids)
             kwargs["eos_token_id"] = sorted(ends)
-        if (allowed := self.json_allowed(params)) is not None:
+        if (allowed := self.format_allowed(params)) is not None:
             start = ids.shape[1]  # generate() hands over the prompt too: the format is the answer's
             kwargs["prefix_allowed_tokens_fn"] = lambda batch, tokens: allowed(tokens[start:].tolist())
         if on_chunk is not None:

@@ -187,6 +187,13 @@ def _stop_token_ids_kept(value: list[int] | None) -> list[int]:
 # as it is generated ({"type": "object"} for a JSON object); absent, the answer is free text.
 JSON_SCHEMA = "json_schema"
 MOST_SCHEMA_BYTES = 65_536
+# vLLM's guided decoding beside it, kept as given: an answer held to one of some strings
+# (classification, an eval's multiple choice) or to a regular expression. One format a request.
+GUIDED_CHOICE = "guided_choice"
+GUIDED_REGEX = "guided_regex"
+FORMATS = (JSON_SCHEMA, GUIDED_CHOICE, GUIDED_REGEX)
+MOST_CHOICES = 256
+MOST_PATTERN_CHARS = 4096
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ MIN_TIMEOUT_S = 0.001
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
-     "response_format",
+     "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX,
      *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
@@ -184,8 +184,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     params.update(sampling.listed_kept(body))
     if _echo(body, kind, stream):
         params["echo"] = True
-    if (schema := _json_schema(body.get("response_format"))) is not None:
-        params[sampling.JSON_SCHEMA] = schema
+    params.update(_format(body))
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
@@ -228,6 +227,49 @@ def _logprobs(body: dict[str, Any], kind: Kind) -> int | None:
             raise Refused("logprobs", f"{bound}: the alternatives given with each token")
         asked = wanted
     return asked
+
+
+def _format(body: dict[str, Any]) -> dict[str, Any]:
+    """What the answer is held to as it is generated (inference.constrained), as the request queue
+    keeps it: OpenAI's `response_format`, or one of vLLM's guided formats (`guided_json`, a schema
+    or its JSON text; `guided_choice`, some strings; `guided_regex`); {} for free text."""
+    asked: dict[str, Any] = {}
+    if (schema := _json_schema(body.get("response_format"))) is not None:
+        asked["response_format"] = schema
+    if (guided := body.get("guided_json")) is not None:
+        asked["guided_json"] = _guided_json(guided)
+    if (choices := body.get(sampling.GUIDED_CHOICE)) is not None:
+        if not isinstance(choices, list) or not choices or not all(_text(c) and c for c in choices):
+            raise Refused(sampling.GUIDED_CHOICE, "must be a non-empty list of non-empty strings")
+        if len(choices) > sampling.MOST_CHOICES:
+            raise Refused(sampling.GUIDED_CHOICE, f"at most {sampling.MOST_CHOICES} strings")
+        asked[sampling.GUIDED_CHOICE] = choices
+    if (pattern := body.get(sampling.GUIDED_REGEX)) is not None:
+        if not _text(pattern) or not pattern or len(pattern) > sampling.MOST_PATTERN_CHARS:
+            raise Refused(
+                sampling.GUIDED_REGEX, f"must be a regular expression of 1 to {sampling.MOST_PATTERN_CHARS} characters"
+            )
+        asked[sampling.GUIDED_REGEX] = pattern
+    if len(asked) > 1:
+        raise Refused(sorted(asked)[1], f"one format at a time: {' and '.join(sorted(asked))} were both given")
+    for name in ("response_format", "guided_json"):
+        if name in asked:
+            return {sampling.JSON_SCHEMA: asked[name]}
+    return asked
+
+
+def _guided_json(value: Any) -> dict[str, Any]:
+    """vLLM's guided_json: a JSON Schema, or its text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise Refused("guided_json", "must be a JSON Schema: an object, or its JSON text") from None
+    if not isinstance(value, dict):
+        raise Refused("guided_json", "must be a JSON Schema: an object, or its JSON text")
+    if len(json.dumps(value)) > sampling.MOST_SCHEMA_BYTES:
+        raise Refused("guided_json", f"a schema of at most {sampling.MOST_SCHEMA_BYTES} bytes")
+    return value
 
 
 def _json_schema(value: Any) -> dict[str, Any] | None:

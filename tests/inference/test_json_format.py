@@ -1,11 +1,13 @@
-"""Answers held to JSON as they are generated (OpenAI's `response_format`), on a real tiny Llama
-with random weights, which left free writes no JSON: on the paged engine beside a free answer in
+"""Answers held to a format as they are generated (OpenAI's `response_format`, vLLM's
+`guided_choice` and `guided_regex`), on a real tiny Llama with random weights, which left free
+writes no JSON: on the paged engine beside a free answer in
 the same batch, and on transformers' generate() path; a schema the parser cannot hold to is the
 caller's 400. (tests/scheduling/test_openai.py sends them through `/v1`.)"""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -83,3 +85,18 @@ def test_a_schema_the_parser_cannot_hold_to_is_the_callers_to_fix_on_either_path
     for path in (lambda: executor.sequence(unheld, None), lambda: executor.run(unheld, None)):
         with pytest.raises(BadInput, match=r"^response_format: this JSON Schema cannot be held to: .*colour"):
             path()
+
+
+def test_vllms_guided_choice_and_regex_hold_an_answer_to_one_of_the_strings_or_to_the_pattern(tiny):
+    model, tokenizer = tiny
+    choices = ["positive", "negative", "neutral"]
+
+    chosen, matched = paged(
+        model, tokenizer, request(guided_choice=choices), request(guided_regex=r"[0-9]{3}-[a-z]{2}")
+    )
+    generated = Executor(model, tokenizer).run(request(guided_choice=choices), None)
+
+    assert chosen["text"] in choices and generated["text"] == chosen["text"]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", matched["text"]), matched["text"]
+    with pytest.raises(BadInput, match=r"^guided_regex: this regular expression cannot be held to"):
+        Executor(model, tokenizer).sequence(request(guided_regex="([a-"), None)

@@ -788,6 +788,28 @@ def test_a_response_format_is_the_json_schema_the_answer_is_held_to_and_a_bad_on
         assert str(refused.value) == refusal
 
 
+def test_vllms_guided_formats_are_read_one_at_a_time_and_a_bad_one_is_refused_naming_it():
+    body = {"model": "tiny", "prompt": "x"}
+    schema = {"type": "object"}
+
+    assert read({**body, "guided_json": json.dumps(schema)}, "generate").params["json_schema"] == schema
+    assert read({**body, "guided_choice": ["yes", "no"]}, "generate").params["guided_choice"] == ["yes", "no"]
+    assert read({**body, "guided_regex": "[0-9]+"}, "generate").params["guided_regex"] == "[0-9]+"
+    for asked, refusal in (
+        ({"guided_json": "{not json"}, "guided_json: must be a JSON Schema: an object, or its JSON text"),
+        ({"guided_choice": []}, "guided_choice: must be a non-empty list of non-empty strings"),
+        ({"guided_choice": ["yes", ""]}, "guided_choice: must be a non-empty list of non-empty strings"),
+        ({"guided_regex": ""}, "guided_regex: must be a regular expression of 1 to 4096 characters"),
+        (
+            {"guided_regex": "[0-9]+", "response_format": {"type": "json_object"}},
+            "response_format: one format at a time: guided_regex and response_format were both given",
+        ),
+    ):
+        with pytest.raises(completion_input.Refused) as refused:
+            read({**body, **asked}, "generate")
+        assert str(refused.value) == refusal
+
+
 def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(client, served):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 60}
