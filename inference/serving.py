@@ -192,6 +192,14 @@ def longest_token_bytes(tokenizer: Any) -> int:
     return longest
 
 
+def echoed(tokenizer: Any, request: Request, output: dict[str, Any]) -> dict[str, Any]:
+    """`output`, with the text of a prompt given as token ids where its answer echoes it (the web,
+    which has no tokenizer, begins the answer's text with it)."""
+    if request.params.get("echo") and isinstance(request.input, list) and tokenizer is not None:
+        output["prompt_text"] = tokenizer.decode(request.input)
+    return output
+
+
 class Executor:
     """Runs requests on a loaded model."""
 
@@ -229,7 +237,7 @@ class Executor:
         result = self.generate(self.prompt_of(request), request.params, on_chunk, asked_stop)
         if request.kind == "chat":
             result["message"] = {"role": "assistant", "content": result["text"]}
-        return self.echoed(request, result)
+        return echoed(self.tokenizer, request, result)
 
     def prompt_of(self, request: Request) -> str | list[int]:
         """A text request's prompt: a chat's messages through the model's template, a completion's
@@ -246,12 +254,14 @@ class Executor:
         self.refuse_oversized(prompt)
         return prompt
 
-    def echoed(self, request: Request, output: dict[str, Any]) -> dict[str, Any]:
-        """`output`, with the text of a prompt given as token ids where its answer echoes it (the
-        web, which has no tokenizer, begins the answer's text with it)."""
-        if request.params.get("echo") and isinstance(request.input, list) and self.tokenizer is not None:
-            output["prompt_text"] = self.tokenizer.decode(request.input)
-        return output
+    @functools.cached_property
+    def _ends(self) -> set[int]:
+        """What ends an answer without being part of it: the model's own ends (its generation
+        config may list several, as Llama 3's does) and its tokenizer's."""
+        from inference.batching import eos_ids
+
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        return eos_ids(self.model) | ({eos} if eos is not None else set())
 
     @functools.cached_property
     def _prompt_bound(self) -> tuple[int, int, int] | None:
@@ -336,13 +346,10 @@ class Executor:
         schema, choices, regex = (params.get(name) for name in FORMATS)
         if schema is None and choices is None and regex is None:
             return None
-        from inference.batching import eos_ids
         from inference.constrained import held_to
 
-        eos = self.tokenizer.eos_token_id
-        ends = eos_ids(self.model) | ({eos} if eos is not None else set())
         vocab = self._vocab_size or len(self.tokenizer)
-        return held_to(self.tokenizer, vocab, ends, schema=schema, choices=choices, regex=regex)
+        return held_to(self.tokenizer, vocab, self._ends, schema=schema, choices=choices, regex=regex)
 
     def generate(
         self,
@@ -352,8 +359,6 @@ class Executor:
         asked_stop: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
         import torch
-
-        from inference.batching import eos_ids
 
         asked, sampling, stop = generation_params(params)
         self.refuse_unknown_tokens(sampling)
@@ -386,9 +391,7 @@ class Executor:
             kwargs["sequence_bias"] = [[[token], bias] for token, bias in sampling.logit_bias]
         if sampling.min_tokens:
             kwargs["min_new_tokens"] = min(sampling.min_tokens, max_tokens)  # as the paged engine holds it
-        # What ends an answer without being part of it: the model's own ends (its generation config
-        # may list several, as Llama 3's does), then the stop tokens asked for.
-        ends = eos_ids(self.model) | ({eos} if eos is not None else set())
+        ends = set(self._ends)  # and the stop tokens asked for
         if sampling.stop_token_ids:
             # Ended as by the end of text (min_new_tokens holds them back too); cut from the text below.
             ends |= set(sampling.stop_token_ids)
@@ -797,7 +800,7 @@ class Server(threading.Thread):
             kind = seq.error.kind if isinstance(seq.error, BadInput) else "error"
             self._fail(request, " ".join(str(seq.error).split())[:500], kind)
             return
-        output = self.host.executor().echoed(request, seq.result())
+        output = echoed(self.host.tokenizer, request, seq.result())
         if request.kind == "chat":
             output["message"] = {"role": "assistant", "content": output["text"]}
         try:
