@@ -26,7 +26,7 @@ from scheduling.core import effects, fairness
 from scheduling.models import GPU, Deployment, DeploymentObserved, DeploymentRevision, Event, Replica
 from scheduling.services import dispatch, not_found, outbox, queueing, revisions, rollouts
 from scheduling.services import replicas as replica_services
-from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput
+from scheduling.services.errors import AlreadyExists, CannotPlace, InvalidInput, InvalidState
 from scheduling.services.forgetting import forget_deployment
 from scheduling.services.observing import save_observed
 from scheduling.services.placing import COUNTED, PAIR_LIVE, PLAIN_COUNTED, add_replicas, releasing
@@ -166,18 +166,33 @@ class Rollback:
     changes: dict[str, tuple[Any, Any]]  # by path: (before, after)
 
 
+# How often a rollback reads its target again when changes keep landing between its read and
+# its lock; past that the caller is told to try again (409).
+ROLLBACK_TRIES = 3
+
+
+class _Moved(Exception):
+    """A change committed between a rollback's read of its target and its lock."""
+
+
 def rollback(name: str, number: int | None = None, *, by: str = "") -> Rollback:
     """Return the deployment's settings to revision `number` (None: the one before the current),
     as a change through `update`: a new revision on top, a rolling restart where the model or
     its dtype goes back. The replica count stays. InvalidInput naming `revision` for one not
     kept; nothing changes (and no revision is made) where the settings are already its."""
-    to = revisions.target(get(name), number)
-    cause = f"rolled back to revision {to.number}"
-    # Every setting the revision kept, not only those differing now: `update` compares them under
-    # the deployment's lock, so a change committed since the read above is rolled back too.
-    done = _update(name, revisions.restored(to), by=by, cause=cause)
-    changes = {deployment_spec.BY_NAME[key].path: pair for key, pair in done.changes.items()}
-    return Rollback(done.deployment, to, done.revision, changes)
+    for _ in range(ROLLBACK_TRIES):
+        # Read before the lock (a changed model is read by a node agent first, as any change's),
+        # and committed only while the newest revision is the one read: "the one before the
+        # current" means the current as the rollback commits, never one a change replaced meanwhile.
+        to = revisions.target(get(name), number)
+        cause = f"rolled back to revision {to.revision.number}"
+        try:
+            done = _update(name, revisions.restored(to.revision), by=by, cause=cause, based_on=to.newest)
+        except _Moved:
+            continue
+        changes = {deployment_spec.BY_NAME[key].path: pair for key, pair in done.changes.items()}
+        return Rollback(done.deployment, to.revision, done.revision, changes)
+    raise InvalidState(f"deployment {name!r} changed {ROLLBACK_TRIES} times while rolling back; try again")
 
 
 @dataclass(frozen=True)
@@ -193,8 +208,12 @@ def _by(by: str) -> str:
 
 
 @locks.retry_deadlocks
-def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED) -> _Updated:
-    """`update`'s work; `cause`: the revision's, which its Event begins with, and who asked."""
+def _update(
+    name: str, changes: dict[str, Any], *, by: str, cause: str = revisions.CHANGED, based_on: int | None = None
+) -> _Updated:
+    """`update`'s work; `cause`: the revision's, which its Event begins with, and who asked;
+    `based_on`: the newest revision number the changes were read against (_Moved where another
+    is newest under the lock, nothing written)."""
     unknown = set(changes) - set(MUTABLE) - set(SCALED) - set(KEPT)
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "cannot be changed on an existing deployment")
@@ -204,6 +223,8 @@ def _update(name: str, changes: dict[str, Any], *, by: str, cause: str = revisio
     rolling, revision = 0, None
     with transaction.atomic():
         deployment = get(name, lock=True)
+        if based_on is not None and revisions.newest(deployment) != based_on:
+            raise _Moved
         for key, setting in KEPT.items():
             if key in changes and changes.pop(key) != getattr(deployment, setting.column):
                 # Failover, for one: its replicas run without a pair's lock (or hold one); pairing

@@ -41,12 +41,12 @@ def record(
     row in its own transaction): two writers never take the same number. `before`: its settings
     before the change, kept first where it has no revision at all (a row written by plain SQL, a
     tool's or a test's), so that the change has one to roll back to."""
-    newest = deployment.revisions.order_by("-number").values_list("number", flat=True).first() or 0
-    if not newest and before is not None:
+    number = newest(deployment)
+    if not number and before is not None:
         DeploymentRevision.objects.create(deployment=deployment, number=1, settings=dict(before), cause=UNRECORDED)
-        newest = 1
+        number = 1
     revision = DeploymentRevision.objects.create(
-        deployment=deployment, number=newest + 1, settings=settings_of(deployment), cause=cause[:200], by=by
+        deployment=deployment, number=number + 1, settings=settings_of(deployment), cause=cause[:200], by=by
     )
     deployment.revisions.filter(number__lte=revision.number - settings.GPUPORTAL_REVISIONS_KEPT).delete()
     return revision
@@ -91,22 +91,38 @@ def history(deployment: Deployment) -> list[Entry]:
     ]
 
 
-def target(deployment: Deployment, number: int | None) -> DeploymentRevision:
+@dataclass(frozen=True)
+class Target:
+    """The revision a rollback returns to, and the deployment's newest revision as it was read:
+    the rollback commits only while that is still the newest (a change committed meanwhile moves
+    what "the one before the current" is)."""
+
+    revision: DeploymentRevision
+    newest: int
+
+
+def target(deployment: Deployment, number: int | None) -> Target:
     """The revision a rollback returns to: `number`, or the one before the current. InvalidInput
     naming `revision` where there is none such."""
     kept = list(deployment.revisions.order_by("-number"))
+    latest = kept[0].number if kept else 0
     if number is None:
         if len(kept) < 2:
             raise InvalidInput(
                 "revision",
                 f"deployment {deployment.name!r} has no earlier revision to roll back to (it has {len(kept)})",
             )
-        return kept[1]
+        return Target(kept[1], latest)
     for revision in kept:
         if revision.number == number:
-            return revision
+            return Target(revision, latest)
     listed = ", ".join(str(revision.number) for revision in reversed(kept)) or "none"
     raise InvalidInput("revision", f"deployment {deployment.name!r} has no revision {number} (kept: {listed})")
+
+
+def newest(deployment: Deployment) -> int:
+    """The number of the deployment's newest revision (0: none kept)."""
+    return deployment.revisions.order_by("-number").values_list("number", flat=True).first() or 0
 
 
 def restored(revision: DeploymentRevision) -> dict[str, Any]:

@@ -161,6 +161,65 @@ def test_a_rollback_to_the_settings_it_has_changes_nothing_and_makes_no_revision
     assert [r["revision"] for r in history(staff, "m")] == [2, 1]
 
 
+def test_a_change_committed_while_a_rollback_reads_its_target_is_the_one_it_rolls_back(
+    cluster, api, staff, monkeypatch, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("m", tiny_model_dir))
+    api("patch", "/api/deployments/m/", {"sleep": {"idle_timeout_s": 60}})
+    read = revisions.target
+    reads: list[int] = []
+
+    # Another caller's change commits after the rollback read "the one before the current" (1)
+    # and before it locks the deployment: the rollback reads again and returns to 2, undoing only
+    # the newest change, as a rollback begun after that change would.
+    def read_then_changed(deployment, number):
+        found = read(deployment, number)
+        reads.append(found.revision.number)
+        if len(reads) == 1:
+            deployments.update("m", {"idle_timeout_s": 90.0}, by="other")
+        return found
+
+    monkeypatch.setattr(revisions, "target", read_then_changed)
+
+    answer = api("post", "/api/deployments/m/rollback/", {})
+
+    assert answer.status_code == 200, answer.json()
+    assert reads == [1, 2]
+    assert answer.json()["rollback"] == {
+        "to": 2,
+        "revision": 4,
+        "changes": {"sleep.idle_timeout_s": {"before": 90.0, "after": 60.0}},
+    }
+    assert Deployment.objects.get(name="m").idle_timeout_s == 60.0
+    assert [(r["revision"], r["cause"]) for r in history(staff, "m")][:2] == [
+        (4, "rolled back to revision 2"),
+        (3, "settings changed"),
+    ]
+
+
+def test_a_rollback_outpaced_by_changes_is_a_409_and_rolls_nothing_back(
+    cluster, api, staff, monkeypatch, tiny_model_dir
+):
+    api("post", "/api/deployments/", body("m", tiny_model_dir))
+    api("patch", "/api/deployments/m/", {"sleep": {"idle_timeout_s": 60}})
+    read = revisions.target
+    seconds = iter(range(100, 1000, 100))
+
+    def read_then_changed(deployment, number):
+        found = read(deployment, number)
+        deployments.update("m", {"idle_timeout_s": float(next(seconds))}, by="other")
+        return found
+
+    monkeypatch.setattr(revisions, "target", read_then_changed)
+
+    answer = api("post", "/api/deployments/m/rollback/", {})
+
+    assert answer.status_code == 409
+    assert answer.json()["detail"] == "deployment 'm' changed 3 times while rolling back; try again"
+    assert Deployment.objects.get(name="m").idle_timeout_s == 300.0, "the last change stands"
+    assert {r["cause"] for r in history(staff, "m")} == {"deployed", "settings changed"}
+
+
 def test_only_the_newest_revisions_are_kept(cluster, api, staff, tiny_model_dir, settings):
     settings.GPUPORTAL_REVISIONS_KEPT = 3
     api("post", "/api/deployments/", body("m", tiny_model_dir))
