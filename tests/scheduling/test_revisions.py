@@ -373,3 +373,26 @@ def test_the_admin_shows_the_history_and_rolls_back_to_the_revision_before(
     assert any(m.startswith("only: revision: deployment 'only' has no earlier revision") for m in said), said
     assert Deployment.objects.get(name="m").idle_timeout_s == 300.0
     assert DeploymentRevision.objects.get(deployment__name="m", number=3).by == "admin (admin)"
+
+
+def test_the_admin_reads_the_history_in_the_same_queries_however_long_it_is(cluster, api, admin_client, tiny_model_dir):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    api("post", "/api/deployments/", body("m", tiny_model_dir))
+    page = f"/admin/scheduling/deployment/{Deployment.objects.get(name='m').pk}/change/"
+
+    def queries_for_page() -> tuple[int, str]:
+        with CaptureQueriesContext(connection) as read:
+            shown = admin_client.get(page)
+        assert shown.status_code == 200
+        return len(read), shown.content.decode()
+
+    api("patch", "/api/deployments/m/", {"sleep": {"idle_timeout_s": 60}})
+    short, _ = queries_for_page()
+    for seconds in range(70, 130, 10):
+        api("patch", "/api/deployments/m/", {"sleep": {"idle_timeout_s": seconds}})
+    long, shown = queries_for_page()
+
+    assert long == short
+    assert "sleep.idle_timeout_s 110.0 → 120.0" in shown and "sleep.idle_timeout_s 300.0 → 60.0" in shown
