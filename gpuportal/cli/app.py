@@ -302,11 +302,29 @@ def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
             done = ", ".join(applied) or "nothing"
             raise CliError(f"{err} (applied before it: {done}; not {deployment.name} and what follows)") from None
         applied.append(deployment.name)
+    if args.prune:
+        _prune(ctx, args, {deployment.name for deployment in wanted}, source)
     for wait in waits:
         wait()
     if args.dry_run:
         ctx.err.print(Text("dry run: nothing was sent that changes anything", style="dim"))
     return 0
+
+
+def _prune(ctx: Context, args: argparse.Namespace, declared: set[str], source: str) -> None:
+    """Delete every deployment the file does not declare, once all it declares is applied: the file
+    is the whole fleet (docker stack deploy --prune). One a file refused is never reached."""
+    for name in sorted(d["name"] for d in ctx.client.pages("/api/deployments/") if d["name"] not in declared):
+        if args.dry_run:
+            ctx.out.print(Text(f"{name}: would be deleted (not in {source})"))
+            continue
+        try:
+            ctx.client.delete(deployment_path(name))
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            continue  # deleted by someone else meanwhile: what --prune wanted
+        ctx.out.print(Text(f"{name}: deleted (not in {source}): its replicas stop and their memory is released"))
 
 
 def _apply_one(ctx: Context, args: argparse.Namespace, deployment: applying.Declared) -> list[Callable[[], int]]:
@@ -900,6 +918,12 @@ def _add_steering(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "--dry-run",
         action="store_true",
         help="say what would be deployed and changed, and send nothing that changes anything (as kubectl's)",
+    )
+    apply.add_argument(
+        "--prune",
+        action="store_true",
+        help="then delete every deployment the file does not declare: the file is the whole fleet "
+        "(as docker stack deploy --prune; with --dry-run, say which)",
     )
     apply.add_argument(
         "--timeout",

@@ -159,3 +159,45 @@ def test_apply_deploys_what_is_missing_changes_what_differs_and_leaves_the_rest(
     fleet.write_text(f"name: chat\nmodel: {{source: {tiny_model_dir}}}\nsleep: {{idle_timeout_s: 5}}\n---\nname: x\n")
     assert run() == (1, "", "error: apply: " + f"{fleet}: document 2 (x): model.source is required")
     assert Deployment.objects.get(name="chat").idle_timeout_s == 60.0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_apply_with_prune_deletes_what_the_file_leaves_out_once_all_it_declares_is_applied(
+    cluster, live_server, capsys, dispatched, tiny_model_dir, tmp_path
+):
+    from tests.support.cli import staff_cli
+
+    def declared(name: str, extra: str = "") -> str:
+        return f"name: {name}\nmodel: {{source: {tiny_model_dir}}}\nmemory: {{max_tokens: 256}}\n{extra}---\n"
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(declared("chat") + declared("coder") + declared("old"))
+    cli = staff_cli(live_server, capsys)
+    assert cli("apply", "-f", str(fleet), "--prune")[0] == 0
+    assert set(Deployment.objects.values_list("name", flat=True)) == {"chat", "coder", "old"}
+
+    fleet.write_text(declared("chat", "sleep: {idle_timeout_s: 60}\n") + declared("coder"))
+    changed = "sleep.idle_timeout_s 300 → 60 (applies at once)"
+    assert cli("apply", "-f", str(fleet), "--prune", "--dry-run") == (
+        0,
+        f"chat: would change {changed}\ncoder: unchanged\nold: would be deleted (not in {fleet})",
+        "dry run: nothing was sent that changes anything",
+    )
+    assert Deployment.objects.filter(name="old").exists(), "a dry run deletes nothing"
+    # Without --prune what the file leaves out stays.
+    assert cli("apply", "-f", str(fleet)) == (0, f"chat: {changed}\ncoder: unchanged", "")
+    assert Deployment.objects.filter(name="old").exists()
+
+    assert cli("apply", "-f", str(fleet), "--prune") == (
+        0,
+        "chat: unchanged\ncoder: unchanged\n"
+        f"old: deleted (not in {fleet}): its replicas stop and their memory is released",
+        "",
+    )
+    assert set(Deployment.objects.values_list("name", flat=True)) == {"chat", "coder"}
+
+    # A file the portal refuses part of deletes nothing: the prune comes only after all is applied.
+    fleet.write_text(declared("chat") + "name: broken\nmodel: {source: /no/such/model}\n")
+    code, _, err = cli("apply", "-f", str(fleet), "--prune")
+    assert code == 1 and err.endswith("(applied before it: chat; not broken and what follows)"), err
+    assert set(Deployment.objects.values_list("name", flat=True)) == {"chat", "coder"}
