@@ -5,6 +5,7 @@ back as a `Sampling` (inference.batching applies it). Django-free and torch-free
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -194,6 +195,52 @@ GUIDED_REGEX = "guided_regex"
 FORMATS = (JSON_SCHEMA, GUIDED_CHOICE, GUIDED_REGEX)
 MOST_CHOICES = 256
 MOST_PATTERN_CHARS = 4096
+
+
+def schema_problem(value: Any) -> str | None:
+    """Why `value` cannot be the JSON Schema an answer is held to (None: it can, as far as its
+    shape goes; the replica's parser judges the rest)."""
+    if not isinstance(value, dict):
+        return "must be a JSON Schema object"
+    if len(json.dumps(value)) > MOST_SCHEMA_BYTES:
+        return f"a schema of at most {MOST_SCHEMA_BYTES} bytes"
+    return None
+
+
+def choice_problem(value: Any) -> str | None:
+    """Why `value` cannot be GUIDED_CHOICE's strings."""
+    if not isinstance(value, list) or not value or not all(_text(choice) and choice for choice in value):
+        return "must be a non-empty list of non-empty strings"
+    if len(value) > MOST_CHOICES:
+        return f"at most {MOST_CHOICES} strings"
+    return None
+
+
+def regex_problem(value: Any) -> str | None:
+    """Why `value` cannot be GUIDED_REGEX's pattern."""
+    if not _text(value) or not value or len(value) > MOST_PATTERN_CHARS:
+        return f"must be a regular expression of 1 to {MOST_PATTERN_CHARS} characters"
+    return None
+
+
+def one_format_problem(given: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the name refused, why) where `given` (the formats asked, by the caller's names) asks for
+    more than one: one format a request."""
+    if len(given) < 2:
+        return None
+    names = sorted(given)
+    return names[1], f"one format at a time: {' and '.join(names)} were both given"
+
+
+def _text(value: Any) -> bool:
+    """A string UTF-8 can carry (JSON can carry lone surrogates, which it cannot)."""
+    if type(value) is not str:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -239,19 +239,15 @@ def _format(body: dict[str, Any]) -> dict[str, Any]:
     if (guided := body.get("guided_json")) is not None:
         asked["guided_json"] = _guided_json(guided)
     if (choices := body.get(sampling.GUIDED_CHOICE)) is not None:
-        if not isinstance(choices, list) or not choices or not all(_text(c) and c for c in choices):
-            raise Refused(sampling.GUIDED_CHOICE, "must be a non-empty list of non-empty strings")
-        if len(choices) > sampling.MOST_CHOICES:
-            raise Refused(sampling.GUIDED_CHOICE, f"at most {sampling.MOST_CHOICES} strings")
+        if (why := sampling.choice_problem(choices)) is not None:
+            raise Refused(sampling.GUIDED_CHOICE, why)
         asked[sampling.GUIDED_CHOICE] = choices
     if (pattern := body.get(sampling.GUIDED_REGEX)) is not None:
-        if not _text(pattern) or not pattern or len(pattern) > sampling.MOST_PATTERN_CHARS:
-            raise Refused(
-                sampling.GUIDED_REGEX, f"must be a regular expression of 1 to {sampling.MOST_PATTERN_CHARS} characters"
-            )
+        if (why := sampling.regex_problem(pattern)) is not None:
+            raise Refused(sampling.GUIDED_REGEX, why)
         asked[sampling.GUIDED_REGEX] = pattern
-    if len(asked) > 1:
-        raise Refused(sorted(asked)[1], f"one format at a time: {' and '.join(sorted(asked))} were both given")
+    if (twice := sampling.one_format_problem(asked)) is not None:
+        raise Refused(*twice)
     for name in ("response_format", "guided_json"):
         if name in asked:
             return {sampling.JSON_SCHEMA: asked[name]}
@@ -267,8 +263,8 @@ def _guided_json(value: Any) -> dict[str, Any]:
             raise Refused("guided_json", "must be a JSON Schema: an object, or its JSON text") from None
     if not isinstance(value, dict):
         raise Refused("guided_json", "must be a JSON Schema: an object, or its JSON text")
-    if len(json.dumps(value)) > sampling.MOST_SCHEMA_BYTES:
-        raise Refused("guided_json", f"a schema of at most {sampling.MOST_SCHEMA_BYTES} bytes")
+    if (why := sampling.schema_problem(value)) is not None:
+        raise Refused("guided_json", why)
     return value
 
 
@@ -291,8 +287,8 @@ def _json_schema(value: Any) -> dict[str, Any] | None:
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise Refused("response_format.json_schema", "must be an object whose `schema` is a JSON Schema object")
-    if len(json.dumps(schema)) > sampling.MOST_SCHEMA_BYTES:
-        raise Refused("response_format.json_schema", f"a schema of at most {sampling.MOST_SCHEMA_BYTES} bytes")
+    if (why := sampling.schema_problem(schema)) is not None:
+        raise Refused("response_format.json_schema", why)
     return schema
 
 

@@ -33,6 +33,20 @@ class ParamsInput(StrictSerializer, SamplingInput):
         min_value=1, max_value=sampling.MOST_TOKENS, required=False, default=sampling.DEFAULT_MAX_TOKENS
     )
     stop = serializers.JSONField(required=False, default=list)
+    # What the answer is held to as it is generated (inference.constrained), as /v1 holds it:
+    # Ollama's `format` and vLLM's guided formats, one a request.
+    format = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='"json": the answer is a JSON object; or a JSON Schema object: the answer is the JSON it '
+        "describes (as Ollama's `format`).",
+    )
+    guided_choice = serializers.JSONField(
+        required=False, allow_null=True, help_text="vLLM's: the answer is one of these strings."
+    )
+    guided_regex = serializers.JSONField(
+        required=False, allow_null=True, help_text="vLLM's: the answer matches this regular expression."
+    )
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # As the request queue keeps them: temperature and top_p always (as they always were),
@@ -40,7 +54,33 @@ class ParamsInput(StrictSerializer, SamplingInput):
         given = {key: value for key, value in attrs.items() if value is not None}
         if why := sampling.min_tokens_beyond(given):
             raise serializers.ValidationError({"min_tokens": why})
+        formats = {name: given[name] for name in ("format", *sampling.FORMATS) if name in given}
+        if (twice := sampling.one_format_problem(formats)) is not None:
+            raise serializers.ValidationError({twice[0]: twice[1]})
+        if "format" in given:
+            given[sampling.JSON_SCHEMA] = given.pop("format")
         return {"temperature": 0.0, "top_p": 1.0, **given}
+
+    def validate_format(self, value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if value == "json":
+            return {"type": "object"}
+        if not isinstance(value, dict):
+            raise serializers.ValidationError('must be "json" or a JSON Schema object')
+        if (why := sampling.schema_problem(value)) is not None:
+            raise serializers.ValidationError(why)
+        return value
+
+    def validate_guided_choice(self, value: Any) -> list[str] | None:
+        if value is not None and (why := sampling.choice_problem(value)) is not None:
+            raise serializers.ValidationError(why)
+        return value
+
+    def validate_guided_regex(self, value: Any) -> str | None:
+        if value is not None and (why := sampling.regex_problem(value)) is not None:
+            raise serializers.ValidationError(why)
+        return value
 
     def validate_stop(self, value: Any) -> list[str]:
         stops = [value] if isinstance(value, str) else value

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
@@ -781,6 +782,37 @@ def test_stop_token_ids_are_kept_on_either_path_and_a_bad_one_is_refused_naming_
     refused = InferInput(data=bad)
     assert not refused.is_valid()
     assert refused.errors == {"params": {"stop_token_ids": ["must be a list of token ids, such as [128009]"]}}
+
+
+def test_a_format_is_kept_as_the_queue_keeps_v1s_and_a_bad_one_is_refused_naming_it():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+    def kept(**params: Any) -> dict[str, Any]:
+        serializer = InferInput(data={"input": "hi", "params": params})
+        assert serializer.is_valid(), serializer.errors
+        assert fast_inputs({"input": "hi", "params": params}) is None, "left to the serializer"
+        return params_of(serializer.validated_data)
+
+    assert kept(format="json")["json_schema"] == {"type": "object"}, "Ollama's: any JSON object"
+    assert kept(format=schema)["json_schema"] == schema
+    assert "format" not in kept(format=schema), "kept by the name the replica reads"
+    assert kept(guided_choice=["yes", "no"])["guided_choice"] == ["yes", "no"]
+    assert kept(guided_regex="[0-9]+")["guided_regex"] == "[0-9]+"
+    assert not {"json_schema", "format"} & set(kept(format=None)), "null: free text"
+
+    for params, refused in [
+        ({"format": "yaml"}, {"format": ['must be "json" or a JSON Schema object']}),
+        ({"format": {"x": "y" * 70_000}}, {"format": ["a schema of at most 65536 bytes"]}),
+        ({"guided_choice": []}, {"guided_choice": ["must be a non-empty list of non-empty strings"]}),
+        ({"guided_regex": ""}, {"guided_regex": ["must be a regular expression of 1 to 4096 characters"]}),
+        (
+            {"format": "json", "guided_regex": "[0-9]+"},
+            {"guided_regex": ["one format at a time: format and guided_regex were both given"]},
+        ),
+    ]:
+        serializer = InferInput(data={"input": "hi", "params": params})
+        assert not serializer.is_valid()
+        assert serializer.errors == {"params": refused}, params
 
 
 def test_min_tokens_beyond_max_tokens_is_refused_naming_it_on_either_path():
