@@ -54,7 +54,9 @@ class ParamsInput(StrictSerializer, SamplingInput):
         given = {key: value for key, value in attrs.items() if value is not None}
         if why := sampling.min_tokens_beyond(given):
             raise serializers.ValidationError({"min_tokens": why})
-        formats = {name: given[name] for name in ("format", *sampling.FORMATS) if name in given}
+        formats = {
+            name: given[name] for name in ("format", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX) if name in given
+        }
         if (twice := sampling.one_format_problem(formats)) is not None:
             raise serializers.ValidationError({twice[0]: twice[1]})
         if "format" in given:
