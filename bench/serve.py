@@ -13,6 +13,11 @@ CPU) serves one seeded workload of mixed prompt and output lengths at each concu
   `memory.max_tokens` is the engine's pool).
 - `generate`: the requests in fixed batches of the concurrency, each batch one `generate()` call
   (left-padded, greedy, until every member ended): a batch's requests wait for its longest.
+- `json` (named only, not by default): the engine with every answer held to a JSON object as
+  `response_format: {"type": "json_object"}` holds it (the replica's own `format_allowed`, the
+  parser's view of the tokenizer built before the timing): what a format costs a step. Its
+  answers are other tokens than the free ones (JSON), so its tokens/s is the step's cost, not a
+  like-for-like throughput.
 
 Closed loop: `concurrency` clients, each sending its next request when its last one ended.
 Greedy decoding and the model's own end-of-sequence token everywhere, so the three produce the
@@ -25,7 +30,7 @@ rate measured on the same device in the same run; past a few dozen requests a st
 compute, not bytes, so the fraction falls there by design.
 
     python -m bench.serve [--device cpu|cuda] [--sizes 1024,8192] [--concurrency 1,8,32,128]
-                          [--paths engine,stack,generate] [--max-prompt 256] [--max-output 128]
+                          [--paths engine,stack,generate,json] [--max-prompt 256] [--max-output 128]
                           [--requests N] [--no-record]
 
 Sizes are MiB of weights (1 and 8 GiB of bf16 on CUDA by default; 16 MiB of float32 on the CPU,
@@ -58,7 +63,11 @@ MS = 1000.0
 DEFAULT_SIZES = {"cuda": "1024,8192", "cpu": "16"}
 DEFAULT_CONCURRENCY = {"cuda": "1,8,32,128", "cpu": "1,4,8"}
 DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
-PATHS = ("engine", "stack", "generate")
+PATHS = ("engine", "json", "stack", "generate")
+# What runs unless --paths names others: `json` is asked for by name (a GPU run's minutes are few).
+DEFAULT_PATHS = ("engine", "stack", "generate")
+# The format the `json` path holds every answer to: response_format's json_object, as the queue keeps it.
+JSON_OBJECT = {"json_schema": {"type": "object"}}
 # A stack's request may wait behind a whole closed loop's worth of others on a slow CPU.
 STACK_TIMEOUT_S = 300.0  # GPUPORTAL_INFER_MAX_TIMEOUT_S, the most a call may wait
 SERVING_TIMEOUT_S = 600.0
@@ -82,6 +91,7 @@ class Outcome:
     ended: float | None = None
     tokens: int = 0
     failed: str | None = None
+    text: str = ""  # the engine's answer as streamed (the others' are not kept)
 
 
 @dataclass
@@ -164,12 +174,17 @@ def pool_tokens(concurrency: int, max_prompt: int, max_output: int) -> int:
 # -- engine: the replica's batcher, called directly --------------------------------------------------
 
 
-def run_engine(engine: Any, model: Any, tokenizer: Any, jobs: list[Job], concurrency: int) -> Cell:
-    """The closed loop over a Batcher on `engine` (a PagedModel whose pool is empty)."""
+def run_engine(
+    engine: Any, model: Any, tokenizer: Any, jobs: list[Job], concurrency: int, *, held: bool = False
+) -> Cell:
+    """The closed loop over a Batcher on `engine` (a PagedModel whose pool is empty); `held`:
+    every answer held to a JSON object, as the replica holds one (the `json` path)."""
     from inference.batching import Batcher, Sequence, eos_ids
+    from inference.serving import Executor
 
     batcher = Batcher(engine, tokenizer, eos_ids(model))
-    cell = Cell("engine", concurrency)
+    executor = Executor(model, tokenizer) if held else None
+    cell = Cell("json" if held else "engine", concurrency)
     pending = collections.deque(jobs)
     owners: dict[int, Outcome] = {}
 
@@ -177,11 +192,13 @@ def run_engine(engine: Any, model: Any, tokenizer: Any, jobs: list[Job], concurr
         job = pending.popleft()
         outcome = Outcome(sent=time.perf_counter())
 
-        def first_text(_text: str, outcome: Outcome = outcome) -> None:
+        def streamed(text: str, outcome: Outcome = outcome) -> None:
             if outcome.first is None:
                 outcome.first = time.perf_counter()
+            outcome.text += text
 
-        seq = Sequence(list(job.ids), job.max_tokens, on_chunk=first_text)
+        allowed = executor.format_allowed(JSON_OBJECT) if executor is not None else None
+        seq = Sequence(list(job.ids), job.max_tokens, on_chunk=streamed, allowed=allowed)
         owners[id(seq)] = outcome
         cell.outcomes.append(outcome)
         batcher.submit(seq)
@@ -417,12 +434,17 @@ def in_process(
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     try:
-        engine = paged_engine(model, pool) if "engine" in paths else None
+        engine = paged_engine(model, pool) if {"engine", "json"} & set(paths) else None
         warm = next(iter(jobs_by_level.values()))[:2]
         if engine is not None:
             run_engine(engine, model, tokenizer, warm, 2)  # kernels loaded, not timed
-            for level, jobs in jobs_by_level.items():
-                yield run_engine(engine, model, tokenizer, jobs, level)
+            if "engine" in paths:
+                for level, jobs in jobs_by_level.items():
+                    yield run_engine(engine, model, tokenizer, jobs, level)
+            if "json" in paths:
+                run_engine(engine, model, tokenizer, warm, 2, held=True)  # the parser's tokenizer view, not timed
+                for level, jobs in jobs_by_level.items():
+                    yield run_engine(engine, model, tokenizer, jobs, level, held=True)
             engine.pool.release()
         if "generate" in paths:
             run_generate(model, tokenizer, warm, 2)
@@ -512,7 +534,7 @@ def cell_line(cell: Cell) -> str:
 
 def report(runs: list[ModelRun], rate: float) -> tuple[str, list[str]]:
     headers = [
-        "model", "path", "clients", "requests", "tokens/s", "× generate", "stack ÷ engine",
+        "model", "path", "clients", "requests", "tokens/s", "× generate", "÷ engine",
         "TTFT p50 / p99 ms", "per token p50 / p99 ms", "ms a step", "bound tokens/s", "of bound",
     ]  # fmt: skip
     rows: list[list[object]] = []
@@ -527,8 +549,8 @@ def report(runs: list[ModelRun], rate: float) -> tuple[str, list[str]]:
             ttft, per_token = cell.ttft_ms(), cell.per_token_ms()
             rows.append([
                 run.label, cell.path, cell.concurrency, len(cell.outcomes), f"{rate_here:,.0f}",
-                f"{rate_here / generate.tokens_per_s():.2f}" if generate and cell.path != "generate" else "",
-                f"{rate_here / engine.tokens_per_s():.2f}" if engine and cell.path == "stack" else "",
+                f"{rate_here / generate.tokens_per_s():.2f}" if generate and cell.path in ("engine", "stack") else "",
+                f"{rate_here / engine.tokens_per_s():.2f}" if engine and cell.path in ("stack", "json") else "",
                 f"{percentile(ttft, 0.5):,.0f} / {percentile(ttft, 0.99):,.0f}",
                 f"{percentile(per_token, 0.5):.1f} / {percentile(per_token, 0.99):.1f}",
                 f"{MS * cell.step_s / cell.steps:.1f}" if cell.steps else "",
@@ -546,7 +568,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", help="MiB of weights per model (default: 1024,8192 on cuda, 16 on the cpu)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--concurrency", help="clients at once (default: 1,8,32,128 on cuda, 1,4,8 on the cpu)")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"which of {', '.join(PATHS)} (default: all)")
+    parser.add_argument(
+        "--paths", default=",".join(DEFAULT_PATHS), help=f"which of {', '.join(PATHS)} (default: all but json)"
+    )
     parser.add_argument("--max-prompt", type=int, default=256, help="longest prompt in tokens (default 256)")
     parser.add_argument("--max-output", type=int, default=128, help="longest output in tokens (default 128)")
     parser.add_argument("--requests", type=int, default=0, help="requests per concurrency (default: requests_for)")
@@ -617,8 +641,10 @@ def described(args: argparse.Namespace, rate: float, text: str, runs: list[Model
         "step is bound by compute, the fraction falls by design). `engine`: the replica's Batcher over its "
         "PagedModel in the benchmark's process; `stack`: streamed `POST /v1/completions` through the web, "
         "the queue and a replica on the node agent's device; `generate`: transformers' `generate()` over "
-        "fixed batches of the clients' number. `ms a step`: the engine's mean step (a prefill forward for "
-        "the requests that joined, a decode forward for the others, the sampling and the text).",
+        "fixed batches of the clients' number; `json`: the engine with every answer held to a JSON object "
+        "(other tokens than the free answers': its figures are what a format costs a step). `ms a step`: the "
+        "engine's mean step (a prefill forward for the requests that joined, a decode forward for the others, "
+        "the sampling and the text).",
     ]
     if args.device == "cpu":
         lines.append(

@@ -69,6 +69,20 @@ def test_the_engine_and_generate_give_each_request_the_same_tokens(tiny):
     assert engine.pool.blocks_free == engine.pool.blocks_total
 
 
+def test_the_json_path_holds_every_answer_to_a_json_object_as_the_replica_does(tiny):
+    model, tokenizer = tiny
+    jobs = serve.workload(tokenizer, 4, max_prompt=20, max_output=12, seed=1)
+    engine = serve.paged_engine(model, serve.pool_tokens(2, 20, 12))
+
+    free = serve.run_engine(engine, model, tokenizer, jobs, 2)
+    held = serve.run_engine(engine, model, tokenizer, jobs, 2, held=True)
+
+    assert held.path == "json" and not held.failures and len(held.outcomes) == 4
+    assert all(o.text.lstrip().startswith("{") for o in held.outcomes), [o.text for o in held.outcomes]
+    assert not all(o.text.lstrip().startswith("{") for o in free.outcomes), "the random model's own text"
+    assert engine.pool.blocks_free == engine.pool.blocks_total
+
+
 def test_requests_for_each_concurrency_grow_with_the_clients_and_stay_short_past_32():
     assert [serve.requests_for(c) for c in (1, 4, 8, 32, 128)] == [8, 8, 16, 64, 160]
 
@@ -110,7 +124,7 @@ def test_the_three_paths_run_through_the_whole_stack_on_the_cpu():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 2 MiB float32 ")]
     assert {(row.split("|")[2].strip(), row.split("|")[3].strip()) for row in rows} == {
-        (path, clients) for path in serve.PATHS for clients in ("1", "2")
+        (path, clients) for path in serve.DEFAULT_PATHS for clients in ("1", "2")
     }
     for row in rows:
         assert float(row.split("|")[5].replace(",", "")) > 0, row
