@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import record, table
+from gpuportal.wire.sampling import ANY_JSON_OBJECT, JSON_SCHEMA
 
 MiB = 1024**2
 MS = 1000.0
@@ -67,7 +68,7 @@ PATHS = ("engine", "json", "stack", "generate")
 # What runs unless --paths names others: `json` is asked for by name (a GPU run's minutes are few).
 DEFAULT_PATHS = ("engine", "stack", "generate")
 # The format the `json` path holds every answer to: response_format's json_object, as the queue keeps it.
-JSON_OBJECT = {"json_schema": {"type": "object"}}
+JSON_OBJECT = {JSON_SCHEMA: dict(ANY_JSON_OBJECT)}
 # A stack's request may wait behind a whole closed loop's worth of others on a slow CPU.
 STACK_TIMEOUT_S = 300.0  # GPUPORTAL_INFER_MAX_TIMEOUT_S, the most a call may wait
 SERVING_TIMEOUT_S = 600.0

@@ -188,6 +188,8 @@ def _stop_token_ids_kept(value: list[int] | None) -> list[int]:
 # as it is generated ({"type": "object"} for a JSON object); absent, the answer is free text.
 JSON_SCHEMA = "json_schema"
 MOST_SCHEMA_BYTES = 65_536
+# What OpenAI's json_object and Ollama's "json" ask for: any JSON object.
+ANY_JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 # vLLM's guided decoding beside it, kept as given: an answer held to one of some strings
 # (classification, an eval's multiple choice) or to a regular expression. One format a request.
 GUIDED_CHOICE = "guided_choice"
@@ -209,7 +211,7 @@ def schema_problem(value: Any) -> str | None:
 
 def choice_problem(value: Any) -> str | None:
     """Why `value` cannot be GUIDED_CHOICE's strings."""
-    if not isinstance(value, list) or not value or not all(_text(choice) and choice for choice in value):
+    if not isinstance(value, list) or not value or not all(is_text(choice) and choice for choice in value):
         return "must be a non-empty list of non-empty strings"
     if len(value) > MOST_CHOICES:
         return f"at most {MOST_CHOICES} strings"
@@ -218,7 +220,7 @@ def choice_problem(value: Any) -> str | None:
 
 def regex_problem(value: Any) -> str | None:
     """Why `value` cannot be GUIDED_REGEX's pattern."""
-    if not _text(value) or not value or len(value) > MOST_PATTERN_CHARS:
+    if not is_text(value) or not value or len(value) > MOST_PATTERN_CHARS:
         return f"must be a regular expression of 1 to {MOST_PATTERN_CHARS} characters"
     return None
 
@@ -232,15 +234,16 @@ def one_format_problem(given: Mapping[str, Any]) -> tuple[str, str] | None:
     return names[1], f"one format at a time: {' and '.join(names)} were both given"
 
 
-def _text(value: Any) -> bool:
+def is_text(value: Any) -> bool:
     """A string UTF-8 can carry (JSON can carry lone surrogates, which it cannot)."""
-    if type(value) is not str:
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    return type(value) is str and lone_surrogate(value) is None
+
+
+def lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate in `text`, which no UTF-8 can encode (None: there is none)."""
+    if text.isascii():
+        return None
+    return next((c for c in text if "\ud800" <= c <= "\udfff"), None)
 
 
 @dataclass(frozen=True)

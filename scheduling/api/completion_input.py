@@ -280,7 +280,7 @@ def _json_schema(value: Any) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "object"}
+        return dict(sampling.ANY_JSON_OBJECT)
     if kind != "json_schema":
         raise Refused("response_format.type", "must be text, json_object or json_schema")
     spec = value.get("json_schema")
@@ -381,7 +381,7 @@ def _texts(value: Any) -> list[str]:
         if _integer(text) or (isinstance(text, list) and all(_integer(t) for t in text)):
             # Token ids are the ids of OpenAI's tokenizer, which mean nothing to this model's.
             raise Refused(param, "token arrays are not supported: send text")
-        if not _text(text):
+        if not sampling.is_text(text):
             raise Refused(param, _not_text(text, "must be a string"))
         if not text:
             raise Refused(param, "must not be an empty string")
@@ -406,7 +406,7 @@ def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
     each a string, or token ids (a list of them alone is one prompt)."""
     prompt = body.get("prompt")
     if not isinstance(prompt, list):
-        if not _text(prompt):
+        if not sampling.is_text(prompt):
             raise Refused("prompt", _not_text(prompt, "required: a string, token ids, or a list of either"))
         return (prompt,)
     if not prompt:
@@ -414,7 +414,7 @@ def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
     if not _listed(prompt):
         return (_token_ids(prompt, "prompt"),)
     for i, given in enumerate(prompt):
-        if not _text(given) and not isinstance(given, list):
+        if not sampling.is_text(given) and not isinstance(given, list):
             raise Refused(f"prompt.{i}", _not_text(given, "must be a string or a list of token ids"))
     if len(prompt) > MAX_CHOICES:
         raise Refused("prompt", f"at most {MAX_CHOICES} prompts in one call")
@@ -456,7 +456,7 @@ def _content(content: Any, param: str) -> str:
     a line apart (as vLLM joins them); a part of another type (an image, audio, a file) is refused
     by name, this portal's models reading text alone."""
     if not isinstance(content, list):
-        if not _text(content):
+        if not sampling.is_text(content):
             raise Refused(param, _not_text(content, "required: a string or a list of text parts"))
         return content
     if not content:
@@ -467,7 +467,7 @@ def _content(content: Any, param: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part that is no {type, text} object"
             raise Refused(f"{param}.{j}", f"{what} is not supported: the models served here read text parts only")
-        if not _text(part.get("text")):
+        if not sampling.is_text(part.get("text")):
             raise Refused(f"{param}.{j}.text", _not_text(part.get("text"), "required: a string"))
         texts.append(part["text"])
     return "\n".join(texts)
@@ -498,19 +498,8 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _text(value: Any) -> bool:
-    """A string that can be encoded as UTF-8 (no lone surrogates, which JSON can carry)."""
-    return type(value) is str and _surrogate(value) is None
-
-
-def _surrogate(text: str) -> str | None:
-    if text.isascii():
-        return None
-    return next((c for c in text if "\ud800" <= c <= "\udfff"), None)
-
-
 def _not_text(value: Any, required: str) -> str:
     """Why `value` is no text: not a string at all (`required`), or one no UTF-8 can hold."""
-    if type(value) is str and (lone := _surrogate(value)) is not None:
+    if type(value) is str and (lone := sampling.lone_surrogate(value)) is not None:
         return f"contains a lone surrogate (U+{ord(lone):04X}), which UTF-8 cannot encode"
     return required

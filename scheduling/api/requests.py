@@ -67,7 +67,7 @@ class ParamsInput(StrictSerializer, SamplingInput):
         if value is None:
             return None
         if value == "json":
-            return {"type": "object"}
+            return dict(sampling.ANY_JSON_OBJECT)
         if not isinstance(value, dict):
             raise serializers.ValidationError('must be "json" or a JSON Schema object')
         if (why := sampling.schema_problem(value)) is not None:
