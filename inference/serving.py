@@ -63,6 +63,7 @@ from inference.token_logprobs import entries, of_prompt, of_rows, prompt_entries
 
 if TYPE_CHECKING:
     from inference.batching import Batcher, Sequence
+    from inference.constrained import Held
     from inference.embedding import Embedder
     from inference.paged import PagedModel
 
@@ -339,7 +340,7 @@ class Executor:
             allowed=allowed,
         )
 
-    def format_allowed(self, params: dict[str, Any]) -> Callable[[list[int]], list[int]] | None:
+    def format_allowed(self, params: dict[str, Any]) -> Held | None:
         """What a request's format (OpenAI's response_format, vLLM's guided_choice or
         guided_regex) lets each next token be (inference.constrained); None for free text.
         BadInput for a format it cannot hold to."""
@@ -610,7 +611,7 @@ class Server(threading.Thread):
             busy = self.batch is not None and not self.batch.idle
             if not busy and not self.host.accepting.wait(timeout=self.poll_s):
                 continue
-            if self.host.accepting.is_set() and not (busy and self.batch is not None and self.batch.waiting):
+            if self.host.accepting.is_set() and not (busy and self.batch is not None and self.batch.backlog):
                 if not self.live:
                     self._announce()
                 # Idle: block for the next request. Busy: only look, the batch must keep stepping.
@@ -621,6 +622,9 @@ class Server(threading.Thread):
             if self.batch is not None and not self.batch.idle:
                 self._end_stopped(self.batch)
             if self.batch is not None and not self.batch.idle:
+                # Only formats being prepared: wait for them a moment rather than spin (then look
+                # for new requests again, which go by them).
+                self.batch.wait_for_formats()
                 self.step()
             self.kv.publish()
 

@@ -6,6 +6,7 @@ replica processes.)"""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from typing import Any
 
@@ -15,6 +16,7 @@ from django.conf import settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
+from inference import constrained
 from inference.batching import Batcher
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.serving import Server
@@ -69,6 +71,48 @@ def test_requests_queued_together_start_in_the_same_step_and_streams_get_every_p
         pieces, ended = rq.read_stream(request_id, 0, 0)
         assert ended and "".join(pieces) == answer.output["text"]
     assert single == [], "a batched stream's pieces go in the step's one write"
+
+
+def test_a_request_held_to_a_format_whose_parser_is_being_prepared_holds_up_no_other_request(tiny, rq, monkeypatch):
+    model, tokenizer = tiny
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)  # no parser's view of it yet
+    building, gate = threading.Event(), threading.Event()
+    build = constrained._built_view
+
+    def gated(*args: Any) -> Any:
+        building.set()
+        assert gate.wait(60), "the test never let the view be built"
+        return build(*args)
+
+    monkeypatch.setattr(constrained, "_built_view", gated)
+    deployment = f"d-{uuid.uuid4().hex[:8]}"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    held = rq.submit(
+        deployment, kind="generate", input="JSON:", params={"max_tokens": 40, "json_schema": schema}, owner="u"
+    )
+    server = Server(host_for(model, tokenizer), rq, deployment, poll_s=0.05)
+    server.start()
+    try:
+        assert building.wait(30), "the held request was taken and its parser's view begun"
+        # Taken after it, while its view is still being built, and streamed to its end.
+        free = rq.submit(
+            deployment, kind="generate", input="Hello", params={"max_tokens": 6, "stream": True}, owner="u"
+        )
+        answer = rq.wait(free.id, 60)
+        still = rq.get(held.id)
+        gate.set()
+        held_answer = rq.wait(held.id, 60)
+    finally:
+        gate.set()
+        server.stopped.set()
+        server.join(10)
+
+    assert answer is not None and answer.status == "done", answer
+    pieces, ended = rq.read_stream(free.id, 0, 0)
+    assert ended and "".join(pieces) == answer.output["text"]
+    assert still is not None and still.status not in ("done", "failed"), still
+    assert held_answer is not None and held_answer.status == "done", held_answer
+    assert set(json.loads(held_answer.output["text"])) == {"ok"}
 
 
 def test_a_batched_generation_records_when_its_first_token_came_between_its_start_and_its_end(tiny, rq):

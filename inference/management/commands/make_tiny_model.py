@@ -8,7 +8,7 @@ byte-level BPE tokenizer trained here on a built-in text), sized to the megabyte
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,8 +151,9 @@ def write_tiny_model(
     )
 
 
-def build_tokenizer():
-    """A PreTrainedTokenizerFast with <s>, </s>, <pad> and <unk>, trained here: no download."""
+def build_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = VOCAB_SIZE):
+    """A PreTrainedTokenizerFast with <s>, </s>, <pad> and <unk>, trained here on `corpus` (lines;
+    the built-in text by default) to at most `vocab_size` tokens: no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -161,12 +162,12 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.split("\n"), trainer=trainer)
+    tok.train_from_iterator(_CORPUS.split("\n") if corpus is None else corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
