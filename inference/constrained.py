@@ -149,14 +149,16 @@ def held_to(
     schema: dict[str, Any] | None = None,
     choices: list[str] | None = None,
     regex: str | None = None,
+    schema_field: str = "response_format",
 ) -> Held:
     """What an answer's next token may be, held to JSON `schema` describes, to one of `choices`,
-    or to a match of `regex` (the one given). BadInput, naming the field, for a format the parser
-    refuses, here and now; the parser's view of the tokenizer may still be being built (`Held`)."""
+    or to a match of `regex` (the one given). BadInput, naming the field (`schema_field`: the
+    caller's name for the schema), for a format the parser refuses, here and now; the parser's
+    view of the tokenizer may still be being built (`Held`)."""
     from lmformatenforcer import JsonSchemaParser, RegexParser, StringParser, UnionParser
 
     field, what = (
-        ("response_format", "this JSON Schema")
+        (schema_field, "this JSON Schema")
         if schema is not None
         else ("guided_choice", "these choices")
         if choices is not None

@@ -53,6 +53,7 @@ from gpuportal.wire.sampling import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     FORMATS,
+    SCHEMA_FIELD,
     Sampling,
     fitted_max_tokens,
 )
@@ -350,7 +351,10 @@ class Executor:
         from inference.constrained import held_to
 
         vocab = self._vocab_size or len(self.tokenizer)
-        return held_to(self.tokenizer, vocab, self._ends, schema=schema, choices=choices, regex=regex)
+        field = str(params.get(SCHEMA_FIELD) or "response_format")  # the caller's name for the schema
+        return held_to(
+            self.tokenizer, vocab, self._ends, schema=schema, choices=choices, regex=regex, schema_field=field
+        )
 
     def generate(
         self,

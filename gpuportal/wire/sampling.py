@@ -187,6 +187,10 @@ def _stop_token_ids_kept(value: list[int] | None) -> list[int]:
 # OpenAI's response_format, as the request queue keeps it: the JSON Schema the answer is held to
 # as it is generated ({"type": "object"} for a JSON object); absent, the answer is free text.
 JSON_SCHEMA = "json_schema"
+# The caller's name for that schema (OpenAI's response_format, vLLM's guided_json, Ollama's
+# format), kept beside it so that a replica that cannot hold to it names what the caller sent;
+# response_format where absent.
+SCHEMA_FIELD = "json_schema_field"
 MOST_SCHEMA_BYTES = 65_536
 # What OpenAI's json_object and Ollama's "json" ask for: any JSON object.
 ANY_JSON_OBJECT: Mapping[str, Any] = {"type": "object"}

@@ -250,7 +250,7 @@ def _format(body: dict[str, Any]) -> dict[str, Any]:
         raise Refused(*twice)
     for name in ("response_format", "guided_json"):
         if name in asked:
-            return {sampling.JSON_SCHEMA: asked[name]}
+            return {sampling.JSON_SCHEMA: asked[name], sampling.SCHEMA_FIELD: name}
     return asked
 
 

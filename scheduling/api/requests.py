@@ -61,6 +61,7 @@ class ParamsInput(StrictSerializer, SamplingInput):
             raise serializers.ValidationError({twice[0]: twice[1]})
         if "format" in given:
             given[sampling.JSON_SCHEMA] = given.pop("format")
+            given[sampling.SCHEMA_FIELD] = "format"
         return {"temperature": 0.0, "top_p": 1.0, **given}
 
     def validate_format(self, value: Any) -> dict[str, Any] | None:

@@ -810,7 +810,9 @@ def test_vllms_guided_formats_are_read_one_at_a_time_and_a_bad_one_is_refused_na
         assert str(refused.value) == refusal
 
 
-def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(client, served):
+def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(
+    client, served, live_server
+):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 60}
 
@@ -820,10 +822,24 @@ def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_h
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**chat, response_format={"type": "json_schema", "json_schema": {
             "name": "answer", "schema": {"type": "colour"}}})  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as guided:
+        client.chat.completions.create(**chat, extra_body={"guided_json": {"type": "colour"}})
+    # /infer/'s caller sent it as `format`, and is told so.
+    call = urllib.request.Request(
+        f"{live_server.url}/api/deployments/tiny/infer/",
+        data=json.dumps({"input": "Is it?", "params": {"format": {"type": "colour"}}}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Token {client.api_key}"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as inferred:
+        urllib.request.urlopen(call, timeout=30)
 
     assert isinstance(json.loads(held.choices[0].message.content)["ok"], bool)
     assert refused.value.body["message"].startswith("response_format: this JSON Schema cannot be held to")
     assert refused.value.body["param"] == "response_format", "named by the replica's refusal, not the messages"
+    assert guided.value.body["message"].startswith("guided_json: this JSON Schema cannot be held to")
+    assert guided.value.body["param"] == "guided_json"
+    assert inferred.value.code == 400
+    assert json.loads(inferred.value.read())["error"].startswith("format: this JSON Schema cannot be held to")
 
 
 def test_ignore_eos_runs_an_answer_to_its_max_tokens_as_min_tokens_of_them_all():

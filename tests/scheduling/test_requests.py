@@ -796,6 +796,7 @@ def test_a_format_is_kept_as_the_queue_keeps_v1s_and_a_bad_one_is_refused_naming
     assert kept(format="json")["json_schema"] == {"type": "object"}, "Ollama's: any JSON object"
     assert kept(format=schema)["json_schema"] == schema
     assert "format" not in kept(format=schema), "kept by the name the replica reads"
+    assert kept(format=schema)["json_schema_field"] == "format", "the caller's name, for the replica's refusal"
     assert kept(guided_choice=["yes", "no"])["guided_choice"] == ["yes", "no"]
     assert kept(guided_regex="[0-9]+")["guided_regex"] == "[0-9]+"
     assert not {"json_schema", "format"} & set(kept(format=None)), "null: free text"
