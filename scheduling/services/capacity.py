@@ -16,8 +16,9 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from gpuportal.wire import node_labels
 from scheduling.core import effects
-from scheduling.models import GPU, CapacityPlan
+from scheduling.models import GPU, CapacityPlan, Node
 from scheduling.services import outbox, traffic
 from scheduling.services.errors import NotFound
 from scheduling.simulation import config as sim_config
@@ -79,8 +80,26 @@ def prepare(
     gpus = current_gpus or sum(sizes.values()) or config.cluster.gpus
     if warm_spares is None:
         warm_spares = config.cluster.warm_spares or GPU.objects.filter(spare_bytes__gt=0).exists()
-    config = replace(config, cluster=replace(config.cluster, gpu_memory_gib=gib, warm_spares=warm_spares))
+    pools, nodes = live_pools()
+    cluster = replace(config.cluster, gpu_memory_gib=gib, warm_spares=warm_spares)
+    if pools:
+        cluster = replace(cluster, pools=pools, pooled_of=nodes)
+    config = replace(config, cluster=cluster)
     return Inputs(build_trace(rows, entries, config), config, gpus, tuple(errors))
+
+
+def live_pools() -> tuple[tuple[sim_config.Pool, ...], int]:
+    """The portal's nodes with GPUs as the simulator's pools (those alike in labels and taints,
+    as many as there are of each; none where no node is marked), and how many such nodes there
+    are: a plan of more or fewer GPUs keeps each pool's share of them."""
+    marks = Counter(
+        (node_labels.text(labels or {}), node_labels.text(taints or {}))
+        for labels, taints in Node.objects.filter(gpus__isnull=False).distinct().values_list("labels", "taints")
+    )
+    pools = tuple(
+        sim_config.Pool(count, labels, taints) for (labels, taints), count in sorted(marks.items()) if labels or taints
+    )
+    return pools, sum(marks.values())
 
 
 def _recorded(since: datetime | None, known: set[str]) -> tuple[tuple[TraceRow, ...], tuple[RowError, ...]]:

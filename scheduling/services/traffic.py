@@ -127,6 +127,8 @@ def catalogue_entry(d: Deployment, snapshot: Snapshot | None = None) -> Catalogu
         # One scaled to 0 still has its requests planned for: a request brings one back.
         replicas=max(1, d.replicas_wanted),
         autoscale=d.autoscale_policy,
+        node_selector=d.placement_node_selector,
+        tolerations=d.placement_tolerations,
     )
 
 

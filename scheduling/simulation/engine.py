@@ -38,6 +38,11 @@ services build one from the ledger. Simulated replicas:
   first, and wakes none (sleepers stay, as they do in the portal). Requests go to the serving
   replica with the fewest in flight;
 
+A deployment's node selector and tolerations keep its replicas where the nodes' labels and taints
+([cluster] pools) allow, as the product's placement and fair wakes read them
+(gpuportal.wire.node_labels.refusals and avoidances): no replica, and no copy asleep, on a node
+they refuse; a node whose PreferNoSchedule taint they do not name, last.
+
 Every change of reservations is checked against every GPU's total (invariant 1 of docs/architecture.md): an
 over-commit raises `OverCommit` at the simulated instant it would happen.
 """
@@ -53,6 +58,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from gpuportal.wire import node_labels
 from gpuportal.wire.states import ReplicaState as S
 from scheduling.core import autoscale, costs, fairness, planning
 from scheduling.core.placement import CachedReplica, CantAccommodate, Placement, PlacementRequest, place
@@ -160,6 +166,10 @@ class DeploymentState:
     # (dedicated on too few GPUs) does not ask placement every retry_s for the whole trace.
     failed_wakes: int = 0
     home: tuple[int, ...] | None = None  # lru-fair: the GPUs of the first load
+    # {node: why} of the nodes its replicas may not run on, and of those they go to last (its node
+    # selector and tolerations against the nodes' labels and taints: gpuportal.wire.node_labels).
+    refused_nodes: dict[str, str] = field(default_factory=dict)
+    avoided_nodes: dict[str, str] = field(default_factory=dict)
 
     def keep_asleep(self, replica: SimReplica) -> None:
         if replica.id not in self.cached:  # kept once, counted once
@@ -243,6 +253,7 @@ class Simulation:
         self.node_gpus: dict[str, list[SimGPU]] = {}
         for gpu in self.gpus.values():
             self.node_gpus.setdefault(gpu.node, []).append(gpu)
+        self.node_marks = config.cluster.marks(self.node_gpus)
         self.rng = random.Random(config.seed)
         self.now = 0.0
         self.closed = False  # past the grace period: no new wakes, queued requests fail
@@ -259,6 +270,10 @@ class Simulation:
             )
             for d in trace.deployments
         }
+        for ds in self.deployments.values():
+            spec = ds.spec
+            ds.refused_nodes = node_labels.refusals(self.node_marks, spec.name, spec.node_selector, spec.tolerations)
+            ds.avoided_nodes = node_labels.avoidances(self.node_marks, spec.name, spec.tolerations)
         self.outcomes = {r.id: RequestOutcome(r) for r in trace.requests}
         self._in_flight_of: dict[str, int] = dict.fromkeys(self.deployments, 0)
 
@@ -571,6 +586,8 @@ class Simulation:
             need_bytes=ds.need_bytes,
             cached=cached,
             allow_new=only is None or not cached,
+            refused_nodes=ds.refused_nodes,
+            avoided_nodes=ds.avoided_nodes,
         )
 
     def _retry_later(self, ds: DeploymentState) -> None:
@@ -591,14 +608,18 @@ class Simulation:
 
     def _begin_costed_wait(self, ds: DeploymentState, request: PlacementRequest) -> bool:
         """fairness.choose_target over the GPUs the waker may use: those of the nodes holding a
-        sleeping replica of it (a wake from CPU RAM), else every node (a new replica)."""
-        tickets = [(c.replica_id, True, c.node) for c in request.cached] or [(request.replica_id, False, None)]
+        sleeping replica of it (a wake from CPU RAM), else every node (a new replica); never a node
+        its selector or tolerations refuse."""
+        refused = request.refused_nodes
+        tickets = [(c.replica_id, True, c.node) for c in request.cached if c.node not in refused] or [
+            (request.replica_id, False, None)
+        ]
         # Chosen on the GPUs as they will be once their sleepers sleep deeply (they are told to
         # as the wait begins): a GPU whose sleepers hold the room costs no one's preemption.
         snapshot = fairness.as_if_deep_asleep(self._snapshot(ds), keep={t[0] for t in tickets})
         best: tuple[fairness.Target, str, bool] | None = None
         for replica_id, promoted, node in tickets:
-            gpus = [g for g in snapshot.gpus.values() if node is None or g.node == node]
+            gpus = [g for g in snapshot.gpus.values() if (node is None or g.node == node) and g.node not in refused]
             if not gpus:
                 continue
             if self.policy.whole_gpus_by_cost and self._whole_gpus(request.need_bytes):
@@ -977,6 +998,8 @@ class Simulation:
                     break
             if not ds.awake:
                 node = self._park_on(ds, parked)
+                if node is None:
+                    continue  # no node may hold it: never loaded, its requests wait and fail
                 parked[node] += ds.need_bytes
                 deep = self.policy.two_level_sleep
                 asleep = SimReplica(self._new_id(ds), ds.spec.name, node, {}, SLEEPING, deep=deep)
@@ -1003,17 +1026,21 @@ class Simulation:
         self._maybe_idle(replica, ds)
         return True
 
-    def _park_on(self, ds: DeploymentState, parked: Mapping[str, int]) -> str:
+    def _park_on(self, ds: DeploymentState, parked: Mapping[str, int]) -> str | None:
         """The node whose CPU RAM holds the copy of a deployment that did not fit at the start.
         In the portal that copy sleeps where placement loaded it, so only on a node that can hold
         its need (a need of whole GPUs, enough of them), and loads spread over the nodes by their
         room: the node with the fewest bytes parked per byte of its GPU memory, ties by name. Nodes
         in turn, whatever their size, parked half the copies on a cluster of 8 + 1 GPUs on the one
-        GPU, where a 70B copy can never wake and the others contend for 80 GiB."""
+        GPU, where a 70B copy can never wake and the others contend for 80 GiB. Never a node its
+        node selector or tolerations refuse (None where they refuse every node)."""
         gpu_bytes = self.config.cluster.gpu_bytes
         room = {node: len(gpus) * gpu_bytes for node, gpus in self.node_gpus.items()}
         whole = self._whole_gpus(ds.need_bytes)
-        fits = [node for node in parked if (room[node] if whole else gpu_bytes) >= ds.need_bytes] or list(parked)
+        allowed = [node for node in parked if node not in ds.refused_nodes]
+        if not allowed:
+            return None
+        fits = [node for node in allowed if (room[node] if whole else gpu_bytes) >= ds.need_bytes] or allowed
         return min(fits, key=lambda node: (parked[node] / room[node], node))
 
     def _snapshot(

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from gpuportal.wire import memory
 from gpuportal.wire.memory import ModelShape
 from scheduling.core import autoscale, costs
 from scheduling.core.costs import HardwareConfig
-from scheduling.simulation.config import Config, ServingConfig
+from scheduling.simulation.config import Config, Placement, ServingConfig
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,10 @@ class Deployment:
     # how the autoscaler scales that by load (the deployment's `autoscale` settings).
     replicas: int = 1
     autoscale: autoscale.Policy | None = None
+    # Where its replicas may run, as a deployment stores its `placement.node_selector` and
+    # `placement.tolerations` ("" is none), against the nodes' marks ([cluster] pools).
+    node_selector: str = ""
+    tolerations: str = ""
 
     def disk_load_s(self, hardware: HardwareConfig) -> float:
         return costs.disk_load_s(self.weight_bytes, hardware, self.load_s)
@@ -144,6 +148,7 @@ def generate(config: Config) -> Trace:
                 flops_per_token=2 * arch.params_b * 1e9,
             )
         )
+    deployments = _placed(deployments, tc.placements, config.seed)
     requests = []
     for d in deployments:
         requests += _arrivals(d, tc.duration_s, tc.arrival_cv, tc.prompt_tokens, tc.output_tokens, rng)
@@ -152,6 +157,22 @@ def generate(config: Config) -> Trace:
         Request(i, r.deployment, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(requests)
     )
     return Trace(tuple(deployments), numbered, tc.duration_s)
+
+
+def _placed(deployments: list[Deployment], placements: Sequence[Placement], seed: int) -> list[Deployment]:
+    """`deployments` with each placement's share of them given its selector and tolerations, drawn
+    with a generator of their own: the rest of the trace is the one the same seed draws without."""
+    if not placements:
+        return deployments
+    rng = random.Random(f"placements-{seed}")
+    unplaced = list(range(len(deployments)))
+    rng.shuffle(unplaced)
+    out = list(deployments)
+    for placement in placements:
+        chosen, unplaced = unplaced[: round(placement.share * len(out))], unplaced[round(placement.share * len(out)) :]
+        for i in chosen:
+            out[i] = replace(out[i], node_selector=placement.node_selector, tolerations=placement.tolerations)
+    return out
 
 
 def _arrivals(

@@ -37,7 +37,9 @@ entry a deployment:
   measured times of a cold load and a wake (otherwise bytes over the [hardware] speeds);
 - `replicas` (1 by default) and `autoscale`, as a deployment's REST body has them:
   `{"max_replicas": 4, "min_replicas": 1, "target_in_flight": 4, "down_after_s": 300}`, each
-  but max_replicas defaulting as a deployment's does (max_replicas 0: off).
+  but max_replicas defaulting as a deployment's does (max_replicas 0: off);
+- `node_selector` and `tolerations`, as a deployment's `placement` has them (`"team=a"`,
+  `"team=a,dedicated"`): its replicas run only on the nodes they allow ([cluster] pools).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from gpuportal.wire import deployment_spec, memory
+from gpuportal.wire import deployment_spec, memory, node_labels
 from scheduling.core import autoscale
 from scheduling.simulation.config import Config
 from scheduling.simulation.trace import SHAPES, Architecture, Deployment, Request, Trace, estimate_bytes
@@ -275,6 +277,7 @@ def _count(value: Any, name: str, *, least: int) -> int:
 _ENTRY_KEYS = {
     "name", "size", "shape", "weight_bytes", "need_bytes", "dtype", "max_tokens", "popular", "dedicated",
     "min_runtime_s", "max_wait_s", "idle_timeout_s", "slo_ttft_s", "load_s", "wake_s", "replicas", "autoscale",
+    "node_selector", "tolerations",
 }  # fmt: skip
 _SHAPE_KEYS = ("params_b", "layers", "hidden", "kv_heads", "head_dim", "intermediate")
 _SECONDS = ("min_runtime_s", "max_wait_s", "idle_timeout_s", "slo_ttft_s", "load_s", "wake_s")
@@ -301,6 +304,9 @@ class CatalogueEntry:
     wake_s: float | None = None
     replicas: int = 1
     autoscale: autoscale.Policy | None = None
+    # Its placement.node_selector and placement.tolerations, as a deployment stores them ("": none).
+    node_selector: str = ""
+    tolerations: str = ""
 
     def to_record(self) -> dict[str, Any]:
         """The entry as a catalogue file writes it (None and default values left out)."""
@@ -319,6 +325,9 @@ class CatalogueEntry:
             out["replicas"] = self.replicas
         if self.autoscale is not None:
             out["autoscale"] = {setting.key: getattr(self.autoscale, setting.key) for setting in _AUTOSCALE}
+        for key in ("node_selector", "tolerations"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
         return out
 
 
@@ -410,7 +419,25 @@ def _entry(raw: Any) -> CatalogueEntry:
         **seconds,
         replicas=_replicas(raw.get("replicas", 1), "replicas"),
         autoscale=_autoscale(raw.get("autoscale")),
+        **_placement(raw),
     )
+
+
+def _placement(raw: Mapping[str, Any]) -> dict[str, str]:
+    """node_selector and tolerations as a deployment stores them; ValueError naming a bad one."""
+    out = {}
+    for key, canonical in (
+        ("node_selector", node_labels.canonical),
+        ("tolerations", node_labels.canonical_tolerations),
+    ):
+        value = raw.get(key, "")
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string such as team=a,gpu=h100, got {value!r}")
+        try:
+            out[key] = canonical(value)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+    return out
 
 
 # The autoscale settings in their REST order; each one's default and bounds are the spec's.
@@ -498,6 +525,8 @@ def resolve(entry: CatalogueEntry, config: Config, rate_per_s: float) -> Deploym
         wake_s=entry.wake_s,
         replicas=entry.replicas,
         autoscale=entry.autoscale,
+        node_selector=entry.node_selector,
+        tolerations=entry.tolerations,
     )
 
 

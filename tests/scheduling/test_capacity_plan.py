@@ -25,7 +25,7 @@ from scheduling.models import CapacityPlan, Replica, RequestRecord
 from scheduling.services import capacity, traffic
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
-from scheduling.simulation.config import SearchConfig, load
+from scheduling.simulation.config import Pool, SearchConfig, load
 from scheduling.simulation.engine import simulate
 from scheduling.simulation.metrics import holds_from, summarize
 from scheduling.simulation.planner import (
@@ -219,6 +219,27 @@ def test_the_portals_own_deployments_are_planned_with_their_replicas_and_autosca
     )
     # Scaled to 0, a request still brings one back (sleep.wake_deployment): planned as one.
     assert entries["stopped"].replicas == 1 and entries["stopped"].autoscale is None
+
+
+@pytest.mark.django_db
+def test_a_plan_places_by_the_portals_node_marks_and_its_deployments_selectors(cluster):
+    from scheduling.models import Node
+    from scheduling.simulation.traces import catalogue_from
+
+    Node.objects.filter(name="node1").update(labels={"team": "a"}, taints={"team": "a:NoExecute"})
+    Node.objects.filter(name="node2").update(labels={}, taints={})
+    factories.deployment(name="picky", placement_node_selector="team=a", placement_tolerations="team", weight_bytes=GiB)
+
+    (entry,) = [e for e in traffic.live_catalogue() if e.name == "picky"]
+    cluster_planned = capacity.prepare(trace_text=TRACE, catalogue=catalogue_from(CATALOGUE)).config.cluster
+
+    assert (entry.node_selector, entry.tolerations) == ("team=a", "team")
+    assert cluster_planned.pools == (Pool(1, "team=a", "team=a:NoExecute"),) and cluster_planned.pooled_of == 2
+    # Planned on four nodes, half of them are the team's, as half the portal's are.
+    marks = cluster_planned.marks(["n0", "n1", "n2", "n3"])
+    assert [labels for labels, _ in marks.values()] == [{"team": "a"}, {"team": "a"}, {}, {}]
+    Node.objects.update(labels={}, taints={})
+    assert capacity.prepare(trace_text=TRACE, catalogue=catalogue_from(CATALOGUE)).config.cluster.pools == ()
 
 
 @pytest.mark.django_db
