@@ -334,6 +334,10 @@ class Simulation:
 
     def _arrive(self, request: Request) -> None:
         ds = self.deployments[request.deployment]
+        if ds.refused_nodes and len(ds.refused_nodes) == len(self.node_gpus) and not self.policy.unlimited:
+            # As the portal refuses a wake no node may take: at once, saying why.
+            self._fail(request, f"no node may run {ds.spec.name}: {next(iter(ds.refused_nodes.values()))}")
+            return
         ds.queue.append(request)
         serving = [r for r in ds.awake if r.state == SERVING]
         self.outcomes[request.id].arrived_behind_busy = bool(serving) and all(

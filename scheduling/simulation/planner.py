@@ -132,6 +132,8 @@ class DeploymentMisses:
     cold_load_s: float
     wake_s: float
     queue_s: float
+    # What its first failed request ended with, where one failed.
+    failure: str = ""
 
     @property
     def cause(self) -> str:
@@ -161,7 +163,7 @@ class DeploymentMisses:
         text = f"{self.cause}: mean wait of a miss " + (", ".join(waits) or "0 s")
         text += f"; {self.cold_loads} cold loads, {self.wakes} wakes"
         if self.failed:
-            text += f"; {self.failed} failed"
+            text += f"; {self.failed} failed" + (f" ({self.failure})" if self.failure else "")
         return text
 
 
@@ -607,6 +609,7 @@ def misses_by_deployment(trace: Trace, result: SimResult, slo_ttft_s: float) -> 
                 cold_load_s=sum(o.load_s for o in served if o.loaded_by == "cold load"),
                 wake_s=sum(o.load_s for o in served if o.loaded_by == "wake"),
                 queue_s=sum(o.queue_s for o in served),
+                failure=next((o.failed for o in outcomes if o.failed is not None), ""),
             )
         )
     return tuple(sorted(out, key=lambda m: (-m.missed, m.deployment)))

@@ -9,10 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from bench.simulate.engine import Simulation
+from bench.simulate.engine import SimResult, Simulation
 from bench.simulate.policies import POLICIES
 from bench.simulate.trace import Deployment, Request, Trace, generate
 from scheduling.simulation.config import DEFAULT_CONFIG, Config, Placement, Pool, load
+from scheduling.simulation.planner import misses_by_deployment
 from scheduling.simulation.traces import CatalogueEntry, TraceFileError, parse_catalogue
 
 GiB = 1024**3
@@ -33,7 +34,9 @@ def pooled(config: Config, *pools: Pool, nodes: int = 2) -> Config:
     return replace(config, cluster=cluster)
 
 
-def run(config: Config, deployments: list[Deployment], every_s: float = 7.0) -> tuple[Simulation, dict[str, set[str]]]:
+def run(
+    config: Config, deployments: list[Deployment], every_s: float = 7.0
+) -> tuple[Simulation, SimResult, dict[str, set[str]]]:
     names = [d.name for d in deployments]
     arrivals = sorted((t, name) for t in range(1, 200, int(every_s)) for name in names)
     trace = Trace(tuple(deployments), tuple(Request(i, n, t, 128, 32) for i, (t, n) in enumerate(arrivals)), 300.0)
@@ -41,7 +44,7 @@ def run(config: Config, deployments: list[Deployment], every_s: float = 7.0) -> 
     result = sim.run()
     assert all(o.end_s is not None for o in result.outcomes)
     nodes = {name: {r.node for r in sim.replicas.values() if r.deployment == name} for name in names}
-    return sim, {**nodes, "failed": {o.request.deployment for o in result.outcomes if o.failed is not None}}
+    return sim, result, {**nodes, "failed": {o.request.deployment for o in result.outcomes if o.failed is not None}}
 
 
 def test_a_deployment_runs_only_where_its_selector_matches_and_the_others_stay_off_a_taint_they_do_not_tolerate(
@@ -49,7 +52,7 @@ def test_a_deployment_runs_only_where_its_selector_matches_and_the_others_stay_o
 ):
     config = pooled(quick, Pool(1, labels="team=a", taints="team=a:NoSchedule"))
 
-    _, where = run(
+    _, _, where = run(
         config,
         [deployment("a", 20, node_selector="team=a", tolerations="team"), deployment("b", 20), deployment("c", 20)],
     )
@@ -62,7 +65,7 @@ def test_a_deployment_runs_only_where_its_selector_matches_and_the_others_stay_o
 def test_a_prefer_no_schedule_taint_is_used_last_rather_than_not_at_all(quick):
     config = pooled(quick, Pool(1, taints="spot=yes:PreferNoSchedule"))
 
-    sim, where = run(config, [deployment("b", 50), deployment("c", 50)])
+    sim, _, where = run(config, [deployment("b", 50), deployment("c", 50)])
 
     # Both fit on no one GPU: the second goes to the avoided node rather than take turns.
     assert where["b"] ^ where["c"] == {"node00", "node01"} and where["failed"] == set()
@@ -72,10 +75,12 @@ def test_a_prefer_no_schedule_taint_is_used_last_rather_than_not_at_all(quick):
 def test_a_deployment_whose_selector_no_node_matches_fails_its_requests_and_the_others_are_served(quick):
     config = pooled(quick, Pool(1, labels="gpu=h100"))
 
-    _, where = run(config, [deployment("a", 20, node_selector="gpu=b200"), deployment("b", 20)])
+    sim, result, where = run(config, [deployment("a", 20, node_selector="gpu=b200"), deployment("b", 20)])
 
     assert where["a"] == set() and where["failed"] == {"a"}
     assert where["b"]
+    missed = {m.deployment: m for m in misses_by_deployment(sim.trace, result, quick.serving.slo_ttft_s)}
+    assert missed["a"].cause == "failed" and "no node may run a: its labels do not match" in missed["a"].why
 
 
 def test_pools_keep_their_share_of_the_nodes_when_the_cluster_is_another_size(quick):
