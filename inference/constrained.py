@@ -20,9 +20,10 @@ from inference.errors import BadInput
 
 # What a tokenizer's vocabulary is to the parser (each token's text as it reads after another
 # token, and whether it begins a word, and the parser's index of them), built once per tokenizer
-# and vocabulary size, on a thread of its own: it takes about a second for 30,000 tokens, which
-# the replica's batch would otherwise stand still for when the first request held to a format
-# reaches it. Read and written under _VIEWS_LOCK.
+# and vocabulary size, on a thread of its own: a few tenths of a second for 32,000 tokens (a
+# second and more with the garbage collector running: _Collector), which the replica's batch
+# would otherwise stand still for when the first request held to a format reaches it. Read and
+# written under _VIEWS_LOCK.
 _VIEWS: weakref.WeakKeyDictionary[Any, dict[int, Future[Any]]] = weakref.WeakKeyDictionary()
 _VIEWS_LOCK = threading.Lock()
 
@@ -221,7 +222,7 @@ class Held:
         enforcer.prefix_states = {key: enforcer.prefix_states[key]}
         if found == self._last:
             # The same ids as the step before (inside a string, most steps): the same list, so
-            # that the batcher reuses its tensor of them. Quick to tell: the lists hold the same
+            # that the batcher reuses its mask of them. Quick to tell: the lists hold the same
             # int objects, the enforcer's cached ones.
             return self._last
         self._last = found

@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from gpuportal.wire import deployment_spec
 from scheduling.core import autoscale
-from scheduling.simulation.config import Config
+from scheduling.simulation.config import Config, Pool
 from scheduling.simulation.engine import RequestOutcome, SimResult, request_times, simulate
 from scheduling.simulation.metrics import fewest_gpus, holds_from, met_slo, summarize
 from scheduling.simulation.policies import ALL as POLICIES
@@ -343,6 +343,9 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     advice: Advice | None = None  # None: nothing explained, or no deployment the bound holds to mark
     scale_advice: ScaleAdvice | None = None  # None: nothing explained, or none queued for want of replicas
+    # The nodes' pools the runs placed by ([cluster] pools, or the portal's nodes), of how many nodes.
+    pools: tuple[Pool, ...] = ()
+    pooled_of: int = 0
     window: int = 1  # the counts in a row at which the target must hold (`PolicyPlan.holds_from`)
 
     def policy(self, name: str) -> PolicyPlan:
@@ -493,6 +496,8 @@ def plan(
         gpu_memory_gib=config.cluster.gpu_memory_gib,
         current_gpus=current,
         max_gpus=max_gpus,
+        pools=config.cluster.pools,
+        pooled_of=config.cluster.pooled_of or config.cluster.nodes,
         target=target,
         slo_ttft_s=slo,
         policies=tuple(plans),
@@ -848,6 +853,8 @@ def render(p: Plan) -> str:
         f"({p.bound.explanation}); that working set in whole GPUs as "
         f"placement packs it, {p.bound.packed_gpus}.",
     ]
+    if p.pools:
+        out += ["", pools_text(p.pools, p.pooled_of)]
     if p.advice is not None:
         out += ["", f"Advice: {p.advice.text}."]
     if p.scale_advice is not None:
@@ -859,6 +866,20 @@ def render(p: Plan) -> str:
         out += ["", f"{title}:", ""]
         out.append(table(MISS_HEADERS, miss_rows(misses)) if misses else "none")
     return "\n".join(out) + "\n"
+
+
+def pools_text(pools: Sequence[Pool], of: int) -> str:
+    """What a plan says of the nodes' pools it placed by."""
+    each = []
+    for pool in pools:
+        marks = [f"labelled {pool.labels}" if pool.labels else "", f"tainted {pool.taints}" if pool.taints else ""]
+        each.append(f"{pool.nodes} of {of} " + " and ".join(mark for mark in marks if mark))
+    if rest := of - sum(pool.nodes for pool in pools):
+        each.append(f"{rest} of {of} unmarked")
+    return (
+        f"Nodes: {'; '.join(each)}. Each keeps that share of the nodes at every count; deployments go only where "
+        "their node selector and tolerations allow (the bounds do not count them)."
+    )
 
 
 def record(p: Plan) -> dict[str, object]:
@@ -887,6 +908,8 @@ def record(p: Plan) -> dict[str, object]:
             }
             for pp in p.policies
         ],
+        "pools": [{"nodes": pool.nodes, "labels": pool.labels, "taints": pool.taints} for pool in p.pools],
+        "pooled_of": p.pooled_of,
         "bound": {
             "oracle_gpus": p.bound.oracle_gpus,
             "load_aware_gpus": p.bound.load_aware_gpus,

@@ -13,7 +13,7 @@ from bench.simulate.engine import SimResult, Simulation
 from bench.simulate.policies import POLICIES
 from bench.simulate.trace import Deployment, Request, Trace, generate
 from scheduling.simulation.config import DEFAULT_CONFIG, Config, Placement, Pool, load
-from scheduling.simulation.planner import misses_by_deployment
+from scheduling.simulation.planner import Plan, misses_by_deployment, plan, record, render
 from scheduling.simulation.traces import CatalogueEntry, TraceFileError, parse_catalogue
 
 GiB = 1024**3
@@ -142,3 +142,27 @@ def test_a_catalogue_entry_carries_its_selector_and_tolerations_and_a_bad_one_is
     with pytest.raises(TraceFileError) as refused:
         parse_catalogue('[{"name": "a", "size": "7B", "node_selector": "team"}]')
     assert "node_selector" in str(refused.value.errors)
+
+
+def test_a_plan_needs_the_gpus_its_pools_leave_a_selector_and_says_which_nodes_it_placed_on(quick):
+    def trace(**placement: str) -> Trace:
+        arrivals = sorted((t + 0.5 * (name == "b"), name) for t in range(1, 120, 2) for name in ("a", "b"))
+        return Trace(
+            (deployment("a", 50, **placement), deployment("b", 50, **placement)),
+            tuple(Request(i, n, t, 128, 16) for i, (t, n) in enumerate(arrivals)),
+            120.0,
+        )
+
+    def fewest(trace: Trace, *pools: Pool) -> tuple[int | None, Plan]:
+        config = pooled(quick, *pools)
+        p = plan(trace, config, current_gpus=2, policies=("gpuportal-next",), explain="gpuportal-next")
+        return p.policy("gpuportal-next").fewest_gpus, p
+
+    anywhere, _ = fewest(trace())
+    on_the_teams, p = fewest(trace(node_selector="team=a", tolerations="team"), Pool(1, "team=a", "team=a"))
+
+    # Two 50 GiB models on 80 GiB GPUs: two GPUs anywhere; two of the team's, which half the nodes
+    # are: of three, 1.5 rounded to the pool's 2 (the earlier on a tie of remainders).
+    assert anywhere == 2 and on_the_teams == 3
+    assert "Nodes: 1 of 2 labelled team=a and tainted team=a; 1 of 2 unmarked." in render(p)
+    assert record(p)["pools"] == [{"nodes": 1, "labels": "team=a", "taints": "team=a"}]
