@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import threading
 import time
@@ -57,6 +58,7 @@ from gpuportal.wire.sampling import (
     Sampling,
     fitted_max_tokens,
 )
+from gpuportal.wire.tools import TOOLS
 from inference.errors import BadInput, TooLong
 from inference.lazy_imports import from_transformers
 from inference.stream_text import newly_settled
@@ -252,7 +254,9 @@ class Executor:
             if beyond:
                 raise BadInput(f"prompt: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
             return [int(token) for token in request.input]
-        prompt = self.chat_prompt(request.input) if request.kind == "chat" else str(request.input)
+        prompt = (
+            self.chat_prompt(request.input, request.params.get(TOOLS)) if request.kind == "chat" else str(request.input)
+        )
         self.refuse_oversized(prompt)
         return prompt
 
@@ -309,11 +313,27 @@ class Executor:
             if beyond:
                 raise BadInput(f"{name}: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
 
-    def chat_prompt(self, messages: Any) -> str:
+    def chat_prompt(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
+        """The messages (and the functions the chat may call) through the model's chat template;
+        BadInput where the template refuses them (roles out of its order, a tool's message where
+        it takes none)."""
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # A model without a chat template still answers: a plain transcript, then its turn.
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
+            try:
+                return self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:  # jinja2's TemplateError, a template's raise_exception: the messages'
+                raise BadInput(f"messages: the model's chat template refused them: {exc}") from None
+        # A model without a chat template still answers: a plain transcript, then its turn (the
+        # functions first, and the calls made as Hermes' template writes them).
+        lines = [f"tools: {json.dumps([tool['function'] for tool in tools])}"] if tools else []
+        for m in messages:
+            made = [
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                for c in m.get("tool_calls", ())
+            ]
+            calls = "".join(f"<tool_call>{json.dumps(call)}</tool_call>" for call in made)
+            lines.append(f"{m['role']}: {m['content']}{calls}")
         return "\n".join([*lines, "assistant:"])
 
     def sequence(self, request: Request, on_chunk: Callable[[str], None] | None) -> Sequence:

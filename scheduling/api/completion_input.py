@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gpuportal.wire import sampling
+from gpuportal.wire import sampling, tools
 
 Kind = Literal["generate", "chat"]
 
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOKENS = sampling.MOST_TOKENS
 # The most alternatives a token's log probability comes with (OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
@@ -43,7 +43,7 @@ MIN_TIMEOUT_S = 0.001
 READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
-     "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX,
+     "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX, tools.TOOLS, tools.TOOL_CHOICE,
      *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
@@ -69,13 +69,11 @@ def _none_or(*nothing: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or any(type(value) is type(n) and value == n for n in nothing)
 
 
-_NO_TOOLS = "not supported: the models here answer in text and call no tools"
+_OLD_FUNCTIONS = "not supported: OpenAI's older function calling; give the functions as `tools`"
 NOT_DONE = (
     NotDone("suffix", _none_or(""), "not supported: text is only ever added after the prompt"),
-    NotDone("tools", _none_or([]), _NO_TOOLS),
-    NotDone("functions", _none_or([]), _NO_TOOLS),
-    NotDone("tool_choice", _none_or("none", "auto"), _NO_TOOLS),
-    NotDone("function_call", _none_or("none", "auto"), _NO_TOOLS),
+    NotDone("functions", _none_or([]), _OLD_FUNCTIONS),
+    NotDone("function_call", _none_or("none", "auto"), _OLD_FUNCTIONS),
     NotDone("skip_special_tokens", _none_or(True), "not supported: special tokens are always left out of the text"),
     NotDone("modalities", _none_or(["text"]), "not supported: answers are text only"),
     NotDone("audio", _none_or(), "not supported: answers are text only"),
@@ -185,6 +183,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     if _echo(body, kind, stream):
         params["echo"] = True
     params.update(_format(body))
+    params.update(_tools(body, kind, params))
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
@@ -252,6 +251,31 @@ def _format(body: dict[str, Any]) -> dict[str, Any]:
         if name in asked:
             return {sampling.JSON_SCHEMA: asked[name], sampling.SCHEMA_FIELD: name}
     return asked
+
+
+def _tools(body: dict[str, Any], kind: Kind, params: dict[str, Any]) -> dict[str, Any]:
+    """A chat's functions and how its answer calls them, as the request queue keeps them
+    (gpuportal.wire.tools); for `required` or a function named, the JSON Schema of one call the
+    answer is held to. {} where it gives no tools."""
+    given, choice = body.get(tools.TOOLS), body.get(tools.TOOL_CHOICE)
+    if given is None or given == []:
+        if choice not in (None, tools.NONE, tools.AUTO):
+            raise Refused(tools.TOOL_CHOICE, "asks for a call, but no tools were given")
+        return {}
+    if kind != "chat":
+        raise Refused(tools.TOOLS, "only in a chat (/v1/chat/completions): a completion calls no functions")
+    if problem := tools.tools_problem(given):
+        raise Refused(*problem)
+    try:
+        chosen = tools.choice_of(choice, given)
+    except ValueError as exc:
+        raise Refused(tools.TOOL_CHOICE, str(exc)) from None
+    if chosen != tools.NONE and any(name in params for name in sampling.FORMATS):
+        raise Refused(tools.TOOLS, "one format at a time: an answer held to a format calls no functions")
+    kept: dict[str, Any] = {tools.TOOLS: given, tools.TOOL_CHOICE: chosen}
+    if chosen not in (tools.AUTO, tools.NONE):
+        kept |= {sampling.JSON_SCHEMA: tools.call_schema(given, chosen), sampling.SCHEMA_FIELD: tools.TOOLS}
+    return kept
 
 
 def _guided_json(value: Any) -> dict[str, Any]:
@@ -437,7 +461,7 @@ def _token_ids(ids: list[Any], param: str) -> list[int]:
     return ids
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise Refused("messages", "required: a non-empty list of {role, content}")
@@ -447,8 +471,45 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise Refused(f"messages.{i}", "must be an object with role and content")
         if message.get("role") not in ROLES:
             raise Refused(f"messages.{i}.role", f"must be one of {', '.join(ROLES)}")
-        read.append({"role": message["role"], "content": _content(message.get("content"), f"messages.{i}.content")})
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            read.append(_calling(message, f"messages.{i}"))
+            continue
+        kept = {"role": message["role"], "content": _content(message.get("content"), f"messages.{i}.content")}
+        if message["role"] == "tool" and message.get("tool_call_id") is not None:
+            if not sampling.is_text(message["tool_call_id"]):
+                raise Refused(f"messages.{i}.tool_call_id", "must be a string: the id of the call it answers")
+            kept["tool_call_id"] = message["tool_call_id"]
+        read.append(kept)
     return read  # other keys of a message: ignored
+
+
+def _calling(message: dict[str, Any], param: str) -> dict[str, Any]:
+    """An assistant's message that called functions, as chat templates read one: each call's
+    arguments an object (OpenAI sends their JSON text), its content text or none."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise Refused(f"{param}.tool_calls", "must be a list of the calls the assistant made")
+    read = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise Refused(
+                f"{param}.tool_calls.{j}", 'must be {"id", "type": "function", "function": {"name", "arguments"}}'
+            )
+        try:
+            arguments = tools.as_template_arguments(function.get("arguments", {}))
+        except ValueError as exc:
+            raise Refused(f"{param}.tool_calls.{j}.function.arguments", str(exc)) from None
+        read.append(
+            {
+                "id": str(call.get("id", "")),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    content = message.get("content")
+    text = "" if content is None or content == "" else _content(content, f"{param}.content")
+    return {"role": "assistant", "content": text, "tool_calls": read}
 
 
 def _content(content: Any, param: str) -> str:

@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +32,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
+from gpuportal.wire import tools
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import (
@@ -148,9 +149,15 @@ class MessageInput(serializers.Serializer):
     role = serializers.ChoiceField(choices=ROLES)
     content = serializers.CharField(
         allow_blank=True,
+        allow_null=True,
         trim_whitespace=False,
-        help_text='A string, or OpenAI\'s list of text parts ([{"type": "text", "text": "..."}]), joined a line apart.',
+        help_text='A string, or OpenAI\'s list of text parts ([{"type": "text", "text": "..."}]), joined a line apart; '
+        "null in an assistant's message that called functions.",
     )
+    tool_calls = serializers.JSONField(
+        required=False, help_text="An assistant's message that called functions: the calls, as its answer gave them."
+    )
+    tool_call_id = serializers.CharField(required=False, help_text="A tool's message: the id of the call it answers.")
 
 
 class ChatInput(CompletionInput):
@@ -164,6 +171,19 @@ class ChatInput(CompletionInput):
         min_value=0,
         max_value=MAX_LOGPROBS,
         help_text="With logprobs: this many likeliest alternatives of each token.",
+    )
+    tools = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='Functions the answer may call: [{"type": "function", "function": {"name", "description", '
+        f'"parameters": a JSON Schema}}}}], at most {tools.MOST_TOOLS}. Shown to the model through its chat template.',
+    )
+    tool_choice = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='"auto" (with tools, the default): a call the model writes is read out of its answer; '
+        '"required", or {"type": "function", "function": {"name": ...}}: the answer is one call, held to the '
+        'function\'s parameters as it is generated; "none": text.',
     )
 
 
@@ -445,6 +465,15 @@ class _Generate(_Answered):
         """A streamed chunk's choice but its index and finish_reason: `text`, and where log
         probabilities are asked, those of `picked` (the text's tokens, the first at `start`)."""
 
+    def held_back(self, call: Completion) -> bool:
+        """Whether a stream's text is held back until its answer ends (read whole then: a chat
+        whose answer may call functions, whose call is JSON to read, not text to show)."""
+        return False
+
+    def whole(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
+        """A held-back stream's one chunk of its choice: all of it, and its finish_reason."""
+        raise NotImplementedError
+
     def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
         """The answer of a call's requests (`results`, as they ended; `asked`, as they were
         submitted: what a final read leaves out): their choices, `index` in the order asked."""
@@ -502,6 +531,7 @@ class _Generate(_Answered):
             return picked, at
 
         told, told_at = "", time.monotonic()
+        held = self.held_back(call)
         try:
             for item in said:
                 if item.waiting:
@@ -515,6 +545,8 @@ class _Generate(_Answered):
                 first = item.index not in started
                 if not item.ended:
                     started.add(item.index)
+                    if held:
+                        continue  # read whole at its end (`whole`)
                     delta = self.delta(item.text, first, *picks(item.index, item.picks))
                     yield _sse({**base, "choices": [{"index": item.index, "finish_reason": None, **delta}]})
                     continue
@@ -529,11 +561,15 @@ class _Generate(_Answered):
                     break
                 outputs[item.index] = final.output or {}
                 left = (outputs[item.index].get("logprobs") or [])[picks_sent.get(item.index, (0, 0))[0] :]
-                last = {
-                    "index": item.index,
-                    "finish_reason": outputs[item.index].get("finish_reason", "stop"),
-                    **self.delta("", first, *picks(item.index, left)),
-                }
+                last = (
+                    {"index": item.index, **self.whole(outputs[item.index], submitted[item.index])}
+                    if held
+                    else {
+                        "index": item.index,
+                        "finish_reason": outputs[item.index].get("finish_reason", "stop"),
+                        **self.delta("", first, *picks(item.index, left)),
+                    }
+                )
                 if len(outputs) < len(submitted):
                     yield _sse({**base, "choices": [last]})
                     continue
@@ -767,9 +803,29 @@ class ChatCompletionsView(_Generate):
         return super().post(request)
 
     def choice(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
+        """The answer's message: its text, or the functions it calls (gpuportal.wire.tools) with
+        what it says besides, `finish_reason: tool_calls`. An answer cut short by max_tokens is its
+        text, its call unfinished."""
+        text = output.get("text", "")
+        called = asked.params.get(tools.TOOL_CHOICE) not in (None, tools.NONE)
+        content, calls = (
+            tools.calls_in(text, tools.names(asked.params[tools.TOOLS]))
+            if called and output.get("finish_reason", "stop") == "stop"
+            else (text, [])
+        )
+        if not calls:
+            return {
+                "message": {"role": "assistant", "content": text},
+                "logprobs": _chat_logprobs(output.get("logprobs")),
+            }
+        made = [
+            {"id": f"call_{asked.id.replace('-', '')[:20]}{k}", "type": "function", "function": asdict(call)}
+            for k, call in enumerate(calls)
+        ]
         return {
-            "message": {"role": "assistant", "content": output.get("text", "")},
+            "message": {"role": "assistant", "content": content, "tool_calls": made},
             "logprobs": _chat_logprobs(output.get("logprobs")),
+            "finish_reason": "tool_calls",
         }
 
     def delta(self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int) -> dict[str, Any]:
@@ -777,6 +833,20 @@ class ChatCompletionsView(_Generate):
         if first:
             delta["role"] = "assistant"
         return {"delta": delta, "logprobs": _chat_logprobs(picked)}
+
+    def held_back(self, call: Completion) -> bool:
+        return call.params.get(tools.TOOL_CHOICE) not in (None, tools.NONE)
+
+    def whole(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
+        choice = self.choice(output, asked)
+        message = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant"}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **made} for k, made in enumerate(message["tool_calls"])]
+        finish = choice.get("finish_reason", output.get("finish_reason", "stop"))
+        return {"delta": delta, "logprobs": choice["logprobs"], "finish_reason": finish}
 
 
 class EmbeddingsView(_Answered):

@@ -208,8 +208,8 @@ def test_what_openais_client_asks_that_the_portal_does_not_do_is_a_400_naming_it
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5}
     for call, asked, param in (
         (client.completions.create, {"prompt": "x", "max_tokens": 5, "suffix": "}"}, "suffix"),
-        (client.chat.completions.create, {**chat, "tools": [TOOL]}, "tools"),
-        (client.chat.completions.create, {**chat, "stream": True, "tool_choice": "required"}, "tool_choice"),
+        (client.chat.completions.create, {**chat, "functions": [TOOL["function"]]}, "functions"),
+        (client.chat.completions.create, {**chat, "stream": True, "function_call": {"name": "f"}}, "function_call"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             call(**{"model": "tiny", **asked})
@@ -619,10 +619,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("field", "asking", "nothing"),
     [
         ("suffix", "}", ""),
-        ("tools", [TOOL], []),
         ("functions", [TOOL["function"]], []),
-        ("tool_choice", "required", "none"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}, "auto"),
         ("function_call", {"name": "f"}, "auto"),
         ("skip_special_tokens", False, True),
         ("modalities", ["text", "audio"], ["text"]),
@@ -701,7 +698,30 @@ def test_an_echoed_completion_begins_with_its_prompt_and_scores_its_tokens_as_an
 def served(replica, tiny_model_dir) -> Iterator[Any]:
     """The replica's serving loop, here, over the tiny Llama with a KV pool (no stand-in): its tokenizer."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    yield from _serving(replica, model, AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+@pytest.fixture
+def served_longer(replica) -> Iterator[Any]:
+    """`served`, over a tiny Llama of a 1,024-token context: a chat's functions, as JSON, are a few
+    hundred of this tokenizer's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from inference.management.commands.make_tiny_model import build_tokenizer
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=1024,
+    )
+    yield from _serving(replica, LlamaForCausalLM(config).eval(), build_tokenizer())
+
+
+def _serving(replica: Replica, model: Any, tokenizer: Any) -> Iterator[Any]:
     host = host_for(model, tokenizer)
     host.replica_id = replica.id
     server = Server(host, request_services.queue(), "tiny", poll_s=0.05)
@@ -808,6 +828,69 @@ def test_vllms_guided_formats_are_read_one_at_a_time_and_a_bad_one_is_refused_na
         with pytest.raises(completion_input.Refused) as refused:
             read({**body, **asked}, "generate")
         assert str(refused.value) == refusal
+
+
+# Parameters a random model can fill within a few dozen tokens: no free string, no unbounded number.
+UNIT = {
+    "type": "function",
+    "function": {
+        "name": "convert",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "kelvin"]}, "exact": {"type": "boolean"}},
+            "required": ["unit", "exact"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_function_named_or_required_is_called_with_arguments_its_parameters_allow_streamed_or_not(
+    client, served_longer
+):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Convert it"}], "max_tokens": 600}
+    named = {"type": "function", "function": {"name": "convert"}}
+
+    called = client.chat.completions.create(**chat, tools=[UNIT, CLOCK], tool_choice=named)
+    streamed = list(client.chat.completions.create(**chat, tools=[UNIT, CLOCK], tool_choice=named, stream=True))
+    either = client.chat.completions.create(**chat, tools=[UNIT, CLOCK], tool_choice="required")
+
+    (choice,) = called.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (made,) = choice.message.tool_calls
+    assert made.type == "function" and made.id.startswith("call_") and made.function.name == "convert"
+    arguments = json.loads(made.function.arguments)
+    assert arguments["unit"] in ("celsius", "kelvin") and isinstance(arguments["exact"], bool)
+    # The stream: its text held back, the call in one chunk at its end.
+    (last,) = [chunk for chunk in streamed if chunk.choices and chunk.choices[0].finish_reason]
+    assert last.choices[0].finish_reason == "tool_calls"
+    (delta_call,) = last.choices[0].delta.tool_calls
+    assert delta_call.index == 0 and delta_call.function.name == "convert"
+    assert json.loads(delta_call.function.arguments) == arguments, "greedy: the same call"
+    assert not any(chunk.choices and chunk.choices[0].delta.content for chunk in streamed)
+    assert either.choices[0].finish_reason == "tool_calls"
+    assert either.choices[0].message.tool_calls[0].function.name in ("convert", "clock")
+
+
+def test_with_tools_left_to_it_a_model_that_writes_no_call_answers_in_text_and_a_past_call_is_read(
+    client, served_longer
+):
+    said = [
+        {"role": "user", "content": "Convert it"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+
+    answer = client.chat.completions.create(model="tiny", messages=said, tools=[UNIT, CLOCK], max_tokens=8)
+
+    # A random model writes no call: its text is the answer (tool_choice auto, the default).
+    (choice,) = answer.choices
+    assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
 
 
 def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(

@@ -1,0 +1,174 @@
+"""Functions a chat may call (OpenAI's `tools` and `tool_choice`), as the request queue keeps
+them: the web checks them and reads the calls out of the answer, the replica shows them to the
+model through its chat template. No Django: the web and the replicas import it alike.
+
+How a call is made depends on `tool_choice`:
+
+- a function named, or `required`: the answer is held to the JSON of one call as it is generated
+  (`call_schema`: `{"name": ..., "arguments": {...}}`, the arguments held to the function's
+  `parameters`), so any model makes a well-formed call of a function it was given;
+- `auto` (the default where tools are given): the model answers freely, and a call it writes in
+  the form its chat template taught it is read out of the text (`calls_in`): Hermes' and Qwen's
+  `<tool_call>{...}</tool_call>`, Mistral's `[TOOL_CALLS][...]`, or an answer that is a call's
+  JSON alone (Llama 3's `{"name": ..., "parameters": {...}}`);
+- `none`: the answer is text, whatever it says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpuportal.wire.sampling import schema_problem
+
+# Request queue params: the functions as OpenAI lists them ({"type": "function", "function":
+# {"name", "description", "parameters"}}), and how the answer calls them: AUTO, REQUIRED or a
+# function's name (NONE: the answer is text; kept, the model still sees the functions).
+TOOLS = "tools"
+TOOL_CHOICE = "tool_choice"
+AUTO, REQUIRED, NONE = "auto", "required", "none"
+MOST_TOOLS = 128
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# A function that declares no parameters takes any object.
+ANY_ARGUMENTS: Mapping[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call the answer makes: the function's name and its arguments as JSON text (OpenAI's
+    `function.arguments` is a string)."""
+
+    name: str
+    arguments: str
+
+
+def tools_problem(value: Any) -> tuple[str, str] | None:
+    """(the field, why) where `value` cannot be a chat's `tools`; None where it can."""
+    if not isinstance(value, list) or not value:
+        return "tools", 'must be a non-empty list of {"type": "function", "function": {...}}'
+    if len(value) > MOST_TOOLS:
+        return "tools", f"at most {MOST_TOOLS} tools"
+    seen: set[str] = set()
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            return f"tools.{i}", 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            return f"tools.{i}.function.name", "must be 1 to 64 letters, digits, underscores or dashes"
+        if name in seen:
+            return f"tools.{i}.function.name", f"{name} is given twice"
+        seen.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            return f"tools.{i}.function.description", "must be a string"
+        parameters = function.get("parameters")
+        if parameters is not None and (why := schema_problem(parameters)) is not None:
+            return f"tools.{i}.function.parameters", why
+    return None
+
+
+def names(tools: Iterable[Mapping[str, Any]]) -> list[str]:
+    return [tool["function"]["name"] for tool in tools]
+
+
+def choice_of(value: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
+    """`tool_choice` as the queue keeps it (AUTO, REQUIRED, NONE or a function's name), its
+    default where absent (AUTO with tools, NONE without); ValueError saying why it cannot be."""
+    if value is None:
+        return AUTO if tools else NONE
+    if value in (AUTO, REQUIRED, NONE):
+        if value == REQUIRED and not tools:
+            raise ValueError("required asks for a call, but no tools were given")
+        return str(value)
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    if name not in names(tools or ()):
+        given = ", ".join(names(tools or ())) or "none"
+        raise ValueError(f"names {name}, which is not among the tools given ({given})")
+    return name
+
+
+def call_schema(tools: Sequence[Mapping[str, Any]], choice: str) -> dict[str, Any]:
+    """The JSON Schema an answer that must call `choice` (a function's name, or REQUIRED: any of
+    `tools`) is held to: one call, `{"name": ..., "arguments": {...}}`."""
+    chosen = [tool["function"] for tool in tools if choice == REQUIRED or tool["function"]["name"] == choice]
+    each = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [function["name"]]},
+                "arguments": function.get("parameters") or dict(ANY_ARGUMENTS),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for function in chosen
+    ]
+    return each[0] if len(each) == 1 else {"anyOf": each}
+
+
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_MISTRAL = "[TOOL_CALLS]"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def calls_in(text: str, known: Iterable[str]) -> tuple[str | None, list[Call]]:
+    """(what the answer says besides its calls, or None where nothing; the calls) of an answer
+    `text`, reading the forms the module's docstring names. A call of a function not `known`, or
+    one that is not a call's JSON, is no call: the answer is then text, as it was written."""
+    known = set(known)
+    tagged = _TAGGED.findall(text)
+    if tagged:
+        calls = [_call(raw, known) for raw in tagged]
+        if all(call is not None for call in calls):
+            rest = _TAGGED.sub("", text).strip()
+            return rest or None, [call for call in calls if call is not None]
+        return text, []
+    stripped = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if stripped.startswith(_MISTRAL):
+        stripped = stripped[len(_MISTRAL) :].strip()
+    if stripped.startswith(("{", "[")):
+        try:
+            parsed = json.loads(stripped)
+        except ValueError:
+            return text, []
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls = [_call(item, known) for item in items]
+        if items and all(call is not None for call in calls):
+            return None, [call for call in calls if call is not None]
+    return text, []
+
+
+def _call(raw: Any, known: set[str]) -> Call | None:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None
+    if not isinstance(raw, dict) or raw.get("name") not in known:
+        return None
+    arguments = raw.get("arguments", raw.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return Call(str(raw["name"]), json.dumps(arguments, ensure_ascii=False))
+
+
+def as_template_arguments(arguments: Any) -> Any:
+    """A past call's arguments as chat templates read them (an object), from OpenAI's JSON text;
+    ValueError where the text is not a JSON object."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments) if arguments.strip() else {}
+    if not isinstance(arguments, dict):
+        raise ValueError("must be a JSON object, or its text")
+    return arguments

@@ -1,0 +1,165 @@
+"""Function calling (OpenAI's `tools` and `tool_choice`) as the portal reads it: the functions and
+the choice as a chat's body gives them, the calls read out of an answer in the forms models
+write them, and the functions shown to a model through its chat template. Pure: no server (the
+calls made through `/v1` by a served model: tests/scheduling/test_openai.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpuportal.wire import sampling, tools
+from gpuportal.wire.tools import Call, calls_in
+from inference.errors import BadInput
+from inference.serving import Executor
+from scheduling.api import completion_input
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "time"}}
+ASKED = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def read(**body: Any) -> completion_input.Completion:
+    return completion_input.parse(
+        {"model": "tiny", "messages": ASKED, **body}, "chat", default_timeout_s=30, max_timeout_s=300
+    )
+
+
+def refusal(kind: completion_input.Kind = "chat", **body: Any) -> str:
+    with pytest.raises(completion_input.Refused) as refused:
+        completion_input.parse(
+            {"model": "tiny", "messages": ASKED, "prompt": "x", **body}, kind, default_timeout_s=30, max_timeout_s=300
+        )
+    return str(refused.value)
+
+
+def test_calls_are_read_in_the_forms_models_write_them_and_other_text_is_left_alone():
+    known = ["weather", "time"]
+
+    hermes = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert calls_in(hermes, known) == ("Let me look.", [Call("weather", '{"city": "Oslo"}')])
+    two = '<tool_call>{"name": "time", "arguments": {}}</tool_call><tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'  # noqa: E501
+    assert calls_in(two, known) == (None, [Call("time", "{}"), Call("weather", '{"city": "Rome"}')])
+    mistral = '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}}]'
+    assert calls_in(mistral, known) == (None, [Call("weather", '{"city": "Oslo"}')])
+    llama = '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}'
+    assert calls_in(llama, known) == (None, [Call("weather", '{"city": "Oslo"}')])
+    for text in (
+        "It is sunny in Oslo.",
+        '{"name": "stocks", "arguments": {}}',  # a function it was not given
+        '{"answer": 42}',  # JSON, but no call
+        '<tool_call>{"name": "weather", "arguments": {</tool_call>',  # a call cut short
+        '{"name": "weather", "arguments": [1]}',
+    ):
+        assert calls_in(text, known) == (text, []), text
+
+
+def test_a_chat_keeps_its_tools_and_a_named_or_required_choice_holds_the_answer_to_one_call():
+    auto = read(tools=[WEATHER, TIME]).params
+    named = read(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "weather"}}).params
+    required = read(tools=[WEATHER, TIME], tool_choice="required").params
+
+    assert auto[tools.TOOLS] == [WEATHER, TIME] and auto[tools.TOOL_CHOICE] == "auto"
+    assert sampling.JSON_SCHEMA not in auto, "auto: the model answers freely"
+    assert named[tools.TOOL_CHOICE] == "weather" and named[sampling.SCHEMA_FIELD] == "tools"
+    assert named[sampling.JSON_SCHEMA] == {
+        "type": "object",
+        "properties": {"name": {"enum": ["weather"]}, "arguments": WEATHER["function"]["parameters"]},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    assert [one["properties"]["name"] for one in required[sampling.JSON_SCHEMA]["anyOf"]] == [
+        {"enum": ["weather"]},
+        {"enum": ["time"]},
+    ]
+    assert required[sampling.JSON_SCHEMA]["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
+    assert read(tools=[WEATHER], tool_choice="none").params[tools.TOOL_CHOICE] == "none"
+    assert tools.TOOLS not in read(tools=[], tool_choice="auto").params, "no tools: a plain chat"
+
+
+def test_bad_tools_and_choices_are_refused_naming_the_field():
+    assert refusal("generate", tools=[WEATHER]).startswith("tools: only in a chat")
+    assert refusal(tools={"weather": WEATHER}).startswith("tools: must be a non-empty list")
+    assert refusal(tools=[{"type": "function", "function": {"name": "a b"}}]).startswith("tools.0.function.name: ")
+    assert refusal(tools=[WEATHER, WEATHER]) == "tools.1.function.name: weather is given twice"
+    no_schema = {"type": "function", "function": {"name": "f", "parameters": [1]}}
+    assert refusal(tools=[no_schema]) == "tools.0.function.parameters: must be a JSON Schema object"
+    assert refusal(tools=[{"type": "retrieval"}]).startswith("tools.0: must be")
+    named_other = {"type": "function", "function": {"name": "stocks"}}
+    assert refusal(tools=[WEATHER], tool_choice=named_other) == (
+        "tool_choice: names stocks, which is not among the tools given (weather)"
+    )
+    assert refusal(tool_choice="required") == "tool_choice: asks for a call, but no tools were given"
+    assert refusal(tools=[WEATHER], tool_choice="maybe").startswith("tool_choice: must be")
+    assert refusal(tools=[WEATHER], response_format={"type": "json_object"}).startswith("tools: one format at a time")
+    assert refusal(functions=[WEATHER["function"]]).startswith("functions: not supported")
+
+
+def test_past_calls_and_what_the_tools_said_are_read_for_the_chat_template():
+    called = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    }
+    said = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+    messages = read(messages=[*ASKED, called, said], tools=[WEATHER]).input
+
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+        ],
+    }
+    assert messages[2] == said
+    broken = {**called, "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{"}}]}
+    with pytest.raises(completion_input.Refused, match=r"^messages\.1\.tool_calls\.0\.function\.arguments: "):
+        read(messages=[*ASKED, broken])
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from inference.management.commands.make_tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+SHOWS = (
+    "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+)
+REFUSES = (
+    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool messages here') }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def test_the_model_sees_the_functions_through_its_template_and_a_template_that_refuses_is_the_callers_to_fix(
+    tokenizer, monkeypatch
+):
+    plain = Executor(None, tokenizer)
+    # No template: a transcript, the functions first, a past call as Hermes' template writes it.
+    past = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "time", "arguments": {}}}]}
+    assert plain.chat_prompt([*ASKED, past], [TIME]).splitlines() == [
+        'tools: [{"name": "time"}]',
+        "user: Weather in Oslo?",
+        'assistant: <tool_call>{"name": "time", "arguments": {}}</tool_call>',
+        "assistant:",
+    ]
+
+    monkeypatch.setattr(tokenizer, "chat_template", SHOWS, raising=False)
+    assert plain.chat_prompt(ASKED, [WEATHER, TIME]) == "[weather][time]user:Weather in Oslo?;"
+    monkeypatch.setattr(tokenizer, "chat_template", REFUSES, raising=False)
+    with pytest.raises(BadInput, match=r"^messages: the model's chat template refused them: no tool messages here"):
+        plain.chat_prompt([*ASKED, {"role": "tool", "content": "sunny"}], None)
