@@ -94,23 +94,35 @@ def choice_of(value: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
     return name
 
 
+# Where a schema keeps the definitions its `$ref`s name ("#/$defs/Item"), as pydantic writes them.
+_DEFINITIONS = ("$defs", "definitions")
+
+
 def call_schema(tools: Sequence[Mapping[str, Any]], choice: str) -> dict[str, Any]:
     """The JSON Schema an answer that must call `choice` (a function's name, or REQUIRED: any of
-    `tools`) is held to: one call, `{"name": ..., "arguments": {...}}`."""
+    `tools`) is held to: one call, `{"name": ..., "arguments": {...}}`. The parameters'
+    definitions move to its root, where their `$ref`s ("#/$defs/...") look for them. ValueError
+    where two functions define one name differently."""
     chosen = [tool["function"] for tool in tools if choice == REQUIRED or tool["function"]["name"] == choice]
-    each = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"enum": [function["name"]]},
-                "arguments": function.get("parameters") or dict(ANY_ARGUMENTS),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for function in chosen
-    ]
-    return each[0] if len(each) == 1 else {"anyOf": each}
+    definitions: dict[str, dict[str, Any]] = {}
+    each = []
+    for function in chosen:
+        parameters = dict(function.get("parameters") or ANY_ARGUMENTS)
+        for key in _DEFINITIONS:
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                kept = definitions.setdefault(key, {})
+                if kept.setdefault(name, definition) != definition:
+                    raise ValueError(f"two functions define {key}.{name} differently: one call cannot tell them apart")
+        each.append(
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [function["name"]]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = each[0] if len(each) == 1 else {"anyOf": each}
+    return {**schema, **definitions}
 
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -274,7 +274,11 @@ def _tools(body: dict[str, Any], kind: Kind, params: dict[str, Any]) -> dict[str
         raise Refused(tools.TOOLS, "one format at a time: an answer held to a format calls no functions")
     kept: dict[str, Any] = {tools.TOOLS: given, tools.TOOL_CHOICE: chosen}
     if chosen not in (tools.AUTO, tools.NONE):
-        kept |= {sampling.JSON_SCHEMA: tools.call_schema(given, chosen), sampling.SCHEMA_FIELD: tools.TOOLS}
+        try:
+            schema = tools.call_schema(given, chosen)
+        except ValueError as exc:
+            raise Refused(tools.TOOLS, str(exc)) from None
+        kept |= {sampling.JSON_SCHEMA: schema, sampling.SCHEMA_FIELD: tools.TOOLS}
     return kept
 
 

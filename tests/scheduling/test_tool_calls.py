@@ -163,3 +163,46 @@ def test_the_model_sees_the_functions_through_its_template_and_a_template_that_r
     monkeypatch.setattr(tokenizer, "chat_template", REFUSES, raising=False)
     with pytest.raises(BadInput, match=r"^messages: the model's chat template refused them: no tool messages here"):
         plain.chat_prompt([*ASKED, {"role": "tool", "content": "sunny"}], None)
+
+
+ORDER = {
+    "type": "function",
+    "function": {
+        "name": "order",
+        "parameters": {  # as pydantic writes a model with a nested one (Instructor sends these)
+            "$defs": {
+                "Item": {
+                    "type": "object",
+                    "properties": {"size": {"enum": ["s", "m"]}},
+                    "required": ["size"],
+                    "additionalProperties": False,
+                }
+            },
+            "type": "object",
+            "properties": {"item": {"$ref": "#/$defs/Item"}},
+            "required": ["item"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_call_of_parameters_with_definitions_finds_them_where_their_refs_look(tokenizer):
+    from inference.constrained import held_to
+
+    schema = read(tools=[ORDER], tool_choice="required").params[sampling.JSON_SCHEMA]
+    end = tokenizer.eos_token_id
+    held = held_to(tokenizer, len(tokenizer), [end], schema=schema)
+    assert held.wait(30)
+    call = tokenizer.encode('{"name": "order", "arguments": {"item": {"size": "m"}}}', add_special_tokens=False)
+
+    for length in range(len(call)):
+        assert call[length] in held(call[:length]), tokenizer.decode(call[: length + 1])
+    after = held(call)
+    assert end in after and all(not tokenizer.decode([t]).strip() for t in after if t != end), "whole: it may end"
+    assert schema["$defs"] == ORDER["function"]["parameters"]["$defs"]
+    assert "$defs" not in schema["properties"]["arguments"]
+    other = {"type": "function", "function": {"name": "other", "parameters": {"$defs": {"Item": {"type": "string"}}}}}
+    assert refusal(tools=[ORDER, other], tool_choice="required") == (
+        "tools: two functions define $defs.Item differently: one call cannot tell them apart"
+    )
