@@ -92,20 +92,13 @@ def _models_read_here(request, monkeypatch):
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A small causal LM on disk (random weights, safetensors) with its tokenizer (a deploy refuses
     a text model without one), written once per session."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from inference.management.commands.make_tiny_model import VOCAB_SIZE, build_tokenizer
+    from tests.support.serving import tiny_llama_config
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=256,
-    )
+    config = tiny_llama_config()
     LlamaForCausalLM(config).save_pretrained(path)
     assert config.vocab_size >= VOCAB_SIZE  # every token id the tokenizer gives has an embedding
     build_tokenizer().save_pretrained(path)

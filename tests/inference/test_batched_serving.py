@@ -6,7 +6,6 @@ replica processes.)"""
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from typing import Any
 
@@ -16,11 +15,10 @@ from django.conf import settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpuportal.wire.requestqueue import RECORDS_KEY, RequestQueue
-from inference import constrained
 from inference.batching import Batcher
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.serving import Server
-from tests.support.serving import host_for
+from tests.support.serving import gate_views, host_for
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +74,7 @@ def test_requests_queued_together_start_in_the_same_step_and_streams_get_every_p
 def test_a_request_held_to_a_format_whose_parser_is_being_prepared_holds_up_no_other_request(tiny, rq, monkeypatch):
     model, tokenizer = tiny
     tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)  # no parser's view of it yet
-    building, gate = threading.Event(), threading.Event()
-    build = constrained._built_view
-
-    def gated(*args: Any) -> Any:
-        building.set()
-        assert gate.wait(60), "the test never let the view be built"
-        return build(*args)
-
-    monkeypatch.setattr(constrained, "_built_view", gated)
+    building, gate = gate_views(monkeypatch)
     deployment = f"d-{uuid.uuid4().hex[:8]}"
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     held = rq.submit(

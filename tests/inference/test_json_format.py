@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from inference.kvpool import BlockPool
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.paged import PagedModel, model_shape
 from inference.serving import Executor
+from tests.support.serving import gate_views
 
 PROMPT = "Answer in JSON:"
 # A schema whose every answer is short: two fields of a few values each, nothing else.
@@ -59,15 +59,7 @@ def fresh(tokenizer: Any) -> Any:
 def gated_view(monkeypatch):
     """The parser's views of tokenizers are built only once the test sets the gate; `building` is
     set when a build has begun."""
-    building, gate = threading.Event(), threading.Event()
-    build = constrained._built_view
-
-    def gated(*args: Any) -> Any:
-        building.set()
-        assert gate.wait(60), "the test never let the view be built"
-        return build(*args)
-
-    monkeypatch.setattr(constrained, "_built_view", gated)
+    building, gate = gate_views(monkeypatch)
     yield building, gate
     gate.set()
 

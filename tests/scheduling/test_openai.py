@@ -27,7 +27,7 @@ from scheduling.services.nodes import register_node
 from tests.support import factories
 from tests.support.factories import NO_OVERHEAD
 from tests.support.processes import StandIn, wait_until
-from tests.support.serving import host_for
+from tests.support.serving import host_for, tiny_llama_config
 
 MiB = 1024**2
 
@@ -705,20 +705,11 @@ def served(replica, tiny_model_dir) -> Iterator[Any]:
 def served_longer(replica) -> Iterator[Any]:
     """`served`, over a tiny Llama of a 1,024-token context: a chat's functions, as JSON, are a few
     hundred of this tokenizer's tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from inference.management.commands.make_tiny_model import build_tokenizer
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=1024,
-    )
-    yield from _serving(replica, LlamaForCausalLM(config).eval(), build_tokenizer())
+    yield from _serving(replica, LlamaForCausalLM(tiny_llama_config(1024)).eval(), build_tokenizer())
 
 
 def _serving(replica: Replica, model: Any, tokenizer: Any) -> Iterator[Any]:

@@ -42,3 +42,36 @@ def host_for(model: Any, tokenizer: Any, *, paged: bool = True) -> SimpleNamespa
         kv_stats=lambda: None,
         on_stale=lambda reason: None,
     )
+
+
+def tiny_llama_config(context: int = 256) -> Any:
+    """The suite's tiny Llama (two layers of hidden size 64, the tiny tokenizer's 512 tokens), of a
+    `context` of tokens."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=context,
+    )
+
+
+def gate_views(monkeypatch: Any) -> tuple[threading.Event, threading.Event]:
+    """(building, gate): the parser's views of tokenizers (inference.constrained) are built only
+    once the test sets `gate`; `building` is set when a build has begun. Set `gate` at the end."""
+    from inference import constrained
+
+    building, gate = threading.Event(), threading.Event()
+    build = constrained._built_view
+
+    def gated(*args: Any) -> Any:
+        building.set()
+        assert gate.wait(60), "the test never let the view be built"
+        return build(*args)
+
+    monkeypatch.setattr(constrained, "_built_view", gated)
+    return building, gate
