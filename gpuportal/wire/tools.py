@@ -157,6 +157,57 @@ def calls_in(text: str, known: Iterable[str]) -> tuple[str | None, list[Call]]:
     return text, []
 
 
+# What may open a call at an answer's start (the forms `calls_in` reads); Hermes' tag anywhere.
+_OPENINGS = ("<tool_call>", _MISTRAL, _PYTHON_TAG, "{", "[")
+_TAG = "<tool_call>"
+
+
+class Watch:
+    """What of an answer that may call functions (tool_choice auto) a stream sends as it comes:
+    its text, until it opens a call. An answer that opens with one (a tag, `[TOOL_CALLS]`, JSON)
+    is held from its start, one with text first is sent up to `<tool_call>`, and a tail that may
+    begin that tag is kept back until it is told apart; what is held is read whole at the end
+    (`unsent`)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # how much of `text` went out
+        self.held = False
+
+    def feed(self, piece: str) -> str:
+        """The text to send now of `piece` and what was kept back before it ("" for none)."""
+        self.text += piece
+        if self.held:
+            return ""
+        if self.sent == 0:
+            body = self.text.lstrip()
+            if not body or any(opening.startswith(body) for opening in _OPENINGS if opening != body):
+                return ""  # whitespace alone, or what may still open a call ("<tool")
+            if body.startswith(_OPENINGS):
+                self.held = True
+                return ""
+        at = self.text.find(_TAG, self.sent)
+        if at >= 0:
+            out, self.sent, self.held = self.text[self.sent : at], at, True
+            return out
+        end = len(self.text) - _tag_begun(self.text[self.sent :])
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+def _tag_begun(text: str) -> int:
+    """How many of `text`'s last characters may begin Hermes' tag (a proper prefix of it)."""
+    return next((n for n in range(min(len(text), len(_TAG) - 1), 0, -1) if _TAG.startswith(text[-n:])), 0)
+
+
+def unsent(text: str, sent: int, content: str | None) -> str:
+    """What an answer that calls functions says besides its calls (`content`, as `calls_in` read
+    it) that a stream has not sent, having sent `text[:sent]`."""
+    if content is None:
+        return ""
+    return content if sent == 0 else _TAGGED.sub("", text[sent:]).strip()
+
+
 def _call(raw: Any, known: set[str]) -> Call | None:
     if isinstance(raw, str):
         try:

@@ -470,8 +470,13 @@ class _Generate(_Answered):
         whose answer may call functions, whose call is JSON to read, not text to show)."""
         return False
 
-    def whole(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
-        """A held-back stream's one chunk of its choice: all of it, and its finish_reason."""
+    def watched(self, call: Completion) -> bool:
+        """Whether a stream's text goes out until it opens a call, the rest held back (`Watch`)."""
+        return False
+
+    def whole(self, output: dict[str, Any], asked: Request, sent: int = 0, role: bool = True) -> dict[str, Any]:
+        """A held-back stream's last chunk of its choice: what of it was not sent (`sent`
+        characters of its text were), and its finish_reason; `role` where none went out yet."""
         raise NotImplementedError
 
     def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
@@ -532,6 +537,11 @@ class _Generate(_Answered):
 
         told, told_at = "", time.monotonic()
         held = self.held_back(call)
+        # An answer that may call functions (tool_choice auto): its text goes out until it opens a
+        # call (gpuportal.wire.tools.Watch), the rest in its last chunk; `voiced`: the choices whose
+        # role went out.
+        watches: dict[int, tools.Watch] | None = {} if self.watched(call) else None
+        voiced: set[int] = set()
         try:
             for item in said:
                 if item.waiting:
@@ -547,6 +557,13 @@ class _Generate(_Answered):
                     started.add(item.index)
                     if held:
                         continue  # read whole at its end (`whole`)
+                    if watches is not None:
+                        text = watches.setdefault(item.index, tools.Watch()).feed(item.text)
+                        if text:
+                            delta = self.delta(text, item.index not in voiced, None, 0)
+                            voiced.add(item.index)
+                            yield _sse({**base, "choices": [{"index": item.index, "finish_reason": None, **delta}]})
+                        continue
                     delta = self.delta(item.text, first, *picks(item.index, item.picks))
                     yield _sse({**base, "choices": [{"index": item.index, "finish_reason": None, **delta}]})
                     continue
@@ -561,15 +578,18 @@ class _Generate(_Answered):
                     break
                 outputs[item.index] = final.output or {}
                 left = (outputs[item.index].get("logprobs") or [])[picks_sent.get(item.index, (0, 0))[0] :]
-                last = (
-                    {"index": item.index, **self.whole(outputs[item.index], submitted[item.index])}
-                    if held
-                    else {
+                answer, asked_of = outputs[item.index], submitted[item.index]
+                if held:
+                    last = {"index": item.index, **self.whole(answer, asked_of)}
+                elif watches is not None:
+                    sent = watches.get(item.index, tools.Watch()).sent
+                    last = {"index": item.index, **self.whole(answer, asked_of, sent, item.index not in voiced)}
+                else:
+                    last = {
                         "index": item.index,
-                        "finish_reason": outputs[item.index].get("finish_reason", "stop"),
+                        "finish_reason": answer.get("finish_reason", "stop"),
                         **self.delta("", first, *picks(item.index, left)),
                     }
-                )
                 if len(outputs) < len(submitted):
                     yield _sse({**base, "choices": [last]})
                     continue
@@ -835,16 +855,23 @@ class ChatCompletionsView(_Generate):
         return {"delta": delta, "logprobs": _chat_logprobs(picked)}
 
     def held_back(self, call: Completion) -> bool:
-        return call.params.get(tools.TOOL_CHOICE) not in (None, tools.NONE)
+        # A call asked for: the answer is its JSON, read whole.
+        return call.params.get(tools.TOOL_CHOICE) not in (None, tools.NONE, tools.AUTO)
 
-    def whole(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
+    def watched(self, call: Completion) -> bool:
+        return call.params.get(tools.TOOL_CHOICE) == tools.AUTO
+
+    def whole(self, output: dict[str, Any], asked: Request, sent: int = 0, role: bool = True) -> dict[str, Any]:
         choice = self.choice(output, asked)
         message = choice["message"]
-        delta: dict[str, Any] = {"role": "assistant"}
-        if message.get("content"):
-            delta["content"] = message["content"]
+        text = output.get("text", "")
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if message.get("tool_calls"):
+            if rest := tools.unsent(text, sent, message.get("content")):
+                delta["content"] = rest
             delta["tool_calls"] = [{"index": k, **made} for k, made in enumerate(message["tool_calls"])]
+        elif text[sent:]:
+            delta["content"] = text[sent:]
         finish = choice.get("finish_reason", output.get("finish_reason", "stop"))
         return {"delta": delta, "logprobs": choice["logprobs"], "finish_reason": finish}
 

@@ -705,10 +705,12 @@ def served(replica, tiny_model_dir) -> Iterator[Any]:
 def served_longer(replica) -> Iterator[Any]:
     """`served`, over a tiny Llama of a 1,024-token context: a chat's functions, as JSON, are a few
     hundred of this tokenizer's tokens."""
+    import torch
     from transformers import LlamaForCausalLM
 
     from inference.management.commands.make_tiny_model import build_tokenizer
 
+    torch.manual_seed(7)  # the same random model, so the same answers, whatever ran before
     yield from _serving(replica, LlamaForCausalLM(tiny_llama_config(1024)).eval(), build_tokenizer())
 
 
@@ -878,10 +880,19 @@ def test_with_tools_left_to_it_a_model_that_writes_no_call_answers_in_text_and_a
     ]
 
     answer = client.chat.completions.create(model="tiny", messages=said, tools=[UNIT, CLOCK], max_tokens=8)
+    streamed = list(
+        client.chat.completions.create(model="tiny", messages=said, tools=[UNIT, CLOCK], max_tokens=8, stream=True)
+    )
 
     # A random model writes no call: its text is the answer (tool_choice auto, the default).
     (choice,) = answer.choices
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
+    # Streamed as it comes, as a chat without tools is, and whole by its end.
+    texts = [chunk.choices[0].delta.content for chunk in streamed if chunk.choices and chunk.choices[0].delta.content]
+    assert "".join(texts) == choice.message.content and len(texts) > 1
+    assert [chunk.choices[0].delta.role for chunk in streamed if chunk.choices and chunk.choices[0].delta.role] == [
+        "assistant"
+    ]
 
 
 def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(

@@ -206,3 +206,36 @@ def test_a_call_of_parameters_with_definitions_finds_them_where_their_refs_look(
     assert refusal(tools=[ORDER, other], tool_choice="required") == (
         "tools: two functions define $defs.Item differently: one call cannot tell them apart"
     )
+
+
+def test_a_stream_that_may_call_sends_its_text_until_it_opens_a_call_and_holds_the_rest():
+    def sent(*pieces: str) -> tuple[list[str], tools.Watch]:
+        watch = tools.Watch()
+        return [watch.feed(piece) for piece in pieces], watch
+
+    assert sent("It is", " sunny.")[0] == ["It is", " sunny."]
+    assert sent("  ", "Hi")[0] == ["", "  Hi"], "whitespace waits for what follows it"
+    assert sent("<tool", '_call>{"name"')[0] == ["", ""], "what may open a call waits, then is held"
+    assert sent("{", '"name": "time"}')[0] == ["", ""]
+    pieces, watch = sent("Let me look.<to", "ol_call>", "{}</tool_call>")
+    assert pieces == ["Let me look.", "", ""] and watch.held and watch.sent == len("Let me look.")
+    assert sent("a <to", "ol>")[0] == ["a ", "<tool>"], "a tail that might begin the tag is kept back, then sent"
+
+
+def test_a_streams_last_chunk_carries_what_it_held_back_a_call_or_the_rest_of_its_text():
+    from gpuportal.wire.requestqueue import Request
+    from scheduling.api.openai_compat import ChatCompletionsView
+
+    view = ChatCompletionsView()
+    asked = Request(id="r-1", deployment="tiny", kind="chat", input=ASKED, params=read(tools=[WEATHER, TIME]).params)
+    hermes = 'Let me look.\n<tool_call>{"name": "time", "arguments": {}}</tool_call>'
+
+    after_text = view.whole({"text": hermes, "finish_reason": "stop"}, asked, sent=len("Let me look.\n"), role=False)
+    whole_call = view.whole({"text": '{"name": "time", "arguments": {}}', "finish_reason": "stop"}, asked)
+    rest_of_text = view.whole({"text": "Sunny, I think.", "finish_reason": "length"}, asked, sent=5, role=False)
+
+    assert after_text["finish_reason"] == "tool_calls" and "content" not in after_text["delta"]
+    assert after_text["delta"]["tool_calls"][0]["function"] == {"name": "time", "arguments": "{}"}
+    assert "role" not in after_text["delta"] and after_text["delta"]["tool_calls"][0]["index"] == 0
+    assert whole_call["delta"]["role"] == "assistant" and whole_call["finish_reason"] == "tool_calls"
+    assert rest_of_text == {"delta": {"content": ", I think."}, "logprobs": None, "finish_reason": "length"}
