@@ -478,7 +478,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if message["role"] == "assistant" and message.get("tool_calls"):
             read.append(_calling(message, f"messages.{i}"))
             continue
-        kept = {"role": message["role"], "content": _content(message.get("content"), f"messages.{i}.content")}
+        content = message.get("content")
+        if content is None and message["role"] == "assistant":
+            content = ""  # an assistant's turn that said nothing (a call's, its calls left out)
+        kept = {"role": message["role"], "content": _content(content, f"messages.{i}.content")}
         if message["role"] == "tool" and message.get("tool_call_id") is not None:
             if not sampling.is_text(message["tool_call_id"]):
                 raise Refused(f"messages.{i}.tool_call_id", "must be a string: the id of the call it answers")

@@ -123,6 +123,8 @@ def test_past_calls_and_what_the_tools_said_are_read_for_the_chat_template():
         ],
     }
     assert messages[2] == said
+    quiet = read(messages=[*ASKED, {"role": "assistant", "content": None, "tool_calls": []}, *ASKED]).input
+    assert quiet[1] == {"role": "assistant", "content": ""}
     broken = {**called, "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{"}}]}
     with pytest.raises(completion_input.Refused, match=r"^messages\.1\.tool_calls\.0\.function\.arguments: "):
         read(messages=[*ASKED, broken])
