@@ -5,9 +5,9 @@ openai_compat describe the same body for the OpenAPI schema only.
 
 Fields OpenAI's and vLLM's clients send that change nothing the portal answers (`user`,
 `store`, ...) are ignored, as OpenAI's own server ignores what it does not know. One the portal
-does not do (`tools`, `response_format`, ...) is refused where its value asks for something,
-naming it: ignored, it would be an answer other than the one asked for (a JSON mode would get
-free text), and taken where it asks for nothing (`tools: []`), as clients send such defaults.
+does not do (`suffix`, audio, ...) is refused where its value asks for something, naming it:
+ignored, it would be an answer other than the one asked for, and taken where it asks for nothing
+(`suffix: ""`), as clients send such defaults.
 A field that reads as a misspelling of one the portal reads (`max_tokns`) is refused, naming the
 one it is nearest: ignored, it would be a limit not applied."""
 
