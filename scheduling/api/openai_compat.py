@@ -477,7 +477,8 @@ class _Generate(_Answered):
     def whole(self, output: dict[str, Any], asked: Request, sent: int = 0, role: bool = True) -> dict[str, Any]:
         """A held-back stream's last chunk of its choice: what of it was not sent (`sent`
         characters of its text were), and its finish_reason; `role` where none went out yet."""
-        raise NotImplementedError
+        rest = output.get("text", "")[sent:]
+        return {"finish_reason": output.get("finish_reason", "stop"), **self.delta(rest, role, None, 0)}
 
     def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
         """The answer of a call's requests (`results`, as they ended; `asked`, as they were

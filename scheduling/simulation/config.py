@@ -109,8 +109,7 @@ class ClusterConfig:
         marks: dict[str, node_labels.Marks] = dict.fromkeys(names, ({}, {}))
         start = 0
         for pool, count in zip(self.pools, counts, strict=False):
-            for name in names[start : start + count]:
-                marks[name] = pool.marks()
+            marks.update(dict.fromkeys(names[start : start + count], pool.marks()))
             start += count
         return marks
 
