@@ -4,18 +4,24 @@ model through its chat template. No Django: the web and the replicas import it a
 
 How a call is made depends on `tool_choice`:
 
-- a function named, or `required`: the answer is held to the JSON of one call as it is generated
-  (`call_schema`: `{"name": ..., "arguments": {...}}`, the arguments held to the function's
-  `parameters`), so any model makes a well-formed call of a function it was given;
+- a function named, or `required`: the answer is held to the JSON of its calls as it is
+  generated (`call_schema`: `{"name": ..., "arguments": {...}}`, the arguments held to the
+  function's parameters), so any model makes well-formed calls of functions it was given: one
+  call of the function named; for `required` a list of one or more (OpenAI's
+  `parallel_tool_calls`, true unless given false: then one);
 - `auto` (the default where tools are given): the model answers freely, and a call it writes in
   the form its chat template taught it is read out of the text (`calls_in`): Hermes' and Qwen's
-  `<tool_call>{...}</tool_call>`, Mistral's `[TOOL_CALLS][...]`, or an answer that is a call's
-  JSON alone (Llama 3's `{"name": ..., "parameters": {...}}`);
+  `<tool_call>{...}</tool_call>`, Mistral's `[TOOL_CALLS][...]`, an answer that is a call's
+  JSON alone or a list of them (Llama 3's `{"name": ..., "parameters": {...}}`; Granite's and
+  Mistral's once their special tokens are left out of the text), or a Python list of calls
+  (Llama 3.2's and 4's `[weather(city="Oslo"), time()]`); with `parallel_tool_calls` false only
+  its first call is made;
 - `none`: the answer is text, whatever it says.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,6 +35,8 @@ from gpuportal.wire.sampling import schema_problem
 # function's name (NONE: the answer is text; kept, the model still sees the functions).
 TOOLS = "tools"
 TOOL_CHOICE = "tool_choice"
+# Kept (False) only where the caller gave it false: the answer makes at most one call.
+PARALLEL = "parallel_tool_calls"
 AUTO, REQUIRED, NONE = "auto", "required", "none"
 MOST_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -98,11 +106,12 @@ def choice_of(value: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
 _DEFINITIONS = ("$defs", "definitions")
 
 
-def call_schema(tools: Sequence[Mapping[str, Any]], choice: str) -> dict[str, Any]:
+def call_schema(tools: Sequence[Mapping[str, Any]], choice: str, parallel: bool = True) -> dict[str, Any]:
     """The JSON Schema an answer that must call `choice` (a function's name, or REQUIRED: any of
-    `tools`) is held to: one call, `{"name": ..., "arguments": {...}}`. The parameters'
-    definitions move to its root, where their `$ref`s ("#/$defs/...") look for them. ValueError
-    where two functions define one name differently."""
+    `tools`) is held to: one call, `{"name": ..., "arguments": {...}}`, or for REQUIRED and
+    `parallel` a list of one or more (what vLLM holds it to). The parameters' definitions move to
+    its root, where their `$ref`s ("#/$defs/...") look for them. ValueError where two functions
+    define one name differently."""
     chosen = [tool["function"] for tool in tools if choice == REQUIRED or tool["function"]["name"] == choice]
     definitions: dict[str, dict[str, Any]] = {}
     each = []
@@ -122,6 +131,8 @@ def call_schema(tools: Sequence[Mapping[str, Any]], choice: str) -> dict[str, An
             }
         )
     schema = each[0] if len(each) == 1 else {"anyOf": each}
+    if choice == REQUIRED and parallel:
+        schema = {"type": "array", "items": schema, "minItems": 1}
     return {**schema, **definitions}
 
 
@@ -147,14 +158,64 @@ def calls_in(text: str, known: Iterable[str]) -> tuple[str | None, list[Call]]:
         stripped = stripped[len(_MISTRAL) :].strip()
     if stripped.startswith(("{", "[")):
         try:
-            parsed = json.loads(stripped)
+            parsed = _json(stripped)
         except ValueError:
-            return text, []
+            pythonic = _pythonic(stripped, known)
+            return (None, pythonic) if pythonic else (text, [])
         items = parsed if isinstance(parsed, list) else [parsed]
         calls = [_call(item, known) for item in items]
         if items and all(call is not None for call in calls):
             return None, [call for call in calls if call is not None]
     return text, []
+
+
+def _pythonic(text: str, known: set[str]) -> list[Call] | None:
+    """The calls of a Python list of them (`[weather(city="Oslo"), time()]`), each of a known
+    function, its arguments by keyword and literal; None where `text` is not that."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # what ast.parse raises on any text
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in known):
+            return None
+        if node.args or any(keyword.arg is None for keyword in node.keywords):
+            return None  # by position, or **: nothing names the parameter
+        try:
+            arguments = {keyword.arg: _literal(keyword.value) for keyword in node.keywords}
+        except ValueError:
+            return None
+        calls.append(Call(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+# JSON's words, which a model writing Python calls writes as often as Python's.
+_JSON_WORDS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _literal(node: ast.expr) -> Any:
+    """A Python literal's value as JSON holds it (a tuple as a list); ValueError for anything
+    else (a name, a call, an operation): nothing of the answer is evaluated."""
+    match node:
+        case ast.Constant(value=str() | int() | float() | None as value):
+            return value
+        case ast.UnaryOp(op=ast.USub() | ast.UAdd(), operand=ast.Constant(value=int() | float() as value)):
+            return -value if isinstance(node.op, ast.USub) else value
+        case ast.Name(id=word) if word in _JSON_WORDS:
+            return _JSON_WORDS[word]
+        case ast.List(elts=items) | ast.Tuple(elts=items):
+            return [_literal(item) for item in items]
+        case ast.Dict(keys=keys, values=values):
+            held = {}
+            for key, value in zip(keys, values, strict=True):
+                if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                    raise ValueError("a key that is not a string")
+                held[key.value] = _literal(value)
+            return held
+    raise ValueError(f"not a literal: {ast.dump(node)[:40]}")
 
 
 # What may open a call at an answer's start (the forms `calls_in` reads); Hermes' tag anywhere.
@@ -208,10 +269,19 @@ def unsent(text: str, sent: int, content: str | None) -> str:
     return content if sent == 0 else _TAGGED.sub("", text[sent:]).strip()
 
 
+def _json(text: str) -> Any:
+    """`text`'s JSON; ValueError where it is not JSON, or nests deeper than the parser goes (a
+    model's answer may be a thousand `[`)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
 def _call(raw: Any, known: set[str]) -> Call | None:
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            raw = _json(raw)
         except ValueError:
             return None
     if not isinstance(raw, dict) or raw.get("name") not in known:
@@ -219,7 +289,7 @@ def _call(raw: Any, known: set[str]) -> Call | None:
     arguments = raw.get("arguments", raw.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _json(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -231,7 +301,7 @@ def as_template_arguments(arguments: Any) -> Any:
     """A past call's arguments as chat templates read them (an object), from OpenAI's JSON text;
     ValueError where the text is not a JSON object."""
     if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
+        arguments = _json(arguments) if arguments.strip() else {}
     if not isinstance(arguments, dict):
         raise ValueError("must be a JSON object, or its text")
     return arguments

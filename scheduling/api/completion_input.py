@@ -44,13 +44,12 @@ READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
      "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX, tools.TOOLS, tools.TOOL_CHOICE,
-     *sampling.LISTED_NAMES, *sampling.NAMES}
+     tools.PARALLEL, *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
 IGNORED_FIELDS = frozenset(
-    {"user", "service_tier", "store", "metadata", "parallel_tool_calls", "prediction", "reasoning_effort",
-     "extra_body"}
+    {"user", "service_tier", "store", "metadata", "prediction", "reasoning_effort", "extra_body"}
 )  # fmt: skip
 
 
@@ -255,9 +254,11 @@ def _format(body: dict[str, Any]) -> dict[str, Any]:
 
 def _tools(body: dict[str, Any], kind: Kind, params: dict[str, Any]) -> dict[str, Any]:
     """A chat's functions and how its answer calls them, as the request queue keeps them
-    (gpuportal.wire.tools); for `required` or a function named, the JSON Schema of one call the
+    (gpuportal.wire.tools); for `required` or a function named, the JSON Schema of the calls the
     answer is held to. {} where it gives no tools."""
-    given, choice = body.get(tools.TOOLS), body.get(tools.TOOL_CHOICE)
+    given, choice, parallel = body.get(tools.TOOLS), body.get(tools.TOOL_CHOICE), body.get(tools.PARALLEL)
+    if parallel is not None and not isinstance(parallel, bool):
+        raise Refused(tools.PARALLEL, "must be true or false")
     if given is None or given == []:
         if choice not in (None, tools.NONE, tools.AUTO):
             raise Refused(tools.TOOL_CHOICE, "asks for a call, but no tools were given")
@@ -273,9 +274,11 @@ def _tools(body: dict[str, Any], kind: Kind, params: dict[str, Any]) -> dict[str
     if chosen != tools.NONE and any(name in params for name in sampling.FORMATS):
         raise Refused(tools.TOOLS, "one format at a time: an answer held to a format calls no functions")
     kept: dict[str, Any] = {tools.TOOLS: given, tools.TOOL_CHOICE: chosen}
+    if parallel is False:
+        kept[tools.PARALLEL] = False
     if chosen not in (tools.AUTO, tools.NONE):
         try:
-            schema = tools.call_schema(given, chosen)
+            schema = tools.call_schema(given, chosen, parallel=parallel is not False)
         except ValueError as exc:
             raise Refused(tools.TOOLS, str(exc)) from None
         kept |= {sampling.JSON_SCHEMA: schema, sampling.SCHEMA_FIELD: tools.TOOLS}

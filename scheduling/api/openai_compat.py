@@ -182,8 +182,14 @@ class ChatInput(CompletionInput):
         required=False,
         allow_null=True,
         help_text='"auto" (with tools, the default): a call the model writes is read out of its answer; '
-        '"required", or {"type": "function", "function": {"name": ...}}: the answer is one call, held to the '
-        'function\'s parameters as it is generated; "none": text.',
+        '"required": the answer is a list of calls (one with parallel_tool_calls false), or {"type": "function", '
+        '"function": {"name": ...}}: one call of it, held to the function\'s parameters as it is generated; '
+        '"none": text.',
+    )
+    parallel_tool_calls = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        help_text="False: the answer makes at most one call (auto: its first; required: one). True by default.",
     )
 
 
@@ -834,6 +840,8 @@ class ChatCompletionsView(_Generate):
             if called and output.get("finish_reason", "stop") == "stop"
             else (text, [])
         )
+        if asked.params.get(tools.PARALLEL) is False:
+            calls = calls[:1]  # as vLLM does: the first call, what follows it left unmade
         if not calls:
             return {
                 "message": {"role": "assistant", "content": text},

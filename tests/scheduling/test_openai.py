@@ -848,6 +848,7 @@ def test_a_function_named_or_required_is_called_with_arguments_its_parameters_al
     called = client.chat.completions.create(**chat, tools=[UNIT, CLOCK], tool_choice=named)
     streamed = list(client.chat.completions.create(**chat, tools=[UNIT, CLOCK], tool_choice=named, stream=True))
     either = client.chat.completions.create(**chat, tools=[UNIT, CLOCK], tool_choice="required")
+    one = client.chat.completions.create(**chat, tools=[UNIT, CLOCK], tool_choice="required", parallel_tool_calls=False)
 
     (choice,) = called.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -862,8 +863,10 @@ def test_a_function_named_or_required_is_called_with_arguments_its_parameters_al
     assert delta_call.index == 0 and delta_call.function.name == "convert"
     assert json.loads(delta_call.function.arguments) == arguments, "greedy: the same call"
     assert not any(chunk.choices and chunk.choices[0].delta.content for chunk in streamed)
+    # Required: a list of calls, each of a function given (one where not parallel).
     assert either.choices[0].finish_reason == "tool_calls"
-    assert either.choices[0].message.tool_calls[0].function.name in ("convert", "clock")
+    assert {made.function.name for made in either.choices[0].message.tool_calls} <= {"convert", "clock"}
+    assert len(one.choices[0].message.tool_calls) == 1 and one.choices[0].finish_reason == "tool_calls"
 
 
 def test_with_tools_left_to_it_a_model_that_writes_no_call_answers_in_text_and_a_past_call_is_read(

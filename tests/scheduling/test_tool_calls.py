@@ -52,12 +52,30 @@ def test_calls_are_read_in_the_forms_models_write_them_and_other_text_is_left_al
     assert calls_in(mistral, known) == (None, [Call("weather", '{"city": "Oslo"}')])
     llama = '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}'
     assert calls_in(llama, known) == (None, [Call("weather", '{"city": "Oslo"}')])
+    # Granite's and Mistral's lists once their special tokens are left out of the text.
+    bare = '[{"name": "time", "arguments": {}}, {"name": "weather", "arguments": {"city": "Bergen"}}]'
+    assert calls_in(bare, known) == (None, [Call("time", "{}"), Call("weather", '{"city": "Bergen"}')])
+    pythonic = """ [weather(city='Oslo', days=-2, at={"hours": [9, 12.5]}, exact=true, fog=None), time()]"""
+    assert calls_in(pythonic, known) == (
+        None,
+        [Call("weather", '{"city": "Oslo", "days": -2, "at": {"hours": [9, 12.5]}, "exact": true, "fog": null}'),
+         Call("time", "{}")],
+    )  # fmt: skip
     for text in (
         "It is sunny in Oslo.",
         '{"name": "stocks", "arguments": {}}',  # a function it was not given
         '{"answer": 42}',  # JSON, but no call
         '<tool_call>{"name": "weather", "arguments": {</tool_call>',  # a call cut short
         '{"name": "weather", "arguments": [1]}',
+        "[weather('Oslo')]",  # by position: which parameter is it?
+        "[weather(**{'city': 'Oslo'})]",
+        "[weather(city=open('/etc/passwd').read())]",  # nothing of an answer is run
+        "[weather(city=1 + 2)]",
+        "[stocks(), time()]",
+        "[weather(city='Oslo')",  # cut short
+        "[]",
+        "[1, 2]",
+        "[" * 5000 + "]" * 5000,  # deeper than the parser goes
     ):
         assert calls_in(text, known) == (text, []), text
 
@@ -76,11 +94,17 @@ def test_a_chat_keeps_its_tools_and_a_named_or_required_choice_holds_the_answer_
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
-    assert [one["properties"]["name"] for one in required[sampling.JSON_SCHEMA]["anyOf"]] == [
-        {"enum": ["weather"]},
-        {"enum": ["time"]},
-    ]
-    assert required[sampling.JSON_SCHEMA]["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
+    # Required: a list of one or more calls, each of any of the functions (what vLLM holds it to).
+    calls = required[sampling.JSON_SCHEMA]
+    assert calls["type"] == "array" and calls["minItems"] == 1 and "maxItems" not in calls
+    assert [one["properties"]["name"] for one in calls["items"]["anyOf"]] == [{"enum": ["weather"]}, {"enum": ["time"]}]
+    assert calls["items"]["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
+    # Not parallel: one call, and the queue keeps that for an auto answer too.
+    one = read(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False).params
+    assert one[sampling.JSON_SCHEMA] == calls["items"] and one[tools.PARALLEL] is False
+    assert read(tools=[WEATHER], parallel_tool_calls=False).params[tools.PARALLEL] is False
+    assert tools.PARALLEL not in read(tools=[WEATHER], parallel_tool_calls=True).params, "the default is not kept"
+    assert tools.PARALLEL not in read(parallel_tool_calls=False).params, "no tools: nothing to call"
     assert read(tools=[WEATHER], tool_choice="none").params[tools.TOOL_CHOICE] == "none"
     assert tools.TOOLS not in read(tools=[], tool_choice="auto").params, "no tools: a plain chat"
 
@@ -99,6 +123,8 @@ def test_bad_tools_and_choices_are_refused_naming_the_field():
     )
     assert refusal(tool_choice="required") == "tool_choice: asks for a call, but no tools were given"
     assert refusal(tools=[WEATHER], tool_choice="maybe").startswith("tool_choice: must be")
+    assert refusal(tools=[WEATHER], parallel_tool_calls="no") == "parallel_tool_calls: must be true or false"
+    assert refusal(parallel_tool_calls=1) == "parallel_tool_calls: must be true or false"
     assert refusal(tools=[WEATHER], response_format={"type": "json_object"}).startswith("tools: one format at a time")
     assert refusal(functions=[WEATHER["function"]]).startswith("functions: not supported")
 
@@ -192,7 +218,7 @@ ORDER = {
 def test_a_call_of_parameters_with_definitions_finds_them_where_their_refs_look(tokenizer):
     from inference.constrained import held_to
 
-    schema = read(tools=[ORDER], tool_choice="required").params[sampling.JSON_SCHEMA]
+    schema = read(tools=[ORDER], tool_choice="required", parallel_tool_calls=False).params[sampling.JSON_SCHEMA]
     end = tokenizer.eos_token_id
     held = held_to(tokenizer, len(tokenizer), [end], schema=schema)
     assert held.wait(30)
@@ -208,6 +234,41 @@ def test_a_call_of_parameters_with_definitions_finds_them_where_their_refs_look(
     assert refusal(tools=[ORDER, other], tool_choice="required") == (
         "tools: two functions define $defs.Item differently: one call cannot tell them apart"
     )
+
+
+def test_a_required_choice_holds_the_answer_to_a_list_of_one_or_more_calls_each_of_a_function_given(tokenizer):
+    from inference.constrained import held_to
+
+    schema = read(tools=[WEATHER, TIME], tool_choice="required").params[sampling.JSON_SCHEMA]
+    end = tokenizer.eos_token_id
+    held = held_to(tokenizer, len(tokenizer), [end], schema=schema)
+    assert held.wait(30)
+
+    def allowed(text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(ids[k] in held(ids[:k]) for k in range(len(ids)))
+
+    two = '[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "time", "arguments": {}}]'
+    assert allowed(two) and end in held(tokenizer.encode(two, add_special_tokens=False))
+    assert allowed('[{"name": "time", "arguments": {}}]')
+    assert not allowed("[]"), "at least one call"
+    assert not allowed('[{"name": "stocks"'), "only functions given"
+    assert not allowed('[{"name": "weather", "arguments": {"town"'), "held to the function's parameters"
+
+
+def test_an_answer_not_parallel_makes_its_first_call_only():
+    from gpuportal.wire.requestqueue import Request
+    from scheduling.api.openai_compat import ChatCompletionsView
+
+    both = '<tool_call>{"name": "time", "arguments": {}}</tool_call><tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'  # noqa: E501
+    made = {}
+    for parallel in (True, False):
+        params = read(tools=[WEATHER, TIME], parallel_tool_calls=parallel).params
+        asked = Request(id="r-1", deployment="tiny", kind="chat", input=ASKED, params=params)
+        message = ChatCompletionsView().choice({"text": both, "finish_reason": "stop"}, asked)["message"]
+        made[parallel] = [call["function"]["name"] for call in message["tool_calls"]]
+
+    assert made == {True: ["time", "weather"], False: ["time"]}
 
 
 def test_a_stream_that_may_call_sends_its_text_until_it_opens_a_call_and_holds_the_rest():
