@@ -413,7 +413,7 @@ def _texts(value: Any) -> list[str]:
             # Token ids are the ids of OpenAI's tokenizer, which mean nothing to this model's.
             raise Refused(param, "token arrays are not supported: send text")
         if not sampling.is_text(text):
-            raise Refused(param, _not_text(text, "must be a string"))
+            raise Refused(param, not_text(text, "must be a string"))
         if not text:
             raise Refused(param, "must not be an empty string")
     return texts
@@ -438,7 +438,7 @@ def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
     prompt = body.get("prompt")
     if not isinstance(prompt, list):
         if not sampling.is_text(prompt):
-            raise Refused("prompt", _not_text(prompt, "required: a string, token ids, or a list of either"))
+            raise Refused("prompt", not_text(prompt, "required: a string, token ids, or a list of either"))
         return (prompt,)
     if not prompt:
         raise Refused("prompt", "required: a string, token ids, or a non-empty list of either")
@@ -446,7 +446,7 @@ def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
         return (_token_ids(prompt, "prompt"),)
     for i, given in enumerate(prompt):
         if not sampling.is_text(given) and not isinstance(given, list):
-            raise Refused(f"prompt.{i}", _not_text(given, "must be a string or a list of token ids"))
+            raise Refused(f"prompt.{i}", not_text(given, "must be a string or a list of token ids"))
     if len(prompt) > MAX_CHOICES:
         raise Refused("prompt", f"at most {MAX_CHOICES} prompts in one call")
     return tuple(
@@ -528,7 +528,7 @@ def _content(content: Any, param: str) -> str:
     by name, this portal's models reading text alone."""
     if not isinstance(content, list):
         if not sampling.is_text(content):
-            raise Refused(param, _not_text(content, "required: a string or a list of text parts"))
+            raise Refused(param, not_text(content, "required: a string or a list of text parts"))
         return content
     if not content:
         raise Refused(param, "required: a string or a non-empty list of text parts")
@@ -539,7 +539,7 @@ def _content(content: Any, param: str) -> str:
             what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part that is no {type, text} object"
             raise Refused(f"{param}.{j}", f"{what} is not supported: the models served here read text parts only")
         if not sampling.is_text(part.get("text")):
-            raise Refused(f"{param}.{j}.text", _not_text(part.get("text"), "required: a string"))
+            raise Refused(f"{param}.{j}.text", not_text(part.get("text"), "required: a string"))
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -569,7 +569,7 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _not_text(value: Any, required: str) -> str:
+def not_text(value: Any, required: str) -> str:
     """Why `value` is no text: not a string at all (`required`), or one no UTF-8 can hold."""
     if type(value) is str and (lone := sampling.lone_surrogate(value)) is not None:
         return f"contains a lone surrogate (U+{ord(lone):04X}), which UTF-8 cannot encode"

@@ -360,10 +360,12 @@ class _Generate(_Answered):
     kind: completion_input.Kind
     object_name: str
     id_prefix: str
+    # The field that carries the input, which a failure of the model's on it names.
+    input_param: str
 
     def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         try:
-            call = self.parse(body)
+            call = self.parse(body, owner)
         except Refused as refused:
             return 400, error_body(str(refused), refused.param)
         try:
@@ -392,7 +394,7 @@ class _Generate(_Answered):
                 return 504, error_body(timed_out(request.id, call.timeout_s), kind="timeout")
             if result.status != "done":
                 _stop(submitted[done + 1 :], "another choice of its /v1 call failed")
-                return _failure(result, "messages" if self.kind == "chat" else "prompt")
+                return _failure(result, self.input_param)
             results.append(result)
         return 200, self.body(results, submitted, call.model, call.n)
 
@@ -420,7 +422,8 @@ class _Generate(_Answered):
             raise
         return submitted
 
-    def parse(self, body: Any) -> Completion:
+    def parse(self, body: Any, owner: str) -> Completion:
+        """The call `body` asks for (`owner`'s), or Refused naming the first field that is wrong."""
         return completion_input.parse(
             body,
             self.kind,
@@ -455,7 +458,7 @@ class _Generate(_Answered):
         if result is None:
             return 504, error_body(timed_out(submitted.id, timeout), kind="timeout")
         if result.status != "done":
-            return _failure(result, "messages" if self.kind == "chat" else "prompt")
+            return _failure(result, self.input_param)
         return 200, self.body([result], [submitted], model)
 
     @staticmethod
@@ -798,6 +801,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 class CompletionsView(_Generate):
     kind = "generate"
+    input_param = "prompt"
     object_name = "text_completion"
     id_prefix = "cmpl"
 
@@ -822,6 +826,7 @@ class CompletionsView(_Generate):
 
 class ChatCompletionsView(_Generate):
     kind = "chat"
+    input_param = "messages"
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
 

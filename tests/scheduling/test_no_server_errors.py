@@ -219,6 +219,7 @@ BODIES = [
     ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"),
     ("post", "/v1/embeddings"),
+    ("post", "/v1/responses"),
 ]
 
 
@@ -243,6 +244,7 @@ def test_json_nested_past_the_limit_is_a_400_naming_the_limit(staff, method, pat
             {"model": "m", "messages": [{"role": "user", "content": "\x00"}]},
             "messages.0.content",
         ),
+        ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": "\x00"}]}, "input.0.content"),
     ],
 )
 def test_a_nul_character_in_a_body_is_a_400_naming_the_field_and_nothing_is_stored(staff, path, sent, field):
@@ -262,6 +264,7 @@ def test_a_nul_character_in_a_body_is_a_400_naming_the_field_and_nothing_is_stor
             "messages.0.content",
         ),
         ("/v1/embeddings", '{"model": "m", "input": ["ok", "\\ud83d"]}', "input.1"),
+        ("/v1/responses", '{"model": "m", "input": [{"role": "user", "content": "\\udfff"}]}', "input.0.content"),
     ],
 )
 def test_a_lone_surrogate_in_a_v1_text_is_a_400_that_says_so(staff, path, sent, field):

@@ -898,6 +898,83 @@ def test_with_tools_left_to_it_a_model_that_writes_no_call_answers_in_text_and_a
     ]
 
 
+def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(client, served):
+    asked = {"model": "tiny", "instructions": "Be brief.", "input": "Once upon a time", "max_output_tokens": 8}
+
+    answer = client.responses.create(**asked)
+    events = list(client.responses.create(**asked, stream=True))
+    after = client.responses.create(
+        model="tiny", input="And then?", previous_response_id=answer.id, max_output_tokens=4
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_no-such-request")
+    too_long = list(client.responses.create(model="tiny", input="word " * 2000, stream=True))
+    with pytest.raises(openai.BadRequestError) as no_image:
+        client.responses.create(model="tiny", input=[{"role": "user", "content": [{"type": "input_image"}]}])
+
+    assert answer.object == "response" and answer.id.startswith("resp_") and answer.output_text
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens", "cut at 8"
+    assert answer.usage.output_tokens == 8 and answer.instructions == "Be brief."
+    # Typed events: created, the text as it comes, then the response, numbered in order.
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == answer.output_text, "greedy: the same text, token by token"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    # Going on: the earlier messages (not its instructions), its answer, then the new input.
+    (previous,) = [r for r in request_services.queue().recent(None, deployment="tiny", status=None, offset=0,
+                                                                limit=50)[0] if f"resp_{r.id}" == after.id]  # fmt: skip
+    assert previous.input == [
+        {"role": "user", "content": "Once upon a time"},
+        {"role": "assistant", "content": answer.output_text},
+        {"role": "user", "content": "And then?"},
+    ]
+    assert after.previous_response_id == answer.id and after.instructions is None
+    assert refused.value.body["param"] == "previous_response_id"
+    assert no_image.value.body["param"] == "input.0.content.0"
+    # A request the replica fails ends its stream with response.failed, saying why.
+    assert [e.type for e in too_long][-1] == "response.failed"
+    assert too_long[-1].response.error.code == "context_length_exceeded" and too_long[-1].response.status == "failed"
+
+
+def test_the_responses_api_calls_functions_as_items_and_takes_their_outputs(client, served_longer):
+    unit = {"type": "function", **UNIT["function"]}
+    asked = {"model": "tiny", "input": "Convert it", "tools": [unit], "max_output_tokens": 600}
+
+    called = client.responses.create(**asked, tool_choice="required", parallel_tool_calls=False)
+    with client.responses.stream(**asked, tool_choice={"type": "function", "name": "convert"}) as helped:
+        events = list(helped)  # OpenAI's stream helper, which builds the response from the events
+    built = helped.get_final_response()
+    (call,) = called.output
+    answered = client.responses.create(
+        model="tiny",
+        input=[*asked_input(asked), call.model_dump(), {"type": "function_call_output", "call_id": call.call_id,
+                                                       "output": "273 K"}],
+        tools=[unit],
+        tool_choice="none",
+        max_output_tokens=4,
+    )  # fmt: skip
+
+    assert call.type == "function_call" and call.name == "convert" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments)["unit"] in ("celsius", "kelvin") and called.status == "completed"
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [item.type for item in added] == ["function_call"], "a call asked for: no text, the call whole"
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(done.arguments) == json.loads(call.arguments), "greedy: the same call"
+    assert events[-1].type == "response.completed" and built.output[0].name == "convert"
+    assert built.output[0].arguments == done.arguments
+    assert answered.output_text and answered.output[0].type == "message", "the call's output read, a text answer"
+    # Left to the model (auto): a random one writes text, streamed as it comes.
+    free = {"model": "tiny", "input": "Hi", "tools": [unit], "max_output_tokens": 6}
+    said = client.responses.create(**free)
+    streamed = [e.delta for e in client.responses.create(**free, stream=True) if e.type == "response.output_text.delta"]
+    assert said.output_text and "".join(streamed) == said.output_text and said.output[0].type == "message"
+
+
+def asked_input(asked: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": asked["input"]}]
+
+
 def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(
     client, served, live_server
 ):

@@ -1,0 +1,541 @@
+"""`POST /v1/responses`: OpenAI's Responses API (what its newer clients and agent SDKs call) as a
+chat of the portal's. The body is read into a chat's (`chat_body`) and checked as
+`/v1/chat/completions` checks one, each refusal naming the Responses field; the request runs and
+streams as a chat's does, and its answer is given as a response's output items: a message, and a
+`function_call` for each call it makes.
+
+Nothing is stored beyond the request itself: a response's id is its request's (`resp_` + the
+id), and `previous_response_id` carries a conversation on from the request the queue keeps (its
+messages, then its answer), for as long as it keeps it (a day); an earlier response's
+`instructions` are not carried over, as OpenAI's are not."""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from django.conf import settings
+from django.http.response import HttpResponseBase
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.request import Request as HttpRequest
+
+from gpuportal.wire import sampling, tools
+from gpuportal.wire.requestqueue import Request
+from scheduling.api import completion_input, idempotency
+from scheduling.api.completion_input import Completion, Refused, not_text
+from scheduling.api.inputs import FiniteFloatField
+from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, _follow, _stop
+from scheduling.services import queueing
+from scheduling.services.errors import NotFound
+
+ID_PREFIX = "resp_"
+# Request queue params: the call's `instructions` (the system message they made, which a later
+# call that continues this one leaves out) and the response it continued.
+INSTRUCTIONS = "instructions"
+PREVIOUS = "previous_response_id"
+
+# The Responses fields read, and those passed on to the chat as they are (the sampling parameters
+# vLLM's Responses API takes as well).
+READ_FIELDS = frozenset(
+    {"model", "input", INSTRUCTIONS, "max_output_tokens", "stream", "tools", "tool_choice", "parallel_tool_calls",
+     "text", PREVIOUS, "timeout", "top_logprobs", "background", "conversation", "prompt",
+     *sampling.NAMES, *sampling.LISTED_NAMES}
+)  # fmt: skip
+PASSED_ON = ("timeout", *sampling.NAMES, *sampling.LISTED_NAMES)
+# Roles a Responses message may have, as a chat template knows them (a developer's is a system's).
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+TYPO_CUTOFF = 0.8
+
+
+class ResponseInput(serializers.Serializer):
+    """What OpenAI's clients send to /v1/responses, for the OpenAPI schema only: `chat_body`
+    reads every body."""
+
+    model = serializers.CharField(help_text="The deployment's name (a causal LM).")
+    input = serializers.JSONField(
+        help_text="A string (the user's message), or a list of items: messages ({role, content}, content a string "
+        'or input_text/output_text parts), {"type": "function_call", "call_id", "name", "arguments"} and '
+        '{"type": "function_call_output", "call_id", "output"}.'
+    )
+    instructions = serializers.CharField(required=False, allow_null=True, help_text="A system message, first.")
+    previous_response_id = serializers.CharField(
+        required=False,
+        allow_null=True,
+        help_text="Go on from a response of yours (its messages and its answer, then `input`), for a day after it.",
+    )
+    max_output_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    temperature = FiniteFloatField(required=False, allow_null=True)
+    top_p = FiniteFloatField(required=False, allow_null=True)
+    stream = serializers.BooleanField(required=False, default=False, help_text="Server-sent events, typed.")
+    tools = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='Function tools: [{"type": "function", "name", "description", "parameters"}].',
+    )
+    tool_choice = serializers.JSONField(
+        required=False, allow_null=True, help_text='"auto", "required", "none" or {"type": "function", "name": ...}.'
+    )
+    parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
+    text = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='{"format": {"type": "text" | "json_object"}} or {"format": {"type": "json_schema", "name", '
+        '"schema"}}: the answer held to it as it is generated.',
+    )
+
+
+def chat_body(body: Any, earlier: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """(the chat body a Responses body asks for, the field each of its messages came from), the
+    conversation going on from `earlier` (the messages of a previous response and its answer);
+    Refused naming the first Responses field that is wrong."""
+    if not isinstance(body, dict):
+        raise Refused(None, "the body must be a JSON object")
+    for key in body:
+        near = (
+            difflib.get_close_matches(key, sorted(READ_FIELDS), n=1, cutoff=TYPO_CUTOFF)
+            if key not in READ_FIELDS
+            else []
+        )
+        if near:
+            raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
+    if body.get("background"):
+        raise Refused("background", "not supported: a response runs while its call waits (stream it instead)")
+    for field in ("conversation", "prompt"):
+        if body.get(field) is not None:
+            raise Refused(field, f"not supported: give the conversation as `input`, or go on with `{PREVIOUS}`")
+    if body.get("top_logprobs"):
+        raise Refused("top_logprobs", "not supported on /v1/responses: /v1/chat/completions gives log probabilities")
+    messages, origins = [], []
+    instructions = body.get(INSTRUCTIONS)
+    if instructions is not None:
+        if not sampling.is_text(instructions):
+            raise Refused(INSTRUCTIONS, not_text(instructions, "must be a string"))
+        messages.append({"role": "system", "content": instructions})
+        origins.append(INSTRUCTIONS)
+    for message in earlier or ():
+        messages.append(message)
+        origins.append(PREVIOUS)
+    _items(body.get("input"), messages, origins)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False)}
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    for name in PASSED_ON:
+        if name in body:
+            chat[name] = body[name]
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if "parallel_tool_calls" in body:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if (answer_format := _format(body.get("text"))) is not None:
+        chat["response_format"] = answer_format
+    return chat, origins
+
+
+def _items(value: Any, messages: list[dict[str, Any]], origins: list[str]) -> None:
+    """`input` as chat messages, appended with the field each came from: a string is the user's
+    message; a list's function calls go into the assistant's message they follow (one message of
+    them all where they follow none), each call's output a tool's message."""
+    if sampling.is_text(value):
+        messages.append({"role": "user", "content": value})
+        origins.append("input")
+        return
+    if not isinstance(value, list) or not value:
+        raise Refused(
+            "input", not_text(value, "required: a string, or a non-empty list of messages, function calls and outputs")
+        )
+    for i, item in enumerate(value):
+        at = f"input.{i}"
+        if not isinstance(item, dict):
+            raise Refused(at, "must be an object: a message, a function_call or a function_call_output")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = ROLES.get(item.get("role"))
+            if role is None:
+                raise Refused(f"{at}.role", f"must be one of {', '.join(ROLES)}")
+            messages.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+        elif kind == "function_call":
+            call = _function_call(item, at)
+            if messages and messages[-1]["role"] == "assistant" and origins[-1] != PREVIOUS:
+                messages[-1] = {**messages[-1], "tool_calls": [*messages[-1].get("tool_calls", []), call]}
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not sampling.is_text(call_id):
+                raise Refused(f"{at}.call_id", "required: the call_id of the function_call it answers")
+            messages.append(
+                {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{at}.output")}
+            )
+        else:
+            raise Refused(
+                f"{at}.type",
+                f"{kind!r} is not served here: an item is a message, a function_call or a function_call_output",
+            )
+        origins.append(at)
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's text: a string, or its text parts joined a line apart (as a chat's are)."""
+    if sampling.is_text(content):
+        return content
+    if not isinstance(content, list) or not content:
+        raise Refused(param, not_text(content, "required: a string or a non-empty list of input_text parts"))
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part that is no {type, text} object"
+            raise Refused(f"{param}.{j}", f"{what} is not supported: the models served here read text parts only")
+        if not sampling.is_text(part.get("text")):
+            raise Refused(f"{param}.{j}.text", not_text(part.get("text"), "required: a string"))
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _function_call(item: dict[str, Any], at: str) -> dict[str, Any]:
+    """A function_call item as a chat's assistant message lists a call."""
+    for field in ("call_id", "name"):
+        if not sampling.is_text(item.get(field)):
+            raise Refused(f"{at}.{field}", "required: a string")
+    arguments = item.get("arguments", "{}")
+    try:
+        tools.as_template_arguments(arguments)
+    except (ValueError, TypeError) as exc:
+        raise Refused(f"{at}.arguments", str(exc)) from None
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
+
+
+def _tools(value: Any) -> Any:
+    """Responses' function tools (their fields at the top) as a chat's (under `function`); what
+    is no list is left for the chat's check to refuse."""
+    if not isinstance(value, list):
+        return value
+    chat = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise Refused(f"tools.{i}.type", f"{kind!r} is not served here: only function tools, which the caller runs")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        chat.append({"type": "function", "function": function})
+    return chat
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") == "function" and "function" not in value:
+        return {"type": "function", "function": {"name": value.get("name")}}
+    return value
+
+
+def _format(value: Any) -> dict[str, Any] | None:
+    """`text` as a chat's response_format; None for text."""
+    if value is None:
+        return None
+    answer_format = value.get("format") if isinstance(value, dict) else None
+    if answer_format is None:
+        if not isinstance(value, dict):
+            raise Refused("text", 'must be {"format": {"type": "text" | "json_object" | "json_schema", ...}}')
+        return None
+    if not isinstance(answer_format, dict):
+        raise Refused("text.format", 'must be {"type": "text" | "json_object" | "json_schema", ...}')
+    if answer_format.get("type") == "json_schema":
+        fields = {key: answer_format[key] for key in ("name", "schema", "strict") if key in answer_format}
+        return {"type": "json_schema", "json_schema": fields}
+    return answer_format
+
+
+def renamed(param: str | None, origins: list[str]) -> str | None:
+    """The Responses field of a chat field a refusal names."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        index = rest.partition(".")[0]
+        return origins[int(index)] if index.isdigit() and int(index) < len(origins) else "input"
+    if head == "tools":
+        return param.replace(".function.", ".").removesuffix(".function")
+    return {
+        "max_completion_tokens": "max_output_tokens",
+        "max_tokens": "max_output_tokens",
+        "response_format": "text.format",
+    }.get(head, param)
+
+
+def response_id(request: Request) -> str:
+    return f"{ID_PREFIX}{request.id}"
+
+
+class ResponsesView(ChatCompletionsView):
+    """`POST /v1/responses`: a chat, its answer as a response's output items."""
+
+    input_param = "input"
+
+    @extend_schema(
+        parameters=[idempotency.PARAMETER],
+        summary="Answer as OpenAI's Responses API does.",
+        description="A chat of a causal LM deployment, given and answered as OpenAI's Responses API: `input`, "
+        "`instructions`, `previous_response_id`, function tools, `text.format`; streamed as its typed events.",
+        request=ResponseInput,
+        responses={200: dict},
+    )
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return super().post(request)
+
+    def parse(self, body: Any, owner: str) -> Completion:
+        earlier = self.earlier(body.get(PREVIOUS) if isinstance(body, dict) else None, owner)
+        chat, origins = chat_body(body, earlier)
+        try:
+            call = completion_input.parse(
+                chat,
+                "chat",
+                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
+                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+            )
+        except Refused as refused:
+            raise Refused(renamed(refused.param, origins), refused.message) from None
+        kept = {key: body[key] for key in (INSTRUCTIONS, PREVIOUS) if body.get(key) is not None}
+        if call.params.get(sampling.SCHEMA_FIELD) == "response_format":
+            kept[sampling.SCHEMA_FIELD] = "text.format"
+        return Completion(model=call.model, input=call.input, params={**call.params, **kept}, timeout_s=call.timeout_s)
+
+    @staticmethod
+    def earlier(previous: Any, owner: str) -> list[dict[str, Any]] | None:
+        """The conversation a previous response of `owner`'s leaves: its messages (but those its
+        instructions made) and its answer."""
+        if previous is None:
+            return None
+        if not sampling.is_text(previous) or not previous.startswith(ID_PREFIX):
+            raise Refused(PREVIOUS, f"must be the id of a response ({ID_PREFIX}...)")
+        try:
+            found = queueing.get(previous.removeprefix(ID_PREFIX), user_id=owner, staff=False)
+        except NotFound:
+            raise Refused(PREVIOUS, f"no response {previous} of yours (responses are kept for a day)") from None
+        if found.kind != "chat" or not isinstance(found.input, list):
+            raise Refused(PREVIOUS, f"{previous} is not a response")
+        if found.status != "done":
+            raise Refused(PREVIOUS, f"{previous} has no answer to go on from (it is {found.status})")
+        said = found.input[1:] if found.params.get(INSTRUCTIONS) is not None else found.input
+        message = ChatCompletionsView().choice(found.output or {}, found)["message"]
+        return [*said, {key: value for key, value in message.items() if key != "logprobs"}]
+
+    def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
+        result, request = results[0], asked[0]
+        output = result.output or {}
+        items = self.items(output, request)
+        ended = output.get("finish_reason", "stop")
+        return self.response(
+            request,
+            model,
+            created=result.created_at,
+            status="incomplete" if ended == "length" else "completed",
+            output=items,
+            usage=_usage(output.get("usage") or {}),
+        )
+
+    def items(self, output: dict[str, Any], asked: Request) -> list[dict[str, Any]]:
+        """The output items of a request's answer: its message (where it says anything or calls
+        nothing), then a function_call for each call it makes."""
+        message = self.choice(output, asked)["message"]
+        status = "incomplete" if output.get("finish_reason") == "length" else "completed"
+        items = []
+        if message.get("content") or not message.get("tool_calls"):
+            items.append(_message(asked, message.get("content") or "", status))
+        for call in message.get("tool_calls") or ():
+            items.append(_function_call_item(call))
+        return items
+
+    @staticmethod
+    def response(
+        request: Request,
+        model: str,
+        *,
+        created: float | None,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The response object, with what it was asked as OpenAI's echoes it."""
+        params = request.params
+        choice = params.get(tools.TOOL_CHOICE, tools.AUTO)
+        schema = params.get(sampling.JSON_SCHEMA) if params.get(sampling.SCHEMA_FIELD) == "text.format" else None
+        return {
+            "id": response_id(request),
+            "object": "response",
+            "created_at": int(created or time.time()),
+            "status": status,
+            "model": model,
+            "output": output,
+            "usage": usage,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": params.get(INSTRUCTIONS),
+            "previous_response_id": params.get(PREVIOUS),
+            "max_output_tokens": params.get("max_tokens"),
+            "temperature": params.get("temperature"),
+            "top_p": params.get("top_p"),
+            "tools": [{"type": "function", **tool["function"]} for tool in params.get(tools.TOOLS) or ()],
+            "tool_choice": choice
+            if choice in (tools.AUTO, tools.REQUIRED, tools.NONE)
+            else {"type": "function", "name": choice},
+            "parallel_tool_calls": params.get(tools.PARALLEL, True),
+            "text": {"format": {"type": "json_schema", "schema": schema} if schema else {"type": "text"}},
+            "metadata": {},
+        }
+
+    def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
+        """Responses' typed server-sent events: response.created, then the message's text as it
+        comes (output_text.delta), then each function call whole, then response.completed (or
+        .incomplete, cut by max_output_tokens; .failed, with its error, where the request failed
+        or did not end within the call's timeout). An answer that may call functions sends its
+        text until it opens a call, as a chat's stream does (gpuportal.wire.tools.Watch)."""
+        request = submitted[0]
+        numbers = itertools.count()
+
+        def event(kind: str, **fields: Any) -> bytes:
+            data = json.dumps({"type": kind, "sequence_number": next(numbers), **fields})
+            return f"event: {kind}\ndata: {data}\n\n".encode()
+
+        begun = self.response(request, call.model, created=None, status="in_progress", output=[], usage=None)
+        yield event("response.created", response=begun)
+        yield event("response.in_progress", response=begun)
+        deadline, stop = time.monotonic() + call.timeout_s, threading.Event()
+        held, watch = self.held_back(call), tools.Watch() if self.watched(call) else None
+        message = _message(request, "", "in_progress")
+        sent, told, told_at, ended = "", "", time.monotonic(), False
+        try:
+            for item in _follow(request, call.model, deadline, 0, stop):
+                if item.waiting:
+                    if not sent and (item.waiting != told or time.monotonic() - told_at >= KEEPALIVE_S):
+                        told, told_at = item.waiting, time.monotonic()
+                        yield f": {told}\n\n".encode()  # what it waits for, a comment clients skip
+                    continue
+                if not item.ended:
+                    text = "" if held else watch.feed(item.text) if watch is not None else item.text
+                    if text and not sent:
+                        yield from _message_opened(event, message)
+                    if text:
+                        sent += text
+                        yield event("response.output_text.delta", **_at(message), delta=text, logprobs=[])
+                    continue
+                ended = True
+                final = item.final
+                if final is None or final.status != "done":
+                    error = self._ended_short(final, request, call.timeout_s)["error"]
+                    failed = {"code": error.get("code") or error["type"], "message": error["message"]}
+                    yield event(
+                        "response.failed",
+                        response=self.response(
+                            request, call.model, created=None, status="failed", output=[], usage=None, error=failed
+                        ),
+                    )
+                    return
+                answer = self.body([final], submitted, call.model)
+                yield from self._ending(event, answer, final, sent, watch, message)
+        except GeneratorExit:
+            if not ended:  # the client left: nothing generates an answer for nobody
+                _stop([request], "its caller left: the stream was closed")
+            raise
+        finally:
+            stop.set()
+
+    def _ending(
+        self,
+        event: Any,
+        answer: dict[str, Any],
+        final: Request,
+        sent: str,
+        watch: tools.Watch | None,
+        message: dict[str, Any],
+    ) -> Iterator[bytes]:
+        """The events of an answer's end: the rest of its message (the text a stream held back),
+        each call whole, then the response."""
+        output = final.output or {}
+        text = output.get("text", "")
+        said = next((item for item in answer["output"] if item["type"] == "message"), None)
+        if said is not None or sent:
+            if watch is None:
+                rest = said["content"][0]["text"][len(sent) :] if said is not None else ""
+            elif len(answer["output"]) > (said is not None):  # it calls: what it says besides
+                rest = tools.unsent(text, watch.sent, self.choice(output, final)["message"].get("content"))
+            else:
+                rest = text[watch.sent :]
+            if not sent:
+                yield from _message_opened(event, message)
+            if rest:
+                yield event("response.output_text.delta", **_at(message), delta=rest, logprobs=[])
+            whole = sent + rest
+            status = said["status"] if said is not None else "completed"
+            done = {**message, "status": status, "content": [_text_part(whole)]}
+            yield event("response.output_text.done", **_at(message), text=whole, logprobs=[])
+            yield event("response.content_part.done", **_at(message), part=_text_part(whole))
+            yield event("response.output_item.done", output_index=0, item=done)
+            answer["output"] = [done, *(item for item in answer["output"] if item["type"] != "message")]
+        for index, item in enumerate(answer["output"]):
+            if item["type"] != "function_call":
+                continue
+            yield event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            )
+            at = {"item_id": item["id"], "output_index": index}
+            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        kind = "response.incomplete" if answer["status"] == "incomplete" else "response.completed"
+        yield event(kind, response=answer)
+
+
+def _message(request: Request, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": f"msg_{request.id.replace('-', '')}",
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)],
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _at(message: dict[str, Any]) -> dict[str, Any]:
+    return {"item_id": message["id"], "output_index": 0, "content_index": 0}
+
+
+def _message_opened(event: Any, message: dict[str, Any]) -> Iterator[bytes]:
+    yield event("response.output_item.added", output_index=0, item={**message, "content": []})
+    yield event("response.content_part.added", **_at(message), part=_text_part(""))
+
+
+def _function_call_item(call: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{call['id'].removeprefix('call_')}",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": "completed",
+    }
+
+
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """A replica's token counts as a response's usage."""
+    given, made = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {
+        "input_tokens": given,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": made,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": given + made,
+    }
