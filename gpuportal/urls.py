@@ -66,6 +66,7 @@ urlpatterns = [
     path("v1/chat/completions", openai_compat.ChatCompletionsView.as_view(), name="openai-chat"),
     path("v1/embeddings", openai_compat.EmbeddingsView.as_view(), name="openai-embeddings"),
     path("v1/responses", responses.ResponsesView.as_view(), name="openai-responses"),
+    path("v1/responses/<str:response_id>", responses.ResponseDetailView.as_view(), name="openai-response"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("metrics", gauges.metrics, name="metrics"),

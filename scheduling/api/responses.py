@@ -11,6 +11,7 @@ messages, then its answer), for as long as it keeps it (a day); an earlier respo
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import itertools
 import json
@@ -24,13 +25,14 @@ from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
+from rest_framework.response import Response
 
 from gpuportal.wire import sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import Completion, Refused, not_text
 from scheduling.api.inputs import FiniteFloatField
-from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, _follow, _stop
+from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, OpenAIView, _follow, _stop, error_body
 from scheduling.services import queueing
 from scheduling.services.errors import NotFound
 
@@ -429,14 +431,9 @@ class ResponsesView(ChatCompletionsView):
                 ended = True
                 final = item.final
                 if final is None or final.status != "done":
-                    error = self._ended_short(final, request, call.timeout_s)["error"]
-                    failed = {"code": error.get("code") or error["type"], "message": error["message"]}
-                    yield event(
-                        "response.failed",
-                        response=self.response(
-                            request, call.model, created=None, status="failed", output=[], usage=None, error=failed
-                        ),
-                    )
+                    status, error = self.unanswered(final, request, call.timeout_s)
+                    ended_short = self.response(request, call.model, created=None, status=status, output=[], usage=None)
+                    yield event("response.failed", response={**ended_short, "error": error})
                     return
                 answer = self.body([final], submitted, call.model)
                 yield from self._ending(event, answer, final, sent, watch, message)
@@ -446,6 +443,13 @@ class ResponsesView(ChatCompletionsView):
             raise
         finally:
             stop.set()
+
+    def unanswered(self, final: Request | None, request: Request, timeout: float) -> tuple[str, dict[str, Any]]:
+        """The status and error of a response whose request ended without an answer (failed,
+        cancelled), or did not end within `timeout`."""
+        error = self._ended_short(final, request, timeout)["error"]
+        status = "cancelled" if final is not None and final.status == "cancelled" else "failed"
+        return status, {"code": error.get("code") or error["type"], "message": error["message"]}
 
     def _ending(
         self,
@@ -493,6 +497,32 @@ class ResponsesView(ChatCompletionsView):
             yield event("response.output_item.done", output_index=index, item=item)
         kind = "response.incomplete" if answer["status"] == "incomplete" else "response.completed"
         yield event(kind, response=answer)
+
+
+class ResponseDetailView(OpenAIView):
+    """`GET /v1/responses/{id}`: a response as it stands (OpenAI's `client.responses.retrieve`),
+    for as long as its request is kept: yours (staff: anyone's)."""
+
+    @extend_schema(responses={200: dict, 404: dict}, operation_id="v1_response_retrieve")
+    def get(self, request: HttpRequest, response_id: str) -> Response:
+        found = None
+        if response_id.startswith(ID_PREFIX):
+            with contextlib.suppress(NotFound):
+                found = queueing.get(
+                    response_id.removeprefix(ID_PREFIX), user_id=str(request.user.pk), staff=request.user.is_staff
+                )
+        if found is None or found.kind != "chat":
+            body = error_body(f"no response {response_id} (responses are kept for a day)", "response_id", "not_found")
+            return Response(body, status=404)
+        view = ResponsesView()
+        if found.status == "done":
+            return Response(view.body([found], [found], found.deployment))
+        if found.final:
+            status, error = view.unanswered(found, found, 0)
+        else:
+            status, error = ("in_progress" if found.status in ("dispatched", "running") else "queued"), None
+        answer = view.response(found, found.deployment, created=found.created_at, status=status, output=[], usage=None)
+        return Response({**answer, "error": error})
 
 
 def _message(request: Request, text: str, status: str) -> dict[str, Any]:

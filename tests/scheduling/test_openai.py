@@ -909,6 +909,14 @@ def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_no-such-request")
     too_long = list(client.responses.create(model="tiny", input="word " * 2000, stream=True))
+    kept = client.responses.retrieve(answer.id)
+    failed = client.responses.retrieve(too_long[0].response.id)
+    bob = Token.objects.create(user=User.objects.create_user("bob")).key
+    with (
+        openai.OpenAI(base_url=client.base_url, api_key=bob, max_retries=0) as others,
+        pytest.raises(openai.NotFoundError),
+    ):
+        others.responses.retrieve(answer.id)
     with pytest.raises(openai.BadRequestError) as no_image:
         client.responses.create(model="tiny", input=[{"role": "user", "content": [{"type": "input_image"}]}])
 
@@ -932,6 +940,9 @@ def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(
     assert after.previous_response_id == answer.id and after.instructions is None
     assert refused.value.body["param"] == "previous_response_id"
     assert no_image.value.body["param"] == "input.0.content.0"
+    # Retrieved as it stands, for as long as its request is kept: the same answer; yours alone.
+    assert kept.output_text == answer.output_text and kept.status == "incomplete" and kept.id == answer.id
+    assert failed.status == "failed" and failed.error.code == "context_length_exceeded"
     # A request the replica fails ends its stream with response.failed, saying why.
     assert [e.type for e in too_long][-1] == "response.failed"
     assert too_long[-1].response.error.code == "context_length_exceeded" and too_long[-1].response.status == "failed"
