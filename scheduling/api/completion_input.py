@@ -484,7 +484,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         content = message.get("content")
         if content is None and message["role"] == "assistant":
             content = ""  # an assistant's turn that said nothing (a call's, its calls left out)
-        kept = {"role": message["role"], "content": _content(content, f"messages.{i}.content")}
+        kept = {"role": message["role"], "content": content_text(content, f"messages.{i}.content")}
         if message["role"] == "tool" and message.get("tool_call_id") is not None:
             if not sampling.is_text(message["tool_call_id"]):
                 raise Refused(f"messages.{i}.tool_call_id", "must be a string: the id of the call it answers")
@@ -518,14 +518,14 @@ def _calling(message: dict[str, Any], param: str) -> dict[str, Any]:
             }
         )
     content = message.get("content")
-    text = "" if content is None or content == "" else _content(content, f"{param}.content")
+    text = "" if content is None or content == "" else content_text(content, f"{param}.content")
     return {"role": "assistant", "content": text, "tool_calls": read}
 
 
-def _content(content: Any, param: str) -> str:
-    """A message's text: a string, or OpenAI's list of content parts, whose text parts are joined
-    a line apart (as vLLM joins them); a part of another type (an image, audio, a file) is refused
-    by name, this portal's models reading text alone."""
+def content_text(content: Any, param: str, parts: tuple[str, ...] = ("text",)) -> str:
+    """A message's text: a string, or OpenAI's list of content parts, whose text parts (of a type
+    among `parts`) are joined a line apart (as vLLM joins them); a part of another type (an image,
+    audio, a file) is refused by name, this portal's models reading text alone."""
     if not isinstance(content, list):
         if not sampling.is_text(content):
             raise Refused(param, not_text(content, "required: a string or a list of text parts"))
@@ -534,7 +534,7 @@ def _content(content: Any, param: str) -> str:
         raise Refused(param, "required: a string or a non-empty list of text parts")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
+        if not isinstance(part, dict) or part.get("type") not in parts:
             kind = part.get("type") if isinstance(part, dict) else None
             what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part that is no {type, text} object"
             raise Refused(f"{param}.{j}", f"{what} is not supported: the models served here read text parts only")

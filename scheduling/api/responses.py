@@ -30,7 +30,7 @@ from rest_framework.response import Response
 from gpuportal.wire import sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input, idempotency
-from scheduling.api.completion_input import Completion, Refused, not_text
+from scheduling.api.completion_input import Completion, Refused, content_text, not_text
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, OpenAIView, _follow, _stop, error_body
 from scheduling.services import queueing
@@ -163,7 +163,7 @@ def _items(value: Any, messages: list[dict[str, Any]], origins: list[str]) -> No
             role = ROLES.get(item.get("role"))
             if role is None:
                 raise Refused(f"{at}.role", f"must be one of {', '.join(ROLES)}")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+            messages.append({"role": role, "content": content_text(item.get("content"), f"{at}.content", TEXT_PARTS)})
         elif kind == "function_call":
             call = _function_call(item, at)
             if messages and messages[-1]["role"] == "assistant" and origins[-1] != PREVIOUS:
@@ -175,7 +175,11 @@ def _items(value: Any, messages: list[dict[str, Any]], origins: list[str]) -> No
             if not sampling.is_text(call_id):
                 raise Refused(f"{at}.call_id", "required: the call_id of the function_call it answers")
             messages.append(
-                {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{at}.output")}
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": content_text(item.get("output"), f"{at}.output", TEXT_PARTS),
+                }
             )
         else:
             raise Refused(
@@ -183,24 +187,6 @@ def _items(value: Any, messages: list[dict[str, Any]], origins: list[str]) -> No
                 f"{kind!r} is not served here: an item is a message, a function_call or a function_call_output",
             )
         origins.append(at)
-
-
-def _text(content: Any, param: str) -> str:
-    """A message's text: a string, or its text parts joined a line apart (as a chat's are)."""
-    if sampling.is_text(content):
-        return content
-    if not isinstance(content, list) or not content:
-        raise Refused(param, not_text(content, "required: a string or a non-empty list of input_text parts"))
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part that is no {type, text} object"
-            raise Refused(f"{param}.{j}", f"{what} is not supported: the models served here read text parts only")
-        if not sampling.is_text(part.get("text")):
-            raise Refused(f"{param}.{j}.text", not_text(part.get("text"), "required: a string"))
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _function_call(item: dict[str, Any], at: str) -> dict[str, Any]:
