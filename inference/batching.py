@@ -89,6 +89,9 @@ class Sequence:
     # When its first token was sampled (time.time()): the request's time to first token.
     first_token_at: float | None = None
     text: str = ""
+    # What of a chat's prompt opened the answer's thinking (gpuportal.wire.reasoning.opened_by):
+    # its text, streamed and whole, begins with it, as the model's turn reads.
+    opened: str = ""
     error: Exception | None = None
     _sent: str = ""
     _streamed_picks: int = 0  # of `picked`, those whose log probabilities went out with a piece
@@ -105,7 +108,7 @@ class Sequence:
         """The request's output, shaped like Executor.generate's."""
         prompt, completion = len(self.prompt), len(self.generated)
         output: dict[str, Any] = {
-            "text": self.text,
+            "text": self.opened + self.text,
             "finish_reason": self.finish,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         }
@@ -434,11 +437,12 @@ class Batcher:
         piece = newly_settled(text, s._sent, final=final)
         if not piece:
             return
+        shown = piece if s._sent else s.opened + piece
         if s.logprobs is None:
-            s.on_chunk(piece)
+            s.on_chunk(shown)
         else:
             picks = _answered(s.picked, self._ends(s))
-            s.on_chunk(picked_piece(piece, entries(self.tokenizer, picks[s._streamed_picks :])))
+            s.on_chunk(picked_piece(shown, entries(self.tokenizer, picks[s._streamed_picks :])))
             s._streamed_picks = len(picks)
         s._sent += piece
 

@@ -40,6 +40,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from gpuportal.wire import kvstats
 from gpuportal.wire.node_lease import NodeFence
+from gpuportal.wire.reasoning import TEMPLATE_KWARGS, opened_by
 from gpuportal.wire.requestqueue import (
     STOPPED,
     Fence,
@@ -238,7 +239,12 @@ class Executor:
             return self.embed(request.input)
         if request.kind == "forward":
             return self.forward(request.input)
-        result = self.generate(self.prompt_of(request), request.params, on_chunk, asked_stop)
+        prompt = self.prompt_of(request)
+        opened = self.opened(request, prompt)
+        if opened and on_chunk is not None:
+            on_chunk = _begun_with(opened, on_chunk)
+        result = self.generate(prompt, request.params, on_chunk, asked_stop)
+        result["text"] = opened + result["text"]
         if request.kind == "chat":
             result["message"] = {"role": "assistant", "content": result["text"]}
         return echoed(self.tokenizer, request, result)
@@ -255,7 +261,9 @@ class Executor:
                 raise BadInput(f"prompt: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
             return [int(token) for token in request.input]
         prompt = (
-            self.chat_prompt(request.input, request.params.get(TOOLS)) if request.kind == "chat" else str(request.input)
+            self.chat_prompt(request.input, request.params.get(TOOLS), request.params.get(TEMPLATE_KWARGS))
+            if request.kind == "chat"
+            else str(request.input)
         )
         self.refuse_oversized(prompt)
         return prompt
@@ -313,14 +321,16 @@ class Executor:
             if beyond:
                 raise BadInput(f"{name}: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
 
-    def chat_prompt(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
-        """The messages (and the functions the chat may call) through the model's chat template;
-        BadInput where the template refuses them (roles out of its order, a tool's message where
-        it takes none)."""
+    def chat_prompt(
+        self, messages: Any, tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None
+    ) -> str:
+        """The messages (and the functions the chat may call) through the model's chat template,
+        given `extra` too (the caller's chat_template_kwargs); BadInput where the template refuses
+        them (roles out of its order, a tool's message where it takes none)."""
         if getattr(self.tokenizer, "chat_template", None):
             try:
                 return self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=False
+                    messages, tools=tools, add_generation_prompt=True, tokenize=False, **(extra or {})
                 )
             except Exception as exc:  # jinja2's TemplateError, a template's raise_exception: the messages'
                 raise BadInput(f"messages: the model's chat template refused them: {exc}") from None
@@ -335,6 +345,16 @@ class Executor:
             calls = "".join(f"<tool_call>{json.dumps(call)}</tool_call>" for call in made)
             lines.append(f"{m['role']}: {m['content']}{calls}")
         return "\n".join([*lines, "assistant:"])
+
+    def opened(self, request: Request, prompt: str | list[int]) -> str:
+        """What of a chat's prompt opened the answer's thinking, which its text begins with
+        (gpuportal.wire.reasoning); "" for others, and for an answer held to a format (whose
+        first token is the format's: it has no room to think)."""
+        if request.kind != "chat" or not isinstance(prompt, str):
+            return ""
+        if any(request.params.get(name) is not None for name in FORMATS):
+            return ""
+        return opened_by(prompt)
 
     def sequence(self, request: Request, on_chunk: Callable[[str], None] | None) -> Sequence:
         """A text request as a Sequence for the batcher (inference.batching); BadInput as run() would."""
@@ -359,6 +379,7 @@ class Executor:
             logprobs=request.params.get("logprobs"),
             prompt_logprobs=request.params.get("logprobs") if request.params.get("echo") else None,
             allowed=allowed,
+            opened=self.opened(request, prompt),
         )
 
     def format_allowed(self, params: dict[str, Any]) -> Held | None:
@@ -513,6 +534,17 @@ class Executor:
         except RuntimeError as exc:  # shape mismatches surface as RuntimeError
             raise BadInput(f"the model cannot take this input: {' '.join(str(exc).split())}") from None
         return {"output": out.float().cpu().tolist(), "shape": list(out.shape)}
+
+
+def _begun_with(opened: str, emit: Callable[[str], None]) -> Callable[[str], None]:
+    """`emit`, its first piece begun with `opened`."""
+    first = [True]
+
+    def begun(piece: str) -> None:
+        emit(opened + piece if first[0] else piece)
+        first[0] = False
+
+    return begun
 
 
 class _ChunkStreamer:

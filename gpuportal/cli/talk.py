@@ -141,7 +141,7 @@ def _reply(
     while True:
         body = {"model": model, "messages": [*history, {"role": "user", "content": line}], **asked}
         try:
-            return "".join(stream(ctx.client, "/v1/chat/completions", body, write))
+            return "".join(stream(ctx.client, "/v1/chat/completions", body, write, _thinker(ctx.err)))
         except Refused as refused:
             if refused.code != TOO_LONG or len(history) <= kept:
                 raise
@@ -210,15 +210,25 @@ def ps_table(replicas: list[dict[str, Any]]) -> Table:
     return table
 
 
-def stream(client: Client, path: str, body: dict[str, Any], write: Callable[[str], None]) -> list[str]:
-    """A streamed /v1 call: each piece of text written as it arrives; the pieces."""
+def stream(
+    client: Client,
+    path: str,
+    body: dict[str, Any],
+    write: Callable[[str], None],
+    think: Callable[[str], None] | None = None,
+) -> list[str]:
+    """A streamed /v1 call: each piece of text written as it arrives, and of a chat's reasoning
+    (a reasoning model's thinking) handed to `think`; the pieces of text."""
     pieces: list[str] = []
     for event in client.events(path, {**body, "stream": True}):
         if "error" in event:
             error = event["error"] if isinstance(event["error"], dict) else {"message": event["error"]}
             raise Refused(str(error.get("message") or error), error.get("code"))
         for choice in event.get("choices") or []:
-            piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or {}
+            if think is not None and (thought := delta.get("reasoning")):
+                think(thought)
+            piece = choice.get("text") if "text" in choice else delta.get("content")
             if piece:
                 write(piece)
                 pieces.append(piece)
@@ -283,6 +293,18 @@ def _writer(console: Console) -> Callable[[str], None]:
         out.flush()
 
     return write
+
+
+def _thinker(console: Console) -> Callable[[str], None]:
+    """A reasoning model's thinking as it comes, on stderr (grey on a terminal), as `ollama run`
+    shows it: there while it thinks, and never in what a script reads of the answer on stdout."""
+    out = console.file
+
+    def think(text: str) -> None:
+        out.write(f"\x1b[90m{text}\x1b[0m" if console.is_terminal else text)
+        out.flush()
+
+    return think
 
 
 def _number(kind: Callable[[str], float], *, least: float, strict: bool) -> Callable[[str], Any]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gpuportal.wire import sampling, tools
+from gpuportal.wire import reasoning, sampling, tools
 
 Kind = Literal["generate", "chat"]
 
@@ -44,7 +44,7 @@ READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
      "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX, tools.TOOLS, tools.TOOL_CHOICE,
-     tools.PARALLEL, *sampling.LISTED_NAMES, *sampling.NAMES}
+     tools.PARALLEL, reasoning.TEMPLATE_KWARGS, *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -183,6 +183,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         params["echo"] = True
     params.update(_format(body))
     params.update(_tools(body, kind, params))
+    params.update(_template_kwargs(body, kind))
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
@@ -479,7 +480,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if message.get("role") not in ROLES:
             raise Refused(f"messages.{i}.role", f"must be one of {', '.join(ROLES)}")
         if message["role"] == "assistant" and message.get("tool_calls"):
-            read.append(_calling(message, f"messages.{i}"))
+            read.append(_calling(message, f"messages.{i}") | _thought(message, f"messages.{i}"))
             continue
         content = message.get("content")
         if content is None and message["role"] == "assistant":
@@ -489,8 +490,37 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if not sampling.is_text(message["tool_call_id"]):
                 raise Refused(f"messages.{i}.tool_call_id", "must be a string: the id of the call it answers")
             kept["tool_call_id"] = message["tool_call_id"]
+        if message["role"] == "assistant":
+            kept |= _thought(message, f"messages.{i}")
         read.append(kept)
     return read  # other keys of a message: ignored
+
+
+def _thought(message: dict[str, Any], param: str) -> dict[str, str]:
+    """An assistant's reasoning, given back as vLLM (`reasoning`) or DeepSeek (`reasoning_content`)
+    gave it, as chat templates read it (`reasoning_content`: Qwen 3's, for a turn that called
+    functions); {} where none."""
+    for name in reasoning.GIVEN:
+        if (thought := message.get(name)) is not None:
+            if not sampling.is_text(thought):
+                raise Refused(f"{param}.{name}", not_text(thought, "must be a string"))
+            return {reasoning.TEMPLATE_FIELD: thought}
+    return {}
+
+
+def _template_kwargs(body: dict[str, Any], kind: Kind) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`, kept for the replica's chat template (Qwen 3's
+    `enable_thinking: false`); {} where none."""
+    given = body.get(reasoning.TEMPLATE_KWARGS)
+    if given is None or given == {}:
+        return {}
+    if kind != "chat":
+        raise Refused(reasoning.TEMPLATE_KWARGS, "only in a chat (/v1/chat/completions): a completion has no template")
+    if not isinstance(given, dict):
+        raise Refused(reasoning.TEMPLATE_KWARGS, 'must be an object: {"enable_thinking": false}')
+    if taken := sorted(set(given) & reasoning.TEMPLATE_OWN):
+        raise Refused(f"{reasoning.TEMPLATE_KWARGS}.{taken[0]}", "is the portal's to set, not the caller's")
+    return {reasoning.TEMPLATE_KWARGS: given}
 
 
 def _calling(message: dict[str, Any], param: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
-from gpuportal.wire import tools
+from gpuportal.wire import reasoning, tools
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import (
@@ -470,9 +470,12 @@ class _Generate(_Answered):
         """A choice of the answer: the replica's `output` of the request `asked`."""
 
     @abstractmethod
-    def delta(self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int) -> dict[str, Any]:
+    def delta(
+        self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int, thought: str = ""
+    ) -> dict[str, Any]:
         """A streamed chunk's choice but its index and finish_reason: `text`, and where log
-        probabilities are asked, those of `picked` (the text's tokens, the first at `start`)."""
+        probabilities are asked, those of `picked` (the text's tokens, the first at `start`); a
+        chat's reasoning, `thought`, beside it."""
 
     def held_back(self, call: Completion) -> bool:
         """Whether a stream's text is held back until its answer ends (read whole then: a chat
@@ -483,9 +486,12 @@ class _Generate(_Answered):
         """Whether a stream's text goes out until it opens a call, the rest held back (`Watch`)."""
         return False
 
-    def whole(self, output: dict[str, Any], asked: Request, sent: int = 0, role: bool = True) -> dict[str, Any]:
+    def whole(
+        self, output: dict[str, Any], asked: Request, sent: int = 0, role: bool = True, thought: str | None = None
+    ) -> dict[str, Any]:
         """A held-back stream's last chunk of its choice: what of it was not sent (`sent`
-        characters of its text were), and its finish_reason; `role` where none went out yet."""
+        characters of its text were), and its finish_reason; `role` where none went out yet; of a
+        chat's reasoning, `thought` (None: the whole of it, none having gone out)."""
         rest = output.get("text", "")[sent:]
         return {"finish_reason": output.get("finish_reason", "stop"), **self.delta(rest, role, None, 0)}
 
@@ -551,6 +557,9 @@ class _Generate(_Answered):
         # call (gpuportal.wire.tools.Watch), the rest in its last chunk; `voiced`: the choices whose
         # role went out.
         watches: dict[int, tools.Watch] | None = {} if self.watched(call) else None
+        # A chat's reasoning told from its content as it comes (gpuportal.wire.reasoning), each
+        # sent as a delta of its own field; the content goes on to the watch where there is one.
+        splitters: dict[int, reasoning.Splitter] | None = {} if self.kind == "chat" and not held else None
         voiced: set[int] = set()
         try:
             for item in said:
@@ -562,19 +571,22 @@ class _Generate(_Answered):
                         told, told_at = item.waiting, time.monotonic()
                         yield f": {told}\n\n".encode()
                     continue
-                first = item.index not in started
                 if not item.ended:
                     started.add(item.index)
                     if held:
                         continue  # read whole at its end (`whole`)
+                    thought, text = (
+                        splitters.setdefault(item.index, reasoning.Splitter()).feed(item.text)
+                        if splitters is not None
+                        else ("", item.text)
+                    )
                     if watches is not None:
-                        text = watches.setdefault(item.index, tools.Watch()).feed(item.text)
-                        if text:
-                            delta = self.delta(text, item.index not in voiced, None, 0)
-                            voiced.add(item.index)
-                            yield _sse({**base, "choices": [{"index": item.index, "finish_reason": None, **delta}]})
-                        continue
-                    delta = self.delta(item.text, first, *picks(item.index, item.picks))
+                        text = watches.setdefault(item.index, tools.Watch()).feed(text)
+                    if not text and not thought:
+                        continue  # held back; its log probabilities go with what it comes out as
+                    picked = picks(item.index, item.picks) if watches is None else (None, 0)
+                    delta = self.delta(text, item.index not in voiced, *picked, thought=thought)
+                    voiced.add(item.index)
                     yield _sse({**base, "choices": [{"index": item.index, "finish_reason": None, **delta}]})
                     continue
                 ended.add(item.index)
@@ -589,16 +601,20 @@ class _Generate(_Answered):
                 outputs[item.index] = final.output or {}
                 left = (outputs[item.index].get("logprobs") or [])[picks_sent.get(item.index, (0, 0))[0] :]
                 answer, asked_of = outputs[item.index], submitted[item.index]
+                thought, text = (
+                    splitters.setdefault(item.index, reasoning.Splitter()).end() if splitters is not None else ("", "")
+                )
                 if held:
                     last = {"index": item.index, **self.whole(answer, asked_of)}
                 elif watches is not None:
                     sent = watches.get(item.index, tools.Watch()).sent
-                    last = {"index": item.index, **self.whole(answer, asked_of, sent, item.index not in voiced)}
+                    whole = self.whole(answer, asked_of, sent, item.index not in voiced, thought=thought)
+                    last = {"index": item.index, **whole}
                 else:
                     last = {
                         "index": item.index,
                         "finish_reason": answer.get("finish_reason", "stop"),
-                        **self.delta("", first, *picks(item.index, left)),
+                        **self.delta(text, item.index not in voiced, *picks(item.index, left), thought=thought),
                     }
                 if len(outputs) < len(submitted):
                     yield _sse({**base, "choices": [last]})
@@ -820,7 +836,9 @@ class CompletionsView(_Generate):
                 picked = [*output.get("prompt_logprobs", []), *picked]
         return {"text": text, "logprobs": _completion_logprobs(picked)}
 
-    def delta(self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int) -> dict[str, Any]:
+    def delta(
+        self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int, thought: str = ""
+    ) -> dict[str, Any]:
         return {"text": text, "logprobs": _completion_logprobs(picked, start)}
 
 
@@ -838,7 +856,8 @@ class ChatCompletionsView(_Generate):
         """The answer's message: its text, or the functions it calls (gpuportal.wire.tools) with
         what it says besides, `finish_reason: tool_calls`. An answer cut short by max_tokens is its
         text, its call unfinished."""
-        text = output.get("text", "")
+        thought, text = reasoning.split(output.get("text", ""))
+        thinking = {} if thought is None else dict.fromkeys(reasoning.GIVEN, thought)
         called = asked.params.get(tools.TOOL_CHOICE) not in (None, tools.NONE)
         content, calls = (
             tools.calls_in(text, tools.names(asked.params[tools.TOOLS]))
@@ -849,7 +868,7 @@ class ChatCompletionsView(_Generate):
             calls = calls[:1]  # as vLLM does: the first call, what follows it left unmade
         if not calls:
             return {
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": text, **thinking},
                 "logprobs": _chat_logprobs(output.get("logprobs")),
             }
         made = [
@@ -857,13 +876,17 @@ class ChatCompletionsView(_Generate):
             for k, call in enumerate(calls)
         ]
         return {
-            "message": {"role": "assistant", "content": content, "tool_calls": made},
+            "message": {"role": "assistant", "content": content, "tool_calls": made, **thinking},
             "logprobs": _chat_logprobs(output.get("logprobs")),
             "finish_reason": "tool_calls",
         }
 
-    def delta(self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int) -> dict[str, Any]:
+    def delta(
+        self, text: str, first: bool, picked: list[dict[str, Any]] | None, start: int, thought: str = ""
+    ) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text} if text else {}
+        if thought:
+            delta |= dict.fromkeys(reasoning.GIVEN, thought)
         if first:
             delta["role"] = "assistant"
         return {"delta": delta, "logprobs": _chat_logprobs(picked)}
@@ -875,11 +898,16 @@ class ChatCompletionsView(_Generate):
     def watched(self, call: Completion) -> bool:
         return call.params.get(tools.TOOL_CHOICE) == tools.AUTO
 
-    def whole(self, output: dict[str, Any], asked: Request, sent: int = 0, role: bool = True) -> dict[str, Any]:
+    def whole(
+        self, output: dict[str, Any], asked: Request, sent: int = 0, role: bool = True, thought: str | None = None
+    ) -> dict[str, Any]:
         choice = self.choice(output, asked)
         message = choice["message"]
-        text = output.get("text", "")
+        text = reasoning.split(output.get("text", ""))[1]
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        thought = message.get(reasoning.GIVEN[0]) if thought is None else thought
+        if thought:
+            delta |= dict.fromkeys(reasoning.GIVEN, thought)
         if message.get("tool_calls"):
             if rest := tools.unsent(text, sent, message.get("content")):
                 delta["content"] = rest

@@ -27,7 +27,7 @@ from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 
-from gpuportal.wire import sampling, tools
+from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import Completion, Refused, content_text, not_text
@@ -43,13 +43,13 @@ INSTRUCTIONS = "instructions"
 PREVIOUS = "previous_response_id"
 
 # The Responses fields read, and those passed on to the chat as they are (the sampling parameters
-# vLLM's Responses API takes as well).
+# and chat_template_kwargs, which vLLM's Responses API takes as well).
 READ_FIELDS = frozenset(
     {"model", "input", INSTRUCTIONS, "max_output_tokens", "stream", "tools", "tool_choice", "parallel_tool_calls",
      "text", PREVIOUS, "timeout", "top_logprobs", "background", "conversation", "prompt",
-     *sampling.NAMES, *sampling.LISTED_NAMES}
+     reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES}
 )  # fmt: skip
-PASSED_ON = ("timeout", *sampling.NAMES, *sampling.LISTED_NAMES)
+PASSED_ON = ("timeout", reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES)
 # Roles a Responses message may have, as a chat template knows them (a developer's is a system's).
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -145,7 +145,9 @@ def chat_body(body: Any, earlier: list[dict[str, Any]] | None = None) -> tuple[d
 def _items(value: Any, messages: list[dict[str, Any]], origins: list[str]) -> None:
     """`input` as chat messages, appended with the field each came from: a string is the user's
     message; a list's function calls go into the assistant's message they follow (one message of
-    them all where they follow none), each call's output a tool's message."""
+    them all where they follow none), each call's output a tool's message, and a reasoning item
+    (one of an earlier answer's, given back) into the assistant's message that follows it, as
+    chat templates read a past turn's reasoning."""
     if sampling.is_text(value):
         messages.append({"role": "user", "content": value})
         origins.append("input")
@@ -154,22 +156,31 @@ def _items(value: Any, messages: list[dict[str, Any]], origins: list[str]) -> No
         raise Refused(
             "input", not_text(value, "required: a string, or a non-empty list of messages, function calls and outputs")
         )
+    thought: list[str] = []  # reasoning given back, for the assistant's message that follows it
     for i, item in enumerate(value):
         at = f"input.{i}"
         if not isinstance(item, dict):
             raise Refused(at, "must be an object: a message, a function_call or a function_call_output")
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought.append(_thought(item, at))
+            continue
         if kind == "message":
             role = ROLES.get(item.get("role"))
             if role is None:
                 raise Refused(f"{at}.role", f"must be one of {', '.join(ROLES)}")
-            messages.append({"role": role, "content": content_text(item.get("content"), f"{at}.content", TEXT_PARTS)})
+            said = {"role": role, "content": content_text(item.get("content"), f"{at}.content", TEXT_PARTS)}
+            if role == "assistant" and thought:
+                said[reasoning.TEMPLATE_FIELD], thought = "\n".join(thought), []
+            messages.append(said)
         elif kind == "function_call":
             call = _function_call(item, at)
-            if messages and messages[-1]["role"] == "assistant" and origins[-1] != PREVIOUS:
+            if messages and messages[-1]["role"] == "assistant" and origins[-1] != PREVIOUS and not thought:
                 messages[-1] = {**messages[-1], "tool_calls": [*messages[-1].get("tool_calls", []), call]}
                 continue
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if thought:
+                messages[-1][reasoning.TEMPLATE_FIELD], thought = "\n".join(thought), []
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not sampling.is_text(call_id):
@@ -184,9 +195,20 @@ def _items(value: Any, messages: list[dict[str, Any]], origins: list[str]) -> No
         else:
             raise Refused(
                 f"{at}.type",
-                f"{kind!r} is not served here: an item is a message, a function_call or a function_call_output",
+                f"{kind!r} is not served here: an item is a message, a function_call, a function_call_output "
+                "or reasoning",
             )
         origins.append(at)
+
+
+def _thought(item: dict[str, Any], at: str) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary's (OpenAI's own models
+    give a summary alone)."""
+    for field, part in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(field)
+        if parts:
+            return content_text(parts, f"{at}.{field}", (part,))
+    return ""
 
 
 def _function_call(item: dict[str, Any], at: str) -> dict[str, Any]:
@@ -329,12 +351,15 @@ class ResponsesView(ChatCompletionsView):
         )
 
     def items(self, output: dict[str, Any], asked: Request) -> list[dict[str, Any]]:
-        """The output items of a request's answer: its message (where it says anything or calls
-        nothing), then a function_call for each call it makes."""
+        """The output items of a request's answer: its reasoning (a reasoning model's thinking,
+        where it has any), its message (where it says anything, or is nothing else), then a
+        function_call for each call it makes."""
         message = self.choice(output, asked)["message"]
         status = "incomplete" if output.get("finish_reason") == "length" else "completed"
         items = []
-        if message.get("content") or not message.get("tool_calls"):
+        if thought := message.get(reasoning.GIVEN[0]):
+            items.append(_reasoning(asked, thought, status))
+        if message.get("content") or not (message.get("tool_calls") or thought):
             items.append(_message(asked, message.get("content") or "", status))
         for call in message.get("tool_calls") or ():
             items.append(_function_call_item(call))
@@ -380,49 +405,43 @@ class ResponsesView(ChatCompletionsView):
         }
 
     def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
-        """Responses' typed server-sent events: response.created, then the message's text as it
-        comes (output_text.delta), then each function call whole, then response.completed (or
-        .incomplete, cut by max_output_tokens; .failed, with its error, where the request failed
-        or did not end within the call's timeout). An answer that may call functions sends its
-        text until it opens a call, as a chat's stream does (gpuportal.wire.tools.Watch)."""
+        """Responses' typed server-sent events: response.created, then the reasoning and the
+        message's text as they come (reasoning_text.delta, output_text.delta), then each function
+        call whole, then response.completed (or .incomplete, cut by max_output_tokens; .failed,
+        with its error, where the request failed or did not end within the call's timeout). An
+        answer that may call functions sends its text until it opens a call, as a chat's stream
+        does (gpuportal.wire.tools.Watch)."""
         request = submitted[0]
-        numbers = itertools.count()
-
-        def event(kind: str, **fields: Any) -> bytes:
-            data = json.dumps({"type": kind, "sequence_number": next(numbers), **fields})
-            return f"event: {kind}\ndata: {data}\n\n".encode()
-
+        outline = _Outline(request)
         begun = self.response(request, call.model, created=None, status="in_progress", output=[], usage=None)
-        yield event("response.created", response=begun)
-        yield event("response.in_progress", response=begun)
+        yield outline.event("response.created", response=begun)
+        yield outline.event("response.in_progress", response=begun)
         deadline, stop = time.monotonic() + call.timeout_s, threading.Event()
-        held, watch = self.held_back(call), tools.Watch() if self.watched(call) else None
-        message = _message(request, "", "in_progress")
-        sent, told, told_at, ended = "", "", time.monotonic(), False
+        held = self.held_back(call)
+        splitter, watch = reasoning.Splitter(), tools.Watch() if self.watched(call) else None
+        told, told_at, ended = "", time.monotonic(), False
         try:
             for item in _follow(request, call.model, deadline, 0, stop):
                 if item.waiting:
-                    if not sent and (item.waiting != told or time.monotonic() - told_at >= KEEPALIVE_S):
+                    if not outline.at and (item.waiting != told or time.monotonic() - told_at >= KEEPALIVE_S):
                         told, told_at = item.waiting, time.monotonic()
                         yield f": {told}\n\n".encode()  # what it waits for, a comment clients skip
                     continue
                 if not item.ended:
-                    text = "" if held else watch.feed(item.text) if watch is not None else item.text
-                    if text and not sent:
-                        yield from _message_opened(event, message)
-                    if text:
-                        sent += text
-                        yield event("response.output_text.delta", **_at(message), delta=text, logprobs=[])
+                    if held:
+                        continue  # read whole at its end
+                    thought, text = splitter.feed(item.text)
+                    yield from outline.said(REASONING, thought)
+                    yield from outline.said(MESSAGE, watch.feed(text) if watch is not None else text)
                     continue
                 ended = True
                 final = item.final
                 if final is None or final.status != "done":
                     status, error = self.unanswered(final, request, call.timeout_s)
                     ended_short = self.response(request, call.model, created=None, status=status, output=[], usage=None)
-                    yield event("response.failed", response={**ended_short, "error": error})
+                    yield outline.event("response.failed", response={**ended_short, "error": error})
                     return
-                answer = self.body([final], submitted, call.model)
-                yield from self._ending(event, answer, final, sent, watch, message)
+                yield from self._ending(outline, self.body([final], submitted, call.model), final, watch)
         except GeneratorExit:
             if not ended:  # the client left: nothing generates an answer for nobody
                 _stop([request], "its caller left: the stream was closed")
@@ -438,51 +457,95 @@ class ResponsesView(ChatCompletionsView):
         return status, {"code": error.get("code") or error["type"], "message": error["message"]}
 
     def _ending(
-        self,
-        event: Any,
-        answer: dict[str, Any],
-        final: Request,
-        sent: str,
-        watch: tools.Watch | None,
-        message: dict[str, Any],
+        self, outline: _Outline, answer: dict[str, Any], final: Request, watch: tools.Watch | None
     ) -> Iterator[bytes]:
-        """The events of an answer's end: the rest of its message (the text a stream held back),
-        each call whole, then the response."""
+        """The events of an answer's end: the rest of its reasoning and message (what a stream
+        held back), each call whole, then the response, its items as the stream sent them."""
         output = final.output or {}
-        text = output.get("text", "")
-        said = next((item for item in answer["output"] if item["type"] == "message"), None)
-        if said is not None or sent:
-            if watch is None:
-                rest = said["content"][0]["text"][len(sent) :] if said is not None else ""
-            elif len(answer["output"]) > (said is not None):  # it calls: what it says besides
-                rest = tools.unsent(text, watch.sent, self.choice(output, final)["message"].get("content"))
-            else:
-                rest = text[watch.sent :]
-            if not sent:
-                yield from _message_opened(event, message)
-            if rest:
-                yield event("response.output_text.delta", **_at(message), delta=rest, logprobs=[])
-            whole = sent + rest
-            status = said["status"] if said is not None else "completed"
-            done = {**message, "status": status, "content": [_text_part(whole)]}
-            yield event("response.output_text.done", **_at(message), text=whole, logprobs=[])
-            yield event("response.content_part.done", **_at(message), part=_text_part(whole))
-            yield event("response.output_item.done", output_index=0, item=done)
-            answer["output"] = [done, *(item for item in answer["output"] if item["type"] != "message")]
-        for index, item in enumerate(answer["output"]):
-            if item["type"] != "function_call":
+        content = reasoning.split(output.get("text", ""))[1]
+        done = {item["type"]: item for item in answer["output"] if item["type"] in (REASONING, MESSAGE)}
+        for kind in (REASONING, MESSAGE):
+            whole = done[kind]["content"][0]["text"] if kind in done else None
+            if whole is None and kind not in outline.at:
                 continue
-            yield event(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "arguments": "", "status": "in_progress"},
-            )
+            sent = outline.sent.get(kind, "")
+            if kind == MESSAGE and watch is not None and len(answer["output"]) > len(done):
+                rest = tools.unsent(content, watch.sent, self.choice(output, final)["message"].get("content"))
+            else:
+                rest = (whole or "")[len(sent) :]
+            yield from outline.said(kind, rest, force=True)
+            status = done[kind]["status"] if kind in done else "completed"
+            yield from outline.close(kind, status)
+        calls = [item for item in answer["output"] if item["type"] == "function_call"]
+        for item in calls:
+            index = len(outline.at)
+            outline.at[item["id"]] = index
+            added = {**item, "arguments": "", "status": "in_progress"}
+            yield outline.event("response.output_item.added", output_index=index, item=added)
             at = {"item_id": item["id"], "output_index": index}
-            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
-            yield event("response.output_item.done", output_index=index, item=item)
+            yield outline.event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield outline.event(
+                "response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"]
+            )
+            yield outline.event("response.output_item.done", output_index=index, item=item)
+        answer["output"] = [*outline.closed, *calls]
         kind = "response.incomplete" if answer["status"] == "incomplete" else "response.completed"
-        yield event(kind, response=answer)
+        yield outline.event(kind, response=answer)
+
+
+REASONING, MESSAGE = "reasoning", "message"
+
+
+class _Outline:
+    """The items a response's stream has opened, each at its output_index in the order opened,
+    and the text each has sent; its events numbered in order."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.numbers = itertools.count()
+        self.at: dict[str, int] = {}  # an item's kind (or a call's id) → its output_index
+        self.sent: dict[str, str] = {}
+        self.closed: list[dict[str, Any]] = []
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = json.dumps({"type": kind, "sequence_number": next(self.numbers), **fields})
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def item(self, kind: str, text: str, status: str) -> dict[str, Any]:
+        return (_reasoning if kind == REASONING else _message)(self.request, text, status)
+
+    def said(self, kind: str, text: str, *, force: bool = False) -> Iterator[bytes]:
+        """The events of `text` of the item of `kind` (opened first where it is not; the reasoning
+        closed once the message opens); with `force`, the item opened even for no text."""
+        if not text and not (force and kind not in self.at):
+            return
+        if kind not in self.at:
+            if kind == MESSAGE and REASONING in self.at:
+                yield from self.close(REASONING, "completed")  # its thinking ended where the answer began
+            self.at[kind] = len(self.at)
+            item = self.item(kind, "", "in_progress")
+            yield self.event("response.output_item.added", output_index=self.at[kind], item={**item, "content": []})
+            yield self.event("response.content_part.added", **self._of(kind), part=item["content"][0])
+        if text:
+            self.sent[kind] = self.sent.get(kind, "") + text
+            delta = "response.reasoning_text.delta" if kind == REASONING else "response.output_text.delta"
+            yield self.event(delta, **self._of(kind), delta=text, **({} if kind == REASONING else {"logprobs": []}))
+
+    def close(self, kind: str, status: str) -> Iterator[bytes]:
+        if any(item["type"] == kind for item in self.closed):
+            return
+        whole = self.item(kind, self.sent.get(kind, ""), status)
+        part = whole["content"][0]
+        if kind == REASONING:
+            yield self.event("response.reasoning_text.done", **self._of(kind), text=part["text"])
+        else:
+            yield self.event("response.output_text.done", **self._of(kind), text=part["text"], logprobs=[])
+        yield self.event("response.content_part.done", **self._of(kind), part=part)
+        yield self.event("response.output_item.done", output_index=self.at[kind], item=whole)
+        self.closed.append(whole)
+
+    def _of(self, kind: str) -> dict[str, Any]:
+        return {"item_id": self.item(kind, "", "").get("id"), "output_index": self.at[kind], "content_index": 0}
 
 
 class ResponseDetailView(OpenAIView):
@@ -521,17 +584,18 @@ def _message(request: Request, text: str, status: str) -> dict[str, Any]:
     }
 
 
+def _reasoning(request: Request, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": f"rs_{request.id.replace('-', '')}",
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _at(message: dict[str, Any]) -> dict[str, Any]:
-    return {"item_id": message["id"], "output_index": 0, "content_index": 0}
-
-
-def _message_opened(event: Any, message: dict[str, Any]) -> Iterator[bytes]:
-    yield event("response.output_item.added", output_index=0, item={**message, "content": []})
-    yield event("response.content_part.added", **_at(message), part=_text_part(""))
 
 
 def _function_call_item(call: dict[str, Any]) -> dict[str, Any]:

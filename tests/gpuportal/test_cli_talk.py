@@ -75,6 +75,10 @@ class FakePortal(ThreadingHTTPServer):
                         self._events([{"error": too_long}])
                         return
                     said = body["messages"][-1]["content"].upper()
+                    if said == "PONDER":  # as a reasoning model's thinking streams, then its answer
+                        thinking = [{"choices": [{"delta": {"reasoning": w, "reasoning_content": w}}]} for w in "Hm."]
+                        self._events([*thinking, {"choices": [{"delta": {"content": "Yes."}}]}])
+                        return
                     self._events([{"choices": [{"delta": {"content": w}}]} for w in (said[:2], said[2:])])
                 elif self.path == "/v1/embeddings":
                     vectors = [{"index": i, "embedding": [float(len(t)), 0.5]} for i, t in enumerate(body["input"])]
@@ -250,6 +254,19 @@ def test_chat_keeps_the_conversation_forgets_it_on_clear_and_ends_on_exit(portal
         ],
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "again"}],
     ]
+
+
+def test_a_reasoning_models_thinking_shows_on_stderr_and_stays_out_of_the_answer_and_the_conversation(
+    portal, capsys, monkeypatch
+):
+    stdin(monkeypatch, "ponder\nagain\n")
+
+    assert app.main(["chat", "tiny"], env=portal.env) == 0
+
+    shown = capsys.readouterr()
+    assert shown.out == "Yes.\nAGAIN\n" and "Hm." in shown.err
+    sent = [body["messages"] for method, path, body in portal.calls if path == "/v1/chat/completions"]
+    assert sent[1][1] == {"role": "assistant", "content": "Yes."}
 
 
 def test_chat_commands_change_how_it_is_asked_from_the_next_turn_as_ollamas_do(portal, capsys, monkeypatch):

@@ -986,6 +986,43 @@ def asked_input(asked: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": asked["input"]}]
 
 
+@pytest.fixture
+def served_thinking(replica, tiny_model_dir) -> Iterator[Any]:
+    """`served`, its tokenizer's chat template opening the thinking (as DeepSeek-R1's does)."""
+    from tests.scheduling.test_reasoning import THINKING
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = THINKING
+    yield from _serving(replica, model, tokenizer)
+
+
+def test_a_reasoning_models_thinking_comes_apart_from_its_answer_whole_streamed_and_as_a_response(
+    client, served_thinking
+):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+
+    said = client.chat.completions.create(**chat).choices[0].message
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+    plain = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    answered = client.responses.create(model="tiny", input="Hi", max_output_tokens=8)
+    again = client.chat.completions.create(
+        model="tiny", max_tokens=2, messages=[*chat["messages"], said.model_dump(), {"role": "user", "content": "So?"}]
+    )
+    with pytest.raises(openai.BadRequestError) as taken:
+        client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"tokenize": True}})
+
+    # Cut by max_tokens before it closed its thinking: all of it is reasoning, in both fields.
+    assert said.reasoning and said.reasoning_content == said.reasoning and said.content == ""
+    streamed = "".join(getattr(delta, "reasoning", None) or "" for delta in chunks)
+    assert streamed == said.reasoning and not any(delta.content for delta in chunks), "as it came, in its own field"
+    assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning", None) is None
+    (item,) = answered.output
+    assert item.type == "reasoning" and item.content[0].text == said.reasoning
+    assert again.choices[0].finish_reason == "length", "its reasoning given back is read"
+    assert taken.value.body["param"] == "chat_template_kwargs.tokenize"
+
+
 def test_an_answer_held_to_json_through_v1_is_that_json_and_a_schema_it_cannot_hold_to_is_a_400(
     client, served, live_server
 ):

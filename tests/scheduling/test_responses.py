@@ -32,11 +32,12 @@ def refusal(**body: Any) -> str:
 
 
 def test_a_string_is_the_users_message_and_instructions_come_first_as_the_systems():
-    call = read(instructions="Be brief.", max_output_tokens=9, temperature=0.5, top_k=3)
+    call = read(instructions="Be brief.", max_output_tokens=9, temperature=0.5, top_k=3, chat_template_kwargs={"x": 1})
 
     assert call.input == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert call.params["max_tokens"] == 9 and call.params["temperature"] == 0.5 and call.params["top_k"] == 3
     assert call.params["instructions"] == "Be brief.", "kept: a call that goes on from this one leaves them out"
+    assert call.params["chat_template_kwargs"] == {"x": 1}
 
 
 def test_items_become_the_chat_a_template_reads_calls_joined_to_the_assistants_message():
@@ -57,6 +58,20 @@ def test_items_become_the_chat_a_template_reads_calls_joined_to_the_assistants_m
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
         {"role": "tool", "content": "rain", "tool_call_id": "c2"},
     ]
+
+
+def test_reasoning_given_back_goes_to_the_assistants_message_that_follows_it():
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]}
+    summed = {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Looked it up."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"}
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]}
+
+    messages = read(input=[{"role": "user", "content": "Hi"}, thought, said, summed, call]).input
+
+    assert messages[1] == {"role": "assistant", "content": "Sunny.", "reasoning_content": "Hm."}
+    assert messages[2]["reasoning_content"] == "Looked it up." and messages[2]["tool_calls"][0]["id"] == "c1", (
+        "reasoning begins a turn of its own: the call is not joined to the message before it"
+    )
 
 
 def test_function_tools_a_format_and_a_choice_are_read_as_a_chats():
@@ -82,7 +97,9 @@ def test_bad_input_is_refused_naming_the_responses_field():
     )
     broken = {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{"}
     assert refusal(input=[broken]).startswith("input.0.arguments: ")
-    assert refusal(input=[{"type": "reasoning", "summary": []}]).startswith("input.0.type: 'reasoning' is not served")
+    assert refusal(input=[{"type": "file_search_call", "id": "x"}]).startswith(
+        "input.0.type: 'file_search_call' is not served"
+    )
     assert refusal(tools=[{"type": "web_search"}]) == (
         "tools.0.type: 'web_search' is not served here: only function tools, which the caller runs"
     )
@@ -120,34 +137,56 @@ def test_an_answer_is_a_message_and_a_function_call_item_for_each_call_it_makes(
     assert [item["type"] for item in short["output"]] == ["message"] and short["output"][0]["status"] == "incomplete"
 
 
-def test_a_streams_end_sends_the_text_it_held_back_then_the_calls_whole():
-    from scheduling.api.responses import _message
+def streamed(monkeypatch, pieces: list[str], text: str, **body: Any) -> list[dict[str, Any]]:
+    """The events of a response streamed from `pieces`, its request ending with `text`."""
+    import json
 
-    view = ResponsesView()
-    params = read(tools=[WEATHER]).params
-    asked = Request(id="r-2", deployment="tiny", kind="chat", input=[], params=params)
+    from scheduling.api import responses
+    from scheduling.api.openai_compat import _Said
 
-    def ending(text: str, fed: list[str]) -> list[dict[str, Any]]:
-        watch = tools.Watch()
-        sent = "".join(watch.feed(piece) for piece in fed)
-        final = Request(**{**asked.__dict__, "status": "done", "output": {"text": text, "finish_reason": "stop"}})
-        answer = view.body([final], [asked], "tiny")
+    call = read(stream=True, **body)
+    asked = Request(id="r-2", deployment="tiny", kind="chat", input=[], params=call.params)
+    final = Request(**{**asked.__dict__, "status": "done", "output": {"text": text, "finish_reason": "stop"}})
 
-        def event(kind: str, **fields: Any) -> dict[str, Any]:
-            return {"type": kind, **fields}
+    def follow(*args: Any) -> Any:
+        yield from (_Said(0, text=piece) for piece in pieces)
+        yield _Said(0, ended=True, final=final)
 
-        return list(view._ending(event, answer, final, sent, watch, _message(asked, "", "in_progress")))
+    monkeypatch.setattr(responses, "_follow", follow)
+    sent = b"".join(ResponsesView().events([asked], call)).decode()
+    return [json.loads(line.removeprefix("data: ")) for line in sent.splitlines() if line.startswith("data: ")]
 
-    # A tail that might have begun a call's tag, kept back while the stream ran: sent at the end.
-    kept = ending("Sunny <to", ["Sunny ", "<to"])
-    assert [e["delta"] for e in kept if e["type"] == "response.output_text.delta"] == ["<to"]
-    assert [e["text"] for e in kept if e["type"] == "response.output_text.done"] == ["Sunny <to"]
-    assert kept[-1]["type"] == "response.completed"
-    assert kept[-1]["response"]["output"][0]["content"][0]["text"] == "Sunny <to"
-    # Text, then a call: the text was sent, the call comes whole, after the message.
+
+def test_a_stream_sends_reasoning_then_text_as_they_come_and_what_it_held_back_at_its_end(monkeypatch):
+    pieces = ["<think>\nHm", "m.</th", "ink>\n\nSunny <to"]
+    events = streamed(monkeypatch, pieces, "".join(pieces), tools=[WEATHER])  # its answer may call
+    kinds = [e["type"] for e in events]
+
+    thought = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    said = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert thought == ["Hm", "m."] and said == ["Sunny ", "<to"], "a tail that may begin a call's tag, kept back"
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta"), (
+        "the reasoning item closed before the message opened"
+    )
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and [i["type"] for i in final["output"]] == [
+        "reasoning",
+        "message",
+    ]
+    assert (
+        final["output"][0]["content"][0]["text"] == "Hmm." and final["output"][1]["content"][0]["text"] == "Sunny <to"
+    )
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_stream_that_calls_sends_its_text_then_the_call_whole_after_the_message(monkeypatch):
     call = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
-    called = ending(f"Looking. {call}", ["Looking. ", call])
-    kinds = [e["type"] for e in called]
+    events = streamed(monkeypatch, ["Looking. ", call], f"Looking. {call}", tools=[WEATHER])
+    kinds = [e["type"] for e in events]
+
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Looking. "]
     assert kinds[kinds.index("response.output_item.done") + 1 :] == [
         "response.output_item.added",
         "response.function_call_arguments.delta",
@@ -155,7 +194,6 @@ def test_a_streams_end_sends_the_text_it_held_back_then_the_calls_whole():
         "response.output_item.done",
         "response.completed",
     ]
-    assert "response.output_text.delta" not in kinds, "nothing of the text was left to send"
-    added = called[kinds.index("response.output_item.added")]
+    added = events[kinds.index("response.output_item.added", kinds.index("response.output_item.done"))]
     assert added["output_index"] == 1 and added["item"]["arguments"] == "" and added["item"]["name"] == "weather"
-    assert [item["type"] for item in called[-1]["response"]["output"]] == ["message", "function_call"]
+    assert [item["type"] for item in events[-1]["response"]["output"]] == ["message", "function_call"]

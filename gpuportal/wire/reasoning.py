@@ -1,0 +1,112 @@
+"""A reasoning model's thinking, told apart from its answer: the text between `<think>` and
+`</think>` (DeepSeek-R1's, QwQ's, Qwen 3's, and the many models trained on their traces) is the
+answer's reasoning, what follows it its content, as vLLM's reasoning parsers give them. No Django:
+the replica marks where a chat's prompt opened the thinking, and the web splits what it answers.
+
+A chat template may open the thinking itself (its generation prompt ends with `<think>`, as
+DeepSeek-R1's and QwQ's do): the model then writes only the closing tag. The replica begins such
+an answer's text with the opening tag it was given (`opened_by`), so that the text reads as the
+model's whole turn and the web tells the two apart the same way whichever template it was. An
+answer that does not begin with the tag is all content: a model that did not think, or was told
+not to (Qwen 3's `enable_thinking: false`, through `chat_template_kwargs`)."""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+# An answer's reasoning, as vLLM names it now and as DeepSeek (and vLLM before) named it: a
+# message and a stream's delta carry both, and either is read back in a conversation.
+GIVEN = ("reasoning", "reasoning_content")
+# Where chat templates read a past turn's reasoning (Qwen 3's).
+TEMPLATE_FIELD = "reasoning_content"
+# Request queue params: vLLM's `chat_template_kwargs`, what a chat's template is rendered with
+# besides its messages (`enable_thinking: false` turns Qwen 3's thinking off), but for the names
+# the replica passes itself.
+TEMPLATE_KWARGS = "chat_template_kwargs"
+TEMPLATE_OWN = frozenset(
+    {"conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs", "chat_template"}
+)  # fmt: skip
+
+
+def opened_by(prompt: str) -> str:
+    """What of a chat's prompt opened thinking that the answer continues (the tag and the
+    whitespace after it, "" where it opened none): its last `<think>`, closed by no `</think>`
+    after it, with nothing but whitespace after it."""
+    at = prompt.rfind(OPEN)
+    if at < 0 or prompt[at + len(OPEN) :].strip():
+        return ""
+    return prompt[at:]
+
+
+def split(text: str) -> tuple[str | None, str]:
+    """(its reasoning, or None where it has none; its content) of an answer's text: an answer
+    that begins with `<think>` reasons until `</think>` (to its end, where it was cut before the
+    tag), and its content follows it, leading whitespace dropped."""
+    body = text.lstrip()
+    if not body.startswith(OPEN):
+        return None, text
+    body = body[len(OPEN) :]
+    thought, closed, content = body.partition(CLOSE)
+    return thought.strip(), content.lstrip() if closed else ""
+
+
+class Splitter:
+    """`split` as an answer streams: each piece's reasoning and content, the same texts in the end
+    as `split` gives of the whole. Whitespace that might yet be dropped, and a tail that might
+    begin a tag, are held until what follows tells them apart (`end` gives what is held then)."""
+
+    def __init__(self) -> None:
+        self.state = "start"  # start | thinking | answering | plain
+        self.held = ""
+        self.thought = ""  # the reasoning so far, as sent
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """(reasoning, content) to send now of `piece`, "" for none of either."""
+        self.held += piece
+        if self.state == "start":
+            body = self.held.lstrip()
+            if not body or (OPEN.startswith(body) and body != OPEN):
+                return "", ""  # whitespace, or what may still open thinking ("<thi")
+            if not body.startswith(OPEN):
+                self.state, out, self.held = "plain", self.held, ""
+                return "", out
+            self.state, self.held = "thinking", body[len(OPEN) :].lstrip()
+        if self.state == "thinking":
+            return self._thinking(), self._answering() if self.state == "answering" else ""
+        if self.state == "answering":
+            return "", self._answering()
+        out, self.held = self.held, ""
+        return "", out
+
+    def end(self) -> tuple[str, str]:
+        """(reasoning, content) held at the answer's end: what it ends with is no tag's beginning."""
+        if self.state == "start":
+            # Nothing but whitespace, or a beginning of the tag that never came: content, as split has it.
+            self.state = "plain"
+        if self.state == "thinking":
+            out, self.held = self.held.rstrip(), ""
+            return out, ""
+        out, self.held = self.held, ""
+        return "", out
+
+    def _thinking(self) -> str:
+        at = self.held.find(CLOSE)
+        if at >= 0:
+            out = self.held[:at].rstrip()
+            self.held, self.state = self.held[at + len(CLOSE) :].lstrip(), "answering"
+            return out
+        # Kept back: a tail that may begin the tag, and the whitespace before it (dropped where
+        # the tag follows it).
+        held = self.held
+        begun = next((n for n in range(min(len(held), len(CLOSE) - 1), 0, -1) if CLOSE.startswith(held[-n:])), 0)
+        kept = len(held[: len(held) - begun].rstrip())
+        out, self.held = held[:kept], held[kept:]
+        return out
+
+    def _answering(self) -> str:
+        if not self.held.strip():
+            return ""  # the content's leading whitespace, dropped as split drops it
+        out, self.held = self.held, ""
+        self.state = "plain"  # nothing of it is held from now on
+        return out

@@ -1,0 +1,129 @@
+"""A reasoning model's thinking (`<think>...</think>`) told apart from its answer: whole, as it
+streams (the same texts, however the answer is cut into pieces), and where the chat template
+opened it. Pure: no server (served through `/v1`: tests/scheduling/test_openai.py)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuportal.wire.reasoning import Splitter, opened_by, split
+
+
+def test_the_thinking_is_the_reasoning_and_what_follows_it_the_content():
+    assert split("<think>\nWeigh it.\n</think>\n\nYes.") == ("Weigh it.", "Yes.")
+    assert split("  <think>a</think>b") == ("a", "b")
+    assert split("<think>\nStill weighing") == ("Still weighing", ""), "cut before it ended: all reasoning"
+    assert split("<think>\n\n</think>\n\nYes.") == ("", "Yes."), "told not to think (Qwen 3's empty block)"
+    assert split("Yes.") == (None, "Yes.")
+    assert split("Yes. </think> no") == (None, "Yes. </think> no"), "a tag it did not open is text"
+    assert split("") == (None, "")
+
+
+def test_a_prompt_that_opens_thinking_is_told_by_its_end():
+    assert opened_by("<|user|>Hi<|assistant|><think>\n") == "<think>\n"
+    assert opened_by("<|user|>Hi<|assistant|>") == ""
+    assert opened_by("<think>\n\n</think>\n\n") == "", "opened and closed: Qwen 3 told not to think"
+    assert opened_by("Explain <think> tags<|assistant|>") == "", "a tag the user wrote is not where it ends"
+
+
+PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "think>", " ", "\n", "a", "b c", "<"]))
+
+
+@given(PIECES, st.data())
+def test_a_stream_splits_into_the_same_reasoning_and_content_as_the_whole(words, data):
+    text = "".join(words)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+    splitter = Splitter()
+    said = [splitter.feed(piece) for piece in pieces] + [splitter.end()]
+    thought = "".join(r for r, _ in said)
+    content = "".join(c for _, c in said)
+
+    whole_thought, whole_content = split(text)
+    assert thought == (whole_thought or "") and content == whole_content, (pieces, said)
+
+
+def test_a_stream_sends_the_reasoning_as_it_comes_and_holds_only_what_may_be_a_tag():
+    splitter = Splitter()
+    assert splitter.feed("<thi") == ("", "")
+    assert splitter.feed("nk>\nLet me") == ("Let me", "")
+    assert splitter.feed(" see </thi") == (" see", ""), "the tag's beginning, and the space before it, wait"
+    assert splitter.feed("nk>\n\n") == ("", "")
+    assert splitter.feed("Yes") == ("", "Yes")
+    assert splitter.feed(" </think>") == ("", " </think>"), "after the thinking, text is content"
+
+
+# A template that opens the thinking itself, as DeepSeek-R1's and QwQ's do, unless told not to
+# think (Qwen 3's `enable_thinking`, through chat_template_kwargs).
+THINKING = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %} <think>\n\n</think>\n\n{% else %} <think>\n{% endif %}"
+)
+
+
+def test_an_answer_to_a_prompt_that_opened_thinking_begins_with_the_tag_whole_and_streamed():
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from gpuportal.wire.requestqueue import Request
+    from inference.management.commands.make_tiny_model import build_tokenizer
+    from inference.serving import Executor
+    from tests.support.serving import tiny_llama_config
+
+    torch.manual_seed(7)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = THINKING
+    executor = Executor(LlamaForCausalLM(tiny_llama_config()).eval(), tokenizer)  # generate(): no KV pool
+
+    def answer(**params: object) -> tuple[str, str]:
+        pieces: list[str] = []
+        asked = Request(id="r", deployment="t", kind="chat", input=[{"role": "user", "content": "Hi"}],
+                        params={"max_tokens": 6, "stream": True, **params})  # fmt: skip
+        return executor.run(asked, pieces.append)["text"], "".join(pieces)
+
+    text, streamed = answer()
+    told_not_to, _ = answer(chat_template_kwargs={"enable_thinking": False})
+    held, _ = answer(guided_choice=["yes", "no"])
+
+    assert text.startswith("<think>\n") and streamed == text, "its text as the model's whole turn reads"
+    assert split(text)[0] is not None
+    assert not told_not_to.startswith("<think>"), "the template closed the thinking: all content"
+    assert held in ("yes", "no"), "held to a format: no room to think, nothing begun"
+
+
+def read(kind: str = "chat", **body: object) -> object:
+    from scheduling.api import completion_input
+
+    asked = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi", **body}
+    return completion_input.parse(asked, kind, default_timeout_s=30, max_timeout_s=300)
+
+
+def test_reasoning_given_back_and_the_templates_arguments_are_kept_for_the_chat_template():
+    import pytest
+
+    from scheduling.api.completion_input import Refused
+
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning": "Greet back."},
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ]  # fmt: skip
+
+    call = read(messages=turns, chat_template_kwargs={"enable_thinking": False})
+
+    assert [m.get("reasoning_content") for m in call.input] == [None, "Greet back.", "Look it up."]
+    assert call.params["chat_template_kwargs"] == {"enable_thinking": False}
+    for body, refused in (
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt: "),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs: must be an object"),
+        ({"messages": [{"role": "assistant", "content": "x", "reasoning": 5}]}, "messages.0.reasoning: must be"),
+    ):
+        with pytest.raises(Refused) as told:
+            read(**body)
+        assert str(told.value).startswith(refused)
+    with pytest.raises(Refused) as completion:
+        read("generate", chat_template_kwargs={"enable_thinking": False})
+    assert str(completion.value).startswith("chat_template_kwargs: only in a chat")
