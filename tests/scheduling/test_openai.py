@@ -1006,8 +1006,10 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer_whole_streamed_
     chunks = [c.choices[0].delta for c in client.chat.completions.create(**chat, stream=True) if c.choices]
     plain = client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     answered = client.responses.create(model="tiny", input="Hi", max_output_tokens=8)
+    # Given back as OpenAI's client returns a message (a random model's own may hold a NUL).
+    given_back = {**said.model_dump(), "reasoning": "Greet back.", "reasoning_content": "Greet back."}
     again = client.chat.completions.create(
-        model="tiny", max_tokens=2, messages=[*chat["messages"], said.model_dump(), {"role": "user", "content": "So?"}]
+        model="tiny", max_tokens=2, messages=[*chat["messages"], given_back, {"role": "user", "content": "So?"}]
     )
     with pytest.raises(openai.BadRequestError) as taken:
         client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"tokenize": True}})
