@@ -560,6 +560,7 @@ class _Generate(_Answered):
         # A chat's reasoning told from its content as it comes (gpuportal.wire.reasoning), each
         # sent as a delta of its own field; the content goes on to the watch where there is one.
         splitters: dict[int, reasoning.Splitter] | None = {} if self.kind == "chat" and not held else None
+        unsent_picks: dict[int, list[dict[str, Any]]] = {}
         voiced: set[int] = set()
         try:
             for item in said:
@@ -583,8 +584,11 @@ class _Generate(_Answered):
                     if watches is not None:
                         text = watches.setdefault(item.index, tools.Watch()).feed(text)
                     if not text and not thought:
-                        continue  # held back; its log probabilities go with what it comes out as
-                    picked = picks(item.index, item.picks) if watches is None else (None, 0)
+                        # Held back: its log probabilities go with the piece it comes out with.
+                        unsent_picks.setdefault(item.index, []).extend(item.picks or ())
+                        continue
+                    given = [*unsent_picks.pop(item.index, ()), *(item.picks or ())]
+                    picked = picks(item.index, given) if watches is None else (None, 0)
                     delta = self.delta(text, item.index not in voiced, *picked, thought=thought)
                     voiced.add(item.index)
                     yield _sse({**base, "choices": [{"index": item.index, "finish_reason": None, **delta}]})

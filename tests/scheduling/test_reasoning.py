@@ -127,3 +127,42 @@ def test_reasoning_given_back_and_the_templates_arguments_are_kept_for_the_chat_
     with pytest.raises(Refused) as completion:
         read("generate", chat_template_kwargs={"enable_thinking": False})
     assert str(completion.value).startswith("chat_template_kwargs: only in a chat")
+
+
+def test_a_chat_stream_held_back_while_it_may_open_thinking_keeps_every_tokens_log_probability(monkeypatch):
+    import json
+
+    from gpuportal.wire.requestqueue import Request
+    from scheduling.api import openai_compat
+    from scheduling.api.openai_compat import ChatCompletionsView, _Said
+
+    def pick(token: str) -> dict[str, object]:
+        return {"token": token, "logprob": -1.0, "top": []}
+
+    pieces = [
+        ("\n", [pick("\n")]),
+        ("<th", [pick("<th")]),
+        ("ink>Hm", [pick("ink>"), pick("Hm")]),
+        ("</think>Yes", [pick("</think>"), pick("Yes")]),
+    ]
+    text = "".join(piece for piece, _ in pieces)
+    call = read(stream=True, logprobs=True)
+    asked = Request(id="r-3", deployment="tiny", kind="chat", input=[], params=call.params)
+    output = {"text": text, "finish_reason": "stop", "logprobs": [p for _, ps in pieces for p in ps]}
+    final = Request(**{**asked.__dict__, "status": "done", "output": output})
+
+    def follow(*args: object) -> object:
+        yield from (_Said(0, text=piece, picks=picked) for piece, picked in pieces)
+        yield _Said(0, ended=True, final=final)
+
+    monkeypatch.setattr(openai_compat, "_follow", follow)
+    sent = b"".join(ChatCompletionsView().events([asked], call)).decode()
+    chunks = [json.loads(line[6:]) for line in sent.splitlines() if line.startswith("data: {")]
+
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    tokens = [e["token"] for c in chunks if (lp := c["choices"][0]["logprobs"]) for e in lp["content"]]
+    assert (
+        "".join(d.get("reasoning", "") for d in deltas) == "Hm"
+        and "".join(d.get("content", "") for d in deltas) == "Yes"
+    )
+    assert tokens == ["\n", "<th", "ink>", "Hm", "</think>", "Yes"], "each token once, in order"
