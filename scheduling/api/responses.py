@@ -1,8 +1,9 @@
 """`POST /v1/responses`: OpenAI's Responses API (what its newer clients and agent SDKs call) as a
 chat of the portal's. The body is read into a chat's (`chat_body`) and checked as
 `/v1/chat/completions` checks one, each refusal naming the Responses field; the request runs and
-streams as a chat's does, and its answer is given as a response's output items: a message, and a
-`function_call` for each call it makes.
+streams as a chat's does, and its answer is given as a response's output items: its reasoning (a
+reasoning model's thinking, gpuportal.wire.reasoning), a message, and a `function_call` for each
+call it makes.
 
 Nothing is stored beyond the request itself: a response's id is its request's (`resp_` + the
 id), and `previous_response_id` carries a conversation on from the request the queue keeps (its
@@ -63,8 +64,8 @@ class ResponseInput(serializers.Serializer):
     model = serializers.CharField(help_text="The deployment's name (a causal LM).")
     input = serializers.JSONField(
         help_text="A string (the user's message), or a list of items: messages ({role, content}, content a string "
-        'or input_text/output_text parts), {"type": "function_call", "call_id", "name", "arguments"} and '
-        '{"type": "function_call_output", "call_id", "output"}.'
+        'or input_text/output_text parts), {"type": "function_call", "call_id", "name", "arguments"}, '
+        '{"type": "function_call_output", "call_id", "output"} and reasoning items given back.'
     )
     instructions = serializers.CharField(required=False, allow_null=True, help_text="A system message, first.")
     previous_response_id = serializers.CharField(
