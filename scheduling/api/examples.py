@@ -298,6 +298,43 @@ COMPLETION = {
 
 # (method, path) → summary where the view has none, the request's example, the answer's example.
 # A path parameter's example stands in where an operation has neither body nor answer (a 204).
+# A response cut by its max_output_tokens, as /v1/responses gives one (scheduling.api.responses).
+RESPONSE = {
+    "id": f"resp_{REQUEST}",
+    "object": "response",
+    "created_at": 1795628173,
+    "status": "incomplete",
+    "model": "tiny-a",
+    "output": [
+        {
+            "type": "message",
+            "id": f"msg_{REQUEST.replace('-', '')}",
+            "status": "incomplete",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": " world, and", "annotations": [], "logprobs": []}],
+        }
+    ],
+    "usage": {
+        "input_tokens": 5,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 3,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 8,
+    },
+    "error": None,
+    "incomplete_details": {"reason": "max_output_tokens"},
+    "instructions": "Be brief.",
+    "previous_response_id": None,
+    "max_output_tokens": 3,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "tools": [],
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "text": {"format": {"type": "text"}},
+    "metadata": {},
+}
+
 EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/auth/token/"): {
         "request": {"username": "admin", "password": "the password in var/admin-password"},
@@ -483,6 +520,15 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
                 {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": " world, and"}}
             ],
         },
+    },
+    ("post", "/v1/responses"): {
+        "request": {"model": "tiny-a", "instructions": "Be brief.", "input": "Hello", "max_output_tokens": 3},
+        "response": RESPONSE,
+    },
+    ("get", "/v1/responses/{response_id}"): {
+        "summary": "A response of yours as it stands, as OpenAI's retrieve response (kept for a day)",
+        "parameter": f"resp_{REQUEST}",
+        "response": RESPONSE,
     },
     ("post", "/v1/embeddings"): {
         "request": {"model": "minilm", "input": ["A cat sits.", "A dog runs."]},

@@ -11,6 +11,7 @@ import pytest
 from gpuportal.wire import sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api.completion_input import Refused
+from scheduling.api.examples import RESPONSE
 from scheduling.api.responses import ResponsesView
 
 WEATHER = {
@@ -128,6 +129,7 @@ def test_an_answer_is_a_message_and_a_function_call_item_for_each_call_it_makes(
     short = ResponsesView().body([cut], [asked], "tiny")
 
     assert answer["id"] == "resp_r-1" and answer["object"] == "response" and answer["status"] == "completed"
+    assert set(answer) == set(RESPONSE) and set(answer["usage"]) == set(RESPONSE["usage"]), "the API docs' example"
     message, call = answer["output"]
     assert message["type"] == "message" and message["content"][0]["text"] == "Looking."
     assert call["type"] == "function_call" and call["name"] == "weather" and call["arguments"] == '{"city": "Oslo"}'
