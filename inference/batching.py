@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuportal.wire.memory import kv_blocks
+from gpuportal.wire.reasoning import counted
 from gpuportal.wire.requestqueue import STOPPED, picked_piece
 from gpuportal.wire.sampling import Sampling, fitted_max_tokens
 from inference.errors import TooLong
@@ -92,6 +93,9 @@ class Sequence:
     # What of a chat's prompt opened the answer's thinking (gpuportal.wire.reasoning.opened_by):
     # its text, streamed and whole, begins with it, as the model's turn reads.
     opened: str = ""
+    # Its model's `</think>` token (gpuportal.wire.reasoning.closing_id): its usage counts the
+    # tokens of its thinking. None: the model has none.
+    close_id: int | None = None
     error: Exception | None = None
     _sent: str = ""
     _streamed_picks: int = 0  # of `picked`, those whose log probabilities went out with a piece
@@ -112,6 +116,7 @@ class Sequence:
             "finish_reason": self.finish,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         }
+        counted(output, self.generated, self.close_id)
         if self.logprobs is not None:
             output["logprobs"] = self.logprob_entries
         if self.prompt_logprobs is not None:

@@ -40,7 +40,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from gpuportal.wire import kvstats
 from gpuportal.wire.node_lease import NodeFence
-from gpuportal.wire.reasoning import TEMPLATE_KWARGS, opened_by
+from gpuportal.wire.reasoning import TEMPLATE_KWARGS, closing_id, counted, opened_by
 from gpuportal.wire.requestqueue import (
     STOPPED,
     Fence,
@@ -243,8 +243,7 @@ class Executor:
         opened = self.opened(request, prompt)
         if opened and on_chunk is not None:
             on_chunk = _begun_with(opened, on_chunk)
-        result = self.generate(prompt, request.params, on_chunk, asked_stop)
-        result["text"] = opened + result["text"]
+        result = self.generate(prompt, request.params, on_chunk, asked_stop, opened=opened)
         if request.kind == "chat":
             result["message"] = {"role": "assistant", "content": result["text"]}
         return echoed(self.tokenizer, request, result)
@@ -380,6 +379,7 @@ class Executor:
             prompt_logprobs=request.params.get("logprobs") if request.params.get("echo") else None,
             allowed=allowed,
             opened=self.opened(request, prompt),
+            close_id=closing_id(self.tokenizer),
         )
 
     def format_allowed(self, params: dict[str, Any]) -> Held | None:
@@ -403,7 +403,10 @@ class Executor:
         params: dict[str, Any],
         on_chunk: Callable[[str], None] | None,
         asked_stop: Callable[[], bool] | None = None,
+        opened: str = "",
     ) -> dict[str, Any]:
+        """The answer to `prompt`, one request alone through transformers' generate(); its text
+        begun with `opened` (what of a chat's prompt opened its thinking, Executor.opened)."""
         import torch
 
         asked, sampling, stop = generation_params(params)
@@ -484,7 +487,7 @@ class Executor:
         elif stop_asked is not None and stop_asked.fired:
             finish = STOPPED
         output: dict[str, Any] = {
-            "text": text,
+            "text": opened + text,
             "finish_reason": finish,
             "usage": {
                 "prompt_tokens": int(ids.shape[1]),
@@ -492,6 +495,7 @@ class Executor:
                 "total_tokens": int(ids.shape[1] + len(new)),
             },
         }
+        counted(output, new.tolist(), closing_id(self.tokenizer))
         if logprobs is not None:
             tokens = new.tolist()
             picked = of_rows(torch.cat(out.logits)[: len(tokens)], tokens, [logprobs] * len(tokens))

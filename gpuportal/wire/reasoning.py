@@ -12,6 +12,8 @@ not to (Qwen 3's `enable_thinking: false`, through `chat_template_kwargs`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 OPEN, CLOSE = "<think>", "</think>"
 # An answer's reasoning, as vLLM names it now and as DeepSeek (and vLLM before) named it: a
 # message and a stream's delta carry both, and either is read back in a conversation.
@@ -37,6 +39,35 @@ def opened_by(prompt: str) -> str:
     if at < 0 or prompt[at + len(OPEN) :].strip():
         return ""
     return prompt[at:]
+
+
+def closing_id(tokenizer: Any) -> int | None:
+    """The id of `tokenizer`'s token `</think>` where it has the tags as tokens of their own (a
+    reasoning model's: Qwen 3's, DeepSeek-R1's), None otherwise: what an answer's reasoning
+    tokens are counted to."""
+    ids = [tokenizer.convert_tokens_to_ids(tag) for tag in (OPEN, CLOSE)]
+    if any(not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids):
+        return None
+    return ids[1] if tokenizer.convert_ids_to_tokens(ids[1]) == CLOSE else None
+
+
+def counted(output: dict[str, Any], ids: list[int], close_id: int | None) -> dict[str, Any]:
+    """An answer's `output` (its text, its usage), the usage saying how many of its tokens (`ids`)
+    were thinking, OpenAI's `completion_tokens_details.reasoning_tokens`, where the model has a
+    closing tag to count to."""
+    if close_id is not None:
+        details = {"reasoning_tokens": thought_tokens(ids, close_id, output["text"])}
+        output["usage"]["completion_tokens_details"] = details
+    return output
+
+
+def thought_tokens(ids: list[int], close_id: int, text: str) -> int:
+    """How many of an answer's tokens (`ids`, its text `text`) are its thinking: up to and with the
+    closing tag's token (`close_id`), all of them where it was cut before it; none where the
+    answer did not think. OpenAI's `reasoning_tokens`."""
+    if not text.lstrip().startswith(OPEN):
+        return 0
+    return ids.index(close_id) + 1 if close_id in ids else len(ids)
 
 
 def split(text: str) -> tuple[str | None, str]:

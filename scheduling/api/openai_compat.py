@@ -765,11 +765,15 @@ def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
     usages = [output.get("usage") or {} for output in outputs]
     prompt_tokens = sum(usage.get("prompt_tokens", 0) for usage in usages[::n])
     completion_tokens = sum(usage.get("completion_tokens", 0) for usage in usages)
-    return {
+    summed = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    thought = [usage["completion_tokens_details"] for usage in usages if "completion_tokens_details" in usage]
+    if thought:  # a reasoning model's: how many of the tokens were its thinking
+        summed["completion_tokens_details"] = {"reasoning_tokens": sum(d["reasoning_tokens"] for d in thought)}
+    return summed
 
 
 def _refusal(exc: NotFound | InvalidInput, model: str, wanted: str) -> tuple[int, dict[str, Any]]:

@@ -617,6 +617,8 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
         "input_tokens": given,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": made,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        },
         "total_tokens": given + made,
     }

@@ -74,23 +74,44 @@ def test_an_answer_to_a_prompt_that_opened_thinking_begins_with_the_tag_whole_an
 
     torch.manual_seed(7)
     tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])  # tokens of their own, as a reasoning model's tokenizer has them
     tokenizer.chat_template = THINKING
-    executor = Executor(LlamaForCausalLM(tiny_llama_config()).eval(), tokenizer)  # generate(): no KV pool
+    config = tiny_llama_config()
+    config.vocab_size = len(tokenizer)
+    executor = Executor(LlamaForCausalLM(config).eval(), tokenizer)  # generate(): no KV pool
 
-    def answer(**params: object) -> tuple[str, str]:
+    def answer(**params: object) -> tuple[str, str, dict[str, int]]:
         pieces: list[str] = []
         asked = Request(id="r", deployment="t", kind="chat", input=[{"role": "user", "content": "Hi"}],
                         params={"max_tokens": 6, "stream": True, **params})  # fmt: skip
-        return executor.run(asked, pieces.append)["text"], "".join(pieces)
+        output = executor.run(asked, pieces.append)
+        return output["text"], "".join(pieces), output["usage"]
 
-    text, streamed = answer()
-    told_not_to, _ = answer(chat_template_kwargs={"enable_thinking": False})
-    held, _ = answer(guided_choice=["yes", "no"])
+    text, streamed, usage = answer()
+    told_not_to, _, plain_usage = answer(chat_template_kwargs={"enable_thinking": False})
+    held, _, _ = answer(guided_choice=["yes", "no"])
 
     assert text.startswith("<think>\n") and streamed == text, "its text as the model's whole turn reads"
-    assert split(text)[0] is not None
+    assert split(text)[0] is not None and "</think>" not in text
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": usage["completion_tokens"]}, "cut: all thinking"
     assert not told_not_to.startswith("<think>"), "the template closed the thinking: all content"
+    assert plain_usage["completion_tokens_details"] == {"reasoning_tokens": 0}
     assert held in ("yes", "no"), "held to a format: no room to think, nothing begun"
+
+
+def test_the_thinking_tokens_are_counted_to_the_closing_tag_as_openais_reasoning_tokens():
+    from inference.batching import Sequence
+
+    close = 9
+    thought = Sequence([1], 4, generated=[5, 6, close, 7], text="Hm.</think>Yes", opened="<think>", close_id=close)
+    cut = Sequence([1], 2, generated=[5, 6], text="Hm.", opened="<think>", close_id=close)
+    plain = Sequence([1], 2, generated=[5, close], text="Yes</think>", close_id=close)
+    unknown = Sequence([1], 2, generated=[5, 6], text="Hm.", opened="<think>")
+
+    assert thought.result()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    assert cut.result()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    assert plain.result()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}, "it did not think"
+    assert "completion_tokens_details" not in unknown.result()["usage"], "a model with no closing tag to count to"
 
 
 def read(kind: str = "chat", **body: object) -> object:
@@ -166,3 +187,18 @@ def test_a_chat_stream_held_back_while_it_may_open_thinking_keeps_every_tokens_l
         and "".join(d.get("content", "") for d in deltas) == "Yes"
     )
     assert tokens == ["\n", "<th", "ink>", "Hm", "</think>", "Yes"], "each token once, in order"
+
+
+def test_a_calls_choices_add_up_their_thinking_tokens():
+    from scheduling.api.openai_compat import _usage_of
+
+    def usage(made: int, thought: int) -> dict[str, object]:
+        counts = {"prompt_tokens": 4, "completion_tokens": made, "total_tokens": 4 + made}
+        return {"usage": {**counts, "completion_tokens_details": {"reasoning_tokens": thought}}}
+
+    assert _usage_of([usage(5, 2), usage(6, 3)], 2) == {
+        "prompt_tokens": 4,
+        "completion_tokens": 11,
+        "total_tokens": 15,
+        "completion_tokens_details": {"reasoning_tokens": 5},
+    }

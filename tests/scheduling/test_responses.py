@@ -121,7 +121,12 @@ def test_an_answer_is_a_message_and_a_function_call_item_for_each_call_it_makes(
     params = read(tools=[WEATHER]).params
     asked = Request(id="r-1", deployment="tiny", kind="chat", input=[], params=params, created_at=5.0)
     hermes = 'Looking.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
-    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    usage = {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "completion_tokens_details": {"reasoning_tokens": 2},
+    }
     done = Request(**{**asked.__dict__, "output": {"text": hermes, "finish_reason": "stop", "usage": usage}})
     cut = Request(**{**asked.__dict__, "output": {"text": "It is", "finish_reason": "length", "usage": usage}})
 
@@ -134,6 +139,7 @@ def test_an_answer_is_a_message_and_a_function_call_item_for_each_call_it_makes(
     assert message["type"] == "message" and message["content"][0]["text"] == "Looking."
     assert call["type"] == "function_call" and call["name"] == "weather" and call["arguments"] == '{"city": "Oslo"}'
     assert call["call_id"].startswith("call_") and answer["usage"]["input_tokens"] == 7
+    assert answer["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
     assert answer["tools"] == [WEATHER] and answer["tool_choice"] == "auto"
     assert short["status"] == "incomplete" and short["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [item["type"] for item in short["output"]] == ["message"] and short["output"][0]["status"] == "incomplete"
