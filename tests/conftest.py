@@ -90,8 +90,9 @@ def _models_read_here(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A small causal LM on disk (random weights, safetensors) with its tokenizer (a deploy refuses
-    a text model without one), written once per session."""
+    """A small causal LM on disk (random weights, seeded: safetensors) with its tokenizer (a
+    deploy refuses a text model without one), written once per session."""
+    import torch
     from transformers import LlamaForCausalLM
 
     from inference.management.commands.make_tiny_model import VOCAB_SIZE, build_tokenizer
@@ -99,7 +100,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("tiny-llama")
     config = tiny_llama_config()
-    LlamaForCausalLM(config).save_pretrained(path)
+    # The same weights in every session and worker, so the same answers: a random model's greedy
+    # answer held to a JSON Schema may loop on whitespace until max_tokens for some weights.
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        LlamaForCausalLM(config).save_pretrained(path)
     assert config.vocab_size >= VOCAB_SIZE  # every token id the tokenizer gives has an embedding
     build_tokenizer().save_pretrained(path)
     return path
