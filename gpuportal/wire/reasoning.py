@@ -90,7 +90,6 @@ class Splitter:
     def __init__(self) -> None:
         self.state = "start"  # start | thinking | answering | plain
         self.held = ""
-        self.thought = ""  # the reasoning so far, as sent
 
     def feed(self, piece: str) -> tuple[str, str]:
         """(reasoning, content) to send now of `piece`, "" for none of either."""
