@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from gpuportal.wire.memory import kv_blocks
 from gpuportal.wire.reasoning import counted
 from gpuportal.wire.requestqueue import STOPPED, picked_piece
-from gpuportal.wire.sampling import Sampling, fitted_max_tokens
+from gpuportal.wire.sampling import STOP_REASON, Sampling, first_stop, fitted_max_tokens
 from inference.errors import TooLong
 from inference.kvpool import BlockPool
 from inference.paged import PagedModel, Slice
@@ -87,6 +87,8 @@ class Sequence:
     cached: int = 0  # tokens whose K/V are in the blocks
     promised: int = 0  # blocks reserved at admission, not taken yet
     finish: str | None = None  # "stop" | "length" once done; STOPPED where its caller asked it stopped
+    # The stop string it ended on, or the stop token's id (gpuportal.wire.sampling.STOP_REASON).
+    stop_reason: str | int | None = None
     # When its first token was sampled (time.time()): the request's time to first token.
     first_token_at: float | None = None
     text: str = ""
@@ -117,6 +119,8 @@ class Sequence:
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         }
         counted(output, self.generated, self.close_id)
+        if self.stop_reason is not None:
+            output[STOP_REASON] = self.stop_reason
         if self.logprobs is not None:
             output["logprobs"] = self.logprob_entries
         if self.prompt_logprobs is not None:
@@ -401,7 +405,7 @@ class Batcher:
             s.first_token_at = time.time()
         if token in s.sampling.stop_token_ids:
             # Before its text is streamed: a stop token never reaches the answer, as an end of text does not.
-            s.finish = "stop"
+            s.finish, s.stop_reason = "stop", token
             s.text = self.tokenizer.decode(s.generated[:-1], skip_special_tokens=True)
             self._keep_logprobs(s)
             self._stream(s, s.text, final=True)
@@ -411,8 +415,8 @@ class Batcher:
                 s._decoded = IncrementalText(self.tokenizer)
             text = s._decoded.update(s.generated)
             self._stream(s, text)
-            cut = min((text.find(x) for x in s.stop if x and x in text), default=-1)
-            if cut >= 0:
+            if (stopped := first_stop(text, s.stop)) is not None:
+                cut, s.stop_reason = stopped
                 s.text, s.finish = text[:cut], "stop"
                 self._keep_logprobs(s)
                 return

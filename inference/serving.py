@@ -56,7 +56,9 @@ from gpuportal.wire.sampling import (
     DEFAULT_MAX_TOKENS,
     FORMATS,
     SCHEMA_FIELD,
+    STOP_REASON,
     Sampling,
+    first_stop,
     fitted_max_tokens,
 )
 from gpuportal.wire.tools import TOOLS
@@ -481,9 +483,10 @@ class Executor:
         ended_on_stop = len(new) > 0 and int(new[-1]) in sampling.stop_token_ids
         text = self.tokenizer.decode(new[:-1] if ended_on_stop else new, skip_special_tokens=True)
         finish = "length" if len(new) >= max_tokens and not ended_on_stop else "stop"
-        cut = min((text.find(s) for s in stop if s and s in text), default=-1)
-        if cut >= 0:
-            text, finish = text[:cut], "stop"
+        stop_reason: str | int | None = int(new[-1]) if ended_on_stop else None
+        if (stopped := first_stop(text, stop)) is not None:
+            (cut, stop_reason), finish = stopped, "stop"
+            text = text[:cut]
         elif stop_asked is not None and stop_asked.fired:
             finish = STOPPED
         output: dict[str, Any] = {
@@ -495,6 +498,8 @@ class Executor:
                 "total_tokens": int(ids.shape[1] + len(new)),
             },
         }
+        if stop_reason is not None:
+            output[STOP_REASON] = stop_reason
         counted(output, new.tolist(), closing_id(self.tokenizer))
         if logprobs is not None:
             tokens = new.tolist()

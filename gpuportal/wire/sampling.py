@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +236,22 @@ def one_format_problem(given: Mapping[str, Any]) -> tuple[str, str] | None:
         return None
     names = sorted(given)
     return names[1], f"one format at a time: {' and '.join(names)} were both given"
+
+
+# A replica's output says what ended an answer on a stop the caller gave (vLLM's `stop_reason`):
+# the stop string matched, or the stop token's id; absent where it ended otherwise.
+STOP_REASON = "stop_reason"
+
+
+def first_stop(text: str, stops: Iterable[str]) -> tuple[int, str] | None:
+    """(where it begins, which) of the stop string that begins first in `text`, the longest of
+    those that begin there (both "\n" and "\n\n" asked: the text was cut at either, and the
+    longer one is what it held); None where none is in it."""
+    found = [(text.find(stop), -len(stop), stop) for stop in stops if stop and stop in text]
+    if not found:
+        return None
+    at, _, stop = min(found)
+    return at, stop
 
 
 def is_text(value: Any) -> bool:

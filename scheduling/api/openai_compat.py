@@ -33,6 +33,7 @@ from rest_framework.views import APIView
 
 from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
 from gpuportal.wire import reasoning, tools
+from gpuportal.wire.sampling import STOP_REASON
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import (
@@ -505,7 +506,12 @@ class _Generate(_Answered):
             "created": int(results[0].created_at or time.time()),
             "model": model,
             "choices": [
-                {"index": index, "finish_reason": output.get("finish_reason", "stop"), **self.choice(output, given)}
+                {
+                    "index": index,
+                    "finish_reason": output.get("finish_reason", "stop"),
+                    **self.choice(output, given),
+                    STOP_REASON: output.get(STOP_REASON),
+                }
                 for index, (output, given) in enumerate(zip(outputs, asked, strict=True))
             ],
             "usage": _usage_of(outputs, n),
@@ -620,6 +626,7 @@ class _Generate(_Answered):
                         "finish_reason": answer.get("finish_reason", "stop"),
                         **self.delta(text, item.index not in voiced, *picks(item.index, left), thought=thought),
                     }
+                last[STOP_REASON] = answer.get(STOP_REASON)  # vLLM's: the stop string or token it ended on
                 if len(outputs) < len(submitted):
                     yield _sse({**base, "choices": [last]})
                     continue

@@ -277,11 +277,14 @@ def test_stop_strings_eos_streaming_and_sampling(tiny):
     b.submit(cut := Sequence(prompt, 20, stop=[stop]))
     run_until_idle(b)
     assert cut.finish == "stop" and cut.text == greedy[: greedy.find(stop)]
+    assert cut.result()["stop_reason"] == stop, "the output says which stop string ended it"
+    assert "stop_reason" not in streamed.result(), "an answer that ran to its length ended on no stop"
 
     b.eos = {reference(model, prompt, 3)[2]}  # the third greedy token ends the sequence
     b.submit(ends := Sequence(prompt, 20))
     run_until_idle(b)
     assert ends.finish == "stop" and len(ends.generated) == 3
+    assert "stop_reason" not in ends.result(), "the end of text is no stop the caller gave"
 
     b.eos = set()
     b.generator = torch.Generator().manual_seed(0)

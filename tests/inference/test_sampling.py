@@ -225,6 +225,12 @@ def test_a_logit_bias_forces_or_bans_a_token_on_either_path_and_one_past_the_voc
         executor.run(beyond, None)
 
 
+def test_the_stop_string_that_begins_first_ends_the_answer_the_longer_where_two_begin_together():
+    assert sampling.first_stop("one. two\n\nthree", ["three", "\n", "\n\n", ""]) == (8, "\n\n")
+    assert sampling.first_stop("one. two", ["two", "."]) == (3, ".")
+    assert sampling.first_stop("one", ["x", ""]) is None and sampling.first_stop("", []) is None
+
+
 def test_a_stop_token_ends_the_answer_before_it_on_either_path_unless_min_tokens_holds_it_back(tiny):
     model, tokenizer = tiny
     prompt = tokenizer(PROMPT).input_ids
@@ -249,6 +255,8 @@ def test_a_stop_token_ends_the_answer_before_it_on_either_path_unless_min_tokens
     generated = executor.run(request(max_tokens=8, stop_token_ids=[stop], logprobs=0), pieces.append)
     assert (generated["text"], generated["finish_reason"]) == (ended.text, "stop") and "".join(pieces) == ended.text
     assert generated["usage"]["completion_tokens"] == k + 1 and len(generated["logprobs"]) == k
+    assert generated["stop_reason"] == ended.result()["stop_reason"] == stop, "both say the stop token's id"
+    assert "stop_reason" not in held.result()
 
     vocab = model.get_output_embeddings().weight.shape[0]
     with pytest.raises(BadInput, match=rf"^stop_token_ids: token {vocab} is not in the model's vocabulary"):

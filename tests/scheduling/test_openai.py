@@ -747,6 +747,18 @@ def test_a_prompt_of_token_ids_is_the_models_own_tokens_as_lm_evaluation_harness
     assert beyond.value.body["message"] == "prompt: token 100000 is not in the model's vocabulary of 512 tokens"
 
 
+def test_a_choice_says_the_stop_string_it_ended_on_as_vllms_stop_reason(client, served):
+    asked = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12}
+    free = client.completions.create(**asked).choices[0]
+    stop = free.text[4:7]
+    cut = client.completions.create(**asked, stop=["no such words", stop]).choices[0]
+    streamed = [c.choices[0] for c in client.completions.create(**asked, stop=[stop], stream=True) if c.choices]
+
+    assert free.stop_reason is None, "it ran to its length (or its end of text): no stop of the caller's"
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop) and cut.text == free.text[: free.text.find(stop)]
+    assert streamed[-1].stop_reason == stop and streamed[-1].finish_reason == "stop", "in the choice's last chunk"
+
+
 def test_streamed_log_probabilities_come_with_the_tokens_each_chunk_brings_and_add_up_to_the_answers(client, served):
     asked = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "logprobs": 2}
     whole = client.completions.create(**asked).choices[0]
