@@ -33,8 +33,8 @@ from rest_framework.views import APIView
 
 from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
 from gpuportal.wire import reasoning, tools
-from gpuportal.wire.sampling import STOP_REASON
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
+from gpuportal.wire.sampling import STOP_REASON
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import (
     ENCODING_FORMATS,
