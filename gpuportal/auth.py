@@ -12,6 +12,7 @@ that finds it revoked forgets it, and the next request is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -31,8 +32,14 @@ _tokens: Remembered[tuple[Any, Any]] = Remembered(
 
 class CachedTokenAuthentication(TokenAuthentication):
     def authenticate(self, request: Any) -> tuple[Any, Any] | None:
+        return self.counted(request, lambda: super(CachedTokenAuthentication, self).authenticate(request))
+
+    @staticmethod
+    def counted(request: Any, attempt: Callable[[], tuple[Any, Any] | None]) -> tuple[Any, Any] | None:
+        """`attempt`'s user and token; a failure counted against the caller's address, which is
+        refused for a while once it has failed too often (gpuportal.throttle)."""
         try:
-            return super().authenticate(request)
+            return attempt()
         except AuthenticationFailed:
             # Counted only when a token fails: a good token costs no Redis round trip here.
             names = throttle.keys(throttle.address_of(request))
@@ -55,6 +62,34 @@ class BearerTokenAuthentication(CachedTokenAuthentication):
     for its keyword."""
 
     keyword = "Bearer"
+
+
+# Where Anthropic's clients send a key (`x-api-key: <key>`: Claude Code, the Messages API's own
+# examples), as Django's request.META names the header.
+API_KEY_HEADER = "HTTP_X_API_KEY"
+
+
+class ApiKeyAuthentication(CachedTokenAuthentication):
+    """The same tokens sent as Anthropic's clients send keys, in an `x-api-key` header: taken on
+    `/v1/messages`, where they call."""
+
+    def authenticate(self, request: Any) -> tuple[Any, Any] | None:
+        key = request.META.get(API_KEY_HEADER, "").strip()
+        if not key:
+            return None  # another authentication's to read
+        return self.counted(request, lambda: self.authenticate_credentials(key))
+
+
+def user_from_api_key(request: Any) -> Any | None:
+    """The user of a valid `x-api-key` header, or None (as user_from_header)."""
+    key = request.META.get(API_KEY_HEADER, "").strip()
+    if not key or " " in key:
+        return None
+    try:
+        user, _ = _authenticator.authenticate_credentials(key)
+    except AuthenticationFailed:
+        return None
+    return user
 
 
 # The header's keywords a token may come under, on every path.

@@ -69,8 +69,8 @@ class Sequence:
     # Held to a format (inference.constrained): the ids its next token may be, given its answer
     # so far; None: any.
     allowed: Format | None = None
-    # max_tokens is the request's default, to be fitted to the room the batcher has (a chat that
-    # asked for no length: gpuportal.wire.sampling.fitted_max_tokens) as it is checked.
+    # max_tokens is the most the request may have, to be fitted to the room the batcher has (a
+    # chat that asked for no exact length: gpuportal.wire.sampling.fitted_max_tokens) as it is checked.
     fit: bool = False
     # Asked for its tokens' log probabilities, with this many alternatives each (None: not asked;
     # inference.token_logprobs); what each generated token's were, as it was picked.
@@ -180,7 +180,9 @@ class Batcher:
         """BadInput if `seq` could never run here, however long it waited."""
         context = self.engine.context
         if seq.fit:
-            seq.max_tokens, seq.fit = fitted_max_tokens(len(seq.prompt), context, self.capacity_tokens), False
+            # Its max_tokens so far is the most it may have (gpuportal.wire.sampling.max_tokens_bound).
+            fitted = fitted_max_tokens(len(seq.prompt), context, self.capacity_tokens, most=seq.max_tokens)
+            seq.max_tokens, seq.fit = fitted, False
         if context is not None and seq.tokens_needed > context:
             raise TooLong(
                 f"input too long: {len(seq.prompt)} prompt tokens plus max_tokens {seq.max_tokens} exceed "

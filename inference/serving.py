@@ -52,7 +52,6 @@ from gpuportal.wire.requestqueue import (
     family_of_loader,
 )
 from gpuportal.wire.sampling import (
-    DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     FORMATS,
     SCHEMA_FIELD,
@@ -60,6 +59,7 @@ from gpuportal.wire.sampling import (
     Sampling,
     first_stop,
     fitted_max_tokens,
+    max_tokens_bound,
 )
 from gpuportal.wire.tools import TOOLS
 from inference.errors import BadInput, TooLong
@@ -371,7 +371,7 @@ class Executor:
         # max_tokens None: the default, which the batcher fits to the room it has (Batcher.check).
         return Sequence(
             ids,
-            DEFAULT_CHAT_MAX_TOKENS if max_tokens is None else max_tokens,
+            max_tokens_bound(request.params) if max_tokens is None else max_tokens,
             stop,
             on_chunk,
             sampling=sampling,
@@ -419,7 +419,9 @@ class Executor:
             else self.tokenizer(prompt, return_tensors="pt").input_ids
         )
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        max_tokens = asked if asked is not None else fitted_max_tokens(ids.shape[1], limit)
+        max_tokens = (
+            asked if asked is not None else fitted_max_tokens(ids.shape[1], limit, most=max_tokens_bound(params))
+        )
         if limit is not None and ids.shape[1] + max_tokens > limit:
             raise TooLong(
                 f"input too long: {ids.shape[1]} prompt tokens plus max_tokens {max_tokens} exceed "

@@ -25,14 +25,28 @@ DEFAULT_CHAT_MAX_TOKENS = 512
 MOST_TOKENS = 4096
 
 
-def fitted_max_tokens(prompt_tokens: int, context: int | None, kv_capacity: int | None = None) -> int:
-    """An unbounded chat's max_tokens: DEFAULT_CHAT_MAX_TOKENS, or fewer where the model's
+# Request queue params: a chat's max_tokens left to the room its replica has (as an unbounded
+# chat's is), up to this many (Anthropic's `max_tokens`, a bound its models may stop before: what
+# its clients send is often far past what a replica holds, and vLLM fits it to the room too).
+MAX_TOKENS_BOUND = "max_tokens_bound"
+
+
+def max_tokens_bound(params: Mapping[str, Any]) -> int:
+    """The most tokens a chat asking for no exact length may have: its MAX_TOKENS_BOUND, else
+    DEFAULT_CHAT_MAX_TOKENS."""
+    return int(params.get(MAX_TOKENS_BOUND) or DEFAULT_CHAT_MAX_TOKENS)
+
+
+def fitted_max_tokens(
+    prompt_tokens: int, context: int | None, kv_capacity: int | None = None, most: int = DEFAULT_CHAT_MAX_TOKENS
+) -> int:
+    """An unbounded chat's max_tokens: `most` (DEFAULT_CHAT_MAX_TOKENS, or its bound), or fewer where the model's
     `context` or the replica's KV cache (`kv_capacity` tokens) has less room beside the prompt,
     and never more than half the cache: a replica reserves a sequence's blocks as it admits it,
     and a chat holding the whole cache would leave no other request room beside it (as `gpuportal
     chat` asks for half at most). A prompt that leaves no room gets the default all the same, and
     is refused as too long by the check that follows, as a request asking for it would be."""
-    rooms = [DEFAULT_CHAT_MAX_TOKENS]
+    rooms = [most]
     if context is not None:
         rooms.append(context - prompt_tokens)
     if kv_capacity is not None:

@@ -525,6 +525,29 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "request": {"model": "tiny-a", "instructions": "Be brief.", "input": "Hello", "max_output_tokens": 3},
         "response": RESPONSE,
     },
+    ("post", "/v1/messages"): {
+        "request": {
+            "model": "tiny-a",
+            "max_tokens": 1024,
+            "system": "Be brief.",
+            "messages": [{"role": "user", "content": "Hello"}],
+        },
+        "response": {
+            "id": f"msg_{REQUEST.replace('-', '')}",
+            "type": "message",
+            "role": "assistant",
+            "model": "tiny-a",
+            "content": [{"type": "text", "text": "Hello! How can I help?"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": 12,
+                "output_tokens": 8,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        },
+    },
     ("get", "/v1/responses/{response_id}"): {
         "summary": "A response of yours as it stands, as OpenAI's retrieve response (kept for a day)",
         "parameter": f"resp_{REQUEST}",

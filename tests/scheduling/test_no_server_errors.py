@@ -220,6 +220,7 @@ BODIES = [
     ("post", "/v1/chat/completions"),
     ("post", "/v1/embeddings"),
     ("post", "/v1/responses"),
+    ("post", "/v1/messages"),
 ]
 
 
@@ -245,12 +246,24 @@ def test_json_nested_past_the_limit_is_a_400_naming_the_limit(staff, method, pat
             "messages.0.content",
         ),
         ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": "\x00"}]}, "input.0.content"),
+        (
+            "/v1/messages",
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "\x00"}]}],
+            },
+            "messages.0.content.0.text",
+        ),
     ],
 )
 def test_a_nul_character_in_a_body_is_a_400_naming_the_field_and_nothing_is_stored(staff, path, sent, field):
     response = staff.post(path, sent, format="json")
     assert response.status_code == 400, response.content[:300]
-    assert field in response.json(), response.json()
+    if path == "/v1/messages":  # in Anthropic's error shape
+        assert response.json()["error"]["message"].startswith(f"{field}: holds a NUL character"), response.json()
+    else:
+        assert field in response.json(), response.json()
     assert not Deployment.objects.exists()
 
 

@@ -1,0 +1,608 @@
+"""`POST /v1/messages`: Anthropic's Messages API (what Anthropic's SDKs, Claude Code and the agent
+frameworks built on them call, and vLLM, Ollama and llama.cpp serve) as a chat of the portal's.
+The body is read into a chat's (`chat_body`) and checked as `/v1/chat/completions` checks one,
+each refusal naming the Messages field; the request runs and streams as a chat's does, and its
+answer is given as a message's content blocks: its thinking (a reasoning model's,
+gpuportal.wire.reasoning), its text, and a `tool_use` block for each call it makes. Errors come in
+Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), which its clients raise as
+their own exceptions.
+
+Anthropic's `max_tokens` is required and is a bound its models may stop before; clients send far
+more than a replica holds (Claude Code asks 32,000), so the answer's length is fitted to the room
+its replica has, up to it (gpuportal.wire.sampling.MAX_TOKENS_BOUND), as vLLM fits it."""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from django.conf import settings
+from django.http import JsonResponse
+from django.http.response import HttpResponseBase
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.request import Request as HttpRequest
+from rest_framework.response import Response
+
+from gpuportal.auth import ApiKeyAuthentication, user_from_api_key, user_from_header
+from gpuportal.wire import reasoning, sampling, tools
+from gpuportal.wire.requestqueue import Request
+from scheduling.api import completion_input, idempotency
+from scheduling.api.completion_input import Completion, Refused, content_text, not_text
+from scheduling.api.inputs import FiniteFloatField
+from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, OpenAIView, _follow, _stop
+
+ID_PREFIX = "msg_"
+TOOL_ID_PREFIX = "toolu_"
+# The largest max_tokens taken: a bound only (the answer is fitted to the room its replica has),
+# kept to what any client sends.
+MOST_BOUND = 2**31 - 1
+
+READ_FIELDS = frozenset(
+    {"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "tools", "tool_choice",
+     "output_config", "output_format", "metadata", "thinking", "service_tier", "mcp_servers", "timeout",
+     reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES}
+)  # fmt: skip
+# Anthropic's fields that change nothing a replica answers (how Anthropic routes, caches or
+# bills a call), read as nothing; known, so that none is taken for a misspelling (`speed`, `seed`).
+IGNORED_FIELDS = frozenset(
+    {"speed", "inference_geo", "container", "diagnostics", "cache_control", "context_management"}
+)  # fmt: skip
+# Passed on to the chat as they are: the sampling parameters (Anthropic's temperature, top_p and
+# top_k among them), chat_template_kwargs and the wait, as on /v1/chat/completions.
+PASSED_ON = ("timeout", reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES)
+ROLES = ("user", "assistant")
+FORMAT_FIELD = "output_config.format"
+TYPO_CUTOFF = 0.8
+
+# Anthropic's error types by HTTP status, as its clients map them to exceptions.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+class MessageInput(serializers.Serializer):
+    """What Anthropic's clients send to /v1/messages, for the OpenAPI schema only: `chat_body`
+    reads every body."""
+
+    model = serializers.CharField(help_text="The deployment's name (a causal LM).")
+    max_tokens = serializers.IntegerField(
+        min_value=1,
+        help_text="The most tokens the answer may have: it is fitted to the room its replica has, up to this.",
+    )
+    messages = serializers.JSONField(
+        help_text='[{"role": "user" | "assistant", "content": a string or blocks}]: text, tool_use (an '
+        "assistant's call), tool_result (its answer, in the user's turn) and thinking blocks."
+    )
+    system = serializers.JSONField(required=False, help_text="A system prompt: a string or text blocks.")
+    stop_sequences = serializers.ListField(child=serializers.CharField(), required=False)
+    temperature = FiniteFloatField(required=False)
+    top_p = FiniteFloatField(required=False)
+    top_k = serializers.IntegerField(required=False)
+    stream = serializers.BooleanField(required=False, default=False, help_text="Anthropic's server-sent events.")
+    tools = serializers.JSONField(
+        required=False, help_text='Client tools: [{"name", "description", "input_schema": a JSON Schema}].'
+    )
+    tool_choice = serializers.JSONField(
+        required=False,
+        help_text='{"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}; '
+        '"disable_parallel_tool_use": true for one call at most.',
+    )
+    output_config = serializers.JSONField(
+        required=False,
+        help_text='{"format": {"type": "json_schema", "schema": {...}}}: the answer held to it as it is generated.',
+    )
+
+
+def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
+    """(the chat body a Messages body asks for, the field each of its messages came from);
+    Refused naming the first Messages field that is wrong."""
+    if not isinstance(body, dict):
+        raise Refused(None, "the body must be a JSON object")
+    for key in body:
+        near = (
+            difflib.get_close_matches(key, sorted(READ_FIELDS), n=1, cutoff=TYPO_CUTOFF)
+            if key not in READ_FIELDS | IGNORED_FIELDS
+            else []
+        )
+        if near:
+            raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
+    bound = body.get("max_tokens")
+    if type(bound) is not int or not 1 <= bound <= MOST_BOUND:
+        raise Refused("max_tokens", "required: a whole number of at least 1, the most tokens the answer may have")
+    if body.get("mcp_servers"):
+        raise Refused("mcp_servers", "not supported: the models here reach no MCP server; give its tools as `tools`")
+    messages: list[dict[str, Any]] = []
+    origins: list[str] = []
+    if body.get("system") is not None:
+        messages.append({"role": "system", "content": content_text(body["system"], "system")})
+        origins.append("system")
+    given = body.get("messages")
+    if not isinstance(given, list) or not given:
+        raise Refused("messages", "required: a non-empty list of messages")
+    for i, message in enumerate(given):
+        _turn(message, f"messages.{i}", messages, origins)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False)}
+    for name in PASSED_ON:
+        if name in body:
+            chat[name] = body[name]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"], parallel = _tool_choice(body["tool_choice"])
+        if not parallel:
+            chat["parallel_tool_calls"] = False
+    if (answer_format := _format(body.get("output_config"))) is not None:
+        chat["response_format"] = answer_format
+    elif body.get("output_format") is not None:  # the beta's name for it, before output_config
+        chat["response_format"] = _format({"format": body["output_format"]}, "output_format")
+    return chat, origins
+
+
+def _turn(message: Any, at: str, messages: list[dict[str, Any]], origins: list[str]) -> None:
+    """A Messages turn as chat messages, appended with the field each came from: a user's
+    tool_result blocks each a tool's message (first: a template reads them right after the call
+    they answer), then its text; an assistant's text, thinking and tool_use blocks one message."""
+    if not isinstance(message, dict):
+        raise Refused(at, "must be an object: {role, content}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise Refused(f"{at}.role", f"must be one of {', '.join(ROLES)}")
+    content = message.get("content")
+    if not isinstance(content, list):
+        if not sampling.is_text(content):
+            raise Refused(f"{at}.content", not_text(content, "required: a string or a list of content blocks"))
+        messages.append({"role": role, "content": content})
+        origins.append(at)
+        return
+    if not content:
+        raise Refused(f"{at}.content", "required: a string or a non-empty list of content blocks")
+    texts: list[str] = []
+    thought: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"{at}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            if not sampling.is_text(block.get("text")):
+                raise Refused(f"{where}.text", not_text(block.get("text"), "required: a string"))
+            texts.append(block["text"])
+        elif kind == "tool_result" and role == "user":
+            messages.append(_tool_result(block, where))
+            origins.append(where)
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, where))
+        elif kind == "thinking" and role == "assistant":
+            if not sampling.is_text(block.get("thinking")):
+                raise Refused(f"{where}.thinking", not_text(block.get("thinking"), "required: a string"))
+            thought.append(block["thinking"])
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # another model's thinking, encrypted: nothing a template could read
+        else:
+            what = f"a block of type {kind!r}" if isinstance(kind, str) else "a block that is no {type, ...} object"
+            raise Refused(
+                f"{where}.type" if isinstance(kind, str) else where,
+                f"{what} is not served in a {role}'s turn: the models here read text, tool_use, tool_result "
+                "and thinking blocks",
+            )
+    if role == "user":
+        if texts:  # a turn of tool results alone is those results
+            messages.append({"role": "user", "content": "\n".join(texts)})
+            origins.append(at)
+        return
+    said: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
+    if calls:
+        said["tool_calls"] = calls
+    if thought:
+        said[reasoning.TEMPLATE_FIELD] = "\n".join(thought)
+    messages.append(said)
+    origins.append(at)
+
+
+def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """A tool_result block as a chat's tool message; an error result says so, as the model must
+    read it."""
+    if not sampling.is_text(block.get("tool_use_id")):
+        raise Refused(f"{at}.tool_use_id", "required: the id of the tool_use it answers")
+    given = block.get("content", "")
+    text = "" if given == [] else content_text(given, f"{at}.content")
+    if block.get("is_error") is True:
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+
+
+def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """A tool_use block (a call the assistant made) as a chat's assistant message lists a call."""
+    for field in ("id", "name"):
+        if not sampling.is_text(block.get(field)):
+            raise Refused(f"{at}.{field}", "required: a string")
+    given = block.get("input", {})
+    if not isinstance(given, dict):
+        raise Refused(f"{at}.input", "must be an object: the call's arguments")
+    arguments = json.dumps(given, ensure_ascii=False)
+    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+
+
+def _tools(value: Any) -> Any:
+    """Anthropic's client tools as a chat's functions (`input_schema` their `parameters`); a
+    server tool (web search, code execution, a computer: a `type` of its own) is refused by name.
+    What is no list is left for the chat's check to refuse."""
+    if not isinstance(value, list):
+        return value
+    chat = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise Refused(f"tools.{i}", 'must be an object: {"name", "description", "input_schema"}')
+        if tool.get("type", "custom") not in ("custom", None):
+            raise Refused(
+                f"tools.{i}.type",
+                f"{tool['type']!r} is not served here: only client tools (a name and an input_schema), which the "
+                "caller runs",
+            )
+        function = {key: tool[key] for key in ("name", "description") if tool.get(key) is not None}
+        if tool.get("input_schema") is not None:
+            function["parameters"] = tool["input_schema"]
+        chat.append({"type": "function", "function": function})
+    return chat
+
+
+def _tool_choice(value: Any) -> tuple[Any, bool]:
+    """(a chat's tool_choice, whether the answer may make several calls)."""
+    if not isinstance(value, dict) or value.get("type") not in ("auto", "any", "tool", "none"):
+        raise Refused("tool_choice", 'must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}')
+    parallel = value.get("disable_parallel_tool_use")
+    if parallel is not None and type(parallel) is not bool:
+        raise Refused("tool_choice.disable_parallel_tool_use", "must be a boolean")
+    kind = value["type"]
+    if kind == "tool":
+        if not sampling.is_text(value.get("name")):
+            raise Refused("tool_choice.name", "required: the name of a tool given")
+        choice: Any = {"type": "function", "function": {"name": value["name"]}}
+    else:
+        choice = {"auto": tools.AUTO, "any": tools.REQUIRED, "none": tools.NONE}[kind]
+    return choice, not parallel
+
+
+def _format(value: Any, field: str = FORMAT_FIELD) -> dict[str, Any] | None:
+    """`output_config.format` (or what `field` names) as a chat's response_format; None for text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Refused("output_config", 'must be {"format": {"type": "json_schema", "schema": {...}}}')
+    answer_format = value.get("format")
+    if answer_format is None:
+        return None
+    if not isinstance(answer_format, dict) or answer_format.get("type") != "json_schema":
+        raise Refused(field, 'must be {"type": "json_schema", "schema": {...}}')
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": answer_format.get("schema")}}
+
+
+def renamed(param: str | None, origins: list[str]) -> str | None:
+    """The Messages field of a chat field a refusal names."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        index = rest.partition(".")[0]
+        return origins[int(index)] if index.isdigit() and int(index) < len(origins) else "messages"
+    if head == "tools":
+        return (
+            param.replace(".function.parameters", ".input_schema").replace(".function.", ".").removesuffix(".function")
+        )
+    return {
+        "stop": "stop_sequences",
+        "max_completion_tokens": "max_tokens",
+        "response_format": FORMAT_FIELD,
+        "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    }.get(head, param)
+
+
+def error(status: int, message: str) -> dict[str, Any]:
+    """An error in Anthropic's shape."""
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _message_of(body: Any) -> str:
+    """What an OpenAI-shaped error (or DRF's `detail`) says."""
+    if isinstance(body, dict):
+        inner = body.get("error")
+        if isinstance(inner, dict) and "message" in inner:
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+        if "detail" in body:
+            return str(body["detail"])
+        # A check's errors by field ({"messages.0.content": ["holds a NUL character ..."]}).
+        return "; ".join(
+            f"{field}: {' '.join(map(str, why)) if isinstance(why, list) else why}" for field, why in body.items()
+        )
+    return json.dumps(body)
+
+
+def _converted(status: int, answer: dict[str, Any] | HttpResponseBase) -> dict[str, Any] | HttpResponseBase:
+    """An error answer in Anthropic's shape, its headers kept (Retry-After, x-should-retry)."""
+    if isinstance(answer, dict):
+        return error(status, _message_of(answer))
+    if not isinstance(answer, JsonResponse):
+        return answer
+    converted = JsonResponse(error(status, _message_of(json.loads(answer.content))), status=status)
+    for name, value in answer.items():
+        if name.lower() not in ("content-type", "content-length"):
+            converted[name] = value
+    return converted
+
+
+def stop_reason(output: dict[str, Any], called: bool) -> tuple[str, str | None]:
+    """(Anthropic's stop_reason, the stop sequence met) of an answer."""
+    if called:
+        return "tool_use", None
+    if output.get("finish_reason") == "length":
+        return "max_tokens", None
+    met = output.get(sampling.STOP_REASON)
+    if isinstance(met, str):
+        return "stop_sequence", met
+    return "end_turn", None
+
+
+def usage(output: dict[str, Any]) -> dict[str, Any]:
+    """A replica's token counts as a message's usage."""
+    counted = output.get("usage") or {}
+    said: dict[str, Any] = {
+        "input_tokens": counted.get("prompt_tokens", 0),
+        "output_tokens": counted.get("completion_tokens", 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+    if (details := counted.get("completion_tokens_details")) is not None:
+        said["output_tokens_details"] = {"thinking_tokens": details.get("reasoning_tokens", 0)}
+    return said
+
+
+def _tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": f"{TOOL_ID_PREFIX}{call['id'].removeprefix('call_')}",
+        "name": call["function"]["name"],
+        "input": json.loads(call["function"]["arguments"]),
+    }
+
+
+class MessagesView(ChatCompletionsView):
+    """`POST /v1/messages`: a chat, its answer as a message's content blocks."""
+
+    input_param = "messages"
+    authentication_classes = [ApiKeyAuthentication, *OpenAIView.authentication_classes]
+
+    @extend_schema(
+        parameters=[idempotency.PARAMETER],
+        summary="Answer as Anthropic's Messages API does.",
+        description="A chat of a causal LM deployment, given and answered as Anthropic's Messages API: `system`, "
+        "`messages` of text, tool_use, tool_result and thinking blocks, client tools, `output_config.format`; "
+        "streamed as its events. The key comes as `x-api-key` or a bearer token.",
+        request=MessageInput,
+        responses={200: dict},
+    )
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return super().post(request)
+
+    @staticmethod
+    def caller(request: Any) -> Any | None:
+        return user_from_api_key(request) or user_from_header(request)
+
+    def handle_exception(self, exc: Exception) -> Response:
+        answered = super().handle_exception(exc)
+        return Response(
+            error(answered.status_code, _message_of(answered.data)),
+            status=answered.status_code,
+            headers={name: value for name, value in answered.items() if name.lower() != "content-type"},
+        )
+
+    def _answer_with_key(self, request: Any, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        code, answer = super()._answer_with_key(request, body, owner)
+        return (code, _converted(code, answer)) if code >= 400 else (code, answer)
+
+    def parse(self, body: Any, owner: str) -> Completion:
+        chat, origins = chat_body(body)
+        try:
+            call = completion_input.parse(
+                chat,
+                "chat",
+                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
+                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+            )
+        except Refused as refused:
+            param = renamed(refused.param, origins)
+            if param == FORMAT_FIELD and body.get("output_config") is None:
+                param = "output_format"
+            raise Refused(param, refused.message) from None
+        params = {**call.params, "max_tokens": None, sampling.MAX_TOKENS_BOUND: body["max_tokens"]}
+        if call.params.get(sampling.SCHEMA_FIELD) == "response_format":  # the field a replica's refusal names
+            params[sampling.SCHEMA_FIELD] = FORMAT_FIELD if body.get("output_config") is not None else "output_format"
+        return Completion(model=call.model, input=call.input, params=params, timeout_s=call.timeout_s)
+
+    def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
+        output = results[0].output or {}
+        blocks = self.blocks(output, asked[0])
+        reason, met = stop_reason(output, any(block["type"] == "tool_use" for block in blocks))
+        return {
+            **self.begun(asked[0], model),
+            "content": blocks,
+            "stop_reason": reason,
+            "stop_sequence": met,
+            "usage": usage(output),
+        }
+
+    def blocks(self, output: dict[str, Any], asked: Request) -> list[dict[str, Any]]:
+        """A message's content blocks: its thinking (a reasoning model's, where it has any), its
+        text (where it says anything, or is nothing else), then a tool_use for each call."""
+        message = self.choice(output, asked)["message"]
+        thought, text, calls = message.get(reasoning.GIVEN[0]), message.get("content"), message.get("tool_calls")
+        blocks: list[dict[str, Any]] = []
+        if thought:
+            blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
+        if text or not (calls or thought):
+            blocks.append({"type": "text", "text": text or ""})
+        blocks += [_tool_use_block(call) for call in calls or ()]
+        return blocks
+
+    @staticmethod
+    def begun(request: Request, model: str) -> dict[str, Any]:
+        """The message as it begins: no content yet, no stop_reason."""
+        return {
+            "id": f"{ID_PREFIX}{request.id.replace('-', '')}",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+
+    def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
+        """Anthropic's server-sent events: message_start, then a content block of the thinking and
+        one of the text as they come (content_block_start, its deltas, content_block_stop), each
+        call whole as a tool_use block with its input in one input_json_delta, then message_delta
+        (the stop_reason and the usage) and message_stop; an error event instead where the request
+        failed or did not end within the call's timeout. An answer that may call tools sends its
+        text until it opens a call, as a chat's stream does (gpuportal.wire.tools.Watch)."""
+        request = submitted[0]
+        blocks = _Blocks()
+        yield blocks.event("message_start", message=self.begun(request, call.model))
+        deadline, stop = time.monotonic() + call.timeout_s, threading.Event()
+        held = self.held_back(call)
+        splitter, watch = reasoning.Splitter(), tools.Watch() if self.watched(call) else None
+        told, told_at, ended = "", time.monotonic(), False
+        try:
+            for item in _follow(request, call.model, deadline, 0, stop):
+                if item.waiting:
+                    if not blocks.opened and (item.waiting != told or time.monotonic() - told_at >= KEEPALIVE_S):
+                        told, told_at = item.waiting, time.monotonic()
+                        yield f": {told}\n\n".encode()  # what it waits for, a comment clients skip
+                    continue
+                if not item.ended:
+                    if held:
+                        continue  # read whole at its end
+                    thought, text = splitter.feed(item.text)
+                    yield from blocks.said(THINKING, thought)
+                    yield from blocks.said(TEXT, watch.feed(text) if watch is not None else text)
+                    continue
+                ended = True
+                final = item.final
+                if final is None or final.status != "done":
+                    failed = self._ended_short(final, request, call.timeout_s)
+                    yield blocks.event("error", **error(_status_of(failed), _message_of(failed)))
+                    return
+                yield from self._ending(blocks, final, watch)
+        except GeneratorExit:
+            if not ended:  # the client left: nothing generates an answer for nobody
+                _stop([request], "its caller left: the stream was closed")
+            raise
+        finally:
+            stop.set()
+
+    def _ending(self, blocks: _Blocks, final: Request, watch: tools.Watch | None) -> Iterator[bytes]:
+        """The events of an answer's end: the rest of its thinking and text (what the stream held
+        back), each call whole, the stop_reason and the usage."""
+        output = final.output or {}
+        message = self.choice(output, final)["message"]
+        content = reasoning.split(output.get("text", ""))[1]
+        calls = message.get("tool_calls") or []
+        whole = {THINKING: message.get(reasoning.GIVEN[0]) or "", TEXT: message.get("content") or ""}
+        for kind in (THINKING, TEXT):
+            if kind == TEXT and watch is not None and calls:
+                rest = tools.unsent(content, watch.sent, message.get("content"))
+            else:
+                rest = whole[kind][len(blocks.sent.get(kind, "")) :]
+            # A text block even for no text where the answer is nothing else, as a message's is.
+            yield from blocks.said(kind, rest, force=kind == TEXT and not calls and not blocks.opened)
+        yield from blocks.close_open()
+        for call in calls:
+            block = _tool_use_block(call)
+            index = blocks.open_index()
+            yield blocks.event("content_block_start", index=index, content_block={**block, "input": {}})
+            yield blocks.event(
+                "content_block_delta",
+                index=index,
+                delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)},
+            )
+            yield blocks.event("content_block_stop", index=index)
+        reason, met = stop_reason(output, bool(calls))
+        yield blocks.event("message_delta", delta={"stop_reason": reason, "stop_sequence": met}, usage=usage(output))
+        yield blocks.event("message_stop")
+
+
+THINKING, TEXT = "thinking", "text"
+
+
+def _status_of(failed: dict[str, Any]) -> int:
+    """The HTTP status an error event's failure would have had: the caller's input a 400, a
+    timeout a 504, a cancel a 409, anything else the replica's (503)."""
+    kind = failed["error"]["type"]
+    return {"invalid_request_error": 400, "timeout": 504, "cancelled": 409}.get(kind, 503)
+
+
+class _Blocks:
+    """The content blocks a message's stream has opened, each at its index in the order opened,
+    and the text each has sent; one open at a time (the thinking closed as the text opens)."""
+
+    def __init__(self) -> None:
+        self.count = itertools.count()
+        self.at: dict[str, int] = {}  # a block's kind → its index
+        self.open: str | None = None
+        self.sent: dict[str, str] = {}
+
+    @property
+    def opened(self) -> bool:
+        return bool(self.at)
+
+    @staticmethod
+    def event(kind: str, **fields: Any) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+    def open_index(self) -> int:
+        return next(self.count)
+
+    def said(self, kind: str, text: str, *, force: bool = False) -> Iterator[bytes]:
+        """The events of `text` of the block of `kind` (opened first where it is not, the one
+        open before it closed); with `force`, the block opened even for no text."""
+        if not text and not (force and kind not in self.at):
+            return
+        if kind not in self.at:
+            yield from self.close_open()
+            self.at[kind], self.open = self.open_index(), kind
+            block = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == THINKING
+                else {"type": "text", "text": ""}
+            )
+            yield self.event("content_block_start", index=self.at[kind], content_block=block)
+        if text:
+            self.sent[kind] = self.sent.get(kind, "") + text
+            delta = (
+                {"type": "thinking_delta", "thinking": text}
+                if kind == THINKING
+                else {"type": "text_delta", "text": text}
+            )
+            yield self.event("content_block_delta", index=self.at[kind], delta=delta)
+
+    def close_open(self) -> Iterator[bytes]:
+        if self.open is not None:
+            yield self.event("content_block_stop", index=self.at[self.open])
+            self.open = None
