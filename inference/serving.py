@@ -40,7 +40,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from gpuportal.wire import kvstats
 from gpuportal.wire.node_lease import NodeFence
-from gpuportal.wire.reasoning import TEMPLATE_KWARGS, closing_id, counted, opened_by
+from gpuportal.wire.reasoning import CONTINUE_FINAL, TEMPLATE_KWARGS, closing_id, counted, opened_by
 from gpuportal.wire.requestqueue import (
     STOPPED,
     Fence,
@@ -262,7 +262,12 @@ class Executor:
                 raise BadInput(f"prompt: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
             return [int(token) for token in request.input]
         prompt = (
-            self.chat_prompt(request.input, request.params.get(TOOLS), request.params.get(TEMPLATE_KWARGS))
+            self.chat_prompt(
+                request.input,
+                request.params.get(TOOLS),
+                request.params.get(TEMPLATE_KWARGS),
+                continued=bool(request.params.get(CONTINUE_FINAL)),
+            )
             if request.kind == "chat"
             else str(request.input)
         )
@@ -323,15 +328,26 @@ class Executor:
                 raise BadInput(f"{name}: token {beyond[0]} is not in the model's vocabulary of {vocab} tokens")
 
     def chat_prompt(
-        self, messages: Any, tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None
+        self,
+        messages: Any,
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+        *,
+        continued: bool = False,
     ) -> str:
         """The messages (and the functions the chat may call) through the model's chat template,
-        given `extra` too (the caller's chat_template_kwargs); BadInput where the template refuses
-        them (roles out of its order, a tool's message where it takes none)."""
+        given `extra` too (the caller's chat_template_kwargs); `continued`, the last message (the
+        assistant's) left open for the answer to go on from, no new turn begun. BadInput where
+        the template refuses them (roles out of its order, a tool's message where it takes none)."""
         if getattr(self.tokenizer, "chat_template", None):
             try:
                 return self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=False, **(extra or {})
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=not continued,
+                    continue_final_message=continued,
+                    tokenize=False,
+                    **(extra or {}),
                 )
             except Exception as exc:  # jinja2's TemplateError, a template's raise_exception: the messages'
                 raise BadInput(f"messages: the model's chat template refused them: {exc}") from None
@@ -345,7 +361,7 @@ class Executor:
             ]
             calls = "".join(f"<tool_call>{json.dumps(call)}</tool_call>" for call in made)
             lines.append(f"{m['role']}: {m['content']}{calls}")
-        return "\n".join([*lines, "assistant:"])
+        return "\n".join(lines if continued else [*lines, "assistant:"])
 
     def opened(self, request: Request, prompt: str | list[int]) -> str:
         """What of a chat's prompt opened the answer's thinking, which its text begins with

@@ -24,6 +24,11 @@ TEMPLATE_FIELD = "reasoning_content"
 # besides its messages (`enable_thinking: false` turns Qwen 3's thinking off), but for the names
 # the replica passes itself.
 TEMPLATE_KWARGS = "chat_template_kwargs"
+# Request queue params (vLLM's name): the chat's last message, an assistant's, is continued
+# rather than answered, its template rendered without a new turn (`continue_final_message`):
+# a prefill, which Anthropic's Messages API makes of any conversation that ends with the
+# assistant's words. The answer is what follows them.
+CONTINUE_FINAL = "continue_final_message"
 TEMPLATE_OWN = frozenset(
     {"conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
      "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",

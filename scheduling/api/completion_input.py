@@ -44,7 +44,7 @@ READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
      "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX, tools.TOOLS, tools.TOOL_CHOICE,
-     tools.PARALLEL, reasoning.TEMPLATE_KWARGS, *sampling.LISTED_NAMES, *sampling.NAMES}
+     tools.PARALLEL, reasoning.TEMPLATE_KWARGS, reasoning.CONTINUE_FINAL, *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -184,6 +184,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     params.update(_format(body))
     params.update(_tools(body, kind, params))
     params.update(_template_kwargs(body, kind))
+    params.update(_continued(body, kind, prompts[0]))
     timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
@@ -521,6 +522,28 @@ def _template_kwargs(body: dict[str, Any], kind: Kind) -> dict[str, Any]:
     if taken := sorted(set(given) & reasoning.TEMPLATE_OWN):
         raise Refused(f"{reasoning.TEMPLATE_KWARGS}.{taken[0]}", "is the portal's to set, not the caller's")
     return {reasoning.TEMPLATE_KWARGS: given}
+
+
+def _continued(body: dict[str, Any], kind: Kind, messages: Any) -> dict[str, Any]:
+    """vLLM's `continue_final_message`: the last message, an assistant's text, continued (a
+    prefill); {} where not asked."""
+    given = body.get(reasoning.CONTINUE_FINAL)
+    if given is None or given is False:
+        return {}
+    if given is not True:
+        raise Refused(reasoning.CONTINUE_FINAL, "must be true or false")
+    if kind != "chat":
+        raise Refused(
+            reasoning.CONTINUE_FINAL, "only in a chat (/v1/chat/completions): a completion is continued always"
+        )
+    last = messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls") or not last["content"].strip():
+        raise Refused(reasoning.CONTINUE_FINAL, "the last message must be the assistant's words, to continue")
+    if body.get(tools.TOOL_CHOICE) not in (None, tools.NONE, tools.AUTO) or body.get("response_format") is not None:
+        raise Refused(
+            reasoning.CONTINUE_FINAL, "an answer held to a format or a call begins anew: it continues nothing"
+        )
+    return {reasoning.CONTINUE_FINAL: True}
 
 
 def _calling(message: dict[str, Any], param: str) -> dict[str, Any]:

@@ -136,6 +136,10 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     for i, message in enumerate(given):
         _turn(message, f"messages.{i}", messages, origins)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False)}
+    last = messages[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls") and (last["content"] or "").strip():
+        # A prefill: the answer continues the assistant's words, as Anthropic's does.
+        chat[reasoning.CONTINUE_FINAL] = True
     for name in PASSED_ON:
         if name in body:
             chat[name] = body[name]
@@ -300,6 +304,8 @@ def renamed(param: str | None, origins: list[str]) -> str | None:
     if head == "messages":
         index = rest.partition(".")[0]
         return origins[int(index)] if index.isdigit() and int(index) < len(origins) else "messages"
+    if head == reasoning.CONTINUE_FINAL:  # a prefill: the last turn, the assistant's
+        return origins[-1]
     if head == "tools":
         return (
             param.replace(".function.parameters", ".input_schema").replace(".function.", ".").removesuffix(".function")

@@ -87,6 +87,9 @@ def test_tool_use_and_tool_result_blocks_carry_a_conversation_on_as_a_chats_call
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
         {"role": "user", "content": "And tomorrow?"},
     ]
+    assert reasoning.CONTINUE_FINAL not in call.params, "the user's turn is last: answered"
+    prefill = read(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}])
+    assert prefill.params[reasoning.CONTINUE_FINAL] is True, "the assistant's words last: continued, as Anthropic's"
     results_alone = read(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}])
     assert results_alone.input == [{"role": "tool", "tool_call_id": "t", "content": ""}]
 
@@ -136,6 +139,14 @@ def test_tools_a_choice_and_an_output_format_are_read_as_a_chats():
         ({"output_config": {"format": {"type": "text"}}}, "output_config.format: must be"),
         ({"output_format": {"type": "json_schema", "schema": 5}}, "output_format"),
         ({"mcp_servers": [{"url": "x"}]}, "mcp_servers: not supported"),
+        (
+            {
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}],
+                "tools": [WEATHER],
+                "tool_choice": {"type": "any"},
+            },
+            "messages.1: an answer held to a format or a call begins anew",
+        ),
         ({"temperature": 9}, "temperature"),
     ],
 )
