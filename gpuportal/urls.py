@@ -11,7 +11,7 @@ from rest_framework.permissions import IsAuthenticated
 
 from gpuportal import health
 from scheduling import gauges
-from scheduling.api import messages, openai_compat, responses
+from scheduling.api import messages, openai_compat, responses, tokens
 
 # drf-spectacular serves the schema to anyone by default; here it sits behind the API's own
 # auth like the rest of /api/ (a logged-in admin session is enough for the docs page).
@@ -67,6 +67,9 @@ urlpatterns = [
     path("v1/embeddings", openai_compat.EmbeddingsView.as_view(), name="openai-embeddings"),
     path("v1/responses", responses.ResponsesView.as_view(), name="openai-responses"),
     path("v1/messages", messages.MessagesView.as_view(), name="anthropic-messages"),
+    path("v1/messages/count_tokens", messages.CountTokensView.as_view(), name="anthropic-count-tokens"),
+    path("tokenize", tokens.TokenizeView.as_view(), name="tokenize"),
+    path("detokenize", tokens.DetokenizeView.as_view(), name="detokenize"),
     path("v1/responses/<str:response_id>", responses.ResponseDetailView.as_view(), name="openai-response"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),

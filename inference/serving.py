@@ -52,8 +52,10 @@ from gpuportal.wire.requestqueue import (
     family_of_loader,
 )
 from gpuportal.wire.sampling import (
+    COUNT_ONLY,
     DEFAULT_MAX_TOKENS,
     FORMATS,
+    PROMPT_TOKEN_IDS,
     SCHEMA_FIELD,
     STOP_REASON,
     Sampling,
@@ -241,6 +243,8 @@ class Executor:
             return self.embed(request.input)
         if request.kind == "forward":
             return self.forward(request.input)
+        if request.params.get(COUNT_ONLY):
+            return self.tokenized(request)
         prompt = self.prompt_of(request)
         opened = self.opened(request, prompt)
         if opened and on_chunk is not None:
@@ -250,9 +254,26 @@ class Executor:
             result["message"] = {"role": "assistant", "content": result["text"]}
         return echoed(self.tokenizer, request, result)
 
-    def prompt_of(self, request: Request) -> str | list[int]:
+    def tokenized(self, request: Request) -> dict[str, Any]:
+        """A request asked only to count its prompt (COUNT_ONLY): its tokens, counted as an
+        answer's usage counts them, and a prompt given as ids decoded. Not refused for its size:
+        how far past the model's context a prompt is is what a caller counting it wants to know."""
+        prompt = self.prompt_of(request, sized=False)
+        ids = prompt if isinstance(prompt, list) else [int(t) for t in self.tokenizer(prompt).input_ids]
+        output: dict[str, Any] = {
+            "text": "",
+            "finish_reason": "stop",
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)},
+            PROMPT_TOKEN_IDS: ids,
+        }
+        if isinstance(prompt, list):
+            output["prompt_text"] = self.tokenizer.decode(ids)
+        return output
+
+    def prompt_of(self, request: Request, *, sized: bool = True) -> str | list[int]:
         """A text request's prompt: a chat's messages through the model's template, a completion's
-        text, or the token ids a completion was given (vLLM's; checked against the vocabulary)."""
+        text, or the token ids a completion was given (vLLM's; checked against the vocabulary);
+        refused where it could never fit the model's context (`sized`)."""
         if self.tokenizer is None:
             raise BadInput("this deployment has no tokenizer: send JSON tensors (kind forward) instead of text")
         if request.kind == "generate" and isinstance(request.input, list):
@@ -271,7 +292,8 @@ class Executor:
             if request.kind == "chat"
             else str(request.input)
         )
-        self.refuse_oversized(prompt)
+        if sized:
+            self.refuse_oversized(prompt)
         return prompt
 
     @functools.cached_property
@@ -831,8 +853,8 @@ class Server(threading.Thread):
             self._stopped(request, request.stop_asked)
             return
         paged = self.host.paged
-        if request.kind in ("forward", "embed") or paged is None:
-            self.serve(request)
+        if request.kind in ("forward", "embed") or paged is None or request.params.get(COUNT_ONLY):
+            self.serve(request)  # at once: a count generates nothing, and needs no room in the batch
             return
         if not self.host.begin_request():
             self.queue.give_back(request, self.host.replica_id)

@@ -252,6 +252,13 @@ def one_format_problem(given: Mapping[str, Any]) -> tuple[str, str] | None:
     return names[1], f"one format at a time: {' and '.join(names)} were both given"
 
 
+# Request queue params: the prompt is tokenized and counted, nothing generated (vLLM's
+# /tokenize and /detokenize, Anthropic's count_tokens: only the model's own tokenizer counts its
+# tokens, and the web has none). The output's usage counts them, its PROMPT_TOKEN_IDS lists
+# them, and a prompt given as ids comes back decoded (`prompt_text`).
+COUNT_ONLY = "count_only"
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+
 # A replica's output says what ended an answer on a stop the caller gave (vLLM's `stop_reason`):
 # the stop string matched, or the stop token's id; absent where it ended otherwise.
 STOP_REASON = "stop_reason"

@@ -548,6 +548,18 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             },
         },
     },
+    ("post", "/v1/messages/count_tokens"): {
+        "request": {"model": "tiny-a", "system": "Be brief.", "messages": [{"role": "user", "content": "Hello"}]},
+        "response": {"input_tokens": 12},
+    },
+    ("post", "/tokenize"): {
+        "request": {"model": "tiny-a", "prompt": "Hello world"},
+        "response": {"count": 3, "max_model_len": 2048, "tokens": [1, 15043, 3186]},
+    },
+    ("post", "/detokenize"): {
+        "request": {"model": "tiny-a", "tokens": [1, 15043, 3186]},
+        "response": {"prompt": "<s> Hello world"},
+    },
     ("get", "/v1/responses/{response_id}"): {
         "summary": "A response of yours as it stands, as OpenAI's retrieve response (kept for a day)",
         "parameter": f"resp_{REQUEST}",

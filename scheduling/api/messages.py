@@ -24,6 +24,7 @@ from typing import Any
 from django.conf import settings
 from django.http import JsonResponse
 from django.http.response import HttpResponseBase
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
@@ -32,7 +33,7 @@ from rest_framework.response import Response
 from gpuportal.auth import ApiKeyAuthentication, user_from_api_key, user_from_header
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
-from scheduling.api import completion_input, idempotency
+from scheduling.api import completion_input, idempotency, tokens
 from scheduling.api.completion_input import Completion, Refused, content_text, not_text
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, OpenAIView, _follow, _stop
@@ -72,6 +73,16 @@ ERROR_TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    """Tells the OpenAPI schema that /v1/messages takes a token in Anthropic's `x-api-key` header."""
+
+    target_class = ApiKeyAuthentication
+    name = "apiKeyAuth"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {"type": "apiKey", "in": "header", "name": "x-api-key"}
 
 
 class MessageInput(serializers.Serializer):
@@ -612,3 +623,33 @@ class _Blocks:
         if self.open is not None:
             yield self.event("content_block_stop", index=self.at[self.open])
             self.open = None
+
+
+class CountTokensView(MessagesView):
+    """`POST /v1/messages/count_tokens`: the tokens a Messages body's prompt holds (its system,
+    messages and tools, through the model's template), as Anthropic's count_tokens; counted by a
+    replica (scheduling.api.tokens)."""
+
+    @extend_schema(
+        parameters=[],
+        summary="Count a Messages body's input tokens, as Anthropic's count_tokens.",
+        description="The system prompt, messages and tools through the model's chat template, counted by a "
+        "replica with the model's own tokenizer; a deployment asleep is woken. `max_tokens` is not needed.",
+        request=MessageInput,
+        responses={200: dict},
+    )
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return super().post(request)
+
+    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        try:
+            if isinstance(body, dict) and body.get("max_tokens") is None:
+                body = {**body, "max_tokens": 1}  # a count's body needs none: it generates nothing
+            call = self.parse(body, owner)
+        except Refused as refused:
+            return 400, {"error": {"message": str(refused), "param": refused.param}}
+        params = {name: call.params[name] for name in tokens.TEMPLATE_PARAMS if name in call.params}
+        code, result = tokens.counted(call.model, "chat", call.input, params, owner, call.timeout_s, "messages")
+        if not isinstance(result, Request):
+            return code, result
+        return 200, {"input_tokens": len((result.output or {})[sampling.PROMPT_TOKEN_IDS])}
