@@ -13,11 +13,10 @@ its replica has, up to it (gpuportal.wire.sampling.MAX_TOKENS_BOUND), as vLLM fi
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import itertools
 import json
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +35,8 @@ from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input, idempotency, tokens
 from scheduling.api.completion_input import Completion, Refused, content_text, not_text
 from scheduling.api.inputs import FiniteFloatField
-from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, OpenAIView, _follow, _stop
+from scheduling.api.one_stream import followed
+from scheduling.api.openai_compat import ChatCompletionsView, OpenAIView
 
 ID_PREFIX = "msg_"
 TOOL_ID_PREFIX = "toolu_"
@@ -502,37 +502,23 @@ class MessagesView(ChatCompletionsView):
         request = submitted[0]
         blocks = _Blocks()
         yield blocks.event("message_start", message=self.begun(request, call.model))
-        deadline, stop = time.monotonic() + call.timeout_s, threading.Event()
-        held = self.held_back(call)
-        splitter, watch = reasoning.Splitter(), tools.Watch() if self.watched(call) else None
-        told, told_at, ended = "", time.monotonic(), False
-        try:
-            for item in _follow(request, call.model, deadline, 0, stop):
-                if item.waiting:
-                    if not blocks.opened and (item.waiting != told or time.monotonic() - told_at >= KEEPALIVE_S):
-                        told, told_at = item.waiting, time.monotonic()
-                        yield f": {told}\n\n".encode()  # what it waits for, a comment clients skip
+        heard = followed(
+            request, call, held=self.held_back(call), watched=self.watched(call), begun=lambda: blocks.opened
+        )
+        with contextlib.closing(heard):  # closed early (the client left), it stops the request
+            for said in heard:
+                if not said.ended:
+                    if said.comment:
+                        yield said.comment
+                    yield from blocks.said(THINKING, said.thought)
+                    yield from blocks.said(TEXT, said.text)
                     continue
-                if not item.ended:
-                    if held:
-                        continue  # read whole at its end
-                    thought, text = splitter.feed(item.text)
-                    yield from blocks.said(THINKING, thought)
-                    yield from blocks.said(TEXT, watch.feed(text) if watch is not None else text)
-                    continue
-                ended = True
-                final = item.final
+                final = said.final
                 if final is None or final.status != "done":
                     failed = self._ended_short(final, request, call.timeout_s)
                     yield blocks.event("error", **error(_status_of(failed), _message_of(failed)))
                     return
-                yield from self._ending(blocks, final, watch)
-        except GeneratorExit:
-            if not ended:  # the client left: nothing generates an answer for nobody
-                _stop([request], "its caller left: the stream was closed")
-            raise
-        finally:
-            stop.set()
+                yield from self._ending(blocks, final, said.watch)
 
     def _ending(self, blocks: _Blocks, final: Request, watch: tools.Watch | None) -> Iterator[bytes]:
         """The events of an answer's end: the rest of its thinking and text (what the stream held

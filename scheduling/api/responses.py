@@ -16,7 +16,6 @@ import contextlib
 import difflib
 import itertools
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +32,8 @@ from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input, idempotency
 from scheduling.api.completion_input import Completion, Refused, content_text, not_text
 from scheduling.api.inputs import FiniteFloatField
-from scheduling.api.openai_compat import KEEPALIVE_S, ChatCompletionsView, OpenAIView, _follow, _stop, error_body
+from scheduling.api.one_stream import followed
+from scheduling.api.openai_compat import ChatCompletionsView, OpenAIView, error_body
 from scheduling.services import queueing
 from scheduling.services.errors import NotFound
 
@@ -417,38 +417,24 @@ class ResponsesView(ChatCompletionsView):
         begun = self.response(request, call.model, created=None, status="in_progress", output=[], usage=None)
         yield outline.event("response.created", response=begun)
         yield outline.event("response.in_progress", response=begun)
-        deadline, stop = time.monotonic() + call.timeout_s, threading.Event()
-        held = self.held_back(call)
-        splitter, watch = reasoning.Splitter(), tools.Watch() if self.watched(call) else None
-        told, told_at, ended = "", time.monotonic(), False
-        try:
-            for item in _follow(request, call.model, deadline, 0, stop):
-                if item.waiting:
-                    if not outline.at and (item.waiting != told or time.monotonic() - told_at >= KEEPALIVE_S):
-                        told, told_at = item.waiting, time.monotonic()
-                        yield f": {told}\n\n".encode()  # what it waits for, a comment clients skip
+        heard = followed(
+            request, call, held=self.held_back(call), watched=self.watched(call), begun=lambda: bool(outline.at)
+        )
+        with contextlib.closing(heard):  # closed early (the client left), it stops the request
+            for said in heard:
+                if not said.ended:
+                    if said.comment:
+                        yield said.comment
+                    yield from outline.said(REASONING, said.thought)
+                    yield from outline.said(MESSAGE, said.text)
                     continue
-                if not item.ended:
-                    if held:
-                        continue  # read whole at its end
-                    thought, text = splitter.feed(item.text)
-                    yield from outline.said(REASONING, thought)
-                    yield from outline.said(MESSAGE, watch.feed(text) if watch is not None else text)
-                    continue
-                ended = True
-                final = item.final
+                final = said.final
                 if final is None or final.status != "done":
                     status, error = self.unanswered(final, request, call.timeout_s)
                     ended_short = self.response(request, call.model, created=None, status=status, output=[], usage=None)
                     yield outline.event("response.failed", response={**ended_short, "error": error})
                     return
-                yield from self._ending(outline, self.body([final], submitted, call.model), final, watch)
-        except GeneratorExit:
-            if not ended:  # the client left: nothing generates an answer for nobody
-                _stop([request], "its caller left: the stream was closed")
-            raise
-        finally:
-            stop.set()
+                yield from self._ending(outline, self.body([final], submitted, call.model), final, said.watch)
 
     def unanswered(self, final: Request | None, request: Request, timeout: float) -> tuple[str, dict[str, Any]]:
         """The status and error of a response whose request ended without an answer (failed,

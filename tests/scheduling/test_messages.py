@@ -18,7 +18,7 @@ from rest_framework.authtoken.models import Token
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
-from scheduling.api import messages
+from scheduling.api import messages, one_stream
 from scheduling.api.completion_input import Refused
 from scheduling.api.messages import MessagesView
 from scheduling.api.openai_compat import _Said
@@ -196,7 +196,7 @@ def streamed(monkeypatch, pieces: list[str], text: str, **body: Any) -> list[tup
         yield from (_Said(0, text=piece) for piece in pieces)
         yield _Said(0, ended=True, final=final)
 
-    monkeypatch.setattr(messages, "_follow", follow)
+    monkeypatch.setattr(one_stream, "_follow", follow)
     sent = b"".join(MessagesView().events([asked], call)).decode()
     events = []
     for chunk in sent.strip().split("\n\n"):
@@ -226,6 +226,26 @@ def test_a_stream_sends_thinking_then_text_as_they_come_and_a_call_whole_at_its_
     stopped = [data["index"] for name, data in events if name == "content_block_stop"]
     assert stopped == [0, 1, 2], "each block closed before the next opened"
     assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+
+
+def test_a_stream_closed_before_its_end_stops_its_request(monkeypatch):
+    call = read(stream=True)
+    asked = Request(id="r-3", deployment="tiny", kind="chat", input=[], params=call.params)
+    stopped: list[list[str]] = []
+
+    def follow(*args: Any) -> Any:
+        while True:  # a long answer, still coming
+            yield _Said(0, text="word ")
+
+    monkeypatch.setattr(one_stream, "_follow", follow)
+    monkeypatch.setattr(one_stream, "_stop", lambda requests, why: stopped.append([r.id for r in requests]))
+    events = MessagesView().events([asked], call)
+    for _ in range(3):
+        next(events)
+    assert stopped == []
+    events.close()  # as the server closes it when a write to a gone client fails
+
+    assert stopped == [["r-3"]]
 
 
 def test_errors_come_in_anthropics_shape_their_headers_kept():

@@ -149,7 +149,7 @@ def streamed(monkeypatch, pieces: list[str], text: str, **body: Any) -> list[dic
     """The events of a response streamed from `pieces`, its request ending with `text`."""
     import json
 
-    from scheduling.api import responses
+    from scheduling.api import one_stream
     from scheduling.api.openai_compat import _Said
 
     call = read(stream=True, **body)
@@ -160,7 +160,7 @@ def streamed(monkeypatch, pieces: list[str], text: str, **body: Any) -> list[dic
         yield from (_Said(0, text=piece) for piece in pieces)
         yield _Said(0, ended=True, final=final)
 
-    monkeypatch.setattr(responses, "_follow", follow)
+    monkeypatch.setattr(one_stream, "_follow", follow)
     sent = b"".join(ResponsesView().events([asked], call)).decode()
     return [json.loads(line.removeprefix("data: ")) for line in sent.splitlines() if line.startswith("data: ")]
 
@@ -205,3 +205,26 @@ def test_a_stream_that_calls_sends_its_text_then_the_call_whole_after_the_messag
     added = events[kinds.index("response.output_item.added", kinds.index("response.output_item.done"))]
     assert added["output_index"] == 1 and added["item"]["arguments"] == "" and added["item"]["name"] == "weather"
     assert [item["type"] for item in events[-1]["response"]["output"]] == ["message", "function_call"]
+
+
+def test_a_stream_closed_before_its_end_stops_its_request(monkeypatch):
+    from scheduling.api import one_stream
+    from scheduling.api.openai_compat import _Said
+
+    call = read(stream=True)
+    asked = Request(id="r-3", deployment="tiny", kind="chat", input=[], params=call.params)
+    stopped: list[list[str]] = []
+
+    def follow(*args: Any) -> Any:
+        while True:  # a long answer, still coming
+            yield _Said(0, text="word ")
+
+    monkeypatch.setattr(one_stream, "_follow", follow)
+    monkeypatch.setattr(one_stream, "_stop", lambda requests, why: stopped.append([r.id for r in requests]))
+    events = ResponsesView().events([asked], call)
+    for _ in range(5):
+        next(events)
+    assert stopped == []
+    events.close()  # as the server closes it when a write to a gone client fails
+
+    assert stopped == [["r-3"]]
