@@ -23,20 +23,18 @@ from typing import Any
 from django.conf import settings
 from django.http import JsonResponse
 from django.http.response import HttpResponseBase
-from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 
-from gpuportal.auth import ApiKeyAuthentication, user_from_api_key, user_from_header
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input, idempotency, tokens
 from scheduling.api.completion_input import Completion, Refused, content_text, not_text
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.one_stream import followed
-from scheduling.api.openai_compat import ChatCompletionsView, OpenAIView
+from scheduling.api.openai_compat import ChatCompletionsView
 
 ID_PREFIX = "msg_"
 TOOL_ID_PREFIX = "toolu_"
@@ -73,16 +71,6 @@ ERROR_TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
-
-
-class ApiKeyScheme(OpenApiAuthenticationExtension):
-    """Tells the OpenAPI schema that /v1/messages takes a token in Anthropic's `x-api-key` header."""
-
-    target_class = ApiKeyAuthentication
-    name = "apiKeyAuth"
-
-    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
-        return {"type": "apiKey", "in": "header", "name": "x-api-key"}
 
 
 class MessageInput(serializers.Serializer):
@@ -404,7 +392,6 @@ class MessagesView(ChatCompletionsView):
     """`POST /v1/messages`: a chat, its answer as a message's content blocks."""
 
     input_param = "messages"
-    authentication_classes = [ApiKeyAuthentication, *OpenAIView.authentication_classes]
 
     @extend_schema(
         parameters=[idempotency.PARAMETER],
@@ -417,10 +404,6 @@ class MessagesView(ChatCompletionsView):
     )
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
-
-    @staticmethod
-    def caller(request: Any) -> Any | None:
-        return user_from_api_key(request) or user_from_header(request)
 
     def handle_exception(self, exc: Exception) -> Response:
         answered = super().handle_exception(exc)

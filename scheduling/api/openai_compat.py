@@ -31,7 +31,13 @@ from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from gpuportal.auth import BearerTokenAuthentication, CachedTokenAuthentication, user_from_header
+from gpuportal.auth import (
+    ApiKeyAuthentication,
+    BearerTokenAuthentication,
+    CachedTokenAuthentication,
+    user_from_api_key,
+    user_from_header,
+)
 from gpuportal.wire import reasoning, tools
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from gpuportal.wire.sampling import STOP_REASON
@@ -69,6 +75,16 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
 
     def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
         return {"type": "http", "scheme": "bearer"}
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    """Tells the OpenAPI schema that the /v1 endpoints take a token in Anthropic's `x-api-key` header too."""
+
+    target_class = ApiKeyAuthentication
+    name = "apiKeyAuth"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {"type": "apiKey", "in": "header", "name": "x-api-key"}
 
 
 class WaitInput(serializers.Serializer):
@@ -231,7 +247,14 @@ def _service_error(exc: ServiceError) -> tuple[int, dict[str, Any]]:
 
 
 class OpenAIView(APIView):
-    authentication_classes = [BearerTokenAuthentication, CachedTokenAuthentication, SessionAuthentication]
+    # The key as OpenAI's clients send it (a bearer token), as Anthropic's do (x-api-key), as the
+    # portal's own CLI does (Token), or a signed-in browser's session.
+    authentication_classes = [
+        BearerTokenAuthentication,
+        ApiKeyAuthentication,
+        CachedTokenAuthentication,
+        SessionAuthentication,
+    ]
     permission_classes = [permissions.IsAuthenticated]
 
     def handle_exception(self, exc: Exception) -> Response:
@@ -254,21 +277,29 @@ OPENAI_LOADERS = (Deployment.Loader.TRANSFORMERS, Deployment.Loader.EMBEDDING)
 def _model(name: str, created: datetime, max_tokens: int) -> dict[str, Any]:
     """A deployment as OpenAI lists a model, with vLLM's `max_model_len` (the longest prompt and
     answer together a replica serves: its `memory.max_tokens`, what its KV cache is sized for),
-    which clients read to fit a conversation."""
+    which clients read to fit a conversation; and as Anthropic's clients read one (`type`,
+    `display_name`, `created_at`, `max_input_tokens`)."""
     return {
         "id": name,
         "object": "model",
         "created": int(created.timestamp()),
         "owned_by": "gpuportal",
         "max_model_len": max_tokens,
+        "type": "model",
+        "display_name": name,
+        "created_at": created.isoformat(),
+        "max_input_tokens": max_tokens,
     }
 
 
 class ModelsView(OpenAIView):
     @extend_schema(responses={200: dict})
     def get(self, request: HttpRequest) -> Response:
-        rows = Deployment.objects.filter(loader__in=OPENAI_LOADERS).values_list("name", "created_at", "max_tokens")
-        return Response({"object": "list", "data": [_model(*row) for row in rows]})
+        rows = Deployment.objects.filter(loader__in=OPENAI_LOADERS).order_by("name")
+        data = [_model(*row) for row in rows.values_list("name", "created_at", "max_tokens")]
+        # Anthropic's list says it is whole (`has_more`), and where it begins and ends.
+        ends = {"first_id": data[0]["id"], "last_id": data[-1]["id"]} if data else {"first_id": None, "last_id": None}
+        return Response({"object": "list", "data": data, "has_more": False, **ends})
 
 
 class ModelView(OpenAIView):
@@ -309,7 +340,7 @@ class _Answered(OpenAIView, ABC):
     def caller(request: Any) -> Any | None:
         """The user whose key the request carries, read without DRF; None hands the request to
         DRF, whose authentication says what is wrong."""
-        return user_from_header(request)
+        return user_from_header(request) or user_from_api_key(request)
 
     def post(self, request: HttpRequest) -> HttpResponseBase:
         code, answer = self._answer_with_key(request, request.data, str(request.user.pk))

@@ -22,6 +22,7 @@ from scheduling.api import messages, one_stream
 from scheduling.api.completion_input import Refused
 from scheduling.api.messages import MessagesView
 from scheduling.api.openai_compat import _Said
+from scheduling.models import Deployment
 from tests.scheduling.test_openai import replica, served, served_longer, served_thinking  # noqa: F401
 
 WEATHER = {
@@ -301,6 +302,8 @@ def test_anthropics_client_gets_a_message_streams_it_and_is_refused_in_its_own_e
     )
     with urllib.request.urlopen(by_header, timeout=30) as answer:
         plain = json.loads(answer.read())
+    listed = list(claude.models.list())  # its paging reads has_more
+    one = claude.models.retrieve("tiny")
 
     assert said.type == "message" and said.role == "assistant" and said.model == "tiny"
     assert said.stop_reason == "max_tokens" and said.usage.output_tokens == 8 and said.usage.input_tokens > 0
@@ -318,6 +321,8 @@ def test_anthropics_client_gets_a_message_streams_it_and_is_refused_in_its_own_e
     assert missing.value.body["error"]["type"] == "not_found_error" and "did you mean `tiny`?" in str(missing.value)
     assert unknown.value.body["error"]["type"] == "authentication_error"
     assert plain["content"][0]["text"] == said.content[0].text
+    assert [(m.id, m.type, m.display_name) for m in listed] == [("tiny", "model", "tiny")]
+    assert one.max_input_tokens == Deployment.objects.get(name="tiny").max_tokens and one.created_at.year >= 2026
 
 
 def test_anthropics_client_calls_a_tool_and_reads_its_result(claude, served_longer):  # noqa: F811

@@ -47,11 +47,14 @@ def test_a_count_is_the_prompts_tokens_and_nothing_generated():
     assert long["usage"]["prompt_tokens"] > 100_000, "counted, not refused for a size no context holds"
 
 
-def post(live_server: Any, path: str, body: dict[str, Any], key: str) -> tuple[int, dict[str, Any]]:
+def post(
+    live_server: Any, path: str, body: dict[str, Any], key: str, *, as_anthropic: bool = False
+) -> tuple[int, dict[str, Any]]:
+    given = {"x-api-key": key} if as_anthropic else {"Authorization": f"Bearer {key}"}
     call = urllib.request.Request(
         f"{live_server.url}{path}",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        headers={"Content-Type": "application/json", **given},
     )
     try:
         with urllib.request.urlopen(call, timeout=30) as answer:
@@ -66,7 +69,7 @@ def test_vllms_tokenize_and_detokenize_count_with_the_models_tokenizer(client, s
 
     _, text = post(live_server, "/tokenize", {"model": "tiny", "prompt": "Once upon a time"}, key)
     _, chat = post(live_server, "/tokenize", {"model": "tiny", "messages": CHAT}, key)
-    _, back = post(live_server, "/detokenize", {"model": "tiny", "tokens": text["tokens"]}, key)
+    _, back = post(live_server, "/detokenize", {"model": "tiny", "tokens": text["tokens"]}, key, as_anthropic=True)
     refused = {
         "both": post(live_server, "/tokenize", {"model": "tiny", "prompt": "x", "messages": CHAT}, key),
         "neither": post(live_server, "/tokenize", {"model": "tiny"}, key),
