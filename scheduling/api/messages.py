@@ -353,12 +353,15 @@ def _converted(status: int, answer: dict[str, Any] | HttpResponseBase) -> dict[s
     return converted
 
 
-def stop_reason(output: dict[str, Any], called: bool) -> tuple[str, str | None]:
-    """(Anthropic's stop_reason, the stop sequence met) of an answer."""
+def stop_reason(output: dict[str, Any], called: bool, bound: int | None) -> tuple[str, str | None]:
+    """(Anthropic's stop_reason, the stop sequence met) of an answer asked to be at most `bound`
+    tokens: one cut short of it ran out of the room its replica had (the model's context, or its
+    share of the KV cache), which Anthropic tells apart from its max_tokens."""
     if called:
         return "tool_use", None
     if output.get("finish_reason") == "length":
-        return "max_tokens", None
+        made = (output.get("usage") or {}).get("completion_tokens", 0)
+        return ("model_context_window_exceeded" if bound is not None and made < bound else "max_tokens"), None
     met = output.get(sampling.STOP_REASON)
     if isinstance(met, str):
         return "stop_sequence", met
@@ -439,7 +442,8 @@ class MessagesView(ChatCompletionsView):
     def body(self, results: list[Request], asked: list[Request], model: str, n: int = 1) -> dict[str, Any]:
         output = results[0].output or {}
         blocks = self.blocks(output, asked[0])
-        reason, met = stop_reason(output, any(block["type"] == "tool_use" for block in blocks))
+        called = any(block["type"] == "tool_use" for block in blocks)
+        reason, met = stop_reason(output, called, asked[0].params.get(sampling.MAX_TOKENS_BOUND))
         return {
             **self.begun(asked[0], model),
             "content": blocks,
@@ -529,7 +533,7 @@ class MessagesView(ChatCompletionsView):
                 delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)},
             )
             yield blocks.event("content_block_stop", index=index)
-        reason, met = stop_reason(output, bool(calls))
+        reason, met = stop_reason(output, bool(calls), final.params.get(sampling.MAX_TOKENS_BOUND))
         yield blocks.event("message_delta", delta={"stop_reason": reason, "stop_sequence": met}, usage=usage(output))
         yield blocks.event("message_stop")
 

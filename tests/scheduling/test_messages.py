@@ -167,6 +167,9 @@ def test_an_answer_is_content_blocks_and_its_stop_reason_says_how_it_ended():
     hermes = '<think>Check.</think>Looking.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
     called = MessagesView().body([answered(hermes)[0]], [answered(hermes)[1]], "tiny")
     cut = MessagesView().body([answered("It is", "length")[0]], [answered("")[1]], "tiny")
+    done, asked = answered("It is", "length")
+    asked = Request(**{**asked.__dict__, "params": {**asked.params, sampling.MAX_TOKENS_BOUND: 3}})
+    at_bound = MessagesView().body([done], [asked], "tiny")
     stopped = MessagesView().body([answered("It is", stop_reason="\n\n")[0]], [answered("")[1]], "tiny")
     ended = MessagesView().body([answered("")[0]], [answered("")[1]], "tiny")
 
@@ -182,7 +185,11 @@ def test_an_answer_is_content_blocks_and_its_stop_reason_says_how_it_ended():
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 0,
     }
-    assert cut["stop_reason"] == "max_tokens" and cut["content"] == [{"type": "text", "text": "It is"}]
+    # 3 tokens of the 64 asked: cut by the room its replica had, not by max_tokens.
+    assert cut["stop_reason"] == "model_context_window_exceeded" and cut["content"] == [
+        {"type": "text", "text": "It is"}
+    ]
+    assert at_bound["stop_reason"] == "max_tokens", "its 3 tokens all it asked"
     assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "\n\n")
     assert ended["stop_reason"] == "end_turn" and ended["content"] == [{"type": "text", "text": ""}]
 
@@ -312,7 +319,7 @@ def test_anthropics_client_gets_a_message_streams_it_and_is_refused_in_its_own_e
     assert built.stop_reason == "max_tokens" and built.content[0].text == said.content[0].text
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
     assert stopped.content[0].text == said.content[0].text[: said.content[0].text.find(stop)]
-    assert long.usage.output_tokens > 8 and long.stop_reason in ("max_tokens", "end_turn")
+    assert long.usage.output_tokens > 8 and long.stop_reason in ("model_context_window_exceeded", "end_turn")
     assert refused.value.body == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": refused.value.body["error"]["message"]},
