@@ -11,7 +11,7 @@ from rest_framework.permissions import IsAuthenticated
 
 from gpuportal import health
 from scheduling import gauges
-from scheduling.api import messages, openai_compat, responses, tokens
+from scheduling.api import messages, ollama, ollama_models, openai_compat, responses, tokens
 
 # drf-spectacular serves the schema to anyone by default; here it sits behind the API's own
 # auth like the rest of /api/ (a logged-in admin session is enough for the docs page).
@@ -58,6 +58,14 @@ urlpatterns = [
         login_first_in_a_browser(SpectacularSwaggerView.as_view(url_name="schema", **api_docs_auth)),
         name="docs",
     ),
+    # Ollama's own API, beside the portal's under /api/ (none of its paths is one of the portal's).
+    path("api/chat", ollama.OllamaChatView.as_view(), name="ollama-chat"),
+    path("api/generate", ollama.OllamaGenerateView.as_view(), name="ollama-generate"),
+    path("api/embed", ollama_models.EmbedView.as_view(), name="ollama-embed"),
+    path("api/tags", ollama_models.TagsView.as_view(), name="ollama-tags"),
+    path("api/ps", ollama_models.RunningView.as_view(), name="ollama-ps"),
+    path("api/show", ollama_models.ShowView.as_view(), name="ollama-show"),
+    path("api/version", ollama_models.VersionView.as_view(), name="ollama-version"),
     path("api/", include("scheduling.api.urls")),
     path("v1/models", openai_compat.ModelsView.as_view(), name="openai-models"),
     # A path, not a slug: a name with a slash (`org/name`) gets OpenAI's 404, not Django's page.

@@ -560,6 +560,66 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "request": {"model": "tiny-a", "tokens": [1, 15043, 3186]},
         "response": {"prompt": "<s> Hello world"},
     },
+    ("post", "/api/chat"): {
+        "request": {"model": "tiny-a", "messages": [{"role": "user", "content": "Hello"}], "stream": False},
+        "response": {
+            "model": "tiny-a",
+            "created_at": "2026-12-03T06:40:12.123456Z",
+            "message": {"role": "assistant", "content": "Hello! How can I help?"},
+            "done": True,
+            "done_reason": "stop",
+            "total_duration": 210000000,
+            "load_duration": 1000000,
+            "prompt_eval_count": 12,
+            "prompt_eval_duration": 20000000,
+            "eval_count": 8,
+            "eval_duration": 189000000,
+        },
+    },
+    ("post", "/api/generate"): {
+        "request": {"model": "tiny-a", "prompt": "Hello", "stream": False},
+        "response": {
+            "model": "tiny-a",
+            "created_at": "2026-12-03T06:40:12.123456Z",
+            "response": "Hello! How can I help?",
+            "done": True,
+            "done_reason": "stop",
+            "eval_count": 8,
+        },
+    },
+    ("post", "/api/embed"): {
+        "request": {"model": "minilm", "input": ["A cat sits.", "A dog runs."]},
+        "response": {"model": "minilm", "embeddings": [[0.0213, -0.0841, 0.0377]], "prompt_eval_count": 8},
+    },
+    ("get", "/api/tags"): {
+        "response": {
+            "models": [
+                {
+                    "name": "tiny-a",
+                    "model": "tiny-a",
+                    "modified_at": "2026-12-03T06:40:12+00:00",
+                    "size": 734003200,
+                    "digest": "",
+                    "details": {"format": "safetensors", "family": "transformers", "quantization_level": "float32"},
+                }
+            ]
+        }
+    },
+    ("get", "/api/ps"): {
+        "response": {
+            "models": [
+                {"name": "tiny-a", "model": "tiny-a", "size": 734003200, "size_vram": 734003200, "context_length": 2048}
+            ]
+        }
+    },
+    ("post", "/api/show"): {
+        "request": {"model": "tiny-a"},
+        "response": {
+            "model_info": {"general.architecture": "gpuportal", "gpuportal.context_length": 2048},
+            "capabilities": ["completion", "tools", "thinking"],
+        },
+    },
+    ("get", "/api/version"): {"response": {"version": "0.1.0"}},
     ("get", "/v1/responses/{response_id}"): {
         "summary": "A response of yours as it stands, as OpenAI's retrieve response (kept for a day)",
         "parameter": f"resp_{REQUEST}",

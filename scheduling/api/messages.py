@@ -21,17 +21,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
-from django.http import JsonResponse
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
-from rest_framework.response import Response
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input, idempotency, tokens
 from scheduling.api.completion_input import Completion, Refused, content_text, not_text
+from scheduling.api.error_shapes import ReshapedErrors, message_of
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.one_stream import followed
 from scheduling.api.openai_compat import ChatCompletionsView
@@ -323,36 +322,6 @@ def error(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _message_of(body: Any) -> str:
-    """What an OpenAI-shaped error (or DRF's `detail`) says."""
-    if isinstance(body, dict):
-        inner = body.get("error")
-        if isinstance(inner, dict) and "message" in inner:
-            return str(inner["message"])
-        if isinstance(inner, str):
-            return inner
-        if "detail" in body:
-            return str(body["detail"])
-        # A check's errors by field ({"messages.0.content": ["holds a NUL character ..."]}).
-        return "; ".join(
-            f"{field}: {' '.join(map(str, why)) if isinstance(why, list) else why}" for field, why in body.items()
-        )
-    return json.dumps(body)
-
-
-def _converted(status: int, answer: dict[str, Any] | HttpResponseBase) -> dict[str, Any] | HttpResponseBase:
-    """An error answer in Anthropic's shape, its headers kept (Retry-After, x-should-retry)."""
-    if isinstance(answer, dict):
-        return error(status, _message_of(answer))
-    if not isinstance(answer, JsonResponse):
-        return answer
-    converted = JsonResponse(error(status, _message_of(json.loads(answer.content))), status=status)
-    for name, value in answer.items():
-        if name.lower() not in ("content-type", "content-length"):
-            converted[name] = value
-    return converted
-
-
 def stop_reason(output: dict[str, Any], called: bool, bound: int | None) -> tuple[str, str | None]:
     """(Anthropic's stop_reason, the stop sequence met) of an answer asked to be at most `bound`
     tokens: one cut short of it ran out of the room its replica had (the model's context, or its
@@ -391,7 +360,7 @@ def _tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class MessagesView(ChatCompletionsView):
+class MessagesView(ReshapedErrors, ChatCompletionsView):
     """`POST /v1/messages`: a chat, its answer as a message's content blocks."""
 
     input_param = "messages"
@@ -408,17 +377,9 @@ class MessagesView(ChatCompletionsView):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
-    def handle_exception(self, exc: Exception) -> Response:
-        answered = super().handle_exception(exc)
-        return Response(
-            error(answered.status_code, _message_of(answered.data)),
-            status=answered.status_code,
-            headers={name: value for name, value in answered.items() if name.lower() != "content-type"},
-        )
-
-    def _answer_with_key(self, request: Any, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
-        code, answer = super()._answer_with_key(request, body, owner)
-        return (code, _converted(code, answer)) if code >= 400 else (code, answer)
+    @staticmethod
+    def shape(status: int, message: str) -> dict[str, Any]:
+        return error(status, message)
 
     def parse(self, body: Any, owner: str) -> Completion:
         chat, origins = chat_body(body)
@@ -503,7 +464,7 @@ class MessagesView(ChatCompletionsView):
                 final = said.final
                 if final is None or final.status != "done":
                     failed = self._ended_short(final, request, call.timeout_s)
-                    yield blocks.event("error", **error(_status_of(failed), _message_of(failed)))
+                    yield blocks.event("error", **error(_status_of(failed), message_of(failed)))
                     return
                 yield from self._ending(blocks, final, said.watch)
 

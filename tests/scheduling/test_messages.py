@@ -18,7 +18,7 @@ from rest_framework.authtoken.models import Token
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
-from scheduling.api import messages, one_stream
+from scheduling.api import one_stream
 from scheduling.api.completion_input import Refused
 from scheduling.api.messages import MessagesView
 from scheduling.api.openai_compat import _Said
@@ -260,8 +260,8 @@ def test_errors_come_in_anthropics_shape_their_headers_kept():
     with_headers = JsonResponse({"error": {"message": "slow down", "type": "requests"}}, status=429)
     with_headers["Retry-After"] = "3"
 
-    converted = messages._converted(429, with_headers)
-    plain = messages._converted(404, {"error": {"message": "The model `x` does not exist.", "type": "x"}})
+    converted = MessagesView().reshaped(429, with_headers)
+    plain = MessagesView().reshaped(404, {"error": {"message": "The model `x` does not exist.", "type": "x"}})
 
     assert json.loads(converted.content) == {
         "type": "error",

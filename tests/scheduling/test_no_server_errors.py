@@ -221,6 +221,9 @@ BODIES = [
     ("post", "/v1/embeddings"),
     ("post", "/v1/responses"),
     ("post", "/v1/messages"),
+    ("post", "/api/chat"),
+    ("post", "/api/generate"),
+    ("post", "/api/embed"),
 ]
 
 
@@ -255,6 +258,7 @@ def test_json_nested_past_the_limit_is_a_400_naming_the_limit(staff, method, pat
             },
             "messages.0.content.0.text",
         ),
+        ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "\x00"}]}, "messages.0.content"),
     ],
 )
 def test_a_nul_character_in_a_body_is_a_400_naming_the_field_and_nothing_is_stored(staff, path, sent, field):
@@ -262,6 +266,8 @@ def test_a_nul_character_in_a_body_is_a_400_naming_the_field_and_nothing_is_stor
     assert response.status_code == 400, response.content[:300]
     if path == "/v1/messages":  # in Anthropic's error shape
         assert response.json()["error"]["message"].startswith(f"{field}: holds a NUL character"), response.json()
+    elif path == "/api/chat":  # in Ollama's
+        assert response.json()["error"].startswith(f"{field}: holds a NUL character"), response.json()
     else:
         assert field in response.json(), response.json()
     assert not Deployment.objects.exists()
