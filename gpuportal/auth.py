@@ -71,7 +71,7 @@ API_KEY_HEADER = "HTTP_X_API_KEY"
 
 class ApiKeyAuthentication(CachedTokenAuthentication):
     """The same tokens sent as Anthropic's clients send keys, in an `x-api-key` header: taken on
-    `/v1/messages`, where they call."""
+    the /v1 endpoints (scheduling.api.openai_compat.OpenAIView), where such clients call."""
 
     def authenticate(self, request: Any) -> tuple[Any, Any] | None:
         key = request.META.get(API_KEY_HEADER, "").strip()

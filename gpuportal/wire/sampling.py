@@ -40,19 +40,20 @@ def max_tokens_bound(params: Mapping[str, Any]) -> int:
 def fitted_max_tokens(
     prompt_tokens: int, context: int | None, kv_capacity: int | None = None, most: int = DEFAULT_CHAT_MAX_TOKENS
 ) -> int:
-    """An unbounded chat's max_tokens: `most` (DEFAULT_CHAT_MAX_TOKENS, or its bound), or fewer where the model's
-    `context` or the replica's KV cache (`kv_capacity` tokens) has less room beside the prompt,
-    and never more than half the cache: a replica reserves a sequence's blocks as it admits it,
-    and a chat holding the whole cache would leave no other request room beside it (as `gpuportal
-    chat` asks for half at most). A prompt that leaves no room gets the default all the same, and
-    is refused as too long by the check that follows, as a request asking for it would be."""
+    """An unbounded chat's max_tokens: `most` (DEFAULT_CHAT_MAX_TOKENS, or the bound it was
+    given), or fewer where the model's `context` or the replica's KV cache (`kv_capacity` tokens)
+    has less room beside the prompt, and never more than half the cache: a replica reserves a
+    sequence's blocks as it admits it, and a chat holding the whole cache would leave no other
+    request room beside it (as `gpuportal chat` asks for half at most). A prompt that leaves no
+    room gets `most` all the same, and is refused as too long by the check that follows, as a
+    request asking for it would be."""
     rooms = [most]
     if context is not None:
         rooms.append(context - prompt_tokens)
     if kv_capacity is not None:
         rooms += [kv_capacity - prompt_tokens, kv_capacity // 2]
     room = min(rooms)
-    return room if room >= 1 else DEFAULT_CHAT_MAX_TOKENS
+    return room if room >= 1 else most
 
 
 @dataclass(frozen=True)

@@ -539,7 +539,10 @@ def _continued(body: dict[str, Any], kind: Kind, messages: Any) -> dict[str, Any
     last = messages[-1]
     if last["role"] != "assistant" or last.get("tool_calls") or not last["content"].strip():
         raise Refused(reasoning.CONTINUE_FINAL, "the last message must be the assistant's words, to continue")
-    if body.get(tools.TOOL_CHOICE) not in (None, tools.NONE, tools.AUTO) or body.get("response_format") is not None:
+    formats = ("response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX)
+    if body.get(tools.TOOL_CHOICE) not in (None, tools.NONE, tools.AUTO) or any(
+        body.get(f) is not None for f in formats
+    ):
         raise Refused(
             reasoning.CONTINUE_FINAL, "an answer held to a format or a call begins anew: it continues nothing"
         )

@@ -54,6 +54,7 @@ def test_a_continued_chat_is_asked_in_a_chat_of_the_assistants_words_alone():
          "the last message must be the assistant's"),
         ({"continue_final_message": "yes"}, "must be true or false"),
         ({"continue_final_message": True, "response_format": {"type": "json_object"}}, "an answer held to a format"),
+        ({"continue_final_message": True, "guided_choice": ["red", "blue"]}, "an answer held to a format"),
     ):  # fmt: skip
         with pytest.raises(Refused) as refused:
             read(**body)
