@@ -353,7 +353,9 @@ class OllamaGenerateView(OllamaChatView):
             raise Refused("raw", "must be true or false")
         self.kind = "generate" if raw else "chat"  # this call's: a view is made for each request
         if raw:
-            return {"model": body.get("model"), "prompt": prompt, **sampled(body)}
+            # No template to render: `think` has nothing to tell it.
+            chosen = {name: value for name, value in sampled(body).items() if name != reasoning.TEMPLATE_KWARGS}
+            return {"model": body.get("model"), "prompt": prompt, **chosen}
         said = [{"role": "system", "content": system}] if system else []
         return {"model": body.get("model"), "messages": [*said, {"role": "user", "content": prompt}], **sampled(body)}
 

@@ -63,7 +63,8 @@ def test_generate_is_a_users_message_after_the_system_or_with_raw_the_prompt_as_
     templated = OllamaGenerateView()
     said = templated.parse({"model": "tiny", "prompt": "Hi", "system": "Be brief."}, owner="1")
     raw = OllamaGenerateView()
-    given = raw.parse({"model": "tiny", "prompt": "Hi", "raw": True, "options": {"num_predict": 4}}, owner="1")
+    given = raw.parse({"model": "tiny", "prompt": "Hi", "raw": True, "think": False, "options": {"num_predict": 4}},
+                      owner="1")  # fmt: skip
 
     assert templated.kind == "chat" and said.input == [{"role": "system", "content": "Be brief."},
                                                        {"role": "user", "content": "Hi"}]  # fmt: skip
