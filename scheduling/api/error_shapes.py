@@ -6,6 +6,7 @@ the other, the status and headers (Retry-After, x-should-retry) kept."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from django.http import JsonResponse
@@ -55,8 +56,23 @@ class ReshapedErrors:
             return self.shape(status, message_of(answer))
         if not isinstance(answer, JsonResponse):
             return answer
-        converted = JsonResponse(self.shape(status, message_of(json.loads(answer.content))), status=status)
-        for name, value in answer.items():
-            if name.lower() not in ("content-type", "content-length"):
-                converted[name] = value
-        return converted
+        return reshaped_response(self.shape, answer)
+
+
+def reshaped_response(shape: Callable[[int, str], dict[str, Any]], answer: JsonResponse) -> JsonResponse:
+    """`answer`, an error, in the shape `shape` makes, its status and headers kept."""
+    converted = JsonResponse(
+        shape(answer.status_code, message_of(json.loads(answer.content))), status=answer.status_code
+    )
+    for name, value in answer.items():
+        if name.lower() not in ("content-type", "content-length"):
+            converted[name] = value
+    return converted
+
+
+def shape_of(request: Any) -> Callable[[int, str], dict[str, Any]] | None:
+    """The error shape of the view a request was routed to, where it speaks another API's (for
+    what fails outside the view: an outage the middleware answers); None for the portal's own."""
+    match = getattr(request, "resolver_match", None)
+    view = getattr(getattr(match, "func", None), "view_class", None)
+    return view.shape if isinstance(view, type) and issubclass(view, ReshapedErrors) else None

@@ -19,6 +19,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
+from scheduling.api.error_shapes import reshaped_response, shape_of
 from scheduling.locks import RETRYABLE
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class OutageMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        response = outage_response(exception, openai=request.path.startswith("/v1/"))
+        shape = shape_of(request)  # Anthropic's or Ollama's, where the view speaks their API
+        response = outage_response(exception, openai=shape is not None or request.path.startswith("/v1/"))
         if response is not None and response.status_code == 503:
             log.warning("%s %s answered 503: %s", request.method, request.path, exception)
-        return response
+        return reshaped_response(shape, response) if response is not None and shape is not None else response

@@ -73,6 +73,26 @@ def test_with_redis_unreachable_a_v1_call_answers_a_503_in_openai_shape_naming_i
     assert message.startswith("Redis (the request queues and the task broker) is unreachable")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_outage_answers_anthropics_and_ollamas_callers_in_their_own_error_shapes(settings):
+    factories.deployment("tiny")
+    token = Token.objects.create(user=User.objects.create_user("dev")).key
+    client = APIClient(HTTP_AUTHORIZATION=f"Bearer {token}")
+    said = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "timeout": 1}
+
+    with redis_unreachable(settings):
+        anthropic = client.post("/v1/messages", {**said, "max_tokens": 2}, format="json")
+        ollama = client.post("/api/chat", {**said, "stream": False}, format="json")
+
+    assert (
+        anthropic.status_code == ollama.status_code == 503 and anthropic["Retry-After"] == ollama["Retry-After"] == "2"
+    )
+    error = anthropic.json()["error"]
+    assert anthropic.json()["type"] == "error" and error["type"] == "overloaded_error"
+    assert error["message"].startswith("Redis (the request queues and the task broker) is unreachable")
+    assert ollama.json() == {"error": error["message"]}
+
+
 @pytest.mark.django_db
 def test_a_body_over_the_limit_is_a_json_413_on_the_api_and_on_v1(staff, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1024
