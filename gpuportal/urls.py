@@ -11,7 +11,7 @@ from rest_framework.permissions import IsAuthenticated
 
 from gpuportal import health
 from scheduling import gauges
-from scheduling.api import messages, ollama, ollama_models, openai_compat, responses, tokens
+from scheduling.api import messages, ollama, ollama_models, openai_compat, response_items, responses, tokens
 
 # drf-spectacular serves the schema to anyone by default; here it sits behind the API's own
 # auth like the rest of /api/ (a logged-in admin session is enough for the docs page).
@@ -79,6 +79,11 @@ urlpatterns = [
     path("tokenize", tokens.TokenizeView.as_view(), name="tokenize"),
     path("detokenize", tokens.DetokenizeView.as_view(), name="detokenize"),
     path("v1/responses/<str:response_id>", responses.ResponseDetailView.as_view(), name="openai-response"),
+    path(
+        "v1/responses/<str:response_id>/input_items",
+        response_items.InputItemsView.as_view(),
+        name="openai-response-input-items",
+    ),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("metrics", gauges.metrics, name="metrics"),

@@ -625,6 +625,24 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "parameter": f"resp_{REQUEST}",
         "response": RESPONSE,
     },
+    ("get", "/v1/responses/{response_id}/input_items"): {
+        "parameter": f"resp_{REQUEST}",
+        "response": {
+            "object": "list",
+            "data": [
+                {
+                    "type": "message",
+                    "id": f"msg_{REQUEST.replace('-', '')}_0",
+                    "role": "user",
+                    "status": "completed",
+                    "content": [{"type": "input_text", "text": "Hello"}],
+                }
+            ],
+            "first_id": f"msg_{REQUEST.replace('-', '')}_0",
+            "last_id": f"msg_{REQUEST.replace('-', '')}_0",
+            "has_more": False,
+        },
+    },
     ("post", "/v1/embeddings"): {
         "request": {"model": "minilm", "input": ["A cat sits.", "A dog runs."]},
         "response": {

@@ -39,9 +39,11 @@ from scheduling.services.errors import NotFound
 
 ID_PREFIX = "resp_"
 # Request queue params: the call's `instructions` (the system message they made, which a later
-# call that continues this one leaves out) and the response it continued.
+# call that continues this one leaves out), the response it continued, and how many of its
+# messages came of those two (its own input follows them).
 INSTRUCTIONS = "instructions"
 PREVIOUS = "previous_response_id"
+INPUT_AT = "input_at"
 
 # The Responses fields read, and those passed on to the chat as they are (the sampling parameters
 # and chat_template_kwargs, which vLLM's Responses API takes as well).
@@ -313,6 +315,8 @@ class ResponsesView(ChatCompletionsView):
         except Refused as refused:
             raise Refused(renamed(refused.param, origins), refused.message) from None
         kept = {key: body[key] for key in (INSTRUCTIONS, PREVIOUS) if body.get(key) is not None}
+        # Where this call's own input begins among the messages (input_items lists it alone).
+        kept[INPUT_AT] = sum(1 for origin in origins if origin in (INSTRUCTIONS, PREVIOUS))
         if call.params.get(sampling.SCHEMA_FIELD) == "response_format":
             kept[sampling.SCHEMA_FIELD] = "text.format"
         return Completion(model=call.model, input=call.input, params={**call.params, **kept}, timeout_s=call.timeout_s)
@@ -535,21 +539,31 @@ class _Outline:
         return {"item_id": self.item(kind, "", "").get("id"), "output_index": self.at[kind], "content_index": 0}
 
 
+def kept_response(request: HttpRequest, response_id: str) -> Request | None:
+    """The request of a response the caller may read (theirs; staff, anyone's), while it is kept."""
+    if not response_id.startswith(ID_PREFIX):
+        return None
+    with contextlib.suppress(NotFound):
+        user = request.user
+        found = queueing.get(response_id.removeprefix(ID_PREFIX), user_id=str(user.pk), staff=user.is_staff)
+        return found if found.kind == "chat" else None
+    return None
+
+
+def not_kept(response_id: str) -> Response:
+    body = error_body(f"no response {response_id} (responses are kept for a day)", "response_id", "not_found")
+    return Response(body, status=404)
+
+
 class ResponseDetailView(OpenAIView):
     """`GET /v1/responses/{id}`: a response as it stands (OpenAI's `client.responses.retrieve`),
     for as long as its request is kept: yours (staff: anyone's)."""
 
     @extend_schema(responses={200: dict, 404: dict}, operation_id="v1_response_retrieve")
     def get(self, request: HttpRequest, response_id: str) -> Response:
-        found = None
-        if response_id.startswith(ID_PREFIX):
-            with contextlib.suppress(NotFound):
-                found = queueing.get(
-                    response_id.removeprefix(ID_PREFIX), user_id=str(request.user.pk), staff=request.user.is_staff
-                )
-        if found is None or found.kind != "chat":
-            body = error_body(f"no response {response_id} (responses are kept for a day)", "response_id", "not_found")
-            return Response(body, status=404)
+        found = kept_response(request, response_id)
+        if found is None:
+            return not_kept(response_id)
         view = ResponsesView()
         if found.status == "done":
             return Response(view.body([found], [found], found.deployment))

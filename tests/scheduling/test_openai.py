@@ -524,7 +524,9 @@ def test_the_parser_runs_only_what_is_within_bounds_and_names_the_field_it_refus
         assert 0 <= params["temperature"] <= 2 and 0 < params["top_p"] <= 1
         assert len(params["stop"]) <= 4 and all(isinstance(s, str) and s for s in params["stop"])
         assert params["stream"] is bool(body.get("stream")) and 0.001 <= call.timeout_s <= 300
-        assert 1 <= call.choices <= completion_input.MAX_CHOICES and call.n == body.get("n", 1)
+        assert 1 <= call.choices <= completion_input.MAX_CHOICES and call.n == (
+            1 if body.get("n") is None else body["n"]
+        )  # null is the default, as OpenAI reads it
         if kind == "chat":
             assert [set(m) for m in call.input] == [{"role", "content"}] * len(body["messages"])
         else:
@@ -922,6 +924,8 @@ def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(
         client.responses.create(model="tiny", input="x", previous_response_id="resp_no-such-request")
     too_long = list(client.responses.create(model="tiny", input="word " * 2000, stream=True))
     kept = client.responses.retrieve(answer.id)
+    given = list(client.responses.input_items.list(answer.id))
+    given_after = list(client.responses.input_items.list(after.id, order="asc"))
     failed = client.responses.retrieve(too_long[0].response.id)
     bob = Token.objects.create(user=User.objects.create_user("bob")).key
     with (
@@ -950,6 +954,9 @@ def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(
         {"role": "user", "content": "And then?"},
     ]
     assert after.previous_response_id == answer.id and after.instructions is None
+    # Its own input, as items: not its instructions, nor what the previous response carried over.
+    assert [(i.type, i.role, i.content[0].text) for i in given] == [("message", "user", "Once upon a time")]
+    assert [(i.role, i.content[0].text) for i in given_after] == [("user", "And then?")]
     assert refused.value.body["param"] == "previous_response_id"
     assert no_image.value.body["param"] == "input.0.content.0"
     # Retrieved as it stands, for as long as its request is kept: the same answer; yours alone.

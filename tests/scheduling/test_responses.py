@@ -228,3 +228,48 @@ def test_a_stream_closed_before_its_end_stops_its_request(monkeypatch):
     events.close()  # as the server closes it when a write to a gone client fails
 
     assert stopped == [["r-3"]]
+
+
+def test_a_responses_input_items_are_its_own_input_read_back_from_its_chat(live_server, transactional_db):
+    import json as json_module
+    import urllib.error
+    import urllib.request
+
+    from django.contrib.auth.models import User
+    from rest_framework.authtoken.models import Token
+
+    from scheduling.api.response_items import input_items
+
+    call = read(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+            {"role": "user", "content": "And tomorrow?"},
+        ],
+        tools=[WEATHER],
+    )
+    asked = Request(id="r-4", deployment="tiny", kind="chat", input=call.input, params=call.params)
+
+    items = input_items(asked)
+
+    assert [item["type"] for item in items] == ["message", "function_call", "function_call_output", "message"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "Weather in Oslo?"}], "not the instructions"
+    assert (items[1]["call_id"], items[1]["name"], json_module.loads(items[1]["arguments"])) == (
+        "call_1",
+        "weather",
+        {"city": "Oslo"},
+    )
+    assert (items[2]["call_id"], items[2]["output"]) == ("call_1", "Sunny")
+    assert len({item["id"] for item in items}) == 4, "each its own id"
+
+    key = Token.objects.create(user=User.objects.create_user("carol")).key
+    for query, param in (("order=up", "order"), ("limit=0", "limit")):
+        call_back = urllib.request.Request(
+            f"{live_server.url}/v1/responses/resp_none/input_items?{query}", headers={"Authorization": f"Bearer {key}"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(call_back, timeout=10)
+        body = json_module.loads(refused.value.read())
+        assert (refused.value.code, body["error"]["param"]) == (400, param), "checked before anything is looked up"
