@@ -582,7 +582,7 @@ class CountTokensView(MessagesView):
             call = self.parse(body, owner)
         except Refused as refused:
             return 400, {"error": {"message": str(refused), "param": refused.param}}
-        params = {name: call.params[name] for name in tokens.TEMPLATE_PARAMS if name in call.params}
+        params = tokens.template_params(call)
         code, result = tokens.counted(call.model, "chat", call.input, params, owner, call.timeout_s, "messages")
         if not isinstance(result, Request):
             return code, result
