@@ -19,7 +19,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
-from django.http import StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -156,6 +155,11 @@ def messages_of(given: Any) -> list[dict[str, Any]]:
     return read
 
 
+def done_reason(output: dict[str, Any]) -> str:
+    """Ollama's done_reason of an answer: cut by its length, or stopped."""
+    return "length" if output.get("finish_reason") == "length" else "stop"
+
+
 def stamp(at: float | None = None) -> str:
     """A time as Ollama writes one (RFC 3339, UTC)."""
     return datetime.fromtimestamp(at if at is not None else time.time(), UTC).isoformat().replace("+00:00", "Z")
@@ -188,6 +192,7 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
     """`POST /api/chat`: a chat, answered as Ollama's."""
 
     input_param = "messages"
+    stream_type = "application/x-ndjson"
 
     @extend_schema(
         summary="Answer a chat as Ollama's /api/chat does.",
@@ -260,17 +265,9 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
             "created_at": stamp(result.finished_at),
             **self.said(output, asked[0]),
             "done": True,
-            "done_reason": "length" if output.get("finish_reason") == "length" else "stop",
+            "done_reason": done_reason(output),
             **durations(result),
         }
-
-    def stream(
-        self, call: Completion, owner: str, key: str | None = None
-    ) -> tuple[int, dict[str, Any] | HttpResponseBase]:
-        submitted = self.submit_each(call, owner, key)
-        if not isinstance(submitted, list):
-            return submitted
-        return 200, StreamingHttpResponse(self.events(submitted, call), content_type="application/x-ndjson")
 
     def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
         """Lines of JSON, as Ollama streams: one per piece of the answer as it comes (its thinking
@@ -316,7 +313,7 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
             **rest,
             "message": message,
             "done": True,
-            "done_reason": "length" if output.get("finish_reason") == "length" else "stop",
+            "done_reason": done_reason(output),
         }
 
 
@@ -375,4 +372,4 @@ class OllamaGenerateView(OllamaChatView):
         fields = {"response": whole["response"][len(sent["content"]) :]}
         if "thinking" in whole:
             fields["thinking"] = whole["thinking"][len(sent["thinking"]) :]
-        return {**fields, "done": True, "done_reason": "length" if output.get("finish_reason") == "length" else "stop"}
+        return {**fields, "done": True, "done_reason": done_reason(output)}

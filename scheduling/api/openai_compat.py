@@ -400,6 +400,8 @@ class _Generate(_Answered):
     id_prefix: str
     # The field that carries the input, which a failure of the model's on it names.
     input_param: str
+    # What a stream is sent as: server-sent events (OpenAI's, Anthropic's), or lines of JSON.
+    stream_type = "text/event-stream"
 
     def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
         try:
@@ -475,7 +477,7 @@ class _Generate(_Answered):
         submitted = self.submit_each(call, owner, key)
         if not isinstance(submitted, list):
             return submitted
-        response = StreamingHttpResponse(self.events(submitted, call), content_type="text/event-stream")
+        response = StreamingHttpResponse(self.events(submitted, call), content_type=self.stream_type)
         response["Cache-Control"] = "no-cache"
         return 200, response
 
