@@ -141,6 +141,11 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     for name in PASSED_ON:
         if name in body:
             chat[name] = body[name]
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled" and reasoning.TEMPLATE_KWARGS not in body:
+        # Told not to think: a reasoning model's template that can turn its thinking off (Qwen 3's
+        # switch, as Ollama's `think: false` sets it). Enabled, a model thinks as its template has it.
+        chat[reasoning.TEMPLATE_KWARGS] = {"enable_thinking": False}
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
     if body.get("tools") is not None:

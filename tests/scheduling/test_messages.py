@@ -54,6 +54,9 @@ def test_a_system_prompt_comes_first_and_max_tokens_is_a_bound_the_replica_fits_
     assert read(max_tokens=32_000).params[sampling.MAX_TOKENS_BOUND] == 32_000, (
         "as Claude Code asks: fitted, not refused"
     )
+    told_not_to = read(thinking={"type": "disabled"}).params
+    assert told_not_to[reasoning.TEMPLATE_KWARGS] == {"enable_thinking": False}, "a template's switch, as Qwen 3's"
+    assert reasoning.TEMPLATE_KWARGS not in read(thinking={"type": "enabled", "budget_tokens": 2048}).params
 
 
 def test_tool_use_and_tool_result_blocks_carry_a_conversation_on_as_a_chats_calls():
