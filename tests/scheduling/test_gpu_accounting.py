@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
+from django.db import connections
 from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
@@ -595,15 +596,20 @@ def test_an_llm_scaled_slept_and_woken_by_requests_serves_every_request_within_i
     start = threading.Barrier(32)
 
     def ask(i: int) -> None:
-        client = APIClient()
-        client.force_authenticate(User.objects.get(username="ops"))
-        start.wait()
-        response = client.post(
-            "/api/deployments/llm/infer/",
-            {"input": f"Request {i}", "params": {"max_tokens": 200}, "timeout_s": 240},
-            format="json",
-        )
-        answers[i] = response.status_code
+        try:
+            client = APIClient()
+            client.force_authenticate(User.objects.get(username="ops"))
+            start.wait()
+            response = client.post(
+                "/api/deployments/llm/infer/",
+                {"input": f"Request {i}", "params": {"max_tokens": 200}, "timeout_s": 240},
+                format="json",
+            )
+            answers[i] = response.status_code
+        finally:
+            # This thread's own database connection: left open, the test database cannot be
+            # dropped at the session's end ("accessed by 32 other sessions").
+            connections.close_all()
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
     for thread in threads:
