@@ -578,6 +578,13 @@ def _calling(message: dict[str, Any], param: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text, "tool_calls": read}
 
 
+def message_origin(param: str, origins: list[str], whole: str) -> str:
+    """The caller's field a refusal of the chat's `messages.N...` names: where that message came
+    from (`origins[N]`, as an API that reads its body into a chat's recorded it), else `whole`."""
+    index = param.split(".")[1] if param.count(".") else ""
+    return origins[int(index)] if index.isdigit() and int(index) < len(origins) else whole
+
+
 def content_text(content: Any, param: str, parts: tuple[str, ...] = ("text",)) -> str:
     """A message's text: a string, or OpenAI's list of content parts, whose text parts (of a type
     among `parts`) are joined a line apart (as vLLM joins them); a part of another type (an image,

@@ -6,6 +6,7 @@ the other, the status and headers (Retry-After, x-should-retry) kept."""
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +32,13 @@ def message_of(body: Any) -> str:
     return json.dumps(body)
 
 
-class ReshapedErrors:
+class ReshapedErrors(ABC):
     """A view mixin (before the view it reshapes, in the bases): its errors as `shape` makes them."""
 
     @staticmethod
+    @abstractmethod
     def shape(status: int, message: str) -> dict[str, Any]:
-        raise NotImplementedError
+        """An error of `status` saying `message`, in the view's API's shape."""
 
     def handle_exception(self, exc: Exception) -> Response:
         answered = super().handle_exception(exc)  # type: ignore[misc]

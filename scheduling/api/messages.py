@@ -19,7 +19,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from django.conf import settings
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -27,13 +26,13 @@ from rest_framework.request import Request as HttpRequest
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
-from scheduling.api import completion_input, idempotency, tokens
+from scheduling.api import idempotency, tokens
 from scheduling.api.completion_input import Completion, Refused
 from scheduling.api.error_shapes import ReshapedErrors, message_of
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.messages_input import FORMAT_FIELD, chat_body, renamed
 from scheduling.api.one_stream import followed
-from scheduling.api.openai_compat import ChatCompletionsView
+from scheduling.api.openai_compat import ChatCompletionsView, read_call
 
 ID_PREFIX = "msg_"
 TOOL_ID_PREFIX = "toolu_"
@@ -152,12 +151,7 @@ class MessagesView(ReshapedErrors, ChatCompletionsView):
     def parse(self, body: Any, owner: str) -> Completion:
         chat, origins = chat_body(body)
         try:
-            call = completion_input.parse(
-                chat,
-                "chat",
-                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )
+            call = read_call(chat, "chat")
         except Refused as refused:
             param = renamed(refused.param, origins)
             if param == FORMAT_FIELD and body.get("output_config") is None:

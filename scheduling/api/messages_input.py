@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from gpuportal.wire import reasoning, sampling, tools
-from scheduling.api.completion_input import Refused, content_text, not_text
+from scheduling.api.completion_input import Refused, content_text, message_origin, not_text
 
 # The largest max_tokens taken: a bound only (the answer is fitted to the room its replica has),
 # kept to what any client sends.
@@ -233,10 +233,9 @@ def renamed(param: str | None, origins: list[str]) -> str | None:
     """The Messages field of a chat field a refusal names."""
     if param is None:
         return None
-    head, _, rest = param.partition(".")
+    head = param.partition(".")[0]
     if head == "messages":
-        index = rest.partition(".")[0]
-        return origins[int(index)] if index.isdigit() and int(index) < len(origins) else "messages"
+        return message_origin(param, origins, "messages")
     if head == reasoning.CONTINUE_FINAL:  # a prefill: the last turn, the assistant's
         return origins[-1]
     if head == "tools":

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from django.conf import settings
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -26,11 +25,10 @@ from rest_framework.request import Request as HttpRequest
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
-from scheduling.api import completion_input
 from scheduling.api.completion_input import Completion, Refused, not_text
 from scheduling.api.error_shapes import ReshapedErrors
 from scheduling.api.one_stream import followed
-from scheduling.api.openai_compat import ChatCompletionsView
+from scheduling.api.openai_compat import ChatCompletionsView, read_call
 
 # Ollama's options the portal reads, by the sampling parameter each is (gpuportal.wire.sampling).
 OPTIONS = {
@@ -224,12 +222,7 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
             raise Refused("stream", "must be true or false")
         chat = {**self.chat_of(body), "stream": stream}
         try:
-            call = completion_input.parse(
-                chat,
-                self.kind,
-                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )
+            call = read_call(chat, self.kind)
         except Refused as refused:
             raise Refused(renamed(refused.param), refused.message) from None
         params = {**call.params, "max_tokens": None, sampling.MAX_TOKENS_BOUND: bound(body)}

@@ -230,6 +230,17 @@ class EmbeddingInput(WaitInput):
     user = serializers.CharField(required=False, help_text="Ignored.")
 
 
+def read_call(body: Any, kind: completion_input.Kind) -> Completion:
+    """completion_input.parse with this portal's waits (GPUPORTAL_INFER_TIMEOUT_S, at most
+    GPUPORTAL_INFER_MAX_TIMEOUT_S): how every API the portal speaks reads its chat or completion."""
+    return completion_input.parse(
+        body,
+        kind,
+        default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
+        max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+    )
+
+
 def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Response:
     return Response(error_body(message, param, kind), status=status)
 
@@ -464,12 +475,7 @@ class _Generate(_Answered):
 
     def parse(self, body: Any, owner: str) -> Completion:
         """The call `body` asks for (`owner`'s), or Refused naming the first field that is wrong."""
-        return completion_input.parse(
-            body,
-            self.kind,
-            default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-            max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-        )
+        return read_call(body, self.kind)
 
     def stream(
         self, call: Completion, owner: str, key: str | None = None

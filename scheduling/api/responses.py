@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from django.conf import settings
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -29,11 +28,11 @@ from rest_framework.response import Response
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
-from scheduling.api import completion_input, idempotency
-from scheduling.api.completion_input import Completion, Refused, content_text, not_text
+from scheduling.api import idempotency
+from scheduling.api.completion_input import Completion, Refused, content_text, message_origin, not_text
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.one_stream import followed
-from scheduling.api.openai_compat import ChatCompletionsView, OpenAIView, error_body
+from scheduling.api.openai_compat import ChatCompletionsView, OpenAIView, error_body, read_call
 from scheduling.services import queueing
 from scheduling.services.errors import NotFound
 
@@ -269,10 +268,9 @@ def renamed(param: str | None, origins: list[str]) -> str | None:
     """The Responses field of a chat field a refusal names."""
     if param is None:
         return None
-    head, _, rest = param.partition(".")
+    head = param.partition(".")[0]
     if head == "messages":
-        index = rest.partition(".")[0]
-        return origins[int(index)] if index.isdigit() and int(index) < len(origins) else "input"
+        return message_origin(param, origins, "input")
     if head == "tools":
         return param.replace(".function.", ".").removesuffix(".function")
     return {
@@ -306,12 +304,7 @@ class ResponsesView(ChatCompletionsView):
         earlier = self.earlier(body.get(PREVIOUS) if isinstance(body, dict) else None, owner)
         chat, origins = chat_body(body, earlier)
         try:
-            call = completion_input.parse(
-                chat,
-                "chat",
-                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )
+            call = read_call(chat, "chat")
         except Refused as refused:
             raise Refused(renamed(refused.param, origins), refused.message) from None
         kept = {key: body[key] for key in (INSTRUCTIONS, PREVIOUS) if body.get(key) is not None}

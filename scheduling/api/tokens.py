@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -21,7 +20,15 @@ from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import completion_input
 from scheduling.api.completion_input import Refused
-from scheduling.api.openai_compat import _Answered, _failure, _refusal, _service_answer, error_body, timed_out
+from scheduling.api.openai_compat import (
+    _Answered,
+    _failure,
+    _refusal,
+    _service_answer,
+    error_body,
+    read_call,
+    timed_out,
+)
 from scheduling.models import Deployment
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NotFound, ServiceError
@@ -67,17 +74,6 @@ def counted(
     return 200, result
 
 
-def chat_to_count(chat: dict[str, Any]) -> completion_input.Completion:
-    """A chat body read as /v1/chat/completions reads one, for its messages and what of it reaches
-    the template; Refused naming the first field that is wrong."""
-    return completion_input.parse(
-        chat,
-        "chat",
-        default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-        max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-    )
-
-
 def template_params(call: completion_input.Completion) -> dict[str, Any]:
     return {name: call.params[name] for name in TEMPLATE_PARAMS if name in call.params}
 
@@ -118,16 +114,11 @@ class TokenizeView(_Answered):
             raise Refused("prompt", "give a `prompt` or `messages`: one of them")
         if "messages" in body:
             names = ("model", "messages", "timeout", *TEMPLATE_PARAMS)
-            call = chat_to_count({name: body[name] for name in names if name in body})
+            call = read_call({name: body[name] for name in names if name in body}, "chat")
             return "chat", call.input, template_params(call), call
         if not sampling.is_text(body["prompt"]):
             raise Refused("prompt", completion_input.not_text(body["prompt"], "required: a string"))
-        call = completion_input.parse(
-            {name: body[name] for name in ("model", "prompt", "timeout") if name in body},
-            "generate",
-            default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-            max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-        )
+        call = read_call({name: body[name] for name in ("model", "prompt", "timeout") if name in body}, "generate")
         return "generate", call.input, {}, call
 
 
@@ -150,16 +141,8 @@ class DetokenizeView(_Answered):
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
                 raise Refused("tokens", "required: a non-empty list of token ids")
-            call = completion_input.parse(
-                {
-                    "model": body.get("model"),
-                    "prompt": tokens,
-                    **({"timeout": body["timeout"]} if "timeout" in body else {}),
-                },
-                "generate",
-                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )
+            asked = {"model": body.get("model"), "prompt": tokens}
+            call = read_call({**asked, "timeout": body["timeout"]} if "timeout" in body else asked, "generate")
         except Refused as refused:
             param = refused.param.replace("prompt", "tokens", 1) if refused.param else None
             return 400, error_body(f"{param}: {refused.message}" if param else refused.message, param)
