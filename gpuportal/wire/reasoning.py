@@ -95,6 +95,7 @@ class Splitter:
     def __init__(self) -> None:
         self.state = "start"  # start | thinking | answering | plain
         self.held = ""
+        self.thinking_begun = False  # whether any reasoning was sent: before it, whitespace is dropped
 
     def feed(self, piece: str) -> tuple[str, str]:
         """(reasoning, content) to send now of `piece`, "" for none of either."""
@@ -122,10 +123,17 @@ class Splitter:
         if self.state == "thinking":
             out, self.held = self.held.rstrip(), ""
             return out, ""
+        if self.state == "answering":
+            self.held = ""  # only whitespace is held before the content: dropped, as split drops it
+            return "", ""
         out, self.held = self.held, ""
         return "", out
 
     def _thinking(self) -> str:
+        if not self.thinking_begun:
+            # The reasoning's leading whitespace, dropped as split drops it, however many pieces
+            # it comes in ("<think>", " ", "Hm").
+            self.held = self.held.lstrip()
         at = self.held.find(CLOSE)
         if at >= 0:
             out = self.held[:at].rstrip()
@@ -137,11 +145,12 @@ class Splitter:
         begun = next((n for n in range(min(len(held), len(CLOSE) - 1), 0, -1) if CLOSE.startswith(held[-n:])), 0)
         kept = len(held[: len(held) - begun].rstrip())
         out, self.held = held[:kept], held[kept:]
+        self.thinking_begun = self.thinking_begun or bool(out)
         return out
 
     def _answering(self) -> str:
         if not self.held.strip():
             return ""  # the content's leading whitespace, dropped as split drops it
-        out, self.held = self.held, ""
+        out, self.held = self.held.lstrip(), ""  # whitespace held from earlier pieces, dropped too
         self.state = "plain"  # nothing of it is held from now on
         return out

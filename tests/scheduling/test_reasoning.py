@@ -4,6 +4,7 @@ opened it. Pure: no server (served through `/v1`: tests/scheduling/test_openai.p
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -43,6 +44,24 @@ def test_a_stream_splits_into_the_same_reasoning_and_content_as_the_whole(words,
 
     whole_thought, whole_content = split(text)
     assert thought == (whole_thought or "") and content == whole_content, (pieces, said)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<think>", " <think>"],
+        ["<think>", " ", "\nHm", "</think>"],
+        ["<think>a</think>", " ", "\nYes"],
+        ["<think>a</think>", " "],
+    ],
+    ids=["reasoning", "reasoning-in-three", "content", "no-content"],
+)
+def test_leading_whitespace_in_pieces_of_its_own_is_dropped_as_the_whole_drops_it(pieces):
+    splitter = Splitter()
+    said = [splitter.feed(piece) for piece in pieces] + [splitter.end()]
+
+    thought, content = split("".join(pieces))
+    assert ("".join(r for r, _ in said), "".join(c for _, c in said)) == (thought or "", content)
 
 
 def test_a_stream_sends_the_reasoning_as_it_comes_and_holds_only_what_may_be_a_tag():
