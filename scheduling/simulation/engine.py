@@ -453,7 +453,10 @@ class Simulation:
             self.counters.idle_sleeps += 1
             replica.state = DRAINING
             self._begin_sleep(replica)
-        elif self.now + SWEEP_S < timeout_at:
+        elif not self.closed and self.now + SWEEP_S < timeout_at:
+            # Past the trace's end the idle timer sleeps it, if anything does: the one sleep it
+            # counts either way, and a check every SWEEP_S until a long idle timeout (a day, say)
+            # was hundreds of thousands of events that measured nothing.
             self._at(self.now + SWEEP_S, self._early_check, replica, token, timeout_at)
 
     def _idle_check(self, replica: SimReplica, token: int) -> None:

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error
+from schemathesis.python._constants.orchestrator import build_constants_pool
 
 from gpuportal.wsgi import application
 
@@ -28,6 +29,11 @@ def _raw_schema() -> dict:
 
 schema = schemathesis.openapi.from_dict(_raw_schema())
 schema.app = application
+# The literals schemathesis reads from the app's source, to generate with, read once here: each
+# operation's test is a clone of `schema` (below), and a clone made before the reading reads the
+# whole source again, 65 times in each of `make test`'s processes (two-thirds of collecting this
+# file, a fifth of collecting the suite). Clones share what the schema read before them.
+build_constants_pool(schema)
 
 
 @pytest.fixture
