@@ -18,6 +18,13 @@ hypothesis_settings.load_profile("gpuportal")
 
 NODE_AUTH = "open"
 
+# One thread for torch in each test process (read when torch is imported, below this): `make test`
+# runs three processes on two cores, and each one's torch took both, the threads of one process
+# waiting on the other processes' for every small operation of the tiny models (13 % of the CPU of
+# the paged-generation tests). The replicas that tests start take one already
+# (GPUPORTAL_VIRTUAL_CPU_THREADS).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_addoption(parser):
     from tests.support import durations
