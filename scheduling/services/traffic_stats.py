@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from django.db import connection
 from django.utils import timezone
 
+from gpuportal.wire.requestqueue import COUNT_KIND
 from scheduling.models import RequestRecord
 
 # The window /metrics reports on: a few scrapes' worth, as a Prometheus summary's would be.
@@ -75,7 +76,7 @@ SELECT deployment,
            FILTER (WHERE status = 'done' AND output_tokens > 0 AND started_at IS NOT NULL AND finished_at IS NOT NULL),
        coalesce(sum(output_tokens) FILTER (WHERE status = 'done'), 0)
 FROM {RequestRecord._meta.db_table}
-WHERE created_at >= %s {{only}}
+WHERE created_at >= %s AND kind <> '{COUNT_KIND}' {{only}}
 GROUP BY deployment
 ORDER BY deployment
 """  # the table's name is the model's; every value goes as a parameter

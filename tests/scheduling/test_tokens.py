@@ -102,3 +102,22 @@ def test_anthropics_count_tokens_is_what_a_messages_usage_counts(client, served,
 
     assert counted.input_tokens == said.usage.input_tokens > 0
     assert refused.value.body["error"]["message"].startswith("messages.0.content.0.type")
+
+
+def test_a_count_is_recorded_as_a_kind_of_its_own_and_is_no_answers_latency(client, served, live_server):  # noqa: F811
+    from scheduling.models import RequestRecord
+    from scheduling.services import traffic, traffic_stats
+
+    traffic.drain()  # what earlier tests left in the shared list
+    RequestRecord.objects.all().delete()
+
+    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+    code, _ = post(live_server, "/tokenize", {"model": "tiny", "messages": CHAT}, client.api_key)
+
+    assert code == 200 and traffic.drain() == 2
+    assert sorted(RequestRecord.objects.values_list("kind", "status", "output_tokens")) == [
+        ("chat", "done", 2),
+        ("count", "done", 0),
+    ]
+    (tiny,) = traffic_stats.stats(3600, deployment="tiny")
+    assert (tiny.done, tiny.output_tokens) == (1, 2), "the answer alone: a count's milliseconds are no answer's"

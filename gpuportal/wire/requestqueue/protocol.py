@@ -113,6 +113,10 @@ def finished_key(status: str) -> str:
 # so that a node's Redis user reads no other node's (each holds its request's id, which opens
 # the request's key: gpuportal.wire.node_acl).
 RECORDS_KEY = "gp:records"
+# A request's hash field naming the kind its record is to have where it is not the request's own
+# (_END's record reads it by this name): a count (sampling.COUNT_ONLY) is recorded as COUNT_KIND.
+RECORD_KIND = "record_kind"
+COUNT_KIND = "count"
 
 
 def records_key(node: str | None = None) -> str:
@@ -472,7 +476,8 @@ if ARGV[6] ~= '' then
 end
 redis.call('INCR', KEYS[7])
 redis.call('RPUSH', KEYS[8], cjson.encode({
-  id = ARGV[2], deployment = final['deployment'], kind = final['kind'], status = final['status'],
+  id = ARGV[2], deployment = final['deployment'], kind = final['record_kind'] or final['kind'],
+  status = final['status'],
   created_at = final['created_at'], started_at = final['started_at'], finished_at = final['finished_at'],
   first_token_at = final['first_token_at'],
   prompt_tokens = tonumber(ARGV[8]), output_tokens = tonumber(ARGV[9])}))

@@ -16,7 +16,9 @@ from gpuportal.wire.requestqueue.protocol import (
     _CLAIM_IDEMPOTENCY_KEY,
     _SUBMIT,
     BLOCK_SLICE_S,
+    COUNT_KIND,
     PROCESSING_PREFIX,
+    RECORD_KIND,
     REQUEST_PREFIX,
     STOPS_SUFFIX,
     STOPS_TTL_S,
@@ -36,6 +38,7 @@ from gpuportal.wire.requestqueue.protocol import (
     stream_bell_key,
     stream_key,
 )
+from gpuportal.wire.sampling import COUNT_ONLY
 
 # Redis reads a BLPOP timeout of 0 as for ever: a deadline all but reached still waits this long
 # (and a wait is sliced as RequestQueue.wait's is: within the client's socket timeout).
@@ -186,6 +189,10 @@ class Submitting(QueueBase):
             "attempts": 0,
             "created_at": request.created_at,
         }
+        if params.get(COUNT_ONLY):
+            # Recorded as a kind of its own: a count generates nothing, and its few milliseconds
+            # are no generation's latency (scheduling.services.traffic_stats leaves it out).
+            fields[RECORD_KIND] = COUNT_KIND
         keys = [
             live_key(deployment, family_of_kind(kind)), key, queue_key(deployment), done_key(request.id),
             count_in[0] if count_in is not None else key, *index_keys(owner),
