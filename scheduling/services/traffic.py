@@ -16,7 +16,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpuportal.wire import memory
-from gpuportal.wire.requestqueue import records_key
+from gpuportal.wire.requestqueue import COUNT_KIND, records_key
 from scheduling import ledger
 from scheduling.core.state import Snapshot
 from scheduling.models import Deployment, Node, RequestRecord
@@ -88,9 +88,12 @@ def trace_rows(
 
 
 def skipped_count(since: datetime, until: datetime | None = None) -> int:
-    """Recorded requests `trace_rows` leaves out: ended without an answer's token counts."""
-    records = RequestRecord.objects.filter(created_at__gte=since).exclude(
-        status="done", prompt_tokens__isnull=False, output_tokens__gte=1
+    """Recorded requests `trace_rows` leaves out: ended without an answer's token counts (but
+    token counts, which ask for no answer)."""
+    records = (
+        RequestRecord.objects.filter(created_at__gte=since)
+        .exclude(status="done", prompt_tokens__isnull=False, output_tokens__gte=1)
+        .exclude(kind=COUNT_KIND)
     )
     if until is not None:
         records = records.filter(created_at__lt=until)

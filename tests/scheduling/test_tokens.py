@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from datetime import timedelta
 from typing import Any
 
 import anthropic
@@ -105,6 +106,8 @@ def test_anthropics_count_tokens_is_what_a_messages_usage_counts(client, served,
 
 
 def test_a_count_is_recorded_as_a_kind_of_its_own_and_is_no_answers_latency(client, served, live_server):  # noqa: F811
+    from django.utils import timezone
+
     from scheduling.models import RequestRecord
     from scheduling.services import traffic, traffic_stats
 
@@ -121,3 +124,7 @@ def test_a_count_is_recorded_as_a_kind_of_its_own_and_is_no_answers_latency(clie
     ]
     (tiny,) = traffic_stats.stats(3600, deployment="tiny")
     assert (tiny.done, tiny.output_tokens) == (1, 2), "the answer alone: a count's milliseconds are no answer's"
+    # A trace of the traffic (export_trace) holds the answer, and says of no request that it
+    # ended without one.
+    since = timezone.now() - timedelta(hours=1)
+    assert [row.output_tokens for row in traffic.trace_rows(since)] == [2] and traffic.skipped_count(since) == 0
