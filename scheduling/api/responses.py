@@ -43,6 +43,9 @@ ID_PREFIX = "resp_"
 INSTRUCTIONS = "instructions"
 PREVIOUS = "previous_response_id"
 INPUT_AT = "input_at"
+# OpenAI's `store`: false, the response is not kept to be read again (retrieve, input_items) nor
+# gone on from (previous_response_id). Its request still ends in the queue as any does.
+STORE = "store"
 
 # The Responses fields read, and those passed on to the chat as they are (the sampling parameters
 # and chat_template_kwargs, which vLLM's Responses API takes as well).
@@ -87,6 +90,11 @@ class ResponseInput(serializers.Serializer):
         required=False, allow_null=True, help_text='"auto", "required", "none" or {"type": "function", "name": ...}.'
     )
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
+    store = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        help_text="False: the response is not kept to retrieve, list the input of, or go on from (default true).",
+    )
     text = serializers.JSONField(
         required=False,
         allow_null=True,
@@ -308,6 +316,11 @@ class ResponsesView(ChatCompletionsView):
         except Refused as refused:
             raise Refused(renamed(refused.param, origins), refused.message) from None
         kept = {key: body[key] for key in (INSTRUCTIONS, PREVIOUS) if body.get(key) is not None}
+        if body.get(STORE) is not None:
+            if not isinstance(body[STORE], bool):
+                raise Refused(STORE, "must be true or false")
+            if not body[STORE]:
+                kept[STORE] = False
         # Where this call's own input begins among the messages (input_items lists it alone).
         kept[INPUT_AT] = sum(1 for origin in origins if origin in (INSTRUCTIONS, PREVIOUS))
         if call.params.get(sampling.SCHEMA_FIELD) == "response_format":
@@ -328,6 +341,8 @@ class ResponsesView(ChatCompletionsView):
             raise Refused(PREVIOUS, f"no response {previous} of yours (responses are kept for a day)") from None
         if found.kind != "chat" or not isinstance(found.input, list):
             raise Refused(PREVIOUS, f"{previous} is not a response")
+        if found.params.get(STORE) is False:
+            raise Refused(PREVIOUS, f"{previous} was not stored (it was asked with store: false)")
         if found.status != "done":
             raise Refused(PREVIOUS, f"{previous} has no answer to go on from (it is {found.status})")
         said = found.input[1:] if found.params.get(INSTRUCTIONS) is not None else found.input
@@ -399,6 +414,7 @@ class ResponsesView(ChatCompletionsView):
             else {"type": "function", "name": choice},
             "parallel_tool_calls": params.get(tools.PARALLEL, True),
             "text": {"format": {"type": "json_schema", "schema": schema} if schema else {"type": "text"}},
+            "store": params.get(STORE, True),
             "metadata": {},
         }
 
@@ -539,12 +555,16 @@ def kept_response(request: HttpRequest, response_id: str) -> Request | None:
     with contextlib.suppress(NotFound):
         user = request.user
         found = queueing.get(response_id.removeprefix(ID_PREFIX), user_id=str(user.pk), staff=user.is_staff)
-        return found if found.kind == "chat" else None
+        return found if found.kind == "chat" and found.params.get(STORE) is not False else None
     return None
 
 
 def not_kept(response_id: str) -> Response:
-    body = error_body(f"no response {response_id} (responses are kept for a day)", "response_id", "not_found")
+    body = error_body(
+        f"no response {response_id} (responses are kept for a day, and not those asked with store: false)",
+        "response_id",
+        "not_found",
+    )
     return Response(body, status=404)
 
 

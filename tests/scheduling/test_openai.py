@@ -912,6 +912,23 @@ def test_with_tools_left_to_it_a_model_that_writes_no_call_answers_in_text_and_a
     ]
 
 
+def test_a_response_asked_with_store_false_is_answered_and_not_kept_to_read_or_go_on_from(client, served):
+    unkept = client.responses.create(model="tiny", input="Once upon a time", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError) as not_read:
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.NotFoundError):
+        list(client.responses.input_items.list(unkept.id))
+    with pytest.raises(openai.BadRequestError) as not_gone_on:
+        client.responses.create(model="tiny", input="And then?", previous_response_id=unkept.id)
+    kept = client.responses.create(model="tiny", input="Once upon a time", max_output_tokens=4)
+
+    assert unkept.output_text and unkept.store is False, "answered all the same"
+    assert "store: false" in not_read.value.body["message"]
+    assert not_gone_on.value.body["param"] == "previous_response_id"
+    assert "store: false" in not_gone_on.value.body["message"]
+    assert kept.store is True and client.responses.retrieve(kept.id).id == kept.id
+
+
 def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(client, served):
     asked = {"model": "tiny", "instructions": "Be brief.", "input": "Once upon a time", "max_output_tokens": 8}
 

@@ -115,6 +115,12 @@ def test_bad_input_is_refused_naming_the_responses_field():
     assert refusal(previous_response_id="chatcmpl-1") == "previous_response_id: must be the id of a response (resp_...)"
     assert refusal(temperature=-1).startswith("temperature: ")
     assert read(store=False, metadata={"a": "b"}, truncation="disabled", user="u").input[-1]["content"] == "Hi"
+    assert refusal(store="no") == "store: must be true or false"
+
+
+def test_a_response_asked_not_to_be_stored_says_so_in_its_params_and_a_stored_one_carries_nothing():
+    assert read(store=False).params["store"] is False
+    assert "store" not in read(store=True).params and "store" not in read().params
 
 
 def test_an_answer_is_a_message_and_a_function_call_item_for_each_call_it_makes():
