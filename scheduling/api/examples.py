@@ -332,6 +332,7 @@ RESPONSE = {
     "tool_choice": "auto",
     "parallel_tool_calls": True,
     "text": {"format": {"type": "text"}},
+    "store": True,
     "metadata": {},
 }
 
