@@ -316,11 +316,11 @@ class ResponsesView(ChatCompletionsView):
         except Refused as refused:
             raise Refused(renamed(refused.param, origins), refused.message) from None
         kept = {key: body[key] for key in (INSTRUCTIONS, PREVIOUS) if body.get(key) is not None}
-        if body.get(STORE) is not None:
-            if not isinstance(body[STORE], bool):
-                raise Refused(STORE, "must be true or false")
-            if not body[STORE]:
-                kept[STORE] = False
+        store = body.get(STORE)
+        if store is not None and not isinstance(store, bool):
+            raise Refused(STORE, "must be true or false")
+        if store is False:
+            kept[STORE] = False
         # Where this call's own input begins among the messages (input_items lists it alone).
         kept[INPUT_AT] = sum(1 for origin in origins if origin in (INSTRUCTIONS, PREVIOUS))
         if call.params.get(sampling.SCHEMA_FIELD) == "response_format":
