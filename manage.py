@@ -5,6 +5,9 @@ import sys
 
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gpuportal.settings")
+    from gpuportal import node_process
+
+    node_process.mark(sys.argv)
     from django.core.management import execute_from_command_line
 
     execute_from_command_line(sys.argv)

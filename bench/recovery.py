@@ -48,6 +48,7 @@ import redis
 from bench.report import record, table
 from gpuportal.stack import free_port
 from gpuportal.stackenv import read_stack_env
+from gpuportal.up import RESTART_LIMIT
 from gpuportal.wire.requestqueue import REQUEST_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,9 +76,11 @@ STALLS = ("postgresql", "redis")
 # restarted agent adopts its replicas stays what it is by default (the timeout less two beats).
 HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 1.0, 12.0
 STALL_S = 16.0
-# Beat killed this many times in a row; `up` backs off at most RESTART_BACKOFF_MAX_S between
-# restarts in this stack (30 s by default), so the loop takes seconds, not minutes.
-CRASH_LOOP = 10
+# Beat killed this many times in a row: once more than the restarts that stop the portal when a
+# server needs them (RESTART_LIMIT), since a helper such as beat is held to no limit. `up` backs off
+# at most RESTART_BACKOFF_MAX_S between restarts in this stack (30 s by default), so the loop
+# takes seconds, not minutes.
+CRASH_LOOP = RESTART_LIMIT + 1
 RESTART_BACKOFF_MAX_S = 1.0
 TERMINAL = {"done", "failed", "cancelled"}
 # Each client pauses this long between two requests: ten a second each still meet every outage

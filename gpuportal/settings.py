@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from gpuportal import node_process
 from gpuportal.stackenv import default_data_dir, resolve_stack_urls
 from gpuportal.wire.control import AGENT_CALL_TASK, AGENT_QUEUE
 
@@ -82,6 +83,8 @@ INSTALLED_APPS = [
     "scheduling",
     "inference",
 ]
+if node_process.marked():
+    INSTALLED_APPS = list(node_process.APPS)
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",

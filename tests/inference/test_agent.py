@@ -231,6 +231,33 @@ def test_the_agent_rejects_a_bad_node_name_in_one_line():
     )
 
 
+# What `manage.py <command>` loaded once Django set up: the apps, and whether the control plane's
+# models and admin were imported. --help runs the setup and stops before the command does anything.
+_LOADED = """
+import runpy, sys
+sys.argv = ["manage.py", sys.argv[1], "--help"]
+try:
+    runpy.run_path("manage.py", run_name="__main__")
+except SystemExit:
+    pass
+from django.apps import apps
+names = sorted(c.name for c in apps.get_app_configs())
+print(names, "scheduling.models" in sys.modules, "django.contrib.admin" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_an_agents_process_loads_the_nodes_apps_and_not_the_control_planes_models_or_admin():
+    def loaded(command: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-c", _LOADED, command], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        return result.stdout.strip().splitlines()[-1]
+
+    assert loaded("agent") == "['gpuportal', 'inference'] False False"
+    assert loaded("migrate").endswith("True True"), "the control plane's commands load them all"
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_an_agent_stopped_while_it_starts_still_exits_cleanly_and_says_so(tmp_path, agents_worker):

@@ -209,5 +209,6 @@ def without_database() -> None:
     naming why (gpuportal.no_database)."""
     connections.close_all()
     connections.settings = connections.configure_settings({"default": {"ENGINE": NO_DATABASE}})
-    for alias in list(connections):
-        del connections[alias]
+    # Only those already opened: with the node's apps alone (gpuportal.node_process) none is.
+    for connection in connections.all(initialized_only=True):
+        del connections[connection.alias]
