@@ -49,10 +49,11 @@ def pytest_configure(config):
     # The stacks that tests start (`up`) run the portal's own default, `required`.
     settings.GPUPORTAL_NODE_AUTH = NODE_AUTH
 
-    from tests.support import durations, process_watch
+    from tests.support import durations, process_watch, rewrite_share
     from tests.support.flush import flush_through_deadlocks
 
     config.pluginmanager.register(process_watch, "process_watch")
+    config.pluginmanager.register(rewrite_share, "rewrite_share")
     durations.configure(config)
     # A killed agent's last call, applied by the session's agents worker while a test's rows are
     # flushed, can deadlock with the flush (tests/support/flush.py).
