@@ -182,7 +182,10 @@ class Stack:
     def process_of(self, name: str) -> psutil.Process:
         found = []
         for child in psutil.Process(self.process.pid).children():
-            line = " ".join(child.cmdline()) + " "
+            try:
+                line = " ".join(child.cmdline()) + " "
+            except psutil.NoSuchProcess:  # a zombie too: one that just ended (a restart's recorder), not yet reaped
+                continue
             if PROCESSES[name] in line and RECORDER not in line:
                 found.append(child)
         (one,) = found
