@@ -34,7 +34,7 @@ from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.one_stream import followed
 from scheduling.api.openai_compat import ChatCompletionsView, OpenAIView, error_body, read_call
 from scheduling.services import queueing
-from scheduling.services.errors import NotFound
+from scheduling.services.errors import InvalidState, NotFound
 
 ID_PREFIX = "resp_"
 # Request queue params: the call's `instructions` (the system message they made, which a later
@@ -561,7 +561,7 @@ def kept_response(request: HttpRequest, response_id: str) -> Request | None:
 
 def not_kept(response_id: str) -> Response:
     body = error_body(
-        f"no response {response_id} (responses are kept for a day, and not those asked with store: false)",
+        f"no response {response_id} (responses are kept for a day, not those deleted or asked with store: false)",
         "response_id",
         "not_found",
     )
@@ -570,7 +570,7 @@ def not_kept(response_id: str) -> Response:
 
 class ResponseDetailView(OpenAIView):
     """`GET /v1/responses/{id}`: a response as it stands (OpenAI's `client.responses.retrieve`),
-    for as long as its request is kept: yours (staff: anyone's)."""
+    for as long as its request is kept: yours (staff: anyone's). `DELETE`: gone before that."""
 
     @extend_schema(responses={200: dict, 404: dict}, operation_id="v1_response_retrieve")
     def get(self, request: HttpRequest, response_id: str) -> Response:
@@ -586,6 +586,26 @@ class ResponseDetailView(OpenAIView):
             status, error = ("in_progress" if found.status in ("dispatched", "running") else "queued"), None
         answer = view.response(found, found.deployment, created=found.created_at, status=status, output=[], usage=None)
         return Response({**answer, "error": error})
+
+    @extend_schema(responses={200: dict, 404: dict, 409: dict}, operation_id="v1_response_delete")
+    def delete(self, request: HttpRequest, response_id: str) -> Response:
+        """`DELETE /v1/responses/{id}` (OpenAI's `client.responses.delete`): the response, what it
+        was asked and what it answered are deleted, once it has ended."""
+        found = kept_response(request, response_id)
+        if found is None:
+            return not_kept(response_id)
+        user = request.user
+        try:
+            queueing.forget(found.id, user_id=str(user.pk), staff=user.is_staff)
+        except NotFound:
+            return not_kept(response_id)
+        except InvalidState:
+            message = (
+                f"response {response_id} has not ended yet: it can be deleted once it has "
+                f"(cancel it first: DELETE /api/requests/{found.id}/)"
+            )
+            return Response(error_body(message, "response_id", code="conflict"), status=409)
+        return Response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 def _message(request: Request, text: str, status: str) -> dict[str, Any]:

@@ -98,6 +98,16 @@ def cancel(request_id: str, *, user_id: str, staff: bool) -> Request:
     return get(request_id, user_id=user_id, staff=staff)
 
 
+def forget(request_id: str, *, user_id: str, staff: bool) -> Request:
+    """Delete a request that has ended, and what it was asked and answered (the request as it
+    was). InvalidState for one still waiting or running: cancel it first."""
+    request = get(request_id, user_id=user_id, staff=staff)
+    if not queue().forget(request_id):
+        now = get(request_id, user_id=user_id, staff=staff)
+        raise InvalidState(f"request {request_id} is {now.status}: it is deleted once it has ended (cancel it first)")
+    return request
+
+
 def cancel_unstarted(request_id: str, *, reason: str) -> bool:
     """Cancel the request if no replica has taken it yet (its caller stopped waiting); whether it was."""
     try:

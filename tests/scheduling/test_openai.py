@@ -929,6 +929,45 @@ def test_a_response_asked_with_store_false_is_answered_and_not_kept_to_read_or_g
     assert kept.store is True and client.responses.retrieve(kept.id).id == kept.id
 
 
+def test_a_deleted_response_is_gone_with_what_it_was_asked_and_answered_and_only_its_owner_deletes_it(client, served):
+    answer = client.responses.create(model="tiny", input="Once upon a time", max_output_tokens=4)
+    request_id = answer.id.removeprefix("resp_")
+    queue = request_services.queue()
+    bob = Token.objects.create(user=User.objects.create_user("bob")).key
+    with (
+        openai.OpenAI(base_url=client.base_url, api_key=bob, max_retries=0) as others,
+        pytest.raises(openai.NotFoundError),
+    ):
+        others.responses.delete(answer.id)
+    assert queue.get(request_id) is not None, "another's delete deleted nothing"
+
+    deleted = client.responses.with_raw_response.delete(answer.id)
+    with pytest.raises(openai.NotFoundError) as not_read:
+        client.responses.retrieve(answer.id)
+    with pytest.raises(openai.NotFoundError):
+        list(client.responses.input_items.list(answer.id))
+    with pytest.raises(openai.BadRequestError) as not_gone_on:
+        client.responses.create(model="tiny", input="And then?", previous_response_id=answer.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(answer.id)
+    # One not ended yet (waiting for a deployment no replica serves) is not deleted under its replica.
+    alice = User.objects.get(username="alice")
+    waiting = queue.submit(
+        "nobody", kind="chat", input=[{"role": "user", "content": "Hi"}], params={}, owner=str(alice.pk)
+    )
+    with pytest.raises(openai.ConflictError) as not_ended:
+        client.responses.delete(f"resp_{waiting.id}")
+
+    assert deleted.http_response.status_code == 200
+    assert deleted.http_response.json() == {"id": answer.id, "object": "response.deleted", "deleted": True}
+    assert "deleted" in not_read.value.body["message"]
+    assert not_gone_on.value.body["param"] == "previous_response_id"
+    # What it was asked and answered is gone from Redis, not only hidden; it is in no list of requests.
+    assert queue.get(request_id) is None
+    assert request_id not in [r.id for r in queue.recent(None, offset=0, limit=100)[0]]
+    assert not_ended.value.body["param"] == "response_id" and queue.get(waiting.id).status == "queued"
+
+
 def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(client, served):
     asked = {"model": "tiny", "instructions": "Be brief.", "input": "Once upon a time", "max_output_tokens": 8}
 

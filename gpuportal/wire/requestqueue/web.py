@@ -344,6 +344,23 @@ class Submitting(QueueBase):
         self._end(request_id, "cancelled", {"error": reason})
         return True
 
+    def forget(self, request_id: str) -> bool:
+        """Deletes a request that has ended, and what it was asked and answered: its hash, the
+        token that carries its end, its stream, its places in the lists of requests. False for one
+        unknown or not ended (a replica may still write to it). Its record in the traffic figures,
+        which holds no text, stays."""
+        request = self.get(request_id)
+        if request is None or not request.final:
+            return False
+        mine, everyones = index_keys(request.owner)
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(request_key(request_id), done_key(request_id), stream_key(request_id))
+            pipe.delete(stream_bell_key(request_id))
+            pipe.zrem(mine, request_id)
+            pipe.zrem(everyones, request_id)
+            pipe.execute()
+        return True
+
     def stop(self, request_id: str, reason: str) -> str:
         """Stop a request wherever it is (its caller left, or cancelled it): "cancelled" where it
         still waited (as `cancel`); "stopping" where a replica holds it, which ends it `cancelled`
