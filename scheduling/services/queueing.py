@@ -104,7 +104,9 @@ def forget(request_id: str, *, user_id: str, staff: bool) -> Request:
     request = get(request_id, user_id=user_id, staff=staff)
     if not queue().forget(request_id):
         now = get(request_id, user_id=user_id, staff=staff)
-        raise InvalidState(f"request {request_id} is {now.status}: it is deleted once it has ended (cancel it first)")
+        raise InvalidState(
+            f"request {request_id} is {now.status}: it can be deleted once it has ended (cancel it first)"
+        )
     return request
 
 

@@ -929,7 +929,9 @@ def test_a_response_asked_with_store_false_is_answered_and_not_kept_to_read_or_g
     assert kept.store is True and client.responses.retrieve(kept.id).id == kept.id
 
 
-def test_a_deleted_response_is_gone_with_what_it_was_asked_and_answered_and_only_its_owner_deletes_it(client, served):
+def test_a_deleted_response_is_gone_with_what_it_was_asked_and_answered_and_another_user_deletes_nothing(
+    client, served
+):
     answer = client.responses.create(model="tiny", input="Once upon a time", max_output_tokens=4)
     request_id = answer.id.removeprefix("resp_")
     queue = request_services.queue()

@@ -354,8 +354,9 @@ class Submitting(QueueBase):
             return False
         mine, everyones = index_keys(request.owner)
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(request_key(request_id), done_key(request_id), stream_key(request_id))
-            pipe.delete(stream_bell_key(request_id))
+            pipe.delete(
+                request_key(request_id), done_key(request_id), stream_key(request_id), stream_bell_key(request_id)
+            )
             pipe.zrem(mine, request_id)
             pipe.zrem(everyones, request_id)
             pipe.execute()
