@@ -22,9 +22,11 @@ from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
+from rest_framework.response import Response
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
+from scheduling.api import ollama_load
 from scheduling.api.completion_input import Completion, Refused, not_text
 from scheduling.api.error_shapes import ReshapedErrors
 from scheduling.api.one_stream import followed
@@ -201,7 +203,20 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
         responses={200: dict},
     )
     def post(self, request: HttpRequest) -> HttpResponseBase:
+        body = request.data
+        if isinstance(body, dict) and ollama_load.nothing_to_answer(body, self.input_param):
+            try:
+                done = ollama_load.load_or_unload(body, request.user)
+            except Refused as refused:
+                return Response(error(str(refused)), status=400)
+            return Response({"model": body["model"], "created_at": stamp(), **self.nothing(), "done": True,
+                             "done_reason": done})  # fmt: skip
         return super().post(request)
+
+    @staticmethod
+    def nothing() -> dict[str, Any]:
+        """The answer's fields when nothing was asked (a load or an unload)."""
+        return {"message": {"role": "assistant", "content": ""}}
 
     @staticmethod
     def shape(status: int, message: str) -> dict[str, Any]:
@@ -220,6 +235,7 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
         stream = body.get("stream", True)
         if not isinstance(stream, bool):
             raise Refused("stream", "must be true or false")
+        ollama_load.keep_alive_s(body.get("keep_alive"))  # its form only: the deployment's sleep decides
         chat = {**self.chat_of(body), "stream": stream}
         try:
             call = read_call(chat, self.kind)
@@ -325,6 +341,10 @@ class OllamaGenerateView(OllamaChatView):
     )
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
+
+    @staticmethod
+    def nothing() -> dict[str, Any]:
+        return {"response": ""}
 
     def chat_of(self, body: dict[str, Any]) -> dict[str, Any]:
         for field, why in (("images", "the models served here read text"), ("template", "the model's own is used"),

@@ -13,6 +13,7 @@ import pytest
 from gpuportal.wire import reasoning, sampling, tools
 from scheduling.api.completion_input import Refused
 from scheduling.api.ollama import OllamaChatView, OllamaGenerateView
+from scheduling.api.ollama_load import keep_alive_s
 from scheduling.models import Deployment, Replica
 from tests.scheduling.test_embeddings import EmbeddingStandIn, vector_of
 from tests.scheduling.test_openai import client, replica, served  # noqa: F401
@@ -159,3 +160,68 @@ def test_ollamas_client_is_refused_in_its_own_errors_and_lists_the_models(local,
     assert sorted(m.model for m in running.models) == ["minilm", "tiny"], "each has a replica serving"
     assert shown.modelinfo["gpuportal.context_length"] == Deployment.objects.get(name="tiny").max_tokens
     assert "completion" in shown.capabilities and version["version"]
+
+
+# -- loading and unloading: Ollama's calls with nothing to answer ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"),
+    [(0, 0.0), ("0", 0.0), ("0s", 0.0), ("5m", 300.0), ("1h30m", 5400.0), ("-1", -1.0), (2.5, 2.5), ("300", 300.0)],
+)
+def test_keep_alive_is_read_as_ollama_reads_it(given, seconds):
+    assert keep_alive_s(given) == seconds
+
+
+@pytest.mark.parametrize("given", ["soon", "5 m", "", True, [1], {"m": 5}])
+def test_a_keep_alive_that_is_no_duration_is_refused_naming_it(given):
+    with pytest.raises(Refused) as refused:
+        keep_alive_s(given)
+    assert refused.value.param == "keep_alive"
+    with pytest.raises(Refused) as in_a_chat:
+        read(keep_alive=given)
+    assert in_a_chat.value.param == "keep_alive", "read on every call, not only a load's"
+
+
+def test_ollamas_unload_puts_the_model_to_sleep_for_staff_alone_and_its_load_wakes_it_for_anyone(
+    cluster, api, dispatched, tiny_model_dir, django_capture_on_commit_callbacks
+):
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    from scheduling.models import Event
+    from tests.support.deployments import asleep, body, serve
+
+    api("post", "/api/deployments/", body("tiny-a", tiny_model_dir))
+    replica_id = Replica.objects.get().id
+    serve(replica_id)
+    bob = APIClient()
+    bob.force_authenticate(User.objects.create_user("bob"))
+
+    def as_bob(path: str, call: dict) -> Any:
+        with django_capture_on_commit_callbacks(execute=True):
+            return bob.post(path, call, format="json")
+
+    refused = as_bob("/api/generate", {"model": "tiny-a", "keep_alive": 0})
+    assert refused.status_code == 403 and "only staff" in refused.json()["error"]
+    assert Replica.objects.get(pk=replica_id).state == "serving", "nothing done"
+
+    unloaded = api("post", "/api/generate", {"model": "tiny-a", "keep_alive": "0s"})
+    assert unloaded.status_code == 200, unloaded.json()
+    assert unloaded.json() | {"created_at": ""} == {
+        "model": "tiny-a", "created_at": "", "response": "", "done": True, "done_reason": "unload"
+    }  # fmt: skip
+    assert Replica.objects.get(pk=replica_id).state == "draining"
+    assert Event.objects.filter(replica=replica_id, reason__contains="(Ollama's keep_alive 0)").exists()
+    asleep(replica_id)
+
+    loaded = as_bob("/api/chat", {"model": "tiny-a", "messages": []})
+    assert loaded.status_code == 200, loaded.json()
+    assert loaded.json()["message"] == {"role": "assistant", "content": ""} and loaded.json()["done_reason"] == "load"
+    assert Replica.objects.get(pk=replica_id).state == "waking"
+    assert Event.objects.filter(replica=replica_id, reason__contains="woken for bob's load (Ollama's)").exists()
+
+    missing = as_bob("/api/generate", {"model": "nope"})
+    assert (missing.status_code, missing.json()) == (404, {"error": "model 'nope' not found"})
+    unnamed = as_bob("/api/chat", {"messages": []})
+    assert unnamed.status_code == 400 and unnamed.json()["error"].startswith("model:")
