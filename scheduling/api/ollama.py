@@ -22,7 +22,6 @@ from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
-from rest_framework.response import Response
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
@@ -31,6 +30,7 @@ from scheduling.api.completion_input import Completion, Refused, not_text
 from scheduling.api.error_shapes import ReshapedErrors
 from scheduling.api.one_stream import followed
 from scheduling.api.openai_compat import ChatCompletionsView, read_call
+from scheduling.services.errors import ServiceError
 
 # Ollama's options the portal reads, by the sampling parameter each is (gpuportal.wire.sampling).
 OPTIONS = {
@@ -203,15 +203,19 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
         responses={200: dict},
     )
     def post(self, request: HttpRequest) -> HttpResponseBase:
-        body = request.data
-        if isinstance(body, dict) and ollama_load.nothing_to_answer(body, self.input_param):
-            try:
-                done = ollama_load.load_or_unload(body, request.user)
-            except Refused as refused:
-                return Response(error(str(refused)), status=400)
-            return Response({"model": body["model"], "created_at": stamp(), **self.nothing(), "done": True,
-                             "done_reason": done})  # fmt: skip
         return super().post(request)
+
+    def _answer_with_key(self, request: Any, body: Any, owner: str) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        # Both paths come here (a token's, without DRF, and DRF's): a load or an unload is no request.
+        if not isinstance(body, dict) or not ollama_load.nothing_to_answer(body, self.input_param):
+            return super()._answer_with_key(request, body, owner)
+        try:
+            done = ollama_load.load_or_unload(body, self.caller(request) or request.user)
+        except Refused as refused:
+            return 400, error(str(refused))
+        except ServiceError as refused:
+            return refused.status, error(str(refused))
+        return 200, {"model": body["model"], "created_at": stamp(), **self.nothing(), "done": True, "done_reason": done}
 
     @staticmethod
     def nothing() -> dict[str, Any]:

@@ -119,8 +119,11 @@ def test_ollamas_client_chats_generates_and_streams_with_the_models_answers(loca
         list(local.chat(model="tiny", messages=too_long, stream=True))
     with pytest.raises(ollama.ResponseError) as failed:
         local.chat(model="tiny", messages=too_long)
+    # What `ollama run` sends first: a load, answered at once (the model serves already).
+    loaded, chat_loaded = local.generate(model="tiny"), local.chat(model="tiny", messages=[])
 
     assert said.message.role == "assistant" and said.done and said.done_reason == "length"
+    assert (loaded.done_reason, loaded.response, chat_loaded.done_reason) == ("load", "", "load")
     assert said.eval_count == 8 and said.prompt_eval_count > 0 and said.total_duration > 0
     assert "".join(p.message.content for p in pieces) == said.message.content and len(pieces) > 2
     assert pieces[-1].done and pieces[-1].eval_count == 8 and not any(p.done for p in pieces[:-1])
