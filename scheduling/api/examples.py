@@ -626,6 +626,11 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "parameter": f"resp_{REQUEST}",
         "response": RESPONSE,
     },
+    ("delete", "/v1/responses/{response_id}"): {
+        "summary": "Delete a response of yours that has ended, with what it was asked and answered",
+        "parameter": f"resp_{REQUEST}",
+        "response": {"id": f"resp_{REQUEST}", "object": "response.deleted", "deleted": True},
+    },
     ("get", "/v1/responses/{response_id}/input_items"): {
         "parameter": f"resp_{REQUEST}",
         "response": {
