@@ -912,20 +912,27 @@ def test_with_tools_left_to_it_a_model_that_writes_no_call_answers_in_text_and_a
     ]
 
 
+def _refused_as_not_kept(client: openai.OpenAI, response_id: str) -> tuple[Any, Any]:
+    """A response not kept: neither read (a 404), nor its input items, nor gone on from (a 400):
+    the refusals of the read and of the going on."""
+    with pytest.raises(openai.NotFoundError) as not_read:
+        client.responses.retrieve(response_id)
+    with pytest.raises(openai.NotFoundError):
+        list(client.responses.input_items.list(response_id))
+    with pytest.raises(openai.BadRequestError) as not_gone_on:
+        client.responses.create(model="tiny", input="And then?", previous_response_id=response_id)
+    return not_read.value, not_gone_on.value
+
+
 def test_a_response_asked_with_store_false_is_answered_and_not_kept_to_read_or_go_on_from(client, served):
     unkept = client.responses.create(model="tiny", input="Once upon a time", max_output_tokens=4, store=False)
-    with pytest.raises(openai.NotFoundError) as not_read:
-        client.responses.retrieve(unkept.id)
-    with pytest.raises(openai.NotFoundError):
-        list(client.responses.input_items.list(unkept.id))
-    with pytest.raises(openai.BadRequestError) as not_gone_on:
-        client.responses.create(model="tiny", input="And then?", previous_response_id=unkept.id)
+    not_read, not_gone_on = _refused_as_not_kept(client, unkept.id)
     kept = client.responses.create(model="tiny", input="Once upon a time", max_output_tokens=4)
 
     assert unkept.output_text and unkept.store is False, "answered all the same"
-    assert "store: false" in not_read.value.body["message"]
-    assert not_gone_on.value.body["param"] == "previous_response_id"
-    assert "store: false" in not_gone_on.value.body["message"]
+    assert "store: false" in not_read.body["message"]
+    assert not_gone_on.body["param"] == "previous_response_id"
+    assert "store: false" in not_gone_on.body["message"]
     assert kept.store is True and client.responses.retrieve(kept.id).id == kept.id
 
 
@@ -944,12 +951,7 @@ def test_a_deleted_response_is_gone_with_what_it_was_asked_and_answered_and_anot
     assert queue.get(request_id) is not None, "another's delete deleted nothing"
 
     deleted = client.responses.with_raw_response.delete(answer.id)
-    with pytest.raises(openai.NotFoundError) as not_read:
-        client.responses.retrieve(answer.id)
-    with pytest.raises(openai.NotFoundError):
-        list(client.responses.input_items.list(answer.id))
-    with pytest.raises(openai.BadRequestError) as not_gone_on:
-        client.responses.create(model="tiny", input="And then?", previous_response_id=answer.id)
+    not_read, not_gone_on = _refused_as_not_kept(client, answer.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(answer.id)
     # One not ended yet (waiting for a deployment no replica serves) is not deleted under its replica.
@@ -962,8 +964,8 @@ def test_a_deleted_response_is_gone_with_what_it_was_asked_and_answered_and_anot
 
     assert deleted.http_response.status_code == 200
     assert deleted.http_response.json() == {"id": answer.id, "object": "response.deleted", "deleted": True}
-    assert "deleted" in not_read.value.body["message"]
-    assert not_gone_on.value.body["param"] == "previous_response_id"
+    assert "deleted" in not_read.body["message"]
+    assert not_gone_on.body["param"] == "previous_response_id"
     # What it was asked and answered is gone from Redis, not only hidden; it is in no list of requests.
     assert queue.get(request_id) is None
     assert request_id not in [r.id for r in queue.recent(None, offset=0, limit=100)[0]]
