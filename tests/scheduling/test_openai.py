@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 from django.contrib.auth.models import User
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -511,6 +511,7 @@ def read(body, kind):
 @pytest.mark.parametrize(("kind", "bodies"), [("chat", _chats), ("generate", _prompts)])
 def test_the_parser_runs_only_what_is_within_bounds_and_names_the_field_it_refuses(kind, bodies):
     @given(bodies)
+    @example({"model": "tiny", "prompt": [0]})  # found by a full run: token ids alone, one prompt
     def check(body):
         try:
             call = read(body, kind)
@@ -530,7 +531,10 @@ def test_the_parser_runs_only_what_is_within_bounds_and_names_the_field_it_refus
         if kind == "chat":
             assert [set(m) for m in call.input] == [{"role", "content"}] * len(body["messages"])
         else:
-            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            # A list of prompts, or token ids alone ([0]): one prompt, as OpenAI reads it.
+            asked = body["prompt"]
+            alone = not isinstance(asked, list) or all(type(token) is int for token in asked)
+            prompts = [asked] if alone else asked
             assert [given for given, _ in call.each()[:: call.n]] == prompts
 
     check()
