@@ -31,8 +31,9 @@ def pytest_collection(session: pytest.Session) -> None:
     if not worker or not count:
         return
     for path in turn(files_under(session.config.args), int(worker.removeprefix("gw")), int(count)):
-        # One that fails to import fails again where collection imports it, and is reported there.
-        with contextlib.suppress(Exception):
+        # One that fails to import, or skips itself whole, does so again where collection imports
+        # it, and is reported there.
+        with contextlib.suppress(Exception, pytest.skip.Exception, pytest.fail.Exception):
             importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
 
 
