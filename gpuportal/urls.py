@@ -11,7 +11,16 @@ from rest_framework.permissions import IsAuthenticated
 
 from gpuportal import health
 from scheduling import gauges
-from scheduling.api import messages, ollama, ollama_models, openai_compat, response_items, responses, tokens
+from scheduling.api import (
+    messages,
+    ollama,
+    ollama_models,
+    openai_compat,
+    response_detail,
+    response_items,
+    responses,
+    tokens,
+)
 
 # drf-spectacular serves the schema to anyone by default; here it sits behind the API's own
 # auth like the rest of /api/ (a logged-in admin session is enough for the docs page).
@@ -78,7 +87,12 @@ urlpatterns = [
     path("v1/messages/count_tokens", messages.CountTokensView.as_view(), name="anthropic-count-tokens"),
     path("tokenize", tokens.TokenizeView.as_view(), name="tokenize"),
     path("detokenize", tokens.DetokenizeView.as_view(), name="detokenize"),
-    path("v1/responses/<str:response_id>", responses.ResponseDetailView.as_view(), name="openai-response"),
+    path("v1/responses/<str:response_id>", response_detail.ResponseDetailView.as_view(), name="openai-response"),
+    path(
+        "v1/responses/<str:response_id>/cancel",
+        response_detail.ResponseCancelView.as_view(),
+        name="openai-response-cancel",
+    ),
     path(
         "v1/responses/<str:response_id>/input_items",
         response_items.InputItemsView.as_view(),

@@ -333,6 +333,7 @@ RESPONSE = {
     "parallel_tool_calls": True,
     "text": {"format": {"type": "text"}},
     "store": True,
+    "background": False,
     "metadata": {},
 }
 
@@ -630,6 +631,19 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "summary": "Delete a response of yours that has ended, with what it was asked and answered",
         "parameter": f"resp_{REQUEST}",
         "response": {"id": f"resp_{REQUEST}", "object": "response.deleted", "deleted": True},
+    },
+    ("post", "/v1/responses/{response_id}/cancel"): {
+        "summary": "Cancel a response of yours: where it waits at once, where it runs stopped where it is",
+        "parameter": f"resp_{REQUEST}",
+        "response": {
+            **RESPONSE,
+            "status": "cancelled",
+            "output": [],
+            "usage": None,
+            "incomplete_details": None,
+            "background": True,
+            "error": {"code": "cancelled", "message": f"request {REQUEST} was cancelled by its owner"},
+        },
     },
     ("get", "/v1/responses/{response_id}/input_items"): {
         "parameter": f"resp_{REQUEST}",

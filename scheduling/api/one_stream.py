@@ -32,12 +32,19 @@ class Heard:
 
 
 def followed(
-    request: Request, call: Completion, *, held: bool, watched: bool, begun: Callable[[], bool]
+    request: Request,
+    call: Completion,
+    *,
+    held: bool,
+    watched: bool,
+    begun: Callable[[], bool],
+    stops_when_left: bool = True,
 ) -> Iterator[Heard]:
     """What `request`'s stream says, until its end. `held`: its text is read whole at its end;
     `watched`: it goes out until it opens a call; `begun`: whether the API's stream has sent
     something of the answer (no more waiting comments then). Closed before the end (its client
-    left), the request is stopped wherever it is, so that nothing generates an answer for nobody."""
+    left), the request is stopped wherever it is, so that nothing generates an answer for nobody;
+    not with `stops_when_left` false (a request whose answer is read back later)."""
     deadline, stop = time.monotonic() + call.timeout_s, threading.Event()
     splitter, watch = reasoning.Splitter(), tools.Watch() if watched else None
     told, told_at, ended = "", time.monotonic(), False
@@ -58,7 +65,7 @@ def followed(
             yield Heard(ended=True, final=item.final, watch=watch)
             return
     except GeneratorExit:
-        if not ended:
+        if not ended and stops_when_left:
             _stop([request], "its caller left: the stream was closed")
         raise
     finally:

@@ -14,7 +14,8 @@ from rest_framework.response import Response
 
 from gpuportal.wire.requestqueue import Request
 from scheduling.api.openai_compat import OpenAIView, error_body
-from scheduling.api.responses import INPUT_AT, kept_response, not_kept
+from scheduling.api.response_detail import kept_response, not_kept
+from scheduling.api.responses import INPUT_AT
 
 MOST_LISTED = 100
 DEFAULT_LISTED = 20

@@ -24,7 +24,6 @@ from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
-from rest_framework.response import Response
 
 from gpuportal.wire import reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
@@ -32,9 +31,10 @@ from scheduling.api import idempotency
 from scheduling.api.completion_input import Completion, Refused, content_text, message_origin, not_text
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.one_stream import followed
-from scheduling.api.openai_compat import ChatCompletionsView, OpenAIView, error_body, read_call
+from scheduling.api.openai_compat import ChatCompletionsView, read_call
 from scheduling.services import queueing
-from scheduling.services.errors import InvalidState, NotFound
+from scheduling.services import requests as request_services
+from scheduling.services.errors import InvalidInput, NotFound
 
 ID_PREFIX = "resp_"
 # Request queue params: the call's `instructions` (the system message they made, which a later
@@ -46,12 +46,15 @@ INPUT_AT = "input_at"
 # OpenAI's `store`: false, the response is not kept to be read again (retrieve, input_items) nor
 # gone on from (previous_response_id). Its request still ends in the queue as any does.
 STORE = "store"
+# OpenAI's `background`: the call is answered once its request is queued, and the request runs on
+# for nobody waiting, read back (polled, or its stream followed again) or cancelled by its id.
+BACKGROUND = "background"
 
 # The Responses fields read, and those passed on to the chat as they are (the sampling parameters
 # and chat_template_kwargs, which vLLM's Responses API takes as well).
 READ_FIELDS = frozenset(
     {"model", "input", INSTRUCTIONS, "max_output_tokens", "stream", "tools", "tool_choice", "parallel_tool_calls",
-     "text", PREVIOUS, "timeout", "top_logprobs", "background", "conversation", "prompt",
+     "text", PREVIOUS, "timeout", "top_logprobs", BACKGROUND, "conversation", "prompt",
      reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES}
 )  # fmt: skip
 PASSED_ON = ("timeout", reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES)
@@ -95,6 +98,12 @@ class ResponseInput(serializers.Serializer):
         allow_null=True,
         help_text="False: the response is not kept to retrieve, list the input of, or go on from (default true).",
     )
+    background = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        help_text="True: answered once queued (status `queued`), the response runs on; read it back by its id "
+        "(`stream=true` follows it again), or cancel it (POST /v1/responses/{id}/cancel).",
+    )
     text = serializers.JSONField(
         required=False,
         allow_null=True,
@@ -117,8 +126,11 @@ def chat_body(body: Any, earlier: list[dict[str, Any]] | None = None) -> tuple[d
         )
         if near:
             raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
-    if body.get("background"):
-        raise Refused("background", "not supported: a response runs while its call waits (stream it instead)")
+    background = body.get(BACKGROUND)
+    if background is not None and not isinstance(background, bool):
+        raise Refused(BACKGROUND, "must be true or false")
+    if background and body.get(STORE) is False:
+        raise Refused(BACKGROUND, "needs store: a response run in the background is read back later (store: false)")
     for field in ("conversation", "prompt"):
         if body.get(field) is not None:
             raise Refused(field, f"not supported: give the conversation as `input`, or go on with `{PREVIOUS}`")
@@ -308,6 +320,31 @@ class ResponsesView(ChatCompletionsView):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
+    def run(
+        self, model: str, request_input: Any, params: dict[str, Any], owner: str, timeout: float, key: str | None = None
+    ) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        if not params.get(BACKGROUND):
+            return super().run(model, request_input, params, owner, timeout, key)
+        try:
+            submitted = request_services.submit(
+                model, kind=self.kind, input=request_input, params=params, owner=owner, idempotency_key=key
+            )
+        except (NotFound, InvalidInput) as exc:
+            return self.refusal(exc, model)
+        return 200, self.standing(submitted)
+
+    def standing(self, found: Request) -> dict[str, Any]:
+        """A response as its request stands: its answer once done; its status and error (none
+        while it waits or runs) before that, or where it ended without an answer."""
+        if found.status == "done":
+            return self.body([found], [found], found.deployment)
+        if found.final:
+            status, error = self.unanswered(found, found, 0)
+        else:
+            status, error = ("in_progress" if found.status in ("dispatched", "running") else "queued"), None
+        answer = self.response(found, found.deployment, created=found.created_at, status=status, output=[], usage=None)
+        return {**answer, "error": error}
+
     def parse(self, body: Any, owner: str) -> Completion:
         earlier = self.earlier(body.get(PREVIOUS) if isinstance(body, dict) else None, owner)
         chat, origins = chat_body(body, earlier)
@@ -321,6 +358,8 @@ class ResponsesView(ChatCompletionsView):
             raise Refused(STORE, "must be true or false")
         if store is False:
             kept[STORE] = False
+        if body.get(BACKGROUND):
+            kept[BACKGROUND] = True
         # Where this call's own input begins among the messages (input_items lists it alone).
         kept[INPUT_AT] = sum(1 for origin in origins if origin in (INSTRUCTIONS, PREVIOUS))
         if call.params.get(sampling.SCHEMA_FIELD) == "response_format":
@@ -415,25 +454,44 @@ class ResponsesView(ChatCompletionsView):
             "parallel_tool_calls": params.get(tools.PARALLEL, True),
             "text": {"format": {"type": "json_schema", "schema": schema} if schema else {"type": "text"}},
             "store": params.get(STORE, True),
+            "background": params.get(BACKGROUND, False),
             "metadata": {},
         }
 
     def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
-        """Responses' typed server-sent events: response.created, then the reasoning and the
-        message's text as they come (reasoning_text.delta, output_text.delta), then each function
-        call whole, then response.completed (or .incomplete, cut by max_output_tokens; .failed,
-        with its error, where the request failed or did not end within the call's timeout). An
-        answer that may call functions sends its text until it opens a call, as a chat's stream
-        does (gpuportal.wire.tools.Watch)."""
-        request = submitted[0]
-        outline = _Outline(request)
+        return self.followed_again(submitted[0], call, after=-1)
+
+    def followed_again(self, request: Request, call: Completion, *, after: int) -> Iterator[bytes]:
+        """Responses' typed server-sent events, those numbered past `after`: response.created,
+        then the reasoning and the message's text as they come (reasoning_text.delta,
+        output_text.delta), then each function call whole, then response.completed (or
+        .incomplete, cut by max_output_tokens; .failed, with its error, where the request failed
+        or did not end within the call's timeout). An answer that may call functions sends its
+        text until it opens a call, as a chat's stream does (gpuportal.wire.tools.Watch).
+
+        The events come of what the request's stream holds, read from its start, so that
+        following it again (GET /v1/responses/{id}?stream=true&starting_after=N) numbers each as
+        it was numbered the first time."""
+        events = self._events(request, call, _Outline(request, after))
+        with contextlib.closing(events):  # closed early, `_events` says what becomes of the request
+            for event in events:
+                if event:
+                    yield event
+
+    def _events(self, request: Request, call: Completion, outline: _Outline) -> Iterator[bytes]:
+        background = bool(request.params.get(BACKGROUND))
         begun = self.response(request, call.model, created=None, status="in_progress", output=[], usage=None)
         yield outline.event("response.created", response=begun)
         yield outline.event("response.in_progress", response=begun)
         heard = followed(
-            request, call, held=self.held_back(call), watched=self.watched(call), begun=lambda: bool(outline.at)
+            request,
+            call,
+            held=self.held_back(call),
+            watched=self.watched(call),
+            begun=lambda: bool(outline.at),
+            stops_when_left=not background,
         )
-        with contextlib.closing(heard):  # closed early (the client left), it stops the request
+        with contextlib.closing(heard):  # closed early (the client left), it stops a request not in the background
             for said in heard:
                 if not said.ended:
                     if said.comment:
@@ -442,12 +500,14 @@ class ResponsesView(ChatCompletionsView):
                     yield from outline.said(MESSAGE, said.text)
                     continue
                 final = said.final
+                if background and final is not None and not final.final:
+                    return  # the call's wait is over, not the response: followed again from here, it goes on
                 if final is None or final.status != "done":
                     status, error = self.unanswered(final, request, call.timeout_s)
                     ended_short = self.response(request, call.model, created=None, status=status, output=[], usage=None)
                     yield outline.event("response.failed", response={**ended_short, "error": error})
                     return
-                yield from self._ending(outline, self.body([final], submitted, call.model), final, said.watch)
+                yield from self._ending(outline, self.body([final], [request], call.model), final, said.watch)
 
     def unanswered(self, final: Request | None, request: Request, timeout: float) -> tuple[str, dict[str, Any]]:
         """The status and error of a response whose request ended without an answer (failed,
@@ -500,15 +560,19 @@ class _Outline:
     """The items a response's stream has opened, each at its output_index in the order opened,
     and the text each has sent; its events numbered in order."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, after: int = -1):
         self.request = request
         self.numbers = itertools.count()
+        self.after = after  # events numbered up to it are not sent (a client following again has them)
         self.at: dict[str, int] = {}  # an item's kind (or a call's id) → its output_index
         self.sent: dict[str, str] = {}
         self.closed: list[dict[str, Any]] = []
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        data = json.dumps({"type": kind, "sequence_number": next(self.numbers), **fields})
+        number = next(self.numbers)
+        if number <= self.after:
+            return b""
+        data = json.dumps({"type": kind, "sequence_number": number, **fields})
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def item(self, kind: str, text: str, status: str) -> dict[str, Any]:
@@ -546,66 +610,6 @@ class _Outline:
 
     def _of(self, kind: str) -> dict[str, Any]:
         return {"item_id": self.item(kind, "", "").get("id"), "output_index": self.at[kind], "content_index": 0}
-
-
-def kept_response(request: HttpRequest, response_id: str) -> Request | None:
-    """The request of a response the caller may read (theirs; staff, anyone's), while it is kept."""
-    if not response_id.startswith(ID_PREFIX):
-        return None
-    with contextlib.suppress(NotFound):
-        user = request.user
-        found = queueing.get(response_id.removeprefix(ID_PREFIX), user_id=str(user.pk), staff=user.is_staff)
-        return found if found.kind == "chat" and found.params.get(STORE) is not False else None
-    return None
-
-
-def not_kept(response_id: str) -> Response:
-    body = error_body(
-        f"no response {response_id} (responses are kept for a day, not those deleted or asked with store: false)",
-        "response_id",
-        "not_found",
-    )
-    return Response(body, status=404)
-
-
-class ResponseDetailView(OpenAIView):
-    """`GET /v1/responses/{id}`: a response as it stands (OpenAI's `client.responses.retrieve`),
-    for as long as its request is kept: yours (staff: anyone's). `DELETE`: gone before that."""
-
-    @extend_schema(responses={200: dict, 404: dict}, operation_id="v1_response_retrieve")
-    def get(self, request: HttpRequest, response_id: str) -> Response:
-        found = kept_response(request, response_id)
-        if found is None:
-            return not_kept(response_id)
-        view = ResponsesView()
-        if found.status == "done":
-            return Response(view.body([found], [found], found.deployment))
-        if found.final:
-            status, error = view.unanswered(found, found, 0)
-        else:
-            status, error = ("in_progress" if found.status in ("dispatched", "running") else "queued"), None
-        answer = view.response(found, found.deployment, created=found.created_at, status=status, output=[], usage=None)
-        return Response({**answer, "error": error})
-
-    @extend_schema(responses={200: dict, 404: dict, 409: dict}, operation_id="v1_response_delete")
-    def delete(self, request: HttpRequest, response_id: str) -> Response:
-        """`DELETE /v1/responses/{id}` (OpenAI's `client.responses.delete`): the response, what it
-        was asked and what it answered are deleted, once it has ended."""
-        found = kept_response(request, response_id)
-        if found is None:
-            return not_kept(response_id)
-        user = request.user
-        try:
-            queueing.forget(found.id, user_id=str(user.pk), staff=user.is_staff)
-        except NotFound:
-            return not_kept(response_id)
-        except InvalidState:
-            message = (
-                f"response {response_id} has not ended yet: it can be deleted once it has "
-                f"(cancel it first: DELETE /api/requests/{found.id}/)"
-            )
-            return Response(error_body(message, "response_id", code="conflict"), status=409)
-        return Response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 def _message(request: Request, text: str, status: str) -> dict[str, Any]:

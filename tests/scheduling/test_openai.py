@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from inference.devices import virtual_gpus
 from inference.serving import Server
 from scheduling.api import completion_input
+from scheduling.api.responses import ResponsesView
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
@@ -974,6 +975,72 @@ def test_a_deleted_response_is_gone_with_what_it_was_asked_and_answered_and_anot
     assert queue.get(request_id) is None
     assert request_id not in [r.id for r in queue.recent(None, offset=0, limit=100)[0]]
     assert not_ended.value.body["param"] == "response_id" and queue.get(waiting.id).status == "queued"
+
+
+def test_a_background_response_is_answered_queued_runs_on_and_is_read_back_or_followed_again(client, served):
+    asked = {"model": "tiny", "input": "Once upon a time", "max_output_tokens": 8}
+    queued = client.responses.create(**asked, background=True)
+    ended = request_services.queue().wait(queued.id.removeprefix("resp_"), 30)
+    polled = client.responses.retrieve(queued.id)
+    waited = client.responses.create(**asked)
+    followed = list(client.responses.retrieve(queued.id, stream=True))
+    streamed = list(client.responses.create(**asked, stream=True, background=True))
+    again = list(client.responses.retrieve(streamed[0].response.id, stream=True, starting_after=3))
+    with pytest.raises(openai.BadRequestError) as not_streamed:
+        client.responses.retrieve(queued.id, starting_after=3)
+    with pytest.raises(openai.BadRequestError) as not_a_number:
+        client.responses.retrieve(queued.id, stream=True, starting_after="third")
+
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    assert ended is not None and ended.status == "done", "it ran with nobody waiting"
+    assert polled.status == "incomplete" and polled.output_text == waited.output_text, "greedy: the same answer"
+    assert polled.background is True and waited.background is False
+    # Followed again from its start: its events as a stream of it would have sent them.
+    assert [e.type for e in followed][:2] == ["response.created", "response.in_progress"]
+    assert followed[-1].type == "response.incomplete" and followed[-1].response.output_text == waited.output_text
+    # A stream followed again past an event: the same events, numbered as the first time.
+    assert [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in again] == [
+        (e.type, e.sequence_number, getattr(e, "delta", None)) for e in streamed[4:]
+    ]
+    assert not_streamed.value.body["param"] == "starting_after" and "stream=true" in not_streamed.value.body["message"]
+    assert not_a_number.value.body["param"] == "starting_after"
+
+
+def test_a_response_is_cancelled_where_it_waits_and_a_cancel_sent_again_changes_nothing(client, replica):
+    # Nothing serves the replica here: the request waits in its queue.
+    queued = client.responses.create(model="tiny", input="Hi", background=True)
+    bob = Token.objects.create(user=User.objects.create_user("bob")).key
+    with (
+        openai.OpenAI(base_url=client.base_url, api_key=bob, max_retries=0) as others,
+        pytest.raises(openai.NotFoundError),
+    ):
+        others.responses.cancel(queued.id)
+    still = request_services.queue().get(queued.id.removeprefix("resp_")).status
+    cancelled = client.responses.cancel(queued.id)
+    again = client.responses.cancel(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_no-such-request")
+
+    assert still == "queued", "another's cancel cancelled nothing"
+    assert cancelled.status == "cancelled" and "cancelled by its owner" in cancelled.error.message
+    assert again.status == "cancelled" and client.responses.retrieve(queued.id).status == "cancelled"
+    assert request_services.queue().get(queued.id.removeprefix("resp_")).status == "cancelled"
+
+
+def test_a_background_stream_its_client_leaves_runs_on_and_a_foreground_one_is_stopped(replica):
+    owner = str(User.objects.create_user("carol").pk)
+    view = ResponsesView()
+    left = {}
+    for background in (True, False):
+        call = view.parse({"model": "tiny", "input": "Hi", "stream": True, "background": background}, owner)
+        request = request_services.submit("tiny", kind="chat", input=call.input, params=call.params, owner=owner)
+        events = view.events([request], call)
+        begun = [next(events) for _ in range(3)]  # created, in_progress, then what it waits for
+        events.close()  # what the server does once the client has gone
+        left[background] = (begun, request_services.queue().get(request.id).status)
+
+    assert left[True][0][2].startswith(b": ") and left[True][1] == "queued", "it runs on, to be read back"
+    assert left[False][1] == "cancelled", "nobody would read its answer"
 
 
 def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(client, served):

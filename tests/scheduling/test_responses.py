@@ -111,7 +111,8 @@ def test_bad_input_is_refused_naming_the_responses_field():
     assert refusal(text={"format": {"type": "json_schema", "schema": 3}}).startswith("text.format")
     assert refusal(instructions=7) == "instructions: must be a string"
     assert refusal(max_output_token=5) == "max_output_token: unknown field; did you mean 'max_output_tokens'?"
-    assert refusal(background=True).startswith("background: not supported")
+    assert refusal(background="yes") == "background: must be true or false"
+    assert refusal(background=True, store=False).startswith("background: needs store")
     assert refusal(previous_response_id="chatcmpl-1") == "previous_response_id: must be the id of a response (resp_...)"
     assert refusal(temperature=-1).startswith("temperature: ")
     assert read(store=False, metadata={"a": "b"}, truncation="disabled", user="u").input[-1]["content"] == "Hi"
@@ -121,6 +122,11 @@ def test_bad_input_is_refused_naming_the_responses_field():
 def test_a_response_asked_not_to_be_stored_says_so_in_its_params_and_a_stored_one_carries_nothing():
     assert read(store=False).params["store"] is False
     assert "store" not in read(store=True).params and "store" not in read().params
+
+
+def test_a_response_asked_in_the_background_says_so_in_its_params_and_a_foreground_one_carries_nothing():
+    assert read(background=True).params["background"] is True
+    assert "background" not in read(background=False).params and "background" not in read().params
 
 
 def test_an_answer_is_a_message_and_a_function_call_item_for_each_call_it_makes():
