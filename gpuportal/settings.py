@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from gpuportal import node_process
 from gpuportal.stackenv import default_data_dir, resolve_stack_urls
 from gpuportal.wire.control import AGENT_CALL_TASK, AGENT_QUEUE
+from gpuportal.wire.states import DeploymentStatus
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -169,6 +170,13 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     # An example for every operation, and a summary where a view has none.
+    # One name for each set of choices that fields of several names (or several sets under one
+    # name) share: a client generated from the schema gets ReplicaStateEnum, not State55dEnum.
+    "ENUM_NAME_OVERRIDES": {
+        "ReplicaStateEnum": "scheduling.models.Replica.State",
+        "DeploymentStatusEnum": [status.value for status in DeploymentStatus],
+        "PullStateEnum": "gpuportal.wire.pulls.STATES",
+    },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "scheduling.api.examples.add_examples",

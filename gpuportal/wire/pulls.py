@@ -30,6 +30,7 @@ _REVISION = re.compile(r"^[\w./-]{1,100}$")
 
 # A node's progress states, in order; the last two end it.
 QUEUED, DOWNLOADING, DONE, FAILED = "queued", "downloading", "done", "failed"
+STATES = (QUEUED, DOWNLOADING, DONE, FAILED)
 ENDED = (DONE, FAILED)
 
 

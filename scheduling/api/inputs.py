@@ -321,7 +321,7 @@ class DrainInput(StrictSerializer):
     )
 
 
-class RestartInput(StrictSerializer):
+class RollingRestartInput(StrictSerializer):
     misplaced = serializers.BooleanField(
         required=False,
         default=False,

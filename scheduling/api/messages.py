@@ -50,7 +50,7 @@ ERROR_TYPES = {
 }
 
 
-class MessageInput(serializers.Serializer):
+class AnthropicMessageInput(serializers.Serializer):
     """What Anthropic's clients send to /v1/messages, for the OpenAPI schema only: `chat_body`
     reads every body."""
 
@@ -138,7 +138,7 @@ class MessagesView(ReshapedErrors, ChatCompletionsView):
         description="A chat of a causal LM deployment, given and answered as Anthropic's Messages API: `system`, "
         "`messages` of text, tool_use, tool_result and thinking blocks, client tools, `output_config.format`; "
         "streamed as its events. The key comes as `x-api-key` or a bearer token.",
-        request=MessageInput,
+        request=AnthropicMessageInput,
         responses={200: dict},
     )
     def post(self, request: HttpRequest) -> HttpResponseBase:
@@ -331,7 +331,7 @@ class CountTokensView(MessagesView):
         summary="Count a Messages body's input tokens, as Anthropic's count_tokens.",
         description="The system prompt, messages and tools through the model's chat template, counted by a "
         "replica with the model's own tokenizer; a deployment asleep is woken. `max_tokens` is not needed.",
-        request=MessageInput,
+        request=AnthropicMessageInput,
         responses={200: dict},
     )
     def post(self, request: HttpRequest) -> HttpResponseBase:

@@ -10,7 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from gpuportal.wire.pulls import DONE, DOWNLOADING, FAILED, QUEUED
+from gpuportal.wire.pulls import STATES
 from scheduling.api.inputs import StrictSerializer
 from scheduling.services import pulls
 
@@ -26,7 +26,7 @@ class PullInput(StrictSerializer):
 
 
 class NodePullSerializer(serializers.Serializer):
-    state = serializers.ChoiceField(choices=[QUEUED, DOWNLOADING, DONE, FAILED])
+    state = serializers.ChoiceField(choices=STATES)
     percent = serializers.IntegerField()
     done_bytes = serializers.IntegerField()
     total_bytes = serializers.IntegerField(help_text="0 until the hub has said.")
@@ -39,7 +39,7 @@ class PullSerializer(serializers.Serializer):
     id = serializers.CharField()
     model = serializers.CharField()
     revision = serializers.CharField(allow_null=True)
-    state = serializers.ChoiceField(choices=[QUEUED, DOWNLOADING, DONE, FAILED])
+    state = serializers.ChoiceField(choices=STATES)
     nodes = serializers.DictField(child=NodePullSerializer())
     url = serializers.CharField()
 

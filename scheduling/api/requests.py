@@ -384,6 +384,7 @@ class RequestListView(APIView):
 
     @extend_schema(
         summary="List requests",
+        operation_id="api_requests_list",
         description=(
             "The caller's requests (staff: everyone's), newest first, from the last 24 hours (how long "
             "the portal keeps a request), filterable by deployment and status. No total count: "

@@ -250,7 +250,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
         return self.shown(name)
 
     @extend_schema(
-        request=inputs.RestartInput,
+        request=inputs.RollingRestartInput,
         summary="Replace every replica, one at a time, with no request lost: an awake one once its replacement "
         "serves beside it (or, with no room for that, first), a sleeping one parked (its next wake loads anew), "
         "a failover pair through a new standby and a switchover to it.",
@@ -265,7 +265,7 @@ class DeploymentViewSet(StaffControls, viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, name: str) -> Response:
-        data = inputs.RestartInput(data=request.data)
+        data = inputs.RollingRestartInput(data=request.data)
         data.is_valid(raise_exception=True)
         rollouts.restart(name, by=request.user.get_username(), misplaced=data.validated_data["misplaced"])
         return self.shown(name, status.HTTP_202_ACCEPTED)
