@@ -480,7 +480,10 @@ class ResponsesView(ChatCompletionsView):
 
     def _events(self, request: Request, call: Completion, outline: _Outline) -> Iterator[bytes]:
         background = bool(request.params.get(BACKGROUND))
-        begun = self.response(request, call.model, created=None, status="in_progress", output=[], usage=None)
+        # Its created_at the request's, so that following it again makes these events as they were.
+        begun = self.response(
+            request, call.model, created=request.created_at, status="in_progress", output=[], usage=None
+        )
         yield outline.event("response.created", response=begun)
         yield outline.event("response.in_progress", response=begun)
         heard = followed(

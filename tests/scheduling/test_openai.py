@@ -986,6 +986,7 @@ def test_a_background_response_is_answered_queued_runs_on_and_is_read_back_or_fo
     followed = list(client.responses.retrieve(queued.id, stream=True))
     streamed = list(client.responses.create(**asked, stream=True, background=True))
     again = list(client.responses.retrieve(streamed[0].response.id, stream=True, starting_after=3))
+    whole_again = list(client.responses.retrieve(streamed[0].response.id, stream=True))
     with pytest.raises(openai.BadRequestError) as not_streamed:
         client.responses.retrieve(queued.id, starting_after=3)
     with pytest.raises(openai.BadRequestError) as not_a_number:
@@ -1002,6 +1003,7 @@ def test_a_background_response_is_answered_queued_runs_on_and_is_read_back_or_fo
     assert [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in again] == [
         (e.type, e.sequence_number, getattr(e, "delta", None)) for e in streamed[4:]
     ]
+    assert [e.model_dump() for e in whole_again] == [e.model_dump() for e in streamed], "made again as they were"
     assert not_streamed.value.body["param"] == "starting_after" and "stream=true" in not_streamed.value.body["message"]
     assert not_a_number.value.body["param"] == "starting_after"
 
