@@ -16,6 +16,7 @@ from scheduling.api import (
     ollama,
     ollama_models,
     openai_compat,
+    rerank,
     response_detail,
     response_items,
     responses,
@@ -82,6 +83,10 @@ urlpatterns = [
     path("v1/completions", openai_compat.CompletionsView.as_view(), name="openai-completions"),
     path("v1/chat/completions", openai_compat.ChatCompletionsView.as_view(), name="openai-chat"),
     path("v1/embeddings", openai_compat.EmbeddingsView.as_view(), name="openai-embeddings"),
+    # Jina's and vLLM's path, and Cohere's (its client posts to /v2/rerank), in one shape.
+    path("v1/rerank", rerank.RerankView.as_view(), name="rerank"),
+    path("v2/rerank", rerank.RerankView.as_view(), name="rerank-v2"),
+    path("rerank", rerank.RerankView.as_view(), name="rerank-unversioned"),
     path("v1/responses", responses.ResponsesView.as_view(), name="openai-responses"),
     path("v1/messages", messages.MessagesView.as_view(), name="anthropic-messages"),
     path("v1/messages/count_tokens", messages.CountTokensView.as_view(), name="anthropic-count-tokens"),

@@ -139,7 +139,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     if not isinstance(body, dict):
         raise Refused(None, "the body must be a JSON object")
     _no_typos(body)
-    model = _model(body)
+    model = model_named(body)
     prompts = _prompts(body) if kind == "generate" else (_messages(body),)
     n = body.get("n")
     if n is None:
@@ -185,7 +185,7 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     params.update(_tools(body, kind, params))
     params.update(_template_kwargs(body, kind))
     params.update(_continued(body, kind, prompts[0]))
-    timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
+    timeout = wait_of(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(
         model=model.strip(),
         input=prompts[0],
@@ -371,7 +371,7 @@ def parse_embeddings(body: Any, *, default_timeout_s: float, max_timeout_s: floa
     if not isinstance(body, dict):
         raise Refused(None, "the body must be a JSON object")
     _no_typos(body)
-    model = _model(body)
+    model = model_named(body)
     texts = _texts(body.get("input"))
     encoding = body.get("encoding_format")
     encoding = "float" if encoding is None else encoding
@@ -379,7 +379,7 @@ def parse_embeddings(body: Any, *, default_timeout_s: float, max_timeout_s: floa
         raise Refused("encoding_format", f"must be one of {', '.join(ENCODING_FORMATS)}")
     if body.get("dimensions") is not None:
         raise Refused("dimensions", "not supported: each model's embeddings have the size it was trained with")
-    timeout = _timeout(body.get("timeout"), default_timeout_s, max_timeout_s)
+    timeout = wait_of(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Embeddings(model.strip(), texts, encoding, timeout)
 
 
@@ -394,7 +394,8 @@ def _no_typos(body: dict[str, Any]) -> None:
             raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
 
 
-def _model(body: dict[str, Any]) -> str:
+def model_named(body: dict[str, Any]) -> str:
+    """The deployment a body names in `model`; Refused naming `model` where it names none."""
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise Refused("model", "required: the deployment's name")
@@ -421,7 +422,7 @@ def _texts(value: Any) -> list[str]:
     return texts
 
 
-def _timeout(value: Any, default_s: float, max_s: float) -> float:
+def wait_of(value: Any, default_s: float, max_s: float) -> float:
     """Not OpenAI's: how long the call waits for its answer (a /v1 call never hangs)."""
     if value is None:
         return default_s

