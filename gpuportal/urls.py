@@ -72,6 +72,7 @@ urlpatterns = [
     path("api/chat", ollama.OllamaChatView.as_view(), name="ollama-chat"),
     path("api/generate", ollama.OllamaGenerateView.as_view(), name="ollama-generate"),
     path("api/embed", ollama_models.EmbedView.as_view(), name="ollama-embed"),
+    path("api/embeddings", ollama_models.LegacyEmbeddingsView.as_view(), name="ollama-embeddings"),
     path("api/tags", ollama_models.TagsView.as_view(), name="ollama-tags"),
     path("api/ps", ollama_models.RunningView.as_view(), name="ollama-ps"),
     path("api/show", ollama_models.ShowView.as_view(), name="ollama-show"),

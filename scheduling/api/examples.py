@@ -672,6 +672,10 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "usage": {"prompt_tokens": 8, "total_tokens": 8},
         },
     },
+    ("post", "/api/embeddings"): {
+        "request": {"model": "minilm", "prompt": "A cat sits."},
+        "response": {"embedding": [0.0213, -0.0841, 0.0377]},
+    },
     **{
         ("post", path): {
             "request": {

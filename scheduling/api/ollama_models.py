@@ -1,8 +1,9 @@
 """Ollama's model list, running models, model details, version and embeddings over the portal's
 deployments (scheduling.api.ollama has its chat and generate): `GET /api/tags` (every
 deployment `/v1` serves), `GET /api/ps` (those with a replica serving, what they hold on GPUs),
-`POST /api/show`, `GET /api/version`, `POST /api/embed`. Pulling, creating, copying and deleting
-models are the portal's own API's (`/api/models/pull/`, `/api/deployments/`), not Ollama's."""
+`POST /api/show`, `GET /api/version`, `POST /api/embed` (and its first form, `/api/embeddings`).
+Pulling, creating, copying and deleting models are the portal's own API's (`/api/models/pull/`,
+`/api/deployments/`), not Ollama's."""
 
 from __future__ import annotations
 
@@ -172,3 +173,31 @@ class EmbedView(ReshapedErrors, EmbeddingsView):
             "embeddings": [item["embedding"] for item in answer["data"]],
             "prompt_eval_count": answer["usage"].get("prompt_tokens", 0),
         }
+
+
+class LegacyEmbeddingsInput(serializers.Serializer):
+    model = serializers.CharField(help_text="The deployment's name (a transformers-embedding deployment).")
+    prompt = serializers.CharField(help_text="The one text to embed.")
+
+
+class LegacyEmbeddingsView(EmbedView):
+    """`POST /api/embeddings`: Ollama's first embeddings API, which its older clients and the first
+    LangChain and LlamaIndex integrations call: one `prompt`, one `embedding`."""
+
+    @extend_schema(
+        summary="Embed one text as Ollama's first API, /api/embeddings, does.",
+        request=LegacyEmbeddingsInput,
+        responses={200: dict},
+    )
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return super().post(request)
+
+    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(prompt, str) or not prompt:
+            return 400, error("prompt: required: the text to embed, a non-empty string")
+        asked = {name: body[name] for name in ("model", "timeout") if name in body}
+        code, answer = super().answer({**asked, "input": prompt}, owner, key)
+        if code != 200 or not isinstance(answer, dict):
+            return code, answer
+        return 200, {"embedding": answer["embeddings"][0]}

@@ -142,6 +142,14 @@ def test_ollamas_client_is_refused_in_its_own_errors_and_lists_the_models(local,
 
     embedded = local.embed(model="minilm", input=["ab", "cde"])
     stand_in.join(10)
+    stand_in = EmbeddingStandIn(Replica.objects.get(deployment=encoder).id)
+    stand_in.start()
+    embedded_first_way = local.embeddings(model="minilm", prompt="four")
+    stand_in.join(10)
+    with pytest.raises(ollama.ResponseError) as no_prompt:
+        local.embeddings(model="minilm")
+    with pytest.raises(ollama.ResponseError) as not_an_encoder:
+        local.embeddings(model="tiny", prompt="four")
     with pytest.raises(ollama.ResponseError) as missing:
         local.chat(model="tinny", messages=CHAT)
     with pytest.raises(ollama.ResponseError) as bad:
@@ -156,6 +164,9 @@ def test_ollamas_client_is_refused_in_its_own_errors_and_lists_the_models(local,
     version = local._client.get("/api/version").json()
 
     assert embedded.embeddings == [vector_of("ab"), vector_of("cde")] and embedded.model == "minilm"
+    assert embedded_first_way.embedding == vector_of("four"), "/api/embeddings: one prompt, one vector"
+    assert no_prompt.value.status_code == 400 and no_prompt.value.error.startswith("prompt: required")
+    assert not_an_encoder.value.status_code == 400 and "not an embedding model" in not_an_encoder.value.error
     assert missing.value.status_code == 404 and "did you mean `tiny`?" in missing.value.error
     assert bad.value.status_code == 400 and bad.value.error.startswith("options.num_predict")
     assert unsigned.value.status_code == 401
