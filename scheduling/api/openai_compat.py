@@ -724,21 +724,22 @@ def _follow(submitted: Request, model: str, deadline: float, index: int, stop: t
     queue = request_services.queue()
     sent, first, told = 0, True, ""
     splice = StreamSplice()
-    while time.monotonic() < deadline and not stop.is_set():
-        chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
-        if first and index == 0 and not chunks and not ended:
-            # Every slice, changed or not: the response says it again now and then (KEEPALIVE_S).
-            told = _waiting_line(submitted, model) or told or "waiting"
-            yield _Said(index, waiting=told)
-        for chunk in chunks:
-            # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
-            text, picked = splice.feed_piece(chunk)
-            if text:
-                yield _Said(index, text=text, picks=picked)
-                first = False
-        sent += len(chunks)
-        if ended:
-            break
+    with queue.reading(submitted.id):
+        while time.monotonic() < deadline and not stop.is_set():
+            chunks, ended = queue.read_stream(submitted.id, sent, STREAM_SLICE_S)
+            if first and index == 0 and not chunks and not ended:
+                # Every slice, changed or not: the response says it again now and then (KEEPALIVE_S).
+                told = _waiting_line(submitted, model) or told or "waiting"
+                yield _Said(index, waiting=told)
+            for chunk in chunks:
+                # A re-run (its replica died or drained mid-answer) starts over: send only what is new.
+                text, picked = splice.feed_piece(chunk)
+                if text:
+                    yield _Said(index, text=text, picks=picked)
+                    first = False
+            sent += len(chunks)
+            if ended:
+                break
     yield _Said(index, ended=True, final=queue.get(submitted.id))
 
 

@@ -35,7 +35,8 @@ from gpuportal.wire.requestqueue import (
     processing_key,
     queue_key,
 )
-from gpuportal.wire.requestqueue.protocol import BELL_TTL_S
+from gpuportal.wire.requestqueue.protocol import BELL_TTL_S, BLOCK_SLICE_S, stream_bell_key, stream_readers_key
+from gpuportal.wire.requestqueue.web import SHARED_READ_WAIT_S
 from inference.devices import virtual_gpus
 from inference.serving import Server
 from scheduling.api.inputs import SamplingInput
@@ -362,6 +363,54 @@ def test_a_stream_reader_blocks_until_a_piece_rings_rather_than_polling(rq, monk
 
     assert got == [(["Hel"], False)]
     assert len(reads) == 2, "one read before blocking, one after the ring: no polling in between"
+
+
+def test_a_reader_among_several_of_one_stream_passes_on_the_ring_that_woke_it_and_waits_short(rq, monkeypatch):
+    request_id = submit(rq)
+    rq.take("tiny", "a", timeout=1)
+    waits: list[float] = []
+    blocking = threading.Event()
+    real_blpop = rq.redis.blpop
+
+    def blpop(keys, timeout):
+        waits.append(timeout)
+        blocking.set()
+        return real_blpop(keys, timeout)
+
+    monkeypatch.setattr(rq.redis, "blpop", blpop)
+    got = []
+
+    def follow() -> None:
+        with rq.reading(request_id):
+            got.append(rq.read_stream(request_id, 0, timeout=60))
+
+    with rq.reading(request_id):  # another reader of the same stream: this test
+        reader = threading.Thread(target=follow)
+        reader.start()
+        assert blocking.wait(10), "the reader found nothing and waits"
+        writer = RequestQueue(redis.Redis.from_url(settings.REDIS_URL))
+        writer.chunk(request_id, "Hel", "a")
+        reader.join(60)
+        # The writer rang once, and the ring woke the reader: what is left is the ring it passed on.
+        passed = writer.redis.lpop(stream_bell_key(request_id))
+        still = int(rq.redis.get(stream_readers_key(request_id)))
+    alone = []
+    monkeypatch.setattr(rq.redis, "blpop", lambda keys, timeout: alone.append(timeout) or real_blpop(keys, timeout))
+    with rq.reading(request_id):
+        rq.read_stream(request_id, 1, timeout=0.2)
+        writer.chunk(request_id, "lo", "a")
+        assert rq.read_stream(request_id, 1, timeout=1) == (["lo"], False)
+    left_alone = writer.redis.llen(stream_bell_key(request_id))
+
+    assert got == [(["Hel"], False)]
+    assert passed == b"1", "the ring passed on, for the other reader waiting"
+    # Its waits were short while another read the stream too: a ring it missed costs it no slice.
+    assert waits and all(wait <= SHARED_READ_WAIT_S for wait in waits)
+    assert still == 1, "the first reader counted out as it left, the other still in"
+    assert alone[0] > SHARED_READ_WAIT_S, "alone, it waits on the bell"
+    assert left_alone == 0, "alone, it passes no ring on (the writer's it silenced before its read)"
+    assert int(rq.redis.get(stream_readers_key(request_id))) == 0, "each reader counted out as it left"
+    assert SHARED_READ_WAIT_S < BLOCK_SLICE_S
 
 
 # -- the REST path -------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ from gpuportal.wire.requestqueue.protocol import (
     stops_key,
     stream_bell_key,
     stream_key,
+    stream_readers_key,
     written_off_key,
 )
 from gpuportal.wire.requestqueue.serving import Serving
@@ -136,5 +137,6 @@ __all__ = [
     "stops_key",
     "stream_bell_key",
     "stream_key",
+    "stream_readers_key",
     "written_off_key",
 ]

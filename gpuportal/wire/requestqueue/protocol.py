@@ -76,6 +76,14 @@ def stream_bell_key(request_id: str) -> str:
     return f"gp:stream:{request_id}:bell"
 
 
+def stream_readers_key(request_id: str) -> str:
+    """How many of the web's readers follow a request's stream now (a counter, the web's alone):
+    a ring of the bell wakes one reader, so where there are several (a client that follows a
+    response again while its first stream has not yet seen it gone, two clients of one response)
+    each polls the stream instead (web.SHARED_READ_WAIT_S)."""
+    return f"gp:stream:{request_id}:readers"
+
+
 # How long a ring nobody took is kept: only a reader blocked at that moment needs it (one that is
 # not reads the stream itself before it blocks), and every request's end rings, streamed or not.
 BELL_TTL_S = 60

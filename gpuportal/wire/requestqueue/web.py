@@ -3,9 +3,11 @@ cancel it or stop it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -15,6 +17,7 @@ from gpuportal.wire.requestqueue.protocol import (
     _ASK_STOP,
     _CLAIM_IDEMPOTENCY_KEY,
     _SUBMIT,
+    BELL_TTL_S,
     BLOCK_SLICE_S,
     COUNT_KIND,
     PROCESSING_PREFIX,
@@ -37,12 +40,16 @@ from gpuportal.wire.requestqueue.protocol import (
     request_key,
     stream_bell_key,
     stream_key,
+    stream_readers_key,
 )
 from gpuportal.wire.sampling import COUNT_ONLY
 
 # Redis reads a BLPOP timeout of 0 as for ever: a deadline all but reached still waits this long
 # (and a wait is sliced as RequestQueue.wait's is: within the client's socket timeout).
 BELL_MIN_WAIT_S = 0.01
+# How long a reader of a stream that others read too waits before it reads again: a ring wakes
+# one of them, and each of the others would otherwise read only at the end of its wait's slice.
+SHARED_READ_WAIT_S = 0.05
 # How often the web measures again how far Redis's clock is from its own (a submit's deadline is
 # given on Redis's clock, so that a skew between hosts cannot refuse every submit).
 CLOCK_CHECK_S = 300.0
@@ -355,7 +362,11 @@ class Submitting(QueueBase):
         mine, everyones = index_keys(request.owner)
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(
-                request_key(request_id), done_key(request_id), stream_key(request_id), stream_bell_key(request_id)
+                request_key(request_id),
+                done_key(request_id),
+                stream_key(request_id),
+                stream_bell_key(request_id),
+                stream_readers_key(request_id),
             )
             pipe.zrem(mine, request_id)
             pipe.zrem(everyones, request_id)
@@ -393,6 +404,23 @@ class Submitting(QueueBase):
             index, length = pipe.execute()
         return None if index is None else int(length) - int(index)
 
+    @contextlib.contextmanager
+    def reading(self, request_id: str) -> Iterator[None]:
+        """Counted among the readers of a request's stream while in it: while there are others,
+        read_stream passes on each ring of the bell that wakes it, and its waits are short. A
+        reader that dies uncounted leaves the count one too high until the stream expires: its
+        readers then pass rings nobody takes and poll, as correct as before."""
+        readers = stream_readers_key(request_id)
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.incr(readers)
+            pipe.expire(readers, TTL_S)
+            pipe.execute()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(redis.RedisError):
+                self.redis.decr(readers)
+
     def read_stream(self, request_id: str, start: int, timeout: float) -> tuple[list[str], bool]:
         """Chunks from index `start` on, waiting up to `timeout` for the first; and whether the
         stream has ended."""
@@ -404,7 +432,17 @@ class Submitting(QueueBase):
                 # rings it again, and one written before it is in the read.
                 pipe.delete(bell)
                 pipe.lrange(stream_key(request_id), start, -1)
-                _, raw = pipe.execute()
+                pipe.get(stream_readers_key(request_id))
+                _, raw, readers = pipe.execute()
+            shared = int(readers or 0) > 1
+            if raw and shared:
+                # The ring that woke this reader woke it alone: passed on, it wakes the next reader
+                # waiting (which passes it on in turn while it finds something new: the last one
+                # finds nothing, and the passing stops).
+                with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.rpush(bell, 1)
+                    pipe.expire(bell, BELL_TTL_S)
+                    pipe.execute()
             chunks = [c.decode() for c in raw]
             ended = bool(chunks) and chunks[-1] == STREAM_END
             if ended:
@@ -415,10 +453,11 @@ class Submitting(QueueBase):
                     request = self.get(request_id)
                     ended = request is None or request.final
                 return chunks, ended
-            # A list has no blocking read from an offset: block on the bell its writers ring instead
-            # (a second reader of the same stream may take a ring meant for this one: it then reads
-            # at its deadline, late but whole).
-            self.redis.blpop([bell], timeout=max(BELL_MIN_WAIT_S, min(left, BLOCK_SLICE_S)))
+            # A list has no blocking read from an offset: block on the bell its writers ring instead.
+            # Where others read the stream too, each also reads it again soon: a ring passed on
+            # may be deleted unheard by a reader that reads the stream itself meanwhile.
+            slice_s = SHARED_READ_WAIT_S if shared else BLOCK_SLICE_S
+            self.redis.blpop([bell], timeout=max(BELL_MIN_WAIT_S, min(left, slice_s)))
 
 
 def _read(connection: Any, timeout: float | None) -> Any:
