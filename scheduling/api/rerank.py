@@ -145,6 +145,9 @@ class RerankView(_Answered):
             return result
         output = result.output or {}
         vectors = output.get("embeddings") or []
+        if len(vectors) != 1 + len(call.documents):  # a replica of another release, or a broken one
+            message = f"the replica gave {len(vectors)} vectors for {1 + len(call.documents)} texts"
+            return 502, error_body(message, kind="server_error")
         best = ranked(vectors[0], vectors[1:])[: call.top_n]
         return 200, {
             "id": f"rerank-{result.id}",

@@ -152,6 +152,16 @@ def test_top_n_answers_the_best_n_and_cohere_and_jina_paths_answer_alike(caller,
     assert [r["index"] for r in jina["results"]] == [1, 2, 0, 3], "a top_n past the documents is all of them"
 
 
+def test_a_replica_that_answers_too_few_vectors_is_a_server_error_that_says_so(caller, served):
+    replica = StandInEncoder(served["minilm"].id, "minilm", VECTORS.__getitem__, short_by=1)
+    replica.start()
+    answer = caller.post("/v1/rerank", {"model": "minilm", "query": QUERY, "documents": DOCUMENTS}, "application/json")
+    replica.join(10)
+
+    assert answer.status_code == 502
+    assert answer.json()["error"]["message"] == "the replica gave 4 vectors for 5 texts"
+
+
 def test_a_rerank_of_a_model_that_is_no_embedding_model_is_refused_and_queues_nothing(caller, served):
     not_an_encoder = caller.post(
         "/v1/rerank", {"model": "tiny", "query": "q", "documents": ["d"]}, content_type="application/json"
