@@ -693,6 +693,20 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         }
         for path in ("/v1/rerank", "/rerank", "/v2/rerank")
     },
+    **{
+        ("post", path): {
+            "request": {"model": "minilm", "text_1": "Where do cats sleep?", "text_2": ["Cats sleep in the sun."]},
+            "response": {
+                "id": f"score-{REQUEST}",
+                "object": "list",
+                "created": 1795628173,
+                "model": "minilm",
+                "data": [{"index": 0, "object": "score", "score": 0.6718}],
+                "usage": {"prompt_tokens": 14, "total_tokens": 14},
+            },
+        }
+        for path in ("/v1/score", "/score")
+    },
 }
 
 

@@ -4,7 +4,8 @@ step: LangChain's and LlamaIndex's rerankers, Open WebUI's external one), by an 
 deployment. The query and the documents are embedded in one request, one pass on its replica,
 and each document is scored by the cosine of its vector with the query's: a bi-encoder's
 relevance, as vLLM scores with an embedding model (a cross-encoder, which reads the query and a
-document together, is not a loader the portal has)."""
+document together, is not a loader the portal has). `POST /v1/score` (and `/score`), vLLM's, scores
+pairs of texts the same way."""
 
 from __future__ import annotations
 
@@ -104,6 +105,58 @@ def _cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return max(-1.0, min(1.0, cosine))  # rounding may take a vector's cosine with itself past 1
 
 
+@dataclass(frozen=True)
+class Scoring:
+    model: str
+    # The texts to embed, in order, and the pairs to score: (index of one, index of the other).
+    texts: list[str]
+    pairs: list[tuple[int, int]]
+    timeout_s: float
+
+
+SCORE_FIELDS = ("model", "text_1", "text_2", "timeout")
+
+
+def parse_score(body: Any, *, default_timeout_s: float, max_timeout_s: float) -> Scoring:
+    """The pairs a vLLM score call asks for: `text_1` and `text_2` each a string or a list; one
+    against one, one against each of a list, or a list against a list of its length, pair by
+    pair. Refused naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise Refused(None, "the body must be a JSON object")
+    for key in body:
+        if isinstance(key, str) and key not in SCORE_FIELDS:
+            near = difflib.get_close_matches(key, SCORE_FIELDS, n=1, cutoff=TYPO_CUTOFF)
+            if near:
+                raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
+    model = model_named(body)
+    firsts, seconds = _side(body.get("text_1"), "text_1"), _side(body.get("text_2"), "text_2")
+    if len(firsts) != 1 and len(firsts) != len(seconds):
+        raise Refused(
+            "text_2", f"must be as many texts as text_1 ({len(firsts)}), or text_1 one text to score against each"
+        )
+    if len(firsts) + len(seconds) > MAX_EMBEDDING_INPUTS:
+        raise Refused("text_2", f"at most {MAX_EMBEDDING_INPUTS} texts in one call, text_1 and text_2 together")
+    pairs = [(0 if len(firsts) == 1 else i, len(firsts) + i) for i in range(len(seconds))]
+    timeout = wait_of(body.get("timeout"), default_timeout_s, max_timeout_s)
+    return Scoring(model.strip(), [*firsts, *seconds], pairs, timeout)
+
+
+def _side(value: Any, field: str) -> list[str]:
+    texts = value if isinstance(value, list) else [value]
+    if not texts:
+        raise Refused(field, "required: a string or a non-empty list of strings")
+    for i, text in enumerate(texts):
+        at = f"{field}.{i}" if isinstance(value, list) else field
+        if not sampling.is_text(text) or not text:
+            raise Refused(at, not_text(text, "required: a non-empty string"))
+    return texts
+
+
+def scored(vectors: Sequence[Sequence[float]], pairs: list[tuple[int, int]]) -> list[float]:
+    """The cosine of each pair's vectors, in the pairs' order."""
+    return [_cosine(vectors[a], vectors[b]) for a, b in pairs]
+
+
 class RerankInput(serializers.Serializer):
     """What a rerank call sends, for the OpenAPI schema only: `parse_rerank` reads every body."""
 
@@ -159,6 +212,57 @@ class RerankView(_Answered):
                     **({"document": {"text": call.documents[i]}} if call.return_documents else {}),
                 }
                 for i, score in best
+            ],
+            "usage": output.get("usage", {}),
+        }
+
+
+class ScoreInput(serializers.Serializer):
+    """What a score call sends, for the OpenAPI schema only: `parse_score` reads every body."""
+
+    model = serializers.CharField(help_text="An embedding deployment's name.")
+    text_1 = serializers.JSONField(help_text="A string, or a list of strings.")
+    text_2 = serializers.JSONField(help_text="A string, or a list of strings (as many as text_1's, unless it is one).")
+
+
+class ScoreView(_Answered):
+    """`POST /v1/score`: pairs of texts scored by an embedding deployment, as vLLM's score API."""
+
+    @extend_schema(
+        parameters=[idempotency.PARAMETER],
+        summary="Score pairs of texts by their similarity, as vLLM's score API does.",
+        description="With an embedding deployment: every text embedded in one pass, each pair's `score` the cosine "
+        "of its vectors (-1 to 1): text_1 against each of text_2, or pair by pair where both are lists.",
+        request=ScoreInput,
+        responses={200: dict},
+    )  # its example: scheduling.api.examples
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return super().post(request)
+
+    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        try:
+            call = parse_score(
+                body,
+                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
+                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+            )
+        except Refused as refused:
+            return 400, error_body(str(refused), refused.param)
+        result = embedded(call.model, call.texts, owner, call.timeout_s, key, "text_2")
+        if not isinstance(result, Request):
+            return result
+        output = result.output or {}
+        vectors = output.get("embeddings") or []
+        if len(vectors) != len(call.texts):
+            message = f"the replica gave {len(vectors)} vectors for {len(call.texts)} texts"
+            return 502, error_body(message, kind="server_error")
+        return 200, {
+            "id": f"score-{result.id}",
+            "object": "list",
+            "created": int(result.created_at or 0),
+            "model": call.model,
+            "data": [
+                {"index": i, "object": "score", "score": score} for i, score in enumerate(scored(vectors, call.pairs))
             ],
             "usage": output.get("usage", {}),
         }

@@ -1,5 +1,5 @@
 """`POST /v1/rerank` (`/rerank`, `/v2/rerank`): documents ranked by the cosine of their vectors
-with the query's, from one embedding request. Above the replica (a stand-in serves the queue with
+with the query's, from one embedding request; `POST /v1/score` (`/score`), pairs scored so. Above the replica (a stand-in serves the queue with
 vectors set here); tests/inference/test_embeddings.py ranks with a real model against its own
 reference."""
 
@@ -16,7 +16,7 @@ from rest_framework.authtoken.models import Token
 
 from inference.devices import virtual_gpus
 from scheduling.api.completion_input import Refused
-from scheduling.api.rerank import MAX_DOCUMENTS, parse_rerank, ranked
+from scheduling.api.rerank import MAX_DOCUMENTS, parse_rerank, parse_score, ranked
 from scheduling.models import Deployment, Replica
 from scheduling.services import requests as request_services
 from scheduling.services.nodes import register_node
@@ -97,6 +97,29 @@ def test_documents_are_strings_or_objects_with_their_text_and_bad_input_is_refus
     assert refusal(model="") == "model: required: the deployment's name"
 
 
+def pairs(**body: object) -> tuple[list[str], list[tuple[int, int]]]:
+    scoring = parse_score({"model": "minilm", **body}, default_timeout_s=60, max_timeout_s=600)
+    return scoring.texts, scoring.pairs
+
+
+def score_refusal(**body: object) -> str:
+    with pytest.raises(Refused) as refused:
+        parse_score({"model": "minilm", **body}, default_timeout_s=60, max_timeout_s=600)
+    return str(refused.value)
+
+
+def test_a_score_pairs_one_text_with_one_with_each_of_a_list_or_a_list_with_a_list_pair_by_pair():
+    assert pairs(text_1="q", text_2="d") == (["q", "d"], [(0, 1)])
+    assert pairs(text_1="q", text_2=["a", "b"]) == (["q", "a", "b"], [(0, 1), (0, 2)])
+    assert pairs(text_1=["q"], text_2=["a", "b"]) == (["q", "a", "b"], [(0, 1), (0, 2)])
+    assert pairs(text_1=["p", "q"], text_2=["a", "b"]) == (["p", "q", "a", "b"], [(0, 2), (1, 3)])
+    assert score_refusal(text_1=["p", "q"], text_2=["a", "b", "c"]).startswith("text_2: must be as many texts")
+    assert score_refusal(text_1="q", text_2=[]) == "text_2: required: a string or a non-empty list of strings"
+    assert score_refusal(text_1="q", text_2=["a", 3]).startswith("text_2.1: ")
+    assert score_refusal(text_2="d").startswith("text_1: ")
+    assert score_refusal(text1="q", text_2="d") == "text1: unknown field; did you mean 'text_1'?"
+
+
 @pytest.fixture
 def served(transactional_db) -> dict[str, Replica]:
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
@@ -174,3 +197,22 @@ def test_a_rerank_of_a_model_that_is_no_embedding_model_is_refused_and_queues_no
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "model_not_found"
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents.0"
     assert all(request_services.queue_depth(name) == 0 for name in ("tiny", "minilm"))
+
+
+def test_a_score_is_the_cosine_of_each_pairs_vectors_from_one_embedding_request(caller, served):
+    answers = []
+    for text_1 in (QUERY, [QUERY, "Stocks fell today."]):
+        replica = StandInEncoder(served["minilm"].id, "minilm", VECTORS.__getitem__)
+        replica.start()
+        body = {"model": "minilm", "text_1": text_1, "text_2": DOCUMENTS[1:3]}
+        answers.append(caller.post("/v1/score", body, "application/json"))
+        replica.join(10)
+    unpaired = caller.post("/score", {"model": "minilm", "text_1": ["a", "b"], "text_2": ["c"]}, "application/json")
+
+    one, each = (answer.json() for answer in answers)
+    assert one["object"] == "list" and one["id"].startswith("score-") and one["model"] == "minilm"
+    scores = [(d["index"], d["object"], round(d["score"], 9)) for d in one["data"]]
+    assert scores == [(0, "score", 0.8), (1, "score", 0.6)]
+    # Pair by pair: the query with the first, the stocks with the second (orthogonal: 0).
+    assert [round(d["score"], 9) for d in each["data"]] == [0.8, 0.0]
+    assert unpaired.status_code == 400 and unpaired.json()["error"]["param"] == "text_2"
