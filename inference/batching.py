@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuportal.wire.memory import kv_blocks
-from gpuportal.wire.reasoning import counted
+from gpuportal.wire.reasoning import counted, past_budget
 from gpuportal.wire.requestqueue import STOPPED, picked_piece
 from gpuportal.wire.sampling import STOP_REASON, Sampling, first_stop, fitted_max_tokens
 from inference.errors import TooLong
@@ -98,6 +98,11 @@ class Sequence:
     # Its model's `</think>` token (gpuportal.wire.reasoning.closing_id): its usage counts the
     # tokens of its thinking. None: the model has none.
     close_id: int | None = None
+    # Its model's `<think>` token, which begins an answer whose model opens its own thinking.
+    open_id: int | None = None
+    # The most tokens its thinking may have (gpuportal.wire.reasoning.THINKING_BUDGET): at it, its
+    # next token is `close_id`. None: unbounded.
+    thinking_budget: int | None = None
     error: Exception | None = None
     _sent: str = ""
     _streamed_picks: int = 0  # of `picked`, those whose log probabilities went out with a piece
@@ -105,6 +110,7 @@ class Sequence:
     _generator: Any = None  # a seeded request's own torch.Generator, made at its first sample
     # Its format's last list of ids for its next token, and that list as a mask on the device.
     _allowed_mask: tuple[list[int], Any] | None = None
+    _thinking_closed: bool = False  # its answer has generated `close_id` (with a budget to hold)
 
     @property
     def tokens_needed(self) -> int:
@@ -329,7 +335,8 @@ class Batcher:
         # min_tokens: the model's end of text cannot be picked before them (vLLM's), so that the
         # answer runs on rather than ends (past max_tokens it ends by length all the same).
         held = [i for i, s in enumerate(group) if len(s.generated) < s.sampling.min_tokens and self._ends(s)]
-        if penalized or held or held_to:
+        closing = [i for i, s in enumerate(group) if _thinks_past_budget(s)]
+        if penalized or held or held_to or closing:
             with torch.inference_mode():
                 logits = logits.clone()
                 for i in penalized:
@@ -340,6 +347,9 @@ class Batcher:
                     logits,
                     {i: _allowed_mask(group[i], allowed, logits) for i, allowed in held_to.items() if allowed},
                 )
+                for i in closing:  # its thinking has had its budget: its closing tag, whatever else it wanted
+                    logits[i] = float("-inf")
+                    logits[i, group[i].close_id] = 0.0
         greedy = torch.argmax(logits, dim=-1).tolist()
         tokens = [greedy[i] if s.sampling.greedy else self._sample(s, logits[i]) for i, s in enumerate(group)]
         asked = [i for i, s in enumerate(group) if s.logprobs is not None]
@@ -403,6 +413,8 @@ class Batcher:
 
     def _append(self, s: Sequence, token: int) -> None:
         s.generated.append(token)
+        if s.thinking_budget is not None and token == s.close_id:
+            s._thinking_closed = True
         if s.first_token_at is None:
             s.first_token_at = time.time()
         if token in s.sampling.stop_token_ids:
@@ -508,6 +520,14 @@ def _allowed_mask(s: Sequence, allowed: list[int], logits: Any) -> Any:
     mask[torch.frombuffer(array.array("q", allowed), dtype=torch.int64).to(logits.device)] = True
     s._allowed_mask = (allowed, mask)
     return mask
+
+
+def _thinks_past_budget(s: Sequence) -> bool:
+    """Whether `s`'s next token is to close its thinking (gpuportal.wire.reasoning.past_budget)."""
+    if s.thinking_budget is None:
+        return False
+    tags = (s.open_id, s.close_id) if s.open_id is not None and s.close_id is not None else None
+    return past_budget(s.generated, s.thinking_budget, tags, opened=bool(s.opened), closed=s._thinking_closed)
 
 
 def _ready(s: Sequence) -> bool:

@@ -40,7 +40,16 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from gpuportal.wire import kvstats
 from gpuportal.wire.node_lease import NodeFence
-from gpuportal.wire.reasoning import CONTINUE_FINAL, TEMPLATE_KWARGS, closing_id, counted, opened_by
+from gpuportal.wire.reasoning import (
+    CONTINUE_FINAL,
+    TEMPLATE_KWARGS,
+    THINKING_BUDGET,
+    closing_id,
+    counted,
+    opened_by,
+    past_budget,
+    tag_ids,
+)
 from gpuportal.wire.requestqueue import (
     STOPPED,
     Fence,
@@ -181,6 +190,23 @@ class OpenAIPenalties:
         counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
         present = (counts > 0).to(scores.dtype)
         return scores - self.sampling.frequency_penalty * counts - self.sampling.presence_penalty * present
+
+
+class ThinkingBudget:
+    """A transformers logits processor closing an answer's thinking once it has had its budget's
+    tokens (gpuportal.wire.reasoning.past_budget), as the paged engine closes it. Duck-typed."""
+
+    def __init__(self, budget: int, tags: tuple[int, int], start: int, *, opened: bool):
+        self.budget, self.tags, self.start, self.opened = budget, tags, start, opened
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        answer = input_ids[0, self.start :].tolist()
+        closed = self.tags[1] in answer
+        if past_budget(answer, self.budget, self.tags, opened=self.opened, closed=closed):
+            scores = scores.clone()
+            scores[0] = float("-inf")
+            scores[0, self.tags[1]] = 0.0
+        return scores
 
 
 # The longest token of each tokenizer a replica serves with, in UTF-8 bytes, read from its whole
@@ -419,7 +445,9 @@ class Executor:
             prompt_logprobs=request.params.get("logprobs") if request.params.get("echo") else None,
             allowed=allowed,
             opened=self.opened(request, prompt),
-            close_id=closing_id(self.tokenizer),
+            close_id=tags[1] if (tags := tag_ids(self.tokenizer)) is not None else None,
+            open_id=tags[0] if tags is not None else None,
+            thinking_budget=request.params.get(THINKING_BUDGET),
         )
 
     def format_allowed(self, params: dict[str, Any]) -> Held | None:
@@ -493,8 +521,14 @@ class Executor:
         if on_chunk is not None:
             kwargs["streamer"] = _ChunkStreamer(self.tokenizer, on_chunk, skipped=set(sampling.stop_token_ids))
         StoppingCriteriaList, LogitsProcessorList = from_transformers("StoppingCriteriaList", "LogitsProcessorList")
+        processors: list[Any] = []
         if sampling.presence_penalty or sampling.frequency_penalty:
-            kwargs["logits_processor"] = LogitsProcessorList([OpenAIPenalties(sampling, ids.shape[1])])
+            processors.append(OpenAIPenalties(sampling, ids.shape[1]))
+        budget, tags = params.get(THINKING_BUDGET), tag_ids(self.tokenizer)
+        if budget is not None and tags is not None:
+            processors.append(ThinkingBudget(budget, tags, ids.shape[1], opened=bool(opened)))
+        if processors:
+            kwargs["logits_processor"] = LogitsProcessorList(processors)
         logprobs = params.get("logprobs")
         if logprobs is not None:
             # The model's own logits at each step, before any processor (as the paged engine reports).

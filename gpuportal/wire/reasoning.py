@@ -29,6 +29,10 @@ TEMPLATE_KWARGS = "chat_template_kwargs"
 # a prefill, which Anthropic's Messages API makes of any conversation that ends with the
 # assistant's words. The answer is what follows them.
 CONTINUE_FINAL = "continue_final_message"
+# Request queue params: the most tokens an answer's thinking may have (Anthropic's
+# `thinking.budget_tokens`). At it, the replica makes the thinking's next token its closing tag,
+# and the answer follows; a model with no tags as tokens of their own thinks unbounded.
+THINKING_BUDGET = "thinking_budget"
 TEMPLATE_OWN = frozenset(
     {"conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
      "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
@@ -46,14 +50,32 @@ def opened_by(prompt: str) -> str:
     return prompt[at:]
 
 
-def closing_id(tokenizer: Any) -> int | None:
-    """The id of `tokenizer`'s token `</think>` where it has the tags as tokens of their own (a
-    reasoning model's: Qwen 3's, DeepSeek-R1's), None otherwise: what an answer's reasoning
-    tokens are counted to."""
+def tag_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of `tokenizer`'s tokens `<think>` and `</think>` where it has the tags as tokens of
+    their own (a reasoning model's: Qwen 3's, DeepSeek-R1's), None otherwise."""
     ids = [tokenizer.convert_tokens_to_ids(tag) for tag in (OPEN, CLOSE)]
     if any(not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids):
         return None
-    return ids[1] if tokenizer.convert_ids_to_tokens(ids[1]) == CLOSE else None
+    return (ids[0], ids[1]) if tokenizer.convert_ids_to_tokens(ids[1]) == CLOSE else None
+
+
+def past_budget(
+    answer: list[int], budget: int | None, tags: tuple[int, int] | None, *, opened: bool, closed: bool
+) -> bool:
+    """Whether an answer (its token ids so far) thinks on past its budget (THINKING_BUDGET): its
+    next token is to be the closing tag. Thinking: opened by its prompt (`opened`), or begun by
+    its own first token, the opening tag (`tags`: the tags' ids); `closed`: it has closed it."""
+    if budget is None or tags is None or closed:
+        return False
+    thinking = opened or (bool(answer) and answer[0] == tags[0])
+    return thinking and len(answer) >= budget
+
+
+def closing_id(tokenizer: Any) -> int | None:
+    """The id of `tokenizer`'s token `</think>` (`tag_ids`): what an answer's reasoning tokens are
+    counted to, and what closes a thinking past its budget."""
+    tags = tag_ids(tokenizer)
+    return tags[1] if tags is not None else None
 
 
 def counted(output: dict[str, Any], ids: list[int], close_id: int | None) -> dict[str, Any]:

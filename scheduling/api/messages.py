@@ -30,7 +30,7 @@ from scheduling.api import idempotency, tokens
 from scheduling.api.completion_input import Completion, Refused
 from scheduling.api.error_shapes import ReshapedErrors, message_of
 from scheduling.api.inputs import FiniteFloatField
-from scheduling.api.messages_input import FORMAT_FIELD, chat_body, renamed
+from scheduling.api.messages_input import FORMAT_FIELD, chat_body, renamed, thinking_budget
 from scheduling.api.one_stream import followed
 from scheduling.api.openai_compat import ChatCompletionsView, read_call
 
@@ -158,6 +158,8 @@ class MessagesView(ReshapedErrors, ChatCompletionsView):
                 param = "output_format"
             raise Refused(param, refused.message) from None
         params = {**call.params, "max_tokens": None, sampling.MAX_TOKENS_BOUND: body["max_tokens"]}
+        if (budget := thinking_budget(body.get("thinking"))) is not None:
+            params[reasoning.THINKING_BUDGET] = budget
         if call.params.get(sampling.SCHEMA_FIELD) == "response_format":  # the field a replica's refusal names
             params[sampling.SCHEMA_FIELD] = FORMAT_FIELD if body.get("output_config") is not None else "output_format"
         return Completion(model=call.model, input=call.input, params=params, timeout_s=call.timeout_s)

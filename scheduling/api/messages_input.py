@@ -91,6 +91,19 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     return chat, origins
 
 
+def thinking_budget(thinking: Any) -> int | None:
+    """The most tokens an answer's thinking may have: `thinking.budget_tokens` where `thinking` is
+    enabled (Anthropic's), None otherwise; Refused naming it where it is no whole number from 1."""
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise Refused("thinking.budget_tokens", "must be a whole number of at least 1")
+    return budget
+
+
 def _turn(message: Any, at: str, messages: list[dict[str, Any]], origins: list[str]) -> None:
     """A Messages turn as chat messages, appended with the field each came from: a user's
     tool_result blocks each a tool's message (first: a template reads them right after the call

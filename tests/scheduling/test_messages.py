@@ -284,6 +284,39 @@ def claude(live_server, replica) -> Iterator[anthropic.Anthropic]:  # noqa: F811
         yield client
 
 
+def test_a_thinking_budget_is_the_most_tokens_an_answer_may_think_and_a_bad_one_is_refused_naming_it():
+    assert read(thinking={"type": "enabled", "budget_tokens": 2048}).params[reasoning.THINKING_BUDGET] == 2048
+    assert reasoning.THINKING_BUDGET not in read(thinking={"type": "disabled"}).params
+    assert reasoning.THINKING_BUDGET not in read(thinking={"type": "enabled"}).params, "no budget: unbounded"
+    assert reasoning.THINKING_BUDGET not in read().params
+    for bad in ("lots", 0, True, 2.5):
+        assert refusal(thinking={"type": "enabled", "budget_tokens": bad}) == (
+            "thinking.budget_tokens: must be a whole number of at least 1"
+        )
+
+
+@pytest.fixture
+def served_tags(replica) -> Iterator[Any]:  # noqa: F811
+    """`served`, over a tiny Llama whose tokenizer has the thinking's tags as tokens of their own."""
+    from tests.scheduling.test_openai import _serving
+    from tests.scheduling.test_reasoning import thinking_model
+
+    model, tokenizer = thinking_model()
+    yield from _serving(replica, model, tokenizer)
+
+
+def test_a_thinking_budget_closes_a_reasoning_models_thinking_and_its_answer_follows(claude, served_tags):
+    asked = {"model": "tiny", "max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}]}
+
+    budgeted = claude.messages.create(**asked, thinking={"type": "enabled", "budget_tokens": 3})
+    unbounded = claude.messages.create(**asked, thinking={"type": "enabled", "budget_tokens": 1024})
+
+    assert [block.type for block in budgeted.content] == ["thinking", "text"], "closed at 3: the answer follows"
+    assert budgeted.stop_reason == "max_tokens" and budgeted.content[1].text
+    assert [block.type for block in unbounded.content] == ["thinking"], "within its budget, cut by max_tokens"
+    assert unbounded.content[0].thinking.startswith(budgeted.content[0].thinking), "the same thinking, longer"
+
+
 def test_anthropics_client_gets_a_message_streams_it_and_is_refused_in_its_own_errors(claude, served, live_server):  # noqa: F811
     asked = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Once upon a time"}]}
 

@@ -133,6 +133,67 @@ def test_the_thinking_tokens_are_counted_to_the_closing_tag_as_openais_reasoning
     assert "completion_tokens_details" not in unknown.result()["usage"], "a model with no closing tag to count to"
 
 
+def thinking_model() -> tuple[object, object]:
+    """A tiny random Llama whose tokenizer has the tags as tokens of their own, and whose chat
+    template opens the thinking (THINKING)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from inference.management.commands.make_tiny_model import build_tokenizer
+    from tests.support.serving import tiny_llama_config
+
+    torch.manual_seed(7)
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKING
+    config = tiny_llama_config()
+    config.vocab_size = len(tokenizer)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+def test_a_thinking_that_has_had_its_budget_is_closed_and_the_answer_follows():
+    import torch
+
+    from gpuportal.wire.reasoning import THINKING_BUDGET, tag_ids
+    from gpuportal.wire.requestqueue import Request
+    from inference.batching import Batcher, eos_ids, run_until_idle
+    from inference.kvpool import BlockPool
+    from inference.paged import PagedModel, model_shape
+    from inference.serving import Executor
+
+    model, tokenizer = thinking_model()
+    open_id, close_id = tag_ids(tokenizer)
+    executor = Executor(model, tokenizer)
+    pool = BlockPool.for_shape(model_shape(model, 0), 64, dtype=torch.float32, device="cpu", block_tokens=4)
+    batcher = Batcher(PagedModel(model, pool), tokenizer, eos_ids(model))
+    batcher.eos = set()  # each runs to its max_tokens
+
+    def answered(budget: int | None, **params: object) -> object:
+        asked = {"max_tokens": 8, **({THINKING_BUDGET: budget} if budget is not None else {}), **params}
+        seq = executor.sequence(Request(id="r", deployment="t", kind="chat", input=[{"role": "user", "content": "Hi"}],
+                                        params=asked), None)  # fmt: skip
+        batcher.submit(seq)
+        run_until_idle(batcher)
+        return seq
+
+    budgeted, unbounded = answered(3), answered(None)
+    # A model the paged engine does not take runs on transformers' generate(): held the same.
+    alone = executor.run(Request(id="g", deployment="t", kind="chat", input=[{"role": "user", "content": "Hi"}],
+                                 params={"max_tokens": 8, THINKING_BUDGET: 3}), None)  # fmt: skip
+    # A model that opens its own thinking: its first token `<think>` (biased to it throughout here).
+    own = answered(3, chat_template_kwargs={"enable_thinking": False}, logit_bias={str(open_id): 100})
+    unbudgeted_own = answered(None, chat_template_kwargs={"enable_thinking": False}, logit_bias={str(open_id): 100})
+
+    assert budgeted.opened and budgeted.generated[:3] == unbounded.generated[:3], "the same thinking until the budget"
+    assert budgeted.generated[3] == close_id != unbounded.generated[3], "then closed"
+    assert close_id not in budgeted.generated[:3] and budgeted.generated.count(close_id) == 1, "once"
+    assert budgeted.result()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+    assert split(budgeted.result()["text"])[0] is not None, "its reasoning apart from what follows"
+    assert own.generated[:4] == [open_id, open_id, open_id, close_id] and close_id not in unbudgeted_own.generated
+    assert alone["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+    assert alone["text"] == budgeted.result()["text"], "greedy: the same answer either way"
+
+
 def read(kind: str = "chat", **body: object) -> object:
     from scheduling.api import completion_input
 

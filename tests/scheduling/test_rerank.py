@@ -1,7 +1,7 @@
 """`POST /v1/rerank` (`/rerank`, `/v2/rerank`): documents ranked by the cosine of their vectors
-with the query's, from one embedding request; `POST /v1/score` (`/score`), pairs scored so. Above the replica (a stand-in serves the queue with
-vectors set here); tests/inference/test_embeddings.py ranks with a real model against its own
-reference."""
+with the query's, from one embedding request; `POST /v1/score` (`/score`), pairs scored so.
+Above the replica (a stand-in serves the queue with vectors set here);
+tests/inference/test_embeddings.py ranks with a real model against its own reference."""
 
 from __future__ import annotations
 
