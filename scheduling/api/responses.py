@@ -459,9 +459,13 @@ class ResponsesView(ChatCompletionsView):
         }
 
     def events(self, submitted: list[Request], call: Completion) -> Iterator[bytes]:
-        return self.followed_again(submitted[0], call, after=-1)
+        # The call's own stream: its client leaving stops the request, unless it runs in the background.
+        request = submitted[0]
+        return self.followed_again(request, call, after=-1, stops_when_left=not request.params.get(BACKGROUND))
 
-    def followed_again(self, request: Request, call: Completion, *, after: int) -> Iterator[bytes]:
+    def followed_again(
+        self, request: Request, call: Completion, *, after: int, stops_when_left: bool = False
+    ) -> Iterator[bytes]:
         """Responses' typed server-sent events, those numbered past `after`: response.created,
         then the reasoning and the message's text as they come (reasoning_text.delta,
         output_text.delta), then each function call whole, then response.completed (or
@@ -471,14 +475,15 @@ class ResponsesView(ChatCompletionsView):
 
         The events come of what the request's stream holds, read from its start, so that
         following it again (GET /v1/responses/{id}?stream=true&starting_after=N) numbers each as
-        it was numbered the first time."""
-        events = self._events(request, call, _Outline(request, after))
+        it was numbered the first time. Closed early (its client left), it stops the request only
+        with `stops_when_left`: one who follows a response again is not the one who asked it."""
+        events = self._events(request, call, _Outline(request, after), stops_when_left)
         with contextlib.closing(events):  # closed early, `_events` says what becomes of the request
             for event in events:
                 if event:
                     yield event
 
-    def _events(self, request: Request, call: Completion, outline: _Outline) -> Iterator[bytes]:
+    def _events(self, request: Request, call: Completion, outline: _Outline, stops_when_left: bool) -> Iterator[bytes]:
         background = bool(request.params.get(BACKGROUND))
         # Its created_at the request's, so that following it again makes these events as they were.
         begun = self.response(
@@ -492,9 +497,9 @@ class ResponsesView(ChatCompletionsView):
             held=self.held_back(call),
             watched=self.watched(call),
             begun=lambda: bool(outline.at),
-            stops_when_left=not background,
+            stops_when_left=stops_when_left,
         )
-        with contextlib.closing(heard):  # closed early (the client left), it stops a request not in the background
+        with contextlib.closing(heard):  # closed early (the client left), it stops the request if it is to
             for said in heard:
                 if not said.ended:
                     if said.comment:
@@ -503,8 +508,8 @@ class ResponsesView(ChatCompletionsView):
                     yield from outline.said(MESSAGE, said.text)
                     continue
                 final = said.final
-                if background and final is not None and not final.final:
-                    return  # the call's wait is over, not the response: followed again from here, it goes on
+                if (background or not stops_when_left) and final is not None and not final.final:
+                    return  # the wait is over, not the response: followed again from here, it goes on
                 if final is None or final.status != "done":
                     status, error = self.unanswered(final, request, call.timeout_s)
                     ended_short = self.response(request, call.model, created=None, status=status, output=[], usage=None)

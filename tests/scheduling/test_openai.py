@@ -1033,16 +1033,20 @@ def test_a_background_stream_its_client_leaves_runs_on_and_a_foreground_one_is_s
     owner = str(User.objects.create_user("carol").pk)
     view = ResponsesView()
     left = {}
-    for background in (True, False):
-        call = view.parse({"model": "tiny", "input": "Hi", "stream": True, "background": background}, owner)
+    for way in ("background", "foreground", "followed again"):
+        body = {"model": "tiny", "input": "Hi", "stream": True, "background": way == "background"}
+        call = view.parse(body, owner)
         request = request_services.submit("tiny", kind="chat", input=call.input, params=call.params, owner=owner)
-        events = view.events([request], call)
+        # GET /v1/responses/{id}?stream=true follows a response its asker still streams.
+        again = way == "followed again"
+        events = view.followed_again(request, call, after=-1) if again else view.events([request], call)
         begun = [next(events) for _ in range(3)]  # created, in_progress, then what it waits for
         events.close()  # what the server does once the client has gone
-        left[background] = (begun, request_services.queue().get(request.id).status)
+        left[way] = (begun, request_services.queue().get(request.id).status)
 
-    assert left[True][0][2].startswith(b": ") and left[True][1] == "queued", "it runs on, to be read back"
-    assert left[False][1] == "cancelled", "nobody would read its answer"
+    assert left["background"][0][2].startswith(b": ") and left["background"][1] == "queued", "it runs on, to be read"
+    assert left["foreground"][1] == "cancelled", "nobody would read its answer"
+    assert left["followed again"][1] == "queued", "one who follows a response again is not the one who asked it"
 
 
 def test_the_responses_api_answers_streams_and_goes_on_from_a_previous_response(client, served):
