@@ -54,7 +54,7 @@ def json_values(text: str) -> list:
 def test_the_readmes_quickstart_works_as_typed_on_a_fresh_stack(tmp_path):
     make, first_deploy = sh_blocks("README.md", "## Quickstart")  # `make run` is what the test starts
     (using_the_api,) = sh_blocks("README.md", "## Using the API")
-    (embeddings,) = sh_blocks("docs/api.md", "## Embeddings")
+    embeddings, reranking = sh_blocks("docs/api.md", "## Embeddings")
     assert make.startswith("make run")
     checkout = tmp_path / "checkout"  # the checkout as the user's shell sees it, var/ being up's
     checkout.mkdir()
@@ -71,9 +71,11 @@ def test_the_readmes_quickstart_works_as_typed_on_a_fresh_stack(tmp_path):
         assert (tmp_path / "var" / "admin-password").stat().st_mode & 0o777 == 0o600
 
         # One shell, as a user pastes one block after the other: the later ones use the first's $AUTH.
-        said = run_as_typed(first_deploy + using_the_api + embeddings, cwd=checkout, model_dir=tmp_path / "tiny")
+        said = run_as_typed(
+            first_deploy + using_the_api + embeddings + reranking, cwd=checkout, model_dir=tmp_path / "tiny"
+        )
 
-        created, inferred, scaled, gpus, followed, listed, encoder, embedded = json_values(said)
+        created, inferred, scaled, gpus, followed, listed, encoder, embedded, reranked = json_values(said)
         assert created["name"] == "tiny-a" and created["replicas_wanted"] == 1, created
         # The first request waits (timeout_s 30) for the first replica to load and serve it.
         assert inferred["status"] == "done" and inferred["output"]["text"], inferred
@@ -86,5 +88,7 @@ def test_the_readmes_quickstart_works_as_typed_on_a_fresh_stack(tmp_path):
         # The packaged sentence encoder (a dev dependency), deployed and asked as docs/api.md says.
         assert encoder["name"] == "minilm", encoder
         assert [len(d["embedding"]) for d in embedded["data"]] == [384, 384], embedded
+        # Its rerank, as docs/api.md shows it: a real encoder's sense of which document is about cats.
+        assert [r["document"]["text"] for r in reranked["results"]] == ["Cats sleep in the sun."], reranked
     finally:
         assert up.stop() == 0
