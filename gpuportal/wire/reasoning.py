@@ -29,10 +29,20 @@ TEMPLATE_KWARGS = "chat_template_kwargs"
 # a prefill, which Anthropic's Messages API makes of any conversation that ends with the
 # assistant's words. The answer is what follows them.
 CONTINUE_FINAL = "continue_final_message"
-# Request queue params: the most tokens an answer's thinking may have (Anthropic's
-# `thinking.budget_tokens`). At it, the replica makes the thinking's next token its closing tag,
-# and the answer follows; a model with no tags as tokens of their own thinks unbounded.
-THINKING_BUDGET = "thinking_budget"
+# Request queue params (vLLM's name, which /v1 takes as it is): the most tokens an answer's
+# thinking may have (Anthropic's `thinking.budget_tokens`). At it, the replica makes the
+# thinking's next token its closing tag, and the answer follows; a model with no tags as tokens
+# of their own thinks unbounded.
+THINKING_BUDGET = "thinking_token_budget"
+
+
+def budget_problem(value: Any) -> str | None:
+    """Why `value` cannot be a thinking budget, or None (None itself asks for none)."""
+    if value is None or (type(value) is int and value >= 1):
+        return None
+    return "must be a whole number of at least 1"
+
+
 TEMPLATE_OWN = frozenset(
     {"conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
      "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",

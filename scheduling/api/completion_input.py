@@ -44,7 +44,8 @@ READ_FIELDS = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream", "stream_options",
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
      "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX, tools.TOOLS, tools.TOOL_CHOICE,
-     tools.PARALLEL, reasoning.TEMPLATE_KWARGS, reasoning.CONTINUE_FINAL, *sampling.LISTED_NAMES, *sampling.NAMES}
+     tools.PARALLEL, reasoning.TEMPLATE_KWARGS, reasoning.CONTINUE_FINAL, reasoning.THINKING_BUDGET,
+     *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -184,6 +185,10 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
     params.update(_format(body))
     params.update(_tools(body, kind, params))
     params.update(_template_kwargs(body, kind))
+    if why := reasoning.budget_problem(budget := body.get(reasoning.THINKING_BUDGET)):
+        raise Refused(reasoning.THINKING_BUDGET, why)
+    if budget is not None:
+        params[reasoning.THINKING_BUDGET] = budget
     params.update(_continued(body, kind, prompts[0]))
     timeout = wait_of(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(

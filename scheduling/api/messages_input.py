@@ -97,10 +97,8 @@ def thinking_budget(thinking: Any) -> int | None:
     if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
         return None
     budget = thinking.get("budget_tokens")
-    if budget is None:
-        return None
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise Refused("thinking.budget_tokens", "must be a whole number of at least 1")
+    if why := reasoning.budget_problem(budget):
+        raise Refused("thinking.budget_tokens", why)
     return budget
 
 

@@ -208,6 +208,13 @@ class ChatInput(CompletionInput):
         allow_null=True,
         help_text="False: the answer makes at most one call (auto: its first; required: one). True by default.",
     )
+    thinking_token_budget = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        help_text="vLLM's: a reasoning model's thinking is closed (its `</think>`) once it has had this many tokens, "
+        "and the answer follows.",
+    )
 
 
 class EmbeddingInput(WaitInput):

@@ -55,9 +55,9 @@ BACKGROUND = "background"
 READ_FIELDS = frozenset(
     {"model", "input", INSTRUCTIONS, "max_output_tokens", "stream", "tools", "tool_choice", "parallel_tool_calls",
      "text", PREVIOUS, "timeout", "top_logprobs", BACKGROUND, "conversation", "prompt",
-     reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES}
+     reasoning.TEMPLATE_KWARGS, reasoning.THINKING_BUDGET, *sampling.NAMES, *sampling.LISTED_NAMES}
 )  # fmt: skip
-PASSED_ON = ("timeout", reasoning.TEMPLATE_KWARGS, *sampling.NAMES, *sampling.LISTED_NAMES)
+PASSED_ON = ("timeout", reasoning.TEMPLATE_KWARGS, reasoning.THINKING_BUDGET, *sampling.NAMES, *sampling.LISTED_NAMES)
 # Roles a Responses message may have, as a chat template knows them (a developer's is a system's).
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -201,6 +201,22 @@ def read(kind: str = "chat", **body: object) -> object:
     return completion_input.parse(asked, kind, default_timeout_s=30, max_timeout_s=300)
 
 
+def test_a_thinking_budget_is_vllms_field_on_v1_and_the_responses_api_passes_it_on():
+    from gpuportal.wire.reasoning import THINKING_BUDGET
+    from scheduling.api.completion_input import Refused
+    from scheduling.api.responses import ResponsesView
+
+    assert read(thinking_token_budget=64).params[THINKING_BUDGET] == 64
+    assert read("generate", thinking_token_budget=64).params[THINKING_BUDGET] == 64
+    assert THINKING_BUDGET not in read().params
+    for bad in (0, -1, "64", True, 6.5):
+        with pytest.raises(Refused) as refused:
+            read(thinking_token_budget=bad)
+        assert str(refused.value) == "thinking_token_budget: must be a whole number of at least 1"
+    answered = ResponsesView().parse({"model": "tiny", "input": "Hi", "thinking_token_budget": 64}, owner="1")
+    assert answered.params[THINKING_BUDGET] == 64
+
+
 def test_reasoning_given_back_and_the_templates_arguments_are_kept_for_the_chat_template():
     import pytest
 
