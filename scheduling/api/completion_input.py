@@ -370,6 +370,10 @@ class Embeddings:
     encoding_format: str
     timeout_s: float
 
+    @property
+    def texts(self) -> list[str]:
+        return self.input
+
 
 def parse_embeddings(body: Any, *, default_timeout_s: float, max_timeout_s: float) -> Embeddings:
     """The embeddings call to make, or Refused naming the first field that is wrong."""

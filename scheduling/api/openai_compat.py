@@ -287,6 +287,8 @@ class OpenAIView(APIView):
         return super().handle_exception(exc)
 
 
+# What /v1/embeddings and rerank refuse a deployment for not being.
+ENCODER = "an embedding model"
 # What /v1 serves: causal LMs (completions, chat) and encoders (embeddings); a plain PyTorch
 # module takes tensors, which no OpenAI endpoint carries.
 OPENAI_LOADERS = (Deployment.Loader.TRANSFORMERS, Deployment.Loader.EMBEDDING)
@@ -986,9 +988,51 @@ class ChatCompletionsView(_Generate):
         return {"delta": delta, "logprobs": choice["logprobs"], "finish_reason": finish}
 
 
-class EmbeddingsView(_Answered):
+class EmbeddedAnswer(_Answered, ABC):
+    """An answer made of texts' vectors, all embedded in one request (one pass on the replica, or
+    as few as fit): /v1/embeddings', a rerank's, a score's. `read` says what a body asks for."""
+
+    # The field a failure of the texts names.
+    param = "input"
+
+    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
+        try:
+            call = self.read(
+                body,
+                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
+                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
+            )
+        except Refused as refused:
+            return 400, error_body(str(refused), refused.param)
+        result = ran(
+            call.model, kind="embed", given=call.texts, params={}, owner=owner, timeout=call.timeout_s, key=key,
+            param=self.param, wanted=ENCODER,
+        )  # fmt: skip
+        if not isinstance(result, Request):
+            return result
+        output = result.output or {}
+        vectors = output.get("embeddings") or []
+        if len(vectors) != len(call.texts):  # a replica of another release, or a broken one
+            message = f"the replica gave {len(vectors)} vectors for {len(call.texts)} texts"
+            return 502, error_body(message, kind="server_error")
+        return 200, self.shaped(call, result, vectors, output.get("usage", {}))
+
+    @staticmethod
+    @abstractmethod
+    def read(body: Any, *, default_timeout_s: float, max_timeout_s: float) -> Any:
+        """The call a body asks for (its `model`, `texts` and `timeout_s`), or Refused naming its
+        field."""
+
+    @abstractmethod
+    def shaped(self, call: Any, result: Request, vectors: list[list[float]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The answer, of the texts' vectors (in the call's order)."""
+
+
+class EmbeddingsView(EmbeddedAnswer):
     """`POST /v1/embeddings` for a `transformers-embedding` deployment: one request in its queue
     for all the inputs of a call, which its replica embeds in as few forward passes as fit."""
+
+    read = staticmethod(completion_input.parse_embeddings)
 
     @extend_schema(
         parameters=[idempotency.PARAMETER],
@@ -1002,42 +1046,41 @@ class EmbeddingsView(_Answered):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
-    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
-        try:
-            call = completion_input.parse_embeddings(
-                body,
-                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )
-        except Refused as refused:
-            return 400, error_body(str(refused), refused.param)
-        result = embedded(call.model, call.input, owner, call.timeout_s, key)
-        if not isinstance(result, Request):
-            return result
-        output = result.output or {}
-        return 200, {
+    def shaped(
+        self, call: completion_input.Embeddings, result: Request, vectors: list[list[float]], usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
             "object": "list",
             "data": [
                 {"object": "embedding", "index": i, "embedding": _encoded(vector, call.encoding_format)}
-                for i, vector in enumerate(output.get("embeddings") or [])
+                for i, vector in enumerate(vectors)
             ],
             "model": call.model,
-            "usage": output.get("usage", {}),
+            "usage": usage,
         }
 
 
-def embedded(
-    model: str, texts: list[str], owner: str, timeout: float, key: str | None, param: str = "input"
+def ran(
+    model: str,
+    *,
+    kind: str,
+    given: Any,
+    params: dict[str, Any],
+    owner: str,
+    timeout: float,
+    key: str | None,
+    param: str,
+    wanted: str,
 ) -> Request | tuple[int, dict[str, Any] | HttpResponseBase]:
-    """`texts` embedded by `model` in one request (one pass on its replica): the request done, or
-    the answer of a call it could not be (the model not an embedding model, a timeout, a failure
-    the call's `param` is named in)."""
+    """A request of `model` run and waited for, up to `timeout`: the request done, or the answer
+    of a call it could not be (the model unknown, or not `wanted`: "an embedding model"; a limit;
+    a timeout; a failure the call's `param` is named in)."""
     try:
         submitted, result = request_services.run(
-            model, kind="embed", input=texts, params={}, owner=owner, timeout=timeout, idempotency_key=key
+            model, kind=kind, input=given, params=params, owner=owner, timeout=timeout, idempotency_key=key
         )
     except (NotFound, InvalidInput) as exc:
-        return _refusal(exc, model, "an embedding model")
+        return _refusal(exc, model, wanted)
     except ServiceError as exc:
         return _service_answer(exc)
     if result is None:

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.conf import settings
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -25,7 +24,7 @@ from gpuportal.wire import sampling
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import idempotency
 from scheduling.api.completion_input import MAX_EMBEDDING_INPUTS, Refused, model_named, not_text, wait_of
-from scheduling.api.openai_compat import _Answered, embedded, error_body
+from scheduling.api.openai_compat import EmbeddedAnswer
 
 READ_FIELDS = ("model", "query", "documents", "top_n", "return_documents", "timeout")
 TYPO_CUTOFF = 0.8
@@ -42,6 +41,11 @@ class Rerank:
     top_n: int | None
     return_documents: bool
     timeout_s: float
+
+    @property
+    def texts(self) -> list[str]:
+        """What is embedded, in one request: the query, then the documents."""
+        return [self.query, *self.documents]
 
 
 def parse_rerank(body: Any, *, default_timeout_s: float, max_timeout_s: float) -> Rerank:
@@ -169,8 +173,11 @@ class RerankInput(serializers.Serializer):
     )
 
 
-class RerankView(_Answered):
+class RerankView(EmbeddedAnswer):
     """`POST /v1/rerank`: documents ranked by relevance to a query, by an embedding deployment."""
+
+    param = "documents"
+    read = staticmethod(parse_rerank)
 
     @extend_schema(
         parameters=[idempotency.PARAMETER],
@@ -184,25 +191,11 @@ class RerankView(_Answered):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
-    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
-        try:
-            call = parse_rerank(
-                body,
-                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )
-        except Refused as refused:
-            return 400, error_body(str(refused), refused.param)
-        result = embedded(call.model, [call.query, *call.documents], owner, call.timeout_s, key, "documents")
-        if not isinstance(result, Request):
-            return result
-        output = result.output or {}
-        vectors = output.get("embeddings") or []
-        if len(vectors) != 1 + len(call.documents):  # a replica of another release, or a broken one
-            message = f"the replica gave {len(vectors)} vectors for {1 + len(call.documents)} texts"
-            return 502, error_body(message, kind="server_error")
+    def shaped(
+        self, call: Rerank, result: Request, vectors: list[list[float]], usage: dict[str, Any]
+    ) -> dict[str, Any]:
         best = ranked(vectors[0], vectors[1:])[: call.top_n]
-        return 200, {
+        return {
             "id": f"rerank-{result.id}",
             "model": call.model,
             "results": [
@@ -213,7 +206,7 @@ class RerankView(_Answered):
                 }
                 for i, score in best
             ],
-            "usage": output.get("usage", {}),
+            "usage": usage,
         }
 
 
@@ -225,8 +218,11 @@ class ScoreInput(serializers.Serializer):
     text_2 = serializers.JSONField(help_text="A string, or a list of strings (as many as text_1's, unless it is one).")
 
 
-class ScoreView(_Answered):
+class ScoreView(EmbeddedAnswer):
     """`POST /v1/score`: pairs of texts scored by an embedding deployment, as vLLM's score API."""
+
+    param = "text_2"
+    read = staticmethod(parse_score)
 
     @extend_schema(
         parameters=[idempotency.PARAMETER],
@@ -239,24 +235,10 @@ class ScoreView(_Answered):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         return super().post(request)
 
-    def answer(self, body: Any, owner: str, key: str | None = None) -> tuple[int, dict[str, Any] | HttpResponseBase]:
-        try:
-            call = parse_score(
-                body,
-                default_timeout_s=settings.GPUPORTAL_INFER_TIMEOUT_S,
-                max_timeout_s=settings.GPUPORTAL_INFER_MAX_TIMEOUT_S,
-            )
-        except Refused as refused:
-            return 400, error_body(str(refused), refused.param)
-        result = embedded(call.model, call.texts, owner, call.timeout_s, key, "text_2")
-        if not isinstance(result, Request):
-            return result
-        output = result.output or {}
-        vectors = output.get("embeddings") or []
-        if len(vectors) != len(call.texts):
-            message = f"the replica gave {len(vectors)} vectors for {len(call.texts)} texts"
-            return 502, error_body(message, kind="server_error")
-        return 200, {
+    def shaped(
+        self, call: Scoring, result: Request, vectors: list[list[float]], usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
             "id": f"score-{result.id}",
             "object": "list",
             "created": int(result.created_at or 0),
@@ -264,5 +246,5 @@ class ScoreView(_Answered):
             "data": [
                 {"index": i, "object": "score", "score": score} for i, score in enumerate(scored(vectors, call.pairs))
             ],
-            "usage": output.get("usage", {}),
+            "usage": usage,
         }

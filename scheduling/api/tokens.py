@@ -22,16 +22,11 @@ from scheduling.api import completion_input
 from scheduling.api.completion_input import Refused
 from scheduling.api.openai_compat import (
     _Answered,
-    _failure,
-    _refusal,
-    _service_answer,
     error_body,
+    ran,
     read_call,
-    timed_out,
 )
 from scheduling.models import Deployment
-from scheduling.services import requests as request_services
-from scheduling.services.errors import InvalidInput, NotFound, ServiceError
 
 # What of a chat's params reaches its template, and so its count.
 TEMPLATE_PARAMS = (tools.TOOLS, reasoning.TEMPLATE_KWARGS, reasoning.CONTINUE_FINAL)
@@ -59,19 +54,11 @@ def counted(
     """(200, the ended request) of a count of `given` on `model`'s replica; or the status and
     OpenAI-shaped error of a count refused (`param` the field a failure of the input names), or
     not answered within `timeout`."""
-    try:
-        submitted, result = request_services.run(
-            model, kind=kind, input=given, params={**params, sampling.COUNT_ONLY: True}, owner=owner, timeout=timeout
-        )
-    except (NotFound, InvalidInput) as exc:
-        return _refusal(exc, model, "a causal language model")
-    except ServiceError as exc:
-        return _service_answer(exc)
-    if result is None:
-        return 504, error_body(timed_out(submitted.id, timeout), kind="timeout")
-    if result.status != "done":
-        return _failure(result, param)
-    return 200, result
+    result = ran(
+        model, kind=kind, given=given, params={**params, sampling.COUNT_ONLY: True}, owner=owner, timeout=timeout,
+        key=None, param=param, wanted="a causal language model",
+    )  # fmt: skip
+    return (200, result) if isinstance(result, Request) else result
 
 
 def template_params(call: completion_input.Completion) -> dict[str, Any]:

@@ -176,13 +176,20 @@ def test_top_n_answers_the_best_n_and_cohere_and_jina_paths_answer_alike(caller,
 
 
 def test_a_replica_that_answers_too_few_vectors_is_a_server_error_that_says_so(caller, served):
-    replica = StandInEncoder(served["minilm"].id, "minilm", VECTORS.__getitem__, short_by=1)
-    replica.start()
-    answer = caller.post("/v1/rerank", {"model": "minilm", "query": QUERY, "documents": DOCUMENTS}, "application/json")
-    replica.join(10)
+    answers = []
+    for path, body in [
+        ("/v1/rerank", {"model": "minilm", "query": QUERY, "documents": DOCUMENTS}),
+        ("/v1/embeddings", {"model": "minilm", "input": DOCUMENTS}),
+    ]:
+        replica = StandInEncoder(served["minilm"].id, "minilm", VECTORS.__getitem__, short_by=1)
+        replica.start()
+        answers.append(caller.post(path, body, "application/json"))
+        replica.join(10)
+    reranked, embedded = answers
 
-    assert answer.status_code == 502
-    assert answer.json()["error"]["message"] == "the replica gave 4 vectors for 5 texts"
+    assert reranked.status_code == 502
+    assert reranked.json()["error"]["message"] == "the replica gave 4 vectors for 5 texts"
+    assert embedded.status_code == 502 and "3 vectors for 4 texts" in embedded.json()["error"]["message"]
 
 
 def test_a_rerank_of_a_model_that_is_no_embedding_model_is_refused_and_queues_nothing(caller, served):
