@@ -8,7 +8,8 @@ DeepSeek-R1's and QwQ's do): the model then writes only the closing tag. The rep
 an answer's text with the opening tag it was given (`opened_by`), so that the text reads as the
 model's whole turn and the web tells the two apart the same way whichever template it was. An
 answer that does not begin with the tag is all content: a model that did not think, or was told
-not to (Qwen 3's `enable_thinking: false`, through `chat_template_kwargs`)."""
+not to (Qwen 3's `enable_thinking: false`, through `chat_template_kwargs`). A thinking may have a
+budget of tokens, past which the replica closes it (`past_budget`)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,6 @@ CONTINUE_FINAL = "continue_final_message"
 # thinking's next token its closing tag, and the answer follows; a model with no tags as tokens
 # of their own thinks unbounded.
 THINKING_BUDGET = "thinking_token_budget"
-
-
-def budget_problem(value: Any) -> str | None:
-    """Why `value` cannot be a thinking budget, or None (None itself asks for none)."""
-    if value is None or (type(value) is int and value >= 1):
-        return None
-    return "must be a whole number of at least 1"
-
-
 TEMPLATE_OWN = frozenset(
     {"conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
      "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
@@ -79,6 +71,13 @@ def past_budget(
         return False
     thinking = opened or (bool(answer) and answer[0] == tags[0])
     return thinking and len(answer) >= budget
+
+
+def budget_problem(value: Any) -> str | None:
+    """Why `value` cannot be a thinking budget, or None (None itself asks for none)."""
+    if value is None or (type(value) is int and value >= 1):
+        return None
+    return "must be a whole number of at least 1"
 
 
 def closing_id(tokenizer: Any) -> int | None:

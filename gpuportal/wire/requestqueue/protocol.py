@@ -80,7 +80,7 @@ def stream_readers_key(request_id: str) -> str:
     """How many of the web's readers follow a request's stream now (a counter, the web's alone):
     a ring of the bell wakes one reader, so where there are several (a client that follows a
     response again while its first stream has not yet seen it gone, two clients of one response)
-    each polls the stream instead (web.SHARED_READ_WAIT_S)."""
+    each passes on the ring that woke it, and waits in short slices (web.SHARED_READ_WAIT_S)."""
     return f"gp:stream:{request_id}:readers"
 
 
