@@ -50,13 +50,7 @@ class Rerank:
 
 def parse_rerank(body: Any, *, default_timeout_s: float, max_timeout_s: float) -> Rerank:
     """The ranking a body asks for, or Refused naming the first field that is wrong."""
-    if not isinstance(body, dict):
-        raise Refused(None, "the body must be a JSON object")
-    for key in body:
-        if isinstance(key, str) and key not in READ_FIELDS:
-            near = difflib.get_close_matches(key, READ_FIELDS, n=1, cutoff=TYPO_CUTOFF)
-            if near:
-                raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
+    _read_only(body, READ_FIELDS)
     model = model_named(body)
     query = body.get("query")
     if not sampling.is_text(query) or not query:
@@ -70,6 +64,18 @@ def parse_rerank(body: Any, *, default_timeout_s: float, max_timeout_s: float) -
         raise Refused("return_documents", "must be true or false")
     timeout = wait_of(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Rerank(model.strip(), query, documents, top_n, keep, timeout)
+
+
+def _read_only(body: Any, fields: tuple[str, ...]) -> None:
+    """Refused for a body that is no object, or for its first field that reads as a misspelling
+    of one of `fields` (others, another API's, are left alone)."""
+    if not isinstance(body, dict):
+        raise Refused(None, "the body must be a JSON object")
+    for key in body:
+        if isinstance(key, str) and key not in fields:
+            near = difflib.get_close_matches(key, fields, n=1, cutoff=TYPO_CUTOFF)
+            if near:
+                raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
 
 
 def _documents(value: Any) -> list[str]:
@@ -125,13 +131,7 @@ def parse_score(body: Any, *, default_timeout_s: float, max_timeout_s: float) ->
     """The pairs a vLLM score call asks for: `text_1` and `text_2` each a string or a list; one
     against one, one against each of a list, or a list against a list of its length, pair by
     pair. Refused naming the first field that is wrong."""
-    if not isinstance(body, dict):
-        raise Refused(None, "the body must be a JSON object")
-    for key in body:
-        if isinstance(key, str) and key not in SCORE_FIELDS:
-            near = difflib.get_close_matches(key, SCORE_FIELDS, n=1, cutoff=TYPO_CUTOFF)
-            if near:
-                raise Refused(key, f"unknown field; did you mean {near[0]!r}?")
+    _read_only(body, SCORE_FIELDS)
     model = model_named(body)
     firsts, seconds = _side(body.get("text_1"), "text_1"), _side(body.get("text_2"), "text_2")
     if len(firsts) != 1 and len(firsts) != len(seconds):
