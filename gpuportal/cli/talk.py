@@ -1,6 +1,7 @@
 """Talking to models from the command line, as `ollama run` and `ollama ps` users do: `run` (one
 answer, streamed to stdout as it is generated, so it pipes), `chat` (a conversation with its
-history), `embed` (one JSON vector a line), `ps` (what is loaded where). Through `/v1`, as
+history), `embed` (one JSON vector a line), `rerank` (documents by relevance to a query), `ps`
+(what is loaded where). Through `/v1`, as
 OpenAI's clients call the portal."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rich.text import Text
 
 from gpuportal.cli import chatting, config, render
 from gpuportal.cli.client import ApiError, Client, CliError
-from gpuportal.cli.options import JSON, add_output_option, print_json
+from gpuportal.cli.options import JSON, add_output_option, positive_int, print_json
 from gpuportal.cli.waiting import Goal, wait_for
 from gpuportal.wire import sampling
 from gpuportal.wire.states import ENDED
@@ -159,6 +160,19 @@ def cmd_embed(ctx: Talker, args: argparse.Namespace) -> int:
     answer = ctx.client.post("/v1/embeddings", {"model": args.model, "input": texts, "timeout": args.timeout})
     for item in sorted(answer.get("data", []), key=lambda d: d.get("index", 0)):
         ctx.out.file.write(json.dumps(item["embedding"]) + "\n")
+    return 0
+
+
+def cmd_rerank(ctx: Talker, args: argparse.Namespace) -> int:
+    documents = args.documents or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not documents:
+        raise CliError("rerank: no document: give them after the query, or one a line on stdin")
+    asked = {"model": args.model, "query": args.query, "documents": documents, "timeout": args.timeout}
+    if args.top is not None:
+        asked["top_n"] = args.top
+    answer = ctx.client.post("/v1/rerank", {**asked, "return_documents": False})
+    for result in answer.get("results", []):  # the most relevant first, as the portal ranks them
+        ctx.out.file.write(f"{result['relevance_score']:.4f}\t{documents[result['index']]}\n")
     return 0
 
 
@@ -386,6 +400,16 @@ def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     embed.add_argument("texts", nargs="*", help="the texts (default: one a line on stdin)")
     embed.add_argument("--timeout", type=SECONDS, default=TIMEOUT_S, help=f"seconds (default {TIMEOUT_S:.0f})")
     embed.set_defaults(run=cmd_embed)
+
+    rerank = commands.add_parser(
+        "rerank", help="rank documents by their relevance to a query: a line each, the most relevant first, its score"
+    )
+    rerank.add_argument("model", help="an embedding deployment's name")
+    rerank.add_argument("query", help="what the documents are ranked by")
+    rerank.add_argument("documents", nargs="*", help="the documents (default: one a line on stdin)")
+    rerank.add_argument("--top", type=positive_int, help="only the best N")
+    rerank.add_argument("--timeout", type=SECONDS, default=TIMEOUT_S, help=f"seconds (default {TIMEOUT_S:.0f})")
+    rerank.set_defaults(run=cmd_rerank)
 
     ps = commands.add_parser("ps", help="what is loaded where: each replica awake or asleep, its memory, its last use")
     ps.add_argument("model", nargs="?", help="only this deployment's replicas")

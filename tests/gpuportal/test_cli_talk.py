@@ -80,6 +80,11 @@ class FakePortal(ThreadingHTTPServer):
                         self._events([*thinking, {"choices": [{"delta": {"content": "Yes."}}]}])
                         return
                     self._events([{"choices": [{"delta": {"content": w}}]} for w in (said[:2], said[2:])])
+                elif self.path == "/v1/rerank":
+                    # As the portal ranks: here the longest document first, scored by its length.
+                    ranked = sorted(enumerate(body["documents"]), key=lambda d: -len(d[1]))[: body.get("top_n")]
+                    results = [{"index": i, "relevance_score": len(d) / 10} for i, d in ranked]
+                    self._json(200, {"id": "rerank-1", "model": body["model"], "results": results})
                 elif self.path == "/v1/embeddings":
                     vectors = [{"index": i, "embedding": [float(len(t)), 0.5]} for i, t in enumerate(body["input"])]
                     self._json(200, {"data": vectors[::-1]})
@@ -446,6 +451,19 @@ def test_embed_prints_one_json_vector_a_line_in_the_inputs_order(portal, capsys,
     stdin(monkeypatch, "one\n\ntwo words\n")
     assert app.main(["embed", "enc"], env=portal.env) == 0
     assert portal.calls[-1][2]["input"] == ["one", "two words"]
+
+
+def test_rerank_prints_the_documents_the_most_relevant_first_each_after_its_score(portal, capsys, monkeypatch):
+    assert app.main(["rerank", "enc", "cats?", "a cat", "the cats nap", "x"], env=portal.env) == 0
+    assert capsys.readouterr().out == "1.2000\tthe cats nap\n0.5000\ta cat\n0.1000\tx\n"
+
+    stdin(monkeypatch, "one\n\ntwo words\n")
+    assert app.main(["rerank", "enc", "q", "--top", "1"], env=portal.env) == 0
+    assert capsys.readouterr().out == "0.9000\ttwo words\n"
+    assert portal.calls[-1][2] == {
+        "model": "enc", "query": "q", "documents": ["one", "two words"], "timeout": 300.0, "top_n": 1,
+        "return_documents": False,
+    }  # fmt: skip
 
 
 def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
