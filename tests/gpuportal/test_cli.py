@@ -958,6 +958,12 @@ def test_the_gpuportal_command_operates_a_live_portal_from_login_to_rm(tmp_path,
         vectors = [json.loads(line) for line in cli.ok("embed", "minilm", stdin=texts).splitlines()]
         assert [len(vector) for vector in vectors] == [384, 384, 384]
         assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2]), "close texts lie close"
+        # The same texts ranked for a query: a line each, its score first, the stock market last.
+        lines = cli.ok("rerank", "minilm", "What is the man eating?", stdin=texts).splitlines()
+        ranked = [line.split("\t") for line in lines]
+        scores = [float(score) for score, _ in ranked]
+        assert sorted(text for _, text in ranked) == sorted(texts.splitlines()), ranked
+        assert scores == sorted(scores, reverse=True) and ranked[-1][1] == "The stock market fell sharply.", ranked
         assert cli.ok("rm", "minilm").startswith("deleted minilm")
 
         assert cli.ok("scale", "tiny", "2").splitlines()[-1].startswith("tiny: 2 serving (wanted 2)")
