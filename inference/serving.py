@@ -44,7 +44,6 @@ from gpuportal.wire.reasoning import (
     CONTINUE_FINAL,
     TEMPLATE_KWARGS,
     THINKING_BUDGET,
-    closing_id,
     counted,
     opened_by,
     past_budget,
@@ -574,7 +573,7 @@ class Executor:
         }
         if stop_reason is not None:
             output[STOP_REASON] = stop_reason
-        counted(output, new.tolist(), closing_id(self.tokenizer))
+        counted(output, new.tolist(), tags[1] if tags is not None else None)
         if logprobs is not None:
             tokens = new.tolist()
             picked = of_rows(torch.cat(out.logits)[: len(tokens)], tokens, [logprobs] * len(tokens))
