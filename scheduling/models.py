@@ -225,6 +225,13 @@ class Deployment(models.Model):
     )
     loader = models.CharField(max_length=32, choices=Loader.choices, default=_default("loader"))
     dtype = models.CharField(max_length=16, choices=DType.choices, default=_default("dtype"))
+    # `name=source,...` (gpuportal.wire.adapters): LoRA adapters served beside the model; "" none.
+    model_adapters = models.CharField(
+        max_length=spec.BY_NAME["adapters"].max_length,
+        blank=True,
+        default=_default("adapters"),
+        db_default=_default("adapters"),
+    )
     replicas_wanted = models.PositiveIntegerField(default=_default("replicas"))
     dedicated = models.BooleanField(default=_default("dedicated"), help_text="Never evicted to make room for others.")
     # Fairness (seed 001).

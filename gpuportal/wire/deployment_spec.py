@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from gpuportal.wire import memory, node_labels
+from gpuportal.wire import adapters, memory, node_labels
 
 
 class Loader(StrEnum):
@@ -124,6 +124,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "dtype", "model", "dtype", "dtype", str, DType.FLOAT32.value, Update.ROLLOUT, choices=tuple(DType),
         help="The dtype the weights are loaded in.",
+    ),
+    Setting(
+        "adapters", "model", "adapters", "model_adapters", str, "", Update.ROLLOUT,
+        max_length=adapters.MAX_TEXT, check=adapters.canonical, rule=adapters.RULE,
+        help="name=source,... : PEFT LoRA adapters of the model, each a directory on the nodes or hf:org/name, "
+        "served beside it under the model id deployment:name (transformers loader, Llama-style models). "
+        "Changed, it rolls every replica onto the new set.",
     ),
     Setting(
         "replicas", "", "replicas", "replicas_wanted", int, 1, Update.SCALE, min=0,

@@ -18,7 +18,7 @@ REPLICA = "9c78f3f4ea824855a2624d00e48a3fa1"
 REQUEST = "3f2a9d0c1b7e4e55a0c6d2b8e9f01a47"
 AT = "2026-11-25T17:36:13.512Z"
 
-MODEL = {"source": "/srv/models/tiny-a", "loader": "transformers", "dtype": "float32"}
+MODEL = {"source": "/srv/models/tiny-a", "loader": "transformers", "dtype": "float32", "adapters": ""}
 
 
 def shown_group(group: str, **given: Any) -> dict[str, Any]:
