@@ -103,6 +103,8 @@ class Sequence:
     # The most tokens its thinking may have (gpuportal.wire.reasoning.THINKING_BUDGET): at it, its
     # next token is `close_id`. None: unbounded.
     thinking_budget: int | None = None
+    # Its LoRA adapter's row in the engine's stacks (inference.lora); -1: the base model.
+    adapter: int = -1
     error: Exception | None = None
     _sent: str = ""
     _streamed_picks: int = 0  # of `picked`, those whose log probabilities went out with a piece
@@ -220,7 +222,7 @@ class Batcher:
         decoding = [s for s in self.running if s not in joined]
         ended: list[Sequence] = []
         for group, slices in (
-            (joined, [Slice(s.prompt, 0, s.blocks) for s in joined]),
+            (joined, [Slice(s.prompt, 0, s.blocks, s.adapter) for s in joined]),
             (decoding, None),
         ):
             if not group:
@@ -228,7 +230,7 @@ class Batcher:
             if slices is None:
                 for s in group:
                     self._grow(s)
-                slices = [Slice([s.generated[-1]], s.cached, s.blocks) for s in group]
+                slices = [Slice([s.generated[-1]], s.cached, s.blocks, s.adapter) for s in group]
             try:
                 logits = self._forward(slices, group)
             except Exception as exc:  # a bad forward fails its sequences, not the replica

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuportal.wire.memory import DEFAULT_BLOCK_TOKENS, ModelShape, dtype_bytes, kv_pool_blocks
+from inference.lora import Key, Stack, add_terms, grouped
 from inference.token_logprobs import Picked, of_rows
 
 if TYPE_CHECKING:
     import torch
 
     from inference.kvpool import BlockPool
+    from inference.lora import Adapters
 
 # model_type → what must hold of its config for the Llama layer to be exact. Mistral and Qwen2 differ
 # from Llama only by sliding-window attention (when enabled) and Qwen2's q/k/v biases (inside the
@@ -92,17 +94,20 @@ class Slice:
     tokens: list[int]
     start: int
     blocks: list[int]
+    # The sequence's LoRA adapter: its row in the engine's stacks (inference.lora); -1 the base model.
+    adapter: int = -1
 
 
 class PagedModel:
     """The model's forward with its KV cache in `pool`. Not thread-safe: one forward at a time."""
 
-    def __init__(self, model: Any, pool: BlockPool):
+    def __init__(self, model: Any, pool: BlockPool, adapters: Adapters | None = None):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
         self.model = model
         self.pool = pool
+        self.adapters = adapters
         inner = model.model
         self.embed = inner.embed_tokens
         self.layers = list(inner.layers)
@@ -115,6 +120,10 @@ class PagedModel:
         self.device = next(model.parameters()).device
         config = text_config(model)
         self.context = getattr(config, "max_position_embeddings", None)
+        self.lora: dict[Key, Stack] = {}
+        if adapters is not None:
+            adapters.check_fits(model)
+            self.lora = adapters.stacks(next(model.parameters()).dtype, self.device)
 
     def forward(self, batch: list[Slice]) -> torch.Tensor:
         """Run each slice's tokens, writing their K/V into its blocks (which must cover them);
@@ -151,7 +160,8 @@ class PagedModel:
         for begin in range(0, width, chunk):
             members = [i for i, s in enumerate(batch) if len(s.tokens) > begin]
             part = [
-                Slice(batch[i].tokens[begin : begin + chunk], batch[i].start + begin, batch[i].blocks) for i in members
+                Slice(batch[i].tokens[begin : begin + chunk], batch[i].start + begin, batch[i].blocks, batch[i].adapter)
+                for i in members
             ]
             kept = [row for row, i in enumerate(members) if i in scores]
             hidden, every = self._last_hidden(part, kept)
@@ -221,6 +231,13 @@ class PagedModel:
         mask = key_pos[None, None, :] <= positions[:, :, None]
         mask = mask[:, None, :, :]  # [batch, 1 (heads), queries, keys]
 
+        # The rows of each LoRA adapter the batch uses; none, and every projection is the model's alone.
+        groups = grouped([s.adapter for s in batch], device) if self.lora else []
+
+        def project(module: Any, x: torch.Tensor, index: int, name: str) -> torch.Tensor:
+            out = module(x)
+            return add_terms(out, x, self.lora.get((index, name)), groups) if groups else out
+
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, positions)
         for index, layer in enumerate(self.layers):
@@ -228,9 +245,9 @@ class PagedModel:
             residual = hidden
             x = layer.input_layernorm(hidden)
             shape = (size, width, -1, self.head_dim)
-            q = attn.q_proj(x).view(shape)
-            k = attn.k_proj(x).view(shape)
-            v = attn.v_proj(x).view(shape)
+            q = project(attn.q_proj, x, index, "q_proj").view(shape)
+            k = project(attn.k_proj, x, index, "k_proj").view(shape)
+            v = project(attn.v_proj, x, index, "v_proj").view(shape)
             if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotary embedding
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -243,9 +260,16 @@ class PagedModel:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != keys.shape[1]
             )
-            hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(size, width, -1))
+            hidden = residual + project(attn.o_proj, out.transpose(1, 2).reshape(size, width, -1), index, "o_proj")
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            x = layer.post_attention_layernorm(hidden)
+            if groups:  # the MLP's three projections one by one, each with its adapters' terms
+                mlp = layer.mlp
+                gate = project(mlp.gate_proj, x, index, "gate_proj")
+                gated = mlp.act_fn(gate) * project(mlp.up_proj, x, index, "up_proj")
+                hidden = residual + project(mlp.down_proj, gated, index, "down_proj")
+            else:
+                hidden = residual + layer.mlp(x)
         every = [self.norm(hidden[row, : lengths[row]]) for row in kept]
         return self.norm(hidden[torch.arange(size, device=device), last]), every
 
@@ -260,10 +284,12 @@ def engine_for(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     standby_context_bytes: int = 0,
     overhead_bytes: int = 0,
+    adapters: Adapters | None = None,
 ) -> PagedModel:
     """A PagedModel whose pool takes what the cap leaves after the weights, the activation budget
     for max_tokens, the CUDA context(s) and memory outside the allocator: gpuportal.wire.memory's
-    arithmetic, the scheduler's own. `weights_bytes` is the weights as allocated, buffers aside."""
+    arithmetic, the scheduler's own. `weights_bytes` is the weights as allocated, buffers aside,
+    and the stacks of the `adapters` it serves beside them (inference.lora)."""
     from inference.kvpool import BlockPool
 
     shape = model_shape(model, weights_bytes)
@@ -278,4 +304,4 @@ def engine_for(
     )
     param = next(model.parameters())
     pool = BlockPool.for_shape(shape, blocks, dtype=param.dtype, device=param.device, block_tokens=block_tokens)
-    return PagedModel(model, pool)
+    return PagedModel(model, pool, adapters)
