@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from gpuportal.wire.memory import MemoryEstimate, ModelShape
     from inference.embedding import Recipe
+    from inference.lora import Adapters
     from inference.paged import PagedModel
 
 log = logging.getLogger("inference.replica")
@@ -79,8 +80,13 @@ class ReplicaHost:
         standby_context_bytes: int = 0,
         node_fence: NodeFence | None = None,
         host_copy: Path | None = None,
+        adapters: str = "",
     ):
         self.replica_id = replica_id
+        # The deployment's LoRA adapters (gpuportal.wire.adapters), read with the model at each load;
+        # served by the paged engine (inference.lora), their stacks made again at each wake.
+        self.adapter_text = adapters
+        self.adapters: Adapters | None = None
         # Woken from deep sleep: the node's copy of its weights (inference.host_copy), read
         # instead of `source`'s; None for a load from disk.
         self.host_copy = host_copy
@@ -234,6 +240,7 @@ class ReplicaHost:
                     model = self.backend.load(self.source, self.loader, self.dtype, self.placement)
                 self.tokenizer = load_tokenizer(self.source, self.loader)
                 self.recipe = load_recipe(self.source, self.loader)
+                self._read_adapters()
                 self._progress(85, "checking placement and memory cap")
                 self._adopt(model, self.placement)
                 self._allocate_pool()
@@ -260,6 +267,7 @@ class ReplicaHost:
                 raise ReplicaFailure("load", f"the host copy {path} cannot be read: {exc}") from exc
             self.tokenizer = load_tokenizer(self.source, self.loader)
             self.recipe = load_recipe(self.source, self.loader)
+            self._read_adapters()
             self._progress(25, f"copying {mib(path.stat().st_size)} from the host copy")
             self.backend.hold_in_arena(model)
             host_copy.forget(path)
@@ -283,6 +291,7 @@ class ReplicaHost:
                 model, residual = self.backend.load_to_cache(self.source, self.loader, self.dtype, self.placement)
                 self.tokenizer = load_tokenizer(self.source, self.loader)
                 self.recipe = load_recipe(self.source, self.loader)
+                self._read_adapters()
             self.weights_bytes = tensor_bytes(model)
             # A standby that could never wake into its reservation is no standby: fail now, not at
             # takeover, when its active is gone. Its KV pool too: its pair's reservation was sized for
@@ -558,7 +567,7 @@ class ReplicaHost:
             activation = self.footprint.activation_bytes if self.footprint is not None else 0
             pool = 2 * memory.allocation_bytes(self.pool_bytes // 2)  # K and V, one allocation each
             working = max(0, activation - (pool - self.pool_bytes))
-            wanted = weight_allocation_bytes(self.model) + pool + working
+            wanted = weight_allocation_bytes(self.model) + self._adapter_bytes() + pool + working
             for gpu, nbytes in self._spread_over_gpus(wanted).items():
                 held[gpu] += nbytes
         return held
@@ -604,6 +613,7 @@ class ReplicaHost:
             standby_context_bytes=self.standby_context_bytes,
             overhead_bytes=overhead,
             block_tokens=block_tokens,
+            adapters=self.adapters,
         )
         pool = self.paged.pool
         self.pool_bytes = memory.kv_pool_bytes(shape, pool.blocks_total, block_tokens)
@@ -630,7 +640,8 @@ class ReplicaHost:
 
         if self.model is None:
             return None
-        weights = weight_allocation_bytes(self.model)
+        # The adapters' stacks live beside the weights, and are counted with them, as the deploy's estimate counts them.
+        weights = weight_allocation_bytes(self.model) + self._adapter_bytes()
         # The larger of what the reservation counted and what this process holds now (a real
         # context grows as the first forward passes load kernels; the GPU row has the grown one).
         context = max(self.context_bytes, self.backend.context_bytes_measured(self.placement))
@@ -644,9 +655,15 @@ class ReplicaHost:
             except (AttributeError, TypeError, ValueError) as exc:  # a config without the usual fields
                 log.warning("%s: no model shape for the memory formula (%s)", self.replica_id, exc)
         self.footprint = self._compose_footprint(shape, weights, context, overhead)
+        reason = "it has no shape to page" if shape is None else unsupported_reason(self.model) or self._spread_reason()
+        if reason is not None and self.adapters is not None:
+            raise ReplicaFailure(
+                "load",
+                f"cannot serve adapters {', '.join(self.adapters.names)}: adapters are served by the paged engine, "
+                f"and this model cannot be paged ({reason})",
+            )
         if shape is None:
             return None
-        reason = unsupported_reason(self.model) or self._spread_reason()
         if reason is not None:
             log.warning("%s: no KV block pool (%s); generating with transformers' own cache", self.replica_id, reason)
             return None
@@ -747,6 +764,22 @@ class ReplicaHost:
 
     def _emit_arena(self, kept_bytes: int) -> None:
         self.events.emit("arena", kept_bytes=kept_bytes)
+
+    def _read_adapters(self) -> None:
+        """The deployment's adapters, read from their files onto the host (ValueError naming one
+        that cannot be served fails the load)."""
+        from gpuportal.wire import adapters
+
+        named = adapters.parse(self.adapter_text)
+        if named:
+            from inference.lora import Adapters
+
+            self.adapters = Adapters.read(named)
+            log.info("%s: serves adapters %s beside its model", self.replica_id, ", ".join(self.adapters.names))
+
+    def _adapter_bytes(self) -> int:
+        """What the adapters' stacks take where the model is (what the scheduler counted for them)."""
+        return self.adapters.nbytes(self.dtype) if self.adapters is not None else 0
 
     def _release_pool(self) -> None:
         if self.paged is not None:

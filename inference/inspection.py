@@ -16,14 +16,15 @@ from inference.loaders import EMBEDDING, TRANSFORMERS, factory_weight_bytes, val
 from inference.model_size import shape_from_model_dir
 
 
-def read_model(source: str, loader: str, dtype: str) -> ModelReading:
+def read_model(source: str, loader: str, dtype: str, adapters: str = "") -> ModelReading:
     try:
         if loader == TRANSFORMERS:
             shape = shape_from_model_dir(source, dtype)
             refusal = _headless_refusal(source) or _tokenizer_refusal(source)
             if refusal:
                 return ModelReading(refusal=refusal)
-            return ModelReading(weight_bytes=shape.weight_bytes, shape=shape)
+            adapter_bytes = _adapter_bytes(adapters, dtype)
+            return ModelReading(weight_bytes=shape.weight_bytes, shape=shape, adapter_bytes=adapter_bytes)
         if loader == EMBEDDING:
             validate_source(source, loader)  # weights beside the config, a recipe it can follow
             weights = shape_from_model_dir(source, dtype, encoder=True).weight_bytes
@@ -32,10 +33,29 @@ def read_model(source: str, loader: str, dtype: str) -> ModelReading:
             # floor, which its forward passes are sized to fit (inference.embedding).
             return ModelReading(refusal=refusal) if refusal else ModelReading(weight_bytes=weights)
         return ModelReading(weight_bytes=_factory_bytes(source, dtype))
+    except _AdapterRefused as refused:
+        return ModelReading(refusal=str(refused), refused="model.adapters")
     except ValueError as err:
         return ModelReading(refusal=str(err))
     except OSError as err:  # a path the file system refuses (too long, unreadable)
         return ModelReading(refusal=f"cannot read {source!r}: {err.strerror or err}")
+
+
+class _AdapterRefused(ValueError):
+    """An adapter that cannot be served: the refusal names `model.adapters`, not the model's source."""
+
+
+def _adapter_bytes(adapters: str, dtype: str) -> int:
+    """What the adapters' stacks take beside the weights (inference.lora), from their files' headers."""
+    from gpuportal.wire.adapters import parse
+    from inference.lora import reading_bytes
+
+    try:
+        return reading_bytes(parse(adapters), dtype)
+    except ValueError as err:
+        raise _AdapterRefused(str(err)) from None
+    except OSError as err:
+        raise _AdapterRefused(f"cannot read an adapter: {err.strerror or err}") from None
 
 
 def _headless_refusal(source: str) -> str:

@@ -191,6 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpus", required=True, help="GPU ids, comma-separated: 0 or 0,1.")
     parser.add_argument("--reserved-bytes-by-gpu", required=True, help='JSON: {"0": 734003200}')
     parser.add_argument("--fraction", default=None, help="Memory fraction cap of a single-GPU replica.")
+    parser.add_argument("--adapters", default="", help="LoRA adapters served beside the model: name=source,...")
     parser.add_argument("--backend", choices=BACKENDS, default="virtual")
     parser.add_argument("--deployment", default="", help="Serve this deployment's request queue.")
     parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None, events: TextIO | None = None) -> None:
         source=args.source,
         loader=args.loader,
         dtype=args.dtype,
+        adapters=args.adapters,
         placement=placement,
         backend=backend,
         events=writer,

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from gpuportal.wire import kvstats
+from gpuportal.wire import adapters, kvstats
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.reasoning import (
     CONTINUE_FINAL,
@@ -50,6 +50,7 @@ from gpuportal.wire.reasoning import (
     tag_ids,
 )
 from gpuportal.wire.requestqueue import (
+    BAD_INPUT,
     STOPPED,
     Fence,
     Fenced,
@@ -886,6 +887,13 @@ class Server(threading.Thread):
             self._stopped(request, request.stop_asked)
             return
         paged = self.host.paged
+        if (adapter := request.params.get(adapters.PARAM)) is not None and (paged is None or paged.adapters is None):
+            # Spec changed under it: a request for an adapter this replica was not started with.
+            if not self.host.begin_request():
+                self.queue.give_back(request, self.host.replica_id)
+                return
+            self._fail(request, f"model: this replica serves no adapters, and the request names {adapter!r}", BAD_INPUT)
+            return
         if request.kind in ("forward", "embed") or paged is None or request.params.get(COUNT_ONLY):
             self.serve(request)  # at once: a count generates nothing, and needs no room in the batch
             return
@@ -894,7 +902,10 @@ class Server(threading.Thread):
             return
         on_chunk = self._chunk(request, batched=True)
         try:
-            self._batcher_for(paged).submit(self.host.executor().sequence(request, on_chunk))
+            seq = self.host.executor().sequence(request, on_chunk)
+            if adapter is not None:
+                seq.adapter = adapter_row(paged, adapter)
+            self._batcher_for(paged).submit(seq)
         except BadInput as exc:
             self._fail(request, str(exc), exc.kind)
         except Exception as exc:
@@ -1101,6 +1112,15 @@ class Server(threading.Thread):
             write(self.host.fence)
         except Fenced as exc:
             self.host.on_stale(str(exc))
+
+
+def adapter_row(paged: PagedModel, name: str) -> int:
+    """The adapter's row in the engine's stacks; BadInput naming `model` where it serves none of that name."""
+    assert paged.adapters is not None
+    try:
+        return paged.adapters.index(name)
+    except ValueError as exc:
+        raise BadInput(f"model: {exc}") from None
 
 
 class KvPublisher:

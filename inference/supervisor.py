@@ -99,6 +99,8 @@ def replica_argv(
         "--backend",
         spec.backend,
     ]
+    if spec.adapters:
+        args += ["--adapters", spec.adapters]
     if spec.fraction is not None:
         args += ["--fraction", repr(float(spec.fraction))]
     if spec.kv_max_tokens is not None:

@@ -111,7 +111,7 @@ def inspect_model(payload: dict) -> str:
     """Reads a model's sizes from its files for the control plane, which waits on reply_to."""
     ask = InspectModel.decode(payload)
     try:
-        reading = read_model(ask.source, ask.loader, ask.dtype)
+        reading = read_model(ask.source, ask.loader, ask.dtype, ask.adapters)
     except Exception as err:
         # Answered all the same: the deploy waiting on it says what went wrong at once, rather
         # than a 503 once its wait is over.

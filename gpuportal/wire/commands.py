@@ -84,6 +84,8 @@ class ReplicaSpec:
     # A wake from deep sleep: the weights come from the host copy its node keeps of them
     # (inference.host_copy), not from `source`, which still gives the model's shape and tokenizer.
     from_host_copy: bool = False
+    # The deployment's LoRA adapters, `name=source,...` (gpuportal.wire.adapters); "" none.
+    adapters: str = ""
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):

@@ -253,7 +253,8 @@ BY_PATH: Mapping[str, Setting] = {setting.path: setting for setting in SETTINGS}
 
 # What each group is about, in the order of the REST body (the top level's settings among them).
 GROUPS: Mapping[str, str] = {
-    "model": "The model: a new source or dtype rolls every replica onto it; another loader is another deployment.",
+    "model": "The model: a new source, dtype or set of adapters rolls every replica onto it; another loader is "
+    "another deployment.",
     "memory": "What a replica reserves, and how the need is reckoned.",
     "fairness": "Who may preempt whom, and when.",
     "sleep": "When replicas sleep, when they sleep deeply, and how long they drain.",
@@ -263,6 +264,14 @@ GROUPS: Mapping[str, str] = {
     "placement": "Where replicas go.",
     "autoscale": "Replicas by load: between min_replicas and max_replicas, target_in_flight requests each.",
 }
+
+
+def adapters_problem(values: Mapping[str, object]) -> tuple[str, str] | None:
+    """LoRA adapters beside a model that takes none (an encoder, a torch module), as (path, message)."""
+    loader = values.get("loader")
+    if values.get("adapters") and loader != Loader.TRANSFORMERS:
+        return "model.adapters", f"LoRA adapters are served beside a causal LM (loader transformers), not a {loader}"
+    return None
 
 
 def autoscale_problem(values: Mapping[str, object], changed: Collection[str] = ()) -> tuple[str, str] | None:

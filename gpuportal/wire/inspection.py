@@ -24,6 +24,8 @@ class InspectModel:
     loader: str
     dtype: str
     reply_to: str
+    # The deployment's LoRA adapters (gpuportal.wire.adapters), whose sizes are read too.
+    adapters: str = ""
 
     def encode(self) -> dict[str, Any]:
         return {"v": VERSION, **asdict(self)}
@@ -36,12 +38,15 @@ class InspectModel:
 @dataclass(frozen=True)
 class ModelReading:
     """What a node read: the weights' bytes, and for a transformers model its shape (which the
-    control plane's estimate needs); `refusal` says why the source cannot be served (its files
-    are missing, or it is not a model), for a 400 naming `model.source`."""
+    control plane's estimate needs), and what its adapters' stacks take beside them; `refusal`
+    says why the source cannot be served (its files are missing, or it is not a model), for a
+    400 naming `refused` (`model.source`, or `model.adapters` for an adapter's)."""
 
     weight_bytes: int = 0
     shape: ModelShape | None = None
     refusal: str = ""
+    adapter_bytes: int = 0
+    refused: str = "model.source"
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +59,8 @@ class ModelReading:
                 weight_bytes=int(record.get("weight_bytes", 0)),
                 shape=ModelShape(**shape) if shape else None,
                 refusal=str(record.get("refusal", "")),
+                adapter_bytes=int(record.get("adapter_bytes", 0)),
+                refused=str(record.get("refused", "model.source")),
             )
         except (TypeError, ValueError) as err:
             raise WireError(f"a model reading with bad fields: {err}") from None

@@ -38,7 +38,7 @@ from gpuportal.auth import (
     user_from_api_key,
     user_from_header,
 )
-from gpuportal.wire import reasoning, tools
+from gpuportal.wire import adapters, reasoning, tools
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from gpuportal.wire.sampling import STOP_REASON
 from scheduling.api import completion_input, idempotency
@@ -55,6 +55,7 @@ from scheduling.api.completion_input import (
 from scheduling.api.inputs import FiniteFloatField, SamplingInput
 from scheduling.api.requests import json_body, retry_after
 from scheduling.models import Deployment
+from scheduling.services import not_found
 from scheduling.services import progress as progress_services
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NoDeployment, NotFound, ServiceError, TooManyRequests
@@ -294,16 +295,19 @@ ENCODER = "an embedding model"
 OPENAI_LOADERS = (Deployment.Loader.TRANSFORMERS, Deployment.Loader.EMBEDDING)
 
 
-def _model(name: str, created: datetime, max_tokens: int) -> dict[str, Any]:
+def _model(name: str, created: datetime, max_tokens: int, source: str, parent: str | None = None) -> dict[str, Any]:
     """A deployment as OpenAI lists a model, with vLLM's `max_model_len` (the longest prompt and
     answer together a replica serves: its `memory.max_tokens`, what its KV cache is sized for),
     which clients read to fit a conversation; and as Anthropic's clients read one (`type`,
-    `display_name`, `created_at`, `max_input_tokens`)."""
+    `display_name`, `created_at`, `max_input_tokens`). vLLM's `root` (what it was loaded from) and
+    `parent` (a LoRA adapter's base model; null for a model of its own)."""
     return {
         "id": name,
         "object": "model",
         "created": int(created.timestamp()),
         "owned_by": "gpuportal",
+        "root": source,
+        "parent": parent,
         "max_model_len": max_tokens,
         "type": "model",
         "display_name": name,
@@ -312,11 +316,23 @@ def _model(name: str, created: datetime, max_tokens: int) -> dict[str, Any]:
     }
 
 
+def _models(name: str, created: datetime, max_tokens: int, source: str, adapter_text: str) -> list[dict[str, Any]]:
+    """A deployment, then each of its LoRA adapters as a model of its own (`deployment:adapter`)."""
+    served = adapters.parse(adapter_text)
+    return [
+        _model(name, created, max_tokens, source),
+        *(_model(adapters.model_id(name, a), created, max_tokens, root, name) for a, root in served.items()),
+    ]
+
+
+_MODEL_FIELDS = ("name", "created_at", "max_tokens", "model_source", "model_adapters")
+
+
 class ModelsView(OpenAIView):
     @extend_schema(responses={200: dict})
     def get(self, request: HttpRequest) -> Response:
         rows = Deployment.objects.filter(loader__in=OPENAI_LOADERS).order_by("name")
-        data = [_model(*row) for row in rows.values_list("name", "created_at", "max_tokens")]
+        data = [model for row in rows.values_list(*_MODEL_FIELDS) for model in _models(*row)]
         # Anthropic's list says it is whole (`has_more`), and where it begins and ends.
         ends = {"first_id": data[0]["id"], "last_id": data[-1]["id"]} if data else {"first_id": None, "last_id": None}
         return Response({"object": "list", "data": data, "has_more": False, **ends})
@@ -329,13 +345,18 @@ class ModelView(OpenAIView):
     @extend_schema(responses={200: dict, 404: dict}, operation_id="v1_model_retrieve")
     def get(self, request: HttpRequest, model: str) -> Response:
         served = Deployment.objects.filter(loader__in=OPENAI_LOADERS)
-        found = served.filter(name=model).values_list("created_at", "max_tokens").first()
+        name, adapter = adapters.split_model(model)
+        found = served.filter(name=name).values_list(*_MODEL_FIELDS).first()
         if found is None:
             # As a completion naming it is refused: the nearest name, and what /v1 serves.
-            missing = NoDeployment(model, list(served.order_by("name").values_list("name", flat=True)))
+            missing = NoDeployment(name, list(served.order_by("name").values_list("name", flat=True)))
             status, body = _refusal(missing, model, "")
             return Response(body, status=status)
-        return Response(_model(model, *found))
+        listed = {entry["id"]: entry for entry in _models(*found)}
+        if model not in listed:
+            status, body = _refusal(not_found.adapter(name, str(adapter), list(adapters.parse(found[-1]))), model, "")
+            return Response(body, status=status)
+        return Response(listed[model])
 
 
 class _Answered(OpenAIView, ABC):
@@ -841,7 +862,7 @@ def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
 def _refusal(exc: NotFound | InvalidInput, model: str, wanted: str) -> tuple[int, dict[str, Any]]:
     """A model that does not exist, or is not what the endpoint serves (the service says what it is)."""
     if isinstance(exc, NotFound):
-        hint = "."
+        hint = f": {exc}."  # which adapters its deployment serves, say
         if isinstance(exc, NoDeployment):
             deployed = ", ".join(f"`{name}`" for name in exc.deployed[: exc.LISTED])
             hint = f"; did you mean `{exc.near}`?" if exc.near else "."

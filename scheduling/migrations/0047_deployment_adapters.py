@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('scheduling', '0046_deployment_revisions'),
+        ("scheduling", "0046_deployment_revisions"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='deployment',
-            name='model_adapters',
-            field=models.CharField(blank=True, db_default='', default='', max_length=4000),
+            model_name="deployment",
+            name="model_adapters",
+            field=models.CharField(blank=True, db_default="", default="", max_length=4000),
         ),
     ]

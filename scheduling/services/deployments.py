@@ -9,7 +9,7 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -63,16 +63,17 @@ class ModelFacts:
     detail: str = ""
 
 
-def inspect_model(source: str, loader: str, dtype: str, max_tokens: int) -> ModelFacts:
+def inspect_model(source: str, loader: str, dtype: str, max_tokens: int, adapters: str = "") -> ModelFacts:
     """Weight bytes and the estimated need, without loading weights: a node agent reads the
     files (never this process), the estimate is the control plane's. Bad sources
-    name the field."""
-    reading = dispatch.inspect(source, loader, dtype)
+    name the field. The adapters' stacks count as weights: the replica holds them beside its own."""
+    reading = dispatch.inspect(source, loader, dtype, adapters)
     if reading.refusal:
-        raise InvalidInput("model.source", reading.refusal)
+        raise InvalidInput(reading.refused, reading.refusal)
     if reading.shape is not None:
-        estimate = memory.estimate(reading.shape, max_tokens=max_tokens, cuda_context_bytes=0)
-        return ModelFacts(reading.shape.weight_bytes, estimate.total_bytes, estimate.describe())
+        shape = replace(reading.shape, weight_bytes=reading.shape.weight_bytes + reading.adapter_bytes)
+        estimate = memory.estimate(shape, max_tokens=max_tokens, cuda_context_bytes=0)
+        return ModelFacts(shape.weight_bytes, estimate.total_bytes, estimate.describe())
     weights = reading.weight_bytes
     return ModelFacts(weights, weights + memory.ACTIVATION_FLOOR_BYTES, "weights + activation floor")
 
@@ -97,7 +98,7 @@ def create(spec: DeploymentSpec, *, facts: ModelFacts | None = None, by: str = "
     taken = AlreadyExists("name", f"a deployment named {spec.name!r} already exists")
     if Deployment.objects.filter(name=spec.name).exists():
         raise taken  # before asking a node to read the model
-    facts = facts or inspect_model(spec.source, spec.loader, spec.dtype, spec.max_tokens)
+    facts = facts or inspect_model(spec.source, spec.loader, spec.dtype, spec.max_tokens, spec.adapters)
     # Its Events are written in one statement at the end (the savepoint's error below ends the call).
     with transaction.atomic(), outbox.gathered():
         try:
@@ -294,10 +295,12 @@ def _check_together(values: dict[str, Any], changed: Collection[str] = ()) -> No
                 raise InvalidInput(setting.path, str(err)) from None
     if (problem := deployment_spec.autoscale_problem(values, changed)) is not None:
         raise InvalidInput(*problem)
+    if (problem := deployment_spec.adapters_problem(values)) is not None:
+        raise InvalidInput(*problem)
 
 
 # What the estimate of a replica's need is made from: a change of any reads the model again.
-ESTIMATED = frozenset({"source", "dtype", "max_tokens"})
+ESTIMATED = frozenset({"source", "dtype", "max_tokens", "adapters"})
 # What a running replica cannot follow: a change starts a rolling restart.
 ROLLED = frozenset(s.name for s in deployment_spec.SETTINGS if s.update == deployment_spec.Update.ROLLOUT)
 
@@ -314,7 +317,7 @@ def _estimate_for(name: str, changes: dict[str, Any]) -> ModelFacts | None:
     if wanted == now:
         return None
     _check_source(wanted["source"], current.loader)
-    return inspect_model(wanted["source"], current.loader, wanted["dtype"], wanted["max_tokens"])
+    return inspect_model(wanted["source"], current.loader, wanted["dtype"], wanted["max_tokens"], wanted["adapters"])
 
 
 def _estimate_anew(deployment: Deployment, facts: ModelFacts) -> None:

@@ -94,7 +94,7 @@ def _answers() -> redis.Redis:
     return replies.client(settings.REDIS_URL)
 
 
-def inspect(source: str, loader: str, dtype: str) -> ModelReading:
+def inspect(source: str, loader: str, dtype: str, adapters: str = "") -> ModelReading:
     """What a node agent reads of the model's files, waited for. Not on commit: nothing is
     decided yet, and this is what the decision needs.
 
@@ -116,7 +116,7 @@ def inspect(source: str, loader: str, dtype: str) -> ModelReading:
                 f"return one to service (POST /api/nodes/{drained[0]}/undrain/) to deploy"
             )
         raise Unavailable("no node is online to read the model's files: start a node agent (manage.py agent)")
-    ask = InspectModel(source, loader, dtype, replies.new_list("inspect"))
+    ask = InspectModel(source, loader, dtype, replies.new_list("inspect"), adapters)
     timeout = settings.GPUPORTAL_INSPECT_TIMEOUT_S
     deadline = time.monotonic() + timeout
     asked: list[str] = []

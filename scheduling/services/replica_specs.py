@@ -59,6 +59,7 @@ def spec_of(replica: Replica, *, contexts: tuple[int, int] | None = None, virtua
         source=deployment.model_source,
         loader=deployment.loader,
         dtype=deployment.dtype,
+        adapters=deployment.model_adapters,
         gpus=tuple(sorted(int(index) for index in replica.gpu_mem_bytes_by_id)),
         reserved_bytes_by_gpu={str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()},
         fraction=replica.gpu_memory_fraction,

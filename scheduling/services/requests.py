@@ -19,7 +19,7 @@ import redis
 from django.db import InterfaceError, OperationalError, connection
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from gpuportal.wire import states
+from gpuportal.wire import adapters, states
 from gpuportal.wire.requestqueue import (
     KeyTakenOver,
     Request,
@@ -101,7 +101,9 @@ def submit(
     placed anywhere is refused with 409, and nothing is queued. One past its owner's limits
     (user_limits) is refused with 429, before anything is read or woken for it. Sent again under
     the `idempotency_key` of one accepted before, it is that one, and nothing is queued.
+    `deployment_name` may name one of its LoRA adapters (`llama-8b:sql`, gpuportal.wire.adapters).
     """
+    deployment_name, params = addressed(deployment_name, params)
     request_id, first = _first_under(owner, idempotency_key, (deployment_name, kind, input, params))
     if first is not None:
         return first
@@ -134,6 +136,7 @@ def run(
     idempotency_key: str | None = None,
 ) -> tuple[Request, Request | None]:
     """`submit`, then wait up to `timeout` for the end: (as accepted, final or None)."""
+    deployment_name, params = addressed(deployment_name, params)
     request_id, first = _first_under(owner, idempotency_key, (deployment_name, kind, input, params))
     if first is not None:
         return first, first if first.final else queue().wait(first.id, timeout)
@@ -235,6 +238,23 @@ def _taken_over(taken: KeyTakenOver) -> Request:
         raise Unavailable("a request under the same Idempotency-Key is being accepted now: send it again")
     log.info("request under a key taken over by its retry: answered with %s", first.id)
     return first
+
+
+def addressed(model: str, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(deployment, params) of a request to `model`: a deployment's name, or `deployment:adapter`,
+    whose adapter the params name for its replica. An adapter the deployment does not serve is
+    refused here, before anything is queued or woken: one indexed read, on requests to an
+    adapter only (the replica refuses one it lacks too, where the deployment's adapters changed
+    since)."""
+    deployment_name, adapter = adapters.split_model(model)
+    if adapter is None:
+        return model, params
+    text = Deployment.objects.filter(name=deployment_name).values_list("model_adapters", flat=True).first()
+    if text is None:
+        raise not_found.deployment(deployment_name)
+    if adapter not in (served := adapters.parse(text)):
+        raise not_found.adapter(deployment_name, adapter, list(served))
+    return deployment_name, {**params, adapters.PARAM: adapter}
 
 
 def _queued(deployment_name: str, kind: str, owner: str, put: Callable[..., T | None], request_id: str) -> T:

@@ -6,14 +6,13 @@ of PEFT's merged model. Adapters PEFT saves that change more than B(A x) are ref
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from transformers import LlamaForCausalLM
 
 from gpuportal.wire.memory import dtype_bytes
@@ -23,12 +22,13 @@ from inference.batching import Batcher, Sequence, run_until_idle
 from inference.kvpool import BlockPool
 from inference.lora import Adapters
 from inference.paged import PagedModel, Slice, engine_for, model_shape
+from tests.support.adapters import SQL, merged_greedy, write_adapter
 from tests.support.serving import tiny_llama_config
 
 # Two adapters as users train them: one on attention only, one on every projection of a higher
 # rank with rsLoRA's scale (B random, not PEFT's zeros, so that each changes the answers).
 ADAPTERS = {
-    "sql": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    "sql": SQL,
     "chat": LoraConfig(
         r=8,
         lora_alpha=16,
@@ -42,17 +42,6 @@ ADAPTERS = {
 def base_model() -> Any:
     torch.manual_seed(11)
     return LlamaForCausalLM(tiny_llama_config()).eval()
-
-
-def write_adapter(model: Any, config: LoraConfig, path: Path, seed: int) -> Path:
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(model), copy.deepcopy(config))
-    with torch.no_grad():  # larger B than PEFT's random init, so an adapter changes the greedy tokens
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.mul_(20)
-    peft_model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +105,6 @@ class _NoText:
         return ""
 
 
-def merged_greedy(adapter: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    model = PeftModel.from_pretrained(base_model(), adapter).merge_and_unload().eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_the_batcher_answers_each_adapter_as_peft_s_merged_model_does(adapters):
     paged_model = engine(adapters, blocks=64)
     batch = Batcher(paged_model, _NoText(), set())
@@ -138,7 +117,7 @@ def test_the_batcher_answers_each_adapter_as_peft_s_merged_model_does(adapters):
             batch.submit(seq)
         run_until_idle(batch)
     for name, seq in sequences.items():
-        assert seq.generated == merged_greedy(adapters[name], PROMPTS[name], 12), name
+        assert seq.generated == merged_greedy(base_model(), adapters[name], PROMPTS[name], 12), name
 
 
 def test_the_stacks_take_the_bytes_the_deploy_counted(adapters):

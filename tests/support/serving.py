@@ -14,12 +14,14 @@ from inference.serving import Executor
 MiB = 1024**2
 
 
-def host_for(model: Any, tokenizer: Any, *, paged: bool = True) -> SimpleNamespace:
+def host_for(model: Any, tokenizer: Any, *, paged: bool = True, adapters: Any = None) -> SimpleNamespace:
     """Serving, with a KV pool under a cap of 256 MiB, for requests of up to 1,024 tokens (or,
     `paged` False, no pool: generate() runs each request alone, as on a model the paged engine
-    does not take)."""
+    does not take), and the LoRA `adapters` (inference.lora.Adapters) beside the model."""
     engine = (
-        engine_for(model, weights_bytes=8 * MiB, cap_bytes=256 * MiB, max_tokens=1024, context_bytes=0)
+        engine_for(
+            model, weights_bytes=8 * MiB, cap_bytes=256 * MiB, max_tokens=1024, context_bytes=0, adapters=adapters
+        )
         if paged
         else None
     )
