@@ -113,6 +113,7 @@ DEPLOY_FLAGS = {
     "dtype": "--dtype",
     "replicas": "--replicas",
     "max_tokens": "--max-tokens",
+    "adapters": "--adapters",
 }
 
 
@@ -128,6 +129,8 @@ def deploy_body(args: argparse.Namespace) -> dict[str, Any]:
     body = setting_values.body_of([*from_flags, *given])
     body["name"] = args.name
     body.setdefault("model", {})["source"] = config.model_source(args.source)
+    if args.adapters is not None:
+        body["model"]["adapters"] = config.adapter_sources(args.adapters)
     body.setdefault("replicas", SETTINGS["replicas"].default)
     # The body's order as the API documents it: name, model, replicas, then the groups.
     return {"name": body.pop("name"), "model": body.pop("model"), "replicas": body.pop("replicas"), **body}
@@ -803,6 +806,11 @@ def _add_getting_started(commands: argparse._SubParsersAction[argparse.ArgumentP
     )
     deploy.add_argument("--loader", help=choices_help(SETTINGS["loader"]))
     deploy.add_argument("--dtype", help=choices_help(SETTINGS["dtype"]))
+    deploy.add_argument(
+        "--adapters",
+        metavar="NAME=SOURCE,...",
+        help="LoRA adapters served beside the model, each as the model id NAME:ADAPTER (PEFT directories)",
+    )
     deploy.add_argument(
         "--set",
         action="append",

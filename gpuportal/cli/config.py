@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuportal.cli.client import CliError
 from gpuportal.stackenv import CLI_URL_KEY, read_stack_env
+from gpuportal.wire import adapters
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -84,6 +86,16 @@ def model_source(source: str) -> str:
     if ("/" in source or source.startswith((".", "~"))) and path.exists():
         return str(path.resolve())
     return source
+
+
+def adapter_sources(text: str) -> str:
+    """`name=source,...` with each source as `model_source` sends a model's; CliError naming what
+    is wrong with the text."""
+    try:
+        named = adapters.parse(text)
+    except ValueError as err:
+        raise CliError(f"--adapters: {err}") from None
+    return ",".join(f"{name}={model_source(source)}" for name, source in named.items())
 
 
 def up_url(env: Mapping[str, str]) -> str | None:

@@ -320,6 +320,21 @@ def test_deploy_sends_only_what_was_given_and_a_local_directory_as_an_absolute_p
     }
 
 
+def test_deploy_sends_its_adapters_each_local_directory_as_an_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "sql").mkdir()
+    monkeypatch.chdir(tmp_path)
+    parser = app.build_parser()
+
+    given = parser.parse_args(["deploy", "a", "/srv/m", "--adapters", "sql=./sql, chat=/srv/adapters/chat"])
+
+    assert app.deploy_body(given)["model"] == {
+        "source": "/srv/m",
+        "adapters": f"sql={tmp_path / 'sql'},chat=/srv/adapters/chat",
+    }
+    with pytest.raises(CliError, match="--adapters: 'sql' must be name=source"):
+        app.deploy_body(parser.parse_args(["deploy", "a", "/srv/m", "--adapters", "sql"]))
+
+
 @pytest.mark.slow
 def test_the_command_line_imports_nothing_of_django_or_the_portals_planes():
     code = (

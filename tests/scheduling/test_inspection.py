@@ -178,7 +178,7 @@ def test_a_reading_that_breaks_on_the_node_is_answered_at_once_with_its_error(
 ):
     import inference.tasks
 
-    def broken(source: str, loader: str, dtype: str) -> ModelReading:
+    def broken(source: str, loader: str, dtype: str, adapters: str = "") -> ModelReading:
         raise KeyError("num_hidden_layers")
 
     monkeypatch.setattr(inference.tasks, "read_model", broken)
