@@ -13,11 +13,18 @@ def first_revisions(apps, schema_editor):
     Deployment = apps.get_model("scheduling", "Deployment")
     DeploymentRevision = apps.get_model("scheduling", "DeploymentRevision")
     stored = [setting for setting in deployment_spec.SETTINGS if setting.stored]
+    # The spec is today's, the model this migration's: a setting added since (its column made by a
+    # later migration) is recorded at its default, which its column then starts from.
+    columns = {field.name for field in Deployment._meta.get_fields()}
+
+    def value(deployment, setting):
+        return getattr(deployment, setting.column) if setting.column in columns else setting.default
+
     DeploymentRevision.objects.bulk_create(
         DeploymentRevision(
             deployment=deployment,
             number=1,
-            settings={setting.name: getattr(deployment, setting.column) for setting in stored},
+            settings={setting.name: value(deployment, setting) for setting in stored},
             cause="as it stood when revisions began",
         )
         for deployment in Deployment.objects.all()

@@ -305,7 +305,8 @@ def test_deployment_detail_by_name_has_the_grouped_shape(api: APIClient) -> None
     body = api.get("/api/deployments/tiny-a/").json()
 
     assert body["name"] == "tiny-a"
-    assert body["model"] == {"source": "/srv/models/tiny-a", "loader": "transformers", "dtype": "bfloat16"}
+    model = {"source": "/srv/models/tiny-a", "loader": "transformers", "dtype": "bfloat16", "adapters": ""}
+    assert body["model"] == model
     assert body["replicas_wanted"] == 2
     assert body["dedicated"] is False
     assert body["memory"] == {
