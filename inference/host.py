@@ -87,6 +87,8 @@ class ReplicaHost:
         # served by the paged engine (inference.lora), their stacks made again at each wake.
         self.adapter_text = adapters
         self.adapters: Adapters | None = None
+        # What their stacks take where the model is (what the scheduler counted for them), once read.
+        self.adapter_bytes = 0
         # Woken from deep sleep: the node's copy of its weights (inference.host_copy), read
         # instead of `source`'s; None for a load from disk.
         self.host_copy = host_copy
@@ -567,7 +569,7 @@ class ReplicaHost:
             activation = self.footprint.activation_bytes if self.footprint is not None else 0
             pool = 2 * memory.allocation_bytes(self.pool_bytes // 2)  # K and V, one allocation each
             working = max(0, activation - (pool - self.pool_bytes))
-            wanted = weight_allocation_bytes(self.model) + self._adapter_bytes() + pool + working
+            wanted = weight_allocation_bytes(self.model) + self.adapter_bytes + pool + working
             for gpu, nbytes in self._spread_over_gpus(wanted).items():
                 held[gpu] += nbytes
         return held
@@ -641,7 +643,7 @@ class ReplicaHost:
         if self.model is None:
             return None
         # The adapters' stacks live beside the weights, and are counted with them, as the deploy's estimate counts them.
-        weights = weight_allocation_bytes(self.model) + self._adapter_bytes()
+        weights = weight_allocation_bytes(self.model) + self.adapter_bytes
         # The larger of what the reservation counted and what this process holds now (a real
         # context grows as the first forward passes load kernels; the GPU row has the grown one).
         context = max(self.context_bytes, self.backend.context_bytes_measured(self.placement))
@@ -775,11 +777,8 @@ class ReplicaHost:
             from inference.lora import Adapters
 
             self.adapters = Adapters.read(named)
+            self.adapter_bytes = self.adapters.nbytes(self.dtype)
             log.info("%s: serves adapters %s beside its model", self.replica_id, ", ".join(self.adapters.names))
-
-    def _adapter_bytes(self) -> int:
-        """What the adapters' stacks take where the model is (what the scheduler counted for them)."""
-        return self.adapters.nbytes(self.dtype) if self.adapters is not None else 0
 
     def _release_pool(self) -> None:
         if self.paged is not None:

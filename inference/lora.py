@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpuportal.wire import memory
 
@@ -49,6 +49,7 @@ _REFUSED = {
 
 # (layer, projection): where a term is added.
 Key = tuple[int, str]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -107,32 +108,39 @@ def read_config(name: str, directory: Path) -> dict[str, Any]:
     return config
 
 
+def paired(name: str, tensors: Iterable[tuple[str, T]], shape_of: Callable[[T], list[int]]) -> dict[Key, tuple[T, T]]:
+    """The adapter's tensors (or their shapes) by name, as each projection's (A, B); ValueError
+    naming a tensor that is no LoRA A or B of a layer's projection, or an A and B that do not pair."""
+    halves: dict[Key, dict[str, T]] = {}
+    for tensor, value in tensors:
+        found = _TENSOR.fullmatch(tensor)
+        if found is None:
+            raise ValueError(
+                f"adapter {name!r}: {tensor} is not a LoRA A or B of a layer's projection "
+                f"({', '.join(PROJECTIONS)}): not served"
+            )
+        halves.setdefault((int(found[1]), found[2]), {})[found[3]] = value
+    pairs: dict[Key, tuple[T, T]] = {}
+    for key, pair in halves.items():
+        a, b = pair.get("A"), pair.get("B")
+        a_shape, b_shape = (shape_of(a), shape_of(b)) if a is not None and b is not None else ([], [])
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] < 1:
+            raise ValueError(
+                f"adapter {name!r}: layer {key[0]}'s {key[1]} has no matching lora_A [r, in] and lora_B [out, r]"
+            )
+        pairs[key] = (a, b)
+    if not pairs:
+        raise ValueError(f"adapter {name!r}: {WEIGHTS} holds no LoRA tensors")
+    return pairs
+
+
 def tensor_shapes(name: str, directory: Path) -> dict[Key, tuple[list[int], list[int]]]:
     """Each adapted projection's (A's shape, B's shape), read from the file's header alone."""
     from safetensors import safe_open
 
-    halves: dict[Key, dict[str, list[int]]] = {}
     with safe_open(str(directory / WEIGHTS), framework="pt") as weights:
-        for tensor in weights.keys():  # noqa: SIM118 (a safetensors file, no mapping)
-            found = _TENSOR.fullmatch(tensor)
-            if found is None:
-                raise ValueError(
-                    f"adapter {name!r}: {tensor} is not a LoRA A or B of a layer's projection "
-                    f"({', '.join(PROJECTIONS)}): not served"
-                )
-            layer, projection, half = int(found[1]), found[2], found[3]
-            halves.setdefault((layer, projection), {})[half] = list(weights.get_slice(tensor).get_shape())
-    shapes: dict[Key, tuple[list[int], list[int]]] = {}
-    for key, pair in halves.items():
-        a, b = pair.get("A"), pair.get("B")
-        if a is None or b is None or len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] < 1:
-            raise ValueError(
-                f"adapter {name!r}: layer {key[0]}'s {key[1]} has no matching lora_A [r, in] and lora_B [out, r]"
-            )
-        shapes[key] = (a, b)
-    if not shapes:
-        raise ValueError(f"adapter {name!r}: {WEIGHTS} holds no LoRA tensors")
-    return shapes
+        shapes = [(tensor, list(weights.get_slice(tensor).get_shape())) for tensor in weights.keys()]  # noqa: SIM118
+    return paired(name, shapes, list)
 
 
 def stacked_sizes(shapes: list[Mapping[Key, tuple[list[int], list[int]]]]) -> dict[Key, tuple[int, int, int]]:
@@ -190,16 +198,7 @@ class Adapters:
         for name, source in named.items():
             directory = directory_of(source)
             config = read_config(name, directory)
-            shapes = tensor_shapes(name, directory)
-            loaded = load_file(str(directory / WEIGHTS))
-            tensors: dict[Key, tuple[Any, Any]] = {}
-            for tensor, value in loaded.items():
-                found = _TENSOR.fullmatch(tensor)
-                assert found is not None  # tensor_shapes refused any other
-                key = (int(found[1]), found[2])
-                a, b = tensors.get(key, (None, None))
-                tensors[key] = (value, b) if found[3] == "A" else (a, value)
-            assert tensors.keys() == shapes.keys()
+            tensors = paired(name, load_file(str(directory / WEIGHTS)).items(), lambda t: list(t.shape))
             adapters.append(Adapter(name, source, float(config["lora_alpha"]), bool(config.get("use_rslora")), tensors))
         read = cls(adapters)
         stacked_sizes(read._shapes)  # adapters of two models: refused here, not at a wake

@@ -134,12 +134,10 @@ def test_adapters_that_cannot_be_served_are_a_400_naming_model_adapters(
 @pytest.fixture
 def replica(transactional_db, tiny_model_dir, sql_adapter) -> Replica:
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = factories.deployment(
-        name="tiny", model_source=str(tiny_model_dir), model_adapters=f"sql={sql_adapter}", memory_override_bytes=MiB
-    )
     request_services.queue.cache_clear()
-    request_services.queue().fail_queued("tiny", reason="left over from another test")
-    return Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+    return factories.serving(
+        "tiny", model_source=str(tiny_model_dir), model_adapters=f"sql={sql_adapter}", memory_override_bytes=MiB
+    )
 
 
 @pytest.fixture

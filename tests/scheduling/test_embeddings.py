@@ -51,9 +51,7 @@ def served(transactional_db) -> dict[str, Replica]:
         ("tiny", Deployment.Loader.TRANSFORMERS),
         ("mlp", Deployment.Loader.TORCH_MODULE),
     ]:
-        deployment = factories.deployment(name=name, model_source="/models/x", loader=loader, memory_override_bytes=MiB)
-        request_services.queue().fail_queued(name, reason="left over from another test")
-        replicas[name] = Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+        replicas[name] = factories.serving(name, model_source="/models/x", loader=loader, memory_override_bytes=MiB)
     return replicas
 
 

@@ -36,10 +36,8 @@ MiB = 1024**2
 @pytest.fixture
 def replica(transactional_db, tiny_model_dir) -> Replica:
     register_node("node1", virtual_gpus("node1", "1x1GiB", NO_OVERHEAD), virtual=True)
-    deployment = factories.deployment(name="tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
     request_services.queue.cache_clear()
-    request_services.queue().fail_queued("tiny", reason="left over from another test")
-    return Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+    return factories.serving("tiny", model_source=str(tiny_model_dir), memory_override_bytes=MiB)
 
 
 @pytest.fixture

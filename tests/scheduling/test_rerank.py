@@ -126,9 +126,7 @@ def served(transactional_db) -> dict[str, Replica]:
     request_services.queue.cache_clear()
     replicas = {}
     for name, loader in [("minilm", Deployment.Loader.EMBEDDING), ("tiny", Deployment.Loader.TRANSFORMERS)]:
-        deployment = factories.deployment(name=name, model_source="/models/x", loader=loader, memory_override_bytes=MiB)
-        request_services.queue().fail_queued(name, reason="left over from another test")
-        replicas[name] = Replica.objects.create(deployment=deployment, state=Replica.State.SERVING)
+        replicas[name] = factories.serving(name, model_source="/models/x", loader=loader, memory_override_bytes=MiB)
     return replicas
 
 

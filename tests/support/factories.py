@@ -52,6 +52,17 @@ def deployment(name: str | None = None, **fields: Any) -> Deployment:
     return made
 
 
+def serving(name: str, **fields: Any) -> Replica:
+    """A deployment (`fields` as `deployment` takes them) with one replica row serving, for a
+    stand-in or an in-process serving loop to answer its queue; what an earlier test left queued
+    under its name on this worker's Redis database is failed first, so that no one takes it."""
+    from scheduling.services import requests as request_services
+
+    made = deployment(name=name, **fields)
+    request_services.queue().fail_queued(name, reason="left over from another test")
+    return Replica.objects.create(deployment=made, state=Replica.State.SERVING)
+
+
 def replica(of: Deployment, on: Node | None = None, **fields: Any) -> Replica:
     return Replica.objects.create(deployment=of, node=on, **fields)
 
