@@ -14,6 +14,12 @@ holds no blocks and waits in its place, and the others go by it. The cost is tha
 stopping early (EOS, a stop string) kept room it did not use until it ends; concurrency therefore
 follows the requests' max_tokens, not the model's context length.
 
+Prefix caching (inference.kvpool): a sequence admitted shares the kept blocks of its prompt's
+longest cached beginning and its prefill starts after them, so a system prompt, a conversation's
+history or an agent's tools are computed once, not at every request. Every sequence that ends
+leaves its full blocks kept (its answer's too: the next turn of its chat begins with them). A
+prompt scored (echo with log probabilities) computes every token, as it must, and keeps them after.
+
 Driven by one thread (the replica's Server, a test, a benchmark); the pool itself is thread-safe
 so other threads may read its statistics.
 """
@@ -32,7 +38,7 @@ from gpuportal.wire.reasoning import counted, past_budget
 from gpuportal.wire.requestqueue import STOPPED, picked_piece
 from gpuportal.wire.sampling import STOP_REASON, Sampling, first_stop, fitted_max_tokens
 from inference.errors import TooLong
-from inference.kvpool import BlockPool
+from inference.kvpool import BlockPool, chain, root
 from inference.paged import PagedModel, Slice
 from inference.stream_text import IncrementalText, newly_settled
 from inference.token_logprobs import Picked, entries, of_rows, prompt_entries
@@ -85,6 +91,9 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the blocks
+    # Of the prompt's tokens, those whose K/V came from the prefix cache (OpenAI's
+    # `prompt_tokens_details.cached_tokens`).
+    reused: int = 0
     promised: int = 0  # blocks reserved at admission, not taken yet
     finish: str | None = None  # "stop" | "length" once done; STOPPED where its caller asked it stopped
     # The stop string it ended on, or the stop token's id (gpuportal.wire.sampling.STOP_REASON).
@@ -113,6 +122,7 @@ class Sequence:
     # Its format's last list of ids for its next token, and that list as a mask on the device.
     _allowed_mask: tuple[list[int], Any] | None = None
     _thinking_closed: bool = False  # its answer has generated `close_id` (with a budget to hold)
+    _digests: list[bytes] = field(default_factory=list)  # its prompt's full blocks' (inference.kvpool.chain)
 
     @property
     def tokens_needed(self) -> int:
@@ -124,7 +134,12 @@ class Sequence:
         output: dict[str, Any] = {
             "text": self.opened + self.text,
             "finish_reason": self.finish,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.reused},
+            },
         }
         counted(output, self.generated, self.close_id)
         if self.stop_reason is not None:
@@ -146,6 +161,8 @@ class Batcher:
         eos_token_ids: set[int],
         generator: Any | None = None,
         on_start: Callable[[Sequence], None] | None = None,
+        *,
+        prefix_cache: bool = True,
     ):
         self.engine = engine
         self.pool: BlockPool = engine.pool
@@ -153,6 +170,9 @@ class Batcher:
         self.eos = eos_token_ids
         self.generator = generator  # torch.Generator for sampling; None: torch's global one
         self.on_start = on_start  # told when a sequence is admitted (the request starts running)
+        # Whether prompts reuse the K/V kept from earlier sequences (off: each computes its own, as
+        # a benchmark's side by side compares).
+        self.prefix_cache = prefix_cache
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
 
@@ -209,7 +229,7 @@ class Batcher:
         a driver may then hand over another one (which may still have to wait)."""
         bt = self.pool.block_tokens
         wanted = sum(kv_blocks(s.tokens_needed, bt) for s in self.waiting)
-        return wanted < self.pool.blocks_free - self._promised()
+        return wanted < self.pool.blocks_available - self._promised()
 
     def submit(self, seq: Sequence) -> None:
         self.check(seq)
@@ -222,7 +242,7 @@ class Batcher:
         decoding = [s for s in self.running if s not in joined]
         ended: list[Sequence] = []
         for group, slices in (
-            (joined, [Slice(s.prompt, 0, s.blocks, s.adapter) for s in joined]),
+            (joined, [Slice(s.prompt[s.cached :], s.cached, s.blocks, s.adapter) for s in joined]),
             (decoding, None),
         ):
             if not group:
@@ -240,6 +260,8 @@ class Batcher:
                 continue
             for s, sl, token in zip(group, slices, self._sample_all(group, logits), strict=True):
                 s.cached += len(sl.tokens)
+                if group is joined:  # its prompt's K/V written: the sequences that follow may share it
+                    self._keep(s)
                 if s.error is not None:  # its format failed as its next token was chosen
                     ended.append(s)
                     continue
@@ -293,17 +315,48 @@ class Batcher:
                 # Its format's view of the tokenizer is being built: it holds no blocks yet, and
                 # those behind it go by rather than wait the second that takes.
                 continue
-            need = kv_blocks(head.tokens_needed, bt)
-            if need > self.pool.blocks_free - self._promised():
+            reused = self._cached(head)
+            need = kv_blocks(head.tokens_needed, bt) - len(reused)
+            if need > self.pool.available_besides(reused) - self._promised():
                 break  # strict FIFO among the ready: the head waits, and nobody overtakes it
             self.waiting.remove(head)
-            head.blocks = self.pool.allocate(kv_blocks(len(head.prompt), bt))
-            head.promised = need - len(head.blocks)
+            # Shared before the allocation, which may take back idle kept blocks: not these.
+            self.pool.share(reused)
+            head.blocks = reused + self.pool.allocate(kv_blocks(len(head.prompt), bt) - len(reused))
+            head.cached = head.reused = len(reused) * bt
+            if self.prefix_cache and head.prompt_logprobs is None:
+                self.pool.looked_up(len(head.prompt), head.reused)
+            head.promised = need - (len(head.blocks) - len(reused))
             self.running.append(head)
             joined.append(head)
             if self.on_start is not None:
                 self.on_start(head)
         return joined
+
+    def _cached(self, s: Sequence) -> list[int]:
+        """The kept blocks `s`'s prompt may begin with: at most all but its last token's (whose
+        logits its prefill must give, and whose block it writes into), none where every prompt
+        token must be computed (scored) or the batcher keeps nothing."""
+        if not self.prefix_cache:
+            return []
+        bt = self.pool.block_tokens
+        if not s._digests:
+            s._digests = chain(s.prompt, bt, root(s.adapter))
+        if s.prompt_logprobs is not None:
+            return []
+        return self.pool.cached(s._digests[: (len(s.prompt) - 1) // bt])
+
+    def _keep(self, s: Sequence) -> None:
+        """Leave `s`'s full blocks of written K/V in the prefix cache: the prompt's after its
+        prefill, the answer's too as it ends. Not where its forward failed."""
+        if not self.prefix_cache or s.error is not None or not s.blocks:
+            return
+        bt = self.pool.block_tokens
+        written = (*s.prompt, *s.generated)[: s.cached]
+        digests = s._digests[: len(written) // bt]
+        start = digests[-1] if digests else root(s.adapter)
+        digests += chain(written[len(digests) * bt :], bt, start)
+        self.pool.keep(digests, s.blocks[: len(digests)])
 
     def _grow(self, s: Sequence) -> None:
         """One more block when the next token would not fit: promised at admission, so it is free."""
@@ -474,6 +527,7 @@ class Batcher:
     def _retire(self, s: Sequence) -> None:
         if s in self.running:
             self.running.remove(s)
+            self._keep(s)
         self._release(s)
 
     def _release(self, s: Sequence) -> None:

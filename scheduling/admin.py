@@ -403,7 +403,9 @@ class ReplicaAdmin(ReadOnlyAdmin):
         stats = obj.kv_figures if hasattr(obj, "kv_figures") else selectors.kv_figures([obj]).get(obj.id)
         if stats is None:
             return "–"
-        return f"{stats.get('blocks_used', 0)} / {stats.get('blocks_total', 0)} (peak {stats.get('blocks_peak', 0)})"
+        used = f"{stats.get('blocks_used', 0)} / {stats.get('blocks_total', 0)} (peak {stats.get('blocks_peak', 0)})"
+        cached = stats.get("blocks_cached", 0)
+        return f"{used}, {cached} cached" if cached else used
 
 
 @admin.register(Occupant)

@@ -288,11 +288,31 @@ def _kv_blocks() -> list[Metric]:
         "Blocks of a replica's KV-cache pool held by sequences.",
         labels=["deployment", "replica"],
     )
+    cached = GaugeMetricFamily(
+        "gpuportal_kv_blocks_cached",
+        "Blocks of a replica's KV-cache pool its prefix cache keeps and no sequence holds (free to take).",
+        labels=["deployment", "replica"],
+    )
+    # Counters since the replica's pool was made (its wake), as vLLM's prefix_cache_queries/_hits.
+    queried = CounterMetricFamily(
+        "gpuportal_prefix_cache_queried_tokens",
+        "Prompt tokens a replica looked up in its prefix cache since its KV pool was made.",
+        labels=["deployment", "replica"],
+    )
+    hits = CounterMetricFamily(
+        "gpuportal_prefix_cache_hit_tokens",
+        "Prompt tokens a replica found in its prefix cache (their K/V not computed again).",
+        labels=["deployment", "replica"],
+    )
     awake = dict(Replica.objects.filter(state__in=states.HOLDING_WEIGHTS).values_list("id", "deployment__name"))
     for replica_id, stats in sorted(kv_stats(awake).items()):
-        total.add_metric([awake[replica_id], replica_id], stats.get("blocks_total", 0))
-        used.add_metric([awake[replica_id], replica_id], stats.get("blocks_used", 0))
-    return [total, used]
+        labels = [awake[replica_id], replica_id]
+        total.add_metric(labels, stats.get("blocks_total", 0))
+        used.add_metric(labels, stats.get("blocks_used", 0))
+        cached.add_metric(labels, stats.get("blocks_cached", 0))
+        queried.add_metric(labels, stats.get("prefix_queried", 0))
+        hits.add_metric(labels, stats.get("prefix_hits", 0))
+    return [total, used, cached, queried, hits]
 
 
 def _failover_states() -> list[Metric]:

@@ -17,7 +17,19 @@ import redis
 # Long enough to outlive a few missed publications, short enough that a dead replica's pool
 # disappears from the dashboard within a scrape or two.
 TTL_S = 15
-FIELDS = ("block_tokens", "blocks_total", "blocks_used", "blocks_peak", "allocations", "frees", "utilisation")
+FIELDS = (
+    "block_tokens",
+    "blocks_total",
+    "blocks_used",
+    "blocks_peak",
+    "allocations",
+    "frees",
+    "utilisation",
+    # The prefix cache's (inference.kvpool): its idle blocks, the prompt tokens looked up and found.
+    "blocks_cached",
+    "prefix_queried",
+    "prefix_hits",
+)
 
 
 def kv_key(replica_id: str) -> str:

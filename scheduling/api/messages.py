@@ -32,7 +32,7 @@ from scheduling.api.error_shapes import ReshapedErrors, message_of
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.messages_input import FORMAT_FIELD, chat_body, renamed, thinking_budget
 from scheduling.api.one_stream import followed
-from scheduling.api.openai_compat import ChatCompletionsView, read_call
+from scheduling.api.openai_compat import ChatCompletionsView, cached_tokens, read_call
 
 ID_PREFIX = "msg_"
 TOOL_ID_PREFIX = "toolu_"
@@ -107,11 +107,13 @@ def stop_reason(output: dict[str, Any], called: bool, bound: int | None) -> tupl
 def usage(output: dict[str, Any]) -> dict[str, Any]:
     """A replica's token counts as a message's usage."""
     counted = output.get("usage") or {}
+    cached = cached_tokens(counted)
+    # Anthropic's input_tokens are those not read from its cache: the prompt is the sum of the two.
     said: dict[str, Any] = {
-        "input_tokens": counted.get("prompt_tokens", 0),
+        "input_tokens": counted.get("prompt_tokens", 0) - cached,
         "output_tokens": counted.get("completion_tokens", 0),
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": cached,
     }
     if (details := counted.get("completion_tokens_details")) is not None:
         said["output_tokens_details"] = {"thinking_tokens": details.get("reasoning_tokens", 0)}

@@ -839,6 +839,11 @@ def _chat_logprobs(picked: list[dict[str, Any]] | None) -> dict[str, Any] | None
     }
 
 
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """Of a replica's count of a prompt's tokens, those its prefix cache held (0 where it says none)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
 def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """The usage of a call's choices: one choice's as its replica counted it; of several, each
     prompt's tokens once (its n choices read the same prompt, as OpenAI counts them), every
@@ -853,6 +858,8 @@ def _usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if any("prompt_tokens_details" in usage for usage in usages):  # what the prefix caches held, once a prompt
+        summed["prompt_tokens_details"] = {"cached_tokens": sum(cached_tokens(u) for u in usages[::n])}
     thought = [usage["completion_tokens_details"] for usage in usages if "completion_tokens_details" in usage]
     if thought:  # a reasoning model's: how many of the tokens were its thinking
         summed["completion_tokens_details"] = {"reasoning_tokens": sum(d["reasoning_tokens"] for d in thought)}

@@ -31,7 +31,7 @@ from scheduling.api import idempotency
 from scheduling.api.completion_input import Completion, Refused, content_text, message_origin, not_text
 from scheduling.api.inputs import FiniteFloatField
 from scheduling.api.one_stream import followed
-from scheduling.api.openai_compat import ChatCompletionsView, read_call
+from scheduling.api.openai_compat import ChatCompletionsView, cached_tokens, read_call
 from scheduling.services import queueing
 from scheduling.services import requests as request_services
 from scheduling.services.errors import InvalidInput, NotFound
@@ -660,7 +660,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     given, made = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {
         "input_tokens": given,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens(usage)},
         "output_tokens": made,
         "output_tokens_details": {
             "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)

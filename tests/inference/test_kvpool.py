@@ -67,6 +67,9 @@ def test_stats_for_events():
         "allocations": 2,
         "frees": 0,
         "utilisation": 0.25,
+        "blocks_cached": 0,
+        "prefix_queried": 0,
+        "prefix_hits": 0,
     }
     assert BlockAccounting(0).stats().utilisation == 0.0
 

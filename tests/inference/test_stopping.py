@@ -133,7 +133,7 @@ def test_a_generation_asked_stopped_ends_cancelled_with_its_text_so_far_and_free
     assert stopped.started_at and stopped.first_token_at and stopped.finished_at
     # The others go on: one asked next is answered, and every block of the pool is free again.
     assert answered is not None and answered.status == "done"
-    assert host.paged.pool.blocks_free == host.paged.pool.blocks_total
+    assert host.paged.pool.blocks_available == host.paged.pool.blocks_total, "free, or kept by the prefix cache"
 
 
 def test_a_generation_alone_on_a_replica_without_a_pool_is_stopped_too(tiny, rq, monkeypatch):
