@@ -242,7 +242,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
         """The KV block pool of a serving causal-LM replica as it last published it:
         block_tokens, blocks_total, blocks_used, blocks_peak, allocations, frees, utilisation, and
         its prefix cache's blocks_cached (kept, held by no sequence), prefix_queried and prefix_hits
-        (prompt tokens looked up since its wake, and found); null when it has none (asleep, a plain module, or not published in the last seconds)."""
+        (prompt tokens looked up since its wake, and found); null when it has none (asleep, a
+        plain module, or not published in the last seconds)."""
         # One Redis round trip per list of replicas (a page, a deployment's replicas), not per replica.
         listed = self.parent.instance if isinstance(self.parent, serializers.ListSerializer) else None
         batch = [obj] if listed is None else list(listed)
