@@ -130,7 +130,8 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     asleep = f.replica(dep, node, state=Replica.State.SLEEPING)
     redis = Redis.from_url(settings.REDIS_URL)
     figures = {"block_tokens": 16, "blocks_total": 512, "blocks_used": 40, "blocks_peak": 64, "allocations": 9}
-    kvstats.publish(redis, serving.id, {**figures, "frees": 5, "utilisation": 40 / 512})
+    cache = {"blocks_cached": 12, "prefix_queried": 900, "prefix_hits": 640}
+    kvstats.publish(redis, serving.id, {**figures, "frees": 5, "utilisation": 40 / 512, **cache})
     # What the sleeper published while it served has yet to expire: its pool is gone all the same.
     kvstats.publish(redis, asleep.id, {**figures, "blocks_used": 7, "blocks_peak": 9})
 
@@ -138,6 +139,9 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     labels = (("deployment", "tiny"), ("replica", serving.id))
     assert samples["gpuportal_kv_blocks_total"] == {labels: 512}
     assert samples["gpuportal_kv_blocks_used"] == {labels: 40}
+    assert samples["gpuportal_kv_blocks_cached"] == {labels: 12}
+    assert samples["gpuportal_prefix_cache_queried_tokens_total"] == {labels: 900}
+    assert samples["gpuportal_prefix_cache_hit_tokens_total"] == {labels: 640}
 
     from django.contrib.auth.models import User
 
@@ -146,7 +150,7 @@ def test_kv_pool_figures_published_by_replicas_show_in_metrics_the_api_and_the_a
     assert api.get(f"/api/replicas/{serving.id}/").json()["kv"]["blocks_used"] == 40
     assert api.get(f"/api/replicas/{asleep.id}/").json()["kv"] is None
     listed = admin_client.get("/admin/scheduling/replica/").content.decode()
-    assert "40 / 512 (peak 64)" in listed and "7 / 512" not in listed
+    assert "40 / 512 (peak 64), 12 cached" in listed and "7 / 512" not in listed
     # A replica that stops publishing stops being shown: the figures expire with it.
     assert 0 < redis.ttl(kvstats.kv_key(serving.id)) <= kvstats.TTL_S
 

@@ -7,20 +7,26 @@ with the cache must be those without it, token for token.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
+import redis
 import torch
+from django.conf import settings as django_settings
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gpuportal.wire.requestqueue import RequestQueue
 from inference import paged
 from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
 from inference.kvpool import BlockAccounting, BlockPool, PoolExhausted, chain, root
 from inference.management.commands.make_tiny_model import write_tiny_model
 from inference.paged import PagedModel, model_shape
+from inference.serving import Server
+from tests.support.serving import host_for
 
 BT = 4  # tokens a block: small, so that short prompts span several blocks
 
@@ -270,3 +276,55 @@ def test_a_prompt_sharing_idle_kept_blocks_waits_where_they_are_all_the_room_it_
     assert sharing in b.waiting, "the kept blocks it shares are no room for its other blocks"
     run_until_idle(b)
     assert len(running.generated) == 28 and len(sharing.generated) == 22 and sharing.reused == 16
+
+
+def test_a_replicas_second_request_with_the_same_system_prompt_says_its_cached_tokens(tiny):
+    model, tokenizer = tiny
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    rq, deployment = RequestQueue(client), f"d-{uuid.uuid4().hex[:8]}"
+    host = host_for(model, tokenizer)
+    server = Server(host, rq, deployment, poll_s=0.05)
+    server.start()
+    try:
+        answers = []
+        for question in ("What is a GPU?", "What is a CPU?"):
+            queued = rq.submit(
+                deployment, kind="generate", input=SYSTEM + question, params={"max_tokens": 6}, owner="u"
+            )
+            answers.append(rq.wait(queued.id, 60))
+        stats = host.paged.pool.stats().as_event()  # the figures a replica publishes, before it stops
+    finally:
+        server.stopped.set()
+        server.join(10)
+        client.close()
+
+    assert all(a is not None and a.status == "done" for a in answers), answers
+    first, second = (a.output["usage"] for a in answers)
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 0 < second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    assert stats["prefix_hits"] == second["prompt_tokens_details"]["cached_tokens"]
+    assert stats["prefix_queried"] == first["prompt_tokens"] + second["prompt_tokens"] and stats["blocks_cached"] > 0
+
+
+# -- what the APIs say of it ---------------------------------------------------------------------
+
+COUNTED = {"prompt_tokens": 40, "completion_tokens": 5, "total_tokens": 45}
+
+
+def test_the_apis_usage_says_the_cached_tokens_in_each_ones_words():
+    from scheduling.api.messages import usage
+    from scheduling.api.openai_compat import _usage_of
+    from scheduling.api.responses import _usage
+
+    counted = {**COUNTED, "prompt_tokens_details": {"cached_tokens": 32}}
+    assert _usage({"usage": counted}["usage"])["input_tokens_details"] == {"cached_tokens": 32}
+    # Anthropic's input_tokens are those not read from its cache.
+    said = usage({"usage": counted})
+    assert (said["input_tokens"], said["cache_read_input_tokens"]) == (8, 32)
+    # n choices of one prompt: its tokens once, as prompt_tokens counts them; another prompt's too.
+    other = {**COUNTED, "prompt_tokens_details": {"cached_tokens": 16}}
+    summed = _usage_of([{"usage": counted}, {"usage": counted}, {"usage": other}, {"usage": other}], 2)
+    assert summed["prompt_tokens"] == 80 and summed["prompt_tokens_details"] == {"cached_tokens": 48}
+    # A replica that says nothing of a cache (the generate() path): nothing cached, nothing said.
+    assert "prompt_tokens_details" not in _usage_of([{"usage": COUNTED}, {"usage": COUNTED}], 1)
+    assert usage({"usage": COUNTED})["cache_read_input_tokens"] == 0
