@@ -18,7 +18,8 @@
 # --device cuda (a deep sleeper's wake from its host copy beside a load and a wake), start =
 # bench.replica_start --device cuda --deep (a deep sleeper's wake through the supervisor: a fresh
 # interpreter, a fork of the template and the GPU's warm spare, its context made before the
-# start), and, named only (not in the default three), placement =
+# start), prefix = bench.prefix_cache --device cuda (time to first token of prompts that begin
+# alike, with the prefix cache and without, on a 512 MiB Llama), and, named only (not in the default three), placement =
 # bench.placement on the lent machine's CPUs (16 cores against this project's 2: the placement
 # throughput measured where PostgreSQL and the web process do not share two cores; its own
 # section, placement-device, in BENCHMARKS.md). What comes back under $OUT: each check's log and
@@ -38,8 +39,8 @@ set -uo pipefail
 checks=(${@:-gpu wake failover})
 for one in "${checks[@]}"; do
     case $one in
-        gpu | wake | failover | serve | placement | deep | start) ;;
-        *) echo "device_run: unknown check $one (expected gpu, wake, failover, serve, placement, deep or start)"; exit 2 ;;
+        gpu | wake | failover | serve | placement | deep | start | prefix) ;;
+        *) echo "device_run: unknown check $one (expected gpu, wake, failover, serve, placement, deep, start or prefix)"; exit 2 ;;
     esac
 done
 OUT=${OUT:-/tmp/gpuportal-device}
@@ -84,6 +85,7 @@ for one in "${checks[@]}"; do
         failover) check failover 170 python3 -m bench.failover --device cuda --trials 5 --baseline-trials 1 ;;
         deep) check deep 120 python3 -m bench.deep_sleep --device cuda --sizes 512,2048 --repeats 2 ;;
         start) check start 150 python3 -m bench.replica_start --device cuda --deep --size-mb 1024 --starts 3 ;;
+        prefix) check prefix 120 python3 -m bench.prefix_cache --device cuda --size-mb 512 --system 4096 ;;
         placement) check placement 200 python3 -m bench.placement --seconds 3 --cpu --section placement-device ;;
     esac
 done

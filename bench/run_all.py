@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "self_healing": ([], ["--trials", "1"]),
     "recovery": (["--trials", "2"], ["--trials", "1"]),
     "kvpool": ([], []),
+    "prefix_cache": ([], ["--trials", "1"]),
     "replica_start": ([], ["--starts", "3"]),
     "process_start": ([], ["--starts", "2"]),
     "serve": ([], ["--concurrency", "1,4", "--requests", "8"]),

@@ -1,0 +1,23 @@
+"""bench.prefix_cache measures what the replica runs, with its prefix cache and without, and keeps
+working on the CPU: the same answers both ways (the benchmark checks them itself), fewer prompt
+tokens computed with the cache, and what it held said."""
+
+from __future__ import annotations
+
+from bench import prefix_cache
+
+
+def test_the_benchmark_computes_fewer_prompt_tokens_with_the_cache_and_answers_the_same():
+    rows = prefix_cache.main(
+        ["--no-record", "--size-mb", "2", "--system", "64", "--question", "8", "--requests", "3", "--turns", "3"]
+        + ["--max-tokens", "4", "--trials", "1"]
+    )
+
+    shared, talk = rows
+    # requests, then: TTFT without, with, their ratio, tokens computed without, with, share held.
+    assert shared[1] == 3 and talk[1] == 3
+    for row in rows:
+        computed_without, computed_with = row[5], row[6]
+        assert computed_with < computed_without and row[7] != "0%"
+    # The system prompt's 64 tokens (4 blocks) computed once, not three times.
+    assert shared[5] - shared[6] == 2 * 64
