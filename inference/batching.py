@@ -310,12 +310,19 @@ class Batcher:
     def _admit(self) -> list[Sequence]:
         joined: list[Sequence] = []
         bt = self.pool.block_tokens
+        computing: set[bytes] = set()  # the prompt blocks this step's prefills will write and keep
         for head in list(self.waiting):
             if not _ready(head):
                 # Its format's view of the tokenizer is being built: it holds no blocks yet, and
                 # those behind it go by rather than wait the second that takes.
                 continue
             reused = self._cached(head)
+            shareable = (len(head.prompt) - 1) // bt if head.prompt_logprobs is None else 0
+            if computing and len(reused) < shareable and head._digests[len(reused)] in computing:
+                # Its next block is one a sequence joining now computes (a burst sharing a system
+                # prompt, a request's n choices): it waits this step out and shares it, rather
+                # than compute it again beside it. Those behind it wait with it (FIFO).
+                break
             need = kv_blocks(head.tokens_needed, bt) - len(reused)
             if need > self.pool.available_besides(reused) - self._promised():
                 break  # strict FIFO among the ready: the head waits, and nobody overtakes it
@@ -329,6 +336,8 @@ class Batcher:
             head.promised = need - (len(head.blocks) - len(reused))
             self.running.append(head)
             joined.append(head)
+            if self.prefix_cache:
+                computing.update(head._digests[len(reused) :])
             if self.on_start is not None:
                 self.on_start(head)
         return joined

@@ -66,7 +66,7 @@ def test_the_engine_and_generate_give_each_request_the_same_tokens(tiny):
     # Two clients share the pool; every request still ends, and the pool is empty again.
     two = serve.run_engine(engine, model, tokenizer, jobs, 2)
     assert not two.failures and len(two.outcomes) == 4
-    assert engine.pool.blocks_free == engine.pool.blocks_total
+    assert engine.pool.blocks_available == engine.pool.blocks_total
 
 
 def test_the_json_path_holds_every_answer_to_a_json_object_as_the_replica_does(tiny):
@@ -80,7 +80,7 @@ def test_the_json_path_holds_every_answer_to_a_json_object_as_the_replica_does(t
     assert held.path == "json" and not held.failures and len(held.outcomes) == 4
     assert all(o.text.lstrip().startswith("{") for o in held.outcomes), [o.text for o in held.outcomes]
     assert not all(o.text.lstrip().startswith("{") for o in free.outcomes), "the random model's own text"
-    assert engine.pool.blocks_free == engine.pool.blocks_total
+    assert engine.pool.blocks_available == engine.pool.blocks_total
 
 
 def test_requests_for_each_concurrency_grow_with_the_clients_and_stay_short_past_32():

@@ -328,3 +328,18 @@ def test_the_apis_usage_says_the_cached_tokens_in_each_ones_words():
     # A replica that says nothing of a cache (the generate() path): nothing cached, nothing said.
     assert "prompt_tokens_details" not in _usage_of([{"usage": COUNTED}, {"usage": COUNTED}], 1)
     assert usage({"usage": COUNTED})["cache_read_input_tokens"] == 0
+
+
+def test_sequences_arriving_together_with_one_prompt_compute_it_once(tiny):
+    # A request's n choices, or a burst of users of one system prompt: queued before the same step.
+    prompt = ids(tiny, SYSTEM + "Same question.")
+    b = batcher(tiny)
+    for _ in range(3):
+        b.submit(Sequence(prompt, 8))
+    first = b.step()
+    assert len(b.running) + len(first) == 1, "the first computes the prompt; the others wait a step for it"
+    b.submit(other := Sequence(ids(tiny, "Another prompt altogether, long enough for a block."), 8))
+    ended = run_until_idle(b)
+    together = [s for s in ended if s.prompt == prompt]
+    assert [s.reused for s in together] == [0, *[(len(prompt) - 1) // BT * BT] * 2]
+    assert all(s.generated == together[0].generated for s in together) and other.error is None
