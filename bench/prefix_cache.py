@@ -4,7 +4,8 @@ Two workloads a portal's users send all day, each through the replica's own cont
 (inference.batching) on its KV pool, once with the prefix cache and once without, alternating:
 
 - a shared system prompt: requests one after another (a chat service's users), each the same
-  long system prompt and a question of its own;
+  long system prompt and a question of its own; then the same requests all at once (a burst, a
+  request's n choices), where the first computes the system prompt and the others share it;
 - a conversation: each turn's prompt is the one before, the answer it got and a new message
   (what every chat client and agent sends), so each turn begins with all of the last.
 
@@ -95,6 +96,26 @@ def system_prompt(model: Any, device: str, prompts: list[list[int]], max_tokens:
     return run
 
 
+def burst(model: Any, device: str, prompts: list[list[int]], max_tokens: int, *, cached: bool) -> Run:
+    """The requests all queued before one step (a burst of users, a request's n choices)."""
+    from inference.batching import Sequence, run_until_idle
+
+    b = batcher(model, sum(_blocks([p], max_tokens) for p in prompts), device, prefix_cache=cached)
+    seqs = [Sequence(prompt, max_tokens) for prompt in prompts]
+    _sync(device)
+    submitted = time.time()
+    for seq in seqs:
+        b.submit(seq)
+    run_until_idle(b)
+    assert all(seq.error is None and seq.first_token_at is not None for seq in seqs)
+    return Run(
+        [seq.first_token_at - submitted for seq in seqs],  # type: ignore[operator]
+        sum(len(seq.prompt) - seq.reused for seq in seqs),
+        sum(seq.reused for seq in seqs),
+        [seq.generated for seq in seqs],
+    )
+
+
 def conversation(
     model: Any, device: str, opening: list[int], turns: list[list[int]], max_tokens: int, *, cached: bool
 ) -> Run:
@@ -163,6 +184,9 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
 
     workloads = {
         f"shared system prompt ({args.system} + {args.question} tokens)": lambda cached: system_prompt(
+            model, args.device, prompts, args.max_tokens, cached=cached
+        ),
+        f"a burst: {args.requests} at once, one system prompt": lambda cached: burst(
             model, args.device, prompts, args.max_tokens, cached=cached
         ),
         f"conversation ({args.turns} turns from {args.system // 2} tokens)": lambda cached: conversation(
