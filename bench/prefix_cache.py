@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     if not args.no_record:
         body = (
             f"Tiny Llama ({args.size_mb:g} MiB float32) on {args.device}, through the replica's continuous batcher "
-            f"(blocks of {BLOCK_TOKENS} tokens), one request at a time, each to its {args.max_tokens} tokens. "
+            f"(blocks of {BLOCK_TOKENS} tokens), one request at a time but the burst's, each to its {args.max_tokens} "
+            "tokens. "
             "Time to first token: a request's prefill, from its submission to its first token; the median "
             f"of each run's, then of {args.trials} alternating runs of each. Every answer with the cache equals "
             "its answer without, token for token. The first request of each workload finds nothing kept.\n\n"
