@@ -159,6 +159,26 @@ def test_a_sleeping_replica_shows_why_beside_its_state_from_its_latest_state_eve
     assert '<div class="gp-why gp-why-state">idle 300 s: put to sleep</div>' in row
 
 
+def test_a_serving_replica_shows_its_kv_blocks_those_cached_and_its_prefix_cache_hit_rate(admin_client) -> None:
+    from django.conf import settings
+    from redis import Redis
+
+    from gpuportal.wire import kvstats
+    from scheduling.services import requests as request_services
+
+    request_services.queue.cache_clear()
+    replica = f.replica(f.deployment("tiny-a"), f.node("node1"), state="serving")
+    figures = {"block_tokens": 16, "blocks_total": 128, "blocks_used": 3, "blocks_peak": 9, "blocks_cached": 24}
+    with Redis.from_url(settings.REDIS_URL) as redis:
+        kvstats.publish(redis, replica.id, {**figures, "prefix_queried": 4000, "prefix_hits": 3000})
+
+    body = admin_client.get(FRAGMENT).content.decode()
+
+    row = body[body.index(f'<tr data-replica="{replica.id}">') :]
+    row = row[: row.index("</tr>")]
+    assert "3 / 128 (peak 9), 24 cached" in row and "prefix cache: 75% of prompt tokens" in row
+
+
 def test_a_failed_replica_shows_why_beside_it_and_events_show_their_seconds(admin_client) -> None:
     node = f.node("node1")
     dep = f.deployment("broken")
