@@ -114,6 +114,8 @@ class Sequence:
     thinking_budget: int | None = None
     # Its LoRA adapter's row in the engine's stacks (inference.lora); -1: the base model.
     adapter: int = -1
+    # Whose kept K/V blocks it may share (gpuportal.wire.prefix_cache.scope): those of its scope only.
+    scope: bytes = b""
     error: Exception | None = None
     _sent: str = ""
     _streamed_picks: int = 0  # of `picked`, those whose log probabilities went out with a piece
@@ -350,7 +352,7 @@ class Batcher:
             return []
         bt = self.pool.block_tokens
         if not s._digests:
-            s._digests = chain(s.prompt, bt, root(s.adapter))
+            s._digests = chain(s.prompt, bt, root(s.adapter, s.scope))
         if s.prompt_logprobs is not None:
             return []
         return self.pool.cached(s._digests[: (len(s.prompt) - 1) // bt])
@@ -363,7 +365,7 @@ class Batcher:
         bt = self.pool.block_tokens
         written = (*s.prompt, *s.generated)[: s.cached]
         digests = s._digests[: len(written) // bt]
-        start = digests[-1] if digests else root(s.adapter)
+        start = digests[-1] if digests else root(s.adapter, s.scope)
         digests += chain(written[len(digests) * bt :], bt, start)
         self.pool.keep(digests, s.blocks[: len(digests)])
 

@@ -40,10 +40,11 @@ class PoolExhausted(Exception):
     """Not enough free blocks for an all-or-nothing allocation; nothing was allocated."""
 
 
-def root(adapter: int) -> bytes:
+def root(adapter: int, scope: bytes = b"") -> bytes:
     """Where a chain of digests starts: a LoRA adapter that projects K and V changes every block's
-    K/V, so the same tokens under another adapter (or none, -1) are another chain."""
-    return hashlib.blake2b(b"adapter %d" % adapter, digest_size=16).digest()
+    K/V, so the same tokens under another adapter (or none, -1) are another chain; and the
+    sequences of another scope (another user's, gpuportal.wire.prefix_cache) find none of them."""
+    return hashlib.blake2b(b"adapter %d;" % adapter + scope, digest_size=16).digest()
 
 
 def chain(tokens: Sequence[int], block_tokens: int, start: bytes) -> list[bytes]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from gpuportal.wire import adapters, kvstats
+from gpuportal.wire import adapters, kvstats, prefix_cache
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.reasoning import (
     CONTINUE_FINAL,
@@ -448,6 +448,7 @@ class Executor:
             close_id=tags[1] if (tags := tag_ids(self.tokenizer)) is not None else None,
             open_id=tags[0] if tags is not None else None,
             thinking_budget=request.params.get(THINKING_BUDGET),
+            scope=prefix_cache.scope(request.owner, request.params.get(prefix_cache.CACHE_SALT)),
         )
 
     def format_allowed(self, params: dict[str, Any]) -> Held | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gpuportal.wire import reasoning, sampling, tools
+from gpuportal.wire import prefix_cache, reasoning, sampling, tools
 
 Kind = Literal["generate", "chat"]
 
@@ -45,7 +45,7 @@ READ_FIELDS = frozenset(
      "timeout", "input", "encoding_format", "dimensions", "logprobs", "top_logprobs", "ignore_eos", "echo",
      "response_format", "guided_json", sampling.GUIDED_CHOICE, sampling.GUIDED_REGEX, tools.TOOLS, tools.TOOL_CHOICE,
      tools.PARALLEL, reasoning.TEMPLATE_KWARGS, reasoning.CONTINUE_FINAL, reasoning.THINKING_BUDGET,
-     *sampling.LISTED_NAMES, *sampling.NAMES}
+     prefix_cache.CACHE_SALT, *sampling.LISTED_NAMES, *sampling.NAMES}
 )  # fmt: skip
 # Fields that change nothing the portal answers: who asks (`user`), how OpenAI keeps or bills a
 # call, a hint only some models read, a latency aid (`prediction`).
@@ -189,6 +189,10 @@ def parse(body: Any, kind: Kind, *, default_timeout_s: float, max_timeout_s: flo
         raise Refused(reasoning.THINKING_BUDGET, why)
     if budget is not None:
         params[reasoning.THINKING_BUDGET] = budget
+    if why := prefix_cache.salt_problem(salt := body.get(prefix_cache.CACHE_SALT)):
+        raise Refused(prefix_cache.CACHE_SALT, why)
+    if salt is not None:
+        params[prefix_cache.CACHE_SALT] = salt
     params.update(_continued(body, kind, prompts[0]))
     timeout = wait_of(body.get("timeout"), default_timeout_s, max_timeout_s)
     return Completion(

@@ -38,7 +38,7 @@ from gpuportal.auth import (
     user_from_api_key,
     user_from_header,
 )
-from gpuportal.wire import adapters, reasoning, tools
+from gpuportal.wire import adapters, prefix_cache, reasoning, tools
 from gpuportal.wire.requestqueue import CALLERS_INPUT, TOO_LONG, Request, StreamSplice
 from gpuportal.wire.sampling import STOP_REASON
 from scheduling.api import completion_input, idempotency
@@ -132,6 +132,13 @@ class CompletionInput(WaitInput, SamplingInput):
         allow_null=True,
         help_text="vLLM's: run each answer to its max_tokens (as min_tokens of them all), for a load test's fixed "
         "length.",
+    )
+    cache_salt = serializers.CharField(
+        required=False,
+        allow_null=True,
+        max_length=prefix_cache.MAX_SALT_CHARS,
+        help_text="vLLM's: the request shares its replica's prefix cache only with the caller's requests of the same "
+        "salt (a service serving many people through one token); without it, with all of the caller's.",
     )
     response_format = serializers.JSONField(
         required=False,

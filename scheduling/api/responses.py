@@ -25,7 +25,7 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
 
-from gpuportal.wire import reasoning, sampling, tools
+from gpuportal.wire import prefix_cache, reasoning, sampling, tools
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import idempotency
 from scheduling.api.completion_input import Completion, Refused, content_text, message_origin, not_text
@@ -55,9 +55,17 @@ BACKGROUND = "background"
 READ_FIELDS = frozenset(
     {"model", "input", INSTRUCTIONS, "max_output_tokens", "stream", "tools", "tool_choice", "parallel_tool_calls",
      "text", PREVIOUS, "timeout", "top_logprobs", BACKGROUND, "conversation", "prompt",
-     reasoning.TEMPLATE_KWARGS, reasoning.THINKING_BUDGET, *sampling.NAMES, *sampling.LISTED_NAMES}
+     reasoning.TEMPLATE_KWARGS, reasoning.THINKING_BUDGET, prefix_cache.CACHE_SALT, *sampling.NAMES,
+     *sampling.LISTED_NAMES}
 )  # fmt: skip
-PASSED_ON = ("timeout", reasoning.TEMPLATE_KWARGS, reasoning.THINKING_BUDGET, *sampling.NAMES, *sampling.LISTED_NAMES)
+PASSED_ON = (
+    "timeout",
+    reasoning.TEMPLATE_KWARGS,
+    reasoning.THINKING_BUDGET,
+    prefix_cache.CACHE_SALT,
+    *sampling.NAMES,
+    *sampling.LISTED_NAMES,
+)
 # Roles a Responses message may have, as a chat template knows them (a developer's is a system's).
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")

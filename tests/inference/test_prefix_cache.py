@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gpuportal.wire.prefix_cache import CACHE_SALT, salt_problem, scope
 from gpuportal.wire.requestqueue import RequestQueue
 from inference import paged
 from inference.batching import Batcher, Sequence, eos_ids, run_until_idle
@@ -66,6 +67,16 @@ def test_a_digest_names_every_token_before_it_and_its_adapter():
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2], "a block after a change differs, its own tokens alike"
     assert chain(list(range(12)), BT, root(0)) != a, "another adapter's K/V: another chain"
     assert chain(list(range(11)), BT, root(-1)) == a[:2], "a partial block has no digest"
+
+
+def test_a_scope_is_its_users_and_salts_alone():
+    assert scope("alice") == scope("alice", None) == scope("alice", "")
+    scopes = {scope("alice"), scope("bob"), scope("alice", "x"), scope("alicex"), scope("ab", "c"), scope("a", "bc")}
+    assert len(scopes) == 6
+    assert chain(list(range(8)), BT, root(-1, scope("alice"))) != chain(list(range(8)), BT, root(-1, scope("bob")))
+    assert salt_problem(None) is None and salt_problem("tenant-7") is None
+    assert salt_problem("") == salt_problem(7) == "must be a non-empty string"
+    assert salt_problem("x" * 257) == "at most 256 characters"
 
 
 def test_a_kept_block_is_found_by_a_prompts_beginning_and_shared():
@@ -236,6 +247,15 @@ def test_another_adapters_sequence_shares_nothing_with_the_models(tiny):
     assert answer(b, prompt, adapter=0).reused > 0, "its own adapter's blocks, kept by the one before"
 
 
+def test_another_users_sequence_shares_nothing_and_its_own_users_does(tiny):
+    prompt = ids(tiny, SYSTEM + "A secret question.")
+    b = batcher(tiny)
+    answer(b, prompt, scope=scope("alice"))
+    assert answer(b, prompt, scope=scope("bob")).reused == 0, "bob learns nothing of what alice asked"
+    assert answer(b, prompt, scope=scope("alice", "end-user-9")).reused == 0, "nor alice's other salt"
+    assert answer(b, prompt, scope=scope("alice")).reused > 0
+
+
 def test_a_pool_full_of_kept_blocks_admits_what_an_empty_one_would(tiny):
     b = batcher(tiny, blocks=16)
     for text in ("One thing", "Two words more", "Three words here", "Four words right here"):
@@ -287,10 +307,14 @@ def test_a_replicas_second_request_with_the_same_system_prompt_says_its_cached_t
     server.start()
     try:
         answers = []
-        for question in ("What is a GPU?", "What is a CPU?"):
-            queued = rq.submit(
-                deployment, kind="generate", input=SYSTEM + question, params={"max_tokens": 6}, owner="u"
-            )
+        for question, owner, salt in (
+            ("What is a GPU?", "u", None),
+            ("What is a CPU?", "u", None),
+            ("What is a CPU?", "v", None),  # another user: its own cache
+            ("What is a CPU?", "u", "end-user-2"),  # the same user, another salt: likewise
+        ):
+            params = {"max_tokens": 6, **({CACHE_SALT: salt} if salt else {})}
+            queued = rq.submit(deployment, kind="generate", input=SYSTEM + question, params=params, owner=owner)
             answers.append(rq.wait(queued.id, 60))
         stats = host.paged.pool.stats().as_event()  # the figures a replica publishes, before it stops
     finally:
@@ -299,11 +323,13 @@ def test_a_replicas_second_request_with_the_same_system_prompt_says_its_cached_t
         client.close()
 
     assert all(a is not None and a.status == "done" for a in answers), answers
-    first, second = (a.output["usage"] for a in answers)
+    first, second, others, salted = (a.output["usage"] for a in answers)
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     assert 0 < second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    assert others["prompt_tokens_details"] == salted["prompt_tokens_details"] == {"cached_tokens": 0}
     assert stats["prefix_hits"] == second["prompt_tokens_details"]["cached_tokens"]
-    assert stats["prefix_queried"] == first["prompt_tokens"] + second["prompt_tokens"] and stats["blocks_cached"] > 0
+    assert stats["prefix_queried"] == sum(usage["prompt_tokens"] for usage in (first, second, others, salted))
+    assert stats["blocks_cached"] > 0
 
 
 # -- what the APIs say of it ---------------------------------------------------------------------
@@ -343,3 +369,22 @@ def test_sequences_arriving_together_with_one_prompt_compute_it_once(tiny):
     together = [s for s in ended if s.prompt == prompt]
     assert [s.reused for s in together] == [0, *[(len(prompt) - 1) // BT * BT] * 2]
     assert all(s.generated == together[0].generated for s in together) and other.error is None
+
+
+def test_a_cache_salt_is_passed_on_to_the_replica_and_a_bad_one_refused_naming_it():
+    from scheduling.api import completion_input
+    from scheduling.api.responses import ResponsesView
+
+    def parse(kind: completion_input.Kind, **body: Any) -> completion_input.Completion:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi", **body}
+        return completion_input.parse(body, kind, default_timeout_s=30, max_timeout_s=300)
+
+    assert parse("chat", cache_salt="tenant-7").params[CACHE_SALT] == "tenant-7"
+    assert parse("generate", cache_salt="tenant-7").params[CACHE_SALT] == "tenant-7"
+    assert CACHE_SALT not in parse("chat").params
+    responded = ResponsesView().parse({"model": "tiny", "input": "Hi", "cache_salt": "tenant-7"}, owner="1")
+    assert responded.params[CACHE_SALT] == "tenant-7"
+    for bad in ("", 7, "x" * 257):
+        with pytest.raises(completion_input.Refused) as refused:
+            parse("chat", cache_salt=bad)
+        assert refused.value.param == CACHE_SALT
