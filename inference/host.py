@@ -81,8 +81,11 @@ class ReplicaHost:
         node_fence: NodeFence | None = None,
         host_copy: Path | None = None,
         adapters: str = "",
+        prefix_cache: str = "user",
     ):
         self.replica_id = replica_id
+        # Whose requests share its KV cache's kept prompts (gpuportal.wire.prefix_cache.MODES).
+        self.prefix_cache = prefix_cache
         # The deployment's LoRA adapters (gpuportal.wire.adapters), read with the model at each load;
         # served by the paged engine (inference.lora), their stacks made again at each wake.
         self.adapter_text = adapters

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuportal.processes import tie_to_parent, untie_from_parent
+from gpuportal.wire import prefix_cache
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.requestqueue import RequestQueue
 from gpuportal.wire.states import PROCESS_STARTING, Role
@@ -192,6 +193,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reserved-bytes-by-gpu", required=True, help='JSON: {"0": 734003200}')
     parser.add_argument("--fraction", default=None, help="Memory fraction cap of a single-GPU replica.")
     parser.add_argument("--adapters", default="", help="LoRA adapters served beside the model: name=source,...")
+    parser.add_argument(
+        "--prefix-cache", choices=prefix_cache.MODES, default=prefix_cache.USER, help="whose requests share KV blocks"
+    )
     parser.add_argument("--backend", choices=BACKENDS, default="virtual")
     parser.add_argument("--deployment", default="", help="Serve this deployment's request queue.")
     parser.add_argument("--redis-url", default=os.environ.get("GPUPORTAL_REDIS_URL", ""), help="The request queue.")
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None, events: TextIO | None = None) -> None:
         loader=args.loader,
         dtype=args.dtype,
         adapters=args.adapters,
+        prefix_cache=args.prefix_cache,
         placement=placement,
         backend=backend,
         events=writer,

@@ -104,6 +104,8 @@ class ServingHost(Protocol):
     # Held by each forward step, so the weights never move under one.
     lock: AbstractContextManager[Any]
     on_stop_taking: Callable[[], None] | None
+    # Whose requests share its prefix cache (gpuportal.wire.prefix_cache.MODES).
+    prefix_cache: str
 
     def begin_request(self) -> bool: ...
     def end_request(self) -> None: ...
@@ -448,7 +450,6 @@ class Executor:
             close_id=tags[1] if (tags := tag_ids(self.tokenizer)) is not None else None,
             open_id=tags[0] if tags is not None else None,
             thinking_budget=request.params.get(THINKING_BUDGET),
-            scope=prefix_cache.scope(request.owner, request.params.get(prefix_cache.CACHE_SALT)),
         )
 
     def format_allowed(self, params: dict[str, Any]) -> Held | None:
@@ -906,6 +907,8 @@ class Server(threading.Thread):
             seq = self.host.executor().sequence(request, on_chunk)
             if adapter is not None:
                 seq.adapter = adapter_row(paged, adapter)
+            salt = request.params.get(prefix_cache.CACHE_SALT)
+            seq.scope = prefix_cache.scope(request.owner, salt, self.host.prefix_cache)
             self._batcher_for(paged).submit(seq)
         except BadInput as exc:
             self._fail(request, str(exc), exc.kind)
@@ -1029,7 +1032,13 @@ class Server(threading.Thread):
         if self.batch is None or self.batch.engine is not paged:
             # A new pool (after a wake): the old batch is empty, a drain saw to that.
             assert self.batch is None or self.batch.idle, "a new KV pool under a running batch"
-            self.batch = Batcher(paged, self.host.tokenizer, eos_ids(paged.model), on_start=self._admitted)
+            self.batch = Batcher(
+                paged,
+                self.host.tokenizer,
+                eos_ids(paged.model),
+                on_start=self._admitted,
+                prefix_cache=self.host.prefix_cache != prefix_cache.OFF,
+            )
         return self.batch
 
     def _admitted(self, seq: Sequence) -> None:

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from gpuportal import orphans
 from gpuportal.processes import die_with_parent
-from gpuportal.wire import states
+from gpuportal.wire import prefix_cache, states
 from gpuportal.wire.commands import ReplicaSpec
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.states import FailoverState
@@ -101,6 +101,8 @@ def replica_argv(
     ]
     if spec.adapters:
         args += ["--adapters", spec.adapters]
+    if spec.prefix_cache != prefix_cache.USER:
+        args += ["--prefix-cache", spec.prefix_cache]
     if spec.fraction is not None:
         args += ["--fraction", repr(float(spec.fraction))]
     if spec.kv_max_tokens is not None:

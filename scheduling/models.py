@@ -249,6 +249,13 @@ class Deployment(models.Model):
     memory_override_bytes = models.BigIntegerField(null=True, blank=True)
     memory_policy = models.CharField(max_length=32, default=_default("memory_policy"))
     max_tokens = models.PositiveIntegerField(default=_default("max_tokens"))
+    # Whose requests share a replica's prefix cache (gpuportal.wire.prefix_cache).
+    prefix_cache = models.CharField(
+        max_length=16,
+        choices=[(mode, mode) for mode in spec.BY_NAME["prefix_cache"].choices],
+        default=_default("prefix_cache"),
+        db_default=_default("prefix_cache"),
+    )
     failover_standby = models.BooleanField(default=_default("standby"))
     # Placement: False packs replicas onto the fullest GPU that fits (best fit, which
     # keeps whole GPUs free for large replicas); True prefers GPUs and nodes with the fewest of

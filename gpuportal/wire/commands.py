@@ -86,6 +86,8 @@ class ReplicaSpec:
     from_host_copy: bool = False
     # The deployment's LoRA adapters, `name=source,...` (gpuportal.wire.adapters); "" none.
     adapters: str = ""
+    # Whose requests share its prefix cache (gpuportal.wire.prefix_cache.MODES).
+    prefix_cache: str = "user"
 
     def __post_init__(self) -> None:
         if not _REPLICA_ID.match(self.replica_id):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from gpuportal.wire import adapters, memory, node_labels
+from gpuportal.wire import adapters, memory, node_labels, prefix_cache
 
 
 class Loader(StrEnum):
@@ -149,6 +149,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_tokens", "memory", "max_tokens", "max_tokens", int, 2048, Update.NEXT_REPLICA, min=1, max=1_048_576,
         help="The longest sequence (prompt and output) a replica serves; its KV cache is sized for it.",
+    ),
+    Setting(
+        "prefix_cache", "memory", "prefix_cache", "prefix_cache", str, prefix_cache.USER, Update.ROLLOUT,
+        choices=prefix_cache.MODES,
+        help="user (default): a replica keeps the KV cache of the prompts it computed, and a prompt that begins "
+        "alike reuses it, among one user's requests only; shared: among every user's (one system prompt for a "
+        "team); off: each prompt computed whole. Changed, it rolls every replica.",
     ),
     Setting(
         "memory_policy", "memory", "policy", "memory_policy", str, "gpuportal", Update.REFUSED,

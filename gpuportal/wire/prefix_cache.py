@@ -18,6 +18,11 @@ from typing import Any
 CACHE_SALT = "cache_salt"
 MAX_SALT_CHARS = 256
 
+# A deployment's `memory.prefix_cache`: whose requests share (a user's own, the default; every
+# user's, for a team whose users send one system prompt and trust each other), or none at all.
+USER, SHARED, OFF = "user", "shared", "off"
+MODES = (USER, SHARED, OFF)
+
 
 def salt_problem(value: Any) -> str | None:
     """Why `value` is no cache salt (None where it is one, or where none was given)."""
@@ -30,9 +35,10 @@ def salt_problem(value: Any) -> str | None:
     return None
 
 
-def scope(owner: str, salt: str | None = None) -> bytes:
-    """The scope of a request of `owner` with `salt`: equal for equal pairs, and different for any
-    other (each part's length goes in with it, so that no two pairs read alike)."""
-    parts = [owner.encode(), (salt or "").encode()]
+def scope(owner: str, salt: str | None = None, mode: str = USER) -> bytes:
+    """The scope of a request of `owner` with `salt` on a deployment of `mode`: equal for equal
+    pairs, and different for any other (each part's length goes in with it, so that no two pairs
+    read alike); where every user shares (SHARED), the salt's alone."""
+    parts = [(owner if mode == USER else "").encode(), (salt or "").encode()]
     joined = b"".join(len(part).to_bytes(4, "big") + part for part in parts)
     return hashlib.blake2b(joined, digest_size=16).digest()

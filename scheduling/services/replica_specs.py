@@ -60,6 +60,7 @@ def spec_of(replica: Replica, *, contexts: tuple[int, int] | None = None, virtua
         loader=deployment.loader,
         dtype=deployment.dtype,
         adapters=deployment.model_adapters,
+        prefix_cache=deployment.prefix_cache,
         gpus=tuple(sorted(int(index) for index in replica.gpu_mem_bytes_by_id)),
         reserved_bytes_by_gpu={str(k): int(v) for k, v in replica.gpu_mem_bytes_by_id.items()},
         fraction=replica.gpu_memory_fraction,

@@ -388,3 +388,57 @@ def test_a_cache_salt_is_passed_on_to_the_replica_and_a_bad_one_refused_naming_i
         with pytest.raises(completion_input.Refused) as refused:
             parse("chat", cache_salt=bad)
         assert refused.value.param == CACHE_SALT
+
+
+# -- the deployment's setting --------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("mode", ["shared", "off"])
+def test_a_deployments_prefix_cache_setting_starts_its_replicas_with_it(mode):
+    from inference.replica import parse_args
+    from inference.supervisor import replica_argv
+    from scheduling.services.replica_specs import spec_of
+    from tests.support import factories as f
+
+    node = f.node("node1")
+    gpu = f.gpu(node, 0)
+    replica = f.replica(f.deployment("tiny", prefix_cache=mode), node, gpu_mem_bytes_by_id={str(gpu.id): 2**30})
+    spec = spec_of(replica, contexts=(0, 0), virtual=True)
+    argv = replica_argv(spec, "python")
+
+    assert spec.prefix_cache == mode and argv[argv.index("--prefix-cache") + 1] == mode
+    assert parse_args(argv[argv.index("--replica-id") :]).prefix_cache == mode
+    default = spec_of(f.replica(f.deployment("other"), node, gpu_mem_bytes_by_id={str(gpu.id): 2**30}))
+    assert default.prefix_cache == "user" and "--prefix-cache" not in replica_argv(default, "python")
+
+
+def test_a_replica_of_a_shared_cache_shares_across_users_and_one_of_none_keeps_nothing(tiny):
+    model, tokenizer = tiny
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    rq = RequestQueue(client)
+    cached: dict[str, list[int]] = {}
+    try:
+        for mode in ("shared", "off"):
+            deployment = f"d-{uuid.uuid4().hex[:8]}"
+            host = host_for(model, tokenizer, prefix_cache=mode)
+            server = Server(host, rq, deployment, poll_s=0.05)
+            server.start()
+            try:
+                for owner, salt in (("u", None), ("v", None), ("v", "end-user-2")):
+                    params = {"max_tokens": 4, **({CACHE_SALT: salt} if salt else {})}
+                    queued = rq.submit(deployment, kind="generate", input=SYSTEM + "Hi.", params=params, owner=owner)
+                    answer = rq.wait(queued.id, 60)
+                    assert answer is not None and answer.status == "done", answer
+                    cached.setdefault(mode, []).append(answer.output["usage"]["prompt_tokens_details"]["cached_tokens"])
+            finally:
+                server.stopped.set()
+                server.join(10)
+            if mode == "off":
+                assert host.paged.pool.stats().blocks_cached == 0
+    finally:
+        client.close()
+
+    assert cached["shared"][0] == 0 and cached["shared"][1] > 0, "another user shares the first's prompt"
+    assert cached["shared"][2] == 0, "a salt still keeps its requests to themselves"
+    assert cached["off"] == [0, 0, 0]

@@ -14,10 +14,13 @@ from inference.serving import Executor
 MiB = 1024**2
 
 
-def host_for(model: Any, tokenizer: Any, *, paged: bool = True, adapters: Any = None) -> SimpleNamespace:
+def host_for(
+    model: Any, tokenizer: Any, *, paged: bool = True, adapters: Any = None, prefix_cache: str = "user"
+) -> SimpleNamespace:
     """Serving, with a KV pool under a cap of 256 MiB, for requests of up to 1,024 tokens (or,
     `paged` False, no pool: generate() runs each request alone, as on a model the paged engine
-    does not take), and the LoRA `adapters` (inference.lora.Adapters) beside the model."""
+    does not take), and the LoRA `adapters` (inference.lora.Adapters) beside the model; whose requests
+    share its prefix cache (`prefix_cache`, gpuportal.wire.prefix_cache.MODES)."""
     engine = (
         engine_for(
             model, weights_bytes=8 * MiB, cap_bytes=256 * MiB, max_tokens=1024, context_bytes=0, adapters=adapters
@@ -43,6 +46,7 @@ def host_for(model: Any, tokenizer: Any, *, paged: bool = True, adapters: Any = 
         executor=lambda: Executor(model, tokenizer),
         kv_stats=lambda: None,
         on_stale=lambda reason: None,
+        prefix_cache=prefix_cache,
     )
 
 
