@@ -39,6 +39,13 @@ class Run:
     reused: int  # prompt tokens whose K/V came from the cache
     answers: list[list[int]]
 
+    def add(self, ttft_s: float, seq: Any) -> None:
+        """One request's figures (`seq`, an ended inference.batching.Sequence)."""
+        self.ttft_s.append(ttft_s)
+        self.computed += len(seq.prompt) - seq.reused
+        self.reused += seq.reused
+        self.answers.append(seq.generated)
+
 
 class _NoText:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -88,11 +95,7 @@ def system_prompt(model: Any, device: str, prompts: list[list[int]], max_tokens:
     b = batcher(model, _blocks(prompts, max_tokens), device, prefix_cache=cached)
     run = Run([], 0, 0, [])
     for prompt in prompts:
-        first, seq = ask(b, prompt, max_tokens, device)
-        run.ttft_s.append(first)
-        run.computed += len(prompt) - seq.reused
-        run.reused += seq.reused
-        run.answers.append(seq.generated)
+        run.add(*ask(b, prompt, max_tokens, device))
     return run
 
 
@@ -107,13 +110,11 @@ def burst(model: Any, device: str, prompts: list[list[int]], max_tokens: int, *,
     for seq in seqs:
         b.submit(seq)
     run_until_idle(b)
-    assert all(seq.error is None and seq.first_token_at is not None for seq in seqs)
-    return Run(
-        [seq.first_token_at - submitted for seq in seqs],  # type: ignore[operator]
-        sum(len(seq.prompt) - seq.reused for seq in seqs),
-        sum(seq.reused for seq in seqs),
-        [seq.generated for seq in seqs],
-    )
+    run = Run([], 0, 0, [])
+    for seq in seqs:
+        assert seq.error is None and seq.first_token_at is not None, seq.error
+        run.add(seq.first_token_at - submitted, seq)
+    return run
 
 
 def conversation(
@@ -125,10 +126,7 @@ def conversation(
     prompt = list(opening)
     for message in turns:
         first, seq = ask(b, prompt, max_tokens, device)
-        run.ttft_s.append(first)
-        run.computed += len(prompt) - seq.reused
-        run.reused += seq.reused
-        run.answers.append(seq.generated)
+        run.add(first, seq)
         prompt = [*prompt, *seq.generated, *message]
     return run
 
