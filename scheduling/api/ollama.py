@@ -228,7 +228,8 @@ class OllamaChatView(ReshapedErrors, ChatCompletionsView):
 
     def chat_of(self, body: dict[str, Any]) -> dict[str, Any]:
         """The /v1 chat body an Ollama body asks for."""
-        chat = {"model": body.get("model"), "messages": messages_of(body.get("messages")), **sampled(body)}
+        model = ollama_load.named(body.get("model"))
+        chat = {"model": model, "messages": messages_of(body.get("messages")), **sampled(body)}
         if body.get("tools"):
             chat["tools"] = body["tools"]
         return chat
@@ -369,9 +370,10 @@ class OllamaGenerateView(OllamaChatView):
         if raw:
             # No template to render: `think` has nothing to tell it.
             chosen = {name: value for name, value in sampled(body).items() if name != reasoning.TEMPLATE_KWARGS}
-            return {"model": body.get("model"), "prompt": prompt, **chosen}
+            return {"model": ollama_load.named(body.get("model")), "prompt": prompt, **chosen}
         said = [{"role": "system", "content": system}] if system else []
-        return {"model": body.get("model"), "messages": [*said, {"role": "user", "content": prompt}], **sampled(body)}
+        asked = [*said, {"role": "user", "content": prompt}]
+        return {"model": ollama_load.named(body.get("model")), "messages": asked, **sampled(body)}
 
     def said(self, output: dict[str, Any], asked: Request) -> dict[str, Any]:
         message = super().said(output, asked)["message"]

@@ -41,13 +41,23 @@ def keep_alive_s(value: Any) -> float | None:
     raise Refused("keep_alive", f'{value!r} is no duration: say "5m", "1h30m", "0" or "-1"')
 
 
+# Ollama's tag of a model named without one: `tiny:latest` is `tiny`, as Ollama's clients (and
+# its users) write it. Any other tag names a LoRA adapter of the deployment (gpuportal.wire.adapters).
+DEFAULT_TAG = ":latest"
+
+
+def named(model: Any) -> Any:
+    """The model a body names, its default tag dropped; anything else as it is (checked later)."""
+    return model.removesuffix(DEFAULT_TAG) if isinstance(model, str) else model
+
+
 def nothing_to_answer(body: dict[str, Any], input_param: str) -> bool:
     return input_param not in body or body[input_param] in ("", [], None)
 
 
 def load_or_unload(body: dict[str, Any], user: Any) -> str:
     """Wakes or puts to sleep the deployment `body` names: Ollama's `done_reason`, "load" or "unload"."""
-    name = body.get("model")
+    name = named(body.get("model"))
     if not isinstance(name, str) or not name:
         raise Refused("model", "required: a deployment's name")
     who = user.get_username()

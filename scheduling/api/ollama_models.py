@@ -17,21 +17,31 @@ from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
 
+from gpuportal.wire import adapters
 from scheduling.api.error_shapes import ReshapedErrors
 from scheduling.api.ollama import error
+from scheduling.api.ollama_load import named
 from scheduling.api.openai_compat import OPENAI_LOADERS, EmbeddingsView, OpenAIView
 from scheduling.models import Deployment, Occupant, Replica
 
 
-def _details(deployment: Deployment) -> dict[str, Any]:
+def _details(deployment: Deployment, adapter: str | None = None) -> dict[str, Any]:
+    """A model's details; a LoRA adapter's name its deployment as its `parent_model`, as Ollama
+    names the model an adapter's Modelfile is built FROM."""
     return {
         "format": "safetensors",
         "family": deployment.loader,
         "families": [deployment.loader],
         "parameter_size": "",
         "quantization_level": deployment.dtype,
-        "parent_model": "",
+        "parent_model": deployment.name if adapter is not None else "",
     }
+
+
+def _with_adapters(deployment: Deployment) -> list[tuple[str, str | None]]:
+    """(the model id, its adapter or None) of the deployment and of each of its LoRA adapters."""
+    served = adapters.parse(deployment.model_adapters)
+    return [(deployment.name, None), *((adapters.model_id(deployment.name, name), name) for name in served)]
 
 
 def _held(states: tuple[str, ...]) -> dict[int, int]:
@@ -60,18 +70,21 @@ class TagsView(OllamaView):
     @extend_schema(summary="The models, as Ollama's /api/tags lists them.", responses={200: dict})
     def get(self, request: HttpRequest) -> Response:
         held = _held(tuple(Replica.State.values))
+        # Each adapter after its deployment, as /v1/models lists them; what they hold is the
+        # deployment's (an adapter's stacks live in its replicas' reservations).
         return Response(
             {
                 "models": [
                     {
-                        "name": d.name,
-                        "model": d.name,
+                        "name": name,
+                        "model": name,
                         "modified_at": d.updated_at.isoformat(),
-                        "size": held.get(d.pk, 0),
+                        "size": held.get(d.pk, 0) if adapter is None else 0,
                         "digest": "",
-                        "details": _details(d),
+                        "details": _details(d, adapter),
                     }
                     for d in _served()
+                    for name, adapter in _with_adapters(d)
                 ]
             }
         )
@@ -113,11 +126,12 @@ class ShowView(OllamaView):
 
     @extend_schema(summary="A model's details, as Ollama's /api/show.", request=ShowInput, responses={200: dict})
     def post(self, request: HttpRequest) -> Response:
-        name = request.data.get("model") if isinstance(request.data, dict) else None
+        name = named(request.data.get("model")) if isinstance(request.data, dict) else None
         if not isinstance(name, str) or not name:
             return Response(error("model: required"), status=400)
-        found = _served().filter(name=name).first()
-        if found is None:
+        deployment, adapter = adapters.split_model(name)
+        found = _served().filter(name=deployment).first()
+        if found is None or (adapter is not None and adapter not in adapters.parse(found.model_adapters)):
             return Response(error(f"model '{name}' not found"), status=404)
         text = found.loader == Deployment.Loader.TRANSFORMERS
         return Response(
@@ -125,7 +139,7 @@ class ShowView(OllamaView):
                 "modelfile": "",
                 "parameters": "",
                 "template": "",
-                "details": _details(found),
+                "details": _details(found, adapter),
                 "model_info": {"general.architecture": "gpuportal", "gpuportal.context_length": found.max_tokens},
                 "capabilities": ["completion", "tools", "thinking"] if text else ["embedding"],
                 "modified_at": found.updated_at.isoformat(),
@@ -165,6 +179,8 @@ class EmbedView(ReshapedErrors, EmbeddingsView):
             if isinstance(body, dict)
             else body
         )
+        if isinstance(asked, dict) and "model" in asked:
+            asked["model"] = named(asked["model"])
         code, answer = super().answer(asked, owner, key)
         if code != 200 or not isinstance(answer, dict):
             return code, answer

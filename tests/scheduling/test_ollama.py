@@ -121,6 +121,7 @@ def test_ollamas_client_chats_generates_and_streams_with_the_models_answers(loca
         local.chat(model="tiny", messages=too_long)
     # What `ollama run` sends first: a load, answered at once (the model serves already).
     loaded, chat_loaded = local.generate(model="tiny"), local.chat(model="tiny", messages=[])
+    tagged = local.chat(model="tiny:latest", messages=CHAT, options={"num_predict": 8})  # Ollama's default tag
 
     assert said.message.role == "assistant" and said.done and said.done_reason == "length"
     assert (loaded.done_reason, loaded.response, chat_loaded.done_reason) == ("load", "", "load")
@@ -131,6 +132,7 @@ def test_ollamas_client_chats_generates_and_streams_with_the_models_answers(loca
     assert "too long" in failed_stream.value.error, "the stream's last line: the error, which the client raises"
     assert failed.value.status_code == 400 and "too long" in failed.value.error
     assert raw.response == completion and "".join(p.response for p in streamed_raw) == completion, "raw: as it is"
+    assert tagged.message.content == said.message.content, "`tiny:latest` is `tiny`"
 
 
 def test_ollamas_client_is_refused_in_its_own_errors_and_lists_the_models(local, served, replica, live_server):  # noqa: F811
@@ -158,9 +160,13 @@ def test_ollamas_client_is_refused_in_its_own_errors_and_lists_the_models(local,
     with pytest.raises(ollama.ResponseError) as unsigned:
         stranger.chat(model="tiny", messages=CHAT)
     stranger.close()
+    Deployment.objects.filter(name="tiny").update(model_adapters="sql=/adapters/sql")
     listed = local.list()
     running = local.ps()
     shown = local.show("tiny")
+    adapter = local.show("tiny:sql")
+    with pytest.raises(ollama.ResponseError) as no_adapter:
+        local.show("tiny:nope")
     version = local._client.get("/api/version").json()
 
     assert embedded.embeddings == [vector_of("ab"), vector_of("cde")] and embedded.model == "minilm"
@@ -170,9 +176,12 @@ def test_ollamas_client_is_refused_in_its_own_errors_and_lists_the_models(local,
     assert missing.value.status_code == 404 and "did you mean `tiny`?" in missing.value.error
     assert bad.value.status_code == 400 and bad.value.error.startswith("options.num_predict")
     assert unsigned.value.status_code == 401
-    assert sorted(m.model for m in listed.models) == ["minilm", "tiny"]
+    assert [m.model for m in listed.models] == ["minilm", "tiny", "tiny:sql"], "an adapter after its model"
+    assert [m.details.parent_model for m in listed.models] == ["", "", "tiny"]
     assert sorted(m.model for m in running.models) == ["minilm", "tiny"], "each has a replica serving"
     assert shown.modelinfo["gpuportal.context_length"] == Deployment.objects.get(name="tiny").max_tokens
+    assert adapter.details.parent_model == "tiny" and local.show("tiny:latest").details.parent_model == ""
+    assert no_adapter.value.status_code == 404 and "tiny:nope" in no_adapter.value.error
     assert "completion" in shown.capabilities and version["version"]
 
 
