@@ -24,6 +24,7 @@ client has gone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from gpuportal.wire import adapters, kvstats, prefix_cache
+from gpuportal.wire import adapters, kvstats, prefix_cache, truncation
 from gpuportal.wire.node_lease import NodeFence
 from gpuportal.wire.reasoning import (
     CONTINUE_FINAL,
@@ -904,17 +905,48 @@ class Server(threading.Thread):
             return
         on_chunk = self._chunk(request, batched=True)
         try:
-            seq = self.host.executor().sequence(request, on_chunk)
-            if adapter is not None:
-                seq.adapter = adapter_row(paged, adapter)
-            salt = request.params.get(prefix_cache.CACHE_SALT)
-            seq.scope = prefix_cache.scope(request.owner, salt, self.host.prefix_cache)
-            self._batcher_for(paged).submit(seq)
+            batch = self._batcher_for(paged)
+            batch.submit(self._sequence(request, on_chunk, paged, adapter, batch))
         except BadInput as exc:
             self._fail(request, str(exc), exc.kind)
         except Exception as exc:
             log.exception("request %s failed", request.id)
             self._fail(request, " ".join(str(exc).split())[:500], "error")
+
+    def _sequence(
+        self,
+        request: Request,
+        on_chunk: Callable[[str], None] | None,
+        paged: PagedModel,
+        adapter: str | None,
+        batch: Batcher,
+    ) -> Sequence:
+        """`request` as its sequence for `batch`: its adapter's row, its prefix cache's scope, and
+        a conversation asked truncated (Responses' `truncation: auto`) cut to its fewest earliest
+        turns that leave it room (gpuportal.wire.truncation). BadInput as the executor's."""
+        executor = self.host.executor()
+        salt = request.params.get(prefix_cache.CACHE_SALT)
+        scope = prefix_cache.scope(request.owner, salt, self.host.prefix_cache)
+
+        def made(asked: Request) -> Sequence:
+            seq = executor.sequence(asked, on_chunk)
+            seq.tag, seq.scope = request, scope  # the request as queued, whatever was cut
+            if adapter is not None:
+                seq.adapter = adapter_row(paged, adapter)
+            return seq
+
+        if request.params.get(truncation.TRUNCATION) != truncation.AUTO or not isinstance(request.input, list):
+            return made(request)
+
+        def fits(messages: list[dict[str, Any]]) -> bool:
+            try:
+                batch.check(made(dataclasses.replace(request, input=messages)))
+            except TooLong:
+                return False
+            return True
+
+        found = truncation.shortest_fit(request.input, fits)
+        return made(request if found is None else dataclasses.replace(request, input=found[0]))
 
     def step(self) -> None:
         batch = self.batch

@@ -336,6 +336,7 @@ RESPONSE = {
     "parallel_tool_calls": True,
     "text": {"format": {"type": "text"}},
     "store": True,
+    "truncation": "disabled",
     "background": False,
     "metadata": {},
 }

@@ -25,7 +25,7 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request as HttpRequest
 
-from gpuportal.wire import prefix_cache, reasoning, sampling, tools
+from gpuportal.wire import prefix_cache, reasoning, sampling, tools, truncation
 from gpuportal.wire.requestqueue import Request
 from scheduling.api import idempotency
 from scheduling.api.completion_input import Completion, Refused, content_text, message_origin, not_text
@@ -55,8 +55,8 @@ BACKGROUND = "background"
 READ_FIELDS = frozenset(
     {"model", "input", INSTRUCTIONS, "max_output_tokens", "stream", "tools", "tool_choice", "parallel_tool_calls",
      "text", PREVIOUS, "timeout", "top_logprobs", BACKGROUND, "conversation", "prompt",
-     reasoning.TEMPLATE_KWARGS, reasoning.THINKING_BUDGET, prefix_cache.CACHE_SALT, *sampling.NAMES,
-     *sampling.LISTED_NAMES}
+     reasoning.TEMPLATE_KWARGS, reasoning.THINKING_BUDGET, prefix_cache.CACHE_SALT, truncation.TRUNCATION,
+     *sampling.NAMES, *sampling.LISTED_NAMES}
 )  # fmt: skip
 PASSED_ON = (
     "timeout",
@@ -105,6 +105,13 @@ class ResponseInput(serializers.Serializer):
         required=False,
         allow_null=True,
         help_text="False: the response is not kept to retrieve, list the input of, or go on from (default true).",
+    )
+    truncation = serializers.ChoiceField(
+        choices=[truncation.AUTO, truncation.DISABLED],  # the module's: this field is bound only after
+        required=False,
+        allow_null=True,
+        help_text="\"auto\": a conversation longer than its replica's room loses its earliest turns (the system's "
+        'messages and the last turn kept) rather than fail; "disabled" (the default): it fails as too long.',
     )
     background = serializers.BooleanField(
         required=False,
@@ -368,6 +375,10 @@ class ResponsesView(ChatCompletionsView):
             kept[STORE] = False
         if body.get(BACKGROUND):
             kept[BACKGROUND] = True
+        if why := truncation.problem(cut := body.get(truncation.TRUNCATION)):
+            raise Refused(truncation.TRUNCATION, why)
+        if cut == truncation.AUTO:  # the replica, which counts the prompt's tokens, drops its earliest turns
+            kept[truncation.TRUNCATION] = truncation.AUTO
         # Where this call's own input begins among the messages (input_items lists it alone).
         kept[INPUT_AT] = sum(1 for origin in origins if origin in (INSTRUCTIONS, PREVIOUS))
         if call.params.get(sampling.SCHEMA_FIELD) == "response_format":
@@ -463,6 +474,7 @@ class ResponsesView(ChatCompletionsView):
             "text": {"format": {"type": "json_schema", "schema": schema} if schema else {"type": "text"}},
             "store": params.get(STORE, True),
             "background": params.get(BACKGROUND, False),
+            "truncation": params.get(truncation.TRUNCATION, truncation.DISABLED),
             "metadata": {},
         }
 
