@@ -12,6 +12,7 @@ from rest_framework.permissions import IsAuthenticated
 from gpuportal import health
 from scheduling import gauges
 from scheduling.api import (
+    lora_adapters,
     messages,
     ollama,
     ollama_models,
@@ -79,6 +80,8 @@ urlpatterns = [
     path("api/version", ollama_models.VersionView.as_view(), name="ollama-version"),
     path("api/", include("scheduling.api.urls")),
     path("v1/models", openai_compat.ModelsView.as_view(), name="openai-models"),
+    path("v1/load_lora_adapter", lora_adapters.LoadLoraAdapterView.as_view(), name="vllm-load-lora"),
+    path("v1/unload_lora_adapter", lora_adapters.UnloadLoraAdapterView.as_view(), name="vllm-unload-lora"),
     # A path, not a slug: a name with a slash (`org/name`) gets OpenAI's 404, not Django's page.
     path("v1/models/<path:model>", openai_compat.ModelView.as_view(), name="openai-model"),
     path("v1/completions", openai_compat.CompletionsView.as_view(), name="openai-completions"),

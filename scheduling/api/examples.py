@@ -593,6 +593,14 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "eval_count": 8,
         },
     },
+    ("post", "/v1/load_lora_adapter"): {
+        "request": {"lora_name": "tiny-a:sql", "lora_path": "/srv/adapters/sql"},
+        "response": "Success: LoRA adapter 'tiny-a:sql' added; deployment tiny-a's replicas roll onto it.",
+    },
+    ("post", "/v1/unload_lora_adapter"): {
+        "request": {"lora_name": "tiny-a:sql"},
+        "response": "Success: LoRA adapter 'tiny-a:sql' removed; deployment tiny-a's replicas roll off it.",
+    },
     ("post", "/api/embed"): {
         "request": {"model": "minilm", "input": ["A cat sits.", "A dog runs."]},
         "response": {"model": "minilm", "embeddings": [[0.0213, -0.0841, 0.0377]], "prompt_eval_count": 8},

@@ -8,7 +8,7 @@ the deployment row, then GPU rows in primary-key order (the ledger), then replic
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, make_dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -19,7 +19,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
-from gpuportal.wire import deployment_spec, memory, node_labels
+from gpuportal.wire import adapters, deployment_spec, memory, node_labels
 from gpuportal.wire.states import DeploymentStatus
 from scheduling import hot_sql, ledger, locks
 from scheduling.core import effects, fairness
@@ -194,6 +194,55 @@ def rollback(name: str, number: int | None = None, *, by: str = "") -> Rollback:
         changes = {deployment_spec.BY_NAME[key].path: pair for key, pair in done.changes.items()}
         return Rollback(done.deployment, to.revision, done.revision, changes)
     raise InvalidState(f"deployment {name!r} changed {ROLLBACK_TRIES} times while rolling back; try again")
+
+
+def load_adapter(model: str, source: str, *, by: str = "") -> Deployment:
+    """Serve one more LoRA adapter, named by its model id (`deployment:adapter`, as vLLM's
+    `/v1/load_lora_adapter` names it), from `source`: a change of the deployment's
+    `model.adapters` (checked, estimated and rolled out as any), on top of whatever it is as it
+    commits. InvalidInput naming `lora_name` for an id that names no adapter or one served."""
+    deployment_name, name = _adapter_named(model)
+
+    def added(served: dict[str, str]) -> dict[str, str]:
+        if name in served:
+            raise InvalidInput("lora_name", f"deployment {deployment_name!r} serves adapter {name!r} already")
+        return {**served, name: source}
+
+    return _change_adapters(deployment_name, added, by=by, cause=f"adapter {name} loaded")
+
+
+def unload_adapter(model: str, *, by: str = "") -> Deployment:
+    """Serve one adapter fewer (vLLM's `/v1/unload_lora_adapter`); NotFound for one not served."""
+    deployment_name, name = _adapter_named(model)
+
+    def removed(served: dict[str, str]) -> dict[str, str]:
+        if name not in served:
+            raise not_found.adapter(deployment_name, name, list(served))
+        return {key: value for key, value in served.items() if key != name}
+
+    return _change_adapters(deployment_name, removed, by=by, cause=f"adapter {name} unloaded")
+
+
+def _adapter_named(model: str) -> tuple[str, str]:
+    deployment_name, name = adapters.split_model(model)
+    if name is None:
+        raise InvalidInput("lora_name", f"name the adapter as deployment{adapters.SEPARATOR}adapter (it was {model!r})")
+    return deployment_name, name
+
+
+def _change_adapters(name: str, edit: Callable[[dict[str, str]], dict[str, str]], *, by: str, cause: str) -> Deployment:
+    """`edit` of the deployment's adapters as they stand when the change commits: another change
+    that commits between its read and its lock is read again, as a rollback's is (a load beside
+    another load keeps both)."""
+    for _ in range(ROLLBACK_TRIES):
+        deployment = get(name)
+        newest = revisions.newest(deployment)
+        text = ",".join(f"{key}={value}" for key, value in edit(adapters.parse(deployment.model_adapters)).items())
+        try:
+            return _update(name, {"adapters": text}, by=by, cause=cause, based_on=newest).deployment
+        except _Moved:
+            continue
+    raise InvalidState(f"deployment {name!r} changed {ROLLBACK_TRIES} times while its adapters changed; try again")
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,53 @@ def test_adapters_that_cannot_be_served_are_a_400_naming_model_adapters(
     assert not Deployment.objects.exists()
 
 
+# -- at run time: vLLM's load and unload ------------------------------------------------------------------
+
+
+def test_vllms_load_and_unload_change_the_deployments_adapters_as_a_patch_does(staff, tiny_model_dir, sql_adapter):
+    from scheduling.models import Event
+
+    body = {"name": "tiny", "model": {"source": str(tiny_model_dir)}, "memory": {"max_tokens": 256}}
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    load = {"lora_name": "tiny:sql", "lora_path": str(sql_adapter)}
+
+    loaded = staff.post("/v1/load_lora_adapter", load, format="json")
+    again = staff.post("/v1/load_lora_adapter", load, format="json")
+    served = Deployment.objects.get(name="tiny")
+    unloaded = staff.post("/v1/unload_lora_adapter", {"lora_name": "tiny:sql"}, format="json")
+    gone = staff.post("/v1/unload_lora_adapter", {"lora_name": "tiny:sql"}, format="json")
+
+    assert loaded.status_code == 200 and loaded.content.decode().startswith("Success: LoRA adapter 'tiny:sql' added")
+    assert served.model_adapters == f"sql={sql_adapter}"
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+    assert "serves adapter 'sql' already" in again.json()["error"]["message"]
+    assert unloaded.status_code == 200 and Deployment.objects.get(name="tiny").model_adapters == ""
+    assert gone.status_code == 404 and "serves no adapter 'sql'" in gone.json()["error"]["message"]
+    said = list(Event.objects.filter(deployment="tiny", kind="deployment.changed").values_list("reason", flat=True))
+    assert any(r.startswith("adapter sql loaded by ops: model.adapters") for r in said), said
+    assert any(r.startswith("adapter sql unloaded by ops") for r in said), said
+
+
+def test_a_load_that_cannot_be_served_or_asked_by_a_user_changes_nothing(staff, tiny_model_dir, tmp_path):
+    body = {"name": "tiny", "model": {"source": str(tiny_model_dir)}, "memory": {"max_tokens": 256}}
+    assert staff.post("/api/deployments/", body, format="json").status_code == 201
+    user = APIClient()
+    user.force_authenticate(User.objects.create_user("alice"))
+
+    cases = [
+        (staff, {"lora_name": "tiny", "lora_path": str(tmp_path)}, 400, "lora_name"),
+        (staff, {"lora_name": "tiny:sql"}, 400, "lora_path"),
+        (staff, {"lora_name": "tiny:sql", "lora_path": str(tmp_path)}, 400, "model.adapters"),
+        (staff, {"lora_name": "nope:sql", "lora_path": str(tmp_path)}, 404, None),
+        (user, {"lora_name": "tiny:sql", "lora_path": str(tmp_path)}, 403, None),
+    ]
+    for client, asked, status, param in cases:
+        answer = client.post("/v1/load_lora_adapter", asked, format="json")
+        assert answer.status_code == status, (asked, answer.json())
+        assert answer.json()["error"]["param"] == param, answer.json()
+    assert Deployment.objects.get(name="tiny").model_adapters == ""
+
+
 # -- serving -----------------------------------------------------------------------------------------------
 
 
