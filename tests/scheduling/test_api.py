@@ -312,6 +312,7 @@ def test_deployment_detail_by_name_has_the_grouped_shape(api: APIClient) -> None
     assert body["memory"] == {
         "override_bytes": 3 * f.GIB,
         "max_tokens": 2048,
+        "prefix_cache": "user",
         "estimate_bytes": 2 * f.GIB,
         "measured_bytes": None,
         "need_bytes": 3 * f.GIB,
