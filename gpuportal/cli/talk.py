@@ -192,12 +192,13 @@ def cmd_ps(ctx: Talker, args: argparse.Namespace) -> int:
 
 def ps_table(replicas: list[dict[str, Any]]) -> Table:
     """Each replica: its model, whether it is awake, where, the GPU memory it holds, how long since
-    its last use (as `ollama ps` and `docker ps` say an age).
+    its last use (as `ollama ps` and `docker ps` say an age), and its KV cache: the blocks its
+    requests hold of all it has, those its prefix cache keeps, and how many prompt tokens it found.
     A failover pair holds one reservation, counted on the row of the member that holds it; the
     other member's row names that one instead of showing the same bytes twice. A failed replica
     holds nothing."""
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("MODEL", "REPLICA", "STATE", "ON", "GPU MEMORY", "LAST USED"):
+    for column in ("MODEL", "REPLICA", "STATE", "ON", "GPU MEMORY", "LAST USED", "KV BLOCKS"):
         table.add_column(column, overflow="fold")
     holders = {
         (r.get("deployment"), pair["pair"]): r["id"]
@@ -220,8 +221,21 @@ def ps_table(replicas: list[dict[str, Any]]) -> Table:
             Text(render.placement(replica)),
             memory,
             render.since(replica.get("last_accessed")),
+            _kv(replica.get("kv")),
         )
     return table
+
+
+def _kv(kv: Any) -> str:
+    """A replica's KV figures (its `kv`: gpuportal.wire.kvstats) in a few words; "-" for none."""
+    if not isinstance(kv, dict) or not kv.get("blocks_total"):
+        return "-"
+    said = f"{kv.get('blocks_used', 0)}/{kv['blocks_total']}"
+    if kv.get("blocks_cached"):
+        said += f" +{kv['blocks_cached']} cached"
+    if kv.get("prefix_queried"):
+        said += f", {100 * kv.get('prefix_hits', 0) // kv['prefix_queried']}% hit"
+    return said
 
 
 def stream(

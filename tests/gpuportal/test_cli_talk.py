@@ -493,6 +493,26 @@ def test_ps_counts_a_failover_pairs_memory_once_on_the_member_that_holds_it():
     ]
 
 
+def test_ps_shows_the_kv_blocks_held_those_cached_and_the_prefix_caches_hits():
+    from rich.console import Console
+
+    from gpuportal.cli.talk import ps_table
+
+    kv = {"block_tokens": 16, "blocks_total": 128, "blocks_used": 3, "blocks_cached": 24}
+    figures = [
+        {**kv, "prefix_queried": 4000, "prefix_hits": 3000},
+        {**kv, "blocks_cached": 0, "prefix_queried": 0, "prefix_hits": 0},
+        None,
+    ]
+    replicas = [shaped("Replica", {**SERVING, "id": str(i) * 32, "kv": f}) for i, f in enumerate(figures)]
+    console = Console(file=io.StringIO(), width=200)
+    console.print(ps_table(replicas))
+
+    header, *lines = console.file.getvalue().splitlines()
+    kvs = [line[header.index("KV BLOCKS") :].strip() for line in lines]
+    assert kvs == ["3/128 +24 cached, 75% hit", "3/128", "-"]
+
+
 def test_ps_says_how_long_since_each_replica_was_used_not_when():
     from datetime import UTC, datetime, timedelta
 
@@ -512,7 +532,7 @@ def test_ps_says_how_long_since_each_replica_was_used_not_when():
     console = Console(file=io.StringIO(), width=200)
     console.print(ps_table(replicas))
 
-    ages = [" ".join(line.split()[5:]) for line in console.file.getvalue().splitlines()[1:]]
+    ages = [" ".join(line.split()[5:-1]) for line in console.file.getvalue().splitlines()[1:]]  # KV last
     assert ages == ["12 min ago", "3 h ago", "0 s ago", "-"]
 
 
@@ -520,9 +540,9 @@ def test_ps_shows_what_is_loaded_where_awake_or_asleep_and_not_what_stopped(port
     assert app.main(["ps"], env=portal.env) == 0
 
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["MODEL", "REPLICA", "STATE", "ON", "GPU", "MEMORY", "LAST", "USED"]
-    assert lines[1].split() == ["big", "cccccccc", "sleeping", "box/0", "-", "-"]
-    assert lines[2].split() == ["tiny", "bbbbbbbb", "serving", "box/0", "2.0", "GiB", "-"]
+    assert lines[0].split() == ["MODEL", "REPLICA", "STATE", "ON", "GPU", "MEMORY", "LAST", "USED", "KV", "BLOCKS"]
+    assert lines[1].split() == ["big", "cccccccc", "sleeping", "box/0", "-", "-", "-"]
+    assert lines[2].split() == ["tiny", "bbbbbbbb", "serving", "box/0", "2.0", "GiB", "-", "-"]
     assert len(lines) == 3, "the stopped replica is history"
     assert app.main(["ps", "big"], env=portal.env) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
