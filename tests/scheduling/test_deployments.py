@@ -153,7 +153,11 @@ def test_bad_input_is_a_400_naming_the_field_and_creates_nothing(cluster, api, t
     [
         ({"replica": 2}, ["replica"], "unknown field; did you mean 'replicas'?"),
         ({"memory": {"max_token": 64}}, ["memory", "max_token"], "unknown field; did you mean 'max_tokens'?"),
-        ({"memory": {"zzz": 1}}, ["memory", "zzz"], "unknown field (known here: max_tokens, override_bytes, policy, prefix_cache)"),
+        (
+            {"memory": {"zzz": 1}},
+            ["memory", "zzz"],
+            "unknown field (known here: max_tokens, override_bytes, policy, prefix_cache)",
+        ),
         (
             {"model": {"source": "MODEL", "loader": "onnx"}},
             ["model", "loader"],
