@@ -24,6 +24,7 @@ HELP = (
     "/set system TEXT and /set PARAM VALUE change how it answers (PARAM: "
     + ", ".join(SETTABLE)
     + "), /set format json (or text) holds each answer to a JSON object, "
+    + "/set verbose (or quiet) says each answer's figures after it, "
     + "/show says how, /clear forgets the conversation, /exit (or Ctrl-D) ends; "
     + f"{QUOTES} begins and ends a message of several lines"
 )
@@ -36,6 +37,8 @@ class Session:
 
     system: str | None
     asked: dict[str, Any] = field(default_factory=dict)
+    # Each answer's figures said after it (`--verbose`, `/set verbose`), as ollama's.
+    verbose: bool = False
 
     def start(self) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -103,6 +106,9 @@ def show(session: Session) -> str:
 
 
 def _set(session: Session, words: list[str]) -> Done:
+    if words in (["verbose"], ["quiet"]):
+        session.verbose = words == ["verbose"]
+        return Done(f"each answer's figures are {'said' if session.verbose else 'not said'} from the next turn on")
     if len(words) < 2:
         return Done(f"/set takes what and its value, as /set temperature 0.7 or /set system Be brief. ({HELP})")
     what, value = words

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -47,6 +49,34 @@ class Refused(CliError):
         self.code = code
 
 
+@dataclass
+class Figures:
+    """What `--verbose` says of an answer (as `ollama run --verbose`): when it was asked, when its
+    first piece and its end came (time.monotonic()), and the usage the portal counted."""
+
+    asked: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    ended: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        ended = self.ended if self.ended is not None else time.monotonic()
+        said = [f"total duration:       {ended - self.asked:.3f} s"]
+        if self.first is not None:
+            said.append(f"time to first token:  {self.first - self.asked:.3f} s")
+        prompt, made = self.usage.get("prompt_tokens"), self.usage.get("completion_tokens")
+        if prompt is not None:
+            cached = (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            said.append(f"prompt tokens:        {prompt}" + (f" ({cached} from the prefix cache)" if cached else ""))
+        if made is not None:
+            rate = ""
+            # The tokens after the first, over the time after the first: the decode rate.
+            if self.first is not None and made > 1 and ended > self.first:
+                rate = f" ({(made - 1) / (ended - self.first):.1f} tokens/s)"
+            said.append(f"output tokens:        {made}{rate}")
+        return said
+
+
 class Talker(Protocol):
     """What these commands use of the command line's context (gpuportal.cli.app.Context)."""
 
@@ -66,8 +96,9 @@ def cmd_run(ctx: Talker, args: argparse.Namespace) -> int:
         deployed(ctx, args.model, args.source, args.timeout)
     body = {"model": args.model, "prompt": prompt, **_sampling(ctx, args)}
     write = _writer(ctx.out)
+    figures = Figures() if args.verbose else None
     try:
-        text = "".join(stream(ctx.client, "/v1/completions", body, write))
+        text = "".join(stream(ctx.client, "/v1/completions", body, write, figures=figures))
     except KeyboardInterrupt:
         # The stream is closed as this unwinds, and the portal stops generating for nobody.
         write("\n")
@@ -75,12 +106,20 @@ def cmd_run(ctx: Talker, args: argparse.Namespace) -> int:
         return 130
     if not text.endswith("\n"):
         write("\n")
+    _report(ctx, figures)
     return 0
+
+
+def _report(ctx: Talker, figures: Figures | None) -> None:
+    """An answer's figures on stderr (`--verbose`), so that stdout keeps the answer alone."""
+    if figures is not None:
+        for line in figures.lines():
+            ctx.err.print(Text(line, style="bright_black"))
 
 
 def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
-    session = chatting.Session(args.system, _sampling(ctx, args))
+    session = chatting.Session(args.system, _sampling(ctx, args), verbose=args.verbose)
     history = session.start()
     write = _writer(ctx.out)
     if interactive:
@@ -102,8 +141,10 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
             if done.said:
                 ctx.err.print(Text(done.said, style="bright_black"))
             continue
+        figures = Figures() if session.verbose else None
         try:
-            reply = _reply(ctx, args.model, history, line, session.asked, write, kept=len(session.start()))
+            kept = len(session.start())
+            reply = _reply(ctx, args.model, history, line, session.asked, write, kept=kept, figures=figures)
         except KeyboardInterrupt:
             if not interactive:
                 raise
@@ -122,6 +163,7 @@ def cmd_chat(ctx: Talker, args: argparse.Namespace) -> int:
             ctx.err.print(Text(f"that turn is left out of the conversation: {CHAT_COMMANDS}", style="bright_black"))
             continue
         write("\n" if not reply.endswith("\n") else "")
+        _report(ctx, figures)
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
     return 0
 
@@ -135,6 +177,7 @@ def _reply(
     write: Callable[[str], None],
     *,
     kept: int,
+    figures: Figures | None = None,
 ) -> str:
     """The model's answer to `line` after `history`. A conversation grown past the replica's KV
     cache loses its oldest turns (the first `kept` messages, a system message, stay), each said on
@@ -142,7 +185,7 @@ def _reply(
     while True:
         body = {"model": model, "messages": [*history, {"role": "user", "content": line}], **asked}
         try:
-            return "".join(stream(ctx.client, "/v1/chat/completions", body, write, _thinker(ctx.err)))
+            return "".join(stream(ctx.client, "/v1/chat/completions", body, write, _thinker(ctx.err), figures=figures))
         except Refused as refused:
             if refused.code != TOO_LONG or len(history) <= kept:
                 raise
@@ -244,22 +287,32 @@ def stream(
     body: dict[str, Any],
     write: Callable[[str], None],
     think: Callable[[str], None] | None = None,
+    *,
+    figures: Figures | None = None,
 ) -> list[str]:
     """A streamed /v1 call: each piece of text written as it arrives, and of a chat's reasoning
-    (a reasoning model's thinking) handed to `think`; the pieces of text."""
+    (a reasoning model's thinking) handed to `think`; the pieces of text. `figures`, where given,
+    learns when the first piece and the end came and what the portal counted (its last chunk's
+    `usage`)."""
     pieces: list[str] = []
     for event in client.events(path, {**body, "stream": True}):
         if "error" in event:
             error = event["error"] if isinstance(event["error"], dict) else {"message": event["error"]}
             raise Refused(str(error.get("message") or error), error.get("code"))
+        if figures is not None and isinstance(usage := event.get("usage"), dict):
+            figures.usage = usage
         for choice in event.get("choices") or []:
             delta = choice.get("delta") or {}
             if think is not None and (thought := delta.get("reasoning")):
                 think(thought)
             piece = choice.get("text") if "text" in choice else delta.get("content")
+            if figures is not None and figures.first is None and (piece or delta.get("reasoning")):
+                figures.first = time.monotonic()
             if piece:
                 write(piece)
                 pieces.append(piece)
+    if figures is not None:
+        figures.ended = time.monotonic()
     return pieces
 
 
@@ -395,6 +448,12 @@ def add_talking(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
             help="json: the answer is held to a JSON object as it is generated (as ollama's --format json)",
         )
         parser.add_argument("--timeout", type=SECONDS, default=TIMEOUT_S, help=f"seconds (default {TIMEOUT_S:.0f})")
+        parser.add_argument(
+            "--verbose",
+            action="store_true",
+            help="after each answer, on stderr: its time to first token, its prompt tokens (those the replica's "
+            "prefix cache held) and its output tokens a second (as ollama's --verbose)",
+        )
 
     run = commands.add_parser("run", help="ask a model once; the answer streams to stdout")
     run.add_argument("model", help="the deployment's name")

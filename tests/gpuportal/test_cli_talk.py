@@ -19,6 +19,8 @@ from tests.support.api_shapes import shaped
 
 # The fake's "KV cache": a chat whose messages hold more characters is refused as too long.
 CONTEXT_CHARACTERS = 45
+# What the fake counts of every answer: 2 of its 4 prompt tokens held by the prefix cache.
+USAGE = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}
 SERVING = {"id": "b" * 32, "deployment": "tiny", "state": "serving", "node": "box", "gpu_indexes": [0]}
 
 
@@ -62,7 +64,9 @@ class FakePortal(ThreadingHTTPServer):
                     if body["model"] not in portal.deployed:
                         self._json(404, {"error": {"message": f"The model `{body['model']}` does not exist"}})
                         return
-                    self._events([{"choices": [{"text": t}]} for t in ("Once", " upon", " a time")])
+                    pieces = [{"choices": [{"text": t}]} for t in ("Once", " upon", " a time")]
+                    pieces[-1]["usage"] = USAGE  # as the portal's last chunk carries it
+                    self._events(pieces)
                 elif self.path == "/v1/chat/completions":
                     if body["messages"][-1]["content"] == "too long":
                         refusal = "input too long for this replica's KV cache: 300 prompt tokens plus max_tokens 256"
@@ -79,7 +83,8 @@ class FakePortal(ThreadingHTTPServer):
                         thinking = [{"choices": [{"delta": {"reasoning": w, "reasoning_content": w}}]} for w in "Hm."]
                         self._events([*thinking, {"choices": [{"delta": {"content": "Yes."}}]}])
                         return
-                    self._events([{"choices": [{"delta": {"content": w}}]} for w in (said[:2], said[2:])])
+                    pieces = [{"choices": [{"delta": {"content": w}}]} for w in (said[:2], said[2:])]
+                    self._events([*pieces[:-1], {**pieces[-1], "usage": USAGE}])
                 elif self.path == "/v1/rerank":
                     # As the portal ranks: here the longest document first, scored by its length.
                     ranked = sorted(enumerate(body["documents"]), key=lambda d: -len(d[1]))[: body.get("top_n")]
@@ -151,6 +156,37 @@ def test_run_streams_the_answer_to_stdout_and_asks_for_a_whole_answer(portal, ca
         "model": "tiny", "prompt": "Tell me a story", "max_tokens": 256, "temperature": 0.5, "timeout": 300.0,
         "stream": True,
     }  # fmt: skip
+
+
+def test_verbose_says_each_answers_figures_on_stderr_and_leaves_stdout_the_answer(portal, capsys, monkeypatch):
+    portal.deployed["tiny"] = {}
+
+    assert app.main(["run", "tiny", "Tell me a story", "--verbose"], env=portal.env) == 0
+    ran = capsys.readouterr()
+    stdin(monkeypatch, "hi\n/set verbose\nyo\n/set quiet\nhey\n")
+    assert app.main(["chat", "tiny"], env=portal.env) == 0
+    chatted = capsys.readouterr()
+
+    assert ran.out == "Once upon a time\n"
+    assert "prompt tokens:        4 (2 from the prefix cache)" in ran.err and "output tokens:        3" in ran.err
+    assert "time to first token:" in ran.err and "total duration:" in ran.err
+    assert chatted.err.count("prompt tokens:") == 1, "said after the turn asked verbose alone"
+    assert "figures are said from the next turn on" in chatted.err
+
+
+def test_the_figures_are_the_times_and_the_portals_counts():
+    from gpuportal.cli.talk import Figures
+
+    figures = Figures(asked=10.0, first=10.25, ended=11.25, usage=USAGE)
+    assert figures.lines() == [
+        "total duration:       1.250 s",
+        "time to first token:  0.250 s",
+        "prompt tokens:        4 (2 from the prefix cache)",
+        "output tokens:        3 (2.0 tokens/s)",
+    ]
+    nothing_cached = Figures(asked=0.0, first=None, ended=0.5, usage={"prompt_tokens": 4, "completion_tokens": 0})
+    said = ["total duration:       0.500 s", "prompt tokens:        4", "output tokens:        0"]
+    assert nothing_cached.lines() == said, "no first token: no time to it, nor a rate"
 
 
 def test_format_json_asks_for_a_json_object_as_ollamas_does(portal, capsys, monkeypatch):
