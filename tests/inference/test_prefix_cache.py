@@ -442,3 +442,26 @@ def test_a_replica_of_a_shared_cache_shares_across_users_and_one_of_none_keeps_n
     assert cached["shared"][0] == 0 and cached["shared"][1] > 0, "another user shares the first's prompt"
     assert cached["shared"][2] == 0, "a salt still keeps its requests to themselves"
     assert cached["off"] == [0, 0, 0]
+
+
+def test_a_failed_forward_keeps_nothing_and_a_stopped_sequence_keeps_what_it_wrote(tiny, monkeypatch):
+    b = batcher(tiny)
+    prompt = ids(tiny, SYSTEM + "Fail me.")
+    forward = b.engine.forward
+
+    def failing(slices: Any) -> Any:
+        raise RuntimeError("out of memory, say")
+
+    monkeypatch.setattr(b.engine, "forward", failing)
+    b.submit(failed := Sequence(prompt, 8))
+    b.step()
+    assert failed.error is not None and b.pool.blocks_cached == 0, "K/V half written is never shared"
+
+    monkeypatch.setattr(b.engine, "forward", forward)
+    b.submit(stopped := Sequence(prompt, 40))
+    for _ in range(10):
+        b.step()
+    assert b.stop(lambda s: s is stopped) == [stopped]
+    written = [*prompt, *stopped.generated][: stopped.cached]
+    follow = answer(b, [*written, *ids(tiny, "Go on.")[1:]])
+    assert follow.reused == len(written) // BT * BT > len(prompt) // BT * BT, "its answer's blocks too"
