@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 from django.conf import settings as django_settings
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -465,3 +465,66 @@ def test_a_failed_forward_keeps_nothing_and_a_stopped_sequence_keeps_what_it_wro
     written = [*prompt, *stopped.generated][: stopped.cached]
     follow = answer(b, [*written, *ids(tiny, "Go on.")[1:]])
     assert follow.reused == len(written) // BT * BT > len(prompt) // BT * BT, "its answer's blocks too"
+
+
+# -- at random --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small() -> Any:
+    """A random Llama of a few thousand parameters, in float64: prefills that start after kept
+    blocks round as those that do not, so that its greedy answers may be compared exactly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval().double()
+
+
+class NoText:
+    """The small model has no tokenizer: its answers are compared by their ids."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+PREFIXES = ([], [7] * 9, [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(range(len(PREFIXES))),
+            st.lists(st.integers(21, 49), min_size=1, max_size=8),
+            st.integers(1, 10),  # max_tokens
+            st.integers(0, 6),  # steps before it is submitted
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_at_random_the_cache_changes_no_answer_and_the_pool_counts_hold(small, requests):
+    answers = []
+    for cached in (True, False):
+        shape = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 16}
+        pool = BlockPool(12, **shape, dtype=torch.float64, device="cpu", block_tokens=BT)  # 48 tokens: short of room
+        b = Batcher(PagedModel(small, pool), NoText(), set(), prefix_cache=cached)
+        seqs = [Sequence([1, *PREFIXES[p], *suffix], n) for p, suffix, n, _ in requests]
+        pending = list(zip(seqs, (wait for *_, wait in requests), strict=True))
+        while pending or not b.idle:
+            for seq in [s for s, w in pending if w <= 0]:
+                b.submit(seq)
+            pending = [(s, w - 1) for s, w in pending if w > 0]
+            b.step()
+            held = {block for s in b.running for block in s.blocks}
+            stats = pool.stats()
+            assert stats.blocks_used == len(held), "used is what the running sequences hold"
+            assert stats.blocks_used + stats.blocks_cached + stats.blocks_free == pool.blocks_total
+        assert all(s.error is None and len(s.generated) == s.max_tokens for s in seqs)
+        answers.append([s.generated for s in seqs])
+    with_cache, without = answers
+    assert with_cache == without
