@@ -7,7 +7,9 @@ Two workloads a portal's users send all day, each through the replica's own cont
   long system prompt and a question of its own; then the same requests all at once (a burst, a
   request's n choices), where the first computes the system prompt and the others share it;
 - a conversation: each turn's prompt is the one before, the answer it got and a new message
-  (what every chat client and agent sends), so each turn begins with all of the last.
+  (what every chat client and agent sends), so each turn begins with all of the last;
+- nothing shared: prompts of their own, one after another, for what the cache costs where it
+  finds nothing.
 
 Reported: the median time to first token (from a request's submission to its first token, both in
 the batcher: its prefill), the prompt tokens computed, and how many the cache held. The answers
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     system = words(args.system)
     prompts = [[*system, *words(args.question)] for _ in range(args.requests)]
     opening, turns = words(args.system // 2), [words(args.question) for _ in range(args.turns)]
+    unshared = [words(args.system + args.question) for _ in range(args.requests)]
 
     workloads = {
         f"shared system prompt ({args.system} + {args.question} tokens)": lambda cached: system_prompt(
@@ -189,6 +192,10 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
         ),
         f"conversation ({args.turns} turns from {args.system // 2} tokens)": lambda cached: conversation(
             model, args.device, opening, turns, args.max_tokens, cached=cached
+        ),
+        # What the cache costs where nothing is shared: its digests, lookups and keeping, for nothing.
+        f"nothing shared ({args.system + args.question} tokens each)": lambda cached: system_prompt(
+            model, args.device, unshared, args.max_tokens, cached=cached
         ),
     }
     rows = []

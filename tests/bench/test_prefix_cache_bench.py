@@ -11,10 +11,11 @@ def test_the_benchmark_computes_fewer_prompt_tokens_with_the_cache_and_answers_t
     small = ["--size-mb", "2", "--system", "64", "--question", "8", "--max-tokens", "4"]
     rows = prefix_cache.main(["--no-record", *small, "--requests", "3", "--turns", "3", "--trials", "1"])
 
-    shared, burst, talk = rows
+    shared, burst, talk, unshared = rows
     # requests, then: TTFT without, with, their ratio, tokens computed without, with, share held.
-    assert shared[1] == burst[1] == talk[1] == 3
-    for row in rows:
+    assert shared[1] == burst[1] == talk[1] == unshared[1] == 3
+    assert unshared[5] == unshared[6] and unshared[7] == "0%", "prompts of their own: nothing to hold"
+    for row in (shared, burst, talk):
         computed_without, computed_with = row[5], row[6]
         assert computed_with < computed_without and row[7] != "0%"
     # The system prompt's 64 tokens (4 blocks) computed once, not three times.
