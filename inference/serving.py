@@ -274,7 +274,7 @@ class Executor:
             return self.forward(request.input)
         if request.params.get(COUNT_ONLY):
             return self.tokenized(request)
-        prompt = self.prompt_of(request)
+        prompt = self.prompt_of(self.truncated(request))
         opened = self.opened(request, prompt)
         if opened and on_chunk is not None:
             on_chunk = _begun_with(opened, on_chunk)
@@ -282,6 +282,24 @@ class Executor:
         if request.kind == "chat":
             result["message"] = {"role": "assistant", "content": result["text"]}
         return echoed(self.tokenizer, request, result)
+
+    def truncated(self, request: Request) -> Request:
+        """A conversation asked truncated (Responses' `truncation: auto`) cut to its fewest
+        earliest turns whose prompt and max_tokens (at least one token) fit the model's context
+        (gpuportal.wire.truncation), as the paged engine's Server cuts it to its batch's room;
+        any other request as it is."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        asked = request.params.get(truncation.TRUNCATION) == truncation.AUTO
+        if not asked or not isinstance(request.input, list) or not limit:
+            return request
+        room = max(1, request.params.get("max_tokens") or 1)
+
+        def fits(messages: list[dict[str, Any]]) -> bool:
+            prompt = self.prompt_of(dataclasses.replace(request, input=messages), sized=False)
+            return len(self.tokenizer(prompt).input_ids) + room <= limit
+
+        found = truncation.shortest_fit(request.input, fits)
+        return request if found is None else dataclasses.replace(request, input=found[0])
 
     def tokenized(self, request: Request) -> dict[str, Any]:
         """A request asked only to count its prompt (COUNT_ONLY): its tokens, counted as an

@@ -133,3 +133,30 @@ def test_a_replica_answers_a_conversation_past_its_context_as_the_one_cut_to_fit
         == tokens([SYSTEM, *conversation[first:]])
     )
     assert whole is not None and whole.status == "failed" and whole.error_kind == "too_long", whole
+
+
+def test_a_model_served_by_generate_cuts_the_conversation_to_its_context_alike(tiny):
+    model, tokenizer = tiny
+    host = host_for(model, tokenizer, paged=False)  # transformers' generate(), one request at a time
+    executor = host.executor()
+    conversation = [SYSTEM, *[m for i in range(30) for m in turn(i, words=20)], {"role": "user", "content": "Why?"}]
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    rq, deployment = RequestQueue(client), f"d-{uuid.uuid4().hex[:8]}"
+    server = Server(host, rq, deployment, poll_s=0.05)
+    server.start()
+    try:
+        params = {"max_tokens": 4, truncation.TRUNCATION: "auto"}
+        cut = rq.wait(rq.submit(deployment, kind="chat", input=conversation, params=params, owner="u").id, 60)
+    finally:
+        server.stopped.set()
+        server.join(10)
+        client.close()
+
+    assert cut is not None and cut.status == "done", cut
+    context = model.config.max_position_embeddings
+    kept = truncation.shortest_fit(
+        conversation, lambda m: len(tokenizer(executor.chat_prompt(m)).input_ids) + 4 <= context
+    )
+    assert kept is not None and cut.output["usage"]["prompt_tokens"] == len(
+        tokenizer(executor.chat_prompt(kept[0])).input_ids
+    )
