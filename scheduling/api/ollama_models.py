@@ -102,15 +102,16 @@ class RunningView(OllamaView):
             {
                 "models": [
                     {
-                        "name": d.name,
-                        "model": d.name,
-                        "size": held.get(d.pk, 0),
-                        "size_vram": held.get(d.pk, 0),
+                        "name": name,
+                        "model": name,
+                        "size": held.get(d.pk, 0) if adapter is None else 0,
+                        "size_vram": held.get(d.pk, 0) if adapter is None else 0,
                         "digest": "",
-                        "details": _details(d),
+                        "details": _details(d, adapter),
                         "context_length": d.max_tokens,
                     }
                     for d in running
+                    for name, adapter in _with_adapters(d)  # an adapter serves where its model does
                 ]
             }
         )

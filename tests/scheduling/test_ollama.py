@@ -178,7 +178,7 @@ def test_ollamas_client_is_refused_in_its_own_errors_and_lists_the_models(local,
     assert unsigned.value.status_code == 401
     assert [m.model for m in listed.models] == ["minilm", "tiny", "tiny:sql"], "an adapter after its model"
     assert [m.details.parent_model for m in listed.models] == ["", "", "tiny"]
-    assert sorted(m.model for m in running.models) == ["minilm", "tiny"], "each has a replica serving"
+    assert [m.model for m in running.models] == ["minilm", "tiny", "tiny:sql"], "each has a replica serving"
     assert shown.modelinfo["gpuportal.context_length"] == Deployment.objects.get(name="tiny").max_tokens
     assert adapter.details.parent_model == "tiny" and local.show("tiny:latest").details.parent_model == ""
     assert no_adapter.value.status_code == 404 and "tiny:nope" in no_adapter.value.error
