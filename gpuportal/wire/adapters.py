@@ -52,7 +52,12 @@ def parse(text: str) -> dict[str, str]:
 
 def canonical(text: str) -> str:
     """The text as stored: `name=source` pairs, comma-separated, in the order given."""
-    return ",".join(f"{name}={source}" for name, source in parse(text).items())
+    return written(parse(text))
+
+
+def written(named: dict[str, str]) -> str:
+    """{name: source} as the text stores it (parse's inverse)."""
+    return ",".join(f"{name}={source}" for name, source in named.items())
 
 
 def split_model(model: str) -> tuple[str, str | None]:

@@ -41,6 +41,11 @@ def _text(body: Any, field: str) -> str:
     return value.strip()
 
 
+def _success(said: str) -> HttpResponse:
+    """vLLM's answer to a load or an unload: plain text."""
+    return HttpResponse(f"Success: {said}", content_type="text/plain")
+
+
 class _AdapterView(OpenAIView):
     permission_classes = [permissions.IsAdminUser]
 
@@ -62,10 +67,7 @@ class LoadLoraAdapterView(_AdapterView):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         name, path = _text(request.data, "lora_name"), _text(request.data, "lora_path")
         deployment = deployment_services.load_adapter(name, path, by=request.user.get_username())
-        return HttpResponse(
-            f"Success: LoRA adapter '{name}' added; deployment {deployment.name}'s replicas roll onto it.",
-            content_type="text/plain",
-        )
+        return _success(f"LoRA adapter '{name}' added; deployment {deployment.name}'s replicas roll onto it.")
 
 
 class UnloadLoraAdapterView(_AdapterView):
@@ -77,7 +79,4 @@ class UnloadLoraAdapterView(_AdapterView):
     def post(self, request: HttpRequest) -> HttpResponseBase:
         name = _text(request.data, "lora_name")
         deployment = deployment_services.unload_adapter(name, by=request.user.get_username())
-        return HttpResponse(
-            f"Success: LoRA adapter '{name}' removed; deployment {deployment.name}'s replicas roll off it.",
-            content_type="text/plain",
-        )
+        return _success(f"LoRA adapter '{name}' removed; deployment {deployment.name}'s replicas roll off it.")

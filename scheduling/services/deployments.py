@@ -237,7 +237,7 @@ def _change_adapters(name: str, edit: Callable[[dict[str, str]], dict[str, str]]
     for _ in range(ROLLBACK_TRIES):
         deployment = get(name)
         newest = revisions.newest(deployment)
-        text = ",".join(f"{key}={value}" for key, value in edit(adapters.parse(deployment.model_adapters)).items())
+        text = adapters.written(edit(adapters.parse(deployment.model_adapters)))
         try:
             return _update(name, {"adapters": text}, by=by, cause=cause, based_on=newest).deployment
         except _Moved:
